@@ -1,0 +1,160 @@
+"""Argument checks shared by the Triton ops and their PyTorch references.
+
+Every check reads only shapes, strides, dtypes and devices: none touches device memory, so none waits on the
+GPU. Each failure is a ``ValueError`` that names the argument, what was expected and what was given.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+PAD_SLOT_ID = -1
+
+#: Widths the kernels are built for. Widths 2-4 are what Mamba/Mamba2/Qwen3-Next use; 5-8 are extra.
+MIN_WIDTH, MAX_WIDTH = 2, 8
+
+#: Activations accepted by both ops (``True`` means ``"silu"``, ``False`` means none).
+_ACTIVATIONS = (None, "silu", "swish")
+
+X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _fail(name: str, expected: str, actual) -> ValueError:
+    return ValueError(f"{name}: expected {expected}, got {actual}")
+
+
+def normalize_activation(activation) -> Optional[str]:
+    """Map the seed's activation spellings to ``None`` or ``"silu"``."""
+    if activation is True:
+        return "silu"
+    if activation is False or activation is None:
+        return None
+    if activation not in _ACTIVATIONS:
+        raise _fail("activation", "None, True, False, 'silu' or 'swish'", repr(activation))
+    return "silu"
+
+
+def _check_tensor(name: str, t, ndim: int, dtypes, device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise _fail(name, "a torch.Tensor", type(t).__name__)
+    if t.dim() != ndim:
+        raise _fail(name, f"{ndim} dimensions", f"shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise _fail(name, "dtype in " + ", ".join(str(d) for d in dtypes), t.dtype)
+    if t.device != device:
+        raise _fail(name, f"a tensor on {device} (like x)", t.device)
+
+
+def check_weight_bias(weight, bias, dim: int, device: torch.device) -> int:
+    """Check ``weight (dim, width)`` and ``bias (dim,)``; return ``width``."""
+    _check_tensor("weight", weight, 2, X_DTYPES, device)
+    if weight.shape[0] != dim:
+        raise _fail("weight", f"shape (dim={dim}, width)", tuple(weight.shape))
+    width = weight.shape[1]
+    if not MIN_WIDTH <= width <= MAX_WIDTH:
+        raise _fail("weight", f"width (weight.shape[1]) in [{MIN_WIDTH}, {MAX_WIDTH}]", width)
+    if bias is not None:
+        _check_tensor("bias", bias, 1, X_DTYPES, device)
+        if bias.shape[0] != dim:
+            raise _fail("bias", f"shape ({dim},)", tuple(bias.shape))
+    return width
+
+
+def check_state(name: str, state, dim: int, width: int, device: torch.device) -> None:
+    """Check a state pool ``(num_cache_lines, dim, state_len >= width - 1)``."""
+    _check_tensor(name, state, 3, X_DTYPES, device)
+    if state.shape[1] != dim or state.shape[2] < width - 1:
+        raise _fail(name, f"shape (num_cache_lines, dim={dim}, state_len>={width - 1})", tuple(state.shape))
+
+
+def check_prefill(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state, activation):
+    """Validate ``causal_conv1d_fn`` arguments. Returns ``(dim, total_tokens, width, batch, activation)``."""
+    if not isinstance(x, torch.Tensor):
+        raise _fail("x", "a torch.Tensor", type(x).__name__)
+    if x.dim() != 2:
+        raise _fail("x", "shape (dim, total_tokens)", tuple(x.shape))
+    if x.dtype not in X_DTYPES:
+        raise _fail("x", "dtype bfloat16, float16 or float32", x.dtype)
+    dim, total = x.shape
+    device = x.device
+    width = check_weight_bias(weight, bias, dim, device)
+    if conv_states is not None:
+        check_state("conv_states", conv_states, dim, width, device)
+    if query_start_loc is None:
+        raise _fail("query_start_loc", "a (batch + 1,) int32 tensor", None)
+    _check_tensor("query_start_loc", query_start_loc, 1, INDEX_DTYPES, device)
+    if query_start_loc.shape[0] < 2:
+        raise _fail("query_start_loc", "shape (batch + 1,) with batch >= 1", tuple(query_start_loc.shape))
+    batch = query_start_loc.shape[0] - 1
+    if cache_indices is not None:
+        _check_tensor("cache_indices", cache_indices, 1, INDEX_DTYPES, device)
+        if cache_indices.shape[0] != batch:
+            raise _fail("cache_indices", f"shape (batch={batch},)", tuple(cache_indices.shape))
+        if conv_states is None:
+            raise _fail("conv_states", "a state tensor when cache_indices is given", None)
+    if has_initial_state is not None:
+        _check_tensor("has_initial_state", has_initial_state, 1, None, device)
+        if has_initial_state.shape[0] != batch:
+            raise _fail("has_initial_state", f"shape (batch={batch},)", tuple(has_initial_state.shape))
+        if conv_states is None:
+            raise _fail("conv_states", "a state tensor when has_initial_state is given", None)
+    return dim, total, width, batch, normalize_activation(activation)
+
+
+def check_update(x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices,
+                 num_accepted_tokens, intermediate_conv_window, output_state_indices):
+    """Validate ``causal_conv1d_update`` arguments.
+
+    Returns ``(batch, dim, seqlen, width, activation)`` for ``x`` seen as ``(batch, dim, seqlen)``.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise _fail("x", "a torch.Tensor", type(x).__name__)
+    if x.dim() not in (2, 3):
+        raise _fail("x", "shape (batch, dim) or (batch, dim, seqlen)", tuple(x.shape))
+    if x.dtype not in X_DTYPES:
+        raise _fail("x", "dtype bfloat16, float16 or float32", x.dtype)
+    if cache_seqlens is not None:
+        raise _fail("cache_seqlens", "None (the circular-buffer state of Dao's causal-conv1d is not supported; "
+                    "keep the window at the start of each state row instead)", "a tensor")
+    batch, dim = x.shape[0], x.shape[1]
+    seqlen = x.shape[2] if x.dim() == 3 else 1
+    if seqlen < 1:
+        raise _fail("x", "seqlen (x.shape[2]) >= 1", seqlen)
+    device = x.device
+    width = check_weight_bias(weight, bias, dim, device)
+    check_state("conv_state", conv_state, dim, width, device)
+    if conv_state_indices is not None:
+        _check_tensor("conv_state_indices", conv_state_indices, 1, INDEX_DTYPES, device)
+        if conv_state_indices.shape[0] != batch:
+            raise _fail("conv_state_indices", f"shape (batch={batch},)", tuple(conv_state_indices.shape))
+    elif conv_state.shape[0] < batch:
+        raise _fail("conv_state", f"at least batch={batch} rows when conv_state_indices is None",
+                    tuple(conv_state.shape))
+    if num_accepted_tokens is not None:
+        _check_tensor("num_accepted_tokens", num_accepted_tokens, 1, INDEX_DTYPES, device)
+        if num_accepted_tokens.shape[0] != batch:
+            raise _fail("num_accepted_tokens", f"shape (batch={batch},)", tuple(num_accepted_tokens.shape))
+    if intermediate_conv_window is not None:
+        _check_tensor("intermediate_conv_window", intermediate_conv_window, 4, X_DTYPES, device)
+        s = intermediate_conv_window.shape
+        if s[0] < batch or s[1] < seqlen or s[2] != dim or s[3] < width - 1:
+            raise _fail("intermediate_conv_window",
+                        f"shape (>= batch={batch}, >= seqlen={seqlen}, dim={dim}, >= width-1={width - 1})", tuple(s))
+    if output_state_indices is not None:
+        _check_tensor("output_state_indices", output_state_indices, 2, INDEX_DTYPES, device)
+        s = output_state_indices.shape
+        if s[0] != batch or s[1] < seqlen:
+            raise _fail("output_state_indices", f"shape (batch={batch}, >= seqlen={seqlen})", tuple(s))
+    return batch, dim, seqlen, width, normalize_activation(activation)
+
+
+def check_out(out, like: torch.Tensor, x: torch.Tensor) -> None:
+    """Check a caller-provided output buffer: same shape and dtype as ``like``, not aliasing ``x``."""
+    _check_tensor("out", out, like.dim(), (like.dtype,), like.device)
+    if tuple(out.shape) != tuple(like.shape):
+        raise _fail("out", f"shape {tuple(like.shape)}", tuple(out.shape))
+    if out.data_ptr() == x.data_ptr() and out.numel() > 0:
+        raise _fail("out", "a buffer distinct from x (the kernels read x after writing out)", "x itself")

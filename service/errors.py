@@ -1,0 +1,89 @@
+"""Errors of the service, each with one HTTP status and one snake_case code.
+
+The engine, the pool and the scheduler raise these; the HTTP layer maps each to its status and writes
+``{"error": {"code", "message"}}``. Messages say what to do about the error.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+
+class ServiceError(Exception):
+    """Base class: ``status`` is the HTTP status, ``code`` the stable machine-readable code."""
+
+    status: int = 500
+    code: str = "internal"
+
+    def __init__(self, message: str, *, retry_after: Optional[float] = None):
+        super().__init__(message)
+        self.message = message
+        self.retry_after = retry_after
+
+    def to_dict(self) -> dict:
+        return {"error": {"code": self.code, "message": self.message}}
+
+
+class BadRequest(ServiceError):
+    status, code = 400, "bad_request"
+
+
+class Unauthorized(ServiceError):
+    status, code = 401, "unauthorized"
+
+
+class UnknownSession(ServiceError):
+    status, code = 404, "unknown_session"
+
+
+class UnknownLayer(ServiceError):
+    status, code = 404, "unknown_layer"
+
+
+class SessionExists(ServiceError):
+    status, code = 409, "session_exists"
+
+
+class StateLost(ServiceError):
+    status, code = 410, "state_lost"
+
+
+class PayloadTooLarge(ServiceError):
+    status, code = 413, "payload_too_large"
+
+
+class ShapeMismatch(ServiceError):
+    status, code = 422, "shape_mismatch"
+
+
+class DtypeUnsupported(ServiceError):
+    status, code = 422, "dtype_unsupported"
+
+
+class NonFinite(ServiceError):
+    status, code = 422, "non_finite"
+
+
+class QueueFull(ServiceError):
+    status, code = 429, "queue_full"
+
+
+class PoolExhausted(ServiceError):
+    status, code = 503, "pool_exhausted"
+
+
+class NotReady(ServiceError):
+    status, code = 503, "not_ready"
+
+
+class RequestTimeout(ServiceError):
+    status, code = 504, "timeout"
+
+
+class Internal(ServiceError):
+    status, code = 500, "internal"
+
+
+ALL_ERRORS = (BadRequest, Unauthorized, UnknownSession, UnknownLayer, SessionExists, StateLost, PayloadTooLarge,
+              ShapeMismatch, DtypeUnsupported, NonFinite, QueueFull, PoolExhausted, NotReady, RequestTimeout,
+              Internal)
