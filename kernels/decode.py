@@ -1,0 +1,256 @@
+"""Decode: ``causal_conv1d_update``, one or several tokens per sequence against a state pool.
+
+One program handles one batch row and ``BLOCK_D`` channels. It reads the row's window (``width - 1`` state
+columns starting at ``num_accepted_tokens - 1``), runs the tokens in chunks of ``BLOCK_L`` and then writes the
+state. Within a program every read of a state row comes before the first write to any state row (a barrier
+separates them), so a window written through ``output_state_indices`` may land on the row being read.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ._launch import decode_config
+from ._validate import PAD_SLOT_ID, check_out, check_update
+
+
+@triton.jit
+def _ext_load(x_row, state_row, pos, mask, o, stride_x_t, stride_s_k, WIDTH: tl.constexpr):
+    """Load positions ``pos`` of ``[window | x]`` (window = state columns ``o .. o + WIDTH - 2``) as fp32.
+
+    x_row / state_row: [BLOCK_D] pointers to channel d of token 0 / of state column 0; pos, mask: same shape
+    as the result, e.g. [BLOCK_L, BLOCK_D].
+    """
+    from_x = pos >= WIDTH - 1
+    v = tl.load(x_row + (pos - (WIDTH - 1)) * stride_x_t, mask=mask & from_x, other=0.0).to(tl.float32)
+    v += tl.load(state_row + (o + pos) * stride_s_k, mask=mask & (pos < WIDTH - 1), other=0.0).to(tl.float32)
+    return v
+
+
+@triton.jit
+def _update_kernel(
+    x_ptr,  # (batch, dim, seqlen), any strides
+    w_ptr,  # (dim, WIDTH)
+    b_ptr,  # (dim,), read when HAS_BIAS
+    state_ptr,  # (num_lines, dim, state_len)
+    idx_ptr,  # (batch,) conv_state_indices, read when HAS_INDICES
+    acc_ptr,  # (batch,) num_accepted_tokens, read when HAS_ACCEPTED
+    inter_ptr,  # (>= batch, >= seqlen, dim, >= WIDTH - 1) intermediate_conv_window, written when SAVE_INTER
+    osi_ptr,  # (batch, >= seqlen) output_state_indices, read when HAS_OSI
+    out_ptr,  # (batch, dim, seqlen)
+    dim,
+    seqlen,
+    state_len,
+    num_lines,
+    n_keep,  # live-state columns rewritten when WRITE_LIVE: min(state_len, WIDTH - 2 + seqlen)
+    pad_slot_id,
+    stride_x_b, stride_x_d, stride_x_t,
+    stride_w_d, stride_w_k,
+    stride_s_line, stride_s_d, stride_s_k,
+    stride_idx, stride_acc,
+    stride_i_b, stride_i_t, stride_i_d, stride_i_k,
+    stride_osi_b, stride_osi_t,
+    stride_o_b, stride_o_d, stride_o_t,
+    WIDTH: tl.constexpr,
+    WP: tl.constexpr,  # power of two >= WIDTH - 1
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+    HAS_INDICES: tl.constexpr,
+    HAS_ACCEPTED: tl.constexpr,
+    SAVE_INTER: tl.constexpr,
+    HAS_OSI: tl.constexpr,
+    WRITE_LIVE: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    pid_d = tl.program_id(1)
+    offs_d = (pid_d * BLOCK_D + tl.arange(0, BLOCK_D)).to(tl.int64)  # [BLOCK_D]
+    mask_d = offs_d < dim
+
+    if HAS_INDICES:
+        line = tl.load(idx_ptr + b * stride_idx).to(tl.int64)
+    else:
+        line = b
+    if HAS_ACCEPTED:
+        o = tl.load(acc_ptr + b * stride_acc).to(tl.int64) - 1
+    else:
+        o = b * 0
+    # Pad rows, and rows whose index or window falls outside the pool, give zeros and touch no state.
+    valid = (line != pad_slot_id) & (line >= 0) & (line < num_lines) & (o >= 0) & (o + WIDTH - 1 <= state_len)
+    # The flag enters masks as a bound (channel < limit), which keeps every mask a plain boolean tensor.
+    mask_dv = offs_d < tl.where(valid, dim, 0)  # [BLOCK_D]: channels to read and write; none for a pad row
+
+    x_row = x_ptr + b * stride_x_b + offs_d * stride_x_d  # [BLOCK_D]
+    state_row = state_ptr + line * stride_s_line + offs_d * stride_s_d  # [BLOCK_D]
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    else:
+        bias = tl.zeros([BLOCK_D], dtype=tl.float32)
+    offs_j = tl.arange(0, WP)  # [WP] window column
+
+    for c0 in range(0, seqlen, BLOCK_L):
+        offs_l = c0 + tl.arange(0, BLOCK_L)  # [BLOCK_L]
+        mask_l = offs_l < seqlen
+        m2 = mask_l[:, None] & mask_dv[None, :]  # [BLOCK_L, BLOCK_D]
+        acc = tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32) + bias[None, :]  # [BLOCK_L, BLOCK_D]
+        for k in tl.static_range(WIDTH):
+            w_k = tl.load(w_ptr + offs_d * stride_w_d + k * stride_w_k, mask=mask_d, other=0.0).to(tl.float32)
+            pos = (offs_l + k)[:, None] + offs_d[None, :] * 0  # [BLOCK_L, BLOCK_D]
+            acc += _ext_load(x_row[None, :], state_row[None, :], pos, m2, o, stride_x_t, stride_s_k, WIDTH) \
+                * w_k[None, :]
+        if SILU:
+            acc = acc / (1.0 + tl.exp(-acc))
+        acc = tl.where(mask_dv[None, :], acc, 0.0)
+        if SAVE_INTER or HAS_OSI:
+            # win[t, j] = position t + 1 + j of [window | x]: the window after token t.  [BLOCK_L, WP, BLOCK_D]
+            pos3 = (offs_l[:, None] + 1 + offs_j[None, :])[:, :, None] + offs_d[None, None, :] * 0
+            m3 = (mask_l[:, None] & (offs_j < WIDTH - 1)[None, :])[:, :, None] & mask_dv[None, None, :]
+            win = _ext_load(x_row[None, None, :], state_row[None, None, :], pos3, m3, o, stride_x_t, stride_s_k,
+                            WIDTH)
+        tl.debug_barrier()  # all state reads of this chunk happen before any state write
+        o_ptrs = out_ptr + b * stride_o_b + offs_d[None, :] * stride_o_d + offs_l[:, None] * stride_o_t
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_l[:, None] & mask_d[None, :])
+        if SAVE_INTER:
+            i_ptrs = (inter_ptr + b * stride_i_b + offs_l[:, None, None] * stride_i_t
+                      + offs_d[None, None, :] * stride_i_d + offs_j[None, :, None] * stride_i_k)
+            tl.store(i_ptrs, win.to(inter_ptr.dtype.element_ty), mask=m3)
+        if HAS_OSI:
+            tgt = tl.load(osi_ptr + b * stride_osi_b + offs_l * stride_osi_t,
+                          mask=offs_l < tl.where(valid, seqlen, 0), other=-1).to(tl.int64)  # [BLOCK_L]
+            m_t = (tgt >= 0) & (tgt < num_lines)
+            s_ptrs = (state_ptr + tgt[:, None, None] * stride_s_line + offs_d[None, None, :] * stride_s_d
+                      + offs_j[None, :, None] * stride_s_k)
+            tl.store(s_ptrs, win.to(state_ptr.dtype.element_ty), mask=m3 & m_t[:, None, None])
+
+    if WRITE_LIVE:
+        # Columns [0, n_keep) of the live row become the last n_keep positions of [window | x]. Each column is
+        # read from a later column (or from x), so walking left to right never reads a rewritten column.
+        base = WIDTH - 1 + seqlen - n_keep
+        for j0 in range(0, n_keep, WP):
+            cols = j0 + offs_j  # [WP]
+            mj = (cols < n_keep)[:, None] & mask_dv[None, :]  # [WP, BLOCK_D]
+            pos = (base + cols)[:, None] + offs_d[None, :] * 0
+            new = _ext_load(x_row[None, :], state_row[None, :], pos, mj, o, stride_x_t, stride_s_k, WIDTH)
+            tl.debug_barrier()
+            tl.store(state_row[None, :] + cols[:, None] * stride_s_k, new.to(state_ptr.dtype.element_ty), mask=mj)
+
+
+def _launch_update(x3, conv_state, weight, bias, conv_state_indices, num_accepted_tokens,
+                   intermediate_conv_window, output_state_indices, out3, width, silu, pad_slot_id):
+    batch, dim, seqlen = x3.shape
+    cfg = decode_config(dim, seqlen, width)
+    state_len = conv_state.shape[2]
+    write_live = intermediate_conv_window is None and output_state_indices is None
+    inter = intermediate_conv_window
+    osi = output_state_indices
+    grid = (batch, triton.cdiv(dim, cfg.block_d))
+    _update_kernel[grid](
+        x3, weight, bias if bias is not None else weight, conv_state,
+        conv_state_indices if conv_state_indices is not None else x3,
+        num_accepted_tokens if num_accepted_tokens is not None else x3,
+        inter if inter is not None else x3, osi if osi is not None else x3, out3,
+        dim, seqlen, state_len, conv_state.shape[0], min(state_len, width - 2 + seqlen), pad_slot_id,
+        x3.stride(0), x3.stride(1), x3.stride(2),
+        weight.stride(0), weight.stride(1),
+        conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
+        conv_state_indices.stride(0) if conv_state_indices is not None else 0,
+        num_accepted_tokens.stride(0) if num_accepted_tokens is not None else 0,
+        *(inter.stride() if inter is not None else (0, 0, 0, 0)),
+        *(osi.stride() if osi is not None else (0, 0)),
+        out3.stride(0), out3.stride(1), out3.stride(2),
+        WIDTH=width, WP=max(2, triton.next_power_of_2(width - 1)), HAS_BIAS=bias is not None, SILU=silu,
+        HAS_INDICES=conv_state_indices is not None, HAS_ACCEPTED=num_accepted_tokens is not None,
+        SAVE_INTER=inter is not None, HAS_OSI=osi is not None, WRITE_LIVE=write_live,
+        BLOCK_L=cfg.block_t, BLOCK_D=cfg.block_d, num_warps=cfg.num_warps,
+    )
+
+
+def causal_conv1d_update(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    activation=None,
+    cache_seqlens: Optional[torch.Tensor] = None,
+    conv_state_indices: Optional[torch.Tensor] = None,
+    num_accepted_tokens: Optional[torch.Tensor] = None,
+    intermediate_conv_window: Optional[torch.Tensor] = None,
+    output_state_indices: Optional[torch.Tensor] = None,
+    pad_slot_id: int = PAD_SLOT_ID,
+    *,
+    out: Optional[torch.Tensor] = None,
+    validate_data: bool = False,
+    **kwargs,
+) -> torch.Tensor:
+    """One decode step (or a few tokens: chunked decode, speculative verify) against a state pool.
+
+    Args:
+        x: ``(batch, dim)`` or ``(batch, dim, seqlen)``, bf16/fp16/fp32, any strides.
+        conv_state: ``(num_cache_lines, dim, state_len >= width - 1)``, any of the three dtypes; best with
+            stride 1 along dim (the pool's layout). Row ``r``'s window is columns ``[o, o + width - 1)`` with
+            ``o = num_accepted_tokens[i] - 1`` (0 without it).
+        weight: ``(dim, width)``, width 2-8; bias: ``(dim,)`` or None; activation: None, "silu"/"swish", bool.
+        cache_seqlens: not supported (Dao's circular-buffer state): passing a tensor raises ``ValueError``.
+        conv_state_indices: ``(batch,)`` int32/int64 row of each batch entry, or None for row ``i``.
+            ``pad_slot_id`` marks a pad row: its outputs are zero and no state is touched. Rows outside the pool,
+            or windows that would not fit in ``state_len``, are treated the same way.
+        num_accepted_tokens: ``(batch,)`` int, speculative decoding: where the window starts (see above).
+        intermediate_conv_window: ``(>= batch, >= seqlen, dim, >= width - 1)``: receives, at ``[i, t]``, the
+            window after token ``t``. The live state is then left untouched.
+        output_state_indices: ``(batch, >= seqlen)`` int: the window after token ``t`` is written to columns
+            ``[0, width - 1)`` of row ``output_state_indices[i, t]`` when that is >= 0. The live state is then
+            left untouched. Such a row may be the one read in this call, but not another batch entry's.
+        pad_slot_id: the pad marker.
+        out: optional output buffer shaped like ``x`` (must not be ``x``).
+        validate_data: also check index values on the device (this syncs; for debugging).
+
+    Without ``intermediate_conv_window`` and ``output_state_indices`` the live row is rewritten: its first
+    ``n = min(state_len, width - 2 + seqlen)`` columns become the last ``n`` positions of ``[window | x]``. On a
+    row exactly ``width - 1`` wide that is the last ``width - 1`` inputs (a chunked decode continues from it);
+    on a row at least ``width - 2 + seqlen`` wide, column ``a - 1`` then holds the window after ``a`` tokens,
+    which is what ``num_accepted_tokens = a`` reads next time (the seed's speculative layout).
+
+    Unlike the seed, which overwrote ``x`` and returned it, the result is a new tensor (or ``out``); ``x`` is
+    never written. Arithmetic is fp32, offsets 64-bit, and nothing waits on the device (graph-capturable).
+    """
+    batch, dim, seqlen, width, act = check_update(x, conv_state, weight, bias, activation, cache_seqlens,
+                                                  conv_state_indices, num_accepted_tokens,
+                                                  intermediate_conv_window, output_state_indices)
+    if out is None:
+        out = torch.empty_like(x)
+    else:
+        check_out(out, x, x)
+    if validate_data:
+        _validate_update_values(conv_state, width, conv_state_indices, num_accepted_tokens, output_state_indices,
+                                pad_slot_id)
+    if batch == 0 or dim == 0:
+        return out
+    x3 = x if x.dim() == 3 else x.unsqueeze(-1)
+    out3 = out if out.dim() == 3 else out.unsqueeze(-1)
+    _launch_update(x3, conv_state, weight, bias, conv_state_indices, num_accepted_tokens, intermediate_conv_window,
+                   output_state_indices, out3, width, act is not None, pad_slot_id)
+    return out
+
+
+def _validate_update_values(conv_state, width, conv_state_indices, num_accepted_tokens, output_state_indices,
+                            pad_slot_id):
+    lines, _, state_len = conv_state.shape
+    if conv_state_indices is not None:
+        bad = [i for i in conv_state_indices.tolist() if i != pad_slot_id and not 0 <= i < lines]
+        if bad:
+            raise ValueError(f"conv_state_indices: expected rows in [0, {lines}) or pad_slot_id={pad_slot_id}, "
+                             f"got {bad}")
+    if num_accepted_tokens is not None:
+        bad = [a for a in num_accepted_tokens.tolist() if not 1 <= a <= state_len - width + 2]
+        if bad:
+            raise ValueError(f"num_accepted_tokens: expected values in [1, {state_len - width + 2}] "
+                             f"(state_len={state_len}, width={width}), got {bad}")
+    if output_state_indices is not None:
+        bad = [i for i in output_state_indices.flatten().tolist() if i >= lines]
+        if bad:
+            raise ValueError(f"output_state_indices: expected rows < {lines} (or negative to skip), got {bad}")

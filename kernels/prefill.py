@@ -1,0 +1,257 @@
+"""Varlen prefill: ``causal_conv1d_fn``.
+
+Layout of the work. Tokens are cut into global blocks of ``BLOCK_T`` (block ``c`` holds tokens
+``[c * BLOCK_T, (c + 1) * BLOCK_T)``) and channels into blocks of ``BLOCK_D``. A *piece* is the part of one
+sequence inside one token block; every piece is one program. Piece ``(c, s)`` gets the id ``c + s``: that id is
+unique and increases along the tokens, so a program finds its sequence by a binary search over
+``floor(query_start_loc[s] / BLOCK_T) + s`` and needs no host-side work list (no device-to-host sync). The grid is
+``cdiv(total_tokens, BLOCK_T) + batch + 1`` pieces; ids that fall between two sequences return at once.
+
+The tokens past ``query_start_loc[batch]`` (padding of a fixed-size bucket) form one more, virtual, pad sequence
+so that every output element is written.
+
+Each program loads its tile once per tap at the tap's token shift. Tiles are aligned to the global token
+blocks, so a token-contiguous ``x`` (the benchmark card's ``(dim, T)``) streams along tokens in wide loads and
+a channel-last ``x`` streams along channels; the shifted re-loads hit L1. Only the first ``width - 1`` tokens of
+a sequence (its *head*) need the old state. The program that owns a sequence's first token computes that
+head and then writes the sequence's new state, so the old state is read and overwritten by one program, in
+order, and no other program touches it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ._launch import prefill_config
+from ._validate import PAD_SLOT_ID, check_out, check_prefill
+
+
+@triton.jit
+def _prefill_kernel(
+    x_ptr,  # (dim, total_tokens), any strides
+    w_ptr,  # (dim, WIDTH)
+    b_ptr,  # (dim,), read when HAS_BIAS
+    state_ptr,  # (num_lines, dim, state_len >= WIDTH - 1), read/written when HAS_STATE
+    qsl_ptr,  # (batch + 1,) int32/int64: query_start_loc
+    idx_ptr,  # (batch,) int32/int64: cache_indices, read when HAS_INDICES
+    init_ptr,  # (batch,) uint8: has_initial_state, read when HAS_INIT
+    out_ptr,  # (dim, total_tokens)
+    dim,
+    total_tokens,
+    batch,
+    num_lines,
+    n_search,  # binary-search steps: bit_length(batch)
+    pad_slot_id,
+    stride_x_d, stride_x_t,
+    stride_w_d, stride_w_k,
+    stride_s_line, stride_s_d, stride_s_k,
+    stride_o_d, stride_o_t,
+    WIDTH: tl.constexpr,
+    HEAD: tl.constexpr,  # power of two >= WIDTH - 1
+    HAS_BIAS: tl.constexpr,
+    HAS_STATE: tl.constexpr,
+    HAS_INDICES: tl.constexpr,
+    HAS_INIT: tl.constexpr,
+    SILU: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_d = tl.program_id(1)
+
+    # Find the sequence s in [0, batch] (batch = the virtual pad tail) with the largest
+    # floor(qsl[s] / BLOCK_T) + s <= pid.
+    lo = pid * 0
+    hi = lo + batch + 1
+    for _ in range(n_search):
+        mid = (lo + hi) // 2
+        first_piece = tl.load(qsl_ptr + mid).to(tl.int32) // BLOCK_T + mid
+        go_right = first_piece <= pid
+        lo = tl.where(go_right, mid, lo)
+        hi = tl.where(go_right, hi, mid)
+    s = lo
+    start = tl.load(qsl_ptr + s).to(tl.int64)
+    end = tl.where(s < batch, tl.load(qsl_ptr + tl.minimum(s + 1, batch)).to(tl.int64), total_tokens)
+    blk_lo = (pid - s).to(tl.int64) * BLOCK_T
+    if tl.maximum(blk_lo, start) >= tl.minimum(blk_lo + BLOCK_T, end):
+        return  # an id between two sequences' pieces, or an empty sequence: nothing to do
+
+    # Which state row the sequence owns; pads (and indices outside the pool) own none.
+    is_real = s < batch
+    if HAS_INDICES:
+        line = tl.load(idx_ptr + tl.minimum(s, batch - 1)).to(tl.int64)
+        is_real = is_real & (line != pad_slot_id)
+        if HAS_STATE:
+            is_real = is_real & (line >= 0) & (line < num_lines)
+    else:
+        line = s.to(tl.int64)
+    # Scalar flags enter masks as bounds (index < limit), which keeps every mask a plain boolean tensor.
+    hist_lim = 0  # positions of [old window | x] below this come from the old state
+    if HAS_INIT:
+        use_init = tl.load(init_ptr + tl.minimum(s, batch - 1)) != 0
+        hist_lim = tl.where(use_init, WIDTH - 1, 0)
+    real_dim = tl.where(is_real, dim, 0)  # channels to load; none for a pad sequence
+
+    offs_d = (pid_d * BLOCK_D + tl.arange(0, BLOCK_D)).to(tl.int64)  # [BLOCK_D]
+    mask_d = offs_d < dim
+    x_cols = x_ptr + offs_d * stride_x_d  # [BLOCK_D]
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    else:
+        bias = tl.zeros([BLOCK_D], dtype=tl.float32)
+
+    # ---- body: tokens that need no state (from start + WIDTH - 1 on), or every token of a pad sequence.
+    body_lo = tl.maximum(blk_lo, tl.where(is_real, start + WIDTH - 1, start))
+    body_hi = tl.minimum(blk_lo + BLOCK_T, end)
+    offs_t = blk_lo + tl.arange(0, BLOCK_T)  # [BLOCK_T] int64
+    mask_t = (offs_t >= body_lo) & (offs_t < body_hi)
+    mask = mask_t[:, None] & mask_d[None, :]  # [BLOCK_T, BLOCK_D]
+    load_mask = mask_t[:, None] & (offs_d < real_dim)[None, :]
+    acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32) + bias[None, :]  # [BLOCK_T, BLOCK_D]
+    for k in tl.static_range(WIDTH):
+        w_k = tl.load(w_ptr + offs_d * stride_w_d + k * stride_w_k, mask=mask_d, other=0.0).to(tl.float32)
+        src = offs_t - (WIDTH - 1 - k)  # [BLOCK_T]
+        x_k = tl.load(x_cols[None, :] + src[:, None] * stride_x_t, mask=load_mask, other=0.0).to(tl.float32)
+        acc += x_k * w_k[None, :]
+    if SILU:
+        acc = acc / (1.0 + tl.exp(-acc))
+    acc = tl.where((offs_d < real_dim)[None, :], acc, 0.0)
+    o_ptrs = out_ptr + offs_d[None, :] * stride_o_d + offs_t[:, None] * stride_o_t  # [BLOCK_T, BLOCK_D]
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    # ---- head: the first WIDTH - 1 tokens of a real sequence, then its new state. Done by the piece that
+    # holds the sequence's first token, the only program that reads or writes this state row.
+    if is_real & (start >= blk_lo) & (start < blk_lo + BLOCK_T):
+        seqlen = end - start
+        if HAS_STATE:
+            row = state_ptr + line * stride_s_line + offs_d * stride_s_d  # [BLOCK_D]
+        offs_h = tl.arange(0, HEAD)  # [HEAD]
+        mask_h = (offs_h < WIDTH - 1) & (offs_h < seqlen)
+        acc_h = tl.zeros([HEAD, BLOCK_D], dtype=tl.float32) + bias[None, :]  # [HEAD, BLOCK_D]
+        for k in tl.static_range(WIDTH):
+            w_k = tl.load(w_ptr + offs_d * stride_w_d + k * stride_w_k, mask=mask_d, other=0.0).to(tl.float32)
+            pos = offs_h + k  # position in [old window | x], length WIDTH - 1 + seqlen
+            from_x = pos >= WIDTH - 1
+            m = mask_h[:, None] & mask_d[None, :]  # [HEAD, BLOCK_D]
+            v = tl.load(x_cols[None, :] + (start + pos - (WIDTH - 1))[:, None] * stride_x_t,
+                        mask=m & from_x[:, None], other=0.0).to(tl.float32)
+            if HAS_STATE:
+                v += tl.load(row[None, :] + pos[:, None] * stride_s_k,
+                             mask=m & (pos < hist_lim)[:, None], other=0.0).to(tl.float32)
+            acc_h += v * w_k[None, :]
+        if SILU:
+            acc_h = acc_h / (1.0 + tl.exp(-acc_h))
+        oh_ptrs = out_ptr + offs_d[None, :] * stride_o_d + (start + offs_h)[:, None] * stride_o_t
+        tl.store(oh_ptrs, acc_h.to(out_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
+
+        if HAS_STATE:
+            # New state column j = position seqlen + j of [old window | x]: the last WIDTH - 1 inputs.
+            mask_j = (offs_h < WIDTH - 1)[:, None] & mask_d[None, :]  # [HEAD, BLOCK_D]
+            pos = seqlen + offs_h
+            from_x = pos >= WIDTH - 1
+            new = tl.load(x_cols[None, :] + (start + pos - (WIDTH - 1))[:, None] * stride_x_t,
+                          mask=mask_j & from_x[:, None], other=0.0)
+            old = tl.load(row[None, :] + pos[:, None] * stride_s_k,
+                          mask=mask_j & (pos < hist_lim)[:, None], other=0.0)
+            new = new.to(tl.float32) + old.to(tl.float32)
+            tl.debug_barrier()  # every read of the old row above happens before it is overwritten
+            tl.store(row[None, :] + offs_h[:, None] * stride_s_k, new.to(state_ptr.dtype.element_ty), mask=mask_j)
+
+
+def _launch_prefill(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state, out,
+                    width, batch, silu, pad_slot_id):
+    dim, total = x.shape
+    cfg = prefill_config(x, dim, total)
+    has_state = conv_states is not None
+    init = has_initial_state
+    if init is not None and init.dtype == torch.bool:
+        init = init.view(torch.uint8)
+    s_strides = conv_states.stride() if has_state else (0, 0, 0)
+    grid = (triton.cdiv(total, cfg.block_t) + batch + 1, triton.cdiv(dim, cfg.block_d))
+    _prefill_kernel[grid](
+        x, weight, bias if bias is not None else weight, conv_states if has_state else x,
+        query_start_loc, cache_indices if cache_indices is not None else query_start_loc,
+        init if init is not None else query_start_loc, out,
+        dim, total, batch, conv_states.shape[0] if has_state else 0, batch.bit_length(), pad_slot_id,
+        x.stride(0), x.stride(1),
+        weight.stride(0), weight.stride(1),
+        s_strides[0], s_strides[1], s_strides[2],
+        out.stride(0), out.stride(1),
+        WIDTH=width, HEAD=max(2, triton.next_power_of_2(width - 1)),
+        HAS_BIAS=bias is not None, HAS_STATE=has_state, HAS_INDICES=cache_indices is not None,
+        HAS_INIT=init is not None and has_state, SILU=silu,
+        BLOCK_T=cfg.block_t, BLOCK_D=cfg.block_d, num_warps=cfg.num_warps,
+    )
+
+
+def causal_conv1d_fn(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    conv_states: Optional[torch.Tensor],
+    query_start_loc: torch.Tensor,
+    cache_indices: Optional[torch.Tensor] = None,
+    has_initial_state: Optional[torch.Tensor] = None,
+    activation="silu",
+    pad_slot_id: int = PAD_SLOT_ID,
+    *,
+    out: Optional[torch.Tensor] = None,
+    validate_data: bool = False,
+    **kwargs,
+) -> torch.Tensor:
+    """Causal depthwise conv1d over variable-length sequences packed along tokens.
+
+    Args:
+        x: ``(dim, total_tokens)`` bf16/fp16/fp32, any strides (token-contiguous ``(dim, T)`` or channel-last
+            ``x.stride(0) == 1`` both stream at full bandwidth). Sequence ``i`` is ``x[:, qsl[i]:qsl[i + 1]]``.
+        weight: ``(dim, width)``, width 2-8.
+        bias: ``(dim,)`` or None.
+        conv_states: ``(num_cache_lines, dim, state_len >= width - 1)`` or None; any dtype of the three (fp32
+            state with bf16 ``x`` is fine). Updated in place: columns ``[0, width - 1)`` of sequence ``i``'s row
+            become its last ``width - 1`` inputs, with the old state shifted in when the sequence is shorter.
+        query_start_loc: ``(batch + 1,)`` int32/int64, ``query_start_loc[0] == 0``, non-decreasing.
+        cache_indices: ``(batch,)`` int32/int64 state row of each sequence, or None for row ``i``. A row equal
+            to ``pad_slot_id`` marks a pad sequence: its outputs are zero and no state is touched. Rows outside
+            ``[0, num_cache_lines)`` are treated the same way (check with ``validate_data=True``).
+        has_initial_state: ``(batch,)`` bool: start from the stored state, else from zeros. None: all zeros.
+        activation: None, "silu"/"swish" or True/False.
+        pad_slot_id: the pad marker in ``cache_indices``.
+        out: optional output buffer shaped like ``x`` (must not be ``x``).
+        validate_data: also check index values on the device (this syncs; for debugging).
+
+    Returns:
+        ``(dim, total_tokens)`` in x's dtype. Tokens past ``query_start_loc[batch]`` and tokens of pad
+        sequences are zero. Empty sequences leave their state untouched. Arithmetic is fp32 throughout, offsets
+        are 64-bit, and nothing here waits on the device, so the call can be captured in a CUDA graph.
+    """
+    dim, total, width, batch, act = check_prefill(x, weight, bias, conv_states, query_start_loc, cache_indices,
+                                                  has_initial_state, activation)
+    if conv_states is not None and cache_indices is None and conv_states.shape[0] < batch:
+        raise ValueError(f"conv_states: expected at least batch={batch} rows when cache_indices is None, "
+                         f"got shape {tuple(conv_states.shape)}")
+    if out is None:
+        out = torch.empty_like(x)
+    else:
+        check_out(out, x, x)
+    if validate_data:
+        _validate_prefill_values(total, batch, conv_states, query_start_loc, cache_indices, pad_slot_id)
+    if total == 0 or dim == 0:
+        return out
+    _launch_prefill(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state, out,
+                    width, batch, act is not None, pad_slot_id)
+    return out
+
+
+def _validate_prefill_values(total, batch, conv_states, query_start_loc, cache_indices, pad_slot_id):
+    qsl = query_start_loc.tolist()
+    if qsl[0] != 0 or any(b < a for a, b in zip(qsl, qsl[1:])) or qsl[-1] > total:
+        raise ValueError(f"query_start_loc: expected non-decreasing values from 0 to at most {total}, got {qsl}")
+    if cache_indices is not None:
+        lines = conv_states.shape[0]
+        bad = [i for i in cache_indices.tolist() if i != pad_slot_id and not 0 <= i < lines]
+        if bad:
+            raise ValueError(f"cache_indices: expected rows in [0, {lines}) or pad_slot_id={pad_slot_id}, got {bad}")

@@ -1,0 +1,31 @@
+"""Test set-up shared by every test module.
+
+Without CUDA the Triton kernels run in Triton's interpreter on CPU tensors; that must be switched on before any
+kernel is defined, so it happens here, before test modules import ``kernels``.
+"""
+
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+#: Where the kernel grid runs: the GPU when there is one, else the interpreter on CPU.
+KERNEL_DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def kernel_device() -> str:
+    return KERNEL_DEVICE

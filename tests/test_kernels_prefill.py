@@ -1,0 +1,283 @@
+"""causal_conv1d_fn (Triton) against causal_conv1d_ref run in float64, on fresh random inputs.
+
+Without CUDA the kernel runs in Triton's interpreter, so shapes stay small; the grid still covers odd dims,
+T = 1, T < width - 1, long T, widths 2-8, both x layouts and a strided slice, varlen batches with pads and
+mixed initial state. Outputs are poisoned with NaN before each run so an unwritten element fails.
+"""
+
+import random
+
+import pytest
+import torch
+
+from kernels import MAX_WIDTH, PAD_SLOT_ID, causal_conv1d_fn, causal_conv1d_ref
+from tests.conftest import HAS_CUDA
+from tests.tolerance import assert_close
+
+SEED = random.randrange(2**31)  # fresh every run; printed on failure through the test ids below
+print(f"test_kernels_prefill seed={SEED}")
+
+
+def make_x(dim, total, layout, dtype, device, gen):
+    """x (dim, total) in one of three memory orders."""
+    if layout == "token_major":  # the benchmark card's contiguous (dim, T)
+        return torch.randn(dim, total, generator=gen).to(device, dtype)
+    if layout == "channel_major":  # serving stacks: x.stride(0) == 1
+        return torch.randn(total, dim, generator=gen).to(device, dtype).t()
+    if layout == "strided":  # a non-contiguous slice of a larger channel-last buffer
+        return torch.randn(2 * total, dim + 3, generator=gen).to(device, dtype)[::2, 1:dim + 1].t()
+    raise ValueError(layout)
+
+
+def run_both(x, weight, bias, states, qsl, idx, init, activation="silu"):
+    """Run the kernel (output poisoned first) and the float64 reference on copies of the same state."""
+    st_k = states.clone() if states is not None else None
+    st_r = states.clone().cpu() if states is not None else None
+    out = torch.full_like(x, float("nan"))
+    y = causal_conv1d_fn(x, weight, bias, st_k, qsl, idx, init, activation, out=out)
+    assert y is out
+    ref = causal_conv1d_ref(x.cpu(), weight.cpu(), bias.cpu() if bias is not None else None,
+                            st_r, qsl.cpu(),
+                            idx.cpu() if idx is not None else None, init.cpu() if init is not None else None,
+                            activation, compute_dtype=torch.float64)
+    return y, st_k, ref, st_r
+
+
+def check(y, st_k, ref, st_r, x_dtype, state_dtype=None):
+    assert_close(y, ref, x_dtype, "output")
+    if st_k is not None:
+        # States are copies of inputs: exact, after the same cast.
+        diff = (st_k.cpu() != st_r.to(st_k.dtype)).flatten(1).any(1).nonzero().flatten().tolist()
+        assert not diff, f"state rows {diff} differ from the reference"
+
+
+DIMS = [1, 7, 64, 257]
+TS = [1, 2, 3, 8, 129, 1031]
+GRID = [(d, t, w) for d in DIMS for t in TS for w in (2, 3, 4)]
+GRID += [(33, t, w) for t in (1, 3, 6, 70) for w in range(5, MAX_WIDTH + 1)]
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+@pytest.mark.parametrize("layout", ["token_major", "channel_major", "strided"])
+@pytest.mark.parametrize("dim,T,width", GRID)
+def test_single_sequence_with_initial_state_matches_reference(dim, T, width, layout, kernel_device):
+    gen = torch.Generator().manual_seed(SEED + dim * 1000 + T * 10 + width)
+    dtype = DTYPES[(dim + T + width) % 3]
+    x = make_x(dim, T, layout, dtype, kernel_device, gen)
+    weight = torch.randn(dim, width, generator=gen).to(kernel_device, dtype)
+    bias = torch.randn(dim, generator=gen).to(kernel_device, dtype)
+    states = torch.randn(3, dim, width - 1, generator=gen).to(kernel_device, dtype)
+    qsl = torch.tensor([0, T], dtype=torch.int32, device=kernel_device)
+    idx = torch.tensor([1], dtype=torch.int32, device=kernel_device)
+    init = torch.tensor([True], device=kernel_device)
+    check(*run_both(x, weight, bias, states, qsl, idx, init), dtype)
+
+
+def random_batch(gen, rng, dim, width, layout, dtype, device, n_seq, max_len, state_dtype=None, lines=None,
+                 tail=0):
+    lens = [rng.choice([0, 1, 2, width - 2, width - 1, width, rng.randint(1, max_len)]) for _ in range(n_seq)]
+    lens = [max(0, n) for n in lens]
+    total = sum(lens) + tail
+    qsl = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    lines = lines or 2 * n_seq + 3
+    rows = rng.sample(range(lines), n_seq)
+    idx = [PAD_SLOT_ID if rng.random() < 0.25 else r for r in rows]
+    idx = torch.tensor(idx, dtype=torch.int32, device=device)
+    init = torch.tensor([rng.random() < 0.5 for _ in range(n_seq)], device=device)
+    x = make_x(dim, max(total, 1), layout, dtype, device, gen)[:, :total]
+    weight = torch.randn(dim, width, generator=gen).to(device, dtype)
+    bias = torch.randn(dim, generator=gen).to(device, dtype)
+    states = torch.randn(lines, dim, width - 1, generator=gen).to(device, state_dtype or dtype)
+    return x, weight, bias, states, qsl, idx, init
+
+
+@pytest.mark.parametrize("case", range(12))
+@pytest.mark.parametrize("layout", ["token_major", "channel_major", "strided"])
+def test_varlen_batch_with_pads_and_mixed_initial_state_matches_reference(case, layout, kernel_device):
+    rng = random.Random(SEED + case)
+    gen = torch.Generator().manual_seed(SEED + case)
+    width = 2 + case % 3 if case < 9 else rng.randint(5, MAX_WIDTH)
+    dim = rng.choice([1, 5, 64, 130])
+    dtype = DTYPES[case % 3]
+    args = random_batch(gen, rng, dim, width, layout, dtype, kernel_device, n_seq=rng.randint(1, 9), max_len=300)
+    check(*run_both(*args), dtype)
+
+
+@pytest.mark.parametrize("width", [2, 3, 4, 6])
+def test_fp32_state_with_bf16_x(width, kernel_device):
+    rng, gen = random.Random(SEED), torch.Generator().manual_seed(SEED)
+    args = random_batch(gen, rng, 48, width, "channel_major", torch.bfloat16, kernel_device, n_seq=6, max_len=40,
+                        state_dtype=torch.float32)
+    y, st_k, ref, st_r = run_both(*args)
+    assert st_k.dtype == torch.float32
+    assert_close(y, ref, torch.bfloat16)
+    assert torch.equal(st_k.cpu(), st_r.float())
+
+
+@pytest.mark.parametrize("T", [1, 2])
+@pytest.mark.parametrize("has_init", [True, False])
+def test_sequence_shorter_than_window_shifts_old_state_in(T, has_init, kernel_device):
+    width, dim = 4, 16
+    gen = torch.Generator().manual_seed(SEED)
+    x = torch.randn(dim, T, generator=gen).to(kernel_device)
+    w = torch.randn(dim, width, generator=gen).to(kernel_device)
+    states = torch.randn(2, dim, width - 1, generator=gen).to(kernel_device)
+    old = states[0].clone()
+    qsl = torch.tensor([0, T], dtype=torch.int32, device=kernel_device)
+    causal_conv1d_fn(x, w, None, states, qsl, torch.tensor([0], device=kernel_device),
+                     torch.tensor([has_init], device=kernel_device))
+    kept = old[:, T:] if has_init else torch.zeros_like(old[:, T:])
+    assert torch.equal(states[0], torch.cat([kept, x], dim=1))
+
+
+def test_tokens_past_last_sequence_and_pad_sequences_are_zero(kernel_device):
+    rng, gen = random.Random(SEED), torch.Generator().manual_seed(SEED)
+    x, w, b, states, qsl, idx, init = random_batch(gen, rng, 40, 4, "token_major", torch.float32, kernel_device,
+                                                   n_seq=5, max_len=50)
+    x = torch.cat([x, torch.randn(40, 37, generator=gen).to(kernel_device)], dim=1)  # a padded bucket tail
+    idx[1] = PAD_SLOT_ID
+    y, st_k, ref, st_r = run_both(x, w, b, states, qsl, idx, init)
+    check(y, st_k, ref, st_r, torch.float32)
+    end = int(qsl[-1])
+    assert torch.all(y[:, end:] == 0)
+    assert torch.all(y[:, int(qsl[1]):int(qsl[2])] == 0)
+
+
+def test_wider_state_rows_keep_columns_past_the_window(kernel_device):
+    rng, gen = random.Random(SEED), torch.Generator().manual_seed(SEED)
+    x, w, b, _, qsl, idx, init = random_batch(gen, rng, 24, 3, "channel_major", torch.float32, kernel_device,
+                                              n_seq=4, max_len=20)
+    states = torch.randn(int(idx.max()) + 2, 24, 6, generator=gen).to(kernel_device)
+    y, st_k, ref, st_r = run_both(x, w, b, states, qsl, idx, init)
+    check(y, st_k, ref, st_r, torch.float32)
+    assert torch.equal(st_k[:, :, 2:], states[:, :, 2:])
+
+
+@pytest.mark.parametrize("activation", [None, "silu", "swish", True, False])
+def test_without_state_and_without_indices(activation, kernel_device):
+    gen = torch.Generator().manual_seed(SEED)
+    x = torch.randn(20, 30, generator=gen).to(kernel_device)
+    w = torch.randn(20, 4, generator=gen).to(kernel_device)
+    qsl = torch.tensor([0, 7, 7, 30], dtype=torch.int32, device=kernel_device)
+    y, _, ref, _ = run_both(x, w, None, None, qsl, None, None, activation)
+    assert_close(y, ref, torch.float32)
+
+
+def test_states_indexed_by_sequence_when_no_indices(kernel_device):
+    gen = torch.Generator().manual_seed(SEED)
+    x = torch.randn(16, 30, generator=gen).to(kernel_device, torch.bfloat16)
+    w = torch.randn(16, 3, generator=gen).to(kernel_device, torch.bfloat16)
+    states = torch.randn(4, 16, 2, generator=gen).to(kernel_device, torch.bfloat16)
+    qsl = torch.tensor([0, 1, 11, 30], dtype=torch.int64, device=kernel_device)
+    init = torch.tensor([True, False, True], device=kernel_device)
+    check(*run_both(x, w, None, states, qsl, None, init), torch.bfloat16)
+
+
+def test_default_output_is_allocated_like_x(kernel_device):
+    gen = torch.Generator().manual_seed(SEED)
+    x = torch.randn(50, 16, generator=gen).to(kernel_device).t()
+    w = torch.randn(16, 4, generator=gen).to(kernel_device)
+    qsl = torch.tensor([0, 50], dtype=torch.int32, device=kernel_device)
+    y = causal_conv1d_fn(x, w, None, None, qsl)
+    assert y.shape == x.shape and y.stride() == x.stride()
+    assert_close(y, causal_conv1d_ref(x.cpu(), w.cpu(), None, None, qsl.cpu(), compute_dtype=torch.float64))
+
+
+def _bad_prefill_calls(dev):
+    x = torch.zeros(8, 10, device=dev)
+    w = torch.zeros(8, 4, device=dev)
+    st = torch.zeros(3, 8, 3, device=dev)
+    q = torch.tensor([0, 10], dtype=torch.int32, device=dev)
+    return {
+        "x": (dict(x=torch.zeros(8, 10, 2, device=dev)), "x"),
+        "x dtype": (dict(x=torch.zeros(8, 10, dtype=torch.int32, device=dev)), "x"),
+        "weight dim": (dict(weight=torch.zeros(9, 4, device=dev)), "weight"),
+        "width": (dict(weight=torch.zeros(8, 9, device=dev)), "weight"),
+        "bias": (dict(bias=torch.zeros(7, device=dev)), "bias"),
+        "state dim": (dict(conv_states=torch.zeros(3, 7, 3, device=dev)), "conv_states"),
+        "state len": (dict(conv_states=torch.zeros(3, 8, 2, device=dev)), "conv_states"),
+        "qsl dtype": (dict(query_start_loc=torch.tensor([0.0, 10.0], device=dev)), "query_start_loc"),
+        "qsl len": (dict(query_start_loc=torch.tensor([0], dtype=torch.int32, device=dev)), "query_start_loc"),
+        "indices": (dict(cache_indices=torch.tensor([0, 1], dtype=torch.int32, device=dev)), "cache_indices"),
+        "init": (dict(has_initial_state=torch.tensor([True, False], device=dev)), "has_initial_state"),
+        "activation": (dict(activation="gelu"), "activation"),
+        "out": (dict(out=torch.zeros(8, 11, device=dev)), "out"),
+        "base": (dict(x=x, weight=w, bias=None, conv_states=st, query_start_loc=q), None),
+    }
+
+
+@pytest.mark.parametrize("case", [k for k in _bad_prefill_calls("cpu") if k != "base"])
+def test_bad_arguments_raise_value_error_naming_the_argument(case, kernel_device):
+    calls = _bad_prefill_calls(kernel_device)
+    kwargs = dict(calls["base"][0])
+    change, name = calls[case]
+    kwargs.update(change)
+    with pytest.raises(ValueError, match=name):
+        causal_conv1d_fn(**kwargs)
+    with pytest.raises(ValueError, match=name):
+        causal_conv1d_ref(**kwargs)
+
+
+def test_validate_data_reports_bad_index_values(kernel_device):
+    x = torch.zeros(8, 10, device=kernel_device)
+    w = torch.zeros(8, 4, device=kernel_device)
+    st = torch.zeros(3, 8, 3, device=kernel_device)
+    q = torch.tensor([0, 4, 10], dtype=torch.int32, device=kernel_device)
+    with pytest.raises(ValueError, match="cache_indices"):
+        causal_conv1d_fn(x, w, None, st, q, torch.tensor([0, 3], device=kernel_device), validate_data=True)
+    with pytest.raises(ValueError, match="query_start_loc"):
+        causal_conv1d_fn(x, w, None, st, torch.tensor([0, 11, 10], device=kernel_device), validate_data=True)
+
+
+def test_reference_on_large_dim_matches_float64():
+    """The fp32 reference itself, on a wide model (dim 4096 + 32) and a long varlen batch."""
+    rng, gen = random.Random(SEED), torch.Generator().manual_seed(SEED)
+    x, w, b, states, qsl, idx, init = random_batch(gen, rng, 4096 + 32, 4, "channel_major", torch.float32, "cpu",
+                                                   n_seq=6, max_len=1200)
+    st32, st64 = states.clone(), states.clone()
+    y32 = causal_conv1d_ref(x, w, b, st32, qsl, idx, init)
+    y64 = causal_conv1d_ref(x, w, b, st64, qsl, idx, init, compute_dtype=torch.float64)
+    assert_close(y32, y64, torch.float32)
+    assert torch.equal(st32, st64)
+
+
+# ---------------------------------------------------------------- GPU only: the card's shapes and big offsets
+CARD = [(1, 4096), (128, 4096), (256, 4096), (514, 4096), (1024, 4096), (1, 8192), (4195, 8192), (11027, 8192),
+        (14807, 8192)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["token_major", "channel_major"])
+@pytest.mark.parametrize("T,dim", CARD)
+def test_card_shapes_match_reference_on_gpu(T, dim, layout):
+    gen = torch.Generator().manual_seed(SEED + T)
+    x = make_x(dim, T, layout, torch.bfloat16, "cuda", gen) * 0.02
+    w = (torch.randn(dim, 4, generator=gen) * 0.02).to("cuda", torch.bfloat16)
+    b = (torch.randn(dim, generator=gen) * 0.02).to("cuda", torch.bfloat16)
+    states = (torch.randn(1, dim, 3, generator=gen) * 0.02).to("cuda", torch.bfloat16)
+    qsl = torch.tensor([0, T], dtype=torch.int32, device="cuda")
+    init = torch.tensor([True], device="cuda")
+    check(*run_both(x, w, b, states, qsl, None, init), torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_offsets_past_two_to_the_31_on_gpu():
+    """T * dim > 2**31 elements: the last tokens must land where the reference puts them."""
+    dim, T = 8192, (2**31) // 8192 + 300
+    x = torch.randn(dim, T, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(dim, 4, device="cuda", dtype=torch.bfloat16)
+    states = torch.randn(2, dim, 3, device="cuda", dtype=torch.bfloat16)
+    st_k = states.clone()
+    qsl = torch.tensor([0, T - 100, T], dtype=torch.int32, device="cuda")
+    init = torch.tensor([True, True], device="cuda")
+    y = torch.full_like(x, float("nan"))
+    causal_conv1d_fn(x, w, None, st_k, qsl, None, init, out=y)
+    tail = slice(T - 400, T)
+    sub_x = x[:, tail].contiguous()
+    st_r = states.clone().cpu()
+    ref = causal_conv1d_ref(sub_x.cpu(), w.cpu(), None, st_r, torch.tensor([0, 300, 400], dtype=torch.int32),
+                            None, torch.tensor([False, True]), compute_dtype=torch.float64)
+    # the first sequence's last 300 - 3 tokens need no state; compare those and the whole second sequence
+    assert_close(y[:, tail][:, 3:], ref[:, 3:], torch.bfloat16)
+    assert torch.equal(st_k[1].cpu(), st_r[1].to(torch.bfloat16))
+    assert not torch.isnan(y).any()
