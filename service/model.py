@@ -1,0 +1,206 @@
+"""Conv weights of a model: per conv layer a ``weight (dim, width)`` and an optional ``bias (dim,)``.
+
+Callers address layers by the model's own layer index (``layers.<i>.`` in checkpoint keys). Hybrid models have
+conv in only some layers; asking for a layer without conv raises :class:`service.errors.UnknownLayer`.
+Internally each conv layer also has a *position* ``0..n-1`` in ascending model order: the index of its state in
+the state pool and of its weights in :attr:`ConvModel.weight`.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+import torch
+
+from .errors import UnknownLayer
+
+MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+#: ``...layers.<i>.<anything>conv1d.weight``: Mamba/Mamba2/Nemotron-H ``backbone.layers.<i>.mixer.conv1d``,
+#: Qwen3-Next ``model.layers.<i>.linear_attn.conv1d``, and the like.
+_KEY_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:.*\.)?conv1d\.weight$")
+
+
+class ConvModel:
+    """The conv layers of one model.
+
+    Attributes:
+        layers: model layer indices that have conv, ascending.
+        dim, width: channels and kernel width (the same for every conv layer).
+        dtype: weight dtype; activations are cast to it for compute.
+        activation: ``"silu"`` (Mamba, Mamba2, Nemotron-H, Qwen3-Next all apply SiLU after the conv) or None.
+        weight: ``(n_layers, dim, width)`` stacked weights, position order.
+        bias: ``(n_layers, dim)`` stacked biases, or None when no layer has one.
+        has_bias: per position, whether that layer has a bias (a layer without one has zeros in ``bias``).
+    """
+
+    def __init__(self, layers: Sequence[int], weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                 has_bias: Optional[Sequence[bool]] = None, activation: Optional[str] = "silu"):
+        layers = [int(i) for i in layers]
+        if not layers:
+            raise ValueError("ConvModel: expected at least one conv layer, got none")
+        if sorted(set(layers)) != layers:
+            raise ValueError(f"ConvModel: expected ascending, distinct layer indices, got {layers}")
+        if any(i < 0 for i in layers):
+            raise ValueError(f"ConvModel: expected layer indices >= 0, got {layers}")
+        if weight.dim() != 3 or weight.shape[0] != len(layers):
+            raise ValueError(f"ConvModel: expected weight of shape (n_layers={len(layers)}, dim, width), got "
+                             f"{tuple(weight.shape)}")
+        if weight.dtype not in MODEL_DTYPES:
+            raise ValueError(f"ConvModel: expected weight dtype in {list(DTYPE_NAMES.values())}, got {weight.dtype}")
+        n, dim, width = weight.shape
+        if not 2 <= width <= 8:
+            raise ValueError(f"ConvModel: expected width in [2, 8], got {width}")
+        if bias is not None:
+            if tuple(bias.shape) != (n, dim):
+                raise ValueError(f"ConvModel: expected bias of shape ({n}, {dim}), got {tuple(bias.shape)}")
+            bias = bias.to(weight.dtype)
+        if activation not in (None, "silu"):
+            raise ValueError(f"ConvModel: expected activation None or 'silu', got {activation!r}")
+        self.layers: list[int] = layers
+        self.dim, self.width, self.dtype = int(dim), int(width), weight.dtype
+        self.activation = activation
+        self.weight = weight.contiguous()
+        self.bias = bias.contiguous() if bias is not None else None
+        self.has_bias = list(has_bias) if has_bias is not None else [bias is not None] * n
+        if len(self.has_bias) != n or (bias is None and any(self.has_bias)):
+            raise ValueError(f"ConvModel: has_bias {self.has_bias} does not match {n} layers / bias given")
+        self._position = {layer: p for p, layer in enumerate(layers)}
+
+    # ---- lookup
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    def position(self, layer) -> int:
+        """Position (0..n-1) of model layer ``layer``; raises :class:`UnknownLayer` for a layer without conv."""
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise UnknownLayer(f"layer: expected an integer model layer index, got {layer!r}")
+        p = self._position.get(layer)
+        if p is None:
+            raise UnknownLayer(f"layer {layer} has no conv; conv layers are {self.layers}")
+        return p
+
+    def layer_bias(self, position: int) -> Optional[torch.Tensor]:
+        return self.bias[position] if self.has_bias[position] else None
+
+    def to(self, device) -> "ConvModel":
+        """A copy with the weights on ``device``."""
+        return ConvModel(self.layers, self.weight.to(device),
+                         self.bias.to(device) if self.bias is not None else None, self.has_bias, self.activation)
+
+    def nbytes(self) -> int:
+        n = self.weight.numel() * self.weight.element_size()
+        return n + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
+
+    def __repr__(self) -> str:
+        return (f"ConvModel(layers={self.layers}, dim={self.dim}, width={self.width}, dtype={self.dtype}, "
+                f"bias={any(self.has_bias)}, activation={self.activation})")
+
+    # ---- construction
+
+    @classmethod
+    def random(cls, layers: Union[int, Sequence[int]] = 4, dim: int = 1024, width: int = 4,
+               dtype: torch.dtype = torch.bfloat16, seed: int = 0, bias: bool = True,
+               activation: Optional[str] = "silu") -> "ConvModel":
+        """Random weights from ``seed`` (the embedded default model).
+
+        ``layers`` is a count (layer indices 0..n-1) or a list of model layer indices. Weights and biases are
+        uniform in ``±1/sqrt(width)``, like ``nn.Conv1d``'s default init with one input channel per group.
+        """
+        if isinstance(layers, bool):
+            raise ValueError(f"layers: expected a count or a list of indices, got {layers!r}")
+        if isinstance(layers, int):
+            if layers < 1:
+                raise ValueError(f"layers: expected a count >= 1, got {layers}")
+            layers = list(range(layers))
+        layers = sorted(int(i) for i in layers)
+        if dtype not in MODEL_DTYPES:
+            raise ValueError(f"dtype: expected one of {list(DTYPE_NAMES.values())}, got {dtype}")
+        if dim < 1:
+            raise ValueError(f"dim: expected >= 1, got {dim}")
+        g = torch.Generator().manual_seed(seed)
+        bound = width ** -0.5
+        w = (torch.rand((len(layers), dim, width), generator=g) * 2 - 1) * bound
+        b = (torch.rand((len(layers), dim), generator=g) * 2 - 1) * bound if bias else None
+        return cls(layers, w.to(dtype), b.to(dtype) if b is not None else None, activation=activation)
+
+    @classmethod
+    def from_safetensors(cls, path: Union[str, Path], dtype: Optional[torch.dtype] = None,
+                         activation: Optional[str] = "silu") -> "ConvModel":
+        """Load every ``...layers.<i>....conv1d.weight`` (shape ``(dim, 1, width)`` or ``(dim, width)``) and the
+        ``conv1d.bias`` beside it when present. Other tensors are ignored (only the keys are read for them).
+
+        ``dtype`` casts the weights; None keeps the stored dtype (which must then be the same for every layer).
+        Raises ``ValueError`` naming the key and the problem when the file has no conv layers or they disagree.
+        """
+        from safetensors import safe_open
+
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"weights: {path} is not a file")
+        found: dict[int, tuple[str, Optional[str]]] = {}
+        with safe_open(str(path), framework="pt") as f:
+            keys = set(f.keys())
+            for key in sorted(keys):
+                m = _KEY_RE.search(key)
+                if m is None:
+                    continue
+                layer = int(m.group(1))
+                if layer in found:
+                    raise ValueError(f"weights: two conv1d weights for layer {layer}: {found[layer][0]} and {key}")
+                bkey = key[: -len("weight")] + "bias"
+                found[layer] = (key, bkey if bkey in keys else None)
+            if not found:
+                raise ValueError(f"weights: {path} has no key matching 'layers.<i>.…conv1d.weight'")
+            layers = sorted(found)
+            ws, bs, has_bias = [], [], []
+            for layer in layers:
+                key, bkey = found[layer]
+                w = f.get_tensor(key)
+                if w.dim() == 3 and w.shape[1] == 1:
+                    w = w[:, 0, :]
+                if w.dim() != 2:
+                    raise ValueError(f"weights: {key}: expected shape (dim, 1, width) or (dim, width), got "
+                                     f"{tuple(f.get_tensor(key).shape)}")
+                if ws and (w.shape != ws[0].shape):
+                    raise ValueError(f"weights: {key}: expected shape (dim, width) = {tuple(ws[0].shape)} like "
+                                     f"layer {layers[0]}, got {tuple(w.shape)}")
+                if dtype is None and ws and w.dtype != ws[0].dtype:
+                    raise ValueError(f"weights: {key} is {w.dtype} but layer {layers[0]} is {ws[0].dtype}; pass "
+                                     "dtype= to cast")
+                ws.append(w)
+                if bkey is not None:
+                    b = f.get_tensor(bkey)
+                    if tuple(b.shape) != (w.shape[0],):
+                        raise ValueError(f"weights: {bkey}: expected shape ({w.shape[0]},), got {tuple(b.shape)}")
+                    bs.append(b)
+                    has_bias.append(True)
+                else:
+                    bs.append(None)
+                    has_bias.append(False)
+        target = dtype or ws[0].dtype
+        if target not in MODEL_DTYPES:
+            raise ValueError(f"weights: dtype {target} is not one of {list(DTYPE_NAMES.values())}; pass dtype=")
+        weight = torch.stack([w.to(target) for w in ws])
+        bias = None
+        if any(has_bias):
+            bias = torch.stack([b.to(target) if b is not None else torch.zeros(weight.shape[1], dtype=target)
+                                for b in bs])
+        return cls(layers, weight, bias, has_bias, activation)
+
+    def save_safetensors(self, path: Union[str, Path]) -> None:
+        """Write Mamba2-style keys ``backbone.layers.<i>.mixer.conv1d.weight`` ``(dim, 1, width)`` (+ ``.bias``)."""
+        from safetensors.torch import save_file
+
+        tensors = {}
+        for p, layer in enumerate(self.layers):
+            prefix = f"backbone.layers.{layer}.mixer.conv1d."
+            tensors[prefix + "weight"] = self.weight[p].unsqueeze(1).contiguous().cpu()
+            if self.has_bias[p]:
+                tensors[prefix + "bias"] = self.bias[p].contiguous().cpu()
+        save_file(tensors, str(path))
