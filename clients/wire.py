@@ -1,0 +1,278 @@
+"""The wire codec, shared by the server and the clients: tensors <-> msgpack maps, bounded unpacking.
+
+A tensor on the wire is the msgpack map ``{"dtype": "bfloat16" | "float16" | "float32", "shape": [...],
+"data": <bin>}``, C order, little-endian, never pickle. In JSON bodies (control routes, curl) ``data`` is the
+same bytes in base64.
+
+Encoding hands msgpack a ``memoryview`` of the tensor's own memory (msgpack copies it once into its output
+buffer). Decoding wraps the ``bytes`` msgpack produced with ``torch.frombuffer`` / ``numpy.frombuffer``: no
+further copy. Decoded tensors are therefore read-only views of the message; copy them before writing into them.
+
+A tensor map is validated in this order: the dtype name (422 ``dtype_unsupported``), then the shape against
+what the caller expects (422 ``shape_mismatch``, or 413 ``payload_too_large`` past the token limit), then the
+length of ``data`` (400 ``bad_request``).
+
+This module imports neither torch nor numpy at import time: the client works with numpy alone, and with torch
+when the caller hands it torch tensors.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import sys
+import warnings
+from typing import Any, Callable, Iterable, Optional
+
+import msgpack
+
+from service.errors import BadRequest, DtypeUnsupported, PayloadTooLarge, ShapeMismatch
+
+MEDIA_TYPE = "application/vnd.msgpack"
+#: Request content types read as msgpack (the first is the one this service answers with).
+MSGPACK_TYPES = ("application/vnd.msgpack", "application/msgpack", "application/x-msgpack")
+JSON_TYPE = "application/json"
+
+#: Item size of each dtype accepted on the wire.
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+DTYPE_NAMES = tuple(ITEMSIZE)
+
+#: Structural bounds for decoded messages, besides the byte bound the caller passes.
+MAX_DIMS = 8
+_MAX_ARRAY_LEN = 64       # shapes, layer lists
+_MAX_MAP_LEN = 32         # request / response maps
+_MAX_STR_LEN = 64 * 1024  # session ids, messages
+
+if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for is little-endian
+    raise ImportError("convserve's wire codec assumes a little-endian host")
+
+# torch warns once that a tensor made from immutable ``bytes`` is not writable: that is the zero-copy decode
+# working as designed (the tensor is read-only by contract, see the module docstring).
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
+
+
+# ----------------------------------------------------------------------------------------------- msgpack
+
+
+_packer_kwargs = dict(use_bin_type=True, datetime=False)
+
+
+def packb(obj: Any) -> bytes:
+    """Serialize one message (maps, lists, str, int, float, bool, None, bytes/memoryview as bin)."""
+    return msgpack.packb(obj, **_packer_kwargs)
+
+
+def new_packer() -> msgpack.Packer:
+    """A reusable packer (cheaper than :func:`packb` in a loop). Not thread-safe."""
+    return msgpack.Packer(**_packer_kwargs)
+
+
+def _bounds(max_bytes: int) -> dict:
+    return dict(raw=False, strict_map_key=True, use_list=True, max_bin_len=max_bytes,
+                max_str_len=min(_MAX_STR_LEN, max_bytes), max_array_len=_MAX_ARRAY_LEN,
+                max_map_len=_MAX_MAP_LEN, max_ext_len=0)
+
+
+def unpackb(data: bytes, max_bytes: int) -> Any:
+    """Decode exactly one message of at most ``max_bytes``; raise :class:`BadRequest` if it is malformed."""
+    if len(data) > max_bytes:
+        raise PayloadTooLarge(f"the body has {len(data)} bytes, above the limit of {max_bytes}; "
+                              "send fewer tokens per request (split a prefill into chunks)")
+    try:
+        return msgpack.unpackb(data, **_bounds(max_bytes))
+    except msgpack.ExtraData:
+        raise BadRequest("the body holds more than one msgpack object; send exactly one map "
+                         "(use /v1/conv/stream for many)") from None
+    except (ValueError, msgpack.UnpackException, TypeError) as e:
+        raise BadRequest(f"the body is not valid msgpack ({type(e).__name__}: {e}); send one msgpack map "
+                         f"encoded with bin types for bytes") from None
+
+
+def new_unpacker(max_bytes: int) -> msgpack.Unpacker:
+    """A streaming unpacker that holds at most ``max_bytes`` of undecoded data.
+
+    ``feed`` raises ``msgpack.BufferFull`` when one message would need more: the caller turns that into
+    ``payload_too_large`` rather than silently losing the message (msgpack-python #503).
+    """
+    return msgpack.Unpacker(max_buffer_size=max_bytes, **_bounds(max_bytes))
+
+
+def loads_json(data: bytes) -> Any:
+    import json
+
+    try:
+        return json.loads(data)
+    except ValueError as e:
+        raise BadRequest(f"the body is not valid JSON ({e}); send a JSON object or use msgpack") from None
+
+
+def dumps_json(obj: Any) -> bytes:
+    import json
+
+    return json.dumps(obj, separators=(",", ":"), default=_json_default).encode()
+
+
+def _json_default(o):
+    if isinstance(o, (bytes, bytearray, memoryview)):
+        return base64.b64encode(o).decode("ascii")
+    raise TypeError(f"cannot encode {type(o).__name__} as JSON")
+
+
+# ----------------------------------------------------------------------------------------------- tensors
+
+
+def _is_torch(x) -> bool:
+    return type(x).__module__.startswith("torch") and hasattr(x, "untyped_storage")
+
+
+def encode_tensor(x) -> dict:
+    """``{"dtype", "shape", "data"}`` for a torch tensor or a numpy array, ``data`` a view of its memory.
+
+    Torch tensors on a device are copied to the host first; non-contiguous ones are made contiguous.
+    """
+    if _is_torch(x):
+        import torch
+
+        name = _TORCH_NAMES().get(x.dtype)
+        if name is None:
+            raise DtypeUnsupported(f"tensor dtype {x.dtype} is not supported on the wire; "
+                                   f"use one of {', '.join(DTYPE_NAMES)}")
+        t = x.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.contiguous()
+        shape = list(t.shape)
+        if t.numel() == 0:
+            return {"dtype": name, "shape": shape, "data": b""}
+        return {"dtype": name, "shape": shape, "data": memoryview(t.view(torch.uint8).numpy()).cast("B")}
+    import numpy as np
+
+    a = np.asarray(x)
+    name = _numpy_name(a.dtype)
+    if a.dtype.byteorder == ">":
+        a = a.astype(a.dtype.newbyteorder("<"))
+    a = np.ascontiguousarray(a)
+    return {"dtype": name, "shape": list(a.shape), "data": memoryview(a.reshape(-1).view(np.uint8))}
+
+
+def encode_tensor_json(x) -> dict:
+    """The JSON form: ``data`` in base64."""
+    m = encode_tensor(x)
+    m["data"] = base64.b64encode(m["data"]).decode("ascii")
+    return m
+
+
+def tensor_nbytes(m: dict) -> int:
+    return len(m["data"])
+
+
+def decode_tensor(obj: Any, *, check_shape: Optional[Callable[[tuple], None]] = None, backend: str = "torch",
+                  name: str = "x"):
+    """Validate a tensor map and wrap its data without copying.
+
+    ``check_shape(shape)`` raises :class:`ShapeMismatch` (or :class:`PayloadTooLarge`) when the shape is wrong
+    for the model. ``backend`` is ``"torch"`` or ``"numpy"``.
+    """
+    if not isinstance(obj, dict):
+        raise BadRequest(f"'{name}' must be a tensor map {{dtype, shape, data}}, got {type(obj).__name__}")
+    dtype = obj.get("dtype")
+    if not isinstance(dtype, str):
+        raise BadRequest(f"'{name}.dtype' is missing or not a string; use one of {', '.join(DTYPE_NAMES)}")
+    itemsize = ITEMSIZE.get(dtype)
+    if itemsize is None:
+        raise DtypeUnsupported(f"'{name}.dtype' {dtype!r} is not supported; use one of {', '.join(DTYPE_NAMES)}")
+    shape = obj.get("shape")
+    if (not isinstance(shape, (list, tuple)) or len(shape) > MAX_DIMS
+            or not all(type(s) is int and s >= 0 for s in shape)):
+        raise BadRequest(f"'{name}.shape' must be a list of at most {MAX_DIMS} non-negative integers, "
+                         f"got {shape!r}")
+    shape = tuple(shape)
+    if check_shape is not None:
+        check_shape(shape)
+    data = obj.get("data")
+    if isinstance(data, str):  # JSON body: base64
+        try:
+            data = base64.b64decode(data, validate=True)
+        except ValueError:
+            raise BadRequest(f"'{name}.data' is a string but not valid base64; in msgpack send bin, "
+                             "in JSON send base64") from None
+    elif not isinstance(data, (bytes, bytearray, memoryview)):
+        raise BadRequest(f"'{name}.data' must be bin (msgpack) or base64 (JSON), got {type(data).__name__}")
+    n = math.prod(shape)
+    if len(data) != n * itemsize:
+        raise BadRequest(f"'{name}.data' has {len(data)} bytes but shape {list(shape)} of {dtype} needs "
+                         f"{n * itemsize}; send the tensor C-contiguous, little-endian, without padding")
+    if backend == "torch":
+        import torch
+
+        tdt = getattr(torch, dtype)
+        if n == 0:
+            return torch.empty(shape, dtype=tdt)
+        return torch.frombuffer(data, dtype=tdt).view(shape)
+    import numpy as np
+
+    return np.frombuffer(data, dtype=_numpy_dtype(dtype)).reshape(shape)
+
+
+def _TORCH_NAMES():
+    import torch
+
+    return {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+def _numpy_name(dt) -> str:
+    import numpy as np
+
+    if dt == np.float32:
+        return "float32"
+    if dt == np.float16:
+        return "float16"
+    if dt.name == "bfloat16":  # ml_dtypes.bfloat16
+        return "bfloat16"
+    raise DtypeUnsupported(f"array dtype {dt} is not supported on the wire; use one of {', '.join(DTYPE_NAMES)} "
+                           "(bfloat16 from numpy needs the ml_dtypes package)")
+
+
+def _numpy_dtype(name: str):
+    import numpy as np
+
+    if name == "bfloat16":
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise DtypeUnsupported("the server sent bfloat16, which numpy cannot hold without the ml_dtypes "
+                                   "package: install ml_dtypes, or pass torch tensors, or send float32") from None
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def shape_checker(expected_tail: Iterable[int], *, min_first: int = 0, max_first: Optional[int] = None,
+                  what: str = "x", first_name: str = "T") -> Callable[[tuple], None]:
+    """A ``check_shape`` for ``(first, *expected_tail)`` with ``min_first <= first <= max_first``.
+
+    Going past ``max_first`` is ``payload_too_large`` (too many tokens); everything else ``shape_mismatch``.
+    """
+    tail = tuple(expected_tail)
+    want = f"({first_name}, {', '.join(str(s) for s in tail)})"
+
+    def check(shape: tuple) -> None:
+        if len(shape) != 1 + len(tail) or shape[1:] != tail:
+            raise ShapeMismatch(f"'{what}' has shape {list(shape)}; the model needs {want}")
+        if shape[0] < min_first:
+            raise ShapeMismatch(f"'{what}' has {first_name}={shape[0]}; send at least {min_first}")
+        if max_first is not None and shape[0] > max_first:
+            raise PayloadTooLarge(f"'{what}' has {first_name}={shape[0]} tokens, above the limit of {max_first} "
+                                  f"per request; split it into chunks of at most {max_first}")
+
+    return check
+
+
+def exact_shape_checker(expected: Iterable[int], what: str) -> Callable[[tuple], None]:
+    exp = tuple(expected)
+
+    def check(shape: tuple) -> None:
+        if shape != exp:
+            raise ShapeMismatch(f"'{what}' has shape {list(shape)}; the model needs {list(exp)}")
+
+    return check

@@ -1,0 +1,275 @@
+"""Service configuration: flags > ``CONVSERVE_*`` environment variables > a config file > defaults.
+
+Every field below is a flag of ``convserve serve`` (``--max-body-bytes``), an environment variable
+(``CONVSERVE_MAX_BODY_BYTES``) and a key of the config file (``max_body_bytes``, TOML or JSON, given by
+``--config PATH`` or ``CONVSERVE_CONFIG``). Everything is validated at start-up, before the model is built;
+a bad value stops the process with a message naming the setting and what it accepts.
+
+With no configuration at all the service serves the embedded random model (4 conv layers, dim 1024, width 4,
+bfloat16 weights, seed 0) on 127.0.0.1:8000, on CUDA when present and on the CPU otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
+
+DTYPES = ("bfloat16", "float16", "float32")
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+def _int_list(v: Any, name: str) -> Any:
+    """Accept ``[1, 2]``, ``"1,2"``, ``"[1, 2]"`` or a single int / ``"4"`` (left as an int)."""
+    if isinstance(v, str):
+        s = v.strip()
+        if s.startswith("["):
+            try:
+                return json.loads(s)
+            except ValueError:
+                raise ValueError(f"{name}: {v!r} is not a JSON list of integers") from None
+        parts = [p.strip() for p in s.split(",") if p.strip()]
+        if not parts:
+            raise ValueError(f"{name}: empty value")
+        try:
+            ints = [int(p) for p in parts]
+        except ValueError:
+            raise ValueError(f"{name}: {v!r} is not an integer or a comma-separated list of integers") from None
+        return ints[0] if len(ints) == 1 and "," not in s else ints
+    return v
+
+
+class Settings(BaseSettings):
+    """All settings of one ``convserve serve`` process."""
+
+    model_config = SettingsConfigDict(env_prefix="CONVSERVE_", extra="forbid", validate_default=True,
+                                      case_sensitive=False)
+
+    # --- network
+    host: str = Field("127.0.0.1", description="address to bind (0.0.0.0 for all interfaces)")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port to listen on (0 picks a free one)")
+    api_key: Optional[SecretStr] = Field(None, description="when set, every /v1 route needs "
+                                                           "'Authorization: Bearer <key>'")
+
+    # --- model
+    device: str = Field("auto", description="auto (CUDA if present, else CPU), cpu, cuda or cuda:N")
+    weights: Optional[Path] = Field(None, description="safetensors file with conv1d weights; when unset, "
+                                                      "random weights from --layers/--dim/--width/--seed")
+    layers: Annotated[Union[int, list[int]], NoDecode] = Field(
+        4, description="random model: number of conv layers, or their model layer indices ('0,2,5')")
+    dim: int = Field(1024, ge=1, le=1 << 20, description="random model: channels per conv layer")
+    width: int = Field(4, ge=2, le=8, description="random model: conv kernel width")
+    dtype: Optional[Literal["bfloat16", "float16", "float32"]] = Field(
+        None, description="weight dtype (random model default bfloat16; file default: as stored)")
+    state_dtype: Optional[Literal["bfloat16", "float16", "float32"]] = Field(
+        None, description="conv state dtype (default: the engine's choice, see /v1/model)")
+    seed: int = Field(0, description="random model: seed of the weights")
+
+    # --- engine
+    slots: Union[int, Literal["auto"]] = Field(256, description="session slots in the state pool, or 'auto' "
+                                                                 "(a fraction of free GPU memory)")
+    max_batch_tokens: int = Field(8192, ge=1, description="tokens per engine step, all requests together")
+    max_batch_size: int = Field(256, ge=1, description="requests per engine step")
+    max_queue_delay_us: int = Field(200, ge=0, description="how long a step waits to fill a batch (µs)")
+    decode_buckets: Annotated[list[int], NoDecode] = Field(
+        [1, 2, 4, 8, 16, 32, 64, 128, 256], description="decode batch sizes (CUDA graphs are captured for each)")
+    max_queue: int = Field(4096, ge=1, description="queued requests before 429 queue_full")
+    session_ttl_s: float = Field(3600.0, gt=0, description="idle seconds before a session's state is evicted "
+                                                           "(410 state_lost)")
+    request_timeout_s: float = Field(30.0, gt=0, description="seconds a conv request may take before 504")
+    use_cuda_graphs: bool = Field(True, description="replay decode steps from CUDA graphs (CUDA only)")
+
+    # --- HTTP limits
+    max_body_bytes: int = Field(64 << 20, ge=1024, description="largest request body, or stream frame, "
+                                                               "in bytes (413 above)")
+    max_tokens_per_request: int = Field(8192, ge=1, description="largest T of one conv request (413 above)")
+    check_finite: bool = Field(True, description="reject x with NaN or Inf (422 non_finite)")
+    stream_window: int = Field(256, ge=1, description="frames of one stream or WebSocket being computed at "
+                                                      "once; the next frames wait to be read")
+    shutdown_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, how long to let in-flight work "
+                                                              "finish before exiting")
+
+    # --- logs
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
+    access_log: bool = Field(False, description="log one JSON line per HTTP request")
+
+    @field_validator("layers", mode="before")
+    @classmethod
+    def _layers(cls, v):
+        v = _int_list(v, "layers")
+        if isinstance(v, int):
+            if v < 1:
+                raise ValueError("layers: a count must be >= 1")
+            return v
+        if not isinstance(v, list) or not v:
+            raise ValueError("layers: give a count (4) or a non-empty list of layer indices (0,2,5)")
+        return v
+
+    @field_validator("layers")
+    @classmethod
+    def _layers_unique(cls, v):
+        if isinstance(v, list):
+            if any(i < 0 for i in v):
+                raise ValueError("layers: layer indices must be >= 0")
+            if len(set(v)) != len(v):
+                raise ValueError(f"layers: duplicate layer index in {v}")
+        return v
+
+    @field_validator("decode_buckets", mode="before")
+    @classmethod
+    def _buckets(cls, v):
+        v = _int_list(v, "decode_buckets")
+        return [v] if isinstance(v, int) else v
+
+    @field_validator("decode_buckets")
+    @classmethod
+    def _buckets_sorted(cls, v):
+        if not v or any(b < 1 for b in v):
+            raise ValueError("decode_buckets: give positive batch sizes, e.g. 1,2,4,8")
+        return sorted(set(v))
+
+    @field_validator("slots", mode="before")
+    @classmethod
+    def _slots(cls, v):
+        if isinstance(v, str) and v.strip().lower() != "auto":
+            try:
+                return int(v)
+            except ValueError:
+                raise ValueError(f"slots: {v!r} is neither an integer nor 'auto'") from None
+        return v.strip().lower() if isinstance(v, str) else v
+
+    @field_validator("slots")
+    @classmethod
+    def _slots_positive(cls, v):
+        if isinstance(v, int) and v < 1:
+            raise ValueError("slots: need at least 1 session slot")
+        return v
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v):
+        v = v.strip().lower()
+        if not _DEVICE_RE.match(v):
+            raise ValueError(f"device: {v!r} is not one of auto, cpu, cuda, cuda:N")
+        return v
+
+    @field_validator("weights")
+    @classmethod
+    def _weights(cls, v):
+        if v is not None and not v.is_file():
+            raise ValueError(f"weights: {v} is not a file; give a safetensors file or leave it unset for the "
+                             "random model")
+        return v
+
+    @field_validator("api_key")
+    @classmethod
+    def _api_key(cls, v):
+        if v is not None and not v.get_secret_value().strip():
+            return None
+        return v
+
+    @model_validator(mode="after")
+    def _cross(self):
+        if self.max_batch_tokens < self.max_tokens_per_request:
+            raise ValueError(f"max_tokens_per_request ({self.max_tokens_per_request}) exceeds max_batch_tokens "
+                             f"({self.max_batch_tokens}): such a request could never be scheduled; raise "
+                             "max_batch_tokens or lower max_tokens_per_request")
+        return self
+
+    # --- derived
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            if self.device.startswith("cuda"):
+                import torch
+
+                if not torch.cuda.is_available():
+                    raise ConfigError("device: CUDA was asked for but torch sees no CUDA device; use --device cpu "
+                                      "or auto")
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def api_key_value(self) -> Optional[str]:
+        return self.api_key.get_secret_value() if self.api_key is not None else None
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
+                                   file_secret_settings):
+        return (init_settings, env_settings, _FileSource(settings_cls))
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with a message that says what to change."""
+
+
+_file_data: dict = {}
+
+
+class _FileSource(PydanticBaseSettingsSource):
+    """The config file's keys, set by :func:`load_settings` (lowest priority above the defaults)."""
+
+    def get_field_value(self, field, field_name):  # pragma: no cover - __call__ is used instead
+        return _file_data.get(field_name), field_name, False
+
+    def __call__(self) -> dict:
+        return dict(_file_data)
+
+
+def read_config_file(path: Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    raw = path.read_bytes()
+    try:
+        if path.suffix == ".toml":
+            import tomllib
+
+            data = tomllib.loads(raw.decode())
+        elif path.suffix == ".json":
+            data = json.loads(raw)
+        else:
+            raise ConfigError(f"config file {path}: use a .toml or .json file")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {path} does not parse: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: the top level must be a table of settings")
+    data = {k.replace("-", "_"): v for k, v in data.items()}
+    unknown = sorted(set(data) - set(Settings.model_fields))
+    if unknown:
+        raise ConfigError(f"config file {path}: unknown settings {unknown}; see `convserve serve --help`")
+    return data
+
+
+def load_settings(overrides: Optional[dict] = None, config_file: Optional[Path] = None) -> Settings:
+    """Build the settings from flags (``overrides``), the environment and ``config_file``.
+
+    ``config_file`` defaults to ``$CONVSERVE_CONFIG``. Raises :class:`ConfigError` with one line per problem.
+    """
+    import os
+
+    from pydantic import ValidationError
+
+    global _file_data
+    if config_file is None and os.environ.get("CONVSERVE_CONFIG"):
+        config_file = Path(os.environ["CONVSERVE_CONFIG"])
+    _file_data = read_config_file(config_file) if config_file is not None else {}
+    try:
+        return Settings(**(overrides or {}))
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            loc = ".".join(str(p) for p in err["loc"]) or "settings"
+            msg = err["msg"].removeprefix("Value error, ")
+            flag = "--" + loc.replace("_", "-") if loc in Settings.model_fields else loc
+            env = "CONVSERVE_" + loc.upper() if loc in Settings.model_fields else ""
+            where = f"{flag} / {env}" if env else flag
+            lines.append(f"{where}: {msg} (got {err.get('input')!r})")
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None
+    finally:
+        _file_data = {}

@@ -1,0 +1,58 @@
+"""Structured logs: one JSON object per line on stderr, for our loggers and uvicorn's alike.
+
+Fields: ``ts`` (ISO 8601 UTC), ``level``, ``logger``, ``msg``, plus whatever the call passed in ``extra``
+(``log.info("listening", extra={"port": 8000})``) and ``exc`` with the traceback when there is one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+
+# Attributes every LogRecord has; anything else on a record came from ``extra`` and is emitted as a field.
+_STD = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime", "color_message",
+                                                                    "taskName"}
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        for k, v in record.__dict__.items():
+            if k not in _STD and not k.startswith("_"):
+                out[k] = v
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str, separators=(",", ":"))
+
+
+def log_config(level: str = "info") -> dict:
+    """A ``logging.config.dictConfig`` dict (also handed to uvicorn) sending everything as JSON to stderr."""
+    lvl = level.upper()
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"json": {"()": JsonFormatter}},
+        "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "json", "stream": "ext://sys.stderr"}},
+        "loggers": {
+            "convserve": {"handlers": ["stderr"], "level": lvl, "propagate": False},
+            "uvicorn": {"handlers": ["stderr"], "level": lvl, "propagate": False},
+            "uvicorn.error": {"level": lvl},
+            "uvicorn.access": {"handlers": [], "level": "WARNING", "propagate": False},
+        },
+        "root": {"handlers": ["stderr"], "level": "WARNING"},
+    }
+
+
+def configure(level: str = "info") -> None:
+    import logging.config
+
+    logging.config.dictConfig(log_config(level))
+    logging.captureWarnings(True)
+    sys.stderr.reconfigure(line_buffering=True)
