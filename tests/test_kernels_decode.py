@@ -1,0 +1,297 @@
+"""causal_conv1d_update (Triton) against causal_conv1d_update_ref in float64, and against the prefill kernel.
+
+Outputs are poisoned with NaN before each run. State pools carry rows no call should touch; they must come
+back bit-identical.
+"""
+
+import random
+
+import pytest
+import torch
+
+from kernels import (MAX_WIDTH, PAD_SLOT_ID, causal_conv1d_fn, causal_conv1d_ref, causal_conv1d_update,
+                     causal_conv1d_update_ref)
+from tests.tolerance import assert_close
+
+SEED = random.randrange(2**31)
+print(f"test_kernels_decode seed={SEED}")
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def pool_layout(lines, dim, state_len, dtype, device, gen):
+    """A pool in the service's memory order (lines, state_len, dim), seen as (lines, dim, state_len)."""
+    return torch.randn(lines, state_len, dim, generator=gen).to(device, dtype).transpose(1, 2)
+
+
+def make_x(batch, dim, seqlen, layout, dtype, device, gen):
+    if layout == "2d":
+        return torch.randn(batch, dim, generator=gen).to(device, dtype)
+    if layout == "3d":
+        return torch.randn(batch, dim, seqlen, generator=gen).to(device, dtype)
+    if layout == "token_last_major":  # (batch, seqlen, dim) memory seen as (batch, dim, seqlen)
+        return torch.randn(batch, seqlen, dim, generator=gen).to(device, dtype).transpose(1, 2)
+    if layout == "strided":
+        return torch.randn(batch, 2 * dim, seqlen + 1, generator=gen).to(device, dtype)[:, ::2, 1:]
+    raise ValueError(layout)
+
+
+def run_both(x, state, weight, bias, activation="silu", **kw):
+    """Kernel (poisoned out) and float64 reference on copies of the state and of any output buffers."""
+    st_k, st_r = state.clone(), state.clone().cpu()
+    kw_k = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    kw_r = {k: (v.clone().cpu() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    out = torch.full_like(x, float("nan"))
+    y = causal_conv1d_update(x, st_k, weight, bias, activation, out=out, **kw_k)
+    assert y is out
+    ref = causal_conv1d_update_ref(x.cpu(), st_r, weight.cpu(), bias.cpu() if bias is not None else None,
+                                   activation, compute_dtype=torch.float64, **kw_r)
+    return y, st_k, ref, st_r, kw_k, kw_r
+
+
+def assert_states_equal(st_k, st_r):
+    diff = (st_k.cpu() != st_r.to(st_k.dtype)).flatten(1).any(1).nonzero().flatten().tolist()
+    assert not diff, f"state rows {diff} differ from the reference"
+
+
+GRID = [(d, w, L) for d in (1, 7, 64, 257) for w in (2, 3, 4) for L in (1, 2, 3, 5)]
+GRID += [(40, w, L) for w in range(5, MAX_WIDTH + 1) for L in (1, 4)]
+GRID += [(33, 4, 40)]  # a long chunked decode: several token chunks
+
+
+@pytest.mark.parametrize("indices", [True, False])
+@pytest.mark.parametrize("dim,width,seqlen", GRID)
+def test_update_matches_reference(dim, width, seqlen, indices, kernel_device):
+    gen = torch.Generator().manual_seed(SEED + dim * 100 + width * 10 + seqlen)
+    rng = random.Random(SEED + dim + seqlen)
+    dtype = DTYPES[(dim + width + seqlen) % 3]
+    layout = "2d" if seqlen == 1 and dim % 2 else rng.choice(["3d", "token_last_major", "strided"])
+    batch, lines = 5, 9
+    x = make_x(batch, dim, seqlen, layout, dtype, kernel_device, gen)
+    w = torch.randn(dim, width, generator=gen).to(kernel_device, dtype)
+    b = torch.randn(dim, generator=gen).to(kernel_device, dtype)
+    state = pool_layout(lines, dim, width - 1, dtype, kernel_device, gen)
+    kw = {}
+    if indices:
+        rows = rng.sample(range(lines), batch)
+        rows[rng.randrange(batch)] = PAD_SLOT_ID
+        kw["conv_state_indices"] = torch.tensor(rows, dtype=torch.int32, device=kernel_device)
+    y, st_k, ref, st_r, _, _ = run_both(x, state, w, b, **kw)
+    assert_close(y, ref, dtype, "output")
+    assert_states_equal(st_k, st_r)
+
+
+def test_pad_rows_give_zeros_and_keep_state(kernel_device):
+    gen = torch.Generator().manual_seed(SEED)
+    x = torch.randn(4, 32, 2, generator=gen).to(kernel_device)
+    w = torch.randn(32, 4, generator=gen).to(kernel_device)
+    state = pool_layout(6, 32, 3, torch.float32, kernel_device, gen)
+    before = state.clone()
+    idx = torch.tensor([PAD_SLOT_ID, 2, PAD_SLOT_ID, 4], dtype=torch.int32, device=kernel_device)
+    y = causal_conv1d_update(x, state, w, None, "silu", conv_state_indices=idx)
+    assert torch.all(y[0] == 0) and torch.all(y[2] == 0)
+    untouched = [0, 1, 3, 5]
+    assert torch.equal(state[untouched], before[untouched])
+
+
+@pytest.mark.parametrize("width", [2, 3, 4, 7])
+@pytest.mark.parametrize("chunks", [[1, 1, 1, 1], [3, 1, 2], [2, 5], [1, 8, 1]])
+def test_chunked_decode_on_exact_width_row_continues_like_one_prefill(width, chunks, kernel_device):
+    """Prefill a prompt, then feed the rest in chunks through update: outputs and final state equal one prefill."""
+    gen = torch.Generator().manual_seed(SEED + width)
+    dim, prompt = 24, 6
+    total = prompt + sum(chunks)
+    x = torch.randn(dim, total, generator=gen).to(kernel_device)
+    w = torch.randn(dim, width, generator=gen).to(kernel_device)
+    b = torch.randn(dim, generator=gen).to(kernel_device)
+    pool = pool_layout(3, dim, width - 1, torch.float32, kernel_device, gen)
+    one = pool.clone()
+    y_one = causal_conv1d_fn(x, w, b, one, torch.tensor([0, total], device=kernel_device),
+                             torch.tensor([2], device=kernel_device), torch.tensor([False], device=kernel_device))
+    ys = [causal_conv1d_fn(x[:, :prompt], w, b, pool, torch.tensor([0, prompt], device=kernel_device),
+                           torch.tensor([2], device=kernel_device), torch.tensor([False], device=kernel_device))]
+    pos = prompt
+    for n in chunks:
+        step = x[:, pos:pos + n].unsqueeze(0)  # (1, dim, n)
+        ys.append(causal_conv1d_update(step, pool, w, b, "silu",
+                                       conv_state_indices=torch.tensor([2], device=kernel_device))[0])
+        pos += n
+    assert_close(torch.cat(ys, dim=1), y_one, torch.float32)
+    assert_close(pool[2], one[2], torch.float32)
+
+
+@pytest.mark.parametrize("width", [2, 3, 4, 6])
+@pytest.mark.parametrize("k", [1, 3, 4])
+def test_speculative_verify_then_accept_matches_plain_decode_of_accepted_tokens(width, k, kernel_device):
+    """Verify k + 1 tokens with intermediate windows, commit the window after n of them, continue decoding."""
+    gen = torch.Generator().manual_seed(SEED + 7 * width + k)
+    rng = random.Random(SEED + k)
+    dim, batch, lines = 40, 4, 8
+    w = torch.randn(dim, width, generator=gen).to(kernel_device)
+    b = torch.randn(dim, generator=gen).to(kernel_device)
+    pool = pool_layout(lines, dim, width - 1, torch.float32, kernel_device, gen)
+    rows = torch.tensor(rng.sample(range(lines), batch), dtype=torch.int32, device=kernel_device)
+    draft = torch.randn(batch, dim, k + 1, generator=gen).to(kernel_device)
+    nxt = torch.randn(batch, dim, generator=gen).to(kernel_device)
+    accepted = [rng.randint(1, k + 1) for _ in range(batch)]
+
+    plain = pool.clone()  # decode only the accepted tokens, one at a time
+    y_plain = []
+    for i in range(batch):
+        for t in range(accepted[i]):
+            y_plain.append(causal_conv1d_update(draft[i:i + 1, :, t], plain, w, b, "silu",
+                                                conv_state_indices=rows[i:i + 1]))
+    before = pool.clone()
+    inter = torch.full((batch, k + 1, dim, width - 1), float("nan"), device=kernel_device)
+    y_spec = causal_conv1d_update(draft, pool, w, b, "silu", conv_state_indices=rows,
+                                  intermediate_conv_window=inter)
+    assert torch.equal(pool, before), "a verify must leave the live state alone"
+    ref_inter = torch.zeros_like(inter).cpu()
+    causal_conv1d_update_ref(draft.cpu(), before.cpu(), w.cpu(), b.cpu(), "silu",
+                             conv_state_indices=rows.cpu(), intermediate_conv_window=ref_inter)
+    assert_close(inter, ref_inter, torch.float32, "intermediate windows")
+    for i in range(batch):  # accept: commit the window after accepted[i] tokens
+        pool[rows[i]] = inter[i, accepted[i] - 1]
+    got = [y_spec[i:i + 1, :, t] for i in range(batch) for t in range(accepted[i])]
+    assert_close(torch.cat(got), torch.cat(y_plain), torch.float32, "verified outputs")
+    assert_close(pool, plain, torch.float32, "state after accept")
+    y1 = causal_conv1d_update(nxt, pool, w, b, "silu", conv_state_indices=rows)
+    y2 = causal_conv1d_update(nxt, plain, w, b, "silu", conv_state_indices=rows)
+    assert_close(y1, y2, torch.float32, "decode after accept")
+
+
+@pytest.mark.parametrize("width", [2, 4, 5])
+def test_output_state_indices_write_each_window_and_leave_live_rows(width, kernel_device):
+    gen = torch.Generator().manual_seed(SEED + width)
+    dim, batch, L, lines = 20, 3, 4, 16
+    x = torch.randn(batch, dim, L, generator=gen).to(kernel_device, torch.bfloat16)
+    w = torch.randn(dim, width, generator=gen).to(kernel_device, torch.bfloat16)
+    state = pool_layout(lines, dim, width - 1, torch.float32, kernel_device, gen)
+    rows = torch.tensor([1, 2, 3], dtype=torch.int32, device=kernel_device)
+    osi = torch.tensor([[4, 5, -1, 6], [-1, -1, -1, 7], [8, 9, 10, 3]], dtype=torch.int32, device=kernel_device)
+    y, st_k, ref, st_r, _, _ = run_both(x, state, w, None, conv_state_indices=rows, output_state_indices=osi)
+    assert_close(y, ref, torch.bfloat16)
+    assert_states_equal(st_k, st_r)  # row 3 is both read (batch 2's live row) and written (its last window)
+    assert torch.equal(st_k[1:3], state[1:3])
+
+
+@pytest.mark.parametrize("width", [2, 3, 4])
+@pytest.mark.parametrize("L", [2, 3, 4])
+def test_wide_row_layout_with_num_accepted_tokens(width, L, kernel_device):
+    """The seed's speculative layout: after L tokens on a row >= width - 2 + L wide, reading at offset a - 1
+    continues as if only a tokens had been decoded."""
+    gen = torch.Generator().manual_seed(SEED + L)
+    dim, batch, lines = 24, 3, 5
+    w = torch.randn(dim, width, generator=gen).to(kernel_device)
+    state = pool_layout(lines, dim, width - 2 + L + 1, torch.float32, kernel_device, gen)
+    state[:, :, width - 1:] = float("nan")  # only the window is meaningful at first
+    x = torch.randn(batch, dim, L, generator=gen).to(kernel_device)
+    rows = torch.tensor([4, 0, 2], dtype=torch.int32, device=kernel_device)
+    y, st_k, ref, st_r, _, _ = run_both(x, state.nan_to_num(), w, None, conv_state_indices=rows)
+    assert_close(y, ref, torch.float32)
+    assert_states_equal(st_k, st_r)
+    acc = torch.tensor([1, L, max(1, L - 1)], dtype=torch.int32, device=kernel_device)
+    x2 = torch.randn(batch, dim, generator=gen).to(kernel_device)
+    y2, st2, ref2, st2r, _, _ = run_both(x2, st_k, w, None, conv_state_indices=rows, num_accepted_tokens=acc)
+    assert_close(y2, ref2, torch.float32)
+    assert_states_equal(st2, st2r)
+    for i in range(batch):  # same as decoding only the accepted tokens from the original window
+        a = int(acc[i])
+        seq = torch.cat([state[rows[i], :, :width - 1], x[i, :, :a], x2[i, :, None]], dim=1)
+        expect = causal_conv1d_ref(seq[:, width - 1:], w, None, state[rows[i]:rows[i] + 1, :, :width - 1].clone(),
+                                   torch.tensor([0, a + 1]), None, torch.tensor([True]))[:, -1]
+        assert_close(y2[i], expect, torch.float32)
+
+
+def test_fp32_state_with_bf16_x_and_default_output(kernel_device):
+    gen = torch.Generator().manual_seed(SEED)
+    x = torch.randn(6, 64, generator=gen).to(kernel_device, torch.bfloat16)
+    w = torch.randn(64, 4, generator=gen).to(kernel_device, torch.bfloat16)
+    state = pool_layout(8, 64, 3, torch.float32, kernel_device, gen)
+    st_r = state.clone().cpu()
+    idx = torch.tensor([7, 1, 0, 3, PAD_SLOT_ID, 5], device=kernel_device)
+    y = causal_conv1d_update(x, state, w, None, True, conv_state_indices=idx)
+    assert y.shape == x.shape and y.dtype == torch.bfloat16
+    ref = causal_conv1d_update_ref(x.cpu(), st_r, w.cpu(), None, True, conv_state_indices=idx.cpu(),
+                                   compute_dtype=torch.float64)
+    assert_close(y, ref, torch.bfloat16)
+    assert_states_equal(state, st_r)
+
+
+def _bad_update_calls(dev):
+    base = dict(x=torch.zeros(2, 8, device=dev), conv_state=torch.zeros(4, 8, 3, device=dev),
+                weight=torch.zeros(8, 4, device=dev))
+    return base, {
+        "cache_seqlens": (dict(cache_seqlens=torch.zeros(2, dtype=torch.int32, device=dev)), "cache_seqlens"),
+        "x ndim": (dict(x=torch.zeros(2, device=dev)), "x"),
+        "x seqlen 0": (dict(x=torch.zeros(2, 8, 0, device=dev)), "x"),
+        "state dim": (dict(conv_state=torch.zeros(4, 9, 3, device=dev)), "conv_state"),
+        "state short": (dict(conv_state=torch.zeros(4, 8, 2, device=dev)), "conv_state"),
+        "state rows": (dict(conv_state=torch.zeros(1, 8, 3, device=dev)), "conv_state"),
+        "indices": (dict(conv_state_indices=torch.zeros(3, dtype=torch.int32, device=dev)), "conv_state_indices"),
+        "accepted": (dict(num_accepted_tokens=torch.ones(1, dtype=torch.int32, device=dev)), "num_accepted_tokens"),
+        "inter": (dict(intermediate_conv_window=torch.zeros(2, 1, 8, 2, device=dev)), "intermediate_conv_window"),
+        "osi": (dict(output_state_indices=torch.zeros(2, dtype=torch.int32, device=dev)), "output_state_indices"),
+        "width": (dict(weight=torch.zeros(8, 1, device=dev)), "weight"),
+        "device": (dict(weight=torch.zeros(8, 4, device="meta")), "weight"),
+        "activation": (dict(activation="relu"), "activation"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_update_calls("cpu")[1]))
+def test_bad_update_arguments_raise_value_error_naming_the_argument(case, kernel_device):
+    base, cases = _bad_update_calls(kernel_device)
+    change, name = cases[case]
+    kwargs = {**base, **change}
+    with pytest.raises(ValueError, match=name):
+        causal_conv1d_update(**kwargs)
+    with pytest.raises(ValueError, match=name):
+        causal_conv1d_update_ref(**kwargs)
+
+
+def test_validate_data_reports_bad_index_values(kernel_device):
+    x = torch.zeros(2, 8, device=kernel_device)
+    st = torch.zeros(4, 8, 3, device=kernel_device)
+    w = torch.zeros(8, 4, device=kernel_device)
+    with pytest.raises(ValueError, match="conv_state_indices"):
+        causal_conv1d_update(x, st, w, conv_state_indices=torch.tensor([0, 4], device=kernel_device),
+                             validate_data=True)
+    with pytest.raises(ValueError, match="num_accepted_tokens"):
+        causal_conv1d_update(x, st, w, num_accepted_tokens=torch.tensor([1, 2], device=kernel_device),
+                             validate_data=True)
+
+
+# ---------------------------------------------------------------- GPU only: serving-size pools
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 64, 1024])
+@pytest.mark.parametrize("dim", [4096, 8192])
+def test_large_pool_decode_matches_reference_on_gpu(batch, dim):
+    gen = torch.Generator().manual_seed(SEED + batch)
+    x = torch.randn(batch, dim, generator=gen).to("cuda", torch.bfloat16)
+    w = torch.randn(dim, 4, generator=gen).to("cuda", torch.bfloat16)
+    b = torch.randn(dim, generator=gen).to("cuda", torch.bfloat16)
+    state = pool_layout(4096, dim, 3, torch.bfloat16, "cuda", gen)
+    idx = torch.randperm(4096, generator=gen)[:batch].to("cuda", torch.int32)
+    y, st_k, ref, st_r, _, _ = run_both(x, state, w, b, conv_state_indices=idx)
+    assert_close(y, ref, torch.bfloat16)
+    assert_states_equal(st_k, st_r)
+
+
+@pytest.mark.gpu
+def test_decode_replays_in_a_cuda_graph():
+    dim, batch = 1024, 8
+    w = torch.randn(dim, 4, device="cuda")
+    state = torch.randn(16, 3, dim, device="cuda").transpose(1, 2)
+    x = torch.randn(batch, dim, device="cuda")
+    idx = torch.arange(batch, dtype=torch.int32, device="cuda") * 2
+    out = torch.empty_like(x)
+    causal_conv1d_update(x, state, w, None, "silu", conv_state_indices=idx, out=out)  # compile outside capture
+    st_r = state.clone().cpu()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        causal_conv1d_update(x, state, w, None, "silu", conv_state_indices=idx, out=out)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        g.replay()
+        ref = causal_conv1d_update_ref(x.cpu(), st_r, w.cpu(), None, "silu", conv_state_indices=idx.cpu())
+        assert_close(out, ref, torch.float32)
+    assert_states_equal(state, st_r)
