@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import decode_config
+from ._launch import FastLaunch, decode_config
 from ._validate import PAD_SLOT_ID, check_out, check_update
 
 
@@ -140,6 +140,9 @@ def _update_kernel(
             tl.store(state_row[None, :] + cols[:, None] * stride_s_k, new.to(state_ptr.dtype.element_ty), mask=mj)
 
 
+_UPDATE = FastLaunch(_update_kernel)
+
+
 def _launch_update(x3, conv_state, weight, bias, conv_state_indices, num_accepted_tokens,
                    intermediate_conv_window, output_state_indices, out3, width, silu, pad_slot_id):
     batch, dim, seqlen = x3.shape
@@ -149,7 +152,8 @@ def _launch_update(x3, conv_state, weight, bias, conv_state_indices, num_accepte
     inter = intermediate_conv_window
     osi = output_state_indices
     grid = (batch, triton.cdiv(dim, cfg.block_d))
-    _update_kernel[grid](
+    _UPDATE(
+        grid,
         x3, weight, bias if bias is not None else weight, conv_state,
         conv_state_indices if conv_state_indices is not None else x3,
         num_accepted_tokens if num_accepted_tokens is not None else x3,

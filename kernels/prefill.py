@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import prefill_config
+from ._launch import FastLaunch, prefill_config
 from ._validate import PAD_SLOT_ID, check_out, check_prefill
 
 
@@ -162,6 +162,9 @@ def _prefill_kernel(
             tl.store(row[None, :] + offs_h[:, None] * stride_s_k, new.to(state_ptr.dtype.element_ty), mask=mask_j)
 
 
+_PREFILL = FastLaunch(_prefill_kernel)
+
+
 def _launch_prefill(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state, out,
                     width, batch, silu, pad_slot_id):
     dim, total = x.shape
@@ -172,7 +175,8 @@ def _launch_prefill(x, weight, bias, conv_states, query_start_loc, cache_indices
         init = init.view(torch.uint8)
     s_strides = conv_states.stride() if has_state else (0, 0, 0)
     grid = (triton.cdiv(total, cfg.block_t) + batch + 1, triton.cdiv(dim, cfg.block_d))
-    _prefill_kernel[grid](
+    _PREFILL(
+        grid,
         x, weight, bias if bias is not None else weight, conv_states if has_state else x,
         query_start_loc, cache_indices if cache_indices is not None else query_start_loc,
         init if init is not None else query_start_loc, out,

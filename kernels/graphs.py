@@ -1,0 +1,123 @@
+"""CUDA-graph capture of the two ops for fixed buckets, so a serving loop pays one graph replay per launch.
+
+Each class owns static input and output buffers, captures the op once over them, and replays it. A caller fills
+the buffers in place (``graph.x[:n].copy_(...)``) and calls :meth:`replay`, or uses :meth:`run`, which copies
+for it. Rows past the live ones must hold the pad slot (the constructors and :meth:`run` see to it), so the
+padded part of a bucket computes zeros and touches no state.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ._validate import PAD_SLOT_ID
+from .decode import causal_conv1d_update
+from .prefill import causal_conv1d_fn
+
+
+def _capture(fn, pool):
+    """Run ``fn`` once outside the graph (compiles the kernel), then capture it."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        fn()
+    return graph
+
+
+class DecodeGraph:
+    """``causal_conv1d_update`` for a fixed ``(batch, seqlen)`` bucket against one state pool.
+
+    Buffers: ``x (batch, dim, seqlen)``, ``conv_state_indices (batch,) int32`` (pad-filled), ``out`` like ``x``,
+    and with ``intermediate=True`` an ``intermediate_conv_window (batch, seqlen, dim, width - 1)`` that receives
+    the window after each token (a speculative verify: the live state is then not written).
+    """
+
+    def __init__(self, conv_state: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                 activation="silu", *, batch: int, seqlen: int = 1, x_dtype: Optional[torch.dtype] = None,
+                 intermediate: bool = False, pad_slot_id: int = PAD_SLOT_ID, pool=None):
+        dev = conv_state.device
+        dim, width = weight.shape
+        self.batch, self.seqlen, self.pad_slot_id = batch, seqlen, pad_slot_id
+        self.x = torch.zeros(batch, dim, seqlen, dtype=x_dtype or weight.dtype, device=dev)
+        self.conv_state_indices = torch.full((batch,), pad_slot_id, dtype=torch.int32, device=dev)
+        self.out = torch.empty_like(self.x)
+        self.intermediate_conv_window = (torch.zeros(batch, seqlen, dim, width - 1, dtype=conv_state.dtype,
+                                                     device=dev) if intermediate else None)
+
+        def step():
+            causal_conv1d_update(self.x, conv_state, weight, bias, activation,
+                                 conv_state_indices=self.conv_state_indices,
+                                 intermediate_conv_window=self.intermediate_conv_window,
+                                 pad_slot_id=pad_slot_id, out=self.out)
+
+        self.graph = _capture(step, pool)
+
+    def replay(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.out
+
+    def run(self, x: torch.Tensor, conv_state_indices: torch.Tensor) -> torch.Tensor:
+        """x: ``(n, dim)`` or ``(n, dim, seqlen)`` with ``n <= batch``; returns ``out[:n]`` (a view, overwritten by
+        the next replay)."""
+        n = x.shape[0]
+        if n > self.batch:
+            raise ValueError(f"x: expected at most batch={self.batch} rows for this graph, got {n}")
+        self.x[:n].copy_(x.view(n, x.shape[1], -1))
+        self.conv_state_indices[:n].copy_(conv_state_indices)
+        self.conv_state_indices[n:].fill_(self.pad_slot_id)
+        self.graph.replay()
+        return self.out[:n] if x.dim() == 3 else self.out[:n, :, 0]
+
+
+class PrefillGraph:
+    """``causal_conv1d_fn`` for a fixed bucket of ``tokens`` packed tokens and up to ``seqs`` sequences.
+
+    Buffers: ``x`` (dim, tokens) channel-last (``x.t()`` is the ``(tokens, dim)`` storage), ``query_start_loc
+    (seqs + 1,) int32``, ``cache_indices (seqs,) int32``, ``has_initial_state (seqs,) bool``, ``out`` like ``x``.
+    Unused sequences are empty and padded; tokens past the last sequence compute zeros.
+    """
+
+    def __init__(self, conv_states: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                 activation="silu", *, tokens: int, seqs: int, x_dtype: Optional[torch.dtype] = None,
+                 pad_slot_id: int = PAD_SLOT_ID, pool=None):
+        dev = conv_states.device
+        dim = weight.shape[0]
+        self.tokens, self.seqs, self.pad_slot_id = tokens, seqs, pad_slot_id
+        self.x = torch.zeros(tokens, dim, dtype=x_dtype or weight.dtype, device=dev).t()
+        self.out = torch.empty_like(self.x)
+        self.query_start_loc = torch.zeros(seqs + 1, dtype=torch.int32, device=dev)
+        self.cache_indices = torch.full((seqs,), pad_slot_id, dtype=torch.int32, device=dev)
+        self.has_initial_state = torch.zeros(seqs, dtype=torch.bool, device=dev)
+
+        def step():
+            causal_conv1d_fn(self.x, weight, bias, conv_states, self.query_start_loc, self.cache_indices,
+                             self.has_initial_state, activation, pad_slot_id, out=self.out)
+
+        self.graph = _capture(step, pool)
+
+    def replay(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.out
+
+    def run(self, x: torch.Tensor, query_start_loc: torch.Tensor, cache_indices: torch.Tensor,
+            has_initial_state: torch.Tensor) -> torch.Tensor:
+        """x: ``(dim, n)`` with ``n <= tokens``; the three index tensors for ``b <= seqs`` sequences (already on the
+        device). Returns ``out[:, :n]`` (a view, overwritten by the next replay)."""
+        n, b = x.shape[1], cache_indices.shape[0]
+        if n > self.tokens or b > self.seqs:
+            raise ValueError(f"x / cache_indices: expected at most {self.tokens} tokens and {self.seqs} sequences "
+                             f"for this graph, got {n} and {b}")
+        self.x[:, :n].copy_(x)
+        self.query_start_loc[:b + 1].copy_(query_start_loc)
+        self.query_start_loc[b + 1:].fill_(n)
+        self.cache_indices[:b].copy_(cache_indices)
+        self.cache_indices[b:].fill_(self.pad_slot_id)
+        self.has_initial_state[:b].copy_(has_initial_state)
+        self.graph.replay()
+        return self.out[:, :n]
