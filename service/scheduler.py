@@ -1,0 +1,332 @@
+"""The batching scheduler: which queued conv requests run in the next engine step, and how they are packed.
+
+Pure Python, no torch: it decides, the engine (the model runner) turns its :class:`SchedulerOutput` into tensors,
+and the state pool allocates. The engine's lock guards every call.
+
+Each request is ``(session, layer position, T tokens)``. Per step, within ``max_batch_size`` rows,
+``max_batch_tokens`` tokens and ``max(decode_buckets)`` decode rows per layer:
+
+* **Order.** A session's requests run in arrival order: per session the step takes a prefix of its queue, and a
+  session never has two requests of the same layer in one step (the second waits for the next step).
+* **Decodes and verifies first.** Pass 1 takes the small requests (decodes ``T = 1`` on a layer that has state,
+  and speculative verifies), in arrival order, each session stopping at its first prefill. Pass 2 goes on in
+  arrival order and fills the remaining token budget with prefills, chunked when they do not fit: a prefill
+  longer than what is left runs its first tokens now and the rest in later steps (as a chunked prefill that
+  continues from the stored state). The session's later requests wait until it completes.
+* **Delay window.** :meth:`Scheduler.ready` says to run when the oldest queued request has waited
+  ``max_queue_delay_us``, or at once when the queue alone fills a step, or when a chunked prefill is under way.
+* **Timeout.** A request that has not started after ``request_timeout_s`` is returned in ``expired`` (to fail).
+* **Session ops.** A session whose ``barrier`` is set (an export, fork, import or accept is waiting for the
+  requests submitted before it) has its later requests held back.
+
+Rows are classified as: *decode* (``T = 1``, not speculative, the layer has state), *verify* (speculative, any
+``T``) or *prefill* (anything else: a first call, or a chunk of one).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+#: The pad row marker of the kernels (``kernels.PAD_SLOT_ID``); a pad row's output is zero and it touches no state.
+PAD_SLOT_ID = -1
+
+PREFILL, DECODE, VERIFY = "prefill", "decode", "verify"
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    """One conv request. Compared and hashed by identity."""
+
+    seq: int                     # arrival number, increasing over the engine's life
+    session: Any                 # the Session record (.slot, .initialized, .barrier)
+    layer: int                   # conv layer position (0..n_layers-1), not the model's layer index
+    n_tokens: int                # T
+    speculative: bool            # a verify: computes y, keeps the state as it was until accept
+    arrival: float               # monotonic seconds at submit
+    x: Any = None                # the engine's (T, dim) input; the scheduler never reads it
+    future: Any = None           # the engine's result sink
+    x_dtype: Any = None          # dtype the caller wants y in
+    parts: Optional[list] = None  # outputs of the chunks run so far (chunked prefills only)
+    scheduled_tokens: int = 0    # tokens handed to steps so far
+    started: bool = False        # has entered a step: can no longer be cancelled
+    cancelled: bool = False      # removed before it started (cancel, timeout, deleted session, stop)
+
+
+@dataclass(slots=True)
+class PrefillBatch:
+    """One prefill launch: packed sequences of one layer (``causal_conv1d_fn``)."""
+
+    layer: int                    # conv layer position: pool layer and index into the stacked weights
+    requests: list                # the request of each row, in packing order
+    starts: list                  # first token of each row's chunk within its request's x
+    query_start_loc: list         # (rows + 1,) cumulative token offsets of the rows within this batch, from 0
+    cache_indices: list           # pool slot of each row
+    has_initial_state: list       # per row: continue from the stored state (False: start from zeros)
+    token_offset: int             # where this batch's tokens start in the step's packed token buffer
+
+
+@dataclass(slots=True)
+class DecodeBatch:
+    """One decode launch of one layer (``causal_conv1d_update``, one token per row), padded to a bucket."""
+
+    layer: int                    # conv layer position
+    requests: list                # the request of each real row (rows past len(requests) are padding)
+    cache_indices: list           # (bucket,) pool slot per row; PAD_SLOT_ID for the padding rows
+    bucket: int                   # padded batch size: the smallest configured bucket >= len(requests)
+
+
+@dataclass(slots=True)
+class VerifyBatch:
+    """One speculative-verify launch: ``n_tokens`` tokens per row, one layer, the state left unwritten."""
+
+    layer: int                    # conv layer position
+    n_tokens: int                 # tokens of every row
+    requests: list                # the request of each row
+    cache_indices: list           # pool slot per row
+    token_offset: int             # where this batch's rows start in the packed token buffer (row-major)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """Everything the engine runs in one step."""
+
+    step: int                                            # step number, from 0
+    prefills: list = field(default_factory=list)         # PrefillBatch per layer with prefill rows
+    decodes: list = field(default_factory=list)          # DecodeBatch per layer with decode rows
+    verifies: list = field(default_factory=list)         # VerifyBatch per (layer, n_tokens)
+    finished: list = field(default_factory=list)         # requests whose last token runs now, in arrival order
+    expired: list = field(default_factory=list)          # never-started requests past request_timeout_s: fail
+    num_rows: int = 0                                    # real rows of all launches (chunks count once)
+    num_tokens: int = 0                                  # real tokens of all launches
+    packed_tokens: int = 0                               # tokens in the packed buffer (prefill + verify)
+    num_padded_rows: int = 0                             # decode padding rows added to reach the buckets
+
+    @property
+    def empty(self) -> bool:
+        return not (self.prefills or self.decodes or self.verifies)
+
+
+@dataclass
+class SchedulerConfig:
+    max_batch_tokens: int = 8192          # tokens per step, all rows together
+    max_batch_size: int = 256             # rows per step
+    max_queue_delay_us: int = 200         # how long the oldest request may wait for a fuller step
+    decode_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # padded decode batch sizes
+    request_timeout_s: float = 30.0       # a request not started by then is expired
+
+    def __post_init__(self):
+        for name in ("max_batch_tokens", "max_batch_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
+        if self.max_queue_delay_us < 0:
+            raise ValueError(f"max_queue_delay_us: expected >= 0, got {self.max_queue_delay_us}")
+        b = sorted(set(int(x) for x in self.decode_buckets))
+        if not b or b[0] < 1:
+            raise ValueError(f"decode_buckets: expected positive batch sizes, got {list(self.decode_buckets)}")
+        self.decode_buckets = tuple(b)
+        if self.request_timeout_s <= 0:
+            raise ValueError(f"request_timeout_s: expected > 0, got {self.request_timeout_s}")
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self._buckets = list(config.decode_buckets)
+        self._delay = config.max_queue_delay_us * 1e-6
+        self._waiting: list[Request] = []    # arrival order; cancelled entries are dropped lazily
+        self._n = 0                          # live (not cancelled, not finished) waiting requests
+        self._tokens = 0                     # their remaining tokens
+        self._step = 0
+
+    # ---- intake
+
+    def add(self, req: Request) -> None:
+        """Queue ``req``. A verify runs in one piece, so it must fit one step (the engine checks this first)."""
+        if req.speculative and req.n_tokens > self.config.max_batch_tokens:
+            raise ValueError(f"a speculative verify of {req.n_tokens} tokens can never fit a step of "
+                             f"max_batch_tokens={self.config.max_batch_tokens}")
+        self._waiting.append(req)
+        self._n += 1
+        self._tokens += req.n_tokens
+
+    def cancel(self, req: Request) -> bool:
+        """Withdraw a request that has not started. Returns False (and does nothing) once it has."""
+        if req.started or req.cancelled:
+            return False
+        req.cancelled = True
+        self._n -= 1
+        self._tokens -= req.n_tokens
+        return True
+
+    def drain(self) -> list:
+        """Withdraw every request that has not started; return them (to fail)."""
+        out = [r for r in self._waiting if not r.cancelled and not r.started]
+        for r in out:
+            self.cancel(r)
+        return out
+
+    @property
+    def depth(self) -> int:
+        """Requests queued and not finished (a chunked prefill under way counts until its last chunk)."""
+        return self._n
+
+    @property
+    def queued_tokens(self) -> int:
+        return self._tokens
+
+    def bucket_for(self, n: int) -> int:
+        return self._buckets[bisect.bisect_left(self._buckets, n)]
+
+    # ---- when to run
+
+    def _oldest(self) -> Optional[Request]:
+        w = self._waiting
+        i = 0
+        while i < len(w) and w[i].cancelled:
+            i += 1
+        if i:
+            del w[:i]
+        return w[0] if w else None
+
+    def next_deadline(self) -> Optional[float]:
+        """Monotonic time at which the queue must run (None when it is empty)."""
+        r = self._oldest()
+        if r is None:
+            return None
+        return r.arrival if r.started else r.arrival + self._delay
+
+    def ready(self, now: float) -> bool:
+        """Run a step now? See the module docstring for the rule."""
+        if self._n == 0:
+            return False
+        if self._n >= self.config.max_batch_size or self._tokens >= self.config.max_batch_tokens:
+            return True
+        deadline = self.next_deadline()
+        return deadline is not None and now >= deadline
+
+    # ---- the step
+
+    def _kind(self, r: Request) -> str:
+        if r.speculative:
+            return VERIFY
+        if r.n_tokens == 1 and (r.session.initialized >> r.layer) & 1:
+            return DECODE
+        return PREFILL
+
+    def schedule(self, now: float) -> SchedulerOutput:
+        """Pick and pack the next step (possibly empty). Marks picked requests started."""
+        cfg = self.config
+        out = SchedulerOutput(step=self._step)
+        self._step += 1
+        max_rows, max_tokens, max_bucket = cfg.max_batch_size, cfg.max_batch_tokens, self._buckets[-1]
+        timeout = cfg.request_timeout_s
+        rows = tokens = 0
+        hard: set = set()        # sessions that take nothing more this step
+        soft: set = set()        # sessions stopped at a prefill in pass 1 (go on in pass 2)
+        layers_of: dict = {}     # session -> set of layer positions taken this step
+        decode: dict = {}        # layer -> [requests]
+        verify: dict = {}        # (layer, n) -> [requests]
+        prefill: dict = {}       # layer -> [(request, start, end, has_initial_state)]
+        taken: set = set()       # requests fully scheduled by this step (leave the queue)
+        finished: list = []
+
+        for second_pass in (False, True):
+            for r in self._waiting:
+                if r.cancelled or r in taken:
+                    continue
+                s = r.session
+                if s in hard or (s in soft and not second_pass):
+                    continue
+                if not r.started and now - r.arrival > timeout:
+                    self.cancel(r)
+                    out.expired.append(r)
+                    continue
+                if s.barrier is not None and r.seq > s.barrier:
+                    hard.add(s)
+                    continue
+                lt = layers_of.get(s)
+                if lt is not None and r.layer in lt:
+                    hard.add(s)
+                    continue
+                kind = self._kind(r)
+                n = r.n_tokens
+                if kind is PREFILL:
+                    if not second_pass:
+                        soft.add(s)
+                        continue
+                    start = r.scheduled_tokens
+                    chunk = min(n - start, max_tokens - tokens)
+                    if rows >= max_rows or chunk <= 0:
+                        hard.add(s)
+                        continue
+                    bit = 1 << r.layer
+                    init = start > 0 or bool(s.initialized & bit)
+                    s.initialized |= bit
+                    prefill.setdefault(r.layer, []).append((r, start, start + chunk, init))
+                    r.scheduled_tokens = start + chunk
+                    rows += 1
+                    tokens += chunk
+                    self._tokens -= chunk
+                    r.started = True
+                    if r.scheduled_tokens < n:      # chunked: the rest runs in later steps, after which
+                        hard.add(s)                 # this session's later requests may go
+                    else:
+                        taken.add(r)
+                        finished.append(r)
+                else:
+                    if (rows >= max_rows or tokens + n > max_tokens
+                            or (kind is DECODE and len(decode.get(r.layer, ())) >= max_bucket)):
+                        hard.add(s)
+                        continue
+                    if kind is DECODE:
+                        decode.setdefault(r.layer, []).append(r)
+                    else:
+                        verify.setdefault((r.layer, n), []).append(r)
+                    rows += 1
+                    tokens += n
+                    self._tokens -= n
+                    r.scheduled_tokens = n
+                    r.started = True
+                    taken.add(r)
+                    finished.append(r)
+                if lt is None:
+                    layers_of[s] = {r.layer}
+                else:
+                    lt.add(r.layer)
+
+        if taken or out.expired:
+            self._waiting = [r for r in self._waiting if not r.cancelled and r not in taken]
+        self._n -= len(taken)
+
+        offset = 0
+        for layer in sorted(prefill):
+            rws = prefill[layer]
+            qsl = [0]
+            for _r, a, b, _i in rws:
+                qsl.append(qsl[-1] + b - a)
+            out.prefills.append(PrefillBatch(layer, [x[0] for x in rws], [x[1] for x in rws], qsl,
+                                             [x[0].session.slot for x in rws], [x[3] for x in rws], offset))
+            offset += qsl[-1]
+        for key in sorted(verify):
+            layer, n = key
+            reqs = verify[key]
+            out.verifies.append(VerifyBatch(layer, n, reqs, [r.session.slot for r in reqs], offset))
+            offset += n * len(reqs)
+        for layer in sorted(decode):
+            reqs = decode[layer]
+            b = self.bucket_for(len(reqs))
+            idx = [r.session.slot for r in reqs]
+            idx.extend([PAD_SLOT_ID] * (b - len(reqs)))
+            out.decodes.append(DecodeBatch(layer, reqs, idx, b))
+            out.num_padded_rows += b - len(reqs)
+        finished.sort(key=_seq)
+        out.finished = finished
+        out.num_rows, out.num_tokens, out.packed_tokens = rows, tokens, offset
+        return out
+
+
+def _seq(r: Request) -> int:
+    return r.seq

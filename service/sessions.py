@@ -1,0 +1,99 @@
+"""Session records and the table that maps session ids to them.
+
+A session owns one slot of the state pool (its conv state for every conv layer). The table remembers a bounded
+number of ids evicted by the idle TTL, so that those answer :class:`StateLost` (410) rather than
+:class:`UnknownSession` (404, for ids that never existed or were deleted). Not thread-safe: the engine guards it
+with its lock.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .errors import BadRequest, SessionExists, StateLost, UnknownSession
+
+MAX_SESSION_ID_LEN = 256
+
+
+@dataclass(eq=False, slots=True)
+class Session:
+    """One session. Compared and hashed by identity."""
+
+    id: str
+    #: state pool slot (1..slots)
+    slot: int
+    #: bit ``p`` set: conv layer position ``p`` has state (its next prefill starts from the stored state).
+    initialized: int = 0
+    #: un-accepted speculative verifies, as submitted: layer position -> (tokens, request seq). Set by submit,
+    #: cleared by accept / import, or by the failure of the request that set it.
+    pending: dict = field(default_factory=dict)
+    #: the x ``(tokens, dim)`` of each layer's executed, un-accepted verify (what accept commits from).
+    spec_x: dict = field(default_factory=dict)
+    #: requests submitted and not finished (queued, or in a step).
+    active: int = 0
+    #: while a session op (fork, export, import, accept) waits: the seq of the last request it waits for.
+    #: The scheduler holds back this session's later requests until the op has run.
+    barrier: Optional[int] = None
+    #: session ops posted and not yet run
+    ops: int = 0
+    #: monotonic time of the last use (TTL eviction)
+    last_used: float = 0.0
+
+
+class SessionTable:
+    """``id -> Session`` plus a bounded memory of evicted ids."""
+
+    def __init__(self, max_evicted: int = 65536):
+        self._live: dict[str, Session] = {}
+        self._evicted: OrderedDict[str, None] = OrderedDict()
+        self._max_evicted = max_evicted
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __iter__(self):
+        return iter(list(self._live.values()))
+
+    @staticmethod
+    def check_id(session_id) -> str:
+        if not isinstance(session_id, str) or not session_id or len(session_id) > MAX_SESSION_ID_LEN:
+            raise BadRequest(f"session: expected a non-empty string of at most {MAX_SESSION_ID_LEN} characters, "
+                             f"got {session_id!r:.80}")
+        return session_id
+
+    @staticmethod
+    def new_id() -> str:
+        return uuid.uuid4().hex
+
+    def get(self, session_id) -> Session:
+        """The live session, or :class:`StateLost` (evicted) / :class:`UnknownSession` (anything else)."""
+        s = self._live.get(session_id) if isinstance(session_id, str) else None
+        if s is not None:
+            return s
+        if isinstance(session_id, str) and session_id in self._evicted:
+            raise StateLost(f"session {session_id!r} was evicted after being idle longer than the session TTL; "
+                            "its state is gone: create a new session and prefill again")
+        raise UnknownSession(f"session {session_id!r:.80} does not exist (never created, or deleted); create it "
+                             "with POST /v1/sessions")
+
+    def check_free(self, session_id: str) -> None:
+        if session_id in self._live:
+            raise SessionExists(f"session {session_id!r} already exists; pick another id or omit it")
+
+    def add(self, session: Session) -> None:
+        self.check_free(session.id)
+        self._evicted.pop(session.id, None)
+        self._live[session.id] = session
+
+    def remove(self, session: Session, evicted: bool = False) -> None:
+        del self._live[session.id]
+        if evicted:
+            self._evicted[session.id] = None
+            while len(self._evicted) > self._max_evicted:
+                self._evicted.popitem(last=False)
+
+    def was_evicted(self, session_id: str) -> bool:
+        return session_id in self._evicted
