@@ -7,6 +7,7 @@ compare variants in one process.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -84,12 +85,13 @@ class FastLaunch:
     def __init__(self, fn):
         self.fn = fn
         self._cache = {}
+        self.direct = True  # False once the compiled launcher refused our arguments
         params = getattr(fn, "params", None)
         self._constexpr_names = [p.name for p in params if p.is_constexpr] if params is not None else None
 
     def __call__(self, grid, *args, num_warps: int, **constexprs):
         device = args[0].device
-        if device.type != "cuda" or self._constexpr_names is None:
+        if device.type != "cuda" or self._constexpr_names is None or not self.direct:
             self.fn[grid](*args, num_warps=num_warps, **constexprs)
             return
         key = (device.index, num_warps, tuple(constexprs.values()), tuple(map(_spec, args)))
@@ -100,7 +102,11 @@ class FastLaunch:
                 compiled = compiled.result()
             self._cache[key] = compiled
             return
-        stream = _raw_stream(device.index)
         consts = [constexprs[n] for n in self._constexpr_names]
-        compiled.run(grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
-                     *args, *consts)
+        try:
+            compiled.run(grid[0], grid[1], 1, _raw_stream(device.index), compiled.function,
+                         compiled.packed_metadata, None, None, None, *args, *consts)
+        except (TypeError, SystemError, AttributeError) as exc:  # a Triton whose launcher takes other arguments
+            warnings.warn(f"convserve: direct Triton launch unavailable ({exc!r}); using kernel[grid](...)")
+            self.direct = False
+            self.fn[grid](*args, num_warps=num_warps, **constexprs)
