@@ -51,7 +51,8 @@ class Request:
     parts: Optional[list] = None  # outputs of the chunks run so far (chunked prefills only)
     scheduled_tokens: int = 0    # tokens handed to steps so far
     started: bool = False        # has entered a step: can no longer be cancelled
-    cancelled: bool = False      # removed before it started (cancel, timeout, deleted session, stop)
+    cancelled: bool = False      # withdrawn: cancel, timeout, deleted session, stop
+    done: bool = False           # finished, failed or cancelled (the engine's bookkeeping)
 
 
 @dataclass(slots=True)
@@ -161,6 +162,15 @@ class Scheduler:
         self._tokens -= req.n_tokens
         return True
 
+    def abort(self, req: Request) -> bool:
+        """Withdraw a request even if it has started (a chunked prefill whose session is deleted)."""
+        if req.cancelled or (req.started and req.scheduled_tokens >= req.n_tokens):
+            return False
+        req.cancelled = True
+        self._n -= 1
+        self._tokens -= req.n_tokens - req.scheduled_tokens
+        return True
+
     def drain(self) -> list:
         """Withdraw every request that has not started; return them (to fail)."""
         out = [r for r in self._waiting if not r.cancelled and not r.started]
@@ -196,7 +206,7 @@ class Scheduler:
         r = self._oldest()
         if r is None:
             return None
-        return r.arrival if r.started else r.arrival + self._delay
+        return r.arrival if r.started else r.arrival + min(self._delay, self.config.request_timeout_s)
 
     def ready(self, now: float) -> bool:
         """Run a step now? See the module docstring for the rule."""
@@ -263,7 +273,7 @@ class Scheduler:
                         hard.add(s)
                         continue
                     bit = 1 << r.layer
-                    init = start > 0 or bool(s.initialized & bit)
+                    init = bool(s.initialized & bit)       # set by the first chunk for later ones
                     s.initialized |= bit
                     prefill.setdefault(r.layer, []).append((r, start, start + chunk, init))
                     r.scheduled_tokens = start + chunk

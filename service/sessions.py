@@ -9,7 +9,7 @@ with its lock.
 from __future__ import annotations
 
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -32,8 +32,8 @@ class Session:
     pending: dict = field(default_factory=dict)
     #: the x ``(tokens, dim)`` of each layer's executed, un-accepted verify (what accept commits from).
     spec_x: dict = field(default_factory=dict)
-    #: requests submitted and not finished (queued, or in a step).
-    active: int = 0
+    #: requests submitted and not yet finished, in arrival order (finished ones leave from the head lazily).
+    queue: deque = field(default_factory=deque)
     #: while a session op (fork, export, import, accept) waits: the seq of the last request it waits for.
     #: The scheduler holds back this session's later requests until the op has run.
     barrier: Optional[int] = None
@@ -41,6 +41,13 @@ class Session:
     ops: int = 0
     #: monotonic time of the last use (TTL eviction)
     last_used: float = 0.0
+
+    def oldest_active(self):
+        """The oldest unfinished request, or None (drops finished ones from the head of ``queue``)."""
+        q = self.queue
+        while q and q[0].done:
+            q.popleft()
+        return q[0] if q else None
 
 
 class SessionTable:

@@ -1,0 +1,1042 @@
+"""The serving engine: one per device. It owns the state pool, the weights, the batch buffers and a worker thread
+that runs the scheduler's steps; callers in the same process submit conv requests and session operations.
+
+Kernels: on CUDA the Triton ops of :mod:`kernels` (imported when the engine starts on CUDA), with each decode
+bucket of each layer replayed from a CUDA graph captured at start-up; on CPU the PyTorch references.
+
+Threading: every public method is thread-safe. The worker thread is the only one that touches device memory after
+:meth:`Engine.start`: conv steps and the session operations that read or write state (delete, fork, export,
+import, accept, TTL eviction) run on it, between steps, so a slot is never freed in the middle of a step. A
+session operation runs after the requests of that session submitted before it (and holds back the ones
+submitted after it), so ``submit(...); export_state(...)`` sees the submitted request's effect.
+
+Conv semantics (``submit`` / ``conv``):
+
+* ``x`` is ``(T, dim)``, ``T >= 1``, bf16 / fp16 / fp32 on any device; it is cast to the model dtype for compute
+  and ``y`` comes back ``(T, dim)`` on the CPU in x's dtype. The first call of a session and layer starts from a
+  zero state; later calls continue from the stored state (chunked prefill; ``T = 1`` is a decode). A prefill
+  longer than what a step has room for runs in chunks over several steps, transparently.
+* Speculative decoding: ``speculative=True`` sends ``k + 1`` tokens (at most ``max_spec_tokens``) that are
+  computed from the committed state, which they leave unchanged. ``accept(session, n)`` then commits, for every
+  layer with a pending verify at once, the state after the first ``n`` of its tokens (``0 <= n <= T``; ``n = 0``
+  rejects them all). The engine keeps each layer's verify tokens, not the windows: the window after ``n`` tokens
+  is the last ``width - 1`` columns of ``[committed state, x[:n]]``, bit-identical to the kernel's intermediate
+  window. Rules while a verify is pending:
+
+  - another speculative call on the same layer *replaces* that layer's pending verify (it again starts from the
+    committed state: a retried verify is idempotent);
+  - a non-speculative call on any layer of the session raises :class:`BadRequest` (accept, or ``accept(s, 0)``
+    to discard, first): silently running it on either state would be wrong for some caller;
+  - ``export_state`` returns the committed state; ``fork_session`` copies the pending verify too (each fork can
+    accept its own ``n``); ``import_state`` replaces the state and discards the pending verify.
+
+* Failure isolation: a request is validated before it is queued (:class:`UnknownSession`, :class:`StateLost`,
+  :class:`UnknownLayer`, :class:`DtypeUnsupported`, :class:`ShapeMismatch`, :class:`NonFinite`,
+  :class:`BadRequest`, :class:`QueueFull`); one that fails never enters a batch and changes no state.
+* ``request_timeout_s``: a request that has not started by then fails with :class:`RequestTimeout`; once started
+  it completes. Cancelling (``future.cancel()``, :meth:`Engine.cancel`, or cancelling the task awaiting
+  :meth:`Engine.conv`) withdraws a request that has not started; one that has started still updates the state.
+* Sessions idle longer than ``session_ttl_s`` are evicted (slot freed); their ids then raise :class:`StateLost`
+  (a bounded memory of evicted ids), while deleted and never-created ids raise :class:`UnknownSession`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import collections
+import itertools
+import logging
+import math
+import threading
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+
+from state_pool import ConvStatePool, PoolDtypeError, PoolError, PoolShapeError, auto_slots, pool_bytes
+from state_pool import PoolExhausted as PoolFull
+
+from .errors import (BadRequest, DtypeUnsupported, Internal, NonFinite, NotReady, PoolExhausted, QueueFull,
+                     RequestTimeout, ServiceError, ShapeMismatch, UnknownSession)
+from .model import DTYPE_NAMES, MODEL_DTYPES, ConvModel
+from .scheduler import PAD_SLOT_ID, Request, Scheduler, SchedulerConfig, SchedulerOutput
+from .sessions import Session, SessionTable
+
+log = logging.getLogger("convserve.engine")
+
+_DTYPE_BY_NAME = {v: k for k, v in DTYPE_NAMES.items()}
+#: batch-size histogram buckets of stats()["batch_size"]
+_BATCH_HIST = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def _dtype(v, what: str) -> torch.dtype:
+    if isinstance(v, torch.dtype) and v in MODEL_DTYPES:
+        return v
+    if isinstance(v, str) and v in _DTYPE_BY_NAME:
+        return _DTYPE_BY_NAME[v]
+    raise ValueError(f"{what}: expected one of {list(_DTYPE_BY_NAME)}, got {v!r}")
+
+
+@dataclass
+class EngineConfig:
+    """Engine knobs. The HTTP layer's settings fill these; the defaults serve a single GPU well."""
+
+    slots: Union[int, str] = 256                 # session slots in the pool, or "auto" (pool_memory_fraction)
+    state_dtype: Optional[Union[torch.dtype, str]] = None  # None: the model dtype. The state holds past inputs,
+    #                                              which are cast to the model dtype, so that is lossless.
+    max_batch_tokens: int = 8192                 # tokens per step (longer prefills run in chunks)
+    max_batch_size: int = 256                    # rows per step
+    max_queue_delay_us: int = 200                # how long a step waits to fill
+    decode_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # padded decode sizes (one CUDA graph
+    #                                              per layer and bucket); the largest bounds decode rows per layer
+    max_queue: int = 4096                        # queued requests before QueueFull
+    session_ttl_s: float = 3600.0                # idle seconds before a session is evicted
+    request_timeout_s: float = 30.0              # queue wait before RequestTimeout; also bounds session ops
+    use_cuda_graphs: bool = True                 # replay decode buckets from CUDA graphs (CUDA only)
+    max_spec_tokens: int = 16                    # most tokens of one speculative verify
+    check_finite: bool = True                    # reject x with NaN/Inf (NonFinite) instead of poisoning state
+    pool_memory_fraction: float = 0.5            # slots="auto": this share of free device memory
+    max_evicted_ids: int = 65536                 # evicted ids remembered (StateLost rather than UnknownSession)
+
+    def __post_init__(self):
+        if isinstance(self.slots, str):
+            if self.slots != "auto":
+                raise ValueError(f"slots: expected an int >= 1 or 'auto', got {self.slots!r}")
+        elif isinstance(self.slots, bool) or not isinstance(self.slots, int) or self.slots < 1:
+            raise ValueError(f"slots: expected an int >= 1 or 'auto', got {self.slots!r}")
+        if self.state_dtype is not None:
+            self.state_dtype = _dtype(self.state_dtype, "state_dtype")
+        self.decode_buckets = tuple(sorted(set(int(b) for b in self.decode_buckets)))
+        for name in ("max_queue", "max_spec_tokens", "max_evicted_ids"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected >= 1, got {getattr(self, name)}")
+        if self.max_spec_tokens > self.max_batch_tokens:
+            raise ValueError(f"max_spec_tokens ({self.max_spec_tokens}) exceeds max_batch_tokens "
+                             f"({self.max_batch_tokens}): a verify runs in one step")
+        if self.session_ttl_s <= 0:
+            raise ValueError(f"session_ttl_s: expected > 0, got {self.session_ttl_s}")
+        if not 0 < self.pool_memory_fraction <= 1:
+            raise ValueError(f"pool_memory_fraction: expected in (0, 1], got {self.pool_memory_fraction}")
+        self.scheduler_config()  # validates the batching knobs
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(self.max_batch_tokens, self.max_batch_size, self.max_queue_delay_us,
+                               self.decode_buckets, self.request_timeout_s)
+
+    @classmethod
+    def from_settings(cls, settings: Any, **overrides) -> "EngineConfig":
+        """Take every field this config has from an object with the same attribute names (the HTTP settings)."""
+        kw = {f.name: getattr(settings, f.name) for f in fields(cls) if getattr(settings, f.name, None) is not None}
+        kw.update(overrides)
+        return cls(**kw)
+
+
+class _ConvFuture(Future):
+    """A ``concurrent.futures.Future`` whose ``cancel()`` withdraws the request from the engine's queue."""
+
+    def __init__(self, engine: "Engine"):
+        super().__init__()
+        self._engine = engine
+        self._req: Optional[Request] = None
+
+    def cancel(self) -> bool:
+        if self._req is None:
+            return super().cancel()
+        return self._engine._cancel_request(self._req)
+
+    def _base_cancel(self) -> bool:
+        return super().cancel()
+
+
+@dataclass(eq=False)
+class _Op:
+    """A session operation run by the worker between steps."""
+
+    session: Optional[Session]
+    fn: Callable[[], Any]
+    future: Future
+    barrier: Optional[int]            # run after this session's requests with seq <= barrier (None: at once)
+    cancelled: bool = False
+
+
+class _Buffers:
+    """Batch buffers, allocated once for the largest step. On CUDA the ``h_*`` are pinned host memory and the
+    ``d_*`` device memory; on the CPU each ``d_*`` is its ``h_*``."""
+
+    def __init__(self, n_layers: int, dim: int, dtype: torch.dtype, max_tokens: int, max_rows: int,
+                 max_bucket: int, max_spec: int, device: torch.device):
+        cuda = device.type == "cuda"
+
+        def pair(shape, dt, fill=None):
+            h = torch.empty(shape, dtype=dt, pin_memory=cuda)
+            if fill is not None:
+                h.fill_(fill)
+            d = torch.empty(shape, dtype=dt, device=device) if cuda else h
+            if cuda and fill is not None:
+                d.fill_(fill)
+            return h, d
+
+        n_meta = 3 * max_rows + n_layers + 1
+        self.h_in, self.d_in = pair((max_tokens, dim), dtype)           # packed prefill + verify tokens
+        self.h_out, self.d_out = pair((max_tokens, dim), dtype)
+        self.h_meta, self.d_meta = pair((n_meta,), torch.int32)          # query_start_loc, cache_indices
+        self.h_flags, self.d_flags = pair((max_rows,), torch.bool)       # has_initial_state
+        self.h_dec_x, self.d_dec_x = pair((n_layers, max_bucket, dim), dtype)   # decode rows, per layer
+        self.h_dec_idx, self.d_dec_idx = pair((n_layers, max_bucket), torch.int32, PAD_SLOT_ID)
+        self.h_dec_out, self.d_dec_out = pair((n_layers, max_bucket, dim), dtype)
+        # verify: output_state_indices all pad: the live state is not written and no window is stored
+        self.d_osi = torch.full((max_rows, max_spec), PAD_SLOT_ID, dtype=torch.int32, device=device)
+        self.meta_np = self.h_meta.numpy()
+        self.flags_np = self.h_flags.numpy()
+        self.dec_idx_np = self.h_dec_idx.numpy()
+        self.cuda = cuda
+
+    def nbytes(self) -> dict:
+        def nb(t):
+            return t.numel() * t.element_size()
+
+        names = ("in", "out", "meta", "flags", "dec_x", "dec_idx", "dec_out")
+        host = sum(nb(getattr(self, "h_" + n)) for n in names)
+        dev = (sum(nb(getattr(self, "d_" + n)) for n in names) if self.cuda else 0) + nb(self.d_osi)
+        return {"host": host, "device": dev, "total": host + dev}
+
+
+class DecodeLaunchers:
+    """The decode launch of one layer for one bucket: ``causal_conv1d_update`` over the layer's rows in
+    ``bufs.h_dec_x[layer, :bucket]`` / ``bufs.h_dec_idx[layer, :bucket]``, output in ``bufs.h_dec_out[layer]``
+    (host-visible once the stream is synchronized).
+
+    On CUDA with graphs, each (layer, bucket) is one CUDA graph holding the host-to-device copies of x and the
+    indices, the kernel and the device-to-host copy of y: a decode launch is one ``replay()``. Without graphs the
+    same four operations run eagerly. On the CPU the reference runs directly on the host buffers. Kept in one
+    class so it can be swapped for :mod:`kernels.graphs` later.
+    """
+
+    def __init__(self, update_fn, pool: ConvStatePool, model: ConvModel, bufs: _Buffers, buckets: Sequence[int],
+                 use_graphs: bool):
+        self._fn, self._pool, self._model, self._b = update_fn, pool, model, bufs
+        self._buckets = tuple(buckets)
+        self._graphs: dict = {}
+        self.graph_bytes = 0
+        self._cuda = pool.device.type == "cuda"
+        if self._cuda and use_graphs:
+            self._capture()
+
+    def _ops(self, p: int, b: int):
+        bf = self._b
+        if self._cuda:
+            bf.d_dec_x[p, :b].copy_(bf.h_dec_x[p, :b], non_blocking=True)
+            bf.d_dec_idx[p, :b].copy_(bf.h_dec_idx[p, :b], non_blocking=True)
+        self._fn(bf.d_dec_x[p, :b], self._pool.layer(p), self._model.weight[p], self._model.layer_bias(p),
+                 self._model.activation, conv_state_indices=bf.d_dec_idx[p, :b], pad_slot_id=PAD_SLOT_ID,
+                 out=bf.d_dec_out[p, :b])
+        if self._cuda:
+            bf.h_dec_out[p, :b].copy_(bf.d_dec_out[p, :b], non_blocking=True)
+
+    def _capture(self):
+        dev = self._pool.device
+        before = torch.cuda.memory_reserved(dev)
+        mempool = torch.cuda.graph_pool_handle()
+        bf = self._b
+        bf.dec_idx_np[:] = PAD_SLOT_ID            # warm-up and capture touch no state
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for p in range(self._model.n_layers):
+                for b in self._buckets:
+                    self._ops(p, b)               # compiles each specialization outside the graph
+        side.synchronize()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        for p in range(self._model.n_layers):
+            for b in self._buckets:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=mempool):
+                    self._ops(p, b)
+                self._graphs[(p, b)] = g
+        torch.cuda.synchronize(dev)
+        self.graph_bytes = torch.cuda.memory_reserved(dev) - before
+
+    @property
+    def n_graphs(self) -> int:
+        return len(self._graphs)
+
+    def run(self, p: int, b: int) -> None:
+        g = self._graphs.get((p, b))
+        if g is not None:
+            g.replay()
+        else:
+            self._ops(p, b)
+
+
+class Engine:
+    """See the module docstring. Typical use::
+
+        engine = Engine(ConvModel.random(4, dim=1024), EngineConfig(slots=64), device="cuda")
+        engine.start()
+        sid = engine.create_session()
+        y = engine.submit(sid, layer=0, x=x).result()          # or: y = await engine.conv(sid, 0, x)
+        engine.stop()
+    """
+
+    def __init__(self, model: ConvModel, config: Optional[EngineConfig] = None,
+                 device: Union[str, torch.device] = "cpu"):
+        self.config = config or EngineConfig()
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.model_cpu = model
+        self.state_dtype = self.config.state_dtype or model.dtype
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self._sessions = SessionTable(self.config.max_evicted_ids)
+        self._sched = Scheduler(self.config.scheduler_config())
+        self._ops: collections.deque = collections.deque()
+        self._seq = itertools.count()
+        self._last_seq = -1
+        self._state = "new"            # new -> running -> draining | stopping -> stopped
+        self._ready = False
+        self._thread: Optional[threading.Thread] = None
+        self.pool: Optional[ConvStatePool] = None
+        self.model: Optional[ConvModel] = None
+        self._bufs: Optional[_Buffers] = None
+        self._decode: Optional[DecodeLaunchers] = None
+        self._next_evict = 0.0
+        # stats (guarded by _lock)
+        self._st = collections.Counter()
+        self._batch_hist = [0] * (len(_BATCH_HIST) + 1)
+        self._steps = collections.deque(maxlen=4096)   # (rows, tokens, host_s, device_s, wall_s)
+        self._last_step: dict = {}
+
+    # ------------------------------------------------------------------ life cycle
+
+    def start(self) -> None:
+        """Allocate the pool and buffers, load the weights, warm the kernels (CUDA: compile and capture the decode
+        graphs), start the worker thread. Raises ``RuntimeError`` when called twice, PoolError when no slot fits."""
+        if self._state != "new":
+            raise RuntimeError(f"Engine.start: expected a new engine, this one is {self._state}")
+        cfg, m, dev = self.config, self.model_cpu, self.device
+        self.model = m.to(dev)
+        cuda = dev.type == "cuda"
+        max_rows, max_bucket = cfg.max_batch_size, cfg.decode_buckets[-1]
+        buf_estimate = 4 * (cfg.max_batch_tokens + 2 * m.n_layers * max_bucket) * m.dim * 4
+        if cfg.slots == "auto":
+            slots = auto_slots(m.n_layers, m.dim, m.width, self.state_dtype, dev, cfg.pool_memory_fraction,
+                               reserve_bytes=buf_estimate)
+        else:
+            slots = cfg.slots
+        self.pool = ConvStatePool(m.n_layers, slots, m.dim, m.width, self.state_dtype, dev)
+        self._bufs = _Buffers(m.n_layers, m.dim, m.dtype, cfg.max_batch_tokens, max_rows, max_bucket,
+                              cfg.max_spec_tokens, dev)
+        if cuda:
+            from kernels import causal_conv1d_fn, causal_conv1d_update
+
+            self._stream = torch.cuda.Stream(dev)
+            self._ev0 = torch.cuda.Event(enable_timing=True)
+            self._ev1 = torch.cuda.Event(enable_timing=True)
+        else:
+            from kernels.reference import causal_conv1d_ref as causal_conv1d_fn
+            from kernels.reference import causal_conv1d_update_ref as causal_conv1d_update
+
+            self._stream = None
+        self._prefill_fn, self._update_fn = causal_conv1d_fn, causal_conv1d_update
+        if cuda:
+            self._warm_up()
+        self._decode = DecodeLaunchers(causal_conv1d_update, self.pool, self.model, self._bufs, cfg.decode_buckets,
+                                       cfg.use_cuda_graphs)
+        if cuda:
+            torch.cuda.synchronize(dev)
+        self._next_evict = time.monotonic() + self._evict_interval()
+        with self._lock:
+            self._state = "running"
+        self._thread = threading.Thread(target=self._worker, name="convserve-engine", daemon=True)
+        self._thread.start()
+        self._ready = True
+        log.info("engine started on %s: %s, %d slots (%.1f MiB pool), state %s, %d decode graphs", dev, m, slots,
+                 self.pool.nbytes / 2**20, self.state_dtype, self._decode.n_graphs)
+
+    def _warm_up(self) -> None:
+        """Compile the prefill kernel and the verify kernel of every length on the null slot (no session state is
+        touched: slot 0 is never allocated, and verifies write no state)."""
+        m, bf, dev = self.model, self._bufs, self.device
+        bf.d_in[:2].zero_()
+        qsl = torch.tensor([0, 2], dtype=torch.int32, device=dev)
+        idx = torch.zeros(1, dtype=torch.int32, device=dev)
+        init = torch.zeros(1, dtype=torch.bool, device=dev)
+        for p in range(m.n_layers):
+            self._prefill_fn(bf.d_in[:2].T, m.weight[p], m.layer_bias(p), self.pool.layer(p), qsl, idx, init,
+                             m.activation, PAD_SLOT_ID, out=bf.d_out[:2].T)
+        for n in range(1, self.config.max_spec_tokens + 1):
+            x3 = bf.d_in[:n].view(1, n, m.dim).transpose(1, 2)
+            o3 = bf.d_out[:n].view(1, n, m.dim).transpose(1, 2)
+            self._update_fn(x3, self.pool.layer(0), m.weight[0], m.layer_bias(0), m.activation,
+                            conv_state_indices=idx, output_state_indices=bf.d_osi[:1, :n],
+                            pad_slot_id=PAD_SLOT_ID, out=o3)
+
+    def stop(self, drain: bool = True, timeout: Optional[float] = None) -> None:
+        """Stop intake (new calls raise :class:`NotReady`); with ``drain`` finish every queued request and session
+        op first, else fail them with :class:`NotReady`. Joins the worker; when ``timeout`` passes before the
+        drain completes, the rest is failed. The step in flight always completes."""
+        with self._lock:
+            if self._state in ("new", "stopped"):
+                self._state = "stopped"
+                self._ready = False
+                return
+            self._ready = False
+            self._state = "draining" if drain else "stopping"
+            withdrawn = None if drain else self._withdraw_all_locked()
+            self._cv.notify_all()
+        if withdrawn:
+            self._fail_withdrawn(withdrawn, "the engine stopped before this request ran")
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            with self._lock:
+                self._state = "stopping"
+                withdrawn = self._withdraw_all_locked()
+                self._cv.notify_all()
+            self._fail_withdrawn(withdrawn, "the engine stopped (drain timeout) before this request ran")
+            self._thread.join()
+        with self._lock:
+            self._state = "stopped"
+
+    def _withdraw_all_locked(self):
+        failed = self._sched.drain()
+        for r in failed:
+            self._retire_locked(r, ok=False)
+        ops = list(self._ops)
+        self._ops.clear()
+        for op in ops:
+            op.cancelled = True
+            self._op_done_locked(op)
+        return failed, ops
+
+    def _fail_withdrawn(self, withdrawn, why: str) -> None:
+        failed, ops = withdrawn
+        for op in ops:
+            op.future.set_exception(NotReady(why))
+        self._deliver([(r, None, NotReady(why)) for r in failed])
+
+    @property
+    def ready(self) -> bool:
+        """True once the pool is allocated and the kernels are warm, until stop()."""
+        return self._ready and self._thread is not None and self._thread.is_alive()
+
+    # ------------------------------------------------------------------ info
+
+    def model_info(self) -> dict:
+        """``{"layers", "dim", "width", "dtype", "state_dtype", "activation", "slots": {"total", "free"}}``;
+        ``slots.total`` counts allocatable slots (the null slot not included)."""
+        m = self.model_cpu
+        with self._lock:
+            total = self.pool.capacity if self.pool is not None else (
+                self.config.slots if isinstance(self.config.slots, int) else 0)
+            free = self.pool.free_count if self.pool is not None else total
+        return {"layers": list(m.layers), "dim": m.dim, "width": m.width, "dtype": DTYPE_NAMES[m.dtype],
+                "state_dtype": DTYPE_NAMES[self.state_dtype], "activation": m.activation,
+                "slots": {"total": total, "free": free}}
+
+    def stats(self) -> dict:
+        """Counters for metrics and benchmarks. Times in seconds, sizes in bytes. ``batch_size`` is a histogram
+        ``{"buckets": {le: cumulative count}, "sum", "count"}`` of rows per step."""
+        with self._lock:
+            st = dict(self._st)
+            pool = self.pool
+            cum, hist = 0, {}
+            for le, c in zip(_BATCH_HIST + (math.inf,), self._batch_hist):
+                cum += c
+                hist[le] = cum
+            out = {
+                "queue_depth": self._sched.depth,
+                "queued_tokens": self._sched.queued_tokens,
+                "ops_queued": len(self._ops),
+                "sessions": len(self._sessions),
+                "slots_total": pool.capacity if pool else 0,
+                "slots_in_use": pool.in_use if pool else 0,
+                "slots_free": pool.free_count if pool else 0,
+                "slots_peak": pool.peak if pool else 0,
+                "steps": st.get("steps", 0),
+                "requests": st.get("requests", 0),
+                "tokens": st.get("tokens", 0),
+                "requests_failed": st.get("failed", 0),
+                "requests_cancelled": st.get("cancelled", 0),
+                "requests_expired": st.get("expired", 0),
+                "sessions_evicted": st.get("evicted", 0),
+                "decode_rows": st.get("decode_rows", 0),
+                "decode_padded_rows": st.get("padded_rows", 0),
+                "pad_ratio": st.get("padded_rows", 0) / max(1, st.get("padded_rows", 0) + st.get("decode_rows", 0)),
+                "kernel_time_s": st.get("kernel_ns", 0) * 1e-9,
+                "host_time_s": st.get("host_ns", 0) * 1e-9,
+                "step_time_s": st.get("wall_ns", 0) * 1e-9,
+                "batch_size": {"buckets": hist, "sum": st.get("rows", 0), "count": st.get("steps", 0)},
+                "last_step": dict(self._last_step),
+                "bytes": {
+                    "pool": pool.nbytes if pool else 0,
+                    "weights": self.model.nbytes() if self.model is not None else 0,
+                    "buffers": self._bufs.nbytes()["total"] if self._bufs else 0,
+                    "graphs": self._decode.graph_bytes if self._decode else 0,
+                },
+                "cuda_graphs": self._decode.n_graphs if self._decode else 0,
+            }
+        return out
+
+    def recent_steps(self) -> list:
+        """The last (up to 4096) steps as dicts ``{rows, tokens, host_s, kernel_s, wall_s}`` (for benchmarks)."""
+        with self._lock:
+            return [dict(zip(("rows", "tokens", "host_s", "kernel_s", "wall_s"), s)) for s in self._steps]
+
+    # ------------------------------------------------------------------ sessions
+
+    def _check_running_locked(self) -> None:
+        if self._state != "running":
+            raise NotReady("the engine is not running (starting or shutting down); retry shortly",
+                           retry_after=1.0)
+
+    def create_session(self, session_id: Optional[str] = None) -> str:
+        """Create a session with a zero state; return its id (``uuid4().hex`` when None).
+        Raises :class:`SessionExists`, :class:`PoolExhausted`, :class:`BadRequest` (bad id)."""
+        if session_id is not None:
+            SessionTable.check_id(session_id)
+        with self._lock:
+            self._check_running_locked()
+            sid = session_id if session_id is not None else SessionTable.new_id()
+            self._sessions.check_free(sid)
+            slot = self._alloc_locked()
+            self._sessions.add(Session(sid, slot, last_used=time.monotonic()))
+        return sid
+
+    def _alloc_locked(self) -> int:
+        try:
+            return self.pool.alloc()
+        except PoolFull as e:
+            raise PoolExhausted(f"all {e.capacity} session slots are in use; delete idle sessions or retry later",
+                                retry_after=1.0) from None
+
+    def delete_session(self, session_id: str) -> None:
+        """Delete a session and free its slot, after the requests submitted to it so far have run (to withdraw
+        those, cancel them first); requests submitted after the delete fail with :class:`UnknownSession`.
+        Raises :class:`UnknownSession` (never existed or deleted) or :class:`StateLost` (evicted)."""
+        self._run_op(session_id, self._op_delete)
+
+    def _op_delete(self, s: Session) -> None:
+        with self._lock:
+            self._sessions.remove(s)
+            failed = [r for r in s.queue if not r.done and self._sched.abort(r)]
+            for r in failed:
+                self._retire_locked(r, ok=False)
+            self.pool.free(s.slot)
+        self._deliver([(r, None, UnknownSession(f"session {s.id!r} was deleted before this request ran"))
+                       for r in failed])
+
+    def fork_session(self, src_id: str, new_id: Optional[str] = None) -> str:
+        """A new session holding a copy of ``src_id``'s state (and its pending verify, if any), after the
+        requests submitted to ``src_id`` so far. Raises :class:`UnknownSession`, :class:`StateLost`,
+        :class:`SessionExists`, :class:`PoolExhausted`."""
+        if new_id is not None:
+            SessionTable.check_id(new_id)
+            with self._lock:
+                self._sessions.check_free(new_id)
+        return self._run_op(src_id, lambda s: self._op_fork(s, new_id))
+
+    def _op_fork(self, s: Session, new_id: Optional[str]) -> str:
+        with self._lock:
+            nid = new_id if new_id is not None else SessionTable.new_id()
+            self._sessions.check_free(nid)
+            try:
+                slot = self.pool.fork(s.slot)
+            except PoolFull as e:
+                raise PoolExhausted(f"all {e.capacity} session slots are in use; delete idle sessions or retry "
+                                    "later", retry_after=1.0) from None
+            self._sessions.add(Session(nid, slot, initialized=s.initialized, pending=dict(s.pending),
+                                       spec_x=dict(s.spec_x), last_used=time.monotonic()))
+        return nid
+
+    def export_state(self, session_id: str) -> torch.Tensor:
+        """``(n_conv_layers, dim, width - 1)`` CPU tensor in the state dtype, layers ascending: the committed
+        state after the requests submitted so far (a pending verify is not included)."""
+        return self._run_op(session_id, lambda s: self.pool.export(s.slot))
+
+    def import_state(self, session_id: str, state: torch.Tensor) -> None:
+        """Replace the session's state (every layer) and discard a pending verify. ``state`` is
+        ``(n_conv_layers, dim, width - 1)`` in the state dtype. Raises :class:`ShapeMismatch`,
+        :class:`DtypeUnsupported`, :class:`NonFinite`, :class:`BadRequest`; a rejected state changes nothing."""
+        m = self.model_cpu
+        expected = (m.n_layers, m.dim, m.width - 1)
+        if not isinstance(state, torch.Tensor):
+            raise BadRequest(f"state: expected a tensor of shape {expected}, got {type(state).__name__}")
+        if state.dtype != self.state_dtype:
+            raise DtypeUnsupported(f"state: expected dtype {DTYPE_NAMES[self.state_dtype]} (the engine's "
+                                   f"state_dtype), got {str(state.dtype).removeprefix('torch.')}")
+        if tuple(state.shape) != expected:
+            raise ShapeMismatch(f"state: expected shape (layers, dim, width - 1) = {expected}, got "
+                                f"{tuple(state.shape)}")
+        if not torch.isfinite(state).all():
+            raise NonFinite("state: contains NaN or Inf")
+        state = state.to("cpu").contiguous()
+
+        def op(s: Session) -> None:
+            try:
+                self.pool.import_(s.slot, state)
+            except (PoolShapeError, PoolDtypeError) as e:   # unreachable after the checks above; kept exact
+                raise ShapeMismatch(str(e)) from None
+            s.initialized = (1 << m.n_layers) - 1
+            s.pending.clear()
+            s.spec_x.clear()
+
+        self._run_op(session_id, op)
+
+    def accept(self, session_id: str, n_tokens: int) -> None:
+        """Commit the session's pending speculative verify: every layer with one takes the state after its first
+        ``n_tokens`` tokens (0 discards the verify). Raises :class:`BadRequest` when no verify is pending or
+        ``n_tokens`` is outside ``[0, T]``."""
+        if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 0:
+            raise BadRequest(f"tokens: expected an integer >= 0, got {n_tokens!r}")
+        with self._lock:
+            self._check_pending(self._sessions.get(session_id), n_tokens)
+        self._run_op(session_id, lambda s: self._op_accept(s, n_tokens))
+
+    def _check_pending(self, s: Session, n: int) -> None:
+        if not s.pending:
+            raise BadRequest(f"session {s.id!r} has no speculative verify to accept; send a conv with "
+                             "speculative=true first")
+        shortest = min(t for t, _seq in s.pending.values())
+        if n > shortest:
+            raise BadRequest(f"tokens: expected at most {shortest} (the verify's length), got {n}")
+
+    def _op_accept(self, s: Session, n: int) -> None:
+        with self._lock:
+            self._check_pending(s, n)
+            pending = dict(s.pending)
+            s.pending.clear()
+        w1 = self.model.width - 1
+        for p, (_t, seq) in pending.items():
+            ran = s.spec_x.get(p)
+            if ran is None or ran[0] != seq or n == 0:
+                continue
+            st = self.pool.storage[p, s.slot]                        # (width - 1, dim)
+            x = ran[1][:n].to(self.device, self.state_dtype, non_blocking=False)
+            st.copy_(torch.cat([st, x], 0)[-w1:])
+            s.initialized |= 1 << p
+        s.spec_x.clear()
+
+    # ------------------------------------------------------------------ session op plumbing
+
+    def _run_op(self, session_id: str, fn: Callable[[Session], Any], barrier: bool = True):
+        fut: Future = Future()
+        with self._lock:
+            self._check_running_locked()
+            s = self._sessions.get(session_id)
+            op = _Op(s, lambda: fn(s), fut, self._last_seq if barrier else None)
+            s.ops += 1
+            if barrier and s.barrier is None:
+                s.barrier = op.barrier
+            self._ops.append(op)
+            self._cv.notify()
+        try:
+            return fut.result(self.config.request_timeout_s)
+        except FutureTimeout:
+            with self._lock:
+                if not fut.done():
+                    op.cancelled = True
+            if not fut.done() or fut.cancelled():
+                raise RequestTimeout(f"session {session_id!r}: the operation did not run within "
+                                     f"{self.config.request_timeout_s} s; retry") from None
+            return fut.result()
+
+    def _take_ready_ops_locked(self) -> list:
+        """Pop the ops that may run now: per session in FIFO order, each after its barrier's requests."""
+        ready, blocked = [], set()
+        for op in list(self._ops):
+            s = op.session
+            if op.cancelled:
+                self._ops.remove(op)
+                self._op_done_locked(op)
+                continue
+            if s in blocked:
+                continue
+            if op.barrier is not None:
+                head = s.oldest_active()
+                if head is not None and head.seq <= op.barrier:
+                    blocked.add(s)
+                    continue
+            self._ops.remove(op)
+            ready.append(op)
+            blocked.add(s)        # one op per session per round: the next one sees this one's effect
+        return ready
+
+    def _op_done_locked(self, op: _Op) -> None:
+        s = op.session
+        s.ops -= 1
+        s.last_used = time.monotonic()
+        nxt = next((o.barrier for o in self._ops if o.session is s and o.barrier is not None), None)
+        s.barrier = nxt
+
+    def _run_ops(self, ops: list) -> None:
+        for op in ops:
+            try:
+                with self._lock:
+                    if self._sessions.get(op.session.id) is not op.session:   # deleted and re-created
+                        raise UnknownSession(f"session {op.session.id!r} was deleted before this operation ran")
+                result = op.fn()
+            except BaseException as e:  # noqa: BLE001 - delivered to the caller
+                if not isinstance(e, ServiceError):
+                    log.exception("session operation failed")
+                    e = Internal(f"session operation failed: {e}")
+                with self._lock:
+                    self._op_done_locked(op)
+                op.future.set_exception(e)
+            else:
+                with self._lock:
+                    self._op_done_locked(op)
+                op.future.set_result(result)
+
+    # ------------------------------------------------------------------ conv requests
+
+    def _check_x(self, x, speculative) -> torch.Tensor:
+        m, cfg = self.model_cpu, self.config
+        if not isinstance(x, torch.Tensor):
+            raise BadRequest(f"x: expected a tensor of shape (T, dim={m.dim}), got {type(x).__name__}")
+        if x.dtype not in MODEL_DTYPES:
+            raise DtypeUnsupported(f"x: expected dtype bfloat16, float16 or float32, got "
+                                   f"{str(x.dtype).removeprefix('torch.')}")
+        if x.dim() != 2 or x.shape[1] != m.dim or x.shape[0] < 1:
+            raise ShapeMismatch(f"x: expected shape (T >= 1, dim={m.dim}), got {tuple(x.shape)}")
+        if speculative and x.shape[0] > cfg.max_spec_tokens:
+            raise ShapeMismatch(f"x: a speculative verify takes at most max_spec_tokens={cfg.max_spec_tokens} "
+                                f"tokens, got T={x.shape[0]}")
+        if cfg.check_finite and not torch.isfinite(x).all():
+            raise NonFinite("x: contains NaN or Inf; it would poison the session's state")
+        if x.device.type != "cpu":
+            x = x.to("cpu")
+        if x.dtype != m.dtype:
+            x = x.to(m.dtype)
+        return x.contiguous()
+
+    def _submit(self, session_id: str, layer: int, x: torch.Tensor, speculative: bool, sink) -> Request:
+        self._sessions.get(session_id)            # cheap early 404/410, checked again under the lock
+        p = self.model_cpu.position(layer)
+        if not isinstance(speculative, bool):
+            raise BadRequest(f"speculative: expected a boolean, got {speculative!r}")
+        x_dtype = x.dtype if isinstance(x, torch.Tensor) else None
+        xm = self._check_x(x, speculative)
+        now = time.monotonic()
+        with self._lock:
+            self._check_running_locked()
+            s = self._sessions.get(session_id)
+            if s.pending and not speculative:
+                raise BadRequest(f"session {session_id!r} has an un-accepted speculative verify on layer(s) "
+                                 f"{sorted(self.model_cpu.layers[q] for q in s.pending)}; call accept (0 to "
+                                 "discard it) before a non-speculative conv")
+            depth = self._sched.depth
+            if depth >= self.config.max_queue:
+                raise QueueFull(f"{depth} requests are queued (max_queue={self.config.max_queue}); retry later",
+                                retry_after=self._retry_after_locked())
+            seq = next(self._seq)
+            self._last_seq = seq
+            req = Request(seq, s, p, xm.shape[0], speculative, now, xm, sink, x_dtype)
+            self._sched.add(req)
+            s.queue.append(req)
+            s.last_used = now
+            if speculative:
+                s.pending[p] = (xm.shape[0], seq)
+            if depth == 0 or self._sched.ready(now):
+                self._cv.notify()
+        return req
+
+    def _retry_after_locked(self) -> float:
+        steps = self._st.get("steps", 0)
+        mean_step = (self._st.get("wall_ns", 0) * 1e-9 / steps) if steps else 0.01
+        per_step = max(1, self._st.get("rows", 0) // steps) if steps else self.config.max_batch_size
+        return min(30.0, max(0.05, self._sched.depth / per_step * mean_step))
+
+    def submit(self, session_id: str, layer: int, x: torch.Tensor, speculative: bool = False) -> Future:
+        """Queue one conv; the future's result is ``y (T, dim)`` on the CPU in x's dtype. Validation errors are
+        raised here, before anything is queued; errors while running are set on the future. ``future.cancel()``
+        withdraws the request if it has not started."""
+        fut = _ConvFuture(self)
+        fut._req = self._submit(session_id, layer, x, speculative, fut)
+        return fut
+
+    async def conv(self, session_id: str, layer: int, x: torch.Tensor, speculative: bool = False) -> torch.Tensor:
+        """``await``-able :meth:`submit`. Cancelling the awaiting task withdraws the request if not started."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        req = self._submit(session_id, layer, x, speculative, (loop, fut))
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            self._cancel_request(req)
+            raise
+
+    def cancel(self, future) -> bool:
+        """Withdraw the request behind a future from :meth:`submit` if it has not started; True if withdrawn."""
+        if isinstance(future, _ConvFuture):
+            return future.cancel()
+        return False
+
+    def _cancel_request(self, req: Request) -> bool:
+        with self._lock:
+            ok = self._sched.cancel(req)
+            if ok:
+                self._retire_locked(req, ok=False)
+                self._st["cancelled"] += 1
+        if ok and isinstance(req.future, _ConvFuture):
+            req.future._base_cancel()
+        return ok
+
+    def _retire_locked(self, r: Request, ok: bool) -> None:
+        """Bookkeeping when a request leaves the engine (finished, failed, cancelled)."""
+        r.done = True
+        s = r.session
+        s.oldest_active()
+        if not ok and r.speculative and s.pending.get(r.layer, (0, None))[1] == r.seq:
+            del s.pending[r.layer]
+
+    def _deliver(self, results: list) -> None:
+        """Set ``(request, y, error)`` results on their futures; one wake-up per asyncio loop."""
+        by_loop: dict = {}
+        for r, y, err in results:
+            sink = r.future
+            if type(sink) is tuple:
+                by_loop.setdefault(sink[0], []).append((sink[1], y, err))
+            elif sink is not None:
+                try:
+                    if err is None:
+                        sink.set_result(y)
+                    else:
+                        sink.set_exception(err)
+                except Exception:  # already cancelled by its owner
+                    pass
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_set_async_results, items)
+            except RuntimeError:   # the loop is closed: nobody is waiting
+                pass
+
+    # ------------------------------------------------------------------ the worker
+
+    def _evict_interval(self) -> float:
+        return min(max(self.config.session_ttl_s / 8, 0.005), 5.0)
+
+    def _evict_locked(self, now: float) -> None:
+        ttl = self.config.session_ttl_s
+        for s in self._sessions:
+            if now - s.last_used > ttl and s.ops == 0 and s.oldest_active() is None:
+                self._sessions.remove(s, evicted=True)
+                self.pool.free(s.slot)
+                self._st["evicted"] += 1
+        self._next_evict = now + self._evict_interval()
+
+    def _worker(self) -> None:
+        if self._stream is not None:
+            torch.cuda.set_device(self.device)
+            with torch.cuda.stream(self._stream):
+                self._loop()
+        else:
+            self._loop()
+
+    def _loop(self) -> None:
+        sched = self._sched
+        while True:
+            with self._lock:
+                while True:
+                    now = time.monotonic()
+                    if now >= self._next_evict:
+                        self._evict_locked(now)
+                    ops = self._take_ready_ops_locked() if self._ops else []
+                    draining = self._state != "running"
+                    # a session op waiting for its session's requests runs them without the delay window
+                    if ops or sched.ready(now) or ((draining or self._ops) and sched.depth):
+                        break
+                    if draining and not self._ops and not sched.depth:
+                        return
+                    deadline = sched.next_deadline()
+                    wait = self._next_evict - now
+                    if deadline is not None:
+                        wait = min(wait, deadline - now)
+                    self._cv.wait(max(wait, 0.0))
+            if ops:
+                self._run_ops(ops)
+            with self._lock:
+                now = time.monotonic()
+                run = sched.ready(now) or ((self._state != "running" or self._ops) and sched.depth)
+                out = sched.schedule(now) if run else None
+                if out is not None and out.expired:
+                    for r in out.expired:
+                        self._retire_locked(r, ok=False)
+                    self._st["expired"] += len(out.expired)
+            if out is None:
+                continue
+            if out.expired:
+                self._deliver([(r, None, RequestTimeout(
+                    f"the request waited longer than request_timeout_s={self.config.request_timeout_s} s in the "
+                    "queue; the engine is overloaded, retry later")) for r in out.expired])
+            if not out.empty:
+                self._step(out)
+
+    def _step(self, out: SchedulerOutput) -> None:
+        t0 = time.perf_counter_ns()
+        try:
+            results, t_launch, t_sync, kernel_ns = self._execute(out)
+        except Exception as e:  # noqa: BLE001 - a kernel failure fails this step's requests, not the engine
+            log.exception("engine step %d failed", out.step)
+            err = Internal(f"the engine step failed: {e}")
+            done = [r for b in (*out.prefills, *out.decodes, *out.verifies) for r in b.requests]
+            with self._lock:
+                for r in set(done):
+                    if not r.done:
+                        self._sched.abort(r)
+                        self._retire_locked(r, ok=False)
+                self._st["failed"] += len(set(done))
+            self._deliver([(r, None, err) for r in set(done)])
+            return
+        now = time.monotonic()
+        with self._lock:
+            for r in out.finished:
+                r.session.last_used = now
+                self._retire_locked(r, ok=True)
+        self._deliver(results)
+        t3 = time.perf_counter_ns()
+        with self._lock:
+            st = self._st
+            host = (t_launch - t0) + (t3 - t_sync)
+            st["steps"] += 1
+            st["requests"] += len(out.finished)
+            st["tokens"] += out.num_tokens
+            st["rows"] += out.num_rows
+            st["decode_rows"] += sum(len(d.requests) for d in out.decodes)
+            st["padded_rows"] += out.num_padded_rows
+            st["kernel_ns"] += kernel_ns
+            st["host_ns"] += host
+            st["wall_ns"] += t3 - t0
+            self._batch_hist[bisect.bisect_left(_BATCH_HIST, out.num_rows)] += 1
+            rec = (out.num_rows, out.num_tokens, host * 1e-9, kernel_ns * 1e-9, (t3 - t0) * 1e-9)
+            self._steps.append(rec)
+            self._last_step = dict(zip(("rows", "tokens", "host_s", "kernel_s", "wall_s"), rec))
+
+    def _execute(self, out: SchedulerOutput):
+        """Pack, launch, synchronize once, unpack. Returns ``(results, t_launched, t_synced, kernel_ns)``."""
+        m, bf, pool, cuda = self.model, self._bufs, self.pool, self._stream is not None
+        D = m.dim
+        act = m.activation
+        # ---- pack on the host
+        n_packed = out.packed_tokens
+        if n_packed:
+            xs = []
+            for pb in out.prefills:
+                qsl = pb.query_start_loc
+                for i, (r, a) in enumerate(zip(pb.requests, pb.starts)):
+                    n = qsl[i + 1] - qsl[i]
+                    xs.append(r.x if n == r.n_tokens else r.x[a:a + n])
+            for vb in out.verifies:
+                xs.extend(r.x for r in vb.requests)
+            torch.cat(xs, out=bf.h_in[:n_packed])
+            meta, flags = [], []
+            for pb in out.prefills:
+                meta += pb.query_start_loc
+                meta += pb.cache_indices
+                flags += pb.has_initial_state
+            for vb in out.verifies:
+                meta += vb.cache_indices
+            bf.meta_np[:len(meta)] = meta
+            if flags:
+                bf.flags_np[:len(flags)] = flags
+            if cuda:
+                bf.d_in[:n_packed].copy_(bf.h_in[:n_packed], non_blocking=True)
+                bf.d_meta[:len(meta)].copy_(bf.h_meta[:len(meta)], non_blocking=True)
+                if flags:
+                    bf.d_flags[:len(flags)].copy_(bf.h_flags[:len(flags)], non_blocking=True)
+        for db in out.decodes:
+            p, n = db.layer, len(db.requests)
+            if n == 1:
+                bf.h_dec_x[p, 0].copy_(db.requests[0].x[0])
+            else:
+                torch.cat([r.x for r in db.requests], out=bf.h_dec_x[p, :n])
+            bf.dec_idx_np[p, :db.bucket] = db.cache_indices
+        # ---- launch
+        t_k0 = time.perf_counter_ns()
+        if cuda:
+            self._ev0.record()
+        for db in out.decodes:
+            self._decode.run(db.layer, db.bucket)
+        mo = fo = 0
+        for pb in out.prefills:
+            p, rows, a = pb.layer, len(pb.requests), pb.token_offset
+            b = a + pb.query_start_loc[-1]
+            self._prefill_fn(bf.d_in[a:b].T, m.weight[p], m.layer_bias(p), pool.layer(p),
+                             bf.d_meta[mo:mo + rows + 1], bf.d_meta[mo + rows + 1:mo + 2 * rows + 1],
+                             bf.d_flags[fo:fo + rows], act, PAD_SLOT_ID, out=bf.d_out[a:b].T)
+            mo += 2 * rows + 1
+            fo += rows
+        for vb in out.verifies:
+            rows, L, a = len(vb.requests), vb.n_tokens, vb.token_offset
+            b = a + rows * L
+            x3 = bf.d_in[a:b].view(rows, L, D).transpose(1, 2)
+            o3 = bf.d_out[a:b].view(rows, L, D).transpose(1, 2)
+            self._update_fn(x3, pool.layer(vb.layer), m.weight[vb.layer], m.layer_bias(vb.layer), act,
+                            conv_state_indices=bf.d_meta[mo:mo + rows], output_state_indices=bf.d_osi[:rows, :L],
+                            pad_slot_id=PAD_SLOT_ID, out=o3)
+            mo += rows
+        if cuda:
+            self._ev1.record()
+            if n_packed:
+                bf.h_out[:n_packed].copy_(bf.d_out[:n_packed], non_blocking=True)
+        t_launch = time.perf_counter_ns()
+        # ---- the one synchronization of the step
+        if cuda:
+            self._stream.synchronize()
+            kernel_ns = int(self._ev0.elapsed_time(self._ev1) * 1e6)
+        else:
+            kernel_ns = t_launch - t_k0
+        t_sync = time.perf_counter_ns()
+        # ---- unpack
+        ys: dict = {}
+        for db in out.decodes:
+            n = len(db.requests)
+            rows = bf.h_dec_out[db.layer, :n].clone().split(1)
+            for r, y in zip(db.requests, rows):
+                ys[r] = y
+        if n_packed:
+            sizes, owners = [], []
+            for pb in out.prefills:
+                qsl = pb.query_start_loc
+                for i, r in enumerate(pb.requests):
+                    sizes.append(qsl[i + 1] - qsl[i])
+                    owners.append(r)
+            for vb in out.verifies:
+                sizes.extend([vb.n_tokens] * len(vb.requests))
+                owners.extend(vb.requests)
+            pieces = bf.h_out[:n_packed].clone().split(sizes)
+            for r, y in zip(owners, pieces):
+                if y.shape[0] == r.n_tokens:
+                    ys[r] = y
+                else:                          # a chunk of a chunked prefill
+                    if r.parts is None:
+                        r.parts = []
+                    r.parts.append(y)
+                    if r.scheduled_tokens == r.n_tokens:
+                        ys[r] = torch.cat(r.parts)
+                        r.parts = None
+            for vb in out.verifies:
+                for r in vb.requests:
+                    r.session.spec_x[vb.layer] = (r.seq, r.x)
+        results = []
+        for r in out.finished:
+            y = ys[r]
+            if r.x_dtype != m.dtype:
+                y = y.to(r.x_dtype)
+            results.append((r, y, None))
+            r.x = None
+        return results, t_launch, t_sync, kernel_ns
+
+
+def _set_async_results(items) -> None:
+    for fut, y, err in items:
+        if fut.done():
+            continue
+        if err is None:
+            fut.set_result(y)
+        else:
+            fut.set_exception(err)
