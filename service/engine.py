@@ -52,12 +52,12 @@ import threading
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from state_pool import ConvStatePool, PoolDtypeError, PoolError, PoolShapeError, auto_slots, pool_bytes
+from state_pool import ConvStatePool, PoolDtypeError, PoolShapeError, auto_slots
 from state_pool import PoolExhausted as PoolFull
 
 from .errors import (BadRequest, DtypeUnsupported, Internal, NonFinite, NotReady, PoolExhausted, QueueFull,
@@ -69,6 +69,7 @@ from .sessions import Session, SessionTable
 log = logging.getLogger("convserve.engine")
 
 _DTYPE_BY_NAME = {v: k for k, v in DTYPE_NAMES.items()}
+_STEP_FIELDS = ("rows", "tokens", "host_s", "kernel_s", "wall_s", "sched_s", "launch_s", "deliver_s")
 #: batch-size histogram buckets of stats()["batch_size"]
 _BATCH_HIST = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
@@ -148,6 +149,14 @@ class _ConvFuture(Future):
             return super().cancel()
         return self._engine._cancel_request(self._req)
 
+    def result(self, timeout=None):
+        """``y (T, dim)``: cut from the step's output on first read, on the reader's thread."""
+        v = super().result(timeout)
+        if type(v) is _Result:
+            v = v.tensor()
+            self._result = v   # later reads (and done-callbacks) get the same tensor
+        return v
+
     def _base_cancel(self) -> bool:
         return super().cancel()
 
@@ -182,12 +191,12 @@ class _Buffers:
 
         n_meta = 3 * max_rows + n_layers + 1
         self.h_in, self.d_in = pair((max_tokens, dim), dtype)           # packed prefill + verify tokens
-        self.h_out, self.d_out = pair((max_tokens, dim), dtype)
+        self.d_out = torch.empty((max_tokens, dim), dtype=dtype, device=device)
         self.h_meta, self.d_meta = pair((n_meta,), torch.int32)          # query_start_loc, cache_indices
         self.h_flags, self.d_flags = pair((max_rows,), torch.bool)       # has_initial_state
         self.h_dec_x, self.d_dec_x = pair((n_layers, max_bucket, dim), dtype)   # decode rows, per layer
         self.h_dec_idx, self.d_dec_idx = pair((n_layers, max_bucket), torch.int32, PAD_SLOT_ID)
-        self.h_dec_out, self.d_dec_out = pair((n_layers, max_bucket, dim), dtype)
+        self.d_dec_out = torch.empty((n_layers, max_bucket, dim), dtype=dtype, device=device)
         # verify: output_state_indices all pad: the live state is not written and no window is stored
         self.d_osi = torch.full((max_rows, max_spec), PAD_SLOT_ID, dtype=torch.int32, device=device)
         self.meta_np = self.h_meta.numpy()
@@ -199,21 +208,23 @@ class _Buffers:
         def nb(t):
             return t.numel() * t.element_size()
 
-        names = ("in", "out", "meta", "flags", "dec_x", "dec_idx", "dec_out")
+        names = ("in", "meta", "flags", "dec_x", "dec_idx")
         host = sum(nb(getattr(self, "h_" + n)) for n in names)
-        dev = (sum(nb(getattr(self, "d_" + n)) for n in names) if self.cuda else 0) + nb(self.d_osi)
+        dev = (sum(nb(getattr(self, "d_" + n)) for n in names) if self.cuda else 0) + nb(self.d_osi) + \
+            nb(self.d_dec_out) + nb(self.d_out)
         return {"host": host, "device": dev, "total": host + dev}
 
 
 class DecodeLaunchers:
     """The decode launch of one layer for one bucket: ``causal_conv1d_update`` over the layer's rows in
-    ``bufs.h_dec_x[layer, :bucket]`` / ``bufs.h_dec_idx[layer, :bucket]``, output in ``bufs.h_dec_out[layer]``
-    (host-visible once the stream is synchronized).
+    ``bufs.h_dec_x[layer, :bucket]`` / ``bufs.h_dec_idx[layer, :bucket]``, output in
+    ``bufs.d_dec_out[layer, :bucket]``.
 
     On CUDA with graphs, each (layer, bucket) is one CUDA graph holding the host-to-device copies of x and the
-    indices, the kernel and the device-to-host copy of y: a decode launch is one ``replay()``. Without graphs the
-    same four operations run eagerly. On the CPU the reference runs directly on the host buffers. Kept in one
-    class so it can be swapped for :mod:`kernels.graphs` later.
+    indices and the kernel: a decode launch is one ``replay()``. (The device-to-host copy of y stays outside,
+    into a fresh per-step host tensor, so results need no host-side copy.) Without graphs the same three
+    operations run eagerly. On the CPU the reference runs directly on the host buffers. Kept in one class so it
+    can be swapped for :mod:`kernels.graphs` later.
     """
 
     def __init__(self, update_fn, pool: ConvStatePool, model: ConvModel, bufs: _Buffers, buckets: Sequence[int],
@@ -234,8 +245,6 @@ class DecodeLaunchers:
         self._fn(bf.d_dec_x[p, :b], self._pool.layer(p), self._model.weight[p], self._model.layer_bias(p),
                  self._model.activation, conv_state_indices=bf.d_dec_idx[p, :b], pad_slot_id=PAD_SLOT_ID,
                  out=bf.d_dec_out[p, :b])
-        if self._cuda:
-            bf.h_dec_out[p, :b].copy_(bf.d_dec_out[p, :b], non_blocking=True)
 
     def _capture(self):
         dev = self._pool.device
@@ -308,7 +317,7 @@ class Engine:
         # stats (guarded by _lock)
         self._st = collections.Counter()
         self._batch_hist = [0] * (len(_BATCH_HIST) + 1)
-        self._steps = collections.deque(maxlen=4096)   # (rows, tokens, host_s, device_s, wall_s)
+        self._steps = collections.deque(maxlen=4096)   # tuples of _STEP_FIELDS
         self._last_step: dict = {}
 
     # ------------------------------------------------------------------ life cycle
@@ -483,9 +492,12 @@ class Engine:
         return out
 
     def recent_steps(self) -> list:
-        """The last (up to 4096) steps as dicts ``{rows, tokens, host_s, kernel_s, wall_s}`` (for benchmarks)."""
+        """The last (up to 4096) steps as dicts (for benchmarks): ``rows``, ``tokens``; ``host_s`` = ``sched_s``
+        (pick and pack the step) + ``launch_s`` (stage inputs, launch, start the copies back) + ``deliver_s``
+        (cut results, wake callers); ``kernel_s`` (GPU time between the first and last launch, CUDA events; on
+        the CPU the reference's time); ``wall_s`` (all of it, including the wait for the GPU)."""
         with self._lock:
-            return [dict(zip(("rows", "tokens", "host_s", "kernel_s", "wall_s"), s)) for s in self._steps]
+            return [dict(zip(_STEP_FIELDS, s)) for s in self._steps]
 
     # ------------------------------------------------------------------ sessions
 
@@ -862,7 +874,9 @@ class Engine:
             with self._lock:
                 now = time.monotonic()
                 run = sched.ready(now) or ((self._state != "running" or self._ops) and sched.depth)
+                t_sched = time.perf_counter_ns()
                 out = sched.schedule(now) if run else None
+                t_sched = time.perf_counter_ns() - t_sched
                 if out is not None and out.expired:
                     for r in out.expired:
                         self._retire_locked(r, ok=False)
@@ -874,9 +888,9 @@ class Engine:
                     f"the request waited longer than request_timeout_s={self.config.request_timeout_s} s in the "
                     "queue; the engine is overloaded, retry later")) for r in out.expired])
             if not out.empty:
-                self._step(out)
+                self._step(out, t_sched)
 
-    def _step(self, out: SchedulerOutput) -> None:
+    def _step(self, out: SchedulerOutput, sched_ns: int = 0) -> None:
         t0 = time.perf_counter_ns()
         try:
             results, t_launch, t_sync, kernel_ns = self._execute(out)
@@ -894,14 +908,16 @@ class Engine:
             return
         now = time.monotonic()
         with self._lock:
-            for r in out.finished:
-                r.session.last_used = now
-                self._retire_locked(r, ok=True)
+            for r in out.finished:      # _retire_locked(r, ok=True), inlined: this loop is per request
+                r.done = True
+                s = r.session
+                s.last_used = now
+                s.oldest_active()       # drop finished requests from the session's queue
         self._deliver(results)
         t3 = time.perf_counter_ns()
         with self._lock:
             st = self._st
-            host = (t_launch - t0) + (t3 - t_sync)
+            host = sched_ns + (t_launch - t0) + (t3 - t_sync)
             st["steps"] += 1
             st["requests"] += len(out.finished)
             st["tokens"] += out.num_tokens
@@ -910,11 +926,12 @@ class Engine:
             st["padded_rows"] += out.num_padded_rows
             st["kernel_ns"] += kernel_ns
             st["host_ns"] += host
-            st["wall_ns"] += t3 - t0
+            st["wall_ns"] += sched_ns + t3 - t0
             self._batch_hist[bisect.bisect_left(_BATCH_HIST, out.num_rows)] += 1
-            rec = (out.num_rows, out.num_tokens, host * 1e-9, kernel_ns * 1e-9, (t3 - t0) * 1e-9)
+            rec = (out.num_rows, out.num_tokens, host * 1e-9, kernel_ns * 1e-9, (sched_ns + t3 - t0) * 1e-9,
+                   sched_ns * 1e-9, (t_launch - t0) * 1e-9, (t3 - t_sync) * 1e-9)
             self._steps.append(rec)
-            self._last_step = dict(zip(("rows", "tokens", "host_s", "kernel_s", "wall_s"), rec))
+            self._last_step = dict(zip(_STEP_FIELDS, rec))
 
     def _execute(self, out: SchedulerOutput):
         """Pack, launch, synchronize once, unpack. Returns ``(results, t_launched, t_synced, kernel_ns)``."""
@@ -981,8 +998,18 @@ class Engine:
             mo += rows
         if cuda:
             self._ev1.record()
-            if n_packed:
-                bf.h_out[:n_packed].copy_(bf.d_out[:n_packed], non_blocking=True)
+        # ---- results: one fresh host tensor per step (pinned on CUDA, from torch's caching host allocator),
+        # filled by one device-to-host copy per launch group; each request's y is a view of it, cut lazily by
+        # whoever reads the result (not on this thread)
+        n_dec = sum(len(db.requests) for db in out.decodes)
+        host_out = torch.empty((n_dec + n_packed, D), dtype=m.dtype, pin_memory=cuda)
+        a = 0
+        for db in out.decodes:
+            n = len(db.requests)
+            host_out[a:a + n].copy_(bf.d_dec_out[db.layer, :n], non_blocking=cuda)
+            a += n
+        if n_packed:
+            host_out[n_dec:].copy_(bf.d_out[:n_packed], non_blocking=cuda)
         t_launch = time.perf_counter_ns()
         # ---- the one synchronization of the step
         if cuda:
@@ -991,45 +1018,51 @@ class Engine:
         else:
             kernel_ns = t_launch - t_k0
         t_sync = time.perf_counter_ns()
-        # ---- unpack
-        ys: dict = {}
+        # ---- unpack: (request, _Result) in arrival order
+        a = 0
         for db in out.decodes:
-            n = len(db.requests)
-            rows = bf.h_dec_out[db.layer, :n].clone().split(1)
-            for r, y in zip(db.requests, rows):
-                ys[r] = y
-        if n_packed:
-            sizes, owners = [], []
-            for pb in out.prefills:
-                qsl = pb.query_start_loc
-                for i, r in enumerate(pb.requests):
-                    sizes.append(qsl[i + 1] - qsl[i])
-                    owners.append(r)
-            for vb in out.verifies:
-                sizes.extend([vb.n_tokens] * len(vb.requests))
-                owners.extend(vb.requests)
-            pieces = bf.h_out[:n_packed].clone().split(sizes)
-            for r, y in zip(owners, pieces):
-                if y.shape[0] == r.n_tokens:
-                    ys[r] = y
-                else:                          # a chunk of a chunked prefill
+            for r in db.requests:
+                r.parts = (a, a + 1)
+                a += 1
+        for pb in out.prefills:
+            qsl, off = pb.query_start_loc, n_dec + pb.token_offset
+            for i, r in enumerate(pb.requests):
+                lo, hi = off + qsl[i], off + qsl[i + 1]
+                if hi - lo == r.n_tokens:
+                    r.parts = (lo, hi)
+                else:                          # a chunk of a chunked prefill: keep a copy, join at the end
                     if r.parts is None:
                         r.parts = []
-                    r.parts.append(y)
+                    r.parts.append(host_out[lo:hi].clone())
                     if r.scheduled_tokens == r.n_tokens:
-                        ys[r] = torch.cat(r.parts)
-                        r.parts = None
-            for vb in out.verifies:
-                for r in vb.requests:
-                    r.session.spec_x[vb.layer] = (r.seq, r.x)
+                        r.parts = torch.cat(r.parts)
+        for vb in out.verifies:
+            off, L = n_dec + vb.token_offset, vb.n_tokens
+            for i, r in enumerate(vb.requests):
+                r.parts = (off + i * L, off + (i + 1) * L)
+                r.session.spec_x[vb.layer] = (r.seq, r.x)
+        md = m.dtype
         results = []
         for r in out.finished:
-            y = ys[r]
-            if r.x_dtype != m.dtype:
-                y = y.to(r.x_dtype)
-            results.append((r, y, None))
-            r.x = None
+            p = r.parts
+            results.append((r, _Result(host_out, p, r.x_dtype if r.x_dtype is not md else None), None))
+            r.x = r.parts = None
         return results, t_launch, t_sync, kernel_ns
+
+
+class _Result:
+    """A request's y, not yet cut: ``rows`` is ``(start, end)`` into the step's host output or a tensor of its
+    own (a chunked prefill); ``dtype`` the caller's dtype when it differs from the model's."""
+
+    __slots__ = ("buf", "rows", "dtype")
+
+    def __init__(self, buf, rows, dtype):
+        self.buf, self.rows, self.dtype = buf, rows, dtype
+
+    def tensor(self) -> torch.Tensor:
+        rows = self.rows
+        y = self.buf[rows[0]:rows[1]] if type(rows) is tuple else rows
+        return y.to(self.dtype) if self.dtype is not None else y
 
 
 def _set_async_results(items) -> None:
@@ -1037,6 +1070,6 @@ def _set_async_results(items) -> None:
         if fut.done():
             continue
         if err is None:
-            fut.set_result(y)
+            fut.set_result(y.tensor() if type(y) is _Result else y)
         else:
             fut.set_exception(err)

@@ -40,7 +40,7 @@ class Request:
     """One conv request. Compared and hashed by identity."""
 
     seq: int                     # arrival number, increasing over the engine's life
-    session: Any                 # the Session record (.slot, .initialized, .barrier)
+    session: Any                 # the Session record (.slot, .initialized, .barrier, .sched_* scratch)
     layer: int                   # conv layer position (0..n_layers-1), not the model's layer index
     n_tokens: int                # T
     speculative: bool            # a verify: computes y, keeps the state as it was until accept
@@ -227,89 +227,104 @@ class Scheduler:
         return PREFILL
 
     def schedule(self, now: float) -> SchedulerOutput:
-        """Pick and pack the next step (possibly empty). Marks picked requests started."""
+        """Pick and pack the next step (possibly empty). Marks picked requests started.
+
+        Hot path (one pass over the queue per step): per-session step state lives in the session's ``sched_*``
+        scratch fields, stamped with the step number, instead of per-step sets and dicts.
+        """
         cfg = self.config
-        out = SchedulerOutput(step=self._step)
+        step = self._step
+        out = SchedulerOutput(step=step)
         self._step += 1
         max_rows, max_tokens, max_bucket = cfg.max_batch_size, cfg.max_batch_tokens, self._buckets[-1]
-        timeout = cfg.request_timeout_s
+        oldest_ok = now - cfg.request_timeout_s     # arrivals before this have expired (if not started)
         rows = tokens = 0
-        hard: set = set()        # sessions that take nothing more this step
-        soft: set = set()        # sessions stopped at a prefill in pass 1 (go on in pass 2)
-        layers_of: dict = {}     # session -> set of layer positions taken this step
         decode: dict = {}        # layer -> [requests]
         verify: dict = {}        # (layer, n) -> [requests]
         prefill: dict = {}       # layer -> [(request, start, end, has_initial_state)]
-        taken: set = set()       # requests fully scheduled by this step (leave the queue)
-        finished: list = []
-
+        finished: list = []      # requests whose last token is scheduled now
+        n_taken = 0
+        second_pass_needed = False
+        # session scratch: sched_step == step marks the fields below as this step's
+        #   sched_layers: bitmask of layer positions taken;  sched_block: 0 open, 1 stopped at a prefill
+        #   (pass 1 only), 2 closed for this step.
         for second_pass in (False, True):
+            if second_pass and not second_pass_needed:
+                break
             for r in self._waiting:
-                if r.cancelled or r in taken:
+                if r.cancelled or r.scheduled_tokens == r.n_tokens:
                     continue
                 s = r.session
-                if s in hard or (s in soft and not second_pass):
+                if s.sched_step != step:
+                    s.sched_step, s.sched_layers, s.sched_block = step, 0, 0
+                elif s.sched_block == 2 or (s.sched_block == 1 and not second_pass):
                     continue
-                if not r.started and now - r.arrival > timeout:
+                if r.arrival < oldest_ok and not r.started:
                     self.cancel(r)
                     out.expired.append(r)
                     continue
-                if s.barrier is not None and r.seq > s.barrier:
-                    hard.add(s)
+                bit = 1 << r.layer
+                if (s.sched_layers & bit) or (s.barrier is not None and r.seq > s.barrier):
+                    s.sched_block = 2
                     continue
-                lt = layers_of.get(s)
-                if lt is not None and r.layer in lt:
-                    hard.add(s)
-                    continue
-                kind = self._kind(r)
                 n = r.n_tokens
-                if kind is PREFILL:
+                if r.speculative:
+                    kind = VERIFY
+                elif n == 1 and s.initialized & bit:
+                    kind = DECODE
+                else:
                     if not second_pass:
-                        soft.add(s)
+                        s.sched_block = 1
+                        second_pass_needed = True
                         continue
                     start = r.scheduled_tokens
                     chunk = min(n - start, max_tokens - tokens)
                     if rows >= max_rows or chunk <= 0:
-                        hard.add(s)
+                        s.sched_block = 2
                         continue
-                    bit = 1 << r.layer
                     init = bool(s.initialized & bit)       # set by the first chunk for later ones
                     s.initialized |= bit
+                    s.sched_layers |= bit
                     prefill.setdefault(r.layer, []).append((r, start, start + chunk, init))
                     r.scheduled_tokens = start + chunk
                     rows += 1
                     tokens += chunk
                     self._tokens -= chunk
                     r.started = True
-                    if r.scheduled_tokens < n:      # chunked: the rest runs in later steps, after which
-                        hard.add(s)                 # this session's later requests may go
+                    if r.scheduled_tokens < n:      # chunked: the rest runs in later steps, and this
+                        s.sched_block = 2           # session's later requests after it
                     else:
-                        taken.add(r)
+                        n_taken += 1
                         finished.append(r)
-                else:
-                    if (rows >= max_rows or tokens + n > max_tokens
-                            or (kind is DECODE and len(decode.get(r.layer, ())) >= max_bucket)):
-                        hard.add(s)
+                    continue
+                if rows >= max_rows or tokens + n > max_tokens:
+                    s.sched_block = 2
+                    continue
+                if kind is DECODE:
+                    lst = decode.get(r.layer)
+                    if lst is None:
+                        decode[r.layer] = [r]
+                    elif len(lst) >= max_bucket:
+                        s.sched_block = 2
                         continue
-                    if kind is DECODE:
-                        decode.setdefault(r.layer, []).append(r)
                     else:
-                        verify.setdefault((r.layer, n), []).append(r)
-                    rows += 1
-                    tokens += n
-                    self._tokens -= n
-                    r.scheduled_tokens = n
-                    r.started = True
-                    taken.add(r)
-                    finished.append(r)
-                if lt is None:
-                    layers_of[s] = {r.layer}
+                        lst.append(r)
                 else:
-                    lt.add(r.layer)
+                    verify.setdefault((r.layer, n), []).append(r)
+                s.sched_layers |= bit
+                rows += 1
+                tokens += n
+                r.scheduled_tokens = n
+                r.started = True
+                n_taken += 1
+                finished.append(r)
 
-        if taken or out.expired:
-            self._waiting = [r for r in self._waiting if not r.cancelled and r not in taken]
-        self._n -= len(taken)
+        if n_taken or out.expired:
+            self._waiting = [r for r in self._waiting if not r.cancelled and r.scheduled_tokens < r.n_tokens]
+        self._n -= n_taken
+        self._tokens -= tokens - sum(b - a for rws in prefill.values() for _r, a, b, _i in rws)
+        if second_pass_needed:
+            finished.sort(key=_seq)
 
         offset = 0
         for layer in sorted(prefill):

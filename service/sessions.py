@@ -41,6 +41,10 @@ class Session:
     ops: int = 0
     #: monotonic time of the last use (TTL eviction)
     last_used: float = 0.0
+    #: the scheduler's per-step scratch, valid while ``sched_step`` is the step being scheduled
+    sched_step: int = -1
+    sched_layers: int = 0
+    sched_block: int = 0
 
     def oldest_active(self):
         """The oldest unfinished request, or None (drops finished ones from the head of ``queue``)."""

@@ -1,0 +1,266 @@
+"""Engine benchmark: host time and GPU time of one engine step, in-process (no HTTP).
+
+    python bench/bench_engine.py                      # on a CUDA machine: the issue's numbers
+    python bench/bench_engine.py --device cpu         # small sizes, CPU reference kernels (a smoke run)
+    python bench/bench_engine.py --device cpu --null-kernels   # CPU: the engine's own host cost only
+
+Scenarios (each on a fresh engine):
+
+* ``decode-N``: N sessions, each prefilled on one layer, then rounds of one decode per session submitted together
+  (one step of N rows per round). Reports per step: host time (schedule + pack + launch + unpack + deliver,
+  without the wait for the GPU), GPU time (CUDA events around the launches), wall time, and the round trip
+  seen by the caller (submit of the first to the result of the last).
+* ``decode-N-Lk``: the same N sessions spread over k layers (k launches per step): what a per-row layer index
+  into stacked weights (one launch for all layers) could save at most.
+* ``decode-N-eager``: decode without CUDA graphs (CUDA only).
+* ``prefill-mix``: sessions sending prefills of 128-2048 tokens (chunked by max_batch_tokens) while others
+  decode; reports tokens/s and step times.
+
+Target (issue 4): host overhead per decode step under 100 us at 256 sessions. Results go to
+``bench/results/engine-<gpu>-<date>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import random
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from service.engine import Engine, EngineConfig  # noqa: E402
+from service.model import ConvModel  # noqa: E402
+
+
+def _pct(xs, q):
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))]
+
+
+def _null_kernels(engine: Engine) -> None:
+    """Replace the kernels with functions that return their output buffer (host overhead only; CPU)."""
+    def fn(*args, out=None, **kwargs):
+        return out
+
+    engine._prefill_fn = fn
+    engine._update_fn = fn
+    engine._decode._fn = fn
+
+
+def make_engine(args, model, **cfg) -> Engine:
+    base = dict(slots=max(args.sessions_list) + 64, max_batch_size=max(256, max(args.sessions_list)),
+                decode_buckets=tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+                                     if b <= max(256, max(args.sessions_list))),
+                max_batch_tokens=args.max_batch_tokens, max_queue_delay_us=args.delay_us, request_timeout_s=600.0)
+    base.update(cfg)
+    e = Engine(model, EngineConfig(**base), device=args.device)
+    e.start()
+    if args.null_kernels:
+        _null_kernels(e)
+    return e
+
+
+def step_summary(steps, rows=None) -> dict:
+    sel = [s for s in steps if rows is None or s["rows"] == rows] or steps
+    parts = {f"{k[:-2]}_us_p50": _pct([s[k] * 1e6 for s in sel], 0.5) for k in ("sched_s", "launch_s", "deliver_s")}
+    host = [s["host_s"] * 1e6 for s in sel]
+    kern = [s["kernel_s"] * 1e6 for s in sel]
+    wall = [s["wall_s"] * 1e6 for s in sel]
+    return {"steps": len(sel), "rows_mean": statistics.fmean(s["rows"] for s in sel),
+            "host_us_p50": _pct(host, 0.5), "host_us_p90": _pct(host, 0.9),
+            "gpu_us_p50": _pct(kern, 0.5), "gpu_us_p90": _pct(kern, 0.9),
+            "wall_us_p50": _pct(wall, 0.5), "wall_us_p90": _pct(wall, 0.9), **parts}
+
+
+def run_decode(args, model, n_sessions: int, n_layers_used: int = 1, graphs: bool = True) -> dict:
+    # max_batch_size = n and a long delay: a step starts exactly when a round's n requests are queued
+    e = make_engine(args, model, use_cuda_graphs=graphs, max_batch_size=n_sessions, max_queue_delay_us=10_000_000)
+    try:
+        dim = model.dim
+        sids = [e.create_session() for _ in range(n_sessions)]
+        layers = [model.layers[i % n_layers_used] for i in range(n_sessions)]
+        futs = [e.submit(s, l, torch.randn(4, dim, dtype=model.dtype)) for s, l in zip(sids, layers)]
+        for f in futs:
+            f.result()
+        xs = [torch.randn(1, dim, dtype=model.dtype) for _ in range(n_sessions)]
+        for _ in range(args.warmup):
+            for f in [e.submit(s, l, x) for s, l, x in zip(sids, layers, xs)]:
+                f.result()
+        n0 = e.stats()["steps"]
+        rtt = []
+        for _ in range(args.rounds):
+            t0 = time.perf_counter()
+            fs = [e.submit(s, l, x) for s, l, x in zip(sids, layers, xs)]
+            for f in fs:
+                f.result()
+            rtt.append((time.perf_counter() - t0) * 1e6)
+        steps = e.recent_steps()[-(e.stats()["steps"] - n0):]
+        out = step_summary(steps, rows=n_sessions)
+        out.update({"round_trip_us_p50": _pct(rtt, 0.5), "round_trip_us_p90": _pct(rtt, 0.9),
+                    "tokens_per_s": n_sessions * args.rounds / (sum(rtt) * 1e-6),
+                    "cuda_graphs": e.stats()["cuda_graphs"], "sessions": n_sessions, "layers_used": n_layers_used})
+        return out
+    finally:
+        e.stop(drain=False)
+
+
+def run_decode_async(args, model, n_sessions: int) -> dict:
+    """decode-N through ``await engine.conv`` from one asyncio loop (what the HTTP layer's event loop sees:
+    results come back with one wake-up of the loop per step instead of one per request)."""
+    import asyncio
+
+    e = make_engine(args, model, max_batch_size=n_sessions, max_queue_delay_us=10_000_000)
+    try:
+        dim, layer = model.dim, model.layers[0]
+        sids = [e.create_session() for _ in range(n_sessions)]
+        xs = [torch.randn(1, dim, dtype=model.dtype) for _ in range(n_sessions)]
+
+        async def rounds(k):
+            rtt = []
+            for _ in range(k):
+                t0 = time.perf_counter()
+                await asyncio.gather(*(e.conv(s, layer, x) for s, x in zip(sids, xs)))
+                rtt.append((time.perf_counter() - t0) * 1e6)
+            return rtt
+
+        asyncio.run(rounds(args.warmup + 1))
+        n0 = e.stats()["steps"]
+        rtt = asyncio.run(rounds(args.rounds))
+        steps = e.recent_steps()[-(e.stats()["steps"] - n0):]
+        out = step_summary(steps, rows=n_sessions)
+        out.update({"round_trip_us_p50": _pct(rtt, 0.5), "round_trip_us_p90": _pct(rtt, 0.9),
+                    "tokens_per_s": n_sessions * args.rounds / (sum(rtt) * 1e-6), "sessions": n_sessions})
+        return out
+    finally:
+        e.stop(drain=False)
+
+
+def run_prefill_mix(args, model) -> dict:
+    e = make_engine(args, model)
+    try:
+        rng = random.Random(0)
+        dim = model.dim
+        n_prefill, n_decode = args.mix_prefill_sessions, args.mix_decode_sessions
+        pre = [e.create_session() for _ in range(n_prefill)]
+        dec = [e.create_session() for _ in range(n_decode)]
+        for f in [e.submit(s, model.layers[0], torch.randn(4, dim, dtype=model.dtype)) for s in dec]:
+            f.result()
+        lengths = [rng.choice(args.mix_lengths) for _ in pre]
+        xs = {t: torch.randn(t, dim, dtype=model.dtype) for t in set(lengths)}
+        x1 = torch.randn(1, dim, dtype=model.dtype)
+        n0 = e.stats()["steps"]
+        tok0 = e.stats()["tokens"]
+        t0 = time.perf_counter()
+        pf = [e.submit(s, model.layers[0], xs[t]) for s, t in zip(pre, lengths)]
+        rounds = 0
+        while not all(f.done() for f in pf) or rounds < 3:
+            for f in [e.submit(s, model.layers[0], x1) for s in dec]:
+                f.result()
+            rounds += 1
+        for f in pf:
+            f.result()
+        dt = time.perf_counter() - t0
+        st = e.stats()
+        steps = e.recent_steps()[-(st["steps"] - n0):]
+        out = step_summary(steps)
+        out.update({"prefill_sessions": n_prefill, "prefill_tokens": sum(lengths), "decode_sessions": n_decode,
+                    "decode_rounds": rounds, "tokens_per_s": (st["tokens"] - tok0) / dt, "seconds": dt,
+                    "tokens_per_step_mean": statistics.fmean(s["tokens"] for s in steps)})
+        return out
+    finally:
+        e.stop(drain=False)
+
+
+def main(argv=None) -> int:
+    cuda = torch.cuda.is_available()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if cuda else "cpu")
+    ap.add_argument("--dim", type=int, default=None, help="channels (default 4096 on CUDA, 256 on CPU)")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--width", type=int, default=4)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--sessions", default=None, help="comma list (default 1,64,256 on CUDA; 1,8,32 on CPU)")
+    ap.add_argument("--rounds", type=int, default=None, help="decode rounds per scenario (200 CUDA, 10 CPU)")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--delay-us", type=int, default=200)
+    ap.add_argument("--max-batch-tokens", type=int, default=8192)
+    ap.add_argument("--null-kernels", action="store_true", help="CPU only: kernels that do nothing (host cost)")
+    ap.add_argument("--no-mix", action="store_true", help="skip the prefill mix")
+    ap.add_argument("--out", default=None, help="JSON path (default bench/results/engine-<gpu>-<date>.json)")
+    args = ap.parse_args(argv)
+    on_cuda = args.device.startswith("cuda")
+    if on_cuda and not cuda:
+        ap.error("--device cuda but torch sees no CUDA device; use --device cpu")
+    if args.null_kernels and on_cuda:
+        ap.error("--null-kernels is for the CPU (on CUDA the host time is measured apart from the GPU already)")
+    args.dim = args.dim or (4096 if on_cuda else 256)
+    args.sessions_list = [int(s) for s in (args.sessions or ("1,64,256" if on_cuda else "1,8,32")).split(",")]
+    args.rounds = args.rounds or (200 if on_cuda else 10)
+    args.mix_prefill_sessions = 16 if on_cuda else 2
+    args.mix_decode_sessions = 64 if on_cuda else 4
+    args.mix_lengths = [128, 512, 2048] if on_cuda else [16, 64]
+    dtype = getattr(torch, args.dtype)
+    model = ConvModel.random(args.layers, dim=args.dim, width=args.width, dtype=dtype, seed=0)
+
+    results = {}
+    for n in args.sessions_list:
+        results[f"decode-{n}"] = run_decode(args, model, n)
+    big = max(args.sessions_list)
+    k = min(args.layers, 8)
+    if k > 1 and big >= k:
+        results[f"decode-{big}-L{k}"] = run_decode(args, model, big, n_layers_used=k)
+    results[f"decode-{big}-async"] = run_decode_async(args, model, big)
+    if on_cuda:
+        results[f"decode-{big}-eager"] = run_decode(args, model, big, graphs=False)
+    if not args.no_mix:
+        results["prefill-mix"] = run_prefill_mix(args, model)
+
+    gpu = torch.cuda.get_device_name() if on_cuda else ("cpu-null-kernels" if args.null_kernels else "cpu")
+    env = {"gpu": gpu, "torch": torch.__version__, "python": platform.python_version(),
+           "host": platform.node(), "cpu_count": os.cpu_count(),
+           "model": {"layers": args.layers, "dim": args.dim, "width": args.width, "dtype": args.dtype},
+           "delay_us": args.delay_us, "max_batch_tokens": args.max_batch_tokens, "rounds": args.rounds,
+           "null_kernels": args.null_kernels}
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+
+    cols = ["rows_mean", "host_us_p50", "host_us_p90", "sched_us_p50", "launch_us_p50", "deliver_us_p50",
+            "gpu_us_p50", "wall_us_p50", "round_trip_us_p50", "tokens_per_s"]
+    print(f"engine bench on {gpu}: {args.layers} layers x dim {args.dim} x width {args.width}, {args.dtype}")
+    print(f"{'scenario':<20}" + "".join(f"{c.replace('_p50', '').replace('_us', ' us'):>14}" for c in cols))
+    for name, r in results.items():
+        cells = []
+        for c in cols:
+            v = r.get(c)
+            cells.append(f"{'-':>14}" if v is None else f"{v:>14.1f}")
+        print(f"{name:<20}" + "".join(cells))
+    if f"decode-{big}" in results:
+        h = results[f"decode-{big}"]["host_us_p50"]
+        print(f"host overhead per decode step at {big} sessions: {h:.1f} us (target < 100 us at 256)")
+
+    date = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", gpu).strip("-").lower()
+    path = Path(args.out) if args.out else Path(__file__).resolve().parent / "results" / f"engine-{slug}-{date}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"env": env, "results": results}, indent=2))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

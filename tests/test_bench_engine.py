@@ -1,0 +1,28 @@
+"""bench/bench_engine.py runs end to end on the CPU and writes its JSON (the GPU run uses the same code)."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+
+@pytest.mark.parametrize("null_kernels", [False, True])
+def test_bench_engine_runs_on_cpu_and_writes_every_scenario(tmp_path, null_kernels, capsys):
+    import bench_engine
+
+    out = tmp_path / "r.json"
+    argv = ["--device", "cpu", "--dim", "32", "--layers", "2", "--sessions", "1,4", "--rounds", "3",
+            "--warmup", "1", "--out", str(out)] + (["--null-kernels"] if null_kernels else [])
+    assert bench_engine.main(argv) == 0
+    data = json.loads(out.read_text())
+    assert set(data["results"]) == {"decode-1", "decode-4", "decode-4-L2", "decode-4-async", "prefill-mix"}
+    for name in ("decode-1", "decode-4", "decode-4-L2", "decode-4-async"):
+        r = data["results"][name]
+        assert r["rows_mean"] == int(name.split("-")[1]), name   # every measured step is one full round
+        assert r["host_us_p50"] > 0 and r["wall_us_p50"] >= r["host_us_p50"] - 1e-6
+    assert data["results"]["prefill-mix"]["prefill_tokens"] > 0
+    assert data["env"]["null_kernels"] is null_kernels
+    assert "host overhead per decode step" in capsys.readouterr().out
