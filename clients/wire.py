@@ -134,7 +134,7 @@ def encode_tensor(x) -> dict:
     if _is_torch(x):
         import torch
 
-        name = _TORCH_NAMES().get(x.dtype)
+        name = _torch_names().get(x.dtype)
         if name is None:
             raise DtypeUnsupported(f"tensor dtype {x.dtype} is not supported on the wire; "
                                    f"use one of {', '.join(DTYPE_NAMES)}")
@@ -215,18 +215,23 @@ def decode_tensor(obj: Any, *, check_shape: Optional[Callable[[tuple], None]] = 
     return np.frombuffer(data, dtype=_numpy_dtype(dtype)).reshape(shape)
 
 
-def _TORCH_NAMES():
-    import torch
+_TORCH_NAMES: dict = {}
 
-    return {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+def _torch_names() -> dict:
+    if not _TORCH_NAMES:
+        import torch
+
+        _TORCH_NAMES.update({torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"})
+    return _TORCH_NAMES
 
 
 def _numpy_name(dt) -> str:
     import numpy as np
 
-    if dt == np.float32:
+    if dt.kind == "f" and dt.itemsize == 4:
         return "float32"
-    if dt == np.float16:
+    if dt.kind == "f" and dt.itemsize == 2:
         return "float16"
     if dt.name == "bfloat16":  # ml_dtypes.bfloat16
         return "bfloat16"

@@ -82,6 +82,9 @@ class Settings(BaseSettings):
                                                            "(410 state_lost)")
     request_timeout_s: float = Field(30.0, gt=0, description="seconds a conv request may take before 504")
     use_cuda_graphs: bool = Field(True, description="replay decode steps from CUDA graphs (CUDA only)")
+    max_spec_tokens: int = Field(16, ge=1, description="most tokens of one speculative verify (k + 1)")
+    pool_memory_fraction: float = Field(0.5, gt=0, le=1, description="with --slots auto: the share of free GPU "
+                                                                      "memory the state pool may take")
 
     # --- HTTP limits
     max_body_bytes: int = Field(64 << 20, ge=1024, description="largest request body, or stream frame, "

@@ -1,0 +1,563 @@
+"""Python clients of convserve: :class:`ConvClient` (sync) and :class:`AsyncConvClient` (asyncio), on httpx.
+
+Tensors go in and come out as torch tensors or numpy arrays: ``conv`` answers in the kind it was given
+(numpy needs the ``ml_dtypes`` package for bfloat16). torch is imported only when the caller passes torch
+tensors or asks for them, so a numpy-only frontend needs no torch at all.
+
+Every error answer raises the :mod:`service.errors` class of its code (``UnknownSession``, ``QueueFull``...),
+all subclasses of :class:`ConvServeError`, carrying ``.status``, ``.code``, ``.message`` and ``.retry_after``.
+Network failures raise httpx's (or websockets') own exceptions.
+
+``stream`` pipelines many conv requests over one call and yields results as they arrive:
+
+* ``transport="http"``: one ``POST /v1/conv/stream``. httpx sends the whole request body before it reads the
+  response, so every request must be known up front; results still arrive as each completes.
+* ``transport="ws"``: the WebSocket ``/v1/conv/ws``, full duplex. At most ``window`` requests are in flight;
+  requests may be produced lazily (even from earlier results).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterable, Iterable, Iterator, Optional, Union
+
+import httpx
+
+from clients import wire
+from service.errors import ALL_ERRORS, ServiceError
+
+ConvServeError = ServiceError
+"""Base class of every error the service answers with (``service.errors.ServiceError``)."""
+
+_BY_CODE = {cls.code: cls for cls in ALL_ERRORS}
+_HEADERS = {"content-type": wire.MEDIA_TYPE, "accept": wire.MEDIA_TYPE}
+DEFAULT_URL = "http://127.0.0.1:8000"
+#: Largest message the client decodes (a response tensor of 8192 tokens x 8192 channels of float32 fits).
+MAX_MESSAGE_BYTES = 512 << 20
+#: Frames grouped into one HTTP chunk when streaming a known list of requests.
+_CHUNK_BYTES = 256 << 10
+_POLL_S = 0.05
+
+
+@dataclass
+class ConvRequest:
+    """One conv request of a stream. ``id`` defaults to the request's position in the stream."""
+
+    session: str
+    layer: int
+    x: Any
+    speculative: bool = False
+    id: Any = None
+
+
+@dataclass
+class ConvResult:
+    """One answer of a stream: ``y`` on success, else ``error`` (the frame failed alone)."""
+
+    id: Any
+    session: str
+    layer: int
+    y: Any = None
+    error: Optional[ServiceError] = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def unwrap(self):
+        """``y``, or raise ``error``."""
+        if self.error is not None:
+            raise self.error
+        return self.y
+
+
+@dataclass
+class SessionState:
+    """A session's conv state: ``state`` is ``(len(layers), dim, width - 1)``, layers in ascending order."""
+
+    layers: list
+    state: Any
+
+
+def error_from(err: Any, status: Optional[int] = None) -> ServiceError:
+    """The exception for an ``{"code", "message", "retry_after"?}`` map."""
+    if not isinstance(err, dict):
+        e = ServiceError(f"the server answered {status} with an unreadable error body")
+        e.status, e.code = status or 500, "internal"
+        return e
+    code = err.get("code") or "internal"
+    cls = _BY_CODE.get(code, ServiceError)
+    e = cls(str(err.get("message", "")), retry_after=err.get("retry_after"))
+    if cls is ServiceError:
+        e.code = code
+    if status is not None:
+        e.status = status
+    return e
+
+
+def _raise_for(resp: httpx.Response) -> None:
+    if resp.status_code < 400:
+        return
+    body = resp.content
+    ct = resp.headers.get("content-type", "")
+    try:
+        obj = wire.loads_json(body) if "json" in ct else wire.unpackb(body, MAX_MESSAGE_BYTES)
+        err = obj.get("error") if isinstance(obj, dict) else None
+    except ServiceError:
+        err = None
+    if err is None:
+        e = ServiceError(f"HTTP {resp.status_code}: {body[:200]!r}")
+        e.status, e.code = resp.status_code, f"http_{resp.status_code}"
+        raise e
+    exc = error_from(err, resp.status_code)
+    if exc.retry_after is None and "retry-after" in resp.headers:
+        try:
+            exc.retry_after = float(resp.headers["retry-after"])
+        except ValueError:
+            pass
+    raise exc
+
+
+def _decode(resp: httpx.Response) -> Any:
+    _raise_for(resp)
+    if not resp.content:
+        return None
+    return wire.unpackb(resp.content, MAX_MESSAGE_BYTES)
+
+
+def _backend_of(x) -> str:
+    return "torch" if wire._is_torch(x) else "numpy"
+
+
+def _default_backend() -> str:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return "numpy"
+    return "torch"
+
+
+def _as_request(r: Union[ConvRequest, tuple, dict], i: int) -> ConvRequest:
+    if isinstance(r, ConvRequest):
+        req = r
+    elif isinstance(r, dict):
+        req = ConvRequest(**r)
+    else:
+        req = ConvRequest(*r)
+    if req.id is None:
+        req.id = i
+    return req
+
+
+def _frame(req: ConvRequest) -> dict:
+    return {"id": req.id, "session": req.session, "layer": req.layer, "x": wire.encode_tensor(req.x),
+            "speculative": req.speculative}
+
+
+class _Tracker:
+    """Matches answers of a stream to their requests."""
+
+    def __init__(self):
+        self.meta: dict = {}
+        self.lock = threading.Lock()
+
+    def add(self, req: ConvRequest) -> None:
+        with self.lock:
+            if req.id in self.meta:
+                raise ValueError(f"request id {req.id!r} is already in flight in this stream; ids must be unique")
+            self.meta[req.id] = (req.session, req.layer, _backend_of(req.x))
+
+    def result(self, obj: Any) -> ConvResult:
+        if not isinstance(obj, dict) or "id" not in obj:
+            e = ServiceError(f"the server sent a malformed stream frame: {obj!r:.200}")
+            e.code = "internal"
+            raise e
+        fid = obj["id"]
+        if fid is None:  # the stream was ended by the server
+            raise error_from(obj.get("error"))
+        with self.lock:
+            meta = self.meta.pop(fid, None)
+        if meta is None:
+            e = ServiceError(f"the server answered an unknown frame id {fid!r}")
+            e.code = "internal"
+            raise e
+        session, layer, backend = meta
+        if "error" in obj:
+            err = error_from(obj["error"])
+            return ConvResult(fid, session, layer, error=err)
+        return ConvResult(fid, session, layer, y=wire.decode_tensor(obj["y"], backend=backend, name="y"))
+
+    def check_done(self) -> None:
+        if self.meta:
+            e = ServiceError(f"the stream ended with {len(self.meta)} request(s) unanswered")
+            e.code, e.status = "internal", 500
+            raise e
+
+
+def _ws_url(base: str) -> str:
+    if base.startswith("https://"):
+        return "wss://" + base[len("https://"):] + "/v1/conv/ws"
+    if base.startswith("http://"):
+        return "ws://" + base[len("http://"):] + "/v1/conv/ws"
+    raise ValueError(f"url {base!r} must start with http:// or https://")
+
+
+class _Base:
+    def __init__(self, url: Optional[str], api_key: Optional[str], timeout: float):
+        self.url = (url or os.environ.get("CONVSERVE_URL") or DEFAULT_URL).rstrip("/")
+        self.api_key = api_key if api_key is not None else os.environ.get("CONVSERVE_API_KEY")
+        self.timeout = timeout
+        self.headers = dict(_HEADERS)
+        if self.api_key:
+            self.headers["authorization"] = f"Bearer {self.api_key}"
+
+    def _ws_headers(self) -> dict:
+        return {"authorization": self.headers["authorization"]} if self.api_key else {}
+
+    @staticmethod
+    def _state_body(state, layers) -> bytes:
+        if isinstance(state, SessionState):
+            layers, state = state.layers, state.state
+        body = {"state": wire.encode_tensor(state)}
+        if layers is not None:
+            body["layers"] = list(layers)
+        return wire.packb(body)
+
+    @staticmethod
+    def _state_from(obj, backend) -> SessionState:
+        return SessionState(list(obj["layers"]), wire.decode_tensor(obj["state"], backend=backend, name="state"))
+
+    @staticmethod
+    def _conv_body(session, layer, x, speculative) -> bytes:
+        return wire.packb({"session": session, "layer": layer, "x": wire.encode_tensor(x),
+                           "speculative": speculative})
+
+    @staticmethod
+    def _session_body(session: Optional[str]) -> bytes:
+        return wire.packb({"session": session} if session is not None else {})
+
+
+def _chunked(requests: Iterable, tracker: _Tracker) -> Iterator[bytes]:
+    """Encode requests into HTTP chunks of ~256 KiB (the whole body is sent before any answer is read)."""
+    packer = wire.new_packer()
+    buf, size = [], 0
+    for i, r in enumerate(requests):
+        req = _as_request(r, i)
+        tracker.add(req)
+        b = packer.pack(_frame(req))
+        buf.append(b)
+        size += len(b)
+        if size >= _CHUNK_BYTES:
+            yield b"".join(buf)
+            buf, size = [], 0
+    if buf:
+        yield b"".join(buf)
+
+
+class ConvClient(_Base):
+    """Synchronous client. Use as a context manager, or call :meth:`close`.
+
+    >>> with ConvClient("http://127.0.0.1:8000") as c:
+    ...     s = c.create_session()
+    ...     y = c.conv(s, c.model()["layers"][0], x)   # x: (T, dim) tensor or array
+    """
+
+    def __init__(self, url: Optional[str] = None, *, api_key: Optional[str] = None, timeout: float = 60.0,
+                 transport: Optional[httpx.BaseTransport] = None):
+        super().__init__(url, api_key, timeout)
+        self._http = httpx.Client(base_url=self.url, headers=self.headers, timeout=timeout, transport=transport)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # --- health and model
+
+    def health(self) -> bool:
+        return self._http.get("/healthz").status_code == 200
+
+    def ready(self) -> bool:
+        return self._http.get("/readyz").status_code == 200
+
+    def model(self) -> dict:
+        return _decode(self._http.get("/v1/model"))
+
+    # --- sessions
+
+    def create_session(self, session: Optional[str] = None) -> str:
+        return _decode(self._http.post("/v1/sessions", content=self._session_body(session)))["session"]
+
+    def delete_session(self, session: str) -> None:
+        _raise_for(self._http.delete(f"/v1/sessions/{session}"))
+
+    def fork(self, session: str, new_session: Optional[str] = None) -> str:
+        return _decode(self._http.post(f"/v1/sessions/{session}/fork",
+                                       content=self._session_body(new_session)))["session"]
+
+    def export_state(self, session: str, backend: Optional[str] = None) -> SessionState:
+        return self._state_from(_decode(self._http.get(f"/v1/sessions/{session}/state")),
+                                backend or _default_backend())
+
+    def import_state(self, session: str, state, layers=None) -> None:
+        _raise_for(self._http.put(f"/v1/sessions/{session}/state", content=self._state_body(state, layers)))
+
+    def accept(self, session: str, tokens: int) -> None:
+        _raise_for(self._http.post(f"/v1/sessions/{session}/accept", content=wire.packb({"tokens": tokens})))
+
+    # --- conv
+
+    def conv(self, session: str, layer: int, x, speculative: bool = False):
+        """``y (T, dim)`` for ``x (T, dim)``, of the same kind (torch/numpy) and dtype as ``x``."""
+        obj = _decode(self._http.post("/v1/conv", content=self._conv_body(session, layer, x, speculative)))
+        return wire.decode_tensor(obj["y"], backend=_backend_of(x), name="y")
+
+    def stream(self, requests: Iterable, *, transport: str = "http", window: int = 64) -> Iterator[ConvResult]:
+        """Pipeline ``requests`` (:class:`ConvRequest`, ``(session, layer, x[, speculative])`` tuples or dicts)
+        and yield a :class:`ConvResult` per request as it arrives. Results of one session come in the order
+        sent. A frame's error is in its result; an error that ends the stream is raised."""
+        if transport == "http":
+            yield from self._stream_http(requests)
+        elif transport == "ws":
+            yield from self._stream_ws(requests, window)
+        else:
+            raise ValueError(f"transport must be 'http' or 'ws', got {transport!r}")
+
+    def _stream_http(self, requests) -> Iterator[ConvResult]:
+        tracker = _Tracker()
+        with self._http.stream("POST", "/v1/conv/stream", content=_chunked(requests, tracker)) as resp:
+            if resp.status_code >= 400:
+                resp.read()
+                _raise_for(resp)
+            unpacker = wire.new_unpacker(MAX_MESSAGE_BYTES)
+            for chunk in resp.iter_raw():
+                unpacker.feed(chunk)
+                for obj in unpacker:
+                    yield tracker.result(obj)
+        tracker.check_done()
+
+    def _stream_ws(self, requests, window: int) -> Iterator[ConvResult]:
+        from websockets.sync.client import connect
+
+        tracker = _Tracker()
+        slots = threading.Semaphore(window)
+        sent = {"n": 0, "done": False, "error": None}
+        with connect(_ws_url(self.url), additional_headers=self._ws_headers(), max_size=MAX_MESSAGE_BYTES,
+                     compression=None, open_timeout=self.timeout) as ws:
+            def sender():
+                packer = wire.new_packer()
+                try:
+                    for i, r in enumerate(requests):
+                        slots.acquire()
+                        req = _as_request(r, i)
+                        tracker.add(req)
+                        ws.send(packer.pack(_frame(req)))
+                        sent["n"] += 1
+                except BaseException as e:  # noqa: BLE001 - re-raised by the receiver
+                    sent["error"] = e
+                finally:
+                    sent["done"] = True
+
+            t = threading.Thread(target=sender, name="convserve-ws-sender", daemon=True)
+            t.start()
+            received = 0
+            unpacker = wire.new_unpacker(MAX_MESSAGE_BYTES)
+            try:
+                idle_since = time.monotonic()
+                while True:
+                    if sent["done"] and received >= sent["n"]:
+                        break
+                    # Short waits, so that the end of the requests is noticed without a message to wake us.
+                    try:
+                        msg = ws.recv(timeout=_POLL_S)
+                    except TimeoutError:
+                        if time.monotonic() - idle_since > self.timeout:
+                            raise TimeoutError(f"no answer from the server within {self.timeout} s") from None
+                        continue
+                    idle_since = time.monotonic()
+                    if isinstance(msg, str):
+                        raise ServiceError(f"the server sent a text message: {msg[:200]}")
+                    unpacker.feed(msg)
+                    for obj in unpacker:
+                        res = tracker.result(obj)
+                        received += 1
+                        slots.release()
+                        yield res
+                if sent["error"] is not None:
+                    raise sent["error"]
+            finally:
+                slots.release(window)  # unblock the sender if we stop early
+                t.join(timeout=5)
+        tracker.check_done()
+
+
+class AsyncConvClient(_Base):
+    """Asyncio client, with the same methods as :class:`ConvClient` as coroutines (``stream`` is an async
+    iterator). Use ``async with``, or call :meth:`aclose`."""
+
+    def __init__(self, url: Optional[str] = None, *, api_key: Optional[str] = None, timeout: float = 60.0,
+                 transport: Optional[httpx.AsyncBaseTransport] = None, max_connections: int = 100):
+        super().__init__(url, api_key, timeout)
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        self._http = httpx.AsyncClient(base_url=self.url, headers=self.headers, timeout=timeout, transport=transport,
+                                       limits=limits)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.aclose()
+
+    async def health(self) -> bool:
+        return (await self._http.get("/healthz")).status_code == 200
+
+    async def ready(self) -> bool:
+        return (await self._http.get("/readyz")).status_code == 200
+
+    async def model(self) -> dict:
+        return _decode(await self._http.get("/v1/model"))
+
+    async def create_session(self, session: Optional[str] = None) -> str:
+        return _decode(await self._http.post("/v1/sessions", content=self._session_body(session)))["session"]
+
+    async def delete_session(self, session: str) -> None:
+        _raise_for(await self._http.delete(f"/v1/sessions/{session}"))
+
+    async def fork(self, session: str, new_session: Optional[str] = None) -> str:
+        return _decode(await self._http.post(f"/v1/sessions/{session}/fork",
+                                             content=self._session_body(new_session)))["session"]
+
+    async def export_state(self, session: str, backend: Optional[str] = None) -> SessionState:
+        return self._state_from(_decode(await self._http.get(f"/v1/sessions/{session}/state")),
+                                backend or _default_backend())
+
+    async def import_state(self, session: str, state, layers=None) -> None:
+        _raise_for(await self._http.put(f"/v1/sessions/{session}/state", content=self._state_body(state, layers)))
+
+    async def accept(self, session: str, tokens: int) -> None:
+        _raise_for(await self._http.post(f"/v1/sessions/{session}/accept", content=wire.packb({"tokens": tokens})))
+
+    async def conv(self, session: str, layer: int, x, speculative: bool = False):
+        obj = _decode(await self._http.post("/v1/conv", content=self._conv_body(session, layer, x, speculative)))
+        return wire.decode_tensor(obj["y"], backend=_backend_of(x), name="y")
+
+    async def stream(self, requests: Union[Iterable, AsyncIterable], *, transport: str = "http", window: int = 64):
+        """Async twin of :meth:`ConvClient.stream`; ``requests`` may be an async iterable."""
+        if transport == "http":
+            gen = self._stream_http(requests)
+        elif transport == "ws":
+            gen = self._stream_ws(requests, window)
+        else:
+            raise ValueError(f"transport must be 'http' or 'ws', got {transport!r}")
+        async for r in gen:
+            yield r
+
+    async def _stream_http(self, requests):
+        tracker = _Tracker()
+
+        async def body():
+            if hasattr(requests, "__aiter__"):
+                packer = wire.new_packer()
+                i = 0
+                async for r in requests:
+                    req = _as_request(r, i)
+                    i += 1
+                    tracker.add(req)
+                    yield packer.pack(_frame(req))
+            else:
+                for chunk in _chunked(requests, tracker):
+                    yield chunk
+
+        async with self._http.stream("POST", "/v1/conv/stream", content=body()) as resp:
+            if resp.status_code >= 400:
+                await resp.aread()
+                _raise_for(resp)
+            unpacker = wire.new_unpacker(MAX_MESSAGE_BYTES)
+            async for chunk in resp.aiter_raw():
+                unpacker.feed(chunk)
+                for obj in unpacker:
+                    yield tracker.result(obj)
+        tracker.check_done()
+
+    async def _stream_ws(self, requests, window: int):
+        import asyncio
+
+        from websockets.asyncio.client import connect
+
+        tracker = _Tracker()
+        slots = asyncio.Semaphore(window)
+        state = {"n": 0, "done": False, "error": None}
+        wake = asyncio.Event()
+        async with connect(_ws_url(self.url), additional_headers=self._ws_headers(), max_size=MAX_MESSAGE_BYTES,
+                           compression=None, open_timeout=self.timeout) as ws:
+            async def sender():
+                packer = wire.new_packer()
+                try:
+                    it = requests.__aiter__() if hasattr(requests, "__aiter__") else None
+                    counter = itertools.count()
+                    sync_it = iter(requests) if it is None else None
+                    while True:
+                        await slots.acquire()
+                        try:
+                            r = await it.__anext__() if it is not None else next(sync_it)
+                        except (StopAsyncIteration, StopIteration):
+                            slots.release()
+                            break
+                        req = _as_request(r, next(counter))
+                        tracker.add(req)
+                        await ws.send(packer.pack(_frame(req)))
+                        state["n"] += 1
+                except BaseException as e:  # noqa: BLE001 - re-raised by the receiver
+                    state["error"] = e
+                finally:
+                    state["done"] = True
+                    wake.set()
+
+            task = asyncio.ensure_future(sender())
+            unpacker = wire.new_unpacker(MAX_MESSAGE_BYTES)
+            received = 0
+            recv = None
+            try:
+                while True:
+                    if state["done"] and received >= state["n"]:
+                        break
+                    if recv is None:
+                        recv = asyncio.ensure_future(ws.recv())
+                    waiter = asyncio.ensure_future(wake.wait())
+                    done, _ = await asyncio.wait((recv, waiter), timeout=self.timeout,
+                                                 return_when=asyncio.FIRST_COMPLETED)
+                    waiter.cancel()
+                    if not done:
+                        raise TimeoutError(f"no answer from the server within {self.timeout} s")
+                    if recv not in done:
+                        wake.clear()
+                        continue
+                    msg = recv.result()
+                    recv = None
+                    if isinstance(msg, str):
+                        raise ServiceError(f"the server sent a text message: {msg[:200]}")
+                    unpacker.feed(msg)
+                    for obj in unpacker:
+                        res = tracker.result(obj)
+                        received += 1
+                        slots.release()
+                        yield res
+                if state["error"] is not None:
+                    raise state["error"]
+            finally:
+                if recv is not None:
+                    recv.cancel()
+                if not task.done():
+                    task.cancel()
+        tracker.check_done()

@@ -1,0 +1,173 @@
+"""``convserve`` command line: ``convserve serve [flags]`` starts the HTTP service under uvicorn.
+
+Every setting of :class:`service.config.Settings` is a flag (``--max-body-bytes``), an environment variable
+(``CONVSERVE_MAX_BODY_BYTES``) and a config-file key (``--config FILE``, TOML or JSON). Flags win over the
+environment, which wins over the file.
+
+On SIGTERM (or Ctrl-C) the server stops intake (``/readyz`` turns 503, new requests get 503 ``not_ready``),
+lets in-flight requests, streams and WebSockets finish for up to ``--shutdown-timeout-s``, stops the engine
+and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from service.config import ConfigError, Settings, load_settings
+
+log = logging.getLogger("convserve.cli")
+
+EXIT_CONFIG = 2
+EXIT_FAILED = 1
+
+
+def _add_settings_flags(p: argparse.ArgumentParser) -> None:
+    for name, field in Settings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        env = "CONVSERVE_" + name.upper()
+        default = field.default
+        if name == "api_key":
+            default = "unset"
+        help_ = f"{field.description} [env {env}; default {default}]"
+        if field.annotation is bool:
+            p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                           help=help_)
+        else:
+            p.add_argument(flag, dest=name, default=argparse.SUPPRESS, metavar=name.upper(), help=help_)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="convserve", description="Serve the causal depthwise conv1d stage of "
+                                "Mamba/hybrid LLMs over HTTP/msgpack.")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="start the HTTP service", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("--config", type=Path, default=None, help="TOML or JSON file of settings [env CONVSERVE_CONFIG]")
+    s.add_argument("--print-config", action="store_true", help="print the resolved settings as JSON and exit")
+    _add_settings_flags(s)
+    return p
+
+
+def build_engine(settings: Settings):
+    """The model and the (not yet started) engine the settings describe."""
+    import torch
+
+    from service.engine import Engine, EngineConfig
+    from service.model import ConvModel
+
+    device = settings.resolved_device()
+    dtype = getattr(torch, settings.dtype) if settings.dtype else None
+    if settings.weights is not None:
+        model = ConvModel.from_safetensors(settings.weights, dtype=dtype)
+    else:
+        model = ConvModel.random(layers=settings.layers, dim=settings.dim, width=settings.width,
+                                 dtype=dtype or torch.bfloat16, seed=settings.seed)
+    return Engine(model, EngineConfig.from_settings(settings), device=device)
+
+
+def _redacted(settings: Settings) -> dict:
+    d = json.loads(settings.model_dump_json())
+    if d.get("api_key"):
+        d["api_key"] = "***"
+    return d
+
+
+class Server:
+    """uvicorn's server, with a drain before its shutdown and a clean exit code on SIGTERM."""
+
+    def __new__(cls, config, svc):
+        import uvicorn
+
+        class _Server(uvicorn.Server):
+            def __init__(self, config, svc):
+                super().__init__(config)
+                self.svc = svc
+                self.loop: Optional[asyncio.AbstractEventLoop] = None
+                self.bound_port: Optional[int] = None
+                self.failed = False
+
+            async def startup(self, sockets=None):
+                self.loop = asyncio.get_running_loop()
+                await super().startup(sockets)
+                if self.servers and self.servers[0].sockets:
+                    host, port = self.servers[0].sockets[0].getsockname()[:2]
+                    self.bound_port = port
+                    log.info("listening", extra={"host": host, "port": port, "url": f"http://{host}:{port}"})
+
+            def handle_exit(self, sig, frame):
+                if self.loop is not None and not self.svc.draining:
+                    self.loop.call_soon_threadsafe(self.svc.start_draining)
+                super().handle_exit(sig, frame)
+                # A graceful stop on SIGTERM is the normal end: exit 0 instead of re-raising the signal.
+                if sig == signal.SIGTERM and sig in self._captured_signals:
+                    self._captured_signals.remove(sig)
+
+            def fatal(self, exc):
+                self.failed = True
+                self.should_exit = True
+
+            async def shutdown(self, sockets=None):
+                self.svc.start_draining()
+                for server in self.servers:  # stop accepting connections now, not after the streams end
+                    server.close()
+                await self.svc.wait_pipelines(self.config.timeout_graceful_shutdown or 0)
+                await super().shutdown(sockets)
+
+        return _Server(config, svc)
+
+
+def serve(settings: Settings) -> int:
+    import uvicorn
+
+    from service import logs
+    from service.app import create_app
+
+    logs.configure(settings.log_level)
+    try:
+        engine = build_engine(settings)
+    except (ConfigError, ValueError, OSError) as e:
+        log.error("cannot build the model", extra={"error": str(e)})
+        print(f"convserve: cannot build the model: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    app = create_app(settings, engine)
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, loop="auto", http="auto", ws="auto", lifespan="on",
+        log_config=logs.log_config(settings.log_level), access_log=False, server_header=False,
+        timeout_graceful_shutdown=max(settings.shutdown_timeout_s, 0.1), ws_max_size=settings.max_body_bytes,
+        ws_per_message_deflate=False, backlog=2048, timeout_keep_alive=30,
+    )
+    server = Server(config, app.state.svc)
+    app.state.on_fatal = server.fatal
+    log.info("starting", extra={"settings": _redacted(settings)})
+    server.run()
+    if server.failed or app.state.svc.failed is not None:
+        return EXIT_FAILED
+    log.info("stopped")
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        overrides = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
+        try:
+            settings = load_settings(overrides, args.config)
+        except ConfigError as e:
+            print(f"convserve: {e}", file=sys.stderr)
+            return EXIT_CONFIG
+        if args.print_config:
+            print(json.dumps(_redacted(settings), indent=2))
+            return 0
+        return serve(settings)
+    return EXIT_CONFIG  # pragma: no cover - argparse requires a command
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""Prometheus metrics of one service process (``GET /metrics``).
+
+HTTP-side series are updated by the request path; engine-side series (queue depth, batch sizes, pad ratio,
+slots, kernel time) are read from ``engine.stats()`` when Prometheus scrapes, so the hot path pays nothing
+for them. Each app has its own registry, so several apps can live in one process (tests).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Iterable, Optional
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Seconds: from 50 µs (a CPU decode) to 30 s (the default timeout).
+LATENCY_BUCKETS = (5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
+                   30.0)
+
+log = logging.getLogger("convserve.metrics")
+
+
+class Metrics:
+    """The series of one app. ``observe_request`` is called once per HTTP request, ``observe_frames`` per flush
+    of a stream or WebSocket."""
+
+    def __init__(self, stats: Optional[Callable[[], dict]] = None):
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("convserve_http_requests", "HTTP requests by route and status code",
+                                ["route", "method", "status"], registry=r)
+        self.errors = Counter("convserve_errors", "Errors by route (or transport) and error code",
+                              ["route", "code"], registry=r)
+        self.latency = Histogram("convserve_http_request_duration_seconds",
+                                 "HTTP request latency by route, from the first byte read to the last byte "
+                                 "written", ["route"], buckets=LATENCY_BUCKETS, registry=r)
+        self.frames = Counter("convserve_stream_frames", "Conv frames answered on /v1/conv/stream and "
+                              "/v1/conv/ws, by transport and outcome (ok or error code)",
+                              ["transport", "code"], registry=r)
+        self.frame_latency = Histogram("convserve_stream_frame_duration_seconds",
+                                       "Latency of one streamed conv frame, from parsed to its result queued "
+                                       "for sending", ["transport"], buckets=LATENCY_BUCKETS, registry=r)
+        self.conv_tokens = Counter("convserve_conv_tokens", "Tokens received in conv requests, by kind",
+                                   ["kind"], registry=r)
+        self._children: dict = {}
+        if stats is not None:
+            r.register(EngineCollector(stats))
+
+    # Labelled children are cached: ``labels()`` costs a lock and a dict lookup per call otherwise.
+
+    def observe_request(self, route: str, method: str, status: int, seconds: float,
+                        error_code: Optional[str]) -> None:
+        key = (route, method, status)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = (self.requests.labels(route, method, str(status)),
+                                       self.latency.labels(route))
+        c[0].inc()
+        c[1].observe(seconds)
+        if error_code is not None:
+            self.error(route, error_code)
+
+    def error(self, route: str, code: str, n: int = 1) -> None:
+        key = ("e", route, code)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = self.errors.labels(route, code)
+        c.inc(n)
+
+    def observe_frames(self, transport: str, outcomes: dict, latencies: Iterable[float]) -> None:
+        route = "/v1/conv/stream" if transport == "stream" else "/v1/conv/ws"
+        for code, n in outcomes.items():
+            key = ("f", transport, code)
+            c = self._children.get(key)
+            if c is None:
+                c = self._children[key] = self.frames.labels(transport, code)
+            c.inc(n)
+            if code != "ok":
+                self.error(route, code, n)
+        key = ("fl", transport)
+        h = self._children.get(key)
+        if h is None:
+            h = self._children[key] = self.frame_latency.labels(transport)
+        for s in latencies:
+            h.observe(s)
+
+    def tokens(self, kind: str, n: int) -> None:
+        key = ("t", kind)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = self.conv_tokens.labels(kind)
+        c.inc(n)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def _num(v) -> Optional[float]:
+    if isinstance(v, bool):
+        return float(v)
+    if isinstance(v, (int, float)):
+        return float(v)
+    return None
+
+
+class EngineCollector(Collector):
+    """Reads ``engine.stats()`` at scrape time and exposes it as ``convserve_engine_*`` series.
+
+    Well-known keys get stable names and help texts; every other numeric value (nested dicts flattened with
+    ``_``) is exported as a gauge, so nothing the engine reports is hidden.
+    """
+
+    #: engine.stats() key -> (metric name, kind, help)
+    KNOWN = {
+        "queue_depth": ("convserve_queue_depth", "gauge", "Requests queued in the engine, not yet in a step"),
+        "slots_total": ("convserve_slots_total", "gauge", "Allocatable session slots (without the null slot)"),
+        "slots_in_use": ("convserve_slots_in_use", "gauge", "Session slots holding a session"),
+        "slots_free": ("convserve_slots_free", "gauge", "Session slots free"),
+        "sessions": ("convserve_sessions", "gauge", "Live sessions"),
+        "steps": ("convserve_engine_steps", "counter", "Engine steps run"),
+        "requests": ("convserve_engine_requests", "counter", "Requests completed by the engine"),
+        "tokens": ("convserve_engine_tokens", "counter", "Tokens computed by the engine"),
+        "pad_ratio": ("convserve_decode_pad_ratio", "gauge", "Padded decode rows over all decode rows "
+                                                             "(cumulative)"),
+        "kernel_time_s": ("convserve_kernel_seconds", "counter", "Time spent in conv kernels"),
+        "step_time_s": ("convserve_engine_step_seconds", "counter", "Time spent in engine steps (host + device)"),
+    }
+
+    def __init__(self, stats: Callable[[], dict]):
+        self._stats = stats
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        try:
+            stats = self._stats() or {}
+        except Exception:  # a scrape must not fail because the engine is starting or stopping
+            log.debug("engine.stats() failed during a scrape", exc_info=True)
+            return
+        flat: dict = {}
+        hists = []
+        _flatten("", stats, flat, hists)
+        for key, (buckets, total, count) in hists:
+            name = "convserve_engine_" + key
+            h = HistogramMetricFamily(name, f"engine.stats()['{key}']")
+            h.add_metric([], buckets=buckets, sum_value=total)
+            yield h
+        for key, value in flat.items():
+            if key in self.KNOWN:
+                name, kind, help_ = self.KNOWN[key]
+            else:
+                name, kind, help_ = "convserve_engine_" + key, "gauge", f"engine.stats()['{key}']"
+            if kind == "counter":
+                m = CounterMetricFamily(name, help_)
+            else:
+                m = GaugeMetricFamily(name, help_)
+            m.add_metric([], value)
+            yield m
+
+
+def _flatten(prefix: str, d: dict, out: dict, hists: list) -> None:
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            h = _as_histogram(v)
+            if h is not None:
+                hists.append((key, h))
+            else:
+                _flatten(key + "_", v, out, hists)
+            continue
+        n = _num(v)
+        if n is not None:
+            out[_sanitize(key)] = n
+
+
+def _as_histogram(v: dict):
+    """``{"buckets": {le: cumulative count}, "sum": s, "count": n}`` -> Prometheus histogram parts."""
+    if not ({"buckets", "sum", "count"} <= set(v)) or not isinstance(v["buckets"], dict):
+        return None
+    items = sorted((float(le), int(c)) for le, c in v["buckets"].items())
+    buckets = [(_le(le), c) for le, c in items if le != float("inf")]
+    buckets.append(("+Inf", int(v["count"])))
+    return buckets, float(v["sum"]), int(v["count"])
+
+
+def _le(x: float) -> str:
+    return repr(float(x))
+
+
+def _sanitize(key: str) -> str:
+    return "".join(c if c.isalnum() or c == "_" else "_" for c in key)

@@ -1,0 +1,160 @@
+"""Helpers for the end-to-end tests: a real ``convserve serve`` subprocess on 127.0.0.1, and the reference run.
+
+The server is started with ``--port 0``; the port it bound is read from its ``listening`` log line, so tests
+never race for a free port. Its JSON log lines are kept in memory (``LiveServer.logs``) for assertions and
+for the failure message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+import httpx
+import torch
+
+from kernels.reference import causal_conv1d_ref
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class LiveServer:
+    def __init__(self, args: list[str], env: Optional[dict] = None, ready: bool = True, timeout: float = 60.0):
+        self.args = list(args)
+        full_env = {k: v for k, v in os.environ.items() if not k.startswith("CONVSERVE_")}
+        full_env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+        full_env.update(env or {})
+        cmd = [sys.executable, "-m", "service", "serve", "--host", "127.0.0.1", "--port", "0", "--device", "cpu",
+               *self.args]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.logs: list[dict] = []
+        self.raw: list[str] = []
+        self.port: Optional[int] = None
+        self._listening = threading.Event()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        deadline = time.monotonic() + timeout
+        while not self._listening.wait(0.05):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"server did not start (rc={self.proc.returncode}):\n" + "\n".join(self.raw[-40:]))
+        self.url = f"http://127.0.0.1:{self.port}"
+        if ready:
+            self.wait_ready(deadline - time.monotonic())
+
+    def _read(self):
+        for line in iter(self.proc.stdout.readline, b""):
+            text = line.decode(errors="replace").rstrip()
+            self.raw.append(text)
+            try:
+                rec = json.loads(text)
+            except ValueError:
+                continue
+            if not isinstance(rec, dict):
+                continue
+            self.logs.append(rec)
+            if rec.get("msg") == "listening":
+                self.port = int(rec["port"])
+                self._listening.set()
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise RuntimeError("server never became ready:\n" + "\n".join(self.raw[-40:]))
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            rc = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+        self._reader.join(timeout=5)
+        return rc
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def log_messages(self) -> list[str]:
+        return [r.get("msg", "") for r in self.logs]
+
+
+class Reference:
+    """The conv stage computed request by request with ``kernels.reference`` from the same weights.
+
+    Mirrors the service's contract: a session's first call on a layer starts from a zero state, later calls
+    continue from it; a speculative call leaves the state alone until ``accept(n)`` commits the state after n of
+    its tokens, for every layer at once; ``fork`` copies every layer's state.
+    """
+
+    def __init__(self, model, state_dtype: torch.dtype = torch.float32):
+        self.model = model
+        self.state_dtype = state_dtype
+        self.states: dict[str, torch.Tensor] = {}
+        self.spec: dict[str, dict[int, torch.Tensor]] = {}
+
+    def _state(self, session: str) -> torch.Tensor:
+        m = self.model
+        if session not in self.states:
+            self.states[session] = torch.zeros(m.n_layers, m.dim, m.width - 1, dtype=self.state_dtype)
+            self.spec[session] = {}
+        return self.states[session]
+
+    def create(self, session: str) -> None:
+        self._state(session)
+
+    def delete(self, session: str) -> None:
+        self.states.pop(session, None)
+        self.spec.pop(session, None)
+
+    def fork(self, src: str, dst: str) -> None:
+        self.states[dst] = self._state(src).clone()
+        self.spec[dst] = {}
+
+    def set_state(self, session: str, state: torch.Tensor) -> None:
+        self._state(session)
+        self.states[session] = state.to(self.state_dtype).clone()
+        self.spec[session] = {}
+
+    def conv(self, session: str, layer: int, x: torch.Tensor, speculative: bool = False) -> torch.Tensor:
+        m = self.model
+        p = m.layers.index(layer)
+        state = self._state(session)
+        xs = x.to(m.dtype).t().contiguous()  # (dim, T)
+        conv_states = state[p:p + 1].clone()
+        y = causal_conv1d_ref(xs, m.weight[p], m.layer_bias(p), conv_states,
+                              torch.tensor([0, xs.shape[1]], dtype=torch.int32),
+                              has_initial_state=torch.tensor([True]), activation=m.activation)
+        if speculative:
+            self.spec[session][p] = x.to(m.dtype)
+        else:
+            state[p] = conv_states[0]
+            self.spec[session].pop(p, None)
+        return y.t().to(x.dtype)
+
+    def accept(self, session: str, n: int) -> None:
+        m = self.model
+        state = self._state(session)
+        for p, x in self.spec[session].items():
+            hist = torch.cat([state[p].to(torch.float32), x[:n].to(torch.float32).t()], dim=1)
+            state[p] = hist[:, hist.shape[1] - (m.width - 1):].to(self.state_dtype)
+        self.spec[session] = {}

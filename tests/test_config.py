@@ -1,0 +1,118 @@
+"""Settings: defaults, flags > environment > config file, start-up validation with clear messages."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from service.cli import main as cli_main
+from service.config import ConfigError, Settings, load_settings
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    for k in list(os.environ):
+        if k.startswith("CONVSERVE_"):
+            monkeypatch.delenv(k)
+
+
+def test_defaults_serve_the_embedded_model_on_localhost_8000():
+    s = load_settings()
+    assert (s.host, s.port, s.device, s.weights) == ("127.0.0.1", 8000, "auto", None)
+    assert (s.layers, s.dim, s.width, s.seed) == (4, 1024, 4, 0)
+    assert s.api_key is None
+
+
+def _value(s, name):
+    v = getattr(s, name)
+    return v.get_secret_value() if name == "api_key" else v
+
+
+@pytest.mark.parametrize("name, flag, env, file, from_flag, from_env, from_file", [
+    ("port", "9001", "9002", "9003", 9001, 9002, 9003),
+    ("dim", "64", "128", "256", 64, 128, 256),
+    ("layers", "0,2,5", "3", "1,4", [0, 2, 5], 3, [1, 4]),
+    ("slots", "auto", "7", "9", "auto", 7, 9),
+    ("decode_buckets", "8,1,2", "4", "16", [1, 2, 8], [4], [16]),
+    ("api_key", "s3cret", "other", "filekey", "s3cret", "other", "filekey"),
+])
+def test_flags_override_env_which_overrides_the_file(tmp_path, monkeypatch, name, flag, env, file, from_flag,
+                                                     from_env, from_file):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'{name} = "{file}"\nwidth = 3\n')
+    assert _value(load_settings({}, cfg), name) == from_file
+    monkeypatch.setenv("CONVSERVE_" + name.upper(), env)
+    assert _value(load_settings({}, cfg), name) == from_env
+    s = load_settings({name: flag}, cfg)
+    assert _value(s, name) == from_flag
+    assert s.width == 3  # untouched keys still come from the file
+
+
+def test_env_values_are_parsed_like_flags(monkeypatch):
+    monkeypatch.setenv("CONVSERVE_LAYERS", "[1, 3]")
+    monkeypatch.setenv("CONVSERVE_CHECK_FINITE", "false")
+    monkeypatch.setenv("CONVSERVE_STATE_DTYPE", "float32")
+    s = load_settings()
+    assert s.layers == [1, 3] and s.check_finite is False and s.state_dtype == "float32"
+
+
+def test_config_file_may_be_json_and_named_by_env(tmp_path, monkeypatch):
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"max-body-bytes": 4096, "port": 1234}))
+    monkeypatch.setenv("CONVSERVE_CONFIG", str(cfg))
+    s = load_settings()
+    assert s.max_body_bytes == 4096 and s.port == 1234
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    ({"port": "70000"}, "--port / CONVSERVE_PORT"),
+    ({"device": "tpu"}, "not one of auto, cpu, cuda"),
+    ({"layers": "0,0"}, "duplicate layer index"),
+    ({"layers": "0"}, "count must be >= 1"),
+    ({"slots": "many"}, "neither an integer nor 'auto'"),
+    ({"width": "9"}, "--width"),
+    ({"decode_buckets": "0,2"}, "positive batch sizes"),
+    ({"weights": "/nonexistent.safetensors"}, "is not a file"),
+    ({"dtype": "int8"}, "--dtype"),
+    ({"max_tokens_per_request": "9000", "max_batch_tokens": "8192"}, "could never be scheduled"),
+    ({"nope": 1}, "nope"),
+])
+def test_invalid_settings_fail_with_the_setting_named(overrides, fragment):
+    with pytest.raises(ConfigError) as e:
+        load_settings(overrides)
+    assert fragment in str(e.value)
+
+
+def test_config_file_with_unknown_key_is_rejected(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("prot = 80\n")
+    with pytest.raises(ConfigError, match="unknown settings \\['prot'\\]"):
+        load_settings({}, cfg)
+
+
+def test_every_setting_is_a_flag_and_an_env_var(capsys):
+    with pytest.raises(SystemExit):
+        cli_main(["serve", "--help"])
+    out = capsys.readouterr().out
+    for name in Settings.model_fields:
+        assert "--" + name.replace("_", "-") in out
+        assert "CONVSERVE_" + name.upper() in out.replace("\n", "").replace(" ", "")
+
+
+def test_cli_exits_2_with_a_message_on_bad_config():
+    r = subprocess.run([sys.executable, "-m", "service", "serve", "--port", "x"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2
+    assert "--port / CONVSERVE_PORT" in r.stderr
+
+
+def test_print_config_hides_the_api_key(capsys):
+    assert cli_main(["serve", "--print-config", "--api-key", "hunter2", "--dim", "32"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["api_key"] == "***" and out["dim"] == 32
