@@ -355,8 +355,13 @@ class ConvClient(_Base):
             def sender():
                 packer = wire.new_packer()
                 try:
-                    for i, r in enumerate(requests):
-                        slots.acquire()
+                    it = iter(requests)
+                    for i in itertools.count():
+                        slots.acquire()  # a request is taken from the iterable only once it may be sent
+                        try:
+                            r = next(it)
+                        except StopIteration:
+                            break
                         req = _as_request(r, i)
                         tracker.add(req)
                         ws.send(packer.pack(_frame(req)))

@@ -1,0 +1,271 @@
+"""The client library (ConvClient, AsyncConvClient, ``python -m clients``) against a live server with an API key."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from clients.client import AsyncConvClient, ConvClient, ConvRequest, ConvServeError, SessionState
+from service.errors import BadRequest, PoolExhausted, SessionExists, ShapeMismatch, Unauthorized, UnknownSession
+from service.model import ConvModel
+from tests.live import ROOT, LiveServer, Reference
+
+LAYERS, DIM = [1, 3], 24
+KEY = "client-key"
+
+
+def model():
+    return ConvModel.random(LAYERS, dim=DIM, width=4, dtype=torch.float32, seed=0)
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = LiveServer(["--layers", "1,3", "--dim", str(DIM), "--dtype", "float32", "--api-key", KEY, "--slots", "48"])
+    yield srv
+    srv.terminate()
+
+
+@pytest.fixture()
+def client(server):
+    with ConvClient(server.url, api_key=KEY) as c:
+        yield c
+
+
+def close(a, b):
+    a = a.float() if isinstance(a, torch.Tensor) else torch.from_numpy(np.asarray(a, dtype=np.float32))
+    b = b.float() if isinstance(b, torch.Tensor) else torch.from_numpy(np.asarray(b, dtype=np.float32))
+    torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_health_ready_and_model(client):
+    assert client.health() and client.ready()
+    info = client.model()
+    assert info["layers"] == LAYERS and info["dim"] == DIM
+
+
+@pytest.mark.parametrize("kind, dtype", [("torch", torch.float32), ("torch", torch.bfloat16), ("torch", torch.float16),
+                                         ("numpy", np.float32), ("numpy", np.float16)])
+def test_conv_answers_in_the_kind_and_dtype_it_was_given(client, kind, dtype):
+    ref = Reference(model())
+    sid = client.create_session()
+    for i, t in enumerate([7, 1, 1, 3]):
+        xt = torch.randn(t, DIM, generator=torch.Generator().manual_seed(i))
+        x = xt.to(dtype) if kind == "torch" else xt.numpy().astype(dtype)
+        y = client.conv(sid, 3, x)
+        assert type(y) is type(x) and y.dtype == x.dtype and tuple(y.shape) == (t, DIM)
+        close(y, ref.conv(sid, 3, torch.as_tensor(np.asarray(x)) if kind == "numpy" else x))
+    client.delete_session(sid)
+
+
+def test_sessions_fork_state_and_accept_through_the_client(client):
+    ref = Reference(model())
+    a = client.create_session("client-a")
+    ref.create(a)
+    with pytest.raises(SessionExists) as e:
+        client.create_session("client-a")
+    assert e.value.status == 409 and e.value.code == "session_exists"
+    x = torch.randn(5, DIM)
+    close(client.conv(a, 1, x), ref.conv(a, 1, x))
+    b = client.fork(a, "client-b")
+    ref.fork(a, b)
+    st = client.export_state(b)
+    assert isinstance(st, SessionState) and st.layers == LAYERS
+    close(st.state, ref.states[b])
+    c = client.create_session()
+    client.import_state(c, st)
+    ref.set_state(c, st.state)
+    xv = torch.randn(3, DIM)
+    close(client.conv(c, 1, xv, speculative=True), ref.conv(c, 1, xv, speculative=True))
+    client.accept(c, 2)
+    ref.accept(c, 2)
+    close(client.export_state(c, backend="numpy").state, ref.states[c])
+    for sid in (a, b, c):
+        client.delete_session(sid)
+    with pytest.raises(UnknownSession) as e:
+        client.conv(a, 1, x)
+    assert (e.value.status, e.value.code) == (404, "unknown_session") and "create it" in e.value.message
+
+
+@pytest.mark.parametrize("call, exc, status", [
+    (lambda c: c.conv("nope", 1, torch.zeros(1, DIM + 1)), ShapeMismatch, 422),
+    (lambda c: c.accept(c.create_session(), 1), BadRequest, 400),
+    (lambda c: c.delete_session("never"), UnknownSession, 404),
+], ids=["shape", "accept-without-verify", "delete-unknown"])
+def test_errors_raise_the_class_of_their_code(client, call, exc, status):
+    with pytest.raises(exc) as e:
+        call(client)
+    assert isinstance(e.value, ConvServeError) and e.value.status == status
+
+
+def test_retryable_errors_carry_retry_after(server):
+    with ConvClient(server.url, api_key=KEY) as c:
+        made = []
+        with pytest.raises(PoolExhausted) as e:
+            for _ in range(100):
+                made.append(c.create_session())
+        assert e.value.status == 503 and e.value.retry_after >= 1
+        for sid in made:
+            c.delete_session(sid)
+
+
+def test_wrong_api_key_raises_unauthorized(server):
+    with ConvClient(server.url, api_key="wrong") as c:
+        with pytest.raises(Unauthorized) as e:
+            c.model()
+        assert e.value.status == 401
+    with ConvClient(server.url, api_key="wrong") as c:
+        with pytest.raises(Exception, match="401"):
+            list(c.stream([], transport="ws"))
+
+
+def _requests(sessions, n, seed, kind="torch"):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        x = torch.randn(1 + (i % 5 == 0) * 4, DIM, generator=g)
+        out.append(ConvRequest(sessions[i % len(sessions)], LAYERS[(i // 3) % 2],
+                               x if kind == "torch" else x.numpy()))
+    return out
+
+
+def _check(requests, results):
+    ref = Reference(model())
+    want = {i: ref.conv(r.session, r.layer, torch.as_tensor(np.asarray(r.x))) for i, r in enumerate(requests)}
+    assert sorted(r.id for r in results) == list(range(len(requests)))
+    last: dict = {}
+    for r in results:
+        assert r.ok, r.error
+        assert r.id > last.get(r.session, -1)  # per-session order
+        last[r.session] = r.id
+        close(r.unwrap(), want[r.id])
+
+
+@pytest.mark.parametrize("transport", ["http", "ws"])
+@pytest.mark.parametrize("kind", ["torch", "numpy"])
+def test_sync_stream_pipelines_and_matches_the_reference(client, transport, kind):
+    sessions = [client.create_session() for _ in range(4)]
+    reqs = _requests(sessions, 120, seed=1, kind=kind)
+    results = list(client.stream(reqs, transport=transport, window=16))
+    _check(reqs, results)
+    assert all(type(r.y) is type(reqs[0].x) for r in results)
+    for sid in sessions:
+        client.delete_session(sid)
+
+
+def test_sync_ws_stream_accepts_requests_made_from_earlier_results(client):
+    """A decode loop: each request is built after the previous answer arrived (window 1)."""
+    sid = client.create_session()
+    ref = Reference(model())
+    answers = []
+
+    def gen():
+        x = torch.ones(1, DIM)
+        for i in range(10):
+            yield ConvRequest(sid, 1, x, id=i)
+            while len(answers) <= i:  # the window of 1 guarantees the answer comes before the next request
+                time.sleep(0.001)
+            x = answers[i].y.clone()
+
+    xs = []
+    x = torch.ones(1, DIM)
+    for i in range(10):
+        xs.append(x)
+        x = ref.conv(sid, 1, x)
+    for r in client.stream(gen(), transport="ws", window=1):
+        answers.append(r)
+    assert len(answers) == 10
+    ref2 = Reference(model())
+    for i, r in enumerate(answers):
+        close(r.y, ref2.conv(sid, 1, xs[i]))
+    client.delete_session(sid)
+
+
+def test_stream_frame_errors_come_back_in_their_result(client):
+    sid = client.create_session()
+    reqs = [(sid, 1, torch.zeros(1, DIM)), ("nope", 1, torch.zeros(1, DIM)), (sid, 2, torch.zeros(1, DIM)),
+            (sid, 3, torch.zeros(2, DIM))]
+    for transport in ("http", "ws"):
+        res = sorted(client.stream(reqs, transport=transport), key=lambda r: r.id)
+        assert [r.ok for r in res] == [True, False, False, True]
+        assert res[1].error.code == "unknown_session" and res[2].error.code == "unknown_layer"
+        with pytest.raises(UnknownSession):
+            res[1].unwrap()
+    client.delete_session(sid)
+
+
+def test_async_client_covers_the_same_calls(server):
+    async def main():
+        async with AsyncConvClient(server.url, api_key=KEY) as c:
+            assert await c.health() and await c.ready()
+            assert (await c.model())["layers"] == LAYERS
+            ref = Reference(model())
+            a = await c.create_session()
+            x = torch.randn(4, DIM)
+            ys = await asyncio.gather(c.conv(a, 1, x), c.conv(a, 3, x))
+            close(ys[0], ref.conv(a, 1, x))
+            close(ys[1], ref.conv(a, 3, x))
+            b = await c.fork(a)
+            ref.fork(a, b)
+            st = await c.export_state(b)
+            close(st.state, ref.states[b])
+            await c.import_state(a, st)
+            xv = torch.randn(2, DIM)
+            close(await c.conv(a, 3, xv, speculative=True), ref.conv(a, 3, xv, speculative=True))
+            await c.accept(a, 1)
+            ref.accept(a, 1)
+            close((await c.export_state(a)).state, ref.states[a])
+            with pytest.raises(UnknownSession):
+                await c.delete_session("never")
+            sessions = [await c.create_session() for _ in range(3)]
+            for transport in ("http", "ws"):
+                reqs = _requests(sessions, 60, seed=2)
+
+                async def agen():
+                    for r in reqs:
+                        yield r
+                        await asyncio.sleep(0)
+                _check(reqs, [r async for r in c.stream(agen(), transport=transport, window=8)])
+                for sid in sessions:  # fresh state for the next transport's reference
+                    await c.delete_session(sid)
+                sessions = [await c.create_session() for _ in range(3)]
+            for sid in (a, b, *sessions):
+                await c.delete_session(sid)
+
+    asyncio.run(main())
+
+
+def _cli(server, *args, key=KEY):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONVSERVE_")}
+    env["CONVSERVE_URL"] = server.url if server else "http://127.0.0.1:9"
+    if key:
+        env["CONVSERVE_API_KEY"] = key
+    return subprocess.run([sys.executable, "-m", "clients", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_cli_health_model_and_conv(server):
+    r = _cli(server, "health")
+    assert r.returncode == 0 and json.loads(r.stdout) == {"url": server.url, "healthy": True, "ready": True}
+    r = _cli(server, "model")
+    assert r.returncode == 0 and json.loads(r.stdout)["layers"] == LAYERS
+    r = _cli(server, "conv", "--tokens", "3", "--layer", "3")
+    out = json.loads(r.stdout)
+    assert r.returncode == 0 and out["y"]["shape"] == [3, DIM] and out["layer"] == 3
+
+
+@pytest.mark.parametrize("args, key, rc, fragment", [
+    (("conv", "--layer", "2"), KEY, 1, "unknown_layer"),
+    (("model",), "bad", 1, "unauthorized"),
+    (("model",), KEY, 2, "cannot reach"),
+], ids=["server-error", "auth", "unreachable"])
+def test_cli_exit_codes(server, args, key, rc, fragment):
+    r = _cli(server if rc != 2 else None, *args, key=key)
+    assert r.returncode == rc and fragment in r.stderr
