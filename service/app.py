@@ -386,6 +386,9 @@ class _Pipeline:
 
     def _wake_cb(self):
         self._wake_scheduled = False
+        # Completions are processed here, not by the writer: a writer blocked on a client that is still sending
+        # (httpx sends the whole body first) must not stall the window, or reading the body would stall too.
+        self._drain_done()
         self.event.set()
 
     def wake(self):
