@@ -39,7 +39,7 @@ def model():
 def server():
     srv = LiveServer(["--layers", "0,2,5", "--dim", str(DIM), "--width", str(WIDTH), "--dtype", "float32",
                       "--slots", "256", "--max-tokens-per-request", str(MAX_TOKENS), "--max-body-bytes", str(MAX_BODY),
-                      "--max-batch-tokens", "1024", "--max-queue-delay-us", "500"])
+                      "--max-batch-tokens", "1024", "--max-queue-delay-us", "500", "--stream-window", "32"])
     yield srv
     srv.terminate()
 
@@ -222,6 +222,17 @@ def test_stream_of_many_sessions_matches_the_reference_in_per_session_order(serv
     ref = _check_stream_results(frames, results, sessions)
     for sid in sessions[:3]:
         assert_close(api.state(sid), ref.states[sid])
+
+
+def test_stream_much_larger_than_the_window_completes_when_the_client_sends_everything_first(api):
+    """httpx writes the whole body before reading: 16 MB of answers overflow the loopback socket buffers while
+    the server still reads frames, with a window of 32 frames. Completions must not wait for the writer."""
+    sessions = [api.session() for _ in range(16)]
+    x = rand_x(64, seed=0)
+    frames = [{"id": i, "session": sessions[i % 16], "layer": LAYERS[i % 3], "x": x} for i in range(2000)]
+    with api.http.stream("POST", "/v1/conv/stream", content=_pack_frames(frames)) as resp:
+        results = _read_stream(resp)
+    _check_stream_results(frames, results, sessions)
 
 
 def test_stream_frame_error_fails_alone(api):
