@@ -580,7 +580,10 @@ class StreamEndpoint:
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", MSGPACK_CT)]})
 
         async def send_data(data: bytes):
-            await send({"type": "http.response.body", "body": data, "more_body": True})
+            try:
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+            except Exception:  # noqa: BLE001 - the client is gone (uvicorn raises on a closed connection)
+                p.cancel_all()
 
         reader = asyncio.ensure_future(self._read(p, receive))
         try:
@@ -640,7 +643,10 @@ class WebSocketEndpoint:
         svc.pipelines.add(p)
 
         async def send_data(data: bytes):
-            await send({"type": "websocket.send", "bytes": data})
+            try:
+                await send({"type": "websocket.send", "bytes": data})
+            except Exception:  # noqa: BLE001 - the peer is gone
+                p.cancel_all()
 
         reader = asyncio.ensure_future(self._read(p, receive))
         try:
@@ -653,7 +659,7 @@ class WebSocketEndpoint:
                     await send({"type": "websocket.close", "code": 1012, "reason": "server shutting down"})
                 else:
                     await send({"type": "websocket.close", "code": 1000})
-        except OSError:
+        except Exception:  # noqa: BLE001 - closing a socket the peer already closed
             p.cancel_all()
         finally:
             if p.open and not p.closed:
