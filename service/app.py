@@ -692,10 +692,8 @@ class WebSocketEndpoint:
 class Edge:
     """Pure-ASGI outer layer: API-key check on ``/v1``, request metrics, optional access log."""
 
-    def __init__(self, app, svc_ref: Callable[[], Optional[Service]], metrics: Metrics, api_key: Optional[str],
-                 access: bool):
+    def __init__(self, app, metrics: Metrics, api_key: Optional[str], access: bool):
         self.app = app
-        self.svc_ref = svc_ref
         self.metrics = metrics
         self.auth_value = ("Bearer " + api_key).encode() if api_key else None
         self.access = access
@@ -931,7 +929,7 @@ def create_app(settings, engine, *, start_engine: bool = True) -> FastAPI:
     app.router.routes.append(Route("/v1/conv/stream", StreamEndpoint(svc), methods=["POST"]))
     app.router.routes.append(WebSocketRoute("/v1/conv/ws", WebSocketEndpoint(svc)))
 
-    app.add_middleware(Edge, svc_ref=lambda: svc, metrics=metrics, api_key=settings.api_key_value(),
+    app.add_middleware(Edge, metrics=metrics, api_key=settings.api_key_value(),
                        access=settings.access_log)
     return app
 

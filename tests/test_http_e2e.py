@@ -649,7 +649,7 @@ def test_not_ready_before_the_engine_starts_is_503_everywhere_but_healthz():
 
 # ------------------------------------------------------------------- disconnects and graceful shutdown
 
-SLOW = ["--layers", "0,1", "--dim", "16", "--dtype", "float32", "--max-queue-delay-us", "400000"]
+SLOW = ["--layers", "0,1", "--dim", "16", "--dtype", "float32", "--max-queue-delay-us", "1500000"]
 
 
 def slow_model():
@@ -658,24 +658,31 @@ def slow_model():
 
 @pytest.fixture(scope="module")
 def slow_server():
-    """Every request waits ~0.4 s in the batching window: long enough to be in flight on purpose."""
+    """Every request waits 1.5 s in the batching window: long enough to be in flight on purpose."""
     srv = LiveServer(SLOW)
     yield srv
     srv.terminate()
 
 
-def _cancelled(url) -> float:
+def _metric(url, name) -> float:
     for line in httpx.get(url + "/metrics").text.splitlines():
-        if line.startswith("convserve_engine_requests_cancelled "):
+        if line.startswith(name + " "):
             return float(line.split()[1])
-    raise AssertionError("no convserve_engine_requests_cancelled in /metrics")
+    raise AssertionError(f"no {name} in /metrics")
+
+
+def _wait_metric(url, name, at_least, timeout=5.0) -> float:
+    deadline = time.monotonic() + timeout
+    while (v := _metric(url, name)) < at_least and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return v
 
 
 @pytest.mark.parametrize("route", ["/v1/conv", "/v1/conv/stream"])
 def test_client_disconnect_withdraws_its_queued_requests(slow_server, route):
     api = Api(slow_server.url, layers=[0, 1])
     sid = api.session()
-    before = _cancelled(slow_server.url)
+    before = _metric(slow_server.url, "convserve_engine_requests_cancelled")
     frames = [wire.packb({"id": i, "session": sid, "layer": i % 2, "x": wire.encode_tensor(torch.ones(1, 16))})
               for i in range(2)]
     sock = socket.create_connection(("127.0.0.1", slow_server.port))
@@ -689,10 +696,12 @@ def test_client_disconnect_withdraws_its_queued_requests(slow_server, route):
         head = f"POST {route} HTTP/1.1\r\nHost: t\r\nContent-Type: {wire.MEDIA_TYPE}\r\nTransfer-Encoding: chunked"
         sock.sendall(head.encode() + b"\r\n\r\n" + f"{len(data):x}\r\n".encode() + data + b"\r\n")
         n = 2
-    time.sleep(0.1)   # read and queued (the batching window is 0.4 s)
+    assert _wait_metric(slow_server.url, "convserve_queue_depth", n) == n  # read and queued
     sock.close()
-    time.sleep(0.6)   # past the window: had they not been withdrawn, they would have run by now
-    assert _cancelled(slow_server.url) - before == n
+    cancelled = _wait_metric(slow_server.url, "convserve_engine_requests_cancelled", before + n)
+    assert cancelled - before == n
+    time.sleep(0.2)
+    assert _metric(slow_server.url, "convserve_queue_depth") == 0
     assert torch.count_nonzero(api.state(sid)) == 0  # nothing ran
     api.call("DELETE", f"/v1/sessions/{sid}")
 
@@ -730,7 +739,8 @@ def test_sigterm_stops_intake_finishes_in_flight_work_and_exits_0():
         unary = {sid: pool.submit(Api(srv.url).conv, sid, 1, xs[sid]) for sid in sessions}
         streamed = pool.submit(stream)
         ws_done = pool.submit(websocket)
-        time.sleep(0.2)  # everything has arrived and waits in the 0.4 s batching window
+        # everything has arrived and waits in the 1.5 s batching window: 5 unary, 8 streamed, 4 WebSocket
+        assert _wait_metric(srv.url, "convserve_queue_depth", 17) == 17
         assert not any(f.done() for f in unary.values())
         srv.proc.send_signal(15)
         time.sleep(0.15)  # uvicorn notices the signal within 0.1 s
