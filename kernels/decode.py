@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import FastLaunch, decode_config
+from ._launch import LaunchPlan, decode_config, next_pow2, tensor_key
 from ._validate import PAD_SLOT_ID, check_out, check_update
 
 
@@ -22,8 +22,8 @@ from ._validate import PAD_SLOT_ID, check_out, check_update
 def _ext_load(x_row, state_row, pos, mask, o, stride_x_t, stride_s_k, WIDTH: tl.constexpr):
     """Load positions ``pos`` of ``[window | x]`` (window = state columns ``o .. o + WIDTH - 2``) as fp32.
 
-    x_row / state_row: [BLOCK_D] pointers to channel d of token 0 / of state column 0; pos, mask: same shape
-    as the result, e.g. [BLOCK_L, BLOCK_D].
+    x_row / state_row: pointers to channel d of token 0 / of state column 0, broadcastable to pos; pos, mask:
+    the shape of the result, e.g. [BLOCK_L, BLOCK_D].
     """
     from_x = pos >= WIDTH - 1
     v = tl.load(x_row + (pos - (WIDTH - 1)) * stride_x_t, mask=mask & from_x, other=0.0).to(tl.float32)
@@ -64,13 +64,19 @@ def _update_kernel(
     SAVE_INTER: tl.constexpr,
     HAS_OSI: tl.constexpr,
     WRITE_LIVE: tl.constexpr,
+    UNIT_D: tl.constexpr,  # x, out and the state all have stride 1 along dim: passed as constexpr so Triton
+    #                        sees the contiguous axis and vectorizes along it
+    EVEN_D: tl.constexpr,  # dim % BLOCK_D == 0
     BLOCK_L: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
+    if UNIT_D:
+        stride_x_d = 1
+        stride_s_d = 1
+        stride_o_d = 1
     b = tl.program_id(0).to(tl.int64)
     pid_d = tl.program_id(1)
     offs_d = (pid_d * BLOCK_D + tl.arange(0, BLOCK_D)).to(tl.int64)  # [BLOCK_D]
-    mask_d = offs_d < dim
 
     if HAS_INDICES:
         line = tl.load(idx_ptr + b * stride_idx).to(tl.int64)
@@ -82,13 +88,14 @@ def _update_kernel(
         o = b * 0
     # Pad rows, and rows whose index or window falls outside the pool, give zeros and touch no state.
     valid = (line != pad_slot_id) & (line >= 0) & (line < num_lines) & (o >= 0) & (o + WIDTH - 1 <= state_len)
-    # The flag enters masks as a bound (channel < limit), which keeps every mask a plain boolean tensor.
-    mask_dv = offs_d < tl.where(valid, dim, 0)  # [BLOCK_D]: channels to read and write; none for a pad row
+    # The flag joins the channel mask as a broadcast tensor: masks stay boolean tensors and stay uniform
+    # along channels, so loads and stores keep their vector width.
+    mask_d = (offs_d < dim) & ((tl.zeros([BLOCK_D], dtype=tl.int32) + valid.to(tl.int32)) != 0)  # [BLOCK_D]
 
     x_row = x_ptr + b * stride_x_b + offs_d * stride_x_d  # [BLOCK_D]
     state_row = state_ptr + line * stride_s_line + offs_d * stride_s_d  # [BLOCK_D]
     if HAS_BIAS:
-        bias = tl.load(b_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+        bias = tl.load(b_ptr + offs_d, mask=offs_d < dim, other=0.0).to(tl.float32)
     else:
         bias = tl.zeros([BLOCK_D], dtype=tl.float32)
     offs_j = tl.arange(0, WP)  # [WP] window column
@@ -96,33 +103,32 @@ def _update_kernel(
     for c0 in range(0, seqlen, BLOCK_L):
         offs_l = c0 + tl.arange(0, BLOCK_L)  # [BLOCK_L]
         mask_l = offs_l < seqlen
-        m2 = mask_l[:, None] & mask_dv[None, :]  # [BLOCK_L, BLOCK_D]
+        m2 = mask_l[:, None] & mask_d[None, :]  # [BLOCK_L, BLOCK_D]
         acc = tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32) + bias[None, :]  # [BLOCK_L, BLOCK_D]
         for k in tl.static_range(WIDTH):
-            w_k = tl.load(w_ptr + offs_d * stride_w_d + k * stride_w_k, mask=mask_d, other=0.0).to(tl.float32)
-            pos = (offs_l + k)[:, None] + offs_d[None, :] * 0  # [BLOCK_L, BLOCK_D]
+            w_k = tl.load(w_ptr + offs_d * stride_w_d + k * stride_w_k, mask=offs_d < dim, other=0.0)
+            pos = (offs_l + k)[:, None] + tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.int64)  # [BLOCK_L, BLOCK_D]
             acc += _ext_load(x_row[None, :], state_row[None, :], pos, m2, o, stride_x_t, stride_s_k, WIDTH) \
-                * w_k[None, :]
+                * w_k.to(tl.float32)[None, :]
         if SILU:
             acc = acc / (1.0 + tl.exp(-acc))
-        acc = tl.where(mask_dv[None, :], acc, 0.0)
+        acc = tl.where(m2, acc, 0.0)  # pad rows: zeros
         if SAVE_INTER or HAS_OSI:
             # win[t, j] = position t + 1 + j of [window | x]: the window after token t.  [BLOCK_L, WP, BLOCK_D]
-            pos3 = (offs_l[:, None] + 1 + offs_j[None, :])[:, :, None] + offs_d[None, None, :] * 0
-            m3 = (mask_l[:, None] & (offs_j < WIDTH - 1)[None, :])[:, :, None] & mask_dv[None, None, :]
+            pos3 = (offs_l[:, None] + 1 + offs_j[None, :])[:, :, None] + tl.zeros([1, 1, BLOCK_D], dtype=tl.int64)
+            m3 = (mask_l[:, None] & (offs_j < WIDTH - 1)[None, :])[:, :, None] & mask_d[None, None, :]
             win = _ext_load(x_row[None, None, :], state_row[None, None, :], pos3, m3, o, stride_x_t, stride_s_k,
                             WIDTH)
         tl.debug_barrier()  # all state reads of this chunk happen before any state write
         o_ptrs = out_ptr + b * stride_o_b + offs_d[None, :] * stride_o_d + offs_l[:, None] * stride_o_t
-        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_l[:, None] & mask_d[None, :])
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_l[:, None] & (offs_d < dim)[None, :])
         if SAVE_INTER:
             i_ptrs = (inter_ptr + b * stride_i_b + offs_l[:, None, None] * stride_i_t
                       + offs_d[None, None, :] * stride_i_d + offs_j[None, :, None] * stride_i_k)
             tl.store(i_ptrs, win.to(inter_ptr.dtype.element_ty), mask=m3)
         if HAS_OSI:
-            tgt = tl.load(osi_ptr + b * stride_osi_b + offs_l * stride_osi_t,
-                          mask=offs_l < tl.where(valid, seqlen, 0), other=-1).to(tl.int64)  # [BLOCK_L]
-            m_t = (tgt >= 0) & (tgt < num_lines)
+            tgt = tl.load(osi_ptr + b * stride_osi_b + offs_l * stride_osi_t, mask=mask_l, other=-1).to(tl.int64)
+            m_t = (tgt >= 0) & (tgt < num_lines)  # [BLOCK_L]
             s_ptrs = (state_ptr + tgt[:, None, None] * stride_s_line + offs_d[None, None, :] * stride_s_d
                       + offs_j[None, :, None] * stride_s_k)
             tl.store(s_ptrs, win.to(state_ptr.dtype.element_ty), mask=m3 & m_t[:, None, None])
@@ -133,45 +139,38 @@ def _update_kernel(
         base = WIDTH - 1 + seqlen - n_keep
         for j0 in range(0, n_keep, WP):
             cols = j0 + offs_j  # [WP]
-            mj = (cols < n_keep)[:, None] & mask_dv[None, :]  # [WP, BLOCK_D]
-            pos = (base + cols)[:, None] + offs_d[None, :] * 0
+            mj = (cols < n_keep)[:, None] & mask_d[None, :]  # [WP, BLOCK_D]
+            pos = (base + cols)[:, None] + tl.zeros([WP, BLOCK_D], dtype=tl.int64)
             new = _ext_load(x_row[None, :], state_row[None, :], pos, mj, o, stride_x_t, stride_s_k, WIDTH)
             tl.debug_barrier()
             tl.store(state_row[None, :] + cols[:, None] * stride_s_k, new.to(state_ptr.dtype.element_ty), mask=mj)
 
 
-_UPDATE = FastLaunch(_update_kernel)
+_PLANS = {}
 
 
-def _launch_update(x3, conv_state, weight, bias, conv_state_indices, num_accepted_tokens,
-                   intermediate_conv_window, output_state_indices, out3, width, silu, pad_slot_id):
-    batch, dim, seqlen = x3.shape
+def _plan_update(x, conv_state, weight, bias, conv_state_indices, num_accepted_tokens, inter, osi, out, width,
+                 silu, pad_slot_id) -> LaunchPlan:
+    batch, dim = x.shape[:2]
+    seqlen = x.shape[2] if x.dim() == 3 else 1
+    x_strides = x.stride() if x.dim() == 3 else (*x.stride(), 1)
+    o_strides = out.stride() if out.dim() == 3 else (*out.stride(), 1)
     cfg = decode_config(dim, seqlen, width)
     state_len = conv_state.shape[2]
-    write_live = intermediate_conv_window is None and output_state_indices is None
-    inter = intermediate_conv_window
-    osi = output_state_indices
-    grid = (batch, triton.cdiv(dim, cfg.block_d))
-    _UPDATE(
-        grid,
-        x3, weight, bias if bias is not None else weight, conv_state,
-        conv_state_indices if conv_state_indices is not None else x3,
-        num_accepted_tokens if num_accepted_tokens is not None else x3,
-        inter if inter is not None else x3, osi if osi is not None else x3, out3,
-        dim, seqlen, state_len, conv_state.shape[0], min(state_len, width - 2 + seqlen), pad_slot_id,
-        x3.stride(0), x3.stride(1), x3.stride(2),
-        weight.stride(0), weight.stride(1),
-        conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
-        conv_state_indices.stride(0) if conv_state_indices is not None else 0,
-        num_accepted_tokens.stride(0) if num_accepted_tokens is not None else 0,
-        *(inter.stride() if inter is not None else (0, 0, 0, 0)),
-        *(osi.stride() if osi is not None else (0, 0)),
-        out3.stride(0), out3.stride(1), out3.stride(2),
-        WIDTH=width, WP=max(2, triton.next_power_of_2(width - 1)), HAS_BIAS=bias is not None, SILU=silu,
+    scalars = (dim, seqlen, state_len, conv_state.shape[0], min(state_len, width - 2 + seqlen), pad_slot_id,
+               *x_strides, *weight.stride(), *conv_state.stride(),
+               conv_state_indices.stride(0) if conv_state_indices is not None else 0,
+               num_accepted_tokens.stride(0) if num_accepted_tokens is not None else 0,
+               *(inter.stride() if inter is not None else (0, 0, 0, 0)),
+               *(osi.stride() if osi is not None else (0, 0)), *o_strides)
+    constexprs = dict(
+        WIDTH=width, WP=max(2, next_pow2(width - 1)), HAS_BIAS=bias is not None, SILU=silu,
         HAS_INDICES=conv_state_indices is not None, HAS_ACCEPTED=num_accepted_tokens is not None,
-        SAVE_INTER=inter is not None, HAS_OSI=osi is not None, WRITE_LIVE=write_live,
-        BLOCK_L=cfg.block_t, BLOCK_D=cfg.block_d, num_warps=cfg.num_warps,
-    )
+        SAVE_INTER=inter is not None, HAS_OSI=osi is not None, WRITE_LIVE=inter is None and osi is None,
+        UNIT_D=x_strides[1] == 1 and conv_state.stride(1) == 1 and o_strides[1] == 1,
+        EVEN_D=dim % cfg.block_d == 0, BLOCK_L=cfg.block_t, BLOCK_D=cfg.block_d)
+    grid = (batch, -(-dim // cfg.block_d))
+    return LaunchPlan(_update_kernel, grid, scalars, constexprs, cfg.num_warps, x.device)
 
 
 def causal_conv1d_update(
@@ -222,22 +221,37 @@ def causal_conv1d_update(
     Unlike the seed, which overwrote ``x`` and returned it, the result is a new tensor (or ``out``); ``x`` is
     never written. Arithmetic is fp32, offsets 64-bit, and nothing waits on the device (graph-capturable).
     """
-    batch, dim, seqlen, width, act = check_update(x, conv_state, weight, bias, activation, cache_seqlens,
-                                                  conv_state_indices, num_accepted_tokens,
-                                                  intermediate_conv_window, output_state_indices)
+    key = (tensor_key(x), tensor_key(conv_state), tensor_key(weight), tensor_key(bias),
+           tensor_key(conv_state_indices), tensor_key(num_accepted_tokens), tensor_key(intermediate_conv_window),
+           tensor_key(output_state_indices), tensor_key(out), activation, pad_slot_id, cache_seqlens is None)
+    try:
+        plan = _PLANS.get(key)
+    except TypeError:  # an unhashable argument: let the checks below say what is wrong with it
+        plan = None
+    if plan is None or validate_data:
+        batch, dim, seqlen, width, act = check_update(x, conv_state, weight, bias, activation, cache_seqlens,
+                                                      conv_state_indices, num_accepted_tokens,
+                                                      intermediate_conv_window, output_state_indices)
+        if out is not None:
+            check_out(out, x, x)
+        if validate_data:
+            _validate_update_values(conv_state, width, conv_state_indices, num_accepted_tokens,
+                                    output_state_indices, pad_slot_id)
     if out is None:
         out = torch.empty_like(x)
-    else:
+    elif out.data_ptr() == x.data_ptr() and out.numel():
         check_out(out, x, x)
-    if validate_data:
-        _validate_update_values(conv_state, width, conv_state_indices, num_accepted_tokens, output_state_indices,
-                                pad_slot_id)
-    if batch == 0 or dim == 0:
+    if x.numel() == 0:
         return out
-    x3 = x if x.dim() == 3 else x.unsqueeze(-1)
-    out3 = out if out.dim() == 3 else out.unsqueeze(-1)
-    _launch_update(x3, conv_state, weight, bias, conv_state_indices, num_accepted_tokens, intermediate_conv_window,
-                   output_state_indices, out3, width, act is not None, pad_slot_id)
+    if plan is None:
+        plan = _plan_update(x, conv_state, weight, bias, conv_state_indices, num_accepted_tokens,
+                            intermediate_conv_window, output_state_indices, out, width, act is not None, pad_slot_id)
+        _PLANS[key] = plan
+    plan(x, weight, bias if bias is not None else weight, conv_state,
+         conv_state_indices if conv_state_indices is not None else x,
+         num_accepted_tokens if num_accepted_tokens is not None else x,
+         intermediate_conv_window if intermediate_conv_window is not None else x,
+         output_state_indices if output_state_indices is not None else x, out)
     return out
 
 

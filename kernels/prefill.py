@@ -26,8 +26,29 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import FastLaunch, prefill_config
+from ._launch import LaunchPlan, next_pow2, prefill_config, tensor_key
 from ._validate import PAD_SLOT_ID, check_out, check_prefill
+
+
+@triton.jit
+def _body_taps(ptrs, stride_t, w_ptr, offs_d, stride_w_d, stride_w_k, mask, mask_d, acc,
+               WIDTH: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
+    """acc += sum_k w[:, k] * x[t - (WIDTH - 1 - k)], each tap a shifted load of the tile (L1 serves the overlap).
+
+    ptrs: [BLOCK_T, BLOCK_D] pointers to x at the tile's tokens; mask: same shape, used when MASKED.
+    """
+    for k in tl.static_range(WIDTH):
+        if EVEN_D:
+            w_k = tl.load(w_ptr + offs_d * stride_w_d + k * stride_w_k).to(tl.float32)  # [BLOCK_D]
+        else:
+            w_k = tl.load(w_ptr + offs_d * stride_w_d + k * stride_w_k, mask=mask_d, other=0.0).to(tl.float32)
+        p = ptrs - (WIDTH - 1 - k) * stride_t
+        if MASKED:
+            v = tl.load(p, mask=mask, other=0.0)
+        else:
+            v = tl.load(p)
+        acc += v.to(tl.float32) * w_k[None, :]
+    return acc
 
 
 @triton.jit
@@ -38,7 +59,7 @@ def _prefill_kernel(
     state_ptr,  # (num_lines, dim, state_len >= WIDTH - 1), read/written when HAS_STATE
     qsl_ptr,  # (batch + 1,) int32/int64: query_start_loc
     idx_ptr,  # (batch,) int32/int64: cache_indices, read when HAS_INDICES
-    init_ptr,  # (batch,) uint8: has_initial_state, read when HAS_INIT
+    init_ptr,  # (batch,) bool: has_initial_state, read when HAS_INIT
     out_ptr,  # (dim, total_tokens)
     dim,
     total_tokens,
@@ -57,9 +78,22 @@ def _prefill_kernel(
     HAS_INDICES: tl.constexpr,
     HAS_INIT: tl.constexpr,
     SILU: tl.constexpr,
+    X_UNIT_T: tl.constexpr,  # stride_x_t == 1 (the card's (dim, T)); such strides are passed as constexpr so
+    X_UNIT_D: tl.constexpr,  # stride_x_d == 1 (channel-last)            Triton sees the contiguous axis and
+    O_UNIT_T: tl.constexpr,  # stride_o_t == 1                           vectorizes along it
+    O_UNIT_D: tl.constexpr,  # stride_o_d == 1
+    EVEN_D: tl.constexpr,  # dim % BLOCK_D == 0: no channel mask
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
+    if X_UNIT_T:
+        stride_x_t = 1
+    if X_UNIT_D:
+        stride_x_d = 1
+    if O_UNIT_T:
+        stride_o_t = 1
+    if O_UNIT_D:
+        stride_o_d = 1
     pid = tl.program_id(0)
     pid_d = tl.program_id(1)
 
@@ -94,34 +128,48 @@ def _prefill_kernel(
     if HAS_INIT:
         use_init = tl.load(init_ptr + tl.minimum(s, batch - 1)) != 0
         hist_lim = tl.where(use_init, WIDTH - 1, 0)
-    real_dim = tl.where(is_real, dim, 0)  # channels to load; none for a pad sequence
 
     offs_d = (pid_d * BLOCK_D + tl.arange(0, BLOCK_D)).to(tl.int64)  # [BLOCK_D]
     mask_d = offs_d < dim
     x_cols = x_ptr + offs_d * stride_x_d  # [BLOCK_D]
     if HAS_BIAS:
-        bias = tl.load(b_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+        if EVEN_D:
+            bias = tl.load(b_ptr + offs_d).to(tl.float32)
+        else:
+            bias = tl.load(b_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
     else:
         bias = tl.zeros([BLOCK_D], dtype=tl.float32)
 
     # ---- body: tokens that need no state (from start + WIDTH - 1 on), or every token of a pad sequence.
+    # A pad sequence is computed like any other (its x is valid memory) and zeroed before the store.
     body_lo = tl.maximum(blk_lo, tl.where(is_real, start + WIDTH - 1, start))
     body_hi = tl.minimum(blk_lo + BLOCK_T, end)
     offs_t = blk_lo + tl.arange(0, BLOCK_T)  # [BLOCK_T] int64
-    mask_t = (offs_t >= body_lo) & (offs_t < body_hi)
-    mask = mask_t[:, None] & mask_d[None, :]  # [BLOCK_T, BLOCK_D]
-    load_mask = mask_t[:, None] & (offs_d < real_dim)[None, :]
-    acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32) + bias[None, :]  # [BLOCK_T, BLOCK_D]
-    for k in tl.static_range(WIDTH):
-        w_k = tl.load(w_ptr + offs_d * stride_w_d + k * stride_w_k, mask=mask_d, other=0.0).to(tl.float32)
-        src = offs_t - (WIDTH - 1 - k)  # [BLOCK_T]
-        x_k = tl.load(x_cols[None, :] + src[:, None] * stride_x_t, mask=load_mask, other=0.0).to(tl.float32)
-        acc += x_k * w_k[None, :]
-    if SILU:
-        acc = acc / (1.0 + tl.exp(-acc))
-    acc = tl.where((offs_d < real_dim)[None, :], acc, 0.0)
+    x_ptrs = x_cols[None, :] + offs_t[:, None] * stride_x_t  # [BLOCK_T, BLOCK_D]
     o_ptrs = out_ptr + offs_d[None, :] * stride_o_d + offs_t[:, None] * stride_o_t  # [BLOCK_T, BLOCK_D]
-    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32) + bias[None, :]  # [BLOCK_T, BLOCK_D]
+    if (body_lo == blk_lo) & (body_hi == blk_lo + BLOCK_T):  # the whole tile: no token mask
+        if EVEN_D:
+            acc = _body_taps(x_ptrs, stride_x_t, w_ptr, offs_d, stride_w_d, stride_w_k, None, mask_d, acc,
+                             WIDTH, False, True)
+        else:
+            acc = _body_taps(x_ptrs, stride_x_t, w_ptr, offs_d, stride_w_d, stride_w_k,
+                             (offs_t >= 0)[:, None] & mask_d[None, :], mask_d, acc, WIDTH, True, False)
+        if SILU:
+            acc = acc / (1.0 + tl.exp(-acc))
+        acc = tl.where(is_real, acc, 0.0)
+        if EVEN_D:
+            tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty))
+        else:
+            tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_t >= 0)[:, None] & mask_d[None, :])
+    else:
+        mask = ((offs_t >= body_lo) & (offs_t < body_hi))[:, None] & mask_d[None, :]  # [BLOCK_T, BLOCK_D]
+        acc = _body_taps(x_ptrs, stride_x_t, w_ptr, offs_d, stride_w_d, stride_w_k, mask, mask_d, acc,
+                         WIDTH, True, EVEN_D)
+        if SILU:
+            acc = acc / (1.0 + tl.exp(-acc))
+        acc = tl.where(is_real, acc, 0.0)
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
     # ---- head: the first WIDTH - 1 tokens of a real sequence, then its new state. Done by the piece that
     # holds the sequence's first token, the only program that reads or writes this state row.
@@ -162,34 +210,24 @@ def _prefill_kernel(
             tl.store(row[None, :] + offs_h[:, None] * stride_s_k, new.to(state_ptr.dtype.element_ty), mask=mask_j)
 
 
-_PREFILL = FastLaunch(_prefill_kernel)
+_PLANS = {}
 
 
-def _launch_prefill(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state, out,
-                    width, batch, silu, pad_slot_id):
+def _plan_prefill(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state, out, width,
+                  batch, silu, pad_slot_id) -> LaunchPlan:
     dim, total = x.shape
     cfg = prefill_config(x, dim, total)
     has_state = conv_states is not None
-    init = has_initial_state
-    if init is not None and init.dtype == torch.bool:
-        init = init.view(torch.uint8)
     s_strides = conv_states.stride() if has_state else (0, 0, 0)
-    grid = (triton.cdiv(total, cfg.block_t) + batch + 1, triton.cdiv(dim, cfg.block_d))
-    _PREFILL(
-        grid,
-        x, weight, bias if bias is not None else weight, conv_states if has_state else x,
-        query_start_loc, cache_indices if cache_indices is not None else query_start_loc,
-        init if init is not None else query_start_loc, out,
-        dim, total, batch, conv_states.shape[0] if has_state else 0, batch.bit_length(), pad_slot_id,
-        x.stride(0), x.stride(1),
-        weight.stride(0), weight.stride(1),
-        s_strides[0], s_strides[1], s_strides[2],
-        out.stride(0), out.stride(1),
-        WIDTH=width, HEAD=max(2, triton.next_power_of_2(width - 1)),
-        HAS_BIAS=bias is not None, HAS_STATE=has_state, HAS_INDICES=cache_indices is not None,
-        HAS_INIT=init is not None and has_state, SILU=silu,
-        BLOCK_T=cfg.block_t, BLOCK_D=cfg.block_d, num_warps=cfg.num_warps,
-    )
+    grid = (-(-total // cfg.block_t) + batch + 1, -(-dim // cfg.block_d))
+    scalars = (dim, total, batch, conv_states.shape[0] if has_state else 0, batch.bit_length(), pad_slot_id,
+               x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), *s_strides, out.stride(0), out.stride(1))
+    constexprs = dict(
+        WIDTH=width, HEAD=max(2, next_pow2(width - 1)), HAS_BIAS=bias is not None, HAS_STATE=has_state,
+        HAS_INDICES=cache_indices is not None, HAS_INIT=has_initial_state is not None and has_state, SILU=silu,
+        X_UNIT_T=x.stride(1) == 1, X_UNIT_D=x.stride(0) == 1, O_UNIT_T=out.stride(1) == 1,
+        O_UNIT_D=out.stride(0) == 1, EVEN_D=dim % cfg.block_d == 0, BLOCK_T=cfg.block_t, BLOCK_D=cfg.block_d)
+    return LaunchPlan(_prefill_kernel, grid, scalars, constexprs, cfg.num_warps, x.device)
 
 
 def causal_conv1d_fn(
@@ -232,21 +270,36 @@ def causal_conv1d_fn(
         sequences are zero. Empty sequences leave their state untouched. Arithmetic is fp32 throughout, offsets
         are 64-bit, and nothing here waits on the device, so the call can be captured in a CUDA graph.
     """
-    dim, total, width, batch, act = check_prefill(x, weight, bias, conv_states, query_start_loc, cache_indices,
-                                                  has_initial_state, activation)
-    if conv_states is not None and cache_indices is None and conv_states.shape[0] < batch:
-        raise ValueError(f"conv_states: expected at least batch={batch} rows when cache_indices is None, "
-                         f"got shape {tuple(conv_states.shape)}")
+    key = (tensor_key(x), tensor_key(weight), tensor_key(bias), tensor_key(conv_states),
+           tensor_key(query_start_loc), tensor_key(cache_indices), tensor_key(has_initial_state),
+           tensor_key(out), activation, pad_slot_id)
+    try:
+        plan = _PLANS.get(key)
+    except TypeError:  # an unhashable argument: let the checks below say what is wrong with it
+        plan = None
+    if plan is None or validate_data:
+        dim, total, width, batch, act = check_prefill(x, weight, bias, conv_states, query_start_loc, cache_indices,
+                                                      has_initial_state, activation)
+        if conv_states is not None and cache_indices is None and conv_states.shape[0] < batch:
+            raise ValueError(f"conv_states: expected at least batch={batch} rows when cache_indices is None, "
+                             f"got shape {tuple(conv_states.shape)}")
+        if out is not None:
+            check_out(out, x, x)
+        if validate_data:
+            _validate_prefill_values(total, batch, conv_states, query_start_loc, cache_indices, pad_slot_id)
     if out is None:
         out = torch.empty_like(x)
-    else:
+    elif out.data_ptr() == x.data_ptr() and out.numel():
         check_out(out, x, x)
-    if validate_data:
-        _validate_prefill_values(total, batch, conv_states, query_start_loc, cache_indices, pad_slot_id)
-    if total == 0 or dim == 0:
+    if x.numel() == 0:
         return out
-    _launch_prefill(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state, out,
-                    width, batch, act is not None, pad_slot_id)
+    if plan is None:
+        plan = _plan_prefill(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state, out,
+                             width, batch, act is not None, pad_slot_id)
+        _PLANS[key] = plan
+    plan(x, weight, bias if bias is not None else weight, conv_states if conv_states is not None else x,
+         query_start_loc, cache_indices if cache_indices is not None else query_start_loc,
+         has_initial_state if has_initial_state is not None else query_start_loc, out)
     return out
 
 

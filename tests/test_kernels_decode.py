@@ -197,8 +197,9 @@ def test_wide_row_layout_with_num_accepted_tokens(width, L, kernel_device):
     for i in range(batch):  # same as decoding only the accepted tokens from the original window
         a = int(acc[i])
         seq = torch.cat([state[rows[i], :, :width - 1], x[i, :, :a], x2[i, :, None]], dim=1)
-        expect = causal_conv1d_ref(seq[:, width - 1:], w, None, state[rows[i]:rows[i] + 1, :, :width - 1].clone(),
-                                   torch.tensor([0, a + 1]), None, torch.tensor([True]))[:, -1]
+        expect = causal_conv1d_ref(seq[:, width - 1:].cpu(), w.cpu(), None,
+                                   state[rows[i]:rows[i] + 1, :, :width - 1].cpu(), torch.tensor([0, a + 1]), None,
+                                   torch.tensor([True]), compute_dtype=torch.float64)[:, -1]
         assert_close(y2[i], expect, torch.float32)
 
 
