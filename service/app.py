@@ -345,8 +345,8 @@ class _Pipeline:
 
     The reader parses frames and submits each at once (at most ``stream_window`` computing at a time). Engine
     futures complete on the engine's thread; their callbacks append to ``_done`` and wake the loop once per
-    burst. The writer encodes results, releases each session's results in the order they were sent, and
-    writes everything ready in one ``send``.
+    burst. The wake-up encodes the results and releases each session's results in the order they were sent;
+    the writer sends everything released so far in one ``send``.
     """
 
     def __init__(self, svc: Service, transport: str):

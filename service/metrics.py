@@ -127,6 +127,15 @@ class EngineCollector(Collector):
                                                              "(cumulative)"),
         "kernel_time_s": ("convserve_kernel_seconds", "counter", "Time spent in conv kernels"),
         "step_time_s": ("convserve_engine_step_seconds", "counter", "Time spent in engine steps (host + device)"),
+        "host_time_s": ("convserve_engine_host_seconds", "counter", "Host time of engine steps (packing, launch)"),
+        "requests_failed": ("convserve_engine_requests_failed", "counter", "Requests failed while running"),
+        "requests_cancelled": ("convserve_engine_requests_cancelled", "counter",
+                               "Requests withdrawn before they started (client gone, cancel)"),
+        "requests_expired": ("convserve_engine_requests_expired", "counter",
+                             "Requests that timed out before they started"),
+        "sessions_evicted": ("convserve_engine_sessions_evicted", "counter", "Sessions evicted by the idle TTL"),
+        "decode_rows": ("convserve_engine_decode_rows", "counter", "Decode rows computed"),
+        "decode_padded_rows": ("convserve_engine_decode_padded_rows", "counter", "Pad rows added to decode buckets"),
     }
 
     def __init__(self, stats: Callable[[], dict]):

@@ -682,7 +682,7 @@ def _wait_metric(url, name, at_least, timeout=5.0) -> float:
 def test_client_disconnect_withdraws_its_queued_requests(slow_server, route):
     api = Api(slow_server.url, layers=[0, 1])
     sid = api.session()
-    before = _metric(slow_server.url, "convserve_engine_requests_cancelled")
+    before = _metric(slow_server.url, "convserve_engine_requests_cancelled_total")
     frames = [wire.packb({"id": i, "session": sid, "layer": i % 2, "x": wire.encode_tensor(torch.ones(1, 16))})
               for i in range(2)]
     sock = socket.create_connection(("127.0.0.1", slow_server.port))
@@ -698,7 +698,7 @@ def test_client_disconnect_withdraws_its_queued_requests(slow_server, route):
         n = 2
     assert _wait_metric(slow_server.url, "convserve_queue_depth", n) == n  # read and queued
     sock.close()
-    cancelled = _wait_metric(slow_server.url, "convserve_engine_requests_cancelled", before + n)
+    cancelled = _wait_metric(slow_server.url, "convserve_engine_requests_cancelled_total", before + n)
     assert cancelled - before == n
     time.sleep(0.2)
     assert _metric(slow_server.url, "convserve_queue_depth") == 0
