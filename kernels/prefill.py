@@ -140,35 +140,36 @@ def _prefill_kernel(
     else:
         bias = tl.zeros([BLOCK_D], dtype=tl.float32)
 
-    # ---- body: tokens that need no state (from start + WIDTH - 1 on), or every token of a pad sequence.
-    # A pad sequence is computed like any other (its x is valid memory) and zeroed before the store.
+    # ---- body: tokens that need no state (from start + WIDTH - 1 on); for a pad sequence, zeros everywhere.
     body_lo = tl.maximum(blk_lo, tl.where(is_real, start + WIDTH - 1, start))
     body_hi = tl.minimum(blk_lo + BLOCK_T, end)
     offs_t = blk_lo + tl.arange(0, BLOCK_T)  # [BLOCK_T] int64
     x_ptrs = x_cols[None, :] + offs_t[:, None] * stride_x_t  # [BLOCK_T, BLOCK_D]
     o_ptrs = out_ptr + offs_d[None, :] * stride_o_d + offs_t[:, None] * stride_o_t  # [BLOCK_T, BLOCK_D]
-    acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32) + bias[None, :]  # [BLOCK_T, BLOCK_D]
+    acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)  # [BLOCK_T, BLOCK_D]
     if (body_lo == blk_lo) & (body_hi == blk_lo + BLOCK_T):  # the whole tile: no token mask
-        if EVEN_D:
-            acc = _body_taps(x_ptrs, stride_x_t, w_ptr, offs_d, stride_w_d, stride_w_k, None, mask_d, acc,
-                             WIDTH, False, True)
-        else:
-            acc = _body_taps(x_ptrs, stride_x_t, w_ptr, offs_d, stride_w_d, stride_w_k,
-                             (offs_t >= 0)[:, None] & mask_d[None, :], mask_d, acc, WIDTH, True, False)
-        if SILU:
-            acc = acc / (1.0 + tl.exp(-acc))
-        acc = tl.where(is_real, acc, 0.0)
+        if is_real:
+            acc += bias[None, :]
+            if EVEN_D:
+                acc = _body_taps(x_ptrs, stride_x_t, w_ptr, offs_d, stride_w_d, stride_w_k, None, mask_d, acc,
+                                 WIDTH, False, True)
+            else:
+                acc = _body_taps(x_ptrs, stride_x_t, w_ptr, offs_d, stride_w_d, stride_w_k,
+                                 (offs_t >= 0)[:, None] & mask_d[None, :], mask_d, acc, WIDTH, True, False)
+            if SILU:
+                acc = acc / (1.0 + tl.exp(-acc))
         if EVEN_D:
             tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty))
         else:
             tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_t >= 0)[:, None] & mask_d[None, :])
     else:
         mask = ((offs_t >= body_lo) & (offs_t < body_hi))[:, None] & mask_d[None, :]  # [BLOCK_T, BLOCK_D]
-        acc = _body_taps(x_ptrs, stride_x_t, w_ptr, offs_d, stride_w_d, stride_w_k, mask, mask_d, acc,
-                         WIDTH, True, EVEN_D)
-        if SILU:
-            acc = acc / (1.0 + tl.exp(-acc))
-        acc = tl.where(is_real, acc, 0.0)
+        if is_real:
+            acc += bias[None, :]
+            acc = _body_taps(x_ptrs, stride_x_t, w_ptr, offs_d, stride_w_d, stride_w_k, mask, mask_d, acc,
+                             WIDTH, True, EVEN_D)
+            if SILU:
+                acc = acc / (1.0 + tl.exp(-acc))
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
     # ---- head: the first WIDTH - 1 tokens of a real sequence, then its new state. Done by the piece that

@@ -281,3 +281,19 @@ def test_offsets_past_two_to_the_31_on_gpu():
     assert_close(y[:, tail][:, 3:], ref[:, 3:], torch.bfloat16)
     assert torch.equal(st_k[1].cpu(), st_r[1].to(torch.bfloat16))
     assert not torch.isnan(y).any()
+
+
+@pytest.mark.parametrize("layout", ["token_major", "channel_major"])
+def test_empty_bucket_of_pad_sequences_writes_zeros_and_touches_no_state(layout, kernel_device):
+    """A captured bucket before its first use: every sequence empty and padded, every token in the tail."""
+    gen = torch.Generator().manual_seed(SEED)
+    x = make_x(40, 70, layout, torch.float32, kernel_device, gen)
+    w = torch.randn(40, 4, generator=gen).to(kernel_device)
+    states = torch.randn(3, 40, 3, generator=gen).to(kernel_device)
+    before = states.clone()
+    qsl = torch.zeros(5, dtype=torch.int32, device=kernel_device)
+    idx = torch.full((4,), PAD_SLOT_ID, dtype=torch.int32, device=kernel_device)
+    out = torch.full_like(x, float("nan"))
+    causal_conv1d_fn(x, w, None, states, qsl, idx, torch.ones(4, dtype=torch.bool, device=kernel_device), out=out)
+    assert torch.all(out == 0)
+    assert torch.equal(states, before)
