@@ -263,13 +263,14 @@ def run_variants():
     rows = []
     base = {k: dict(v) for k, v in _launch.TUNING.items()}
     pre = [("prefill_token_major", dict(block_t=bt, elems=el, num_warps=nw))
-           for bt, el, nw in [(256, 4096, 4), (512, 4096, 4), (128, 4096, 4), (256, 8192, 4), (512, 8192, 8),
-                              (1024, 8192, 8), (256, 2048, 4), (128, 2048, 2)]]
+           for bt, el, nw in [(512, 4096, 4), (256, 2048, 1), (256, 2048, 2), (256, 4096, 2), (512, 4096, 2),
+                              (512, 8192, 4), (1024, 4096, 4), (256, 1024, 1), (512, 2048, 4)]]
     pre += [("prefill_channel_major", dict(block_d=bd, elems=el, num_warps=nw))
-            for bd, el, nw in [(256, 8192, 4), (128, 8192, 4), (256, 16384, 8), (128, 4096, 4), (64, 4096, 4),
-                               (256, 4096, 4), (512, 8192, 4)]]
+            for bd, el, nw in [(256, 4096, 1), (256, 4096, 2), (256, 4096, 4), (256, 4096, 8), (256, 2048, 2),
+                               (256, 2048, 4), (128, 2048, 1), (128, 2048, 2), (512, 4096, 4), (512, 8192, 8),
+                               (256, 8192, 8), (128, 4096, 2)]]
     dec = [("decode", dict(block_d=bd, num_warps=nw))
-           for bd, nw in [(256, 4), (512, 4), (1024, 4), (256, 2), (512, 8), (1024, 8), (128, 1)]]
+           for bd, nw in [(512, 8), (256, 4), (512, 4), (256, 2), (1024, 8), (128, 1), (256, 1)]]
     for key, cfg in pre + dec:
         _launch.TUNING[key] = cfg
         prefill._PLANS.clear()
@@ -279,13 +280,13 @@ def run_variants():
                 for batch in (64, 1024):
                     r = run_decode_case(batch, 8192, {}, extra=False)
                     rows.append(dict(variant=f"{key} {cfg}", case=f"b{batch}x8192", ours=r["ours"], copy=r["copy"],
-                                     ok=r["ok"]))
+                                     ok=r["ok"], regs=_regs(decode)))
             else:
                 layout = "(dim,T)" if key == "prefill_token_major" else "channel-last"
                 for T, dim in [(1024, 4096), (14807, 8192)]:
                     r = run_prefill_case(T, dim, layout, {}, extra=False)
                     rows.append(dict(variant=f"{key} {cfg}", case=f"{T}x{dim}", ours=r["ours"], copy=r["copy"],
-                                     ok=r["ok"]))
+                                     ok=r["ok"], regs=_regs(prefill)))
         except Exception as exc:  # a variant that does not compile or run is reported, not fatal
             rows.append(dict(variant=f"{key} {cfg}", case="-", ours=float("nan"), copy=float("nan"), ok=False,
                              error=repr(exc)[:200]))
@@ -295,8 +296,18 @@ def run_variants():
     print("\nvariants (do_bench median µs; copy/ours)")
     for v in rows:
         print(f"  {v['variant']:60} {v['case']:>12} ours {v['ours']:8.1f} copy {v['copy']:8.1f} "
-              f"ratio {v['copy'] / v['ours']:.2f} {'ok' if v['ok'] else 'WRONG ' + v.get('error', '')}")
+              f"ratio {v['copy'] / v['ours']:.2f} regs/spills {v.get('regs', '-')} "
+              f"{'ok' if v['ok'] else 'WRONG ' + v.get('error', '')}")
     return rows
+
+
+def _regs(module):
+    """Registers and spills of the kernels compiled for the plans in use (occupancy evidence)."""
+    out = set()
+    for plan in module._PLANS.values():
+        for ck in plan._compiled.values():
+            out.add((getattr(ck, "n_regs", None), getattr(ck, "n_spills", None)))
+    return sorted(out, key=str)
 
 
 # ----------------------------------------------------------------------------------------------- report

@@ -67,6 +67,7 @@ def _update_kernel(
     UNIT_D: tl.constexpr,  # x, out and the state all have stride 1 along dim: passed as constexpr so Triton
     #                        sees the contiguous axis and vectorizes along it
     EVEN_D: tl.constexpr,  # dim % BLOCK_D == 0
+    ONE_CHUNK: tl.constexpr,  # seqlen <= BLOCK_L and n_keep <= WP: one round of loads, then the stores
     BLOCK_L: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -119,6 +120,11 @@ def _update_kernel(
             m3 = (mask_l[:, None] & (offs_j < WIDTH - 1)[None, :])[:, :, None] & mask_d[None, None, :]
             win = _ext_load(x_row[None, None, :], state_row[None, None, :], pos3, m3, o, stride_x_t, stride_s_k,
                             WIDTH)
+        if WRITE_LIVE and ONE_CHUNK:
+            # The new live row (see below), read in the same phase as the taps: one round of loads.
+            mj = (offs_j < n_keep)[:, None] & mask_d[None, :]  # [WP, BLOCK_D]
+            pos = (WIDTH - 1 + seqlen - n_keep + offs_j)[:, None] + tl.zeros([WP, BLOCK_D], dtype=tl.int64)
+            new = _ext_load(x_row[None, :], state_row[None, :], pos, mj, o, stride_x_t, stride_s_k, WIDTH)
         tl.debug_barrier()  # all state reads of this chunk happen before any state write
         o_ptrs = out_ptr + b * stride_o_b + offs_d[None, :] * stride_o_d + offs_l[:, None] * stride_o_t
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_l[:, None] & (offs_d < dim)[None, :])
@@ -132,8 +138,10 @@ def _update_kernel(
             s_ptrs = (state_ptr + tgt[:, None, None] * stride_s_line + offs_d[None, None, :] * stride_s_d
                       + offs_j[None, :, None] * stride_s_k)
             tl.store(s_ptrs, win.to(state_ptr.dtype.element_ty), mask=m3 & m_t[:, None, None])
+        if WRITE_LIVE and ONE_CHUNK:
+            tl.store(state_row[None, :] + offs_j[:, None] * stride_s_k, new.to(state_ptr.dtype.element_ty), mask=mj)
 
-    if WRITE_LIVE:
+    if WRITE_LIVE and not ONE_CHUNK:
         # Columns [0, n_keep) of the live row become the last n_keep positions of [window | x]. Each column is
         # read from a later column (or from x), so walking left to right never reads a rewritten column.
         base = WIDTH - 1 + seqlen - n_keep
@@ -157,18 +165,21 @@ def _plan_update(x, conv_state, weight, bias, conv_state_indices, num_accepted_t
     o_strides = out.stride() if out.dim() == 3 else (*out.stride(), 1)
     cfg = decode_config(dim, seqlen, width)
     state_len = conv_state.shape[2]
-    scalars = (dim, seqlen, state_len, conv_state.shape[0], min(state_len, width - 2 + seqlen), pad_slot_id,
+    n_keep = min(state_len, width - 2 + seqlen)
+    wp = max(2, next_pow2(width - 1))
+    scalars = (dim, seqlen, state_len, conv_state.shape[0], n_keep, pad_slot_id,
                *x_strides, *weight.stride(), *conv_state.stride(),
                conv_state_indices.stride(0) if conv_state_indices is not None else 0,
                num_accepted_tokens.stride(0) if num_accepted_tokens is not None else 0,
                *(inter.stride() if inter is not None else (0, 0, 0, 0)),
                *(osi.stride() if osi is not None else (0, 0)), *o_strides)
     constexprs = dict(
-        WIDTH=width, WP=max(2, next_pow2(width - 1)), HAS_BIAS=bias is not None, SILU=silu,
+        WIDTH=width, WP=wp, HAS_BIAS=bias is not None, SILU=silu,
         HAS_INDICES=conv_state_indices is not None, HAS_ACCEPTED=num_accepted_tokens is not None,
         SAVE_INTER=inter is not None, HAS_OSI=osi is not None, WRITE_LIVE=inter is None and osi is None,
         UNIT_D=x_strides[1] == 1 and conv_state.stride(1) == 1 and o_strides[1] == 1,
-        EVEN_D=dim % cfg.block_d == 0, BLOCK_L=cfg.block_t, BLOCK_D=cfg.block_d)
+        EVEN_D=dim % cfg.block_d == 0, ONE_CHUNK=seqlen <= cfg.block_t and n_keep <= wp,
+        BLOCK_L=cfg.block_t, BLOCK_D=cfg.block_d)
     grid = (batch, -(-dim // cfg.block_d))
     return LaunchPlan(_update_kernel, grid, scalars, constexprs, cfg.num_warps, x.device)
 
