@@ -212,6 +212,9 @@ class _Base:
         self.api_key = api_key if api_key is not None else os.environ.get("CONVSERVE_API_KEY")
         self.timeout = timeout
         self.headers = dict(_HEADERS)
+        #: Bytes of conv bodies and stream frames sent and received (HTTP/WebSocket payload, headers not counted).
+        self.bytes_sent = 0
+        self.bytes_received = 0
         if self.api_key:
             self.headers["authorization"] = f"Bearer {self.api_key}"
 
@@ -317,7 +320,11 @@ class ConvClient(_Base):
 
     def conv(self, session: str, layer: int, x, speculative: bool = False):
         """``y (T, dim)`` for ``x (T, dim)``, of the same kind (torch/numpy) and dtype as ``x``."""
-        obj = _decode(self._http.post("/v1/conv", content=self._conv_body(session, layer, x, speculative)))
+        body = self._conv_body(session, layer, x, speculative)
+        resp = self._http.post("/v1/conv", content=body)
+        self.bytes_sent += len(body)
+        self.bytes_received += len(resp.content)
+        obj = _decode(resp)
         return wire.decode_tensor(obj["y"], backend=_backend_of(x), name="y")
 
     def stream(self, requests: Iterable, *, transport: str = "http", window: int = 64) -> Iterator[ConvResult]:
@@ -333,12 +340,19 @@ class ConvClient(_Base):
 
     def _stream_http(self, requests) -> Iterator[ConvResult]:
         tracker = _Tracker()
-        with self._http.stream("POST", "/v1/conv/stream", content=_chunked(requests, tracker)) as resp:
+
+        def body():
+            for chunk in _chunked(requests, tracker):
+                self.bytes_sent += len(chunk)
+                yield chunk
+
+        with self._http.stream("POST", "/v1/conv/stream", content=body()) as resp:
             if resp.status_code >= 400:
                 resp.read()
                 _raise_for(resp)
             unpacker = wire.new_unpacker(MAX_MESSAGE_BYTES)
             for chunk in resp.iter_raw():
+                self.bytes_received += len(chunk)
                 unpacker.feed(chunk)
                 for obj in unpacker:
                     yield tracker.result(obj)
@@ -364,7 +378,9 @@ class ConvClient(_Base):
                             break
                         req = _as_request(r, i)
                         tracker.add(req)
-                        ws.send(packer.pack(_frame(req)))
+                        data = packer.pack(_frame(req))
+                        ws.send(data)
+                        self.bytes_sent += len(data)
                         sent["n"] += 1
                 except BaseException as e:  # noqa: BLE001 - re-raised by the receiver
                     sent["error"] = e
@@ -390,6 +406,7 @@ class ConvClient(_Base):
                     idle_since = time.monotonic()
                     if isinstance(msg, str):
                         raise ServiceError(f"the server sent a text message: {msg[:200]}")
+                    self.bytes_received += len(msg)
                     unpacker.feed(msg)
                     for obj in unpacker:
                         res = tracker.result(obj)
@@ -454,7 +471,11 @@ class AsyncConvClient(_Base):
         _raise_for(await self._http.post(f"/v1/sessions/{session}/accept", content=wire.packb({"tokens": tokens})))
 
     async def conv(self, session: str, layer: int, x, speculative: bool = False):
-        obj = _decode(await self._http.post("/v1/conv", content=self._conv_body(session, layer, x, speculative)))
+        body = self._conv_body(session, layer, x, speculative)
+        resp = await self._http.post("/v1/conv", content=body)
+        self.bytes_sent += len(body)
+        self.bytes_received += len(resp.content)
+        obj = _decode(resp)
         return wire.decode_tensor(obj["y"], backend=_backend_of(x), name="y")
 
     async def stream(self, requests: Union[Iterable, AsyncIterable], *, transport: str = "http", window: int = 64):
@@ -479,9 +500,12 @@ class AsyncConvClient(_Base):
                     req = _as_request(r, i)
                     i += 1
                     tracker.add(req)
-                    yield packer.pack(_frame(req))
+                    data = packer.pack(_frame(req))
+                    self.bytes_sent += len(data)
+                    yield data
             else:
                 for chunk in _chunked(requests, tracker):
+                    self.bytes_sent += len(chunk)
                     yield chunk
 
         async with self._http.stream("POST", "/v1/conv/stream", content=body()) as resp:
@@ -490,6 +514,7 @@ class AsyncConvClient(_Base):
                 _raise_for(resp)
             unpacker = wire.new_unpacker(MAX_MESSAGE_BYTES)
             async for chunk in resp.aiter_raw():
+                self.bytes_received += len(chunk)
                 unpacker.feed(chunk)
                 for obj in unpacker:
                     yield tracker.result(obj)
@@ -521,7 +546,9 @@ class AsyncConvClient(_Base):
                             break
                         req = _as_request(r, next(counter))
                         tracker.add(req)
-                        await ws.send(packer.pack(_frame(req)))
+                        data = packer.pack(_frame(req))
+                        await ws.send(data)
+                        self.bytes_sent += len(data)
                         state["n"] += 1
                 except BaseException as e:  # noqa: BLE001 - re-raised by the receiver
                     state["error"] = e
@@ -552,6 +579,7 @@ class AsyncConvClient(_Base):
                     recv = None
                     if isinstance(msg, str):
                         raise ServiceError(f"the server sent a text message: {msg[:200]}")
+                    self.bytes_received += len(msg)
                     unpacker.feed(msg)
                     for obj in unpacker:
                         res = tracker.result(obj)

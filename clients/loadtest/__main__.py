@@ -1,0 +1,5 @@
+import sys
+
+from clients.loadtest.cli import main
+
+sys.exit(main())

@@ -1,0 +1,289 @@
+"""``convserve-loadtest``: drive a running convserve server with virtual sessions and report what a frontend sees.
+
+Examples:
+
+    convserve-loadtest --url http://127.0.0.1:8000 --concurrency 1,8,64,256 --duration 10 --out results/
+    convserve-loadtest --scenario mixed --rate 200,400,800 --duration 15 --transport stream --inflight 32
+    convserve-loadtest --scenario spec --requests 2000 --verify model.safetensors --verify-sample 0.2
+    convserve-loadtest --concurrency 64 --duration 10 --compare results/loadtest.json --regress-pct 10
+
+Exit status: 0 done; 1 errors happened and ``--fail-on-errors`` was given; 2 bad arguments or the server
+could not be reached; 3 ``--compare`` found a regression past ``--regress-pct``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as _dt
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+EXIT_ERRORS, EXIT_USAGE, EXIT_REGRESSION = 1, 2, 3
+
+
+def _int_list(s: str) -> list:
+    try:
+        vals = [int(v) for v in s.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r}: expected integers separated by commas, e.g. 1,8,64,256") from None
+    if not vals or min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"{s!r}: expected positive integers, e.g. 1,8,64,256")
+    return vals
+
+
+def _float_list(s: str) -> list:
+    try:
+        vals = [float(v) for v in s.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r}: expected numbers separated by commas, e.g. 100,200,400") from None
+    if not vals or min(vals) <= 0:
+        raise argparse.ArgumentTypeError(f"{s!r}: expected positive rates (requests/s)")
+    return vals
+
+
+def _dist(s: str):
+    from clients.loadtest.dists import DistError, parse
+
+    try:
+        return parse(s)
+    except DistError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from clients.loadtest.runner import SCENARIOS
+
+    p = argparse.ArgumentParser(prog="convserve-loadtest", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("server")
+    g.add_argument("--url", default=None, help="server URL [env CONVSERVE_URL; default http://127.0.0.1:8000]")
+    g.add_argument("--api-key", default=None, help="API key [env CONVSERVE_API_KEY]")
+    g.add_argument("--timeout", type=float, default=60.0, help="seconds per HTTP call [60]")
+    g = p.add_argument_group("workload")
+    g.add_argument("--scenario", default="decode-heavy", choices=[*SCENARIOS, "mixed"],
+                   help="decode-heavy: short prefills, long decodes; prefill-heavy: long prefills, few decodes; "
+                        "mixed: half of the sessions each; spec: decode by speculative verify of k tokens then "
+                        "accept [decode-heavy]")
+    g.add_argument("--prefill", type=_dist, default=None, metavar="DIST",
+                   help="prefill tokens per session, e.g. uniform:64:512, const:128, lognormal:256:0.5, "
+                        "choice:16,256 (default: the scenario's)")
+    g.add_argument("--decode", type=_dist, default=None, metavar="DIST",
+                   help="decode steps per session, e.g. const:32 (default: the scenario's)")
+    g.add_argument("--spec-k", type=_dist, default=None, metavar="DIST",
+                   help="spec: tokens per speculative verify [const:4]; the tester accepts 0..k of them")
+    g.add_argument("--prefill-chunk", type=int, default=2048, help="largest prefill request, tokens [2048]")
+    g.add_argument("--sequential-layers", action="store_true",
+                   help="send a step's layers one after the other (like a forward pass) instead of together")
+    g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("transport")
+    g.add_argument("--transport", default="unary", choices=["unary", "stream", "ws"],
+                   help="unary: POST /v1/conv; stream: POST /v1/conv/stream; ws: /v1/conv/ws [unary]")
+    g.add_argument("--inflight", type=int, default=64, help="stream/ws: frames in flight per connection [64]")
+    g.add_argument("--connections", type=int, default=0,
+                   help="stream/ws: connections (0: enough for concurrency x layers / inflight) [0]")
+    g = p.add_argument_group("load")
+    m = g.add_mutually_exclusive_group()
+    m.add_argument("--concurrency", type=_int_list, default=None, metavar="N[,N...]",
+                   help="closed loop: virtual sessions at once, one step per value [8]")
+    m.add_argument("--rate", type=_float_list, default=None, metavar="R[,R...]",
+                   help="open loop: Poisson arrivals at R conv requests/s, one step per value")
+    b = g.add_mutually_exclusive_group()
+    b.add_argument("--duration", type=float, default=None, help="seconds per step, warm-up excluded [10]")
+    b.add_argument("--requests", type=int, default=None, help="conv requests per step, warm-up included")
+    g.add_argument("--warmup", type=float, default=1.0, help="seconds at the start of each step not measured [1]")
+    g.add_argument("--grace", type=float, default=30.0, help="seconds to wait for in-flight work after a step [30]")
+    g.add_argument("--max-retries", type=int, default=20, help="retries of one request on 429/503 [20]")
+    g.add_argument("--max-inflight", type=int, default=4096,
+                   help="open loop: steps in flight before arrivals are dropped as client_backlog [4096]")
+    g = p.add_argument_group("output")
+    g.add_argument("--out", type=Path, default=None, help="folder for loadtest.json, loadtest.png, loadtest.html")
+    g.add_argument("--compare", type=Path, default=None, metavar="BASELINE.json",
+                   help="compare with an earlier run's JSON; exit 3 on a regression past --regress-pct")
+    g.add_argument("--regress-pct", type=float, default=10.0,
+                   help="a throughput drop or p99 rise of more than this percent is a regression [10]")
+    g.add_argument("--verify", type=Path, default=None, metavar="WEIGHTS.safetensors",
+                   help="check a sample of sessions against the reference from these weights")
+    g.add_argument("--verify-sample", type=float, default=0.1, help="share of sessions verified [0.1]")
+    g.add_argument("--fail-on-errors", action="store_true", help="exit 1 when any request failed")
+    g.add_argument("--no-progress", action="store_true", help="no live display")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.inflight < 1 or args.prefill_chunk < 1 or args.connections < 0:
+        parser.error("--inflight and --prefill-chunk must be >= 1, --connections >= 0")
+    if not 0 < args.verify_sample <= 1:
+        parser.error("--verify-sample must be in (0, 1]")
+    if args.duration is None and args.requests is None:
+        args.duration = 10.0
+    if args.concurrency is None and args.rate is None:
+        args.concurrency = [8]
+    baseline = None
+    if args.compare is not None:
+        try:
+            baseline = json.loads(args.compare.read_text())
+        except (OSError, ValueError) as e:
+            print(f"convserve-loadtest: --compare {args.compare}: cannot read a JSON result ({e})", file=sys.stderr)
+            return EXIT_USAGE
+    try:
+        result = asyncio.run(run(args))
+    except SetupError as e:
+        print(f"convserve-loadtest: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+    from rich.console import Console
+
+    from clients.loadtest import report
+
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    report.print_table(result, console)
+    if args.out is not None:
+        paths = report.write_outputs(result, args.out)
+        console.print("wrote " + ", ".join(str(p) for p in paths.values()))
+    rc = 0
+    if baseline is not None:
+        try:
+            rows, bad = report.compare(result, baseline, args.regress_pct)
+        except report.CompareError as e:
+            print(f"convserve-loadtest: --compare: {e}", file=sys.stderr)
+            return EXIT_USAGE
+        report.print_compare(rows, bad, args.regress_pct, str(args.compare), console)
+        if bad:
+            rc = EXIT_REGRESSION
+    if rc == 0 and args.fail_on_errors and any(st["errors_total"] for st in result["steps"]):
+        rc = EXIT_ERRORS
+    return rc
+
+
+class SetupError(Exception):
+    pass
+
+
+async def run(args) -> dict:
+    import httpx
+
+    from clients.client import AsyncConvClient
+    from clients.loadtest.dists import parse
+    from clients.loadtest.runner import Driver, Workload, auto_connections, make_transport
+    from clients.loadtest.stats import Recorder
+    from clients.loadtest.verify import Verifier, VerifyError
+    from service.errors import ServiceError
+
+    wl = Workload(args.scenario, args.prefill, args.decode, args.spec_k or parse("const:4"), args.prefill_chunk,
+                  "sequential" if args.sequential_layers else "parallel")
+    mode = "closed" if args.concurrency is not None else "open"
+    levels = args.concurrency if mode == "closed" else args.rate
+    top = max(levels)
+    n_conn = max(8, min(1024, int(top) * 4 if mode == "closed" else args.max_inflight))
+    client = AsyncConvClient(args.url, api_key=args.api_key, timeout=args.timeout, max_connections=n_conn)
+    try:
+        try:
+            info = await client.model()
+        except (httpx.HTTPError, OSError) as e:
+            raise SetupError(f"cannot reach the server at {client.url} ({type(e).__name__}: {e}); start one with "
+                             "`convserve serve` or pass --url") from None
+        except ServiceError as e:
+            raise SetupError(f"GET {client.url}/v1/model answered {e.status} {e.code}: {e.message}") from None
+        verifier = None
+        if args.verify is not None:
+            try:
+                verifier = Verifier(str(args.verify), info, args.verify_sample, args.seed)
+            except VerifyError as e:
+                raise SetupError(str(e)) from None
+        config = {
+            "url": client.url, "model": info, "workload": wl.describe(), "transport": args.transport,
+            "mode": mode, "levels": levels, "duration_s": args.duration, "requests": args.requests,
+            "warmup_s": args.warmup, "inflight": args.inflight if args.transport != "unary" else None,
+            "connections": args.connections or None, "max_retries": args.max_retries, "seed": args.seed,
+            "verify": str(args.verify) if args.verify else None, "verify_sample": args.verify_sample,
+            "started": _dt.datetime.now().isoformat(timespec="seconds"),
+            "client": {"host": platform.node(), "python": platform.python_version(), "cpu_count": os.cpu_count()},
+        }
+        steps = []
+        for i, level in enumerate(levels):
+            conc = int(level) if mode == "closed" else None
+            conns = args.connections or auto_connections(args.transport, conc, len(info["layers"]), args.inflight)
+            transport = make_transport(client, args.transport, conns, args.inflight)
+            label = f"c={conc}" if mode == "closed" else f"rate={level:g}"
+            start = time.perf_counter()
+            rec = Recorder(start + args.warmup)
+            drv = Driver(client, transport, info, wl, rec, seed=args.seed + i, max_retries=args.max_retries,
+                         verifier=verifier, max_requests=args.requests)
+            deadline = None if args.duration is None else start + args.warmup + args.duration
+            snap = {}
+
+            def mark():
+                snap["sent"], snap["recv"] = client.bytes_sent, client.bytes_received
+
+            loop = asyncio.get_running_loop()
+            handle = loop.call_at(loop.time() + args.warmup, mark) if args.warmup > 0 else None
+            if handle is None:
+                mark()
+            progress = None if args.no_progress else asyncio.ensure_future(
+                _progress(label, rec, start, args.warmup, args.duration, drv))
+            try:
+                if mode == "closed":
+                    await drv.closed_loop(conc, deadline, args.grace)
+                else:
+                    await drv.open_loop(float(level), deadline, args.grace, args.max_inflight)
+            finally:
+                if progress is not None:
+                    progress.cancel()
+                    try:
+                        await progress
+                    except asyncio.CancelledError:
+                        pass
+                await transport.close()
+                if handle is not None:
+                    handle.cancel()
+            end = deadline if deadline is not None else time.perf_counter()
+            if not snap:
+                mark()
+            summary = rec.summary(min(end, time.perf_counter()), client.bytes_sent - snap["sent"],
+                                  client.bytes_received - snap["recv"])
+            st = {"label": label, "mode": mode, "concurrency": conc, "rate": None if conc else float(level),
+                  "transport": args.transport, "connections": conns if args.transport != "unary" else None,
+                  **summary}
+            if drv.mismatch_examples:
+                st["verify"]["examples"] = drv.mismatch_examples[:5]
+            steps.append(st)
+        return {"config": config, "steps": steps}
+    finally:
+        await client.aclose()
+
+
+async def _progress(label, rec, start, warmup, duration, drv) -> None:
+    from rich.console import Console
+    from rich.live import Live
+    from rich.table import Table
+
+    console = Console(stderr=True)
+
+    def render():
+        now = time.perf_counter()
+        lv = rec.live(now)
+        t = Table.grid(padding=(0, 2))
+        phase = "warm-up" if now < start + warmup else ("draining" if drv.stopping else "measuring")
+        el = now - start
+        total = f"/{warmup + duration:.0f}s" if duration is not None else "s"
+        errs = dict(rec.errors)
+        t.add_row(f"[bold]{label}[/bold]", f"{phase} {el:.1f}{total}", f"requests {rec.ok_total}",
+                  f"errors {sum(errs.values())}" + (f" ({', '.join(f'{k} {v}' for k, v in errs.items())})"
+                                                    if errs else ""),
+                  f"retries {sum(rec.retries.values())}", f"{lv['req_per_s']:.0f} req/s",
+                  f"p50 {lv['p50_ms']:.2f} ms", f"p99 {lv['p99_ms']:.2f} ms")
+        return t
+
+    with Live(render(), console=console, refresh_per_second=4, transient=False) as live:
+        while True:
+            await asyncio.sleep(0.25)
+            live.update(render())

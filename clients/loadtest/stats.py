@@ -1,0 +1,118 @@
+"""What one step of a load test measured: latencies per kind, tokens, bytes, errors and retries by code."""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Optional
+
+#: Kinds of conv requests (each carries tokens); the others are control calls.
+CONV_KINDS = ("prefill", "decode", "verify")
+CONTROL_KINDS = ("create", "delete", "accept")
+
+
+def percentile(sorted_xs, q: float) -> float:
+    """Nearest-rank percentile of an already sorted list (``q`` in [0, 1]); NaN when empty."""
+    if not sorted_xs:
+        return float("nan")
+    return sorted_xs[min(len(sorted_xs) - 1, max(0, int(q * len(sorted_xs) + 0.5) - 1))]
+
+
+class Recorder:
+    """Collects one step. Only operations started at or after ``measure_from`` count (the warm-up does not)."""
+
+    def __init__(self, measure_from: float, live_window_s: float = 2.0):
+        self.measure_from = measure_from
+        self.lat: dict = collections.defaultdict(list)
+        self.tokens: dict = collections.Counter()
+        self.errors: collections.Counter = collections.Counter()
+        self.retries: collections.Counter = collections.Counter()
+        self.first_start: Optional[float] = None
+        self.last_done: Optional[float] = None
+        self.sessions_done = 0
+        self.verified = 0
+        self.mismatches = 0
+        self.ok_total = 0           # conv requests answered, warm-up included (progress display)
+        self.err_total = 0
+        self._recent = collections.deque()   # (t_done, latency) of conv requests, for the live view
+        self._window = live_window_s
+
+    def ok(self, kind: str, t_start: float, t_done: float, tokens: int = 0) -> None:
+        if kind in CONV_KINDS:
+            self.ok_total += 1
+            self._recent.append((t_done, t_done - t_start))
+        if t_start < self.measure_from:
+            return
+        self.lat[kind].append(t_done - t_start)
+        self.tokens[kind] += tokens
+        if self.first_start is None or t_start < self.first_start:
+            self.first_start = t_start
+        if self.last_done is None or t_done > self.last_done:
+            self.last_done = t_done
+
+    def error(self, code: str, t_start: float, kind: str = "") -> None:
+        self.err_total += 1
+        if t_start >= self.measure_from:
+            self.errors[code] += 1
+
+    def retry(self, code: str) -> None:
+        self.retries[code] += 1
+
+    # --- live view
+
+    def live(self, now: Optional[float] = None) -> dict:
+        now = time.perf_counter() if now is None else now
+        rec = self._recent
+        while rec and rec[0][0] < now - self._window:
+            rec.popleft()
+        lats = sorted(lt for _, lt in rec)
+        return {"req_per_s": len(lats) / self._window, "p50_ms": percentile(lats, 0.5) * 1e3,
+                "p99_ms": percentile(lats, 0.99) * 1e3}
+
+    # --- summary
+
+    def summary(self, end: float, bytes_sent: int, bytes_received: int) -> dict:
+        """Every figure of the step. Rates are over ``[measure_from, max(end, last answer)]``."""
+        stop = max(end, self.last_done or end)
+        elapsed = max(1e-9, stop - self.measure_from)
+        kinds = {}
+        conv_lats = []
+        n_conv = tok_conv = 0
+        for kind in CONV_KINDS + CONTROL_KINDS:
+            xs = self.lat.get(kind)
+            if not xs:
+                continue
+            xs = sorted(xs)
+            if kind in CONV_KINDS:
+                conv_lats.extend(xs)
+                n_conv += len(xs)
+                tok_conv += self.tokens[kind]
+            kinds[kind] = {"count": len(xs), "tokens": self.tokens[kind], "req_per_s": len(xs) / elapsed,
+                           "tokens_per_s": self.tokens[kind] / elapsed, **_lat_fields(xs)}
+        conv_lats.sort()
+        return {
+            "elapsed_s": elapsed,
+            "requests": n_conv,
+            "tokens": tok_conv,
+            "req_per_s": n_conv / elapsed,
+            "tokens_per_s": tok_conv / elapsed,
+            "mb_sent": bytes_sent / 1e6,
+            "mb_received": bytes_received / 1e6,
+            "mb_per_s": (bytes_sent + bytes_received) / 1e6 / elapsed,
+            "latency": _lat_fields(conv_lats),
+            "kinds": kinds,
+            "errors": dict(sorted(self.errors.items())),
+            "errors_total": sum(self.errors.values()),
+            "retries": dict(sorted(self.retries.items())),
+            "retries_total": sum(self.retries.values()),
+            "sessions_completed": self.sessions_done,
+            "verify": {"checked": self.verified, "mismatches": self.mismatches},
+        }
+
+
+def _lat_fields(sorted_xs) -> dict:
+    if not sorted_xs:
+        return {"p50_ms": None, "p90_ms": None, "p99_ms": None, "max_ms": None, "mean_ms": None}
+    return {"p50_ms": percentile(sorted_xs, 0.5) * 1e3, "p90_ms": percentile(sorted_xs, 0.9) * 1e3,
+            "p99_ms": percentile(sorted_xs, 0.99) * 1e3, "max_ms": sorted_xs[-1] * 1e3,
+            "mean_ms": sum(sorted_xs) / len(sorted_xs) * 1e3}

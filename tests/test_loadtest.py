@@ -1,0 +1,164 @@
+"""convserve-loadtest against a real ``convserve serve`` subprocess: short runs of a second or so."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from clients.loadtest import main
+from clients.loadtest.dists import DistError, parse
+from service.model import ConvModel
+from tests.live import LiveServer
+
+LAYERS, DIM = [0, 2], 32
+SMALL = ["--prefill", "uniform:4:24", "--decode", "const:6", "--warmup", "0", "--no-progress"]
+
+
+def _model(seed: int) -> ConvModel:
+    return ConvModel.random(LAYERS, dim=DIM, width=4, dtype=torch.float32, seed=seed)
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory):
+    d = tmp_path_factory.mktemp("weights")
+    good, other = d / "served.safetensors", d / "other.safetensors"
+    _model(0).save_safetensors(good)
+    _model(1).save_safetensors(other)
+    return good, other
+
+
+@pytest.fixture(scope="module")
+def server(weights):
+    srv = LiveServer(["--weights", str(weights[0]), "--slots", "64", "--max-queue-delay-us", "300"])
+    srv.wait_ready()
+    yield srv
+    srv.terminate()
+
+
+def _run(tmp_path, server, *extra) -> tuple[int, dict]:
+    out = tmp_path / f"out{random.randrange(1 << 30)}"
+    rc = main(["--url", server.url, *SMALL, "--out", str(out), *extra])
+    data = json.loads((out / "loadtest.json").read_text()) if (out / "loadtest.json").exists() else None
+    return rc, data
+
+
+def test_closed_loop_sweep_writes_json_png_and_html_with_consistent_figures(server, tmp_path):
+    out = tmp_path / "sweep"
+    rc = main(["--url", server.url, *SMALL, "--concurrency", "1,4", "--duration", "1.0", "--out", str(out)])
+    assert rc == 0
+    data = json.loads((out / "loadtest.json").read_text())
+    assert data["config"]["model"]["layers"] == LAYERS and data["config"]["mode"] == "closed"
+    assert [s["label"] for s in data["steps"]] == ["c=1", "c=4"]
+    for st in data["steps"]:
+        assert st["errors_total"] == 0, st["errors"]
+        assert st["requests"] > 10 and st["req_per_s"] > 0 and st["mb_per_s"] > 0
+        assert 0.9 <= st["elapsed_s"] <= 1.0 + 30
+        k = st["kinds"]
+        assert {"prefill", "decode", "create"} <= set(k)
+        assert k["decode"]["tokens"] == k["decode"]["count"]            # one token per decode request
+        assert k["decode"]["count"] % len(LAYERS) == 0 or st["errors_total"]
+        assert st["requests"] == sum(k[x]["count"] for x in ("prefill", "decode"))
+        lat = st["latency"]
+        assert 0 < lat["p50_ms"] <= lat["p90_ms"] <= lat["p99_ms"] <= lat["max_ms"] < 10_000
+        # bytes on the wire: at least the float32 payload of every token, both ways
+        assert st["mb_sent"] * 1e6 >= st["tokens"] * DIM * 4
+        assert st["mb_received"] * 1e6 >= st["tokens"] * DIM * 4
+    assert (out / "loadtest.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    page = (out / "loadtest.html").read_text()
+    assert "data:image/png;base64," in page and "c=4" in page and "all conv" in page
+
+
+@pytest.mark.parametrize("transport", ["stream", "ws"])
+def test_streaming_transports_answer_every_request(server, tmp_path, transport):
+    rc, data = _run(tmp_path, server, "--transport", transport, "--inflight", "8", "--concurrency", "6",
+                    "--requests", "150")
+    assert rc == 0
+    st = data["steps"][0]
+    assert st["errors_total"] == 0, st["errors"]
+    assert st["requests"] >= 150 and st["connections"] == 2      # ceil(6 sessions x 2 layers / 8 in flight)
+
+
+def test_compare_exits_nonzero_on_an_injected_regression_and_zero_otherwise(server, tmp_path):
+    rc, base = _run(tmp_path, server, "--concurrency", "2", "--requests", "120")
+    assert rc == 0
+    same = tmp_path / "same.json"
+    same.write_text(json.dumps(base))
+    faster = json.loads(json.dumps(base))          # a baseline 10x faster: this run is a throughput regression
+    faster["steps"][0]["req_per_s"] *= 10
+    fast = tmp_path / "fast.json"
+    fast.write_text(json.dumps(faster))
+    lower = json.loads(json.dumps(base))           # a baseline with a 10x lower p99: a latency regression
+    for d in [lower["steps"][0]["latency"], *lower["steps"][0]["kinds"].values()]:
+        d["p99_ms"] /= 10
+    low = tmp_path / "low.json"
+    low.write_text(json.dumps(lower))
+    args = ["--concurrency", "2", "--requests", "120"]
+    assert _run(tmp_path, server, *args, "--compare", str(same), "--regress-pct", "400")[0] == 0
+    assert _run(tmp_path, server, *args, "--compare", str(fast), "--regress-pct", "50")[0] == 3
+    assert _run(tmp_path, server, *args, "--compare", str(low), "--regress-pct", "200")[0] == 3
+    # a baseline with no step of the same label cannot be compared: a usage error, not a silent pass
+    other = json.loads(json.dumps(base))
+    other["steps"][0]["label"] = "c=999"
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    assert _run(tmp_path, server, *args, "--compare", str(tmp_path / "other.json"))[0] == 2
+
+
+@pytest.mark.parametrize("scenario", ["decode-heavy", "spec"])
+def test_verify_passes_against_the_served_weights(server, weights, tmp_path, scenario):
+    rc, data = _run(tmp_path, server, "--scenario", scenario, "--concurrency", "3", "--requests", "90",
+                    "--verify", str(weights[0]), "--verify-sample", "1", "--fail-on-errors")
+    st = data["steps"][0]
+    assert rc == 0, st["errors"]
+    assert st["verify"]["checked"] >= 90 and st["verify"]["mismatches"] == 0
+    if scenario == "spec":
+        assert st["kinds"]["verify"]["count"] > 0 and st["kinds"]["accept"]["count"] > 0
+
+
+def test_verify_counts_mismatches_when_the_weights_differ(server, weights, tmp_path):
+    rc, data = _run(tmp_path, server, "--concurrency", "2", "--requests", "40", "--verify", str(weights[1]),
+                    "--verify-sample", "1", "--fail-on-errors")
+    st = data["steps"][0]
+    assert rc == 1
+    assert st["errors"].get("verify_mismatch", 0) >= 1 and st["verify"]["mismatches"] >= 1
+    assert "relative L2 error" in st["verify"]["examples"][0]
+
+
+def test_verify_refuses_weights_of_another_shape(server, tmp_path, capsys):
+    path = tmp_path / "wide.safetensors"
+    ConvModel.random(LAYERS, dim=DIM * 2, width=4, dtype=torch.float32, seed=0).save_safetensors(path)
+    assert main(["--url", server.url, *SMALL, "--requests", "10", "--verify", str(path)]) == 2
+    assert "the server reports layers" in capsys.readouterr().err
+
+
+def test_retry_after_is_honoured_on_queue_full(tmp_path):
+    srv = LiveServer(["--layers", "0,2", "--dim", str(DIM), "--dtype", "float32", "--max-queue", "1",
+                      "--max-queue-delay-us", "2000"])
+    try:
+        srv.wait_ready()
+        rc, data = _run(tmp_path, srv, "--concurrency", "8", "--requests", "200", "--fail-on-errors")
+    finally:
+        srv.terminate()
+    st = data["steps"][0]
+    assert st["retries"].get("queue_full", 0) > 0          # the server pushed back with 429s...
+    assert rc == 0 and st["errors_total"] == 0             # ...and every request went through after waiting
+
+
+def test_unreachable_server_is_a_clear_usage_error(capsys):
+    assert main(["--url", "http://127.0.0.1:9", "--requests", "1", "--no-progress"]) == 2
+    assert "cannot reach the server" in capsys.readouterr().err
+
+
+def test_distribution_specs_parse_sample_within_bounds_and_reject_nonsense():
+    rng = random.Random(0)
+    assert {parse("const:32").sample(rng) for _ in range(5)} == {32}
+    assert all(64 <= parse("uniform:64:512").sample(rng) <= 512 for _ in range(200))
+    assert all(parse("normal:10:50").sample(rng) >= 1 for _ in range(200))
+    assert all(16 <= parse("lognormal:100:2:16:300").sample(rng) <= 300 for _ in range(200))
+    assert {parse("choice:1,16").sample(rng) for _ in range(100)} == {1, 16}
+    assert parse("7").mean == 7
+    for bad in ("uniform:9:3", "bogus:1", "const:x", "uniform:1", "choice:", "normal:1:-1", "const:0"):
+        with pytest.raises(DistError):
+            parse(bad)
