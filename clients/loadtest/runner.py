@@ -98,7 +98,7 @@ class UnaryTransport:
     def __init__(self, client: AsyncConvClient):
         self.client = client
 
-    async def conv(self, session, layer, x, speculative):
+    async def conv(self, session, layer, x, speculative=False):
         return await self.client.conv(session, layer, x, speculative)
 
     async def close(self):
@@ -200,7 +200,7 @@ class PipedTransport:
         cls = _HttpStreamPipe if kind == "stream" else _WsPipe
         self.pipes = [cls(client, inflight) for _ in range(connections)]
 
-    async def conv(self, session, layer, x, speculative):
+    async def conv(self, session, layer, x, speculative=False):
         fut = asyncio.get_running_loop().create_future()
         self.pipes[hash(session) % len(self.pipes)].q.put_nowait(((session, layer, x, speculative), fut))
         return await fut

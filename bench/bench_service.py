@@ -1,0 +1,519 @@
+"""Service benchmark: the same decode-heavy workload four ways, side by side, in one run.
+
+    python bench/bench_service.py                    # on the H200: CUDA engine, concurrency 1,64,256
+    python bench/bench_service.py --device cpu       # here: CPU engine, concurrency 1,16,64
+
+Legs (each closed loop: C virtual sessions, each prefilled, then decode steps of one token on every layer, a
+step's layers sent together, the next step once all answered):
+
+1. ``inproc``: the engine in this process, ``await engine.conv`` (no HTTP, no msgpack);
+2. ``unary``: ``convserve serve`` in a subprocess, ``POST /v1/conv`` with the httpx client, one request each;
+3. ``stream``: the same server, ``POST /v1/conv/stream`` through the load tester's stream transport (each
+   connection sends the frames waiting, up to ``--inflight``, in one stream request);
+4. ``echo``: a raw asyncio (uvloop when installed) TCP server in a subprocess that reads length-prefixed msgpack
+   frames and answers each with a frame of the response's size (it decodes the request and encodes ``y = x``),
+   driven by the same stream client pattern with the same frames: the Python ceiling on this machine.
+
+Reports requests/s and latency p50/p90/p99 per leg and concurrency, the ratios 2/1 and 3/1 (throughput, and
+the p50 the service adds), 3/4 (throughput), and from the engine at the top concurrency: rows per step, GPU (or
+CPU-kernel) time per step and the whole step time. Writes ``bench/results/service-<device>-<date>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import re
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import msgpack  # noqa: E402
+import torch  # noqa: E402
+
+from clients import wire  # noqa: E402
+from clients.loadtest.stats import percentile  # noqa: E402
+
+LEGS = ("inproc", "unary", "stream", "echo")
+_LEN = struct.Struct("<I")
+
+
+def _run_loop(coro):
+    try:
+        import uvloop
+
+        return uvloop.run(coro)
+    except ImportError:
+        return asyncio.run(coro)
+
+
+# ----------------------------------------------------------------------------------- raw TCP echo server
+
+
+class _EchoProtocol(asyncio.Protocol):
+    """Length-prefixed msgpack frames in; for each, ``{"id", "y": x}`` packed and sent back (one write per read)."""
+
+    def connection_made(self, transport):
+        self.transport = transport
+        self.buf = bytearray()
+        self.packer = msgpack.Packer(use_bin_type=True)
+
+    def data_received(self, data):
+        buf = self.buf
+        buf += data
+        out = []
+        pos, n = 0, len(buf)
+        while n - pos >= 4:
+            (ln,) = _LEN.unpack_from(buf, pos)
+            if n - pos - 4 < ln:
+                break
+            req = msgpack.unpackb(bytes(buf[pos + 4:pos + 4 + ln]), raw=False)
+            body = self.packer.pack({"id": req["id"], "y": req["x"]})
+            out.append(_LEN.pack(len(body)))
+            out.append(body)
+            pos += 4 + ln
+        if pos:
+            del buf[:pos]
+        if out:
+            self.transport.write(b"".join(out))
+
+
+def echo_server_main(port: int) -> None:
+    async def serve():
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(_EchoProtocol, "127.0.0.1", port, backlog=1024)
+        print(f"listening {server.sockets[0].getsockname()[1]}", flush=True)
+        await server.serve_forever()
+
+    _run_loop(serve())
+
+
+# ----------------------------------------------------------------------------------- subprocesses
+
+
+class Proc:
+    """A subprocess that prints a line with its port: ``listening N`` (echo) or the server's JSON log line."""
+
+    def __init__(self, cmd: list, env: Optional[dict] = None, cpus: Optional[set] = None, timeout: float = 600):
+        full_env = {k: v for k, v in os.environ.items() if not k.startswith("CONVSERVE_")}
+        full_env.update({"PYTHONUNBUFFERED": "1"})
+        full_env.update(env or {})
+        pre = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, preexec_fn=pre)
+        self.lines: list = []
+        self.port: Optional[int] = None
+        ev = threading.Event()
+
+        def read():
+            for line in self.proc.stdout:
+                self.lines.append(line.rstrip())
+                m = re.search(r'"msg":\s*"listening".*"port":\s*(\d+)', line) or re.match(r"listening (\d+)", line)
+                if m and self.port is None:
+                    self.port = int(m.group(1))
+                    ev.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        deadline = time.monotonic() + timeout
+        while not ev.wait(0.1):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"{' '.join(cmd)} did not start:\n" + "\n".join(self.lines[-30:]))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def start_server(args) -> Proc:
+    cmd = [sys.executable, "-m", "service", "serve", "--host", "127.0.0.1", "--port", "0", "--device", args.device,
+           "--slots", str(args.slots), *args.server_arg]
+    srv = Proc(cmd, env={"OMP_NUM_THREADS": "1"} if args.device == "cpu" else None, cpus=args.server_cpus)
+    import httpx
+
+    url = f"http://127.0.0.1:{srv.port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/readyz", timeout=2).status_code == 200:
+                srv.url = url
+                return srv
+        except httpx.TransportError:
+            pass
+        if srv.proc.poll() is not None:
+            break
+        time.sleep(0.1)
+    srv.stop()
+    raise RuntimeError("the server never became ready:\n" + "\n".join(srv.lines[-30:]))
+
+
+# ----------------------------------------------------------------------------------- transports
+
+
+class EchoTransport:
+    """The stream client pattern over raw TCP: each connection sends the frames waiting (up to ``inflight``) in
+    one write and reads their answers; the next batch goes once all are in."""
+
+    def __init__(self, port: int, connections: int, inflight: int):
+        self.port, self.inflight = port, inflight
+        self.queues = [asyncio.Queue() for _ in range(connections)]
+        self.tasks = [asyncio.ensure_future(self._run(q)) for q in self.queues]
+        self.ids = 0
+
+    async def conv(self, session, layer, x, speculative=False):
+        fut = asyncio.get_running_loop().create_future()
+        self.queues[hash(session) % len(self.queues)].put_nowait(((session, layer, x, speculative), fut))
+        return await fut
+
+    async def _run(self, q: asyncio.Queue):
+        reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+        packer = wire.new_packer()
+        buf = bytearray()
+        try:
+            while True:
+                batch = [await q.get()]
+                await asyncio.sleep(0)
+                while len(batch) < self.inflight and not q.empty():
+                    batch.append(q.get_nowait())
+                futs = {}
+                out = []
+                for (session, layer, x, spec), fut in batch:
+                    self.ids += 1
+                    futs[self.ids] = (fut, x)
+                    body = packer.pack({"id": self.ids, "session": session, "layer": layer,
+                                        "x": wire.encode_tensor(x), "speculative": spec})
+                    out.append(_LEN.pack(len(body)))
+                    out.append(body)
+                writer.write(b"".join(out))
+                await writer.drain()
+                while futs:
+                    data = await reader.read(1 << 20)
+                    if not data:
+                        raise ConnectionError("the echo server closed the connection")
+                    buf += data
+                    pos, n = 0, len(buf)
+                    while n - pos >= 4:
+                        (ln,) = _LEN.unpack_from(buf, pos)
+                        if n - pos - 4 < ln:
+                            break
+                        obj = wire.unpackb(bytes(buf[pos + 4:pos + 4 + ln]), 1 << 30)
+                        pos += 4 + ln
+                        fut, x = futs.pop(obj["id"])
+                        fut.set_result(wire.decode_tensor(obj["y"], backend="torch", name="y"))
+                    del buf[:pos]
+        finally:
+            writer.close()
+
+    async def close(self):
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+class EngineTransport:
+    def __init__(self, engine):
+        self.engine = engine
+
+    async def conv(self, session, layer, x, speculative=False):
+        return await self.engine.conv(session, layer, x, speculative)
+
+    async def close(self):
+        pass
+
+
+# ----------------------------------------------------------------------------------- the workload
+
+
+async def drive(transport, sessions: list, layers: list, x, warmup: float, duration: float) -> dict:
+    """C closed-loop sessions, each running decode steps (one token on every layer at once) until the end."""
+    lat: list = []
+    t_measure = time.perf_counter() + warmup
+    t_end = t_measure + duration
+    state = {"n_before": 0}
+
+    async def one(sid, layer):
+        t0 = time.perf_counter()
+        await transport.conv(sid, layer, x)
+        t1 = time.perf_counter()
+        if t0 >= t_measure and t1 <= t_end:
+            lat.append(t1 - t0)
+
+    async def worker(sid):
+        while time.perf_counter() < t_end:
+            await asyncio.gather(*(one(sid, layer) for layer in layers))
+
+    await asyncio.gather(*(worker(s) for s in sessions))
+    del state
+    lat.sort()
+    return {"requests": len(lat), "req_per_s": len(lat) / duration,
+            "p50_ms": percentile(lat, 0.5) * 1e3, "p90_ms": percentile(lat, 0.9) * 1e3,
+            "p99_ms": percentile(lat, 0.99) * 1e3, "max_ms": lat[-1] * 1e3 if lat else float("nan")}
+
+
+def _engine_delta(a: dict, b: dict) -> dict:
+    steps = b["steps"] - a["steps"]
+    if steps <= 0:
+        return {}
+    return {"steps": steps, "rows_per_step": (b["rows"] - a["rows"]) / steps,
+            "kernel_us_per_step": (b["kernel_s"] - a["kernel_s"]) / steps * 1e6,
+            "host_us_per_step": (b["host_s"] - a["host_s"]) / steps * 1e6,
+            "step_us": (b["step_s"] - a["step_s"]) / steps * 1e6}
+
+
+def _engine_counters(stats: dict) -> dict:
+    return {"steps": stats["steps"], "rows": stats["batch_size"]["sum"], "kernel_s": stats["kernel_time_s"],
+            "host_s": stats["host_time_s"], "step_s": stats["step_time_s"]}
+
+
+_METRICS = {"steps": "convserve_engine_batch_size_count", "rows": "convserve_engine_batch_size_sum",
+            "kernel_s": "convserve_kernel_seconds_total", "host_s": "convserve_engine_host_seconds_total",
+            "step_s": "convserve_engine_step_seconds_total"}
+
+
+def _scrape(url: str) -> dict:
+    import httpx
+
+    text = httpx.get(url + "/metrics", timeout=10).text
+    out = {}
+    for key, name in _METRICS.items():
+        m = re.search(rf"^{name}(?:{{[^}}]*}})? ([0-9.eE+-]+)$", text, re.M)
+        out[key] = float(m.group(1)) if m else 0.0
+    return out
+
+
+async def leg_inproc(args, engine, model, conc: int) -> dict:
+    tr = EngineTransport(engine)
+    sessions = [engine.create_session() for _ in range(conc)]
+    x4 = torch.randn(4, model.dim).to(model.dtype)
+    await asyncio.gather(*(engine.conv(s, layer, x4) for s in sessions for layer in model.layers))
+    x = torch.randn(1, model.dim).to(model.dtype)
+    a = _engine_counters(engine.stats())
+    r = await drive(tr, sessions, model.layers, x, args.warmup, args.duration)
+    r["engine"] = _engine_delta(a, _engine_counters(engine.stats()))
+    for s in sessions:
+        engine.delete_session(s)
+    return r
+
+
+async def leg_http(args, url: str, info: dict, conc: int, kind: str) -> dict:
+    from clients.client import AsyncConvClient
+    from clients.loadtest.runner import auto_connections, make_transport
+
+    layers = list(info["layers"])
+    dtype = getattr(torch, info["dtype"])
+    async with AsyncConvClient(url, max_connections=max(8, conc * len(layers))) as client:
+        sessions = list(await asyncio.gather(*(client.create_session() for _ in range(conc))))
+        x4 = torch.randn(4, info["dim"]).to(dtype)
+        await asyncio.gather(*(client.conv(s, layer, x4) for s in sessions for layer in layers))
+        conns = auto_connections(kind, conc, len(layers), args.inflight)
+        tr = make_transport(client, kind, conns, args.inflight)
+        x = torch.randn(1, info["dim"]).to(dtype)
+        a = _scrape(url)
+        b0, r0 = client.bytes_sent, client.bytes_received
+        try:
+            r = await drive(tr, sessions, layers, x, args.warmup, args.duration)
+        finally:
+            await tr.close()
+        r["engine"] = _engine_delta(a, _scrape(url))
+        r["wire_bytes_per_request"] = ((client.bytes_sent - b0) + (client.bytes_received - r0)) / max(
+            1, r["requests"]) if r["requests"] else None
+        if kind != "unary":
+            r["connections"] = conns
+        await asyncio.gather(*(client.delete_session(s) for s in sessions))
+    return r
+
+
+async def leg_echo(args, port: int, info: dict, conc: int) -> dict:
+    from clients.loadtest.runner import auto_connections
+
+    layers = list(info["layers"])
+    conns = auto_connections("stream", conc, len(layers), args.inflight)
+    tr = EchoTransport(port, conns, args.inflight)
+    x = torch.randn(1, info["dim"]).to(getattr(torch, info["dtype"]))
+    try:
+        r = await drive(tr, [f"s{i}" for i in range(conc)], layers, x, args.warmup, args.duration)
+    finally:
+        await tr.close()
+    r["connections"] = conns
+    return r
+
+
+# ----------------------------------------------------------------------------------- main
+
+
+def main(argv=None) -> int:
+    if argv is None and len(sys.argv) > 2 and sys.argv[1] == "--echo-server":
+        echo_server_main(int(sys.argv[2]))
+        return 0
+    cuda = torch.cuda.is_available()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if cuda else "cpu", help="engine device (in-process and server)")
+    ap.add_argument("--concurrency", default=None, help="comma list (default 1,64,256 on CUDA; 1,16,64 on CPU)")
+    ap.add_argument("--duration", type=float, default=None, help="measured seconds per leg (10 CUDA, 4 CPU)")
+    ap.add_argument("--warmup", type=float, default=1.0, help="seconds per leg not measured [1]")
+    ap.add_argument("--inflight", type=int, default=64, help="stream/echo: frames in flight per connection [64]")
+    ap.add_argument("--legs", default=",".join(LEGS), help=f"which legs [{','.join(LEGS)}]")
+    ap.add_argument("--server-cpus", default=None, help="pin the server (and echo server) to these CPUs, e.g. 0")
+    ap.add_argument("--client-cpus", default=None, help="pin this process (client, in-process engine), e.g. 1")
+    ap.add_argument("--server-arg", action="append", default=[], help="extra `convserve serve` flag (repeatable)")
+    ap.add_argument("--out", default=None, help="JSON path (default bench/results/service-<device>-<date>.json)")
+    args = ap.parse_args(argv)
+    if args.device.startswith("cuda") and not cuda:
+        ap.error("--device cuda but torch sees no CUDA device; use --device cpu")
+    on_cuda = args.device.startswith("cuda")
+    levels = [int(c) for c in (args.concurrency or ("1,64,256" if on_cuda else "1,16,64")).split(",")]
+    args.duration = args.duration or (10.0 if on_cuda else 4.0)
+    legs = [s for s in args.legs.split(",") if s]
+    bad = set(legs) - set(LEGS)
+    if bad:
+        ap.error(f"unknown legs {sorted(bad)}; choose from {LEGS}")
+    args.slots = max(256, max(levels) + 16)
+    args.server_cpus = {int(c) for c in args.server_cpus.split(",")} if args.server_cpus else None
+    if args.client_cpus:
+        os.sched_setaffinity(0, {int(c) for c in args.client_cpus.split(",")})
+
+    from service.cli import build_engine
+    from service.config import load_settings
+
+    settings = load_settings({"device": args.device, "slots": args.slots})
+    results: dict = {leg: {} for leg in legs}
+    info = None
+    if "inproc" in legs:
+        engine = build_engine(settings)
+        engine.start()
+        try:
+            model = engine.model_cpu
+            info = engine.model_info()
+            for c in levels:
+                results["inproc"][c] = _run_loop(leg_inproc(args, engine, model, c))
+                _progress("inproc", c, results["inproc"][c])
+        finally:
+            engine.stop(drain=False)
+    if "unary" in legs or "stream" in legs:
+        srv = start_server(args)
+        try:
+            import httpx
+
+            info = wire.unpackb(httpx.get(srv.url + "/v1/model", headers={"accept": wire.MEDIA_TYPE}).content,
+                                1 << 20)
+            for kind in ("unary", "stream"):
+                if kind in legs:
+                    for c in levels:
+                        results[kind][c] = _run_loop(leg_http(args, srv.url, info, c, kind))
+                        _progress(kind, c, results[kind][c])
+        finally:
+            srv.stop()
+    if "echo" in legs:
+        if info is None:
+            info = {"layers": [0, 1, 2, 3], "dim": 1024, "dtype": "bfloat16"}
+        echo = Proc([sys.executable, str(Path(__file__).resolve()), "--echo-server", "0"], cpus=args.server_cpus)
+        try:
+            for c in levels:
+                results["echo"][c] = _run_loop(leg_echo(args, echo.port, info, c))
+                _progress("echo", c, results["echo"][c])
+        finally:
+            echo.stop()
+
+    ratios = {}
+    for c in levels:
+        def get(leg, key):
+            return results.get(leg, {}).get(c, {}).get(key)
+
+        rc = {}
+        for num, den in (("unary", "inproc"), ("stream", "inproc"), ("stream", "echo")):
+            a, b = get(num, "req_per_s"), get(den, "req_per_s")
+            if a and b:
+                rc[f"{num}/{den}"] = a / b
+            if den == "inproc" and get(num, "p50_ms") is not None and get(den, "p50_ms") is not None:
+                rc[f"{num}-{den} p50 ms"] = get(num, "p50_ms") - get(den, "p50_ms")
+        ratios[c] = rc
+
+    gpu = torch.cuda.get_device_name() if on_cuda else "cpu"
+    env = {"device": args.device, "gpu": gpu, "torch": torch.__version__, "python": platform.python_version(),
+           "host": platform.node(), "cpu_count": os.cpu_count(), "model": info, "duration_s": args.duration,
+           "warmup_s": args.warmup, "inflight": args.inflight, "levels": levels,
+           "server_cpus": sorted(args.server_cpus) if args.server_cpus else None, "client_cpus": args.client_cpus,
+           "uvloop": _has("uvloop"), "load_average_at_end": os.getloadavg()}
+    print_table(results, ratios, levels, legs, gpu)
+    date = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", gpu).strip("-").lower()
+    path = Path(args.out) if args.out else ROOT / "bench" / "results" / f"service-{slug}-{date}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"env": env, "results": results, "ratios": ratios}, indent=2,
+                               default=lambda o: None))
+    print(f"wrote {path}")
+    return 0
+
+
+def _has(mod: str) -> bool:
+    try:
+        __import__(mod)
+        return True
+    except ImportError:
+        return False
+
+
+def _progress(leg, c, r) -> None:
+    print(f"  {leg:<7} c={c:<4} {r['req_per_s']:>9.0f} req/s  p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms",
+          file=sys.stderr, flush=True)
+
+
+def print_table(results, ratios, levels, legs, gpu) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    t = Table(title=f"service bench on {gpu}: decode-heavy, closed loop")
+    for h in ("leg", "sessions", "req/s", "p50 ms", "p90 ms", "p99 ms", "rows/step", "kernel us/step", "step us"):
+        t.add_column(h, justify="left" if h == "leg" else "right")
+    for leg in legs:
+        for c in levels:
+            r = results[leg].get(c)
+            if r is None:
+                continue
+            e = r.get("engine") or {}
+            t.add_row(leg, str(c), f"{r['req_per_s']:.0f}", f"{r['p50_ms']:.3f}", f"{r['p90_ms']:.3f}",
+                      f"{r['p99_ms']:.3f}", f"{e['rows_per_step']:.1f}" if e else "-",
+                      f"{e['kernel_us_per_step']:.1f}" if e else "-", f"{e['step_us']:.1f}" if e else "-",
+                      end_section=c == levels[-1])
+    console.print(t)
+    r = Table(title="ratios (throughput) and the p50 the service adds over the in-process engine")
+    r.add_column("sessions", justify="right")
+    keys = sorted({k for v in ratios.values() for k in v})
+    for k in keys:
+        r.add_column(k.replace("unary", "2 unary").replace("stream", "3 stream").replace("inproc", "1 inproc")
+                     .replace("echo", "4 echo"), justify="right")
+    for c in levels:
+        r.add_row(str(c), *[(f"{ratios[c][k]:+.3f}" if "ms" in k else f"{ratios[c][k]:.2f}")
+                            if k in ratios[c] else "-" for k in keys])
+    console.print(r)
+    c1 = ratios.get(1, {}).get("unary-inproc p50 ms")
+    if c1 is not None:
+        console.print(f"target: HTTP unary adds <= 1 ms p50 over in-process at concurrency 1: {c1:.3f} ms "
+                      f"({'met' if c1 <= 1.0 else 'NOT met'})")
+    top = levels[-1]
+    s = ratios.get(top, {}).get("stream/echo")
+    if s is not None:
+        console.print(f"target: streaming >= 50% of the raw TCP echo at {top} sessions: {s * 100:.0f}% "
+                      f"({'met' if s >= 0.5 else 'NOT met'})")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
