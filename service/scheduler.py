@@ -26,6 +26,7 @@ Rows are classified as: *decode* (``T = 1``, not speculative, the layer has stat
 from __future__ import annotations
 
 import bisect
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -243,16 +244,19 @@ class Scheduler:
         verify: dict = {}        # (layer, n) -> [requests]
         prefill: dict = {}       # layer -> [(request, start, end, has_initial_state)]
         finished: list = []      # requests whose last token is scheduled now
-        n_taken = 0
         second_pass_needed = False
         # session scratch: sched_step == step marks the fields below as this step's
         #   sched_layers: bitmask of layer positions taken;  sched_block: 0 open, 1 stopped at a prefill
         #   (pass 1 only), 2 closed for this step.
+        waiting = self._waiting
         for second_pass in (False, True):
             if second_pass and not second_pass_needed:
                 break
-            for r in self._waiting:
-                if r.cancelled or r.scheduled_tokens == r.n_tokens:
+            for r in waiting:
+                if r.cancelled:
+                    continue
+                n = r.n_tokens
+                if r.scheduled_tokens == n:
                     continue
                 s = r.session
                 if s.sched_step != step:
@@ -263,11 +267,11 @@ class Scheduler:
                     self.cancel(r)
                     out.expired.append(r)
                     continue
-                bit = 1 << r.layer
+                layer = r.layer
+                bit = 1 << layer
                 if (s.sched_layers & bit) or (s.barrier is not None and r.seq > s.barrier):
                     s.sched_block = 2
                     continue
-                n = r.n_tokens
                 if r.speculative:
                     kind = VERIFY
                 elif n == 1 and s.initialized & bit:
@@ -285,45 +289,45 @@ class Scheduler:
                     init = bool(s.initialized & bit)       # set by the first chunk for later ones
                     s.initialized |= bit
                     s.sched_layers |= bit
-                    prefill.setdefault(r.layer, []).append((r, start, start + chunk, init))
+                    prefill.setdefault(layer, []).append((r, start, start + chunk, init))
                     r.scheduled_tokens = start + chunk
                     rows += 1
                     tokens += chunk
-                    self._tokens -= chunk
                     r.started = True
                     if r.scheduled_tokens < n:      # chunked: the rest runs in later steps, and this
                         s.sched_block = 2           # session's later requests after it
                     else:
-                        n_taken += 1
                         finished.append(r)
                     continue
                 if rows >= max_rows or tokens + n > max_tokens:
                     s.sched_block = 2
                     continue
                 if kind is DECODE:
-                    lst = decode.get(r.layer)
+                    lst = decode.get(layer)
                     if lst is None:
-                        decode[r.layer] = [r]
+                        decode[layer] = [r]
                     elif len(lst) >= max_bucket:
                         s.sched_block = 2
                         continue
                     else:
                         lst.append(r)
                 else:
-                    verify.setdefault((r.layer, n), []).append(r)
+                    verify.setdefault((layer, n), []).append(r)
                 s.sched_layers |= bit
                 rows += 1
                 tokens += n
                 r.scheduled_tokens = n
                 r.started = True
-                n_taken += 1
                 finished.append(r)
 
-        if n_taken or out.expired:
-            self._waiting = [r for r in self._waiting if not r.cancelled and r.scheduled_tokens < r.n_tokens]
+        n_taken = len(finished)                # requests whose last token runs in this step
+        if n_taken == len(waiting):          # everything queued was taken (the common decode step)
+            self._waiting = []
+        elif n_taken or out.expired:
+            self._waiting = [r for r in waiting if not r.cancelled and r.scheduled_tokens < r.n_tokens]
         self._n -= n_taken
-        self._tokens -= tokens - sum(b - a for rws in prefill.values() for _r, a, b, _i in rws)
-        if second_pass_needed:
+        self._tokens -= tokens
+        if second_pass_needed:              # pass 1 appended decodes and verifies before the prefills
             finished.sort(key=_seq)
 
         offset = 0
@@ -347,11 +351,9 @@ class Scheduler:
             idx.extend([PAD_SLOT_ID] * (b - len(reqs)))
             out.decodes.append(DecodeBatch(layer, reqs, idx, b))
             out.num_padded_rows += b - len(reqs)
-        finished.sort(key=_seq)
         out.finished = finished
         out.num_rows, out.num_tokens, out.packed_tokens = rows, tokens, offset
         return out
 
 
-def _seq(r: Request) -> int:
-    return r.seq
+_seq = operator.attrgetter("seq")
