@@ -273,12 +273,15 @@ class Service:
         one that has started always completes, since its slot is mid-step: it is never freed under a step.
         """
         loop = asyncio.get_running_loop()
-        waiter = loop.create_future()
+        if isinstance(fut, asyncio.Future):
+            waiter = fut    # engine.submit_async: the engine resolves it on this loop, one wake-up per step
+        else:
+            waiter = loop.create_future()
 
-        def on_done(f):  # engine thread (or this one, if already done)
-            loop.call_soon_threadsafe(_transfer, f, waiter)
+            def on_done(f):  # engine thread (or this one, if already done)
+                loop.call_soon_threadsafe(_transfer, f, waiter)
 
-        fut.add_done_callback(on_done)
+            fut.add_done_callback(on_done)
         if waiter.done() or fut.done():
             return await waiter
         gone = loop.create_task(receive())
@@ -314,7 +317,7 @@ class ConvEndpoint:
             svc.require_ready()
             body = await read_body(scope, receive, svc.max_body)
             session, layer, x, spec = svc.parse_conv(parse_body(scope, body, svc.max_body))
-            fut = svc.engine.submit(session, layer, x, speculative=spec)
+            fut = svc.engine.submit_async(session, layer, x, speculative=spec)
             y = await svc.wait_result(fut, receive)
             out, ct = render({"y": wire.encode_tensor(y)}, wants_json(scope))
         except ClientGone:

@@ -51,6 +51,7 @@ import math
 import threading
 import time
 from concurrent.futures import Future
+from concurrent.futures import _base as _futures_base
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Optional, Sequence, Union
@@ -152,13 +153,19 @@ class _ConvFuture(Future):
     def result(self, timeout=None):
         """``y (T, dim)``: cut from the step's output on first read, on the reader's thread."""
         v = super().result(timeout)
-        if type(v) is _Result:
-            v = v.tensor()
+        if type(v) is tuple:
+            v = _cut(v)
             self._result = v   # later reads (and done-callbacks) get the same tensor
         return v
 
     def _base_cancel(self) -> bool:
         return super().cancel()
+
+
+class _AsyncConvFuture(asyncio.Future):
+    """The asyncio future of :meth:`Engine.submit_async`; ``_req`` is its request (for :meth:`Engine.cancel`)."""
+
+    __slots__ = ("_req",)
 
 
 @dataclass(eq=False)
@@ -318,7 +325,6 @@ class Engine:
         self._st = collections.Counter()
         self._batch_hist = [0] * (len(_BATCH_HIST) + 1)
         self._steps = collections.deque(maxlen=4096)   # tuples of _STEP_FIELDS
-        self._last_step: dict = {}
 
     # ------------------------------------------------------------------ life cycle
 
@@ -480,7 +486,7 @@ class Engine:
                 "host_time_s": st.get("host_ns", 0) * 1e-9,
                 "step_time_s": st.get("wall_ns", 0) * 1e-9,
                 "batch_size": {"buckets": hist, "sum": st.get("rows", 0), "count": st.get("steps", 0)},
-                "last_step": dict(self._last_step),
+                "last_step": dict(zip(_STEP_FIELDS, self._steps[-1])) if self._steps else {},
                 "bytes": {
                     "pool": pool.nbytes if pool else 0,
                     "weights": self.model.nbytes() if self.model is not None else 0,
@@ -749,7 +755,10 @@ class Engine:
             self._last_seq = seq
             req = Request(seq, s, p, xm.shape[0], speculative, now, xm, sink, x_dtype)
             self._sched.add(req)
-            s.queue.append(req)
+            q = s.queue             # finished requests leave the head here (and in oldest_active), not in the step
+            while q and q[0].done:
+                q.popleft()
+            q.append(req)
             s.last_used = now
             if speculative:
                 s.pending[p] = (xm.shape[0], seq)
@@ -771,21 +780,36 @@ class Engine:
         fut._req = self._submit(session_id, layer, x, speculative, fut)
         return fut
 
+    def submit_async(self, session_id: str, layer: int, x: torch.Tensor,
+                     speculative: bool = False) -> asyncio.Future:
+        """:meth:`submit` for a caller on an asyncio loop (call it on the loop's thread): the result comes as an
+        ``asyncio.Future`` of that loop, and the engine resolves all of one step's futures of a loop with one
+        wake-up of the loop (one ``call_soon_threadsafe``), instead of one thread-safe callback per request.
+        :meth:`cancel` withdraws the request if it has not started."""
+        loop = asyncio.get_running_loop()
+        fut = _AsyncConvFuture(loop=loop)
+        fut._req = self._submit(session_id, layer, x, speculative, (loop, fut))
+        return fut
+
     async def conv(self, session_id: str, layer: int, x: torch.Tensor, speculative: bool = False) -> torch.Tensor:
         """``await``-able :meth:`submit`. Cancelling the awaiting task withdraws the request if not started."""
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        req = self._submit(session_id, layer, x, speculative, (loop, fut))
+        fut = self.submit_async(session_id, layer, x, speculative)
         try:
             return await fut
         except asyncio.CancelledError:
-            self._cancel_request(req)
+            self._cancel_request(fut._req)
             raise
 
     def cancel(self, future) -> bool:
-        """Withdraw the request behind a future from :meth:`submit` if it has not started; True if withdrawn."""
+        """Withdraw the request behind a future from :meth:`submit` or :meth:`submit_async` if it has not
+        started; True if withdrawn."""
         if isinstance(future, _ConvFuture):
             return future.cancel()
+        if isinstance(future, _AsyncConvFuture):
+            ok = self._cancel_request(future._req)
+            if ok:
+                future.cancel()
+            return ok
         return False
 
     def _cancel_request(self, req: Request) -> bool:
@@ -826,6 +850,74 @@ class Engine:
                 loop.call_soon_threadsafe(_set_async_results, items)
             except RuntimeError:   # the loop is closed: nobody is waiting
                 pass
+
+    def _deliver_step(self, finished: list, host_out: torch.Tensor, by_position: bool) -> None:
+        """Retire and complete a step's finished requests (see :meth:`_execute` for where each y lies), in one
+        pass and without the engine lock.
+
+        Retiring is ``r.done = True`` and the session's ``last_used``: single stores that the lock's holders may
+        read at any time; finished requests leave their session's queue lazily (at the next submit, or
+        :meth:`Session.oldest_active`), and only the worker (this thread) acts on that queue's head, between
+        steps. Each result is handed out lazily as ``(host_out, lo, hi, dtype)``, cut (and cast) by its reader.
+        A :class:`_ConvFuture` is completed inline (what :func:`_complete` does), asyncio futures once per loop
+        per step (:func:`_set_async_results`), on the loop.
+        """
+        md = self.model.dtype
+        now = time.monotonic()
+        fast = _FAST_COMPLETE
+        by_loop = None
+        for i, r in enumerate(finished):
+            p = i if by_position else r.parts
+            dt = r.x_dtype
+            if dt is md:
+                dt = None
+            if type(p) is int:
+                y = (host_out, p, p + r.n_tokens, dt)
+            else:                                   # a chunked prefill's joined tensor
+                y = (p, 0, r.n_tokens, dt)
+            sink = r.future
+            r.x = r.parts = r.future = None         # the request may outlive the step in its session's queue
+            r.done = True
+            r.session.last_used = now
+            if type(sink) is _ConvFuture:
+                if not fast:
+                    _complete(sink, y)
+                    continue
+                # _complete(sink, y), inlined: this loop is per request
+                cond = sink._condition
+                cond.acquire()
+                st = sink._state
+                if st is _PENDING or st is _RUNNING:
+                    sink._result = y
+                    sink._state = _FINISHED
+                    for w in sink._waiters:
+                        w.add_result(sink)
+                    if cond._waiters:
+                        cond.notify_all()
+                    cond.release()
+                    if sink._done_callbacks:
+                        sink._invoke_callbacks()
+                else:
+                    cond.release()
+            elif type(sink) is tuple:
+                if by_loop is None:
+                    by_loop = {}
+                items = by_loop.get(sink[0])
+                if items is None:
+                    by_loop[sink[0]] = [(sink[1], y, None)]
+                else:
+                    items.append((sink[1], y, None))
+            elif sink is not None:
+                try:
+                    sink.set_result(_cut(y))
+                except Exception:  # already cancelled by its owner
+                    pass
+        if by_loop:
+            for loop, items in by_loop.items():
+                try:
+                    loop.call_soon_threadsafe(_set_async_results, items)
+                except RuntimeError:   # the loop is closed: nobody is waiting
+                    pass
 
     # ------------------------------------------------------------------ the worker
 
@@ -893,7 +985,7 @@ class Engine:
     def _step(self, out: SchedulerOutput, sched_ns: int = 0) -> None:
         t0 = time.perf_counter_ns()
         try:
-            results, t_launch, t_sync, kernel_ns = self._execute(out)
+            host_out, by_position, t_launch, t_sync, kernel_ns = self._execute(out)
         except Exception as e:  # noqa: BLE001 - a kernel failure fails this step's requests, not the engine
             log.exception("engine step %d failed", out.step)
             err = Internal(f"the engine step failed: {e}")
@@ -906,14 +998,7 @@ class Engine:
                 self._st["failed"] += len(set(done))
             self._deliver([(r, None, err) for r in set(done)])
             return
-        now = time.monotonic()
-        with self._lock:
-            for r in out.finished:      # _retire_locked(r, ok=True), inlined: this loop is per request
-                r.done = True
-                s = r.session
-                s.last_used = now
-                s.oldest_active()       # drop finished requests from the session's queue
-        self._deliver(results)
+        self._deliver_step(out.finished, host_out, by_position)
         t3 = time.perf_counter_ns()
         with self._lock:
             st = self._st
@@ -931,10 +1016,12 @@ class Engine:
             rec = (out.num_rows, out.num_tokens, host * 1e-9, kernel_ns * 1e-9, (sched_ns + t3 - t0) * 1e-9,
                    sched_ns * 1e-9, (t_launch - t0) * 1e-9, (t3 - t_sync) * 1e-9)
             self._steps.append(rec)
-            self._last_step = dict(zip(_STEP_FIELDS, rec))
 
     def _execute(self, out: SchedulerOutput):
-        """Pack, launch, synchronize once, unpack. Returns ``(results, t_launched, t_synced, kernel_ns)``."""
+        """Pack, launch, synchronize once, unpack. Returns ``(host_out, by_position, t_launched, t_synced,
+        kernel_ns)``: every finished request's y lies in ``host_out``, at row ``r.parts`` (or, when
+        ``by_position``, at its position in ``out.finished``), except a chunked prefill's, whose ``r.parts`` is
+        its own joined tensor."""
         m, bf, pool, cuda = self.model, self._bufs, self.pool, self._stream is not None
         D = m.dim
         act = m.activation
@@ -1018,58 +1105,88 @@ class Engine:
         else:
             kernel_ns = t_launch - t_k0
         t_sync = time.perf_counter_ns()
-        # ---- unpack: (request, _Result) in arrival order
-        a = 0
-        for db in out.decodes:
-            for r in db.requests:
-                r.parts = (a, a + 1)
-                a += 1
-        for pb in out.prefills:
-            qsl, off = pb.query_start_loc, n_dec + pb.token_offset
-            for i, r in enumerate(pb.requests):
-                lo, hi = off + qsl[i], off + qsl[i + 1]
-                if hi - lo == r.n_tokens:
-                    r.parts = (lo, hi)
-                else:                          # a chunk of a chunked prefill: keep a copy, join at the end
-                    if r.parts is None:
-                        r.parts = []
-                    r.parts.append(host_out[lo:hi].clone())
-                    if r.scheduled_tokens == r.n_tokens:
-                        r.parts = torch.cat(r.parts)
-        for vb in out.verifies:
-            off, L = n_dec + vb.token_offset, vb.n_tokens
-            for i, r in enumerate(vb.requests):
-                r.parts = (off + i * L, off + (i + 1) * L)
-                r.session.spec_x[vb.layer] = (r.seq, r.x)
-        md = m.dtype
-        results = []
-        for r in out.finished:
-            p = r.parts
-            results.append((r, _Result(host_out, p, r.x_dtype if r.x_dtype is not md else None), None))
-            r.x = r.parts = None
-        return results, t_launch, t_sync, kernel_ns
+        # ---- unpack: each finished request's rows of host_out. Decode rows come first, layer by layer in
+        # batch order; with a single decode batch and nothing else, out.finished is that batch in row order and
+        # the row is the position (no per-request bookkeeping here).
+        if n_packed or len(out.decodes) != 1:
+            a = 0
+            for db in out.decodes:
+                for r in db.requests:
+                    r.parts = a
+                    a += 1
+            for pb in out.prefills:
+                qsl, off = pb.query_start_loc, n_dec + pb.token_offset
+                for i, r in enumerate(pb.requests):
+                    lo, hi = off + qsl[i], off + qsl[i + 1]
+                    if hi - lo == r.n_tokens:
+                        r.parts = lo
+                    else:                          # a chunk of a chunked prefill: keep a copy, join at the end
+                        if r.parts is None:
+                            r.parts = []
+                        r.parts.append(host_out[lo:hi].clone())
+                        if r.scheduled_tokens == r.n_tokens:
+                            r.parts = torch.cat(r.parts)
+            for vb in out.verifies:
+                off, L = n_dec + vb.token_offset, vb.n_tokens
+                for i, r in enumerate(vb.requests):
+                    r.parts = off + i * L
+                    r.session.spec_x[vb.layer] = (r.seq, r.x)
+            by_position = False
+        else:
+            by_position = True
+        return host_out, by_position, t_launch, t_sync, kernel_ns
 
 
-class _Result:
-    """A request's y, not yet cut: ``rows`` is ``(start, end)`` into the step's host output or a tensor of its
-    own (a chunked prefill); ``dtype`` the caller's dtype when it differs from the model's."""
+_PENDING = _futures_base.PENDING
+_RUNNING = _futures_base.RUNNING
+_FINISHED = _futures_base.FINISHED
+#: The fields of concurrent.futures.Future that _complete sets directly (the same from 3.8 to 3.13); checked at
+#: import, with Future.set_result as the fallback.
+_FAST_COMPLETE = all(hasattr(Future(), a) for a in ("_condition", "_state", "_result", "_waiters",
+                                                     "_done_callbacks")) and hasattr(Future()._condition, "_waiters")
 
-    __slots__ = ("buf", "rows", "dtype")
 
-    def __init__(self, buf, rows, dtype):
-        self.buf, self.rows, self.dtype = buf, rows, dtype
+def _complete(f: Future, y) -> None:
+    """``f.set_result(y)`` for a pending future, at a third of its cost: the same steps under the future's lock
+    (state, waiters, notify), but the notify and the callbacks only when there is someone to tell. A future
+    that is no longer pending (cancelled by its owner) is left as it is."""
+    if not _FAST_COMPLETE:
+        try:
+            f.set_result(y)
+        except Exception:  # already cancelled by its owner
+            pass
+        return
+    cond = f._condition
+    cond.acquire()
+    try:
+        st = f._state
+        if st is not _PENDING and st is not _RUNNING:
+            return
+        f._result = y
+        f._state = _FINISHED
+        for w in f._waiters:
+            w.add_result(f)
+        if cond._waiters:
+            cond.notify_all()
+    finally:
+        cond.release()
+    if f._done_callbacks:
+        f._invoke_callbacks()
 
-    def tensor(self) -> torch.Tensor:
-        rows = self.rows
-        y = self.buf[rows[0]:rows[1]] if type(rows) is tuple else rows
-        return y.to(self.dtype) if self.dtype is not None else y
+
+def _cut(v) -> torch.Tensor:
+    """A lazy result ``(buf, lo, hi, dtype)``: rows ``lo:hi`` of ``buf``, cast to ``dtype`` unless it is None."""
+    buf, lo, hi, dt = v
+    y = buf[lo:hi]
+    return y if dt is None else y.to(dt)
 
 
 def _set_async_results(items) -> None:
+    """Loop thread: resolve the asyncio futures of one step (lazy results are cut here)."""
     for fut, y, err in items:
         if fut.done():
             continue
         if err is None:
-            fut.set_result(y.tensor() if type(y) is _Result else y)
+            fut.set_result(_cut(y) if type(y) is tuple else y)
         else:
             fut.set_exception(err)
