@@ -263,14 +263,12 @@ def run_variants():
     rows = []
     base = {k: dict(v) for k, v in _launch.TUNING.items()}
     pre = [("prefill_token_major", dict(block_t=bt, elems=el, num_warps=nw))
-           for bt, el, nw in [(512, 4096, 4), (256, 2048, 1), (256, 2048, 2), (256, 4096, 2), (512, 4096, 2),
-                              (512, 8192, 4), (1024, 4096, 4), (256, 1024, 1), (512, 2048, 4)]]
+           for bt, el, nw in [(512, 2048, 4), (256, 1024, 1), (512, 4096, 4), (256, 2048, 2), (1024, 4096, 4),
+                              (512, 4096, 8)]]
     pre += [("prefill_channel_major", dict(block_d=bd, elems=el, num_warps=nw))
-            for bd, el, nw in [(256, 4096, 1), (256, 4096, 2), (256, 4096, 4), (256, 4096, 8), (256, 2048, 2),
-                               (256, 2048, 4), (128, 2048, 1), (128, 2048, 2), (512, 4096, 4), (512, 8192, 8),
-                               (256, 8192, 8), (128, 4096, 2)]]
-    dec = [("decode", dict(block_d=bd, num_warps=nw))
-           for bd, nw in [(512, 8), (256, 4), (512, 4), (256, 2), (1024, 8), (128, 1), (256, 1)]]
+            for bd, el, nw in [(256, 4096, 4), (128, 2048, 2), (256, 8192, 8), (128, 4096, 4), (256, 8192, 4),
+                               (512, 8192, 8)]]
+    dec = [("decode", dict(block_d=bd, num_warps=nw)) for bd, nw in [(512, 8), (256, 4), (1024, 8), (512, 4)]]
     for key, cfg in pre + dec:
         _launch.TUNING[key] = cfg
         prefill._PLANS.clear()

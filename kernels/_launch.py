@@ -22,7 +22,7 @@ class Tile:
 
 TUNING = {
     # prefill, x contiguous along tokens (the benchmark card's (dim, T))
-    "prefill_token_major": dict(block_t=512, elems=4096, num_warps=4),
+    "prefill_token_major": dict(block_t=512, elems=2048, num_warps=4),
     # prefill, x contiguous along channels (serving stacks: x.stride(0) == 1)
     "prefill_channel_major": dict(block_d=256, elems=4096, num_warps=4),
     # decode: channels per program

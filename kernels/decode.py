@@ -67,7 +67,8 @@ def _update_kernel(
     UNIT_D: tl.constexpr,  # x, out and the state all have stride 1 along dim: passed as constexpr so Triton
     #                        sees the contiguous axis and vectorizes along it
     EVEN_D: tl.constexpr,  # dim % BLOCK_D == 0
-    ONE_CHUNK: tl.constexpr,  # seqlen <= BLOCK_L and n_keep <= WP: one round of loads, then the stores
+    ONE_CHUNK: tl.constexpr,
+    OFF64: tl.constexpr,  # per-element offsets from a row's base overflow int32 (huge strides)  # seqlen <= BLOCK_L and n_keep <= WP: one round of loads, then the stores
     BLOCK_L: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -76,27 +77,33 @@ def _update_kernel(
         stride_s_d = 1
         stride_o_d = 1
     b = tl.program_id(0).to(tl.int64)
-    pid_d = tl.program_id(1)
-    offs_d = (pid_d * BLOCK_D + tl.arange(0, BLOCK_D)).to(tl.int64)  # [BLOCK_D]
+    d0 = tl.program_id(1) * BLOCK_D
+    # Addresses: 64-bit row bases, then small per-element offsets (int32 unless OFF64).
+    offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D] channel within the tile
+    if OFF64:
+        offs_d = offs_d.to(tl.int64)
 
     if HAS_INDICES:
         line = tl.load(idx_ptr + b * stride_idx).to(tl.int64)
     else:
         line = b
     if HAS_ACCEPTED:
-        o = tl.load(acc_ptr + b * stride_acc).to(tl.int64) - 1
+        o = tl.load(acc_ptr + b * stride_acc).to(tl.int32) - 1
     else:
-        o = b * 0
+        o = tl.program_id(0) * 0
     # Pad rows, and rows whose index or window falls outside the pool, give zeros and touch no state.
     valid = (line != pad_slot_id) & (line >= 0) & (line < num_lines) & (o >= 0) & (o + WIDTH - 1 <= state_len)
     # The flag joins the channel mask as a broadcast tensor: masks stay boolean tensors and stay uniform
     # along channels, so loads and stores keep their vector width.
-    mask_d = (offs_d < dim) & ((tl.zeros([BLOCK_D], dtype=tl.int32) + valid.to(tl.int32)) != 0)  # [BLOCK_D]
+    in_d = offs_d < dim - d0  # [BLOCK_D]
+    mask_d = in_d & ((tl.zeros([BLOCK_D], dtype=tl.int32) + valid.to(tl.int32)) != 0)  # [BLOCK_D]
 
-    x_row = x_ptr + b * stride_x_b + offs_d * stride_x_d  # [BLOCK_D]
-    state_row = state_ptr + line * stride_s_line + offs_d * stride_s_d  # [BLOCK_D]
+    d0_64 = d0.to(tl.int64)
+    x_row = (x_ptr + b * stride_x_b + d0_64 * stride_x_d) + offs_d * stride_x_d  # [BLOCK_D]
+    state_row = (state_ptr + line * stride_s_line + d0_64 * stride_s_d) + offs_d * stride_s_d  # [BLOCK_D]
+    w_row = w_ptr + (d0 + offs_d) * stride_w_d  # [BLOCK_D]
     if HAS_BIAS:
-        bias = tl.load(b_ptr + offs_d, mask=offs_d < dim, other=0.0).to(tl.float32)
+        bias = tl.load(b_ptr + d0 + offs_d, mask=in_d, other=0.0).to(tl.float32)
     else:
         bias = tl.zeros([BLOCK_D], dtype=tl.float32)
     offs_j = tl.arange(0, WP)  # [WP] window column
@@ -107,8 +114,8 @@ def _update_kernel(
         m2 = mask_l[:, None] & mask_d[None, :]  # [BLOCK_L, BLOCK_D]
         acc = tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32) + bias[None, :]  # [BLOCK_L, BLOCK_D]
         for k in tl.static_range(WIDTH):
-            w_k = tl.load(w_ptr + offs_d * stride_w_d + k * stride_w_k, mask=offs_d < dim, other=0.0)
-            pos = (offs_l + k)[:, None] + tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.int64)  # [BLOCK_L, BLOCK_D]
+            w_k = tl.load(w_row + k * stride_w_k, mask=in_d, other=0.0)
+            pos = (offs_l + k)[:, None] + tl.zeros([BLOCK_L, BLOCK_D], dtype=offs_d.dtype)  # [BLOCK_L, BLOCK_D]
             acc += _ext_load(x_row[None, :], state_row[None, :], pos, m2, o, stride_x_t, stride_s_k, WIDTH) \
                 * w_k.to(tl.float32)[None, :]
         if SILU:
@@ -116,27 +123,29 @@ def _update_kernel(
         acc = tl.where(m2, acc, 0.0)  # pad rows: zeros
         if SAVE_INTER or HAS_OSI:
             # win[t, j] = position t + 1 + j of [window | x]: the window after token t.  [BLOCK_L, WP, BLOCK_D]
-            pos3 = (offs_l[:, None] + 1 + offs_j[None, :])[:, :, None] + tl.zeros([1, 1, BLOCK_D], dtype=tl.int64)
+            pos3 = (offs_l[:, None] + 1 + offs_j[None, :])[:, :, None] + tl.zeros([1, 1, BLOCK_D], dtype=offs_d.dtype)
             m3 = (mask_l[:, None] & (offs_j < WIDTH - 1)[None, :])[:, :, None] & mask_d[None, None, :]
             win = _ext_load(x_row[None, None, :], state_row[None, None, :], pos3, m3, o, stride_x_t, stride_s_k,
                             WIDTH)
         if WRITE_LIVE and ONE_CHUNK:
             # The new live row (see below), read in the same phase as the taps: one round of loads.
             mj = (offs_j < n_keep)[:, None] & mask_d[None, :]  # [WP, BLOCK_D]
-            pos = (WIDTH - 1 + seqlen - n_keep + offs_j)[:, None] + tl.zeros([WP, BLOCK_D], dtype=tl.int64)
+            pos = (WIDTH - 1 + seqlen - n_keep + offs_j)[:, None] + tl.zeros([WP, BLOCK_D], dtype=offs_d.dtype)
             new = _ext_load(x_row[None, :], state_row[None, :], pos, mj, o, stride_x_t, stride_s_k, WIDTH)
         tl.debug_barrier()  # all state reads of this chunk happen before any state write
-        o_ptrs = out_ptr + b * stride_o_b + offs_d[None, :] * stride_o_d + offs_l[:, None] * stride_o_t
-        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_l[:, None] & (offs_d < dim)[None, :])
+        o_ptrs = ((out_ptr + b * stride_o_b + d0_64 * stride_o_d)
+                  + (offs_d[None, :] * stride_o_d + offs_l[:, None] * stride_o_t))  # [BLOCK_L, BLOCK_D]
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_l[:, None] & in_d[None, :])
         if SAVE_INTER:
-            i_ptrs = (inter_ptr + b * stride_i_b + offs_l[:, None, None] * stride_i_t
-                      + offs_d[None, None, :] * stride_i_d + offs_j[None, :, None] * stride_i_k)
+            i_ptrs = ((inter_ptr + b * stride_i_b + d0_64 * stride_i_d)
+                      + (offs_l[:, None, None] * stride_i_t + offs_d[None, None, :] * stride_i_d
+                         + offs_j[None, :, None] * stride_i_k))
             tl.store(i_ptrs, win.to(inter_ptr.dtype.element_ty), mask=m3)
         if HAS_OSI:
             tgt = tl.load(osi_ptr + b * stride_osi_b + offs_l * stride_osi_t, mask=mask_l, other=-1).to(tl.int64)
             m_t = (tgt >= 0) & (tgt < num_lines)  # [BLOCK_L]
-            s_ptrs = (state_ptr + tgt[:, None, None] * stride_s_line + offs_d[None, None, :] * stride_s_d
-                      + offs_j[None, :, None] * stride_s_k)
+            s_ptrs = ((state_ptr + d0_64 * stride_s_d) + tgt[:, None, None] * stride_s_line
+                      + (offs_d[None, None, :] * stride_s_d + offs_j[None, :, None] * stride_s_k))
             tl.store(s_ptrs, win.to(state_ptr.dtype.element_ty), mask=m3 & m_t[:, None, None])
         if WRITE_LIVE and ONE_CHUNK:
             tl.store(state_row[None, :] + offs_j[:, None] * stride_s_k, new.to(state_ptr.dtype.element_ty), mask=mj)
@@ -148,7 +157,7 @@ def _update_kernel(
         for j0 in range(0, n_keep, WP):
             cols = j0 + offs_j  # [WP]
             mj = (cols < n_keep)[:, None] & mask_d[None, :]  # [WP, BLOCK_D]
-            pos = (base + cols)[:, None] + tl.zeros([WP, BLOCK_D], dtype=tl.int64)
+            pos = (base + cols)[:, None] + tl.zeros([WP, BLOCK_D], dtype=offs_d.dtype)
             new = _ext_load(x_row[None, :], state_row[None, :], pos, mj, o, stride_x_t, stride_s_k, WIDTH)
             tl.debug_barrier()
             tl.store(state_row[None, :] + cols[:, None] * stride_s_k, new.to(state_ptr.dtype.element_ty), mask=mj)
@@ -179,6 +188,8 @@ def _plan_update(x, conv_state, weight, bias, conv_state_indices, num_accepted_t
         SAVE_INTER=inter is not None, HAS_OSI=osi is not None, WRITE_LIVE=inter is None and osi is None,
         UNIT_D=x_strides[1] == 1 and conv_state.stride(1) == 1 and o_strides[1] == 1,
         EVEN_D=dim % cfg.block_d == 0, ONE_CHUNK=seqlen <= cfg.block_t and n_keep <= wp,
+        OFF64=max(cfg.block_d * abs(t.stride(i)) + (seqlen + state_len + width) * abs(t.stride(-1))
+                  for t, i in ((x, 1), (conv_state, 1), (out, 1))) >= 2**31,
         BLOCK_L=cfg.block_t, BLOCK_D=cfg.block_d)
     grid = (batch, -(-dim // cfg.block_d))
     return LaunchPlan(_update_kernel, grid, scalars, constexprs, cfg.num_warps, x.device)

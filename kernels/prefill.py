@@ -31,17 +31,18 @@ from ._validate import PAD_SLOT_ID, check_out, check_prefill
 
 
 @triton.jit
-def _body_taps(ptrs, stride_t, w_ptr, offs_d, stride_w_d, stride_w_k, mask, mask_d, acc,
+def _body_taps(ptrs, stride_t, w_ptrs, stride_w_k, mask, mask_d, acc,
                WIDTH: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
     """acc += sum_k w[:, k] * x[t - (WIDTH - 1 - k)], each tap a shifted load of the tile (L1 serves the overlap).
 
-    ptrs: [BLOCK_T, BLOCK_D] pointers to x at the tile's tokens; mask: same shape, used when MASKED.
+    ptrs: [BLOCK_T, BLOCK_D] pointers to x at the tile's tokens; w_ptrs: [BLOCK_D] pointers to weight[:, 0];
+    mask: [BLOCK_T, BLOCK_D], used when MASKED.
     """
     for k in tl.static_range(WIDTH):
         if EVEN_D:
-            w_k = tl.load(w_ptr + offs_d * stride_w_d + k * stride_w_k).to(tl.float32)  # [BLOCK_D]
+            w_k = tl.load(w_ptrs + k * stride_w_k).to(tl.float32)  # [BLOCK_D]
         else:
-            w_k = tl.load(w_ptr + offs_d * stride_w_d + k * stride_w_k, mask=mask_d, other=0.0).to(tl.float32)
+            w_k = tl.load(w_ptrs + k * stride_w_k, mask=mask_d, other=0.0).to(tl.float32)
         p = ptrs - (WIDTH - 1 - k) * stride_t
         if MASKED:
             v = tl.load(p, mask=mask, other=0.0)
@@ -49,6 +50,20 @@ def _body_taps(ptrs, stride_t, w_ptr, offs_d, stride_w_d, stride_w_k, mask, mask
             v = tl.load(p)
         acc += v.to(tl.float32) * w_k[None, :]
     return acc
+
+
+@triton.jit
+def _find_sequence(qsl_ptr, pid, batch, BLOCK_T: tl.constexpr, SEARCH: tl.constexpr):
+    """The sequence s in [0, batch] (batch = the virtual pad tail) with the largest
+    floor(qsl[s] / BLOCK_T) + s <= pid. That key increases strictly with s, so s + 1 is the number of keys
+    <= pid: counted SEARCH entries at a time with independent vector loads (no chain of dependent loads)."""
+    count = pid * 0
+    for b0 in range(0, batch + 1, SEARCH):
+        i = b0 + tl.arange(0, SEARCH)  # [SEARCH]
+        m = i <= batch
+        key = tl.load(qsl_ptr + i, mask=m, other=0).to(tl.int32) // BLOCK_T + i
+        count += tl.sum(((key <= pid) & m).to(tl.int32), axis=0)
+    return count - 1
 
 
 @triton.jit
@@ -65,7 +80,6 @@ def _prefill_kernel(
     total_tokens,
     batch,
     num_lines,
-    n_search,  # binary-search steps: bit_length(batch)
     pad_slot_id,
     stride_x_d, stride_x_t,
     stride_w_d, stride_w_k,
@@ -83,6 +97,8 @@ def _prefill_kernel(
     O_UNIT_T: tl.constexpr,  # stride_o_t == 1                           vectorizes along it
     O_UNIT_D: tl.constexpr,  # stride_o_d == 1
     EVEN_D: tl.constexpr,  # dim % BLOCK_D == 0: no channel mask
+    OFF64: tl.constexpr,  # a tile's offsets from its corner overflow int32 (huge strides): compute them in int64
+    SEARCH: tl.constexpr,  # query_start_loc entries read per step of the sequence search
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -97,17 +113,7 @@ def _prefill_kernel(
     pid = tl.program_id(0)
     pid_d = tl.program_id(1)
 
-    # Find the sequence s in [0, batch] (batch = the virtual pad tail) with the largest
-    # floor(qsl[s] / BLOCK_T) + s <= pid.
-    lo = pid * 0
-    hi = lo + batch + 1
-    for _ in range(n_search):
-        mid = (lo + hi) // 2
-        first_piece = tl.load(qsl_ptr + mid).to(tl.int32) // BLOCK_T + mid
-        go_right = first_piece <= pid
-        lo = tl.where(go_right, mid, lo)
-        hi = tl.where(go_right, hi, mid)
-    s = lo
+    s = _find_sequence(qsl_ptr, pid, batch, BLOCK_T, SEARCH)
     start = tl.load(qsl_ptr + s).to(tl.int64)
     end = tl.where(s < batch, tl.load(qsl_ptr + tl.minimum(s + 1, batch)).to(tl.int64), total_tokens)
     blk_lo = (pid - s).to(tl.int64) * BLOCK_T
@@ -129,45 +135,51 @@ def _prefill_kernel(
         use_init = tl.load(init_ptr + tl.minimum(s, batch - 1)) != 0
         hist_lim = tl.where(use_init, WIDTH - 1, 0)
 
-    offs_d = (pid_d * BLOCK_D + tl.arange(0, BLOCK_D)).to(tl.int64)  # [BLOCK_D]
-    mask_d = offs_d < dim
-    x_cols = x_ptr + offs_d * stride_x_d  # [BLOCK_D]
+    # Addresses: a 64-bit corner per program, then small offsets from it (int32 unless OFF64), which keeps
+    # the per-element address arithmetic and its registers small.
+    d0 = pid_d * BLOCK_D
+    ld = tl.arange(0, BLOCK_D)  # [BLOCK_D] channel within the tile
+    lt = tl.arange(0, BLOCK_T)  # [BLOCK_T] token within the tile
+    if OFF64:
+        ld = ld.to(tl.int64)
+        lt = lt.to(tl.int64)
+    mask_d = ld < dim - d0
+    x_corner = x_ptr + blk_lo * stride_x_t + d0.to(tl.int64) * stride_x_d
+    o_corner = out_ptr + blk_lo * stride_o_t + d0.to(tl.int64) * stride_o_d
+    w_ptrs = w_ptr + (d0 + ld) * stride_w_d  # [BLOCK_D]
     if HAS_BIAS:
         if EVEN_D:
-            bias = tl.load(b_ptr + offs_d).to(tl.float32)
+            bias = tl.load(b_ptr + d0 + ld).to(tl.float32)
         else:
-            bias = tl.load(b_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+            bias = tl.load(b_ptr + d0 + ld, mask=mask_d, other=0.0).to(tl.float32)
     else:
         bias = tl.zeros([BLOCK_D], dtype=tl.float32)
 
     # ---- body: tokens that need no state (from start + WIDTH - 1 on); for a pad sequence, zeros everywhere.
-    body_lo = tl.maximum(blk_lo, tl.where(is_real, start + WIDTH - 1, start))
-    body_hi = tl.minimum(blk_lo + BLOCK_T, end)
-    offs_t = blk_lo + tl.arange(0, BLOCK_T)  # [BLOCK_T] int64
-    x_ptrs = x_cols[None, :] + offs_t[:, None] * stride_x_t  # [BLOCK_T, BLOCK_D]
-    o_ptrs = out_ptr + offs_d[None, :] * stride_o_d + offs_t[:, None] * stride_o_t  # [BLOCK_T, BLOCK_D]
+    body_lo = (tl.maximum(blk_lo, tl.where(is_real, start + WIDTH - 1, start)) - blk_lo).to(lt.dtype)
+    body_hi = (tl.minimum(blk_lo + BLOCK_T, end) - blk_lo).to(lt.dtype)
+    x_ptrs = x_corner + (lt[:, None] * stride_x_t + ld[None, :] * stride_x_d)  # [BLOCK_T, BLOCK_D]
+    o_ptrs = o_corner + (lt[:, None] * stride_o_t + ld[None, :] * stride_o_d)  # [BLOCK_T, BLOCK_D]
     acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)  # [BLOCK_T, BLOCK_D]
-    if (body_lo == blk_lo) & (body_hi == blk_lo + BLOCK_T):  # the whole tile: no token mask
+    if (body_lo == 0) & (body_hi == BLOCK_T):  # the whole tile: no token mask
         if is_real:
             acc += bias[None, :]
             if EVEN_D:
-                acc = _body_taps(x_ptrs, stride_x_t, w_ptr, offs_d, stride_w_d, stride_w_k, None, mask_d, acc,
-                                 WIDTH, False, True)
+                acc = _body_taps(x_ptrs, stride_x_t, w_ptrs, stride_w_k, None, mask_d, acc, WIDTH, False, True)
             else:
-                acc = _body_taps(x_ptrs, stride_x_t, w_ptr, offs_d, stride_w_d, stride_w_k,
-                                 (offs_t >= 0)[:, None] & mask_d[None, :], mask_d, acc, WIDTH, True, False)
+                acc = _body_taps(x_ptrs, stride_x_t, w_ptrs, stride_w_k, (lt >= 0)[:, None] & mask_d[None, :],
+                                 mask_d, acc, WIDTH, True, False)
             if SILU:
                 acc = acc / (1.0 + tl.exp(-acc))
         if EVEN_D:
             tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty))
         else:
-            tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_t >= 0)[:, None] & mask_d[None, :])
+            tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(lt >= 0)[:, None] & mask_d[None, :])
     else:
-        mask = ((offs_t >= body_lo) & (offs_t < body_hi))[:, None] & mask_d[None, :]  # [BLOCK_T, BLOCK_D]
+        mask = ((lt >= body_lo) & (lt < body_hi))[:, None] & mask_d[None, :]  # [BLOCK_T, BLOCK_D]
         if is_real:
             acc += bias[None, :]
-            acc = _body_taps(x_ptrs, stride_x_t, w_ptr, offs_d, stride_w_d, stride_w_k, mask, mask_d, acc,
-                             WIDTH, True, EVEN_D)
+            acc = _body_taps(x_ptrs, stride_x_t, w_ptrs, stride_w_k, mask, mask_d, acc, WIDTH, True, EVEN_D)
             if SILU:
                 acc = acc / (1.0 + tl.exp(-acc))
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -176,17 +188,19 @@ def _prefill_kernel(
     # holds the sequence's first token, the only program that reads or writes this state row.
     if is_real & (start >= blk_lo) & (start < blk_lo + BLOCK_T):
         seqlen = end - start
+        t_head = (start - blk_lo).to(lt.dtype)  # the head's first token, within the tile
+        x_cols = x_corner + ld * stride_x_d  # [BLOCK_D]
         if HAS_STATE:
-            row = state_ptr + line * stride_s_line + offs_d * stride_s_d  # [BLOCK_D]
+            row = state_ptr + line * stride_s_line + d0.to(tl.int64) * stride_s_d + ld * stride_s_d  # [BLOCK_D]
         offs_h = tl.arange(0, HEAD)  # [HEAD]
         mask_h = (offs_h < WIDTH - 1) & (offs_h < seqlen)
         acc_h = tl.zeros([HEAD, BLOCK_D], dtype=tl.float32) + bias[None, :]  # [HEAD, BLOCK_D]
         for k in tl.static_range(WIDTH):
-            w_k = tl.load(w_ptr + offs_d * stride_w_d + k * stride_w_k, mask=mask_d, other=0.0).to(tl.float32)
+            w_k = tl.load(w_ptrs + k * stride_w_k, mask=mask_d, other=0.0).to(tl.float32)
             pos = offs_h + k  # position in [old window | x], length WIDTH - 1 + seqlen
             from_x = pos >= WIDTH - 1
             m = mask_h[:, None] & mask_d[None, :]  # [HEAD, BLOCK_D]
-            v = tl.load(x_cols[None, :] + (start + pos - (WIDTH - 1))[:, None] * stride_x_t,
+            v = tl.load(x_cols[None, :] + (t_head + pos - (WIDTH - 1))[:, None] * stride_x_t,
                         mask=m & from_x[:, None], other=0.0).to(tl.float32)
             if HAS_STATE:
                 v += tl.load(row[None, :] + pos[:, None] * stride_s_k,
@@ -194,7 +208,7 @@ def _prefill_kernel(
             acc_h += v * w_k[None, :]
         if SILU:
             acc_h = acc_h / (1.0 + tl.exp(-acc_h))
-        oh_ptrs = out_ptr + offs_d[None, :] * stride_o_d + (start + offs_h)[:, None] * stride_o_t
+        oh_ptrs = o_corner + ld[None, :] * stride_o_d + (t_head + offs_h)[:, None] * stride_o_t
         tl.store(oh_ptrs, acc_h.to(out_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
 
         if HAS_STATE:
@@ -202,7 +216,7 @@ def _prefill_kernel(
             mask_j = (offs_h < WIDTH - 1)[:, None] & mask_d[None, :]  # [HEAD, BLOCK_D]
             pos = seqlen + offs_h
             from_x = pos >= WIDTH - 1
-            new = tl.load(x_cols[None, :] + (start + pos - (WIDTH - 1))[:, None] * stride_x_t,
+            new = tl.load(x_cols[None, :] + (t_head + pos - (WIDTH - 1))[:, None] * stride_x_t,
                           mask=mask_j & from_x[:, None], other=0.0)
             old = tl.load(row[None, :] + pos[:, None] * stride_s_k,
                           mask=mask_j & (pos < hist_lim)[:, None], other=0.0)
@@ -214,6 +228,12 @@ def _prefill_kernel(
 _PLANS = {}
 
 
+def _tile_span(x, out, cfg, width) -> int:
+    """Largest element offset from a tile's corner (head and tap shifts included), for x and out."""
+    t_span = cfg.block_t + width
+    return max(t_span * abs(t.stride(1)) + cfg.block_d * abs(t.stride(0)) for t in (x, out))
+
+
 def _plan_prefill(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state, out, width,
                   batch, silu, pad_slot_id) -> LaunchPlan:
     dim, total = x.shape
@@ -221,13 +241,15 @@ def _plan_prefill(x, weight, bias, conv_states, query_start_loc, cache_indices, 
     has_state = conv_states is not None
     s_strides = conv_states.stride() if has_state else (0, 0, 0)
     grid = (-(-total // cfg.block_t) + batch + 1, -(-dim // cfg.block_d))
-    scalars = (dim, total, batch, conv_states.shape[0] if has_state else 0, batch.bit_length(), pad_slot_id,
+    scalars = (dim, total, batch, conv_states.shape[0] if has_state else 0, pad_slot_id,
                x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), *s_strides, out.stride(0), out.stride(1))
     constexprs = dict(
         WIDTH=width, HEAD=max(2, next_pow2(width - 1)), HAS_BIAS=bias is not None, HAS_STATE=has_state,
         HAS_INDICES=cache_indices is not None, HAS_INIT=has_initial_state is not None and has_state, SILU=silu,
         X_UNIT_T=x.stride(1) == 1, X_UNIT_D=x.stride(0) == 1, O_UNIT_T=out.stride(1) == 1,
-        O_UNIT_D=out.stride(0) == 1, EVEN_D=dim % cfg.block_d == 0, BLOCK_T=cfg.block_t, BLOCK_D=cfg.block_d)
+        O_UNIT_D=out.stride(0) == 1, EVEN_D=dim % cfg.block_d == 0,
+        OFF64=_tile_span(x, out, cfg, width) >= 2**31, SEARCH=min(256, next_pow2(batch + 1)),
+        BLOCK_T=cfg.block_t, BLOCK_D=cfg.block_d)
     return LaunchPlan(_prefill_kernel, grid, scalars, constexprs, cfg.num_warps, x.device)
 
 
