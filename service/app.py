@@ -546,7 +546,9 @@ class _Pipeline:
             if self.closed:
                 return
             self._drain_done()
-            if self.ready_out:
+            # ``while``: completions keep being released (``_wake_cb``) while a send waits on a full socket; the
+            # end checks below must see everything released so far sent, or those results would be dropped.
+            while self.ready_out:
                 data = self.ready_out[0] if len(self.ready_out) == 1 else b"".join(self.ready_out)
                 self.ready_out = []
                 self._flush_metrics()
