@@ -364,6 +364,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", action="store_true")
     ap.add_argument("--quick", action="store_true", help="fewer cases")
+    ap.add_argument("--only", choices=["prefill", "decode"], help="run one family of cases")
     ap.add_argument("--peer-file", action="append")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "results"))
     ap.add_argument("--readme", help="rewrite README's table from this results JSON and exit")
@@ -384,23 +385,26 @@ def main(argv=None):
     rows = []
     variants = run_variants() if a.variants else None
     card = CARD if not a.quick else [CARD[0], CARD[4], CARD[8]]
-    for layout in ("(dim,T)", "channel-last"):
+    if a.only == "decode":
+        card = []
+    for layout in ("(dim,T)", "channel-last") if card else ():
         for T, dim in card:
             rows.append(run_prefill_case(T, dim, layout, peers))
             print(_line(rows[-1], env))
-    for width in (2, 3):
+    for width in (2, 3) if card else ():
         for layout in ("(dim,T)", "channel-last"):
             rows.append(run_prefill_case(14807, 8192, layout, {}, width=width, extra=False))
             print(_line(rows[-1], env))
-    for layout in ("(dim,T)", "channel-last"):
+    for layout in ("(dim,T)", "channel-last") if card else ():
         rows.append(run_varlen_case(8192, layout))
         print(_line(rows[-1], env))
-    for dim in DECODE_DIMS:
+    for dim in DECODE_DIMS if a.only != "prefill" else ():
         for batch in DECODE_BATCHES:
             rows.append(run_decode_case(batch, dim, peers))
             print(_line(rows[-1], env))
-    rows.append(run_decode_case(256, 8192, peers, seqlen=4, spec=True))
-    print(_line(rows[-1], env))
+    if a.only != "prefill":
+        rows.append(run_decode_case(256, 8192, peers, seqlen=4, spec=True))
+        print(_line(rows[-1], env))
     res = dict(env=env, rows=rows, variants=variants)
     md = markdown(res)
     print()

@@ -64,18 +64,30 @@ def _update_kernel(
     SAVE_INTER: tl.constexpr,
     HAS_OSI: tl.constexpr,
     WRITE_LIVE: tl.constexpr,
-    UNIT_D: tl.constexpr,  # x, out and the state all have stride 1 along dim: passed as constexpr so Triton
-    #                        sees the contiguous axis and vectorizes along it
+    X_UNIT_D: tl.constexpr,  # unit strides, passed as constexpr so Triton sees the contiguous axis and
+    X_UNIT_T: tl.constexpr,  # vectorizes along it: x along dim / along tokens,
+    S_UNIT_D: tl.constexpr,  # the state along dim (the pool's layout),
+    O_UNIT_D: tl.constexpr,  # out along dim / along tokens,
+    O_UNIT_T: tl.constexpr,
+    I_UNIT_K: tl.constexpr,  # the intermediate windows along the window
     EVEN_D: tl.constexpr,  # dim % BLOCK_D == 0
-    ONE_CHUNK: tl.constexpr,
-    OFF64: tl.constexpr,  # per-element offsets from a row's base overflow int32 (huge strides)  # seqlen <= BLOCK_L and n_keep <= WP: one round of loads, then the stores
+    ONE_CHUNK: tl.constexpr,  # seqlen <= BLOCK_L and n_keep <= WP: one round of loads, then the stores
+    OFF64: tl.constexpr,  # per-element offsets from a row's base overflow int32 (huge strides)
     BLOCK_L: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    if UNIT_D:
+    if X_UNIT_D:
         stride_x_d = 1
+    if X_UNIT_T:
+        stride_x_t = 1
+    if S_UNIT_D:
         stride_s_d = 1
+    if O_UNIT_D:
         stride_o_d = 1
+    if O_UNIT_T:
+        stride_o_t = 1
+    if I_UNIT_K:
+        stride_i_k = 1
     b = tl.program_id(0).to(tl.int64)
     d0 = tl.program_id(1) * BLOCK_D
     # Addresses: 64-bit row bases, then small per-element offsets (int32 unless OFF64).
@@ -186,7 +198,9 @@ def _plan_update(x, conv_state, weight, bias, conv_state_indices, num_accepted_t
         WIDTH=width, WP=wp, HAS_BIAS=bias is not None, SILU=silu,
         HAS_INDICES=conv_state_indices is not None, HAS_ACCEPTED=num_accepted_tokens is not None,
         SAVE_INTER=inter is not None, HAS_OSI=osi is not None, WRITE_LIVE=inter is None and osi is None,
-        UNIT_D=x_strides[1] == 1 and conv_state.stride(1) == 1 and o_strides[1] == 1,
+        X_UNIT_D=x_strides[1] == 1, X_UNIT_T=x_strides[2] == 1 and seqlen > 1, S_UNIT_D=conv_state.stride(1) == 1,
+        O_UNIT_D=o_strides[1] == 1, O_UNIT_T=o_strides[2] == 1 and seqlen > 1,
+        I_UNIT_K=inter is not None and inter.stride(3) == 1,
         EVEN_D=dim % cfg.block_d == 0, ONE_CHUNK=seqlen <= cfg.block_t and n_keep <= wp,
         OFF64=max(cfg.block_d * abs(t.stride(i)) + (seqlen + state_len + width) * abs(t.stride(-1))
                   for t, i in ((x, 1), (conv_state, 1), (out, 1))) >= 2**31,
