@@ -133,7 +133,16 @@ def _update_kernel(
         if SILU:
             acc = acc / (1.0 + tl.exp(-acc))
         acc = tl.where(m2, acc, 0.0)  # pad rows: zeros
-        if SAVE_INTER or HAS_OSI:
+        if SAVE_INTER and not HAS_OSI:
+            # The windows go to a buffer no one reads here: store each column j as soon as it is loaded, in 2-D
+            # tiles (a [BLOCK_L, WP, BLOCK_D] tile runs out of registers). win_j[t] = position t + 1 + j.
+            i_base = inter_ptr + b * stride_i_b + d0_64 * stride_i_d
+            for j in tl.static_range(WIDTH - 1):
+                pos = (offs_l + 1 + j)[:, None] + tl.zeros([BLOCK_L, BLOCK_D], dtype=offs_d.dtype)
+                win_j = _ext_load(x_row[None, :], state_row[None, :], pos, m2, o, stride_x_t, stride_s_k, WIDTH)
+                i_ptrs = i_base + (offs_l[:, None] * stride_i_t + offs_d[None, :] * stride_i_d + j * stride_i_k)
+                tl.store(i_ptrs, win_j.to(inter_ptr.dtype.element_ty), mask=m2)
+        if HAS_OSI:
             # win[t, j] = position t + 1 + j of [window | x]: the window after token t.  [BLOCK_L, WP, BLOCK_D]
             pos3 = (offs_l[:, None] + 1 + offs_j[None, :])[:, :, None] + tl.zeros([1, 1, BLOCK_D], dtype=offs_d.dtype)
             m3 = (mask_l[:, None] & (offs_j < WIDTH - 1)[None, :])[:, :, None] & mask_d[None, None, :]
@@ -148,7 +157,7 @@ def _update_kernel(
         o_ptrs = ((out_ptr + b * stride_o_b + d0_64 * stride_o_d)
                   + (offs_d[None, :] * stride_o_d + offs_l[:, None] * stride_o_t))  # [BLOCK_L, BLOCK_D]
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_l[:, None] & in_d[None, :])
-        if SAVE_INTER:
+        if SAVE_INTER and HAS_OSI:
             i_ptrs = ((inter_ptr + b * stride_i_b + d0_64 * stride_i_d)
                       + (offs_l[:, None, None] * stride_i_t + offs_d[None, None, :] * stride_i_d
                          + offs_j[None, :, None] * stride_i_k))

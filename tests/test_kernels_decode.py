@@ -296,3 +296,20 @@ def test_decode_replays_in_a_cuda_graph():
         ref = causal_conv1d_update_ref(x.cpu(), st_r, w.cpu(), None, "silu", conv_state_indices=idx.cpu())
         assert_close(out, ref, torch.float32)
     assert_states_equal(state, st_r)
+
+
+@pytest.mark.parametrize("width", [2, 4])
+def test_intermediate_windows_and_output_state_indices_together(width, kernel_device):
+    gen = torch.Generator().manual_seed(SEED + 31 * width)
+    dim, batch, L, lines = 24, 3, 3, 12
+    x = torch.randn(batch, dim, L, generator=gen).to(kernel_device)
+    w = torch.randn(dim, width, generator=gen).to(kernel_device)
+    state = pool_layout(lines, dim, width - 1, torch.float32, kernel_device, gen)
+    rows = torch.tensor([1, 2, 3], dtype=torch.int32, device=kernel_device)
+    osi = torch.tensor([[4, -1, 5], [6, 7, 8], [-1, 9, 2]], dtype=torch.int32, device=kernel_device)
+    inter = torch.full((batch, L, dim, width - 1), float("nan"), device=kernel_device)
+    y, st_k, ref, st_r, kw_k, kw_r = run_both(x, state, w, None, conv_state_indices=rows, output_state_indices=osi,
+                                              intermediate_conv_window=inter)
+    assert_close(y, ref, torch.float32)
+    assert_states_equal(st_k, st_r)
+    assert_close(kw_k["intermediate_conv_window"], kw_r["intermediate_conv_window"], torch.float32, "windows")
