@@ -25,8 +25,11 @@ TUNING = {
     "prefill_token_major": dict(block_t=512, elems=2048, num_warps=4),
     # prefill, x contiguous along channels (serving stacks: x.stride(0) == 1)
     "prefill_channel_major": dict(block_d=256, elems=4096, num_warps=4),
-    # decode: channels per program
+    # decode, one token per row: channels per program
     "decode": dict(block_d=512, num_warps=8),
+    # several tokens per row (chunked decode, speculative verify): narrower tiles keep the token chunk and
+    # its windows in registers
+    "decode_multi": dict(block_d=128, num_warps=2),
 }
 
 
@@ -52,7 +55,7 @@ def prefill_config(x, dim: int, total: int) -> Tile:
 
 
 def decode_config(dim: int, seqlen: int, width: int) -> Tile:
-    t = TUNING["decode"]
+    t = TUNING["decode" if seqlen == 1 else "decode_multi"]
     block_l = min(_p2(seqlen), 16)
     block_d = min(t["block_d"], max(16, _p2(dim)))
     return Tile(block_l, block_d, t["num_warps"])
