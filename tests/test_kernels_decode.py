@@ -56,6 +56,7 @@ def assert_states_equal(st_k, st_r):
 GRID = [(d, w, L) for d in (1, 7, 64, 257) for w in (2, 3, 4) for L in (1, 2, 3, 5)]
 GRID += [(40, w, L) for w in range(5, MAX_WIDTH + 1) for L in (1, 4)]
 GRID += [(33, 4, 40)]  # a long chunked decode: several token chunks
+GRID += [(4096 + 32, 4, 1), (4096 + 32, 3, 2)]  # a dim past every tile size
 
 
 @pytest.mark.parametrize("indices", [True, False])

@@ -55,6 +55,7 @@ DIMS = [1, 7, 64, 257]
 TS = [1, 2, 3, 8, 129, 1031]
 GRID = [(d, t, w) for d in DIMS for t in TS for w in (2, 3, 4)]
 GRID += [(33, t, w) for t in (1, 3, 6, 70) for w in range(5, MAX_WIDTH + 1)]
+GRID += [(4096 + 32, t, w) for t, w in ((1, 4), (3, 4), (9, 2), (17, 3))]  # a dim past every tile size
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
