@@ -3,16 +3,17 @@
 Layout of the work. Tokens are cut into global blocks of ``BLOCK_T`` (block ``c`` holds tokens
 ``[c * BLOCK_T, (c + 1) * BLOCK_T)``) and channels into blocks of ``BLOCK_D``. A *piece* is the part of one
 sequence inside one token block; every piece is one program. Piece ``(c, s)`` gets the id ``c + s``: that id is
-unique and increases along the tokens, so a program finds its sequence by a binary search over
-``floor(query_start_loc[s] / BLOCK_T) + s`` and needs no host-side work list (no device-to-host sync). The grid is
+unique and increases along the tokens, so a program finds its sequence by counting the keys
+``floor(query_start_loc[s] / BLOCK_T) + s`` that are <= its id (vector loads, no chain of dependent loads) and
+needs no host-side work list (no device-to-host sync). The grid is
 ``cdiv(total_tokens, BLOCK_T) + batch + 1`` pieces; ids that fall between two sequences return at once.
 
 The tokens past ``query_start_loc[batch]`` (padding of a fixed-size bucket) form one more, virtual, pad sequence
 so that every output element is written.
 
 Each program loads its tile once per tap at the tap's token shift. Tiles are aligned to the global token
-blocks, so a token-contiguous ``x`` (the benchmark card's ``(dim, T)``) streams along tokens in wide loads and
-a channel-last ``x`` streams along channels; the shifted re-loads hit L1. Only the first ``width - 1`` tokens of
+blocks, so a token-contiguous ``x`` (the benchmark card's ``(dim, T)``) streams along tokens and a channel-last
+``x`` streams along channels (in 16-byte vectors where rows are aligned); the shifted re-loads hit L1. Only the first ``width - 1`` tokens of
 a sequence (its *head*) need the old state. The program that owns a sequence's first token computes that
 head and then writes the sequence's new state, so the old state is read and overwritten by one program, in
 order, and no other program touches it.
@@ -271,8 +272,9 @@ def causal_conv1d_fn(
     """Causal depthwise conv1d over variable-length sequences packed along tokens.
 
     Args:
-        x: ``(dim, total_tokens)`` bf16/fp16/fp32, any strides (token-contiguous ``(dim, T)`` or channel-last
-            ``x.stride(0) == 1`` both stream at full bandwidth). Sequence ``i`` is ``x[:, qsl[i]:qsl[i + 1]]``.
+        x: ``(dim, total_tokens)`` bf16/fp16/fp32, any strides: token-contiguous ``(dim, T)`` (the benchmark
+            card) and channel-last ``x.stride(0) == 1`` (serving stacks) both get tiles along their contiguous
+            axis (speeds in bench/NOTES.md). Sequence ``i`` is ``x[:, qsl[i]:qsl[i + 1]]``.
         weight: ``(dim, width)``, width 2-8.
         bias: ``(dim,)`` or None.
         conv_states: ``(num_cache_lines, dim, state_len >= width - 1)`` or None; any dtype of the three (fp32
@@ -287,6 +289,7 @@ def causal_conv1d_fn(
         pad_slot_id: the pad marker in ``cache_indices``.
         out: optional output buffer shaped like ``x`` (must not be ``x``).
         validate_data: also check index values on the device (this syncs; for debugging).
+        **kwargs: the seed's extra arguments (``metadata``, ``seq_lens_cpu``) are accepted and not needed.
 
     Returns:
         ``(dim, total_tokens)`` in x's dtype. Tokens past ``query_start_loc[batch]`` and tokens of pad
