@@ -714,6 +714,10 @@ class Edge:
         return hmac.compare_digest(got, self.auth_value)
 
     async def __call__(self, scope, receive, send):
+        await self.serve(scope, receive, send, self.app)
+
+    async def serve(self, scope, receive, send, app) -> None:
+        """Run ``app`` (the rest of the stack, or a hot endpoint directly) behind the auth check and metrics."""
         t = scope["type"]
         if t == "http":
             start = time.perf_counter()
@@ -729,7 +733,7 @@ class Edge:
                 if not self._authorized(scope):
                     await send_error(scope, send_wrapper, _unauthorized())
                 else:
-                    await self.app(scope, receive, send_wrapper)
+                    await app(scope, receive, send_wrapper)
             finally:
                 route = scope.get("route")
                 label = route.path if route is not None else scope.get(_ROUTE_SCOPE_KEY, "unmatched")
@@ -755,12 +759,59 @@ class Edge:
                 else:  # pragma: no cover - uvicorn supports the extension
                     await send({"type": "websocket.close", "code": 1008})
                 return
-            await self.app(scope, receive, send)
+            await app(scope, receive, send)
         else:
-            await self.app(scope, receive, send)
+            await app(scope, receive, send)
 
 
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
+
+
+class ConvServeApp(FastAPI):
+    """FastAPI, except that the conv routes skip Starlette's middleware stack and router.
+
+    ``POST /v1/conv``, ``POST /v1/conv/stream`` and the ``/v1/conv/ws`` WebSocket go from the server straight to
+    the :class:`Edge` (API key, metrics, access log) and their plain ASGI endpoint, with no per-request
+    ServerErrorMiddleware, ExceptionMiddleware, AsyncExitStack or route matching: at concurrency those were
+    most of the event loop's time. The endpoints answer every failure themselves, so those layers never acted
+    on them; an exception that escapes anyway gets what ServerErrorMiddleware would give it (a 500 ``internal``
+    error body when nothing was sent yet, then re-raised to the server). Everything else, other methods on these
+    paths (405) and a non-empty ``root_path`` included, goes through the FastAPI app, whose stack holds the same
+    Edge.
+    """
+
+    _hot_edge: Optional[Edge] = None
+    _hot_http: dict = {}
+    _hot_ws: dict = {}
+
+    def set_hot_routes(self, edge: Edge, http: dict, ws: dict) -> None:
+        self._hot_edge = edge
+        self._hot_http = http
+        self._hot_ws = ws
+
+    async def __call__(self, scope, receive, send):
+        t = scope["type"]
+        if t == "http":
+            if scope["method"] == "POST" and not scope.get("root_path"):
+                ep = self._hot_http.get(scope["path"])
+                if ep is not None:
+                    scope["app"] = self
+                    try:
+                        await self._hot_edge.serve(scope, receive, send, ep)
+                    except Exception as e:  # noqa: BLE001 - ServerErrorMiddleware's part, re-raised like it
+                        try:
+                            await send_error(scope, send, as_service_error(e))
+                        except Exception:  # noqa: BLE001 - the response had started: nothing more to send
+                            pass
+                        raise
+                    return
+        elif t == "websocket" and not scope.get("root_path"):
+            ep = self._hot_ws.get(scope["path"])
+            if ep is not None:
+                scope["app"] = self
+                await self._hot_edge.serve(scope, receive, send, ep)
+                return
+        await super().__call__(scope, receive, send)
 
 
 def _unauthorized() -> Unauthorized:
@@ -771,7 +822,7 @@ def _unauthorized() -> Unauthorized:
 # ------------------------------------------------------------------------------------------------- app
 
 
-def create_app(settings, engine, *, start_engine: bool = True) -> FastAPI:
+def create_app(settings, engine, *, start_engine: bool = True) -> ConvServeApp:
     """The ASGI app serving ``engine`` with ``settings``.
 
     With ``start_engine`` the lifespan starts the engine in a thread after the server is up (``/readyz`` is
@@ -807,7 +858,7 @@ def create_app(settings, engine, *, start_engine: bool = True) -> FastAPI:
                 await asyncio.to_thread(engine.stop, True, settings.shutdown_timeout_s)
                 log.info("engine stopped")
 
-    app = FastAPI(title="convserve", version=_version(), lifespan=lifespan,
+    app = ConvServeApp(title="convserve", version=_version(), lifespan=lifespan,
                   description="Causal depthwise conv1d of Mamba/hybrid LLMs over HTTP/msgpack. See docs/api.md.")
     app.state.svc = svc
     app.state.metrics = metrics
@@ -929,13 +980,16 @@ def create_app(settings, engine, *, start_engine: bool = True) -> FastAPI:
         await asyncio.to_thread(engine.accept, session, n)
         return Response(status_code=204)
 
-    # --- the hot routes, as plain ASGI endpoints
-    app.router.routes.append(Route("/v1/conv", ConvEndpoint(svc), methods=["POST"]))
-    app.router.routes.append(Route("/v1/conv/stream", StreamEndpoint(svc), methods=["POST"]))
-    app.router.routes.append(WebSocketRoute("/v1/conv/ws", WebSocketEndpoint(svc)))
+    # --- the hot routes, as plain ASGI endpoints: dispatched by ConvServeApp.__call__ ahead of the stack; also
+    # routed in it, for what does not take that path (405 for other methods, a root_path)
+    conv, stream, ws = ConvEndpoint(svc), StreamEndpoint(svc), WebSocketEndpoint(svc)
+    app.router.routes.append(Route("/v1/conv", conv, methods=["POST"]))
+    app.router.routes.append(Route("/v1/conv/stream", stream, methods=["POST"]))
+    app.router.routes.append(WebSocketRoute("/v1/conv/ws", ws))
 
-    app.add_middleware(Edge, metrics=metrics, api_key=settings.api_key_value(),
-                       access=settings.access_log)
+    edge_args = dict(metrics=metrics, api_key=settings.api_key_value(), access=settings.access_log)
+    app.add_middleware(Edge, **edge_args)
+    app.set_hot_routes(Edge(None, **edge_args), {"/v1/conv": conv, "/v1/conv/stream": stream}, {"/v1/conv/ws": ws})
     return app
 
 
