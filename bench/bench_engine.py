@@ -13,6 +13,9 @@ Scenarios (each on a fresh engine):
 * ``decode-N-Lk``: the same N sessions spread over k layers (k launches per step): what a per-row layer index
   into stacked weights (one launch for all layers) could save at most.
 * ``decode-N-eager``: decode without CUDA graphs (CUDA only).
+* ``closed-N``: N asyncio callers in a closed loop (each awaits its decode, then sends the next), with the
+  configured ``--delay-us`` window and the default batch limits: the latency a lone caller sees (does it wait
+  out the window?) and the rows per step N callers get.
 * ``prefill-mix``: sessions sending prefills of 128-2048 tokens (chunked by max_batch_tokens) while others
   decode; reports tokens/s and step times.
 
@@ -147,6 +150,44 @@ def run_decode_async(args, model, n_sessions: int) -> dict:
         e.stop(drain=False)
 
 
+def run_closed(args, model, n_callers: int) -> dict:
+    """N closed-loop callers on one asyncio loop, default batching knobs and the --delay-us window."""
+    import asyncio
+
+    e = make_engine(args, model, max_batch_size=256)
+    try:
+        dim, layer = model.dim, model.layers[0]
+        sids = [e.create_session() for _ in range(n_callers)]
+        x = torch.randn(1, dim, dtype=model.dtype)
+        for f in [e.submit(s, layer, torch.randn(4, dim, dtype=model.dtype)) for s in sids]:
+            f.result()
+
+        async def caller(sid, until, lat):
+            while time.perf_counter() < until:
+                t0 = time.perf_counter()
+                await e.conv(sid, layer, x)
+                lat.append((time.perf_counter() - t0) * 1e6)
+
+        async def main(seconds):
+            lat = []
+            until = time.perf_counter() + seconds
+            await asyncio.gather(*(caller(s, until, lat) for s in sids))
+            return lat
+
+        asyncio.run(main(0.2))
+        n0 = e.stats()["steps"]
+        t0 = time.perf_counter()
+        lat = asyncio.run(main(args.closed_seconds))
+        dt = time.perf_counter() - t0
+        steps = e.recent_steps()[-(e.stats()["steps"] - n0):]
+        out = step_summary(steps)
+        out.update({"round_trip_us_p50": _pct(lat, 0.5), "round_trip_us_p90": _pct(lat, 0.9),
+                    "tokens_per_s": len(lat) / dt, "callers": n_callers})
+        return out
+    finally:
+        e.stop(drain=False)
+
+
 def run_prefill_mix(args, model) -> dict:
     e = make_engine(args, model)
     try:
@@ -198,6 +239,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-batch-tokens", type=int, default=8192)
     ap.add_argument("--null-kernels", action="store_true", help="CPU only: kernels that do nothing (host cost)")
     ap.add_argument("--no-mix", action="store_true", help="skip the prefill mix")
+    ap.add_argument("--closed", default="1,16,64", help="comma list of closed-loop caller counts ('' to skip)")
+    ap.add_argument("--closed-seconds", type=float, default=1.0)
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/engine-<gpu>-<date>.json)")
     args = ap.parse_args(argv)
     on_cuda = args.device.startswith("cuda")
@@ -224,6 +267,8 @@ def main(argv=None) -> int:
     results[f"decode-{big}-async"] = run_decode_async(args, model, big)
     if on_cuda:
         results[f"decode-{big}-eager"] = run_decode(args, model, big, graphs=False)
+    for n in [int(c) for c in args.closed.split(",") if c]:
+        results[f"closed-{n}"] = run_closed(args, model, n)
     if not args.no_mix:
         results["prefill-mix"] = run_prefill_mix(args, model)
 

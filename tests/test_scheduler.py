@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from service.scheduler import (PAD_SLOT_ID, DecodeBatch, PrefillBatch, Request, Scheduler, SchedulerConfig,
-                               VerifyBatch)
+from service.scheduler import (LONE_STEPS, PAD_SLOT_ID, DecodeBatch, PrefillBatch, Request, Scheduler,
+                               SchedulerConfig, VerifyBatch)
 from service.sessions import Session
 
 T0 = 1000.0
@@ -276,6 +276,22 @@ def test_the_queue_runs_once_the_oldest_request_has_waited_the_delay(delay_us):
     if delay_us:
         assert not q.s.ready(T0 + delay_us * 1e-6 / 2)
     assert q.s.ready(T0 + delay_us * 1e-6)
+
+
+def test_a_lone_caller_runs_without_the_delay_once_the_window_keeps_bringing_nothing():
+    q = Q(max_queue_delay_us=10_000_000)
+    for i in range(LONE_STEPS):                  # a fresh scheduler waits the window
+        q.add(1, at=T0)
+        assert not q.s.ready(T0)
+        assert len(q.step().finished) == 1
+    q.add(1, at=T0)                              # LONE_STEPS one-row steps in a row: a lone request runs at once
+    assert q.s.ready(T0)
+    q.add(2, at=T0)                              # not alone: the window again
+    assert not q.s.ready(T0)
+    assert len(q.step().finished) == 2           # a step of two rows: the window again, even for a lone request
+    q.add(1, at=T0)
+    assert not q.s.ready(T0)
+    assert q.s.ready(T0 + 10)
 
 
 @pytest.mark.parametrize("fill", ["rows", "tokens"])
