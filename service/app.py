@@ -859,7 +859,8 @@ def create_app(settings, engine, *, start_engine: bool = True) -> ConvServeApp:
                 log.info("engine stopped")
 
     app = ConvServeApp(title="convserve", version=_version(), lifespan=lifespan,
-                  description="Causal depthwise conv1d of Mamba/hybrid LLMs over HTTP/msgpack. See docs/api.md.")
+                  description="Causal depthwise conv1d of Mamba/hybrid LLMs over HTTP/msgpack. "
+                              "See README.md (API reference).")
     app.state.svc = svc
     app.state.metrics = metrics
     app.state.on_fatal = None
@@ -885,7 +886,7 @@ def create_app(settings, engine, *, start_engine: bool = True) -> ConvServeApp:
     async def _http_error(request: Request, exc: StarletteHTTPException):
         code = _HTTP_CODES.get(exc.status_code, "bad_request")
         request.scope[_ERROR_SCOPE_KEY] = code
-        msg = {404: f"no route {request.url.path}; see docs/api.md for the routes",
+        msg = {404: f"no route {request.url.path}; see README.md (API reference) for the routes",
                405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
         body, ct = render({"error": {"code": code, "message": msg}}, wants_json(request.scope))
         return Response(body, status_code=exc.status_code, media_type=ct.decode(), headers=exc.headers)
