@@ -15,14 +15,19 @@ def test_bench_engine_runs_on_cpu_and_writes_every_scenario(tmp_path, null_kerne
 
     out = tmp_path / "r.json"
     argv = ["--device", "cpu", "--dim", "32", "--layers", "2", "--sessions", "1,4", "--rounds", "3",
-            "--warmup", "1", "--out", str(out)] + (["--null-kernels"] if null_kernels else [])
+            "--warmup", "1", "--closed", "1,3", "--closed-seconds", "0.2", "--out", str(out)] + (
+                ["--null-kernels"] if null_kernels else [])
     assert bench_engine.main(argv) == 0
     data = json.loads(out.read_text())
-    assert set(data["results"]) == {"decode-1", "decode-4", "decode-4-L2", "decode-4-async", "prefill-mix"}
+    assert set(data["results"]) == {"decode-1", "decode-4", "decode-4-L2", "decode-4-async", "prefill-mix",
+                                    "closed-1", "closed-3"}
     for name in ("decode-1", "decode-4", "decode-4-L2", "decode-4-async"):
         r = data["results"][name]
         assert r["rows_mean"] == int(name.split("-")[1]), name   # every measured step is one full round
         assert r["host_us_p50"] > 0 and r["wall_us_p50"] >= r["host_us_p50"] - 1e-6
     assert data["results"]["prefill-mix"]["prefill_tokens"] > 0
+    for n in (1, 3):
+        r = data["results"][f"closed-{n}"]
+        assert r["callers"] == n and r["tokens_per_s"] > 0 and r["round_trip_us_p50"] > 0
     assert data["env"]["null_kernels"] is null_kernels
     assert "host overhead per decode step" in capsys.readouterr().out
