@@ -38,26 +38,24 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-_p2 = next_pow2
-
 
 def prefill_config(x, dim: int, total: int) -> Tile:
     token_major = total > 1 and abs(x.stride(1)) < abs(x.stride(0))
     if token_major:
         t = TUNING["prefill_token_major"]
-        block_t = min(t["block_t"], max(16, _p2(total)))
-        block_d = min(_p2(dim), max(1, t["elems"] // block_t))
+        block_t = min(t["block_t"], max(16, next_pow2(total)))
+        block_d = min(next_pow2(dim), max(1, t["elems"] // block_t))
         return Tile(block_t, block_d, t["num_warps"])
     t = TUNING["prefill_channel_major"]
-    block_d = min(t["block_d"], max(16, _p2(dim)))
-    block_t = min(_p2(total), max(1, t["elems"] // block_d))
+    block_d = min(t["block_d"], max(16, next_pow2(dim)))
+    block_t = min(next_pow2(total), max(1, t["elems"] // block_d))
     return Tile(block_t, block_d, t["num_warps"])
 
 
 def decode_config(dim: int, seqlen: int, width: int) -> Tile:
     t = TUNING["decode" if seqlen == 1 else "decode_multi"]
-    block_l = min(_p2(seqlen), 16)
-    block_d = min(t["block_d"], max(16, _p2(dim)))
+    block_l = min(next_pow2(seqlen), 16)
+    block_d = min(t["block_d"], max(16, next_pow2(dim)))
     return Tile(block_l, block_d, t["num_warps"])
 
 

@@ -101,6 +101,8 @@ def check_prefill(x, weight, bias, conv_states, query_start_loc, cache_indices, 
             raise _fail("has_initial_state", f"shape (batch={batch},)", tuple(has_initial_state.shape))
         if conv_states is None:
             raise _fail("conv_states", "a state tensor when has_initial_state is given", None)
+    if conv_states is not None and cache_indices is None and conv_states.shape[0] < batch:
+        raise _fail("conv_states", f"at least batch={batch} rows when cache_indices is None", tuple(conv_states.shape))
     return dim, total, width, batch, normalize_activation(activation)
 
 

@@ -306,9 +306,6 @@ def causal_conv1d_fn(
     if plan is None or validate_data:
         dim, total, width, batch, act = check_prefill(x, weight, bias, conv_states, query_start_loc, cache_indices,
                                                       has_initial_state, activation)
-        if conv_states is not None and cache_indices is None and conv_states.shape[0] < batch:
-            raise ValueError(f"conv_states: expected at least batch={batch} rows when cache_indices is None, "
-                             f"got shape {tuple(conv_states.shape)}")
         if out is not None:
             check_out(out, x, x)
         if validate_data:

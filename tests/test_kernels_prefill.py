@@ -200,6 +200,8 @@ def _bad_prefill_calls(dev):
         "qsl dtype": (dict(query_start_loc=torch.tensor([0.0, 10.0], device=dev)), "query_start_loc"),
         "qsl len": (dict(query_start_loc=torch.tensor([0], dtype=torch.int32, device=dev)), "query_start_loc"),
         "indices": (dict(cache_indices=torch.tensor([0, 1], dtype=torch.int32, device=dev)), "cache_indices"),
+        "state rows": (dict(query_start_loc=torch.tensor([0, 2, 4, 6, 10], dtype=torch.int32, device=dev)),
+                       "conv_states"),
         "init": (dict(has_initial_state=torch.tensor([True, False], device=dev)), "has_initial_state"),
         "activation": (dict(activation="gelu"), "activation"),
         "out": (dict(out=torch.zeros(8, 11, device=dev)), "out"),
