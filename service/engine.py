@@ -216,8 +216,14 @@ class _Buffers:
         self.d_out = torch.empty((max_tokens, dim), dtype=dtype, device=device)
         self.h_meta, self.d_meta = pair((n_meta,), torch.int32)          # query_start_loc, cache_indices
         self.h_flags, self.d_flags = pair((max_rows,), torch.bool)       # has_initial_state
-        self.h_dec_x, self.d_dec_x = pair((n_layers, max_bucket, dim), dtype)   # decode rows, per layer
+        self.h_dec_x, self.d_dec_x = pair((n_layers, max_bucket, dim), dtype, 0)   # decode rows, per layer
         self.h_dec_idx, self.d_dec_idx = pair((n_layers, max_bucket), torch.int32, PAD_SLOT_ID)
+        # the staging arena: each decode's x is copied into row (ticket % stage_rows) at submit, on the submitting
+        # thread, so a step's decode rows of one layer, submitted one after another, are one contiguous slice
+        # (one copy into d_dec_x, no per-row pack on the engine thread); see Engine._stage
+        self.stage_rows = max(1024, 2 * max_bucket)
+        self.h_stage = torch.empty((self.stage_rows, dim), dtype=dtype, pin_memory=cuda)
+        self.stage_views = [self.h_stage[i:i + 1] for i in range(self.stage_rows)]
         self.d_dec_out = torch.empty((n_layers, max_bucket, dim), dtype=dtype, device=device)
         # verify: output_state_indices all pad: the live state is not written and no window is stored
         self.d_osi = torch.full((max_rows, max_spec), PAD_SLOT_ID, dtype=torch.int32, device=device)
@@ -231,7 +237,7 @@ class _Buffers:
             return t.numel() * t.element_size()
 
         names = ("in", "meta", "flags", "dec_x", "dec_idx")
-        host = sum(nb(getattr(self, "h_" + n)) for n in names)
+        host = sum(nb(getattr(self, "h_" + n)) for n in names) + nb(self.h_stage)
         dev = (sum(nb(getattr(self, "d_" + n)) for n in names) if self.cuda else 0) + nb(self.d_osi) + \
             nb(self.d_dec_out) + nb(self.d_out)
         return {"host": host, "device": dev, "total": host + dev}
@@ -239,14 +245,17 @@ class _Buffers:
 
 class DecodeLaunchers:
     """The decode launch of one layer for one bucket: ``causal_conv1d_update`` over the layer's rows in
-    ``bufs.h_dec_x[layer, :bucket]`` / ``bufs.h_dec_idx[layer, :bucket]``, output in
+    ``bufs.d_dec_x[layer, :bucket]`` / ``bufs.h_dec_idx[layer, :bucket]``, output in
     ``bufs.d_dec_out[layer, :bucket]``.
 
-    On CUDA with graphs, each (layer, bucket) is one CUDA graph holding the host-to-device copies of x and the
-    indices and the kernel: a decode launch is one ``replay()``. (The device-to-host copy of y stays outside,
-    into a fresh per-step host tensor, so results need no host-side copy.) Without graphs the same three
-    operations run eagerly. On the CPU the reference runs directly on the host buffers. Kept in one class so it
-    can be swapped for :mod:`kernels.graphs` later.
+    The caller puts the real rows' x in ``bufs.d_dec_x[layer, :n]`` first (one copy from the staging arena, or
+    from the host pack in ``h_dec_x``; on the CPU ``d_dec_x`` is ``h_dec_x``); the pad rows' x is whatever was
+    there (a pad row reads no x: its output is zero and it touches no state). On CUDA with graphs, each
+    (layer, bucket) is one CUDA graph holding the host-to-device copy of the indices and the kernel: a decode
+    launch is one ``replay()``. (The device-to-host copy of y stays outside, into a fresh per-step host tensor,
+    so results need no host-side copy.) Without graphs the same two operations run eagerly. On the CPU the
+    reference runs directly on the host buffers. Kept in one class so it can be swapped for
+    :mod:`kernels.graphs` later.
     """
 
     def __init__(self, update_fn, pool: ConvStatePool, model: ConvModel, bufs: _Buffers, buckets: Sequence[int],
@@ -262,7 +271,6 @@ class DecodeLaunchers:
     def _ops(self, p: int, b: int):
         bf = self._b
         if self._cuda:
-            bf.d_dec_x[p, :b].copy_(bf.h_dec_x[p, :b], non_blocking=True)
             bf.d_dec_idx[p, :b].copy_(bf.h_dec_idx[p, :b], non_blocking=True)
         self._fn(bf.d_dec_x[p, :b], self._pool.layer(p), self._model.weight[p], self._model.layer_bias(p),
                  self._model.activation, conv_state_indices=bf.d_dec_idx[p, :b], pad_slot_id=PAD_SLOT_ID,
@@ -336,6 +344,9 @@ class Engine:
         self._bufs: Optional[_Buffers] = None
         self._decode: Optional[DecodeLaunchers] = None
         self._next_evict = 0.0
+        self._stage_lock = threading.Lock()     # the staging arena's ticket counter and row owners
+        self._stage_next = 0
+        self._stage_owner: list = []
         # stats (guarded by _lock)
         self._st = collections.Counter()
         self._batch_hist = [0] * (len(_BATCH_HIST) + 1)
@@ -361,6 +372,7 @@ class Engine:
         self.pool = ConvStatePool(m.n_layers, slots, m.dim, m.width, self.state_dtype, dev)
         self._bufs = _Buffers(m.n_layers, m.dim, m.dtype, cfg.max_batch_tokens, max_rows, max_bucket,
                               cfg.max_spec_tokens, dev)
+        self._stage_owner = [None] * self._bufs.stage_rows
         if cuda:
             from kernels import causal_conv1d_fn, causal_conv1d_update
 
@@ -755,6 +767,38 @@ class Engine:
         x_dtype = x.dtype if isinstance(x, torch.Tensor) else None
         xm = self._check_x(x, speculative)
         now = time.monotonic()
+        req = Request(-1, None, p, xm.shape[0], speculative, now, xm, sink, x_dtype)
+        if req.n_tokens == 1 and not speculative and self._stage_owner:   # a decode (or a one-token prefill)
+            self._stage(req, xm)
+        try:
+            self._enqueue(req, session_id, now)
+        except BaseException:
+            req.done = True                           # frees its staging row
+            raise
+        return req
+
+    def _stage(self, req: Request, xm: torch.Tensor) -> None:
+        """Copy a one-token x into the next row of the staging arena (on the submitting thread, outside the
+        engine lock) and point ``req.x`` at it. Tickets are taken in submit order, so the decodes of a step are
+        usually one contiguous run of rows. A row is reused only once the request that held it is done
+        (finished after its step synchronized, failed or cancelled); when the row is still held, ``req`` is not
+        staged and its x is packed by the step as before."""
+        bf = self._bufs
+        with self._stage_lock:
+            t = self._stage_next
+            self._stage_next = t + 1
+            row = t % bf.stage_rows
+            prev = self._stage_owner[row]
+            if prev is not None and not prev.done:
+                return
+            self._stage_owner[row] = req
+        v = bf.stage_views[row]
+        v.copy_(xm)
+        req.x = v
+        req.stage = t
+
+    def _enqueue(self, req: Request, session_id: str, now: float) -> None:
+        p, speculative, xm = req.layer, req.speculative, req.x
         with self._lock:
             self._check_running_locked()
             s = self._sessions.get(session_id)
@@ -768,7 +812,7 @@ class Engine:
                                 retry_after=self._retry_after_locked())
             seq = next(self._seq)
             self._last_seq = seq
-            req = Request(seq, s, p, xm.shape[0], speculative, now, xm, sink, x_dtype)
+            req.seq, req.session = seq, s
             self._sched.add(req)
             q = s.queue             # finished requests leave the head here (and in oldest_active), not in the step
             while q and q[0].done:
@@ -779,7 +823,6 @@ class Engine:
                 s.pending[p] = (xm.shape[0], seq)
             if depth == 0 or self._sched.ready(now):
                 self._cv.notify()
-        return req
 
     def _retry_after_locked(self) -> float:
         steps = self._st.get("steps", 0)
@@ -1003,6 +1046,11 @@ class Engine:
             host_out, by_position, t_launch, t_sync, kernel_ns = self._execute(out)
         except Exception as e:  # noqa: BLE001 - a kernel failure fails this step's requests, not the engine
             log.exception("engine step %d failed", out.step)
+            if self._stream is not None:     # copies from the staging rows may be in flight: let them land
+                try:                         # before the rows' requests are retired (and the rows reused)
+                    self._stream.synchronize()
+                except Exception:  # noqa: BLE001
+                    pass
             err = Internal(f"the engine step failed: {e}")
             done = [r for b in (*out.prefills, *out.decodes, *out.verifies) for r in b.requests]
             with self._lock:
@@ -1067,12 +1115,23 @@ class Engine:
                 bf.d_meta[:len(meta)].copy_(bf.h_meta[:len(meta)], non_blocking=True)
                 if flags:
                     bf.d_flags[:len(flags)].copy_(bf.h_flags[:len(flags)], non_blocking=True)
+        R = bf.stage_rows
         for db in out.decodes:
-            p, n = db.layer, len(db.requests)
-            if n == 1:
-                bf.h_dec_x[p, 0].copy_(db.requests[0].x[0])
+            p, reqs = db.layer, db.requests
+            n = len(reqs)
+            # x: one copy of a contiguous run of the staging arena when the rows were staged one after another
+            # (the common case: a step's decodes of one layer), else a pack of the rows into h_dec_x
+            t0 = reqs[0].stage
+            lo = t0 % R
+            if t0 >= 0 and lo + n <= R and (n == 1 or [r.stage for r in reqs] == list(range(t0, t0 + n))):
+                bf.d_dec_x[p, :n].copy_(bf.h_stage[lo:lo + n], non_blocking=cuda)
             else:
-                torch.cat([r.x for r in db.requests], out=bf.h_dec_x[p, :n])
+                if n == 1:
+                    bf.h_dec_x[p, 0].copy_(reqs[0].x[0])
+                else:
+                    torch.cat([r.x for r in reqs], out=bf.h_dec_x[p, :n])
+                if cuda:
+                    bf.d_dec_x[p, :n].copy_(bf.h_dec_x[p, :n], non_blocking=True)
             bf.dec_idx_np[p, :db.bucket] = db.cache_indices
         # ---- launch
         t_k0 = time.perf_counter_ns()

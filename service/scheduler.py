@@ -62,6 +62,7 @@ class Request:
     started: bool = False        # has entered a step: can no longer be cancelled
     cancelled: bool = False      # withdrawn: cancel, timeout, deleted session, stop
     done: bool = False           # finished, failed or cancelled (the engine's bookkeeping)
+    stage: int = -1              # the engine's staging-arena ticket of x (-1: not staged); never read here
 
 
 @dataclass(slots=True)

@@ -613,3 +613,41 @@ def test_engine_config_from_settings_like_object():
     assert cfg.slots == 32 and cfg.decode_buckets == (1, 2, 4) and cfg.state_dtype == torch.float32
     assert cfg.max_batch_tokens == 1024 and cfg.session_ttl_s == 10.0
     assert copy.copy(cfg) == cfg
+
+
+# ---- the decode staging arena
+
+
+@pytest.mark.parametrize("rows", [3, 8])
+def test_staged_decodes_wrap_the_arena_and_fall_back_when_its_rows_are_held(rows):
+    """Decode x is staged into a ring of rows at submit; a run of rows that wraps, rows still held by queued
+    requests (those fall back to the per-row pack), and interleaved layers must all give the reference's y."""
+    e = make_engine(slots=12, max_queue_delay_us=20_000, max_batch_size=64, decode_buckets=(1, 2, 4, 8, 16))
+    try:
+        e._bufs.stage_rows = rows           # a tiny ring: wraps every few requests (views past it go unused)
+        oracle = Oracle(e.model_cpu, e.state_dtype)
+        rng = random.Random(rows)
+        sids = [e.create_session() for _ in range(10)]
+        for s in sids:
+            oracle.new(s)
+            for p in range(len(LAYERS)):
+                x = torch.randn(2, DIM)
+                e.submit(s, LAYERS[p], x).result(5)
+                oracle.conv(s, p, x)
+        staged = fallback = 0
+        for _ in range(12):
+            batch = []
+            for s in rng.sample(sids, rng.randint(1, 10)):
+                p = rng.randrange(len(LAYERS))
+                x = torch.randn(1, DIM)
+                f = e.submit(s, LAYERS[p], x)
+                staged += f._req.stage >= 0
+                fallback += f._req.stage < 0
+                batch.append((f, oracle.conv(s, p, x)))
+            for f, want in batch:
+                assert_close(f.result(5), want)
+        assert staged and fallback
+        for s in sids:
+            assert_close(e.export_state(s), oracle.export(s))
+    finally:
+        e.stop(drain=False)
