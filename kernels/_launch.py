@@ -23,6 +23,10 @@ class Tile:
 TUNING = {
     # prefill, x contiguous along tokens (the benchmark card's (dim, T))
     "prefill_token_major": dict(block_t=512, elems=2048, num_warps=4),
+    # prefill, x a contiguous (dim, T) with T >= min_t and width <= 4: the flat path (groups of 8 elements per
+    # program, then a heads-only pass with heads_block_d channels per program, heads_elems per zeroing step)
+    "prefill_flat": dict(groups=512, num_warps=4, min_t=128, heads_block_d=256, heads_elems=2048,
+                         heads_num_warps=4),
     # prefill, x contiguous along channels (serving stacks: x.stride(0) == 1)
     "prefill_channel_major": dict(block_d=256, elems=4096, num_warps=4),
     # decode, one token per row: channels per program

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import LaunchPlan, next_pow2, prefill_config, tensor_key
+from ._launch import TUNING, LaunchPlan, Tile, next_pow2, prefill_config, tensor_key
 from ._validate import PAD_SLOT_ID, check_out, check_prefill
 
 
@@ -100,6 +100,8 @@ def _prefill_kernel(
     EVEN_D: tl.constexpr,  # dim % BLOCK_D == 0: no channel mask
     OFF64: tl.constexpr,  # a tile's offsets from its corner overflow int32 (huge strides): compute them in int64
     SEARCH: tl.constexpr,  # query_start_loc entries read per step of the sequence search
+    HEADS_ONLY: tl.constexpr,  # after _flat_body_kernel: program (s, channel block) only does sequence s's head
+    #                            and state, or zeroes it if s is a pad (s == batch: the tail)
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -114,10 +116,16 @@ def _prefill_kernel(
     pid = tl.program_id(0)
     pid_d = tl.program_id(1)
 
-    s = _find_sequence(qsl_ptr, pid, batch, BLOCK_T, SEARCH)
+    if HEADS_ONLY:
+        s = pid
+    else:
+        s = _find_sequence(qsl_ptr, pid, batch, BLOCK_T, SEARCH)
     start = tl.load(qsl_ptr + s).to(tl.int64)
     end = tl.where(s < batch, tl.load(qsl_ptr + tl.minimum(s + 1, batch)).to(tl.int64), total_tokens)
-    blk_lo = (pid - s).to(tl.int64) * BLOCK_T
+    if HEADS_ONLY:
+        blk_lo = start
+    else:
+        blk_lo = (pid - s).to(tl.int64) * BLOCK_T
     if tl.maximum(blk_lo, start) >= tl.minimum(blk_lo + BLOCK_T, end):
         return  # an id between two sequences' pieces, or an empty sequence: nothing to do
 
@@ -156,34 +164,44 @@ def _prefill_kernel(
     else:
         bias = tl.zeros([BLOCK_D], dtype=tl.float32)
 
-    # ---- body: tokens that need no state (from start + WIDTH - 1 on); for a pad sequence, zeros everywhere.
-    body_lo = (tl.maximum(blk_lo, tl.where(is_real, start + WIDTH - 1, start)) - blk_lo).to(lt.dtype)
-    body_hi = (tl.minimum(blk_lo + BLOCK_T, end) - blk_lo).to(lt.dtype)
-    x_ptrs = x_corner + (lt[:, None] * stride_x_t + ld[None, :] * stride_x_d)  # [BLOCK_T, BLOCK_D]
-    o_ptrs = o_corner + (lt[:, None] * stride_o_t + ld[None, :] * stride_o_d)  # [BLOCK_T, BLOCK_D]
-    acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)  # [BLOCK_T, BLOCK_D]
-    if (body_lo == 0) & (body_hi == BLOCK_T):  # the whole tile: no token mask
-        if is_real:
-            acc += bias[None, :]
-            if EVEN_D:
-                acc = _body_taps(x_ptrs, stride_x_t, w_ptrs, stride_w_k, None, mask_d, acc, WIDTH, False, True)
-            else:
-                acc = _body_taps(x_ptrs, stride_x_t, w_ptrs, stride_w_k, (lt >= 0)[:, None] & mask_d[None, :],
-                                 mask_d, acc, WIDTH, True, False)
-            if SILU:
-                acc = acc / (1.0 + tl.exp(-acc))
-        if EVEN_D:
-            tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty))
-        else:
-            tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(lt >= 0)[:, None] & mask_d[None, :])
+    if HEADS_ONLY:
+        # ---- the body is already written (by _flat_body_kernel, across sequence starts: the head below
+        # rewrites the first WIDTH - 1 tokens); a pad sequence (or the tail) is zeroed, BLOCK_T tokens at a time.
+        if is_real == 0:
+            zeros = tl.zeros([BLOCK_T, BLOCK_D], dtype=out_ptr.dtype.element_ty)  # [BLOCK_T, BLOCK_D]
+            for t0 in range(start, end, BLOCK_T):
+                corner = out_ptr + t0 * stride_o_t + d0.to(tl.int64) * stride_o_d
+                zmask = (lt < end - t0)[:, None] & mask_d[None, :]  # [BLOCK_T, BLOCK_D]
+                tl.store(corner + (lt[:, None] * stride_o_t + ld[None, :] * stride_o_d), zeros, mask=zmask)
     else:
-        mask = ((lt >= body_lo) & (lt < body_hi))[:, None] & mask_d[None, :]  # [BLOCK_T, BLOCK_D]
-        if is_real:
-            acc += bias[None, :]
-            acc = _body_taps(x_ptrs, stride_x_t, w_ptrs, stride_w_k, mask, mask_d, acc, WIDTH, True, EVEN_D)
-            if SILU:
-                acc = acc / (1.0 + tl.exp(-acc))
-        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        # ---- body: tokens that need no state (from start + WIDTH - 1 on); for a pad sequence, zeros everywhere.
+        body_lo = (tl.maximum(blk_lo, tl.where(is_real, start + WIDTH - 1, start)) - blk_lo).to(lt.dtype)
+        body_hi = (tl.minimum(blk_lo + BLOCK_T, end) - blk_lo).to(lt.dtype)
+        x_ptrs = x_corner + (lt[:, None] * stride_x_t + ld[None, :] * stride_x_d)  # [BLOCK_T, BLOCK_D]
+        o_ptrs = o_corner + (lt[:, None] * stride_o_t + ld[None, :] * stride_o_d)  # [BLOCK_T, BLOCK_D]
+        acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)  # [BLOCK_T, BLOCK_D]
+        if (body_lo == 0) & (body_hi == BLOCK_T):  # the whole tile: no token mask
+            if is_real:
+                acc += bias[None, :]
+                if EVEN_D:
+                    acc = _body_taps(x_ptrs, stride_x_t, w_ptrs, stride_w_k, None, mask_d, acc, WIDTH, False, True)
+                else:
+                    acc = _body_taps(x_ptrs, stride_x_t, w_ptrs, stride_w_k, (lt >= 0)[:, None] & mask_d[None, :],
+                                     mask_d, acc, WIDTH, True, False)
+                if SILU:
+                    acc = acc / (1.0 + tl.exp(-acc))
+            if EVEN_D:
+                tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty))
+            else:
+                tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(lt >= 0)[:, None] & mask_d[None, :])
+        else:
+            mask = ((lt >= body_lo) & (lt < body_hi))[:, None] & mask_d[None, :]  # [BLOCK_T, BLOCK_D]
+            if is_real:
+                acc += bias[None, :]
+                acc = _body_taps(x_ptrs, stride_x_t, w_ptrs, stride_w_k, mask, mask_d, acc, WIDTH, True, EVEN_D)
+                if SILU:
+                    acc = acc / (1.0 + tl.exp(-acc))
+            tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
     # ---- head: the first WIDTH - 1 tokens of a real sequence, then its new state. Done by the piece that
     # holds the sequence's first token, the only program that reads or writes this state row.
@@ -225,6 +243,165 @@ def _prefill_kernel(
             tl.debug_barrier()  # every read of the old row above happens before it is overwritten
             tl.store(row[None, :] + offs_h[:, None] * stride_s_k, new.to(state_ptr.dtype.element_ty), mask=mask_j)
 
+# ---- token-major fast path: the body of a contiguous (dim, T) x as one flat array, in aligned groups of 8.
+
+@triton.jit
+def _split8(a, R: tl.constexpr):
+    """[R, 8] -> its 8 columns, each [R] (register moves: each thread holds whole groups)."""
+    ev, od = tl.split(tl.reshape(a, (R, 4, 2)))  # [R, 4]: columns 0 2 4 6 | 1 3 5 7
+    e0, e1 = tl.split(tl.reshape(ev, (R, 2, 2)))  # [R, 2]: 0 4 | 2 6
+    o0, o1 = tl.split(tl.reshape(od, (R, 2, 2)))  # [R, 2]: 1 5 | 3 7
+    c0, c4 = tl.split(e0)
+    c2, c6 = tl.split(e1)
+    c1, c5 = tl.split(o0)
+    c3, c7 = tl.split(o1)
+    return c0, c1, c2, c3, c4, c5, c6, c7
+
+
+@triton.jit
+def _join8(y0, y1, y2, y3, y4, y5, y6, y7):
+    """8 columns [R] -> [R, 8]."""
+    ev = tl.interleave(tl.join(y0, y4), tl.join(y2, y6))  # [R, 4]: 0 2 4 6
+    od = tl.interleave(tl.join(y1, y5), tl.join(y3, y7))  # [R, 4]: 1 3 5 7
+    return tl.interleave(ev, od)
+
+
+@triton.jit
+def _pick(i: tl.constexpr, c0, c1, c2, c3, c4, c5, c6, c7, p1, p2, p3):
+    """Element i of each group: columns 0-7, or (i < 0) the element -i places before the group."""
+    if i == 0:
+        v = c0
+    elif i == 1:
+        v = c1
+    elif i == 2:
+        v = c2
+    elif i == 3:
+        v = c3
+    elif i == 4:
+        v = c4
+    elif i == 5:
+        v = c5
+    elif i == 6:
+        v = c6
+    elif i == 7:
+        v = c7
+    elif i == -1:
+        v = p1
+    elif i == -2:
+        v = p2
+    else:
+        v = p3
+    return v
+
+
+@triton.jit
+def _flat_column(c: tl.constexpr, hi, c0, c1, c2, c3, c4, c5, c6, c7, p1, p2, p3, w_lo, w_hi, bias_lo, bias_hi,
+                 stride_w_k, WIDTH: tl.constexpr, SILU: tl.constexpr, UNIFORM: tl.constexpr):
+    """Output column c of every group [R]. hi [R]: the element lies in the tile's second channel row (unless
+    UNIFORM: the whole tile is in one row, so weights and bias are scalars)."""
+    if UNIFORM:
+        acc = tl.zeros_like(c0) + bias_lo  # [R]
+    else:
+        acc = tl.where(hi, bias_hi, bias_lo)  # [R]
+    for k in tl.static_range(WIDTH):
+        v = _pick(c - (WIDTH - 1 - k), c0, c1, c2, c3, c4, c5, c6, c7, p1, p2, p3)  # x[t - (WIDTH - 1 - k)]
+        if UNIFORM:
+            acc += v * tl.load(w_lo + k * stride_w_k).to(tl.float32)
+        else:
+            acc += v * tl.where(hi, tl.load(w_hi + k * stride_w_k).to(tl.float32),
+                                tl.load(w_lo + k * stride_w_k).to(tl.float32))
+    if SILU:
+        acc = acc / (1.0 + tl.exp(-acc))
+    return acc
+
+
+@triton.jit
+def _flat_tile(b, c0, c1, c2, c3, c4, c5, c6, c7, p1, p2, p3, w_lo, w_hi, bias_lo, bias_hi, stride_w_k,
+               WIDTH: tl.constexpr, SILU: tl.constexpr, UNIFORM: tl.constexpr, R: tl.constexpr):
+    """The [R, 8] output tile; b is the tile index where the second channel row starts."""
+    e = tl.arange(0, R) * 8  # [R] index of each group's first element in the tile
+    y0 = _flat_column(0, e + 0 >= b, c0, c1, c2, c3, c4, c5, c6, c7, p1, p2, p3, w_lo, w_hi, bias_lo, bias_hi,
+                      stride_w_k, WIDTH, SILU, UNIFORM)
+    y1 = _flat_column(1, e + 1 >= b, c0, c1, c2, c3, c4, c5, c6, c7, p1, p2, p3, w_lo, w_hi, bias_lo, bias_hi,
+                      stride_w_k, WIDTH, SILU, UNIFORM)
+    y2 = _flat_column(2, e + 2 >= b, c0, c1, c2, c3, c4, c5, c6, c7, p1, p2, p3, w_lo, w_hi, bias_lo, bias_hi,
+                      stride_w_k, WIDTH, SILU, UNIFORM)
+    y3 = _flat_column(3, e + 3 >= b, c0, c1, c2, c3, c4, c5, c6, c7, p1, p2, p3, w_lo, w_hi, bias_lo, bias_hi,
+                      stride_w_k, WIDTH, SILU, UNIFORM)
+    y4 = _flat_column(4, e + 4 >= b, c0, c1, c2, c3, c4, c5, c6, c7, p1, p2, p3, w_lo, w_hi, bias_lo, bias_hi,
+                      stride_w_k, WIDTH, SILU, UNIFORM)
+    y5 = _flat_column(5, e + 5 >= b, c0, c1, c2, c3, c4, c5, c6, c7, p1, p2, p3, w_lo, w_hi, bias_lo, bias_hi,
+                      stride_w_k, WIDTH, SILU, UNIFORM)
+    y6 = _flat_column(6, e + 6 >= b, c0, c1, c2, c3, c4, c5, c6, c7, p1, p2, p3, w_lo, w_hi, bias_lo, bias_hi,
+                      stride_w_k, WIDTH, SILU, UNIFORM)
+    y7 = _flat_column(7, e + 7 >= b, c0, c1, c2, c3, c4, c5, c6, c7, p1, p2, p3, w_lo, w_hi, bias_lo, bias_hi,
+                      stride_w_k, WIDTH, SILU, UNIFORM)
+    return _join8(y0, y1, y2, y3, y4, y5, y6, y7)  # [R, 8]
+
+
+@triton.jit
+def _flat_body_kernel(
+    x_ptr,  # (dim, T) contiguous, read as a flat array of dim * T elements
+    w_ptr,  # (dim, WIDTH)
+    b_ptr,  # (dim,), read when HAS_BIAS
+    out_ptr,  # (dim, T) contiguous
+    T,  # tokens per channel row (>= R * 8, so a tile spans at most two rows)
+    n_total,  # dim * T
+    tile0,  # index of this launch's first tile
+    stride_w_d, stride_w_k,
+    WIDTH: tl.constexpr,  # 2-4
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+    FULL: tl.constexpr,  # every tile of this launch lies inside the array (else one masked tail tile)
+    R: tl.constexpr,  # groups of 8 elements per program
+):
+    """out = conv of each channel row as if it were one sequence with x[t < 0] taken from the previous row.
+
+    Every group of 8 is one 16-byte load and store; the taps come from registers (the group's columns) and from
+    the WIDTH - 1 elements before the group (2-byte loads, L1 hits). The first WIDTH - 1 tokens of every sequence
+    are wrong here and rewritten afterwards by the heads-only launch of _prefill_kernel, in stream order.
+    """
+    pid = tl.program_id(0) + tile0
+    f0 = pid.to(tl.int64) * (R * 8)  # the tile's first flat element
+    d_lo = f0 // T  # its channel row
+    d_hi = tl.minimum(d_lo + 1, n_total // T - 1)  # the next row (the tile may end in it)
+    b = ((d_lo + 1) * T - f0).to(tl.int32)  # tile index where row d_hi starts (>= R * 8: not in this tile)
+    w_lo = w_ptr + d_lo * stride_w_d
+    w_hi = w_ptr + d_hi * stride_w_d
+    if HAS_BIAS:
+        bias_lo = tl.load(b_ptr + d_lo).to(tl.float32)
+        bias_hi = tl.load(b_ptr + d_hi).to(tl.float32)
+    else:
+        bias_lo = 0.0
+        bias_hi = 0.0
+    g8 = tl.arange(0, R) * 8  # [R]
+    offs = g8[:, None] + tl.arange(0, 8)[None, :]  # [R, 8]
+    xs = x_ptr + f0
+    if FULL:
+        a = tl.load(xs + offs).to(tl.float32)  # [R, 8]
+    else:
+        a = tl.load(xs + offs, mask=offs < n_total - f0, other=0.0).to(tl.float32)
+    c0, c1, c2, c3, c4, c5, c6, c7 = _split8(a, R)
+    # the WIDTH - 1 elements before each group (none before the array's start)
+    p1 = tl.load(xs + g8 - 1, mask=g8 >= 1 - f0, other=0.0).to(tl.float32)  # [R]
+    p2 = p1
+    p3 = p1
+    if WIDTH >= 3:
+        p2 = tl.load(xs + g8 - 2, mask=g8 >= 2 - f0, other=0.0).to(tl.float32)
+    if WIDTH >= 4:
+        p3 = tl.load(xs + g8 - 3, mask=g8 >= 3 - f0, other=0.0).to(tl.float32)
+    if b >= R * 8:  # one channel row: scalar weights
+        y = _flat_tile(b, c0, c1, c2, c3, c4, c5, c6, c7, p1, p2, p3, w_lo, w_hi, bias_lo, bias_hi, stride_w_k,
+                       WIDTH, SILU, True, R)
+    else:
+        y = _flat_tile(b, c0, c1, c2, c3, c4, c5, c6, c7, p1, p2, p3, w_lo, w_hi, bias_lo, bias_hi, stride_w_k,
+                       WIDTH, SILU, False, R)
+    y = y.to(out_ptr.dtype.element_ty)  # [R, 8]
+    if FULL:
+        tl.store(out_ptr + f0 + offs, y)
+    else:
+        tl.store(out_ptr + f0 + offs, y, mask=offs < n_total - f0)
+
 
 _PLANS = {}
 
@@ -235,13 +412,40 @@ def _tile_span(x, out, cfg, width) -> int:
     return max(t_span * abs(t.stride(1)) + cfg.block_d * abs(t.stride(0)) for t in (x, out))
 
 
+def _flat_groups(x, out, weight, total) -> int:
+    """Groups of 8 per program of the flat token-major path, or 0 when it does not apply: x and out contiguous
+    (dim, T) with T at least one tile, width <= 4."""
+    t = TUNING["prefill_flat"]
+    contiguous = all(a.stride(1) == 1 and a.stride(0) == total for a in (x, out))
+    if not contiguous or weight.shape[1] > 4 or total < t["min_t"]:
+        return 0
+    return min(t["groups"], 1 << ((total // 8).bit_length() - 1))  # R * 8 <= T: a tile spans <= two rows
+
+
 def _plan_prefill(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state, out, width,
-                  batch, silu, pad_slot_id) -> LaunchPlan:
+                  batch, silu, pad_slot_id) -> tuple:
+    """(body plans of _flat_body_kernel, the _prefill_kernel plan); the first is empty unless the flat path
+    applies, and then the second is its heads-only pass."""
     dim, total = x.shape
-    cfg = prefill_config(x, dim, total)
+    groups = _flat_groups(x, out, weight, total)
+    body = ()
+    if groups:
+        n, tile = dim * total, groups * 8
+        flat = TUNING["prefill_flat"]
+        for tile0, count, full in ((0, n // tile, True), (n // tile, 1 if n % tile else 0, False)):
+            if count:
+                body += (LaunchPlan(_flat_body_kernel, (count, 1),
+                                    (total, n, tile0, weight.stride(0), weight.stride(1)),
+                                    dict(WIDTH=width, HAS_BIAS=bias is not None, SILU=silu, FULL=full, R=groups),
+                                    flat["num_warps"], x.device),)
+        block_d = min(flat["heads_block_d"], max(16, next_pow2(dim)))
+        cfg = Tile(max(1, flat["heads_elems"] // block_d), block_d, flat["heads_num_warps"])
+        grid = (batch + 1, -(-dim // cfg.block_d))
+    else:
+        cfg = prefill_config(x, dim, total)
+        grid = (-(-total // cfg.block_t) + batch + 1, -(-dim // cfg.block_d))
     has_state = conv_states is not None
     s_strides = conv_states.stride() if has_state else (0, 0, 0)
-    grid = (-(-total // cfg.block_t) + batch + 1, -(-dim // cfg.block_d))
     scalars = (dim, total, batch, conv_states.shape[0] if has_state else 0, pad_slot_id,
                x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), *s_strides, out.stride(0), out.stride(1))
     constexprs = dict(
@@ -250,8 +454,8 @@ def _plan_prefill(x, weight, bias, conv_states, query_start_loc, cache_indices, 
         X_UNIT_T=x.stride(1) == 1, X_UNIT_D=x.stride(0) == 1, O_UNIT_T=out.stride(1) == 1,
         O_UNIT_D=out.stride(0) == 1, EVEN_D=dim % cfg.block_d == 0,
         OFF64=_tile_span(x, out, cfg, width) >= 2**31, SEARCH=min(256, next_pow2(batch + 1)),
-        BLOCK_T=cfg.block_t, BLOCK_D=cfg.block_d)
-    return LaunchPlan(_prefill_kernel, grid, scalars, constexprs, cfg.num_warps, x.device)
+        HEADS_ONLY=bool(groups), BLOCK_T=cfg.block_t, BLOCK_D=cfg.block_d)
+    return body, LaunchPlan(_prefill_kernel, grid, scalars, constexprs, cfg.num_warps, x.device)
 
 
 def causal_conv1d_fn(
@@ -320,9 +524,13 @@ def causal_conv1d_fn(
         plan = _plan_prefill(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state, out,
                              width, batch, act is not None, pad_slot_id)
         _PLANS[key] = plan
-    plan(x, weight, bias if bias is not None else weight, conv_states if conv_states is not None else x,
-         query_start_loc, cache_indices if cache_indices is not None else query_start_loc,
-         has_initial_state if has_initial_state is not None else query_start_loc, out)
+    body, heads = plan
+    b = bias if bias is not None else weight
+    for p in body:
+        p(x, weight, b, out)
+    heads(x, weight, b, conv_states if conv_states is not None else x,
+          query_start_loc, cache_indices if cache_indices is not None else query_start_loc,
+          has_initial_state if has_initial_state is not None else query_start_loc, out)
     return out
 
 

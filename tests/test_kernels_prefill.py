@@ -75,8 +75,11 @@ def test_single_sequence_with_initial_state_matches_reference(dim, T, width, lay
 
 
 def random_batch(gen, rng, dim, width, layout, dtype, device, n_seq, max_len, state_dtype=None, lines=None,
-                 tail=0):
-    lens = [rng.choice([0, 1, 2, width - 2, width - 1, width, rng.randint(1, max_len)]) for _ in range(n_seq)]
+                 tail=0, long_share=1 / 7):
+    """A varlen batch: about long_share of the sequences draw a length in [1, max_len], the rest are short
+    (0 to width tokens); a quarter are pads; tail tokens past the last sequence."""
+    short = [0, 1, 2, width - 2, width - 1, width]
+    lens = [rng.randint(1, max_len) if rng.random() < long_share else rng.choice(short) for _ in range(n_seq)]
     lens = [max(0, n) for n in lens]
     total = sum(lens) + tail
     qsl = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
@@ -102,6 +105,44 @@ def test_varlen_batch_with_pads_and_mixed_initial_state_matches_reference(case, 
     dtype = DTYPES[case % 3]
     args = random_batch(gen, rng, dim, width, layout, dtype, kernel_device, n_seq=rng.randint(1, 9), max_len=300)
     check(*run_both(*args), dtype)
+
+
+@pytest.fixture
+def small_flat_tiles(monkeypatch):
+    """Make the flat token-major path (groups of 8 elements, then a heads-only pass) apply to small shapes, with
+    tiles of 16 elements (so most tiles straddle two channel rows) and narrow heads-only programs."""
+    from kernels import _launch, prefill
+    monkeypatch.setitem(_launch.TUNING, "prefill_flat", dict(groups=2, num_warps=1, min_t=16, heads_block_d=16,
+                                                             heads_elems=64, heads_num_warps=1))
+    monkeypatch.setattr(prefill, "_PLANS", {})
+    return prefill
+
+
+@pytest.mark.parametrize("case", range(10))
+def test_flat_token_major_path_matches_reference(case, small_flat_tiles, kernel_device):
+    rng = random.Random(SEED + 100 + case)
+    gen = torch.Generator().manual_seed(SEED + 100 + case)
+    width = 2 + case % 3
+    dim = rng.choice([1, 5, 16, 64, 130])
+    dtype = DTYPES[case % 3]
+    if case < 3:  # one sequence (the card's form), odd T
+        T = rng.choice([17, 31, 77])
+        x = make_x(dim, T, "token_major", dtype, kernel_device, gen)
+        weight = torch.randn(dim, width, generator=gen).to(kernel_device, dtype)
+        bias = torch.randn(dim, generator=gen).to(kernel_device, dtype) if case != 1 else None
+        states = torch.randn(2, dim, width - 1, generator=gen).to(kernel_device, dtype)
+        qsl = torch.tensor([0, T], dtype=torch.int32, device=kernel_device)
+        args = (x, weight, bias, states, qsl, torch.tensor([1], dtype=torch.int32, device=kernel_device),
+                torch.tensor([case != 2], device=kernel_device))
+    else:  # varlen with pad sequences, empty and short ones, and a tail past the last sequence
+        args = random_batch(gen, rng, dim, width, "token_major", dtype, kernel_device, n_seq=rng.randint(2, 9),
+                            max_len=60, tail=rng.choice([0, 5, 40]), long_share=0.6)
+        if args[0].shape[1] < 16:  # fewer tokens than the flat path's minimum: a longer tail
+            args = random_batch(gen, rng, dim, width, "token_major", dtype, kernel_device, n_seq=3, max_len=60,
+                                tail=16, long_share=0.6)
+    y, st_k, ref, st_r = run_both(*args, activation=[None, "silu"][case % 2])
+    assert any(body for body, _ in small_flat_tiles._PLANS.values()), "the flat path did not run"
+    check(y, st_k, ref, st_r, dtype)
 
 
 @pytest.mark.parametrize("width", [2, 3, 4, 6])
