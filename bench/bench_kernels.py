@@ -262,12 +262,16 @@ def run_variants():
     from kernels import _launch, decode, prefill
     rows = []
     base = {k: dict(v) for k, v in _launch.TUNING.items()}
-    pre = [("prefill_token_major", dict(block_t=bt, elems=el, num_warps=nw))
-           for bt, el, nw in [(512, 2048, 4), (256, 1024, 1), (512, 4096, 4), (256, 2048, 2), (1024, 4096, 4),
-                              (512, 4096, 8)]]
-    pre += [("prefill_channel_major", dict(block_d=bd, elems=el, num_warps=nw))
-            for bd, el, nw in [(256, 4096, 4), (128, 2048, 2), (256, 8192, 8), (128, 4096, 4), (256, 8192, 4),
-                               (512, 8192, 8)]]
+    pre = [("prefill_flat", dict(groups=g, min_groups=128, groups_per_thread=gpt, num_warps=nw, tiles_per_row=tpr,
+                                 min_t=mt))
+           for g, gpt, nw, tpr, mt in [(512, 4, 4, 1, 256), (512, 4, 4, 2, 256), (256, 2, 4, 1, 256),
+                                       (1024, 4, 8, 2, 256), (512, 2, 8, 2, 256), (256, 4, 2, 2, 256),
+                                       (512, 4, 4, 1, 1 << 30)]]  # the last: the piece kernel (no flat path)
+    pre += [("prefill_channel_last", dict(num_warps=nw, rows_per_step=u, max_chunk=mc, min_programs=mp,
+                                          min_elems=me))
+            for nw, u, mc, mp, me in [(4, 4, 64, 2112, 0), (2, 4, 128, 2112, 0), (4, 4, 128, 2112, 0),
+                                      (4, 2, 64, 2112, 0), (2, 8, 64, 2112, 0), (4, 8, 32, 2112, 0),
+                                      (4, 4, 64, 4224, 0), (4, 4, 64, 2112, 1 << 62)]]  # the last: piece kernel
     dec = [("decode", dict(block_d=bd, num_warps=nw)) for bd, nw in [(512, 8), (256, 4), (1024, 8), (512, 4)]]
     for key, cfg in pre + dec:
         _launch.TUNING[key] = cfg
@@ -280,8 +284,8 @@ def run_variants():
                     rows.append(dict(variant=f"{key} {cfg}", case=f"b{batch}x8192", ours=r["ours"], copy=r["copy"],
                                      ok=r["ok"], regs=_regs(decode)))
             else:
-                layout = "(dim,T)" if key == "prefill_token_major" else "channel-last"
-                for T, dim in [(1024, 4096), (14807, 8192)]:
+                layout = "(dim,T)" if key == "prefill_flat" else "channel-last"
+                for T, dim in [(256, 4096), (1024, 4096), (4195, 8192), (14807, 8192)]:
                     r = run_prefill_case(T, dim, layout, {}, extra=False)
                     rows.append(dict(variant=f"{key} {cfg}", case=f"{T}x{dim}", ours=r["ours"], copy=r["copy"],
                                      ok=r["ok"], regs=_regs(prefill)))
@@ -302,8 +306,9 @@ def run_variants():
 def _regs(module):
     """Registers and spills of the kernels compiled for the plans in use (occupancy evidence)."""
     out = set()
-    for plan in module._PLANS.values():
-        for ck in plan._compiled.values():
+    for entry in module._PLANS.values():
+        plans = (*entry[0], entry[1]) if isinstance(entry, tuple) else (entry,)  # prefill: (body plans, heads)
+        for ck in (c for plan in plans for c in plan._compiled.values()):
             out.add((getattr(ck, "n_regs", None), getattr(ck, "n_spills", None)))
     return sorted(out, key=str)
 

@@ -23,10 +23,17 @@ class Tile:
 TUNING = {
     # prefill, x contiguous along tokens (the benchmark card's (dim, T))
     "prefill_token_major": dict(block_t=512, elems=2048, num_warps=4),
-    # prefill, x a contiguous (dim, T) with T >= min_t and width <= 4: the flat path (groups of 8 elements per
-    # program, then a heads-only pass with heads_block_d channels per program, heads_elems per zeroing step)
-    "prefill_flat": dict(groups=512, num_warps=4, min_t=128, heads_block_d=256, heads_elems=2048,
-                         heads_num_warps=4),
+    # prefill, x a contiguous (dim, T) with T >= min_t and width <= 4: the flat path, up to `groups` aligned
+    # groups of 8 elements per program: about T / (8 * tiles_per_row), but not below min_groups (nor above T / 8),
+    # groups_per_thread per thread. H200 sweep (bench/NOTES.md): flat beats the piece kernel from T = 1024 on
+    "prefill_flat": dict(groups=512, min_groups=128, groups_per_thread=4, num_warps=4, tiles_per_row=2, min_t=512),
+    # prefill, x.stride(0) == 1, width <= 4, dim * T >= min_elems: the channel-last sliding window, 8 * 32 *
+    # num_warps channels per program, rows_per_step rows per loop step, chunks of at most max_chunk tokens
+    # (halved until there are min_programs programs)
+    "prefill_channel_last": dict(num_warps=2, rows_per_step=4, max_chunk=128, min_programs=132 * 16,
+                                 min_elems=1 << 24),
+    # the heads-only pass after either fast path: channels per program, elements per zeroing step of a pad
+    "prefill_heads": dict(block_d=256, elems=2048, num_warps=4),
     # prefill, x contiguous along channels (serving stacks: x.stride(0) == 1)
     "prefill_channel_major": dict(block_d=256, elems=4096, num_warps=4),
     # decode, one token per row: channels per program

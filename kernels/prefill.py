@@ -1,22 +1,34 @@
 """Varlen prefill: ``causal_conv1d_fn``.
 
-Layout of the work. Tokens are cut into global blocks of ``BLOCK_T`` (block ``c`` holds tokens
-``[c * BLOCK_T, (c + 1) * BLOCK_T)``) and channels into blocks of ``BLOCK_D``. A *piece* is the part of one
-sequence inside one token block; every piece is one program. Piece ``(c, s)`` gets the id ``c + s``: that id is
-unique and increases along the tokens, so a program finds its sequence by counting the keys
-``floor(query_start_loc[s] / BLOCK_T) + s`` that are <= its id (vector loads, no chain of dependent loads) and
-needs no host-side work list (no device-to-host sync). The grid is
-``cdiv(total_tokens, BLOCK_T) + batch + 1`` pieces; ids that fall between two sequences return at once.
+Two ways through, both one stream of launches with no host sync (so both can be captured in a CUDA graph):
+
+**Fast paths (width <= 4, large enough x): a dense body, then a heads-only pass.** The body convolves every
+channel row as if all tokens were one sequence and writes every output. Depthwise weights do not depend on the
+sequence, so only the first ``width - 1`` tokens of each sequence (its *head*, where the taps reach into the
+previous sequence or the old state) and the tokens of pad sequences come out wrong. A second launch of
+``_prefill_kernel`` with ``HEADS_ONLY`` (one program per sequence and channel block) then rewrites each head
+from x and the old state, writes the new state, and zeroes pad sequences and the tail; it runs after the body
+in stream order, and each state row is read and written by one program.
+
+* ``_flat_body_kernel``: x and out contiguous ``(dim, T)`` (the benchmark card's layout). x is read as one flat
+  array in 16-byte groups of 8 elements; the taps come from the group's own registers (``tl.split`` into
+  columns) and the ``width - 1`` elements before it, so unaligned rows (odd T) still get full-width loads.
+* ``_cl_body_kernel``: x and out with ``stride(0) == 1`` (channel-last). Each program walks a chunk of tokens a
+  few rows per step, loads each row once in 16-byte vectors along channels and keeps the last ``width - 1``
+  rows in registers.
+
+**The piece kernel (everything else: small shapes, widths 5-8, other strides).** Tokens are cut into global
+blocks of ``BLOCK_T`` and channels into blocks of ``BLOCK_D``. A *piece* is the part of one sequence inside one
+token block; every piece is one program. Piece ``(c, s)`` gets the id ``c + s``: that id is unique and increases
+along the tokens, so a program finds its sequence by counting the keys ``floor(query_start_loc[s] / BLOCK_T) + s``
+that are <= its id (vector loads, no chain of dependent loads). The grid is ``cdiv(total_tokens, BLOCK_T) +
+batch + 1`` pieces; ids that fall between two sequences return at once. Each program loads its tile once per tap
+at the tap's token shift (the re-loads hit L1). The program that owns a sequence's first token computes the head
+and then writes the sequence's new state.
 
 The tokens past ``query_start_loc[batch]`` (padding of a fixed-size bucket) form one more, virtual, pad sequence
-so that every output element is written.
-
-Each program loads its tile once per tap at the tap's token shift. Tiles are aligned to the global token
-blocks, so a token-contiguous ``x`` (the benchmark card's ``(dim, T)``) streams along tokens and a channel-last
-``x`` streams along channels (in 16-byte vectors where rows are aligned); the shifted re-loads hit L1. Only the first ``width - 1`` tokens of
-a sequence (its *head*) need the old state. The program that owns a sequence's first token computes that
-head and then writes the sequence's new state, so the old state is read and overwritten by one program, in
-order, and no other program touches it.
+so that every output element is written. Which path a call takes, and the tile sizes, come from
+``_launch.TUNING``; speeds are in bench/NOTES.md.
 """
 
 from __future__ import annotations
@@ -403,6 +415,181 @@ def _flat_body_kernel(
         tl.store(out_ptr + f0 + offs, y, mask=offs < n_total - f0)
 
 
+# ---- channel-last fast path: x.stride(0) == 1, a sliding window along tokens in registers.
+
+@triton.jit
+def _cl_row(cur, m1, m2, m3, w0, w1, w2, w3, bias, WIDTH: tl.constexpr, SILU: tl.constexpr):
+    """One output row from x[t] = cur, x[t - 1] = m1, ...: all [BLOCK_D] fp32 (taps past WIDTH unused)."""
+    if WIDTH == 4:
+        acc = bias + w0 * m3 + w1 * m2 + w2 * m1 + w3 * cur
+    elif WIDTH == 3:
+        acc = bias + w0 * m2 + w1 * m1 + w2 * cur
+    else:
+        acc = bias + w0 * m1 + w1 * cur
+    if SILU:
+        acc = acc / (1.0 + tl.exp(-acc))
+    return acc
+
+
+# _cl_rowsN(x, m3, m2, m1, ...): x holds N consecutive token rows as [BLOCK_D, 2, ..., 2] (log2(N) axes of size 2,
+# the highest token bit last, so each tl.split gives the first and the second half); m3, m2, m1 are the fp32 rows
+# 3, 2, 1 tokens before x's first. Returns (y, m3, m2, m1): the N output rows in x's shape, cast to OUT, and the
+# last three input rows (the next rows' window). split/join only rename registers when each thread holds all N
+# tokens of its 8 channels (BLOCK_D == 8 * 32 * num_warps).
+
+@triton.jit
+def _cl_rows2(x, m3, m2, m1, w0, w1, w2, w3, bias, WIDTH: tl.constexpr, SILU: tl.constexpr, OUT: tl.constexpr):
+    r0, r1 = tl.split(x)  # [BLOCK_D, 2] -> 2 x [BLOCK_D]
+    r0 = r0.to(tl.float32)
+    r1 = r1.to(tl.float32)
+    y0 = _cl_row(r0, m1, m2, m3, w0, w1, w2, w3, bias, WIDTH, SILU).to(OUT)
+    y1 = _cl_row(r1, r0, m1, m2, w0, w1, w2, w3, bias, WIDTH, SILU).to(OUT)
+    return tl.join(y0, y1), m1, r0, r1  # [BLOCK_D, 2]
+
+
+@triton.jit
+def _cl_rows4(x, m3, m2, m1, w0, w1, w2, w3, bias, WIDTH: tl.constexpr, SILU: tl.constexpr, OUT: tl.constexpr):
+    lo, hi = tl.split(x)  # [BLOCK_D, 2, 2] -> 2 x [BLOCK_D, 2]
+    y_lo, m3, m2, m1 = _cl_rows2(lo, m3, m2, m1, w0, w1, w2, w3, bias, WIDTH, SILU, OUT)
+    y_hi, m3, m2, m1 = _cl_rows2(hi, m3, m2, m1, w0, w1, w2, w3, bias, WIDTH, SILU, OUT)
+    return tl.join(y_lo, y_hi), m3, m2, m1  # [BLOCK_D, 2, 2]
+
+
+@triton.jit
+def _cl_rows8(x, m3, m2, m1, w0, w1, w2, w3, bias, WIDTH: tl.constexpr, SILU: tl.constexpr, OUT: tl.constexpr):
+    lo, hi = tl.split(x)  # [BLOCK_D, 2, 2, 2] -> 2 x [BLOCK_D, 2, 2]
+    y_lo, m3, m2, m1 = _cl_rows4(lo, m3, m2, m1, w0, w1, w2, w3, bias, WIDTH, SILU, OUT)
+    y_hi, m3, m2, m1 = _cl_rows4(hi, m3, m2, m1, w0, w1, w2, w3, bias, WIDTH, SILU, OUT)
+    return tl.join(y_lo, y_hi), m3, m2, m1  # [BLOCK_D, 2, 2, 2]
+
+
+@triton.jit
+def _cl_rows(x, m3, m2, m1, w0, w1, w2, w3, bias, WIDTH: tl.constexpr, SILU: tl.constexpr, U: tl.constexpr,
+             OUT: tl.constexpr):
+    """Dispatch on U, the rows per step (x: [BLOCK_D] for U == 1)."""
+    if U == 1:
+        r = x.to(tl.float32)
+        return _cl_row(r, m1, m2, m3, w0, w1, w2, w3, bias, WIDTH, SILU).to(OUT), m2, m1, r
+    elif U == 2:
+        return _cl_rows2(x, m3, m2, m1, w0, w1, w2, w3, bias, WIDTH, SILU, OUT)
+    elif U == 4:
+        return _cl_rows4(x, m3, m2, m1, w0, w1, w2, w3, bias, WIDTH, SILU, OUT)
+    else:
+        return _cl_rows8(x, m3, m2, m1, w0, w1, w2, w3, bias, WIDTH, SILU, OUT)
+
+
+@triton.jit
+def _cl_offsets(BLOCK_D: tl.constexpr, U: tl.constexpr):
+    """(token, channel) offsets of one step's tile: [1, 2, ..., 2] and [BLOCK_D, 1, ..., 1] (axis j of the
+    token offsets carries bit j - 1, the highest last); U == 1: [1] and [BLOCK_D]."""
+    b = tl.arange(0, 2)
+    d = tl.arange(0, BLOCK_D)
+    if U == 1:
+        t = tl.zeros([1], dtype=tl.int32)
+        c = d
+    elif U == 2:
+        t = b[None, :]
+        c = d[:, None]
+    elif U == 4:
+        t = b[None, :, None] + 2 * b[None, None, :]
+        c = d[:, None, None]
+    else:
+        t = b[None, :, None, None] + 2 * b[None, None, :, None] + 4 * b[None, None, None, :]
+        c = d[:, None, None, None]
+    return t, c
+
+
+@triton.jit
+def _cl_halo(x_col, t, stride_x_t, mask_d):
+    """Row x[:, t] as [BLOCK_D] fp32, zero before token 0. x_col: [BLOCK_D] pointers to x[d, 0]."""
+    m = mask_d & ((mask_d.to(tl.int32) * 0 + t) >= 0)  # [BLOCK_D], a tensor compare keeps the mask boolean
+    return tl.load(x_col + t.to(tl.int64) * stride_x_t, mask=m, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _cl_body_kernel(
+    x_ptr,  # (dim, T), stride_x_d == 1
+    w_ptr,  # (dim, WIDTH)
+    b_ptr,  # (dim,), read when HAS_BIAS
+    out_ptr,  # (dim, T), stride_o_d == 1
+    dim, T,
+    stride_x_t, stride_w_d, stride_w_k, stride_o_t,
+    WIDTH: tl.constexpr,  # 2-4
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+    U: tl.constexpr,  # token rows per loop step: 1, 2, 4 or 8
+    CHUNK: tl.constexpr,  # tokens per program, a multiple of U
+    EVEN_D: tl.constexpr,  # dim % BLOCK_D == 0
+    BLOCK_D: tl.constexpr,  # 8 * 32 * num_warps: every thread holds 8 channels (16 bytes) of all U rows
+):
+    """out = conv along tokens as if all T tokens were one sequence (x[t < 0] = 0). Each input row is loaded once:
+    the program walks its chunk U rows per step, keeps the last WIDTH - 1 rows in registers, and loads the next
+    step's rows before computing the current one. The first WIDTH - 1 tokens of every sequence are rewritten
+    afterwards by the heads-only pass of _prefill_kernel, in stream order."""
+    pid = tl.program_id(0)
+    n_d = tl.cdiv(dim, BLOCK_D)
+    d0 = (pid % n_d) * BLOCK_D  # channel blocks vary fastest: neighbours read neighbouring bytes of a row
+    c0 = (pid // n_d) * CHUNK  # the chunk's first token
+    n_tok = tl.minimum(CHUNK, T - c0)
+
+    ld = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    mask_d = ld < dim - d0
+    w_row = w_ptr + (d0 + ld) * stride_w_d  # [BLOCK_D]
+    w0 = tl.load(w_row, mask=mask_d, other=0.0).to(tl.float32)  # [BLOCK_D] per tap
+    w1 = tl.load(w_row + stride_w_k, mask=mask_d, other=0.0).to(tl.float32)
+    w2 = tl.zeros_like(w0)
+    w3 = tl.zeros_like(w0)
+    if WIDTH >= 3:
+        w2 = tl.load(w_row + 2 * stride_w_k, mask=mask_d, other=0.0).to(tl.float32)
+    if WIDTH >= 4:
+        w3 = tl.load(w_row + 3 * stride_w_k, mask=mask_d, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + d0 + ld, mask=mask_d, other=0.0).to(tl.float32)
+    else:
+        bias = tl.zeros_like(w0)
+
+    # the window before the chunk: rows c0 - 3 .. c0 - 1 (the WIDTH - 1 used ones), [BLOCK_D] fp32
+    x_col = x_ptr + d0 + ld  # [BLOCK_D]
+    m3 = tl.zeros_like(w0)
+    m2 = tl.zeros_like(w0)
+    m1 = _cl_halo(x_col, c0 - 1, stride_x_t, mask_d)
+    if WIDTH >= 3:
+        m2 = _cl_halo(x_col, c0 - 2, stride_x_t, mask_d)
+    if WIDTH >= 4:
+        m3 = _cl_halo(x_col, c0 - 3, stride_x_t, mask_d)
+
+    tt, dd = _cl_offsets(BLOCK_D, U)  # [1, 2, .., 2] tokens, [BLOCK_D, 1, .., 1] channels of one step
+    x_ptrs = x_ptr + (c0.to(tl.int64) * stride_x_t + d0) + (dd + tt * stride_x_t)  # step 0's tile
+    o_ptrs = out_ptr + (c0.to(tl.int64) * stride_o_t + d0) + (dd + tt * stride_o_t)
+    mask_x = (dd < dim - d0) & (tt >= 0)  # [BLOCK_D, 2, .., 2]
+    n_full = n_tok // U
+    if n_full > 0:
+        if EVEN_D:
+            nxt = tl.load(x_ptrs)
+        else:
+            nxt = tl.load(x_ptrs, mask=mask_x, other=0.0)
+        for i in range(n_full):
+            cur = nxt
+            p_next = x_ptrs + tl.minimum(i + 1, n_full - 1) * (U * stride_x_t)  # the last step re-reads its own
+            if EVEN_D:
+                nxt = tl.load(p_next)
+            else:
+                nxt = tl.load(p_next, mask=mask_x, other=0.0)
+            y, m3, m2, m1 = _cl_rows(cur, m3, m2, m1, w0, w1, w2, w3, bias, WIDTH, SILU, U,
+                                     out_ptr.dtype.element_ty)
+            if EVEN_D:
+                tl.store(o_ptrs + i * (U * stride_o_t), y)
+            else:
+                tl.store(o_ptrs + i * (U * stride_o_t), y, mask=mask_x)
+    if U > 1:  # the last n_tok % U tokens (only in the last chunk)
+        rem = n_tok - n_full * U
+        if rem > 0:
+            mask = (tt < rem) & (dd < dim - d0)
+            cur = tl.load(x_ptrs + n_full * (U * stride_x_t), mask=mask, other=0.0)
+            y, m3, m2, m1 = _cl_rows(cur, m3, m2, m1, w0, w1, w2, w3, bias, WIDTH, SILU, U, out_ptr.dtype.element_ty)
+            tl.store(o_ptrs + n_full * (U * stride_o_t), y, mask=mask)
+
+
 _PLANS = {}
 
 
@@ -412,34 +599,66 @@ def _tile_span(x, out, cfg, width) -> int:
     return max(t_span * abs(t.stride(1)) + cfg.block_d * abs(t.stride(0)) for t in (x, out))
 
 
-def _flat_groups(x, out, weight, total) -> int:
-    """Groups of 8 per program of the flat token-major path, or 0 when it does not apply: x and out contiguous
-    (dim, T) with T at least one tile, width <= 4."""
+def _pow2_floor(n: int) -> int:
+    return 1 << (n.bit_length() - 1) if n >= 1 else 0
+
+
+def _flat_shape(x, out, weight, total):
+    """(groups of 8 per program, num_warps) of the flat token-major path, or None when it does not apply: x and
+    out contiguous (dim, T) with T >= min_t, width <= 4. A tile is at most T / tiles_per_row elements (so it spans
+    at most two channel rows) and at least min_groups groups, and each thread holds groups_per_thread groups."""
     t = TUNING["prefill_flat"]
     contiguous = all(a.stride(1) == 1 and a.stride(0) == total for a in (x, out))
-    if not contiguous or weight.shape[1] > 4 or total < t["min_t"]:
-        return 0
-    return min(t["groups"], 1 << ((total // 8).bit_length() - 1))  # R * 8 <= T: a tile spans <= two rows
+    if not contiguous or weight.shape[1] > 4 or total < max(t["min_t"], 8):
+        return None
+    groups = min(t["groups"], max(_pow2_floor(total // (8 * t["tiles_per_row"])),
+                                  min(t["min_groups"], _pow2_floor(total // 8))))
+    if groups < 1:
+        return None
+    return groups, min(t["num_warps"], max(1, groups // (32 * t["groups_per_thread"])))
+
+
+def _cl_plan(x, out, weight, bias, total, width, silu):
+    """The channel-last body launch, or None when it does not apply: x and out with stride(0) == 1, width <= 4,
+    and at least min_elems elements (below that the piece kernel's short tiles keep more programs busy)."""
+    t = TUNING["prefill_channel_last"]
+    dim = x.shape[0]
+    if x.stride(0) != 1 or out.stride(0) != 1 or width > 4 or dim * total < t["min_elems"]:
+        return None
+    warps, u = t["num_warps"], t["rows_per_step"]
+    block_d = 8 * 32 * warps
+    n_d = -(-dim // block_d)
+    chunk = t["max_chunk"]
+    while chunk > u and n_d * -(-total // chunk) < t["min_programs"]:
+        chunk //= 2
+    chunk = max(chunk, u)
+    return LaunchPlan(_cl_body_kernel, (n_d * -(-total // chunk), 1),
+                      (dim, total, x.stride(1), weight.stride(0), weight.stride(1), out.stride(1)),
+                      dict(WIDTH=width, HAS_BIAS=bias is not None, SILU=silu, U=u, CHUNK=chunk,
+                           EVEN_D=dim % block_d == 0, BLOCK_D=block_d), warps, x.device)
 
 
 def _plan_prefill(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state, out, width,
                   batch, silu, pad_slot_id) -> tuple:
-    """(body plans of _flat_body_kernel, the _prefill_kernel plan); the first is empty unless the flat path
-    applies, and then the second is its heads-only pass."""
+    """(body plans, the _prefill_kernel plan). The body plans are empty unless a fast path applies (the flat
+    token-major kernel or the channel-last sliding window); then the second plan is the heads-only pass."""
     dim, total = x.shape
-    groups = _flat_groups(x, out, weight, total)
-    body = ()
-    if groups:
+    flat = _flat_shape(x, out, weight, total)
+    cl = None if flat else _cl_plan(x, out, weight, bias, total, width, silu)
+    body = (cl,) if cl is not None else ()
+    if flat:
+        groups, warps = flat
         n, tile = dim * total, groups * 8
-        flat = TUNING["prefill_flat"]
         for tile0, count, full in ((0, n // tile, True), (n // tile, 1 if n % tile else 0, False)):
             if count:
                 body += (LaunchPlan(_flat_body_kernel, (count, 1),
                                     (total, n, tile0, weight.stride(0), weight.stride(1)),
                                     dict(WIDTH=width, HAS_BIAS=bias is not None, SILU=silu, FULL=full, R=groups),
-                                    flat["num_warps"], x.device),)
-        block_d = min(flat["heads_block_d"], max(16, next_pow2(dim)))
-        cfg = Tile(max(1, flat["heads_elems"] // block_d), block_d, flat["heads_num_warps"])
+                                    warps, x.device),)
+    if body:
+        heads = TUNING["prefill_heads"]
+        block_d = min(heads["block_d"], max(16, next_pow2(dim)))
+        cfg = Tile(max(1, heads["elems"] // block_d), block_d, heads["num_warps"])
         grid = (batch + 1, -(-dim // cfg.block_d))
     else:
         cfg = prefill_config(x, dim, total)
@@ -454,7 +673,7 @@ def _plan_prefill(x, weight, bias, conv_states, query_start_loc, cache_indices, 
         X_UNIT_T=x.stride(1) == 1, X_UNIT_D=x.stride(0) == 1, O_UNIT_T=out.stride(1) == 1,
         O_UNIT_D=out.stride(0) == 1, EVEN_D=dim % cfg.block_d == 0,
         OFF64=_tile_span(x, out, cfg, width) >= 2**31, SEARCH=min(256, next_pow2(batch + 1)),
-        HEADS_ONLY=bool(groups), BLOCK_T=cfg.block_t, BLOCK_D=cfg.block_d)
+        HEADS_ONLY=bool(body), BLOCK_T=cfg.block_t, BLOCK_D=cfg.block_d)
     return body, LaunchPlan(_prefill_kernel, grid, scalars, constexprs, cfg.num_warps, x.device)
 
 

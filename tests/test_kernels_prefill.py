@@ -112,8 +112,9 @@ def small_flat_tiles(monkeypatch):
     """Make the flat token-major path (groups of 8 elements, then a heads-only pass) apply to small shapes, with
     tiles of 16 elements (so most tiles straddle two channel rows) and narrow heads-only programs."""
     from kernels import _launch, prefill
-    monkeypatch.setitem(_launch.TUNING, "prefill_flat", dict(groups=2, num_warps=1, min_t=16, heads_block_d=16,
-                                                             heads_elems=64, heads_num_warps=1))
+    monkeypatch.setitem(_launch.TUNING, "prefill_flat", dict(groups=2, min_groups=2, groups_per_thread=1,
+                                                             num_warps=1, tiles_per_row=1, min_t=16))
+    monkeypatch.setitem(_launch.TUNING, "prefill_heads", dict(block_d=16, elems=64, num_warps=1))
     monkeypatch.setattr(prefill, "_PLANS", {})
     return prefill
 
@@ -142,6 +143,28 @@ def test_flat_token_major_path_matches_reference(case, small_flat_tiles, kernel_
                                 tail=16, long_share=0.6)
     y, st_k, ref, st_r = run_both(*args, activation=[None, "silu"][case % 2])
     assert any(body for body, _ in small_flat_tiles._PLANS.values()), "the flat path did not run"
+    check(y, st_k, ref, st_r, dtype)
+
+
+@pytest.mark.parametrize("rows_per_step", [1, 2, 4, 8])
+@pytest.mark.parametrize("case", range(4))
+def test_channel_last_window_path_matches_reference(case, rows_per_step, monkeypatch, kernel_device):
+    """The channel-last sliding window (then the heads-only pass) on small shapes: 1-warp programs of 256
+    channels, chunks of 8 tokens (the window carried across chunks and steps), dims around and past the tile."""
+    from kernels import _launch, prefill
+    monkeypatch.setitem(_launch.TUNING, "prefill_channel_last", dict(
+        num_warps=1, rows_per_step=rows_per_step, max_chunk=8, min_programs=1, min_elems=0))
+    monkeypatch.setitem(_launch.TUNING, "prefill_heads", dict(block_d=16, elems=64, num_warps=1))
+    monkeypatch.setattr(prefill, "_PLANS", {})
+    rng = random.Random(SEED + 200 + case * 8 + rows_per_step)
+    gen = torch.Generator().manual_seed(SEED + 200 + case * 8 + rows_per_step)
+    width = 2 + (case + rows_per_step) % 3
+    dim = [5, 256, 300, 64][case]
+    dtype = DTYPES[(case + rows_per_step) % 3]
+    args = random_batch(gen, rng, dim, width, "channel_major", dtype, kernel_device, n_seq=rng.randint(2, 6),
+                        max_len=40, tail=rng.choice([0, 3, 21]), long_share=0.6)
+    y, st_k, ref, st_r = run_both(*args, activation=[None, "silu"][case % 2])
+    assert any(body for body, _ in prefill._PLANS.values()), "the channel-last path did not run"
     check(y, st_k, ref, st_r, dtype)
 
 
