@@ -40,7 +40,13 @@ class Recorder:
     def ok(self, kind: str, t_start: float, t_done: float, tokens: int = 0) -> None:
         if kind in CONV_KINDS:
             self.ok_total += 1
-            self._recent.append((t_done, t_done - t_start))
+            rec = self._recent
+            rec.append((t_done, t_done - t_start))
+            # keep only the live window (amortized O(1)); without a live view nothing else trims it, and a long
+            # step would hold every request's entry
+            horizon = t_done - self._window
+            while rec[0][0] < horizon:
+                rec.popleft()
         if t_start < self.measure_from:
             return
         self.lat[kind].append(t_done - t_start)
