@@ -111,7 +111,8 @@ def _prefill_kernel(
     O_UNIT_D: tl.constexpr,  # stride_o_d == 1
     EVEN_D: tl.constexpr,  # dim % BLOCK_D == 0: no channel mask
     OFF64: tl.constexpr,  # a tile's offsets from its corner overflow int32 (huge strides): compute them in int64
-    SEARCH: tl.constexpr,  # query_start_loc entries read per step of the sequence search
+    SEARCH: tl.constexpr,  # query_start_loc entries read per step of the sequence search (fixed, so a new batch
+    #                        size never compiles a new variant)
     HEADS_ONLY: tl.constexpr,  # after _flat_body_kernel: program (s, channel block) only does sequence s's head
     #                            and state, or zeroes it if s is a pad (s == batch: the tail)
     BLOCK_T: tl.constexpr,
@@ -672,7 +673,7 @@ def _plan_prefill(x, weight, bias, conv_states, query_start_loc, cache_indices, 
         HAS_INDICES=cache_indices is not None, HAS_INIT=has_initial_state is not None and has_state, SILU=silu,
         X_UNIT_T=x.stride(1) == 1, X_UNIT_D=x.stride(0) == 1, O_UNIT_T=out.stride(1) == 1,
         O_UNIT_D=out.stride(0) == 1, EVEN_D=dim % cfg.block_d == 0,
-        OFF64=_tile_span(x, out, cfg, width) >= 2**31, SEARCH=min(256, next_pow2(batch + 1)),
+        OFF64=_tile_span(x, out, cfg, width) >= 2**31, SEARCH=64,
         HEADS_ONLY=bool(body), BLOCK_T=cfg.block_t, BLOCK_D=cfg.block_d)
     return body, LaunchPlan(_prefill_kernel, grid, scalars, constexprs, cfg.num_warps, x.device)
 

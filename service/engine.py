@@ -401,16 +401,27 @@ class Engine:
                  self.pool.nbytes / 2**20, self.state_dtype, self._decode.n_graphs)
 
     def _warm_up(self) -> None:
-        """Compile the prefill kernel and the verify kernel of every length on the null slot (no session state is
-        touched: slot 0 is never allocated, and verifies write no state)."""
+        """Compile, at start-up instead of on the engine thread mid-traffic, every prefill variant a step can
+        need (the kernels' tile choices depend on the power of two of a step's packed tokens: 1, 2, 4, ... up to
+        max_batch_tokens, once per bias/no-bias layer kind) and the verify kernel of every length, on the null
+        slot (no session state is touched: slot 0 is never allocated, and verifies write no state). On the CPU
+        (the references, nothing to compile) one small call per layer checks the path."""
         m, bf, dev = self.model, self._bufs, self.device
-        bf.d_in[:2].zero_()
-        qsl = torch.tensor([0, 2], dtype=torch.int32, device=dev)
         idx = torch.zeros(1, dtype=torch.int32, device=dev)
         init = torch.zeros(1, dtype=torch.bool, device=dev)
+        top = self.config.max_batch_tokens
+        sizes = [1 << k for k in range(top.bit_length()) if 1 << k <= top] if dev.type == "cuda" else [2]
+        if sizes[-1] != top and dev.type == "cuda":
+            sizes.append(top)
+        kinds = {}                                    # one layer per (has bias) kind: the variants are the same
         for p in range(m.n_layers):
-            self._prefill_fn(bf.d_in[:2].T, m.weight[p], m.layer_bias(p), self.pool.layer(p), qsl, idx, init,
-                             m.activation, PAD_SLOT_ID, out=bf.d_out[:2].T)
+            kinds.setdefault(m.layer_bias(p) is None, p)
+        bf.d_in[:max(sizes)].zero_()
+        for p in (kinds.values() if dev.type == "cuda" else range(m.n_layers)):
+            for n in sizes:
+                qsl = torch.tensor([0, n], dtype=torch.int32, device=dev)
+                self._prefill_fn(bf.d_in[:n].T, m.weight[p], m.layer_bias(p), self.pool.layer(p), qsl, idx, init,
+                                 m.activation, PAD_SLOT_ID, out=bf.d_out[:n].T)
         for n in range(1, self.config.max_spec_tokens + 1):
             x3 = bf.d_in[:n].view(1, n, m.dim).transpose(1, 2)
             o3 = bf.d_out[:n].view(1, n, m.dim).transpose(1, 2)

@@ -9,7 +9,9 @@ Each request is ``(session, layer position, T tokens)``. Per step, within ``max_
 * **Order.** A session's requests run in arrival order: per session the step takes a prefix of its queue, and a
   session never has two requests of the same layer in one step (the second waits for the next step).
 * **Decodes and verifies first.** Pass 1 takes the small requests (decodes ``T = 1`` on a layer that has state,
-  and speculative verifies), in arrival order, each session stopping at its first prefill. Pass 2 goes on in
+  and speculative verifies), in arrival order, each session stopping at its first prefill. A prefill met in pass
+  1 keeps one of the step's ``max_batch_size`` rows from the small requests that arrived after it, so a steady
+  stream of newer decodes cannot starve it (older ones still go first). Pass 2 goes on in
   arrival order and fills the remaining token budget with prefills, chunked when they do not fit: a prefill
   longer than what is left runs its first tokens now and the rest in later steps (as a chunked prefill that
   continues from the stored state). The session's later requests wait until it completes.
@@ -252,6 +254,7 @@ class Scheduler:
         max_rows, max_tokens, max_bucket = cfg.max_batch_size, cfg.max_batch_tokens, self._buckets[-1]
         oldest_ok = now - cfg.request_timeout_s     # arrivals before this have expired (if not started)
         rows = tokens = 0
+        reserved = 0             # rows kept for prefills met in pass 1 (taken by them in pass 2)
         decode: dict = {}        # layer -> [requests]
         verify: dict = {}        # (layer, n) -> [requests]
         prefill: dict = {}       # layer -> [(request, start, end, has_initial_state)]
@@ -292,6 +295,8 @@ class Scheduler:
                     if not second_pass:
                         s.sched_block = 1
                         second_pass_needed = True
+                        if rows + reserved < max_rows:
+                            reserved += 1       # later (newer) small requests leave it a row
                         continue
                     start = r.scheduled_tokens
                     chunk = min(n - start, max_tokens - tokens)
@@ -311,7 +316,7 @@ class Scheduler:
                     else:
                         finished.append(r)
                     continue
-                if rows >= max_rows or tokens + n > max_tokens:
+                if rows + reserved >= max_rows or tokens + n > max_tokens:
                     s.sched_block = 2
                     continue
                 if kind is DECODE:

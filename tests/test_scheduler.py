@@ -241,6 +241,31 @@ def test_decodes_and_verifies_go_before_an_earlier_prefill_and_the_prefill_takes
     assert out.num_tokens == 16 and out.finished == ds + [v]
 
 
+@pytest.mark.parametrize("older,newer", [(0, 300), (3, 300), (5, 8), (7, 300)])
+def test_newer_decodes_cannot_take_the_rows_of_an_older_prefill(older, newer):
+    """A full row budget of decodes that arrived after a prefill leaves it a row; decodes that arrived before it
+    still go first."""
+    q = Q(max_batch_size=8, decode_buckets=(1, 2, 4, 8), max_batch_tokens=1000)
+    old = [q.add(100 + i, layer=i % 2, init=0b11) for i in range(older)]
+    p = q.add(1, t=50)
+    new = [q.add(200 + i, layer=i % 2, init=0b11) for i in range(newer)]
+    out = q.step()
+    took = {id(r) for db in out.decodes for r in db.requests}
+    assert all(id(r) in took for r in old)
+    assert [r for pb in out.prefills for r in pb.requests] == [p]
+    assert out.num_rows == min(8, older + 1 + newer)
+    assert sum(id(r) in took for r in new) == out.num_rows - older - 1
+
+
+def test_older_decodes_that_fill_the_step_still_go_before_a_prefill():
+    q = Q(max_batch_size=4, decode_buckets=(1, 2, 4), max_batch_tokens=1000)
+    old = [q.add(100 + i, init=0b1) for i in range(4)]
+    p = q.add(1, t=50)
+    out = q.step()
+    assert [r for db in out.decodes for r in db.requests] == old and not out.prefills
+    assert p in q.step().finished
+
+
 def test_a_decode_after_its_own_sessions_prefill_does_not_jump_it():
     q = Q(max_batch_tokens=8)
     p = q.add(1, layer=0, t=20)
