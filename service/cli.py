@@ -130,6 +130,7 @@ def serve(settings: Settings) -> int:
     from service.app import create_app
 
     logs.configure(settings.log_level)
+    sys.setswitchinterval(settings.gil_switch_interval_us * 1e-6)
     try:
         engine = build_engine(settings)
     except (ConfigError, ValueError, OSError) as e:

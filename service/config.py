@@ -83,6 +83,10 @@ class Settings(BaseSettings):
     request_timeout_s: float = Field(30.0, gt=0, description="seconds a conv request may take before 504")
     use_cuda_graphs: bool = Field(True, description="replay decode steps from CUDA graphs (CUDA only)")
     max_spec_tokens: int = Field(16, ge=1, description="most tokens of one speculative verify (k + 1)")
+    gil_switch_interval_us: int = Field(500, ge=100, le=100_000, description="Python's thread switch interval "
+                                        "(sys.setswitchinterval; Python's default is 5000): how long the engine "
+                                        "thread may wait for the GIL after each GPU call while the HTTP loop is "
+                                        "busy")
     pool_memory_fraction: float = Field(0.5, gt=0, le=1, description="with --slots auto: the share of free GPU "
                                                                       "memory the state pool may take")
 

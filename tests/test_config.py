@@ -116,3 +116,19 @@ def test_print_config_hides_the_api_key(capsys):
     assert cli_main(["serve", "--print-config", "--api-key", "hunter2", "--dim", "32"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["api_key"] == "***" and out["dim"] == 32
+
+
+def test_serve_sets_the_gil_switch_interval_before_building_the_engine(monkeypatch):
+    from service import cli
+
+    def no_model(settings):
+        raise ConfigError("stop here")
+
+    before = sys.getswitchinterval()
+    monkeypatch.setattr(cli, "build_engine", no_model)
+    try:
+        assert cli.serve(Settings(gil_switch_interval_us=700)) == cli.EXIT_CONFIG
+        assert sys.getswitchinterval() == pytest.approx(0.0007)
+    finally:
+        sys.setswitchinterval(before)
+    assert Settings().gil_switch_interval_us == 500
