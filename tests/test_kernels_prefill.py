@@ -168,6 +168,21 @@ def test_channel_last_window_path_matches_reference(case, rows_per_step, monkeyp
     check(y, st_k, ref, st_r, dtype)
 
 
+@pytest.mark.parametrize("layout", ["token_major", "channel_major"])
+def test_more_sequences_than_one_search_step_match_reference(layout, monkeypatch, kernel_device):
+    """Over 64 sequences: the piece kernel counts query_start_loc keys in several vector steps."""
+    from kernels import _launch, prefill
+    monkeypatch.setitem(_launch.TUNING, "prefill_flat", dict(_launch.TUNING["prefill_flat"], min_t=1 << 30))
+    monkeypatch.setattr(prefill, "_PLANS", {})
+    rng = random.Random(SEED + 300)
+    gen = torch.Generator().manual_seed(SEED + 300)
+    args = random_batch(gen, rng, 8, 4, layout, torch.float32, kernel_device, n_seq=150, max_len=12,
+                        long_share=0.5)
+    y, st_k, ref, st_r = run_both(*args)
+    assert not any(body for body, _ in prefill._PLANS.values()), "expected the piece kernel"
+    check(y, st_k, ref, st_r, torch.float32)
+
+
 @pytest.mark.parametrize("width", [2, 3, 4, 6])
 def test_fp32_state_with_bf16_x(width, kernel_device):
     rng, gen = random.Random(SEED), torch.Generator().manual_seed(SEED)
