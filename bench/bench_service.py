@@ -44,6 +44,7 @@ import msgpack  # noqa: E402
 import torch  # noqa: E402
 
 from clients import wire  # noqa: E402
+from clients.loadtest.cli import _run_loop as _run_on_loop  # noqa: E402
 from clients.loadtest.stats import percentile  # noqa: E402
 
 LEGS = ("inproc", "unary", "stream", "echo")
@@ -51,12 +52,7 @@ _LEN = struct.Struct("<I")
 
 
 def _run_loop(coro):
-    try:
-        import uvloop
-
-        return uvloop.run(coro)
-    except ImportError:
-        return asyncio.run(coro)
+    return _run_on_loop(coro, "auto")   # uvloop when installed (checked before the coroutine runs)
 
 
 # ----------------------------------------------------------------------------------- raw TCP echo server

@@ -305,21 +305,21 @@ class ConvClient(_Base):
         return _decode(self._http.post("/v1/sessions", content=self._session_body(session)))["session"]
 
     def delete_session(self, session: str) -> None:
-        _raise_for(self._http.delete(f"/v1/sessions/{session}"))
+        _raise_for(self._http.delete(f"/v1/sessions/{_quote(session)}"))
 
     def fork(self, session: str, new_session: Optional[str] = None) -> str:
-        return _decode(self._http.post(f"/v1/sessions/{session}/fork",
+        return _decode(self._http.post(f"/v1/sessions/{_quote(session)}/fork",
                                        content=self._session_body(new_session)))["session"]
 
     def export_state(self, session: str, backend: Optional[str] = None) -> SessionState:
-        return self._state_from(_decode(self._http.get(f"/v1/sessions/{session}/state")),
+        return self._state_from(_decode(self._http.get(f"/v1/sessions/{_quote(session)}/state")),
                                 backend or _default_backend())
 
     def import_state(self, session: str, state, layers=None) -> None:
-        _raise_for(self._http.put(f"/v1/sessions/{session}/state", content=self._state_body(state, layers)))
+        _raise_for(self._http.put(f"/v1/sessions/{_quote(session)}/state", content=self._state_body(state, layers)))
 
     def accept(self, session: str, tokens: int) -> None:
-        _raise_for(self._http.post(f"/v1/sessions/{session}/accept", content=wire.packb({"tokens": tokens})))
+        _raise_for(self._http.post(f"/v1/sessions/{_quote(session)}/accept", content=wire.packb({"tokens": tokens})))
 
     # --- conv
 

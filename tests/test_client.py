@@ -94,6 +94,14 @@ def test_sessions_fork_state_and_accept_through_the_client(client):
     assert (e.value.status, e.value.code) == (404, "unknown_session") and "create it" in e.value.message
 
 
+def test_a_session_id_with_url_characters_stays_one_path_segment(client):
+    sid = client.create_session("quoted")
+    with pytest.raises((UnknownSession, BadRequest)):
+        client.delete_session("quoted?x")          # unquoted, this deleted session "quoted"
+    assert client.export_state(sid).layers == LAYERS
+    client.delete_session(sid)
+
+
 @pytest.mark.parametrize("call, exc, status", [
     (lambda c: c.conv("nope", 1, torch.zeros(1, DIM + 1)), ShapeMismatch, 422),
     (lambda c: c.accept(c.create_session(), 1), BadRequest, 400),

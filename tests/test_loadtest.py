@@ -162,3 +162,13 @@ def test_distribution_specs_parse_sample_within_bounds_and_reject_nonsense():
     for bad in ("uniform:9:3", "bogus:1", "const:x", "uniform:1", "choice:", "normal:1:-1", "const:0"):
         with pytest.raises(DistError):
             parse(bad)
+
+
+def test_timeouts_are_labelled_client_timeout_not_connection_error():
+    import httpx
+
+    from clients.loadtest.runner import error_code
+    assert error_code(TimeoutError()) == "client_timeout"            # an OSError subclass
+    assert error_code(httpx.ReadTimeout("slow")) == "client_timeout"
+    assert error_code(ConnectionResetError()) == "connection_error"
+    assert error_code(httpx.ConnectError("refused")) == "connection_error"

@@ -221,12 +221,10 @@ def make_transport(client, kind: str, connections: int, inflight: int):
 def error_code(e: BaseException) -> str:
     if isinstance(e, ServiceError):
         return e.code or "internal"
-    if isinstance(e, httpx.TimeoutException):
+    if isinstance(e, (httpx.TimeoutException, TimeoutError)):   # before OSError: TimeoutError is one
         return "client_timeout"
-    if isinstance(e, (httpx.TransportError, OSError, ConnectionError)):
+    if isinstance(e, (httpx.TransportError, OSError)):
         return "connection_error"
-    if isinstance(e, TimeoutError):
-        return "client_timeout"
     return "client_" + type(e).__name__
 
 
