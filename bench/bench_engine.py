@@ -41,15 +41,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from clients.loadtest.stats import percentile  # noqa: E402
 from service.engine import Engine, EngineConfig  # noqa: E402
 from service.model import ConvModel  # noqa: E402
 
 
 def _pct(xs, q):
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))]
+    """The load tester's percentile (nearest rank), so both benches report the same statistic."""
+    return percentile(sorted(xs), q)
 
 
 def _null_kernels(engine: Engine) -> None:

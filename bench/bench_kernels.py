@@ -86,8 +86,10 @@ def load_peers(peer_files):
         try:
             m = __import__(mod, fromlist=["causal_conv1d_fn"])
             peers[name] = (m.causal_conv1d_fn, m.causal_conv1d_update)
-        except Exception:
-            pass
+        except ImportError:
+            pass                               # not installed
+        except Exception as exc:  # noqa: BLE001 - installed but broken: say so rather than "none importable"
+            print(f"peer {name}: {mod} fails to import: {exc!r}")
     for p in peer_files or []:
         spec = importlib.util.spec_from_file_location(Path(p).stem, p)
         m = importlib.util.module_from_spec(spec)
@@ -96,8 +98,10 @@ def load_peers(peer_files):
     try:
         import causal_conv1d as dao  # noqa: F401  (Dao's CUDA kernels; different API, adapted below)
         peers["dao"] = ("dao", dao)
-    except Exception:
+    except ImportError:
         pass
+    except Exception as exc:  # noqa: BLE001
+        print(f"peer dao: causal_conv1d fails to import: {exc!r}")
     return peers
 
 

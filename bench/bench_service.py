@@ -58,6 +58,19 @@ def _run_loop(coro):
 # ----------------------------------------------------------------------------------- raw TCP echo server
 
 
+def _split_frames(buf: bytearray):
+    """The complete length-prefixed frames at the head of ``buf`` (one copy each) and the bytes they used."""
+    frames, pos, n = [], 0, len(buf)
+    with memoryview(buf) as view:
+        while n - pos >= 4:
+            (ln,) = _LEN.unpack_from(buf, pos)
+            if n - pos - 4 < ln:
+                break
+            frames.append(bytes(view[pos + 4:pos + 4 + ln]))
+            pos += 4 + ln
+    return frames, pos
+
+
 class _EchoProtocol(asyncio.Protocol):
     """Length-prefixed msgpack frames in; for each, ``{"id", "y": x}`` packed and sent back (one write per read)."""
 
@@ -70,16 +83,12 @@ class _EchoProtocol(asyncio.Protocol):
         buf = self.buf
         buf += data
         out = []
-        pos, n = 0, len(buf)
-        while n - pos >= 4:
-            (ln,) = _LEN.unpack_from(buf, pos)
-            if n - pos - 4 < ln:
-                break
-            req = msgpack.unpackb(bytes(buf[pos + 4:pos + 4 + ln]), raw=False)
+        frames, pos = _split_frames(buf)
+        for f in frames:
+            req = msgpack.unpackb(f, raw=False)
             body = self.packer.pack({"id": req["id"], "y": req["x"]})
             out.append(_LEN.pack(len(body)))
             out.append(body)
-            pos += 4 + ln
         if pos:
             del buf[:pos]
         if out:
@@ -192,7 +201,7 @@ class EchoTransport:
                 out = []
                 for (session, layer, x, spec), fut in batch:
                     self.ids += 1
-                    futs[self.ids] = (fut, x)
+                    futs[self.ids] = fut
                     body = packer.pack({"id": self.ids, "session": session, "layer": layer,
                                         "x": wire.encode_tensor(x), "speculative": spec})
                     out.append(_LEN.pack(len(body)))
@@ -204,15 +213,10 @@ class EchoTransport:
                     if not data:
                         raise ConnectionError("the echo server closed the connection")
                     buf += data
-                    pos, n = 0, len(buf)
-                    while n - pos >= 4:
-                        (ln,) = _LEN.unpack_from(buf, pos)
-                        if n - pos - 4 < ln:
-                            break
-                        obj = wire.unpackb(bytes(buf[pos + 4:pos + 4 + ln]), 1 << 30)
-                        pos += 4 + ln
-                        fut, x = futs.pop(obj["id"])
-                        fut.set_result(wire.decode_tensor(obj["y"], backend="torch", name="y"))
+                    frames, pos = _split_frames(buf)
+                    for f in frames:
+                        obj = wire.unpackb(f, 1 << 30)
+                        futs.pop(obj["id"]).set_result(wire.decode_tensor(obj["y"], backend="torch", name="y"))
                     del buf[:pos]
         finally:
             writer.close()
@@ -242,7 +246,6 @@ async def drive(transport, sessions: list, layers: list, x, warmup: float, durat
     lat: list = []
     t_measure = time.perf_counter() + warmup
     t_end = t_measure + duration
-    state = {"n_before": 0}
 
     async def one(sid, layer):
         t0 = time.perf_counter()
@@ -256,7 +259,6 @@ async def drive(transport, sessions: list, layers: list, x, warmup: float, durat
             await asyncio.gather(*(one(sid, layer) for layer in layers))
 
     await asyncio.gather(*(worker(s) for s in sessions))
-    del state
     lat.sort()
     return {"requests": len(lat), "req_per_s": len(lat) / duration,
             "p50_ms": percentile(lat, 0.5) * 1e3, "p90_ms": percentile(lat, 0.9) * 1e3,
@@ -328,8 +330,8 @@ async def leg_http(args, url: str, info: dict, conc: int, kind: str) -> dict:
         finally:
             await tr.close()
         r["engine"] = _engine_delta(a, _scrape(url))
-        r["wire_bytes_per_request"] = ((client.bytes_sent - b0) + (client.bytes_received - r0)) / max(
-            1, r["requests"]) if r["requests"] else None
+        r["wire_bytes_per_request"] = ((client.bytes_sent - b0) + (client.bytes_received - r0)) / r["requests"] \
+            if r["requests"] else None
         if kind != "unary":
             r["connections"] = conns
         await asyncio.gather(*(client.delete_session(s) for s in sessions))

@@ -713,8 +713,6 @@ class AsyncConvClient(_Base):
         tracker.check_done()
 
     async def _stream_ws(self, requests, window: int):
-        import asyncio
-
         from websockets.asyncio.client import connect
 
         tracker = _Tracker()
@@ -752,20 +750,18 @@ class AsyncConvClient(_Base):
             unpacker = wire.new_unpacker(MAX_MESSAGE_BYTES)
             received = 0
             recv = None
+            waiter = asyncio.ensure_future(wake.wait())   # the sender's end (set once)
             try:
                 while True:
                     if state["done"] and received >= state["n"]:
                         break
                     if recv is None:
                         recv = asyncio.ensure_future(ws.recv())
-                    waiter = asyncio.ensure_future(wake.wait())
-                    done, _ = await asyncio.wait((recv, waiter), timeout=self.timeout,
+                    done, _ = await asyncio.wait((recv,) if waiter.done() else (recv, waiter), timeout=self.timeout,
                                                  return_when=asyncio.FIRST_COMPLETED)
-                    waiter.cancel()
                     if not done:
                         raise TimeoutError(f"no answer from the server within {self.timeout} s")
                     if recv not in done:
-                        wake.clear()
                         continue
                     msg = recv.result()
                     recv = None
@@ -781,6 +777,7 @@ class AsyncConvClient(_Base):
                 if state["error"] is not None:
                     raise state["error"]
             finally:
+                waiter.cancel()
                 if recv is not None:
                     recv.cancel()
                 if not task.done():

@@ -163,10 +163,6 @@ def encode_tensor_json(x) -> dict:
     return m
 
 
-def tensor_nbytes(m: dict) -> int:
-    return len(m["data"])
-
-
 def decode_tensor(obj: Any, *, check_shape: Optional[Callable[[tuple], None]] = None, backend: str = "torch",
                   name: str = "x"):
     """Validate a tensor map and wrap its data without copying.

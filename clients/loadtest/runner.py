@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import math
 import random
 import time
@@ -32,6 +33,8 @@ from clients.loadtest.dists import Dist, parse
 from clients.loadtest.stats import Recorder
 from clients.loadtest.verify import MISMATCH, Verifier
 from service.errors import ServiceError
+
+log = logging.getLogger(__name__)
 
 SCENARIOS = {
     # name: (prefill, decode steps)
@@ -83,9 +86,6 @@ class Workload:
     def max_tokens(self) -> int:
         return max([min(p.max, self.prefill_chunk) for p, _ in self._profiles] + [self.spec_k.max, 1])
 
-    def mean_requests_per_step(self) -> float:
-        return 1.0
-
 
 # ------------------------------------------------------------------------------------------------ transports
 
@@ -119,8 +119,10 @@ class _Pipe:
         self.task.cancel()
         try:
             await self.task
-        except (asyncio.CancelledError, Exception):  # noqa: BLE001
+        except asyncio.CancelledError:
             pass
+        except Exception:  # noqa: BLE001 - the pipe task had crashed earlier: say so instead of hiding it
+            log.warning("a %s pipe had failed before close", type(self).__name__, exc_info=True)
 
 
 def _settle(fut: asyncio.Future, res) -> None:
