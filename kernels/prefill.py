@@ -256,6 +256,7 @@ def _prefill_kernel(
             tl.debug_barrier()  # every read of the old row above happens before it is overwritten
             tl.store(row[None, :] + offs_h[:, None] * stride_s_k, new.to(state_ptr.dtype.element_ty), mask=mask_j)
 
+
 # ---- token-major fast path: the body of a contiguous (dim, T) x as one flat array, in aligned groups of 8.
 
 @triton.jit
