@@ -58,7 +58,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from state_pool import ConvStatePool, PoolDtypeError, PoolShapeError, auto_slots
+from state_pool import ConvStatePool, auto_slots
 from state_pool import PoolExhausted as PoolFull
 
 from .errors import (BadRequest, DtypeUnsupported, Internal, NonFinite, NotReady, PoolExhausted, QueueFull,
@@ -370,6 +370,9 @@ class Engine:
         else:
             slots = cfg.slots
         self.pool = ConvStatePool(m.n_layers, slots, m.dim, m.width, self.state_dtype, dev)
+        # per layer position, what a launch takes: (weight, bias or None, the pool's (slots + 1, dim, W - 1) view)
+        self._layer_args = [(self.model.weight[p], self.model.layer_bias(p), self.pool.layer(p))
+                            for p in range(m.n_layers)]
         self._bufs = _Buffers(m.n_layers, m.dim, m.dtype, cfg.max_batch_tokens, max_rows, max_bucket,
                               cfg.max_spec_tokens, dev)
         self._stage_owner = [None] * self._bufs.stage_rows
@@ -563,9 +566,10 @@ class Engine:
             self._sessions.add(Session(sid, slot, last_used=time.monotonic()))
         return sid
 
-    def _alloc_locked(self) -> int:
+    def _alloc_locked(self, fork_of: Optional[int] = None) -> int:
+        """A free slot (a copy of slot ``fork_of``'s state when given), or :class:`PoolExhausted`."""
         try:
-            return self.pool.alloc()
+            return self.pool.alloc() if fork_of is None else self.pool.fork(fork_of)
         except PoolFull as e:
             raise PoolExhausted(f"all {e.capacity} session slots are in use; delete idle sessions or retry later",
                                 retry_after=1.0) from None
@@ -600,11 +604,7 @@ class Engine:
         with self._lock:
             nid = new_id if new_id is not None else SessionTable.new_id()
             self._sessions.check_free(nid)
-            try:
-                slot = self.pool.fork(s.slot)
-            except PoolFull as e:
-                raise PoolExhausted(f"all {e.capacity} session slots are in use; delete idle sessions or retry "
-                                    "later", retry_after=1.0) from None
+            slot = self._alloc_locked(fork_of=s.slot)
             self._sessions.add(Session(nid, slot, initialized=s.initialized, pending=dict(s.pending),
                                        spec_x=dict(s.spec_x), last_used=time.monotonic()))
         return nid
@@ -633,10 +633,7 @@ class Engine:
         state = state.to("cpu").contiguous()
 
         def op(s: Session) -> None:
-            try:
-                self.pool.import_(s.slot, state)
-            except (PoolShapeError, PoolDtypeError) as e:   # unreachable after the checks above; kept exact
-                raise ShapeMismatch(str(e)) from None
+            self.pool.import_(s.slot, state)               # checked above: the pool's own checks cannot fire
             s.initialized = (1 << m.n_layers) - 1
             s.pending.clear()
             s.spec_x.clear()
@@ -914,11 +911,7 @@ class Engine:
                         sink.set_exception(err)
                 except Exception:  # already cancelled by its owner
                     pass
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_set_async_results, items)
-            except RuntimeError:   # the loop is closed: nobody is waiting
-                pass
+        _post_async(by_loop)
 
     def _deliver_step(self, finished: list, host_out: torch.Tensor, by_position: bool) -> None:
         """Retire and complete a step's finished requests (see :meth:`_execute` for where each y lies), in one
@@ -982,11 +975,7 @@ class Engine:
                 except Exception:  # already cancelled by its owner
                     pass
         if by_loop:
-            for loop, items in by_loop.items():
-                try:
-                    loop.call_soon_threadsafe(_set_async_results, items)
-                except RuntimeError:   # the loop is closed: nobody is waiting
-                    pass
+            _post_async(by_loop)
 
     # ------------------------------------------------------------------ the worker
 
@@ -1060,8 +1049,10 @@ class Engine:
             if self._stream is not None:     # copies from the staging rows may be in flight: let them land
                 try:                         # before the rows' requests are retired (and the rows reused)
                     self._stream.synchronize()
-                except Exception:  # noqa: BLE001
-                    pass
+                except Exception:  # noqa: BLE001 - a sticky CUDA error: every later step would fail too
+                    log.exception("the device is in an error state after step %d; the engine is no longer ready "
+                                  "(restart the process)", out.step)
+                    self._ready = False
             err = Internal(f"the engine step failed: {e}")
             done = [r for b in (*out.prefills, *out.decodes, *out.verifies) for r in b.requests]
             with self._lock:
@@ -1096,7 +1087,7 @@ class Engine:
         kernel_ns)``: every finished request's y lies in ``host_out``, at row ``r.parts`` (or, when
         ``by_position``, at its position in ``out.finished``), except a chunked prefill's, whose ``r.parts`` is
         its own joined tensor."""
-        m, bf, pool, cuda = self.model, self._bufs, self.pool, self._stream is not None
+        m, bf, cuda = self.model, self._bufs, self._stream is not None
         D = m.dim
         act = m.activation
         # ---- pack on the host
@@ -1154,7 +1145,8 @@ class Engine:
         for pb in out.prefills:
             p, rows, a = pb.layer, len(pb.requests), pb.token_offset
             b = a + pb.query_start_loc[-1]
-            self._prefill_fn(bf.d_in[a:b].T, m.weight[p], m.layer_bias(p), pool.layer(p),
+            w, bias, states = self._layer_args[p]
+            self._prefill_fn(bf.d_in[a:b].T, w, bias, states,
                              bf.d_meta[mo:mo + rows + 1], bf.d_meta[mo + rows + 1:mo + 2 * rows + 1],
                              bf.d_flags[fo:fo + rows], act, PAD_SLOT_ID, out=bf.d_out[a:b].T)
             mo += 2 * rows + 1
@@ -1164,7 +1156,8 @@ class Engine:
             b = a + rows * L
             x3 = bf.d_in[a:b].view(rows, L, D).transpose(1, 2)
             o3 = bf.d_out[a:b].view(rows, L, D).transpose(1, 2)
-            self._update_fn(x3, pool.layer(vb.layer), m.weight[vb.layer], m.layer_bias(vb.layer), act,
+            w, bias, states = self._layer_args[vb.layer]
+            self._update_fn(x3, states, w, bias, act,
                             conv_state_indices=bf.d_meta[mo:mo + rows], output_state_indices=bf.d_osi[:rows, :L],
                             pad_slot_id=PAD_SLOT_ID, out=o3)
             mo += rows
@@ -1264,6 +1257,15 @@ def _cut(v) -> torch.Tensor:
     buf, lo, hi, dt = v
     y = buf[lo:hi]
     return y if dt is None else y.to(dt)
+
+
+def _post_async(by_loop: dict) -> None:
+    """Hand each asyncio loop its ``(future, y, error)`` items in one ``call_soon_threadsafe``."""
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_set_async_results, items)
+        except RuntimeError:   # the loop is closed: nobody is waiting
+            pass
 
 
 def _set_async_results(items) -> None:
