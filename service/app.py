@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hmac
 import logging
 import math
 import re
@@ -198,8 +199,6 @@ class Service:
         self.width = int(info["width"])
         self.max_body = settings.max_body_bytes
         self.state_dtype = str(info["state_dtype"])
-        key = settings.api_key_value()
-        self.auth_value = ("Bearer " + key).encode() if key else None
         self.x_check = wire.shape_checker((self.dim,), min_first=1, max_first=settings.max_tokens_per_request)
         self.state_check = wire.exact_shape_checker((len(self.layers), self.dim, self.width - 1), "state")
         self.draining = False
@@ -479,11 +478,7 @@ class _Pipeline:
     # --- writer side (loop thread)
 
     def _set_error(self, f: _Frame, exc: ServiceError) -> None:
-        err = exc.to_dict()["error"]
-        ra = retry_after(exc)
-        if ra is not None:
-            err["retry_after"] = ra
-        f.out = self.packer.pack({"id": f.id, "error": err})
+        f.out = self.packer.pack({"id": f.id, "error": error_body(exc)["error"]})
         f.code = exc.code
 
     def _complete(self, f: _Frame) -> None:
@@ -558,7 +553,7 @@ class _Pipeline:
             if self.reader_done and self.open == 0:
                 if self.fatal is not None:
                     self.svc.metrics.error(f"/v1/conv/{self.transport}", self.fatal.code)
-                    await send_data(self.packer.pack({"id": None, "error": self.fatal.to_dict()["error"]}))
+                    await send_data(self.packer.pack({"id": None, "error": error_body(self.fatal)["error"]}))
                 return
             if self.transport == "ws" and self.svc.draining and self.open == 0:
                 return
@@ -642,7 +637,7 @@ class WebSocketEndpoint:
         try:
             svc.require_ready()
         except ServiceError as e:
-            await send({"type": "websocket.send", "bytes": p.packer.pack({"id": None, "error": e.to_dict()["error"]})})
+            await send({"type": "websocket.send", "bytes": p.packer.pack({"id": None, "error": error_body(e)["error"]})})
             await send({"type": "websocket.close", "code": 1013, "reason": e.code})
             return
         svc.pipelines.add(p)
@@ -709,8 +704,6 @@ class Edge:
         got = _header(scope, b"authorization")
         if got is None:
             return False
-        import hmac
-
         return hmac.compare_digest(got, self.auth_value)
 
     async def __call__(self, scope, receive, send):

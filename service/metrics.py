@@ -43,8 +43,6 @@ class Metrics:
         self.frame_latency = Histogram("convserve_stream_frame_duration_seconds",
                                        "Latency of one streamed conv frame, from parsed to its result queued "
                                        "for sending", ["transport"], buckets=LATENCY_BUCKETS, registry=r)
-        self.conv_tokens = Counter("convserve_conv_tokens", "Tokens received in conv requests, by kind",
-                                   ["kind"], registry=r)
         self._children: dict = {}
         if stats is not None:
             r.register(EngineCollector(stats))
@@ -87,21 +85,12 @@ class Metrics:
         for s in latencies:
             h.observe(s)
 
-    def tokens(self, kind: str, n: int) -> None:
-        key = ("t", kind)
-        c = self._children.get(key)
-        if c is None:
-            c = self._children[key] = self.conv_tokens.labels(kind)
-        c.inc(n)
-
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
 def _num(v) -> Optional[float]:
-    if isinstance(v, bool):
-        return float(v)
-    if isinstance(v, (int, float)):
+    if isinstance(v, (int, float)):   # bool included
         return float(v)
     return None
 

@@ -40,7 +40,7 @@ from typing import Any, Optional, Sequence
 #: The pad row marker of the kernels (``kernels.PAD_SLOT_ID``); a pad row's output is zero and it touches no state.
 PAD_SLOT_ID = -1
 
-PREFILL, DECODE, VERIFY = "prefill", "decode", "verify"
+DECODE, VERIFY = "decode", "verify"   # the small kinds of pass 1 (anything else is a prefill)
 
 #: one-row steps in a row after which a request alone in the queue runs without the delay window
 LONE_STEPS = 4
@@ -233,13 +233,6 @@ class Scheduler:
         return deadline is not None and now >= deadline
 
     # ---- the step
-
-    def _kind(self, r: Request) -> str:
-        if r.speculative:
-            return VERIFY
-        if r.n_tokens == 1 and (r.session.initialized >> r.layer) & 1:
-            return DECODE
-        return PREFILL
 
     def schedule(self, now: float) -> SchedulerOutput:
         """Pick and pack the next step (possibly empty). Marks picked requests started.

@@ -105,6 +105,3 @@ class SessionTable:
             self._evicted[session.id] = None
             while len(self._evicted) > self._max_evicted:
                 self._evicted.popitem(last=False)
-
-    def was_evicted(self, session_id: str) -> bool:
-        return session_id in self._evicted
