@@ -637,7 +637,8 @@ class WebSocketEndpoint:
         try:
             svc.require_ready()
         except ServiceError as e:
-            await send({"type": "websocket.send", "bytes": p.packer.pack({"id": None, "error": error_body(e)["error"]})})
+            frame = p.packer.pack({"id": None, "error": error_body(e)["error"]})
+            await send({"type": "websocket.send", "bytes": frame})
             await send({"type": "websocket.close", "code": 1013, "reason": e.code})
             return
         svc.pipelines.add(p)
