@@ -190,7 +190,7 @@ class _Op:
     session: Optional[Session]
     fn: Callable[[], Any]
     future: Future
-    barrier: Optional[int]            # run after this session's requests with seq <= barrier (None: at once)
+    barrier: int                      # run after this session's requests with seq <= barrier
     cancelled: bool = False
 
 
@@ -676,14 +676,14 @@ class Engine:
 
     # ------------------------------------------------------------------ session op plumbing
 
-    def _run_op(self, session_id: str, fn: Callable[[Session], Any], barrier: bool = True):
+    def _run_op(self, session_id: str, fn: Callable[[Session], Any]):
         fut: Future = Future()
         with self._lock:
             self._check_running_locked()
             s = self._sessions.get(session_id)
-            op = _Op(s, lambda: fn(s), fut, self._last_seq if barrier else None)
-            s.ops += 1
-            if barrier and s.barrier is None:
+            op = _Op(s, lambda: fn(s), fut, self._last_seq)
+            s.ops.append(op)
+            if len(s.ops) == 1:
                 s.barrier = op.barrier
             self._ops.append(op)
             self._cv.notify()
@@ -700,31 +700,34 @@ class Engine:
 
     def _take_ready_ops_locked(self) -> list:
         """Pop the ops that may run now: per session in FIFO order, each after its barrier's requests."""
-        ready, blocked = [], set()
-        for op in list(self._ops):
+        ready, blocked, keep = [], set(), collections.deque()
+        for op in self._ops:
             s = op.session
             if op.cancelled:
-                self._ops.remove(op)
                 self._op_done_locked(op)
                 continue
             if s in blocked:
+                keep.append(op)
                 continue
-            if op.barrier is not None:
-                head = s.oldest_active()
-                if head is not None and head.seq <= op.barrier:
-                    blocked.add(s)
-                    continue
-            self._ops.remove(op)
+            head = s.oldest_active()
+            if head is not None and head.seq <= op.barrier:
+                blocked.add(s)
+                keep.append(op)
+                continue
             ready.append(op)
             blocked.add(s)        # one op per session per round: the next one sees this one's effect
+        self._ops = keep
         return ready
 
     def _op_done_locked(self, op: _Op) -> None:
         s = op.session
-        s.ops -= 1
+        q = s.ops
+        if q and q[0] is op:
+            q.popleft()
+        else:                     # a cancelled op behind another one
+            q.remove(op)
         s.last_used = time.monotonic()
-        nxt = next((o.barrier for o in self._ops if o.session is s and o.barrier is not None), None)
-        s.barrier = nxt
+        s.barrier = q[0].barrier if q else None
 
     def _run_ops(self, ops: list) -> None:
         for op in ops:
@@ -985,7 +988,7 @@ class Engine:
     def _evict_locked(self, now: float) -> None:
         ttl = self.config.session_ttl_s
         for s in self._sessions:
-            if now - s.last_used > ttl and s.ops == 0 and s.oldest_active() is None:
+            if now - s.last_used > ttl and not s.ops and s.oldest_active() is None:
                 self._sessions.remove(s, evicted=True)
                 self.pool.free(s.slot)
                 self._st["evicted"] += 1

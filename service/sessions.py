@@ -34,11 +34,11 @@ class Session:
     spec_x: dict = field(default_factory=dict)
     #: requests submitted and not yet finished, in arrival order (finished ones leave from the head lazily).
     queue: deque = field(default_factory=deque)
-    #: while a session op (fork, export, import, accept) waits: the seq of the last request it waits for.
-    #: The scheduler holds back this session's later requests until the op has run.
+    #: session ops (fork, export, import, accept) posted and not yet finished, oldest first
+    ops: deque = field(default_factory=deque)
+    #: ``ops[0].barrier`` (None without ops), kept as a field for the scheduler's per-request loop: the seq of the
+    #: last request the oldest op waits for. The scheduler holds back this session's later requests until it ran.
     barrier: Optional[int] = None
-    #: session ops posted and not yet run
-    ops: int = 0
     #: monotonic time of the last use (TTL eviction)
     last_used: float = 0.0
     #: the scheduler's per-step scratch, valid while ``sched_step`` is the step being scheduled
