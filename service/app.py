@@ -660,7 +660,8 @@ class WebSocketEndpoint:
                     await send({"type": "websocket.close", "code": 1012, "reason": "server shutting down"})
                 else:
                     await send({"type": "websocket.close", "code": 1000})
-        except Exception:  # noqa: BLE001 - closing a socket the peer already closed
+        except Exception:  # noqa: BLE001 - usually closing a socket the peer already closed; anything else is a bug
+            log.debug("WebSocket stream ended by an exception", exc_info=True)
             p.cancel_all()
         finally:
             if p.open and not p.closed:
