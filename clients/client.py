@@ -244,6 +244,15 @@ class _Base:
         return wire.packb({"session": session, "layer": layer, "x": wire.encode_tensor(x),
                            "speculative": speculative})
 
+    def _ws_results(self, msg, unpacker, tracker: "_Tracker") -> Iterator["ConvResult"]:
+        """The results in one WebSocket message (binary: msgpack frames), counted in ``bytes_received``."""
+        if isinstance(msg, str):
+            raise ServiceError(f"the server sent a text message: {msg[:200]}")
+        self.bytes_received += len(msg)
+        unpacker.feed(msg)
+        for obj in unpacker:
+            yield tracker.result(obj)
+
     @staticmethod
     def _session_body(session: Optional[str]) -> bytes:
         return wire.packb({"session": session} if session is not None else {})
@@ -409,12 +418,7 @@ class ConvClient(_Base):
                             raise TimeoutError(f"no answer from the server within {self.timeout} s") from None
                         continue
                     idle_since = time.monotonic()
-                    if isinstance(msg, str):
-                        raise ServiceError(f"the server sent a text message: {msg[:200]}")
-                    self.bytes_received += len(msg)
-                    unpacker.feed(msg)
-                    for obj in unpacker:
-                        res = tracker.result(obj)
+                    for res in self._ws_results(msg, unpacker, tracker):
                         received += 1
                         slots.release()
                         yield res
@@ -765,12 +769,7 @@ class AsyncConvClient(_Base):
                         continue
                     msg = recv.result()
                     recv = None
-                    if isinstance(msg, str):
-                        raise ServiceError(f"the server sent a text message: {msg[:200]}")
-                    self.bytes_received += len(msg)
-                    unpacker.feed(msg)
-                    for obj in unpacker:
-                        res = tracker.result(obj)
+                    for res in self._ws_results(msg, unpacker, tracker):
                         received += 1
                         slots.release()
                         yield res
