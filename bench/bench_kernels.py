@@ -213,7 +213,8 @@ def run_decode_case(batch, dim, peers, seqlen=1, spec=False, extra=True):
     b = torch.randn(dim, device="cuda", dtype=torch.bfloat16)
     pool = torch.randn(POOL_SLOTS, width - 1, dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
     idx = torch.randperm(POOL_SLOTS, device="cuda")[:batch].to(torch.int32)
-    inter = torch.empty(batch, seqlen, dim, width - 1, device="cuda", dtype=torch.bfloat16) if spec else None
+    inter = (torch.full((batch, seqlen, dim, width - 1), float("nan"), device="cuda", dtype=torch.bfloat16)
+             if spec else None)  # poisoned: an unwritten window fails the check
     out = torch.full_like(x, float("nan"))
     p_k, p_r = pool.clone(), pool.clone()
     i_r = inter.clone() if spec else None
@@ -261,8 +262,8 @@ def run_decode_case(batch, dim, peers, seqlen=1, spec=False, extra=True):
 
 
 # ----------------------------------------------------------------------------------------------- variants
-def run_variants():
-    """Time tile variants on card shapes and decode; prints one line per variant."""
+def run_variants(family="all"):
+    """Time tile variants on card shapes, decode and verify; prints one line per variant."""
     from kernels import _launch, decode, prefill
     rows = []
     base = {k: dict(v) for k, v in _launch.TUNING.items()}
@@ -276,17 +277,32 @@ def run_variants():
             for nw, u, mc, mp, me in [(4, 4, 64, 2112, 0), (2, 4, 128, 2112, 0), (4, 4, 128, 2112, 0),
                                       (4, 2, 64, 2112, 0), (2, 8, 64, 2112, 0), (4, 8, 32, 2112, 0),
                                       (4, 4, 64, 4224, 0), (4, 4, 64, 2112, 1 << 62)]]  # the last: piece kernel
-    dec = [("decode", dict(block_d=bd, num_warps=nw)) for bd, nw in [(512, 8), (256, 4), (1024, 8), (512, 4)]]
-    for key, cfg in pre + dec:
+    # decode (one token): the general kernel's tiles, then the register-window kernel taking one token too
+    dec = [("decode", dict(block_d=bd, num_warps=nw)) for bd, nw in [(512, 8), (1024, 16)]]
+    dec += [("decode_short", dict(min_seqlen=1, block_d=bd, num_warps=nw, x_tile=False))
+            for bd, nw in [(512, 8), (256, 4), (1024, 8)]]
+    # verify (256 rows x 4 tokens, windows saved): the general kernel, then the register-window kernel
+    ver = [("decode_short", dict(min_seqlen=1 << 30, block_d=128, num_warps=2, x_tile=True))]
+    ver += [("decode_short", dict(min_seqlen=2, block_d=bd, num_warps=nw, x_tile=xt))
+            for bd, nw, xt in [(128, 4, True), (64, 2, True), (256, 4, False), (512, 8, False), (128, 4, False),
+                               (512, 4, False), (256, 2, False)]]
+    todo = [(k, c, "decode") for k, c in dec] + [(k, c, "verify") for k, c in ver]
+    if family == "all":
+        todo = [(k, c, "prefill") for k, c in pre] + todo
+    for key, cfg, what in todo:
         _launch.TUNING[key] = cfg
         prefill._PLANS.clear()
         decode._PLANS.clear()
         try:
-            if key == "decode":
-                for batch in (64, 1024):
+            if what == "decode":
+                for batch in (64, 256, 1024):
                     r = run_decode_case(batch, 8192, {}, extra=False)
                     rows.append(dict(variant=f"{key} {cfg}", case=f"b{batch}x8192", ours=r["ours"], copy=r["copy"],
                                      ok=r["ok"], regs=_regs(decode)))
+            elif what == "verify":
+                r = run_decode_case(256, 8192, {}, seqlen=4, spec=True, extra=False)
+                rows.append(dict(variant=f"verify {key} {cfg}", case="b256x4x8192", ours=r["ours"],
+                                 copy=r["copy"], ok=r["ok"], regs=_regs(decode)))
             else:
                 layout = "(dim,T)" if key == "prefill_flat" else "channel-last"
                 for T, dim in [(256, 4096), (1024, 4096), (4195, 8192), (14807, 8192)]:
@@ -371,7 +387,8 @@ def update_readme(md, readme=ROOT / "README.md"):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--variants", action="store_true")
+    ap.add_argument("--variants", nargs="?", const="all", choices=["all", "decode"],
+                    help="also time tile variants (all, or only decode and verify)")
     ap.add_argument("--quick", action="store_true", help="fewer cases")
     ap.add_argument("--only", choices=["prefill", "decode"], help="run one family of cases")
     ap.add_argument("--peer-file", action="append")
@@ -392,7 +409,7 @@ def main(argv=None):
     peers = load_peers(a.peer_file)
     print("peers:", ", ".join(peers) or "none importable")
     rows = []
-    variants = run_variants() if a.variants else None
+    variants = run_variants(a.variants) if a.variants else None
     card = CARD if not a.quick else [CARD[0], CARD[4], CARD[8]]
     if a.only == "decode":
         card = []

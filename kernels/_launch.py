@@ -41,6 +41,10 @@ TUNING = {
     # several tokens per row (chunked decode, speculative verify): narrower tiles keep the token chunk and
     # its windows in registers
     "decode_multi": dict(block_d=128, num_warps=2),
+    # a few tokens per row with x token-contiguous and width - 1 + seqlen <= 8 (speculative verify): the
+    # register-window kernel, from min_seqlen tokens on; channels per program; x_tile: x and out accessed as one
+    # [channels, 8] tile, else one token column at a time
+    "decode_short": dict(min_seqlen=2, block_d=128, num_warps=4, x_tile=True),
 }
 
 

@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import LaunchPlan, decode_config, next_pow2, tensor_key
+from ._launch import TUNING, LaunchPlan, decode_config, next_pow2, tensor_key
+from .prefill import _join8, _split8
 from ._validate import PAD_SLOT_ID, check_out, check_update
 
 
@@ -184,6 +185,137 @@ def _update_kernel(
             tl.store(state_row[None, :] + cols[:, None] * stride_s_k, new.to(state_ptr.dtype.element_ty), mask=mj)
 
 
+
+@triton.jit
+def _short_kernel(
+    x_ptr,  # (batch, dim, SEQ), contiguous per row: stride SEQ along dim, 1 along tokens
+    w_ptr,  # (dim, WIDTH)
+    b_ptr,  # (dim,), read when HAS_BIAS
+    state_ptr,  # (num_lines, dim, state_len), stride 1 along dim
+    idx_ptr,  # (batch,) conv_state_indices, read when HAS_INDICES
+    acc_ptr,  # (batch,) num_accepted_tokens, read when HAS_ACCEPTED
+    inter_ptr,  # (>= batch, >= SEQ, dim, >= WIDTH - 1) intermediate_conv_window, written when SAVE_INTER
+    osi_ptr,  # (batch, >= SEQ) output_state_indices, read when HAS_OSI
+    out_ptr,  # (batch, dim, SEQ), same layout as x
+    dim,
+    seqlen,  # == SEQ (unused: the constexpr is used instead)
+    state_len,
+    num_lines,
+    n_keep,  # == N_KEEP (unused)
+    pad_slot_id,
+    stride_x_b, stride_x_d, stride_x_t,
+    stride_w_d, stride_w_k,
+    stride_s_line, stride_s_d, stride_s_k,
+    stride_idx, stride_acc,
+    stride_i_b, stride_i_t, stride_i_d, stride_i_k,
+    stride_osi_b, stride_osi_t,
+    stride_o_b, stride_o_d, stride_o_t,
+    WIDTH: tl.constexpr,
+    SEQ: tl.constexpr,  # tokens per row; WIDTH - 1 + SEQ <= 8
+    N_KEEP: tl.constexpr,  # live-state columns rewritten when WRITE_LIVE
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+    HAS_INDICES: tl.constexpr,
+    HAS_ACCEPTED: tl.constexpr,
+    SAVE_INTER: tl.constexpr,
+    HAS_OSI: tl.constexpr,
+    WRITE_LIVE: tl.constexpr,
+    OFF64: tl.constexpr,
+    X_TILE: tl.constexpr,  # x and out as one [BLOCK_D, 8] tile (a vector access per channel), else per token
+    BLOCK_D: tl.constexpr,
+):
+    """A few tokens per row (speculative verify, short chunks), x token-contiguous: each thread holds one
+    channel's whole ``[window | x]`` (at most 8 positions) in registers.
+
+    x and out are read and written as one ``[BLOCK_D, 8]`` tile (each channel's SEQ tokens are one vector
+    access); every tap and window is a register column of that tile, so no element is loaded twice. Same
+    semantics as ``_update_kernel``.
+    """
+    b = tl.program_id(0).to(tl.int64)
+    d0 = tl.program_id(1) * BLOCK_D
+    offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    if OFF64:
+        offs_d = offs_d.to(tl.int64)
+    offs_t = tl.arange(0, 8)  # [8] token within the row
+    if HAS_INDICES:
+        line = tl.load(idx_ptr + b * stride_idx).to(tl.int64)
+    else:
+        line = b
+    if HAS_ACCEPTED:
+        o = tl.load(acc_ptr + b * stride_acc).to(tl.int32) - 1
+    else:
+        o = tl.program_id(0) * 0
+    valid = (line != pad_slot_id) & (line >= 0) & (line < num_lines) & (o >= 0) & (o + WIDTH - 1 <= state_len)
+    in_d = offs_d < dim - d0  # [BLOCK_D]
+    mask_d = in_d & ((tl.zeros([BLOCK_D], dtype=tl.int32) + valid.to(tl.int32)) != 0)  # [BLOCK_D]
+    d0_64 = d0.to(tl.int64)
+
+    # [window | x] as a tuple of [BLOCK_D] columns: WIDTH - 1 state columns, then SEQ tokens.
+    state_row = (state_ptr + line * stride_s_line + d0_64) + offs_d  # [BLOCK_D]
+    e = ()
+    for j in tl.static_range(WIDTH - 1):
+        e = e + (tl.load(state_row + (o + j) * stride_s_k, mask=mask_d, other=0.0).to(tl.float32),)
+    x_row = (x_ptr + b * stride_x_b + d0_64 * SEQ) + offs_d * SEQ  # [BLOCK_D]
+    if X_TILE:
+        m_x = mask_d[:, None] & (offs_t < SEQ)[None, :]  # [BLOCK_D, 8]
+        xs = _split8(tl.load(x_row[:, None] + offs_t[None, :], mask=m_x, other=0.0).to(tl.float32), BLOCK_D)
+        for t in tl.static_range(SEQ):
+            e = e + (xs[t],)  # [BLOCK_D]
+    else:
+        for t in tl.static_range(SEQ):
+            e = e + (tl.load(x_row + t, mask=mask_d, other=0.0).to(tl.float32),)  # [BLOCK_D]
+
+    w_row = w_ptr + (d0 + offs_d) * stride_w_d  # [BLOCK_D]
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + d0 + offs_d, mask=in_d, other=0.0).to(tl.float32)
+    else:
+        bias = tl.zeros([BLOCK_D], dtype=tl.float32)
+    w = ()
+    for k in tl.static_range(WIDTH):
+        w = w + (tl.load(w_row + k * stride_w_k, mask=in_d, other=0.0).to(tl.float32),)
+    ys = ()
+    for t in tl.static_range(8):
+        if t < SEQ:
+            acc = bias
+            for k in tl.static_range(WIDTH):
+                acc += e[t + k] * w[k]
+            if SILU:
+                acc = acc / (1.0 + tl.exp(-acc))
+            ys = ys + (tl.where(mask_d, acc, 0.0),)  # pad rows: zeros
+        else:
+            ys = ys + (bias,)  # not stored
+    tl.debug_barrier()  # every state read above happens before any state write below
+    o_row = (out_ptr + b * stride_o_b + d0_64 * SEQ) + offs_d * SEQ  # [BLOCK_D]
+    if X_TILE:
+        y = _join8(ys[0], ys[1], ys[2], ys[3], ys[4], ys[5], ys[6], ys[7])  # [BLOCK_D, 8]
+        tl.store(o_row[:, None] + offs_t[None, :], y.to(out_ptr.dtype.element_ty),
+                 mask=in_d[:, None] & (offs_t < SEQ)[None, :])
+    else:
+        for t in tl.static_range(SEQ):
+            tl.store(o_row + t, ys[t].to(out_ptr.dtype.element_ty), mask=in_d)
+
+    # The window after token t is positions t + 1 .. t + WIDTH - 1 of [window | x].
+    if SAVE_INTER:
+        i_row = (inter_ptr + b * stride_i_b + d0_64 * stride_i_d) + offs_d * stride_i_d  # [BLOCK_D]
+        for t in tl.static_range(SEQ):
+            for j in tl.static_range(WIDTH - 1):
+                tl.store(i_row + t * stride_i_t + j * stride_i_k, e[t + 1 + j].to(inter_ptr.dtype.element_ty),
+                         mask=mask_d)
+    if HAS_OSI:
+        for t in tl.static_range(SEQ):
+            tgt = tl.load(osi_ptr + b * stride_osi_b + t * stride_osi_t).to(tl.int64)
+            m_t = mask_d & ((tl.zeros([BLOCK_D], dtype=tl.int32) + ((tgt >= 0) & (tgt < num_lines)).to(tl.int32))
+                            != 0)  # [BLOCK_D]
+            t_row = (state_ptr + tgt * stride_s_line + d0_64) + offs_d  # [BLOCK_D]
+            for j in tl.static_range(WIDTH - 1):
+                tl.store(t_row + j * stride_s_k, e[t + 1 + j].to(state_ptr.dtype.element_ty), mask=m_t)
+    if WRITE_LIVE:
+        # Columns [0, N_KEEP) of the live row: the last N_KEEP positions of [window | x].
+        for j in tl.static_range(N_KEEP):
+            tl.store(state_row + j * stride_s_k, e[WIDTH - 1 + SEQ - N_KEEP + j].to(state_ptr.dtype.element_ty),
+                     mask=mask_d)
+
+
 _PLANS = {}
 
 
@@ -203,17 +335,27 @@ def _plan_update(x, conv_state, weight, bias, conv_state_indices, num_accepted_t
                num_accepted_tokens.stride(0) if num_accepted_tokens is not None else 0,
                *(inter.stride() if inter is not None else (0, 0, 0, 0)),
                *(osi.stride() if osi is not None else (0, 0)), *o_strides)
+
+    def flags(block_d):  # per-element offsets from a row's base overflow int32 (huge strides): OFF64
+        off64 = max(block_d * abs(t.stride(i)) + (seqlen + state_len + width) * abs(t.stride(-1))
+                    for t, i in ((x, 1), (conv_state, 1), (out, 1))) >= 2**31
+        return dict(HAS_BIAS=bias is not None, SILU=silu, HAS_INDICES=conv_state_indices is not None,
+                    HAS_ACCEPTED=num_accepted_tokens is not None, SAVE_INTER=inter is not None,
+                    HAS_OSI=osi is not None, WRITE_LIVE=inter is None and osi is None, OFF64=off64, BLOCK_D=block_d)
+
+    short = TUNING["decode_short"]
+    if (seqlen >= short["min_seqlen"] and width - 1 + seqlen <= 8 and conv_state.stride(1) == 1
+            and x_strides[1:] == (seqlen, 1) and o_strides[1:] == (seqlen, 1)):
+        block_d = min(short["block_d"], max(16, next_pow2(dim)))
+        return LaunchPlan(_short_kernel, (batch, -(-dim // block_d)), scalars,
+                          dict(WIDTH=width, SEQ=seqlen, N_KEEP=n_keep, X_TILE=short["x_tile"], **flags(block_d)), short["num_warps"],
+                          x.device)
     constexprs = dict(
-        WIDTH=width, WP=wp, HAS_BIAS=bias is not None, SILU=silu,
-        HAS_INDICES=conv_state_indices is not None, HAS_ACCEPTED=num_accepted_tokens is not None,
-        SAVE_INTER=inter is not None, HAS_OSI=osi is not None, WRITE_LIVE=inter is None and osi is None,
+        WIDTH=width, WP=wp, **flags(cfg.block_d),
         X_UNIT_D=x_strides[1] == 1, X_UNIT_T=x_strides[2] == 1 and seqlen > 1, S_UNIT_D=conv_state.stride(1) == 1,
         O_UNIT_D=o_strides[1] == 1, O_UNIT_T=o_strides[2] == 1 and seqlen > 1,
         I_UNIT_K=inter is not None and inter.stride(3) == 1,
-        EVEN_D=dim % cfg.block_d == 0, ONE_CHUNK=seqlen <= cfg.block_t and n_keep <= wp,
-        OFF64=max(cfg.block_d * abs(t.stride(i)) + (seqlen + state_len + width) * abs(t.stride(-1))
-                  for t, i in ((x, 1), (conv_state, 1), (out, 1))) >= 2**31,
-        BLOCK_L=cfg.block_t, BLOCK_D=cfg.block_d)
+        EVEN_D=dim % cfg.block_d == 0, ONE_CHUNK=seqlen <= cfg.block_t and n_keep <= wp, BLOCK_L=cfg.block_t)
     grid = (batch, -(-dim // cfg.block_d))
     return LaunchPlan(_update_kernel, grid, scalars, constexprs, cfg.num_warps, x.device)
 

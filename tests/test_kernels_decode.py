@@ -314,3 +314,59 @@ def test_intermediate_windows_and_output_state_indices_together(width, kernel_de
     assert_close(y, ref, torch.float32)
     assert_states_equal(st_k, st_r)
     assert_close(kw_k["intermediate_conv_window"], kw_r["intermediate_conv_window"], torch.float32, "windows")
+
+
+@pytest.fixture(params=["register-window-tile", "register-window-columns", "general"])
+def short_path(request, monkeypatch):
+    """Run a test through the register-window kernel (x token-contiguous, width - 1 + seqlen <= 8; x as one tile
+    or per token) or with it switched off (the general kernel), on fresh plan caches."""
+    from kernels import _launch, decode
+    on = request.param != "general"
+    monkeypatch.setitem(_launch.TUNING, "decode_short",
+                        dict(min_seqlen=1 if on else 1 << 30, block_d=32, num_warps=1,
+                             x_tile=request.param.endswith("tile")))
+    monkeypatch.setattr(decode, "_PLANS", {})
+    yield on
+    used = {plan.fn.__name__ for plan in decode._PLANS.values()}
+    assert ("_short_kernel" in used) == on, f"kernels used: {used}"
+
+
+SHORT_GRID = [(w, L) for w in (2, 3, 4) for L in range(1, 10 - w)]
+
+
+@pytest.mark.parametrize("width,seqlen", SHORT_GRID)
+@pytest.mark.parametrize("mode", ["live", "inter", "osi", "accepted"])
+def test_few_token_update_matches_reference_on_both_paths(width, seqlen, mode, short_path, kernel_device):
+    """Verify-sized calls (x contiguous (batch, dim, seqlen)): outputs, intermediate windows, windows written
+    through output_state_indices, and the seed's wide-row layout read at num_accepted_tokens, with a pad row and a
+    dim that is not a multiple of the tile."""
+    gen = torch.Generator().manual_seed(SEED + 101 * width + seqlen)
+    rng = random.Random(SEED + 13 * width + seqlen)
+    dim, batch, lines = 45, 4, 12
+    dtype = DTYPES[(width + seqlen) % 3]
+    x = torch.randn(batch, dim, seqlen, generator=gen).to(kernel_device, dtype)
+    w = torch.randn(dim, width, generator=gen).to(kernel_device, dtype)
+    b = torch.randn(dim, generator=gen).to(kernel_device, dtype) if seqlen % 2 else None
+    state_len = width - 2 + seqlen + 1 if mode == "accepted" else width - 1
+    state = pool_layout(lines, dim, state_len, dtype, kernel_device, gen)
+    rows = rng.sample(range(1, lines), batch)
+    rows[rng.randrange(batch)] = PAD_SLOT_ID
+    kw = dict(conv_state_indices=torch.tensor(rows, dtype=torch.int32, device=kernel_device))
+    if mode == "inter":
+        kw["intermediate_conv_window"] = torch.full((batch, seqlen, dim, width - 1), float("nan"),
+                                                    device=kernel_device, dtype=dtype)
+    if mode == "osi":  # each window to a fresh row, some skipped; the last row's last window onto its own row
+        free = iter(rng.sample([r for r in range(1, lines) if r not in rows], lines - 1 - batch + 1))
+        osi = [[next(free, -1) if rng.random() < 0.5 else -1 for _ in range(seqlen)] for _ in range(batch)]
+        osi[-1][-1] = rows[-1] if rows[-1] != PAD_SLOT_ID else -1
+        kw["output_state_indices"] = torch.tensor(osi, dtype=torch.int32, device=kernel_device)
+    if mode == "accepted":
+        kw["num_accepted_tokens"] = torch.tensor([rng.randint(1, seqlen) for _ in range(batch)],
+                                                 dtype=torch.int32, device=kernel_device)
+    y, st_k, ref, st_r, kw_k, kw_r = run_both(x, state, w, b, **kw)
+    assert_close(y, ref, dtype, "output")
+    assert_states_equal(st_k, st_r)
+    if mode == "inter":
+        got, want = kw_k["intermediate_conv_window"], kw_r["intermediate_conv_window"]
+        live = [i for i in range(batch) if rows[i] != PAD_SLOT_ID]  # pad rows' windows are not written
+        assert_close(got[live], want[live], dtype, "intermediate windows")
