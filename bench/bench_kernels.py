@@ -252,7 +252,8 @@ def run_decode_case(batch, dim, peers, seqlen=1, spec=False, extra=True):
                 continue
             p_p = pool.clone()
             xx = x.clone()
-            fnp = (lambda f=peer[1]: f(xx, p_p, w, b, "silu", conv_state_indices=idx))
+            i_p = inter.clone() if spec else None  # the same work: a verify saves its windows
+            fnp = (lambda f=peer[1]: f(xx, p_p, w, b, "silu", conv_state_indices=idx, intermediate_conv_window=i_p))
             try:
                 fnp()
                 r[f"peer:{name}"] = bench(fnp)
@@ -277,15 +278,13 @@ def run_variants(family="all"):
             for nw, u, mc, mp, me in [(4, 4, 64, 2112, 0), (2, 4, 128, 2112, 0), (4, 4, 128, 2112, 0),
                                       (4, 2, 64, 2112, 0), (2, 8, 64, 2112, 0), (4, 8, 32, 2112, 0),
                                       (4, 4, 64, 4224, 0), (4, 4, 64, 2112, 1 << 62)]]  # the last: piece kernel
-    # decode (one token): the general kernel's tiles, then the register-window kernel taking one token too
-    dec = [("decode", dict(block_d=bd, num_warps=nw)) for bd, nw in [(512, 8), (1024, 16)]]
-    dec += [("decode_short", dict(min_seqlen=1, block_d=bd, num_warps=nw, x_tile=False))
-            for bd, nw in [(512, 8), (256, 4), (1024, 8)]]
-    # verify (256 rows x 4 tokens, windows saved): the general kernel, then the register-window kernel
-    ver = [("decode_short", dict(min_seqlen=1 << 30, block_d=128, num_warps=2, x_tile=True))]
-    ver += [("decode_short", dict(min_seqlen=2, block_d=bd, num_warps=nw, x_tile=xt))
-            for bd, nw, xt in [(128, 4, True), (64, 2, True), (256, 4, False), (512, 8, False), (128, 4, False),
-                               (512, 4, False), (256, 2, False)]]
+    # decode (one token): the dense-row kernel's tiles, then the general kernel (dense-row kernel off)
+    dec = [("decode", dict(block_d=bd, num_warps=nw)) for bd, nw in [(512, 8), (256, 4), (1024, 8)]]
+    dec += [("decode_short", dict(max_positions=0, block_d=128, num_warps=4))]
+    # verify (256 rows x 4 tokens, windows saved): the dense-row kernel's tiles, then the general kernel
+    ver = [("decode_short", dict(max_positions=8, block_d=bd, num_warps=nw)) for bd, nw in [(128, 4), (64, 2),
+                                                                                             (256, 8)]]
+    ver += [("decode_short", dict(max_positions=0, block_d=128, num_warps=4))]
     todo = [(k, c, "decode") for k, c in dec] + [(k, c, "verify") for k, c in ver]
     if family == "all":
         todo = [(k, c, "prefill") for k, c in pre] + todo

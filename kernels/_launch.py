@@ -36,15 +36,14 @@ TUNING = {
     "prefill_heads": dict(block_d=256, elems=2048, num_warps=4),
     # prefill, x contiguous along channels (serving stacks: x.stride(0) == 1)
     "prefill_channel_major": dict(block_d=256, elems=4096, num_warps=4),
-    # decode, one token per row: channels per program
+    # decode, one token per row: channels per program (2 per thread measured best on the H200)
     "decode": dict(block_d=512, num_warps=8),
-    # several tokens per row (chunked decode, speculative verify): narrower tiles keep the token chunk and
-    # its windows in registers
+    # several tokens per row with x dense per row (speculative verify): the register-window kernel while width
+    # - 1 + tokens <= max_positions (0: never), one channel per thread (measured best)
+    "decode_short": dict(max_positions=8, block_d=128, num_warps=4),
+    # several tokens per row otherwise (strided x, long chunks): narrower tiles keep the token chunk and its
+    # windows in registers
     "decode_multi": dict(block_d=128, num_warps=2),
-    # a few tokens per row with x token-contiguous and width - 1 + seqlen <= 8 (speculative verify): the
-    # register-window kernel, from min_seqlen tokens on; channels per program; x_tile: x and out accessed as one
-    # [channels, 8] tile, else one token column at a time
-    "decode_short": dict(min_seqlen=2, block_d=128, num_warps=4, x_tile=True),
 }
 
 

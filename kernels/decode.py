@@ -1,9 +1,15 @@
 """Decode: ``causal_conv1d_update``, one or several tokens per sequence against a state pool.
 
-One program handles one batch row and ``BLOCK_D`` channels. It reads the row's window (``width - 1`` state
-columns starting at ``num_accepted_tokens - 1``), runs the tokens in chunks of ``BLOCK_L`` and then writes the
-state. Within a program every read of a state row comes before the first write to any state row (a barrier
-separates them), so a window written through ``output_state_indices`` may land on the row being read.
+Two kernels; in both, one program handles one batch row and ``BLOCK_D`` channels and reads the row's window
+(``width - 1`` state columns starting at ``num_accepted_tokens - 1``):
+
+* ``_dense_kernel``, for x and out dense per row (``(batch, dim)``, or ``(batch, dim, seqlen)`` contiguous) and a
+  few tokens (``width - 1 + seqlen <= 8``): one decode token, a speculative verify. Every position of
+  ``[window | x]`` is loaded once into registers; taps and windows are register columns.
+* ``_update_kernel``, for everything else (any strides, long chunks): runs the tokens in chunks of ``BLOCK_L``.
+
+Within a program every read of a state row comes before the first write to any state row (a barrier separates
+them), so a window written through ``output_state_indices`` may land on the row being read.
 """
 
 from __future__ import annotations
@@ -15,7 +21,6 @@ import triton
 import triton.language as tl
 
 from ._launch import TUNING, LaunchPlan, decode_config, next_pow2, tensor_key
-from .prefill import _join8, _split8
 from ._validate import PAD_SLOT_ID, check_out, check_update
 
 
@@ -187,8 +192,8 @@ def _update_kernel(
 
 
 @triton.jit
-def _short_kernel(
-    x_ptr,  # (batch, dim, SEQ), contiguous per row: stride SEQ along dim, 1 along tokens
+def _dense_kernel(
+    x_ptr,  # (batch, dim, SEQ) or (batch, dim), stride SEQ along dim and 1 along tokens
     w_ptr,  # (dim, WIDTH)
     b_ptr,  # (dim,), read when HAS_BIAS
     state_ptr,  # (num_lines, dim, state_len), stride 1 along dim
@@ -211,7 +216,7 @@ def _short_kernel(
     stride_osi_b, stride_osi_t,
     stride_o_b, stride_o_d, stride_o_t,
     WIDTH: tl.constexpr,
-    SEQ: tl.constexpr,  # tokens per row; WIDTH - 1 + SEQ <= 8
+    SEQ: tl.constexpr,  # tokens per row (a few: every position of [window | x] stays in registers)
     N_KEEP: tl.constexpr,  # live-state columns rewritten when WRITE_LIVE
     HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr,
@@ -221,22 +226,17 @@ def _short_kernel(
     HAS_OSI: tl.constexpr,
     WRITE_LIVE: tl.constexpr,
     OFF64: tl.constexpr,
-    X_TILE: tl.constexpr,  # x and out as one [BLOCK_D, 8] tile (a vector access per channel), else per token
     BLOCK_D: tl.constexpr,
 ):
-    """A few tokens per row (speculative verify, short chunks), x token-contiguous: each thread holds one
-    channel's whole ``[window | x]`` (at most 8 positions) in registers.
-
-    x and out are read and written as one ``[BLOCK_D, 8]`` tile (each channel's SEQ tokens are one vector
-    access); every tap and window is a register column of that tile, so no element is loaded twice. Same
-    semantics as ``_update_kernel``.
+    """One decode token, or a few (speculative verify, short chunks), with x dense per row: each thread keeps
+    its channels' whole ``[window | x]`` in registers as a tuple of columns, so every tap and every window is a
+    register column and no element is loaded twice. Same semantics as ``_update_kernel``.
     """
     b = tl.program_id(0).to(tl.int64)
     d0 = tl.program_id(1) * BLOCK_D
     offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
     if OFF64:
         offs_d = offs_d.to(tl.int64)
-    offs_t = tl.arange(0, 8)  # [8] token within the row
     if HAS_INDICES:
         line = tl.load(idx_ptr + b * stride_idx).to(tl.int64)
     else:
@@ -256,14 +256,8 @@ def _short_kernel(
     for j in tl.static_range(WIDTH - 1):
         e = e + (tl.load(state_row + (o + j) * stride_s_k, mask=mask_d, other=0.0).to(tl.float32),)
     x_row = (x_ptr + b * stride_x_b + d0_64 * SEQ) + offs_d * SEQ  # [BLOCK_D]
-    if X_TILE:
-        m_x = mask_d[:, None] & (offs_t < SEQ)[None, :]  # [BLOCK_D, 8]
-        xs = _split8(tl.load(x_row[:, None] + offs_t[None, :], mask=m_x, other=0.0).to(tl.float32), BLOCK_D)
-        for t in tl.static_range(SEQ):
-            e = e + (xs[t],)  # [BLOCK_D]
-    else:
-        for t in tl.static_range(SEQ):
-            e = e + (tl.load(x_row + t, mask=mask_d, other=0.0).to(tl.float32),)  # [BLOCK_D]
+    for t in tl.static_range(SEQ):
+        e = e + (tl.load(x_row + t, mask=mask_d, other=0.0).to(tl.float32),)  # [BLOCK_D]
 
     w_row = w_ptr + (d0 + offs_d) * stride_w_d  # [BLOCK_D]
     if HAS_BIAS:
@@ -274,25 +268,17 @@ def _short_kernel(
     for k in tl.static_range(WIDTH):
         w = w + (tl.load(w_row + k * stride_w_k, mask=in_d, other=0.0).to(tl.float32),)
     ys = ()
-    for t in tl.static_range(8):
-        if t < SEQ:
-            acc = bias
-            for k in tl.static_range(WIDTH):
-                acc += e[t + k] * w[k]
-            if SILU:
-                acc = acc / (1.0 + tl.exp(-acc))
-            ys = ys + (tl.where(mask_d, acc, 0.0),)  # pad rows: zeros
-        else:
-            ys = ys + (bias,)  # not stored
+    for t in tl.static_range(SEQ):
+        acc = bias
+        for k in tl.static_range(WIDTH):
+            acc += e[t + k] * w[k]
+        if SILU:
+            acc = acc / (1.0 + tl.exp(-acc))
+        ys = ys + (tl.where(mask_d, acc, 0.0),)  # pad rows: zeros
     tl.debug_barrier()  # every state read above happens before any state write below
     o_row = (out_ptr + b * stride_o_b + d0_64 * SEQ) + offs_d * SEQ  # [BLOCK_D]
-    if X_TILE:
-        y = _join8(ys[0], ys[1], ys[2], ys[3], ys[4], ys[5], ys[6], ys[7])  # [BLOCK_D, 8]
-        tl.store(o_row[:, None] + offs_t[None, :], y.to(out_ptr.dtype.element_ty),
-                 mask=in_d[:, None] & (offs_t < SEQ)[None, :])
-    else:
-        for t in tl.static_range(SEQ):
-            tl.store(o_row + t, ys[t].to(out_ptr.dtype.element_ty), mask=in_d)
+    for t in tl.static_range(SEQ):
+        tl.store(o_row + t, ys[t].to(out_ptr.dtype.element_ty), mask=in_d)
 
     # The window after token t is positions t + 1 .. t + WIDTH - 1 of [window | x].
     if SAVE_INTER:
@@ -343,13 +329,14 @@ def _plan_update(x, conv_state, weight, bias, conv_state_indices, num_accepted_t
                     HAS_ACCEPTED=num_accepted_tokens is not None, SAVE_INTER=inter is not None,
                     HAS_OSI=osi is not None, WRITE_LIVE=inter is None and osi is None, OFF64=off64, BLOCK_D=block_d)
 
-    short = TUNING["decode_short"]
-    if (seqlen >= short["min_seqlen"] and width - 1 + seqlen <= 8 and conv_state.stride(1) == 1
-            and x_strides[1:] == (seqlen, 1) and o_strides[1:] == (seqlen, 1)):
-        block_d = min(short["block_d"], max(16, next_pow2(dim)))
-        return LaunchPlan(_short_kernel, (batch, -(-dim // block_d)), scalars,
-                          dict(WIDTH=width, SEQ=seqlen, N_KEEP=n_keep, X_TILE=short["x_tile"], **flags(block_d)), short["num_warps"],
-                          x.device)
+    # The register-window kernel: x and out dense per row (stride seqlen along dim, 1 along tokens), the pool's
+    # layout, and few enough positions of [window | x] to keep in registers.
+    dense = all(st[1] == seqlen and (seqlen == 1 or st[2] == 1) for st in (x_strides, o_strides))
+    if dense and conv_state.stride(1) == 1 and width - 1 + seqlen <= TUNING["decode_short"]["max_positions"]:
+        t = TUNING["decode" if seqlen == 1 else "decode_short"]
+        block_d = min(t["block_d"], max(16, next_pow2(dim)))
+        return LaunchPlan(_dense_kernel, (batch, -(-dim // block_d)), scalars,
+                          dict(WIDTH=width, SEQ=seqlen, N_KEEP=n_keep, **flags(block_d)), t["num_warps"], x.device)
     constexprs = dict(
         WIDTH=width, WP=wp, **flags(cfg.block_d),
         X_UNIT_D=x_strides[1] == 1, X_UNIT_T=x_strides[2] == 1 and seqlen > 1, S_UNIT_D=conv_state.stride(1) == 1,

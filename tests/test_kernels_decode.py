@@ -316,19 +316,18 @@ def test_intermediate_windows_and_output_state_indices_together(width, kernel_de
     assert_close(kw_k["intermediate_conv_window"], kw_r["intermediate_conv_window"], torch.float32, "windows")
 
 
-@pytest.fixture(params=["register-window-tile", "register-window-columns", "general"])
+@pytest.fixture(params=["register-window", "general"])
 def short_path(request, monkeypatch):
-    """Run a test through the register-window kernel (x token-contiguous, width - 1 + seqlen <= 8; x as one tile
-    or per token) or with it switched off (the general kernel), on fresh plan caches."""
+    """Run a test through the register-window kernel (x dense per row, width - 1 + seqlen <= 8) or with it
+    switched off (the general kernel), on fresh plan caches, with tiles smaller than the test's dim."""
     from kernels import _launch, decode
-    on = request.param != "general"
-    monkeypatch.setitem(_launch.TUNING, "decode_short",
-                        dict(min_seqlen=1 if on else 1 << 30, block_d=32, num_warps=1,
-                             x_tile=request.param.endswith("tile")))
+    on = request.param == "register-window"
+    monkeypatch.setitem(_launch.TUNING, "decode_short", dict(max_positions=8 if on else 0, block_d=32, num_warps=1))
+    monkeypatch.setitem(_launch.TUNING, "decode", dict(block_d=32, num_warps=1))
     monkeypatch.setattr(decode, "_PLANS", {})
     yield on
     used = {plan.fn.__name__ for plan in decode._PLANS.values()}
-    assert ("_short_kernel" in used) == on, f"kernels used: {used}"
+    assert ("_dense_kernel" in used) == on, f"kernels used: {used}"
 
 
 SHORT_GRID = [(w, L) for w in (2, 3, 4) for L in range(1, 10 - w)]
