@@ -279,7 +279,7 @@ def run_variants(family="all"):
                                       (4, 2, 64, 2112, 0), (2, 8, 64, 2112, 0), (4, 8, 32, 2112, 0),
                                       (4, 4, 64, 4224, 0), (4, 4, 64, 2112, 1 << 62)]]  # the last: piece kernel
     # decode (one token): the dense-row kernel's tiles, then the general kernel (dense-row kernel off)
-    dec = [("decode", dict(block_d=bd, num_warps=nw)) for bd, nw in [(512, 8), (256, 4), (1024, 8)]]
+    dec = [("decode", dict(block_d=bd, num_warps=nw)) for bd, nw in [(512, 8), (256, 4)]]
     dec += [("decode_short", dict(max_positions=0, block_d=128, num_warps=4))]
     # verify (256 rows x 4 tokens, windows saved): the dense-row kernel's tiles, then the general kernel
     ver = [("decode_short", dict(max_positions=8, block_d=bd, num_warps=nw)) for bd, nw in [(128, 4), (64, 2),
