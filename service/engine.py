@@ -268,16 +268,22 @@ class DecodeLaunchers:
         self._graphs: dict = {}
         self.graph_bytes = 0
         self._cuda = pool.device.type == "cuda"
+        # the views each (layer, bucket) launch takes, built once: a dozen view ops per launch otherwise (the
+        # eager path and the CPU run every launch through _ops)
+        self._args = {}
+        for p in range(model.n_layers):
+            for b in self._buckets:
+                self._args[(p, b)] = (bufs.d_dec_x[p, :b], pool.layer(p), model.weight[p], model.layer_bias(p),
+                                      bufs.d_dec_idx[p, :b], bufs.h_dec_idx[p, :b], bufs.d_dec_out[p, :b])
         if self._cuda and use_graphs:
             self._capture()
 
     def _ops(self, p: int, b: int):
-        bf = self._b
+        x, states, w, bias, d_idx, h_idx, out = self._args[(p, b)]
         if self._cuda:
-            bf.d_dec_idx[p, :b].copy_(bf.h_dec_idx[p, :b], non_blocking=True)
-        self._fn(bf.d_dec_x[p, :b], self._pool.layer(p), self._model.weight[p], self._model.layer_bias(p),
-                 self._model.activation, conv_state_indices=bf.d_dec_idx[p, :b], pad_slot_id=PAD_SLOT_ID,
-                 out=bf.d_dec_out[p, :b])
+            d_idx.copy_(h_idx, non_blocking=True)
+        self._fn(x, states, w, bias, self._model.activation, conv_state_indices=d_idx, pad_slot_id=PAD_SLOT_ID,
+                 out=out)
 
     def _capture(self):
         dev = self._pool.device
