@@ -48,6 +48,7 @@ import collections
 import itertools
 import logging
 import math
+import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -195,6 +196,57 @@ class _Op:
     cancelled: bool = False
 
 
+#: c10 storage use count (a private binding, present since torch 2.0); without it every step gets a fresh output
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+class _OutputRing:
+    """The host tensors a step's results are copied into (pinned on CUDA), reused from step to step instead of a
+    fresh allocation per step.
+
+    Ownership: callers get views of these tensors (each result is a lazy ``(buf, lo, hi, dtype)`` cut by its
+    reader, see :func:`_cut`) and may keep them for ever, so a buffer is reused only when nothing outside the
+    ring refers to it: no Python reference to the tensor (the lazy results hold it) and no other tensor on its
+    storage (the cut views, and whatever was made from them without a copy: numpy arrays, further views). Both
+    counts are exact in CPython, and only this (the worker) thread hands buffers out. The oldest buffer is tried
+    first; when every one is still held, the oldest is left to its holders (freed when they let go) and a fresh
+    buffer takes its place, which is what every step did before (``fresh`` counts those)."""
+
+    def __init__(self, n: int, rows: int, dim: int, dtype: torch.dtype, pin: bool):
+        self.rows, self._shape, self._dtype, self._pin = rows, (rows, dim), dtype, pin
+        self._bufs = [self._new() for _ in range(n)]
+        self._next = 0
+        self.fresh = 0
+        # the counts of an unreferenced buffer, measured with the same expressions as in take()
+        self._refs = sys.getrefcount(self._bufs[0])
+        self._uses = _storage_use_count(self._bufs[0].untyped_storage()._cdata) if _storage_use_count else None
+
+    def _new(self) -> torch.Tensor:
+        return torch.empty(self._shape, dtype=self._dtype, pin_memory=self._pin)
+
+    def take(self) -> torch.Tensor:
+        bufs, n = self._bufs, len(self._bufs)
+        i = self._next
+        if self._uses is not None:
+            for k in range(n):
+                j = (i + k) % n
+                if sys.getrefcount(bufs[j]) == self._refs and \
+                        _storage_use_count(bufs[j].untyped_storage()._cdata) == self._uses:
+                    i = j
+                    break
+            else:
+                bufs[i] = self._new()
+                self.fresh += 1
+        else:
+            bufs[i] = self._new()
+            self.fresh += 1
+        self._next = (i + 1) % n
+        return bufs[i]
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._bufs)
+
+
 class _Buffers:
     """Batch buffers, allocated once for the largest step. On CUDA the ``h_*`` are pinned host memory and the
     ``d_*`` device memory; on the CPU each ``d_*`` is its ``h_*``."""
@@ -230,6 +282,9 @@ class _Buffers:
         self.d_dec_out = torch.empty((n_layers, max_bucket, dim), dtype=dtype, device=device)
         # verify: output_state_indices all pad: the live state is not written and no window is stored
         self.d_osi = torch.full((max_rows, max_spec), PAD_SLOT_ID, dtype=torch.int32, device=device)
+        # the results of a step with up to max_rows output rows (every decode-only step); longer ones (prefill
+        # tokens) get a fresh tensor. 4 buffers: the callers of the last steps may not have read theirs yet.
+        self.outputs = _OutputRing(4, max_rows, dim, dtype, cuda)
         self.meta_np = self.h_meta.numpy()
         self.flags_np = self.h_flags.numpy()
         self.dec_idx_np = self.h_dec_idx.numpy()
@@ -240,7 +295,7 @@ class _Buffers:
             return t.numel() * t.element_size()
 
         names = ("in", "meta", "flags", "dec_x", "dec_idx")
-        host = sum(nb(getattr(self, "h_" + n)) for n in names) + nb(self.h_stage)
+        host = sum(nb(getattr(self, "h_" + n)) for n in names) + nb(self.h_stage) + self.outputs.nbytes()
         dev = (sum(nb(getattr(self, "d_" + n)) for n in names) if self.cuda else 0) + nb(self.d_osi) + \
             nb(self.d_dec_out) + nb(self.d_out)
         return {"host": host, "device": dev, "total": host + dev}
@@ -255,9 +310,9 @@ class DecodeLaunchers:
     from the host pack in ``h_dec_x``; on the CPU ``d_dec_x`` is ``h_dec_x``); the pad rows' x is whatever was
     there (a pad row reads no x: its output is zero and it touches no state). On CUDA with graphs, each
     (layer, bucket) is one CUDA graph holding the host-to-device copy of the indices and the kernel: a decode
-    launch is one ``replay()``. (The device-to-host copy of y stays outside, into a fresh per-step host tensor,
-    so results need no host-side copy.) Without graphs the same two operations run eagerly. On the CPU the
-    reference runs directly on the host buffers. Kept in one class so it can be swapped for
+    launch is one ``replay()``. (The device-to-host copy of y stays outside, into the step's host buffer from
+    :class:`_OutputRing`, so results need no host-side copy.) Without graphs the same two operations run eagerly.
+    On the CPU the reference runs directly on the host buffers. Kept in one class so it can be swapped for
     :mod:`kernels.graphs` later.
     """
 
@@ -1183,18 +1238,20 @@ class Engine:
             mo += rows
         if cuda:
             self._ev1.record()
-        # ---- results: one fresh host tensor per step (pinned on CUDA, from torch's caching host allocator),
-        # filled by one device-to-host copy per launch group; each request's y is a view of it, cut lazily by
-        # whoever reads the result (not on this thread)
+        # ---- results: one host tensor per step (pinned on CUDA; a buffer of the output ring unless the step
+        # has more rows than those), filled by one device-to-host copy per launch group; each request's y is a
+        # view of it, cut lazily by whoever reads the result (not on this thread)
         n_dec = sum(len(db.requests) for db in out.decodes)
-        host_out = torch.empty((n_dec + n_packed, D), dtype=m.dtype, pin_memory=cuda)
+        n_out = n_dec + n_packed
+        host_out = bf.outputs.take() if n_out <= bf.outputs.rows else \
+            torch.empty((n_out, D), dtype=m.dtype, pin_memory=cuda)
         a = 0
         for db in out.decodes:
             n = len(db.requests)
             host_out[a:a + n].copy_(bf.d_dec_out[db.layer, :n], non_blocking=cuda)
             a += n
         if n_packed:
-            host_out[n_dec:].copy_(bf.d_out[:n_packed], non_blocking=cuda)
+            host_out[n_dec:n_out].copy_(bf.d_out[:n_packed], non_blocking=cuda)
         t_launch = time.perf_counter_ns()
         # ---- the one synchronization of the step
         if cuda:

@@ -651,3 +651,59 @@ def test_staged_decodes_wrap_the_arena_and_fall_back_when_its_rows_are_held(rows
             assert_close(e.export_state(s), oracle.export(s))
     finally:
         e.stop(drain=False)
+
+
+# ---- the output ring
+
+
+def _held_y(held):
+    if isinstance(held, torch.Tensor):
+        return held
+    return held.result() if hasattr(held, "result") else torch.from_numpy(held)
+
+
+def test_results_kept_by_callers_are_never_overwritten():
+    """A step's results are views of a reused host buffer (the output ring); a buffer is reused only when no
+    result, cut or not, refers to it. Callers here keep every result (read and unread futures, cut views, a
+    numpy array of one) across many more steps than the ring has buffers: all must still hold their y."""
+    e = make_engine(slots=8, max_queue_delay_us=20_000, max_batch_size=8)
+    try:
+        oracle = Oracle(e.model_cpu, e.state_dtype)
+        sids = [e.create_session() for _ in range(4)]
+        for s in sids:
+            oracle.new(s)
+            x = torch.randn(3, DIM)
+            assert_close(e.submit(s, LAYERS[0], x).result(5), oracle.conv(s, 0, x))
+        kept = []                              # (what the caller holds, the reference y)
+        for step in range(12):
+            batch = []
+            for s in sids:
+                x = torch.randn(1, DIM)
+                batch.append((e.submit(s, LAYERS[0], x), oracle.conv(s, 0, x)))
+            for f, want in batch:              # one way of holding per step: each step's buffer is held by it
+                f.exception(5)                 # finished, result not cut yet
+                if step % 3 == 0:
+                    kept.append((f, want))                     # an unread future
+                elif step % 3 == 1:
+                    kept.append((f.result().numpy(), want))    # a numpy array over the cut view
+                else:
+                    kept.append((f.result(), want))            # the cut view itself
+            del f
+            batch.clear()
+            if step % 3 == 2:
+                for held, want in kept:        # nothing read so far has changed under its holder
+                    assert_close(_held_y(held), want)
+        for held, want in kept:
+            assert_close(_held_y(held), want)
+        assert e._bufs.outputs.fresh > 0       # the held buffers were left to their holders
+        # once nothing refers to them, the ring's buffers are reused again
+        kept.clear()
+        batch.clear()
+        fresh = e._bufs.outputs.fresh
+        for _ in range(6):
+            for s in sids:
+                x = torch.randn(1, DIM)
+                assert_close(e.submit(s, LAYERS[0], x).result(5), oracle.conv(s, 0, x))
+        assert e._bufs.outputs.fresh == fresh
+    finally:
+        e.stop(drain=False)
