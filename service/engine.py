@@ -840,6 +840,8 @@ class Engine:
         if not isinstance(speculative, bool):
             raise BadRequest(f"speculative: expected a boolean, got {speculative!r}")
         x_dtype = x.dtype if isinstance(x, torch.Tensor) else None
+        if x_dtype is self.model_cpu.dtype:
+            x_dtype = None              # y needs no cast: settled here, not per request in the step's delivery
         xm = self._check_x(x, speculative)
         now = time.monotonic()
         req = Request(-1, None, p, xm.shape[0], speculative, now, xm, sink, x_dtype)
@@ -991,19 +993,15 @@ class Engine:
         A :class:`_ConvFuture` is completed inline (what :func:`_complete` does), asyncio futures once per loop
         per step (:func:`_set_async_results`), on the loop.
         """
-        md = self.model.dtype
         now = time.monotonic()
         fast = _FAST_COMPLETE
         by_loop = None
         for i, r in enumerate(finished):
             p = i if by_position else r.parts
-            dt = r.x_dtype
-            if dt is md:
-                dt = None
             if type(p) is int:
-                y = (host_out, p, p + r.n_tokens, dt)
+                y = (host_out, p, p + r.n_tokens, r.x_dtype)
             else:                                   # a chunked prefill's joined tensor
-                y = (p, 0, r.n_tokens, dt)
+                y = (p, 0, r.n_tokens, r.x_dtype)
             sink = r.future
             r.x = r.parts = r.future = None         # the request may outlive the step in its session's queue
             r.done = True
@@ -1019,8 +1017,9 @@ class Engine:
                 if st is _PENDING or st is _RUNNING:
                     sink._result = y
                     sink._state = _FINISHED
-                    for w in sink._waiters:
-                        w.add_result(sink)
+                    if sink._waiters:               # concurrent.futures.wait / as_completed
+                        for w in sink._waiters:
+                            w.add_result(sink)
                     if cond._waiters:
                         cond.notify_all()
                     cond.release()

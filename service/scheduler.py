@@ -58,7 +58,7 @@ class Request:
     arrival: float               # monotonic seconds at submit
     x: Any = None                # the engine's (T, dim) input; the scheduler never reads it
     future: Any = None           # the engine's result sink
-    x_dtype: Any = None          # dtype the caller wants y in
+    x_dtype: Any = None          # dtype the caller wants y in (None: the model dtype, no cast)
     parts: Optional[list] = None  # outputs of the chunks run so far (chunked prefills only)
     scheduled_tokens: int = 0    # tokens handed to steps so far
     started: bool = False        # has entered a step: can no longer be cancelled
