@@ -112,7 +112,8 @@ def run_decode(args, model, n_sessions: int, n_layers_used: int = 1, graphs: boo
         out = step_summary(steps, rows=n_sessions)
         out.update({"round_trip_us_p50": _pct(rtt, 0.5), "round_trip_us_p90": _pct(rtt, 0.9),
                     "tokens_per_s": n_sessions * args.rounds / (sum(rtt) * 1e-6),
-                    "cuda_graphs": e.stats()["cuda_graphs"], "sessions": n_sessions, "layers_used": n_layers_used})
+                    "cuda_graphs": e.stats()["cuda_graphs"], "sessions": n_sessions, "layers_used": n_layers_used,
+                    "outputs_fresh": e.stats()["outputs_fresh"]})
         return out
     finally:
         e.stop(drain=False)
@@ -181,7 +182,7 @@ def run_closed(args, model, n_callers: int) -> dict:
         steps = e.recent_steps()[-(e.stats()["steps"] - n0):]
         out = step_summary(steps)
         out.update({"round_trip_us_p50": _pct(lat, 0.5), "round_trip_us_p90": _pct(lat, 0.9),
-                    "tokens_per_s": len(lat) / dt, "callers": n_callers})
+                    "tokens_per_s": len(lat) / dt, "callers": n_callers, "outputs_fresh": e.stats()["outputs_fresh"]})
         return out
     finally:
         e.stop(drain=False)
@@ -284,7 +285,7 @@ def main(argv=None) -> int:
         pass
 
     cols = ["rows_mean", "host_us_p50", "host_us_p90", "sched_us_p50", "launch_us_p50", "deliver_us_p50",
-            "gpu_us_p50", "wall_us_p50", "round_trip_us_p50", "tokens_per_s"]
+            "gpu_us_p50", "wall_us_p50", "round_trip_us_p50", "tokens_per_s", "outputs_fresh"]
     print(f"engine bench on {gpu}: {args.layers} layers x dim {args.dim} x width {args.width}, {args.dtype}")
     print(f"{'scenario':<20}" + "".join(f"{c.replace('_p50', '').replace('_us', ' us'):>14}" for c in cols))
     for name, r in results.items():

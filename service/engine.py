@@ -599,6 +599,8 @@ class Engine:
                     "graphs": self._decode.graph_bytes if self._decode else 0,
                 },
                 "cuda_graphs": self._decode.n_graphs if self._decode else 0,
+                # steps whose result buffer was still held by callers, so a fresh one was allocated
+                "outputs_fresh": self._bufs.outputs.fresh if self._bufs else 0,
             }
         return out
 
