@@ -209,39 +209,31 @@ class _OutputRing:
     ring refers to it: no Python reference to the tensor (the lazy results hold it) and no other tensor on its
     storage (the cut views, and whatever was made from them without a copy: numpy arrays, further views). Both
     counts are exact in CPython, and only this (the worker) thread hands buffers out. The oldest buffer is tried
-    first; when every one is still held, the oldest is left to its holders (freed when they let go) and a fresh
-    buffer takes its place, which is what every step did before (``fresh`` counts those)."""
+    first; when every one is still held, the step gets a fresh tensor of its own size, as every step did before
+    (``fresh`` counts those; a closed loop of callers that each keep their last result holds them all)."""
 
     def __init__(self, n: int, rows: int, dim: int, dtype: torch.dtype, pin: bool):
         self.rows, self._shape, self._dtype, self._pin = rows, (rows, dim), dtype, pin
-        self._bufs = [self._new() for _ in range(n)]
+        self._bufs = [torch.empty(self._shape, dtype=dtype, pin_memory=pin) for _ in range(n)]
         self._next = 0
         self.fresh = 0
         # the counts of an unreferenced buffer, measured with the same expressions as in take()
         self._refs = sys.getrefcount(self._bufs[0])
         self._uses = _storage_use_count(self._bufs[0].untyped_storage()._cdata) if _storage_use_count else None
 
-    def _new(self) -> torch.Tensor:
-        return torch.empty(self._shape, dtype=self._dtype, pin_memory=self._pin)
-
-    def take(self) -> torch.Tensor:
-        bufs, n = self._bufs, len(self._bufs)
-        i = self._next
+    def take(self, n: int) -> torch.Tensor:
+        """A ``(>= n, dim)`` host tensor for one step's ``n`` result rows: a free ring buffer, else (every one
+        still held by callers) a fresh ``(n, dim)`` tensor, as every step got before the ring."""
+        bufs, k = self._bufs, len(self._bufs)
         if self._uses is not None:
-            for k in range(n):
-                j = (i + k) % n
-                if sys.getrefcount(bufs[j]) == self._refs and \
-                        _storage_use_count(bufs[j].untyped_storage()._cdata) == self._uses:
-                    i = j
-                    break
-            else:
-                bufs[i] = self._new()
-                self.fresh += 1
-        else:
-            bufs[i] = self._new()
-            self.fresh += 1
-        self._next = (i + 1) % n
-        return bufs[i]
+            for j in range(k):
+                i = (self._next + j) % k
+                if sys.getrefcount(bufs[i]) == self._refs and \
+                        _storage_use_count(bufs[i].untyped_storage()._cdata) == self._uses:
+                    self._next = (i + 1) % k
+                    return bufs[i]
+        self.fresh += 1
+        return torch.empty((n, self._shape[1]), dtype=self._dtype, pin_memory=self._pin)
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._bufs)
@@ -1244,7 +1236,7 @@ class Engine:
         # view of it, cut lazily by whoever reads the result (not on this thread)
         n_dec = sum(len(db.requests) for db in out.decodes)
         n_out = n_dec + n_packed
-        host_out = bf.outputs.take() if n_out <= bf.outputs.rows else \
+        host_out = bf.outputs.take(n_out) if n_out <= bf.outputs.rows else \
             torch.empty((n_out, D), dtype=m.dtype, pin_memory=cuda)
         a = 0
         for db in out.decodes:
