@@ -54,6 +54,8 @@ def _update_kernel(
     num_lines,
     n_keep,  # live-state columns rewritten when WRITE_LIVE: min(state_len, WIDTH - 2 + seqlen)
     pad_slot_id,
+    lines_per_group,  # GROUPED: state lines per weight group (line l uses weight group l // lines_per_group)
+    stride_w_g, stride_b_g,  # GROUPED: strides of the stacked weight and bias along the group
     stride_x_b, stride_x_d, stride_x_t,
     stride_w_d, stride_w_k,
     stride_s_line, stride_s_d, stride_s_k,
@@ -64,6 +66,7 @@ def _update_kernel(
     WIDTH: tl.constexpr,
     WP: tl.constexpr,  # power of two >= WIDTH - 1
     HAS_BIAS: tl.constexpr,
+    GROUPED: tl.constexpr,  # weight (groups, dim, WIDTH) and bias (groups, dim): one launch for several layers
     SILU: tl.constexpr,
     HAS_INDICES: tl.constexpr,
     HAS_ACCEPTED: tl.constexpr,
@@ -111,6 +114,10 @@ def _update_kernel(
         o = tl.program_id(0) * 0
     # Pad rows, and rows whose index or window falls outside the pool, give zeros and touch no state.
     valid = (line != pad_slot_id) & (line >= 0) & (line < num_lines) & (o >= 0) & (o + WIDTH - 1 <= state_len)
+    if GROUPED:
+        g = tl.where(valid, line // lines_per_group, 0)  # the row's weight group (layer)
+    else:
+        g = 0
     # The flag joins the channel mask as a broadcast tensor: masks stay boolean tensors and stay uniform
     # along channels, so loads and stores keep their vector width.
     in_d = offs_d < dim - d0  # [BLOCK_D]
@@ -119,9 +126,9 @@ def _update_kernel(
     d0_64 = d0.to(tl.int64)
     x_row = (x_ptr + b * stride_x_b + d0_64 * stride_x_d) + offs_d * stride_x_d  # [BLOCK_D]
     state_row = (state_ptr + line * stride_s_line + d0_64 * stride_s_d) + offs_d * stride_s_d  # [BLOCK_D]
-    w_row = w_ptr + (d0 + offs_d) * stride_w_d  # [BLOCK_D]
+    w_row = (w_ptr + g * stride_w_g) + (d0 + offs_d) * stride_w_d  # [BLOCK_D]
     if HAS_BIAS:
-        bias = tl.load(b_ptr + d0 + offs_d, mask=in_d, other=0.0).to(tl.float32)
+        bias = tl.load((b_ptr + g * stride_b_g) + d0 + offs_d, mask=in_d, other=0.0).to(tl.float32)
     else:
         bias = tl.zeros([BLOCK_D], dtype=tl.float32)
     offs_j = tl.arange(0, WP)  # [WP] window column
@@ -208,6 +215,8 @@ def _dense_kernel(
     num_lines,
     n_keep,  # == N_KEEP (unused)
     pad_slot_id,
+    lines_per_group,  # GROUPED: state lines per weight group (line l uses weight group l // lines_per_group)
+    stride_w_g, stride_b_g,  # GROUPED: strides of the stacked weight and bias along the group
     stride_x_b, stride_x_d, stride_x_t,
     stride_w_d, stride_w_k,
     stride_s_line, stride_s_d, stride_s_k,
@@ -219,6 +228,7 @@ def _dense_kernel(
     SEQ: tl.constexpr,  # tokens per row (a few: every position of [window | x] stays in registers)
     N_KEEP: tl.constexpr,  # live-state columns rewritten when WRITE_LIVE
     HAS_BIAS: tl.constexpr,
+    GROUPED: tl.constexpr,  # weight (groups, dim, WIDTH) and bias (groups, dim): one launch for several layers
     SILU: tl.constexpr,
     HAS_INDICES: tl.constexpr,
     HAS_ACCEPTED: tl.constexpr,
@@ -246,6 +256,10 @@ def _dense_kernel(
     else:
         o = tl.program_id(0) * 0
     valid = (line != pad_slot_id) & (line >= 0) & (line < num_lines) & (o >= 0) & (o + WIDTH - 1 <= state_len)
+    if GROUPED:
+        g = tl.where(valid, line // lines_per_group, 0)  # the row's weight group (layer)
+    else:
+        g = 0
     in_d = offs_d < dim - d0  # [BLOCK_D]
     mask_d = in_d & ((tl.zeros([BLOCK_D], dtype=tl.int32) + valid.to(tl.int32)) != 0)  # [BLOCK_D]
     d0_64 = d0.to(tl.int64)
@@ -259,9 +273,9 @@ def _dense_kernel(
     for t in tl.static_range(SEQ):
         e = e + (tl.load(x_row + t, mask=mask_d, other=0.0).to(tl.float32),)  # [BLOCK_D]
 
-    w_row = w_ptr + (d0 + offs_d) * stride_w_d  # [BLOCK_D]
+    w_row = (w_ptr + g * stride_w_g) + (d0 + offs_d) * stride_w_d  # [BLOCK_D]
     if HAS_BIAS:
-        bias = tl.load(b_ptr + d0 + offs_d, mask=in_d, other=0.0).to(tl.float32)
+        bias = tl.load((b_ptr + g * stride_b_g) + d0 + offs_d, mask=in_d, other=0.0).to(tl.float32)
     else:
         bias = tl.zeros([BLOCK_D], dtype=tl.float32)
     w = ()
@@ -315,8 +329,11 @@ def _plan_update(x, conv_state, weight, bias, conv_state_indices, num_accepted_t
     state_len = conv_state.shape[2]
     n_keep = min(state_len, width - 2 + seqlen)
     wp = max(2, next_pow2(width - 1))
+    grouped = weight.dim() == 3
     scalars = (dim, seqlen, state_len, conv_state.shape[0], n_keep, pad_slot_id,
-               *x_strides, *weight.stride(), *conv_state.stride(),
+               conv_state.shape[0] // weight.shape[0] if grouped else 0, weight.stride(0) if grouped else 0,
+               bias.stride(0) if grouped and bias is not None else 0,
+               *x_strides, *weight.stride()[-2:], *conv_state.stride(),
                conv_state_indices.stride(0) if conv_state_indices is not None else 0,
                num_accepted_tokens.stride(0) if num_accepted_tokens is not None else 0,
                *(inter.stride() if inter is not None else (0, 0, 0, 0)),
@@ -325,8 +342,8 @@ def _plan_update(x, conv_state, weight, bias, conv_state_indices, num_accepted_t
     def flags(block_d):  # per-element offsets from a row's base overflow int32 (huge strides): OFF64
         off64 = max(block_d * abs(t.stride(i)) + (seqlen + state_len + width) * abs(t.stride(-1))
                     for t, i in ((x, 1), (conv_state, 1), (out, 1))) >= 2**31
-        return dict(HAS_BIAS=bias is not None, SILU=silu, HAS_INDICES=conv_state_indices is not None,
-                    HAS_ACCEPTED=num_accepted_tokens is not None, SAVE_INTER=inter is not None,
+        return dict(HAS_BIAS=bias is not None, GROUPED=grouped, SILU=silu,
+                    HAS_INDICES=conv_state_indices is not None, HAS_ACCEPTED=num_accepted_tokens is not None, SAVE_INTER=inter is not None,
                     HAS_OSI=osi is not None, WRITE_LIVE=inter is None and osi is None, OFF64=off64, BLOCK_D=block_d)
 
     # The register-window kernel: x and out dense per row (stride seqlen along dim, 1 along tokens), the pool's
@@ -372,6 +389,9 @@ def causal_conv1d_update(
             stride 1 along dim (the pool's layout). Row ``r``'s window is columns ``[o, o + width - 1)`` with
             ``o = num_accepted_tokens[i] - 1`` (0 without it).
         weight: ``(dim, width)``, width 2-8; bias: ``(dim,)`` or None; activation: None, "silu"/"swish", bool.
+            Or stacked weights of several layers, ``(groups, dim, width)`` with bias ``(groups, dim)``: the state
+            lines split into ``groups`` equal consecutive groups and line ``l`` uses group
+            ``l // (num_cache_lines / groups)`` (one launch for the rows of several layers of one pool).
         cache_seqlens: not supported (Dao's circular-buffer state): passing a tensor raises ``ValueError``.
         conv_state_indices: ``(batch,)`` int32/int64 row of each batch entry, or None for row ``i``.
             ``pad_slot_id`` marks a pad row: its outputs are zero and no state is touched. Rows outside the pool,
@@ -417,6 +437,8 @@ def causal_conv1d_update(
         check_out(out, x, x)
     if x.numel() == 0:
         return out
+    if bias is not None and bias.stride(-1) != 1:  # the kernels read bias with stride 1 along dim
+        bias = bias.contiguous()
     if plan is None:
         plan = _plan_update(x, conv_state, weight, bias, conv_state_indices, num_accepted_tokens,
                             intermediate_conv_window, output_state_indices, out, width, act is not None, pad_slot_id)

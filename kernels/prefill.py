@@ -741,6 +741,8 @@ def causal_conv1d_fn(
         check_out(out, x, x)
     if x.numel() == 0:
         return out
+    if bias is not None and bias.stride(0) != 1:  # the kernels read bias with stride 1 along dim
+        bias = bias.contiguous()
     if plan is None:
         plan = _plan_prefill(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state, out,
                              width, batch, act is not None, pad_slot_id)

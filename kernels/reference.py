@@ -96,7 +96,8 @@ def causal_conv1d_update_ref(
 ) -> torch.Tensor:
     """Reference for :func:`kernels.causal_conv1d_update` (see there for the full contract).
 
-    x: (batch, dim) or (batch, dim, seqlen); conv_state: (num_cache_lines, dim, state_len >= width - 1).
+    x: (batch, dim) or (batch, dim, seqlen); conv_state: (num_cache_lines, dim, state_len >= width - 1);
+    weight: (dim, width), or (groups, dim, width) with bias (groups, dim): line l uses group l // (lines / groups).
     """
     batch, dim, seqlen, width, act = check_update(x, conv_state, weight, bias, activation, cache_seqlens,
                                                   conv_state_indices, num_accepted_tokens,
@@ -110,6 +111,7 @@ def causal_conv1d_update_ref(
     w = weight.to(compute_dtype)
     b = bias.to(compute_dtype) if bias is not None else None
     state_len = conv_state.shape[2]
+    per_group = conv_state.shape[0] // weight.shape[0] if weight.dim() == 3 else None  # lines per weight group
     idx = conv_state_indices.tolist() if conv_state_indices is not None else list(range(batch))
     acc = num_accepted_tokens.tolist() if num_accepted_tokens is not None else [1] * batch
     osi = output_state_indices.tolist() if output_state_indices is not None else None
@@ -126,7 +128,11 @@ def causal_conv1d_update_ref(
             out3[bi].zero_()
             continue
         xe = torch.cat([windows[bi], x3[bi].to(compute_dtype)], dim=1)  # (dim, width - 1 + seqlen)
-        out3[bi] = _depthwise(xe, w, b, seqlen, act is not None).to(out.dtype)
+        if per_group is None:
+            out3[bi] = _depthwise(xe, w, b, seqlen, act is not None).to(out.dtype)
+        else:
+            g = idx[bi] // per_group
+            out3[bi] = _depthwise(xe, w[g], b[g] if b is not None else None, seqlen, act is not None).to(out.dtype)
         for t in range(seqlen):
             win_t = xe[:, t + 1:t + width]  # the window after token t
             if intermediate_conv_window is not None:

@@ -369,3 +369,54 @@ def test_few_token_update_matches_reference_on_both_paths(width, seqlen, mode, s
         got, want = kw_k["intermediate_conv_window"], kw_r["intermediate_conv_window"]
         live = [i for i in range(batch) if rows[i] != PAD_SLOT_ID]  # pad rows' windows are not written
         assert_close(got[live], want[live], dtype, "intermediate windows")
+
+
+@pytest.mark.parametrize("seqlen", [1, 3])
+def test_stacked_weights_pick_each_rows_group_by_its_state_line(seqlen, short_path, kernel_device):
+    """weight (groups, dim, width): one launch for rows of several layers of one pool; line l uses group
+    l // (lines / groups). Equals one call per row with that group's weight and bias."""
+    gen = torch.Generator().manual_seed(SEED + 7 * seqlen)
+    rng = random.Random(SEED + seqlen)
+    groups, per, dim, width, batch = 3, 5, 37, 4, 7
+    x = torch.randn(batch, dim, seqlen, generator=gen).to(kernel_device)
+    if seqlen == 1:
+        x = x[:, :, 0].contiguous()
+    w = torch.randn(groups, dim, width, generator=gen).to(kernel_device)
+    b = torch.randn(groups, dim, generator=gen).to(kernel_device)
+    state = pool_layout(groups * per, dim, width - 1, torch.float32, kernel_device, gen)
+    rows = rng.sample(range(groups * per), batch)
+    rows[rng.randrange(batch)] = PAD_SLOT_ID
+    idx = torch.tensor(rows, dtype=torch.int32, device=kernel_device)
+    y, st_k, ref, st_r, _, _ = run_both(x, state, w, b, conv_state_indices=idx)
+    assert_close(y, ref, torch.float32)
+    assert_states_equal(st_k, st_r)
+    for i, line in enumerate(rows):  # the same as a plain call with the row's own group
+        if line == PAD_SLOT_ID:
+            assert torch.all(y[i] == 0)
+            continue
+        g = line // per
+        one = causal_conv1d_update_ref(x[i:i + 1].cpu(), state.clone().cpu(), w[g].cpu(), b[g].cpu(), "silu",
+                                       conv_state_indices=torch.tensor([line]), compute_dtype=torch.float64)
+        assert_close(y[i:i + 1], one, torch.float32, f"row {i} (group {g})")
+
+
+def test_stacked_weights_need_lines_divisible_by_groups(kernel_device):
+    x = torch.randn(2, 8, device=kernel_device)
+    state = pool_layout(7, 8, 3, torch.float32, kernel_device, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="conv_state: expected a number of lines divisible"):
+        causal_conv1d_update(x, state, torch.randn(2, 8, 4, device=kernel_device))
+    with pytest.raises(ValueError, match="bias: expected shape"):
+        causal_conv1d_update(x, state[:6], torch.randn(2, 8, 4, device=kernel_device),
+                             torch.randn(3, 8, device=kernel_device))
+
+
+def test_strided_bias_is_read_by_channel(short_path, kernel_device):
+    """A bias that is a strided view (every other element of a packed parameter) gives the same as a copy."""
+    gen = torch.Generator().manual_seed(SEED + 3)
+    dim, width = 24, 3
+    x = torch.randn(4, dim, generator=gen).to(kernel_device)
+    w = torch.randn(dim, width, generator=gen).to(kernel_device)
+    b = torch.randn(2 * dim, generator=gen).to(kernel_device)[::2]
+    state = pool_layout(6, dim, width - 1, torch.float32, kernel_device, gen)
+    y, st_k, ref, st_r, _, _ = run_both(x, state, w, b)
+    assert_close(y, ref, torch.float32)

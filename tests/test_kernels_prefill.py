@@ -253,6 +253,19 @@ def test_states_indexed_by_sequence_when_no_indices(kernel_device):
     check(*run_both(x, w, None, states, qsl, None, init), torch.bfloat16)
 
 
+def test_strided_bias_is_read_by_channel(kernel_device):
+    """A bias that is a strided view (every other element of a packed parameter) gives the same as a copy."""
+    gen = torch.Generator().manual_seed(SEED + 5)
+    x = torch.randn(16, 30, generator=gen).to(kernel_device)
+    w = torch.randn(16, 4, generator=gen).to(kernel_device)
+    b = torch.randn(32, generator=gen).to(kernel_device)[::2]
+    states = torch.randn(3, 16, 3, generator=gen).to(kernel_device)
+    qsl = torch.tensor([0, 9, 30], dtype=torch.int32, device=kernel_device)
+    idx = torch.tensor([2, 0], dtype=torch.int32, device=kernel_device)
+    init = torch.tensor([True, False], device=kernel_device)
+    check(*run_both(x, w, b, states, qsl, idx, init), torch.float32)
+
+
 def test_default_output_is_allocated_like_x(kernel_device):
     gen = torch.Generator().manual_seed(SEED)
     x = torch.randn(50, 16, generator=gen).to(kernel_device).t()
