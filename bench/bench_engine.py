@@ -10,8 +10,8 @@ Scenarios (each on a fresh engine):
   (one step of N rows per round). Reports per step: host time (schedule + pack + launch + unpack + deliver,
   without the wait for the GPU), GPU time (CUDA events around the launches), wall time, and the round trip
   seen by the caller (submit of the first to the result of the last).
-* ``decode-N-Lk``: the same N sessions spread over k layers (k launches per step): what a per-row layer index
-  into stacked weights (one launch for all layers) could save at most.
+* ``decode-N-Lk``: the same N sessions spread over k layers, run as one launch with stacked weights
+  (``multi_layer_decode``); ``decode-N-Lk-per-layer``: the same with one launch per layer (k launches a step).
 * ``decode-N-eager``: decode without CUDA graphs (CUDA only).
 * ``closed-N``: N asyncio callers in a closed loop (each awaits its decode, then sends the next), with the
   configured ``--delay-us`` window and the default batch limits: the latency a lone caller sees (does it wait
@@ -86,9 +86,11 @@ def step_summary(steps, rows=None) -> dict:
             "wall_us_p50": _pct(wall, 0.5), "wall_us_p90": _pct(wall, 0.9), **parts}
 
 
-def run_decode(args, model, n_sessions: int, n_layers_used: int = 1, graphs: bool = True) -> dict:
+def run_decode(args, model, n_sessions: int, n_layers_used: int = 1, graphs: bool = True,
+               multi_layer: bool = True) -> dict:
     # max_batch_size = n and a long delay: a step starts exactly when a round's n requests are queued
-    e = make_engine(args, model, use_cuda_graphs=graphs, max_batch_size=n_sessions, max_queue_delay_us=10_000_000)
+    e = make_engine(args, model, use_cuda_graphs=graphs, max_batch_size=n_sessions, max_queue_delay_us=10_000_000,
+                    multi_layer_decode=multi_layer)
     try:
         dim = model.dim
         sids = [e.create_session() for _ in range(n_sessions)]
@@ -264,6 +266,7 @@ def main(argv=None) -> int:
     k = min(args.layers, 8)
     if k > 1 and big >= k:
         results[f"decode-{big}-L{k}"] = run_decode(args, model, big, n_layers_used=k)
+        results[f"decode-{big}-L{k}-per-layer"] = run_decode(args, model, big, n_layers_used=k, multi_layer=False)
     results[f"decode-{big}-async"] = run_decode_async(args, model, big)
     if on_cuda:
         results[f"decode-{big}-eager"] = run_decode(args, model, big, graphs=False)

@@ -116,6 +116,8 @@ class EngineConfig:
     session_ttl_s: float = 3600.0                # idle seconds before a session is evicted
     request_timeout_s: float = 30.0              # queue wait before RequestTimeout; also bounds session ops
     use_cuda_graphs: bool = True                 # replay decode buckets from CUDA graphs (CUDA only)
+    multi_layer_decode: bool = True              # a step's decodes of several layers in one launch (stacked
+    #                                              weights, one table of state lines), when they fit a bucket
     max_spec_tokens: int = 16                    # most tokens of one speculative verify
     check_finite: bool = True                    # reject x with NaN/Inf (NonFinite) instead of poisoning state
     pool_memory_fraction: float = 0.5            # slots="auto": this share of free device memory
@@ -263,6 +265,11 @@ class _Buffers:
         self.h_flags, self.d_flags = pair((max_rows,), torch.bool)       # has_initial_state
         self.h_dec_x, self.d_dec_x = pair((n_layers, max_bucket, dim), dtype, 0)   # decode rows, per layer
         self.h_dec_idx, self.d_dec_idx = pair((n_layers, max_bucket), torch.int32, PAD_SLOT_ID)
+        # one launch for the decodes of several layers: rows in arrival order, a state line per row
+        # (layer * (slots + 1) + slot, see ConvStatePool.lines)
+        self.h_mix_x, self.d_mix_x = pair((max_bucket, dim), dtype, 0)
+        self.h_mix_idx, self.d_mix_idx = pair((max_bucket,), torch.int32, PAD_SLOT_ID)
+        self.d_mix_out = torch.empty((max_bucket, dim), dtype=dtype, device=device)
         # the staging arena: each decode's x is copied into row (ticket % stage_rows) at submit, on the submitting
         # thread, so a step's decode rows of one layer, submitted one after another, are one contiguous slice
         # (one copy into d_dec_x, no per-row pack on the engine thread); see Engine._stage
@@ -280,16 +287,17 @@ class _Buffers:
         self.meta_np = self.h_meta.numpy()
         self.flags_np = self.h_flags.numpy()
         self.dec_idx_np = self.h_dec_idx.numpy()
+        self.mix_idx_np = self.h_mix_idx.numpy()
         self.cuda = cuda
 
     def nbytes(self) -> dict:
         def nb(t):
             return t.numel() * t.element_size()
 
-        names = ("in", "meta", "flags", "dec_x", "dec_idx")
+        names = ("in", "meta", "flags", "dec_x", "dec_idx", "mix_x", "mix_idx")
         host = sum(nb(getattr(self, "h_" + n)) for n in names) + nb(self.h_stage) + self.outputs.nbytes()
         dev = (sum(nb(getattr(self, "d_" + n)) for n in names) if self.cuda else 0) + nb(self.d_osi) + \
-            nb(self.d_dec_out) + nb(self.d_out)
+            nb(self.d_dec_out) + nb(self.d_mix_out) + nb(self.d_out)
         return {"host": host, "device": dev, "total": host + dev}
 
 
@@ -308,12 +316,16 @@ class DecodeLaunchers:
     :mod:`kernels.graphs` later.
     """
 
+    #: the layer key of the multi-layer launch: rows of any layers, ``bufs.*_mix_*``, stacked weights
+    MIXED = -1
+
     def __init__(self, update_fn, pool: ConvStatePool, model: ConvModel, bufs: _Buffers, buckets: Sequence[int],
-                 use_graphs: bool):
+                 use_graphs: bool, multi_layer: bool = False):
         self._fn, self._pool, self._model, self._b = update_fn, pool, model, bufs
         self._buckets = tuple(buckets)
         self._graphs: dict = {}
         self.graph_bytes = 0
+        self.multi_layer_runs = 0                 # launches of MIXED (for stats)
         self._cuda = pool.device.type == "cuda"
         # the views each (layer, bucket) launch takes, built once: a dozen view ops per launch otherwise (the
         # eager path and the CPU run every launch through _ops)
@@ -322,8 +334,15 @@ class DecodeLaunchers:
             for b in self._buckets:
                 self._args[(p, b)] = (bufs.d_dec_x[p, :b], pool.layer(p), model.weight[p], model.layer_bias(p),
                                       bufs.d_dec_idx[p, :b], bufs.h_dec_idx[p, :b], bufs.d_dec_out[p, :b])
-        if self._cuda and use_graphs:
-            self._capture()
+        if multi_layer and model.n_layers > 1:
+            for b in self._buckets:
+                self._args[(self.MIXED, b)] = (bufs.d_mix_x[:b], pool.lines(), model.weight,
+                                               model.bias if any(model.has_bias) else None, bufs.d_mix_idx[:b],
+                                               bufs.h_mix_idx[:b], bufs.d_mix_out[:b])
+        if self._cuda:
+            self._warm()
+            if use_graphs:
+                self._capture()
 
     def _ops(self, p: int, b: int):
         x, states, w, bias, d_idx, h_idx, out = self._args[(p, b)]
@@ -332,26 +351,29 @@ class DecodeLaunchers:
         self._fn(x, states, w, bias, self._model.activation, conv_state_indices=d_idx, pad_slot_id=PAD_SLOT_ID,
                  out=out)
 
+    def _warm(self):
+        """Run every launch once on pad rows (no state is touched), on a side stream: compiles each kernel
+        specialization now (and outside any graph) instead of on the first step that needs it."""
+        dev, bf = self._pool.device, self._b
+        bf.dec_idx_np[:] = PAD_SLOT_ID
+        bf.mix_idx_np[:] = PAD_SLOT_ID
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for key in self._args:
+                self._ops(*key)
+        side.synchronize()
+        torch.cuda.current_stream(dev).wait_stream(side)
+
     def _capture(self):
         dev = self._pool.device
         before = torch.cuda.memory_reserved(dev)
         mempool = torch.cuda.graph_pool_handle()
-        bf = self._b
-        bf.dec_idx_np[:] = PAD_SLOT_ID            # warm-up and capture touch no state
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            for p in range(self._model.n_layers):
-                for b in self._buckets:
-                    self._ops(p, b)               # compiles each specialization outside the graph
-        side.synchronize()
-        torch.cuda.current_stream(dev).wait_stream(side)
-        for p in range(self._model.n_layers):
-            for b in self._buckets:
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=mempool):
-                    self._ops(p, b)
-                self._graphs[(p, b)] = g
+        for key in self._args:                    # the index buffers still hold pads from _warm: no state touched
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=mempool):
+                self._ops(*key)
+            self._graphs[key] = g
         torch.cuda.synchronize(dev)
         self.graph_bytes = torch.cuda.memory_reserved(dev) - before
 
@@ -359,7 +381,14 @@ class DecodeLaunchers:
     def n_graphs(self) -> int:
         return len(self._graphs)
 
+    @property
+    def multi_layer(self) -> bool:
+        return (self.MIXED, self._buckets[0]) in self._args
+
     def run(self, p: int, b: int) -> None:
+        """Launch layer ``p``'s decode (or, ``p == MIXED``, the multi-layer one) for bucket ``b``."""
+        if p == self.MIXED:
+            self.multi_layer_runs += 1
         g = self._graphs.get((p, b))
         if g is not None:
             g.replay()
@@ -447,7 +476,7 @@ class Engine:
         if cuda:
             self._warm_up()
         self._decode = DecodeLaunchers(causal_conv1d_update, self.pool, self.model, self._bufs, cfg.decode_buckets,
-                                       cfg.use_cuda_graphs)
+                                       cfg.use_cuda_graphs, cfg.multi_layer_decode)
         if cuda:
             torch.cuda.synchronize(dev)
         self._next_evict = time.monotonic() + self._evict_interval()
@@ -591,6 +620,7 @@ class Engine:
                     "graphs": self._decode.graph_bytes if self._decode else 0,
                 },
                 "cuda_graphs": self._decode.n_graphs if self._decode else 0,
+                "multi_layer_launches": self._decode.multi_layer_runs if self._decode else 0,
                 # steps whose result buffer was still held by callers, so a fresh one was allocated
                 "outputs_fresh": self._bufs.outputs.fresh if self._bufs else 0,
             }
@@ -1103,7 +1133,7 @@ class Engine:
     def _step(self, out: SchedulerOutput, sched_ns: int = 0) -> None:
         t0 = time.perf_counter_ns()
         try:
-            host_out, by_position, t_launch, t_sync, kernel_ns = self._execute(out)
+            host_out, by_position, t_launch, t_sync, kernel_ns, padded = self._execute(out)
         except Exception as e:  # noqa: BLE001 - a kernel failure fails this step's requests, not the engine
             log.exception("engine step %d failed", out.step)
             if self._stream is not None:     # copies from the staging rows may be in flight: let them land
@@ -1133,7 +1163,7 @@ class Engine:
             st["tokens"] += out.num_tokens
             st["rows"] += out.num_rows
             st["decode_rows"] += sum(len(d.requests) for d in out.decodes)
-            st["padded_rows"] += out.num_padded_rows
+            st["padded_rows"] += padded
             st["kernel_ns"] += kernel_ns
             st["host_ns"] += host
             st["wall_ns"] += sched_ns + t3 - t0
@@ -1142,9 +1172,51 @@ class Engine:
                    sched_ns * 1e-9, (t_launch - t0) * 1e-9, (t3 - t_sync) * 1e-9)
             self._steps.append(rec)
 
+    def _stage_x(self, reqs: list, h_x: torch.Tensor, d_x: torch.Tensor) -> None:
+        """Put the decode rows' x (one token each) into ``d_x``, in the order of ``reqs``: one copy of a
+        contiguous run of the staging arena when the rows were staged one after another, else one gather
+        (``index_select``) into ``h_x`` and a copy; a row that is not staged (its arena row was still held) sends
+        the batch to a per-row pack into ``h_x``."""
+        bf, cuda, R = self._bufs, self._stream is not None, self._bufs.stage_rows
+        n = len(reqs)
+        tickets = [r.stage for r in reqs]
+        t0 = tickets[0]
+        lo = t0 % R
+        if t0 >= 0 and lo + n <= R and (n == 1 or tickets == list(range(t0, t0 + n))):
+            d_x.copy_(bf.h_stage[lo:lo + n], non_blocking=cuda)
+            return
+        if min(tickets) >= 0:
+            rows = bf.gather_np[:n]                  # through numpy: torch.tensor(list) is ~0.2 us an element
+            rows[:] = tickets
+            np.remainder(rows, R, out=rows)
+            torch.index_select(bf.h_stage, 0, bf.gather[:n], out=h_x)
+        elif n == 1:
+            h_x[0].copy_(reqs[0].x[0])
+        else:
+            torch.cat([r.x for r in reqs], out=h_x)
+        if cuda:
+            d_x.copy_(h_x, non_blocking=True)
+
+    def _pack_mixed(self, decodes: list, n: int, bucket: int):
+        """Pack the decodes of several layers for one launch (``DecodeLaunchers.MIXED``): rows in arrival order
+        (their staging tickets), so a step's rows staged one after another are still one copy; each row's state
+        line is ``layer * (slots + 1) + slot``. Returns ``(requests in row order, bucket)``."""
+        bf, lines_per_layer = self._bufs, self.pool.slots + 1
+        reqs = [r for db in decodes for r in db.requests]
+        lines = [db.layer * lines_per_layer + slot for db in decodes for slot in db.cache_indices[:len(db.requests)]]
+        tickets = [r.stage for r in reqs]
+        if min(tickets) >= 0:
+            order = sorted(range(n), key=tickets.__getitem__)
+            reqs = [reqs[i] for i in order]
+            lines = [lines[i] for i in order]
+        self._stage_x(reqs, bf.h_mix_x[:n], bf.d_mix_x[:n])
+        bf.mix_idx_np[:n] = lines
+        bf.mix_idx_np[n:bucket] = PAD_SLOT_ID
+        return reqs, bucket
+
     def _execute(self, out: SchedulerOutput):
         """Pack, launch, synchronize once, unpack. Returns ``(host_out, by_position, t_launched, t_synced,
-        kernel_ns)``: every finished request's y lies in ``host_out``, at row ``r.parts`` (or, when
+        kernel_ns, padded_rows)``: every finished request's y lies in ``host_out``, at row ``r.parts`` (or, when
         ``by_position``, at its position in ``out.finished``), except a chunked prefill's, whose ``r.parts`` is
         its own joined tensor."""
         m, bf, cuda = self.model, self._bufs, self._stream is not None
@@ -1177,38 +1249,27 @@ class Engine:
                 bf.d_meta[:len(meta)].copy_(bf.h_meta[:len(meta)], non_blocking=True)
                 if flags:
                     bf.d_flags[:len(flags)].copy_(bf.h_flags[:len(flags)], non_blocking=True)
-        R = bf.stage_rows
-        for db in out.decodes:
-            p, reqs = db.layer, db.requests
-            n = len(reqs)
-            # x, from the staging arena when every row is staged: one copy of a contiguous run when the rows
-            # were staged one after another (a step's decodes of one layer), else one gather of the rows
-            # (index_select: decodes of several layers in one step interleave their tickets); a row that is not
-            # staged (its arena row was still held) sends the batch to the per-row pack into h_dec_x
-            tickets = [r.stage for r in reqs]
-            t0 = tickets[0]
-            lo = t0 % R
-            if t0 >= 0 and lo + n <= R and (n == 1 or tickets == list(range(t0, t0 + n))):
-                bf.d_dec_x[p, :n].copy_(bf.h_stage[lo:lo + n], non_blocking=cuda)
-            else:
-                if min(tickets) >= 0:
-                    rows = bf.gather_np[:n]          # through numpy: torch.tensor(list) is ~0.2 us an element
-                    rows[:] = tickets
-                    np.remainder(rows, R, out=rows)
-                    torch.index_select(bf.h_stage, 0, bf.gather[:n], out=bf.h_dec_x[p, :n])
-                elif n == 1:
-                    bf.h_dec_x[p, 0].copy_(reqs[0].x[0])
-                else:
-                    torch.cat([r.x for r in reqs], out=bf.h_dec_x[p, :n])
-                if cuda:
-                    bf.d_dec_x[p, :n].copy_(bf.h_dec_x[p, :n], non_blocking=True)
-            bf.dec_idx_np[p, :db.bucket] = db.cache_indices
+        # decodes: one launch per layer, or (several layers, their rows fitting one bucket) one launch for all
+        decodes = out.decodes
+        mixed = None                                 # (the rows of the multi-layer launch in row order, bucket)
+        if len(decodes) > 1 and self._decode.multi_layer:
+            n = sum(len(db.requests) for db in decodes)
+            k = bisect.bisect_left(self.config.decode_buckets, n)
+            if k < len(self.config.decode_buckets):
+                mixed = self._pack_mixed(decodes, n, self.config.decode_buckets[k])
+        for db in decodes if mixed is None else ():
+            n = len(db.requests)
+            self._stage_x(db.requests, bf.h_dec_x[db.layer, :n], bf.d_dec_x[db.layer, :n])
+            bf.dec_idx_np[db.layer, :db.bucket] = db.cache_indices
         # ---- launch
         t_k0 = time.perf_counter_ns()
         if cuda:
             self._ev0.record()
-        for db in out.decodes:
-            self._decode.run(db.layer, db.bucket)
+        if mixed is not None:
+            self._decode.run(DecodeLaunchers.MIXED, mixed[1])
+        else:
+            for db in decodes:
+                self._decode.run(db.layer, db.bucket)
         mo = fo = 0
         for pb in out.prefills:
             p, rows, a = pb.layer, len(pb.requests), pb.token_offset
@@ -1234,12 +1295,14 @@ class Engine:
         # ---- results: one host tensor per step (pinned on CUDA; a buffer of the output ring unless the step
         # has more rows than those), filled by one device-to-host copy per launch group; each request's y is a
         # view of it, cut lazily by whoever reads the result (not on this thread)
-        n_dec = sum(len(db.requests) for db in out.decodes)
+        n_dec = sum(len(db.requests) for db in decodes)
         n_out = n_dec + n_packed
         host_out = bf.outputs.take(n_out) if n_out <= bf.outputs.rows else \
             torch.empty((n_out, D), dtype=m.dtype, pin_memory=cuda)
+        if mixed is not None:
+            host_out[:n_dec].copy_(bf.d_mix_out[:n_dec], non_blocking=cuda)
         a = 0
-        for db in out.decodes:
+        for db in decodes if mixed is None else ():
             n = len(db.requests)
             host_out[a:a + n].copy_(bf.d_dec_out[db.layer, :n], non_blocking=cuda)
             a += n
@@ -1256,12 +1319,11 @@ class Engine:
         # ---- unpack: each finished request's rows of host_out. Decode rows come first, layer by layer in
         # batch order; with a single decode batch and nothing else, out.finished is that batch in row order and
         # the row is the position (no per-request bookkeeping here).
-        if n_packed or len(out.decodes) != 1:
+        if n_packed or len(decodes) != 1:
             a = 0
-            for db in out.decodes:
-                for r in db.requests:
-                    r.parts = a
-                    a += 1
+            for r in mixed[0] if mixed is not None else (r for db in decodes for r in db.requests):
+                r.parts = a
+                a += 1
             for pb in out.prefills:
                 qsl, off = pb.query_start_loc, n_dec + pb.token_offset
                 for i, r in enumerate(pb.requests):
@@ -1282,7 +1344,8 @@ class Engine:
             by_position = False
         else:
             by_position = True
-        return host_out, by_position, t_launch, t_sync, kernel_ns
+        padded = out.num_padded_rows if mixed is None else mixed[1] - n_dec
+        return host_out, by_position, t_launch, t_sync, kernel_ns, padded
 
 
 _PENDING = _futures_base.PENDING

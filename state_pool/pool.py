@@ -119,6 +119,13 @@ class ConvStatePool:
         """``(slots + 1, dim, width - 1)`` view of one layer's states, stride 1 along dim (what kernels take)."""
         return self.storage[layer].transpose(1, 2)
 
+    def lines(self) -> torch.Tensor:
+        """``(layers * (slots + 1), dim, width - 1)`` view of every layer's states as one table of lines: line
+        ``layer * (slots + 1) + slot``. With the layers' weights stacked, one decode launch serves rows of several
+        layers (``causal_conv1d_update``'s ``(groups, dim, width)`` weight: line l uses group l // (slots + 1))."""
+        n, s1, w1, d = self.storage.shape
+        return self.storage.view(n * s1, w1, d).transpose(1, 2)
+
     def states(self) -> torch.Tensor:
         """``(layers, slots + 1, dim, width - 1)`` view of everything."""
         return self.storage.transpose(2, 3)

@@ -93,10 +93,15 @@ CONFIGS = {
     "bf16-fp32state": (torch.bfloat16, torch.float32, dict(max_batch_tokens=32, max_batch_size=64,
                                                            decode_buckets=(2, 8), max_queue_delay_us=20_000)),
     "fp16": (torch.float16, torch.float16, dict(max_batch_tokens=9, max_batch_size=3, decode_buckets=(1, 4))),
+    # one decode launch per layer (no multi-layer launch)
+    "fp32-per-layer": (torch.float32, torch.float32, dict(max_batch_tokens=16, max_batch_size=6,
+                                                          decode_buckets=(1, 2, 4), max_queue_delay_us=3000,
+                                                          multi_layer_decode=False)),
 }
 
 
-def run_random_workload(device, dtype, state_dtype, knobs, seed, n_ops=220, width=4, use_cuda_graphs=True):
+def run_random_workload(device, dtype, state_dtype, knobs, seed, n_ops=220, width=4,
+                        use_cuda_graphs=True):
     rng = random.Random(seed)
     torch.manual_seed(seed)
     model = ConvModel.random(LAYERS, dim=DIM, width=width, dtype=dtype, seed=seed, bias=seed % 2 == 0)
@@ -178,6 +183,37 @@ def test_engine_matches_the_reference_run_request_by_request(config, seed):
 @pytest.mark.parametrize("width", [2, 3])
 def test_engine_matches_the_reference_for_narrow_kernels(width):
     run_random_workload("cpu", torch.float32, torch.float32, CONFIGS["fp32"][2], seed=7, n_ops=120, width=width)
+
+
+@pytest.mark.parametrize("multi_layer", [True, False])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not HAS_CUDA, reason="needs CUDA")])])
+def test_decodes_of_several_layers_in_one_step_match_the_reference(multi_layer, device):
+    """Sessions decoding on different layers in the same step: one launch for all of them (stacked weights, the
+    pool as one table of lines) or one per layer; either way each row gets its own layer's weights and state."""
+    model = ConvModel.random(LAYERS, dim=DIM, width=4, dtype=torch.float32, seed=5, bias=True)
+    e = make_engine(model, device=device, max_queue_delay_us=200_000, decode_buckets=(4, 8, 16),
+                    multi_layer_decode=multi_layer)
+    oracle = Oracle(model, torch.float32)
+    try:
+        sids = [e.create_session() for _ in range(5)]
+        for sid in sids:
+            oracle.new(sid)
+        gen = torch.Generator().manual_seed(3)
+        for rnd in range(3):
+            checks = []
+            for i, sid in enumerate(sids):           # every session on two layers, one step
+                for pos in ((i + rnd) % 3, (i + rnd + 1) % 3):
+                    x = torch.randn(2 if rnd == 0 else 1, DIM, generator=gen)
+                    checks.append((e.submit(sid, LAYERS[pos], x), oracle.conv(sid, pos, x), f"{sid} L{pos} r{rnd}"))
+            for fut, expected, what in checks:
+                assert_close(fut.result(30), expected, what=what)
+        for sid in sids:
+            assert_close(e.export_state(sid), oracle.export(sid), what=f"state {sid}")
+        launches = e.stats()["multi_layer_launches"]
+        assert (launches > 0) == multi_layer, launches
+    finally:
+        e.stop(drain=False)
 
 
 @pytest.mark.gpu
