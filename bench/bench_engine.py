@@ -243,8 +243,11 @@ def main(argv=None) -> int:
     ap.add_argument("--no-mix", action="store_true", help="skip the prefill mix")
     ap.add_argument("--closed", default="1,16,64", help="comma list of closed-loop caller counts ('' to skip)")
     ap.add_argument("--closed-seconds", type=float, default=1.0)
+    ap.add_argument("--gil-switch-interval-us", type=int, default=500,
+                    help="sys.setswitchinterval, as `convserve serve` sets it (its gil_switch_interval_us default)")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/engine-<gpu>-<date>.json)")
     args = ap.parse_args(argv)
+    sys.setswitchinterval(args.gil_switch_interval_us * 1e-6)
     on_cuda = args.device.startswith("cuda")
     if on_cuda and not cuda:
         ap.error("--device cuda but torch sees no CUDA device; use --device cpu")
@@ -280,7 +283,7 @@ def main(argv=None) -> int:
            "host": platform.node(), "cpu_count": os.cpu_count(),
            "model": {"layers": args.layers, "dim": args.dim, "width": args.width, "dtype": args.dtype},
            "delay_us": args.delay_us, "max_batch_tokens": args.max_batch_tokens, "rounds": args.rounds,
-           "null_kernels": args.null_kernels}
+           "null_kernels": args.null_kernels, "gil_switch_interval_us": args.gil_switch_interval_us}
     try:
         import triton
         env["triton"] = triton.__version__

@@ -1263,8 +1263,8 @@ class Engine:
             bf.dec_idx_np[db.layer, :db.bucket] = db.cache_indices
         # ---- launch
         t_k0 = time.perf_counter_ns()
-        if cuda:
-            self._ev0.record()
+        if cuda:  # the stream given: record() without one looks it up through a chain of Python calls
+            self._ev0.record(self._stream)
         if mixed is not None:
             self._decode.run(DecodeLaunchers.MIXED, mixed[1])
         else:
@@ -1291,7 +1291,7 @@ class Engine:
                             pad_slot_id=PAD_SLOT_ID, out=o3)
             mo += rows
         if cuda:
-            self._ev1.record()
+            self._ev1.record(self._stream)
         # ---- results: one host tensor per step (pinned on CUDA; a buffer of the output ring unless the step
         # has more rows than those), filled by one device-to-host copy per launch group; each request's y is a
         # view of it, cut lazily by whoever reads the result (not on this thread)
