@@ -247,12 +247,20 @@ def main(argv=None) -> int:
                     help="sys.setswitchinterval, as `convserve serve` sets it (its gil_switch_interval_us default)")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/engine-<gpu>-<date>.json)")
     args = ap.parse_args(argv)
-    sys.setswitchinterval(args.gil_switch_interval_us * 1e-6)
     on_cuda = args.device.startswith("cuda")
     if on_cuda and not cuda:
         ap.error("--device cuda but torch sees no CUDA device; use --device cpu")
     if args.null_kernels and on_cuda:
         ap.error("--null-kernels is for the CPU (on CUDA the host time is measured apart from the GPU already)")
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(args.gil_switch_interval_us * 1e-6)
+    try:
+        return _run(args, on_cuda)
+    finally:
+        sys.setswitchinterval(switch)
+
+
+def _run(args, on_cuda: bool) -> int:
     args.dim = args.dim or (4096 if on_cuda else 256)
     args.sessions_list = [int(s) for s in (args.sessions or ("1,64,256" if on_cuda else "1,8,32")).split(",")]
     args.rounds = args.rounds or (200 if on_cuda else 10)
