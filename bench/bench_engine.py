@@ -10,8 +10,8 @@ Scenarios (each on a fresh engine):
   (one step of N rows per round). Reports per step: host time (schedule + pack + launch + unpack + deliver,
   without the wait for the GPU), GPU time (CUDA events around the launches), wall time, and the round trip
   seen by the caller (submit of the first to the result of the last).
-* ``decode-N-Lk``: the same N sessions spread over k layers, run as one launch with stacked weights
-  (``multi_layer_decode``); ``decode-N-Lk-per-layer``: the same with one launch per layer (k launches a step).
+* ``decode-N-Lk``: the same N sessions spread over k layers (one launch per layer, k a step);
+  ``decode-N-Lk-one-launch``: the same as one launch with stacked weights (``multi_layer_decode``).
 * ``decode-N-eager``: decode without CUDA graphs (CUDA only).
 * ``closed-N``: N asyncio callers in a closed loop (each awaits its decode, then sends the next), with the
   configured ``--delay-us`` window and the default batch limits: the latency a lone caller sees (does it wait
@@ -87,7 +87,7 @@ def step_summary(steps, rows=None) -> dict:
 
 
 def run_decode(args, model, n_sessions: int, n_layers_used: int = 1, graphs: bool = True,
-               multi_layer: bool = True) -> dict:
+               multi_layer: bool = False) -> dict:
     # max_batch_size = n and a long delay: a step starts exactly when a round's n requests are queued
     e = make_engine(args, model, use_cuda_graphs=graphs, max_batch_size=n_sessions, max_queue_delay_us=10_000_000,
                     multi_layer_decode=multi_layer)
@@ -277,7 +277,7 @@ def _run(args, on_cuda: bool) -> int:
     k = min(args.layers, 8)
     if k > 1 and big >= k:
         results[f"decode-{big}-L{k}"] = run_decode(args, model, big, n_layers_used=k)
-        results[f"decode-{big}-L{k}-per-layer"] = run_decode(args, model, big, n_layers_used=k, multi_layer=False)
+        results[f"decode-{big}-L{k}-one-launch"] = run_decode(args, model, big, n_layers_used=k, multi_layer=True)
     results[f"decode-{big}-async"] = run_decode_async(args, model, big)
     if on_cuda:
         results[f"decode-{big}-eager"] = run_decode(args, model, big, graphs=False)

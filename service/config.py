@@ -82,8 +82,9 @@ class Settings(BaseSettings):
                                                            "(410 state_lost)")
     request_timeout_s: float = Field(30.0, gt=0, description="seconds a conv request may take before 504")
     use_cuda_graphs: bool = Field(True, description="replay decode steps from CUDA graphs (CUDA only)")
-    multi_layer_decode: bool = Field(True, description="run a step's decodes of several layers as one launch "
-                                     "(stacked weights) when they fit the largest decode bucket")
+    multi_layer_decode: bool = Field(False, description="run a step's decodes of several layers as one launch "
+                                     "(stacked weights) when they fit the largest decode bucket; off by default: "
+                                     "it measured slower through the service on the H200")
     max_spec_tokens: int = Field(16, ge=1, description="most tokens of one speculative verify (k + 1)")
     gil_switch_interval_us: int = Field(500, ge=100, le=100_000, description="Python's thread switch interval "
                                         "(sys.setswitchinterval; Python's default is 5000): how long the engine "

@@ -116,8 +116,10 @@ class EngineConfig:
     session_ttl_s: float = 3600.0                # idle seconds before a session is evicted
     request_timeout_s: float = 30.0              # queue wait before RequestTimeout; also bounds session ops
     use_cuda_graphs: bool = True                 # replay decode buckets from CUDA graphs (CUDA only)
-    multi_layer_decode: bool = True              # a step's decodes of several layers in one launch (stacked
-    #                                              weights, one table of state lines), when they fit a bucket
+    multi_layer_decode: bool = False             # a step's decodes of several layers in one launch (stacked
+    #                                              weights, one table of state lines), when they fit a bucket.
+    #                                              Off: in-process it pays, through the HTTP service on the H200
+    #                                              it measured slower (bench/NOTES.md)
     max_spec_tokens: int = 16                    # most tokens of one speculative verify
     check_finite: bool = True                    # reject x with NaN/Inf (NonFinite) instead of poisoning state
     pool_memory_fraction: float = 0.5            # slots="auto": this share of free device memory

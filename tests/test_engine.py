@@ -93,10 +93,11 @@ CONFIGS = {
     "bf16-fp32state": (torch.bfloat16, torch.float32, dict(max_batch_tokens=32, max_batch_size=64,
                                                            decode_buckets=(2, 8), max_queue_delay_us=20_000)),
     "fp16": (torch.float16, torch.float16, dict(max_batch_tokens=9, max_batch_size=3, decode_buckets=(1, 4))),
-    # one decode launch per layer (no multi-layer launch)
-    "fp32-per-layer": (torch.float32, torch.float32, dict(max_batch_tokens=16, max_batch_size=6,
-                                                          decode_buckets=(1, 2, 4), max_queue_delay_us=3000,
-                                                          multi_layer_decode=False)),
+    # a step's decodes of several layers in one launch (this mix holds few decodes; the launch itself is covered by
+    # test_decodes_of_several_layers_in_one_step_match_the_reference)
+    "fp32-multi-layer": (torch.float32, torch.float32, dict(max_batch_tokens=16, max_batch_size=6,
+                                                            decode_buckets=(1, 2, 4), max_queue_delay_us=3000,
+                                                            multi_layer_decode=True)),
 }
 
 
