@@ -316,6 +316,10 @@ class DecodeLaunchers:
     :class:`_OutputRing`, so results need no host-side copy.) Without graphs the same two operations run eagerly.
     On the CPU the reference runs directly on the host buffers. Kept in one class so it can be swapped for
     :mod:`kernels.graphs` later.
+
+    With ``multi_layer`` there is also one launch per bucket for rows of any layers (key ``MIXED``): x in
+    ``bufs.d_mix_x``, state lines (``layer * (slots + 1) + slot``) in ``bufs.h_mix_idx``, the model's stacked
+    weights over the pool's table of lines, output in ``bufs.d_mix_out``.
     """
 
     #: the layer key of the multi-layer launch: rows of any layers, ``bufs.*_mix_*``, stacked weights
