@@ -85,6 +85,12 @@ def _update_kernel(
     BLOCK_L: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
+    if OFF64:  # per-element offsets in int64: the strides they multiply (tl.cast: a stride of 1 is a constant)
+        stride_x_d, stride_x_t = tl.cast(stride_x_d, tl.int64), tl.cast(stride_x_t, tl.int64)
+        stride_s_d, stride_s_k = tl.cast(stride_s_d, tl.int64), tl.cast(stride_s_k, tl.int64)
+        stride_i_t, stride_i_d = tl.cast(stride_i_t, tl.int64), tl.cast(stride_i_d, tl.int64)
+        stride_i_k = tl.cast(stride_i_k, tl.int64)
+        stride_o_d, stride_o_t = tl.cast(stride_o_d, tl.int64), tl.cast(stride_o_t, tl.int64)
     if X_UNIT_D:
         stride_x_d = 1
     if X_UNIT_T:
@@ -245,8 +251,11 @@ def _dense_kernel(
     b = tl.program_id(0).to(tl.int64)
     d0 = tl.program_id(1) * BLOCK_D
     offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
-    if OFF64:
+    if OFF64:  # per-element offsets in int64: the channel index and the strides it and the columns multiply
         offs_d = offs_d.to(tl.int64)
+        stride_s_k = tl.cast(stride_s_k, tl.int64)
+        stride_i_t, stride_i_d = tl.cast(stride_i_t, tl.int64), tl.cast(stride_i_d, tl.int64)
+        stride_i_k = tl.cast(stride_i_k, tl.int64)
     if HAS_INDICES:
         line = tl.load(idx_ptr + b * stride_idx).to(tl.int64)
     else:
@@ -340,11 +349,15 @@ def _plan_update(x, conv_state, weight, bias, conv_state_indices, num_accepted_t
                *(osi.stride() if osi is not None else (0, 0)), *o_strides)
 
     def flags(block_d):  # per-element offsets from a row's base overflow int32 (huge strides): OFF64
-        off64 = max(block_d * abs(t.stride(i)) + (seqlen + state_len + width) * abs(t.stride(-1))
+        span = (seqlen + state_len + width)
+        off64 = max(block_d * abs(t.stride(i)) + span * abs(t.stride(-1))
                     for t, i in ((x, 1), (conv_state, 1), (out, 1))) >= 2**31
+        if inter is not None:
+            off64 |= block_d * abs(inter.stride(2)) + span * (abs(inter.stride(1)) + abs(inter.stride(3))) >= 2**31
         return dict(HAS_BIAS=bias is not None, GROUPED=grouped, SILU=silu,
-                    HAS_INDICES=conv_state_indices is not None, HAS_ACCEPTED=num_accepted_tokens is not None, SAVE_INTER=inter is not None,
-                    HAS_OSI=osi is not None, WRITE_LIVE=inter is None and osi is None, OFF64=off64, BLOCK_D=block_d)
+                    HAS_INDICES=conv_state_indices is not None, HAS_ACCEPTED=num_accepted_tokens is not None,
+                    SAVE_INTER=inter is not None, HAS_OSI=osi is not None, WRITE_LIVE=inter is None and osi is None,
+                    OFF64=off64, BLOCK_D=block_d)
 
     # The register-window kernel: x and out dense per row (stride seqlen along dim, 1 along tokens), the pool's
     # layout, and few enough positions of [window | x] to keep in registers.

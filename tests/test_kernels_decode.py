@@ -372,9 +372,10 @@ def test_few_token_update_matches_reference_on_both_paths(width, seqlen, mode, s
 
 
 @pytest.mark.parametrize("seqlen", [1, 3])
-def test_stacked_weights_pick_each_rows_group_by_its_state_line(seqlen, short_path, kernel_device):
+@pytest.mark.parametrize("mode", ["live", "inter", "osi", "accepted"])
+def test_stacked_weights_pick_each_rows_group_by_its_state_line(seqlen, mode, short_path, kernel_device):
     """weight (groups, dim, width): one launch for rows of several layers of one pool; line l uses group
-    l // (lines / groups). Equals one call per row with that group's weight and bias."""
+    l // (lines / groups). Equals one call per row with that group's weight and bias, in every state mode."""
     gen = torch.Generator().manual_seed(SEED + 7 * seqlen)
     rng = random.Random(SEED + seqlen)
     groups, per, dim, width, batch = 3, 5, 37, 4, 7
@@ -383,20 +384,37 @@ def test_stacked_weights_pick_each_rows_group_by_its_state_line(seqlen, short_pa
         x = x[:, :, 0].contiguous()
     w = torch.randn(groups, dim, width, generator=gen).to(kernel_device)
     b = torch.randn(groups, dim, generator=gen).to(kernel_device)
-    state = pool_layout(groups * per, dim, width - 1, torch.float32, kernel_device, gen)
+    state_len = width - 2 + seqlen + 1 if mode == "accepted" else width - 1
+    state = pool_layout(groups * per, dim, state_len, torch.float32, kernel_device, gen)
     rows = rng.sample(range(groups * per), batch)
     rows[rng.randrange(batch)] = PAD_SLOT_ID
-    idx = torch.tensor(rows, dtype=torch.int32, device=kernel_device)
-    y, st_k, ref, st_r, _, _ = run_both(x, state, w, b, conv_state_indices=idx)
+    kw = dict(conv_state_indices=torch.tensor(rows, dtype=torch.int32, device=kernel_device))
+    if mode == "inter":
+        kw["intermediate_conv_window"] = torch.full((batch, seqlen, dim, width - 1), float("nan"),
+                                                    device=kernel_device)
+    if mode == "osi":  # windows to lines no row reads, in several groups
+        free = [r for r in range(groups * per) if r not in rows]
+        kw["output_state_indices"] = torch.tensor([[free[(i + t) % len(free)] if (i + t) % 2 else -1
+                                                    for t in range(seqlen)] for i in range(batch)],
+                                                  dtype=torch.int32, device=kernel_device)
+    acc = [rng.randint(1, seqlen) for _ in range(batch)]
+    if mode == "accepted":
+        kw["num_accepted_tokens"] = torch.tensor(acc, dtype=torch.int32, device=kernel_device)
+    y, st_k, ref, st_r, kw_k, kw_r = run_both(x, state, w, b, **kw)
     assert_close(y, ref, torch.float32)
     assert_states_equal(st_k, st_r)
+    if mode == "inter":
+        live = [i for i in range(batch) if rows[i] != PAD_SLOT_ID]
+        assert_close(kw_k["intermediate_conv_window"][live], kw_r["intermediate_conv_window"][live],
+                     torch.float32, "windows")
     for i, line in enumerate(rows):  # the same as a plain call with the row's own group
         if line == PAD_SLOT_ID:
             assert torch.all(y[i] == 0)
             continue
         g = line // per
         one = causal_conv1d_update_ref(x[i:i + 1].cpu(), state.clone().cpu(), w[g].cpu(), b[g].cpu(), "silu",
-                                       conv_state_indices=torch.tensor([line]), compute_dtype=torch.float64)
+                                       conv_state_indices=torch.tensor([line]), compute_dtype=torch.float64,
+                                       num_accepted_tokens=torch.tensor([acc[i]]) if mode == "accepted" else None)
         assert_close(y[i:i + 1], one, torch.float32, f"row {i} (group {g})")
 
 
@@ -408,6 +426,10 @@ def test_stacked_weights_need_lines_divisible_by_groups(kernel_device):
     with pytest.raises(ValueError, match="bias: expected shape"):
         causal_conv1d_update(x, state[:6], torch.randn(2, 8, 4, device=kernel_device),
                              torch.randn(3, 8, device=kernel_device))
+    with pytest.raises(ValueError, match="weight: expected shape \\(groups >= 1"):
+        causal_conv1d_update(x, state, torch.randn(0, 8, 4, device=kernel_device))
+    with pytest.raises(ValueError, match="at least one per group"):
+        causal_conv1d_update(x, state[:0], torch.randn(2, 8, 4, device=kernel_device))
 
 
 def test_strided_bias_is_read_by_channel(short_path, kernel_device):
@@ -420,3 +442,38 @@ def test_strided_bias_is_read_by_channel(short_path, kernel_device):
     state = pool_layout(6, dim, width - 1, torch.float32, kernel_device, gen)
     y, st_k, ref, st_r, _, _ = run_both(x, state, w, b)
     assert_close(y, ref, torch.float32)
+
+
+@pytest.mark.parametrize("mode", ["live", "inter", "osi"])
+def test_state_strides_past_two_to_the_31_stay_64_bit(mode, short_path, tmp_path):
+    """A pool whose state columns lie 2**30 elements apart (a sparse file mapped into memory, so only the touched
+    pages exist): the column offsets pass 2**31 and must be computed in 64 bits, on both decode paths."""
+    if not hasattr(torch, "from_file"):
+        pytest.skip("torch.from_file is needed")
+    from kernels import decode
+    dim, width, lines, S = 24, 4, 3, 2**30
+    f = tmp_path / "pool.bin"
+    n = (width - 1) * S + lines * dim
+    with open(f, "wb") as fh:
+        fh.truncate(n * 2)
+    base = torch.from_file(str(f), shared=True, size=n, dtype=torch.bfloat16)
+    state = base.as_strided((lines, dim, width - 1), (dim, 1, S))  # column k of line l at k * S + l * dim
+    gen = torch.Generator().manual_seed(SEED + 17)
+    for k in range(width - 1):
+        state[:, :, k] = torch.randn(lines, dim, generator=gen).bfloat16()
+    x = torch.randn(2, dim, generator=gen).bfloat16()
+    w = torch.randn(dim, width, generator=gen).bfloat16()
+    kw = dict(conv_state_indices=torch.tensor([2, 0], dtype=torch.int32))
+    if mode == "inter":
+        kw["intermediate_conv_window"] = torch.full((2, 1, dim, width - 1), float("nan"), dtype=torch.bfloat16)
+    if mode == "osi":
+        kw["output_state_indices"] = torch.tensor([[1], [-1]], dtype=torch.int32)
+    st_r = state.clone()  # dense: the reference's copy
+    kw_r = {k: v.clone() for k, v in kw.items()}
+    y = causal_conv1d_update(x, state, w, None, "silu", out=torch.full_like(x, float("nan")), **kw)
+    assert any(p.constexprs.get("OFF64") for p in decode._PLANS.values()), "expected the 64-bit offsets"
+    ref = causal_conv1d_update_ref(x, st_r, w, None, "silu", compute_dtype=torch.float64, **kw_r)
+    assert_close(y, ref, torch.bfloat16)
+    assert_states_equal(state, st_r)
+    if mode == "inter":
+        assert_close(kw["intermediate_conv_window"], kw_r["intermediate_conv_window"], torch.bfloat16, "windows")
