@@ -130,15 +130,17 @@ def check_update(x, conv_state, weight, bias, activation, cache_seqlens, conv_st
         # stacked weights of several layers: conv_state's lines split into weight.shape[0] equal groups
         groups = weight.shape[0]
         _check_tensor("weight", weight, 3, X_DTYPES, device)
+        if groups < 1:
+            raise _fail("weight", "shape (groups >= 1, dim, width)", tuple(weight.shape))
         if bias is not None:
             _check_tensor("bias", bias, 2, X_DTYPES, device)
             if bias.shape[0] != groups:
                 raise _fail("bias", f"shape (groups={groups}, dim={dim}) with a 3-D weight", tuple(bias.shape))
         width = check_weight_bias(weight[0], bias[0] if bias is not None else None, dim, device)
         check_state("conv_state", conv_state, dim, width, device)
-        if groups < 1 or conv_state.shape[0] % groups:
-            raise _fail("conv_state", f"a number of lines divisible by the weight groups ({groups}): line l uses "
-                        f"weight[l // (num_lines / groups)]", conv_state.shape[0])
+        if conv_state.shape[0] < groups or conv_state.shape[0] % groups:
+            raise _fail("conv_state", f"a number of lines divisible by the weight groups ({groups}), at least one "
+                        f"per group: line l uses weight[l // (num_lines / groups)]", conv_state.shape[0])
     else:
         width = check_weight_bias(weight, bias, dim, device)
         check_state("conv_state", conv_state, dim, width, device)
