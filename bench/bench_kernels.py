@@ -252,8 +252,8 @@ def run_decode_case(batch, dim, peers, seqlen=1, spec=False, extra=True):
                 continue
             p_p = pool.clone()
             xx = x.clone()
-            i_p = inter.clone() if spec else None  # the same work: a verify saves its windows
-            fnp = (lambda f=peer[1]: f(xx, p_p, w, b, "silu", conv_state_indices=idx, intermediate_conv_window=i_p))
+            kw = dict(intermediate_conv_window=inter.clone()) if spec else {}  # the same work: windows saved
+            fnp = (lambda f=peer[1]: f(xx, p_p, w, b, "silu", conv_state_indices=idx, **kw))
             try:
                 fnp()
                 r[f"peer:{name}"] = bench(fnp)

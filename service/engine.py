@@ -211,18 +211,22 @@ class _OutputRing:
     Ownership: callers get views of these tensors (each result is a lazy ``(buf, lo, hi, dtype)`` cut by its
     reader, see :func:`_cut`) and may keep them for ever, so a buffer is reused only when nothing outside the
     ring refers to it: no Python reference to the tensor (the lazy results hold it) and no other tensor on its
-    storage (the cut views, and whatever was made from them without a copy: numpy arrays, further views). Both
-    counts are exact in CPython, and only this (the worker) thread hands buffers out. The oldest buffer is tried
+    storage (the cut views, and whatever was made from them without a copy: numpy arrays, further views), nor to
+    its storage object. The counts are exact in CPython, and only this (the worker) thread hands buffers out. The oldest buffer is tried
     first; when every one is still held, the step gets a fresh tensor of its own size, as every step did before
     (``fresh`` counts those; a closed loop of callers that each keep their last result holds them all)."""
 
     def __init__(self, n: int, rows: int, dim: int, dtype: torch.dtype, pin: bool):
         self.rows, self._shape, self._dtype, self._pin = rows, (rows, dim), dtype, pin
         self._bufs = [torch.empty(self._shape, dtype=dtype, pin_memory=pin) for _ in range(n)]
+        # each buffer's storage object: torch hands out the same Python object for it, so a caller that keeps
+        # only y.untyped_storage() shows in its reference count (not in the c10 use count)
+        self._stores = [b.untyped_storage() for b in self._bufs]
         self._next = 0
         self.fresh = 0
         # the counts of an unreferenced buffer, measured with the same expressions as in take()
         self._refs = sys.getrefcount(self._bufs[0])
+        self._store_refs = sys.getrefcount(self._stores[0])
         self._uses = _storage_use_count(self._bufs[0].untyped_storage()._cdata) if _storage_use_count else None
 
     def take(self, n: int) -> torch.Tensor:
@@ -232,8 +236,8 @@ class _OutputRing:
         if self._uses is not None:
             for j in range(k):
                 i = (self._next + j) % k
-                if sys.getrefcount(bufs[i]) == self._refs and \
-                        _storage_use_count(bufs[i].untyped_storage()._cdata) == self._uses:
+                if sys.getrefcount(bufs[i]) == self._refs and sys.getrefcount(self._stores[i]) == self._store_refs \
+                        and _storage_use_count(bufs[i].untyped_storage()._cdata) == self._uses:
                     self._next = (i + 1) % k
                     return bufs[i]
         self.fresh += 1
@@ -1206,7 +1210,7 @@ class Engine:
     def _pack_mixed(self, decodes: list, n: int, bucket: int):
         """Pack the decodes of several layers for one launch (``DecodeLaunchers.MIXED``): rows in arrival order
         (their staging tickets), so a step's rows staged one after another are still one copy; each row's state
-        line is ``layer * (slots + 1) + slot``. Returns ``(requests in row order, bucket)``."""
+        line is ``layer * (slots + 1) + slot``. Returns the requests in row order."""
         bf, lines_per_layer = self._bufs, self.pool.slots + 1
         reqs = [r for db in decodes for r in db.requests]
         lines = [db.layer * lines_per_layer + slot for db in decodes for slot in db.cache_indices[:len(db.requests)]]
@@ -1218,7 +1222,7 @@ class Engine:
         self._stage_x(reqs, bf.h_mix_x[:n], bf.d_mix_x[:n])
         bf.mix_idx_np[:n] = lines
         bf.mix_idx_np[n:bucket] = PAD_SLOT_ID
-        return reqs, bucket
+        return reqs
 
     def _execute(self, out: SchedulerOutput):
         """Pack, launch, synchronize once, unpack. Returns ``(host_out, by_position, t_launched, t_synced,
@@ -1262,7 +1266,8 @@ class Engine:
             n = sum(len(db.requests) for db in decodes)
             k = bisect.bisect_left(self.config.decode_buckets, n)
             if k < len(self.config.decode_buckets):
-                mixed = self._pack_mixed(decodes, n, self.config.decode_buckets[k])
+                bucket = self.config.decode_buckets[k]
+                mixed = (self._pack_mixed(decodes, n, bucket), bucket)
         for db in decodes if mixed is None else ():
             n = len(db.requests)
             self._stage_x(db.requests, bf.h_dec_x[db.layer, :n], bf.d_dec_x[db.layer, :n])
@@ -1322,9 +1327,9 @@ class Engine:
         else:
             kernel_ns = t_launch - t_k0
         t_sync = time.perf_counter_ns()
-        # ---- unpack: each finished request's rows of host_out. Decode rows come first, layer by layer in
-        # batch order; with a single decode batch and nothing else, out.finished is that batch in row order and
-        # the row is the position (no per-request bookkeeping here).
+        # ---- unpack: each finished request's rows of host_out. Decode rows come first: layer by layer in batch
+        # order, or (one multi-layer launch) in that launch's row order; with a single decode batch and nothing
+        # else, out.finished is that batch in row order and the row is the position (no per-request bookkeeping).
         if n_packed or len(decodes) != 1:
             a = 0
             for r in mixed[0] if mixed is not None else (r for db in decodes for r in db.requests):

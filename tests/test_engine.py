@@ -93,11 +93,6 @@ CONFIGS = {
     "bf16-fp32state": (torch.bfloat16, torch.float32, dict(max_batch_tokens=32, max_batch_size=64,
                                                            decode_buckets=(2, 8), max_queue_delay_us=20_000)),
     "fp16": (torch.float16, torch.float16, dict(max_batch_tokens=9, max_batch_size=3, decode_buckets=(1, 4))),
-    # a step's decodes of several layers in one launch (this mix holds few decodes; the launch itself is covered by
-    # test_decodes_of_several_layers_in_one_step_match_the_reference)
-    "fp32-multi-layer": (torch.float32, torch.float32, dict(max_batch_tokens=16, max_batch_size=6,
-                                                            decode_buckets=(1, 2, 4), max_queue_delay_us=3000,
-                                                            multi_layer_decode=True)),
 }
 
 
@@ -696,13 +691,17 @@ def test_staged_decodes_wrap_the_arena_and_fall_back_when_its_rows_are_held(rows
 def _held_y(held):
     if isinstance(held, torch.Tensor):
         return held
+    if isinstance(held, tuple):                # (storage, offset, shape, dtype): a view rebuilt from its storage
+        storage, offset, shape, dtype = held
+        return torch.empty(0, dtype=dtype).set_(storage, offset, shape)
     return held.result() if hasattr(held, "result") else torch.from_numpy(held)
 
 
 def test_results_kept_by_callers_are_never_overwritten():
     """A step's results are views of a reused host buffer (the output ring); a buffer is reused only when no
     result, cut or not, refers to it. Callers here keep every result (read and unread futures, cut views, a
-    numpy array of one) across many more steps than the ring has buffers: all must still hold their y."""
+    numpy array of one, only a view's storage) across many more steps than the ring has buffers: all must still
+    hold their y."""
     e = make_engine(slots=8, max_queue_delay_us=20_000, max_batch_size=8)
     try:
         oracle = Oracle(e.model_cpu, e.state_dtype)
@@ -719,21 +718,26 @@ def test_results_kept_by_callers_are_never_overwritten():
                 batch.append((e.submit(s, LAYERS[0], x), oracle.conv(s, 0, x)))
             for f, want in batch:              # one way of holding per step: each step's buffer is held by it
                 f.exception(5)                 # finished, result not cut yet
-                if step % 3 == 0:
+                if step % 4 == 0:
                     kept.append((f, want))                     # an unread future
-                elif step % 3 == 1:
+                elif step % 4 == 1:
                     kept.append((f.result().numpy(), want))    # a numpy array over the cut view
-                else:
+                elif step % 4 == 2:
                     kept.append((f.result(), want))            # the cut view itself
+                else:                                          # only the storage of the cut view
+                    y = f.result()
+                    kept.append(((y.untyped_storage(), y.storage_offset(), y.shape, y.dtype), want))
+                    del y
             del f
             batch.clear()
-            if step % 3 == 2:
+            if step % 4 == 3:
                 for held, want in kept:        # nothing read so far has changed under its holder
                     assert_close(_held_y(held), want)
         for held, want in kept:
             assert_close(_held_y(held), want)
         assert e._bufs.outputs.fresh > 0       # the held buffers were left to their holders
         # once nothing refers to them, the ring's buffers are reused again
+        del held, want
         kept.clear()
         batch.clear()
         fresh = e._bufs.outputs.fresh
@@ -744,3 +748,26 @@ def test_results_kept_by_callers_are_never_overwritten():
         assert e._bufs.outputs.fresh == fresh
     finally:
         e.stop(drain=False)
+
+
+def test_output_ring_hands_out_a_buffer_again_only_when_nothing_refers_to_it():
+    """The ring on its own: each way of keeping a result (the tensor, a view, a numpy array over it, only the
+    view's storage) keeps its buffer out of the ring; a buffer comes back once it is let go."""
+    from service.engine import _OutputRing
+    ring = _OutputRing(2, 4, 8, torch.float32, False)
+
+    def hold(kind, buf):
+        if kind == "tensor":
+            return buf
+        view = buf[1:3]
+        return {"view": view, "numpy": view.numpy(), "storage": view.untyped_storage()}[kind]
+
+    for kind in ("tensor", "view", "numpy", "storage"):
+        first = ring.take(4)
+        ptr = first.data_ptr()
+        held = hold(kind, first)
+        del first
+        got = [ring.take(4) for _ in range(3)]     # the other buffer, then fresh tensors: never the held one
+        assert all(t.data_ptr() != ptr for t in got), kind
+        del got, held
+        assert any(ring.take(4).data_ptr() == ptr for _ in range(2)), f"{kind}: the buffer did not come back"
