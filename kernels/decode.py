@@ -38,6 +38,40 @@ def _ext_load(x_row, state_row, pos, mask, o, stride_x_t, stride_s_k, WIDTH: tl.
 
 
 @triton.jit
+def _decode_row(idx_ptr, acc_ptr, b_ptr, b, d0, offs_d, dim, num_lines, state_len, pad_slot_id, lines_per_group,
+                stride_idx, stride_acc, stride_b_g, WIDTH: tl.constexpr, HAS_INDICES: tl.constexpr,
+                HAS_ACCEPTED: tl.constexpr, GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """What one program needs to know about its batch row ``b`` (both decode kernels):
+
+    line: the state row; o: the window's first column; g: the weight group (0 unless GROUPED); in_d: the
+    tile's channels inside dim; mask_d: in_d and the row valid (pad rows, and rows whose index or window falls
+    outside the pool, give zeros and touch no state); bias: [BLOCK_D] fp32 (zeros without one).
+    """
+    if HAS_INDICES:
+        line = tl.load(idx_ptr + b * stride_idx).to(tl.int64)
+    else:
+        line = b
+    if HAS_ACCEPTED:
+        o = tl.load(acc_ptr + b * stride_acc).to(tl.int32) - 1
+    else:
+        o = tl.program_id(0) * 0
+    valid = (line != pad_slot_id) & (line >= 0) & (line < num_lines) & (o >= 0) & (o + WIDTH - 1 <= state_len)
+    if GROUPED:
+        g = tl.where(valid, line // lines_per_group, 0)  # the row's weight group (layer)
+    else:
+        g = line * 0
+    # The flag joins the channel mask as a broadcast tensor: masks stay boolean tensors and stay uniform
+    # along channels, so loads and stores keep their vector width.
+    in_d = offs_d < dim - d0  # [BLOCK_D]
+    mask_d = in_d & ((tl.zeros([BLOCK_D], dtype=tl.int32) + valid.to(tl.int32)) != 0)  # [BLOCK_D]
+    if HAS_BIAS:
+        bias = tl.load((b_ptr + g * stride_b_g) + d0 + offs_d, mask=in_d, other=0.0).to(tl.float32)
+    else:
+        bias = tl.zeros([BLOCK_D], dtype=tl.float32)
+    return line, o, g, in_d, mask_d, bias
+
+
+@triton.jit
 def _update_kernel(
     x_ptr,  # (batch, dim, seqlen), any strides
     w_ptr,  # (dim, WIDTH)
@@ -110,33 +144,14 @@ def _update_kernel(
     if OFF64:
         offs_d = offs_d.to(tl.int64)
 
-    if HAS_INDICES:
-        line = tl.load(idx_ptr + b * stride_idx).to(tl.int64)
-    else:
-        line = b
-    if HAS_ACCEPTED:
-        o = tl.load(acc_ptr + b * stride_acc).to(tl.int32) - 1
-    else:
-        o = tl.program_id(0) * 0
-    # Pad rows, and rows whose index or window falls outside the pool, give zeros and touch no state.
-    valid = (line != pad_slot_id) & (line >= 0) & (line < num_lines) & (o >= 0) & (o + WIDTH - 1 <= state_len)
-    if GROUPED:
-        g = tl.where(valid, line // lines_per_group, 0)  # the row's weight group (layer)
-    else:
-        g = 0
-    # The flag joins the channel mask as a broadcast tensor: masks stay boolean tensors and stay uniform
-    # along channels, so loads and stores keep their vector width.
-    in_d = offs_d < dim - d0  # [BLOCK_D]
-    mask_d = in_d & ((tl.zeros([BLOCK_D], dtype=tl.int32) + valid.to(tl.int32)) != 0)  # [BLOCK_D]
+    line, o, g, in_d, mask_d, bias = _decode_row(
+        idx_ptr, acc_ptr, b_ptr, b, d0, offs_d, dim, num_lines, state_len, pad_slot_id, lines_per_group,
+        stride_idx, stride_acc, stride_b_g, WIDTH, HAS_INDICES, HAS_ACCEPTED, GROUPED, HAS_BIAS, BLOCK_D)
 
     d0_64 = d0.to(tl.int64)
     x_row = (x_ptr + b * stride_x_b + d0_64 * stride_x_d) + offs_d * stride_x_d  # [BLOCK_D]
     state_row = (state_ptr + line * stride_s_line + d0_64 * stride_s_d) + offs_d * stride_s_d  # [BLOCK_D]
     w_row = (w_ptr + g * stride_w_g) + (d0 + offs_d) * stride_w_d  # [BLOCK_D]
-    if HAS_BIAS:
-        bias = tl.load((b_ptr + g * stride_b_g) + d0 + offs_d, mask=in_d, other=0.0).to(tl.float32)
-    else:
-        bias = tl.zeros([BLOCK_D], dtype=tl.float32)
     offs_j = tl.arange(0, WP)  # [WP] window column
 
     for c0 in range(0, seqlen, BLOCK_L):
@@ -256,21 +271,9 @@ def _dense_kernel(
         stride_s_k = tl.cast(stride_s_k, tl.int64)
         stride_i_t, stride_i_d = tl.cast(stride_i_t, tl.int64), tl.cast(stride_i_d, tl.int64)
         stride_i_k = tl.cast(stride_i_k, tl.int64)
-    if HAS_INDICES:
-        line = tl.load(idx_ptr + b * stride_idx).to(tl.int64)
-    else:
-        line = b
-    if HAS_ACCEPTED:
-        o = tl.load(acc_ptr + b * stride_acc).to(tl.int32) - 1
-    else:
-        o = tl.program_id(0) * 0
-    valid = (line != pad_slot_id) & (line >= 0) & (line < num_lines) & (o >= 0) & (o + WIDTH - 1 <= state_len)
-    if GROUPED:
-        g = tl.where(valid, line // lines_per_group, 0)  # the row's weight group (layer)
-    else:
-        g = 0
-    in_d = offs_d < dim - d0  # [BLOCK_D]
-    mask_d = in_d & ((tl.zeros([BLOCK_D], dtype=tl.int32) + valid.to(tl.int32)) != 0)  # [BLOCK_D]
+    line, o, g, in_d, mask_d, bias = _decode_row(
+        idx_ptr, acc_ptr, b_ptr, b, d0, offs_d, dim, num_lines, state_len, pad_slot_id, lines_per_group,
+        stride_idx, stride_acc, stride_b_g, WIDTH, HAS_INDICES, HAS_ACCEPTED, GROUPED, HAS_BIAS, BLOCK_D)
     d0_64 = d0.to(tl.int64)
 
     # [window | x] as a tuple of [BLOCK_D] columns: WIDTH - 1 state columns, then SEQ tokens.
@@ -283,10 +286,6 @@ def _dense_kernel(
         e = e + (tl.load(x_row + t, mask=mask_d, other=0.0).to(tl.float32),)  # [BLOCK_D]
 
     w_row = (w_ptr + g * stride_w_g) + (d0 + offs_d) * stride_w_d  # [BLOCK_D]
-    if HAS_BIAS:
-        bias = tl.load((b_ptr + g * stride_b_g) + d0 + offs_d, mask=in_d, other=0.0).to(tl.float32)
-    else:
-        bias = tl.zeros([BLOCK_D], dtype=tl.float32)
     w = ()
     for k in tl.static_range(WIDTH):
         w = w + (tl.load(w_row + k * stride_w_k, mask=in_d, other=0.0).to(tl.float32),)
