@@ -344,7 +344,8 @@ class DecodeLaunchers:
             for b in self._buckets:
                 self._args[(p, b)] = (bufs.d_dec_x[p, :b], pool.layer(p), model.weight[p], model.layer_bias(p),
                                       bufs.d_dec_idx[p, :b], bufs.h_dec_idx[p, :b], bufs.d_dec_out[p, :b])
-        if multi_layer and model.n_layers > 1:
+        self.multi_layer = multi_layer and model.n_layers > 1
+        if self.multi_layer:
             for b in self._buckets:
                 self._args[(self.MIXED, b)] = (bufs.d_mix_x[:b], pool.lines(), model.weight,
                                                model.bias if any(model.has_bias) else None, bufs.d_mix_idx[:b],
@@ -390,10 +391,6 @@ class DecodeLaunchers:
     @property
     def n_graphs(self) -> int:
         return len(self._graphs)
-
-    @property
-    def multi_layer(self) -> bool:
-        return (self.MIXED, self._buckets[0]) in self._args
 
     def run(self, p: int, b: int) -> None:
         """Launch layer ``p``'s decode (or, ``p == MIXED``, the multi-layer one) for bucket ``b``."""
@@ -1182,14 +1179,14 @@ class Engine:
                    sched_ns * 1e-9, (t_launch - t0) * 1e-9, (t3 - t_sync) * 1e-9)
             self._steps.append(rec)
 
-    def _stage_x(self, reqs: list, h_x: torch.Tensor, d_x: torch.Tensor) -> None:
-        """Put the decode rows' x (one token each) into ``d_x``, in the order of ``reqs``: one copy of a
+    def _stage_x(self, reqs: list, tickets: list, h_x: torch.Tensor, d_x: torch.Tensor) -> None:
+        """Put the decode rows' x (one token each; ``tickets``: their staging tickets) into ``d_x``, in the order of
+        ``reqs``: one copy of a
         contiguous run of the staging arena when the rows were staged one after another, else one gather
         (``index_select``) into ``h_x`` and a copy; a row that is not staged (its arena row was still held) sends
         the batch to a per-row pack into ``h_x``."""
         bf, cuda, R = self._bufs, self._stream is not None, self._bufs.stage_rows
         n = len(reqs)
-        tickets = [r.stage for r in reqs]
         t0 = tickets[0]
         lo = t0 % R
         if t0 >= 0 and lo + n <= R and (n == 1 or tickets == list(range(t0, t0 + n))):
@@ -1219,7 +1216,8 @@ class Engine:
             order = sorted(range(n), key=tickets.__getitem__)
             reqs = [reqs[i] for i in order]
             lines = [lines[i] for i in order]
-        self._stage_x(reqs, bf.h_mix_x[:n], bf.d_mix_x[:n])
+            tickets.sort()
+        self._stage_x(reqs, tickets, bf.h_mix_x[:n], bf.d_mix_x[:n])
         bf.mix_idx_np[:n] = lines
         bf.mix_idx_np[n:bucket] = PAD_SLOT_ID
         return reqs
@@ -1270,7 +1268,8 @@ class Engine:
                 mixed = (self._pack_mixed(decodes, n, bucket), bucket)
         for db in decodes if mixed is None else ():
             n = len(db.requests)
-            self._stage_x(db.requests, bf.h_dec_x[db.layer, :n], bf.d_dec_x[db.layer, :n])
+            self._stage_x(db.requests, [r.stage for r in db.requests], bf.h_dec_x[db.layer, :n],
+                          bf.d_dec_x[db.layer, :n])
             bf.dec_idx_np[db.layer, :db.bucket] = db.cache_indices
         # ---- launch
         t_k0 = time.perf_counter_ns()
