@@ -378,7 +378,7 @@ def test_stacked_weights_pick_each_rows_group_by_its_state_line(seqlen, mode, sh
     l // (lines / groups). Equals one call per row with that group's weight and bias, in every state mode."""
     gen = torch.Generator().manual_seed(SEED + 7 * seqlen)
     rng = random.Random(SEED + seqlen)
-    groups, per, dim, width, batch = 3, 5, 37, 4, 7
+    groups, per, dim, width, batch = 3, 8, 37, 4, 7
     x = torch.randn(batch, dim, seqlen, generator=gen).to(kernel_device)
     if seqlen == 1:
         x = x[:, :, 0].contiguous()
@@ -392,11 +392,11 @@ def test_stacked_weights_pick_each_rows_group_by_its_state_line(seqlen, mode, sh
     if mode == "inter":
         kw["intermediate_conv_window"] = torch.full((batch, seqlen, dim, width - 1), float("nan"),
                                                     device=kernel_device)
-    if mode == "osi":  # windows to lines no row reads, in several groups
-        free = [r for r in range(groups * per) if r not in rows]
-        kw["output_state_indices"] = torch.tensor([[free[(i + t) % len(free)] if (i + t) % 2 else -1
-                                                    for t in range(seqlen)] for i in range(batch)],
-                                                  dtype=torch.int32, device=kernel_device)
+    if mode == "osi":  # windows to lines no row reads, in several groups; each line written once (two rows
+        # writing one line is a race, as in the seed), every other position skipped with -1
+        free = iter(rng.sample([r for r in range(groups * per) if r not in rows], groups * per - batch))
+        kw["output_state_indices"] = torch.tensor([[next(free) if (i + t) % 2 else -1 for t in range(seqlen)]
+                                                   for i in range(batch)], dtype=torch.int32, device=kernel_device)
     acc = [rng.randint(1, seqlen) for _ in range(batch)]
     if mode == "accepted":
         kw["num_accepted_tokens"] = torch.tensor(acc, dtype=torch.int32, device=kernel_device)
@@ -445,29 +445,34 @@ def test_strided_bias_is_read_by_channel(short_path, kernel_device):
 
 
 @pytest.mark.parametrize("mode", ["live", "inter", "osi"])
-def test_state_strides_past_two_to_the_31_stay_64_bit(mode, short_path, tmp_path):
-    """A pool whose state columns lie 2**30 elements apart (a sparse file mapped into memory, so only the touched
-    pages exist): the column offsets pass 2**31 and must be computed in 64 bits, on both decode paths."""
-    if not hasattr(torch, "from_file"):
-        pytest.skip("torch.from_file is needed")
+def test_state_strides_past_two_to_the_31_stay_64_bit(mode, short_path, tmp_path, kernel_device):
+    """A pool whose state columns lie 2**30 elements apart: the column offsets pass 2**31 and must be computed in
+    64 bits, on both decode paths. On CPU the pool is a sparse file mapped into memory, so only the touched pages
+    exist; on CUDA it is a real 6 GiB tensor."""
     from kernels import decode
     dim, width, lines, S = 24, 4, 3, 2**30
-    f = tmp_path / "pool.bin"
     n = (width - 1) * S + lines * dim
-    with open(f, "wb") as fh:
-        fh.truncate(n * 2)
-    base = torch.from_file(str(f), shared=True, size=n, dtype=torch.bfloat16)
+    if kernel_device == "cuda":
+        base = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+    else:
+        if not hasattr(torch, "from_file"):
+            pytest.skip("torch.from_file is needed")
+        f = tmp_path / "pool.bin"
+        with open(f, "wb") as fh:
+            fh.truncate(n * 2)
+        base = torch.from_file(str(f), shared=True, size=n, dtype=torch.bfloat16)
     state = base.as_strided((lines, dim, width - 1), (dim, 1, S))  # column k of line l at k * S + l * dim
     gen = torch.Generator().manual_seed(SEED + 17)
     for k in range(width - 1):
-        state[:, :, k] = torch.randn(lines, dim, generator=gen).bfloat16()
-    x = torch.randn(2, dim, generator=gen).bfloat16()
-    w = torch.randn(dim, width, generator=gen).bfloat16()
-    kw = dict(conv_state_indices=torch.tensor([2, 0], dtype=torch.int32))
+        state[:, :, k] = torch.randn(lines, dim, generator=gen).bfloat16().to(kernel_device)
+    x = torch.randn(2, dim, generator=gen).bfloat16().to(kernel_device)
+    w = torch.randn(dim, width, generator=gen).bfloat16().to(kernel_device)
+    kw = dict(conv_state_indices=torch.tensor([2, 0], dtype=torch.int32, device=kernel_device))
     if mode == "inter":
-        kw["intermediate_conv_window"] = torch.full((2, 1, dim, width - 1), float("nan"), dtype=torch.bfloat16)
+        kw["intermediate_conv_window"] = torch.full((2, 1, dim, width - 1), float("nan"), dtype=torch.bfloat16,
+                                                    device=kernel_device)
     if mode == "osi":
-        kw["output_state_indices"] = torch.tensor([[1], [-1]], dtype=torch.int32)
+        kw["output_state_indices"] = torch.tensor([[1], [-1]], dtype=torch.int32, device=kernel_device)
     st_r = state.clone()  # dense: the reference's copy
     kw_r = {k: v.clone() for k, v in kw.items()}
     y = causal_conv1d_update(x, state, w, None, "silu", out=torch.full_like(x, float("nan")), **kw)
