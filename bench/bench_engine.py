@@ -12,6 +12,9 @@ Scenarios (each on a fresh engine):
   seen by the caller (submit of the first to the result of the last).
 * ``decode-N-Lk``: the same N sessions spread over k layers (one launch per layer, k a step);
   ``decode-N-Lk-one-launch``: the same as one launch with stacked weights (``multi_layer_decode``).
+* ``decode-N-batch``: the same rounds as one batch request per layer (``Engine.submit_batch``: the N sessions'
+  tokens as one request, what a frontend's decode loop sends); ``decode-N-Lk-batch``: k batches (one per layer)
+  per round, one step. Also reports the caller's submit time per round.
 * ``decode-N-eager``: decode without CUDA graphs (CUDA only).
 * ``closed-N``: N asyncio callers in a closed loop (each awaits its decode, then sends the next), with the
   configured ``--delay-us`` window and the default batch limits: the latency a lone caller sees (does it wait
@@ -87,7 +90,7 @@ def step_summary(steps, rows=None) -> dict:
 
 
 def run_decode(args, model, n_sessions: int, n_layers_used: int = 1, graphs: bool = True,
-               multi_layer: bool = False) -> dict:
+               multi_layer: bool = False, batch: bool = False) -> dict:
     # max_batch_size = n and a long delay: a step starts exactly when a round's n requests are queued
     e = make_engine(args, model, use_cuda_graphs=graphs, max_batch_size=n_sessions, max_queue_delay_us=10_000_000,
                     multi_layer_decode=multi_layer)
@@ -99,23 +102,34 @@ def run_decode(args, model, n_sessions: int, n_layers_used: int = 1, graphs: boo
         for f in futs:
             f.result()
         xs = [torch.randn(1, dim, dtype=model.dtype) for _ in range(n_sessions)]
+        if batch:                                   # one batch request per layer: (sessions, layer, x (rows, dim))
+            groups = [([s for s, l in zip(sids, layers) if l == lay], lay) for lay in sorted(set(layers))]
+            work = [(g, lay, torch.randn(len(g), dim, dtype=model.dtype)) for g, lay in groups]
+
+            def round_():
+                return [e.submit_batch(g, lay, x) for g, lay, x in work]
+        else:
+            def round_():
+                return [e.submit(s, l, x) for s, l, x in zip(sids, layers, xs)]
         for _ in range(args.warmup):
-            for f in [e.submit(s, l, x) for s, l, x in zip(sids, layers, xs)]:
+            for f in round_():
                 f.result()
         n0 = e.stats()["steps"]
-        rtt = []
+        rtt, sub = [], []
         for _ in range(args.rounds):
             t0 = time.perf_counter()
-            fs = [e.submit(s, l, x) for s, l, x in zip(sids, layers, xs)]
+            fs = round_()
+            sub.append((time.perf_counter() - t0) * 1e6)
             for f in fs:
                 f.result()
             rtt.append((time.perf_counter() - t0) * 1e6)
         steps = e.recent_steps()[-(e.stats()["steps"] - n0):]
         out = step_summary(steps, rows=n_sessions)
         out.update({"round_trip_us_p50": _pct(rtt, 0.5), "round_trip_us_p90": _pct(rtt, 0.9),
+                    "submit_us_p50": _pct(sub, 0.5),
                     "tokens_per_s": n_sessions * args.rounds / (sum(rtt) * 1e-6),
                     "cuda_graphs": e.stats()["cuda_graphs"], "sessions": n_sessions, "layers_used": n_layers_used,
-                    "outputs_fresh": e.stats()["outputs_fresh"]})
+                    "outputs_fresh": e.stats()["outputs_fresh"], "batch": batch})
         return out
     finally:
         e.stop(drain=False)
@@ -273,11 +287,14 @@ def _run(args, on_cuda: bool) -> int:
     results = {}
     for n in args.sessions_list:
         results[f"decode-{n}"] = run_decode(args, model, n)
+    for n in args.sessions_list:
+        results[f"decode-{n}-batch"] = run_decode(args, model, n, batch=True)
     big = max(args.sessions_list)
     k = min(args.layers, 8)
     if k > 1 and big >= k:
         results[f"decode-{big}-L{k}"] = run_decode(args, model, big, n_layers_used=k)
         results[f"decode-{big}-L{k}-one-launch"] = run_decode(args, model, big, n_layers_used=k, multi_layer=True)
+        results[f"decode-{big}-L{k}-batch"] = run_decode(args, model, big, n_layers_used=k, batch=True)
     results[f"decode-{big}-async"] = run_decode_async(args, model, big)
     if on_cuda:
         results[f"decode-{big}-eager"] = run_decode(args, model, big, graphs=False)
@@ -299,18 +316,20 @@ def _run(args, on_cuda: bool) -> int:
         pass
 
     cols = ["rows_mean", "host_us_p50", "host_us_p90", "sched_us_p50", "launch_us_p50", "deliver_us_p50",
-            "gpu_us_p50", "wall_us_p50", "round_trip_us_p50", "tokens_per_s", "outputs_fresh"]
+            "gpu_us_p50", "wall_us_p50", "submit_us_p50", "round_trip_us_p50", "tokens_per_s", "outputs_fresh"]
     print(f"engine bench on {gpu}: {args.layers} layers x dim {args.dim} x width {args.width}, {args.dtype}")
-    print(f"{'scenario':<20}" + "".join(f"{c.replace('_p50', '').replace('_us', ' us'):>14}" for c in cols))
+    print(f"{'scenario':<24}" + "".join(f"{c.replace('_p50', '').replace('_us', ' us'):>14}" for c in cols))
     for name, r in results.items():
         cells = []
         for c in cols:
             v = r.get(c)
             cells.append(f"{'-':>14}" if v is None else f"{v:>14.1f}")
-        print(f"{name:<20}" + "".join(cells))
+        print(f"{name:<24}" + "".join(cells))
     if f"decode-{big}" in results:
         h = results[f"decode-{big}"]["host_us_p50"]
-        print(f"host overhead per decode step at {big} sessions: {h:.1f} us (target < 100 us at 256)")
+        hb = results[f"decode-{big}-batch"]["host_us_p50"]
+        print(f"host overhead per decode step at {big} sessions (target < 100 us at 256): {h:.1f} us as one request "
+              f"per session, {hb:.1f} us as one batch request")
 
     date = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     slug = re.sub(r"[^A-Za-z0-9]+", "-", gpu).strip("-").lower()

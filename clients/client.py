@@ -28,7 +28,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterable, Iterable, Iterator, Optional, Union
+from typing import Any, AsyncIterable, Iterable, Iterator, Optional, Sequence, Union
 
 import httpx
 
@@ -244,6 +244,10 @@ class _Base:
         return wire.packb({"session": session, "layer": layer, "x": wire.encode_tensor(x),
                            "speculative": speculative})
 
+    @staticmethod
+    def _batch_body(sessions, layer, x) -> bytes:
+        return wire.packb({"sessions": list(sessions), "layer": layer, "x": wire.encode_tensor(x)})
+
     def _ws_results(self, msg, unpacker, tracker: "_Tracker") -> Iterator["ConvResult"]:
         """The results in one WebSocket message (binary: msgpack frames), counted in ``bytes_received``."""
         if isinstance(msg, str):
@@ -340,6 +344,16 @@ class ConvClient(_Base):
         self.bytes_received += len(resp.content)
         obj = _decode(resp)
         return wire.decode_tensor(obj["y"], backend=_backend_of(x), name="y")
+
+    def conv_batch(self, sessions: Sequence[str], layer: int, x):
+        """One decode token for each session: row ``i`` of ``x (rows, dim)`` is ``sessions[i]``'s; returns
+        ``y (rows, dim)`` like :meth:`conv`. One request for all rows (``POST /v1/conv/batch``): the hot path of a
+        frontend's decode loop. It fails whole (nothing changes) if any session is unknown or repeated."""
+        body = self._batch_body(sessions, layer, x)
+        resp = self._http.post("/v1/conv/batch", content=body)
+        self.bytes_sent += len(body)
+        self.bytes_received += len(resp.content)
+        return wire.decode_tensor(_decode(resp)["y"], backend=_backend_of(x), name="y")
 
     def stream(self, requests: Iterable, *, transport: str = "http", window: int = 64) -> Iterator[ConvResult]:
         """Pipeline ``requests`` (:class:`ConvRequest`, ``(session, layer, x[, speculative])`` tuples or dicts)
@@ -673,6 +687,14 @@ class AsyncConvClient(_Base):
         self.bytes_received += len(resp.content)
         obj = _decode(resp)
         return wire.decode_tensor(obj["y"], backend=_backend_of(x), name="y")
+
+    async def conv_batch(self, sessions: Sequence[str], layer: int, x):
+        """Async twin of :meth:`ConvClient.conv_batch`."""
+        body = self._batch_body(sessions, layer, x)
+        resp = await self._send("POST", "/v1/conv/batch", body)
+        self.bytes_sent += len(body)
+        self.bytes_received += len(resp.content)
+        return wire.decode_tensor(_decode(resp)["y"], backend=_backend_of(x), name="y")
 
     async def stream(self, requests: Union[Iterable, AsyncIterable], *, transport: str = "http", window: int = 64):
         """Async twin of :meth:`ConvClient.stream`; ``requests`` may be an async iterable."""

@@ -39,7 +39,7 @@ DTYPE_NAMES = tuple(ITEMSIZE)
 
 #: Structural bounds for decoded messages, besides the byte bound the caller passes.
 MAX_DIMS = 8
-_MAX_ARRAY_LEN = 64       # shapes, layer lists
+_MAX_ARRAY_LEN = 4096     # shapes, layer lists, the session ids of a batch
 _MAX_MAP_LEN = 32         # request / response maps
 _MAX_STR_LEN = 64 * 1024  # session ids, messages
 

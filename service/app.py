@@ -200,6 +200,8 @@ class Service:
         self.max_body = settings.max_body_bytes
         self.state_dtype = str(info["state_dtype"])
         self.x_check = wire.shape_checker((self.dim,), min_first=1, max_first=settings.max_tokens_per_request)
+        self.batch_rows = engine.max_batch_rows()
+        self.batch_check = wire.shape_checker((self.dim,), min_first=1, max_first=self.batch_rows, first_name="rows")
         self.state_check = wire.exact_shape_checker((len(self.layers), self.dim, self.width - 1), "state")
         self.draining = False
         self.failed: Optional[BaseException] = None
@@ -252,6 +254,24 @@ class Service:
         if type(spec) is not bool:
             raise BadRequest("'speculative' must be true or false")
         return session, layer, x, spec  # NaN/Inf (non_finite) is checked by the engine (settings.check_finite)
+
+    def parse_batch(self, req: Any):
+        """``(sessions, layer, x)`` from a /v1/conv/batch body; raises ServiceError."""
+        if type(req) is not dict:
+            raise BadRequest(f"a batch request must be a map {{sessions, layer, x}}, got {type(req).__name__}")
+        sessions = req.get("sessions")
+        if type(sessions) is not list or not sessions or not all(type(s) is str for s in sessions):
+            raise BadRequest("'sessions' is missing or not a non-empty list of session ids (strings)")
+        if len(sessions) > self.batch_rows:
+            raise PayloadTooLarge(f"'sessions' has {len(sessions)} sessions, above the limit of {self.batch_rows} "
+                                  "rows per batch (max_batch_size, the largest decode bucket); split the batch")
+        layer = req.get("layer")
+        if type(layer) is not int:
+            raise BadRequest("'layer' is missing or not an integer; use a model layer index from GET /v1/model")
+        if layer not in self.layer_set:
+            raise UnknownLayer(f"layer {layer} has no conv; the model's conv layers are {self.layers}")
+        x = wire.decode_tensor(req.get("x"), check_shape=self.batch_check)
+        return sessions, layer, x
 
     def new_session_id(self, body: Any, what: str = "session") -> Optional[str]:
         if body is None or body == {} or body == b"":
@@ -317,6 +337,30 @@ class ConvEndpoint:
             body = await read_body(scope, receive, svc.max_body)
             session, layer, x, spec = svc.parse_conv(parse_body(scope, body, svc.max_body))
             fut = svc.engine.submit_async(session, layer, x, speculative=spec)
+            y = await svc.wait_result(fut, receive)
+            out, ct = render({"y": wire.encode_tensor(y)}, wants_json(scope))
+        except ClientGone:
+            return
+        except Exception as e:  # noqa: BLE001 - every failure becomes an error response
+            await send_error(scope, send, as_service_error(e))
+            return
+        await send_bytes(send, 200, out, ct)
+
+
+class BatchEndpoint:
+    """``POST /v1/conv/batch``: one decode token for each of several sessions, as one engine request."""
+
+    def __init__(self, svc: Service):
+        self.svc = svc
+
+    async def __call__(self, scope, receive, send):
+        svc = self.svc
+        scope[_ROUTE_SCOPE_KEY] = "/v1/conv/batch"
+        try:
+            svc.require_ready()
+            body = await read_body(scope, receive, svc.max_body)
+            sessions, layer, x = svc.parse_batch(parse_body(scope, body, svc.max_body))
+            fut = svc.engine.submit_batch_async(sessions, layer, x)
             y = await svc.wait_result(fut, receive)
             out, ct = render({"y": wire.encode_tensor(y)}, wants_json(scope))
         except ClientGone:
@@ -979,13 +1023,16 @@ def create_app(settings, engine, *, start_engine: bool = True) -> ConvServeApp:
     # --- the hot routes, as plain ASGI endpoints: dispatched by ConvServeApp.__call__ ahead of the stack; also
     # routed in it, for what does not take that path (405 for other methods, a root_path)
     conv, stream, ws = ConvEndpoint(svc), StreamEndpoint(svc), WebSocketEndpoint(svc)
+    batch = BatchEndpoint(svc)
     app.router.routes.append(Route("/v1/conv", conv, methods=["POST"]))
+    app.router.routes.append(Route("/v1/conv/batch", batch, methods=["POST"]))
     app.router.routes.append(Route("/v1/conv/stream", stream, methods=["POST"]))
     app.router.routes.append(WebSocketRoute("/v1/conv/ws", ws))
 
     edge_args = dict(metrics=metrics, api_key=settings.api_key_value(), access=settings.access_log)
     app.add_middleware(Edge, **edge_args)
-    app.set_hot_routes(Edge(None, **edge_args), {"/v1/conv": conv, "/v1/conv/stream": stream}, {"/v1/conv/ws": ws})
+    app.set_hot_routes(Edge(None, **edge_args), {"/v1/conv": conv, "/v1/conv/batch": batch, "/v1/conv/stream": stream},
+                       {"/v1/conv/ws": ws})
     return app
 
 

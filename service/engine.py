@@ -66,7 +66,7 @@ from state_pool import PoolExhausted as PoolFull
 from .errors import (BadRequest, DtypeUnsupported, Internal, NonFinite, NotReady, PoolExhausted, QueueFull,
                      RequestTimeout, ServiceError, ShapeMismatch, UnknownSession)
 from .model import DTYPE_NAMES, MODEL_DTYPES, ConvModel
-from .scheduler import PAD_SLOT_ID, Request, Scheduler, SchedulerConfig, SchedulerOutput
+from .scheduler import PAD_SLOT_ID, Request, RowBatch, Scheduler, SchedulerConfig, SchedulerOutput
 from .sessions import Session, SessionTable
 
 # Exponent bits of each float dtype, seen through an integer view: all ones means NaN or Inf.
@@ -87,6 +87,10 @@ def all_finite(t: torch.Tensor) -> bool:
 log = logging.getLogger("convserve.engine")
 
 _DTYPE_BY_NAME = {v: k for k, v in DTYPE_NAMES.items()}
+#: the ``session`` of every batch request (its rows' sessions are in ``request.batch.sessions``): a record that no
+#: table holds, with no queue, so the per-request bookkeeping of a step (``last_used``, retiring) needs no branch
+_BATCH_SESSION = Session("<batch>", PAD_SLOT_ID)
+
 _STEP_FIELDS = ("rows", "tokens", "host_s", "kernel_s", "wall_s", "sched_s", "launch_s", "deliver_s")
 #: batch-size histogram buckets of stats()["batch_size"]
 _BATCH_HIST = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -845,15 +849,15 @@ class Engine:
 
     # ------------------------------------------------------------------ conv requests
 
-    def _check_x(self, x, speculative) -> torch.Tensor:
+    def _check_x(self, x, speculative, rows: str = "T") -> torch.Tensor:
         m, cfg = self.model_cpu, self.config
         if not isinstance(x, torch.Tensor):
-            raise BadRequest(f"x: expected a tensor of shape (T, dim={m.dim}), got {type(x).__name__}")
+            raise BadRequest(f"x: expected a tensor of shape ({rows}, dim={m.dim}), got {type(x).__name__}")
         if x.dtype not in MODEL_DTYPES:
             raise DtypeUnsupported(f"x: expected dtype bfloat16, float16 or float32, got "
                                    f"{str(x.dtype).removeprefix('torch.')}")
         if x.dim() != 2 or x.shape[1] != m.dim or x.shape[0] < 1:
-            raise ShapeMismatch(f"x: expected shape (T >= 1, dim={m.dim}), got {tuple(x.shape)}")
+            raise ShapeMismatch(f"x: expected shape ({rows} >= 1, dim={m.dim}), got {tuple(x.shape)}")
         if speculative and x.shape[0] > cfg.max_spec_tokens:
             raise ShapeMismatch(f"x: a speculative verify takes at most max_spec_tokens={cfg.max_spec_tokens} "
                                 f"tokens, got T={x.shape[0]}")
@@ -921,6 +925,9 @@ class Engine:
             seq = next(self._seq)
             self._last_seq = seq
             req.seq, req.session = seq, s
+            b = s.batch
+            if b is not None and not b.done:
+                req.after = b
             self._sched.add(req)
             q = s.queue             # finished requests leave the head here (and in oldest_active), not in the step
             while q and q[0].done:
@@ -965,6 +972,137 @@ class Engine:
         except asyncio.CancelledError:
             self._cancel_request(fut._req)
             raise
+
+    def submit_batch(self, session_ids: Sequence[str], layer: int, x: torch.Tensor) -> Future:
+        """One decode token for each of several sessions on one layer, as one request: row ``i`` of
+        ``x (rows, dim)`` is session ``session_ids[i]``'s next token; the future's result is ``y (rows, dim)`` on
+        the CPU in x's dtype. This is the hot path of a frontend's decode loop: one submit, one scheduler check,
+        one launch and one result per batch instead of per session (rows at most ``max_batch_size``, the largest
+        decode bucket and ``max_batch_tokens``; the sessions distinct).
+
+        A row whose layer has no state yet starts from the zero state (as a one-token prefill would). The batch is
+        one request: it is validated whole before anything is queued (any unknown, evicted or repeated session,
+        or a session with a pending speculative verify, rejects it and changes nothing), it runs after the
+        requests and session operations of its sessions submitted before it, and those submitted after it wait
+        for it; cancelling it withdraws every row, a session deleted before it runs fails it whole."""
+        fut = _ConvFuture(self)
+        fut._req = self._submit_batch(session_ids, layer, x, fut)
+        return fut
+
+    def submit_batch_async(self, session_ids: Sequence[str], layer: int, x: torch.Tensor) -> asyncio.Future:
+        """:meth:`submit_batch` for a caller on an asyncio loop (see :meth:`submit_async`)."""
+        loop = asyncio.get_running_loop()
+        fut = _AsyncConvFuture(loop=loop)
+        fut._req = self._submit_batch(session_ids, layer, x, (loop, fut))
+        return fut
+
+    async def conv_batch(self, session_ids: Sequence[str], layer: int, x: torch.Tensor) -> torch.Tensor:
+        """``await``-able :meth:`submit_batch`. Cancelling the awaiting task withdraws it if not started."""
+        fut = self.submit_batch_async(session_ids, layer, x)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            self._cancel_request(fut._req)
+            raise
+
+    def max_batch_rows(self) -> int:
+        """The most rows one :meth:`submit_batch` takes."""
+        cfg = self.config
+        return min(cfg.max_batch_size, cfg.decode_buckets[-1], cfg.max_batch_tokens)
+
+    def _submit_batch(self, session_ids, layer: int, x: torch.Tensor, sink) -> Request:
+        if isinstance(session_ids, (str, bytes)) or not isinstance(session_ids, (list, tuple)):
+            raise BadRequest(f"sessions: expected a list of session ids, got {type(session_ids).__name__}")
+        n, most = len(session_ids), self.max_batch_rows()
+        if not 1 <= n <= most:
+            raise BadRequest(f"sessions: expected 1 to {most} sessions in one batch (max_batch_size, the largest "
+                             f"decode bucket and max_batch_tokens), got {n}; split the batch")
+        if len(set(session_ids)) != n:
+            seen, dup = set(), None
+            for sid in session_ids:
+                if sid in seen:
+                    dup = sid
+                    break
+                seen.add(sid)
+            raise BadRequest(f"sessions: session {dup!r:.80} appears twice; a batch holds one token per session")
+        p = self.model_cpu.position(layer)
+        x_dtype = x.dtype if isinstance(x, torch.Tensor) else None
+        if x_dtype is self.model_cpu.dtype:
+            x_dtype = None
+        xm = self._check_x(x, False, rows="rows")
+        if xm.shape[0] != n:
+            raise ShapeMismatch(f"x: expected one row per session, shape ({n}, {self.model_cpu.dim}), got "
+                                f"{tuple(xm.shape)}")
+        now = time.monotonic()
+        req = Request(-1, _BATCH_SESSION, p, n, False, now, xm, sink, x_dtype)
+        self._stage_batch(req, xm)
+        try:
+            self._enqueue_batch(req, session_ids, now)
+        except BaseException:
+            req.done = True                           # frees its staging rows
+            raise
+        return req
+
+    def _enqueue_batch(self, req: Request, session_ids, now: float) -> None:
+        bit, table = 1 << req.layer, self._sessions
+        with self._lock:
+            self._check_running_locked()
+            sessions = [table.get(sid) for sid in session_ids]    # UnknownSession / StateLost name the id
+            for s in sessions:
+                if s.pending:
+                    raise BadRequest(f"session {s.id!r} has an un-accepted speculative verify on layer(s) "
+                                     f"{sorted(self.model_cpu.layers[q] for q in s.pending)}; call accept (0 to "
+                                     "discard it) before a non-speculative conv")
+            depth = self._sched.depth
+            if depth >= self.config.max_queue:
+                raise QueueFull(f"{depth} requests are queued (max_queue={self.config.max_queue}); retry later",
+                                retry_after=self._retry_after_locked())
+            waits, wait_ops = [], []
+            for s in sessions:
+                q = s.queue
+                while q and q[0].done:
+                    q.popleft()
+                if q:                        # requests finish in session order: the last one covers the rest
+                    waits.append(q[-1])
+                if s.ops:
+                    wait_ops.extend(s.ops)
+                q.append(req)
+                s.batch = req
+                s.last_used = now
+                s.initialized |= bit         # an uninitialized layer holds the zero state: a decode from it is
+                #                              the one-token prefill
+            seq = next(self._seq)
+            self._last_seq = seq
+            req.seq = seq
+            req.batch = RowBatch(sessions, np.fromiter((s.slot for s in sessions), np.int32, len(sessions)),
+                                 waits, wait_ops)
+            self._sched.add(req)
+            self._cv.notify()
+
+    def _stage_batch(self, req: Request, xm: torch.Tensor) -> None:
+        """Copy a batch's x into ``rows`` consecutive rows of the staging arena (they are one slice there: one
+        host-to-device copy in the step), when such a run of rows is free; else the step copies ``req.x``."""
+        bf, n = self._bufs, req.n_tokens
+        if bf is None:
+            return                                   # not started: _enqueue_batch raises NotReady
+        R = bf.stage_rows
+        if n > R:
+            return
+        with self._stage_lock:
+            t = self._stage_next
+            lo = t % R
+            if lo + n > R:                           # no wrap inside a batch: start at the arena's row 0
+                t += R - lo
+                lo = 0
+            owners = self._stage_owner
+            if any(o is not None and not o.done for o in owners[lo:lo + n]):
+                return
+            owners[lo:lo + n] = [req] * n
+            self._stage_next = t + n
+        v = bf.h_stage[lo:lo + n]
+        v.copy_(xm)
+        req.x = v
+        req.stage = t
 
     def cancel(self, future) -> bool:
         """Withdraw the request behind a future from :meth:`submit` or :meth:`submit_async` if it has not
@@ -1169,7 +1307,7 @@ class Engine:
             st["requests"] += len(out.finished)
             st["tokens"] += out.num_tokens
             st["rows"] += out.num_rows
-            st["decode_rows"] += sum(len(d.requests) for d in out.decodes)
+            st["decode_rows"] += sum(d.rows for d in out.decodes)
             st["padded_rows"] += padded
             st["kernel_ns"] += kernel_ns
             st["host_ns"] += host
@@ -1260,14 +1398,22 @@ class Engine:
         # decodes: one launch per layer, or (several layers, their rows fitting one bucket) one launch for all
         decodes = out.decodes
         mixed = None                                 # (the rows of the multi-layer launch in row order, bucket)
-        if len(decodes) > 1 and self._decode.multi_layer:
-            n = sum(len(db.requests) for db in decodes)
+        if len(decodes) > 1 and self._decode.multi_layer and all(db.cache_indices is not None for db in decodes):
+            n = sum(db.rows for db in decodes)
             k = bisect.bisect_left(self.config.decode_buckets, n)
             if k < len(self.config.decode_buckets):
                 bucket = self.config.decode_buckets[k]
                 mixed = (self._pack_mixed(decodes, n, bucket), bucket)
         for db in decodes if mixed is None else ():
-            n = len(db.requests)
+            n = db.rows
+            if db.cache_indices is None:             # a batch request: x staged as one run, or its own tensor
+                r = db.requests[0]
+                src = r.x if r.stage >= 0 or not cuda else bf.h_dec_x[db.layer, :n].copy_(r.x)
+                bf.d_dec_x[db.layer, :n].copy_(src, non_blocking=cuda)
+                idx = bf.dec_idx_np[db.layer]
+                idx[:n] = r.batch.slots
+                idx[n:db.bucket] = PAD_SLOT_ID
+                continue
             self._stage_x(db.requests, [r.stage for r in db.requests], bf.h_dec_x[db.layer, :n],
                           bf.d_dec_x[db.layer, :n])
             bf.dec_idx_np[db.layer, :db.bucket] = db.cache_indices
@@ -1305,7 +1451,7 @@ class Engine:
         # ---- results: one host tensor per step (pinned on CUDA; a buffer of the output ring unless the step
         # has more rows than those), filled by one device-to-host copy per launch group; each request's y is a
         # view of it, cut lazily by whoever reads the result (not on this thread)
-        n_dec = sum(len(db.requests) for db in decodes)
+        n_dec = sum(db.rows for db in decodes)
         n_out = n_dec + n_packed
         host_out = bf.outputs.take(n_out) if n_out <= bf.outputs.rows else \
             torch.empty((n_out, D), dtype=m.dtype, pin_memory=cuda)
@@ -1313,7 +1459,7 @@ class Engine:
             host_out[:n_dec].copy_(bf.d_mix_out[:n_dec], non_blocking=cuda)
         a = 0
         for db in decodes if mixed is None else ():
-            n = len(db.requests)
+            n = db.rows
             host_out[a:a + n].copy_(bf.d_dec_out[db.layer, :n], non_blocking=cuda)
             a += n
         if n_packed:
@@ -1333,7 +1479,7 @@ class Engine:
             a = 0
             for r in mixed[0] if mixed is not None else (r for db in decodes for r in db.requests):
                 r.parts = a
-                a += 1
+                a += r.n_tokens                    # 1, or a batch request's rows
             for pb in out.prefills:
                 qsl, off = pb.query_start_loc, n_dec + pb.token_offset
                 for i, r in enumerate(pb.requests):

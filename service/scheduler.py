@@ -23,6 +23,12 @@ Each request is ``(session, layer position, T tokens)``. Per step, within ``max_
   queue reaches the last step's rows, or when the rows expected from a decaying last-step size reach 1; both
   cut the rows per step of 16-64 closed-loop asyncio callers, whose submits arrive spread out.)
 * **Timeout.** A request that has not started after ``request_timeout_s`` is returned in ``expired`` (to fail).
+* **Batch requests.** A batch request (:class:`RowBatch`: one decode token for each of several sessions, on one
+  layer) is one request of ``rows`` rows: taken whole in pass 1, alone on its layer's decode launch, once the
+  requests and session ops of its sessions submitted before it are done (``waits``, ``wait_ops``); a session's
+  requests submitted after it wait until it is done (``Request.after``). Its caller did the batching, so a queued
+  batch request makes the step run at once (no delay window). The scheduler does one check per batch request,
+  not one per row.
 * **Session ops.** A session whose ``barrier`` is set (an export, fork, import or accept is waiting for the
   requests submitted before it) has its later requests held back.
 
@@ -65,6 +71,19 @@ class Request:
     cancelled: bool = False      # withdrawn: cancel, timeout, deleted session, stop
     done: bool = False           # finished, failed or cancelled (the engine's bookkeeping)
     stage: int = -1              # the engine's staging-arena ticket of x (-1: not staged); never read here
+    batch: Any = None            # a batch request: its RowBatch (``session`` is then a placeholder); else None
+    after: Any = None            # a batch request this one must wait for (one of its session's), or None
+
+
+@dataclass(eq=False, slots=True)
+class RowBatch:
+    """The rows of a batch request: one decode token for each of several sessions, on one layer, as one request
+    (one submit, one step slot, one result). Its ``n_tokens`` is the number of rows."""
+
+    sessions: list               # the Session of each row, in row order (distinct)
+    slots: Any                   # the engine's (rows,) int32 array of the rows' pool slots; never read here
+    waits: list                  # requests (of its sessions, submitted before it) that must be done first
+    wait_ops: list               # session ops posted before it that must have run first (``.future.done()``)
 
 
 @dataclass(slots=True)
@@ -82,12 +101,16 @@ class PrefillBatch:
 
 @dataclass(slots=True)
 class DecodeBatch:
-    """One decode launch of one layer (``causal_conv1d_update``, one token per row), padded to a bucket."""
+    """One decode launch of one layer (``causal_conv1d_update``, one token per row), padded to a bucket. A step
+    has at most one per layer (the launch's buffers are the layer's)."""
 
     layer: int                    # conv layer position
-    requests: list                # the request of each real row (rows past len(requests) are padding)
-    cache_indices: list           # (bucket,) pool slot per row; PAD_SLOT_ID for the padding rows
-    bucket: int                   # padded batch size: the smallest configured bucket >= len(requests)
+    requests: list                # the request of each real row (rows past len(requests) are padding); for a
+    #                               batch request, that one request
+    cache_indices: Optional[list]  # (bucket,) pool slot per row, PAD_SLOT_ID for the padding rows; None for a
+    #                               batch request (its slots are ``requests[0].batch.slots``)
+    bucket: int                   # padded batch size: the smallest configured bucket >= rows
+    rows: int = 0                 # real rows: len(requests), or the batch request's rows
 
 
 @dataclass(slots=True)
@@ -151,6 +174,8 @@ class Scheduler:
         self._delay = config.max_queue_delay_us * 1e-6
         self._waiting: list[Request] = []    # arrival order; cancelled entries are dropped lazily
         self._n = 0                          # live (not cancelled, not finished) waiting requests
+        self._rows = 0                       # their rows (a batch request counts its rows)
+        self._batches = 0                    # live batch requests among them
         self._tokens = 0                     # their remaining tokens
         self._step = 0
         self._ones = 0                       # one-row steps in a row (see the delay window)
@@ -165,14 +190,28 @@ class Scheduler:
         self._waiting.append(req)
         self._n += 1
         self._tokens += req.n_tokens
+        if req.batch is None:
+            self._rows += 1
+        else:
+            self._rows += req.n_tokens
+            self._batches += 1
+
+    def _forget(self, req: Request, tokens: int) -> None:
+        """Counters for a request leaving the queue unfinished (``tokens`` of it still queued)."""
+        self._n -= 1
+        self._tokens -= tokens
+        if req.batch is None:
+            self._rows -= 1
+        else:
+            self._rows -= req.n_tokens
+            self._batches -= 1
 
     def cancel(self, req: Request) -> bool:
         """Withdraw a request that has not started. Returns False (and does nothing) once it has."""
         if req.started or req.cancelled:
             return False
         req.cancelled = True
-        self._n -= 1
-        self._tokens -= req.n_tokens
+        self._forget(req, req.n_tokens)
         return True
 
     def abort(self, req: Request) -> bool:
@@ -180,8 +219,7 @@ class Scheduler:
         if req.cancelled or (req.started and req.scheduled_tokens >= req.n_tokens):
             return False
         req.cancelled = True
-        self._n -= 1
-        self._tokens -= req.n_tokens - req.scheduled_tokens
+        self._forget(req, req.n_tokens - req.scheduled_tokens)
         return True
 
     def drain(self) -> list:
@@ -225,7 +263,8 @@ class Scheduler:
         """Run a step now? See the module docstring for the rule."""
         if self._n == 0:
             return False
-        if self._n >= self.config.max_batch_size or self._tokens >= self.config.max_batch_tokens:
+        if self._rows >= self.config.max_batch_size or self._tokens >= self.config.max_batch_tokens \
+                or self._batches:
             return True
         if self._ones >= LONE_STEPS and self._n == 1:   # a lone caller: the window has been bringing nothing
             return True
@@ -248,11 +287,12 @@ class Scheduler:
         oldest_ok = now - cfg.request_timeout_s     # arrivals before this have expired (if not started)
         rows = tokens = 0
         reserved = 0             # rows kept for prefills met in pass 1 (taken by them in pass 2)
-        decode: dict = {}        # layer -> [requests]
+        decode: dict = {}        # layer -> [requests], or the batch request that has the layer's launch
         verify: dict = {}        # (layer, n) -> [requests]
         prefill: dict = {}       # layer -> [(request, start, end, has_initial_state)]
         finished: list = []      # requests whose last token is scheduled now
         second_pass_needed = False
+        batch_rows = 0           # rows of the batch requests taken, beyond one each
         # session scratch: sched_step == step marks the fields below as this step's
         #   sched_layers: bitmask of layer positions taken;  sched_block: 0 open, 1 stopped at a prefill
         #   (pass 1 only), 2 closed for this step.
@@ -266,6 +306,27 @@ class Scheduler:
                 n = r.n_tokens
                 if r.scheduled_tokens == n:
                     continue
+                if r.batch is not None:              # one check for all its rows (see the module docstring)
+                    if second_pass:
+                        continue
+                    if r.arrival < oldest_ok:
+                        self.cancel(r)
+                        out.expired.append(r)
+                        continue
+                    b = r.batch
+                    if r.layer in decode or rows + reserved + n > max_rows or tokens + n > max_tokens or \
+                            (b.waits and not all(w.done for w in b.waits)) or \
+                            (b.wait_ops and not all(op.future.done() for op in b.wait_ops)):
+                        continue
+                    decode[r.layer] = r
+                    rows += n
+                    tokens += n
+                    batch_rows += n - 1
+                    r.scheduled_tokens = n
+                    r.started = True
+                    self._batches -= 1
+                    finished.append(r)
+                    continue
                 s = r.session
                 if s.sched_step != step:
                     s.sched_step, s.sched_layers, s.sched_block = step, 0, 0
@@ -277,7 +338,8 @@ class Scheduler:
                     continue
                 layer = r.layer
                 bit = 1 << layer
-                if (s.sched_layers & bit) or (s.barrier is not None and r.seq > s.barrier):
+                if (s.sched_layers & bit) or (s.barrier is not None and r.seq > s.barrier) or \
+                        (r.after is not None and not r.after.done):
                     s.sched_block = 2
                     continue
                 if r.speculative:
@@ -316,7 +378,7 @@ class Scheduler:
                     lst = decode.get(layer)
                     if lst is None:
                         decode[layer] = [r]
-                    elif len(lst) >= max_bucket:
+                    elif lst.__class__ is not list or len(lst) >= max_bucket:   # a batch request has the layer
                         s.sched_block = 2
                         continue
                     else:
@@ -336,6 +398,7 @@ class Scheduler:
         elif n_taken or out.expired:
             self._waiting = [r for r in waiting if not r.cancelled and r.scheduled_tokens < r.n_tokens]
         self._n -= n_taken
+        self._rows -= n_taken + batch_rows
         self._tokens -= tokens
         if rows == 1:
             self._ones += 1
@@ -360,10 +423,15 @@ class Scheduler:
             offset += n * len(reqs)
         for layer in sorted(decode):
             reqs = decode[layer]
+            if reqs.__class__ is not list:          # a batch request
+                b = self.bucket_for(reqs.n_tokens)
+                out.decodes.append(DecodeBatch(layer, [reqs], None, b, reqs.n_tokens))
+                out.num_padded_rows += b - reqs.n_tokens
+                continue
             b = self.bucket_for(len(reqs))
             idx = [r.session.slot for r in reqs]
             idx.extend([PAD_SLOT_ID] * (b - len(reqs)))
-            out.decodes.append(DecodeBatch(layer, reqs, idx, b))
+            out.decodes.append(DecodeBatch(layer, reqs, idx, b, len(reqs)))
             out.num_padded_rows += b - len(reqs)
         out.finished = finished
         out.num_rows, out.num_tokens, out.packed_tokens = rows, tokens, offset

@@ -39,6 +39,9 @@ class Session:
     #: ``ops[0].barrier`` (None without ops), kept as a field for the scheduler's per-request loop: the seq of the
     #: last request the oldest op waits for. The scheduler holds back this session's later requests until it ran.
     barrier: Optional[int] = None
+    #: the latest batch request (several sessions' decodes as one request) that covers this session; the
+    #: session's requests submitted after it wait until it is done
+    batch: Optional[object] = None
     #: monotonic time of the last use (TTL eviction)
     last_used: float = 0.0
     #: the scheduler's per-step scratch, valid while ``sched_step`` is the step being scheduled

@@ -65,6 +65,34 @@ def test_conv_answers_in_the_kind_and_dtype_it_was_given(client, kind, dtype):
     client.delete_session(sid)
 
 
+@pytest.mark.parametrize("kind", ["torch", "numpy"])
+def test_conv_batch_sends_one_token_per_session_in_one_request(server, client, kind):
+    ref = Reference(model())
+    sids = [client.create_session() for _ in range(4)]
+    for i, sid in enumerate(sids):
+        ref.create(sid)
+        x = torch.randn(2 + i, DIM)
+        close(client.conv(sid, 1, x), ref.conv(sid, 1, x))
+    xt = torch.randn(4, DIM)
+    x = xt if kind == "torch" else xt.numpy()
+    y = client.conv_batch(sids, 1, x)
+    assert type(y) is type(x) and tuple(y.shape) == (4, DIM)
+    close(y, torch.cat([ref.conv(s, 1, xt[i:i + 1]) for i, s in enumerate(sids)]))
+    with pytest.raises(UnknownSession, match="never"):
+        client.conv_batch([sids[0], "never"], 1, xt[:2])
+
+    async def main():
+        async with AsyncConvClient(server.url, api_key=KEY) as c:
+            x2 = torch.randn(4, DIM)
+            close(await c.conv_batch(sids[::-1], 1, x2),
+                  torch.cat([ref.conv(s, 1, x2[i:i + 1]) for i, s in enumerate(sids[::-1])]))
+
+    asyncio.run(main())
+    for sid in sids:
+        close(client.export_state(sid).state, ref.states[sid])
+        client.delete_session(sid)
+
+
 def test_sessions_fork_state_and_accept_through_the_client(client):
     ref = Reference(model())
     a = client.create_session("client-a")

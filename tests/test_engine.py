@@ -8,6 +8,7 @@ import copy
 import random
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -149,6 +150,21 @@ def run_random_workload(device, dtype, state_dtype, knobs, seed, n_ops=220, widt
                 x = torch.randn(t, DIM).to(xdt)
                 checks.append((e.submit(sid, layer, x, speculative=True), oracle.verify(sid, layer_pos, x),
                                f"verify {sid} L{layer} T{t} op {op_i}"))
+            elif r < 0.72:                           # a batch: one token for each of several sessions
+                free = [x for x in sids if not oracle.pending[x]]
+                k = rng.randint(1, max(1, min(e.max_batch_rows(), len(sids))))
+                rows = rng.sample(sids, min(k, len(sids)))
+                x = torch.randn(len(rows), DIM).to(xdt)
+                if any(oracle.pending[x_] for x_ in rows):
+                    with pytest.raises(BadRequest, match="accept"):
+                        e.submit_batch(rows, layer, x)
+                    rows = rng.sample(free, min(k, len(free)))
+                    if not rows:
+                        continue
+                    x = x[:len(rows)]
+                expected = torch.cat([oracle.conv(sid_, layer_pos, x[i:i + 1]) for i, sid_ in enumerate(rows)])
+                checks.append((e.submit_batch(rows, layer, x), expected,
+                               f"batch {rows} L{layer} op {op_i}"))
             elif not pending:
                 t = rng.choice([1, 1, 1, 1, 2, 3, 7, 20, 41])
                 x = torch.randn(t, DIM).to(xdt)
@@ -771,3 +787,174 @@ def test_output_ring_hands_out_a_buffer_again_only_when_nothing_refers_to_it():
         assert all(t.data_ptr() != ptr for t in got), kind
         del got, held
         assert any(ring.take(4).data_ptr() == ptr for _ in range(2)), f"{kind}: the buffer did not come back"
+
+
+# ---- batch requests: one decode token for each of several sessions, as one request
+
+
+def _prefilled(e, oracle, n, layer_pos=0, t=3):
+    sids = [e.create_session() for _ in range(n)]
+    for s in sids:
+        oracle.new(s)
+        x = torch.randn(t, DIM)
+        e.submit(s, LAYERS[layer_pos], x).result(10)
+        oracle.conv(s, layer_pos, x)
+    return sids
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("xdt", [torch.float32, torch.bfloat16])
+def test_a_batch_is_one_request_one_step_and_equals_the_sessions_decoded_one_by_one(rows, xdt):
+    e = make_engine(slots=12, max_batch_size=8, decode_buckets=(1, 2, 4, 8))
+    oracle = Oracle(e.model_cpu, e.state_dtype)
+    try:
+        sids = _prefilled(e, oracle, rows)
+        fresh = e.create_session()                    # a session with no state on the layer: the zero state
+        oracle.new(fresh)
+        sids = sids[:-1] + [fresh] + sids[-1:] if rows > 1 else sids
+        sids = sids[:rows]
+        before = e.stats()
+        x = torch.randn(rows, DIM).to(xdt)
+        want = torch.cat([oracle.conv(s, 0, x[i:i + 1]) for i, s in enumerate(sids)])
+        y = e.submit_batch(sids, LAYERS[0], x).result(10)
+        assert y.shape == (rows, DIM) and y.dtype == xdt
+        assert_close(y, want, what="batch y")
+        after = e.stats()
+        assert after["requests"] - before["requests"] == 1 and after["steps"] - before["steps"] == 1
+        assert after["decode_rows"] - before["decode_rows"] == rows
+        for s in sids:
+            assert_close(e.export_state(s), oracle.export(s), what=f"state {s}")
+        y2 = asyncio.run(e.conv_batch(sids, LAYERS[0], x))      # and through asyncio
+        want2 = torch.cat([oracle.conv(s, 0, x[i:i + 1]) for i, s in enumerate(sids)])
+        assert_close(y2, want2, what="async batch y")
+    finally:
+        e.stop(drain=False)
+
+
+BAD_BATCH = {
+    "unknown session": (dict(sessions=["a", "nope"]), UnknownSession, "nope"),
+    "repeated session": (dict(sessions=["a", "b", "a"]), BadRequest, "appears twice"),
+    "no sessions": (dict(sessions=[]), BadRequest, "1 to 4"),
+    "too many rows": (dict(sessions=["a", "b", "c", "d", "e"]), BadRequest, "split the batch"),
+    "sessions a string": (dict(sessions="ab"), BadRequest, "list of session ids"),
+    "rows differ from sessions": (dict(x=torch.ones(3, DIM)), ShapeMismatch, r"\(2, 24\)"),
+    "wrong dim": (dict(x=torch.ones(2, DIM + 1)), ShapeMismatch, "rows >= 1"),
+    "float64": (dict(x=torch.ones(2, DIM, dtype=torch.float64)), DtypeUnsupported, "bfloat16"),
+    "NaN": (dict(x=torch.full((2, DIM), float("nan"))), NonFinite, "NaN"),
+    "layer without conv": (dict(layer=2), UnknownLayer, "no conv"),
+    "pending verify": (dict(sessions=["a", "v"]), BadRequest, "accept"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_BATCH))
+def test_a_bad_batch_is_rejected_whole_before_queueing_and_changes_no_state(case):
+    e = make_engine(max_batch_size=4, decode_buckets=(1, 2, 4))
+    try:
+        for s in ("a", "b", "c", "d", "e", "v"):
+            e.create_session(s)
+            e.submit(s, LAYERS[0], torch.randn(3, DIM)).result(10)
+        e.submit("v", LAYERS[1], torch.randn(2, DIM), speculative=True).result(10)
+        before = {s: e.export_state(s) for s in ("a", "b", "c", "d", "e", "v")}
+        kw, err, msg = BAD_BATCH[case]
+        args = dict(sessions=["a", "b"], layer=LAYERS[0], x=torch.randn(2, DIM))
+        args.update(kw)
+        n0 = e.stats()["requests"]
+        with pytest.raises(err, match=msg):
+            e.submit_batch(args["sessions"], args["layer"], args["x"])
+        assert e.stats()["queue_depth"] == 0 and e.stats()["requests"] == n0
+        for s, st in before.items():
+            assert torch.equal(e.export_state(s), st), s
+        y = e.submit_batch(["a", "b"], LAYERS[0], torch.randn(2, DIM)).result(10)   # the sessions still work
+        assert y.shape == (2, DIM)
+    finally:
+        e.stop(drain=False)
+
+
+def test_a_batch_runs_after_its_sessions_earlier_requests_and_before_their_later_ones():
+    """A session's prefill, then a batch holding it, then its next decode, all queued at once (a long delay
+    window): each sees the one before it, on the same layer and across layers."""
+    e = make_engine(slots=12, max_queue_delay_us=300_000, max_batch_size=16, decode_buckets=(1, 2, 4, 8))
+    oracle = Oracle(e.model_cpu, e.state_dtype)
+    try:
+        sids = _prefilled(e, oracle, 4)
+        checks = []
+        x = torch.randn(5, DIM)
+        checks.append((e.submit(sids[0], LAYERS[0], x), oracle.conv(sids[0], 0, x)))
+        x = torch.randn(1, DIM)
+        checks.append((e.submit(sids[3], LAYERS[1], x), oracle.conv(sids[3], 1, x)))
+        for rnd in range(2):
+            xb = torch.randn(3, DIM)
+            checks.append((e.submit_batch(sids[:3], LAYERS[0], xb),
+                           torch.cat([oracle.conv(s, 0, xb[i:i + 1]) for i, s in enumerate(sids[:3])])))
+        x = torch.randn(1, DIM)
+        checks.append((e.submit(sids[1], LAYERS[0], x), oracle.conv(sids[1], 0, x)))
+        x = torch.randn(2, DIM)
+        checks.append((e.submit(sids[2], LAYERS[1], x), oracle.conv(sids[2], 1, x)))
+        for i, (f, want) in enumerate(checks):
+            assert_close(f.result(10), want, what=f"request {i}")
+        for s in sids:
+            assert_close(e.export_state(s), oracle.export(s), what=f"state {s}")
+    finally:
+        e.stop(drain=False)
+
+
+def test_a_cancelled_batch_never_runs_and_its_sessions_go_on():
+    e = make_engine(max_queue_delay_us=5_000_000, max_batch_size=4, decode_buckets=(1, 2, 4))
+    try:
+        sids = [e.create_session() for _ in range(3)]
+        slow = e.submit(sids[0], LAYERS[0], torch.randn(4, DIM))     # the batch waits for it (the window)
+        fut = e.submit_batch(sids, LAYERS[0], torch.randn(3, DIM))
+        assert fut.cancel() and fut.cancelled()
+        slow.result(10)
+        for s in sids[1:]:
+            assert torch.count_nonzero(e.export_state(s)) == 0
+        assert e.submit_batch(sids, LAYERS[0], torch.randn(3, DIM)).result(10).shape == (3, DIM)
+    finally:
+        e.stop(drain=False)
+
+
+def test_a_batch_whose_session_is_deleted_before_it_runs_fails_whole():
+    """The delete runs first (it was posted first); the batch then fails with unknown_session, raised at submit
+    or set on its future, and the batch's other sessions keep their state."""
+    e = make_engine(max_queue_delay_us=200_000, max_batch_size=4, decode_buckets=(1, 2, 4))
+    try:
+        sids = [e.create_session() for _ in range(3)]
+        for s in sids:
+            e.submit(s, LAYERS[0], torch.randn(2, DIM)).result(10)
+        before = e.export_state(sids[1])
+        e.submit(sids[0], LAYERS[1], torch.randn(2, DIM))             # the delete waits for it
+        t = threading.Thread(target=e.delete_session, args=(sids[0],))
+        t.start()
+        deadline = time.monotonic() + 5
+        while not e._sessions.get(sids[0]).ops and time.monotonic() < deadline:
+            time.sleep(0.001)
+        with pytest.raises(UnknownSession, match="deleted"):
+            e.submit_batch(sids, LAYERS[0], torch.randn(3, DIM)).result(10)
+        t.join(10)
+        assert torch.equal(e.export_state(sids[1]), before)
+    finally:
+        e.stop(drain=False)
+
+
+def test_batches_stage_their_rows_as_one_run_or_fall_back_when_the_arena_is_held():
+    e = make_engine(slots=12, max_queue_delay_us=0, max_batch_size=8, decode_buckets=(1, 2, 4, 8))
+    oracle = Oracle(e.model_cpu, e.state_dtype)
+    try:
+        sids = _prefilled(e, oracle, 8)
+        e._bufs.stage_rows = 10                      # a tiny ring: the second batch of 6 must start at row 0
+        staged = fallback = 0
+        for k in (6, 6, 3, 8):
+            x = torch.randn(k, DIM)
+            want = torch.cat([oracle.conv(s, 0, x[i:i + 1]) for i, s in enumerate(sids[:k])])
+            f = e.submit_batch(sids[:k], LAYERS[0], x)
+            staged += f._req.stage >= 0
+            assert_close(f.result(10), want)
+        e._stage_owner[:10] = [types.SimpleNamespace(done=False)] * 10   # every row held by a queued request...
+        x = torch.randn(2, DIM)
+        want = torch.cat([oracle.conv(s, 2, x[i:i + 1]) for i, s in enumerate(sids[4:6])])
+        f = e.submit_batch(sids[4:6], LAYERS[2], x)   # ...so this one is not staged: copied from its x
+        fallback += f._req.stage < 0
+        assert_close(f.result(10), want)
+        assert staged == 4 and fallback == 1
+    finally:
+        e.stop(drain=False)

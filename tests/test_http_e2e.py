@@ -155,6 +155,32 @@ def test_many_sessions_over_unary_match_the_reference_request_by_request(server,
         list(pool.map(drive, range(n_sessions)))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_batch_decodes_one_token_per_session_and_matches_the_reference(api, dtype):
+    """POST /v1/conv/batch: sessions with state, a fresh one (zero state) and one decoded alone in between;
+    rows come back in the order of 'sessions', in x's dtype, and the states advance as one call each."""
+    ref = Reference(model())
+    sids = [api.session() for _ in range(5)]
+    for i, sid in enumerate(sids[:4]):
+        ref.create(sid)
+        x = rand_x(3 + i, dtype, seed=i)
+        assert_close(api.conv(sid, 2, x)[1], ref.conv(sid, 2, x))
+    ref.create(sids[4])
+    for rnd in range(3):
+        rows = sids[rnd:] + sids[:rnd]
+        x = rand_x(len(rows), dtype, seed=100 + rnd)
+        st, obj, _ = api.call("POST", "/v1/conv/batch", {"sessions": rows, "layer": 2, "x": wire.encode_tensor(x)})
+        assert st == 200, obj
+        y = wire.decode_tensor(obj["y"])
+        assert y.dtype == dtype and tuple(y.shape) == (len(rows), DIM)
+        assert_close(y, torch.cat([ref.conv(s, 2, x[i:i + 1]) for i, s in enumerate(rows)]))
+        x1 = rand_x(1, dtype, seed=200 + rnd)
+        assert_close(api.conv(sids[1], 2, x1)[1], ref.conv(sids[1], 2, x1))
+    for sid in sids:
+        assert_close(api.state(sid), ref.states[sid])
+        api.call("DELETE", f"/v1/sessions/{sid}")
+
+
 def test_first_call_of_a_session_and_layer_starts_from_zero_state(api):
     sid = api.session()
     x = rand_x(5, seed=1)
@@ -430,6 +456,24 @@ ERROR_CASES = [
     ("state-inf", "PUT", "/v1/sessions/{sid}/state",
      {"state": wire.encode_tensor(torch.full((len(LAYERS), DIM, WIDTH - 1), float("inf")))}, 422, "non_finite"),
     ("no-route", "GET", "/v1/nothing", None, 404, "not_found"),
+    ("batch-unknown-session", "POST", "/v1/conv/batch",
+     {"sessions": ["{sid}", "never"], "layer": 0, "x": wire.encode_tensor(rand_x(2))}, 404, "unknown_session"),
+    ("batch-deleted-session", "POST", "/v1/conv/batch",
+     {"sessions": ["{deleted}", "{sid}"], "layer": 0, "x": wire.encode_tensor(rand_x(2))}, 404, "unknown_session"),
+    ("batch-repeated-session", "POST", "/v1/conv/batch",
+     {"sessions": ["{sid}", "{sid}"], "layer": 0, "x": wire.encode_tensor(rand_x(2))}, 400, "bad_request"),
+    ("batch-no-sessions", "POST", "/v1/conv/batch", {"sessions": [], "layer": 0, "x": "{x}"}, 400, "bad_request"),
+    ("batch-sessions-not-strings", "POST", "/v1/conv/batch", {"sessions": [1], "layer": 0, "x": "{x}"}, 400,
+     "bad_request"),
+    ("batch-too-many-sessions", "POST", "/v1/conv/batch",
+     {"sessions": [f"s{i}" for i in range(257)], "layer": 0, "x": "{x}"}, 413, "payload_too_large"),
+    ("batch-rows-differ", "POST", "/v1/conv/batch",
+     {"sessions": ["{sid}"], "layer": 0, "x": wire.encode_tensor(rand_x(2))}, 422, "shape_mismatch"),
+    ("batch-unknown-layer", "POST", "/v1/conv/batch", {"sessions": ["{sid}"], "layer": 1, "x": "{x}"}, 404,
+     "unknown_layer"),
+    ("batch-x-nan", "POST", "/v1/conv/batch",
+     {"sessions": ["{sid}"], "layer": 0, "x": wire.encode_tensor(torch.full((1, DIM), float("nan")))}, 422,
+     "non_finite"),
 ]
 
 
@@ -440,6 +484,8 @@ def _fill(obj, subs):
         return obj.format(sid=subs["{sid}"], deleted=subs["{deleted}"])
     if isinstance(obj, dict):
         return {k: _fill(v, subs) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_fill(v, subs) for v in obj]
     return obj
 
 

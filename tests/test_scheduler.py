@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from service.scheduler import (LONE_STEPS, PAD_SLOT_ID, DecodeBatch, PrefillBatch, Request, Scheduler,
+from service.scheduler import (LONE_STEPS, PAD_SLOT_ID, DecodeBatch, PrefillBatch, Request, RowBatch, Scheduler,
                                SchedulerConfig, VerifyBatch)
 from service.sessions import Session
 
@@ -32,6 +32,25 @@ class Q:
             s.initialized = init
         r = Request(next(self.seq), s, layer, t, spec, at)
         self.s.add(r)
+        return r
+
+    def add_batch(self, slots, layer=0, at=T0, waits=(), wait_ops=()):
+        """A batch request (one decode token for each session of ``slots``), as the engine's submit_batch makes
+        it: each session's later requests wait for it."""
+        sessions = [self.session(slot) for slot in slots]
+        r = Request(next(self.seq), Session("<batch>", PAD_SLOT_ID), layer, len(slots), False, at)
+        r.batch = RowBatch(sessions, list(slots), list(waits), list(wait_ops))
+        for s in sessions:
+            s.batch = r
+        self.s.add(r)
+        return r
+
+    def add_after(self, slot, **kw):
+        """A single request, waiting for its session's batch as the engine's submit makes it."""
+        b = self.session(slot).batch
+        r = self.add(slot, **kw)
+        if b is not None and not b.done:
+            r.after = b
         return r
 
     def step(self, now=T0 + 1):
@@ -415,3 +434,101 @@ def test_a_verify_that_can_never_fit_a_step_is_refused_at_once():
 def test_bad_scheduler_config_is_rejected(kw):
     with pytest.raises(ValueError):
         SchedulerConfig(**kw)
+
+
+# ---- batch requests (one decode token for each of several sessions, one request)
+
+
+class _Op:
+    def __init__(self, done):
+        self.future = type("F", (), {"done": lambda _self: done})()
+
+
+@pytest.mark.parametrize("rows,buckets", [(1, (1, 4)), (3, (1, 4)), (4, (1, 4)), (5, (2, 8))])
+def test_a_batch_request_is_one_decode_launch_padded_to_its_bucket(rows, buckets):
+    q = Q(decode_buckets=buckets, max_batch_size=16)
+    b = q.add_batch(range(1, rows + 1), layer=2)
+    out = q.step()
+    assert len(out.decodes) == 1 and not out.prefills and not out.verifies
+    db = out.decodes[0]
+    assert isinstance(db, DecodeBatch)
+    assert db.requests == [b] and db.cache_indices is None and db.rows == rows and db.layer == 2
+    assert db.bucket == min(x for x in buckets if x >= rows)
+    assert out.num_rows == out.num_tokens == rows and out.num_padded_rows == db.bucket - rows
+    assert out.finished == [b] and b.started and q.s.depth == 0
+
+
+def test_a_queued_batch_request_runs_without_the_delay_window():
+    q = Q(max_queue_delay_us=10_000_000)
+    q.add(slot=9)
+    assert not q.s.ready(T0 + 1)
+    q.add_batch([1, 2])
+    assert q.s.ready(T0 + 1)
+    out = q.step()
+    assert out.num_rows == 3
+    assert not q.s.ready(T0 + 1)
+
+
+def test_a_batch_request_counts_its_rows_against_max_batch_size():
+    q = Q(max_batch_size=4, decode_buckets=(1, 2, 4), max_queue_delay_us=10_000_000)
+    q.add(slot=7)
+    q.add(slot=8, layer=1)
+    b = q.add_batch([1, 2, 3], layer=2)          # 2 + 3 rows > 4: the batch waits for the next step
+    out = q.step()
+    assert out.num_rows == 2 and b not in out.finished
+    out = q.step()
+    assert out.finished == [b] and out.num_rows == 3
+
+
+def test_a_batch_request_has_its_layer_launch_to_itself():
+    """One decode launch per layer per step (the launch's buffers are the layer's): single decodes of the same
+    layer after a batch wait a step; those of other layers join it."""
+    q = Q(max_batch_size=16, decode_buckets=(1, 2, 4, 8))
+    b = q.add_batch([1, 2], layer=0)
+    same = q.add(slot=5, layer=0, init=0b11)
+    other = q.add(slot=6, layer=1, init=0b11)
+    out = q.step()
+    assert set(out.finished) == {b, other}
+    assert q.step().finished == [same]
+    first = q.add(slot=7, layer=0, init=0b11)    # and behind single decodes of its layer it waits likewise
+    b2 = q.add_batch([3, 4], layer=0)
+    assert q.step().finished == [first]
+    assert q.step().finished == [b2]
+
+
+def test_a_batch_request_waits_for_its_sessions_earlier_requests_and_ops():
+    q = Q(max_batch_size=16, decode_buckets=(1, 2, 4, 8), max_batch_tokens=64)
+    pre = q.add(slot=1, t=5)
+    b = q.add_batch([1, 2], layer=0, waits=[pre])
+    out = q.step()
+    assert out.finished == [pre]                 # not in the same step: the batch waits until pre is done
+    assert q.step().finished == []
+    pre.done = True
+    assert q.step().finished == [b]
+    b2 = q.add_batch([3], wait_ops=[_Op(False)])
+    assert q.step().finished == []
+    b2.batch.wait_ops = [_Op(True)]
+    assert q.step().finished == [b2]
+
+
+def test_requests_after_a_batch_request_wait_until_it_is_done_others_do_not():
+    q = Q(max_batch_size=16, decode_buckets=(1, 2, 4, 8))
+    b = q.add_batch([1, 2], layer=0)
+    later = q.add_after(1, layer=1, t=3)         # its session is in the batch: next step, after it
+    free = q.add_after(3, layer=1, t=3)          # not in the batch: runs now
+    out = q.step()
+    assert set(out.finished) == {b, free}
+    assert q.step().finished == []               # the batch is not done until the engine delivered it
+    b.done = True
+    assert q.step().finished == [later]
+
+
+def test_a_cancelled_or_expired_batch_request_leaves_the_counts_and_never_runs():
+    q = Q(request_timeout_s=1.0, max_queue_delay_us=10_000_000)
+    b = q.add_batch([1, 2, 3])
+    assert q.s.cancel(b) and q.s.depth == 0 and not q.s.ready(T0 + 1)
+    assert q.step().finished == []
+    old = q.add_batch([4, 5], at=T0 - 10)
+    out = q.step()
+    assert out.expired == [old] and out.finished == [] and q.s.depth == 0 and not q.s.ready(T0 + 1)
+    assert q.s._rows == 0 and q.s.queued_tokens == 0

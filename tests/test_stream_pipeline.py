@@ -31,6 +31,9 @@ class FakeEngine:
     def stats(self):
         return {}
 
+    def max_batch_rows(self):
+        return 4
+
     def submit(self, session, layer, x, speculative=False):
         f = cf.Future()
         f.set_running_or_notify_cancel()
