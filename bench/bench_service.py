@@ -10,7 +10,10 @@ step's layers sent together, the next step once all answered):
 2. ``unary``: ``convserve serve`` in a subprocess, ``POST /v1/conv`` with the httpx client, one request each;
 3. ``stream``: the same server, ``POST /v1/conv/stream`` through the load tester's stream transport (each
    connection sends the frames waiting, up to ``--inflight``, in one stream request);
-4. ``echo``: a raw asyncio (uvloop when installed) TCP server in a subprocess that reads length-prefixed msgpack
+4. ``batch``: the same server, the frontend's way: per decode step one ``POST /v1/conv/batch`` per layer carrying
+   every session's token (the layers' batches sent together); req/s counts rows (session tokens), the
+   latencies are per batch;
+5. ``echo``: a raw asyncio (uvloop when installed) TCP server in a subprocess that reads length-prefixed msgpack
    frames and answers each with a frame of the response's size (it decodes the request and encodes ``y = x``),
    driven by the same stream client pattern with the same frames: the Python ceiling on this machine.
 
@@ -47,7 +50,7 @@ from clients import wire  # noqa: E402
 from clients.loadtest.cli import _run_loop as _run_on_loop  # noqa: E402
 from clients.loadtest.stats import percentile  # noqa: E402
 
-LEGS = ("inproc", "unary", "stream", "echo")
+LEGS = ("inproc", "unary", "stream", "batch", "echo")
 _LEN = struct.Struct("<I")
 
 
@@ -338,6 +341,39 @@ async def leg_http(args, url: str, info: dict, conc: int, kind: str) -> dict:
     return r
 
 
+async def leg_batch(args, url: str, info: dict, conc: int) -> dict:
+    """Decode steps of ``conc`` sessions as one batch request per layer (the layers' batches in flight together)."""
+    from clients.client import AsyncConvClient
+
+    layers = list(info["layers"])
+    dtype = getattr(torch, info["dtype"])
+    async with AsyncConvClient(url, max_connections=max(8, 2 * len(layers))) as client:
+        sessions = list(await asyncio.gather(*(client.create_session() for _ in range(conc))))
+        x4 = torch.randn(4, info["dim"]).to(dtype)
+        await asyncio.gather(*(client.conv(s, layer, x4) for s in sessions for layer in layers))
+        x = torch.randn(conc, info["dim"]).to(dtype)
+        lat: list = []
+        a = _scrape(url)
+        t_measure = time.perf_counter() + args.warmup
+        t_end = t_measure + args.duration
+
+        async def one(layer):
+            t0 = time.perf_counter()
+            await client.conv_batch(sessions, layer, x)
+            t1 = time.perf_counter()
+            if t0 >= t_measure and t1 <= t_end:
+                lat.append(t1 - t0)
+
+        while time.perf_counter() < t_end:
+            await asyncio.gather(*(one(layer) for layer in layers))
+        e = _engine_delta(a, _scrape(url))
+        await asyncio.gather(*(client.delete_session(s) for s in sessions))
+    lat.sort()
+    return {"requests": len(lat) * conc, "req_per_s": len(lat) * conc / args.duration, "batches": len(lat),
+            "p50_ms": percentile(lat, 0.5) * 1e3, "p90_ms": percentile(lat, 0.9) * 1e3,
+            "p99_ms": percentile(lat, 0.99) * 1e3, "max_ms": lat[-1] * 1e3 if lat else float("nan"), "engine": e}
+
+
 async def leg_echo(args, port: int, info: dict, conc: int) -> dict:
     from clients.loadtest.runner import auto_connections
 
@@ -404,7 +440,7 @@ def main(argv=None) -> int:
                 _progress("inproc", c, results["inproc"][c])
         finally:
             engine.stop(drain=False)
-    if "unary" in legs or "stream" in legs:
+    if "unary" in legs or "stream" in legs or "batch" in legs:
         srv = start_server(args)
         try:
             import httpx
@@ -416,6 +452,10 @@ def main(argv=None) -> int:
                     for c in levels:
                         results[kind][c] = _run_loop(leg_http(args, srv.url, info, c, kind))
                         _progress(kind, c, results[kind][c])
+            if "batch" in legs:
+                for c in levels:
+                    results["batch"][c] = _run_loop(leg_batch(args, srv.url, info, c))
+                    _progress("batch", c, results["batch"][c])
         finally:
             srv.stop()
     if "echo" in legs:
@@ -435,7 +475,7 @@ def main(argv=None) -> int:
             return results.get(leg, {}).get(c, {}).get(key)
 
         rc = {}
-        for num, den in (("unary", "inproc"), ("stream", "inproc"), ("stream", "echo")):
+        for num, den in (("unary", "inproc"), ("stream", "inproc"), ("stream", "echo"), ("batch", "unary")):
             a, b = get(num, "req_per_s"), get(den, "req_per_s")
             if a and b:
                 rc[f"{num}/{den}"] = a / b
@@ -497,7 +537,7 @@ def print_table(results, ratios, levels, legs, gpu) -> None:
     keys = sorted({k for v in ratios.values() for k in v})
     for k in keys:
         r.add_column(k.replace("unary", "2 unary").replace("stream", "3 stream").replace("inproc", "1 inproc")
-                     .replace("echo", "4 echo"), justify="right")
+                     .replace("batch", "4 batch").replace("echo", "5 echo"), justify="right")
     for c in levels:
         r.add_row(str(c), *[(f"{ratios[c][k]:+.3f}" if "ms" in k else f"{ratios[c][k]:.2f}")
                             if k in ratios[c] else "-" for k in keys])
