@@ -91,6 +91,9 @@ _DTYPE_BY_NAME = {v: k for k, v in DTYPE_NAMES.items()}
 #: table holds, with no queue, so the per-request bookkeeping of a step (``last_used``, retiring) needs no branch
 _BATCH_SESSION = Session("<batch>", PAD_SLOT_ID)
 
+#: batch slots (see _Buffers): batch requests that find one free launch with a single graph replay
+BATCH_SLOTS = 4
+
 _STEP_FIELDS = ("rows", "tokens", "host_s", "kernel_s", "wall_s", "sched_s", "launch_s", "deliver_s")
 #: batch-size histogram buckets of stats()["batch_size"]
 _BATCH_HIST = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -233,6 +236,13 @@ class _OutputRing:
         self._store_refs = sys.getrefcount(self._stores[0])
         self._uses = _storage_use_count(self._bufs[0].untyped_storage()._cdata) if _storage_use_count else None
 
+    def held(self, i: int) -> bool:
+        """Does anything outside the ring refer to buffer ``i`` (always True without the use count)?"""
+        b = self._bufs[i]
+        return self._uses is None or sys.getrefcount(b) != self._refs + 1 or \
+            sys.getrefcount(self._stores[i]) != self._store_refs or \
+            _storage_use_count(b.untyped_storage()._cdata) != self._uses
+
     def take(self, n: int) -> torch.Tensor:
         """A ``(>= n, dim)`` host tensor for one step's ``n`` result rows: a free ring buffer, else (every one
         still held by callers) a fresh ``(n, dim)`` tensor, as every step got before the ring."""
@@ -246,6 +256,9 @@ class _OutputRing:
                     return bufs[i]
         self.fresh += 1
         return torch.empty((n, self._shape[1]), dtype=self._dtype, pin_memory=self._pin)
+
+    def buf(self, i: int) -> torch.Tensor:
+        return self._bufs[i]
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._bufs)
@@ -294,6 +307,14 @@ class _Buffers:
         # the results of a step with up to max_rows output rows (every decode-only step); longer ones (prefill
         # tokens) get a fresh tensor. 4 buffers: the callers of the last steps may not have read theirs yet.
         self.outputs = _OutputRing(4, max_rows, dim, dtype, cuda)
+        # batch slots: a batch request's x (copied in at submit), rows' pool slots and y, each slot with a CUDA graph
+        # per (layer, bucket) that holds the copy in, the kernel and the copy out: its launch is one replay. A
+        # slot is reused once its batch is done and nothing outside refers to its y (see Engine._take_slot).
+        self.slot_x = [torch.empty((max_bucket, dim), dtype=dtype, pin_memory=cuda) for _ in range(BATCH_SLOTS)]
+        self.slot_idx = [torch.full((max_bucket,), PAD_SLOT_ID, dtype=torch.int32, pin_memory=cuda)
+                         for _ in range(BATCH_SLOTS)]
+        self.slot_idx_np = [t.numpy() for t in self.slot_idx]
+        self.slot_y = _OutputRing(BATCH_SLOTS, max_bucket, dim, dtype, cuda)
         self.meta_np = self.h_meta.numpy()
         self.flags_np = self.h_flags.numpy()
         self.dec_idx_np = self.h_dec_idx.numpy()
@@ -305,7 +326,8 @@ class _Buffers:
             return t.numel() * t.element_size()
 
         names = ("in", "meta", "flags", "dec_x", "dec_idx", "mix_x", "mix_idx")
-        host = sum(nb(getattr(self, "h_" + n)) for n in names) + nb(self.h_stage) + self.outputs.nbytes()
+        host = sum(nb(getattr(self, "h_" + n)) for n in names) + nb(self.h_stage) + self.outputs.nbytes() + \
+            sum(nb(t) for t in (*self.slot_x, *self.slot_idx)) + self.slot_y.nbytes()
         dev = (sum(nb(getattr(self, "d_" + n)) for n in names) if self.cuda else 0) + nb(self.d_osi) + \
             nb(self.d_dec_out) + nb(self.d_mix_out) + nb(self.d_out)
         return {"host": host, "device": dev, "total": host + dev}
@@ -328,6 +350,10 @@ class DecodeLaunchers:
     With ``multi_layer`` there is also one launch per bucket for rows of any layers (key ``MIXED``): x in
     ``bufs.d_mix_x``, state lines (``layer * (slots + 1) + slot``) in ``bufs.h_mix_idx``, the model's stacked
     weights over the pool's table of lines, output in ``bufs.d_mix_out``.
+
+    Batch slots (:meth:`run_slot`, keys ``(slot, layer, bucket)``): the launch reads x and the pool slots from
+    the batch slot's host buffers and writes y into the slot's host buffer, so on CUDA with graphs its copy in,
+    kernel and copy out are one ``replay()``. On the CPU the reference reads and writes those buffers directly.
     """
 
     #: the layer key of the multi-layer launch: rows of any layers, ``bufs.*_mix_*``, stacked weights
@@ -348,6 +374,7 @@ class DecodeLaunchers:
             for b in self._buckets:
                 self._args[(p, b)] = (bufs.d_dec_x[p, :b], pool.layer(p), model.weight[p], model.layer_bias(p),
                                       bufs.d_dec_idx[p, :b], bufs.h_dec_idx[p, :b], bufs.d_dec_out[p, :b])
+        self._slot_keys = [(k, p, b) for k in range(BATCH_SLOTS) for p in range(model.n_layers) for b in self._buckets]
         self.multi_layer = multi_layer and model.n_layers > 1
         if self.multi_layer:
             for b in self._buckets:
@@ -366,17 +393,40 @@ class DecodeLaunchers:
         self._fn(x, states, w, bias, self._model.activation, conv_state_indices=d_idx, pad_slot_id=PAD_SLOT_ID,
                  out=out)
 
+    def _slot_ops(self, k: int, p: int, b: int):
+        bf = self._b
+        x, states, w, bias, d_idx, _h, out = self._args[(p, b)]
+        hx, hidx, hy = bf.slot_x[k][:b], bf.slot_idx[k][:b], bf.slot_y.buf(k)[:b]
+        if not self._cuda:
+            self._fn(hx, states, w, bias, self._model.activation, conv_state_indices=hidx, pad_slot_id=PAD_SLOT_ID,
+                     out=hy)
+            return
+        x.copy_(hx, non_blocking=True)
+        d_idx.copy_(hidx, non_blocking=True)
+        self._fn(x, states, w, bias, self._model.activation, conv_state_indices=d_idx, pad_slot_id=PAD_SLOT_ID,
+                 out=out)
+        hy.copy_(out, non_blocking=True)
+
+    def _each(self):
+        """Every launch: ``(key, run eagerly)``."""
+        for key in self._args:
+            yield key, (lambda key=key: self._ops(*key))
+        for key in self._slot_keys:
+            yield key, (lambda key=key: self._slot_ops(*key))
+
     def _warm(self):
         """Run every launch once on pad rows (no state is touched), on a side stream: compiles each kernel
         specialization now (and outside any graph) instead of on the first step that needs it."""
         dev, bf = self._pool.device, self._b
         bf.dec_idx_np[:] = PAD_SLOT_ID
         bf.mix_idx_np[:] = PAD_SLOT_ID
+        for t in bf.slot_idx_np:
+            t[:] = PAD_SLOT_ID
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
-            for key in self._args:
-                self._ops(*key)
+            for _key, fn in self._each():
+                fn()
         side.synchronize()
         torch.cuda.current_stream(dev).wait_stream(side)
 
@@ -384,10 +434,10 @@ class DecodeLaunchers:
         dev = self._pool.device
         before = torch.cuda.memory_reserved(dev)
         mempool = torch.cuda.graph_pool_handle()
-        for key in self._args:                    # the index buffers still hold pads from _warm: no state touched
+        for key, fn in self._each():              # the index buffers still hold pads from _warm: no state touched
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=mempool):
-                self._ops(*key)
+                fn()
             self._graphs[key] = g
         torch.cuda.synchronize(dev)
         self.graph_bytes = torch.cuda.memory_reserved(dev) - before
@@ -405,6 +455,14 @@ class DecodeLaunchers:
             g.replay()
         else:
             self._ops(p, b)
+
+    def run_slot(self, k: int, p: int, b: int) -> None:
+        """Launch layer ``p``'s decode of batch slot ``k`` (x, pool slots and y in the slot's host buffers)."""
+        g = self._graphs.get((k, p, b))
+        if g is not None:
+            g.replay()
+        else:
+            self._slot_ops(k, p, b)
 
 
 class Engine:
@@ -443,6 +501,7 @@ class Engine:
         self._stage_lock = threading.Lock()     # the staging arena's ticket counter and row owners
         self._stage_next = 0
         self._stage_owner: list = []
+        self._slot_owner: list = [None] * BATCH_SLOTS   # the batch request holding each batch slot
         # stats (guarded by _lock)
         self._st = collections.Counter()
         self._batch_hist = [0] * (len(_BATCH_HIST) + 1)
@@ -617,6 +676,9 @@ class Engine:
                 "requests_expired": st.get("expired", 0),
                 "sessions_evicted": st.get("evicted", 0),
                 "decode_rows": st.get("decode_rows", 0),
+                "batch_requests": st.get("batches", 0),
+                # batch requests launched from a batch slot (one graph replay); the rest went through the arena
+                "batch_requests_in_slots": st.get("batches_in_slots", 0),
                 "decode_padded_rows": st.get("padded_rows", 0),
                 "pad_ratio": st.get("padded_rows", 0) / max(1, st.get("padded_rows", 0) + st.get("decode_rows", 0)),
                 "kernel_time_s": st.get("kernel_ns", 0) * 1e-9,
@@ -1035,15 +1097,17 @@ class Engine:
                                 f"{tuple(xm.shape)}")
         now = time.monotonic()
         req = Request(-1, _BATCH_SESSION, p, n, False, now, xm, sink, x_dtype)
-        self._stage_batch(req, xm)
+        slot = self._take_slot(req, xm)
+        if slot < 0:
+            self._stage_batch(req, xm)
         try:
-            self._enqueue_batch(req, session_ids, now)
+            self._enqueue_batch(req, session_ids, now, slot)
         except BaseException:
             req.done = True                           # frees its staging rows
             raise
         return req
 
-    def _enqueue_batch(self, req: Request, session_ids, now: float) -> None:
+    def _enqueue_batch(self, req: Request, session_ids, now: float, slot: int) -> None:
         bit, table = 1 << req.layer, self._sessions
         with self._lock:
             self._check_running_locked()
@@ -1075,9 +1139,27 @@ class Engine:
             self._last_seq = seq
             req.seq = seq
             req.batch = RowBatch(sessions, np.fromiter((s.slot for s in sessions), np.int32, len(sessions)),
-                                 waits, wait_ops)
+                                 waits, wait_ops, slot)
             self._sched.add(req)
             self._cv.notify()
+
+    def _take_slot(self, req: Request, xm: torch.Tensor) -> int:
+        """Reserve a free batch slot for ``req`` and copy its x there; the slot's index, or -1 when none is free
+        (every one held by a queued batch, or its last y still referred to by a caller)."""
+        bf = self._bufs
+        if bf is None:
+            return -1
+        with self._stage_lock:
+            owners, ys = self._slot_owner, bf.slot_y
+            for k in range(BATCH_SLOTS):
+                o = owners[k]
+                if (o is None or o.done) and not ys.held(k):
+                    owners[k] = req
+                    break
+            else:
+                return -1
+        bf.slot_x[k][:req.n_tokens].copy_(xm)
+        return k
 
     def _stage_batch(self, req: Request, xm: torch.Tensor) -> None:
         """Copy a batch's x into ``rows`` consecutive rows of the staging arena (they are one slice there: one
@@ -1169,7 +1251,7 @@ class Engine:
             p = i if by_position else r.parts
             if type(p) is int:
                 y = (host_out, p, p + r.n_tokens, r.x_dtype)
-            else:                                   # a chunked prefill's joined tensor
+            else:                                   # a chunked prefill's joined tensor, or a batch slot's y
                 y = (p, 0, r.n_tokens, r.x_dtype)
             sink = r.future
             r.x = r.parts = r.future = None         # the request may outlive the step in its session's queue
@@ -1308,6 +1390,10 @@ class Engine:
             st["tokens"] += out.num_tokens
             st["rows"] += out.num_rows
             st["decode_rows"] += sum(d.rows for d in out.decodes)
+            for d in out.decodes:
+                if d.cache_indices is None:
+                    st["batches"] += 1
+                    st["batches_in_slots"] += d.requests[0].batch.buf >= 0
             st["padded_rows"] += padded
             st["kernel_ns"] += kernel_ns
             st["host_ns"] += host
@@ -1404,10 +1490,18 @@ class Engine:
             if k < len(self.config.decode_buckets):
                 bucket = self.config.decode_buckets[k]
                 mixed = (self._pack_mixed(decodes, n, bucket), bucket)
+        n_slot = 0                                   # rows of batch requests in batch slots (y not in host_out)
         for db in decodes if mixed is None else ():
             n = db.rows
-            if db.cache_indices is None:             # a batch request: x staged as one run, or its own tensor
-                r = db.requests[0]
+            if db.cache_indices is None:             # a batch request: x in its batch slot, staged as one run,
+                r = db.requests[0]                   # or its own tensor
+                k = r.batch.buf
+                if k >= 0:
+                    idx = bf.slot_idx_np[k]
+                    idx[:n] = r.batch.slots
+                    idx[n:db.bucket] = PAD_SLOT_ID
+                    n_slot += n
+                    continue
                 src = r.x if r.stage >= 0 or not cuda else bf.h_dec_x[db.layer, :n].copy_(r.x)
                 bf.d_dec_x[db.layer, :n].copy_(src, non_blocking=cuda)
                 idx = bf.dec_idx_np[db.layer]
@@ -1425,7 +1519,10 @@ class Engine:
             self._decode.run(DecodeLaunchers.MIXED, mixed[1])
         else:
             for db in decodes:
-                self._decode.run(db.layer, db.bucket)
+                if n_slot and db.cache_indices is None and db.requests[0].batch.buf >= 0:
+                    self._decode.run_slot(db.requests[0].batch.buf, db.layer, db.bucket)
+                else:
+                    self._decode.run(db.layer, db.bucket)
         mo = fo = 0
         for pb in out.prefills:
             p, rows, a = pb.layer, len(pb.requests), pb.token_offset
@@ -1451,15 +1548,21 @@ class Engine:
         # ---- results: one host tensor per step (pinned on CUDA; a buffer of the output ring unless the step
         # has more rows than those), filled by one device-to-host copy per launch group; each request's y is a
         # view of it, cut lazily by whoever reads the result (not on this thread)
-        n_dec = sum(db.rows for db in decodes)
+        n_dec = sum(db.rows for db in decodes) - n_slot
         n_out = n_dec + n_packed
-        host_out = bf.outputs.take(n_out) if n_out <= bf.outputs.rows else \
-            torch.empty((n_out, D), dtype=m.dtype, pin_memory=cuda)
+        if n_out == 0:                               # only batch slots: their y is in their slot already
+            host_out = None
+        elif n_out <= bf.outputs.rows:
+            host_out = bf.outputs.take(n_out)
+        else:
+            host_out = torch.empty((n_out, D), dtype=m.dtype, pin_memory=cuda)
         if mixed is not None:
             host_out[:n_dec].copy_(bf.d_mix_out[:n_dec], non_blocking=cuda)
         a = 0
         for db in decodes if mixed is None else ():
             n = db.rows
+            if n_slot and db.cache_indices is None and db.requests[0].batch.buf >= 0:
+                continue
             host_out[a:a + n].copy_(bf.d_dec_out[db.layer, :n], non_blocking=cuda)
             a += n
         if n_packed:
@@ -1475,11 +1578,25 @@ class Engine:
         # ---- unpack: each finished request's rows of host_out. Decode rows come first: layer by layer in batch
         # order, or (one multi-layer launch) in that launch's row order; with a single decode batch and nothing
         # else, out.finished is that batch in row order and the row is the position (no per-request bookkeeping).
-        if n_packed or len(decodes) != 1:
+        if n_packed or len(decodes) != 1 or n_slot:
             a = 0
-            for r in mixed[0] if mixed is not None else (r for db in decodes for r in db.requests):
-                r.parts = a
-                a += r.n_tokens                    # 1, or a batch request's rows
+            if mixed is not None:
+                for r in mixed[0]:
+                    r.parts = a
+                    a += 1
+            else:
+                for db in decodes:
+                    if db.cache_indices is None:   # a batch request: its rows in host_out, or its slot's y
+                        r = db.requests[0]
+                        if r.batch.buf >= 0:
+                            r.parts = bf.slot_y.buf(r.batch.buf)[:r.n_tokens]
+                        else:
+                            r.parts = a
+                            a += r.n_tokens
+                        continue
+                    for r in db.requests:
+                        r.parts = a
+                        a += 1
             for pb in out.prefills:
                 qsl, off = pb.query_start_loc, n_dec + pb.token_offset
                 for i, r in enumerate(pb.requests):

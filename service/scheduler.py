@@ -84,6 +84,7 @@ class RowBatch:
     slots: Any                   # the engine's (rows,) int32 array of the rows' pool slots; never read here
     waits: list                  # requests (of its sessions, submitted before it) that must be done first
     wait_ops: list               # session ops posted before it that must have run first (``.future.done()``)
+    buf: int = -1                # the engine's batch slot holding its x and y (-1: none); never read here
 
 
 @dataclass(slots=True)

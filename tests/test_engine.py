@@ -926,7 +926,10 @@ def test_a_batch_whose_session_is_deleted_before_it_runs_fails_whole():
         t = threading.Thread(target=e.delete_session, args=(sids[0],))
         t.start()
         deadline = time.monotonic() + 5
-        while not e._sessions.get(sids[0]).ops and time.monotonic() < deadline:
+        while time.monotonic() < deadline:             # until the delete is posted (or has already run)
+            s0 = e._sessions._live.get(sids[0])
+            if s0 is None or s0.ops:
+                break
             time.sleep(0.001)
         with pytest.raises(UnknownSession, match="deleted"):
             e.submit_batch(sids, LAYERS[0], torch.randn(3, DIM)).result(10)
@@ -936,25 +939,44 @@ def test_a_batch_whose_session_is_deleted_before_it_runs_fails_whole():
         e.stop(drain=False)
 
 
-def test_batches_stage_their_rows_as_one_run_or_fall_back_when_the_arena_is_held():
+def test_batches_take_a_free_batch_slot_else_the_arena_else_their_own_tensor():
+    """A batch request's x goes to a batch slot (one replay: copy in, kernel, copy out into the slot's y) while
+    one is free; a slot stays taken while a caller still holds the y it returned. With every slot held, batches
+    go through the staging arena as one run (starting at row 0 when the run would wrap); with the arena held
+    too, the step copies the batch's own x. Every path gives the reference's y."""
+    from service.engine import BATCH_SLOTS
+
     e = make_engine(slots=12, max_queue_delay_us=0, max_batch_size=8, decode_buckets=(1, 2, 4, 8))
     oracle = Oracle(e.model_cpu, e.state_dtype)
     try:
         sids = _prefilled(e, oracle, 8)
-        e._bufs.stage_rows = 10                      # a tiny ring: the second batch of 6 must start at row 0
-        staged = fallback = 0
-        for k in (6, 6, 3, 8):
+
+        def run(k, layer_pos=0):
             x = torch.randn(k, DIM)
-            want = torch.cat([oracle.conv(s, 0, x[i:i + 1]) for i, s in enumerate(sids[:k])])
-            f = e.submit_batch(sids[:k], LAYERS[0], x)
-            staged += f._req.stage >= 0
-            assert_close(f.result(10), want)
-        e._stage_owner[:10] = [types.SimpleNamespace(done=False)] * 10   # every row held by a queued request...
-        x = torch.randn(2, DIM)
-        want = torch.cat([oracle.conv(s, 2, x[i:i + 1]) for i, s in enumerate(sids[4:6])])
-        f = e.submit_batch(sids[4:6], LAYERS[2], x)   # ...so this one is not staged: copied from its x
-        fallback += f._req.stage < 0
-        assert_close(f.result(10), want)
-        assert staged == 4 and fallback == 1
+            want = torch.cat([oracle.conv(s, layer_pos, x[i:i + 1]) for i, s in enumerate(sids[:k])])
+            f = e.submit_batch(sids[:k], LAYERS[layer_pos], x)
+            y = f.result(10)
+            assert_close(y, want)
+            return f._req.batch.buf, f._req.stage, y
+
+        kept = []
+        for j in range(BATCH_SLOTS):                   # each caller keeps its y: each batch takes a new slot
+            buf, stage, y = run(3 + j % 4)
+            assert buf == j and stage < 0
+            kept.append(y)
+        e._bufs.stage_rows = 10                        # a tiny arena: a run of 6 from row 6 would wrap
+        bufs, stages = zip(*[run(k)[:2] for k in (6, 6, 3)])
+        assert bufs == (-1, -1, -1) and all(t >= 0 for t in stages)
+        assert [t % 10 for t in stages] == [0, 0, 6]
+        kept.pop(1)                                    # the y of slot 1 is dropped: the slot is free again
+        assert run(5)[0] == 1
+        e._stage_owner[:10] = [types.SimpleNamespace(done=False)] * 10   # every arena row held by a queued request
+        e._slot_owner[:] = [types.SimpleNamespace(done=False)] * BATCH_SLOTS
+        buf, stage, _ = run(2, layer_pos=2)
+        assert buf < 0 and stage < 0                   # copied from the batch's own x
+        st = e.stats()
+        assert st["batch_requests"] == BATCH_SLOTS + 5 and st["batch_requests_in_slots"] == BATCH_SLOTS + 1
+        for s in sids:
+            assert_close(e.export_state(s), oracle.export(s), what=f"state {s}")
     finally:
         e.stop(drain=False)

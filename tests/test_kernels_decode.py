@@ -49,7 +49,7 @@ def run_both(x, state, weight, bias, activation="silu", **kw):
 
 
 def assert_states_equal(st_k, st_r):
-    diff = (st_k.cpu() != st_r.to(st_k.dtype)).flatten(1).any(1).nonzero().flatten().tolist()
+    diff = (st_k.cpu() != st_r.cpu().to(st_k.dtype)).flatten(1).any(1).nonzero().flatten().tolist()
     assert not diff, f"state rows {diff} differ from the reference"
 
 
