@@ -81,7 +81,7 @@ def step_summary(steps, rows=None) -> dict:
     sel = [s for s in steps if rows is None or s["rows"] == rows] or steps
     parts = {f"{k[:-2]}_us_p50": _pct([s[k] * 1e6 for s in sel], 0.5) for k in ("sched_s", "launch_s", "deliver_s")}
     host = [s["host_s"] * 1e6 for s in sel]
-    kern = [s["kernel_s"] * 1e6 for s in sel]
+    kern = [s["kernel_s"] * 1e6 for s in sel if s["kernel_s"] is not None] or [float("nan")]   # timed steps
     wall = [s["wall_s"] * 1e6 for s in sel]
     return {"steps": len(sel), "rows_mean": statistics.fmean(s["rows"] for s in sel),
             "host_us_p50": _pct(host, 0.5), "host_us_p90": _pct(host, 0.9),

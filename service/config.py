@@ -86,6 +86,8 @@ class Settings(BaseSettings):
                                      "(stacked weights) when they fit the largest decode bucket; off by default: "
                                      "it measured slower through the service on the H200")
     max_spec_tokens: int = Field(16, ge=1, description="most tokens of one speculative verify (k + 1)")
+    gpu_timing_interval: int = Field(16, ge=1, description="CUDA: time the GPU with events on every Nth engine step "
+                                     "(kernel time metrics scale the sample); 1 times every step")
     gil_switch_interval_us: int = Field(500, ge=100, le=100_000, description="Python's thread switch interval "
                                         "(sys.setswitchinterval; Python's default is 5000): how long the engine "
                                         "thread may wait for the GIL after each GPU call while the HTTP loop is "

@@ -127,6 +127,9 @@ class EngineConfig:
     #                                              weights, one table of state lines), when they fit a bucket.
     #                                              Off: in-process it pays, through the HTTP service on the H200
     #                                              it measured slower (bench/NOTES.md)
+    gpu_timing_interval: int = 16                # CUDA: time the GPU with events on every Nth step (two event
+    #                                              records cost 5-15 us of host time); the counters scale the
+    #                                              sample (1: time every step)
     max_spec_tokens: int = 16                    # most tokens of one speculative verify
     check_finite: bool = True                    # reject x with NaN/Inf (NonFinite) instead of poisoning state
     pool_memory_fraction: float = 0.5            # slots="auto": this share of free device memory
@@ -141,7 +144,7 @@ class EngineConfig:
         if self.state_dtype is not None:
             self.state_dtype = _dtype(self.state_dtype, "state_dtype")
         self.decode_buckets = tuple(sorted(set(int(b) for b in self.decode_buckets)))
-        for name in ("max_queue", "max_spec_tokens", "max_evicted_ids"):
+        for name in ("max_queue", "max_spec_tokens", "max_evicted_ids", "gpu_timing_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected >= 1, got {getattr(self, name)}")
         if self.max_spec_tokens > self.max_batch_tokens:
@@ -702,8 +705,9 @@ class Engine:
     def recent_steps(self) -> list:
         """The last (up to 4096) steps as dicts (for benchmarks): ``rows``, ``tokens``; ``host_s`` = ``sched_s``
         (pick and pack the step) + ``launch_s`` (stage inputs, launch, start the copies back) + ``deliver_s``
-        (cut results, wake callers); ``kernel_s`` (GPU time between the first and last launch, CUDA events; on
-        the CPU the reference's time); ``wall_s`` (all of it, including the wait for the GPU)."""
+        (cut results, wake callers); ``kernel_s`` (GPU time between the first and last launch, CUDA events, on
+        every ``gpu_timing_interval``-th step, else None; on the CPU the reference's time); ``wall_s`` (all of
+        it, including the wait for the GPU)."""
         with self._lock:
             return [dict(zip(_STEP_FIELDS, s)) for s in self._steps]
 
@@ -1395,11 +1399,13 @@ class Engine:
                     st["batches"] += 1
                     st["batches_in_slots"] += d.requests[0].batch.buf >= 0
             st["padded_rows"] += padded
-            st["kernel_ns"] += kernel_ns
+            if kernel_ns is not None:
+                st["kernel_ns"] += kernel_ns if self._stream is None else kernel_ns * self.config.gpu_timing_interval
             st["host_ns"] += host
             st["wall_ns"] += sched_ns + t3 - t0
             self._batch_hist[bisect.bisect_left(_BATCH_HIST, out.num_rows)] += 1
-            rec = (out.num_rows, out.num_tokens, host * 1e-9, kernel_ns * 1e-9, (sched_ns + t3 - t0) * 1e-9,
+            rec = (out.num_rows, out.num_tokens, host * 1e-9, None if kernel_ns is None else kernel_ns * 1e-9,
+                   (sched_ns + t3 - t0) * 1e-9,
                    sched_ns * 1e-9, (t_launch - t0) * 1e-9, (t3 - t_sync) * 1e-9)
             self._steps.append(rec)
 
@@ -1513,7 +1519,8 @@ class Engine:
             bf.dec_idx_np[db.layer, :db.bucket] = db.cache_indices
         # ---- launch
         t_k0 = time.perf_counter_ns()
-        if cuda:  # the stream given: record() without one looks it up through a chain of Python calls
+        timed = cuda and out.step % self.config.gpu_timing_interval == 0
+        if timed:  # the stream given: record() without one looks it up through a chain of Python calls
             self._ev0.record(self._stream)
         if mixed is not None:
             self._decode.run(DecodeLaunchers.MIXED, mixed[1])
@@ -1543,7 +1550,7 @@ class Engine:
                             conv_state_indices=bf.d_meta[mo:mo + rows], output_state_indices=bf.d_osi[:rows, :L],
                             pad_slot_id=PAD_SLOT_ID, out=o3)
             mo += rows
-        if cuda:
+        if timed:
             self._ev1.record(self._stream)
         # ---- results: one host tensor per step (pinned on CUDA; a buffer of the output ring unless the step
         # has more rows than those), filled by one device-to-host copy per launch group; each request's y is a
@@ -1571,7 +1578,7 @@ class Engine:
         # ---- the one synchronization of the step
         if cuda:
             self._stream.synchronize()
-            kernel_ns = int(self._ev0.elapsed_time(self._ev1) * 1e6)
+            kernel_ns = int(self._ev0.elapsed_time(self._ev1) * 1e6) if timed else None
         else:
             kernel_ns = t_launch - t_k0
         t_sync = time.perf_counter_ns()

@@ -234,7 +234,8 @@ def test_decodes_of_several_layers_in_one_step_match_the_reference(multi_layer, 
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_engine_on_cuda_matches_the_reference(config, graphs):
     dtype, state_dtype, knobs = CONFIGS[config]
-    run_random_workload("cuda", dtype, state_dtype, knobs, seed=11, n_ops=300, use_cuda_graphs=graphs)
+    stats = run_random_workload("cuda", dtype, state_dtype, knobs, seed=11, n_ops=300, use_cuda_graphs=graphs)
+    assert stats["steps"] > 16 and stats["kernel_time_s"] > 0     # every 16th step timed (gpu_timing_interval)
 
 
 # ---- many sessions pipelined from several threads
@@ -642,7 +643,8 @@ def test_model_info_and_stats_report_the_engine(engine):
 
 @pytest.mark.parametrize("kw", [dict(slots=0), dict(slots="many"), dict(state_dtype="float64"),
                                 dict(max_spec_tokens=0), dict(max_spec_tokens=100, max_batch_tokens=64),
-                                dict(decode_buckets=()), dict(session_ttl_s=0), dict(max_queue=0)])
+                                dict(decode_buckets=()), dict(session_ttl_s=0), dict(max_queue=0),
+                                dict(gpu_timing_interval=0)])
 def test_bad_engine_config_is_rejected(kw):
     with pytest.raises(ValueError):
         EngineConfig(**kw)
