@@ -205,7 +205,7 @@ def run_closed(args, model, n_callers: int) -> dict:
 
 
 def run_prefill_mix(args, model) -> dict:
-    e = make_engine(args, model)
+    e = make_engine(args, model, gpu_timing_interval=1)     # few steps: time each one
     try:
         rng = random.Random(0)
         dim = model.dim

@@ -94,6 +94,10 @@ _BATCH_SESSION = Session("<batch>", PAD_SLOT_ID)
 #: batch slots (see _Buffers): batch requests that find one free launch with a single graph replay
 BATCH_SLOTS = 4
 
+#: padding that brings an int32 list to a multiple of 4 elements (16 bytes), by its length mod 4; a bool list to 16
+_PAD4 = ([], [0, 0, 0], [0, 0], [0])
+_PAD16 = tuple([False] * (-r % 16) for r in range(16))
+
 _STEP_FIELDS = ("rows", "tokens", "host_s", "kernel_s", "wall_s", "sched_s", "launch_s", "deliver_s")
 #: batch-size histogram buckets of stats()["batch_size"]
 _BATCH_HIST = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -284,11 +288,12 @@ class _Buffers:
                 d.fill_(fill)
             return h, d
 
-        n_meta = 3 * max_rows + n_layers + 1
+        # each array starts 16-byte aligned (see Engine._execute): room for the padding of every array
+        n_meta = 6 * max_rows + 40 * n_layers + 16
         self.h_in, self.d_in = pair((max_tokens, dim), dtype)           # packed prefill + verify tokens
         self.d_out = torch.empty((max_tokens, dim), dtype=dtype, device=device)
         self.h_meta, self.d_meta = pair((n_meta,), torch.int32)          # query_start_loc, cache_indices
-        self.h_flags, self.d_flags = pair((max_rows,), torch.bool)       # has_initial_state
+        self.h_flags, self.d_flags = pair((max_rows + 16 * n_layers,), torch.bool)   # has_initial_state
         self.h_dec_x, self.d_dec_x = pair((n_layers, max_bucket, dim), dtype, 0)   # decode rows, per layer
         self.h_dec_idx, self.d_dec_idx = pair((n_layers, max_bucket), torch.int32, PAD_SLOT_ID)
         # one launch for the decodes of several layers: rows in arrival order, a state line per row
@@ -306,7 +311,7 @@ class _Buffers:
         self.gather_np = self.gather.numpy()
         self.d_dec_out = torch.empty((n_layers, max_bucket, dim), dtype=dtype, device=device)
         # verify: output_state_indices all pad: the live state is not written and no window is stored
-        self.d_osi = torch.full((max_rows, max_spec), PAD_SLOT_ID, dtype=torch.int32, device=device)
+        self.d_osi = torch.full((max_rows + 16, max_spec), PAD_SLOT_ID, dtype=torch.int32, device=device)
         # the results of a step with up to max_rows output rows (every decode-only step); longer ones (prefill
         # tokens) get a fresh tensor. 4 buffers: the callers of the last steps may not have read theirs yet.
         self.outputs = _OutputRing(4, max_rows, dim, dtype, cuda)
@@ -563,31 +568,35 @@ class Engine:
 
     def _warm_up(self) -> None:
         """Compile, at start-up instead of on the engine thread mid-traffic, every prefill variant a step can
-        need (the kernels' tile choices depend on the power of two of a step's packed tokens: 1, 2, 4, ... up to
-        max_batch_tokens, once per bias/no-bias layer kind) and the verify kernel of every length, on the null
-        slot (no session state is touched: slot 0 is never allocated, and verifies write no state). On the CPU
-        (the references, nothing to compile) one small call per layer checks the path."""
+        need (the kernels' tile choices depend on the power of two of a step's packed tokens: 16, 32, ... up to
+        max_batch_tokens, once per bias/no-bias layer kind; a step's launches are padded to 16 sequences and 16
+        tokens, and its index arrays aligned, as here, see _execute) and the verify kernel of every length, on
+        the null slot (no session state is touched: slot 0 is never allocated, pad rows touch nothing, and
+        verifies write no state). On the CPU (the references, nothing to compile) one small call per layer
+        checks the path."""
         m, bf, dev = self.model, self._bufs, self.device
-        idx = torch.zeros(1, dtype=torch.int32, device=dev)
-        init = torch.zeros(1, dtype=torch.bool, device=dev)
+        idx = torch.full((16,), PAD_SLOT_ID, dtype=torch.int32, device=dev)
+        idx[0] = 0
+        init = torch.zeros(16, dtype=torch.bool, device=dev)
         top = self.config.max_batch_tokens
-        sizes = [1 << k for k in range(top.bit_length()) if 1 << k <= top] if dev.type == "cuda" else [2]
-        if sizes[-1] != top and dev.type == "cuda":
-            sizes.append(top)
+        sizes = [1 << k for k in range(4, top.bit_length()) if 1 << k <= top] if dev.type == "cuda" else [16]
+        if dev.type == "cuda" and top >= 16 and sizes[-1] != top - top % 16:
+            sizes.append(top - top % 16)
         kinds = {}                                    # one layer per (has bias) kind: the variants are the same
         for p in range(m.n_layers):
             kinds.setdefault(m.layer_bias(p) is None, p)
         bf.d_in[:max(sizes)].zero_()
         for p in (kinds.values() if dev.type == "cuda" else range(m.n_layers)):
             for n in sizes:
-                qsl = torch.tensor([0, n], dtype=torch.int32, device=dev)
+                qsl = torch.tensor([0] + [n] * 16, dtype=torch.int32, device=dev)
                 self._prefill_fn(bf.d_in[:n].T, m.weight[p], m.layer_bias(p), self.pool.layer(p), qsl, idx, init,
                                  m.activation, PAD_SLOT_ID, out=bf.d_out[:n].T)
+        rows = 16 if 16 * self.config.max_spec_tokens <= bf.d_in.shape[0] else 1
         for n in range(1, self.config.max_spec_tokens + 1):
-            x3 = bf.d_in[:n].view(1, n, m.dim).transpose(1, 2)
-            o3 = bf.d_out[:n].view(1, n, m.dim).transpose(1, 2)
+            x3 = bf.d_in[:rows * n].view(rows, n, m.dim).transpose(1, 2)
+            o3 = bf.d_out[:rows * n].view(rows, n, m.dim).transpose(1, 2)
             self._update_fn(x3, self.pool.layer(0), m.weight[0], m.layer_bias(0), m.activation,
-                            conv_state_indices=idx, output_state_indices=bf.d_osi[:1, :n],
+                            conv_state_indices=idx[:rows], output_state_indices=bf.d_osi[:rows, :n],
                             pad_slot_id=PAD_SLOT_ID, out=o3)
 
     def stop(self, drain: bool = True, timeout: Optional[float] = None) -> None:
@@ -1472,13 +1481,35 @@ class Engine:
             for vb in out.verifies:
                 xs.extend(r.x for r in vb.requests)
             torch.cat(xs, out=bf.h_in[:n_packed])
-            meta, flags = [], []
+            # Triton specializes a kernel on each pointer's 16-byte alignment and on whether each integer is 1 or
+            # a multiple of 16, so a prefill launch that varied in those would compile a new variant mid-traffic
+            # (a stall of a second). Every prefill launch is made to look like start-up's warm-up: each index
+            # array starts 16-byte aligned, the sequences are padded to a multiple of 16 with empty pad ones
+            # (no output, no state touched), and the tokens to a multiple of 16 (those past the last sequence
+            # come out zero, in rows of d_out that the next launch overwrites or nobody reads).
+            meta, flags, offs = [], [], []
             for pb in out.prefills:
+                rows = len(pb.requests)
+                pad = -rows % 16
+                q = len(meta)
                 meta += pb.query_start_loc
+                meta += [pb.query_start_loc[-1]] * pad
+                meta += _PAD4[len(meta) % 4]
+                i = len(meta)
                 meta += pb.cache_indices
+                meta += [PAD_SLOT_ID] * pad
+                offs.append((q, i, len(flags), rows + pad))
                 flags += pb.has_initial_state
+                flags += [False] * pad
             for vb in out.verifies:
+                rows = len(vb.requests)
+                pad = -rows % 16
+                if vb.token_offset + (rows + pad) * vb.n_tokens > bf.d_in.shape[0]:
+                    pad = 0
+                offs.append((len(meta), rows + pad))
                 meta += vb.cache_indices
+                meta += [PAD_SLOT_ID] * pad
+                meta += _PAD4[len(meta) % 4]
             bf.meta_np[:len(meta)] = meta
             if flags:
                 bf.flags_np[:len(flags)] = flags
@@ -1530,26 +1561,29 @@ class Engine:
                     self._decode.run_slot(db.requests[0].batch.buf, db.layer, db.bucket)
                 else:
                     self._decode.run(db.layer, db.bucket)
-        mo = fo = 0
+        k = 0                                        # this batch's entry of offs
         for pb in out.prefills:
-            p, rows, a = pb.layer, len(pb.requests), pb.token_offset
+            p, a = pb.layer, pb.token_offset
             b = a + pb.query_start_loc[-1]
+            b16 = a + -(-(b - a) // 16) * 16
+            if b16 <= bf.d_in.shape[0]:              # tokens padded to a multiple of 16 (see the pack above)
+                b = b16
             w, bias, states = self._layer_args[p]
-            self._prefill_fn(bf.d_in[a:b].T, w, bias, states,
-                             bf.d_meta[mo:mo + rows + 1], bf.d_meta[mo + rows + 1:mo + 2 * rows + 1],
-                             bf.d_flags[fo:fo + rows], act, PAD_SLOT_ID, out=bf.d_out[a:b].T)
-            mo += 2 * rows + 1
-            fo += rows
-        for vb in out.verifies:
-            rows, L, a = len(vb.requests), vb.n_tokens, vb.token_offset
+            q, i, f, rows = offs[k]
+            k += 1
+            self._prefill_fn(bf.d_in[a:b].T, w, bias, states, bf.d_meta[q:q + rows + 1], bf.d_meta[i:i + rows],
+                             bf.d_flags[f:f + rows], act, PAD_SLOT_ID, out=bf.d_out[a:b].T)
+        for vb in out.verifies:                      # rows padded to a multiple of 16 (pad rows touch nothing)
+            L, a = vb.n_tokens, vb.token_offset
+            i, rows = offs[k]
+            k += 1
             b = a + rows * L
             x3 = bf.d_in[a:b].view(rows, L, D).transpose(1, 2)
             o3 = bf.d_out[a:b].view(rows, L, D).transpose(1, 2)
             w, bias, states = self._layer_args[vb.layer]
             self._update_fn(x3, states, w, bias, act,
-                            conv_state_indices=bf.d_meta[mo:mo + rows], output_state_indices=bf.d_osi[:rows, :L],
+                            conv_state_indices=bf.d_meta[i:i + rows], output_state_indices=bf.d_osi[:rows, :L],
                             pad_slot_id=PAD_SLOT_ID, out=o3)
-            mo += rows
         if timed:
             self._ev1.record(self._stream)
         # ---- results: one host tensor per step (pinned on CUDA; a buffer of the output ring unless the step

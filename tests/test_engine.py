@@ -982,3 +982,40 @@ def test_batches_take_a_free_batch_slot_else_the_arena_else_their_own_tensor():
             assert_close(e.export_state(s), oracle.export(s), what=f"state {s}")
     finally:
         e.stop(drain=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_steps_after_start_build_no_new_kernel_variant():
+    """Start-up warms every prefill and verify variant a step can take (launches padded to 16 sequences and 16
+    tokens, index arrays 16-byte aligned): a mix of prefills of any length and count, verifies of any row count
+    and decodes then builds no Triton specialization mid-traffic (each would stall a step for about a second)."""
+    knobs = pytest.importorskip("triton.knobs")
+    e = make_engine(device="cuda", slots=40, max_batch_tokens=512, max_batch_size=64, max_queue_delay_us=2000,
+                    max_spec_tokens=5)
+    built = []
+    prev = knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_post_compile_hook = lambda *a, **kw: built.append(str(kw.get("fn", a[:1]))[:80])
+    try:
+        rng = random.Random(4)
+        sids = [e.create_session() for _ in range(33)]
+        for rnd in range(4):
+            futs = []
+            for sid in rng.sample(sids, rng.randint(1, 33)):
+                t = rng.choice([1, 2, 3, 7, 15, 16, 17, 40, 100, 300])
+                futs.append(e.submit(sid, LAYERS[rng.randrange(3)], torch.randn(t, DIM)))
+            for f in futs:
+                f.result(60)
+            futs = [e.submit(sid, LAYERS[0], torch.randn(rng.randint(1, 5), DIM), speculative=True)
+                    for sid in rng.sample(sids, rng.randint(1, 20))]
+            for f in futs:
+                f.result(60)
+            for sid in sids:
+                if e._sessions.get(sid).pending:
+                    e.accept(sid, 0)
+            k = rng.randint(1, 33)
+            e.submit_batch(sids[:k], LAYERS[1], torch.randn(k, DIM)).result(60)
+        assert not built, f"kernel variants built after start: {built}"
+    finally:
+        knobs.runtime.jit_post_compile_hook = prev
+        e.stop(drain=False)
