@@ -289,9 +289,12 @@ class _Buffers:
             return h, d
 
         # each array starts 16-byte aligned (see Engine._execute): room for the padding of every array
-        n_meta = 6 * max_rows + 40 * n_layers + 16
-        self.h_in, self.d_in = pair((max_tokens, dim), dtype)           # packed prefill + verify tokens
-        self.d_out = torch.empty((max_tokens, dim), dtype=dtype, device=device)
+        n_meta = 21 * max_rows + 34 * n_layers + 16
+        # packed prefill + verify tokens, and room past them for a launch padded to 16 sequences and 16 tokens
+        # (see Engine._execute: a padded launch ends at most 15 tokens, or 15 verify rows, past the packed ones)
+        slack = 16 * max(1, max_spec)
+        self.h_in, self.d_in = pair((max_tokens + slack, dim), dtype)
+        self.d_out = torch.empty((max_tokens + slack, dim), dtype=dtype, device=device)
         self.h_meta, self.d_meta = pair((n_meta,), torch.int32)          # query_start_loc, cache_indices
         self.h_flags, self.d_flags = pair((max_rows + 16 * n_layers,), torch.bool)   # has_initial_state
         self.h_dec_x, self.d_dec_x = pair((n_layers, max_bucket, dim), dtype, 0)   # decode rows, per layer
@@ -579,9 +582,11 @@ class Engine:
         idx[0] = 0
         init = torch.zeros(16, dtype=torch.bool, device=dev)
         top = self.config.max_batch_tokens
-        sizes = [1 << k for k in range(4, top.bit_length()) if 1 << k <= top] if dev.type == "cuda" else [16]
-        if dev.type == "cuda" and top >= 16 and sizes[-1] != top - top % 16:
-            sizes.append(top - top % 16)
+        if dev.type != "cuda":
+            sizes = [16]
+        else:                                         # 16, 32, ... (padded tokens), and the largest step's
+            sizes = [1 << k for k in range(4, top.bit_length() + 1) if 1 << k <= top + 15]
+            sizes = sorted({*sizes, -(-top // 16) * 16})
         kinds = {}                                    # one layer per (has bias) kind: the variants are the same
         for p in range(m.n_layers):
             kinds.setdefault(m.layer_bias(p) is None, p)
