@@ -114,7 +114,8 @@ class EngineCollector(Collector):
         "tokens": ("convserve_engine_tokens", "counter", "Tokens computed by the engine"),
         "pad_ratio": ("convserve_decode_pad_ratio", "gauge", "Padded decode rows over all decode rows "
                                                              "(cumulative)"),
-        "kernel_time_s": ("convserve_kernel_seconds", "counter", "Time spent in conv kernels"),
+        "kernel_time_s": ("convserve_kernel_seconds", "counter", "Time spent in conv kernels (CUDA: estimated "
+                                                                 "from every gpu_timing_interval-th step)"),
         "step_time_s": ("convserve_engine_step_seconds", "counter", "Time spent in engine steps (host + device)"),
         "host_time_s": ("convserve_engine_host_seconds", "counter", "Host time of engine steps (packing, launch)"),
         "requests_failed": ("convserve_engine_requests_failed", "counter", "Requests failed while running"),
@@ -125,6 +126,10 @@ class EngineCollector(Collector):
         "sessions_evicted": ("convserve_engine_sessions_evicted", "counter", "Sessions evicted by the idle TTL"),
         "decode_rows": ("convserve_engine_decode_rows", "counter", "Decode rows computed"),
         "decode_padded_rows": ("convserve_engine_decode_padded_rows", "counter", "Pad rows added to decode buckets"),
+        "batch_requests": ("convserve_engine_batch_requests", "counter",
+                           "Batch requests run (one decode token for each of several sessions)"),
+        "batch_requests_in_slots": ("convserve_engine_batch_requests_in_slots", "counter",
+                                    "Batch requests launched from a batch slot (one CUDA graph replay)"),
     }
 
     def __init__(self, stats: Callable[[], dict]):
