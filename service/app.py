@@ -244,11 +244,7 @@ class Service:
         session = req.get("session")
         if type(session) is not str:
             raise BadRequest("'session' is missing or not a string; create a session with POST /v1/sessions")
-        layer = req.get("layer")
-        if type(layer) is not int:
-            raise BadRequest("'layer' is missing or not an integer; use a model layer index from GET /v1/model")
-        if layer not in self.layer_set:
-            raise UnknownLayer(f"layer {layer} has no conv; the model's conv layers are {self.layers}")
+        layer = self.parse_layer(req)
         x = wire.decode_tensor(req.get("x"), check_shape=self.x_check)
         spec = req.get("speculative", False)
         if type(spec) is not bool:
@@ -265,13 +261,17 @@ class Service:
         if len(sessions) > self.batch_rows:
             raise PayloadTooLarge(f"'sessions' has {len(sessions)} sessions, above the limit of {self.batch_rows} "
                                   "rows per batch (max_batch_size, the largest decode bucket); split the batch")
+        layer = self.parse_layer(req)
+        x = wire.decode_tensor(req.get("x"), check_shape=self.batch_check)
+        return sessions, layer, x
+
+    def parse_layer(self, req: dict) -> int:
         layer = req.get("layer")
         if type(layer) is not int:
             raise BadRequest("'layer' is missing or not an integer; use a model layer index from GET /v1/model")
         if layer not in self.layer_set:
             raise UnknownLayer(f"layer {layer} has no conv; the model's conv layers are {self.layers}")
-        x = wire.decode_tensor(req.get("x"), check_shape=self.batch_check)
-        return sessions, layer, x
+        return layer
 
     def new_session_id(self, body: Any, what: str = "session") -> Optional[str]:
         if body is None or body == {} or body == b"":
@@ -323,52 +323,53 @@ class Service:
 # -------------------------------------------------------------------------------------- unary conv route
 
 
-class ConvEndpoint:
+class _UnaryEndpoint:
+    """A request-response conv route: read the body, submit it to the engine, answer ``{"y"}`` or the error."""
+
+    route = ""
+
+    def __init__(self, svc: Service):
+        self.svc = svc
+
+    def submit(self, obj: Any):
+        """Parse a decoded body and submit it; returns the engine's asyncio future."""
+        raise NotImplementedError
+
+    async def __call__(self, scope, receive, send):
+        svc = self.svc
+        scope[_ROUTE_SCOPE_KEY] = self.route
+        try:
+            svc.require_ready()
+            body = await read_body(scope, receive, svc.max_body)
+            fut = self.submit(parse_body(scope, body, svc.max_body))
+            y = await svc.wait_result(fut, receive)
+            out, ct = render({"y": wire.encode_tensor(y)}, wants_json(scope))
+        except ClientGone:
+            return
+        except Exception as e:  # noqa: BLE001 - every failure becomes an error response
+            await send_error(scope, send, as_service_error(e))
+            return
+        await send_bytes(send, 200, out, ct)
+
+
+class ConvEndpoint(_UnaryEndpoint):
     """``POST /v1/conv``."""
 
-    def __init__(self, svc: Service):
-        self.svc = svc
+    route = "/v1/conv"
 
-    async def __call__(self, scope, receive, send):
-        svc = self.svc
-        scope[_ROUTE_SCOPE_KEY] = "/v1/conv"
-        try:
-            svc.require_ready()
-            body = await read_body(scope, receive, svc.max_body)
-            session, layer, x, spec = svc.parse_conv(parse_body(scope, body, svc.max_body))
-            fut = svc.engine.submit_async(session, layer, x, speculative=spec)
-            y = await svc.wait_result(fut, receive)
-            out, ct = render({"y": wire.encode_tensor(y)}, wants_json(scope))
-        except ClientGone:
-            return
-        except Exception as e:  # noqa: BLE001 - every failure becomes an error response
-            await send_error(scope, send, as_service_error(e))
-            return
-        await send_bytes(send, 200, out, ct)
+    def submit(self, obj: Any):
+        session, layer, x, spec = self.svc.parse_conv(obj)
+        return self.svc.engine.submit_async(session, layer, x, speculative=spec)
 
 
-class BatchEndpoint:
+class BatchEndpoint(_UnaryEndpoint):
     """``POST /v1/conv/batch``: one decode token for each of several sessions, as one engine request."""
 
-    def __init__(self, svc: Service):
-        self.svc = svc
+    route = "/v1/conv/batch"
 
-    async def __call__(self, scope, receive, send):
-        svc = self.svc
-        scope[_ROUTE_SCOPE_KEY] = "/v1/conv/batch"
-        try:
-            svc.require_ready()
-            body = await read_body(scope, receive, svc.max_body)
-            sessions, layer, x = svc.parse_batch(parse_body(scope, body, svc.max_body))
-            fut = svc.engine.submit_batch_async(sessions, layer, x)
-            y = await svc.wait_result(fut, receive)
-            out, ct = render({"y": wire.encode_tensor(y)}, wants_json(scope))
-        except ClientGone:
-            return
-        except Exception as e:  # noqa: BLE001 - every failure becomes an error response
-            await send_error(scope, send, as_service_error(e))
-            return
-        await send_bytes(send, 200, out, ct)
+    def submit(self, obj: Any):
+        sessions, layer, x = self.svc.parse_batch(obj)
+        return self.svc.engine.submit_batch_async(sessions, layer, x)
 
 
 # ----------------------------------------------------------------------------------- streams of frames

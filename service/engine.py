@@ -994,14 +994,9 @@ class Engine:
         with self._lock:
             self._check_running_locked()
             s = self._sessions.get(session_id)
-            if s.pending and not speculative:
-                raise BadRequest(f"session {session_id!r} has an un-accepted speculative verify on layer(s) "
-                                 f"{sorted(self.model_cpu.layers[q] for q in s.pending)}; call accept (0 to "
-                                 "discard it) before a non-speculative conv")
-            depth = self._sched.depth
-            if depth >= self.config.max_queue:
-                raise QueueFull(f"{depth} requests are queued (max_queue={self.config.max_queue}); retry later",
-                                retry_after=self._retry_after_locked())
+            if not speculative:
+                self._check_no_verify_locked(s)
+            depth = self._check_queue_locked()
             seq = next(self._seq)
             self._last_seq = seq
             req.seq, req.session = seq, s
@@ -1018,6 +1013,21 @@ class Engine:
                 s.pending[p] = (xm.shape[0], seq)
             if depth == 0 or self._sched.ready(now):
                 self._cv.notify()
+
+    def _check_no_verify_locked(self, s: Session) -> None:
+        """A non-speculative conv needs the session's pending verify accepted (or discarded) first."""
+        if s.pending:
+            raise BadRequest(f"session {s.id!r} has an un-accepted speculative verify on layer(s) "
+                             f"{sorted(self.model_cpu.layers[q] for q in s.pending)}; call accept (0 to "
+                             "discard it) before a non-speculative conv")
+
+    def _check_queue_locked(self) -> int:
+        """The queue depth, or :class:`QueueFull` when it is at ``max_queue``."""
+        depth = self._sched.depth
+        if depth >= self.config.max_queue:
+            raise QueueFull(f"{depth} requests are queued (max_queue={self.config.max_queue}); retry later",
+                            retry_after=self._retry_after_locked())
+        return depth
 
     def _retry_after_locked(self) -> float:
         steps = self._st.get("steps", 0)
@@ -1131,14 +1141,8 @@ class Engine:
             self._check_running_locked()
             sessions = [table.get(sid) for sid in session_ids]    # UnknownSession / StateLost name the id
             for s in sessions:
-                if s.pending:
-                    raise BadRequest(f"session {s.id!r} has an un-accepted speculative verify on layer(s) "
-                                     f"{sorted(self.model_cpu.layers[q] for q in s.pending)}; call accept (0 to "
-                                     "discard it) before a non-speculative conv")
-            depth = self._sched.depth
-            if depth >= self.config.max_queue:
-                raise QueueFull(f"{depth} requests are queued (max_queue={self.config.max_queue}); retry later",
-                                retry_after=self._retry_after_locked())
+                self._check_no_verify_locked(s)
+            self._check_queue_locked()
             waits, wait_ops = [], []
             for s in sessions:
                 q = s.queue
