@@ -513,6 +513,7 @@ class Engine:
         self._stage_next = 0
         self._stage_owner: list = []
         self._slot_owner: list = [None] * BATCH_SLOTS   # the batch request holding each batch slot
+        self._n_exec = 0                                # steps executed (the GPU is timed on every Nth)
         # stats (guarded by _lock)
         self._st = collections.Counter()
         self._batch_hist = [0] * (len(_BATCH_HIST) + 1)
@@ -1000,9 +1001,10 @@ class Engine:
             seq = next(self._seq)
             self._last_seq = seq
             req.seq, req.session = seq, s
-            b = s.batch
-            if b is not None and not b.done:
-                req.after = b
+            if s.batch is not None:                  # the session has been in a batch: wait for any not done
+                after = [r for r in s.queue if r.batch is not None and not r.done]
+                if after:
+                    req.after = after
             self._sched.add(req)
             q = s.queue             # finished requests leave the head here (and in oldest_active), not in the step
             while q and q[0].done:
@@ -1143,13 +1145,14 @@ class Engine:
             for s in sessions:
                 self._check_no_verify_locked(s)
             self._check_queue_locked()
-            waits, wait_ops = [], []
+            waits, wait_ops = {}, []
             for s in sessions:
                 q = s.queue
                 while q and q[0].done:
                     q.popleft()
-                if q:                        # requests finish in session order: the last one covers the rest
-                    waits.append(q[-1])
+                for r in q:                  # every one not done (one that is withdrawn later is done then)
+                    if not r.done:
+                        waits[id(r)] = r
                 if s.ops:
                     wait_ops.extend(s.ops)
                 q.append(req)
@@ -1161,7 +1164,7 @@ class Engine:
             self._last_seq = seq
             req.seq = seq
             req.batch = RowBatch(sessions, np.fromiter((s.slot for s in sessions), np.int32, len(sessions)),
-                                 waits, wait_ops, slot)
+                                 list(waits.values()), wait_ops, slot)
             self._sched.add(req)
             self._cv.notify()
 
@@ -1237,6 +1240,8 @@ class Engine:
         s.oldest_active()
         if not ok and r.speculative and s.pending.get(r.layer, (0, None))[1] == r.seq:
             del s.pending[r.layer]
+        if r.batch is not None:
+            _release_batch(r, time.monotonic())
 
     def _deliver(self, results: list) -> None:
         """Set ``(request, y, error)`` results on their futures; one wake-up per asyncio loop."""
@@ -1324,7 +1329,8 @@ class Engine:
     def _evict_locked(self, now: float) -> None:
         ttl = self.config.session_ttl_s
         for s in self._sessions:
-            if now - s.last_used > ttl and not s.ops and s.oldest_active() is None:
+            used = s.last_used if s.batch is None else max(s.last_used, s.batch.batch.done_at)
+            if now - used > ttl and not s.ops and s.oldest_active() is None:
                 self._sessions.remove(s, evicted=True)
                 self.pool.free(s.slot)
                 self._st["evicted"] += 1
@@ -1378,6 +1384,9 @@ class Engine:
                     "queue; the engine is overloaded, retry later")) for r in out.expired])
             if not out.empty:
                 self._step(out, t_sched)
+            elif not out.expired:             # everything queued waits on something (an op, a batch): no spin
+                with self._lock:
+                    self._cv.wait(0.001)
 
     def _step(self, out: SchedulerOutput, sched_ns: int = 0) -> None:
         t0 = time.perf_counter_ns()
@@ -1404,6 +1413,9 @@ class Engine:
             return
         self._deliver_step(out.finished, host_out, by_position)
         t3 = time.perf_counter_ns()
+        for db in out.decodes:
+            if db.cache_indices is None:
+                _release_batch(db.requests[0], time.monotonic())
         with self._lock:
             st = self._st
             host = sched_ns + (t_launch - t0) + (t3 - t_sync)
@@ -1559,7 +1571,8 @@ class Engine:
             bf.dec_idx_np[db.layer, :db.bucket] = db.cache_indices
         # ---- launch
         t_k0 = time.perf_counter_ns()
-        timed = cuda and out.step % self.config.gpu_timing_interval == 0
+        timed = cuda and self._n_exec % self.config.gpu_timing_interval == 0
+        self._n_exec += 1
         if timed:  # the stream given: record() without one looks it up through a chain of Python calls
             self._ev0.record(self._stream)
         if mixed is not None:
@@ -1678,6 +1691,15 @@ _FINISHED = _futures_base.FINISHED
 #: import, with Future.set_result as the fallback.
 _FAST_COMPLETE = all(hasattr(Future(), a) for a in ("_condition", "_state", "_result", "_waiters",
                                                      "_done_callbacks")) and hasattr(Future()._condition, "_waiters")
+
+
+def _release_batch(r: Request, now: float) -> None:
+    """A batch request that is done: its completion time (its sessions' last use) and nothing more held (what
+    it waited for, its sessions, its slot's y: the session keeps it as its latest batch)."""
+    b = r.batch
+    b.done_at = now
+    b.waits = b.wait_ops = b.sessions = ()
+    r.x = r.parts = None
 
 
 def _complete(f: Future, y) -> None:

@@ -24,11 +24,13 @@ Each request is ``(session, layer position, T tokens)``. Per step, within ``max_
   cut the rows per step of 16-64 closed-loop asyncio callers, whose submits arrive spread out.)
 * **Timeout.** A request that has not started after ``request_timeout_s`` is returned in ``expired`` (to fail).
 * **Batch requests.** A batch request (:class:`RowBatch`: one decode token for each of several sessions, on one
-  layer) is one request of ``rows`` rows: taken whole in pass 1, alone on its layer's decode launch, once the
-  requests and session ops of its sessions submitted before it are done (``waits``, ``wait_ops``); a session's
-  requests submitted after it wait until it is done (``Request.after``). Its caller did the batching, so a queued
-  batch request makes the step run at once (no delay window). The scheduler does one check per batch request,
-  not one per row.
+  layer) is one request of ``rows`` rows: taken whole in pass 1, alone on its layer's decode launch, once every
+  unfinished request and session op of its sessions submitted before it is done or withdrawn (``waits``,
+  ``wait_ops``); a session's requests submitted after it wait until it is done (``Request.after``). Its caller
+  did the batching, so a newly queued batch request makes the step run at once (no delay window). The scheduler
+  does one check per batch request, not one per row. Like the small requests after a waiting prefill, a batch
+  newer than a prefill met in pass 1 leaves that prefill its reserved row (a batch of ``max_batch_size`` rows
+  therefore waits for it).
 * **Session ops.** A session whose ``barrier`` is set (an export, fork, import or accept is waiting for the
   requests submitted before it) has its later requests held back.
 
@@ -72,7 +74,7 @@ class Request:
     done: bool = False           # finished, failed or cancelled (the engine's bookkeeping)
     stage: int = -1              # the engine's staging-arena ticket of x (-1: not staged); never read here
     batch: Any = None            # a batch request: its RowBatch (``session`` is then a placeholder); else None
-    after: Any = None            # a batch request this one must wait for (one of its session's), or None
+    after: Any = None            # the batch requests (of its session, submitted before it) it waits for, or None
 
 
 @dataclass(eq=False, slots=True)
@@ -82,9 +84,10 @@ class RowBatch:
 
     sessions: list               # the Session of each row, in row order (distinct)
     slots: Any                   # the engine's (rows,) int32 array of the rows' pool slots; never read here
-    waits: list                  # requests (of its sessions, submitted before it) that must be done first
-    wait_ops: list               # session ops posted before it that must have run first (``.future.done()``)
+    waits: list                  # every unfinished request of its sessions submitted before it: done first
+    wait_ops: list               # session ops posted before it: run (``.future.done()``) or withdrawn first
     buf: int = -1                # the engine's batch slot holding its x and y (-1: none); never read here
+    done_at: float = 0.0         # monotonic time it completed (the engine's; its sessions' last use)
 
 
 @dataclass(slots=True)
@@ -176,7 +179,7 @@ class Scheduler:
         self._waiting: list[Request] = []    # arrival order; cancelled entries are dropped lazily
         self._n = 0                          # live (not cancelled, not finished) waiting requests
         self._rows = 0                       # their rows (a batch request counts its rows)
-        self._batches = 0                    # live batch requests among them
+        self._new_batches = 0                # batch requests queued since the last schedule()
         self._tokens = 0                     # their remaining tokens
         self._step = 0
         self._ones = 0                       # one-row steps in a row (see the delay window)
@@ -195,17 +198,13 @@ class Scheduler:
             self._rows += 1
         else:
             self._rows += req.n_tokens
-            self._batches += 1
+            self._new_batches += 1
 
     def _forget(self, req: Request, tokens: int) -> None:
         """Counters for a request leaving the queue unfinished (``tokens`` of it still queued)."""
         self._n -= 1
         self._tokens -= tokens
-        if req.batch is None:
-            self._rows -= 1
-        else:
-            self._rows -= req.n_tokens
-            self._batches -= 1
+        self._rows -= 1 if req.batch is None else req.n_tokens
 
     def cancel(self, req: Request) -> bool:
         """Withdraw a request that has not started. Returns False (and does nothing) once it has."""
@@ -265,7 +264,7 @@ class Scheduler:
         if self._n == 0:
             return False
         if self._rows >= self.config.max_batch_size or self._tokens >= self.config.max_batch_tokens \
-                or self._batches:
+                or self._new_batches:
             return True
         if self._ones >= LONE_STEPS and self._n == 1:   # a lone caller: the window has been bringing nothing
             return True
@@ -283,6 +282,7 @@ class Scheduler:
         cfg = self.config
         step = self._step
         out = SchedulerOutput(step=step)
+        self._new_batches = 0
         self._step += 1
         max_rows, max_tokens, max_bucket = cfg.max_batch_size, cfg.max_batch_tokens, self._buckets[-1]
         oldest_ok = now - cfg.request_timeout_s     # arrivals before this have expired (if not started)
@@ -317,7 +317,7 @@ class Scheduler:
                     b = r.batch
                     if r.layer in decode or rows + reserved + n > max_rows or tokens + n > max_tokens or \
                             (b.waits and not all(w.done for w in b.waits)) or \
-                            (b.wait_ops and not all(op.future.done() for op in b.wait_ops)):
+                            (b.wait_ops and not all(op.cancelled or op.future.done() for op in b.wait_ops)):
                         continue
                     decode[r.layer] = r
                     rows += n
@@ -325,7 +325,6 @@ class Scheduler:
                     batch_rows += n - 1
                     r.scheduled_tokens = n
                     r.started = True
-                    self._batches -= 1
                     finished.append(r)
                     continue
                 s = r.session
@@ -340,7 +339,7 @@ class Scheduler:
                 layer = r.layer
                 bit = 1 << layer
                 if (s.sched_layers & bit) or (s.barrier is not None and r.seq > s.barrier) or \
-                        (r.after is not None and not r.after.done):
+                        (r.after is not None and not all(b.done for b in r.after)):
                     s.sched_block = 2
                     continue
                 if r.speculative:

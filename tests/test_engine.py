@@ -498,9 +498,14 @@ def test_idle_sessions_are_evicted_and_then_report_state_lost():
         old = e.create_session("old")
         keep = e.create_session("keep")
         deadline = time.monotonic() + 0.6
+        batched = e.create_session("batched")     # used through batch requests only: its last use is the
+        e.submit_batch([batched], LAYERS[1], torch.randn(1, DIM)).result(5)   # batch's completion
         while time.monotonic() < deadline:
             e.submit(keep, LAYERS[0], torch.randn(1, DIM)).result(5)
+            e.submit_batch([batched], LAYERS[1], torch.randn(1, DIM)).result(5)
             time.sleep(0.02)
+        e.export_state(batched)
+        e.delete_session(batched)
         with pytest.raises(StateLost):
             e.submit(old, LAYERS[0], torch.randn(1, DIM))
         with pytest.raises(StateLost):
@@ -672,7 +677,8 @@ def test_engine_config_from_settings_like_object():
 def test_staged_decodes_wrap_the_arena_and_fall_back_when_its_rows_are_held(rows):
     """Decode x is staged into a ring of rows at submit; a run of rows that wraps, rows still held by queued
     requests (those fall back to the per-row pack), and interleaved layers must all give the reference's y."""
-    e = make_engine(slots=12, max_queue_delay_us=20_000, max_batch_size=64, decode_buckets=(1, 2, 4, 8, 16))
+    # a long delay window: a round's submits all queue before its step, even on a loaded machine
+    e = make_engine(slots=12, max_queue_delay_us=100_000, max_batch_size=64, decode_buckets=(1, 2, 4, 8, 16))
     try:
         e._bufs.stage_rows = rows           # a tiny ring: wraps every few requests (views past it go unused)
         oracle = Oracle(e.model_cpu, e.state_dtype)
@@ -685,9 +691,9 @@ def test_staged_decodes_wrap_the_arena_and_fall_back_when_its_rows_are_held(rows
                 e.submit(s, LAYERS[p], x).result(5)
                 oracle.conv(s, p, x)
         staged = fallback = 0
-        for _ in range(12):
+        for i in range(12):
             batch = []
-            for s in rng.sample(sids, rng.randint(1, 10)):
+            for s in rng.sample(sids, 10 if i == 0 else rng.randint(1, 10)):   # the first round wraps the ring
                 p = rng.randrange(len(LAYERS))
                 x = torch.randn(1, DIM)
                 f = e.submit(s, LAYERS[p], x)
@@ -1018,4 +1024,100 @@ def test_steps_after_start_build_no_new_kernel_variant():
         assert not built, f"kernel variants built after start: {built}"
     finally:
         knobs.runtime.jit_post_compile_hook = prev
+        e.stop(drain=False)
+
+
+def _gate(e):
+    """Hold the worker inside its next step until the returned event is set (so requests queue behind it)."""
+    go, entered = threading.Event(), threading.Event()
+    real, first = e._execute, [True]
+
+    def held(out):
+        if first[0]:
+            first[0] = False
+            entered.set()
+            go.wait(10)
+        return real(out)
+
+    e._execute = held
+    return go, entered
+
+
+def test_a_batch_never_overtakes_a_request_before_it_whose_later_neighbour_was_withdrawn():
+    """Session A: a chunked prefill under way, then a request cancelled, then a batch holding A: the batch still
+    waits for the prefill (it waits for every unfinished request before it, not just the last)."""
+    e = make_engine(max_batch_tokens=16, max_batch_size=8, decode_buckets=(1, 2, 4, 8))
+    oracle = Oracle(e.model_cpu, e.state_dtype)
+    try:
+        e.create_session("A")
+        oracle.new("A")
+        go, entered = _gate(e)
+        xp, xb = torch.randn(64, DIM), torch.randn(1, DIM)
+        pre = e.submit("A", LAYERS[0], xp)
+        assert entered.wait(10)
+        assert e.submit("A", LAYERS[1], torch.randn(1, DIM)).cancel()
+        fut = e.submit_batch(["A"], LAYERS[0], xb)
+        go.set()
+        assert_close(pre.result(10), oracle.conv("A", 0, xp))
+        assert_close(fut.result(10), oracle.conv("A", 0, xb))
+        assert_close(e.export_state("A"), oracle.export("A"))
+    finally:
+        e.stop(drain=False)
+
+
+def test_a_request_waits_for_every_batch_of_its_session_before_it_even_when_a_later_one_was_withdrawn():
+    e = make_engine(max_batch_tokens=16, max_batch_size=8, decode_buckets=(1, 2, 4, 8))
+    oracle = Oracle(e.model_cpu, e.state_dtype)
+    try:
+        for s in "AB":
+            e.create_session(s)
+            oracle.new(s)
+        go, entered = _gate(e)
+        xp, x1, xr = torch.randn(64, DIM), torch.randn(2, DIM), torch.randn(1, DIM)
+        pre = e.submit("B", LAYERS[0], xp)                     # the first batch waits for B's prefill
+        assert entered.wait(10)
+        first = e.submit_batch(["A", "B"], LAYERS[0], x1)
+        assert e.submit_batch(["A"], LAYERS[1], torch.randn(1, DIM)).cancel()
+        later = e.submit("A", LAYERS[0], xr)
+        go.set()
+        oracle.conv("B", 0, xp)
+        want1 = torch.cat([oracle.conv("A", 0, x1[:1]), oracle.conv("B", 0, x1[1:])])
+        pre.result(10)
+        assert_close(first.result(10), want1)
+        assert_close(later.result(10), oracle.conv("A", 0, xr))
+    finally:
+        e.stop(drain=False)
+
+
+def test_a_batch_behind_a_timed_out_session_op_runs_and_the_worker_waits_without_spinning():
+    e = make_engine(max_batch_tokens=16, max_batch_size=8, decode_buckets=(1, 2, 4, 8), request_timeout_s=5.0)
+    calls = [0]
+    real = e._sched.schedule
+
+    def counting(now):
+        calls[0] += 1
+        return real(now)
+
+    e._sched.schedule = counting
+    try:
+        e.create_session("A")
+        go, entered = _gate(e)
+        pre = e.submit("A", LAYERS[0], torch.randn(64, DIM))
+        assert entered.wait(10)
+        e.config.request_timeout_s = 0.3                       # the export's wait only (the queue keeps 5 s)
+        errors = []
+        t = threading.Thread(target=lambda: errors.append(pytest.raises(RequestTimeout, e.export_state, "A")))
+        t.start()
+        deadline = time.monotonic() + 5
+        while not e._sessions.get("A").ops and time.monotonic() < deadline:
+            time.sleep(0.001)
+        fut = e.submit_batch(["A"], LAYERS[0], torch.randn(1, DIM))
+        t.join(10)
+        go.set()
+        pre.result(10)
+        c0 = calls[0]
+        assert fut.result(3).shape == (1, DIM)                 # the op is withdrawn: nothing left to wait for
+        assert calls[0] - c0 < 200, calls[0] - c0
+        assert errors
+    finally:
         e.stop(drain=False)

@@ -50,7 +50,7 @@ class Q:
         b = self.session(slot).batch
         r = self.add(slot, **kw)
         if b is not None and not b.done:
-            r.after = b
+            r.after = [b]
         return r
 
     def step(self, now=T0 + 1):
@@ -440,8 +440,9 @@ def test_bad_scheduler_config_is_rejected(kw):
 
 
 class _Op:
-    def __init__(self, done):
+    def __init__(self, done, cancelled=False):
         self.future = type("F", (), {"done": lambda _self: done})()
+        self.cancelled = cancelled
 
 
 @pytest.mark.parametrize("rows,buckets", [(1, (1, 4)), (3, (1, 4)), (4, (1, 4)), (5, (2, 8))])
@@ -497,7 +498,7 @@ def test_a_batch_request_has_its_layer_launch_to_itself():
 
 
 def test_a_batch_request_waits_for_its_sessions_earlier_requests_and_ops():
-    q = Q(max_batch_size=16, decode_buckets=(1, 2, 4, 8), max_batch_tokens=64)
+    q = Q(max_batch_size=16, decode_buckets=(1, 2, 4, 8), max_batch_tokens=64, max_queue_delay_us=10_000_000)
     pre = q.add(slot=1, t=5)
     b = q.add_batch([1, 2], layer=0, waits=[pre])
     out = q.step()
@@ -506,9 +507,13 @@ def test_a_batch_request_waits_for_its_sessions_earlier_requests_and_ops():
     pre.done = True
     assert q.step().finished == [b]
     b2 = q.add_batch([3], wait_ops=[_Op(False)])
+    assert q.s.ready(T0 + 1)                     # a new batch runs a step at once...
     assert q.step().finished == []
+    assert not q.s.ready(T0 + 0.5)               # ...but a blocked one does not keep the queue ready
     b2.batch.wait_ops = [_Op(True)]
     assert q.step().finished == [b2]
+    b3 = q.add_batch([4], wait_ops=[_Op(False, cancelled=True)])   # an op withdrawn (timed out) waits for nothing
+    assert q.step().finished == [b3]
 
 
 def test_requests_after_a_batch_request_wait_until_it_is_done_others_do_not():
