@@ -677,8 +677,7 @@ def test_engine_config_from_settings_like_object():
 def test_staged_decodes_wrap_the_arena_and_fall_back_when_its_rows_are_held(rows):
     """Decode x is staged into a ring of rows at submit; a run of rows that wraps, rows still held by queued
     requests (those fall back to the per-row pack), and interleaved layers must all give the reference's y."""
-    # a long delay window: a round's submits all queue before its step, even on a loaded machine
-    e = make_engine(slots=12, max_queue_delay_us=100_000, max_batch_size=64, decode_buckets=(1, 2, 4, 8, 16))
+    e = make_engine(slots=12, max_queue_delay_us=20_000, max_batch_size=64, decode_buckets=(1, 2, 4, 8, 16))
     try:
         e._bufs.stage_rows = rows           # a tiny ring: wraps every few requests (views past it go unused)
         oracle = Oracle(e.model_cpu, e.state_dtype)
@@ -690,9 +689,19 @@ def test_staged_decodes_wrap_the_arena_and_fall_back_when_its_rows_are_held(rows
                 x = torch.randn(2, DIM)
                 e.submit(s, LAYERS[p], x).result(5)
                 oracle.conv(s, p, x)
+        # each round is submitted while the worker is held (a lone caller's requests would otherwise run one
+        # at a time as they come, freeing their rows, on a machine where the submitter is the slower thread)
+        gate, real = threading.Event(), e._execute
+
+        def held(out):
+            gate.wait(10)
+            return real(out)
+
+        e._execute = held
         staged = fallback = 0
         for i in range(12):
             batch = []
+            gate.clear()
             for s in rng.sample(sids, 10 if i == 0 else rng.randint(1, 10)):   # the first round wraps the ring
                 p = rng.randrange(len(LAYERS))
                 x = torch.randn(1, DIM)
@@ -700,6 +709,7 @@ def test_staged_decodes_wrap_the_arena_and_fall_back_when_its_rows_are_held(rows
                 staged += f._req.stage >= 0
                 fallback += f._req.stage < 0
                 batch.append((f, oracle.conv(s, p, x)))
+            gate.set()
             for f, want in batch:
                 assert_close(f.result(5), want)
         assert staged and fallback
