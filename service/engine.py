@@ -257,14 +257,13 @@ class _OutputRing:
     def take(self, n: int) -> torch.Tensor:
         """A ``(>= n, dim)`` host tensor for one step's ``n`` result rows: a free ring buffer, else (every one
         still held by callers) a fresh ``(n, dim)`` tensor, as every step got before the ring."""
-        bufs, k = self._bufs, len(self._bufs)
+        k = len(self._bufs)
         if self._uses is not None:
             for j in range(k):
                 i = (self._next + j) % k
-                if sys.getrefcount(bufs[i]) == self._refs and sys.getrefcount(self._stores[i]) == self._store_refs \
-                        and _storage_use_count(bufs[i].untyped_storage()._cdata) == self._uses:
+                if not self.held(i):
                     self._next = (i + 1) % k
-                    return bufs[i]
+                    return self._bufs[i]
         self.fresh += 1
         return torch.empty((n, self._shape[1]), dtype=self._dtype, pin_memory=self._pin)
 
@@ -934,7 +933,8 @@ class Engine:
 
     # ------------------------------------------------------------------ conv requests
 
-    def _check_x(self, x, speculative, rows: str = "T") -> torch.Tensor:
+    def _check_x(self, x, speculative, rows: str = "T") -> tuple:
+        """``(x as the model's contiguous CPU tensor, the dtype y is cast to or None)``, or the request's error."""
         m, cfg = self.model_cpu, self.config
         if not isinstance(x, torch.Tensor):
             raise BadRequest(f"x: expected a tensor of shape ({rows}, dim={m.dim}), got {type(x).__name__}")
@@ -948,21 +948,19 @@ class Engine:
                                 f"tokens, got T={x.shape[0]}")
         if cfg.check_finite and not all_finite(x):
             raise NonFinite("x: contains NaN or Inf; it would poison the session's state")
+        x_dtype = None if x.dtype is m.dtype else x.dtype   # y needs no cast: settled here, not in the delivery
         if x.device.type != "cpu":
             x = x.to("cpu")
         if x.dtype != m.dtype:
             x = x.to(m.dtype)
-        return x.contiguous()
+        return x.contiguous(), x_dtype
 
     def _submit(self, session_id: str, layer: int, x: torch.Tensor, speculative: bool, sink) -> Request:
         self._sessions.get(session_id)            # cheap early 404/410, checked again under the lock
         p = self.model_cpu.position(layer)
         if not isinstance(speculative, bool):
             raise BadRequest(f"speculative: expected a boolean, got {speculative!r}")
-        x_dtype = x.dtype if isinstance(x, torch.Tensor) else None
-        if x_dtype is self.model_cpu.dtype:
-            x_dtype = None              # y needs no cast: settled here, not per request in the step's delivery
-        xm = self._check_x(x, speculative)
+        xm, x_dtype = self._check_x(x, speculative)
         now = time.monotonic()
         req = Request(-1, None, p, xm.shape[0], speculative, now, xm, sink, x_dtype)
         if req.n_tokens == 1 and not speculative and self._stage_owner:   # a decode (or a one-token prefill)
@@ -1122,10 +1120,7 @@ class Engine:
                 seen.add(sid)
             raise BadRequest(f"sessions: session {dup!r:.80} appears twice; a batch holds one token per session")
         p = self.model_cpu.position(layer)
-        x_dtype = x.dtype if isinstance(x, torch.Tensor) else None
-        if x_dtype is self.model_cpu.dtype:
-            x_dtype = None
-        xm = self._check_x(x, False, rows="rows")
+        xm, x_dtype = self._check_x(x, False, rows="rows")
         if xm.shape[0] != n:
             raise ShapeMismatch(f"x: expected one row per session, shape ({n}, {self.model_cpu.dim}), got "
                                 f"{tuple(xm.shape)}")
@@ -1553,26 +1548,27 @@ class Engine:
                 bucket = self.config.decode_buckets[k]
                 mixed = (self._pack_mixed(decodes, n, bucket), bucket)
         n_slot = 0                                   # rows of batch requests in batch slots (y not in host_out)
+        slot_of = []                                 # per decode batch (one launch per layer): its batch slot, or -1
         for db in decodes if mixed is None else ():
             n = db.rows
-            if db.cache_indices is None:             # a batch request: x in its batch slot, staged as one run,
-                r = db.requests[0]                   # or its own tensor
-                k = r.batch.buf
-                if k >= 0:
-                    idx = bf.slot_idx_np[k]
-                    idx[:n] = r.batch.slots
-                    idx[n:db.bucket] = PAD_SLOT_ID
-                    n_slot += n
-                    continue
+            if db.cache_indices is not None:
+                slot_of.append(-1)
+                self._stage_x(db.requests, [r.stage for r in db.requests], bf.h_dec_x[db.layer, :n],
+                              bf.d_dec_x[db.layer, :n])
+                bf.dec_idx_np[db.layer, :db.bucket] = db.cache_indices
+                continue
+            r = db.requests[0]                       # a batch request: x in its batch slot (copied at submit),
+            k = r.batch.buf                          # staged as one run of the arena, or its own tensor
+            slot_of.append(k)
+            if k >= 0:
+                idx = bf.slot_idx_np[k]
+                n_slot += n
+            else:
                 src = r.x if r.stage >= 0 or not cuda else bf.h_dec_x[db.layer, :n].copy_(r.x)
                 bf.d_dec_x[db.layer, :n].copy_(src, non_blocking=cuda)
                 idx = bf.dec_idx_np[db.layer]
-                idx[:n] = r.batch.slots
-                idx[n:db.bucket] = PAD_SLOT_ID
-                continue
-            self._stage_x(db.requests, [r.stage for r in db.requests], bf.h_dec_x[db.layer, :n],
-                          bf.d_dec_x[db.layer, :n])
-            bf.dec_idx_np[db.layer, :db.bucket] = db.cache_indices
+            idx[:n] = r.batch.slots
+            idx[n:db.bucket] = PAD_SLOT_ID
         # ---- launch
         t_k0 = time.perf_counter_ns()
         timed = cuda and self._n_exec % self.config.gpu_timing_interval == 0
@@ -1582,9 +1578,9 @@ class Engine:
         if mixed is not None:
             self._decode.run(DecodeLaunchers.MIXED, mixed[1])
         else:
-            for db in decodes:
-                if n_slot and db.cache_indices is None and db.requests[0].batch.buf >= 0:
-                    self._decode.run_slot(db.requests[0].batch.buf, db.layer, db.bucket)
+            for db, k in zip(decodes, slot_of):
+                if k >= 0:
+                    self._decode.run_slot(k, db.layer, db.bucket)
                 else:
                     self._decode.run(db.layer, db.bucket)
         k = 0                                        # this batch's entry of offs
@@ -1626,12 +1622,11 @@ class Engine:
         if mixed is not None:
             host_out[:n_dec].copy_(bf.d_mix_out[:n_dec], non_blocking=cuda)
         a = 0
-        for db in decodes if mixed is None else ():
-            n = db.rows
-            if n_slot and db.cache_indices is None and db.requests[0].batch.buf >= 0:
-                continue
-            host_out[a:a + n].copy_(bf.d_dec_out[db.layer, :n], non_blocking=cuda)
-            a += n
+        for db, k in zip(decodes, slot_of):
+            if k < 0:
+                n = db.rows
+                host_out[a:a + n].copy_(bf.d_dec_out[db.layer, :n], non_blocking=cuda)
+                a += n
         if n_packed:
             host_out[n_dec:n_out].copy_(bf.d_out[:n_packed], non_blocking=cuda)
         t_launch = time.perf_counter_ns()
@@ -1652,18 +1647,14 @@ class Engine:
                     r.parts = a
                     a += 1
             else:
-                for db in decodes:
-                    if db.cache_indices is None:   # a batch request: its rows in host_out, or its slot's y
+                for db, k in zip(decodes, slot_of):
+                    if k >= 0:                     # a batch request in a batch slot: y is the slot's
                         r = db.requests[0]
-                        if r.batch.buf >= 0:
-                            r.parts = bf.slot_y.buf(r.batch.buf)[:r.n_tokens]
-                        else:
-                            r.parts = a
-                            a += r.n_tokens
+                        r.parts = bf.slot_y.buf(k)[:r.n_tokens]
                         continue
-                    for r in db.requests:
+                    for r in db.requests:          # a batch request's rows in host_out, or single decodes
                         r.parts = a
-                        a += 1
+                        a += r.n_tokens
             for pb in out.prefills:
                 qsl, off = pb.query_start_loc, n_dec + pb.token_offset
                 for i, r in enumerate(pb.requests):
