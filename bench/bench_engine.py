@@ -44,9 +44,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from clients.loadtest.stats import percentile  # noqa: E402
-from service.engine import Engine, EngineConfig  # noqa: E402
-from service.model import ConvModel  # noqa: E402
+from convserve.clients.loadtest.stats import percentile  # noqa: E402
+from convserve.service.engine import Engine, EngineConfig  # noqa: E402
+from convserve.service.model import ConvModel  # noqa: E402
 
 
 def _pct(xs, q):

@@ -120,8 +120,8 @@ def prefill_inputs(T, dim, layout, width=4, gen=None):
 
 
 def run_prefill_case(T, dim, layout, peers, width=4, extra=True):
-    from kernels import causal_conv1d_fn, causal_conv1d_ref
-    from kernels.graphs import PrefillGraph
+    from convserve.kernels import causal_conv1d_fn, causal_conv1d_ref
+    from convserve.kernels.graphs import PrefillGraph
     x, w, b, st = prefill_inputs(T, dim, layout, width)
     qsl = torch.tensor([0, T], dtype=torch.int32, device="cuda")
     idx = torch.zeros(1, dtype=torch.int32, device="cuda")
@@ -172,7 +172,7 @@ def run_prefill_case(T, dim, layout, peers, width=4, extra=True):
 
 
 def run_varlen_case(dim, layout, n_seq=64, total=16384, seed=0):
-    from kernels import causal_conv1d_fn, causal_conv1d_ref
+    from convserve.kernels import causal_conv1d_fn, causal_conv1d_ref
     rng = random.Random(seed)
     cuts = sorted(rng.sample(range(1, total), n_seq - 1))
     lens = [b - a for a, b in zip([0] + cuts, cuts + [total])]
@@ -203,8 +203,8 @@ def run_varlen_case(dim, layout, n_seq=64, total=16384, seed=0):
 
 
 def run_decode_case(batch, dim, peers, seqlen=1, spec=False, extra=True):
-    from kernels import causal_conv1d_update, causal_conv1d_update_ref
-    from kernels.graphs import DecodeGraph
+    from convserve.kernels import causal_conv1d_update, causal_conv1d_update_ref
+    from convserve.kernels.graphs import DecodeGraph
     width = 4
     x = torch.randn(batch, dim, seqlen, device="cuda", dtype=torch.bfloat16)
     if seqlen == 1:
@@ -265,7 +265,7 @@ def run_decode_case(batch, dim, peers, seqlen=1, spec=False, extra=True):
 # ----------------------------------------------------------------------------------------------- variants
 def run_variants(family="all"):
     """Time tile variants on card shapes, decode and verify; prints one line per variant."""
-    from kernels import _launch, decode, prefill
+    from convserve.kernels import _launch, decode, prefill
     rows = []
     base = {k: dict(v) for k, v in _launch.TUNING.items()}
     pre = [("prefill_flat", dict(groups=g, min_groups=128, groups_per_thread=gpt, num_warps=nw, tiles_per_row=tpr,

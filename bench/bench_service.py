@@ -46,9 +46,9 @@ sys.path.insert(0, str(ROOT))
 import msgpack  # noqa: E402
 import torch  # noqa: E402
 
-from clients import wire  # noqa: E402
-from clients.loadtest.cli import _run_loop as _run_on_loop  # noqa: E402
-from clients.loadtest.stats import percentile  # noqa: E402
+from convserve.clients.protocol import wire  # noqa: E402
+from convserve.clients.loadtest.cli import _run_loop as _run_on_loop  # noqa: E402
+from convserve.clients.loadtest.stats import percentile  # noqa: E402
 
 LEGS = ("inproc", "unary", "stream", "batch", "echo")
 _LEN = struct.Struct("<I")
@@ -151,7 +151,7 @@ class Proc:
 
 
 def start_server(args) -> Proc:
-    cmd = [sys.executable, "-m", "service", "serve", "--host", "127.0.0.1", "--port", "0", "--device", args.device,
+    cmd = [sys.executable, "-m", "convserve.service", "serve", "--host", "127.0.0.1", "--port", "0", "--device", args.device,
            "--slots", str(args.slots), *args.server_arg]
     srv = Proc(cmd, env={"OMP_NUM_THREADS": "1"} if args.device == "cpu" else None, cpus=args.server_cpus)
     import httpx
@@ -314,8 +314,8 @@ async def leg_inproc(args, engine, model, conc: int) -> dict:
 
 
 async def leg_http(args, url: str, info: dict, conc: int, kind: str) -> dict:
-    from clients.client import AsyncConvClient
-    from clients.loadtest.runner import auto_connections, make_transport
+    from convserve.clients.client import AsyncConvClient
+    from convserve.clients.loadtest.runner import auto_connections, make_transport
 
     layers = list(info["layers"])
     dtype = getattr(torch, info["dtype"])
@@ -343,7 +343,7 @@ async def leg_http(args, url: str, info: dict, conc: int, kind: str) -> dict:
 
 async def leg_batch(args, url: str, info: dict, conc: int) -> dict:
     """Decode steps of ``conc`` sessions as one batch request per layer (the layers' batches in flight together)."""
-    from clients.client import AsyncConvClient
+    from convserve.clients.client import AsyncConvClient
 
     layers = list(info["layers"])
     dtype = getattr(torch, info["dtype"])
@@ -375,7 +375,7 @@ async def leg_batch(args, url: str, info: dict, conc: int) -> dict:
 
 
 async def leg_echo(args, port: int, info: dict, conc: int) -> dict:
-    from clients.loadtest.runner import auto_connections
+    from convserve.clients.loadtest.runner import auto_connections
 
     layers = list(info["layers"])
     conns = auto_connections("stream", conc, len(layers), args.inflight)
@@ -423,8 +423,8 @@ def main(argv=None) -> int:
     if args.client_cpus:
         os.sched_setaffinity(0, {int(c) for c in args.client_cpus.split(",")})
 
-    from service.cli import build_engine
-    from service.config import load_settings
+    from convserve.service.cli import build_engine
+    from convserve.service.config import load_settings
 
     settings = load_settings({"device": args.device, "slots": args.slots})
     results: dict = {leg: {} for leg in legs}

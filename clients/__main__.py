@@ -1,8 +1,8 @@
-"""``python -m clients``: a small CLI against a running convserve.
+"""``python -m convserve.clients``: a small CLI against a running convserve.
 
-    python -m clients health                 # /healthz and /readyz
-    python -m clients model                  # GET /v1/model
-    python -m clients conv --tokens 16       # one conv on a fresh session, with random x
+    python -m convserve.clients health                 # /healthz and /readyz
+    python -m convserve.clients model                  # GET /v1/model
+    python -m convserve.clients conv --tokens 16       # one conv on a fresh session, with random x
 
 ``--url`` (or ``CONVSERVE_URL``, default http://127.0.0.1:8000) and ``--api-key`` (or ``CONVSERVE_API_KEY``).
 Exit status: 0 on success, 1 when the server answers an error or is not ready, 2 when it cannot be reached.
@@ -17,12 +17,14 @@ import time
 from typing import Optional, Sequence
 
 import httpx
+import numpy as np
 
-from clients.client import ConvClient, ConvServeError
+from convserve.clients.client import ConvClient, ConvServeError
+from convserve.clients.protocol.wire import numpy_dtype
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m clients", description="Talk to a running convserve.")
+    p = argparse.ArgumentParser(prog="python -m convserve.clients", description="Talk to a running convserve.")
     p.add_argument("--url", default=None, help="server URL [env CONVSERVE_URL; default http://127.0.0.1:8000]")
     p.add_argument("--api-key", default=None, help="API key [env CONVSERVE_API_KEY]")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds per request")
@@ -39,24 +41,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _random_x(tokens: int, dim: int, dtype: str, seed: int):
-    if dtype == "bfloat16":
-        import torch
-
-        g = torch.Generator().manual_seed(seed)
-        return torch.randn(tokens, dim, generator=g).to(torch.bfloat16)
-    import numpy as np
-
-    return np.random.default_rng(seed).standard_normal((tokens, dim)).astype(dtype)
+    return np.random.default_rng(seed).standard_normal((tokens, dim), dtype=np.float32).astype(numpy_dtype(dtype))
 
 
 def _summary(y) -> dict:
-    if hasattr(y, "float"):  # torch
-        f = y.float()
-        return {"shape": list(y.shape), "dtype": str(y.dtype).removeprefix("torch."),
-                "mean": float(f.mean()), "std": float(f.std()) if f.numel() > 1 else 0.0,
-                "first": [round(float(v), 6) for v in f.reshape(-1)[:4]]}
-    import numpy as np
-
     f = np.asarray(y, dtype=np.float32)
     return {"shape": list(y.shape), "dtype": str(y.dtype), "mean": float(f.mean()), "std": float(f.std()),
             "first": [round(float(v), 6) for v in f.reshape(-1)[:4]]}

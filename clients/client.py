@@ -8,7 +8,7 @@ tensors or asks for them, so a numpy-only frontend needs no torch at all.
 HTTP/1.1 pool (:class:`_H1Pool`), whose cost per request does not grow with the number of connections the way
 httpx's pool does; streams, https, proxies and custom transports use httpx.
 
-Every error answer raises the :mod:`service.errors` class of its code (``UnknownSession``, ``QueueFull``...),
+Every error answer raises the :mod:`convserve.clients.protocol.errors` class of its code (``UnknownSession``, ``QueueFull``...),
 all subclasses of :class:`ConvServeError`, carrying ``.status``, ``.code``, ``.message`` and ``.retry_after``.
 Network failures raise httpx's (or websockets') own exceptions.
 
@@ -32,13 +32,9 @@ from typing import Any, AsyncIterable, Iterable, Iterator, Optional, Sequence, U
 
 import httpx
 
-from clients import wire
-from service.errors import ALL_ERRORS, ServiceError
-
-ConvServeError = ServiceError
-"""Base class of every error the service answers with (``service.errors.ServiceError``)."""
-
-_BY_CODE = {cls.code: cls for cls in ALL_ERRORS}
+from convserve.clients.protocol import wire
+from convserve.clients.protocol.errors import BY_CODE as _BY_CODE
+from convserve.clients.protocol.errors import ConvServeError, ServiceError
 _HEADERS = {"content-type": wire.MEDIA_TYPE, "accept": wire.MEDIA_TYPE}
 DEFAULT_URL = "http://127.0.0.1:8000"
 #: Largest message the client decodes (a response tensor of 8192 tokens x 8192 channels of float32 fits).

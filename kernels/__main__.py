@@ -1,4 +1,4 @@
-"""``python -m kernels``: check the Triton kernels against the float64 reference and print a table.
+"""``python -m convserve.kernels``: check the Triton kernels against the float64 reference and print a table.
 
 Runs on the GPU when there is one, else in Triton's interpreter on CPU (small shapes). Exit status 1 when any
 case is off. Inputs are random with a fixed seed (``--seed``).
@@ -58,7 +58,7 @@ def _decode_case(dev, gen, dim, batch, seqlen, width, dtype):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kernels", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m convserve.kernels", description=__doc__.splitlines()[0])
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     dev = "cuda" if torch.cuda.is_available() else "cpu"

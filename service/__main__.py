@@ -1,7 +1,7 @@
-"""``python -m service serve ...``: the same as the ``convserve`` console script."""
+"""``python -m convserve.service serve ...``: the same as the ``convserve`` console script."""
 
 import sys
 
-from service.cli import main
+from convserve.service.cli import main
 
 sys.exit(main())

@@ -18,7 +18,6 @@ import collections
 import hmac
 import logging
 import math
-import re
 import time
 from contextlib import asynccontextmanager
 from typing import Any, Callable, Optional
@@ -29,18 +28,18 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route, WebSocketRoute
 
-from clients import wire
-from service.errors import (BadRequest, DtypeUnsupported, Internal, NotReady, PayloadTooLarge, ServiceError,
+from convserve.clients.protocol import wire
+from convserve.clients.protocol.ids import check_session_id
+from convserve.clients.protocol.errors import (BadRequest, DtypeUnsupported, Internal, NotReady, PayloadTooLarge, ServiceError,
                             ShapeMismatch, Unauthorized, UnknownLayer)
-from service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from service.metrics import Metrics
+from convserve.service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from convserve.service.metrics import Metrics
 
 log = logging.getLogger("convserve.app")
 access_log = logging.getLogger("convserve.access")
 
 MSGPACK_CT = wire.MEDIA_TYPE.encode()
 JSON_CT = b"application/json"
-_SESSION_ID_RE = re.compile(r"^[A-Za-z0-9._~:-]{1,128}$")
 #: Retry-After (seconds) for retryable errors that did not say how long to wait.
 DEFAULT_RETRY_AFTER = 1.0
 _ERROR_SCOPE_KEY = "convserve.error"
@@ -281,9 +280,7 @@ class Service:
         sid = body.get("session")
         if sid is None:
             return None
-        if type(sid) is not str or not _SESSION_ID_RE.match(sid):
-            raise BadRequest(f"'{what}' must be 1-128 characters of A-Z a-z 0-9 . _ ~ : -, got {sid!r}")
-        return sid
+        return check_session_id(sid, what)
 
     async def wait_result(self, fut, receive):
         """Await an engine future; if the client disconnects first, withdraw the request.

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from service.config import ConfigError, Settings, load_settings
+from convserve.service.config import ConfigError, Settings, load_settings
 
 log = logging.getLogger("convserve.cli")
 
@@ -59,8 +59,8 @@ def build_engine(settings: Settings):
     """The model and the (not yet started) engine the settings describe."""
     import torch
 
-    from service.engine import Engine, EngineConfig
-    from service.model import ConvModel
+    from convserve.service.engine import Engine, EngineConfig
+    from convserve.service.model import ConvModel
 
     device = settings.resolved_device()
     dtype = getattr(torch, settings.dtype) if settings.dtype else None
@@ -126,8 +126,8 @@ class Server:
 def serve(settings: Settings) -> int:
     import uvicorn
 
-    from service import logs
-    from service.app import create_app
+    from convserve.service import logs
+    from convserve.service.app import create_app
 
     logs.configure(settings.log_level)
     sys.setswitchinterval(settings.gil_switch_interval_us * 1e-6)

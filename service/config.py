@@ -19,7 +19,6 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
-DTYPES = ("bfloat16", "float16", "float32")
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 

@@ -64,13 +64,15 @@ from typing import Any, Callable, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from state_pool import ConvStatePool, auto_slots
-from state_pool import PoolExhausted as PoolFull
+from convserve.state_pool import ConvStatePool, auto_slots
+from convserve.state_pool import PoolExhausted as PoolFull
 
-from .errors import (BadRequest, DtypeUnsupported, Internal, NonFinite, NotReady, PoolExhausted, QueueFull,
+from convserve.clients.protocol.errors import (BadRequest, DtypeUnsupported, Internal, NonFinite, NotReady, PoolExhausted, QueueFull,
                      RequestTimeout, ServiceError, ShapeMismatch, UnknownSession)
 from .model import DTYPE_NAMES, MODEL_DTYPES, ConvModel
-from .scheduler import PAD_SLOT_ID, Request, RowBatch, Scheduler, SchedulerConfig, SchedulerOutput
+from convserve.kernels import PAD_SLOT_ID
+
+from .scheduler import Request, RowBatch, Scheduler, SchedulerConfig, SchedulerOutput
 from .sessions import Session, SessionTable
 
 # Exponent bits of each float dtype, seen through an integer view: all ones means NaN or Inf.
@@ -547,14 +549,14 @@ class Engine:
                               cfg.max_spec_tokens, dev)
         self._stage_owner = [None] * self._bufs.stage_rows
         if cuda:
-            from kernels import causal_conv1d_fn, causal_conv1d_update
+            from convserve.kernels import causal_conv1d_fn, causal_conv1d_update
 
             self._stream = torch.cuda.Stream(dev)
             self._ev0 = torch.cuda.Event(enable_timing=True)
             self._ev1 = torch.cuda.Event(enable_timing=True)
         else:
-            from kernels.reference import causal_conv1d_ref as causal_conv1d_fn
-            from kernels.reference import causal_conv1d_update_ref as causal_conv1d_update
+            from convserve.kernels.reference import causal_conv1d_ref as causal_conv1d_fn
+            from convserve.kernels.reference import causal_conv1d_update_ref as causal_conv1d_update
 
             self._stream = None
         self._prefill_fn, self._update_fn = causal_conv1d_fn, causal_conv1d_update

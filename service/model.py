@@ -1,27 +1,27 @@
 """Conv weights of a model: per conv layer a ``weight (dim, width)`` and an optional ``bias (dim,)``.
 
 Callers address layers by the model's own layer index (``layers.<i>.`` in checkpoint keys). Hybrid models have
-conv in only some layers; asking for a layer without conv raises :class:`service.errors.UnknownLayer`.
+conv in only some layers; asking for a layer without conv raises
+:class:`convserve.clients.protocol.errors.UnknownLayer`.
 Internally each conv layer also has a *position* ``0..n-1`` in ascending model order: the index of its state in
 the state pool and of its weights in :attr:`ConvModel.weight`.
 """
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
 import torch
 
-from .errors import UnknownLayer
+from convserve.clients.protocol.errors import UnknownLayer
+from convserve.clients.protocol.weights import conv_layer_keys
+from convserve.clients.protocol.wire import DTYPE_NAMES as WIRE_DTYPES
 
-MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+#: torch dtype -> its wire name, for every dtype the protocol carries (``protocol.wire.DTYPE_NAMES``).
+DTYPE_NAMES = {getattr(torch, name): name for name in WIRE_DTYPES}
+MODEL_DTYPES = tuple(DTYPE_NAMES)
 
-#: ``...layers.<i>.<anything>conv1d.weight``: Mamba/Mamba2/Nemotron-H ``backbone.layers.<i>.mixer.conv1d``,
-#: Qwen3-Next ``model.layers.<i>.linear_attn.conv1d``, and the like.
-_KEY_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:.*\.)?conv1d\.weight$")
 
 
 class ConvModel:
@@ -143,18 +143,8 @@ class ConvModel:
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"weights: {path} is not a file")
-        found: dict[int, tuple[str, Optional[str]]] = {}
         with safe_open(str(path), framework="pt") as f:
-            keys = set(f.keys())
-            for key in sorted(keys):
-                m = _KEY_RE.search(key)
-                if m is None:
-                    continue
-                layer = int(m.group(1))
-                if layer in found:
-                    raise ValueError(f"weights: two conv1d weights for layer {layer}: {found[layer][0]} and {key}")
-                bkey = key[: -len("weight")] + "bias"
-                found[layer] = (key, bkey if bkey in keys else None)
+            found = conv_layer_keys(f.keys())
             if not found:
                 raise ValueError(f"weights: {path} has no key matching 'layers.<i>.…conv1d.weight'")
             layers = sorted(found)

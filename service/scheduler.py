@@ -45,8 +45,7 @@ import operator
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-#: The pad row marker of the kernels (``kernels.PAD_SLOT_ID``); a pad row's output is zero and it touches no state.
-PAD_SLOT_ID = -1
+from convserve.kernels import PAD_SLOT_ID
 
 DECODE, VERIFY = "decode", "verify"   # the small kinds of pass 1 (anything else is a prefill)
 

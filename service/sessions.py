@@ -8,14 +8,12 @@ with its lock.
 
 from __future__ import annotations
 
-import uuid
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .errors import BadRequest, SessionExists, StateLost, UnknownSession
-
-MAX_SESSION_ID_LEN = 256
+from convserve.clients.protocol.errors import SessionExists, StateLost, UnknownSession
+from convserve.clients.protocol.ids import check_session_id, new_session_id
 
 
 @dataclass(eq=False, slots=True)
@@ -71,16 +69,8 @@ class SessionTable:
     def __iter__(self):
         return iter(list(self._live.values()))
 
-    @staticmethod
-    def check_id(session_id) -> str:
-        if not isinstance(session_id, str) or not session_id or len(session_id) > MAX_SESSION_ID_LEN:
-            raise BadRequest(f"session: expected a non-empty string of at most {MAX_SESSION_ID_LEN} characters, "
-                             f"got {session_id!r:.80}")
-        return session_id
-
-    @staticmethod
-    def new_id() -> str:
-        return uuid.uuid4().hex
+    check_id = staticmethod(check_session_id)
+    new_id = staticmethod(new_session_id)
 
     def get(self, session_id) -> Session:
         """The live session, or :class:`StateLost` (evicted) / :class:`UnknownSession` (anything else)."""

@@ -20,7 +20,7 @@ from typing import Optional
 import httpx
 import torch
 
-from kernels.reference import causal_conv1d_ref
+from convserve.kernels.reference import causal_conv1d_ref
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,7 +31,7 @@ class LiveServer:
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("CONVSERVE_")}
         full_env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
         full_env.update(env or {})
-        cmd = [sys.executable, "-m", "service", "serve", "--host", "127.0.0.1", "--port", "0", "--device", "cpu",
+        cmd = [sys.executable, "-m", "convserve.service", "serve", "--host", "127.0.0.1", "--port", "0", "--device", "cpu",
                *self.args]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from service.engine import all_finite
+from convserve.service.engine import all_finite
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 SPECIALS = [float("nan"), float("inf"), -float("inf")]

@@ -1,4 +1,4 @@
-"""The client library (ConvClient, AsyncConvClient, ``python -m clients``) against a live server with an API key."""
+"""The client library (ConvClient, AsyncConvClient, ``python -m convserve.clients``) against a live server with an API key."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from clients.client import AsyncConvClient, ConvClient, ConvRequest, ConvServeError, SessionState
-from service.errors import BadRequest, PoolExhausted, SessionExists, ShapeMismatch, Unauthorized, UnknownSession
-from service.model import ConvModel
+from convserve.clients.client import AsyncConvClient, ConvClient, ConvRequest, ConvServeError, SessionState
+from convserve.clients.protocol.errors import BadRequest, PoolExhausted, SessionExists, ShapeMismatch, Unauthorized, UnknownSession
+from convserve.service.model import ConvModel
 from tests.live import ROOT, LiveServer, Reference
 
 LAYERS, DIM = [1, 3], 24
@@ -283,7 +283,7 @@ def _cli(server, *args, key=KEY):
     env["CONVSERVE_URL"] = server.url if server else "http://127.0.0.1:9"
     if key:
         env["CONVSERVE_API_KEY"] = key
-    return subprocess.run([sys.executable, "-m", "clients", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "convserve.clients", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=60)
 
 

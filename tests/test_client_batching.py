@@ -18,7 +18,7 @@ import httpx
 import pytest
 import torch
 
-from clients.client import AsyncConvClient
+from convserve.clients.client import AsyncConvClient
 from tests.live import LiveServer
 
 LAYERS, DIM = [0, 1, 2, 3], 256
@@ -83,8 +83,8 @@ def test_concurrent_unary_decodes_are_batched(server):
 def test_lean_pool_drops_connections_the_server_closed_and_reads_chunked_answers():
     """AsyncConvClient's keep-alive pool: an idle connection the server closed (keep-alive timeout) is not reused;
     chunked and content-length answers both parse; an error answer raises the service error of its code."""
-    from clients import wire
-    from service.errors import UnknownSession
+    from convserve.clients.protocol import wire
+    from convserve.clients.protocol.errors import UnknownSession
 
     ok = wire.packb({"session": "s1"})
     err = wire.packb({"error": {"code": "unknown_session", "message": "no such session"}})

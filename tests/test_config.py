@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from service.cli import main as cli_main
-from service.config import ConfigError, Settings, load_settings
+from convserve.service.cli import main as cli_main
+from convserve.service.config import ConfigError, Settings, load_settings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -106,7 +106,7 @@ def test_every_setting_is_a_flag_and_an_env_var(capsys):
 
 
 def test_cli_exits_2_with_a_message_on_bad_config():
-    r = subprocess.run([sys.executable, "-m", "service", "serve", "--port", "x"], cwd=ROOT, capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "convserve.service", "serve", "--port", "x"], cwd=ROOT, capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 2
     assert "--port / CONVSERVE_PORT" in r.stderr
@@ -119,7 +119,7 @@ def test_print_config_hides_the_api_key(capsys):
 
 
 def test_serve_sets_the_gil_switch_interval_before_building_the_engine(monkeypatch):
-    from service import cli
+    from convserve.service import cli
 
     def no_model(settings):
         raise ConfigError("stop here")

@@ -13,11 +13,11 @@ import types
 import pytest
 import torch
 
-from kernels.reference import causal_conv1d_ref, causal_conv1d_update_ref
-from service.engine import Engine, EngineConfig
-from service.errors import (BadRequest, DtypeUnsupported, NonFinite, NotReady, PoolExhausted, QueueFull,
+from convserve.kernels.reference import causal_conv1d_ref, causal_conv1d_update_ref
+from convserve.service.engine import Engine, EngineConfig
+from convserve.clients.protocol.errors import (BadRequest, DtypeUnsupported, NonFinite, NotReady, PoolExhausted, QueueFull,
                             RequestTimeout, SessionExists, ShapeMismatch, StateLost, UnknownLayer, UnknownSession)
-from service.model import ConvModel
+from convserve.service.model import ConvModel
 from tests.conftest import HAS_CUDA
 from tests.tolerance import assert_close
 
@@ -787,7 +787,7 @@ def test_results_kept_by_callers_are_never_overwritten():
 def test_output_ring_hands_out_a_buffer_again_only_when_nothing_refers_to_it():
     """The ring on its own: each way of keeping a result (the tensor, a view, a numpy array over it, only the
     view's storage) keeps its buffer out of the ring; a buffer comes back once it is let go."""
-    from service.engine import _OutputRing
+    from convserve.service.engine import _OutputRing
     ring = _OutputRing(2, 4, 8, torch.float32, False)
 
     def hold(kind, buf):
@@ -962,7 +962,7 @@ def test_batches_take_a_free_batch_slot_else_the_arena_else_their_own_tensor():
     one is free; a slot stays taken while a caller still holds the y it returned. With every slot held, batches
     go through the staging arena as one run (starting at row 0 when the run would wrap); with the arena held
     too, the step copies the batch's own x. Every path gives the reference's y."""
-    from service.engine import BATCH_SLOTS
+    from convserve.service.engine import BATCH_SLOTS
 
     e = make_engine(slots=12, max_queue_delay_us=0, max_batch_size=8, decode_buckets=(1, 2, 4, 8))
     oracle = Oracle(e.model_cpu, e.state_dtype)

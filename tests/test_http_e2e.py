@@ -20,8 +20,8 @@ import pytest
 import torch
 from websockets.sync.client import connect as ws_connect
 
-from clients import wire
-from service.model import ConvModel
+from convserve.clients.protocol import wire
+from convserve.service.model import ConvModel
 from tests.live import LiveServer, Reference
 
 LAYERS = [0, 2, 5]
@@ -667,9 +667,9 @@ def test_idle_session_is_evicted_after_its_ttl_with_410_state_lost(limits_server
 def test_not_ready_before_the_engine_starts_is_503_everywhere_but_healthz():
     import uvicorn
 
-    from service.cli import build_engine
-    from service.config import load_settings
-    from service.app import create_app
+    from convserve.service.cli import build_engine
+    from convserve.service.config import load_settings
+    from convserve.service.app import create_app
 
     settings = load_settings({"layers": "1", "dim": "8", "dtype": "float32", "device": "cpu"})
     engine = build_engine(settings)

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from kernels import (MAX_WIDTH, PAD_SLOT_ID, causal_conv1d_fn, causal_conv1d_ref, causal_conv1d_update,
+from convserve.kernels import (MAX_WIDTH, PAD_SLOT_ID, causal_conv1d_fn, causal_conv1d_ref, causal_conv1d_update,
                      causal_conv1d_update_ref)
 from tests.tolerance import assert_close
 
@@ -320,7 +320,7 @@ def test_intermediate_windows_and_output_state_indices_together(width, kernel_de
 def short_path(request, monkeypatch):
     """Run a test through the register-window kernel (x dense per row, width - 1 + seqlen <= 8) or with it
     switched off (the general kernel), on fresh plan caches, with tiles smaller than the test's dim."""
-    from kernels import _launch, decode
+    from convserve.kernels import _launch, decode
     on = request.param == "register-window"
     monkeypatch.setitem(_launch.TUNING, "decode_short", dict(max_positions=8 if on else 0, block_d=32, num_warps=1))
     monkeypatch.setitem(_launch.TUNING, "decode", dict(block_d=32, num_warps=1))
@@ -449,7 +449,7 @@ def test_state_strides_past_two_to_the_31_stay_64_bit(mode, short_path, tmp_path
     """A pool whose state columns lie 2**30 elements apart: the column offsets pass 2**31 and must be computed in
     64 bits, on both decode paths. On CPU the pool is a sparse file mapped into memory, so only the touched pages
     exist; on CUDA it is a real 6 GiB tensor."""
-    from kernels import decode
+    from convserve.kernels import decode
     dim, width, lines, S = 24, 4, 3, 2**30
     n = (width - 1) * S + lines * dim
     if kernel_device == "cuda":

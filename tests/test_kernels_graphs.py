@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kernels import causal_conv1d_ref, causal_conv1d_update_ref
-from kernels.graphs import DecodeGraph, PrefillGraph
+from convserve.kernels import causal_conv1d_ref, causal_conv1d_update_ref
+from convserve.kernels.graphs import DecodeGraph, PrefillGraph
 from tests.tolerance import assert_close
 
 pytestmark = pytest.mark.gpu

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from kernels import MAX_WIDTH, PAD_SLOT_ID, causal_conv1d_fn, causal_conv1d_ref
+from convserve.kernels import MAX_WIDTH, PAD_SLOT_ID, causal_conv1d_fn, causal_conv1d_ref
 from tests.conftest import HAS_CUDA
 from tests.tolerance import assert_close
 
@@ -111,7 +111,7 @@ def test_varlen_batch_with_pads_and_mixed_initial_state_matches_reference(case, 
 def small_flat_tiles(monkeypatch):
     """Make the flat token-major path (groups of 8 elements, then a heads-only pass) apply to small shapes, with
     tiles of 16 elements (so most tiles straddle two channel rows) and narrow heads-only programs."""
-    from kernels import _launch, prefill
+    from convserve.kernels import _launch, prefill
     monkeypatch.setitem(_launch.TUNING, "prefill_flat", dict(groups=2, min_groups=2, groups_per_thread=1,
                                                              num_warps=1, tiles_per_row=1, min_t=16))
     monkeypatch.setitem(_launch.TUNING, "prefill_heads", dict(block_d=16, elems=64, num_warps=1))
@@ -151,7 +151,7 @@ def test_flat_token_major_path_matches_reference(case, small_flat_tiles, kernel_
 def test_channel_last_window_path_matches_reference(case, rows_per_step, monkeypatch, kernel_device):
     """The channel-last sliding window (then the heads-only pass) on small shapes: 1-warp programs of 256
     channels, chunks of 8 tokens (the window carried across chunks and steps), dims around and past the tile."""
-    from kernels import _launch, prefill
+    from convserve.kernels import _launch, prefill
     monkeypatch.setitem(_launch.TUNING, "prefill_channel_last", dict(
         num_warps=1, rows_per_step=rows_per_step, max_chunk=8, min_programs=1, min_elems=0))
     monkeypatch.setitem(_launch.TUNING, "prefill_heads", dict(block_d=16, elems=64, num_warps=1))
@@ -171,7 +171,7 @@ def test_channel_last_window_path_matches_reference(case, rows_per_step, monkeyp
 @pytest.mark.parametrize("layout", ["token_major", "channel_major"])
 def test_more_sequences_than_one_search_step_match_reference(layout, monkeypatch, kernel_device):
     """Over 64 sequences: the piece kernel counts query_start_loc keys in several vector steps."""
-    from kernels import _launch, prefill
+    from convserve.kernels import _launch, prefill
     monkeypatch.setitem(_launch.TUNING, "prefill_flat", dict(_launch.TUNING["prefill_flat"], min_t=1 << 30))
     monkeypatch.setattr(prefill, "_PLANS", {})
     rng = random.Random(SEED + 300)

@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-from clients.loadtest import main
-from clients.loadtest.dists import DistError, parse
-from service.model import ConvModel
+from convserve.clients.loadtest import main
+from convserve.clients.loadtest.dists import DistError, parse
+from convserve.service.model import ConvModel
 from tests.live import LiveServer
 
 LAYERS, DIM = [0, 2], 32
@@ -167,7 +167,7 @@ def test_distribution_specs_parse_sample_within_bounds_and_reject_nonsense():
 def test_timeouts_are_labelled_client_timeout_not_connection_error():
     import httpx
 
-    from clients.loadtest.runner import error_code
+    from convserve.clients.loadtest.runner import error_code
     assert error_code(TimeoutError()) == "client_timeout"            # an OSError subclass
     assert error_code(httpx.ReadTimeout("slow")) == "client_timeout"
     assert error_code(ConnectionResetError()) == "connection_error"

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from clients.loadtest import main
-from clients.loadtest.cli import GC_THRESHOLD0, _QuietGC, _run_loop
-from clients.loadtest.stats import Recorder
+from convserve.clients.loadtest import main
+from convserve.clients.loadtest.cli import GC_THRESHOLD0, _QuietGC, _run_loop
+from convserve.clients.loadtest.stats import Recorder
 from tests.live import LiveServer
 
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from service.errors import UnknownLayer
-from service.model import ConvModel
+from convserve.clients.protocol.errors import UnknownLayer
+from convserve.service.model import ConvModel
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 

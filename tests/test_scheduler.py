@@ -5,9 +5,10 @@ import random
 
 import pytest
 
-from service.scheduler import (LONE_STEPS, PAD_SLOT_ID, DecodeBatch, PrefillBatch, Request, RowBatch, Scheduler,
+from convserve.kernels import PAD_SLOT_ID
+from convserve.service.scheduler import (LONE_STEPS, DecodeBatch, PrefillBatch, Request, RowBatch, Scheduler,
                                SchedulerConfig, VerifyBatch)
-from service.sessions import Session
+from convserve.service.sessions import Session
 
 T0 = 1000.0
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from state_pool import (NULL_SLOT, ConvStatePool, PoolDtypeError, PoolError, PoolExhausted, PoolShapeError,
+from convserve.state_pool import (NULL_SLOT, ConvStatePool, PoolDtypeError, PoolError, PoolExhausted, PoolShapeError,
                         pool_bytes, slots_for_bytes)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

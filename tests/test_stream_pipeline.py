@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import msgpack
 import torch
 
-from clients import wire
-from service.app import Service, StreamEndpoint, WebSocketEndpoint
-from service.metrics import Metrics
+from convserve.clients.protocol import wire
+from convserve.service.app import Service, StreamEndpoint, WebSocketEndpoint
+from convserve.service.metrics import Metrics
 
 DIM = 8
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from clients import wire
-from service.errors import BadRequest, DtypeUnsupported, PayloadTooLarge, ShapeMismatch
+from convserve.clients.protocol import wire
+from convserve.clients.protocol.errors import BadRequest, DtypeUnsupported, PayloadTooLarge, ShapeMismatch
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -152,5 +152,5 @@ def test_unsupported_tensor_dtypes_are_refused_on_encode():
 
 
 def test_importing_the_client_does_not_import_torch():
-    code = "import sys, clients.client, clients.wire; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, convserve.clients.client, convserve.clients.protocol.wire; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)

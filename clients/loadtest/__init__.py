@@ -1,5 +1,5 @@
-"""``convserve-loadtest`` (also ``python -m clients.loadtest``): the load-testing client. See :mod:`.cli`."""
+"""``convserve-loadtest`` (also ``python -m convserve.clients.loadtest``): the load-testing client. See :mod:`.cli`."""
 
-from clients.loadtest.cli import main
+from convserve.clients.loadtest.cli import main
 
 __all__ = ["main"]

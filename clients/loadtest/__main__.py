@@ -1,5 +1,5 @@
 import sys
 
-from clients.loadtest.cli import main
+from convserve.clients.loadtest.cli import main
 
 sys.exit(main())

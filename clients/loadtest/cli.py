@@ -48,7 +48,7 @@ def _float_list(s: str) -> list:
 
 
 def _dist(s: str):
-    from clients.loadtest.dists import DistError, parse
+    from convserve.clients.loadtest.dists import DistError, parse
 
     try:
         return parse(s)
@@ -57,7 +57,7 @@ def _dist(s: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from clients.loadtest.runner import SCENARIOS
+    from convserve.clients.loadtest.runner import SCENARIOS
 
     p = argparse.ArgumentParser(prog="convserve-loadtest", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -145,7 +145,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 130
     from rich.console import Console
 
-    from clients.loadtest import report
+    from convserve.clients.loadtest import report
 
     console = Console(width=None if sys.stdout.isatty() else 200)
     report.print_table(result, console)
@@ -214,9 +214,8 @@ class _QuietGC:
     With CPython's defaults the collector's cost per request grows with the concurrency: a request's objects
     (coroutines, futures, buffers, tensors) live as long as it is in flight, so at a few hundred sessions every
     young-generation collection finds thousands of them alive and promotes them, and the promotions soon trigger
-    a full collection that also walks every object of torch, httpx and rich (~180k, ~0.1 s a pass). Measured on
-    2 vCPU against an instant server at 256 sessions: 17 full collections in 6 s, ~35% of the client's time, and
-    0.1 s stalls in the latencies. So: freeze what exists after setup (it is never garbage) out of the collector's
+    a full collection that also walks every object of the imported libraries (bench/NOTES.md has the
+    measurement). So: freeze what exists after setup (it is never garbage) out of the collector's
     sight, and collect the young generation every ``GC_THRESHOLD0`` allocations instead of every 700 (cycles are
     still collected, only less often)."""
 
@@ -242,12 +241,12 @@ class _QuietGC:
 async def run(args) -> dict:
     import httpx
 
-    from clients.client import AsyncConvClient
-    from clients.loadtest.dists import parse
-    from clients.loadtest.runner import Driver, Workload, auto_connections, make_transport
-    from clients.loadtest.stats import Recorder
-    from clients.loadtest.verify import Verifier, VerifyError
-    from service.errors import ServiceError
+    from convserve.clients.client import AsyncConvClient
+    from convserve.clients.loadtest.dists import parse
+    from convserve.clients.loadtest.runner import Driver, Workload, auto_connections, make_transport
+    from convserve.clients.loadtest.stats import Recorder
+    from convserve.clients.loadtest.verify import Verifier, VerifyError
+    from convserve.clients.protocol.errors import ServiceError
 
     wl = Workload(args.scenario, args.prefill, args.decode, args.spec_k or parse("const:4"), args.prefill_chunk,
                   "sequential" if args.sequential_layers else "parallel")

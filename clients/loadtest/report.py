@@ -14,7 +14,7 @@ from typing import Optional
 from rich.console import Console
 from rich.table import Table
 
-from clients.loadtest.stats import CONV_KINDS
+from convserve.clients.loadtest.stats import CONV_KINDS
 
 KIND_COLORS = {"prefill": "tab:blue", "decode": "tab:orange", "verify": "tab:green", "all": "tab:gray"}
 

@@ -26,13 +26,14 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import httpx
-import torch
+import numpy as np
 
-from clients.client import AsyncConvClient, ConvRequest
-from clients.loadtest.dists import Dist, parse
-from clients.loadtest.stats import Recorder
-from clients.loadtest.verify import MISMATCH, Verifier
-from service.errors import ServiceError
+from convserve.clients.client import AsyncConvClient, ConvRequest
+from convserve.clients.loadtest.dists import Dist, parse
+from convserve.clients.loadtest.stats import Recorder
+from convserve.clients.loadtest.verify import MISMATCH, Verifier
+from convserve.clients.protocol.errors import ServiceError
+from convserve.clients.protocol.wire import numpy_dtype
 
 log = logging.getLogger(__name__)
 
@@ -247,7 +248,7 @@ class Driver:
         self.transport = transport
         self.layers = list(info["layers"])
         self.dim = int(info["dim"])
-        self.dtype = getattr(torch, info["dtype"])
+        self.dtype = numpy_dtype(info["dtype"])
         self.wl = workload
         self.rec = rec
         self.rng = random.Random(seed)
@@ -260,8 +261,7 @@ class Driver:
         self.stopping = False
         self.hard_stop = False
         n = max(workload.max_tokens(), 1) + 4096
-        g = torch.Generator().manual_seed(seed)
-        self.pool = torch.randn(n, self.dim, generator=g).to(self.dtype)
+        self.pool = np.random.default_rng(seed).standard_normal((n, self.dim), dtype=np.float32).astype(self.dtype)
 
     # --- helpers
 
@@ -270,7 +270,7 @@ class Driver:
             self.stopping = True
         return self.stopping
 
-    def x(self, tokens: int) -> torch.Tensor:
+    def x(self, tokens: int) -> np.ndarray:
         o = self.rng.randrange(0, self.pool.shape[0] - tokens + 1)
         return self.pool[o:o + tokens]
 
@@ -302,7 +302,7 @@ class Driver:
         self.rec.ok(kind, t0, time.perf_counter())
         return out
 
-    async def conv(self, kind: str, sid: str, layer: int, x: torch.Tensor, spec: bool, ref, t0: Optional[float]):
+    async def conv(self, kind: str, sid: str, layer: int, x: np.ndarray, spec: bool, ref, t0: Optional[float]):
         t0 = time.perf_counter() if t0 is None else t0
         self.issued += 1
         y = await self._retrying(lambda: self.transport.conv(sid, layer, x, spec), t0)

@@ -1,8 +1,12 @@
-"""``--verify``: recompute a sample of sessions locally with ``kernels.reference`` from the same weights.
+"""``--verify``: recompute a sample of sessions locally, in float64 numpy, from the weights the server serves.
 
 A verified session's every conv (and accept) is replayed on a local copy of its conv state, so each answer can be
-compared with what the reference gives for the same inputs. The comparison is the relative L2 error against the
-bound of the response dtype (the bounds the project's tests use).
+compared with what the conv gives for the same inputs. The local conv is written here, independently of the
+server's kernels and references, from the contract in the README: ``y[t] = act(b + sum_k w[k] * h[t + k])`` over
+``h = [state (width - 1 columns), x]``, after which the state is the last ``width - 1`` columns of ``h``. The
+comparison is the relative L2 error against the bound of the response dtype (the bounds the project's tests use).
+
+Needs numpy, ml_dtypes and safetensors only (the plain ``convserve`` install).
 """
 
 from __future__ import annotations
@@ -10,38 +14,70 @@ from __future__ import annotations
 import random
 from typing import Optional
 
-import torch
+import numpy as np
+import safetensors
+
+from convserve.clients.protocol.weights import conv_layer_keys
+from convserve.clients.protocol.wire import numpy_dtype
 
 #: Relative L2 error allowed per response dtype.
-REL_TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+REL_TOL = {"float32": 1e-4, "float16": 2e-3, "bfloat16": 1e-2}
 MISMATCH = "verify_mismatch"
+#: safetensors dtype tags of the floating dtypes a checkpoint may store conv weights in.
+_ST_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
 
 
 class VerifyError(Exception):
     pass
 
 
+def _load_conv_weights(path: str) -> tuple[list, np.ndarray, np.ndarray, list]:
+    """``(layers, weight (n, dim, width), bias (n, dim) zeros where absent, has_bias)`` as stored (not cast)."""
+    with open(path, "rb") as f:
+        tensors = dict(safetensors.deserialize(f.read()))
+    found = conv_layer_keys(tensors)
+    if not found:
+        raise ValueError(f"{path} has no key matching 'layers.<i>.…conv1d.weight'")
+
+    def arr(key):
+        t = tensors[key]
+        if t["dtype"] not in _ST_DTYPES:
+            raise ValueError(f"{key}: dtype {t['dtype']} is not a float dtype")
+        return np.frombuffer(t["data"], dtype=numpy_dtype(_ST_DTYPES[t["dtype"]])).reshape(t["shape"])
+
+    ws, bs, has_bias = [], [], []
+    for layer, (wkey, bkey) in found.items():
+        w = arr(wkey)
+        w = w[:, 0, :] if w.ndim == 3 and w.shape[1] == 1 else w
+        if w.ndim != 2:
+            raise ValueError(f"{wkey}: expected shape (dim, 1, width) or (dim, width), got {list(w.shape)}")
+        ws.append(w)
+        has_bias.append(bkey is not None)
+        bs.append(arr(bkey) if bkey is not None else np.zeros(w.shape[0], dtype=w.dtype))
+    if len({w.shape for w in ws}) != 1:
+        raise ValueError(f"conv layers disagree on (dim, width): {sorted({w.shape for w in ws})}")
+    return list(found), np.stack(ws), np.stack(bs), has_bias
+
+
 class Verifier:
     def __init__(self, weights_path: str, model_info: dict, sample: float, seed: int = 0):
-        from service.model import ConvModel
-
         try:
-            self.model = ConvModel.from_safetensors(weights_path)
-        except (OSError, ValueError) as e:
+            layers, weight, bias, _ = _load_conv_weights(weights_path)
+        except (OSError, ValueError, safetensors.SafetensorError) as e:
             raise VerifyError(f"--verify {weights_path}: cannot load the weights ({e})") from None
-        m = self.model
         want = (list(model_info["layers"]), int(model_info["dim"]), int(model_info["width"]))
-        have = (list(m.layers), m.dim, m.width)
+        have = (layers, weight.shape[1], weight.shape[2])
         if want != have:
             raise VerifyError(f"--verify {weights_path}: these weights have layers {have[0]}, dim {have[1]}, width "
                               f"{have[2]} but the server reports layers {want[0]}, dim {want[1]}, width {want[2]}; "
                               "pass the weights the server was started with")
-        dt = model_info.get("dtype")
-        if dt and getattr(torch, dt) != m.dtype:
-            self.model = ConvModel(m.layers, m.weight.to(getattr(torch, dt)),
-                                   None if m.bias is None else m.bias.to(getattr(torch, dt)), m.has_bias,
-                                   m.activation)
-        self.state_dtype = getattr(torch, model_info.get("state_dtype") or dt or "float32")
+        # The server casts its weights and every x to its model dtype; the state is stored in state_dtype.
+        self.model_dtype = numpy_dtype(model_info["dtype"])
+        self.state_dtype = numpy_dtype(model_info.get("state_dtype") or model_info["dtype"])
+        self.weight = weight.astype(self.model_dtype).astype(np.float64)
+        self.bias = bias.astype(self.model_dtype).astype(np.float64)
+        self.silu = model_info.get("activation") == "silu"
+        self.layers = layers
         self.sample = sample
         self.rng = random.Random(seed ^ 0x5EED)
 
@@ -49,54 +85,62 @@ class Verifier:
         """A reference for a new session, or None when the session is not in the sample."""
         if self.rng.random() >= self.sample:
             return None
-        return SessionRef(self.model, self.state_dtype)
+        return SessionRef(self)
 
 
 class SessionRef:
-    """One session's conv state, replayed with the reference (mirrors the service's contract)."""
+    """One session's conv state, replayed in float64 (mirrors the service's contract)."""
 
-    def __init__(self, model, state_dtype):
-        self.model = model
-        self.state = torch.zeros(model.n_layers, model.dim, model.width - 1, dtype=state_dtype)
+    def __init__(self, v: Verifier):
+        self.v = v
+        n, dim, width = v.weight.shape
+        # (layers, width - 1, dim), values already rounded through state_dtype
+        self.state = np.zeros((n, width - 1, dim), dtype=np.float64)
         self.spec: dict = {}
         self.broken = False
 
-    def conv(self, layer: int, x: torch.Tensor, speculative: bool) -> torch.Tensor:
-        from kernels.reference import causal_conv1d_ref
+    def _rounded(self, x: np.ndarray) -> np.ndarray:
+        """x as the server computes with it: cast to the model dtype."""
+        return np.asarray(x).astype(self.v.model_dtype).astype(np.float64)
 
-        m = self.model
-        p = m.layers.index(layer)
-        xs = x.to(m.dtype).t().contiguous()
-        conv_states = self.state[p:p + 1].clone()
-        y = causal_conv1d_ref(xs, m.weight[p], m.layer_bias(p), conv_states,
-                              torch.tensor([0, xs.shape[1]], dtype=torch.int32),
-                              has_initial_state=torch.tensor([True]), activation=m.activation)
+    def _to_state(self, h: np.ndarray) -> np.ndarray:
+        return h[h.shape[0] - (self.v.weight.shape[2] - 1):].astype(self.v.state_dtype).astype(np.float64)
+
+    def conv(self, layer: int, x: np.ndarray, speculative: bool) -> np.ndarray:
+        """``y (T, dim)`` in float64 for ``x (T, dim)``; commits the state unless ``speculative``."""
+        v = self.v
+        p = v.layers.index(layer)
+        xm = self._rounded(x)
+        h = np.concatenate([self.state[p], xm])            # (width - 1 + T, dim)
+        width, T = v.weight.shape[2], xm.shape[0]
+        y = np.broadcast_to(v.bias[p], xm.shape).copy()
+        for k in range(width):
+            y += v.weight[p, :, k] * h[k:k + T]
+        if v.silu:
+            y = y / (1.0 + np.exp(-y))
         if speculative:
-            self.spec[p] = x.to(m.dtype)
+            self.spec[p] = xm
         else:
-            self.state[p] = conv_states[0]
+            self.state[p] = self._to_state(h)
             self.spec.pop(p, None)
-        return y.t()
+        return y
 
     def accept(self, n: int) -> None:
-        m = self.model
-        for p, x in self.spec.items():
-            hist = torch.cat([self.state[p].to(torch.float32), x[:n].to(torch.float32).t()], dim=1)
-            self.state[p] = hist[:, hist.shape[1] - (m.width - 1):].to(self.state.dtype)
+        for p, xm in self.spec.items():
+            self.state[p] = self._to_state(np.concatenate([self.state[p], xm[:n]]))
         self.spec = {}
 
-    def check(self, layer: int, x: torch.Tensor, speculative: bool, y: torch.Tensor) -> Optional[str]:
+    def check(self, layer: int, x, speculative: bool, y) -> Optional[str]:
         """None when ``y`` matches the reference, else a description of the mismatch."""
         ref = self.conv(layer, x, speculative)
-        a = y.to(torch.float64)
-        r = ref.to(torch.float64)
-        if a.shape != r.shape:
-            return f"shape {tuple(a.shape)} != reference {tuple(r.shape)}"
-        if not torch.isfinite(a).all():
+        a = np.asarray(y).astype(np.float64)
+        if a.shape != ref.shape:
+            return f"shape {list(a.shape)} != reference {list(ref.shape)}"
+        if not np.isfinite(a).all():
             return "non-finite values in the answer"
-        den = r.norm().item()
-        err = (a - r).norm().item() / (den if den > 0 else 1.0)
-        tol = REL_TOL.get(y.dtype, 1e-2)
+        den = float(np.linalg.norm(ref))
+        err = float(np.linalg.norm(a - ref)) / (den if den > 0 else 1.0)
+        tol = REL_TOL.get(np.asarray(y).dtype.name, 1e-2)
         if err > tol:
             return f"relative L2 error {err:.3e} > {tol:.0e} on layer {layer}"
         return None

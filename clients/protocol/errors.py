@@ -1,7 +1,7 @@
 """Errors of the service, each with one HTTP status and one snake_case code.
 
-The engine, the pool and the scheduler raise these; the HTTP layer maps each to its status and writes
-``{"error": {"code", "message"}}``. Messages say what to do about the error.
+The server raises these and renders each as its status and ``{"error": {"code", "message"}}``; the clients raise
+the class of the code they read back. Messages say what to do about the error.
 """
 
 from __future__ import annotations
@@ -84,6 +84,12 @@ class Internal(ServiceError):
     status, code = 500, "internal"
 
 
+#: The name clients use for the base class.
+ConvServeError = ServiceError
+
 ALL_ERRORS = (BadRequest, Unauthorized, UnknownSession, UnknownLayer, SessionExists, StateLost, PayloadTooLarge,
               ShapeMismatch, DtypeUnsupported, NonFinite, QueueFull, PoolExhausted, NotReady, RequestTimeout,
               Internal)
+
+#: ``code -> class``, for turning an error body back into its class.
+BY_CODE = {cls.code: cls for cls in ALL_ERRORS}

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import msgpack
 
-from service.errors import BadRequest, DtypeUnsupported, PayloadTooLarge, ShapeMismatch
+from convserve.clients.protocol.errors import BadRequest, DtypeUnsupported, PayloadTooLarge, ShapeMismatch
 
 MEDIA_TYPE = "application/vnd.msgpack"
 #: Request content types read as msgpack (the first is the one this service answers with).
@@ -208,7 +208,7 @@ def decode_tensor(obj: Any, *, check_shape: Optional[Callable[[tuple], None]] = 
         return torch.frombuffer(data, dtype=tdt).view(shape)
     import numpy as np
 
-    return np.frombuffer(data, dtype=_numpy_dtype(dtype)).reshape(shape)
+    return np.frombuffer(data, dtype=numpy_dtype(dtype)).reshape(shape)
 
 
 _TORCH_NAMES: dict = {}
@@ -235,7 +235,8 @@ def _numpy_name(dt) -> str:
                            "(bfloat16 from numpy needs the ml_dtypes package)")
 
 
-def _numpy_dtype(name: str):
+def numpy_dtype(name: str):
+    """The numpy dtype of a wire dtype name (bfloat16 through ml_dtypes)."""
     import numpy as np
 
     if name == "bfloat16":
