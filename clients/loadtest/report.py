@@ -4,6 +4,7 @@ baseline."""
 from __future__ import annotations
 
 import base64
+import importlib.util
 import html
 import io
 import json
@@ -119,8 +120,13 @@ def plot_png(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def write_html(result: dict, png_path: Path, path: Path) -> None:
-    img = base64.b64encode(png_path.read_bytes()).decode("ascii")
+def write_html(result: dict, png_path: Optional[Path], path: Path) -> None:
+    """The report page; without a plot (``png_path`` None) it says how to get one."""
+    if png_path is not None:
+        img = base64.b64encode(png_path.read_bytes()).decode("ascii")
+        figure = f'<img alt="latency against throughput" src="data:image/png;base64,{img}">'
+    else:
+        figure = "<p>No plot: install <code>convserve[loadtest]</code> (matplotlib) for it.</p>"
     cfg = result["config"]
     head = "".join(f"<th>{html.escape(h)}</th>" for h in HEADERS)
     body = []
@@ -142,7 +148,7 @@ pre {{ background: #f8f8f8; padding: 1em; font-size: 12px; }}
 <p>{html.escape(cfg['workload']['scenario'])} over {html.escape(cfg['transport'])}, {html.escape(cfg['mode'])} loop,
 against {html.escape(cfg['url'])} (model: layers {html.escape(str(model.get('layers')))}, dim
 {html.escape(str(model.get('dim')))}, {html.escape(str(model.get('dtype')))}); {html.escape(cfg['started'])}.</p>
-<img alt="latency against throughput" src="data:image/png;base64,{img}">
+{figure}
 <h2>Per step</h2>
 <table><thead><tr>{head}</tr></thead><tbody>
 {chr(10).join(body)}
@@ -155,11 +161,16 @@ against {html.escape(cfg['url'])} (model: layers {html.escape(str(model.get('lay
 
 
 def write_outputs(result: dict, out_dir: Path) -> dict:
+    """Write loadtest.json, loadtest.png (when matplotlib, the ``loadtest`` extra, is installed) and
+    loadtest.html; returns the paths written."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": out_dir / "loadtest.json", "png": out_dir / "loadtest.png", "html": out_dir / "loadtest.html"}
     write_json(result, paths["json"])
-    plot_png(result, paths["png"])
-    write_html(result, paths["png"], paths["html"])
+    if importlib.util.find_spec("matplotlib") is not None:
+        plot_png(result, paths["png"])
+    else:
+        del paths["png"]
+    write_html(result, paths.get("png"), paths["html"])
     return paths
 
 
