@@ -1,0 +1,188 @@
+"""Vectorized PyTorch versions of both ops, for serving on the CPU: same signatures and meaning as the Triton ops
+and as :mod:`.reference`, computed in fp32 (or ``compute_dtype``), with no Python loop over sequences or rows.
+
+Each op lays out what the windows read as rows of ``dim`` contiguous values: the prefill gathers every token's
+tap ``k`` from one source matrix (the tokens followed by the sequences' initial states) with one ``index_select``
+per tap; the update slices its rows' ``[window, x]`` blocks. So a launch is a fixed handful of torch ops whatever
+its number of rows; the only loops are over the ``width`` taps. The reference loops over sequences on the host and stays the specification:
+these are tested against it on the same grid.
+
+They read index arrays on the host (``.tolist()``-free, but boolean masks select rows), so on a GPU they would
+synchronize: the Triton ops are for the GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ._validate import PAD_SLOT_ID, check_out, check_prefill, check_update
+
+
+def _taps(tap, width: int, wt: torch.Tensor, b: Optional[torch.Tensor], silu: bool) -> torch.Tensor:
+    """``y[..., n, d] = b[d] + sum_k wt[..., k, d] * tap(k)[..., n, d]``, then SiLU when asked.
+
+    tap(k): (..., N, dim), what tap k reads for each output (a gather or a slice of whole dim-rows);
+    wt: (width, dim) or (R, width, dim), contiguous; b: (dim,) or (R, dim) or None. Returns (..., N, dim).
+    """
+    y = tap(0) * wt[..., 0:1, :]
+    for k in range(1, width):
+        y.addcmul_(tap(k), wt[..., k:k + 1, :])
+    if b is not None:
+        y += b[..., None, :]
+    if silu:
+        y *= torch.sigmoid(y)
+    return y
+
+
+def causal_conv1d_fn_torch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    conv_states: Optional[torch.Tensor],
+    query_start_loc: torch.Tensor,
+    cache_indices: Optional[torch.Tensor] = None,
+    has_initial_state: Optional[torch.Tensor] = None,
+    activation="silu",
+    pad_slot_id: int = PAD_SLOT_ID,
+    *,
+    out: Optional[torch.Tensor] = None,
+    compute_dtype: torch.dtype = torch.float32,
+    **kwargs,
+) -> torch.Tensor:
+    """Vectorized :func:`causal_conv1d_fn` (see there for the full contract).
+
+    x: (dim, total_tokens), any strides; weight: (dim, width); bias: (dim,) or None;
+    conv_states: (num_cache_lines, dim, state_len >= width - 1) or None, updated in place;
+    query_start_loc: (batch + 1,) int; cache_indices: (batch,) int or None; has_initial_state: (batch,) bool or None.
+    """
+    dim, total, width, batch, act = check_prefill(x, weight, bias, conv_states, query_start_loc, cache_indices,
+                                                   has_initial_state, activation)
+    if out is None:
+        out = torch.zeros_like(x)
+    else:
+        check_out(out, x, x)
+        out.zero_()
+    h = width - 1
+    dev = x.device
+    qsl = query_start_loc[:batch + 1].to(device=dev, dtype=torch.long)
+    starts, lens = qsl[:-1], (qsl[1:] - qsl[:-1]).clamp(min=0)
+    idx = (cache_indices[:batch].to(device=dev, dtype=torch.long) if cache_indices is not None
+           else torch.arange(batch, device=dev))
+    live = lens > 0
+    if cache_indices is not None:
+        live &= idx != pad_slot_id
+    rows = live.nonzero().squeeze(1)                                    # (R,) sequences that run
+    if rows.numel() == 0:
+        return out
+    starts, lens, idx = starts[rows], lens[rows], idx[rows]
+    R = rows.numel()
+
+    # (R, h, dim): each running sequence's initial window (zeros without an initial state)
+    hist = torch.zeros(R, h, dim, dtype=compute_dtype, device=dev)
+    states_t = conv_states.transpose(1, 2) if conv_states is not None else None   # (lines, state_len, dim)
+    if states_t is not None and has_initial_state is not None:
+        init = has_initial_state[:batch].to(device=dev, dtype=torch.bool)[rows]
+        if bool(init.any()):
+            hist[init] = states_t[idx[init], :h].to(compute_dtype)
+    # rows [0, total) are the tokens of x, then R blocks of h history rows
+    src = torch.cat([x.t().to(compute_dtype), hist.reshape(R * h, dim)])
+
+    def src_row(seq: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Source row of extended position ``pos`` (``[history, x]`` coordinates) of running sequence ``seq``."""
+        return torch.where(pos < h, total + seq * h + pos, starts[seq] + pos - h)
+
+    # tokens: sequence (in rows order) and position within it
+    seq = torch.repeat_interleave(torch.arange(R, device=dev), lens)   # (N,)
+    first = torch.cumsum(lens, 0) - lens
+    j = torch.arange(seq.numel(), device=dev) - first[seq]
+    rows_k = src_row(seq[:, None], j[:, None] + torch.arange(width, device=dev)).t().contiguous()  # (width, N)
+    y = _taps(lambda k: src.index_select(0, rows_k[k]), width, weight.to(compute_dtype).t().contiguous(),
+              bias.to(compute_dtype) if bias is not None else None, act is not None)
+    out.t()[starts[seq] + j] = y.to(out.dtype)
+
+    if states_t is not None:
+        # the last h rows of [history, x]: extended positions lens .. lens + h - 1
+        last = src_row(torch.arange(R, device=dev)[:, None], lens[:, None] + torch.arange(h, device=dev))
+        states_t[idx, :h] = src[last].to(conv_states.dtype)
+    return out
+
+
+def causal_conv1d_update_torch(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    activation=None,
+    cache_seqlens: Optional[torch.Tensor] = None,
+    conv_state_indices: Optional[torch.Tensor] = None,
+    num_accepted_tokens: Optional[torch.Tensor] = None,
+    intermediate_conv_window: Optional[torch.Tensor] = None,
+    output_state_indices: Optional[torch.Tensor] = None,
+    pad_slot_id: int = PAD_SLOT_ID,
+    *,
+    out: Optional[torch.Tensor] = None,
+    compute_dtype: torch.dtype = torch.float32,
+    **kwargs,
+) -> torch.Tensor:
+    """Vectorized :func:`causal_conv1d_update` (see there for the full contract).
+
+    x: (batch, dim) or (batch, dim, seqlen); conv_state: (num_cache_lines, dim, state_len >= width - 1);
+    weight: (dim, width), or (groups, dim, width) with bias (groups, dim): line l uses group l // (lines / groups);
+    conv_state_indices: (batch,) int or None; num_accepted_tokens: (batch,) int or None;
+    intermediate_conv_window: (batch, seqlen, dim, >= width - 1) or None; output_state_indices: (batch, seqlen) int
+    or None.
+    """
+    batch, dim, seqlen, width, act = check_update(x, conv_state, weight, bias, activation, cache_seqlens,
+                                                  conv_state_indices, num_accepted_tokens,
+                                                  intermediate_conv_window, output_state_indices)
+    if out is None:
+        out = torch.empty_like(x)
+    else:
+        check_out(out, x, x)
+    out3 = out if out.dim() == 3 else out.unsqueeze(-1)
+    x3 = x if x.dim() == 3 else x.unsqueeze(-1)
+    h = width - 1
+    dev = x.device
+    idx = (conv_state_indices[:batch].to(device=dev, dtype=torch.long) if conv_state_indices is not None
+           else torch.arange(batch, device=dev))
+    live = (idx != pad_slot_id) if conv_state_indices is not None else torch.ones(batch, dtype=torch.bool,
+                                                                                    device=dev)
+    out3.masked_fill_(~live[:, None, None], 0)
+    rows = live.nonzero().squeeze(1)
+    if rows.numel() == 0:
+        return out
+    lines = idx[rows]
+    R = rows.numel()
+    offset = (num_accepted_tokens[:batch].to(device=dev, dtype=torch.long)[rows] - 1
+              if num_accepted_tokens is not None else None)
+    state_t = conv_state.transpose(1, 2)                               # (lines, state_len, dim)
+    # (R, h, dim) windows, all read before any state is written
+    if offset is None:
+        win = state_t[lines, :h]
+    else:
+        wrows = (offset[:, None] + torch.arange(h, device=dev))[:, :, None].expand(R, h, dim)
+        win = torch.gather(state_t[lines], 1, wrows)
+    xe = torch.cat([win.to(compute_dtype), x3[rows].transpose(1, 2).to(compute_dtype)], dim=1)  # (R, h + T, dim)
+    wt = weight.to(compute_dtype).transpose(-1, -2).contiguous()       # (width, dim) or (groups, width, dim)
+    b = bias.to(compute_dtype) if bias is not None else None
+    if weight.dim() == 3:
+        group = lines // (conv_state.shape[0] // weight.shape[0])
+        wt = wt[group]                                                 # (R, width, dim)
+        b = b[group] if b is not None else None
+    y = _taps(lambda k: xe[:, k:k + seqlen], width, wt, b, act is not None)   # (R, seqlen, dim)
+    out3[rows] = y.transpose(1, 2).to(out.dtype)
+
+    if intermediate_conv_window is not None or output_state_indices is not None:
+        after = xe.unfold(1, h, 1)[:, 1:seqlen + 1]                    # (R, seqlen, dim, h): window after token t
+        if intermediate_conv_window is not None:
+            intermediate_conv_window[rows, :, :, :h] = after.to(intermediate_conv_window.dtype)
+        if output_state_indices is not None:
+            osi = output_state_indices[:batch].to(device=dev, dtype=torch.long)[rows]  # (R, seqlen)
+            keep = osi >= 0
+            conv_state[osi[keep], :, :h] = after[keep].to(conv_state.dtype)
+    else:
+        keep = min(conv_state.shape[2], width - 2 + seqlen)
+        state_t[lines, :keep] = xe[:, xe.shape[1] - keep:].to(conv_state.dtype)
+    return out
