@@ -6,7 +6,6 @@ from __future__ import annotations
 import base64
 import importlib.util
 import html
-import io
 import json
 import math
 from pathlib import Path

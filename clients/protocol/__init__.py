@@ -2,6 +2,9 @@
 names and the media types. It imports neither the server nor torch, so a client installs without them.
 """
 
-from .errors import ALL_ERRORS, BY_CODE, ConvServeError, ServiceError  # noqa: F401
-from .ids import MAX_SESSION_ID_LEN, check_session_id, is_session_id, new_session_id  # noqa: F401
-from .wire import DTYPE_NAMES, ITEMSIZE, JSON_TYPE, MEDIA_TYPE, MSGPACK_TYPES  # noqa: F401
+from .errors import ALL_ERRORS, BY_CODE, ConvServeError, ServiceError
+from .ids import MAX_SESSION_ID_LEN, check_session_id, is_session_id, new_session_id
+from .wire import DTYPE_NAMES, ITEMSIZE, JSON_TYPE, MEDIA_TYPE, MSGPACK_TYPES
+
+__all__ = ["ALL_ERRORS", "BY_CODE", "ConvServeError", "ServiceError", "MAX_SESSION_ID_LEN", "check_session_id",
+           "is_session_id", "new_session_id", "DTYPE_NAMES", "ITEMSIZE", "JSON_TYPE", "MEDIA_TYPE", "MSGPACK_TYPES"]

@@ -223,8 +223,6 @@ def _torch_names() -> dict:
 
 
 def _numpy_name(dt) -> str:
-    import numpy as np
-
     if dt.kind == "f" and dt.itemsize == 4:
         return "float32"
     if dt.kind == "f" and dt.itemsize == 2:

@@ -1,0 +1,211 @@
+"""The asyncio client, :class:`AsyncConvClient`: request-response calls over :class:`.h1._H1Pool` (plain http, no
+proxy), streams and everything else over httpx; WebSocket streams through ``websockets.asyncio``."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import AsyncIterable, Iterable, Optional, Sequence, Union
+
+import httpx
+
+from convserve.clients.common import (MAX_MESSAGE_BYTES, SessionState, _as_request, _backend_of, _Base, _chunked,
+                                      _decode, _default_backend, _frame, _quote, _raise_for, _Tracker, _ws_url)
+from convserve.clients.h1 import _H1Pool, _h1_target
+from convserve.clients.protocol import wire
+
+
+class AsyncConvClient(_Base):
+    """Asyncio client, with the same methods as :class:`ConvClient` as coroutines (``stream`` is an async
+    iterator). Use ``async with``, or call :meth:`aclose`."""
+
+    def __init__(self, url: Optional[str] = None, *, api_key: Optional[str] = None, timeout: float = 60.0,
+                 transport: Optional[httpx.AsyncBaseTransport] = None, max_connections: int = 100):
+        super().__init__(url, api_key, timeout)
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        self._http = httpx.AsyncClient(base_url=self.url, headers=self.headers, timeout=timeout, transport=transport,
+                                       limits=limits)
+        # request-response calls go through a lean keep-alive pool (see _H1Pool: httpx's pool costs more per
+        # request the more connections it holds); streams, custom transports, https and proxies stay on httpx
+        target = _h1_target(self.url) if transport is None else None
+        self._h1: Optional[_H1Pool] = None
+        self._prefix = ""
+        if target is not None:
+            host, port, self._prefix = target
+            self._h1 = _H1Pool(host, port, self.headers, timeout, max_connections)
+
+    async def aclose(self) -> None:
+        if self._h1 is not None:
+            await self._h1.aclose()
+        await self._http.aclose()
+
+    async def _send(self, method: str, path: str, body: bytes = b""):
+        """One request-response exchange; the response has ``status_code``, ``headers`` and ``content``."""
+        if self._h1 is not None:
+            return await self._h1.request(method, self._prefix + path, body)
+        return await self._http.request(method, path, content=body or None)
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.aclose()
+
+    async def health(self) -> bool:
+        return (await self._send("GET", "/healthz")).status_code == 200
+
+    async def ready(self) -> bool:
+        return (await self._send("GET", "/readyz")).status_code == 200
+
+    async def model(self) -> dict:
+        return _decode(await self._send("GET", "/v1/model"))
+
+    async def create_session(self, session: Optional[str] = None) -> str:
+        return _decode(await self._send("POST", "/v1/sessions", self._session_body(session)))["session"]
+
+    async def delete_session(self, session: str) -> None:
+        _raise_for(await self._send("DELETE", f"/v1/sessions/{_quote(session)}"))
+
+    async def fork(self, session: str, new_session: Optional[str] = None) -> str:
+        return _decode(await self._send("POST", f"/v1/sessions/{_quote(session)}/fork",
+                                          self._session_body(new_session)))["session"]
+
+    async def export_state(self, session: str, backend: Optional[str] = None) -> SessionState:
+        return self._state_from(_decode(await self._send("GET", f"/v1/sessions/{_quote(session)}/state")),
+                                backend or _default_backend())
+
+    async def import_state(self, session: str, state, layers=None) -> None:
+        _raise_for(await self._send("PUT", f"/v1/sessions/{_quote(session)}/state", self._state_body(state, layers)))
+
+    async def accept(self, session: str, tokens: int) -> None:
+        _raise_for(await self._send("POST", f"/v1/sessions/{_quote(session)}/accept", wire.packb({"tokens": tokens})))
+
+    async def accept_batch(self, sessions: Sequence[str], tokens: Sequence[int]) -> None:
+        """Async twin of :meth:`ConvClient.accept_batch`."""
+        _raise_for(await self._send("POST", "/v1/accept", self._accept_batch_body(sessions, tokens)))
+
+    async def conv(self, session: str, layer: int, x, speculative: bool = False):
+        body = self._conv_body(session, layer, x, speculative)
+        resp = await self._send("POST", "/v1/conv", body)
+        self.bytes_sent += len(body)
+        self.bytes_received += len(resp.content)
+        obj = _decode(resp)
+        return wire.decode_tensor(obj["y"], backend=_backend_of(x), name="y")
+
+    async def conv_batch(self, sessions: Sequence[str], layer: int, x, tokens: Optional[Sequence[int]] = None,
+                         speculative=None):
+        """Async twin of :meth:`ConvClient.conv_batch`."""
+        body = self._batch_body(sessions, layer, x, tokens, speculative)
+        resp = await self._send("POST", "/v1/conv/batch", body)
+        self.bytes_sent += len(body)
+        self.bytes_received += len(resp.content)
+        return wire.decode_tensor(_decode(resp)["y"], backend=_backend_of(x), name="y")
+
+    async def stream(self, requests: Union[Iterable, AsyncIterable], *, transport: str = "http", window: int = 64):
+        """Async twin of :meth:`ConvClient.stream`; ``requests`` may be an async iterable."""
+        if transport == "http":
+            gen = self._stream_http(requests)
+        elif transport == "ws":
+            gen = self._stream_ws(requests, window)
+        else:
+            raise ValueError(f"transport must be 'http' or 'ws', got {transport!r}")
+        async for r in gen:
+            yield r
+
+    async def _stream_http(self, requests):
+        tracker = _Tracker()
+
+        async def body():
+            if hasattr(requests, "__aiter__"):
+                packer = wire.new_packer()
+                i = 0
+                async for r in requests:
+                    req = _as_request(r, i)
+                    i += 1
+                    tracker.add(req)
+                    data = packer.pack(_frame(req))
+                    self.bytes_sent += len(data)
+                    yield data
+            else:
+                for chunk in _chunked(requests, tracker):
+                    self.bytes_sent += len(chunk)
+                    yield chunk
+
+        async with self._http.stream("POST", "/v1/conv/stream", content=body()) as resp:
+            if resp.status_code >= 400:
+                await resp.aread()
+                _raise_for(resp)
+            unpacker = wire.new_unpacker(MAX_MESSAGE_BYTES)
+            async for chunk in resp.aiter_raw():
+                self.bytes_received += len(chunk)
+                unpacker.feed(chunk)
+                for obj in unpacker:
+                    yield tracker.result(obj)
+        tracker.check_done()
+
+    async def _stream_ws(self, requests, window: int):
+        from websockets.asyncio.client import connect
+
+        tracker = _Tracker()
+        slots = asyncio.Semaphore(window)
+        state = {"n": 0, "done": False, "error": None}
+        wake = asyncio.Event()
+        async with connect(_ws_url(self.url), additional_headers=self._ws_headers(), max_size=MAX_MESSAGE_BYTES,
+                           compression=None, open_timeout=self.timeout) as ws:
+            async def sender():
+                packer = wire.new_packer()
+                try:
+                    it = requests.__aiter__() if hasattr(requests, "__aiter__") else None
+                    counter = itertools.count()
+                    sync_it = iter(requests) if it is None else None
+                    while True:
+                        await slots.acquire()
+                        try:
+                            r = await it.__anext__() if it is not None else next(sync_it)
+                        except (StopAsyncIteration, StopIteration):
+                            slots.release()
+                            break
+                        req = _as_request(r, next(counter))
+                        tracker.add(req)
+                        data = packer.pack(_frame(req))
+                        await ws.send(data)
+                        self.bytes_sent += len(data)
+                        state["n"] += 1
+                except BaseException as e:  # noqa: BLE001 - re-raised by the receiver
+                    state["error"] = e
+                finally:
+                    state["done"] = True
+                    wake.set()
+
+            task = asyncio.ensure_future(sender())
+            unpacker = wire.new_unpacker(MAX_MESSAGE_BYTES)
+            received = 0
+            recv = None
+            waiter = asyncio.ensure_future(wake.wait())   # the sender's end (set once)
+            try:
+                while True:
+                    if state["done"] and received >= state["n"]:
+                        break
+                    if recv is None:
+                        recv = asyncio.ensure_future(ws.recv())
+                    done, _ = await asyncio.wait((recv,) if waiter.done() else (recv, waiter), timeout=self.timeout,
+                                                 return_when=asyncio.FIRST_COMPLETED)
+                    if not done:
+                        raise TimeoutError(f"no answer from the server within {self.timeout} s")
+                    if recv not in done:
+                        continue
+                    msg = recv.result()
+                    recv = None
+                    for res in self._ws_results(msg, unpacker, tracker):
+                        received += 1
+                        slots.release()
+                        yield res
+                if state["error"] is not None:
+                    raise state["error"]
+            finally:
+                waiter.cancel()
+                if recv is not None:
+                    recv.cancel()
+                if not task.done():
+                    task.cancel()
+        tracker.check_done()

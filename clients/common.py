@@ -1,0 +1,291 @@
+"""What the sync and async clients share: request and result records, error decoding, the stream frame tracker,
+and the request bodies."""
+
+from __future__ import annotations
+
+import os
+import threading
+import urllib.parse
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Optional, Sequence, Union
+
+import httpx
+
+from convserve.clients.protocol import wire
+from convserve.clients.protocol.errors import BY_CODE as _BY_CODE
+from convserve.clients.protocol.errors import ServiceError
+
+_HEADERS = {"content-type": wire.MEDIA_TYPE, "accept": wire.MEDIA_TYPE}
+DEFAULT_URL = "http://127.0.0.1:8000"
+#: Largest message the client decodes (a response tensor of 8192 tokens x 8192 channels of float32 fits).
+MAX_MESSAGE_BYTES = 512 << 20
+#: Frames grouped into one HTTP chunk when streaming a known list of requests.
+_CHUNK_BYTES = 256 << 10
+_POLL_S = 0.05
+
+
+@dataclass
+class ConvRequest:
+    """One conv request of a stream. ``id`` defaults to the request's position in the stream."""
+
+    session: str
+    layer: int
+    x: Any
+    speculative: bool = False
+    id: Any = None
+
+
+@dataclass
+class BatchRequest:
+    """One batch of a stream: the tokens of several sessions on one layer (the frame form of
+    ``POST /v1/conv/batch``). ``x (sum(tokens), dim)`` holds each session's tokens in the order of ``sessions``;
+    ``tokens`` defaults to one per session, ``speculative`` (a bool or one per session) to false."""
+
+    sessions: Sequence[str]
+    layer: int
+    x: Any
+    tokens: Optional[Sequence[int]] = None
+    speculative: Union[bool, Sequence[bool], None] = None
+    id: Any = None
+
+
+@dataclass
+class ConvResult:
+    """One answer of a stream: ``y`` on success, else ``error`` (the frame failed alone). For a
+    :class:`BatchRequest`, ``session`` is its list of sessions and ``y`` is ``(sum(tokens), dim)``."""
+
+    id: Any
+    session: Union[str, list]
+    layer: int
+    y: Any = None
+    error: Optional[ServiceError] = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def unwrap(self):
+        """``y``, or raise ``error``."""
+        if self.error is not None:
+            raise self.error
+        return self.y
+
+
+@dataclass
+class SessionState:
+    """A session's conv state: ``state`` is ``(len(layers), dim, width - 1)``, layers in ascending order."""
+
+    layers: list
+    state: Any
+
+
+def error_from(err: Any, status: Optional[int] = None) -> ServiceError:
+    """The exception for an ``{"code", "message", "retry_after"?}`` map."""
+    if not isinstance(err, dict):
+        e = ServiceError(f"the server answered {status} with an unreadable error body")
+        e.status, e.code = status or 500, "internal"
+        return e
+    code = err.get("code") or "internal"
+    cls = _BY_CODE.get(code, ServiceError)
+    e = cls(str(err.get("message", "")), retry_after=err.get("retry_after"))
+    if cls is ServiceError:
+        e.code = code
+    if status is not None:
+        e.status = status
+    return e
+
+
+def _raise_for(resp: httpx.Response) -> None:
+    if resp.status_code < 400:
+        return
+    body = resp.content
+    ct = resp.headers.get("content-type", "")
+    try:
+        obj = wire.loads_json(body) if "json" in ct else wire.unpackb(body, MAX_MESSAGE_BYTES)
+        err = obj.get("error") if isinstance(obj, dict) else None
+    except ServiceError:
+        err = None
+    if err is None:
+        e = ServiceError(f"HTTP {resp.status_code}: {body[:200]!r}")
+        e.status, e.code = resp.status_code, f"http_{resp.status_code}"
+        raise e
+    exc = error_from(err, resp.status_code)
+    if exc.retry_after is None and "retry-after" in resp.headers:
+        try:
+            exc.retry_after = float(resp.headers["retry-after"])
+        except ValueError:
+            pass
+    raise exc
+
+
+def _decode(resp: httpx.Response) -> Any:
+    _raise_for(resp)
+    if not resp.content:
+        return None
+    return wire.unpackb(resp.content, MAX_MESSAGE_BYTES)
+
+
+def _backend_of(x) -> str:
+    return "torch" if wire._is_torch(x) else "numpy"
+
+
+def _default_backend() -> str:
+    import importlib.util
+
+    return "torch" if importlib.util.find_spec("torch") is not None else "numpy"
+
+
+def _as_request(r: Union[ConvRequest, BatchRequest, tuple, dict], i: int) -> Union[ConvRequest, BatchRequest]:
+    if isinstance(r, (ConvRequest, BatchRequest)):
+        req = r
+    elif isinstance(r, dict):
+        req = BatchRequest(**r) if "sessions" in r else ConvRequest(**r)
+    else:
+        req = ConvRequest(*r)
+    if req.id is None:
+        req.id = i
+    return req
+
+
+def _frame(req: Union[ConvRequest, BatchRequest]) -> dict:
+    if isinstance(req, BatchRequest):
+        return {"id": req.id, **_batch_fields(req.sessions, req.layer, req.x, req.tokens, req.speculative)}
+    return {"id": req.id, "session": req.session, "layer": req.layer, "x": wire.encode_tensor(req.x),
+            "speculative": req.speculative}
+
+
+def _batch_fields(sessions, layer, x, tokens, speculative) -> dict:
+    """A batch's fields; ``tokens`` and ``speculative`` only when given (absent means one plain token each)."""
+    fields = {"sessions": list(sessions), "layer": layer, "x": wire.encode_tensor(x)}
+    if tokens is not None:
+        fields["tokens"] = [int(n) for n in tokens]
+    if speculative is not None:
+        fields["speculative"] = speculative if isinstance(speculative, bool) else [bool(s) for s in speculative]
+    return fields
+
+
+class _Tracker:
+    """Matches answers of a stream to their requests."""
+
+    def __init__(self):
+        self.meta: dict = {}
+        self.lock = threading.Lock()
+
+    def add(self, req: ConvRequest) -> None:
+        with self.lock:
+            if req.id in self.meta:
+                raise ValueError(f"request id {req.id!r} is already in flight in this stream; ids must be unique")
+            session = list(req.sessions) if isinstance(req, BatchRequest) else req.session
+            self.meta[req.id] = (session, req.layer, _backend_of(req.x))
+
+    def result(self, obj: Any) -> ConvResult:
+        if not isinstance(obj, dict) or "id" not in obj:
+            e = ServiceError(f"the server sent a malformed stream frame: {obj!r:.200}")
+            e.code = "internal"
+            raise e
+        fid = obj["id"]
+        if fid is None:  # the stream was ended by the server
+            raise error_from(obj.get("error"))
+        with self.lock:
+            meta = self.meta.pop(fid, None)
+        if meta is None:
+            e = ServiceError(f"the server answered an unknown frame id {fid!r}")
+            e.code = "internal"
+            raise e
+        session, layer, backend = meta
+        if "error" in obj:
+            err = error_from(obj["error"])
+            return ConvResult(fid, session, layer, error=err)
+        return ConvResult(fid, session, layer, y=wire.decode_tensor(obj["y"], backend=backend, name="y"))
+
+    def check_done(self) -> None:
+        if self.meta:
+            e = ServiceError(f"the stream ended with {len(self.meta)} request(s) unanswered")
+            e.code, e.status = "internal", 500
+            raise e
+
+
+def _ws_url(base: str) -> str:
+    if base.startswith("https://"):
+        return "wss://" + base[len("https://"):] + "/v1/conv/ws"
+    if base.startswith("http://"):
+        return "ws://" + base[len("http://"):] + "/v1/conv/ws"
+    raise ValueError(f"url {base!r} must start with http:// or https://")
+
+
+class _Base:
+    def __init__(self, url: Optional[str], api_key: Optional[str], timeout: float):
+        self.url = (url or os.environ.get("CONVSERVE_URL") or DEFAULT_URL).rstrip("/")
+        self.api_key = api_key if api_key is not None else os.environ.get("CONVSERVE_API_KEY")
+        self.timeout = timeout
+        self.headers = dict(_HEADERS)
+        #: Bytes of conv bodies and stream frames sent and received (HTTP/WebSocket payload, headers not counted).
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        if self.api_key:
+            self.headers["authorization"] = f"Bearer {self.api_key}"
+
+    def _ws_headers(self) -> dict:
+        return {"authorization": self.headers["authorization"]} if self.api_key else {}
+
+    @staticmethod
+    def _state_body(state, layers) -> bytes:
+        if isinstance(state, SessionState):
+            layers, state = state.layers, state.state
+        body = {"state": wire.encode_tensor(state)}
+        if layers is not None:
+            body["layers"] = list(layers)
+        return wire.packb(body)
+
+    @staticmethod
+    def _state_from(obj, backend) -> SessionState:
+        return SessionState(list(obj["layers"]), wire.decode_tensor(obj["state"], backend=backend, name="state"))
+
+    @staticmethod
+    def _conv_body(session, layer, x, speculative) -> bytes:
+        return wire.packb({"session": session, "layer": layer, "x": wire.encode_tensor(x),
+                           "speculative": speculative})
+
+    @staticmethod
+    def _batch_body(sessions, layer, x, tokens, speculative) -> bytes:
+        return wire.packb(_batch_fields(sessions, layer, x, tokens, speculative))
+
+    @staticmethod
+    def _accept_batch_body(sessions, tokens) -> bytes:
+        return wire.packb({"sessions": list(sessions), "tokens": [int(n) for n in tokens]})
+
+    def _ws_results(self, msg, unpacker, tracker: "_Tracker") -> Iterator["ConvResult"]:
+        """The results in one WebSocket message (binary: msgpack frames), counted in ``bytes_received``."""
+        if isinstance(msg, str):
+            raise ServiceError(f"the server sent a text message: {msg[:200]}")
+        self.bytes_received += len(msg)
+        unpacker.feed(msg)
+        for obj in unpacker:
+            yield tracker.result(obj)
+
+    @staticmethod
+    def _session_body(session: Optional[str]) -> bytes:
+        return wire.packb({"session": session} if session is not None else {})
+
+
+def _chunked(requests: Iterable, tracker: _Tracker) -> Iterator[bytes]:
+    """Encode requests into HTTP chunks of ~256 KiB (the whole body is sent before any answer is read)."""
+    packer = wire.new_packer()
+    buf, size = [], 0
+    for i, r in enumerate(requests):
+        req = _as_request(r, i)
+        tracker.add(req)
+        b = packer.pack(_frame(req))
+        buf.append(b)
+        size += len(b)
+        if size >= _CHUNK_BYTES:
+            yield b"".join(buf)
+            buf, size = [], 0
+    if buf:
+        yield b"".join(buf)
+
+
+
+def _quote(segment: str) -> str:
+    """A session id as one URL path segment (httpx quotes the same characters)."""
+    return urllib.parse.quote(str(segment), safe="!$&'()*+,;=:@-._~")

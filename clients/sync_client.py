@@ -1,0 +1,188 @@
+"""The synchronous client, :class:`ConvClient` (httpx; WebSocket streams through ``websockets.sync``)."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from typing import Iterable, Iterator, Optional, Sequence
+
+import httpx
+
+from convserve.clients.common import (MAX_MESSAGE_BYTES, _POLL_S, ConvResult, SessionState, _as_request, _backend_of,
+                                      _Base, _chunked, _decode, _default_backend, _frame, _quote, _raise_for,
+                                      _Tracker, _ws_url)
+from convserve.clients.protocol import wire
+
+
+class ConvClient(_Base):
+    """Synchronous client. Use as a context manager, or call :meth:`close`.
+
+    >>> with ConvClient("http://127.0.0.1:8000") as c:
+    ...     s = c.create_session()
+    ...     y = c.conv(s, c.model()["layers"][0], x)   # x: (T, dim) tensor or array
+    """
+
+    def __init__(self, url: Optional[str] = None, *, api_key: Optional[str] = None, timeout: float = 60.0,
+                 transport: Optional[httpx.BaseTransport] = None):
+        super().__init__(url, api_key, timeout)
+        self._http = httpx.Client(base_url=self.url, headers=self.headers, timeout=timeout, transport=transport)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # --- health and model
+
+    def health(self) -> bool:
+        return self._http.get("/healthz").status_code == 200
+
+    def ready(self) -> bool:
+        return self._http.get("/readyz").status_code == 200
+
+    def model(self) -> dict:
+        return _decode(self._http.get("/v1/model"))
+
+    # --- sessions
+
+    def create_session(self, session: Optional[str] = None) -> str:
+        return _decode(self._http.post("/v1/sessions", content=self._session_body(session)))["session"]
+
+    def delete_session(self, session: str) -> None:
+        _raise_for(self._http.delete(f"/v1/sessions/{_quote(session)}"))
+
+    def fork(self, session: str, new_session: Optional[str] = None) -> str:
+        return _decode(self._http.post(f"/v1/sessions/{_quote(session)}/fork",
+                                       content=self._session_body(new_session)))["session"]
+
+    def export_state(self, session: str, backend: Optional[str] = None) -> SessionState:
+        return self._state_from(_decode(self._http.get(f"/v1/sessions/{_quote(session)}/state")),
+                                backend or _default_backend())
+
+    def import_state(self, session: str, state, layers=None) -> None:
+        _raise_for(self._http.put(f"/v1/sessions/{_quote(session)}/state", content=self._state_body(state, layers)))
+
+    def accept(self, session: str, tokens: int) -> None:
+        _raise_for(self._http.post(f"/v1/sessions/{_quote(session)}/accept", content=wire.packb({"tokens": tokens})))
+
+    def accept_batch(self, sessions: Sequence[str], tokens: Sequence[int]) -> None:
+        """:meth:`accept` for several sessions as one request (``POST /v1/accept``): every session must have a
+        pending verify of at least ``tokens[i]`` tokens, or nothing is committed."""
+        _raise_for(self._http.post("/v1/accept", content=self._accept_batch_body(sessions, tokens)))
+
+    # --- conv
+
+    def conv(self, session: str, layer: int, x, speculative: bool = False):
+        """``y (T, dim)`` for ``x (T, dim)``, of the same kind (torch/numpy) and dtype as ``x``."""
+        body = self._conv_body(session, layer, x, speculative)
+        resp = self._http.post("/v1/conv", content=body)
+        self.bytes_sent += len(body)
+        self.bytes_received += len(resp.content)
+        obj = _decode(resp)
+        return wire.decode_tensor(obj["y"], backend=_backend_of(x), name="y")
+
+    def conv_batch(self, sessions: Sequence[str], layer: int, x, tokens: Optional[Sequence[int]] = None,
+                   speculative=None):
+        """A frontend's step on one layer as one request (``POST /v1/conv/batch``): ``x (sum(tokens), dim)`` holds
+        ``tokens[i]`` rows for ``sessions[i]``, in order (``tokens`` defaults to one each: a decode step);
+        ``speculative`` is a bool or one per session (a speculative slice leaves the committed state alone until
+        :meth:`accept_batch`). Returns ``y (sum(tokens), dim)`` like :meth:`conv`. Exactly as if each slice were
+        its own :meth:`conv`; it fails whole, changing nothing, if any part is invalid."""
+        body = self._batch_body(sessions, layer, x, tokens, speculative)
+        resp = self._http.post("/v1/conv/batch", content=body)
+        self.bytes_sent += len(body)
+        self.bytes_received += len(resp.content)
+        return wire.decode_tensor(_decode(resp)["y"], backend=_backend_of(x), name="y")
+
+    def stream(self, requests: Iterable, *, transport: str = "http", window: int = 64) -> Iterator[ConvResult]:
+        """Pipeline ``requests`` (:class:`ConvRequest`, ``(session, layer, x[, speculative])`` tuples or dicts)
+        and yield a :class:`ConvResult` per request as it arrives. Results of one session come in the order
+        sent. A frame's error is in its result; an error that ends the stream is raised."""
+        if transport == "http":
+            yield from self._stream_http(requests)
+        elif transport == "ws":
+            yield from self._stream_ws(requests, window)
+        else:
+            raise ValueError(f"transport must be 'http' or 'ws', got {transport!r}")
+
+    def _stream_http(self, requests) -> Iterator[ConvResult]:
+        tracker = _Tracker()
+
+        def body():
+            for chunk in _chunked(requests, tracker):
+                self.bytes_sent += len(chunk)
+                yield chunk
+
+        with self._http.stream("POST", "/v1/conv/stream", content=body()) as resp:
+            if resp.status_code >= 400:
+                resp.read()
+                _raise_for(resp)
+            unpacker = wire.new_unpacker(MAX_MESSAGE_BYTES)
+            for chunk in resp.iter_raw():
+                self.bytes_received += len(chunk)
+                unpacker.feed(chunk)
+                for obj in unpacker:
+                    yield tracker.result(obj)
+        tracker.check_done()
+
+    def _stream_ws(self, requests, window: int) -> Iterator[ConvResult]:
+        from websockets.sync.client import connect
+
+        tracker = _Tracker()
+        slots = threading.Semaphore(window)
+        sent = {"n": 0, "done": False, "error": None}
+        with connect(_ws_url(self.url), additional_headers=self._ws_headers(), max_size=MAX_MESSAGE_BYTES,
+                     compression=None, open_timeout=self.timeout) as ws:
+            def sender():
+                packer = wire.new_packer()
+                try:
+                    it = iter(requests)
+                    for i in itertools.count():
+                        slots.acquire()  # a request is taken from the iterable only once it may be sent
+                        try:
+                            r = next(it)
+                        except StopIteration:
+                            break
+                        req = _as_request(r, i)
+                        tracker.add(req)
+                        data = packer.pack(_frame(req))
+                        ws.send(data)
+                        self.bytes_sent += len(data)
+                        sent["n"] += 1
+                except BaseException as e:  # noqa: BLE001 - re-raised by the receiver
+                    sent["error"] = e
+                finally:
+                    sent["done"] = True
+
+            t = threading.Thread(target=sender, name="convserve-ws-sender", daemon=True)
+            t.start()
+            received = 0
+            unpacker = wire.new_unpacker(MAX_MESSAGE_BYTES)
+            try:
+                idle_since = time.monotonic()
+                while True:
+                    if sent["done"] and received >= sent["n"]:
+                        break
+                    # Short waits, so that the end of the requests is noticed without a message to wake us.
+                    try:
+                        msg = ws.recv(timeout=_POLL_S)
+                    except TimeoutError:
+                        if time.monotonic() - idle_since > self.timeout:
+                            raise TimeoutError(f"no answer from the server within {self.timeout} s") from None
+                        continue
+                    idle_since = time.monotonic()
+                    for res in self._ws_results(msg, unpacker, tracker):
+                        received += 1
+                        slots.release()
+                        yield res
+                if sent["error"] is not None:
+                    raise sent["error"]
+            finally:
+                slots.release(window)  # unblock the sender if we stop early
+                t.join(timeout=5)
+        tracker.check_done()
