@@ -6,6 +6,7 @@ Examples:
     convserve-loadtest --scenario mixed --rate 200,400,800 --duration 15 --transport stream --inflight 32
     convserve-loadtest --scenario spec --requests 2000 --verify model.safetensors --verify-sample 0.2
     convserve-loadtest --concurrency 64 --duration 10 --compare results/loadtest.json --regress-pct 10
+    convserve-loadtest --scenario frontend --concurrency 1,256 --chunk 512 --spec-k const:4 --duration 10
 
 Exit status: 0 done; 1 errors happened and ``--fail-on-errors`` was given; 2 bad arguments or the server
 could not be reached; 3 ``--compare`` found a regression past ``--regress-pct``.
@@ -76,8 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--decode", type=_dist, default=None, metavar="DIST",
                    help="decode steps per session, e.g. const:32 (default: the scenario's)")
     g.add_argument("--spec-k", type=_dist, default=None, metavar="DIST",
-                   help="spec: tokens per speculative verify [const:4]; the tester accepts 0..k of them")
-    g.add_argument("--prefill-chunk", type=int, default=2048, help="largest prefill request, tokens [2048]")
+                   help="spec: tokens per speculative verify [const:4]; the tester accepts 0..k of them; frontend: "
+                        "decode by speculative verify (off unless given)")
+    g.add_argument("--prefill-chunk", "--chunk", type=int, default=2048,
+                   help="largest prefill request (frontend: prefill chunk per step), tokens [2048]")
     g.add_argument("--sequential-layers", action="store_true",
                    help="send a step's layers one after the other (like a forward pass) instead of together")
     g.add_argument("--seed", type=int, default=0)
@@ -92,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--concurrency", type=_int_list, default=None, metavar="N[,N...]",
                    help="closed loop: virtual sessions at once, one step per value [8]")
     m.add_argument("--rate", type=_float_list, default=None, metavar="R[,R...]",
-                   help="open loop: Poisson arrivals at R conv requests/s, one step per value")
+                   help="open loop: Poisson arrivals at R conv requests/s (frontend: R sessions/s), one step per "
+                        "value")
     b = g.add_mutually_exclusive_group()
     b.add_argument("--duration", type=float, default=None, help="seconds per step, warm-up excluded [10]")
     b.add_argument("--requests", type=int, default=None, help="conv requests per step, warm-up included")
@@ -243,13 +247,16 @@ async def run(args) -> dict:
 
     from convserve.clients.client import AsyncConvClient
     from convserve.clients.loadtest.dists import parse
+    from convserve.clients.loadtest.frontend import FrontendDriver
     from convserve.clients.loadtest.runner import Driver, Workload, auto_connections, make_transport
     from convserve.clients.loadtest.stats import Recorder
     from convserve.clients.loadtest.verify import Verifier, VerifyError
     from convserve.clients.protocol.errors import ServiceError
 
+    frontend = args.scenario == "frontend"
     wl = Workload(args.scenario, args.prefill, args.decode, args.spec_k or parse("const:4"), args.prefill_chunk,
-                  "sequential" if args.sequential_layers else "parallel")
+                  "sequential" if args.sequential_layers or frontend else "parallel",
+                  frontend_spec=frontend and args.spec_k is not None)
     mode = "closed" if args.concurrency is not None else "open"
     levels = args.concurrency if mode == "closed" else args.rate
     top = max(levels)
@@ -271,7 +278,8 @@ async def run(args) -> dict:
             except VerifyError as e:
                 raise SetupError(str(e)) from None
         config = {
-            "url": client.url, "model": info, "workload": wl.describe(), "transport": args.transport,
+            "url": client.url, "model": info, "workload": wl.describe(),
+            "transport": "batch" if frontend else args.transport,
             "mode": mode, "levels": levels, "duration_s": args.duration, "requests": args.requests,
             "warmup_s": args.warmup, "inflight": args.inflight if args.transport != "unary" else None,
             "connections": args.connections or None, "max_retries": args.max_retries, "seed": args.seed,
@@ -285,12 +293,13 @@ async def run(args) -> dict:
         for i, level in enumerate(levels):
             conc = int(level) if mode == "closed" else None
             conns = args.connections or auto_connections(args.transport, conc, len(info["layers"]), args.inflight)
-            transport = make_transport(client, args.transport, conns, args.inflight)
+            transport = make_transport(client, "unary" if frontend else args.transport, conns, args.inflight)
             label = f"c={conc}" if mode == "closed" else f"rate={level:g}"
             start = time.perf_counter()
             rec = Recorder(start + args.warmup)
-            drv = Driver(client, transport, info, wl, rec, seed=args.seed + i, max_retries=args.max_retries,
-                         verifier=verifier, max_requests=args.requests)
+            kw = dict(seed=args.seed + i, max_retries=args.max_retries, verifier=verifier, max_requests=args.requests)
+            drv = FrontendDriver(client, info, wl, rec, **kw) if frontend else Driver(client, transport, info, wl,
+                                                                                       rec, **kw)
             deadline = None if args.duration is None else start + args.warmup + args.duration
             snap = {}
 
@@ -324,7 +333,7 @@ async def run(args) -> dict:
             summary = rec.summary(min(end, time.perf_counter()), client.bytes_sent - snap["sent"],
                                   client.bytes_received - snap["recv"])
             st = {"label": label, "mode": mode, "concurrency": conc, "rate": None if conc else float(level),
-                  "transport": args.transport, "connections": conns if args.transport != "unary" else None,
+                  "transport": config["transport"], "connections": conns if args.transport != "unary" else None,
                   **summary}
             if drv.mismatch_examples:
                 st["verify"]["examples"] = drv.mismatch_examples[:5]

@@ -14,9 +14,10 @@ from typing import Optional
 from rich.console import Console
 from rich.table import Table
 
-from convserve.clients.loadtest.stats import CONV_KINDS
+from convserve.clients.loadtest.stats import CONTROL_KINDS, CONV_KINDS, FRONTEND_KINDS
 
-KIND_COLORS = {"prefill": "tab:blue", "decode": "tab:orange", "verify": "tab:green", "all": "tab:gray"}
+KIND_COLORS = {"prefill": "tab:blue", "decode": "tab:orange", "verify": "tab:green", "batch": "tab:purple",
+               "all": "tab:gray"}
 
 
 def _ms(v) -> str:
@@ -33,12 +34,12 @@ def table_rows(result: dict) -> list:
     """Rows ``[step, kind, requests, req/s, tokens/s, MB/s, p50, p90, p99, max, errors, retries]`` (strings)."""
     rows = []
     for st in result["steps"]:
-        kinds = [k for k in (*CONV_KINDS, "create", "delete", "accept") if k in st["kinds"]]
+        kinds = [k for k in (*CONV_KINDS, *FRONTEND_KINDS, *CONTROL_KINDS) if k in st["kinds"]]
         first = True
         for k in kinds:
             d = st["kinds"][k]
             rows.append([st["label"] if first else "", k, str(d["count"]), f"{d['req_per_s']:.1f}",
-                         f"{d['tokens_per_s']:.0f}" if k in CONV_KINDS else "", "",
+                         f"{d['tokens_per_s']:.0f}" if k in CONV_KINDS or k == "step" else "", "",
                          _ms(d["p50_ms"]), _ms(d["p90_ms"]), _ms(d["p99_ms"]), _ms(d["max_ms"]), "", ""])
             first = False
         lat = st["latency"]

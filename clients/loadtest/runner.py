@@ -42,6 +42,7 @@ SCENARIOS = {
     "decode-heavy": ("uniform:16:128", "uniform:64:256"),
     "prefill-heavy": ("uniform:512:2048", "const:4"),
     "spec": ("uniform:16:128", "uniform:16:64"),
+    "frontend": ("uniform:16:512", "uniform:16:64"),
 }
 MIXED_PREFILL_SHARE = 0.5
 
@@ -54,6 +55,8 @@ class Workload:
     spec_k: Dist = field(default_factory=lambda: parse("const:4"))
     prefill_chunk: int = 2048
     layers_mode: str = "parallel"
+    #: frontend: verify k tokens per decode step (``--spec-k`` given) instead of one-token decodes
+    frontend_spec: bool = False
 
     def __post_init__(self):
         if self.scenario not in (*SCENARIOS, "mixed"):
@@ -76,7 +79,7 @@ class Workload:
 
     @property
     def spec(self) -> bool:
-        return self.scenario == "spec"
+        return self.scenario == "spec" or (self.scenario == "frontend" and self.frontend_spec)
 
     def describe(self) -> dict:
         return {"scenario": self.scenario, "profiles": [{"prefill": str(p), "decode": str(d)}

@@ -6,8 +6,10 @@ import collections
 import time
 from typing import Optional
 
-#: Kinds of conv requests (each carries tokens); the others are control calls.
-CONV_KINDS = ("prefill", "decode", "verify")
+#: Kinds of conv requests (each carries tokens; ``batch`` is one layer's call of the frontend scenario).
+CONV_KINDS = ("prefill", "decode", "verify", "batch")
+#: The frontend scenario's compound kinds: a step of every layer, and a session's time to its prefill's end.
+FRONTEND_KINDS = ("step", "prefill_done")
 CONTROL_KINDS = ("create", "delete", "accept")
 
 
@@ -84,7 +86,7 @@ class Recorder:
         kinds = {}
         conv_lats = []
         n_conv = tok_conv = 0
-        for kind in CONV_KINDS + CONTROL_KINDS:
+        for kind in CONV_KINDS + FRONTEND_KINDS + CONTROL_KINDS:
             xs = self.lat.get(kind)
             if not xs:
                 continue

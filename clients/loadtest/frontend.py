@@ -1,0 +1,160 @@
+"""``--scenario frontend``: a continuous-batching frontend, the way a model server drives the conv stage.
+
+The frontend keeps a set of live sessions. Each of its steps takes the next piece of work of every live session
+(a prefill chunk of at most ``prefill_chunk`` tokens, a one-token decode, or with ``--spec-k`` a speculative verify
+of k tokens) and sends it as **one batch per layer** (``POST /v1/conv/batch`` with ``tokens`` and
+``speculative``), layer ``l + 1`` only after layer ``l``'s answer, as a model's forward pass must. After the
+layers, one ``POST /v1/accept`` commits a random 0..k of each verify. Sessions that are done are deleted and new
+ones join: up to ``concurrency`` live sessions (closed loop), or arriving at ``rate`` sessions/s (open loop).
+
+Recorded kinds: ``batch`` (one layer's call; tokens are the session tokens it carried), ``step`` (all layers of
+one frontend step, plus its accept), ``prefill_done`` (from a session's arrival to the end of its last prefill
+chunk) and the control calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from convserve.clients.loadtest.runner import Aborted, Driver
+from convserve.clients.loadtest.verify import MISMATCH
+
+
+@dataclass(eq=False)
+class _Live:
+    sid: str
+    ref: object                  # the verifier's SessionRef, or None
+    steps: collections.deque     # what is left: ("prefill" | "decode" | "verify", tokens)
+    arrived: float               # perf_counter time the session was asked for
+    prefilling: bool = True
+
+
+class FrontendDriver(Driver):
+    """Runs the frontend loop against one server for one level of a sweep (see the module docstring)."""
+
+    def __init__(self, client, info: dict, workload, rec, **kw):
+        super().__init__(client, None, info, workload, rec, **kw)
+        self.live: list[_Live] = []
+
+    async def _join(self, n: int, arrived: Optional[list] = None) -> None:
+        """Create ``n`` sessions (concurrently) and add them to the live set."""
+        async def one(t0):
+            try:
+                sid, ref = await self.new_session(t0)
+            except Aborted:
+                return
+            self.live.append(_Live(sid, ref, collections.deque(self.plan()), t0))
+
+        now = time.perf_counter()
+        await asyncio.gather(*(one(arrived[i] if arrived else now) for i in range(n)))
+
+    async def _leave(self, gone: list) -> None:
+        if gone:
+            await asyncio.gather(*(asyncio.shield(self.end_session(v.sid)) for v in gone))
+
+    async def step(self) -> None:
+        """One frontend step over every live session."""
+        work = [(v, *v.steps.popleft()) for v in self.live]        # (session, kind, tokens)
+        if not work:
+            return
+        sessions = [v.sid for v, _, _ in work]
+        tokens = [n for _, _, n in work]
+        spec = [k == "verify" for _, k, _ in work]
+        plain = all(n == 1 for n in tokens) and not any(spec)
+        total = sum(tokens)
+        x = self.x(total)
+        t0 = time.perf_counter()
+        try:
+            for layer in self.layers:
+                self.issued += 1
+                t1 = time.perf_counter()
+                y = await self._retrying(lambda: self.client.conv_batch(
+                    sessions, layer, x, None if plain else tokens, None if plain else spec), t1)
+                self.rec.ok("batch", t1, time.perf_counter(), total)
+                self._check(work, layer, x, y, t1)
+            accepts = [(v, self.rng.randint(0, n)) for v, k, n in work if k == "verify"]
+            if accepts:
+                await self.control("accept", lambda: self.client.accept_batch([v.sid for v, _ in accepts],
+                                                                               [a for _, a in accepts]))
+                for v, a in accepts:
+                    if v.ref is not None and not v.ref.broken:
+                        v.ref.accept(a)
+        except Aborted:
+            # a failed step leaves its sessions' states unknown: they end
+            gone, self.live = self.live, []
+            await self._leave(gone)
+            return
+        t_end = time.perf_counter()
+        self.rec.ok("step", t0, t_end, total)
+        gone = []
+        for v, kind, _ in work:
+            if v.prefilling and (not v.steps or v.steps[0][0] != "prefill"):
+                v.prefilling = False
+                self.rec.ok("prefill_done", v.arrived, t_end)
+            if not v.steps:
+                gone.append(v)
+                self.rec.sessions_done += 1
+        if gone:
+            done = set(map(id, gone))
+            self.live = [v for v in self.live if id(v) not in done]
+            await self._leave(gone)
+
+    def _check(self, work, layer: int, x, y, t0: float) -> None:
+        """Compare each verified session's slice of ``y`` with its reference."""
+        a = 0
+        for v, kind, n in work:
+            ref = v.ref
+            if ref is not None and not ref.broken:
+                problem = ref.check(layer, x[a:a + n], kind == "verify", y[a:a + n])
+                self.rec.verified += 1
+                if problem is not None:
+                    ref.broken = True
+                    self.rec.mismatches += 1
+                    self.rec.error(MISMATCH, t0)
+                    self.mismatch_examples.append(f"session {v.sid} layer {layer} ({kind}, T={n}): {problem}")
+            a += n
+
+    # --- loops (the same interface as Driver's)
+
+    async def closed_loop(self, concurrency: int, deadline: Optional[float], grace_s: float) -> None:
+        try:
+            while not self.should_stop() and (deadline is None or time.perf_counter() < deadline):
+                if len(self.live) < concurrency:
+                    await self._join(concurrency - len(self.live))
+                await self.step()
+        finally:
+            gone, self.live = self.live, []
+            await self._leave(gone)
+
+    async def open_loop(self, rate: float, deadline: Optional[float], grace_s: float, max_inflight: int) -> None:
+        """Sessions arrive as a Poisson process of ``rate`` sessions/s; each step admits those that have arrived
+        (beyond ``max_inflight`` live sessions an arrival is dropped as ``client_backlog``)."""
+        next_at = time.perf_counter() + self.rng.expovariate(rate)
+        try:
+            while not self.should_stop():
+                now = time.perf_counter()
+                if deadline is not None and now >= deadline:
+                    break
+                arrived = []
+                while next_at <= now:
+                    if len(self.live) + len(arrived) < max_inflight:
+                        arrived.append(next_at)
+                    else:
+                        self.rec.error("client_backlog", next_at)
+                    next_at += self.rng.expovariate(rate)
+                if arrived:
+                    await self._join(len(arrived), arrived)
+                if not self.live:
+                    wait = next_at - time.perf_counter()
+                    if deadline is not None:
+                        wait = min(wait, deadline - time.perf_counter())
+                    await asyncio.sleep(max(0.0, wait))
+                    continue
+                await self.step()
+        finally:
+            gone, self.live = self.live, []
+            await self._leave(gone)
