@@ -69,11 +69,11 @@ from convserve.state_pool import PoolExhausted as PoolFull
 
 from convserve.clients.protocol.errors import (BadRequest, DtypeUnsupported, Internal, NonFinite, NotReady, PoolExhausted, QueueFull,
                      RequestTimeout, ServiceError, ShapeMismatch, UnknownSession)
-from .model import DTYPE_NAMES, MODEL_DTYPES, ConvModel
+from ..model import DTYPE_NAMES, MODEL_DTYPES, ConvModel
 from convserve.kernels import PAD_SLOT_ID
 
-from .scheduler import Request, RowBatch, Scheduler, SchedulerConfig, SchedulerOutput
-from .sessions import Session, SessionTable
+from ..scheduler import Request, RowBatch, Scheduler, SchedulerConfig, SchedulerOutput
+from ..sessions import Session, SessionTable
 
 # Exponent bits of each float dtype, seen through an integer view: all ones means NaN or Inf.
 _EXPONENT_BITS = {torch.bfloat16: (torch.int16, 0x7F80), torch.float16: (torch.int16, 0x7C00),
