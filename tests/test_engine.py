@@ -577,13 +577,13 @@ def test_a_cancelled_request_never_runs():
 def test_a_request_stuck_behind_a_slow_step_times_out(monkeypatch):
     e = make_engine(request_timeout_s=0.1, max_batch_size=1)
     try:
-        real = e._execute
+        real = e._runner.execute
 
         def slow(out):
             time.sleep(0.3)
             return real(out)
 
-        monkeypatch.setattr(e, "_execute", slow)
+        monkeypatch.setattr(e._runner, "execute", slow)
         a, b = e.create_session(), e.create_session()
         first = e.submit(a, LAYERS[0], torch.randn(1, DIM))
         time.sleep(0.02)
@@ -679,7 +679,7 @@ def test_staged_decodes_wrap_the_arena_and_fall_back_when_its_rows_are_held(rows
     requests (those fall back to the per-row pack), and interleaved layers must all give the reference's y."""
     e = make_engine(slots=12, max_queue_delay_us=20_000, max_batch_size=64, decode_buckets=(1, 2, 4, 8, 16))
     try:
-        e._bufs.stage_rows = rows           # a tiny ring: wraps every few requests (views past it go unused)
+        e._runner.bufs.stage_rows = rows           # a tiny ring: wraps every few requests (views past it go unused)
         oracle = Oracle(e.model_cpu, e.state_dtype)
         rng = random.Random(rows)
         sids = [e.create_session() for _ in range(10)]
@@ -691,13 +691,13 @@ def test_staged_decodes_wrap_the_arena_and_fall_back_when_its_rows_are_held(rows
                 oracle.conv(s, p, x)
         # each round is submitted while the worker is held (a lone caller's requests would otherwise run one
         # at a time as they come, freeing their rows, on a machine where the submitter is the slower thread)
-        gate, real = threading.Event(), e._execute
+        gate, real = threading.Event(), e._runner.execute
 
         def held(out):
             gate.wait(10)
             return real(out)
 
-        e._execute = held
+        e._runner.execute = held
         staged = fallback = 0
         for i in range(12):
             batch = []
@@ -769,17 +769,17 @@ def test_results_kept_by_callers_are_never_overwritten():
                     assert_close(_held_y(held), want)
         for held, want in kept:
             assert_close(_held_y(held), want)
-        assert e._bufs.outputs.fresh > 0       # the held buffers were left to their holders
+        assert e._runner.bufs.outputs.fresh > 0       # the held buffers were left to their holders
         # once nothing refers to them, the ring's buffers are reused again
         del held, want
         kept.clear()
         batch.clear()
-        fresh = e._bufs.outputs.fresh
+        fresh = e._runner.bufs.outputs.fresh
         for _ in range(6):
             for s in sids:
                 x = torch.randn(1, DIM)
                 assert_close(e.submit(s, LAYERS[0], x).result(5), oracle.conv(s, 0, x))
-        assert e._bufs.outputs.fresh == fresh
+        assert e._runner.bufs.outputs.fresh == fresh
     finally:
         e.stop(drain=False)
 
@@ -787,8 +787,8 @@ def test_results_kept_by_callers_are_never_overwritten():
 def test_output_ring_hands_out_a_buffer_again_only_when_nothing_refers_to_it():
     """The ring on its own: each way of keeping a result (the tensor, a view, a numpy array over it, only the
     view's storage) keeps its buffer out of the ring; a buffer comes back once it is let go."""
-    from convserve.service.engine import _OutputRing
-    ring = _OutputRing(2, 4, 8, torch.float32, False)
+    from convserve.service.engine import OutputRing
+    ring = OutputRing(2, 4, 8, torch.float32, False)
 
     def hold(kind, buf):
         if kind == "tensor":
@@ -982,14 +982,14 @@ def test_batches_take_a_free_batch_slot_else_the_arena_else_their_own_tensor():
             buf, stage, y = run(3 + j % 4)
             assert buf == j and stage < 0
             kept.append(y)
-        e._bufs.stage_rows = 10                        # a tiny arena: a run of 6 from row 6 would wrap
+        e._runner.bufs.stage_rows = 10                        # a tiny arena: a run of 6 from row 6 would wrap
         bufs, stages = zip(*[run(k)[:2] for k in (6, 6, 3)])
         assert bufs == (-1, -1, -1) and all(t >= 0 for t in stages)
         assert [t % 10 for t in stages] == [0, 0, 6]
         kept.pop(1)                                    # the y of slot 1 is dropped: the slot is free again
         assert run(5)[0] == 1
-        e._stage_owner[:10] = [types.SimpleNamespace(done=False)] * 10   # every arena row held by a queued request
-        e._slot_owner[:] = [types.SimpleNamespace(done=False)] * BATCH_SLOTS
+        e._runner.stage_owner[:10] = [types.SimpleNamespace(done=False)] * 10   # every arena row held by a queued request
+        e._runner.slot_owner[:] = [types.SimpleNamespace(done=False)] * BATCH_SLOTS
         buf, stage, _ = run(2, layer_pos=2)
         assert buf < 0 and stage < 0                   # copied from the batch's own x
         st = e.stats()
@@ -1040,7 +1040,7 @@ def test_steps_after_start_build_no_new_kernel_variant():
 def _gate(e):
     """Hold the worker inside its next step until the returned event is set (so requests queue behind it)."""
     go, entered = threading.Event(), threading.Event()
-    real, first = e._execute, [True]
+    real, first = e._runner.execute, [True]
 
     def held(out):
         if first[0]:
@@ -1049,7 +1049,7 @@ def _gate(e):
             go.wait(10)
         return real(out)
 
-    e._execute = held
+    e._runner.execute = held
     return go, entered
 
 
