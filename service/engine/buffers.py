@@ -21,12 +21,12 @@ class OutputRing:
     fresh allocation per step.
 
     Ownership: callers get views of these tensors (each result is a lazy ``(buf, lo, hi, dtype)`` cut by its
-    reader, see :func:`_cut`) and may keep them for ever, so a buffer is reused only when nothing outside the
-    ring refers to it: no Python reference to the tensor (the lazy results hold it) and no other tensor on its
-    storage (the cut views, and whatever was made from them without a copy: numpy arrays, further views), nor to
-    its storage object. The counts are exact in CPython, and only this (the worker) thread hands buffers out. The oldest buffer is tried
-    first; when every one is still held, the step gets a fresh tensor of its own size (``fresh`` counts those; a
-    closed loop of callers that each keep their last result holds them all)."""
+    reader, see :func:`outputs.cut`) and may keep them for ever, so a buffer is reused only when nothing outside
+    the ring refers to it: no Python reference to the tensor (the lazy results hold it) and no other tensor on
+    its storage (the cut views, and whatever was made from them without a copy: numpy arrays, further views),
+    nor to its storage object. The counts are exact in CPython, and only the worker thread hands buffers out.
+    The oldest buffer is tried first; when every one is still held, the step gets a fresh tensor of its own size
+    (``fresh`` counts those; a closed loop of callers that each keep their last result holds them all)."""
 
     def __init__(self, n: int, rows: int, dim: int, dtype: torch.dtype, pin: bool):
         self.rows, self._shape, self._dtype, self._pin = rows, (rows, dim), dtype, pin
