@@ -1,10 +1,12 @@
 """EngineConfig: validation, building it from the HTTP settings, and its defaults as the only ones (the scheduler's
 config and the settings' engine fields take theirs from it)."""
 
+import copy
 import dataclasses
 import os
 
 import pytest
+import torch
 
 from convserve.service.config import Settings
 from convserve.service.engine import DEFAULTS, EngineConfig
@@ -46,3 +48,27 @@ def test_the_scheduler_config_is_derived_from_the_engine_config_and_has_no_defau
     sched = engine.scheduler_config()
     for f in dataclasses.fields(SchedulerConfig):
         assert _same(getattr(sched, f.name), getattr(engine, f.name)), f.name
+
+
+@pytest.mark.parametrize("kw", [dict(slots=0), dict(slots="many"), dict(state_dtype="float64"),
+                                dict(max_spec_tokens=0), dict(max_spec_tokens=100, max_batch_tokens=64),
+                                dict(decode_buckets=()), dict(session_ttl_s=0), dict(max_queue=0),
+                                dict(gpu_timing_interval=0)])
+def test_bad_engine_config_is_rejected(kw):
+    with pytest.raises(ValueError):
+        EngineConfig(**kw)
+
+
+def test_engine_config_from_settings_like_object():
+    class S:
+        slots = 32
+        max_batch_tokens = 1024
+        decode_buckets = [4, 1, 2]
+        state_dtype = "float32"
+        session_ttl_s = 10.0
+        unrelated = "x"
+
+    cfg = EngineConfig.from_settings(S())
+    assert cfg.slots == 32 and cfg.decode_buckets == (1, 2, 4) and cfg.state_dtype == torch.float32
+    assert cfg.max_batch_tokens == 1024 and cfg.session_ttl_s == 10.0
+    assert copy.copy(cfg) == cfg
