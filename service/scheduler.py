@@ -19,9 +19,9 @@ Each request is ``(session, layer position, T tokens)``. Per step, within ``max_
   ``max_queue_delay_us``, or at once when the queue alone fills a step, or when a chunked prefill is under way,
   or at once for a lone caller: when the last ``LONE_STEPS`` steps had one row each (the window has been
   bringing nothing more) and the request is alone in the queue. The first step of more than one row brings the
-  window back; a fresh scheduler waits the window. (Also measured, and dropped: running at once whenever the
-  queue reaches the last step's rows, or when the rows expected from a decaying last-step size reach 1; both
-  cut the rows per step of 16-64 closed-loop asyncio callers, whose submits arrive spread out.)
+  window back; a fresh scheduler waits the window. The window is not cut short by a guess of the step's size
+  from earlier steps (such as the last step's rows): callers whose submits arrive spread out, like closed-loop
+  asyncio callers, would then run in smaller steps.
 * **Timeout.** A request that has not started after ``request_timeout_s`` is returned in ``expired`` (to fail).
 * **Batch requests.** A batch request (:class:`RowBatch`: one decode token for each of several sessions, on one
   layer) is one request of ``rows`` rows: taken whole in pass 1, alone on its layer's decode launch, once every
