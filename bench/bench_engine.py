@@ -59,9 +59,10 @@ def _null_kernels(engine: Engine) -> None:
     def fn(*args, out=None, **kwargs):
         return out
 
-    engine._prefill_fn = fn
-    engine._update_fn = fn
-    engine._decode._fn = fn
+    runner = engine._runner
+    runner.prefill_fn = fn
+    runner.update_fn = fn
+    runner.decode._fn = fn
 
 
 def make_engine(args, model, **cfg) -> Engine:

@@ -4,30 +4,52 @@ Each class owns static input and output buffers, captures the op once over them,
 the buffers in place (``graph.x[:n].copy_(...)``) and calls :meth:`replay`, or uses :meth:`run`, which copies
 for it. Rows past the live ones must hold the pad slot (the constructors and :meth:`run` see to it), so the
 padded part of a bucket computes zeros and touches no state.
+
+:func:`warm` and :func:`capture` are the one capture path: these classes and the serving engine's decode
+launchers (``service.engine.cuda_graphs``) both go through them.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Hashable, Mapping, Optional
 
 import torch
 
-from ._validate import PAD_SLOT_ID
-from .decode import causal_conv1d_update
-from .prefill import causal_conv1d_fn
+from . import PAD_SLOT_ID, causal_conv1d_fn, causal_conv1d_update
+
+
+def warm(fns: Mapping[Hashable, Callable[[], object]], device=None) -> None:
+    """Run every function of ``fns`` once on a side stream and wait for them: each kernel specialization is
+    compiled now, and outside any graph (a capture cannot compile). The current stream then waits for the side
+    one, so what the functions wrote is visible to later work."""
+    cur = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(cur)
+    with torch.cuda.stream(side):
+        for fn in fns.values():
+            fn()
+    side.synchronize()
+    cur.wait_stream(side)
+
+
+def capture(fns: Mapping[Hashable, Callable[[], object]], pool=None) -> dict:
+    """One CUDA graph per function of ``fns`` (``{key: graph}``), all from one memory pool (``pool``, or a new
+    one): replaying a graph reruns its function's launches on the same buffers. Call :func:`warm` on the same
+    functions first. The functions run once during capture, so each must be safe to run again (pad rows)."""
+    pool = torch.cuda.graph_pool_handle() if pool is None else pool
+    graphs = {}
+    for key, fn in fns.items():
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=pool):
+            fn()
+        graphs[key] = g
+    return graphs
 
 
 def _capture(fn, pool):
-    """Run ``fn`` once outside the graph (compiles the kernel), then capture it."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        fn()
-    return graph
+    """:func:`warm` then :func:`capture` for one function: its graph."""
+    warm({0: fn})
+    return capture({0: fn}, pool)[0]
 
 
 class DecodeGraph:

@@ -19,6 +19,8 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
+from .engine.config import DEFAULTS as _ENGINE  # the engine's defaults (EngineConfig), without torch
+
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
@@ -65,40 +67,48 @@ class Settings(BaseSettings):
     dtype: Optional[Literal["bfloat16", "float16", "float32"]] = Field(
         None, description="weight dtype (random model default bfloat16; file default: as stored)")
     state_dtype: Optional[Literal["bfloat16", "float16", "float32"]] = Field(
-        None, description="conv state dtype (default: the engine's choice, see /v1/model)")
+        _ENGINE.state_dtype, description="conv state dtype (default: the engine's choice, see /v1/model)")
     seed: int = Field(0, description="random model: seed of the weights")
 
     # --- engine
-    slots: Union[int, Literal["auto"]] = Field(256, description="session slots in the state pool, or 'auto' "
-                                                                 "(a fraction of free GPU memory)")
-    max_batch_tokens: int = Field(8192, ge=1, description="tokens per engine step, all requests together")
-    max_batch_size: int = Field(256, ge=1, description="requests per engine step")
-    max_queue_delay_us: int = Field(200, ge=0, description="how long a step waits to fill a batch (µs)")
+    slots: Union[int, Literal["auto"]] = Field(_ENGINE.slots, description="session slots in the state pool, or "
+                                               "'auto' (a fraction of free GPU memory)")
+    max_batch_tokens: int = Field(_ENGINE.max_batch_tokens, ge=1,
+                                  description="tokens per engine step, all requests together")
+    max_batch_size: int = Field(_ENGINE.max_batch_size, ge=1, description="requests per engine step")
+    max_queue_delay_us: int = Field(_ENGINE.max_queue_delay_us, ge=0,
+                                    description="how long a step waits to fill a batch (µs)")
     decode_buckets: Annotated[list[int], NoDecode] = Field(
-        [1, 2, 4, 8, 16, 32, 64, 128, 256], description="decode batch sizes (CUDA graphs are captured for each)")
-    max_queue: int = Field(4096, ge=1, description="queued requests before 429 queue_full")
-    session_ttl_s: float = Field(3600.0, gt=0, description="idle seconds before a session's state is evicted "
-                                                           "(410 state_lost)")
-    request_timeout_s: float = Field(30.0, gt=0, description="seconds a conv request may take before 504")
-    use_cuda_graphs: bool = Field(True, description="replay decode steps from CUDA graphs (CUDA only)")
-    multi_layer_decode: bool = Field(False, description="run a step's decodes of several layers as one launch "
+        list(_ENGINE.decode_buckets), description="decode batch sizes (CUDA graphs are captured for each)")
+    max_queue: int = Field(_ENGINE.max_queue, ge=1, description="queued requests before 429 queue_full")
+    session_ttl_s: float = Field(_ENGINE.session_ttl_s, gt=0,
+                                 description="idle seconds before a session's state is evicted (410 state_lost)")
+    request_timeout_s: float = Field(_ENGINE.request_timeout_s, gt=0,
+                                     description="seconds a conv request may take before 504")
+    use_cuda_graphs: bool = Field(_ENGINE.use_cuda_graphs,
+                                  description="replay decode steps from CUDA graphs (CUDA only)")
+    multi_layer_decode: bool = Field(_ENGINE.multi_layer_decode,
+                                     description="run a step's decodes of several layers as one launch "
                                      "(stacked weights) when they fit the largest decode bucket; off by default: "
-                                     "it measured slower through the service on the H200")
-    max_spec_tokens: int = Field(16, ge=1, description="most tokens of one speculative verify (k + 1)")
-    gpu_timing_interval: int = Field(16, ge=1, description="CUDA: time the GPU with events on every Nth engine step "
+                                     "the per-layer launches are the path validated through this service")
+    max_spec_tokens: int = Field(_ENGINE.max_spec_tokens, ge=1,
+                                 description="most tokens of one speculative verify (k + 1)")
+    gpu_timing_interval: int = Field(_ENGINE.gpu_timing_interval, ge=1,
+                                     description="CUDA: time the GPU with events on every Nth engine step "
                                      "(kernel time metrics scale the sample); 1 times every step")
     gil_switch_interval_us: int = Field(500, ge=100, le=100_000, description="Python's thread switch interval "
                                         "(sys.setswitchinterval; Python's default is 5000): how long the engine "
                                         "thread may wait for the GIL after each GPU call while the HTTP loop is "
                                         "busy")
-    pool_memory_fraction: float = Field(0.5, gt=0, le=1, description="with --slots auto: the share of free GPU "
-                                                                      "memory the state pool may take")
+    pool_memory_fraction: float = Field(_ENGINE.pool_memory_fraction, gt=0, le=1,
+                                        description="with --slots auto: the share of free GPU memory the state "
+                                        "pool may take")
 
     # --- HTTP limits
     max_body_bytes: int = Field(64 << 20, ge=1024, description="largest request body, or stream frame, "
                                                                "in bytes (413 above)")
     max_tokens_per_request: int = Field(8192, ge=1, description="largest T of one conv request (413 above)")
-    check_finite: bool = Field(True, description="reject x with NaN or Inf (422 non_finite)")
+    check_finite: bool = Field(_ENGINE.check_finite, description="reject x with NaN or Inf (422 non_finite)")
     stream_window: int = Field(256, ge=1, description="frames of one stream or WebSocket being computed at "
                                                       "once; the next frames wait to be read")
     shutdown_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, how long to let in-flight work "

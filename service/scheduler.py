@@ -19,9 +19,9 @@ Each request is ``(session, layer position, T tokens)``. Per step, within ``max_
   ``max_queue_delay_us``, or at once when the queue alone fills a step, or when a chunked prefill is under way,
   or at once for a lone caller: when the last ``LONE_STEPS`` steps had one row each (the window has been
   bringing nothing more) and the request is alone in the queue. The first step of more than one row brings the
-  window back; a fresh scheduler waits the window. (Also measured, and dropped: running at once whenever the
-  queue reaches the last step's rows, or when the rows expected from a decaying last-step size reach 1; both
-  cut the rows per step of 16-64 closed-loop asyncio callers, whose submits arrive spread out.)
+  window back; a fresh scheduler waits the window. The window is not cut short by a guess of the step's size
+  from earlier steps (such as the last step's rows): callers whose submits arrive spread out, like closed-loop
+  asyncio callers, would then run in smaller steps.
 * **Timeout.** A request that has not started after ``request_timeout_s`` is returned in ``expired`` (to fail).
 * **Batch requests.** A batch request (:class:`RowBatch`: one decode token for each of several sessions, on one
   layer) is one request of ``rows`` rows: taken whole in pass 1, alone on its layer's decode launch, once every
@@ -55,7 +55,8 @@ LONE_STEPS = 4
 
 @dataclass(eq=False, slots=True)
 class Request:
-    """One conv request. Compared and hashed by identity."""
+    """One conv request, as far as the scheduler reads it (the engine's subclass adds its payload). Compared and
+    hashed by identity."""
 
     seq: int                     # arrival number, increasing over the engine's life
     session: Any                 # the Session record (.slot, .initialized, .barrier, .sched_* scratch)
@@ -63,30 +64,22 @@ class Request:
     n_tokens: int                # T
     speculative: bool            # a verify: computes y, keeps the state as it was until accept
     arrival: float               # monotonic seconds at submit
-    x: Any = None                # the engine's (T, dim) input; the scheduler never reads it
-    future: Any = None           # the engine's result sink
-    x_dtype: Any = None          # dtype the caller wants y in (None: the model dtype, no cast)
-    parts: Optional[list] = None  # outputs of the chunks run so far (chunked prefills only)
     scheduled_tokens: int = 0    # tokens handed to steps so far
     started: bool = False        # has entered a step: can no longer be cancelled
     cancelled: bool = False      # withdrawn: cancel, timeout, deleted session, stop
-    done: bool = False           # finished, failed or cancelled (the engine's bookkeeping)
-    stage: int = -1              # the engine's staging-arena ticket of x (-1: not staged); never read here
+    done: bool = False           # finished, failed or cancelled (set by the engine; read in ``after``/``waits``)
     batch: Any = None            # a batch request: its RowBatch (``session`` is then a placeholder); else None
     after: Any = None            # the batch requests (of its session, submitted before it) it waits for, or None
 
 
 @dataclass(eq=False, slots=True)
 class RowBatch:
-    """The rows of a batch request: one decode token for each of several sessions, on one layer, as one request
-    (one submit, one step slot, one result). Its ``n_tokens`` is the number of rows."""
+    """What the scheduler reads of a batch request's rows (one decode token for each of several sessions, on one
+    layer, as one request: one submit, one step slot, one result; its ``n_tokens`` is the number of rows). The
+    engine's subclass adds the rows' sessions and slots."""
 
-    sessions: list               # the Session of each row, in row order (distinct)
-    slots: Any                   # the engine's (rows,) int32 array of the rows' pool slots; never read here
     waits: list                  # every unfinished request of its sessions submitted before it: done first
     wait_ops: list               # session ops posted before it: run (``.future.done()``) or withdrawn first
-    buf: int = -1                # the engine's batch slot holding its x and y (-1: none); never read here
-    done_at: float = 0.0         # monotonic time it completed (the engine's; its sessions' last use)
 
 
 @dataclass(slots=True)
@@ -111,7 +104,7 @@ class DecodeBatch:
     requests: list                # the request of each real row (rows past len(requests) are padding); for a
     #                               batch request, that one request
     cache_indices: Optional[list]  # (bucket,) pool slot per row, PAD_SLOT_ID for the padding rows; None for a
-    #                               batch request (its slots are ``requests[0].batch.slots``)
+    #                               batch request (the engine's record of it holds its rows' slots)
     bucket: int                   # padded batch size: the smallest configured bucket >= rows
     rows: int = 0                 # real rows: len(requests), or the batch request's rows
 
@@ -149,11 +142,14 @@ class SchedulerOutput:
 
 @dataclass
 class SchedulerConfig:
-    max_batch_tokens: int = 8192          # tokens per step, all rows together
-    max_batch_size: int = 256             # rows per step
-    max_queue_delay_us: int = 200         # how long the oldest request may wait for a fuller step
-    decode_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # padded decode batch sizes
-    request_timeout_s: float = 30.0       # a request not started by then is expired
+    """The batching knobs. No defaults here: the engine's config owns them and derives this one
+    (``EngineConfig.scheduler_config()``)."""
+
+    max_batch_tokens: int                 # tokens per step, all rows together
+    max_batch_size: int                   # rows per step
+    max_queue_delay_us: int               # how long the oldest request may wait for a fuller step
+    decode_buckets: Sequence[int]         # padded decode batch sizes
+    request_timeout_s: float              # a request not started by then is expired
 
     def __post_init__(self):
         for name in ("max_batch_tokens", "max_batch_size"):

@@ -29,3 +29,13 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def kernel_device() -> str:
     return KERNEL_DEVICE
+
+
+@pytest.fixture
+def engine():
+    """A started CPU engine (``tests.engine_support.make_engine``), stopped after the test."""
+    from tests.engine_support import make_engine
+
+    e = make_engine()
+    yield e
+    e.stop(drain=False)

@@ -1,11 +1,13 @@
 """The batching scheduler, pure Python: packing, buckets, ordering, limits, priorities and the delay window."""
 
+import dataclasses
 import itertools
 import random
 
 import pytest
 
 from convserve.kernels import PAD_SLOT_ID
+from convserve.service.engine import EngineConfig
 from convserve.service.scheduler import (LONE_STEPS, DecodeBatch, PrefillBatch, Request, RowBatch, Scheduler,
                                SchedulerConfig, VerifyBatch)
 from convserve.service.sessions import Session
@@ -13,12 +15,17 @@ from convserve.service.sessions import Session
 T0 = 1000.0
 
 
+def sched_config(**kw) -> SchedulerConfig:
+    """The engine's default scheduler config with ``kw`` changed (SchedulerConfig has no defaults of its own)."""
+    return dataclasses.replace(EngineConfig().scheduler_config(), **kw)
+
+
 class Q:
     """A scheduler plus helpers to submit requests the way the engine does."""
 
     def __init__(self, **cfg):
         cfg.setdefault("max_queue_delay_us", 0)
-        self.s = Scheduler(SchedulerConfig(**cfg))
+        self.s = Scheduler(sched_config(**cfg))
         self.seq = itertools.count()
         self.sessions = {}
 
@@ -40,7 +47,7 @@ class Q:
         it: each session's later requests wait for it."""
         sessions = [self.session(slot) for slot in slots]
         r = Request(next(self.seq), Session("<batch>", PAD_SLOT_ID), layer, len(slots), False, at)
-        r.batch = RowBatch(sessions, list(slots), list(waits), list(wait_ops))
+        r.batch = RowBatch(list(waits), list(wait_ops))
         for s in sessions:
             s.batch = r
         self.s.add(r)
@@ -434,7 +441,7 @@ def test_a_verify_that_can_never_fit_a_step_is_refused_at_once():
                                 dict(request_timeout_s=0)])
 def test_bad_scheduler_config_is_rejected(kw):
     with pytest.raises(ValueError):
-        SchedulerConfig(**kw)
+        sched_config(**kw)
 
 
 # ---- batch requests (one decode token for each of several sessions, one request)

@@ -1,0 +1,141 @@
+"""Host and device memory the runner works in, allocated once at start for the largest step: the batch buffers
+(:class:`Buffers`) and the rings of host tensors results are copied into (:class:`OutputRing`)."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from convserve.kernels import PAD_SLOT_ID
+
+#: batch slots (see Buffers): batch requests that find one free launch with a single graph replay
+BATCH_SLOTS = 4
+
+#: c10 storage use count (a private binding, present since torch 2.0); without it every step gets a fresh output
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+class OutputRing:
+    """The host tensors a step's results are copied into (pinned on CUDA), reused from step to step instead of a
+    fresh allocation per step.
+
+    Ownership: callers get views of these tensors (each result is a lazy ``(buf, lo, hi, dtype)`` cut by its
+    reader, see :func:`outputs.cut`) and may keep them for ever, so a buffer is reused only when nothing outside
+    the ring refers to it: no Python reference to the tensor (the lazy results hold it) and no other tensor on
+    its storage (the cut views, and whatever was made from them without a copy: numpy arrays, further views),
+    nor to its storage object. The counts are exact in CPython, and only the worker thread hands buffers out.
+    The oldest buffer is tried first; when every one is still held, the step gets a fresh tensor of its own size
+    (``fresh`` counts those; a closed loop of callers that each keep their last result holds them all)."""
+
+    def __init__(self, n: int, rows: int, dim: int, dtype: torch.dtype, pin: bool):
+        self.rows, self._shape, self._dtype, self._pin = rows, (rows, dim), dtype, pin
+        self._bufs = [torch.empty(self._shape, dtype=dtype, pin_memory=pin) for _ in range(n)]
+        # each buffer's storage object: torch hands out the same Python object for it, so a caller that keeps
+        # only y.untyped_storage() shows in its reference count (not in the c10 use count)
+        self._stores = [b.untyped_storage() for b in self._bufs]
+        self._next = 0
+        self.fresh = 0
+        # the counts of an unreferenced buffer, measured with the same expressions as in take()
+        self._refs = sys.getrefcount(self._bufs[0])
+        self._store_refs = sys.getrefcount(self._stores[0])
+        self._uses = _storage_use_count(self._bufs[0].untyped_storage()._cdata) if _storage_use_count else None
+
+    def held(self, i: int) -> bool:
+        """Does anything outside the ring refer to buffer ``i`` (always True without the use count)?"""
+        b = self._bufs[i]
+        return self._uses is None or sys.getrefcount(b) != self._refs + 1 or \
+            sys.getrefcount(self._stores[i]) != self._store_refs or \
+            _storage_use_count(b.untyped_storage()._cdata) != self._uses
+
+    def take(self, n: int) -> torch.Tensor:
+        """A ``(>= n, dim)`` host tensor for one step's ``n`` result rows: a free ring buffer, else (every one
+        still held by callers) a fresh ``(n, dim)`` tensor."""
+        k = len(self._bufs)
+        if self._uses is not None:
+            for j in range(k):
+                i = (self._next + j) % k
+                if not self.held(i):
+                    self._next = (i + 1) % k
+                    return self._bufs[i]
+        self.fresh += 1
+        return torch.empty((n, self._shape[1]), dtype=self._dtype, pin_memory=self._pin)
+
+    def buf(self, i: int) -> torch.Tensor:
+        return self._bufs[i]
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._bufs)
+
+
+class Buffers:
+    """Batch buffers, allocated once for the largest step. On CUDA the ``h_*`` are pinned host memory and the
+    ``d_*`` device memory; on the CPU each ``d_*`` is its ``h_*``."""
+
+    def __init__(self, n_layers: int, dim: int, dtype: torch.dtype, max_tokens: int, max_rows: int,
+                 max_bucket: int, max_spec: int, device: torch.device):
+        cuda = device.type == "cuda"
+
+        def pair(shape, dt, fill=None):
+            h = torch.empty(shape, dtype=dt, pin_memory=cuda)
+            if fill is not None:
+                h.fill_(fill)
+            d = torch.empty(shape, dtype=dt, device=device) if cuda else h
+            if cuda and fill is not None:
+                d.fill_(fill)
+            return h, d
+
+        # each array starts 16-byte aligned (see Runner.execute): room for the padding of every array
+        n_meta = 21 * max_rows + 34 * n_layers + 16
+        # packed prefill + verify tokens, and room past them for a launch padded to 16 sequences and 16 tokens
+        # (see Runner.execute: a padded launch ends at most 15 tokens, or 15 verify rows, past the packed ones)
+        slack = 16 * max(1, max_spec)
+        self.h_in, self.d_in = pair((max_tokens + slack, dim), dtype)
+        self.d_out = torch.empty((max_tokens + slack, dim), dtype=dtype, device=device)
+        self.h_meta, self.d_meta = pair((n_meta,), torch.int32)          # query_start_loc, cache_indices
+        self.h_flags, self.d_flags = pair((max_rows + 16 * n_layers,), torch.bool)   # has_initial_state
+        self.h_dec_x, self.d_dec_x = pair((n_layers, max_bucket, dim), dtype, 0)   # decode rows, per layer
+        self.h_dec_idx, self.d_dec_idx = pair((n_layers, max_bucket), torch.int32, PAD_SLOT_ID)
+        # one launch for the decodes of several layers: rows in arrival order, a state line per row
+        # (layer * (slots + 1) + slot, see ConvStatePool.lines)
+        self.h_mix_x, self.d_mix_x = pair((max_bucket, dim), dtype, 0)
+        self.h_mix_idx, self.d_mix_idx = pair((max_bucket,), torch.int32, PAD_SLOT_ID)
+        self.d_mix_out = torch.empty((max_bucket, dim), dtype=dtype, device=device)
+        # the staging arena: each decode's x is copied into row (ticket % stage_rows) at submit, on the submitting
+        # thread, so a step's decode rows of one layer, submitted one after another, are one contiguous slice
+        # (one copy into d_dec_x, no per-row pack on the engine thread); see Runner.stage
+        self.stage_rows = max(1024, 2 * max_bucket)
+        self.h_stage = torch.empty((self.stage_rows, dim), dtype=dtype, pin_memory=cuda)
+        self.stage_views = [self.h_stage[i:i + 1] for i in range(self.stage_rows)]
+        self.gather = torch.empty((max_bucket,), dtype=torch.int64)    # arena rows of one layer's decodes
+        self.gather_np = self.gather.numpy()
+        self.d_dec_out = torch.empty((n_layers, max_bucket, dim), dtype=dtype, device=device)
+        # verify: output_state_indices all pad: the live state is not written and no window is stored
+        self.d_osi = torch.full((max_rows + 16, max_spec), PAD_SLOT_ID, dtype=torch.int32, device=device)
+        # the results of a step with up to max_rows output rows (every decode-only step); longer ones (prefill
+        # tokens) get a fresh tensor. 4 buffers: the callers of the last steps may not have read theirs yet.
+        self.outputs = OutputRing(4, max_rows, dim, dtype, cuda)
+        # batch slots: a batch request's x (copied in at submit), rows' pool slots and y, each slot with a CUDA graph
+        # per (layer, bucket) that holds the copy in, the kernel and the copy out: its launch is one replay. A
+        # slot is reused once its batch is done and nothing outside refers to its y (see Runner.take_slot).
+        self.slot_x = [torch.empty((max_bucket, dim), dtype=dtype, pin_memory=cuda) for _ in range(BATCH_SLOTS)]
+        self.slot_idx = [torch.full((max_bucket,), PAD_SLOT_ID, dtype=torch.int32, pin_memory=cuda)
+                         for _ in range(BATCH_SLOTS)]
+        self.slot_idx_np = [t.numpy() for t in self.slot_idx]
+        self.slot_y = OutputRing(BATCH_SLOTS, max_bucket, dim, dtype, cuda)
+        self.meta_np = self.h_meta.numpy()
+        self.flags_np = self.h_flags.numpy()
+        self.dec_idx_np = self.h_dec_idx.numpy()
+        self.mix_idx_np = self.h_mix_idx.numpy()
+        self.cuda = cuda
+
+    def nbytes(self) -> dict:
+        def nb(t):
+            return t.numel() * t.element_size()
+
+        names = ("in", "meta", "flags", "dec_x", "dec_idx", "mix_x", "mix_idx")
+        host = sum(nb(getattr(self, "h_" + n)) for n in names) + nb(self.h_stage) + self.outputs.nbytes() + \
+            sum(nb(t) for t in (*self.slot_x, *self.slot_idx)) + self.slot_y.nbytes()
+        dev = (sum(nb(getattr(self, "d_" + n)) for n in names) if self.cuda else 0) + nb(self.d_osi) + \
+            nb(self.d_dec_out) + nb(self.d_mix_out) + nb(self.d_out)
+        return {"host": host, "device": dev, "total": host + dev}

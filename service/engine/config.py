@@ -1,0 +1,100 @@
+"""The engine's knobs and their defaults: :class:`EngineConfig` is the one place they are written. The
+scheduler's config is derived from it (:meth:`EngineConfig.scheduler_config`) and the HTTP settings take their
+engine defaults from :data:`DEFAULTS`.
+
+Importing this module needs neither torch nor the kernels (the CLI reads the defaults for ``--help``): what
+needs them is imported where it is used.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..scheduler import SchedulerConfig
+
+
+def _dtype(v, what: str) -> "torch.dtype":
+    import torch
+
+    from ..model import DTYPE_NAMES, MODEL_DTYPES
+
+    by_name = {name: dt for dt, name in DTYPE_NAMES.items()}
+    if isinstance(v, torch.dtype) and v in MODEL_DTYPES:
+        return v
+    if isinstance(v, str) and v in by_name:
+        return by_name[v]
+    raise ValueError(f"{what}: expected one of {list(by_name)}, got {v!r}")
+
+
+@dataclass
+class EngineConfig:
+    """Engine knobs. The HTTP layer's settings fill these; the defaults serve a single GPU well."""
+
+    slots: Union[int, str] = 256                 # session slots in the pool, or "auto" (pool_memory_fraction)
+    state_dtype: Optional[Union["torch.dtype", str]] = None  # None: the model dtype. The state holds past
+    #                                              inputs, which are cast to the model dtype, so that is lossless.
+    max_batch_tokens: int = 8192                 # tokens per step (longer prefills run in chunks)
+    max_batch_size: int = 256                    # rows per step
+    max_queue_delay_us: int = 200                # how long a step waits to fill
+    decode_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # padded decode sizes (one CUDA graph
+    #                                              per layer and bucket); the largest bounds decode rows per layer
+    max_queue: int = 4096                        # queued requests before QueueFull
+    session_ttl_s: float = 3600.0                # idle seconds before a session is evicted
+    request_timeout_s: float = 30.0              # queue wait before RequestTimeout; also bounds session ops
+    use_cuda_graphs: bool = True                 # replay decode buckets from CUDA graphs (CUDA only)
+    multi_layer_decode: bool = False             # a step's decodes of several layers in one launch (stacked
+    #                                              weights, one table of state lines), when they fit a bucket.
+    #                                              Off by default: per-layer launches are the path validated
+    #                                              through the HTTP service (bench/NOTES.md, multi-layer decode)
+    gpu_timing_interval: int = 16                # CUDA: time the GPU with events on every Nth step (event
+    #                                              records cost host time on the step's path); the counters
+    #                                              scale the sample (1: time every step)
+    max_spec_tokens: int = 16                    # most tokens of one speculative verify
+    check_finite: bool = True                    # reject x with NaN/Inf (NonFinite) instead of poisoning state
+    pool_memory_fraction: float = 0.5            # slots="auto": this share of free device memory
+    max_evicted_ids: int = 65536                 # evicted ids remembered (StateLost rather than UnknownSession)
+
+    def __post_init__(self):
+        if isinstance(self.slots, str):
+            if self.slots != "auto":
+                raise ValueError(f"slots: expected an int >= 1 or 'auto', got {self.slots!r}")
+        elif isinstance(self.slots, bool) or not isinstance(self.slots, int) or self.slots < 1:
+            raise ValueError(f"slots: expected an int >= 1 or 'auto', got {self.slots!r}")
+        if self.state_dtype is not None:
+            self.state_dtype = _dtype(self.state_dtype, "state_dtype")
+        self.decode_buckets = tuple(sorted(set(int(b) for b in self.decode_buckets)))
+        for name in ("max_queue", "max_spec_tokens", "max_evicted_ids", "gpu_timing_interval"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected >= 1, got {getattr(self, name)}")
+        if self.max_spec_tokens > self.max_batch_tokens:
+            raise ValueError(f"max_spec_tokens ({self.max_spec_tokens}) exceeds max_batch_tokens "
+                             f"({self.max_batch_tokens}): a verify runs in one step")
+        if self.session_ttl_s <= 0:
+            raise ValueError(f"session_ttl_s: expected > 0, got {self.session_ttl_s}")
+        if not 0 < self.pool_memory_fraction <= 1:
+            raise ValueError(f"pool_memory_fraction: expected in (0, 1], got {self.pool_memory_fraction}")
+        self.scheduler_config()  # validates the batching knobs
+
+    def scheduler_config(self) -> "SchedulerConfig":
+        """The scheduler's knobs: these fields of this config (the scheduler has no defaults of its own)."""
+        from ..scheduler import SchedulerConfig
+
+        return SchedulerConfig(self.max_batch_tokens, self.max_batch_size, self.max_queue_delay_us,
+                               self.decode_buckets, self.request_timeout_s)
+
+    @classmethod
+    def from_settings(cls, settings: Any, **overrides) -> "EngineConfig":
+        """Take every field this config has from an object with the same attribute names (the HTTP settings)."""
+        kw = {f.name: getattr(settings, f.name) for f in fields(cls) if getattr(settings, f.name, None) is not None}
+        kw.update(overrides)
+        return cls(**kw)
+
+
+#: every field's default, by name (``DEFAULTS.max_batch_size``), read off the class: no EngineConfig is built,
+#: so reading it imports nothing more
+DEFAULTS = types.SimpleNamespace(**{f.name: f.default for f in fields(EngineConfig)})

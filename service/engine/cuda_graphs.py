@@ -1,0 +1,135 @@
+"""The decode launches of the engine: one per (layer, bucket), per (batch slot, layer, bucket) and (with
+``multi_layer_decode``) one multi-layer launch per bucket; on CUDA each is warmed and, with graphs, captured
+through :mod:`convserve.kernels.graphs` and replayed."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from convserve.kernels import PAD_SLOT_ID
+from convserve.kernels import graphs
+from convserve.state_pool import ConvStatePool
+
+from ..model import ConvModel
+from .buffers import BATCH_SLOTS, Buffers
+
+
+class DecodeLaunchers:
+    """The decode launch of one layer for one bucket: ``causal_conv1d_update`` over the layer's rows in
+    ``bufs.d_dec_x[layer, :bucket]`` / ``bufs.h_dec_idx[layer, :bucket]``, output in
+    ``bufs.d_dec_out[layer, :bucket]``.
+
+    The caller puts the real rows' x in ``bufs.d_dec_x[layer, :n]`` first (one copy from the staging arena, or
+    from the host pack in ``h_dec_x``; on the CPU ``d_dec_x`` is ``h_dec_x``); the pad rows' x is whatever was
+    there (a pad row reads no x: its output is zero and it touches no state). On CUDA with graphs, each
+    (layer, bucket) is one CUDA graph holding the host-to-device copy of the indices and the kernel: a decode
+    launch is one ``replay()``. (The device-to-host copy of y stays outside, into the step's host buffer from
+    :class:`OutputRing`, so results need no host-side copy.) Without graphs the same two operations run eagerly.
+    On the CPU the reference runs directly on the host buffers. Warm-up and capture go through
+    :func:`kernels.graphs.warm` and :func:`kernels.graphs.capture`.
+
+    With ``multi_layer`` there is also one launch per bucket for rows of any layers (key ``MIXED``): x in
+    ``bufs.d_mix_x``, state lines (``layer * (slots + 1) + slot``) in ``bufs.h_mix_idx``, the model's stacked
+    weights over the pool's table of lines, output in ``bufs.d_mix_out``.
+
+    Batch slots (:meth:`run_slot`, keys ``(slot, layer, bucket)``): the launch reads x and the pool slots from
+    the batch slot's host buffers and writes y into the slot's host buffer, so on CUDA with graphs its copy in,
+    kernel and copy out are one ``replay()``. On the CPU the reference reads and writes those buffers directly.
+    """
+
+    #: the layer key of the multi-layer launch: rows of any layers, ``bufs.*_mix_*``, stacked weights
+    MIXED = -1
+
+    def __init__(self, update_fn, pool: ConvStatePool, model: ConvModel, bufs: Buffers, buckets: Sequence[int],
+                 use_graphs: bool, multi_layer: bool = False):
+        self._fn, self._pool, self._model, self._b = update_fn, pool, model, bufs
+        self._buckets = tuple(buckets)
+        self._graphs: dict = {}
+        self.graph_bytes = 0
+        self.multi_layer_runs = 0                 # launches of MIXED (for stats)
+        self._cuda = pool.device.type == "cuda"
+        # the views each (layer, bucket) launch takes, built once: a dozen view ops per launch otherwise (the
+        # eager path and the CPU run every launch through _ops)
+        self._args = {}
+        for p in range(model.n_layers):
+            for b in self._buckets:
+                self._args[(p, b)] = (bufs.d_dec_x[p, :b], pool.layer(p), model.weight[p], model.layer_bias(p),
+                                      bufs.d_dec_idx[p, :b], bufs.h_dec_idx[p, :b], bufs.d_dec_out[p, :b])
+        self._slot_keys = [(k, p, b) for k in range(BATCH_SLOTS) for p in range(model.n_layers) for b in self._buckets]
+        self.multi_layer = multi_layer and model.n_layers > 1
+        if self.multi_layer:
+            for b in self._buckets:
+                self._args[(self.MIXED, b)] = (bufs.d_mix_x[:b], pool.lines(), model.weight,
+                                               model.bias if any(model.has_bias) else None, bufs.d_mix_idx[:b],
+                                               bufs.h_mix_idx[:b], bufs.d_mix_out[:b])
+        if self._cuda:
+            self._warm_and_capture(use_graphs)
+
+    def _ops(self, p: int, b: int):
+        x, states, w, bias, d_idx, h_idx, out = self._args[(p, b)]
+        if self._cuda:
+            d_idx.copy_(h_idx, non_blocking=True)
+        self._fn(x, states, w, bias, self._model.activation, conv_state_indices=d_idx, pad_slot_id=PAD_SLOT_ID,
+                 out=out)
+
+    def _slot_ops(self, k: int, p: int, b: int):
+        bf = self._b
+        x, states, w, bias, d_idx, _h, out = self._args[(p, b)]
+        hx, hidx, hy = bf.slot_x[k][:b], bf.slot_idx[k][:b], bf.slot_y.buf(k)[:b]
+        if not self._cuda:
+            self._fn(hx, states, w, bias, self._model.activation, conv_state_indices=hidx, pad_slot_id=PAD_SLOT_ID,
+                     out=hy)
+            return
+        x.copy_(hx, non_blocking=True)
+        d_idx.copy_(hidx, non_blocking=True)
+        self._fn(x, states, w, bias, self._model.activation, conv_state_indices=d_idx, pad_slot_id=PAD_SLOT_ID,
+                 out=out)
+        hy.copy_(out, non_blocking=True)
+
+    def _launches(self) -> dict:
+        """Every launch: ``{key: run it eagerly}``."""
+        fns = {key: (lambda key=key: self._ops(*key)) for key in self._args}
+        fns.update({key: (lambda key=key: self._slot_ops(*key)) for key in self._slot_keys})
+        return fns
+
+    def _warm_and_capture(self, use_graphs: bool) -> None:
+        """Run every launch once on pad rows (no state is touched): compiles each kernel specialization now
+        instead of on the first step that needs it. With ``use_graphs``, then capture each one; the index buffers
+        still hold the pads, so the capture run touches no state either."""
+        dev, bf = self._pool.device, self._b
+        bf.dec_idx_np[:] = PAD_SLOT_ID
+        bf.mix_idx_np[:] = PAD_SLOT_ID
+        for t in bf.slot_idx_np:
+            t[:] = PAD_SLOT_ID
+        fns = self._launches()
+        graphs.warm(fns, dev)
+        if not use_graphs:
+            return
+        before = torch.cuda.memory_reserved(dev)
+        self._graphs = graphs.capture(fns)
+        torch.cuda.synchronize(dev)
+        self.graph_bytes = torch.cuda.memory_reserved(dev) - before
+
+    @property
+    def n_graphs(self) -> int:
+        return len(self._graphs)
+
+    def run(self, p: int, b: int) -> None:
+        """Launch layer ``p``'s decode (or, ``p == MIXED``, the multi-layer one) for bucket ``b``."""
+        if p == self.MIXED:
+            self.multi_layer_runs += 1
+        g = self._graphs.get((p, b))
+        if g is not None:
+            g.replay()
+        else:
+            self._ops(p, b)
+
+    def run_slot(self, k: int, p: int, b: int) -> None:
+        """Launch layer ``p``'s decode of batch slot ``k`` (x, pool slots and y in the slot's host buffers)."""
+        g = self._graphs.get((k, p, b))
+        if g is not None:
+            g.replay()
+        else:
+            self._slot_ops(k, p, b)

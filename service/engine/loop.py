@@ -1,0 +1,160 @@
+"""The worker: the one thread that schedules and runs steps.
+
+It loops: evict idle sessions, run the session operations that are ready, ask the scheduler for a step, have the
+runner execute it (:meth:`Runner.execute`), hand its results to :func:`outputs.deliver_step`, record its stats.
+This is the side of the engine that would move into its own process: its inputs are the queued requests and
+ops, its outputs the results handed to delivery. :class:`Worker` is a part of :class:`Engine` and shares its
+state.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+
+import torch
+
+from convserve.clients.protocol.errors import Internal, RequestTimeout
+
+from ..scheduler import SchedulerOutput
+from .outputs import deliver, deliver_step
+from .records import release_batch
+
+log = logging.getLogger("convserve.engine")
+
+#: the fields of each record of recent_steps()
+STEP_FIELDS = ("rows", "tokens", "host_s", "kernel_s", "wall_s", "sched_s", "launch_s", "deliver_s")
+#: batch-size histogram buckets of stats()["batch_size"]
+BATCH_HIST = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+class Worker:
+    """The worker loop of :class:`Engine` (see the module docstring)."""
+
+    def _evict_interval(self) -> float:
+        return min(max(self.config.session_ttl_s / 8, 0.005), 5.0)
+
+    def _evict_locked(self, now: float) -> None:
+        ttl = self.config.session_ttl_s
+        for s in self._sessions:
+            used = s.last_used if s.batch is None else max(s.last_used, s.batch.batch.done_at)
+            if now - used > ttl and not s.ops and s.oldest_active() is None:
+                self._sessions.remove(s, evicted=True)
+                self.pool.free(s.slot)
+                self._st["evicted"] += 1
+        self._next_evict = now + self._evict_interval()
+
+    def _worker(self) -> None:
+        stream = self._runner.stream
+        if stream is not None:
+            torch.cuda.set_device(self.device)
+            with torch.cuda.stream(stream):
+                self._loop()
+        else:
+            self._loop()
+
+    def _loop(self) -> None:
+        sched = self._sched
+        while True:
+            with self._lock:
+                while True:
+                    now = time.monotonic()
+                    if now >= self._next_evict:
+                        self._evict_locked(now)
+                    ops = self._take_ready_ops_locked() if self._ops else []
+                    draining = self._state != "running"
+                    # a session op waiting for its session's requests runs them without the delay window
+                    if ops or sched.ready(now) or ((draining or self._ops) and sched.depth):
+                        break
+                    if draining and not self._ops and not sched.depth:
+                        return
+                    deadline = sched.next_deadline()
+                    wait = self._next_evict - now
+                    if deadline is not None:
+                        wait = min(wait, deadline - now)
+                    self._cv.wait(max(wait, 0.0))
+            if ops:
+                self._run_ops(ops)
+            with self._lock:
+                now = time.monotonic()
+                run = sched.ready(now) or ((self._state != "running" or self._ops) and sched.depth)
+                t_sched = time.perf_counter_ns()
+                out = sched.schedule(now) if run else None
+                t_sched = time.perf_counter_ns() - t_sched
+                if out is not None and out.expired:
+                    for r in out.expired:
+                        self._retire_locked(r, ok=False)
+                    self._st["expired"] += len(out.expired)
+            if out is None:
+                continue
+            if out.expired:
+                deliver([(r, None, RequestTimeout(
+                    f"the request waited longer than request_timeout_s={self.config.request_timeout_s} s in the "
+                    "queue; the engine is overloaded, retry later")) for r in out.expired])
+            if not out.empty:
+                self._step(out, t_sched)
+            elif not out.expired:             # everything queued waits on something (an op, a batch): no spin
+                with self._lock:
+                    self._cv.wait(0.001)
+
+    def _step(self, out: SchedulerOutput, sched_ns: int = 0) -> None:
+        """Run one step: the runner executes it, then its results go to their callers and its stats are
+        recorded; a failure fails this step's requests, not the engine."""
+        t0 = time.perf_counter_ns()
+        try:
+            host_out, by_position, t_launch, t_sync, kernel_ns, padded = self._runner.execute(out)
+        except Exception as e:  # noqa: BLE001 - a kernel failure fails this step's requests, not the engine
+            self._fail_step(out, e)
+            return
+        for vb in out.verifies:                 # what accept() commits from: this verify's tokens
+            for r in vb.requests:
+                r.session.spec_x[vb.layer] = (r.seq, r.x)
+        deliver_step(out.finished, host_out, by_position)
+        t3 = time.perf_counter_ns()
+        for db in out.decodes:
+            if db.cache_indices is None:
+                release_batch(db.requests[0], time.monotonic())
+        self._record_step(out, sched_ns, t0, t_launch, t_sync, t3, kernel_ns, padded)
+
+    def _fail_step(self, out: SchedulerOutput, e: Exception) -> None:
+        log.exception("engine step %d failed", out.step)
+        if not self._runner.synchronize_after_failure():
+            log.error("the device is in an error state after step %d; the engine is no longer ready "
+                      "(restart the process)", out.step)
+            self._ready = False
+        err = Internal(f"the engine step failed: {e}")
+        done = [r for b in (*out.prefills, *out.decodes, *out.verifies) for r in b.requests]
+        with self._lock:
+            for r in set(done):
+                if not r.done:
+                    self._sched.abort(r)
+                    self._retire_locked(r, ok=False)
+            self._st["failed"] += len(set(done))
+        deliver([(r, None, err) for r in set(done)])
+
+    def _record_step(self, out: SchedulerOutput, sched_ns: int, t0: int, t_launch: int, t_sync: int, t3: int,
+                     kernel_ns, padded: int) -> None:
+        with self._lock:
+            st = self._st
+            host = sched_ns + (t_launch - t0) + (t3 - t_sync)
+            st["steps"] += 1
+            st["requests"] += len(out.finished)
+            st["tokens"] += out.num_tokens
+            st["rows"] += out.num_rows
+            st["decode_rows"] += sum(d.rows for d in out.decodes)
+            for d in out.decodes:
+                if d.cache_indices is None:
+                    st["batches"] += 1
+                    st["batches_in_slots"] += d.requests[0].batch.buf >= 0
+            st["padded_rows"] += padded
+            if kernel_ns is not None:
+                st["kernel_ns"] += kernel_ns if self._runner.stream is None else \
+                    kernel_ns * self.config.gpu_timing_interval
+            st["host_ns"] += host
+            st["wall_ns"] += sched_ns + t3 - t0
+            self._batch_hist[bisect.bisect_left(BATCH_HIST, out.num_rows)] += 1
+            rec = (out.num_rows, out.num_tokens, host * 1e-9, None if kernel_ns is None else kernel_ns * 1e-9,
+                   (sched_ns + t3 - t0) * 1e-9,
+                   sched_ns * 1e-9, (t_launch - t0) * 1e-9, (t3 - t_sync) * 1e-9)
+            self._steps.append(rec)

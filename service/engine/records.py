@@ -1,0 +1,63 @@
+"""The engine's records of requests and session operations.
+
+The scheduler's :class:`~convserve.service.scheduler.Request` and :class:`~convserve.service.scheduler.RowBatch`
+hold only what the scheduler reads; the engine's subclasses here add the payload (x, where the result goes,
+where a step left it). Subclasses rather than a side table: the step reads these fields per row, as plain slot
+attributes with no lookup."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from convserve.kernels import PAD_SLOT_ID
+
+from ..scheduler import Request, RowBatch
+from ..sessions import Session
+
+
+@dataclass(eq=False, slots=True)
+class ConvRequest(Request):
+    """A conv request (or a batch request) as the engine holds it."""
+
+    x: Any = None                # (T, dim) input in the model dtype on the CPU: its own tensor or a staging view
+    future: Any = None           # the result sink: a ConvFuture, an ``(asyncio loop, future)`` pair, or None
+    x_dtype: Any = None          # dtype the caller wants y in (None: the model dtype, no cast)
+    parts: Any = None            # after its step, where y lies (see Runner.execute); chunks so far while chunked
+    stage: int = -1              # staging-arena ticket of x (-1: not staged)
+
+
+@dataclass(eq=False, slots=True)
+class BatchRows(RowBatch):
+    """The engine's side of a batch request's rows."""
+
+    sessions: Any = ()           # the Session of each row, in row order (distinct); () once the batch is done
+    slots: Any = None            # (rows,) int32 array of the rows' pool slots
+    buf: int = -1                # the batch slot holding its x and y (-1: none, see Runner.take_slot)
+    done_at: float = 0.0         # monotonic time it completed: its sessions' last use
+
+
+#: the ``session`` of every batch request (its rows' sessions are in ``request.batch.sessions``): a record that no
+#: table holds, with no queue, so the per-request bookkeeping of a step (``last_used``, retiring) needs no branch
+BATCH_SESSION = Session("<batch>", PAD_SLOT_ID)
+
+
+@dataclass(eq=False)
+class Op:
+    """A session operation run by the worker between steps."""
+
+    session: Optional[Session]
+    fn: Callable[[], Any]
+    future: Future
+    barrier: int                      # run after this session's requests with seq <= barrier
+    cancelled: bool = False
+
+
+def release_batch(r: ConvRequest, now: float) -> None:
+    """A batch request that is done: its completion time (its sessions' last use) and nothing more held (what
+    it waited for, its sessions, its slot's y: the session keeps it as its latest batch)."""
+    b = r.batch
+    b.done_at = now
+    b.waits = b.wait_ops = b.sessions = ()
+    r.x = r.parts = None

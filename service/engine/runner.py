@@ -1,0 +1,454 @@
+"""The model runner: turns a :class:`SchedulerOutput` into launches and leaves each finished request's y where
+:func:`outputs.deliver_step` finds it.
+
+A step is :meth:`Runner.execute`: pack the inputs on the host (:meth:`~Runner._pack_tokens` for prefills and
+verifies, :meth:`~Runner._pack_decodes` for decodes), launch (:meth:`~Runner._launch`), start the copies back
+(:meth:`~Runner._copy_out`), synchronize once, unpack (:meth:`~Runner._unpack`: where each y lies). The runner
+holds no futures, takes no engine lock and never touches the scheduler or the session table: its inputs are the
+scheduler's output and the requests' payload (``x``, ``stage``, ``batch``), its outputs the step's host tensor
+and ``request.parts``.
+
+Staging (:meth:`Runner.stage`, :meth:`Runner.stage_batch`, :meth:`Runner.take_slot`) runs on the submitting
+threads: it copies a request's x into the runner's host memory (the staging arena, a batch slot) before the
+request is queued, under the runner's own small lock.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+
+import numpy as np
+import torch
+
+from convserve.kernels import PAD_SLOT_ID
+
+from ..model import ConvModel
+from ..scheduler import SchedulerOutput
+from .buffers import BATCH_SLOTS, Buffers
+from .cuda_graphs import DecodeLaunchers
+
+#: padding that brings an int32 list to a multiple of 4 elements (16 bytes), by its length mod 4
+_PAD4 = ([], [0, 0, 0], [0, 0], [0])
+
+
+class Runner:
+    """The buffers, kernels and launchers of one engine on one device (built by :meth:`Engine.start`)."""
+
+    def __init__(self, model: ConvModel, pool, config, device: torch.device):
+        """``model``: the model on ``device``; ``pool``: its state pool; ``config``: the :class:`EngineConfig`."""
+        cfg = config
+        self.model, self.pool, self.config, self.device = model, pool, cfg, device
+        cuda = device.type == "cuda"
+        # per layer position, what a launch takes: (weight, bias or None, the pool's (slots + 1, dim, W - 1) view)
+        self.layer_args = [(model.weight[p], model.layer_bias(p), pool.layer(p)) for p in range(model.n_layers)]
+        self.bufs = Buffers(model.n_layers, model.dim, model.dtype, cfg.max_batch_tokens, cfg.max_batch_size,
+                            cfg.decode_buckets[-1], cfg.max_spec_tokens, device)
+        if cuda:
+            from convserve.kernels import causal_conv1d_fn, causal_conv1d_update
+
+            self.stream = torch.cuda.Stream(device)
+            self._ev0 = torch.cuda.Event(enable_timing=True)
+            self._ev1 = torch.cuda.Event(enable_timing=True)
+        else:
+            from convserve.kernels.reference import causal_conv1d_ref as causal_conv1d_fn
+            from convserve.kernels.reference import causal_conv1d_update_ref as causal_conv1d_update
+
+            self.stream = None
+        self.prefill_fn, self.update_fn = causal_conv1d_fn, causal_conv1d_update
+        if cuda:
+            self._warm_up()
+        self.decode = DecodeLaunchers(causal_conv1d_update, pool, model, self.bufs, cfg.decode_buckets,
+                                      cfg.use_cuda_graphs, cfg.multi_layer_decode)
+        if cuda:
+            torch.cuda.synchronize(device)
+        self._n_exec = 0                                # steps executed (the GPU is timed on every Nth)
+        # staging (submitting threads): the arena's ticket counter and row owners, the batch slots' owners
+        self._stage_lock = threading.Lock()
+        self._stage_next = 0
+        self.stage_owner: list = [None] * self.bufs.stage_rows
+        self.slot_owner: list = [None] * BATCH_SLOTS   # the batch request holding each batch slot
+
+    def _warm_up(self) -> None:
+        """Compile, at start-up instead of on the engine thread mid-traffic, every prefill variant a step can
+        need (the kernels' tile choices depend on the power of two of a step's packed tokens: 16, 32, ... up to
+        max_batch_tokens, once per bias/no-bias layer kind; a step's launches are padded to 16 sequences and 16
+        tokens, and its index arrays aligned, as here, see _pack_tokens) and the verify kernel of every length, on
+        the null slot (no session state is touched: slot 0 is never allocated, pad rows touch nothing, and
+        verifies write no state). On the CPU (the references, nothing to compile) one small call per layer
+        checks the path."""
+        m, bf, dev = self.model, self.bufs, self.device
+        idx = torch.full((16,), PAD_SLOT_ID, dtype=torch.int32, device=dev)
+        idx[0] = 0
+        init = torch.zeros(16, dtype=torch.bool, device=dev)
+        top = self.config.max_batch_tokens
+        if dev.type != "cuda":
+            sizes = [16]
+        else:                                         # 16, 32, ... (padded tokens), and the largest step's
+            sizes = [1 << k for k in range(4, top.bit_length() + 1) if 1 << k <= top + 15]
+            sizes = sorted({*sizes, -(-top // 16) * 16})
+        kinds = {}                                    # one layer per (has bias) kind: the variants are the same
+        for p in range(m.n_layers):
+            kinds.setdefault(m.layer_bias(p) is None, p)
+        bf.d_in[:max(sizes)].zero_()
+        for p in (kinds.values() if dev.type == "cuda" else range(m.n_layers)):
+            for n in sizes:
+                qsl = torch.tensor([0] + [n] * 16, dtype=torch.int32, device=dev)
+                self.prefill_fn(bf.d_in[:n].T, m.weight[p], m.layer_bias(p), self.pool.layer(p), qsl, idx, init,
+                                m.activation, PAD_SLOT_ID, out=bf.d_out[:n].T)
+        rows = 16 if 16 * self.config.max_spec_tokens <= bf.d_in.shape[0] else 1
+        for n in range(1, self.config.max_spec_tokens + 1):
+            x3 = bf.d_in[:rows * n].view(rows, n, m.dim).transpose(1, 2)
+            o3 = bf.d_out[:rows * n].view(rows, n, m.dim).transpose(1, 2)
+            self.update_fn(x3, self.pool.layer(0), m.weight[0], m.layer_bias(0), m.activation,
+                           conv_state_indices=idx[:rows], output_state_indices=bf.d_osi[:rows, :n],
+                           pad_slot_id=PAD_SLOT_ID, out=o3)
+
+    # ------------------------------------------------------------------ staging (submitting threads)
+
+    def stage(self, req, xm: torch.Tensor) -> None:
+        """Copy a one-token x into the next row of the staging arena (on the submitting thread, outside the
+        engine lock) and point ``req.x`` at it. Tickets are taken in submit order, so the decodes of a step are
+        usually one contiguous run of rows. A row is reused only once the request that held it is done
+        (finished after its step synchronized, failed or cancelled); when the row is still held, ``req`` is not
+        staged and the step packs its x row by row."""
+        bf = self.bufs
+        with self._stage_lock:
+            t = self._stage_next
+            self._stage_next = t + 1
+            row = t % bf.stage_rows
+            prev = self.stage_owner[row]
+            if prev is not None and not prev.done:
+                return
+            self.stage_owner[row] = req
+        v = bf.stage_views[row]
+        v.copy_(xm)
+        req.x = v
+        req.stage = t
+
+    def take_slot(self, req, xm: torch.Tensor) -> int:
+        """Reserve a free batch slot for ``req`` and copy its x there; the slot's index, or -1 when none is free
+        (every one held by a queued batch, or its last y still referred to by a caller)."""
+        bf = self.bufs
+        with self._stage_lock:
+            owners, ys = self.slot_owner, bf.slot_y
+            for k in range(BATCH_SLOTS):
+                o = owners[k]
+                if (o is None or o.done) and not ys.held(k):
+                    owners[k] = req
+                    break
+            else:
+                return -1
+        bf.slot_x[k][:req.n_tokens].copy_(xm)
+        return k
+
+    def stage_batch(self, req, xm: torch.Tensor) -> None:
+        """Copy a batch's x into ``rows`` consecutive rows of the staging arena (they are one slice there: one
+        host-to-device copy in the step), when such a run of rows is free; else the step copies ``req.x``."""
+        bf, n = self.bufs, req.n_tokens
+        R = bf.stage_rows
+        if n > R:
+            return
+        with self._stage_lock:
+            t = self._stage_next
+            lo = t % R
+            if lo + n > R:                           # no wrap inside a batch: start at the arena's row 0
+                t += R - lo
+                lo = 0
+            owners = self.stage_owner
+            if any(o is not None and not o.done for o in owners[lo:lo + n]):
+                return
+            owners[lo:lo + n] = [req] * n
+            self._stage_next = t + n
+        v = bf.h_stage[lo:lo + n]
+        v.copy_(xm)
+        req.x = v
+        req.stage = t
+
+    # ------------------------------------------------------------------ a step (worker thread)
+
+    def execute(self, out: SchedulerOutput):
+        """Pack, launch, synchronize once, unpack. Returns ``(host_out, by_position, t_launched, t_synced,
+        kernel_ns, padded_rows)``: every finished request's y lies in ``host_out``, at row ``r.parts`` (or, when
+        ``by_position``, at its position in ``out.finished``), except a chunked prefill's, whose ``r.parts`` is
+        its own joined tensor, and a batch request's in a batch slot, whose ``r.parts`` is the slot's y."""
+        offs = self._pack_tokens(out) if out.packed_tokens else None
+        mixed, slot_of, n_slot = self._pack_decodes(out.decodes)
+        t_k0 = time.perf_counter_ns()
+        timed = self._launch(out, mixed, slot_of, offs)
+        host_out, n_dec = self._copy_out(out, mixed, slot_of, n_slot)
+        t_launch = time.perf_counter_ns()
+        # ---- the one synchronization of the step
+        if self.stream is not None:
+            self.stream.synchronize()
+            kernel_ns = int(self._ev0.elapsed_time(self._ev1) * 1e6) if timed else None
+        else:
+            kernel_ns = t_launch - t_k0
+        t_sync = time.perf_counter_ns()
+        # with a single decode batch and nothing else, out.finished is that batch in row order and the row is the
+        # position: no per-request bookkeeping
+        if out.packed_tokens or len(out.decodes) != 1 or n_slot:
+            self._unpack(out, host_out, mixed, slot_of, n_dec)
+            by_position = False
+        else:
+            by_position = True
+        padded = out.num_padded_rows if mixed is None else mixed[1] - n_dec
+        return host_out, by_position, t_launch, t_sync, kernel_ns, padded
+
+    def synchronize_after_failure(self) -> bool:
+        """After a failed step: let the copies in flight (from staging rows) land before the rows' requests are
+        retired and the rows reused. False when the device is in a sticky error state."""
+        if self.stream is None:
+            return True
+        try:
+            self.stream.synchronize()
+        except Exception:  # noqa: BLE001 - a sticky CUDA error: every later step would fail too
+            return False
+        return True
+
+    def _pack_tokens(self, out: SchedulerOutput) -> list:
+        """Pack the prefill and verify tokens into ``h_in`` and their index arrays into ``h_meta`` /
+        ``h_flags`` (and copy them to the device). Returns each batch's offsets into those arrays, prefills
+        then verifies: ``(qsl, idx, flags, rows)`` per prefill, ``(idx, rows)`` per verify."""
+        bf, cuda = self.bufs, self.stream is not None
+        n_packed = out.packed_tokens
+        xs = []
+        for pb in out.prefills:
+            qsl = pb.query_start_loc
+            for i, (r, a) in enumerate(zip(pb.requests, pb.starts)):
+                n = qsl[i + 1] - qsl[i]
+                xs.append(r.x if n == r.n_tokens else r.x[a:a + n])
+        for vb in out.verifies:
+            xs.extend(r.x for r in vb.requests)
+        torch.cat(xs, out=bf.h_in[:n_packed])
+        # Triton specializes a kernel on each pointer's 16-byte alignment and on whether each integer is 1 or
+        # a multiple of 16, so a prefill launch that varied in those would compile a new variant mid-traffic
+        # (the compile stalls the engine thread). Every prefill launch is made to look like start-up's warm-up: each index
+        # array starts 16-byte aligned, the sequences are padded to a multiple of 16 with empty pad ones
+        # (no output, no state touched), and the tokens to a multiple of 16 (those past the last sequence
+        # come out zero, in rows of d_out that the next launch overwrites or nobody reads).
+        meta, flags, offs = [], [], []
+        for pb in out.prefills:
+            rows = len(pb.requests)
+            pad = -rows % 16
+            q = len(meta)
+            meta += pb.query_start_loc
+            meta += [pb.query_start_loc[-1]] * pad
+            meta += _PAD4[len(meta) % 4]
+            i = len(meta)
+            meta += pb.cache_indices
+            meta += [PAD_SLOT_ID] * pad
+            offs.append((q, i, len(flags), rows + pad))
+            flags += pb.has_initial_state
+            flags += [False] * pad
+        for vb in out.verifies:
+            rows = len(vb.requests)
+            pad = -rows % 16
+            if vb.token_offset + (rows + pad) * vb.n_tokens > bf.d_in.shape[0]:
+                pad = 0
+            offs.append((len(meta), rows + pad))
+            meta += vb.cache_indices
+            meta += [PAD_SLOT_ID] * pad
+            meta += _PAD4[len(meta) % 4]
+        bf.meta_np[:len(meta)] = meta
+        if flags:
+            bf.flags_np[:len(flags)] = flags
+        if cuda:
+            bf.d_in[:n_packed].copy_(bf.h_in[:n_packed], non_blocking=True)
+            bf.d_meta[:len(meta)].copy_(bf.h_meta[:len(meta)], non_blocking=True)
+            if flags:
+                bf.d_flags[:len(flags)].copy_(bf.h_flags[:len(flags)], non_blocking=True)
+        return offs
+
+    def _pack_decodes(self, decodes: list):
+        """Put each decode launch's x and indices in place: one launch per layer, or (several layers, their rows
+        fitting one bucket, ``multi_layer_decode``) one launch for all. Returns ``(mixed, slot_of, n_slot)``:
+        ``mixed`` is ``(the rows of the multi-layer launch in row order, bucket)`` or None; ``slot_of`` each
+        decode batch's batch slot or -1 (empty with ``mixed``); ``n_slot`` the rows launched from batch slots
+        (their y is not in the step's host output)."""
+        bf, cuda = self.bufs, self.stream is not None
+        mixed = None
+        if len(decodes) > 1 and self.decode.multi_layer and all(db.cache_indices is not None for db in decodes):
+            n = sum(db.rows for db in decodes)
+            buckets = self.config.decode_buckets
+            k = bisect.bisect_left(buckets, n)
+            if k < len(buckets):
+                mixed = (self._pack_mixed(decodes, n, buckets[k]), buckets[k])
+        n_slot = 0
+        slot_of = []
+        for db in decodes if mixed is None else ():
+            n = db.rows
+            if db.cache_indices is not None:
+                slot_of.append(-1)
+                self._stage_x(db.requests, [r.stage for r in db.requests], bf.h_dec_x[db.layer, :n],
+                              bf.d_dec_x[db.layer, :n])
+                bf.dec_idx_np[db.layer, :db.bucket] = db.cache_indices
+                continue
+            r = db.requests[0]                       # a batch request: x in its batch slot (copied at submit),
+            k = r.batch.buf                          # staged as one run of the arena, or its own tensor
+            slot_of.append(k)
+            if k >= 0:
+                idx = bf.slot_idx_np[k]
+                n_slot += n
+            else:
+                src = r.x if r.stage >= 0 or not cuda else bf.h_dec_x[db.layer, :n].copy_(r.x)
+                bf.d_dec_x[db.layer, :n].copy_(src, non_blocking=cuda)
+                idx = bf.dec_idx_np[db.layer]
+            idx[:n] = r.batch.slots
+            idx[n:db.bucket] = PAD_SLOT_ID
+        return mixed, slot_of, n_slot
+
+    def _stage_x(self, reqs: list, tickets: list, h_x: torch.Tensor, d_x: torch.Tensor) -> None:
+        """Put the decode rows' x (one token each; ``tickets``: their staging tickets) into ``d_x``, in the order
+        of ``reqs``: one copy of a contiguous run of the staging arena when the rows were staged one after
+        another, else one gather (``index_select``) into ``h_x`` and a copy; a row that is not staged (its arena
+        row was still held) sends the batch to a per-row pack into ``h_x``."""
+        bf, cuda, R = self.bufs, self.stream is not None, self.bufs.stage_rows
+        n = len(reqs)
+        t0 = tickets[0]
+        lo = t0 % R
+        if t0 >= 0 and lo + n <= R and (n == 1 or tickets == list(range(t0, t0 + n))):
+            d_x.copy_(bf.h_stage[lo:lo + n], non_blocking=cuda)
+            return
+        if min(tickets) >= 0:
+            rows = bf.gather_np[:n]                  # through numpy: cheaper than torch.tensor(list) per element
+            rows[:] = tickets
+            np.remainder(rows, R, out=rows)
+            torch.index_select(bf.h_stage, 0, bf.gather[:n], out=h_x)
+        elif n == 1:
+            h_x[0].copy_(reqs[0].x[0])
+        else:
+            torch.cat([r.x for r in reqs], out=h_x)
+        if cuda:
+            d_x.copy_(h_x, non_blocking=True)
+
+    def _pack_mixed(self, decodes: list, n: int, bucket: int):
+        """Pack the decodes of several layers for one launch (``DecodeLaunchers.MIXED``): rows in arrival order
+        (their staging tickets), so a step's rows staged one after another are still one copy; each row's state
+        line is ``layer * (slots + 1) + slot``. Returns the requests in row order."""
+        bf, lines_per_layer = self.bufs, self.pool.slots + 1
+        reqs = [r for db in decodes for r in db.requests]
+        lines = [db.layer * lines_per_layer + slot for db in decodes for slot in db.cache_indices[:len(db.requests)]]
+        tickets = [r.stage for r in reqs]
+        if min(tickets) >= 0:
+            order = sorted(range(n), key=tickets.__getitem__)
+            reqs = [reqs[i] for i in order]
+            lines = [lines[i] for i in order]
+            tickets.sort()
+        self._stage_x(reqs, tickets, bf.h_mix_x[:n], bf.d_mix_x[:n])
+        bf.mix_idx_np[:n] = lines
+        bf.mix_idx_np[n:bucket] = PAD_SLOT_ID
+        return reqs
+
+    def _launch(self, out: SchedulerOutput, mixed, slot_of: list, offs) -> bool:
+        """Launch every kernel of the step on the runner's stream (decodes, then prefills, then verifies).
+        Returns whether this step is timed on the GPU (events around the launches, every
+        ``gpu_timing_interval``-th step)."""
+        bf, m = self.bufs, self.model
+        cuda = self.stream is not None
+        timed = cuda and self._n_exec % self.config.gpu_timing_interval == 0
+        self._n_exec += 1
+        if timed:  # the stream given: record() without one looks it up through a chain of Python calls
+            self._ev0.record(self.stream)
+        if mixed is not None:
+            self.decode.run(DecodeLaunchers.MIXED, mixed[1])
+        else:
+            for db, k in zip(out.decodes, slot_of):
+                if k >= 0:
+                    self.decode.run_slot(k, db.layer, db.bucket)
+                else:
+                    self.decode.run(db.layer, db.bucket)
+        k = 0                                        # this batch's entry of offs
+        act = m.activation
+        for pb in out.prefills:
+            p, a = pb.layer, pb.token_offset
+            b = a + pb.query_start_loc[-1]
+            b16 = a + -(-(b - a) // 16) * 16
+            if b16 <= bf.d_in.shape[0]:              # tokens padded to a multiple of 16 (see _pack_tokens)
+                b = b16
+            w, bias, states = self.layer_args[p]
+            q, i, f, rows = offs[k]
+            k += 1
+            self.prefill_fn(bf.d_in[a:b].T, w, bias, states, bf.d_meta[q:q + rows + 1], bf.d_meta[i:i + rows],
+                            bf.d_flags[f:f + rows], act, PAD_SLOT_ID, out=bf.d_out[a:b].T)
+        D = m.dim
+        for vb in out.verifies:                      # rows padded to a multiple of 16 (pad rows touch nothing)
+            L, a = vb.n_tokens, vb.token_offset
+            i, rows = offs[k]
+            k += 1
+            b = a + rows * L
+            x3 = bf.d_in[a:b].view(rows, L, D).transpose(1, 2)
+            o3 = bf.d_out[a:b].view(rows, L, D).transpose(1, 2)
+            w, bias, states = self.layer_args[vb.layer]
+            self.update_fn(x3, states, w, bias, act,
+                           conv_state_indices=bf.d_meta[i:i + rows], output_state_indices=bf.d_osi[:rows, :L],
+                           pad_slot_id=PAD_SLOT_ID, out=o3)
+        if timed:
+            self._ev1.record(self.stream)
+        return timed
+
+    def _copy_out(self, out: SchedulerOutput, mixed, slot_of: list, n_slot: int):
+        """Start the device-to-host copies of the step's results: one host tensor per step (pinned on CUDA; a
+        buffer of the output ring unless the step has more rows than those), one copy per launch group, decode
+        rows first. Each request's y is then a view of it, cut lazily by whoever reads the result (not on this
+        thread). Returns ``(host_out, n_dec)``: the tensor (None when every result is in a batch slot) and its
+        decode rows."""
+        bf, cuda = self.bufs, self.stream is not None
+        decodes = out.decodes
+        n_packed = out.packed_tokens
+        n_dec = sum(db.rows for db in decodes) - n_slot
+        n_out = n_dec + n_packed
+        if n_out == 0:                               # only batch slots: their y is in their slot already
+            host_out = None
+        elif n_out <= bf.outputs.rows:
+            host_out = bf.outputs.take(n_out)
+        else:
+            host_out = torch.empty((n_out, self.model.dim), dtype=self.model.dtype, pin_memory=cuda)
+        if mixed is not None:
+            host_out[:n_dec].copy_(bf.d_mix_out[:n_dec], non_blocking=cuda)
+        a = 0
+        for db, k in zip(decodes, slot_of):
+            if k < 0:
+                n = db.rows
+                host_out[a:a + n].copy_(bf.d_dec_out[db.layer, :n], non_blocking=cuda)
+                a += n
+        if n_packed:
+            host_out[n_dec:n_out].copy_(bf.d_out[:n_packed], non_blocking=cuda)
+        return host_out, n_dec
+
+    def _unpack(self, out: SchedulerOutput, host_out, mixed, slot_of: list, n_dec: int) -> None:
+        """Set ``r.parts`` of each finished request to where its y lies once the step has synchronized. Decode
+        rows come first: layer by layer in batch order, or (one multi-layer launch) in that launch's row order;
+        then the packed prefill and verify tokens. A chunk of a chunked prefill is copied out (``r.parts``
+        collects the chunks, joined at the last one)."""
+        a = 0
+        if mixed is not None:
+            for r in mixed[0]:
+                r.parts = a
+                a += 1
+        else:
+            for db, k in zip(out.decodes, slot_of):
+                if k >= 0:                     # a batch request in a batch slot: y is the slot's
+                    r = db.requests[0]
+                    r.parts = self.bufs.slot_y.buf(k)[:r.n_tokens]
+                    continue
+                for r in db.requests:          # a batch request's rows in host_out, or single decodes
+                    r.parts = a
+                    a += r.n_tokens
+        for pb in out.prefills:
+            qsl, off = pb.query_start_loc, n_dec + pb.token_offset
+            for i, r in enumerate(pb.requests):
+                lo, hi = off + qsl[i], off + qsl[i + 1]
+                if hi - lo == r.n_tokens:
+                    r.parts = lo
+                else:                          # a chunk of a chunked prefill: keep a copy, join at the end
+                    if r.parts is None:
+                        r.parts = []
+                    r.parts.append(host_out[lo:hi].clone())
+                    if r.scheduled_tokens == r.n_tokens:
+                        r.parts = torch.cat(r.parts)
+        for vb in out.verifies:
+            off, L = n_dec + vb.token_offset, vb.n_tokens
+            for i, r in enumerate(vb.requests):
+                r.parts = off + i * L

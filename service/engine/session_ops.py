@@ -1,0 +1,217 @@
+"""Session operations: create, delete, fork, export, import, accept, and their queue.
+
+Every operation that reads or writes a session's state runs on the worker thread between steps (so a slot is
+never freed or rewritten in the middle of a step), after the requests of that session submitted before it: the
+caller's thread queues an :class:`Op` (with the last sequence number as its barrier), the worker picks the
+ready ones (:meth:`SessionOps._take_ready_ops_locked`) and runs them (:meth:`SessionOps._run_ops`). Validation
+runs on the caller's thread first. :class:`SessionOps` is a part of :class:`Engine` and shares its state.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, Callable, Optional
+
+import torch
+
+from convserve.clients.protocol.errors import (BadRequest, Internal, PoolExhausted, RequestTimeout, ServiceError,
+                                               UnknownSession)
+from convserve.state_pool import PoolExhausted as PoolFull
+
+from ..sessions import Session, SessionTable
+from .outputs import deliver
+from .records import Op
+from .validate import check_accept_tokens, check_state
+
+log = logging.getLogger("convserve.engine")
+
+
+class SessionOps:
+    """The session operations of :class:`Engine` (see the module docstring)."""
+
+    def create_session(self, session_id: Optional[str] = None) -> str:
+        """Create a session with a zero state; return its id (``uuid4().hex`` when None).
+        Raises :class:`SessionExists`, :class:`PoolExhausted`, :class:`BadRequest` (bad id)."""
+        if session_id is not None:
+            SessionTable.check_id(session_id)
+        with self._lock:
+            self._check_running_locked()
+            sid = session_id if session_id is not None else SessionTable.new_id()
+            self._sessions.check_free(sid)
+            slot = self._alloc_locked()
+            self._sessions.add(Session(sid, slot, last_used=time.monotonic()))
+        return sid
+
+    def _alloc_locked(self, fork_of: Optional[int] = None) -> int:
+        """A free slot (a copy of slot ``fork_of``'s state when given), or :class:`PoolExhausted`."""
+        try:
+            return self.pool.alloc() if fork_of is None else self.pool.fork(fork_of)
+        except PoolFull as e:
+            raise PoolExhausted(f"all {e.capacity} session slots are in use; delete idle sessions or retry later",
+                                retry_after=1.0) from None
+
+    def delete_session(self, session_id: str) -> None:
+        """Delete a session and free its slot, after the requests submitted to it so far have run (to withdraw
+        those, cancel them first); requests submitted after the delete fail with :class:`UnknownSession`.
+        Raises :class:`UnknownSession` (never existed or deleted) or :class:`StateLost` (evicted)."""
+        self._run_op(session_id, self._op_delete)
+
+    def _op_delete(self, s: Session) -> None:
+        with self._lock:
+            self._sessions.remove(s)
+            failed = [r for r in s.queue if not r.done and self._sched.abort(r)]
+            for r in failed:
+                self._retire_locked(r, ok=False)
+            self.pool.free(s.slot)
+        deliver([(r, None, UnknownSession(f"session {s.id!r} was deleted before this request ran"))
+                       for r in failed])
+
+    def fork_session(self, src_id: str, new_id: Optional[str] = None) -> str:
+        """A new session holding a copy of ``src_id``'s state (and its pending verify, if any), after the
+        requests submitted to ``src_id`` so far. Raises :class:`UnknownSession`, :class:`StateLost`,
+        :class:`SessionExists`, :class:`PoolExhausted`."""
+        if new_id is not None:
+            SessionTable.check_id(new_id)
+            with self._lock:
+                self._sessions.check_free(new_id)
+        return self._run_op(src_id, lambda s: self._op_fork(s, new_id))
+
+    def _op_fork(self, s: Session, new_id: Optional[str]) -> str:
+        with self._lock:
+            nid = new_id if new_id is not None else SessionTable.new_id()
+            self._sessions.check_free(nid)
+            slot = self._alloc_locked(fork_of=s.slot)
+            self._sessions.add(Session(nid, slot, initialized=s.initialized, pending=dict(s.pending),
+                                       spec_x=dict(s.spec_x), last_used=time.monotonic()))
+        return nid
+
+    def export_state(self, session_id: str) -> torch.Tensor:
+        """``(n_conv_layers, dim, width - 1)`` CPU tensor in the state dtype, layers ascending: the committed
+        state after the requests submitted so far (a pending verify is not included)."""
+        return self._run_op(session_id, lambda s: self.pool.export(s.slot))
+
+    def import_state(self, session_id: str, state: torch.Tensor) -> None:
+        """Replace the session's state (every layer) and discard a pending verify. ``state`` is
+        ``(n_conv_layers, dim, width - 1)`` in the state dtype. Raises :class:`ShapeMismatch`,
+        :class:`DtypeUnsupported`, :class:`NonFinite`, :class:`BadRequest`; a rejected state changes nothing."""
+        state = check_state(self.model_cpu, self.state_dtype, state)
+        n_layers = self.model_cpu.n_layers
+
+        def op(s: Session) -> None:
+            self.pool.import_(s.slot, state)               # checked above: the pool's own checks cannot fire
+            s.initialized = (1 << n_layers) - 1
+            s.pending.clear()
+            s.spec_x.clear()
+
+        self._run_op(session_id, op)
+
+    def accept(self, session_id: str, n_tokens: int) -> None:
+        """Commit the session's pending speculative verify: every layer with one takes the state after its first
+        ``n_tokens`` tokens (0 discards the verify). Raises :class:`BadRequest` when no verify is pending or
+        ``n_tokens`` is outside ``[0, T]``."""
+        check_accept_tokens(n_tokens)
+        with self._lock:
+            self._check_pending(self._sessions.get(session_id), n_tokens)
+        self._run_op(session_id, lambda s: self._op_accept(s, n_tokens))
+
+    def _check_pending(self, s: Session, n: int) -> None:
+        if not s.pending:
+            raise BadRequest(f"session {s.id!r} has no speculative verify to accept; send a conv with "
+                             "speculative=true first")
+        shortest = min(t for t, _seq in s.pending.values())
+        if n > shortest:
+            raise BadRequest(f"tokens: expected at most {shortest} (the verify's length), got {n}")
+
+    def _op_accept(self, s: Session, n: int) -> None:
+        with self._lock:
+            self._check_pending(s, n)
+            pending = dict(s.pending)
+            s.pending.clear()
+        w1 = self.model.width - 1
+        for p, (_t, seq) in pending.items():
+            ran = s.spec_x.get(p)
+            if ran is None or ran[0] != seq or n == 0:
+                continue
+            st = self.pool.storage[p, s.slot]                        # (width - 1, dim)
+            x = ran[1][:n].to(self.device, self.state_dtype, non_blocking=False)
+            st.copy_(torch.cat([st, x], 0)[-w1:])
+            s.initialized |= 1 << p
+        s.spec_x.clear()
+
+    # ------------------------------------------------------------------ op queueing (runs on the worker)
+
+    def _run_op(self, session_id: str, fn: Callable[[Session], Any]):
+        fut: Future = Future()
+        with self._lock:
+            self._check_running_locked()
+            s = self._sessions.get(session_id)
+            op = Op(s, lambda: fn(s), fut, self._last_seq)
+            s.ops.append(op)
+            if len(s.ops) == 1:
+                s.barrier = op.barrier
+            self._ops.append(op)
+            self._cv.notify()
+        try:
+            return fut.result(self.config.request_timeout_s)
+        except FutureTimeout:
+            with self._lock:
+                if not fut.done():
+                    op.cancelled = True
+            if not fut.done() or fut.cancelled():
+                raise RequestTimeout(f"session {session_id!r}: the operation did not run within "
+                                     f"{self.config.request_timeout_s} s; retry") from None
+            return fut.result()
+
+    def _take_ready_ops_locked(self) -> list:
+        """Pop the ops that may run now: per session in FIFO order, each after its barrier's requests."""
+        ready, blocked, keep = [], set(), collections.deque()
+        for op in self._ops:
+            s = op.session
+            if op.cancelled:
+                self._op_done_locked(op)
+                continue
+            if s in blocked:
+                keep.append(op)
+                continue
+            head = s.oldest_active()
+            if head is not None and head.seq <= op.barrier:
+                blocked.add(s)
+                keep.append(op)
+                continue
+            ready.append(op)
+            blocked.add(s)        # one op per session per round: the next one sees this one's effect
+        self._ops = keep
+        return ready
+
+    def _op_done_locked(self, op: Op) -> None:
+        s = op.session
+        q = s.ops
+        if q and q[0] is op:
+            q.popleft()
+        else:                     # a cancelled op behind another one
+            q.remove(op)
+        s.last_used = time.monotonic()
+        s.barrier = q[0].barrier if q else None
+
+    def _run_ops(self, ops: list) -> None:
+        for op in ops:
+            try:
+                with self._lock:
+                    if self._sessions.get(op.session.id) is not op.session:   # deleted and re-created
+                        raise UnknownSession(f"session {op.session.id!r} was deleted before this operation ran")
+                result = op.fn()
+            except BaseException as e:  # noqa: BLE001 - delivered to the caller
+                if not isinstance(e, ServiceError):
+                    log.exception("session operation failed")
+                    e = Internal(f"session operation failed: {e}")
+                with self._lock:
+                    self._op_done_locked(op)
+                op.future.set_exception(e)
+            else:
+                with self._lock:
+                    self._op_done_locked(op)
+                op.future.set_result(result)

@@ -1,0 +1,91 @@
+"""The output ring: results are views of reused host buffers, reused only when nothing refers to them."""
+
+import torch
+
+from tests.engine_support import DIM, LAYERS, Oracle, make_engine
+from tests.tolerance import assert_close
+
+
+def _held_y(held):
+    if isinstance(held, torch.Tensor):
+        return held
+    if isinstance(held, tuple):                # (storage, offset, shape, dtype): a view rebuilt from its storage
+        storage, offset, shape, dtype = held
+        return torch.empty(0, dtype=dtype).set_(storage, offset, shape)
+    return held.result() if hasattr(held, "result") else torch.from_numpy(held)
+
+
+def test_results_kept_by_callers_are_never_overwritten():
+    """A step's results are views of a reused host buffer (the output ring); a buffer is reused only when no
+    result, cut or not, refers to it. Callers here keep every result (read and unread futures, cut views, a
+    numpy array of one, only a view's storage) across many more steps than the ring has buffers: all must still
+    hold their y."""
+    e = make_engine(slots=8, max_queue_delay_us=20_000, max_batch_size=8)
+    try:
+        oracle = Oracle(e.model_cpu, e.state_dtype)
+        sids = [e.create_session() for _ in range(4)]
+        for s in sids:
+            oracle.new(s)
+            x = torch.randn(3, DIM)
+            assert_close(e.submit(s, LAYERS[0], x).result(5), oracle.conv(s, 0, x))
+        kept = []                              # (what the caller holds, the reference y)
+        for step in range(12):
+            batch = []
+            for s in sids:
+                x = torch.randn(1, DIM)
+                batch.append((e.submit(s, LAYERS[0], x), oracle.conv(s, 0, x)))
+            for f, want in batch:              # one way of holding per step: each step's buffer is held by it
+                f.exception(5)                 # finished, result not cut yet
+                if step % 4 == 0:
+                    kept.append((f, want))                     # an unread future
+                elif step % 4 == 1:
+                    kept.append((f.result().numpy(), want))    # a numpy array over the cut view
+                elif step % 4 == 2:
+                    kept.append((f.result(), want))            # the cut view itself
+                else:                                          # only the storage of the cut view
+                    y = f.result()
+                    kept.append(((y.untyped_storage(), y.storage_offset(), y.shape, y.dtype), want))
+                    del y
+            del f
+            batch.clear()
+            if step % 4 == 3:
+                for held, want in kept:        # nothing read so far has changed under its holder
+                    assert_close(_held_y(held), want)
+        for held, want in kept:
+            assert_close(_held_y(held), want)
+        assert e._runner.bufs.outputs.fresh > 0       # the held buffers were left to their holders
+        # once nothing refers to them, the ring's buffers are reused again
+        del held, want
+        kept.clear()
+        batch.clear()
+        fresh = e._runner.bufs.outputs.fresh
+        for _ in range(6):
+            for s in sids:
+                x = torch.randn(1, DIM)
+                assert_close(e.submit(s, LAYERS[0], x).result(5), oracle.conv(s, 0, x))
+        assert e._runner.bufs.outputs.fresh == fresh
+    finally:
+        e.stop(drain=False)
+
+
+def test_output_ring_hands_out_a_buffer_again_only_when_nothing_refers_to_it():
+    """The ring on its own: each way of keeping a result (the tensor, a view, a numpy array over it, only the
+    view's storage) keeps its buffer out of the ring; a buffer comes back once it is let go."""
+    from convserve.service.engine import OutputRing
+    ring = OutputRing(2, 4, 8, torch.float32, False)
+
+    def hold(kind, buf):
+        if kind == "tensor":
+            return buf
+        view = buf[1:3]
+        return {"view": view, "numpy": view.numpy(), "storage": view.untyped_storage()}[kind]
+
+    for kind in ("tensor", "view", "numpy", "storage"):
+        first = ring.take(4)
+        ptr = first.data_ptr()
+        held = hold(kind, first)
+        del first
+        got = [ring.take(4) for _ in range(3)]     # the other buffer, then fresh tensors: never the held one
+        assert all(t.data_ptr() != ptr for t in got), kind
+        del got, held
+        assert any(ring.take(4).data_ptr() == ptr for _ in range(2)), f"{kind}: the buffer did not come back"

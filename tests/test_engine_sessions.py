@@ -1,0 +1,107 @@
+"""Session life cycle: create, delete, fork, evict, and ops ordered after the requests before them."""
+
+import time
+
+import pytest
+import torch
+
+from convserve.clients.protocol.errors import BadRequest, PoolExhausted, SessionExists, StateLost, UnknownSession
+from tests.engine_support import DIM, LAYERS, Oracle, make_engine
+from tests.tolerance import assert_close
+
+
+def test_sessions_create_delete_and_their_errors(engine):
+    assert engine.create_session("a") == "a"
+    with pytest.raises(SessionExists):
+        engine.create_session("a")
+    with pytest.raises(SessionExists):
+        engine.fork_session("a", "a")
+    auto = engine.create_session()
+    assert isinstance(auto, str) and len(auto) == 32
+    engine.delete_session("a")
+    for call in (lambda: engine.delete_session("a"), lambda: engine.export_state("a"),
+                 lambda: engine.fork_session("a"), lambda: engine.accept("a", 0),
+                 lambda: engine.submit("a", LAYERS[0], torch.randn(1, DIM))):
+        with pytest.raises(UnknownSession):
+            call()
+    assert engine.create_session("a") == "a"      # the id can be used again
+    with pytest.raises(BadRequest):
+        engine.create_session("")
+
+
+def test_the_pool_runs_out_then_frees_on_delete(engine):
+    info = engine.model_info()
+    assert info["slots"] == {"total": 8, "free": 8}
+    ids = [engine.create_session() for _ in range(8)]
+    with pytest.raises(PoolExhausted) as e:
+        engine.create_session()
+    assert e.value.retry_after > 0 and "8" in e.value.message
+    with pytest.raises(PoolExhausted):
+        engine.fork_session(ids[0])
+    engine.delete_session(ids[3])
+    assert engine.model_info()["slots"]["free"] == 1
+    new = engine.create_session()
+    assert torch.count_nonzero(engine.export_state(new)) == 0      # a reused slot starts from zeros
+
+
+def test_delete_runs_after_the_requests_submitted_before_it_then_frees_the_slot():
+    e = make_engine(max_queue_delay_us=5_000_000)
+    try:
+        sid = e.create_session()
+        futs = [e.submit(sid, LAYERS[0], torch.randn(1, DIM)) for _ in range(3)]
+        t0 = time.monotonic()
+        e.delete_session(sid)
+        assert time.monotonic() - t0 < 2          # the waiting delete runs them without the 5 s delay
+        assert all(f.result(0).shape == (1, DIM) for f in futs)
+        assert e.stats()["queue_depth"] == 0 and e.stats()["slots_in_use"] == 0
+    finally:
+        e.stop(drain=False)
+
+
+def test_idle_sessions_are_evicted_and_then_report_state_lost():
+    e = make_engine(session_ttl_s=0.15)
+    try:
+        old = e.create_session("old")
+        keep = e.create_session("keep")
+        deadline = time.monotonic() + 0.6
+        batched = e.create_session("batched")     # used through batch requests only: its last use is the
+        e.submit_batch([batched], LAYERS[1], torch.randn(1, DIM)).result(5)   # batch's completion
+        while time.monotonic() < deadline:
+            e.submit(keep, LAYERS[0], torch.randn(1, DIM)).result(5)
+            e.submit_batch([batched], LAYERS[1], torch.randn(1, DIM)).result(5)
+            time.sleep(0.02)
+        e.export_state(batched)
+        e.delete_session(batched)
+        with pytest.raises(StateLost):
+            e.submit(old, LAYERS[0], torch.randn(1, DIM))
+        with pytest.raises(StateLost):
+            e.export_state(old)
+        with pytest.raises(StateLost):
+            e.delete_session(old)
+        assert e.stats()["sessions_evicted"] == 1 and e.stats()["slots_in_use"] == 1
+        with pytest.raises(UnknownSession):
+            e.export_state("never")
+        e.create_session("old")                     # re-creating an evicted id is allowed
+        e.export_state("old")
+    finally:
+        e.stop(drain=False)
+
+
+def test_session_ops_see_the_requests_submitted_before_them():
+    e = make_engine(max_queue_delay_us=50_000)     # requests sit in the queue for 50 ms
+    try:
+        oracle = Oracle(e.model_cpu, e.state_dtype)
+        sid = e.create_session()
+        oracle.new(sid)
+        for _ in range(3):
+            x = torch.randn(2, DIM)
+            e.submit(sid, LAYERS[2], x)
+            oracle.conv(sid, 2, x)
+        assert_close(e.export_state(sid), oracle.export(sid))
+        x = torch.randn(2, DIM)
+        e.submit(sid, LAYERS[2], x)
+        oracle.conv(sid, 2, x)
+        dst = e.fork_session(sid)
+        assert_close(e.export_state(dst), oracle.export(sid))
+    finally:
+        e.stop(drain=False)
