@@ -39,6 +39,9 @@ DECODE_BATCHES = [1, 8, 64, 256, 1024]
 DECODE_DIMS = [4096, 8192]
 POOL_SLOTS = 4096
 README_START, README_END = "<!-- bench:kernels:start -->", "<!-- bench:kernels:end -->"
+# x (dim, T) with T contiguous / with dim contiguous (stride(0) == 1): the glossary in kernels/__init__.py
+LAYOUTS = ("channels-first", "channels-last")
+_OLD_LAYOUT_NAMES = {"(dim,T)": "channels-first", "channel-last": "channels-last"}  # results files before the split
 
 
 # ----------------------------------------------------------------------------------------------- timing
@@ -108,11 +111,11 @@ def load_peers(peer_files):
 
 # ----------------------------------------------------------------------------------------------- cases
 def prefill_inputs(T, dim, layout, width=4, gen=None):
-    """The card's inputs: x, weight, bias and initial_state all randn * 0.02 in bf16; the card's (dim, T) layout
-    or the same values channel-last."""
+    """The card's inputs: x, weight, bias and initial_state all randn * 0.02 in bf16; x channels-first (the
+    card's contiguous (dim, T)) or the same values channels-last."""
     dev = "cuda"
     x = (torch.randn(dim, T, device=dev) * 0.02).to(torch.bfloat16)
-    if layout == "channel-last":
+    if layout == "channels-last":
         x = x.t().contiguous().t()
     w = (torch.randn(dim, width, device=dev) * 0.02).to(torch.bfloat16)
     b = (torch.randn(dim, device=dev) * 0.02).to(torch.bfloat16)
@@ -179,7 +182,7 @@ def run_varlen_case(dim, layout, n_seq=64, total=16384, seed=0):
     lens = [b - a for a, b in zip([0] + cuts, cuts + [total])]
     qsl = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
     x = (torch.randn(dim, total, device="cuda")).to(torch.bfloat16)
-    if layout == "channel-last":
+    if layout == "channels-last":
         x = x.t().contiguous().t()
     w = torch.randn(dim, 4, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(dim, device="cuda", dtype=torch.bfloat16)
@@ -266,23 +269,25 @@ def run_decode_case(batch, dim, peers, seqlen=1, spec=False, extra=True):
 # ----------------------------------------------------------------------------------------------- variants
 def run_variants(family="all"):
     """Time tile variants on card shapes, decode and verify; prints one line per variant."""
-    from convserve.kernels import _launch, decode, prefill
+    from convserve.kernels import _launch
+    from convserve.kernels.decode import plan as decode
+    from convserve.kernels.prefill import plan as prefill
     rows = []
     base = {k: dict(v) for k, v in _launch.TUNING.items()}
-    pre = [("prefill_flat", dict(groups=g, min_groups=128, groups_per_thread=gpt, num_warps=nw, tiles_per_row=tpr,
-                                 min_t=mt))
+    pre = [("prefill_body_channels_first", dict(groups=g, min_groups=128, groups_per_thread=gpt, num_warps=nw,
+                                                tiles_per_row=tpr, min_t=mt, max_width=8))
            for g, gpt, nw, tpr, mt in [(512, 4, 4, 1, 256), (512, 4, 4, 2, 256), (256, 2, 4, 1, 256),
                                        (1024, 4, 8, 2, 256), (512, 2, 8, 2, 256), (256, 4, 2, 2, 256),
-                                       (512, 4, 4, 1, 1 << 30)]]  # the last: the piece kernel (no flat path)
-    pre += [("prefill_channel_last", dict(num_warps=nw, rows_per_step=u, max_chunk=mc, min_programs=mp,
-                                          min_elems=me))
+                                       (512, 4, 4, 1, 1 << 30)]]  # the last: the piece kernel (no body)
+    pre += [("prefill_body_channels_last", dict(num_warps=nw, rows_per_step=u, max_chunk=mc, min_programs=mp,
+                                                min_elems=me, max_width=8))
             for nw, u, mc, mp, me in [(4, 4, 64, 2112, 0), (2, 4, 128, 2112, 0), (4, 4, 128, 2112, 0),
                                       (4, 2, 64, 2112, 0), (2, 8, 64, 2112, 0), (4, 8, 32, 2112, 0),
                                       (4, 4, 64, 4224, 0), (4, 4, 64, 2112, 1 << 62)]]  # the last: piece kernel
-    # decode (one token): the dense-row kernel's tiles, then the general kernel (dense-row kernel off)
+    # decode (one token): the dense kernel's tiles, then the chunked kernel (dense kernel off)
     dec = [("decode", dict(block_d=bd, num_warps=nw)) for bd, nw in [(512, 8), (256, 4)]]
     dec += [("decode_short", dict(max_positions=0, block_d=128, num_warps=4))]
-    # verify (256 rows x 4 tokens, windows saved): the dense-row kernel's tiles, then the general kernel
+    # verify (256 rows x 4 tokens, windows saved): the dense kernel's tiles, then the chunked kernel
     ver = [("decode_short", dict(max_positions=8, block_d=bd, num_warps=nw)) for bd, nw in [(128, 4), (64, 2),
                                                                                              (256, 8)]]
     ver += [("decode_short", dict(max_positions=0, block_d=128, num_warps=4))]
@@ -304,7 +309,7 @@ def run_variants(family="all"):
                 rows.append(dict(variant=f"verify {key} {cfg}", case="b256x4x8192", ours=r["ours"],
                                  copy=r["copy"], ok=r["ok"], regs=_regs(decode)))
             else:
-                layout = "(dim,T)" if key == "prefill_flat" else "channel-last"
+                layout = "channels-first" if key == "prefill_body_channels_first" else "channels-last"
                 for T, dim in [(256, 4096), (1024, 4096), (4195, 8192), (14807, 8192)]:
                     r = run_prefill_case(T, dim, layout, {}, extra=False)
                     rows.append(dict(variant=f"{key} {cfg}", case=f"{T}x{dim}", ours=r["ours"], copy=r["copy"],
@@ -378,6 +383,9 @@ def _ptx_cases():
     for layout in ("channels-first", "channels-last"):
         cases += [(f"prefill {T}x{dim} W4 {layout}", prefill(T, dim, layout)) for T, dim in CARD]
         cases += [(f"prefill 14807x8192 W{w} {layout}", prefill(14807, 8192, layout, w)) for w in (2, 3)]
+        # widths the benchmark does not time: which kernels they take, and their registers
+        cases += [(f"prefill 14807x8192 W{w} {layout} (not timed)", prefill(14807, 8192, layout, w))
+                  for w in (5, 6, 7, 8)]
         cases.append((f"varlen 16384x8192 64 seqs {layout}", prefill(16384, 8192, layout, n_seq=64,
                                                                      pool=POOL_SLOTS)))
     cases += [(f"decode b{b}x{d}", decode(b, d)) for d in DECODE_DIMS for b in DECODE_BATCHES]
@@ -469,7 +477,7 @@ def markdown(res):
     for r in res["rows"]:
         if r["op"] in ("prefill", "varlen") and r.get("width", 4) == 4:
             case = f"{r['op']} {r['T']}×{r['dim']}" + (f" ({r['seqs']} seqs)" if r["op"] == "varlen" else "")
-            lay = r["layout"]
+            lay = layout_name(r["layout"])
         elif r["op"] in ("decode", "verify"):
             case = f"{r['op']} b{r['batch']}×{r['dim']}" + (f"×{r['seqlen']}" if r["seqlen"] > 1 else "")
             lay = "pool"
@@ -483,14 +491,20 @@ def markdown(res):
     if others:
         lines.append("")
         lines.append("Other widths, prefill copy/ours: " + "; ".join(
-            f"W={r['width']} {r['T']}×{r['dim']} {r['layout']} {r['copy'] / r['ours']:.2f}" for r in others))
+            f"W={r['width']} {r['T']}×{r['dim']} {layout_name(r['layout'])} {r['copy'] / r['ours']:.2f}"
+            for r in others))
     peers = sorted({k for r in res["rows"] for k in r if k.startswith("peer:") and not k.endswith(":err")})
     if peers:
         lines.append("")
         lines.append("Peers (do_bench µs): " + "; ".join(
-            f"{p[5:]} {r.get('op')} {r.get('T', r.get('batch'))}×{r['dim']} {r.get('layout', '')} "
+            f"{p[5:]} {r.get('op')} {r.get('T', r.get('batch'))}×{r['dim']} {layout_name(r.get('layout', ''))} "
             f"{fmt(r[p])}" for r in res["rows"] for p in peers if p in r))
     return "\n".join(lines)
+
+
+def layout_name(layout):
+    """A row's layout in today's words (results files written before the split say "(dim,T)" / "channel-last")."""
+    return _OLD_LAYOUT_NAMES.get(layout, layout)
 
 
 def update_readme(md, readme=ROOT / "README.md"):
@@ -536,15 +550,15 @@ def main(argv=None):
     card = CARD if not a.quick else [CARD[0], CARD[4], CARD[8]]
     if a.only == "decode":
         card = []
-    for layout in ("(dim,T)", "channel-last") if card else ():
+    for layout in LAYOUTS if card else ():
         for T, dim in card:
             rows.append(run_prefill_case(T, dim, layout, peers))
             print(_line(rows[-1], env))
-    for width in (2, 3) if card else ():
-        for layout in ("(dim,T)", "channel-last"):
+    for width in (2, 3, 8) if card else ():
+        for layout in LAYOUTS:
             rows.append(run_prefill_case(14807, 8192, layout, {}, width=width, extra=False))
             print(_line(rows[-1], env))
-    for layout in ("(dim,T)", "channel-last") if card else ():
+    for layout in LAYOUTS if card else ():
         rows.append(run_varlen_case(8192, layout))
         print(_line(rows[-1], env))
     for dim in DECODE_DIMS if a.only != "prefill" else ():
@@ -574,7 +588,7 @@ def _line(r, env):
     bw = env["copy_tbps"] * 1e12
     floor = r["bytes"] / bw * 1e6
     what = (f"{r['op']:7} T={r.get('T', '')}" if "T" in r else f"{r['op']:7} b={r['batch']}×{r['seqlen']}")
-    return (f"{what:22} dim={r['dim']:5} W={r['width']} {r.get('layout', 'pool'):12} ours {r['ours']:8.1f} "
+    return (f"{what:22} dim={r['dim']:5} W={r['width']} {r.get('layout', 'pool'):14} ours {r['ours']:8.1f} "
             f"copy {r['copy']:8.1f} copy/ours {r['copy'] / r['ours']:.2f} floor/ours {floor / r['ours']:.2f} "
             f"b2b {fmt(r.get('ours_b2b'))} host {fmt(r.get('ours_host'))} graph {fmt(r.get('graph_b2b'))} "
             f"ref {fmt(r.get('ref'))} err {r['rel_err']:.1e} {'ok' if r['ok'] else 'WRONG'}")
