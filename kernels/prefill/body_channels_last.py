@@ -66,21 +66,24 @@ def _window_rows(x, win, w, bias, WIDTH: tl.constexpr, SILU: tl.constexpr, LOG_U
     """
     if LOG_U == 0:
         cur = x.to(tl.float32)
-        return _window_row(cur, win, w, bias, WIDTH, SILU).to(OUT), _slide(win, cur, WIDTH)
-    ys = ()  # a stack of joined blocks, the newest last
-    for p in tl.static_range(1 << (LOG_U - 1)):
-        r0, r1 = tl.split(_row_of(x, p, LOG_U - 1))  # [BLOCK_D, 2] -> rows 2p, 2p + 1
-        r0 = r0.to(tl.float32)
-        r1 = r1.to(tl.float32)
-        y0 = _window_row(r0, win, w, bias, WIDTH, SILU).to(OUT)
-        win = _slide(win, r0, WIDTH)
-        y1 = _window_row(r1, win, w, bias, WIDTH, SILU).to(OUT)
-        win = _slide(win, r1, WIDTH)
-        ys = ys + (tl.join(y0, y1),)
-        for level in tl.static_range(LOG_U - 1):  # pair p completes a block of 2**(level + 2) rows
-            if (p + 1) % (2 << level) == 0:
-                ys = _join_top(ys)
-    return ys[0], win
+        y = _window_row(cur, win, w, bias, WIDTH, SILU).to(OUT)
+        win = _slide(win, cur, WIDTH)
+    else:
+        ys = ()  # a stack of joined blocks, the newest last
+        for p in tl.static_range(1 << (LOG_U - 1)):
+            r0, r1 = tl.split(_row_of(x, p, LOG_U - 1))  # [BLOCK_D, 2] -> rows 2p, 2p + 1
+            r0 = r0.to(tl.float32)
+            r1 = r1.to(tl.float32)
+            y0 = _window_row(r0, win, w, bias, WIDTH, SILU).to(OUT)
+            win = _slide(win, r0, WIDTH)
+            y1 = _window_row(r1, win, w, bias, WIDTH, SILU).to(OUT)
+            win = _slide(win, r1, WIDTH)
+            ys = ys + (tl.join(y0, y1),)
+            for level in tl.static_range(LOG_U - 1):  # pair p completes a block of 2**(level + 2) rows
+                if (p + 1) % (2 << level) == 0:
+                    ys = _join_top(ys)
+        y = ys[0]
+    return y, win
 
 
 @triton.jit
