@@ -5,6 +5,7 @@ peer, in one process, with a correctness check on fresh random inputs before eac
     python bench/bench_kernels.py --variants       # also time tile variants (bench/NOTES.md records them)
     python bench/bench_kernels.py --peer-file P    # a module with the seed's API, timed as a peer
     python bench/bench_kernels.py --readme R.json  # (no GPU needed) rewrite README's results table from R.json
+    python bench/bench_kernels.py --ptx-mix OUT.json  # (no GPU needed) PTX instruction mix per kernel, sm_90
 
 Columns (all µs): ``do_bench`` medians (L2 flushed before each call), ``b2b`` the back-to-back time per call
 (many calls between two events, no flush: what a serving loop pays, host cost included), ``host`` the host
@@ -38,6 +39,9 @@ DECODE_BATCHES = [1, 8, 64, 256, 1024]
 DECODE_DIMS = [4096, 8192]
 POOL_SLOTS = 4096
 README_START, README_END = "<!-- bench:kernels:start -->", "<!-- bench:kernels:end -->"
+# x (dim, T) with T contiguous / with dim contiguous (stride(0) == 1): the glossary in kernels/__init__.py
+LAYOUTS = ("channels-first", "channels-last")
+_OLD_LAYOUT_NAMES = {"(dim,T)": "channels-first", "channel-last": "channels-last"}  # results files before the split
 
 
 # ----------------------------------------------------------------------------------------------- timing
@@ -107,11 +111,11 @@ def load_peers(peer_files):
 
 # ----------------------------------------------------------------------------------------------- cases
 def prefill_inputs(T, dim, layout, width=4, gen=None):
-    """The card's inputs: x, weight, bias and initial_state all randn * 0.02 in bf16; the card's (dim, T) layout
-    or the same values channel-last."""
+    """The card's inputs: x, weight, bias and initial_state all randn * 0.02 in bf16; x channels-first (the
+    card's contiguous (dim, T)) or the same values channels-last."""
     dev = "cuda"
     x = (torch.randn(dim, T, device=dev) * 0.02).to(torch.bfloat16)
-    if layout == "channel-last":
+    if layout == "channels-last":
         x = x.t().contiguous().t()
     w = (torch.randn(dim, width, device=dev) * 0.02).to(torch.bfloat16)
     b = (torch.randn(dim, device=dev) * 0.02).to(torch.bfloat16)
@@ -178,7 +182,7 @@ def run_varlen_case(dim, layout, n_seq=64, total=16384, seed=0):
     lens = [b - a for a, b in zip([0] + cuts, cuts + [total])]
     qsl = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
     x = (torch.randn(dim, total, device="cuda")).to(torch.bfloat16)
-    if layout == "channel-last":
+    if layout == "channels-last":
         x = x.t().contiguous().t()
     w = torch.randn(dim, 4, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(dim, device="cuda", dtype=torch.bfloat16)
@@ -265,23 +269,25 @@ def run_decode_case(batch, dim, peers, seqlen=1, spec=False, extra=True):
 # ----------------------------------------------------------------------------------------------- variants
 def run_variants(family="all"):
     """Time tile variants on card shapes, decode and verify; prints one line per variant."""
-    from convserve.kernels import _launch, decode, prefill
+    from convserve.kernels import _launch
+    from convserve.kernels.decode import plan as decode
+    from convserve.kernels.prefill import plan as prefill
     rows = []
     base = {k: dict(v) for k, v in _launch.TUNING.items()}
-    pre = [("prefill_flat", dict(groups=g, min_groups=128, groups_per_thread=gpt, num_warps=nw, tiles_per_row=tpr,
-                                 min_t=mt))
+    pre = [("prefill_body_channels_first", dict(groups=g, min_groups=128, groups_per_thread=gpt, num_warps=nw,
+                                                tiles_per_row=tpr, min_t=mt, max_width=8))
            for g, gpt, nw, tpr, mt in [(512, 4, 4, 1, 256), (512, 4, 4, 2, 256), (256, 2, 4, 1, 256),
                                        (1024, 4, 8, 2, 256), (512, 2, 8, 2, 256), (256, 4, 2, 2, 256),
-                                       (512, 4, 4, 1, 1 << 30)]]  # the last: the piece kernel (no flat path)
-    pre += [("prefill_channel_last", dict(num_warps=nw, rows_per_step=u, max_chunk=mc, min_programs=mp,
-                                          min_elems=me))
+                                       (512, 4, 4, 1, 1 << 30)]]  # the last: the piece kernel (no body)
+    pre += [("prefill_body_channels_last", dict(num_warps=nw, rows_per_step=u, max_chunk=mc, min_programs=mp,
+                                                min_elems=me, max_width=8))
             for nw, u, mc, mp, me in [(4, 4, 64, 2112, 0), (2, 4, 128, 2112, 0), (4, 4, 128, 2112, 0),
                                       (4, 2, 64, 2112, 0), (2, 8, 64, 2112, 0), (4, 8, 32, 2112, 0),
                                       (4, 4, 64, 4224, 0), (4, 4, 64, 2112, 1 << 62)]]  # the last: piece kernel
-    # decode (one token): the dense-row kernel's tiles, then the general kernel (dense-row kernel off)
+    # decode (one token): the dense kernel's tiles, then the chunked kernel (dense kernel off)
     dec = [("decode", dict(block_d=bd, num_warps=nw)) for bd, nw in [(512, 8), (256, 4)]]
     dec += [("decode_short", dict(max_positions=0, block_d=128, num_warps=4))]
-    # verify (256 rows x 4 tokens, windows saved): the dense-row kernel's tiles, then the general kernel
+    # verify (256 rows x 4 tokens, windows saved): the dense kernel's tiles, then the chunked kernel
     ver = [("decode_short", dict(max_positions=8, block_d=bd, num_warps=nw)) for bd, nw in [(128, 4), (64, 2),
                                                                                              (256, 8)]]
     ver += [("decode_short", dict(max_positions=0, block_d=128, num_warps=4))]
@@ -303,7 +309,7 @@ def run_variants(family="all"):
                 rows.append(dict(variant=f"verify {key} {cfg}", case="b256x4x8192", ours=r["ours"],
                                  copy=r["copy"], ok=r["ok"], regs=_regs(decode)))
             else:
-                layout = "(dim,T)" if key == "prefill_flat" else "channel-last"
+                layout = "channels-first" if key == "prefill_body_channels_first" else "channels-last"
                 for T, dim in [(256, 4096), (1024, 4096), (4195, 8192), (14807, 8192)]:
                     r = run_prefill_case(T, dim, layout, {}, extra=False)
                     rows.append(dict(variant=f"{key} {cfg}", case=f"{T}x{dim}", ours=r["ours"], copy=r["copy"],
@@ -332,6 +338,126 @@ def _regs(module):
     return sorted(out, key=str)
 
 
+# ----------------------------------------------------------------------------------------------- PTX mix (offline)
+PTX_FAMILIES = ("ld.global", "st.global", "ld.shared", "st.shared", "fma", "mul", "add", "sub", "ex2", "rcp",
+                "div", "selp", "setp", "cvt", "mov", "bar", "shfl", "prmt", "mad", "shl", "and", "or", "bra")
+
+
+def _ptx_cases():
+    """(case, [(plan, call args)]) for the configurations this benchmark measures, planned from meta tensors (the
+    planners read only shapes, strides and dtypes, and a meta tensor's address, 0, is 16-byte aligned)."""
+    try:
+        from convserve.kernels.prefill import plan as pmod
+        from convserve.kernels.decode import plan as dmod
+    except ImportError:  # the single-module layout (prefill.py, decode.py) before the split
+        from convserve.kernels import decode as dmod, prefill as pmod
+    meta, bf = "meta", torch.bfloat16
+
+    def prefill(T, dim, layout, width=4, n_seq=1, pool=1):
+        x = torch.empty(dim, T, device=meta, dtype=bf)
+        if layout == "channels-last":
+            x = torch.empty(T, dim, device=meta, dtype=bf).t()
+        w, b = torch.empty(dim, width, device=meta, dtype=bf), torch.empty(dim, device=meta, dtype=bf)
+        st = torch.empty(pool, width - 1, dim, device=meta, dtype=bf).transpose(1, 2) if pool > 1 else \
+            torch.empty(1, dim, width - 1, device=meta, dtype=bf)
+        qsl = torch.empty(n_seq + 1, device=meta, dtype=torch.int32)
+        idx = torch.empty(n_seq, device=meta, dtype=torch.int32)
+        init = torch.empty(n_seq, device=meta, dtype=torch.bool)
+        out = torch.empty_like(x)
+        body, heads = pmod._plan_prefill(x, w, b, st, qsl, idx, init, out, width, n_seq, True, -1)
+        return [(p, (x, w, b, out)) for p in body] + [(heads, (x, w, b, st, qsl, idx, init, out))]
+
+    def decode(batch, dim, seqlen=1, spec=False, width=4):
+        x = torch.empty(batch, dim, seqlen, device=meta, dtype=bf)
+        if seqlen == 1:
+            x = x[:, :, 0]
+        w, b = torch.empty(dim, width, device=meta, dtype=bf), torch.empty(dim, device=meta, dtype=bf)
+        pool = torch.empty(POOL_SLOTS, width - 1, dim, device=meta, dtype=bf).transpose(1, 2)
+        idx = torch.empty(batch, device=meta, dtype=torch.int32)
+        inter = torch.empty(batch, seqlen, dim, width - 1, device=meta, dtype=bf) if spec else None
+        out = torch.empty_like(x)
+        p = dmod._plan_update(x, pool, w, b, idx, None, inter, None, out, width, True, -1)
+        return [(p, (x, w, b, pool, idx, x, inter if spec else x, x, out))]
+
+    cases = []
+    for layout in ("channels-first", "channels-last"):
+        cases += [(f"prefill {T}x{dim} W4 {layout}", prefill(T, dim, layout)) for T, dim in CARD]
+        cases += [(f"prefill 14807x8192 W{w} {layout}", prefill(14807, 8192, layout, w)) for w in (2, 3)]
+        # widths the benchmark does not time: which kernels they take, and their registers
+        cases += [(f"prefill 14807x8192 W{w} {layout} (not timed)", prefill(14807, 8192, layout, w))
+                  for w in (5, 6, 7, 8)]
+        cases.append((f"varlen 16384x8192 64 seqs {layout}", prefill(16384, 8192, layout, n_seq=64,
+                                                                     pool=POOL_SLOTS)))
+    cases += [(f"decode b{b}x{d}", decode(b, d)) for d in DECODE_DIMS for b in DECODE_BATCHES]
+    cases.append(("verify b256x8192x4", decode(256, 8192, seqlen=4, spec=True)))
+    return cases
+
+
+def ptx_mix(arch=90):
+    """Compile every kernel variant the measured cases launch for sm_<arch> with this Triton (no GPU needed) and
+    count the PTX instructions of each by opcode family (static counts). Returns {case: [variant rows]}."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    compiled, res = {}, {}
+    for case, launches in _ptx_cases():
+        rows = []
+        for plan, tensors in launches:
+            fn = plan.fn
+            kwargs = dict(plan.constexprs, num_warps=plan.num_warps)
+            binder = create_function_from_signature(fn.signature, fn.params, backend)
+            bound, spec, options = binder(*tensors, *plan.scalars, **kwargs)
+            options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, options)
+            key = (fn.__name__, repr(sorted(signature.items())), repr(sorted(constexprs.items(), key=str)),
+                   repr(sorted(attrs.items(), key=str)), plan.num_warps)
+            if key not in compiled:
+                k = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
+                                   options=options.__dict__)
+                compiled[key] = dict(kernel=fn.__name__, **_resources(k.asm["cubin"]), **_count_ptx(k.asm["ptx"]))
+            rows.append(dict(compiled[key], constexprs={k: v for k, v in plan.constexprs.items()}))
+        res[case] = rows
+        print(case + ": " + "; ".join(_mix_line(r) for r in rows), flush=True)
+    return res
+
+
+def _resources(cubin):
+    """Registers and spill stores per thread of a cubin, from cuobjdump (shipped with Triton's NVIDIA backend)."""
+    import subprocess
+    import tempfile
+    import triton
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    regs, spills = re.search(r"REG:(\d+)", text), re.search(r"STACK:(\d+)", text)
+    return dict(regs=int(regs.group(1)) if regs else None, spills=int(spills.group(1)) if spills else None)
+
+
+def _count_ptx(ptx):
+    counts = {}
+    for line in ptx.splitlines():
+        s = line.strip()
+        if not s or s.startswith(("//", ".", "{", "}", "$", "@@")) or s.endswith(":") or s.startswith("ret"):
+            continue
+        op = re.sub(r"^@!?%\w+\s+", "", s).split()[0].rstrip(";")
+        fam = next((f for f in PTX_FAMILIES if op == f or op.startswith(f + ".")), "other")
+        counts[fam] = counts.get(fam, 0) + 1
+        counts["total"] = counts.get("total", 0) + 1
+        if fam in ("ld.global", "st.global"):
+            vec = re.search(r"\.v(\d)", op)
+            counts[f"{fam} elems"] = counts.get(f"{fam} elems", 0) + (int(vec.group(1)) if vec else 1)
+    return counts
+
+
+def _mix_line(r):
+    keys = ("total", "ld.global", "st.global", "fma", "ex2", "rcp", "div", "selp", "cvt", "bar")
+    return f"{r['kernel']} regs {r['regs']} stack {r['spills']} " + " ".join(f"{k} {r.get(k, 0)}" for k in keys)
+
+
 # ----------------------------------------------------------------------------------------------- report
 def fmt(v, nd=1):
     if isinstance(v, float):
@@ -351,7 +477,7 @@ def markdown(res):
     for r in res["rows"]:
         if r["op"] in ("prefill", "varlen") and r.get("width", 4) == 4:
             case = f"{r['op']} {r['T']}×{r['dim']}" + (f" ({r['seqs']} seqs)" if r["op"] == "varlen" else "")
-            lay = r["layout"]
+            lay = layout_name(r["layout"])
         elif r["op"] in ("decode", "verify"):
             case = f"{r['op']} b{r['batch']}×{r['dim']}" + (f"×{r['seqlen']}" if r["seqlen"] > 1 else "")
             lay = "pool"
@@ -365,14 +491,20 @@ def markdown(res):
     if others:
         lines.append("")
         lines.append("Other widths, prefill copy/ours: " + "; ".join(
-            f"W={r['width']} {r['T']}×{r['dim']} {r['layout']} {r['copy'] / r['ours']:.2f}" for r in others))
+            f"W={r['width']} {r['T']}×{r['dim']} {layout_name(r['layout'])} {r['copy'] / r['ours']:.2f}"
+            for r in others))
     peers = sorted({k for r in res["rows"] for k in r if k.startswith("peer:") and not k.endswith(":err")})
     if peers:
         lines.append("")
         lines.append("Peers (do_bench µs): " + "; ".join(
-            f"{p[5:]} {r.get('op')} {r.get('T', r.get('batch'))}×{r['dim']} {r.get('layout', '')} "
+            f"{p[5:]} {r.get('op')} {r.get('T', r.get('batch'))}×{r['dim']} {layout_name(r.get('layout', ''))} "
             f"{fmt(r[p])}" for r in res["rows"] for p in peers if p in r))
     return "\n".join(lines)
+
+
+def layout_name(layout):
+    """A row's layout in today's words (results files written before the split say "(dim,T)" / "channel-last")."""
+    return _OLD_LAYOUT_NAMES.get(layout, layout)
 
 
 def update_readme(md, readme=ROOT / "README.md"):
@@ -393,7 +525,13 @@ def main(argv=None):
     ap.add_argument("--peer-file", action="append")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "results"))
     ap.add_argument("--readme", help="rewrite README's table from this results JSON and exit")
+    ap.add_argument("--ptx-mix", metavar="OUT_JSON",
+                    help="compile the measured cases' kernels offline for sm_90, count PTX opcodes, write JSON, exit")
     a = ap.parse_args(argv)
+    if a.ptx_mix:
+        os.environ["TRITON_INTERPRET"] = "0"  # compile, do not interpret (set before the kernels are defined)
+        Path(a.ptx_mix).write_text(json.dumps(ptx_mix(), indent=1, default=str))
+        return 0
     if a.readme:
         res = json.loads(Path(a.readme).read_text())
         print("README updated" if update_readme(markdown(res)) else "README has no bench markers")
@@ -412,15 +550,15 @@ def main(argv=None):
     card = CARD if not a.quick else [CARD[0], CARD[4], CARD[8]]
     if a.only == "decode":
         card = []
-    for layout in ("(dim,T)", "channel-last") if card else ():
+    for layout in LAYOUTS if card else ():
         for T, dim in card:
             rows.append(run_prefill_case(T, dim, layout, peers))
             print(_line(rows[-1], env))
-    for width in (2, 3) if card else ():
-        for layout in ("(dim,T)", "channel-last"):
+    for width in (2, 3, 8) if card else ():
+        for layout in LAYOUTS:
             rows.append(run_prefill_case(14807, 8192, layout, {}, width=width, extra=False))
             print(_line(rows[-1], env))
-    for layout in ("(dim,T)", "channel-last") if card else ():
+    for layout in LAYOUTS if card else ():
         rows.append(run_varlen_case(8192, layout))
         print(_line(rows[-1], env))
     for dim in DECODE_DIMS if a.only != "prefill" else ():
@@ -450,7 +588,7 @@ def _line(r, env):
     bw = env["copy_tbps"] * 1e12
     floor = r["bytes"] / bw * 1e6
     what = (f"{r['op']:7} T={r.get('T', '')}" if "T" in r else f"{r['op']:7} b={r['batch']}×{r['seqlen']}")
-    return (f"{what:22} dim={r['dim']:5} W={r['width']} {r.get('layout', 'pool'):12} ours {r['ours']:8.1f} "
+    return (f"{what:22} dim={r['dim']:5} W={r['width']} {r.get('layout', 'pool'):14} ours {r['ours']:8.1f} "
             f"copy {r['copy']:8.1f} copy/ours {r['copy'] / r['ours']:.2f} floor/ours {floor / r['ours']:.2f} "
             f"b2b {fmt(r.get('ours_b2b'))} host {fmt(r.get('ours_host'))} graph {fmt(r.get('graph_b2b'))} "
             f"ref {fmt(r.get('ref'))} err {r['rel_err']:.1e} {'ok' if r['ok'] else 'WRONG'}")

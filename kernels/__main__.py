@@ -26,7 +26,8 @@ def _rel(a, r):
 
 def _prefill_case(dev, gen, dim, lens, width, dtype, layout):
     total = sum(lens)
-    x = torch.randn(dim, total, generator=gen) if layout == "(dim,T)" else torch.randn(total, dim, generator=gen).t()
+    x = (torch.randn(dim, total, generator=gen) if layout == "channels-first"
+         else torch.randn(total, dim, generator=gen).t())
     x = x.to(dev, dtype)
     w = torch.randn(dim, width, generator=gen).to(dev, dtype)
     b = torch.randn(dim, generator=gen).to(dev, dtype)
@@ -69,7 +70,7 @@ def main(argv=None) -> int:
     rows = []
     for width in (2, 3, 4, 6):
         for dtype in (torch.bfloat16, torch.float32):
-            for layout in ("(dim,T)", "channel-last"):
+            for layout in ("channels-first", "channels-last"):
                 lens = [1, 2, 700, 37] if not big else [1, 2, 4000, 370, 9000]
                 dim = 257 if not big else 4096 + 32
                 t0 = time.perf_counter()
@@ -82,12 +83,12 @@ def main(argv=None) -> int:
                 err, st_ok = _decode_case(dev, gen, dim, batch, seqlen, width, dtype)
                 rows.append(("decode", f"dim={dim} batch={batch} seqlen={seqlen}", width, str(dtype)[6:], "-", err,
                              st_ok, time.perf_counter() - t0, TOL[dtype]))
-    print(f"{'op':8} {'shape':34} {'W':>2} {'dtype':9} {'x layout':13} {'rel err':>9} {'tol':>6} state  ok")
+    print(f"{'op':8} {'shape':34} {'W':>2} {'dtype':9} {'x layout':14} {'rel err':>9} {'tol':>6} state  ok")
     bad = 0
     for op, shape, w, dt, lay, err, st_ok, _, tol in rows:
         ok = err <= tol and st_ok
         bad += not ok
-        print(f"{op:8} {shape:34} {w:>2} {dt:9} {lay:13} {err:9.2e} {tol:6.0e} {'same' if st_ok else 'DIFF':6} "
+        print(f"{op:8} {shape:34} {w:>2} {dt:9} {lay:14} {err:9.2e} {tol:6.0e} {'same' if st_ok else 'DIFF':6} "
               f"{'yes' if ok else 'NO'}")
     print(f"{len(rows) - bad}/{len(rows)} cases match the float64 reference")
     return 1 if bad else 0

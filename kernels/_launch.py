@@ -1,8 +1,8 @@
 """Tile choices for the launchers.
 
 The shapes are picked from the memory order of ``x``: the tile's long side runs along x's contiguous axis, so
-each warp loads long runs of consecutive bytes. ``TUNING`` holds the numbers; the benchmark overrides them to
-compare variants in one process.
+each warp loads long runs of consecutive bytes. ``TUNING`` holds the numbers (the sweeps behind them are in
+bench/NOTES.md); the benchmark overrides them to compare variants in one process.
 """
 
 from __future__ import annotations
@@ -21,52 +21,62 @@ class Tile:
 
 
 TUNING = {
-    # prefill, x contiguous along tokens (the benchmark card's (dim, T))
-    "prefill_token_major": dict(block_t=512, elems=2048, num_warps=4),
-    # prefill, x a contiguous (dim, T) with T >= min_t and width <= 4: the flat path, up to `groups` aligned
-    # groups of 8 elements per program: about T / (8 * tiles_per_row), but not below min_groups (nor above T / 8),
-    # groups_per_thread per thread. H200 sweep (bench/NOTES.md): flat beats the piece kernel from T = 1024 on
-    "prefill_flat": dict(groups=512, min_groups=128, groups_per_thread=4, num_warps=4, tiles_per_row=2, min_t=512),
-    # prefill, x.stride(0) == 1, width <= 4, dim * T >= min_elems: the channel-last sliding window, 8 * 32 *
-    # num_warps channels per program, rows_per_step rows per loop step, chunks of at most max_chunk tokens
-    # (halved until there are min_programs programs)
-    "prefill_channel_last": dict(num_warps=2, rows_per_step=4, max_chunk=128, min_programs=132 * 16,
-                                 min_elems=1 << 24),
-    # the heads-only pass after either fast path: channels per program, elements per zeroing step of a pad
-    "prefill_heads": dict(block_d=256, elems=2048, num_warps=4),
-    # prefill, x contiguous along channels (serving stacks: x.stride(0) == 1)
-    "prefill_channel_major": dict(block_d=256, elems=4096, num_warps=4),
-    # decode, one token per row: channels per program (2 per thread measured best on the H200)
+    # prefill, piece kernel, x channels-first (T contiguous, the benchmark card's (dim, T)): tokens per
+    # program, elements per program, warps
+    "prefill_piece_channels_first": dict(block_t=512, elems=2048, num_warps=4),
+    # prefill, piece kernel, x channels-last (dim contiguous, x.stride(0) == 1: serving stacks)
+    "prefill_piece_channels_last": dict(block_d=256, elems=4096, num_warps=4),
+    # Both bodies apply up to width max_width (the piece kernel takes wider ones).
+    # prefill, channels-first body (x and out a contiguous (dim, T) with T >= min_t), then the heads pass: up to
+    # `groups` aligned groups of 8 elements per program: about T / (8 * tiles_per_row), but not below min_groups
+    # (nor above T / 8), groups_per_thread per thread
+    "prefill_body_channels_first": dict(groups=512, min_groups=128, groups_per_thread=4, num_warps=4,
+                                        tiles_per_row=2, min_t=512, max_width=8),
+    # prefill, channels-last body (x and out with stride(0) == 1, dim * T >= min_elems), then the heads pass:
+    # 8 * 32 * num_warps channels per program, rows_per_step rows per loop step, chunks of at most max_chunk
+    # tokens (halved until there are min_programs programs)
+    "prefill_body_channels_last": dict(num_warps=2, rows_per_step=4, max_chunk=128, min_programs=132 * 16,
+                                       min_elems=1 << 24, max_width=8),
+    # the heads pass after either body: channels per program (at most head_elems / HEAD, so a [HEAD, BLOCK_D]
+    # head tile stays in registers at widths 6-8), elements per zeroing step of a pad
+    "prefill_heads": dict(block_d=256, elems=2048, head_elems=1024, num_warps=4),
+    # decode, one token per row (dense kernel): channels per program
     "decode": dict(block_d=512, num_warps=8),
-    # several tokens per row with x dense per row (speculative verify): the register-window kernel while width
-    # - 1 + tokens <= max_positions (0: never), one channel per thread (measured best)
+    # several tokens per row with x dense per row (speculative verify): the dense kernel while
+    # width - 1 + tokens <= max_positions (0: never)
     "decode_short": dict(max_positions=8, block_d=128, num_warps=4),
-    # several tokens per row otherwise (strided x, long chunks): narrower tiles keep the token chunk and its
-    # windows in registers
+    # several tokens per row otherwise (chunked kernel: strided x, long chunks): narrower tiles keep the token
+    # chunk and its windows in registers
     "decode_multi": dict(block_d=128, num_warps=2),
 }
 
 
 def next_pow2(n: int) -> int:
-    """Smallest power of two >= n (>= 1). triton.next_power_of_2 costs microseconds per call in new Tritons."""
+    """Smallest power of two >= n (>= 1); plain int arithmetic, cheaper per call than triton.next_power_of_2."""
     return 1 << max(0, int(n) - 1).bit_length()
 
 
 
+def is_channels_first(x, total: int) -> bool:
+    """x (dim, total) runs along tokens in memory (channels-first); else along channels (channels-last)."""
+    return total > 1 and abs(x.stride(1)) < abs(x.stride(0))
+
+
 def prefill_config(x, dim: int, total: int) -> Tile:
-    token_major = total > 1 and abs(x.stride(1)) < abs(x.stride(0))
-    if token_major:
-        t = TUNING["prefill_token_major"]
+    """The piece kernel's tile for x (dim, total): its long side along x's contiguous axis."""
+    if is_channels_first(x, total):
+        t = TUNING["prefill_piece_channels_first"]
         block_t = min(t["block_t"], max(16, next_pow2(total)))
         block_d = min(next_pow2(dim), max(1, t["elems"] // block_t))
         return Tile(block_t, block_d, t["num_warps"])
-    t = TUNING["prefill_channel_major"]
+    t = TUNING["prefill_piece_channels_last"]
     block_d = min(t["block_d"], max(16, next_pow2(dim)))
     block_t = min(next_pow2(total), max(1, t["elems"] // block_d))
     return Tile(block_t, block_d, t["num_warps"])
 
 
 def decode_config(dim: int, seqlen: int, width: int) -> Tile:
+    """The chunked decode kernel's tile: block_t tokens per chunk, block_d channels per program."""
     t = TUNING["decode" if seqlen == 1 else "decode_multi"]
     block_l = min(next_pow2(seqlen), 16)
     block_d = min(t["block_d"], max(16, next_pow2(dim)))
@@ -85,11 +95,11 @@ class LaunchPlan:
     """One kernel launch with everything fixed except the tensors' addresses: grid, scalar arguments, constexprs.
 
     ``kernel[grid](...)`` re-derives the specialization of every argument through Triton's generic binder on each
-    call (17-32 us from Python on an H200). A plan is built once per argument layout (the public functions key
-    their plan cache on shapes, strides and dtypes); per call it only checks the one thing Triton still
-    specializes on, each pointer's 16-byte alignment, and calls the compiled kernel's launcher directly. The
-    first call of each alignment pattern goes through ``kernel[grid]`` (compiling if needed). Under the
-    interpreter, or for CPU tensors, every call is plain ``kernel[grid](...)``.
+    call, which costs far more host time than the launch itself. A plan is built once per argument layout (the
+    public functions key their plan cache on shapes, strides and dtypes); per call it only checks the one thing
+    Triton still specializes on, each pointer's 16-byte alignment, and calls the compiled kernel's launcher
+    directly. The first call of each alignment pattern goes through ``kernel[grid]`` (compiling if needed). Under
+    the interpreter, or for CPU tensors, every call is plain ``kernel[grid](...)``.
     """
 
     def __init__(self, fn, grid, scalars, constexprs: dict, num_warps: int, device: torch.device):

@@ -316,17 +316,18 @@ def test_intermediate_windows_and_output_state_indices_together(width, kernel_de
     assert_close(kw_k["intermediate_conv_window"], kw_r["intermediate_conv_window"], torch.float32, "windows")
 
 
-@pytest.fixture(params=["register-window", "general"])
+@pytest.fixture(params=["dense", "chunked"])
 def short_path(request, monkeypatch):
-    """Run a test through the register-window kernel (x dense per row, width - 1 + seqlen <= 8) or with it
-    switched off (the general kernel), on fresh plan caches, with tiles smaller than the test's dim."""
-    from convserve.kernels import _launch, decode
-    on = request.param == "register-window"
+    """Run a test through the dense kernel (x dense per row, width - 1 + seqlen <= 8) or with it switched off
+    (the chunked kernel), on fresh plan caches, with tiles smaller than the test's dim."""
+    from convserve.kernels import _launch
+    from convserve.kernels.decode import plan
+    on = request.param == "dense"
     monkeypatch.setitem(_launch.TUNING, "decode_short", dict(max_positions=8 if on else 0, block_d=32, num_warps=1))
     monkeypatch.setitem(_launch.TUNING, "decode", dict(block_d=32, num_warps=1))
-    monkeypatch.setattr(decode, "_PLANS", {})
+    monkeypatch.setattr(plan, "_PLANS", {})
     yield on
-    used = {plan.fn.__name__ for plan in decode._PLANS.values()}
+    used = {p.fn.__name__ for p in plan._PLANS.values()}
     assert ("_dense_kernel" in used) == on, f"kernels used: {used}"
 
 
@@ -449,7 +450,7 @@ def test_state_strides_past_two_to_the_31_stay_64_bit(mode, short_path, tmp_path
     """A pool whose state columns lie 2**30 elements apart: the column offsets pass 2**31 and must be computed in
     64 bits, on both decode paths. On CPU the pool is a sparse file mapped into memory, so only the touched pages
     exist; on CUDA it is a real 6 GiB tensor."""
-    from convserve.kernels import decode
+    from convserve.kernels.decode import plan
     dim, width, lines, S = 24, 4, 3, 2**30
     n = (width - 1) * S + lines * dim
     if kernel_device == "cuda":
@@ -476,7 +477,7 @@ def test_state_strides_past_two_to_the_31_stay_64_bit(mode, short_path, tmp_path
     st_r = state.clone()  # dense: the reference's copy
     kw_r = {k: v.clone() for k, v in kw.items()}
     y = causal_conv1d_update(x, state, w, None, "silu", out=torch.full_like(x, float("nan")), **kw)
-    assert any(p.constexprs.get("OFF64") for p in decode._PLANS.values()), "expected the 64-bit offsets"
+    assert any(p.constexprs.get("OFF64") for p in plan._PLANS.values()), "expected the 64-bit offsets"
     ref = causal_conv1d_update_ref(x, st_r, w, None, "silu", compute_dtype=torch.float64, **kw_r)
     assert_close(y, ref, torch.bfloat16)
     assert_states_equal(state, st_r)

@@ -1,8 +1,10 @@
 """causal_conv1d_fn (Triton) against causal_conv1d_ref run in float64, on fresh random inputs.
 
 Without CUDA the kernel runs in Triton's interpreter, so shapes stay small; the grid still covers odd dims,
-T = 1, T < width - 1, long T, widths 2-8, both x layouts and a strided slice, varlen batches with pads and
-mixed initial state. Outputs are poisoned with NaN before each run so an unwritten element fails.
+T = 1, T < width - 1, long T, widths 2-8, both x layouts (channels-first, channels-last) and a strided slice,
+varlen batches with pads and mixed initial state, for each kernel module of ``kernels/prefill/``: the piece kernel,
+and each body (with tiles shrunk so small shapes take it) followed by the heads pass. Outputs are poisoned with
+NaN before each run so an unwritten element fails.
 """
 
 import random
@@ -10,7 +12,8 @@ import random
 import pytest
 import torch
 
-from convserve.kernels import MAX_WIDTH, PAD_SLOT_ID, causal_conv1d_fn, causal_conv1d_ref
+from convserve.kernels import MAX_WIDTH, MIN_WIDTH, PAD_SLOT_ID, causal_conv1d_fn, causal_conv1d_ref
+from convserve.kernels.prefill import plan as prefill_plan
 from tests.conftest import HAS_CUDA
 from tests.tolerance import assert_close
 
@@ -20,11 +23,11 @@ print(f"test_kernels_prefill seed={SEED}")
 
 def make_x(dim, total, layout, dtype, device, gen):
     """x (dim, total) in one of three memory orders."""
-    if layout == "token_major":  # the benchmark card's contiguous (dim, T)
+    if layout == "channels_first":  # T contiguous: the benchmark card's contiguous (dim, T)
         return torch.randn(dim, total, generator=gen).to(device, dtype)
-    if layout == "channel_major":  # serving stacks: x.stride(0) == 1
+    if layout == "channels_last":  # dim contiguous, x.stride(0) == 1: serving stacks
         return torch.randn(total, dim, generator=gen).to(device, dtype).t()
-    if layout == "strided":  # a non-contiguous slice of a larger channel-last buffer
+    if layout == "strided":  # a non-contiguous slice of a larger channels-last buffer
         return torch.randn(2 * total, dim + 3, generator=gen).to(device, dtype)[::2, 1:dim + 1].t()
     raise ValueError(layout)
 
@@ -59,7 +62,7 @@ GRID += [(4096 + 32, t, w) for t, w in ((1, 4), (3, 4), (9, 2), (17, 3))]  # a d
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
-@pytest.mark.parametrize("layout", ["token_major", "channel_major", "strided"])
+@pytest.mark.parametrize("layout", ["channels_first", "channels_last", "strided"])
 @pytest.mark.parametrize("dim,T,width", GRID)
 def test_single_sequence_with_initial_state_matches_reference(dim, T, width, layout, kernel_device):
     gen = torch.Generator().manual_seed(SEED + dim * 1000 + T * 10 + width)
@@ -96,7 +99,7 @@ def random_batch(gen, rng, dim, width, layout, dtype, device, n_seq, max_len, st
 
 
 @pytest.mark.parametrize("case", range(12))
-@pytest.mark.parametrize("layout", ["token_major", "channel_major", "strided"])
+@pytest.mark.parametrize("layout", ["channels_first", "channels_last", "strided"])
 def test_varlen_batch_with_pads_and_mixed_initial_state_matches_reference(case, layout, kernel_device):
     rng = random.Random(SEED + case)
     gen = torch.Generator().manual_seed(SEED + case)
@@ -107,86 +110,97 @@ def test_varlen_batch_with_pads_and_mixed_initial_state_matches_reference(case, 
     check(*run_both(*args), dtype)
 
 
+def _used_bodies():
+    """Names of the body kernels in the plans made so far (empty: the piece kernel ran)."""
+    return {p.fn.__name__ for body, _ in prefill_plan._PLANS.values() for p in body}
+
+
 @pytest.fixture
-def small_flat_tiles(monkeypatch):
-    """Make the flat token-major path (groups of 8 elements, then a heads-only pass) apply to small shapes, with
-    tiles of 16 elements (so most tiles straddle two channel rows) and narrow heads-only programs."""
-    from convserve.kernels import _launch, prefill
-    monkeypatch.setitem(_launch.TUNING, "prefill_flat", dict(groups=2, min_groups=2, groups_per_thread=1,
-                                                             num_warps=1, tiles_per_row=1, min_t=16))
-    monkeypatch.setitem(_launch.TUNING, "prefill_heads", dict(block_d=16, elems=64, num_warps=1))
-    monkeypatch.setattr(prefill, "_PLANS", {})
-    return prefill
+def small_channels_first_tiles(monkeypatch):
+    """Make the channels-first body (flat groups of 8 elements, then the heads pass) apply to small shapes, with
+    tiles of 16 elements (so most tiles straddle two channel rows) and narrow heads-pass programs."""
+    from convserve.kernels import _launch
+    monkeypatch.setitem(_launch.TUNING, "prefill_body_channels_first", dict(
+        groups=2, min_groups=2, groups_per_thread=1, num_warps=1, tiles_per_row=1, min_t=16, max_width=MAX_WIDTH))
+    monkeypatch.setitem(_launch.TUNING, "prefill_heads", dict(block_d=16, elems=64, head_elems=1024, num_warps=1))
+    monkeypatch.setattr(prefill_plan, "_PLANS", {})
 
 
-@pytest.mark.parametrize("case", range(10))
-def test_flat_token_major_path_matches_reference(case, small_flat_tiles, kernel_device):
-    rng = random.Random(SEED + 100 + case)
-    gen = torch.Generator().manual_seed(SEED + 100 + case)
-    width = 2 + case % 3
+def small_channels_last_tiles(monkeypatch, rows_per_step):
+    """Make the channels-last body (then the heads pass) apply to any size: 1-warp programs of 256 channels,
+    chunks of 8 tokens (the window carried across chunks and steps)."""
+    from convserve.kernels import _launch
+    monkeypatch.setitem(_launch.TUNING, "prefill_body_channels_last", dict(
+        num_warps=1, rows_per_step=rows_per_step, max_chunk=8, min_programs=1, min_elems=0, max_width=MAX_WIDTH))
+    monkeypatch.setitem(_launch.TUNING, "prefill_heads", dict(block_d=16, elems=64, head_elems=1024, num_warps=1))
+    monkeypatch.setattr(prefill_plan, "_PLANS", {})
+
+
+@pytest.mark.parametrize("case", range(2))
+@pytest.mark.parametrize("width", range(MIN_WIDTH, MAX_WIDTH + 1))
+def test_channels_first_body_matches_reference(width, case, small_channels_first_tiles, kernel_device):
+    rng = random.Random(SEED + 100 + 10 * width + case)
+    gen = torch.Generator().manual_seed(SEED + 100 + 10 * width + case)
     dim = rng.choice([1, 5, 16, 64, 130])
-    dtype = DTYPES[case % 3]
-    if case < 3:  # one sequence (the card's form), odd T
+    dtype = DTYPES[(width + case) % 3]
+    if case == 0:  # one sequence (the card's form), odd T, with or without bias and initial state
         T = rng.choice([17, 31, 77])
-        x = make_x(dim, T, "token_major", dtype, kernel_device, gen)
+        x = make_x(dim, T, "channels_first", dtype, kernel_device, gen)
         weight = torch.randn(dim, width, generator=gen).to(kernel_device, dtype)
-        bias = torch.randn(dim, generator=gen).to(kernel_device, dtype) if case != 1 else None
+        bias = torch.randn(dim, generator=gen).to(kernel_device, dtype) if width % 3 else None
         states = torch.randn(2, dim, width - 1, generator=gen).to(kernel_device, dtype)
         qsl = torch.tensor([0, T], dtype=torch.int32, device=kernel_device)
         args = (x, weight, bias, states, qsl, torch.tensor([1], dtype=torch.int32, device=kernel_device),
-                torch.tensor([case != 2], device=kernel_device))
+                torch.tensor([width % 2 == 0], device=kernel_device))
     else:  # varlen with pad sequences, empty and short ones, and a tail past the last sequence
-        args = random_batch(gen, rng, dim, width, "token_major", dtype, kernel_device, n_seq=rng.randint(2, 9),
+        args = random_batch(gen, rng, dim, width, "channels_first", dtype, kernel_device, n_seq=rng.randint(2, 9),
                             max_len=60, tail=rng.choice([0, 5, 40]), long_share=0.6)
-        if args[0].shape[1] < 16:  # fewer tokens than the flat path's minimum: a longer tail
-            args = random_batch(gen, rng, dim, width, "token_major", dtype, kernel_device, n_seq=3, max_len=60,
+        if args[0].shape[1] < 16:  # fewer tokens than the body's minimum: a longer tail
+            args = random_batch(gen, rng, dim, width, "channels_first", dtype, kernel_device, n_seq=3, max_len=60,
                                 tail=16, long_share=0.6)
-    y, st_k, ref, st_r = run_both(*args, activation=[None, "silu"][case % 2])
-    assert any(body for body, _ in small_flat_tiles._PLANS.values()), "the flat path did not run"
+    y, st_k, ref, st_r = run_both(*args, activation=[None, "silu"][(width + case) % 2])
+    assert _used_bodies() == {"_channels_first_body_kernel"}, "the channels-first body did not run"
     check(y, st_k, ref, st_r, dtype)
 
 
 @pytest.mark.parametrize("rows_per_step", [1, 2, 4, 8])
-@pytest.mark.parametrize("case", range(4))
-def test_channel_last_window_path_matches_reference(case, rows_per_step, monkeypatch, kernel_device):
-    """The channel-last sliding window (then the heads-only pass) on small shapes: 1-warp programs of 256
-    channels, chunks of 8 tokens (the window carried across chunks and steps), dims around and past the tile."""
-    from convserve.kernels import _launch, prefill
-    monkeypatch.setitem(_launch.TUNING, "prefill_channel_last", dict(
-        num_warps=1, rows_per_step=rows_per_step, max_chunk=8, min_programs=1, min_elems=0))
-    monkeypatch.setitem(_launch.TUNING, "prefill_heads", dict(block_d=16, elems=64, num_warps=1))
-    monkeypatch.setattr(prefill, "_PLANS", {})
-    rng = random.Random(SEED + 200 + case * 8 + rows_per_step)
-    gen = torch.Generator().manual_seed(SEED + 200 + case * 8 + rows_per_step)
-    width = 2 + (case + rows_per_step) % 3
-    dim = [5, 256, 300, 64][case]
-    dtype = DTYPES[(case + rows_per_step) % 3]
-    args = random_batch(gen, rng, dim, width, "channel_major", dtype, kernel_device, n_seq=rng.randint(2, 6),
+@pytest.mark.parametrize("width", range(MIN_WIDTH, MAX_WIDTH + 1))
+def test_channels_last_body_matches_reference(width, rows_per_step, monkeypatch, kernel_device):
+    """Dims around and past the 256-channel tile; a strided (non-contiguous) x on every other case."""
+    small_channels_last_tiles(monkeypatch, rows_per_step)
+    rng = random.Random(SEED + 200 + width * 8 + rows_per_step)
+    gen = torch.Generator().manual_seed(SEED + 200 + width * 8 + rows_per_step)
+    case = width + rows_per_step
+    dim = [5, 256, 300, 64][case % 4]
+    dtype = DTYPES[case % 3]
+    layout = ["channels_last", "strided"][case % 2]
+    args = random_batch(gen, rng, dim, width, layout, dtype, kernel_device, n_seq=rng.randint(2, 6),
                         max_len=40, tail=rng.choice([0, 3, 21]), long_share=0.6)
     y, st_k, ref, st_r = run_both(*args, activation=[None, "silu"][case % 2])
-    assert any(body for body, _ in prefill._PLANS.values()), "the channel-last path did not run"
+    assert _used_bodies() == {"_channels_last_body_kernel"}, "the channels-last body did not run"
     check(y, st_k, ref, st_r, dtype)
 
 
-@pytest.mark.parametrize("layout", ["token_major", "channel_major"])
+@pytest.mark.parametrize("layout", ["channels_first", "channels_last"])
 def test_more_sequences_than_one_search_step_match_reference(layout, monkeypatch, kernel_device):
     """Over 64 sequences: the piece kernel counts query_start_loc keys in several vector steps."""
-    from convserve.kernels import _launch, prefill
-    monkeypatch.setitem(_launch.TUNING, "prefill_flat", dict(_launch.TUNING["prefill_flat"], min_t=1 << 30))
-    monkeypatch.setattr(prefill, "_PLANS", {})
+    from convserve.kernels import _launch
+    monkeypatch.setitem(_launch.TUNING, "prefill_body_channels_first",
+                        dict(_launch.TUNING["prefill_body_channels_first"], min_t=1 << 30))
+    monkeypatch.setattr(prefill_plan, "_PLANS", {})
     rng = random.Random(SEED + 300)
     gen = torch.Generator().manual_seed(SEED + 300)
     args = random_batch(gen, rng, 8, 4, layout, torch.float32, kernel_device, n_seq=150, max_len=12,
                         long_share=0.5)
     y, st_k, ref, st_r = run_both(*args)
-    assert not any(body for body, _ in prefill._PLANS.values()), "expected the piece kernel"
+    assert not _used_bodies(), "expected the piece kernel"
     check(y, st_k, ref, st_r, torch.float32)
 
 
 @pytest.mark.parametrize("width", [2, 3, 4, 6])
 def test_fp32_state_with_bf16_x(width, kernel_device):
     rng, gen = random.Random(SEED), torch.Generator().manual_seed(SEED)
-    args = random_batch(gen, rng, 48, width, "channel_major", torch.bfloat16, kernel_device, n_seq=6, max_len=40,
+    args = random_batch(gen, rng, 48, width, "channels_last", torch.bfloat16, kernel_device, n_seq=6, max_len=40,
                         state_dtype=torch.float32)
     y, st_k, ref, st_r = run_both(*args)
     assert st_k.dtype == torch.float32
@@ -212,7 +226,7 @@ def test_sequence_shorter_than_window_shifts_old_state_in(T, has_init, kernel_de
 
 def test_tokens_past_last_sequence_and_pad_sequences_are_zero(kernel_device):
     rng, gen = random.Random(SEED), torch.Generator().manual_seed(SEED)
-    x, w, b, states, qsl, idx, init = random_batch(gen, rng, 40, 4, "token_major", torch.float32, kernel_device,
+    x, w, b, states, qsl, idx, init = random_batch(gen, rng, 40, 4, "channels_first", torch.float32, kernel_device,
                                                    n_seq=5, max_len=50)
     x = torch.cat([x, torch.randn(40, 37, generator=gen).to(kernel_device)], dim=1)  # a padded bucket tail
     idx[1] = PAD_SLOT_ID
@@ -225,7 +239,7 @@ def test_tokens_past_last_sequence_and_pad_sequences_are_zero(kernel_device):
 
 def test_wider_state_rows_keep_columns_past_the_window(kernel_device):
     rng, gen = random.Random(SEED), torch.Generator().manual_seed(SEED)
-    x, w, b, _, qsl, idx, init = random_batch(gen, rng, 24, 3, "channel_major", torch.float32, kernel_device,
+    x, w, b, _, qsl, idx, init = random_batch(gen, rng, 24, 3, "channels_last", torch.float32, kernel_device,
                                               n_seq=4, max_len=20)
     states = torch.randn(int(idx.max()) + 2, 24, 6, generator=gen).to(kernel_device)
     y, st_k, ref, st_r = run_both(x, w, b, states, qsl, idx, init)
@@ -327,7 +341,7 @@ def test_validate_data_reports_bad_index_values(kernel_device):
 def test_reference_on_large_dim_matches_float64():
     """The fp32 reference itself, on a wide model (dim 4096 + 32) and a long varlen batch."""
     rng, gen = random.Random(SEED), torch.Generator().manual_seed(SEED)
-    x, w, b, states, qsl, idx, init = random_batch(gen, rng, 4096 + 32, 4, "channel_major", torch.float32, "cpu",
+    x, w, b, states, qsl, idx, init = random_batch(gen, rng, 4096 + 32, 4, "channels_last", torch.float32, "cpu",
                                                    n_seq=6, max_len=1200)
     st32, st64 = states.clone(), states.clone()
     y32 = causal_conv1d_ref(x, w, b, st32, qsl, idx, init)
@@ -342,7 +356,7 @@ CARD = [(1, 4096), (128, 4096), (256, 4096), (514, 4096), (1024, 4096), (1, 8192
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", ["token_major", "channel_major"])
+@pytest.mark.parametrize("layout", ["channels_first", "channels_last"])
 @pytest.mark.parametrize("T,dim", CARD)
 def test_card_shapes_match_reference_on_gpu(T, dim, layout):
     gen = torch.Generator().manual_seed(SEED + T)
@@ -378,9 +392,19 @@ def test_offsets_past_two_to_the_31_on_gpu():
     assert not torch.isnan(y).any()
 
 
-@pytest.mark.parametrize("layout", ["token_major", "channel_major"])
-def test_empty_bucket_of_pad_sequences_writes_zeros_and_touches_no_state(layout, kernel_device):
-    """A captured bucket before its first use: every sequence empty and padded, every token in the tail."""
+@pytest.mark.parametrize("path", ["piece", "body"])
+@pytest.mark.parametrize("layout", ["channels_first", "channels_last"])
+def test_empty_bucket_of_pad_sequences_writes_zeros_and_touches_no_state(layout, path, monkeypatch, kernel_device):
+    """A captured bucket before its first use: every sequence empty and padded, every token in the tail (the
+    piece kernel, or the layout's body then the heads pass)."""
+    monkeypatch.setattr(prefill_plan, "_PLANS", {})
+    if path == "body" and layout == "channels_first":
+        from convserve.kernels import _launch
+        monkeypatch.setitem(_launch.TUNING, "prefill_body_channels_first", dict(
+            groups=2, min_groups=2, groups_per_thread=1, num_warps=1, tiles_per_row=1, min_t=16, max_width=MAX_WIDTH))
+        monkeypatch.setattr(prefill_plan, "_PLANS", {})
+    elif path == "body":
+        small_channels_last_tiles(monkeypatch, 4)
     gen = torch.Generator().manual_seed(SEED)
     x = make_x(40, 70, layout, torch.float32, kernel_device, gen)
     w = torch.randn(40, 4, generator=gen).to(kernel_device)
@@ -390,5 +414,6 @@ def test_empty_bucket_of_pad_sequences_writes_zeros_and_touches_no_state(layout,
     idx = torch.full((4,), PAD_SLOT_ID, dtype=torch.int32, device=kernel_device)
     out = torch.full_like(x, float("nan"))
     causal_conv1d_fn(x, w, None, states, qsl, idx, torch.ones(4, dtype=torch.bool, device=kernel_device), out=out)
+    assert bool(_used_bodies()) == (path == "body")
     assert torch.all(out == 0)
     assert torch.equal(states, before)

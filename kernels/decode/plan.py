@@ -1,0 +1,159 @@
+"""``causal_conv1d_update``: decode and speculative verify against a state pool, planned once per argument
+layout: the dense kernel (``dense``) for x dense per row and a few tokens, the chunked kernel (``chunked``) for
+everything else.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .._launch import LaunchPlan, tensor_key
+from .._validate import PAD_SLOT_ID, check_out, check_update
+from .chunked import chunked_plan
+from .dense import dense_applies, dense_plan
+
+_PLANS = {}
+
+
+def _plan_update(x, conv_state, weight, bias, conv_state_indices, num_accepted_tokens, inter, osi, out, width,
+                 silu, pad_slot_id) -> LaunchPlan:
+    """The dense kernel's launch when x and out are dense per row and the row fits in registers, else the chunked
+    kernel's. Shapes as in ``causal_conv1d_update``; index tensors are read only on the device."""
+    batch, dim = x.shape[:2]
+    seqlen = x.shape[2] if x.dim() == 3 else 1
+    x_strides = x.stride() if x.dim() == 3 else (*x.stride(), 1)
+    o_strides = out.stride() if out.dim() == 3 else (*out.stride(), 1)
+    state_len = conv_state.shape[2]
+    n_keep = min(state_len, width - 2 + seqlen)
+    grouped = weight.dim() == 3
+    scalars = (dim, seqlen, state_len, conv_state.shape[0], n_keep, pad_slot_id,
+               conv_state.shape[0] // weight.shape[0] if grouped else 0, weight.stride(0) if grouped else 0,
+               bias.stride(0) if grouped and bias is not None else 0,
+               *x_strides, *weight.stride()[-2:], *conv_state.stride(),
+               conv_state_indices.stride(0) if conv_state_indices is not None else 0,
+               num_accepted_tokens.stride(0) if num_accepted_tokens is not None else 0,
+               *(inter.stride() if inter is not None else (0, 0, 0, 0)),
+               *(osi.stride() if osi is not None else (0, 0)), *o_strides)
+
+    def flags(block_d):  # per-element offsets from a row's base overflow int32 (huge strides): OFF64
+        span = (seqlen + state_len + width)
+        off64 = max(block_d * abs(t.stride(i)) + span * abs(t.stride(-1))
+                    for t, i in ((x, 1), (conv_state, 1), (out, 1))) >= 2**31
+        if inter is not None:
+            off64 |= block_d * abs(inter.stride(2)) + span * (abs(inter.stride(1)) + abs(inter.stride(3))) >= 2**31
+        return dict(HAS_BIAS=bias is not None, GROUPED=grouped, SILU=silu,
+                    HAS_INDICES=conv_state_indices is not None, HAS_ACCEPTED=num_accepted_tokens is not None,
+                    SAVE_INTER=inter is not None, HAS_OSI=osi is not None, WRITE_LIVE=inter is None and osi is None,
+                    OFF64=off64, BLOCK_D=block_d)
+
+    if dense_applies(x_strides, o_strides, conv_state, width, seqlen):
+        return dense_plan(x, scalars, flags, width, seqlen, n_keep)
+    return chunked_plan(x, conv_state, inter, out, x_strides, o_strides, scalars, flags, width, seqlen, n_keep)
+
+
+def causal_conv1d_update(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    activation=None,
+    cache_seqlens: Optional[torch.Tensor] = None,
+    conv_state_indices: Optional[torch.Tensor] = None,
+    num_accepted_tokens: Optional[torch.Tensor] = None,
+    intermediate_conv_window: Optional[torch.Tensor] = None,
+    output_state_indices: Optional[torch.Tensor] = None,
+    pad_slot_id: int = PAD_SLOT_ID,
+    *,
+    out: Optional[torch.Tensor] = None,
+    validate_data: bool = False,
+    **kwargs,
+) -> torch.Tensor:
+    """One decode step (or a few tokens: chunked decode, speculative verify) against a state pool.
+
+    Args:
+        x: ``(batch, dim)`` or ``(batch, dim, seqlen)``, bf16/fp16/fp32, any strides.
+        conv_state: ``(num_cache_lines, dim, state_len >= width - 1)``, any of the three dtypes; best with
+            stride 1 along dim (the pool's layout). Row ``r``'s window is columns ``[o, o + width - 1)`` with
+            ``o = num_accepted_tokens[i] - 1`` (0 without it).
+        weight: ``(dim, width)``, width 2-8; bias: ``(dim,)`` or None; activation: None, "silu"/"swish", bool.
+            Or stacked weights of several layers, ``(groups, dim, width)`` with bias ``(groups, dim)``: the state
+            lines split into ``groups`` equal consecutive groups and line ``l`` uses group
+            ``l // (num_cache_lines / groups)`` (one launch for the rows of several layers of one pool).
+        cache_seqlens: not supported (Dao's circular-buffer state): passing a tensor raises ``ValueError``.
+        conv_state_indices: ``(batch,)`` int32/int64 row of each batch entry, or None for row ``i``.
+            ``pad_slot_id`` marks a pad row: its outputs are zero and no state is touched. Rows outside the pool,
+            or windows that would not fit in ``state_len``, are treated the same way.
+        num_accepted_tokens: ``(batch,)`` int, speculative decoding: where the window starts (see above).
+        intermediate_conv_window: ``(>= batch, >= seqlen, dim, >= width - 1)``: receives, at ``[i, t]``, the
+            window after token ``t``. The live state is then left untouched.
+        output_state_indices: ``(batch, >= seqlen)`` int: the window after token ``t`` is written to columns
+            ``[0, width - 1)`` of row ``output_state_indices[i, t]`` when that is >= 0. The live state is then
+            left untouched. Such a row may be the one read in this call, but not another batch entry's.
+        pad_slot_id: the pad marker.
+        out: optional output buffer shaped like ``x`` (must not be ``x``).
+        validate_data: also check index values on the device (this syncs; for debugging).
+
+    Without ``intermediate_conv_window`` and ``output_state_indices`` the live row is rewritten: its first
+    ``n = min(state_len, width - 2 + seqlen)`` columns become the last ``n`` positions of ``[window | x]``. On a
+    row exactly ``width - 1`` wide that is the last ``width - 1`` inputs (a chunked decode continues from it);
+    on a row at least ``width - 2 + seqlen`` wide, column ``a - 1`` then holds the window after ``a`` tokens,
+    which is what ``num_accepted_tokens = a`` reads next time (the seed's speculative layout).
+
+    Unlike the seed, which overwrote ``x`` and returned it, the result is a new tensor (or ``out``); ``x`` is
+    never written. Arithmetic is fp32, offsets 64-bit, and nothing waits on the device (graph-capturable).
+    """
+    key = (tensor_key(x), tensor_key(conv_state), tensor_key(weight), tensor_key(bias),
+           tensor_key(conv_state_indices), tensor_key(num_accepted_tokens), tensor_key(intermediate_conv_window),
+           tensor_key(output_state_indices), tensor_key(out), activation, pad_slot_id, cache_seqlens is None)
+    try:
+        plan = _PLANS.get(key)
+    except TypeError:  # an unhashable argument: let the checks below say what is wrong with it
+        plan = None
+    if plan is None or validate_data:
+        batch, dim, seqlen, width, act = check_update(x, conv_state, weight, bias, activation, cache_seqlens,
+                                                      conv_state_indices, num_accepted_tokens,
+                                                      intermediate_conv_window, output_state_indices)
+        if out is not None:
+            check_out(out, x, x)
+        if validate_data:
+            _validate_update_values(conv_state, width, conv_state_indices, num_accepted_tokens,
+                                    output_state_indices, pad_slot_id)
+    if out is None:
+        out = torch.empty_like(x)
+    elif out.data_ptr() == x.data_ptr() and out.numel():
+        check_out(out, x, x)
+    if x.numel() == 0:
+        return out
+    if bias is not None and bias.stride(-1) != 1:  # the kernels read bias with stride 1 along dim
+        bias = bias.contiguous()
+    if plan is None:
+        plan = _plan_update(x, conv_state, weight, bias, conv_state_indices, num_accepted_tokens,
+                            intermediate_conv_window, output_state_indices, out, width, act is not None, pad_slot_id)
+        _PLANS[key] = plan
+    plan(x, weight, bias if bias is not None else weight, conv_state,
+         conv_state_indices if conv_state_indices is not None else x,
+         num_accepted_tokens if num_accepted_tokens is not None else x,
+         intermediate_conv_window if intermediate_conv_window is not None else x,
+         output_state_indices if output_state_indices is not None else x, out)
+    return out
+
+
+def _validate_update_values(conv_state, width, conv_state_indices, num_accepted_tokens, output_state_indices,
+                            pad_slot_id):
+    lines, _, state_len = conv_state.shape
+    if conv_state_indices is not None:
+        bad = [i for i in conv_state_indices.tolist() if i != pad_slot_id and not 0 <= i < lines]
+        if bad:
+            raise ValueError(f"conv_state_indices: expected rows in [0, {lines}) or pad_slot_id={pad_slot_id}, "
+                             f"got {bad}")
+    if num_accepted_tokens is not None:
+        bad = [a for a in num_accepted_tokens.tolist() if not 1 <= a <= state_len - width + 2]
+        if bad:
+            raise ValueError(f"num_accepted_tokens: expected values in [1, {state_len - width + 2}] "
+                             f"(state_len={state_len}, width={width}), got {bad}")
+    if output_state_indices is not None:
+        bad = [i for i in output_state_indices.flatten().tolist() if i >= lines]
+        if bad:
+            raise ValueError(f"output_state_indices: expected rows < {lines} (or negative to skip), got {bad}")

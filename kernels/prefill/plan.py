@@ -1,0 +1,130 @@
+"""``causal_conv1d_fn``: varlen prefill, planned once per argument layout.
+
+Two ways through, both one stream of launches with no host sync (so both can be captured in a CUDA graph):
+
+* **a body, then the heads pass**, for large x in one of the two dense layouts: ``body_channels_first`` (x and out
+  a contiguous ``(dim, T)``) or ``body_channels_last`` (``stride(0) == 1``) convolves every channel row as if all
+  tokens were one sequence; ``heads`` then rewrites each sequence's first ``width - 1`` outputs, writes the new
+  states, and zeroes pads and the tail.
+* **the piece kernel** (``piece``) for everything else (small shapes, other strides): one launch.
+
+Which path a call takes, and the tile sizes, come from ``_launch.TUNING``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .._launch import tensor_key
+from .._validate import PAD_SLOT_ID, check_out, check_prefill
+from .body_channels_first import channels_first_body_plans
+from .body_channels_last import channels_last_body_plan
+from .heads import heads_plan
+from .piece import piece_plan
+
+_PLANS = {}
+
+
+def _plan_prefill(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state, out, width,
+                  batch, silu, pad_slot_id) -> tuple:
+    """(body plans, sequence plan): a body and the heads pass when a body applies to x's layout and size, else
+    () and the piece kernel. x, out: (dim, total_tokens); query_start_loc: (batch + 1,), read only on the
+    device."""
+    body = channels_first_body_plans(x, weight, bias, out, silu)
+    if not body:
+        cl = channels_last_body_plan(x, weight, bias, out, silu)
+        body = (cl,) if cl is not None else ()
+    make = heads_plan if body else piece_plan
+    return body, make(x, weight, bias, conv_states, cache_indices, has_initial_state, out, width, batch, silu,
+                      pad_slot_id)
+
+
+def causal_conv1d_fn(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    conv_states: Optional[torch.Tensor],
+    query_start_loc: torch.Tensor,
+    cache_indices: Optional[torch.Tensor] = None,
+    has_initial_state: Optional[torch.Tensor] = None,
+    activation="silu",
+    pad_slot_id: int = PAD_SLOT_ID,
+    *,
+    out: Optional[torch.Tensor] = None,
+    validate_data: bool = False,
+    **kwargs,
+) -> torch.Tensor:
+    """Causal depthwise conv1d over variable-length sequences packed along tokens.
+
+    Args:
+        x: ``(dim, total_tokens)`` bf16/fp16/fp32, any strides: channels-first (``x.stride(1) == 1``, the
+            benchmark card) and channels-last (``x.stride(0) == 1``, serving stacks) both get tiles along their
+            contiguous axis. Sequence ``i`` is ``x[:, qsl[i]:qsl[i + 1]]``.
+        weight: ``(dim, width)``, width 2-8.
+        bias: ``(dim,)`` or None.
+        conv_states: ``(num_cache_lines, dim, state_len >= width - 1)`` or None; any dtype of the three (fp32
+            state with bf16 ``x`` is fine). Updated in place: columns ``[0, width - 1)`` of sequence ``i``'s row
+            become its last ``width - 1`` inputs, with the old state shifted in when the sequence is shorter.
+        query_start_loc: ``(batch + 1,)`` int32/int64, ``query_start_loc[0] == 0``, non-decreasing.
+        cache_indices: ``(batch,)`` int32/int64 state row of each sequence, or None for row ``i``. A row equal
+            to ``pad_slot_id`` marks a pad sequence: its outputs are zero and no state is touched. Rows outside
+            ``[0, num_cache_lines)`` are treated the same way (check with ``validate_data=True``).
+        has_initial_state: ``(batch,)`` bool: start from the stored state, else from zeros. None: all zeros.
+        activation: None, "silu"/"swish" or True/False.
+        pad_slot_id: the pad marker in ``cache_indices``.
+        out: optional output buffer shaped like ``x`` (must not be ``x``).
+        validate_data: also check index values on the device (this syncs; for debugging).
+        **kwargs: the seed's extra arguments (``metadata``, ``seq_lens_cpu``) are accepted and not needed.
+
+    Returns:
+        ``(dim, total_tokens)`` in x's dtype. Tokens past ``query_start_loc[batch]`` and tokens of pad
+        sequences are zero. Empty sequences leave their state untouched. Arithmetic is fp32 throughout, offsets
+        are 64-bit, and nothing here waits on the device, so the call can be captured in a CUDA graph.
+    """
+    key = (tensor_key(x), tensor_key(weight), tensor_key(bias), tensor_key(conv_states),
+           tensor_key(query_start_loc), tensor_key(cache_indices), tensor_key(has_initial_state),
+           tensor_key(out), activation, pad_slot_id)
+    try:
+        plan = _PLANS.get(key)
+    except TypeError:  # an unhashable argument: let the checks below say what is wrong with it
+        plan = None
+    if plan is None or validate_data:
+        dim, total, width, batch, act = check_prefill(x, weight, bias, conv_states, query_start_loc, cache_indices,
+                                                      has_initial_state, activation)
+        if out is not None:
+            check_out(out, x, x)
+        if validate_data:
+            _validate_prefill_values(total, batch, conv_states, query_start_loc, cache_indices, pad_slot_id)
+    if out is None:
+        out = torch.empty_like(x)
+    elif out.data_ptr() == x.data_ptr() and out.numel():
+        check_out(out, x, x)
+    if x.numel() == 0:
+        return out
+    if bias is not None and bias.stride(0) != 1:  # the kernels read bias with stride 1 along dim
+        bias = bias.contiguous()
+    if plan is None:
+        plan = _plan_prefill(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state, out,
+                             width, batch, act is not None, pad_slot_id)
+        _PLANS[key] = plan
+    body, seq = plan
+    b = bias if bias is not None else weight
+    for p in body:
+        p(x, weight, b, out)
+    seq(x, weight, b, conv_states if conv_states is not None else x,
+        query_start_loc, cache_indices if cache_indices is not None else query_start_loc,
+        has_initial_state if has_initial_state is not None else query_start_loc, out)
+    return out
+
+
+def _validate_prefill_values(total, batch, conv_states, query_start_loc, cache_indices, pad_slot_id):
+    qsl = query_start_loc.tolist()
+    if qsl[0] != 0 or any(b < a for a, b in zip(qsl, qsl[1:])) or qsl[-1] > total:
+        raise ValueError(f"query_start_loc: expected non-decreasing values from 0 to at most {total}, got {qsl}")
+    if cache_indices is not None:
+        lines = conv_states.shape[0]
+        bad = [i for i in cache_indices.tolist() if i != pad_slot_id and not 0 <= i < lines]
+        if bad:
+            raise ValueError(f"cache_indices: expected rows in [0, {lines}) or pad_slot_id={pad_slot_id}, got {bad}")
