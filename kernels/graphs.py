@@ -100,7 +100,7 @@ class DecodeGraph:
 class PrefillGraph:
     """``causal_conv1d_fn`` for a fixed bucket of ``tokens`` packed tokens and up to ``seqs`` sequences.
 
-    Buffers: ``x`` (dim, tokens) channel-last (``x.t()`` is the ``(tokens, dim)`` storage), ``query_start_loc
+    Buffers: ``x`` (dim, tokens) channels-last (``x.t()`` is the ``(tokens, dim)`` storage), ``query_start_loc
     (seqs + 1,) int32``, ``cache_indices (seqs,) int32``, ``has_initial_state (seqs,) bool``, ``out`` like ``x``.
     Unused sequences are empty and padded; tokens past the last sequence compute zeros.
     """
