@@ -2,7 +2,7 @@
 that runs the scheduler's steps; callers in the same process submit conv requests and session operations.
 
 Kernels: on CUDA the Triton ops of :mod:`kernels` (imported when the engine starts on CUDA), with each decode
-bucket of each layer replayed from a CUDA graph captured at start-up; on CPU the PyTorch references.
+bucket of each layer replayed from a CUDA graph captured at start-up; on CPU the vectorized PyTorch ops (``kernels.torch_ops``).
 
 Threading: every public method is thread-safe. The worker thread is the only one that touches device memory after
 :meth:`Engine.start`: conv steps and the session operations that read or write state (delete, fork, export,
@@ -251,7 +251,7 @@ class Engine(Intake, SessionOps, Worker):
         """The last (up to 4096) steps as dicts (for benchmarks): ``rows``, ``tokens``; ``host_s`` = ``sched_s``
         (pick and pack the step) + ``launch_s`` (stage inputs, launch, start the copies back) + ``deliver_s``
         (cut results, wake callers); ``kernel_s`` (GPU time between the first and last launch, CUDA events, on
-        every ``gpu_timing_interval``-th step, else None; on the CPU the reference's time); ``wall_s`` (all of
+        every ``gpu_timing_interval``-th step, else None; on the CPU the torch ops' time); ``wall_s`` (all of
         it, including the wait for the GPU)."""
         with self._lock:
             return [dict(zip(STEP_FIELDS, s)) for s in self._steps]

@@ -52,8 +52,8 @@ class Runner:
             self._ev0 = torch.cuda.Event(enable_timing=True)
             self._ev1 = torch.cuda.Event(enable_timing=True)
         else:
-            from convserve.kernels.reference import causal_conv1d_ref as causal_conv1d_fn
-            from convserve.kernels.reference import causal_conv1d_update_ref as causal_conv1d_update
+            from convserve.kernels import causal_conv1d_fn_torch as causal_conv1d_fn
+            from convserve.kernels import causal_conv1d_update_torch as causal_conv1d_update
 
             self.stream = None
         self.prefill_fn, self.update_fn = causal_conv1d_fn, causal_conv1d_update
@@ -76,7 +76,7 @@ class Runner:
         max_batch_tokens, once per bias/no-bias layer kind; a step's launches are padded to 16 sequences and 16
         tokens, and its index arrays aligned, as here, see _pack_tokens) and the verify kernel of every length, on
         the null slot (no session state is touched: slot 0 is never allocated, pad rows touch nothing, and
-        verifies write no state). On the CPU (the references, nothing to compile) one small call per layer
+        verifies write no state). On the CPU (the torch ops, nothing to compile) one small call per layer
         checks the path."""
         m, bf, dev = self.model, self.bufs, self.device
         idx = torch.full((16,), PAD_SLOT_ID, dtype=torch.int32, device=dev)
