@@ -50,8 +50,8 @@ def _taps(tap, width: int, wt: torch.Tensor, b: Optional[torch.Tensor], silu: bo
     wt: (width, dim) or (R, width, dim), contiguous; b: (dim,) or (R, dim) or None. Returns (..., N, dim).
     """
     y = tap(0) * wt[..., 0:1, :]
-    for k in range(1, width):
-        y.addcmul_(tap(k), wt[..., k:k + 1, :])
+    for k in range(1, width):   # a product then a sum, each rounded, as the reference: the same bits
+        y += tap(k) * wt[..., k:k + 1, :]
     if b is not None:
         y += b[..., None, :]
     if silu:
@@ -233,12 +233,13 @@ def _update_all_live(x3, out3, out, conv_state, lines, weight, bias, silu: bool,
     xe[:, h:].copy_(x3.transpose(1, 2))
     wt = weight.to(compute_dtype).t().contiguous()                     # (width, dim)
     y = torch.mul(xe[:, 0:seqlen], wt[0], out=_scratch("y", (batch, seqlen, dim), compute_dtype, dev))
-    for k in range(1, h + 1):
-        y.addcmul_(xe[:, k:k + seqlen], wt[k])
+    t = _scratch("t", tuple(y.shape), compute_dtype, dev)
+    for k in range(1, h + 1):   # a product then a sum, each rounded, as the reference: the same bits
+        y += torch.mul(xe[:, k:k + seqlen], wt[k], out=t)
     if bias is not None:
         y += bias.to(compute_dtype)
     if silu:
-        torch.nn.functional.silu(y, inplace=True)
+        y.mul_(torch.sigmoid(y))                   # as the reference computes it: the same bits
     out3.copy_(y.transpose(1, 2))
     if intermediate_conv_window is not None or output_state_indices is not None:
         after = xe.unfold(1, h, 1)[:, 1:seqlen + 1]                    # (R, seqlen, dim, h): window after token t
@@ -267,13 +268,14 @@ def _decode_all_live(x2, out2, out, state_t, lines, weight, bias, silu: bool, h:
     win = torch.index_select(state_t, 0, lines, out=_scratch("win", (batch, h, dim), state_t.dtype, dev))
     wt = weight.to(compute_dtype).t().contiguous()                     # (width, dim)
     y = torch.mul(win[:, 0], wt[0], out=_scratch("y", (batch, dim), compute_dtype, dev))
-    for k in range(1, h):
-        y.addcmul_(win[:, k], wt[k])
-    y.addcmul_(x2, wt[h])
+    t = _scratch("t", (batch, dim), compute_dtype, dev)
+    for k in range(1, h):       # a product then a sum, each rounded, as the reference: the same bits
+        y += torch.mul(win[:, k], wt[k], out=t)
+    y += torch.mul(x2, wt[h], out=t)
     if bias is not None:
         y += bias.to(compute_dtype)
     if silu:
-        torch.nn.functional.silu(y, inplace=True)
+        y.mul_(torch.sigmoid(y))                   # as the reference computes it: the same bits
     out2.copy_(y)
     if h > 1:                                                          # every window was read above
         state_t[:, :h - 1].index_copy_(0, lines, win[:, 1:])
