@@ -21,6 +21,11 @@ Scenarios (each on a fresh engine):
   out the window?) and the rows per step N callers get.
 * ``prefill-mix``: sessions sending prefills of 128-2048 tokens (chunked by max_batch_tokens) while others
   decode; reports tokens/s and step times.
+* ``step-mixed``: a frontend's continuous-batching step as one batch request per layer
+  (``submit_batch(..., tokens=...)``): 256 sessions = 240 decodes + 16 prefill chunks of 64-512 tokens, on every
+  layer, rounds of one batch per layer; reports host time per engine step (p50) and per round.
+* ``step-verify-64x4`` / ``step-decode-64``: 64 sessions, per round one speculative batch of 4 tokens per session
+  on every layer plus one ``accept_batch``, against a plain decode batch of the same sessions on every layer.
 
 Target (issue 4): host overhead per decode step under 100 us at 256 sessions. Results go to
 ``bench/results/engine-<gpu>-<date>.json``.
@@ -241,6 +246,95 @@ def run_prefill_mix(args, model) -> dict:
         e.stop(drain=False)
 
 
+def _rounds(e, args, round_) -> tuple:
+    """Warm up, then time ``args.rounds`` rounds (``round_()`` runs one and returns when its results are in).
+    Returns ``(round trip us, this run's steps)``."""
+    for _ in range(args.warmup):
+        round_()
+    n0 = e.stats()["steps"]
+    rtt = []
+    for _ in range(args.rounds):
+        t0 = time.perf_counter()
+        round_()
+        rtt.append((time.perf_counter() - t0) * 1e6)
+    return rtt, e.recent_steps()[-(e.stats()["steps"] - n0):]
+
+
+def run_step_mixed(args, model, n_decode: int, n_prefill: int, lengths: tuple) -> dict:
+    """One batch request per layer per round, each a frontend's step on that layer: ``n_decode`` one-token rows
+    and ``n_prefill`` prefill chunks (lengths drawn from ``lengths``), the prefilling sessions continuing their
+    prefill from round to round."""
+    rng = random.Random(0)
+    n = n_decode + n_prefill
+    tokens_top = n_decode + n_prefill * lengths[1]
+    e = make_engine(args, model, max_batch_size=max(256, n), max_batch_tokens=max(args.max_batch_tokens, tokens_top),
+                    max_queue_delay_us=10_000_000, gpu_timing_interval=1)
+    try:
+        dim = model.dim
+        sids = [e.create_session() for _ in range(n)]
+        work = []                      # per variant: per layer (tokens, x)
+        for _ in range(4):
+            toks = [1] * n_decode + [rng.randint(*lengths) for _ in range(n_prefill)]
+            order = list(range(n))
+            rng.shuffle(order)         # prefill rows spread among the decodes, as a frontend's step has them
+            toks = [toks[i] for i in order]
+            work.append([(toks, torch.randn(sum(toks), dim, dtype=model.dtype)) for _ in model.layers])
+        k = [0]
+
+        def round_():
+            w = work[k[0] % len(work)]
+            k[0] += 1
+            for f in [e.submit_batch(sids, lay, x, tokens=toks) for lay, (toks, x) in zip(model.layers, w)]:
+                f.result()
+
+        rtt, steps = _rounds(e, args, round_)
+        out = step_summary(steps)
+        out.update({"round_trip_us_p50": _pct(rtt, 0.5), "round_trip_us_p90": _pct(rtt, 0.9),
+                    "steps_per_round": len(steps) / args.rounds, "sessions": n, "decodes": n_decode,
+                    "prefills": n_prefill, "prefill_lengths": list(lengths), "layers": model.n_layers,
+                    "tokens_per_s": sum(s["tokens"] for s in steps) / (sum(rtt) * 1e-6)})
+        return out
+    finally:
+        e.stop(drain=False)
+
+
+def run_step_verify(args, model, n: int, k: int, verify: bool) -> dict:
+    """``n`` sessions, each round one batch per layer: ``k`` speculative tokens per session then one
+    ``accept_batch`` (``verify``), or one plain decode token per session."""
+    rng = random.Random(1)
+    e = make_engine(args, model, max_batch_size=max(256, n), max_queue_delay_us=10_000_000, gpu_timing_interval=1)
+    try:
+        dim = model.dim
+        sids = [e.create_session() for _ in range(n)]
+        rows = n * (k if verify else 1)
+        xs = [torch.randn(rows, dim, dtype=model.dtype) for _ in model.layers]
+        toks = [k] * n
+        acc = []
+
+        def round_():
+            if verify:
+                fs = [e.submit_batch(sids, lay, x, tokens=toks, speculative=True) for lay, x in zip(model.layers, xs)]
+            else:
+                fs = [e.submit_batch(sids, lay, x) for lay, x in zip(model.layers, xs)]
+            for f in fs:
+                f.result()
+            if verify:
+                t0 = time.perf_counter()
+                e.accept_batch(sids, [rng.randint(0, k) for _ in sids])
+                acc.append((time.perf_counter() - t0) * 1e6)
+
+        rtt, steps = _rounds(e, args, round_)
+        out = step_summary(steps)
+        out.update({"round_trip_us_p50": _pct(rtt, 0.5), "round_trip_us_p90": _pct(rtt, 0.9), "sessions": n,
+                    "tokens_per_session": k if verify else 1, "layers": model.n_layers,
+                    "steps_per_round": len(steps) / args.rounds,
+                    "accept_batch_us_p50": _pct(acc[-args.rounds:], 0.5) if acc else None,
+                    "tokens_per_s": rows * model.n_layers * args.rounds / (sum(rtt) * 1e-6)})
+        return out
+    finally:
+        e.stop(drain=False)
+
+
 def main(argv=None) -> int:
     cuda = torch.cuda.is_available()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -256,6 +350,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-batch-tokens", type=int, default=8192)
     ap.add_argument("--null-kernels", action="store_true", help="CPU only: kernels that do nothing (host cost)")
     ap.add_argument("--no-mix", action="store_true", help="skip the prefill mix")
+    ap.add_argument("--no-step", action="store_true", help="skip the frontend-step scenarios (step-*)")
     ap.add_argument("--closed", default="1,16,64", help="comma list of closed-loop caller counts ('' to skip)")
     ap.add_argument("--closed-seconds", type=float, default=1.0)
     ap.add_argument("--gil-switch-interval-us", type=int, default=500,
@@ -282,6 +377,8 @@ def _run(args, on_cuda: bool) -> int:
     args.mix_prefill_sessions = 16 if on_cuda else 2
     args.mix_decode_sessions = 64 if on_cuda else 4
     args.mix_lengths = [128, 512, 2048] if on_cuda else [16, 64]
+    args.step_mixed = (240, 16, (64, 512)) if on_cuda else (6, 2, (4, 16))   # decodes, prefills, chunk lengths
+    args.step_verify_sessions = 64 if on_cuda else 4
     dtype = getattr(torch, args.dtype)
     model = ConvModel.random(args.layers, dim=args.dim, width=args.width, dtype=dtype, seed=0)
 
@@ -303,6 +400,11 @@ def _run(args, on_cuda: bool) -> int:
         results[f"closed-{n}"] = run_closed(args, model, n)
     if not args.no_mix:
         results["prefill-mix"] = run_prefill_mix(args, model)
+    if not args.no_step:
+        results["step-mixed"] = run_step_mixed(args, model, *args.step_mixed)
+        nv = args.step_verify_sessions
+        results[f"step-verify-{nv}x4"] = run_step_verify(args, model, nv, 4, verify=True)
+        results[f"step-decode-{nv}"] = run_step_verify(args, model, nv, 1, verify=False)
 
     gpu = torch.cuda.get_device_name() if on_cuda else ("cpu-null-kernels" if args.null_kernels else "cpu")
     env = {"gpu": gpu, "torch": torch.__version__, "python": platform.python_version(),
@@ -317,7 +419,8 @@ def _run(args, on_cuda: bool) -> int:
         pass
 
     cols = ["rows_mean", "host_us_p50", "host_us_p90", "sched_us_p50", "launch_us_p50", "deliver_us_p50",
-            "gpu_us_p50", "wall_us_p50", "submit_us_p50", "round_trip_us_p50", "tokens_per_s", "outputs_fresh"]
+            "gpu_us_p50", "wall_us_p50", "submit_us_p50", "round_trip_us_p50", "tokens_per_s", "outputs_fresh",
+            "steps_per_round", "accept_batch_us_p50"]
     print(f"engine bench on {gpu}: {args.layers} layers x dim {args.dim} x width {args.width}, {args.dtype}")
     print(f"{'scenario':<24}" + "".join(f"{c.replace('_p50', '').replace('_us', ' us'):>14}" for c in cols))
     for name, r in results.items():

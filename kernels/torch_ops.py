@@ -13,11 +13,34 @@ synchronize: the Triton ops are for the GPU.
 
 from __future__ import annotations
 
+import threading
 from typing import Optional
 
 import torch
 
 from ._validate import PAD_SLOT_ID, check_out, check_prefill, check_update
+
+
+_scratch_local = threading.local()
+
+
+def _scratch(name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A CPU intermediate of this thread, kept from call to call (grown when a call needs more): a fresh tensor
+    of a few MB comes from fresh pages, and their first-touch faults cost more than the arithmetic on them.
+    Never returned to the caller; other devices get a fresh tensor."""
+    n = 1
+    for d in shape:
+        n *= d
+    if device.type != "cpu":
+        return torch.empty(shape, dtype=dtype, device=device)
+    cache = getattr(_scratch_local, "bufs", None)
+    if cache is None:
+        cache = _scratch_local.bufs = {}
+    key = (name, dtype)
+    buf = cache.get(key)
+    if buf is None or buf.numel() < n:
+        buf = cache[key] = torch.empty(max(n, 1), dtype=dtype)
+    return buf[:n].view(shape)
 
 
 def _taps(tap, width: int, wt: torch.Tensor, b: Optional[torch.Tensor], silu: bool) -> torch.Tensor:
@@ -27,8 +50,8 @@ def _taps(tap, width: int, wt: torch.Tensor, b: Optional[torch.Tensor], silu: bo
     wt: (width, dim) or (R, width, dim), contiguous; b: (dim,) or (R, dim) or None. Returns (..., N, dim).
     """
     y = tap(0) * wt[..., 0:1, :]
-    for k in range(1, width):
-        y.addcmul_(tap(k), wt[..., k:k + 1, :])
+    for k in range(1, width):   # a product then a sum, each rounded, as the reference: the same bits
+        y += tap(k) * wt[..., k:k + 1, :]
     if b is not None:
         y += b[..., None, :]
     if silu:
@@ -147,6 +170,10 @@ def causal_conv1d_update_torch(
     dev = x.device
     idx = (conv_state_indices[:batch].to(device=dev, dtype=torch.long) if conv_state_indices is not None
            else torch.arange(batch, device=dev))
+    if (conv_state_indices is None or not bool((idx == pad_slot_id).any())) and weight.dim() == 2 \
+            and num_accepted_tokens is None:
+        return _update_all_live(x3, out3, out, conv_state, idx, weight, bias, act is not None, h, seqlen,
+                                intermediate_conv_window, output_state_indices, compute_dtype)
     live = (idx != pad_slot_id) if conv_state_indices is not None else torch.ones(batch, dtype=torch.bool,
                                                                                     device=dev)
     out3.masked_fill_(~live[:, None, None], 0)
@@ -185,4 +212,72 @@ def causal_conv1d_update_torch(
     else:
         keep = min(conv_state.shape[2], width - 2 + seqlen)
         state_t[lines, :keep] = xe[:, xe.shape[1] - keep:].to(conv_state.dtype)
+    return out
+
+
+def _update_all_live(x3, out3, out, conv_state, lines, weight, bias, silu: bool, h: int, seqlen: int,
+                     intermediate_conv_window, output_state_indices, compute_dtype):
+    """The update when every row is live, one weight for all and no accepted-token offset (a decode or verify
+    launch without pad rows): whole-tensor copies instead of masked row selections and index_put."""
+    batch, dim = x3.shape[0], x3.shape[1]
+    state_len = conv_state.shape[2]
+    state_t = conv_state.transpose(1, 2)                               # (lines, state_len, dim)
+    dev = x3.device
+    if seqlen == 1 and state_len == h and h >= 1 and intermediate_conv_window is None \
+            and output_state_indices is None:
+        return _decode_all_live(x3[:, :, 0], out3[:, :, 0], out, state_t, lines, weight, bias, silu, h,
+                                compute_dtype)
+    xe = _scratch("xe", (batch, h + seqlen, dim), compute_dtype, dev)
+    win = torch.index_select(state_t, 0, lines, out=_scratch("win", (batch, state_len, dim), conv_state.dtype, dev))
+    xe[:, :h].copy_(win[:, :h])                                        # every window read before any write
+    xe[:, h:].copy_(x3.transpose(1, 2))
+    wt = weight.to(compute_dtype).t().contiguous()                     # (width, dim)
+    y = torch.mul(xe[:, 0:seqlen], wt[0], out=_scratch("y", (batch, seqlen, dim), compute_dtype, dev))
+    t = _scratch("t", tuple(y.shape), compute_dtype, dev)
+    for k in range(1, h + 1):   # a product then a sum, each rounded, as the reference: the same bits
+        y += torch.mul(xe[:, k:k + seqlen], wt[k], out=t)
+    if bias is not None:
+        y += bias.to(compute_dtype)
+    if silu:
+        y.mul_(torch.sigmoid(y))                   # as the reference computes it: the same bits
+    out3.copy_(y.transpose(1, 2))
+    if intermediate_conv_window is not None or output_state_indices is not None:
+        after = xe.unfold(1, h, 1)[:, 1:seqlen + 1]                    # (R, seqlen, dim, h): window after token t
+        if intermediate_conv_window is not None:
+            intermediate_conv_window[:batch, :, :, :h] = after.to(intermediate_conv_window.dtype)
+        if output_state_indices is not None:
+            osi = output_state_indices[:batch].to(device=x3.device, dtype=torch.long)
+            keep = osi >= 0
+            if bool(keep.any()):
+                conv_state[osi[keep], :, :h] = after[keep].to(conv_state.dtype)
+        return out
+    keep = min(state_len, h - 1 + seqlen)
+    new = xe[:, xe.shape[1] - keep:]
+    if keep == state_len:
+        state_t.index_copy_(0, lines, _scratch("new", tuple(new.shape), conv_state.dtype, dev).copy_(new))
+    else:
+        state_t[lines, :keep] = new.to(conv_state.dtype)
+    return out
+
+
+def _decode_all_live(x2, out2, out, state_t, lines, weight, bias, silu: bool, h: int, compute_dtype):
+    """One token per row, every row live, a state of exactly ``width - 1`` columns: the taps read the gathered
+    windows directly, and the new windows are written from them and x (no ``[window, x]`` intermediate)."""
+    batch, dim = x2.shape
+    dev = x2.device
+    win = torch.index_select(state_t, 0, lines, out=_scratch("win", (batch, h, dim), state_t.dtype, dev))
+    wt = weight.to(compute_dtype).t().contiguous()                     # (width, dim)
+    y = torch.mul(win[:, 0], wt[0], out=_scratch("y", (batch, dim), compute_dtype, dev))
+    t = _scratch("t", (batch, dim), compute_dtype, dev)
+    for k in range(1, h):       # a product then a sum, each rounded, as the reference: the same bits
+        y += torch.mul(win[:, k], wt[k], out=t)
+    y += torch.mul(x2, wt[h], out=t)
+    if bias is not None:
+        y += bias.to(compute_dtype)
+    if silu:
+        y.mul_(torch.sigmoid(y))                   # as the reference computes it: the same bits
+    out2.copy_(y)
+    if h > 1:                                                          # every window was read above
+        state_t[:, :h - 1].index_copy_(0, lines, win[:, 1:])
+    state_t[:, h - 1].index_copy_(0, lines, x2 if x2.dtype == state_t.dtype else x2.to(state_t.dtype))
     return out

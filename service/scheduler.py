@@ -23,8 +23,10 @@ Each request is ``(session, layer position, T tokens)``. Per step, within ``max_
   from earlier steps (such as the last step's rows): callers whose submits arrive spread out, like closed-loop
   asyncio callers, would then run in smaller steps.
 * **Timeout.** A request that has not started after ``request_timeout_s`` is returned in ``expired`` (to fail).
-* **Batch requests.** A batch request (:class:`RowBatch`: one decode token for each of several sessions, on one
-  layer) is one request of ``rows`` rows: taken whole in pass 1, alone on its layer's decode launch, once every
+* **Batch requests.** A batch request (:class:`RowBatch`: a slice of tokens for each of several sessions, on one
+  layer: one-token decodes, prefill chunks, speculative verifies) is one request of ``rows`` rows: taken whole in
+  pass 1 (never chunked), its decode rows alone on its layer's decode launch, its prefill rows in the layer's
+  prefill launch and its verify rows in the layer's verify launch, once every
   unfinished request and session op of its sessions submitted before it is done or withdrawn (``waits``,
   ``wait_ops``); a session's requests submitted after it wait until it is done (``Request.after``). Its caller
   did the batching, so a newly queued batch request makes the step run at once (no delay window). The scheduler
@@ -36,6 +38,10 @@ Each request is ``(session, layer position, T tokens)``. Per step, within ``max_
 
 Rows are classified as: *decode* (``T = 1``, not speculative, the layer has state), *verify* (speculative, any
 ``T``) or *prefill* (anything else: a first call, or a chunk of one).
+
+A layer's verify rows are one launch, each row padded to the longest with pad tokens after its real ones: the
+conv is causal, so they change no real output, and a verify writes no state. Those pad tokens count against
+``max_batch_tokens`` with the real ones (the packed buffer holds them).
 """
 
 from __future__ import annotations
@@ -80,6 +86,12 @@ class RowBatch:
 
     waits: list                  # every unfinished request of its sessions submitted before it: done first
     wait_ops: list               # session ops posted before it: run (``.future.done()``) or withdrawn first
+    rows: int = 0                # rows (sessions); 0 until queued: Scheduler.add then takes every token as one
+    #                              decode row (rows = n_dec = n_tokens)
+    n_dec: int = 0               # one-token decode rows: the layer's decode launch (none: the launch stays free)
+    prefill: Any = None          # None, or (session, first token in x, tokens) per prefill row (T > 1)
+    verify: Any = None           # None, or (session, first token in x, tokens) per speculative row
+    verify_len: int = 0          # the longest speculative row (its layer's verify launch is padded to it)
 
 
 @dataclass(slots=True)
@@ -111,13 +123,17 @@ class DecodeBatch:
 
 @dataclass(slots=True)
 class VerifyBatch:
-    """One speculative-verify launch: ``n_tokens`` tokens per row, one layer, the state left unwritten."""
+    """One speculative-verify launch of one layer: ``n_tokens`` tokens per row (each row's real tokens, then pad
+    tokens up to ``n_tokens``), the state left unwritten."""
 
     layer: int                    # conv layer position
-    n_tokens: int                 # tokens of every row
-    requests: list                # the request of each row
+    n_tokens: int                 # tokens of every row in the launch: the longest row's
+    requests: list                # the request of each row (a batch request once per row of it)
     cache_indices: list           # pool slot per row
     token_offset: int             # where this batch's rows start in the packed token buffer (row-major)
+    starts: list = field(default_factory=list)    # first token of each row within its request's x
+    lengths: list = field(default_factory=list)   # real tokens of each row (<= n_tokens)
+    sessions: list = field(default_factory=list)  # the Session of each row
 
 
 @dataclass(slots=True)
@@ -127,12 +143,14 @@ class SchedulerOutput:
     step: int                                            # step number, from 0
     prefills: list = field(default_factory=list)         # PrefillBatch per layer with prefill rows
     decodes: list = field(default_factory=list)          # DecodeBatch per layer with decode rows
-    verifies: list = field(default_factory=list)         # VerifyBatch per (layer, n_tokens)
+    verifies: list = field(default_factory=list)         # VerifyBatch per layer with verify rows
+    batches: list = field(default_factory=list)          # the batch requests of this step (also in finished)
     finished: list = field(default_factory=list)         # requests whose last token runs now, in arrival order
     expired: list = field(default_factory=list)          # never-started requests past request_timeout_s: fail
     num_rows: int = 0                                    # real rows of all launches (chunks count once)
     num_tokens: int = 0                                  # real tokens of all launches
-    packed_tokens: int = 0                               # tokens in the packed buffer (prefill + verify)
+    packed_tokens: int = 0                               # tokens in the packed buffer (prefill + verify,
+    #                                                      verify pad tokens included)
     num_padded_rows: int = 0                             # decode padding rows added to reach the buckets
 
     @property
@@ -189,17 +207,20 @@ class Scheduler:
         self._waiting.append(req)
         self._n += 1
         self._tokens += req.n_tokens
-        if req.batch is None:
+        b = req.batch
+        if b is None:
             self._rows += 1
         else:
-            self._rows += req.n_tokens
+            if b.rows == 0:
+                b.rows = b.n_dec = req.n_tokens
+            self._rows += b.rows
             self._new_batches += 1
 
     def _forget(self, req: Request, tokens: int) -> None:
         """Counters for a request leaving the queue unfinished (``tokens`` of it still queued)."""
         self._n -= 1
         self._tokens -= tokens
-        self._rows -= 1 if req.batch is None else req.n_tokens
+        self._rows -= 1 if req.batch is None else req.batch.rows
 
     def cancel(self, req: Request) -> bool:
         """Withdraw a request that has not started. Returns False (and does nothing) once it has."""
@@ -283,9 +304,11 @@ class Scheduler:
         oldest_ok = now - cfg.request_timeout_s     # arrivals before this have expired (if not started)
         rows = tokens = 0
         reserved = 0             # rows kept for prefills met in pass 1 (taken by them in pass 2)
+        pad = 0                  # verify pad tokens (in the packed buffer, counted against max_tokens)
         decode: dict = {}        # layer -> [requests], or the batch request that has the layer's launch
-        verify: dict = {}        # (layer, n) -> [requests]
-        prefill: dict = {}       # layer -> [(request, start, end, has_initial_state)]
+        verify: dict = {}        # layer -> [[(request, session, start, n)], longest n]
+        prefill: dict = {}       # layer -> [(request, start, end, has_initial_state, slot)]
+        batches: list = []       # batch requests taken
         finished: list = []      # requests whose last token is scheduled now
         second_pass_needed = False
         batch_rows = 0           # rows of the batch requests taken, beyond one each
@@ -310,17 +333,42 @@ class Scheduler:
                         out.expired.append(r)
                         continue
                     b = r.batch
-                    if r.layer in decode or rows + reserved + n > max_rows or tokens + n > max_tokens or \
+                    nr = b.rows
+                    if (b.n_dec and r.layer in decode) or rows + reserved + nr > max_rows or \
+                            tokens + pad + n > max_tokens or \
                             (b.waits and not all(w.done for w in b.waits)) or \
                             (b.wait_ops and not all(op.cancelled or op.future.done() for op in b.wait_ops)):
                         continue
-                    decode[r.layer] = r
-                    rows += n
+                    if b.verify is not None:         # its verify rows join the layer's launch (padded)
+                        vl = verify.get(r.layer)
+                        lv, kv = b.verify_len, len(b.verify)
+                        if vl is None:
+                            extra = lv * kv - sum(v[2] for v in b.verify)
+                        else:
+                            top = max(vl[1], lv)
+                            extra = top * (len(vl[0]) + kv) - vl[1] * len(vl[0]) - sum(v[2] for v in b.verify)
+                        if tokens + pad + n + extra > max_tokens:
+                            continue
+                        if vl is None:
+                            vl = verify[r.layer] = [[], lv]
+                        vl[0].extend((r, v[0], v[1], v[2]) for v in b.verify)
+                        vl[1] = max(vl[1], lv)
+                        pad += extra
+                    if b.n_dec:
+                        decode[r.layer] = r
+                    if b.prefill is not None:        # whole rows: a batch is never chunked
+                        bit = 1 << r.layer
+                        lst = prefill.setdefault(r.layer, [])
+                        for ps, a, k in b.prefill:
+                            lst.append((r, a, a + k, bool(ps.initialized & bit), ps.slot))
+                            ps.initialized |= bit
+                    rows += nr
                     tokens += n
-                    batch_rows += n - 1
+                    batch_rows += nr - 1
                     r.scheduled_tokens = n
                     r.started = True
                     finished.append(r)
+                    batches.append(r)
                     continue
                 s = r.session
                 if s.sched_step != step:
@@ -349,14 +397,14 @@ class Scheduler:
                             reserved += 1       # later (newer) small requests leave it a row
                         continue
                     start = r.scheduled_tokens
-                    chunk = min(n - start, max_tokens - tokens)
+                    chunk = min(n - start, max_tokens - tokens - pad)
                     if rows >= max_rows or chunk <= 0:
                         s.sched_block = 2
                         continue
                     init = bool(s.initialized & bit)       # set by the first chunk for later ones
                     s.initialized |= bit
                     s.sched_layers |= bit
-                    prefill.setdefault(layer, []).append((r, start, start + chunk, init))
+                    prefill.setdefault(layer, []).append((r, start, start + chunk, init, s.slot))
                     r.scheduled_tokens = start + chunk
                     rows += 1
                     tokens += chunk
@@ -366,7 +414,7 @@ class Scheduler:
                     else:
                         finished.append(r)
                     continue
-                if rows + reserved >= max_rows or tokens + n > max_tokens:
+                if rows + reserved >= max_rows or tokens + pad + n > max_tokens:
                     s.sched_block = 2
                     continue
                 if kind is DECODE:
@@ -379,7 +427,17 @@ class Scheduler:
                     else:
                         lst.append(r)
                 else:
-                    verify.setdefault((layer, n), []).append(r)
+                    vl = verify.get(layer)
+                    if vl is None:
+                        verify[layer] = [[(r, s, 0, n)], n]
+                    else:
+                        extra = vl[1] - n if n <= vl[1] else (n - vl[1]) * len(vl[0])
+                        if tokens + pad + n + extra > max_tokens:
+                            s.sched_block = 2
+                            continue
+                        vl[0].append((r, s, 0, n))
+                        vl[1] = max(vl[1], n)
+                        pad += extra
                 s.sched_layers |= bit
                 rows += 1
                 tokens += n
@@ -406,22 +464,23 @@ class Scheduler:
         for layer in sorted(prefill):
             rws = prefill[layer]
             qsl = [0]
-            for _r, a, b, _i in rws:
+            for _r, a, b, _i, _s in rws:
                 qsl.append(qsl[-1] + b - a)
             out.prefills.append(PrefillBatch(layer, [x[0] for x in rws], [x[1] for x in rws], qsl,
-                                             [x[0].session.slot for x in rws], [x[3] for x in rws], offset))
+                                             [x[4] for x in rws], [x[3] for x in rws], offset))
             offset += qsl[-1]
-        for key in sorted(verify):
-            layer, n = key
-            reqs = verify[key]
-            out.verifies.append(VerifyBatch(layer, n, reqs, [r.session.slot for r in reqs], offset))
-            offset += n * len(reqs)
+        for layer in sorted(verify):
+            ents, n = verify[layer]
+            out.verifies.append(VerifyBatch(layer, n, [e[0] for e in ents], [e[1].slot for e in ents], offset,
+                                            [e[2] for e in ents], [e[3] for e in ents], [e[1] for e in ents]))
+            offset += n * len(ents)
         for layer in sorted(decode):
             reqs = decode[layer]
-            if reqs.__class__ is not list:          # a batch request
-                b = self.bucket_for(reqs.n_tokens)
-                out.decodes.append(DecodeBatch(layer, [reqs], None, b, reqs.n_tokens))
-                out.num_padded_rows += b - reqs.n_tokens
+            if reqs.__class__ is not list:          # a batch request: its decode rows
+                nd = reqs.batch.n_dec
+                b = self.bucket_for(nd)
+                out.decodes.append(DecodeBatch(layer, [reqs], None, b, nd))
+                out.num_padded_rows += b - nd
                 continue
             b = self.bucket_for(len(reqs))
             idx = [r.session.slot for r in reqs]
@@ -429,6 +488,7 @@ class Scheduler:
             out.decodes.append(DecodeBatch(layer, reqs, idx, b, len(reqs)))
             out.num_padded_rows += b - len(reqs)
         out.finished = finished
+        out.batches = batches
         out.num_rows, out.num_tokens, out.packed_tokens = rows, tokens, offset
         return out
 

@@ -8,8 +8,8 @@ import types
 import pytest
 import torch
 
-from convserve.clients.protocol.errors import (BadRequest, DtypeUnsupported, NonFinite, RequestTimeout,
-    ShapeMismatch, UnknownLayer, UnknownSession)
+from convserve.clients.protocol.errors import (BadRequest, DtypeUnsupported, NonFinite, PayloadTooLarge,
+    RequestTimeout, ShapeMismatch, UnknownLayer, UnknownSession)
 from tests.engine_support import DIM, LAYERS, Oracle, make_engine
 from tests.tolerance import assert_close
 
@@ -57,7 +57,7 @@ BAD_BATCH = {
     "unknown session": (dict(sessions=["a", "nope"]), UnknownSession, "nope"),
     "repeated session": (dict(sessions=["a", "b", "a"]), BadRequest, "appears twice"),
     "no sessions": (dict(sessions=[]), BadRequest, "1 to 4"),
-    "too many rows": (dict(sessions=["a", "b", "c", "d", "e"]), BadRequest, "split the batch"),
+    "too many rows": (dict(sessions=["a", "b", "c", "d", "e"]), PayloadTooLarge, "split the batch"),
     "sessions a string": (dict(sessions="ab"), BadRequest, "list of session ids"),
     "rows differ from sessions": (dict(x=torch.ones(3, DIM)), ShapeMismatch, r"\(2, 24\)"),
     "wrong dim": (dict(x=torch.ones(2, DIM + 1)), ShapeMismatch, "rows >= 1"),

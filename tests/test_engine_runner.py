@@ -90,6 +90,11 @@ def test_steps_after_start_build_no_new_kernel_variant():
                     e.accept(sid, 0)
             k = rng.randint(1, 33)
             e.submit_batch(sids[:k], LAYERS[1], torch.randn(k, DIM)).result(60)
+            toks = [rng.choice([1, 1, 2, 9, 13]) for _ in range(k)]    # a mixed batch: verify rows padded
+            spec = [t <= 5 and rng.random() < 0.5 for t in toks]
+            e.submit_batch(sids[:k], LAYERS[2], torch.randn(sum(toks), DIM), tokens=toks, speculative=spec).result(60)
+            if any(spec):
+                e.accept_batch([s for s, f in zip(sids, spec) if f], [0] * sum(spec))
         assert not built, f"kernel variants built after start: {built}"
     finally:
         knobs.runtime.jit_post_compile_hook = prev

@@ -92,6 +92,8 @@ class Buffers:
         slack = 16 * max(1, max_spec)
         self.h_in, self.d_in = pair((max_tokens + slack, dim), dtype)
         self.d_out = torch.empty((max_tokens + slack, dim), dtype=dtype, device=device)
+        # the pad tokens after a verify row shorter than its launch's (see Runner._pack_tokens)
+        self.h_zeros = torch.zeros((max(1, max_spec), dim), dtype=dtype)
         self.h_meta, self.d_meta = pair((n_meta,), torch.int32)          # query_start_loc, cache_indices
         self.h_flags, self.d_flags = pair((max_rows + 16 * n_layers,), torch.bool)   # has_initial_state
         self.h_dec_x, self.d_dec_x = pair((n_layers, max_bucket, dim), dtype, 0)   # decode rows, per layer

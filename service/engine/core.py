@@ -2,7 +2,7 @@
 that runs the scheduler's steps; callers in the same process submit conv requests and session operations.
 
 Kernels: on CUDA the Triton ops of :mod:`kernels` (imported when the engine starts on CUDA), with each decode
-bucket of each layer replayed from a CUDA graph captured at start-up; on CPU the PyTorch references.
+bucket of each layer replayed from a CUDA graph captured at start-up; on CPU the vectorized PyTorch ops (``kernels.torch_ops``).
 
 Threading: every public method is thread-safe. The worker thread is the only one that touches device memory after
 :meth:`Engine.start`: conv steps and the session operations that read or write state (delete, fork, export,
@@ -30,10 +30,13 @@ Conv semantics (``submit`` / ``conv``):
   - ``export_state`` returns the committed state; ``fork_session`` copies the pending verify too (each fork can
     accept its own ``n``); ``import_state`` replaces the state and discards the pending verify.
 
-* Batch requests (``submit_batch`` / ``conv_batch``): one decode token for each of several sessions as one
-  request, the hot path of a frontend's decode loop: one scheduler check, one launch (a batch slot's CUDA graph:
-  copy in, kernel, copy out) and one result per batch. It runs after the requests and session operations of its
-  sessions submitted before it, and before their later ones; it is validated, and fails, as a whole.
+* Batch requests (``submit_batch`` / ``conv_batch``): a slice of tokens for each of several sessions on one
+  layer as one request (a frontend's step: decodes, prefill chunks, speculative verifies), each slice exactly as
+  its own ``submit`` would run; ``accept_batch`` commits several sessions' verifies as one operation. One
+  scheduler entry and one result per batch; its rows join the step's launches of their kind on that layer. A
+  plain decode batch (one token per session) is the hot path: one launch (a batch slot's CUDA graph: copy in,
+  kernel, copy out). A batch runs after the requests and session operations of its sessions submitted before
+  it, and before their later ones, in one step; it is validated, and fails, as a whole.
 * Failure isolation: a request is validated before it is queued (:class:`UnknownSession`, :class:`StateLost`,
   :class:`UnknownLayer`, :class:`DtypeUnsupported`, :class:`ShapeMismatch`, :class:`NonFinite`,
   :class:`BadRequest`, :class:`QueueFull`); one that fails never enters a batch and changes no state.
@@ -251,7 +254,7 @@ class Engine(Intake, SessionOps, Worker):
         """The last (up to 4096) steps as dicts (for benchmarks): ``rows``, ``tokens``; ``host_s`` = ``sched_s``
         (pick and pack the step) + ``launch_s`` (stage inputs, launch, start the copies back) + ``deliver_s``
         (cut results, wake callers); ``kernel_s`` (GPU time between the first and last launch, CUDA events, on
-        every ``gpu_timing_interval``-th step, else None; on the CPU the reference's time); ``wall_s`` (all of
+        every ``gpu_timing_interval``-th step, else None; on the CPU the torch ops' time); ``wall_s`` (all of
         it, including the wait for the GPU)."""
         with self._lock:
             return [dict(zip(STEP_FIELDS, s)) for s in self._steps]

@@ -27,7 +27,7 @@ class DecodeLaunchers:
     (layer, bucket) is one CUDA graph holding the host-to-device copy of the indices and the kernel: a decode
     launch is one ``replay()``. (The device-to-host copy of y stays outside, into the step's host buffer from
     :class:`OutputRing`, so results need no host-side copy.) Without graphs the same two operations run eagerly.
-    On the CPU the reference runs directly on the host buffers. Warm-up and capture go through
+    On the CPU the vectorized torch op runs directly on the host buffers. Warm-up and capture go through
     :func:`kernels.graphs.warm` and :func:`kernels.graphs.capture`.
 
     With ``multi_layer`` there is also one launch per bucket for rows of any layers (key ``MIXED``): x in
@@ -36,7 +36,7 @@ class DecodeLaunchers:
 
     Batch slots (:meth:`run_slot`, keys ``(slot, layer, bucket)``): the launch reads x and the pool slots from
     the batch slot's host buffers and writes y into the slot's host buffer, so on CUDA with graphs its copy in,
-    kernel and copy out are one ``replay()``. On the CPU the reference reads and writes those buffers directly.
+    kernel and copy out are one ``replay()``. On the CPU the torch op reads and writes those buffers directly.
     """
 
     #: the layer key of the multi-layer launch: rows of any layers, ``bufs.*_mix_*``, stacked weights

@@ -17,12 +17,12 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from convserve.clients.protocol.errors import BadRequest, QueueFull, ShapeMismatch
+from convserve.clients.protocol.errors import BadRequest, PayloadTooLarge, QueueFull, ShapeMismatch
 
 from ..sessions import Session
 from .outputs import AsyncConvFuture, ConvFuture
 from .records import BATCH_SESSION, BatchRows, ConvRequest, release_batch
-from .validate import check_batch_sessions, check_speculative, check_x
+from .validate import check_batch_plan, check_batch_sessions, check_speculative, check_x
 
 
 class Intake:
@@ -120,32 +120,39 @@ class Intake:
             self._cancel_request(fut._req)
             raise
 
-    def submit_batch(self, session_ids: Sequence[str], layer: int, x: torch.Tensor) -> Future:
-        """One decode token for each of several sessions on one layer, as one request: row ``i`` of
-        ``x (rows, dim)`` is session ``session_ids[i]``'s next token; the future's result is ``y (rows, dim)`` on
-        the CPU in x's dtype. This is the hot path of a frontend's decode loop: one submit, one scheduler check,
-        one launch and one result per batch instead of per session (rows at most ``max_batch_size``, the largest
-        decode bucket and ``max_batch_tokens``; the sessions distinct).
+    def submit_batch(self, session_ids: Sequence[str], layer: int, x: torch.Tensor, tokens=None,
+                     speculative=None) -> Future:
+        """A slice of tokens for each of several sessions on one layer, as one request (a frontend's step on a
+        layer): ``x (sum(n_i), dim)`` holds the slices packed in the order of ``session_ids``, ``tokens`` their
+        lengths ``n_i`` (None: one token each, the decode batch) and ``speculative`` a bool, or one per session,
+        marking verifies (default none). The future's result is ``y (sum(n_i), dim)`` on the CPU in x's dtype,
+        rows in x's order.
 
-        A row whose layer has no state yet starts from the zero state (as a one-token prefill would). The batch is
-        one request: it is validated whole before anything is queued (any unknown, evicted or repeated session,
-        or a session with a pending speculative verify, rejects it and changes nothing), it runs after the
-        requests and session operations of its sessions submitted before it, and those submitted after it wait
-        for it; cancelling it withdraws every row, a session deleted before it runs fails it whole."""
+        Each slice runs exactly as ``submit(session, layer, x_i, speculative_i)`` would, in the order received
+        relative to that session's other requests and session operations: a one-token slice is a decode (from
+        the zero state on a layer with no state yet), a longer one a prefill chunk, a speculative one a verify
+        from the committed state that ``accept`` / :meth:`accept_batch` commits. The batch is one request: it
+        is validated whole before anything is queued (any error rejects it and changes nothing), it runs in one
+        step (``sum(n_i) <= max_batch_tokens``, at most ``max_batch_size`` sessions, distinct), after the requests
+        and session operations of its sessions submitted before it, and those submitted after it wait for it;
+        cancelling it withdraws every row, a session deleted before it runs fails it whole. A plain decode batch
+        (no ``tokens`` or all 1, nothing speculative) takes the decode hot path: one batch-slot graph replay."""
         fut = ConvFuture(self)
-        fut._req = self._submit_batch(session_ids, layer, x, fut)
+        fut._req = self._submit_batch(session_ids, layer, x, tokens, speculative, fut)
         return fut
 
-    def submit_batch_async(self, session_ids: Sequence[str], layer: int, x: torch.Tensor) -> asyncio.Future:
+    def submit_batch_async(self, session_ids: Sequence[str], layer: int, x: torch.Tensor, tokens=None,
+                           speculative=None) -> asyncio.Future:
         """:meth:`submit_batch` for a caller on an asyncio loop (see :meth:`submit_async`)."""
         loop = asyncio.get_running_loop()
         fut = AsyncConvFuture(loop=loop)
-        fut._req = self._submit_batch(session_ids, layer, x, (loop, fut))
+        fut._req = self._submit_batch(session_ids, layer, x, tokens, speculative, (loop, fut))
         return fut
 
-    async def conv_batch(self, session_ids: Sequence[str], layer: int, x: torch.Tensor) -> torch.Tensor:
+    async def conv_batch(self, session_ids: Sequence[str], layer: int, x: torch.Tensor, tokens=None,
+                         speculative=None) -> torch.Tensor:
         """``await``-able :meth:`submit_batch`. Cancelling the awaiting task withdraws it if not started."""
-        fut = self.submit_batch_async(session_ids, layer, x)
+        fut = self.submit_batch_async(session_ids, layer, x, tokens, speculative)
         try:
             return await fut
         except asyncio.CancelledError:
@@ -153,38 +160,81 @@ class Intake:
             raise
 
     def max_batch_rows(self) -> int:
-        """The most rows one :meth:`submit_batch` takes."""
+        """The most rows one plain decode :meth:`submit_batch` (one token per session) takes."""
         cfg = self.config
         return min(cfg.max_batch_size, cfg.decode_buckets[-1], cfg.max_batch_tokens)
 
-    def _submit_batch(self, session_ids, layer: int, x: torch.Tensor, sink) -> ConvRequest:
-        n = check_batch_sessions(session_ids, self.max_batch_rows())
-        p = self.model_cpu.position(layer)
-        xm, x_dtype = check_x(self.model_cpu, self.config, x, False, rows="rows")
-        if xm.shape[0] != n:
-            raise ShapeMismatch(f"x: expected one row per session, shape ({n}, {self.model_cpu.dim}), got "
-                                f"{tuple(xm.shape)}")
+    def _submit_batch(self, session_ids, layer: int, x: torch.Tensor, tokens, speculative, sink) -> ConvRequest:
+        cfg, model = self.config, self.model_cpu
+        n = check_batch_sessions(session_ids, cfg.max_batch_size)
+        p = model.position(layer)
+        plan = check_batch_plan(n, tokens, speculative, cfg.max_spec_tokens)
+        xm, x_dtype = check_x(model, cfg, x, False, rows="rows")
+        if plan is None:
+            total, n_dec = n, n
+        else:
+            lengths, spec = plan
+            total = int(lengths.sum())
+        if xm.shape[0] != total:
+            what = "one row per session" if plan is None else "sum(tokens) rows"
+            raise ShapeMismatch(f"x: expected {what}, shape ({total}, {model.dim}), got {tuple(xm.shape)}")
+        if total > cfg.max_batch_tokens:
+            raise PayloadTooLarge(f"x: a batch runs in one step of at most max_batch_tokens={cfg.max_batch_tokens} "
+                                  f"tokens, got {total}; split the batch")
         now = time.monotonic()
-        req = ConvRequest(-1, BATCH_SESSION, p, n, False, now, x=xm, future=sink, x_dtype=x_dtype)
+        req = ConvRequest(-1, BATCH_SESSION, p, total, False, now, x=xm, future=sink, x_dtype=x_dtype)
+        b = req.batch = BatchRows([], [], dec_x=xm)
+        if plan is not None:
+            b.rows = n
+            starts = np.cumsum(lengths) - lengths
+            dec = ~spec & (lengths == 1)
+            dec_rows = np.flatnonzero(dec)
+            n_dec = b.n_dec = len(dec_rows)
+            b.dec_pos = starts[dec_rows]
+            b.ix = np.empty(total, dtype=np.int64)
+            pre_rows = np.flatnonzero(~spec & (lengths > 1))
+            ver_rows = np.flatnonzero(spec)
+            if len(ver_rows):
+                top = int(lengths[ver_rows].max())
+                padded = total + top * len(ver_rows) - int(lengths[ver_rows].sum())
+                if padded > cfg.max_batch_tokens:
+                    raise PayloadTooLarge(
+                        f"x: the verify rows padded to the longest ({top} tokens) make {padded} tokens, over "
+                        f"max_batch_tokens={cfg.max_batch_tokens}; split the batch")
+                b.verify_len = top
+            b.dec_x = xm.index_select(0, torch.from_numpy(b.dec_pos)) if n_dec else None
+            # (position in the batch, first token, tokens) of the prefill and verify rows; sessions under the lock
+            plan = (dec_rows, [(int(i), int(starts[i]), int(lengths[i])) for i in pre_rows],
+                    [(int(i), int(starts[i]), int(lengths[i])) for i in ver_rows])
+        if n_dec > cfg.decode_buckets[-1]:
+            raise PayloadTooLarge(f"sessions: {n_dec} one-token rows, more than the largest decode bucket "
+                                  f"({cfg.decode_buckets[-1]}) takes in one launch; split the batch")
         runner, slot = self._runner, -1
-        if runner is not None:                        # not started: _enqueue_batch raises NotReady
-            slot = runner.take_slot(req, xm)
+        if runner is not None and n_dec:             # not started: _enqueue_batch raises NotReady
+            slot = runner.take_slot(req, xm) if plan is None else -1
             if slot < 0:
-                runner.stage_batch(req, xm)
+                runner.stage_batch(req, b.dec_x)
         try:
-            self._enqueue_batch(req, session_ids, now, slot)
+            self._enqueue_batch(req, session_ids, now, slot, plan)
         except BaseException:
             req.done = True                           # frees its staging rows
             raise
         return req
 
-    def _enqueue_batch(self, req: ConvRequest, session_ids, now: float, slot: int) -> None:
-        bit, table = 1 << req.layer, self._sessions
+    def _enqueue_batch(self, req: ConvRequest, session_ids, now: float, slot: int, plan) -> None:
+        bit, table, b = 1 << req.layer, self._sessions, req.batch
         with self._lock:
             self._check_running_locked()
             sessions = [table.get(sid) for sid in session_ids]    # UnknownSession / StateLost name the id
-            for s in sessions:
-                self._check_no_verify_locked(s)
+            if plan is None:
+                for s in sessions:
+                    self._check_no_verify_locked(s)
+            else:
+                dec_rows, pre_rows, ver_rows = plan
+                for i in dec_rows.tolist():
+                    self._check_no_verify_locked(sessions[i])
+                for i, _a, _k in pre_rows:
+                    self._check_no_verify_locked(sessions[i])
             self._check_queue_locked()
             waits, wait_ops = {}, []
             for s in sessions:
@@ -199,13 +249,24 @@ class Intake:
                 q.append(req)
                 s.batch = req
                 s.last_used = now
-                s.initialized |= bit         # an uninitialized layer holds the zero state: a decode from it is
-                #                              the one-token prefill
             seq = next(self._seq)
             self._last_seq = seq
             req.seq = seq
-            req.batch = BatchRows(list(waits.values()), wait_ops, sessions=sessions,
-                                  slots=np.fromiter((s.slot for s in sessions), np.int32, len(sessions)), buf=slot)
+            slots = np.fromiter((s.slot for s in sessions), np.int32, len(sessions))
+            if plan is None:
+                for s in sessions:           # an uninitialized layer holds the zero state: a decode from it is
+                    s.initialized |= bit     # the one-token prefill
+            else:
+                for i in dec_rows.tolist():
+                    sessions[i].initialized |= bit
+                slots = slots[dec_rows]
+                if pre_rows:
+                    b.prefill = [(sessions[i], a, k) for i, a, k in pre_rows]
+                if ver_rows:
+                    b.verify = [(sessions[i], a, k) for i, a, k in ver_rows]
+                    for s, _a, k in b.verify:
+                        s.pending[req.layer] = (k, seq)
+            b.waits, b.wait_ops, b.sessions, b.slots, b.buf = list(waits.values()), wait_ops, sessions, slots, slot
             self._sched.add(req)
             self._cv.notify()
 
@@ -239,4 +300,8 @@ class Intake:
         if not ok and r.speculative and s.pending.get(r.layer, (0, None))[1] == r.seq:
             del s.pending[r.layer]
         if r.batch is not None:
+            if not ok and r.batch.verify:             # its verify rows' pending verifies, unless replaced since
+                for vs, _a, _k in r.batch.verify:
+                    if vs.pending.get(r.layer, (0, None))[1] == r.seq:
+                        del vs.pending[r.layer]
             release_batch(r, time.monotonic())

@@ -108,14 +108,15 @@ class Worker:
             self._fail_step(out, e)
             return
         for vb in out.verifies:                 # what accept() commits from: this verify's tokens
-            for r in vb.requests:
-                r.session.spec_x[vb.layer] = (r.seq, r.x)
+            for r, s, a, n in zip(vb.requests, vb.sessions, vb.starts, vb.lengths):
+                s.spec_x[vb.layer] = (r.seq, r.x if n == r.n_tokens else r.x[a:a + n])
         deliver_step(out.finished, host_out, by_position)
         t3 = time.perf_counter_ns()
-        for db in out.decodes:
-            if db.cache_indices is None:
-                release_batch(db.requests[0], time.monotonic())
         self._record_step(out, sched_ns, t0, t_launch, t_sync, t3, kernel_ns, padded)
+        if out.batches:
+            now = time.monotonic()
+            for r in out.batches:
+                release_batch(r, now)
 
     def _fail_step(self, out: SchedulerOutput, e: Exception) -> None:
         log.exception("engine step %d failed", out.step)
@@ -143,10 +144,9 @@ class Worker:
             st["tokens"] += out.num_tokens
             st["rows"] += out.num_rows
             st["decode_rows"] += sum(d.rows for d in out.decodes)
-            for d in out.decodes:
-                if d.cache_indices is None:
-                    st["batches"] += 1
-                    st["batches_in_slots"] += d.requests[0].batch.buf >= 0
+            for r in out.batches:
+                st["batches"] += 1
+                st["batches_in_slots"] += r.batch.buf >= 0
             st["padded_rows"] += padded
             if kernel_ns is not None:
                 st["kernel_ns"] += kernel_ns if self._runner.stream is None else \

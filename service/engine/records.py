@@ -33,9 +33,15 @@ class BatchRows(RowBatch):
     """The engine's side of a batch request's rows."""
 
     sessions: Any = ()           # the Session of each row, in row order (distinct); () once the batch is done
-    slots: Any = None            # (rows,) int32 array of the rows' pool slots
+    slots: Any = None            # (n_dec,) int32 array of the decode rows' pool slots
     buf: int = -1                # the batch slot holding its x and y (-1: none, see Runner.take_slot)
     done_at: float = 0.0         # monotonic time it completed: its sessions' last use
+    dec_x: Any = None            # (n_dec, dim) x of the decode rows: the request's x, a staging view or its own
+    #                              gathered copy (a mixed batch)
+    # A mixed batch (rows other than one-token decodes) has its y gathered from the step's output by one index:
+    dec_pos: Any = None          # (n_dec,) int64 array: each decode row's place in x and y; None: a plain batch
+    ix: Any = None               # (n_tokens,) int64 array: the step output's row of each row of y (filled by
+    #                              the runner); None: a plain batch
 
 
 #: the ``session`` of every batch request (its rows' sessions are in ``request.batch.sessions``): a record that no
@@ -52,6 +58,8 @@ class Op:
     future: Future
     barrier: int                      # run after this session's requests with seq <= barrier
     cancelled: bool = False
+    sessions: tuple = ()              # an op on several sessions (accept_batch): all of them, each in the same
+    #                                   FIFO of its ops; () for an op on ``session`` alone
 
 
 def release_batch(r: ConvRequest, now: float) -> None:
@@ -60,4 +68,5 @@ def release_batch(r: ConvRequest, now: float) -> None:
     b = r.batch
     b.done_at = now
     b.waits = b.wait_ops = b.sessions = ()
+    b.dec_x = b.prefill = b.verify = None
     r.x = r.parts = None

@@ -52,8 +52,8 @@ class Runner:
             self._ev0 = torch.cuda.Event(enable_timing=True)
             self._ev1 = torch.cuda.Event(enable_timing=True)
         else:
-            from convserve.kernels.reference import causal_conv1d_ref as causal_conv1d_fn
-            from convserve.kernels.reference import causal_conv1d_update_ref as causal_conv1d_update
+            from convserve.kernels import causal_conv1d_fn_torch as causal_conv1d_fn
+            from convserve.kernels import causal_conv1d_update_torch as causal_conv1d_update
 
             self.stream = None
         self.prefill_fn, self.update_fn = causal_conv1d_fn, causal_conv1d_update
@@ -76,7 +76,7 @@ class Runner:
         max_batch_tokens, once per bias/no-bias layer kind; a step's launches are padded to 16 sequences and 16
         tokens, and its index arrays aligned, as here, see _pack_tokens) and the verify kernel of every length, on
         the null slot (no session state is touched: slot 0 is never allocated, pad rows touch nothing, and
-        verifies write no state). On the CPU (the references, nothing to compile) one small call per layer
+        verifies write no state). On the CPU (the torch ops, nothing to compile) one small call per layer
         checks the path."""
         m, bf, dev = self.model, self.bufs, self.device
         idx = torch.full((16,), PAD_SLOT_ID, dtype=torch.int32, device=dev)
@@ -144,9 +144,10 @@ class Runner:
         return k
 
     def stage_batch(self, req, xm: torch.Tensor) -> None:
-        """Copy a batch's x into ``rows`` consecutive rows of the staging arena (they are one slice there: one
-        host-to-device copy in the step), when such a run of rows is free; else the step copies ``req.x``."""
-        bf, n = self.bufs, req.n_tokens
+        """Copy a batch's decode rows' x (``xm``, ``n_dec`` rows) into consecutive rows of the staging arena (they
+        are one slice there: one host-to-device copy in the step), when such a run of rows is free, and point
+        ``req.batch.dec_x`` at them; else the step copies ``dec_x`` as it is."""
+        bf, n = self.bufs, xm.shape[0]
         R = bf.stage_rows
         if n > R:
             return
@@ -163,7 +164,7 @@ class Runner:
             self._stage_next = t + n
         v = bf.h_stage[lo:lo + n]
         v.copy_(xm)
-        req.x = v
+        req.batch.dec_x = v
         req.stage = t
 
     # ------------------------------------------------------------------ a step (worker thread)
@@ -219,8 +220,12 @@ class Runner:
             for i, (r, a) in enumerate(zip(pb.requests, pb.starts)):
                 n = qsl[i + 1] - qsl[i]
                 xs.append(r.x if n == r.n_tokens else r.x[a:a + n])
-        for vb in out.verifies:
-            xs.extend(r.x for r in vb.requests)
+        for vb in out.verifies:                       # each row's tokens, then zeros up to the launch's length
+            L = vb.n_tokens
+            for r, a, n in zip(vb.requests, vb.starts, vb.lengths):
+                xs.append(r.x if n == r.n_tokens else r.x[a:a + n])
+                if n < L:
+                    xs.append(bf.h_zeros[:L - n])
         torch.cat(xs, out=bf.h_in[:n_packed])
         # Triton specializes a kernel on each pointer's 16-byte alignment and on whether each integer is 1 or
         # a multiple of 16, so a prefill launch that varied in those would compile a new variant mid-traffic
@@ -292,7 +297,8 @@ class Runner:
                 idx = bf.slot_idx_np[k]
                 n_slot += n
             else:
-                src = r.x if r.stage >= 0 or not cuda else bf.h_dec_x[db.layer, :n].copy_(r.x)
+                dx = r.batch.dec_x
+                src = dx if r.stage >= 0 or not cuda else bf.h_dec_x[db.layer, :n].copy_(dx)
                 bf.d_dec_x[db.layer, :n].copy_(src, non_blocking=cuda)
                 idx = bf.dec_idx_np[db.layer]
             idx[:n] = r.batch.slots
@@ -434,13 +440,21 @@ class Runner:
                     r.parts = self.bufs.slot_y.buf(k)[:r.n_tokens]
                     continue
                 for r in db.requests:          # a batch request's rows in host_out, or single decodes
+                    b = r.batch
+                    if b is not None and b.ix is not None:      # a mixed batch: where its decode rows' y lie
+                        b.ix[b.dec_pos] = np.arange(a, a + db.rows)
+                        a += db.rows
+                        continue
                     r.parts = a
                     a += r.n_tokens
         for pb in out.prefills:
             qsl, off = pb.query_start_loc, n_dec + pb.token_offset
             for i, r in enumerate(pb.requests):
                 lo, hi = off + qsl[i], off + qsl[i + 1]
-                if hi - lo == r.n_tokens:
+                if r.batch is not None:        # a batch's prefill row (whole: a batch is never chunked)
+                    st = pb.starts[i]
+                    r.batch.ix[st:st + hi - lo] = np.arange(lo, hi)
+                elif hi - lo == r.n_tokens:
                     r.parts = lo
                 else:                          # a chunk of a chunked prefill: keep a copy, join at the end
                     if r.parts is None:
@@ -451,4 +465,12 @@ class Runner:
         for vb in out.verifies:
             off, L = n_dec + vb.token_offset, vb.n_tokens
             for i, r in enumerate(vb.requests):
-                r.parts = off + i * L
+                if r.batch is not None:
+                    st, n = vb.starts[i], vb.lengths[i]
+                    r.batch.ix[st:st + n] = np.arange(off + i * L, off + i * L + n)
+                else:
+                    r.parts = off + i * L
+        for r in out.batches:                  # a mixed batch's y: one gather of host_out by the reader
+            ix = r.batch.ix
+            if ix is not None:
+                r.parts = (torch.from_numpy(ix),)

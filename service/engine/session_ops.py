@@ -25,7 +25,7 @@ from convserve.state_pool import PoolExhausted as PoolFull
 from ..sessions import Session, SessionTable
 from .outputs import deliver
 from .records import Op
-from .validate import check_accept_tokens, check_state
+from .validate import check_accept_tokens, check_batch_sessions, check_state
 
 log = logging.getLogger("convserve.engine")
 
@@ -118,19 +118,58 @@ class SessionOps:
             self._check_pending(self._sessions.get(session_id), n_tokens)
         self._run_op(session_id, lambda s: self._op_accept(s, n_tokens))
 
+    def accept_batch(self, session_ids, tokens) -> None:
+        """:meth:`accept` for several sessions at once: session ``session_ids[i]`` commits the state after the
+        first ``tokens[i]`` tokens of its pending verify. Whole-batch: every session must exist, appear once and
+        have a pending verify of at least ``tokens[i]`` tokens (on every layer it has one), else
+        :class:`BadRequest` (or :class:`UnknownSession` / :class:`StateLost`) and nothing is committed. It is one
+        session operation: it runs after the requests of those sessions submitted before it, and their requests
+        submitted after it wait for it."""
+        n = check_batch_sessions(session_ids, self.config.max_batch_size, "one accept_batch")
+        if isinstance(tokens, (list, tuple)) and len(tokens) == n:
+            for i, t in enumerate(tokens):
+                check_accept_tokens(t, f"tokens[{i}]")
+        elif isinstance(tokens, (list, tuple)):
+            raise BadRequest(f"tokens: expected one integer per session ({n}), got {len(tokens)}")
+        else:
+            raise BadRequest(f"tokens: expected a list of {n} integers (one per session), got "
+                             f"{type(tokens).__name__}")
+        tokens = list(tokens)
+
+        def check(ss):
+            for s, t in zip(ss, tokens):
+                self._check_pending(s, t)
+
+        self._run_op_many(session_ids, check, lambda ss: self._op_accept_batch(ss, tokens, check))
+
     def _check_pending(self, s: Session, n: int) -> None:
         if not s.pending:
             raise BadRequest(f"session {s.id!r} has no speculative verify to accept; send a conv with "
                              "speculative=true first")
         shortest = min(t for t, _seq in s.pending.values())
         if n > shortest:
-            raise BadRequest(f"tokens: expected at most {shortest} (the verify's length), got {n}")
+            raise BadRequest(f"tokens: expected at most {shortest} (the verify's length) for session {s.id!r}, "
+                             f"got {n}")
 
     def _op_accept(self, s: Session, n: int) -> None:
         with self._lock:
             self._check_pending(s, n)
             pending = dict(s.pending)
             s.pending.clear()
+        self._commit_verify(s, pending, n)
+
+    def _op_accept_batch(self, ss: list, tokens: list, check) -> None:
+        with self._lock:
+            check(ss)                                 # all or nothing: checked again as it runs
+            pending = [dict(s.pending) for s in ss]
+            for s in ss:
+                s.pending.clear()
+        for s, pend, n in zip(ss, pending, tokens):
+            self._commit_verify(s, pend, n)
+
+    def _commit_verify(self, s: Session, pending: dict, n: int) -> None:
+        """Commit, for each layer of ``pending`` (taken from ``s.pending``), the state after ``n`` tokens of the
+        verify that ran."""
         w1 = self.model.width - 1
         for p, (_t, seq) in pending.items():
             ran = s.spec_x.get(p)
@@ -155,6 +194,27 @@ class SessionOps:
                 s.barrier = op.barrier
             self._ops.append(op)
             self._cv.notify()
+        return self._wait_op(op, session_id)
+
+    def _run_op_many(self, session_ids, check: Callable[[list], None], fn: Callable[[list], Any]):
+        """One op on several sessions: ``check(sessions)`` under the lock first (it raises to refuse, nothing
+        queued), then queued in each session's FIFO of ops at once."""
+        fut: Future = Future()
+        with self._lock:
+            self._check_running_locked()
+            ss = [self._sessions.get(sid) for sid in session_ids]
+            check(ss)
+            op = Op(ss[0], lambda: fn(ss), fut, self._last_seq, sessions=tuple(ss))
+            for s in ss:
+                s.ops.append(op)
+                if len(s.ops) == 1:
+                    s.barrier = op.barrier
+            self._ops.append(op)
+            self._cv.notify()
+        return self._wait_op(op, ", ".join(session_ids))
+
+    def _wait_op(self, op: Op, session_id: str):
+        fut = op.future
         try:
             return fut.result(self.config.request_timeout_s)
         except FutureTimeout:
@@ -170,39 +230,41 @@ class SessionOps:
         """Pop the ops that may run now: per session in FIFO order, each after its barrier's requests."""
         ready, blocked, keep = [], set(), collections.deque()
         for op in self._ops:
-            s = op.session
             if op.cancelled:
                 self._op_done_locked(op)
                 continue
-            if s in blocked:
+            ss = op.sessions or (op.session,)
+            if any(s in blocked for s in ss):
+                blocked.update(ss)    # an op on several sessions holds back the later ops of each
                 keep.append(op)
                 continue
-            head = s.oldest_active()
-            if head is not None and head.seq <= op.barrier:
-                blocked.add(s)
+            if any((h := s.oldest_active()) is not None and h.seq <= op.barrier for s in ss):
+                blocked.update(ss)
                 keep.append(op)
                 continue
             ready.append(op)
-            blocked.add(s)        # one op per session per round: the next one sees this one's effect
+            blocked.update(ss)    # one op per session per round: the next one sees this one's effect
         self._ops = keep
         return ready
 
     def _op_done_locked(self, op: Op) -> None:
-        s = op.session
-        q = s.ops
-        if q and q[0] is op:
-            q.popleft()
-        else:                     # a cancelled op behind another one
-            q.remove(op)
-        s.last_used = time.monotonic()
-        s.barrier = q[0].barrier if q else None
+        now = time.monotonic()
+        for s in op.sessions or (op.session,):
+            q = s.ops
+            if q and q[0] is op:
+                q.popleft()
+            elif op in q:             # a cancelled op behind another one
+                q.remove(op)
+            s.last_used = now
+            s.barrier = q[0].barrier if q else None
 
     def _run_ops(self, ops: list) -> None:
         for op in ops:
             try:
                 with self._lock:
-                    if self._sessions.get(op.session.id) is not op.session:   # deleted and re-created
-                        raise UnknownSession(f"session {op.session.id!r} was deleted before this operation ran")
+                    for s in op.sessions or (op.session,):
+                        if self._sessions.get(s.id) is not s:   # deleted and re-created
+                            raise UnknownSession(f"session {s.id!r} was deleted before this operation ran")
                 result = op.fn()
             except BaseException as e:  # noqa: BLE001 - delivered to the caller
                 if not isinstance(e, ServiceError):

@@ -4,9 +4,10 @@ with what was expected and what came; none touches engine state, so any thread m
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from convserve.clients.protocol.errors import BadRequest, DtypeUnsupported, NonFinite, ShapeMismatch
+from convserve.clients.protocol.errors import BadRequest, DtypeUnsupported, NonFinite, PayloadTooLarge, ShapeMismatch
 
 from ..model import DTYPE_NAMES, MODEL_DTYPES
 
@@ -72,19 +73,22 @@ def check_state(model, state_dtype: torch.dtype, state) -> torch.Tensor:
     return state.to("cpu").contiguous()
 
 
-def check_accept_tokens(n_tokens) -> None:
+def check_accept_tokens(n_tokens, name: str = "tokens") -> None:
     if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 0:
-        raise BadRequest(f"tokens: expected an integer >= 0, got {n_tokens!r}")
+        raise BadRequest(f"{name}: expected an integer >= 0, got {n_tokens!r}")
 
 
-def check_batch_sessions(session_ids, most: int) -> int:
-    """A batch's session list: a list or tuple of 1 to ``most`` distinct ids. Returns its length."""
+def check_batch_sessions(session_ids, most: int, what: str = "one batch") -> int:
+    """A batch's session list: a list or tuple of 1 to ``most`` (``max_batch_size``) distinct ids. Returns its
+    length. Too many is :class:`PayloadTooLarge`, anything else wrong :class:`BadRequest`."""
     if isinstance(session_ids, (str, bytes)) or not isinstance(session_ids, (list, tuple)):
         raise BadRequest(f"sessions: expected a list of session ids, got {type(session_ids).__name__}")
     n = len(session_ids)
-    if not 1 <= n <= most:
-        raise BadRequest(f"sessions: expected 1 to {most} sessions in one batch (max_batch_size, the largest "
-                         f"decode bucket and max_batch_tokens), got {n}; split the batch")
+    if n < 1:
+        raise BadRequest(f"sessions: expected 1 to {most} sessions in {what}, got none")
+    if n > most:
+        raise PayloadTooLarge(f"sessions: expected at most {most} sessions in {what} (max_batch_size), got {n}; "
+                              "split the batch")
     if len(set(session_ids)) != n:
         seen, dup = set(), None
         for sid in session_ids:
@@ -92,5 +96,61 @@ def check_batch_sessions(session_ids, most: int) -> int:
                 dup = sid
                 break
             seen.add(sid)
-        raise BadRequest(f"sessions: session {dup!r:.80} appears twice; a batch holds one token per session")
+        raise BadRequest(f"sessions: session {dup!r:.80} appears twice; a batch holds one slice per session")
     return n
+
+
+def _int_list(v, n: int, name: str, least: int) -> list:
+    """``v`` as a list of ``n`` ints >= ``least`` (a list, tuple or 1-D integer array), or :class:`BadRequest`."""
+    if isinstance(v, np.ndarray) and v.ndim == 1 and v.dtype.kind in "iu":
+        v = v.tolist()
+    elif isinstance(v, torch.Tensor) and v.dim() == 1 and not v.is_floating_point() and v.dtype != torch.bool:
+        v = v.tolist()
+    if not isinstance(v, (list, tuple)):
+        raise BadRequest(f"{name}: expected a list of {n} integers (one per session), got {type(v).__name__}")
+    if len(v) != n:
+        raise BadRequest(f"{name}: expected one integer per session ({n}), got {len(v)}")
+    for i, t in enumerate(v):
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or t < least:
+            raise BadRequest(f"{name}[{i}]: expected an integer >= {least}, got {t!r}")
+    return [int(t) for t in v]
+
+
+def check_batch_plan(n: int, tokens, speculative, max_spec: int):
+    """A batch's ``tokens`` (None: one per session) and ``speculative`` (None, a bool, or one bool per session).
+    Returns None for a plain batch (one decode token per session, nothing speculative), else
+    ``(lengths, spec)``: int64 and bool arrays of one entry per session."""
+    if speculative is None or speculative is False:
+        spec = None
+    elif speculative is True:
+        spec = np.ones(n, dtype=bool)
+    else:
+        if isinstance(speculative, (np.ndarray, torch.Tensor)):
+            speculative = speculative.tolist()
+        if not isinstance(speculative, (list, tuple)):
+            raise BadRequest(f"speculative: expected a boolean or a list of {n} booleans (one per session), got "
+                             f"{type(speculative).__name__}")
+        if len(speculative) != n:
+            raise BadRequest(f"speculative: expected one boolean per session ({n}), got {len(speculative)}")
+        for i, f in enumerate(speculative):
+            if not isinstance(f, (bool, np.bool_)):
+                raise BadRequest(f"speculative[{i}]: expected a boolean, got {f!r}")
+        spec = np.array(speculative, dtype=bool)
+        if not spec.any():
+            spec = None
+    lengths = None
+    if tokens is not None:
+        lengths = np.array(_int_list(tokens, n, "tokens", 1), dtype=np.int64)
+        if (lengths == 1).all():
+            lengths = None
+    if lengths is None and spec is None:
+        return None
+    if lengths is None:
+        lengths = np.ones(n, dtype=np.int64)
+    if spec is None:
+        spec = np.zeros(n, dtype=bool)
+    elif max_spec < lengths[spec].max():
+        i = int(np.flatnonzero(spec & (lengths > max_spec))[0])
+        raise BadRequest(f"tokens[{i}]: a speculative slice takes at most max_spec_tokens={max_spec} tokens, got "
+                         f"{int(lengths[i])}; shorten the draft")
+    return lengths, spec
