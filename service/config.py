@@ -100,6 +100,9 @@ class Settings(BaseSettings):
                                         "(sys.setswitchinterval; Python's default is 5000): how long the engine "
                                         "thread may wait for the GIL after each GPU call while the HTTP loop is "
                                         "busy")
+    cpu_threads: int = Field(1, ge=1, le=1024, description="CPU serving: torch's intra-op threads for the "
+                             "engine's ops (more help long prefills when cores are idle; they compete with the "
+                             "HTTP loop otherwise)")
     pool_memory_fraction: float = Field(_ENGINE.pool_memory_fraction, gt=0, le=1,
                                         description="with --slots auto: the share of free GPU memory the state "
                                         "pool may take")
