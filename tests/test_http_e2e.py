@@ -669,7 +669,7 @@ def test_not_ready_before_the_engine_starts_is_503_everywhere_but_healthz():
 
     from convserve.service.cli import build_engine
     from convserve.service.config import load_settings
-    from convserve.service.app import create_app
+    from convserve.service.http.app import create_app
 
     settings = load_settings({"layers": "1", "dim": "8", "dtype": "float32", "device": "cpu"})
     engine = build_engine(settings)

@@ -11,7 +11,7 @@ import msgpack
 import torch
 
 from convserve.clients.protocol import wire
-from convserve.service.app import Service, StreamEndpoint, WebSocketEndpoint
+from convserve.service.http.app import Service, StreamEndpoint, WebSocketEndpoint
 from convserve.service.metrics import Metrics
 
 DIM = 8
