@@ -131,7 +131,7 @@ def serve(settings: Settings) -> int:
     import uvicorn
 
     from convserve.service import logs
-    from convserve.service.app import create_app
+    from convserve.service.http.app import create_app
 
     logs.configure(settings.log_level)
     sys.setswitchinterval(settings.gil_switch_interval_us * 1e-6)

@@ -16,7 +16,7 @@ from prometheus_client.registry import Collector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-# Seconds: from 50 µs (a CPU decode) to 30 s (the default timeout).
+# Seconds: the lowest bucket lies below a single decode, the highest is the default request timeout.
 LATENCY_BUCKETS = (5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
                    30.0)
 

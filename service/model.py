@@ -23,7 +23,6 @@ DTYPE_NAMES = {getattr(torch, name): name for name in WIRE_DTYPES}
 MODEL_DTYPES = tuple(DTYPE_NAMES)
 
 
-
 class ConvModel:
     """The conv layers of one model.
 

@@ -39,3 +39,22 @@ def engine():
     e = make_engine()
     yield e
     e.stop(drain=False)
+
+
+@pytest.fixture(scope="session")
+def server():
+    """The conv server the test_http_* modules share (``tests.http_api.SERVER_ARGS``), one per test worker.
+    A module that needs another configuration defines its own ``server``."""
+    from tests.http_api import SERVER_ARGS
+    from tests.live import LiveServer
+
+    srv = LiveServer(SERVER_ARGS)
+    yield srv
+    srv.terminate()
+
+
+@pytest.fixture(scope="session")
+def api(server):
+    from tests.http_api import Api
+
+    return Api(server.url)

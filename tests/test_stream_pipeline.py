@@ -11,7 +11,9 @@ import msgpack
 import torch
 
 from convserve.clients.protocol import wire
-from convserve.service.app import Service, StreamEndpoint, WebSocketEndpoint
+from convserve.service.http.app import Service
+from convserve.service.http.stream import StreamEndpoint
+from convserve.service.http.websocket import WebSocketEndpoint
 from convserve.service.metrics import Metrics
 
 DIM = 8

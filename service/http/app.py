@@ -1,0 +1,160 @@
+"""The ASGI app: :class:`Service` (what the routes share, and the life cycle) and :func:`create_app`, which wires
+the modules of this package together.
+
+=================  ===========================================================================================
+``asgi``           headers, content negotiation, encoding and sending bytes
+``errors``         the one renderer of every error (responses and stream/WebSocket frames)
+``parse``          reading and validating request bodies
+``unary``          ``POST /v1/conv`` and ``POST /v1/conv/batch``
+``pipeline``       frames to engine requests to results in per-session order
+``stream``         ``POST /v1/conv/stream`` over the pipeline
+``websocket``      ``GET /v1/conv/ws`` over the pipeline
+``edge``           API key, metrics, access log, and the fast dispatch of the conv routes
+``control``        health, readiness, metrics, model, sessions, state, accept
+``backend``        the engine interface the routes use
+=================  ===========================================================================================
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import asynccontextmanager
+from typing import Optional
+
+from fastapi import FastAPI
+from starlette.routing import Route, WebSocketRoute
+
+from convserve.clients.protocol.errors import NotReady
+from convserve.service.http.backend import EngineAPI
+from convserve.service.http.control import add_control_routes
+from convserve.service.http.edge import ConvServeApp, Edge
+from convserve.service.http.errors import install_handlers
+from convserve.service.http.parse import Parser
+from convserve.service.http.stream import StreamEndpoint
+from convserve.service.http.unary import BatchEndpoint, ConvEndpoint
+from convserve.service.http.websocket import WebSocketEndpoint
+from convserve.service.metrics import Metrics
+
+log = logging.getLogger("convserve.app")
+
+
+class Service:
+    """What the handlers share: settings, the engine, the body parser, metrics, and the life-cycle flags."""
+
+    def __init__(self, settings, engine: EngineAPI, metrics: Metrics):
+        self.settings = settings
+        self.engine = engine
+        self.metrics = metrics
+        self.parser = Parser(engine.model_info(), settings.max_tokens_per_request, engine.max_batch_rows())
+        self.max_body = settings.max_body_bytes
+        self.draining = False
+        self.failed: Optional[BaseException] = None
+        self.pipelines: set = set()
+
+    @property
+    def ready(self) -> bool:
+        return not self.draining and self.failed is None and bool(self.engine.ready)
+
+    def require_ready(self) -> None:
+        if self.draining:
+            raise NotReady("the server is shutting down; retry on another replica", retry_after=1)
+        if self.failed is not None:
+            raise NotReady(f"the engine failed to start ({self.failed}); see the server log", retry_after=5)
+        if not self.engine.ready:
+            raise NotReady("the engine is starting (allocating the state pool, warming the kernels); retry shortly",
+                           retry_after=1)
+
+    def start_draining(self) -> None:
+        """Stop intake: /readyz turns 503, new requests and new stream frames get 503 not_ready."""
+        if not self.draining:
+            self.draining = True
+            log.info("draining", extra={"pipelines": len(self.pipelines)})
+            for p in list(self.pipelines):
+                p.wake()
+
+    async def wait_pipelines(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self.pipelines and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+
+
+def create_app(settings, engine: EngineAPI, *, start_engine: bool = True) -> ConvServeApp:
+    """The ASGI app serving ``engine`` with ``settings``.
+
+    With ``start_engine`` the lifespan starts the engine in a thread after the server is up (``/readyz`` is
+    503 until it is warm) and stops it, draining, at shutdown.
+    """
+    metrics = Metrics(stats=lambda: engine.stats())
+    svc = Service(settings, engine, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        starter = None
+        if start_engine:
+            async def _start():
+                t0 = time.perf_counter()
+                try:
+                    await asyncio.to_thread(engine.start)
+                except BaseException as e:  # noqa: BLE001
+                    svc.failed = e
+                    log.error("engine failed to start", exc_info=e)
+                    if app.state.on_fatal is not None:
+                        app.state.on_fatal(e)
+                    return
+                log.info("ready", extra={"seconds": round(time.perf_counter() - t0, 3), **_info_fields(engine)})
+
+            starter = asyncio.ensure_future(_start())
+        try:
+            yield
+        finally:
+            svc.start_draining()
+            if starter is not None and not starter.done():
+                await starter
+            if start_engine and svc.failed is None:
+                await asyncio.to_thread(engine.stop, True, settings.shutdown_timeout_s)
+                log.info("engine stopped")
+
+    app = ConvServeApp(title="convserve", version=_version(), lifespan=lifespan,
+                       description="Causal depthwise conv1d of Mamba/hybrid LLMs over HTTP/msgpack. "
+                                   "See README.md (API reference).")
+    app.state.svc = svc
+    app.state.metrics = metrics
+    app.state.on_fatal = None
+
+    install_handlers(app)
+    add_control_routes(app, svc)
+
+    # The conv routes are plain ASGI endpoints, dispatched by ConvServeApp.__call__ ahead of the stack; they are
+    # also routed in it, for what does not take that path (405 for other methods, a root_path).
+    conv, batch = ConvEndpoint(svc), BatchEndpoint(svc)
+    stream, ws = StreamEndpoint(svc), WebSocketEndpoint(svc)
+    app.router.routes.append(Route("/v1/conv", conv, methods=["POST"]))
+    app.router.routes.append(Route("/v1/conv/batch", batch, methods=["POST"]))
+    app.router.routes.append(Route("/v1/conv/stream", stream, methods=["POST"]))
+    app.router.routes.append(WebSocketRoute("/v1/conv/ws", ws))
+
+    edge_args = dict(metrics=metrics, api_key=settings.api_key_value(), access=settings.access_log)
+    app.add_middleware(Edge, **edge_args)
+    app.set_hot_routes(Edge(None, **edge_args),
+                       {"/v1/conv": conv, "/v1/conv/batch": batch, "/v1/conv/stream": stream},
+                       {"/v1/conv/ws": ws})
+    return app
+
+
+def _info_fields(engine) -> dict:
+    try:
+        info = engine.model_info()
+    except Exception:  # noqa: BLE001
+        return {}
+    return {k: info.get(k) for k in ("layers", "dim", "width", "dtype", "state_dtype", "slots")}
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("convserve")
+    except Exception:  # noqa: BLE001
+        return "0.0.0"

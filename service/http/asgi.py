@@ -1,0 +1,50 @@
+"""Plain-ASGI plumbing shared by the routes: headers, content negotiation, encoding a reply, sending bytes.
+
+The conv routes are plain ASGI endpoints (no Request or Response objects), so these helpers work on the raw
+``scope`` and ``send``. The scope keys below carry what an endpoint learnt to the :class:`~.edge.Edge`, which
+labels the request's metrics with them after the response.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from convserve.clients.protocol import wire
+
+MSGPACK_CT = wire.MEDIA_TYPE.encode()
+JSON_CT = b"application/json"
+
+#: scope key: the error code of the response (set by whoever rendered the error), for the error metrics
+ERROR_SCOPE_KEY = "convserve.error"
+#: scope key: the route label of a plain ASGI endpoint, which Starlette's router did not match
+ROUTE_SCOPE_KEY = "convserve.route"
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request was being read or computed."""
+
+
+def header(scope, name: bytes) -> Optional[bytes]:
+    for k, v in scope["headers"]:
+        if k == name:
+            return v
+    return None
+
+
+def wants_json(scope) -> bool:
+    """JSON when the Accept header asks for JSON and not for msgpack; msgpack otherwise."""
+    accept = header(scope, b"accept")
+    return accept is not None and b"json" in accept and b"msgpack" not in accept
+
+
+def render(obj: Any, as_json: bool) -> tuple[bytes, bytes]:
+    """``(body, content type)``; tensors in ``obj`` must already be wire maps."""
+    if as_json:
+        return wire.dumps_json(obj), JSON_CT
+    return wire.packb(obj), MSGPACK_CT
+
+
+async def send_bytes(send, status: int, body: bytes, ctype: bytes, headers=()) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", ctype), (b"content-length", str(len(body)).encode()), *headers]})
+    await send({"type": "http.response.body", "body": body})

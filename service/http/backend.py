@@ -1,0 +1,39 @@
+"""The narrow interface through which the HTTP layer reaches the engine.
+
+The HTTP modules call nothing on the engine beyond :class:`EngineAPI`, so an engine living in another process
+can be served by any object with these methods (a client of that process), with no change to the routes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+from typing import Any, Optional, Protocol, Sequence
+
+
+class EngineAPI(Protocol):
+    @property
+    def ready(self) -> bool: ...                       # started and warm: requests are accepted
+
+    # --- description and monitoring
+    def model_info(self) -> dict: ...                  # layers, dim, width, dtype, state_dtype, slots
+    def max_batch_rows(self) -> int: ...               # the most sessions in one batch request
+    def stats(self) -> dict: ...                       # read at scrape time by /metrics
+
+    # --- conv requests
+    def submit(self, session_id: str, layer: int, x, speculative: bool = False) -> cf.Future: ...
+    def submit_async(self, session_id: str, layer: int, x, speculative: bool = False) -> asyncio.Future: ...
+    def submit_batch_async(self, session_ids: Sequence[str], layer: int, x) -> asyncio.Future: ...
+    def cancel(self, future) -> bool: ...                  # withdraw a request that has not started
+
+    # --- session operations (blocking: the routes run them in a thread)
+    def create_session(self, session_id: Optional[str] = None) -> str: ...
+    def delete_session(self, session_id: str) -> None: ...
+    def fork_session(self, src_id: str, new_id: Optional[str] = None) -> str: ...
+    def export_state(self, session_id: str) -> Any: ...
+    def import_state(self, session_id: str, state) -> None: ...
+    def accept(self, session_id: str, n_tokens: int) -> None: ...
+
+    # --- life cycle (the app's lifespan)
+    def start(self) -> None: ...
+    def stop(self, drain: bool = True, timeout: Optional[float] = None) -> None: ...

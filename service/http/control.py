@@ -1,0 +1,108 @@
+"""The control routes: health and readiness, metrics, the model, sessions (create, delete, fork), state export and
+import, and accepting a speculative verify.
+
+These are ordinary FastAPI routes; their errors reach the handlers of :func:`.errors.install_handlers`. Session
+operations block on the engine, so they run in a thread. ``/healthz``, ``/readyz`` and ``/metrics`` need no
+API key (the :class:`.edge.Edge` guards only ``/v1``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from convserve.clients.protocol import wire
+from convserve.clients.protocol.errors import NotReady
+from convserve.service.http.asgi import header, render, wants_json
+from convserve.service.http.errors import error_response
+from convserve.service.http.parse import parse_body, read_body
+from convserve.service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+
+if TYPE_CHECKING:
+    from convserve.service.http.app import Service
+
+
+def add_control_routes(app: FastAPI, svc: Service) -> None:
+    engine, parser = svc.engine, svc.parser
+
+    def reply(request: Request, obj: Any, status: int = 200) -> Response:
+        body, ct = render(obj, wants_json(request.scope))
+        return Response(body, status_code=status, media_type=ct.decode())
+
+    async def read(request: Request) -> Any:
+        body = await read_body(request.scope, request.receive, svc.max_body)
+        if not body:
+            return {}
+        return parse_body(request.scope, body, svc.max_body)
+
+    # --- health and metrics (no API key)
+
+    @app.get("/healthz")
+    async def healthz():
+        return Response(b'{"status":"ok"}', media_type="application/json")
+
+    @app.get("/readyz")
+    async def readyz(request: Request):
+        if svc.ready:
+            return Response(b'{"status":"ready"}', media_type="application/json")
+        try:
+            svc.require_ready()
+            raise NotReady("not ready")
+        except NotReady as e:
+            accept = header(request.scope, b"accept") or b""
+            return error_response(request.scope, e, as_json=b"msgpack" not in accept)  # JSON unless msgpack asked
+
+    @app.get("/metrics")
+    async def metrics_route():
+        return Response(svc.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
+    # --- /v1 control routes
+
+    @app.get("/v1/model")
+    async def model(request: Request):
+        svc.require_ready()
+        return reply(request, engine.model_info())
+
+    @app.post("/v1/sessions", status_code=201)
+    async def create_session(request: Request):
+        svc.require_ready()
+        sid = parser.new_session_id(await read(request))
+        return reply(request, {"session": engine.create_session(sid)}, 201)
+
+    @app.delete("/v1/sessions/{session}", status_code=204)
+    async def delete_session(session: str):
+        svc.require_ready()
+        await asyncio.to_thread(engine.delete_session, session)
+        return Response(status_code=204)
+
+    @app.post("/v1/sessions/{session}/fork", status_code=201)
+    async def fork_session(session: str, request: Request):
+        svc.require_ready()
+        new_id = parser.new_session_id(await read(request))
+        return reply(request, {"session": await asyncio.to_thread(engine.fork_session, session, new_id)}, 201)
+
+    @app.get("/v1/sessions/{session}/state")
+    async def export_state(session: str, request: Request):
+        svc.require_ready()
+        state = await asyncio.to_thread(engine.export_state, session)
+        as_json = wants_json(request.scope)
+        enc = wire.encode_tensor_json(state) if as_json else wire.encode_tensor(state)
+        body, ct = render({"layers": parser.layers, "state": enc}, as_json)
+        return Response(body, media_type=ct.decode())
+
+    @app.put("/v1/sessions/{session}/state", status_code=204)
+    async def import_state(session: str, request: Request):
+        svc.require_ready()
+        state = parser.state(await read(request))
+        await asyncio.to_thread(engine.import_state, session, state)  # NaN/Inf -> non_finite (engine)
+        return Response(status_code=204)
+
+    @app.post("/v1/sessions/{session}/accept", status_code=204)
+    async def accept(session: str, request: Request):
+        svc.require_ready()
+        n = parser.accept_tokens(await read(request))
+        await asyncio.to_thread(engine.accept, session, n)
+        return Response(status_code=204)

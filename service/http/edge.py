@@ -1,0 +1,137 @@
+"""The edge of the app: API key, request metrics, access log, and the fast dispatch of the conv routes.
+
+:class:`Edge` wraps every request, whichever way it arrives. :class:`ConvServeApp` sends the conv routes from the
+server straight to the Edge and their plain ASGI endpoint, past Starlette's middleware stack and router; all other
+requests take the FastAPI app, whose stack holds the same Edge.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from typing import Optional
+
+from fastapi import FastAPI
+
+from convserve.service.http.asgi import ERROR_SCOPE_KEY, ROUTE_SCOPE_KEY, header, wants_json
+from convserve.service.http.errors import HTTP_CODES, as_service_error, render_error, send_error, unauthorized
+from convserve.service.metrics import Metrics
+
+access_log = logging.getLogger("convserve.access")
+
+
+class Edge:
+    """Pure-ASGI outer layer: API-key check on ``/v1``, request metrics, optional access log."""
+
+    def __init__(self, app, metrics: Metrics, api_key: Optional[str], access: bool):
+        self.app = app
+        self.metrics = metrics
+        self.auth_value = ("Bearer " + api_key).encode() if api_key else None
+        self.access = access
+
+    def _authorized(self, scope) -> bool:
+        if self.auth_value is None or not scope["path"].startswith("/v1"):
+            return True
+        got = header(scope, b"authorization")
+        if got is None:
+            return False
+        return hmac.compare_digest(got, self.auth_value)
+
+    async def __call__(self, scope, receive, send):
+        await self.serve(scope, receive, send, self.app)
+
+    async def serve(self, scope, receive, send, app) -> None:
+        """Run ``app`` (the rest of the stack, or a hot endpoint directly) behind the auth check and metrics."""
+        t = scope["type"]
+        if t == "http":
+            start = time.perf_counter()
+            status = 500
+
+            async def send_wrapper(msg):
+                nonlocal status
+                if msg["type"] == "http.response.start":
+                    status = msg["status"]
+                await send(msg)
+
+            try:
+                if not self._authorized(scope):
+                    await send_error(scope, send_wrapper, unauthorized())
+                else:
+                    await app(scope, receive, send_wrapper)
+            finally:
+                route = scope.get("route")
+                label = route.path if route is not None else scope.get(ROUTE_SCOPE_KEY, "unmatched")
+                dt = time.perf_counter() - start
+                code = scope.get(ERROR_SCOPE_KEY)
+                if code is None and status >= 400:
+                    code = HTTP_CODES.get(status, "internal")
+                self.metrics.observe_request(label, scope["method"], status, dt, code)
+                if self.access:
+                    access_log.info("request", extra={"method": scope["method"], "path": scope["path"],
+                                                      "status": status, "ms": round(dt * 1e3, 3),
+                                                      "error": code})
+        elif t == "websocket":
+            if not self._authorized(scope):
+                await receive()  # the websocket.connect the refusal answers
+                exc = unauthorized()
+                self.metrics.error("/v1/conv/ws", exc.code)
+                if "websocket.http.response" in scope.get("extensions", {}):
+                    body, ct, headers = render_error(exc, wants_json(scope))
+                    await send({"type": "websocket.http.response.start", "status": exc.status,
+                                "headers": [(b"content-type", ct), (b"content-length", str(len(body)).encode()),
+                                            *headers]})
+                    await send({"type": "websocket.http.response.body", "body": body})
+                else:  # pragma: no cover - uvicorn supports the extension
+                    await send({"type": "websocket.close", "code": 1008})
+                return
+            await app(scope, receive, send)
+        else:
+            await app(scope, receive, send)
+
+
+class ConvServeApp(FastAPI):
+    """FastAPI, except that the conv routes skip Starlette's middleware stack and router.
+
+    ``POST /v1/conv``, ``POST /v1/conv/batch``, ``POST /v1/conv/stream`` and the ``/v1/conv/ws`` WebSocket go from
+    the server straight to the :class:`Edge` (API key, metrics, access log) and their plain ASGI endpoint, so a
+    request on the hot path creates no ServerErrorMiddleware, ExceptionMiddleware or AsyncExitStack frame and
+    does no route matching. The endpoints answer every failure themselves, so those layers would never act on
+    them; an exception that escapes anyway gets what ServerErrorMiddleware would give it (a 500 ``internal``
+    error body when nothing was sent yet, then re-raised to the server). Everything else, other methods on these
+    paths (405) and a non-empty ``root_path`` included, goes through the FastAPI app, whose stack holds the same
+    Edge.
+    """
+
+    _hot_edge: Optional[Edge] = None
+    _hot_http: dict = {}
+    _hot_ws: dict = {}
+
+    def set_hot_routes(self, edge: Edge, http: dict, ws: dict) -> None:
+        self._hot_edge = edge
+        self._hot_http = http
+        self._hot_ws = ws
+
+    async def __call__(self, scope, receive, send):
+        t = scope["type"]
+        if t == "http":
+            if scope["method"] == "POST" and not scope.get("root_path"):
+                ep = self._hot_http.get(scope["path"])
+                if ep is not None:
+                    scope["app"] = self
+                    try:
+                        await self._hot_edge.serve(scope, receive, send, ep)
+                    except Exception as e:  # noqa: BLE001 - ServerErrorMiddleware's part, re-raised like it
+                        try:
+                            await send_error(scope, send, as_service_error(e))
+                        except Exception:  # noqa: BLE001 - the response had started: nothing more to send
+                            pass
+                        raise
+                    return
+        elif t == "websocket" and not scope.get("root_path"):
+            ep = self._hot_ws.get(scope["path"])
+            if ep is not None:
+                scope["app"] = self
+                await self._hot_edge.serve(scope, receive, send, ep)
+                return
+        await super().__call__(scope, receive, send)

@@ -1,0 +1,122 @@
+"""The one place errors become bytes.
+
+Every error the HTTP layer answers is a :class:`ServiceError` (anything else is wrapped as ``internal``) and is
+rendered here, in one of two forms:
+
+* a response: its ``status``, the body ``{"error": {"code", "message", "retry_after"?}}`` in msgpack or JSON
+  (the request's content negotiation, :func:`.asgi.wants_json`, unless the route decides otherwise) and a
+  ``Retry-After`` header (whole seconds, at least 1) when the error is retryable;
+* a frame of ``/v1/conv/stream`` or ``/v1/conv/ws``: ``{"id", "error": {...}}`` with the same error map.
+
+``retry_after`` is the error's own, else :data:`DEFAULT_RETRY_AFTER` for 429 and 503, else absent.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from convserve.clients.protocol.errors import Internal, ServiceError, Unauthorized
+from convserve.service.http.asgi import ERROR_SCOPE_KEY, render, send_bytes, wants_json
+
+log = logging.getLogger("convserve.app")
+
+#: Retry-After (seconds) for retryable errors that did not say how long to wait.
+DEFAULT_RETRY_AFTER = 1.0
+
+#: error code of the HTTP statuses the framework answers itself (no route, wrong method, body too large)
+HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
+
+
+def retry_after(exc: ServiceError) -> Optional[float]:
+    if exc.retry_after is not None:
+        return float(exc.retry_after)
+    if exc.status in (429, 503):
+        return DEFAULT_RETRY_AFTER
+    return None
+
+
+def error_fields(exc: ServiceError) -> dict:
+    """The ``{"code", "message", "retry_after"?}`` map of ``exc``."""
+    d = {"code": exc.code, "message": exc.message}
+    ra = retry_after(exc)
+    if ra is not None:
+        d["retry_after"] = ra
+    return d
+
+
+def render_error(exc: ServiceError, as_json: bool) -> tuple[bytes, bytes, list[tuple[bytes, bytes]]]:
+    """``(body, content type, headers)`` of the response for ``exc``; its status is ``exc.status``."""
+    body, ct = render({"error": error_fields(exc)}, as_json)
+    ra = retry_after(exc)
+    headers = [] if ra is None else [(b"retry-after", str(max(1, math.ceil(ra))).encode())]
+    return body, ct, headers
+
+
+def error_frame(packer, fid, exc: ServiceError) -> bytes:
+    """The stream/WebSocket frame answering frame ``fid`` (None: the stream itself) with ``exc``."""
+    return packer.pack({"id": fid, "error": error_fields(exc)})
+
+
+async def send_error(scope, send, exc: ServiceError) -> None:
+    """Answer a plain-ASGI request with ``exc``, negotiated from its Accept header."""
+    scope[ERROR_SCOPE_KEY] = exc.code
+    body, ct, headers = render_error(exc, wants_json(scope))
+    await send_bytes(send, exc.status, body, ct, headers)
+
+
+def error_response(scope, exc: ServiceError, as_json: Optional[bool] = None,
+                   extra_headers: Optional[dict] = None) -> Response:
+    """The framework response for ``exc`` (FastAPI routes and exception handlers); ``as_json`` None negotiates
+    from the Accept header."""
+    scope[ERROR_SCOPE_KEY] = exc.code
+    body, ct, headers = render_error(exc, wants_json(scope) if as_json is None else as_json)
+    h = {k.decode(): v.decode() for k, v in headers}
+    if extra_headers:
+        h.update(extra_headers)
+    return Response(body, status_code=exc.status, media_type=ct.decode(), headers=h)
+
+
+def as_service_error(exc: BaseException) -> ServiceError:
+    if isinstance(exc, ServiceError):
+        return exc
+    log.error("internal error", exc_info=exc)
+    return Internal(f"internal error ({type(exc).__name__}); the request may be retried, and if it keeps failing "
+                    "report it with the server log")
+
+
+def unauthorized() -> Unauthorized:
+    return Unauthorized("this server needs an API key: send 'Authorization: Bearer <key>' (the key given to "
+                        "`convserve serve --api-key`)")
+
+
+class _FrameworkError(ServiceError):
+    """An HTTP error the framework raised (no route, wrong method), with the status it chose."""
+
+    def __init__(self, status: int, code: str, message: str):
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+def install_handlers(app: FastAPI) -> None:
+    """Render every exception a FastAPI route raises (or the router's own 404/405) with :func:`error_response`."""
+
+    @app.exception_handler(ServiceError)
+    async def _service_error(request: Request, exc: ServiceError):
+        return error_response(request.scope, exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        msg = {404: f"no route {request.url.path}; see README.md (API reference) for the routes",
+               405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
+        err = _FrameworkError(exc.status_code, HTTP_CODES.get(exc.status_code, "bad_request"), msg)
+        return error_response(request.scope, err, extra_headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        return error_response(request.scope, as_service_error(exc))

@@ -1,0 +1,258 @@
+"""The stream pipeline: frames in, engine requests, results out in each session's order.
+
+One :class:`Pipeline` serves one ``/v1/conv/stream`` request or one ``/v1/conv/ws`` socket; the adapters
+(:mod:`.stream`, :mod:`.websocket`) feed it the bytes they receive and hand it a ``send_data`` to write with.
+Invariants:
+
+* each frame is submitted as soon as it is parsed, with at most ``stream_window`` frames computing at a time;
+* a session's results are sent in the order its frames arrived; results of different sessions are not ordered;
+* a bad frame (bad field, unknown session, engine error) is answered alone with an error frame, while a frame
+  that cannot be parsed ends the stream with a ``{"id": None, "error"}`` frame after every earlier result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from typing import TYPE_CHECKING, Callable, Optional
+
+import msgpack
+
+from convserve.clients.protocol import wire
+from convserve.clients.protocol.errors import BadRequest, Internal, NotReady, PayloadTooLarge, ServiceError
+from convserve.service.http.errors import as_service_error, error_frame
+
+if TYPE_CHECKING:
+    from convserve.service.http.app import Service
+
+
+class _Frame:
+    __slots__ = ("id", "session", "fut", "out", "t0", "code")
+
+    def __init__(self, fid, t0):
+        self.id = fid
+        self.session = None
+        self.fut = None
+        self.out: Optional[bytes] = None
+        self.t0 = t0
+        self.code = "ok"
+
+
+class Pipeline:
+    """Frames in, results out, for one stream request or WebSocket.
+
+    The reader parses frames and submits each at once (at most ``stream_window`` computing at a time). Engine
+    futures complete on the engine's thread; their callbacks append to ``_done`` and wake the loop once per
+    burst. The wake-up encodes the results and releases each session's results in the order they were sent;
+    the writer sends everything released so far in one ``send``.
+    """
+
+    def __init__(self, svc: Service, transport: str):
+        self.svc = svc
+        self.transport = transport
+        self._parse = svc.parser.conv
+        self._submit = svc.engine.submit
+        self.loop = asyncio.get_running_loop()
+        self.packer = wire.new_packer()
+        self.unpacker = wire.new_unpacker(svc.max_body)
+        self.fed = 0
+        self.pending: dict = {}                # session -> deque of frames not yet released, in send order
+        self.open = 0                          # frames read and not yet released
+        self.inflight: set = set()             # frames submitted to the engine and not done
+        self._done = collections.deque()       # frames whose future completed (engine thread appends)
+        self._wake_scheduled = False
+        self.event = asyncio.Event()
+        self.window_free = asyncio.Event()
+        self.window_free.set()
+        self.window = svc.settings.stream_window
+        self.ready_out: list = []
+        self.outcomes: dict = {}
+        self.latencies: list = []
+        self.fatal: Optional[ServiceError] = None
+        self.nframes = 0                       # frames read (for error messages)
+        self.reader_done = False
+        self.closed = False                    # the client went away: write nothing more
+
+    # --- engine-thread side
+
+    def _on_done(self, fut, frame=None):
+        self._done.append(frame)
+        if not self._wake_scheduled:
+            self._wake_scheduled = True
+            try:
+                self.loop.call_soon_threadsafe(self._wake_cb)
+            except RuntimeError:  # loop closed: the connection is long gone
+                pass
+
+    def _wake_cb(self):
+        self._wake_scheduled = False
+        # Completions are processed here, not by the writer: a writer blocked on a client that is still sending
+        # (httpx sends the whole body first) must not stall the window, or reading the body would stall too.
+        self._drain_done()
+        self.event.set()
+
+    def wake(self):
+        self.event.set()
+
+    # --- reader side (loop thread)
+
+    async def feed(self, chunk: bytes) -> bool:
+        """Parse and submit every complete frame in ``chunk``; False once the stream must end."""
+        try:
+            self.unpacker.feed(chunk)
+        except msgpack.BufferFull:
+            self.set_fatal(PayloadTooLarge(f"a frame exceeds the limit of {self.svc.max_body} bytes; send fewer "
+                                           "tokens per frame"))
+            return False
+        self.fed += len(chunk)
+        unpacker = self.unpacker
+        while True:
+            try:
+                obj = next(unpacker)
+            except StopIteration:
+                return True
+            except Exception as e:  # noqa: BLE001 - msgpack raises several types for bad input
+                self.set_fatal(BadRequest(f"frame {self.nframes} is not valid msgpack ({type(e).__name__}: {e}); "
+                                          "the stream ends here"))
+                return False
+            if not self.add(obj):
+                return False
+            if len(self.inflight) >= self.window:
+                self.window_free.clear()
+                await self.window_free.wait()
+                if self.closed:
+                    return False
+
+    def finish_input(self) -> None:
+        """The body (or the socket) ended: a partial frame left over is malformed."""
+        if self.fatal is None and self.unpacker.tell() != self.fed:
+            self.set_fatal(BadRequest(f"the body ends inside a frame ({self.fed - self.unpacker.tell()} bytes left "
+                                      "over); send whole msgpack maps"))
+        self.reader_done = True
+        self.event.set()
+
+    def set_fatal(self, exc: ServiceError) -> None:
+        if self.fatal is None:
+            self.fatal = exc
+        self.reader_done = True
+        self.event.set()
+
+    def add(self, obj) -> bool:
+        """Submit one frame; False if it is malformed (the stream ends)."""
+        if type(obj) is not dict or "id" not in obj:
+            self.set_fatal(BadRequest(f"frame {self.nframes} is not a map with an 'id'; every frame is a /v1/conv "
+                                      "body plus an 'id'; the stream ends here"))
+            return False
+        fid = obj["id"]
+        if fid is not None and type(fid) not in (int, str):
+            self.set_fatal(BadRequest(f"frame {self.nframes}: 'id' must be an integer or a string; the stream "
+                                      "ends here"))
+            return False
+        self.nframes += 1
+        svc = self.svc
+        f = _Frame(fid, time.perf_counter())
+        s = obj.get("session")
+        f.session = s if type(s) is str else None
+        q = self.pending.get(f.session)
+        if q is None:
+            q = self.pending[f.session] = collections.deque()
+        q.append(f)
+        self.open += 1
+        try:
+            if svc.draining:
+                raise NotReady("the server is shutting down; resend this frame to another replica", retry_after=1)
+            session, layer, x, spec = self._parse(obj)
+            fut = self._submit(session, layer, x, speculative=spec)
+        except Exception as e:  # noqa: BLE001 - a bad frame fails alone
+            self._set_error(f, as_service_error(e))
+            self._release(f.session)
+            self.event.set()
+            return True
+        f.fut = fut
+        self.inflight.add(f)
+        fut.add_done_callback(lambda _f, frame=f: self._on_done(_f, frame))
+        return True
+
+    # --- writer side (loop thread)
+
+    def _set_error(self, f: _Frame, exc: ServiceError) -> None:
+        f.out = error_frame(self.packer, f.id, exc)
+        f.code = exc.code
+
+    def _complete(self, f: _Frame) -> None:
+        if f not in self.inflight:
+            return
+        self.inflight.discard(f)
+        fut = f.fut
+        if f.out is None:
+            if fut.cancelled():
+                self._set_error(f, Internal("the request was cancelled by the server; resend it"))
+            else:
+                exc = fut.exception()
+                if exc is not None:
+                    self._set_error(f, as_service_error(exc))
+                else:
+                    try:
+                        f.out = self.packer.pack({"id": f.id, "y": wire.encode_tensor(fut.result())})
+                    except Exception as e:  # noqa: BLE001
+                        self._set_error(f, as_service_error(e))
+        self._release(f.session)
+        if len(self.inflight) < self.window:
+            self.window_free.set()
+
+    def _release(self, session) -> None:
+        q = self.pending.get(session)
+        now = time.perf_counter()
+        while q and q[0].out is not None:
+            f = q.popleft()
+            self.ready_out.append(f.out)
+            self.open -= 1
+            self.outcomes[f.code] = self.outcomes.get(f.code, 0) + 1
+            self.latencies.append(now - f.t0)
+        if q is not None and not q:
+            del self.pending[session]
+
+    def _drain_done(self) -> None:
+        done = self._done
+        while done:
+            self._complete(done.popleft())
+
+    def cancel_all(self) -> None:
+        """The client is gone: cancel what has not started. A running step finishes (slots stay consistent)."""
+        self.closed = True
+        for f in list(self.inflight):
+            self.svc.engine.cancel(f.fut)
+        self.window_free.set()
+        self.event.set()
+
+    def _flush_metrics(self) -> None:
+        if self.outcomes:
+            self.svc.metrics.observe_frames(self.transport, self.outcomes, self.latencies)
+            self.outcomes = {}
+            self.latencies = []
+
+    async def write_loop(self, send_data: Callable) -> None:
+        """Send results until the input is done and every frame is answered (or the client is gone)."""
+        while True:
+            await self.event.wait()
+            self.event.clear()
+            if self.closed:
+                return
+            self._drain_done()
+            # ``while``: completions keep being released (``_wake_cb``) while a send waits on a full socket; the
+            # end checks below must see everything released so far sent, or those results would be dropped.
+            while self.ready_out:
+                data = self.ready_out[0] if len(self.ready_out) == 1 else b"".join(self.ready_out)
+                self.ready_out = []
+                self._flush_metrics()
+                await send_data(data)
+                if self.closed:
+                    return
+            if self.reader_done and self.open == 0:
+                if self.fatal is not None:
+                    self.svc.metrics.error(f"/v1/conv/{self.transport}", self.fatal.code)
+                    await send_data(error_frame(self.packer, None, self.fatal))
+                return
+            if self.transport == "ws" and self.svc.draining and self.open == 0:
+                return

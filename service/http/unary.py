@@ -1,0 +1,119 @@
+"""The unary conv routes, ``POST /v1/conv`` and ``POST /v1/conv/batch``: one body in, one ``{"y"}`` out.
+
+They are plain ASGI endpoints on the hot path: a request creates no framework object, reads its body, is parsed
+and submitted to the engine, and its answer is written with two ``send`` calls. Every failure is answered here
+through :func:`.errors.send_error`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+from convserve.clients.protocol import wire
+from convserve.service.http.asgi import ROUTE_SCOPE_KEY, ClientGone, render, send_bytes, wants_json
+from convserve.service.http.errors import as_service_error, send_error
+from convserve.service.http.parse import parse_body, read_body
+
+if TYPE_CHECKING:
+    from convserve.service.http.app import Service
+
+
+def _transfer(src, dst: asyncio.Future) -> None:
+    """Copy a finished ``concurrent.futures.Future`` into an asyncio future (loop thread)."""
+    if dst.done():
+        return
+    if src.cancelled():
+        dst.set_exception(ClientGone())
+        return
+    exc = src.exception()
+    if exc is not None:
+        dst.set_exception(exc)
+    else:
+        dst.set_result(src.result())
+
+
+async def wait_result(engine, fut, receive):
+    """Await an engine future; if the client disconnects first, withdraw the request.
+
+    The engine itself fails a request that waited ``request_timeout_s`` without starting (504 ``timeout``);
+    one that has started always completes, since its slot is mid-step: it is never freed under a step.
+    """
+    loop = asyncio.get_running_loop()
+    if isinstance(fut, asyncio.Future):
+        waiter = fut    # engine.submit_async: the engine resolves it on this loop, one wake-up per step
+    else:
+        waiter = loop.create_future()
+
+        def on_done(f):  # engine thread (or this one, if already done)
+            loop.call_soon_threadsafe(_transfer, f, waiter)
+
+        fut.add_done_callback(on_done)
+    if waiter.done() or fut.done():
+        return await waiter
+    gone = loop.create_task(receive())
+
+    def on_gone(t):
+        if not t.cancelled() and not waiter.done() and t.result().get("type") == "http.disconnect":
+            waiter.set_exception(ClientGone())
+
+    gone.add_done_callback(on_gone)
+    try:
+        return await waiter
+    except ClientGone:
+        engine.cancel(fut)  # False when it already started: it completes, nobody reads it
+        raise
+    finally:
+        if not gone.done():
+            gone.cancel()
+
+
+class _UnaryEndpoint:
+    """A request-response conv route: read the body, submit it to the engine, answer ``{"y"}`` or the error."""
+
+    route = ""
+
+    def __init__(self, svc: Service):
+        self.svc = svc
+        self.engine = svc.engine
+        self.parser = svc.parser
+
+    def submit(self, obj: Any):
+        """Parse a decoded body and submit it; returns the engine's asyncio future."""
+        raise NotImplementedError
+
+    async def __call__(self, scope, receive, send):
+        svc = self.svc
+        scope[ROUTE_SCOPE_KEY] = self.route
+        try:
+            svc.require_ready()
+            body = await read_body(scope, receive, svc.max_body)
+            fut = self.submit(parse_body(scope, body, svc.max_body))
+            y = await wait_result(self.engine, fut, receive)
+            out, ct = render({"y": wire.encode_tensor(y)}, wants_json(scope))
+        except ClientGone:
+            return
+        except Exception as e:  # noqa: BLE001 - every failure becomes an error response
+            await send_error(scope, send, as_service_error(e))
+            return
+        await send_bytes(send, 200, out, ct)
+
+
+class ConvEndpoint(_UnaryEndpoint):
+    """``POST /v1/conv``."""
+
+    route = "/v1/conv"
+
+    def submit(self, obj: Any):
+        session, layer, x, spec = self.parser.conv(obj)
+        return self.engine.submit_async(session, layer, x, speculative=spec)
+
+
+class BatchEndpoint(_UnaryEndpoint):
+    """``POST /v1/conv/batch``: one decode token for each of several sessions, as one engine request."""
+
+    route = "/v1/conv/batch"
+
+    def submit(self, obj: Any):
+        sessions, layer, x = self.parser.batch(obj)
+        return self.engine.submit_batch_async(sessions, layer, x)

@@ -1,0 +1,102 @@
+"""Control routes over real HTTP: health, the model, JSON bodies, fork, state export/import, speculative accept."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import torch
+
+from convserve.clients.protocol import wire
+from tests.http_api import DIM, LAYERS, WIDTH, assert_close, model, rand_x
+from tests.live import Reference
+
+
+def test_health_ready_and_model_describe_the_served_model(server, api):
+    assert httpx.get(server.url + "/healthz").status_code == 200
+    assert httpx.get(server.url + "/readyz").status_code == 200
+    st, info, _ = api.call("GET", "/v1/model")
+    assert st == 200
+    assert info["layers"] == LAYERS and info["dim"] == DIM and info["width"] == WIDTH
+    assert info["dtype"] == "float32" and info["state_dtype"] == "float32"
+    assert info["slots"]["total"] == 256 and 0 <= info["slots"]["free"] <= 256
+
+
+def test_control_routes_accept_json_and_answer_json_when_asked(api):
+    h = {"content-type": "application/json", "accept": "application/json"}
+    r = api.http.post("/v1/sessions", content=json.dumps({"session": "json-sess"}), headers=h)
+    assert r.status_code == 201 and r.json() == {"session": "json-sess"}
+    r = api.http.get("/v1/sessions/json-sess/state", headers=h)
+    assert r.status_code == 200 and r.json()["state"]["shape"] == [len(LAYERS), DIM, WIDTH - 1]
+    r = api.http.put("/v1/sessions/json-sess/state", content=json.dumps(r.json()), headers=h)
+    assert r.status_code == 204
+    r = api.http.delete("/v1/sessions/json-sess", headers=h)
+    assert r.status_code == 204
+
+
+def test_fork_copies_the_state_and_then_diverges(api):
+    ref = Reference(model())
+    a = api.session()
+    ref.create(a)
+    for i, layer in enumerate(LAYERS):
+        x = rand_x(9, seed=100 + i)
+        assert_close(api.conv(a, layer, x)[1], ref.conv(a, layer, x))
+    st, obj, _ = api.call("POST", f"/v1/sessions/{a}/fork", {"session": "fork-b"})
+    assert st == 201 and obj == {"session": "fork-b"}
+    ref.fork(a, "fork-b")
+    st, obj, _ = api.call("POST", f"/v1/sessions/{a}/fork")
+    assert st == 201
+    c = obj["session"]
+    ref.fork(a, c)
+    for sid, seed in ((a, 1), ("fork-b", 2), (c, 3)):
+        for layer in LAYERS:
+            x = rand_x(1, seed=seed * 10 + layer)
+            assert_close(api.conv(sid, layer, x)[1], ref.conv(sid, layer, x))
+    for sid in (a, "fork-b", c):
+        assert_close(api.state(sid), ref.states[sid])
+
+
+def test_state_export_import_round_trip_continues_identically(api):
+    a, b = api.session(), api.session()
+    for layer in LAYERS:
+        api.conv(a, layer, rand_x(6, seed=layer))
+    exported = api.state(a)
+    st, obj, _ = api.call("GET", f"/v1/sessions/{a}/state")
+    assert api.call("PUT", f"/v1/sessions/{b}/state", obj)[0] == 204
+    assert torch.equal(api.state(b), exported)
+    for layer in LAYERS:
+        x = rand_x(2, seed=50 + layer)
+        assert torch.equal(api.conv(a, layer, x)[1], api.conv(b, layer, x)[1])
+    # a state from outside (e.g. another replica) is taken as is
+    ref = Reference(model())
+    mine = torch.randn(len(LAYERS), DIM, WIDTH - 1)
+    assert api.call("PUT", f"/v1/sessions/{b}/state", {"state": wire.encode_tensor(mine), "layers": LAYERS})[0] == 204
+    ref.set_state(b, mine)
+    x = rand_x(3, seed=9)
+    assert_close(api.conv(b, 5, x)[1], ref.conv(b, 5, x))
+
+
+@pytest.mark.parametrize("accept_n", [0, 2, 4])
+def test_speculative_verify_leaves_state_until_accept_commits_n_tokens(api, accept_n):
+    ref = Reference(model())
+    sid = api.session()
+    ref.create(sid)
+    for layer in LAYERS:
+        x = rand_x(8, seed=layer)
+        api.conv(sid, layer, x)
+        ref.conv(sid, layer, x)
+    before = api.state(sid)
+    for layer in LAYERS:
+        xv = rand_x(4, seed=20 + layer)
+        st, y, _ = api.conv(sid, layer, xv, speculative=True)
+        assert st == 200
+        assert_close(y, ref.conv(sid, layer, xv, speculative=True))
+    assert torch.equal(api.state(sid), before)  # a pending verify is not committed
+    st, err, _ = api.conv(sid, 0, rand_x(1))      # a plain conv must wait for accept
+    assert st == 400 and err["error"]["code"] == "bad_request"
+    assert api.call("POST", f"/v1/sessions/{sid}/accept", {"tokens": accept_n})[0] == 204
+    ref.accept(sid, accept_n)
+    assert_close(api.state(sid), ref.states[sid])
+    x = rand_x(1, seed=77)
+    assert_close(api.conv(sid, 2, x)[1], ref.conv(sid, 2, x))

@@ -1,0 +1,78 @@
+"""The edge over real HTTP: request and engine metrics, the API key on /v1 and on the WebSocket."""
+
+from __future__ import annotations
+
+import httpx
+import msgpack
+import pytest
+import torch
+from websockets.sync.client import connect as ws_connect
+
+from convserve.clients.protocol import wire
+from tests.http_api import MP, make_frames, pack_frames, rand_x, read_stream
+from tests.live import LiveServer
+
+
+def test_bogus_authorization_header_is_ignored_when_auth_is_off(api):
+    st, _, _ = api.call("GET", "/v1/model", headers={"authorization": "Bearer whatever"})
+    assert st == 200
+
+
+def test_metrics_expose_requests_errors_latency_queue_batches_slots_and_kernel_time(server, api):
+    sid = api.session()
+    api.conv(sid, 0, rand_x(3))
+    api.conv(sid, 0, rand_x(1))
+    api.conv("nope", 0, rand_x(1))
+    with api.http.stream("POST", "/v1/conv/stream", content=pack_frames(make_frames([sid], 3, seed=8))) as resp:
+        assert len(read_stream(resp)) == 3
+    text = httpx.get(server.url + "/metrics").text
+    for needle in [
+        'convserve_http_requests_total{method="POST",route="/v1/conv",status="200"}',
+        'convserve_http_requests_total{method="POST",route="/v1/conv",status="404"}',
+        'convserve_errors_total{code="unknown_session",route="/v1/conv"}',
+        'convserve_http_request_duration_seconds_bucket{le="0.001",route="/v1/conv"}',
+        "convserve_queue_depth ", "convserve_engine_batch_size_bucket{le=", "convserve_decode_pad_ratio ",
+        "convserve_slots_in_use ", "convserve_slots_free ", "convserve_kernel_seconds_total ",
+        'convserve_stream_frames_total{code="ok",transport="stream"}',
+    ]:
+        assert needle in text, needle
+
+
+# ------------------------------------------------------------------------------------------------ auth
+
+
+@pytest.fixture(scope="module")
+def auth_server():
+    srv = LiveServer(["--layers", "1", "--dim", "8", "--dtype", "float32"], env={"CONVSERVE_API_KEY": "k3y"})
+    yield srv
+    srv.terminate()
+
+
+@pytest.mark.parametrize("header, status", [(None, 401), ("Bearer wrong", 401), ("k3y", 401), ("Bearer k3y", 200)])
+@pytest.mark.parametrize("method, path", [("GET", "/v1/model"), ("POST", "/v1/sessions"), ("POST", "/v1/conv"),
+                                          ("POST", "/v1/conv/stream")])
+def test_api_key_guards_every_v1_route(auth_server, header, status, method, path):
+    headers = {**MP}
+    if header:
+        headers["authorization"] = header
+    body = b""
+    if path == "/v1/conv":
+        body = wire.packb({"session": "x", "layer": 0, "x": wire.encode_tensor(torch.zeros(1, 8))})
+    r = httpx.request(method, auth_server.url + path, headers=headers, content=body)
+    if status == 401:
+        assert r.status_code == 401 and msgpack.unpackb(r.content)["error"]["code"] == "unauthorized"
+    else:
+        assert r.status_code != 401
+
+
+def test_api_key_leaves_health_and_metrics_open_and_guards_the_websocket(auth_server):
+    for path in ("/healthz", "/readyz", "/metrics"):
+        assert httpx.get(auth_server.url + path).status_code == 200
+    url = auth_server.url.replace("http://", "ws://") + "/v1/conv/ws"
+    with pytest.raises(Exception) as e:
+        with ws_connect(url):
+            pass
+    assert "401" in str(e.value)
+    with ws_connect(url, additional_headers={"authorization": "Bearer k3y"}) as ws:
+        ws.send(wire.packb({"id": 1, "session": "none", "layer": 0, "x": wire.encode_tensor(torch.zeros(1, 8))}))
+        assert msgpack.unpackb(ws.recv(timeout=10))["error"]["code"] == "unknown_session"

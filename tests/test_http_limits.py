@@ -1,0 +1,88 @@
+"""Limits over real HTTP: slot pool, queue, idle TTL and request timeout, with their statuses and Retry-After."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+import time
+
+import pytest
+import torch
+
+from convserve.clients.protocol import wire
+from tests.http_api import Api, read_stream
+from tests.live import LiveServer
+
+
+@pytest.fixture(scope="module")
+def limits_server():
+    """Two slots, one queue place, a 1 s batching window and a 200 ms timeout: every conv waits in the queue
+    until it times out, so queue_full and timeout are deterministic."""
+    srv = LiveServer(["--layers", "0,1", "--dim", "8", "--dtype", "float32", "--slots", "2", "--max-queue", "1",
+                      "--max-queue-delay-us", "1000000", "--request-timeout-s", "0.2", "--session-ttl-s", "0.4"])
+    yield srv
+    srv.terminate()
+
+
+def test_pool_exhausted_is_503_with_retry_after_and_frees_on_delete(limits_server):
+    api = Api(limits_server.url)
+    a, b = api.session(), api.session()
+    st, obj, h = api.call("POST", "/v1/sessions")
+    assert st == 503 and obj["error"]["code"] == "pool_exhausted" and int(h["retry-after"]) >= 1
+    st, obj, h = api.call("POST", f"/v1/sessions/{a}/fork")
+    assert st == 503 and obj["error"]["code"] == "pool_exhausted"
+    api.call("DELETE", f"/v1/sessions/{a}")
+    api.call("DELETE", f"/v1/sessions/{b}")
+    assert api.free_slots() == 2
+
+
+def test_queue_full_is_429_with_retry_after_and_unstarted_requests_time_out_with_504(limits_server):
+    api = Api(limits_server.url)
+    sid = api.session()
+    x = wire.encode_tensor(torch.ones(1, 8))
+    body = wire.packb({"id": 1, "session": sid, "layer": 0, "x": x}) + \
+        wire.packb({"id": 2, "session": sid, "layer": 1, "x": x})
+    with api.http.stream("POST", "/v1/conv/stream", content=body) as resp:
+        results = {r["id"]: r for r in read_stream(resp)}
+    assert results[2]["error"]["code"] == "queue_full" and results[2]["error"]["retry_after"] > 0
+    assert results[1]["error"]["code"] == "timeout"
+    st, obj, _ = api.conv(sid, 0, torch.ones(1, 8))
+    assert st == 504 and obj["error"]["code"] == "timeout"
+    st, obj, _ = api.call("GET", f"/v1/sessions/{sid}/state")
+    assert torch.count_nonzero(wire.decode_tensor(obj["state"])) == 0  # nothing ran
+    api.call("DELETE", f"/v1/sessions/{sid}")
+
+
+def test_unary_queue_full_carries_retry_after_header(limits_server):
+    api = Api(limits_server.url)
+    sid = api.session()
+    x = torch.ones(1, 8)
+    go = threading.Barrier(4)
+
+    def one(layer):
+        a = Api(limits_server.url)
+        go.wait()
+        return a.conv(sid, layer % 2, x)
+
+    with cf.ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(one, range(4)))
+    api.call("DELETE", f"/v1/sessions/{sid}")
+    assert {st for st, _, _ in answers} <= {429, 504}
+    full = [(obj, h) for st, obj, h in answers if st == 429]
+    assert full, "four requests at once into a queue of one: some must be refused"
+    for obj, h in full:
+        assert obj["error"]["code"] == "queue_full" and int(h["retry-after"]) >= 1
+
+
+def test_idle_session_is_evicted_after_its_ttl_with_410_state_lost(limits_server):
+    api = Api(limits_server.url)
+    sid = api.session()
+    free = api.free_slots()
+    time.sleep(1.0)  # > the 0.4 s TTL (any use of the session would keep it alive)
+    st, obj, _ = api.call("GET", f"/v1/sessions/{sid}/state")
+    assert st == 410 and obj["error"]["code"] == "state_lost"
+    assert api.free_slots() > free
+    st, obj, _ = api.conv(sid, 0, torch.ones(1, 8))
+    assert st == 410
+    st, obj, _ = api.call("DELETE", "/v1/sessions/never-was")
+    assert st == 404  # 404 stays for ids that never existed

@@ -1,0 +1,70 @@
+"""``POST /v1/conv/stream`` over real HTTP: results against the reference, per-session order, bad frames."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from convserve.clients.protocol import wire
+from tests.http_api import (DIM, LAYERS, MAX_BODY, assert_close, check_stream_results, make_frames, pack_frames, rand_x,
+                            read_stream)
+
+
+def test_stream_of_many_sessions_matches_the_reference_in_per_session_order(server, api):
+    sessions = [api.session() for _ in range(10)]
+    frames = make_frames(sessions, 400, seed=3)
+
+    def body():  # in several chunks, some splitting frames in two
+        data = pack_frames(frames)
+        for i in range(0, len(data), 7001):
+            yield data[i:i + 7001]
+
+    with api.http.stream("POST", "/v1/conv/stream", content=body()) as resp:
+        assert resp.status_code == 200
+        results = read_stream(resp)
+    ref = check_stream_results(frames, results, sessions)
+    for sid in sessions[:3]:
+        assert_close(api.state(sid), ref.states[sid])
+
+
+def test_stream_much_larger_than_the_window_completes_when_the_client_sends_everything_first(api):
+    """httpx writes the whole body before reading: 16 MB of answers overflow the loopback socket buffers while
+    the server still reads frames, with a window of 32 frames. Completions must not wait for the writer."""
+    sessions = [api.session() for _ in range(16)]
+    x = rand_x(64, seed=0)
+    frames = [{"id": i, "session": sessions[i % 16], "layer": LAYERS[i % 3], "x": x} for i in range(2000)]
+    with api.http.stream("POST", "/v1/conv/stream", content=pack_frames(frames)) as resp:
+        results = read_stream(resp)
+    check_stream_results(frames, results, sessions)
+
+
+def test_stream_frame_error_fails_alone(api):
+    sid = api.session()
+    frames = make_frames([sid], 6, seed=4)
+    bad = [{"id": "bad-layer", "session": sid, "layer": 1, "x": rand_x(1)},
+           {"id": "bad-session", "session": "nope", "layer": 0, "x": rand_x(1)},
+           {"id": "bad-shape", "session": sid, "layer": 0, "x": torch.zeros(1, DIM + 1)}]
+    mixed = frames[:3] + bad + frames[3:]
+    with api.http.stream("POST", "/v1/conv/stream", content=pack_frames(mixed)) as resp:
+        results = read_stream(resp)
+    errors = {r["id"]: r["error"]["code"] for r in results if "error" in r}
+    assert errors == {"bad-layer": "unknown_layer", "bad-session": "unknown_session", "bad-shape": "shape_mismatch"}
+    check_stream_results(frames, [r for r in results if "y" in r], [sid])
+
+
+@pytest.mark.parametrize("garbage, code", [
+    (b"\xc1", "bad_request"),                          # never-used msgpack byte
+    (wire.packb([1, 2, 3]), "bad_request"),            # not a map
+    (wire.packb({"session": "s", "layer": 0}), "bad_request"),  # no id
+    (wire.packb({"id": 1, "x": b"\0" * (MAX_BODY + 10)}), "payload_too_large"),
+], ids=["bad-byte", "not-a-map", "no-id", "frame-too-large"])
+def test_malformed_frame_ends_the_stream_with_a_null_id_error_after_earlier_results(api, garbage, code):
+    sid = api.session()
+    frames = make_frames([sid], 5, seed=5)
+    after = make_frames([sid], 2, seed=6)
+    with api.http.stream("POST", "/v1/conv/stream",
+                         content=pack_frames(frames) + garbage + pack_frames(after)) as resp:
+        assert resp.status_code == 200
+        results = read_stream(resp)
+    assert results[-1]["id"] is None and results[-1]["error"]["code"] == code
+    check_stream_results(frames, results[:-1], [sid])
