@@ -1,7 +1,7 @@
 """The batching scheduler: which queued conv requests run in the next engine step, and how they are packed.
 
-Pure Python, no torch: it decides, the engine (the model runner) turns its :class:`SchedulerOutput` into tensors,
-and the state pool allocates. The engine's lock guards every call.
+It builds no tensors (plain lists and numbers; the kernels' ``PAD_SLOT_ID`` marks padding rows): it decides,
+the engine (the model runner) turns its :class:`SchedulerOutput` into tensors, and the state pool allocates. The engine's lock guards every call.
 
 Each request is ``(session, layer position, T tokens)``. Per step, within ``max_batch_size`` rows,
 ``max_batch_tokens`` tokens and ``max(decode_buckets)`` decode rows per layer:

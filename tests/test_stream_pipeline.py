@@ -33,14 +33,14 @@ class FakeEngine:
     def stats(self):
         return {}
 
-    def max_batch_rows(self):
-        return 4
-
     def submit(self, session, layer, x, speculative=False):
         f = cf.Future()
         f.set_running_or_notify_cancel()
         self.futures.append(f)
         return f
+
+    def submit_batch(self, sessions, layer, x, tokens=None, speculative=None):
+        return self.submit(sessions[0], layer, x)
 
     def cancel(self, fut):
         return fut.cancel()
@@ -51,7 +51,8 @@ class FakeEngine:
 
 
 def _service(window: int):
-    settings = SimpleNamespace(max_body_bytes=1 << 20, max_tokens_per_request=64, stream_window=window,
+    settings = SimpleNamespace(max_body_bytes=1 << 20, max_tokens_per_request=64, max_batch_tokens=64,
+                               max_batch_size=4, stream_window=window,
                                api_key_value=lambda: None)
     engine = FakeEngine()
     return Service(settings, engine, Metrics(stats=engine.stats)), engine

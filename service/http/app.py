@@ -47,7 +47,8 @@ class Service:
         self.settings = settings
         self.engine = engine
         self.metrics = metrics
-        self.parser = Parser(engine.model_info(), settings.max_tokens_per_request, engine.max_batch_rows())
+        self.parser = Parser(engine.model_info(), settings.max_tokens_per_request, settings.max_batch_tokens,
+                             settings.max_batch_size)
         self.max_body = settings.max_body_bytes
         self.draining = False
         self.failed: Optional[BaseException] = None

@@ -1,5 +1,5 @@
 """The control routes: health and readiness, metrics, the model, sessions (create, delete, fork), state export and
-import, and accepting a speculative verify.
+import, and accepting speculative verifies (one session, or several as one request).
 
 These are ordinary FastAPI routes; their errors reach the handlers of :func:`.errors.install_handlers`. Session
 operations block on the engine, so they run in a thread. ``/healthz``, ``/readyz`` and ``/metrics`` need no
@@ -98,6 +98,13 @@ def add_control_routes(app: FastAPI, svc: Service) -> None:
         svc.require_ready()
         state = parser.state(await read(request))
         await asyncio.to_thread(engine.import_state, session, state)  # NaN/Inf -> non_finite (engine)
+        return Response(status_code=204)
+
+    @app.post("/v1/accept", status_code=204)
+    async def accept_batch(request: Request):
+        svc.require_ready()
+        sessions, tokens = parser.accept_batch(await read(request))
+        await asyncio.to_thread(engine.accept_batch, sessions, tokens)
         return Response(status_code=204)
 
     @app.post("/v1/sessions/{session}/accept", status_code=204)

@@ -66,23 +66,46 @@ def parse_body(scope, body: bytes, max_bytes: int) -> Any:
     return wire.unpackb(body, max_bytes)
 
 
-class Parser:
-    """Validates the fields of decoded bodies against the served model and the settings' limits."""
+#: The fields each body may hold; any other field is a 400 that names it and lists these.
+CONV_FIELDS = ("session", "layer", "x", "speculative")
+BATCH_FIELDS = ("sessions", "layer", "x", "tokens", "speculative")
+ACCEPT_BATCH_FIELDS = ("sessions", "tokens")
+SESSION_FIELDS = ("session",)
+STATE_FIELDS = ("layers", "state")
+ACCEPT_FIELDS = ("tokens",)
 
-    def __init__(self, info: dict, max_tokens_per_request: int, batch_rows: int):
+
+def check_fields(req: dict, allowed, what: str) -> None:
+    """:class:`BadRequest` naming the first field of ``req`` not in ``allowed`` (a misspelled field is never
+    silently ignored)."""
+    if len(req) > len(allowed) or any(k not in allowed for k in req):
+        bad = next((k for k in req if k not in allowed), None)
+        raise BadRequest(f"unknown field {bad!r:.60} in {what}; the allowed fields are {', '.join(allowed)}")
+
+
+class Parser:
+    """Validates the fields of decoded bodies against the served model and the settings' limits.
+
+    ``frame=True`` parses a stream or WebSocket frame: the same body plus its ``id``.
+    """
+
+    def __init__(self, info: dict, max_tokens_per_request: int, max_batch_tokens: int, max_batch_size: int):
         self.layers = list(info["layers"])
         self.layer_set = frozenset(self.layers)
         dim, width = int(info["dim"]), int(info["width"])
         self.state_dtype = str(info["state_dtype"])
-        self.batch_rows = batch_rows
+        self.max_batch_size = max_batch_size
         self.x_check = wire.shape_checker((dim,), min_first=1, max_first=max_tokens_per_request)
-        self.batch_check = wire.shape_checker((dim,), min_first=1, max_first=batch_rows, first_name="rows")
+        self.batch_check = wire.shape_checker((dim,), min_first=1, max_first=max_batch_tokens, first_name="rows")
         self.state_check = wire.exact_shape_checker((len(self.layers), dim, width - 1), "state")
+        self._frame_fields = {f: (*f, "id") for f in (CONV_FIELDS, BATCH_FIELDS)}
 
-    def conv(self, req: Any):
+    def conv(self, req: Any, frame: bool = False):
         """``(session, layer, x, speculative)`` from a /v1/conv body (or stream frame)."""
         if type(req) is not dict:
             raise BadRequest(f"a conv request must be a map {{session, layer, x}}, got {type(req).__name__}")
+        check_fields(req, self._frame_fields[CONV_FIELDS] if frame else CONV_FIELDS,
+                     "a conv frame" if frame else "a conv request")
         session = req.get("session")
         if type(session) is not str:
             raise BadRequest("'session' is missing or not a string; create a session with POST /v1/sessions")
@@ -93,19 +116,60 @@ class Parser:
             raise BadRequest("'speculative' must be true or false")
         return session, layer, x, spec  # NaN/Inf (non_finite) is checked by the engine (settings.check_finite)
 
-    def batch(self, req: Any):
-        """``(sessions, layer, x)`` from a /v1/conv/batch body."""
+    def batch(self, req: Any, frame: bool = False):
+        """``(sessions, layer, x, tokens, speculative)`` from a /v1/conv/batch body (or a batch frame).
+
+        ``tokens`` and ``speculative`` are None when absent (one plain token per session). Types, lengths and
+        limits are checked here; what needs the sessions' state (existence, pending verifies, the decode
+        bucket) the engine checks, also whole-batch.
+        """
         if type(req) is not dict:
             raise BadRequest(f"a batch request must be a map {{sessions, layer, x}}, got {type(req).__name__}")
+        check_fields(req, self._frame_fields[BATCH_FIELDS] if frame else BATCH_FIELDS,
+                     "a batch frame" if frame else "a batch request")
+        sessions = self._sessions(req)
+        n = len(sessions)
+        if n > self.max_batch_size:
+            raise PayloadTooLarge(f"'sessions' has {n} sessions, above max_batch_size {self.max_batch_size}; "
+                                  "split the batch")
+        layer = self.layer(req)
+        tokens = req.get("tokens")
+        if tokens is not None:
+            if type(tokens) is not list or len(tokens) != n:
+                raise BadRequest(f"'tokens' must be a list of {n} integers, one per session, got {tokens!r:.80}")
+            for i, t in enumerate(tokens):
+                if type(t) is not int or t < 1:
+                    raise BadRequest(f"'tokens'[{i}] is {t!r:.40}; each session sends at least one token")
+        spec = req.get("speculative")
+        if spec is not None and type(spec) is not bool:
+            if type(spec) is not list or len(spec) != n or not all(type(s) is bool for s in spec):
+                raise BadRequest(f"'speculative' must be true, false or a list of {n} booleans, one per session")
+        x = wire.decode_tensor(req.get("x"), check_shape=self.batch_check)
+        want = n if tokens is None else sum(tokens)
+        if x.shape[0] != want:
+            raise ShapeMismatch(f"'x' has {x.shape[0]} rows but the sessions' tokens add up to {want}; pack each "
+                                "session's tokens in the order of 'sessions'")
+        return sessions, layer, x, tokens, spec
+
+    def accept_batch(self, req: Any):
+        """``(sessions, tokens)`` of a ``POST /v1/accept`` body."""
+        if type(req) is not dict:
+            raise BadRequest(f"the body must be a map {{sessions, tokens}}, got {type(req).__name__}")
+        check_fields(req, ACCEPT_BATCH_FIELDS, "an accept request")
+        sessions = self._sessions(req)
+        tokens = req.get("tokens")
+        if type(tokens) is not list or len(tokens) != len(sessions) or \
+                not all(type(t) is int and t >= 0 for t in tokens):
+            raise BadRequest(f"'tokens' must be a list of {len(sessions)} integers >= 0, the verified tokens each "
+                             "session keeps")
+        return sessions, tokens
+
+    @staticmethod
+    def _sessions(req: dict) -> list:
         sessions = req.get("sessions")
         if type(sessions) is not list or not sessions or not all(type(s) is str for s in sessions):
             raise BadRequest("'sessions' is missing or not a non-empty list of session ids (strings)")
-        if len(sessions) > self.batch_rows:
-            raise PayloadTooLarge(f"'sessions' has {len(sessions)} sessions, above the limit of {self.batch_rows} "
-                                  "rows per batch (max_batch_size, the largest decode bucket); split the batch")
-        layer = self.layer(req)
-        x = wire.decode_tensor(req.get("x"), check_shape=self.batch_check)
-        return sessions, layer, x
+        return sessions
 
     def layer(self, req: dict) -> int:
         layer = req.get("layer")
@@ -122,6 +186,7 @@ class Parser:
             return None
         if type(body) is not dict:
             raise BadRequest(f"the body must be a map {{\"session\": id}} or empty, got {type(body).__name__}")
+        check_fields(body, SESSION_FIELDS, "this body")
         sid = body.get("session")
         if sid is None:
             return None
@@ -131,6 +196,7 @@ class Parser:
         """The state tensor of a ``PUT .../state`` body, as ``GET .../state`` returns it."""
         if type(body) is not dict or "state" not in body:
             raise BadRequest("the body must be a map {\"layers\": [...], \"state\": tensor}, as GET .../state returns")
+        check_fields(body, STATE_FIELDS, "a state body")
         layers = body.get("layers")
         if layers is not None and (type(layers) is not list or layers != self.layers):
             raise ShapeMismatch(f"'layers' {layers!r:.100} do not match the model's conv layers {self.layers}")
@@ -144,6 +210,8 @@ class Parser:
     @staticmethod
     def accept_tokens(body: Any) -> int:
         """``n`` of an ``accept`` body ``{"tokens": n}``."""
+        if type(body) is dict:
+            check_fields(body, ACCEPT_FIELDS, "an accept body")
         n = body.get("tokens") if type(body) is dict else None
         if type(n) is not int or n < 0:
             raise BadRequest("the body must be {\"tokens\": n} with n >= 0, the number of verified tokens to keep")

@@ -6,6 +6,7 @@ Invariants:
 
 * each frame is submitted as soon as it is parsed, with at most ``stream_window`` frames computing at a time;
 * a session's results are sent in the order its frames arrived; results of different sessions are not ordered;
+  a batch frame (``"sessions"``) is ordered with the frames of each of its sessions;
 * a bad frame (bad field, unknown session, engine error) is answered alone with an error frame, while a frame
   that cannot be parsed ends the stream with a ``{"id": None, "error"}`` frame after every earlier result.
 """
@@ -28,11 +29,11 @@ if TYPE_CHECKING:
 
 
 class _Frame:
-    __slots__ = ("id", "session", "fut", "out", "t0", "code")
+    __slots__ = ("id", "keys", "fut", "out", "t0", "code")
 
     def __init__(self, fid, t0):
         self.id = fid
-        self.session = None
+        self.keys = (None,)     # the sessions whose order this frame keeps (one, or a batch's distinct ones)
         self.fut = None
         self.out: Optional[bytes] = None
         self.t0 = t0
@@ -52,7 +53,9 @@ class Pipeline:
         self.svc = svc
         self.transport = transport
         self._parse = svc.parser.conv
+        self._parse_batch = svc.parser.batch
         self._submit = svc.engine.submit
+        self._submit_batch = svc.engine.submit_batch
         self.loop = asyncio.get_running_loop()
         self.packer = wire.new_packer()
         self.unpacker = wire.new_unpacker(svc.max_body)
@@ -152,21 +155,33 @@ class Pipeline:
         self.nframes += 1
         svc = self.svc
         f = _Frame(fid, time.perf_counter())
-        s = obj.get("session")
-        f.session = s if type(s) is str else None
-        q = self.pending.get(f.session)
-        if q is None:
-            q = self.pending[f.session] = collections.deque()
-        q.append(f)
+        batch = "sessions" in obj
+        if batch:
+            ss = obj["sessions"]
+            keys = tuple(dict.fromkeys(s for s in ss if type(s) is str)) if type(ss) is list else ()
+            f.keys = keys or (None,)
+        else:
+            s = obj.get("session")
+            f.keys = (s if type(s) is str else None,)
+        pending = self.pending
+        for k in f.keys:
+            q = pending.get(k)
+            if q is None:
+                q = pending[k] = collections.deque()
+            q.append(f)
         self.open += 1
         try:
             if svc.draining:
                 raise NotReady("the server is shutting down; resend this frame to another replica", retry_after=1)
-            session, layer, x, spec = self._parse(obj)
-            fut = self._submit(session, layer, x, speculative=spec)
+            if batch:
+                sessions, layer, x, tokens, spec = self._parse_batch(obj, frame=True)
+                fut = self._submit_batch(sessions, layer, x, tokens, spec)
+            else:
+                session, layer, x, spec = self._parse(obj, frame=True)
+                fut = self._submit(session, layer, x, speculative=spec)
         except Exception as e:  # noqa: BLE001 - a bad frame fails alone
             self._set_error(f, as_service_error(e))
-            self._release(f.session)
+            self._release(f.keys)
             self.event.set()
             return True
         f.fut = fut
@@ -197,21 +212,33 @@ class Pipeline:
                         f.out = self.packer.pack({"id": f.id, "y": wire.encode_tensor(fut.result())})
                     except Exception as e:  # noqa: BLE001
                         self._set_error(f, as_service_error(e))
-        self._release(f.session)
+        self._release(f.keys)
         if len(self.inflight) < self.window:
             self.window_free.set()
 
-    def _release(self, session) -> None:
-        q = self.pending.get(session)
+    def _release(self, keys) -> None:
+        """Send every answered frame at the head of the queues of ``keys`` (and, as a batch frame leaves, of its
+        other sessions' queues). A frame leaves only from the head of every queue it is in."""
+        pending = self.pending
         now = time.perf_counter()
-        while q and q[0].out is not None:
-            f = q.popleft()
-            self.ready_out.append(f.out)
-            self.open -= 1
-            self.outcomes[f.code] = self.outcomes.get(f.code, 0) + 1
-            self.latencies.append(now - f.t0)
-        if q is not None and not q:
-            del self.pending[session]
+        work = list(keys)
+        while work:
+            q = pending.get(work.pop())
+            while q and q[0].out is not None:
+                f = q[0]
+                if len(f.keys) > 1 and any(pending[k][0] is not f for k in f.keys):
+                    break                      # a batch still behind another frame of one of its sessions
+                for k in f.keys:
+                    qk = pending[k]
+                    qk.popleft()
+                    if not qk:
+                        del pending[k]
+                    elif qk is not q:
+                        work.append(k)
+                self.ready_out.append(f.out)
+                self.open -= 1
+                self.outcomes[f.code] = self.outcomes.get(f.code, 0) + 1
+                self.latencies.append(now - f.t0)
 
     def _drain_done(self) -> None:
         done = self._done

@@ -110,10 +110,11 @@ class ConvEndpoint(_UnaryEndpoint):
 
 
 class BatchEndpoint(_UnaryEndpoint):
-    """``POST /v1/conv/batch``: one decode token for each of several sessions, as one engine request."""
+    """``POST /v1/conv/batch``: a frontend's step on one layer (a slice of tokens for each of several sessions:
+    prefill chunks, decodes, speculative verifies), as one engine request."""
 
     route = "/v1/conv/batch"
 
     def submit(self, obj: Any):
-        sessions, layer, x = self.parser.batch(obj)
-        return self.engine.submit_batch_async(sessions, layer, x)
+        sessions, layer, x, tokens, spec = self.parser.batch(obj)
+        return self.engine.submit_batch_async(sessions, layer, x, tokens, spec)
