@@ -172,3 +172,20 @@ def test_timeouts_are_labelled_client_timeout_not_connection_error():
     assert error_code(httpx.ReadTimeout("slow")) == "client_timeout"
     assert error_code(ConnectionResetError()) == "connection_error"
     assert error_code(httpx.ConnectError("refused")) == "connection_error"
+
+
+@pytest.mark.parametrize("spec", [False, True])
+@pytest.mark.parametrize("loop", [["--concurrency", "5"], ["--rate", "200"]])
+def test_the_frontend_scenario_sends_steps_of_mixed_batches_that_verify(server, weights, tmp_path, spec, loop):
+    extra = ["--spec-k", "uniform:1:4"] if spec else []
+    rc, data = _run(tmp_path, server, "--scenario", "frontend", *loop, "--requests", "60", "--chunk", "7",
+                    "--verify", str(weights[0]), "--verify-sample", "1", "--fail-on-errors", *extra)
+    st = data["steps"][0]
+    assert rc == 0, st["errors"]
+    assert data["config"]["transport"] == "batch"
+    kinds = st["kinds"]
+    # one batch per layer per step, layers in order
+    assert kinds["batch"]["count"] == len(LAYERS) * kinds["step"]["count"]
+    assert kinds["prefill_done"]["count"] >= 1 and st["sessions_completed"] >= 1
+    assert st["verify"]["checked"] > 0 and st["verify"]["mismatches"] == 0
+    assert ("accept" in kinds) == spec
