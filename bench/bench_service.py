@@ -17,6 +17,18 @@ step's layers sent together, the next step once all answered):
    frames and answers each with a frame of the response's size (it decodes the request and encodes ``y = x``),
    driven by the same stream client pattern with the same frames: the Python ceiling on this machine.
 
+The frontend's step, the layers sent one after another as a model must (latencies per call and per step of all
+layers; req/s counts session tokens):
+
+6. ``step``: per step one decode batch per layer (``POST /v1/conv/batch``, every session's token), layer l + 1
+   after layer l's answer;
+7. ``step-mixed``: the same with mixed rows: one session in 16 sends a prefill chunk of 64-512 tokens, the others
+   one decode token, and with ``--spec-k`` one session in 4 of the rest a speculative verify of k tokens (then
+   one ``POST /v1/accept`` per step);
+8. ``step-echo``: the ``step`` leg's frames, byte for byte the same sizes (the batch body out, a ``y`` of x's size
+   back), over one raw TCP connection to the echo server, one call at a time: what moving those bytes through
+   Python costs, so ``step / step-echo`` is the service's own share.
+
 Reports requests/s and latency p50/p90/p99 per leg and concurrency, the ratios 2/1 and 3/1 (throughput, and
 the p50 the service adds), 3/4 (throughput), and from the engine at the top concurrency: rows per step, GPU (or
 CPU-kernel) time per step and the whole step time. Writes ``bench/results/service-<device>-<date>.json``.
@@ -50,7 +62,7 @@ from convserve.clients.protocol import wire  # noqa: E402
 from convserve.clients.loadtest.cli import _run_loop as _run_on_loop  # noqa: E402
 from convserve.clients.loadtest.stats import percentile  # noqa: E402
 
-LEGS = ("inproc", "unary", "stream", "batch", "echo")
+LEGS = ("inproc", "unary", "stream", "batch", "echo", "step", "step-mixed", "step-echo")
 _LEN = struct.Struct("<I")
 
 
@@ -389,6 +401,120 @@ async def leg_echo(args, port: int, info: dict, conc: int) -> dict:
     return r
 
 
+# ----------------------------------------------------------------------------------- the frontend's step
+
+
+def step_rows(conc: int, dim: int, rng, spec_k: int = 0) -> tuple:
+    """``(tokens, speculative)`` of one mixed step of ``conc`` sessions: one in 16 a prefill chunk of 64-512
+    tokens, the others a decode token, and with ``spec_k`` one in 4 of those a verify of ``spec_k`` tokens."""
+    tokens, spec = [], []
+    for i in range(conc):
+        if i % 16 == 15:
+            tokens.append(rng.randint(64, 512))
+            spec.append(False)
+        elif spec_k and i % 4 == 1:
+            tokens.append(spec_k)
+            spec.append(True)
+        else:
+            tokens.append(1)
+            spec.append(False)
+    return tokens, spec
+
+
+def _summary(lat: list, steps: list, tokens: int, duration: float) -> dict:
+    lat.sort()
+    steps.sort()
+    return {"requests": tokens, "req_per_s": tokens / duration, "calls": len(lat),
+            "p50_ms": percentile(lat, 0.5) * 1e3, "p90_ms": percentile(lat, 0.9) * 1e3,
+            "p99_ms": percentile(lat, 0.99) * 1e3, "max_ms": lat[-1] * 1e3 if lat else float("nan"),
+            "step_p50_ms": percentile(steps, 0.5) * 1e3, "step_p99_ms": percentile(steps, 0.99) * 1e3}
+
+
+async def leg_step(args, url: str, info: dict, conc: int, mixed: bool) -> dict:
+    """Frontend steps over HTTP: each step one batch per layer, layers in order (see the module docstring)."""
+    import random
+
+    from convserve.clients.client import AsyncConvClient
+
+    layers = list(info["layers"])
+    dtype = getattr(torch, info["dtype"])
+    rng = random.Random(conc)
+    async with AsyncConvClient(url, max_connections=4) as client:
+        sessions = list(await asyncio.gather(*(client.create_session() for _ in range(conc))))
+        pool = torch.randn(conc * 512 + 1024, info["dim"]).to(dtype)
+        lat, steps, tok = [], [], 0
+        a = _scrape(url)
+        t_measure = time.perf_counter() + args.warmup
+        t_end = t_measure + args.duration
+        while time.perf_counter() < t_end:
+            if mixed:
+                tokens, spec = step_rows(conc, info["dim"], rng, args.spec_k)
+                kw = {"tokens": tokens, "speculative": spec}
+            else:
+                tokens, spec, kw = [1] * conc, None, {}
+            x = pool[:sum(tokens)]
+            t0 = time.perf_counter()
+            for layer in layers:
+                t1 = time.perf_counter()
+                await client.conv_batch(sessions, layer, x, **kw)
+                if t1 >= t_measure:
+                    lat.append(time.perf_counter() - t1)
+            if spec and any(spec):
+                verified = [s for s, v in zip(sessions, spec) if v]
+                await client.accept_batch(verified, [rng.randint(0, args.spec_k) for _ in verified])
+            t2 = time.perf_counter()
+            if t0 >= t_measure and t2 <= t_end:
+                steps.append(t2 - t0)
+                tok += sum(tokens)
+        e = _engine_delta(a, _scrape(url))
+        await asyncio.gather(*(client.delete_session(s) for s in sessions))
+    r = _summary(lat, steps, tok, args.duration)
+    r["engine"] = e
+    r["request_bytes"] = len(wire.packb({"sessions": sessions, "layer": layers[0], "x": wire.encode_tensor(
+        pool[:conc])}))
+    return r
+
+
+async def leg_step_echo(args, port: int, info: dict, conc: int) -> dict:
+    """The ``step`` leg's frames (same sessions list, same x and y sizes) over raw TCP, one call at a time."""
+    layers = list(info["layers"])
+    x = torch.randn(conc, info["dim"]).to(getattr(torch, info["dtype"]))
+    sessions = [f"{i:032x}" for i in range(conc)]       # ids of the server's length
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    packer = wire.new_packer()
+    buf = bytearray()
+    lat, steps, tok = [], [], 0
+    t_measure = time.perf_counter() + args.warmup
+    t_end = t_measure + args.duration
+    try:
+        while time.perf_counter() < t_end:
+            t0 = time.perf_counter()
+            for i, layer in enumerate(layers):
+                t1 = time.perf_counter()
+                body = packer.pack({"id": i, "sessions": sessions, "layer": layer, "x": wire.encode_tensor(x)})
+                writer.write(_LEN.pack(len(body)) + body)
+                while True:
+                    frames, pos = _split_frames(buf)
+                    if frames:
+                        del buf[:pos]
+                        break
+                    data = await reader.read(1 << 22)
+                    if not data:
+                        raise ConnectionError("the echo server closed the connection")
+                    buf += data
+                obj = wire.unpackb(frames[0], 1 << 30)
+                wire.decode_tensor(obj["y"], backend="torch", name="y")
+                if t1 >= t_measure:
+                    lat.append(time.perf_counter() - t1)
+            t2 = time.perf_counter()
+            if t0 >= t_measure and t2 <= t_end:
+                steps.append(t2 - t0)
+                tok += conc
+    finally:
+        writer.close()
+    return _summary(lat, steps, tok, args.duration)
+
+
 # ----------------------------------------------------------------------------------- main
 
 
@@ -403,6 +529,7 @@ def main(argv=None) -> int:
     ap.add_argument("--duration", type=float, default=None, help="measured seconds per leg (10 CUDA, 4 CPU)")
     ap.add_argument("--warmup", type=float, default=1.0, help="seconds per leg not measured [1]")
     ap.add_argument("--inflight", type=int, default=64, help="stream/echo: frames in flight per connection [64]")
+    ap.add_argument("--spec-k", type=int, default=0, help="step-mixed: tokens per speculative verify (0: none) [0]")
     ap.add_argument("--legs", default=",".join(LEGS), help=f"which legs [{','.join(LEGS)}]")
     ap.add_argument("--server-cpus", default=None, help="pin the server (and echo server) to these CPUs, e.g. 0")
     ap.add_argument("--client-cpus", default=None, help="pin this process (client, in-process engine), e.g. 1")
@@ -440,7 +567,7 @@ def main(argv=None) -> int:
                 _progress("inproc", c, results["inproc"][c])
         finally:
             engine.stop(drain=False)
-    if "unary" in legs or "stream" in legs or "batch" in legs:
+    if {"unary", "stream", "batch", "step", "step-mixed"} & set(legs):
         srv = start_server(args)
         try:
             import httpx
@@ -456,16 +583,24 @@ def main(argv=None) -> int:
                 for c in levels:
                     results["batch"][c] = _run_loop(leg_batch(args, srv.url, info, c))
                     _progress("batch", c, results["batch"][c])
+            for kind in ("step", "step-mixed"):
+                if kind in legs:
+                    for c in levels:
+                        results[kind][c] = _run_loop(leg_step(args, srv.url, info, c, kind == "step-mixed"))
+                        _progress(kind, c, results[kind][c])
         finally:
             srv.stop()
-    if "echo" in legs:
+    if "echo" in legs or "step-echo" in legs:
         if info is None:
             info = {"layers": [0, 1, 2, 3], "dim": 1024, "dtype": "bfloat16"}
         echo = Proc([sys.executable, str(Path(__file__).resolve()), "--echo-server", "0"], cpus=args.server_cpus)
         try:
-            for c in levels:
+            for c in levels if "echo" in legs else ():
                 results["echo"][c] = _run_loop(leg_echo(args, echo.port, info, c))
                 _progress("echo", c, results["echo"][c])
+            for c in levels if "step-echo" in legs else ():
+                results["step-echo"][c] = _run_loop(leg_step_echo(args, echo.port, info, c))
+                _progress("step-echo", c, results["step-echo"][c])
         finally:
             echo.stop()
 
@@ -479,6 +614,9 @@ def main(argv=None) -> int:
             a, b = get(num, "req_per_s"), get(den, "req_per_s")
             if a and b:
                 rc[f"{num}/{den}"] = a / b
+        a, b = get("step", "p50_ms"), get("step-echo", "p50_ms")
+        if a and b:
+            rc["step/step-echo p50"] = a / b
             if den == "inproc" and get(num, "p50_ms") is not None and get(den, "p50_ms") is not None:
                 rc[f"{num}-{den} p50 ms"] = get(num, "p50_ms") - get(den, "p50_ms")
         ratios[c] = rc
@@ -519,7 +657,8 @@ def print_table(results, ratios, levels, legs, gpu) -> None:
 
     console = Console(width=None if sys.stdout.isatty() else 200)
     t = Table(title=f"service bench on {gpu}: decode-heavy, closed loop")
-    for h in ("leg", "sessions", "req/s", "p50 ms", "p90 ms", "p99 ms", "rows/step", "kernel us/step", "step us"):
+    for h in ("leg", "sessions", "req/s", "p50 ms", "p90 ms", "p99 ms", "model step p50/p99 ms", "rows/step",
+              "kernel us/step", "step us"):
         t.add_column(h, justify="left" if h == "leg" else "right")
     for leg in legs:
         for c in levels:
@@ -528,7 +667,9 @@ def print_table(results, ratios, levels, legs, gpu) -> None:
                 continue
             e = r.get("engine") or {}
             t.add_row(leg, str(c), f"{r['req_per_s']:.0f}", f"{r['p50_ms']:.3f}", f"{r['p90_ms']:.3f}",
-                      f"{r['p99_ms']:.3f}", f"{e['rows_per_step']:.1f}" if e else "-",
+                      f"{r['p99_ms']:.3f}",
+                      f"{r['step_p50_ms']:.2f} / {r['step_p99_ms']:.2f}" if "step_p50_ms" in r else "-",
+                      f"{e['rows_per_step']:.1f}" if e else "-",
                       f"{e['kernel_us_per_step']:.1f}" if e else "-", f"{e['step_us']:.1f}" if e else "-",
                       end_section=c == levels[-1])
     console.print(t)
@@ -537,7 +678,8 @@ def print_table(results, ratios, levels, legs, gpu) -> None:
     keys = sorted({k for v in ratios.values() for k in v})
     for k in keys:
         r.add_column(k.replace("unary", "2 unary").replace("stream", "3 stream").replace("inproc", "1 inproc")
-                     .replace("batch", "4 batch").replace("echo", "5 echo"), justify="right")
+                     .replace("batch", "4 batch").replace("step-echo", "8 step-echo")
+                     .replace("step/", "6 step/").replace("/echo", "/5 echo"), justify="right")
     for c in levels:
         r.add_row(str(c), *[(f"{ratios[c][k]:+.3f}" if "ms" in k else f"{ratios[c][k]:.2f}")
                             if k in ratios[c] else "-" for k in keys])

@@ -1,0 +1,32 @@
+"""bench/bench_service.py's frontend-step legs run on CPU against a real server and echo server and write every
+figure (the H200 numbers come from the same code)."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_service", ROOT / "bench" / "bench_service.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_service"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_step_legs_run_and_report_calls_steps_and_the_echo_ratio(tmp_path):
+    out = tmp_path / "service.json"
+    rc = _bench().main(["--device", "cpu", "--legs", "step,step-mixed,step-echo", "--concurrency", "1,17",
+                        "--duration", "0.6", "--warmup", "0.1", "--spec-k", "2", "--out", str(out),
+                        "--server-arg=--layers=0,1", "--server-arg=--dim=64"])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    for leg in ("step", "step-mixed", "step-echo"):
+        for c in ("1", "17"):
+            r = data["results"][leg][c]
+            assert r["calls"] > 0 and r["step_p50_ms"] > 0 and r["p50_ms"] <= r["p99_ms"], (leg, c, r)
+    assert data["results"]["step"]["17"]["engine"]["rows_per_step"] >= 1
+    assert data["ratios"]["17"]["step/step-echo p50"] > 0
