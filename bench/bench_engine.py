@@ -23,7 +23,7 @@ Scenarios (each on a fresh engine):
   decode; reports tokens/s and step times.
 * ``step-mixed``: a frontend's continuous-batching step as one batch request per layer
   (``submit_batch(..., tokens=...)``): 256 sessions = 240 decodes + 16 prefill chunks of 64-512 tokens, on every
-  layer, rounds of one batch per layer; reports host time per engine step (p50) and per round.
+  layer, one batch per layer, the layers one after another; reports host time per engine step (p50) and per round.
 * ``step-verify-64x4`` / ``step-decode-64``: 64 sessions, per round one speculative batch of 4 tokens per session
   on every layer plus one ``accept_batch``, against a plain decode batch of the same sessions on every layer.
 
@@ -268,7 +268,7 @@ def run_step_mixed(args, model, n_decode: int, n_prefill: int, lengths: tuple) -
     n = n_decode + n_prefill
     tokens_top = n_decode + n_prefill * lengths[1]
     e = make_engine(args, model, max_batch_size=max(256, n), max_batch_tokens=max(args.max_batch_tokens, tokens_top),
-                    max_queue_delay_us=10_000_000, gpu_timing_interval=1)
+                    gpu_timing_interval=1)
     try:
         dim = model.dim
         sids = [e.create_session() for _ in range(n)]
@@ -281,11 +281,11 @@ def run_step_mixed(args, model, n_decode: int, n_prefill: int, lengths: tuple) -
             work.append([(toks, torch.randn(sum(toks), dim, dtype=model.dtype)) for _ in model.layers])
         k = [0]
 
-        def round_():
+        def round_():  # the layers one after another, as a model's forward pass sends them
             w = work[k[0] % len(work)]
             k[0] += 1
-            for f in [e.submit_batch(sids, lay, x, tokens=toks) for lay, (toks, x) in zip(model.layers, w)]:
-                f.result()
+            for lay, (toks, x) in zip(model.layers, w):
+                e.submit_batch(sids, lay, x, tokens=toks).result()
 
         rtt, steps = _rounds(e, args, round_)
         out = step_summary(steps)
@@ -302,7 +302,7 @@ def run_step_verify(args, model, n: int, k: int, verify: bool) -> dict:
     """``n`` sessions, each round one batch per layer: ``k`` speculative tokens per session then one
     ``accept_batch`` (``verify``), or one plain decode token per session."""
     rng = random.Random(1)
-    e = make_engine(args, model, max_batch_size=max(256, n), max_queue_delay_us=10_000_000, gpu_timing_interval=1)
+    e = make_engine(args, model, max_batch_size=max(256, n), gpu_timing_interval=1)
     try:
         dim = model.dim
         sids = [e.create_session() for _ in range(n)]
@@ -311,13 +311,12 @@ def run_step_verify(args, model, n: int, k: int, verify: bool) -> dict:
         toks = [k] * n
         acc = []
 
-        def round_():
-            if verify:
-                fs = [e.submit_batch(sids, lay, x, tokens=toks, speculative=True) for lay, x in zip(model.layers, xs)]
-            else:
-                fs = [e.submit_batch(sids, lay, x) for lay, x in zip(model.layers, xs)]
-            for f in fs:
-                f.result()
+        def round_():  # the layers one after another, as a model's forward pass sends them
+            for lay, x in zip(model.layers, xs):
+                if verify:
+                    e.submit_batch(sids, lay, x, tokens=toks, speculative=True).result()
+                else:
+                    e.submit_batch(sids, lay, x).result()
             if verify:
                 t0 = time.perf_counter()
                 e.accept_batch(sids, [rng.randint(0, k) for _ in sids])
@@ -351,6 +350,7 @@ def main(argv=None) -> int:
     ap.add_argument("--null-kernels", action="store_true", help="CPU only: kernels that do nothing (host cost)")
     ap.add_argument("--no-mix", action="store_true", help="skip the prefill mix")
     ap.add_argument("--no-step", action="store_true", help="skip the frontend-step scenarios (step-*)")
+    ap.add_argument("--only", default=None, help="comma list of scenario name prefixes to run, e.g. step-,decode-256")
     ap.add_argument("--closed", default="1,16,64", help="comma list of closed-loop caller counts ('' to skip)")
     ap.add_argument("--closed-seconds", type=float, default=1.0)
     ap.add_argument("--gil-switch-interval-us", type=int, default=500,
@@ -383,28 +383,38 @@ def _run(args, on_cuda: bool) -> int:
     model = ConvModel.random(args.layers, dim=args.dim, width=args.width, dtype=dtype, seed=0)
 
     results = {}
+    only = [s for s in (args.only or "").split(",") if s]
+
+    def run(name, fn, *a, **kw):
+        """Run one scenario (each on a fresh engine) unless ``--only`` leaves it out; a line per scenario."""
+        if only and not any(name.startswith(o) for o in only):
+            return
+        results[name] = fn(args, model, *a, **kw)
+        print(f"  {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in results[name].items()
+                                        if isinstance(v, float) and k.endswith("_p50")), file=sys.stderr, flush=True)
+
     for n in args.sessions_list:
-        results[f"decode-{n}"] = run_decode(args, model, n)
+        run(f"decode-{n}", run_decode, n)
     for n in args.sessions_list:
-        results[f"decode-{n}-batch"] = run_decode(args, model, n, batch=True)
+        run(f"decode-{n}-batch", run_decode, n, batch=True)
     big = max(args.sessions_list)
     k = min(args.layers, 8)
     if k > 1 and big >= k:
-        results[f"decode-{big}-L{k}"] = run_decode(args, model, big, n_layers_used=k)
-        results[f"decode-{big}-L{k}-one-launch"] = run_decode(args, model, big, n_layers_used=k, multi_layer=True)
-        results[f"decode-{big}-L{k}-batch"] = run_decode(args, model, big, n_layers_used=k, batch=True)
-    results[f"decode-{big}-async"] = run_decode_async(args, model, big)
+        run(f"decode-{big}-L{k}", run_decode, big, n_layers_used=k)
+        run(f"decode-{big}-L{k}-one-launch", run_decode, big, n_layers_used=k, multi_layer=True)
+        run(f"decode-{big}-L{k}-batch", run_decode, big, n_layers_used=k, batch=True)
+    run(f"decode-{big}-async", run_decode_async, big)
     if on_cuda:
-        results[f"decode-{big}-eager"] = run_decode(args, model, big, graphs=False)
+        run(f"decode-{big}-eager", run_decode, big, graphs=False)
     for n in [int(c) for c in args.closed.split(",") if c]:
-        results[f"closed-{n}"] = run_closed(args, model, n)
+        run(f"closed-{n}", run_closed, n)
     if not args.no_mix:
-        results["prefill-mix"] = run_prefill_mix(args, model)
+        run("prefill-mix", run_prefill_mix)
     if not args.no_step:
-        results["step-mixed"] = run_step_mixed(args, model, *args.step_mixed)
+        run("step-mixed", run_step_mixed, *args.step_mixed)
         nv = args.step_verify_sessions
-        results[f"step-verify-{nv}x4"] = run_step_verify(args, model, nv, 4, verify=True)
-        results[f"step-decode-{nv}"] = run_step_verify(args, model, nv, 1, verify=False)
+        run(f"step-verify-{nv}x4", run_step_verify, nv, 4, verify=True)
+        run(f"step-decode-{nv}", run_step_verify, nv, 1, verify=False)
 
     gpu = torch.cuda.get_device_name() if on_cuda else ("cpu-null-kernels" if args.null_kernels else "cpu")
     env = {"gpu": gpu, "torch": torch.__version__, "python": platform.python_version(),
