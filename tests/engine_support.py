@@ -2,6 +2,7 @@
 workload that checks one against the other."""
 
 import random
+import threading
 
 import pytest
 import torch
@@ -166,3 +167,19 @@ def run_random_workload(device, dtype, state_dtype, knobs, seed, n_ops=220, widt
         return stats
     finally:
         e.stop(drain=False)
+
+
+def gate_worker(e):
+    """Hold the worker inside its next step until the returned event is set (so requests queue behind it)."""
+    go, entered = threading.Event(), threading.Event()
+    real, first = e._runner.execute, [True]
+
+    def held(out):
+        if first[0]:
+            first[0] = False
+            entered.set()
+            go.wait(10)
+        return real(out)
+
+    e._runner.execute = held
+    return go, entered

@@ -10,7 +10,7 @@ import torch
 
 from convserve.clients.protocol.errors import (BadRequest, DtypeUnsupported, NonFinite, PayloadTooLarge,
     RequestTimeout, ShapeMismatch, UnknownLayer, UnknownSession)
-from tests.engine_support import DIM, LAYERS, Oracle, make_engine
+from tests.engine_support import DIM, LAYERS, Oracle, gate_worker, make_engine
 from tests.tolerance import assert_close
 
 
@@ -204,22 +204,6 @@ def test_batches_take_a_free_batch_slot_else_the_arena_else_their_own_tensor():
         e.stop(drain=False)
 
 
-def _gate(e):
-    """Hold the worker inside its next step until the returned event is set (so requests queue behind it)."""
-    go, entered = threading.Event(), threading.Event()
-    real, first = e._runner.execute, [True]
-
-    def held(out):
-        if first[0]:
-            first[0] = False
-            entered.set()
-            go.wait(10)
-        return real(out)
-
-    e._runner.execute = held
-    return go, entered
-
-
 def test_a_batch_never_overtakes_a_request_before_it_whose_later_neighbour_was_withdrawn():
     """Session A: a chunked prefill under way, then a request cancelled, then a batch holding A: the batch still
     waits for the prefill (it waits for every unfinished request before it, not just the last)."""
@@ -228,7 +212,7 @@ def test_a_batch_never_overtakes_a_request_before_it_whose_later_neighbour_was_w
     try:
         e.create_session("A")
         oracle.new("A")
-        go, entered = _gate(e)
+        go, entered = gate_worker(e)
         xp, xb = torch.randn(64, DIM), torch.randn(1, DIM)
         pre = e.submit("A", LAYERS[0], xp)
         assert entered.wait(10)
@@ -249,7 +233,7 @@ def test_a_request_waits_for_every_batch_of_its_session_before_it_even_when_a_la
         for s in "AB":
             e.create_session(s)
             oracle.new(s)
-        go, entered = _gate(e)
+        go, entered = gate_worker(e)
         xp, x1, xr = torch.randn(64, DIM), torch.randn(2, DIM), torch.randn(1, DIM)
         pre = e.submit("B", LAYERS[0], xp)                     # the first batch waits for B's prefill
         assert entered.wait(10)
@@ -278,7 +262,7 @@ def test_a_batch_behind_a_timed_out_session_op_runs_and_the_worker_waits_without
     e._sched.schedule = counting
     try:
         e.create_session("A")
-        go, entered = _gate(e)
+        go, entered = gate_worker(e)
         pre = e.submit("A", LAYERS[0], torch.randn(64, DIM))
         assert entered.wait(10)
         e.config.request_timeout_s = 0.3                       # the export's wait only (the queue keeps 5 s)

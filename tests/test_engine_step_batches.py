@@ -9,7 +9,7 @@ import torch
 
 from convserve.clients.protocol.errors import (BadRequest, PayloadTooLarge, ShapeMismatch, StateLost,
                                                UnknownSession)
-from tests.engine_support import DIM, LAYERS, Oracle, make_engine
+from tests.engine_support import DIM, LAYERS, Oracle, gate_worker, make_engine
 from tests.tolerance import assert_close
 
 KNOBS = dict(slots=16, max_batch_tokens=64, max_batch_size=6, decode_buckets=(1, 2, 4, 8), max_spec_tokens=4)
@@ -204,22 +204,6 @@ def test_a_bad_accept_batch_commits_nothing(case):
         e.stop(drain=False)
 
 
-def _gate(e):
-    """Hold the worker inside its next step until the returned event is set (so requests queue behind it)."""
-    go, entered = threading.Event(), threading.Event()
-    real, first = e._runner.execute, [True]
-
-    def held(out):
-        if first[0]:
-            first[0] = False
-            entered.set()
-            go.wait(10)
-        return real(out)
-
-    e._runner.execute = held
-    return go, entered
-
-
 def test_a_mixed_batch_runs_after_its_sessions_earlier_requests_and_ops_and_before_their_later_ones():
     """Queued behind a held step: singles, then a batch (prefill, decode, verify rows) holding their sessions,
     then an accept_batch of the verify (it commits what the batch's verify computed) and later singles and a
@@ -231,7 +215,7 @@ def test_a_mixed_batch_runs_after_its_sessions_earlier_requests_and_ops_and_befo
         for s in sids:
             oracle.new(s)
         checks = []
-        go, entered = _gate(e)
+        go, entered = gate_worker(e)
         x = torch.randn(2, DIM)
         checks.append((e.submit(sids[3], LAYERS[2], x), oracle.conv(sids[3], 2, x)))   # the held step
         assert entered.wait(10)
@@ -270,7 +254,7 @@ def test_a_cancelled_or_failed_batch_leaves_no_pending_verify():
     e = make_engine(max_queue_delay_us=5_000_000, **{k: v for k, v in KNOBS.items()})
     try:
         sids = [e.create_session() for _ in range(2)]
-        go, entered = _gate(e)
+        go, entered = gate_worker(e)
         e.submit(sids[0], LAYERS[2], torch.randn(2, DIM))
         assert entered.wait(10)
         fut = e.submit_batch(sids, LAYERS[0], torch.randn(4, DIM), tokens=[3, 1], speculative=[True, False])
@@ -301,7 +285,7 @@ def test_a_step_serves_every_batch_and_single_of_a_layer_with_one_launch_per_kin
         sids = [e.create_session() for _ in range(7)]
         for s in sids:
             oracle.new(s)
-        go, entered = _gate(e)
+        go, entered = gate_worker(e)
         x = torch.randn(1, DIM)
         held = e.submit(sids[6], LAYERS[2], x)
         oracle.conv(sids[6], 2, x)

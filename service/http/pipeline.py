@@ -245,6 +245,15 @@ class Pipeline:
         while done:
             self._complete(done.popleft())
 
+    def finish(self, reader: asyncio.Future) -> None:
+        """The adapter is done with this pipeline: withdraw what has not started if answers are still owed, stop
+        the reader, and forget the pipeline (shutdown no longer waits for it)."""
+        if self.open and not self.closed:
+            self.cancel_all()
+        if not reader.done():
+            reader.cancel()
+        self.svc.pipelines.discard(self)
+
     def cancel_all(self) -> None:
         """The client is gone: cancel what has not started. A running step finishes (slots stay consistent)."""
         self.closed = True

@@ -55,11 +55,7 @@ class StreamEndpoint:
             if not p.closed:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
-            if p.open and not p.closed:
-                p.cancel_all()
-            if not reader.done():
-                reader.cancel()
-            svc.pipelines.discard(p)
+            p.finish(reader)
             if p.fatal is not None:
                 scope[ERROR_SCOPE_KEY] = p.fatal.code
 

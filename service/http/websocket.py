@@ -64,11 +64,7 @@ class WebSocketEndpoint:
             log.debug("WebSocket stream ended by an exception", exc_info=True)
             p.cancel_all()
         finally:
-            if p.open and not p.closed:
-                p.cancel_all()
-            if not reader.done():
-                reader.cancel()
-            svc.pipelines.discard(p)
+            p.finish(reader)
 
     @staticmethod
     async def _read(p: Pipeline, receive) -> None:
