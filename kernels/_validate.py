@@ -91,14 +91,14 @@ def check_prefill(x, weight, bias, conv_states, query_start_loc, cache_indices, 
     batch = query_start_loc.shape[0] - 1
     if cache_indices is not None:
         _check_tensor("cache_indices", cache_indices, 1, INDEX_DTYPES, device)
-        if cache_indices.shape[0] != batch:
-            raise _fail("cache_indices", f"shape (batch={batch},)", tuple(cache_indices.shape))
+        if cache_indices.shape[0] < batch:   # longer: padded to a capture size by the caller; the tail is unread
+            raise _fail("cache_indices", f"shape (>= batch={batch},)", tuple(cache_indices.shape))
         if conv_states is None:
             raise _fail("conv_states", "a state tensor when cache_indices is given", None)
     if has_initial_state is not None:
         _check_tensor("has_initial_state", has_initial_state, 1, None, device)
-        if has_initial_state.shape[0] != batch:
-            raise _fail("has_initial_state", f"shape (batch={batch},)", tuple(has_initial_state.shape))
+        if has_initial_state.shape[0] < batch:   # longer: padded like cache_indices; the tail is unread
+            raise _fail("has_initial_state", f"shape (>= batch={batch},)", tuple(has_initial_state.shape))
         if conv_states is None:
             raise _fail("conv_states", "a state tensor when has_initial_state is given", None)
     if conv_states is not None and cache_indices is None and conv_states.shape[0] < batch:
@@ -153,8 +153,8 @@ def check_update(x, conv_state, weight, bias, activation, cache_seqlens, conv_st
                     tuple(conv_state.shape))
     if num_accepted_tokens is not None:
         _check_tensor("num_accepted_tokens", num_accepted_tokens, 1, INDEX_DTYPES, device)
-        if num_accepted_tokens.shape[0] != batch:
-            raise _fail("num_accepted_tokens", f"shape (batch={batch},)", tuple(num_accepted_tokens.shape))
+        if num_accepted_tokens.shape[0] < batch:   # longer: padded to a capture size; the tail is unread
+            raise _fail("num_accepted_tokens", f"shape (>= batch={batch},)", tuple(num_accepted_tokens.shape))
     if intermediate_conv_window is not None:
         _check_tensor("intermediate_conv_window", intermediate_conv_window, 4, X_DTYPES, device)
         s = intermediate_conv_window.shape

@@ -85,7 +85,8 @@ def causal_conv1d_update(
         conv_state_indices: ``(batch,)`` int32/int64 row of each batch entry, or None for row ``i``.
             ``pad_slot_id`` marks a pad row: its outputs are zero and no state is touched. Rows outside the pool,
             or windows that would not fit in ``state_len``, are treated the same way.
-        num_accepted_tokens: ``(batch,)`` int, speculative decoding: where the window starts (see above).
+        num_accepted_tokens: ``(>= batch,)`` int, speculative decoding: where the window starts (see above);
+            entries past ``batch`` (padding to a capture size) are never read.
         intermediate_conv_window: ``(>= batch, >= seqlen, dim, >= width - 1)``: receives, at ``[i, t]``, the
             window after token ``t``. The live state is then left untouched.
         output_state_indices: ``(batch, >= seqlen)`` int: the window after token ``t`` is written to columns
@@ -118,7 +119,7 @@ def causal_conv1d_update(
         if out is not None:
             check_out(out, x, x)
         if validate_data:
-            _validate_update_values(conv_state, width, conv_state_indices, num_accepted_tokens,
+            _validate_update_values(conv_state, width, batch, conv_state_indices, num_accepted_tokens,
                                     output_state_indices, pad_slot_id)
     if out is None:
         out = torch.empty_like(x)
@@ -140,7 +141,7 @@ def causal_conv1d_update(
     return out
 
 
-def _validate_update_values(conv_state, width, conv_state_indices, num_accepted_tokens, output_state_indices,
+def _validate_update_values(conv_state, width, batch, conv_state_indices, num_accepted_tokens, output_state_indices,
                             pad_slot_id):
     lines, _, state_len = conv_state.shape
     if conv_state_indices is not None:
@@ -149,7 +150,7 @@ def _validate_update_values(conv_state, width, conv_state_indices, num_accepted_
             raise ValueError(f"conv_state_indices: expected rows in [0, {lines}) or pad_slot_id={pad_slot_id}, "
                              f"got {bad}")
     if num_accepted_tokens is not None:
-        bad = [a for a in num_accepted_tokens.tolist() if not 1 <= a <= state_len - width + 2]
+        bad = [a for a in num_accepted_tokens[:batch].tolist() if not 1 <= a <= state_len - width + 2]
         if bad:
             raise ValueError(f"num_accepted_tokens: expected values in [1, {state_len - width + 2}] "
                              f"(state_len={state_len}, width={width}), got {bad}")

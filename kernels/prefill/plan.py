@@ -72,6 +72,8 @@ def causal_conv1d_fn(
             to ``pad_slot_id`` marks a pad sequence: its outputs are zero and no state is touched. Rows outside
             ``[0, num_cache_lines)`` are treated the same way (check with ``validate_data=True``).
         has_initial_state: ``(batch,)`` bool: start from the stored state, else from zeros. None: all zeros.
+            ``cache_indices`` and ``has_initial_state`` may be longer than ``batch`` (padded to a CUDA-graph
+            capture size, as serving frameworks build them): entries past ``batch`` are never read.
         activation: None, "silu"/"swish" or True/False.
         pad_slot_id: the pad marker in ``cache_indices``.
         out: optional output buffer shaped like ``x`` (must not be ``x``).
@@ -125,6 +127,6 @@ def _validate_prefill_values(total, batch, conv_states, query_start_loc, cache_i
         raise ValueError(f"query_start_loc: expected non-decreasing values from 0 to at most {total}, got {qsl}")
     if cache_indices is not None:
         lines = conv_states.shape[0]
-        bad = [i for i in cache_indices.tolist() if i != pad_slot_id and not 0 <= i < lines]
+        bad = [i for i in cache_indices[:batch].tolist() if i != pad_slot_id and not 0 <= i < lines]
         if bad:
             raise ValueError(f"cache_indices: expected rows in [0, {lines}) or pad_slot_id={pad_slot_id}, got {bad}")
