@@ -489,7 +489,8 @@ class Runner:
             # what accept commits from: each real row's x, into its (layer, slot) line of d_spec (on the device;
             # the pad tokens past a row's real ones are copied too and never read)
             nr = len(vb.requests)
-            bf.d_spec[vb.layer, :, :L].index_copy_(0, bf.d_meta[i:i + nr].long(), bf.d_in[a:a + nr * L].view(nr, L, D))
+            bf.d_spec[vb.layer, :, :L].index_copy_(0, bf.d_meta[i:i + nr].long(),
+                                                   bf.d_in[a:a + nr * L].view(nr, L, D))
         if timed:
             self._ev1.record(self.stream)
         return timed
