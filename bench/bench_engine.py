@@ -348,6 +348,9 @@ def main(argv=None) -> int:
     ap.add_argument("--delay-us", type=int, default=200)
     ap.add_argument("--max-batch-tokens", type=int, default=8192)
     ap.add_argument("--null-kernels", action="store_true", help="CPU only: kernels that do nothing (host cost)")
+    ap.add_argument("--sizes", default=None, choices=["cuda", "cpu"],
+                    help="scenario sizes (dim, sessions, step-* shapes): default those of --device; 'cuda' on the "
+                         "CPU with --null-kernels measures the engine's host cost at the GPU's sizes")
     ap.add_argument("--no-mix", action="store_true", help="skip the prefill mix")
     ap.add_argument("--no-step", action="store_true", help="skip the frontend-step scenarios (step-*)")
     ap.add_argument("--only", default=None, help="comma list of scenario name prefixes to run, e.g. step-,decode-256")
@@ -371,14 +374,15 @@ def main(argv=None) -> int:
 
 
 def _run(args, on_cuda: bool) -> int:
-    args.dim = args.dim or (4096 if on_cuda else 256)
-    args.sessions_list = [int(s) for s in (args.sessions or ("1,64,256" if on_cuda else "1,8,32")).split(",")]
+    big_sizes = on_cuda if args.sizes is None else args.sizes == "cuda"
+    args.dim = args.dim or (4096 if big_sizes else 256)
+    args.sessions_list = [int(s) for s in (args.sessions or ("1,64,256" if big_sizes else "1,8,32")).split(",")]
     args.rounds = args.rounds or (200 if on_cuda else 10)
-    args.mix_prefill_sessions = 16 if on_cuda else 2
-    args.mix_decode_sessions = 64 if on_cuda else 4
-    args.mix_lengths = [128, 512, 2048] if on_cuda else [16, 64]
-    args.step_mixed = (240, 16, (64, 512)) if on_cuda else (6, 2, (4, 16))   # decodes, prefills, chunk lengths
-    args.step_verify_sessions = 64 if on_cuda else 4
+    args.mix_prefill_sessions = 16 if big_sizes else 2
+    args.mix_decode_sessions = 64 if big_sizes else 4
+    args.mix_lengths = [128, 512, 2048] if big_sizes else [16, 64]
+    args.step_mixed = (240, 16, (64, 512)) if big_sizes else (6, 2, (4, 16))   # decodes, prefills, chunk lengths
+    args.step_verify_sessions = 64 if big_sizes else 4
     dtype = getattr(torch, args.dtype)
     model = ConvModel.random(args.layers, dim=args.dim, width=args.width, dtype=dtype, seed=0)
 

@@ -28,7 +28,8 @@ class Session:
     #: un-accepted speculative verifies, as submitted: layer position -> (tokens, request seq). Set by submit,
     #: cleared by accept / import, or by the failure of the request that set it.
     pending: dict = field(default_factory=dict)
-    #: the x ``(tokens, dim)`` of each layer's executed, un-accepted verify (what accept commits from).
+    #: layer position -> request seq of each layer's executed, un-accepted verify; its x (what accept commits
+    #: from) is in the runner's ``d_spec[layer, slot]`` on the device.
     spec_x: dict = field(default_factory=dict)
     #: requests submitted and not yet finished, in arrival order (finished ones leave from the head lazily).
     queue: deque = field(default_factory=deque)

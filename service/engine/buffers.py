@@ -73,7 +73,7 @@ class Buffers:
     ``d_*`` device memory; on the CPU each ``d_*`` is its ``h_*``."""
 
     def __init__(self, n_layers: int, dim: int, dtype: torch.dtype, max_tokens: int, max_rows: int,
-                 max_bucket: int, max_spec: int, device: torch.device):
+                 max_bucket: int, max_spec: int, device: torch.device, slots: int = 0):
         cuda = device.type == "cuda"
 
         def pair(shape, dt, fill=None):
@@ -109,6 +109,16 @@ class Buffers:
         self.stage_rows = max(1024, 2 * max_bucket)
         self.h_stage = torch.empty((self.stage_rows, dim), dtype=dtype, pin_memory=cuda)
         self.stage_views = [self.h_stage[i:i + 1] for i in range(self.stage_rows)]
+        # the token arena: a batch request's prefill tokens and verify rows (padded to its longest verify row)
+        # are copied here at submit, on the submitting thread, so the step copies each batch's rows to d_in as
+        # one run (no host pack on the engine thread). Room for two of the largest batches: one in its step
+        # while the next is staged. A region is reused only once its request is done (see Runner.stage_tokens).
+        self.tok_rows = 2 * max_tokens
+        self.h_tok = torch.empty((self.tok_rows, dim), dtype=dtype, pin_memory=cuda)
+        # each verify's x, per (layer, pool slot): copied on the device from d_in in the verify's step, read by
+        # accept (Engine._commit_verifies), so a commit needs no host data. (layers, slots + 1, max_spec, dim)
+        # in the model dtype: max_spec / (width - 1) times the state pool's size at the same dtype.
+        self.d_spec = torch.empty((n_layers, slots + 1, max(1, max_spec), dim), dtype=dtype, device=device)
         self.gather = torch.empty((max_bucket,), dtype=torch.int64)    # arena rows of one layer's decodes
         self.gather_np = self.gather.numpy()
         self.d_dec_out = torch.empty((n_layers, max_bucket, dim), dtype=dtype, device=device)
@@ -137,7 +147,7 @@ class Buffers:
 
         names = ("in", "meta", "flags", "dec_x", "dec_idx", "mix_x", "mix_idx")
         host = sum(nb(getattr(self, "h_" + n)) for n in names) + nb(self.h_stage) + self.outputs.nbytes() + \
-            sum(nb(t) for t in (*self.slot_x, *self.slot_idx)) + self.slot_y.nbytes()
+            sum(nb(t) for t in (*self.slot_x, *self.slot_idx)) + self.slot_y.nbytes() + nb(self.h_tok)
         dev = (sum(nb(getattr(self, "d_" + n)) for n in names) if self.cuda else 0) + nb(self.d_osi) + \
-            nb(self.d_dec_out) + nb(self.d_mix_out) + nb(self.d_out)
-        return {"host": host, "device": dev, "total": host + dev}
+            nb(self.d_dec_out) + nb(self.d_mix_out) + nb(self.d_out) + nb(self.d_spec)
+        return {"host": host, "device": dev, "total": host + dev, "spec": nb(self.d_spec)}

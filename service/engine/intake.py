@@ -203,6 +203,16 @@ class Intake:
                         f"max_batch_tokens={cfg.max_batch_tokens}; split the batch")
                 b.verify_len = top
             b.dec_x = xm.index_select(0, torch.from_numpy(b.dec_pos)) if n_dec else None
+            if len(pre_rows):                         # the step's unpack adds only where its launch put them
+                lp = lengths[pre_rows]
+                b.n_pre = int(lp.sum())
+                b.pre_pos = np.repeat(starts[pre_rows] - (np.cumsum(lp) - lp), lp) + np.arange(b.n_pre)
+            if len(ver_rows):
+                lv = lengths[ver_rows]
+                first = np.repeat(starts[ver_rows], lv)
+                b.ver_pos = np.repeat(starts[ver_rows] - (np.cumsum(lv) - lv), lv) + np.arange(int(lv.sum()))
+                b.ver_row = np.repeat(np.arange(len(ver_rows)), lv)
+                b.ver_tok = b.ver_pos - first
             # (position in the batch, first token, tokens) of the prefill and verify rows; sessions under the lock
             plan = (dec_rows, [(int(i), int(starts[i]), int(lengths[i])) for i in pre_rows],
                     [(int(i), int(starts[i]), int(lengths[i])) for i in ver_rows])
@@ -214,6 +224,8 @@ class Intake:
             slot = runner.take_slot(req, xm) if plan is None else -1
             if slot < 0:
                 runner.stage_batch(req, b.dec_x)
+        if runner is not None and plan is not None and (plan[1] or plan[2]):
+            runner.stage_tokens(req, xm, plan[1], plan[2])
         try:
             self._enqueue_batch(req, session_ids, now, slot, plan)
         except BaseException:

@@ -107,9 +107,10 @@ class Worker:
         except Exception as e:  # noqa: BLE001 - a kernel failure fails this step's requests, not the engine
             self._fail_step(out, e)
             return
-        for vb in out.verifies:                 # what accept() commits from: this verify's tokens
-            for r, s, a, n in zip(vb.requests, vb.sessions, vb.starts, vb.lengths):
-                s.spec_x[vb.layer] = (r.seq, r.x if n == r.n_tokens else r.x[a:a + n])
+        for vb in out.verifies:                 # the verify accept() commits from ran (its x is in d_spec)
+            p = vb.layer
+            for r, s in zip(vb.requests, vb.sessions):
+                s.spec_x[p] = r.seq
         deliver_step(out.finished, host_out, by_position)
         t3 = time.perf_counter_ns()
         self._record_step(out, sched_ns, t0, t_launch, t_sync, t3, kernel_ns, padded)

@@ -42,6 +42,14 @@ class BatchRows(RowBatch):
     dec_pos: Any = None          # (n_dec,) int64 array: each decode row's place in x and y; None: a plain batch
     ix: Any = None               # (n_tokens,) int64 array: the step output's row of each row of y (filled by
     #                              the runner); None: a plain batch
+    # Its prefill and verify tokens, computed at submit (the step only adds where its launches put them):
+    pre_pos: Any = None          # (prefill tokens,) int64: each prefill token's place in x, in packed order
+    ver_pos: Any = None          # (verify tokens,) int64: each real verify token's place in x, in row order
+    ver_row: Any = None          # (verify tokens,) int64: its verify row (0 = the batch's first verify row)
+    ver_tok: Any = None          # (verify tokens,) int64: its token within that row
+    tok: int = -1                # token-arena row of its staged prefill tokens, then its verify rows padded to
+    #                              verify_len (see Runner.stage_tokens); -1: not staged, the step packs from x
+    n_pre: int = 0               # prefill tokens
 
 
 #: the ``session`` of every batch request (its rows' sessions are in ``request.batch.sessions``): a record that no

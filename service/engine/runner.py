@@ -44,7 +44,7 @@ class Runner:
         # per layer position, what a launch takes: (weight, bias or None, the pool's (slots + 1, dim, W - 1) view)
         self.layer_args = [(model.weight[p], model.layer_bias(p), pool.layer(p)) for p in range(model.n_layers)]
         self.bufs = Buffers(model.n_layers, model.dim, model.dtype, cfg.max_batch_tokens, cfg.max_batch_size,
-                            cfg.decode_buckets[-1], cfg.max_spec_tokens, device)
+                            cfg.decode_buckets[-1], cfg.max_spec_tokens, device, pool.slots)
         if cuda:
             from convserve.kernels import causal_conv1d_fn, causal_conv1d_update
 
@@ -69,6 +69,8 @@ class Runner:
         self._stage_next = 0
         self.stage_owner: list = [None] * self.bufs.stage_rows
         self.slot_owner: list = [None] * BATCH_SLOTS   # the batch request holding each batch slot
+        self._tok_next = 0                              # the token arena: next free row, and the staged
+        self._tok_live: list = []                       # regions [lo, hi) in staging order, with their requests
 
     def _warm_up(self) -> None:
         """Compile, at start-up instead of on the engine thread mid-traffic, every prefill variant a step can
@@ -167,6 +169,51 @@ class Runner:
         req.batch.dec_x = v
         req.stage = t
 
+    def stage_tokens(self, req, xm: torch.Tensor, pre: list, ver: list) -> bool:
+        """Copy a batch's prefill tokens (``pre``: ``(row, first token, tokens)`` per prefill row) and then its
+        verify rows (``ver``, each padded with zeros to the batch's ``verify_len``) into one region of the token
+        arena, in the order the scheduler packs them, and set ``req.batch.tok`` to its first row. The arena is a
+        ring: a region is taken at the next free row (at row 0 when it would run past the end) only if no region
+        it overlaps belongs to a request that is not done; else nothing is staged (False) and the step packs the
+        rows from ``x`` as before."""
+        bf, b = self.bufs, req.batch
+        lv, k = b.verify_len, len(ver)
+        n_pre = b.n_pre
+        n = n_pre + lv * k
+        R = bf.tok_rows
+        if n > R:
+            return False
+        with self._stage_lock:
+            lo = self._tok_next
+            if lo + n > R:
+                lo = 0
+            hi = lo + n
+            live = [e for e in self._tok_live if not e[2].done]
+            self._tok_live = live
+            if any(a < hi and lo < e for a, e, _r in live):
+                return False
+            live.append((lo, hi, req))
+            self._tok_next = hi
+        if pre:
+            views = [xm[a:a + t] for _i, a, t in pre]
+            if len(views) > 1:
+                torch.cat(views, out=bf.h_tok[lo:lo + n_pre])
+            else:
+                bf.h_tok[lo:lo + n_pre].copy_(views[0])
+        if k:
+            dst = bf.h_tok[lo + n_pre:hi]
+            a0 = ver[0][1]
+            if all(t == lv for _i, _a, t in ver) and ver[-1][1] == a0 + (k - 1) * lv:   # one slice of x
+                dst.copy_(xm[a0:a0 + k * lv])
+            else:
+                d3 = dst.view(k, lv, -1)
+                for j, (_i, a, t) in enumerate(ver):
+                    d3[j, :t].copy_(xm[a:a + t])
+                    if t < lv:
+                        d3[j, t:].zero_()
+        b.tok = lo
+        return True
+
     # ------------------------------------------------------------------ a step (worker thread)
 
     def execute(self, out: SchedulerOutput):
@@ -209,24 +256,74 @@ class Runner:
         return True
 
     def _pack_tokens(self, out: SchedulerOutput) -> list:
-        """Pack the prefill and verify tokens into ``h_in`` and their index arrays into ``h_meta`` /
+        """Put the prefill and verify tokens into ``d_in`` at their packed offsets (a staged batch's rows straight
+        from the token arena, the others packed into ``h_in`` first) and their index arrays into ``h_meta`` /
         ``h_flags`` (and copy them to the device). Returns each batch's offsets into those arrays, prefills
         then verifies: ``(qsl, idx, flags, rows)`` per prefill, ``(idx, rows)`` per verify."""
         bf, cuda = self.bufs, self.stream is not None
-        n_packed = out.packed_tokens
-        xs = []
+        h_in, d_in, h_tok = bf.h_in, bf.d_in, bf.h_tok
+        # Rows staged in the token arena (a batch's prefill rows, its verify rows: one run each) go straight to
+        # d_in; the others are packed into h_in, each contiguous run of them copied with one cat and one copy.
+        xs, run = [], [0, 0]                          # the pending run: its rows' x, and [first, end) in d_in
+
+        def flush():
+            if xs:
+                lo, hi = run
+                if len(xs) > 1:
+                    torch.cat(xs, out=h_in[lo:hi])
+                else:
+                    h_in[lo:hi].copy_(xs[0])
+                if cuda:
+                    d_in[lo:hi].copy_(h_in[lo:hi], non_blocking=True)
+                xs.clear()
+
+        def add(x, lo, hi):
+            if not xs:
+                run[0] = lo
+            run[1] = hi
+            xs.append(x)
+
         for pb in out.prefills:
-            qsl = pb.query_start_loc
-            for i, (r, a) in enumerate(zip(pb.requests, pb.starts)):
-                n = qsl[i + 1] - qsl[i]
-                xs.append(r.x if n == r.n_tokens else r.x[a:a + n])
+            qsl, off, reqs = pb.query_start_loc, pb.token_offset, pb.requests
+            i, m = 0, len(reqs)
+            while i < m:
+                r = reqs[i]
+                b = r.batch
+                if b is not None and b.tok >= 0:      # the batch's prefill rows, next to each other here
+                    flush()
+                    lo = off + qsl[i]
+                    d_in[lo:lo + b.n_pre].copy_(h_tok[b.tok:b.tok + b.n_pre], non_blocking=cuda)
+                    i += len(b.prefill)
+                    continue
+                a, n = pb.starts[i], qsl[i + 1] - qsl[i]
+                add(r.x if n == r.n_tokens else r.x[a:a + n], off + qsl[i], off + qsl[i] + n)
+                i += 1
+        D = self.model.dim
         for vb in out.verifies:                       # each row's tokens, then zeros up to the launch's length
-            L = vb.n_tokens
-            for r, a, n in zip(vb.requests, vb.starts, vb.lengths):
-                xs.append(r.x if n == r.n_tokens else r.x[a:a + n])
+            L, off, reqs = vb.n_tokens, vb.token_offset, vb.requests
+            i, m = 0, len(reqs)
+            while i < m:
+                r = reqs[i]
+                b = r.batch
+                if b is not None and b.tok >= 0:      # the batch's verify rows, padded to its own longest
+                    flush()
+                    k, lv = len(b.verify), b.verify_len
+                    lo, src = off + i * L, h_tok[b.tok + b.n_pre:b.tok + b.n_pre + k * lv]
+                    if lv == L:
+                        d_in[lo:lo + k * L].copy_(src, non_blocking=cuda)
+                    else:                             # a longer verify in the launch: pad on the device
+                        d3 = d_in[lo:lo + k * L].view(k, L, D)
+                        d3[:, lv:].zero_()
+                        d3[:, :lv].copy_(src.view(k, lv, D), non_blocking=cuda)
+                    i += k
+                    continue
+                a, n = vb.starts[i], vb.lengths[i]
+                lo = off + i * L
+                add(r.x if n == r.n_tokens else r.x[a:a + n], lo, lo + n)
                 if n < L:
-                    xs.append(bf.h_zeros[:L - n])
-        torch.cat(xs, out=bf.h_in[:n_packed])
+                    add(bf.h_zeros[:L - n], lo + n, lo + L)
+                i += 1
+        flush()
         # Triton specializes a kernel on each pointer's 16-byte alignment and on whether each integer is 1 or
         # a multiple of 16, so a prefill launch that varied in those would compile a new variant mid-traffic
         # (the compile stalls the engine thread). Every prefill launch is made to look like start-up's warm-up: each index
@@ -260,7 +357,6 @@ class Runner:
         if flags:
             bf.flags_np[:len(flags)] = flags
         if cuda:
-            bf.d_in[:n_packed].copy_(bf.h_in[:n_packed], non_blocking=True)
             bf.d_meta[:len(meta)].copy_(bf.h_meta[:len(meta)], non_blocking=True)
             if flags:
                 bf.d_flags[:len(flags)].copy_(bf.h_flags[:len(flags)], non_blocking=True)
@@ -390,6 +486,11 @@ class Runner:
             self.update_fn(x3, states, w, bias, act,
                            conv_state_indices=bf.d_meta[i:i + rows], output_state_indices=bf.d_osi[:rows, :L],
                            pad_slot_id=PAD_SLOT_ID, out=o3)
+            # what accept commits from: each real row's x, into its (layer, slot) line of d_spec (on the device;
+            # the pad tokens past a row's real ones are copied too and never read)
+            nr = len(vb.requests)
+            bf.d_spec[vb.layer, :, :L].index_copy_(0, bf.d_meta[i:i + nr].long(),
+                                                   bf.d_in[a:a + nr * L].view(nr, L, D))
         if timed:
             self._ev1.record(self.stream)
         return timed
@@ -448,13 +549,17 @@ class Runner:
                     r.parts = a
                     a += r.n_tokens
         for pb in out.prefills:
-            qsl, off = pb.query_start_loc, n_dec + pb.token_offset
-            for i, r in enumerate(pb.requests):
+            qsl, off, reqs = pb.query_start_loc, n_dec + pb.token_offset, pb.requests
+            i, m = 0, len(reqs)
+            while i < m:
+                r = reqs[i]
                 lo, hi = off + qsl[i], off + qsl[i + 1]
-                if r.batch is not None:        # a batch's prefill row (whole: a batch is never chunked)
-                    st = pb.starts[i]
-                    r.batch.ix[st:st + hi - lo] = np.arange(lo, hi)
-                elif hi - lo == r.n_tokens:
+                b = r.batch
+                if b is not None:              # a batch's prefill rows (whole: a batch is never chunked), in a run
+                    b.ix[b.pre_pos] = np.arange(lo, lo + b.n_pre)
+                    i += len(b.prefill)
+                    continue
+                if hi - lo == r.n_tokens:
                     r.parts = lo
                 else:                          # a chunk of a chunked prefill: keep a copy, join at the end
                     if r.parts is None:
@@ -462,14 +567,19 @@ class Runner:
                     r.parts.append(host_out[lo:hi].clone())
                     if r.scheduled_tokens == r.n_tokens:
                         r.parts = torch.cat(r.parts)
+                i += 1
         for vb in out.verifies:
-            off, L = n_dec + vb.token_offset, vb.n_tokens
-            for i, r in enumerate(vb.requests):
-                if r.batch is not None:
-                    st, n = vb.starts[i], vb.lengths[i]
-                    r.batch.ix[st:st + n] = np.arange(off + i * L, off + i * L + n)
-                else:
-                    r.parts = off + i * L
+            off, L, reqs = n_dec + vb.token_offset, vb.n_tokens, vb.requests
+            i, m = 0, len(reqs)
+            while i < m:
+                r = reqs[i]
+                b = r.batch
+                if b is not None:              # a batch's verify rows, in a run
+                    b.ix[b.ver_pos] = (off + i * L) + b.ver_row * L + b.ver_tok
+                    i += len(b.verify)
+                    continue
+                r.parts = off + i * L
+                i += 1
         for r in out.batches:                  # a mixed batch's y: one gather of host_out by the reader
             ix = r.batch.ix
             if ix is not None:

@@ -85,6 +85,9 @@ class SessionOps:
             nid = new_id if new_id is not None else SessionTable.new_id()
             self._sessions.check_free(nid)
             slot = self._alloc_locked(fork_of=s.slot)
+            if s.spec_x:                  # its pending verify's x, for the fork's accept
+                spec = self._runner.bufs.d_spec
+                spec[:, slot] = spec[:, s.slot]
             self._sessions.add(Session(nid, slot, initialized=s.initialized, pending=dict(s.pending),
                                        spec_x=dict(s.spec_x), last_used=time.monotonic()))
         return nid
@@ -170,42 +173,32 @@ class SessionOps:
         """For each ``(session, pending, n)`` (``pending`` taken from ``session.pending``), commit on each layer of
         ``pending`` the state after the first ``n`` tokens of the verify that ran there.
 
-        The state after n tokens is the last ``w1 = width - 1`` rows of ``[state, x[:n]]``: row r comes from
-        ``x[n - w1 + r]`` when that index is >= 0, else from the old state's row ``n + r``. Every (session, layer)
-        is done at once: the x rows in one host tensor and one copy to the device, the old rows in one gather,
-        one write into the pool, so an accept costs the same few launches for one session or hundreds.
+        The state after n tokens is the last ``w1 = width - 1`` rows of ``[state, x[:n]]``: row r is row ``n + r``
+        of that, i.e. the old state's row ``n + r`` when ``n + r < w1``, else ``x[n + r - w1]``. The verify's x is
+        on the device already (its step copied it into ``d_spec[layer, slot]``, see Runner._launch), so every
+        (session, layer) is done at once with no host data but the indices: one gather of the old rows, one of
+        the x rows, one write into the pool, the same few launches for one session or hundreds.
         """
         w1 = self.model.width - 1
-        slots, layers, ns, xs = [], [], [], []
+        idx = []                                                      # (layer, slot, n) per pair
         for s, pending, n in work:
-            for p, (_t, seq) in pending.items():
-                ran = s.spec_x.get(p)
-                if ran is None or ran[0] != seq or n == 0:
-                    continue
-                slots.append(s.slot)
-                layers.append(p)
-                ns.append(n)
-                xs.append(ran[1][max(0, n - w1):n])
-                s.initialized |= 1 << p
+            if n:
+                for p, (_t, seq) in pending.items():
+                    if s.spec_x.get(p) == seq:                        # that verify ran (its x is in d_spec)
+                        idx += (p, s.slot, n)
+                        s.initialized |= 1 << p
             s.spec_x.clear()
-        if not slots:
+        if not idx:
             return
         storage = self.pool.storage                                   # (layers, slots + 1, w1, dim)
-        k = len(slots)
-        # x rows, right-aligned in (k, w1, dim): the last min(n, w1) rows of each pair's state
-        h = torch.zeros((k, w1, storage.shape[-1]), dtype=self.state_dtype)
-        for i, x in enumerate(xs):
-            h[i, w1 - x.shape[0]:] = x
-        n_t = torch.tensor(ns, dtype=torch.int64)
-        layer_t = torch.tensor(layers, dtype=torch.int64, device=self.device)
-        slot_t = torch.tensor(slots, dtype=torch.int64, device=self.device)
-        r = torch.arange(w1, dtype=torch.int64)
-        from_old = (r[None, :] < (w1 - n_t)[:, None])                  # (k, w1): row r keeps old row n + r
-        src_row = (n_t[:, None] + r[None, :]).clamp_(max=w1 - 1)
+        spec = self._runner.bufs.d_spec                               # (layers, slots + 1, max_spec, dim)
+        layer_t, slot_t, n_t = torch.tensor(idx, dtype=torch.int64).view(-1, 3).to(self.device).unbind(1)
+        pos = n_t[:, None] + torch.arange(w1, dtype=torch.int64, device=self.device)[None, :]   # (k, w1)
+        from_old = (pos < w1)[:, :, None]
         old = storage[layer_t, slot_t]                                  # (k, w1, dim), gathered on the device
-        shifted = torch.gather(old, 1, src_row.to(self.device)[:, :, None].expand(-1, -1, old.shape[-1]))
-        new = torch.where(from_old.to(self.device)[:, :, None], shifted, h.to(self.device))
-        storage[layer_t, slot_t] = new
+        shifted = torch.gather(old, 1, pos.clamp(max=w1 - 1)[:, :, None].expand(-1, -1, old.shape[-1]))
+        xs = spec[layer_t[:, None], slot_t[:, None], (pos - w1).clamp_(min=0)]   # (k, w1, dim)
+        storage[layer_t, slot_t] = torch.where(from_old, shifted, xs.to(storage.dtype))
 
     # ------------------------------------------------------------------ op queueing (runs on the worker)
 
