@@ -104,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--grace", type=float, default=30.0, help="seconds to wait for in-flight work after a step [30]")
     g.add_argument("--max-retries", type=int, default=20, help="retries of one request on 429/503 [20]")
     g.add_argument("--max-inflight", type=int, default=4096,
-                   help="open loop: steps in flight before arrivals are dropped as client_backlog [4096]")
+                   help="open loop: steps in flight (frontend: live sessions) before arrivals are dropped as "
+                        "client_backlog [4096]")
     g = p.add_argument_group("output")
     g.add_argument("--out", type=Path, default=None, help="folder for loadtest.json, loadtest.png, loadtest.html")
     g.add_argument("--compare", type=Path, default=None, metavar="BASELINE.json",
