@@ -175,7 +175,7 @@ class Runner:
         arena, in the order the scheduler packs them, and set ``req.batch.tok`` to its first row. The arena is a
         ring: a region is taken at the next free row (at row 0 when it would run past the end) only if no region
         it overlaps belongs to a request that is not done; else nothing is staged (False) and the step packs the
-        rows from ``x`` as before."""
+        rows from ``x`` itself (the unstaged path)."""
         bf, b = self.bufs, req.batch
         lv, k = b.verify_len, len(ver)
         n_pre = b.n_pre
