@@ -2,32 +2,15 @@
 arena full), a batch gives the same bits; a staged region is never handed out again while its request is pending;
 a verify row shorter than its launch is padded on the device; accept commits from the device copy of the x."""
 
-import threading
 import types
 
 import torch
 
-from tests.engine_support import DIM, LAYERS, Oracle, make_engine
+from tests.engine_support import DIM, LAYERS, Oracle, gate_worker, make_engine
 from tests.tolerance import assert_close
 
 KNOBS = dict(slots=16, max_batch_tokens=64, max_batch_size=8, decode_buckets=(1, 2, 4, 8), max_spec_tokens=4)
 TOKS, SPEC = [1, 12, 3, 1, 2, 5], [False, False, True, False, True, False]
-
-
-def _gate(e):
-    """Hold the worker inside its next step until the returned event is set (so requests queue behind it)."""
-    go, entered = threading.Event(), threading.Event()
-    real, first = e._runner.execute, [True]
-
-    def held(out):
-        if first[0]:
-            first[0] = False
-            entered.set()
-            go.wait(10)
-        return real(out)
-
-    e._runner.execute = held
-    return go, entered
 
 
 def _workload(e, arena_full: bool):
@@ -75,7 +58,7 @@ def test_a_staged_region_is_not_reused_while_its_request_is_pending():
             oracle.new(s)
         toks = [1, 17, 2]                          # 17 prefill tokens + one verify row of 2: 19 arena rows
         spec = [False, False, True]
-        go, entered = _gate(e)
+        go, entered = gate_worker(e)
         x0 = torch.randn(1, DIM)
         f0 = e.submit(sids[0], LAYERS[2], x0)       # the gated step
         want0 = oracle.conv(sids[0], 2, x0)
@@ -114,7 +97,7 @@ def test_a_staged_verify_shorter_than_its_launch_is_padded_on_the_device_and_acc
             e.submit(s, LAYERS[1], x).result(10)
             oracle.conv(s, 1, x)
         e._runner.bufs.d_in.fill_(float("nan"))     # stale pad rows must not leak into real outputs
-        go, entered = _gate(e)
+        go, entered = gate_worker(e)
         f0 = e.submit(sids[3], LAYERS[0], torch.randn(1, DIM))
         assert entered.wait(10)
         xv = torch.randn(4, DIM)
