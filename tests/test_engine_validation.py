@@ -69,3 +69,25 @@ def test_a_bad_state_import_is_rejected_and_changes_nothing(engine, state, err):
     with pytest.raises(err):
         engine.import_state(sid, state)
     assert torch.equal(engine.export_state(sid), before)
+
+
+@pytest.mark.parametrize("model_dtype,big", [(torch.bfloat16, 3.4e38), (torch.float16, 7.0e4)])
+def test_x_finite_in_its_dtype_but_not_in_the_model_dtype_is_rejected_and_changes_nothing(model_dtype, big):
+    from convserve.service.model import ConvModel
+    from tests.engine_support import make_engine
+
+    e = make_engine(ConvModel.random(LAYERS, dim=DIM, width=4, dtype=model_dtype, seed=2))
+    try:
+        sid = e.create_session()
+        e.submit(sid, LAYERS[0], torch.randn(3, DIM)).result(10)
+        before = e.export_state(sid)
+        x = torch.randn(2, DIM)
+        x[1, 5] = big                                   # finite as float32, Inf once cast to the model dtype
+        assert torch.isfinite(x).all() and not torch.isfinite(x.to(model_dtype)).all()
+        with pytest.raises(NonFinite, match="model dtype"):
+            e.submit(sid, LAYERS[0], x)
+        with pytest.raises(NonFinite):
+            e.submit_batch([sid], LAYERS[0], x[1:])
+        assert torch.equal(e.export_state(sid), before)
+    finally:
+        e.stop(drain=False)

@@ -105,6 +105,8 @@ def loads_json(data: bytes) -> Any:
         return json.loads(data)
     except ValueError as e:
         raise BadRequest(f"the body is not valid JSON ({e}); send a JSON object or use msgpack") from None
+    except RecursionError:
+        raise BadRequest("the JSON body is nested too deeply; send the flat object the route documents") from None
 
 
 def dumps_json(obj: Any) -> bytes:

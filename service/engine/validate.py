@@ -41,14 +41,17 @@ def check_x(model, cfg, x, speculative: bool, rows: str = "T") -> tuple:
     if speculative and x.shape[0] > cfg.max_spec_tokens:
         raise ShapeMismatch(f"x: a speculative verify takes at most max_spec_tokens={cfg.max_spec_tokens} "
                             f"tokens, got T={x.shape[0]}")
-    if cfg.check_finite and not all_finite(x):
-        raise NonFinite("x: contains NaN or Inf; it would poison the session's state")
     x_dtype = None if x.dtype is model.dtype else x.dtype   # settled once here, so delivery never compares dtypes
     if x.device.type != "cpu":
         x = x.to("cpu")
     if x.dtype != model.dtype:
         x = x.to(model.dtype)
-    return x.contiguous(), x_dtype
+    x = x.contiguous()
+    # after the cast: a finite float32 value past the model dtype's range becomes Inf there
+    if cfg.check_finite and not all_finite(x):
+        raise NonFinite(f"x: contains NaN or Inf as {DTYPE_NAMES[model.dtype]} (the model dtype it is computed "
+                        "in); it would poison the session's state: send finite values within that dtype's range")
+    return x, x_dtype
 
 
 def check_speculative(speculative) -> None:
