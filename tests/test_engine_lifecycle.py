@@ -88,3 +88,36 @@ def test_not_ready_before_start():
     with pytest.raises(RuntimeError):
         e.start()
     e.stop()
+
+
+@pytest.mark.parametrize("op", ["fork", "accept", "import"])
+def test_a_session_op_the_worker_took_is_never_a_timeout_it_answers_when_done(op):
+    """The caller's wait runs out while the worker is running the op: the op is applied, so the caller gets its
+    real answer, not a 504 for work that ran."""
+    import time as _time
+
+    e = make_engine(request_timeout_s=0.2)
+    try:
+        sid = e.create_session()
+        e.submit(sid, LAYERS[0], torch.randn(3, DIM), speculative=(op == "accept")).result(10)
+        state = e.export_state(sid)
+        owner, name = {"fork": (e, "_op_fork"), "accept": (e, "_commit_verifies"),
+                       "import": (e.pool, "import_")}[op]
+        real = getattr(owner, name)
+
+        def slow_op(*a, **kw):
+            _time.sleep(0.6)                     # past request_timeout_s, after the worker took the op
+            return real(*a, **kw)
+
+        setattr(owner, name, slow_op)
+        if op == "fork":
+            new = e.fork_session(sid)
+            assert new in [s.id for s in e._sessions]
+        elif op == "accept":
+            e.accept(sid, 2)
+            assert not e._sessions.get(sid).pending
+        else:
+            e.import_state(sid, torch.ones_like(state))
+            assert torch.equal(e.export_state(sid), torch.ones_like(state))
+    finally:
+        e.stop(drain=False)

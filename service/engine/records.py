@@ -66,6 +66,7 @@ class Op:
     future: Future
     barrier: int                      # run after this session's requests with seq <= barrier
     cancelled: bool = False
+    started: bool = False             # taken by the worker (under the engine lock): it runs to its end
     sessions: tuple = ()              # an op on several sessions (accept_batch): all of them, each in the same
     #                                   FIFO of its ops; () for an op on ``session`` alone
 

@@ -237,12 +237,15 @@ class SessionOps:
         try:
             return fut.result(self.config.request_timeout_s)
         except FutureTimeout:
+            # A 504 means the operation did not run and never will: withdraw it if the worker has not taken it.
+            # One already taken runs to its end, so its caller gets its real answer, however late.
             with self._lock:
-                if not fut.done():
+                started = op.started
+                if not started and not fut.done():
                     op.cancelled = True
-            if not fut.done() or fut.cancelled():
-                raise RequestTimeout(f"session {session_id!r}: the operation did not run within "
-                                     f"{self.config.request_timeout_s} s; retry") from None
+            if not started and (not fut.done() or fut.cancelled()):
+                raise RequestTimeout(f"session {session_id!r}: the operation did not start within "
+                                     f"{self.config.request_timeout_s} s and will not run; retry") from None
             return fut.result()
 
     def _take_ready_ops_locked(self) -> list:
@@ -262,6 +265,7 @@ class SessionOps:
                 keep.append(op)
                 continue
             ready.append(op)
+            op.started = True     # from here it runs: a caller that times out waits for it instead (no 504)
             blocked.update(ss)    # one op per session per round: the next one sees this one's effect
         self._ops = keep
         return ready
