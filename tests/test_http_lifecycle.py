@@ -149,3 +149,29 @@ def test_sigterm_stops_intake_finishes_in_flight_work_and_exits_0():
         assert_close(wire.decode_tensor(r["y"]), ref.conv(ws_sid, 1, f["x"]))
     msgs = srv.log_messages()
     assert msgs.index("draining") < msgs.index("engine stopped") < msgs.index("stopped")
+
+
+def _labelled(url: str, name: str, **labels) -> float:
+    """The sum of a labelled metric's samples whose labels include ``labels``."""
+    total = 0.0
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@pytest.mark.parametrize("path", ["/v1/conv", "/v1/sessions"])
+def test_a_client_that_leaves_mid_body_counts_as_499_client_closed_with_no_traceback(server, path):
+    before = _labelled(server.url, "convserve_http_requests_total", route=path, status="499")
+    port = int(server.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: {wire.MEDIA_TYPE}\r\n"
+                  "content-length: 4096\r\n\r\n".encode() + b"\x85" * 10)
+        time.sleep(0.2)
+    deadline = time.monotonic() + 5
+    while _labelled(server.url, "convserve_http_requests_total", route=path, status="499") <= before:
+        assert time.monotonic() < deadline, "the cut-short request was never counted as 499"
+        time.sleep(0.05)
+    assert _labelled(server.url, "convserve_errors_total", route=path, code="client_closed") >= 1
+    assert _labelled(server.url, "convserve_http_requests_total", route=path, status="500") == 0
+    assert not [line for line in server.raw if "Traceback" in line]

@@ -20,8 +20,17 @@ ERROR_SCOPE_KEY = "convserve.error"
 ROUTE_SCOPE_KEY = "convserve.route"
 
 
+#: what a request whose client went away counts as in the metrics (nginx's convention): not a server error
+CLIENT_CLOSED_STATUS, CLIENT_CLOSED = 499, "client_closed"
+
+
 class ClientGone(Exception):
     """The client disconnected while its request was being read or computed."""
+
+
+def client_gone(scope) -> None:
+    """Mark the request as one whose client went away (no answer is sent; the metrics count it as 499)."""
+    scope[ERROR_SCOPE_KEY] = CLIENT_CLOSED
 
 
 def header(scope, name: bytes) -> Optional[bytes]:

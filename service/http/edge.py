@@ -14,7 +14,8 @@ from typing import Optional
 
 from fastapi import FastAPI
 
-from convserve.service.http.asgi import ERROR_SCOPE_KEY, ROUTE_SCOPE_KEY, header, wants_json
+from convserve.service.http.asgi import (CLIENT_CLOSED, CLIENT_CLOSED_STATUS, ERROR_SCOPE_KEY, ROUTE_SCOPE_KEY, header,
+                                         wants_json)
 from convserve.service.http.errors import HTTP_CODES, as_service_error, render_error, send_error, unauthorized
 from convserve.service.metrics import Metrics
 
@@ -46,7 +47,7 @@ class Edge:
         t = scope["type"]
         if t == "http":
             start = time.perf_counter()
-            status = 500
+            status = None                                 # no response started (yet)
 
             async def send_wrapper(msg):
                 nonlocal status
@@ -64,6 +65,8 @@ class Edge:
                 label = route.path if route is not None else scope.get(ROUTE_SCOPE_KEY, "unmatched")
                 dt = time.perf_counter() - start
                 code = scope.get(ERROR_SCOPE_KEY)
+                if status is None:                        # nothing was sent: the client left, or a bug
+                    status = CLIENT_CLOSED_STATUS if code == CLIENT_CLOSED else 500
                 if code is None and status >= 400:
                     code = HTTP_CODES.get(status, "internal")
                 self.metrics.observe_request(label, scope["method"], status, dt, code)

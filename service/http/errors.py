@@ -22,7 +22,8 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from convserve.clients.protocol.errors import Internal, ServiceError, Unauthorized
-from convserve.service.http.asgi import ERROR_SCOPE_KEY, render, send_bytes, wants_json
+from convserve.service.http.asgi import (CLIENT_CLOSED_STATUS, ERROR_SCOPE_KEY, ClientGone, client_gone, render,
+                                         send_bytes, wants_json)
 
 log = logging.getLogger("convserve.app")
 
@@ -116,6 +117,12 @@ def install_handlers(app: FastAPI) -> None:
                405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
         err = _FrameworkError(exc.status_code, HTTP_CODES.get(exc.status_code, "bad_request"), msg)
         return error_response(request.scope, err, extra_headers=exc.headers)
+
+    @app.exception_handler(ClientGone)
+    async def _client_gone(request: Request, exc: ClientGone):
+        # the client left while its body was read: nothing to answer and nothing to log; the metrics say 499
+        client_gone(request.scope)
+        return Response(status_code=CLIENT_CLOSED_STATUS)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):

@@ -11,7 +11,7 @@ import asyncio
 from typing import TYPE_CHECKING, Any
 
 from convserve.clients.protocol import wire
-from convserve.service.http.asgi import ROUTE_SCOPE_KEY, ClientGone, render, send_bytes, wants_json
+from convserve.service.http.asgi import ROUTE_SCOPE_KEY, ClientGone, client_gone, render, send_bytes, wants_json
 from convserve.service.http.errors import as_service_error, send_error
 from convserve.service.http.parse import parse_body, read_body
 
@@ -92,6 +92,7 @@ class _UnaryEndpoint:
             y = await wait_result(self.engine, fut, receive)
             out, ct = render({"y": wire.encode_tensor(y)}, wants_json(scope))
         except ClientGone:
+            client_gone(scope)
             return
         except Exception as e:  # noqa: BLE001 - every failure becomes an error response
             await send_error(scope, send, as_service_error(e))
