@@ -33,7 +33,7 @@ def _add_settings_flags(p: argparse.ArgumentParser) -> None:
         flag = "--" + name.replace("_", "-")
         env = "CONVSERVE_" + name.upper()
         default = field.default
-        if name == "api_key":
+        if name in ("api_key", "api_key_file"):
             default = "unset"
         help_ = f"{field.description} [env {env}; default {default}]"
         if field.annotation is bool:
@@ -127,13 +127,16 @@ class Server:
         return _Server(config, svc)
 
 
-def serve(settings: Settings) -> int:
+def serve(settings: Settings, key_on_command_line: bool = False) -> int:
     import uvicorn
 
     from convserve.service import logs
     from convserve.service.http.app import create_app
 
-    logs.configure(settings.log_level)
+    logs.configure(settings.log_level, secrets=[settings.api_key_value()])
+    if key_on_command_line:
+        log.warning("the API key was given with --api-key, which every user of this machine can read in the "
+                    "process list; use --api-key-file or CONVSERVE_API_KEY instead")
     sys.setswitchinterval(settings.gil_switch_interval_us * 1e-6)
     try:
         engine = build_engine(settings)
@@ -170,7 +173,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.print_config:
             print(json.dumps(_redacted(settings), indent=2))
             return 0
-        return serve(settings)
+        return serve(settings, key_on_command_line="api_key" in overrides)
     return EXIT_CONFIG  # pragma: no cover - argparse requires a command
 
 

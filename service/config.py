@@ -53,8 +53,10 @@ class Settings(BaseSettings):
     # --- network
     host: str = Field("127.0.0.1", description="address to bind (0.0.0.0 for all interfaces)")
     port: int = Field(8000, ge=0, le=65535, description="TCP port to listen on (0 picks a free one)")
-    api_key: Optional[SecretStr] = Field(None, description="when set, every /v1 route needs "
-                                                           "'Authorization: Bearer <key>'")
+    api_key: Optional[SecretStr] = Field(None, description="when set, every /v1 route (and /docs, /openapi.json) "
+                                                           "needs 'Authorization: Bearer <key>'; prefer "
+                                                           "api_key_file or the environment to the command line")
+    api_key_file: Optional[Path] = Field(None, description="a file holding the API key (a mounted secret)")
 
     # --- model
     device: str = Field("auto", description="auto (CUDA if present, else CPU), cpu, cuda or cuda:N")
@@ -197,6 +199,20 @@ class Settings(BaseSettings):
         return v
 
     @model_validator(mode="after")
+    def _key_file(self):
+        if self.api_key_file is not None:
+            if self.api_key is not None:
+                raise ValueError("api_key and api_key_file are both set; give the key one way")
+            try:
+                key = self.api_key_file.read_text().strip()
+            except (OSError, UnicodeDecodeError) as e:
+                raise ValueError(f"api_key_file: cannot read {self.api_key_file} ({type(e).__name__})") from None
+            if not key:
+                raise ValueError(f"api_key_file: {self.api_key_file} is empty")
+            self.api_key = SecretStr(key)
+        return self
+
+    @model_validator(mode="after")
     def _cross(self):
         if self.max_batch_tokens < self.max_tokens_per_request:
             raise ValueError(f"max_tokens_per_request ({self.max_tokens_per_request}) exceeds max_batch_tokens "
@@ -226,6 +242,10 @@ class Settings(BaseSettings):
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
                                    file_secret_settings):
         return (init_settings, env_settings, _FileSource(settings_cls))
+
+
+#: settings whose values never appear in an error message or a log
+SECRET_FIELDS = ("api_key",)
 
 
 class ConfigError(ValueError):
@@ -293,7 +313,9 @@ def load_settings(overrides: Optional[dict] = None, config_file: Optional[Path] 
             flag = "--" + loc.replace("_", "-") if loc in Settings.model_fields else loc
             env = "CONVSERVE_" + loc.upper() if loc in Settings.model_fields else ""
             where = f"{flag} / {env}" if env else flag
-            lines.append(f"{where}: {msg} (got {err.get('input')!r})")
+            # the value only for a field that is not a secret: a secret's (or the whole input's) never shows
+            shown = loc in Settings.model_fields and loc not in SECRET_FIELDS
+            lines.append(f"{where}: {msg}" + (f" (got {err.get('input')!r:.200})" if shown else ""))
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None
     finally:
         _file_data = {}

@@ -8,12 +8,30 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import time
 
 # Attributes every LogRecord has; anything else on a record came from ``extra`` and is emitted as a field.
 _STD = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime", "color_message",
                                                                     "taskName"}
+
+
+class RedactSecrets(logging.Filter):
+    """Blank what must never reach a log at any level: the API key's value and any ``authorization`` header value
+    (uvicorn and websockets log request headers at debug level)."""
+
+    _AUTH = re.compile(r"(?i)(authorization['\"]?\s*[:,=]\s*\(?\s*b?['\"]?)(bearer\s+)?[^'\"\s,)]+")
+    secrets: tuple = ()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        clean = self._AUTH.sub(lambda m: m.group(1) + (m.group(2) or "") + "***", msg)
+        for s in self.secrets:
+            clean = clean.replace(s, "***")
+        if clean != msg:
+            record.msg, record.args = clean, None
+        return True
 
 
 class JsonFormatter(logging.Formatter):
@@ -39,7 +57,9 @@ def log_config(level: str = "info") -> dict:
         "version": 1,
         "disable_existing_loggers": False,
         "formatters": {"json": {"()": JsonFormatter}},
-        "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "json", "stream": "ext://sys.stderr"}},
+        "filters": {"secrets": {"()": RedactSecrets}},
+        "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "json", "stream": "ext://sys.stderr",
+                                "filters": ["secrets"]}},
         "loggers": {
             "convserve": {"handlers": ["stderr"], "level": lvl, "propagate": False},
             "uvicorn": {"handlers": ["stderr"], "level": lvl, "propagate": False},
@@ -50,9 +70,11 @@ def log_config(level: str = "info") -> dict:
     }
 
 
-def configure(level: str = "info") -> None:
+def configure(level: str = "info", secrets=()) -> None:
+    """Send every log as JSON to stderr; ``secrets`` (the API key) are blanked wherever they would appear."""
     import logging.config
 
+    RedactSecrets.secrets = tuple(s for s in secrets if s)
     logging.config.dictConfig(log_config(level))
     logging.captureWarnings(True)
     sys.stderr.reconfigure(line_buffering=True)

@@ -132,3 +132,21 @@ def test_serve_sets_the_gil_switch_interval_before_building_the_engine(monkeypat
     finally:
         sys.setswitchinterval(before)
     assert Settings().gil_switch_interval_us == 500
+
+
+def test_the_api_key_comes_from_a_file_and_never_shows_in_a_config_error(tmp_path):
+    f = tmp_path / "key"
+    f.write_text("  fromfile-secret\n")
+    assert load_settings({"api_key_file": str(f)}).api_key_value() == "fromfile-secret"
+    with pytest.raises(ConfigError, match="both set"):
+        load_settings({"api_key_file": str(f), "api_key": "other"})
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ConfigError, match="empty"):
+        load_settings({"api_key_file": str(tmp_path / "empty")})
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"api_key": ["hunter2-in-a-list"], "port": "not-a-port"}))
+    with pytest.raises(ConfigError) as e:
+        load_settings({}, cfg)
+    msg = str(e.value)
+    assert "--api-key" in msg and "hunter2" not in msg
+    assert "not-a-port" in msg                # other fields still show what came

@@ -76,3 +76,32 @@ def test_api_key_leaves_health_and_metrics_open_and_guards_the_websocket(auth_se
     with ws_connect(url, additional_headers={"authorization": "Bearer k3y"}) as ws:
         ws.send(wire.packb({"id": 1, "session": "none", "layer": 0, "x": wire.encode_tensor(torch.zeros(1, 8))}))
         assert msgpack.unpackb(ws.recv(timeout=10))["error"]["code"] == "unknown_session"
+
+
+@pytest.mark.parametrize("path", ["/docs", "/openapi.json", "/redoc"])
+def test_api_key_guards_the_api_description(auth_server, path):
+    assert httpx.get(auth_server.url + path).status_code == 401
+    assert httpx.get(auth_server.url + path, headers={"authorization": "Bearer k3y"}).status_code == 200
+
+
+def test_the_key_never_reaches_the_log_even_at_debug_and_a_key_on_the_command_line_is_warned_about(tmp_path):
+    key = "s3cret-" + "9" * 24
+    f = tmp_path / "key"
+    f.write_text(key)
+    srv = LiveServer(["--layers", "1", "--dim", "8", "--dtype", "float32", "--log-level", "debug",
+                      "--api-key-file", str(f)])
+    try:
+        h = {"authorization": f"Bearer {key}"}
+        assert httpx.get(srv.url + "/v1/model", headers={**MP, **h}).status_code == 200
+        url = srv.url.replace("http://", "ws://") + "/v1/conv/ws"
+        with ws_connect(url, additional_headers=h) as ws:
+            ws.send(wire.packb({"id": 1, "session": "none", "layer": 1, "x": wire.encode_tensor(torch.zeros(1, 8))}))
+            ws.recv(timeout=10)
+    finally:
+        srv.terminate()
+    assert srv.raw and not [line for line in srv.raw if key in line]
+    assert not [m for m in srv.log_messages() if "--api-key" in m]
+    loud = LiveServer(["--layers", "1", "--dim", "8", "--dtype", "float32", "--api-key", key])
+    loud.terminate()
+    assert [m for m in loud.log_messages() if "process list" in m]
+    assert not [line for line in loud.raw if key in line]

@@ -22,8 +22,12 @@ from convserve.service.metrics import Metrics
 access_log = logging.getLogger("convserve.access")
 
 
+#: what the API key guards: the API, and the API's description (it names every route and field)
+_GUARDED = ("/v1", "/docs", "/redoc", "/openapi.json")
+
+
 class Edge:
-    """Pure-ASGI outer layer: API-key check on ``/v1``, request metrics, optional access log."""
+    """Pure-ASGI outer layer: API-key check on ``/v1`` and the API docs, request metrics, optional access log."""
 
     def __init__(self, app, metrics: Metrics, api_key: Optional[str], access: bool):
         self.app = app
@@ -32,7 +36,7 @@ class Edge:
         self.access = access
 
     def _authorized(self, scope) -> bool:
-        if self.auth_value is None or not scope["path"].startswith("/v1"):
+        if self.auth_value is None or not scope["path"].startswith(_GUARDED):
             return True
         got = header(scope, b"authorization")
         if got is None:
