@@ -19,6 +19,8 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
+from convserve.clients.protocol.wire import MAX_OBJECTS
+
 from .engine.config import DEFAULTS as _ENGINE  # the engine's defaults (EngineConfig), without torch
 
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
@@ -112,6 +114,8 @@ class Settings(BaseSettings):
     # --- HTTP limits
     max_body_bytes: int = Field(64 << 20, ge=1024, description="largest request body, or stream frame, "
                                                                "in bytes (413 above)")
+    max_body_objects: int = Field(MAX_OBJECTS, ge=64, description="most objects (array and map entries, and the "
+                                  "containers) in one body or frame (413 above): decoding stops there")
     max_tokens_per_request: int = Field(8192, ge=1, description="largest T of one conv request (413 above)")
     check_finite: bool = Field(_ENGINE.check_finite, description="reject x with NaN or Inf (422 non_finite)")
     stream_window: int = Field(256, ge=1, description="frames of one stream or WebSocket being computed at "

@@ -6,11 +6,13 @@ import concurrent.futures as cf
 import threading
 import time
 
+import httpx
+import msgpack
 import pytest
 import torch
 
 from convserve.clients.protocol import wire
-from tests.http_api import Api, read_stream
+from tests.http_api import MP, Api, read_stream
 from tests.live import LiveServer
 
 
@@ -86,3 +88,49 @@ def test_idle_session_is_evicted_after_its_ttl_with_410_state_lost(limits_server
     assert st == 410
     st, obj, _ = api.call("DELETE", "/v1/sessions/never-was")
     assert st == 404  # 404 stays for ids that never existed
+
+
+
+def _nested_empty_arrays(k: int) -> bytes:
+    """``{"x": [[[] x 4096] x k]}``: every array within the decoder's per-array bound, k x 4097 objects."""
+    inner = b"\xdd\x00\x00\x10\x00" + b"\x90" * 4096
+    return b"\x81\xa1x\xdd" + k.to_bytes(4, "big") + inner * k
+
+
+@pytest.mark.parametrize("path", ["/v1/conv", "/v1/conv/batch", "/v1/sessions"])
+def test_a_body_of_too_many_objects_is_a_413_naming_the_budget_while_healthz_stays_quick(server, path):
+    body = _nested_empty_arrays(200)            # 0.8 MB (under max_body_bytes), 820k objects (over the budget)
+    lat, stop = [], threading.Event()
+
+    def probe():
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            httpx.get(server.url + "/healthz", timeout=10)
+            lat.append(time.perf_counter() - t0)
+            time.sleep(0.01)
+
+    th = threading.Thread(target=probe)
+    th.start()
+    try:
+        r = httpx.post(server.url + path, content=body, headers=MP, timeout=30)
+    finally:
+        stop.set()
+        th.join()
+    assert r.status_code == 413, r.content[:200]
+    assert "objects" in msgpack.unpackb(r.content)["error"]["message"]
+    assert max(lat) < 0.5
+
+
+def test_a_json_body_of_too_many_values_is_a_413(server):
+    body = b'{"session": [' + b"[]," * 100_000 + b"[]]}"
+    r = httpx.post(server.url + "/v1/sessions", content=body,
+                   headers={"content-type": "application/json", "accept": "application/json"}, timeout=30)
+    assert r.status_code == 413 and "values" in r.json()["error"]["message"]
+
+
+def test_a_stream_frame_of_too_many_objects_ends_the_stream_with_a_413(server):
+    frame = b"\x82\xa2id\x00" + _nested_empty_arrays(200)[1:]   # {"id": 0, "x": ...}
+    with httpx.stream("POST", server.url + "/v1/conv/stream", content=frame, headers=MP, timeout=30) as r:
+        out = read_stream(r)
+    assert out[-1]["id"] is None and out[-1]["error"]["code"] == "payload_too_large"
+    assert "objects" in out[-1]["error"]["message"]

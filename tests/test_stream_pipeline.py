@@ -53,6 +53,7 @@ class FakeEngine:
 def _service(window: int):
     settings = SimpleNamespace(max_body_bytes=1 << 20, max_tokens_per_request=64, max_batch_tokens=64,
                                max_batch_size=4, stream_window=window,
+                               max_body_objects=1024,
                                api_key_value=lambda: None)
     engine = FakeEngine()
     return Service(settings, engine, Metrics(stats=engine.stats)), engine

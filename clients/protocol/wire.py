@@ -68,19 +68,60 @@ def new_packer() -> msgpack.Packer:
     return msgpack.Packer(**_packer_kwargs)
 
 
-def _bounds(max_bytes: int) -> dict:
-    return dict(raw=False, strict_map_key=True, use_list=True, max_bin_len=max_bytes,
-                max_str_len=min(_MAX_STR_LEN, max_bytes), max_array_len=_MAX_ARRAY_LEN,
-                max_map_len=_MAX_MAP_LEN, max_ext_len=0)
+#: Objects (array and map entries, and the containers themselves) one message may hold by default: a batch of
+#: 4096 sessions with tokens and flags needs about 12,300.
+MAX_OBJECTS = 65536
 
 
-def unpackb(data: bytes, max_bytes: int) -> Any:
-    """Decode exactly one message of at most ``max_bytes``; raise :class:`BadRequest` if it is malformed."""
+class TooManyObjects(PayloadTooLarge):
+    """A message holds more objects than its budget (raised from inside the decoder, so decoding stops there)."""
+
+
+class ObjectBudget:
+    """Counts a message's objects as msgpack builds its arrays and maps, and stops the decode past ``limit``: a
+    body of millions of tiny arrays, each within the per-array bounds, is refused after ``limit`` objects
+    instead of being decoded in full (time and memory). ``count`` is reset per message."""
+
+    __slots__ = ("limit", "count")
+
+    def __init__(self, limit: int):
+        self.limit, self.count = limit, 0
+
+    def _add(self, n: int) -> None:
+        self.count += n + 1
+        if self.count > self.limit:
+            raise TooManyObjects(f"the message holds more than {self.limit} objects (arrays, maps and their "
+                                 "entries); a conv body needs a few dozen: send the documented fields only, or "
+                                 "raise --max-body-objects")
+
+    def list_hook(self, v):
+        self._add(len(v))
+        return v
+
+    def object_hook(self, v):
+        self._add(len(v))
+        return v
+
+
+def _bounds(max_bytes: int, budget: Optional[ObjectBudget] = None) -> dict:
+    kw = dict(raw=False, strict_map_key=True, use_list=True, max_bin_len=max_bytes,
+              max_str_len=min(_MAX_STR_LEN, max_bytes), max_array_len=_MAX_ARRAY_LEN,
+              max_map_len=_MAX_MAP_LEN, max_ext_len=0)
+    if budget is not None:
+        kw.update(list_hook=budget.list_hook, object_hook=budget.object_hook)
+    return kw
+
+
+def unpackb(data: bytes, max_bytes: int, max_objects: Optional[int] = None) -> Any:
+    """Decode exactly one message of at most ``max_bytes`` (and ``max_objects`` objects, when given); raise
+    :class:`BadRequest` if it is malformed, :class:`PayloadTooLarge` if it is too large."""
     if len(data) > max_bytes:
         raise PayloadTooLarge(f"the body has {len(data)} bytes, above the limit of {max_bytes}; "
                               "send fewer tokens per request (split a prefill into chunks)")
     try:
-        return msgpack.unpackb(data, **_bounds(max_bytes))
+        return msgpack.unpackb(data, **_bounds(max_bytes, ObjectBudget(max_objects) if max_objects else None))
+    except TooManyObjects:
+        raise
     except msgpack.ExtraData:
         raise BadRequest("the body holds more than one msgpack object; send exactly one map "
                          "(use /v1/conv/stream for many)") from None
@@ -89,18 +130,24 @@ def unpackb(data: bytes, max_bytes: int) -> Any:
                          f"encoded with bin types for bytes") from None
 
 
-def new_unpacker(max_bytes: int) -> msgpack.Unpacker:
-    """A streaming unpacker that holds at most ``max_bytes`` of undecoded data.
+def new_unpacker(max_bytes: int, budget: Optional[ObjectBudget] = None) -> msgpack.Unpacker:
+    """A streaming unpacker that holds at most ``max_bytes`` of undecoded data (and, with ``budget``, stops a
+    message past its object budget: the caller resets ``budget.count`` after each message).
 
     ``feed`` raises ``msgpack.BufferFull`` when one message would need more: the caller turns that into
     ``payload_too_large`` rather than silently losing the message (msgpack-python #503).
     """
-    return msgpack.Unpacker(max_buffer_size=max_bytes, **_bounds(max_bytes))
+    return msgpack.Unpacker(max_buffer_size=max_bytes, **_bounds(max_bytes, budget))
 
 
-def loads_json(data: bytes) -> Any:
+def loads_json(data: bytes, max_objects: Optional[int] = None) -> Any:
     import json
 
+    # an upper bound of the objects, counted in C before anything is built: every value but the first follows
+    # a comma, and every container opens with a bracket
+    if max_objects is not None and data.count(b",") + data.count(b"[") + data.count(b"{") > max_objects:
+        raise TooManyObjects(f"the JSON body holds more than {max_objects} values; send the documented fields "
+                             "only, or raise --max-body-objects")
     try:
         return json.loads(data)
     except ValueError as e:

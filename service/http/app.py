@@ -50,6 +50,7 @@ class Service:
         self.parser = Parser(engine.model_info(), settings.max_tokens_per_request, settings.max_batch_tokens,
                              settings.max_batch_size)
         self.max_body = settings.max_body_bytes
+        self.max_objects = settings.max_body_objects
         self.draining = False
         self.failed: Optional[BaseException] = None
         self.pipelines: set = set()

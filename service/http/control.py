@@ -36,7 +36,7 @@ def add_control_routes(app: FastAPI, svc: Service) -> None:
         body = await read_body(request.scope, request.receive, svc.max_body)
         if not body:
             return {}
-        return parse_body(request.scope, body, svc.max_body)
+        return parse_body(request.scope, body, svc.max_body, svc.max_objects)
 
     # --- health and metrics (no API key)
 

@@ -59,11 +59,11 @@ async def read_body(scope, receive, max_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
-def parse_body(scope, body: bytes, max_bytes: int) -> Any:
+def parse_body(scope, body: bytes, max_bytes: int, max_objects: int) -> Any:
     fmt = body_format(scope)
     if fmt == "json":
-        return wire.loads_json(body)
-    return wire.unpackb(body, max_bytes)
+        return wire.loads_json(body, max_objects)
+    return wire.unpackb(body, max_bytes, max_objects)
 
 
 #: The fields each body may hold; any other field is a 400 that names it and lists these.

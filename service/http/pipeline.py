@@ -58,7 +58,8 @@ class Pipeline:
         self._submit_batch = svc.engine.submit_batch
         self.loop = asyncio.get_running_loop()
         self.packer = wire.new_packer()
-        self.unpacker = wire.new_unpacker(svc.max_body)
+        self.budget = wire.ObjectBudget(svc.max_objects)
+        self.unpacker = wire.new_unpacker(svc.max_body, self.budget)
         self.fed = 0
         self.pending: dict = {}                # session -> deque of frames not yet released, in send order
         self.open = 0                          # frames read and not yet released
@@ -115,10 +116,14 @@ class Pipeline:
                 obj = next(unpacker)
             except StopIteration:
                 return True
+            except wire.TooManyObjects as e:
+                self.set_fatal(PayloadTooLarge(f"frame {self.nframes}: {e.message}; the stream ends here"))
+                return False
             except Exception as e:  # noqa: BLE001 - msgpack raises several types for bad input
                 self.set_fatal(BadRequest(f"frame {self.nframes} is not valid msgpack ({type(e).__name__}: {e}); "
                                           "the stream ends here"))
                 return False
+            self.budget.count = 0
             if not self.add(obj):
                 return False
             if len(self.inflight) >= self.window:

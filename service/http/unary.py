@@ -88,7 +88,7 @@ class _UnaryEndpoint:
         try:
             svc.require_ready()
             body = await read_body(scope, receive, svc.max_body)
-            fut = self.submit(parse_body(scope, body, svc.max_body))
+            fut = self.submit(parse_body(scope, body, svc.max_body, svc.max_objects))
             y = await wait_result(self.engine, fut, receive)
             out, ct = render({"y": wire.encode_tensor(y)}, wants_json(scope))
         except ClientGone:
