@@ -58,6 +58,15 @@ class Oracle:
         self.pending[sid][p] = win[0]
         return y[0].T.to(x.dtype)
 
+    def batch(self, sids, p, x, toks, spec):
+        """The reference y of a batch request: each session's slice of ``x`` as its own conv or verify."""
+        out, a = [], 0
+        for s, n, sp in zip(sids, toks, spec):
+            xi = x[a:a + n]
+            out.append(self.verify(s, p, xi) if sp else self.conv(s, p, xi))
+            a += n
+        return torch.cat(out)
+
     def accept(self, sid, n):
         for p, win in self.pending[sid].items():
             if n > 0:

@@ -15,16 +15,6 @@ from tests.tolerance import assert_close
 KNOBS = dict(slots=16, max_batch_tokens=64, max_batch_size=6, decode_buckets=(1, 2, 4, 8), max_spec_tokens=4)
 
 
-def _run(oracle, sids, p, x, toks, spec):
-    """The reference y of a batch: each session's slice as its own conv or verify."""
-    out, a = [], 0
-    for s, n, sp in zip(sids, toks, spec):
-        xi = x[a:a + n]
-        out.append(oracle.verify(s, p, xi) if sp else oracle.conv(s, p, xi))
-        a += n
-    return torch.cat(out)
-
-
 ROWS = {   # (tokens, speculative) per session
     "decodes only, tokens given": ([1, 1, 1], [False] * 3),
     "prefill chunks only": ([5, 2, 9], [False] * 3),
@@ -52,7 +42,7 @@ def test_a_mixed_batch_equals_each_slice_submitted_on_its_own_and_is_one_step(ca
                 e.submit(s, LAYERS[1], x0).result(10)
                 oracle.conv(s, 1, x0)
         x = torch.randn(sum(toks), DIM).to(xdt)
-        want = _run(oracle, sids, 1, x, toks, spec)
+        want = oracle.batch(sids, 1, x, toks, spec)
         before = e.stats()
         y = e.submit_batch(sids, LAYERS[1], x, tokens=toks, speculative=spec).result(10)
         after = e.stats()
@@ -83,7 +73,7 @@ def test_speculative_true_without_tokens_is_one_token_verifies(speculative):
         for s in sids:
             oracle.new(s)
         x = torch.randn(2, DIM)
-        want = _run(oracle, sids, 0, x, [1, 1], [True, True])
+        want = oracle.batch(sids, 0, x, [1, 1], [True, True])
         assert_close(e.submit_batch(sids, LAYERS[0], x, speculative=speculative).result(10), want)
         assert all(e._sessions.get(s).pending for s in sids)
         assert torch.count_nonzero(e.export_state(sids[0])) == 0   # the committed state is left alone
@@ -100,7 +90,7 @@ def test_a_later_verify_in_a_batch_replaces_the_pending_one_and_accept_commits_t
             oracle.new(s)
         for rnd in range(2):
             x = torch.randn(6, DIM)
-            want = _run(oracle, sids, 2, x, [2, 4], [True, True])
+            want = oracle.batch(sids, 2, x, [2, 4], [True, True])
             assert_close(e.submit_batch(sids, LAYERS[2], x, tokens=[2, 4], speculative=True).result(10), want)
         e.accept_batch(sids, [2, 3])
         oracle.accept(sids[0], 2)
@@ -225,7 +215,7 @@ def test_a_mixed_batch_runs_after_its_sessions_earlier_requests_and_ops_and_befo
         toks, spec = [4, 1, 3], [False, False, True]
         x = torch.randn(8, DIM)
         checks.append((e.submit_batch(sids[:3], LAYERS[0], x, tokens=toks, speculative=spec),
-                       _run(oracle, sids[:3], 0, x, toks, spec)))
+                       oracle.batch(sids[:3], 0, x, toks, spec)))
         done = threading.Event()
         t = threading.Thread(target=lambda: (e.accept_batch([sids[2]], [2]), done.set()))
         t.start()
@@ -238,7 +228,7 @@ def test_a_mixed_batch_runs_after_its_sessions_earlier_requests_and_ops_and_befo
             checks.append((e.submit(s, LAYERS[p], x), oracle.conv(s, p, x)))
         x = torch.randn(3, DIM)
         checks.append((e.submit_batch(sids[:2], LAYERS[0], x, tokens=[1, 2]),
-                       _run(oracle, sids[:2], 0, x, [1, 2], [False, False])))
+                       oracle.batch(sids[:2], 0, x, [1, 2], [False, False])))
         go.set()
         for i, (f, want) in enumerate(checks):
             assert_close(f.result(10), want, what=f"request {i}")
@@ -299,7 +289,7 @@ def test_a_step_serves_every_batch_and_single_of_a_layer_with_one_launch_per_kin
         toks, spec = [1, 6, 4, 1], [False, False, True, False]
         x = torch.randn(12, DIM)
         checks.append((e.submit_batch(sids[2:6], LAYERS[0], x, tokens=toks, speculative=spec),
-                       _run(oracle, sids[2:6], 0, x, toks, spec)))
+                       oracle.batch(sids[2:6], 0, x, toks, spec)))
         go.set()
         held.result(10)
         for f, want in checks:
