@@ -3,7 +3,7 @@
 #
 # The device image has torch, triton, numpy, msgpack, httpx, rich, uvloop, anyio, h11, click and safetensors.
 # It lacks the web stack: fastapi and starlette, uvicorn (+ httptools), pydantic (+ core, settings, dotenv,
-# annotated-types, typing-inspection), websockets, opentelemetry-api (a fastapi requirement) and ml-dtypes (the
+# annotated-types, typing-inspection), websockets, opentelemetry-api (a fastapi requirement), pyzmq (the engine process) and ml-dtypes (the
 # client's bfloat16 numpy arrays); typing-extensions,
 # annotated-doc and prometheus-client are carried too because pydantic 2.14 / fastapi need
 # newer ones than the image may hold. Pinned to the versions the CPU venv is tested with; CPython 3.12, x86-64.
@@ -31,6 +31,7 @@ WHEELS=(
   websockets==17.4
   opentelemetry-api==1.45.2
   ml-dtypes==0.6.0
+  pyzmq==27.3.0
 )
 mkdir -p .whl
 for w in "${WHEELS[@]}"; do
