@@ -4,4 +4,6 @@ import sys
 
 from convserve.service.cli import main
 
-sys.exit(main())
+# guarded: the engine and worker processes are spawned, and spawning imports the parent's main module again
+if __name__ == "__main__":
+    sys.exit(main())

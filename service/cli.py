@@ -127,24 +127,25 @@ class Server:
         return _Server(config, svc)
 
 
-def serve(settings: Settings, key_on_command_line: bool = False) -> int:
+def bind_socket(settings: Settings):
+    """The listening socket (shared by every worker process, which inherit it)."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((settings.host, settings.port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def run_app(settings: Settings, app, sockets=None) -> int:
+    """Serve ``app`` under uvicorn until SIGTERM (on ``sockets`` when given, else on the settings' address)."""
     import uvicorn
 
     from convserve.service import logs
-    from convserve.service.http.app import create_app
 
-    logs.configure(settings.log_level, secrets=[settings.api_key_value()])
-    if key_on_command_line:
-        log.warning("the API key was given with --api-key, which every user of this machine can read in the "
-                    "process list; use --api-key-file or CONVSERVE_API_KEY instead")
-    sys.setswitchinterval(settings.gil_switch_interval_us * 1e-6)
-    try:
-        engine = build_engine(settings)
-    except (ConfigError, ValueError, OSError) as e:
-        log.error("cannot build the model", extra={"error": str(e)})
-        print(f"convserve: cannot build the model: {e}", file=sys.stderr)
-        return EXIT_CONFIG
-    app = create_app(settings, engine)
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, loop="auto", http="auto", ws="auto", lifespan="on",
         log_config=logs.log_config(settings.log_level), access_log=False, server_header=False,
@@ -153,12 +154,49 @@ def serve(settings: Settings, key_on_command_line: bool = False) -> int:
     )
     server = Server(config, app.state.svc)
     app.state.on_fatal = server.fatal
-    log.info("starting", extra={"settings": _redacted(settings)})
-    server.run()
+    server.run(sockets=sockets)
     if server.failed or app.state.svc.failed is not None:
         return EXIT_FAILED
-    log.info("stopped")
     return 0
+
+
+def serve(settings: Settings, key_on_command_line: bool = False) -> int:
+    from convserve.service import logs
+
+    logs.configure(settings.log_level, secrets=[settings.api_key_value()])
+    if key_on_command_line:
+        log.warning("the API key was given with --api-key, which every user of this machine can read in the "
+                    "process list; use --api-key-file or CONVSERVE_API_KEY instead")
+    try:
+        devices = settings.resolved_devices()
+    except ConfigError as e:
+        print(f"convserve: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    workers = settings.resolved_workers(len(devices))
+    log.info("starting", extra={"settings": _redacted(settings), "workers": workers, "engines": devices})
+    if workers > 0:
+        from convserve.service.cluster.supervisor import Supervisor
+
+        rc = Supervisor(settings, devices, workers).run()
+        if rc == 2:
+            print("convserve: the engine could not be built; see the log above", file=sys.stderr)
+            return EXIT_CONFIG
+        log.info("stopped")
+        return rc
+    # --workers 0: the engine in this process, beside the HTTP loop
+    from convserve.service.http.app import create_app
+
+    sys.setswitchinterval(settings.gil_switch_interval_us * 1e-6)
+    try:
+        engine = build_engine(settings.model_copy(update={"device": devices[0]}))
+    except (ConfigError, ValueError, OSError) as e:
+        log.error("cannot build the model", extra={"error": str(e)})
+        print(f"convserve: cannot build the model: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    rc = run_app(settings, create_app(settings, engine))
+    if rc == 0:
+        log.info("stopped")
+    return rc
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -60,6 +60,17 @@ class Settings(BaseSettings):
                                                            "api_key_file or the environment to the command line")
     api_key_file: Optional[Path] = Field(None, description="a file holding the API key (a mounted secret)")
 
+    # --- processes
+    workers: Union[int, Literal["auto"]] = Field(
+        "auto", description="HTTP worker processes in front of the engine processes; 'auto' is the usable cores "
+        "minus one per engine, 1 to 8; 0 runs the engine inside the one HTTP process (no engine process)")
+    devices: Optional[str] = Field(None, description="one engine process per entry: 'cuda:0,cuda:1', 'all' (every "
+                                   "CUDA device, else the CPU), 'cpu,cpu'; repeat a device for several engines on "
+                                   "it; unset: one engine on --device")
+    shm_bytes: int = Field(256 << 20, ge=1 << 20, description="each worker's shared-memory arena for the tensors "
+                           "it exchanges with the engines, in bytes (larger tensors travel inline, one more copy; "
+                           "containers need a /dev/shm at least workers x this)")
+
     # --- model
     device: str = Field("auto", description="auto (CUDA if present, else CPU), cpu, cuda or cuda:N")
     weights: Optional[Path] = Field(None, description="safetensors file with conv1d weights; when unset, "
@@ -216,6 +227,28 @@ class Settings(BaseSettings):
             self.api_key = SecretStr(key)
         return self
 
+    @field_validator("workers")
+    def _workers(cls, v):
+        if v != "auto" and not 0 <= v <= 64:
+            raise ValueError(f"workers: {v} is outside 0..64 (or 'auto')")
+        return v
+
+    @field_validator("devices", mode="before")
+    def _devices(cls, v):
+        if v is None:
+            return None
+        if isinstance(v, (list, tuple)):
+            v = ",".join(str(d) for d in v)
+        v = str(v).strip()
+        if v in ("", "auto"):
+            return None
+        if v != "all":
+            for d in v.split(","):
+                if not _DEVICE_RE.match(d.strip()) or d.strip() == "auto":
+                    raise ValueError(f"devices: {d.strip()!r} is not a device; use cpu, cuda or cuda:N, "
+                                     "comma-separated, or 'all'")
+        return v
+
     @model_validator(mode="after")
     def _cross(self):
         if self.max_batch_tokens < self.max_tokens_per_request:
@@ -238,6 +271,34 @@ class Settings(BaseSettings):
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_devices(self) -> list[str]:
+        """One device per engine process."""
+        if self.devices is None:
+            return [self.resolved_device()]
+        import torch
+
+        n_cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if self.devices == "all":
+            return [f"cuda:{i}" for i in range(n_cuda)] or ["cpu"]
+        out = []
+        for d in (p.strip() for p in self.devices.split(",")):
+            if d.startswith("cuda"):
+                i = int(d.split(":")[1]) if ":" in d else 0
+                if i >= n_cuda:
+                    raise ConfigError(f"devices: {d} was asked for but torch sees {n_cuda} CUDA device(s); use "
+                                      "'all', cpu, or an index below that")
+                d = f"cuda:{i}"
+            out.append(d)
+        return out
+
+    def resolved_workers(self, n_engines: int) -> int:
+        if self.workers != "auto":
+            return self.workers
+        import os
+
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return max(1, min(8, cores - n_engines))
 
     def api_key_value(self) -> Optional[str]:
         return self.api_key.get_secret_value() if self.api_key is not None else None

@@ -1,4 +1,4 @@
-"""Prometheus metrics of one service process (``GET /metrics``).
+"""Prometheus metrics of the service (``GET /metrics``): of its one process, or summed over its worker processes.
 
 HTTP-side series are updated by the request path; engine-side series (queue depth, batch sizes, pad ratio,
 slots, kernel time) are read from ``engine.stats()`` when Prometheus scrapes, so the hot path pays nothing
@@ -8,6 +8,7 @@ for them. Each app has its own registry, so several apps can live in one process
 from __future__ import annotations
 
 import logging
+import os
 from typing import Callable, Iterable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -46,6 +47,17 @@ class Metrics:
         self._children: dict = {}
         if stats is not None:
             r.register(EngineCollector(stats))
+        # Several worker processes: each writes its series to files in PROMETHEUS_MULTIPROC_DIR (prometheus-client
+        # does that for every metric created in such a process), and a scrape of any worker sums all of them; the
+        # engine series come from the engines themselves, through ``stats``.
+        self._multiprocess: Optional[CollectorRegistry] = None
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            from prometheus_client import multiprocess
+
+            self._multiprocess = CollectorRegistry(auto_describe=True)
+            multiprocess.MultiProcessCollector(self._multiprocess)
+            if stats is not None:
+                self._multiprocess.register(EngineCollector(stats))
 
     # Labelled children are cached: ``labels()`` costs a lock and a dict lookup per call otherwise.
 
@@ -86,6 +98,8 @@ class Metrics:
             h.observe(s)
 
     def render(self) -> bytes:
+        if self._multiprocess:
+            return generate_latest(self._multiprocess)
         return generate_latest(self.registry)
 
 

@@ -61,7 +61,7 @@ class SessionTable:
 
     def __init__(self, max_evicted: int = 65536):
         self._live: dict[str, Session] = {}
-        self._evicted: OrderedDict[str, None] = OrderedDict()
+        self._evicted: OrderedDict[str, Optional[str]] = OrderedDict()   # id -> why it is lost (None: the TTL)
         self._max_evicted = max_evicted
 
     def __len__(self) -> int:
@@ -79,8 +79,9 @@ class SessionTable:
         if s is not None:
             return s
         if isinstance(session_id, str) and session_id in self._evicted:
-            raise StateLost(f"session {session_id!r} was evicted after being idle longer than the session TTL; "
-                            "its state is gone: create a new session and prefill again")
+            why = self._evicted[session_id] or "was evicted after being idle longer than the session TTL"
+            raise StateLost(f"session {session_id!r} {why}; its state is gone: create a new session and prefill "
+                            "again")
         raise UnknownSession(f"session {session_id!r:.80} does not exist (never created, or deleted); create it "
                              "with POST /v1/sessions")
 
@@ -92,6 +93,14 @@ class SessionTable:
         self.check_free(session.id)
         self._evicted.pop(session.id, None)
         self._live[session.id] = session
+
+    def mark_lost(self, session_ids, why: str) -> None:
+        """Remember ``session_ids`` as lost (they answer :class:`StateLost` with ``why``) unless live."""
+        for sid in session_ids:
+            if sid not in self._live:
+                self._evicted[sid] = why
+        while len(self._evicted) > self._max_evicted:
+            self._evicted.popitem(last=False)
 
     def remove(self, session: Session, evicted: bool = False) -> None:
         del self._live[session.id]

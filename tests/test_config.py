@@ -127,7 +127,7 @@ def test_serve_sets_the_gil_switch_interval_before_building_the_engine(monkeypat
     before = sys.getswitchinterval()
     monkeypatch.setattr(cli, "build_engine", no_model)
     try:
-        assert cli.serve(Settings(gil_switch_interval_us=700)) == cli.EXIT_CONFIG
+        assert cli.serve(Settings(gil_switch_interval_us=700, workers=0)) == cli.EXIT_CONFIG
         assert sys.getswitchinterval() == pytest.approx(0.0007)
     finally:
         sys.setswitchinterval(before)

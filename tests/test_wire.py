@@ -154,3 +154,14 @@ def test_unsupported_tensor_dtypes_are_refused_on_encode():
 def test_importing_the_client_does_not_import_torch():
     code = "import sys, convserve.clients.client, convserve.clients.protocol.wire; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 3, 15, 16, 4095, 4096, 70000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_split_answer_is_the_same_bytes_as_one_packed_body_without_copying_the_tensor(rows, dtype):
+    y = torch.randn(rows, 4).to(dtype)
+    head, data = wire.packb_split({"y": wire.encode_tensor(y)}, "y")
+    assert head + bytes(data) == wire.packb({"y": wire.encode_tensor(y)})
+    if rows:
+        assert np.shares_memory(np.frombuffer(data, np.uint8), y.view(torch.uint8).numpy())
+    assert torch.equal(wire.decode_tensor(wire.unpackb(head + bytes(data), 1 << 24)["y"]), y)

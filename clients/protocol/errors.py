@@ -76,6 +76,13 @@ class NotReady(ServiceError):
     status, code = 503, "not_ready"
 
 
+class EngineUnavailable(ServiceError):
+    """The engine process that holds the session is down (it died and is being restarted). A conv that was in
+    flight when it died was lost with the session's state; once the engine is back the session answers
+    ``410 state_lost``."""
+    status, code = 503, "engine_unavailable"
+
+
 class RequestTimeout(ServiceError):
     status, code = 504, "timeout"
 
@@ -88,8 +95,8 @@ class Internal(ServiceError):
 ConvServeError = ServiceError
 
 ALL_ERRORS = (BadRequest, Unauthorized, UnknownSession, UnknownLayer, SessionExists, StateLost, PayloadTooLarge,
-              ShapeMismatch, DtypeUnsupported, NonFinite, QueueFull, PoolExhausted, NotReady, RequestTimeout,
-              Internal)
+              ShapeMismatch, DtypeUnsupported, NonFinite, QueueFull, PoolExhausted, NotReady, EngineUnavailable,
+              RequestTimeout, Internal)
 
 #: ``code -> class``, for turning an error body back into its class.
 BY_CODE = {cls.code: cls for cls in ALL_ERRORS}

@@ -68,6 +68,20 @@ def new_packer() -> msgpack.Packer:
     return msgpack.Packer(**_packer_kwargs)
 
 
+def packb_split(obj: dict, key: str) -> tuple[bytes, memoryview]:
+    """``packb(obj)`` as ``(head, data)`` with ``head + data`` equal to it, where ``obj[key]`` is a tensor map
+    (:func:`encode_tensor`) and ``data`` its bytes, not copied: a large answer is sent from the tensor's memory.
+    ``obj`` must hold ``key`` last, and the tensor map its ``data`` last (as :func:`encode_tensor` builds it)."""
+    tmap = obj[key]
+    data = tmap["data"]
+    n = len(data) if not isinstance(data, memoryview) else data.nbytes
+    head = packb({**obj, key: {**tmap, "data": b""}})
+    assert head.endswith(b"\xc4\x00"), "the tensor's data must be packed last"
+    bin_head = (b"\xc4" + n.to_bytes(1, "big") if n < 1 << 8 else b"\xc5" + n.to_bytes(2, "big") if n < 1 << 16
+                else b"\xc6" + n.to_bytes(4, "big"))
+    return head[:-2] + bin_head, memoryview(data).cast("B") if n else memoryview(b"")
+
+
 #: Objects (array and map entries, and the containers themselves) one message may hold by default: a batch of
 #: 4096 sessions with tokens and flags needs about 12,300.
 MAX_OBJECTS = 65536

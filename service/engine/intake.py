@@ -282,6 +282,18 @@ class Intake:
             self._sched.add(req)
             self._cv.notify()
 
+    def check_batch(self, session_ids, speculative=None) -> None:
+        """Raise what :meth:`submit_batch` would raise for the sessions' state now (unknown or lost sessions, a
+        plain row on a session with a pending verify); queue nothing. The first phase of a batch split across
+        engine processes: the shape and limit checks are the same on every engine and run in the worker."""
+        with self._lock:
+            self._check_running_locked()
+            for i, sid in enumerate(session_ids):
+                s = self._sessions.get(sid)
+                spec = speculative if isinstance(speculative, bool) else bool(speculative and speculative[i])
+                if not spec:
+                    self._check_no_verify_locked(s)
+
     def cancel(self, future) -> bool:
         """Withdraw the request behind a future from :meth:`submit` or :meth:`submit_async` if it has not
         started; True if withdrawn."""

@@ -145,6 +145,29 @@ class SessionOps:
 
         self._run_op_many(session_ids, check, lambda ss: self._op_accept_batch(ss, tokens, check))
 
+    def check_accept_batch(self, session_ids, tokens) -> None:
+        """Raise what :meth:`accept_batch` would raise for the sessions' state now; queue nothing (the first
+        phase of an accept split across engine processes)."""
+        with self._lock:
+            self._check_running_locked()
+            for sid, n in zip(session_ids, tokens):
+                self._check_pending(self._sessions.get(sid), n)
+
+    def mark_lost(self, session_ids, why: str) -> None:
+        """Sessions of this engine's previous process: they answer :class:`StateLost` (410) with ``why``."""
+        with self._lock:
+            self._sessions.mark_lost(session_ids, why)
+
+    def session_ids(self) -> list:
+        with self._lock:
+            return [s.id for s in self._sessions]
+
+    def pending_layers(self, session_id: str) -> list:
+        """The layers with an un-accepted speculative verify (empty when none)."""
+        with self._lock:
+            s = self._sessions.get(session_id)
+            return sorted(self.model_cpu.layers[q] for q in s.pending)
+
     def _check_pending(self, s: Session, n: int) -> None:
         if not s.pending:
             raise BadRequest(f"session {s.id!r} has no speculative verify to accept; send a conv with "

@@ -94,6 +94,9 @@ def create_app(settings, engine: EngineAPI, *, start_engine: bool = True) -> Con
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         starter = None
+        bind = getattr(engine, "bind_loop", None)     # an engine in other processes connects from this loop
+        if bind is not None:
+            await bind()
         if start_engine:
             async def _start():
                 t0 = time.perf_counter()

@@ -53,7 +53,13 @@ def render(obj: Any, as_json: bool) -> tuple[bytes, bytes]:
     return wire.packb(obj), MSGPACK_CT
 
 
-async def send_bytes(send, status: int, body: bytes, ctype: bytes, headers=()) -> None:
+async def send_bytes(send, status: int, body: bytes, ctype: bytes, headers=(), more=None) -> None:
+    """One response: ``body``, then ``more`` (a buffer written without a copy) when given."""
+    n = len(body) + (more.nbytes if more is not None else 0)
     await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", ctype), (b"content-length", str(len(body)).encode()), *headers]})
-    await send({"type": "http.response.body", "body": body})
+                "headers": [(b"content-type", ctype), (b"content-length", str(n).encode()), *headers]})
+    if more is None:
+        await send({"type": "http.response.body", "body": body})
+    else:
+        await send({"type": "http.response.body", "body": body, "more_body": True})
+        await send({"type": "http.response.body", "body": more})

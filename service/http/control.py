@@ -9,6 +9,7 @@ API key (the :class:`.edge.Edge` guards only ``/v1``).
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -46,6 +47,12 @@ def add_control_routes(app: FastAPI, svc: Service) -> None:
 
     @app.get("/readyz")
     async def readyz(request: Request):
+        engines = getattr(engine, "engines", None)
+        if svc.ready and engines is not None:       # engine processes: say which are up (degraded when not all)
+            rows = engines()
+            degraded = any(r["state"] != "up" for r in rows)
+            body = json.dumps({"status": "degraded" if degraded else "ready", "engines": rows}).encode()
+            return Response(body, media_type="application/json")
         if svc.ready:
             return Response(b'{"status":"ready"}', media_type="application/json")
         try:
@@ -57,7 +64,8 @@ def add_control_routes(app: FastAPI, svc: Service) -> None:
 
     @app.get("/metrics")
     async def metrics_route():
-        return Response(svc.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+        # in a thread: an engine in other processes is asked for its counters, over this loop
+        return Response(await asyncio.to_thread(svc.metrics.render), media_type=METRICS_CONTENT_TYPE)
 
     # --- /v1 control routes
 
@@ -70,7 +78,7 @@ def add_control_routes(app: FastAPI, svc: Service) -> None:
     async def create_session(request: Request):
         svc.require_ready()
         sid = parser.new_session_id(await read(request))
-        return reply(request, {"session": engine.create_session(sid)}, 201)
+        return reply(request, {"session": await asyncio.to_thread(engine.create_session, sid)}, 201)
 
     @app.delete("/v1/sessions/{session}", status_code=204)
     async def delete_session(session: str):

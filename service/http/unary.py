@@ -11,7 +11,8 @@ import asyncio
 from typing import TYPE_CHECKING, Any
 
 from convserve.clients.protocol import wire
-from convserve.service.http.asgi import ROUTE_SCOPE_KEY, ClientGone, client_gone, render, send_bytes, wants_json
+from convserve.service.http.asgi import (MSGPACK_CT, ROUTE_SCOPE_KEY, ClientGone, client_gone, render, send_bytes,
+                                         wants_json)
 from convserve.service.http.errors import as_service_error, send_error
 from convserve.service.http.parse import parse_body, read_body
 
@@ -68,6 +69,10 @@ async def wait_result(engine, fut, receive):
             gone.cancel()
 
 
+#: answers at least this large are sent from y's memory (two writes) instead of being copied into one body
+SPLIT_BYTES = 64 << 10
+
+
 class _UnaryEndpoint:
     """A request-response conv route: read the body, submit it to the engine, answer ``{"y"}`` or the error."""
 
@@ -90,14 +95,21 @@ class _UnaryEndpoint:
             body = await read_body(scope, receive, svc.max_body)
             fut = self.submit(parse_body(scope, body, svc.max_body, svc.max_objects))
             y = await wait_result(self.engine, fut, receive)
-            out, ct = render({"y": wire.encode_tensor(y)}, wants_json(scope))
+            as_json = wants_json(scope)
+            if as_json or y.nbytes < SPLIT_BYTES:
+                out, ct = render({"y": wire.encode_tensor(y)}, as_json)
+            else:
+                head, data = wire.packb_split({"y": wire.encode_tensor(y)}, "y")
         except ClientGone:
             client_gone(scope)
             return
         except Exception as e:  # noqa: BLE001 - every failure becomes an error response
             await send_error(scope, send, as_service_error(e))
             return
-        await send_bytes(send, 200, out, ct)
+        if as_json or y.nbytes < SPLIT_BYTES:
+            await send_bytes(send, 200, out, ct)
+        else:       # y's memory (an engine output, or a worker's arena block) is written out as it is
+            await send_bytes(send, 200, head, MSGPACK_CT, more=data)
 
 
 class ConvEndpoint(_UnaryEndpoint):

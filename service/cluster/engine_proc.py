@@ -1,0 +1,325 @@
+"""One engine process: an :class:`~convserve.service.engine.Engine` on one device, serving the workers' requests
+(:mod:`.messages`) on a ZeroMQ ROUTER socket.
+
+The process's main thread runs an asyncio loop that receives requests, submits convs to the engine
+(``submit_async``: the engine resolves one step's futures with one wake-up of this loop) and answers each as its
+future completes; session operations run on a small thread pool, since they block until the engine's worker
+thread has run them. The engine's own worker thread runs the steps. Nothing else runs here: no HTTP parsing, so
+the GIL is shared by two threads that each do one thing.
+
+Sessions survive nothing: when this process dies its sessions die with it. So that their ids answer
+``410 state_lost`` rather than ``404 unknown_session`` from the next process, the ids of live sessions are kept in a
+journal file in the run directory (``+id`` at create, ``-id`` at delete, rewritten when it grows); the next process
+of this engine reads it at start-up and marks those ids lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import logging
+import os
+import signal
+import sys
+from typing import Any, Optional
+
+import msgpack
+
+from convserve.clients.protocol.errors import BadRequest, ServiceError
+
+from . import messages as m
+from .lifeline import hold
+from .shm import ArenaMap
+from .status import BUILT, STOPPED, UP, StatusTable
+
+log = logging.getLogger("convserve.engine_proc")
+
+EXIT_BUILD = 3        # the model or engine could not be built or started: restarting would not help
+
+
+class Journal:
+    """``+id`` / ``-id`` lines of the sessions this engine process holds (see the module docstring)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.f = None
+        self.lines = 0
+
+    def recover(self) -> list:
+        """The ids that were live in the previous process, and a fresh journal."""
+        live: dict = {}
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                for line in f:
+                    sid = line[1:].rstrip("\n")
+                    if line.startswith("+"):
+                        live[sid] = None
+                    elif line.startswith("-"):
+                        live.pop(sid, None)
+        except FileNotFoundError:
+            pass
+        self.f = open(self.path, "w", encoding="utf-8", buffering=1)
+        return list(live)
+
+    def add(self, sid: str) -> None:
+        self.f.write(f"+{sid}\n")
+        self.lines += 1
+
+    def remove(self, sid: str) -> None:
+        self.f.write(f"-{sid}\n")
+        self.lines += 1
+
+    def compact(self, live: list) -> None:
+        tmp = self.path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(f"+{sid}\n" for sid in live)
+        os.replace(tmp, self.path)
+        self.f.close()
+        self.f = open(self.path, "a", encoding="utf-8", buffering=1)
+        self.lines = len(live)
+
+
+class EngineProcess:
+    def __init__(self, spec: dict):
+        self.spec = spec
+        self.index: int = spec["index"]
+        self.epoch: int = spec["epoch"]
+        self.run_dir: str = spec["run_dir"]
+        self.settings = spec["settings"]
+        self.engine = None
+        self.arenas = ArenaMap(self.run_dir)
+        self.status = StatusTable(os.path.join(self.run_dir, "status"))
+        self.journal = Journal(os.path.join(self.run_dir, f"engine-{self.index}.journal"))
+        self.inflight: dict = {}          # (worker identity, request id) -> engine future
+        self.pool = cf.ThreadPoolExecutor(max_workers=8, thread_name_prefix="convserve-op")
+        self.packer = msgpack.Packer(use_bin_type=True)
+
+    # ------------------------------------------------------------------ start-up
+
+    def build(self) -> None:
+        from convserve.service.cli import build_engine
+
+        settings = self.settings.model_copy(update={"device": self.spec["device"]})
+        self.engine = build_engine(settings)
+        if self.index == 0:                    # the workers' static description of the model
+            info = self.engine.model_info()
+            tmp = os.path.join(self.run_dir, "model.msgpack.tmp")
+            with open(tmp, "wb") as f:
+                f.write(msgpack.packb(info))
+            os.replace(tmp, os.path.join(self.run_dir, "model.msgpack"))
+        self.status.set_state(self.index, BUILT)
+
+    def start(self) -> None:
+        self.engine.start()
+        lost = self.journal.recover()
+        if lost:
+            self.engine.mark_lost(lost, f"was on engine {self.index}, whose process stopped (restart "
+                                        f"{self.spec['restarts']})")
+            log.warning("engine restarted without its sessions", extra={"engine": self.index, "lost": len(lost)})
+        self._publish_slots()
+
+    def _publish_slots(self) -> None:
+        st = self.engine.model_info()["slots"]
+        self.status.set_slots(self.index, st["total"], st["free"], len(self.engine._sessions))
+
+    # ------------------------------------------------------------------ serving
+
+    async def serve(self) -> None:
+        import zmq
+        import zmq.asyncio
+
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.ROUTER)
+        for opt in (zmq.SNDHWM, zmq.RCVHWM, zmq.LINGER):
+            sock.setsockopt(opt, 0)
+        path = m.endpoint(self.run_dir, self.index)
+        try:
+            os.unlink(path[len("ipc://"):])
+        except FileNotFoundError:
+            pass
+        sock.bind(path)
+        self.out = zmq.Socket.shadow(sock.underlying)
+        self.status.set_state(self.index, UP)
+        log.info("engine up", extra={"engine": self.index, "device": self.spec["device"], "epoch": self.epoch,
+                                     "pid": os.getpid()})
+        ticks = 0
+        while not stop.is_set():
+            if await sock.poll(200):
+                self._drain()
+            ticks += 1
+            if ticks % 5 == 0:
+                self._publish_slots()
+        self.status.set_state(self.index, STOPPED)
+        await asyncio.to_thread(self.engine.stop, True, self.settings.shutdown_timeout_s)
+        self._drain()
+        sock.close(0)
+        ctx.term()
+
+    def _drain(self) -> None:
+        import zmq
+
+        recv = self.out.recv_multipart
+        while True:
+            try:
+                frames = recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                self._handle(frames)
+            except Exception:  # noqa: BLE001 - a bad message must not stop the engine
+                log.exception("engine: cannot handle a message")
+
+    def _send(self, ident: bytes, reply: dict, data: Optional[Any] = None) -> None:
+        frames = [ident, self.packer.pack(reply)]
+        if data is not None:
+            frames.append(data)
+        self.out.send_multipart(frames, copy=False)
+
+    def _handle(self, frames: list) -> None:
+        ident, head = frames[0], msgpack.unpackb(frames[1], raw=False)
+        if head.get("e") != self.epoch:
+            return                  # sent to an earlier process of this engine; its sender already failed it
+        kind, mid = head["k"], head["i"]
+        try:
+            if kind == m.CONV or kind == m.BATCH:
+                self._conv(ident, head, frames)
+            elif kind == m.CANCEL:
+                fut = self.inflight.get((ident, mid))
+                if fut is not None:
+                    self.engine.cancel(fut)
+            elif kind == m.OP:
+                self._op(ident, head, frames)
+            elif kind == m.CHECK:
+                if head["f"] == "batch":
+                    self.engine.check_batch(head["ss"], head.get("sp"))
+                else:
+                    self.engine.check_accept_batch(head["ss"], head["t"])
+                self._send(ident, {"i": mid, "ok": None})
+            elif kind == m.STATS:
+                self._send(ident, {"i": mid, "ok": self.engine.stats()})
+            else:
+                raise BadRequest(f"unknown message kind {kind!r}")
+        except Exception as e:  # noqa: BLE001 - answered to the worker, which raises it to its caller
+            self._send(ident, m.error_reply(mid, e))
+
+    def _conv(self, ident: bytes, head: dict, frames: list) -> None:
+        import torch
+
+        dtype = getattr(torch, head["d"])
+        rows, dim = head["n"], self.engine.model_cpu.dim
+        nbytes = rows * dim * dtype.itemsize
+        if "a" in head:
+            base = self.arenas.get(head["a"])
+            off = head["o"]
+            block = torch.from_numpy(base[off:off + nbytes])
+        else:
+            block = torch.frombuffer(bytearray(frames[2]), dtype=torch.uint8)
+        x = block.view(dtype).view(rows, dim)
+        if head["k"] == m.CONV:
+            fut = self.engine.submit_async(head["s"], head["l"], x, speculative=head["sp"])
+        else:
+            fut = self.engine.submit_batch_async(head["ss"], head["l"], x, head.get("t"), head.get("sp"))
+        key = (ident, head["i"])
+        self.inflight[key] = fut
+        fut.add_done_callback(lambda f: self._conv_done(key, block, "a" in head, f))
+
+    def _conv_done(self, key, block, in_arena: bool, fut) -> None:
+        ident, mid = key
+        self.inflight.pop(key, None)
+        if fut.cancelled():
+            self._send(ident, {"i": mid, "cancelled": True})
+            return
+        exc = fut.exception()
+        if exc is not None:
+            self._send(ident, m.error_reply(mid, exc))
+            return
+        y = fut.result().contiguous()
+        block.view(y.dtype).view(y.shape).copy_(y)    # y has x's shape and dtype: it fits x's block exactly
+        if in_arena:
+            self._send(ident, {"i": mid, "ok": True})
+        else:
+            self._send(ident, {"i": mid, "ok": True}, memoryview(block.numpy()))
+
+    def _op(self, ident: bytes, head: dict, frames: list) -> None:
+        name, args = head["f"], list(head.get("a") or ())
+        if name not in m.OPS:
+            raise BadRequest(f"unknown session operation {name!r}")
+        if name in ("import_state", "create_with_state"):
+            args.append(self._state_of(head, frames[2]))
+        fut = self.pool.submit(getattr(self, "_op_" + name, None) or getattr(self.engine, name), *args)
+        loop = asyncio.get_running_loop()
+        fut.add_done_callback(lambda f: loop.call_soon_threadsafe(self._op_done, ident, head, f))
+
+    def _state_of(self, head: dict, data: bytes):
+        import torch
+
+        return torch.frombuffer(bytearray(data), dtype=getattr(torch, head["d"])).view(*head["sh"])
+
+    def _op_done(self, ident: bytes, head: dict, fut: cf.Future) -> None:
+        name, mid = head["f"], head["i"]
+        exc = fut.exception()
+        if exc is not None:
+            self._send(ident, m.error_reply(mid, exc))
+            return
+        result = fut.result()
+        if name in ("create_session", "fork_session"):
+            self.journal.add(result)
+        elif name == "create_with_state":
+            self.journal.add(head["a"][0])
+        elif name == "delete_session":
+            self.journal.remove(head["a"][0])
+            if self.journal.lines > 4 * max(1024, len(self.engine._sessions)):
+                self.journal.compact(self.engine.session_ids())
+        self._reply_op(ident, mid, result)
+        if name in ("create_session", "fork_session", "create_with_state", "delete_session"):
+            self._publish_slots()
+
+    def _reply_op(self, ident: bytes, mid: int, result) -> None:
+        if hasattr(result, "untyped_storage"):       # a state tensor: its bytes as a second frame
+            import torch
+
+            t = result.contiguous()
+            self._send(ident, {"i": mid, "ok": None, "d": str(t.dtype).removeprefix("torch."), "sh": list(t.shape)},
+                       memoryview(t.view(-1).view(torch.uint8).numpy()))
+        else:
+            self._send(ident, {"i": mid, "ok": result})
+
+    # the operations that exist only across engines
+
+    def _op_export_for_fork(self, session_id: str):
+        layers = self.engine.pending_layers(session_id)
+        if layers:
+            raise BadRequest(f"session {session_id!r} has an un-accepted speculative verify on layer(s) {layers}; "
+                             "a fork onto another engine carries the committed state only: accept (or accept 0) "
+                             "first, or fork without naming the new id (the fork then stays on this engine and "
+                             "keeps the verify)")
+        return self.engine.export_state(session_id)
+
+    def _op_create_with_state(self, session_id: str, state) -> None:
+        self.engine.create_session(session_id)
+        try:
+            self.engine.import_state(session_id, state)
+        except BaseException:
+            self.engine.delete_session(session_id)
+            raise
+
+
+def main(spec: dict) -> None:
+    """The spawn target of one engine process."""
+    from convserve.service import logs
+
+    settings = spec["settings"]
+    logs.configure(settings.log_level)
+    hold(spec["parent_pid"], spec["run_dir"])
+    proc = EngineProcess(spec)
+    try:
+        proc.build()
+        proc.start()
+    except (ServiceError, ValueError, OSError, RuntimeError) as e:
+        log.error("engine process cannot start", extra={"engine": proc.index, "error": str(e)})
+        sys.exit(EXIT_BUILD)
+    asyncio.run(proc.serve())
+    sys.exit(0)

@@ -1,0 +1,50 @@
+"""The messages between a worker and an engine process: msgpack maps over a ZeroMQ DEALER/ROUTER pair.
+
+Tensors do not travel in messages: x and y live in the worker's arena (:mod:`.shm`), and a message names the
+block (``a`` arena file, ``o`` offset). Only when no block was free does a tensor travel inline, as a second
+frame. Every request carries the engine ``epoch`` the worker believes it talks to; an engine drops a request of
+another epoch (it was queued for a process that died), so nothing sent to a dead engine runs on its successor.
+
+Worker -> engine, first frame a map with ``k`` (kind), ``i`` (request id, per worker) and ``e`` (epoch):
+
+=====  =========================================================================================================
+``c``  conv: ``s`` session, ``l`` layer, ``sp`` speculative, ``d`` dtype, ``n`` rows; x in the arena (``a``,
+       ``o``) or inline (second frame). Reply: ``ok`` with ``d``/``n``, y written over x's block (or inline)
+``b``  batch: ``ss`` sessions, ``l``, ``t`` tokens or None, ``sp`` bool / list / None, ``d``, ``n``; as ``c``
+``x``  cancel request ``i`` if it has not started (no reply of its own: the request itself answers)
+``o``  a session operation ``f`` with arguments ``a`` (a state tensor travels as a second frame)
+``q``  a check before a batch split across engines (``f``: ``batch`` or ``accept``): validates, queues nothing
+``s``  stats
+=====  =========================================================================================================
+
+Engine -> worker: ``{"i", "ok": result}`` or ``{"i", "err": code, "m": message, "ra": retry_after}``.
+"""
+
+from __future__ import annotations
+
+from convserve.clients.protocol.errors import BY_CODE, Internal, ServiceError
+
+CONV, BATCH, CANCEL, OP, CHECK, STATS = "c", "b", "x", "o", "q", "s"
+
+#: the session operations an ``o`` message may name
+OPS = ("create_session", "delete_session", "fork_session", "export_state", "import_state", "accept",
+       "accept_batch", "export_for_fork", "create_with_state")
+
+
+def error_reply(mid: int, exc: BaseException) -> dict:
+    if not isinstance(exc, ServiceError):
+        exc = Internal(f"the engine failed: {type(exc).__name__}: {exc}")
+    return {"i": mid, "err": exc.code, "m": exc.message, "ra": exc.retry_after}
+
+
+def error_of(reply: dict) -> ServiceError:
+    cls = BY_CODE.get(reply.get("err"), Internal)
+    return cls(reply.get("m") or "engine error", retry_after=reply.get("ra"))
+
+
+def endpoint(run_dir: str, engine: int) -> str:
+    return f"ipc://{run_dir}/engine-{engine}.sock"
+
+
+def arena_name(worker: int, generation: int) -> str:
+    return f"arena-w{worker}-g{generation}"

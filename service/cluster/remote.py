@@ -1,0 +1,439 @@
+"""The engine interface (:class:`~convserve.service.http.backend.EngineAPI`) of an HTTP worker whose engines live in
+other processes.
+
+Routing: a session lives on the engine its id hashes to (:mod:`.placement`); convs and session operations go
+there. A batch whose sessions live on several engines is split: every engine first checks its part against its
+sessions (nothing queued), then the parts run in parallel and y is joined in x's row order. A fork onto another
+engine (a new id that hashes elsewhere) goes through export and import; a fork without a new id gets an id on the
+source's engine and stays there.
+
+Data path: x is copied once, from the request body into a block of this worker's arena (:mod:`.shm`); the engine
+reads it there and writes y over it; the route answers from that block and the block is reused once the answer
+is written (the lease's lifetime, not a flag). Control travels as small msgpack messages (:mod:`.messages`).
+
+Failure: the status table says which engines are up. A request for an engine that is down or restarting fails at
+once with ``503 engine_unavailable``; requests in flight on an engine whose process died fail the same way as soon
+as the supervisor marks it down (a watcher polls the table), and the engine's next process answers their
+sessions with ``410 state_lost``.
+
+Threading: the conv methods run on this worker's event loop (the routes call them there); the blocking session
+operations are called from other threads (the routes' ``to_thread``) and hop onto the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+from typing import Any, Optional, Sequence
+
+import msgpack
+import numpy as np
+import torch
+
+from convserve.clients.protocol.errors import BadRequest, EngineUnavailable, NotReady, ServiceError
+
+from . import messages as m
+from .placement import engine_of, new_id_on, split
+from .shm import Arena
+from .status import DOWN, STARTING, UP, StatusTable
+
+log = logging.getLogger("convserve.worker")
+
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+class _Future(asyncio.Future):
+    """A conv's future; it knows where its request went, for :meth:`RemoteEngine.cancel`."""
+
+    engine: int = -1
+    mid: int = -1
+
+
+class _Pending:
+    __slots__ = ("fut", "lease", "epoch", "dtype", "shape")
+
+    def __init__(self, fut, lease, epoch, dtype=None, shape=None):
+        self.fut, self.lease, self.epoch, self.dtype, self.shape = fut, lease, epoch, dtype, shape
+
+
+class _Link:
+    """This worker's connection to one engine."""
+
+    def __init__(self, index: int, sock, out):
+        self.index = index
+        self.sock = sock            # asyncio socket: polled for replies
+        self.out = out              # its synchronous shadow: sends and non-blocking receives
+        self.epoch = 0
+        self.pending: dict[int, _Pending] = {}
+
+
+class RemoteEngine:
+    """See the module docstring. ``info`` is engine 0's ``model_info()`` (the model is the same on every engine)."""
+
+    def __init__(self, run_dir: str, devices: Sequence[str], worker: int, generation: int, info: dict,
+                 arena_bytes: int):
+        self.run_dir = run_dir
+        self.devices = list(devices)
+        self.n = len(self.devices)
+        self.info = info
+        self.dim = int(info["dim"])
+        self.status = StatusTable(os.path.join(run_dir, "status"))
+        self.arena_name = m.arena_name(worker, generation)
+        self.arena = Arena(os.path.join(run_dir, self.arena_name), arena_bytes)
+        self.loop: Optional[asyncio.AbstractEventLoop] = None
+        self.links: list[_Link] = []
+        self._ids = itertools.count(1)
+        self._tasks: list = []
+        self._packer = msgpack.Packer(use_bin_type=True)
+
+    # ------------------------------------------------------------------ life cycle
+
+    async def bind_loop(self) -> None:
+        """Connect to every engine from this (the worker's) event loop."""
+        import zmq
+        import zmq.asyncio
+
+        self.loop = asyncio.get_running_loop()
+        self._ctx = zmq.asyncio.Context()
+        for e in range(self.n):
+            sock = self._ctx.socket(zmq.DEALER)
+            for opt in (zmq.SNDHWM, zmq.RCVHWM, zmq.LINGER):
+                sock.setsockopt(opt, 0)
+            sock.connect(m.endpoint(self.run_dir, e))
+            link = _Link(e, sock, zmq.Socket.shadow(sock.underlying))
+            link.epoch = self.status.state(e)[1]
+            self.links.append(link)
+            self._tasks.append(asyncio.ensure_future(self._reader(link)))
+        self._tasks.append(asyncio.ensure_future(self._watch()))
+
+    def start(self) -> None:
+        """Nothing to start: the engines are the supervisor's. (The lifespan calls this in a thread.)"""
+
+    def stop(self, drain: bool = True, timeout: Optional[float] = None) -> None:
+        """Wait (up to ``timeout``) for the requests in flight, then close the connections and the arena."""
+        if self.loop is None:
+            return
+        fut = asyncio.run_coroutine_threadsafe(self._close(drain, timeout), self.loop)
+        fut.result()
+
+    async def _close(self, drain: bool, timeout: Optional[float]) -> None:
+        deadline = self.loop.time() + (timeout or 0)
+        while drain and any(link.pending for link in self.links) and self.loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        for t in self._tasks:
+            t.cancel()
+        for link in self.links:
+            for p in link.pending.values():
+                if not p.fut.done():
+                    p.fut.set_exception(NotReady("the worker stopped before the engine answered"))
+            link.pending.clear()
+            link.sock.close(0)
+        self.links = []
+        self.arena.close()
+
+    @property
+    def ready(self) -> bool:
+        return self.loop is not None and any(self.status.state(e)[0] == UP for e in range(self.n))
+
+    # ------------------------------------------------------------------ description
+
+    def model_info(self) -> dict:
+        info = dict(self.info)
+        rows = [self.status.row(e) for e in range(self.n)]
+        up = [r for r in rows if r.up]
+        info["slots"] = {"total": sum(r.slots_total for r in up), "free": sum(r.slots_free for r in up)}
+        info["engines"] = [{"device": d, **r.as_dict()} for d, r in zip(self.devices, rows)]
+        return info
+
+    def engines(self) -> list:
+        """Each engine's row of the status table, for ``/readyz`` and the metrics."""
+        return [{"device": d, **self.status.row(e).as_dict()} for e, d in enumerate(self.devices)]
+
+    def stats(self) -> dict:
+        """Every engine's ``stats()`` that is up, summed (blocking; not on the loop)."""
+        parts = []
+        for e in range(self.n):
+            if self.status.state(e)[0] == UP:
+                try:
+                    parts.append(self._call_sync(e, {"k": m.STATS})[0]["ok"])
+                except ServiceError:
+                    pass
+        total = _sum_stats(parts)
+        dec, pad = total.get("decode_rows", 0), total.get("decode_padded_rows", 0)
+        total["pad_ratio"] = pad / max(1, pad + dec)
+        total["engines_up"] = len(parts)
+        total["shm"] = {"leases": self.arena.leases, "reused": self.arena.reused, "in_use": self.arena.in_use,
+                        "inline": self.arena.inline}
+        return total
+
+    # ------------------------------------------------------------------ routing
+
+    def _target(self, e: int) -> int:
+        """The epoch of engine ``e`` if it is up, else :class:`EngineUnavailable` / :class:`NotReady`."""
+        state, epoch = self.status.state(e)
+        if state != UP:
+            if state in (DOWN, STARTING) and self.status.row(e).restarts > 0 or state == DOWN:
+                raise EngineUnavailable(f"engine {e} ({self.devices[e]}), which holds this session, is down and "
+                                        "restarting; its sessions' state is lost (they answer 410 state_lost once "
+                                        "it is back): retry, then create the session again", retry_after=2)
+            raise NotReady("the engine is starting (allocating the state pool, warming the kernels); retry "
+                           "shortly", retry_after=1)
+        link = self.links[e]
+        if epoch != link.epoch:
+            self._fail_pending(link, epoch)
+        return epoch
+
+    def _fail_pending(self, link: _Link, epoch: int) -> None:
+        """Engine ``link.index``'s process changed: what was sent to the old one will never be answered."""
+        old = [p for mid, p in link.pending.items() if p.epoch != epoch]
+        if not old:
+            link.epoch = epoch
+            return
+        link.pending = {mid: p for mid, p in link.pending.items() if p.epoch == epoch}
+        link.epoch = epoch
+        err = EngineUnavailable(f"engine {link.index} ({self.devices[link.index]}) died while this request was in "
+                                "flight; the session's state was lost with it (the session answers 410 state_lost "
+                                "once the engine is back): create it again and prefill", retry_after=2)
+        log.error("engine process lost with requests in flight", extra={"engine": link.index,
+                                                                      "requests": len(old)})
+        for p in old:
+            if not p.fut.done():
+                p.fut.set_exception(err)
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(0.05)
+            for link in self.links:
+                state, epoch = self.status.state(link.index)
+                if link.pending and (state == DOWN or epoch != link.epoch):
+                    self._fail_pending(link, epoch if state != DOWN else -1)
+
+    async def _reader(self, link: _Link) -> None:
+        import zmq
+
+        recv = link.out.recv_multipart
+        while True:
+            await link.sock.poll(zmq.POLLIN)
+            while True:
+                try:
+                    frames = recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                try:
+                    self._on_reply(link, frames)
+                except Exception:  # noqa: BLE001 - one bad reply must not stop the reader
+                    log.exception("worker: cannot handle an engine reply")
+
+    def _on_reply(self, link: _Link, frames: list) -> None:
+        head = msgpack.unpackb(frames[0], raw=False, strict_map_key=False)
+        p = link.pending.pop(head["i"], None)
+        if p is None or p.fut.done():
+            return
+        if "err" in head:
+            p.fut.set_exception(m.error_of(head))
+        elif head.get("cancelled"):
+            p.fut.cancel()
+        elif p.dtype is None:                                   # a call: (reply, data frame)
+            p.fut.set_result((head, frames[1] if len(frames) > 1 else None))
+        else:                                                   # a conv: y over x's block, or inline
+            buf = torch.from_numpy(p.lease) if p.lease is not None else torch.frombuffer(bytearray(frames[1]),
+                                                                                         dtype=torch.uint8)
+            p.lease = None
+            p.fut.set_result(buf.view(p.dtype).view(p.shape))
+
+    def _send(self, link: _Link, head: dict, data=None) -> None:
+        frames = [self._packer.pack(head)]
+        if data is not None:
+            frames.append(data)
+        link.out.send_multipart(frames, copy=False)
+
+    # ------------------------------------------------------------------ convs (event loop)
+
+    def _conv(self, e: int, head: dict, x: torch.Tensor, rows=None) -> _Future:
+        """Send one conv (or batch part) to engine ``e``; x (or its ``rows``) is copied into the arena."""
+        epoch = self._target(e)
+        link = self.links[e]
+        dtype = x.dtype
+        name = _DTYPE_NAMES.get(dtype)
+        if name is None:   # the engine raises the proper error; send it anyway, inline
+            name = str(dtype).removeprefix("torch.")
+        n = x.shape[0] if rows is None else len(rows)
+        nbytes = n * self.dim * dtype.itemsize
+        got = self.arena.lease(nbytes)
+        data = None
+        if got is not None:
+            off, lease = got
+            dst = torch.from_numpy(lease).view(dtype).view(n, self.dim)
+            if rows is None:
+                dst.copy_(x)
+            else:
+                torch.index_select(x, 0, rows, out=dst)
+            head["a"], head["o"] = self.arena_name, off
+        else:
+            lease = None
+            src = (x if rows is None else x.index_select(0, rows)).contiguous()
+            data = memoryview(src.view(-1).view(torch.uint8).numpy())
+        mid = next(self._ids)
+        head.update(i=mid, e=epoch, d=name, n=n)
+        fut = _Future(loop=self.loop)
+        fut.engine, fut.mid = e, mid
+        link.pending[mid] = _Pending(fut, lease, epoch, dtype, (n, self.dim))
+        self._send(link, head, data)
+        return fut
+
+    def submit_async(self, session_id: str, layer: int, x, speculative: bool = False) -> asyncio.Future:
+        e = engine_of(session_id, self.n) if isinstance(session_id, str) else 0
+        return self._conv(e, {"k": m.CONV, "s": session_id, "l": layer, "sp": speculative}, x)
+
+    submit = submit_async   # its callers (the stream pipeline) run on the loop too
+
+    def submit_batch_async(self, session_ids: Sequence[str], layer: int, x, tokens=None,
+                           speculative=None) -> asyncio.Future:
+        groups = split(session_ids, self.n) if self.n > 1 else {0: None}
+        if len(groups) == 1:
+            (e,) = groups
+            return self._conv(e, {"k": m.BATCH, "ss": list(session_ids), "l": layer, "t": tokens,
+                                  "sp": speculative}, x)
+        return asyncio.ensure_future(self._split_batch(groups, list(session_ids), layer, x, tokens, speculative))
+
+    submit_batch = submit_batch_async
+
+    async def _split_batch(self, groups: dict, sids: list, layer: int, x, tokens, speculative):
+        lengths = np.ones(len(sids), np.int64) if tokens is None else np.asarray(tokens, np.int64)
+        starts = np.cumsum(lengths) - lengths
+        parts = []
+        for e, pos in groups.items():
+            spec = speculative if not isinstance(speculative, list) else [speculative[i] for i in pos]
+            parts.append((e, pos, spec))
+        await asyncio.gather(*(self._call(e, {"k": m.CHECK, "f": "batch", "ss": [sids[i] for i in pos], "sp": spec})
+                               for e, pos, spec in parts))
+        futs, row_ix = [], []
+        for e, pos, spec in parts:
+            rows = np.concatenate([np.arange(starts[i], starts[i] + lengths[i]) for i in pos])
+            ix = torch.from_numpy(rows)
+            row_ix.append(ix)
+            futs.append(self._conv(e, {"k": m.BATCH, "ss": [sids[i] for i in pos], "l": layer,
+                                       "t": None if tokens is None else [tokens[i] for i in pos], "sp": spec},
+                                   x, rows=ix))
+        results = await asyncio.gather(*futs, return_exceptions=True)
+        failed = [(p, r) for p, r in zip(parts, results) if isinstance(r, BaseException)]
+        if failed:
+            first = failed[0][1]
+            done = [sids[i] for p, r in zip(parts, results) if not isinstance(r, BaseException) for i in p[1]]
+            if done and isinstance(first, ServiceError):
+                first.message += (f" (this batch was split across engines and raced with another change of its "
+                                  f"sessions: the slices of {done} were applied, the others not)")
+                first.args = (first.message,)
+            raise first
+        y = torch.empty((x.shape[0], self.dim), dtype=x.dtype)
+        for ix, r in zip(row_ix, results):
+            y.index_copy_(0, ix, r)
+        return y
+
+    def cancel(self, future) -> bool:
+        """Ask the engine to withdraw the request if it has not started; the answer comes on the future."""
+        # (the route may already have failed the future itself: the request in the engine is what is withdrawn)
+        if isinstance(future, _Future) and self.links and future.mid in self.links[future.engine].pending:
+            self._send(self.links[future.engine], {"k": m.CANCEL, "i": future.mid,
+                                                   "e": self.links[future.engine].epoch})
+            if not future.done():
+                future.add_done_callback(lambda f: f.cancelled() or f.exception())   # nobody reads it
+        return False
+
+    # ------------------------------------------------------------------ calls and session operations
+
+    async def _call(self, e: int, head: dict, data=None) -> tuple[dict, Any]:
+        epoch = self._target(e)
+        link = self.links[e]
+        mid = next(self._ids)
+        head.update(i=mid, e=epoch)
+        fut = self.loop.create_future()
+        link.pending[mid] = _Pending(fut, None, epoch)
+        self._send(link, head, data)
+        return await fut
+
+    def _call_sync(self, e: int, head: dict, data=None) -> tuple[dict, Any]:
+        if self.loop is None:
+            raise NotReady("the worker is starting; retry shortly", retry_after=1)
+        return asyncio.run_coroutine_threadsafe(self._call(e, head, data), self.loop).result()
+
+    def _op(self, e: int, name: str, *args, state=None):
+        data = None
+        head = {"k": m.OP, "f": name, "a": list(args)}
+        if state is not None:
+            t = state.contiguous()
+            head["d"], head["sh"] = str(t.dtype).removeprefix("torch."), list(t.shape)
+            data = memoryview(t.view(-1).view(torch.uint8).numpy())
+        reply, frame = self._call_sync(e, head, data)
+        if "sh" in reply:
+            return torch.frombuffer(bytearray(frame), dtype=getattr(torch, reply["d"])).view(*reply["sh"])
+        return reply["ok"]
+
+    def _up(self, e: int) -> bool:
+        return self.status.state(e)[0] == UP
+
+    def create_session(self, session_id: Optional[str] = None) -> str:
+        if session_id is None:
+            try:
+                session_id, e = new_id_on(self._up, self.n)
+            except LookupError:
+                self._target(0)
+                raise EngineUnavailable("no engine is up to hold a new session; retry shortly",
+                                        retry_after=2) from None
+        else:
+            e = engine_of(session_id, self.n)
+        return self._op(e, "create_session", session_id)
+
+    def delete_session(self, session_id: str) -> None:
+        self._op(engine_of(session_id, self.n), "delete_session", session_id)
+
+    def fork_session(self, src_id: str, new_id: Optional[str] = None) -> str:
+        e = engine_of(src_id, self.n)
+        if new_id is None and self.n > 1:
+            new_id, _ = new_id_on(lambda x: x == e, self.n, tries=4096)
+        if new_id is None or engine_of(new_id, self.n) == e:
+            return self._op(e, "fork_session", src_id, new_id)
+        state = self._op(e, "export_for_fork", src_id)
+        self._op(engine_of(new_id, self.n), "create_with_state", new_id, state=state)
+        return new_id
+
+    def export_state(self, session_id: str):
+        return self._op(engine_of(session_id, self.n), "export_state", session_id)
+
+    def import_state(self, session_id: str, state) -> None:
+        if not isinstance(state, torch.Tensor):
+            raise BadRequest("state: expected a tensor")
+        self._op(engine_of(session_id, self.n), "import_state", session_id, state=state)
+
+    def accept(self, session_id: str, n_tokens: int) -> None:
+        self._op(engine_of(session_id, self.n), "accept", session_id, n_tokens)
+
+    def accept_batch(self, session_ids: Sequence[str], tokens: Sequence[int]) -> None:
+        groups = split(session_ids, self.n)
+        if len(groups) == 1:
+            (e,) = groups
+            self._op(e, "accept_batch", list(session_ids), list(tokens))
+            return
+        parts = [(e, [session_ids[i] for i in pos], [tokens[i] for i in pos]) for e, pos in groups.items()]
+        for e, ss, tt in parts:
+            self._call_sync(e, {"k": m.CHECK, "f": "accept", "ss": ss, "t": tt})
+        for e, ss, tt in parts:
+            self._op(e, "accept_batch", ss, tt)
+
+
+def _sum_stats(parts: list) -> dict:
+    """Numbers summed key by key (nested maps too); other values from the first part."""
+    if not parts:
+        return {}
+    out: dict = {}
+    for p in parts:
+        for k, v in p.items():
+            if isinstance(v, dict):
+                out[k] = _sum_stats([out[k], v]) if isinstance(out.get(k), dict) else dict(v)
+            elif isinstance(v, (int, float)) and not isinstance(v, bool):
+                out[k] = out.get(k, 0) + v
+            else:
+                out.setdefault(k, v)
+    return out

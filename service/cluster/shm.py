@@ -1,0 +1,117 @@
+"""Shared memory between the HTTP workers and the engine processes: the tensors' data path.
+
+Each worker owns one :class:`Arena`, a file in the run directory (``/dev/shm`` when present) mapped by the worker
+and by every engine. A conv request's x is written into a block of it by the worker, the engine reads x from
+there and writes y over the same block (y has x's shape and dtype), and the worker answers from that memory.
+
+Invariant: a block is handed out again only after every object reading it is gone. :meth:`Arena.lease` returns
+a numpy array that owns the block; torch tensors made from it (``torch.from_numpy``), their views, and memoryviews
+of those all keep that array alive, and the block returns to the free lists when the array is collected. The
+worker holds the lease while the engine may still write to the block (until the engine's reply, or its death).
+
+Allocation: power-of-two size classes carved from the arena with a bump pointer, and a free list per class. A
+request that finds no block (the arena is full, or the tensor is larger than it) travels inline in the message
+instead, which costs one more copy; :attr:`Arena.inline` counts those.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import weakref
+from typing import Optional
+
+import numpy as np
+
+MIN_BLOCK = 4096
+
+
+def _size_class(nbytes: int) -> int:
+    return max(MIN_BLOCK, 1 << (max(1, nbytes) - 1).bit_length())
+
+
+def map_file(path: str, size: Optional[int] = None, create: bool = False) -> tuple[mmap.mmap, np.ndarray]:
+    """Map ``path`` read-write (creating it with ``size`` bytes when ``create``); ``(mmap, uint8 array)``."""
+    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        if create:
+            os.ftruncate(fd, size)
+        size = os.fstat(fd).st_size
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    return mm, np.frombuffer(mm, dtype=np.uint8)
+
+
+class Arena:
+    """The worker's side: a mapped file and its block allocator (one thread: the worker's event loop)."""
+
+    def __init__(self, path: str, size: int):
+        self.path = path
+        self.size = size
+        self.mm, self.base = map_file(path, size, create=True)
+        self._top = 0                       # bump pointer: [0, _top) has been carved into blocks
+        self._free: dict[int, list[int]] = {}
+        self.in_use = 0                     # blocks leased and not yet returned
+        self.leases = 0                     # blocks handed out, in all
+        self.reused = 0                     # of those, taken from a free list
+        self.inline = 0                     # requests that found no block
+
+    def lease(self, nbytes: int) -> Optional[tuple[int, np.ndarray]]:
+        """``(offset, array of nbytes)`` owning a block, or None when none is free."""
+        cls = _size_class(nbytes)
+        free = self._free.get(cls)
+        if free:
+            off = free.pop()
+            self.reused += 1
+        elif self._top + cls <= self.size:
+            off = self._top
+            self._top += cls
+        else:
+            self.inline += 1
+            return None
+        arr = self.base[off:off + nbytes]
+        weakref.finalize(arr, self._release, off, cls)
+        self.in_use += 1
+        self.leases += 1
+        return off, arr
+
+    def _release(self, off: int, cls: int) -> None:
+        self.in_use -= 1
+        self._free.setdefault(cls, []).append(off)
+
+    def close(self, unlink: bool = True) -> None:
+        self.base = None
+        try:
+            self.mm.close()
+        except BufferError:          # a response still holds a view: the mapping goes with the process
+            pass
+        if unlink:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+class ArenaMap:
+    """The engine's side: the workers' arenas, mapped on first use, by path (one generation per worker slot)."""
+
+    def __init__(self, run_dir: str):
+        self.run_dir = os.path.realpath(run_dir)
+        self._maps: dict[str, np.ndarray] = {}
+        self._by_worker: dict[str, str] = {}
+
+    def get(self, name: str) -> np.ndarray:
+        base = self._maps.get(name)
+        if base is None:
+            if "/" in name or not name.startswith("arena-"):
+                raise ValueError(f"not an arena name: {name!r}")
+            worker = name.rsplit("-g", 1)[0]
+            old = self._by_worker.pop(worker, None)
+            if old is not None:              # that worker was restarted: its old arena is no longer written
+                self._maps.pop(old, None)
+            _mm, base = map_file(os.path.join(self.run_dir, name))
+            self._maps[name] = base
+            self._by_worker[worker] = name
+        return base

@@ -1,0 +1,83 @@
+"""The engines' status table: one small shared file that the supervisor, the engines and the workers map.
+
+One row per engine. The supervisor writes ``state`` (starting, down, stopped), ``epoch`` (one per start of the
+engine's process), ``pid`` and ``restarts``; the engine writes ``state = built`` (model loaded), ``up`` (warm,
+serving) and its slot counts. Workers read it on every request (a struct unpack) to route around engines that
+are down, and poll it to fail the requests in flight on an engine that died. Each field has one writer at a time.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+from .shm import map_file
+
+NEW, STARTING, BUILT, UP, DOWN, STOPPED = range(6)
+STATE_NAMES = ("new", "starting", "built", "up", "down", "stopped")
+
+_ROW = struct.Struct("<IIIIIII")      # state, epoch, pid, restarts, slots_total, slots_free, sessions
+_STATE, _EPOCH, _PID, _RESTARTS, _TOTAL, _FREE, _SESSIONS = (4 * i for i in range(7))
+
+
+@dataclass
+class Row:
+    state: int
+    epoch: int
+    pid: int
+    restarts: int
+    slots_total: int
+    slots_free: int
+    sessions: int
+
+    @property
+    def up(self) -> bool:
+        return self.state == UP
+
+    def as_dict(self) -> dict:
+        return {"state": STATE_NAMES[self.state], "epoch": self.epoch, "pid": self.pid, "restarts": self.restarts,
+                "slots": {"total": self.slots_total, "free": self.slots_free}, "sessions": self.sessions}
+
+
+class StatusTable:
+    def __init__(self, path: str, n_engines: int = 0, create: bool = False):
+        self.path = path
+        if create:
+            self.mm, self.buf = map_file(path, max(1, n_engines) * _ROW.size, create=True)
+        else:
+            self.mm, self.buf = map_file(path)
+        self.n = len(self.buf) // _ROW.size
+        self._view = memoryview(self.mm)
+
+    def row(self, e: int) -> Row:
+        return Row(*_ROW.unpack_from(self._view, e * _ROW.size))
+
+    def state(self, e: int) -> tuple[int, int]:
+        """``(state, epoch)`` of engine ``e``: the hot path's read."""
+        return struct.unpack_from("<II", self._view, e * _ROW.size)
+
+    def _put(self, e: int, field: int, value: int) -> None:
+        struct.pack_into("<I", self._view, e * _ROW.size + field, value)
+
+    def set_state(self, e: int, state: int) -> None:
+        self._put(e, _STATE, state)
+
+    def begin(self, e: int, epoch: int, pid: int, restarts: int) -> None:
+        """The supervisor started a new process for engine ``e``."""
+        self._put(e, _EPOCH, epoch)
+        self._put(e, _PID, pid)
+        self._put(e, _RESTARTS, restarts)
+        self._put(e, _STATE, STARTING)
+
+    def set_slots(self, e: int, total: int, free: int, sessions: int) -> None:
+        self._put(e, _TOTAL, total)
+        self._put(e, _FREE, free)
+        self._put(e, _SESSIONS, sessions)
+
+    def close(self) -> None:
+        self._view.release()
+        self.buf = None
+        try:
+            self.mm.close()
+        except BufferError:
+            pass

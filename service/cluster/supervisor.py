@@ -1,0 +1,220 @@
+"""``convserve serve --workers N``: the supervisor process, its engine processes (one per entry of ``--devices``)
+and its HTTP worker processes (all on one listening socket).
+
+Start-up: the engines are spawned first; once each has built its model (so that a bad weights file stops the
+server at once with its message) the supervisor binds the port and spawns the workers, which answer ``/readyz``
+with 503 until an engine is warm. The supervisor does no request work.
+
+Failure: a child that dies is logged and started again (after a back-off that grows while it keeps dying). An
+engine's death is written to the status table at once, so workers fail its in-flight requests and route around it;
+its next process starts without its sessions (they answer 410). A worker's death drops the connections it held;
+its arena file is removed and the new worker gets a new one.
+
+Shutdown (SIGTERM, SIGINT): the workers drain (as a single process does: ``/readyz`` 503, in-flight requests
+finish, up to ``shutdown_timeout_s``), then the engines stop, then the run directory is removed. Every child also
+exits on its own when the supervisor is gone, ``kill -9`` included (:mod:`.lifeline`).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from multiprocessing.connection import wait
+from typing import Optional
+
+from . import engine_proc, worker
+from .status import DOWN, NEW, STARTING, STOPPED, StatusTable
+
+log = logging.getLogger("convserve.supervisor")
+
+MAX_BACKOFF_S = 10.0
+
+
+class _Child:
+    def __init__(self, kind: str, index: int):
+        self.kind, self.index = kind, index
+        self.proc: Optional[mp.process.BaseProcess] = None
+        self.generation = 0      # processes started for this slot
+        self.epoch = 0
+        self.backoff = 0.5
+        self.restart_at: Optional[float] = None
+        self.started_at = 0.0
+
+
+def run_dir_root() -> Optional[str]:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
+class Supervisor:
+    def __init__(self, settings, devices: list[str], n_workers: int):
+        self.settings = settings
+        self.devices = devices
+        self.n_workers = n_workers
+        self.ctx = mp.get_context("spawn")
+        self.run_dir = tempfile.mkdtemp(prefix=f"convserve-{os.getpid()}-", dir=run_dir_root())
+        self.status = StatusTable(os.path.join(self.run_dir, "status"), len(devices), create=True)
+        self.engines = [_Child("engine", i) for i in range(len(devices))]
+        self.workers = [_Child("worker", i) for i in range(n_workers)]
+        self.sock: Optional[socket.socket] = None
+        self.stopping = False
+        self._wake_r, self._wake_w = socket.socketpair()
+        self.failed = False
+
+    # ------------------------------------------------------------------ children
+
+    def _spawn_engine(self, c: _Child) -> None:
+        c.generation += 1
+        c.epoch = c.generation
+        spec = {"index": c.index, "device": self.devices[c.index], "epoch": c.epoch, "run_dir": self.run_dir,
+                "settings": self.settings, "parent_pid": os.getpid(), "restarts": c.generation - 1}
+        c.proc = self.ctx.Process(target=engine_proc.main, args=(spec,), name=f"convserve-engine-{c.index}",
+                                  daemon=False)
+        c.proc.start()
+        c.started_at = time.monotonic()
+        self.status.begin(c.index, c.epoch, c.proc.pid, c.generation - 1)
+        log.info("engine process started", extra={"engine": c.index, "device": self.devices[c.index],
+                                                   "pid": c.proc.pid, "epoch": c.epoch})
+
+    def _spawn_worker(self, c: _Child) -> None:
+        c.generation += 1
+        spec = {"index": c.index, "generation": c.generation, "run_dir": self.run_dir, "settings": self.settings,
+                "devices": self.devices, "parent_pid": os.getpid(), "socket": self.sock}
+        c.proc = self.ctx.Process(target=worker.main, args=(spec,), name=f"convserve-worker-{c.index}",
+                                  daemon=False)
+        c.proc.start()
+        c.started_at = time.monotonic()
+        log.info("worker process started", extra={"worker": c.index, "pid": c.proc.pid})
+
+    def _wait_built(self, timeout: float = 600.0) -> bool:
+        """Wait until every engine has built its model (or one exits: a configuration error)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            states = [self.status.state(c.index)[0] for c in self.engines]
+            if all(s not in (NEW, STARTING) for s in states):
+                return True
+            for c in self.engines:
+                if not c.proc.is_alive():
+                    log.error("engine process exited during start-up", extra={"engine": c.index,
+                                                                               "exitcode": c.proc.exitcode})
+                    return False
+            time.sleep(0.02)
+        return False
+
+    # ------------------------------------------------------------------ main loop
+
+    def run(self) -> int:
+        from convserve.service.cli import bind_socket
+
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        metrics_dir = os.path.join(self.run_dir, "metrics")
+        os.makedirs(metrics_dir)
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir    # inherited by the workers (spawned below)
+        try:
+            for c in self.engines:
+                self._spawn_engine(c)
+            if not self._wait_built():
+                self._stop_all()
+                return 2
+            self.sock = bind_socket(self.settings)
+            host, port = self.sock.getsockname()[:2]
+            log.info("listening", extra={"host": host, "port": port, "url": f"http://{host}:{port}",
+                                         "workers": self.n_workers, "engines": self.devices,
+                                         "run_dir": self.run_dir})
+            for c in self.workers:
+                self._spawn_worker(c)
+            self._loop()
+            self._stop_all()
+            return 1 if self.failed else 0
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.stopping = True
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+
+    def _loop(self) -> None:
+        while not self.stopping:
+            children = [c for c in self.engines + self.workers if c.proc is not None]
+            now = time.monotonic()
+            due = [c.restart_at for c in self.engines + self.workers if c.restart_at is not None]
+            timeout = max(0.0, min(due) - now) if due else 1.0
+            wait([c.proc.sentinel for c in children if c.proc.is_alive()] + [self._wake_r], timeout=timeout)
+            if self.stopping:
+                return
+            now = time.monotonic()
+            for c in self.engines + self.workers:
+                if c.proc is not None and not c.proc.is_alive():
+                    self._died(c, now)
+                if c.restart_at is not None and now >= c.restart_at:
+                    c.restart_at = None
+                    (self._spawn_engine if c.kind == "engine" else self._spawn_worker)(c)
+
+    def _died(self, c: _Child, now: float) -> None:
+        code = c.proc.exitcode
+        pid = c.proc.pid
+        c.proc = None
+        if now - c.started_at > 30:
+            c.backoff = 0.5                       # it had been running: not a crash loop
+        c.restart_at = now + c.backoff
+        c.backoff = min(MAX_BACKOFF_S, c.backoff * 2)
+        if c.kind == "engine":
+            self.status.set_state(c.index, DOWN)
+            log.error("engine process died; restarting it without its sessions",
+                      extra={"engine": c.index, "pid": pid, "exitcode": code, "restart_in_s": c.restart_at - now})
+        else:
+            for name in os.listdir(self.run_dir):
+                if name.startswith(f"arena-w{c.index}-"):
+                    try:
+                        os.unlink(os.path.join(self.run_dir, name))
+                    except FileNotFoundError:
+                        pass
+            _mark_dead(pid)
+            log.error("worker process died; restarting it", extra={"worker": c.index, "pid": pid, "exitcode": code,
+                                                                  "restart_in_s": c.restart_at - now})
+
+    # ------------------------------------------------------------------ shutdown
+
+    def _stop_all(self) -> None:
+        grace = self.settings.shutdown_timeout_s + 5
+        self._stop(self.workers, grace)
+        if self.sock is not None:
+            self.sock.close()
+        self._stop(self.engines, grace)
+        for c in self.engines:
+            self.status.set_state(c.index, STOPPED)
+
+    def _stop(self, children: list, grace: float) -> None:
+        procs = [c.proc for c in children if c.proc is not None and c.proc.is_alive()]
+        for p in procs:
+            p.terminate()                                   # SIGTERM: drain
+        deadline = time.monotonic() + grace
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                log.error("child did not stop in time; killing it", extra={"pid": p.pid, "name": p.name})
+                p.kill()
+                p.join(5)
+            if p.exitcode not in (0, -signal.SIGTERM):
+                self.failed = True
+        for c in children:
+            c.proc = None
+            c.restart_at = None
+
+
+def _mark_dead(pid: int) -> None:
+    """prometheus-client's bookkeeping for a dead worker's live gauges (its counters stay in the sums)."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(pid)

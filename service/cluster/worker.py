@@ -1,0 +1,30 @@
+"""One HTTP worker process: the ASGI app of :mod:`convserve.service.http` under uvicorn, on the socket the
+supervisor bound, with a :class:`.remote.RemoteEngine` as its engine."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import msgpack
+
+from .lifeline import hold
+
+
+def main(spec: dict) -> None:
+    """The spawn target of one worker process."""
+    from convserve.service import logs
+    from convserve.service.cli import run_app
+    from convserve.service.http.app import create_app
+
+    from .remote import RemoteEngine
+
+    settings = spec["settings"]
+    logs.configure(settings.log_level, secrets=[settings.api_key_value()])
+    hold(spec["parent_pid"], spec["run_dir"])
+    with open(os.path.join(spec["run_dir"], "model.msgpack"), "rb") as f:
+        info = msgpack.unpackb(f.read(), raw=False, strict_map_key=False)
+    engine = RemoteEngine(spec["run_dir"], spec["devices"], spec["index"], spec["generation"], info,
+                          settings.shm_bytes)
+    app = create_app(settings, engine)
+    sys.exit(run_app(settings, app, sockets=[spec["socket"]]))

@@ -1,0 +1,190 @@
+"""The multi-process server under failure: engine processes and workers killed with SIGKILL, the supervisor
+killed, SIGTERM, and the metrics of several workers on one scrape. Real processes throughout."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from convserve.clients.protocol import wire
+from convserve.service.cluster.placement import engine_of
+from tests.http_api import DIM, Api, assert_close, model
+from tests.live import LiveServer, Reference
+
+ARGS = ["--layers", "0,2,5", "--dim", str(DIM), "--width", "4", "--dtype", "float32", "--slots", "64",
+        "--workers", "2", "--devices", "cpu,cpu", "--shutdown-timeout-s", "5"]
+
+
+def _readyz(url) -> dict:
+    return httpx.get(url + "/readyz", timeout=5).json()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:                                   # a zombie of ours is not alive
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait(cond, timeout=30.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _child_pids(srv) -> list[int]:
+    return [int(r["pid"]) for r in srv.logs if r.get("msg") in ("engine process started", "worker process started")]
+
+
+def _session_on(api: Api, engine: int, n: int = 2) -> str:
+    for i in range(200):
+        sid = f"e{engine}-{i}-{time.monotonic_ns()}"
+        if engine_of(sid, n) == engine:
+            return api.session(sid)
+    raise AssertionError("no id found")
+
+
+@pytest.fixture
+def slow_cluster():
+    """Two CPU engines; every request waits 1 s in the batching window, so it can be in flight on purpose."""
+    srv = LiveServer([*ARGS, "--max-queue-delay-us", "1000000"])
+    yield srv
+    srv.kill()
+
+
+def test_a_killed_engine_fails_its_in_flight_requests_serves_others_and_comes_back_without_its_sessions(
+        slow_cluster):
+    srv = slow_cluster
+    api, ref = Api(srv.url), Reference(model())
+    doomed, other = _session_on(api, 0), _session_on(api, 1)
+    for s in (doomed, other):
+        ref.create(s)
+    x = torch.randn(3, DIM)
+    assert_close(api.conv(other, 0, x)[1], ref.conv(other, 0, x))
+    victim = _readyz(srv.url)["engines"][0]["pid"]
+
+    answers = {}
+
+    def in_flight():
+        answers["r"] = api.call("POST", "/v1/conv", {"session": doomed, "layer": 0, "x": wire.encode_tensor(x)})
+
+    t = threading.Thread(target=in_flight)
+    t.start()
+    time.sleep(0.4)                                   # queued in engine 0's batching window
+    os.kill(victim, signal.SIGKILL)
+    t.join(10)
+    status, body, headers = answers["r"]
+    assert status == 503 and body["error"]["code"] == "engine_unavailable", body
+    assert "410" in body["error"]["message"] and int(headers["retry-after"]) >= 1
+
+    # while engine 0 is down or restarting: its sessions get 503, the other engine serves, /readyz is degraded
+    st, body, _ = api.call("POST", "/v1/conv", {"session": doomed, "layer": 2, "x": wire.encode_tensor(x)})
+    assert st == 503 and body["error"]["code"] == "engine_unavailable"
+    assert httpx.get(srv.url + "/readyz").json()["status"] == "degraded"
+    x2 = torch.randn(2, DIM)
+    assert_close(api.conv(other, 0, x2)[1], ref.conv(other, 0, x2))
+    fresh = api.session()                             # placed on the engine that is up
+    assert engine_of(fresh, 2) == 1
+
+    _wait(lambda: _readyz(srv.url)["status"] == "ready", what="engine 0 back")
+    row = _readyz(srv.url)["engines"][0]
+    assert row["restarts"] == 1 and row["epoch"] == 2 and row["pid"] != victim
+    st, body, _ = api.call("POST", "/v1/conv", {"session": doomed, "layer": 0, "x": wire.encode_tensor(x)})
+    assert st == 410 and body["error"]["code"] == "state_lost", body
+    assert "restart" in body["error"]["message"]
+    assert_close(api.state(other), ref.states[other])          # the other engine's sessions are untouched
+    assert "engine process died; restarting it without its sessions" in srv.log_messages()
+    again = _session_on(api, 0)                                # engine 0 takes new sessions again
+    ref.create(again)
+    assert_close(api.conv(again, 5, x)[1], ref.conv(again, 5, x))
+
+
+def test_a_killed_worker_is_restarted_and_no_session_state_is_corrupted():
+    srv = LiveServer(ARGS)
+    try:
+        api, ref = Api(srv.url), Reference(model())
+        sids = [api.session() for _ in range(6)]
+        for s in sids:
+            ref.create(s)
+        workers = [int(r["pid"]) for r in srv.logs if r.get("msg") == "worker process started"]
+        assert len(workers) == 2
+        os.kill(workers[0], signal.SIGKILL)
+        for i in range(40):                                    # every request succeeds or fails cleanly
+            s = sids[i % len(sids)]
+            x = torch.randn(1 + i % 3, DIM)
+            try:
+                r = httpx.post(srv.url + "/v1/conv", content=wire.packb({"session": s, "layer": 2,
+                                                                         "x": wire.encode_tensor(x)}),
+                               headers={"content-type": wire.MEDIA_TYPE, "accept": wire.MEDIA_TYPE}, timeout=10)
+            except httpx.TransportError:
+                continue                                       # a connection of the dead worker
+            assert r.status_code == 200, r.text
+            want = ref.conv(s, 2, x)
+            assert_close(wire.decode_tensor(wire.unpackb(r.content, 1 << 24)["y"]), want)
+        _wait(lambda: len([r for r in srv.logs if r.get("msg") == "worker process started"]) == 3,
+              what="the worker restarted")
+        assert "worker process died; restarting it" in srv.log_messages()
+        for s in sids:
+            assert_close(api.state(s), ref.states[s])
+    finally:
+        srv.kill()
+
+
+def test_sigterm_stops_every_process_and_removes_the_run_directory():
+    srv = LiveServer(ARGS)
+    api = Api(srv.url)
+    api.session()
+    pids = _child_pids(srv)
+    run_dir = next(r["run_dir"] for r in srv.logs if r.get("msg") == "listening" and "run_dir" in r)
+    assert os.path.isdir(run_dir) and len(pids) == 4
+    assert srv.terminate() == 0
+    _wait(lambda: not any(_alive(p) for p in pids), timeout=10, what="children gone")
+    assert not os.path.exists(run_dir)
+
+
+def test_children_exit_when_the_supervisor_is_killed():
+    srv = LiveServer(ARGS)
+    pids = _child_pids(srv)
+    run_dir = next(r["run_dir"] for r in srv.logs if r.get("msg") == "listening" and "run_dir" in r)
+    srv.kill()                                                 # SIGKILL: no shutdown code runs in the parent
+    _wait(lambda: not any(_alive(p) for p in pids), timeout=15, what="orphans gone")
+    _wait(lambda: not os.path.exists(run_dir), timeout=5, what="run dir removed")
+
+
+def test_one_scrape_counts_the_requests_of_every_worker_and_engine():
+    srv = LiveServer(ARGS)
+    try:
+        api = Api(srv.url)
+        sids = [api.session() for _ in range(4)]
+        n = 30
+        for i in range(n):                                     # a new connection each: both workers answer
+            r = httpx.post(srv.url + "/v1/conv", content=wire.packb(
+                {"session": sids[i % 4], "layer": 0, "x": wire.encode_tensor(torch.randn(1, DIM))}),
+                headers={"content-type": wire.MEDIA_TYPE, "connection": "close"})
+            assert r.status_code == 200
+        text = httpx.get(srv.url + "/metrics").text
+        total = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                    if line.startswith("convserve_http_requests_total{") and 'route="/v1/conv"' in line)
+        assert total == n
+        engine_requests = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                           if line.startswith("convserve_engine_requests_total ")]
+        assert engine_requests == [n]                           # both engines' counters, summed
+        info = api.call("GET", "/v1/model")[1]
+        assert len(info["engines"]) == 2 and info["slots"]["total"] == 128
+        assert sum(e["sessions"] for e in info["engines"]) == 4
+    finally:
+        srv.kill()

@@ -1,0 +1,49 @@
+"""Session placement over engine processes: the same answer in every worker, spread evenly, around engines that
+are down."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+from convserve.clients.protocol.ids import new_session_id
+from convserve.service.cluster.placement import engine_of, new_id_on, split
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+def test_sessions_spread_within_15_percent(n):
+    counts = collections.Counter(engine_of(new_session_id(), n) for _ in range(4000 * n))
+    assert set(counts) == set(range(n))
+    assert max(counts.values()) <= 1.15 * 4000 and min(counts.values()) >= 0.85 * 4000
+
+
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_the_engine_of_an_id_is_stable_and_adding_an_engine_moves_only_its_share(n):
+    ids = [f"s{i}" for i in range(3000)]
+    before = [engine_of(s, n) for s in ids]
+    assert before == [engine_of(s, n) for s in ids]
+    after = [engine_of(s, n + 1) for s in ids]
+    moved = [(b, a) for b, a in zip(before, after) if a != b]
+    assert all(a == n for _b, a in moved)                  # only onto the new engine (rendezvous hashing)
+    assert len(moved) < 1.3 * len(ids) / (n + 1)
+
+
+@pytest.mark.parametrize("up", [{0}, {1}, {0, 2}, {3}])
+def test_a_new_id_lands_on_an_engine_that_is_up(up):
+    for _ in range(50):
+        sid, e = new_id_on(lambda x: x in up, 4)
+        assert e in up and engine_of(sid, 4) == e
+
+
+def test_no_engine_up_is_a_lookup_error():
+    with pytest.raises(LookupError):
+        new_id_on(lambda e: False, 3, tries=20)
+
+
+def test_split_keeps_each_engines_positions_in_order():
+    ids = [new_session_id() for _ in range(100)]
+    parts = split(ids, 3)
+    assert sorted(i for pos in parts.values() for i in pos) == list(range(100))
+    for e, pos in parts.items():
+        assert pos == sorted(pos) and all(engine_of(ids[i], 3) == e for i in pos)

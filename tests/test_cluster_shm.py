@@ -1,0 +1,81 @@
+"""The workers' shared-memory arenas: blocks are reused, and never while anything still reads them."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+import torch
+
+from convserve.clients.protocol import wire
+from convserve.service.cluster.shm import MIN_BLOCK, Arena, ArenaMap
+
+
+@pytest.fixture
+def arena(tmp_path):
+    a = Arena(str(tmp_path / "arena-w0-g1"), 1 << 20)
+    yield a
+    a.close()
+
+
+@pytest.mark.parametrize("nbytes", [1, 100, MIN_BLOCK, MIN_BLOCK + 1, 65536, 300_000])
+def test_a_released_block_is_handed_out_again(arena, nbytes):
+    off, lease = arena.lease(nbytes)
+    assert lease.nbytes == nbytes and arena.in_use == 1
+    del lease
+    gc.collect()
+    assert arena.in_use == 0
+    off2, lease2 = arena.lease(nbytes)
+    assert off2 == off and arena.reused == 1
+
+
+@pytest.mark.parametrize("holder", ["tensor", "view", "memoryview", "wire"])
+def test_a_block_is_not_reused_while_a_response_still_reads_it(arena, holder):
+    off, lease = arena.lease(4 * 64)
+    y = torch.from_numpy(lease).view(torch.float32).view(4, 16)
+    y.copy_(torch.arange(64, dtype=torch.float32).view(4, 16))
+    keep = {"tensor": lambda: y, "view": lambda: y[1:3].t(), "memoryview": lambda: memoryview(y.numpy()),
+            "wire": lambda: wire.encode_tensor(y)["data"]}[holder]()
+    del lease, y
+    gc.collect()
+    assert arena.in_use == 1
+    others = [arena.lease(4 * 64) for _ in range(8)]       # the same size class, all while `keep` lives
+    assert off not in [o for o, _ in others]
+    first = float(keep.reshape(-1)[0]) if isinstance(keep, torch.Tensor) else np.frombuffer(keep, np.float32)[0]
+    assert first == (16 if holder == "view" else 0)        # still what the engine wrote
+    del keep, others
+    gc.collect()
+    assert arena.in_use == 0
+
+
+def test_a_full_arena_hands_out_nothing_and_counts_the_miss(tmp_path):
+    a = Arena(str(tmp_path / "arena-w0-g1"), 4 * MIN_BLOCK)
+    held = [a.lease(MIN_BLOCK) for _ in range(4)]
+    assert a.lease(1) is None and a.inline == 1
+    assert a.lease(8 * MIN_BLOCK) is None and a.inline == 2
+    held.pop()
+    gc.collect()
+    assert a.lease(MIN_BLOCK) is not None
+    a.close()
+
+
+def test_an_engine_sees_what_the_worker_wrote_and_the_worker_sees_its_answer(arena, tmp_path):
+    off, lease = arena.lease(256)
+    lease[:] = np.arange(256, dtype=np.uint8)
+    base = ArenaMap(str(tmp_path)).get("arena-w0-g1")
+    assert bytes(base[off:off + 256]) == bytes(range(256))
+    base[off:off + 256] = 7
+    assert (lease == 7).all()
+
+
+def test_an_engine_drops_the_arena_of_a_restarted_worker(tmp_path):
+    a1, a2 = Arena(str(tmp_path / "arena-w3-g1"), 1 << 16), Arena(str(tmp_path / "arena-w3-g2"), 1 << 16)
+    maps = ArenaMap(str(tmp_path))
+    maps.get("arena-w3-g1")
+    maps.get("arena-w3-g2")
+    assert list(maps._maps) == ["arena-w3-g2"]
+    with pytest.raises(ValueError):
+        maps.get("../status")
+    a1.close()
+    a2.close()
