@@ -145,8 +145,9 @@ class EngineTransport:
 # ----------------------------------------------------------------------------------- the workload
 
 
-async def drive(transport, sessions: list, layers: list, x, warmup: float, duration: float) -> dict:
-    """C closed-loop sessions, each running decode steps (one token on every layer at once) until the end."""
+async def drive(transport, sessions: list, layers: list, x, warmup: float, duration: float, keep: bool = False) -> dict:
+    """C closed-loop sessions, each running decode steps (one token on every layer at once) until the end.
+    ``keep``: the result holds the raw latencies too (``lat``), for merging the runs of several client processes."""
     lat: list = []
     t_measure = time.perf_counter() + warmup
     t_end = t_measure + duration
@@ -164,6 +165,14 @@ async def drive(transport, sessions: list, layers: list, x, warmup: float, durat
 
     await asyncio.gather(*(worker(s) for s in sessions))
     lat.sort()
+    r = latency_summary(lat, duration)
+    if keep:
+        r["lat"] = lat
+    return r
+
+
+def latency_summary(lat: list, duration: float) -> dict:
+    """req/s and percentiles of sorted latencies (seconds) measured over ``duration`` seconds."""
     return {"requests": len(lat), "req_per_s": len(lat) / duration,
             "p50_ms": percentile(lat, 0.5) * 1e3, "p90_ms": percentile(lat, 0.9) * 1e3,
             "p99_ms": percentile(lat, 0.99) * 1e3, "max_ms": lat[-1] * 1e3 if lat else float("nan")}
@@ -230,7 +239,7 @@ async def leg_http(args, url: str, info: dict, conc: int, kind: str) -> dict:
         a = _scrape(url)
         b0, r0 = client.bytes_sent, client.bytes_received
         try:
-            r = await drive(tr, sessions, layers, x, args.warmup, args.duration)
+            r = await drive(tr, sessions, layers, x, args.warmup, args.duration, getattr(args, "keep_lat", False))
         finally:
             await tr.close()
         r["engine"] = _engine_delta(a, _scrape(url))

@@ -41,14 +41,19 @@ def engine():
     e.stop(drain=False)
 
 
-@pytest.fixture(scope="session")
-def server():
-    """The conv server the test_http_* modules share (``tests.http_api.SERVER_ARGS``), one per test worker.
-    A module that needs another configuration defines its own ``server``."""
+#: the process layouts every test of the shared server runs against: two engine processes (sessions spread over
+#: both, batches split) behind one worker, and the engine inside the HTTP process
+SERVER_MODES = {"two-engines": ["--workers", "1", "--devices", "cpu,cpu"], "in-process": ["--workers", "0"]}
+
+
+@pytest.fixture(scope="session", params=list(SERVER_MODES))
+def server(request):
+    """The conv server the test_http_* modules share (``tests.http_api.SERVER_ARGS``), one per layout and test
+    worker. A module that needs another configuration defines its own ``server``."""
     from tests.http_api import SERVER_ARGS
     from tests.live import LiveServer
 
-    srv = LiveServer(SERVER_ARGS)
+    srv = LiveServer([*SERVER_ARGS, *SERVER_MODES[request.param]])
     yield srv
     srv.terminate()
 

@@ -20,7 +20,11 @@ def test_health_ready_and_model_describe_the_served_model(server, api):
     assert st == 200
     assert info["layers"] == LAYERS and info["dim"] == DIM and info["width"] == WIDTH
     assert info["dtype"] == "float32" and info["state_dtype"] == "float32"
-    assert info["slots"]["total"] == 256 and 0 <= info["slots"]["free"] <= 256
+    engines = info.get("engines", [{"slots": info["slots"]}])      # engine processes: each reports its slots
+    assert [e["slots"]["total"] for e in engines] == [256] * len(engines)
+    assert info["slots"]["total"] == 256 * len(engines)
+    assert 0 <= info["slots"]["free"] <= info["slots"]["total"]
+    assert info["slots"]["free"] == sum(e["slots"]["free"] for e in engines)
 
 
 def test_control_routes_accept_json_and_answer_json_when_asked(api):

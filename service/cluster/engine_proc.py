@@ -126,12 +126,13 @@ class EngineProcess:
 
     async def serve(self) -> None:
         import zmq
-        import zmq.asyncio
+
+        from .channel import Channel
 
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         loop.add_signal_handler(signal.SIGTERM, stop.set)
-        ctx = zmq.asyncio.Context()
+        ctx = zmq.Context()
         sock = ctx.socket(zmq.ROUTER)
         for opt in (zmq.SNDHWM, zmq.RCVHWM, zmq.LINGER):
             sock.setsockopt(opt, 0)
@@ -141,42 +142,32 @@ class EngineProcess:
         except FileNotFoundError:
             pass
         sock.bind(path)
-        self.out = zmq.Socket.shadow(sock.underlying)
+        self.channel = Channel(sock, self._on_message, loop)
         self.status.set_state(self.index, UP)
         log.info("engine up", extra={"engine": self.index, "device": self.spec["device"], "epoch": self.epoch,
                                      "pid": os.getpid()})
-        ticks = 0
         while not stop.is_set():
-            if await sock.poll(200):
-                self._drain()
-            ticks += 1
-            if ticks % 5 == 0:
+            try:
+                await asyncio.wait_for(stop.wait(), 1.0)
+            except asyncio.TimeoutError:
                 self._publish_slots()
         self.status.set_state(self.index, STOPPED)
         await asyncio.to_thread(self.engine.stop, True, self.settings.shutdown_timeout_s)
-        self._drain()
-        sock.close(0)
+        self.channel.drain()
+        self.channel.close()
         ctx.term()
 
-    def _drain(self) -> None:
-        import zmq
-
-        recv = self.out.recv_multipart
-        while True:
-            try:
-                frames = recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                self._handle(frames)
-            except Exception:  # noqa: BLE001 - a bad message must not stop the engine
-                log.exception("engine: cannot handle a message")
+    def _on_message(self, frames: list) -> None:
+        try:
+            self._handle(frames)
+        except Exception:  # noqa: BLE001 - a bad message must not stop the engine
+            log.exception("engine: cannot handle a message")
 
     def _send(self, ident: bytes, reply: dict, data: Optional[Any] = None) -> None:
         frames = [ident, self.packer.pack(reply)]
         if data is not None:
             frames.append(data)
-        self.out.send_multipart(frames, copy=False)
+        self.channel.send(frames)
 
     def _handle(self, frames: list) -> None:
         ident, head = frames[0], msgpack.unpackb(frames[1], raw=False)
@@ -273,9 +264,9 @@ class EngineProcess:
             self.journal.remove(head["a"][0])
             if self.journal.lines > 4 * max(1024, len(self.engine._sessions)):
                 self.journal.compact(self.engine.session_ids())
-        self._reply_op(ident, mid, result)
         if name in ("create_session", "fork_session", "create_with_state", "delete_session"):
-            self._publish_slots()
+            self._publish_slots()                    # before the answer: /v1/model after it sees the change
+        self._reply_op(ident, mid, result)
 
     def _reply_op(self, ident: bytes, mid: int, result) -> None:
         if hasattr(result, "untyped_storage"):       # a state tensor: its bytes as a second frame

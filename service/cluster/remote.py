@@ -61,10 +61,9 @@ class _Pending:
 class _Link:
     """This worker's connection to one engine."""
 
-    def __init__(self, index: int, sock, out):
+    def __init__(self, index: int):
         self.index = index
-        self.sock = sock            # asyncio socket: polled for replies
-        self.out = out              # its synchronous shadow: sends and non-blocking receives
+        self.channel = None         # the DEALER socket on this worker's loop
         self.epoch = 0
         self.pending: dict[int, _Pending] = {}
 
@@ -93,19 +92,20 @@ class RemoteEngine:
     async def bind_loop(self) -> None:
         """Connect to every engine from this (the worker's) event loop."""
         import zmq
-        import zmq.asyncio
+
+        from .channel import Channel
 
         self.loop = asyncio.get_running_loop()
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = zmq.Context()
         for e in range(self.n):
             sock = self._ctx.socket(zmq.DEALER)
             for opt in (zmq.SNDHWM, zmq.RCVHWM, zmq.LINGER):
                 sock.setsockopt(opt, 0)
             sock.connect(m.endpoint(self.run_dir, e))
-            link = _Link(e, sock, zmq.Socket.shadow(sock.underlying))
+            link = _Link(e)
+            link.channel = Channel(sock, lambda frames, link=link: self._on_reply(link, frames), self.loop)
             link.epoch = self.status.state(e)[1]
             self.links.append(link)
-            self._tasks.append(asyncio.ensure_future(self._reader(link)))
         self._tasks.append(asyncio.ensure_future(self._watch()))
 
     def start(self) -> None:
@@ -129,7 +129,7 @@ class RemoteEngine:
                 if not p.fut.done():
                     p.fut.set_exception(NotReady("the worker stopped before the engine answered"))
             link.pending.clear()
-            link.sock.close(0)
+            link.channel.close()
         self.links = []
         self.arena.close()
 
@@ -210,22 +210,6 @@ class RemoteEngine:
                 if link.pending and (state == DOWN or epoch != link.epoch):
                     self._fail_pending(link, epoch if state != DOWN else -1)
 
-    async def _reader(self, link: _Link) -> None:
-        import zmq
-
-        recv = link.out.recv_multipart
-        while True:
-            await link.sock.poll(zmq.POLLIN)
-            while True:
-                try:
-                    frames = recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                try:
-                    self._on_reply(link, frames)
-                except Exception:  # noqa: BLE001 - one bad reply must not stop the reader
-                    log.exception("worker: cannot handle an engine reply")
-
     def _on_reply(self, link: _Link, frames: list) -> None:
         head = msgpack.unpackb(frames[0], raw=False, strict_map_key=False)
         p = link.pending.pop(head["i"], None)
@@ -247,7 +231,7 @@ class RemoteEngine:
         frames = [self._packer.pack(head)]
         if data is not None:
             frames.append(data)
-        link.out.send_multipart(frames, copy=False)
+        link.channel.send(frames)
 
     # ------------------------------------------------------------------ convs (event loop)
 
