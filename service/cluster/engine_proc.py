@@ -1,11 +1,12 @@
 """One engine process: an :class:`~convserve.service.engine.Engine` on one device, serving the workers' requests
 (:mod:`.messages`) on a ZeroMQ ROUTER socket.
 
-The process's main thread runs an asyncio loop that receives requests, submits convs to the engine
-(``submit_async``: the engine resolves one step's futures with one wake-up of this loop) and answers each as its
-future completes; session operations run on a small thread pool, since they block until the engine's worker
-thread has run them. The engine's own worker thread runs the steps. Nothing else runs here: no HTTP parsing, so
-the GIL is shared by two threads that each do one thing.
+One thread does the work: the engine's worker thread serves the socket between its steps (:meth:`Engine.set_pump`):
+it takes every request that has arrived, runs a step, writes each result into its block and answers, so no GIL
+is handed between a socket thread and a step thread (handing it over cost up to the switch interval at every GPU
+call). Session operations run on a small thread pool, since they block until the worker has run them; their
+answers are queued for the worker thread, which owns the socket. The main thread only publishes the slot counts
+and handles SIGTERM. No HTTP parsing happens here.
 
 Sessions survive nothing: when this process dies its sessions die with it. So that their ids answer
 ``410 state_lost`` rather than ``404 unknown_session`` from the next process, the ids of live sessions are kept in a
@@ -15,12 +16,13 @@ of this engine reads it at start-up and marks those ids lost.
 
 from __future__ import annotations
 
-import asyncio
+import collections
 import concurrent.futures as cf
 import logging
 import os
 import signal
 import sys
+import threading
 from typing import Any, Optional
 
 import msgpack
@@ -92,7 +94,9 @@ class EngineProcess:
         self.journal = Journal(os.path.join(self.run_dir, f"engine-{self.index}.journal"))
         self.inflight: dict = {}          # (worker identity, request id) -> engine future
         self.pool = cf.ThreadPoolExecutor(max_workers=8, thread_name_prefix="convserve-op")
-        self.packer = msgpack.Packer(use_bin_type=True)
+        self.outbox: collections.deque = collections.deque()    # replies of other threads, sent by the pump
+        self.pump_ident: Optional[int] = None
+        self._journal_lock = threading.Lock()
 
     # ------------------------------------------------------------------ start-up
 
@@ -110,7 +114,28 @@ class EngineProcess:
         self.status.set_state(self.index, BUILT)
 
     def start(self) -> None:
+        """Bind the socket, hand it to the engine's worker thread (:meth:`Engine.set_pump`), start the engine."""
+        import zmq
+
+        self.ctx = zmq.Context()
+        sock = self.sock = self.ctx.socket(zmq.ROUTER)
+        for opt in (zmq.SNDHWM, zmq.RCVHWM, zmq.LINGER):
+            sock.setsockopt(opt, 0)
+        path = m.endpoint(self.run_dir, self.index)
+        try:
+            os.unlink(path[len("ipc://"):])
+        except FileNotFoundError:
+            pass
+        sock.bind(path)
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_r, False)
+        os.set_blocking(self.wake_w, False)
+        self.poller = zmq.Poller()
+        self.poller.register(sock, zmq.POLLIN)
+        self.poller.register(self.wake_r, zmq.POLLIN)
+        self.engine.set_pump(self._pump, self._wake)
         self.engine.start()
+        self.pump_ident = self.engine._thread.ident
         lost = self.journal.recover()
         if lost:
             self.engine.mark_lost(lost, f"was on engine {self.index}, whose process stopped (restart "
@@ -124,50 +149,67 @@ class EngineProcess:
 
     # ------------------------------------------------------------------ serving
 
-    async def serve(self) -> None:
-        import zmq
-
-        from .channel import Channel
-
-        loop = asyncio.get_running_loop()
-        stop = asyncio.Event()
-        loop.add_signal_handler(signal.SIGTERM, stop.set)
-        ctx = zmq.Context()
-        sock = ctx.socket(zmq.ROUTER)
-        for opt in (zmq.SNDHWM, zmq.RCVHWM, zmq.LINGER):
-            sock.setsockopt(opt, 0)
-        path = m.endpoint(self.run_dir, self.index)
-        try:
-            os.unlink(path[len("ipc://"):])
-        except FileNotFoundError:
-            pass
-        sock.bind(path)
-        self.channel = Channel(sock, self._on_message, loop)
+    def serve(self) -> None:
+        """The main thread: publish the slot counts until SIGTERM, then drain the engine and close."""
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
         self.status.set_state(self.index, UP)
         log.info("engine up", extra={"engine": self.index, "device": self.spec["device"], "epoch": self.epoch,
                                      "pid": os.getpid()})
-        while not stop.is_set():
-            try:
-                await asyncio.wait_for(stop.wait(), 1.0)
-            except asyncio.TimeoutError:
-                self._publish_slots()
+        while not stop.wait(1.0):
+            self._publish_slots()
         self.status.set_state(self.index, STOPPED)
-        await asyncio.to_thread(self.engine.stop, True, self.settings.shutdown_timeout_s)
-        self.channel.drain()
-        self.channel.close()
-        ctx.term()
+        self.engine.stop(True, self.settings.shutdown_timeout_s)
+        self.pump_ident = threading.get_ident()       # the worker thread is gone: the socket is this thread's
+        self._flush()
+        self.sock.close(0)
+        self.ctx.term()
 
-    def _on_message(self, frames: list) -> None:
+    def _pump(self, timeout: float) -> None:
+        """The engine's worker thread, between steps: send what other threads queued, handle what arrived."""
+        import zmq
+
+        if timeout > 0 and not self.outbox:
+            ready = dict(self.poller.poll(timeout * 1e3))
+            if self.wake_r in ready:
+                try:
+                    while os.read(self.wake_r, 4096):
+                        pass
+                except BlockingIOError:
+                    pass
+        self._flush()
+        recv = self.sock.recv_multipart
+        while True:
+            try:
+                frames = recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                self._handle(frames)
+            except Exception:  # noqa: BLE001 - a bad message must not stop the engine
+                log.exception("engine: cannot handle a message")
+
+    def _wake(self) -> None:
         try:
-            self._handle(frames)
-        except Exception:  # noqa: BLE001 - a bad message must not stop the engine
-            log.exception("engine: cannot handle a message")
+            os.write(self.wake_w, b"x")
+        except BlockingIOError:            # the pipe is full: the pump is being woken anyway
+            pass
+
+    def _flush(self) -> None:
+        out, send = self.outbox, self.sock.send_multipart
+        while out:
+            send(out.popleft(), copy=False)
 
     def _send(self, ident: bytes, reply: dict, data: Optional[Any] = None) -> None:
-        frames = [ident, self.packer.pack(reply)]
+        """Send from the worker thread (the socket's owner); other threads queue and wake it."""
+        frames = [ident, msgpack.packb(reply, use_bin_type=True)]
         if data is not None:
             frames.append(data)
-        self.channel.send(frames)
+        if threading.get_ident() == self.pump_ident:
+            self.sock.send_multipart(frames, copy=False)
+        else:
+            self.outbox.append(frames)
+            self._wake()
 
     def _handle(self, frames: list) -> None:
         ident, head = frames[0], msgpack.unpackb(frames[1], raw=False)
@@ -210,9 +252,9 @@ class EngineProcess:
             block = torch.frombuffer(bytearray(frames[2]), dtype=torch.uint8)
         x = block.view(dtype).view(rows, dim)
         if head["k"] == m.CONV:
-            fut = self.engine.submit_async(head["s"], head["l"], x, speculative=head["sp"])
+            fut = self.engine.submit(head["s"], head["l"], x, speculative=head["sp"])
         else:
-            fut = self.engine.submit_batch_async(head["ss"], head["l"], x, head.get("t"), head.get("sp"))
+            fut = self.engine.submit_batch(head["ss"], head["l"], x, head.get("t"), head.get("sp"))
         key = (ident, head["i"])
         self.inflight[key] = fut
         fut.add_done_callback(lambda f: self._conv_done(key, block, "a" in head, f))
@@ -241,8 +283,7 @@ class EngineProcess:
         if name in ("import_state", "create_with_state"):
             args.append(self._state_of(head, frames[2]))
         fut = self.pool.submit(getattr(self, "_op_" + name, None) or getattr(self.engine, name), *args)
-        loop = asyncio.get_running_loop()
-        fut.add_done_callback(lambda f: loop.call_soon_threadsafe(self._op_done, ident, head, f))
+        fut.add_done_callback(lambda f: self._op_done(ident, head, f))
 
     def _state_of(self, head: dict, data: bytes):
         import torch
@@ -256,14 +297,15 @@ class EngineProcess:
             self._send(ident, m.error_reply(mid, exc))
             return
         result = fut.result()
-        if name in ("create_session", "fork_session"):
-            self.journal.add(result)
-        elif name == "create_with_state":
-            self.journal.add(head["a"][0])
-        elif name == "delete_session":
-            self.journal.remove(head["a"][0])
-            if self.journal.lines > 4 * max(1024, len(self.engine._sessions)):
-                self.journal.compact(self.engine.session_ids())
+        with self._journal_lock:
+            if name in ("create_session", "fork_session"):
+                self.journal.add(result)
+            elif name == "create_with_state":
+                self.journal.add(head["a"][0])
+            elif name == "delete_session":
+                self.journal.remove(head["a"][0])
+                if self.journal.lines > 4 * max(1024, len(self.engine._sessions)):
+                    self.journal.compact(self.engine.session_ids())
         if name in ("create_session", "fork_session", "create_with_state", "delete_session"):
             self._publish_slots()                    # before the answer: /v1/model after it sees the change
         self._reply_op(ident, mid, result)
@@ -312,5 +354,5 @@ def main(spec: dict) -> None:
     except (ServiceError, ValueError, OSError, RuntimeError) as e:
         log.error("engine process cannot start", extra={"engine": proc.index, "error": str(e)})
         sys.exit(EXIT_BUILD)
-    asyncio.run(proc.serve())
+    proc.serve()
     sys.exit(0)

@@ -75,6 +75,24 @@ from .session_ops import SessionOps
 log = logging.getLogger("convserve.engine")
 
 
+class _WakingCondition(threading.Condition):
+    """The worker's condition; with a pump (:meth:`Engine.set_pump`) a notify from another thread also wakes
+    the pump, where the worker waits instead of on this condition."""
+
+    wake = None
+    worker_ident = None
+
+    def notify(self, n: int = 1) -> None:
+        super().notify(n)
+        if self.wake is not None and threading.get_ident() != self.worker_ident:
+            self.wake()
+
+    def notify_all(self) -> None:
+        super().notify_all()
+        if self.wake is not None and threading.get_ident() != self.worker_ident:
+            self.wake()
+
+
 class Engine(Intake, SessionOps, Worker):
     """See the module docstring. Typical use::
 
@@ -94,7 +112,8 @@ class Engine(Intake, SessionOps, Worker):
         self.model_cpu = model
         self.state_dtype = self.config.state_dtype or model.dtype
         self._lock = threading.Lock()
-        self._cv = threading.Condition(self._lock)
+        self._cv = _WakingCondition(self._lock)
+        self._pump = None           # see set_pump
         self._sessions = SessionTable(self.config.max_evicted_ids)
         self._sched = Scheduler(self.config.scheduler_config())
         self._ops: collections.deque = collections.deque()
@@ -184,6 +203,15 @@ class Engine(Intake, SessionOps, Worker):
         for op in ops:
             op.future.set_exception(NotReady(why))
         deliver([(r, None, NotReady(why)) for r in failed])
+
+    def set_pump(self, pump, wake) -> None:
+        """Let the worker thread serve a message source between steps (an engine process's socket), so that one
+        thread does both and no GIL is passed between them. ``pump(timeout)`` handles what has arrived, waiting
+        up to ``timeout`` seconds for it; it is called without the engine lock, before every step and wherever the
+        worker would wait. ``wake()`` (any thread) makes a waiting ``pump`` return: it is called when another
+        thread queues work. Call before :meth:`start`."""
+        self._pump = pump
+        self._cv.wake = wake
 
     @property
     def ready(self) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import threading
 import time
 
 import torch
@@ -54,9 +55,24 @@ class Worker:
         else:
             self._loop()
 
+    def _wait(self, timeout: float) -> None:
+        """Wait for work (holding the lock): on the condition, or in the pump without the lock."""
+        if self._pump is None:
+            self._cv.wait(timeout)
+            return
+        self._lock.release()
+        try:
+            self._pump(timeout)
+        finally:
+            self._lock.acquire()
+
     def _loop(self) -> None:
         sched = self._sched
+        pump = self._pump
+        self._cv.worker_ident = threading.get_ident()
         while True:
+            if pump is not None:
+                pump(0.0)                 # what arrived during the last step joins the next one
             with self._lock:
                 while True:
                     now = time.monotonic()
@@ -73,7 +89,7 @@ class Worker:
                     wait = self._next_evict - now
                     if deadline is not None:
                         wait = min(wait, deadline - now)
-                    self._cv.wait(max(wait, 0.0))
+                    self._wait(max(wait, 0.0))
             if ops:
                 self._run_ops(ops)
             with self._lock:
@@ -96,7 +112,7 @@ class Worker:
                 self._step(out, t_sched)
             elif not out.expired:             # everything queued waits on something (an op, a batch): no spin
                 with self._lock:
-                    self._cv.wait(0.001)
+                    self._wait(0.001)
 
     def _step(self, out: SchedulerOutput, sched_ns: int = 0) -> None:
         """Run one step: the runner executes it, then its results go to their callers and its stats are

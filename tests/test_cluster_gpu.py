@@ -1,0 +1,56 @@
+"""Two engine processes on one GPU (``--devices cuda:0,cuda:0``): sessions on both, unary convs, batches split
+across the engines and forks between them, all compared with the float64-style reference."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from convserve.clients.protocol import wire
+from convserve.service.cluster.placement import engine_of
+from tests.http_api import DIM, Api, model
+from tests.live import LiveServer, Reference
+from tests.tolerance import assert_close as assert_rel_close
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def gpu_cluster():
+    srv = LiveServer(["--layers", "0,2,5", "--dim", str(DIM), "--width", "4", "--dtype", "float32", "--slots", "64",
+                      "--workers", "2", "--devices", "cuda:0,cuda:0"], timeout=300)
+    yield srv
+    srv.terminate()
+
+
+def test_two_engines_on_one_gpu_serve_unary_split_batches_and_forks_like_the_reference(gpu_cluster):
+    api, ref, rng = Api(gpu_cluster.url), Reference(model()), random.Random(0)
+    info = api.call("GET", "/v1/model")[1]
+    assert [e["device"] for e in info["engines"]] == ["cuda:0", "cuda:0"]
+    sids = [api.session() for _ in range(12)]
+    assert {engine_of(s, 2) for s in sids} == {0, 1}
+    for s in sids:
+        ref.create(s)
+    for step in range(6):
+        layer = rng.choice([0, 2, 5])
+        tokens = [rng.choice([1, 1, 3, 17]) for _ in sids]
+        x = torch.randn(sum(tokens), DIM)
+        st, body, _ = api.call("POST", "/v1/conv/batch", {"sessions": sids, "layer": layer, "tokens": tokens,
+                                                           "x": wire.encode_tensor(x)})
+        assert st == 200, body
+        y = wire.decode_tensor(body["y"])
+        at = 0
+        for s, n in zip(sids, tokens):
+            assert_rel_close(y[at:at + n], ref.conv(s, layer, x[at:at + n]))
+            at += n
+        s = sids[step]
+        xs = torch.randn(5, DIM)
+        assert_rel_close(api.conv(s, layer, xs)[1], ref.conv(s, layer, xs))
+    for src in sids[:4]:                      # forks onto the other engine go through export and import
+        new = next(f"f{src}-{i}" for i in range(999) if engine_of(f"f{src}-{i}", 2) != engine_of(src, 2))
+        st, body, _ = api.call("POST", f"/v1/sessions/{src}/fork", {"session": new})
+        assert st == 201, body
+        ref.fork(src, new)
+        assert_rel_close(api.state(new), ref.states[new])
