@@ -63,10 +63,10 @@ def build_engine(settings: Settings):
     from convserve.service.model import ConvModel
 
     device = settings.resolved_device()
-    if device.startswith("cpu"):
-        # the engine's ops are the process's only heavy torch work; more intra-op threads than that compete with
-        # the HTTP loop and the engine thread for the same cores
-        torch.set_num_threads(settings.cpu_threads)
+    # CPU: the engine's ops are the process's only heavy torch work; more intra-op threads than that compete with
+    # the HTTP loop and the engine thread for the same cores. CUDA: the host side only copies small tensors, where
+    # a pool of spinning intra-op threads costs the other processes on the node their cores.
+    torch.set_num_threads(settings.cpu_threads if device.startswith("cpu") else 1)
     dtype = getattr(torch, settings.dtype) if settings.dtype else None
     if settings.weights is not None:
         model = ConvModel.from_safetensors(settings.weights, dtype=dtype)

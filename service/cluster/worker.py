@@ -19,6 +19,11 @@ def main(spec: dict) -> None:
 
     from .remote import RemoteEngine
 
+    import torch
+
+    # a worker's torch work is memory copies of one request at a time: intra-op threads would only spin against
+    # the other workers and the engines for the same cores
+    torch.set_num_threads(1)
     settings = spec["settings"]
     logs.configure(settings.log_level, secrets=[settings.api_key_value()])
     hold(spec["parent_pid"], spec["run_dir"])
