@@ -35,7 +35,7 @@ from fastapi.responses import Response
 from starlette.routing import Route
 
 from convserve.clients.protocol.errors import NonFinite, SessionExists, ShapeMismatch, StateLost, UnknownSession
-from convserve.service.http.asgi import ERROR_SCOPE_KEY, ClientGone, client_gone
+from convserve.service.http.asgi import ERROR_SCOPE_KEY, ROUTE_SCOPE_KEY, ClientGone, client_gone
 from convserve.service.http.errors import as_service_error
 from convserve.service.http.oip_wire import (INPUT, MODEL_NAME, MODEL_VERSION, OIP_DATATYPE, OUTPUT,
                                              InferParser, InferRequest, NotFound, dumps, infer_answer,
@@ -120,15 +120,15 @@ def add_oip_routes(app: FastAPI, svc: Service) -> None:
     for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
         app.add_api_route(prefix, model_metadata, methods=["GET"])
         app.add_api_route(prefix + "/ready", model_ready, methods=["GET"])
-        app.router.routes.append(Route(prefix + "/infer", InferEndpoint(svc), methods=["POST"]))
+        app.router.routes.append(Route(prefix + "/infer", InferEndpoint(svc, prefix + "/infer"), methods=["POST"]))
     # last: any other /v2 path answers the protocol's 404 (the framework's would be /v1's error map)
     app.router.routes.append(Route("/v2/{path:path}", UnknownRoute()))
-
 
 class UnknownRoute:
     """Any other ``/v2`` path: the protocol's 404 (an ASGI object, so Starlette passes it the raw request)."""
 
     async def __call__(self, scope, receive, send):
+        scope[ROUTE_SCOPE_KEY] = "/v2/{path}"
         await send_oip_error(scope, send, NotFound(f"no route {scope['method']} {scope['path']}; the /v2 routes "
                                                    f"are {', '.join(ROUTES)}"))
 
@@ -136,8 +136,9 @@ class UnknownRoute:
 class InferEndpoint:
     """``POST /v2/models/conv/infer``: one conv of one session, as the request's sequence parameters say."""
 
-    def __init__(self, svc: Service):
+    def __init__(self, svc: Service, route: str):
         self.svc = svc
+        self.route = route
         self.engine = svc.engine
         info = svc.engine.model_info()
         self.parser = InferParser(info, svc.settings.max_tokens_per_request, svc.max_objects)
@@ -151,6 +152,8 @@ class InferEndpoint:
 
     async def __call__(self, scope, receive, send):
         svc = self.svc
+        # the metrics' route label: FastAPI's router sets scope["route"] for its own routes only
+        scope[ROUTE_SCOPE_KEY] = self.route
         try:
             params = scope.get("path_params", {})
             check_model(params.get("model", MODEL_NAME), params.get("version"))
