@@ -34,6 +34,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.routing import Route
 
+from convserve import __version__
 from convserve.clients.protocol.errors import NonFinite, SessionExists, ShapeMismatch, StateLost, UnknownSession
 from convserve.service.http.asgi import ERROR_SCOPE_KEY, ROUTE_SCOPE_KEY, ClientGone, client_gone
 from convserve.service.http.errors import as_service_error
@@ -84,9 +85,7 @@ def add_oip_routes(app: FastAPI, svc: Service) -> None:
 
     @app.get("/v2")
     async def server_metadata():
-        from convserve.service.http.app import _version
-
-        return _json({"name": "convserve", "version": _version(), "extensions": EXTENSIONS})
+        return _json({"name": "convserve", "version": __version__, "extensions": EXTENSIONS})
 
     @app.get("/v2/health/live")
     async def live():
@@ -123,6 +122,7 @@ def add_oip_routes(app: FastAPI, svc: Service) -> None:
         app.router.routes.append(Route(prefix + "/infer", InferEndpoint(svc, prefix + "/infer"), methods=["POST"]))
     # last: any other /v2 path answers the protocol's 404 (the framework's would be /v1's error map)
     app.router.routes.append(Route("/v2/{path:path}", UnknownRoute()))
+
 
 class UnknownRoute:
     """Any other ``/v2`` path: the protocol's 404 (an ASGI object, so Starlette passes it the raw request)."""
