@@ -60,6 +60,13 @@ class AsyncConvClient(_Base):
     async def model(self) -> dict:
         return _decode(await self._send("GET", "/v1/model"))
 
+    async def model_weights(self) -> bytes:
+        """The served conv weights as a safetensors file (``GET /v1/model/weights``); its sha256 is
+        ``(await model())["weights_sha256"]``."""
+        r = await self._send("GET", "/v1/model/weights")
+        _raise_for(r)
+        return r.content
+
     async def create_session(self, session: Optional[str] = None) -> str:
         return _decode(await self._send("POST", "/v1/sessions", self._session_body(session)))["session"]
 

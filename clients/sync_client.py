@@ -48,6 +48,13 @@ class ConvClient(_Base):
     def model(self) -> dict:
         return _decode(self._http.get("/v1/model"))
 
+    def model_weights(self) -> bytes:
+        """The served conv weights as a safetensors file (``GET /v1/model/weights``); its sha256 is
+        ``model()["weights_sha256"]``."""
+        r = self._http.get("/v1/model/weights")
+        _raise_for(r)
+        return r.content
+
     # --- sessions
 
     def create_session(self, session: Optional[str] = None) -> str:

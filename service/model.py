@@ -15,7 +15,8 @@ from typing import Optional, Sequence, Union
 import torch
 
 from convserve.clients.protocol.errors import UnknownLayer
-from convserve.clients.protocol.weights import conv_layer_keys
+from convserve.clients.protocol.weights import (canonical_key, canonical_safetensors, canonical_sha256,
+                                                conv_layer_keys)
 from convserve.clients.protocol.wire import DTYPE_NAMES as WIRE_DTYPES
 
 #: torch dtype -> its wire name, for every dtype the protocol carries (``protocol.wire.DTYPE_NAMES``).
@@ -34,10 +35,12 @@ class ConvModel:
         weight: ``(n_layers, dim, width)`` stacked weights, position order.
         bias: ``(n_layers, dim)`` stacked biases, or None when no layer has one.
         has_bias: per position, whether that layer has a bias (a layer without one has zeros in ``bias``).
+        seed: the seed of a random model (:meth:`random`), None for weights from a file.
     """
 
     def __init__(self, layers: Sequence[int], weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                 has_bias: Optional[Sequence[bool]] = None, activation: Optional[str] = "silu"):
+                 has_bias: Optional[Sequence[bool]] = None, activation: Optional[str] = "silu",
+                 seed: Optional[int] = None):
         layers = [int(i) for i in layers]
         if not layers:
             raise ValueError("ConvModel: expected at least one conv layer, got none")
@@ -67,6 +70,7 @@ class ConvModel:
         self.has_bias = list(has_bias) if has_bias is not None else [bias is not None] * n
         if len(self.has_bias) != n or (bias is None and any(self.has_bias)):
             raise ValueError(f"ConvModel: has_bias {self.has_bias} does not match {n} layers / bias given")
+        self.seed = seed
         self._position = {layer: p for p, layer in enumerate(layers)}
 
     # ---- lookup
@@ -90,7 +94,8 @@ class ConvModel:
     def to(self, device) -> "ConvModel":
         """A copy with the weights on ``device``."""
         return ConvModel(self.layers, self.weight.to(device),
-                         self.bias.to(device) if self.bias is not None else None, self.has_bias, self.activation)
+                         self.bias.to(device) if self.bias is not None else None, self.has_bias, self.activation,
+                         self.seed)
 
     def nbytes(self) -> int:
         n = self.weight.numel() * self.weight.element_size()
@@ -126,7 +131,7 @@ class ConvModel:
         bound = width ** -0.5
         w = (torch.rand((len(layers), dim, width), generator=g) * 2 - 1) * bound
         b = (torch.rand((len(layers), dim), generator=g) * 2 - 1) * bound if bias else None
-        return cls(layers, w.to(dtype), b.to(dtype) if b is not None else None, activation=activation)
+        return cls(layers, w.to(dtype), b.to(dtype) if b is not None else None, activation=activation, seed=seed)
 
     @classmethod
     def from_safetensors(cls, path: Union[str, Path], dtype: Optional[torch.dtype] = None,
@@ -182,14 +187,39 @@ class ConvModel:
                                 for b in bs])
         return cls(layers, weight, bias, has_bias, activation)
 
-    def save_safetensors(self, path: Union[str, Path]) -> None:
-        """Write Mamba2-style keys ``backbone.layers.<i>.mixer.conv1d.weight`` ``(dim, 1, width)`` (+ ``.bias``)."""
-        from safetensors.torch import save_file
+    # ---- the canonical file (``protocol.weights``): what /v1/model/weights serves and weights_sha256 digests
 
-        tensors = {}
+    @property
+    def bias_layers(self) -> list[int]:
+        """The model layer indices whose conv has a bias."""
+        return [layer for layer, b in zip(self.layers, self.has_bias) if b]
+
+    def canonical_tensors(self) -> dict:
+        """``key -> (dtype name, shape, bytes)`` of the weights (``(dim, 1, width)``) and the biases of the layers
+        that have one, in the model dtype: the input of ``protocol.weights.canonical_safetensors``."""
+        name = DTYPE_NAMES[self.dtype]
+        out = {}
         for p, layer in enumerate(self.layers):
-            prefix = f"backbone.layers.{layer}.mixer.conv1d."
-            tensors[prefix + "weight"] = self.weight[p].unsqueeze(1).contiguous().cpu()
+            w = self.weight[p].unsqueeze(1)
+            out[canonical_key(layer, "weight")] = (name, list(w.shape), _raw_bytes(w))
             if self.has_bias[p]:
-                tensors[prefix + "bias"] = self.bias[p].contiguous().cpu()
-        save_file(tensors, str(path))
+                out[canonical_key(layer, "bias")] = (name, [self.dim], _raw_bytes(self.bias[p]))
+        return out
+
+    def canonical_safetensors(self) -> bytes:
+        """The canonical safetensors file of these weights (``GET /v1/model/weights``)."""
+        return canonical_safetensors(self.canonical_tensors())
+
+    def weights_sha256(self) -> str:
+        """The hex sha256 of :meth:`canonical_safetensors` (``weights_sha256`` of ``GET /v1/model``)."""
+        return canonical_sha256(self.canonical_tensors())
+
+    def save_safetensors(self, path: Union[str, Path]) -> None:
+        """Write the canonical file (Mamba2-style keys ``backbone.layers.<i>.mixer.conv1d.weight``
+        ``(dim, 1, width)`` and ``.bias``): served again, it reports the same ``weights_sha256``."""
+        Path(path).write_bytes(self.canonical_safetensors())
+
+
+def _raw_bytes(t: torch.Tensor) -> bytes:
+    """The bytes of ``t`` in C order on the host (little-endian: the only byte order torch runs on here)."""
+    return t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()

@@ -7,8 +7,10 @@ from tests.engine_support import DIM, LAYERS
 
 def test_model_info_and_stats_report_the_engine(engine):
     info = engine.model_info()
+    sha = info.pop("weights_sha256")
     assert info == {"layers": LAYERS, "dim": DIM, "width": 4, "dtype": "float32", "state_dtype": "float32",
-                    "activation": "silu", "slots": {"total": 8, "free": 8}}
+                    "activation": "silu", "bias_layers": LAYERS, "seed": 1, "slots": {"total": 8, "free": 8}}
+    assert len(sha) == 64 and sha == engine.model_cpu.weights_sha256()
     sids = [engine.create_session() for _ in range(3)]
     for s in sids:
         engine.submit(s, LAYERS[0], torch.randn(2, DIM)).result(5)

@@ -106,12 +106,15 @@ def test_compare_exits_nonzero_on_an_injected_regression_and_zero_otherwise(serv
     assert _run(tmp_path, server, *args, "--compare", str(tmp_path / "other.json"))[0] == 2
 
 
-@pytest.mark.parametrize("scenario", ["decode-heavy", "spec"])
-def test_verify_passes_against_the_served_weights(server, weights, tmp_path, scenario):
+@pytest.mark.parametrize("scenario, source", [("decode-heavy", "server"), ("spec", "server"), ("decode-heavy", "file")])
+def test_verify_passes_against_the_served_weights(server, weights, tmp_path, scenario, source):
+    # --verify alone takes the server's GET /v1/model/weights (digest-checked); with a path, that file
+    verify = ["--verify"] if source == "server" else ["--verify", str(weights[0])]
     rc, data = _run(tmp_path, server, "--scenario", scenario, "--concurrency", "3", "--requests", "90",
-                    "--verify", str(weights[0]), "--verify-sample", "1", "--fail-on-errors")
+                    *verify, "--verify-sample", "1", "--fail-on-errors")
     st = data["steps"][0]
     assert rc == 0, st["errors"]
+    assert data["config"]["verify"].startswith("GET /v1/model/weights" if source == "server" else str(weights[0]))
     assert st["verify"]["checked"] >= 90 and st["verify"]["mismatches"] == 0
     if scenario == "spec":
         assert st["kinds"]["verify"]["count"] > 0 and st["kinds"]["accept"]["count"] > 0

@@ -4,7 +4,7 @@ Examples:
 
     convserve-loadtest --url http://127.0.0.1:8000 --concurrency 1,8,64,256 --duration 10 --out results/
     convserve-loadtest --scenario mixed --rate 200,400,800 --duration 15 --transport stream --inflight 32
-    convserve-loadtest --scenario spec --requests 2000 --verify model.safetensors --verify-sample 0.2
+    convserve-loadtest --scenario spec --requests 2000 --verify --verify-sample 0.2
     convserve-loadtest --concurrency 64 --duration 10 --compare results/loadtest.json --regress-pct 10
     convserve-loadtest --scenario frontend --concurrency 1,256 --chunk 512 --spec-k const:4 --duration 10
 
@@ -26,6 +26,17 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 EXIT_ERRORS, EXIT_USAGE, EXIT_REGRESSION = 1, 2, 3
+
+#: ``--verify`` given alone: the reference is built from the server's own weights file (GET /v1/model/weights)
+FROM_SERVER = object()
+
+
+def _verify_label(verify, info: dict) -> Optional[str]:
+    if verify is None:
+        return None
+    if verify is FROM_SERVER:
+        return f"GET /v1/model/weights (sha256 {info.get('weights_sha256')})"
+    return str(verify)
 
 
 def _int_list(s: str) -> list:
@@ -112,8 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compare with an earlier run's JSON; exit 3 on a regression past --regress-pct")
     g.add_argument("--regress-pct", type=float, default=10.0,
                    help="a throughput drop or p99 rise of more than this percent is a regression [10]")
-    g.add_argument("--verify", type=Path, default=None, metavar="WEIGHTS.safetensors",
-                   help="check a sample of sessions against the reference from these weights")
+    g.add_argument("--verify", type=Path, nargs="?", const=FROM_SERVER, default=None, metavar="WEIGHTS.safetensors",
+                   help="check a sample of sessions against a float64 reference of the served weights: alone, "
+                        "the server's GET /v1/model/weights (checked against /v1/model's weights_sha256); with a "
+                        "file, these weights")
     g.add_argument("--verify-sample", type=float, default=0.1, help="share of sessions verified [0.1]")
     g.add_argument("--fail-on-errors", action="store_true", help="exit 1 when any request failed")
     g.add_argument("--no-progress", action="store_true", help="no live display")
@@ -251,7 +264,7 @@ async def run(args) -> dict:
     from convserve.clients.loadtest.frontend import FrontendDriver
     from convserve.clients.loadtest.runner import Driver, Workload, auto_connections, make_transport
     from convserve.clients.loadtest.stats import Recorder
-    from convserve.clients.loadtest.verify import Verifier, VerifyError
+    from convserve.clients.loadtest.verify import Verifier, VerifyError, served_weights
     from convserve.clients.protocol.errors import ServiceError
 
     frontend = args.scenario == "frontend"
@@ -275,16 +288,23 @@ async def run(args) -> dict:
         verifier = None
         if args.verify is not None:
             try:
-                verifier = Verifier(str(args.verify), info, args.verify_sample, args.seed)
+                if args.verify is FROM_SERVER:
+                    source = served_weights(await client.model_weights(), info)
+                else:
+                    source = str(args.verify)
+                verifier = Verifier(source, info, args.verify_sample, args.seed)
             except VerifyError as e:
                 raise SetupError(str(e)) from None
+            except ServiceError as e:
+                raise SetupError(f"GET {client.url}/v1/model/weights answered {e.status} {e.code}: {e.message}; "
+                                 "pass --verify WEIGHTS.safetensors to check against a file") from None
         config = {
             "url": client.url, "model": info, "workload": wl.describe(),
             "transport": "batch" if frontend else args.transport,
             "mode": mode, "levels": levels, "duration_s": args.duration, "requests": args.requests,
             "warmup_s": args.warmup, "inflight": args.inflight if args.transport != "unary" else None,
             "connections": args.connections or None, "max_retries": args.max_retries, "seed": args.seed,
-            "verify": str(args.verify) if args.verify else None, "verify_sample": args.verify_sample,
+            "verify": _verify_label(args.verify, info), "verify_sample": args.verify_sample,
             "started": _dt.datetime.now().isoformat(timespec="seconds"),
             "client": {"host": platform.node(), "python": platform.python_version(), "cpu_count": os.cpu_count(),
                        "loop": type(asyncio.get_running_loop()).__module__.split(".")[0]},

@@ -1,5 +1,8 @@
 """``--verify``: recompute a sample of sessions locally, in float64 numpy, from the weights the server serves.
 
+The weights come from the server itself (``GET /v1/model/weights``, checked against the ``weights_sha256`` of
+``GET /v1/model``, see :func:`served_weights`) or from a safetensors file the caller trusts.
+
 A verified session's every conv (and accept) is replayed on a local copy of its conv state, so each answer can be
 compared with what the conv gives for the same inputs. The local conv is written here, independently of the
 server's kernels and references, from the contract in the README: ``y[t] = act(b + sum_k w[k] * h[t + k])`` over
@@ -11,8 +14,9 @@ Needs numpy, ml_dtypes and safetensors only (the plain ``convserve`` install).
 
 from __future__ import annotations
 
+import hashlib
 import random
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 import safetensors
@@ -31,13 +35,29 @@ class VerifyError(Exception):
     pass
 
 
-def _load_conv_weights(path: str) -> tuple[list, np.ndarray, np.ndarray, list]:
-    """``(layers, weight (n, dim, width), bias (n, dim) zeros where absent, has_bias)`` as stored (not cast)."""
-    with open(path, "rb") as f:
-        tensors = dict(safetensors.deserialize(f.read()))
+def served_weights(data: bytes, model_info: dict) -> bytes:
+    """``data`` (the body of ``GET /v1/model/weights``) when its sha256 is the ``weights_sha256`` the server
+    reports, else :class:`VerifyError`."""
+    want = model_info.get("weights_sha256")
+    got = hashlib.sha256(data).hexdigest()
+    if want != got:
+        raise VerifyError(f"--verify: GET /v1/model/weights has sha256 {got} but GET /v1/model reports "
+                          f"weights_sha256 {want}; the server's weights cannot be trusted for the check")
+    return data
+
+
+def _load_conv_weights(source: Union[str, bytes]) -> tuple[list, np.ndarray, np.ndarray, list]:
+    """``(layers, weight (n, dim, width), bias (n, dim) zeros where absent, has_bias)`` as stored (not cast),
+    from a safetensors file's path or its bytes."""
+    if isinstance(source, (bytes, bytearray)):
+        data, name = bytes(source), "the served weights"
+    else:
+        with open(source, "rb") as f:
+            data, name = f.read(), source
+    tensors = dict(safetensors.deserialize(data))
     found = conv_layer_keys(tensors)
     if not found:
-        raise ValueError(f"{path} has no key matching 'layers.<i>.…conv1d.weight'")
+        raise ValueError(f"{name} has no key matching 'layers.<i>.…conv1d.weight'")
 
     def arr(key):
         t = tensors[key]
@@ -60,9 +80,12 @@ def _load_conv_weights(path: str) -> tuple[list, np.ndarray, np.ndarray, list]:
 
 
 class Verifier:
-    def __init__(self, weights_path: str, model_info: dict, sample: float, seed: int = 0):
+    """``weights``: a safetensors file's path, or the bytes of one (what :func:`served_weights` returns)."""
+
+    def __init__(self, weights: Union[str, bytes], model_info: dict, sample: float, seed: int = 0):
+        weights_path = "(GET /v1/model/weights)" if isinstance(weights, (bytes, bytearray)) else weights
         try:
-            layers, weight, bias, _ = _load_conv_weights(weights_path)
+            layers, weight, bias, _ = _load_conv_weights(weights)
         except (OSError, ValueError, safetensors.SafetensorError) as e:
             raise VerifyError(f"--verify {weights_path}: cannot load the weights ({e})") from None
         want = (list(model_info["layers"]), int(model_info["dim"]), int(model_info["width"]))

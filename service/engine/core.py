@@ -130,6 +130,9 @@ class Engine(Intake, SessionOps, Worker):
         self._st = collections.Counter()
         self._batch_hist = [0] * (len(BATCH_HIST) + 1)
         self._steps = collections.deque(maxlen=4096)   # tuples of STEP_FIELDS
+        # what a client can check the served weights by: the digest once, the file itself when first asked for
+        self._weights_sha256 = model.weights_sha256()
+        self._weights_file: Optional[bytes] = None
 
     # ------------------------------------------------------------------ life cycle
 
@@ -221,8 +224,9 @@ class Engine(Intake, SessionOps, Worker):
     # ------------------------------------------------------------------ info
 
     def model_info(self) -> dict:
-        """``{"layers", "dim", "width", "dtype", "state_dtype", "activation", "slots": {"total", "free"}}``;
-        ``slots.total`` counts allocatable slots (the null slot not included)."""
+        """``{"layers", "dim", "width", "dtype", "state_dtype", "activation", "weights_sha256", "bias_layers",
+        "seed", "slots": {"total", "free"}}``; ``slots.total`` counts allocatable slots (the null slot not
+        included), ``weights_sha256`` digests :meth:`model_weights`, ``seed`` is None for weights from a file."""
         m = self.model_cpu
         with self._lock:
             total = self.pool.capacity if self.pool is not None else (
@@ -230,7 +234,16 @@ class Engine(Intake, SessionOps, Worker):
             free = self.pool.free_count if self.pool is not None else total
         return {"layers": list(m.layers), "dim": m.dim, "width": m.width, "dtype": DTYPE_NAMES[m.dtype],
                 "state_dtype": DTYPE_NAMES[self.state_dtype], "activation": m.activation,
+                "weights_sha256": self._weights_sha256, "bias_layers": m.bias_layers, "seed": m.seed,
                 "slots": {"total": total, "free": free}}
+
+    def model_weights(self) -> bytes:
+        """The served conv weights and biases as the canonical safetensors file (``protocol.weights``), whose
+        sha256 is ``model_info()["weights_sha256"]``; built on the first call and kept (a race builds it twice,
+        to the same bytes)."""
+        if self._weights_file is None:
+            self._weights_file = self.model_cpu.canonical_safetensors()
+        return self._weights_file
 
     def stats(self) -> dict:
         """Counters for metrics and benchmarks. Times in seconds, sizes in bytes. ``batch_size`` is a histogram

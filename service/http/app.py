@@ -31,6 +31,7 @@ from convserve.service.http.backend import EngineAPI
 from convserve.service.http.control import add_control_routes
 from convserve.service.http.edge import ConvServeApp, Edge
 from convserve.service.http.errors import install_handlers
+from convserve.service.http.oip import add_oip_routes
 from convserve.service.http.parse import Parser
 from convserve.service.http.stream import StreamEndpoint
 from convserve.service.http.unary import BatchEndpoint, ConvEndpoint
@@ -130,6 +131,7 @@ def create_app(settings, engine: EngineAPI, *, start_engine: bool = True) -> Con
 
     install_handlers(app)
     add_control_routes(app, svc)
+    add_oip_routes(app, svc)
 
     # The conv routes are plain ASGI endpoints, dispatched by ConvServeApp.__call__ ahead of the stack; they are
     # also routed in it, for what does not take that path (405 for other methods, a root_path).

@@ -16,7 +16,8 @@ class EngineAPI(Protocol):
     def ready(self) -> bool: ...                       # started and warm: requests are accepted
 
     # --- description and monitoring
-    def model_info(self) -> dict: ...                  # layers, dim, width, dtype, state_dtype, slots
+    def model_info(self) -> dict: ...                  # layers, dim, width, dtype, state_dtype, slots, weights_sha256
+    def model_weights(self) -> bytes: ...              # the canonical safetensors file weights_sha256 digests
     def stats(self) -> dict: ...                       # read at scrape time by /metrics
 
     # --- conv requests

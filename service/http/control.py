@@ -1,5 +1,5 @@
-"""The control routes: health and readiness, metrics, the model, sessions (create, delete, fork), state export and
-import, and accepting speculative verifies (one session, or several as one request).
+"""The control routes: health and readiness, metrics, the model and its weights file, sessions (create, delete,
+fork), state export and import, and accepting speculative verifies (one session, or several as one request).
 
 These are ordinary FastAPI routes; their errors reach the handlers of :func:`.errors.install_handlers`. Session
 operations block on the engine, so they run in a thread. ``/healthz``, ``/readyz`` and ``/metrics`` need no
@@ -73,6 +73,17 @@ def add_control_routes(app: FastAPI, svc: Service) -> None:
     async def model(request: Request):
         svc.require_ready()
         return reply(request, engine.model_info())
+
+    @app.get("/v1/model/weights")
+    async def model_weights():
+        # the canonical safetensors file whose sha256 /v1/model reports (also the ETag, so a download can be
+        # checked on its own); built by the engine on first use, so off the event loop
+        svc.require_ready()
+        body = await asyncio.to_thread(engine.model_weights)
+        sha = engine.model_info()["weights_sha256"]
+        return Response(body, media_type="application/octet-stream",
+                        headers={"etag": f'"{sha}"',
+                                 "content-disposition": 'attachment; filename="conv-weights.safetensors"'})
 
     @app.post("/v1/sessions", status_code=201)
     async def create_session(request: Request):

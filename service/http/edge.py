@@ -17,17 +17,21 @@ from fastapi import FastAPI
 from convserve.service.http.asgi import (CLIENT_CLOSED, CLIENT_CLOSED_STATUS, ERROR_SCOPE_KEY, ROUTE_SCOPE_KEY, header,
                                          wants_json)
 from convserve.service.http.errors import HTTP_CODES, as_service_error, render_error, send_error, unauthorized
+from convserve.service.http.oip_wire import send_oip_error
 from convserve.service.metrics import Metrics
 
 access_log = logging.getLogger("convserve.access")
 
 
-#: what the API key guards: the API, and the API's description (it names every route and field)
-_GUARDED = ("/v1", "/docs", "/redoc", "/openapi.json")
+#: what the API key guards: the APIs, and the API's description (it names every route and field)
+_GUARDED = ("/v1", "/v2", "/docs", "/redoc", "/openapi.json")
+#: open like /healthz and /readyz: probes of an orchestrator or a load balancer carry no key
+_OPEN = ("/v2/health/",)
 
 
 class Edge:
-    """Pure-ASGI outer layer: API-key check on ``/v1`` and the API docs, request metrics, optional access log."""
+    """Pure-ASGI outer layer: API-key check on ``/v1``, ``/v2`` (but its health) and the API docs, request metrics,
+    optional access log."""
 
     def __init__(self, app, metrics: Metrics, api_key: Optional[str], access: bool):
         self.app = app
@@ -36,7 +40,8 @@ class Edge:
         self.access = access
 
     def _authorized(self, scope) -> bool:
-        if self.auth_value is None or not scope["path"].startswith(_GUARDED):
+        path = scope["path"]
+        if self.auth_value is None or not path.startswith(_GUARDED) or path.startswith(_OPEN):
             return True
         got = header(scope, b"authorization")
         if got is None:
@@ -61,7 +66,9 @@ class Edge:
 
             try:
                 if not self._authorized(scope):
-                    await send_error(scope, send_wrapper, unauthorized())
+                    # /v2 answers in the Open Inference Protocol's error form, which its clients parse
+                    oip = scope["path"].startswith("/v2")
+                    await (send_oip_error if oip else send_error)(scope, send_wrapper, unauthorized())
                 else:
                     await app(scope, receive, send_wrapper)
             finally:
