@@ -1,11 +1,12 @@
-"""The HTTP layer's engine interface (``service/http/backend.py``) is what the in-process engine provides: every
-member exists on :class:`Engine` and takes the same parameters, so the routes can be served by the engine or by
-anything else with these methods."""
+"""The HTTP layer's engine interface (``service/http/backend.py``) is what the in-process engine and a worker's
+stand-in for engine processes (:class:`RemoteEngine`) provide: every member exists on both and takes the same
+parameters, so the routes are served by either."""
 
 import inspect
 
 import pytest
 
+from convserve.service.cluster.remote import RemoteEngine
 from convserve.service.engine import Engine
 from convserve.service.http.backend import EngineAPI
 
@@ -16,10 +17,11 @@ def test_the_interface_lists_the_methods_the_routes_call():
     assert {"submit_async", "submit_batch", "submit_batch_async", "accept_batch", "cancel"} <= set(MEMBERS)
 
 
+@pytest.mark.parametrize("impl", [Engine, RemoteEngine])
 @pytest.mark.parametrize("name", MEMBERS)
-def test_the_engine_provides_each_member_with_the_same_parameters(name):
+def test_the_engine_provides_each_member_with_the_same_parameters(name, impl):
     want = getattr(EngineAPI, name)
-    have = getattr(Engine, name)
+    have = getattr(impl, name)
     if isinstance(want, property):
         assert isinstance(have, property) or not callable(have), name
         return

@@ -311,7 +311,9 @@ class EngineProcess:
         self._reply_op(ident, mid, result)
 
     def _reply_op(self, ident: bytes, mid: int, result) -> None:
-        if hasattr(result, "untyped_storage"):       # a state tensor: its bytes as a second frame
+        if isinstance(result, bytes):                 # the weights file: as a second frame
+            self._send(ident, {"i": mid, "ok": None, "bytes": True}, result)
+        elif hasattr(result, "untyped_storage"):     # a state tensor: its bytes as a second frame
             import torch
 
             t = result.contiguous()

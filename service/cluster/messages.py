@@ -28,7 +28,7 @@ CONV, BATCH, CANCEL, OP, CHECK, STATS = "c", "b", "x", "o", "q", "s"
 
 #: the session operations an ``o`` message may name
 OPS = ("create_session", "delete_session", "fork_session", "export_state", "import_state", "accept",
-       "accept_batch", "export_for_fork", "create_with_state")
+       "accept_batch", "export_for_fork", "create_with_state", "model_weights")
 
 
 def error_reply(mid: int, exc: BaseException) -> dict:

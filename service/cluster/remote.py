@@ -86,6 +86,7 @@ class RemoteEngine:
         self._ids = itertools.count(1)
         self._tasks: list = []
         self._packer = msgpack.Packer(use_bin_type=True)
+        self._weights: Optional[bytes] = None
 
     # ------------------------------------------------------------------ life cycle
 
@@ -146,6 +147,13 @@ class RemoteEngine:
         info["slots"] = {"total": sum(r.slots_total for r in up), "free": sum(r.slots_free for r in up)}
         info["engines"] = [{"device": d, **r.as_dict()} for d, r in zip(self.devices, rows)]
         return info
+
+    def model_weights(self) -> bytes:
+        """The canonical safetensors file of the served weights (the same on every engine), fetched once."""
+        if self._weights is None:
+            up = [e for e in range(self.n) if self._up(e)] or [0]
+            self._weights = self._op(up[0], "model_weights")
+        return self._weights
 
     def engines(self) -> list:
         """Each engine's row of the status table, for ``/readyz`` and the metrics."""
@@ -351,6 +359,8 @@ class RemoteEngine:
             head["d"], head["sh"] = str(t.dtype).removeprefix("torch."), list(t.shape)
             data = memoryview(t.view(-1).view(torch.uint8).numpy())
         reply, frame = self._call_sync(e, head, data)
+        if reply.get("bytes"):
+            return bytes(frame)
         if "sh" in reply:
             return torch.frombuffer(bytearray(frame), dtype=getattr(torch, reply["d"])).view(*reply["sh"])
         return reply["ok"]
