@@ -45,6 +45,10 @@ TUNING = {
     # several tokens per row with x dense per row (speculative verify): the dense kernel while
     # width - 1 + tokens <= max_positions (0: never)
     "decode_short": dict(max_positions=8, block_d=128, num_warps=4),
+    # a state strided along dim ((lines, dim, width - 1) contiguous along the window: Dao's and the seed's
+    # pools), x dense per row: the dense kernel while width - 1 + tokens <= max_positions, with the dim strides
+    # of x, out and bias unspecialized when scalar (one register layout for every load; dense.py)
+    "decode_strided_state": dict(max_positions=8, block_d=512, num_warps=8, scalar=True),
     # several tokens per row otherwise (chunked kernel: strided x, long chunks): narrower tiles keep the token
     # chunk and its windows in registers
     "decode_multi": dict(block_d=128, num_warps=2),
@@ -96,10 +100,12 @@ class LaunchPlan:
 
     ``kernel[grid](...)`` re-derives the specialization of every argument through Triton's generic binder on each
     call, which costs far more host time than the launch itself. A plan is built once per argument layout (the
-    public functions key their plan cache on shapes, strides and dtypes); per call it only checks the one thing
-    Triton still specializes on, each pointer's 16-byte alignment, and calls the compiled kernel's launcher
-    directly. The first call of each alignment pattern goes through ``kernel[grid]`` (compiling if needed). Under
-    the interpreter, or for CPU tensors, every call is plain ``kernel[grid](...)``.
+    public functions key their plan cache on shapes, strides, dtypes and devices); per call it only checks the one
+    thing Triton still specializes on, each pointer's 16-byte alignment, and calls the compiled kernel's launcher
+    directly with the addresses as plain integers (the launcher then skips its per-pointer
+    ``cuPointerGetAttribute`` query: the plan key already pins every tensor to the plan's CUDA device). The first
+    call of each alignment pattern goes through ``kernel[grid]`` (compiling if needed). Under the interpreter, or
+    for CPU tensors, every call is plain ``kernel[grid](...)``.
     """
 
     def __init__(self, fn, grid, scalars, constexprs: dict, num_warps: int, device: torch.device):
@@ -108,8 +114,11 @@ class LaunchPlan:
         params = getattr(fn, "params", None)
         self.direct = device.type == "cuda" and params is not None
         self.const_values = tuple(constexprs[p.name] for p in params if p.is_constexpr) if self.direct else ()
+        self.tail = self.scalars + self.const_values  # every argument after the tensors, in the kernel's order
         self.device_index = device.index if device.index is not None else 0
         self._compiled = {}
+        self._aligned = None  # the compiled kernel for all pointers 16-byte aligned (the usual case)
+        self.copy_bias = False  # set by the public function: the caller's bias is strided and is copied per call
 
     def _slow(self, tensors):
         return self.fn[self.grid](*tensors, *self.scalars, num_warps=self.num_warps, **self.constexprs)
@@ -118,23 +127,35 @@ class LaunchPlan:
         if not self.direct:
             self._slow(tensors)
             return
-        sig = tuple([t.data_ptr() % 16 == 0 for t in tensors])
-        compiled = self._compiled.get(sig)
+        ptrs = [t.data_ptr() for t in tensors]
+        low = 0
+        for p in ptrs:
+            low |= p
+        compiled = self._aligned if not low & 15 else self._compiled.get(tuple([p & 15 == 0 for p in ptrs]))
         if compiled is None:
-            compiled = self._slow(tensors)
-            if hasattr(compiled, "result"):  # asynchronous compilation in some Triton versions
-                compiled = compiled.result()
-            self._compiled[sig] = compiled
+            self._first(tensors, ptrs)
             return
         try:
             compiled.run(self.grid[0], self.grid[1], 1, _raw_stream(self.device_index), compiled.function,
-                         compiled.packed_metadata, None, None, None, *tensors, *self.scalars, *self.const_values)
+                         compiled.packed_metadata, None, None, None, *ptrs, *self.tail)
         except (TypeError, SystemError, AttributeError) as exc:  # a Triton whose launcher takes other arguments
             warnings.warn(f"convserve: direct Triton launch unavailable ({exc!r}); using kernel[grid](...)")
             self.direct = False
             self._slow(tensors)
 
+    def _first(self, tensors, ptrs):
+        """The first launch of an alignment pattern: through ``kernel[grid]``, keeping the compiled kernel."""
+        compiled = self._slow(tensors)
+        if hasattr(compiled, "result"):  # asynchronous compilation in some Triton versions
+            compiled = compiled.result()
+        sig = tuple([p & 15 == 0 for p in ptrs])
+        self._compiled[sig] = compiled
+        if all(sig):
+            self._aligned = compiled
+
 
 def tensor_key(t):
-    """What a plan depends on for one tensor argument (None stays None)."""
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+    """What a plan depends on for one tensor argument (None stays None): shape, strides, dtype and device index
+    (-1 on the CPU). The public functions inline this for their usual arguments: each attribute read costs a
+    fraction of a microsecond of the per-call budget."""
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.get_device())
