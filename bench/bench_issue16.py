@@ -29,17 +29,24 @@ sys.path.insert(0, str(ROOT / "bench"))
 from bench_kernels import b2b, bench, copy_bandwidth, load_peers, rel_err  # noqa: E402
 
 POOL = 4096
-# (name, decode_strided_state tuning): the chunked kernel (dense off), the dense kernel with Triton's usual
-# specialization, and the scalar variant at several tiles
+# (name, TUNING overrides) for the state contiguous along the window: the pairs kernel at several tiles, and the
+# dense kernel's scalar variant (pairs off) at several tiles
+_OFF = dict(on=False, block_p=128, num_warps=4)
 WM_VARIANTS = [
-    ("chunked", dict(max_positions=0, block_d=512, num_warps=8, scalar=True)),
-    ("dense-spec 512x8", dict(max_positions=8, block_d=512, num_warps=8, scalar=False)),
-    ("scalar 256x4", dict(max_positions=8, block_d=256, num_warps=4, scalar=True)),
-    ("scalar 512x8", dict(max_positions=8, block_d=512, num_warps=8, scalar=True)),
-    ("scalar 512x4", dict(max_positions=8, block_d=512, num_warps=4, scalar=True)),
-    ("scalar 1024x8", dict(max_positions=8, block_d=1024, num_warps=8, scalar=True)),
-    ("scalar 1024x4", dict(max_positions=8, block_d=1024, num_warps=4, scalar=True)),
-    ("scalar 2048x8", dict(max_positions=8, block_d=2048, num_warps=8, scalar=True)),
+    ("pairs 128x4", dict(decode_pairs=dict(on=True, block_p=128, num_warps=4))),
+    ("pairs 64x2", dict(decode_pairs=dict(on=True, block_p=64, num_warps=2))),
+    ("pairs 256x8", dict(decode_pairs=dict(on=True, block_p=256, num_warps=8))),
+    ("pairs 256x4", dict(decode_pairs=dict(on=True, block_p=256, num_warps=4))),
+    ("pairs 512x4", dict(decode_pairs=dict(on=True, block_p=512, num_warps=4))),
+    ("pairs 64x1", dict(decode_pairs=dict(on=True, block_p=64, num_warps=1))),
+    ("scalar 256x4", dict(decode_pairs=_OFF, decode_strided_state=dict(max_positions=8, block_d=256, num_warps=4,
+                                                                         scalar=True))),
+    ("scalar 128x4", dict(decode_pairs=_OFF, decode_strided_state=dict(max_positions=8, block_d=128, num_warps=4,
+                                                                         scalar=True))),
+    ("scalar 256x8", dict(decode_pairs=_OFF, decode_strided_state=dict(max_positions=8, block_d=256, num_warps=8,
+                                                                         scalar=True))),
+    ("scalar 128x2", dict(decode_pairs=_OFF, decode_strided_state=dict(max_positions=8, block_d=128, num_warps=2,
+                                                                         scalar=True))),
 ]
 
 
@@ -64,10 +71,9 @@ def decode_case(batch, dim, layout, peers, variants):
     src = torch.empty(bytes_ // 2, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     r = dict(batch=batch, dim=dim, layout=layout, bytes=bytes_, copy=bench(lambda: dst.copy_(src)), variants={})
-    base = dict(_launch.TUNING["decode_strided_state"])
+    base = {k: v for k, v in _launch.TUNING.items()}
     for name, cfg in (variants if layout == "width-major" else [("default", None)]):
-        if cfg is not None:
-            _launch.TUNING["decode_strided_state"] = cfg
+        _launch.TUNING.update(cfg or {})
         dplan._PLANS.clear()
         try:
             p_k = pool.clone()
@@ -85,7 +91,7 @@ def decode_case(batch, dim, layout, peers, variants):
         except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, not fatal
             r["variants"][name] = dict(us=float("nan"), ok=False, error=repr(exc)[:300])
         finally:
-            _launch.TUNING["decode_strided_state"] = dict(base)
+            _launch.TUNING.update(base)
     dplan._PLANS.clear()
     for pname, peer in peers.items():
         if peer[0] == "dao":
@@ -153,6 +159,7 @@ def host_costs():
     key = dplan._update_key(x, pool, w, b, "silu", None, idx, None, None, None, -1, out)
     plan = dplan._PLANS[key]
     cases["part: plan launch only b1x4096"] = lambda: plan(x, w, b, pool, idx, x, x, x, out)
+    print("raw C launcher in use:", plan._aligned[0] if plan._aligned else None, flush=True)
     for f in cases.values():
         f()
     torch.cuda.synchronize()
@@ -197,6 +204,18 @@ def prefill_small(peers):
             r = dict(T=T, dim=dim, layout=layout, err=err, ok=err < 1e-2 and torch.equal(st_k, st_r))
             fn = (lambda: causal_conv1d_fn(x, w, b, st_k, qsl, idx, init, "silu", out=out))
             r["ours"] = bench(fn)
+            from convserve.kernels import _launch
+            from convserve.kernels.prefill import plan as pplan
+            _launch.TUNING["prefill_small_batch"] = False
+            pplan._PLANS.clear()
+            out2 = torch.full_like(x, float("nan"))
+            st2 = st.clone()
+            causal_conv1d_fn(x, w, b, st2, qsl, idx, init, "silu", out=out2)
+            r["ok"] = r["ok"] and rel_err(out2, ref) < 1e-2 and torch.equal(st2, st_r)
+            r["ours_loop_search"] = bench(lambda: causal_conv1d_fn(x, w, b, st2, qsl, idx, init, "silu", out=out2))
+            _launch.TUNING["prefill_small_batch"] = True
+            pplan._PLANS.clear()
+            causal_conv1d_fn(x, w, b, st_k, qsl, idx, init, "silu", out=out)
             y = torch.empty_like(x)
             r["copy"] = bench(lambda: y.copy_(x))
             r["ours_b2b"], r["ours_host"] = b2b(fn, n=500)
@@ -208,7 +227,8 @@ def prefill_small(peers):
             r["graph"] = bench(g.replay)
             r["graph_b2b"], _ = b2b(g.replay, n=500)
             rows.append(r)
-            print(f"prefill {T:5}x{dim} {layout:14} ours {r['ours']:6.2f} copy {r['copy']:5.2f} b2b "
+            print(f"prefill {T:5}x{dim} {layout:14} ours {r['ours']:6.2f} (loop search {r['ours_loop_search']:6.2f}) "
+                  f"copy {r['copy']:5.2f} b2b "
                   f"{r['ours_b2b']:6.2f} host {r['ours_host']:6.2f} graph {r['graph']:6.2f} graph_b2b "
                   f"{r['graph_b2b']:6.2f} err {err:.1e} {'ok' if r['ok'] else 'WRONG'}", flush=True)
     return rows

@@ -40,6 +40,8 @@ TUNING = {
     # the heads pass after either body: channels per program (at most head_elems / HEAD, so a [HEAD, BLOCK_D]
     # head tile stays in registers at widths 6-8), elements per zeroing step of a pad
     "prefill_heads": dict(block_d=256, elems=2048, head_elems=1024, num_warps=4),
+    # prefill, piece kernel, batch < 64: read the metadata in one round of loads (piece._small_batch_row)
+    "prefill_small_batch": True,
     # decode, one token per row (dense kernel): channels per program
     "decode": dict(block_d=512, num_warps=8),
     # several tokens per row with x dense per row (speculative verify): the dense kernel while
@@ -49,6 +51,9 @@ TUNING = {
     # pools), x dense per row: the dense kernel while width - 1 + tokens <= max_positions, with the dim strides
     # of x, out and bias unspecialized when scalar (one register layout for every load; dense.py)
     "decode_strided_state": dict(max_positions=8, block_d=512, num_warps=8, scalar=True),
+    # one token per row on a 16-bit state exactly width - 1 wide and contiguous along the window (pairs.py):
+    # channel pairs per program, warps
+    "decode_pairs": dict(on=True, block_p=128, num_warps=4),
     # several tokens per row otherwise (chunked kernel: strided x, long chunks): narrower tiles keep the token
     # chunk and its windows in registers
     "decode_multi": dict(block_d=128, num_warps=2),
@@ -108,7 +113,8 @@ class LaunchPlan:
     for CPU tensors, every call is plain ``kernel[grid](...)``.
     """
 
-    def __init__(self, fn, grid, scalars, constexprs: dict, num_warps: int, device: torch.device):
+    def __init__(self, fn, grid, scalars, constexprs: dict, num_warps: int, device: torch.device, fallback=None,
+                 align: int = 1):
         self.fn, self.grid, self.scalars = fn, grid, tuple(scalars)
         self.constexprs, self.num_warps = constexprs, num_warps
         params = getattr(fn, "params", None)
@@ -116,28 +122,45 @@ class LaunchPlan:
         self.const_values = tuple(constexprs[p.name] for p in params if p.is_constexpr) if self.direct else ()
         self.tail = self.scalars + self.const_values  # every argument after the tensors, in the kernel's order
         self.device_index = device.index if device.index is not None else 0
-        self._compiled = {}
-        self._aligned = None  # the compiled kernel for all pointers 16-byte aligned (the usual case)
+        self._compiled = {}  # alignment pattern -> Triton's compiled kernel
+        self._entries = {}  # alignment pattern -> how to launch it (_entry)
+        self._aligned = None  # the entry for all pointers 16-byte aligned (the usual case)
         self.copy_bias = False  # set by the public function: the caller's bias is strided and is copied per call
+        # a kernel that needs every pointer `align`-byte aligned: calls with other pointers run `fallback` instead
+        self.fallback, self.align_mask = fallback, align - 1
 
     def _slow(self, tensors):
         return self.fn[self.grid](*tensors, *self.scalars, num_warps=self.num_warps, **self.constexprs)
 
     def __call__(self, *tensors):
         if not self.direct:
-            self._slow(tensors)
+            if self.align_mask and any(t.data_ptr() & self.align_mask for t in tensors):
+                self.fallback(*tensors)
+            else:
+                self._slow(tensors)
             return
         ptrs = [t.data_ptr() for t in tensors]
         low = 0
         for p in ptrs:
             low |= p
-        compiled = self._aligned if not low & 15 else self._compiled.get(tuple([p & 15 == 0 for p in ptrs]))
-        if compiled is None:
+        if low & 15:
+            if low & self.align_mask:
+                self.fallback(*tensors)
+                return
+            entry = self._entries.get(tuple([p & 15 == 0 for p in ptrs]))
+        else:
+            entry = self._aligned
+        if entry is None:
             self._first(tensors, ptrs)
             return
+        raw, run, function, meta, coop, pdl = entry
         try:
-            compiled.run(self.grid[0], self.grid[1], 1, _raw_stream(self.device_index), compiled.function,
-                         compiled.packed_metadata, None, None, None, *ptrs, *self.tail)
+            if raw:  # the C launcher itself (see _entry)
+                run(self.grid[0], self.grid[1], 1, _raw_stream(self.device_index), function, coop, pdl, None, None,
+                    meta, None, None, None, *ptrs, *self.tail)
+            else:
+                run(self.grid[0], self.grid[1], 1, _raw_stream(self.device_index), function, meta, None, None, None,
+                    *ptrs, *self.tail)
         except (TypeError, SystemError, AttributeError) as exc:  # a Triton whose launcher takes other arguments
             warnings.warn(f"convserve: direct Triton launch unavailable ({exc!r}); using kernel[grid](...)")
             self.direct = False
@@ -150,8 +173,39 @@ class LaunchPlan:
             compiled = compiled.result()
         sig = tuple([p & 15 == 0 for p in ptrs])
         self._compiled[sig] = compiled
+        self._entries[sig] = entry = _entry(compiled)
         if all(sig):
-            self._aligned = compiled
+            self._aligned = entry
+
+
+# Triton 3.6's CudaLauncher.__call__ does no more than this: allocate the global and profile scratch buffers (when
+# the kernel has any), then call its C launcher with the cooperative-grid and PDL flags inserted. For a kernel with
+# neither scratch buffer, _entry calls the C launcher directly (a microsecond of Python less per launch); any other
+# launcher (another Triton version) is called through its __call__.
+_TRITON_36_CALL = ("self.launch(gridX,gridY,gridZ,stream,function,self.launch_cooperative_grid,self.launch_pdl,"
+                   "global_scratch,profile_scratch,*args)")
+_RAW_OK = {}
+
+
+def _entry(compiled):
+    """(raw, run, function, packed_metadata, cooperative, pdl) for LaunchPlan.__call__."""
+    run = compiled.run
+    cls = type(run)
+    if cls not in _RAW_OK:
+        try:
+            import inspect
+            src = "".join(inspect.getsource(cls.__call__).split())
+            params = tuple(inspect.signature(cls.__call__).parameters)
+            _RAW_OK[cls] = (_TRITON_36_CALL in src and src.count("self.launch(") == 1
+                            and params == ("self", "gridX", "gridY", "gridZ", "stream", "function", "args"))
+        except (OSError, TypeError, ValueError):
+            _RAW_OK[cls] = False
+    raw = (_RAW_OK[cls] and getattr(run, "global_scratch_size", 1) == 0
+           and getattr(run, "profile_scratch_size", 1) == 0 and hasattr(run, "launch"))
+    if raw:
+        return True, run.launch, compiled.function, compiled.packed_metadata, run.launch_cooperative_grid, \
+            run.launch_pdl
+    return False, run, compiled.function, compiled.packed_metadata, None, None
 
 
 def tensor_key(t):

@@ -265,17 +265,65 @@ def test_validate_data_reports_bad_index_values(kernel_device):
 @pytest.fixture(params=["dense", "chunked"])
 def strided_state_path(request, monkeypatch):
     """Run a test with a state strided along dim through the dense kernel's scalar variant, or with it switched off
-    (the chunked kernel), on fresh plan caches, with tiles smaller than the test's dim."""
+    (the chunked kernel), on fresh plan caches, with tiles smaller than the test's dim (the pairs kernel off: it
+    has its own tests)."""
     from convserve.kernels import _launch
     from convserve.kernels.decode import plan
     on = request.param == "dense"
     monkeypatch.setitem(_launch.TUNING, "decode_strided_state",
                         dict(max_positions=8 if on else 0, block_d=32, num_warps=1, scalar=True))
     monkeypatch.setitem(_launch.TUNING, "decode_multi", dict(block_d=32, num_warps=1))
+    monkeypatch.setitem(_launch.TUNING, "decode_pairs", dict(on=False, block_p=16, num_warps=1))
     monkeypatch.setattr(plan, "_PLANS", {})
     yield on
     used = {p.fn.__name__ for p in plan._PLANS.values()}
     assert ("_dense_kernel" in used) == on, f"kernels used: {used}"
+
+
+@pytest.mark.parametrize("width", range(2, MAX_WIDTH + 1))
+@pytest.mark.parametrize("variant", ["plain", "no-bias-no-silu", "grouped", "no-indices", "unaligned", "fp16"])
+def test_pairs_kernel_matches_reference(width, variant, monkeypatch, kernel_device):
+    """The pairs kernel (plain 16-bit decode on a state contiguous along the window): outputs against float64,
+    states bit-exact, a pad row, a dim past the tile (and not a multiple of it), stacked
+    weights, no bias or activation, and x / out / state 2 bytes off 4-byte alignment (the dense kernel then runs
+    instead)."""
+    from convserve.kernels import _launch
+    from convserve.kernels.decode import plan
+    monkeypatch.setitem(_launch.TUNING, "decode_pairs", dict(on=True, block_p=16, num_warps=1))
+    monkeypatch.setattr(plan, "_PLANS", {})
+    gen = torch.Generator().manual_seed(SEED + 19 * width + len(variant))
+    rng = random.Random(SEED + width + len(variant))
+    dtype = torch.float16 if variant == "fp16" else torch.bfloat16
+    dim, batch, groups, per = 70, 6, (3 if variant == "grouped" else 1), 8
+    lines = groups * per
+    shift = 1 if variant == "unaligned" else 0
+    x = torch.randn(batch, dim + 2 * shift, generator=gen).to(kernel_device, dtype)[:, shift:dim + shift]
+    base = torch.randn(lines * dim * (width - 1) + shift, generator=gen).to(kernel_device, dtype)
+    state = base[shift:].view(lines, dim, width - 1)
+    if variant == "grouped":
+        w = torch.randn(groups, dim, width, generator=gen).to(kernel_device, dtype)
+        b = torch.randn(groups, dim, generator=gen).to(kernel_device, dtype)
+    else:
+        w = torch.randn(dim, width, generator=gen).to(kernel_device, dtype)
+        b = None if variant == "no-bias-no-silu" else torch.randn(dim, generator=gen).to(kernel_device, dtype)
+    act = None if variant == "no-bias-no-silu" else "silu"
+    kw = {}
+    if variant != "no-indices":
+        rows = rng.sample(range(lines), batch)
+        rows[1] = PAD_SLOT_ID  # a pad row: zeros, no state touched
+        kw["conv_state_indices"] = torch.tensor(rows, dtype=torch.int32, device=kernel_device)
+    st_k, st_r = state.clone(), state.clone().cpu()
+    if shift:  # keep the kernel's copy off 4-byte alignment too
+        st_k = torch.empty(state.numel() + shift, dtype=dtype, device=kernel_device)[shift:].view(state.shape)
+        st_k.copy_(state)
+    out = torch.full((batch, dim + 2 * shift), float("nan"), dtype=dtype, device=kernel_device)[:, shift:dim + shift]
+    y = causal_conv1d_update(x, st_k, w, b, act, out=out, **kw)
+    ref = causal_conv1d_update_ref(x.cpu(), st_r, w.cpu(), b.cpu() if b is not None else None, act,
+                                   compute_dtype=torch.float64, **{k: v.cpu() for k, v in kw.items()})
+    assert_close(y, ref, dtype, "output")
+    assert_states_equal(st_k, st_r)
+    used = {p.fn.__name__ for p in plan._PLANS.values()}
+    assert used == {"_pairs_kernel"}, used
 
 
 @pytest.mark.parametrize("width,seqlen", [(2, 1), (3, 1), (4, 1), (4, 3), (6, 1), (3, 4)])

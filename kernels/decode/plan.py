@@ -1,6 +1,6 @@
 """``causal_conv1d_update``: decode and speculative verify against a state pool, planned once per argument
-layout: the dense kernel (``dense``) for x dense per row and a few tokens, the chunked kernel (``chunked``) for
-everything else.
+layout: the pairs kernel (``pairs``) for a plain 16-bit decode on a state contiguous along the window, the dense
+kernel (``dense``) for x dense per row and a few tokens, the chunked kernel (``chunked``) for everything else.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from .._launch import LaunchPlan, tensor_key
 from .._validate import PAD_SLOT_ID, check_out, check_update
 from .chunked import chunked_plan
 from .dense import dense_applies, dense_plan
+from .pairs import pairs_applies, pairs_plan
 
 _PLANS = {}
 
@@ -49,7 +50,11 @@ def _plan_update(x, conv_state, weight, bias, conv_state_indices, num_accepted_t
                     OFF64=off64, BLOCK_D=block_d)
 
     if dense_applies(x_strides, o_strides, conv_state, width, seqlen):
-        return dense_plan(x, conv_state, scalars, flags, width, seqlen, n_keep)
+        plan = dense_plan(x, conv_state, scalars, flags, width, seqlen, n_keep)
+        if pairs_applies(x, conv_state, weight, bias, out, conv_state_indices, num_accepted_tokens, inter, osi,
+                         width):
+            return pairs_plan(x, conv_state, weight, bias, conv_state_indices, out, width, silu, pad_slot_id, plan)
+        return plan
     return chunked_plan(x, conv_state, inter, out, x_strides, o_strides, scalars, flags, width, seqlen, n_keep)
 
 
