@@ -564,7 +564,7 @@ def main(argv=None):
     print(f"{env['gpu']} torch {env['torch']} triton {env['triton']}: copy {env['copy_tbps']:.2f} TB/s")
     peers = load_peers(a.peer_file)
     print("peers:", ", ".join(peers) or "none importable")
-    rows = []
+    rows, failed = [], []
     variants = run_variants(a.variants) if a.variants else None
     card = CARD if not a.quick else [CARD[0], CARD[4], CARD[8]]
     if a.only == "decode":
@@ -583,8 +583,13 @@ def main(argv=None):
     for state_layout in ("pool", "window-contiguous"):
         for dim in DECODE_DIMS if a.only != "prefill" else ():
             for batch in DECODE_BATCHES:
-                rows.append(run_decode_case(batch, dim, peers, state_layout=state_layout))
-                print(_line(rows[-1], env))
+                try:
+                    rows.append(run_decode_case(batch, dim, peers, state_layout=state_layout))
+                except Exception as exc:  # noqa: BLE001 - one broken case must not lose the whole table
+                    print(f"decode b{batch}x{dim} {state_layout}: FAILED {exc!r}"[:400], flush=True)
+                    failed.append(f"decode b{batch}x{dim} {state_layout}")
+                    continue
+                print(_line(rows[-1], env), flush=True)
     if a.only != "prefill":
         rows.append(run_decode_case(256, 8192, peers, seqlen=4, spec=True))
         print(_line(rows[-1], env))
@@ -598,7 +603,7 @@ def main(argv=None):
     (out / f"{tag}.json").write_text(json.dumps(res, indent=1, default=str))
     (out / f"{tag}.md").write_text(md + "\n")
     print(f"\nwrote {out / (tag + '.json')}")
-    bad = [r for r in rows if not r["ok"]]
+    bad = [r for r in rows if not r["ok"]] + failed
     if bad:
         print(f"{len(bad)} cases FAILED the correctness check")
     return 1 if bad else 0

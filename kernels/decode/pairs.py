@@ -67,8 +67,6 @@ def _pairs_kernel(
     HAS_INDICES: tl.constexpr,
     BLOCK_P: tl.constexpr,  # channel pairs per program
 ):
-    S = WIDTH - 1  # state words per pair
-    DT = x_ptr.dtype.element_ty
     b = tl.program_id(0).to(tl.int64)
     d0 = tl.program_id(1) * (2 * BLOCK_P)  # the tile's first channel (even)
     offs_p = tl.arange(0, BLOCK_P)  # [BLOCK_P] pair within the tile
@@ -86,11 +84,13 @@ def _pairs_kernel(
     d0_64 = d0.to(tl.int64)
 
     # 32-bit views of each row's tile (every base is even in 16-bit elements, so 4-byte aligned)
-    s_row = (state_ptr + line * stride_s_line + d0_64 * S).to(tl.pointer_type(tl.int32)) + offs_p * S  # [BLOCK_P]
+    # a pair's state: WIDTH - 1 words
+    s_row = ((state_ptr + line * stride_s_line + d0_64 * (WIDTH - 1)).to(tl.pointer_type(tl.int32))
+             + offs_p * (WIDTH - 1))  # [BLOCK_P]
     x_row = (x_ptr + b * stride_x_b + d0_64).to(tl.pointer_type(tl.int32)) + offs_p * pair_stride  # [BLOCK_P]
     w_row = (w_ptr + g * stride_w_g + d0_64 * WIDTH).to(tl.pointer_type(tl.int32)) + offs_p * WIDTH  # [BLOCK_P]
-    old = ()  # S words: the pair's 2 * S state halves, channel 0's window then channel 1's
-    for m in tl.static_range(S):
+    old = ()  # WIDTH - 1 words: the pair's state halves, channel 0's window then channel 1's
+    for m in tl.static_range(WIDTH - 1):
         old = old + (tl.load(s_row + m, mask=mask_p, other=0),)
     xw = tl.load(x_row, mask=mask_p, other=0)  # [BLOCK_P] x of both channels
     ww = ()  # WIDTH words: the pair's 2 * WIDTH taps, channel 0's then channel 1's
@@ -108,27 +108,28 @@ def _pairs_kernel(
         else:
             acc = tl.zeros([BLOCK_P], dtype=tl.float32)
         for k in tl.static_range(WIDTH):
-            if k < S:
-                v = _f32(_half(old, c * S + k), DT)
+            if k < WIDTH - 1:
+                v = _f32(_half(old, c * (WIDTH - 1) + k), x_ptr.dtype.element_ty)
             else:
-                v = _f32(xs[c], DT)
+                v = _f32(xs[c], x_ptr.dtype.element_ty)
             acc += v * _f32(_half(ww, c * WIDTH + k), w_ptr.dtype.element_ty)
         if SILU:
             acc = acc / (1.0 + tl.exp(-acc))
         ys = ys + (tl.where(mask_p, acc, 0.0),)  # pad rows: zeros
     o_row = (out_ptr + b * stride_o_b + d0_64).to(tl.pointer_type(tl.int32)) + offs_p * pair_stride  # [BLOCK_P]
-    tl.store(o_row, _bits(ys[0], DT) | (_bits(ys[1], DT) << 16), mask=in_p)
+    tl.store(o_row, _bits(ys[0], out_ptr.dtype.element_ty) | (_bits(ys[1], out_ptr.dtype.element_ty) << 16),
+             mask=in_p)
 
-    # The new window of channel c: its old columns 1 .. S - 1, then x (the halves as they are).
+    # The new window of channel c: its old columns 1 .. WIDTH - 2, then x (the halves as they are).
     new = ()
     for c in tl.static_range(2):
-        for j in tl.static_range(S):
-            if j < S - 1:
-                new = new + (_half(old, c * S + j + 1),)
+        for j in tl.static_range(WIDTH - 1):
+            if j < WIDTH - 2:
+                new = new + (_half(old, c * (WIDTH - 1) + j + 1),)
             else:
                 new = new + (xs[c],)
     tl.debug_barrier()  # every state read above happens before any state write below
-    for m in tl.static_range(S):
+    for m in tl.static_range(WIDTH - 1):
         tl.store(s_row + m, new[2 * m] | (new[2 * m + 1] << 16), mask=mask_p)
 
 
