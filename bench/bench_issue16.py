@@ -35,17 +35,8 @@ _OFF = dict(on=False, block_p=128, num_warps=4)
 WM_VARIANTS = [
     ("pairs 128x4", dict(decode_pairs=dict(on=True, block_p=128, num_warps=4))),
     ("pairs 64x2", dict(decode_pairs=dict(on=True, block_p=64, num_warps=2))),
-    ("pairs 256x8", dict(decode_pairs=dict(on=True, block_p=256, num_warps=8))),
     ("pairs 256x4", dict(decode_pairs=dict(on=True, block_p=256, num_warps=4))),
-    ("pairs 512x4", dict(decode_pairs=dict(on=True, block_p=512, num_warps=4))),
-    ("pairs 64x1", dict(decode_pairs=dict(on=True, block_p=64, num_warps=1))),
-    ("scalar 256x4", dict(decode_pairs=_OFF, decode_strided_state=dict(max_positions=8, block_d=256, num_warps=4,
-                                                                         scalar=True))),
     ("scalar 128x4", dict(decode_pairs=_OFF, decode_strided_state=dict(max_positions=8, block_d=128, num_warps=4,
-                                                                         scalar=True))),
-    ("scalar 256x8", dict(decode_pairs=_OFF, decode_strided_state=dict(max_positions=8, block_d=256, num_warps=8,
-                                                                         scalar=True))),
-    ("scalar 128x2", dict(decode_pairs=_OFF, decode_strided_state=dict(max_positions=8, block_d=128, num_warps=2,
                                                                          scalar=True))),
 ]
 
