@@ -50,7 +50,7 @@ TUNING = {
     # a state strided along dim ((lines, dim, width - 1) contiguous along the window: Dao's and the seed's
     # pools), x dense per row: the dense kernel while width - 1 + tokens <= max_positions, with the dim strides
     # of x, out and bias unspecialized when scalar (one register layout for every load; dense.py)
-    "decode_strided_state": dict(max_positions=8, block_d=512, num_warps=8, scalar=True),
+    "decode_strided_state": dict(max_positions=8, block_d=128, num_warps=4, scalar=True),
     # one token per row on a 16-bit state exactly width - 1 wide and contiguous along the window (pairs.py):
     # channel pairs per program, warps
     "decode_pairs": dict(on=True, block_p=128, num_warps=4),
