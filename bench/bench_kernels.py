@@ -514,8 +514,8 @@ def markdown(res):
     if lay2:
         bw = env["copy_tbps"] * 1e12
         lines.append("")
-        lines.append("Decode on the window-contiguous state (ours / byte floor; ours against the seed, do_bench µs): " +
-                     "; ".join(f"b{r['batch']}×{r['dim']} {r['ours'] * bw / 1e6 / r['bytes']:.2f}× floor"
+        lines.append("Decode on the window-contiguous state (ours / byte floor; the seed, do_bench µs): "
+                     + "; ".join(f"b{r['batch']}×{r['dim']} {r['ours'] * bw / 1e6 / r['bytes']:.2f}× floor"
                                + (f", seed {fmt(r['peer:seed'])}" if isinstance(r.get("peer:seed"), float) else "")
                                for r in lay2))
     return "\n".join(lines)

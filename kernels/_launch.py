@@ -40,8 +40,6 @@ TUNING = {
     # the heads pass after either body: channels per program (at most head_elems / HEAD, so a [HEAD, BLOCK_D]
     # head tile stays in registers at widths 6-8), elements per zeroing step of a pad
     "prefill_heads": dict(block_d=256, elems=2048, head_elems=1024, num_warps=4),
-    # prefill, piece kernel, batch < 64: read the metadata in one round of loads (piece._small_batch_row)
-    "prefill_small_batch": True,
     # decode, one token per row (dense kernel): channels per program
     "decode": dict(block_d=512, num_warps=8),
     # several tokens per row with x dense per row (speculative verify): the dense kernel while

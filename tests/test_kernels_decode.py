@@ -281,12 +281,12 @@ def strided_state_path(request, monkeypatch):
 
 
 @pytest.mark.parametrize("width", range(2, MAX_WIDTH + 1))
-@pytest.mark.parametrize("variant", ["plain", "no-bias-no-silu", "grouped", "no-indices", "unaligned", "fp16"])
+@pytest.mark.parametrize("variant", ["plain", "no-bias-no-silu", "grouped", "no-indices", "unaligned", "fp16", "x3d"])
 def test_pairs_kernel_matches_reference(width, variant, monkeypatch, kernel_device):
     """The pairs kernel (plain 16-bit decode on a state contiguous along the window): outputs against float64,
     states bit-exact, a pad row, a dim past the tile (and not a multiple of it), stacked
-    weights, no bias or activation, and x / out / state 2 bytes off 4-byte alignment (the dense kernel then runs
-    instead)."""
+    weights, no bias or activation, x and out (batch, dim, 1), and x / out / state 2 bytes off 4-byte alignment
+    (the dense kernel then runs instead)."""
     from convserve.kernels import _launch
     from convserve.kernels.decode import plan
     monkeypatch.setitem(_launch.TUNING, "decode_pairs", dict(on=True, block_p=16, num_warps=1))
@@ -317,6 +317,8 @@ def test_pairs_kernel_matches_reference(width, variant, monkeypatch, kernel_devi
         st_k = torch.empty(state.numel() + shift, dtype=dtype, device=kernel_device)[shift:].view(state.shape)
         st_k.copy_(state)
     out = torch.full((batch, dim + 2 * shift), float("nan"), dtype=dtype, device=kernel_device)[:, shift:dim + shift]
+    if variant == "x3d":  # (batch, dim, 1): a one-token chunk (DecodeGraph's buffers)
+        x, out = x.unsqueeze(-1), out.unsqueeze(-1)
     y = causal_conv1d_update(x, st_k, w, b, act, out=out, **kw)
     ref = causal_conv1d_update_ref(x.cpu(), st_r, w.cpu(), b.cpu() if b is not None else None, act,
                                    compute_dtype=torch.float64, **{k: v.cpu() for k, v in kw.items()})

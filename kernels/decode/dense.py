@@ -21,8 +21,9 @@ def _decode_row(idx_ptr, acc_ptr, b_ptr, b, d0, offs_d, dim, num_lines, state_le
     """What one program needs to know about its batch row ``b`` (both decode kernels):
 
     line: the state row; o: the window's first column; g: the weight group (0 unless GROUPED); in_d: the
-    tile's channels inside dim (bias stride_b_d along dim: 1, passed so the scalar variant can hide it); mask_d: in_d and the row valid (pad rows, and rows whose index or window falls
-    outside the pool, give zeros and touch no state); bias: [BLOCK_D] fp32 (zeros without one).
+    tile's channels inside dim; mask_d: in_d and the row valid (pad rows, and rows whose index or window falls
+    outside the pool, give zeros and touch no state); bias: [BLOCK_D] fp32 (zeros without one), read with
+    stride_b_d along dim (1: an argument so that the scalar variant can leave it unspecialized).
     """
     if HAS_INDICES:
         line = tl.load(idx_ptr + b * stride_idx).to(tl.int64)

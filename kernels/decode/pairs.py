@@ -45,13 +45,13 @@ def _bits(v, DT: tl.constexpr):
 
 @triton.jit(do_not_specialize=["pair_stride"])
 def _pairs_kernel(
-    x_ptr,  # (batch, dim) 16-bit, stride 1 along dim, even row stride
+    x_ptr,  # (batch, dim) or (batch, dim, 1) 16-bit, stride 1 along dim, even row stride
     w_ptr,  # (dim, WIDTH) or (groups, dim, WIDTH) 16-bit, strides (WIDTH, 1) within a group
     b_ptr,  # (dim,) or (groups, dim) 16-bit, stride 1 along dim, read when HAS_BIAS
     state_ptr,  # (num_lines, dim, WIDTH - 1) 16-bit like x, strides (even, WIDTH - 1, 1)
     idx_ptr,  # (batch,) conv_state_indices, read when HAS_INDICES
     unused_acc, unused_inter, unused_osi,  # the dense kernel's other pointers (plans are called alike): unread
-    out_ptr,  # (batch, dim) like x
+    out_ptr,  # (batch, dim) or (batch, dim, 1) like x
     dim,  # even
     num_lines,
     pad_slot_id,
@@ -139,11 +139,11 @@ def _is16(t) -> bool:
 
 def pairs_applies(x, conv_state, weight, bias, out, conv_state_indices, num_accepted_tokens, inter, osi,
                   width: int) -> bool:
-    """One token per row (x and out (batch, dim) with stride 1 along dim), a 16-bit state like x exactly
-    ``width - 1`` wide and contiguous along the window, 16-bit weight and bias dense per group, even dim and
+    """One token per row (x and out (batch, dim) or (batch, dim, 1), stride 1 along dim), a 16-bit state like x
+    exactly ``width - 1`` wide and contiguous along the window, 16-bit weight and bias dense per group, even dim and
     row strides, and a plain decode (no window offset, no saved windows)."""
-    if not TUNING["decode_pairs"]["on"] or x.dim() != 2 or num_accepted_tokens is not None or inter is not None \
-            or osi is not None:
+    if not TUNING["decode_pairs"]["on"] or (x.dim() == 3 and x.shape[2] != 1) or num_accepted_tokens is not None \
+            or inter is not None or osi is not None:
         return False
     lines, dim, state_len = conv_state.shape
     even = dim % 2 == 0 and x.stride(0) % 2 == 0 and out.stride(0) % 2 == 0 and conv_state.stride(0) % 2 == 0
@@ -158,10 +158,10 @@ def pairs_applies(x, conv_state, weight, bias, out, conv_state_indices, num_acce
 
 def pairs_plan(x, conv_state, weight, bias, conv_state_indices, out, width: int, silu: bool, pad_slot_id: int,
                fallback: LaunchPlan) -> LaunchPlan:
-    """The launch over x (batch, dim); called like the dense kernel's plan (x, weight, bias, conv_state, indices,
+    """The launch over x (batch, dim[, 1]); called like the dense kernel's plan (x, weight, bias, conv_state, indices,
     _, _, _, out) and falling back to ``fallback`` (the dense kernel's plan) for pointers that are not 4-byte
     aligned."""
-    batch, dim = x.shape
+    batch, dim = x.shape[:2]
     t = TUNING["decode_pairs"]
     block_p = min(t["block_p"], max(16, 1 << max(0, dim // 2 - 1).bit_length()))
     grouped = weight.dim() == 3

@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .._launch import TUNING, LaunchPlan, prefill_config
+from .._launch import LaunchPlan, prefill_config
 from .heads import _head_and_state, _sequence_row, launch_args
 
 
@@ -57,40 +57,6 @@ def _find_sequence(qsl_ptr, pid, batch, BLOCK_T: tl.constexpr, SEARCH: tl.conste
 
 
 @triton.jit
-def _small_batch_row(qsl_ptr, idx_ptr, init_ptr, pid, batch, total_tokens, num_lines, pad_slot_id,
-                     WIDTH: tl.constexpr, HAS_INDICES: tl.constexpr, HAS_STATE: tl.constexpr, HAS_INIT: tl.constexpr,
-                     BLOCK_T: tl.constexpr, SEARCH: tl.constexpr):
-    """``_find_sequence``, the sequence's bounds and ``heads._sequence_row`` for ``batch < SEARCH``, from one round
-    of independent loads: query_start_loc, cache_indices and has_initial_state are read whole (SEARCH entries
-    each, masked) and the program's entries picked out in registers, so the state row is known one dependent
-    load earlier. Returns (s, start, end, is_real, line, hist_lim)."""
-    i = tl.arange(0, SEARCH)  # [SEARCH]
-    m = i <= batch
-    mb = i < batch
-    q = tl.load(qsl_ptr + i, mask=m, other=0).to(tl.int64)  # [SEARCH]
-    if HAS_INDICES:
-        lines = tl.load(idx_ptr + i, mask=mb, other=0).to(tl.int64)  # [SEARCH]
-    if HAS_INIT:
-        inits = (tl.load(init_ptr + i, mask=mb, other=0) != 0).to(tl.int32)  # [SEARCH]
-    key = (q // BLOCK_T).to(tl.int32) + i
-    s = tl.sum(((key <= pid) & m).to(tl.int32), axis=0) - 1
-    start = tl.sum(tl.where(i == s, q, 0), axis=0)
-    end = tl.where(s < batch, tl.sum(tl.where(i == s + 1, q, 0), axis=0), total_tokens)
-    is_real = s < batch
-    if HAS_INDICES:
-        line = tl.sum(tl.where(i == s, lines, 0), axis=0)
-        is_real = is_real & (line != pad_slot_id)
-        if HAS_STATE:
-            is_real = is_real & (line >= 0) & (line < num_lines)
-    else:
-        line = s.to(tl.int64)
-    hist_lim = 0
-    if HAS_INIT:
-        hist_lim = tl.where(tl.sum(tl.where(i == s, inits, 0), axis=0) != 0, WIDTH - 1, 0)
-    return s, start, end, is_real, line, hist_lim
-
-
-@triton.jit
 def _piece_kernel(
     x_ptr,  # (dim, total_tokens), any strides
     w_ptr,  # (dim, WIDTH)
@@ -124,7 +90,6 @@ def _piece_kernel(
     OFF64: tl.constexpr,  # a tile's offsets from its corner overflow int32 (huge strides): compute them in int64
     SEARCH: tl.constexpr,  # query_start_loc entries read per step of the sequence search (fixed, so a new batch
     #                        size never compiles a new variant)
-    SMALL_BATCH: tl.constexpr,  # batch < SEARCH: the metadata in one round of loads (_small_batch_row)
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -139,21 +104,15 @@ def _piece_kernel(
     pid = tl.program_id(0)
     pid_d = tl.program_id(1)
 
-    if SMALL_BATCH:
-        s, start, end, is_real, line, hist_lim = _small_batch_row(
-            qsl_ptr, idx_ptr, init_ptr, pid, batch, total_tokens, num_lines, pad_slot_id, WIDTH, HAS_INDICES,
-            HAS_STATE, HAS_INIT, BLOCK_T, SEARCH)
-    else:
-        s = _find_sequence(qsl_ptr, pid, batch, BLOCK_T, SEARCH)
-        start = tl.load(qsl_ptr + s).to(tl.int64)
-        end = tl.where(s < batch, tl.load(qsl_ptr + tl.minimum(s + 1, batch)).to(tl.int64), total_tokens)
+    s = _find_sequence(qsl_ptr, pid, batch, BLOCK_T, SEARCH)
+    start = tl.load(qsl_ptr + s).to(tl.int64)
+    end = tl.where(s < batch, tl.load(qsl_ptr + tl.minimum(s + 1, batch)).to(tl.int64), total_tokens)
     blk_lo = (pid - s).to(tl.int64) * BLOCK_T  # the piece's token block
     if tl.maximum(blk_lo, start) >= tl.minimum(blk_lo + BLOCK_T, end):
         return  # an id between two sequences' pieces, or an empty sequence: nothing to do
 
-    if not SMALL_BATCH:
-        is_real, line, hist_lim = _sequence_row(idx_ptr, init_ptr, s, batch, num_lines, pad_slot_id, WIDTH,
-                                                HAS_INDICES, HAS_STATE, HAS_INIT)
+    is_real, line, hist_lim = _sequence_row(idx_ptr, init_ptr, s, batch, num_lines, pad_slot_id, WIDTH,
+                                            HAS_INDICES, HAS_STATE, HAS_INIT)
 
     # Addresses: a 64-bit corner per program, then small offsets from it (int32 unless OFF64), which keeps
     # the per-element address arithmetic and its registers small.
@@ -223,6 +182,5 @@ def piece_plan(x, weight, bias, conv_states, cache_indices, has_initial_state, o
                                       batch, silu, pad_slot_id, cfg)
     # SEARCH is fixed, so a new batch size never compiles a new variant.
     return LaunchPlan(_piece_kernel, (-(-total // cfg.block_t) + batch + 1, -(-dim // cfg.block_d)), scalars,
-                      dict(constexprs, SEARCH=64, SMALL_BATCH=batch < 64 and TUNING["prefill_small_batch"],
-                           BLOCK_T=cfg.block_t, BLOCK_D=cfg.block_d), cfg.num_warps,
+                      dict(constexprs, SEARCH=64, BLOCK_T=cfg.block_t, BLOCK_D=cfg.block_d), cfg.num_warps,
                       x.device)
