@@ -144,6 +144,9 @@ def run_prefill_case(T, dim, layout, peers, width=4, extra=True):
     if extra:
         r["ours_b2b"], r["ours_host"] = b2b(lambda: causal_conv1d_fn(x, w, b, st_k, qsl, idx, init, "silu", out=out))
         r["copy_b2b"], _ = b2b(lambda: y.copy_(x))
+        small = torch.empty(16384, dtype=torch.uint8, device="cuda")
+        small2 = torch.empty_like(small)
+        r["aten16k_b2b"], _ = b2b(lambda: small2.copy_(small))
         r["ref"] = bench(lambda: causal_conv1d_ref(x, w, b, st_r, qsl, idx, init, "silu"), rep_ms=50)
         if T <= 16384:
             g = PrefillGraph(st_k, w, b, "silu", tokens=T, seqs=1, x_dtype=x.dtype)
@@ -151,6 +154,7 @@ def run_prefill_case(T, dim, layout, peers, width=4, extra=True):
             g.query_start_loc.copy_(qsl)
             g.cache_indices.copy_(idx)
             g.has_initial_state.copy_(init)
+            r["graph"] = bench(g.replay)
             r["graph_b2b"], r["graph_host"] = b2b(g.replay)
         for name, peer in peers.items():
             if peer[0] == "dao":
@@ -206,7 +210,9 @@ def run_varlen_case(dim, layout, n_seq=64, total=16384, seed=0):
     return r
 
 
-def run_decode_case(batch, dim, peers, seqlen=1, spec=False, extra=True):
+def run_decode_case(batch, dim, peers, seqlen=1, spec=False, extra=True, state_layout="pool"):
+    """state_layout: "pool" ((lines, width - 1, dim) memory, stride 1 along dim: ConvStatePool) or
+    "window-contiguous" ((lines, dim, width - 1) contiguous: Dao's and the seed's callers)."""
     from convserve.kernels import causal_conv1d_update, causal_conv1d_update_ref
     from convserve.kernels.graphs import DecodeGraph
     width = 4
@@ -215,7 +221,10 @@ def run_decode_case(batch, dim, peers, seqlen=1, spec=False, extra=True):
         x = x[:, :, 0]
     w = torch.randn(dim, width, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(dim, device="cuda", dtype=torch.bfloat16)
-    pool = torch.randn(POOL_SLOTS, width - 1, dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    if state_layout == "pool":
+        pool = torch.randn(POOL_SLOTS, width - 1, dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    else:
+        pool = torch.randn(POOL_SLOTS, dim, width - 1, device="cuda", dtype=torch.bfloat16)
     idx = torch.randperm(POOL_SLOTS, device="cuda")[:batch].to(torch.int32)
     inter = (torch.full((batch, seqlen, dim, width - 1), float("nan"), device="cuda", dtype=torch.bfloat16)
              if spec else None)  # poisoned: an unwritten window fails the check
@@ -232,7 +241,7 @@ def run_decode_case(batch, dim, peers, seqlen=1, spec=False, extra=True):
     src = torch.empty(bytes_ // 2, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     r = dict(op="verify" if spec else "decode", batch=batch, dim=dim, seqlen=seqlen, width=width, bytes=bytes_,
-             rel_err=err, ok=ok)
+             rel_err=err, ok=ok, layout=state_layout)
     fn = (lambda: causal_conv1d_update(x, p_k, w, b, "silu", conv_state_indices=idx, intermediate_conv_window=inter,
                                        out=out))
     r["ours"] = bench(fn)
@@ -471,8 +480,9 @@ def markdown(res):
              f"{env['cuda']}); copy ceiling {env['copy_tbps']:.2f} TB/s. Times in µs: `ours`/`copy` are "
              "`do_bench` medians (L2 flushed), `b2b` back-to-back per call (host cost included), `graph` a "
              "CUDA-graph replay back-to-back; floor = bytes / copy ceiling.", "",
-             "| case | layout | ours | copy | copy/ours | floor/ours | ours b2b | graph b2b | reference | ok |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| case | layout | ours | copy | copy/ours | floor/ours | graph | ours b2b | graph b2b | aten b2b | "
+             "reference | ok |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     bw = env["copy_tbps"] * 1e12
     for r in res["rows"]:
         if r["op"] in ("prefill", "varlen") and r.get("width", 4) == 4:
@@ -480,13 +490,14 @@ def markdown(res):
             lay = layout_name(r["layout"])
         elif r["op"] in ("decode", "verify"):
             case = f"{r['op']} b{r['batch']}×{r['dim']}" + (f"×{r['seqlen']}" if r["seqlen"] > 1 else "")
-            lay = "pool"
+            lay = r.get("layout", "pool")
         else:
             continue
         floor = r["bytes"] / bw * 1e6
         lines.append(f"| {case} | {lay} | {fmt(r['ours'])} | {fmt(r['copy'])} | {r['copy'] / r['ours']:.2f} | "
-                     f"{floor / r['ours']:.2f} | {fmt(r.get('ours_b2b'))} | {fmt(r.get('graph_b2b'))} | "
-                     f"{fmt(r.get('ref'))} | {'yes' if r['ok'] else 'NO'} |")
+                     f"{floor / r['ours']:.2f} | {fmt(r.get('graph'))} | {fmt(r.get('ours_b2b'))} | "
+                     f"{fmt(r.get('graph_b2b'))} | {fmt(r.get('aten16k_b2b'))} | {fmt(r.get('ref'))} | "
+                     f"{'yes' if r['ok'] else 'NO'} |")
     others = [r for r in res["rows"] if r["op"] == "prefill" and r.get("width", 4) != 4]
     if others:
         lines.append("")
@@ -499,6 +510,14 @@ def markdown(res):
         lines.append("Peers (do_bench µs): " + "; ".join(
             f"{p[5:]} {r.get('op')} {r.get('T', r.get('batch'))}×{r['dim']} {layout_name(r.get('layout', ''))} "
             f"{fmt(r[p])}" for r in res["rows"] for p in peers if p in r))
+    lay2 = [r for r in res["rows"] if r["op"] == "decode" and r.get("layout") == "window-contiguous"]
+    if lay2:
+        bw = env["copy_tbps"] * 1e12
+        lines.append("")
+        lines.append("Decode on the window-contiguous state (ours / byte floor; the seed, do_bench µs): "
+                     + "; ".join(f"b{r['batch']}×{r['dim']} {r['ours'] * bw / 1e6 / r['bytes']:.2f}× floor"
+                               + (f", seed {fmt(r['peer:seed'])}" if isinstance(r.get("peer:seed"), float) else "")
+                               for r in lay2))
     return "\n".join(lines)
 
 
@@ -545,7 +564,7 @@ def main(argv=None):
     print(f"{env['gpu']} torch {env['torch']} triton {env['triton']}: copy {env['copy_tbps']:.2f} TB/s")
     peers = load_peers(a.peer_file)
     print("peers:", ", ".join(peers) or "none importable")
-    rows = []
+    rows, failed = [], []
     variants = run_variants(a.variants) if a.variants else None
     card = CARD if not a.quick else [CARD[0], CARD[4], CARD[8]]
     if a.only == "decode":
@@ -561,10 +580,16 @@ def main(argv=None):
     for layout in LAYOUTS if card else ():
         rows.append(run_varlen_case(8192, layout))
         print(_line(rows[-1], env))
-    for dim in DECODE_DIMS if a.only != "prefill" else ():
-        for batch in DECODE_BATCHES:
-            rows.append(run_decode_case(batch, dim, peers))
-            print(_line(rows[-1], env))
+    for state_layout in ("pool", "window-contiguous"):
+        for dim in DECODE_DIMS if a.only != "prefill" else ():
+            for batch in DECODE_BATCHES:
+                try:
+                    rows.append(run_decode_case(batch, dim, peers, state_layout=state_layout))
+                except Exception as exc:  # noqa: BLE001 - one broken case must not lose the whole table
+                    print(f"decode b{batch}x{dim} {state_layout}: FAILED {exc!r}"[:400], flush=True)
+                    failed.append(f"decode b{batch}x{dim} {state_layout}")
+                    continue
+                print(_line(rows[-1], env), flush=True)
     if a.only != "prefill":
         rows.append(run_decode_case(256, 8192, peers, seqlen=4, spec=True))
         print(_line(rows[-1], env))
@@ -578,7 +603,7 @@ def main(argv=None):
     (out / f"{tag}.json").write_text(json.dumps(res, indent=1, default=str))
     (out / f"{tag}.md").write_text(md + "\n")
     print(f"\nwrote {out / (tag + '.json')}")
-    bad = [r for r in rows if not r["ok"]]
+    bad = [r for r in rows if not r["ok"]] + failed
     if bad:
         print(f"{len(bad)} cases FAILED the correctness check")
     return 1 if bad else 0

@@ -45,6 +45,13 @@ TUNING = {
     # several tokens per row with x dense per row (speculative verify): the dense kernel while
     # width - 1 + tokens <= max_positions (0: never)
     "decode_short": dict(max_positions=8, block_d=128, num_warps=4),
+    # a state strided along dim ((lines, dim, width - 1) contiguous along the window: Dao's and the seed's
+    # pools), x dense per row: the dense kernel while width - 1 + tokens <= max_positions, with the dim strides
+    # of x, out and bias unspecialized when scalar (one register layout for every load; dense.py)
+    "decode_strided_state": dict(max_positions=8, block_d=128, num_warps=4, scalar=True),
+    # one token per row on a 16-bit state exactly width - 1 wide and contiguous along the window (pairs.py):
+    # channel pairs per program, warps
+    "decode_pairs": dict(on=True, block_p=128, num_warps=4),
     # several tokens per row otherwise (chunked kernel: strided x, long chunks): narrower tiles keep the token
     # chunk and its windows in registers
     "decode_multi": dict(block_d=128, num_warps=2),
@@ -96,45 +103,111 @@ class LaunchPlan:
 
     ``kernel[grid](...)`` re-derives the specialization of every argument through Triton's generic binder on each
     call, which costs far more host time than the launch itself. A plan is built once per argument layout (the
-    public functions key their plan cache on shapes, strides and dtypes); per call it only checks the one thing
-    Triton still specializes on, each pointer's 16-byte alignment, and calls the compiled kernel's launcher
-    directly. The first call of each alignment pattern goes through ``kernel[grid]`` (compiling if needed). Under
-    the interpreter, or for CPU tensors, every call is plain ``kernel[grid](...)``.
+    public functions key their plan cache on shapes, strides, dtypes and devices); per call it only checks the one
+    thing Triton still specializes on, each pointer's 16-byte alignment, and calls the compiled kernel's launcher
+    directly with the addresses as plain integers (the launcher then skips its per-pointer
+    ``cuPointerGetAttribute`` query: the plan key already pins every tensor to the plan's CUDA device). The first
+    call of each alignment pattern goes through ``kernel[grid]`` (compiling if needed). Under the interpreter, or
+    for CPU tensors, every call is plain ``kernel[grid](...)``.
     """
 
-    def __init__(self, fn, grid, scalars, constexprs: dict, num_warps: int, device: torch.device):
+    def __init__(self, fn, grid, scalars, constexprs: dict, num_warps: int, device: torch.device, fallback=None,
+                 align: int = 1):
         self.fn, self.grid, self.scalars = fn, grid, tuple(scalars)
         self.constexprs, self.num_warps = constexprs, num_warps
         params = getattr(fn, "params", None)
         self.direct = device.type == "cuda" and params is not None
         self.const_values = tuple(constexprs[p.name] for p in params if p.is_constexpr) if self.direct else ()
+        self.tail = self.scalars + self.const_values  # every argument after the tensors, in the kernel's order
         self.device_index = device.index if device.index is not None else 0
-        self._compiled = {}
+        self._compiled = {}  # alignment pattern -> Triton's compiled kernel
+        self._entries = {}  # alignment pattern -> how to launch it (_entry)
+        self._aligned = None  # the entry for all pointers 16-byte aligned (the usual case)
+        self.copy_bias = False  # set by the public function: the caller's bias is strided and is copied per call
+        # a kernel that needs every pointer `align`-byte aligned: calls with other pointers run `fallback` instead
+        self.fallback, self.align_mask = fallback, align - 1
 
     def _slow(self, tensors):
         return self.fn[self.grid](*tensors, *self.scalars, num_warps=self.num_warps, **self.constexprs)
 
     def __call__(self, *tensors):
         if not self.direct:
-            self._slow(tensors)
+            if self.align_mask and any(t.data_ptr() & self.align_mask for t in tensors):
+                self.fallback(*tensors)
+            else:
+                self._slow(tensors)
             return
-        sig = tuple([t.data_ptr() % 16 == 0 for t in tensors])
-        compiled = self._compiled.get(sig)
-        if compiled is None:
-            compiled = self._slow(tensors)
-            if hasattr(compiled, "result"):  # asynchronous compilation in some Triton versions
-                compiled = compiled.result()
-            self._compiled[sig] = compiled
+        ptrs = [t.data_ptr() for t in tensors]
+        low = 0
+        for p in ptrs:
+            low |= p
+        if low & 15:
+            if low & self.align_mask:
+                self.fallback(*tensors)
+                return
+            entry = self._entries.get(tuple([p & 15 == 0 for p in ptrs]))
+        else:
+            entry = self._aligned
+        if entry is None:
+            self._first(tensors, ptrs)
             return
+        raw, run, function, meta, coop, pdl = entry
         try:
-            compiled.run(self.grid[0], self.grid[1], 1, _raw_stream(self.device_index), compiled.function,
-                         compiled.packed_metadata, None, None, None, *tensors, *self.scalars, *self.const_values)
+            if raw:  # the C launcher itself (see _entry)
+                run(self.grid[0], self.grid[1], 1, _raw_stream(self.device_index), function, coop, pdl, None, None,
+                    meta, None, None, None, *ptrs, *self.tail)
+            else:
+                run(self.grid[0], self.grid[1], 1, _raw_stream(self.device_index), function, meta, None, None, None,
+                    *ptrs, *self.tail)
         except (TypeError, SystemError, AttributeError) as exc:  # a Triton whose launcher takes other arguments
             warnings.warn(f"convserve: direct Triton launch unavailable ({exc!r}); using kernel[grid](...)")
             self.direct = False
             self._slow(tensors)
 
+    def _first(self, tensors, ptrs):
+        """The first launch of an alignment pattern: through ``kernel[grid]``, keeping the compiled kernel."""
+        compiled = self._slow(tensors)
+        if hasattr(compiled, "result"):  # asynchronous compilation in some Triton versions
+            compiled = compiled.result()
+        sig = tuple([p & 15 == 0 for p in ptrs])
+        self._compiled[sig] = compiled
+        self._entries[sig] = entry = _entry(compiled)
+        if all(sig):
+            self._aligned = entry
+
+
+# Triton 3.6's CudaLauncher.__call__ does no more than this: allocate the global and profile scratch buffers (when
+# the kernel has any), then call its C launcher with the cooperative-grid and PDL flags inserted. For a kernel with
+# neither scratch buffer, _entry calls the C launcher directly (a microsecond of Python less per launch); any other
+# launcher (another Triton version) is called through its __call__.
+_TRITON_36_CALL = ("self.launch(gridX,gridY,gridZ,stream,function,self.launch_cooperative_grid,self.launch_pdl,"
+                   "global_scratch,profile_scratch,*args)")
+_RAW_OK = {}
+
+
+def _entry(compiled):
+    """(raw, run, function, packed_metadata, cooperative, pdl) for LaunchPlan.__call__."""
+    run = compiled.run
+    cls = type(run)
+    if cls not in _RAW_OK:
+        try:
+            import inspect
+            src = "".join(inspect.getsource(cls.__call__).split())
+            params = tuple(inspect.signature(cls.__call__).parameters)
+            _RAW_OK[cls] = (_TRITON_36_CALL in src and src.count("self.launch(") == 1
+                            and params == ("self", "gridX", "gridY", "gridZ", "stream", "function", "args"))
+        except (OSError, TypeError, ValueError):
+            _RAW_OK[cls] = False
+    raw = (_RAW_OK[cls] and getattr(run, "global_scratch_size", 1) == 0
+           and getattr(run, "profile_scratch_size", 1) == 0 and hasattr(run, "launch"))
+    if raw:
+        return True, run.launch, compiled.function, compiled.packed_metadata, run.launch_cooperative_grid, \
+            run.launch_pdl
+    return False, run, compiled.function, compiled.packed_metadata, None, None
+
 
 def tensor_key(t):
-    """What a plan depends on for one tensor argument (None stays None)."""
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+    """What a plan depends on for one tensor argument (None stays None): shape, strides, dtype and device index
+    (-1 on the CPU). The public functions inline this for their usual arguments: each attribute read costs a
+    fraction of a microsecond of the per-call budget."""
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.get_device())

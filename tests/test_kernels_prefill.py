@@ -112,7 +112,7 @@ def test_varlen_batch_with_pads_and_mixed_initial_state_matches_reference(case, 
 
 def _used_bodies():
     """Names of the body kernels in the plans made so far (empty: the piece kernel ran)."""
-    return {p.fn.__name__ for body, _ in prefill_plan._PLANS.values() for p in body}
+    return {p.fn.__name__ for body, *_ in prefill_plan._PLANS.values() for p in body}
 
 
 @pytest.fixture

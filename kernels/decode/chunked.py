@@ -48,6 +48,7 @@ def _chunked_kernel(
     pad_slot_id,
     lines_per_group,  # GROUPED: state lines per weight group (line l uses weight group l // lines_per_group)
     stride_w_g, stride_b_g,  # GROUPED: strides of the stacked weight and bias along the group
+    stride_b_d,  # bias along dim (1)
     stride_x_b, stride_x_d, stride_x_t,
     stride_w_d, stride_w_k,
     stride_s_line, stride_s_d, stride_s_k,
@@ -104,7 +105,8 @@ def _chunked_kernel(
 
     line, o, g, in_d, mask_d, bias = _decode_row(
         idx_ptr, acc_ptr, b_ptr, b, d0, offs_d, dim, num_lines, state_len, pad_slot_id, lines_per_group,
-        stride_idx, stride_acc, stride_b_g, WIDTH, HAS_INDICES, HAS_ACCEPTED, GROUPED, HAS_BIAS, BLOCK_D)
+        stride_idx, stride_acc, stride_b_g, stride_b_d, WIDTH, HAS_INDICES, HAS_ACCEPTED, GROUPED, HAS_BIAS,
+        BLOCK_D)
 
     d0_64 = d0.to(tl.int64)
     x_row = (x_ptr + b * stride_x_b + d0_64 * stride_x_d) + offs_d * stride_x_d  # [BLOCK_D]

@@ -1,6 +1,6 @@
 """``causal_conv1d_update``: decode and speculative verify against a state pool, planned once per argument
-layout: the dense kernel (``dense``) for x dense per row and a few tokens, the chunked kernel (``chunked``) for
-everything else.
+layout: the pairs kernel (``pairs``) for a plain 16-bit decode on a state contiguous along the window, the dense
+kernel (``dense``) for x dense per row and a few tokens, the chunked kernel (``chunked``) for everything else.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from .._launch import LaunchPlan, tensor_key
 from .._validate import PAD_SLOT_ID, check_out, check_update
 from .chunked import chunked_plan
 from .dense import dense_applies, dense_plan
+from .pairs import pairs_applies, pairs_plan
 
 _PLANS = {}
 
@@ -30,7 +31,7 @@ def _plan_update(x, conv_state, weight, bias, conv_state_indices, num_accepted_t
     grouped = weight.dim() == 3
     scalars = (dim, seqlen, state_len, conv_state.shape[0], n_keep, pad_slot_id,
                conv_state.shape[0] // weight.shape[0] if grouped else 0, weight.stride(0) if grouped else 0,
-               bias.stride(0) if grouped and bias is not None else 0,
+               bias.stride(0) if grouped and bias is not None else 0, 1,
                *x_strides, *weight.stride()[-2:], *conv_state.stride(),
                conv_state_indices.stride(0) if conv_state_indices is not None else 0,
                num_accepted_tokens.stride(0) if num_accepted_tokens is not None else 0,
@@ -49,7 +50,11 @@ def _plan_update(x, conv_state, weight, bias, conv_state_indices, num_accepted_t
                     OFF64=off64, BLOCK_D=block_d)
 
     if dense_applies(x_strides, o_strides, conv_state, width, seqlen):
-        return dense_plan(x, scalars, flags, width, seqlen, n_keep)
+        plan = dense_plan(x, conv_state, scalars, flags, width, seqlen, n_keep)
+        if pairs_applies(x, conv_state, weight, bias, out, conv_state_indices, num_accepted_tokens, inter, osi,
+                         width):
+            return pairs_plan(x, conv_state, weight, bias, conv_state_indices, out, width, silu, pad_slot_id, plan)
+        return plan
     return chunked_plan(x, conv_state, inter, out, x_strides, o_strides, scalars, flags, width, seqlen, n_keep)
 
 
@@ -74,8 +79,9 @@ def causal_conv1d_update(
 
     Args:
         x: ``(batch, dim)`` or ``(batch, dim, seqlen)``, bf16/fp16/fp32, any strides.
-        conv_state: ``(num_cache_lines, dim, state_len >= width - 1)``, any of the three dtypes; best with
-            stride 1 along dim (the pool's layout). Row ``r``'s window is columns ``[o, o + width - 1)`` with
+        conv_state: ``(num_cache_lines, dim, state_len >= width - 1)``, any of the three dtypes, any strides;
+            the two fast layouts are stride 1 along dim (the pool's) and contiguous along the window (Dao's and
+            the seed's). Row ``r``'s window is columns ``[o, o + width - 1)`` with
             ``o = num_accepted_tokens[i] - 1`` (0 without it).
         weight: ``(dim, width)``, width 2-8; bias: ``(dim,)`` or None; activation: None, "silu"/"swish", bool.
             Or stacked weights of several layers, ``(groups, dim, width)`` with bias ``(groups, dim)``: the state
@@ -105,33 +111,79 @@ def causal_conv1d_update(
     Unlike the seed, which overwrote ``x`` and returned it, the result is a new tensor (or ``out``); ``x`` is
     never written. Arithmetic is fp32, offsets 64-bit, and nothing waits on the device (graph-capturable).
     """
-    key = (tensor_key(x), tensor_key(conv_state), tensor_key(weight), tensor_key(bias),
-           tensor_key(conv_state_indices), tensor_key(num_accepted_tokens), tensor_key(intermediate_conv_window),
-           tensor_key(output_state_indices), tensor_key(out), activation, pad_slot_id, cache_seqlens is None)
+    # The plan cache's key: what the plan depends on (tensor_key, inlined for the usual arguments). A call whose
+    # layout has a plan launches at once; everything else (first calls, bad arguments, validate_data, empty x)
+    # takes _update_slow, which checks the arguments and builds the plan.
     try:
-        plan = _PLANS.get(key)
-    except TypeError:  # an unhashable argument: let the checks below say what is wrong with it
+        plan = _PLANS.get((
+            x.shape, x.stride(), x.dtype, x.get_device(),
+            conv_state.shape, conv_state.stride(), conv_state.dtype, conv_state.get_device(),
+            weight.shape, weight.stride(), weight.dtype, weight.get_device(),
+            None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.get_device()),
+            None if conv_state_indices is None else (conv_state_indices.shape, conv_state_indices.stride(),
+                                                      conv_state_indices.dtype, conv_state_indices.get_device()),
+            None if out is None else (out.shape, out.stride(), out.dtype, out.get_device()),
+            None if num_accepted_tokens is None and intermediate_conv_window is None and output_state_indices is None
+            else (tensor_key(num_accepted_tokens), tensor_key(intermediate_conv_window),
+                  tensor_key(output_state_indices)),
+            activation, pad_slot_id, cache_seqlens is None))
+    except (AttributeError, TypeError):  # not tensors, or unhashable: let the checks say what is wrong
         plan = None
     if plan is None or validate_data:
-        batch, dim, seqlen, width, act = check_update(x, conv_state, weight, bias, activation, cache_seqlens,
-                                                      conv_state_indices, num_accepted_tokens,
-                                                      intermediate_conv_window, output_state_indices)
-        if out is not None:
-            check_out(out, x, x)
-        if validate_data:
-            _validate_update_values(conv_state, width, batch, conv_state_indices, num_accepted_tokens,
-                                    output_state_indices, pad_slot_id)
+        return _update_slow(x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices,
+                            num_accepted_tokens, intermediate_conv_window, output_state_indices, pad_slot_id, out,
+                            validate_data)
     if out is None:
         out = torch.empty_like(x)
-    elif out.data_ptr() == x.data_ptr() and out.numel():
+    elif out.data_ptr() == x.data_ptr():
         check_out(out, x, x)
+    if plan.copy_bias:  # a strided bias: the kernels read it with stride 1 along dim
+        bias = bias.contiguous()
+    plan(x, weight, weight if bias is None else bias, conv_state,
+         x if conv_state_indices is None else conv_state_indices,
+         x if num_accepted_tokens is None else num_accepted_tokens,
+         x if intermediate_conv_window is None else intermediate_conv_window,
+         x if output_state_indices is None else output_state_indices, out)
+    return out
+
+
+def _update_key(x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices, num_accepted_tokens,
+                intermediate_conv_window, output_state_indices, pad_slot_id, out):
+    """The plan cache's key, the same tuple as the one built inline in ``causal_conv1d_update``."""
+    return (*tensor_key(x), *tensor_key(conv_state), *tensor_key(weight), tensor_key(bias),
+            tensor_key(conv_state_indices), tensor_key(out),
+            None if num_accepted_tokens is None and intermediate_conv_window is None and output_state_indices is None
+            else (tensor_key(num_accepted_tokens), tensor_key(intermediate_conv_window),
+                  tensor_key(output_state_indices)),
+            activation, pad_slot_id, cache_seqlens is None)
+
+
+def _update_slow(x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices, num_accepted_tokens,
+                 intermediate_conv_window, output_state_indices, pad_slot_id, out, validate_data):
+    """``causal_conv1d_update`` without a plan (or with ``validate_data``): check the arguments, build and cache
+    the plan (none for an empty x), launch. A strided bias is copied per call (``plan.copy_bias``)."""
+    batch, dim, seqlen, width, act = check_update(x, conv_state, weight, bias, activation, cache_seqlens,
+                                                  conv_state_indices, num_accepted_tokens,
+                                                  intermediate_conv_window, output_state_indices)
+    if out is not None:
+        check_out(out, x, x)
+    if validate_data:
+        _validate_update_values(conv_state, width, batch, conv_state_indices, num_accepted_tokens,
+                                output_state_indices, pad_slot_id)
+    key = _update_key(x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices,
+                      num_accepted_tokens, intermediate_conv_window, output_state_indices, pad_slot_id, out)
+    if out is None:
+        out = torch.empty_like(x)
     if x.numel() == 0:
         return out
-    if bias is not None and bias.stride(-1) != 1:  # the kernels read bias with stride 1 along dim
+    copy_bias = bias is not None and bias.stride(-1) != 1
+    if copy_bias:  # the kernels read bias with stride 1 along dim
         bias = bias.contiguous()
+    plan = _PLANS.get(key)
     if plan is None:
         plan = _plan_update(x, conv_state, weight, bias, conv_state_indices, num_accepted_tokens,
                             intermediate_conv_window, output_state_indices, out, width, act is not None, pad_slot_id)
+        plan.copy_bias = copy_bias
         _PLANS[key] = plan
     plan(x, weight, bias if bias is not None else weight, conv_state,
          conv_state_indices if conv_state_indices is not None else x,

@@ -85,33 +85,75 @@ def causal_conv1d_fn(
         sequences are zero. Empty sequences leave their state untouched. Arithmetic is fp32 throughout, offsets
         are 64-bit, and nothing here waits on the device, so the call can be captured in a CUDA graph.
     """
-    key = (tensor_key(x), tensor_key(weight), tensor_key(bias), tensor_key(conv_states),
-           tensor_key(query_start_loc), tensor_key(cache_indices), tensor_key(has_initial_state),
-           tensor_key(out), activation, pad_slot_id)
+    # The plan cache's key (tensor_key, inlined for the usual arguments). A call whose layout has a plan launches
+    # at once; everything else (first calls, bad arguments, validate_data, empty x) takes _prefill_slow, which
+    # checks the arguments and builds the plan: (body plans, sequence plan, copy_bias).
     try:
-        plan = _PLANS.get(key)
-    except TypeError:  # an unhashable argument: let the checks below say what is wrong with it
+        plan = _PLANS.get((
+            x.shape, x.stride(), x.dtype, x.get_device(),
+            weight.shape, weight.stride(), weight.dtype, weight.get_device(),
+            None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.get_device()),
+            None if conv_states is None else (conv_states.shape, conv_states.stride(), conv_states.dtype,
+                                              conv_states.get_device()),
+            query_start_loc.shape, query_start_loc.stride(), query_start_loc.dtype, query_start_loc.get_device(),
+            None if cache_indices is None else (cache_indices.shape, cache_indices.stride(), cache_indices.dtype,
+                                                cache_indices.get_device()),
+            None if has_initial_state is None else (has_initial_state.shape, has_initial_state.stride(),
+                                                    has_initial_state.dtype, has_initial_state.get_device()),
+            None if out is None else (out.shape, out.stride(), out.dtype, out.get_device()),
+            activation, pad_slot_id))
+    except (AttributeError, TypeError):  # not tensors, or unhashable: let the checks say what is wrong
         plan = None
     if plan is None or validate_data:
-        dim, total, width, batch, act = check_prefill(x, weight, bias, conv_states, query_start_loc, cache_indices,
-                                                      has_initial_state, activation)
-        if out is not None:
-            check_out(out, x, x)
-        if validate_data:
-            _validate_prefill_values(total, batch, conv_states, query_start_loc, cache_indices, pad_slot_id)
+        return _prefill_slow(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state,
+                             activation, pad_slot_id, out, validate_data)
     if out is None:
         out = torch.empty_like(x)
-    elif out.data_ptr() == x.data_ptr() and out.numel():
+    elif out.data_ptr() == x.data_ptr():
         check_out(out, x, x)
+    body, seq, copy_bias = plan
+    b = weight if bias is None else bias.contiguous() if copy_bias else bias
+    for p in body:
+        p(x, weight, b, out)
+    seq(x, weight, b, x if conv_states is None else conv_states, query_start_loc,
+        query_start_loc if cache_indices is None else cache_indices,
+        query_start_loc if has_initial_state is None else has_initial_state, out)
+    return out
+
+
+def _prefill_key(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state, activation,
+                 pad_slot_id, out):
+    """The plan cache's key, the same tuple as the one built inline in ``causal_conv1d_fn``."""
+    return (*tensor_key(x), *tensor_key(weight), tensor_key(bias), tensor_key(conv_states),
+            *tensor_key(query_start_loc), tensor_key(cache_indices), tensor_key(has_initial_state), tensor_key(out),
+            activation, pad_slot_id)
+
+
+def _prefill_slow(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state, activation,
+                  pad_slot_id, out, validate_data):
+    """``causal_conv1d_fn`` without a plan (or with ``validate_data``): check the arguments, build and cache the
+    plan (none for an empty x), launch. A strided bias is copied per call (the plan's ``copy_bias``)."""
+    dim, total, width, batch, act = check_prefill(x, weight, bias, conv_states, query_start_loc, cache_indices,
+                                                  has_initial_state, activation)
+    if out is not None:
+        check_out(out, x, x)
+    if validate_data:
+        _validate_prefill_values(total, batch, conv_states, query_start_loc, cache_indices, pad_slot_id)
+    key = _prefill_key(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state, activation,
+                       pad_slot_id, out)
+    if out is None:
+        out = torch.empty_like(x)
     if x.numel() == 0:
         return out
-    if bias is not None and bias.stride(0) != 1:  # the kernels read bias with stride 1 along dim
+    copy_bias = bias is not None and bias.stride(0) != 1
+    if copy_bias:  # the kernels read bias with stride 1 along dim
         bias = bias.contiguous()
+    plan = _PLANS.get(key)
     if plan is None:
-        plan = _plan_prefill(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state, out,
-                             width, batch, act is not None, pad_slot_id)
+        plan = (*_plan_prefill(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state, out,
+                               width, batch, act is not None, pad_slot_id), copy_bias)
         _PLANS[key] = plan
-    body, seq = plan
+    body, seq, _ = plan
     b = bias if bias is not None else weight
     for p in body:
         p(x, weight, b, out)

@@ -1,0 +1,267 @@
+"""Issue 16 on the GPU, in one process: decode on both state layouts (tile variants, the seed, a same-size copy,
+the byte floor), the host cost of direct calls beside ATen ops, and the small prefill shapes (do_bench and
+CUDA-graph replay). Every timed variant is first checked against the float64 reference on fresh random inputs
+(outputs poisoned with NaN, states compared bit for bit).
+
+    python bench/bench_issue16.py [--peer-file .peers/seed.py] [--out DIR] [--variants]
+
+Writes ``issue16-<gpu>-<date>.json`` (and prints every line) to --out (default $OUT or bench/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench_kernels import b2b, bench, copy_bandwidth, load_peers, rel_err  # noqa: E402
+
+POOL = 4096
+# (name, TUNING overrides) for the state contiguous along the window: the pairs kernel at several tiles, and the
+# dense kernel's scalar variant (pairs off) at several tiles
+_OFF = dict(on=False, block_p=128, num_warps=4)
+WM_VARIANTS = [
+    ("pairs 128x4", dict(decode_pairs=dict(on=True, block_p=128, num_warps=4))),
+    ("pairs 64x2", dict(decode_pairs=dict(on=True, block_p=64, num_warps=2))),
+    ("pairs 256x4", dict(decode_pairs=dict(on=True, block_p=256, num_warps=4))),
+    ("scalar 128x4", dict(decode_pairs=_OFF, decode_strided_state=dict(max_positions=8, block_d=128, num_warps=4,
+                                                                         scalar=True))),
+]
+
+
+def make_pool(layout, dim, width=4, dtype=torch.bfloat16):
+    if layout == "pool":  # (lines, width - 1, dim) memory: stride 1 along dim
+        return torch.randn(POOL, width - 1, dim, device="cuda", dtype=dtype).transpose(1, 2)
+    return torch.randn(POOL, dim, width - 1, device="cuda", dtype=dtype)  # contiguous along the window
+
+
+def decode_case(batch, dim, layout, peers, variants):
+    from convserve.kernels import _launch, causal_conv1d_update, causal_conv1d_update_ref
+    from convserve.kernels.decode import plan as dplan
+    width = 4
+    x = torch.randn(batch, dim, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(dim, width, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(dim, device="cuda", dtype=torch.bfloat16)
+    pool = make_pool(layout, dim, width)
+    idx = torch.randperm(POOL, device="cuda")[:batch].to(torch.int32)
+    p_r = pool.clone()
+    ref = causal_conv1d_update_ref(x, p_r, w, b, "silu", conv_state_indices=idx, compute_dtype=torch.float64)
+    bytes_ = 2 * x.numel() * 2 + 2 * batch * (width - 1) * dim * 2
+    src = torch.empty(bytes_ // 2, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    r = dict(batch=batch, dim=dim, layout=layout, bytes=bytes_, copy=bench(lambda: dst.copy_(src)), variants={})
+    base = {k: v for k, v in _launch.TUNING.items()}
+    for name, cfg in (variants if layout == "width-major" else [("default", None)]):
+        _launch.TUNING.update(cfg or {})
+        dplan._PLANS.clear()
+        try:
+            p_k = pool.clone()
+            out = torch.full_like(x, float("nan"))
+            causal_conv1d_update(x, p_k, w, b, "silu", conv_state_indices=idx, out=out)
+            err = rel_err(out, ref)
+            ok = err < 1e-2 and torch.equal(p_k, p_r.to(p_k.dtype))
+            fn = (lambda: causal_conv1d_update(x, p_k, w, b, "silu", conv_state_indices=idx, out=out))
+            t = bench(fn)
+            kern = {p.fn.__name__ + ("/scalar" if p.constexprs.get("X_RUNTIME_D") else "") for p in
+                    dplan._PLANS.values()}
+            regs = sorted({(getattr(c, "n_regs", None), getattr(c, "n_spills", None)) for p in dplan._PLANS.values()
+                           for c in p._compiled.values()}, key=str)
+            r["variants"][name] = dict(us=t, err=err, ok=ok, kernels=sorted(kern), regs=regs)
+        except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, not fatal
+            r["variants"][name] = dict(us=float("nan"), ok=False, error=repr(exc)[:300])
+        finally:
+            _launch.TUNING.update(base)
+    dplan._PLANS.clear()
+    for pname, peer in peers.items():
+        if peer[0] == "dao":
+            continue
+        p_p = pool.clone()
+        xx = x.clone()
+        try:
+            y = peer[1](xx.clone(), p_p, w, b, "silu", conv_state_indices=idx)
+            r[f"peer:{pname}:err"] = rel_err(y, ref)
+            r[f"peer:{pname}:state_ok"] = bool(torch.equal(p_p, p_r.to(p_p.dtype)))
+            r[f"peer:{pname}"] = bench(lambda f=peer[1]: f(xx, p_p, w, b, "silu", conv_state_indices=idx))
+        except Exception as exc:  # noqa: BLE001
+            r[f"peer:{pname}"] = f"n/a ({type(exc).__name__}: {str(exc)[:80]})"
+    return r
+
+
+def host_costs():
+    """Back-to-back time per call (GPU events over 300 calls, no flush) and host time per call, for direct calls
+    and for ATen ops of similar size, interleaved three times (the medians are reported)."""
+    from convserve.kernels import causal_conv1d_fn, causal_conv1d_update
+    from convserve.kernels.decode import plan as dplan
+    res = {}
+    cases = {}
+    for dim in (4096, 8192):
+        for batch in (1, 256):
+            x = torch.randn(batch, dim, device="cuda", dtype=torch.bfloat16)
+            w = torch.randn(dim, 4, device="cuda", dtype=torch.bfloat16)
+            b = torch.randn(dim, device="cuda", dtype=torch.bfloat16)
+            idx = torch.randperm(POOL, device="cuda")[:batch].to(torch.int32)
+            for layout in ("pool", "width-major"):
+                pool = make_pool(layout, dim)
+                out = torch.empty_like(x)
+                cases[f"update b{batch}x{dim} {layout} out="] = (
+                    lambda x=x, p=pool, w=w, b=b, i=idx, o=out: causal_conv1d_update(x, p, w, b, "silu",
+                                                                                      conv_state_indices=i, out=o))
+            cases[f"update b{batch}x{dim} width-major out=None"] = (
+                lambda x=x, p=pool, w=w, b=b, i=idx: causal_conv1d_update(x, p, w, b, "silu", conv_state_indices=i))
+        for layout in ("channels-first", "channels-last"):
+            xs = (torch.randn(dim, 1, device="cuda") * 0.02).to(torch.bfloat16)
+            w = torch.randn(dim, 4, device="cuda", dtype=torch.bfloat16)
+            b = torch.randn(dim, device="cuda", dtype=torch.bfloat16)
+            st = torch.randn(1, dim, 3, device="cuda", dtype=torch.bfloat16)
+            qsl = torch.tensor([0, 1], dtype=torch.int32, device="cuda")
+            ci = torch.zeros(1, dtype=torch.int32, device="cuda")
+            init = torch.ones(1, dtype=torch.bool, device="cuda")
+            o = torch.empty_like(xs)
+            cases[f"prefill 1x{dim} {layout} out="] = (
+                lambda xs=xs, w=w, b=b, st=st, q=qsl, c=ci, i=init, o=o: causal_conv1d_fn(xs, w, b, st, q, c, i,
+                                                                                          "silu", out=o))
+    a = torch.empty(16384, dtype=torch.uint8, device="cuda")
+    c = torch.empty_like(a)
+    h = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    h2 = torch.empty_like(h)
+    cases["aten copy_ 16 KB"] = lambda: c.copy_(a)
+    cases["aten add(out=) 4096 bf16"] = lambda: torch.add(h, h, out=h2)
+    cases["aten mul 4096 bf16"] = lambda: h * h
+    # parts of the decode call: the key alone, and the plan's launch alone
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, 4, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    pool = make_pool("pool", 4096)
+    idx = torch.zeros(1, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(x)
+    causal_conv1d_update(x, pool, w, b, "silu", conv_state_indices=idx, out=out)
+    key = dplan._update_key(x, pool, w, b, "silu", None, idx, None, None, None, -1, out)
+    plan = dplan._PLANS[key]
+    cases["part: plan launch only b1x4096"] = lambda: plan(x, w, b, pool, idx, x, x, x, out)
+    print("raw C launcher in use:", plan._aligned[0] if plan._aligned else None, flush=True)
+    for k, f in list(cases.items()):
+        try:
+            f()
+        except Exception as exc:  # noqa: BLE001 - reported, not fatal
+            print(f"host  {k}: FAILED {exc!r}"[:300], flush=True)
+            del cases[k]
+    torch.cuda.synchronize()
+    runs = {k: [] for k in cases}
+    for _ in range(3):
+        for k, f in cases.items():
+            runs[k].append(b2b(f, n=500))
+    for k, v in runs.items():
+        ev = sorted(e for e, _ in v)[1]
+        ho = sorted(h for _, h in v)[1]
+        res[k] = dict(b2b=ev, host=ho)
+        print(f"host  {k:42} b2b {ev:6.2f} us  host {ho:6.2f} us", flush=True)
+    n = 20000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        dplan._PLANS.get(dplan._update_key(x, pool, w, b, "silu", None, idx, None, None, None, -1, out))
+    res["part: key (function form) b1x4096"] = dict(host=(time.perf_counter() - t0) / n * 1e6)
+    print(f"host  part: key (function form): {res['part: key (function form) b1x4096']['host']:.2f} us")
+    return res
+
+
+def prefill_small(peers):
+    from convserve.kernels import causal_conv1d_fn, causal_conv1d_ref
+    from convserve.kernels.graphs import PrefillGraph
+    rows = []
+    for layout in ("channels-first", "channels-last"):
+        for T, dim in [(1, 4096), (128, 4096), (256, 4096), (514, 4096), (1024, 4096), (1, 8192)]:
+            x = (torch.randn(dim, T, device="cuda") * 0.02).to(torch.bfloat16)
+            if layout == "channels-last":
+                x = x.t().contiguous().t()
+            w = (torch.randn(dim, 4, device="cuda") * 0.02).to(torch.bfloat16)
+            b = (torch.randn(dim, device="cuda") * 0.02).to(torch.bfloat16)
+            st = (torch.randn(1, dim, 3, device="cuda") * 0.02).to(torch.bfloat16)
+            qsl = torch.tensor([0, T], dtype=torch.int32, device="cuda")
+            idx = torch.zeros(1, dtype=torch.int32, device="cuda")
+            init = torch.ones(1, dtype=torch.bool, device="cuda")
+            out = torch.full_like(x, float("nan"))
+            st_k, st_r = st.clone(), st.clone()
+            causal_conv1d_fn(x, w, b, st_k, qsl, idx, init, "silu", out=out)
+            ref = causal_conv1d_ref(x, w, b, st_r, qsl, idx, init, "silu")
+            err = rel_err(out, ref)
+            r = dict(T=T, dim=dim, layout=layout, err=err, ok=err < 1e-2 and torch.equal(st_k, st_r))
+            fn = (lambda: causal_conv1d_fn(x, w, b, st_k, qsl, idx, init, "silu", out=out))
+            r["ours"] = bench(fn)
+            y = torch.empty_like(x)
+            r["copy"] = bench(lambda: y.copy_(x))
+            r["ours_b2b"], r["ours_host"] = b2b(fn, n=500)
+            g = PrefillGraph(st_k, w, b, "silu", tokens=T, seqs=1, x_dtype=x.dtype)
+            g.x.copy_(x)
+            g.query_start_loc.copy_(qsl)
+            g.cache_indices.copy_(idx)
+            g.has_initial_state.copy_(init)
+            r["graph"] = bench(g.replay)
+            r["graph_b2b"], _ = b2b(g.replay, n=500)
+            rows.append(r)
+            print(f"prefill {T:5}x{dim} {layout:14} ours {r['ours']:6.2f} copy {r['copy']:5.2f} b2b "
+                  f"{r['ours_b2b']:6.2f} host {r['ours_host']:6.2f} graph {r['graph']:6.2f} graph_b2b "
+                  f"{r['graph_b2b']:6.2f} err {err:.1e} {'ok' if r['ok'] else 'WRONG'}", flush=True)
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--peer-file", action="append")
+    ap.add_argument("--variants", action="store_true", help="time every WM_VARIANTS tile (else the default)")
+    ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "results"))
+    a = ap.parse_args(argv)
+    import triton
+    torch.manual_seed(0)
+    env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+               cuda=torch.version.cuda, python=platform.python_version(),
+               date=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+    env["copy_tbps"] = copy_bandwidth() / 1e12
+    print(env, flush=True)
+    peers = load_peers(a.peer_file)
+    variants = WM_VARIANTS if a.variants else [("default", None)]
+    bw = env["copy_tbps"] * 1e12
+    rows = []
+    for dim in (4096, 8192):
+        for batch in (1, 8, 64, 256, 1024):
+            for layout in ("pool", "width-major"):
+                r = decode_case(batch, dim, layout, peers, variants)
+                rows.append(r)
+                floor = r["bytes"] / bw * 1e6
+                peer = {k: v for k, v in r.items() if k.startswith("peer:")}
+                for name, v in r["variants"].items():
+                    print(f"decode b{batch:5}x{dim} {layout:11} {name:18} {v['us']:7.2f} us  floor {floor:6.2f} "
+                          f"(x{v['us'] / floor:4.2f})  copy {r['copy']:6.2f}  {'ok' if v['ok'] else 'WRONG'} "
+                          f"{v.get('kernels', v.get('error'))} regs {v.get('regs')}", flush=True)
+                print(f"      peers {peer}", flush=True)
+    host = host_costs()
+    pre = prefill_small(peers)
+    res = dict(env=env, decode=rows, host=host, prefill_small=pre)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = "issue16-" + re.sub(r"[^A-Za-z0-9]+", "-", env["gpu"]).strip("-") + "-" + env["date"][:10]
+    (out / f"{tag}.json").write_text(json.dumps(res, indent=1, default=str))
+    print(f"wrote {out / (tag + '.json')}")
+    try:  # which launcher this Triton has (the direct launch depends on its calling convention)
+        import inspect
+        from triton.backends.nvidia.driver import CudaLauncher
+        print(inspect.getsource(CudaLauncher.__call__))
+    except Exception as exc:  # noqa: BLE001
+        print("launcher source unavailable:", exc)
+    bad = [r for r in rows for v in r["variants"].values() if not v["ok"]] + [r for r in pre if not r["ok"]]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
