@@ -55,7 +55,17 @@ def test_queue_full_is_429_with_retry_after_and_unstarted_requests_time_out_with
     api.call("DELETE", f"/v1/sessions/{sid}")
 
 
-def test_unary_queue_full_carries_retry_after_header(limits_server):
+@pytest.fixture(scope="module")
+def queue_server():
+    """One queue place, a 1 s batching window, a 200 ms timeout and sessions that outlive a loaded machine."""
+    srv = LiveServer(["--layers", "0,1", "--dim", "8", "--dtype", "float32", "--slots", "2", "--max-queue", "1",
+                      "--max-queue-delay-us", "1000000", "--request-timeout-s", "0.2"])
+    yield srv
+    srv.terminate()
+
+
+def test_unary_queue_full_carries_retry_after_header(queue_server):
+    limits_server = queue_server
     api = Api(limits_server.url)
     sid = api.session()
     x = torch.ones(1, 8)

@@ -178,7 +178,7 @@ def test_timeouts_are_labelled_client_timeout_not_connection_error():
 
 
 @pytest.mark.parametrize("spec", [False, True])
-@pytest.mark.parametrize("loop", [["--concurrency", "5"], ["--rate", "40", "--max-inflight", "8"]])
+@pytest.mark.parametrize("loop", [["--concurrency", "5"], ["--rate", "40", "--max-inflight", "32"]])
 def test_the_frontend_scenario_sends_steps_of_mixed_batches_that_verify(server, weights, tmp_path, spec, loop):
     extra = ["--spec-k", "uniform:1:4"] if spec else []
     rc, data = _run(tmp_path, server, "--scenario", "frontend", *loop, "--requests", "60", "--chunk", "7",

@@ -87,6 +87,7 @@ class RemoteEngine:
         self._tasks: list = []
         self._packer = msgpack.Packer(use_bin_type=True)
         self._weights: Optional[bytes] = None
+        self._any_up = False
 
     # ------------------------------------------------------------------ life cycle
 
@@ -136,7 +137,7 @@ class RemoteEngine:
 
     @property
     def ready(self) -> bool:
-        return self.loop is not None and any(self.status.state(e)[0] == UP for e in range(self.n))
+        return self._any_up                 # kept by _watch: every request reads it
 
     # ------------------------------------------------------------------ description
 
@@ -212,7 +213,8 @@ class RemoteEngine:
 
     async def _watch(self) -> None:
         while True:
-            await asyncio.sleep(0.05)
+            self._any_up = any(self.status.state(e)[0] == UP for e in range(self.n))
+            await asyncio.sleep(0.02)
             for link in self.links:
                 state, epoch = self.status.state(link.index)
                 if link.pending and (state == DOWN or epoch != link.epoch):
