@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
+import os
 import socket
 import threading
 import urllib.parse
@@ -39,11 +40,24 @@ DNS_SCHEMES = {"dns": "http", "dns+http": "http", "dns+https": "https"}
 Resolver = Callable[[str], Sequence[str]]
 
 
-def is_routed(url) -> bool:
-    """Whether ``url`` asks for routing over several replicas: a list of URLs, or a ``dns://`` URL."""
+def routed_url(url):
+    """The replicas ``url`` names when it asks for routing over several (a list of URLs, a ``dns://`` URL, or a
+    comma-separated list), else None. Without ``url``, ``CONVSERVE_URL`` is read, as the plain client does."""
+    if url is None:
+        url = os.environ.get("CONVSERVE_URL")
     if isinstance(url, (list, tuple)):
-        return True
-    return isinstance(url, str) and url.split("://", 1)[0].lower() in DNS_SCHEMES
+        return list(url)
+    if isinstance(url, str):
+        if url.split("://", 1)[0].lower() in DNS_SCHEMES:
+            return url
+        if "," in url:
+            return [u.strip() for u in url.split(",") if u.strip()]
+    return None
+
+
+def is_routed(url) -> bool:
+    """Whether ``url`` (or, when None, ``CONVSERVE_URL``) asks for routing over several replicas."""
+    return routed_url(url) is not None
 
 
 def weight(session: str, replica: str) -> int:
@@ -84,7 +98,10 @@ class Endpoints:
     resolver: Resolver = system_resolver
 
     @classmethod
-    def parse(cls, url: Union[str, Sequence[str]], resolver: Optional[Resolver] = None) -> "Endpoints":
+    def parse(cls, url: Union[str, Sequence[str], None], resolver: Optional[Resolver] = None) -> "Endpoints":
+        url = routed_url(url) or url
+        if url is None:
+            raise ValueError("give the replicas: a list of URLs, or dns://NAME:PORT")
         if isinstance(url, str):
             u = urllib.parse.urlsplit(url)
             if u.scheme.lower() not in DNS_SCHEMES or not u.hostname:

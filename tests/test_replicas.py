@@ -91,9 +91,14 @@ def test_dns_endpoints_resolve_through_the_injected_resolver():
     assert "http://127.0.0.1:8000" in local.resolve()
 
 
-def test_what_is_routed():
-    assert is_routed(["http://a:1"]) and is_routed("dns://x:1") and not is_routed("http://a:1")
+def test_what_is_routed(monkeypatch):
+    monkeypatch.delenv("CONVSERVE_URL", raising=False)
     assert not is_routed(None)
+    monkeypatch.setenv("CONVSERVE_URL", "dns://convserve-headless:8000")
+    assert is_routed(None)
+    assert is_routed(["http://a:1"]) and is_routed("dns://x:1") and not is_routed("http://a:1")
+    assert is_routed("http://a:1,http://b:1") and Endpoints.parse("http://a:1, http://b:1").urls == \
+        ["http://a:1", "http://b:1"]
     with pytest.raises(ValueError, match="http://"):
         Endpoints.parse(["a:1"])
     with pytest.raises(ValueError, match="repeat"):
