@@ -13,11 +13,21 @@ from convserve.clients.common import (MAX_MESSAGE_BYTES, SessionState, _as_reque
                                       _decode, _default_backend, _frame, _quote, _raise_for, _Tracker, _ws_url)
 from convserve.clients.h1 import _H1Pool, _h1_target
 from convserve.clients.protocol import wire
+from convserve.clients.replicas import is_routed
 
 
 class AsyncConvClient(_Base):
     """Asyncio client, with the same methods as :class:`ConvClient` as coroutines (``stream`` is an async
-    iterator). Use ``async with``, or call :meth:`aclose`."""
+    iterator). Use ``async with``, or call :meth:`aclose`. Several replicas (a list of URLs, ``dns://name:port``)
+    make it a :class:`.replicated_async.ReplicatedAsyncConvClient`."""
+
+    def __new__(cls, url=None, *args, **kwargs):
+        # several replicas (a list of URLs, or dns://name:port): the routing client, with the same methods
+        if cls is AsyncConvClient and is_routed(url):
+            from convserve.clients.replicated_async import ReplicatedAsyncConvClient
+
+            return super().__new__(ReplicatedAsyncConvClient)
+        return super().__new__(cls)
 
     def __init__(self, url: Optional[str] = None, *, api_key: Optional[str] = None, timeout: float = 60.0,
                  transport: Optional[httpx.AsyncBaseTransport] = None, max_connections: int = 100):

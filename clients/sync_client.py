@@ -13,6 +13,7 @@ from convserve.clients.common import (MAX_MESSAGE_BYTES, _POLL_S, ConvResult, Se
                                       _Base, _chunked, _decode, _default_backend, _frame, _quote, _raise_for,
                                       _Tracker, _ws_url)
 from convserve.clients.protocol import wire
+from convserve.clients.replicas import is_routed
 
 
 class ConvClient(_Base):
@@ -21,7 +22,19 @@ class ConvClient(_Base):
     >>> with ConvClient("http://127.0.0.1:8000") as c:
     ...     s = c.create_session()
     ...     y = c.conv(s, c.model()["layers"][0], x)   # x: (T, dim) tensor or array
+
+    ``url`` (or ``CONVSERVE_URL``) may also be several replicas: a list of URLs, comma-separated URLs, or
+    ``"dns://name:port"`` (the A/AAAA records of a Kubernetes headless Service): the client is then a :class:`.replicated_sync.ReplicatedConvClient`, which sends
+    each session's calls to its replica (:mod:`.replicas`).
     """
+
+    def __new__(cls, url=None, *args, **kwargs):
+        # several replicas (a list of URLs, or dns://name:port): the routing client, with the same methods
+        if cls is ConvClient and is_routed(url):
+            from convserve.clients.replicated_sync import ReplicatedConvClient
+
+            return super().__new__(ReplicatedConvClient)
+        return super().__new__(cls)
 
     def __init__(self, url: Optional[str] = None, *, api_key: Optional[str] = None, timeout: float = 60.0,
                  transport: Optional[httpx.BaseTransport] = None):

@@ -46,6 +46,16 @@ def _int_list(v: Any, name: str) -> Any:
     return v
 
 
+def _default_replica_name() -> str:
+    """The pod's name on Kubernetes (HOSTNAME is set to it, and to the container id by Docker), else the host
+    name; a stable name for X-Convserve-Replica without configuration."""
+    import os
+    import socket
+
+    name = os.environ.get("HOSTNAME", "").strip() or socket.gethostname() or "convserve"
+    return name if re.fullmatch(r"[!-~]{1,253}", name) else "convserve"
+
+
 class Settings(BaseSettings):
     """All settings of one ``convserve serve`` process."""
 
@@ -59,6 +69,9 @@ class Settings(BaseSettings):
                                                            "needs 'Authorization: Bearer <key>'; prefer "
                                                            "api_key_file or the environment to the command line")
     api_key_file: Optional[Path] = Field(None, description="a file holding the API key (a mounted secret)")
+    replica_name: Optional[str] = Field(None, description="this replica's name, sent on every answer as "
+                                        "X-Convserve-Replica; default the pod's name (env HOSTNAME), else the "
+                                        "host name")
 
     # --- processes
     workers: Union[int, Literal["auto"]] = Field(
@@ -226,6 +239,16 @@ class Settings(BaseSettings):
                 raise ValueError(f"api_key_file: {self.api_key_file} is empty")
             self.api_key = SecretStr(key)
         return self
+
+    @field_validator("replica_name")
+    @classmethod
+    def _replica_name(cls, v):
+        # a header value: visible ASCII, no spaces (a pod name, a host name, an address)
+        if v is None or not v.strip():
+            return _default_replica_name()
+        if not re.fullmatch(r"[!-~]{1,253}", v):
+            raise ValueError(f"replica_name: {v!r:.80} must be 1 to 253 visible ASCII characters without spaces")
+        return v
 
     @field_validator("workers")
     def _workers(cls, v):

@@ -74,7 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="convserve-loadtest", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("server")
-    g.add_argument("--url", default=None, help="server URL [env CONVSERVE_URL; default http://127.0.0.1:8000]")
+    g.add_argument("--url", action="append", default=None,
+                   help="server URL [env CONVSERVE_URL; default http://127.0.0.1:8000]; repeat it for several "
+                        "replicas (sessions are placed on them by the client's rendezvous hashing), or give "
+                        "dns://NAME:PORT for the replicas a DNS name lists (a Kubernetes headless Service)")
     g.add_argument("--api-key", default=None, help="API key [env CONVSERVE_API_KEY]")
     g.add_argument("--timeout", type=float, default=60.0, help="seconds per HTTP call [60]")
     g = p.add_argument_group("workload")
@@ -275,7 +278,8 @@ async def run(args) -> dict:
     levels = args.concurrency if mode == "closed" else args.rate
     top = max(levels)
     n_conn = max(8, min(1024, int(top) * 4 if mode == "closed" else args.max_inflight))
-    client = AsyncConvClient(args.url, api_key=args.api_key, timeout=args.timeout, max_connections=n_conn)
+    url = args.url[0] if args.url and len(args.url) == 1 else args.url     # several: the routing client
+    client = AsyncConvClient(url, api_key=args.api_key, timeout=args.timeout, max_connections=n_conn)
     quiet_gc = None
     try:
         try:

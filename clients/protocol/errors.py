@@ -91,6 +91,24 @@ class Internal(ServiceError):
     status, code = 500, "internal"
 
 
+class ReplicaUnavailable(ServiceError):
+    """Raised by a client routing over several replicas (never sent by a server): the replica that holds these
+    sessions is down (it failed its health check, or a request to it failed on the network), or left the DNS
+    name. The sessions are not moved: a session's state lives on its replica, so a moved session would start from
+    nothing. The caller decides (re-prefill on a new session, or wait for the replica to come back).
+
+    ``sessions``: the ids affected; ``replica``: the replica's URL; ``applied``: for a batch split over replicas,
+    the sessions whose part did run."""
+    status, code = 503, "replica_unavailable"
+
+    def __init__(self, message: str, *, sessions=(), replica: Optional[str] = None, applied=(),
+                 retry_after: Optional[float] = None):
+        super().__init__(message, retry_after=retry_after)
+        self.sessions = list(sessions)
+        self.replica = replica
+        self.applied = list(applied)
+
+
 #: The name clients use for the base class.
 ConvServeError = ServiceError
 

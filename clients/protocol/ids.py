@@ -31,3 +31,10 @@ def check_session_id(value, what: str = "session") -> str:
 def new_session_id() -> str:
     """A fresh random id (32 hex digits), for sessions created without one."""
     return uuid.uuid4().hex
+
+
+#: The header a caller behind an L7 proxy sets to the session of a request, so the proxy can hash on it (the server
+#: checks it against the session in the path or body: a disagreement is a 400).
+SESSION_HEADER = "X-Session-Id"
+#: The header on every answer that names the replica that gave it (the setting ``replica_name``: the pod's name).
+REPLICA_HEADER = "X-Convserve-Replica"

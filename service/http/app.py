@@ -147,6 +147,9 @@ def create_app(settings, engine: EngineAPI, *, start_engine: bool = True) -> Con
     app.set_hot_routes(Edge(None, **edge_args),
                        {"/v1/conv": conv, "/v1/conv/batch": batch, "/v1/conv/stream": stream},
                        {"/v1/conv/ws": ws})
+    name = getattr(settings, "replica_name", None)
+    if name:
+        app.set_replica_name(name)     # X-Convserve-Replica on every answer (replica.with_replica_header)
     return app
 
 

@@ -20,6 +20,7 @@ from convserve.clients.protocol.errors import NotReady
 from convserve.service.http.asgi import header, render, wants_json
 from convserve.service.http.errors import error_response
 from convserve.service.http.parse import parse_body, read_body
+from convserve.service.http.replica import merge_session
 from convserve.service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
 if TYPE_CHECKING:
@@ -88,7 +89,7 @@ def add_control_routes(app: FastAPI, svc: Service) -> None:
     @app.post("/v1/sessions", status_code=201)
     async def create_session(request: Request):
         svc.require_ready()
-        sid = parser.new_session_id(await read(request))
+        sid = merge_session(request.scope, parser.new_session_id(await read(request)))  # X-Session-Id
         return reply(request, {"session": await asyncio.to_thread(engine.create_session, sid)}, 201)
 
     @app.delete("/v1/sessions/{session}", status_code=204)

@@ -14,10 +14,12 @@ from typing import Optional
 
 from fastapi import FastAPI
 
+from convserve.clients.protocol.errors import ServiceError
 from convserve.service.http.asgi import (CLIENT_CLOSED, CLIENT_CLOSED_STATUS, ERROR_SCOPE_KEY, ROUTE_SCOPE_KEY, header,
                                          wants_json)
 from convserve.service.http.errors import HTTP_CODES, as_service_error, render_error, send_error, unauthorized
 from convserve.service.http.oip_wire import send_oip_error
+from convserve.service.http.replica import check_path_session, replica_header, with_replica_header
 from convserve.service.metrics import Metrics
 
 access_log = logging.getLogger("convserve.access")
@@ -70,6 +72,11 @@ class Edge:
                     oip = scope["path"].startswith("/v2")
                     await (send_oip_error if oip else send_error)(scope, send_wrapper, unauthorized())
                 else:
+                    try:
+                        check_path_session(scope)     # X-Session-Id against /v1/sessions/{id}: 400 when they differ
+                    except ServiceError as e:
+                        await send_error(scope, send_wrapper, e)
+                        return
                     await app(scope, receive, send_wrapper)
             finally:
                 route = scope.get("route")
@@ -120,6 +127,11 @@ class ConvServeApp(FastAPI):
     _hot_edge: Optional[Edge] = None
     _hot_http: dict = {}
     _hot_ws: dict = {}
+    #: ``X-Convserve-Replica`` header added to every answer (None: none added)
+    _replica: Optional[tuple] = None
+
+    def set_replica_name(self, name: str) -> None:
+        self._replica = replica_header(name)
 
     def set_hot_routes(self, edge: Edge, http: dict, ws: dict) -> None:
         self._hot_edge = edge
@@ -128,6 +140,10 @@ class ConvServeApp(FastAPI):
 
     async def __call__(self, scope, receive, send):
         t = scope["type"]
+        if self._replica is not None and t != "lifespan":
+            # here, ahead of everything, so that no answer escapes it: hot routes, the stack's error middleware,
+            # the Edge's 401 and /metrics alike
+            send = with_replica_header(send, self._replica)
         if t == "http":
             if scope["method"] == "POST" and not scope.get("root_path"):
                 ep = self._hot_http.get(scope["path"])

@@ -42,6 +42,7 @@ from convserve.service.http.oip_wire import (INPUT, MODEL_NAME, MODEL_VERSION, O
                                              InferParser, InferRequest, NotFound, dumps, infer_answer,
                                              oip_error_body, send_chunks, send_oip_error)
 from convserve.service.http.parse import read_body
+from convserve.service.http.replica import merge_session
 from convserve.service.http.unary import wait_result
 
 if TYPE_CHECKING:
@@ -160,6 +161,7 @@ class InferEndpoint:
             svc.require_ready()
             body = await read_body(scope, receive, svc.max_body)
             req = self.parser.parse(scope, body)
+            merge_session(scope, req.session, "sequence_id")     # X-Session-Id, when sent, names this sequence
             y = await self.run(req, receive)
             chunks, headers = infer_answer(req, y)
         except ClientGone:

@@ -15,6 +15,7 @@ from convserve.service.http.asgi import (MSGPACK_CT, ROUTE_SCOPE_KEY, ClientGone
                                          wants_json)
 from convserve.service.http.errors import as_service_error, send_error
 from convserve.service.http.parse import parse_body, read_body
+from convserve.service.http.replica import merge_session
 
 if TYPE_CHECKING:
     from convserve.service.http.app import Service
@@ -83,7 +84,7 @@ class _UnaryEndpoint:
         self.engine = svc.engine
         self.parser = svc.parser
 
-    def submit(self, obj: Any):
+    def submit(self, scope, obj: Any):
         """Parse a decoded body and submit it; returns the engine's asyncio future."""
         raise NotImplementedError
 
@@ -93,7 +94,7 @@ class _UnaryEndpoint:
         try:
             svc.require_ready()
             body = await read_body(scope, receive, svc.max_body)
-            fut = self.submit(parse_body(scope, body, svc.max_body, svc.max_objects))
+            fut = self.submit(scope, parse_body(scope, body, svc.max_body, svc.max_objects))
             y = await wait_result(self.engine, fut, receive)
             as_json = wants_json(scope)
             if as_json or y.nbytes < SPLIT_BYTES:
@@ -117,7 +118,11 @@ class ConvEndpoint(_UnaryEndpoint):
 
     route = "/v1/conv"
 
-    def submit(self, obj: Any):
+    def submit(self, scope, obj: Any):
+        if type(obj) is dict:   # X-Session-Id: stands in for a missing "session", 400 when it names another
+            sid = merge_session(scope, obj.get("session") if type(obj.get("session")) is str else None)
+            if sid is not None and "session" not in obj:
+                obj["session"] = sid
         session, layer, x, spec = self.parser.conv(obj)
         return self.engine.submit_async(session, layer, x, speculative=spec)
 
@@ -128,6 +133,6 @@ class BatchEndpoint(_UnaryEndpoint):
 
     route = "/v1/conv/batch"
 
-    def submit(self, obj: Any):
+    def submit(self, scope, obj: Any):
         sessions, layer, x, tokens, spec = self.parser.batch(obj)
         return self.engine.submit_batch_async(sessions, layer, x, tokens, spec)

@@ -1,0 +1,319 @@
+""":class:`ReplicatedAsyncConvClient`: what ``AsyncConvClient([url, ...])`` or ``AsyncConvClient("dns://name:port")``
+builds; the asyncio twin of :class:`.replicated_sync.ReplicatedConvClient`, over one ``AsyncConvClient`` per
+replica. The replicas are found and checked on the first call (a constructor cannot await); a task then checks
+them every ``health_interval_s`` and resolves a DNS name again every ``resolve_interval_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import AsyncIterable, Iterable, Optional, Sequence, Union
+
+from convserve.clients.async_client import AsyncConvClient
+from convserve.clients.common import BatchRequest, SessionState, _as_request
+from convserve.clients.protocol.errors import ReplicaUnavailable, ServiceError, SessionExists, StateLost, UnknownSession
+from convserve.clients.replicas import Endpoints, Router, batch_failure, health_result, join_batch, split_batch
+from convserve.clients.replicated_sync import _failed, network_errors, unavailable
+
+
+class ReplicatedAsyncConvClient(AsyncConvClient):
+    """:class:`AsyncConvClient` over several replicas; the keywords of :class:`.ReplicatedConvClient`."""
+
+    def __init__(self, url, *, api_key: Optional[str] = None, timeout: float = 60.0,
+                 health_interval_s: float = 2.0, resolve_interval_s: float = 10.0, resolver=None, **client_kwargs):
+        self.router = Router(Endpoints.parse(url, resolver))
+        self.url = self.router.endpoints.describe()
+        self.api_key, self.timeout = api_key, timeout
+        self.health_interval_s, self.resolve_interval_s = health_interval_s, resolve_interval_s
+        self._client_kwargs = dict(api_key=api_key, timeout=timeout, **client_kwargs)
+        self._clients: dict[str, AsyncConvClient] = {}
+        self._net = network_errors()
+        self._checker: Optional[asyncio.Task] = None
+        self._started: Optional[asyncio.Future] = None
+
+    def _client(self, url: str) -> AsyncConvClient:
+        c = self._clients.get(url)
+        if c is None:
+            c = self._clients[url] = AsyncConvClient(url, **self._client_kwargs)
+        return c
+
+    async def _start(self) -> None:
+        """The first call finds and checks the replicas, then starts the checking task (once)."""
+        if self._started is None:
+            self._started = asyncio.ensure_future(self.refresh(resolve=True))
+            await self._started
+            self._checker = asyncio.ensure_future(self._check_loop())
+        elif not self._started.done():
+            await asyncio.shield(self._started)
+
+    async def refresh(self, resolve: bool = False) -> None:
+        """Resolve the endpoints again (``resolve``) and check every replica's ``/readyz`` now, concurrently."""
+        if resolve:
+            try:
+                self.router.set_urls(await asyncio.to_thread(self.router.endpoints.resolve))
+            except OSError:
+                pass
+        await asyncio.gather(*(self._check(u) for u in self.router.urls()))
+
+    async def _check(self, url: str) -> None:
+        try:
+            r = await asyncio.wait_for(self._client(url)._send("GET", "/readyz"), min(self.timeout, 5.0))
+            self.router.mark(url, *health_result(r.status_code, r.headers))
+        except (*self._net, asyncio.TimeoutError) as e:
+            self.router.mark(url, False, f"{type(e).__name__}: {e}")
+
+    async def _check_loop(self) -> None:
+        next_resolve = time.monotonic() + self.resolve_interval_s
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            resolve = self.router.endpoints.dns is not None and time.monotonic() >= next_resolve
+            if resolve:
+                next_resolve = time.monotonic() + self.resolve_interval_s
+            await self.refresh(resolve)
+
+    def replicas(self) -> list[dict]:
+        return self.router.status()
+
+    async def replica_of(self, session: str) -> str:
+        await self._start()
+        return self.router.place(session)
+
+    async def _on(self, session: str, fn, *args):
+        await self._start()
+        url = self.router.route(session)
+        try:
+            return await fn(self._client(url), *args)
+        except self._net as e:
+            raise unavailable(self.router, url, [session], e) from e
+
+    async def _any(self, fn):
+        await self._start()
+        if not self.router.live():
+            await self.refresh()
+        for url in sorted(self.router.live().values()):
+            try:
+                return await fn(self._client(url))
+            except self._net as e:
+                self.router.mark(url, False, f"{type(e).__name__}: {e}")
+        raise ReplicaUnavailable(f"no replica of {self.url} is up", retry_after=1.0)
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(c.bytes_sent for c in list(self._clients.values()))
+
+    @property
+    def bytes_received(self) -> int:
+        return sum(c.bytes_received for c in list(self._clients.values()))
+
+    async def aclose(self) -> None:
+        if self._checker is not None:
+            self._checker.cancel()
+        for c in list(self._clients.values()):
+            await c.aclose()
+
+    async def health(self) -> bool:
+        await self._start()
+        return bool(self.router.live())
+
+    async def ready(self) -> bool:
+        await self._start()
+        await self.refresh()
+        return bool(self.router.live())
+
+    async def model(self) -> dict:
+        """As :meth:`ReplicatedConvClient.model`."""
+        await self._start()
+        live = self.router.live()
+
+        async def one(url):
+            try:
+                return url, await self._client(url).model()
+            except self._net as e:
+                self.router.mark(url, False, f"{type(e).__name__}: {e}")
+                return url, None
+        infos = [(u, i) for u, i in await asyncio.gather(*(one(u) for u in live.values())) if i is not None]
+        if not infos:
+            return await self._any(lambda c: c.model())
+        if len({i.get("weights_sha256") for _, i in infos}) > 1:
+            e = ServiceError("the replicas serve different weights: " + ", ".join(
+                f"{u}: {i.get('weights_sha256')}" for u, i in infos))
+            e.code, e.status = "replica_mismatch", 500
+            raise e
+        names = {u: n for n, u in live.items()}
+        info = dict(infos[0][1])
+        info["replicas"] = [{"url": u, "name": names.get(u), "weights_sha256": i.get("weights_sha256"),
+                             "slots": i.get("slots")} for u, i in infos]
+        return info
+
+    async def model_weights(self) -> bytes:
+        return await self._any(lambda c: c.model_weights())
+
+    async def create_session(self, session: Optional[str] = None) -> str:
+        sid = session if session is not None else self.router.new_id()
+        try:
+            return await self._on(sid, AsyncConvClient.create_session, sid)
+        except SessionExists:
+            raise
+        except BaseException:
+            self.router.forget(sid)
+            raise
+
+    async def delete_session(self, session: str) -> None:
+        try:
+            await self._on(session, AsyncConvClient.delete_session, session)
+        except (UnknownSession, StateLost):
+            self.router.forget(session)
+            raise
+        self.router.forget(session)
+
+    async def fork(self, session: str, new_session: Optional[str] = None) -> str:
+        await self._start()
+        url = self.router.route(session)
+        new = new_session if new_session is not None else self.router.new_id()
+        out = await self._on(session, AsyncConvClient.fork, session, new)
+        self.router.pin(out, url)
+        return out
+
+    async def export_state(self, session: str, backend: Optional[str] = None) -> SessionState:
+        return await self._on(session, AsyncConvClient.export_state, session, backend)
+
+    async def import_state(self, session: str, state, layers=None) -> None:
+        await self._on(session, AsyncConvClient.import_state, session, state, layers)
+
+    async def accept(self, session: str, tokens: int) -> None:
+        await self._on(session, AsyncConvClient.accept, session, tokens)
+
+    async def conv(self, session: str, layer: int, x, speculative: bool = False):
+        return await self._on(session, AsyncConvClient.conv, session, layer, x, speculative)
+
+    async def _parts(self, parts, call) -> list:
+        async def run(p):
+            try:
+                return await call(self._client(p.url), p)
+            except self._net as e:
+                return unavailable(self.router, p.url, p.sessions, e)
+            except Exception as e:  # noqa: BLE001 - raised by the caller with the others' outcome
+                return e
+        return list(await asyncio.gather(*(run(p) for p in parts)))
+
+    async def conv_batch(self, sessions: Sequence[str], layer: int, x, tokens: Optional[Sequence[int]] = None,
+                         speculative=None):
+        """As :meth:`ReplicatedConvClient.conv_batch`."""
+        await self._start()
+        split = self.router.split(sessions)
+        if len(split) == 1:
+            url = next(iter(split))
+            try:
+                return await self._client(url).conv_batch(sessions, layer, x, tokens, speculative)
+            except self._net as e:
+                raise unavailable(self.router, url, list(sessions), e) from e
+        parts = split_batch(split, sessions, x, tokens, speculative)
+        outcomes = await self._parts(parts, lambda c, p: c.conv_batch(p.sessions, layer, p.x, p.tokens,
+                                                                      p.speculative))
+        err = batch_failure(parts, outcomes)
+        if err is not None:
+            raise err
+        return join_batch(len(sessions), tokens, parts, outcomes)
+
+    async def accept_batch(self, sessions: Sequence[str], tokens: Sequence[int]) -> None:
+        await self._start()
+        parts = split_batch(self.router.split(sessions), sessions, list(range(len(sessions))), None, None)
+        outcomes = await self._parts(parts, lambda c, p: c.accept_batch(p.sessions,
+                                                                        [tokens[i] for i in p.positions]))
+        err = batch_failure(parts, outcomes)
+        if err is not None:
+            raise err
+
+    async def stream(self, requests: Union[Iterable, AsyncIterable], *, transport: str = "http", window: int = 64):
+        """As :meth:`ReplicatedConvClient.stream`; ``requests`` may be an async iterable."""
+        if transport not in ("http", "ws"):
+            raise ValueError(f"transport must be 'http' or 'ws', got {transport!r}")
+        await self._start()
+        out: asyncio.Queue = asyncio.Queue()
+        inputs: dict[str, asyncio.Queue] = {}
+        tasks: list = []
+        end = object()
+
+        def target(req) -> str:
+            if isinstance(req, BatchRequest):
+                split = self.router.split(req.sessions)
+                if len(split) > 1:
+                    raise ValueError(f"stream request {req.id!r}: a BatchRequest's sessions live on {len(split)} "
+                                     "replicas; send it with conv_batch, which splits it")
+                return next(iter(split))
+            return self.router.route(req.session)
+
+        async def items():
+            if hasattr(requests, "__aiter__"):
+                async for r in requests:
+                    yield r
+            else:
+                for r in requests:
+                    yield r
+
+        async def feeder():
+            try:
+                i = 0
+                async for r in items():
+                    req = _as_request(r, i)
+                    i += 1
+                    try:
+                        url = target(req)
+                    except ReplicaUnavailable as e:
+                        out.put_nowait(("res", _failed(req, e)))
+                        continue
+                    if url not in inputs:
+                        inputs[url] = asyncio.Queue()
+                        tasks.append(asyncio.ensure_future(replica_stream(url, inputs[url])))
+                    inputs[url].put_nowait(req)
+            except BaseException as e:  # noqa: BLE001 - raised by the reader
+                out.put_nowait(("raise", e))
+            finally:
+                for q in inputs.values():
+                    q.put_nowait(end)
+                out.put_nowait(("fed", len(inputs)))
+
+        async def replica_stream(url, q):
+            pending: dict = {}
+
+            async def reqs():
+                while (req := await q.get()) is not end:
+                    pending[req.id] = req
+                    yield req
+            try:
+                async for res in self._client(url).stream(reqs(), transport=transport, window=window):
+                    pending.pop(res.id, None)
+                    out.put_nowait(("res", res))
+            except self._net as e:
+                err = unavailable(self.router, url, [], e)
+                while True:
+                    for req in list(pending.values()):
+                        out.put_nowait(("res", _failed(req, err)))
+                    pending.clear()
+                    req = await q.get()
+                    if req is end:
+                        break
+                    pending[req.id] = req
+            except BaseException as e:  # noqa: BLE001 - raised by the reader
+                out.put_nowait(("raise", e))
+            finally:
+                out.put_nowait(("done", url))
+
+        feed = asyncio.ensure_future(feeder())
+        started, done = None, 0
+        try:
+            while started is None or done < started:
+                kind, val = await out.get()
+                if kind == "res":
+                    yield val
+                elif kind == "fed":
+                    started = val
+                elif kind == "done":
+                    done += 1
+                else:
+                    raise val
+        finally:
+            for t in (feed, *tasks):
+                if not t.done():
+                    t.cancel()

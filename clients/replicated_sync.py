@@ -1,0 +1,354 @@
+""":class:`ReplicatedConvClient`: what ``ConvClient([url, ...])`` or ``ConvClient("dns://name:port")`` builds.
+
+The same methods as :class:`.sync_client.ConvClient`, each sent to the replica that holds its session (the rules
+are :class:`.replicas.Router`'s); one plain ``ConvClient`` per replica does the HTTP. Batches are split by
+replica, the parts run concurrently on a thread pool and ``y`` is joined in the batch's order. A thread asks
+every replica's ``/readyz`` every ``health_interval_s`` and resolves a DNS name again every
+``resolve_interval_s``.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterable, Iterator, Optional, Sequence
+
+import httpx
+
+from convserve.clients.common import BatchRequest, ConvResult, SessionState, _as_request
+from convserve.clients.protocol.errors import ReplicaUnavailable, ServiceError, SessionExists, StateLost, UnknownSession
+from convserve.clients.replicas import Endpoints, Router, batch_failure, health_result, join_batch, split_batch
+from convserve.clients.sync_client import ConvClient
+
+
+def network_errors() -> tuple:
+    """The exceptions that mean "the replica did not answer" (connection refused or reset, timeouts, a WebSocket
+    that closed abnormally), as opposed to an error answer."""
+    from websockets.exceptions import WebSocketException
+
+    return httpx.TransportError, OSError, WebSocketException
+
+
+def unavailable(router: Router, url: str, sessions: list, e: BaseException) -> ReplicaUnavailable:
+    """Mark ``url`` down after a network failure and the error for ``sessions``."""
+    router.mark(url, False, f"{type(e).__name__}: {e}")
+    err = ReplicaUnavailable(f"replica {url} failed while serving session(s) {', '.join(sessions)[:400]} "
+                             f"({type(e).__name__}: {e}); a request in flight may or may not have run. Their "
+                             "state is on that replica: start new sessions (re-prefill), or retry once it is back",
+                             sessions=sessions, replica=url, retry_after=1.0)
+    err.__cause__ = e
+    return err
+
+
+class ReplicatedConvClient(ConvClient):
+    """:class:`ConvClient` over several replicas (see :mod:`.replicas`). Extra keywords: ``health_interval_s``
+    (default 2), ``resolve_interval_s`` (default 10, DNS endpoints), ``resolver`` (``host -> [addresses]``, for
+    tests or a custom discovery); the others go to each replica's ``ConvClient``."""
+
+    def __init__(self, url, *, api_key: Optional[str] = None, timeout: float = 60.0,
+                 health_interval_s: float = 2.0, resolve_interval_s: float = 10.0, resolver=None, **client_kwargs):
+        self.router = Router(Endpoints.parse(url, resolver))
+        self.url = self.router.endpoints.describe()
+        self.api_key, self.timeout = api_key, timeout
+        self.health_interval_s, self.resolve_interval_s = health_interval_s, resolve_interval_s
+        self._client_kwargs = dict(api_key=api_key, timeout=timeout, **client_kwargs)
+        self._clients: dict[str, ConvClient] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="convserve-replica")
+        self._closed = threading.Event()
+        self._net = network_errors()
+        self.refresh(resolve=True)          # placement needs the live replicas from the first call on
+        self._checker = threading.Thread(target=self._check_loop, name="convserve-replica-health", daemon=True)
+        self._checker.start()
+
+    # --- replicas
+
+    def _client(self, url: str) -> ConvClient:
+        with self._lock:
+            c = self._clients.get(url)
+            if c is None:
+                c = self._clients[url] = ConvClient(url, **self._client_kwargs)
+            return c
+
+    def refresh(self, resolve: bool = False) -> None:
+        """Resolve the endpoints again (``resolve``) and check every replica's ``/readyz`` now, concurrently."""
+        if resolve:
+            try:
+                self.router.set_urls(self.router.endpoints.resolve())
+            except OSError:                 # DNS unreachable: keep what we have
+                pass
+        list(self._pool.map(self._check, self.router.urls()))
+
+    def _check(self, url: str) -> None:
+        try:
+            r = self._client(url)._http.get("/readyz", timeout=min(self.timeout, 5.0))
+            self.router.mark(url, *health_result(r.status_code, r.headers))
+        except self._net as e:
+            self.router.mark(url, False, f"{type(e).__name__}: {e}")
+
+    def _check_loop(self) -> None:
+        next_resolve = time.monotonic() + self.resolve_interval_s
+        while not self._closed.wait(self.health_interval_s):
+            resolve = self.router.endpoints.dns is not None and time.monotonic() >= next_resolve
+            if resolve:
+                next_resolve = time.monotonic() + self.resolve_interval_s
+            try:
+                self.refresh(resolve)
+            except RuntimeError:            # the pool was shut down by close()
+                return
+
+    def replicas(self) -> list[dict]:
+        """Every replica: ``url``, ``name``, ``up``, ``listed``, ``why`` (down) and the ``sessions`` placed on it."""
+        return self.router.status()
+
+    def replica_of(self, session: str) -> str:
+        """The URL of the replica that holds (or will hold) ``session``."""
+        return self.router.place(session)
+
+    def _on(self, session: str, fn, *args, **kw):
+        """``fn(client of session's replica, *args)``; a network failure is :class:`ReplicaUnavailable`."""
+        url = self.router.route(session)
+        try:
+            return fn(self._client(url), *args, **kw)
+        except self._net as e:
+            raise unavailable(self.router, url, [session], e) from e
+
+    def _any(self, fn):
+        """``fn(client)`` on a live replica (model information: every replica serves the same model)."""
+        live = self.router.live()
+        if not live:
+            self.refresh()
+            live = self.router.live()
+        for url in sorted(live.values()):
+            try:
+                return fn(self._client(url))
+            except self._net as e:
+                self.router.mark(url, False, f"{type(e).__name__}: {e}")
+        raise ReplicaUnavailable(f"no replica of {self.url} is up", retry_after=1.0)
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(c.bytes_sent for c in list(self._clients.values()))
+
+    @property
+    def bytes_received(self) -> int:
+        return sum(c.bytes_received for c in list(self._clients.values()))
+
+    def close(self) -> None:
+        self._closed.set()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for c in list(self._clients.values()):
+            c.close()
+
+    # --- health and model
+
+    def health(self) -> bool:
+        """True when at least one replica is up."""
+        return bool(self.router.live())
+
+    def ready(self) -> bool:
+        self.refresh()
+        return bool(self.router.live())
+
+    def model(self) -> dict:
+        """The model of a live replica, with ``replicas``: each live replica's ``url``, ``name``,
+        ``weights_sha256`` and ``slots``. Raises :class:`ServiceError` (``replica_mismatch``) when live replicas
+        serve different weights."""
+        live = self.router.live()
+        infos = [(u, f.result()) for u, f in [(u, self._pool.submit(self._try_model, u)) for u in live.values()]]
+        infos = [(u, i) for u, i in infos if i is not None]
+        if not infos:
+            return self._any(lambda c: c.model())
+        digests = {i.get("weights_sha256") for _, i in infos}
+        if len(digests) > 1:
+            e = ServiceError("the replicas serve different weights: " + ", ".join(
+                f"{u}: {i.get('weights_sha256')}" for u, i in infos))
+            e.code, e.status = "replica_mismatch", 500
+            raise e
+        info = dict(infos[0][1])
+        names = {u: n for n, u in live.items()}
+        info["replicas"] = [{"url": u, "name": names.get(u), "weights_sha256": i.get("weights_sha256"),
+                             "slots": i.get("slots")} for u, i in infos]
+        return info
+
+    def _try_model(self, url: str) -> Optional[dict]:
+        try:
+            return self._client(url).model()
+        except self._net as e:
+            self.router.mark(url, False, f"{type(e).__name__}: {e}")
+            return None
+
+    def model_weights(self) -> bytes:
+        return self._any(lambda c: c.model_weights())
+
+    # --- sessions
+
+    def create_session(self, session: Optional[str] = None) -> str:
+        """A new session on the replica it hashes to (the client picks a UUID when ``session`` is None)."""
+        sid = session if session is not None else self.router.new_id()
+        try:
+            return self._on(sid, ConvClient.create_session, sid)
+        except SessionExists:
+            raise                           # it exists where it was placed: keep the placement
+        except BaseException:
+            self.router.forget(sid)         # not created: a retry places it afresh
+            raise
+
+    def delete_session(self, session: str) -> None:
+        try:
+            self._on(session, ConvClient.delete_session, session)
+        except (UnknownSession, StateLost):
+            self.router.forget(session)
+            raise
+        self.router.forget(session)
+
+    def fork(self, session: str, new_session: Optional[str] = None) -> str:
+        """The fork lives on its source's replica (the state is there), whatever its id hashes to."""
+        url = self.router.route(session)
+        new = new_session if new_session is not None else self.router.new_id()
+        out = self._on(session, ConvClient.fork, session, new)
+        self.router.pin(out, url)
+        return out
+
+    def export_state(self, session: str, backend: Optional[str] = None) -> SessionState:
+        return self._on(session, ConvClient.export_state, session, backend)
+
+    def import_state(self, session: str, state, layers=None) -> None:
+        self._on(session, ConvClient.import_state, session, state, layers)
+
+    def accept(self, session: str, tokens: int) -> None:
+        self._on(session, ConvClient.accept, session, tokens)
+
+    def conv(self, session: str, layer: int, x, speculative: bool = False):
+        return self._on(session, ConvClient.conv, session, layer, x, speculative)
+
+    # --- batches: split by replica, parts concurrently, joined in order
+
+    def _parts(self, parts, call):
+        """Run ``call(client, part)`` for every part, concurrently; outcomes (a result or an exception) in order."""
+        def run(p):
+            try:
+                return call(self._client(p.url), p)
+            except self._net as e:
+                return unavailable(self.router, p.url, p.sessions, e)
+            except BaseException as e:  # noqa: BLE001 - returned, raised by the caller with the others' outcome
+                return e
+        if len(parts) == 1:
+            return [run(parts[0])]
+        return list(self._pool.map(run, parts))
+
+    def conv_batch(self, sessions: Sequence[str], layer: int, x, tokens: Optional[Sequence[int]] = None,
+                   speculative=None):
+        """:meth:`ConvClient.conv_batch` over replicas: one request per replica, concurrently, y in order. When a
+        part fails, the error's ``applied`` lists the sessions whose parts ran (they are not undone)."""
+        split = self.router.split(sessions)
+        if len(split) == 1:                 # one replica: the request as given, no copy
+            url = next(iter(split))
+            try:
+                return self._client(url).conv_batch(sessions, layer, x, tokens, speculative)
+            except self._net as e:
+                raise unavailable(self.router, url, list(sessions), e) from e
+        parts = split_batch(split, sessions, x, tokens, speculative)
+        outcomes = self._parts(parts, lambda c, p: c.conv_batch(p.sessions, layer, p.x, p.tokens, p.speculative))
+        err = batch_failure(parts, outcomes)
+        if err is not None:
+            raise err
+        return join_batch(len(sessions), tokens, parts, outcomes)
+
+    def accept_batch(self, sessions: Sequence[str], tokens: Sequence[int]) -> None:
+        """:meth:`ConvClient.accept_batch` over replicas: all-or-nothing within each replica, not across them."""
+        split = self.router.split(sessions)
+        parts = split_batch(split, sessions, list(range(len(sessions))), None, None)
+        outcomes = self._parts(parts, lambda c, p: c.accept_batch(p.sessions, [tokens[i] for i in p.positions]))
+        err = batch_failure(parts, outcomes)
+        if err is not None:
+            raise err
+
+    # --- streams: one sub-stream per replica
+
+    def stream(self, requests: Iterable, *, transport: str = "http", window: int = 64) -> Iterator[ConvResult]:
+        """:meth:`ConvClient.stream` over replicas: each request goes to its session's replica (one stream per
+        replica, ``window`` each). A replica that fails answers its own requests with :class:`ReplicaUnavailable`
+        results; the others go on. A :class:`BatchRequest` must keep to one replica (use :meth:`conv_batch`)."""
+        if transport not in ("http", "ws"):
+            raise ValueError(f"transport must be 'http' or 'ws', got {transport!r}")
+        out: queue.Queue = queue.Queue()
+        inputs: dict[str, queue.Queue] = {}
+        end = object()
+
+        def target(req) -> str:
+            if isinstance(req, BatchRequest):
+                split = self.router.split(req.sessions)
+                if len(split) > 1:
+                    raise ValueError(f"stream request {req.id!r}: a BatchRequest's sessions live on {len(split)} "
+                                     "replicas; send it with conv_batch, which splits it")
+                return next(iter(split))
+            return self.router.route(req.session)
+
+        def feeder():
+            try:
+                for i, r in enumerate(requests):
+                    req = _as_request(r, i)
+                    try:
+                        url = target(req)
+                    except ReplicaUnavailable as e:
+                        out.put(("res", _failed(req, e)))
+                        continue
+                    if url not in inputs:
+                        inputs[url] = queue.Queue()
+                        threading.Thread(target=replica_stream, args=(url, inputs[url]), daemon=True,
+                                         name="convserve-replica-stream").start()
+                    inputs[url].put(req)
+            except BaseException as e:  # noqa: BLE001 - raised by the reader
+                out.put(("raise", e))
+            finally:
+                for q in inputs.values():
+                    q.put(end)
+                out.put(("fed", len(inputs)))
+
+        def replica_stream(url, q):
+            pending: dict = {}
+
+            def reqs():
+                while (req := q.get()) is not end:
+                    pending[req.id] = req
+                    yield req
+            try:
+                for res in self._client(url).stream(reqs(), transport=transport, window=window):
+                    pending.pop(res.id, None)
+                    out.put(("res", res))
+            except self._net as e:
+                err = unavailable(self.router, url, [], e)
+                while True:     # every request of this replica, sent or not, answers with the failure
+                    for req in list(pending.values()):
+                        out.put(("res", _failed(req, err)))
+                    pending.clear()
+                    req = q.get()
+                    if req is end:
+                        break
+                    pending[req.id] = req
+            except BaseException as e:  # noqa: BLE001 - raised by the reader
+                out.put(("raise", e))
+            finally:
+                out.put(("done", url))
+
+        threading.Thread(target=feeder, daemon=True, name="convserve-replica-feeder").start()
+        started, done = None, 0
+        while started is None or done < started:
+            kind, val = out.get()
+            if kind == "res":
+                yield val
+            elif kind == "fed":
+                started = val
+            elif kind == "done":
+                done += 1
+            else:
+                raise val
+
+
+def _failed(req, err: ReplicaUnavailable) -> ConvResult:
+    sessions = list(req.sessions) if isinstance(req, BatchRequest) else [req.session]
+    e = ReplicaUnavailable(err.message, sessions=sessions, replica=err.replica, retry_after=err.retry_after)
+    return ConvResult(req.id, sessions if isinstance(req, BatchRequest) else req.session, req.layer, error=e)

@@ -1,0 +1,84 @@
+"""What makes one server a replica among many: the ``X-Convserve-Replica`` header on every answer, and the
+``X-Session-Id`` header that a caller behind an L7 proxy sets so the proxy can hash sessions onto replicas.
+
+Invariants:
+
+* every HTTP answer (and every WebSocket handshake answer) carries ``X-Convserve-Replica: <replica_name>``:
+  :func:`with_replica_header` wraps ``send`` once, in :class:`.edge.ConvServeApp`, ahead of every route, the
+  framework's own error answers and ``/metrics`` included;
+* ``X-Session-Id`` is optional everywhere; when present it must be a valid session id and name the session the
+  request acts on (the path's ``{id}`` of a session route, the body's ``session`` of ``/v1/sessions`` and
+  ``/v1/conv``, the ``sequence_id`` of a ``/v2`` infer), else ``400 bad_request`` and nothing runs. Where the body
+  may leave the session out (a create, a conv), the header supplies it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from convserve.clients.protocol.errors import BadRequest
+from convserve.clients.protocol.ids import REPLICA_HEADER, SESSION_HEADER, check_session_id
+from convserve.service.http.asgi import header
+
+_SESSION_KEY = SESSION_HEADER.lower().encode()
+_REPLICA_KEY = REPLICA_HEADER.lower().encode()
+_SESSIONS_PREFIX = "/v1/sessions/"
+#: the messages that start an answer: their "headers" get the replica's name
+_STARTS = frozenset(("http.response.start", "websocket.http.response.start", "websocket.accept"))
+
+
+def replica_header(name: str) -> tuple[bytes, bytes]:
+    return _REPLICA_KEY, name.encode("latin-1")
+
+
+def with_replica_header(send, pair: tuple[bytes, bytes]):
+    """``send`` that adds ``pair`` to the headers of the message starting the answer (a new message: the caller's
+    header list is left as it was)."""
+
+    async def send_with_replica(msg):
+        if msg["type"] in _STARTS:
+            msg = {**msg, "headers": [*msg.get("headers", ()), pair]}
+        await send(msg)
+
+    return send_with_replica
+
+
+def header_session(scope) -> Optional[str]:
+    """The session of the ``X-Session-Id`` header, None without one; 400 when it is not a session id."""
+    raw = header(scope, _SESSION_KEY)
+    if raw is None:
+        return None
+    return check_session_id(raw.decode("latin-1"), f"the {SESSION_HEADER} header")
+
+
+def _disagree(got: str, want: str, where: str) -> BadRequest:
+    return BadRequest(f"the {SESSION_HEADER} header names session {got!r} but {where} names {want!r}; send the "
+                      "session the request acts on (a proxy routes by the header, the server acts on the "
+                      f"{where})")
+
+
+def merge_session(scope, body_session: Optional[str], where: str = "the body") -> Optional[str]:
+    """The session of a request whose body may name it: the body's, the header's when the body has none; 400
+    when both are given and differ."""
+    h = header_session(scope)
+    if h is None:
+        return body_session
+    if body_session is None:
+        return h
+    if body_session != h:
+        raise _disagree(h, body_session, where)
+    return body_session
+
+
+def check_path_session(scope) -> None:
+    """400 when ``X-Session-Id`` disagrees with the ``{id}`` of a ``/v1/sessions/{id}[/...]`` path (the session
+    routes that take the session in the path; a fork's new id is in its body and is not compared)."""
+    path = scope["path"]
+    if not path.startswith(_SESSIONS_PREFIX):
+        return
+    h = header_session(scope)
+    if h is None:
+        return
+    sid = path[len(_SESSIONS_PREFIX):].split("/", 1)[0]
+    if sid != h:
+        raise _disagree(h, sid, "the path")

@@ -1,0 +1,115 @@
+"""A server as one replica among many: ``X-Convserve-Replica`` on every answer, and ``X-Session-Id`` (what an L7
+proxy hashes on) standing in for, or checked against, the session a request names. Against the shared servers of
+both process layouts (``server`` fixture), and one with an API key for the 401 path."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import httpx
+import msgpack
+import pytest
+
+from convserve.clients.protocol import wire
+from tests.http_api import DIM, LAYERS, MP, Api, assert_close, model, rand_x
+from tests.live import LiveServer, Reference
+
+#: the default replica name: the pod's name (HOSTNAME on Kubernetes), else the host name
+HOST = os.environ.get("HOSTNAME", "").strip() or socket.gethostname()
+
+
+def replica(r) -> str:
+    return r.headers.get("x-convserve-replica")
+
+
+def test_every_answer_names_the_replica_errors_metrics_and_v2_included(server):
+    """Without replica_name the name is the host name (the pod's name on Kubernetes), on every path: control
+    routes, the hot conv routes and their errors, the framework's 404/405, /metrics, /v2 and its errors."""
+    http = httpx.Client(base_url=server.url, headers=MP, timeout=30)
+    x = wire.encode_tensor(rand_x(2))
+    sid = msgpack.unpackb(http.post("/v1/sessions").content)["session"]
+    answers = [
+        http.get("/healthz"), http.get("/readyz"), http.get("/metrics"), http.get("/v1/model"),
+        http.get("/v1/model/weights"), http.get("/no/such/route"), http.put("/v1/conv"),
+        http.post("/v1/conv", content=b"\xc1"),                                      # bad msgpack: 400 hot path
+        http.post("/v1/conv", content=wire.packb({"session": sid, "layer": LAYERS[0], "x": x})),
+        http.post("/v1/conv", content=wire.packb({"session": "nobody", "layer": LAYERS[0], "x": x})),
+        http.post("/v1/conv/batch", content=wire.packb({"sessions": [sid], "layer": LAYERS[0],
+                                                        "x": wire.encode_tensor(rand_x(1))})),
+        http.post("/v1/conv/stream", content=wire.packb({"id": 1, "session": sid, "layer": LAYERS[0], "x": x})),
+        http.get(f"/v1/sessions/{sid}/state"), http.get("/v2"), http.get("/v2/models/conv"),
+        http.post("/v2/models/conv/infer", content=b"{"),                            # OIP error form
+    ]
+    for r in answers:
+        assert replica(r) == HOST, (r.request.method, r.request.url, r.status_code, dict(r.headers))
+    assert {r.status_code for r in answers} >= {200, 400, 404, 405}
+
+
+def test_websocket_handshake_names_the_replica(server):
+    from websockets.sync.client import connect
+
+    with connect(server.url.replace("http://", "ws://") + "/v1/conv/ws") as ws:
+        assert ws.response.headers["x-convserve-replica"] == HOST
+
+
+def test_replica_name_setting_and_401_carry_it():
+    srv = LiveServer(["--workers", "0", "--layers", "0,1", "--dim", "16", "--dtype", "float32", "--slots", "8",
+                      "--api-key", "k"], env={"CONVSERVE_REPLICA_NAME": "convserve-7"})
+    try:
+        r = httpx.get(srv.url + "/v1/model")
+        assert r.status_code == 401 and replica(r) == "convserve-7"
+        ok = httpx.get(srv.url + "/v1/model", headers={"authorization": "Bearer k"})
+        assert ok.status_code == 200 and replica(ok) == "convserve-7"
+    finally:
+        srv.terminate()
+
+
+def test_session_header_alone_names_the_session_of_create_and_conv(api):
+    """A caller behind a proxy may send the session only in X-Session-Id: a create makes that id, a conv acts on
+    it; the answers match the reference."""
+    sid = "hdr-only-1"
+    st, obj, _ = api.call("POST", "/v1/sessions", headers={"x-session-id": sid})
+    assert (st, obj) == (201, {"session": sid})
+    ref = Reference(model())
+    for t in (5, 1, 1):
+        x = rand_x(t)
+        st, obj, h = api.call("POST", "/v1/conv", {"layer": LAYERS[1], "x": wire.encode_tensor(x)},
+                              headers={"x-session-id": sid})
+        assert st == 200, obj
+        assert_close(wire.decode_tensor(obj["y"]), ref.conv(sid, LAYERS[1], x))
+    st, _, _ = api.call("DELETE", f"/v1/sessions/{sid}", headers={"x-session-id": sid})
+    assert st == 204
+
+
+@pytest.mark.parametrize("route", ["create", "conv", "path", "fork", "v2"])
+def test_session_header_that_disagrees_is_a_400_and_changes_nothing(api, route):
+    sid = api.session()
+    other = sid + "-other"
+    h = {"x-session-id": other}
+    x = rand_x(1)
+    if route == "create":
+        st, obj, _ = api.call("POST", "/v1/sessions", {"session": sid + "-new"}, headers=h)
+        assert api.call("GET", f"/v1/sessions/{sid}-new/state")[0] == 404
+    elif route == "conv":
+        st, obj, _ = api.call("POST", "/v1/conv", {"session": sid, "layer": LAYERS[0], "x": wire.encode_tensor(x)},
+                              headers=h)
+    elif route == "path":
+        st, obj, _ = api.call("DELETE", f"/v1/sessions/{sid}", headers=h)
+    elif route == "fork":
+        st, obj, _ = api.call("POST", f"/v1/sessions/{sid}/fork", {"session": other}, headers=h)
+        assert api.call("GET", f"/v1/sessions/{other}/state")[0] == 404
+    else:
+        body = {"inputs": [{"name": "x", "shape": [1, DIM], "datatype": "FP32", "data": x.flatten().tolist()}],
+                "parameters": {"sequence_id": sid, "layer": LAYERS[0]}}
+        r = api.http.post("/v2/models/conv/infer", json=body, headers={**h, "content-type": "application/json"})
+        st, obj = r.status_code, r.json()
+    assert st == 400, obj
+    assert "X-Session-Id" in str(obj)
+    # nothing ran: the session's state is still zeros, and it still exists
+    assert float(api.state(sid).abs().sum()) == 0.0
+
+
+def test_session_header_that_is_not_a_session_id_is_a_400(api):
+    st, obj, _ = api.call("POST", "/v1/sessions", headers={"x-session-id": "no spaces allowed"})
+    assert st == 400 and "X-Session-Id" in obj["error"]["message"]

@@ -1,0 +1,108 @@
+"""docker/k8s/: every manifest validates against the Kubernetes API's JSON schemas (kubernetes-validate, offline,
+strict: an unknown or misspelled field fails), and holds the invariants the service needs: one GPU per pod,
+probes on the right routes, a grace period above shutdown_timeout_s, a /dev/shm that fits the workers' arenas, the
+API key from a mounted Secret, the replica name from the pod's name."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from convserve.service.config import Settings
+
+K8S = Path(__file__).resolve().parents[1] / "docker" / "k8s"
+#: the Kubernetes version the schemas are taken from (kubernetes-validate ships them; no cluster, no download)
+VERSION = "1.30.0"
+
+
+def documents() -> list[tuple[str, dict]]:
+    out = []
+    for path in sorted(K8S.glob("*.yaml")):
+        if path.name == "kustomization.yaml":
+            continue
+        out.extend((path.name, d) for d in yaml.safe_load_all(path.read_text()) if d)
+    return out
+
+
+def by_kind(kind: str) -> dict:
+    (doc,) = [d for _, d in documents() if d["kind"] == kind]
+    return doc
+
+
+@pytest.mark.parametrize("name,doc", documents(), ids=lambda v: v if isinstance(v, str) else v.get("kind"))
+def test_every_manifest_validates_against_the_kubernetes_schemas(name, doc):
+    kubernetes_validate.validate(doc, VERSION, strict=True)
+
+
+def test_kustomization_lists_every_manifest():
+    k = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    assert sorted(k["resources"]) == sorted(p.name for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
+
+
+def env_of(container) -> dict:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+def test_statefulset_serves_one_gpu_per_stable_pod_with_its_probes_and_graceful_stop():
+    sts = by_kind("StatefulSet")
+    pod = sts["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    env = env_of(c)
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert sts["spec"]["serviceName"] == "convserve-headless"
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    start = c["startupProbe"]
+    assert start["httpGet"]["path"] == "/readyz" and start["periodSeconds"] * start["failureThreshold"] >= 300
+    # every CONVSERVE_ variable is a setting, and a valid value of it
+    settings = {k[len("CONVSERVE_"):].lower(): v for k, v in env.items()
+                if k.startswith("CONVSERVE_") and isinstance(v, str) and k != "CONVSERVE_API_KEY_FILE"}
+    assert set(settings) <= set(Settings.model_fields)
+    s = Settings(**settings)
+    pre_stop = 5
+    assert pod["terminationGracePeriodSeconds"] > s.shutdown_timeout_s + pre_stop
+    assert env["CONVSERVE_REPLICA_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    # the key is a file of the mounted Secret, never a plain env value
+    assert "CONVSERVE_API_KEY" not in env
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert env["CONVSERVE_API_KEY_FILE"].startswith(mounts["api-key"] + "/")
+    assert volumes["api-key"]["secret"]["secretName"] == "convserve-api-key"
+    # /dev/shm in memory, at least workers x shm_bytes
+    assert mounts["dshm"] == "/dev/shm" and volumes["dshm"]["emptyDir"]["medium"] == "Memory"
+    size = volumes["dshm"]["emptyDir"]["sizeLimit"]
+    assert size.endswith("Mi") and int(size[:-2]) << 20 >= s.workers * s.shm_bytes
+    # the snapshot volume, a claim per pod
+    assert mounts["state"] == "/var/lib/convserve"
+    assert [t["metadata"]["name"] for t in sts["spec"]["volumeClaimTemplates"]] == ["state"]
+    ann = sts["spec"]["template"]["metadata"]["annotations"]
+    assert ann["prometheus.io/scrape"] == "true" and ann["prometheus.io/path"] == "/metrics"
+
+
+def test_services_pdb_and_proxy_select_what_they_should():
+    sts = by_kind("StatefulSet")
+    pods = sts["spec"]["template"]["metadata"]["labels"]
+    services = {d["metadata"]["name"]: d for _, d in documents() if d["kind"] == "Service"}
+    assert services["convserve-headless"]["spec"]["clusterIP"] == "None"
+    assert services["convserve-headless"]["spec"]["selector"].items() <= pods.items()
+    proxy = by_kind("Deployment")
+    assert services["convserve"]["spec"]["type"] == "ClusterIP"
+    assert services["convserve"]["spec"]["selector"].items() <= proxy["spec"]["template"]["metadata"]["labels"].items()
+    pdb = by_kind("PodDisruptionBudget")
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= pods.items() and pdb["spec"]["maxUnavailable"] == 1
+
+
+def test_the_proxy_configuration_is_valid_haproxy_that_hashes_the_session_header(tmp_path):
+    cfg = by_kind("ConfigMap")["data"]["haproxy.cfg"]
+    assert "balance hdr(X-Session-Id)" in cfg and "hash-type consistent" in cfg
+    haproxy = shutil.which("haproxy", path="/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+    if haproxy is None:
+        pytest.skip("haproxy is not installed (apt-get install haproxy; .ci/run does it): syntax not checked")
+    (tmp_path / "haproxy.cfg").write_text(cfg)
+    r = subprocess.run([haproxy, "-c", "-f", str(tmp_path / "haproxy.cfg")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr

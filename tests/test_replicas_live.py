@@ -1,0 +1,204 @@
+"""One client over three real CPU replicas: placement, results against the reference, a replica that stops, a
+replica that joins (through a DNS name whose resolver the test controls), and the load tester over several URLs.
+
+The replicas listen on one port at 127.0.0.1, 127.0.0.2 and 127.0.0.3 (Linux routes all of 127/8 to the loopback
+interface), so a DNS name's records, addresses with one port, can name each of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from convserve.clients.client import AsyncConvClient, ConvClient
+from convserve.clients.loadtest import main as loadtest_main
+from convserve.clients.protocol.errors import ReplicaUnavailable
+from convserve.service.model import ConvModel
+from tests.live import LiveServer, Reference
+
+LAYERS, DIM = [0, 1], 16
+ARGS = ["--workers", "0", "--layers", "0,1", "--dim", str(DIM), "--dtype", "float32", "--slots", "512"]
+ATOL, RTOL = 1e-5, 1e-5
+
+
+def reference() -> Reference:
+    return Reference(ConvModel.random(LAYERS, dim=DIM, width=4, dtype=torch.float32, seed=0))
+
+
+class Replica:
+    def __init__(self, host: str, port: int, name: str):
+        args = [*ARGS, "--replica-name", name]
+        if host != "127.0.0.1":
+            args += ["--host", host, "--port", str(port)]   # LiveServer's own --host/--port come first: these win
+        self.server = LiveServer(args, ready=False)
+        self.host, self.name = host, name
+        self.url = f"http://{host}:{self.server.port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"{name} never became ready:\n" + "\n".join(self.server.raw[-20:]))
+
+
+def start_replicas(n: int, prefix: str) -> list[Replica]:
+    first = Replica("127.0.0.1", 0, f"{prefix}-0")
+    return [first, *(Replica(f"127.0.0.{i + 1}", first.server.port, f"{prefix}-{i}") for i in range(1, n))]
+
+
+def stop(replicas):
+    for r in replicas:
+        r.server.kill()
+
+
+@pytest.fixture(scope="module")
+def trio():
+    rs = start_replicas(3, "replica")
+    yield rs
+    stop(rs)
+
+
+def close(got, want):
+    torch.testing.assert_close(torch.tensor(np.asarray(got)), want.float(), atol=ATOL, rtol=RTOL)
+
+
+def rand(t, seed):
+    return np.random.default_rng(seed).standard_normal((t, DIM)).astype(np.float32)
+
+
+def test_300_sessions_spread_within_20_percent_and_every_result_matches_the_reference(trio):
+    ref = reference()
+    with ConvClient([r.url for r in trio]) as c:
+        before = {i["name"]: i["slots"]["free"] for i in c.model()["replicas"]}
+        sessions = [c.create_session(f"session-{i}") for i in range(300)]
+        per = {r.url: 0 for r in trio}
+        for s in sessions:
+            per[c.replica_of(s)] += 1
+        assert all(80 <= n <= 120 for n in per.values()), per
+        # the servers hold what the client placed: each replica's used slots are its sessions
+        after = {i["name"]: i["slots"]["free"] for i in c.model()["replicas"]}
+        assert {r.name: before[r.name] - after[r.name] for r in trio} == {r.name: per[r.url] for r in trio}
+
+        for i, s in enumerate(sessions):                                 # prefills, one request each
+            x = rand(1 + i % 5, i)
+            close(c.conv(s, 0, x), ref.conv(s, 0, torch.from_numpy(x)))
+        x = rand(300, 1000)                                              # one decode batch over all replicas
+        y = c.conv_batch(sessions, 0, x)
+        for i, s in enumerate(sessions):
+            close(y[i:i + 1], ref.conv(s, 0, torch.from_numpy(x[i:i + 1])))
+        tokens = [1 + i % 3 for i in range(300)]                         # a mixed batch of prefill chunks
+        xm = rand(sum(tokens), 1001)
+        ym = c.conv_batch(sessions, 1, xm, tokens=tokens)
+        at = 0
+        for s, n in zip(sessions, tokens):
+            close(ym[at:at + n], ref.conv(s, 1, torch.from_numpy(xm[at:at + n])))
+            at += n
+        reqs = [(s, 1, rand(1, 2000 + i)) for i, s in enumerate(sessions[:60])]
+        for transport in ("http", "ws"):                                 # streams, split per replica
+            got = {r.id: r for r in c.stream(reqs, transport=transport)}
+            for i, (s, layer, xi) in enumerate(reqs):
+                close(got[i].unwrap(), ref.conv(s, layer, torch.from_numpy(xi)))
+            reqs = [(s, 1, rand(1, 3000 + i)) for i, s in enumerate(sessions[:60])]
+        for s in sessions:
+            c.delete_session(s)
+
+
+def test_async_client_over_a_dns_name_keeps_every_session_when_a_replica_joins(trio):
+    """The headless-Service way: the replicas are a DNS name's records. Two at first; the third joins when the
+    name is resolved again; no placed session moves, new ones reach the newcomer, results stay exact."""
+    records = [trio[0].host, trio[1].host]
+    port = trio[0].server.port
+    ref = reference()
+
+    async def run():
+        async with AsyncConvClient(f"dns://convserve-headless.test:{port}", resolver=lambda host: list(records),
+                                   resolve_interval_s=3600) as c:
+            sessions = [await c.create_session() for _ in range(40)]     # ids picked by the client (UUIDs)
+            placed = {s: await c.replica_of(s) for s in sessions}
+            assert set(placed.values()) == {trio[0].url, trio[1].url}
+            x = rand(40, 1)
+            y = await c.conv_batch(sessions, 0, x)
+            for i, s in enumerate(sessions):
+                close(y[i:i + 1], ref.conv(s, 0, torch.from_numpy(x[i:i + 1])))
+
+            records.append(trio[2].host)
+            await c.refresh(resolve=True)
+            assert {s: await c.replica_of(s) for s in sessions} == placed
+            fresh = [await c.create_session() for _ in range(40)]
+            assert trio[2].url in {await c.replica_of(s) for s in fresh}     # (2/3)^40: never missed by luck
+
+            both = sessions + fresh                                      # a verify on every session, then accept
+            xv = rand(3 * len(both), 2)
+            yv = await c.conv_batch(both, 1, xv, tokens=[3] * len(both), speculative=True)
+            for i, s in enumerate(both):
+                close(yv[3 * i:3 * i + 3], ref.conv(s, 1, torch.from_numpy(xv[3 * i:3 * i + 3]), speculative=True))
+            await c.accept_batch(both, [2] * len(both))
+            for s in both:
+                ref.accept(s, 2)
+            xd = rand(len(both), 3)
+            yd = await c.conv_batch(both, 1, xd)
+            for i, s in enumerate(both):
+                close(yd[i:i + 1], ref.conv(s, 1, torch.from_numpy(xd[i:i + 1])))
+
+    asyncio.run(run())
+
+
+def test_stopping_a_replica_fails_only_its_sessions_with_replica_unavailable_naming_them():
+    rs = start_replicas(3, "stop")
+    ref = reference()
+    try:
+        with ConvClient([r.url for r in rs], health_interval_s=0.2) as c:
+            sessions = [c.create_session(f"s{i}") for i in range(30)]
+            x = rand(30, 1)
+            c.conv_batch(sessions, 0, x)
+            for i, s in enumerate(sessions):
+                ref.conv(s, 0, torch.from_numpy(x[i:i + 1]))
+            gone = rs[1]
+            lost = [s for s in sessions if c.replica_of(s) == gone.url]
+            kept = [s for s in sessions if s not in lost]
+            assert lost and kept
+            gone.server.terminate()
+
+            with pytest.raises(ReplicaUnavailable) as e:                 # found by the call itself, or the check
+                c.conv(lost[0], 0, rand(1, 2))
+            assert e.value.sessions == [lost[0]] and e.value.replica == gone.url
+            deadline = time.monotonic() + 10
+            while any(r["up"] for r in c.replicas() if r["url"] == gone.url) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            with pytest.raises(ReplicaUnavailable) as e:                 # a batch: refused whole, nothing sent
+                c.conv_batch(sessions, 0, rand(30, 3))
+            assert e.value.sessions == lost and e.value.applied == []
+            assert f"stop-1 ({gone.url})" in str(e.value)
+
+            xk = rand(len(kept), 4)                                      # the others go on, state intact
+            yk = c.conv_batch(kept, 0, xk)
+            for i, s in enumerate(kept):
+                close(yk[i:i + 1], ref.conv(s, 0, torch.from_numpy(xk[i:i + 1])))
+            results = list(c.stream([(s, 0, rand(1, 5)) for s in sessions], transport="ws"))
+            assert {r.session for r in results if not r.ok} == set(lost)
+            assert all(isinstance(r.error, ReplicaUnavailable) for r in results if not r.ok)
+            assert all(c.replica_of(c.create_session()) != gone.url for _ in range(30))   # new ones avoid it
+    finally:
+        stop(rs)
+
+
+def test_loadtest_drives_several_replicas_through_the_client_and_verifies(trio, tmp_path):
+    out = tmp_path / "lt"
+    urls = [a for r in trio for a in ("--url", r.url)]
+    rc = loadtest_main([*urls, "--concurrency", "6", "--requests", "150", "--prefill", "const:4",
+                        "--decode", "const:4", "--warmup", "0", "--verify", "--verify-sample", "1.0", "--no-progress",
+                        "--out", str(out), "--fail-on-errors"])
+    assert rc == 0
+    data = json.loads((out / "loadtest.json").read_text())
+    step = data["steps"][0]
+    assert step["errors_total"] == 0 and step["requests"] >= 150
+    assert data["config"]["url"] == ",".join(r.url for r in trio)
