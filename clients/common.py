@@ -87,7 +87,8 @@ def error_from(err: Any, status: Optional[int] = None) -> ServiceError:
         return e
     code = err.get("code") or "internal"
     cls = _BY_CODE.get(code, ServiceError)
-    e = cls(str(err.get("message", "")), retry_after=err.get("retry_after"))
+    extra = {k: v for k, v in err.items() if k not in ("code", "message", "retry_after") and isinstance(k, str)}
+    e = cls(str(err.get("message", "")), retry_after=err.get("retry_after"), **extra)
     if cls is ServiceError:
         e.code = code
     if status is not None:

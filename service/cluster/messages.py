@@ -17,7 +17,8 @@ Worker -> engine, first frame a map with ``k`` (kind), ``i`` (request id, per wo
 ``s``  stats
 =====  =========================================================================================================
 
-Engine -> worker: ``{"i", "ok": result}`` or ``{"i", "err": code, "m": message, "ra": retry_after}``.
+Engine -> worker: ``{"i", "ok": result}`` or ``{"i", "err": code, "m": message, "ra": retry_after, "x": extra}``
+(``x``, the error's extra fields such as a :class:`PositionMismatch`'s ``position``, only when it has some).
 """
 
 from __future__ import annotations
@@ -34,12 +35,15 @@ OPS = ("create_session", "delete_session", "fork_session", "export_state", "impo
 def error_reply(mid: int, exc: BaseException) -> dict:
     if not isinstance(exc, ServiceError):
         exc = Internal(f"the engine failed: {type(exc).__name__}: {exc}")
-    return {"i": mid, "err": exc.code, "m": exc.message, "ra": exc.retry_after}
+    reply = {"i": mid, "err": exc.code, "m": exc.message, "ra": exc.retry_after}
+    if exc.extra:
+        reply["x"] = exc.extra
+    return reply
 
 
 def error_of(reply: dict) -> ServiceError:
     cls = BY_CODE.get(reply.get("err"), Internal)
-    return cls(reply.get("m") or "engine error", retry_after=reply.get("ra"))
+    return cls(reply.get("m") or "engine error", retry_after=reply.get("ra"), **(reply.get("x") or {}))
 
 
 def endpoint(run_dir: str, engine: int) -> str:
