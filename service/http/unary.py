@@ -118,8 +118,8 @@ class ConvEndpoint(_UnaryEndpoint):
     route = "/v1/conv"
 
     def submit(self, obj: Any):
-        session, layer, x, spec = self.parser.conv(obj)
-        return self.engine.submit_async(session, layer, x, speculative=spec)
+        session, layer, x, spec, position = self.parser.conv(obj)
+        return self.engine.submit_async(session, layer, x, speculative=spec, position=position)
 
 
 class BatchEndpoint(_UnaryEndpoint):
@@ -129,5 +129,5 @@ class BatchEndpoint(_UnaryEndpoint):
     route = "/v1/conv/batch"
 
     def submit(self, obj: Any):
-        sessions, layer, x, tokens, spec = self.parser.batch(obj)
-        return self.engine.submit_batch_async(sessions, layer, x, tokens, spec)
+        sessions, layer, x, tokens, spec, position = self.parser.batch(obj)
+        return self.engine.submit_batch_async(sessions, layer, x, tokens, spec, position)
