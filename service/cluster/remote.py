@@ -310,6 +310,7 @@ class RemoteEngine:
         checks = await asyncio.gather(*(self._call(e, {"k": m.CHECK, "f": "batch", "ss": sub(sids, pos), "sp": spec,
                                                        "t": sub(tokens, pos), "l": layer, "po": sub(position, pos)})
                                         for e, pos, spec in parts), return_exceptions=True)
+        checks = [c if isinstance(c, BaseException) else c[0]["ok"] for c in checks]
         if position is not None:
             self._check_split_positions(parts, checks, len(sids))
         for c in checks:
