@@ -17,13 +17,13 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from convserve.clients.protocol.errors import BadRequest, PayloadTooLarge, QueueFull, ShapeMismatch
+from convserve.clients.protocol.errors import BadRequest, PayloadTooLarge, QueueFull, RequestTimeout, ShapeMismatch
 
 from ..sessions import Session
 from .outputs import AsyncConvFuture, ConvFuture
 from .outputs import deliver
 from .records import BATCH_SESSION, BatchRows, ConvRequest, release_batch
-from .positions import Answer, batch_key, check_position, check_positions
+from .positions import Answer, Sink, batch_key, check_position, check_positions
 from .validate import check_batch_plan, check_batch_sessions, check_speculative, check_x
 
 
@@ -386,13 +386,20 @@ class Intake:
     def _cancel_request(self, req: ConvRequest) -> bool:
         if req is None:                       # a repeat answered from a kept answer: nothing was queued
             return False
+        repeats = None
         with self._lock:
             ok = self._sched.cancel(req)
             if ok:
                 self._retire_locked(req, ok=False)
                 self._st["cancelled"] += 1
+                if req.track is not None and req.track.waiters:
+                    repeats, req.track.waiters = req.track.waiters, []
         if ok and isinstance(req.future, ConvFuture):
             req.future._base_cancel()
+        if repeats:                # nothing ran: the repeat is a 504, and sent again it is applied as new
+            err = RequestTimeout("the request this one repeats was withdrawn before it ran (its client went away); "
+                                 "nothing ran: send it again")
+            deliver([(Sink(w[0]), None, err) for w in repeats])
         return ok
 
     def _retire_locked(self, r: ConvRequest, ok: bool) -> None:

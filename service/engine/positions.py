@@ -69,7 +69,7 @@ class Applied:
         self.pos, self.n, self.answer, self.lo, self.hi = pos, n, answer, lo, hi
 
 
-class _Sink:
+class Sink:
     """A result destination for :func:`deliver` that is no request (a repeat's future)."""
 
     __slots__ = ("future",)
@@ -233,7 +233,7 @@ class Positions:
         if answer.y is None:
             answer.waiters.append((sink, lo, hi, dtype))
             return []
-        return [(_Sink(sink), _cut(answer.y, lo, hi, dtype), None)]
+        return [(Sink(sink), _cut(answer.y, lo, hi, dtype), None)]
 
     def _keep_answers(self, kept: list) -> None:
         """Worker, after a step: ``(answer, y)`` of the finished position-carrying requests. Keep each y within
@@ -243,7 +243,7 @@ class Positions:
         with self._lock:
             for answer, y in kept:
                 waiters, answer.waiters = answer.waiters, []
-                out.extend((_Sink(sink), _cut(y, lo, hi, dt), None) for sink, lo, hi, dt in waiters)
+                out.extend((Sink(sink), _cut(y, lo, hi, dt), None) for sink, lo, hi, dt in waiters)
                 if answer.kept:
                     answer.y, answer.nbytes = y, y.nbytes
                     self._answers[answer] = None
