@@ -12,8 +12,10 @@ import httpx
 from convserve.clients.common import (MAX_MESSAGE_BYTES, SessionState, _as_request, _backend_of, _Base, _chunked,
                                       _decode, _default_backend, _frame, _quote, _raise_for, _Tracker, _ws_url)
 from convserve.clients.h1 import _H1Pool, _h1_target
+from convserve.clients.positions import RETRY_ERRORS, RETRY_STATUS
 from convserve.clients.protocol import wire
 from convserve.clients.replicas import is_routed
+from convserve.clients.protocol.errors import BadRequest, PositionMismatch
 
 
 class AsyncConvClient(_Base):
@@ -30,8 +32,10 @@ class AsyncConvClient(_Base):
         return super().__new__(cls)
 
     def __init__(self, url: Optional[str] = None, *, api_key: Optional[str] = None, timeout: float = 60.0,
-                 transport: Optional[httpx.AsyncBaseTransport] = None, max_connections: int = 100):
-        super().__init__(url, api_key, timeout)
+                 transport: Optional[httpx.AsyncBaseTransport] = None, max_connections: int = 100,
+                 track_positions: bool = False, max_retries: int = 3, retry_backoff_s: float = 0.05):
+        """``track_positions`` etc.: as :class:`ConvClient`."""
+        super().__init__(url, api_key, timeout, track_positions, max_retries, retry_backoff_s)
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         self._http = httpx.AsyncClient(base_url=self.url, headers=self.headers, timeout=timeout, transport=transport,
                                        limits=limits)
@@ -78,14 +82,30 @@ class AsyncConvClient(_Base):
         return r.content
 
     async def create_session(self, session: Optional[str] = None) -> str:
-        return _decode(await self._send("POST", "/v1/sessions", self._session_body(session)))["session"]
+        sid = _decode(await self._send("POST", "/v1/sessions", self._session_body(session)))["session"]
+        if self.positions is not None:
+            self.positions.reset(sid)
+        return sid
 
     async def delete_session(self, session: str) -> None:
         _raise_for(await self._send("DELETE", f"/v1/sessions/{_quote(session)}"))
+        if self.positions is not None:
+            self.positions.forget(session)
 
     async def fork(self, session: str, new_session: Optional[str] = None) -> str:
-        return _decode(await self._send("POST", f"/v1/sessions/{_quote(session)}/fork",
-                                          self._session_body(new_session)))["session"]
+        sid = _decode(await self._send("POST", f"/v1/sessions/{_quote(session)}/fork",
+                                       self._session_body(new_session)))["session"]
+        if self.positions is not None:
+            self.positions.fork(session, sid)
+        return sid
+
+    async def session_info(self, session: str) -> dict:
+        """Async twin of :meth:`ConvClient.session_info`."""
+        return _decode(await self._send("GET", f"/v1/sessions/{_quote(session)}"))
+
+    async def list_sessions(self, cursor: Optional[str] = None, limit: Optional[int] = None) -> dict:
+        """Async twin of :meth:`ConvClient.list_sessions`."""
+        return _decode(await self._send("GET", self._list_path(cursor, limit)))
 
     async def export_state(self, session: str, backend: Optional[str] = None) -> SessionState:
         return self._state_from(_decode(await self._send("GET", f"/v1/sessions/{_quote(session)}/state")),
@@ -93,30 +113,94 @@ class AsyncConvClient(_Base):
 
     async def import_state(self, session: str, state, layers=None) -> None:
         _raise_for(await self._send("PUT", f"/v1/sessions/{_quote(session)}/state", self._state_body(state, layers)))
+        if self.positions is not None:
+            self.positions.reset(session)                 # an imported state is at position 0 on every layer
 
     async def accept(self, session: str, tokens: int) -> None:
-        _raise_for(await self._send("POST", f"/v1/sessions/{_quote(session)}/accept", wire.packb({"tokens": tokens})))
+        await self.accept_batch([session], [tokens], _path=f"/v1/sessions/{_quote(session)}/accept",
+                                _body=wire.packb({"tokens": tokens}))
 
-    async def accept_batch(self, sessions: Sequence[str], tokens: Sequence[int]) -> None:
+    async def accept_batch(self, sessions: Sequence[str], tokens: Sequence[int], *, _path: str = "/v1/accept",
+                           _body: Optional[bytes] = None) -> None:
         """Async twin of :meth:`ConvClient.accept_batch`."""
-        _raise_for(await self._send("POST", "/v1/accept", self._accept_batch_body(sessions, tokens)))
+        body = _body if _body is not None else self._accept_batch_body(sessions, tokens)
+        book = self.positions
+        if book is None:
+            _raise_for(await self._send("POST", _path, body))
+            return
+        resp, attempt = await self._post_retrying(_path, body)
+        try:
+            _raise_for(resp)
+        except BadRequest:
+            if not attempt:
+                raise
+            for s, n in zip(sessions, tokens):
+                if not (book.known(s) and book.accept_was_applied(s, n, await self.session_info(s))):
+                    raise
+        for s, n in zip(sessions, tokens):
+            book.accepted(s, n)
+
+    async def _post_retrying(self, path: str, body: bytes):
+        """Async twin of :meth:`ConvClient._post_retrying`."""
+        book, attempt = self.positions, 0
+        while True:
+            try:
+                resp = await self._send("POST", path, body)
+            except RETRY_ERRORS:
+                if attempt >= book.max_retries:
+                    raise
+                wait = book.delay(attempt, None)
+            else:
+                if resp.status_code not in RETRY_STATUS or attempt >= book.max_retries:
+                    return resp, attempt
+                wait = book.delay(attempt, book.retry_after(resp))
+            await asyncio.sleep(wait)
+            attempt += 1
+
+    async def _position(self, session: str, layer: int) -> int:
+        if not self.positions.known(session):
+            self.positions.from_info(await self.session_info(session))
+        return self.positions.at(session, layer)
 
     async def conv(self, session: str, layer: int, x, speculative: bool = False):
-        body = self._conv_body(session, layer, x, speculative)
-        resp = await self._send("POST", "/v1/conv", body)
+        book = self.positions
+        pos = None if book is None else await self._position(session, layer)
+        body = self._conv_body(session, layer, x, speculative, pos)
+        resp, attempt = (await self._send("POST", "/v1/conv", body), 0) if book is None else \
+            await self._post_retrying("/v1/conv", body)
         self.bytes_sent += len(body)
         self.bytes_received += len(resp.content)
-        obj = _decode(resp)
+        try:
+            obj = _decode(resp)
+        except PositionMismatch as e:
+            if book is not None and attempt:
+                book.moved_on(e, [session], layer, [pos], [x.shape[0]], [speculative])
+            raise
+        if book is not None:
+            book.applied(session, layer, x.shape[0], speculative)
         return wire.decode_tensor(obj["y"], backend=_backend_of(x), name="y")
 
     async def conv_batch(self, sessions: Sequence[str], layer: int, x, tokens: Optional[Sequence[int]] = None,
                          speculative=None):
         """Async twin of :meth:`ConvClient.conv_batch`."""
-        body = self._batch_body(sessions, layer, x, tokens, speculative)
-        resp = await self._send("POST", "/v1/conv/batch", body)
+        book = self.positions
+        pos = None if book is None else [await self._position(s, layer) for s in sessions]
+        body = self._batch_body(sessions, layer, x, tokens, speculative, pos)
+        resp, attempt = (await self._send("POST", "/v1/conv/batch", body), 0) if book is None else \
+            await self._post_retrying("/v1/conv/batch", body)
         self.bytes_sent += len(body)
         self.bytes_received += len(resp.content)
-        return wire.decode_tensor(_decode(resp)["y"], backend=_backend_of(x), name="y")
+        toks, spec = self._batch_rows(sessions, x, tokens, speculative)
+        try:
+            obj = _decode(resp)
+        except PositionMismatch as e:
+            if book is not None and attempt:
+                book.moved_on(e, list(sessions), layer, pos, toks, spec)
+            raise
+        if book is not None:
+            for s, n, f in zip(sessions, toks, spec):
+                book.applied(s, layer, n, f)
+        return wire.decode_tensor(obj["y"], backend=_backend_of(x), name="y")
 
     async def stream(self, requests: Union[Iterable, AsyncIterable], *, transport: str = "http", window: int = 64):
         """Async twin of :meth:`ConvClient.stream`; ``requests`` may be an async iterable."""

@@ -11,6 +11,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence, Union
 
 import httpx
 
+from convserve.clients.positions import PositionBook
 from convserve.clients.protocol import wire
 from convserve.clients.protocol.errors import BY_CODE as _BY_CODE
 from convserve.clients.protocol.errors import ServiceError
@@ -87,7 +88,8 @@ def error_from(err: Any, status: Optional[int] = None) -> ServiceError:
         return e
     code = err.get("code") or "internal"
     cls = _BY_CODE.get(code, ServiceError)
-    e = cls(str(err.get("message", "")), retry_after=err.get("retry_after"))
+    extra = {k: v for k, v in err.items() if k not in ("code", "message", "retry_after") and isinstance(k, str)}
+    e = cls(str(err.get("message", "")), retry_after=err.get("retry_after"), **extra)
     if cls is ServiceError:
         e.code = code
     if status is not None:
@@ -214,7 +216,8 @@ def _ws_url(base: str) -> str:
 
 
 class _Base:
-    def __init__(self, url: Optional[str], api_key: Optional[str], timeout: float):
+    def __init__(self, url: Optional[str], api_key: Optional[str], timeout: float, track_positions: bool = False,
+                 max_retries: int = 3, retry_backoff_s: float = 0.05):
         self.url = (url or os.environ.get("CONVSERVE_URL") or DEFAULT_URL).rstrip("/")
         self.api_key = api_key if api_key is not None else os.environ.get("CONVSERVE_API_KEY")
         self.timeout = timeout
@@ -224,6 +227,9 @@ class _Base:
         self.bytes_received = 0
         if self.api_key:
             self.headers["authorization"] = f"Bearer {self.api_key}"
+        #: with ``track_positions``: the positions the client believes its sessions are at (see clients/positions.py)
+        self.positions: Optional[PositionBook] = PositionBook(max_retries, retry_backoff_s) if track_positions \
+            else None
 
     def _ws_headers(self) -> dict:
         return {"authorization": self.headers["authorization"]} if self.api_key else {}
@@ -242,13 +248,32 @@ class _Base:
         return SessionState(list(obj["layers"]), wire.decode_tensor(obj["state"], backend=backend, name="state"))
 
     @staticmethod
-    def _conv_body(session, layer, x, speculative) -> bytes:
-        return wire.packb({"session": session, "layer": layer, "x": wire.encode_tensor(x),
-                           "speculative": speculative})
+    def _conv_body(session, layer, x, speculative, position=None) -> bytes:
+        body = {"session": session, "layer": layer, "x": wire.encode_tensor(x), "speculative": speculative}
+        if position is not None:
+            body["position"] = position
+        return wire.packb(body)
 
     @staticmethod
-    def _batch_body(sessions, layer, x, tokens, speculative) -> bytes:
-        return wire.packb(_batch_fields(sessions, layer, x, tokens, speculative))
+    def _batch_body(sessions, layer, x, tokens, speculative, position=None) -> bytes:
+        fields = _batch_fields(sessions, layer, x, tokens, speculative)
+        if position is not None:
+            fields["position"] = list(position)
+        return wire.packb(fields)
+
+    @staticmethod
+    def _list_path(cursor: Optional[str], limit: Optional[int]) -> str:
+        q = {k: v for k, v in (("cursor", cursor), ("limit", limit)) if v is not None}
+        return "/v1/sessions" + ("?" + urllib.parse.urlencode(q) if q else "")
+
+    @staticmethod
+    def _batch_rows(sessions, x, tokens, speculative) -> tuple[list, list]:
+        """Each session's tokens and speculative flag, as the server reads a batch's defaults."""
+        n = len(sessions)
+        toks = [1] * n if tokens is None else [int(t) for t in tokens]
+        spec = [bool(speculative)] * n if isinstance(speculative, bool) or speculative is None else \
+            [bool(f) for f in speculative]
+        return toks, spec
 
     @staticmethod
     def _accept_batch_body(sessions, tokens) -> bytes:

@@ -181,6 +181,9 @@ class ReplicatedAsyncConvClient(AsyncConvClient):
     async def import_state(self, session: str, state, layers=None) -> None:
         await self._on(session, AsyncConvClient.import_state, session, state, layers)
 
+    async def session_info(self, session: str) -> dict:
+        return await self._on(session, AsyncConvClient.session_info, session)
+
     async def accept(self, session: str, tokens: int) -> None:
         await self._on(session, AsyncConvClient.accept, session, tokens)
 

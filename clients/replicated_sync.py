@@ -218,6 +218,9 @@ class ReplicatedConvClient(ConvClient):
     def import_state(self, session: str, state, layers=None) -> None:
         self._on(session, ConvClient.import_state, session, state, layers)
 
+    def session_info(self, session: str) -> dict:
+        return self._on(session, ConvClient.session_info, session)
+
     def accept(self, session: str, tokens: int) -> None:
         self._on(session, ConvClient.accept, session, tokens)
 

@@ -12,8 +12,10 @@ import httpx
 from convserve.clients.common import (MAX_MESSAGE_BYTES, _POLL_S, ConvResult, SessionState, _as_request, _backend_of,
                                       _Base, _chunked, _decode, _default_backend, _frame, _quote, _raise_for,
                                       _Tracker, _ws_url)
+from convserve.clients.positions import RETRY_ERRORS, RETRY_STATUS
 from convserve.clients.protocol import wire
 from convserve.clients.replicas import is_routed
+from convserve.clients.protocol.errors import BadRequest, PositionMismatch
 
 
 class ConvClient(_Base):
@@ -37,8 +39,12 @@ class ConvClient(_Base):
         return super().__new__(cls)
 
     def __init__(self, url: Optional[str] = None, *, api_key: Optional[str] = None, timeout: float = 60.0,
-                 transport: Optional[httpx.BaseTransport] = None):
-        super().__init__(url, api_key, timeout)
+                 transport: Optional[httpx.BaseTransport] = None, track_positions: bool = False,
+                 max_retries: int = 3, retry_backoff_s: float = 0.05):
+        """``track_positions``: send each session's position with every conv and batch, and retry conv, batch
+        and accept up to ``max_retries`` times (backoff from ``retry_backoff_s``) on connection errors, 503 and
+        504 without applying anything twice (see clients/positions.py)."""
+        super().__init__(url, api_key, timeout, track_positions, max_retries, retry_backoff_s)
         self._http = httpx.Client(base_url=self.url, headers=self.headers, timeout=timeout, transport=transport)
 
     def close(self) -> None:
@@ -71,14 +77,32 @@ class ConvClient(_Base):
     # --- sessions
 
     def create_session(self, session: Optional[str] = None) -> str:
-        return _decode(self._http.post("/v1/sessions", content=self._session_body(session)))["session"]
+        sid = _decode(self._http.post("/v1/sessions", content=self._session_body(session)))["session"]
+        if self.positions is not None:
+            self.positions.reset(sid)
+        return sid
 
     def delete_session(self, session: str) -> None:
         _raise_for(self._http.delete(f"/v1/sessions/{_quote(session)}"))
+        if self.positions is not None:
+            self.positions.forget(session)
 
     def fork(self, session: str, new_session: Optional[str] = None) -> str:
-        return _decode(self._http.post(f"/v1/sessions/{_quote(session)}/fork",
-                                       content=self._session_body(new_session)))["session"]
+        sid = _decode(self._http.post(f"/v1/sessions/{_quote(session)}/fork",
+                                      content=self._session_body(new_session)))["session"]
+        if self.positions is not None:
+            self.positions.fork(session, sid)
+        return sid
+
+    def session_info(self, session: str) -> dict:
+        """``GET /v1/sessions/{id}``: ``{"session", "layers", "positions", "pending": {"layers", "tokens"},
+        "idle_s"}``."""
+        return _decode(self._http.get(f"/v1/sessions/{_quote(session)}"))
+
+    def list_sessions(self, cursor: Optional[str] = None, limit: Optional[int] = None) -> dict:
+        """One page of ``GET /v1/sessions``: ``{"sessions": [session_info...], "next"}``; pass ``next`` as the
+        cursor of the following page (None when it was the last)."""
+        return _decode(self._http.get(self._list_path(cursor, limit)))
 
     def export_state(self, session: str, backend: Optional[str] = None) -> SessionState:
         return self._state_from(_decode(self._http.get(f"/v1/sessions/{_quote(session)}/state")),
@@ -86,24 +110,74 @@ class ConvClient(_Base):
 
     def import_state(self, session: str, state, layers=None) -> None:
         _raise_for(self._http.put(f"/v1/sessions/{_quote(session)}/state", content=self._state_body(state, layers)))
+        if self.positions is not None:
+            self.positions.reset(session)                 # an imported state is at position 0 on every layer
 
     def accept(self, session: str, tokens: int) -> None:
-        _raise_for(self._http.post(f"/v1/sessions/{_quote(session)}/accept", content=wire.packb({"tokens": tokens})))
+        self.accept_batch([session], [tokens], _path=f"/v1/sessions/{_quote(session)}/accept",
+                          _body=wire.packb({"tokens": tokens}))
 
-    def accept_batch(self, sessions: Sequence[str], tokens: Sequence[int]) -> None:
+    def accept_batch(self, sessions: Sequence[str], tokens: Sequence[int], *, _path: str = "/v1/accept",
+                     _body: Optional[bytes] = None) -> None:
         """:meth:`accept` for several sessions as one request (``POST /v1/accept``): every session must have a
         pending verify of at least ``tokens[i]`` tokens, or nothing is committed."""
-        _raise_for(self._http.post("/v1/accept", content=self._accept_batch_body(sessions, tokens)))
+        body = _body if _body is not None else self._accept_batch_body(sessions, tokens)
+        book = self.positions
+        if book is None:
+            _raise_for(self._http.post(_path, content=body))
+            return
+        resp, attempt = self._post_retrying(_path, body)
+        try:
+            _raise_for(resp)
+        except BadRequest:
+            # a retry that finds no verify: the first attempt committed it if the positions moved by tokens
+            if not attempt or not all(book.known(s) and book.accept_was_applied(s, n, self.session_info(s))
+                                      for s, n in zip(sessions, tokens)):
+                raise
+        for s, n in zip(sessions, tokens):
+            book.accepted(s, n)
+
+    def _post_retrying(self, path: str, body: bytes):
+        """``(response, retries it took)``: the same body again after a connection error, 503 or 504."""
+        book, attempt = self.positions, 0
+        while True:
+            try:
+                resp = self._http.post(path, content=body)
+            except RETRY_ERRORS:
+                if attempt >= book.max_retries:
+                    raise
+                wait = book.delay(attempt, None)
+            else:
+                if resp.status_code not in RETRY_STATUS or attempt >= book.max_retries:
+                    return resp, attempt
+                wait = book.delay(attempt, book.retry_after(resp))
+            time.sleep(wait)
+            attempt += 1
+
+    def _position(self, session: str, layer: int) -> int:
+        if not self.positions.known(session):             # a session this client did not create: ask the server
+            self.positions.from_info(self.session_info(session))
+        return self.positions.at(session, layer)
 
     # --- conv
 
     def conv(self, session: str, layer: int, x, speculative: bool = False):
         """``y (T, dim)`` for ``x (T, dim)``, of the same kind (torch/numpy) and dtype as ``x``."""
-        body = self._conv_body(session, layer, x, speculative)
-        resp = self._http.post("/v1/conv", content=body)
+        book = self.positions
+        pos = None if book is None else self._position(session, layer)
+        body = self._conv_body(session, layer, x, speculative, pos)
+        resp, attempt = (self._http.post("/v1/conv", content=body), 0) if book is None else \
+            self._post_retrying("/v1/conv", body)
         self.bytes_sent += len(body)
         self.bytes_received += len(resp.content)
-        obj = _decode(resp)
+        try:
+            obj = _decode(resp)
+        except PositionMismatch as e:
+            if book is not None and attempt:
+                book.moved_on(e, [session], layer, [pos], [x.shape[0]], [speculative])
+            raise
+        if book is not None:
+            book.applied(session, layer, x.shape[0], speculative)
         return wire.decode_tensor(obj["y"], backend=_backend_of(x), name="y")
 
     def conv_batch(self, sessions: Sequence[str], layer: int, x, tokens: Optional[Sequence[int]] = None,
@@ -113,11 +187,24 @@ class ConvClient(_Base):
         ``speculative`` is a bool or one per session (a speculative slice leaves the committed state alone until
         :meth:`accept_batch`). Returns ``y (sum(tokens), dim)`` like :meth:`conv`. Exactly as if each slice were
         its own :meth:`conv`; it fails whole, changing nothing, if any part is invalid."""
-        body = self._batch_body(sessions, layer, x, tokens, speculative)
-        resp = self._http.post("/v1/conv/batch", content=body)
+        book = self.positions
+        pos = None if book is None else [self._position(s, layer) for s in sessions]
+        body = self._batch_body(sessions, layer, x, tokens, speculative, pos)
+        resp, attempt = (self._http.post("/v1/conv/batch", content=body), 0) if book is None else \
+            self._post_retrying("/v1/conv/batch", body)
         self.bytes_sent += len(body)
         self.bytes_received += len(resp.content)
-        return wire.decode_tensor(_decode(resp)["y"], backend=_backend_of(x), name="y")
+        toks, spec = self._batch_rows(sessions, x, tokens, speculative)
+        try:
+            obj = _decode(resp)
+        except PositionMismatch as e:
+            if book is not None and attempt:
+                book.moved_on(e, list(sessions), layer, pos, toks, spec)
+            raise
+        if book is not None:
+            for s, n, f in zip(sessions, toks, spec):
+                book.applied(s, layer, n, f)
+        return wire.decode_tensor(obj["y"], backend=_backend_of(x), name="y")
 
     def stream(self, requests: Iterable, *, transport: str = "http", window: int = 64) -> Iterator[ConvResult]:
         """Pipeline ``requests`` (:class:`ConvRequest`, ``(session, layer, x[, speculative])`` tuples or dicts)

@@ -111,6 +111,10 @@ class Settings(BaseSettings):
     max_queue: int = Field(_ENGINE.max_queue, ge=1, description="queued requests before 429 queue_full")
     session_ttl_s: float = Field(_ENGINE.session_ttl_s, gt=0,
                                  description="idle seconds before a session's state is evicted (410 state_lost)")
+    answer_store_bytes: int = Field(_ENGINE.answer_store_bytes, ge=0,
+                                    description="bytes of answers kept per engine for retries of convs that "
+                                    "carried a position (oldest dropped first)")
+    sessions_page_max: int = Field(1000, ge=1, description="most sessions in one page of GET /v1/sessions")
     request_timeout_s: float = Field(_ENGINE.request_timeout_s, gt=0,
                                      description="seconds a conv request may take before 504")
     use_cuda_graphs: bool = Field(_ENGINE.use_cuda_graphs,

@@ -25,6 +25,13 @@ class Session:
     slot: int
     #: bit ``p`` set: conv layer position ``p`` has state (its next prefill starts from the stored state).
     initialized: int = 0
+    #: conv layer position -> the session's position there: the tokens of its non-speculative requests queued or
+    #: run on that layer, plus what accept committed (see :mod:`.engine.positions`). A failed request's are
+    #: taken back.
+    positions: list = field(default_factory=list)
+    #: conv layer position -> :class:`~.engine.positions.Applied`: the last non-speculative request there, when
+    #: it carried a position (its answer is kept for a retry); absent otherwise
+    last: dict = field(default_factory=dict)
     #: un-accepted speculative verifies, as submitted: layer position -> (tokens, request seq). Set by submit,
     #: cleared by accept / import, or by the failure of the request that set it.
     pending: dict = field(default_factory=dict)
@@ -69,6 +76,12 @@ class SessionTable:
 
     def __iter__(self):
         return iter(list(self._live.values()))
+
+    def ids_after(self, cursor, limit: int) -> tuple[list, bool]:
+        """Up to ``limit`` live sessions whose ids sort after ``cursor`` (None: from the first), in id order,
+        and whether more follow."""
+        ids = sorted(i for i in self._live if cursor is None or i > cursor)
+        return [self._live[i] for i in ids[:limit]], len(ids) > limit
 
     check_id = staticmethod(check_session_id)
     new_id = staticmethod(new_session_id)

@@ -1,12 +1,13 @@
 """Errors of the service, each with one HTTP status and one snake_case code.
 
-The server raises these and renders each as its status and ``{"error": {"code", "message"}}``; the clients raise
-the class of the code they read back. Messages say what to do about the error.
+The server raises these and renders each as its status and ``{"error": {"code", "message"}}`` (plus the error's
+``extra`` fields, such as the server's ``position`` of a :class:`PositionMismatch`); the clients raise the class of
+the code they read back, with those fields in ``extra``. Messages say what to do about the error.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 
 class ServiceError(Exception):
@@ -15,13 +16,15 @@ class ServiceError(Exception):
     status: int = 500
     code: str = "internal"
 
-    def __init__(self, message: str, *, retry_after: Optional[float] = None):
+    def __init__(self, message: str, *, retry_after: Optional[float] = None, **extra: Any):
         super().__init__(message)
         self.message = message
         self.retry_after = retry_after
+        #: fields of the error map beyond code, message and retry_after (msgpack/JSON values)
+        self.extra = extra
 
     def to_dict(self) -> dict:
-        return {"error": {"code": self.code, "message": self.message}}
+        return {"error": {"code": self.code, "message": self.message, **self.extra}}
 
 
 class BadRequest(ServiceError):
@@ -42,6 +45,16 @@ class UnknownLayer(ServiceError):
 
 class SessionExists(ServiceError):
     status, code = 409, "session_exists"
+
+
+class PositionMismatch(ServiceError):
+    """The ``position`` a conv or batch carried is not the session's position on that layer (the tokens it has
+    committed there); nothing ran. ``position`` is the server's: an int, or for a batch one per session."""
+    status, code = 409, "position_mismatch"
+
+    @property
+    def position(self):
+        return self.extra.get("position")
 
 
 class StateLost(ServiceError):
@@ -112,9 +125,9 @@ class ReplicaUnavailable(ServiceError):
 #: The name clients use for the base class.
 ConvServeError = ServiceError
 
-ALL_ERRORS = (BadRequest, Unauthorized, UnknownSession, UnknownLayer, SessionExists, StateLost, PayloadTooLarge,
-              ShapeMismatch, DtypeUnsupported, NonFinite, QueueFull, PoolExhausted, NotReady, EngineUnavailable,
-              RequestTimeout, Internal)
+ALL_ERRORS = (BadRequest, Unauthorized, UnknownSession, UnknownLayer, SessionExists, PositionMismatch, StateLost,
+              PayloadTooLarge, ShapeMismatch, DtypeUnsupported, NonFinite, QueueFull, PoolExhausted, NotReady,
+              EngineUnavailable, RequestTimeout, Internal)
 
 #: ``code -> class``, for turning an error body back into its class.
 BY_CODE = {cls.code: cls for cls in ALL_ERRORS}

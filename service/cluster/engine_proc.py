@@ -226,11 +226,13 @@ class EngineProcess:
             elif kind == m.OP:
                 self._op(ident, head, frames)
             elif kind == m.CHECK:
+                ok = None
                 if head["f"] == "batch":
-                    self.engine.check_batch(head["ss"], head.get("sp"))
+                    ok = self.engine.check_batch(head["ss"], head.get("sp"), head.get("t"), head.get("l"),
+                                                 head.get("po"))
                 else:
                     self.engine.check_accept_batch(head["ss"], head["t"])
-                self._send(ident, {"i": mid, "ok": None})
+                self._send(ident, {"i": mid, "ok": ok})
             elif kind == m.STATS:
                 self._send(ident, {"i": mid, "ok": self.engine.stats()})
             else:
@@ -252,9 +254,9 @@ class EngineProcess:
             block = torch.frombuffer(bytearray(frames[2]), dtype=torch.uint8)
         x = block.view(dtype).view(rows, dim)
         if head["k"] == m.CONV:
-            fut = self.engine.submit(head["s"], head["l"], x, speculative=head["sp"])
+            fut = self.engine.submit(head["s"], head["l"], x, speculative=head["sp"], position=head.get("po"))
         else:
-            fut = self.engine.submit_batch(head["ss"], head["l"], x, head.get("t"), head.get("sp"))
+            fut = self.engine.submit_batch(head["ss"], head["l"], x, head.get("t"), head.get("sp"), head.get("po"))
         key = (ident, head["i"])
         self.inflight[key] = fut
         fut.add_done_callback(lambda f: self._conv_done(key, block, "a" in head, f))
@@ -311,14 +313,17 @@ class EngineProcess:
         self._reply_op(ident, mid, result)
 
     def _reply_op(self, ident: bytes, mid: int, result) -> None:
+        reply = {"i": mid, "ok": None}
+        if isinstance(result, tuple):                 # (state, positions) of a session moving to another engine
+            result, reply["pos"] = result
         if isinstance(result, bytes):                 # the weights file: as a second frame
             self._send(ident, {"i": mid, "ok": None, "bytes": True}, result)
         elif hasattr(result, "untyped_storage"):     # a state tensor: its bytes as a second frame
             import torch
 
             t = result.contiguous()
-            self._send(ident, {"i": mid, "ok": None, "d": str(t.dtype).removeprefix("torch."), "sh": list(t.shape)},
-                       memoryview(t.view(-1).view(torch.uint8).numpy()))
+            reply.update(d=str(t.dtype).removeprefix("torch."), sh=list(t.shape))
+            self._send(ident, reply, memoryview(t.view(-1).view(torch.uint8).numpy()))
         else:
             self._send(ident, {"i": mid, "ok": result})
 
@@ -331,12 +336,15 @@ class EngineProcess:
                              "a fork onto another engine carries the committed state only: accept (or accept 0) "
                              "first, or fork without naming the new id (the fork then stays on this engine and "
                              "keeps the verify)")
-        return self.engine.export_state(session_id)
+        state = self.engine.export_state(session_id)
+        # read after the export, which ran after the session's earlier requests: the positions of that state,
+        # unless a conv was sent concurrently with the fork
+        return state, self.engine.session_info(session_id)["positions"]
 
-    def _op_create_with_state(self, session_id: str, state) -> None:
+    def _op_create_with_state(self, session_id: str, positions, state) -> None:
         self.engine.create_session(session_id)
         try:
-            self.engine.import_state(session_id, state)
+            self.engine.import_state(session_id, state, positions)
         except BaseException:
             self.engine.delete_session(session_id)
             raise

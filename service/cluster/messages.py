@@ -8,16 +8,19 @@ another epoch (it was queued for a process that died), so nothing sent to a dead
 Worker -> engine, first frame a map with ``k`` (kind), ``i`` (request id, per worker) and ``e`` (epoch):
 
 =====  =========================================================================================================
-``c``  conv: ``s`` session, ``l`` layer, ``sp`` speculative, ``d`` dtype, ``n`` rows; x in the arena (``a``,
-       ``o``) or inline (second frame). Reply: ``ok`` with ``d``/``n``, y written over x's block (or inline)
-``b``  batch: ``ss`` sessions, ``l``, ``t`` tokens or None, ``sp`` bool / list / None, ``d``, ``n``; as ``c``
+``c``  conv: ``s`` session, ``l`` layer, ``sp`` speculative, ``po`` position or None, ``d`` dtype, ``n`` rows;
+       x in the arena (``a``, ``o``) or inline (second frame). Reply: ``ok``, y written over x's block (or inline)
+``b``  batch: ``ss`` sessions, ``l``, ``t`` tokens or None, ``sp`` bool / list / None, ``po`` positions or None,
+       ``d``, ``n``; as ``c``
 ``x``  cancel request ``i`` if it has not started (no reply of its own: the request itself answers)
 ``o``  a session operation ``f`` with arguments ``a`` (a state tensor travels as a second frame)
-``q``  a check before a batch split across engines (``f``: ``batch`` or ``accept``): validates, queues nothing
+``q``  a check before a batch split across engines (``f``: ``batch`` with ``ss``, ``sp``, ``t``, ``l``, ``po``;
+       or ``accept``): validates, queues nothing; with ``po`` the reply is ``{"positions", "repeat"}``
 ``s``  stats
 =====  =========================================================================================================
 
-Engine -> worker: ``{"i", "ok": result}`` or ``{"i", "err": code, "m": message, "ra": retry_after}``.
+Engine -> worker: ``{"i", "ok": result}`` or ``{"i", "err": code, "m": message, "ra": retry_after, "x": extra}``
+(``x``, the error's extra fields such as a :class:`PositionMismatch`'s ``position``, only when it has some).
 """
 
 from __future__ import annotations
@@ -28,18 +31,21 @@ CONV, BATCH, CANCEL, OP, CHECK, STATS = "c", "b", "x", "o", "q", "s"
 
 #: the session operations an ``o`` message may name
 OPS = ("create_session", "delete_session", "fork_session", "export_state", "import_state", "accept",
-       "accept_batch", "export_for_fork", "create_with_state", "model_weights")
+       "accept_batch", "export_for_fork", "create_with_state", "model_weights", "session_info", "list_sessions")
 
 
 def error_reply(mid: int, exc: BaseException) -> dict:
     if not isinstance(exc, ServiceError):
         exc = Internal(f"the engine failed: {type(exc).__name__}: {exc}")
-    return {"i": mid, "err": exc.code, "m": exc.message, "ra": exc.retry_after}
+    reply = {"i": mid, "err": exc.code, "m": exc.message, "ra": exc.retry_after}
+    if exc.extra:
+        reply["x"] = exc.extra
+    return reply
 
 
 def error_of(reply: dict) -> ServiceError:
     cls = BY_CODE.get(reply.get("err"), Internal)
-    return cls(reply.get("m") or "engine error", retry_after=reply.get("ra"))
+    return cls(reply.get("m") or "engine error", retry_after=reply.get("ra"), **(reply.get("x") or {}))
 
 
 def endpoint(run_dir: str, engine: int) -> str:

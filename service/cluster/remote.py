@@ -32,7 +32,7 @@ import msgpack
 import numpy as np
 import torch
 
-from convserve.clients.protocol.errors import BadRequest, EngineUnavailable, NotReady, ServiceError
+from convserve.clients.protocol.errors import BadRequest, EngineUnavailable, NotReady, PositionMismatch, ServiceError
 
 from . import messages as m
 from .placement import engine_of, new_id_on, split
@@ -277,40 +277,54 @@ class RemoteEngine:
         self._send(link, head, data)
         return fut
 
-    def submit_async(self, session_id: str, layer: int, x, speculative: bool = False) -> asyncio.Future:
+    def submit_async(self, session_id: str, layer: int, x, speculative: bool = False,
+                     position: Optional[int] = None) -> asyncio.Future:
         e = engine_of(session_id, self.n) if isinstance(session_id, str) else 0
-        return self._conv(e, {"k": m.CONV, "s": session_id, "l": layer, "sp": speculative}, x)
+        return self._conv(e, {"k": m.CONV, "s": session_id, "l": layer, "sp": speculative, "po": position}, x)
 
     submit = submit_async   # its callers (the stream pipeline) run on the loop too
 
     def submit_batch_async(self, session_ids: Sequence[str], layer: int, x, tokens=None,
-                           speculative=None) -> asyncio.Future:
+                           speculative=None, position=None) -> asyncio.Future:
         groups = split(session_ids, self.n) if self.n > 1 else {0: None}
         if len(groups) == 1:
             (e,) = groups
             return self._conv(e, {"k": m.BATCH, "ss": list(session_ids), "l": layer, "t": tokens,
-                                  "sp": speculative}, x)
-        return asyncio.ensure_future(self._split_batch(groups, list(session_ids), layer, x, tokens, speculative))
+                                  "sp": speculative, "po": position}, x)
+        if position is not None and (not isinstance(position, list) or len(position) != len(session_ids)):
+            raise BadRequest(f"position: expected a list of {len(session_ids)} integers >= 0 (one per session)")
+        return asyncio.ensure_future(self._split_batch(groups, list(session_ids), layer, x, tokens, speculative,
+                                                       position))
 
     submit_batch = submit_batch_async
 
-    async def _split_batch(self, groups: dict, sids: list, layer: int, x, tokens, speculative):
+    async def _split_batch(self, groups: dict, sids: list, layer: int, x, tokens, speculative, position=None):
         lengths = np.ones(len(sids), np.int64) if tokens is None else np.asarray(tokens, np.int64)
         starts = np.cumsum(lengths) - lengths
         parts = []
         for e, pos in groups.items():
             spec = speculative if not isinstance(speculative, list) else [speculative[i] for i in pos]
             parts.append((e, pos, spec))
-        await asyncio.gather(*(self._call(e, {"k": m.CHECK, "f": "batch", "ss": [sids[i] for i in pos], "sp": spec})
-                               for e, pos, spec in parts))
+
+        def sub(v, pos):
+            return None if v is None else [v[i] for i in pos]
+
+        checks = await asyncio.gather(*(self._call(e, {"k": m.CHECK, "f": "batch", "ss": sub(sids, pos), "sp": spec,
+                                                       "t": sub(tokens, pos), "l": layer, "po": sub(position, pos)})
+                                        for e, pos, spec in parts), return_exceptions=True)
+        checks = [c if isinstance(c, BaseException) else c[0]["ok"] for c in checks]
+        if position is not None:
+            self._check_split_positions(parts, checks, len(sids))
+        for c in checks:
+            if isinstance(c, BaseException):
+                raise c
         futs, row_ix = [], []
         for e, pos, spec in parts:
             rows = np.concatenate([np.arange(starts[i], starts[i] + lengths[i]) for i in pos])
             ix = torch.from_numpy(rows)
             row_ix.append(ix)
-            futs.append(self._conv(e, {"k": m.BATCH, "ss": [sids[i] for i in pos], "l": layer,
-                                       "t": None if tokens is None else [tokens[i] for i in pos], "sp": spec},
-                                   x, rows=ix))
+            futs.append(self._conv(e, {"k": m.BATCH, "ss": sub(sids, pos), "l": layer, "t": sub(tokens, pos),
+                                       "sp": spec, "po": sub(position, pos)}, x, rows=ix))
         results = await asyncio.gather(*futs, return_exceptions=True)
         failed = [(p, r) for p, r in zip(parts, results) if isinstance(r, BaseException)]
         if failed:
@@ -325,6 +339,25 @@ class RemoteEngine:
         for ix, r in zip(row_ix, results):
             y.index_copy_(0, ix, r)
         return y
+
+    @staticmethod
+    def _check_split_positions(parts: list, checks: list, n: int) -> None:
+        """The parts of a split batch checked their positions: all must be new, or all repeats of applied parts;
+        else the batch is refused whole with every session's position (gathered from the parts' answers)."""
+        errors = [c for c in checks if isinstance(c, BaseException)]
+        if any(not isinstance(c, PositionMismatch) for c in errors):
+            return                                   # another error: raised as it is
+        if not errors and len({c["repeat"] for c in checks}) <= 1:
+            return
+        server = [0] * n
+        for (_e, pos, _spec), c in zip(parts, checks):
+            got = c.position if isinstance(c, PositionMismatch) else c["positions"]
+            for i, q in zip(pos, got or ()):
+                server[i] = q
+        what = errors[0].message.split(";")[0] if errors else \
+            "the batch repeats an applied request on some sessions and is new on others"
+        raise PositionMismatch(f"{what}; nothing ran. The server's positions are {server!r:.300} (in 'position')",
+                               position=server)
 
     def cancel(self, future) -> bool:
         """Ask the engine to withdraw the request if it has not started; the answer comes on the future."""
@@ -364,7 +397,8 @@ class RemoteEngine:
         if reply.get("bytes"):
             return bytes(frame)
         if "sh" in reply:
-            return torch.frombuffer(bytearray(frame), dtype=getattr(torch, reply["d"])).view(*reply["sh"])
+            t = torch.frombuffer(bytearray(frame), dtype=getattr(torch, reply["d"])).view(*reply["sh"])
+            return (t, reply["pos"]) if "pos" in reply else t
         return reply["ok"]
 
     def _up(self, e: int) -> bool:
@@ -391,8 +425,8 @@ class RemoteEngine:
             new_id, _ = new_id_on(lambda x: x == e, self.n, tries=4096)
         if new_id is None or engine_of(new_id, self.n) == e:
             return self._op(e, "fork_session", src_id, new_id)
-        state = self._op(e, "export_for_fork", src_id)
-        self._op(engine_of(new_id, self.n), "create_with_state", new_id, state=state)
+        state, positions = self._op(e, "export_for_fork", src_id)
+        self._op(engine_of(new_id, self.n), "create_with_state", new_id, positions, state=state)
         return new_id
 
     def export_state(self, session_id: str):
@@ -402,6 +436,30 @@ class RemoteEngine:
         if not isinstance(state, torch.Tensor):
             raise BadRequest("state: expected a tensor")
         self._op(engine_of(session_id, self.n), "import_state", session_id, state=state)
+
+    def session_info(self, session_id: str) -> dict:
+        return self._op(engine_of(session_id, self.n), "session_info", session_id)
+
+    def list_sessions(self, cursor: Optional[str] = None, limit: int = 100) -> dict:
+        """Every engine that is up lists its sessions after ``cursor`` in id order; the pages are merged by id,
+        so the cursor (the last id of a page) is one order across engines. Sessions of an engine that is down
+        are left out (their state is gone)."""
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise BadRequest(f"limit: expected an integer >= 1, got {limit!r:.60}")
+        items, more = [], False
+        for e in range(self.n):
+            if not self._up(e):
+                continue
+            try:
+                page = self._op(e, "list_sessions", cursor, limit)
+            except (EngineUnavailable, NotReady):
+                continue
+            items.extend(page["sessions"])
+            more = more or page["next"] is not None
+        items.sort(key=lambda i: i["session"])
+        more = more or len(items) > limit
+        items = items[:limit]
+        return {"sessions": items, "next": items[-1]["session"] if more and items else None}
 
     def accept(self, session_id: str, n_tokens: int) -> None:
         self._op(engine_of(session_id, self.n), "accept", session_id, n_tokens)

@@ -58,6 +58,8 @@ class EngineConfig:
     check_finite: bool = True                    # reject x with NaN/Inf (NonFinite) instead of poisoning state
     pool_memory_fraction: float = 0.5            # slots="auto": this share of free device memory
     max_evicted_ids: int = 65536                 # evicted ids remembered (StateLost rather than UnknownSession)
+    answer_store_bytes: int = 64 << 20           # answers of position-carrying requests kept for their retries
+    #                                              (oldest dropped first past this; see engine/positions.py)
 
     def __post_init__(self):
         if isinstance(self.slots, str):
@@ -68,6 +70,8 @@ class EngineConfig:
         if self.state_dtype is not None:
             self.state_dtype = _dtype(self.state_dtype, "state_dtype")
         self.decode_buckets = tuple(sorted(set(int(b) for b in self.decode_buckets)))
+        if self.answer_store_bytes < 0:
+            raise ValueError(f"answer_store_bytes: expected >= 0, got {self.answer_store_bytes}")
         for name in ("max_queue", "max_spec_tokens", "max_evicted_ids", "gpu_timing_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected >= 1, got {getattr(self, name)}")

@@ -43,6 +43,9 @@ Conv semantics (``submit`` / ``conv``):
 * ``request_timeout_s``: a request that has not started by then fails with :class:`RequestTimeout`; once started
   it completes. Cancelling (``future.cancel()``, :meth:`Engine.cancel`, or cancelling the task awaiting
   :meth:`Engine.conv`) withdraws a request that has not started; one that has started still updates the state.
+* Positions (:mod:`.positions`): each session counts the tokens committed per layer; ``position=`` on a
+  submit is checked against it at enqueue (409 on a mismatch, nothing queued), and a repeat of the last applied
+  request gets its kept answer instead of running twice. ``session_info`` and ``list_sessions`` report them.
 * Sessions idle longer than ``session_ttl_s`` are evicted (slot freed); their ids then raise :class:`StateLost`
   (a bounded memory of evicted ids), while deleted and never-created ids raise :class:`UnknownSession`.
 """
@@ -69,6 +72,7 @@ from .config import EngineConfig
 from .intake import Intake
 from .loop import BATCH_HIST, STEP_FIELDS, Worker
 from .outputs import deliver
+from .positions import Positions
 from .runner import Runner
 from .session_ops import SessionOps
 
@@ -93,7 +97,7 @@ class _WakingCondition(threading.Condition):
             self.wake()
 
 
-class Engine(Intake, SessionOps, Worker):
+class Engine(Intake, SessionOps, Positions, Worker):
     """See the module docstring. Typical use::
 
         engine = Engine(ConvModel.random(4, dim=1024), EngineConfig(slots=64), device="cuda")
@@ -126,6 +130,7 @@ class Engine(Intake, SessionOps, Worker):
         self.model: Optional[ConvModel] = None
         self._runner: Optional[Runner] = None   # the buffers, kernels and launchers, from start()
         self._next_evict = 0.0
+        self._init_positions()
         # stats (guarded by _lock)
         self._st = collections.Counter()
         self._batch_hist = [0] * (len(BATCH_HIST) + 1)
@@ -271,6 +276,7 @@ class Engine(Intake, SessionOps, Worker):
                 "requests_cancelled": st.get("cancelled", 0),
                 "requests_expired": st.get("expired", 0),
                 "sessions_evicted": st.get("evicted", 0),
+                "answers_kept": len(self._answers),
                 "decode_rows": st.get("decode_rows", 0),
                 "batch_requests": st.get("batches", 0),
                 # batch requests launched from a batch slot (one graph replay); the rest went through the arena
@@ -287,6 +293,7 @@ class Engine(Intake, SessionOps, Worker):
                     "weights": self.model.nbytes() if self.model is not None else 0,
                     "buffers": runner.bufs.nbytes()["total"] if runner else 0,
                     "graphs": runner.decode.graph_bytes if runner else 0,
+                    "answers": self._answer_bytes,
                 },
                 "cuda_graphs": runner.decode.n_graphs if runner else 0,
                 "multi_layer_launches": runner.decode.multi_layer_runs if runner else 0,

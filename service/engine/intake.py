@@ -12,24 +12,30 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import Future
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
-from convserve.clients.protocol.errors import BadRequest, PayloadTooLarge, QueueFull, ShapeMismatch
+from convserve.clients.protocol.errors import BadRequest, PayloadTooLarge, QueueFull, RequestTimeout, ShapeMismatch
 
 from ..sessions import Session
 from .outputs import AsyncConvFuture, ConvFuture
+from .outputs import deliver
 from .records import BATCH_SESSION, BatchRows, ConvRequest, release_batch
+from .positions import Answer, Sink, batch_key, check_position, check_positions
 from .validate import check_batch_plan, check_batch_sessions, check_speculative, check_x
 
 
 class Intake:
     """The conv-request methods of :class:`Engine` (see the module docstring)."""
 
-    def _submit(self, session_id: str, layer: int, x: torch.Tensor, speculative: bool, sink) -> ConvRequest:
-        self._sessions.get(session_id)            # cheap early 404/410, checked again under the lock
+    def _submit(self, session_id: str, layer: int, x: torch.Tensor, speculative: bool, sink,
+                position=None) -> Optional[ConvRequest]:
+        """The request queued, or None when it repeated an applied one (``sink`` has or will get its answer)."""
+        if position is not None:
+            check_position(position)
+        self._session_at_locked(session_id, position)   # cheap early 404/410 (a dict read), checked again under the lock
         p = self.model_cpu.position(layer)
         check_speculative(speculative)
         xm, x_dtype = check_x(self.model_cpu, self.config, x, speculative)
@@ -39,17 +45,28 @@ class Intake:
         if req.n_tokens == 1 and not speculative and runner is not None:   # a decode (or a one-token prefill)
             runner.stage(req, xm)
         try:
-            self._enqueue(req, session_id, now)
+            replay = self._enqueue(req, session_id, now, position)
         except BaseException:
             req.done = True                           # frees its staging row
             raise
+        if replay is not None:
+            req.done = True
+            deliver(replay)
+            return None
         return req
 
-    def _enqueue(self, req: ConvRequest, session_id: str, now: float) -> None:
+    def _enqueue(self, req: ConvRequest, session_id: str, now: float, position) -> Optional[list]:
+        """Queue ``req``; or, when it repeats the layer's last applied request, return its answer's deliveries
+        (queueing nothing)."""
         p, speculative, xm = req.layer, req.speculative, req.x
         with self._lock:
             self._check_running_locked()
-            s = self._sessions.get(session_id)
+            s = self._session_at_locked(session_id, position)
+            if position is not None:
+                rec = self._check_position_locked(s, p, position, req.n_tokens, speculative)
+                if rec is not None:
+                    return self._replay_locked(rec.answer, rec.lo, rec.hi, req.x_dtype or self.model_cpu.dtype,
+                                               req.future)
             if not speculative:
                 self._check_no_verify_locked(s)
             depth = self._check_queue_locked()
@@ -68,6 +85,11 @@ class Intake:
             s.last_used = now
             if speculative:
                 s.pending[p] = (xm.shape[0], seq)
+            elif position is None and not s.last:     # the common case: no answer to keep or to drop
+                s.positions[p] += req.n_tokens
+            else:
+                req.track = Answer() if position is not None else None
+                self._advance_locked(s, p, req.n_tokens, req.track)
             if depth == 0 or self._sched.ready(now):
                 self._cv.notify()
 
@@ -92,28 +114,32 @@ class Intake:
         per_step = max(1, self._st.get("rows", 0) // steps) if steps else self.config.max_batch_size
         return min(30.0, max(0.05, self._sched.depth / per_step * mean_step))
 
-    def submit(self, session_id: str, layer: int, x: torch.Tensor, speculative: bool = False) -> Future:
+    def submit(self, session_id: str, layer: int, x: torch.Tensor, speculative: bool = False,
+               position: Optional[int] = None) -> Future:
         """Queue one conv; the future's result is ``y (T, dim)`` on the CPU in x's dtype. Validation errors are
         raised here, before anything is queued; errors while running are set on the future. ``future.cancel()``
-        withdraws the request if it has not started."""
+        withdraws the request if it has not started. ``position``: where the caller believes the session is on
+        this layer (:mod:`.positions`): a mismatch is :class:`PositionMismatch`, a repeat of the last applied
+        request gets that request's answer."""
         fut = ConvFuture(self)
-        fut._req = self._submit(session_id, layer, x, speculative, fut)
+        fut._req = self._submit(session_id, layer, x, speculative, fut, position)
         return fut
 
     def submit_async(self, session_id: str, layer: int, x: torch.Tensor,
-                     speculative: bool = False) -> asyncio.Future:
+                     speculative: bool = False, position: Optional[int] = None) -> asyncio.Future:
         """:meth:`submit` for a caller on an asyncio loop (call it on the loop's thread): the result comes as an
         ``asyncio.Future`` of that loop, and the engine resolves all of one step's futures of a loop with one
         wake-up of the loop (one ``call_soon_threadsafe``), instead of one thread-safe callback per request.
         :meth:`cancel` withdraws the request if it has not started."""
         loop = asyncio.get_running_loop()
         fut = AsyncConvFuture(loop=loop)
-        fut._req = self._submit(session_id, layer, x, speculative, (loop, fut))
+        fut._req = self._submit(session_id, layer, x, speculative, (loop, fut), position)
         return fut
 
-    async def conv(self, session_id: str, layer: int, x: torch.Tensor, speculative: bool = False) -> torch.Tensor:
+    async def conv(self, session_id: str, layer: int, x: torch.Tensor, speculative: bool = False,
+                   position: Optional[int] = None) -> torch.Tensor:
         """``await``-able :meth:`submit`. Cancelling the awaiting task withdraws the request if not started."""
-        fut = self.submit_async(session_id, layer, x, speculative)
+        fut = self.submit_async(session_id, layer, x, speculative, position)
         try:
             return await fut
         except asyncio.CancelledError:
@@ -121,7 +147,7 @@ class Intake:
             raise
 
     def submit_batch(self, session_ids: Sequence[str], layer: int, x: torch.Tensor, tokens=None,
-                     speculative=None) -> Future:
+                     speculative=None, position=None) -> Future:
         """A slice of tokens for each of several sessions on one layer, as one request (a frontend's step on a
         layer): ``x (sum(n_i), dim)`` holds the slices packed in the order of ``session_ids``, ``tokens`` their
         lengths ``n_i`` (None: one token each, the decode batch) and ``speculative`` a bool, or one per session,
@@ -136,23 +162,24 @@ class Intake:
         step (``sum(n_i) <= max_batch_tokens``, at most ``max_batch_size`` sessions, distinct), after the requests
         and session operations of its sessions submitted before it, and those submitted after it wait for it;
         cancelling it withdraws every row, a session deleted before it runs fails it whole. A plain decode batch
-        (no ``tokens`` or all 1, nothing speculative) takes the decode hot path: one batch-slot graph replay."""
+        (no ``tokens`` or all 1, nothing speculative) takes the decode hot path: one batch-slot graph replay.
+        ``position`` (one per session) is checked whole (:mod:`.positions`)."""
         fut = ConvFuture(self)
-        fut._req = self._submit_batch(session_ids, layer, x, tokens, speculative, fut)
+        fut._req = self._submit_batch(session_ids, layer, x, tokens, speculative, fut, position)
         return fut
 
     def submit_batch_async(self, session_ids: Sequence[str], layer: int, x: torch.Tensor, tokens=None,
-                           speculative=None) -> asyncio.Future:
+                           speculative=None, position=None) -> asyncio.Future:
         """:meth:`submit_batch` for a caller on an asyncio loop (see :meth:`submit_async`)."""
         loop = asyncio.get_running_loop()
         fut = AsyncConvFuture(loop=loop)
-        fut._req = self._submit_batch(session_ids, layer, x, tokens, speculative, (loop, fut))
+        fut._req = self._submit_batch(session_ids, layer, x, tokens, speculative, (loop, fut), position)
         return fut
 
     async def conv_batch(self, session_ids: Sequence[str], layer: int, x: torch.Tensor, tokens=None,
-                         speculative=None) -> torch.Tensor:
+                         speculative=None, position=None) -> torch.Tensor:
         """``await``-able :meth:`submit_batch`. Cancelling the awaiting task withdraws it if not started."""
-        fut = self.submit_batch_async(session_ids, layer, x, tokens, speculative)
+        fut = self.submit_batch_async(session_ids, layer, x, tokens, speculative, position)
         try:
             return await fut
         except asyncio.CancelledError:
@@ -164,11 +191,15 @@ class Intake:
         cfg = self.config
         return min(cfg.max_batch_size, cfg.decode_buckets[-1], cfg.max_batch_tokens)
 
-    def _submit_batch(self, session_ids, layer: int, x: torch.Tensor, tokens, speculative, sink) -> ConvRequest:
+    def _submit_batch(self, session_ids, layer: int, x: torch.Tensor, tokens, speculative, sink,
+                      positions=None) -> Optional[ConvRequest]:
         cfg, model = self.config, self.model_cpu
         n = check_batch_sessions(session_ids, cfg.max_batch_size)
+        if positions is not None:
+            positions = check_positions(positions, n)
         p = model.position(layer)
         plan = check_batch_plan(n, tokens, speculative, cfg.max_spec_tokens)
+        key = None if positions is None else batch_key(session_ids, plan)
         xm, x_dtype = check_x(model, cfg, x, False, rows="rows")
         if plan is None:
             total, n_dec = n, n
@@ -226,18 +257,32 @@ class Intake:
                 runner.stage_batch(req, b.dec_x)
         if runner is not None and plan is not None and (plan[1] or plan[2]):
             runner.stage_tokens(req, xm, plan[1], plan[2])
+        rows = None if positions is None else (
+            [(1, False)] * n if plan is None else list(zip(lengths.tolist(), spec.tolist())))
         try:
-            self._enqueue_batch(req, session_ids, now, slot, plan)
+            replay = self._enqueue_batch(req, session_ids, now, slot, plan, positions, rows, key)
         except BaseException:
             req.done = True                           # frees its staging rows
             raise
+        if replay is not None:
+            req.done = True
+            release_batch(req, now)
+            deliver(replay)
+            return None
         return req
 
-    def _enqueue_batch(self, req: ConvRequest, session_ids, now: float, slot: int, plan) -> None:
+    def _enqueue_batch(self, req: ConvRequest, session_ids, now: float, slot: int, plan, positions=None,
+                       rows=None, key=None) -> Optional[list]:
         bit, table, b = 1 << req.layer, self._sessions, req.batch
         with self._lock:
             self._check_running_locked()
-            sessions = [table.get(sid) for sid in session_ids]    # UnknownSession / StateLost name the id
+            if positions is None:
+                sessions = [table.get(sid) for sid in session_ids]    # UnknownSession / StateLost name the id
+            else:
+                sessions = [self._session_at_locked(sid, at) for sid, at in zip(session_ids, positions)]
+                answer = self._check_batch_positions_locked(sessions, req.layer, positions, rows, key)
+                if answer is not None:
+                    return self._replay_locked(answer, 0, None, req.x_dtype or self.model_cpu.dtype, req.future)
             if plan is None:
                 for s in sessions:
                     self._check_no_verify_locked(s)
@@ -265,12 +310,25 @@ class Intake:
             self._last_seq = seq
             req.seq = seq
             slots = np.fromiter((s.slot for s in sessions), np.int32, len(sessions))
+            p = req.layer
+            if positions is not None:
+                req.track = Answer(key)
             if plan is None:
-                for s in sessions:           # an uninitialized layer holds the zero state: a decode from it is
-                    s.initialized |= bit     # the one-token prefill
+                for i, s in enumerate(sessions):   # an uninitialized layer holds the zero state: a decode from
+                    s.initialized |= bit           # it is the one-token prefill
+                    if positions is None and not s.last:
+                        s.positions[p] += 1
+                    else:
+                        self._advance_locked(s, p, 1, req.track, i, i + 1)
             else:
-                for i in dec_rows.tolist():
+                adv = []                           # (session, tokens, first row) of each plain slice
+                for j, i in enumerate(dec_rows.tolist()):
                     sessions[i].initialized |= bit
+                    adv.append((sessions[i], 1, int(b.dec_pos[j])))
+                adv.extend((sessions[i], k, a) for i, a, k in pre_rows)
+                for s, k, a in adv:
+                    self._advance_locked(s, p, k, req.track, a, a + k)
+                b.adv = [(s, k) for s, k, _a in adv]
                 slots = slots[dec_rows]
                 if pre_rows:
                     b.prefill = [(sessions[i], a, k) for i, a, k in pre_rows]
@@ -282,17 +340,36 @@ class Intake:
             self._sched.add(req)
             self._cv.notify()
 
-    def check_batch(self, session_ids, speculative=None) -> None:
+    def check_batch(self, session_ids, speculative=None, tokens=None, layer=None, position=None):
         """Raise what :meth:`submit_batch` would raise for the sessions' state now (unknown or lost sessions, a
-        plain row on a session with a pending verify); queue nothing. The first phase of a batch split across
-        engine processes: the shape and limit checks are the same on every engine and run in the worker."""
+        plain row on a session with a pending verify, a position mismatch); queue nothing. The first phase of a
+        batch split across engine processes: the shape and limit checks are the same on every engine and run in
+        the worker. With ``position``: ``{"positions": the sessions' positions, "repeat": whether the part
+        repeats an applied batch}`` (a split batch must be all new or all a repeat), else None."""
+        plan = rows = key = None
+        if position is not None:
+            n = check_batch_sessions(session_ids, self.config.max_batch_size)
+            position = check_positions(position, n)
+            plan = check_batch_plan(n, tokens, speculative, self.config.max_spec_tokens)
+            rows = [(1, False)] * n if plan is None else list(zip(plan[0].tolist(), plan[1].tolist()))
+            key = batch_key(session_ids, plan)
         with self._lock:
             self._check_running_locked()
+            if position is not None:
+                p = self.model_cpu.position(layer)
+                ss = [self._session_at_locked(sid, at) for sid, at in zip(session_ids, position)]
+                repeat = self._check_batch_positions_locked(ss, p, position, rows, key) is not None
+                if not repeat:
+                    for s, (_n, spec) in zip(ss, rows):
+                        if not spec:
+                            self._check_no_verify_locked(s)
+                return {"positions": [s.positions[p] for s in ss], "repeat": repeat}
             for i, sid in enumerate(session_ids):
                 s = self._sessions.get(sid)
                 spec = speculative if isinstance(speculative, bool) else bool(speculative and speculative[i])
                 if not spec:
                     self._check_no_verify_locked(s)
+        return None
 
     def cancel(self, future) -> bool:
         """Withdraw the request behind a future from :meth:`submit` or :meth:`submit_async` if it has not
@@ -307,17 +384,29 @@ class Intake:
         return False
 
     def _cancel_request(self, req: ConvRequest) -> bool:
+        if req is None:                       # a repeat answered from a kept answer: nothing was queued
+            return False
+        repeats = None
         with self._lock:
             ok = self._sched.cancel(req)
             if ok:
                 self._retire_locked(req, ok=False)
                 self._st["cancelled"] += 1
+                if req.track is not None and req.track.waiters:
+                    repeats, req.track.waiters = req.track.waiters, []
         if ok and isinstance(req.future, ConvFuture):
             req.future._base_cancel()
+        if repeats:                # nothing ran: the repeat is a 504, and sent again it is applied as new
+            err = RequestTimeout("the request this one repeats was withdrawn before it ran (its client went away); "
+                                 "nothing ran: send it again")
+            deliver([(Sink(w[0]), None, err) for w in repeats])
         return ok
 
     def _retire_locked(self, r: ConvRequest, ok: bool) -> None:
-        """Bookkeeping when a request leaves the engine (finished, failed, cancelled)."""
+        """Bookkeeping when a request leaves the engine (finished, failed, cancelled); a failed one takes back
+        the tokens it advanced its sessions' positions by."""
+        if not ok and not r.done:
+            self._rollback_locked(r)
         r.done = True
         s = r.session
         s.oldest_active()

@@ -42,6 +42,7 @@ class Worker:
             used = s.last_used if s.batch is None else max(s.last_used, s.batch.batch.done_at)
             if now - used > ttl and not s.ops and s.oldest_active() is None:
                 self._sessions.remove(s, evicted=True)
+                self._forget_locked(s)
                 self.pool.free(s.slot)
                 self._st["evicted"] += 1
         self._next_evict = now + self._evict_interval()
@@ -127,7 +128,9 @@ class Worker:
             p = vb.layer
             for r, s in zip(vb.requests, vb.sessions):
                 s.spec_x[p] = r.seq
-        deliver_step(out.finished, host_out, by_position)
+        kept = deliver_step(out.finished, host_out, by_position)
+        if kept:
+            self._keep_answers(kept)
         t3 = time.perf_counter_ns()
         self._record_step(out, sched_ns, t0, t_launch, t_sync, t3, kernel_ns, padded)
         if out.batches:

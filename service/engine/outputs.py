@@ -68,9 +68,14 @@ _FAST_COMPLETE = all(hasattr(Future(), a) for a in ("_condition", "_state", "_re
 
 def deliver(results: list) -> None:
     """Set ``(request, y, error)`` results on their futures (failures, off the step's path); one wake-up per
-    asyncio loop."""
+    asyncio loop. A failed request's error also goes to the repeats waiting for its kept answer."""
     by_loop: dict = {}
+    extra = []
     for r, y, err in results:
+        track = getattr(r, "track", None)
+        if track is not None and err is not None and track.waiters:
+            waiters, track.waiters = track.waiters, []
+            extra.extend((w[0], err) for w in waiters)
         sink = r.future
         if type(sink) is tuple:
             by_loop.setdefault(sink[0], []).append((sink[1], y, err))
@@ -82,10 +87,15 @@ def deliver(results: list) -> None:
                     sink.set_exception(err)
             except Exception:  # already cancelled by its owner
                 pass
+    for sink, err in extra:
+        if type(sink) is tuple:
+            by_loop.setdefault(sink[0], []).append((sink[1], None, err))
+        elif sink is not None and not sink.done():
+            sink.set_exception(err)
     _post_async(by_loop)
 
 
-def deliver_step(finished: list, host_out: Optional[torch.Tensor], by_position: bool) -> None:
+def deliver_step(finished: list, host_out: Optional[torch.Tensor], by_position: bool) -> Optional[list]:
     """Retire and complete a step's finished requests (see :meth:`Runner.execute` for where each y lies), in one
     pass and without the engine lock.
 
@@ -96,10 +106,14 @@ def deliver_step(finished: list, host_out: Optional[torch.Tensor], by_position: 
     (state, waiters, notify) but the notify and the callbacks only when there is someone to tell; a future that
     is no longer pending (cancelled by its owner) is left as it is. This is the only place that touches the
     future's private fields; without them (``_FAST_COMPLETE`` false) it calls ``set_result``.
+
+    Returns ``(answer, y)`` of the requests that carried a position (``request.track``), their y cut here into
+    a tensor of its own (the step's buffers are reused) for the engine to keep; None when there are none.
     """
     now = time.monotonic()
     fast = _FAST_COMPLETE
     by_loop = None
+    kept = None
     for i, r in enumerate(finished):
         p = i if by_position else r.parts
         if type(p) is int:
@@ -108,6 +122,15 @@ def deliver_step(finished: list, host_out: Optional[torch.Tensor], by_position: 
             y = (host_out, p[0], None, r.x_dtype)
         else:                                   # a chunked prefill's joined tensor, or a batch slot's y
             y = (p, 0, r.n_tokens, r.x_dtype)
+        if r.track is not None:                 # kept for repeats: its own memory, in the caller's dtype
+            t = cut(y)
+            if y[3] is None and y[2] is not None:
+                t = t.clone()
+            y = (t, 0, t.shape[0], None)
+            if kept is None:
+                kept = []
+            kept.append((r.track, t))
+            r.track = None
         sink = r.future
         r.x = r.parts = r.future = None         # the request may outlive the step in its session's queue
         r.done = True
@@ -150,6 +173,7 @@ def deliver_step(finished: list, host_out: Optional[torch.Tensor], by_position: 
                 pass
     if by_loop:
         _post_async(by_loop)
+    return kept
 
 
 def _post_async(by_loop: dict) -> None:

@@ -26,6 +26,7 @@ class ConvRequest(Request):
     x_dtype: Any = None          # dtype the caller wants y in (None: the model dtype, no cast)
     parts: Any = None            # after its step, where y lies (see Runner.execute); chunks so far while chunked
     stage: int = -1              # staging-arena ticket of x (-1: not staged)
+    track: Any = None            # the positions.Answer its y is kept in (it carried a position), else None
 
 
 @dataclass(eq=False, slots=True)
@@ -50,6 +51,8 @@ class BatchRows(RowBatch):
     tok: int = -1                # token-arena row of its staged prefill tokens, then its verify rows padded to
     #                              verify_len (see Runner.stage_tokens); -1: not staged, the step packs from x
     n_pre: int = 0               # prefill tokens
+    adv: Any = None              # (session, tokens) of each non-speculative slice, which advanced its position;
+    #                              None: a plain batch (every session by one)
 
 
 #: the ``session`` of every batch request (its rows' sessions are in ``request.batch.sessions``): a record that no

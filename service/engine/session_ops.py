@@ -43,7 +43,8 @@ class SessionOps:
             sid = session_id if session_id is not None else SessionTable.new_id()
             self._sessions.check_free(sid)
             slot = self._alloc_locked()
-            self._sessions.add(Session(sid, slot, last_used=time.monotonic()))
+            self._sessions.add(Session(sid, slot, positions=[0] * self.model_cpu.n_layers,
+                                       last_used=time.monotonic()))
         return sid
 
     def _alloc_locked(self, fork_of: Optional[int] = None) -> int:
@@ -66,6 +67,7 @@ class SessionOps:
             failed = [r for r in s.queue if not r.done and self._sched.abort(r)]
             for r in failed:
                 self._retire_locked(r, ok=False)
+            self._forget_locked(s)
             self.pool.free(s.slot)
         deliver([(r, None, UnknownSession(f"session {s.id!r} was deleted before this request ran"))
                        for r in failed])
@@ -88,8 +90,8 @@ class SessionOps:
             if s.spec_x:                  # its pending verify's x, for the fork's accept
                 spec = self._runner.bufs.d_spec
                 spec[:, slot] = spec[:, s.slot]
-            self._sessions.add(Session(nid, slot, initialized=s.initialized, pending=dict(s.pending),
-                                       spec_x=dict(s.spec_x), last_used=time.monotonic()))
+            self._sessions.add(Session(nid, slot, initialized=s.initialized, positions=list(s.positions),
+                                       pending=dict(s.pending), spec_x=dict(s.spec_x), last_used=time.monotonic()))
         return nid
 
     def export_state(self, session_id: str) -> torch.Tensor:
@@ -97,17 +99,24 @@ class SessionOps:
         state after the requests submitted so far (a pending verify is not included)."""
         return self._run_op(session_id, lambda s: self.pool.export(s.slot))
 
-    def import_state(self, session_id: str, state: torch.Tensor) -> None:
+    def import_state(self, session_id: str, state: torch.Tensor, positions=None) -> None:
         """Replace the session's state (every layer) and discard a pending verify. ``state`` is
         ``(n_conv_layers, dim, width - 1)`` in the state dtype. Raises :class:`ShapeMismatch`,
-        :class:`DtypeUnsupported`, :class:`NonFinite`, :class:`BadRequest`; a rejected state changes nothing."""
+        :class:`DtypeUnsupported`, :class:`NonFinite`, :class:`BadRequest`; a rejected state changes nothing.
+        Every layer's position becomes 0, or ``positions`` (one per layer: a session moved between engines)."""
         state = check_state(self.model_cpu, self.state_dtype, state)
         n_layers = self.model_cpu.n_layers
+        if positions is not None and (len(positions) != n_layers or
+                                      not all(type(q) is int and q >= 0 for q in positions)):
+            raise BadRequest(f"positions: expected {n_layers} integers >= 0, got {positions!r:.80}")
 
         def op(s: Session) -> None:
             self.pool.import_(s.slot, state)               # checked above: the pool's own checks cannot fire
             s.initialized = (1 << n_layers) - 1
-            s.pending.clear()
+            with self._lock:
+                s.pending.clear()
+                s.positions = list(positions) if positions is not None else [0] * n_layers
+                self._forget_locked(s)
             s.spec_x.clear()
 
         self._run_op(session_id, op)
@@ -182,14 +191,16 @@ class SessionOps:
             self._check_pending(s, n)
             pending = dict(s.pending)
             s.pending.clear()
+            self._accept_positions_locked(s, pending, n)
         self._commit_verifies([(s, pending, n)])
 
     def _op_accept_batch(self, ss: list, tokens: list, check) -> None:
         with self._lock:
             check(ss)                                 # all or nothing: checked again as it runs
             pending = [dict(s.pending) for s in ss]
-            for s in ss:
+            for s, pend, n in zip(ss, pending, tokens):
                 s.pending.clear()
+                self._accept_positions_locked(s, pend, n)
         self._commit_verifies(list(zip(ss, pending, tokens)))
 
     def _commit_verifies(self, work: list) -> None:

@@ -1,5 +1,6 @@
-"""The control routes: health and readiness, metrics, the model and its weights file, sessions (create, delete,
-fork), state export and import, and accepting speculative verifies (one session, or several as one request).
+"""The control routes: health and readiness, metrics, the model and its weights file, sessions (create, list,
+info, delete, fork), state export and import, and accepting speculative verifies (one session, or several as one
+request).
 
 These are ordinary FastAPI routes; their errors reach the handlers of :func:`.errors.install_handlers`. Session
 operations block on the engine, so they run in a thread. ``/healthz``, ``/readyz`` and ``/metrics`` need no
@@ -91,6 +92,17 @@ def add_control_routes(app: FastAPI, svc: Service) -> None:
         svc.require_ready()
         sid = merge_session(request.scope, parser.new_session_id(await read(request)))  # X-Session-Id
         return reply(request, {"session": await asyncio.to_thread(engine.create_session, sid)}, 201)
+
+    @app.get("/v1/sessions")
+    async def list_sessions(request: Request):
+        svc.require_ready()
+        cursor, limit = parser.list_query(request.query_params, svc.settings.sessions_page_max)
+        return reply(request, await asyncio.to_thread(engine.list_sessions, cursor, limit))
+
+    @app.get("/v1/sessions/{session}")
+    async def session_info(session: str, request: Request):
+        svc.require_ready()
+        return reply(request, await asyncio.to_thread(engine.session_info, session))
 
     @app.delete("/v1/sessions/{session}", status_code=204)
     async def delete_session(session: str):

@@ -3,7 +3,7 @@
 Every error the HTTP layer answers is a :class:`ServiceError` (anything else is wrapped as ``internal``) and is
 rendered here, in one of two forms:
 
-* a response: its ``status``, the body ``{"error": {"code", "message", "retry_after"?}}`` in msgpack or JSON
+* a response: its ``status``, the body ``{"error": {"code", "message", "retry_after"?, ...extra}}`` in msgpack or JSON
   (the request's content negotiation, :func:`.asgi.wants_json`, unless the route decides otherwise) and a
   ``Retry-After`` header (whole seconds, at least 1) when the error is retryable;
 * a frame of ``/v1/conv/stream`` or ``/v1/conv/ws``: ``{"id", "error": {...}}`` with the same error map.
@@ -43,8 +43,10 @@ def retry_after(exc: ServiceError) -> Optional[float]:
 
 
 def error_fields(exc: ServiceError) -> dict:
-    """The ``{"code", "message", "retry_after"?}`` map of ``exc``."""
+    """The ``{"code", "message", "retry_after"?}`` map of ``exc``, plus its ``extra`` fields."""
     d = {"code": exc.code, "message": exc.message}
+    if exc.extra:
+        d.update(exc.extra)
     ra = retry_after(exc)
     if ra is not None:
         d["retry_after"] = ra

@@ -67,12 +67,13 @@ def parse_body(scope, body: bytes, max_bytes: int, max_objects: int) -> Any:
 
 
 #: The fields each body may hold; any other field is a 400 that names it and lists these.
-CONV_FIELDS = ("session", "layer", "x", "speculative")
-BATCH_FIELDS = ("sessions", "layer", "x", "tokens", "speculative")
+CONV_FIELDS = ("session", "layer", "x", "speculative", "position")
+BATCH_FIELDS = ("sessions", "layer", "x", "tokens", "speculative", "position")
 ACCEPT_BATCH_FIELDS = ("sessions", "tokens")
 SESSION_FIELDS = ("session",)
 STATE_FIELDS = ("layers", "state")
 ACCEPT_FIELDS = ("tokens",)
+LIST_QUERY = ("cursor", "limit")
 
 
 def check_fields(req: dict, allowed, what: str) -> None:
@@ -101,7 +102,8 @@ class Parser:
         self._frame_fields = {f: (*f, "id") for f in (CONV_FIELDS, BATCH_FIELDS)}
 
     def conv(self, req: Any, frame: bool = False):
-        """``(session, layer, x, speculative)`` from a /v1/conv body (or stream frame)."""
+        """``(session, layer, x, speculative, position)`` from a /v1/conv body (or stream frame); ``position`` is
+        None when absent."""
         if type(req) is not dict:
             raise BadRequest(f"a conv request must be a map {{session, layer, x}}, got {type(req).__name__}")
         check_fields(req, self._frame_fields[CONV_FIELDS] if frame else CONV_FIELDS,
@@ -114,12 +116,16 @@ class Parser:
         spec = req.get("speculative", False)
         if type(spec) is not bool:
             raise BadRequest("'speculative' must be true or false")
-        return session, layer, x, spec  # NaN/Inf (non_finite) is checked by the engine (settings.check_finite)
+        position = req.get("position")
+        if position is not None and (type(position) is not int or position < 0):
+            raise BadRequest(f"'position' must be an integer >= 0 (the tokens the session has committed on this "
+                             f"layer), got {position!r:.40}")
+        return session, layer, x, spec, position  # NaN/Inf (non_finite) is checked by the engine (check_finite)
 
     def batch(self, req: Any, frame: bool = False):
-        """``(sessions, layer, x, tokens, speculative)`` from a /v1/conv/batch body (or a batch frame).
+        """``(sessions, layer, x, tokens, speculative, position)`` from a /v1/conv/batch body (or a batch frame).
 
-        ``tokens`` and ``speculative`` are None when absent (one plain token per session). Types, lengths and
+        ``tokens``, ``speculative`` and ``position`` are None when absent (one plain token per session). Types, lengths and
         limits are checked here; what needs the sessions' state (existence, pending verifies, the decode
         bucket) the engine checks, also whole-batch.
         """
@@ -144,12 +150,17 @@ class Parser:
         if spec is not None and type(spec) is not bool:
             if type(spec) is not list or len(spec) != n or not all(type(s) is bool for s in spec):
                 raise BadRequest(f"'speculative' must be true, false or a list of {n} booleans, one per session")
+        position = req.get("position")
+        if position is not None and (type(position) is not list or len(position) != n or
+                                     not all(type(q) is int and q >= 0 for q in position)):
+            raise BadRequest(f"'position' must be a list of {n} integers >= 0, one per session, got "
+                             f"{position!r:.80}")
         x = wire.decode_tensor(req.get("x"), check_shape=self.batch_check)
         want = n if tokens is None else sum(tokens)
         if x.shape[0] != want:
             raise ShapeMismatch(f"'x' has {x.shape[0]} rows but the sessions' tokens add up to {want}; pack each "
                                 "session's tokens in the order of 'sessions'")
-        return sessions, layer, x, tokens, spec
+        return sessions, layer, x, tokens, spec, position
 
     def accept_batch(self, req: Any):
         """``(sessions, tokens)`` of a ``POST /v1/accept`` body."""
@@ -206,6 +217,28 @@ class Parser:
             raise DtypeUnsupported(f"'state.dtype' is {st['dtype']}; this server keeps its state in "
                                    f"{self.state_dtype} (see /v1/model state_dtype): send the state as exported")
         return wire.decode_tensor(st, check_shape=self.state_check, name="state")  # NaN/Inf: the engine
+
+    @staticmethod
+    def list_query(query, most: int) -> tuple:
+        """``(cursor, limit)`` of ``GET /v1/sessions?cursor=&limit=``: ``limit`` 1 to ``most`` (the
+        ``sessions_page_max`` setting; default 100 or ``most`` if smaller), ``cursor`` the previous page's
+        ``next`` or absent."""
+        bad = [k for k in query.keys() if k not in LIST_QUERY]
+        if bad:
+            raise BadRequest(f"unknown query parameter {bad[0]!r:.60}; the allowed ones are {', '.join(LIST_QUERY)}")
+        limit = query.get("limit")
+        if limit is None:
+            n = min(100, most)
+        else:
+            try:
+                n = int(limit)
+            except ValueError:
+                n = 0
+            if not 1 <= n <= most:
+                raise BadRequest(f"limit: expected an integer from 1 to {most} (sessions_page_max), got "
+                                 f"{limit!r:.40}")
+        cursor = query.get("cursor")
+        return (cursor or None), n
 
     @staticmethod
     def accept_tokens(body: Any) -> int:

@@ -179,11 +179,11 @@ class Pipeline:
             if svc.draining:
                 raise NotReady("the server is shutting down; resend this frame to another replica", retry_after=1)
             if batch:
-                sessions, layer, x, tokens, spec = self._parse_batch(obj, frame=True)
-                fut = self._submit_batch(sessions, layer, x, tokens, spec)
+                sessions, layer, x, tokens, spec, position = self._parse_batch(obj, frame=True)
+                fut = self._submit_batch(sessions, layer, x, tokens, spec, position)
             else:
-                session, layer, x, spec = self._parse(obj, frame=True)
-                fut = self._submit(session, layer, x, speculative=spec)
+                session, layer, x, spec, position = self._parse(obj, frame=True)
+                fut = self._submit(session, layer, x, speculative=spec, position=position)
         except Exception as e:  # noqa: BLE001 - a bad frame fails alone
             self._set_error(f, as_service_error(e))
             self._release(f.keys)

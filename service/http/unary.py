@@ -123,8 +123,8 @@ class ConvEndpoint(_UnaryEndpoint):
             sid = merge_session(scope, obj.get("session") if type(obj.get("session")) is str else None)
             if sid is not None and "session" not in obj:
                 obj["session"] = sid
-        session, layer, x, spec = self.parser.conv(obj)
-        return self.engine.submit_async(session, layer, x, speculative=spec)
+        session, layer, x, spec, position = self.parser.conv(obj)
+        return self.engine.submit_async(session, layer, x, speculative=spec, position=position)
 
 
 class BatchEndpoint(_UnaryEndpoint):
@@ -134,5 +134,5 @@ class BatchEndpoint(_UnaryEndpoint):
     route = "/v1/conv/batch"
 
     def submit(self, scope, obj: Any):
-        sessions, layer, x, tokens, spec = self.parser.batch(obj)
-        return self.engine.submit_batch_async(sessions, layer, x, tokens, spec)
+        sessions, layer, x, tokens, spec, position = self.parser.batch(obj)
+        return self.engine.submit_batch_async(sessions, layer, x, tokens, spec, position)

@@ -1,0 +1,110 @@
+"""What the sync and async clients share for ``track_positions=True``: the positions the client believes each
+session is at, and the rules that make a retried conv, batch or accept safe.
+
+The client keeps, per session and layer, the tokens it has committed there (the server's ``position``). Every
+conv and batch carries it. A retry (after a connection error, ``503`` or ``504``) sends the same body, so it
+carries the *original* position: if the first attempt was applied, the server recognises the repeat and answers
+with the answer it kept, applying nothing twice; if it was not, the retry is applied as new. A ``409`` after a
+retry whose server position is the expected one plus T means the first attempt was applied but its answer is no
+longer kept: the position is moved on and the error raised.
+
+Speculative requests carry the committed position and move nothing; ``accept(n)`` moves every layer verified
+since the last accept by n. An accept is not repeatable on the server (a second one finds no verify), so after
+a retry that gets ``400`` the client asks ``GET /v1/sessions/{id}`` whether the first one was applied.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Optional
+
+import httpx
+
+from convserve.clients.protocol.errors import PositionMismatch
+
+#: statuses a tracked request is retried on (with the same body); connection errors are retried too
+RETRY_STATUS = (503, 504)
+#: the connection errors a tracked request is retried on (httpx's, which the lean async pool raises as well)
+RETRY_ERRORS = (httpx.TransportError,)
+
+
+class PositionBook:
+    """Positions the client believes its sessions are at: ``session -> {layer: tokens}`` (a missing layer is 0),
+    and the layers verified since the last accept."""
+
+    def __init__(self, max_retries: int, backoff_s: float):
+        self.positions: dict[str, dict[int, int]] = {}
+        self.verified: dict[str, set] = {}
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+
+    def known(self, session: str) -> bool:
+        return session in self.positions
+
+    def at(self, session: str, layer: int) -> int:
+        return self.positions[session].get(layer, 0)
+
+    def reset(self, session: str, positions: Optional[dict] = None) -> None:
+        """A session created, imported (every layer at 0) or read from the server (``positions``)."""
+        self.positions[session] = dict(positions or {})
+        self.verified.pop(session, None)
+
+    def from_info(self, info: dict) -> None:
+        self.reset(info["session"], dict(zip(info["layers"], info["positions"])))
+        if info["pending"]["layers"]:
+            self.verified[info["session"]] = set(info["pending"]["layers"])
+
+    def fork(self, src: str, dst: str) -> None:
+        if src in self.positions:
+            self.positions[dst] = dict(self.positions[src])
+            if src in self.verified:
+                self.verified[dst] = set(self.verified[src])
+
+    def forget(self, session: str) -> None:
+        self.positions.pop(session, None)
+        self.verified.pop(session, None)
+
+    def applied(self, session: str, layer: int, n: int, speculative: bool) -> None:
+        if speculative:
+            self.verified.setdefault(session, set()).add(layer)
+        else:
+            p = self.positions.setdefault(session, {})
+            p[layer] = p.get(layer, 0) + n
+
+    def accepted(self, session: str, n: int) -> None:
+        for layer in self.verified.pop(session, ()):
+            self.applied(session, layer, n, False)
+
+    def accept_was_applied(self, session: str, n: int, info: dict) -> bool:
+        """After a retried accept got 400: did the first attempt commit (no verify pending, every verified
+        layer moved by n)?"""
+        if info["pending"]["layers"]:
+            return False
+        now = dict(zip(info["layers"], info["positions"]))
+        return all(now.get(layer) == self.at(session, layer) + n for layer in self.verified.get(session, ()))
+
+    def delay(self, attempt: int, retry_after: Optional[float]) -> float:
+        """Seconds before retry ``attempt + 1``: exponential with jitter, at least the server's Retry-After
+        (capped at 5 s)."""
+        d = self.backoff_s * (2 ** attempt) * (0.5 + random.random())
+        if retry_after:
+            d = max(d, min(float(retry_after), 5.0))
+        return d
+
+    @staticmethod
+    def retry_after(resp) -> Optional[float]:
+        try:
+            return float(resp.headers.get("retry-after"))
+        except (TypeError, ValueError):
+            return None
+
+    def moved_on(self, err: PositionMismatch, sessions: list, layer: int, positions: list, tokens: list,
+                 speculative: list) -> None:
+        """A ``409`` after a retry: sessions whose server position is the expected one plus their tokens had
+        the first attempt applied (its answer no longer kept); record that they moved on."""
+        server = err.position if isinstance(err.position, list) else [err.position]
+        if len(server) != len(sessions):
+            return
+        for s, want, got, n, spec in zip(sessions, positions, server, tokens, speculative):
+            if not spec and got == want + n:
+                self.applied(s, layer, n, False)

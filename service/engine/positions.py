@@ -1,0 +1,288 @@
+"""Session positions and kept answers: what makes a conv exactly-once for a client that retries.
+
+**Position.** A session has, per conv layer, a position: the number of tokens committed there. A
+non-speculative conv (or batch slice) of T tokens advances it by T when it is queued, under the engine lock, so
+positions follow the order in which requests run. A speculative verify advances nothing; ``accept(n)`` advances
+every layer with a pending verify by n when it runs, ``import_state`` sets every layer to 0 (the server cannot
+know how many tokens an imported state holds), a fork copies its source's positions.
+
+A request that fails takes its T back: cancelled or expired before it started, withdrawn at stop, its session
+deleted, or its step failed. Requests of the session queued after it keep theirs, so a position is always the
+count of tokens of the requests that ran (or will run) on that layer. A failed step may have written part of
+the state (a chunked prefill whose later chunk failed): after such a ``500 internal`` the state of that step's
+sessions is undefined, whatever the position says; re-create or re-import them.
+
+**Checking.** A request may carry ``position``: where the client believes the session is on that layer (for a
+speculative request, the committed position it verifies from: a verify never moves it). It is compared under
+the engine lock at enqueue, so the check is atomic with the queue order. A mismatch is
+:class:`PositionMismatch` (409) with the server's position, and nothing is queued. A batch carries one position
+per session and is checked whole: every slice matches, or the batch is the retry of one applied batch, or it is
+refused whole (the error's ``position`` is the list of every session's position). A request with
+``position > 0`` for a session this engine does not know is :class:`StateLost` (410): the client held state
+here that is gone.
+
+**Retries.** When a non-speculative request carried a position, the engine keeps its answer (:class:`Answer`,
+y in the caller's dtype) and records it as the layer's last applied request (:class:`Applied`). A request that
+repeats it (same position, same T; for a batch the same sessions, tokens and flags) is answered with the kept y
+and applies nothing; while the first is still queued or running, the repeat waits for its answer (or its
+error). A kept answer is dropped when a later non-speculative request on that layer is queued, when accept,
+import, delete or eviction touch the session, or, oldest first, when the answers kept by this engine exceed
+``answer_store_bytes``; a repeat of a dropped one is a 409 that says it was applied. Memory: at most
+``answer_store_bytes`` of kept y (plus the answers of tracked requests in flight), and a small record per
+tracked session and layer.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Optional
+
+from convserve.clients.protocol.errors import BadRequest, PositionMismatch, StateLost, UnknownSession
+
+from ..sessions import Session
+from .outputs import deliver
+
+
+class Answer:
+    """The answer of one position-carrying request (a conv's y, or a batch's whole y), kept for its repeats.
+    ``y`` is None while the request is in flight (repeats then wait in ``waiters``) and once it is dropped."""
+
+    __slots__ = ("y", "waiters", "refs", "nbytes", "kept", "key")
+
+    def __init__(self, key=None):
+        self.y = None
+        self.waiters: list = []          # (sink, lo, hi, dtype) of repeats waiting for the first's answer
+        self.refs = 0                    # Applied records (sessions' ``last``) that point here
+        self.nbytes = 0
+        self.kept = True                 # False once dropped or failed: repeats get a 409, never a stale y
+        self.key = key                   # a batch's (sessions, plan): only the same batch repeats it
+
+
+class Applied:
+    """A session layer's last non-speculative request, when it carried a position: it moved the layer from
+    ``pos`` to ``pos + n``, and its y is rows ``lo:hi`` of ``answer.y``."""
+
+    __slots__ = ("pos", "n", "answer", "lo", "hi")
+
+    def __init__(self, pos: int, n: int, answer: Answer, lo: int, hi: Optional[int]):
+        self.pos, self.n, self.answer, self.lo, self.hi = pos, n, answer, lo, hi
+
+
+class Sink:
+    """A result destination for :func:`deliver` that is no request (a repeat's future)."""
+
+    __slots__ = ("future",)
+
+    def __init__(self, future):
+        self.future = future
+
+
+def check_position(position, name: str = "position") -> int:
+    if isinstance(position, bool) or not isinstance(position, int) or position < 0:
+        raise BadRequest(f"{name}: expected an integer >= 0 (the tokens the session has committed on this layer), "
+                         f"got {position!r:.60}")
+    return position
+
+
+def check_positions(positions, n: int) -> list:
+    if not isinstance(positions, (list, tuple)) or len(positions) != n:
+        raise BadRequest(f"position: expected a list of {n} integers >= 0 (one per session), got "
+                         f"{positions!r:.80}")
+    return [check_position(p, f"position[{i}]") for i, p in enumerate(positions)]
+
+
+def batch_key(session_ids, plan) -> tuple:
+    """What identifies a batch for its repeats: its sessions and, unless plain, its tokens and flags."""
+    if plan is None:
+        return (tuple(session_ids),)
+    lengths, spec = plan
+    return (tuple(session_ids), tuple(lengths.tolist()), tuple(spec.tolist()))
+
+
+def _cut(y, lo: int, hi: Optional[int], dtype):
+    y = y[lo:hi]
+    return y if dtype is None or y.dtype == dtype else y.to(dtype)
+
+
+class Positions:
+    """The position and kept-answer bookkeeping of :class:`Engine` (see the module docstring). Methods named
+    ``_locked`` run under the engine lock."""
+
+    def _init_positions(self) -> None:
+        self._answers: collections.OrderedDict = collections.OrderedDict()   # kept answers, oldest first
+        self._answer_bytes = 0
+
+    def _session_at_locked(self, session_id, position) -> Session:
+        """The live session; an unknown one is :class:`StateLost` when the client says it was past position 0."""
+        try:
+            return self._sessions.get(session_id)
+        except UnknownSession:
+            if position:
+                raise StateLost(f"session {session_id!r:.80} is not on this server, but the client is at position "
+                                f"{position} of it: its state was lost (a restart, or another server); create it "
+                                "again and prefill") from None
+            raise
+
+    def _mismatch(self, what: str, server) -> PositionMismatch:
+        return PositionMismatch(f"{what}; nothing ran. The server's position is {server!r} (in 'position'): "
+                                "resynchronize (GET /v1/sessions/{id}) before sending more", position=server)
+
+    def _check_position_locked(self, s: Session, p: int, position: int, n: int, speculative: bool):
+        """None when ``position`` is the layer's; the :class:`Applied` record when the request repeats the last
+        applied one; else :class:`PositionMismatch`."""
+        cur = s.positions[p]
+        if position == cur:
+            return None
+        rec = None if speculative else s.last.get(p)
+        if rec is not None and rec.pos == position and rec.n == n:
+            if rec.answer.kept:
+                return rec
+            raise self._mismatch(f"session {s.id!r} layer {self.model_cpu.layers[p]}: this request (position "
+                                 f"{position}, {n} tokens) was applied, but its answer is no longer kept", cur)
+        raise self._mismatch(f"session {s.id!r} layer {self.model_cpu.layers[p]}: the request says position "
+                             f"{position}, the session is at {cur}", cur)
+
+    def _check_batch_positions_locked(self, sessions: list, p: int, positions: list, rows: list, key):
+        """None when every position is its session's; the kept :class:`Answer` when the batch repeats an applied
+        one (same ``key``, every plain slice's record pointing to it); else :class:`PositionMismatch` with every
+        session's position. ``rows`` is ``(tokens, speculative)`` per session."""
+        cur = [s.positions[p] for s in sessions]
+        if positions == cur:
+            return None
+        answer = None
+        for s, want, now, (n, spec) in zip(sessions, positions, cur, rows):
+            if spec:
+                ok = want == now                 # a verify starts from the committed position
+            else:
+                rec = s.last.get(p)
+                ok = rec is not None and rec.pos == want and rec.n == n and (answer is None or rec.answer is answer)
+                if ok:
+                    answer = rec.answer
+            if not ok:
+                break
+        else:
+            if answer is not None and answer.key == key:
+                if answer.kept:
+                    return answer
+                raise self._mismatch(f"layer {self.model_cpu.layers[p]}: this batch was applied, but its answer "
+                                     "is no longer kept", cur)
+        bad = [s.id for s, want, now in zip(sessions, positions, cur) if want != now]
+        raise self._mismatch(f"layer {self.model_cpu.layers[p]}: the batch's positions differ from the sessions' "
+                             f"for {bad[:8]!r:.300}", cur)
+
+    def _advance_locked(self, s: Session, p: int, n: int, answer: Optional[Answer], lo: int = 0,
+                        hi: Optional[int] = None) -> None:
+        """A non-speculative request of ``n`` tokens is queued: advance the layer; it is the layer's last applied
+        request (with ``answer`` kept for repeats when it carried a position)."""
+        pos = s.positions[p]
+        s.positions[p] = pos + n
+        old = s.last.pop(p, None) if s.last else None
+        if old is not None:
+            self._unref_locked(old.answer)
+        if answer is not None:
+            s.last[p] = Applied(pos, n, answer, lo, hi)
+            answer.refs += 1
+
+    def _unref_locked(self, answer: Answer) -> None:
+        answer.refs -= 1
+        if answer.refs <= 0:
+            self._drop_locked(answer)
+
+    def _drop_locked(self, answer: Answer) -> None:
+        answer.kept = False
+        if answer in self._answers:
+            del self._answers[answer]
+            self._answer_bytes -= answer.nbytes
+        answer.y = None
+
+    def _forget_locked(self, s: Session, layers=None) -> None:
+        """Drop the kept answers of ``layers`` (all when None) of ``s``: its state changed, or it is gone."""
+        for p in list(s.last) if layers is None else [q for q in layers if q in s.last]:
+            self._unref_locked(s.last.pop(p).answer)
+
+    def _rollback_locked(self, r) -> None:
+        """Request ``r`` failed (it did not run, or its step failed): take its tokens back."""
+        b, p, answer = r.batch, r.layer, r.track
+        if b is None:
+            if r.speculative:
+                return
+            adv = ((r.session, r.n_tokens),)
+        else:
+            adv = b.adv if b.adv is not None else [(s, 1) for s in b.sessions]
+        for s, n in adv:
+            s.positions[p] -= n
+            if answer is not None:
+                rec = s.last.get(p)
+                if rec is not None and rec.answer is answer:
+                    del s.last[p]
+        if answer is not None:
+            answer.refs = 0
+            self._drop_locked(answer)
+
+    def _accept_positions_locked(self, s: Session, layers, n: int) -> None:
+        """``accept(n)`` commits n tokens on ``layers``: they advance, and no earlier answer repeats there."""
+        if n:
+            for p in layers:
+                s.positions[p] += n
+            self._forget_locked(s, layers)
+
+    def _replay_locked(self, answer: Answer, lo: int, hi: Optional[int], dtype, sink) -> list:
+        """A repeat: its result from the kept answer now (returned, for :func:`deliver` outside the lock), or
+        once the first request's answer comes (queued on ``answer``; returns [])."""
+        if answer.y is None:
+            answer.waiters.append((sink, lo, hi, dtype))
+            return []
+        return [(Sink(sink), _cut(answer.y, lo, hi, dtype), None)]
+
+    def _keep_answers(self, kept: list) -> None:
+        """Worker, after a step: ``(answer, y)`` of the finished position-carrying requests. Keep each y within
+        ``answer_store_bytes`` (oldest dropped first) and answer the repeats that waited for it."""
+        out = []
+        budget = self.config.answer_store_bytes
+        with self._lock:
+            for answer, y in kept:
+                waiters, answer.waiters = answer.waiters, []
+                out.extend((Sink(sink), _cut(y, lo, hi, dt), None) for sink, lo, hi, dt in waiters)
+                if answer.kept:
+                    answer.y, answer.nbytes = y, y.nbytes
+                    self._answers[answer] = None
+                    self._answer_bytes += y.nbytes
+                else:
+                    answer.y = None
+            while self._answer_bytes > budget and self._answers:
+                old, _ = self._answers.popitem(last=False)
+                self._answer_bytes -= old.nbytes
+                old.kept, old.y = False, None
+        if out:
+            deliver(out)
+
+    # ------------------------------------------------------------------ session info and listing
+
+    def _info_locked(self, s: Session, now: float) -> dict:
+        layers = self.model_cpu.layers
+        used = s.last_used if s.batch is None else max(s.last_used, s.batch.batch.done_at)
+        pend = sorted(s.pending.items())
+        return {"session": s.id, "layers": list(layers), "positions": list(s.positions),
+                "pending": {"layers": [layers[p] for p, _ in pend], "tokens": [t for _p, (t, _seq) in pend]},
+                "idle_s": round(max(0.0, now - used), 3)}
+
+    def session_info(self, session_id: str) -> dict:
+        """``{"session", "layers", "positions" (one per layer), "pending": {"layers", "tokens"} (the un-accepted
+        verify of each layer), "idle_s"}``. Raises :class:`UnknownSession` / :class:`StateLost`."""
+        with self._lock:
+            return self._info_locked(self._sessions.get(session_id), time.monotonic())
+
+    def list_sessions(self, cursor: Optional[str] = None, limit: int = 100) -> dict:
+        """``{"sessions": [session_info...], "next": cursor or None}``: up to ``limit`` sessions in id order
+        after ``cursor`` (an id: the ``next`` of the previous page; None starts). Ids order the pages, so a page
+        never repeats a session and one created meanwhile shows up iff its id sorts after the cursor."""
+        if cursor is not None and not isinstance(cursor, str):
+            raise BadRequest(f"cursor: expected the 'next' of the previous page (a string), got {cursor!r:.60}")
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise BadRequest(f"limit: expected an integer >= 1, got {limit!r:.60}")
+        now = time.monotonic()
+        with self._lock:
+            ss, more = self._sessions.ids_after(cursor, limit)
+            items = [self._info_locked(s, now) for s in ss]
+        return {"sessions": items, "next": items[-1]["session"] if more and items else None}

@@ -1,0 +1,280 @@
+"""``track_positions=True``: the clients send positions and retry conv, batch and accept after a dropped
+connection or a 503/504 without applying anything twice. The drops are injected after the server answered (the
+first attempt was applied, its answer lost on the way back) and before the request reached it (nothing was
+applied): a transport wrapper for httpx, and a TCP proxy in front of the async client's own connection pool.
+Runs against both layouts of the shared server (``server`` fixture)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import uuid
+
+import httpx
+import pytest
+import torch
+
+from convserve.clients.client import AsyncConvClient, ConvClient
+from convserve.clients.protocol.errors import PositionMismatch
+from tests.http_api import Api, assert_close, model, rand_x
+from tests.live import Reference
+
+LAYER = 2
+
+
+class _Faults:
+    """Which of the next calls to a path fail, and how: ``"after"`` drops the answer of a request the server
+    ran, ``"before"`` drops the request before it is sent, ``"503"`` replaces the server's answer by a 503."""
+
+    def __init__(self, path: str, plan: list):
+        self.path, self.plan, self.sent = path, list(plan), 0
+
+    def take(self, request) -> str | None:
+        """The fault for this request, if any; counts the requests to ``path`` that reach the server."""
+        if request.url.path != self.path:
+            return None
+        fault = self.plan.pop(0) if self.plan else None
+        self.sent += fault != "before"
+        return fault
+
+    @staticmethod
+    def fake_503(request):
+        return httpx.Response(503, headers={"retry-after": "0", "content-type": "application/json"},
+                              content=b'{"error": {"code": "not_ready", "message": "injected"}}', request=request)
+
+
+class DroppingTransport(httpx.HTTPTransport):
+    def __init__(self, faults: _Faults):
+        super().__init__()
+        self.faults = faults
+
+    def handle_request(self, request):
+        fault = self.faults.take(request)
+        if fault == "before":
+            raise httpx.ConnectError("injected: the request never left", request=request)
+        resp = super().handle_request(request)
+        if fault == "after":
+            resp.read()
+            resp.close()
+            raise httpx.ReadError("injected: the connection dropped after the server answered", request=request)
+        if fault == "503":
+            resp.read()
+            return self.faults.fake_503(request)
+        return resp
+
+
+class AsyncDroppingTransport(httpx.AsyncHTTPTransport):
+    def __init__(self, faults: _Faults):
+        super().__init__()
+        self.faults = faults
+
+    async def handle_async_request(self, request):
+        fault = self.faults.take(request)
+        if fault == "before":
+            raise httpx.ConnectError("injected: the request never left", request=request)
+        resp = await super().handle_async_request(request)
+        if fault == "after":
+            await resp.aread()
+            await resp.aclose()
+            raise httpx.ReadError("injected: the connection dropped after the server answered", request=request)
+        if fault == "503":
+            await resp.aread()
+            return self.faults.fake_503(request)
+        return resp
+
+
+class DroppingProxy:
+    """A TCP proxy that forwards each request whole and, the first ``drops`` times a request for ``path``
+    comes, closes the client's connection once the server's answer is in (the server applied it)."""
+
+    def __init__(self, upstream_port: int, path: str, drops: int):
+        self.up, self.path, self.drops = upstream_port, path.encode(), drops
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @staticmethod
+    def _read_message(f) -> bytes | None:
+        head = b""
+        while not head.endswith(b"\r\n\r\n"):
+            line = f.readline()
+            if not line:
+                return None
+            head += line
+        n = 0
+        for line in head.split(b"\r\n"):
+            if line.lower().startswith(b"content-length:"):
+                n = int(line.split(b":")[1])
+        return head + f.read(n)
+
+    def _accept(self):
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(c,), daemon=True).start()
+
+    def _serve(self, c):
+        with c, socket.create_connection(("127.0.0.1", self.up)) as u:
+            cf, uf = c.makefile("rb"), u.makefile("rb")
+            while (req := self._read_message(cf)) is not None:
+                u.sendall(req)
+                resp = self._read_message(uf)
+                if resp is None:
+                    return
+                if self.path in req.split(b"\r\n", 1)[0] and self.drops > 0:
+                    self.drops -= 1
+                    return                        # the answer is lost with the connection
+                c.sendall(resp)
+
+    def close(self):
+        self.sock.close()
+
+
+def _sync_run(url, faults, steps):
+    with ConvClient(url, transport=DroppingTransport(faults), track_positions=True, retry_backoff_s=0.001) as c:
+        return steps(c)
+
+
+def _async_run(url, faults, steps, proxy_port=None):
+    async def go():
+        target = url if proxy_port is None else f"http://127.0.0.1:{proxy_port}"
+        transport = None if proxy_port is not None else AsyncDroppingTransport(faults)
+        async with AsyncConvClient(target, transport=transport, track_positions=True, retry_backoff_s=0.001) as c:
+            return await steps(c)
+    return asyncio.run(go())
+
+
+def check_state(url, sid, ref):
+    assert_close(Api(url).state(sid), ref.states[sid])
+
+
+@pytest.mark.parametrize("fault", ["after", "before", "503"])
+@pytest.mark.parametrize("t", [1, 5])
+def test_a_retried_conv_is_applied_once_and_answers_like_the_first(server, fault, t):
+    faults = _Faults("/v1/conv", [fault])
+    ref = Reference(model())
+    x0, x1 = rand_x(3, seed=1), rand_x(t, seed=2)
+
+    def steps(c):
+        sid = c.create_session()
+        ys = [c.conv(sid, LAYER, x0), c.conv(sid, LAYER, x1)]
+        return sid, ys, c.positions.at(sid, LAYER)
+
+    sid, ys, pos = _sync_run(server.url, faults, steps)
+    assert_close(ys[0], ref.conv(sid, LAYER, x0))      # the first conv met the fault and was retried
+    assert_close(ys[1], ref.conv(sid, LAYER, x1))
+    assert pos == 3 + t and faults.sent == (2 if fault == "before" else 3)   # the faulty one was sent again
+    assert Api(server.url).call("GET", f"/v1/sessions/{sid}")[1]["positions"][1] == 3 + t
+    check_state(server.url, sid, ref)
+
+
+@pytest.mark.parametrize("fault", ["after", "503"])
+def test_a_retried_async_conv_and_batch_are_applied_once(server, fault):
+    ref = Reference(model())
+    x, xb = rand_x(4, seed=3), rand_x(2, seed=4)
+
+    async def steps(c):
+        a, b = await c.create_session(), await c.create_session()
+        y = await c.conv(a, LAYER, x)
+        c._http._transport.faults = _Faults("/v1/conv/batch", [fault, fault])
+        yb = await c.conv_batch([a, b], LAYER, xb)
+        return a, b, y, yb
+
+    a, b, y, yb = _async_run(server.url, _Faults("/v1/conv", [fault]), steps)
+    assert_close(y, ref.conv(a, LAYER, x))
+    assert_close(yb[:1], ref.conv(a, LAYER, xb[:1]))
+    assert_close(yb[1:], ref.conv(b, LAYER, xb[1:]))
+    check_state(server.url, a, ref)
+    check_state(server.url, b, ref)
+
+
+@pytest.mark.parametrize("tokens", [None, [2, 3]])
+def test_a_retried_batch_across_engines_is_applied_once(server, tokens):
+    ref = Reference(model())
+    n_rows = 2 if tokens is None else sum(tokens)
+    xb = rand_x(n_rows, seed=5)
+    faults = _Faults("/v1/conv/batch", ["after", "after"])
+
+    def steps(c):
+        sids = [c.create_session(f"cp-{uuid.uuid4().hex[:6]}-{i}") for i in range(2)]
+        return sids, c.conv_batch(sids, LAYER, xb, tokens=tokens)
+
+    sids, yb = _sync_run(server.url, faults, steps)
+    lengths = tokens or [1, 1]
+    assert_close(yb[:lengths[0]], ref.conv(sids[0], LAYER, xb[:lengths[0]]))
+    assert_close(yb[lengths[0]:], ref.conv(sids[1], LAYER, xb[lengths[0]:]))
+    for s in sids:
+        check_state(server.url, s, ref)
+
+
+@pytest.mark.parametrize("n", [0, 2])
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_retried_accept_commits_once(server, n, kind):
+    ref = Reference(model())
+    x0, v = rand_x(2, seed=6), rand_x(3, seed=7)
+
+    def sync_steps(c):
+        sid = c.create_session()
+        c.conv(sid, LAYER, x0)
+        c.conv(sid, LAYER, v, speculative=True)
+        c._http._transport.faults = _Faults(f"/v1/sessions/{sid}/accept", ["after"])
+        c.accept(sid, n)
+        return sid, c.positions.at(sid, LAYER)
+
+    async def async_steps(c):
+        sid = await c.create_session()
+        await c.conv(sid, LAYER, x0)
+        await c.conv(sid, LAYER, v, speculative=True)
+        c._http._transport.faults = _Faults(f"/v1/sessions/{sid}/accept", ["after"])
+        await c.accept(sid, n)
+        return sid, c.positions.at(sid, LAYER)
+
+    run = _sync_run if kind == "sync" else _async_run
+    sid, pos = run(server.url, _Faults("", []), sync_steps if kind == "sync" else async_steps)
+    ref.conv(sid, LAYER, x0)
+    ref.conv(sid, LAYER, v, speculative=True)
+    ref.accept(sid, n)
+    assert pos == 2 + n
+    check_state(server.url, sid, ref)
+
+
+def test_the_async_clients_own_pool_retries_through_a_proxy_that_drops_answers(server):
+    ref = Reference(model())
+    x = rand_x(3, seed=8)
+    proxy = DroppingProxy(server.port, "/v1/conv", drops=2)
+    try:
+        async def steps(c):
+            sid = await c.create_session()
+            return sid, await c.conv(sid, LAYER, x), await c.session_info(sid)
+
+        sid, y, info = _async_run(server.url, None, steps, proxy_port=proxy.port)
+    finally:
+        proxy.close()
+    assert_close(y, ref.conv(sid, LAYER, x))
+    assert info["positions"][1] == 3
+    check_state(server.url, sid, ref)
+
+
+def test_without_tracking_a_dropped_answer_is_raised_not_retried(server):
+    faults = _Faults("/v1/conv", ["after"])
+    with ConvClient(server.url, transport=DroppingTransport(faults)) as c:
+        sid = c.create_session()
+        with pytest.raises(httpx.ReadError):
+            c.conv(sid, LAYER, rand_x(1))
+    assert faults.sent == 1
+
+
+def test_a_session_the_client_did_not_create_starts_from_the_servers_positions(server):
+    api = Api(server.url)
+    sid = api.session()
+    assert api.conv(sid, LAYER, rand_x(4, seed=9))[0] == 200
+    with ConvClient(server.url, track_positions=True) as c:
+        c.conv(sid, LAYER, rand_x(1, seed=10))
+        assert c.positions.at(sid, LAYER) == 5
+        api.conv(sid, LAYER, rand_x(1, seed=11))            # another client moves it on
+        with pytest.raises(PositionMismatch) as err:
+            c.conv(sid, LAYER, rand_x(1, seed=12))
+        assert err.value.position == 6 and err.value.status == 409
