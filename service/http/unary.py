@@ -83,8 +83,12 @@ class _UnaryEndpoint:
         self.engine = svc.engine
         self.parser = svc.parser
 
-    def submit(self, obj: Any):
-        """Parse a decoded body and submit it; returns the engine's asyncio future."""
+    def parse(self, scope, body: bytes):
+        """The decoded and validated body: what :meth:`submit` takes (a parser thread may run this)."""
+        raise NotImplementedError
+
+    def submit(self, parsed):
+        """Submit a parsed body; returns the engine's asyncio future (on the loop)."""
         raise NotImplementedError
 
     async def __call__(self, scope, receive, send):
@@ -92,8 +96,8 @@ class _UnaryEndpoint:
         scope[ROUTE_SCOPE_KEY] = self.route
         try:
             svc.require_ready()
-            body = await read_body(scope, receive, svc.max_body)
-            fut = self.submit(parse_body(scope, body, svc.max_body, svc.max_objects))
+            body = await read_body(scope, receive, svc.max_body, svc.body_timeout)
+            fut = self.submit(await svc.decode(len(body), self.parse, scope, body))
             y = await wait_result(self.engine, fut, receive)
             as_json = wants_json(scope)
             if as_json or y.nbytes < SPLIT_BYTES:
@@ -117,8 +121,12 @@ class ConvEndpoint(_UnaryEndpoint):
 
     route = "/v1/conv"
 
-    def submit(self, obj: Any):
-        session, layer, x, spec = self.parser.conv(obj)
+    def parse(self, scope, body: bytes):
+        svc = self.svc
+        return self.parser.conv(parse_body(scope, body, svc.max_body, svc.max_objects, svc.max_json))
+
+    def submit(self, parsed):
+        session, layer, x, spec = parsed
         return self.engine.submit_async(session, layer, x, speculative=spec)
 
 
@@ -128,6 +136,10 @@ class BatchEndpoint(_UnaryEndpoint):
 
     route = "/v1/conv/batch"
 
-    def submit(self, obj: Any):
-        sessions, layer, x, tokens, spec = self.parser.batch(obj)
+    def parse(self, scope, body: bytes):
+        svc = self.svc
+        return self.parser.batch(parse_body(scope, body, svc.max_body, svc.max_objects, svc.max_json))
+
+    def submit(self, parsed):
+        sessions, layer, x, tokens, spec = parsed
         return self.engine.submit_batch_async(sessions, layer, x, tokens, spec)
