@@ -9,10 +9,6 @@ from __future__ import annotations
 
 import json
 import socket
-import statistics
-import subprocess
-import sys
-import time
 
 import httpx
 import msgpack
@@ -21,6 +17,7 @@ import torch
 
 from convserve.clients.protocol import wire
 from tests.live import LiveServer
+from tests.probes import HealthProbe, rss_mib, settled_rss, worker_pids
 
 DIM = 64
 MP = {"content-type": wire.MEDIA_TYPE, "accept": wire.MEDIA_TYPE}
@@ -35,65 +32,9 @@ def srv():
                     "--max-body-bytes", str(MAX_BODY), "--body-timeout-s", "2", "--stream-buffer-bytes",
                     str(1 * MIB), "--stream-window", "8", "--max-tokens-per-request", "4096",
                     "--max-batch-tokens", "4096"])
-    s.worker_pid = next(int(r["pid"]) for r in s.logs if r.get("msg") == "worker process started")
+    s.worker_pid = worker_pids(s)[0]
     yield s
     s.terminate()
-
-
-def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
-
-
-def settled_rss(pid: int, baseline: float, timeout: float = 10.0) -> float:
-    """The RSS once it is back within 10 % of ``baseline``, or the last reading after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        r = rss_mib(pid)
-        if r <= baseline * 1.10 or time.monotonic() > deadline:
-            return r
-        time.sleep(0.2)
-
-
-_PROBE = """
-import json, sys, threading, time, httpx
-lat, failures, stop = [], 0, threading.Event()
-threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
-with httpx.Client(base_url=sys.argv[1], timeout=10) as c:
-    print("started", flush=True)
-    while not stop.is_set():
-        t0 = time.perf_counter()
-        try:
-            c.get("/healthz").raise_for_status()
-            lat.append(time.perf_counter() - t0)
-        except httpx.HTTPError:
-            failures += 1
-        stop.wait(0.02)
-print(json.dumps({"latencies": lat, "failures": failures}), flush=True)
-"""
-
-
-class HealthProbe:
-    """Polls /healthz on one keep-alive connection every 20 ms while a case runs, from its own process (a
-    thread of the test process would measure the test's own GIL); ``latencies`` in seconds."""
-
-    def __init__(self, url: str):
-        self.url, self.latencies, self.failures = url, [], 0
-
-    def __enter__(self):
-        self.proc = subprocess.Popen([sys.executable, "-c", _PROBE, self.url], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)
-        assert self.proc.stdout.readline().strip() == "started"
-        time.sleep(0.1)
-        return self
-
-    def __exit__(self, *exc):
-        out, _ = self.proc.communicate("", timeout=30)
-        res = json.loads(out.strip().splitlines()[-1])
-        self.latencies, self.failures = res["latencies"], res["failures"]
 
 
 def _empty_arrays(nbytes: int) -> bytes:
@@ -213,9 +154,8 @@ def test_each_bad_input_gets_its_4xx_while_healthz_stays_fast_and_rss_comes_back
     with HealthProbe(srv.url) as probe:
         got = go()
     after = settled_rss(pid, baseline)
-    lat = sorted(probe.latencies)
-    p50, p90, worst = statistics.median(lat) * 1e3, lat[int(0.9 * (len(lat) - 1))] * 1e3, lat[-1] * 1e3
-    print(f"\n{case}: {got} healthz n={len(lat)} p50={p50:.1f} ms p90={p90:.1f} ms max={worst:.1f} ms; "
+    p50, p90, worst = probe.summary()
+    print(f"\n{case}: {got} healthz n={len(probe.latencies)} p50={p50:.1f} ms p90={p90:.1f} ms max={worst:.1f} ms; "
           f"RSS {baseline:.0f} -> {after:.0f} MiB")
     assert got == (status, code)
     assert probe.failures == 0
