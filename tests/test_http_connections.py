@@ -190,3 +190,24 @@ def _metric(url, series) -> float:
         if line.startswith(series + " "):
             return float(line.split()[1])
     return 0.0
+
+
+def test_connection_settings_are_validated_at_start_up(monkeypatch):
+    import resource
+
+    from convserve.service.cli import ConfigError, ensure_fd_limit
+    from convserve.service.config import load_settings
+
+    for bad in ({"max_connections": "1"}, {"header_timeout_s": "0"}, {"body_timeout_s": "-1"},
+                {"max_header_bytes": "10"}, {"parse_offload_bytes": str(2 << 30)}, {"stream_buffer_bytes": "5"}):
+        with pytest.raises(ConfigError) as err:
+            load_settings(bad)
+        name = next(iter(bad))
+        assert "--" + name.replace("_", "-") in str(err.value) or name in str(err.value)
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (1024, 4096))
+    with pytest.raises(ConfigError, match="max_connections"):
+        ensure_fd_limit(5000)               # more than the hard limit allows
+    raised = []
+    monkeypatch.setattr(resource, "setrlimit", lambda _, lim: raised.append(lim))
+    ensure_fd_limit(2000)                   # within it: the soft limit is raised
+    assert raised == [(2000 + 256, 4096)]
