@@ -36,14 +36,6 @@ def _response(status: int, reason: bytes, code: str, message: str, retry_after: 
     return b"".join(head) + b"\r\n" + body
 
 
-class _Registry:
-    """The guarded connections of one process that carry no request (idle, or still sending headers), oldest
-    first: the ones a new connection above the cap may replace."""
-
-    def __init__(self):
-        self.idle: dict = {}            # protocol -> None, in insertion order (a dict keeps it)
-
-
 def guarded_protocol(settings, on_close: Callable[[str], None] = lambda reason: None,
                      base: Optional[type] = None) -> type:
     """A subclass of uvicorn's HTTP protocol class applying ``settings``' connection limits (see the module
@@ -61,7 +53,9 @@ def guarded_protocol(settings, on_close: Callable[[str], None] = lambda reason: 
     cap = settings.max_connections
     header_timeout = settings.header_timeout_s
     max_header = settings.max_header_bytes
-    reg = _Registry()
+    # the connections that carry no request (idle, or still sending headers), oldest first (a dict keeps the
+    # insertion order): the ones a new connection above the cap may replace
+    idle: dict = {}
     over_capacity = _response(503, b"Service Unavailable", "over_capacity",
                               f"this server process holds its maximum of {cap} connections, all busy; retry "
                               "shortly (or raise --max-connections)", retry_after=1)
@@ -88,11 +82,11 @@ def guarded_protocol(settings, on_close: Callable[[str], None] = lambda reason: 
                 transport.write(over_capacity)
                 transport.close()
                 return
-            reg.idle[self] = None
+            idle[self] = None
             self._arm()
 
         def _make_room(self) -> bool:
-            for victim in reg.idle:
+            for victim in idle:
                 if victim is not self:
                     on_close("replaced")
                     victim._drop()
@@ -111,14 +105,14 @@ def guarded_protocol(settings, on_close: Callable[[str], None] = lambda reason: 
 
         def _drop(self) -> None:
             self._disarm()
-            reg.idle.pop(self, None)
+            idle.pop(self, None)
 
         def _header_timeout(self) -> None:
             self._timer = None
             if self._in_request() or self.transport.is_closing():
                 return
             on_close("header_timeout")
-            reg.idle.pop(self, None)
+            idle.pop(self, None)
             self.transport.write(timed_out)
             self.transport.close()
 
@@ -135,7 +129,7 @@ def guarded_protocol(settings, on_close: Callable[[str], None] = lambda reason: 
             elif self._in_request():               # headers complete (the body, if any, is read_body's)
                 self._disarm()
                 self._header_bytes = 0
-                reg.idle.pop(self, None)
+                idle.pop(self, None)
             elif not self.transport.is_closing():  # a request's headers, still incomplete
                 self._header_bytes += len(data)
                 if self._header_bytes > max_header:
@@ -149,7 +143,7 @@ def guarded_protocol(settings, on_close: Callable[[str], None] = lambda reason: 
         def on_response_complete(self) -> None:
             super().on_response_complete()
             if not self.transport.is_closing() and not self._in_request():
-                reg.idle[self] = None              # idle again: the keep-alive timeout runs, replaceable
+                idle[self] = None              # idle again: the keep-alive timeout runs, replaceable
 
         def connection_lost(self, exc) -> None:
             self._drop()
