@@ -80,7 +80,6 @@ def _slow_body_run(url):
             data += chunk
     head, _, body = data.partition(b"\r\n\r\n")
     assert b"connection: close" in head.lower()
-    import json
     return int(head.split()[1]), json.loads(body)["error"]["code"]
 
 

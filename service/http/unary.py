@@ -8,7 +8,7 @@ through :func:`.errors.send_error`.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from convserve.clients.protocol import wire
 from convserve.service.http.asgi import (MSGPACK_CT, ROUTE_SCOPE_KEY, ClientGone, client_gone, render, send_bytes,
