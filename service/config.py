@@ -137,7 +137,8 @@ class Settings(BaseSettings):
                                      "request), in bytes (413 above): JSON is decoded in one C call that holds "
                                      "the interpreter for about 12 ms per MiB at worst; send tensors in msgpack")
     parse_offload_bytes: int = Field(1 << 20, ge=0, description="bodies and frames of at least this many bytes "
-                                     "are decoded in a parser thread, off the event loop (0: every body)")
+                                     "are decoded in a parser thread, off the event loop (0: every body; above "
+                                     "max_body_bytes: none)")
     stream_buffer_bytes: int = Field(16 << 20, ge=1 << 16, description="answers of one stream or WebSocket "
                                      "waiting to be sent, in bytes: above it the server stops reading that "
                                      "stream's frames until its client reads (back-pressure)")
@@ -275,9 +276,6 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _cross(self):
-        if self.parse_offload_bytes > self.max_body_bytes:
-            raise ValueError(f"parse_offload_bytes ({self.parse_offload_bytes}) exceeds max_body_bytes "
-                             f"({self.max_body_bytes}): no body would be decoded off the event loop; lower it")
         if self.max_batch_tokens < self.max_tokens_per_request:
             raise ValueError(f"max_tokens_per_request ({self.max_tokens_per_request}) exceeds max_batch_tokens "
                              f"({self.max_batch_tokens}): such a request could never be scheduled; raise "
