@@ -150,6 +150,31 @@ class Settings(BaseSettings):
                                                       "once; the next frames wait to be read")
     shutdown_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, how long to let in-flight work "
                                                               "finish before exiting")
+    max_json_body_bytes: int = Field(2 << 20, ge=1024, description="largest JSON body (or JSON part of a /v2 "
+                                     "request), in bytes (413 above): JSON is decoded in one C call that holds "
+                                     "the interpreter for about 12 ms per MiB at worst; send tensors in msgpack")
+    parse_offload_bytes: int = Field(1 << 20, ge=0, description="bodies and frames of at least this many bytes "
+                                     "are decoded in a parser thread, off the event loop (0: every body; above "
+                                     "max_body_bytes: none)")
+    stream_buffer_bytes: int = Field(16 << 20, ge=1 << 16, description="answers of one stream or WebSocket "
+                                     "waiting to be sent, in bytes: above it the server stops reading that "
+                                     "stream's frames until its client reads (back-pressure)")
+
+    # --- connections (each HTTP worker process applies these on its own)
+    max_connections: int = Field(1024, ge=2, le=1 << 20, description="open connections per HTTP worker "
+                                 "process; above it a new connection takes the place of the oldest one that is "
+                                 "idle or still sending its headers, or is answered 503 and closed")
+    header_timeout_s: float = Field(10.0, gt=0, le=3600, description="seconds a connection may take to send a "
+                                    "request's headers (from its first byte, or from connecting) before it is "
+                                    "closed with 408")
+    body_timeout_s: float = Field(60.0, gt=0, le=3600, description="seconds a request may take to send its "
+                                  "whole body (after its headers) before it gets 408 and the connection closes")
+    keep_alive_s: float = Field(30.0, gt=0, le=3600, description="seconds an idle keep-alive connection stays "
+                                "open between requests")
+    max_header_bytes: int = Field(64 << 10, ge=4096, le=16 << 20, description="bytes of a request's line and "
+                                  "headers; above it the connection gets 431 and is closed")
+    backlog: int = Field(2048, ge=16, le=1 << 16, description="the listening socket's accept queue (the kernel "
+                         "caps it at net.core.somaxconn)")
 
     # --- logs
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")

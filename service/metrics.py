@@ -44,6 +44,10 @@ class Metrics:
         self.frame_latency = Histogram("convserve_stream_frame_duration_seconds",
                                        "Latency of one streamed conv frame, from parsed to its result queued "
                                        "for sending", ["transport"], buckets=LATENCY_BUCKETS, registry=r)
+        self.connections_closed = Counter("convserve_http_connections_closed", "Connections the server closed "
+                                          "itself, by reason: over_capacity, replaced (an idle or header-sending "
+                                          "connection gave its place to a new one above max_connections), "
+                                          "header_timeout, header_too_large", ["reason"], registry=r)
         self._children: dict = {}
         if stats is not None:
             r.register(EngineCollector(stats))
@@ -72,6 +76,9 @@ class Metrics:
         c[1].observe(seconds)
         if error_code is not None:
             self.error(route, error_code)
+
+    def connection_closed(self, reason: str) -> None:
+        self.connections_closed.labels(reason).inc()
 
     def error(self, route: str, code: str, n: int = 1) -> None:
         key = ("e", route, code)

@@ -14,6 +14,7 @@ import torch
 from convserve.clients.protocol import wire
 from tests.http_api import MP, Api, read_stream
 from tests.live import LiveServer
+from tests.probes import HealthProbe
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +94,11 @@ def test_idle_session_is_evicted_after_its_ttl_with_410_state_lost(limits_server
     time.sleep(1.0)  # > the 0.4 s TTL (any use of the session would keep it alive)
     st, obj, _ = api.call("GET", f"/v1/sessions/{sid}/state")
     assert st == 410 and obj["error"]["code"] == "state_lost"
+    # an engine process publishes its slot counts at session operations and once a second: an eviction shows
+    # within that second
+    deadline = time.monotonic() + 3
+    while api.free_slots() <= free and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert api.free_slots() > free
     st, obj, _ = api.conv(sid, 0, torch.ones(1, 8))
     assert st == 410
@@ -110,25 +116,13 @@ def _nested_empty_arrays(k: int) -> bytes:
 @pytest.mark.parametrize("path", ["/v1/conv", "/v1/conv/batch", "/v1/sessions"])
 def test_a_body_of_too_many_objects_is_a_413_naming_the_budget_while_healthz_stays_quick(server, path):
     body = _nested_empty_arrays(200)            # 0.8 MB (under max_body_bytes), 820k objects (over the budget)
-    lat, stop = [], threading.Event()
-
-    def probe():
-        while not stop.is_set():
-            t0 = time.perf_counter()
-            httpx.get(server.url + "/healthz", timeout=10)
-            lat.append(time.perf_counter() - t0)
-            time.sleep(0.01)
-
-    th = threading.Thread(target=probe)
-    th.start()
-    try:
+    # probed from another process on fresh connections: a thread of this process with a new httpx client per
+    # probe measured its own GIL and TLS set-up (0.5-0.8 s on a loaded 2-core machine), not the server
+    with HealthProbe(server.url, fresh=True) as probe:
         r = httpx.post(server.url + path, content=body, headers=MP, timeout=30)
-    finally:
-        stop.set()
-        th.join()
     assert r.status_code == 413, r.content[:200]
     assert "objects" in msgpack.unpackb(r.content)["error"]["message"]
-    assert max(lat) < 0.5
+    assert probe.failures == 0 and probe.summary()[2] < 500
 
 
 def test_a_json_body_of_too_many_values_is_a_413(server):

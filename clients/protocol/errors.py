@@ -31,6 +31,12 @@ class BadRequest(ServiceError):
     status, code = 400, "bad_request"
 
 
+class BodyTimeout(ServiceError):
+    """The request body did not arrive within the server's ``body_timeout_s``; the server closes the
+    connection after this answer."""
+    status, code = 408, "body_timeout"
+
+
 class Unauthorized(ServiceError):
     status, code = 401, "unauthorized"
 
@@ -96,6 +102,12 @@ class EngineUnavailable(ServiceError):
     status, code = 503, "engine_unavailable"
 
 
+class OutOfMemory(ServiceError):
+    """The device ran out of memory in the engine step that carried the request; nothing of it was applied.
+    Retry after Retry-After, or send smaller requests (fewer tokens per conv or batch)."""
+    status, code = 503, "out_of_memory"
+
+
 class RequestTimeout(ServiceError):
     status, code = 504, "timeout"
 
@@ -125,9 +137,9 @@ class ReplicaUnavailable(ServiceError):
 #: The name clients use for the base class.
 ConvServeError = ServiceError
 
-ALL_ERRORS = (BadRequest, Unauthorized, UnknownSession, UnknownLayer, SessionExists, PositionMismatch, StateLost,
-              PayloadTooLarge, ShapeMismatch, DtypeUnsupported, NonFinite, QueueFull, PoolExhausted, NotReady,
-              EngineUnavailable, RequestTimeout, Internal)
+ALL_ERRORS = (BadRequest, BodyTimeout, Unauthorized, UnknownSession, UnknownLayer, SessionExists, PositionMismatch,
+              StateLost, PayloadTooLarge, ShapeMismatch, DtypeUnsupported, NonFinite, QueueFull, PoolExhausted,
+              NotReady, EngineUnavailable, OutOfMemory, RequestTimeout, Internal)
 
 #: ``code -> class``, for turning an error body back into its class.
 BY_CODE = {cls.code: cls for cls in ALL_ERRORS}

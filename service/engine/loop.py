@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from convserve.clients.protocol.errors import Internal, RequestTimeout
+from convserve.clients.protocol.errors import Internal, OutOfMemory, RequestTimeout
 
 from ..scheduler import SchedulerOutput
 from .outputs import deliver, deliver_step
@@ -28,6 +28,18 @@ log = logging.getLogger("convserve.engine")
 STEP_FIELDS = ("rows", "tokens", "host_s", "kernel_s", "wall_s", "sched_s", "launch_s", "deliver_s")
 #: batch-size histogram buckets of stats()["batch_size"]
 BATCH_HIST = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def step_error(e: BaseException):
+    """What the requests of a failed step get: ``503 out_of_memory`` (with Retry-After) when the device ran out of
+    memory (a transient overload: smaller or fewer requests fit later), else ``500 internal``."""
+    oom = getattr(torch.cuda, "OutOfMemoryError", ())
+    if isinstance(e, oom) or (isinstance(e, RuntimeError) and "out of memory" in str(e).lower()):
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()          # give the cached blocks of the failed step back to the allocator
+        return OutOfMemory("the device ran out of memory in the engine step that carried this request; retry "
+                           "after Retry-After, or send fewer tokens per request", retry_after=1)
+    return Internal(f"the engine step failed: {e}")
 
 
 class Worker:
@@ -144,7 +156,7 @@ class Worker:
             log.error("the device is in an error state after step %d; the engine is no longer ready "
                       "(restart the process)", out.step)
             self._ready = False
-        err = Internal(f"the engine step failed: {e}")
+        err = step_error(e)
         done = [r for b in (*out.prefills, *out.decodes, *out.verifies) for r in b.requests]
         with self._lock:
             for r in set(done):

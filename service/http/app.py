@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Optional
 
@@ -52,9 +53,23 @@ class Service:
                              settings.max_batch_size)
         self.max_body = settings.max_body_bytes
         self.max_objects = settings.max_body_objects
+        self.max_json = settings.max_json_body_bytes
+        self.body_timeout = settings.body_timeout_s
+        self.offload_bytes = settings.parse_offload_bytes
+        self._parse_pool: Optional[ThreadPoolExecutor] = None
         self.draining = False
         self.failed: Optional[BaseException] = None
         self.pipelines: set = set()
+
+    async def decode(self, nbytes: int, fn, *args):
+        """``fn(*args)``: on the event loop for a body under ``parse_offload_bytes``, else in a parser thread, so
+        a large body's decoding and validation do not stall the loop (health probes, other requests). Two parser
+        threads: a flood of large bodies queues here instead of taking every core."""
+        if nbytes < self.offload_bytes:
+            return fn(*args)
+        if self._parse_pool is None:
+            self._parse_pool = ThreadPoolExecutor(2, thread_name_prefix="convserve-parse")
+        return await asyncio.get_running_loop().run_in_executor(self._parse_pool, fn, *args)
 
     @property
     def ready(self) -> bool:

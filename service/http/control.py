@@ -36,10 +36,11 @@ def add_control_routes(app: FastAPI, svc: Service) -> None:
         return Response(body, status_code=status, media_type=ct.decode())
 
     async def read(request: Request) -> Any:
-        body = await read_body(request.scope, request.receive, svc.max_body)
+        body = await read_body(request.scope, request.receive, svc.max_body, svc.body_timeout)
         if not body:
             return {}
-        return parse_body(request.scope, body, svc.max_body, svc.max_objects)
+        return await svc.decode(len(body), parse_body, request.scope, body, svc.max_body, svc.max_objects,
+                                svc.max_json)
 
     # --- health and metrics (no API key)
 

@@ -58,6 +58,8 @@ def render_error(exc: ServiceError, as_json: bool) -> tuple[bytes, bytes, list[t
     body, ct = render({"error": error_fields(exc)}, as_json)
     ra = retry_after(exc)
     headers = [] if ra is None else [(b"retry-after", str(max(1, math.ceil(ra))).encode())]
+    if exc.status == 408:       # the rest of the body is never read: the connection cannot carry another request
+        headers.append((b"connection", b"close"))
     return body, ct, headers
 
 

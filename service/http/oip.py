@@ -142,7 +142,7 @@ class InferEndpoint:
         self.route = route
         self.engine = svc.engine
         info = svc.engine.model_info()
-        self.parser = InferParser(info, svc.settings.max_tokens_per_request, svc.max_objects)
+        self.parser = InferParser(info, svc.settings.max_tokens_per_request, svc.max_objects, svc.max_json)
         self.model_dtype_name = info["dtype"]
         self.model_dtype = getattr(torch, info["dtype"])
         self.check_finite = bool(getattr(svc.settings, "check_finite", True))
@@ -159,8 +159,8 @@ class InferEndpoint:
             params = scope.get("path_params", {})
             check_model(params.get("model", MODEL_NAME), params.get("version"))
             svc.require_ready()
-            body = await read_body(scope, receive, svc.max_body)
-            req = self.parser.parse(scope, body)
+            body = await read_body(scope, receive, svc.max_body, svc.body_timeout)
+            req = await svc.decode(len(body), self.parser.parse, scope, body)
             merge_session(scope, req.session, "sequence_id")     # X-Session-Id, when sent, names this sequence
             y = await self.run(req, receive)
             chunks, headers = infer_answer(req, y)

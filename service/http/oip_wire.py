@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from convserve.clients.protocol import wire
-from convserve.clients.protocol.errors import BadRequest, DtypeUnsupported, ServiceError, UnknownLayer
+from convserve.clients.protocol.errors import BadRequest, DtypeUnsupported, PayloadTooLarge, ServiceError, UnknownLayer
 from convserve.clients.protocol.ids import check_session_id
 from convserve.service.http.asgi import ERROR_SCOPE_KEY, JSON_CT, header
 from convserve.service.http.errors import retry_after
@@ -114,7 +114,9 @@ def session_of(sequence_id: Any) -> str:
 class InferParser:
     """Validates ``infer`` bodies against the served model and the settings' limits."""
 
-    def __init__(self, info: dict, max_tokens_per_request: int, max_objects: int):
+    def __init__(self, info: dict, max_tokens_per_request: int, max_objects: int,
+                 max_json_bytes: Optional[int] = None):
+        self.max_json_bytes = max_json_bytes
         self.layers = list(info["layers"])
         self.layer_set = frozenset(self.layers)
         self.dim = int(info["dim"])
@@ -173,6 +175,10 @@ class InferParser:
         return mv[:n].tobytes(), mv[n:]
 
     def _json(self, head: bytes) -> Any:
+        if self.max_json_bytes is not None and len(head) > self.max_json_bytes:
+            raise PayloadTooLarge(f"the request's JSON has {len(head)} bytes, above the limit of "
+                                  f"{self.max_json_bytes}; send x's data as binary (binary_data_size), or raise "
+                                  "--max-json-body-bytes")
         # the same early bound as wire.loads_json, counted in C before anything is built
         if head.count(b",") + head.count(b"[") + head.count(b"{") > self.max_objects:
             raise wire.TooManyObjects(f"the JSON holds more than {self.max_objects} values; send x's data as "

@@ -6,10 +6,12 @@ engine. Values the engine checks itself (NaN/Inf, session existence, speculative
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Optional
 
 from convserve.clients.protocol import wire
-from convserve.clients.protocol.errors import BadRequest, DtypeUnsupported, PayloadTooLarge, ShapeMismatch, UnknownLayer
+from convserve.clients.protocol.errors import (BadRequest, BodyTimeout, DtypeUnsupported, PayloadTooLarge,
+                                              ShapeMismatch, UnknownLayer)
 from convserve.clients.protocol.ids import check_session_id
 from convserve.service.http.asgi import ClientGone, header
 
@@ -28,42 +30,86 @@ def body_format(scope) -> str:
                      "control routes)")
 
 
-async def read_body(scope, receive, max_bytes: int) -> bytes:
-    """The whole request body; :class:`PayloadTooLarge` past ``max_bytes``, :class:`ClientGone` on disconnect."""
+async def read_body(scope, receive, max_bytes: int, timeout: Optional[float] = None) -> bytes:
+    """The whole request body; :class:`PayloadTooLarge` past ``max_bytes``, :class:`ClientGone` on disconnect,
+    :class:`BodyTimeout` when it has not all arrived ``timeout`` seconds after the call (a client trickling its
+    body holds a connection and a buffer: the answer closes the connection)."""
+    if timeout is None:
+        return await _read_body(scope, receive, max_bytes)
+    try:
+        async with asyncio.timeout(timeout):
+            return await _read_body(scope, receive, max_bytes)
+    except TimeoutError:
+        raise BodyTimeout(f"the request body did not arrive within {timeout:g} s; send it at once (or raise "
+                          "--body-timeout-s)") from None
+
+
+async def _read_body(scope, receive, max_bytes: int):
+    """The body as bytes (one chunk) or a bytearray (several): a large body with a Content-Length is copied into
+    one buffer chunk by chunk as it arrives, so the loop never spends one long copy joining 60 MiB at the end."""
     cl = header(scope, b"content-length")
+    expect = None
     if cl is not None:
         try:
-            n = int(cl)
+            expect = int(cl)
         except ValueError:
             raise BadRequest("Content-Length is not an integer") from None
-        if n > max_bytes:
-            raise PayloadTooLarge(f"the body has {n} bytes, above the limit of {max_bytes}; send fewer tokens per "
-                                  "request (split a prefill into chunks) or raise --max-body-bytes")
-    chunks = []
+        if expect > max_bytes:
+            raise PayloadTooLarge(f"the body has {expect} bytes, above the limit of {max_bytes}; send fewer tokens "
+                                  "per request (split a prefill into chunks) or raise --max-body-bytes")
+    msg = await receive()
+    if msg["type"] == "http.disconnect":
+        raise ClientGone()
+    first = msg.get("body", b"")
+    if not msg.get("more_body", False):
+        if len(first) > max_bytes:
+            raise _too_large(max_bytes)
+        return first
+    buf = bytearray(expect) if expect is not None else None     # uvicorn holds the body to its Content-Length
+    chunks = [] if buf is None else None
     n = 0
     while True:
-        msg = await receive()
         if msg["type"] == "http.disconnect":
             raise ClientGone()
         chunk = msg.get("body", b"")
         if chunk:
-            n += len(chunk)
-            if n > max_bytes:
-                raise PayloadTooLarge(f"the body exceeds the limit of {max_bytes} bytes; send fewer tokens per "
-                                      "request (split a prefill into chunks) or raise --max-body-bytes")
-            chunks.append(chunk)
+            end = n + len(chunk)
+            if end > max_bytes:
+                raise _too_large(max_bytes)
+            if buf is not None:
+                buf[n:end] = chunk
+            else:
+                chunks.append(chunk)
+            n = end
         if not msg.get("more_body", False):
             break
-    if len(chunks) == 1:
-        return chunks[0]
+        msg = await receive()
+    if buf is not None:
+        if n != len(buf):          # uvicorn ends a body at its Content-Length: shorter means it was cut
+            raise BadRequest(f"the body has {n} bytes but Content-Length says {len(buf)}")
+        return buf
     return b"".join(chunks)
 
 
-def parse_body(scope, body: bytes, max_bytes: int, max_objects: int) -> Any:
+def _too_large(max_bytes: int) -> PayloadTooLarge:
+    return PayloadTooLarge(f"the body exceeds the limit of {max_bytes} bytes; send fewer tokens per request (split "
+                           "a prefill into chunks) or raise --max-body-bytes")
+
+
+def parse_body(scope, body: bytes, max_bytes: int, max_objects: int, max_json_bytes: Optional[int] = None) -> Any:
     fmt = body_format(scope)
     if fmt == "json":
+        check_json_size(len(body), max_json_bytes)
         return wire.loads_json(body, max_objects)
     return wire.unpackb(body, max_bytes, max_objects)
+
+
+def check_json_size(n: int, max_json_bytes: Optional[int]) -> None:
+    """JSON is decoded in one C call that holds the interpreter (no other thread, the event loop included, runs
+    meanwhile): its size is bounded on its own, below ``max_body_bytes``."""
+    if max_json_bytes is not None and n > max_json_bytes:
+        raise PayloadTooLarge(f"the JSON body has {n} bytes, above the limit of {max_json_bytes} for JSON; send "
+                              f"tensors in msgpack ({wire.MEDIA_TYPE}), or raise --max-json-body-bytes")
 
 
 #: The fields each body may hold; any other field is a 400 that names it and lists these.

@@ -8,7 +8,10 @@ Invariants:
 * a session's results are sent in the order its frames arrived; results of different sessions are not ordered;
   a batch frame (``"sessions"``) is ordered with the frames of each of its sessions;
 * a bad frame (bad field, unknown session, engine error) is answered alone with an error frame, while a frame
-  that cannot be parsed ends the stream with a ``{"id": None, "error"}`` frame after every earlier result.
+  that cannot be parsed ends the stream with a ``{"id": None, "error"}`` frame after every earlier result;
+* answers released but not yet sent hold at most about ``stream_buffer_bytes``: past it the reader stops taking
+  frames until the client has read some (back-pressure through TCP), so a client that sends without reading
+  costs the server that much memory, not its whole stream.
 """
 
 from __future__ import annotations
@@ -70,6 +73,10 @@ class Pipeline:
         self.window_free = asyncio.Event()
         self.window_free.set()
         self.window = svc.settings.stream_window
+        self.buffer_cap = svc.settings.stream_buffer_bytes
+        self.buffered = 0                      # bytes of answers released and not yet sent
+        self.drained = asyncio.Event()         # set while ``buffered`` is within the cap
+        self.drained.set()
         self.ready_out: list = []
         self.outcomes: dict = {}
         self.latencies: list = []
@@ -126,6 +133,11 @@ class Pipeline:
             self.budget.count = 0
             if not self.add(obj):
                 return False
+            if self.buffered > self.buffer_cap:
+                self.drained.clear()
+                await self.drained.wait()     # back-pressure: read no more frames until the client reads
+                if self.closed:
+                    return False
             if len(self.inflight) >= self.window:
                 self.window_free.clear()
                 await self.window_free.wait()
@@ -241,6 +253,7 @@ class Pipeline:
                     elif qk is not q:
                         work.append(k)
                 self.ready_out.append(f.out)
+                self.buffered += len(f.out)
                 self.open -= 1
                 self.outcomes[f.code] = self.outcomes.get(f.code, 0) + 1
                 self.latencies.append(now - f.t0)
@@ -265,6 +278,7 @@ class Pipeline:
         for f in list(self.inflight):
             self.svc.engine.cancel(f.fut)
         self.window_free.set()
+        self.drained.set()
         self.event.set()
 
     def _flush_metrics(self) -> None:
@@ -288,6 +302,9 @@ class Pipeline:
                 self.ready_out = []
                 self._flush_metrics()
                 await send_data(data)
+                self.buffered -= len(data)
+                if self.buffered <= self.buffer_cap:
+                    self.drained.set()
                 if self.closed:
                     return
             if self.reader_done and self.open == 0:

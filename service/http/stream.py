@@ -45,7 +45,10 @@ class StreamEndpoint:
 
         async def send_data(data: bytes):
             try:
-                await send({"type": "http.response.body", "body": data, "more_body": True})
+                # a client that reads nothing for body_timeout_s ends the stream: returning with the response
+                # unfinished makes uvicorn close the connection (and log one line)
+                async with asyncio.timeout(svc.body_timeout):
+                    await send({"type": "http.response.body", "body": data, "more_body": True})
             except Exception:  # noqa: BLE001 - the client is gone (uvicorn raises on a closed connection)
                 p.cancel_all()
 

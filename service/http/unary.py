@@ -8,7 +8,7 @@ through :func:`.errors.send_error`.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from convserve.clients.protocol import wire
 from convserve.service.http.asgi import (MSGPACK_CT, ROUTE_SCOPE_KEY, ClientGone, client_gone, render, send_bytes,
@@ -84,8 +84,12 @@ class _UnaryEndpoint:
         self.engine = svc.engine
         self.parser = svc.parser
 
-    def submit(self, scope, obj: Any):
-        """Parse a decoded body and submit it; returns the engine's asyncio future."""
+    def parse(self, scope, body: bytes):
+        """The decoded and validated body: what :meth:`submit` takes (a parser thread may run this)."""
+        raise NotImplementedError
+
+    def submit(self, parsed):
+        """Submit a parsed body; returns the engine's asyncio future (on the loop)."""
         raise NotImplementedError
 
     async def __call__(self, scope, receive, send):
@@ -93,8 +97,8 @@ class _UnaryEndpoint:
         scope[ROUTE_SCOPE_KEY] = self.route
         try:
             svc.require_ready()
-            body = await read_body(scope, receive, svc.max_body)
-            fut = self.submit(scope, parse_body(scope, body, svc.max_body, svc.max_objects))
+            body = await read_body(scope, receive, svc.max_body, svc.body_timeout)
+            fut = self.submit(await svc.decode(len(body), self.parse, scope, body))
             y = await wait_result(self.engine, fut, receive)
             as_json = wants_json(scope)
             if as_json or y.nbytes < SPLIT_BYTES:
@@ -118,12 +122,17 @@ class ConvEndpoint(_UnaryEndpoint):
 
     route = "/v1/conv"
 
-    def submit(self, scope, obj: Any):
+    def parse(self, scope, body: bytes):
+        svc = self.svc
+        obj = parse_body(scope, body, svc.max_body, svc.max_objects, svc.max_json)
         if type(obj) is dict:   # X-Session-Id: stands in for a missing "session", 400 when it names another
             sid = merge_session(scope, obj.get("session") if type(obj.get("session")) is str else None)
             if sid is not None and "session" not in obj:
                 obj["session"] = sid
-        session, layer, x, spec, position = self.parser.conv(obj)
+        return self.parser.conv(obj)
+
+    def submit(self, parsed):
+        session, layer, x, spec, position = parsed
         return self.engine.submit_async(session, layer, x, speculative=spec, position=position)
 
 
@@ -133,6 +142,10 @@ class BatchEndpoint(_UnaryEndpoint):
 
     route = "/v1/conv/batch"
 
-    def submit(self, scope, obj: Any):
-        sessions, layer, x, tokens, spec, position = self.parser.batch(obj)
+    def parse(self, scope, body: bytes):
+        svc = self.svc
+        return self.parser.batch(parse_body(scope, body, svc.max_body, svc.max_objects, svc.max_json))
+
+    def submit(self, parsed):
+        sessions, layer, x, tokens, spec, position = parsed
         return self.engine.submit_batch_async(sessions, layer, x, tokens, spec, position)

@@ -45,7 +45,8 @@ class WebSocketEndpoint:
 
         async def send_data(data: bytes):
             try:
-                await send({"type": "websocket.send", "bytes": data})
+                async with asyncio.timeout(svc.body_timeout):   # a peer reading nothing that long is dropped
+                    await send({"type": "websocket.send", "bytes": data})
             except Exception:  # noqa: BLE001 - the peer is gone
                 p.cancel_all()
 

@@ -1,0 +1,153 @@
+"""Connection guards under uvicorn: a header-read timeout, a header size limit and a cap on open connections.
+
+uvicorn has a keep-alive timeout (between requests) but no timeout for a request's headers, and it counts its
+``limit_concurrency`` only once headers are complete, so connections that trickle header bytes (slowloris) stay
+open forever and pile up until the file descriptors run out. :func:`guarded_protocol` subclasses uvicorn's HTTP
+protocol (httptools, or h11 when httptools is not installed) with:
+
+* **header timeout**: a connection must complete a request's line and headers within ``header_timeout_s`` of
+  connecting (for its first request) or of the request's first byte (later requests; between requests
+  uvicorn's keep-alive timeout applies). Past it the connection gets ``408 header_timeout`` and is closed;
+* **header size**: more than ``max_header_bytes`` before the headers are complete is ``431`` and a close (httptools
+  itself sets no limit; h11 gets the same bound through ``h11_max_incomplete_event_size``);
+* **connection cap**: at most ``max_connections`` open connections in this process. A new connection above it
+  takes the place of the oldest connection that is idle or still sending headers (that one is closed): such a
+  connection holds no request, and under a slowloris flood they are the attacker's, so a health probe or a real
+  client still gets in. When every connection carries a request, the new one is answered ``503 over_capacity``
+  (with ``Retry-After``) and closed at once, so its descriptor is free again.
+
+Invariant: a connection whose request is in progress (headers complete, response not finished) is never closed
+by these guards; its body is bounded by ``body_timeout_s`` in :func:`.parse.read_body`. The cap and the state
+are per process: with several HTTP worker processes each applies its own cap.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Callable, Optional
+
+
+def _response(status: int, reason: bytes, code: str, message: str, retry_after: Optional[int] = None) -> bytes:
+    body = json.dumps({"error": {"code": code, "message": message}}).encode()
+    head = [b"HTTP/1.1 %d %s\r\n" % (status, reason), b"content-type: application/json\r\n",
+            b"content-length: %d\r\n" % len(body), b"connection: close\r\n"]
+    if retry_after is not None:
+        head.append(b"retry-after: %d\r\n" % retry_after)
+    return b"".join(head) + b"\r\n" + body
+
+
+def guarded_protocol(settings, on_close: Callable[[str], None] = lambda reason: None,
+                     base: Optional[type] = None) -> type:
+    """A subclass of uvicorn's HTTP protocol class applying ``settings``' connection limits (see the module
+    docstring); ``on_close(reason)`` counts each connection they close (``over_capacity``, ``replaced``,
+    ``header_timeout``, ``header_too_large``). ``base`` defaults to httptools' protocol when httptools is
+    installed, else h11's."""
+    if base is None:
+        try:
+            import httptools  # noqa: F401
+
+            from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+        except ImportError:  # pragma: no cover - uvicorn[standard] brings httptools
+            from uvicorn.protocols.http.h11_impl import H11Protocol as base
+
+    cap = settings.max_connections
+    header_timeout = settings.header_timeout_s
+    max_header = settings.max_header_bytes
+    # the connections that carry no request (idle, or still sending headers), oldest first (a dict keeps the
+    # insertion order): the ones a new connection above the cap may replace
+    idle: dict = {}
+    over_capacity = _response(503, b"Service Unavailable", "over_capacity",
+                              f"this server process holds its maximum of {cap} connections, all busy; retry "
+                              "shortly (or raise --max-connections)", retry_after=1)
+    timed_out = _response(408, b"Request Timeout", "header_timeout",
+                          f"the request's headers did not arrive within {header_timeout} s; send the request line "
+                          "and headers at once (or raise --header-timeout-s)")
+    too_large = _response(431, b"Request Header Fields Too Large", "header_too_large",
+                          f"the request line and headers exceed {max_header} bytes; send fewer or shorter headers "
+                          "(or raise --max-header-bytes)")
+
+    class GuardedProtocol(base):
+        _timer = None
+        _header_bytes = 0
+        _refused = False
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            # ``self.connections`` holds every open connection of this server (this one included); WebSockets
+            # too, which are never replaced: they carry a stream
+            if len(self.connections) > cap and not self._make_room():
+                self._refused = True
+                on_close("over_capacity")
+                self.connections.discard(self)
+                transport.write(over_capacity)
+                transport.close()
+                return
+            idle[self] = None
+            self._arm()
+
+        def _make_room(self) -> bool:
+            for victim in idle:
+                if victim is not self:
+                    on_close("replaced")
+                    victim._drop()
+                    victim.transport.close()
+                    return True
+            return False
+
+        def _arm(self) -> None:
+            if self._timer is None:
+                self._timer = self.loop.call_later(header_timeout, self._header_timeout)
+
+        def _disarm(self) -> None:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+
+        def _drop(self) -> None:
+            self._disarm()
+            idle.pop(self, None)
+
+        def _header_timeout(self) -> None:
+            self._timer = None
+            if self._in_request() or self.transport.is_closing():
+                return
+            on_close("header_timeout")
+            idle.pop(self, None)
+            self.transport.write(timed_out)
+            self.transport.close()
+
+        def _in_request(self) -> bool:
+            cycle = self.cycle
+            return cycle is not None and not cycle.response_complete
+
+        def data_received(self, data: bytes) -> None:
+            if self._refused:
+                return
+            super().data_received(data)
+            if self.transport.get_protocol() is not self:   # upgraded to a WebSocket: not ours any more
+                self._drop()
+            elif self._in_request():               # headers complete (the body, if any, is read_body's)
+                self._disarm()
+                self._header_bytes = 0
+                idle.pop(self, None)
+            elif not self.transport.is_closing():  # a request's headers, still incomplete
+                self._header_bytes += len(data)
+                if self._header_bytes > max_header:
+                    on_close("header_too_large")
+                    self._drop()
+                    self.transport.write(too_large)
+                    self.transport.close()
+                    return
+                self._arm()                        # the first byte of a request starts its header clock
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing() and not self._in_request():
+                idle[self] = None              # idle again: the keep-alive timeout runs, replaceable
+
+        def connection_lost(self, exc) -> None:
+            self._drop()
+            super().connection_lost(exc)
+
+    GuardedProtocol.__name__ = GuardedProtocol.__qualname__ = f"Guarded{base.__name__}"
+    return GuardedProtocol
