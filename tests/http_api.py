@@ -20,10 +20,12 @@ LAYERS = [0, 2, 5]
 DIM, WIDTH = 32, 4
 MAX_TOKENS = 256
 MAX_BODY = 1 << 20
+#: room for every test module sharing the server (and the fuzz's creates, which it deletes)
+SLOTS = 1024
 MP = {"content-type": wire.MEDIA_TYPE, "accept": wire.MEDIA_TYPE}
 ATOL, RTOL = 1e-6, 1e-5
 SERVER_ARGS = ["--layers", "0,2,5", "--dim", str(DIM), "--width", str(WIDTH), "--dtype", "float32",
-               "--slots", "256", "--max-tokens-per-request", str(MAX_TOKENS), "--max-body-bytes", str(MAX_BODY),
+               "--slots", str(SLOTS), "--max-tokens-per-request", str(MAX_TOKENS), "--max-body-bytes", str(MAX_BODY),
                "--max-batch-tokens", "1024", "--max-queue-delay-us", "500", "--stream-window", "32"]
 
 

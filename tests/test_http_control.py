@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from convserve.clients.protocol import wire
-from tests.http_api import DIM, LAYERS, WIDTH, assert_close, model, rand_x
+from tests.http_api import DIM, LAYERS, SLOTS, WIDTH, assert_close, model, rand_x
 from tests.live import Reference
 
 
@@ -21,8 +21,8 @@ def test_health_ready_and_model_describe_the_served_model(server, api):
     assert info["layers"] == LAYERS and info["dim"] == DIM and info["width"] == WIDTH
     assert info["dtype"] == "float32" and info["state_dtype"] == "float32"
     engines = info.get("engines", [{"slots": info["slots"]}])      # engine processes: each reports its slots
-    assert [e["slots"]["total"] for e in engines] == [256] * len(engines)
-    assert info["slots"]["total"] == 256 * len(engines)
+    assert [e["slots"]["total"] for e in engines] == [SLOTS] * len(engines)
+    assert info["slots"]["total"] == SLOTS * len(engines)
     assert 0 <= info["slots"]["free"] <= info["slots"]["total"]
     assert info["slots"]["free"] == sum(e["slots"]["free"] for e in engines)
 

@@ -117,8 +117,10 @@ def guarded_protocol(settings, on_close: Callable[[str], None] = lambda reason: 
             self.transport.close()
 
         def _in_request(self) -> bool:
+            # a request's headers are complete until its answer is sent and its body fully read: the rest of a
+            # body refused early (413 on its length) is not the next request's headers
             cycle = self.cycle
-            return cycle is not None and not cycle.response_complete
+            return cycle is not None and (not cycle.response_complete or cycle.more_body)
 
         def data_received(self, data: bytes) -> None:
             if self._refused:
