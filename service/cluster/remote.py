@@ -37,7 +37,7 @@ from convserve.clients.protocol.errors import BadRequest, EngineUnavailable, Not
 from . import messages as m
 from .placement import engine_of, new_id_on, split
 from .shm import Arena
-from .status import DOWN, STARTING, UP, StatusTable
+from .status import DOWN, UP, StatusTable
 
 log = logging.getLogger("convserve.worker")
 
@@ -183,7 +183,7 @@ class RemoteEngine:
         """The epoch of engine ``e`` if it is up, else :class:`EngineUnavailable` / :class:`NotReady`."""
         state, epoch = self.status.state(e)
         if state != UP:
-            if state in (DOWN, STARTING) and self.status.row(e).restarts > 0 or state == DOWN:
+            if state == DOWN or self.status.row(e).restarts > 0:     # died, or its successor is warming up
                 raise EngineUnavailable(f"engine {e} ({self.devices[e]}), which holds this session, is down and "
                                         "restarting; its sessions' state is lost (they answer 410 state_lost once "
                                         "it is back): retry, then create the session again", retry_after=2)
