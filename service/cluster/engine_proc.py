@@ -94,7 +94,8 @@ class EngineProcess:
         self.journal = Journal(os.path.join(self.run_dir, f"engine-{self.index}.journal"))
         self.inflight: dict = {}          # (worker identity, request id) -> engine future
         self.pool = cf.ThreadPoolExecutor(max_workers=8, thread_name_prefix="convserve-op")
-        self.outbox: collections.deque = collections.deque()    # replies of other threads, sent by the pump
+        self.outbox: collections.deque = collections.deque()    # (worker identity, reply, data frame or None)
+        self._packer = msgpack.Packer(use_bin_type=True)         # used by the worker thread only
         self.pump_ident: Optional[int] = None
         self._journal_lock = threading.Lock()
 
@@ -166,7 +167,8 @@ class EngineProcess:
         self.ctx.term()
 
     def _pump(self, timeout: float) -> None:
-        """The engine's worker thread, between steps: send what other threads queued, handle what arrived."""
+        """The engine's worker thread, between steps: send what is queued, handle what arrived, send the answers
+        that produced."""
         import zmq
 
         if timeout > 0 and not self.outbox:
@@ -183,11 +185,12 @@ class EngineProcess:
             try:
                 frames = recv(zmq.NOBLOCK)
             except zmq.Again:
-                return
+                break
             try:
                 self._handle(frames)
             except Exception:  # noqa: BLE001 - a bad message must not stop the engine
                 log.exception("engine: cannot handle a message")
+        self._flush()
 
     def _wake(self) -> None:
         try:
@@ -196,35 +199,49 @@ class EngineProcess:
             pass
 
     def _flush(self) -> None:
-        out, send = self.outbox, self.sock.send_multipart
+        """Send the queued answers: one message per worker for all of its answers without a data frame (a step's
+        answers to one worker cost one send, not one each), and each answer with a data frame on its own."""
+        out, send, pack = self.outbox, self.sock.send_multipart, self._packer.pack
+        if not out:
+            return
+        grouped: dict = {}
         while out:
-            send(out.popleft(), copy=False)
+            ident, reply, data = out.popleft()
+            if data is None:
+                grouped.setdefault(ident, []).append(reply)
+            else:
+                send([ident, pack(reply), data], copy=False)
+        for ident, replies in grouped.items():
+            send([ident, pack(replies[0] if len(replies) == 1 else replies)], copy=False)
 
     def _send(self, ident: bytes, reply: dict, data: Optional[Any] = None) -> None:
-        """Send from the worker thread (the socket's owner); other threads queue and wake it."""
-        frames = [ident, msgpack.packb(reply, use_bin_type=True)]
-        if data is not None:
-            frames.append(data)
-        if threading.get_ident() == self.pump_ident:
-            self.sock.send_multipart(frames, copy=False)
-        else:
-            self.outbox.append(frames)
+        """Queue an answer. The worker thread (the socket's owner) sends the queue when it next pumps, which it
+        does after every step and after handling what arrived; other threads wake it."""
+        self.outbox.append((ident, reply, data))
+        if threading.get_ident() != self.pump_ident:
             self._wake()
 
     def _handle(self, frames: list) -> None:
         ident, head = frames[0], msgpack.unpackb(frames[1], raw=False)
+        if isinstance(head, list):                  # a worker's requests of one tick, none with a data frame
+            for h in head:
+                self._handle_one(ident, h, None)
+        else:
+            self._handle_one(ident, head, frames[2] if len(frames) > 2 else None)
+
+    def _handle_one(self, ident: bytes, head: dict, data) -> None:
         if head.get("e") != self.epoch:
             return                  # sent to an earlier process of this engine; its sender already failed it
         kind, mid = head["k"], head["i"]
         try:
             if kind == m.CONV or kind == m.BATCH:
-                self._conv(ident, head, frames)
+                self._conv(ident, head, data)
             elif kind == m.CANCEL:
                 fut = self.inflight.get((ident, mid))
                 if fut is not None:
                     self.engine.cancel(fut)
             elif kind == m.OP:
-                self._op(ident, head, frames)
+                self._op(ident, head, data)
             elif kind == m.CHECK:
                 ok = None
                 if head["f"] == "batch":
@@ -240,7 +257,7 @@ class EngineProcess:
         except Exception as e:  # noqa: BLE001 - answered to the worker, which raises it to its caller
             self._send(ident, m.error_reply(mid, e))
 
-    def _conv(self, ident: bytes, head: dict, frames: list) -> None:
+    def _conv(self, ident: bytes, head: dict, data) -> None:
         import torch
 
         dtype = getattr(torch, head["d"])
@@ -251,7 +268,7 @@ class EngineProcess:
             off = head["o"]
             block = torch.from_numpy(base[off:off + nbytes])
         else:
-            block = torch.frombuffer(bytearray(frames[2]), dtype=torch.uint8)
+            block = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         x = block.view(dtype).view(rows, dim)
         if head["k"] == m.CONV:
             fut = self.engine.submit(head["s"], head["l"], x, speculative=head["sp"], position=head.get("po"))
@@ -278,12 +295,12 @@ class EngineProcess:
         else:
             self._send(ident, {"i": mid, "ok": True}, memoryview(block.numpy()))
 
-    def _op(self, ident: bytes, head: dict, frames: list) -> None:
+    def _op(self, ident: bytes, head: dict, data) -> None:
         name, args = head["f"], list(head.get("a") or ())
         if name not in m.OPS:
             raise BadRequest(f"unknown session operation {name!r}")
         if name in ("import_state", "create_with_state"):
-            args.append(self._state_of(head, frames[2]))
+            args.append(self._state_of(head, data))
         fut = self.pool.submit(getattr(self, "_op_" + name, None) or getattr(self.engine, name), *args)
         fut.add_done_callback(lambda f: self._op_done(ident, head, f))
 

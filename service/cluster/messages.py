@@ -5,7 +5,8 @@ block (``a`` arena file, ``o`` offset). Only when no block was free does a tenso
 frame. Every request carries the engine ``epoch`` the worker believes it talks to; an engine drops a request of
 another epoch (it was queued for a process that died), so nothing sent to a dead engine runs on its successor.
 
-Worker -> engine, first frame a map with ``k`` (kind), ``i`` (request id, per worker) and ``e`` (epoch):
+Worker -> engine, first frame a map with ``k`` (kind), ``i`` (request id, per worker) and ``e`` (epoch), or a list
+of such maps (the requests of one tick of the worker's loop, none with a data frame):
 
 =====  =========================================================================================================
 ``c``  conv: ``s`` session, ``l`` layer, ``sp`` speculative, ``po`` position or None, ``d`` dtype, ``n`` rows;
@@ -20,7 +21,9 @@ Worker -> engine, first frame a map with ``k`` (kind), ``i`` (request id, per wo
 =====  =========================================================================================================
 
 Engine -> worker: ``{"i", "ok": result}`` or ``{"i", "err": code, "m": message, "ra": retry_after, "x": extra}``
-(``x``, the error's extra fields such as a :class:`PositionMismatch`'s ``position``, only when it has some).
+(``x``, the error's extra fields such as a :class:`PositionMismatch`'s ``position``, only when it has some); an
+answer with a data frame (an inline y, a state, the weights) comes alone, and the answers without one that are
+ready together (a step's) come as one message whose first frame is a list of such maps.
 """
 
 from __future__ import annotations

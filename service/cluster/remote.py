@@ -66,6 +66,7 @@ class _Link:
         self.channel = None         # the DEALER socket on this worker's loop
         self.epoch = 0
         self.pending: dict[int, _Pending] = {}
+        self.outq: list = []          # requests without a data frame, sent together at the end of the loop's tick
 
 
 class RemoteEngine:
@@ -222,6 +223,13 @@ class RemoteEngine:
 
     def _on_reply(self, link: _Link, frames: list) -> None:
         head = msgpack.unpackb(frames[0], raw=False, strict_map_key=False)
+        if isinstance(head, list):                              # several answers of one engine step
+            for h in head:
+                self._on_answer(link, h, None)
+        else:
+            self._on_answer(link, head, frames[1] if len(frames) > 1 else None)
+
+    def _on_answer(self, link: _Link, head: dict, data) -> None:
         p = link.pending.pop(head["i"], None)
         if p is None or p.fut.done():
             return
@@ -230,18 +238,29 @@ class RemoteEngine:
         elif head.get("cancelled"):
             p.fut.cancel()
         elif p.dtype is None:                                   # a call: (reply, data frame)
-            p.fut.set_result((head, frames[1] if len(frames) > 1 else None))
+            p.fut.set_result((head, data))
         else:                                                   # a conv: y over x's block, or inline
-            buf = torch.from_numpy(p.lease) if p.lease is not None else torch.frombuffer(bytearray(frames[1]),
+            buf = torch.from_numpy(p.lease) if p.lease is not None else torch.frombuffer(bytearray(data),
                                                                                          dtype=torch.uint8)
             p.lease = None
             p.fut.set_result(buf.view(p.dtype).view(p.shape))
 
     def _send(self, link: _Link, head: dict, data=None) -> None:
-        frames = [self._packer.pack(head)]
-        if data is not None:
-            frames.append(data)
-        link.channel.send(frames)
+        """Send to an engine in order. The requests of one tick of the loop (the convs of every connection that
+        had input) go as one message; a request with a data frame goes alone, after what is queued before it."""
+        if data is None:
+            if not link.outq:
+                self.loop.call_soon(self._flush, link)
+            link.outq.append(head)
+            return
+        self._flush(link)
+        link.channel.send([self._packer.pack(head), data])
+
+    def _flush(self, link: _Link) -> None:
+        q = link.outq
+        if q:
+            link.outq = []
+            link.channel.send([self._packer.pack(q[0] if len(q) == 1 else q)])
 
     # ------------------------------------------------------------------ convs (event loop)
 
