@@ -140,6 +140,8 @@ class EngineCollector(Collector):
         "step_time_s": ("convserve_engine_step_seconds", "counter", "Time spent in engine steps (host + device)"),
         "host_time_s": ("convserve_engine_host_seconds", "counter", "Host time of engine steps (packing, launch)"),
         "requests_failed": ("convserve_engine_requests_failed", "counter", "Requests failed while running"),
+        "sessions_dropped": ("convserve_engine_sessions_dropped", "counter",
+                             "Sessions dropped because a failed step may have written their state"),
         "requests_cancelled": ("convserve_engine_requests_cancelled", "counter",
                                "Requests withdrawn before they started (client gone, cancel)"),
         "requests_expired": ("convserve_engine_requests_expired", "counter",

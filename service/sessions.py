@@ -98,6 +98,10 @@ class SessionTable:
         raise UnknownSession(f"session {session_id!r:.80} does not exist (never created, or deleted); create it "
                              "with POST /v1/sessions")
 
+    def find(self, session_id: str) -> Optional[Session]:
+        """The live session of that id, or None."""
+        return self._live.get(session_id)
+
     def check_free(self, session_id: str) -> None:
         if session_id in self._live:
             raise SessionExists(f"session {session_id!r} already exists; pick another id or omit it")

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from convserve.clients.protocol import wire
-from convserve.clients.protocol.errors import Internal, OutOfMemory
-from tests.engine_support import DIM, LAYERS, make_engine
+from convserve.clients.protocol.errors import Internal, OutOfMemory, StateLost
+from tests.engine_support import DIM, LAYERS, gate_worker, make_engine
 
 FAULTS = {
     "raises": (lambda: ValueError("injected kernel failure"), Internal, 500, "internal"),
@@ -111,3 +111,91 @@ def test_an_engine_fault_over_http_is_its_status_and_the_next_request_succeeds(m
     r = httpx.post(url + "/v1/conv", headers=mp, content=body)
     assert r.status_code == 200
     assert httpx.get(url + "/readyz").status_code == 200
+
+
+def _fail_after_launch(monkeypatch, engine, make_exc, nth: int = 1):
+    """The runner's ``nth`` step from now raises ``make_exc()`` after its kernels ran (in its copy-out); the
+    other steps run."""
+    real = engine._runner._copy_out
+    calls = {"n": 0}
+
+    def copy_out(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == nth:
+            raise make_exc()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine._runner, "_copy_out", copy_out)
+
+
+def _step_requests(e, kind: str, sessions: list, layer: int) -> list:
+    """The failing step's requests: a prefill or a decode of each session, or one batch of all of them."""
+    if kind == "batch":
+        return [e.submit_batch(sessions, layer, torch.randn(len(sessions), DIM))]
+    return [e.submit(s, layer, torch.randn(3 if kind == "prefill" else 1, DIM)) for s in sessions]
+
+
+@pytest.mark.parametrize("fault", ["raises", "cuda-oom"])
+@pytest.mark.parametrize("kind", ["prefill", "decode", "batch"])
+def test_a_step_that_fails_after_its_kernels_started_drops_its_sessions_as_state_lost(monkeypatch, kind, fault):
+    make_exc, cls, status, _code = FAULTS[fault]
+    e = make_engine()
+    try:
+        a, b, bystander = (e.create_session() for _ in range(3))
+        layer = LAYERS[0]
+        if kind != "prefill":
+            for s in (a, b):
+                e.submit(s, layer, torch.randn(3, DIM)).result(10)
+        e.submit(bystander, layer, torch.randn(3, DIM)).result(10)
+        kept = e.export_state(bystander)
+        free = e.stats()["slots_free"]
+        go, entered = gate_worker(e)
+        held = e.submit(bystander, LAYERS[1], torch.randn(2, DIM))     # the held step: runs normally
+        assert entered.wait(10)
+        _fail_after_launch(monkeypatch, e, make_exc, nth=2)             # the held step is the first
+        failing = _step_requests(e, kind, [a, b], layer)
+        behind = e.submit(a, layer, torch.randn(1, DIM))                # queued behind the failing step
+        go.set()
+        assert held.result(10).shape == (2, DIM)
+        for f in failing:
+            with pytest.raises(cls) as err:
+                f.result(10)
+            assert err.value.status == status and "dropped" in err.value.message
+        with pytest.raises(StateLost):
+            behind.result(10)
+        for s in (a, b):                                                # every entry point: 410 with the reason
+            for call in (lambda: e.submit(s, layer, torch.randn(1, DIM)), lambda: e.export_state(s),
+                         lambda: e.fork_session(s), lambda: e.session_info(s)):
+                with pytest.raises(StateLost, match="failed"):
+                    call()
+        st = e.stats()
+        assert st["sessions_dropped"] == 2 and st["slots_free"] == free + 2
+        assert torch.equal(e.export_state(bystander)[0], kept[0])       # a session of another step: untouched
+        assert e.submit(bystander, layer, torch.randn(1, DIM)).result(10).shape == (1, DIM)
+        assert e.create_session(a) == a                                 # the id can be created again
+    finally:
+        e.stop(drain=False)
+
+
+def test_a_step_that_fails_before_its_kernels_changes_nothing_and_a_retry_applies_once(monkeypatch):
+    e = make_engine()
+    ref = make_engine()
+    try:
+        a = e.create_session()
+        r = ref.create_session()
+        layer = LAYERS[0]
+        x0, x1 = torch.randn(3, DIM), torch.randn(1, DIM)
+        for eng, s in ((e, a), (ref, r)):
+            eng.submit(s, layer, x0).result(10)
+        _fail_first_step(monkeypatch, e, FAULTS["raises"][0])
+        with pytest.raises(Internal) as err:
+            e.submit(a, layer, x1).result(10)
+        assert "dropped" not in err.value.message
+        assert e.session_info(a)["positions"][0] == 3                  # its token given back
+        y = e.submit(a, layer, x1).result(10)                          # the retry
+        assert torch.equal(y, ref.submit(r, layer, x1).result(10))
+        assert torch.equal(e.export_state(a), ref.export_state(r))
+        assert e.stats()["sessions_dropped"] == 0
+    finally:
+        e.stop(drain=False)
+        ref.stop(drain=False)

@@ -276,6 +276,7 @@ class Engine(Intake, SessionOps, Positions, Worker):
                 "requests_cancelled": st.get("cancelled", 0),
                 "requests_expired": st.get("expired", 0),
                 "sessions_evicted": st.get("evicted", 0),
+                "sessions_dropped": st.get("sessions_dropped", 0),
                 "answers_kept": len(self._answers),
                 "decode_rows": st.get("decode_rows", 0),
                 "batch_requests": st.get("batches", 0),

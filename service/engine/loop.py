@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from convserve.clients.protocol.errors import Internal, OutOfMemory, RequestTimeout
+from convserve.clients.protocol.errors import Internal, OutOfMemory, RequestTimeout, StateLost
 
 from ..scheduler import SchedulerOutput
 from .outputs import deliver, deliver_step
@@ -28,6 +28,33 @@ log = logging.getLogger("convserve.engine")
 STEP_FIELDS = ("rows", "tokens", "host_s", "kernel_s", "wall_s", "sched_s", "launch_s", "deliver_s")
 #: batch-size histogram buckets of stats()["batch_size"]
 BATCH_HIST = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def written_sessions(out: SchedulerOutput, launched: bool) -> list:
+    """The sessions whose committed state a failed step may have changed: with ``launched``, those of its prefill
+    and decode rows (a verify writes no state); in any case those of prefill rows continuing a chunked prefill
+    whose earlier chunks ran (a failed request gives back all its tokens, not only this chunk's)."""
+    seen: dict = {}
+    for b in out.prefills:
+        for r, start in zip(b.requests, b.starts):
+            if launched or (r.batch is None and start > 0):     # a batch is never chunked
+                if r.batch is None:
+                    seen[id(r.session)] = r.session
+                else:
+                    for s, _a, _k in r.batch.prefill or ():
+                        seen[id(s)] = s
+    if launched:
+        for b in out.decodes:
+            for r in b.requests:
+                if r.batch is None:
+                    seen[id(r.session)] = r.session
+                else:
+                    spec = {id(s) for s, _a, _k in r.batch.verify or ()}
+                    pre = {id(s) for s, _a, _k in r.batch.prefill or ()}
+                    for s in r.batch.sessions:
+                        if id(s) not in spec and id(s) not in pre:
+                            seen[id(s)] = s
+    return list(seen.values())
 
 
 def step_error(e: BaseException):
@@ -131,6 +158,7 @@ class Worker:
         """Run one step: the runner executes it, then its results go to their callers and its stats are
         recorded; a failure fails this step's requests, not the engine."""
         t0 = time.perf_counter_ns()
+        self._runner.state_written = False
         try:
             host_out, by_position, t_launch, t_sync, kernel_ns, padded = self._runner.execute(out)
         except Exception as e:  # noqa: BLE001 - a kernel failure fails this step's requests, not the engine
@@ -151,20 +179,51 @@ class Worker:
                 release_batch(r, now)
 
     def _fail_step(self, out: SchedulerOutput, e: Exception) -> None:
+        """Fail the step's requests. A step that failed before its launches changed no state: its requests give
+        their tokens back, and a retry applies them once. One that failed later may have written some of its
+        rows' states: those sessions are dropped (their ids answer ``410 state_lost``, their queued requests and
+        operations fail with it), so no client goes on from a state nobody knows."""
         log.exception("engine step %d failed", out.step)
         if not self._runner.synchronize_after_failure():
             log.error("the device is in an error state after step %d; the engine is no longer ready "
                       "(restart the process)", out.step)
             self._ready = False
         err = step_error(e)
-        done = [r for b in (*out.prefills, *out.decodes, *out.verifies) for r in b.requests]
+        done = set(r for b in (*out.prefills, *out.decodes, *out.verifies) for r in b.requests)
         with self._lock:
-            for r in set(done):
+            lost = written_sessions(out, self._runner.state_written)      # read before the retire below
+            for r in done:
                 if not r.done:
                     self._sched.abort(r)
                     self._retire_locked(r, ok=False)
-            self._st["failed"] += len(set(done))
-        deliver([(r, None, err) for r in set(done)])
+            self._st["failed"] += len(done)
+        if lost:
+            err.message += (f"; the step may have written the state of session(s) "
+                            f"{', '.join(repr(s.id) for s in lost[:8])}{' ...' if len(lost) > 8 else ''}, which "
+                            "were dropped (410 state_lost from now on): create them again")
+            self._drop_sessions(lost, f"was dropped: engine step {out.step}, which held its conv, failed "
+                                      f"({type(e).__name__}) after its kernels started, so its state is unknown")
+        deliver([(r, None, err) for r in done])
+
+    def _drop_sessions(self, sessions: list, why: str) -> None:
+        """Remove live sessions whose state is unknown: slots freed, ids remembered as lost with ``why``, their
+        queued requests failed with :class:`StateLost` (their operations fail when they come to run)."""
+        failed = []
+        with self._lock:
+            for s in sessions:
+                if self._sessions.find(s.id) is not s:
+                    continue                          # deleted (or deleted and re-created) meanwhile
+                self._sessions.remove(s)
+                self._sessions.mark_lost([s.id], why)
+                queued = [r for r in s.queue if not r.done and self._sched.abort(r)]
+                for r in queued:
+                    self._retire_locked(r, ok=False)
+                failed += [(r, s.id) for r in queued]
+                self._forget_locked(s)
+                self.pool.free(s.slot)
+            self._st["sessions_dropped"] = self._st.get("sessions_dropped", 0) + len(sessions)
+        log.error("dropped %d session(s) whose state a failed step may have written", len(sessions))
+        deliver([(r, None, StateLost(f"session {sid!r} {why}; create it again")) for r, sid in failed])
 
     def _record_step(self, out: SchedulerOutput, sched_ns: int, t0: int, t_launch: int, t_sync: int, t3: int,
                      kernel_ns, padded: int) -> None:

@@ -40,6 +40,7 @@ class Runner:
         """``model``: the model on ``device``; ``pool``: its state pool; ``config``: the :class:`EngineConfig`."""
         cfg = config
         self.model, self.pool, self.config, self.device = model, pool, cfg, device
+        self.state_written = False   # the current step has reached its launches (the worker resets it per step)
         cuda = device.type == "cuda"
         # per layer position, what a launch takes: (weight, bias or None, the pool's (slots + 1, dim, W - 1) view)
         self.layer_args = [(model.weight[p], model.layer_bias(p), pool.layer(p)) for p in range(model.n_layers)]
@@ -224,6 +225,7 @@ class Runner:
         offs = self._pack_tokens(out) if out.packed_tokens else None
         mixed, slot_of, n_slot = self._pack_decodes(out.decodes)
         t_k0 = time.perf_counter_ns()
+        self.state_written = True             # from here on the pool's state may change (see Worker._fail_step)
         timed = self._launch(out, mixed, slot_of, offs)
         host_out, n_dec = self._copy_out(out, mixed, slot_of, n_slot)
         t_launch = time.perf_counter_ns()
