@@ -89,3 +89,75 @@ def test_output_ring_hands_out_a_buffer_again_only_when_nothing_refers_to_it():
         assert all(t.data_ptr() != ptr for t in got), kind
         del got, held
         assert any(ring.take(4).data_ptr() == ptr for _ in range(2)), f"{kind}: the buffer did not come back"
+
+
+class _Sink:
+    """What an engine-process caller passes to ``submit_to``: a result or an error, once."""
+
+    def __init__(self):
+        self.calls = []
+
+    def set_result(self, y):
+        self.calls.append(("y", y.clone()))
+
+    def set_exception(self, err):
+        self.calls.append(("err", err))
+
+    def done(self):
+        return bool(self.calls)
+
+
+def _wait(sink, timeout=5.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not sink.calls and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return sink.calls
+
+
+def test_a_sink_gets_each_result_once_and_a_withdrawn_request_never_reaches_it():
+    from convserve.clients.protocol.errors import UnknownSession
+    from tests.engine_support import gate_worker
+
+    e = make_engine()
+    try:
+        oracle = Oracle(e.model_cpu, e.state_dtype)
+        a = e.create_session()
+        oracle.new(a)
+        for t in (3, 1, 1):                                   # a prefill, then decodes, each to its own sink
+            x = torch.randn(t, DIM)
+            sink = _Sink()
+            assert e.submit_to(sink, a, LAYERS[0], x) is not None
+            (kind, y), = _wait(sink)
+            assert kind == "y"
+            assert_close(y, oracle.conv(a, 0, x))
+        b = e.create_session()
+        oracle.new(b)
+        sink = _Sink()
+        e.submit_batch_to(sink, [a, b], LAYERS[1], torch.randn(2, DIM))
+        (kind, y), = _wait(sink)
+        assert kind == "y" and y.shape == (2, DIM)
+        go, entered = gate_worker(e)                          # hold the worker: the next request stays queued
+        held = _Sink()
+        e.submit_to(held, b, LAYERS[0], torch.randn(1, DIM))
+        assert entered.wait(5)
+        sink = _Sink()
+        req = e.submit_to(sink, a, LAYERS[2], torch.randn(1, DIM))
+        positions = e.session_info(a)["positions"]
+        assert e.withdraw(req) and not e.withdraw(req)
+        assert e.session_info(a)["positions"][2] == positions[2] - 1      # its token given back
+        go.set()
+        assert _wait(held)[0][0] == "y"
+        assert sink.calls == []
+        gone = _Sink()
+        e.submit_to(gone, a, LAYERS[0], torch.randn(1, DIM))
+        e.delete_session(a)                                   # runs after it: the conv still gets its answer
+        assert _wait(gone)[0][0] == "y"
+        try:
+            e.submit_to(_Sink(), a, LAYERS[0], torch.randn(1, DIM))
+            raise AssertionError("a deleted session accepted a conv")
+        except UnknownSession:
+            pass
+    finally:
+        e.stop(drain=False)

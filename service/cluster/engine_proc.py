@@ -92,7 +92,7 @@ class EngineProcess:
         self.arenas = ArenaMap(self.run_dir)
         self.status = StatusTable(os.path.join(self.run_dir, "status"))
         self.journal = Journal(os.path.join(self.run_dir, f"engine-{self.index}.journal"))
-        self.inflight: dict = {}          # (worker identity, request id) -> engine future
+        self.inflight: dict = {}          # (worker identity, request id) -> its _Answer
         self.pool = cf.ThreadPoolExecutor(max_workers=8, thread_name_prefix="convserve-op")
         self.outbox: collections.deque = collections.deque()    # (worker identity, reply, data frame or None)
         self._packer = msgpack.Packer(use_bin_type=True)         # used by the worker thread only
@@ -134,6 +134,10 @@ class EngineProcess:
         self.poller = zmq.Poller()
         self.poller.register(sock, zmq.POLLIN)
         self.poller.register(self.wake_r, zmq.POLLIN)
+        import torch
+
+        self.dtypes = {n: getattr(torch, n) for n in ("bfloat16", "float16", "float32", "float64", "int8", "int16",
+                                                      "int32", "int64", "uint8", "bool")}
         self.engine.set_pump(self._pump, self._wake)
         self.engine.start()
         self.pump_ident = self.engine._thread.ident
@@ -237,9 +241,7 @@ class EngineProcess:
             if kind == m.CONV or kind == m.BATCH:
                 self._conv(ident, head, data)
             elif kind == m.CANCEL:
-                fut = self.inflight.get((ident, mid))
-                if fut is not None:
-                    self.engine.cancel(fut)
+                self._cancel(ident, mid)
             elif kind == m.OP:
                 self._op(ident, head, data)
             elif kind == m.CHECK:
@@ -260,40 +262,50 @@ class EngineProcess:
     def _conv(self, ident: bytes, head: dict, data) -> None:
         import torch
 
-        dtype = getattr(torch, head["d"])
+        dtype = self.dtypes.get(head["d"]) or getattr(torch, head["d"])
         rows, dim = head["n"], self.engine.model_cpu.dim
-        nbytes = rows * dim * dtype.itemsize
         if "a" in head:
-            base = self.arenas.get(head["a"])
             off = head["o"]
-            block = torch.from_numpy(base[off:off + nbytes])
+            block = self.arenas.tensor(head["a"])[off:off + rows * dim * dtype.itemsize]
         else:
             block = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         x = block.view(dtype).view(rows, dim)
-        if head["k"] == m.CONV:
-            fut = self.engine.submit(head["s"], head["l"], x, speculative=head["sp"], position=head.get("po"))
-        else:
-            fut = self.engine.submit_batch(head["ss"], head["l"], x, head.get("t"), head.get("sp"), head.get("po"))
-        key = (ident, head["i"])
-        self.inflight[key] = fut
-        fut.add_done_callback(lambda f: self._conv_done(key, block, "a" in head, f))
+        ans = _Answer(self, ident, head["i"], block, "a" in head)
+        key = (ident, ans.mid)
+        self.inflight[key] = ans             # before the submit: a repeat is answered within it
+        try:
+            if head["k"] == m.CONV:
+                ans.req = self.engine.submit_to(ans, head["s"], head["l"], x, head["sp"], head.get("po"),
+                                                head.get("ck", False))
+            else:
+                ans.req = self.engine.submit_batch_to(ans, head["ss"], head["l"], x, head.get("t"), head.get("sp"),
+                                                      head.get("po"), head.get("ck", False))
+        except BaseException:
+            self.inflight.pop(key, None)
+            raise
 
-    def _conv_done(self, key, block, in_arena: bool, fut) -> None:
-        ident, mid = key
-        self.inflight.pop(key, None)
-        if fut.cancelled():
+    def _cancel(self, ident: bytes, mid: int) -> None:
+        ans = self.inflight.get((ident, mid))
+        if ans is not None and not ans.finished and self.engine.withdraw(ans.req):
+            ans.finished = True
+            self.inflight.pop((ident, mid), None)
             self._send(ident, {"i": mid, "cancelled": True})
+
+    def _answered(self, ans: "_Answer", y, err) -> None:
+        """A request's result (any thread): y written over x's block, the reply queued."""
+        if ans.finished:
             return
-        exc = fut.exception()
-        if exc is not None:
-            self._send(ident, m.error_reply(mid, exc))
+        ans.finished = True
+        self.inflight.pop((ans.ident, ans.mid), None)
+        if err is not None:
+            self._send(ans.ident, m.error_reply(ans.mid, err))
             return
-        y = fut.result().contiguous()
+        block = ans.block
         block.view(y.dtype).view(y.shape).copy_(y)    # y has x's shape and dtype: it fits x's block exactly
-        if in_arena:
-            self._send(ident, {"i": mid, "ok": True})
+        if ans.in_arena:
+            self._send(ans.ident, {"i": ans.mid, "ok": True})
         else:
-            self._send(ident, {"i": mid, "ok": True}, memoryview(block.numpy()))
+            self._send(ans.ident, {"i": ans.mid, "ok": True}, memoryview(block.numpy()))
 
     def _op(self, ident: bytes, head: dict, data) -> None:
         name, args = head["f"], list(head.get("a") or ())
@@ -365,6 +377,27 @@ class EngineProcess:
         except BaseException:
             self.engine.delete_session(session_id)
             raise
+
+
+class _Answer:
+    """The sink the engine delivers one worker request's result to (:meth:`Engine.submit_to`): no future per
+    request on the engine's one thread."""
+
+    __slots__ = ("proc", "ident", "mid", "block", "in_arena", "req", "finished")
+
+    def __init__(self, proc: EngineProcess, ident: bytes, mid: int, block, in_arena: bool):
+        self.proc, self.ident, self.mid, self.block, self.in_arena = proc, ident, mid, block, in_arena
+        self.req = None
+        self.finished = False
+
+    def set_result(self, y) -> None:
+        self.proc._answered(self, y, None)
+
+    def set_exception(self, err) -> None:
+        self.proc._answered(self, None, err)
+
+    def done(self) -> bool:
+        return self.finished
 
 
 def main(spec: dict) -> None:

@@ -10,7 +10,8 @@ of such maps (the requests of one tick of the worker's loop, none with a data fr
 
 =====  =========================================================================================================
 ``c``  conv: ``s`` session, ``l`` layer, ``sp`` speculative, ``po`` position or None, ``d`` dtype, ``n`` rows;
-       x in the arena (``a``, ``o``) or inline (second frame). Reply: ``ok``, y written over x's block (or inline)
+       x in the arena (``a``, ``o``) or inline (second frame); ``ck`` true: x is in the model dtype and finite
+       (the worker cast and checked it). Reply: ``ok``, y written over x's block (or inline)
 ``b``  batch: ``ss`` sessions, ``l``, ``t`` tokens or None, ``sp`` bool / list / None, ``po`` positions or None,
        ``d``, ``n``; as ``c``
 ``x``  cancel request ``i`` if it has not started (no reply of its own: the request itself answers)

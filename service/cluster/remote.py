@@ -35,6 +35,7 @@ import torch
 from convserve.clients.protocol.errors import BadRequest, EngineUnavailable, NotReady, PositionMismatch, ServiceError
 
 from . import messages as m
+from ..engine.validate import all_finite
 from .placement import engine_of, new_id_on, split
 from .shm import Arena
 from .status import DOWN, UP, StatusTable
@@ -52,10 +53,11 @@ class _Future(asyncio.Future):
 
 
 class _Pending:
-    __slots__ = ("fut", "lease", "epoch", "dtype", "shape")
+    __slots__ = ("fut", "lease", "epoch", "dtype", "shape", "out_dtype")
 
-    def __init__(self, fut, lease, epoch, dtype=None, shape=None):
+    def __init__(self, fut, lease, epoch, dtype=None, shape=None, out_dtype=None):
         self.fut, self.lease, self.epoch, self.dtype, self.shape = fut, lease, epoch, dtype, shape
+        self.out_dtype = out_dtype        # x's dtype when the block holds the model's (y is cast back to it)
 
 
 class _Link:
@@ -73,8 +75,10 @@ class RemoteEngine:
     """See the module docstring. ``info`` is engine 0's ``model_info()`` (the model is the same on every engine)."""
 
     def __init__(self, run_dir: str, devices: Sequence[str], worker: int, generation: int, info: dict,
-                 arena_bytes: int):
+                 arena_bytes: int, check_finite: bool = True):
         self.run_dir = run_dir
+        self.model_dtype = getattr(torch, info["dtype"])
+        self.check_finite = check_finite
         self.devices = list(devices)
         self.n = len(self.devices)
         self.info = info
@@ -243,7 +247,8 @@ class RemoteEngine:
             buf = torch.from_numpy(p.lease) if p.lease is not None else torch.frombuffer(bytearray(data),
                                                                                          dtype=torch.uint8)
             p.lease = None
-            p.fut.set_result(buf.view(p.dtype).view(p.shape))
+            y = buf.view(p.dtype).view(p.shape)
+            p.fut.set_result(y if p.out_dtype is None else y.to(p.out_dtype))
 
     def _send(self, link: _Link, head: dict, data=None) -> None:
         """Send to an engine in order. The requests of one tick of the loop (the convs of every connection that
@@ -265,34 +270,47 @@ class RemoteEngine:
     # ------------------------------------------------------------------ convs (event loop)
 
     def _conv(self, e: int, head: dict, x: torch.Tensor, rows=None) -> _Future:
-        """Send one conv (or batch part) to engine ``e``; x (or its ``rows``) is copied into the arena."""
+        """Send one conv (or batch part) to engine ``e``; x (or its ``rows``) is copied into the arena.
+
+        A float x of the right shape is cast to the model dtype in that copy and checked for NaN/Inf here
+        (``ck``), so the engine's one thread does neither; y comes back in the model dtype and is cast to x's.
+        Everything else, and a non-finite x, the engine checks (and raises the proper error for)."""
         epoch = self._target(e)
         link = self.links[e]
-        dtype = x.dtype
+        dtype = out_dtype = x.dtype
+        n = x.shape[0] if rows is None else len(rows)
+        cast = dtype in _DTYPE_NAMES and x.dim() == 2 and x.shape[1] == self.dim and n > 0
+        if cast:
+            dtype = self.model_dtype
+            out_dtype = None if dtype is x.dtype else out_dtype
         name = _DTYPE_NAMES.get(dtype)
         if name is None:   # the engine raises the proper error; send it anyway, inline
             name = str(dtype).removeprefix("torch.")
-        n = x.shape[0] if rows is None else len(rows)
         nbytes = n * self.dim * dtype.itemsize
-        got = self.arena.lease(nbytes)
+        got = self.arena.lease(nbytes) if cast else None
         data = None
         if got is not None:
             off, lease = got
             dst = torch.from_numpy(lease).view(dtype).view(n, self.dim)
             if rows is None:
                 dst.copy_(x)
-            else:
+            elif out_dtype is None:
                 torch.index_select(x, 0, rows, out=dst)
+            else:
+                dst.copy_(x.index_select(0, rows))
             head["a"], head["o"] = self.arena_name, off
+            # a non-finite x goes unchecked: the engine then raises its error, in its order of checks
+            head["ck"] = not self.check_finite or all_finite(dst)
         else:
             lease = None
+            dtype, out_dtype, name = x.dtype, None, _DTYPE_NAMES.get(x.dtype) or str(x.dtype).removeprefix("torch.")
             src = (x if rows is None else x.index_select(0, rows)).contiguous()
             data = memoryview(src.view(-1).view(torch.uint8).numpy())
         mid = next(self._ids)
         head.update(i=mid, e=epoch, d=name, n=n)
         fut = _Future(loop=self.loop)
         fut.engine, fut.mid = e, mid
-        link.pending[mid] = _Pending(fut, lease, epoch, dtype, (n, self.dim))
+        link.pending[mid] = _Pending(fut, lease, epoch, dtype, (n, self.dim), out_dtype)
         self._send(link, head, data)
         return fut
 

@@ -101,6 +101,18 @@ class ArenaMap:
         self.run_dir = os.path.realpath(run_dir)
         self._maps: dict[str, np.ndarray] = {}
         self._by_worker: dict[str, str] = {}
+        self._tensors: dict[str, tuple] = {}     # name -> (its mapping, a tensor over it)
+
+    def tensor(self, name: str):
+        """The arena as a uint8 tensor over its mapping (kept with it: slicing it is cheaper than a new tensor
+        per request)."""
+        t = self._tensors.get(name)
+        if t is None or self._maps.get(name) is not t[0]:
+            import torch
+
+            base = self.get(name)
+            t = self._tensors[name] = (base, torch.from_numpy(base))
+        return t[1]
 
     def get(self, name: str) -> np.ndarray:
         base = self._maps.get(name)
@@ -111,6 +123,7 @@ class ArenaMap:
             old = self._by_worker.pop(worker, None)
             if old is not None:              # that worker was restarted: its old arena is no longer written
                 self._maps.pop(old, None)
+                self._tensors.pop(old, None)
             _mm, base = map_file(os.path.join(self.run_dir, name))
             self._maps[name] = base
             self._by_worker[worker] = name

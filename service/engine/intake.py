@@ -31,14 +31,14 @@ class Intake:
     """The conv-request methods of :class:`Engine` (see the module docstring)."""
 
     def _submit(self, session_id: str, layer: int, x: torch.Tensor, speculative: bool, sink,
-                position=None) -> Optional[ConvRequest]:
+                position=None, checked: bool = False) -> Optional[ConvRequest]:
         """The request queued, or None when it repeated an applied one (``sink`` has or will get its answer)."""
         if position is not None:
             check_position(position)
         self._session_at_locked(session_id, position)   # cheap early 404/410 (a dict read), checked again under the lock
         p = self.model_cpu.position(layer)
         check_speculative(speculative)
-        xm, x_dtype = check_x(self.model_cpu, self.config, x, speculative)
+        xm, x_dtype = check_x(self.model_cpu, self.config, x, speculative, checked=checked)
         now = time.monotonic()
         req = ConvRequest(-1, None, p, xm.shape[0], speculative, now, x=xm, future=sink, x_dtype=x_dtype)
         runner = self._runner
@@ -192,7 +192,7 @@ class Intake:
         return min(cfg.max_batch_size, cfg.decode_buckets[-1], cfg.max_batch_tokens)
 
     def _submit_batch(self, session_ids, layer: int, x: torch.Tensor, tokens, speculative, sink,
-                      positions=None) -> Optional[ConvRequest]:
+                      positions=None, checked: bool = False) -> Optional[ConvRequest]:
         cfg, model = self.config, self.model_cpu
         n = check_batch_sessions(session_ids, cfg.max_batch_size)
         if positions is not None:
@@ -200,7 +200,7 @@ class Intake:
         p = model.position(layer)
         plan = check_batch_plan(n, tokens, speculative, cfg.max_spec_tokens)
         key = None if positions is None else batch_key(session_ids, plan)
-        xm, x_dtype = check_x(model, cfg, x, False, rows="rows")
+        xm, x_dtype = check_x(model, cfg, x, False, rows="rows", checked=checked)
         if plan is None:
             total, n_dec = n, n
         else:
@@ -370,6 +370,25 @@ class Intake:
                 if not spec:
                     self._check_no_verify_locked(s)
         return None
+
+    def submit_to(self, sink, session_id: str, layer: int, x: torch.Tensor, speculative: bool = False,
+                  position: Optional[int] = None, checked: bool = False) -> Optional[ConvRequest]:
+        """:meth:`submit` without a future per request, for a caller that forwards answers (the engine process):
+        the engine calls ``sink.set_result(y)`` or ``sink.set_exception(error)`` once, on its worker thread for a
+        step's results (any thread for failures), and may call ``sink.done()``. Validation errors are raised
+        here. Returns the request, for :meth:`withdraw` (None when a repeat was answered at once). ``checked``:
+        see :func:`~.validate.check_x`."""
+        return self._submit(session_id, layer, x, speculative, sink, position, checked)
+
+    def submit_batch_to(self, sink, session_ids: Sequence[str], layer: int, x: torch.Tensor, tokens=None,
+                        speculative=None, position=None, checked: bool = False) -> Optional[ConvRequest]:
+        """:meth:`submit_batch` delivering to ``sink`` (see :meth:`submit_to`)."""
+        return self._submit_batch(session_ids, layer, x, tokens, speculative, sink, position, checked)
+
+    def withdraw(self, request: Optional[ConvRequest]) -> bool:
+        """Withdraw a request of :meth:`submit_to` if it has not started (its sink is not called); True if
+        withdrawn."""
+        return self._cancel_request(request)
 
     def cancel(self, future) -> bool:
         """Withdraw the request behind a future from :meth:`submit` or :meth:`submit_async` if it has not

@@ -27,10 +27,18 @@ def all_finite(t: torch.Tensor) -> bool:
     return not ((bits & spec[1]) == spec[1]).any()
 
 
-def check_x(model, cfg, x, speculative: bool, rows: str = "T") -> tuple:
+def check_finite_x(x: torch.Tensor, model_dtype: torch.dtype) -> None:
+    """:class:`NonFinite` unless x (already in the model dtype) is finite."""
+    if not all_finite(x):
+        raise NonFinite(f"x: contains NaN or Inf as {DTYPE_NAMES[model_dtype]} (the model dtype it is computed "
+                        "in); it would poison the session's state: send finite values within that dtype's range")
+
+
+def check_x(model, cfg, x, speculative: bool, rows: str = "T", checked: bool = False) -> tuple:
     """``(x as the model's contiguous CPU tensor, the dtype y is cast to or None)``, or the request's error.
     ``model`` is the engine's CPU model, ``cfg`` its :class:`EngineConfig`; ``rows`` names x's first dimension in
-    the messages."""
+    the messages. ``checked``: the caller already cast x to the model dtype and ran the finite check (an HTTP
+    worker of the engine process, which does that per-request work off the engine's one thread)."""
     if not isinstance(x, torch.Tensor):
         raise BadRequest(f"x: expected a tensor of shape ({rows}, dim={model.dim}), got {type(x).__name__}")
     if x.dtype not in MODEL_DTYPES:
@@ -42,15 +50,16 @@ def check_x(model, cfg, x, speculative: bool, rows: str = "T") -> tuple:
         raise ShapeMismatch(f"x: a speculative verify takes at most max_spec_tokens={cfg.max_spec_tokens} "
                             f"tokens, got T={x.shape[0]}")
     x_dtype = None if x.dtype is model.dtype else x.dtype   # settled once here, so delivery never compares dtypes
+    if checked and x_dtype is None and x.device.type == "cpu" and x.is_contiguous():
+        return x, None
     if x.device.type != "cpu":
         x = x.to("cpu")
     if x.dtype != model.dtype:
         x = x.to(model.dtype)
     x = x.contiguous()
     # after the cast: a finite float32 value past the model dtype's range becomes Inf there
-    if cfg.check_finite and not all_finite(x):
-        raise NonFinite(f"x: contains NaN or Inf as {DTYPE_NAMES[model.dtype]} (the model dtype it is computed "
-                        "in); it would poison the session's state: send finite values within that dtype's range")
+    if cfg.check_finite:
+        check_finite_x(x, model.dtype)
     return x, x_dtype
 
 
