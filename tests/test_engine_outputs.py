@@ -29,7 +29,7 @@ def test_results_kept_by_callers_are_never_overwritten():
             x = torch.randn(3, DIM)
             assert_close(e.submit(s, LAYERS[0], x).result(5), oracle.conv(s, 0, x))
         kept = []                              # (what the caller holds, the reference y)
-        for step in range(12):
+        for step in range(24):                 # more steps than the ring grows to: the last ones get fresh tensors
             batch = []
             for s in sids:
                 x = torch.randn(1, DIM)
@@ -53,7 +53,8 @@ def test_results_kept_by_callers_are_never_overwritten():
                     assert_close(_held_y(held), want)
         for held, want in kept:
             assert_close(_held_y(held), want)
-        assert e._runner.bufs.outputs.fresh > 0       # the held buffers were left to their holders
+        ring = e._runner.bufs.outputs
+        assert ring.fresh > 0 and ring.size == 16     # the held buffers were left to their holders
         # once nothing refers to them, the ring's buffers are reused again
         del held, want
         kept.clear()
@@ -63,7 +64,7 @@ def test_results_kept_by_callers_are_never_overwritten():
             for s in sids:
                 x = torch.randn(1, DIM)
                 assert_close(e.submit(s, LAYERS[0], x).result(5), oracle.conv(s, 0, x))
-        assert e._runner.bufs.outputs.fresh == fresh
+        assert e._runner.bufs.outputs.fresh == fresh and ring.size == 16
     finally:
         e.stop(drain=False)
 

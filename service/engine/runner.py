@@ -496,9 +496,9 @@ class Runner:
         return timed
 
     def _copy_out(self, out: SchedulerOutput, mixed, slot_of: list, n_slot: int):
-        """Start the device-to-host copies of the step's results: one host tensor per step (pinned on CUDA; a
-        buffer of the output ring unless the step has more rows than those), one copy per launch group, decode
-        rows first. Each request's y is then a view of it, cut lazily by whoever reads the result (not on this
+        """Start the device-to-host copies of the step's results: one host tensor per step (pinned on CUDA: a
+        buffer of the decode output ring, or of the packed one when the step has more rows than a decode step
+        can), one copy per launch group, decode rows first. Each request's y is then a view of it, cut lazily by whoever reads the result (not on this
         thread). Returns ``(host_out, n_dec)``: the tensor (None when every result is in a batch slot) and its
         decode rows."""
         bf, cuda = self.bufs, self.stream is not None
@@ -511,7 +511,7 @@ class Runner:
         elif n_out <= bf.outputs.rows:
             host_out = bf.outputs.take(n_out)
         else:
-            host_out = torch.empty((n_out, self.model.dim), dtype=self.model.dtype, pin_memory=cuda)
+            host_out = bf.packed_outputs.take(n_out)
         if mixed is not None:
             host_out[:n_dec].copy_(bf.d_mix_out[:n_dec], non_blocking=cuda)
         a = 0
@@ -556,7 +556,10 @@ class Runner:
                 lo, hi = off + qsl[i], off + qsl[i + 1]
                 b = r.batch
                 if b is not None:              # a batch's prefill rows (whole: a batch is never chunked), in a run
-                    b.ix[b.pre_pos] = np.arange(lo, lo + b.n_pre)
+                    if b.ix is None:           # nothing but these rows: y is that run
+                        r.parts = lo
+                    else:
+                        b.ix[b.pre_pos] = np.arange(lo, lo + b.n_pre)
                     i += len(b.prefill)
                     continue
                 if hi - lo == r.n_tokens:
@@ -575,7 +578,15 @@ class Runner:
                 r = reqs[i]
                 b = r.batch
                 if b is not None:              # a batch's verify rows, in a run
-                    b.ix[b.ver_pos] = (off + i * L) + b.ver_row * L + b.ver_tok
+                    if b.ix is None:           # nothing but these rows, all verify_len long
+                        lo, k, lv = off + i * L, len(b.verify), b.verify_len
+                        if lv == L:            # as long as the launch's: y is one run
+                            r.parts = lo
+                        else:                  # a longer verify in the launch: each row's first lv tokens
+                            ix = (lo + np.arange(0, k * L, L)[:, None] + np.arange(lv)[None, :]).ravel()
+                            r.parts = (torch.from_numpy(ix),)
+                    else:
+                        b.ix[b.ver_pos] = (off + i * L) + b.ver_row * L + b.ver_tok
                     i += len(b.verify)
                     continue
                 r.parts = off + i * L
