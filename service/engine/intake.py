@@ -222,9 +222,9 @@ class Intake:
             dec_rows = np.flatnonzero(dec)
             n_dec = b.n_dec = len(dec_rows)
             b.dec_pos = starts[dec_rows]
-            b.ix = np.empty(total, dtype=np.int64)
             pre_rows = np.flatnonzero(~spec & (lengths > 1))
             ver_rows = np.flatnonzero(spec)
+            padded = total
             if len(ver_rows):
                 top = int(lengths[ver_rows].max())
                 padded = total + top * len(ver_rows) - int(lengths[ver_rows].sum())
@@ -233,12 +233,18 @@ class Intake:
                         f"x: the verify rows padded to the longest ({top} tokens) make {padded} tokens, over "
                         f"max_batch_tokens={cfg.max_batch_tokens}; split the batch")
                 b.verify_len = top
+            # only prefill rows, or only verify rows all of one length: the launch packs its rows in x's order,
+            # one run, so y is one slice of the step's output (no gather index)
+            gather = bool(n_dec) or (len(pre_rows) and len(ver_rows)) or padded != total
+            if gather:
+                b.ix = np.empty(total, dtype=np.int64)
             b.dec_x = xm.index_select(0, torch.from_numpy(b.dec_pos)) if n_dec else None
             if len(pre_rows):                         # the step's unpack adds only where its launch put them
                 lp = lengths[pre_rows]
                 b.n_pre = int(lp.sum())
-                b.pre_pos = np.repeat(starts[pre_rows] - (np.cumsum(lp) - lp), lp) + np.arange(b.n_pre)
-            if len(ver_rows):
+                if gather:
+                    b.pre_pos = np.repeat(starts[pre_rows] - (np.cumsum(lp) - lp), lp) + np.arange(b.n_pre)
+            if len(ver_rows) and gather:
                 lv = lengths[ver_rows]
                 first = np.repeat(starts[ver_rows], lv)
                 b.ver_pos = np.repeat(starts[ver_rows] - (np.cumsum(lv) - lv), lv) + np.arange(int(lv.sum()))

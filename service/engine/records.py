@@ -42,7 +42,8 @@ class BatchRows(RowBatch):
     # A mixed batch (rows other than one-token decodes) has its y gathered from the step's output by one index:
     dec_pos: Any = None          # (n_dec,) int64 array: each decode row's place in x and y; None: a plain batch
     ix: Any = None               # (n_tokens,) int64 array: the step output's row of each row of y (filled by
-    #                              the runner); None: a plain batch
+    #                              the runner); None: a plain batch, or one whose y is one run of the step's
+    #                              output (only prefill rows, or only verify rows of one length)
     # Its prefill and verify tokens, computed at submit (the step only adds where its launches put them):
     pre_pos: Any = None          # (prefill tokens,) int64: each prefill token's place in x, in packed order
     ver_pos: Any = None          # (verify tokens,) int64: each real verify token's place in x, in row order
