@@ -90,7 +90,7 @@ class Buffers:
     ``d_*`` device memory; on the CPU each ``d_*`` is its ``h_*``."""
 
     def __init__(self, n_layers: int, dim: int, dtype: torch.dtype, max_tokens: int, max_rows: int,
-                 max_bucket: int, max_spec: int, device: torch.device, slots: int = 0):
+                 max_bucket: int, max_spec: int, device: torch.device, slots: int = 0, width: int = 4):
         cuda = device.type == "cuda"
 
         def pair(shape, dt, fill=None):
@@ -136,6 +136,14 @@ class Buffers:
         # accept (Engine._commit_verifies), so a commit needs no host data. (layers, slots + 1, max_spec, dim)
         # in the model dtype: max_spec / (width - 1) times the state pool's size at the same dtype.
         self.d_spec = torch.empty((n_layers, slots + 1, max(1, max_spec), dim), dtype=dtype, device=device)
+        # accept's row indices (see Engine._commit_verifies): for each state row one commit rewrites (at most
+        # max_rows sessions x n_layers x (width - 1)), the row it reads and the row it writes, as one int64 array
+        # copied to the device at once. On CUDA the host side is pinned and is rewritten only once acc_done (the
+        # event after the last commit's copy) has passed.
+        self.acc_rows = max_rows * n_layers * max(1, width - 1)
+        self.h_acc, self.d_acc = pair((2 * self.acc_rows,), torch.int64)
+        self.acc_np = self.h_acc.numpy()
+        self.acc_done = torch.cuda.Event() if cuda else None
         self.gather = torch.empty((max_bucket,), dtype=torch.int64)    # arena rows of one layer's decodes
         self.gather_np = self.gather.numpy()
         self.d_dec_out = torch.empty((n_layers, max_bucket, dim), dtype=dtype, device=device)
@@ -166,7 +174,7 @@ class Buffers:
         def nb(t):
             return t.numel() * t.element_size()
 
-        names = ("in", "meta", "flags", "dec_x", "dec_idx", "mix_x", "mix_idx")
+        names = ("in", "meta", "flags", "dec_x", "dec_idx", "mix_x", "mix_idx", "acc")
         host = sum(nb(getattr(self, "h_" + n)) for n in names) + nb(self.h_stage) + self.outputs.nbytes() + \
             self.packed_outputs.nbytes() + \
             sum(nb(t) for t in (*self.slot_x, *self.slot_idx)) + self.slot_y.nbytes() + nb(self.h_tok)

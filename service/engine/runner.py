@@ -44,7 +44,7 @@ class Runner:
         # per layer position, what a launch takes: (weight, bias or None, the pool's (slots + 1, dim, W - 1) view)
         self.layer_args = [(model.weight[p], model.layer_bias(p), pool.layer(p)) for p in range(model.n_layers)]
         self.bufs = Buffers(model.n_layers, model.dim, model.dtype, cfg.max_batch_tokens, cfg.max_batch_size,
-                            cfg.decode_buckets[-1], cfg.max_spec_tokens, device, pool.slots)
+                            cfg.decode_buckets[-1], cfg.max_spec_tokens, device, pool.slots, model.width)
         if cuda:
             from convserve.kernels import causal_conv1d_fn, causal_conv1d_update
 
