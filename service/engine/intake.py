@@ -251,8 +251,8 @@ class Intake:
                 b.ver_row = np.repeat(np.arange(len(ver_rows)), lv)
                 b.ver_tok = b.ver_pos - first
             # (position in the batch, first token, tokens) of the prefill and verify rows; sessions under the lock
-            plan = (dec_rows, [(int(i), int(starts[i]), int(lengths[i])) for i in pre_rows],
-                    [(int(i), int(starts[i]), int(lengths[i])) for i in ver_rows])
+            plan = (dec_rows, list(zip(pre_rows.tolist(), starts[pre_rows].tolist(), lengths[pre_rows].tolist())),
+                    list(zip(ver_rows.tolist(), starts[ver_rows].tolist(), lengths[ver_rows].tolist())))
         if n_dec > cfg.decode_buckets[-1]:
             raise PayloadTooLarge(f"sessions: {n_dec} one-token rows, more than the largest decode bucket "
                                   f"({cfg.decode_buckets[-1]}) takes in one launch; split the batch")
@@ -327,21 +327,34 @@ class Intake:
                     else:
                         self._advance_locked(s, p, 1, req.track, i, i + 1)
             else:
-                adv = []                           # (session, tokens, first row) of each plain slice
-                for j, i in enumerate(dec_rows.tolist()):
-                    sessions[i].initialized |= bit
-                    adv.append((sessions[i], 1, int(b.dec_pos[j])))
-                adv.extend((sessions[i], k, a) for i, a, k in pre_rows)
-                for s, k, a in adv:
+                dec_s = [sessions[i] for i in dec_rows.tolist()]
+                for s in dec_s:
+                    s.initialized |= bit
+                pre_s = [(sessions[i], k, a) for i, a, k in pre_rows]
+                if req.track is None:              # the common case: positions advance, no answer to keep
+                    for s in dec_s:
+                        if s.last:
+                            self._advance_locked(s, p, 1, None)
+                        else:
+                            s.positions[p] += 1
+                else:
+                    for s, a in zip(dec_s, b.dec_pos.tolist()):
+                        self._advance_locked(s, p, 1, req.track, a, a + 1)
+                for s, k, a in pre_s:
                     self._advance_locked(s, p, k, req.track, a, a + k)
-                b.adv = [(s, k) for s, k, _a in adv]
+                # (session, tokens) of each plain slice: decodes, then prefills
+                b.adv = [(s, 1) for s in dec_s] + [(s, k) for s, k, _a in pre_s]
                 slots = slots[dec_rows]
                 if pre_rows:
                     b.prefill = [(sessions[i], a, k) for i, a, k in pre_rows]
                 if ver_rows:
                     b.verify = [(sessions[i], a, k) for i, a, k in ver_rows]
-                    for s, _a, k in b.verify:
-                        s.pending[req.layer] = (k, seq)
+                    vs = [v[0] for v in b.verify]
+                    vk = [v[2] for v in b.verify]
+                    b.ver_cols = (vs, [s.slot for s in vs], [v[1] for v in b.verify], vk)
+                    b.verify_tokens = sum(vk)
+                    for s, k in zip(vs, vk):
+                        s.pending[p] = (k, seq)
             b.waits, b.wait_ops, b.sessions, b.slots, b.buf = list(waits.values()), wait_ops, sessions, slots, slot
             self._sched.add(req)
             self._cv.notify()

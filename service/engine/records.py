@@ -81,5 +81,5 @@ def release_batch(r: ConvRequest, now: float) -> None:
     b = r.batch
     b.done_at = now
     b.waits = b.wait_ops = b.sessions = ()
-    b.dec_x = b.prefill = b.verify = None
+    b.dec_x = b.prefill = b.verify = b.ver_cols = None
     r.x = r.parts = None

@@ -110,6 +110,8 @@ def _int_list(v, n: int, name: str, least: int) -> list:
         raise BadRequest(f"{name}: expected a list of {n} integers (one per session), got {type(v).__name__}")
     if len(v) != n:
         raise BadRequest(f"{name}: expected one integer per session ({n}), got {len(v)}")
+    if set(map(type, v)) == {int} and min(v) >= least:     # plain ints (no bools): the usual body, no loop
+        return v if type(v) is list else list(v)
     for i, t in enumerate(v):
         if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or t < least:
             raise BadRequest(f"{name}[{i}]: expected an integer >= {least}, got {t!r}")
