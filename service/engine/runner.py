@@ -65,6 +65,7 @@ class Runner(Staging):
         if cuda:
             torch.cuda.synchronize(device)
         self._n_exec = 0                                # steps executed (the GPU is timed on every Nth)
+        self._vviews: dict = {}                         # see _verify_views
         self._init_staging()
 
     def _warm_up(self) -> None:
@@ -362,26 +363,39 @@ class Runner(Staging):
             k += 1
             self.prefill_fn(bf.d_in[a:b].T, w, bias, states, bf.d_meta[q:q + rows + 1], bf.d_meta[i:i + rows],
                             bf.d_flags[f:f + rows], act, PAD_SLOT_ID, out=bf.d_out[a:b].T)
-        D = m.dim
         for vb in out.verifies:                      # rows padded to a multiple of 16 (pad rows touch nothing)
             L, a = vb.n_tokens, vb.token_offset
             i, rows = offs[k]
             k += 1
-            b = a + rows * L
-            x3 = bf.d_in[a:b].view(rows, L, D).transpose(1, 2)
-            o3 = bf.d_out[a:b].view(rows, L, D).transpose(1, 2)
+            nr = len(vb.requests)
+            x3, o3, idx, osi, real_idx, real_x, spec = self._verify_views(vb.layer, a, L, i, rows, nr)
             w, bias, states = self.layer_args[vb.layer]
-            self.update_fn(x3, states, w, bias, act,
-                           conv_state_indices=bf.d_meta[i:i + rows], output_state_indices=bf.d_osi[:rows, :L],
+            self.update_fn(x3, states, w, bias, act, conv_state_indices=idx, output_state_indices=osi,
                            pad_slot_id=PAD_SLOT_ID, out=o3)
             # what accept commits from: each real row's x, into its (layer, slot) line of d_spec (on the device;
             # the pad tokens past a row's real ones are copied too and never read)
-            nr = len(vb.requests)
-            bf.d_spec[vb.layer, :, :L].index_copy_(0, bf.d_meta[i:i + nr].long(),
-                                                   bf.d_in[a:a + nr * L].view(nr, L, D))
+            spec.index_copy_(0, real_idx.long(), real_x)
         if timed:
             self._ev1.record(self.stream)
         return timed
+
+    def _verify_views(self, layer: int, a: int, L: int, i: int, rows: int, nr: int) -> tuple:
+        """The views one verify launch takes (its ``rows`` rows of ``L`` tokens from ``d_in[a:]``, its indices
+        at ``d_meta[i:]``, ``nr`` of them real): ``(x, out, indices, output state indices, the real rows'
+        indices, their x, the layer's d_spec lines cut to L tokens)``. Views of the buffers, which live as long
+        as the runner, built once per layout (a dozen view ops per launch otherwise); the cache is bounded."""
+        key = (layer, a, L, i, rows, nr)
+        v = self._vviews.get(key)
+        if v is None:
+            bf, D = self.bufs, self.model.dim
+            b = a + rows * L
+            v = (bf.d_in[a:b].view(rows, L, D).transpose(1, 2), bf.d_out[a:b].view(rows, L, D).transpose(1, 2),
+                 bf.d_meta[i:i + rows], bf.d_osi[:rows, :L], bf.d_meta[i:i + nr],
+                 bf.d_in[a:a + nr * L].view(nr, L, D), bf.d_spec[layer, :, :L])
+            if len(self._vviews) >= 1024:
+                self._vviews.clear()
+            self._vviews[key] = v
+        return v
 
     def _copy_out(self, out: SchedulerOutput, mixed, slot_of: list, n_slot: int):
         """Start the device-to-host copies of the step's results: one host tensor per step (pinned on CUDA: a
