@@ -227,7 +227,8 @@ class Intake:
             padded = total
             if len(ver_rows):
                 top = int(lengths[ver_rows].max())
-                padded = total + top * len(ver_rows) - int(lengths[ver_rows].sum())
+                b.verify_tokens = int(lengths[ver_rows].sum())
+                padded = total + top * len(ver_rows) - b.verify_tokens
                 if padded > cfg.max_batch_tokens:
                     raise PayloadTooLarge(
                         f"x: the verify rows padded to the longest ({top} tokens) make {padded} tokens, over "
@@ -283,7 +284,7 @@ class Intake:
         with self._lock:
             self._check_running_locked()
             if positions is None:
-                sessions = [table.get(sid) for sid in session_ids]    # UnknownSession / StateLost name the id
+                sessions = table.get_many(session_ids)    # UnknownSession / StateLost name the id
             else:
                 sessions = [self._session_at_locked(sid, at) for sid, at in zip(session_ids, positions)]
                 answer = self._check_batch_positions_locked(sessions, req.layer, positions, rows, key)
@@ -291,11 +292,13 @@ class Intake:
                     return self._replay_locked(answer, 0, None, req.x_dtype or self.model_cpu.dtype, req.future)
             if plan is None:
                 for s in sessions:
-                    self._check_no_verify_locked(s)
+                    if s.pending:
+                        self._check_no_verify_locked(s)
             else:
                 dec_rows, pre_rows, ver_rows = plan
                 for i in dec_rows.tolist():
-                    self._check_no_verify_locked(sessions[i])
+                    if sessions[i].pending:
+                        self._check_no_verify_locked(sessions[i])
                 for i, _a, _k in pre_rows:
                     self._check_no_verify_locked(sessions[i])
             self._check_queue_locked()
@@ -352,7 +355,6 @@ class Intake:
                     vs = [v[0] for v in b.verify]
                     vk = [v[2] for v in b.verify]
                     b.ver_cols = (vs, [s.slot for s in vs], [v[1] for v in b.verify], vk)
-                    b.verify_tokens = sum(vk)
                     for s, k in zip(vs, vk):
                         s.pending[p] = (k, seq)
             b.waits, b.wait_ops, b.sessions, b.slots, b.buf = list(waits.values()), wait_ops, sessions, slots, slot

@@ -120,7 +120,9 @@ class Staging:
         if k:
             dst = bf.h_tok[lo + n_pre:hi]
             a0 = ver[0][1]
-            if all(t == lv for _i, _a, t in ver) and ver[-1][1] == a0 + (k - 1) * lv:   # one slice of x
+            # every row lv long (their tokens sum to k * lv) and the last lv * (k - 1) after the first: one
+            # slice of x
+            if b.verify_tokens == k * lv and ver[-1][1] == a0 + (k - 1) * lv:
                 dst.copy_(xm[a0:a0 + k * lv])
             else:
                 d3 = dst.view(k, lv, -1)
