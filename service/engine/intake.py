@@ -238,7 +238,7 @@ class Intake:
             # one run, so y is one slice of the step's output (no gather index)
             gather = bool(n_dec) or (len(pre_rows) and len(ver_rows)) or padded != total
             if gather:
-                b.ix = np.empty(total, dtype=np.int64)
+                b.gather, b.at = True, [0, 0, 0, 0]
             b.dec_x = xm.index_select(0, torch.from_numpy(b.dec_pos)) if n_dec else None
             if len(pre_rows):                         # the step's unpack adds only where its launch put them
                 lp = lengths[pre_rows]

@@ -28,6 +28,7 @@ from ..model import ConvModel
 from ..scheduler import SchedulerOutput
 from .buffers import Buffers
 from .cuda_graphs import DecodeLaunchers
+from .records import BatchIndex
 from .staging import Staging
 
 #: padding that brings an int32 list to a multiple of 4 elements (16 bytes), by its length mod 4
@@ -444,8 +445,8 @@ class Runner(Staging):
                     continue
                 for r in db.requests:          # a batch request's rows in host_out, or single decodes
                     b = r.batch
-                    if b is not None and b.ix is not None:      # a mixed batch: where its decode rows' y lie
-                        b.ix[b.dec_pos] = np.arange(a, a + db.rows)
+                    if b is not None and b.gather:      # a mixed batch: where its decode rows' y lie
+                        b.at[0] = a
                         a += db.rows
                         continue
                     r.parts = a
@@ -458,10 +459,10 @@ class Runner(Staging):
                 lo, hi = off + qsl[i], off + qsl[i + 1]
                 b = r.batch
                 if b is not None:              # a batch's prefill rows (whole: a batch is never chunked), in a run
-                    if b.ix is None:           # nothing but these rows: y is that run
+                    if b.gather:
+                        b.at[1] = lo
+                    else:                      # nothing but these rows: y is that run
                         r.parts = lo
-                    else:
-                        b.ix[b.pre_pos] = np.arange(lo, lo + b.n_pre)
                     i += len(b.prefill)
                     continue
                 if hi - lo == r.n_tokens:
@@ -480,20 +481,19 @@ class Runner(Staging):
                 r = reqs[i]
                 b = r.batch
                 if b is not None:              # a batch's verify rows, in a run
-                    if b.ix is None:           # nothing but these rows, all verify_len long
+                    if b.gather:
+                        b.at[2], b.at[3] = off + i * L, L
+                    else:                      # nothing but these rows, all verify_len long
                         lo, k, lv = off + i * L, len(b.verify), b.verify_len
                         if lv == L:            # as long as the launch's: y is one run
                             r.parts = lo
                         else:                  # a longer verify in the launch: each row's first lv tokens
                             ix = (lo + np.arange(0, k * L, L)[:, None] + np.arange(lv)[None, :]).ravel()
                             r.parts = (torch.from_numpy(ix),)
-                    else:
-                        b.ix[b.ver_pos] = (off + i * L) + b.ver_row * L + b.ver_tok
                     i += len(b.verify)
                     continue
                 r.parts = off + i * L
                 i += 1
         for r in out.batches:                  # a mixed batch's y: one gather of host_out by the reader
-            ix = r.batch.ix
-            if ix is not None:
-                r.parts = (torch.from_numpy(ix),)
+            if r.batch.gather:
+                r.parts = (BatchIndex(r.batch, r.n_tokens),)
