@@ -302,23 +302,25 @@ class Intake:
                 for i, _a, _k in pre_rows:
                     self._check_no_verify_locked(sessions[i])
             self._check_queue_locked()
-            waits, wait_ops = {}, []
+            waits, wait_ops, slot_list = {}, [], []
             for s in sessions:
                 q = s.queue
-                while q and q[0].done:
-                    q.popleft()
-                for r in q:                  # every one not done (one that is withdrawn later is done then)
-                    if not r.done:
-                        waits[id(r)] = r
+                if q:
+                    while q and q[0].done:
+                        q.popleft()
+                    for r in q:              # every one not done (one that is withdrawn later is done then)
+                        if not r.done:
+                            waits[id(r)] = r
                 if s.ops:
                     wait_ops.extend(s.ops)
                 q.append(req)
                 s.batch = req
                 s.last_used = now
+                slot_list.append(s.slot)
             seq = next(self._seq)
             self._last_seq = seq
             req.seq = seq
-            slots = np.fromiter((s.slot for s in sessions), np.int32, len(sessions))
+            slots = np.array(slot_list, dtype=np.int32)
             p = req.layer
             if positions is not None:
                 req.track = Answer(key)

@@ -216,18 +216,21 @@ class SessionOps:
         the rows that come from x (both read before anything is written), then write both. The same few
         launches for one session or hundreds, whatever their ``n``.
         """
-        layers, slots, ns = [], [], []                                # one entry per (session, layer) pair
+        layers, slots, ns, counts = [], [], [], []      # the pairs' layers; per session its slot, n, pairs
         for s, pending, n in work:
+            spec = s.spec_x
             if n:
-                spec, slot = s.spec_x, s.slot
                 ps = [p for p, (_t, seq) in pending.items() if spec.get(p) == seq]   # that verify ran
                 if ps:
                     layers += ps
-                    slots += [slot] * len(ps)
-                    ns += [n] * len(ps)
+                    slots.append(s.slot)
+                    ns.append(n)
+                    counts.append(len(ps))
+                    bits = 0
                     for p in ps:
-                        s.initialized |= 1 << p
-            s.spec_x.clear()
+                        bits |= 1 << p
+                    s.initialized |= bits
+            spec.clear()
         if not layers:
             return
         storage = self.pool.storage                                   # (layers, slots + 1, w1, dim)
@@ -235,8 +238,10 @@ class SessionOps:
         bf = self._runner.bufs
         _n_layers, lines_per_layer, w1, dim = storage.shape
         n_spec = spec.shape[2]
-        line = np.asarray(layers, dtype=np.int64) * lines_per_layer + np.asarray(slots, dtype=np.int64)
-        pos = np.asarray(ns, dtype=np.int64)[:, None] + np.arange(w1)[None, :]     # (pairs, w1): [state, x] rows
+        counts = np.array(counts)
+        line = np.array(layers, dtype=np.int64) * lines_per_layer + np.repeat(np.array(slots, dtype=np.int64), counts)
+        # (pairs, w1): the row of [state, x] each new state row is
+        pos = np.repeat(np.array(ns, dtype=np.int64), counts)[:, None] + np.arange(w1)[None, :]
         dst = (line * w1)[:, None] + np.arange(w1)[None, :]                        # each row it rewrites
         old = pos < w1
         rows = dst.size
