@@ -401,9 +401,9 @@ class Runner(Staging):
     def _copy_out(self, out: SchedulerOutput, mixed, slot_of: list, n_slot: int):
         """Start the device-to-host copies of the step's results: one host tensor per step (pinned on CUDA: a
         buffer of the decode output ring, or of the packed one when the step has more rows than a decode step
-        can), one copy per launch group, decode rows first. Each request's y is then a view of it, cut lazily by whoever reads the result (not on this
-        thread). Returns ``(host_out, n_dec)``: the tensor (None when every result is in a batch slot) and its
-        decode rows."""
+        can), one copy per launch group, decode rows first. Each request's y is then a view of it, cut lazily by
+        whoever reads the result (not on this thread). Returns ``(host_out, n_dec)``: the tensor (None when every
+        result is in a batch slot) and its decode rows."""
         bf, cuda = self.bufs, self.stream is not None
         decodes = out.decodes
         n_packed = out.packed_tokens
