@@ -92,6 +92,10 @@ class RowBatch:
     prefill: Any = None          # None, or (session, first token in x, tokens) per prefill row (T > 1)
     verify: Any = None           # None, or (session, first token in x, tokens) per speculative row
     verify_len: int = 0          # the longest speculative row (its layer's verify launch is padded to it)
+    ver_cols: Any = None         # with ``verify``: its columns ``(sessions, pool slots, first tokens, tokens)``
+    #                              as lists, and ``verify_tokens`` their real tokens: what a step's verify
+    #                              launch takes, extended by whole lists (no per-row work in the scheduler)
+    verify_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -306,7 +310,7 @@ class Scheduler:
         reserved = 0             # rows kept for prefills met in pass 1 (taken by them in pass 2)
         pad = 0                  # verify pad tokens (in the packed buffer, counted against max_tokens)
         decode: dict = {}        # layer -> [requests], or the batch request that has the layer's launch
-        verify: dict = {}        # layer -> [[(request, session, start, n)], longest n]
+        verify: dict = {}        # layer -> [requests, sessions, slots, starts, lengths, longest n] (one entry per row)
         prefill: dict = {}       # layer -> [(request, start, end, has_initial_state, slot)]
         batches: list = []       # batch requests taken
         finished: list = []      # requests whose last token is scheduled now
@@ -343,16 +347,21 @@ class Scheduler:
                         vl = verify.get(r.layer)
                         lv, kv = b.verify_len, len(b.verify)
                         if vl is None:
-                            extra = lv * kv - sum(v[2] for v in b.verify)
+                            extra = lv * kv - b.verify_tokens
                         else:
-                            top = max(vl[1], lv)
-                            extra = top * (len(vl[0]) + kv) - vl[1] * len(vl[0]) - sum(v[2] for v in b.verify)
+                            top = max(vl[5], lv)
+                            extra = top * (len(vl[0]) + kv) - vl[5] * len(vl[0]) - b.verify_tokens
                         if tokens + pad + n + extra > max_tokens:
                             continue
                         if vl is None:
-                            vl = verify[r.layer] = [[], lv]
-                        vl[0].extend((r, v[0], v[1], v[2]) for v in b.verify)
-                        vl[1] = max(vl[1], lv)
+                            vl = verify[r.layer] = [[], [], [], [], [], lv]
+                        cols = b.ver_cols
+                        vl[0].extend([r] * kv)
+                        vl[1].extend(cols[0])
+                        vl[2].extend(cols[1])
+                        vl[3].extend(cols[2])
+                        vl[4].extend(cols[3])
+                        vl[5] = max(vl[5], lv)
                         pad += extra
                     if b.n_dec:
                         decode[r.layer] = r
@@ -429,14 +438,18 @@ class Scheduler:
                 else:
                     vl = verify.get(layer)
                     if vl is None:
-                        verify[layer] = [[(r, s, 0, n)], n]
+                        verify[layer] = [[r], [s], [s.slot], [0], [n], n]
                     else:
-                        extra = vl[1] - n if n <= vl[1] else (n - vl[1]) * len(vl[0])
+                        extra = vl[5] - n if n <= vl[5] else (n - vl[5]) * len(vl[0])
                         if tokens + pad + n + extra > max_tokens:
                             s.sched_block = 2
                             continue
-                        vl[0].append((r, s, 0, n))
-                        vl[1] = max(vl[1], n)
+                        vl[0].append(r)
+                        vl[1].append(s)
+                        vl[2].append(s.slot)
+                        vl[3].append(0)
+                        vl[4].append(n)
+                        vl[5] = max(vl[5], n)
                         pad += extra
                 s.sched_layers |= bit
                 rows += 1
@@ -470,10 +483,9 @@ class Scheduler:
                                              [x[4] for x in rws], [x[3] for x in rws], offset))
             offset += qsl[-1]
         for layer in sorted(verify):
-            ents, n = verify[layer]
-            out.verifies.append(VerifyBatch(layer, n, [e[0] for e in ents], [e[1].slot for e in ents], offset,
-                                            [e[2] for e in ents], [e[3] for e in ents], [e[1] for e in ents]))
-            offset += n * len(ents)
+            reqs, sess, slots, starts, lengths, n = verify[layer]
+            out.verifies.append(VerifyBatch(layer, n, reqs, slots, offset, starts, lengths, sess))
+            offset += n * len(reqs)
         for layer in sorted(decode):
             reqs = decode[layer]
             if reqs.__class__ is not list:          # a batch request: its decode rows

@@ -102,6 +102,14 @@ class SessionTable:
         """The live session of that id, or None."""
         return self._live.get(session_id)
 
+    def get_many(self, session_ids) -> list:
+        """:meth:`get` of each id, in order (one dict lookup each; any id that is not live raises as in
+        :meth:`get`)."""
+        try:
+            return list(map(self._live.__getitem__, session_ids))
+        except (KeyError, TypeError):
+            return [self.get(sid) for sid in session_ids]
+
     def check_free(self, session_id: str) -> None:
         if session_id in self._live:
             raise SessionExists(f"session {session_id!r} already exists; pick another id or omit it")

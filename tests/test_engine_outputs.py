@@ -29,7 +29,7 @@ def test_results_kept_by_callers_are_never_overwritten():
             x = torch.randn(3, DIM)
             assert_close(e.submit(s, LAYERS[0], x).result(5), oracle.conv(s, 0, x))
         kept = []                              # (what the caller holds, the reference y)
-        for step in range(12):
+        for step in range(24):                 # more steps than the ring grows to: the last ones get fresh tensors
             batch = []
             for s in sids:
                 x = torch.randn(1, DIM)
@@ -53,7 +53,8 @@ def test_results_kept_by_callers_are_never_overwritten():
                     assert_close(_held_y(held), want)
         for held, want in kept:
             assert_close(_held_y(held), want)
-        assert e._runner.bufs.outputs.fresh > 0       # the held buffers were left to their holders
+        ring = e._runner.bufs.outputs
+        assert ring.fresh > 0 and ring.size == 16     # the held buffers were left to their holders
         # once nothing refers to them, the ring's buffers are reused again
         del held, want
         kept.clear()
@@ -63,7 +64,7 @@ def test_results_kept_by_callers_are_never_overwritten():
             for s in sids:
                 x = torch.randn(1, DIM)
                 assert_close(e.submit(s, LAYERS[0], x).result(5), oracle.conv(s, 0, x))
-        assert e._runner.bufs.outputs.fresh == fresh
+        assert e._runner.bufs.outputs.fresh == fresh and ring.size == 16
     finally:
         e.stop(drain=False)
 
@@ -159,5 +160,58 @@ def test_a_sink_gets_each_result_once_and_a_withdrawn_request_never_reaches_it()
             raise AssertionError("a deleted session accepted a conv")
         except UnknownSession:
             pass
+def test_packed_steps_results_held_by_callers_are_never_overwritten():
+    """Steps with prefill or verify tokens copy their results into the packed ring (2 buffers): a caller that
+    keeps its y (unread, cut, or only a view) across more such steps than the ring holds keeps its values; the
+    steps after those get fresh tensors, and once the results are let go the ring's buffers serve again. A
+    prefill-only batch and a verify-only batch are one run of a ring buffer (a view, no gather)."""
+    e = make_engine(slots=12, max_batch_size=8, max_batch_tokens=64, max_spec_tokens=4)
+    try:
+        oracle = Oracle(e.model_cpu, e.state_dtype)
+        sids = [e.create_session() for _ in range(3)]
+        for s in sids:
+            oracle.new(s)
+        ring = e._runner.bufs.packed_outputs
+        kept = []
+        for step in range(6):
+            toks = [2 + step % 3, 3, 5]
+            x = torch.randn(sum(toks), DIM)
+            want, a = [], 0
+            for s, t in zip(sids, toks):
+                want.append(oracle.conv(s, 0, x[a:a + t]))
+                a += t
+            f = e.submit_batch(sids, LAYERS[0], x, tokens=toks)
+            f.exception(10)
+            if step % 2:
+                y = f.result()
+                if step == 1:                                    # the ring is not full yet: a view of it
+                    assert any(y.untyped_storage().data_ptr() == ring.buf(i).data_ptr() for i in range(ring.size))
+                kept.append((y[1:], torch.cat(want)[1:]))          # a view of the cut view
+            else:
+                kept.append((f, torch.cat(want)))                # an unread future
+            del f
+        for held, want in kept:
+            assert_close(_held_y(held), want)
+        assert ring.fresh > 0                                    # the held buffers were left to their holders
+        kept.clear()
+        del held, want
+        x = torch.randn(12, DIM)                                 # a verify-only batch: one run, as a view
+        yv = e.submit_batch(sids, LAYERS[1], x, tokens=[4, 4, 4], speculative=True).result(10)
+        assert any(yv.untyped_storage().data_ptr() == ring.buf(i).data_ptr() for i in range(ring.size))
+        assert_close(yv, torch.cat([oracle.verify(s, 1, x[4 * i:4 * i + 4]) for i, s in enumerate(sids)]))
+        del yv
+        fresh = ring.fresh
+        e.accept_batch(sids, [0, 0, 0])
+        for s in sids:
+            oracle.accept(s, 0)
+        for _ in range(4):
+            toks = [3, 2, 4]
+            x = torch.randn(9, DIM)
+            want, a = [], 0
+            for s, t in zip(sids, toks):
+                want.append(oracle.conv(s, 0, x[a:a + t]))
+                a += t
+            assert_close(e.submit_batch(sids, LAYERS[0], x, tokens=toks).result(10), torch.cat(want))
+        assert ring.fresh == fresh                               # nothing held: the ring serves every step
     finally:
         e.stop(drain=False)

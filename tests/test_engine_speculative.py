@@ -71,3 +71,38 @@ def test_import_discards_a_pending_verify(engine):
     engine.submit(sid, LAYERS[0], torch.randn(1, DIM)).result(10)   # no longer pending
     with pytest.raises(BadRequest):
         engine.accept(sid, 1)
+
+
+@pytest.mark.parametrize("state_dtype", [None, torch.float32])
+def test_accept_batch_commits_every_count_on_every_layer_in_one_go(state_dtype):
+    """One accept_batch over sessions that accept every count from 0 to past the state's width (rows from the
+    old state, from the verify's x, or both), on several layers each, a bf16 model with its own or an fp32
+    state: every session's state equals the per-session reference."""
+    from convserve.service.model import ConvModel
+    from tests.engine_support import make_engine
+
+    model = ConvModel.random(LAYERS, dim=DIM, width=4, dtype=torch.bfloat16, seed=3)
+    e = make_engine(model, slots=12, state_dtype=state_dtype)
+    try:
+        oracle = Oracle(e.model_cpu, e.state_dtype)
+        counts = [0, 1, 2, 3, 4, 5, 2, 5]
+        sids = [e.create_session() for _ in counts]
+        for i, s in enumerate(sids):
+            oracle.new(s)
+            for p in range(3):
+                x = torch.randn(2 + i % 3, DIM, dtype=torch.bfloat16)
+                e.submit(s, LAYERS[p], x).result(10)
+                oracle.conv(s, p, x)
+        for p in (0, 2):                               # verifies on two layers, one batch each
+            x = torch.randn(5 * len(sids), DIM, dtype=torch.bfloat16)
+            y = e.submit_batch(sids, LAYERS[p], x, tokens=[5] * len(sids), speculative=True).result(10)
+            for i, s in enumerate(sids):
+                assert_close(y[5 * i:5 * i + 5], oracle.verify(s, p, x[5 * i:5 * i + 5]))
+        x = torch.randn(5, DIM, dtype=torch.bfloat16)    # one session with a verify on a third layer
+        assert_close(e.submit(sids[-1], LAYERS[1], x, speculative=True).result(10), oracle.verify(sids[-1], 1, x))
+        e.accept_batch(sids, counts)
+        for s, n in zip(sids, counts):
+            oracle.accept(s, n)
+            assert_close(e.export_state(s), oracle.export(s), what=f"{s} accepted {n}")
+    finally:
+        e.stop(drain=False)

@@ -25,11 +25,16 @@ class OutputRing:
     the ring refers to it: no Python reference to the tensor (the lazy results hold it) and no other tensor on
     its storage (the cut views, and whatever was made from them without a copy: numpy arrays, further views),
     nor to its storage object. The counts are exact in CPython, and only the worker thread hands buffers out.
-    The oldest buffer is tried first; when every one is still held, the step gets a fresh tensor of its own size
-    (``fresh`` counts those; a closed loop of callers that each keep their last result holds them all)."""
+    The oldest buffer is tried first. When every one is still held, the ring grows by one buffer of its full
+    size, up to ``most`` buffers (each allocated once, kept for the engine's life: a closed loop of N callers
+    that each keep their last result holds N buffers); past that the step gets a fresh tensor of its own size
+    (``fresh`` counts those). A fresh tensor is pageable, never pinned: no pinned allocation per step (a
+    device-to-host copy into pageable memory returns once it has landed, so it is complete when the step's
+    synchronization returns)."""
 
-    def __init__(self, n: int, rows: int, dim: int, dtype: torch.dtype, pin: bool):
+    def __init__(self, n: int, rows: int, dim: int, dtype: torch.dtype, pin: bool, most: int = 0):
         self.rows, self._shape, self._dtype, self._pin = rows, (rows, dim), dtype, pin
+        self._most = max(n, most)
         self._bufs = [torch.empty(self._shape, dtype=dtype, pin_memory=pin) for _ in range(n)]
         # each buffer's storage object: torch hands out the same Python object for it, so a caller that keeps
         # only y.untyped_storage() shows in its reference count (not in the c10 use count)
@@ -50,7 +55,8 @@ class OutputRing:
 
     def take(self, n: int) -> torch.Tensor:
         """A ``(>= n, dim)`` host tensor for one step's ``n`` result rows: a free ring buffer, else (every one
-        still held by callers) a fresh ``(n, dim)`` tensor."""
+        still held by callers) a new ring buffer while there are fewer than ``most``, else a fresh pageable
+        ``(n, dim)`` tensor."""
         k = len(self._bufs)
         if self._uses is not None:
             for j in range(k):
@@ -58,11 +64,22 @@ class OutputRing:
                 if not self.held(i):
                     self._next = (i + 1) % k
                     return self._bufs[i]
+            if k < self._most:
+                b = torch.empty(self._shape, dtype=self._dtype, pin_memory=self._pin)
+                self._bufs.append(b)
+                self._stores.append(b.untyped_storage())
+                self._next = 0
+                return b
         self.fresh += 1
-        return torch.empty((n, self._shape[1]), dtype=self._dtype, pin_memory=self._pin)
+        return torch.empty((n, self._shape[1]), dtype=self._dtype)
 
     def buf(self, i: int) -> torch.Tensor:
         return self._bufs[i]
+
+    @property
+    def size(self) -> int:
+        """The ring's buffers now (it grows up to ``most``)."""
+        return len(self._bufs)
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._bufs)
@@ -73,7 +90,7 @@ class Buffers:
     ``d_*`` device memory; on the CPU each ``d_*`` is its ``h_*``."""
 
     def __init__(self, n_layers: int, dim: int, dtype: torch.dtype, max_tokens: int, max_rows: int,
-                 max_bucket: int, max_spec: int, device: torch.device, slots: int = 0):
+                 max_bucket: int, max_spec: int, device: torch.device, slots: int = 0, width: int = 4):
         cuda = device.type == "cuda"
 
         def pair(shape, dt, fill=None):
@@ -119,14 +136,26 @@ class Buffers:
         # accept (Engine._commit_verifies), so a commit needs no host data. (layers, slots + 1, max_spec, dim)
         # in the model dtype: max_spec / (width - 1) times the state pool's size at the same dtype.
         self.d_spec = torch.empty((n_layers, slots + 1, max(1, max_spec), dim), dtype=dtype, device=device)
+        # accept's row indices (see Engine._commit_verifies): for each state row one commit rewrites (at most
+        # max_rows sessions x n_layers x (width - 1)), the row it reads and the row it writes, as one int64 array
+        # copied to the device at once. On CUDA the host side is pinned and is rewritten only once acc_done (the
+        # event after the last commit's copy) has passed.
+        self.acc_rows = max_rows * n_layers * max(1, width - 1)
+        self.h_acc, self.d_acc = pair((2 * self.acc_rows,), torch.int64)
+        self.acc_np = self.h_acc.numpy()
+        self.acc_done = torch.cuda.Event() if cuda else None
         self.gather = torch.empty((max_bucket,), dtype=torch.int64)    # arena rows of one layer's decodes
         self.gather_np = self.gather.numpy()
         self.d_dec_out = torch.empty((n_layers, max_bucket, dim), dtype=dtype, device=device)
         # verify: output_state_indices all pad: the live state is not written and no window is stored
         self.d_osi = torch.full((max_rows + 16, max_spec), PAD_SLOT_ID, dtype=torch.int32, device=device)
-        # the results of a step with up to max_rows output rows (every decode-only step); longer ones (prefill
-        # tokens) get a fresh tensor. 4 buffers: the callers of the last steps may not have read theirs yet.
-        self.outputs = OutputRing(4, max_rows, dim, dtype, cuda)
+        # the results of a step with up to max_rows output rows (every decode-only step). 4 buffers (the callers
+        # of the last steps may not have read theirs yet), growing to 16 for callers that keep their results.
+        self.outputs = OutputRing(4, max_rows, dim, dtype, cuda, most=16)
+        # the results of a step with packed prefill / verify tokens: its decode rows (at most max_rows) and its
+        # packed tokens (at most max_tokens: the scheduler counts verify pad tokens against them). 2 buffers of
+        # the largest step: one read by the last step's callers while the next step is copied into the other.
+        self.packed_outputs = OutputRing(2, max_rows + max_tokens, dim, dtype, cuda)
         # batch slots: a batch request's x (copied in at submit), rows' pool slots and y, each slot with a CUDA graph
         # per (layer, bucket) that holds the copy in, the kernel and the copy out: its launch is one replay. A
         # slot is reused once its batch is done and nothing outside refers to its y (see Runner.take_slot).
@@ -145,8 +174,9 @@ class Buffers:
         def nb(t):
             return t.numel() * t.element_size()
 
-        names = ("in", "meta", "flags", "dec_x", "dec_idx", "mix_x", "mix_idx")
+        names = ("in", "meta", "flags", "dec_x", "dec_idx", "mix_x", "mix_idx", "acc")
         host = sum(nb(getattr(self, "h_" + n)) for n in names) + nb(self.h_stage) + self.outputs.nbytes() + \
+            self.packed_outputs.nbytes() + \
             sum(nb(t) for t in (*self.slot_x, *self.slot_idx)) + self.slot_y.nbytes() + nb(self.h_tok)
         dev = (sum(nb(getattr(self, "d_" + n)) for n in names) if self.cuda else 0) + nb(self.d_osi) + \
             nb(self.d_dec_out) + nb(self.d_mix_out) + nb(self.d_out) + nb(self.d_spec)

@@ -222,31 +222,38 @@ class Intake:
             dec_rows = np.flatnonzero(dec)
             n_dec = b.n_dec = len(dec_rows)
             b.dec_pos = starts[dec_rows]
-            b.ix = np.empty(total, dtype=np.int64)
             pre_rows = np.flatnonzero(~spec & (lengths > 1))
             ver_rows = np.flatnonzero(spec)
+            padded = total
             if len(ver_rows):
                 top = int(lengths[ver_rows].max())
-                padded = total + top * len(ver_rows) - int(lengths[ver_rows].sum())
+                b.verify_tokens = int(lengths[ver_rows].sum())
+                padded = total + top * len(ver_rows) - b.verify_tokens
                 if padded > cfg.max_batch_tokens:
                     raise PayloadTooLarge(
                         f"x: the verify rows padded to the longest ({top} tokens) make {padded} tokens, over "
                         f"max_batch_tokens={cfg.max_batch_tokens}; split the batch")
                 b.verify_len = top
+            # only prefill rows, or only verify rows all of one length: the launch packs its rows in x's order,
+            # one run, so y is one slice of the step's output (no gather index)
+            gather = bool(n_dec) or (len(pre_rows) and len(ver_rows)) or padded != total
+            if gather:
+                b.gather, b.at = True, [0, 0, 0, 0]
             b.dec_x = xm.index_select(0, torch.from_numpy(b.dec_pos)) if n_dec else None
             if len(pre_rows):                         # the step's unpack adds only where its launch put them
                 lp = lengths[pre_rows]
                 b.n_pre = int(lp.sum())
-                b.pre_pos = np.repeat(starts[pre_rows] - (np.cumsum(lp) - lp), lp) + np.arange(b.n_pre)
-            if len(ver_rows):
+                if gather:
+                    b.pre_pos = np.repeat(starts[pre_rows] - (np.cumsum(lp) - lp), lp) + np.arange(b.n_pre)
+            if len(ver_rows) and gather:
                 lv = lengths[ver_rows]
                 first = np.repeat(starts[ver_rows], lv)
                 b.ver_pos = np.repeat(starts[ver_rows] - (np.cumsum(lv) - lv), lv) + np.arange(int(lv.sum()))
                 b.ver_row = np.repeat(np.arange(len(ver_rows)), lv)
                 b.ver_tok = b.ver_pos - first
             # (position in the batch, first token, tokens) of the prefill and verify rows; sessions under the lock
-            plan = (dec_rows, [(int(i), int(starts[i]), int(lengths[i])) for i in pre_rows],
-                    [(int(i), int(starts[i]), int(lengths[i])) for i in ver_rows])
+            plan = (dec_rows, list(zip(pre_rows.tolist(), starts[pre_rows].tolist(), lengths[pre_rows].tolist())),
+                    list(zip(ver_rows.tolist(), starts[ver_rows].tolist(), lengths[ver_rows].tolist())))
         if n_dec > cfg.decode_buckets[-1]:
             raise PayloadTooLarge(f"sessions: {n_dec} one-token rows, more than the largest decode bucket "
                                   f"({cfg.decode_buckets[-1]}) takes in one launch; split the batch")
@@ -277,7 +284,7 @@ class Intake:
         with self._lock:
             self._check_running_locked()
             if positions is None:
-                sessions = [table.get(sid) for sid in session_ids]    # UnknownSession / StateLost name the id
+                sessions = table.get_many(session_ids)    # UnknownSession / StateLost name the id
             else:
                 sessions = [self._session_at_locked(sid, at) for sid, at in zip(session_ids, positions)]
                 answer = self._check_batch_positions_locked(sessions, req.layer, positions, rows, key)
@@ -285,31 +292,35 @@ class Intake:
                     return self._replay_locked(answer, 0, None, req.x_dtype or self.model_cpu.dtype, req.future)
             if plan is None:
                 for s in sessions:
-                    self._check_no_verify_locked(s)
+                    if s.pending:
+                        self._check_no_verify_locked(s)
             else:
                 dec_rows, pre_rows, ver_rows = plan
                 for i in dec_rows.tolist():
-                    self._check_no_verify_locked(sessions[i])
+                    if sessions[i].pending:
+                        self._check_no_verify_locked(sessions[i])
                 for i, _a, _k in pre_rows:
                     self._check_no_verify_locked(sessions[i])
             self._check_queue_locked()
-            waits, wait_ops = {}, []
+            waits, wait_ops, slot_list = {}, [], []
             for s in sessions:
                 q = s.queue
-                while q and q[0].done:
-                    q.popleft()
-                for r in q:                  # every one not done (one that is withdrawn later is done then)
-                    if not r.done:
-                        waits[id(r)] = r
+                if q:
+                    while q and q[0].done:
+                        q.popleft()
+                    for r in q:              # every one not done (one that is withdrawn later is done then)
+                        if not r.done:
+                            waits[id(r)] = r
                 if s.ops:
                     wait_ops.extend(s.ops)
                 q.append(req)
                 s.batch = req
                 s.last_used = now
+                slot_list.append(s.slot)
             seq = next(self._seq)
             self._last_seq = seq
             req.seq = seq
-            slots = np.fromiter((s.slot for s in sessions), np.int32, len(sessions))
+            slots = np.array(slot_list, dtype=np.int32)
             p = req.layer
             if positions is not None:
                 req.track = Answer(key)
@@ -321,21 +332,33 @@ class Intake:
                     else:
                         self._advance_locked(s, p, 1, req.track, i, i + 1)
             else:
-                adv = []                           # (session, tokens, first row) of each plain slice
-                for j, i in enumerate(dec_rows.tolist()):
-                    sessions[i].initialized |= bit
-                    adv.append((sessions[i], 1, int(b.dec_pos[j])))
-                adv.extend((sessions[i], k, a) for i, a, k in pre_rows)
-                for s, k, a in adv:
+                dec_s = [sessions[i] for i in dec_rows.tolist()]
+                for s in dec_s:
+                    s.initialized |= bit
+                pre_s = [(sessions[i], k, a) for i, a, k in pre_rows]
+                if req.track is None:              # the common case: positions advance, no answer to keep
+                    for s in dec_s:
+                        if s.last:
+                            self._advance_locked(s, p, 1, None)
+                        else:
+                            s.positions[p] += 1
+                else:
+                    for s, a in zip(dec_s, b.dec_pos.tolist()):
+                        self._advance_locked(s, p, 1, req.track, a, a + 1)
+                for s, k, a in pre_s:
                     self._advance_locked(s, p, k, req.track, a, a + k)
-                b.adv = [(s, k) for s, k, _a in adv]
+                # (session, tokens) of each plain slice: decodes, then prefills
+                b.adv = [(s, 1) for s in dec_s] + [(s, k) for s, k, _a in pre_s]
                 slots = slots[dec_rows]
                 if pre_rows:
                     b.prefill = [(sessions[i], a, k) for i, a, k in pre_rows]
                 if ver_rows:
                     b.verify = [(sessions[i], a, k) for i, a, k in ver_rows]
-                    for s, _a, k in b.verify:
-                        s.pending[req.layer] = (k, seq)
+                    vs = [v[0] for v in b.verify]
+                    vk = [v[2] for v in b.verify]
+                    b.ver_cols = (vs, [s.slot for s in vs], [v[1] for v in b.verify], vk)
+                    for s, k in zip(vs, vk):
+                        s.pending[p] = (k, seq)
             b.waits, b.wait_ops, b.sessions, b.slots, b.buf = list(waits.values()), wait_ops, sessions, slots, slot
             self._sched.add(req)
             self._cv.notify()

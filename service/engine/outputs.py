@@ -51,9 +51,10 @@ class AsyncConvFuture(asyncio.Future):
 
 def cut(v) -> torch.Tensor:
     """A lazy result ``(buf, lo, hi, dtype)``: rows ``lo:hi`` of ``buf`` (``hi`` None: the rows of the index
-    tensor ``lo``, gathered), cast to ``dtype`` unless it is None."""
+    tensor ``lo``, or of the one ``lo()`` computes (a ``records.BatchIndex``), gathered), cast to ``dtype``
+    unless it is None."""
     buf, lo, hi, dt = v
-    y = buf[lo:hi] if hi is not None else buf.index_select(0, lo)
+    y = buf[lo:hi] if hi is not None else buf.index_select(0, lo if type(lo) is torch.Tensor else lo())
     return y if dt is None else y.to(dt)
 
 
@@ -118,7 +119,7 @@ def deliver_step(finished: list, host_out: Optional[torch.Tensor], by_position: 
         p = i if by_position else r.parts
         if type(p) is int:
             y = (host_out, p, p + r.n_tokens, r.x_dtype)
-        elif type(p) is tuple:                  # a mixed batch: the index of its rows in host_out
+        elif type(p) is tuple:                  # a mixed batch: the index of its rows in host_out (or its maker)
             y = (host_out, p[0], None, r.x_dtype)
         else:                                   # a chunked prefill's joined tensor, or a batch slot's y
             y = (p, 0, r.n_tokens, r.x_dtype)

@@ -223,9 +223,11 @@ class Positions:
     def _accept_positions_locked(self, s: Session, layers, n: int) -> None:
         """``accept(n)`` commits n tokens on ``layers``: they advance, and no earlier answer repeats there."""
         if n:
+            positions = s.positions
             for p in layers:
-                s.positions[p] += n
-            self._forget_locked(s, layers)
+                positions[p] += n
+            if s.last:
+                self._forget_locked(s, layers)
 
     def _replay_locked(self, answer: Answer, lo: int, hi: Optional[int], dtype, sink) -> list:
         """A repeat: its result from the kept answer now (returned, for :func:`deliver` outside the lock), or

@@ -11,6 +11,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+import numpy as np
+import torch
+
 from convserve.kernels import PAD_SLOT_ID
 
 from ..scheduler import Request, RowBatch
@@ -41,10 +44,14 @@ class BatchRows(RowBatch):
     #                              gathered copy (a mixed batch)
     # A mixed batch (rows other than one-token decodes) has its y gathered from the step's output by one index:
     dec_pos: Any = None          # (n_dec,) int64 array: each decode row's place in x and y; None: a plain batch
-    ix: Any = None               # (n_tokens,) int64 array: the step output's row of each row of y (filled by
-    #                              the runner); None: a plain batch
+    gather: bool = False         # y is gathered from the step's output by a BatchIndex (rows of several kinds,
+    #                              or verify rows of several lengths); else a plain batch, or one whose y is one
+    #                              run of the step's output (only prefill rows, or only verify rows of one length)
+    at: Any = None               # with ``gather``: where the step put its runs, [decode rows, prefill tokens,
+    #                              verify rows, verify launch length] (set by the runner's unpack)
     # Its prefill and verify tokens, computed at submit (the step only adds where its launches put them):
     pre_pos: Any = None          # (prefill tokens,) int64: each prefill token's place in x, in packed order
+    #                              (these four with ``gather`` only)
     ver_pos: Any = None          # (verify tokens,) int64: each real verify token's place in x, in row order
     ver_row: Any = None          # (verify tokens,) int64: its verify row (0 = the batch's first verify row)
     ver_tok: Any = None          # (verify tokens,) int64: its token within that row
@@ -74,11 +81,34 @@ class Op:
     #                                   FIFO of its ops; () for an op on ``session`` alone
 
 
+class BatchIndex:
+    """The step output's row of each row of a gathered batch's y (see ``BatchRows.gather``), computed when its
+    reader cuts the result (:func:`outputs.cut`, on the reader's thread), not on the worker's: the step records
+    only where it put each kind's run (``BatchRows.at``)."""
+
+    __slots__ = ("_b", "_n")
+
+    def __init__(self, b: BatchRows, n_tokens: int):
+        self._b, self._n = b, n_tokens
+
+    def __call__(self) -> torch.Tensor:
+        b = self._b
+        dec, pre, ver, L = b.at
+        ix = np.empty(self._n, dtype=np.int64)
+        if b.n_dec:
+            ix[b.dec_pos] = np.arange(dec, dec + b.n_dec)
+        if b.pre_pos is not None:
+            ix[b.pre_pos] = np.arange(pre, pre + b.n_pre)
+        if b.ver_pos is not None:
+            ix[b.ver_pos] = ver + b.ver_row * L + b.ver_tok
+        return torch.from_numpy(ix)
+
+
 def release_batch(r: ConvRequest, now: float) -> None:
     """A batch request that is done: its completion time (its sessions' last use) and nothing more held (what
     it waited for, its sessions, its slot's y: the session keeps it as its latest batch)."""
     b = r.batch
     b.done_at = now
     b.waits = b.wait_ops = b.sessions = ()
-    b.dec_x = b.prefill = b.verify = None
+    b.dec_x = b.prefill = b.verify = b.ver_cols = None
     r.x = r.parts = None

@@ -8,15 +8,15 @@ holds no futures, takes no engine lock and never touches the scheduler or the se
 scheduler's output and the requests' payload (``x``, ``stage``, ``batch``), its outputs the step's host tensor
 and ``request.parts``.
 
-Staging (:meth:`Runner.stage`, :meth:`Runner.stage_batch`, :meth:`Runner.take_slot`) runs on the submitting
-threads: it copies a request's x into the runner's host memory (the staging arena, a batch slot) before the
-request is queued, under the runner's own small lock.
+Staging (:mod:`.staging`: :meth:`Runner.stage`, :meth:`Runner.stage_batch`, :meth:`Runner.take_slot`,
+:meth:`Runner.stage_tokens`) runs on the submitting threads: it copies a request's x into the runner's host
+memory (the staging arena, a batch slot, the token arena) before the request is queued, under the runner's own
+small lock.
 """
 
 from __future__ import annotations
 
 import bisect
-import threading
 import time
 
 import numpy as np
@@ -26,14 +26,16 @@ from convserve.kernels import PAD_SLOT_ID
 
 from ..model import ConvModel
 from ..scheduler import SchedulerOutput
-from .buffers import BATCH_SLOTS, Buffers
+from .buffers import Buffers
 from .cuda_graphs import DecodeLaunchers
+from .records import BatchIndex
+from .staging import Staging
 
 #: padding that brings an int32 list to a multiple of 4 elements (16 bytes), by its length mod 4
 _PAD4 = ([], [0, 0, 0], [0, 0], [0])
 
 
-class Runner:
+class Runner(Staging):
     """The buffers, kernels and launchers of one engine on one device (built by :meth:`Engine.start`)."""
 
     def __init__(self, model: ConvModel, pool, config, device: torch.device):
@@ -45,7 +47,7 @@ class Runner:
         # per layer position, what a launch takes: (weight, bias or None, the pool's (slots + 1, dim, W - 1) view)
         self.layer_args = [(model.weight[p], model.layer_bias(p), pool.layer(p)) for p in range(model.n_layers)]
         self.bufs = Buffers(model.n_layers, model.dim, model.dtype, cfg.max_batch_tokens, cfg.max_batch_size,
-                            cfg.decode_buckets[-1], cfg.max_spec_tokens, device, pool.slots)
+                            cfg.decode_buckets[-1], cfg.max_spec_tokens, device, pool.slots, model.width)
         if cuda:
             from convserve.kernels import causal_conv1d_fn, causal_conv1d_update
 
@@ -65,13 +67,8 @@ class Runner:
         if cuda:
             torch.cuda.synchronize(device)
         self._n_exec = 0                                # steps executed (the GPU is timed on every Nth)
-        # staging (submitting threads): the arena's ticket counter and row owners, the batch slots' owners
-        self._stage_lock = threading.Lock()
-        self._stage_next = 0
-        self.stage_owner: list = [None] * self.bufs.stage_rows
-        self.slot_owner: list = [None] * BATCH_SLOTS   # the batch request holding each batch slot
-        self._tok_next = 0                              # the token arena: next free row, and the staged
-        self._tok_live: list = []                       # regions [lo, hi) in staging order, with their requests
+        self._vviews: dict = {}                         # see _verify_views
+        self._init_staging()
 
     def _warm_up(self) -> None:
         """Compile, at start-up instead of on the engine thread mid-traffic, every prefill variant a step can
@@ -107,113 +104,6 @@ class Runner:
             self.update_fn(x3, self.pool.layer(0), m.weight[0], m.layer_bias(0), m.activation,
                            conv_state_indices=idx[:rows], output_state_indices=bf.d_osi[:rows, :n],
                            pad_slot_id=PAD_SLOT_ID, out=o3)
-
-    # ------------------------------------------------------------------ staging (submitting threads)
-
-    def stage(self, req, xm: torch.Tensor) -> None:
-        """Copy a one-token x into the next row of the staging arena (on the submitting thread, outside the
-        engine lock) and point ``req.x`` at it. Tickets are taken in submit order, so the decodes of a step are
-        usually one contiguous run of rows. A row is reused only once the request that held it is done
-        (finished after its step synchronized, failed or cancelled); when the row is still held, ``req`` is not
-        staged and the step packs its x row by row."""
-        bf = self.bufs
-        with self._stage_lock:
-            t = self._stage_next
-            self._stage_next = t + 1
-            row = t % bf.stage_rows
-            prev = self.stage_owner[row]
-            if prev is not None and not prev.done:
-                return
-            self.stage_owner[row] = req
-        v = bf.stage_views[row]
-        v.copy_(xm)
-        req.x = v
-        req.stage = t
-
-    def take_slot(self, req, xm: torch.Tensor) -> int:
-        """Reserve a free batch slot for ``req`` and copy its x there; the slot's index, or -1 when none is free
-        (every one held by a queued batch, or its last y still referred to by a caller)."""
-        bf = self.bufs
-        with self._stage_lock:
-            owners, ys = self.slot_owner, bf.slot_y
-            for k in range(BATCH_SLOTS):
-                o = owners[k]
-                if (o is None or o.done) and not ys.held(k):
-                    owners[k] = req
-                    break
-            else:
-                return -1
-        bf.slot_x[k][:req.n_tokens].copy_(xm)
-        return k
-
-    def stage_batch(self, req, xm: torch.Tensor) -> None:
-        """Copy a batch's decode rows' x (``xm``, ``n_dec`` rows) into consecutive rows of the staging arena (they
-        are one slice there: one host-to-device copy in the step), when such a run of rows is free, and point
-        ``req.batch.dec_x`` at them; else the step copies ``dec_x`` as it is."""
-        bf, n = self.bufs, xm.shape[0]
-        R = bf.stage_rows
-        if n > R:
-            return
-        with self._stage_lock:
-            t = self._stage_next
-            lo = t % R
-            if lo + n > R:                           # no wrap inside a batch: start at the arena's row 0
-                t += R - lo
-                lo = 0
-            owners = self.stage_owner
-            if any(o is not None and not o.done for o in owners[lo:lo + n]):
-                return
-            owners[lo:lo + n] = [req] * n
-            self._stage_next = t + n
-        v = bf.h_stage[lo:lo + n]
-        v.copy_(xm)
-        req.batch.dec_x = v
-        req.stage = t
-
-    def stage_tokens(self, req, xm: torch.Tensor, pre: list, ver: list) -> bool:
-        """Copy a batch's prefill tokens (``pre``: ``(row, first token, tokens)`` per prefill row) and then its
-        verify rows (``ver``, each padded with zeros to the batch's ``verify_len``) into one region of the token
-        arena, in the order the scheduler packs them, and set ``req.batch.tok`` to its first row. The arena is a
-        ring: a region is taken at the next free row (at row 0 when it would run past the end) only if no region
-        it overlaps belongs to a request that is not done; else nothing is staged (False) and the step packs the
-        rows from ``x`` itself (the unstaged path)."""
-        bf, b = self.bufs, req.batch
-        lv, k = b.verify_len, len(ver)
-        n_pre = b.n_pre
-        n = n_pre + lv * k
-        R = bf.tok_rows
-        if n > R:
-            return False
-        with self._stage_lock:
-            lo = self._tok_next
-            if lo + n > R:
-                lo = 0
-            hi = lo + n
-            live = [e for e in self._tok_live if not e[2].done]
-            self._tok_live = live
-            if any(a < hi and lo < e for a, e, _r in live):
-                return False
-            live.append((lo, hi, req))
-            self._tok_next = hi
-        if pre:
-            views = [xm[a:a + t] for _i, a, t in pre]
-            if len(views) > 1:
-                torch.cat(views, out=bf.h_tok[lo:lo + n_pre])
-            else:
-                bf.h_tok[lo:lo + n_pre].copy_(views[0])
-        if k:
-            dst = bf.h_tok[lo + n_pre:hi]
-            a0 = ver[0][1]
-            if all(t == lv for _i, _a, t in ver) and ver[-1][1] == a0 + (k - 1) * lv:   # one slice of x
-                dst.copy_(xm[a0:a0 + k * lv])
-            else:
-                d3 = dst.view(k, lv, -1)
-                for j, (_i, a, t) in enumerate(ver):
-                    d3[j, :t].copy_(xm[a:a + t])
-                    if t < lv:
-                        d3[j, t:].zero_()
-        b.tok = lo
-        return True
 
     # ------------------------------------------------------------------ a step (worker thread)
 
@@ -476,33 +366,46 @@ class Runner:
             k += 1
             self.prefill_fn(bf.d_in[a:b].T, w, bias, states, bf.d_meta[q:q + rows + 1], bf.d_meta[i:i + rows],
                             bf.d_flags[f:f + rows], act, PAD_SLOT_ID, out=bf.d_out[a:b].T)
-        D = m.dim
         for vb in out.verifies:                      # rows padded to a multiple of 16 (pad rows touch nothing)
             L, a = vb.n_tokens, vb.token_offset
             i, rows = offs[k]
             k += 1
-            b = a + rows * L
-            x3 = bf.d_in[a:b].view(rows, L, D).transpose(1, 2)
-            o3 = bf.d_out[a:b].view(rows, L, D).transpose(1, 2)
+            nr = len(vb.requests)
+            x3, o3, idx, osi, real_idx, real_x, spec = self._verify_views(vb.layer, a, L, i, rows, nr)
             w, bias, states = self.layer_args[vb.layer]
-            self.update_fn(x3, states, w, bias, act,
-                           conv_state_indices=bf.d_meta[i:i + rows], output_state_indices=bf.d_osi[:rows, :L],
+            self.update_fn(x3, states, w, bias, act, conv_state_indices=idx, output_state_indices=osi,
                            pad_slot_id=PAD_SLOT_ID, out=o3)
             # what accept commits from: each real row's x, into its (layer, slot) line of d_spec (on the device;
             # the pad tokens past a row's real ones are copied too and never read)
-            nr = len(vb.requests)
-            bf.d_spec[vb.layer, :, :L].index_copy_(0, bf.d_meta[i:i + nr].long(),
-                                                   bf.d_in[a:a + nr * L].view(nr, L, D))
+            spec.index_copy_(0, real_idx.long(), real_x)
         if timed:
             self._ev1.record(self.stream)
         return timed
 
+    def _verify_views(self, layer: int, a: int, L: int, i: int, rows: int, nr: int) -> tuple:
+        """The views one verify launch takes (its ``rows`` rows of ``L`` tokens from ``d_in[a:]``, its indices
+        at ``d_meta[i:]``, ``nr`` of them real): ``(x, out, indices, output state indices, the real rows'
+        indices, their x, the layer's d_spec lines cut to L tokens)``. Views of the buffers, which live as long
+        as the runner, built once per layout (a dozen view ops per launch otherwise); the cache is bounded."""
+        key = (layer, a, L, i, rows, nr)
+        v = self._vviews.get(key)
+        if v is None:
+            bf, D = self.bufs, self.model.dim
+            b = a + rows * L
+            v = (bf.d_in[a:b].view(rows, L, D).transpose(1, 2), bf.d_out[a:b].view(rows, L, D).transpose(1, 2),
+                 bf.d_meta[i:i + rows], bf.d_osi[:rows, :L], bf.d_meta[i:i + nr],
+                 bf.d_in[a:a + nr * L].view(nr, L, D), bf.d_spec[layer, :, :L])
+            if len(self._vviews) >= 1024:
+                self._vviews.clear()
+            self._vviews[key] = v
+        return v
+
     def _copy_out(self, out: SchedulerOutput, mixed, slot_of: list, n_slot: int):
-        """Start the device-to-host copies of the step's results: one host tensor per step (pinned on CUDA; a
-        buffer of the output ring unless the step has more rows than those), one copy per launch group, decode
-        rows first. Each request's y is then a view of it, cut lazily by whoever reads the result (not on this
-        thread). Returns ``(host_out, n_dec)``: the tensor (None when every result is in a batch slot) and its
-        decode rows."""
+        """Start the device-to-host copies of the step's results: one host tensor per step (pinned on CUDA: a
+        buffer of the decode output ring, or of the packed one when the step has more rows than a decode step
+        can), one copy per launch group, decode rows first. Each request's y is then a view of it, cut lazily by
+        whoever reads the result (not on this thread). Returns ``(host_out, n_dec)``: the tensor (None when every
+        result is in a batch slot) and its decode rows."""
         bf, cuda = self.bufs, self.stream is not None
         decodes = out.decodes
         n_packed = out.packed_tokens
@@ -513,7 +416,7 @@ class Runner:
         elif n_out <= bf.outputs.rows:
             host_out = bf.outputs.take(n_out)
         else:
-            host_out = torch.empty((n_out, self.model.dim), dtype=self.model.dtype, pin_memory=cuda)
+            host_out = bf.packed_outputs.take(n_out)
         if mixed is not None:
             host_out[:n_dec].copy_(bf.d_mix_out[:n_dec], non_blocking=cuda)
         a = 0
@@ -544,8 +447,8 @@ class Runner:
                     continue
                 for r in db.requests:          # a batch request's rows in host_out, or single decodes
                     b = r.batch
-                    if b is not None and b.ix is not None:      # a mixed batch: where its decode rows' y lie
-                        b.ix[b.dec_pos] = np.arange(a, a + db.rows)
+                    if b is not None and b.gather:      # a mixed batch: where its decode rows' y lie
+                        b.at[0] = a
                         a += db.rows
                         continue
                     r.parts = a
@@ -558,7 +461,10 @@ class Runner:
                 lo, hi = off + qsl[i], off + qsl[i + 1]
                 b = r.batch
                 if b is not None:              # a batch's prefill rows (whole: a batch is never chunked), in a run
-                    b.ix[b.pre_pos] = np.arange(lo, lo + b.n_pre)
+                    if b.gather:
+                        b.at[1] = lo
+                    else:                      # nothing but these rows: y is that run
+                        r.parts = lo
                     i += len(b.prefill)
                     continue
                 if hi - lo == r.n_tokens:
@@ -577,12 +483,19 @@ class Runner:
                 r = reqs[i]
                 b = r.batch
                 if b is not None:              # a batch's verify rows, in a run
-                    b.ix[b.ver_pos] = (off + i * L) + b.ver_row * L + b.ver_tok
+                    if b.gather:
+                        b.at[2], b.at[3] = off + i * L, L
+                    else:                      # nothing but these rows, all verify_len long
+                        lo, k, lv = off + i * L, len(b.verify), b.verify_len
+                        if lv == L:            # as long as the launch's: y is one run
+                            r.parts = lo
+                        else:                  # a longer verify in the launch: each row's first lv tokens
+                            ix = (lo + np.arange(0, k * L, L)[:, None] + np.arange(lv)[None, :]).ravel()
+                            r.parts = (torch.from_numpy(ix),)
                     i += len(b.verify)
                     continue
                 r.parts = off + i * L
                 i += 1
         for r in out.batches:                  # a mixed batch's y: one gather of host_out by the reader
-            ix = r.batch.ix
-            if ix is not None:
-                r.parts = (torch.from_numpy(ix),)
+            if r.batch.gather:
+                r.parts = (BatchIndex(r.batch, r.n_tokens),)

@@ -16,6 +16,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 
 from convserve.clients.protocol.errors import (BadRequest, Internal, PoolExhausted, RequestTimeout, ServiceError,
@@ -181,7 +182,7 @@ class SessionOps:
         if not s.pending:
             raise BadRequest(f"session {s.id!r} has no speculative verify to accept; send a conv with "
                              "speculative=true first")
-        shortest = min(t for t, _seq in s.pending.values())
+        shortest = min(s.pending.values())[0]          # (tokens, seq) pairs: the least tokens
         if n > shortest:
             raise BadRequest(f"tokens: expected at most {shortest} (the verify's length) for session {s.id!r}, "
                              f"got {n}")
@@ -210,29 +211,59 @@ class SessionOps:
         The state after n tokens is the last ``w1 = width - 1`` rows of ``[state, x[:n]]``: row r is row ``n + r``
         of that, i.e. the old state's row ``n + r`` when ``n + r < w1``, else ``x[n + r - w1]``. The verify's x is
         on the device already (its step copied it into ``d_spec[layer, slot]``, see Runner._launch), so every
-        (session, layer) is done at once with no host data but the indices: one gather of the old rows, one of
-        the x rows, one write into the pool, the same few launches for one session or hundreds.
+        (session, layer) is done at once with no host data but the row indices, computed here with numpy and
+        copied to the device in one non-blocking copy (no sync): gather the rows that move within the state and
+        the rows that come from x (both read before anything is written), then write both. The same few
+        launches for one session or hundreds, whatever their ``n``.
         """
-        w1 = self.model.width - 1
-        idx = []                                                      # (layer, slot, n) per pair
+        layers, slots, ns, counts = [], [], [], []      # the pairs' layers; per session its slot, n, pairs
         for s, pending, n in work:
+            spec = s.spec_x
             if n:
-                for p, (_t, seq) in pending.items():
-                    if s.spec_x.get(p) == seq:                        # that verify ran (its x is in d_spec)
-                        idx += (p, s.slot, n)
-                        s.initialized |= 1 << p
-            s.spec_x.clear()
-        if not idx:
+                ps = [p for p, (_t, seq) in pending.items() if spec.get(p) == seq]   # that verify ran
+                if ps:
+                    layers += ps
+                    slots.append(s.slot)
+                    ns.append(n)
+                    counts.append(len(ps))
+                    bits = 0
+                    for p in ps:
+                        bits |= 1 << p
+                    s.initialized |= bits
+            spec.clear()
+        if not layers:
             return
         storage = self.pool.storage                                   # (layers, slots + 1, w1, dim)
         spec = self._runner.bufs.d_spec                               # (layers, slots + 1, max_spec, dim)
-        layer_t, slot_t, n_t = torch.tensor(idx, dtype=torch.int64).view(-1, 3).to(self.device).unbind(1)
-        pos = n_t[:, None] + torch.arange(w1, dtype=torch.int64, device=self.device)[None, :]   # (k, w1)
-        from_old = (pos < w1)[:, :, None]
-        old = storage[layer_t, slot_t]                                  # (k, w1, dim), gathered on the device
-        shifted = torch.gather(old, 1, pos.clamp(max=w1 - 1)[:, :, None].expand(-1, -1, old.shape[-1]))
-        xs = spec[layer_t[:, None], slot_t[:, None], (pos - w1).clamp_(min=0)]   # (k, w1, dim)
-        storage[layer_t, slot_t] = torch.where(from_old, shifted, xs.to(storage.dtype))
+        bf = self._runner.bufs
+        _n_layers, lines_per_layer, w1, dim = storage.shape
+        n_spec = spec.shape[2]
+        counts = np.array(counts)
+        line = np.array(layers, dtype=np.int64) * lines_per_layer + np.repeat(np.array(slots, dtype=np.int64), counts)
+        # (pairs, w1): the row of [state, x] each new state row is
+        pos = np.repeat(np.array(ns, dtype=np.int64), counts)[:, None] + np.arange(w1)[None, :]
+        dst = (line * w1)[:, None] + np.arange(w1)[None, :]                        # each row it rewrites
+        old = pos < w1
+        rows = dst.size
+        m = int(np.count_nonzero(old))
+        acc = bf.acc_np
+        if bf.acc_done is not None:
+            bf.acc_done.synchronize()                 # the last commit's copy has read the host indices
+        acc[:m] = ((line * w1)[:, None] + pos)[old]
+        acc[m:rows] = ((line * n_spec)[:, None] + (pos - w1))[~old]
+        acc[rows:rows + m] = dst[old]
+        acc[rows + m:2 * rows] = dst[~old]
+        idx = bf.d_acc[:2 * rows]
+        if bf.acc_done is not None:
+            idx.copy_(bf.h_acc[:2 * rows], non_blocking=True)
+            bf.acc_done.record()
+        flat = storage.view(-1, dim)
+        from_state = flat.index_select(0, idx[:m]) if m else None
+        from_x = spec.view(-1, dim).index_select(0, idx[m:rows]) if m < rows else None
+        if from_state is not None:
+            flat.index_copy_(0, idx[rows:rows + m], from_state)
+        if from_x is not None:
+            flat.index_copy_(0, idx[rows + m:], from_x.to(storage.dtype))
 
     # ------------------------------------------------------------------ op queueing (runs on the worker)
 

@@ -1,0 +1,134 @@
+"""Staging: a request's x copied into the runner's host memory on the submitting thread, before the request is
+queued (the staging arena for decode rows, a batch slot for a plain decode batch, the token arena for a batch's
+prefill and verify rows), under the runner's own small lock, so a step copies each run of rows to the device at
+once instead of packing rows on the worker thread. :class:`Staging` is a part of :class:`Runner` and shares its
+buffers (``self.bufs``)."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from .buffers import BATCH_SLOTS
+
+
+class Staging:
+    """The staging methods of :class:`Runner` (see the module docstring)."""
+
+    def _init_staging(self) -> None:
+        """The staging state (submitting threads): the arena's ticket counter and row owners, the batch slots'
+        owners, the token arena's next free row and live regions."""
+        self._stage_lock = threading.Lock()
+        self._stage_next = 0
+        self.stage_owner: list = [None] * self.bufs.stage_rows
+        self.slot_owner: list = [None] * BATCH_SLOTS   # the batch request holding each batch slot
+        self._tok_next = 0                              # the token arena: next free row, and the staged
+        self._tok_live: list = []                       # regions [lo, hi) in staging order, with their requests
+
+    def stage(self, req, xm: torch.Tensor) -> None:
+        """Copy a one-token x into the next row of the staging arena (on the submitting thread, outside the
+        engine lock) and point ``req.x`` at it. Tickets are taken in submit order, so the decodes of a step are
+        usually one contiguous run of rows. A row is reused only once the request that held it is done
+        (finished after its step synchronized, failed or cancelled); when the row is still held, ``req`` is not
+        staged and the step packs its x row by row."""
+        bf = self.bufs
+        with self._stage_lock:
+            t = self._stage_next
+            self._stage_next = t + 1
+            row = t % bf.stage_rows
+            prev = self.stage_owner[row]
+            if prev is not None and not prev.done:
+                return
+            self.stage_owner[row] = req
+        v = bf.stage_views[row]
+        v.copy_(xm)
+        req.x = v
+        req.stage = t
+
+    def take_slot(self, req, xm: torch.Tensor) -> int:
+        """Reserve a free batch slot for ``req`` and copy its x there; the slot's index, or -1 when none is free
+        (every one held by a queued batch, or its last y still referred to by a caller)."""
+        bf = self.bufs
+        with self._stage_lock:
+            owners, ys = self.slot_owner, bf.slot_y
+            for k in range(BATCH_SLOTS):
+                o = owners[k]
+                if (o is None or o.done) and not ys.held(k):
+                    owners[k] = req
+                    break
+            else:
+                return -1
+        bf.slot_x[k][:req.n_tokens].copy_(xm)
+        return k
+
+    def stage_batch(self, req, xm: torch.Tensor) -> None:
+        """Copy a batch's decode rows' x (``xm``, ``n_dec`` rows) into consecutive rows of the staging arena (they
+        are one slice there: one host-to-device copy in the step), when such a run of rows is free, and point
+        ``req.batch.dec_x`` at them; else the step copies ``dec_x`` as it is."""
+        bf, n = self.bufs, xm.shape[0]
+        R = bf.stage_rows
+        if n > R:
+            return
+        with self._stage_lock:
+            t = self._stage_next
+            lo = t % R
+            if lo + n > R:                           # no wrap inside a batch: start at the arena's row 0
+                t += R - lo
+                lo = 0
+            owners = self.stage_owner
+            if any(o is not None and not o.done for o in owners[lo:lo + n]):
+                return
+            owners[lo:lo + n] = [req] * n
+            self._stage_next = t + n
+        v = bf.h_stage[lo:lo + n]
+        v.copy_(xm)
+        req.batch.dec_x = v
+        req.stage = t
+
+    def stage_tokens(self, req, xm: torch.Tensor, pre: list, ver: list) -> bool:
+        """Copy a batch's prefill tokens (``pre``: ``(row, first token, tokens)`` per prefill row) and then its
+        verify rows (``ver``, each padded with zeros to the batch's ``verify_len``) into one region of the token
+        arena, in the order the scheduler packs them, and set ``req.batch.tok`` to its first row. The arena is a
+        ring: a region is taken at the next free row (at row 0 when it would run past the end) only if no region
+        it overlaps belongs to a request that is not done; else nothing is staged (False) and the step packs the
+        rows from ``x`` itself (the unstaged path)."""
+        bf, b = self.bufs, req.batch
+        lv, k = b.verify_len, len(ver)
+        n_pre = b.n_pre
+        n = n_pre + lv * k
+        R = bf.tok_rows
+        if n > R:
+            return False
+        with self._stage_lock:
+            lo = self._tok_next
+            if lo + n > R:
+                lo = 0
+            hi = lo + n
+            live = [e for e in self._tok_live if not e[2].done]
+            self._tok_live = live
+            if any(a < hi and lo < e for a, e, _r in live):
+                return False
+            live.append((lo, hi, req))
+            self._tok_next = hi
+        if pre:
+            views = [xm[a:a + t] for _i, a, t in pre]
+            if len(views) > 1:
+                torch.cat(views, out=bf.h_tok[lo:lo + n_pre])
+            else:
+                bf.h_tok[lo:lo + n_pre].copy_(views[0])
+        if k:
+            dst = bf.h_tok[lo + n_pre:hi]
+            a0 = ver[0][1]
+            # every row lv long (their tokens sum to k * lv) and the last lv * (k - 1) after the first: one
+            # slice of x
+            if b.verify_tokens == k * lv and ver[-1][1] == a0 + (k - 1) * lv:
+                dst.copy_(xm[a0:a0 + k * lv])
+            else:
+                d3 = dst.view(k, lv, -1)
+                for j, (_i, a, t) in enumerate(ver):
+                    d3[j, :t].copy_(xm[a:a + t])
+                    if t < lv:
+                        d3[j, t:].zero_()
+        b.tok = lo
+        return True
