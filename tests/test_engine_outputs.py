@@ -160,6 +160,10 @@ def test_a_sink_gets_each_result_once_and_a_withdrawn_request_never_reaches_it()
             raise AssertionError("a deleted session accepted a conv")
         except UnknownSession:
             pass
+    finally:
+        e.stop(drain=False)
+
+
 def test_packed_steps_results_held_by_callers_are_never_overwritten():
     """Steps with prefill or verify tokens copy their results into the packed ring (2 buffers): a caller that
     keeps its y (unread, cut, or only a view) across more such steps than the ring holds keeps its values; the
