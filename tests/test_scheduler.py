@@ -82,7 +82,7 @@ def rows_of(out):
 # ---- packing
 
 
-@pytest.mark.parametrize("lengths", [[1], [5, 1, 1, 1], [3, 7, 2], [16] * 5])
+@pytest.mark.parametrize("lengths", [[2], [5, 2, 2, 2], [3, 7, 2], [16] * 5])
 def test_prefills_of_one_layer_pack_into_one_batch_with_cumulative_query_start_loc(lengths):
     q = Q()
     reqs = [q.add(slot=i + 1, t=t) for i, t in enumerate(lengths)]
@@ -103,7 +103,7 @@ def test_has_initial_state_follows_the_session_layer_state_bits():
     q = Q()
     q.add(slot=1, layer=0, t=4, init=0b01)
     q.add(slot=2, layer=1, t=4, init=0b01)
-    q.add(slot=3, layer=0, t=1, init=0)        # first token of a fresh layer is a prefill from zeros
+    q.add(slot=3, layer=0, t=2, init=0)        # the first call on a layer starts from zeros
     out = q.step()
     by_layer = {pb.layer: pb for pb in out.prefills}
     assert by_layer[0].has_initial_state == [True, False]
@@ -239,7 +239,7 @@ def test_max_batch_size_bounds_the_rows_of_a_step(max_rows):
 
 
 @pytest.mark.parametrize("max_tokens", [1, 4, 10, 64])
-@pytest.mark.parametrize("t", [1, 3, 17, 100])
+@pytest.mark.parametrize("t", [2, 3, 17, 100])
 def test_a_prefill_longer_than_the_budget_runs_in_chunks_that_continue_from_state(max_tokens, t):
     q = Q(max_batch_tokens=max_tokens)
     r = q.add(1, t=t)
@@ -469,7 +469,7 @@ def test_a_batch_request_is_one_decode_launch_padded_to_its_bucket(rows, buckets
 
 def test_a_queued_batch_request_runs_without_the_delay_window():
     q = Q(max_queue_delay_us=10_000_000)
-    q.add(slot=9)
+    q.add(slot=9, layer=1)                       # another layer: the batch has layer 0's decode launch alone
     assert not q.s.ready(T0 + 1)
     q.add_batch([1, 2])
     assert q.s.ready(T0 + 1)

@@ -119,7 +119,7 @@ class Engine(Intake, SessionOps, Positions, Worker):
         self._cv = _WakingCondition(self._lock)
         self._pump = None           # see set_pump
         self._sessions = SessionTable(self.config.max_evicted_ids)
-        self._sched = Scheduler(self.config.scheduler_config())
+        self._sched = Scheduler(self.config.scheduler_config(self.device.type, model.dim))
         self._ops: collections.deque = collections.deque()
         self._seq = itertools.count()
         self._last_seq = -1
