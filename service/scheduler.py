@@ -17,8 +17,10 @@ per layer:
   later steps (as a chunked prefill that continues from the stored state). The session's later requests wait
   until it completes.
 * **Isolation.** A step's prefill rows take at most ``max_prefill_tokens_per_step`` tokens (a batch request's
-  prefill rows count too), whatever is queued: a decode waits for at most the step under way and then runs in
-  the next, both short, however many long prefills are queued. Pass 2 takes the sessions stopped at a prefill
+  prefill rows count too), whatever is queued, and a step that follows one with prefill rows and has decodes or
+  verifies to run takes no prefill (pass 2 is skipped): a decode waits for at most the step under way (short,
+  by the budget) and then runs in a step without prefill rows, however many long prefills are queued; prefills
+  still run in at least every other step. Pass 2 takes the sessions stopped at a prefill
   in round robin: the one whose prefill had a chunk least recently first (a session that never had one before
   all), each session's requests in arrival order; so every prefill advances within a few steps of any other,
   and a short prefill of a new session is not queued behind the long ones.
@@ -208,6 +210,7 @@ class Scheduler:
         self._tokens = 0                     # their remaining tokens
         self._step = 0
         self._ones = 0                       # one-row steps in a row (see the delay window)
+        self._prefilled = False              # the last step had prefill rows (see Isolation)
 
     # ---- intake
 
@@ -331,8 +334,8 @@ class Scheduler:
         waiting = self._waiting
         for second_pass in (False, True):
             if second_pass:
-                if not later:
-                    break
+                if not later or (rows and self._prefilled):   # decodes that waited for a prefill step: this
+                    break                                    # step is theirs alone (prefills go in the next)
                 # round robin: the sessions whose prefill had a chunk least recently go first (a fresh one
                 # first of all); each session's own requests stay in arrival order
                 later.sort(key=_served_seq)
@@ -477,6 +480,7 @@ class Scheduler:
         self._n -= n_taken
         self._rows -= n_taken + batch_rows
         self._tokens -= tokens
+        self._prefilled = bool(prefill)
         if rows == 1:
             self._ones += 1
         elif rows:

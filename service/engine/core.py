@@ -263,6 +263,7 @@ class Engine(Intake, SessionOps, Positions, Worker):
             out = {
                 "queue_depth": self._sched.depth,
                 "queued_tokens": self._sched.queued_tokens,
+                "prefill_budget_tokens": self._sched.config.max_prefill_tokens_per_step,   # resolved from "auto"
                 "ops_queued": len(self._ops),
                 "sessions": len(self._sessions),
                 "slots_total": pool.capacity if pool else 0,
