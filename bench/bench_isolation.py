@@ -88,7 +88,13 @@ async def _probe(url: str, info: dict, duration: float, fresh_every: float) -> d
     return {"lat": lat, "first": first, "errors": errors}
 
 
-def probe(url: str, info: dict, duration: float, fresh_every: float) -> dict:
+def _pin(cpus) -> None:
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+
+
+def probe(url: str, info: dict, duration: float, fresh_every: float, cpus=None) -> dict:
+    _pin(cpus)
     return asyncio.run(_probe(url, info, duration, fresh_every))
 
 
@@ -125,7 +131,8 @@ async def _flood(url: str, info: dict, streams: int, tokens: int, started, stop)
             "errors": errors}
 
 
-def flood(url: str, info: dict, streams: int, tokens: int, started, stop, out) -> None:
+def flood(url: str, info: dict, streams: int, tokens: int, started, stop, out, cpus=None) -> None:
+    _pin(cpus)
     out.put(asyncio.run(_flood(url, info, streams, tokens, started, stop)))
 
 
@@ -155,7 +162,7 @@ def run_layout(args, workers: int) -> dict:
     srv_args = ["--workers", str(workers), *args.server_arg]
     cmd = [sys.executable, "-m", "convserve.service", "serve", "--host", "127.0.0.1", "--port", "0",
            "--device", args.device, *srv_args]
-    srv = Proc(cmd, env={"OMP_NUM_THREADS": "1"} if args.device == "cpu" else None)
+    srv = Proc(cmd, env={"OMP_NUM_THREADS": "1"} if args.device == "cpu" else None, cpus=args.server_cpus)
     url = f"http://127.0.0.1:{srv.port}"
     try:
         deadline = time.monotonic() + 600
@@ -166,14 +173,15 @@ def run_layout(args, workers: int) -> dict:
         info = wire.unpackb(httpx.get(url + "/v1/model", headers={"accept": wire.MEDIA_TYPE}).content, 1 << 22)
         ctx = mp.get_context("spawn")
         with ctx.Pool(1) as pool:
-            idle = pool.apply(probe, (url, info, args.duration, args.fresh_every))
+            idle = pool.apply(probe, (url, info, args.duration, args.fresh_every, args.probe_cpus))
             started, stop, q = ctx.Event(), ctx.Event(), ctx.Queue()
-            fl = ctx.Process(target=flood, args=(url, info, args.streams, args.prefill_tokens, started, stop, q))
+            fl = ctx.Process(target=flood, args=(url, info, args.streams, args.prefill_tokens, started, stop, q,
+                                                 args.flood_cpus))
             fl.start()
             if not started.wait(300):
                 raise RuntimeError("the flood never got an answer on every stream")
             s0 = engine_stats(url)
-            flooded = pool.apply(probe, (url, info, args.duration, args.fresh_every))
+            flooded = pool.apply(probe, (url, info, args.duration, args.fresh_every, args.probe_cpus))
             s1 = engine_stats(url)
             stop.set()
             fl_res = q.get(timeout=600)
@@ -201,6 +209,17 @@ def _git_rev() -> str:
         return ""
 
 
+def _cpus(spec):
+    """``"0-3,8"`` -> {0, 1, 2, 3, 8}; None stays None."""
+    if not spec:
+        return None
+    out = set()
+    for part in spec.split(","):
+        a, _, b = part.partition("-")
+        out.update(range(int(a), int(b or a) + 1))
+    return out
+
+
 def main(argv=None) -> int:
     import torch
 
@@ -215,9 +234,25 @@ def main(argv=None) -> int:
                                                                    "requests [0.5]")
     ap.add_argument("--server-arg", action="append", default=[], help="extra `convserve serve` flag, as "
                                                                       "--server-arg=--dim=256 (repeatable)")
+    for who in ("server", "probe", "flood"):
+        ap.add_argument(f"--{who}-cpus", default=None, help=f"pin the {who} to these CPUs, e.g. 0-3 or 0,1")
+    ap.add_argument("--label", default="", help="free text kept in the JSON (what was measured)")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/isolation-<device>-<date>.json)")
     args = ap.parse_args(argv)
     args.server_arg = [a for s in args.server_arg for a in s.split("=", 1)] if args.server_arg else []
+    for who in ("server", "probe", "flood"):
+        setattr(args, f"{who}_cpus", _cpus(getattr(args, f"{who}_cpus")))
+    gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else None
+    env = {"device": args.device, "gpu": gpu, "torch": torch.__version__, "python": platform.python_version(),
+           "host": platform.node(), "cpu_count": os.cpu_count(), "git": _git_rev(),
+           "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+           "streams": args.streams, "prefill_tokens": args.prefill_tokens, "duration_s": args.duration,
+           "label": args.label,
+           "cpus": {w: sorted(getattr(args, f"{w}_cpus") or []) for w in ("server", "probe", "flood")}}
+    slug = (gpu or "cpu").replace(" ", "-")
+    path = Path(args.out) if args.out else \
+        ROOT / "bench" / "results" / f"isolation-{slug}-{_dt.datetime.now():%Y%m%d-%H%M%S}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     results = []
     for w in [int(v) for v in args.workers.split(",")]:
         r = run_layout(args, w)
@@ -226,16 +261,8 @@ def main(argv=None) -> int:
               f"{r['flooded']['p50_ms']}/{r['flooded']['p99_ms']} ms (x{r['p99_ratio']}); first request idle "
               f"p99 {r['idle_first']['p99_ms']} flooded max {r['flooded_first']['max_ms']} ms; flood "
               f"{r['flood']['tokens_per_s']:.0f} tok/s, engine {r['engine_flooded']}", flush=True)
-    gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else None
-    env = {"device": args.device, "gpu": gpu, "torch": torch.__version__, "python": platform.python_version(),
-           "host": platform.node(), "cpu_count": os.cpu_count(), "git": _git_rev(),
-           "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-           "streams": args.streams, "prefill_tokens": args.prefill_tokens, "duration_s": args.duration}
-    slug = (gpu or "cpu").replace(" ", "-")
-    path = Path(args.out) if args.out else \
-        ROOT / "bench" / "results" / f"isolation-{slug}-{_dt.datetime.now():%Y%m%d-%H%M%S}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"env": env, "results": results}, indent=1))
+        # after each layout, so that a run cut short keeps the layouts it finished
+        path.write_text(json.dumps({"env": env, "results": results}, indent=1))
     print(f"wrote {path}")
     return 0
 

@@ -350,8 +350,8 @@ def main(argv=None) -> int:
     ap.add_argument("--url", default=None, help="a running server (default: start one)")
     ap.add_argument("--pid", type=int, default=None, help="with --url: the server's process, for RSS and fds")
     ap.add_argument("--device", default="cpu", help="the server started here: --device [cpu]")
-    ap.add_argument("--server-arg", action="append", default=[], help="extra `convserve serve` flag for the "
-                                                                      "server started here, as --server-arg=--workers=0")
+    ap.add_argument("--server-arg", action="append", default=[],
+                    help="extra `convserve serve` flag for the server started here, as --server-arg=--workers=0")
     ap.add_argument("--clients", type=int, default=2, help="tasks of each kind at once [2]")
     ap.add_argument("--interval", type=float, default=30.0, help="seconds between samples [30]")
     ap.add_argument("--rss-growth-pct", type=float, default=20.0, help="most RSS growth allowed, first sample to "

@@ -11,10 +11,11 @@ from tests.sched_support import T0, Q, rows_of
 
 @functools.lru_cache(maxsize=None)     # the grid's tests only read the run: one run per grid point
 def _simulate(n_prefill, prefill_len, budget, n_decoders, layers, max_rows=256):
-    """Closed-loop clients against the scheduler, one step a millisecond (no request expires): each prefill session has requests of
-    ``prefill_len`` tokens on layers 0, 1, ... queued (two at a time); each decoder session submits a one-token
-    decode on its next layer as soon as its previous one finished. Runs long enough for every prefill session to
-    finish a request when prefills get only every other step. Returns what each step took."""
+    """Closed-loop clients against the scheduler, one step a millisecond (no request expires): each prefill
+    session has requests of ``prefill_len`` tokens on layers 0, 1, ... queued (two at a time); each decoder
+    session submits a one-token decode on its next layer as soon as its previous one finished. Runs long enough
+    for every prefill session to finish a request when prefills get only every other step. Returns what each
+    step took."""
     steps = 2 * -(-n_prefill * prefill_len // budget) + 50
     q = Q(max_prefill_tokens_per_step=budget, max_batch_tokens=8192, max_batch_size=max_rows)
     pre = {s: [] for s in range(1, n_prefill + 1)}
