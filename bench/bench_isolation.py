@@ -162,14 +162,21 @@ def run_layout(args, workers: int) -> dict:
     srv_args = ["--workers", str(workers), *args.server_arg]
     cmd = [sys.executable, "-m", "convserve.service", "serve", "--host", "127.0.0.1", "--port", "0",
            "--device", args.device, *srv_args]
+    t0 = time.monotonic()
     srv = Proc(cmd, env={"OMP_NUM_THREADS": "1"} if args.device == "cpu" else None, cpus=args.server_cpus)
     url = f"http://127.0.0.1:{srv.port}"
     try:
         deadline = time.monotonic() + 600
-        while httpx.get(url + "/readyz", timeout=5).status_code != 200:
-            if time.monotonic() > deadline:
-                raise RuntimeError("the server never became ready")
+        while True:
+            try:
+                if httpx.get(url + "/readyz", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline or srv.proc.poll() is not None:
+                raise RuntimeError("the server never became ready:\n" + "\n".join(srv.lines[-30:]))
             time.sleep(0.1)
+        start_s = time.monotonic() - t0
         info = wire.unpackb(httpx.get(url + "/v1/model", headers={"accept": wire.MEDIA_TYPE}).content, 1 << 22)
         ctx = mp.get_context("spawn")
         with ctx.Pool(1) as pool:
@@ -187,7 +194,7 @@ def run_layout(args, workers: int) -> dict:
             fl_res = q.get(timeout=600)
             fl.join(60)
         steps = {k: s1[k] - s0.get(k, 0) for k in s1}
-        res = {"workers": workers, "server_args": srv_args, "model": {k: info.get(k) for k in
+        res = {"workers": workers, "server_args": srv_args, "server_start_s": round(start_s, 1), "model": {k: info.get(k) for k in
                                                                     ("layers", "dim", "width", "dtype")},
                "idle": summary(idle["lat"]), "idle_first": summary(idle["first"]),
                "flooded": summary(flooded["lat"]), "flooded_first": summary(flooded["first"]),
