@@ -9,21 +9,21 @@ per layer:
 
 * **Order.** A session's requests run in arrival order: per session the step takes a prefix of its queue, and a
   session never has two requests of the same layer in one step (the second waits for the next step).
-* **Decodes and verifies first.** Pass 1 takes the small requests (decodes ``T = 1`` on a layer that has state,
-  and speculative verifies), in arrival order, each session stopping at its first prefill. A prefill met in pass
+* **Decodes and verifies first.** Pass 1 takes the small requests (decodes ``T = 1`` and speculative verifies), in arrival order, each session stopping at its first prefill. A prefill met in pass
   1 keeps one of the step's ``max_batch_size`` rows from the small requests that arrived after it, so a steady
   stream of newer decodes cannot starve it (older ones still go first). Pass 2 fills the rest with prefills,
   chunked when they do not fit: a prefill longer than what is left runs its first tokens now and the rest in
   later steps (as a chunked prefill that continues from the stored state). The session's later requests wait
   until it completes.
 * **Isolation.** A step's prefill rows take at most ``max_prefill_tokens_per_step`` tokens (a batch request's
-  prefill rows count too), whatever is queued, and a step that follows one with prefill rows and has decodes or
-  verifies to run takes no prefill (pass 2 is skipped): a decode waits for at most the step under way (short,
-  by the budget) and then runs in a step without prefill rows, however many long prefills are queued; prefills
-  still run in at least every other step. Pass 2 takes the sessions stopped at a prefill
-  in round robin: the one whose prefill had a chunk least recently first (a session that never had one before
-  all), each session's requests in arrival order; so every prefill advances within a few steps of any other,
-  and a short prefill of a new session is not queued behind the long ones.
+  prefill rows count too), whatever is queued, so every step is short. A step that follows one with prefill
+  rows and has decodes or verifies to run takes no prefill (pass 2 is skipped): a decode queued while a prefill
+  step runs waits for that step only and then runs in a step without prefill rows, however many long prefills
+  are queued (one queued during a step without prefill may run in a step with them: two short steps at most).
+  Prefills still run in every other step at least. Pass 2 takes the sessions stopped at a prefill in round
+  robin: the one whose prefill had a chunk least recently first (a session that never had one before all),
+  each session's requests in arrival order; so every prefill advances within a few steps of any other, and a
+  short prefill of a new session is not queued behind the long ones.
 * **Delay window.** :meth:`Scheduler.ready` says to run when the oldest queued request has waited
   ``max_queue_delay_us``, or at once when the queue alone fills a step (by rows, or by tokens up to the prefill
   budget), or when a chunked prefill is under way,
