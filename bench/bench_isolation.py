@@ -194,8 +194,8 @@ def run_layout(args, workers: int) -> dict:
             fl_res = q.get(timeout=600)
             fl.join(60)
         steps = {k: s1[k] - s0.get(k, 0) for k in s1}
-        res = {"workers": workers, "server_args": srv_args, "server_start_s": round(start_s, 1), "model": {k: info.get(k) for k in
-                                                                    ("layers", "dim", "width", "dtype")},
+        res = {"workers": workers, "server_args": srv_args, "server_start_s": round(start_s, 1),
+               "model": {k: info.get(k) for k in ("layers", "dim", "width", "dtype")},
                "idle": summary(idle["lat"]), "idle_first": summary(idle["first"]),
                "flooded": summary(flooded["lat"]), "flooded_first": summary(flooded["first"]),
                "probe_errors": idle["errors"] + flooded["errors"], "flood": fl_res, "engine_flooded": steps}
