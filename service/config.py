@@ -106,6 +106,10 @@ class Settings(BaseSettings):
     max_batch_size: int = Field(_ENGINE.max_batch_size, ge=1, description="requests per engine step")
     max_queue_delay_us: int = Field(_ENGINE.max_queue_delay_us, ge=0,
                                     description="how long a step waits to fill a batch (µs)")
+    max_prefill_tokens_per_step: Union[int, Literal["auto"]] = Field(
+        _ENGINE.max_prefill_tokens_per_step, description="prefill tokens of one engine step (longer prefills run "
+        "in chunks over several steps, taking turns), so that decodes wait for short steps only; 'auto': "
+        "2^18 / dim on the CPU, 2^22 / dim on CUDA (multiples of 16), at most max_batch_tokens")
     decode_buckets: Annotated[list[int], NoDecode] = Field(
         list(_ENGINE.decode_buckets), description="decode batch sizes (CUDA graphs are captured for each)")
     max_queue: int = Field(_ENGINE.max_queue, ge=1, description="queued requests before 429 queue_full")
@@ -215,14 +219,14 @@ class Settings(BaseSettings):
             raise ValueError("decode_buckets: give positive batch sizes, e.g. 1,2,4,8")
         return sorted(set(v))
 
-    @field_validator("slots", mode="before")
+    @field_validator("slots", "max_prefill_tokens_per_step", mode="before")
     @classmethod
-    def _slots(cls, v):
+    def _int_or_auto(cls, v, info):
         if isinstance(v, str) and v.strip().lower() != "auto":
             try:
                 return int(v)
             except ValueError:
-                raise ValueError(f"slots: {v!r} is neither an integer nor 'auto'") from None
+                raise ValueError(f"{info.field_name}: {v!r} is neither an integer nor 'auto'") from None
         return v.strip().lower() if isinstance(v, str) else v
 
     @field_validator("slots")
@@ -230,6 +234,13 @@ class Settings(BaseSettings):
     def _slots_positive(cls, v):
         if isinstance(v, int) and v < 1:
             raise ValueError("slots: need at least 1 session slot")
+        return v
+
+    @field_validator("max_prefill_tokens_per_step")
+    @classmethod
+    def _prefill_budget_positive(cls, v):
+        if isinstance(v, int) and v < 1:
+            raise ValueError("max_prefill_tokens_per_step: need at least 1 token per step")
         return v
 
     @field_validator("device")

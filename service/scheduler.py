@@ -4,19 +4,29 @@ It builds no tensors (plain lists and numbers; the kernels' ``PAD_SLOT_ID`` mark
 the engine (the model runner) turns its :class:`SchedulerOutput` into tensors, and the state pool allocates. The engine's lock guards every call.
 
 Each request is ``(session, layer position, T tokens)``. Per step, within ``max_batch_size`` rows,
-``max_batch_tokens`` tokens and ``max(decode_buckets)`` decode rows per layer:
+``max_batch_tokens`` tokens, ``max_prefill_tokens_per_step`` prefill tokens and ``max(decode_buckets)`` decode rows
+per layer:
 
 * **Order.** A session's requests run in arrival order: per session the step takes a prefix of its queue, and a
   session never has two requests of the same layer in one step (the second waits for the next step).
-* **Decodes and verifies first.** Pass 1 takes the small requests (decodes ``T = 1`` on a layer that has state,
-  and speculative verifies), in arrival order, each session stopping at its first prefill. A prefill met in pass
+* **Decodes and verifies first.** Pass 1 takes the small requests (decodes ``T = 1`` and speculative verifies), in arrival order, each session stopping at its first prefill. A prefill met in pass
   1 keeps one of the step's ``max_batch_size`` rows from the small requests that arrived after it, so a steady
-  stream of newer decodes cannot starve it (older ones still go first). Pass 2 goes on in
-  arrival order and fills the remaining token budget with prefills, chunked when they do not fit: a prefill
-  longer than what is left runs its first tokens now and the rest in later steps (as a chunked prefill that
-  continues from the stored state). The session's later requests wait until it completes.
+  stream of newer decodes cannot starve it (older ones still go first). Pass 2 fills the rest with prefills,
+  chunked when they do not fit: a prefill longer than what is left runs its first tokens now and the rest in
+  later steps (as a chunked prefill that continues from the stored state). The session's later requests wait
+  until it completes.
+* **Isolation.** A step's prefill rows take at most ``max_prefill_tokens_per_step`` tokens (a batch request's
+  prefill rows count too), whatever is queued, so every step is short. A step that follows one with prefill
+  rows and has decodes or verifies to run takes no prefill (pass 2 is skipped): a decode queued while a prefill
+  step runs waits for that step only and then runs in a step without prefill rows, however many long prefills
+  are queued (one queued during a step without prefill may run in a step with them: two short steps at most).
+  Prefills still run in every other step at least. Pass 2 takes the sessions stopped at a prefill in round
+  robin: the one whose prefill had a chunk least recently first (a session that never had one before all),
+  each session's requests in arrival order; so every prefill advances within a few steps of any other, and a
+  short prefill of a new session is not queued behind the long ones.
 * **Delay window.** :meth:`Scheduler.ready` says to run when the oldest queued request has waited
-  ``max_queue_delay_us``, or at once when the queue alone fills a step, or when a chunked prefill is under way,
+  ``max_queue_delay_us``, or at once when the queue alone fills a step (by rows, or by tokens up to the prefill
+  budget), or when a chunked prefill is under way,
   or at once for a lone caller: when the last ``LONE_STEPS`` steps had one row each (the window has been
   bringing nothing more) and the request is alone in the queue. The first step of more than one row brings the
   window back; a fresh scheduler waits the window. The window is not cut short by a guess of the step's size
@@ -36,8 +46,9 @@ Each request is ``(session, layer position, T tokens)``. Per step, within ``max_
 * **Session ops.** A session whose ``barrier`` is set (an export, fork, import or accept is waiting for the
   requests submitted before it) has its later requests held back.
 
-Rows are classified as: *decode* (``T = 1``, not speculative, the layer has state), *verify* (speculative, any
-``T``) or *prefill* (anything else: a first call, or a chunk of one).
+Rows are classified as: *decode* (``T = 1``, not speculative), *verify* (speculative, any ``T``) or *prefill*
+(anything else, or a chunk of one). A session's first request on a layer with ``T = 1`` is a decode too: the
+pool hands out slots holding zeros, which is the state a first call starts from.
 
 A layer's verify rows are one launch, each row padded to the longest with pad tokens after its real ones: the
 conv is causal, so they change no real output, and a verify writes no state. Those pad tokens count against
@@ -172,9 +183,10 @@ class SchedulerConfig:
     max_queue_delay_us: int               # how long the oldest request may wait for a fuller step
     decode_buckets: Sequence[int]         # padded decode batch sizes
     request_timeout_s: float              # a request not started by then is expired
+    max_prefill_tokens_per_step: int      # prefill tokens per step (capped at max_batch_tokens)
 
     def __post_init__(self):
-        for name in ("max_batch_tokens", "max_batch_size"):
+        for name in ("max_batch_tokens", "max_batch_size", "max_prefill_tokens_per_step"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
@@ -184,6 +196,8 @@ class SchedulerConfig:
         if not b or b[0] < 1:
             raise ValueError(f"decode_buckets: expected positive batch sizes, got {list(self.decode_buckets)}")
         self.decode_buckets = tuple(b)
+        # a budget above a whole step bounds nothing more than the step does
+        self.max_prefill_tokens_per_step = min(self.max_prefill_tokens_per_step, self.max_batch_tokens)
         if self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s: expected > 0, got {self.request_timeout_s}")
 
@@ -200,6 +214,7 @@ class Scheduler:
         self._tokens = 0                     # their remaining tokens
         self._step = 0
         self._ones = 0                       # one-row steps in a row (see the delay window)
+        self._prefilled = False              # the last step had prefill rows (see Isolation)
 
     # ---- intake
 
@@ -283,7 +298,7 @@ class Scheduler:
         """Run a step now? See the module docstring for the rule."""
         if self._n == 0:
             return False
-        if self._rows >= self.config.max_batch_size or self._tokens >= self.config.max_batch_tokens \
+        if self._rows >= self.config.max_batch_size or self._tokens >= self.config.max_prefill_tokens_per_step \
                 or self._new_batches:
             return True
         if self._ones >= LONE_STEPS and self._n == 1:   # a lone caller: the window has been bringing nothing
@@ -314,16 +329,21 @@ class Scheduler:
         prefill: dict = {}       # layer -> [(request, start, end, has_initial_state, slot)]
         batches: list = []       # batch requests taken
         finished: list = []      # requests whose last token is scheduled now
-        second_pass_needed = False
+        pre_left = cfg.max_prefill_tokens_per_step   # prefill tokens this step may still take
+        later: list = []         # pass 1's requests of sessions stopped at a prefill: pass 2's, in arrival order
         batch_rows = 0           # rows of the batch requests taken, beyond one each
         # session scratch: sched_step == step marks the fields below as this step's
         #   sched_layers: bitmask of layer positions taken;  sched_block: 0 open, 1 stopped at a prefill
         #   (pass 1 only), 2 closed for this step.
         waiting = self._waiting
         for second_pass in (False, True):
-            if second_pass and not second_pass_needed:
-                break
-            for r in waiting:
+            if second_pass:
+                if not later or (rows and self._prefilled):   # decodes that waited for a prefill step: this
+                    break                                    # step is theirs alone (prefills go in the next)
+                # round robin: the sessions whose prefill had a chunk least recently go first (a fresh one
+                # first of all); each session's own requests stay in arrival order
+                later.sort(key=_served_seq)
+            for r in (later if second_pass else waiting):
                 if r.cancelled:
                     continue
                 n = r.n_tokens
@@ -371,6 +391,7 @@ class Scheduler:
                         for ps, a, k in b.prefill:
                             lst.append((r, a, a + k, bool(ps.initialized & bit), ps.slot))
                             ps.initialized |= bit
+                            pre_left -= k
                     rows += nr
                     tokens += n
                     batch_rows += nr - 1
@@ -382,7 +403,10 @@ class Scheduler:
                 s = r.session
                 if s.sched_step != step:
                     s.sched_step, s.sched_layers, s.sched_block = step, 0, 0
-                elif s.sched_block == 2 or (s.sched_block == 1 and not second_pass):
+                elif s.sched_block == 2:
+                    continue
+                elif s.sched_block == 1 and not second_pass:
+                    later.append(r)
                     continue
                 if r.arrival < oldest_ok and not r.started:
                     self.cancel(r)
@@ -396,23 +420,25 @@ class Scheduler:
                     continue
                 if r.speculative:
                     kind = VERIFY
-                elif n == 1 and s.initialized & bit:
+                elif n == 1:           # on a layer without state too: the slot holds zeros, the state it starts from
                     kind = DECODE
                 else:
                     if not second_pass:
                         s.sched_block = 1
-                        second_pass_needed = True
+                        later.append(r)
                         if rows + reserved < max_rows:
                             reserved += 1       # later (newer) small requests leave it a row
                         continue
                     start = r.scheduled_tokens
-                    chunk = min(n - start, max_tokens - tokens - pad)
+                    chunk = min(n - start, max_tokens - tokens - pad, pre_left)
                     if rows >= max_rows or chunk <= 0:
                         s.sched_block = 2
                         continue
                     init = bool(s.initialized & bit)       # set by the first chunk for later ones
                     s.initialized |= bit
                     s.sched_layers |= bit
+                    s.sched_served = step
+                    pre_left -= chunk
                     prefill.setdefault(layer, []).append((r, start, start + chunk, init, s.slot))
                     r.scheduled_tokens = start + chunk
                     rows += 1
@@ -435,6 +461,7 @@ class Scheduler:
                         continue
                     else:
                         lst.append(r)
+                    s.initialized |= bit
                 else:
                     vl = verify.get(layer)
                     if vl is None:
@@ -466,11 +493,12 @@ class Scheduler:
         self._n -= n_taken
         self._rows -= n_taken + batch_rows
         self._tokens -= tokens
+        self._prefilled = bool(prefill)
         if rows == 1:
             self._ones += 1
         elif rows:
             self._ones = 0
-        if second_pass_needed:              # pass 1 appended decodes and verifies before the prefills
+        if later:                           # pass 1 appended decodes and verifies before the prefills
             finished.sort(key=_seq)
 
         offset = 0
@@ -506,3 +534,7 @@ class Scheduler:
 
 
 _seq = operator.attrgetter("seq")
+
+
+def _served_seq(r: Request) -> tuple:
+    return r.session.sched_served, r.seq

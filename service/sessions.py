@@ -54,6 +54,8 @@ class Session:
     sched_step: int = -1
     sched_layers: int = 0
     sched_block: int = 0
+    #: the last step that gave this session a prefill chunk (-1: none); prefills take turns by it
+    sched_served: int = -1
 
     def oldest_active(self):
         """The oldest unfinished request, or None (drops finished ones from the head of ``queue``)."""

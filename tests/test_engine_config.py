@@ -44,7 +44,7 @@ def test_the_scheduler_config_is_derived_from_the_engine_config_and_has_no_defau
     for f in dataclasses.fields(SchedulerConfig):
         assert f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING, f.name
     engine = EngineConfig(max_batch_tokens=512, max_batch_size=8, max_queue_delay_us=7, decode_buckets=(4, 1, 2),
-                          request_timeout_s=2.5)
+                          request_timeout_s=2.5, max_prefill_tokens_per_step=48)
     sched = engine.scheduler_config()
     for f in dataclasses.fields(SchedulerConfig):
         assert _same(getattr(sched, f.name), getattr(engine, f.name)), f.name

@@ -1,88 +1,20 @@
 """The batching scheduler, pure Python: packing, buckets, ordering, limits, priorities and the delay window."""
 
-import dataclasses
 import itertools
 import random
 
 import pytest
 
 from convserve.kernels import PAD_SLOT_ID
-from convserve.service.engine import EngineConfig
-from convserve.service.scheduler import (LONE_STEPS, DecodeBatch, PrefillBatch, Request, RowBatch, Scheduler,
-                               SchedulerConfig, VerifyBatch)
-from convserve.service.sessions import Session
+from convserve.service.scheduler import LONE_STEPS, DecodeBatch, PrefillBatch, VerifyBatch
 
-T0 = 1000.0
-
-
-def sched_config(**kw) -> SchedulerConfig:
-    """The engine's default scheduler config with ``kw`` changed (SchedulerConfig has no defaults of its own)."""
-    return dataclasses.replace(EngineConfig().scheduler_config(), **kw)
-
-
-class Q:
-    """A scheduler plus helpers to submit requests the way the engine does."""
-
-    def __init__(self, **cfg):
-        cfg.setdefault("max_queue_delay_us", 0)
-        self.s = Scheduler(sched_config(**cfg))
-        self.seq = itertools.count()
-        self.sessions = {}
-
-    def session(self, slot, initialized=0):
-        if slot not in self.sessions:
-            self.sessions[slot] = Session(id=f"s{slot}", slot=slot, initialized=initialized)
-        return self.sessions[slot]
-
-    def add(self, slot, layer=0, t=1, spec=False, at=T0, init=None):
-        s = self.session(slot)
-        if init is not None:
-            s.initialized = init
-        r = Request(next(self.seq), s, layer, t, spec, at)
-        self.s.add(r)
-        return r
-
-    def add_batch(self, slots, layer=0, at=T0, waits=(), wait_ops=()):
-        """A batch request (one decode token for each session of ``slots``), as the engine's submit_batch makes
-        it: each session's later requests wait for it."""
-        sessions = [self.session(slot) for slot in slots]
-        r = Request(next(self.seq), Session("<batch>", PAD_SLOT_ID), layer, len(slots), False, at)
-        r.batch = RowBatch(list(waits), list(wait_ops))
-        for s in sessions:
-            s.batch = r
-        self.s.add(r)
-        return r
-
-    def add_after(self, slot, **kw):
-        """A single request, waiting for its session's batch as the engine's submit makes it."""
-        b = self.session(slot).batch
-        r = self.add(slot, **kw)
-        if b is not None and not b.done:
-            r.after = [b]
-        return r
-
-    def step(self, now=T0 + 1):
-        return self.s.schedule(now)
-
-
-def rows_of(out):
-    """(kind, layer, slot, start, end) for every real row of a step."""
-    rows = []
-    for pb in out.prefills:
-        for i, r in enumerate(pb.requests):
-            n = pb.query_start_loc[i + 1] - pb.query_start_loc[i]
-            rows.append(("prefill", pb.layer, r.session.slot, pb.starts[i], pb.starts[i] + n))
-    for db in out.decodes:
-        rows += [("decode", db.layer, r.session.slot, 0, 1) for r in db.requests]
-    for vb in out.verifies:
-        rows += [("verify", vb.layer, r.session.slot, 0, vb.n_tokens) for r in vb.requests]
-    return rows
+from tests.sched_support import T0, Q, rows_of, sched_config
 
 
 # ---- packing
 
 
-@pytest.mark.parametrize("lengths", [[1], [5, 1, 1, 1], [3, 7, 2], [16] * 5])
+@pytest.mark.parametrize("lengths", [[2], [5, 2, 2, 2], [3, 7, 2], [16] * 5])
 def test_prefills_of_one_layer_pack_into_one_batch_with_cumulative_query_start_loc(lengths):
     q = Q()
     reqs = [q.add(slot=i + 1, t=t) for i, t in enumerate(lengths)]
@@ -103,7 +35,7 @@ def test_has_initial_state_follows_the_session_layer_state_bits():
     q = Q()
     q.add(slot=1, layer=0, t=4, init=0b01)
     q.add(slot=2, layer=1, t=4, init=0b01)
-    q.add(slot=3, layer=0, t=1, init=0)        # first token of a fresh layer is a prefill from zeros
+    q.add(slot=3, layer=0, t=2, init=0)        # the first call on a layer starts from zeros
     out = q.step()
     by_layer = {pb.layer: pb for pb in out.prefills}
     assert by_layer[0].has_initial_state == [True, False]
@@ -210,8 +142,9 @@ def test_a_later_request_waits_for_an_earlier_same_layer_request_of_its_session(
     out = q.step()
     assert out.finished == [a, d]
     out = q.step()
-    assert out.finished == [b, c]
-    assert out.decodes[0].requests == [b]      # b is now a decode: layer 0 has state
+    assert out.finished == [b]                 # a decode after a prefill step: a step of its own
+    out = q.step()
+    assert out.finished == [c]
 
 
 def test_finished_requests_are_listed_in_arrival_order_across_kinds():
@@ -239,7 +172,7 @@ def test_max_batch_size_bounds_the_rows_of_a_step(max_rows):
 
 
 @pytest.mark.parametrize("max_tokens", [1, 4, 10, 64])
-@pytest.mark.parametrize("t", [1, 3, 17, 100])
+@pytest.mark.parametrize("t", [2, 3, 17, 100])
 def test_a_prefill_longer_than_the_budget_runs_in_chunks_that_continue_from_state(max_tokens, t):
     q = Q(max_batch_tokens=max_tokens)
     r = q.add(1, t=t)
@@ -469,7 +402,7 @@ def test_a_batch_request_is_one_decode_launch_padded_to_its_bucket(rows, buckets
 
 def test_a_queued_batch_request_runs_without_the_delay_window():
     q = Q(max_queue_delay_us=10_000_000)
-    q.add(slot=9)
+    q.add(slot=9, layer=1)                       # another layer: the batch has layer 0's decode launch alone
     assert not q.s.ready(T0 + 1)
     q.add_batch([1, 2])
     assert q.s.ready(T0 + 1)

@@ -31,6 +31,13 @@ def _dtype(v, what: str) -> "torch.dtype":
     raise ValueError(f"{what}: expected one of {list(by_name)}, got {v!r}")
 
 
+#: ``max_prefill_tokens_per_step="auto"``: prefill elements (tokens x dim) per step by device type. On the CPU
+#: the engine's prefill costs tens of ns per element (one thread), so 2^18 elements keep a step near 10 ms; on a
+#: GPU the kernel is not what bounds a step (a full 8192 x 4096 prefill takes about 0.1 ms on the H200) but the
+#: host's copies of x and y are, so 2^22 elements (8 MiB of bf16 each way) keep those to about a millisecond.
+PREFILL_ELEMENTS = {"cpu": 1 << 18, "cuda": 1 << 22}
+
+
 @dataclass
 class EngineConfig:
     """Engine knobs. The HTTP layer's settings fill these; the defaults serve a single GPU well."""
@@ -41,6 +48,10 @@ class EngineConfig:
     max_batch_tokens: int = 8192                 # tokens per step (longer prefills run in chunks)
     max_batch_size: int = 256                    # rows per step
     max_queue_delay_us: int = 200                # how long a step waits to fill
+    max_prefill_tokens_per_step: Union[int, str] = "auto"  # prefill tokens of one step (chunks of longer
+    #                                              ones run in later steps), so that a step, and with it every
+    #                                              decode queued behind it, stays short; "auto": see
+    #                                              prefill_budget (by device and dim)
     decode_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # padded decode sizes (one CUDA graph
     #                                              per layer and bucket); the largest bounds decode rows per layer
     max_queue: int = 4096                        # queued requests before QueueFull
@@ -82,14 +93,31 @@ class EngineConfig:
             raise ValueError(f"session_ttl_s: expected > 0, got {self.session_ttl_s}")
         if not 0 < self.pool_memory_fraction <= 1:
             raise ValueError(f"pool_memory_fraction: expected in (0, 1], got {self.pool_memory_fraction}")
+        b = self.max_prefill_tokens_per_step
+        if b != "auto" and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
+            raise ValueError(f"max_prefill_tokens_per_step: expected an int >= 1 or 'auto', got {b!r}")
         self.scheduler_config()  # validates the batching knobs
 
-    def scheduler_config(self) -> "SchedulerConfig":
-        """The scheduler's knobs: these fields of this config (the scheduler has no defaults of its own)."""
+    def prefill_budget(self, device_type: Optional[str] = None, dim: Optional[int] = None) -> int:
+        """``max_prefill_tokens_per_step`` as a number of tokens, at most ``max_batch_tokens``. ``"auto"`` bounds
+        the elements (tokens x dim) of a step's prefill rows by :data:`PREFILL_ELEMENTS` of the device type, so
+        a step takes about the same time at any dim, in whole multiples of 16 tokens (a step's launches are
+        padded to 16 tokens); without a known device type or dim it is ``max_batch_tokens`` (no bound)."""
+        b = self.max_prefill_tokens_per_step
+        if b == "auto":
+            per = PREFILL_ELEMENTS.get(device_type or "")
+            if per is None or not dim:
+                return self.max_batch_tokens
+            b = max(16, per // dim // 16 * 16)
+        return min(b, self.max_batch_tokens)
+
+    def scheduler_config(self, device_type: Optional[str] = None, dim: Optional[int] = None) -> "SchedulerConfig":
+        """The scheduler's knobs: these fields of this config (the scheduler has no defaults of its own), the
+        prefill budget resolved for ``device_type`` and ``dim`` (see :meth:`prefill_budget`)."""
         from ..scheduler import SchedulerConfig
 
         return SchedulerConfig(self.max_batch_tokens, self.max_batch_size, self.max_queue_delay_us,
-                               self.decode_buckets, self.request_timeout_s)
+                               self.decode_buckets, self.request_timeout_s, self.prefill_budget(device_type, dim))
 
     @classmethod
     def from_settings(cls, settings: Any, **overrides) -> "EngineConfig":

@@ -119,7 +119,7 @@ class Engine(Intake, SessionOps, Positions, Worker):
         self._cv = _WakingCondition(self._lock)
         self._pump = None           # see set_pump
         self._sessions = SessionTable(self.config.max_evicted_ids)
-        self._sched = Scheduler(self.config.scheduler_config())
+        self._sched = Scheduler(self.config.scheduler_config(self.device.type, model.dim))
         self._ops: collections.deque = collections.deque()
         self._seq = itertools.count()
         self._last_seq = -1
@@ -263,6 +263,7 @@ class Engine(Intake, SessionOps, Positions, Worker):
             out = {
                 "queue_depth": self._sched.depth,
                 "queued_tokens": self._sched.queued_tokens,
+                "prefill_budget_tokens": self._sched.config.max_prefill_tokens_per_step,   # resolved from "auto"
                 "ops_queued": len(self._ops),
                 "sessions": len(self._sessions),
                 "slots_total": pool.capacity if pool else 0,
