@@ -66,10 +66,13 @@ class LiveServer:
                 self._listening.set()
 
     def wait_ready(self, timeout: float = 60.0) -> None:
+        """Until /readyz is 200 with every engine up (a server of engine processes is ready, "degraded", once one
+        is; tests start from all of them)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
+                r = httpx.get(self.url + "/readyz", timeout=2)
+                if r.status_code == 200 and r.json().get("status") == "ready":
                     return
             except httpx.TransportError:
                 pass
