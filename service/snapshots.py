@@ -70,11 +70,12 @@ class Snapshotter:
     docstring)."""
 
     def __init__(self, engine, settings, index: int = 0, count: int = 1, device: str = "cpu",
-                 restarted: bool = False):
+                 restarted: bool = False, on_written=None):
         self.engine, self.index, self.count, self.device = engine, index, count, device
         self.dir = SnapshotDir(settings.state_dir, index, settings.snapshot_keep)
         self.interval = settings.snapshot_interval_s
         self.restarted = restarted
+        self.on_written = on_written         # called with last() after each write (an engine process publishes it)
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
@@ -176,6 +177,8 @@ class Snapshotter:
             st["seconds"] += seconds
             self._last = {"unix_time": round(cap.meta["created_unix"], 3), "sessions": n, "bytes": size,
                           "seconds": round(seconds, 4)}
+        if self.on_written is not None:
+            self.on_written(self.last())
         log.log(logging.INFO if kind == "final" else logging.DEBUG, "snapshot written",
                 extra={"engine": self.index, "kind": kind, "path": path, "sessions": n,
                        "lost": len(cap.meta["lost"]), "bytes": size, "seconds": round(seconds, 4)})
