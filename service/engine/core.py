@@ -153,6 +153,8 @@ class Engine(Intake, SessionOps, Positions, SnapshotTaking, Worker):
         if self._state != "new":
             raise RuntimeError(f"Engine.start: expected a new engine, this one is {self._state}")
         cfg, m, dev = self.config, self.model_cpu, self.device
+        if snapshot is not None:       # before anything is allocated: a refused snapshot leaves a new engine
+            check_content(snapshot.meta, snapshot.tensors, m.n_layers, m.width, m.dim, self.state_dtype, m.dtype)
         self.model = m.to(dev)
         buf_estimate = 4 * (cfg.max_batch_tokens + 2 * m.n_layers * cfg.decode_buckets[-1]) * m.dim * 4
         if cfg.slots == "auto":
@@ -168,7 +170,6 @@ class Engine(Intake, SessionOps, Positions, SnapshotTaking, Worker):
         self._runner = Runner(self.model, self.pool, cfg, dev)
         restored = 0
         if snapshot is not None:
-            check_content(snapshot.meta, snapshot.tensors, m.n_layers, m.width, m.dim, self.state_dtype, m.dtype)
             restored = self._restore(snapshot.meta, snapshot.tensors)
         self._next_evict = time.monotonic() + self._evict_interval()
         with self._lock:

@@ -30,7 +30,9 @@ from typing import Callable, Optional
 
 import torch
 
-from ..sessions import Session, SessionTable
+from convserve.clients.protocol.ids import is_session_id
+
+from ..sessions import Session
 
 log = logging.getLogger("convserve.engine")
 
@@ -71,7 +73,8 @@ def check_content(meta: dict, tensors: dict, n_layers: int, width: int, dim: int
     seen, n_spec, longest = set(), 0, 0
     for rec in sessions:
         sid, pos, init, pend = rec.get("id"), rec.get("positions"), rec.get("initialized"), rec.get("pending")
-        SessionTable.check_id(sid)
+        if not is_session_id(sid):
+            raise ValueError(f"session id {sid!r:.80}")
         if sid in seen:
             raise ValueError(f"session {sid!r} appears twice")
         seen.add(sid)
