@@ -103,7 +103,7 @@ class Snapshotter:
         with self._lock:
             self._st["restored_sessions"] = self.restored
         if self.restarted:
-            self.write_now()
+            self.write_now("restart")
         if self.interval:
             self._thread = threading.Thread(target=self._periodic, name="convserve-snapshot", daemon=True)
             self._thread.start()
@@ -127,7 +127,7 @@ class Snapshotter:
             return
         self._write(cap, t0, "final")
 
-    def write_now(self) -> bool:
+    def write_now(self, kind: str = "periodic") -> bool:
         """Take a snapshot of the running engine and write it (blocks until written); False when it failed or
         the engine stopped first."""
         t0 = time.perf_counter()
@@ -148,7 +148,7 @@ class Snapshotter:
             with self._lock:
                 self._st["failures"] += 1
             return False
-        return self._write(box[0], t0, "periodic")
+        return self._write(box[0], t0, kind)
 
     def _periodic(self) -> None:
         while not self._stop.wait(self.interval):
@@ -179,7 +179,7 @@ class Snapshotter:
                           "seconds": round(seconds, 4)}
         if self.on_written is not None:
             self.on_written(self.last())
-        log.log(logging.INFO if kind == "final" else logging.DEBUG, "snapshot written",
+        log.log(logging.DEBUG if kind == "periodic" else logging.INFO, "snapshot written",
                 extra={"engine": self.index, "kind": kind, "path": path, "sessions": n,
                        "lost": len(cap.meta["lost"]), "bytes": size, "seconds": round(seconds, 4)})
         return True
