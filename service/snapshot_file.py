@@ -26,7 +26,7 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from safetensors import safe_open
@@ -187,14 +187,21 @@ class SnapshotDir:
                 pass
         return path, size
 
-    def newest_good(self, model: dict, n_engines: Optional[int] = None) -> Optional[tuple[str, Snapshot]]:
-        """The newest file that is whole and belongs to ``model`` (and the layout); each refused one is logged."""
+    def newest_good(self, model: dict, n_engines: Optional[int] = None,
+                    check: Optional[Callable[[Snapshot], None]] = None) -> Optional[tuple[str, Snapshot]]:
+        """The newest file that is whole, belongs to ``model`` (and the layout) and passes ``check`` (which raises
+        ValueError to refuse); each refused one is logged."""
         for path in self.files():
             try:
                 snap = read_checked(path)
                 why = compatible(snap.meta, model, n_engines)
                 if why is not None:
                     raise SnapshotRefused(why)
+                if check is not None:
+                    try:
+                        check(snap)
+                    except ValueError as e:
+                        raise SnapshotRefused(f"malformed content: {e}") from None
             except SnapshotRefused as e:
                 log.error("snapshot refused", extra={"engine": self.index, "path": path, "reason": str(e)})
                 continue

@@ -31,6 +31,7 @@ import threading
 import time
 from typing import Optional
 
+from .engine.snapshot import check_content
 from .snapshot_file import Snapshot, SnapshotDir, new_meta
 
 log = logging.getLogger("convserve.snapshots")
@@ -89,14 +90,16 @@ class Snapshotter:
 
     def start_engine(self) -> int:
         """Start the engine from the newest good snapshot (none after a crash restart); the sessions restored."""
-        found = None if self.restarted else self.dir.newest_good(self.engine.model_info(), self.count)
+        e = self.engine
+        m = e.model_cpu
+
+        def restorable(snap):
+            check_content(snap.meta, snap.tensors, m.n_layers, m.width, m.dim, e.state_dtype, m.dtype)
+
+        found = None if self.restarted else self.dir.newest_good(e.model_info(), self.count, restorable)
         snap = found[1] if found else None
-        try:
-            self.restored = self.engine.start(snapshot=snap)
-        except ValueError as e:          # whole and of this model, but not restorable: start empty
-            log.error("snapshot refused", extra={"engine": self.index, "path": found[0], "reason": str(e)})
-            self.restored = self.engine.start()
-        if found is not None and snap is not None:
+        self.restored = e.start(snapshot=snap)
+        if found is not None:
             log.info("snapshot restored", extra={"engine": self.index, "path": found[0],
                                                  "sessions": self.restored, "lost": len(snap.meta.get("lost", [])),
                                                  "taken_unix": snap.meta.get("created_unix")})

@@ -164,3 +164,17 @@ def test_snapshots_of_another_engine_count_are_set_aside_at_start(tmp_path, befo
         assert not left and len(aside) == 1 and len(list(aside[0].iterdir())) == 1
     else:
         assert len(left) == 1 and not aside
+
+
+def test_a_whole_file_whose_content_the_check_refuses_falls_back_to_the_one_before(tmp_path, caplog):
+    d = sf.SnapshotDir(tmp_path, 0, 3)
+    good, _ = d.write(snap(1))
+    d.write(snap(2))
+
+    def one_session_only(s):
+        if len(s.sessions) != 1:
+            raise ValueError("too many")
+
+    with caplog.at_level(logging.ERROR, logger="convserve.snapshots"):
+        assert d.newest_good(MODEL, 1, one_session_only)[0] == good
+    assert [r.reason for r in caplog.records] == ["malformed content: too many"]

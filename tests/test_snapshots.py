@@ -15,8 +15,9 @@ import torch
 
 from convserve.clients.protocol import wire
 from convserve.service.cluster.placement import engine_of
+from convserve.service.config import ConfigError, Settings, load_settings
 from convserve.service.snapshot_file import SnapshotDir, read_checked
-from tests.http_api import DIM, LAYERS, Api, assert_close, model, rand_x
+from tests.http_api import DIM, LAYERS, Api, assert_close, metric, model, rand_x
 from tests.live import LiveServer, Reference
 
 MODEL_ARGS = ["--layers", "0,2,5", "--dim", str(DIM), "--width", "4", "--dtype", "float32", "--slots", "32",
@@ -107,6 +108,7 @@ def test_sigterm_writes_every_session_and_the_restarted_server_continues_like_th
         c.reconnect(srv.url)
         restored = [r for r in srv.logs if r.get("msg") == "snapshot restored"]
         assert sum(r["sessions"] for r in restored) == 4
+        assert metric(srv.url, "convserve_snapshot_restored_sessions") == 4     # summed over engines
         for s in sids:
             assert positions(c.api, s) == c.pos[s]
             assert_close(c.api.state(s), c.ref.states[s])
@@ -152,6 +154,8 @@ def test_after_kill_9_the_sessions_changed_since_the_last_periodic_snapshot_answ
             assert time.monotonic() < deadline, "no periodic snapshot"
             time.sleep(0.02)
         at_snapshot = {s: list(c.pos[s]) for s in stale}
+        assert metric(srv.url, "convserve_snapshot_writes_total") >= 1
+        assert metric(srv.url, "convserve_snapshot_failures_total") == 0
         for k, s in enumerate(stale):                            # applied, then lost with the process
             c.conv(s, 0, 1, seed=100 + k)
         _kill9(srv)
@@ -257,3 +261,25 @@ def test_an_engine_process_restarted_after_a_crash_restores_nothing_and_its_sess
     assert written[-1]["kind"] == "final" and written[-1]["sessions"] == 0
     other_file = read_checked(SnapshotDir(tmp_path, 1, 3).files()[0]).meta
     assert [r["id"] for r in other_file["sessions"]] == [other]
+
+
+@pytest.mark.parametrize("bad", [{"state_dir": "FILE"}, {"snapshot_interval_s": "0"}, {"snapshot_keep": "0"},
+                                 {"snapshot_timeout_s": "-1"}])
+def test_bad_snapshot_settings_are_config_errors_naming_the_setting(tmp_path, bad):
+    (tmp_path / "FILE").write_text("x")
+    bad = {k: str(tmp_path / v) if v == "FILE" else v for k, v in bad.items()}
+    with pytest.raises(ConfigError, match="--" + next(iter(bad)).replace("_", "-")):
+        load_settings(bad)
+
+
+def test_a_state_dir_that_cannot_be_created_exits_2_before_the_model_is_built(tmp_path, monkeypatch, capsys):
+    from convserve.service import cli
+
+    (tmp_path / "FILE").write_text("x")
+
+    def no_model(settings):
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr(cli, "build_engine", no_model)
+    assert cli.serve(Settings(state_dir=tmp_path / "FILE" / "sub", workers=0)) == cli.EXIT_CONFIG
+    assert "state_dir" in capsys.readouterr().err
