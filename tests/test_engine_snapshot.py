@@ -176,3 +176,32 @@ def test_periodic_snapshots_taken_while_requests_run_change_no_result(tmp_path):
     for s in sids:
         assert_close(e2.export_state(s), ref.states[s])
     e2.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gather_bytes", [1 << 10, 64 << 20])        # in many pieces, and in one
+def test_a_periodic_snapshot_on_cuda_copies_every_settled_sessions_state_and_verify(monkeypatch, gather_bytes):
+    from convserve.service.engine import snapshot as snapshot_mod
+
+    monkeypatch.setattr(snapshot_mod, "GATHER_BYTES", gather_bytes)
+    m = model(torch.bfloat16)
+    e = Engine(m, EngineConfig(slots=16, max_queue_delay_us=0), device="cuda")
+    e.start()
+    for i in range(5):
+        e.create_session(f"g{i}")
+        e.submit(f"g{i}", LAYERS[i % 3], x_of(3 + i, i, torch.bfloat16)).result()
+    e.submit("g1", 4, x_of(2, 9, torch.bfloat16), speculative=True).result()
+    box, got = [], threading.Event()
+    assert e.request_snapshot(new_meta(e.model_info(), 0, 1, "cuda"), lambda c: (box.append(c), got.set()))
+    assert got.wait(10)
+    cap = box[0]
+    cap.wait()
+    states = {f"g{i}": e.export_state(f"g{i}") for i in range(5)}
+    e.stop()
+    e2 = Engine(m, EngineConfig(slots=16, max_queue_delay_us=0), device="cuda")
+    assert e2.start(snapshot=Snapshot(cap.meta, {k: v.clone() for k, v in cap.tensors.items()})) == 5
+    for sid, st in states.items():
+        assert torch.equal(e2.export_state(sid), st)
+    assert e2.session_info("g1")["pending"] == {"layers": [4], "tokens": [2]}
+    e2.accept("g1", 2)
+    e2.stop()

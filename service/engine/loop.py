@@ -134,7 +134,7 @@ class Worker:
             if ops:
                 self._run_ops(ops)
             if self._snap_request is not None:
-                self._serve_snapshot_request()      # between steps: the states agree with the positions
+                self._serve_snapshot_request()      # between steps: no step is writing the pool
             with self._lock:
                 now = time.monotonic()
                 run = sched.ready(now) or ((self._state != "running" or self._ops) and sched.depth)

@@ -36,6 +36,10 @@ from ..sessions import Session
 
 log = logging.getLogger("convserve.engine")
 
+#: CUDA: the most bytes of state rows gathered on the device at once on their way to host memory (a gather is a
+#: temporary device tensor: a snapshot of a full pool must not need a second pool's worth of device memory)
+GATHER_BYTES = 64 << 20
+
 
 class Capture:
     """The sessions of one snapshot, their tensors on their way to host memory (``event``: done when on CUDA)."""
@@ -158,22 +162,27 @@ class SnapshotTaking:
                 longest = max(longest, max(t for _p, t in pend))
         meta = dict(meta, sessions=records, lost=lost)
         dev = self.device
-        storage = self.pool.storage
-        tensors = {"state": storage.index_select(1, torch.tensor(slots, dtype=torch.int64, device=dev))}
+        sources = {"state": (self.pool.storage, slots)}
         if spec_slots:
-            spec = self._runner.bufs.d_spec[:, :, :longest]
-            tensors["spec"] = spec.index_select(1, torch.tensor(spec_slots, dtype=torch.int64, device=dev))
-        if dev.type != "cuda":
-            return Capture(meta, tensors)         # index_select copied them: later steps cannot change them
+            sources["spec"] = (self._runner.bufs.d_spec[:, :, :longest], spec_slots)
+        if dev.type != "cuda":       # index_select copies: later steps cannot change the snapshot
+            return Capture(meta, {name: src.index_select(1, torch.tensor(idx, dtype=torch.int64))
+                                  for name, (src, idx) in sources.items()})
         out = {}
-        for name, t in tensors.items():
+        for name, (src, idx) in sources.items():
+            shape = (src.shape[0], len(idx), *src.shape[2:])
+            n = shape[0] * len(idx) * src.shape[2] * src.shape[3]
             host = self._snap_host.get(name)
-            if host is None or host.numel() < t.numel() or host.dtype != t.dtype:
-                host = torch.empty(max(t.numel(), 2 * (host.numel() if host is not None else 0)), dtype=t.dtype,
+            if host is None or host.numel() < n:
+                host = torch.empty(max(n, 2 * (host.numel() if host is not None else 0)), dtype=src.dtype,
                                    pin_memory=True)
                 self._snap_host[name] = host
-            out[name] = host[:t.numel()].view(t.shape)
-            out[name].copy_(t, non_blocking=asynchronous)
+            dst = out[name] = host[:n].view(shape)
+            # gathered in pieces of at most GATHER_BYTES: the device needs no second copy of a full pool
+            per = max(1, GATHER_BYTES // max(1, src[:, :1].numel() * src.element_size()))
+            for lo in range(0, len(idx), per):
+                rows = torch.tensor(idx[lo:lo + per], dtype=torch.int64, device=dev)
+                dst[:, lo:lo + per].copy_(src.index_select(1, rows), non_blocking=asynchronous)
         event = None
         if asynchronous:
             event = torch.cuda.Event()
