@@ -225,6 +225,16 @@ def serve(settings: Settings, key_on_command_line: bool = False) -> int:
         return EXIT_CONFIG
     workers = settings.resolved_workers(len(devices))
     log.info("starting", extra={"settings": _redacted(settings), "workers": workers, "engines": devices})
+    if settings.state_dir is not None:
+        from convserve.service.snapshots import prepare_state_dir
+
+        try:
+            prepare_state_dir(settings.state_dir, len(devices) if workers > 0 else 1)
+        except OSError as e:
+            log.error("cannot use the state directory", extra={"state_dir": str(settings.state_dir),
+                                                               "error": str(e)})
+            print(f"convserve: state_dir: cannot use {settings.state_dir}: {e}", file=sys.stderr)
+            return EXIT_CONFIG
     if workers > 0:
         from convserve.service.cluster.supervisor import Supervisor
 
@@ -244,7 +254,12 @@ def serve(settings: Settings, key_on_command_line: bool = False) -> int:
         log.error("cannot build the model", extra={"error": str(e)})
         print(f"convserve: cannot build the model: {e}", file=sys.stderr)
         return EXIT_CONFIG
-    rc = run_app(settings, create_app(settings, engine))
+    snapshots = None
+    if settings.state_dir is not None:
+        from convserve.service.snapshots import Snapshotter
+
+        snapshots = Snapshotter(engine, settings, 0, 1, devices[0])
+    rc = run_app(settings, create_app(settings, engine, snapshots=snapshots))
     if rc == 0:
         log.info("stopped")
     return rc

@@ -143,6 +143,19 @@ class Settings(BaseSettings):
                                         description="with --slots auto: the share of free GPU memory the state "
                                         "pool may take")
 
+    # --- snapshots (README: Snapshots)
+    state_dir: Optional[Path] = Field(None, description="directory of the session snapshots: every session is "
+                                      "written there on SIGTERM (and every --snapshot-interval-s) and the newest "
+                                      "good snapshot is restored at start; unset: no snapshots")
+    snapshot_interval_s: Optional[float] = Field(None, gt=0, description="with --state-dir: also write a "
+                                                 "snapshot every this many seconds (what a kill -9 loses is "
+                                                 "what changed since); unset: only on SIGTERM")
+    snapshot_keep: int = Field(3, ge=1, le=1000, description="snapshot files kept per engine (newest first): a "
+                               "torn or unreadable newest falls back to the one before")
+    snapshot_timeout_s: float = Field(60.0, gt=0, description="on SIGTERM, how long writing the final snapshot "
+                                      "may take, after the drain (the supervisor waits this much longer for "
+                                      "engine processes)")
+
     # --- HTTP limits
     max_body_bytes: int = Field(64 << 20, ge=1024, description="largest request body, or stream frame, "
                                                                "in bytes (413 above)")
@@ -257,6 +270,13 @@ class Settings(BaseSettings):
         if v is not None and not v.is_file():
             raise ValueError(f"weights: {v} is not a file; give a safetensors file or leave it unset for the "
                              "random model")
+        return v
+
+    @field_validator("state_dir")
+    @classmethod
+    def _state_dir(cls, v):
+        if v is not None and v.exists() and not v.is_dir():
+            raise ValueError(f"state_dir: {v} exists and is not a directory")
         return v
 
     @field_validator("api_key")

@@ -4,6 +4,9 @@ are down."""
 from __future__ import annotations
 
 import collections
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -47,3 +50,14 @@ def test_split_keeps_each_engines_positions_in_order():
     assert sorted(i for pos in parts.values() for i in pos) == list(range(100))
     for e, pos in parts.items():
         assert pos == sorted(pos) and all(engine_of(ids[i], 3) == e for i in pos)
+
+
+def test_placement_is_the_same_in_every_process_whatever_its_hash_seed():
+    # restored snapshots rely on it: a session is restored by the engine its id hashes to, in a new server
+    code = ("from convserve.service.cluster.placement import engine_of; "
+            "print([engine_of(f's{i}', n) for n in (2, 3, 8) for i in range(300)])")
+    runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout
+            for seed in ("0", "1", "12345")}
+    assert len(runs) == 1
+    assert runs.pop().strip() == str([engine_of(f"s{i}", n) for n in (2, 3, 8) for i in range(300)])

@@ -65,7 +65,7 @@ def test_statefulset_serves_one_gpu_per_stable_pod_with_its_probes_and_graceful_
     assert set(settings) <= set(Settings.model_fields)
     s = Settings(**settings)
     pre_stop = 5
-    assert pod["terminationGracePeriodSeconds"] > s.shutdown_timeout_s + pre_stop
+    assert pod["terminationGracePeriodSeconds"] > pre_stop + s.shutdown_timeout_s + s.snapshot_timeout_s
     assert env["CONVSERVE_REPLICA_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
     # the key is a file of the mounted Secret, never a plain env value
     assert "CONVSERVE_API_KEY" not in env
@@ -78,7 +78,7 @@ def test_statefulset_serves_one_gpu_per_stable_pod_with_its_probes_and_graceful_
     size = volumes["dshm"]["emptyDir"]["sizeLimit"]
     assert size.endswith("Mi") and int(size[:-2]) << 20 >= s.workers * s.shm_bytes
     # the snapshot volume, a claim per pod
-    assert mounts["state"] == "/var/lib/convserve"
+    assert mounts["state"] == "/var/lib/convserve" == str(s.state_dir)
     assert [t["metadata"]["name"] for t in sts["spec"]["volumeClaimTemplates"]] == ["state"]
     ann = sts["spec"]["template"]["metadata"]["annotations"]
     assert ann["prometheus.io/scrape"] == "true" and ann["prometheus.io/path"] == "/metrics"

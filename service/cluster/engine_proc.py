@@ -12,6 +12,11 @@ Sessions survive nothing: when this process dies its sessions die with it. So th
 ``410 state_lost`` rather than ``404 unknown_session`` from the next process, the ids of live sessions are kept in a
 journal file in the run directory (``+id`` at create, ``-id`` at delete, rewritten when it grows); the next process
 of this engine reads it at start-up and marks those ids lost.
+
+With ``state_dir`` the engine is started and stopped through a :class:`~convserve.service.snapshots.Snapshotter`
+(its own files, named by its index): the first process of this engine restores its newest good snapshot, a
+process restarted after a crash restores nothing (its sessions answer 410 through the journal) and writes a
+snapshot at once; on SIGTERM, after the drain, every session is written.
 """
 
 from __future__ import annotations
@@ -89,6 +94,7 @@ class EngineProcess:
         self.run_dir: str = spec["run_dir"]
         self.settings = spec["settings"]
         self.engine = None
+        self.snapshots = None
         self.arenas = ArenaMap(self.run_dir)
         self.status = StatusTable(os.path.join(self.run_dir, "status"))
         self.journal = Journal(os.path.join(self.run_dir, f"engine-{self.index}.journal"))
@@ -106,6 +112,12 @@ class EngineProcess:
 
         settings = self.settings.model_copy(update={"device": self.spec["device"]})
         self.engine = build_engine(settings)
+        if settings.state_dir is not None:
+            from convserve.service.snapshots import Snapshotter
+
+            self.snapshots = Snapshotter(self.engine, settings, self.index, self.spec["engines"],
+                                         self.spec["device"], restarted=self.spec["restarts"] > 0,
+                                         on_written=self._snapshot_written)
         if self.index == 0:                    # the workers' static description of the model
             info = self.engine.model_info()
             tmp = os.path.join(self.run_dir, "model.msgpack.tmp")
@@ -139,14 +151,22 @@ class EngineProcess:
         self.dtypes = {n: getattr(torch, n) for n in ("bfloat16", "float16", "float32", "float64", "int8", "int16",
                                                       "int32", "int64", "uint8", "bool")}
         self.engine.set_pump(self._pump, self._wake)
-        self.engine.start()
+        if self.snapshots is not None:
+            self.snapshots.start_engine()
+        else:
+            self.engine.start()
         self.pump_ident = self.engine._thread.ident
         lost = self.journal.recover()
+        for sid in self.engine.session_ids():           # restored from a snapshot
+            self.journal.add(sid)
         if lost:
             self.engine.mark_lost(lost, f"was on engine {self.index}, whose process stopped (restart "
                                         f"{self.spec['restarts']})")
             log.warning("engine restarted without its sessions", extra={"engine": self.index, "lost": len(lost)})
         self._publish_slots()
+
+    def _snapshot_written(self, last: dict) -> None:
+        self.status.set_snapshot(self.index, last["unix_time"], last["sessions"], last["bytes"])
 
     def _publish_slots(self) -> None:
         st = self.engine.model_info()["slots"]
@@ -164,7 +184,10 @@ class EngineProcess:
         while not stop.wait(1.0):
             self._publish_slots()
         self.status.set_state(self.index, STOPPED)
-        self.engine.stop(True, self.settings.shutdown_timeout_s)
+        if self.snapshots is not None:
+            self.snapshots.stop_engine(True, self.settings.shutdown_timeout_s)
+        else:
+            self.engine.stop(True, self.settings.shutdown_timeout_s)
         self.pump_ident = threading.get_ident()       # the worker thread is gone: the socket is this thread's
         self._flush()
         self.sock.close(0)

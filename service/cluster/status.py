@@ -16,8 +16,11 @@ from .shm import map_file
 NEW, STARTING, BUILT, UP, DOWN, STOPPED = range(6)
 STATE_NAMES = ("new", "starting", "built", "up", "down", "stopped")
 
-_ROW = struct.Struct("<IIIIIII")      # state, epoch, pid, restarts, slots_total, slots_free, sessions
-_STATE, _EPOCH, _PID, _RESTARTS, _TOTAL, _FREE, _SESSIONS = (4 * i for i in range(7))
+# state, epoch, pid, restarts, slots_total, slots_free, sessions, then the engine's last snapshot written: its
+# sessions, its unix time (0: none yet) and bytes
+_ROW = struct.Struct("<IIIIIIIIdQ")
+_STATE, _EPOCH, _PID, _RESTARTS, _TOTAL, _FREE, _SESSIONS, _SNAP_SESSIONS = (4 * i for i in range(8))
+_SNAP_TIME, _SNAP_BYTES = 32, 40
 
 
 @dataclass
@@ -29,6 +32,9 @@ class Row:
     slots_total: int
     slots_free: int
     sessions: int
+    snap_sessions: int = 0
+    snap_time: float = 0.0
+    snap_bytes: int = 0
 
     @property
     def up(self) -> bool:
@@ -36,7 +42,10 @@ class Row:
 
     def as_dict(self) -> dict:
         return {"state": STATE_NAMES[self.state], "epoch": self.epoch, "pid": self.pid, "restarts": self.restarts,
-                "slots": {"total": self.slots_total, "free": self.slots_free}, "sessions": self.sessions}
+                "slots": {"total": self.slots_total, "free": self.slots_free}, "sessions": self.sessions,
+                "snapshot": None if not self.snap_time else {"unix_time": round(self.snap_time, 3),
+                                                             "sessions": self.snap_sessions,
+                                                             "bytes": self.snap_bytes}}
 
 
 class StatusTable:
@@ -73,6 +82,12 @@ class StatusTable:
         self._put(e, _TOTAL, total)
         self._put(e, _FREE, free)
         self._put(e, _SESSIONS, sessions)
+
+    def set_snapshot(self, e: int, unix_time: float, sessions: int, nbytes: int) -> None:
+        """Engine ``e`` wrote a snapshot (the time last: readers take a row with a time as complete)."""
+        struct.pack_into("<I", self._view, e * _ROW.size + _SNAP_SESSIONS, sessions)
+        struct.pack_into("<Q", self._view, e * _ROW.size + _SNAP_BYTES, nbytes)
+        struct.pack_into("<d", self._view, e * _ROW.size + _SNAP_TIME, unix_time)
 
     def close(self) -> None:
         self._view.release()

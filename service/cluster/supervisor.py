@@ -72,7 +72,8 @@ class Supervisor:
         c.generation += 1
         c.epoch = c.generation
         spec = {"index": c.index, "device": self.devices[c.index], "epoch": c.epoch, "run_dir": self.run_dir,
-                "settings": self.settings, "parent_pid": os.getpid(), "restarts": c.generation - 1}
+                "settings": self.settings, "parent_pid": os.getpid(), "restarts": c.generation - 1,
+                "engines": len(self.devices)}
         c.proc = self.ctx.Process(target=engine_proc.main, args=(spec,), name=f"convserve-engine-{c.index}",
                                   daemon=False)
         c.proc.start()
@@ -190,7 +191,9 @@ class Supervisor:
         self._stop(self.workers, grace)
         if self.sock is not None:
             self.sock.close()
-        self._stop(self.engines, grace)
+        # an engine writes its snapshot after its drain
+        snap = self.settings.snapshot_timeout_s if self.settings.state_dir is not None else 0
+        self._stop(self.engines, grace + snap)
         for c in self.engines:
             self.status.set_state(c.index, STOPPED)
 

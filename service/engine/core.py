@@ -75,6 +75,7 @@ from .outputs import deliver
 from .positions import Positions
 from .runner import Runner
 from .session_ops import SessionOps
+from .snapshot import SnapshotTaking, check_content
 
 log = logging.getLogger("convserve.engine")
 
@@ -97,7 +98,7 @@ class _WakingCondition(threading.Condition):
             self.wake()
 
 
-class Engine(Intake, SessionOps, Positions, Worker):
+class Engine(Intake, SessionOps, Positions, SnapshotTaking, Worker):
     """See the module docstring. Typical use::
 
         engine = Engine(ConvModel.random(4, dim=1024), EngineConfig(slots=64), device="cuda")
@@ -131,6 +132,9 @@ class Engine(Intake, SessionOps, Positions, Worker):
         self._runner: Optional[Runner] = None   # the buffers, kernels and launchers, from start()
         self._next_evict = 0.0
         self._init_positions()
+        self._init_snapshots()
+        #: extra numbers for stats() under "snapshot" (the snapshot writer's), or None
+        self.snapshot_stats = None
         # stats (guarded by _lock)
         self._st = collections.Counter()
         self._batch_hist = [0] * (len(BATCH_HIST) + 1)
@@ -141,12 +145,16 @@ class Engine(Intake, SessionOps, Positions, Worker):
 
     # ------------------------------------------------------------------ life cycle
 
-    def start(self) -> None:
+    def start(self, snapshot=None) -> int:
         """Allocate the pool and buffers, load the weights, warm the kernels (CUDA: compile and capture the decode
-        graphs), start the worker thread. Raises ``RuntimeError`` when called twice, PoolError when no slot fits."""
+        graphs), restore the sessions of ``snapshot`` (a checked :class:`~..snapshot_file.Snapshot`, see
+        :mod:`.snapshot`), start the worker thread; the number of sessions restored. Raises ``RuntimeError`` when
+        called twice, PoolError when no slot fits, ValueError when ``snapshot`` does not fit this model."""
         if self._state != "new":
             raise RuntimeError(f"Engine.start: expected a new engine, this one is {self._state}")
         cfg, m, dev = self.config, self.model_cpu, self.device
+        if snapshot is not None:       # before anything is allocated: a refused snapshot leaves a new engine
+            check_content(snapshot.meta, snapshot.tensors, m.n_layers, m.width, m.dim, self.state_dtype, m.dtype)
         self.model = m.to(dev)
         buf_estimate = 4 * (cfg.max_batch_tokens + 2 * m.n_layers * cfg.decode_buckets[-1]) * m.dim * 4
         if cfg.slots == "auto":
@@ -160,6 +168,9 @@ class Engine(Intake, SessionOps, Positions, Worker):
             slots = cfg.slots
         self.pool = ConvStatePool(m.n_layers, slots, m.dim, m.width, self.state_dtype, dev)
         self._runner = Runner(self.model, self.pool, cfg, dev)
+        restored = 0
+        if snapshot is not None:
+            restored = self._restore(snapshot.meta, snapshot.tensors)
         self._next_evict = time.monotonic() + self._evict_interval()
         with self._lock:
             self._state = "running"
@@ -168,6 +179,7 @@ class Engine(Intake, SessionOps, Positions, Worker):
         self._ready = True
         log.info("engine started on %s: %s, %d slots (%.1f MiB pool), state %s, %d decode graphs", dev, m, slots,
                  self.pool.nbytes / 2**20, self.state_dtype, self._runner.decode.n_graphs)
+        return restored
 
     def stop(self, drain: bool = True, timeout: Optional[float] = None) -> None:
         """Stop intake (new calls raise :class:`NotReady`); with ``drain`` finish every queued request and session
@@ -302,6 +314,8 @@ class Engine(Intake, SessionOps, Positions, Worker):
                 # steps whose result buffer was still held by callers, so a fresh one was allocated
                 "outputs_fresh": runner.bufs.outputs.fresh if runner else 0,
             }
+        if self.snapshot_stats is not None:
+            out["snapshot"] = self.snapshot_stats()
         return out
 
     def recent_steps(self) -> list:

@@ -121,7 +121,8 @@ class Worker:
                     ops = self._take_ready_ops_locked() if self._ops else []
                     draining = self._state != "running"
                     # a session op waiting for its session's requests runs them without the delay window
-                    if ops or sched.ready(now) or ((draining or self._ops) and sched.depth):
+                    if ops or sched.ready(now) or ((draining or self._ops) and sched.depth) or \
+                            self._snap_request is not None:
                         break
                     if draining and not self._ops and not sched.depth:
                         return
@@ -132,6 +133,8 @@ class Worker:
                     self._wait(max(wait, 0.0))
             if ops:
                 self._run_ops(ops)
+            if self._snap_request is not None:
+                self._serve_snapshot_request()      # between steps: no step is writing the pool
             with self._lock:
                 now = time.monotonic()
                 run = sched.ready(now) or ((self._state != "running" or self._ops) and sched.depth)

@@ -60,6 +60,7 @@ class Service:
         self.draining = False
         self.failed: Optional[BaseException] = None
         self.pipelines: set = set()
+        self.snapshots = None            # the Snapshotter of an in-process engine with state_dir
 
     async def decode(self, nbytes: int, fn, *args):
         """``fn(*args)``: on the event loop for a body under ``parse_offload_bytes``, else in a parser thread, so
@@ -98,14 +99,19 @@ class Service:
             await asyncio.sleep(0.02)
 
 
-def create_app(settings, engine: EngineAPI, *, start_engine: bool = True) -> ConvServeApp:
+def create_app(settings, engine: EngineAPI, *, start_engine: bool = True, snapshots=None) -> ConvServeApp:
     """The ASGI app serving ``engine`` with ``settings``.
 
     With ``start_engine`` the lifespan starts the engine in a thread after the server is up (``/readyz`` is
-    503 until it is warm) and stops it, draining, at shutdown.
+    503 until it is warm) and stops it, draining, at shutdown. With ``snapshots`` (a
+    :class:`~convserve.service.snapshots.Snapshotter` of ``engine``) the start restores the newest good snapshot
+    and the stop writes one.
     """
     metrics = Metrics(stats=lambda: engine.stats())
     svc = Service(settings, engine, metrics)
+    svc.snapshots = snapshots
+    start = snapshots.start_engine if snapshots is not None else engine.start
+    stop = snapshots.stop_engine if snapshots is not None else engine.stop
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -117,7 +123,7 @@ def create_app(settings, engine: EngineAPI, *, start_engine: bool = True) -> Con
             async def _start():
                 t0 = time.perf_counter()
                 try:
-                    await asyncio.to_thread(engine.start)
+                    await asyncio.to_thread(start)
                 except BaseException as e:  # noqa: BLE001
                     svc.failed = e
                     log.error("engine failed to start", exc_info=e)
@@ -134,7 +140,7 @@ def create_app(settings, engine: EngineAPI, *, start_engine: bool = True) -> Con
             if starter is not None and not starter.done():
                 await starter
             if start_engine and svc.failed is None:
-                await asyncio.to_thread(engine.stop, True, settings.shutdown_timeout_s)
+                await asyncio.to_thread(stop, True, settings.shutdown_timeout_s)
                 log.info("engine stopped")
 
     app = ConvServeApp(title="convserve", version=_version(), lifespan=lifespan,

@@ -56,6 +56,9 @@ def add_control_routes(app: FastAPI, svc: Service) -> None:
             degraded = any(r["state"] != "up" for r in rows)
             body = json.dumps({"status": "degraded" if degraded else "ready", "engines": rows}).encode()
             return Response(body, media_type="application/json")
+        if svc.ready and svc.snapshots is not None:    # in-process engine with state_dir: its last snapshot
+            body = json.dumps({"status": "ready", "snapshot": svc.snapshots.last()}).encode()
+            return Response(body, media_type="application/json")
         if svc.ready:
             return Response(b'{"status":"ready"}', media_type="application/json")
         try:

@@ -1,0 +1,198 @@
+"""Session snapshots of one engine: restore at start, write on stop and every ``snapshot_interval_s``.
+
+:class:`Snapshotter` wraps an engine's start and stop. Both server layouts use it: ``--workers 0`` in the HTTP
+process's lifespan, and each engine process (``cluster/engine_proc.py``) for its own engine, whose files are
+named by its engine index (:class:`~.snapshot_file.SnapshotDir`).
+
+* **Start.** The newest good snapshot of this engine is restored before the engine serves (torn, foreign and
+  other-layout files are refused with a log line each, and the one before is tried). An engine process that the
+  supervisor restarts after a crash restores nothing: its sessions answer ``410 state_lost`` (its journal), since
+  its clients were mid-conversation and a rewind to the last periodic snapshot would be silent for those that
+  send no position. Such a process writes a snapshot at once, so that a later cold start does not resurrect the
+  sessions of the process that died.
+* **Periodic.** A thread asks the engine for a snapshot every ``snapshot_interval_s``; the engine takes it
+  between two steps (:meth:`Engine.request_snapshot`: a gather and an asynchronous copy to host memory), and this
+  thread waits for the copy, serializes and writes it, off the engine's thread.
+* **Stop.** After the engine drained and stopped, every session is written. A failed write is logged and counted,
+  never raised: the server still stops.
+
+:func:`prepare_state_dir` runs once per server start, before any engine: it records the engine count, and when
+it changed since the last start it moves the old snapshots aside (``superseded-<time>/``), since placement
+(:mod:`.cluster.placement`) hashes session ids over the engine count and the old files would restore sessions
+onto engines that no longer own them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from typing import Optional
+
+from .engine.snapshot import check_content
+from .snapshot_file import Snapshot, SnapshotDir, new_meta
+
+log = logging.getLogger("convserve.snapshots")
+
+LAYOUT_FILE = "layout.json"
+
+
+def prepare_state_dir(folder, n_engines: int) -> None:
+    """Create ``folder``, and set aside snapshots of another engine count (see the module docstring). Raises
+    OSError when it cannot be written."""
+    folder = str(folder)
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, LAYOUT_FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            before = json.load(f).get("engines")
+    except (FileNotFoundError, ValueError, AttributeError):
+        before = None
+    snaps = [n for n in os.listdir(folder) if n.endswith(".safetensors")]
+    if snaps and before != n_engines:
+        aside = os.path.join(folder, f"superseded-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
+        os.makedirs(aside)
+        for n in snaps:
+            os.replace(os.path.join(folder, n), os.path.join(aside, n))
+        log.warning("snapshots of another engine layout set aside, not restored",
+                    extra={"engines_before": before, "engines_now": n_engines, "files": len(snaps), "to": aside})
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump({"engines": n_engines}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class Snapshotter:
+    """Snapshots of ``engine`` in ``settings.state_dir`` as engine ``index`` of ``count`` (see the module
+    docstring)."""
+
+    def __init__(self, engine, settings, index: int = 0, count: int = 1, device: str = "cpu",
+                 restarted: bool = False, on_written=None):
+        self.engine, self.index, self.count, self.device = engine, index, count, device
+        self.dir = SnapshotDir(settings.state_dir, index, settings.snapshot_keep)
+        self.interval = settings.snapshot_interval_s
+        self.restarted = restarted
+        self.on_written = on_written         # called with last() after each write (an engine process publishes it)
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._lock = threading.Lock()
+        self.restored = 0
+        # counters (summed over engines by the cluster's stats), then the last write's numbers
+        self._st = {"writes": 0, "failures": 0, "bytes": 0, "seconds": 0.0, "restored_sessions": 0}
+        self._last: Optional[dict] = None
+        engine.snapshot_stats = self.stats
+
+    # ------------------------------------------------------------------ life cycle
+
+    def start_engine(self) -> int:
+        """Start the engine from the newest good snapshot (none after a crash restart); the sessions restored."""
+        e = self.engine
+        m = e.model_cpu
+
+        def restorable(snap):
+            check_content(snap.meta, snap.tensors, m.n_layers, m.width, m.dim, e.state_dtype, m.dtype)
+
+        found = None if self.restarted else self.dir.newest_good(e.model_info(), self.count, restorable)
+        snap = found[1] if found else None
+        self.restored = e.start(snapshot=snap)
+        if found is not None:
+            log.info("snapshot restored", extra={"engine": self.index, "path": found[0],
+                                                 "sessions": self.restored, "lost": len(snap.meta.get("lost", [])),
+                                                 "taken_unix": snap.meta.get("created_unix")})
+        with self._lock:
+            self._st["restored_sessions"] = self.restored
+        if self.restarted:
+            self.write_now("restart")
+        if self.interval:
+            self._thread = threading.Thread(target=self._periodic, name="convserve-snapshot", daemon=True)
+            self._thread.start()
+        return self.restored
+
+    def stop_engine(self, drain: bool = True, timeout: Optional[float] = None) -> None:
+        """Stop the periodic writer, stop the engine (draining), write every session."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.engine.stop(drain, timeout)
+        if self.engine.pool is None:
+            return                                   # never started: nothing to write
+        t0 = time.perf_counter()
+        try:
+            cap = self.engine.capture_snapshot(self._meta())
+        except Exception:  # noqa: BLE001 - logged and counted; the server still stops
+            log.exception("taking the final snapshot failed")
+            with self._lock:
+                self._st["failures"] += 1
+            return
+        self._write(cap, t0, "final")
+
+    def write_now(self, kind: str = "periodic") -> bool:
+        """Take a snapshot of the running engine and write it (blocks until written); False when it failed or
+        the engine stopped first."""
+        t0 = time.perf_counter()
+        done = threading.Event()
+        box: list = []
+
+        def handed(cap):
+            box.append(cap)
+            done.set()
+
+        if not self.engine.request_snapshot(self._meta(), handed):
+            return False
+        while not done.wait(0.5):
+            worker = self.engine._thread
+            if worker is None or not worker.is_alive():      # it died: no callback will come
+                return False
+        if box[0] is None:
+            with self._lock:
+                self._st["failures"] += 1
+            return False
+        return self._write(box[0], t0, kind)
+
+    def _periodic(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.write_now()
+
+    # ------------------------------------------------------------------ writing
+
+    def _meta(self) -> dict:
+        return new_meta(self.engine.model_info(), self.index, self.count, self.device)
+
+    def _write(self, cap, t0: float, kind: str) -> bool:
+        try:
+            cap.wait()
+            path, size = self.dir.write(Snapshot(cap.meta, cap.tensors))
+        except Exception as e:  # noqa: BLE001 - logged and counted; serving goes on
+            log.error("writing a snapshot failed", extra={"engine": self.index, "kind": kind, "error": str(e)})
+            with self._lock:
+                self._st["failures"] += 1
+            return False
+        seconds = time.perf_counter() - t0
+        n = len(cap.meta["sessions"])
+        with self._lock:
+            st = self._st
+            st["writes"] += 1
+            st["bytes"] += size
+            st["seconds"] += seconds
+            self._last = {"unix_time": round(cap.meta["created_unix"], 3), "sessions": n, "bytes": size,
+                          "seconds": round(seconds, 4)}
+        if self.on_written is not None:
+            self.on_written(self.last())
+        log.log(logging.DEBUG if kind == "periodic" else logging.INFO, "snapshot written",
+                extra={"engine": self.index, "kind": kind, "path": path, "sessions": n,
+                       "lost": len(cap.meta["lost"]), "bytes": size, "seconds": round(seconds, 4)})
+        return True
+
+    def stats(self) -> dict:
+        """Counters for ``engine.stats()["snapshot"]`` (metrics)."""
+        with self._lock:
+            return dict(self._st)
+
+    def last(self) -> Optional[dict]:
+        """``{"unix_time", "sessions", "bytes", "seconds"}`` of the last snapshot written, or None."""
+        with self._lock:
+            return None if self._last is None else dict(self._last)

@@ -1,0 +1,180 @@
+"""Snapshot files (service/snapshot_file.py) and the state directory's layout (service/snapshots.py): the
+digest, atomic writes, retention, and what is refused (torn, flipped, foreign, another layout)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import pytest
+import torch
+
+from convserve.service import snapshot_file as sf
+from convserve.service.snapshots import LAYOUT_FILE, prepare_state_dir
+
+MODEL = {"weights_sha256": "ab" * 32, "layers": [0, 2, 5], "dim": 8, "width": 4, "dtype": "float32",
+         "state_dtype": "float32"}
+
+
+def snap(n_sessions: int = 2, dtype=torch.float32, seed: int = 0) -> sf.Snapshot:
+    g = torch.Generator().manual_seed(seed)
+    meta = sf.new_meta(dict(MODEL, state_dtype=str(dtype).removeprefix("torch.")), 0, 1, "cpu")
+    meta["sessions"] = [{"id": f"s{i}", "positions": [i, 0, 1], "initialized": 5, "pending": []}
+                        for i in range(n_sessions)]
+    meta["lost"] = []
+    return sf.Snapshot(meta, {"state": torch.randn(3, n_sessions, 3, 8, generator=g).to(dtype)})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [0, 1, 5])
+def test_a_written_snapshot_reads_back_bit_for_bit_and_leaves_no_temporary(tmp_path, dtype, n):
+    s = snap(n, dtype)
+    path = str(tmp_path / "e0.000000000001.safetensors")
+    size = sf.write_atomic(path, s)
+    assert size == os.path.getsize(path) and os.listdir(tmp_path) == [os.path.basename(path)]
+    got = sf.read_checked(path)
+    assert got.meta == s.meta and got.meta["sha256"] == sf.digest(s.meta, s.tensors)
+    assert got.tensors["state"].dtype == dtype
+    assert torch.equal(got.tensors["state"].view(torch.uint8), s.tensors["state"].view(torch.uint8))
+
+
+@pytest.mark.parametrize("cut", [0, 7, 8, 100, -1, -40])
+def test_a_truncated_file_is_refused(tmp_path, cut):
+    path = str(tmp_path / "e0.000000000001.safetensors")
+    size = sf.write_atomic(path, snap(3))
+    with open(path, "r+b") as f:
+        f.truncate(cut if cut >= 0 else size + cut)
+    with pytest.raises(sf.SnapshotRefused):
+        sf.read_checked(path)
+
+
+@pytest.mark.parametrize("where", [0.05, 0.3, 0.5, 0.9, 0.999])
+def test_a_flipped_byte_anywhere_is_refused(tmp_path, where):
+    path = str(tmp_path / "e0.000000000001.safetensors")
+    size = sf.write_atomic(path, snap(3))
+    off = min(size - 1, int(size * where))
+    with open(path, "r+b") as f:
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ 0x10]))
+    with pytest.raises(sf.SnapshotRefused):
+        sf.read_checked(path)
+
+
+def test_a_safetensors_file_without_the_snapshot_metadata_is_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    path = str(tmp_path / "e0.000000000001.safetensors")
+    save_file({"state": torch.zeros(3, 1, 3, 8)}, path, metadata={"format": "pt"})
+    with pytest.raises(sf.SnapshotRefused, match="not a convserve snapshot"):
+        sf.read_checked(path)
+
+
+@pytest.mark.parametrize("field,value", [("weights_sha256", "cd" * 32), ("layers", [0, 2]), ("dim", 16),
+                                         ("width", 3), ("dtype", "bfloat16"), ("state_dtype", "float16")])
+def test_a_snapshot_of_another_model_is_foreign(field, value):
+    meta = snap(1).meta
+    assert sf.compatible(meta, MODEL) is None
+    why = sf.compatible(meta, dict(MODEL, **{field: value}))
+    assert why is not None and field in why
+
+
+def test_a_snapshot_of_another_engine_count_is_refused():
+    meta = snap(1).meta
+    assert sf.compatible(meta, MODEL, 1) is None
+    why = sf.compatible(meta, MODEL, 2)
+    assert why is not None and "of 1 engines" in why
+
+
+@pytest.mark.parametrize("keep", [1, 2, 3])
+def test_the_directory_keeps_the_newest_files_of_each_engine(tmp_path, keep):
+    d0, d1 = sf.SnapshotDir(tmp_path, 0, keep), sf.SnapshotDir(tmp_path, 1, keep)
+    paths = [d0.write(snap(1, seed=i))[0] for i in range(keep + 2)]
+    d1.write(snap(2))
+    assert d0.files() == paths[::-1][:keep]                   # newest first, the rest removed
+    assert len(d1.files()) == 1                               # another engine's files are its own
+    assert sorted(paths) == paths                             # names sort by age
+
+
+def test_the_newest_good_file_is_used_and_torn_or_foreign_newer_ones_are_logged_and_skipped(tmp_path, caplog):
+    d = sf.SnapshotDir(tmp_path, 0, 5)
+    good, _ = d.write(snap(2, seed=1))
+    foreign = snap(2, seed=2)
+    foreign.meta["model"]["weights_sha256"] = "ff" * 32
+    d.write(foreign)
+    torn, size = d.write(snap(2, seed=3))
+    with open(torn, "r+b") as f:
+        f.truncate(size // 2)
+    with caplog.at_level(logging.ERROR, logger="convserve.snapshots"):
+        path, got = d.newest_good(MODEL, 1)
+    assert path == good
+    assert torch.equal(got.tensors["state"], snap(2, seed=1).tensors["state"])
+    refused = [r for r in caplog.records if r.getMessage() == "snapshot refused"]
+    assert len(refused) == 2 and "unreadable" in refused[0].reason and "weights_sha256" in refused[1].reason
+
+
+def test_no_good_file_is_none(tmp_path):
+    d = sf.SnapshotDir(tmp_path, 0, 3)
+    assert d.newest_good(MODEL) is None
+    path, _ = d.write(snap(1))
+    open(path, "wb").close()
+    assert d.newest_good(MODEL) is None
+
+
+def test_a_write_that_fails_midway_leaves_the_previous_files_and_no_temporary(tmp_path, monkeypatch):
+    d = sf.SnapshotDir(tmp_path, 0, 3)
+    first, _ = d.write(snap(1))
+
+    def torn_save(tensors, path, metadata=None):
+        with open(path, "wb") as f:
+            f.write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(sf, "save_file", torn_save)
+    with pytest.raises(OSError, match="disk full"):
+        d.write(snap(2))
+    assert os.listdir(tmp_path) == [os.path.basename(first)]
+    assert d.newest_good(MODEL)[0] == first
+
+
+def test_a_temporary_left_by_a_crash_is_removed_when_the_engine_starts(tmp_path):
+    stray = tmp_path / ".tmp-e0.000000000002.safetensors.123"
+    other = tmp_path / ".tmp-e1.000000000002.safetensors.123"
+    stray.write_bytes(b"x")
+    other.write_bytes(b"x")
+    sf.SnapshotDir(tmp_path, 0, 3)
+    assert not stray.exists() and other.exists()              # another engine's is its own to clean
+
+
+@pytest.mark.parametrize("before,now,set_aside", [(None, 1, False), (1, 1, False), (2, 2, False), (1, 2, True),
+                                                  (2, 1, True)])
+def test_snapshots_of_another_engine_count_are_set_aside_at_start(tmp_path, before, now, set_aside):
+    if before is not None:
+        prepare_state_dir(tmp_path, before)
+        sf.SnapshotDir(tmp_path, 0, 3).write(snap(1))
+    prepare_state_dir(tmp_path, now)
+    assert json.loads((tmp_path / LAYOUT_FILE).read_text()) == {"engines": now}
+    left = sf.SnapshotDir(tmp_path, 0, 3).files()
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("superseded-")]
+    if before is None:
+        assert not left and not aside
+    elif set_aside:
+        assert not left and len(aside) == 1 and len(list(aside[0].iterdir())) == 1
+    else:
+        assert len(left) == 1 and not aside
+
+
+def test_a_whole_file_whose_content_the_check_refuses_falls_back_to_the_one_before(tmp_path, caplog):
+    d = sf.SnapshotDir(tmp_path, 0, 3)
+    good, _ = d.write(snap(1))
+    d.write(snap(2))
+
+    def one_session_only(s):
+        if len(s.sessions) != 1:
+            raise ValueError("too many")
+
+    with caplog.at_level(logging.ERROR, logger="convserve.snapshots"):
+        assert d.newest_good(MODEL, 1, one_session_only)[0] == good
+    assert [r.reason for r in caplog.records] == ["malformed content: too many"]

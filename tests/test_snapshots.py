@@ -1,0 +1,285 @@
+"""Session snapshots of a real server (service/snapshots.py), in both layouts: SIGTERM, restart and continue; kill -9
+after a periodic snapshot, where positions reveal the stale sessions; torn and foreign snapshots refused with the
+previous good one used; an engine process restarted after a crash restores nothing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+
+import httpx
+import pytest
+import torch
+
+from convserve.clients.protocol import wire
+from convserve.service.cluster.placement import engine_of
+from convserve.service.config import ConfigError, Settings, load_settings
+from convserve.service.snapshot_file import SnapshotDir, read_checked
+from tests.http_api import DIM, LAYERS, Api, assert_close, metric, model, rand_x
+from tests.live import LiveServer, Reference
+
+MODEL_ARGS = ["--layers", "0,2,5", "--dim", str(DIM), "--width", "4", "--dtype", "float32", "--slots", "32",
+              "--max-queue-delay-us", "200", "--shutdown-timeout-s", "5"]
+LAYOUTS = {"in-process": ["--workers", "0"], "engine processes": ["--workers", "1", "--devices", "cpu,cpu"]}
+
+
+def serve(state_dir, layout: str, *extra) -> LiveServer:
+    return LiveServer([*MODEL_ARGS, *LAYOUTS[layout], "--state-dir", str(state_dir), *extra])
+
+
+def conv(api, sid, layer, x, position=None, speculative=False):
+    body = {"session": sid, "layer": layer, "x": wire.encode_tensor(x), "speculative": speculative}
+    if position is not None:
+        body["position"] = position
+    st, obj, _ = api.call("POST", "/v1/conv", body)
+    return st, (wire.decode_tensor(obj["y"]).clone() if st == 200 else obj)
+
+
+def positions(api, sid):
+    st, obj, _ = api.call("GET", f"/v1/sessions/{sid}")
+    assert st == 200, obj
+    return obj["positions"]
+
+
+class Client:
+    """A client that tracks each session's positions, checked against the reference on every answer."""
+
+    def __init__(self, url):
+        self.api, self.ref, self.pos = Api(url), Reference(model()), {}
+
+    def create(self, sid):
+        self.api.session(sid)
+        self.ref.create(sid)
+        self.pos[sid] = [0] * len(LAYERS)
+
+    def conv(self, sid, layer, t, seed):
+        x = rand_x(t, seed=seed)
+        p = LAYERS.index(layer)
+        st, y = conv(self.api, sid, layer, x, position=self.pos[sid][p])
+        assert st == 200, y
+        assert_close(y, self.ref.conv(sid, layer, x))
+        self.pos[sid][p] += t
+
+    def reconnect(self, url):
+        self.api = Api(url)
+
+
+def ids(n, layout):
+    """Session ids spread over both engines of the two-engine layout."""
+    out, i = [], 0
+    while len(out) < n:
+        sid = f"{uuid.uuid4().hex[:6]}-{i}"
+        if layout != "engine processes" or engine_of(sid, 2) == len(out) % 2:
+            out.append(sid)
+        i += 1
+    return out
+
+
+def snapshot_times(url) -> list:
+    body = httpx.get(url + "/readyz", timeout=5).json()
+    rows = [body] if "engines" not in body else body["engines"]
+    return [(r.get("snapshot") or {}).get("unix_time", 0.0) for r in rows]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_sigterm_writes_every_session_and_the_restarted_server_continues_like_the_reference(tmp_path, layout):
+    srv = serve(tmp_path, layout)
+    try:
+        c = Client(srv.url)
+        sids = ids(4, layout)
+        for s in sids:
+            c.create(s)
+        for k in range(12):
+            c.conv(sids[k % 4], LAYERS[k % 3], 1 + (k * 5) % 7, seed=k)
+        xv = rand_x(3, seed=77)                                  # a pending verify travels too
+        st, y = conv(c.api, sids[1], 2, xv, position=c.pos[sids[1]][1], speculative=True)
+        assert st == 200 and torch.allclose(y, c.ref.conv(sids[1], 2, xv, speculative=True), atol=1e-6)
+        assert srv.terminate() == 0
+    finally:
+        srv.kill()
+    written = [r for r in srv.logs if r.get("msg") == "snapshot written"]
+    assert len(written) == (2 if layout == "engine processes" else 1)
+    assert sum(r["sessions"] for r in written) == 4 and all(r["kind"] == "final" for r in written)
+
+    srv = serve(tmp_path, layout)
+    try:
+        c.reconnect(srv.url)
+        restored = [r for r in srv.logs if r.get("msg") == "snapshot restored"]
+        assert sum(r["sessions"] for r in restored) == 4
+        assert metric(srv.url, "convserve_snapshot_restored_sessions") == 4     # summed over engines
+        for s in sids:
+            assert positions(c.api, s) == c.pos[s]
+            assert_close(c.api.state(s), c.ref.states[s])
+        assert c.api.call("POST", f"/v1/sessions/{sids[1]}/accept", {"tokens": 2})[0] == 204
+        c.ref.accept(sids[1], 2)
+        c.pos[sids[1]][1] += 2
+        for k in range(12, 24):
+            c.conv(sids[k % 4], LAYERS[k % 3], 1 + (k * 3) % 5, seed=k)
+        # a session the snapshot lacks but the client believes in is 410, not a fresh state
+        st, body = conv(c.api, "never-snapshotted", 0, rand_x(1), position=3)
+        assert st == 410 and body["error"]["code"] == "state_lost"
+    finally:
+        srv.kill()
+
+
+def _kill9(srv: LiveServer) -> None:
+    """SIGKILL to the server and every child at once (a node loss): nothing gets to write."""
+    pids = [int(r["pid"]) for r in srv.logs if r.get("msg") in ("engine process started", "worker process started")]
+    for pid in [srv.proc.pid, *pids]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    srv.proc.wait(10)
+
+
+def test_after_kill_9_the_sessions_changed_since_the_last_periodic_snapshot_answer_409_with_its_position(
+        tmp_path):
+    # in-process; the periodic snapshots of engine processes are in the crash test below
+    layout = "in-process"
+    srv = serve(tmp_path, layout, "--snapshot-interval-s", "1.0")
+    try:
+        c = Client(srv.url)
+        stale, kept = ids(4, layout), None
+        for s in stale:
+            c.create(s)
+        for k in range(8):
+            c.conv(stale[k % 4], LAYERS[k % 3], 2, seed=k)
+        kept = stale.pop()                                       # untouched after the snapshot
+        t0 = time.time()
+        deadline = time.monotonic() + 15
+        while min(snapshot_times(srv.url)) <= t0:               # every engine wrote one after those convs
+            assert time.monotonic() < deadline, "no periodic snapshot"
+            time.sleep(0.02)
+        at_snapshot = {s: list(c.pos[s]) for s in stale}
+        assert metric(srv.url, "convserve_snapshot_writes_total") >= 1
+        assert metric(srv.url, "convserve_snapshot_failures_total") == 0
+        for k, s in enumerate(stale):                            # applied, then lost with the process
+            c.conv(s, 0, 1, seed=100 + k)
+        _kill9(srv)
+    finally:
+        srv.kill()
+
+    srv = serve(tmp_path, layout)
+    try:
+        c.reconnect(srv.url)
+        for k, s in enumerate(stale):
+            st, body = conv(c.api, s, 0, rand_x(1, seed=200 + k), position=c.pos[s][0])
+            assert st == 409 and body["error"]["code"] == "position_mismatch", body
+            assert body["error"]["position"] == at_snapshot[s][0] < c.pos[s][0]
+            assert positions(c.api, s) == at_snapshot[s]
+        c.conv(kept, 5, 3, seed=300)                             # an unchanged session just continues
+    finally:
+        srv.kill()
+
+
+def test_a_torn_newest_snapshot_is_refused_and_the_previous_good_one_restored(tmp_path):
+    c = None
+    for run in range(2):                                         # two SIGTERMs: two files
+        srv = serve(tmp_path, "in-process")
+        try:
+            if c is None:
+                c = Client(srv.url)
+                c.create("torn-1")
+            c.reconnect(srv.url)
+            c.conv("torn-1", 0, 3, seed=run)
+            if run == 0:
+                first = list(c.pos["torn-1"])
+            assert srv.terminate() == 0
+        finally:
+            srv.kill()
+    newest = max(p for p in os.listdir(tmp_path) if p.endswith(".safetensors"))
+    with open(tmp_path / newest, "r+b") as f:                    # a torn write: half of it
+        f.truncate(os.path.getsize(tmp_path / newest) // 2)
+
+    srv = serve(tmp_path, "in-process")
+    try:
+        refused = [r for r in srv.logs if r.get("msg") == "snapshot refused"]
+        assert len(refused) == 1 and refused[0]["path"].endswith(newest) and "unreadable" in refused[0]["reason"]
+        api = Api(srv.url)
+        assert positions(api, "torn-1") == first
+        st, body = conv(api, "torn-1", 0, rand_x(1), position=c.pos["torn-1"][0])
+        assert st == 409 and body["error"]["position"] == first[0]
+    finally:
+        srv.kill()
+
+
+def test_a_snapshot_of_other_weights_is_refused_and_nothing_is_restored(tmp_path):
+    srv = serve(tmp_path, "in-process")
+    try:
+        c = Client(srv.url)
+        c.create("foreign-1")
+        c.conv("foreign-1", 2, 4, seed=1)
+        assert srv.terminate() == 0
+    finally:
+        srv.kill()
+    srv = serve(tmp_path, "in-process", "--seed", "1")          # the same shapes, other weights
+    try:
+        refused = [r for r in srv.logs if r.get("msg") == "snapshot refused"]
+        assert len(refused) == 1 and "weights_sha256" in refused[0]["reason"]
+        assert "snapshot restored" not in srv.log_messages()
+        st, body = conv(Api(srv.url), "foreign-1", 2, rand_x(1), position=4)
+        assert st == 410 and body["error"]["code"] == "state_lost"
+    finally:
+        srv.kill()
+
+
+def test_an_engine_process_restarted_after_a_crash_restores_nothing_and_its_sessions_answer_410(tmp_path):
+    srv = serve(tmp_path, "engine processes", "--snapshot-interval-s", "0.2")
+    try:
+        c = Client(srv.url)
+        doomed, other = ids(2, "engine processes")
+        for s in (doomed, other):
+            c.create(s)
+            c.conv(s, 0, 3, seed=1)
+        t0 = time.time()
+        while min(snapshot_times(srv.url)) <= t0:
+            time.sleep(0.02)
+        victim = httpx.get(srv.url + "/readyz").json()["engines"][0]["pid"]
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while True:
+            rows = httpx.get(srv.url + "/readyz").json()["engines"]
+            if rows[0]["state"] == "up" and rows[0]["restarts"] == 1:
+                break
+            assert time.monotonic() < deadline, rows
+            time.sleep(0.05)
+        st, body = conv(c.api, doomed, 0, rand_x(1), position=3)
+        assert st == 410 and body["error"]["code"] == "state_lost"
+        c.conv(other, 0, 1, seed=2)
+        assert srv.terminate() == 0
+    finally:
+        srv.kill()
+    # the restarted process wrote at once, then at SIGTERM: a cold start finds its newest file without the
+    # sessions of the process that died, and never falls back to one from before the crash
+    files = SnapshotDir(tmp_path, 0, 3).files()
+    newest = read_checked(files[0]).meta
+    assert newest["sessions"] == [] and newest["lost"] == []
+    written = [r for r in srv.logs if r.get("msg") == "snapshot written" and r.get("engine") == 0]
+    assert written[-1]["kind"] == "final" and written[-1]["sessions"] == 0
+    other_file = read_checked(SnapshotDir(tmp_path, 1, 3).files()[0]).meta
+    assert [r["id"] for r in other_file["sessions"]] == [other]
+
+
+@pytest.mark.parametrize("bad", [{"state_dir": "FILE"}, {"snapshot_interval_s": "0"}, {"snapshot_keep": "0"},
+                                 {"snapshot_timeout_s": "-1"}])
+def test_bad_snapshot_settings_are_config_errors_naming_the_setting(tmp_path, bad):
+    (tmp_path / "FILE").write_text("x")
+    bad = {k: str(tmp_path / v) if v == "FILE" else v for k, v in bad.items()}
+    with pytest.raises(ConfigError, match="--" + next(iter(bad)).replace("_", "-")):
+        load_settings(bad)
+
+
+def test_a_state_dir_that_cannot_be_created_exits_2_before_the_model_is_built(tmp_path, monkeypatch, capsys):
+    from convserve.service import cli
+
+    (tmp_path / "FILE").write_text("x")
+
+    def no_model(settings):
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr(cli, "build_engine", no_model)
+    assert cli.serve(Settings(state_dir=tmp_path / "FILE" / "sub", workers=0)) == cli.EXIT_CONFIG
+    assert "state_dir" in capsys.readouterr().err
