@@ -106,6 +106,11 @@ def main(argv=None) -> int:
     if args.client_cpus:
         os.sched_setaffinity(0, args.client_cpus)
     base_args = list(args.server_arg)
+    if not any(a.startswith("--max-connections") for a in base_args):
+        # the unary leg opens one connection per session and layer, in every client process: more than the default
+        # per-worker cap (1024) at 256 sessions with --workers 0, where the cap would close idle connections under
+        # the clients
+        base_args.append(f"--max-connections={max(1024, 8 * max(levels) * 4)}")
 
     results: dict = {}
     info = None
@@ -123,6 +128,27 @@ def main(argv=None) -> int:
                 bs._progress("inproc", c, results["inproc"][c])
         finally:
             engine.stop(drain=False)
+    gpu = torch.cuda.get_device_name() if on_cuda else "cpu"
+    date = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", gpu).strip("-").lower()
+    path = Path(args.out) if args.out else ROOT / "bench" / "results" / f"workers-{slug}-{date}.json"
+
+    def save(results: dict, info) -> Path:
+        env = {"device": args.device, "gpu": gpu, "torch": torch.__version__, "python": platform.python_version(),
+               "host": platform.node(), "cpu_count": os.cpu_count(), "model": info, "duration_s": args.duration,
+               "warmup_s": args.warmup, "levels": levels, "workers": workers, "client_procs": args.client_procs,
+               "server_cpus": sorted(args.server_cpus) if args.server_cpus else None,
+               "client_cpus": sorted(args.client_cpus) if args.client_cpus else None, "server_args": base_args,
+               "date": _dt.datetime.now().isoformat(timespec="seconds")}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for r in results.values():            # the raw latencies stay out of the file
+            for leg in r.values():
+                for v in (leg.values() if isinstance(leg, dict) else ()):
+                    if isinstance(v, dict):
+                        v.pop("lat", None)
+        path.write_text(json.dumps({"env": env, "results": results}, indent=2, default=lambda o: None))
+        return path
+
     for w in workers:
         args.server_arg = [*base_args, f"--workers={w}"]
         srv = bs.start_server(args)
@@ -145,26 +171,10 @@ def main(argv=None) -> int:
             results[key]["shm"] = _shm_stats(srv.url) if w else {}
         finally:
             srv.stop()
+        save(results, info)                # after each layout: a run cut short keeps what it measured
 
-    gpu = torch.cuda.get_device_name() if on_cuda else "cpu"
-    env = {"device": args.device, "gpu": gpu, "torch": torch.__version__, "python": platform.python_version(),
-           "host": platform.node(), "cpu_count": os.cpu_count(), "model": info, "duration_s": args.duration,
-           "warmup_s": args.warmup, "levels": levels, "workers": workers, "client_procs": args.client_procs,
-           "server_cpus": sorted(args.server_cpus) if args.server_cpus else None,
-           "client_cpus": sorted(args.client_cpus) if args.client_cpus else None, "server_args": base_args,
-           "date": _dt.datetime.now().isoformat(timespec="seconds")}
     print_table(results, levels, workers, gpu)
-    date = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    slug = re.sub(r"[^A-Za-z0-9]+", "-", gpu).strip("-").lower()
-    path = Path(args.out) if args.out else ROOT / "bench" / "results" / f"workers-{slug}-{date}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    for r in results.values():            # the raw latencies stay out of the file
-        for leg in r.values():
-            for v in (leg.values() if isinstance(leg, dict) else ()):
-                if isinstance(v, dict):
-                    v.pop("lat", None)
-    path.write_text(json.dumps({"env": env, "results": results}, indent=2, default=lambda o: None))
-    print(f"wrote {path}")
+    print(f"wrote {save(results, info)}")
     return 0
 
 
