@@ -132,3 +132,29 @@ def test_update_matches_reference(case):
         a, r = kw["intermediate_conv_window"], kw_r["intermediate_conv_window"]
         live = (csi != PAD_SLOT_ID) if kw["conv_state_indices"] is not None else torch.ones(batch, dtype=torch.bool)
         assert torch.equal(a[live], r[live])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_rows_scattered_through_numpy_are_what_index_copy_writes(dtype, layout):
+    from convserve.kernels.torch_ops import _scatter_rows
+
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(9, 5, 3, generator=g).to(dtype)
+    dst = base if layout == "contiguous" else torch.randn(9, 3, 5, generator=g).to(dtype).transpose(1, 2)
+    src = torch.randn(4, 5, 3, generator=g).to(dtype)
+    idx = torch.tensor([7, 0, 4, 2])
+    want = dst.clone().index_copy_(0, idx, src)
+    _scatter_rows(dst, idx, src)
+    assert torch.equal(dst, want)
+
+
+def test_a_weight_changed_in_place_is_converted_again():
+    from convserve.kernels.torch_ops import _weight_t
+
+    w = torch.randn(8, 4, dtype=torch.bfloat16)
+    first = _weight_t(w, torch.float32)
+    assert torch.equal(first, w.float().t()) and _weight_t(w, torch.float32) is first   # kept
+    w[3, 1] += 1
+    again = _weight_t(w[:], torch.float32)                 # another view of the same storage sees the change
+    assert torch.equal(again, w.float().t())
