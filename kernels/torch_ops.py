@@ -43,26 +43,6 @@ def _scratch(name: str, shape: tuple, dtype: torch.dtype, device: torch.device) 
     return buf[:n].view(shape)
 
 
-def _weight_t(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``weight (dim, width)`` as a contiguous ``(width, dim)`` tensor in ``dtype``, kept per thread while the
-    same weight is passed unchanged: a model's weights are converted once, not on every call. The key is the
-    address, shape, strides and dtype, and the entry holds the weight it was made from, so that memory cannot be
-    freed and reused by another tensor while cached; an in-place change shows in the version counter (shared by
-    every view of a storage)."""
-    key = (weight.data_ptr(), weight.shape, weight.stride(), weight.dtype, dtype, weight.device)
-    cache = getattr(_scratch_local, "weights", None)
-    if cache is None:
-        cache = _scratch_local.weights = {}
-    hit = cache.get(key)
-    if hit is not None and hit[1] == weight._version:
-        return hit[2]
-    wt = weight.to(dtype).t().contiguous()
-    if len(cache) >= 64:
-        cache.clear()
-    cache[key] = (weight, weight._version, wt)
-    return wt
-
-
 def _scatter_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
     """``dst[index] = src`` along dim 0 (rows of equal shape, distinct indices). On the CPU through numpy views of
     the same bits, which copies each row as a block; ``index_copy_`` is several times slower there."""
@@ -261,7 +241,7 @@ def _update_all_live(x3, out3, out, conv_state, lines, weight, bias, silu: bool,
     win = torch.index_select(state_t, 0, lines, out=_scratch("win", (batch, state_len, dim), conv_state.dtype, dev))
     xe[:, :h].copy_(win[:, :h])                                        # every window read before any write
     xe[:, h:].copy_(x3.transpose(1, 2))
-    wt = _weight_t(weight, compute_dtype)                              # (width, dim)
+    wt = weight.to(compute_dtype).t().contiguous()                     # (width, dim)
     y = torch.mul(xe[:, 0:seqlen], wt[0], out=_scratch("y", (batch, seqlen, dim), compute_dtype, dev))
     t = _scratch("t", tuple(y.shape), compute_dtype, dev)
     for k in range(1, h + 1):   # a product then a sum, each rounded, as the reference: the same bits
@@ -296,7 +276,7 @@ def _decode_all_live(x2, out2, out, state_t, lines, weight, bias, silu: bool, h:
     batch, dim = x2.shape
     dev = x2.device
     win = torch.index_select(state_t, 0, lines, out=_scratch("win", (batch, h, dim), state_t.dtype, dev))
-    wt = _weight_t(weight, compute_dtype)                              # (width, dim)
+    wt = weight.to(compute_dtype).t().contiguous()                     # (width, dim)
     y = torch.mul(win[:, 0], wt[0], out=_scratch("y", (batch, dim), compute_dtype, dev))
     t = _scratch("t", (batch, dim), compute_dtype, dev)
     for k in range(1, h):       # a product then a sum, each rounded, as the reference: the same bits

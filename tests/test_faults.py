@@ -199,3 +199,37 @@ def test_a_step_that_fails_before_its_kernels_changes_nothing_and_a_retry_applie
     finally:
         e.stop(drain=False)
         ref.stop(drain=False)
+
+
+def test_a_step_failing_after_its_kernels_on_a_broken_device_still_answers_everything(monkeypatch):
+    """The device in a sticky error state (a synchronize raises, freeing a slot raises): every request of the
+    failed step and of its dropped sessions' queues is answered, the worker lives on, and the engine says it is
+    no longer ready."""
+    e = make_engine()
+    try:
+        a, b = e.create_session(), e.create_session()
+        layer = LAYERS[0]
+        for s in (a, b):
+            e.submit(s, layer, torch.randn(3, DIM)).result(10)
+        go, entered = gate_worker(e)
+        held = e.submit(b, LAYERS[1], torch.randn(1, DIM))
+        assert entered.wait(10)
+        _fail_after_launch(monkeypatch, e, lambda: RuntimeError("CUDA error: an illegal memory access"), nth=2)
+        monkeypatch.setattr(e._runner, "synchronize_after_failure", lambda: False)
+
+        def broken_free(slot):
+            raise RuntimeError("CUDA error: an illegal memory access")
+
+        monkeypatch.setattr(e.pool, "free", broken_free)
+        failing = e.submit(a, layer, torch.randn(1, DIM))
+        behind = e.submit(a, layer, torch.randn(1, DIM))
+        go.set()
+        assert held.result(10).shape == (1, DIM)
+        with pytest.raises(Internal, match="dropped"):
+            failing.result(10)
+        with pytest.raises(StateLost):
+            behind.result(10)
+        assert e._thread.is_alive() and not e.ready
+        assert e.stats()["sessions_dropped"] == 1
+    finally:
+        e.stop(drain=False)

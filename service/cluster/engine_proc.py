@@ -239,7 +239,19 @@ class EngineProcess:
             else:
                 send([ident, pack(reply), data], copy=False)
         for ident, replies in grouped.items():
-            send([ident, pack(replies[0] if len(replies) == 1 else replies)], copy=False)
+            try:
+                body = pack(replies[0] if len(replies) == 1 else replies)
+            except Exception:  # noqa: BLE001 - one answer that does not encode must not take the others with it
+                log.exception("engine: cannot encode an answer")
+                body = pack([self._encodable(r) for r in replies])
+            send([ident, body], copy=False)
+
+    def _encodable(self, reply: dict) -> dict:
+        try:
+            self._packer.pack(reply)
+            return reply
+        except Exception as e:  # noqa: BLE001 - answered as the engine's error
+            return m.error_reply(reply.get("i"), ServiceError(f"the engine's answer could not be encoded: {e}"))
 
     def _send(self, ident: bytes, reply: dict, data: Optional[Any] = None) -> None:
         """Queue an answer. The worker thread (the socket's owner) sends the queue when it next pumps, which it
@@ -324,7 +336,12 @@ class EngineProcess:
             self._send(ans.ident, m.error_reply(ans.mid, err))
             return
         block = ans.block
-        block.view(y.dtype).view(y.shape).copy_(y)    # y has x's shape and dtype: it fits x's block exactly
+        try:
+            block.view(y.dtype).view(y.shape).copy_(y)    # y has x's shape and dtype: it fits x's block exactly
+        except Exception as e:  # noqa: BLE001 - the request still gets an answer (the step's delivery swallows)
+            log.exception("engine: cannot write an answer into its block")
+            self._send(ans.ident, m.error_reply(ans.mid, e))
+            return
         if ans.in_arena:
             self._send(ans.ident, {"i": ans.mid, "ok": True})
         else:

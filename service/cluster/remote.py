@@ -32,7 +32,8 @@ import msgpack
 import numpy as np
 import torch
 
-from convserve.clients.protocol.errors import BadRequest, EngineUnavailable, NotReady, PositionMismatch, ServiceError
+from convserve.clients.protocol.errors import (BadRequest, EngineUnavailable, Internal, NotReady, PositionMismatch,
+                                               ServiceError)
 
 from . import messages as m
 from ..engine.validate import all_finite
@@ -265,7 +266,14 @@ class RemoteEngine:
         q = link.outq
         if q:
             link.outq = []
-            link.channel.send([self._packer.pack(q[0] if len(q) == 1 else q)])
+            try:
+                link.channel.send([self._packer.pack(q[0] if len(q) == 1 else q)])
+            except Exception as e:  # noqa: BLE001 - the tick's requests fail, none waits forever
+                log.exception("cannot send requests to engine %d", link.index)
+                for head in q:
+                    p = link.pending.pop(head.get("i"), None)
+                    if p is not None and not p.fut.done():
+                        p.fut.set_exception(Internal(f"the request could not be sent to its engine: {e}"))
 
     # ------------------------------------------------------------------ convs (event loop)
 

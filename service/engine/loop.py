@@ -152,7 +152,10 @@ class Worker:
                     f"the request waited longer than request_timeout_s={self.config.request_timeout_s} s in the "
                     "queue; the engine is overloaded, retry later")) for r in out.expired])
             if not out.empty:
-                self._step(out, t_sched)
+                try:
+                    self._step(out, t_sched)
+                except Exception:  # noqa: BLE001 - the loop outlives any one step (_step answers its own failures)
+                    log.exception("engine step %d: failure outside the runner", out.step)
             elif not out.expired:             # everything queued waits on something (an op, a batch): no spin
                 with self._lock:
                     self._wait(0.001)
@@ -200,18 +203,28 @@ class Worker:
                     self._sched.abort(r)
                     self._retire_locked(r, ok=False)
             self._st["failed"] += len(done)
-        if lost:
-            err.message += (f"; the step may have written the state of session(s) "
-                            f"{', '.join(repr(s.id) for s in lost[:8])}{' ...' if len(lost) > 8 else ''}, which "
-                            "were dropped (410 state_lost from now on): create them again")
-            self._drop_sessions(lost, f"was dropped: engine step {out.step}, which held its conv, failed "
-                                      f"({type(e).__name__}) after its kernels started, so its state is unknown")
-        deliver([(r, None, err) for r in done])
+        failed: list = []
+        try:
+            if lost:
+                err = type(err)(err.message + f"; the step may have written the state of session(s) "
+                                f"{', '.join(repr(s.id) for s in lost[:8])}{' ...' if len(lost) > 8 else ''}, "
+                                "which were dropped (410 state_lost from now on): create them again",
+                                retry_after=err.retry_after, **err.extra)
+                why = (f"was dropped: engine step {out.step}, which held its conv, failed ({type(e).__name__}) "
+                       "after its kernels started, so its state is unknown")
+                failed = [(r, StateLost(f"session {sid!r} {why}; create it again"))
+                          for r, sid in self._drop_sessions(lost, why)]
+        except Exception:  # noqa: BLE001 - whatever happens here, every request of the step gets its answer
+            log.exception("engine step %d: dropping its sessions failed", out.step)
+        finally:
+            deliver([(r, None, err) for r in done] + [(r, None, x) for r, x in failed])
 
-    def _drop_sessions(self, sessions: list, why: str) -> None:
-        """Remove live sessions whose state is unknown: slots freed, ids remembered as lost with ``why``, their
-        queued requests failed with :class:`StateLost` (their operations fail when they come to run)."""
-        failed = []
+    def _drop_sessions(self, sessions: list, why: str) -> list:
+        """Remove live sessions whose state is unknown: ids remembered as lost with ``why``, slots freed (unless
+        the device is in an error state: then they stay taken until the process restarts), their queued requests
+        withdrawn (returned as ``(request, session id)`` for the caller to fail; their operations fail when they
+        come to run)."""
+        failed, dropped = [], 0
         with self._lock:
             for s in sessions:
                 if self._sessions.find(s.id) is not s:
@@ -223,10 +236,15 @@ class Worker:
                     self._retire_locked(r, ok=False)
                 failed += [(r, s.id) for r in queued]
                 self._forget_locked(s)
-                self.pool.free(s.slot)
-            self._st["sessions_dropped"] = self._st.get("sessions_dropped", 0) + len(sessions)
-        log.error("dropped %d session(s) whose state a failed step may have written", len(sessions))
-        deliver([(r, None, StateLost(f"session {sid!r} {why}; create it again")) for r, sid in failed])
+                dropped += 1
+                if self._ready:                       # freeing zeroes the slot: device work
+                    try:
+                        self.pool.free(s.slot)
+                    except Exception:  # noqa: BLE001 - the slot stays taken; the sessions are dropped anyway
+                        log.exception("cannot free slot %d of dropped session %r", s.slot, s.id)
+            self._st["sessions_dropped"] = self._st.get("sessions_dropped", 0) + dropped
+        log.error("dropped %d session(s) whose state a failed step may have written", dropped)
+        return failed
 
     def _record_step(self, out: SchedulerOutput, sched_ns: int, t0: int, t_launch: int, t_sync: int, t3: int,
                      kernel_ns, padded: int) -> None:
