@@ -75,6 +75,15 @@ class Api:
         return self.call("GET", "/v1/model")[1]["slots"]["free"]
 
 
+def conv_at(api: Api, sid, layer, x, position=None, speculative=False):
+    """POST /v1/conv, with ``position`` when given: ``(status, y)`` on 200, else ``(status, error body)``."""
+    body = {"session": sid, "layer": layer, "x": wire.encode_tensor(x), "speculative": speculative}
+    if position is not None:
+        body["position"] = position
+    st, obj, _ = api.call("POST", "/v1/conv", body)
+    return st, (wire.decode_tensor(obj["y"]).clone() if st == 200 else obj)
+
+
 def rand_x(t, dtype=torch.float32, seed=None):
     g = torch.Generator().manual_seed(seed) if seed is not None else None
     return torch.randn(t, DIM, generator=g).to(dtype)

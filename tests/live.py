@@ -7,9 +7,11 @@ for the failure message.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +25,38 @@ import torch
 from convserve.kernels.reference import causal_conv1d_ref
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@contextlib.contextmanager
+def app_in_thread(settings: dict, start_engine: bool = True, ready: bool = False):
+    """The app and an in-process engine built from ``settings`` under a real uvicorn server in a thread of this
+    process, so a test can reach into the engine. Yields ``(url, engine)`` once uvicorn accepts connections (with
+    ``ready``, once /readyz is 200); the server is stopped on exit."""
+    import uvicorn
+
+    from convserve.service.cli import build_engine
+    from convserve.service.config import load_settings
+    from convserve.service.http.app import create_app
+
+    loaded = load_settings(settings)
+    engine = build_engine(loaded)
+    app = create_app(loaded, engine, start_engine=start_engine)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server = uvicorn.Server(uvicorn.Config(app, log_config=None, lifespan="on"))
+    t = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    t.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        while ready and time.monotonic() < deadline and httpx.get(url + "/readyz").status_code != 200:
+            time.sleep(0.05)
+        yield url, engine
+    finally:
+        server.should_exit = True
+        t.join(10)
 
 
 class LiveServer:

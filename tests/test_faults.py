@@ -5,9 +5,6 @@ once behind a real uvicorn server."""
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 
 import httpx
 import msgpack
@@ -17,6 +14,7 @@ import torch
 from convserve.clients.protocol import wire
 from convserve.clients.protocol.errors import Internal, OutOfMemory, StateLost
 from tests.engine_support import DIM, LAYERS, gate_worker, make_engine
+from tests.live import app_in_thread
 
 FAULTS = {
     "raises": (lambda: ValueError("injected kernel failure"), Internal, 500, "internal"),
@@ -67,33 +65,9 @@ def test_a_failing_step_fails_only_its_own_requests_and_the_engine_keeps_serving
 def inproc_server():
     """The app with an in-process CPU engine under a real uvicorn server in a thread, so its runner can be
     monkeypatched."""
-    import uvicorn
-
-    from convserve.service.cli import build_engine
-    from convserve.service.config import load_settings
-    from convserve.service.http.app import create_app
-
-    settings = load_settings({"layers": "0,1", "dim": str(DIM), "dtype": "float32", "device": "cpu",
-                              "max_batch_size": "1", "workers": "0"})
-    engine = build_engine(settings)
-    app = create_app(settings, engine)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server = uvicorn.Server(uvicorn.Config(app, log_config=None, lifespan="on"))
-    t = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    t.start()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/readyz").status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        time.sleep(0.05)
-    yield url, engine
-    server.should_exit = True
-    t.join(10)
+    with app_in_thread({"layers": "0,1", "dim": str(DIM), "dtype": "float32", "device": "cpu",
+                        "max_batch_size": "1", "workers": "0"}, ready=True) as served:
+        yield served
 
 
 @pytest.mark.parametrize("fault", list(FAULTS))

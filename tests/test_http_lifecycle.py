@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import socket
-import threading
 import time
 
 import httpx
@@ -16,33 +15,15 @@ from websockets.sync.client import connect as ws_connect
 from convserve.clients.protocol import wire
 from tests.http_api import (MP, SLOW, Api, assert_close, metric, pack_frames, read_stream, slow_model,
                             wait_metric)
-from tests.live import LiveServer, Reference
+from tests.live import LiveServer, Reference, app_in_thread
 
 
 # --------------------------------------------------------------------------- not ready (real uvicorn, thread)
 
 
 def test_not_ready_before_the_engine_starts_is_503_everywhere_but_healthz():
-    import uvicorn
-
-    from convserve.service.cli import build_engine
-    from convserve.service.config import load_settings
-    from convserve.service.http.app import create_app
-
-    settings = load_settings({"layers": "1", "dim": "8", "dtype": "float32", "device": "cpu"})
-    engine = build_engine(settings)
-    app = create_app(settings, engine, start_engine=False)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_config=None, lifespan="on"))
-    t = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    t.start()
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 10
-        while not server.started and time.monotonic() < deadline:
-            time.sleep(0.02)
+    with app_in_thread({"layers": "1", "dim": "8", "dtype": "float32", "device": "cpu"}, start_engine=False) as (
+            url, _engine):
         assert httpx.get(url + "/healthz").status_code == 200
         r = httpx.get(url + "/readyz")
         assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready"
@@ -50,9 +31,6 @@ def test_not_ready_before_the_engine_starts_is_503_everywhere_but_healthz():
             r = httpx.request(method, url + path, headers=MP)
             assert r.status_code == 503 and msgpack.unpackb(r.content)["error"]["code"] == "not_ready"
             assert int(r.headers["retry-after"]) >= 1
-    finally:
-        server.should_exit = True
-        t.join(10)
 
 
 # ------------------------------------------------------------------- disconnects and graceful shutdown

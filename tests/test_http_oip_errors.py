@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 import threading
 import time
 
@@ -19,7 +18,7 @@ from tritonclient.utils import InferenceServerException
 
 from convserve.clients.protocol import wire
 from tests.http_api import DIM, MAX_BODY, MAX_TOKENS, SLOW, Api, rand_x
-from tests.live import LiveServer
+from tests.live import LiveServer, app_in_thread
 
 KEEP = "oip-keep"          # a session with a state, which no refused request may change
 NEW = "oip-new"            # a session no refused request may create
@@ -245,25 +244,8 @@ def test_the_api_key_guards_v2_but_its_health_and_tritonclient_passes_it_as_a_he
 
 
 def test_v2_is_not_ready_before_the_engine_starts_but_live():
-    import uvicorn
-
-    from convserve.service.cli import build_engine
-    from convserve.service.config import load_settings
-    from convserve.service.http.app import create_app
-
-    settings = load_settings({"layers": "1", "dim": "8", "dtype": "float32", "device": "cpu"})
-    app = create_app(settings, build_engine(settings), start_engine=False)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_config=None, lifespan="on"))
-    t = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    t.start()
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 10
-        while not server.started and time.monotonic() < deadline:
-            time.sleep(0.02)
+    with app_in_thread({"layers": "1", "dim": "8", "dtype": "float32", "device": "cpu"}, start_engine=False) as (
+            url, _engine):
         assert httpx.get(url + "/v2/health/live").status_code == 200
         for path in ("/v2/health/ready", "/v2/models/conv/ready"):
             r = httpx.get(url + path)
@@ -272,9 +254,6 @@ def test_v2_is_not_ready_before_the_engine_starts_but_live():
         r = _post(url, obj, binary)
         assert r.status_code == 503 and r.json()["error"].startswith("not_ready: ")
         assert int(r.headers["retry-after"]) >= 1
-    finally:
-        server.should_exit = True
-        t.join(10)
 
 
 # --------------------------------------------------------------------------- a conv the engine refuses

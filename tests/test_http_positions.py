@@ -9,6 +9,7 @@ import torch
 
 from convserve.clients.protocol import wire
 from tests.http_api import LAYERS, assert_close, model, pack_frames, rand_x, read_stream
+from tests.http_api import conv_at as conv
 from tests.live import Reference
 
 
@@ -21,14 +22,6 @@ def info(api, sid):
     st, obj, _ = api.call("GET", f"/v1/sessions/{sid}")
     assert st == 200, obj
     return obj
-
-
-def conv(api, sid, layer, x, position=None, speculative=False):
-    body = {"session": sid, "layer": layer, "x": wire.encode_tensor(x), "speculative": speculative}
-    if position is not None:
-        body["position"] = position
-    st, obj, _ = api.call("POST", "/v1/conv", body)
-    return st, (wire.decode_tensor(obj["y"]).clone() if st == 200 else obj)
 
 
 def batch(api, sids, layer, x, position=None, tokens=None, speculative=None):

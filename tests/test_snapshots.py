@@ -13,11 +13,11 @@ import httpx
 import pytest
 import torch
 
-from convserve.clients.protocol import wire
 from convserve.service.cluster.placement import engine_of
 from convserve.service.config import ConfigError, Settings, load_settings
 from convserve.service.snapshot_file import SnapshotDir, read_checked
 from tests.http_api import DIM, LAYERS, Api, assert_close, metric, model, rand_x
+from tests.http_api import conv_at as conv
 from tests.live import LiveServer, Reference
 
 MODEL_ARGS = ["--layers", "0,2,5", "--dim", str(DIM), "--width", "4", "--dtype", "float32", "--slots", "32",
@@ -27,14 +27,6 @@ LAYOUTS = {"in-process": ["--workers", "0"], "engine processes": ["--workers", "
 
 def serve(state_dir, layout: str, *extra) -> LiveServer:
     return LiveServer([*MODEL_ARGS, *LAYOUTS[layout], "--state-dir", str(state_dir), *extra])
-
-
-def conv(api, sid, layer, x, position=None, speculative=False):
-    body = {"session": sid, "layer": layer, "x": wire.encode_tensor(x), "speculative": speculative}
-    if position is not None:
-        body["position"] = position
-    st, obj, _ = api.call("POST", "/v1/conv", body)
-    return st, (wire.decode_tensor(obj["y"]).clone() if st == 200 else obj)
 
 
 def positions(api, sid):
