@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_service import Proc  # noqa: E402
+from bench_service import serve  # noqa: E402
 
 from convserve.clients.loadtest.stats import percentile  # noqa: E402
 from convserve.clients.protocol import wire  # noqa: E402
@@ -160,22 +160,10 @@ def run_layout(args, workers: int) -> dict:
     import httpx
 
     srv_args = ["--workers", str(workers), *args.server_arg]
-    cmd = [sys.executable, "-m", "convserve.service", "serve", "--host", "127.0.0.1", "--port", "0",
-           "--device", args.device, *srv_args]
     t0 = time.monotonic()
-    srv = Proc(cmd, env={"OMP_NUM_THREADS": "1"} if args.device == "cpu" else None, cpus=args.server_cpus)
-    url = f"http://127.0.0.1:{srv.port}"
+    srv = serve(args.device, srv_args, args.server_cpus)
+    url = srv.url
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                if httpx.get(url + "/readyz", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline or srv.proc.poll() is not None:
-                raise RuntimeError("the server never became ready:\n" + "\n".join(srv.lines[-30:]))
-            time.sleep(0.1)
         start_s = time.monotonic() - t0
         info = wire.unpackb(httpx.get(url + "/v1/model", headers={"accept": wire.MEDIA_TYPE}).content, 1 << 22)
         ctx = mp.get_context("spawn")

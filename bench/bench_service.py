@@ -106,17 +106,19 @@ class Proc:
                 self.proc.wait(10)
 
 
-def start_server(args) -> Proc:
-    cmd = [sys.executable, "-m", "convserve.service", "serve", "--host", "127.0.0.1", "--port", "0", "--device", args.device,
-           "--slots", str(args.slots), *args.server_arg]
-    srv = Proc(cmd, env={"OMP_NUM_THREADS": "1"} if args.device == "cpu" else None, cpus=args.server_cpus)
+def serve(device: str, server_args: list, cpus: Optional[set] = None, timeout: float = 600) -> Proc:
+    """``convserve serve`` on a free port of 127.0.0.1, once /readyz is 200 (``.url`` set); stopped, with its last
+    log lines in a RuntimeError, if it exits or is not ready within ``timeout`` seconds."""
+    cmd = [sys.executable, "-m", "convserve.service", "serve", "--host", "127.0.0.1", "--port", "0", "--device", device,
+           *server_args]
+    srv = Proc(cmd, env={"OMP_NUM_THREADS": "1"} if device == "cpu" else None, cpus=cpus)
     import httpx
 
     url = f"http://127.0.0.1:{srv.port}"
-    deadline = time.monotonic() + 600
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            if httpx.get(url + "/readyz", timeout=2).status_code == 200:
+            if httpx.get(url + "/readyz", timeout=5).status_code == 200:
                 srv.url = url
                 return srv
         except httpx.TransportError:
@@ -126,6 +128,10 @@ def start_server(args) -> Proc:
         time.sleep(0.1)
     srv.stop()
     raise RuntimeError("the server never became ready:\n" + "\n".join(srv.lines[-30:]))
+
+
+def start_server(args) -> Proc:
+    return serve(args.device, ["--slots", str(args.slots), *args.server_arg], args.server_cpus)
 
 
 # ----------------------------------------------------------------------------------- transports

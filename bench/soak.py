@@ -364,26 +364,14 @@ def main(argv=None) -> int:
     args.server_arg = [a for s in args.server_arg for a in s.split("=", 1)]
     srv = None
     if args.url is None:
-        from bench_service import Proc
+        from bench_service import serve
 
-        cmd = [sys.executable, "-m", "convserve.service", "serve", "--host", "127.0.0.1", "--port", "0",
-               "--device", args.device, *args.server_arg]
-        srv = Proc(cmd, env={"OMP_NUM_THREADS": "1"} if args.device == "cpu" else None)
-        url, pid = f"http://127.0.0.1:{srv.port}", srv.proc.pid
-        import httpx
-
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(url + "/readyz", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline or srv.proc.poll() is not None:
-                srv.stop()
-                print("soak: the server never became ready:\n" + "\n".join(srv.lines[-30:]), file=sys.stderr)
-                return 2
-            time.sleep(0.2)
+        try:
+            srv = serve(args.device, args.server_arg, timeout=300)
+        except RuntimeError as e:
+            print(f"soak: {e}", file=sys.stderr)
+            return 2
+        url, pid = srv.url, srv.proc.pid
     else:
         url, pid = args.url.rstrip("/"), args.pid
     try:

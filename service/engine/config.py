@@ -31,10 +31,10 @@ def _dtype(v, what: str) -> "torch.dtype":
     raise ValueError(f"{what}: expected one of {list(by_name)}, got {v!r}")
 
 
-#: ``max_prefill_tokens_per_step="auto"``: prefill elements (tokens x dim) per step by device type. On the CPU
-#: the engine's prefill costs tens of ns per element (one thread), so 2^18 elements keep a step near 10 ms; on a
-#: GPU the kernel is not what bounds a step (a full 8192 x 4096 prefill takes about 0.1 ms on the H200) but the
-#: host's copies of x and y are, so 2^22 elements (8 MiB of bf16 each way) keep those to about a millisecond.
+#: ``max_prefill_tokens_per_step="auto"``: prefill elements (tokens x dim) per step by device type, so that a
+#: step, and every decode waiting behind it, stays short. On the CPU the prefill's own arithmetic bounds a step;
+#: on a GPU the host's copies of x and y do (8 MiB of bf16 each way at 2^22). The costs behind both numbers are
+#: in bench/NOTES.md, *Isolation under load*.
 PREFILL_ELEMENTS = {"cpu": 1 << 18, "cuda": 1 << 22}
 
 
