@@ -148,8 +148,7 @@ class EngineProcess:
         self.poller.register(self.wake_r, zmq.POLLIN)
         import torch
 
-        self.dtypes = {n: getattr(torch, n) for n in ("bfloat16", "float16", "float32", "float64", "int8", "int16",
-                                                      "int32", "int64", "uint8", "bool")}
+        self.dtypes = {n: getattr(torch, n) for n in ("bfloat16", "float16", "float32")}   # what x may be
         self.engine.set_pump(self._pump, self._wake)
         if self.snapshots is not None:
             self.snapshots.start_engine()
@@ -295,14 +294,18 @@ class EngineProcess:
             self._send(ident, m.error_reply(mid, e))
 
     def _conv(self, ident: bytes, head: dict, data) -> None:
-        import torch
+        dtype = self.dtypes.get(head["d"])
+        if dtype is None:                    # not a float the engine takes: it raises the proper error for it
+            import torch
 
-        dtype = self.dtypes.get(head["d"]) or getattr(torch, head["d"])
+            dtype = getattr(torch, head["d"])
         rows, dim = head["n"], self.engine.model_cpu.dim
         if "a" in head:
             off = head["o"]
             block = self.arenas.tensor(head["a"])[off:off + rows * dim * dtype.itemsize]
         else:
+            import torch
+
             block = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         x = block.view(dtype).view(rows, dim)
         ans = _Answer(self, ident, head["i"], block, "a" in head)

@@ -229,13 +229,8 @@ class Worker:
             for s in sessions:
                 if self._sessions.find(s.id) is not s:
                     continue                          # deleted (or deleted and re-created) meanwhile
-                self._sessions.remove(s)
+                failed += [(r, s.id) for r in self._remove_locked(s)]
                 self._sessions.mark_lost([s.id], why)
-                queued = [r for r in s.queue if not r.done and self._sched.abort(r)]
-                for r in queued:
-                    self._retire_locked(r, ok=False)
-                failed += [(r, s.id) for r in queued]
-                self._forget_locked(s)
                 dropped += 1
                 if self._ready:                       # freeing zeroes the slot: device work
                     try:

@@ -64,14 +64,20 @@ class SessionOps:
 
     def _op_delete(self, s: Session) -> None:
         with self._lock:
-            self._sessions.remove(s)
-            failed = [r for r in s.queue if not r.done and self._sched.abort(r)]
-            for r in failed:
-                self._retire_locked(r, ok=False)
-            self._forget_locked(s)
+            failed = self._remove_locked(s)
             self.pool.free(s.slot)
         deliver([(r, None, UnknownSession(f"session {s.id!r} was deleted before this request ran"))
                        for r in failed])
+
+    def _remove_locked(self, s: Session) -> list:
+        """Take a live session out of the table: its queued requests withdrawn and retired (returned, for the
+        caller to fail), its kept answers forgotten. Its slot is the caller's to free."""
+        self._sessions.remove(s)
+        failed = [r for r in s.queue if not r.done and self._sched.abort(r)]
+        for r in failed:
+            self._retire_locked(r, ok=False)
+        self._forget_locked(s)
+        return failed
 
     def fork_session(self, src_id: str, new_id: Optional[str] = None) -> str:
         """A new session holding a copy of ``src_id``'s state (and its pending verify, if any), after the
