@@ -20,6 +20,9 @@ from convserve.clients.loadtest.stats import percentile
 from convserve.clients.protocol import wire
 
 _LEN = struct.Struct("<I")
+#: the clients' read buffer, as the service's client has it (clients/h1.py: asyncio's 64 KiB default reads a
+#: multi-megabyte frame in rounds of pause and resume)
+_READ_BUFFER = 1 << 24
 
 
 def _run_loop(coro):
@@ -89,7 +92,7 @@ class EchoTransport:
         return await fut
 
     async def _run(self, q: asyncio.Queue):
-        reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+        reader, writer = await asyncio.open_connection("127.0.0.1", self.port, limit=_READ_BUFFER)
         packer = wire.new_packer()
         buf = bytearray()
         try:
@@ -142,7 +145,7 @@ async def leg_step_echo(args, port: int, info: dict, conc: int) -> dict:
     layers = list(info["layers"])
     x = torch.randn(conc, info["dim"]).to(getattr(torch, info["dtype"]))
     sessions = [f"{i:032x}" for i in range(conc)]       # ids of the server's length
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=_READ_BUFFER)
     packer = wire.new_packer()
     buf = bytearray()
     lat, steps, tok = [], [], 0

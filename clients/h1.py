@@ -8,6 +8,11 @@ from typing import Optional
 import httpx
 
 
+#: bytes a connection's reader buffers before it stops reading the socket: asyncio's default (64 KiB) makes a
+#: multi-megabyte answer arrive in 128 KiB rounds of pause and resume
+_READ_BUFFER = 1 << 24
+
+
 class _Resp:
     """The parts of an ``httpx.Response`` that :func:`_raise_for` and :func:`_decode` read."""
 
@@ -99,7 +104,7 @@ class _H1Pool:
             break
         if conn is None:
             try:
-                conn = await asyncio.open_connection(self.host, self.port)
+                conn = await asyncio.open_connection(self.host, self.port, limit=_READ_BUFFER)
             except OSError as e:
                 raise httpx.ConnectError(f"cannot connect to {self.host}:{self.port}: {e}") from e
         r, w = conn
