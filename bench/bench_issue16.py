@@ -4,6 +4,7 @@ CUDA-graph replay). Every timed variant is first checked against the float64 ref
 (outputs poisoned with NaN, states compared bit for bit).
 
     python bench/bench_issue16.py [--peer-file .peers/seed.py] [--out DIR] [--variants]
+    python bench/bench_issue16.py --direct-json PATH   # only §3: the host cost of a direct call (direct_calls)
 
 Writes ``issue16-<gpu>-<date>.json`` (and prints every line) to --out (default $OUT or bench/results).
 """
@@ -176,6 +177,180 @@ def host_costs():
     return res
 
 
+def _old_update(x, conv_state, weight, bias, activation, conv_state_indices, out):
+    """``causal_conv1d_update``'s fast path as it was before the generated launchers (same plan cache): the inline
+    key, the alias check, then the plan's generic ``__call__``. For these benchmark calls only (bias, indices and
+    out given, no speculative tensors)."""
+    from convserve.kernels.decode import plan as dplan
+    plan = dplan._PLANS.get((
+        x.shape, x.stride(), x.dtype, x.get_device(),
+        conv_state.shape, conv_state.stride(), conv_state.dtype, conv_state.get_device(),
+        weight.shape, weight.stride(), weight.dtype, weight.get_device(),
+        (bias.shape, bias.stride(), bias.dtype, bias.get_device()),
+        (conv_state_indices.shape, conv_state_indices.stride(), conv_state_indices.dtype,
+         conv_state_indices.get_device()),
+        (out.shape, out.stride(), out.dtype, out.get_device()), None, activation, -1, True))
+    if plan.copy_bias:
+        bias = bias.contiguous()
+    plan(x, weight, bias, conv_state, conv_state_indices, x, x, x, out)  # checks out against x, as the old code did
+    return out
+
+
+def _old_prefill(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state, activation, out):
+    """``causal_conv1d_fn``'s fast path as it was before the generated launchers (all tensors given)."""
+    from convserve.kernels.prefill import plan as pplan
+
+    def tk(t):
+        return (t.shape, t.stride(), t.dtype, t.get_device())
+    plan = pplan._PLANS.get((
+        x.shape, x.stride(), x.dtype, x.get_device(), weight.shape, weight.stride(), weight.dtype,
+        weight.get_device(), tk(bias), tk(conv_states), query_start_loc.shape, query_start_loc.stride(),
+        query_start_loc.dtype, query_start_loc.get_device(), tk(cache_indices), tk(has_initial_state), tk(out),
+        activation, -1))
+    body, seq, copy_bias = plan  # each plan checks out against x (one check per plan at T = 1, as before)
+    b = bias.contiguous() if copy_bias else bias
+    for p in body:
+        p(x, weight, b, out)
+    seq(x, weight, b, conv_states, query_start_loc, cache_indices, has_initial_state, out)
+    return out
+
+
+def _launcher(plan):
+    """How a plan launches: the launcher generated for it, or the generic __call__."""
+    return "generated" if getattr(plan.fast, "__name__", "") == "fast" else "generic"
+
+
+def direct_calls(path):
+    """Issue 16 §3 in one process: every case first checked on fresh random inputs against the float64 reference
+    (outputs poisoned with NaN, states bit for bit, an aliased out refused), then timed back to back (GPU events
+    over 500 calls, no flush, and the host time of the loop), interleaved three times, medians: the direct call
+    of ``causal_conv1d_update`` (b1-b256 x dim 4096 / 8192, bf16, both state layouts, out= given), the same call
+    through the previous path (``_old_update``: the plan's generic __call__), ``causal_conv1d_fn`` at T = 1
+    (both x layouts, both paths), and ATen ops (copy_ of 16 KB, add(out=)). Writes JSON to ``path``."""
+    import triton
+    from convserve.kernels import (causal_conv1d_fn, causal_conv1d_ref, causal_conv1d_update,
+                                   causal_conv1d_update_ref)
+    from convserve.kernels.decode import plan as dplan
+    from convserve.kernels.prefill import plan as pplan
+    torch.manual_seed(0)
+    env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+               python=platform.python_version(), date=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+    print(env, flush=True)
+    checks, cases, plans = {}, {}, {}
+    for dim in (4096, 8192):
+        for batch in (1, 8, 64, 256):
+            for layout in ("pool", "width-major"):
+                name = f"update b{batch}x{dim} {layout}"
+                x = torch.randn(batch, dim, device="cuda", dtype=torch.bfloat16)
+                w = torch.randn(dim, 4, device="cuda", dtype=torch.bfloat16)
+                b = torch.randn(dim, device="cuda", dtype=torch.bfloat16)
+                pool = make_pool(layout, dim)
+                idx = torch.randperm(POOL, device="cuda")[:batch].to(torch.int32)
+                ok, err = True, 0.0
+                for rnd in range(3):  # fresh inputs each round: the first compiles, later ones take the fast path
+                    x.normal_()
+                    pool.normal_()
+                    p_r = pool.clone()
+                    ref = causal_conv1d_update_ref(x, p_r, w, b, "silu", conv_state_indices=idx,
+                                                   compute_dtype=torch.float64)
+                    out = torch.full_like(x, float("nan"))
+                    causal_conv1d_update(x, pool, w, b, "silu", conv_state_indices=idx, out=out)
+                    e = rel_err(out, ref)
+                    err = max(err, e)
+                    ok &= e < 1e-2 and torch.equal(pool, p_r)
+                    if rnd == 2:  # and once through the old path
+                        x2 = x.clone()
+                        p_o = pool.clone()
+                        ref2 = causal_conv1d_update_ref(x2, p_o, w, b, "silu", conv_state_indices=idx,
+                                                        compute_dtype=torch.float64)
+                        out.fill_(float("nan"))
+                        _old_update(x2, pool, w, b, "silu", idx, out)
+                        ok &= rel_err(out, ref2) < 1e-2 and torch.equal(pool, p_o)
+                try:  # an out over x's buffer must be refused (a view: the layout guard lets it through)
+                    causal_conv1d_update(x, pool, w, b, "silu", conv_state_indices=idx, out=x.view(x.shape))
+                    ok = False
+                except ValueError:
+                    pass
+                # the plans this call's layout reaches through the fast path: kernel, launcher, guard
+                used = [(g, p) for g, p in dplan._PLANS.guards.get((x.shape, "silu", -1), ())
+                        if g.check(x, pool, w, b, idx, out)]
+                kinds = sorted({f"{p.fn.__name__} {_launcher(p)} {type(g).__name__}" for g, p in used})
+                plan = [p for _, p in used]
+                checks[name] = dict(ok=bool(ok) and bool(used), err=err, plans=kinds)
+                print(f"check {name:34} err {err:.1e} {'ok' if ok else 'WRONG'} {kinds}", flush=True)
+                cases[name] = (lambda x=x, p=pool, w=w, b=b, i=idx, o=out:
+                               causal_conv1d_update(x, p, w, b, "silu", conv_state_indices=i, out=o))
+                cases[name + " (old path)"] = (lambda x=x, p=pool, w=w, b=b, i=idx, o=out:
+                                              _old_update(x, p, w, b, "silu", i, o))
+                if batch == 1 and dim == 4096:
+                    plans[layout] = (plan, (x, w, b, pool, idx, x, x, x, out))
+    for dim in (4096, 8192):
+        for layout in ("channels-first", "channels-last"):
+            name = f"prefill 1x{dim} {layout}"
+            w = (torch.randn(dim, 4, device="cuda") * 0.02).to(torch.bfloat16)
+            b = (torch.randn(dim, device="cuda") * 0.02).to(torch.bfloat16)
+            qsl = torch.tensor([0, 1], dtype=torch.int32, device="cuda")
+            ci = torch.zeros(1, dtype=torch.int32, device="cuda")
+            init = torch.ones(1, dtype=torch.bool, device="cuda")
+            ok, err = True, 0.0
+            for rnd in range(3):
+                xs = (torch.randn(dim, 1, device="cuda") * 0.02).to(torch.bfloat16)
+                if layout == "channels-last":
+                    xs = xs.t().contiguous().t()
+                st = (torch.randn(1, dim, 3, device="cuda") * 0.02).to(torch.bfloat16)
+                st_r = st.clone()
+                o = torch.full_like(xs, float("nan"))
+                ref = causal_conv1d_ref(xs, w, b, st_r, qsl, ci, init, "silu")
+                if rnd < 2:
+                    causal_conv1d_fn(xs, w, b, st, qsl, ci, init, "silu", out=o)
+                else:  # once through the old path
+                    _old_prefill(xs, w, b, st, qsl, ci, init, "silu", o)
+                e = rel_err(o, ref)
+                err = max(err, e)
+                ok &= e < 1e-2 and torch.equal(st, st_r)
+            try:
+                causal_conv1d_fn(xs, w, b, st, qsl, ci, init, "silu", out=xs.view(xs.shape))
+                ok = False
+            except ValueError:
+                pass
+            used = [(g, pl) for g, pl in pplan._PLANS.guards.get((xs.shape, "silu", -1), ())
+                    if g.check(xs, w, b, st, qsl, ci, init, o)]
+            kinds = sorted({f"{p.fn.__name__} {_launcher(p)} {type(g).__name__}" for g, (body, seq, _) in used
+                            for p in (*body, seq)})
+            checks[name] = dict(ok=bool(ok) and bool(used), err=err, plans=kinds)
+            print(f"check {name:34} err {err:.1e} {'ok' if ok else 'WRONG'} {kinds}", flush=True)
+            cases[name] = (lambda xs=xs, w=w, b=b, st=st, q=qsl, c=ci, i=init, o=o:
+                           causal_conv1d_fn(xs, w, b, st, q, c, i, "silu", out=o))
+            cases[name + " (old path)"] = (lambda xs=xs, w=w, b=b, st=st, q=qsl, c=ci, i=init, o=o:
+                                          _old_prefill(xs, w, b, st, q, c, i, "silu", o))
+    a = torch.empty(16384, dtype=torch.uint8, device="cuda")
+    c = torch.empty_like(a)
+    h = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    h2 = torch.empty_like(h)
+    cases["aten copy_ 16 KB"] = lambda: c.copy_(a)
+    cases["aten add(out=) 4096 bf16"] = lambda: torch.add(h, h, out=h2)
+    for layout, (plan, args) in plans.items():  # the parts of a b1 x 4096 call: the plan's launch alone
+        if plan:
+            p = plan[0]
+            cases[f"part: plan.fast only b1x4096 {layout}"] = lambda p=p, a=args: p.fast(*a)
+            cases[f"part: plan generic __call__ b1x4096 {layout}"] = lambda p=p, a=args: p(*a)
+    torch.cuda.synchronize()
+    runs = {k: [] for k in cases}
+    for _ in range(3):
+        for k, f in cases.items():
+            runs[k].append(b2b(f, n=500))
+    timing = {}
+    for k, v in runs.items():
+        ev, ho = sorted(e for e, _ in v)[1], sorted(h for _, h in v)[1]
+        timing[k] = dict(b2b=ev, host=ho)
+        print(f"time  {k:48} b2b {ev:6.2f} us  host {ho:6.2f} us", flush=True)
+    res = dict(env=env, checks=checks, timing=timing)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(res, indent=1, default=str))
+    print(f"wrote {path}")
+    return 0 if all(c["ok"] for c in checks.values()) else 1
+
+
 def prefill_small(peers):
     from convserve.kernels import causal_conv1d_fn, causal_conv1d_ref
     from convserve.kernels.graphs import PrefillGraph
@@ -221,7 +396,11 @@ def main(argv=None):
     ap.add_argument("--peer-file", action="append")
     ap.add_argument("--variants", action="store_true", help="time every WM_VARIANTS tile (else the default)")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "results"))
+    ap.add_argument("--direct-json", metavar="PATH", help="only the host cost of direct calls (direct_calls), JSON to "
+                    "PATH")
     a = ap.parse_args(argv)
+    if a.direct_json:
+        return direct_calls(a.direct_json)
     import triton
     torch.manual_seed(0)
     env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,

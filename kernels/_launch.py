@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ._validate import check_out
+
 
 @dataclass(frozen=True)
 class Tile:
@@ -109,6 +111,9 @@ class LaunchPlan:
     ``cuPointerGetAttribute`` query: the plan key already pins every tensor to the plan's CUDA device). The first
     call of each alignment pattern goes through ``kernel[grid]`` (compiling if needed). Under the interpreter, or
     for CPU tensors, every call is plain ``kernel[grid](...)``.
+
+    The public functions call ``plan.fast(...)``: ``__call__`` at first, then, once the all-aligned kernel is
+    compiled, a launcher generated for the plan (``_make_fast``), which costs a few attribute reads less per call.
     """
 
     def __init__(self, fn, grid, scalars, constexprs: dict, num_warps: int, device: torch.device, fallback=None,
@@ -126,11 +131,30 @@ class LaunchPlan:
         self.copy_bias = False  # set by the public function: the caller's bias is strided and is copied per call
         # a kernel that needs every pointer `align`-byte aligned: calls with other pointers run `fallback` instead
         self.fallback, self.align_mask = fallback, align - 1
+        # set by the public function (called_as): {slot: earlier slot} where the caller always passes the same
+        # tensor in both (a stand-in for an absent optional tensor, which the kernel never reads), so the launch
+        # reuses that address; (i, j): tensor j (out) must not share tensor i's (x's) address (check_out raises)
+        self.same, self.alias = {}, None
+        # what the public functions call: this generic __call__ until the aligned kernel is compiled, then a
+        # launcher generated for this plan (_make_fast)
+        self.fast = self.__call__
+
+    def called_as(self, same: dict, alias) -> LaunchPlan:
+        """Record how the public function calls this plan (``same``, ``alias``: see __init__), here and in its
+        fallback; returns the plan."""
+        for p in (self, self.fallback):
+            if isinstance(p, LaunchPlan):
+                p.same, p.alias = dict(same), alias
+        return self
 
     def _slow(self, tensors):
         return self.fn[self.grid](*tensors, *self.scalars, num_warps=self.num_warps, **self.constexprs)
 
     def __call__(self, *tensors):
+        if self.alias is not None:
+            i, j = self.alias
+            if tensors[j].data_ptr() == tensors[i].data_ptr():
+                check_out(tensors[j], tensors[i], tensors[i])
         if not self.direct:
             if self.align_mask and any(t.data_ptr() & self.align_mask for t in tensors):
                 self.fallback(*tensors)
@@ -160,9 +184,15 @@ class LaunchPlan:
                 run(self.grid[0], self.grid[1], 1, _raw_stream(self.device_index), function, meta, None, None, None,
                     *ptrs, *self.tail)
         except (TypeError, SystemError, AttributeError) as exc:  # a Triton whose launcher takes other arguments
-            warnings.warn(f"convserve: direct Triton launch unavailable ({exc!r}); using kernel[grid](...)")
-            self.direct = False
-            self._slow(tensors)
+            self._broken(exc, tensors)
+
+    def _broken(self, exc, tensors):
+        """The direct launch failed (a Triton whose launcher takes other arguments): from now on, and for this
+        call, ``kernel[grid](...)``."""
+        warnings.warn(f"convserve: direct Triton launch unavailable ({exc!r}); using kernel[grid](...)")
+        self.direct = False
+        self.fast = self.__call__
+        self._slow(tensors)
 
     def _first(self, tensors, ptrs):
         """The first launch of an alignment pattern: through ``kernel[grid]``, keeping the compiled kernel."""
@@ -174,6 +204,36 @@ class LaunchPlan:
         self._entries[sig] = entry = _entry(compiled)
         if all(sig):
             self._aligned = entry
+            if entry[0]:
+                self.fast = self._make_fast(entry, len(tensors))
+
+    def _make_fast(self, entry, n: int):
+        """A launcher for this plan alone, as Python source: one address read per distinct tensor (``same``),
+        the alias and alignment checks on plain ints, then the C launcher with the grid, the scalars and the
+        constexprs written in as constants. Any other case (an unaligned pointer, an aliased out) goes through
+        the generic ``__call__``."""
+        _, run, function, meta, coop, pdl = entry
+        ts = [f"t{k}" for k in range(n)]
+        ps = [f"p{self.same.get(k, k)}" for k in range(n)]
+        lines = [f"def fast({', '.join(ts)}):"]
+        lines += [f"    p{k} = t{k}.data_ptr()" for k in range(n) if k not in self.same]
+        checks = [f"(p{self.alias[1]} == p{self.alias[0]})"] if self.alias is not None else []
+        checks.append(f"(({' | '.join(sorted(set(ps)))}) & 15)")
+        lines.append(f"    if {' or '.join(checks)}:")
+        lines.append(f"        return generic({', '.join(ts)})")
+        consts = all(type(v) in (int, bool) for v in self.tail)
+        tail = ", ".join(repr(v) for v in self.tail) if consts else "*tail"
+        lines.append("    try:")
+        lines.append(f"        run({int(self.grid[0])}, {int(self.grid[1])}, 1, stream({int(self.device_index)}), "
+                     f"function, coop, pdl, None, None, meta, None, None, None, {', '.join(ps)}"
+                     f"{', ' + tail if self.tail else ''})")
+        lines.append("    except (TypeError, SystemError, AttributeError) as exc:")
+        lines.append(f"        broken(exc, ({', '.join(ts)},))")
+        env = dict(run=run, stream=_raw_stream, function=function, coop=coop, pdl=pdl, meta=meta, tail=self.tail,
+                   generic=self.__call__, broken=self._broken)
+        name = f"<convserve launch {getattr(self.fn, '__name__', 'kernel')}>"
+        exec(compile("\n".join(lines), name, "exec"), env)  # noqa: S102  (source built above from ints and names)
+        return env["fast"]
 
 
 # Triton 3.6's CudaLauncher.__call__ does no more than this: allocate the global and profile scratch buffers (when
@@ -206,8 +266,73 @@ def _entry(compiled):
     return False, run, compiled.function, compiled.packed_metadata, None, None
 
 
+#: stand-ins for absent optional tensors in a layout guard's check, one per argument position (TensorGuards
+#: refuses the same object twice): empty 7-dimensional bool tensors, which no valid argument matches
+ABSENT = tuple(torch.empty((0,) * 7, dtype=torch.bool) for _ in range(8))
+#: guards kept per fast-table key (the most recent ones): layouts seen under other thread-local dispatch states
+#: (inference mode, say) add guards for the same plan
+MAX_GUARDS = 8
+
+try:
+    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
+except ImportError:  # a torch without them: every guard is a _KeyGuard
+    _TensorGuards = None
+
+
+class _KeyGuard:
+    """layout_guard's fallback, in Python: shape, strides, dtype and device index of every tensor."""
+
+    def __init__(self, tensors):
+        self.keys = tuple(map(tensor_key, tensors))
+
+    def check(self, *tensors) -> bool:
+        return tuple(map(tensor_key, tensors)) == self.keys
+
+
+def layout_guard(tensors):
+    """An object whose ``check(*tensors)`` is true only for tensors with the same shapes, strides, dtypes and
+    devices as these (TensorGuards, torch's C++ check behind torch.compile's guards, also compares dispatch keys and
+    requires_grad: a stricter check only sends more calls the slow way). It checks a whole call's tensors in a
+    fraction of a microsecond, where reading the same attributes from Python costs several."""
+    if _TensorGuards is not None:
+        try:
+            guard = _TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+            if guard.check(*tensors):  # it refuses one object passed twice, for one
+                return guard
+        except Exception:  # noqa: BLE001 - another torch's signature: the Python check below
+            pass
+    return _KeyGuard(tensors)
+
+
+class PlanCache(dict):
+    """A public function's plan cache (its plan key -> plan), with the layout guards of its fast path:
+    ``guards[fast key]`` holds ``(guard, plan)`` pairs (``add_guard``). Clearing the cache clears both; a plain
+    dict in its place (as tests patch in) works, without the fast path."""
+
+    def __init__(self):
+        super().__init__()
+        self.guards = {}
+
+    def clear(self):
+        super().clear()
+        self.guards.clear()
+
+
+def add_guard(cache, key, tensors, plan) -> None:
+    """Remember in ``cache.guards[key]`` that calls whose tensors pass ``layout_guard(tensors)`` launch ``plan``
+    (nothing for a cache without guards)."""
+    table = getattr(cache, "guards", None)
+    if table is None:
+        return
+    entries = table.get(key, ())
+    for guard, p in entries:
+        if p is plan and guard.check(*tensors):  # already there (a slow call for validate_data, say)
+            return
+    table[key] = (*entries[1 - MAX_GUARDS:], (layout_guard(tensors), plan))
+
+
 def tensor_key(t):
     """What a plan depends on for one tensor argument (None stays None): shape, strides, dtype and device index
-    (-1 on the CPU). The public functions inline this for their usual arguments: each attribute read costs a
-    fraction of a microsecond of the per-call budget."""
+    (-1 on the CPU). Read on the slow path only: each attribute read costs a fraction of a microsecond, which is
+    why a call with a known layout is matched by a layout guard instead (``layout_guard``)."""
     return None if t is None else (t.shape, t.stride(), t.dtype, t.get_device())

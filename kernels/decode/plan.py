@@ -9,13 +9,13 @@ from typing import Optional
 
 import torch
 
-from .._launch import LaunchPlan, tensor_key
+from .._launch import ABSENT, LaunchPlan, PlanCache, add_guard, tensor_key
 from .._validate import PAD_SLOT_ID, check_out, check_update
 from .chunked import chunked_plan
 from .dense import dense_applies, dense_plan
 from .pairs import pairs_applies, pairs_plan
 
-_PLANS = {}
+_PLANS = PlanCache()  # _update_key -> LaunchPlan; guards: (x.shape, activation, pad_slot_id) -> add_guard's
 
 
 def _plan_update(x, conv_state, weight, bias, conv_state_indices, num_accepted_tokens, inter, osi, out, width,
@@ -111,45 +111,60 @@ def causal_conv1d_update(
     Unlike the seed, which overwrote ``x`` and returned it, the result is a new tensor (or ``out``); ``x`` is
     never written. Arithmetic is fp32, offsets 64-bit, and nothing waits on the device (graph-capturable).
     """
-    # The plan cache's key: what the plan depends on (tensor_key, inlined for the usual arguments). A call whose
-    # layout has a plan launches at once; everything else (first calls, bad arguments, validate_data, empty x)
-    # takes _update_slow, which checks the arguments and builds the plan.
+    # A layout seen before launches at once: the guards kept for x's shape, the activation and pad_slot_id
+    # (_PLANS.guards, filled by _update_slow) check every tensor's shape, strides, dtype and device in one C++
+    # call. Everything else (first calls, bad arguments, validate_data, empty x) takes _update_slow, which checks
+    # the arguments and finds or builds the plan (_PLANS, keyed on _update_key).
+    plan = None
     try:
-        plan = _PLANS.get((
-            x.shape, x.stride(), x.dtype, x.get_device(),
-            conv_state.shape, conv_state.stride(), conv_state.dtype, conv_state.get_device(),
-            weight.shape, weight.stride(), weight.dtype, weight.get_device(),
-            None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.get_device()),
-            None if conv_state_indices is None else (conv_state_indices.shape, conv_state_indices.stride(),
-                                                      conv_state_indices.dtype, conv_state_indices.get_device()),
-            None if out is None else (out.shape, out.stride(), out.dtype, out.get_device()),
-            None if num_accepted_tokens is None and intermediate_conv_window is None and output_state_indices is None
-            else (tensor_key(num_accepted_tokens), tensor_key(intermediate_conv_window),
-                  tensor_key(output_state_indices)),
-            activation, pad_slot_id, cache_seqlens is None))
+        entries = _PLANS.guards.get((x.shape, activation, pad_slot_id))
+        if entries is not None and cache_seqlens is None and not validate_data:
+            # the tuple _guarded builds, inline (a call less)
+            tensors = (x, conv_state, weight, ABSENT[0] if bias is None else bias,
+                       ABSENT[1] if conv_state_indices is None else conv_state_indices,
+                       ABSENT[2] if out is None else out)
+            if num_accepted_tokens is not None or intermediate_conv_window is not None \
+                    or output_state_indices is not None:
+                tensors += (ABSENT[3] if num_accepted_tokens is None else num_accepted_tokens,
+                            ABSENT[4] if intermediate_conv_window is None else intermediate_conv_window,
+                            ABSENT[5] if output_state_indices is None else output_state_indices)
+            for guard, p in entries:
+                if guard.check(*tensors):
+                    plan = p
+                    break
     except (AttributeError, TypeError):  # not tensors, or unhashable: let the checks say what is wrong
         plan = None
-    if plan is None or validate_data:
+    if plan is None:
         return _update_slow(x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices,
                             num_accepted_tokens, intermediate_conv_window, output_state_indices, pad_slot_id, out,
                             validate_data)
     if out is None:
         out = torch.empty_like(x)
-    elif out.data_ptr() == x.data_ptr():
-        check_out(out, x, x)
     if plan.copy_bias:  # a strided bias: the kernels read it with stride 1 along dim
         bias = bias.contiguous()
-    plan(x, weight, weight if bias is None else bias, conv_state,
-         x if conv_state_indices is None else conv_state_indices,
-         x if num_accepted_tokens is None else num_accepted_tokens,
-         x if intermediate_conv_window is None else intermediate_conv_window,
-         x if output_state_indices is None else output_state_indices, out)
+    # the plan checks that out is not x's buffer (check_out); absent tensors are stand-ins it never reads
+    plan.fast(x, weight, weight if bias is None else bias, conv_state,
+              x if conv_state_indices is None else conv_state_indices,
+              x if num_accepted_tokens is None else num_accepted_tokens,
+              x if intermediate_conv_window is None else intermediate_conv_window,
+              x if output_state_indices is None else output_state_indices, out)
     return out
+
+
+def _guarded(x, conv_state, weight, bias, conv_state_indices, num_accepted_tokens, inter, osi, out):
+    """The tensors a layout guard checks, absent ones replaced by their stand-ins (``ABSENT``); the speculative
+    ones only when one of them is given (each tensor costs the check time)."""
+    tensors = (x, conv_state, weight, ABSENT[0] if bias is None else bias,
+               ABSENT[1] if conv_state_indices is None else conv_state_indices, ABSENT[2] if out is None else out)
+    if num_accepted_tokens is not None or inter is not None or osi is not None:
+        tensors += (ABSENT[3] if num_accepted_tokens is None else num_accepted_tokens,
+                    ABSENT[4] if inter is None else inter, ABSENT[5] if osi is None else osi)
+    return tensors
 
 
 def _update_key(x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices, num_accepted_tokens,
                 intermediate_conv_window, output_state_indices, pad_slot_id, out):
-    """The plan cache's key, the same tuple as the one built inline in ``causal_conv1d_update``."""
+    """The plan cache's key: what the plan depends on (shapes, strides, dtypes, devices, the other arguments)."""
     return (*tensor_key(x), *tensor_key(conv_state), *tensor_key(weight), tensor_key(bias),
             tensor_key(conv_state_indices), tensor_key(out),
             None if num_accepted_tokens is None and intermediate_conv_window is None and output_state_indices is None
@@ -172,6 +187,8 @@ def _update_slow(x, conv_state, weight, bias, activation, cache_seqlens, conv_st
                                 output_state_indices, pad_slot_id)
     key = _update_key(x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices,
                       num_accepted_tokens, intermediate_conv_window, output_state_indices, pad_slot_id, out)
+    guarded = _guarded(x, conv_state, weight, bias, conv_state_indices, num_accepted_tokens,
+                       intermediate_conv_window, output_state_indices, out)
     if out is None:
         out = torch.empty_like(x)
     if x.numel() == 0:
@@ -184,7 +201,14 @@ def _update_slow(x, conv_state, weight, bias, activation, cache_seqlens, conv_st
         plan = _plan_update(x, conv_state, weight, bias, conv_state_indices, num_accepted_tokens,
                             intermediate_conv_window, output_state_indices, out, width, act is not None, pad_slot_id)
         plan.copy_bias = copy_bias
+        # how the calls pass absent tensors (x, or weight for the bias): see LaunchPlan.called_as
+        same = {k: 0 for k, t in ((4, conv_state_indices), (5, num_accepted_tokens), (6, intermediate_conv_window),
+                                  (7, output_state_indices)) if t is None}
+        if bias is None:
+            same[2] = 1
+        plan.called_as(same, alias=(0, 8))
         _PLANS[key] = plan
+    add_guard(_PLANS, (x.shape, activation, pad_slot_id), guarded, plan)
     plan(x, weight, bias if bias is not None else weight, conv_state,
          conv_state_indices if conv_state_indices is not None else x,
          num_accepted_tokens if num_accepted_tokens is not None else x,

@@ -17,14 +17,14 @@ from typing import Optional
 
 import torch
 
-from .._launch import tensor_key
+from .._launch import ABSENT, PlanCache, add_guard, tensor_key
 from .._validate import PAD_SLOT_ID, check_out, check_prefill
 from .body_channels_first import channels_first_body_plans
 from .body_channels_last import channels_last_body_plan
 from .heads import heads_plan
 from .piece import piece_plan
 
-_PLANS = {}
+_PLANS = PlanCache()  # _prefill_key -> plan; guards: (x.shape, activation, pad_slot_id) -> add_guard's
 
 
 def _plan_prefill(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state, out, width,
@@ -85,45 +85,51 @@ def causal_conv1d_fn(
         sequences are zero. Empty sequences leave their state untouched. Arithmetic is fp32 throughout, offsets
         are 64-bit, and nothing here waits on the device, so the call can be captured in a CUDA graph.
     """
-    # The plan cache's key (tensor_key, inlined for the usual arguments). A call whose layout has a plan launches
-    # at once; everything else (first calls, bad arguments, validate_data, empty x) takes _prefill_slow, which
-    # checks the arguments and builds the plan: (body plans, sequence plan, copy_bias).
+    # A layout seen before launches at once: the guards kept for x's shape, the activation and pad_slot_id
+    # (_PLANS.guards, filled by _prefill_slow) check every tensor's shape, strides, dtype and device in one C++
+    # call. Everything else (first calls, bad arguments, validate_data, empty x) takes _prefill_slow, which checks
+    # the arguments and finds or builds the plan: (body plans, sequence plan, copy_bias), keyed on _prefill_key.
+    plan = None
     try:
-        plan = _PLANS.get((
-            x.shape, x.stride(), x.dtype, x.get_device(),
-            weight.shape, weight.stride(), weight.dtype, weight.get_device(),
-            None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.get_device()),
-            None if conv_states is None else (conv_states.shape, conv_states.stride(), conv_states.dtype,
-                                              conv_states.get_device()),
-            query_start_loc.shape, query_start_loc.stride(), query_start_loc.dtype, query_start_loc.get_device(),
-            None if cache_indices is None else (cache_indices.shape, cache_indices.stride(), cache_indices.dtype,
-                                                cache_indices.get_device()),
-            None if has_initial_state is None else (has_initial_state.shape, has_initial_state.stride(),
-                                                    has_initial_state.dtype, has_initial_state.get_device()),
-            None if out is None else (out.shape, out.stride(), out.dtype, out.get_device()),
-            activation, pad_slot_id))
+        entries = _PLANS.guards.get((x.shape, activation, pad_slot_id))
+        if entries is not None and not validate_data:
+            # the tuple _guarded builds, inline (a call less)
+            tensors = (x, weight, ABSENT[0] if bias is None else bias,
+                       ABSENT[1] if conv_states is None else conv_states, query_start_loc,
+                       ABSENT[2] if cache_indices is None else cache_indices,
+                       ABSENT[3] if has_initial_state is None else has_initial_state, ABSENT[4] if out is None else out)
+            for guard, p in entries:
+                if guard.check(*tensors):
+                    plan = p
+                    break
     except (AttributeError, TypeError):  # not tensors, or unhashable: let the checks say what is wrong
         plan = None
-    if plan is None or validate_data:
+    if plan is None:
         return _prefill_slow(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state,
                              activation, pad_slot_id, out, validate_data)
     if out is None:
         out = torch.empty_like(x)
-    elif out.data_ptr() == x.data_ptr():
-        check_out(out, x, x)
     body, seq, copy_bias = plan
     b = weight if bias is None else bias.contiguous() if copy_bias else bias
+    # every plan checks that out is not x's buffer (check_out); absent tensors are stand-ins it never reads
     for p in body:
-        p(x, weight, b, out)
-    seq(x, weight, b, x if conv_states is None else conv_states, query_start_loc,
-        query_start_loc if cache_indices is None else cache_indices,
-        query_start_loc if has_initial_state is None else has_initial_state, out)
+        p.fast(x, weight, b, out)
+    seq.fast(x, weight, b, x if conv_states is None else conv_states, query_start_loc,
+             query_start_loc if cache_indices is None else cache_indices,
+             query_start_loc if has_initial_state is None else has_initial_state, out)
     return out
+
+
+def _guarded(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state, out):
+    """The tensors a layout guard checks, absent ones replaced by their stand-ins (``ABSENT``)."""
+    return (x, weight, ABSENT[0] if bias is None else bias, ABSENT[1] if conv_states is None else conv_states,
+            query_start_loc, ABSENT[2] if cache_indices is None else cache_indices,
+            ABSENT[3] if has_initial_state is None else has_initial_state, ABSENT[4] if out is None else out)
 
 
 def _prefill_key(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state, activation,
                  pad_slot_id, out):
-    """The plan cache's key, the same tuple as the one built inline in ``causal_conv1d_fn``."""
+    """The plan cache's key: what the plan depends on (shapes, strides, dtypes, devices, the other arguments)."""
     return (*tensor_key(x), *tensor_key(weight), tensor_key(bias), tensor_key(conv_states),
             *tensor_key(query_start_loc), tensor_key(cache_indices), tensor_key(has_initial_state), tensor_key(out),
             activation, pad_slot_id)
@@ -141,6 +147,7 @@ def _prefill_slow(x, weight, bias, conv_states, query_start_loc, cache_indices, 
         _validate_prefill_values(total, batch, conv_states, query_start_loc, cache_indices, pad_slot_id)
     key = _prefill_key(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state, activation,
                        pad_slot_id, out)
+    guarded = _guarded(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state, out)
     if out is None:
         out = torch.empty_like(x)
     if x.numel() == 0:
@@ -152,7 +159,16 @@ def _prefill_slow(x, weight, bias, conv_states, query_start_loc, cache_indices, 
     if plan is None:
         plan = (*_plan_prefill(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state, out,
                                width, batch, act is not None, pad_slot_id), copy_bias)
+        # how the calls pass absent tensors (see LaunchPlan.called_as)
+        no_bias = {2: 1} if bias is None else {}
+        for p in plan[0]:
+            p.called_as(no_bias, alias=(0, 3))
+        same = dict(no_bias)
+        same.update({k: src for k, src, t in ((3, 0, conv_states), (5, 4, cache_indices), (6, 4, has_initial_state))
+                     if t is None})
+        plan[1].called_as(same, alias=(0, 7))
         _PLANS[key] = plan
+    add_guard(_PLANS, (x.shape, activation, pad_slot_id), guarded, plan)
     body, seq, _ = plan
     b = bias if bias is not None else weight
     for p in body:
