@@ -202,6 +202,7 @@ def run_app(settings: Settings, app, sockets=None) -> int:
         h11_max_incomplete_event_size=settings.max_header_bytes,
     )
     return_large_frees()
+    app.state.freeze_gc = True     # this process serves until it exits: see service/gcfreeze.py
     server = Server(config, app.state.svc)
     app.state.on_fatal = server.fatal
     server.run(sockets=sockets)

@@ -34,6 +34,7 @@ import msgpack
 
 from convserve.clients.protocol.errors import BadRequest, ServiceError
 
+from ..gcfreeze import freeze_startup_objects
 from . import messages as m
 from .lifeline import hold
 from .shm import ArenaMap
@@ -457,5 +458,8 @@ def main(spec: dict) -> None:
     except (ServiceError, ValueError, OSError, RuntimeError) as e:
         log.error("engine process cannot start", extra={"engine": proc.index, "error": str(e)})
         sys.exit(EXIT_BUILD)
+    # start-up is over (the engine is warm, its graphs captured): out of the cyclic GC's sight (gcfreeze.py)
+    frozen = freeze_startup_objects()
+    log.info("start-up objects frozen out of the cyclic GC", extra={"engine": proc.index, "objects": frozen})
     proc.serve()
     sys.exit(0)
