@@ -65,6 +65,25 @@ def leg_unary(args, url: str, info: dict, conc: int) -> dict:
     return r
 
 
+def engine_overrides(server_args: list) -> dict:
+    """The settings among the ``--server-arg`` flags (``--name=value``, ``--name`` / ``--no-name``), for the in-process
+    engine of the ``inproc`` leg too, so that it runs the model and knobs the servers run (``--dim``, ``--layers``,
+    ``--max-queue-delay-us``, ``--multi-layer-decode`` ...). The process layout's own flags are left out."""
+    from convserve.service.config import Settings
+
+    out = {}
+    for a in server_args:
+        if not a.startswith("--"):
+            continue
+        key, eq, value = a[2:].partition("=")
+        key = key.replace("-", "_")
+        if not eq and key.startswith("no_") and key[3:] in Settings.model_fields:    # --no-multi-layer-decode
+            key, eq, value = key[3:], "=", False
+        if key in Settings.model_fields and key not in ("workers", "devices", "max_connections", "host", "port"):
+            out[key] = value if eq else True
+    return out
+
+
 def _shm_stats(url: str) -> dict:
     import httpx
 
@@ -91,7 +110,8 @@ def main(argv=None) -> int:
     ap.add_argument("--server-cpus", default=None, help="pin the server to these CPUs, e.g. 0,1,2,3")
     ap.add_argument("--client-cpus", default=None, help="pin the clients (and the in-process engine), e.g. 4-7 as "
                                                         "4,5,6,7")
-    ap.add_argument("--server-arg", action="append", default=[], help="extra `convserve serve` flag (repeatable)")
+    ap.add_argument("--server-arg", action="append", default=[], help="extra `convserve serve` flag (repeatable), "
+                    "as --name=value; the settings among them apply to the inproc leg's engine too")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/workers-<device>-<date>.json)")
     args = ap.parse_args(argv)
     on_cuda = args.device.startswith("cuda")
@@ -118,7 +138,8 @@ def main(argv=None) -> int:
         from convserve.service.cli import build_engine
         from convserve.service.config import load_settings
 
-        engine = build_engine(load_settings({"device": args.device, "slots": args.slots, "workers": 0}))
+        engine = build_engine(load_settings({"device": args.device, "slots": args.slots, "workers": 0,
+                                             **engine_overrides(args.server_arg)}))
         engine.start()
         try:
             info = engine.model_info()
