@@ -24,3 +24,8 @@ def test_the_server_flags_that_are_engine_settings_build_the_inproc_engine_too()
 
     s = load_settings({"device": "cpu", "workers": 0, **got})
     assert (s.dim, s.max_queue_delay_us, s.multi_layer_decode, s.check_finite) == (64, 0, True, False)
+
+
+def test_cpu_lists_take_ranges():
+    b = _bench()
+    assert b.cpu_set("0-3,8,10-11") == {0, 1, 2, 3, 8, 10, 11} and b.cpu_set("5") == {5} and b.cpu_set(None) is None
