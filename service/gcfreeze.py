@@ -12,7 +12,9 @@ The young generations keep their thresholds: their collections stay short and fr
 The price: an object frozen here that later becomes part of a garbage cycle is never freed. What exists after
 start-up is the process's own machinery, kept until it exits, so this is for the processes of ``convserve
 serve`` (the engine process and the HTTP worker, or the one process with its engine), not for a library caller
-that builds and drops engines.
+that builds and drops engines. At shutdown :func:`thaw` gives them back to the collector, so that the interpreter's
+last collections see them as they would without the freeze (triton's bindings report every object of theirs
+still alive at exit as a leak, on the process's output).
 """
 
 from __future__ import annotations
@@ -25,3 +27,8 @@ def freeze_startup_objects() -> int:
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
+
+
+def thaw() -> None:
+    """Give the frozen objects back to the collector (at shutdown, see the module docstring)."""
+    gc.unfreeze()

@@ -34,7 +34,7 @@ import msgpack
 
 from convserve.clients.protocol.errors import BadRequest, ServiceError
 
-from ..gcfreeze import freeze_startup_objects
+from ..gcfreeze import freeze_startup_objects, thaw
 from . import messages as m
 from .lifeline import hold
 from .shm import ArenaMap
@@ -466,4 +466,5 @@ def main(spec: dict) -> None:
     frozen = freeze_startup_objects()
     log.info("start-up objects frozen out of the cyclic GC", extra={"engine": proc.index, "objects": frozen})
     proc.serve()
+    thaw()                      # the interpreter's exit sees every object again (gcfreeze.py)
     sys.exit(0)
