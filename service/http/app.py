@@ -28,6 +28,7 @@ from fastapi import FastAPI
 from starlette.routing import Route, WebSocketRoute
 
 from convserve.clients.protocol.errors import NotReady
+from convserve.service.gcfreeze import freeze_startup_objects
 from convserve.service.http.backend import EngineAPI
 from convserve.service.http.control import add_control_routes
 from convserve.service.http.edge import ConvServeApp, Edge
@@ -37,7 +38,6 @@ from convserve.service.http.parse import Parser
 from convserve.service.http.stream import StreamEndpoint
 from convserve.service.http.unary import BatchEndpoint, ConvEndpoint
 from convserve.service.http.websocket import WebSocketEndpoint
-from convserve.service.gcfreeze import freeze_startup_objects
 from convserve.service.metrics import Metrics
 
 log = logging.getLogger("convserve.app")
