@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as _dt
+import gc
 import json
 import os
 import platform
@@ -169,7 +170,17 @@ async def drive(transport, sessions: list, layers: list, x, warmup: float, durat
         while time.perf_counter() < t_end:
             await asyncio.gather(*(one(sid, layer) for layer in layers))
 
-    await asyncio.gather(*(worker(s) for s in sessions))
+    # what exists now lives through the run: out of the cyclic GC's sight, as in the server's processes
+    # (service/gcfreeze.py), so that a full collection here (70-130 ms with torch imported) stalls neither these
+    # callers nor an engine in this process
+    frozen = gc.get_freeze_count()
+    gc.collect()
+    gc.freeze()
+    try:
+        await asyncio.gather(*(worker(s) for s in sessions))
+    finally:
+        if not frozen:
+            gc.unfreeze()
     lat.sort()
     r = latency_summary(lat, duration)
     if keep:

@@ -188,6 +188,7 @@ def run_app(settings: Settings, app, sockets=None) -> int:
     import uvicorn
 
     from convserve.service import logs
+    from convserve.service.gcfreeze import thaw
     from convserve.service.http.conn import guarded_protocol
 
     # the HTTP protocol is uvicorn's, with a header timeout, a header size limit and the connection cap
@@ -202,9 +203,11 @@ def run_app(settings: Settings, app, sockets=None) -> int:
         h11_max_incomplete_event_size=settings.max_header_bytes,
     )
     return_large_frees()
+    app.state.freeze_gc = True     # this process serves until it exits: see service/gcfreeze.py
     server = Server(config, app.state.svc)
     app.state.on_fatal = server.fatal
     server.run(sockets=sockets)
+    thaw()                         # the interpreter's exit sees every object again (service/gcfreeze.py)
     if server.failed or app.state.svc.failed is not None:
         return EXIT_FAILED
     return 0

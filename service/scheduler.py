@@ -27,11 +27,13 @@ per layer:
 * **Delay window.** :meth:`Scheduler.ready` says to run when the oldest queued request has waited
   ``max_queue_delay_us``, or at once when the queue alone fills a step (by rows, or by tokens up to the prefill
   budget), or when a chunked prefill is under way,
-  or at once for a lone caller: when the last ``LONE_STEPS`` steps had one row each (the window has been
-  bringing nothing more) and the request is alone in the queue. The first step of more than one row brings the
-  window back; a fresh scheduler waits the window. The window is not cut short by a guess of the step's size
-  from earlier steps (such as the last step's rows): callers whose submits arrive spread out, like closed-loop
-  asyncio callers, would then run in smaller steps.
+  or at once for a steady closed loop: when the last ``LONE_STEPS`` steps had the same number of rows R each
+  (the window has been bringing nothing more) and the queue holds exactly R rows. R = 1 is a lone caller; a
+  session that sends its layers' decodes together (R = its layers) is the same case: its step runs once its
+  last layer's request is queued instead of a window after its first. A step of another size brings the window
+  back, as does a queue of other than R rows; a fresh scheduler waits the window. The window is not cut short
+  by a looser guess of the step's size (such as the last step's rows alone): callers whose submits arrive
+  spread out, like closed-loop asyncio callers, would then run in smaller steps.
 * **Timeout.** A request that has not started after ``request_timeout_s`` is returned in ``expired`` (to fail).
 * **Batch requests.** A batch request (:class:`RowBatch`: a slice of tokens for each of several sessions, on one
   layer: one-token decodes, prefill chunks, speculative verifies) is one request of ``rows`` rows: taken whole in
@@ -66,7 +68,7 @@ from convserve.kernels import PAD_SLOT_ID
 
 DECODE, VERIFY = "decode", "verify"   # the small kinds of pass 1 (anything else is a prefill)
 
-#: one-row steps in a row after which a request alone in the queue runs without the delay window
+#: steps of the same size R in a row after which a queue of exactly R rows runs without the delay window
 LONE_STEPS = 4
 
 
@@ -213,7 +215,8 @@ class Scheduler:
         self._new_batches = 0                # batch requests queued since the last schedule()
         self._tokens = 0                     # their remaining tokens
         self._step = 0
-        self._ones = 0                       # one-row steps in a row (see the delay window)
+        self._last_rows = 0                  # rows of the last step that had any
+        self._same = 0                       # steps in a row with _last_rows rows (see the delay window)
         self._prefilled = False              # the last step had prefill rows (see Isolation)
 
     # ---- intake
@@ -301,8 +304,8 @@ class Scheduler:
         if self._rows >= self.config.max_batch_size or self._tokens >= self.config.max_prefill_tokens_per_step \
                 or self._new_batches:
             return True
-        if self._ones >= LONE_STEPS and self._n == 1:   # a lone caller: the window has been bringing nothing
-            return True
+        if self._same >= LONE_STEPS and self._rows == self._last_rows:   # a steady loop: the window has been
+            return True                                                    # bringing nothing more
         deadline = self.next_deadline()
         return deadline is not None and now >= deadline
 
@@ -494,10 +497,11 @@ class Scheduler:
         self._rows -= n_taken + batch_rows
         self._tokens -= tokens
         self._prefilled = bool(prefill)
-        if rows == 1:
-            self._ones += 1
-        elif rows:
-            self._ones = 0
+        if rows:
+            if rows == self._last_rows:
+                self._same += 1
+            else:
+                self._last_rows, self._same = rows, 1
         if later:                           # pass 1 appended decodes and verifies before the prefills
             finished.sort(key=_seq)
 

@@ -279,6 +279,33 @@ def test_a_lone_caller_runs_without_the_delay_once_the_window_keeps_bringing_not
     assert q.s.ready(T0 + 10)
 
 
+@pytest.mark.parametrize("rows", [2, 4, 8])
+def test_a_steady_loop_runs_once_the_queue_holds_its_usual_rows_without_the_window(rows):
+    """A session sending its layers' decodes together (or a few steady callers): after LONE_STEPS steps of R
+    rows, a queue of exactly R rows runs at once; fewer or more wait the window, and a step of another size
+    brings the window back."""
+    q = Q(max_queue_delay_us=10_000_000)
+
+    def queue(n):
+        for layer in range(n):
+            q.add(1, layer=layer, at=T0)
+
+    for _ in range(LONE_STEPS):                  # a fresh scheduler waits the window, however steady
+        queue(rows)
+        assert not q.s.ready(T0)
+        assert len(q.step().finished) == rows
+    queue(rows - 1)
+    assert not q.s.ready(T0)                     # not all of the usual rows yet
+    q.add(1, layer=rows - 1, at=T0)
+    assert q.s.ready(T0)                         # all of them: no window
+    q.add(2, at=T0)
+    assert not q.s.ready(T0)                     # more than usual: someone else came, the window gathers them
+    assert len(q.step().finished) == rows + 1    # a step of another size: the window again
+    queue(rows + 1)
+    assert not q.s.ready(T0)
+    assert q.s.ready(T0 + 10)
+
+
 @pytest.mark.parametrize("fill", ["rows", "tokens"])
 def test_a_queue_that_fills_a_step_runs_without_waiting(fill):
     q = Q(max_queue_delay_us=10_000_000, max_batch_size=4, max_batch_tokens=64)

@@ -28,6 +28,7 @@ from fastapi import FastAPI
 from starlette.routing import Route, WebSocketRoute
 
 from convserve.clients.protocol.errors import NotReady
+from convserve.service.gcfreeze import freeze_startup_objects
 from convserve.service.http.backend import EngineAPI
 from convserve.service.http.control import add_control_routes
 from convserve.service.http.edge import ConvServeApp, Edge
@@ -130,6 +131,9 @@ def create_app(settings, engine: EngineAPI, *, start_engine: bool = True, snapsh
                     if app.state.on_fatal is not None:
                         app.state.on_fatal(e)
                     return
+                if app.state.freeze_gc:    # a process of `convserve serve`: see service/gcfreeze.py
+                    frozen = freeze_startup_objects()
+                    log.info("start-up objects frozen out of the cyclic GC", extra={"objects": frozen})
                 log.info("ready", extra={"seconds": round(time.perf_counter() - t0, 3), **_info_fields(engine)})
 
             starter = asyncio.ensure_future(_start())
@@ -149,6 +153,7 @@ def create_app(settings, engine: EngineAPI, *, start_engine: bool = True, snapsh
     app.state.svc = svc
     app.state.metrics = metrics
     app.state.on_fatal = None
+    app.state.freeze_gc = False        # set by cli.run_app: freeze the start-up objects once the engine is up
 
     install_handlers(app)
     add_control_routes(app, svc)
