@@ -118,10 +118,10 @@ class Worker:
                     now = time.monotonic()
                     if now >= self._next_evict:
                         self._evict_locked(now)
-                    ops = self._take_ready_ops_locked() if self._ops else []
+                    ops, expired_ops = self._take_ready_ops_locked(now) if self._ops else ((), ())
                     draining = self._state != "running"
                     # a session op waiting for its session's requests runs them without the delay window
-                    if ops or sched.ready(now) or ((draining or self._ops) and sched.depth) or \
+                    if ops or expired_ops or sched.ready(now) or ((draining or self._ops) and sched.depth) or \
                             self._snap_request is not None:
                         break
                     if draining and not self._ops and not sched.depth:
@@ -130,7 +130,11 @@ class Worker:
                     wait = self._next_evict - now
                     if deadline is not None:
                         wait = min(wait, deadline - now)
+                    if self._ops:
+                        wait = min(wait, self._next_op_deadline_locked() - now)
                     self._wait(max(wait, 0.0))
+            if expired_ops:
+                self._fail_expired_ops(expired_ops)
             if ops:
                 self._run_ops(ops)
             if self._snap_request is not None:
