@@ -103,7 +103,9 @@ class SessionOps:
             if s.spec_x:                  # its pending verify's x, for the fork's accept
                 spec = self._runner.bufs.d_spec
                 spec[:, slot] = spec[:, s.slot]
-            self._sessions.add(Session(nid, slot, initialized=s.initialized, positions=list(s.positions),
+            # the fork holds the state as of this op's turn: not the tokens of the source's held requests
+            positions = [q - h for q, h in zip(s.positions, self._held_tokens_locked(s))]
+            self._sessions.add(Session(nid, slot, initialized=s.initialized, positions=positions,
                                        pending=dict(s.pending), spec_x=dict(s.spec_x), last_used=time.monotonic()))
         return nid
 
@@ -116,9 +118,8 @@ class SessionOps:
         return self._post_op(session_id, lambda s: self.pool.export(s.slot))
 
     def _post_export_for_move(self, session_id: str) -> Op:
-        """``(state, positions)`` of a session copied to another engine (a fork there): refused with
-        :class:`BadRequest` when a speculative verify is pending (it does not travel). The positions are read at
-        the op's turn; a conv submitted after the op is counted in them already (positions advance at submit)."""
+        """``(state, positions)`` of a session copied to another engine (a fork there), both as of the op's
+        turn: refused with :class:`BadRequest` when a speculative verify is pending (it does not travel)."""
         def op(s: Session):
             with self._lock:
                 layers = sorted(self.model_cpu.layers[q] for q in s.pending)
@@ -129,7 +130,7 @@ class SessionOps:
                                  "engine and keeps the verify)")
             state = self.pool.export(s.slot)
             with self._lock:
-                return state, list(s.positions)
+                return state, [q - h for q, h in zip(s.positions, self._held_tokens_locked(s))]
 
         return self._post_op(session_id, op)
 
@@ -152,7 +153,9 @@ class SessionOps:
             s.initialized = (1 << n_layers) - 1
             with self._lock:
                 s.pending.clear()
-                s.positions = list(positions) if positions is not None else [0] * n_layers
+                # the requests held behind this op keep the tokens they advanced at submit
+                base = positions if positions is not None else [0] * n_layers
+                s.positions = [q + h for q, h in zip(base, self._held_tokens_locked(s))]
                 self._forget_locked(s)
             s.spec_x.clear()
 
@@ -311,7 +314,7 @@ class SessionOps:
 
     #: the operations :meth:`submit_op` queues (each has a ``_post_<name>``)
     SUBMITTABLE_OPS = ("delete_session", "fork_session", "export_state", "import_state", "accept", "accept_batch",
-                       "export_for_move")
+                       "export_for_move", "session_info")
 
     def submit_op(self, name: str, *args) -> Future:
         """Queue the session operation ``name`` (one of :attr:`SUBMITTABLE_OPS`, arguments as its method's)
