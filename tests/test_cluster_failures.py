@@ -249,3 +249,49 @@ def test_sigterm_to_an_engine_answers_its_in_flight_convs_and_operations_then_it
     _wait(lambda: api.call("POST", "/v1/conv", {"session": sid, "layer": 0,
                                                "x": wire.encode_tensor(torch.randn(1, DIM))})[0] in (503, 410),
           what="the engine's sessions refused")
+
+
+#: a ``sitecustomize`` for the server's processes: the engine's next step after ``$FAULT_FAIL_STEP`` appears (the
+#: test creates that file) fails after its kernels ran, as a CUDA out-of-memory in the copy back would
+_FAULT_HOOK = '''
+import os
+_flag = os.environ.get("FAULT_FAIL_STEP")
+if _flag:
+    from convserve.service.engine import runner as _runner
+    _real = _runner.Runner._copy_out
+
+    def _copy_out(self, *args, **kwargs):
+        try:
+            os.unlink(_flag)
+        except FileNotFoundError:
+            return _real(self, *args, **kwargs)
+        raise RuntimeError("CUDA error: out of memory (injected)")
+
+    _runner.Runner._copy_out = _copy_out
+'''
+
+
+def test_a_step_failing_after_its_kernels_in_an_engine_process_answers_410_state_lost(tmp_path):
+    flag = tmp_path / "fail-next-step"
+    (tmp_path / "sitecustomize.py").write_text(_FAULT_HOOK)
+    srv = LiveServer(ARGS, env={"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path),
+                                                                            os.environ.get("PYTHONPATH")])),
+                                "FAULT_FAIL_STEP": str(flag)})
+    try:
+        api = Api(srv.url)
+        sid, bystander = _session_on(api, 0), _session_on(api, 0)
+
+        def conv(s):
+            return api.call("POST", "/v1/conv", {"session": s, "layer": 0, "x": wire.encode_tensor(torch.randn(2, DIM))})
+
+        assert conv(sid)[0] == 200
+        flag.touch()
+        st, body, _ = conv(sid)
+        assert not flag.exists(), "the fault did not fire"
+        assert st == 410 and body["error"]["code"] == "state_lost", body     # not a retryable 503
+        assert "dropped" in body["error"]["message"]
+        st, body, _ = conv(sid)
+        assert st == 410 and body["error"]["code"] == "state_lost"
+        assert conv(bystander)[0] == 200                                      # another session of that engine
+    finally:
+        srv.kill()
