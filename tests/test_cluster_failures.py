@@ -268,15 +268,26 @@ if _flag:
         raise RuntimeError("CUDA error: out of memory (injected)")
 
     _runner.Runner._copy_out = _copy_out
+if os.environ.get("FAULT_JOURNAL"):
+    from convserve.service.cluster import engine_proc as _engine_proc
+
+    def _add(self, sid):
+        raise OSError(28, "No space left on device (injected)")
+
+    _engine_proc.Journal.add = _add
 '''
+
+
+def _faulty_server(tmp_path, **faults) -> LiveServer:
+    """A live server whose processes load :data:`_FAULT_HOOK` with ``faults`` in their environment."""
+    (tmp_path / "sitecustomize.py").write_text(_FAULT_HOOK)
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    return LiveServer(ARGS, env={"PYTHONPATH": path, **faults})
 
 
 def test_a_step_failing_after_its_kernels_in_an_engine_process_answers_410_state_lost(tmp_path):
     flag = tmp_path / "fail-next-step"
-    (tmp_path / "sitecustomize.py").write_text(_FAULT_HOOK)
-    srv = LiveServer(ARGS, env={"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path),
-                                                                            os.environ.get("PYTHONPATH")])),
-                                "FAULT_FAIL_STEP": str(flag)})
+    srv = _faulty_server(tmp_path, FAULT_FAIL_STEP=str(flag))
     try:
         api = Api(srv.url)
         sid, bystander = _session_on(api, 0), _session_on(api, 0)
@@ -293,5 +304,19 @@ def test_a_step_failing_after_its_kernels_in_an_engine_process_answers_410_state
         st, body, _ = conv(sid)
         assert st == 410 and body["error"]["code"] == "state_lost"
         assert conv(bystander)[0] == 200                                      # another session of that engine
+    finally:
+        srv.kill()
+
+
+def test_a_session_operation_is_answered_as_run_when_recording_it_in_the_journal_fails(tmp_path):
+    srv = _faulty_server(tmp_path, FAULT_JOURNAL="1")
+    try:
+        api = Api(srv.url)
+        st, body, _ = api.call("POST", "/v1/sessions")                       # answered, not left waiting
+        assert st == 201, body
+        sid = body["session"]
+        assert api.call("POST", f"/v1/sessions/{sid}/fork")[0] == 201
+        assert api.call("GET", f"/v1/sessions/{sid}")[0] == 200
+        assert "engine: cannot journal or publish a session operation" in srv.log_messages()
     finally:
         srv.kill()
