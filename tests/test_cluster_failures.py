@@ -207,7 +207,7 @@ def test_a_hung_engine_answers_in_engine_reply_timeout_s_with_engine_timeout_tha
             took = time.monotonic() - t0
             assert st == 504 and body["error"]["code"] == "engine_timeout", body
             assert "may or may not have been applied" in body["error"]["message"] and "GET" in body["error"]["message"]
-            assert 1.4 < took < 5 and int(headers["retry-after"]) >= 1
+            assert 1.4 < took < 5 and "retry-after" not in headers          # not blindly retryable
             st, body, _ = api.call("DELETE", f"/v1/sessions/{gone}")
             assert st == 504 and body["error"]["code"] == "engine_timeout"
             assert "may or may not have been applied" in body["error"]["message"]

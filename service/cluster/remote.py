@@ -261,12 +261,12 @@ class RemoteEngine:
                     pass
             if p.fut.done():
                 continue
-            if p.what:
+            if p.what:                             # no Retry-After: it is not blindly retryable
                 err = EngineTimeout(
                     f"engine {link.index} ({self.devices[link.index]}) did not answer {p.what} within "
                     f"engine_reply_timeout_s={self.reply_timeout:g} s; it may or may not have been applied: GET "
                     "/v1/sessions/{id} to see the session's positions (or whether it exists) before sending it "
-                    "again; a conv sent again with 'position' is applied at most once", retry_after=2)
+                    "again; a conv sent again with 'position' is applied at most once")
             else:
                 err = EngineTimeout(f"engine {link.index} ({self.devices[link.index]}) did not answer within "
                                     f"engine_reply_timeout_s={self.reply_timeout:g} s; nothing was changed by this "
