@@ -320,7 +320,8 @@ class SessionOps:
         """Queue the session operation ``name`` (one of :attr:`SUBMITTABLE_OPS`, arguments as its method's)
         without waiting for it, for a caller that forwards answers (the engine process). Validation errors are
         raised here, as the method raises them; the result or error comes on the returned future, set on the
-        worker thread (or by :meth:`stop`): never from this call. It is ordered exactly as the method: after
+        worker thread (or by :meth:`stop`; a ``session_info`` of a session with no operation queued is done at
+        once, in this call). It is ordered exactly as the method: after
         the requests and operations of its sessions submitted before this call, before those submitted after
         it. One not started within ``request_timeout_s`` fails with :class:`RequestTimeout` and never runs;
         ``export_for_move`` is ``(export_state, its positions)``, refused while a verify is pending."""
