@@ -144,8 +144,9 @@ class RemoteEngine:
             for p in link.pending.values():
                 if not p.fut.done():
                     p.fut.set_exception(EngineTimeout(
-                        f"the server stopped (shutdown_timeout_s) before the engine answered {p.what or 'a read'}; "
-                        "it may or may not have been applied: GET /v1/sessions/{id} once the server is back"))
+                        f"the server stopped (shutdown_timeout_s) before the engine answered {p.what}; it may or "
+                        "may not have been applied: GET /v1/sessions/{id} once the server is back") if p.what else
+                        NotReady("the server stopped before the engine answered; nothing was changed: retry"))
             link.pending.clear()
             link.channel.close()
         self.links = []
