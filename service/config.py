@@ -121,6 +121,11 @@ class Settings(BaseSettings):
     sessions_page_max: int = Field(1000, ge=1, description="most sessions in one page of GET /v1/sessions")
     request_timeout_s: float = Field(_ENGINE.request_timeout_s, gt=0,
                                      description="seconds a conv request may take before 504")
+    engine_reply_timeout_s: Optional[float] = Field(None, gt=0, description="with engine processes: seconds an "
+                                                    "HTTP worker waits for an engine's answer to a conv or session "
+                                                    "operation before it answers 504 engine_timeout (the request "
+                                                    "may have been applied); more than request_timeout_s; unset: "
+                                                    "request_timeout_s + 60")
     use_cuda_graphs: bool = Field(_ENGINE.use_cuda_graphs,
                                   description="replay decode steps from CUDA graphs (CUDA only)")
     multi_layer_decode: bool = Field(_ENGINE.multi_layer_decode,
@@ -334,6 +339,10 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _cross(self):
+        if self.engine_reply_timeout_s is not None and self.engine_reply_timeout_s <= self.request_timeout_s:
+            raise ValueError(f"engine_reply_timeout_s ({self.engine_reply_timeout_s}) must exceed request_timeout_s "
+                             f"({self.request_timeout_s}): a request may wait that long in the engine's queue before "
+                             "it starts, and would then be answered as possibly applied")
         if self.max_batch_tokens < self.max_tokens_per_request:
             raise ValueError(f"max_tokens_per_request ({self.max_tokens_per_request}) exceeds max_batch_tokens "
                              f"({self.max_batch_tokens}): such a request could never be scheduled; raise "
@@ -341,6 +350,11 @@ class Settings(BaseSettings):
         return self
 
     # --- derived
+
+    def engine_reply_timeout(self) -> float:
+        """Seconds a worker waits for an engine's answer (``engine_reply_timeout_s``, or its default)."""
+        return self.engine_reply_timeout_s if self.engine_reply_timeout_s is not None else \
+            self.request_timeout_s + 60.0
 
     def resolved_device(self) -> str:
         if self.device != "auto":

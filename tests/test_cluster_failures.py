@@ -188,3 +188,135 @@ def test_one_scrape_counts_the_requests_of_every_worker_and_engine():
         assert sum(e["sessions"] for e in info["engines"]) == 4
     finally:
         srv.kill()
+
+
+def test_a_hung_engine_answers_in_engine_reply_timeout_s_with_engine_timeout_that_says_it_may_have_applied():
+    """An engine process alive but not answering (SIGSTOP): the worker gives up after engine_reply_timeout_s
+    with 504 engine_timeout; a conv is withdrawn there if it has not started, an operation may still run, and the
+    session says which (GET it) once the engine answers again."""
+    srv = LiveServer([*ARGS, "--request-timeout-s", "1", "--engine-reply-timeout-s", "1.5"])
+    try:
+        api = Api(srv.url)
+        sid, gone = _session_on(api, 0), _session_on(api, 0)
+        victim = _readyz(srv.url)["engines"][0]["pid"]
+        os.kill(victim, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            st, body, headers = api.call("POST", "/v1/conv", {"session": sid, "layer": 0,
+                                                              "x": wire.encode_tensor(torch.randn(2, DIM))})
+            took = time.monotonic() - t0
+            assert st == 504 and body["error"]["code"] == "engine_timeout", body
+            assert "may or may not have been applied" in body["error"]["message"] and "GET" in body["error"]["message"]
+            assert 1.4 < took < 5 and "retry-after" not in headers          # not blindly retryable
+            st, body, _ = api.call("DELETE", f"/v1/sessions/{gone}")
+            assert st == 504 and body["error"]["code"] == "engine_timeout"
+            assert "may or may not have been applied" in body["error"]["message"]
+            other = _session_on(api, 1)                          # the other engine serves meanwhile
+            assert api.call("POST", "/v1/conv", {"session": other, "layer": 0,
+                                                 "x": wire.encode_tensor(torch.randn(1, DIM))})[0] == 200
+        finally:
+            os.kill(victim, signal.SIGCONT)
+        info = api.call("GET", f"/v1/sessions/{sid}")[1]
+        assert info["positions"] == [0, 0, 0]                    # the conv was withdrawn before it started
+        assert api.call("GET", f"/v1/sessions/{gone}")[1]["error"]["code"] == "unknown_session"   # it ran
+    finally:
+        srv.kill()
+
+
+def test_sigterm_to_an_engine_answers_its_in_flight_convs_and_operations_then_its_sessions_get_503(slow_cluster):
+    srv = slow_cluster
+    api = Api(srv.url)
+    sid = _session_on(api, 0)
+    victim = _readyz(srv.url)["engines"][0]["pid"]
+    answers = {}
+
+    def send(name, method, path, body=None):
+        answers[name] = api.call(method, path, body)
+
+    threads = [threading.Thread(target=send, args=("conv", "POST", "/v1/conv",
+                                                   {"session": sid, "layer": 0,
+                                                    "x": wire.encode_tensor(torch.randn(3, DIM))}))]
+    threads[0].start()
+    time.sleep(0.3)                                       # the conv waits in engine 0's batching window
+    threads.append(threading.Thread(target=send, args=("state", "GET", f"/v1/sessions/{sid}/state")))
+    threads[1].start()
+    time.sleep(0.2)
+    os.kill(victim, signal.SIGTERM)
+    for t in threads:
+        t.join(15)
+        assert not t.is_alive(), "a request never ended"
+    assert answers["conv"][0] == 200 and answers["state"][0] == 200, answers
+    _wait(lambda: api.call("POST", "/v1/conv", {"session": sid, "layer": 0,
+                                               "x": wire.encode_tensor(torch.randn(1, DIM))})[0] in (503, 410),
+          what="the engine's sessions refused")
+
+
+#: a ``sitecustomize`` for the server's processes: the engine's next step after ``$FAULT_FAIL_STEP`` appears (the
+#: test creates that file) fails after its kernels ran, as a CUDA out-of-memory in the copy back would
+_FAULT_HOOK = '''
+import os
+_flag = os.environ.get("FAULT_FAIL_STEP")
+if _flag:
+    from convserve.service.engine import runner as _runner
+    _real = _runner.Runner._copy_out
+
+    def _copy_out(self, *args, **kwargs):
+        try:
+            os.unlink(_flag)
+        except FileNotFoundError:
+            return _real(self, *args, **kwargs)
+        raise RuntimeError("CUDA error: out of memory (injected)")
+
+    _runner.Runner._copy_out = _copy_out
+if os.environ.get("FAULT_JOURNAL"):
+    from convserve.service.cluster import engine_proc as _engine_proc
+
+    def _add(self, sid):
+        raise OSError(28, "No space left on device (injected)")
+
+    _engine_proc.Journal.add = _add
+'''
+
+
+def _faulty_server(tmp_path, **faults) -> LiveServer:
+    """A live server whose processes load :data:`_FAULT_HOOK` with ``faults`` in their environment."""
+    (tmp_path / "sitecustomize.py").write_text(_FAULT_HOOK)
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    return LiveServer(ARGS, env={"PYTHONPATH": path, **faults})
+
+
+def test_a_step_failing_after_its_kernels_in_an_engine_process_answers_410_state_lost(tmp_path):
+    flag = tmp_path / "fail-next-step"
+    srv = _faulty_server(tmp_path, FAULT_FAIL_STEP=str(flag))
+    try:
+        api = Api(srv.url)
+        sid, bystander = _session_on(api, 0), _session_on(api, 0)
+
+        def conv(s):
+            return api.call("POST", "/v1/conv", {"session": s, "layer": 0, "x": wire.encode_tensor(torch.randn(2, DIM))})
+
+        assert conv(sid)[0] == 200
+        flag.touch()
+        st, body, _ = conv(sid)
+        assert not flag.exists(), "the fault did not fire"
+        assert st == 410 and body["error"]["code"] == "state_lost", body     # not a retryable 503
+        assert "dropped" in body["error"]["message"]
+        st, body, _ = conv(sid)
+        assert st == 410 and body["error"]["code"] == "state_lost"
+        assert conv(bystander)[0] == 200                                      # another session of that engine
+    finally:
+        srv.kill()
+
+
+def test_a_session_operation_is_answered_as_run_when_recording_it_in_the_journal_fails(tmp_path):
+    srv = _faulty_server(tmp_path, FAULT_JOURNAL="1")
+    try:
+        api = Api(srv.url)
+        st, body, _ = api.call("POST", "/v1/sessions")                       # answered, not left waiting
+        assert st == 201, body
+        sid = body["session"]
+        assert api.call("POST", f"/v1/sessions/{sid}/fork")[0] == 201
+        assert api.call("GET", f"/v1/sessions/{sid}")[0] == 200
+        assert "engine: cannot journal or publish a session operation" in srv.log_messages()
+    finally:
+        srv.kill()

@@ -82,6 +82,8 @@ def test_config_file_may_be_json_and_named_by_env(tmp_path, monkeypatch):
     ({"dtype": "int8"}, "--dtype"),
     ({"max_tokens_per_request": "9000", "max_batch_tokens": "8192"}, "could never be scheduled"),
     ({"nope": 1}, "nope"),
+    ({"engine_reply_timeout_s": "30", "request_timeout_s": "30"}, "must exceed request_timeout_s"),
+    ({"engine_reply_timeout_s": "0"}, "--engine-reply-timeout-s"),
 ])
 def test_invalid_settings_fail_with_the_setting_named(overrides, fragment):
     with pytest.raises(ConfigError) as e:

@@ -3,6 +3,7 @@ request that fails), the kept answer of a repeat (also while the first is still 
 and whole-batch checks."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -231,5 +232,53 @@ def test_an_evicted_session_is_state_lost_whatever_the_position():
             with pytest.raises(StateLost):
                 e.submit(sid, LAYERS[0], torch.randn(1, DIM), position=position)
         assert e.stats()["answers_kept"] == 0
+    finally:
+        e.stop(drain=False)
+
+
+def test_operations_queued_without_waiting_run_in_order_and_count_positions_as_of_their_turn():
+    """``submit_op`` queues an operation at the call: the convs submitted after it wait for it, and what it reads
+    or sets is as of its turn (the tokens of those convs kept out of a fork's and an info's positions, and kept
+    on top of an import's)."""
+    e = make_engine()
+    try:
+        a = e.create_session()
+        e.submit(a, LAYERS[0], torch.randn(3, DIM)).result(10)
+        go, entered = gate_worker(e)
+        held = e.submit(a, LAYERS[1], torch.randn(1, DIM))             # the worker is held in its step
+        assert entered.wait(10)
+        fork = e.submit_op("fork_session", a, "fork-of-a")
+        state = torch.randn(len(LAYERS), DIM, e.model_cpu.width - 1)
+        imported = e.submit_op("import_state", a, state)
+        info = e.submit_op("session_info", a)
+        after = e.submit(a, LAYERS[0], torch.randn(2, DIM))
+        assert not (fork.done() or imported.done() or info.done())
+        go.set()
+        held.result(10)
+        after.result(10)
+        assert fork.result(10) == "fork-of-a" and imported.result(10) is None
+        assert positions(e, "fork-of-a") == [3, 1, 0]                   # not the 2 tokens submitted after it
+        assert info.result(10)["positions"] == [0, 0, 0]                # after the import, before the conv
+        assert positions(e, a) == [2, 0, 0]                             # the import's 0 plus that conv
+    finally:
+        e.stop(drain=False)
+
+
+def test_an_operation_queued_without_waiting_that_never_starts_fails_with_timeout():
+    e = make_engine(request_timeout_s=0.3)
+    try:
+        a = e.create_session()
+        go, entered = gate_worker(e)
+        held = e.submit(a, LAYERS[0], torch.randn(1, DIM))
+        assert entered.wait(10)
+        export = e.submit_op("export_state", a)
+        behind = e.submit_op("delete_session", a)
+        time.sleep(0.5)
+        go.set()
+        held.result(10)
+        for fut in (export, behind):
+            with pytest.raises(RequestTimeout, match="will not run"):
+                fut.result(10)
+        assert positions(e, a) == [1, 0, 0]                             # nothing of them ran
     finally:
         e.stop(drain=False)

@@ -112,6 +112,14 @@ class RequestTimeout(ServiceError):
     status, code = 504, "timeout"
 
 
+class EngineTimeout(ServiceError):
+    """The engine process did not answer within the server's ``engine_reply_timeout_s``: it is alive but hung or
+    far behind. Unlike ``504 timeout``, the request may have been applied: find out before sending it again
+    (``GET /v1/sessions/{id}``: its positions, or whether it exists; a conv sent again with ``position`` is
+    applied once: a repeat of an applied conv gets its answer, a mismatch says the server's position)."""
+    status, code = 504, "engine_timeout"
+
+
 class Internal(ServiceError):
     status, code = 500, "internal"
 
@@ -139,7 +147,7 @@ ConvServeError = ServiceError
 
 ALL_ERRORS = (BadRequest, BodyTimeout, Unauthorized, UnknownSession, UnknownLayer, SessionExists, PositionMismatch,
               StateLost, PayloadTooLarge, ShapeMismatch, DtypeUnsupported, NonFinite, QueueFull, PoolExhausted,
-              NotReady, EngineUnavailable, OutOfMemory, RequestTimeout, Internal)
+              NotReady, EngineUnavailable, OutOfMemory, RequestTimeout, EngineTimeout, Internal)
 
 #: ``code -> class``, for turning an error body back into its class.
 BY_CODE = {cls.code: cls for cls in ALL_ERRORS}

@@ -4,9 +4,14 @@
 One thread does the work: the engine's worker thread serves the socket between its steps (:meth:`Engine.set_pump`):
 it takes every request that has arrived, runs a step, writes each result into its block and answers, so no GIL
 is handed between a socket thread and a step thread (handing it over cost up to the switch interval at every GPU
-call). Session operations run on a small thread pool, since they block until the worker has run them; their
-answers are queued for the worker thread, which owns the socket. The main thread only publishes the slot counts
-and handles SIGTERM. No HTTP parsing happens here.
+call). Session operations are taken in the same pass, in arrival order: the ones that run between steps are
+queued in the engine there (:meth:`Engine.submit_op`), so each keeps its place among its session's convs and
+operations, and nothing blocks a thread while it waits for its turn; their answers come from their futures. The
+main thread only publishes the slot counts and handles SIGTERM. No HTTP parsing happens here.
+
+Every request gets one answer unless this process dies: after the drain on SIGTERM the requests still unread are
+answered ``not_ready``; what arrives later, or what a dead process held, its worker fails when the supervisor
+marks the engine down (and after ``engine_reply_timeout_s`` in any case).
 
 Sessions survive nothing: when this process dies its sessions die with it. So that their ids answer
 ``410 state_lost`` rather than ``404 unknown_session`` from the next process, the ids of live sessions are kept in a
@@ -32,7 +37,7 @@ from typing import Any, Optional
 
 import msgpack
 
-from convserve.clients.protocol.errors import BadRequest, ServiceError
+from convserve.clients.protocol.errors import BadRequest, NotReady, ServiceError
 
 from ..gcfreeze import freeze_startup_objects, thaw
 from . import messages as m
@@ -100,7 +105,8 @@ class EngineProcess:
         self.status = StatusTable(os.path.join(self.run_dir, "status"))
         self.journal = Journal(os.path.join(self.run_dir, f"engine-{self.index}.journal"))
         self.inflight: dict = {}          # (worker identity, request id) -> its _Answer
-        self.pool = cf.ThreadPoolExecutor(max_workers=8, thread_name_prefix="convserve-op")
+        # the weights file is built once, off the worker thread (it concerns no session: no order to keep)
+        self.pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="convserve-weights")
         self.outbox: collections.deque = collections.deque()    # (worker identity, reply, data frame or None)
         self._packer = msgpack.Packer(use_bin_type=True)         # used by the worker thread only
         self.pump_ident: Optional[int] = None
@@ -190,9 +196,31 @@ class EngineProcess:
         else:
             self.engine.stop(True, self.settings.shutdown_timeout_s)
         self.pump_ident = threading.get_ident()       # the worker thread is gone: the socket is this thread's
+        self.pool.shutdown(wait=True)                  # a weights file being built is answered too
+        self._refuse_rest()
         self._flush()
         self.sock.close(0)
         self.ctx.term()
+
+    def _refuse_rest(self) -> None:
+        """After the drain: every request still unread is answered ``503 not_ready`` (it did not run), so no
+        worker waits for an answer that cannot come. (One that arrives after this is failed by its worker when
+        the supervisor marks this engine down.)"""
+        import zmq
+
+        while True:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                heads = msgpack.unpackb(frames[1], raw=False)
+                for h in heads if isinstance(heads, list) else (heads,):
+                    if h.get("e") == self.epoch and h.get("k") != m.CANCEL:
+                        self._send(frames[0], m.error_reply(h["i"], NotReady(
+                            f"engine {self.index} is stopping; this request did not run: retry", retry_after=1)))
+            except Exception:  # noqa: BLE001 - a bad message must not stop the shutdown
+                log.exception("engine: cannot answer a message after the drain")
 
     def _pump(self, timeout: float) -> None:
         """The engine's worker thread, between steps: send what is queued, handle what arrived, send the answers
@@ -356,38 +384,82 @@ class EngineProcess:
             self._send(ans.ident, {"i": ans.mid, "ok": True}, memoryview(block.numpy()))
 
     def _op(self, ident: bytes, head: dict, data) -> None:
+        """A session operation, on the worker thread as it arrives. Create and list run here at once (no
+        session's state to wait for); the others are queued with :meth:`Engine.submit_op` here, so each is
+        ordered exactly where it arrived among the convs and operations of its session (as the in-process
+        engine orders calls), and answered from its future; only the weights file, which concerns no session,
+        is built on a thread of its own."""
         name, args = head["f"], list(head.get("a") or ())
         if name not in m.OPS:
             raise BadRequest(f"unknown session operation {name!r}")
-        if name in ("import_state", "create_with_state"):
-            args.append(self._state_of(head, data))
-        fut = self.pool.submit(getattr(self, "_op_" + name, None) or getattr(self.engine, name), *args)
-        fut.add_done_callback(lambda f: self._op_done(ident, head, f))
+        eng = self.engine
+        if name == "model_weights":
+            self.pool.submit(eng.model_weights).add_done_callback(lambda f: self._op_done(ident, head, f))
+        elif name in ("create_session", "list_sessions"):
+            self._op_finished(ident, head, getattr(eng, name)(*args))
+        elif name == "create_with_state":
+            sid, positions = args
+            eng.create_session(sid)
+            try:
+                fut = eng.submit_op("import_state", sid, self._state_of(head, data), positions)
+            except BaseException:
+                eng.submit_op("delete_session", sid)
+                raise
+            fut.add_done_callback(lambda f: self._created_with_state(ident, head, f))
+        else:
+            if name == "import_state":
+                args.append(self._state_of(head, data))
+            fut = eng.submit_op("export_for_move" if name == "export_for_fork" else name, *args)
+            fut.add_done_callback(lambda f: self._op_done(ident, head, f))
 
     def _state_of(self, head: dict, data: bytes):
         import torch
 
         return torch.frombuffer(bytearray(data), dtype=getattr(torch, head["d"])).view(*head["sh"])
 
+    def _created_with_state(self, ident: bytes, head: dict, fut: cf.Future) -> None:
+        """A session moved here: created at arrival, its state imported in its turn; a failed import removes
+        it again (nothing else can have used it: its id was answered to no one yet)."""
+        if fut.exception() is not None:
+            try:
+                self.engine.submit_op("delete_session", head["a"][0])
+            except Exception:  # noqa: BLE001 - already gone, or the engine is stopping: nothing to remove
+                pass
+        self._op_done(ident, head, fut)
+
     def _op_done(self, ident: bytes, head: dict, fut: cf.Future) -> None:
-        name, mid = head["f"], head["i"]
         exc = fut.exception()
         if exc is not None:
-            self._send(ident, m.error_reply(mid, exc))
-            return
-        result = fut.result()
-        with self._journal_lock:
-            if name in ("create_session", "fork_session"):
-                self.journal.add(result)
-            elif name == "create_with_state":
-                self.journal.add(head["a"][0])
-            elif name == "delete_session":
-                self.journal.remove(head["a"][0])
-                if self.journal.lines > 4 * max(1024, len(self.engine._sessions)):
-                    self.journal.compact(self.engine.session_ids())
-        if name in ("create_session", "fork_session", "create_with_state", "delete_session"):
-            self._publish_slots()                    # before the answer: /v1/model after it sees the change
-        self._reply_op(ident, mid, result)
+            self._send(ident, m.error_reply(head["i"], exc))
+        else:
+            self._op_finished(ident, head, fut.result())
+
+    def _op_finished(self, ident: bytes, head: dict, result) -> None:
+        """Answer an operation that ran: exactly one reply, whatever fails here. The journal and the published
+        slot counts are best effort (a failed write is logged; the operation did run, so it is answered as
+        such); an answer that cannot be built is an error that says the operation ran."""
+        name, mid = head["f"], head["i"]
+        try:
+            with self._journal_lock:
+                if name in ("create_session", "fork_session"):
+                    self.journal.add(result)
+                elif name == "create_with_state":
+                    self.journal.add(head["a"][0])
+                elif name == "delete_session":
+                    self.journal.remove(head["a"][0])
+                    if self.journal.lines > 4 * max(1024, len(self.engine._sessions)):
+                        self.journal.compact(self.engine.session_ids())
+            if name in ("create_session", "fork_session", "create_with_state", "delete_session"):
+                self._publish_slots()                # before the answer: /v1/model after it sees the change
+        except Exception:  # noqa: BLE001 - see the docstring
+            log.exception("engine: cannot journal or publish a session operation", extra={"op": name})
+        try:
+            self._reply_op(ident, mid, result)
+        except Exception as e:  # noqa: BLE001 - see the docstring
+            log.exception("engine: cannot build the answer of a session operation", extra={"op": name})
+            self._send(ident, m.error_reply(mid, ServiceError(
+                f"the operation {name} ran, but its answer could not be sent ({type(e).__name__}: {e}); "
+                "GET the session to see its state")))
 
     def _reply_op(self, ident: bytes, mid: int, result) -> None:
         reply = {"i": mid, "ok": None}
@@ -403,28 +475,6 @@ class EngineProcess:
             self._send(ident, reply, memoryview(t.view(-1).view(torch.uint8).numpy()))
         else:
             self._send(ident, {"i": mid, "ok": result})
-
-    # the operations that exist only across engines
-
-    def _op_export_for_fork(self, session_id: str):
-        layers = self.engine.pending_layers(session_id)
-        if layers:
-            raise BadRequest(f"session {session_id!r} has an un-accepted speculative verify on layer(s) {layers}; "
-                             "a fork onto another engine carries the committed state only: accept (or accept 0) "
-                             "first, or fork without naming the new id (the fork then stays on this engine and "
-                             "keeps the verify)")
-        state = self.engine.export_state(session_id)
-        # read after the export, which ran after the session's earlier requests: the positions of that state,
-        # unless a conv was sent concurrently with the fork
-        return state, self.engine.session_info(session_id)["positions"]
-
-    def _op_create_with_state(self, session_id: str, positions, state) -> None:
-        self.engine.create_session(session_id)
-        try:
-            self.engine.import_state(session_id, state, positions)
-        except BaseException:
-            self.engine.delete_session(session_id)
-            raise
 
 
 class _Answer:

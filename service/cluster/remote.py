@@ -14,7 +14,9 @@ is written (the lease's lifetime, not a flag). Control travels as small msgpack 
 Failure: the status table says which engines are up. A request for an engine that is down or restarting fails at
 once with ``503 engine_unavailable``; requests in flight on an engine whose process died fail the same way as soon
 as the supervisor marks it down (a watcher polls the table), and the engine's next process answers their
-sessions with ``410 state_lost``.
+sessions with ``410 state_lost``. Every request ends: one the engine has not answered within ``reply_timeout``
+seconds (a process alive but hung) fails with ``504 engine_timeout``, which says it may have been applied (a conv
+is also withdrawn there if it has not started).
 
 Threading: the conv methods run on this worker's event loop (the routes call them there); the blocking session
 operations are called from other threads (the routes' ``to_thread``) and hop onto the loop.
@@ -32,18 +34,21 @@ import msgpack
 import numpy as np
 import torch
 
-from convserve.clients.protocol.errors import (BadRequest, EngineUnavailable, Internal, NotReady, PositionMismatch,
-                                               ServiceError)
+from convserve.clients.protocol.errors import (BadRequest, EngineTimeout, EngineUnavailable, Internal, NotReady,
+                                               PositionMismatch, ServiceError)
 
 from . import messages as m
 from ..engine.validate import all_finite
 from .placement import engine_of, new_id_on, split
 from .shm import Arena
-from .status import DOWN, UP, StatusTable
+from .status import DOWN, STOPPED, UP, StatusTable
 
 log = logging.getLogger("convserve.worker")
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+#: the session operations that change state (the others only read)
+_WRITES = frozenset(("create_session", "delete_session", "fork_session", "import_state", "accept", "accept_batch",
+                     "create_with_state"))
 
 
 class _Future(asyncio.Future):
@@ -54,11 +59,13 @@ class _Future(asyncio.Future):
 
 
 class _Pending:
-    __slots__ = ("fut", "lease", "epoch", "dtype", "shape", "out_dtype")
+    __slots__ = ("fut", "lease", "epoch", "dtype", "shape", "out_dtype", "deadline", "what")
 
-    def __init__(self, fut, lease, epoch, dtype=None, shape=None, out_dtype=None):
+    def __init__(self, fut, lease, epoch, dtype=None, shape=None, out_dtype=None, deadline=0.0, what=""):
         self.fut, self.lease, self.epoch, self.dtype, self.shape = fut, lease, epoch, dtype, shape
         self.out_dtype = out_dtype        # x's dtype when the block holds the model's (y is cast back to it)
+        self.deadline = deadline          # loop time: no answer by then, it fails with EngineTimeout
+        self.what = what                  # what was asked, for that error ("" : a read)
 
 
 class _Link:
@@ -76,10 +83,11 @@ class RemoteEngine:
     """See the module docstring. ``info`` is engine 0's ``model_info()`` (the model is the same on every engine)."""
 
     def __init__(self, run_dir: str, devices: Sequence[str], worker: int, generation: int, info: dict,
-                 arena_bytes: int, check_finite: bool = True):
+                 arena_bytes: int, check_finite: bool = True, reply_timeout: float = 90.0):
         self.run_dir = run_dir
         self.model_dtype = getattr(torch, info["dtype"])
         self.check_finite = check_finite
+        self.reply_timeout = reply_timeout
         self.devices = list(devices)
         self.n = len(self.devices)
         self.info = info
@@ -135,7 +143,10 @@ class RemoteEngine:
         for link in self.links:
             for p in link.pending.values():
                 if not p.fut.done():
-                    p.fut.set_exception(NotReady("the worker stopped before the engine answered"))
+                    p.fut.set_exception(EngineTimeout(
+                        f"the server stopped (shutdown_timeout_s) before the engine answered {p.what}; it may or "
+                        "may not have been applied: GET /v1/sessions/{id} once the server is back") if p.what else
+                        NotReady("the server stopped before the engine answered; nothing was changed: retry"))
             link.pending.clear()
             link.channel.close()
         self.links = []
@@ -189,7 +200,8 @@ class RemoteEngine:
         """The epoch of engine ``e`` if it is up, else :class:`EngineUnavailable` / :class:`NotReady`."""
         state, epoch = self.status.state(e)
         if state != UP:
-            if state == DOWN or self.status.row(e).restarts > 0:     # died, or its successor is warming up
+            # stopping, died, or its successor is warming up
+            if state in (DOWN, STOPPED) or self.status.row(e).restarts > 0:
                 raise EngineUnavailable(f"engine {e} ({self.devices[e]}), which holds this session, is down and "
                                         "restarting; its sessions' state is lost (they answer 410 state_lost once "
                                         "it is back): retry, then create the session again", retry_after=2)
@@ -221,10 +233,46 @@ class RemoteEngine:
         while True:
             self._any_up = any(self.status.state(e)[0] == UP for e in range(self.n))
             await asyncio.sleep(0.02)
+            now = self.loop.time()
             for link in self.links:
                 state, epoch = self.status.state(link.index)
                 if link.pending and (state == DOWN or epoch != link.epoch):
                     self._fail_pending(link, epoch if state != DOWN else -1)
+                if link.pending:
+                    self._expire(link, now)
+
+    def _expire(self, link: _Link, now: float) -> None:
+        """Fail the requests engine ``link.index`` has not answered by their deadline. The pending map is in
+        send order, and every deadline is its send time plus one timeout, so the expired ones lead it."""
+        expired = []
+        for mid, p in link.pending.items():
+            if p.deadline > now:
+                break
+            expired.append(mid)
+        if not expired:
+            return
+        log.error("engine did not answer in time", extra={"engine": link.index, "requests": len(expired),
+                                                         "timeout_s": self.reply_timeout})
+        for mid in expired:
+            p = link.pending.pop(mid)
+            if isinstance(p.fut, _Future):         # withdrawn there if it has not started; its answer is dropped
+                try:
+                    self._send(link, {"k": m.CANCEL, "i": mid, "e": p.epoch})
+                except Exception:  # noqa: BLE001 - the timeout is answered anyway
+                    pass
+            if p.fut.done():
+                continue
+            if p.what:                             # no Retry-After: it is not blindly retryable
+                err = EngineTimeout(
+                    f"engine {link.index} ({self.devices[link.index]}) did not answer {p.what} within "
+                    f"engine_reply_timeout_s={self.reply_timeout:g} s; it may or may not have been applied: GET "
+                    "/v1/sessions/{id} to see the session's positions (or whether it exists) before sending it "
+                    "again; a conv sent again with 'position' is applied at most once")
+            else:
+                err = EngineTimeout(f"engine {link.index} ({self.devices[link.index]}) did not answer within "
+                                    f"engine_reply_timeout_s={self.reply_timeout:g} s; nothing was changed by this "
+                                    "request: retry later", retry_after=2)
+            p.fut.set_exception(err)
 
     def _on_reply(self, link: _Link, frames: list) -> None:
         head = msgpack.unpackb(frames[0], raw=False, strict_map_key=False)
@@ -318,7 +366,9 @@ class RemoteEngine:
         head.update(i=mid, e=epoch, d=name, n=n)
         fut = _Future(loop=self.loop)
         fut.engine, fut.mid = e, mid
-        link.pending[mid] = _Pending(fut, lease, epoch, dtype, (n, self.dim), out_dtype)
+        link.pending[mid] = _Pending(fut, lease, epoch, dtype, (n, self.dim), out_dtype,
+                                     self.loop.time() + self.reply_timeout,
+                                     "this batch" if head["k"] == m.BATCH else "this conv")
         self._send(link, head, data)
         return fut
 
@@ -422,7 +472,8 @@ class RemoteEngine:
         mid = next(self._ids)
         head.update(i=mid, e=epoch)
         fut = self.loop.create_future()
-        link.pending[mid] = _Pending(fut, None, epoch)
+        what = f"the operation {head['f']}" if head["k"] == m.OP and head["f"] in _WRITES else ""
+        link.pending[mid] = _Pending(fut, None, epoch, deadline=self.loop.time() + self.reply_timeout, what=what)
         self._send(link, head, data)
         return await fut
 

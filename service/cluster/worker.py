@@ -30,6 +30,6 @@ def main(spec: dict) -> None:
     with open(os.path.join(spec["run_dir"], "model.msgpack"), "rb") as f:
         info = msgpack.unpackb(f.read(), raw=False, strict_map_key=False)
     engine = RemoteEngine(spec["run_dir"], spec["devices"], spec["index"], spec["generation"], info,
-                          settings.shm_bytes, settings.check_finite)
+                          settings.shm_bytes, settings.check_finite, settings.engine_reply_timeout())
     app = create_app(settings, engine)
     sys.exit(run_app(settings, app, sockets=[spec["socket"]]))

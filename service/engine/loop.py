@@ -118,10 +118,10 @@ class Worker:
                     now = time.monotonic()
                     if now >= self._next_evict:
                         self._evict_locked(now)
-                    ops = self._take_ready_ops_locked() if self._ops else []
+                    ops, expired_ops = self._take_ready_ops_locked(now) if self._ops else ((), ())
                     draining = self._state != "running"
                     # a session op waiting for its session's requests runs them without the delay window
-                    if ops or sched.ready(now) or ((draining or self._ops) and sched.depth) or \
+                    if ops or expired_ops or sched.ready(now) or ((draining or self._ops) and sched.depth) or \
                             self._snap_request is not None:
                         break
                     if draining and not self._ops and not sched.depth:
@@ -130,7 +130,11 @@ class Worker:
                     wait = self._next_evict - now
                     if deadline is not None:
                         wait = min(wait, deadline - now)
+                    if self._ops:
+                        wait = min(wait, self._next_op_deadline_locked() - now)
                     self._wait(max(wait, 0.0))
+            if expired_ops:
+                self._fail_expired_ops(expired_ops)
             if ops:
                 self._run_ops(ops)
             if self._snap_request is not None:
@@ -186,9 +190,11 @@ class Worker:
 
     def _fail_step(self, out: SchedulerOutput, e: Exception) -> None:
         """Fail the step's requests. A step that failed before its launches changed no state: its requests give
-        their tokens back, and a retry applies them once. One that failed later may have written some of its
-        rows' states: those sessions are dropped (their ids answer ``410 state_lost``, their queued requests and
-        operations fail with it), so no client goes on from a state nobody knows."""
+        their tokens back (``503 out_of_memory`` or ``500 internal``), and a retry applies them once. One that
+        failed later may have written some of its rows' states: those sessions are dropped (their ids answer
+        ``410 state_lost``, their queued requests and operations fail with it), and a request of the step with a
+        dropped session answers ``410 state_lost`` too, so its client knows the state is gone rather than retry
+        onto it; a request of the step whose sessions all kept their state (a verify) gets the retryable error."""
         log.exception("engine step %d failed", out.step)
         if not self._runner.synchronize_after_failure():
             log.error("the device is in an error state after step %d; the engine is no longer ready "
@@ -198,26 +204,35 @@ class Worker:
         done = set(r for b in (*out.prefills, *out.decodes, *out.verifies) for r in b.requests)
         with self._lock:
             lost = written_sessions(out, self._runner.state_written)      # read before the retire below
+            # each request's sessions, read before the retire (a batch forgets its sessions when released)
+            owners = {r: (r.session,) if r.batch is None else tuple(r.batch.sessions) for r in done}
             for r in done:
                 if not r.done:
                     self._sched.abort(r)
                     self._retire_locked(r, ok=False)
             self._st["failed"] += len(done)
+        answers = {r: err for r in done}
         failed: list = []
         try:
             if lost:
-                err = type(err)(err.message + f"; the step may have written the state of session(s) "
-                                f"{', '.join(repr(s.id) for s in lost[:8])}{' ...' if len(lost) > 8 else ''}, "
-                                "which were dropped (410 state_lost from now on): create them again",
-                                retry_after=err.retry_after, **err.extra)
-                why = (f"was dropped: engine step {out.step}, which held its conv, failed ({type(e).__name__}) "
-                       "after its kernels started, so its state is unknown")
+                why = (f"was dropped: engine step {out.step}, which held its conv, failed ({type(e).__name__}: "
+                       f"{str(e)[:200]}) after its kernels started, so its state is unknown")
+                ids = {id(s) for s in lost}
                 failed = [(r, StateLost(f"session {sid!r} {why}; create it again"))
                           for r, sid in self._drop_sessions(lost, why)]
+                for r in done:
+                    gone = [s.id for s in owners[r] if id(s) in ids]
+                    if gone:
+                        answers[r] = StateLost(
+                            f"this request's engine step failed after its kernels started ({type(e).__name__}); "
+                            f"the state of session(s) {', '.join(repr(g) for g in gone[:8])}"
+                            f"{' ...' if len(gone) > 8 else ''} is unknown and was dropped (410 state_lost from "
+                            "now on), nothing of this request was returned: create the session(s) again and "
+                            "prefill")
         except Exception:  # noqa: BLE001 - whatever happens here, every request of the step gets its answer
             log.exception("engine step %d: dropping its sessions failed", out.step)
         finally:
-            deliver([(r, None, err) for r in done] + [(r, None, x) for r, x in failed])
+            deliver([(r, None, answers[r]) for r in done] + [(r, None, x) for r, x in failed])
 
     def _drop_sessions(self, sessions: list, why: str) -> list:
         """Remove live sessions whose state is unknown: ids remembered as lost with ``why``, slots freed (unless

@@ -4,7 +4,10 @@
 non-speculative conv (or batch slice) of T tokens advances it by T when it is queued, under the engine lock, so
 positions follow the order in which requests run. A speculative verify advances nothing; ``accept(n)`` advances
 every layer with a pending verify by n when it runs, ``import_state`` sets every layer to 0 (the server cannot
-know how many tokens an imported state holds), a fork copies its source's positions.
+know how many tokens an imported state holds), a fork copies its source's positions. An operation runs at its
+turn, after the requests submitted before it and before the ones submitted after it, which have advanced the
+positions already: it reads (a fork, an export for a move, a deferred ``session_info``) or sets (an import) the
+positions of its turn, those tokens taken off or kept (:meth:`Positions._held_tokens_locked`).
 
 A request that fails takes its T back: cancelled or expired before it started, withdrawn at stop, its session
 deleted, or its step failed. Requests of the session queued after it keep theirs, so a position is always the
@@ -36,12 +39,14 @@ from __future__ import annotations
 
 import collections
 import time
+from concurrent.futures import Future
 from typing import Optional
 
 from convserve.clients.protocol.errors import BadRequest, PositionMismatch, StateLost, UnknownSession
 
 from ..sessions import Session
 from .outputs import deliver
+from .records import Op
 
 
 class Answer:
@@ -220,6 +225,26 @@ class Positions:
             answer.refs = 0
             self._drop_locked(answer)
 
+    def _held_tokens_locked(self, s: Session) -> list:
+        """Per layer, the tokens of the session's requests queued after the barrier of the op now at the head of
+        its ops (``s.barrier``), which that op holds back: its positions count them already (a position
+        advances at submit), its state does not yet. An op reads positions as of its turn by taking these off,
+        and one that sets positions adds them back."""
+        held = [0] * len(s.positions)
+        barrier = s.barrier if s.barrier is not None else float("inf")
+        for r in s.queue:
+            if r.done or r.seq <= barrier:
+                continue
+            b = r.batch
+            if b is None:
+                if not r.speculative:
+                    held[r.layer] += r.n_tokens
+            elif b.adv is None:                        # a plain batch: one token of every session
+                held[r.layer] += 1
+            else:
+                held[r.layer] += sum(n for bs, n in b.adv if bs is s)
+        return held
+
     def _accept_positions_locked(self, s: Session, layers, n: int) -> None:
         """``accept(n)`` commits n tokens on ``layers``: they advance, and no earlier answer repeats there."""
         if n:
@@ -274,6 +299,24 @@ class Positions:
         verify of each layer), "idle_s"}``. Raises :class:`UnknownSession` / :class:`StateLost`."""
         with self._lock:
             return self._info_locked(self._sessions.get(session_id), time.monotonic())
+
+    def _post_session_info(self, session_id: str):
+        """:meth:`session_info` for :meth:`submit_op`: at once, or, while operations of the session are queued,
+        as an op behind them (so it sees what they did; its positions are those of its turn)."""
+        with self._lock:
+            s = self._sessions.get(session_id)
+            if not s.ops:
+                op = Op(s, None, Future(), -1, label=session_id)
+                op.future.set_result(self._info_locked(s, time.monotonic()))
+                return op
+
+        def info(s: Session) -> dict:
+            with self._lock:
+                out = self._info_locked(s, time.monotonic())
+                out["positions"] = [q - h for q, h in zip(out["positions"], self._held_tokens_locked(s))]
+            return out
+
+        return self._post_op(session_id, info)
 
     def list_sessions(self, cursor: Optional[str] = None, limit: int = 100) -> dict:
         """``{"sessions": [session_info...], "next": cursor or None}``: up to ``limit`` sessions in id order

@@ -79,6 +79,8 @@ class Op:
     started: bool = False             # taken by the worker (under the engine lock): it runs to its end
     sessions: tuple = ()              # an op on several sessions (accept_batch): all of them, each in the same
     #                                   FIFO of its ops; () for an op on ``session`` alone
+    label: str = ""                   # the session id(s), for its errors
+    deadline: float = float("inf")    # monotonic: not started by then, it fails with RequestTimeout, never runs
 
 
 class BatchIndex:

@@ -60,7 +60,10 @@ class SessionOps:
         """Delete a session and free its slot, after the requests submitted to it so far have run (to withdraw
         those, cancel them first); requests submitted after the delete fail with :class:`UnknownSession`.
         Raises :class:`UnknownSession` (never existed or deleted) or :class:`StateLost` (evicted)."""
-        self._run_op(session_id, self._op_delete)
+        self._wait_op(self._post_delete_session(session_id))
+
+    def _post_delete_session(self, session_id: str) -> Op:
+        return self._post_op(session_id, self._op_delete)
 
     def _op_delete(self, s: Session) -> None:
         with self._lock:
@@ -83,11 +86,14 @@ class SessionOps:
         """A new session holding a copy of ``src_id``'s state (and its pending verify, if any), after the
         requests submitted to ``src_id`` so far. Raises :class:`UnknownSession`, :class:`StateLost`,
         :class:`SessionExists`, :class:`PoolExhausted`."""
+        return self._wait_op(self._post_fork_session(src_id, new_id))
+
+    def _post_fork_session(self, src_id: str, new_id: Optional[str] = None) -> Op:
         if new_id is not None:
             SessionTable.check_id(new_id)
             with self._lock:
                 self._sessions.check_free(new_id)
-        return self._run_op(src_id, lambda s: self._op_fork(s, new_id))
+        return self._post_op(src_id, lambda s: self._op_fork(s, new_id))
 
     def _op_fork(self, s: Session, new_id: Optional[str]) -> str:
         with self._lock:
@@ -97,20 +103,45 @@ class SessionOps:
             if s.spec_x:                  # its pending verify's x, for the fork's accept
                 spec = self._runner.bufs.d_spec
                 spec[:, slot] = spec[:, s.slot]
-            self._sessions.add(Session(nid, slot, initialized=s.initialized, positions=list(s.positions),
+            # the fork holds the state as of this op's turn: not the tokens of the source's held requests
+            positions = [q - h for q, h in zip(s.positions, self._held_tokens_locked(s))]
+            self._sessions.add(Session(nid, slot, initialized=s.initialized, positions=positions,
                                        pending=dict(s.pending), spec_x=dict(s.spec_x), last_used=time.monotonic()))
         return nid
 
     def export_state(self, session_id: str) -> torch.Tensor:
         """``(n_conv_layers, dim, width - 1)`` CPU tensor in the state dtype, layers ascending: the committed
         state after the requests submitted so far (a pending verify is not included)."""
-        return self._run_op(session_id, lambda s: self.pool.export(s.slot))
+        return self._wait_op(self._post_export_state(session_id))
+
+    def _post_export_state(self, session_id: str) -> Op:
+        return self._post_op(session_id, lambda s: self.pool.export(s.slot))
+
+    def _post_export_for_move(self, session_id: str) -> Op:
+        """``(state, positions)`` of a session copied to another engine (a fork there), both as of the op's
+        turn: refused with :class:`BadRequest` when a speculative verify is pending (it does not travel)."""
+        def op(s: Session):
+            with self._lock:
+                layers = sorted(self.model_cpu.layers[q] for q in s.pending)
+            if layers:
+                raise BadRequest(f"session {s.id!r} has an un-accepted speculative verify on layer(s) {layers}; "
+                                 "a fork onto another engine carries the committed state only: accept (or accept "
+                                 "0) first, or fork without naming the new id (the fork then stays on this "
+                                 "engine and keeps the verify)")
+            state = self.pool.export(s.slot)
+            with self._lock:
+                return state, [q - h for q, h in zip(s.positions, self._held_tokens_locked(s))]
+
+        return self._post_op(session_id, op)
 
     def import_state(self, session_id: str, state: torch.Tensor, positions=None) -> None:
         """Replace the session's state (every layer) and discard a pending verify. ``state`` is
         ``(n_conv_layers, dim, width - 1)`` in the state dtype. Raises :class:`ShapeMismatch`,
         :class:`DtypeUnsupported`, :class:`NonFinite`, :class:`BadRequest`; a rejected state changes nothing.
         Every layer's position becomes 0, or ``positions`` (one per layer: a session moved between engines)."""
+        self._wait_op(self._post_import_state(session_id, state, positions))
+
+    def _post_import_state(self, session_id: str, state: torch.Tensor, positions=None) -> Op:
         state = check_state(self.model_cpu, self.state_dtype, state)
         n_layers = self.model_cpu.n_layers
         if positions is not None and (len(positions) != n_layers or
@@ -122,20 +153,25 @@ class SessionOps:
             s.initialized = (1 << n_layers) - 1
             with self._lock:
                 s.pending.clear()
-                s.positions = list(positions) if positions is not None else [0] * n_layers
+                # the requests held behind this op keep the tokens they advanced at submit
+                base = positions if positions is not None else [0] * n_layers
+                s.positions = [q + h for q, h in zip(base, self._held_tokens_locked(s))]
                 self._forget_locked(s)
             s.spec_x.clear()
 
-        self._run_op(session_id, op)
+        return self._post_op(session_id, op)
 
     def accept(self, session_id: str, n_tokens: int) -> None:
         """Commit the session's pending speculative verify: every layer with one takes the state after its first
         ``n_tokens`` tokens (0 discards the verify). Raises :class:`BadRequest` when no verify is pending or
         ``n_tokens`` is outside ``[0, T]``."""
+        self._wait_op(self._post_accept(session_id, n_tokens))
+
+    def _post_accept(self, session_id: str, n_tokens: int) -> Op:
         check_accept_tokens(n_tokens)
         with self._lock:
             self._check_pending(self._sessions.get(session_id), n_tokens)
-        self._run_op(session_id, lambda s: self._op_accept(s, n_tokens))
+        return self._post_op(session_id, lambda s: self._op_accept(s, n_tokens))
 
     def accept_batch(self, session_ids, tokens) -> None:
         """:meth:`accept` for several sessions at once: session ``session_ids[i]`` commits the state after the
@@ -144,6 +180,9 @@ class SessionOps:
         :class:`BadRequest` (or :class:`UnknownSession` / :class:`StateLost`) and nothing is committed. It is one
         session operation: it runs after the requests of those sessions submitted before it, and their requests
         submitted after it wait for it."""
+        self._wait_op(self._post_accept_batch(session_ids, tokens))
+
+    def _post_accept_batch(self, session_ids, tokens) -> Op:
         n = check_batch_sessions(session_ids, self.config.max_batch_size, "one accept_batch")
         if isinstance(tokens, (list, tuple)) and len(tokens) == n:
             for i, t in enumerate(tokens):
@@ -159,7 +198,7 @@ class SessionOps:
             for s, t in zip(ss, tokens):
                 self._check_pending(s, t)
 
-        self._run_op_many(session_ids, check, lambda ss: self._op_accept_batch(ss, tokens, check))
+        return self._post_op_many(session_ids, check, lambda ss: self._op_accept_batch(ss, tokens, check))
 
     def check_accept_batch(self, session_ids, tokens) -> None:
         """Raise what :meth:`accept_batch` would raise for the sessions' state now; queue nothing (the first
@@ -273,37 +312,56 @@ class SessionOps:
 
     # ------------------------------------------------------------------ op queueing (runs on the worker)
 
-    def _run_op(self, session_id: str, fn: Callable[[Session], Any]):
-        fut: Future = Future()
+    #: the operations :meth:`submit_op` queues (each has a ``_post_<name>``)
+    SUBMITTABLE_OPS = ("delete_session", "fork_session", "export_state", "import_state", "accept", "accept_batch",
+                       "export_for_move", "session_info")
+
+    def submit_op(self, name: str, *args) -> Future:
+        """Queue the session operation ``name`` (one of :attr:`SUBMITTABLE_OPS`, arguments as its method's)
+        without waiting for it, for a caller that forwards answers (the engine process). Validation errors are
+        raised here, as the method raises them; the result or error comes on the returned future, set on the
+        worker thread (or by :meth:`stop`; a ``session_info`` of a session with no operation queued is done at
+        once, in this call). It is ordered exactly as the method: after
+        the requests and operations of its sessions submitted before this call, before those submitted after
+        it. One not started within ``request_timeout_s`` fails with :class:`RequestTimeout` and never runs;
+        ``export_for_move`` is ``(export_state, its positions)``, refused while a verify is pending."""
+        if name not in self.SUBMITTABLE_OPS:
+            raise BadRequest(f"unknown session operation {name!r}")
+        return getattr(self, "_post_" + name)(*args).future
+
+    def _post_op(self, session_id: str, fn: Callable[[Session], Any]) -> Op:
+        """Queue ``fn(session)`` for the worker, behind the session's requests submitted so far (its barrier)
+        and its earlier ops (each session's ops are a FIFO)."""
         with self._lock:
             self._check_running_locked()
             s = self._sessions.get(session_id)
-            op = Op(s, lambda: fn(s), fut, self._last_seq)
+            op = Op(s, lambda: fn(s), Future(), self._last_seq, label=session_id,
+                    deadline=time.monotonic() + self.config.request_timeout_s)
             s.ops.append(op)
             if len(s.ops) == 1:
                 s.barrier = op.barrier
             self._ops.append(op)
             self._cv.notify()
-        return self._wait_op(op, session_id)
+        return op
 
-    def _run_op_many(self, session_ids, check: Callable[[list], None], fn: Callable[[list], Any]):
+    def _post_op_many(self, session_ids, check: Callable[[list], None], fn: Callable[[list], Any]) -> Op:
         """One op on several sessions: ``check(sessions)`` under the lock first (it raises to refuse, nothing
         queued), then queued in each session's FIFO of ops at once."""
-        fut: Future = Future()
         with self._lock:
             self._check_running_locked()
             ss = [self._sessions.get(sid) for sid in session_ids]
             check(ss)
-            op = Op(ss[0], lambda: fn(ss), fut, self._last_seq, sessions=tuple(ss))
+            op = Op(ss[0], lambda: fn(ss), Future(), self._last_seq, sessions=tuple(ss),
+                    label=", ".join(session_ids), deadline=time.monotonic() + self.config.request_timeout_s)
             for s in ss:
                 s.ops.append(op)
                 if len(s.ops) == 1:
                     s.barrier = op.barrier
             self._ops.append(op)
             self._cv.notify()
-        return self._wait_op(op, ", ".join(session_ids))
+        return op
 
-    def _wait_op(self, op: Op, session_id: str):
+    def _wait_op(self, op: Op):
         fut = op.future
         try:
             return fut.result(self.config.request_timeout_s)
@@ -315,14 +373,21 @@ class SessionOps:
                 if not started and not fut.done():
                     op.cancelled = True
             if not started and (not fut.done() or fut.cancelled()):
-                raise RequestTimeout(f"session {session_id!r}: the operation did not start within "
-                                     f"{self.config.request_timeout_s} s and will not run; retry") from None
+                raise self._op_timeout(op) from None
             return fut.result()
 
-    def _take_ready_ops_locked(self) -> list:
-        """Pop the ops that may run now: per session in FIFO order, each after its barrier's requests."""
-        ready, blocked, keep = [], set(), collections.deque()
+    def _op_timeout(self, op: Op) -> RequestTimeout:
+        return RequestTimeout(f"session {op.label!r}: the operation did not start within "
+                              f"{self.config.request_timeout_s} s and will not run; retry")
+
+    def _take_ready_ops_locked(self, now: float) -> tuple:
+        """Pop the ops that may run now: per session in FIFO order, each after its barrier's requests; and the
+        ones past their deadline that have not started (for the caller to fail, outside the lock)."""
+        ready, expired, blocked, keep = [], [], set(), collections.deque()
         for op in self._ops:
+            if not op.cancelled and now >= op.deadline:
+                op.cancelled = True
+                expired.append(op)
             if op.cancelled:
                 self._op_done_locked(op)
                 continue
@@ -339,7 +404,15 @@ class SessionOps:
             op.started = True     # from here it runs: a caller that times out waits for it instead (no 504)
             blocked.update(ss)    # one op per session per round: the next one sees this one's effect
         self._ops = keep
-        return ready
+        return ready, expired
+
+    def _fail_expired_ops(self, ops: list) -> None:
+        for op in ops:
+            if not op.future.done():
+                op.future.set_exception(self._op_timeout(op))
+
+    def _next_op_deadline_locked(self) -> float:
+        return min((op.deadline for op in self._ops), default=float("inf"))
 
     def _op_done_locked(self, op: Op) -> None:
         now = time.monotonic()
