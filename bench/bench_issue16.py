@@ -100,6 +100,15 @@ def decode_case(batch, dim, layout, peers, variants):
     return r
 
 
+
+def _aten_cases() -> dict:
+    """One ATen op per case, the yardstick of a direct call's host cost: a 16 KB copy and a 4096-element add."""
+    a = torch.empty(16384, dtype=torch.uint8, device="cuda")
+    c = torch.empty_like(a)
+    h = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    h2 = torch.empty_like(h)
+    return {"aten copy_ 16 KB": lambda: c.copy_(a), "aten add(out=) 4096 bf16": lambda: torch.add(h, h, out=h2)}
+
 def host_costs():
     """Back-to-back time per call (GPU events over 300 calls, no flush) and host time per call, for direct calls
     and for ATen ops of similar size, interleaved three times (the medians are reported)."""
@@ -133,12 +142,8 @@ def host_costs():
             cases[f"prefill 1x{dim} {layout} out="] = (
                 lambda xs=xs, w=w, b=b, st=st, q=qsl, c=ci, i=init, o=o: causal_conv1d_fn(xs, w, b, st, q, c, i,
                                                                                           "silu", out=o))
-    a = torch.empty(16384, dtype=torch.uint8, device="cuda")
-    c = torch.empty_like(a)
+    cases.update(_aten_cases())
     h = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
-    h2 = torch.empty_like(h)
-    cases["aten copy_ 16 KB"] = lambda: c.copy_(a)
-    cases["aten add(out=) 4096 bf16"] = lambda: torch.add(h, h, out=h2)
     cases["aten mul 4096 bf16"] = lambda: h * h
     # parts of the decode call: the key alone, and the plan's launch alone
     x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
@@ -323,12 +328,7 @@ def direct_calls(path):
                            causal_conv1d_fn(xs, w, b, st, q, c, i, "silu", out=o))
             cases[name + " (old path)"] = (lambda xs=xs, w=w, b=b, st=st, q=qsl, c=ci, i=init, o=o:
                                           _old_prefill(xs, w, b, st, q, c, i, "silu", o))
-    a = torch.empty(16384, dtype=torch.uint8, device="cuda")
-    c = torch.empty_like(a)
-    h = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
-    h2 = torch.empty_like(h)
-    cases["aten copy_ 16 KB"] = lambda: c.copy_(a)
-    cases["aten add(out=) 4096 bf16"] = lambda: torch.add(h, h, out=h2)
+    cases.update(_aten_cases())
     for layout, (plan, args) in plans.items():  # the parts of a b1 x 4096 call: the plan's launch alone
         if plan:
             p = plan[0]

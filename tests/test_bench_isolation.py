@@ -1,20 +1,13 @@
 """bench/bench_isolation.py runs its idle and flooded legs on CPU against a real server and writes every figure
 (the H200 numbers come from the same code)."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.benches import load_bench
 
 
 def test_the_idle_and_flooded_legs_run_and_report_the_probe_and_the_flood(tmp_path):
-    sys.path.insert(0, str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location("bench_isolation", ROOT / "bench" / "bench_isolation.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_isolation"] = mod      # the probe and the flood run in spawned processes: found by name
-    spec.loader.exec_module(mod)
+    mod = load_bench("bench_isolation")       # the probe and the flood run in spawned processes: found by name
     out = tmp_path / "isolation.json"
     rc = mod.main(["--device", "cpu", "--workers", "0", "--duration", "1", "--streams", "2", "--prefill-tokens",
                    "300", "--fresh-every", "0.3", "--server-arg=--dim=64", "--server-arg=--layers=0,1",

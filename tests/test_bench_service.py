@@ -1,20 +1,13 @@
 """bench/bench_service.py's frontend-step legs run on CPU against a real server and echo server and write every
 figure (the H200 numbers come from the same code)."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.benches import load_bench
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_service", ROOT / "bench" / "bench_service.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_service"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("bench_service")
 
 
 def test_the_step_legs_run_and_report_calls_steps_and_the_echo_ratio(tmp_path):

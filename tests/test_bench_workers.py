@@ -1,18 +1,10 @@
 """bench/bench_workers.py: the in-process engine it compares the servers with is built from the same settings."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.benches import load_bench
 
 
 def _bench():
-    sys.path.insert(0, str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location("bench_workers", ROOT / "bench" / "bench_workers.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("bench_workers")
 
 
 def test_the_server_flags_that_are_engine_settings_build_the_inproc_engine_too():

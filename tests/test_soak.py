@@ -1,23 +1,16 @@
 """bench/soak.py runs its mixed load for a few seconds against a live server it starts, samples the server and
 passes; its verdict fails a run on leaked slots, server errors or RSS growth."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.benches import load_bench
 
 
 def _soak():
-    sys.path.insert(0, str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location("soak", ROOT / "bench" / "soak.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("soak")
 
 
 def test_a_short_soak_against_a_live_server_passes_and_records_every_sample(tmp_path):
