@@ -241,9 +241,11 @@ def serve(settings: Settings, key_on_command_line: bool = False) -> int:
     if workers > 0:
         from convserve.service.cluster.supervisor import Supervisor
 
-        rc = Supervisor(settings, devices, workers).run()
+        supervisor = Supervisor(settings, devices, workers)
+        rc = supervisor.run()
         if rc == 2:
-            print("convserve: the engine could not be built; see the log above", file=sys.stderr)
+            print(f"convserve: {supervisor.start_error or 'the engine could not be built; see the log above'}",
+                  file=sys.stderr)
             return EXIT_CONFIG
         log.info("stopped")
         return rc

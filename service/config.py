@@ -237,7 +237,7 @@ class Settings(BaseSettings):
             raise ValueError("decode_buckets: give positive batch sizes, e.g. 1,2,4,8")
         return sorted(set(v))
 
-    @field_validator("slots", "max_prefill_tokens_per_step", mode="before")
+    @field_validator("workers", "slots", "max_prefill_tokens_per_step", mode="before")
     @classmethod
     def _int_or_auto(cls, v, info):
         if isinstance(v, str) and v.strip().lower() != "auto":

@@ -142,12 +142,16 @@ class ConvModel:
         ``dtype`` casts the weights; None keeps the stored dtype (which must then be the same for every layer).
         Raises ``ValueError`` naming the key and the problem when the file has no conv layers or they disagree.
         """
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"weights: {path} is not a file")
-        with safe_open(str(path), framework="pt") as f:
+        try:
+            handle = safe_open(str(path), framework="pt")
+        except SafetensorError as e:         # not a safetensors file, or a torn one: say so, not a traceback
+            raise ValueError(f"weights: {path} is not a readable safetensors file ({e})") from None
+        with handle as f:
             found = conv_layer_keys(f.keys())
             if not found:
                 raise ValueError(f"weights: {path} has no key matching 'layers.<i>.…conv1d.weight'")

@@ -152,3 +152,14 @@ def test_the_api_key_comes_from_a_file_and_never_shows_in_a_config_error(tmp_pat
     msg = str(e.value)
     assert "--api-key" in msg and "hunter2" not in msg
     assert "not-a-port" in msg                # other fields still show what came
+
+
+def test_a_bad_workers_value_names_the_flag_and_what_it_accepts():
+    # workers is an int or 'auto': the error must name --workers / CONVSERVE_WORKERS, as every other setting's
+    # does, not pydantic's union branches ("workers.int", "workers.literal['auto']")
+    with pytest.raises(ConfigError) as e:
+        load_settings({"workers": "many"})
+    msg = str(e.value)
+    assert "--workers / CONVSERVE_WORKERS" in msg and "neither an integer nor 'auto'" in msg
+    assert "literal" not in msg
+    assert load_settings({"workers": "3"}).workers == 3 and load_settings({"workers": "AUTO"}).workers == "auto"

@@ -169,6 +169,18 @@ def test_headers_above_max_header_bytes_get_431(srv):
     assert data.startswith(b"HTTP/1.1 431") and b"header_too_large" in data
 
 
+def test_the_connection_guards_answers_carry_the_replica_header_like_every_other_answer(srv):
+    # the 431 (and the 408 and 503 written by the same guard, before any request is parsed) name the replica too
+    name = httpx.get(srv.url + "/healthz", timeout=5).headers["x-convserve-replica"]
+    with socket.create_connection(_addr(srv.url), timeout=5) as s:
+        s.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 10_000)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    head = data.split(b"\r\n\r\n")[0].decode().lower()
+    assert head.startswith("http/1.1 431") and f"x-convserve-replica: {name.lower()}" in head
+
+
 def test_a_connection_that_sends_nothing_is_closed_after_the_header_timeout(srv):
     s = _connect(_addr(srv.url))
     try:

@@ -105,3 +105,13 @@ def test_bad_checkpoints_raise_a_clear_value_error(tmp_path, tensors, match):
 def test_missing_file_raises_value_error(tmp_path):
     with pytest.raises(ValueError, match="not a file"):
         ConvModel.from_safetensors(tmp_path / "nope.safetensors")
+
+
+@pytest.mark.parametrize("content", [b"junk\n", b"", b"\xff" * 64])
+def test_a_file_that_is_not_safetensors_raises_a_value_error_naming_it(tmp_path, content):
+    # `convserve serve --weights` on such a file must end with one line naming the file (the engine process
+    # and the CLI catch ValueError), not safetensors' own exception and a traceback
+    p = tmp_path / "model.safetensors"
+    p.write_bytes(content)
+    with pytest.raises(ValueError, match="model.safetensors is not a readable safetensors file"):
+        ConvModel.from_safetensors(p)

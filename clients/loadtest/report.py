@@ -68,6 +68,10 @@ def print_table(result: dict, console: Optional[Console] = None) -> None:
         if v["checked"] or v["mismatches"]:
             console.print(f"{st['label']}: verified {v['checked']} responses against the reference, "
                           f"{v['mismatches']} mismatch(es)")
+        elif cfg.get("verify"):            # asked for, but no sampled session answered: say so, not silence
+            console.print(f"{st['label']}: verified 0 responses: no sampled session (--verify-sample "
+                          f"{cfg.get('verify_sample')}) got an answer in this step; raise --verify-sample or "
+                          "run longer")
 
 
 def write_json(result: dict, path: Path) -> None:

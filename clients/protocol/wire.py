@@ -136,7 +136,14 @@ def unpackb(data: bytes, max_bytes: int, max_objects: Optional[int] = None) -> A
         return msgpack.unpackb(data, **_bounds(max_bytes, ObjectBudget(max_objects) if max_objects else None))
     except TooManyObjects:
         raise
-    except msgpack.ExtraData:
+    except msgpack.ExtraData as e:
+        if data[:1] in (b"{", b"["):
+            raise BadRequest("the body is not msgpack: it looks like JSON; send it with Content-Type: "
+                             "application/json, or encode it as one msgpack map") from None
+        if not isinstance(e.unpacked, dict):
+            raise BadRequest(f"the body is not one msgpack map (it starts with a {type(e.unpacked).__name__} "
+                             f"and {len(e.extra)} more bytes follow); send exactly one msgpack map encoded "
+                             "with bin types for bytes") from None
         raise BadRequest("the body holds more than one msgpack object; send exactly one map "
                          "(use /v1/conv/stream for many)") from None
     except (ValueError, msgpack.UnpackException, TypeError) as e:

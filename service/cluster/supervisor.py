@@ -65,6 +65,7 @@ class Supervisor:
         self.stopping = False
         self._wake_r, self._wake_w = socket.socketpair()
         self.failed = False
+        self.start_error: Optional[str] = None     # why run() returned 2, when it was not the engine's build
 
     # ------------------------------------------------------------------ children
 
@@ -122,7 +123,16 @@ class Supervisor:
             if not self._wait_built():
                 self._stop_all()
                 return 2
-            self.sock = bind_socket(self.settings)
+            try:
+                self.sock = bind_socket(self.settings)
+            except OSError as e:                # the port is taken (or not ours): one line, not a traceback
+                where = f"{self.settings.host}:{self.settings.port}"
+                log.error("cannot listen", extra={"host": self.settings.host, "port": self.settings.port,
+                                                  "error": str(e)})
+                self.start_error = (f"cannot listen on {where} ({e.strerror or e}); stop what holds it or pick "
+                                    "another --port (--port 0 picks a free one)")
+                self._stop_all()
+                return 2
             host, port = self.sock.getsockname()[:2]
             log.info("listening", extra={"host": host, "port": port, "url": f"http://{host}:{port}",
                                          "workers": self.n_workers, "engines": self.devices,

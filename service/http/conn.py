@@ -27,10 +27,13 @@ import json
 from typing import Callable, Optional
 
 
-def _response(status: int, reason: bytes, code: str, message: str, retry_after: Optional[int] = None) -> bytes:
+def _response(status: int, reason: bytes, code: str, message: str, retry_after: Optional[int] = None,
+              replica: Optional[str] = None) -> bytes:
     body = json.dumps({"error": {"code": code, "message": message}}).encode()
     head = [b"HTTP/1.1 %d %s\r\n" % (status, reason), b"content-type: application/json\r\n",
             b"content-length: %d\r\n" % len(body), b"connection: close\r\n"]
+    if replica:                            # like every other answer (replica.py): which replica refused it
+        head.append(b"x-convserve-replica: %s\r\n" % replica.encode("ascii"))
     if retry_after is not None:
         head.append(b"retry-after: %d\r\n" % retry_after)
     return b"".join(head) + b"\r\n" + body
@@ -56,15 +59,16 @@ def guarded_protocol(settings, on_close: Callable[[str], None] = lambda reason: 
     # the connections that carry no request (idle, or still sending headers), oldest first (a dict keeps the
     # insertion order): the ones a new connection above the cap may replace
     idle: dict = {}
+    replica = getattr(settings, "replica_name", None)
     over_capacity = _response(503, b"Service Unavailable", "over_capacity",
                               f"this server process holds its maximum of {cap} connections, all busy; retry "
-                              "shortly (or raise --max-connections)", retry_after=1)
+                              "shortly (or raise --max-connections)", retry_after=1, replica=replica)
     timed_out = _response(408, b"Request Timeout", "header_timeout",
                           f"the request's headers did not arrive within {header_timeout} s; send the request line "
-                          "and headers at once (or raise --header-timeout-s)")
+                          "and headers at once (or raise --header-timeout-s)", replica=replica)
     too_large = _response(431, b"Request Header Fields Too Large", "header_too_large",
                           f"the request line and headers exceed {max_header} bytes; send fewer or shorter headers "
-                          "(or raise --max-header-bytes)")
+                          "(or raise --max-header-bytes)", replica=replica)
 
     class GuardedProtocol(base):
         _timer = None

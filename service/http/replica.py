@@ -53,7 +53,7 @@ def header_session(scope) -> Optional[str]:
 
 def _disagree(got: str, want: str, where: str) -> BadRequest:
     return BadRequest(f"the {SESSION_HEADER} header names session {got!r} but {where} names {want!r}; send the "
-                      "session the request acts on (a proxy routes by the header, the server acts on the "
+                      "session the request acts on (a proxy routes by the header, the server acts on "
                       f"{where})")
 
 
