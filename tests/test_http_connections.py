@@ -160,13 +160,41 @@ def test_above_the_cap_with_every_connection_busy_a_new_one_gets_503_over_capaci
     assert httpx.get(srv.url + "/healthz", timeout=5).status_code == 200
 
 
-def test_headers_above_max_header_bytes_get_431(srv):
+def _send_and_read(srv, *parts: bytes) -> bytes:
     with socket.create_connection(_addr(srv.url), timeout=5) as s:
-        s.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 10_000)
+        for p in parts:
+            s.sendall(p)
+            time.sleep(0.05)               # each part its own read on the server
         data = b""
         while chunk := s.recv(65536):
             data += chunk
+            if b"\r\n\r\n" in data and not data.startswith(b"HTTP/1.1 431"):
+                break                      # a 200 keeps the connection open
+    return data
+
+
+@pytest.mark.parametrize("parts", [
+    [b"GET /healthz HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 10_000],                 # unfinished
+    [b"GET /healthz HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 10_000 + b"\r\n\r\n"],    # complete in one read
+    [b"GET /healthz HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 5_000,
+     b"a" * 5_000 + b"\r\n\r\n"],                                                        # complete in the second
+], ids=["unfinished", "one-read", "two-reads"])
+def test_headers_above_max_header_bytes_get_431(srv, parts):
+    data = _send_and_read(srv, *parts)
     assert data.startswith(b"HTTP/1.1 431") and b"header_too_large" in data
+
+
+@pytest.mark.parametrize("split", [None, -1, -2, -3])
+def test_headers_under_max_header_bytes_are_served_with_a_body_in_the_same_read(srv, split):
+    # headers just under the limit (8192), their end marker whole or cut across two reads, and a body behind them
+    # in the same read: the body's bytes are not counted as headers
+    body = b"x" * 4000
+    head = b"POST /healthz HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\nx-pad: " % len(body)
+    head += b"a" * (8000 - len(head)) + b"\r\n\r\n"
+    parts = [head + body] if split is None else [head[:split], head[split:] + body]
+    data = _send_and_read(srv, *parts)
+    assert not data.startswith(b"HTTP/1.1 431"), data[:200]
+    assert data.startswith(b"HTTP/1.1 "), data[:200]
 
 
 def test_the_connection_guards_answers_carry_the_replica_header_like_every_other_answer(srv):

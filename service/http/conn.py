@@ -72,7 +72,8 @@ def guarded_protocol(settings, on_close: Callable[[str], None] = lambda reason: 
 
     class GuardedProtocol(base):
         _timer = None
-        _header_bytes = 0
+        _header_bytes = 0                      # bytes of the request line and headers read so far
+        _header_tail = b""                     # their last 3 bytes (an end marker may start there)
         _refused = False
 
         def connection_made(self, transport):
@@ -129,22 +130,33 @@ def guarded_protocol(settings, on_close: Callable[[str], None] = lambda reason: 
         def data_received(self, data: bytes) -> None:
             if self._refused:
                 return
+            if not self._in_request() and self._header_bytes + len(data) > max_header:
+                # counted before the parser sees them: headers that end inside this read would otherwise be
+                # parsed, whatever their size. The end marker may straddle the previous read (its last 3 bytes).
+                tail = self._header_tail
+                end = (tail + data).find(b"\r\n\r\n")
+                if (self._header_bytes + len(data) if end < 0 else self._header_bytes + end + 4 - len(tail)) \
+                        > max_header:
+                    self._too_large()
+                    return
             super().data_received(data)
             if self.transport.get_protocol() is not self:   # upgraded to a WebSocket: not ours any more
                 self._drop()
             elif self._in_request():               # headers complete (the body, if any, is read_body's)
                 self._disarm()
                 self._header_bytes = 0
+                self._header_tail = b""
                 idle.pop(self, None)
             elif not self.transport.is_closing():  # a request's headers, still incomplete
                 self._header_bytes += len(data)
-                if self._header_bytes > max_header:
-                    on_close("header_too_large")
-                    self._drop()
-                    self.transport.write(too_large)
-                    self.transport.close()
-                    return
+                self._header_tail = (self._header_tail + data)[-3:]
                 self._arm()                        # the first byte of a request starts its header clock
+
+        def _too_large(self) -> None:
+            on_close("header_too_large")
+            self._drop()
+            self.transport.write(too_large)
+            self.transport.close()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
