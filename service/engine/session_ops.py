@@ -106,7 +106,7 @@ class SessionOps:
             # the fork holds the state as of this op's turn: not the tokens of the source's held requests
             positions = [q - h for q, h in zip(s.positions, self._held_tokens_locked(s))]
             self._sessions.add(Session(nid, slot, initialized=s.initialized, positions=positions,
-                                       pending=dict(s.pending), spec_x=dict(s.spec_x), last_used=time.monotonic()))
+                                       pending=self._pending_at_turn_locked(s), spec_x=dict(s.spec_x), last_used=time.monotonic()))
         return nid
 
     def export_state(self, session_id: str) -> torch.Tensor:
@@ -122,7 +122,7 @@ class SessionOps:
         turn: refused with :class:`BadRequest` when a speculative verify is pending (it does not travel)."""
         def op(s: Session):
             with self._lock:
-                layers = sorted(self.model_cpu.layers[q] for q in s.pending)
+                layers = sorted(self.model_cpu.layers[q] for q in self._pending_at_turn_locked(s))
             if layers:
                 raise BadRequest(f"session {s.id!r} has an un-accepted speculative verify on layer(s) {layers}; "
                                  "a fork onto another engine carries the committed state only: accept (or accept "
@@ -152,7 +152,7 @@ class SessionOps:
             self.pool.import_(s.slot, state)               # checked above: the pool's own checks cannot fire
             s.initialized = (1 << n_layers) - 1
             with self._lock:
-                s.pending.clear()
+                self._clear_pending_locked(s, self._pending_at_turn_locked(s))   # a later verify's stays
                 # the requests held behind this op keep the tokens they advanced at submit
                 base = positions if positions is not None else [0] * n_layers
                 s.positions = [q + h for q, h in zip(base, self._held_tokens_locked(s))]
@@ -194,9 +194,9 @@ class SessionOps:
                              f"{type(tokens).__name__}")
         tokens = list(tokens)
 
-        def check(ss):
-            for s, t in zip(ss, tokens):
-                self._check_pending(s, t)
+        def check(ss, views=None):
+            for i, (s, t) in enumerate(zip(ss, tokens)):
+                self._check_pending(s, t, None if views is None else views[i])
 
         return self._post_op_many(session_ids, check, lambda ss: self._op_accept_batch(ss, tokens, check))
 
@@ -223,29 +223,31 @@ class SessionOps:
             s = self._sessions.get(session_id)
             return sorted(self.model_cpu.layers[q] for q in s.pending)
 
-    def _check_pending(self, s: Session, n: int) -> None:
-        if not s.pending:
+    def _check_pending(self, s: Session, n: int, pending: Optional[dict] = None) -> None:
+        """``pending``: the op's view as of its turn (:meth:`_pending_at_turn_locked`); None: ``s.pending``."""
+        pending = s.pending if pending is None else pending
+        if not pending:
             raise BadRequest(f"session {s.id!r} has no speculative verify to accept; send a conv with "
                              "speculative=true first")
-        shortest = min(s.pending.values())[0]          # (tokens, seq) pairs: the least tokens
+        shortest = min(pending.values())[0]          # (tokens, seq) pairs: the least tokens
         if n > shortest:
             raise BadRequest(f"tokens: expected at most {shortest} (the verify's length) for session {s.id!r}, "
                              f"got {n}")
 
     def _op_accept(self, s: Session, n: int) -> None:
         with self._lock:
-            self._check_pending(s, n)
-            pending = dict(s.pending)
-            s.pending.clear()
+            pending = self._pending_at_turn_locked(s)      # not the verifies queued after this op
+            self._check_pending(s, n, pending)
+            self._clear_pending_locked(s, pending)
             self._accept_positions_locked(s, pending, n)
         self._commit_verifies([(s, pending, n)])
 
     def _op_accept_batch(self, ss: list, tokens: list, check) -> None:
         with self._lock:
-            check(ss)                                 # all or nothing: checked again as it runs
-            pending = [dict(s.pending) for s in ss]
+            pending = [self._pending_at_turn_locked(s) for s in ss]   # not the verifies queued after this op
+            check(ss, pending)                        # all or nothing: checked again as it runs
             for s, pend, n in zip(ss, pending, tokens):
-                s.pending.clear()
+                self._clear_pending_locked(s, pend)
                 self._accept_positions_locked(s, pend, n)
         self._commit_verifies(list(zip(ss, pending, tokens)))
 
