@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from convserve.clients.protocol.errors import (BadRequest, EngineTimeout, EngineUnavailable, Internal, NotReady,
-                                               PositionMismatch, ServiceError)
+                                               PositionMismatch, ServiceError, StateLost)
 
 from . import messages as m
 from ..engine.validate import all_finite
@@ -423,7 +423,9 @@ class RemoteEngine:
         results = await asyncio.gather(*futs, return_exceptions=True)
         failed = [(p, r) for p, r in zip(parts, results) if isinstance(r, BaseException)]
         if failed:
-            first = failed[0][1]
+            # a part whose step failed after its launches lost its sessions' state: that (410) is what the client
+            # must learn, not another part's retryable error
+            first = next((r for _p, r in failed if isinstance(r, StateLost)), failed[0][1])
             done = [sids[i] for p, r in zip(parts, results) if not isinstance(r, BaseException) for i in p[1]]
             if done and isinstance(first, ServiceError):
                 first.message += (f" (this batch was split across engines and raced with another change of its "
