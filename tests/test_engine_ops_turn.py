@@ -125,3 +125,30 @@ def test_an_accept_commits_the_verify_before_it_when_a_later_batch_verify_replac
         assert info(e, a)["positions"] == [5, 2, 0] and info(e, b)["positions"] == [5, 2, 0]
     finally:
         e.stop(drain=False)
+
+
+def test_cancelling_the_future_of_a_queued_operation_withdraws_it_and_the_engine_keeps_serving():
+    e = make_engine()
+    try:
+        a = prefilled(e)
+        go = hold(e)
+        delete = e.submit_op("delete_session", a)
+        assert delete.cancel()
+        go.set()
+        e.submit(a, LAYERS[0], torch.randn(1, DIM)).result(10)        # the session is there, the worker alive
+        assert info(e, a)["positions"] == [3, 2, 0]
+    finally:
+        e.stop(drain=False)
+
+
+def test_stop_with_a_cancelled_operation_queued_fails_the_others_and_returns():
+    e = make_engine()
+    a = prefilled(e)
+    go = hold(e)
+    cancelled = e.submit_op("export_state", a)
+    other = e.submit_op("export_state", a)
+    assert cancelled.cancel()
+    e.stop(drain=False, timeout=0.2)
+    go.set()
+    with pytest.raises(Exception, match="stopped"):
+        other.result(10)

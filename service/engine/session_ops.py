@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Optional
 
@@ -29,6 +29,14 @@ from .records import Op
 from .validate import check_accept_tokens, check_batch_sessions, check_state
 
 log = logging.getLogger("convserve.engine")
+
+
+def fail_op(op: Op, e: BaseException) -> None:
+    """Fail an op that never started, unless its caller cancelled its future meanwhile."""
+    try:
+        op.future.set_exception(e)
+    except InvalidStateError:
+        pass
 
 
 class SessionOps:
@@ -325,7 +333,9 @@ class SessionOps:
         worker thread (or by :meth:`stop`; a ``session_info`` of a session with no operation queued is done at
         once, in this call). It is ordered exactly as the method: after
         the requests and operations of its sessions submitted before this call, before those submitted after
-        it. One not started within ``request_timeout_s`` fails with :class:`RequestTimeout` and never runs;
+        it. ``future.cancel()`` withdraws it if it has not started (once started it runs to its end and the
+        cancel returns False). One not started within ``request_timeout_s`` fails with :class:`RequestTimeout`
+        and never runs;
         ``export_for_move`` is ``(export_state, its positions)``, refused while a verify is pending."""
         if name not in self.SUBMITTABLE_OPS:
             raise BadRequest(f"unknown session operation {name!r}")
@@ -387,6 +397,8 @@ class SessionOps:
         ones past their deadline that have not started (for the caller to fail, outside the lock)."""
         ready, expired, blocked, keep = [], [], set(), collections.deque()
         for op in self._ops:
+            if not op.cancelled and op.future.cancelled():     # withdrawn by its caller (submit_op's future)
+                op.cancelled = True
             if not op.cancelled and now >= op.deadline:
                 op.cancelled = True
                 expired.append(op)
@@ -402,6 +414,10 @@ class SessionOps:
                 blocked.update(ss)
                 keep.append(op)
                 continue
+            if not op.future.set_running_or_notify_cancel():   # cancelled just now: withdrawn
+                op.cancelled = True
+                self._op_done_locked(op)
+                continue
             ready.append(op)
             op.started = True     # from here it runs: a caller that times out waits for it instead (no 504)
             blocked.update(ss)    # one op per session per round: the next one sees this one's effect
@@ -410,8 +426,7 @@ class SessionOps:
 
     def _fail_expired_ops(self, ops: list) -> None:
         for op in ops:
-            if not op.future.done():
-                op.future.set_exception(self._op_timeout(op))
+            fail_op(op, self._op_timeout(op))
 
     def _next_op_deadline_locked(self) -> float:
         return min((op.deadline for op in self._ops), default=float("inf"))
