@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from convserve.clients.protocol.errors import (BadRequest, EngineTimeout, EngineUnavailable, Internal, NotReady,
-                                               PositionMismatch, ServiceError)
+                                               PositionMismatch, ServiceError, StateLost)
 
 from . import messages as m
 from ..engine.validate import all_finite
@@ -76,6 +76,9 @@ class _Link:
         self.channel = None         # the DEALER socket on this worker's loop
         self.epoch = 0
         self.pending: dict[int, _Pending] = {}
+        #: request id -> (epoch, arena block) of a conv failed by its deadline: the engine may still write y there,
+        #: so the block is not reused before its late answer (or its cancel's) arrives or its process is gone
+        self.orphans: dict[int, tuple] = {}
         self.outq: list = []          # requests without a data frame, sent together at the end of the loop's tick
 
 
@@ -214,6 +217,8 @@ class RemoteEngine:
 
     def _fail_pending(self, link: _Link, epoch: int) -> None:
         """Engine ``link.index``'s process changed: what was sent to the old one will never be answered."""
+        if link.orphans:                   # nothing writes over their blocks any more
+            link.orphans = {mid: o for mid, o in link.orphans.items() if o[0] == epoch}
         old = [p for mid, p in link.pending.items() if p.epoch != epoch]
         if not old:
             link.epoch = epoch
@@ -236,7 +241,7 @@ class RemoteEngine:
             now = self.loop.time()
             for link in self.links:
                 state, epoch = self.status.state(link.index)
-                if link.pending and (state == DOWN or epoch != link.epoch):
+                if (link.pending or link.orphans) and (state == DOWN or epoch != link.epoch):
                     self._fail_pending(link, epoch if state != DOWN else -1)
                 if link.pending:
                     self._expire(link, now)
@@ -255,6 +260,9 @@ class RemoteEngine:
                                                          "timeout_s": self.reply_timeout})
         for mid in expired:
             p = link.pending.pop(mid)
+            if p.lease is not None:                # the engine may still write y over it (see _Link.orphans)
+                link.orphans[mid] = (p.epoch, p.lease)
+                p.lease = None
             if isinstance(p.fut, _Future):         # withdrawn there if it has not started; its answer is dropped
                 try:
                     self._send(link, {"k": m.CANCEL, "i": mid, "e": p.epoch})
@@ -284,7 +292,11 @@ class RemoteEngine:
 
     def _on_answer(self, link: _Link, head: dict, data) -> None:
         p = link.pending.pop(head["i"], None)
-        if p is None or p.fut.done():
+        if p is None:
+            if link.orphans:
+                link.orphans.pop(head["i"], None)
+            return
+        if p.fut.done():
             return
         if "err" in head:
             p.fut.set_exception(m.error_of(head))
@@ -423,7 +435,9 @@ class RemoteEngine:
         results = await asyncio.gather(*futs, return_exceptions=True)
         failed = [(p, r) for p, r in zip(parts, results) if isinstance(r, BaseException)]
         if failed:
-            first = failed[0][1]
+            # a part whose step failed after its launches lost its sessions' state: that (410) is what the client
+            # must learn, not another part's retryable error
+            first = next((r for _p, r in failed if isinstance(r, StateLost)), failed[0][1])
             done = [sids[i] for p, r in zip(parts, results) if not isinstance(r, BaseException) for i in p[1]]
             if done and isinstance(first, ServiceError):
                 first.message += (f" (this batch was split across engines and raced with another change of its "

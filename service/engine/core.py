@@ -74,7 +74,7 @@ from .loop import BATCH_HIST, STEP_FIELDS, Worker
 from .outputs import deliver
 from .positions import Positions
 from .runner import Runner
-from .session_ops import SessionOps
+from .session_ops import SessionOps, fail_op
 from .snapshot import SnapshotTaking, check_content
 
 log = logging.getLogger("convserve.engine")
@@ -221,7 +221,7 @@ class Engine(Intake, SessionOps, Positions, SnapshotTaking, Worker):
     def _fail_withdrawn(self, withdrawn, why: str) -> None:
         failed, ops = withdrawn
         for op in ops:
-            op.future.set_exception(NotReady(why))
+            fail_op(op, NotReady(why))
         deliver([(r, None, NotReady(why)) for r in failed])
 
     def set_pump(self, pump, wake) -> None:

@@ -84,6 +84,8 @@ class Intake:
             q.append(req)
             s.last_used = now
             if speculative:
+                if s.ops:                         # an op queued before it reads the entry this one replaces
+                    req.displaced = s.pending.get(p)
                 s.pending[p] = (xm.shape[0], seq)
             elif position is None and not s.last:     # the common case: no answer to keep or to drop
                 s.positions[p] += req.n_tokens
@@ -358,6 +360,10 @@ class Intake:
                     vk = [v[2] for v in b.verify]
                     b.ver_cols = (vs, [s.slot for s in vs], [v[1] for v in b.verify], vk)
                     for s, k in zip(vs, vk):
+                        if s.ops:                 # see _enqueue
+                            if b.displaced is None:
+                                b.displaced = {}
+                            b.displaced[id(s)] = s.pending.get(p)
                         s.pending[p] = (k, seq)
             b.waits, b.wait_ops, b.sessions, b.slots, b.buf = list(waits.values()), wait_ops, sessions, slots, slot
             self._sched.add(req)

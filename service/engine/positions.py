@@ -245,6 +245,45 @@ class Positions:
                 held[r.layer] += sum(n for bs, n in b.adv if bs is s)
         return held
 
+    def _pending_at_turn_locked(self, s: Session) -> dict:
+        """The session's pending verifies (``layer -> (tokens, seq)``) as of the turn of the op at the head of its
+        ops: ``s.pending`` without the verifies queued after that op's barrier (set at submit, not yet run), each
+        replaced entry put back (``displaced``), newest first."""
+        pending = dict(s.pending)
+        barrier = s.barrier
+        if not pending or barrier is None:
+            return pending
+        for r in reversed(s.queue):                    # in seq order
+            if r.seq <= barrier:
+                break
+            if r.done:
+                continue
+            b = r.batch
+            if b is None:
+                if r.speculative:
+                    self._undo_pending(pending, r.layer, r.seq, r.displaced)
+            elif b.verify:
+                for vs, _a, _k in b.verify:
+                    if vs is s:
+                        self._undo_pending(pending, r.layer, r.seq, (b.displaced or {}).get(id(s)))
+        return pending
+
+    @staticmethod
+    def _undo_pending(pending: dict, p: int, seq: int, displaced) -> None:
+        if pending.get(p, (0, None))[1] == seq:
+            if displaced is None:
+                del pending[p]
+            else:
+                pending[p] = displaced
+
+    @staticmethod
+    def _clear_pending_locked(s: Session, pending: dict) -> None:
+        """Take an op's view of the pending verifies (:meth:`_pending_at_turn_locked`) off ``s.pending``: the
+        entries of verifies queued after it stay."""
+        for p, v in pending.items():
+            if s.pending.get(p) == v:
+                del s.pending[p]
+
     def _accept_positions_locked(self, s: Session, layers, n: int) -> None:
         """``accept(n)`` commits n tokens on ``layers``: they advance, and no earlier answer repeats there."""
         if n:
@@ -286,10 +325,10 @@ class Positions:
 
     # ------------------------------------------------------------------ session info and listing
 
-    def _info_locked(self, s: Session, now: float) -> dict:
+    def _info_locked(self, s: Session, now: float, pending: Optional[dict] = None) -> dict:
         layers = self.model_cpu.layers
         used = s.last_used if s.batch is None else max(s.last_used, s.batch.batch.done_at)
-        pend = sorted(s.pending.items())
+        pend = sorted((s.pending if pending is None else pending).items())
         return {"session": s.id, "layers": list(layers), "positions": list(s.positions),
                 "pending": {"layers": [layers[p] for p, _ in pend], "tokens": [t for _p, (t, _seq) in pend]},
                 "idle_s": round(max(0.0, now - used), 3)}
@@ -312,7 +351,7 @@ class Positions:
 
         def info(s: Session) -> dict:
             with self._lock:
-                out = self._info_locked(s, time.monotonic())
+                out = self._info_locked(s, time.monotonic(), self._pending_at_turn_locked(s))
                 out["positions"] = [q - h for q, h in zip(out["positions"], self._held_tokens_locked(s))]
             return out
 

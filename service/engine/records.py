@@ -30,6 +30,8 @@ class ConvRequest(Request):
     parts: Any = None            # after its step, where y lies (see Runner.execute); chunks so far while chunked
     stage: int = -1              # staging-arena ticket of x (-1: not staged)
     track: Any = None            # the positions.Answer its y is kept in (it carried a position), else None
+    displaced: Any = None        # a verify queued behind a session op: the pending entry it replaced (for the
+    #                              op's view as of its turn, Positions._pending_at_turn_locked)
 
 
 @dataclass(eq=False, slots=True)
@@ -60,6 +62,8 @@ class BatchRows(RowBatch):
     n_pre: int = 0               # prefill tokens
     adv: Any = None              # (session, tokens) of each non-speculative slice, which advanced its position;
     #                              None: a plain batch (every session by one)
+    displaced: Any = None        # id(session) -> the pending entry its verify row replaced, for a session with
+    #                              ops queued (see ConvRequest.displaced); None: none
 
 
 #: the ``session`` of every batch request (its rows' sessions are in ``request.batch.sessions``): a record that no

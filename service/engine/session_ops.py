@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Optional
 
@@ -29,6 +29,14 @@ from .records import Op
 from .validate import check_accept_tokens, check_batch_sessions, check_state
 
 log = logging.getLogger("convserve.engine")
+
+
+def fail_op(op: Op, e: BaseException) -> None:
+    """Fail an op that never started, unless its caller cancelled its future meanwhile."""
+    try:
+        op.future.set_exception(e)
+    except InvalidStateError:
+        pass
 
 
 class SessionOps:
@@ -106,7 +114,7 @@ class SessionOps:
             # the fork holds the state as of this op's turn: not the tokens of the source's held requests
             positions = [q - h for q, h in zip(s.positions, self._held_tokens_locked(s))]
             self._sessions.add(Session(nid, slot, initialized=s.initialized, positions=positions,
-                                       pending=dict(s.pending), spec_x=dict(s.spec_x), last_used=time.monotonic()))
+                                       pending=self._pending_at_turn_locked(s), spec_x=dict(s.spec_x), last_used=time.monotonic()))
         return nid
 
     def export_state(self, session_id: str) -> torch.Tensor:
@@ -122,7 +130,7 @@ class SessionOps:
         turn: refused with :class:`BadRequest` when a speculative verify is pending (it does not travel)."""
         def op(s: Session):
             with self._lock:
-                layers = sorted(self.model_cpu.layers[q] for q in s.pending)
+                layers = sorted(self.model_cpu.layers[q] for q in self._pending_at_turn_locked(s))
             if layers:
                 raise BadRequest(f"session {s.id!r} has an un-accepted speculative verify on layer(s) {layers}; "
                                  "a fork onto another engine carries the committed state only: accept (or accept "
@@ -152,7 +160,7 @@ class SessionOps:
             self.pool.import_(s.slot, state)               # checked above: the pool's own checks cannot fire
             s.initialized = (1 << n_layers) - 1
             with self._lock:
-                s.pending.clear()
+                self._clear_pending_locked(s, self._pending_at_turn_locked(s))   # a later verify's stays
                 # the requests held behind this op keep the tokens they advanced at submit
                 base = positions if positions is not None else [0] * n_layers
                 s.positions = [q + h for q, h in zip(base, self._held_tokens_locked(s))]
@@ -194,9 +202,9 @@ class SessionOps:
                              f"{type(tokens).__name__}")
         tokens = list(tokens)
 
-        def check(ss):
-            for s, t in zip(ss, tokens):
-                self._check_pending(s, t)
+        def check(ss, views=None):
+            for i, (s, t) in enumerate(zip(ss, tokens)):
+                self._check_pending(s, t, None if views is None else views[i])
 
         return self._post_op_many(session_ids, check, lambda ss: self._op_accept_batch(ss, tokens, check))
 
@@ -223,29 +231,31 @@ class SessionOps:
             s = self._sessions.get(session_id)
             return sorted(self.model_cpu.layers[q] for q in s.pending)
 
-    def _check_pending(self, s: Session, n: int) -> None:
-        if not s.pending:
+    def _check_pending(self, s: Session, n: int, pending: Optional[dict] = None) -> None:
+        """``pending``: the op's view as of its turn (:meth:`_pending_at_turn_locked`); None: ``s.pending``."""
+        pending = s.pending if pending is None else pending
+        if not pending:
             raise BadRequest(f"session {s.id!r} has no speculative verify to accept; send a conv with "
                              "speculative=true first")
-        shortest = min(s.pending.values())[0]          # (tokens, seq) pairs: the least tokens
+        shortest = min(pending.values())[0]          # (tokens, seq) pairs: the least tokens
         if n > shortest:
             raise BadRequest(f"tokens: expected at most {shortest} (the verify's length) for session {s.id!r}, "
                              f"got {n}")
 
     def _op_accept(self, s: Session, n: int) -> None:
         with self._lock:
-            self._check_pending(s, n)
-            pending = dict(s.pending)
-            s.pending.clear()
+            pending = self._pending_at_turn_locked(s)      # not the verifies queued after this op
+            self._check_pending(s, n, pending)
+            self._clear_pending_locked(s, pending)
             self._accept_positions_locked(s, pending, n)
         self._commit_verifies([(s, pending, n)])
 
     def _op_accept_batch(self, ss: list, tokens: list, check) -> None:
         with self._lock:
-            check(ss)                                 # all or nothing: checked again as it runs
-            pending = [dict(s.pending) for s in ss]
+            pending = [self._pending_at_turn_locked(s) for s in ss]   # not the verifies queued after this op
+            check(ss, pending)                        # all or nothing: checked again as it runs
             for s, pend, n in zip(ss, pending, tokens):
-                s.pending.clear()
+                self._clear_pending_locked(s, pend)
                 self._accept_positions_locked(s, pend, n)
         self._commit_verifies(list(zip(ss, pending, tokens)))
 
@@ -323,7 +333,9 @@ class SessionOps:
         worker thread (or by :meth:`stop`; a ``session_info`` of a session with no operation queued is done at
         once, in this call). It is ordered exactly as the method: after
         the requests and operations of its sessions submitted before this call, before those submitted after
-        it. One not started within ``request_timeout_s`` fails with :class:`RequestTimeout` and never runs;
+        it. ``future.cancel()`` withdraws it if it has not started (once started it runs to its end and the
+        cancel returns False). One not started within ``request_timeout_s`` fails with :class:`RequestTimeout`
+        and never runs;
         ``export_for_move`` is ``(export_state, its positions)``, refused while a verify is pending."""
         if name not in self.SUBMITTABLE_OPS:
             raise BadRequest(f"unknown session operation {name!r}")
@@ -385,6 +397,8 @@ class SessionOps:
         ones past their deadline that have not started (for the caller to fail, outside the lock)."""
         ready, expired, blocked, keep = [], [], set(), collections.deque()
         for op in self._ops:
+            if not op.cancelled and op.future.cancelled():     # withdrawn by its caller (submit_op's future)
+                op.cancelled = True
             if not op.cancelled and now >= op.deadline:
                 op.cancelled = True
                 expired.append(op)
@@ -400,6 +414,10 @@ class SessionOps:
                 blocked.update(ss)
                 keep.append(op)
                 continue
+            if not op.future.set_running_or_notify_cancel():   # cancelled just now: withdrawn
+                op.cancelled = True
+                self._op_done_locked(op)
+                continue
             ready.append(op)
             op.started = True     # from here it runs: a caller that times out waits for it instead (no 504)
             blocked.update(ss)    # one op per session per round: the next one sees this one's effect
@@ -408,8 +426,7 @@ class SessionOps:
 
     def _fail_expired_ops(self, ops: list) -> None:
         for op in ops:
-            if not op.future.done():
-                op.future.set_exception(self._op_timeout(op))
+            fail_op(op, self._op_timeout(op))
 
     def _next_op_deadline_locked(self) -> float:
         return min((op.deadline for op in self._ops), default=float("inf"))

@@ -1,0 +1,92 @@
+"""The worker's side of engine answers, with no engine processes (the answers are stood in for): the error of a
+batch split across engines one part of which failed; the arena block of a conv the engine did not answer in
+time."""
+
+import asyncio
+
+import pytest
+import torch
+
+from convserve.clients.protocol.errors import OutOfMemory, RequestTimeout, StateLost
+from convserve.service.cluster.remote import RemoteEngine
+
+
+def _split(results: dict):
+    """``_split_batch`` of two sessions, one on each of engines 0 and 1, whose parts answer ``results[e]``."""
+    r = RemoteEngine.__new__(RemoteEngine)
+    r.dim = 4
+
+    async def call(e, head, data=None):
+        return {"ok": None}, None
+
+    async def main():
+        loop = asyncio.get_running_loop()
+
+        def conv(e, head, x, rows=None):
+            f = loop.create_future()
+            got = results[e]
+            if isinstance(got, BaseException):
+                f.set_exception(got)
+            else:
+                f.set_result(torch.zeros(len(rows), 4))
+            return f
+
+        r._call, r._conv = call, conv
+        return await r._split_batch({0: [0], 1: [1]}, ["a", "b"], 1, torch.zeros(2, 4), None, None)
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("other", [OutOfMemory("oom", retry_after=1), RequestTimeout("late")])
+def test_a_split_batch_with_a_part_whose_step_lost_its_state_answers_410_whatever_the_other_part_got(other):
+    with pytest.raises(StateLost, match="lost"):
+        _split({0: other, 1: StateLost("the state of 'b' was lost")})
+
+
+def test_a_split_batch_with_a_lost_part_and_an_applied_part_says_which_was_applied():
+    with pytest.raises(StateLost, match=r"slices of \['a'\] were applied"):
+        _split({0: None, 1: StateLost("the state of 'b' was lost")})
+
+
+def test_a_conv_the_engine_did_not_answer_in_time_keeps_its_arena_block_until_the_engine_answers_it():
+    """The engine may still write y over x's block (its step had started): the block must not go to another
+    request before the engine's late answer (or its cancel's) arrives, or its process is gone."""
+    import gc
+    import weakref
+
+    import numpy as np
+
+    from convserve.clients.protocol.errors import EngineTimeout
+    from convserve.service.cluster.remote import _Future, _Link, _Pending
+
+    r = RemoteEngine.__new__(RemoteEngine)
+    r.devices, r.reply_timeout, r.dim = ["cpu"], 1.0, 4
+    sent = []
+    r._send = lambda link, head, data=None: sent.append(head)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        r.loop = loop
+        link = _Link(0)
+        refs = []
+        for mid in (7, 8):
+            lease = np.zeros(16, np.uint8)
+            refs.append(weakref.ref(lease))
+            link.pending[mid] = _Pending(_Future(loop=loop), lease, 1, torch.float32, (1, 4), None, 0.0, "this conv")
+        futs = [link.pending[7].fut, link.pending[8].fut]
+        del lease
+        r._expire(link, loop.time())
+        for f in futs:
+            with pytest.raises(EngineTimeout):
+                await f
+        assert [h["k"] for h in sent] == ["x", "x"]            # withdrawn there if not started
+        gc.collect()
+        assert refs[0]() is not None and refs[1]() is not None
+        r._on_answer(link, {"i": 7, "ok": True}, None)         # the late answer: the block is free again
+        gc.collect()
+        assert refs[0]() is None and refs[1]() is not None
+        r._fail_pending(link, 2)                               # engine 0's process changed: nothing writes there
+        gc.collect()
+        assert refs[1]() is None
+
+    asyncio.run(main())
