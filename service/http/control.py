@@ -18,6 +18,7 @@ from fastapi.responses import Response
 
 from convserve.clients.protocol import wire
 from convserve.clients.protocol.errors import NotReady
+from convserve.clients.protocol.ids import check_session_id
 from convserve.service.http.asgi import header, render, wants_json
 from convserve.service.http.errors import error_response
 from convserve.service.http.parse import parse_body, read_body
@@ -41,6 +42,11 @@ def add_control_routes(app: FastAPI, svc: Service) -> None:
             return {}
         return await svc.decode(len(body), parse_body, request.scope, body, svc.max_body, svc.max_objects,
                                 svc.max_json)
+
+    def path_session(session: str) -> str:
+        """The ``{id}`` of a ``/v1/sessions/{id}[/...]`` path, by the rule a create applies to the id it is given:
+        an id no create could have made is a 400 naming the rule, not a 404."""
+        return check_session_id(session, "the session id in the path")
 
     # --- health and metrics (no API key)
 
@@ -105,23 +111,27 @@ def add_control_routes(app: FastAPI, svc: Service) -> None:
 
     @app.get("/v1/sessions/{session}")
     async def session_info(session: str, request: Request):
+        path_session(session)
         svc.require_ready()
         return reply(request, await asyncio.to_thread(engine.session_info, session))
 
     @app.delete("/v1/sessions/{session}", status_code=204)
     async def delete_session(session: str):
+        path_session(session)
         svc.require_ready()
         await asyncio.to_thread(engine.delete_session, session)
         return Response(status_code=204)
 
     @app.post("/v1/sessions/{session}/fork", status_code=201)
     async def fork_session(session: str, request: Request):
+        path_session(session)
         svc.require_ready()
         new_id = parser.new_session_id(await read(request))
         return reply(request, {"session": await asyncio.to_thread(engine.fork_session, session, new_id)}, 201)
 
     @app.get("/v1/sessions/{session}/state")
     async def export_state(session: str, request: Request):
+        path_session(session)
         svc.require_ready()
         state = await asyncio.to_thread(engine.export_state, session)
         as_json = wants_json(request.scope)
@@ -131,6 +141,7 @@ def add_control_routes(app: FastAPI, svc: Service) -> None:
 
     @app.put("/v1/sessions/{session}/state", status_code=204)
     async def import_state(session: str, request: Request):
+        path_session(session)
         svc.require_ready()
         state = parser.state(await read(request))
         await asyncio.to_thread(engine.import_state, session, state)  # NaN/Inf -> non_finite (engine)
@@ -145,6 +156,7 @@ def add_control_routes(app: FastAPI, svc: Service) -> None:
 
     @app.post("/v1/sessions/{session}/accept", status_code=204)
     async def accept(session: str, request: Request):
+        path_session(session)
         svc.require_ready()
         n = parser.accept_tokens(await read(request))
         await asyncio.to_thread(engine.accept, session, n)
