@@ -140,6 +140,14 @@ def bind_socket(settings: Settings):
     return sock
 
 
+def cannot_listen(settings: Settings, e: OSError) -> str:
+    """The one line ``serve`` ends with when :func:`bind_socket` fails (the port is taken, or not ours), whichever
+    the layout (engine processes, or ``--workers 0``); the exit status is 2."""
+    log.error("cannot listen", extra={"host": settings.host, "port": settings.port, "error": str(e)})
+    return (f"cannot listen on {settings.host}:{settings.port} ({e.strerror or e}); stop what holds it or pick "
+            "another --port (--port 0 picks a free one)")
+
+
 #: descriptors a process needs besides its connections: the listening socket, logs, the engine links, the shared
 #: memory, the prometheus files, the parser threads
 FD_RESERVE = 256
@@ -253,18 +261,24 @@ def serve(settings: Settings, key_on_command_line: bool = False) -> int:
     from convserve.service.http.app import create_app
 
     sys.setswitchinterval(settings.gil_switch_interval_us * 1e-6)
+    try:       # before the model is built, as the supervisor does: a taken port is one line and exit 2
+        sock = bind_socket(settings)
+    except OSError as e:
+        print(f"convserve: {cannot_listen(settings, e)}", file=sys.stderr)
+        return EXIT_CONFIG
     try:
         engine = build_engine(settings.model_copy(update={"device": devices[0]}))
     except (ConfigError, ValueError, OSError) as e:
         log.error("cannot build the model", extra={"error": str(e)})
         print(f"convserve: cannot build the model: {e}", file=sys.stderr)
+        sock.close()
         return EXIT_CONFIG
     snapshots = None
     if settings.state_dir is not None:
         from convserve.service.snapshots import Snapshotter
 
         snapshots = Snapshotter(engine, settings, 0, 1, devices[0])
-    rc = run_app(settings, create_app(settings, engine, snapshots=snapshots))
+    rc = run_app(settings, create_app(settings, engine, snapshots=snapshots), sockets=[sock])
     if rc == 0:
         log.info("stopped")
     return rc

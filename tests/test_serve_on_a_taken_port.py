@@ -1,4 +1,5 @@
-"""`convserve serve` on a port that another process holds: one line saying so and how to pick another, exit 2."""
+"""`convserve serve` on a port that another process holds: one line saying so and how to pick another, exit 2, in
+both layouts (engine processes behind HTTP workers, and ``--workers 0``: the engine in the one process)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,13 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_a_taken_port_exits_2_with_one_line_naming_it_and_no_traceback():
+@pytest.mark.parametrize("workers", ["1", "0"], ids=["engine-processes", "workers-0"])
+def test_a_taken_port_exits_2_with_one_line_naming_it_and_no_traceback(workers):
     holder = socket.socket()
     holder.bind(("127.0.0.1", 0))
     holder.listen(1)
@@ -18,10 +22,12 @@ def test_a_taken_port_exits_2_with_one_line_naming_it_and_no_traceback():
     env = {k: v for k, v in os.environ.items() if not k.startswith("CONVSERVE_")}
     try:
         r = subprocess.run([sys.executable, "-m", "convserve.service", "serve", "--port", str(port), "--device", "cpu",
-                            "--workers", "1", "--layers", "1", "--dim", "8", "--slots", "2"],
+                            "--workers", workers, "--layers", "1", "--dim", "8", "--slots", "2"],
                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     finally:
         holder.close()
     assert r.returncode == 2, r.stderr[-2000:]
-    assert f"convserve: cannot listen on 127.0.0.1:{port}" in r.stderr and "--port 0 picks a free one" in r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("convserve: ")]
+    assert lines == [f"convserve: cannot listen on 127.0.0.1:{port} (Address already in use); stop what holds it "
+                     "or pick another --port (--port 0 picks a free one)"], r.stderr[-2000:]
     assert "Traceback" not in r.stderr, r.stderr[-2000:]

@@ -111,7 +111,7 @@ class Supervisor:
     # ------------------------------------------------------------------ main loop
 
     def run(self) -> int:
-        from convserve.service.cli import bind_socket
+        from convserve.service.cli import bind_socket, cannot_listen
 
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         metrics_dir = os.path.join(self.run_dir, "metrics")
@@ -126,11 +126,7 @@ class Supervisor:
             try:
                 self.sock = bind_socket(self.settings)
             except OSError as e:                # the port is taken (or not ours): one line, not a traceback
-                where = f"{self.settings.host}:{self.settings.port}"
-                log.error("cannot listen", extra={"host": self.settings.host, "port": self.settings.port,
-                                                  "error": str(e)})
-                self.start_error = (f"cannot listen on {where} ({e.strerror or e}); stop what holds it or pick "
-                                    "another --port (--port 0 picks a free one)")
+                self.start_error = cannot_listen(self.settings, e)
                 self._stop_all()
                 return 2
             host, port = self.sock.getsockname()[:2]

@@ -18,9 +18,10 @@ from fastapi.responses import Response
 
 from convserve.clients.protocol import wire
 from convserve.clients.protocol.errors import NotReady
+from convserve.clients.protocol.ids import check_session_id
 from convserve.service.http.asgi import header, render, wants_json
 from convserve.service.http.errors import error_response
-from convserve.service.http.parse import parse_body, read_body
+from convserve.service.http.parse import parse_body, read_body, refuse_body
 from convserve.service.http.replica import merge_session
 from convserve.service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
@@ -42,14 +43,25 @@ def add_control_routes(app: FastAPI, svc: Service) -> None:
         return await svc.decode(len(body), parse_body, request.scope, body, svc.max_body, svc.max_objects,
                                 svc.max_json)
 
+    async def no_body(request: Request) -> None:
+        """A GET or DELETE route takes no body: one is a 400 (before anything runs), as an unknown field is."""
+        await refuse_body(request.scope, request.receive, svc.body_timeout)
+
+    def path_session(session: str) -> str:
+        """The ``{id}`` of a ``/v1/sessions/{id}[/...]`` path, by the rule a create applies to the id it is given:
+        an id no create could have made is a 400 naming the rule, not a 404."""
+        return check_session_id(session, "the session id in the path")
+
     # --- health and metrics (no API key)
 
     @app.get("/healthz")
-    async def healthz():
+    async def healthz(request: Request):
+        await no_body(request)
         return Response(b'{"status":"ok"}', media_type="application/json")
 
     @app.get("/readyz")
     async def readyz(request: Request):
+        await no_body(request)
         engines = getattr(engine, "engines", None)
         if svc.ready and engines is not None:       # engine processes: say which are up (degraded when not all)
             rows = engines()
@@ -69,7 +81,8 @@ def add_control_routes(app: FastAPI, svc: Service) -> None:
             return error_response(request.scope, e, as_json=b"msgpack" not in accept)  # JSON unless msgpack asked
 
     @app.get("/metrics")
-    async def metrics_route():
+    async def metrics_route(request: Request):
+        await no_body(request)
         # in a thread: an engine in other processes is asked for its counters, over this loop
         return Response(await asyncio.to_thread(svc.metrics.render), media_type=METRICS_CONTENT_TYPE)
 
@@ -77,13 +90,15 @@ def add_control_routes(app: FastAPI, svc: Service) -> None:
 
     @app.get("/v1/model")
     async def model(request: Request):
+        await no_body(request)
         svc.require_ready()
         return reply(request, engine.model_info())
 
     @app.get("/v1/model/weights")
-    async def model_weights():
+    async def model_weights(request: Request):
         # the canonical safetensors file whose sha256 /v1/model reports (also the ETag, so a download can be
         # checked on its own); built by the engine on first use, so off the event loop
+        await no_body(request)
         svc.require_ready()
         body = await asyncio.to_thread(engine.model_weights)
         sha = engine.model_info()["weights_sha256"]
@@ -99,29 +114,37 @@ def add_control_routes(app: FastAPI, svc: Service) -> None:
 
     @app.get("/v1/sessions")
     async def list_sessions(request: Request):
+        await no_body(request)
         svc.require_ready()
         cursor, limit = parser.list_query(request.query_params, svc.settings.sessions_page_max)
         return reply(request, await asyncio.to_thread(engine.list_sessions, cursor, limit))
 
     @app.get("/v1/sessions/{session}")
     async def session_info(session: str, request: Request):
+        path_session(session)
+        await no_body(request)
         svc.require_ready()
         return reply(request, await asyncio.to_thread(engine.session_info, session))
 
     @app.delete("/v1/sessions/{session}", status_code=204)
-    async def delete_session(session: str):
+    async def delete_session(session: str, request: Request):
+        path_session(session)
+        await no_body(request)
         svc.require_ready()
         await asyncio.to_thread(engine.delete_session, session)
         return Response(status_code=204)
 
     @app.post("/v1/sessions/{session}/fork", status_code=201)
     async def fork_session(session: str, request: Request):
+        path_session(session)
         svc.require_ready()
         new_id = parser.new_session_id(await read(request))
         return reply(request, {"session": await asyncio.to_thread(engine.fork_session, session, new_id)}, 201)
 
     @app.get("/v1/sessions/{session}/state")
     async def export_state(session: str, request: Request):
+        path_session(session)
+        await no_body(request)
         svc.require_ready()
         state = await asyncio.to_thread(engine.export_state, session)
         as_json = wants_json(request.scope)
@@ -131,6 +154,7 @@ def add_control_routes(app: FastAPI, svc: Service) -> None:
 
     @app.put("/v1/sessions/{session}/state", status_code=204)
     async def import_state(session: str, request: Request):
+        path_session(session)
         svc.require_ready()
         state = parser.state(await read(request))
         await asyncio.to_thread(engine.import_state, session, state)  # NaN/Inf -> non_finite (engine)
@@ -145,6 +169,7 @@ def add_control_routes(app: FastAPI, svc: Service) -> None:
 
     @app.post("/v1/sessions/{session}/accept", status_code=204)
     async def accept(session: str, request: Request):
+        path_session(session)
         svc.require_ready()
         n = parser.accept_tokens(await read(request))
         await asyncio.to_thread(engine.accept, session, n)

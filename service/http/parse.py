@@ -91,6 +91,40 @@ async def _read_body(scope, receive, max_bytes: int):
     return b"".join(chunks)
 
 
+async def refuse_body(scope, receive, timeout: Optional[float] = None) -> None:
+    """For a route that takes no body (GET, DELETE): :class:`BadRequest` when the request carries one, nothing when
+    it has none (no body, an empty chunked one, ``Content-Length: 0``). A ``Content-Length`` above 0 is refused
+    without reading the body; a body without a length (chunked) is read up to its first non-empty chunk."""
+    cl = header(scope, b"content-length")
+    if cl is not None:
+        try:
+            n = int(cl)
+        except ValueError:
+            raise BadRequest("Content-Length is not an integer") from None
+        if n > 0:
+            raise _takes_no_body(scope, f"a body of {n} bytes")
+    try:
+        async with asyncio.timeout(timeout):
+            while True:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    raise ClientGone()
+                if msg.get("body"):
+                    raise _takes_no_body(scope, "a body")
+                if not msg.get("more_body", False):
+                    return
+    except TimeoutError:
+        raise BodyTimeout(f"the request body did not arrive within {timeout:g} s; this route takes no body: send "
+                          "the request without one") from None
+
+
+def _takes_no_body(scope, got: str) -> BadRequest:
+    route = scope.get("route")
+    path = route.path if route is not None else scope["path"]
+    return BadRequest(f"{scope['method']} {path} takes no body, got {got}; send the request without one (its "
+                      "arguments are in the path and the query string)")
+
+
 def _too_large(max_bytes: int) -> PayloadTooLarge:
     return PayloadTooLarge(f"the body exceeds the limit of {max_bytes} bytes; send fewer tokens per request (split "
                            "a prefill into chunks) or raise --max-body-bytes")

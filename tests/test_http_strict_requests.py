@@ -1,0 +1,97 @@
+"""Strict requests on the routes that take their arguments in the path: a body on a route that takes none (GET,
+DELETE) is a 400 saying so, and a ``{id}`` in a path that is not a session id is a 400 naming the rule a create
+applies; neither changes any state. Over both layouts (the shared ``server``)."""
+
+from __future__ import annotations
+
+import uuid
+
+import httpx
+import pytest
+
+from convserve.clients.protocol import wire
+
+#: every route of the routes table that takes no body ({id}: a live session)
+BODILESS = [("GET", "/healthz"), ("GET", "/readyz"), ("GET", "/metrics"), ("GET", "/v1/model"),
+            ("GET", "/v1/model/weights"), ("GET", "/v1/sessions"), ("GET", "/v1/sessions/{id}"),
+            ("GET", "/v1/sessions/{id}/state"), ("DELETE", "/v1/sessions/{id}")]
+#: every route with {id} in its path, with a body it would accept
+ID_ROUTES = [("GET", "/v1/sessions/{id}", None), ("DELETE", "/v1/sessions/{id}", None),
+             ("POST", "/v1/sessions/{id}/fork", {}), ("GET", "/v1/sessions/{id}/state", None),
+             ("PUT", "/v1/sessions/{id}/state", {"state": {"dtype": "float32", "shape": [1], "data": b"\0" * 4}}),
+             ("POST", "/v1/sessions/{id}/accept", {"tokens": 0})]
+#: ids no create accepts, as they appear in a URL path (percent-encoded), and as the server decodes them
+BAD_IDS = [("a%20b", "a b"), ("a%21b", "a!b"), ("x" * 129, "x" * 129), ("%C3%A9", "\u00e9")]
+
+
+def _exists(api, sid) -> bool:
+    st, _, _ = api.call("GET", f"/v1/sessions/{sid}")
+    assert st in (200, 404)
+    return st == 200
+
+
+@pytest.mark.parametrize("method,route", BODILESS, ids=[f"{m} {r}" for m, r in BODILESS])
+def test_a_body_on_a_route_that_takes_none_is_a_400_saying_the_route_takes_no_body(api, method, route):
+    sid = api.session()
+    path = route.replace("{id}", sid)
+    st, obj, _ = api.call(method, path, raw=wire.packb({"session": sid}))
+    assert st == 400, obj
+    assert obj["error"]["code"] == "bad_request"
+    msg = obj["error"]["message"]
+    assert f"{method} {route.replace('{id}', '{session}')} takes no body" in msg and "without one" in msg
+    assert _exists(api, sid)                           # nothing ran: a DELETE with a body deleted nothing
+    api.call("DELETE", f"/v1/sessions/{sid}")
+
+
+def test_a_delete_with_a_body_is_a_400_and_the_session_still_exists(api):
+    sid = api.session()
+    before = api.state(sid)
+    st, obj, _ = api.call("DELETE", f"/v1/sessions/{sid}", raw=b'{"force": true}',
+                          headers={"content-type": "application/json"})
+    assert st == 400 and obj["error"]["code"] == "bad_request" and "takes no body" in obj["error"]["message"]
+    assert _exists(api, sid) and bool((api.state(sid) == before).all())
+    st, _, _ = api.call("DELETE", f"/v1/sessions/{sid}")
+    assert st == 204 and not _exists(api, sid)
+
+
+@pytest.mark.parametrize("method,route", BODILESS, ids=[f"{m} {r}" for m, r in BODILESS])
+def test_a_chunked_body_on_a_route_that_takes_none_is_a_400_too(server, api, method, route):
+    sid = api.session()
+    r = httpx.request(method, server.url + route.replace("{id}", sid), content=iter([b"\x80"]),
+                      headers={"accept": "application/json"})
+    assert "content-length" not in r.request.headers                     # sent chunked
+    assert r.status_code == 400 and "takes no body" in r.json()["error"]["message"], r.content[:300]
+    assert _exists(api, sid)
+    api.call("DELETE", f"/v1/sessions/{sid}")
+
+
+@pytest.mark.parametrize("how", ["content-length-0", "empty-chunked"])
+def test_an_empty_body_stays_fine_on_the_routes_that_take_none(server, api, how):
+    content = b"" if how == "content-length-0" else iter([b""])
+    headers = {"content-length": "0"} if how == "content-length-0" else {}
+    for method, route in BODILESS:
+        sid = api.session()
+        r = httpx.request(method, server.url + route.replace("{id}", sid), content=content, headers=headers)
+        assert r.status_code in (200, 204), (method, route, r.content[:300])
+        if method != "DELETE":
+            api.call("DELETE", f"/v1/sessions/{sid}")
+
+
+@pytest.mark.parametrize("method,route,body", ID_ROUTES, ids=[f"{m} {r}" for m, r, _ in ID_ROUTES])
+@pytest.mark.parametrize("raw,decoded", BAD_IDS, ids=["space", "bang", "129-chars", "non-ascii"])
+def test_an_invalid_session_id_in_a_path_is_a_400_naming_the_rule_create_applies(api, method, route, body, raw,
+                                                                                 decoded):
+    st, created, _ = api.call("POST", "/v1/sessions", {"session": decoded})
+    assert st == 400                                   # create refuses this id ...
+    rule = created["error"]["message"].split(": ", 1)[1]
+    st, obj, _ = api.call(method, route.replace("{id}", raw), body)
+    assert st == 400, obj                              # ... and so does every route naming it in its path
+    assert obj["error"]["code"] == "bad_request"
+    assert obj["error"]["message"] == f"the session id in the path: {rule}"
+
+
+def test_a_fork_of_an_invalid_path_id_creates_nothing(api):
+    new = uuid.uuid4().hex
+    st, obj, _ = api.call("POST", "/v1/sessions/a%20b/fork", {"session": new})
+    assert st == 400 and "the session id in the path" in obj["error"]["message"]
+    assert not _exists(api, new)
