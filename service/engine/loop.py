@@ -135,6 +135,8 @@ class Worker:
                     self._wait(max(wait, 0.0))
             if expired_ops:
                 self._fail_expired_ops(expired_ops)
+            if self._turn_out:           # requests refused at their turn as a withdrawn or expired op left
+                self._deliver_turns()
             if ops:
                 self._run_ops(ops)
             if self._snap_request is not None:
