@@ -3,6 +3,8 @@ pending-verify and position checks read the session as the operations before it 
 cancelled or expired), and a conv refused there gets the error the check at submit gives, with nothing applied.
 A create of an id whose delete is queued runs after that delete."""
 
+import time
+
 import pytest
 import torch
 
@@ -196,3 +198,35 @@ def test_a_create_behind_a_delete_that_is_withdrawn_is_refused_at_its_turn(e):
     with pytest.raises(SessionExists):
         create.result(10)
     assert info(e, a)["positions"] == [2, 2, 0]
+
+
+def test_a_conv_refused_as_the_withdrawn_accept_before_it_leaves_is_answered_at_once(e):
+    a = prefilled(e)
+    e.submit(a, LAYERS[0], torch.randn(3, DIM), speculative=True).result(10)
+    go = hold(e)
+    acc = e.submit_op("accept", a, 3)
+    conv = e.submit(a, LAYERS[0], torch.randn(1, DIM))
+    assert acc.cancel()
+    go.set()
+    t0 = time.monotonic()
+    with pytest.raises(BadRequest, match="un-accepted speculative verify"):
+        conv.result(10)
+    assert time.monotonic() - t0 < 1.0                             # not at the worker's next idle wake-up
+    assert info(e, a)["positions"] == [2, 2, 0]
+
+
+def test_a_verify_refused_at_its_turn_leaves_the_verify_it_was_sent_to_replace_pending(e):
+    a = prefilled(e)
+    e.submit(a, LAYERS[0], torch.randn(3, DIM), speculative=True).result(10)
+    go = hold(e)
+    exp = e.submit_op("export_state", a)
+    v2 = e.submit(a, LAYERS[0], torch.randn(2, DIM), speculative=True, position=9)
+    v3 = e.submit(a, LAYERS[0], torch.randn(1, DIM), speculative=True, position=9)
+    go.set()
+    exp.result(10)
+    for v in (v2, v3):
+        with pytest.raises(PositionMismatch):
+            v.result(10)
+    assert info(e, a)["pending"] == {"layers": [LAYERS[0]], "tokens": [3]}   # as if refused at submit
+    e.accept(a, 3)
+    assert info(e, a)["positions"] == [5, 2, 0]

@@ -12,6 +12,7 @@ of :class:`Engine` and shares its state.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from concurrent.futures import Future
 from typing import Optional, Sequence
@@ -19,7 +20,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from convserve.clients.protocol.errors import (BadRequest, PayloadTooLarge, PositionMismatch, QueueFull,
+from convserve.clients.protocol.errors import (BadRequest, Internal, PayloadTooLarge, PositionMismatch, QueueFull,
                                                RequestTimeout, ShapeMismatch)
 
 from ..sessions import Session
@@ -153,6 +154,11 @@ class Intake:
             self._withdraw_turn_locked(r)
             self._turn_out.append((r, None, e))
             return
+        except Exception as e:  # noqa: BLE001 - this runs on the worker: the request fails, not the engine
+            logging.getLogger("convserve.engine").exception("checking a deferred conv at its turn failed")
+            self._withdraw_turn_locked(r)
+            self._turn_out.append((r, None, Internal(f"checking this conv at its turn failed: {e}; nothing ran")))
+            return
         if not r.speculative and (r.track is not None or s.last):   # now the layer's last applied request
             old = s.last.pop(p, None)
             if old is not None:
@@ -162,8 +168,35 @@ class Intake:
                 r.track.refs += 1
 
     def _withdraw_turn_locked(self, r: ConvRequest) -> None:
-        if self._sched.cancel(r):                    # it cannot have started: the barrier held it back
-            self._retire_locked(r, ok=False)
+        """Withdraw a deferred request at its turn as if it had never been queued: its tokens given back, and, for
+        a verify, the pending entry it replaced at submit back in its place if that verify still is one (queued,
+        or run and neither accepted nor discarded since: its x is in ``spec_x``); a later verify that replaced
+        this one's entry is pointed at that entry instead (its ``displaced``, for the views as of a turn)."""
+        if not self._sched.cancel(r):                # it cannot have started: the barrier held it back
+            return
+        s, p = r.session, r.layer
+        mine = (r.n_tokens, r.seq)
+        was = s.pending.get(p)
+        self._retire_locked(r, ok=False)
+        if not r.speculative:
+            return
+        back = r.displaced
+        if back is not None and s.spec_x.get(p) != back[1] and \
+                not any(q.seq == back[1] and not q.done for q in s.queue):
+            back = None                              # it failed, or was accepted or discarded
+        if was == mine:
+            if back is not None:
+                s.pending[p] = back
+            return
+        for q in s.queue:
+            if q.done or q.layer != p:
+                continue
+            b = q.batch
+            if b is None:
+                if q.displaced == mine:
+                    q.displaced = back
+            elif b.displaced and b.displaced.get(id(s)) == mine:
+                b.displaced[id(s)] = back
 
     def _deliver_turns(self) -> None:
         """Answer the deferred requests refused (or repeats answered) at their turn; outside the engine lock.

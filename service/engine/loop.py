@@ -122,8 +122,8 @@ class Worker:
                     draining = self._state != "running"
                     # a session op waiting for its session's requests runs them without the delay window
                     if ops or expired_ops or sched.ready(now) or ((draining or self._ops) and sched.depth) or \
-                            self._snap_request is not None:
-                        break
+                            self._snap_request is not None or self._turn_out:   # (refusals made by the op
+                        break                                                  # withdrawals above: answer now)
                     if draining and not self._ops and not sched.depth:
                         return
                     deadline = sched.next_deadline()

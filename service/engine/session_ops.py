@@ -199,13 +199,16 @@ class SessionOps:
     def accept(self, session_id: str, n_tokens: int) -> None:
         """Commit the session's pending speculative verify: every layer with one takes the state after its first
         ``n_tokens`` tokens (0 discards the verify). Raises :class:`BadRequest` when no verify is pending or
-        ``n_tokens`` is outside ``[0, T]``."""
+        ``n_tokens`` is outside ``[0, T]`` (checked at the call, and again at its turn; only at its turn when
+        another operation of the session is queued: a verify queued before it may yet be refused at its own)."""
         self._wait_op(self._post_accept(session_id, n_tokens))
 
     def _post_accept(self, session_id: str, n_tokens: int) -> Op:
         check_accept_tokens(n_tokens)
         with self._lock:
-            self._check_pending(self._sessions.get(session_id), n_tokens)
+            s = self._sessions.get(session_id)
+            if not s.ops:     # else at its turn only: a verify queued before it may yet be refused at its own
+                self._check_pending(s, n_tokens)
         return self._post_op(session_id, lambda s: self._op_accept(s, n_tokens))
 
     def accept_batch(self, session_ids, tokens) -> None:
@@ -229,9 +232,10 @@ class SessionOps:
                              f"{type(tokens).__name__}")
         tokens = list(tokens)
 
-        def check(ss, views=None):
+        def check(ss, views=None):          # views None: at submit, where a session with ops waits for the turn
             for i, (s, t) in enumerate(zip(ss, tokens)):
-                self._check_pending(s, t, None if views is None else views[i])
+                if views is not None or not s.ops:
+                    self._check_pending(s, t, None if views is None else views[i])
 
         return self._post_op_many(session_ids, check, lambda ss: self._op_accept_batch(ss, tokens, check))
 
