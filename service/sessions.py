@@ -45,6 +45,10 @@ class Session:
     #: ``ops[0].barrier`` (None without ops), kept as a field for the scheduler's per-request loop: the seq of the
     #: last request the oldest op waits for. The scheduler holds back this session's later requests until it ran.
     barrier: Optional[int] = None
+    #: requests submitted while ops were queued, whose checks wait for their turn (``ConvRequest.deferred``), in
+    #: arrival order; taken when the op before them is done (:meth:`Intake._take_turns_locked`). Empty when
+    #: ``ops`` is: the checks at submit need only look at ``ops``.
+    deferred: deque = field(default_factory=deque)
     #: the latest batch request (several sessions' decodes as one request) that covers this session; the
     #: session's requests submitted after it wait until it is done
     batch: Optional[object] = None

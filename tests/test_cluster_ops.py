@@ -41,9 +41,9 @@ class EngineLink:
         self.sock.close(0)
         self.ctx.term()
 
-    def conv(self, sid: str, layer: int, x: torch.Tensor) -> int:
+    def conv(self, sid: str, layer: int, x: torch.Tensor, speculative: bool = False, position=None) -> int:
         mid = next(self.ids)
-        head = {"k": m.CONV, "i": mid, "e": self.epoch, "s": sid, "l": layer, "sp": False, "po": None,
+        head = {"k": m.CONV, "i": mid, "e": self.epoch, "s": sid, "l": layer, "sp": speculative, "po": position,
                 "d": "float32", "n": x.shape[0]}
         self.sock.send_multipart([msgpack.packb(head), x.contiguous().numpy().tobytes()])
         return mid
@@ -157,3 +157,52 @@ def test_a_create_does_not_wait_for_the_operations_of_other_sessions(server, lin
     assert waiting, "the other sessions' operations were done already: the test proves nothing"
     for mid in others:
         link.reply(mid)
+
+
+# A conv received while an operation of its session is queued is checked at its turn (after that operation),
+# with the error the check at submit gives when it fails there. A long prefill keeps the operations queued.
+
+def test_a_conv_received_after_a_queued_accept_is_checked_for_a_pending_verify_at_its_turn(server, link):
+    api = Api(server.url)
+    sid = api.session()
+    long = link.conv(sid, 0, torch.randn(2048, DIM))
+    v1 = link.conv(sid, 0, torch.randn(3, DIM), speculative=True)
+    acc = link.op("accept", sid, 2)
+    conv = link.conv(sid, 0, torch.randn(1, DIM), position=2050)     # after the accept: no verify pending
+    v2 = link.conv(sid, 2, torch.randn(2, DIM), speculative=True)
+    refused = link.conv(sid, 2, torch.randn(1, DIM), position=0)     # v2 is pending at its turn
+    for mid in (long, v1, acc, conv, v2):
+        assert "err" not in link.reply(mid)[0]
+    head = link.reply(refused)[0]
+    assert head["err"] == "bad_request" and "un-accepted speculative verify" in head["m"], head
+    info = link.reply(link.op("session_info", sid))[0]["ok"]
+    assert info["positions"] == [2051, 0, 0]                          # the refused conv applied nothing
+    assert info["pending"] == {"layers": [2], "tokens": [2]}
+
+
+def test_a_conv_received_after_a_queued_import_is_checked_against_the_imported_positions(server, link):
+    api = Api(server.url)
+    sid = api.session()
+    long = link.conv(sid, 0, torch.randn(2048, DIM))
+    imp = link.op_with_state("import_state", sid, torch.randn(3, DIM, 3))
+    stale = link.conv(sid, 0, torch.randn(1, DIM), position=2048)     # the position before the import
+    fresh = link.conv(sid, 0, torch.randn(1, DIM), position=0)
+    for mid in (long, imp, fresh):
+        assert "err" not in link.reply(mid)[0]
+    head = link.reply(stale)[0]
+    assert head["err"] == "position_mismatch" and head["x"]["position"] == 0, head
+    assert link.reply(link.op("session_info", sid))[0]["ok"]["positions"] == [1, 0, 0]
+
+
+def test_a_create_received_after_a_queued_delete_of_that_id_creates_it_again(server, link):
+    api = Api(server.url)
+    sid = api.session()
+    long = link.conv(sid, 0, torch.randn(2048, DIM))
+    delete = link.op("delete_session", sid)
+    create = link.op("create_session", sid)
+    again = link.op("create_session", sid)                            # behind the first: the id exists then
+    for mid in (long, delete):
+        assert "err" not in link.reply(mid)[0]
+    assert link.reply(create)[0]["ok"] == sid
+    assert link.reply(again)[0]["err"] == "session_exists"
+    assert link.reply(link.op("session_info", sid))[0]["ok"]["positions"] == [0, 0, 0]

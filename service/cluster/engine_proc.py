@@ -384,8 +384,9 @@ class EngineProcess:
             self._send(ans.ident, {"i": ans.mid, "ok": True}, memoryview(block.numpy()))
 
     def _op(self, ident: bytes, head: dict, data) -> None:
-        """A session operation, on the worker thread as it arrives. Create and list run here at once (no
-        session's state to wait for); the others are queued with :meth:`Engine.submit_op` here, so each is
+        """A session operation, on the worker thread as it arrives. List runs here at once (no session's state
+        to wait for), and so does a create, unless a delete of its id is queued (then it is queued behind it);
+        the others are queued with :meth:`Engine.submit_op` here, so each is
         ordered exactly where it arrived among the convs and operations of its session (as the in-process
         engine orders calls), and answered from its future; only the weights file, which concerns no session,
         is built on a thread of its own."""
@@ -395,11 +396,11 @@ class EngineProcess:
         eng = self.engine
         if name == "model_weights":
             self.pool.submit(eng.model_weights).add_done_callback(lambda f: self._op_done(ident, head, f))
-        elif name in ("create_session", "list_sessions"):
-            self._op_finished(ident, head, getattr(eng, name)(*args))
+        elif name == "list_sessions":
+            self._op_finished(ident, head, eng.list_sessions(*args))
         elif name == "create_with_state":
             sid, positions = args
-            eng.create_session(sid)
+            eng.create_session_now(sid)          # a moved session's id is new: no delete of it to wait for
             try:
                 fut = eng.submit_op("import_state", sid, self._state_of(head, data), positions)
             except BaseException:

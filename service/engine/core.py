@@ -222,6 +222,7 @@ class Engine(Intake, SessionOps, Positions, SnapshotTaking, Worker):
         failed, ops = withdrawn
         for op in ops:
             fail_op(op, NotReady(why))
+        self._deliver_turns()
         deliver([(r, None, NotReady(why)) for r in failed])
 
     def set_pump(self, pump, wake) -> None:

@@ -122,8 +122,8 @@ class Worker:
                     draining = self._state != "running"
                     # a session op waiting for its session's requests runs them without the delay window
                     if ops or expired_ops or sched.ready(now) or ((draining or self._ops) and sched.depth) or \
-                            self._snap_request is not None:
-                        break
+                            self._snap_request is not None or self._turn_out:   # (refusals made by the op
+                        break                                                  # withdrawals above: answer now)
                     if draining and not self._ops and not sched.depth:
                         return
                     deadline = sched.next_deadline()
@@ -135,6 +135,8 @@ class Worker:
                     self._wait(max(wait, 0.0))
             if expired_ops:
                 self._fail_expired_ops(expired_ops)
+            if self._turn_out:           # requests refused at their turn as a withdrawn or expired op left
+                self._deliver_turns()
             if ops:
                 self._run_ops(ops)
             if self._snap_request is not None:

@@ -18,7 +18,11 @@ sessions is undefined, whatever the position says; re-create or re-import them.
 **Checking.** A request may carry ``position``: where the client believes the session is on that layer (for a
 speculative request, the committed position it verifies from: a verify never moves it). It is compared under
 the engine lock at enqueue, so the check is atomic with the queue order. A mismatch is
-:class:`PositionMismatch` (409) with the server's position, and nothing is queued. A batch carries one position
+:class:`PositionMismatch` (409) with the server's position, and nothing is queued. A conv enqueued while an
+operation of its session is queued (it may set the positions: an import) is *deferred*: it advances the
+position at enqueue like any other, and is compared at its turn, when the operations before it are done, with
+the position as of that turn (the session's, less the tokens of it and of the requests after it); a mismatch
+there withdraws it (its tokens given back) and answers the same 409 on its future. A batch carries one position
 per session and is checked whole: every slice matches, or the batch is the retry of one applied batch, or it is
 refused whole (the error's ``position`` is the list of every session's position). A request with
 ``position > 0`` for a session this engine does not know is :class:`StateLost` (410): the client held state
@@ -117,6 +121,7 @@ class Positions:
     def _init_positions(self) -> None:
         self._answers: collections.OrderedDict = collections.OrderedDict()   # kept answers, oldest first
         self._answer_bytes = 0
+        self._turn_out: list = []       # deliveries of deferred requests refused or replayed at their turn
 
     def _session_at_locked(self, session_id, position) -> Session:
         """The live session; an unknown one is :class:`StateLost` when the client says it was past position 0."""
@@ -133,13 +138,18 @@ class Positions:
         return PositionMismatch(f"{what}; nothing ran. The server's position is {server!r} (in 'position'): "
                                 "resynchronize (GET /v1/sessions/{id}) before sending more", position=server)
 
-    def _check_position_locked(self, s: Session, p: int, position: int, n: int, speculative: bool):
-        """None when ``position`` is the layer's; the :class:`Applied` record when the request repeats the last
-        applied one; else :class:`PositionMismatch`."""
-        cur = s.positions[p]
+    def _check_position_locked(self, s: Session, p: int, position: int, n: int, speculative: bool,
+                               cur: Optional[int] = None):
+        """None when ``position`` is the layer's (``cur``: the layer's as of a deferred request's turn); the
+        :class:`Applied` record when the request repeats the last applied one; else :class:`PositionMismatch`."""
+        at_turn = cur is not None
+        if not at_turn:
+            cur = s.positions[p]
         if position == cur:
             return None
         rec = None if speculative else s.last.get(p)
+        if at_turn and rec is not None and rec.pos + rec.n != cur:
+            rec = None         # not the last request applied as of the turn (one queued after it set it)
         if rec is not None and rec.pos == position and rec.n == n:
             if rec.answer.kept:
                 return rec
@@ -225,13 +235,14 @@ class Positions:
             answer.refs = 0
             self._drop_locked(answer)
 
-    def _held_tokens_locked(self, s: Session) -> list:
+    def _held_tokens_locked(self, s: Session, barrier: Optional[int] = None) -> list:
         """Per layer, the tokens of the session's requests queued after the barrier of the op now at the head of
-        its ops (``s.barrier``), which that op holds back: its positions count them already (a position
-        advances at submit), its state does not yet. An op reads positions as of its turn by taking these off,
-        and one that sets positions adds them back."""
+        its ops (``s.barrier``; or after ``barrier``), which that op holds back: its positions count them already
+        (a position advances at submit), its state does not yet. An op reads positions as of its turn by taking
+        these off, and one that sets positions adds them back."""
         held = [0] * len(s.positions)
-        barrier = s.barrier if s.barrier is not None else float("inf")
+        if barrier is None:
+            barrier = s.barrier if s.barrier is not None else float("inf")
         for r in s.queue:
             if r.done or r.seq <= barrier:
                 continue
@@ -245,12 +256,13 @@ class Positions:
                 held[r.layer] += sum(n for bs, n in b.adv if bs is s)
         return held
 
-    def _pending_at_turn_locked(self, s: Session) -> dict:
+    def _pending_at_turn_locked(self, s: Session, barrier: Optional[int] = None) -> dict:
         """The session's pending verifies (``layer -> (tokens, seq)``) as of the turn of the op at the head of its
-        ops: ``s.pending`` without the verifies queued after that op's barrier (set at submit, not yet run), each
-        replaced entry put back (``displaced``), newest first."""
+        ops (or of the request after ``barrier``): ``s.pending`` without the verifies queued after that op's
+        barrier (set at submit, not yet run), each replaced entry put back (``displaced``), newest first."""
         pending = dict(s.pending)
-        barrier = s.barrier
+        if barrier is None:
+            barrier = s.barrier
         if not pending or barrier is None:
             return pending
         for r in reversed(s.queue):                    # in seq order
@@ -279,10 +291,21 @@ class Positions:
     @staticmethod
     def _clear_pending_locked(s: Session, pending: dict) -> None:
         """Take an op's view of the pending verifies (:meth:`_pending_at_turn_locked`) off ``s.pending``: the
-        entries of verifies queued after it stay."""
+        entries of verifies queued after it stay, and the entry such a verify replaced is gone for good: a view
+        as of a later turn must not put it back (it was accepted or discarded here)."""
         for p, v in pending.items():
             if s.pending.get(p) == v:
                 del s.pending[p]
+            elif p in s.pending:
+                for r in s.queue:
+                    if r.done or r.layer != p:
+                        continue
+                    b = r.batch
+                    if b is None:
+                        if r.displaced == v:
+                            r.displaced = None
+                    elif b.displaced and b.displaced.get(id(s)) == v:
+                        b.displaced[id(s)] = None
 
     def _accept_positions_locked(self, s: Session, layers, n: int) -> None:
         """``accept(n)`` commits n tokens on ``layers``: they advance, and no earlier answer repeats there."""

@@ -32,6 +32,9 @@ class ConvRequest(Request):
     track: Any = None            # the positions.Answer its y is kept in (it carried a position), else None
     displaced: Any = None        # a verify queued behind a session op: the pending entry it replaced (for the
     #                              op's view as of its turn, Positions._pending_at_turn_locked)
+    deferred: bool = False       # queued behind a session op: its checks that read the session (position,
+    #                              pending verify) run at its turn (Intake._take_turn_locked), not at submit
+    position: Any = None         # the position it carried, for that check (None: none)
 
 
 @dataclass(eq=False, slots=True)
@@ -85,6 +88,8 @@ class Op:
     #                                   FIFO of its ops; () for an op on ``session`` alone
     label: str = ""                   # the session id(s), for its errors
     deadline: float = float("inf")    # monotonic: not started by then, it fails with RequestTimeout, never runs
+    deletes: bool = False             # a delete_session: a create of its id queued behind it waits for it
+    recreates: bool = False           # a create queued behind a delete of its id: runs with its session gone
 
 
 class BatchIndex:

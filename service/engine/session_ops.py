@@ -43,17 +43,44 @@ class SessionOps:
     """The session operations of :class:`Engine` (see the module docstring)."""
 
     def create_session(self, session_id: Optional[str] = None) -> str:
-        """Create a session with a zero state; return its id (``uuid4().hex`` when None).
+        """Create a session with a zero state; return its id (``uuid4().hex`` when None). A create of an id whose
+        session has a delete queued (not yet run) is queued behind that delete, as an operation of that id, and
+        waits for it: it creates the session anew once the delete ran (:class:`SessionExists` then if the delete
+        failed or was withdrawn). Otherwise it runs at once: an id that exists is :class:`SessionExists`.
         Raises :class:`SessionExists`, :class:`PoolExhausted`, :class:`BadRequest` (bad id)."""
+        return self._wait_op(self._post_create_session(session_id))
+
+    def _post_create_session(self, session_id: Optional[str] = None) -> Op:
         if session_id is not None:
             SessionTable.check_id(session_id)
         with self._lock:
             self._check_running_locked()
-            sid = session_id if session_id is not None else SessionTable.new_id()
-            self._sessions.check_free(sid)
-            slot = self._alloc_locked()
-            self._sessions.add(Session(sid, slot, positions=[0] * self.model_cpu.n_layers,
-                                       last_used=time.monotonic()))
+            s = self._sessions.find(session_id) if session_id is not None else None
+            if s is not None and any(op.deletes and not op.cancelled for op in s.ops):
+                # behind the delete (and whatever else is queued on the id): it runs with that session gone
+                return self._queue_op_locked(s, lambda _s: self._op_create(session_id), recreates=True)
+            op = Op(None, None, Future(), -1, label=session_id or "")
+            op.future.set_result(self._create_locked(session_id))
+            return op
+
+    def create_session_now(self, session_id: Optional[str] = None) -> str:
+        """:meth:`create_session` at once, never queued: an id that exists is :class:`SessionExists` even with a
+        delete of it queued (for a caller that must not wait: the engine process's worker thread)."""
+        if session_id is not None:
+            SessionTable.check_id(session_id)
+        with self._lock:
+            self._check_running_locked()
+            return self._create_locked(session_id)
+
+    def _op_create(self, sid: str) -> str:
+        with self._lock:
+            return self._create_locked(sid)
+
+    def _create_locked(self, session_id: Optional[str]) -> str:
+        sid = session_id if session_id is not None else SessionTable.new_id()
+        self._sessions.check_free(sid)
+        slot = self._alloc_locked()
+        self._sessions.add(Session(sid, slot, positions=[0] * self.model_cpu.n_layers, last_used=time.monotonic()))
         return sid
 
     def _alloc_locked(self, fork_of: Optional[int] = None) -> int:
@@ -71,7 +98,7 @@ class SessionOps:
         self._wait_op(self._post_delete_session(session_id))
 
     def _post_delete_session(self, session_id: str) -> Op:
-        return self._post_op(session_id, self._op_delete)
+        return self._post_op(session_id, self._op_delete, deletes=True)
 
     def _op_delete(self, s: Session) -> None:
         with self._lock:
@@ -172,13 +199,16 @@ class SessionOps:
     def accept(self, session_id: str, n_tokens: int) -> None:
         """Commit the session's pending speculative verify: every layer with one takes the state after its first
         ``n_tokens`` tokens (0 discards the verify). Raises :class:`BadRequest` when no verify is pending or
-        ``n_tokens`` is outside ``[0, T]``."""
+        ``n_tokens`` is outside ``[0, T]`` (checked at the call, and again at its turn; only at its turn when
+        another operation of the session is queued: a verify queued before it may yet be refused at its own)."""
         self._wait_op(self._post_accept(session_id, n_tokens))
 
     def _post_accept(self, session_id: str, n_tokens: int) -> Op:
         check_accept_tokens(n_tokens)
         with self._lock:
-            self._check_pending(self._sessions.get(session_id), n_tokens)
+            s = self._sessions.get(session_id)
+            if not s.ops:     # else at its turn only: a verify queued before it may yet be refused at its own
+                self._check_pending(s, n_tokens)
         return self._post_op(session_id, lambda s: self._op_accept(s, n_tokens))
 
     def accept_batch(self, session_ids, tokens) -> None:
@@ -202,9 +232,10 @@ class SessionOps:
                              f"{type(tokens).__name__}")
         tokens = list(tokens)
 
-        def check(ss, views=None):
+        def check(ss, views=None):          # views None: at submit, where a session with ops waits for the turn
             for i, (s, t) in enumerate(zip(ss, tokens)):
-                self._check_pending(s, t, None if views is None else views[i])
+                if views is not None or not s.ops:
+                    self._check_pending(s, t, None if views is None else views[i])
 
         return self._post_op_many(session_ids, check, lambda ss: self._op_accept_batch(ss, tokens, check))
 
@@ -323,8 +354,8 @@ class SessionOps:
     # ------------------------------------------------------------------ op queueing (runs on the worker)
 
     #: the operations :meth:`submit_op` queues (each has a ``_post_<name>``)
-    SUBMITTABLE_OPS = ("delete_session", "fork_session", "export_state", "import_state", "accept", "accept_batch",
-                       "export_for_move", "session_info")
+    SUBMITTABLE_OPS = ("create_session", "delete_session", "fork_session", "export_state", "import_state", "accept",
+                       "accept_batch", "export_for_move", "session_info")
 
     def submit_op(self, name: str, *args) -> Future:
         """Queue the session operation ``name`` (one of :attr:`SUBMITTABLE_OPS`, arguments as its method's)
@@ -341,19 +372,21 @@ class SessionOps:
             raise BadRequest(f"unknown session operation {name!r}")
         return getattr(self, "_post_" + name)(*args).future
 
-    def _post_op(self, session_id: str, fn: Callable[[Session], Any]) -> Op:
+    def _post_op(self, session_id: str, fn: Callable[[Session], Any], deletes: bool = False) -> Op:
         """Queue ``fn(session)`` for the worker, behind the session's requests submitted so far (its barrier)
         and its earlier ops (each session's ops are a FIFO)."""
         with self._lock:
             self._check_running_locked()
-            s = self._sessions.get(session_id)
-            op = Op(s, lambda: fn(s), Future(), self._last_seq, label=session_id,
-                    deadline=time.monotonic() + self.config.request_timeout_s)
-            s.ops.append(op)
-            if len(s.ops) == 1:
-                s.barrier = op.barrier
-            self._ops.append(op)
-            self._cv.notify()
+            return self._queue_op_locked(self._sessions.get(session_id), fn, deletes=deletes)
+
+    def _queue_op_locked(self, s: Session, fn: Callable[[Session], Any], **flags) -> Op:
+        op = Op(s, lambda: fn(s), Future(), self._last_seq, label=s.id,
+                deadline=time.monotonic() + self.config.request_timeout_s, **flags)
+        s.ops.append(op)
+        if len(s.ops) == 1:
+            s.barrier = op.barrier
+        self._ops.append(op)
+        self._cv.notify()
         return op
 
     def _post_op_many(self, session_ids, check: Callable[[list], None], fn: Callable[[list], Any]) -> Op:
@@ -441,12 +474,14 @@ class SessionOps:
                 q.remove(op)
             s.last_used = now
             s.barrier = q[0].barrier if q else None
+            if s.deferred:                 # the requests this op held back may take their turn now
+                self._take_turns_locked(s)
 
     def _run_ops(self, ops: list) -> None:
         for op in ops:
             try:
                 with self._lock:
-                    for s in op.sessions or (op.session,):
+                    for s in () if op.recreates else op.sessions or (op.session,):
                         if self._sessions.get(s.id) is not s:   # deleted and re-created
                             raise UnknownSession(f"session {s.id!r} was deleted before this operation ran")
                 result = op.fn()
@@ -461,3 +496,4 @@ class SessionOps:
                 with self._lock:
                     self._op_done_locked(op)
                 op.future.set_result(result)
+            self._deliver_turns()
