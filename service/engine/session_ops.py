@@ -382,9 +382,15 @@ class SessionOps:
     def _queue_op_locked(self, s: Session, fn: Callable[[Session], Any], **flags) -> Op:
         op = Op(s, lambda: fn(s), Future(), self._last_seq, label=s.id,
                 deadline=time.monotonic() + self.config.request_timeout_s, **flags)
-        s.ops.append(op)
-        if len(s.ops) == 1:
-            s.barrier = op.barrier
+        return self._enqueue_op_locked(op, (s,))
+
+    def _enqueue_op_locked(self, op: Op, sessions) -> Op:
+        """Put ``op`` at the end of each session's FIFO of ops (the first one there sets the session's barrier)
+        and of the worker's queue."""
+        for s in sessions:
+            s.ops.append(op)
+            if len(s.ops) == 1:
+                s.barrier = op.barrier
         self._ops.append(op)
         self._cv.notify()
         return op
@@ -398,13 +404,7 @@ class SessionOps:
             check(ss)
             op = Op(ss[0], lambda: fn(ss), Future(), self._last_seq, sessions=tuple(ss),
                     label=", ".join(session_ids), deadline=time.monotonic() + self.config.request_timeout_s)
-            for s in ss:
-                s.ops.append(op)
-                if len(s.ops) == 1:
-                    s.barrier = op.barrier
-            self._ops.append(op)
-            self._cv.notify()
-        return op
+            return self._enqueue_op_locked(op, ss)
 
     def _wait_op(self, op: Op):
         fut = op.future
