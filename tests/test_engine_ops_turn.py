@@ -1,6 +1,8 @@
 """An operation sees the session's pending speculative verify as of its turn: a verify submitted after the
 operation (held behind it, not yet run) is neither accepted, copied, refused on, nor discarded by it."""
 
+import threading
+
 import pytest
 import torch
 
@@ -132,7 +134,8 @@ def test_stop_with_a_cancelled_operation_queued_fails_the_others_and_returns():
     cancelled = e.submit_op("export_state", a)
     other = e.submit_op("export_state", a)
     assert cancelled.cancel()
+    # stop waits for the step in flight (the held one): the gate opens while stop waits
+    threading.Timer(0.3, go.set).start()
     e.stop(drain=False, timeout=0.2)
-    go.set()
     with pytest.raises(Exception, match="stopped"):
         other.result(10)
