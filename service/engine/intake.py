@@ -188,15 +188,7 @@ class Intake:
             if back is not None:
                 s.pending[p] = back
             return
-        for q in s.queue:
-            if q.done or q.layer != p:
-                continue
-            b = q.batch
-            if b is None:
-                if q.displaced == mine:
-                    q.displaced = back
-            elif b.displaced and b.displaced.get(id(s)) == mine:
-                b.displaced[id(s)] = back
+        self._redirect_displaced(s, p, mine, back)
 
     def _deliver_turns(self) -> None:
         """Answer the deferred requests refused (or repeats answered) at their turn; outside the engine lock.

@@ -297,15 +297,21 @@ class Positions:
             if s.pending.get(p) == v:
                 del s.pending[p]
             elif p in s.pending:
-                for r in s.queue:
-                    if r.done or r.layer != p:
-                        continue
-                    b = r.batch
-                    if b is None:
-                        if r.displaced == v:
-                            r.displaced = None
-                    elif b.displaced and b.displaced.get(id(s)) == v:
-                        b.displaced[id(s)] = None
+                Positions._redirect_displaced(s, p, v, None)
+
+    @staticmethod
+    def _redirect_displaced(s: Session, p: int, old, new) -> None:
+        """The queued verifies of ``s`` on layer ``p`` that replaced pending entry ``old`` at submit
+        (``displaced``: the request's own, or its batch's for ``s``) replaced ``new`` instead."""
+        for r in s.queue:
+            if r.done or r.layer != p:
+                continue
+            b = r.batch
+            if b is None:
+                if r.displaced == old:
+                    r.displaced = new
+            elif b.displaced and b.displaced.get(id(s)) == old:
+                b.displaced[id(s)] = new
 
     def _accept_positions_locked(self, s: Session, layers, n: int) -> None:
         """``accept(n)`` commits n tokens on ``layers``: they advance, and no earlier answer repeats there."""
