@@ -171,7 +171,7 @@ async def drive(transport, sessions: list, layers: list, x, warmup: float, durat
             await asyncio.gather(*(one(sid, layer) for layer in layers))
 
     # what exists now lives through the run: out of the cyclic GC's sight, as in the server's processes
-    # (service/gcfreeze.py), so that a full collection here (70-130 ms with torch imported) stalls neither these
+    # (service/gcfreeze.py), so that a full collection here (it walks every torch object) stalls neither these
     # callers nor an engine in this process
     frozen = gc.get_freeze_count()
     gc.collect()

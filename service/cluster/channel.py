@@ -17,8 +17,7 @@ import zmq
 log = logging.getLogger("convserve.channel")
 
 # plain ints: pyzmq's constants are enum flags, and ``getsockopt(zmq.EVENTS) & zmq.POLLIN`` then goes through
-# enum.Flag.__and__ and a new flag member each time (~1 µs; three of these per request and answer were 5 % of a
-# worker's samples at one session)
+# enum.Flag.__and__ and a new flag member each time, several times per request and answer
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
 
 
