@@ -2,10 +2,10 @@
 other processes.
 
 Routing: a session lives on the engine its id hashes to (:mod:`.placement`); convs and session operations go
-there. A batch whose sessions live on several engines is split: every engine first checks its part against its
-sessions (nothing queued), then the parts run in parallel and y is joined in x's row order. A fork onto another
-engine (a new id that hashes elsewhere) goes through export and import; a fork without a new id gets an id on the
-source's engine and stays there.
+there. A batch whose sessions live on several engines is split (:mod:`.split_batch`): every engine first checks
+its part against its sessions (nothing queued), then the parts run in parallel and y is joined in x's row order.
+A fork onto another engine (a new id that hashes elsewhere) goes through export and import; a fork without a new
+id gets an id on the source's engine and stays there.
 
 Data path: x is copied once, from the request body into a block of this worker's arena (:mod:`.shm`); the engine
 reads it there and writes y over it; the route answers from that block and the block is reused once the answer
@@ -31,16 +31,16 @@ import os
 from typing import Any, Optional, Sequence
 
 import msgpack
-import numpy as np
 import torch
 
 from convserve.clients.protocol.errors import (BadRequest, EngineTimeout, EngineUnavailable, Internal, NotReady,
-                                               PositionMismatch, ServiceError, StateLost)
+                                               ServiceError)
 
 from . import messages as m
 from ..engine.validate import all_finite
 from .placement import engine_of, new_id_on, split
 from .shm import Arena
+from .split_batch import check_positions, failure, parts_of, row_indices, sub
 from .status import DOWN, STOPPED, UP, StatusTable
 
 log = logging.getLogger("convserve.worker")
@@ -406,67 +406,27 @@ class RemoteEngine:
     submit_batch = submit_batch_async
 
     async def _split_batch(self, groups: dict, sids: list, layer: int, x, tokens, speculative, position=None):
-        lengths = np.ones(len(sids), np.int64) if tokens is None else np.asarray(tokens, np.int64)
-        starts = np.cumsum(lengths) - lengths
-        parts = []
-        for e, pos in groups.items():
-            spec = speculative if not isinstance(speculative, list) else [speculative[i] for i in pos]
-            parts.append((e, pos, spec))
-
-        def sub(v, pos):
-            return None if v is None else [v[i] for i in pos]
-
+        parts = parts_of(groups, speculative)
         checks = await asyncio.gather(*(self._call(e, {"k": m.CHECK, "f": "batch", "ss": sub(sids, pos), "sp": spec,
                                                        "t": sub(tokens, pos), "l": layer, "po": sub(position, pos)})
                                         for e, pos, spec in parts), return_exceptions=True)
         checks = [c if isinstance(c, BaseException) else c[0]["ok"] for c in checks]
         if position is not None:
-            self._check_split_positions(parts, checks, len(sids))
+            check_positions(parts, checks, len(sids))
         for c in checks:
             if isinstance(c, BaseException):
                 raise c
-        futs, row_ix = [], []
-        for e, pos, spec in parts:
-            rows = np.concatenate([np.arange(starts[i], starts[i] + lengths[i]) for i in pos])
-            ix = torch.from_numpy(rows)
-            row_ix.append(ix)
-            futs.append(self._conv(e, {"k": m.BATCH, "ss": sub(sids, pos), "l": layer, "t": sub(tokens, pos),
-                                       "sp": spec, "po": sub(position, pos)}, x, rows=ix))
-        results = await asyncio.gather(*futs, return_exceptions=True)
-        failed = [(p, r) for p, r in zip(parts, results) if isinstance(r, BaseException)]
-        if failed:
-            # a part whose step failed after its launches lost its sessions' state: that (410) is what the client
-            # must learn, not another part's retryable error
-            first = next((r for _p, r in failed if isinstance(r, StateLost)), failed[0][1])
-            done = [sids[i] for p, r in zip(parts, results) if not isinstance(r, BaseException) for i in p[1]]
-            if done and isinstance(first, ServiceError):
-                first.message += (f" (this batch was split across engines and raced with another change of its "
-                                  f"sessions: the slices of {done} were applied, the others not)")
-                first.args = (first.message,)
-            raise first
+        row_ix = row_indices(parts, tokens, len(sids))
+        results = await asyncio.gather(*(
+            self._conv(e, {"k": m.BATCH, "ss": sub(sids, pos), "l": layer, "t": sub(tokens, pos), "sp": spec,
+                           "po": sub(position, pos)}, x, rows=ix)
+            for (e, pos, spec), ix in zip(parts, row_ix)), return_exceptions=True)
+        if any(isinstance(r, BaseException) for r in results):
+            raise failure(parts, results, sids)
         y = torch.empty((x.shape[0], self.dim), dtype=x.dtype)
         for ix, r in zip(row_ix, results):
             y.index_copy_(0, ix, r)
         return y
-
-    @staticmethod
-    def _check_split_positions(parts: list, checks: list, n: int) -> None:
-        """The parts of a split batch checked their positions: all must be new, or all repeats of applied parts;
-        else the batch is refused whole with every session's position (gathered from the parts' answers)."""
-        errors = [c for c in checks if isinstance(c, BaseException)]
-        if any(not isinstance(c, PositionMismatch) for c in errors):
-            return                                   # another error: raised as it is
-        if not errors and len({c["repeat"] for c in checks}) <= 1:
-            return
-        server = [0] * n
-        for (_e, pos, _spec), c in zip(parts, checks):
-            got = c.position if isinstance(c, PositionMismatch) else c["positions"]
-            for i, q in zip(pos, got or ()):
-                server[i] = q
-        what = errors[0].message.split(";")[0] if errors else \
-            "the batch repeats an applied request on some sessions and is new on others"
-        raise PositionMismatch(f"{what}; nothing ran. The server's positions are {server!r:.300} (in 'position')",
-                               position=server)
 
     def cancel(self, future) -> bool:
         """Ask the engine to withdraw the request if it has not started; the answer comes on the future."""

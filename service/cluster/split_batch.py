@@ -1,0 +1,66 @@
+"""A batch whose sessions live on several engines: its parts, the check of their positions, and the join.
+
+:meth:`.remote.RemoteEngine.submit_batch_async` sends each engine its part (the sessions it holds, in batch order,
+with their slices of x) after every part was checked; these functions are the pieces of that which need no link.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from convserve.clients.protocol.errors import PositionMismatch, ServiceError, StateLost
+
+
+def parts_of(groups: dict, speculative) -> list:
+    """``(engine, positions in the batch, that part's speculative)`` per engine of ``groups`` (``placement.split``)."""
+    return [(e, pos, speculative if not isinstance(speculative, list) else [speculative[i] for i in pos])
+            for e, pos in groups.items()]
+
+
+def sub(v, pos):
+    """The entries of a per-session list (or None) at ``pos``."""
+    return None if v is None else [v[i] for i in pos]
+
+
+def row_indices(parts: list, tokens, n: int) -> list:
+    """Per part, the rows of x its sessions' slices hold (an int64 tensor), with ``tokens`` rows per session
+    (None: one each) among ``n`` sessions."""
+    lengths = np.ones(n, np.int64) if tokens is None else np.asarray(tokens, np.int64)
+    starts = np.cumsum(lengths) - lengths
+    return [torch.from_numpy(np.concatenate([np.arange(starts[i], starts[i] + lengths[i]) for i in pos]))
+            for _e, pos, _spec in parts]
+
+
+def check_positions(parts: list, checks: list, n: int) -> None:
+    """The parts checked their positions (``checks``: each part's answer or error): all must be new, or all
+    repeats of applied parts; else the batch is refused whole with every session's position, gathered from the
+    parts' answers."""
+    errors = [c for c in checks if isinstance(c, BaseException)]
+    if any(not isinstance(c, PositionMismatch) for c in errors):
+        return                                   # another error: raised as it is
+    if not errors and len({c["repeat"] for c in checks}) <= 1:
+        return
+    server = [0] * n
+    for (_e, pos, _spec), c in zip(parts, checks):
+        got = c.position if isinstance(c, PositionMismatch) else c["positions"]
+        for i, q in zip(pos, got or ()):
+            server[i] = q
+    what = errors[0].message.split(";")[0] if errors else \
+        "the batch repeats an applied request on some sessions and is new on others"
+    raise PositionMismatch(f"{what}; nothing ran. The server's positions are {server!r:.300} (in 'position')",
+                           position=server)
+
+
+def failure(parts: list, results: list, sids: list) -> BaseException:
+    """The error to raise for a split batch some of whose parts failed (``results``: each part's y or error).
+    A part whose step failed after its launches lost its sessions' state: that (410) is what the client must
+    learn, not another part's retryable error; the message names the sessions whose slices were applied."""
+    failed = [r for r in results if isinstance(r, BaseException)]
+    first = next((r for r in failed if isinstance(r, StateLost)), failed[0])
+    done = [sids[i] for p, r in zip(parts, results) if not isinstance(r, BaseException) for i in p[1]]
+    if done and isinstance(first, ServiceError):
+        first.message += (f" (this batch was split across engines and raced with another change of its "
+                          f"sessions: the slices of {done} were applied, the others not)")
+        first.args = (first.message,)
+    return first
