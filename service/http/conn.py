@@ -16,6 +16,13 @@ protocol (httptools, or h11 when httptools is not installed) with:
   client still gets in. When every connection carries a request, the new one is answered ``503 over_capacity``
   (with ``Retry-After``) and closed at once, so its descriptor is free again.
 
+**Large bodies in one piece.** uvicorn stops reading a connection once 64 KiB of body wait unread, so a 2 MB
+body reaches the app in ~30 rounds of resume, read and wake-up, each adding a copy of what it holds. A request whose
+``Content-Length`` is above that and within ``max_body_bytes`` instead gets one buffer of that length at its
+headers; every read is copied into it as it arrives, and the app's ``receive`` is woken once, when the body is
+complete, and gets that buffer without another copy. Anything larger keeps uvicorn's flow control (and is refused
+413 by :func:`.parse.read_body` from its length).
+
 Invariant: a connection whose request is in progress (headers complete, response not finished) is never closed
 by these guards; its body is bounded by ``body_timeout_s`` in :func:`.parse.read_body`. The cap and the state
 are per process: with several HTTP worker processes each applies its own cap.
@@ -39,6 +46,37 @@ def _response(status: int, reason: bytes, code: str, message: str, retry_after: 
     return b"".join(head) + b"\r\n" + body
 
 
+#: bodies up to uvicorn's high-water mark arrive in one or two reads anyway
+_FILL_FROM = 1 << 16
+
+
+def _content_length(headers) -> Optional[int]:
+    for k, v in headers:
+        if k == b"content-length":
+            try:
+                n = int(v)
+            except ValueError:
+                return None                            # httptools refuses it before any body is read
+            return n if n >= 0 else None
+    return None
+
+
+async def _receive_filled(cycle):
+    """uvicorn's ``RequestResponseCycle.receive`` for a body filled in place: it waits for the complete body (or
+    the disconnect) and hands over the buffer itself instead of a copy of it."""
+    if cycle.waiting_for_100_continue and not cycle.transport.is_closing():
+        cycle.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        cycle.waiting_for_100_continue = False
+    if not cycle.disconnected and not cycle.response_complete:
+        cycle.flow.resume_reading()
+        await cycle.message_event.wait()
+        cycle.message_event.clear()
+    if cycle.disconnected or cycle.response_complete:
+        return {"type": "http.disconnect"}
+    body, cycle.body = cycle.body, bytearray()
+    return {"type": "http.request", "body": body, "more_body": cycle.more_body}
+
+
 def guarded_protocol(settings, on_close: Callable[[str], None] = lambda reason: None,
                      base: Optional[type] = None) -> type:
     """A subclass of uvicorn's HTTP protocol class applying ``settings``' connection limits (see the module
@@ -54,6 +92,7 @@ def guarded_protocol(settings, on_close: Callable[[str], None] = lambda reason: 
             from uvicorn.protocols.http.h11_impl import H11Protocol as base
 
     cap = settings.max_connections
+    fill_limit = getattr(settings, "max_body_bytes", 0)
     header_timeout = settings.header_timeout_s
     max_header = settings.max_header_bytes
     # the connections that carry no request (idle, or still sending headers), oldest first (a dict keeps the
@@ -151,6 +190,37 @@ def guarded_protocol(settings, on_close: Callable[[str], None] = lambda reason: 
                 self._header_bytes += len(data)
                 self._header_tail = (self._header_tail + data)[-3:]
                 self._arm()                        # the first byte of a request starts its header clock
+
+        def on_headers_complete(self) -> None:
+            before = self.cycle
+            super().on_headers_complete()
+            cycle = self.cycle
+            if cycle is before or cycle is None:       # an upgrade: not a request cycle of ours
+                return
+            n = _content_length(cycle.scope["headers"])
+            if n is not None and _FILL_FROM < n <= fill_limit:
+                cycle._cv_fill = bytearray(n)
+                cycle._cv_filled = 0
+                cycle.receive = _receive_filled.__get__(cycle)
+
+        def on_body(self, body: bytes) -> None:
+            cycle = self.cycle
+            buf = getattr(cycle, "_cv_fill", None)
+            if buf is None or cycle.response_complete:
+                super().on_body(body)
+                return
+            a = cycle._cv_filled
+            b = a + len(body)                          # httptools ends the body at its Content-Length
+            buf[a:b] = body
+            cycle._cv_filled = b
+
+        def on_message_complete(self) -> None:
+            cycle = self.cycle
+            buf = getattr(cycle, "_cv_fill", None)
+            if buf is not None and not cycle.response_complete:
+                cycle.body = buf                       # the whole body, handed over by _receive_filled
+                cycle._cv_fill = None
+            super().on_message_complete()
 
         def _too_large(self) -> None:
             on_close("header_too_large")
