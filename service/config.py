@@ -130,8 +130,8 @@ class Settings(BaseSettings):
                                   description="replay decode steps from CUDA graphs (CUDA only)")
     multi_layer_decode: bool = Field(_ENGINE.multi_layer_decode,
                                      description="run a step's decodes of several layers as one launch "
-                                     "(stacked weights) when they fit the largest decode bucket; off by default: "
-                                     "the per-layer launches are the path validated through this service")
+                                     "(stacked weights) when they fit the largest decode bucket; "
+                                     "--no-multi-layer-decode: one launch per layer")
     max_spec_tokens: int = Field(_ENGINE.max_spec_tokens, ge=1,
                                  description="most tokens of one speculative verify (k + 1)")
     gpu_timing_interval: int = Field(_ENGINE.gpu_timing_interval, ge=1,

@@ -58,10 +58,9 @@ class EngineConfig:
     session_ttl_s: float = 3600.0                # idle seconds before a session is evicted
     request_timeout_s: float = 30.0              # queue wait before RequestTimeout; also bounds session ops
     use_cuda_graphs: bool = True                 # replay decode buckets from CUDA graphs (CUDA only)
-    multi_layer_decode: bool = False             # a step's decodes of several layers in one launch (stacked
-    #                                              weights, one table of state lines), when they fit a bucket.
-    #                                              Off by default: per-layer launches are the path validated
-    #                                              through the HTTP service (bench/NOTES.md, multi-layer decode)
+    multi_layer_decode: bool = True              # a step's decodes of several layers in one launch (stacked
+    #                                              weights, one table of state lines), when they fit a bucket;
+    #                                              off: one launch per layer (less graph memory at start-up)
     gpu_timing_interval: int = 16                # CUDA: time the GPU with events on every Nth step (event
     #                                              records cost host time on the step's path); the counters
     #                                              scale the sample (1: time every step)
