@@ -112,13 +112,13 @@ def test_on_a_gpu_decode_and_prefill_plans_launch_through_it_and_match_the_refer
     idx = torch.randperm(300, device=dev)[:batch].to(torch.int32)
     for _ in range(3):                                      # the first calls compile and build the fast path
         x = torch.randn(batch, dim, device=dev)
-        state_ref = pool.double().clone()
-        want = causal_conv1d_update_ref(x.double(), state_ref, weight.double(), bias.double(), "silu",
-                                        conv_state_indices=idx, compute_dtype=torch.float64)
+        state_ref = pool.clone()
+        want = causal_conv1d_update_ref(x, state_ref, weight, bias, "silu", conv_state_indices=idx,
+                                        compute_dtype=torch.float64)
         out = torch.full_like(x, float("nan"))
         causal_conv1d_update(x, pool, weight, bias, "silu", conv_state_indices=idx, out=out)
-        torch.testing.assert_close(out.double(), want, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(pool.double(), state_ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(pool, state_ref, atol=1e-5, rtol=1e-5)
     assert any(getattr(p, "native", False) for p in _plans(dplan._PLANS)), "no decode plan launched natively"
 
     T = 3 * batch + 5
@@ -127,13 +127,12 @@ def test_on_a_gpu_decode_and_prefill_plans_launch_through_it_and_match_the_refer
     init = torch.tensor([True, False, True], device=dev)
     for _ in range(3):
         x = torch.randn(dim, T, device=dev)
-        states = pool.double().clone()
-        want = causal_conv1d_ref(x.double(), weight.double(), bias.double(), states, qsl, ci, init, "silu",
-                                 compute_dtype=torch.float64)
+        states = pool.clone()
+        want = causal_conv1d_ref(x, weight, bias, states, qsl, ci, init, "silu", compute_dtype=torch.float64)
         out = torch.full_like(x, float("nan"))
         causal_conv1d_fn(x, weight, bias, pool, qsl, ci, init, "silu", out=out)
-        torch.testing.assert_close(out.double(), want, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(pool.double(), states, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(pool, states, atol=1e-5, rtol=1e-5)
     assert any(getattr(p, "native", False) for p in _plans(pplan._PLANS)), "no prefill plan launched natively"
     assert isinstance(dplan._PLANS, PlanCache)
 
