@@ -12,7 +12,6 @@ Writes ``issue16-<gpu>-<date>.json`` (and prints every line) to --out (default $
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as _dt
 import json
 import os
@@ -168,8 +167,7 @@ def host_costs():
     runs = {k: [] for k in cases}
     for _ in range(3):
         for k, f in cases.items():
-            with swaps.get(k, contextlib.nullcontext()):
-                runs[k].append(b2b(f, n=500))
+            runs[k].append(b2b(f, n=500))
     for k, v in runs.items():
         ev = sorted(e for e, _ in v)[1]
         ho = sorted(h for _, h in v)[1]
@@ -223,33 +221,8 @@ def _old_prefill(x, weight, bias, conv_states, query_start_loc, cache_indices, h
 
 
 def _launcher(plan):
-    """How a plan launches: through our own launcher (``_native_launch``), the launcher generated for it around
-    Triton's, or the generic __call__."""
-    if getattr(plan.fast, "__name__", "") != "fast":
-        return "generic"
-    return "native" if getattr(plan, "native", False) else "generated"
-
-
-class _TritonLauncher:
-    """While entered, the given plans that launch through our own launcher launch through the one generated
-    around Triton's C launcher instead (the A/B of our launcher in one process); a no-op when none does."""
-
-    def __init__(self, plans):
-        self.swaps = []
-        for p in plans:
-            if getattr(p, "native", False):
-                n = len(next(k for k in p._compiled if all(k)))
-                alt = p._make_fast(p._aligned, n, native=False)
-                p.native = True                 # _make_fast recorded the alternative's kind; ours stays in use
-                self.swaps.append((p, p.fast, alt))
-
-    def __enter__(self):
-        for p, _own, alt in self.swaps:
-            p.fast = alt
-
-    def __exit__(self, *exc):
-        for p, own, _alt in self.swaps:
-            p.fast = own
+    """How a plan launches: the launcher generated for it, or the generic __call__."""
+    return "generated" if getattr(plan.fast, "__name__", "") == "fast" else "generic"
 
 
 def direct_calls(path):
@@ -268,7 +241,7 @@ def direct_calls(path):
     env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                python=platform.python_version(), date=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
     print(env, flush=True)
-    checks, cases, plans, swaps = {}, {}, {}, {}
+    checks, cases, plans = {}, {}, {}
     for dim in (4096, 8192):
         for batch in (1, 8, 64, 256):
             for layout in ("pool", "width-major"):
@@ -314,10 +287,6 @@ def direct_calls(path):
                                causal_conv1d_update(x, p, w, b, "silu", conv_state_indices=i, out=o))
                 cases[name + " (old path)"] = (lambda x=x, p=pool, w=w, b=b, i=idx, o=out:
                                               _old_update(x, p, w, b, "silu", i, o))
-                swap = _TritonLauncher(plan)
-                if swap.swaps:
-                    cases[name + " (Triton's launcher)"] = cases[name]
-                    swaps[name + " (Triton's launcher)"] = swap
                 if batch == 1 and dim == 4096:
                     plans[layout] = (plan, (x, w, b, pool, idx, x, x, x, out))
     for dim in (4096, 8192):
@@ -359,10 +328,6 @@ def direct_calls(path):
                            causal_conv1d_fn(xs, w, b, st, q, c, i, "silu", out=o))
             cases[name + " (old path)"] = (lambda xs=xs, w=w, b=b, st=st, q=qsl, c=ci, i=init, o=o:
                                           _old_prefill(xs, w, b, st, q, c, i, "silu", o))
-            swap = _TritonLauncher([p for _g, (body, seq, _) in used for p in (*body, seq)])
-            if swap.swaps:
-                cases[name + " (Triton's launcher)"] = cases[name]
-                swaps[name + " (Triton's launcher)"] = swap
     cases.update(_aten_cases())
     for layout, (plan, args) in plans.items():  # the parts of a b1 x 4096 call: the plan's launch alone
         if plan:

@@ -138,7 +138,6 @@ class LaunchPlan:
         # what the public functions call: this generic __call__ until the aligned kernel is compiled, then a
         # launcher generated for this plan (_make_fast)
         self.fast = self.__call__
-        self.native = False  # whether fast launches through _native_launch
 
     def called_as(self, same: dict, alias) -> LaunchPlan:
         """Record how the public function calls this plan (``same``, ``alias``: see __init__), here and in its
@@ -195,13 +194,6 @@ class LaunchPlan:
         self.fast = self.__call__
         self._slow(tensors)
 
-    def _native_failed(self, exc, entry, tensors):
-        """Our launcher refused or failed a launch (nothing was launched): this plan goes back to Triton's C
-        launcher, for this call and the next ones."""
-        warnings.warn(f"convserve: own kernel launcher failed ({exc!r}); using Triton's launcher for this plan")
-        self.fast = self._make_fast(entry, len(tensors), native=False)
-        self.fast(*tensors)
-
     def _first(self, tensors, ptrs):
         """The first launch of an alignment pattern: through ``kernel[grid]``, keeping the compiled kernel."""
         compiled = self._slow(tensors)
@@ -215,18 +207,12 @@ class LaunchPlan:
             if entry[0]:
                 self.fast = self._make_fast(entry, len(tensors))
 
-    def _make_fast(self, entry, n: int, native: bool = True):
+    def _make_fast(self, entry, n: int):
         """A launcher for this plan alone, as Python source: one address read per distinct tensor (``same``),
-        the alias and alignment checks on plain ints, then our own launcher (``_native_launch``: the parameter
-        block packed once, the addresses written in per call) where it applies, else Triton's C launcher with the
-        grid, the scalars and the constexprs written in as constants. Any other case (an unaligned pointer, an
-        aliased out) goes through the generic ``__call__``."""
+        the alias and alignment checks on plain ints, then the C launcher with the grid, the scalars and the
+        constexprs written in as constants. Any other case (an unaligned pointer, an aliased out) goes through
+        the generic ``__call__``."""
         _, run, function, meta, coop, pdl = entry
-        own = None
-        if native and not coop and not pdl:
-            from ._native_launch import native_launcher
-
-            own = native_launcher(self._compiled.get((True,) * n), self.fn, self.grid, n, self.tail)
         ts = [f"t{k}" for k in range(n)]
         ps = [f"p{self.same.get(k, k)}" for k in range(n)]
         lines = [f"def fast({', '.join(ts)}):"]
@@ -235,23 +221,16 @@ class LaunchPlan:
         checks.append(f"(({' | '.join(sorted(set(ps)))}) & 15)")
         lines.append(f"    if {' or '.join(checks)}:")
         lines.append(f"        return generic({', '.join(ts)})")
+        consts = all(type(v) in (int, bool) for v in self.tail)
+        tail = ", ".join(repr(v) for v in self.tail) if consts else "*tail"
         lines.append("    try:")
-        if own is not None:
-            lines.append(f"        run(plan, stream({int(self.device_index)}), {', '.join(ps)})")
-            lines.append("    except (TypeError, RuntimeError) as exc:")
-            lines.append(f"        native_failed(exc, ({', '.join(ts)},))")
-        else:
-            consts = all(type(v) in (int, bool) for v in self.tail)
-            tail = ", ".join(repr(v) for v in self.tail) if consts else "*tail"
-            lines.append(f"        run({int(self.grid[0])}, {int(self.grid[1])}, 1, stream({int(self.device_index)}), "
-                         f"function, coop, pdl, None, None, meta, None, None, None, {', '.join(ps)}"
-                         f"{', ' + tail if self.tail else ''})")
-            lines.append("    except (TypeError, SystemError, AttributeError) as exc:")
-            lines.append(f"        broken(exc, ({', '.join(ts)},))")
-        env = dict(run=run if own is None else own[0], plan=None if own is None else own[1], stream=_raw_stream,
-                   function=function, coop=coop, pdl=pdl, meta=meta, tail=self.tail, generic=self.__call__,
-                   broken=self._broken, native_failed=lambda exc, tensors: self._native_failed(exc, entry, tensors))
-        self.native = own is not None
+        lines.append(f"        run({int(self.grid[0])}, {int(self.grid[1])}, 1, stream({int(self.device_index)}), "
+                     f"function, coop, pdl, None, None, meta, None, None, None, {', '.join(ps)}"
+                     f"{', ' + tail if self.tail else ''})")
+        lines.append("    except (TypeError, SystemError, AttributeError) as exc:")
+        lines.append(f"        broken(exc, ({', '.join(ts)},))")
+        env = dict(run=run, stream=_raw_stream, function=function, coop=coop, pdl=pdl, meta=meta, tail=self.tail,
+                   generic=self.__call__, broken=self._broken)
         name = f"<convserve launch {getattr(self.fn, '__name__', 'kernel')}>"
         exec(compile("\n".join(lines), name, "exec"), env)  # noqa: S102  (source built above from ints and names)
         return env["fast"]
