@@ -28,6 +28,10 @@ TUNING = {
     "prefill_piece_channels_first": dict(block_t=512, elems=2048, num_warps=4),
     # prefill, piece kernel, x channels-last (dim contiguous, x.stride(0) == 1: serving stacks)
     "prefill_piece_channels_last": dict(block_d=256, elems=4096, num_warps=4),
+    # prefill, piece kernel, batch == 1: query_start_loc, the index, the flag, the weights and the bias read in
+    # one round of independent loads instead of the sequence search (on=False: the search, for comparisons);
+    # thread_per_channel: at T == 1, as many threads as channels per program (up to 8 warps)
+    "prefill_piece_one_seq": dict(on=True, thread_per_channel=True),
     # Both bodies apply up to width max_width (the piece kernel takes wider ones).
     # prefill, channels-first body (x and out a contiguous (dim, T) with T >= min_t), then the heads pass: up to
     # `groups` aligned groups of 8 elements per program: about T / (8 * tiles_per_row), but not below min_groups
