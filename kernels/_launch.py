@@ -40,9 +40,10 @@ TUNING = {
                                         tiles_per_row=2, min_t=512, max_width=8),
     # prefill, channels-last body (x and out with stride(0) == 1, dim * T >= min_elems), then the heads pass:
     # 8 * 32 * num_warps channels per program, rows_per_step rows per loop step, chunks of at most max_chunk
-    # tokens (halved until there are min_programs programs)
+    # tokens (halved until there are min_programs programs); persistent k > 0: instead of a program per chunk,
+    # about k programs per SM (a multiple of the channel blocks), each looping over chunks of one channel block
     "prefill_body_channels_last": dict(num_warps=2, rows_per_step=4, max_chunk=128, min_programs=132 * 16,
-                                       min_elems=1 << 24, max_width=8),
+                                       min_elems=1 << 24, max_width=8, persistent=0),
     # the heads pass after either body: channels per program (at most head_elems / HEAD, so a [HEAD, BLOCK_D]
     # head tile stays in registers at widths 6-8), elements per zeroing step of a pad
     "prefill_heads": dict(block_d=256, elems=2048, head_elems=1024, num_warps=4),

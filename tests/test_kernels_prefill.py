@@ -126,12 +126,14 @@ def small_channels_first_tiles(monkeypatch):
     monkeypatch.setattr(prefill_plan, "_PLANS", {})
 
 
-def small_channels_last_tiles(monkeypatch, rows_per_step):
+def small_channels_last_tiles(monkeypatch, rows_per_step, persistent=0):
     """Make the channels-last body (then the heads pass) apply to any size: 1-warp programs of 256 channels,
-    chunks of 8 tokens (the window carried across chunks and steps)."""
+    chunks of 8 tokens (the window carried across chunks and steps); persistent > 0: that many programs per SM
+    (4 SMs off CUDA), each looping over chunks."""
     from convserve.kernels import _launch
     monkeypatch.setitem(_launch.TUNING, "prefill_body_channels_last", dict(
-        num_warps=1, rows_per_step=rows_per_step, max_chunk=8, min_programs=1, min_elems=0, max_width=MAX_WIDTH))
+        num_warps=1, rows_per_step=rows_per_step, max_chunk=8, min_programs=1, min_elems=0, max_width=MAX_WIDTH,
+        persistent=persistent))
     monkeypatch.setitem(_launch.TUNING, "prefill_heads", dict(block_d=16, elems=64, head_elems=1024, num_warps=1))
     monkeypatch.setattr(prefill_plan, "_PLANS", {})
 
@@ -285,6 +287,23 @@ def test_batch_size_selects_the_one_sequence_variant(monkeypatch, kernel_device)
     plans = {key[10][0]: plan[1] for key, plan in prefill_plan._PLANS.items()}
     assert sorted(plans) == [2, 3]
     assert plans[2].constexprs["ONE_SEQ"] and not plans[3].constexprs["ONE_SEQ"]
+
+
+@pytest.mark.parametrize("width,dim", [(2, 300), (4, 64), (7, 520)])
+def test_persistent_channels_last_body_matches_reference(width, dim, monkeypatch, kernel_device):
+    """The channels-last body's persistent grid (off by default): fewer programs than chunks, each looping over
+    the chunks of its channel block."""
+    small_channels_last_tiles(monkeypatch, 4, persistent=1)
+    rng = random.Random(SEED + 700 + width)
+    gen = torch.Generator().manual_seed(SEED + 700 + width)
+    args = random_batch(gen, rng, dim, width, "channels_last", torch.float32, kernel_device, n_seq=4, max_len=60,
+                        tail=5, long_share=0.8)
+    y, st_k, ref, st_r = run_both(*args)
+    [(body, _, _)] = prefill_plan._PLANS.values()
+    [p] = body
+    chunks = -(-dim // 256) * -(-args[0].shape[1] // 8)
+    assert p.constexprs["PERSISTENT"] and p.grid[0] < chunks
+    check(y, st_k, ref, st_r, torch.float32)
 
 
 @pytest.mark.parametrize("layout", ["channels_first", "channels_last"])
