@@ -14,7 +14,9 @@ through ``tests/tolerance.py``, states bit for bit), ``triton.testing.do_bench``
    tiling and the launch cost, apart from the math;
 6. ``body_width{1,2,3}`` and ``body_nosilu``: the body launch with fewer taps (its own kernel with a smaller WIDTH
    constexpr, reading the first columns of the same weights; width 1 only channels-first, whose kernel allows it)
-   and without the SiLU: the cost per tap and of the activation.
+   and without the SiLU: the cost per tap and of the activation;
+7. channels-last only, ``body_persistent{k}``: the body with a persistent grid of about k programs per SM (each
+   looping over chunks; TUNING's ``persistent``, off by default), checked bit for bit against the default first.
 
 Writes a JSON (device, date, versions, every time) to --out and prints a Markdown table of each factor as a
 fraction of ``e2e`` with the copy/ours ratios (also written next to the JSON, ``.md``).
@@ -51,6 +53,7 @@ from convserve.kernels.prefill.body_channels_last import _step_offsets  # noqa: 
 from tests.tolerance import REL_TOL, rel_err  # noqa: E402
 
 SHAPES = [(4195, 8192), (11027, 8192), (14807, 8192)]
+PERSISTENT = (3, 6, 12)  # channels-last body: also timed with a persistent grid of k programs per SM (6 fit)
 LAYOUTS = ("channels-first", "channels-last")
 # smoke: tiny shapes, with the bodies' tiles shrunk so they apply (as tests/test_kernels_prefill.py does)
 SMOKE_SHAPES = [(37, 6)]
@@ -211,7 +214,30 @@ def run_case(T, dim, layout, device, smoke, seed):
         row[f"body_width{width}"] = t(lambda v=variant: [p.fast(x, w, b, out) for p in v])
     nosilu = body_variant(body, x.device, SILU=False)
     row["body_nosilu"] = t(lambda: [p.fast(x, w, b, out) for p in nosilu])
+    if body[0].fn.__name__ == "_channels_last_body_kernel":
+        for k in PERSISTENT:
+            row.update(persistent_body(k, x, w, b, st, qsl, idx, init, heads, t))
     return row
+
+
+def persistent_body(k, x, w, b, st, qsl, idx, init, heads, t) -> dict:
+    """The channels-last body with a persistent grid of about k programs per SM (TUNING's persistent), checked
+    (then the heads pass: the same output as the default body, bit for bit) and timed alone."""
+    from convserve.kernels.prefill.body_channels_last import channels_last_body_plan
+    key = "prefill_body_channels_last"
+    saved = _launch.TUNING[key]
+    _launch.TUNING[key] = dict(saved, persistent=k)
+    try:
+        p = channels_last_body_plan(x, w, b, x, True)
+    finally:
+        _launch.TUNING[key] = saved
+    want = causal_conv1d_fn(x, w, b, st.clone(), qsl, idx, init, "silu")
+    got = torch.full_like(x, float("nan"))
+    p(x, w, b, got)
+    heads(x, w, b, st.clone(), qsl, idx, init, got)
+    if not torch.equal(got, want):
+        return {f"body_persistent{k}": None, f"body_persistent{k}_ok": False}
+    return {f"body_persistent{k}": t(lambda: p.fast(x, w, b, got)), f"body_persistent{k}_grid": p.grid[0]}
 
 
 # ----------------------------------------------------------------------------------------------- report
@@ -232,17 +258,25 @@ def derived(r) -> dict:
     return d
 
 
+def _persistent(r) -> str:
+    ts = [r.get(f"body_persistent{k}") for k in PERSISTENT]
+    if all(v is None for v in ts):
+        return "-" if not any(f"body_persistent{k}_ok" in r for k in PERSISTENT) else "WRONG"
+    return " / ".join("WRONG" if v is None else f"{v:.1f}" for v in ts)
+
+
 def markdown(res) -> str:
     env = res["env"]
     lines = [f"{env['device']}, torch {env['torch']}, triton {env['triton']}, {env['date']}"
              f"{' (smoke: CPU interpreter, times meaningless)' if env['smoke'] else ''}", "",
              "| shape | layout | e2e µs | copy µs | copy/e2e | body | heads | launch gap | tile copy | tiling "
-             "(tile copy - copy) | math (body - tile copy) | SiLU | per tap | copy/body | tile copy/body |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "(tile copy - copy) | math (body - tile copy) | SiLU | per tap | copy/body | tile copy/body | "
+             "persistent body k=" + "/".join(map(str, PERSISTENT)) + " |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         d = r.get("derived") or {}
         if not d:
-            lines.append(f"| {r['T']}x{r['dim']} | {r['layout']} | WRONG (err {r['rel_err']:.1e}) |" + " |" * 12)
+            lines.append(f"| {r['T']}x{r['dim']} | {r['layout']} | WRONG (err {r['rel_err']:.1e}) |" + " |" * 13)
             continue
 
         def pc(k):
@@ -252,7 +286,7 @@ def markdown(res) -> str:
             f"| {pc('body_frac')} ({r['body']:.1f}) | {pc('heads_frac')} ({r['heads']:.1f}) | {pc('gap_frac')} "
             f"| {r['tile_copy']:.1f} | {pc('tiling_frac')} | {pc('math_frac')} | {pc('silu_frac')} "
             f"| {d['per_tap_us']:.2f} µs ({pc('per_tap_frac')}) | {d['copy_over_body']:.2f} "
-            f"| {d['tile_copy_over_body']:.2f} |")
+            f"| {d['tile_copy_over_body']:.2f} | {_persistent(r)} |")
     lines += ["", "Fractions are of e2e; body, heads and tile copy are each timed alone (do_bench, L2 flushed), the "
               "launch gap is e2e - body - heads, per tap is the slope of the body's time over widths "
               "1/2-3-4."]
@@ -294,7 +328,7 @@ def main(argv=None) -> int:
     out.write_text(json.dumps(res, indent=1, default=str))
     out.with_suffix(".md").write_text(md + "\n")
     print(f"wrote {out} and {out.with_suffix('.md')}")
-    return 0 if all(r["ok"] for r in rows) else 1
+    return 0 if all(r["ok"] and all(v for k, v in r.items() if k.endswith("_ok")) for r in rows) else 1
 
 
 if __name__ == "__main__":

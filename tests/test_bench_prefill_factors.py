@@ -24,6 +24,8 @@ def test_prefill_factors_smoke_runs_and_writes_every_factor(tmp_path):
         for k in ("e2e", "body", "heads", "copy", "tile_copy", "body_width2", "body_width3", "body_nosilu"):
             assert r[k] > 0, k
         assert {"copy_over_e2e", "math_frac", "per_tap_us"} <= set(r["derived"])
+        if r["layout"] == "channels-last":  # the persistent grid, checked bit for bit against the default body
+            assert all(r[f"body_persistent{k}"] > 0 for k in (3, 6, 12))
     assert "| shape | layout |" in out.with_suffix(".md").read_text()
 
 
