@@ -45,8 +45,9 @@ TUNING = {
     "prefill_body_channels_last": dict(num_warps=2, rows_per_step=4, max_chunk=128, min_programs=132 * 16,
                                        min_elems=1 << 24, max_width=8, persistent=0),
     # the heads pass after either body: channels per program (at most head_elems / HEAD, so a [HEAD, BLOCK_D]
-    # head tile stays in registers at widths 6-8), elements per zeroing step of a pad
-    "prefill_heads": dict(block_d=256, elems=2048, head_elems=1024, num_warps=4),
+    # head tile stays in registers at widths 6-8), elements per zeroing step of a pad; columns: the index, flag,
+    # taps and bias in the bounds' round of loads and the head column by column, one channel per thread
+    "prefill_heads": dict(block_d=256, elems=2048, head_elems=1024, num_warps=4, columns=False),
     # decode, one token per row (dense kernel): channels per program
     "decode": dict(block_d=512, num_warps=8),
     # several tokens per row with x dense per row (speculative verify): the dense kernel while

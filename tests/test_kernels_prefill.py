@@ -289,6 +289,32 @@ def test_batch_size_selects_the_one_sequence_variant(monkeypatch, kernel_device)
     assert plans[2].constexprs["ONE_SEQ"] and not plans[3].constexprs["ONE_SEQ"]
 
 
+@pytest.mark.parametrize("case", range(6))
+def test_heads_pass_by_columns_matches_reference(case, monkeypatch, kernel_device):
+    """The heads pass with TUNING's columns on (off by default): index, flag, taps and bias with the bounds, the
+    head column by column; after either body, varlen with pads, empty and short sequences, a tail."""
+    from convserve.kernels import _launch
+    layout = ["channels_first", "channels_last", "strided"][case % 3]
+    if layout == "channels_first":
+        monkeypatch.setitem(_launch.TUNING, "prefill_body_channels_first", dict(
+            groups=2, min_groups=2, groups_per_thread=1, num_warps=1, tiles_per_row=1, min_t=16, max_width=MAX_WIDTH))
+        monkeypatch.setattr(prefill_plan, "_PLANS", {})
+    else:
+        small_channels_last_tiles(monkeypatch, 4)
+    monkeypatch.setitem(_launch.TUNING, "prefill_heads", dict(block_d=16, elems=64, head_elems=1024, num_warps=1,
+                                                              columns=True))
+    rng = random.Random(SEED + 800 + case)
+    gen = torch.Generator().manual_seed(SEED + 800 + case)
+    width = [2, 4, 8, 3, 5, 4][case]
+    dim = [5, 33, 16, 300, 7, 64][case]
+    args = random_batch(gen, rng, dim, width, layout, DTYPES[case % 3], kernel_device, n_seq=1 + case, max_len=24,
+                        tail=[0, 3, 21][case % 3] + 16, long_share=0.6)
+    y, st_k, ref, st_r = run_both(*args, activation=[None, "silu"][case % 2])
+    [(body, heads, _)] = prefill_plan._PLANS.values()
+    assert body and heads.constexprs["COLUMNS"]
+    check(y, st_k, ref, st_r, DTYPES[case % 3])
+
+
 @pytest.mark.parametrize("width,dim", [(2, 300), (4, 64), (7, 520)])
 def test_persistent_channels_last_body_matches_reference(width, dim, monkeypatch, kernel_device):
     """The channels-last body's persistent grid (off by default): fewer programs than chunks, each looping over

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .._launch import TUNING, LaunchPlan, prefill_config
-from .heads import _head_and_state, _sequence_row, launch_args
+from .heads import _head_and_state, _head_columns, _sequence_row, launch_args
 
 
 @triton.jit
@@ -50,62 +50,6 @@ def _body_taps(ptrs, stride_t, w_ptrs, stride_w_k, mask, mask_d, acc, w_pre,
             v = tl.load(p)
         acc += v.to(tl.float32) * w_k[None, :]
     return acc
-
-
-@triton.jit
-def _head_columns(x_corner, o_corner, state_ptr, w, bias, ld, mask_d, d0, line, t_head, seqlen, hist_lim,
-                  stride_x_d, stride_x_t, stride_o_d, stride_o_t, stride_s_line, stride_s_d, stride_s_k,
-                  WIDTH: tl.constexpr, HAS_STATE: tl.constexpr, SILU: tl.constexpr):
-    """``heads._head_and_state``'s outputs and new state, one [BLOCK_D] column per token and state column.
-
-    Every load and store here is a [BLOCK_D] vector in the layout of ld, w and bias, so no layout conversion (a
-    shared-memory round trip between two barriers each) stands between the loads, and they all issue in one
-    round. x_corner / o_corner: pointers to x / out at token 0 of the tile (channel d0); t_head: the sequence's
-    first token within the tile; w: the WIDTH taps, each [BLOCK_D] fp32; bias: [BLOCK_D] fp32; line: the state
-    row; seqlen: the sequence's length (int64, >= 1); hist_lim: WIDTH - 1 to start from the old state, else 0.
-    The caller must be the only program reading or writing this state row.
-    """
-    zero_d = ld * 0  # [BLOCK_D]: scalar bounds enter masks through a tensor compare, which keeps them boolean
-    x_col = x_corner + ld * stride_x_d + t_head * stride_x_t  # [BLOCK_D] pointers to x at the head's first token
-    o_col = o_corner + ld * stride_o_d + t_head * stride_o_t  # [BLOCK_D]
-    if HAS_STATE:
-        row = state_ptr + line * stride_s_line + d0.to(tl.int64) * stride_s_d + ld * stride_s_d  # [BLOCK_D]
-    # [old window | x]: positions below WIDTH - 1 are the old state's columns (zero unless hist_lim), the
-    # others x at token position - (WIDTH - 1) of the sequence (zero past its end)
-    old = ()  # WIDTH - 1 x [BLOCK_D]
-    head_x = ()  # WIDTH - 1 x [BLOCK_D]: x at the sequence's tokens 0 .. WIDTH - 2
-    last_x = ()  # WIDTH - 1 x [BLOCK_D]: x at tokens seqlen - WIDTH + 1 .. seqlen - 1 (the new state)
-    for j in tl.static_range(WIDTH - 1):
-        if HAS_STATE:
-            old = old + (tl.load(row + j * stride_s_k, mask=mask_d & (zero_d + j < hist_lim),
-                                 other=0.0).to(tl.float32),)
-        else:
-            old = old + (tl.zeros_like(bias),)
-        head_x = head_x + (tl.load(x_col + j * stride_x_t, mask=mask_d & (zero_d + j < seqlen),
-                                   other=0.0).to(tl.float32),)
-        if HAS_STATE:
-            t = seqlen - (WIDTH - 1) + j  # may be negative: that column then comes from the old window
-            last_x = last_x + (tl.load(x_col + t * stride_x_t, mask=mask_d & (zero_d + t >= 0),
-                                       other=0.0).to(tl.float32),)
-    for j in tl.static_range(WIDTH - 1):
-        acc = bias
-        for k in tl.static_range(WIDTH):
-            # output token j reads position j + k of [old window | x]
-            if j + k < WIDTH - 1:
-                acc += w[k] * old[j + k]
-            else:
-                acc += w[k] * head_x[j + k - (WIDTH - 1)]
-        if SILU:
-            acc = acc / (1.0 + tl.exp(-acc))
-        tl.store(o_col + j * stride_o_t, acc.to(o_corner.dtype.element_ty), mask=mask_d & (zero_d + j < seqlen))
-    if HAS_STATE:
-        tl.debug_barrier()  # every read of the old row above happens before it is overwritten
-        for j in tl.static_range(WIDTH - 1):
-            # new column j is position seqlen + j: x when that is past the old window, else old column seqlen + j
-            new = last_x[j]
-            for p in tl.static_range(j + 1, WIDTH - 1):
-                new = tl.where(zero_d + seqlen + j == p, old[p], new)
-            tl.store(row + j * stride_s_k, new.to(state_ptr.dtype.element_ty), mask=mask_d)
 
 
 @triton.jit
