@@ -7,7 +7,9 @@ through ``tests/tolerance.py``, states bit for bit), ``triton.testing.do_bench``
 
 1. ``e2e``: ``causal_conv1d_fn`` end to end (the body launch(es), then the heads pass);
 2. ``body``: the plan's body launch(es) alone;
-3. ``heads``: the plan's heads launch alone;
+3. ``heads``: the plan's heads launch alone; ``e2e_columns`` and ``heads_columns``: the same with TUNING's
+   ``prefill_heads`` ``columns`` on (off by default: the index, flag, taps and bias loaded with the sequence's
+   bounds, the head column by column), checked against the reference first;
 4. ``copy``: a same-size ``torch`` ``copy_`` of x (the ceiling: the same bytes read and written);
 5. ``tile_copy``: a copy kernel with exactly the body's tiling (same grid, groups or channels and tokens per
    program, warps, 16-byte vector loads and stores, the channels-last body's prefetch loop) and no math: what the
@@ -206,6 +208,7 @@ def run_case(T, dim, layout, device, smoke, seed):
     row["e2e"] = t(lambda: causal_conv1d_fn(x, w, b, st_k, qsl, idx, init, "silu", out=out))
     row["body"] = t(lambda: [p.fast(x, w, b, out) for p in body])
     row["heads"] = t(lambda: heads.fast(x, w, b, st_k, qsl, idx, init, out))
+    row.update(heads_by_columns(x, w, b, st, qsl, idx, init, ref, st_r, t))
     row["copy"] = t(lambda: y.copy_(x))
     row["tile_copy"] = t(lambda: [p.fast(x, y) for p in copies])
     widths = (1, 2, 3) if body[0].fn.__name__ == "_channels_first_body_kernel" else (2, 3)
@@ -218,6 +221,27 @@ def run_case(T, dim, layout, device, smoke, seed):
         for k in PERSISTENT:
             row.update(persistent_body(k, x, w, b, st, qsl, idx, init, heads, t))
     return row
+
+
+def heads_by_columns(x, w, b, st, qsl, idx, init, ref, st_ref, t) -> dict:
+    """The op and its heads launch with TUNING's prefill_heads columns on (off by default), checked against the
+    reference first: ``e2e_columns``, ``heads_columns``."""
+    key = "prefill_heads"
+    saved = _launch.TUNING[key]
+    _launch.TUNING[key] = dict(saved, columns=True)
+    pplan._PLANS.clear()
+    try:
+        out, st_k = torch.full_like(x, float("nan")), st.clone()
+        causal_conv1d_fn(x, w, b, st_k, qsl, idx, init, "silu", out=out)
+        (_, heads, _), = pplan._PLANS.values()
+        if not (heads.constexprs["COLUMNS"] and rel_err(out, ref) <= REL_TOL[torch.bfloat16]
+                and torch.equal(st_k, st_ref)):
+            return dict(columns_ok=False)
+        return dict(e2e_columns=t(lambda: causal_conv1d_fn(x, w, b, st_k, qsl, idx, init, "silu", out=out)),
+                    heads_columns=t(lambda: heads.fast(x, w, b, st_k, qsl, idx, init, out)), columns_ok=True)
+    finally:
+        _launch.TUNING[key] = saved
+        pplan._PLANS.clear()
 
 
 def persistent_body(k, x, w, b, st, qsl, idx, init, heads, t) -> dict:
@@ -265,18 +289,22 @@ def _persistent(r) -> str:
     return " / ".join("WRONG" if v is None else f"{v:.1f}" for v in ts)
 
 
+def _columns(r) -> str:
+    return f"{r['e2e_columns']:.1f} / {r['heads_columns']:.1f}" if r.get("columns_ok") else "WRONG"
+
+
 def markdown(res) -> str:
     env = res["env"]
     lines = [f"{env['device']}, torch {env['torch']}, triton {env['triton']}, {env['date']}"
              f"{' (smoke: CPU interpreter, times meaningless)' if env['smoke'] else ''}", "",
              "| shape | layout | e2e µs | copy µs | copy/e2e | body | heads | launch gap | tile copy | tiling "
              "(tile copy - copy) | math (body - tile copy) | SiLU | per tap | copy/body | tile copy/body | "
-             "persistent body k=" + "/".join(map(str, PERSISTENT)) + " |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "persistent body k=" + "/".join(map(str, PERSISTENT)) + " | heads by columns: e2e / heads |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         d = r.get("derived") or {}
         if not d:
-            lines.append(f"| {r['T']}x{r['dim']} | {r['layout']} | WRONG (err {r['rel_err']:.1e}) |" + " |" * 13)
+            lines.append(f"| {r['T']}x{r['dim']} | {r['layout']} | WRONG (err {r['rel_err']:.1e}) |" + " |" * 14)
             continue
 
         def pc(k):
@@ -286,7 +314,7 @@ def markdown(res) -> str:
             f"| {pc('body_frac')} ({r['body']:.1f}) | {pc('heads_frac')} ({r['heads']:.1f}) | {pc('gap_frac')} "
             f"| {r['tile_copy']:.1f} | {pc('tiling_frac')} | {pc('math_frac')} | {pc('silu_frac')} "
             f"| {d['per_tap_us']:.2f} µs ({pc('per_tap_frac')}) | {d['copy_over_body']:.2f} "
-            f"| {d['tile_copy_over_body']:.2f} | {_persistent(r)} |")
+            f"| {d['tile_copy_over_body']:.2f} | {_persistent(r)} | {_columns(r)} |")
     lines += ["", "Fractions are of e2e; body, heads and tile copy are each timed alone (do_bench, L2 flushed), the "
               "launch gap is e2e - body - heads, per tap is the slope of the body's time over widths "
               "1/2-3-4."]

@@ -21,7 +21,9 @@ def test_prefill_factors_smoke_runs_and_writes_every_factor(tmp_path):
     assert {r["layout"] for r in data["rows"]} == {"channels-first", "channels-last"}
     for r in data["rows"]:
         assert r["ok"], r
-        for k in ("e2e", "body", "heads", "copy", "tile_copy", "body_width2", "body_width3", "body_nosilu"):
+        assert r["columns_ok"], r
+        for k in ("e2e", "body", "heads", "copy", "tile_copy", "body_width2", "body_width3", "body_nosilu",
+                  "e2e_columns", "heads_columns"):
             assert r[k] > 0, k
         assert {"copy_over_e2e", "math_frac", "per_tap_us"} <= set(r["derived"])
         if r["layout"] == "channels-last":  # the persistent grid, checked bit for bit against the default body
