@@ -98,7 +98,7 @@ def _head_and_state(x_corner, o_corner, state_ptr, w_ptrs, bias, ld, mask_d, d0,
 def _head_columns(x_corner, o_corner, state_ptr, w, bias, ld, mask_d, d0, line, t_head, seqlen, hist_lim,
                   stride_x_d, stride_x_t, stride_o_d, stride_o_t, stride_s_line, stride_s_d, stride_s_k,
                   WIDTH: tl.constexpr, HAS_STATE: tl.constexpr, SILU: tl.constexpr):
-    """``heads._head_and_state``'s outputs and new state, one [BLOCK_D] column per token and state column.
+    """``_head_and_state``'s outputs and new state, one [BLOCK_D] column per token and state column.
 
     Every load and store here is a [BLOCK_D] vector in the layout of ld, w and bias, so no layout conversion (a
     shared-memory round trip between two barriers each) stands between the loads, and they all issue in one
@@ -108,8 +108,9 @@ def _head_columns(x_corner, o_corner, state_ptr, w, bias, ld, mask_d, d0, line, 
     The caller must be the only program reading or writing this state row.
     """
     zero_d = ld * 0  # [BLOCK_D]: scalar bounds enter masks through a tensor compare, which keeps them boolean
-    x_col = x_corner + ld * stride_x_d + t_head * stride_x_t  # [BLOCK_D] pointers to x at the head's first token
-    o_col = o_corner + ld * stride_o_d + t_head * stride_o_t  # [BLOCK_D]
+    # token offsets are taken from t_head (the tile's offset type: int64 under OFF64) before the stride multiplies
+    x_cols = x_corner + ld * stride_x_d  # [BLOCK_D] pointers to x at the tile's token 0
+    o_cols = o_corner + ld * stride_o_d  # [BLOCK_D]
     if HAS_STATE:
         row = state_ptr + line * stride_s_line + d0.to(tl.int64) * stride_s_d + ld * stride_s_d  # [BLOCK_D]
     # [old window | x]: positions below WIDTH - 1 are the old state's columns (zero unless hist_lim), the
@@ -123,11 +124,11 @@ def _head_columns(x_corner, o_corner, state_ptr, w, bias, ld, mask_d, d0, line, 
                                  other=0.0).to(tl.float32),)
         else:
             old = old + (tl.zeros_like(bias),)
-        head_x = head_x + (tl.load(x_col + j * stride_x_t, mask=mask_d & (zero_d + j < seqlen),
+        head_x = head_x + (tl.load(x_cols + (t_head + j) * stride_x_t, mask=mask_d & (zero_d + j < seqlen),
                                    other=0.0).to(tl.float32),)
         if HAS_STATE:
             t = seqlen - (WIDTH - 1) + j  # may be negative: that column then comes from the old window
-            last_x = last_x + (tl.load(x_col + t * stride_x_t, mask=mask_d & (zero_d + t >= 0),
+            last_x = last_x + (tl.load(x_cols + (t_head + t) * stride_x_t, mask=mask_d & (zero_d + t >= 0),
                                        other=0.0).to(tl.float32),)
     for j in tl.static_range(WIDTH - 1):
         acc = bias
@@ -139,7 +140,8 @@ def _head_columns(x_corner, o_corner, state_ptr, w, bias, ld, mask_d, d0, line, 
                 acc += w[k] * head_x[j + k - (WIDTH - 1)]
         if SILU:
             acc = acc / (1.0 + tl.exp(-acc))
-        tl.store(o_col + j * stride_o_t, acc.to(o_corner.dtype.element_ty), mask=mask_d & (zero_d + j < seqlen))
+        tl.store(o_cols + (t_head + j) * stride_o_t, acc.to(o_corner.dtype.element_ty),
+                 mask=mask_d & (zero_d + j < seqlen))
     if HAS_STATE:
         tl.debug_barrier()  # every read of the old row above happens before it is overwritten
         for j in tl.static_range(WIDTH - 1):
