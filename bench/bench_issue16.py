@@ -5,6 +5,7 @@ CUDA-graph replay). Every timed variant is first checked against the float64 ref
 
     python bench/bench_issue16.py [--peer-file .peers/seed.py] [--out DIR] [--variants]
     python bench/bench_issue16.py --direct-json PATH   # only §3: the host cost of a direct call (direct_calls)
+    python bench/bench_issue16.py --prefill-small-json PATH   # only the small prefills, batch-1 path on and off
 
 Writes ``issue16-<gpu>-<date>.json`` (and prints every line) to --out (default $OUT or bench/results).
 """
@@ -351,7 +352,35 @@ def direct_calls(path):
     return 0 if all(c["ok"] for c in checks.values()) else 1
 
 
-def prefill_small(peers):
+def _one_seq(on: bool) -> None:
+    """The piece kernel's batch-1 path (ONE_SEQ, one round of loads before x) on, or off (the sequence search, as
+    before it): set in TUNING, plans dropped so the next call plans again."""
+    from convserve.kernels import _launch
+    from convserve.kernels.prefill import plan as pplan
+    _launch.TUNING["prefill_piece_one_seq"] = dict(_launch.TUNING["prefill_piece_one_seq"], on=on)
+    pplan._PLANS.clear()
+
+
+def _search_path(x, w, b, st, qsl, idx, init, out):
+    """do_bench µs of the same call with ONE_SEQ off (checked against the reference first), then ONE_SEQ back
+    on; None when the call is wrong."""
+    from convserve.kernels import causal_conv1d_fn, causal_conv1d_ref
+    _one_seq(False)
+    try:
+        st_k, st_r = st.clone(), st.clone()
+        out.fill_(float("nan"))
+        causal_conv1d_fn(x, w, b, st_k, qsl, idx, init, "silu", out=out)
+        ref = causal_conv1d_ref(x, w, b, st_r, qsl, idx, init, "silu")
+        if not (rel_err(out, ref) < 1e-2 and torch.equal(st_k, st_r)):
+            return None
+        return bench(lambda: causal_conv1d_fn(x, w, b, st_k, qsl, idx, init, "silu", out=out))
+    finally:
+        _one_seq(True)
+
+
+def prefill_small(peers, ab=False):
+    """The small card shapes (batch 1): ours (do_bench, back to back, host), a same-size copy, the CUDA-graph
+    replay; with ab, also ours with ONE_SEQ off (``search``) in the same process, timed after ours."""
     from convserve.kernels import causal_conv1d_fn, causal_conv1d_ref
     from convserve.kernels.graphs import PrefillGraph
     rows = []
@@ -384,10 +413,15 @@ def prefill_small(peers):
             g.has_initial_state.copy_(init)
             r["graph"] = bench(g.replay)
             r["graph_b2b"], _ = b2b(g.replay, n=500)
+            if ab:
+                r["search"] = _search_path(x, w, b, st, qsl, idx, init, out)
+                r["ok"] = r["ok"] and r["search"] is not None
+                r["ours_again"] = bench(fn)  # drift check: ours once more after the search path
             rows.append(r)
+            ab_txt = f" search {r['search'] or float('nan'):6.2f} ours again {r['ours_again']:6.2f}" if ab else ""
             print(f"prefill {T:5}x{dim} {layout:14} ours {r['ours']:6.2f} copy {r['copy']:5.2f} b2b "
                   f"{r['ours_b2b']:6.2f} host {r['ours_host']:6.2f} graph {r['graph']:6.2f} graph_b2b "
-                  f"{r['graph_b2b']:6.2f} err {err:.1e} {'ok' if r['ok'] else 'WRONG'}", flush=True)
+                  f"{r['graph_b2b']:6.2f}{ab_txt} err {err:.1e} {'ok' if r['ok'] else 'WRONG'}", flush=True)
     return rows
 
 
@@ -398,9 +432,21 @@ def main(argv=None):
     ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "results"))
     ap.add_argument("--direct-json", metavar="PATH", help="only the host cost of direct calls (direct_calls), JSON to "
                     "PATH")
+    ap.add_argument("--prefill-small-json", metavar="PATH", help="only the small prefill shapes, with the piece "
+                    "kernel's batch-1 path on and off (ONE_SEQ against the sequence search) in one process; JSON to "
+                    "PATH")
     a = ap.parse_args(argv)
     if a.direct_json:
         return direct_calls(a.direct_json)
+    if a.prefill_small_json:
+        import triton
+        env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                   date=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+        print(env, flush=True)
+        rows = prefill_small({}, ab=True)
+        Path(a.prefill_small_json).write_text(json.dumps(dict(env=env, prefill_small=rows), indent=1, default=str))
+        print(f"wrote {a.prefill_small_json}")
+        return 0 if all(r["ok"] for r in rows) else 1
     import triton
     torch.manual_seed(0)
     env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,

@@ -28,6 +28,10 @@ TUNING = {
     "prefill_piece_channels_first": dict(block_t=512, elems=2048, num_warps=4),
     # prefill, piece kernel, x channels-last (dim contiguous, x.stride(0) == 1: serving stacks)
     "prefill_piece_channels_last": dict(block_d=256, elems=4096, num_warps=4),
+    # prefill, piece kernel, batch == 1: query_start_loc, the index, the flag, the weights and the bias read in
+    # one round of independent loads instead of the sequence search (on=False: the search, for comparisons);
+    # thread_per_channel: at T == 1, as many threads as channels per program (up to 8 warps)
+    "prefill_piece_one_seq": dict(on=True, thread_per_channel=True),
     # Both bodies apply up to width max_width (the piece kernel takes wider ones).
     # prefill, channels-first body (x and out a contiguous (dim, T) with T >= min_t), then the heads pass: up to
     # `groups` aligned groups of 8 elements per program: about T / (8 * tiles_per_row), but not below min_groups
@@ -36,12 +40,14 @@ TUNING = {
                                         tiles_per_row=2, min_t=512, max_width=8),
     # prefill, channels-last body (x and out with stride(0) == 1, dim * T >= min_elems), then the heads pass:
     # 8 * 32 * num_warps channels per program, rows_per_step rows per loop step, chunks of at most max_chunk
-    # tokens (halved until there are min_programs programs)
+    # tokens (halved until there are min_programs programs); persistent k > 0: instead of a program per chunk,
+    # about k programs per SM (a multiple of the channel blocks), each looping over chunks of one channel block
     "prefill_body_channels_last": dict(num_warps=2, rows_per_step=4, max_chunk=128, min_programs=132 * 16,
-                                       min_elems=1 << 24, max_width=8),
+                                       min_elems=1 << 24, max_width=8, persistent=0),
     # the heads pass after either body: channels per program (at most head_elems / HEAD, so a [HEAD, BLOCK_D]
-    # head tile stays in registers at widths 6-8), elements per zeroing step of a pad
-    "prefill_heads": dict(block_d=256, elems=2048, head_elems=1024, num_warps=4),
+    # head tile stays in registers at widths 6-8), elements per zeroing step of a pad; columns: the index, flag,
+    # taps and bias in the bounds' round of loads and the head column by column, one channel per thread
+    "prefill_heads": dict(block_d=256, elems=2048, head_elems=1024, num_warps=4, columns=False),
     # decode, one token per row (dense kernel): channels per program
     "decode": dict(block_d=512, num_warps=8),
     # several tokens per row with x dense per row (speculative verify): the dense kernel while

@@ -5,12 +5,16 @@ of ``CHUNK`` tokens. It walks the chunk ``U`` token rows per step (one ``[BLOCK_
 out in registers), keeps the last ``WIDTH - 1`` rows in loop-carried registers, and loads the next step's rows
 before computing the current one, so every input row is loaded once (plus ``WIDTH - 1`` halo rows per chunk).
 
+With ``TUNING``'s ``persistent`` k > 0 (off by default) the grid is about k programs per SM instead, a multiple of
+the channel blocks, and each program loops over the chunks of its channel block, loading its taps once.
+
 The body ignores sequence starts and the old state (x[t < 0] = 0). The heads pass (``heads.py``) rewrites the
 first ``WIDTH - 1`` tokens of every sequence afterwards, in stream order.
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -124,39 +128,15 @@ def _halo(x_col, t, stride_x_t, mask_d):
 
 
 @triton.jit
-def _channels_last_body_kernel(
-    x_ptr,  # (dim, T), stride_x_d == 1
-    w_ptr,  # (dim, WIDTH)
-    b_ptr,  # (dim,), read when HAS_BIAS
-    out_ptr,  # (dim, T), stride_o_d == 1
-    dim, T,
-    stride_x_t, stride_w_d, stride_w_k, stride_o_t,
-    WIDTH: tl.constexpr,  # 2-8
-    HAS_BIAS: tl.constexpr,
-    SILU: tl.constexpr,
-    LOG_U: tl.constexpr,  # U = 2**LOG_U token rows per loop step: 1, 2, 4 or 8
-    CHUNK: tl.constexpr,  # tokens per program, a multiple of U
-    EVEN_D: tl.constexpr,  # dim % BLOCK_D == 0
-    BLOCK_D: tl.constexpr,  # 8 * 32 * num_warps: every thread holds 8 channels of all U rows
-):
-    """out = conv along tokens as if all T tokens were one sequence (x[t < 0] = 0)."""
+def _chunk(x_ptr, out_ptr, dim, T, stride_x_t, stride_o_t, w, bias, d0, c0, WIDTH: tl.constexpr,
+           SILU: tl.constexpr, LOG_U: tl.constexpr, CHUNK: tl.constexpr, EVEN_D: tl.constexpr,
+           BLOCK_D: tl.constexpr):
+    """out over tokens [c0, c0 + CHUNK) of channels [d0, d0 + BLOCK_D): w, the WIDTH taps, and bias, each
+    [BLOCK_D] fp32."""
     U: tl.constexpr = 1 << LOG_U
-    pid = tl.program_id(0)
-    n_d = tl.cdiv(dim, BLOCK_D)
-    d0 = (pid % n_d) * BLOCK_D  # channel blocks vary fastest: neighbours read neighbouring bytes of a row
-    c0 = (pid // n_d) * CHUNK  # the chunk's first token
     n_tok = tl.minimum(CHUNK, T - c0)
-
     ld = tl.arange(0, BLOCK_D)  # [BLOCK_D]
     mask_d = ld < dim - d0
-    w_row = w_ptr + (d0 + ld) * stride_w_d  # [BLOCK_D]
-    w = ()  # WIDTH x [BLOCK_D] fp32 taps
-    for k in tl.static_range(WIDTH):
-        w = w + (tl.load(w_row + k * stride_w_k, mask=mask_d, other=0.0).to(tl.float32),)
-    if HAS_BIAS:
-        bias = tl.load(b_ptr + d0 + ld, mask=mask_d, other=0.0).to(tl.float32)  # [BLOCK_D]
-    else:
-        bias = tl.zeros([BLOCK_D], dtype=tl.float32)
 
     # the window before the chunk: rows c0 - WIDTH + 1 .. c0 - 1, oldest first, each [BLOCK_D] fp32
     x_col = x_ptr + d0 + ld  # [BLOCK_D]
@@ -195,6 +175,51 @@ def _channels_last_body_kernel(
             tl.store(o_ptrs + n_full * (U * stride_o_t), y, mask=mask)
 
 
+@triton.jit
+def _channels_last_body_kernel(
+    x_ptr,  # (dim, T), stride_x_d == 1
+    w_ptr,  # (dim, WIDTH)
+    b_ptr,  # (dim,), read when HAS_BIAS
+    out_ptr,  # (dim, T), stride_o_d == 1
+    dim, T,
+    stride_x_t, stride_w_d, stride_w_k, stride_o_t,
+    WIDTH: tl.constexpr,  # 2-8
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+    LOG_U: tl.constexpr,  # U = 2**LOG_U token rows per loop step: 1, 2, 4 or 8
+    CHUNK: tl.constexpr,  # tokens per program (per loop turn when PERSISTENT), a multiple of U
+    EVEN_D: tl.constexpr,  # dim % BLOCK_D == 0
+    BLOCK_D: tl.constexpr,  # 8 * 32 * num_warps: every thread holds 8 channels of all U rows
+    PERSISTENT: tl.constexpr,  # a grid of a multiple of cdiv(dim, BLOCK_D) programs, each looping over chunks
+    #                            of its channel block; else one program per chunk
+):
+    """out = conv along tokens as if all T tokens were one sequence (x[t < 0] = 0)."""
+    pid = tl.program_id(0)
+    n_d = tl.cdiv(dim, BLOCK_D)
+    d0 = (pid % n_d) * BLOCK_D  # channel blocks vary fastest: neighbours read neighbouring bytes of a row
+
+    ld = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    mask_d = ld < dim - d0
+    w_row = w_ptr + (d0 + ld) * stride_w_d  # [BLOCK_D]
+    w = ()  # WIDTH x [BLOCK_D] fp32 taps
+    for k in tl.static_range(WIDTH):
+        w = w + (tl.load(w_row + k * stride_w_k, mask=mask_d, other=0.0).to(tl.float32),)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + d0 + ld, mask=mask_d, other=0.0).to(tl.float32)  # [BLOCK_D]
+    else:
+        bias = tl.zeros([BLOCK_D], dtype=tl.float32)
+
+    if PERSISTENT:
+        # the grid is a multiple of n_d, so a program keeps its channel block, and its taps, in every turn
+        for c in range(pid // n_d, tl.cdiv(T, CHUNK), tl.num_programs(0) // n_d):
+            c0 = c * CHUNK + pid * 0  # a tensor also where the interpreter's loop counter is an int
+            _chunk(x_ptr, out_ptr, dim, T, stride_x_t, stride_o_t, w, bias, d0, c0, WIDTH, SILU, LOG_U, CHUNK,
+                   EVEN_D, BLOCK_D)
+    else:
+        _chunk(x_ptr, out_ptr, dim, T, stride_x_t, stride_o_t, w, bias, d0, (pid // n_d) * CHUNK, WIDTH, SILU,
+               LOG_U, CHUNK, EVEN_D, BLOCK_D)
+
+
 def channels_last_body_plan(x, weight, bias, out, silu):
     """The body launch for x / out (dim, T), or None when the path does not apply: x and out with stride(0) == 1,
     width <= max_width and at least min_elems elements (below that the piece kernel's short tiles keep more
@@ -212,7 +237,19 @@ def channels_last_body_plan(x, weight, bias, out, silu):
     while chunk > u and n_d * -(-total // chunk) < t["min_programs"]:
         chunk //= 2
     chunk = max(chunk, u)
-    return LaunchPlan(_channels_last_body_kernel, (n_d * -(-total // chunk), 1),
-                      (dim, total, x.stride(1), weight.stride(0), weight.stride(1), out.stride(1)),
-                      dict(WIDTH=weight.shape[1], HAS_BIAS=bias is not None, SILU=silu, LOG_U=u.bit_length() - 1,
-                           CHUNK=chunk, EVEN_D=dim % block_d == 0, BLOCK_D=block_d), warps, x.device)
+    programs = n_d * -(-total // chunk)
+    constexprs = dict(WIDTH=weight.shape[1], HAS_BIAS=bias is not None, SILU=silu, LOG_U=u.bit_length() - 1,
+                      CHUNK=chunk, EVEN_D=dim % block_d == 0, BLOCK_D=block_d, PERSISTENT=False)
+    if t.get("persistent", 0) > 0:  # persistent programs per SM (0: one program per chunk)
+        programs = min(programs, max(1, _sm_count(x.device) * t["persistent"] // n_d) * n_d)
+        constexprs["PERSISTENT"] = True
+    return LaunchPlan(_channels_last_body_kernel, (programs, 1),
+                      (dim, total, x.stride(1), weight.stride(0), weight.stride(1), out.stride(1)), constexprs, warps,
+                      x.device)
+
+
+def _sm_count(device) -> int:
+    """Streaming multiprocessors of a CUDA device (the H200's 132 for meta tensors, 4 on the CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132 if device.type == "meta" else 4

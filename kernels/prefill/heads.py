@@ -8,8 +8,10 @@ and the old state, writes the sequence's new state, and zeroes pad sequences and
 ``query_start_loc[batch]``. It runs after the body in stream order; each state row is read and written by one
 program.
 
-The jit helpers here (``_sequence_row``, ``_head_and_state``) are shared with the piece kernel, which computes
-the head of each sequence whose first token falls in its tile in the same way.
+The jit helpers here (``_sequence_row``, ``_head_and_state``, ``_head_columns``) are shared with the piece kernel,
+which computes the head of each sequence whose first token falls in its tile in the same way. With ``TUNING``'s
+``prefill_heads`` ``columns`` (off by default) the heads pass loads each sequence's index, flag, taps and bias in
+the same round as its bounds and computes the head column by column, as the piece kernel's batch-1 path does.
 """
 
 from __future__ import annotations
@@ -93,6 +95,64 @@ def _head_and_state(x_corner, o_corner, state_ptr, w_ptrs, bias, ld, mask_d, d0,
 
 
 @triton.jit
+def _head_columns(x_corner, o_corner, state_ptr, w, bias, ld, mask_d, d0, line, t_head, seqlen, hist_lim,
+                  stride_x_d, stride_x_t, stride_o_d, stride_o_t, stride_s_line, stride_s_d, stride_s_k,
+                  WIDTH: tl.constexpr, HAS_STATE: tl.constexpr, SILU: tl.constexpr):
+    """``_head_and_state``'s outputs and new state, one [BLOCK_D] column per token and state column.
+
+    Every load and store here is a [BLOCK_D] vector in the layout of ld, w and bias, so no layout conversion (a
+    shared-memory round trip between two barriers each) stands between the loads, and they all issue in one
+    round. x_corner / o_corner: pointers to x / out at token 0 of the tile (channel d0); t_head: the sequence's
+    first token within the tile; w: the WIDTH taps, each [BLOCK_D] fp32; bias: [BLOCK_D] fp32; line: the state
+    row; seqlen: the sequence's length (int64, >= 1); hist_lim: WIDTH - 1 to start from the old state, else 0.
+    The caller must be the only program reading or writing this state row.
+    """
+    zero_d = ld * 0  # [BLOCK_D]: scalar bounds enter masks through a tensor compare, which keeps them boolean
+    # token offsets are taken from t_head (the tile's offset type: int64 under OFF64) before the stride multiplies
+    x_cols = x_corner + ld * stride_x_d  # [BLOCK_D] pointers to x at the tile's token 0
+    o_cols = o_corner + ld * stride_o_d  # [BLOCK_D]
+    if HAS_STATE:
+        row = state_ptr + line * stride_s_line + d0.to(tl.int64) * stride_s_d + ld * stride_s_d  # [BLOCK_D]
+    # [old window | x]: positions below WIDTH - 1 are the old state's columns (zero unless hist_lim), the
+    # others x at token position - (WIDTH - 1) of the sequence (zero past its end)
+    old = ()  # WIDTH - 1 x [BLOCK_D]
+    head_x = ()  # WIDTH - 1 x [BLOCK_D]: x at the sequence's tokens 0 .. WIDTH - 2
+    last_x = ()  # WIDTH - 1 x [BLOCK_D]: x at tokens seqlen - WIDTH + 1 .. seqlen - 1 (the new state)
+    for j in tl.static_range(WIDTH - 1):
+        if HAS_STATE:
+            old = old + (tl.load(row + j * stride_s_k, mask=mask_d & (zero_d + j < hist_lim),
+                                 other=0.0).to(tl.float32),)
+        else:
+            old = old + (tl.zeros_like(bias),)
+        head_x = head_x + (tl.load(x_cols + (t_head + j) * stride_x_t, mask=mask_d & (zero_d + j < seqlen),
+                                   other=0.0).to(tl.float32),)
+        if HAS_STATE:
+            t = seqlen - (WIDTH - 1) + j  # may be negative: that column then comes from the old window
+            last_x = last_x + (tl.load(x_cols + (t_head + t) * stride_x_t, mask=mask_d & (zero_d + t >= 0),
+                                       other=0.0).to(tl.float32),)
+    for j in tl.static_range(WIDTH - 1):
+        acc = bias
+        for k in tl.static_range(WIDTH):
+            # output token j reads position j + k of [old window | x]
+            if j + k < WIDTH - 1:
+                acc += w[k] * old[j + k]
+            else:
+                acc += w[k] * head_x[j + k - (WIDTH - 1)]
+        if SILU:
+            acc = acc / (1.0 + tl.exp(-acc))
+        tl.store(o_cols + (t_head + j) * stride_o_t, acc.to(o_corner.dtype.element_ty),
+                 mask=mask_d & (zero_d + j < seqlen))
+    if HAS_STATE:
+        tl.debug_barrier()  # every read of the old row above happens before it is overwritten
+        for j in tl.static_range(WIDTH - 1):
+            # new column j is position seqlen + j: x when that is past the old window, else old column seqlen + j
+            new = last_x[j]
+            for p in tl.static_range(j + 1, WIDTH - 1):
+                new = tl.where(zero_d + seqlen + j == p, old[p], new)
+            tl.store(row + j * stride_s_k, new.to(state_ptr.dtype.element_ty), mask=mask_d)
+
+
+@triton.jit
 def _heads_kernel(
     x_ptr,  # (dim, total_tokens), any strides
     w_ptr,  # (dim, WIDTH)
@@ -126,6 +186,8 @@ def _heads_kernel(
     OFF64: tl.constexpr,  # a tile's offsets from its corner overflow int32 (huge strides): compute them in int64
     BLOCK_T: tl.constexpr,  # tokens per zeroing step of a pad sequence
     BLOCK_D: tl.constexpr,
+    COLUMNS: tl.constexpr,  # the index, flag, taps and bias loaded with the sequence's bounds, and the head column
+    #                         by column (_head_columns); else loaded after them, the head as [HEAD, BLOCK_D] tiles
 ):
     """Program (s, channel block): sequence s's head and new state, or, for a pad sequence (s == batch: the
     tail past query_start_loc[batch]), zeros over all its tokens."""
@@ -139,21 +201,47 @@ def _heads_kernel(
         stride_o_d = 1
     s = tl.program_id(0)
     pid_d = tl.program_id(1)
-    start = tl.load(qsl_ptr + s).to(tl.int64)
-    end = tl.where(s < batch, tl.load(qsl_ptr + tl.minimum(s + 1, batch)).to(tl.int64), total_tokens)
-    if start >= end:
-        return  # an empty sequence: nothing to write, its state stays
-    is_real, line, hist_lim = _sequence_row(idx_ptr, init_ptr, s, batch, num_lines, pad_slot_id, WIDTH,
-                                            HAS_INDICES, HAS_STATE, HAS_INIT)
+    if COLUMNS:
+        # Every load before x and the state row issued up front as independent loads (the sequence is the
+        # program id, so its bounds, index and flag need no search), the taps and the bias with them: one round
+        # trip to memory, then x and the row.
+        start = tl.load(qsl_ptr + s).to(tl.int64)
+        end = tl.where(s < batch, tl.load(qsl_ptr + tl.minimum(s + 1, batch)).to(tl.int64), total_tokens)
+        is_real, line, hist_lim = _sequence_row(idx_ptr, init_ptr, s, batch, num_lines, pad_slot_id, WIDTH,
+                                                HAS_INDICES, HAS_STATE, HAS_INIT)
+        d0 = pid_d * BLOCK_D
+        ld = tl.arange(0, BLOCK_D)  # [BLOCK_D] channel within the tile
+        lt = tl.arange(0, BLOCK_T)  # [BLOCK_T] token within a zeroing step
+        if OFF64:
+            ld = ld.to(tl.int64)
+            lt = lt.to(tl.int64)
+        mask_d = ld < dim - d0  # [BLOCK_D]
+        w_ptrs = w_ptr + (d0 + ld) * stride_w_d  # [BLOCK_D]
+        w = ()  # WIDTH x [BLOCK_D] fp32 taps
+        for k in tl.static_range(WIDTH):
+            w = w + (tl.load(w_ptrs + k * stride_w_k, mask=mask_d, other=0.0).to(tl.float32),)
+        if HAS_BIAS:
+            bias = tl.load(b_ptr + d0 + ld, mask=mask_d, other=0.0).to(tl.float32)  # [BLOCK_D]
+        else:
+            bias = tl.zeros([BLOCK_D], dtype=tl.float32)
+        if start >= end:
+            return  # an empty sequence: nothing to write, its state stays
+    else:
+        start = tl.load(qsl_ptr + s).to(tl.int64)
+        end = tl.where(s < batch, tl.load(qsl_ptr + tl.minimum(s + 1, batch)).to(tl.int64), total_tokens)
+        if start >= end:
+            return  # an empty sequence: nothing to write, its state stays
+        is_real, line, hist_lim = _sequence_row(idx_ptr, init_ptr, s, batch, num_lines, pad_slot_id, WIDTH,
+                                                HAS_INDICES, HAS_STATE, HAS_INIT)
 
-    # Addresses: a 64-bit corner per program, then small offsets from it (int32 unless OFF64).
-    d0 = pid_d * BLOCK_D
-    ld = tl.arange(0, BLOCK_D)  # [BLOCK_D] channel within the tile
-    lt = tl.arange(0, BLOCK_T)  # [BLOCK_T] token within a zeroing step
-    if OFF64:
-        ld = ld.to(tl.int64)
-        lt = lt.to(tl.int64)
-    mask_d = ld < dim - d0  # [BLOCK_D]
+        # Addresses: a 64-bit corner per program, then small offsets from it (int32 unless OFF64).
+        d0 = pid_d * BLOCK_D
+        ld = tl.arange(0, BLOCK_D)  # [BLOCK_D] channel within the tile
+        lt = tl.arange(0, BLOCK_T)  # [BLOCK_T] token within a zeroing step
+        if OFF64:
+            ld = ld.to(tl.int64)
+            lt = lt.to(tl.int64)
+        mask_d = ld < dim - d0  # [BLOCK_D]
     if is_real == 0:
         zeros = tl.zeros([BLOCK_T, BLOCK_D], dtype=out_ptr.dtype.element_ty)  # [BLOCK_T, BLOCK_D]
         for t0 in range(start, end, BLOCK_T):
@@ -163,19 +251,23 @@ def _heads_kernel(
     else:
         x_corner = x_ptr + start * stride_x_t + d0.to(tl.int64) * stride_x_d
         o_corner = out_ptr + start * stride_o_t + d0.to(tl.int64) * stride_o_d
-        w_ptrs = w_ptr + (d0 + ld) * stride_w_d  # [BLOCK_D]
-        if HAS_BIAS:
-            if EVEN_D:
-                bias = tl.load(b_ptr + d0 + ld).to(tl.float32)  # [BLOCK_D]
-            else:
-                bias = tl.load(b_ptr + d0 + ld, mask=mask_d, other=0.0).to(tl.float32)
-        else:
-            bias = tl.zeros([BLOCK_D], dtype=tl.float32)
         head0 = (s * 0).to(lt.dtype)  # the head is the corner's first token
-        _head_and_state(x_corner, o_corner, state_ptr, w_ptrs, bias, ld, mask_d, d0, line, head0, end - start,
-                        hist_lim, stride_x_d, stride_x_t, stride_w_k, stride_o_d, stride_o_t, stride_s_line,
-                        stride_s_d, stride_s_k, WIDTH, HEAD, HAS_STATE, SILU)
-
+        if COLUMNS:
+            _head_columns(x_corner, o_corner, state_ptr, w, bias, ld, mask_d, d0, line, head0, end - start,
+                          hist_lim, stride_x_d, stride_x_t, stride_o_d, stride_o_t, stride_s_line, stride_s_d,
+                          stride_s_k, WIDTH, HAS_STATE, SILU)
+        else:
+            w_ptrs = w_ptr + (d0 + ld) * stride_w_d  # [BLOCK_D]
+            if HAS_BIAS:
+                if EVEN_D:
+                    bias = tl.load(b_ptr + d0 + ld).to(tl.float32)  # [BLOCK_D]
+                else:
+                    bias = tl.load(b_ptr + d0 + ld, mask=mask_d, other=0.0).to(tl.float32)
+            else:
+                bias = tl.zeros([BLOCK_D], dtype=tl.float32)
+            _head_and_state(x_corner, o_corner, state_ptr, w_ptrs, bias, ld, mask_d, d0, line, head0, end - start,
+                            hist_lim, stride_x_d, stride_x_t, stride_w_k, stride_o_d, stride_o_t, stride_s_line,
+                            stride_s_d, stride_s_k, WIDTH, HEAD, HAS_STATE, SILU)
 
 def tile_span(x, out, cfg: Tile, width: int) -> int:
     """Largest element offset from a tile's corner (head and tap shifts included), for x and out."""
@@ -212,8 +304,12 @@ def heads_plan(x, weight, bias, conv_states, cache_indices, has_initial_state, o
     t = TUNING["prefill_heads"]
     head = max(2, next_pow2(width - 1))
     block_d = min(t["block_d"], max(16, next_pow2(dim)), max(16, t["head_elems"] // head))
-    cfg = Tile(max(1, t["elems"] // block_d), block_d, t["num_warps"])
+    columns = t.get("columns", False)
+    # columns: one channel per thread (up to 8 warps), so every [BLOCK_D] value has one register layout
+    warps = max(1, min(8, block_d // 32)) if columns else t["num_warps"]
+    cfg = Tile(max(1, t["elems"] // block_d), block_d, warps)
     scalars, constexprs = launch_args(x, weight, bias, conv_states, cache_indices, has_initial_state, out, width,
                                       batch, silu, pad_slot_id, cfg)
     return LaunchPlan(_heads_kernel, (batch + 1, -(-dim // cfg.block_d)), scalars,
-                      dict(constexprs, BLOCK_T=cfg.block_t, BLOCK_D=cfg.block_d), cfg.num_warps, x.device)
+                      dict(constexprs, BLOCK_T=cfg.block_t, BLOCK_D=cfg.block_d, COLUMNS=columns), cfg.num_warps,
+                      x.device)

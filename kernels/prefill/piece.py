@@ -9,6 +9,13 @@ Each program loads its tile once per tap at the tap's token shift (the overlappi
 that owns a sequence's first token computes the head (``heads._head_and_state``) and writes the sequence's new
 state. The tokens past ``query_start_loc[batch]`` form one more, virtual, pad sequence, so every output element
 is written.
+
+A batch of one sequence (``ONE_SEQ``) skips the search: ``query_start_loc[0]`` and ``[1]``, the sequence's index and
+flag, the weights and the bias are all at fixed addresses and are loaded up front in one round of independent
+loads; the piece's sequence (0, or the pad tail) follows from ``query_start_loc[1]``, so x and the state row are
+the second and last round of dependent loads. Its head is computed column by column (``_head_columns``), every
+value a ``[BLOCK_D]`` vector in one register layout. Tokens before ``query_start_loc[0]`` (which the contract
+makes 0) are written as zeros there, as the reference does.
 """
 
 from __future__ import annotations
@@ -16,20 +23,23 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .._launch import LaunchPlan, prefill_config
-from .heads import _head_and_state, _sequence_row, launch_args
+from .._launch import TUNING, LaunchPlan, prefill_config
+from .heads import _head_and_state, _head_columns, _sequence_row, launch_args
 
 
 @triton.jit
-def _body_taps(ptrs, stride_t, w_ptrs, stride_w_k, mask, mask_d, acc,
-               WIDTH: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
+def _body_taps(ptrs, stride_t, w_ptrs, stride_w_k, mask, mask_d, acc, w_pre,
+               WIDTH: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, W_PRE: tl.constexpr):
     """acc += sum_k w[:, k] * x[t - (WIDTH - 1 - k)], each tap a shifted load of the tile (L1 serves the overlap).
 
     ptrs: [BLOCK_T, BLOCK_D] pointers to x at the tile's tokens; w_ptrs: [BLOCK_D] pointers to weight[:, 0];
+    w_pre: when W_PRE, the WIDTH taps already loaded (a tuple of [BLOCK_D] fp32; w_ptrs unused), else None;
     mask: [BLOCK_T, BLOCK_D], used when MASKED.
     """
     for k in tl.static_range(WIDTH):
-        if EVEN_D:
+        if W_PRE:
+            w_k = w_pre[k]  # [BLOCK_D]
+        elif EVEN_D:
             w_k = tl.load(w_ptrs + k * stride_w_k).to(tl.float32)  # [BLOCK_D]
         else:
             w_k = tl.load(w_ptrs + k * stride_w_k, mask=mask_d, other=0.0).to(tl.float32)
@@ -90,6 +100,7 @@ def _piece_kernel(
     OFF64: tl.constexpr,  # a tile's offsets from its corner overflow int32 (huge strides): compute them in int64
     SEARCH: tl.constexpr,  # query_start_loc entries read per step of the sequence search (fixed, so a new batch
     #                        size never compiles a new variant)
+    ONE_SEQ: tl.constexpr,  # batch == 1: no search (the variant Triton already compiles apart for an int arg of 1)
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -104,35 +115,88 @@ def _piece_kernel(
     pid = tl.program_id(0)
     pid_d = tl.program_id(1)
 
-    s = _find_sequence(qsl_ptr, pid, batch, BLOCK_T, SEARCH)
-    start = tl.load(qsl_ptr + s).to(tl.int64)
-    end = tl.where(s < batch, tl.load(qsl_ptr + tl.minimum(s + 1, batch)).to(tl.int64), total_tokens)
-    blk_lo = (pid - s).to(tl.int64) * BLOCK_T  # the piece's token block
-    if tl.maximum(blk_lo, start) >= tl.minimum(blk_lo + BLOCK_T, end):
-        return  # an id between two sequences' pieces, or an empty sequence: nothing to do
-
-    is_real, line, hist_lim = _sequence_row(idx_ptr, init_ptr, s, batch, num_lines, pad_slot_id, WIDTH,
-                                            HAS_INDICES, HAS_STATE, HAS_INIT)
-
-    # Addresses: a 64-bit corner per program, then small offsets from it (int32 unless OFF64), which keeps
-    # the per-element address arithmetic and its registers small.
-    d0 = pid_d * BLOCK_D
-    ld = tl.arange(0, BLOCK_D)  # [BLOCK_D] channel within the tile
-    lt = tl.arange(0, BLOCK_T)  # [BLOCK_T] token within the tile
-    if OFF64:
-        ld = ld.to(tl.int64)
-        lt = lt.to(tl.int64)
-    mask_d = ld < dim - d0
-    x_corner = x_ptr + blk_lo * stride_x_t + d0.to(tl.int64) * stride_x_d
-    o_corner = out_ptr + blk_lo * stride_o_t + d0.to(tl.int64) * stride_o_d
-    w_ptrs = w_ptr + (d0 + ld) * stride_w_d  # [BLOCK_D]
-    if HAS_BIAS:
-        if EVEN_D:
-            bias = tl.load(b_ptr + d0 + ld).to(tl.float32)
+    if ONE_SEQ:
+        # batch == 1: everything the program needs before x and the state row sits at a fixed address
+        # (query_start_loc[0] and [1], cache_indices[0], has_initial_state[0], the weights and the bias), so it is
+        # all issued up front as independent loads, one round trip to memory, and which piece this is follows from
+        # query_start_loc[1] without another load: x and the state row are the second and last round trip. (The
+        # search path needs three before x: the keys, then query_start_loc[s], then the sequence's index.)
+        q0 = tl.load(qsl_ptr).to(tl.int64)
+        q1 = tl.load(qsl_ptr + 1).to(tl.int64)
+        is_real, line, hist_lim = _sequence_row(idx_ptr, init_ptr, pid * 0, batch, num_lines, pad_slot_id, WIDTH,
+                                                HAS_INDICES, HAS_STATE, HAS_INIT)
+        d0 = pid_d * BLOCK_D
+        ld = tl.arange(0, BLOCK_D)  # [BLOCK_D] channel within the tile
+        lt = tl.arange(0, BLOCK_T)  # [BLOCK_T] token within the tile
+        if OFF64:
+            ld = ld.to(tl.int64)
+            lt = lt.to(tl.int64)
+        mask_d = ld < dim - d0
+        w_ptrs = w_ptr + (d0 + ld) * stride_w_d  # [BLOCK_D]
+        w_pre = ()  # WIDTH x [BLOCK_D] fp32 taps
+        for k in tl.static_range(WIDTH):
+            if EVEN_D:
+                w_pre = w_pre + (tl.load(w_ptrs + k * stride_w_k).to(tl.float32),)
+            else:
+                w_pre = w_pre + (tl.load(w_ptrs + k * stride_w_k, mask=mask_d, other=0.0).to(tl.float32),)
+        if HAS_BIAS:
+            if EVEN_D:
+                bias = tl.load(b_ptr + d0 + ld).to(tl.float32)
+            else:
+                bias = tl.load(b_ptr + d0 + ld, mask=mask_d, other=0.0).to(tl.float32)
         else:
-            bias = tl.load(b_ptr + d0 + ld, mask=mask_d, other=0.0).to(tl.float32)
+            bias = tl.zeros([BLOCK_D], dtype=tl.float32)
+
+        # The search's answer with two keys: the sequence (s = 0) below the pad tail's key
+        # floor(qsl[1] / BLOCK_T) + 1, the tail (s = 1) from it on.
+        s = (pid >= q1 // BLOCK_T + 1).to(tl.int32)
+        start = tl.where(s == 0, q0, q1)
+        end = tl.where(s == 0, q1, total_tokens)
+        is_real = is_real & (s == 0)
+        blk_lo = (pid - s).to(tl.int64) * BLOCK_T  # the piece's token block
+        x_corner = x_ptr + blk_lo * stride_x_t + d0.to(tl.int64) * stride_x_d
+        o_corner = out_ptr + blk_lo * stride_o_t + d0.to(tl.int64) * stride_o_d
+        # Tokens before query_start_loc[0] belong to no sequence: zeros, as the reference writes them. The
+        # sequence's pieces cover every block below query_start_loc[1], so they write them.
+        lead = (tl.minimum(tl.minimum(start, end), tl.minimum(blk_lo + BLOCK_T, total_tokens)) - blk_lo)
+        if (s == 0) & (lead > 0):
+            zmask = (lt < lead.to(lt.dtype))[:, None] & mask_d[None, :]  # [BLOCK_T, BLOCK_D]
+            tl.store(o_corner + (lt[:, None] * stride_o_t + ld[None, :] * stride_o_d),
+                     tl.zeros([BLOCK_T, BLOCK_D], dtype=out_ptr.dtype.element_ty), mask=zmask)
+        if tl.maximum(blk_lo, start) >= tl.minimum(blk_lo + BLOCK_T, end):
+            return  # past the sequence's last block, an empty sequence, or an empty tail: nothing more to do
     else:
-        bias = tl.zeros([BLOCK_D], dtype=tl.float32)
+        s = _find_sequence(qsl_ptr, pid, batch, BLOCK_T, SEARCH)
+        start = tl.load(qsl_ptr + s).to(tl.int64)
+        end = tl.where(s < batch, tl.load(qsl_ptr + tl.minimum(s + 1, batch)).to(tl.int64), total_tokens)
+        blk_lo = (pid - s).to(tl.int64) * BLOCK_T  # the piece's token block
+        if tl.maximum(blk_lo, start) >= tl.minimum(blk_lo + BLOCK_T, end):
+            return  # an id between two sequences' pieces, or an empty sequence: nothing to do
+
+        is_real, line, hist_lim = _sequence_row(idx_ptr, init_ptr, s, batch, num_lines, pad_slot_id, WIDTH,
+                                                HAS_INDICES, HAS_STATE, HAS_INIT)
+
+        # Addresses: a 64-bit corner per program, then small offsets from it (int32 unless OFF64), which keeps
+        # the per-element address arithmetic and its registers small.
+        d0 = pid_d * BLOCK_D
+        ld = tl.arange(0, BLOCK_D)  # [BLOCK_D] channel within the tile
+        lt = tl.arange(0, BLOCK_T)  # [BLOCK_T] token within the tile
+        if OFF64:
+            ld = ld.to(tl.int64)
+            lt = lt.to(tl.int64)
+        mask_d = ld < dim - d0
+        x_corner = x_ptr + blk_lo * stride_x_t + d0.to(tl.int64) * stride_x_d
+        o_corner = out_ptr + blk_lo * stride_o_t + d0.to(tl.int64) * stride_o_d
+        w_ptrs = w_ptr + (d0 + ld) * stride_w_d  # [BLOCK_D]
+        if HAS_BIAS:
+            if EVEN_D:
+                bias = tl.load(b_ptr + d0 + ld).to(tl.float32)
+            else:
+                bias = tl.load(b_ptr + d0 + ld, mask=mask_d, other=0.0).to(tl.float32)
+        else:
+            bias = tl.zeros([BLOCK_D], dtype=tl.float32)
+
+        w_pre = None  # the taps are loaded where they are used
 
     # ---- body: tokens that need no state (from start + WIDTH - 1 on); for a pad sequence, zeros everywhere.
     body_lo = (tl.maximum(blk_lo, tl.where(is_real, start + WIDTH - 1, start)) - blk_lo).to(lt.dtype)
@@ -144,10 +208,11 @@ def _piece_kernel(
         if is_real:
             acc += bias[None, :]
             if EVEN_D:
-                acc = _body_taps(x_ptrs, stride_x_t, w_ptrs, stride_w_k, None, mask_d, acc, WIDTH, False, True)
+                acc = _body_taps(x_ptrs, stride_x_t, w_ptrs, stride_w_k, None, mask_d, acc, w_pre, WIDTH, False,
+                                 True, ONE_SEQ)
             else:
                 acc = _body_taps(x_ptrs, stride_x_t, w_ptrs, stride_w_k, (lt >= 0)[:, None] & mask_d[None, :],
-                                 mask_d, acc, WIDTH, True, False)
+                                 mask_d, acc, w_pre, WIDTH, True, False, ONE_SEQ)
             if SILU:
                 acc = acc / (1.0 + tl.exp(-acc))
         if EVEN_D:
@@ -156,9 +221,13 @@ def _piece_kernel(
             tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(lt >= 0)[:, None] & mask_d[None, :])
     else:
         mask = ((lt >= body_lo) & (lt < body_hi))[:, None] & mask_d[None, :]  # [BLOCK_T, BLOCK_D]
-        if is_real:
+        run = is_real
+        if ONE_SEQ:  # no body token (T < WIDTH): skip the taps' layout conversions, which sit on the critical path
+            run = is_real & (body_lo < body_hi)
+        if run:
             acc += bias[None, :]
-            acc = _body_taps(x_ptrs, stride_x_t, w_ptrs, stride_w_k, mask, mask_d, acc, WIDTH, True, EVEN_D)
+            acc = _body_taps(x_ptrs, stride_x_t, w_ptrs, stride_w_k, mask, mask_d, acc, w_pre, WIDTH, True, EVEN_D,
+                             ONE_SEQ)
             if SILU:
                 acc = acc / (1.0 + tl.exp(-acc))
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -166,9 +235,15 @@ def _piece_kernel(
     # ---- head: the first WIDTH - 1 tokens of a real sequence, then its new state. Done by the piece that
     # holds the sequence's first token, the only program that reads or writes this state row.
     if is_real & (start >= blk_lo) & (start < blk_lo + BLOCK_T):
-        _head_and_state(x_corner, o_corner, state_ptr, w_ptrs, bias, ld, mask_d, d0, line,
-                        (start - blk_lo).to(lt.dtype), end - start, hist_lim, stride_x_d, stride_x_t, stride_w_k,
-                        stride_o_d, stride_o_t, stride_s_line, stride_s_d, stride_s_k, WIDTH, HEAD, HAS_STATE, SILU)
+        if ONE_SEQ:
+            _head_columns(x_corner, o_corner, state_ptr, w_pre, bias, ld, mask_d, d0, line,
+                          (start - blk_lo).to(lt.dtype), end - start, hist_lim, stride_x_d, stride_x_t, stride_o_d,
+                          stride_o_t, stride_s_line, stride_s_d, stride_s_k, WIDTH, HAS_STATE, SILU)
+        else:
+            _head_and_state(x_corner, o_corner, state_ptr, w_ptrs, bias, ld, mask_d, d0, line,
+                            (start - blk_lo).to(lt.dtype), end - start, hist_lim, stride_x_d, stride_x_t,
+                            stride_w_k, stride_o_d, stride_o_t, stride_s_line, stride_s_d, stride_s_k, WIDTH, HEAD,
+                            HAS_STATE, SILU)
 
 
 def piece_plan(x, weight, bias, conv_states, cache_indices, has_initial_state, out, width, batch, silu,
@@ -180,7 +255,15 @@ def piece_plan(x, weight, bias, conv_states, cache_indices, has_initial_state, o
     cfg = prefill_config(x, dim, total)
     scalars, constexprs = launch_args(x, weight, bias, conv_states, cache_indices, has_initial_state, out, width,
                                       batch, silu, pad_slot_id, cfg)
-    # SEARCH is fixed, so a new batch size never compiles a new variant.
+    # SEARCH is fixed, so a new batch size never compiles a new variant; ONE_SEQ splits off batch == 1, which
+    # Triton specializes anyway (an int argument equal to 1 is compiled as a constant).
+    t = TUNING["prefill_piece_one_seq"]
+    one_seq = batch == 1 and t["on"]
+    warps = cfg.num_warps
+    if one_seq and total == 1 and t["thread_per_channel"]:
+        # one channel per thread: every [BLOCK_D] vector then has the same register layout whatever its
+        # pointer's contiguity, so the head needs no layout conversion (each a shared-memory round trip)
+        warps = max(1, min(8, cfg.block_d // 32))
     return LaunchPlan(_piece_kernel, (-(-total // cfg.block_t) + batch + 1, -(-dim // cfg.block_d)), scalars,
-                      dict(constexprs, SEARCH=64, BLOCK_T=cfg.block_t, BLOCK_D=cfg.block_d), cfg.num_warps,
-                      x.device)
+                      dict(constexprs, SEARCH=64, ONE_SEQ=one_seq, BLOCK_T=cfg.block_t, BLOCK_D=cfg.block_d),
+                      warps, x.device)
