@@ -30,8 +30,9 @@ TUNING = {
     "prefill_piece_channels_last": dict(block_d=256, elems=4096, num_warps=4),
     # prefill, piece kernel, batch == 1: query_start_loc, the index, the flag, the weights and the bias read in
     # one round of independent loads instead of the sequence search (on=False: the search, for comparisons);
+    # channels_first: also for a channels-first x of T >= 2 (off: the search was faster there, bench/NOTES.md);
     # thread_per_channel: at T == 1, as many threads as channels per program (up to 8 warps)
-    "prefill_piece_one_seq": dict(on=True, thread_per_channel=True),
+    "prefill_piece_one_seq": dict(on=True, channels_first=False, thread_per_channel=True),
     # Both bodies apply up to width max_width (the piece kernel takes wider ones).
     # prefill, channels-first body (x and out a contiguous (dim, T) with T >= min_t), then the heads pass: up to
     # `groups` aligned groups of 8 elements per program: about T / (8 * tiles_per_row), but not below min_groups
@@ -46,8 +47,9 @@ TUNING = {
                                        min_elems=1 << 24, max_width=8, persistent=0),
     # the heads pass after either body: channels per program (at most head_elems / HEAD, so a [HEAD, BLOCK_D]
     # head tile stays in registers at widths 6-8), elements per zeroing step of a pad; columns: the index, flag,
-    # taps and bias in the bounds' round of loads and the head column by column, one channel per thread
-    "prefill_heads": dict(block_d=256, elems=2048, head_elems=1024, num_warps=4, columns=False),
+    # taps and bias in the bounds' round of loads and the head column by column, one channel per thread (off:
+    # loaded after the bounds, the head as [HEAD, BLOCK_D] tiles)
+    "prefill_heads": dict(block_d=256, elems=2048, head_elems=1024, num_warps=4, columns=True),
     # decode, one token per row (dense kernel): channels per program
     "decode": dict(block_d=512, num_warps=8),
     # several tokens per row with x dense per row (speculative verify): the dense kernel while

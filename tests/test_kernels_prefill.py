@@ -229,6 +229,7 @@ def test_one_sequence_matches_reference(variant, T, layout, monkeypatch, kernel_
     """batch == 1 takes the piece kernel's ONE_SEQ path (no sequence search): pads, rows outside the pool, no
     indices, no initial state, no state, tokens before query_start_loc[0] and past query_start_loc[1], an empty
     sequence; odd dims, widths 2-8, non-contiguous x, int32 and int64 query_start_loc."""
+    _one_seq_everywhere(monkeypatch)
     monkeypatch.setattr(prefill_plan, "_PLANS", {})
     gen = torch.Generator().manual_seed(SEED + 400 + 10 * T + ONE_SEQ_VARIANTS.index(variant))
     args, ref_args, dtype = one_sequence(variant, T, layout, gen, kernel_device)
@@ -256,7 +257,7 @@ def test_one_sequence_path_agrees_with_the_search_path(variant, layout, monkeypa
     results = []
     for on in (True, False):
         monkeypatch.setitem(_launch.TUNING, "prefill_piece_one_seq",
-                            dict(_launch.TUNING["prefill_piece_one_seq"], on=on))
+                            dict(_launch.TUNING["prefill_piece_one_seq"], on=on, channels_first=True))
         monkeypatch.setattr(prefill_plan, "_PLANS", {})
         gen = torch.Generator().manual_seed(SEED + 500)
         args, _, dtype = one_sequence(variant, 5, layout, gen, kernel_device)
@@ -274,6 +275,7 @@ def test_one_sequence_path_agrees_with_the_search_path(variant, layout, monkeypa
 def test_batch_size_selects_the_one_sequence_variant(monkeypatch, kernel_device):
     """batch is in the plan key (query_start_loc's shape): batch 1 gets ONE_SEQ, any other batch the search, and
     the two batch sizes keep separate plans."""
+    _one_seq_everywhere(monkeypatch)
     monkeypatch.setattr(prefill_plan, "_PLANS", prefill_plan.PlanCache())
     gen = torch.Generator().manual_seed(SEED + 600)
     x = torch.randn(16, 9, generator=gen).to(kernel_device)
@@ -289,9 +291,33 @@ def test_batch_size_selects_the_one_sequence_variant(monkeypatch, kernel_device)
     assert plans[2].constexprs["ONE_SEQ"] and not plans[3].constexprs["ONE_SEQ"]
 
 
+def _one_seq_everywhere(monkeypatch):
+    """The batch-1 path for every layout (by default a channels-first x of T >= 2 keeps the search)."""
+    from convserve.kernels import _launch
+    monkeypatch.setitem(_launch.TUNING, "prefill_piece_one_seq",
+                        dict(_launch.TUNING["prefill_piece_one_seq"], channels_first=True))
+
+
+@pytest.mark.parametrize("T", [1, 2, 9])
+@pytest.mark.parametrize("layout", ["channels_first", "channels_last"])
+def test_by_default_the_batch_1_path_is_taken_at_T_1_and_for_channels_last_x_only(T, layout, monkeypatch,
+                                                                                  kernel_device):
+    monkeypatch.setattr(prefill_plan, "_PLANS", {})
+    gen = torch.Generator().manual_seed(SEED + 650 + T)
+    x = torch.randn(24, T, generator=gen)
+    if layout == "channels_last":
+        x = x.t().contiguous().t()
+    x, w = x.to(kernel_device), torch.randn(24, 4, generator=gen).to(kernel_device)
+    q = torch.tensor([0, T], dtype=torch.int32, device=kernel_device)
+    y = causal_conv1d_fn(x, w, None, None, q)
+    assert_close(y, causal_conv1d_ref(x.cpu(), w.cpu(), None, None, q.cpu(), compute_dtype=torch.float64))
+    [(_, seq, _)] = prefill_plan._PLANS.values()
+    assert seq.constexprs["ONE_SEQ"] == (T == 1 or layout == "channels_last")
+
+
 @pytest.mark.parametrize("case", range(6))
 def test_heads_pass_by_columns_matches_reference(case, monkeypatch, kernel_device):
-    """The heads pass with TUNING's columns on (off by default): index, flag, taps and bias with the bounds, the
+    """The heads pass with TUNING's columns on (the default; the other heads tests set tiles without it): index, flag, taps and bias with the bounds, the
     head column by column; after either body, varlen with pads, empty and short sequences, a tail."""
     from convserve.kernels import _launch
     layout = ["channels_first", "channels_last", "strided"][case % 3]

@@ -10,8 +10,9 @@ program.
 
 The jit helpers here (``_sequence_row``, ``_head_and_state``, ``_head_columns``) are shared with the piece kernel,
 which computes the head of each sequence whose first token falls in its tile in the same way. With ``TUNING``'s
-``prefill_heads`` ``columns`` (off by default) the heads pass loads each sequence's index, flag, taps and bias in
-the same round as its bounds and computes the head column by column, as the piece kernel's batch-1 path does.
+``prefill_heads`` ``columns`` (the default) the heads pass loads each sequence's index, flag, taps and bias in
+the same round as its bounds and computes the head column by column, as the piece kernel's batch-1 path does;
+without it, after the bounds, as ``[HEAD, BLOCK_D]`` tiles.
 """
 
 from __future__ import annotations

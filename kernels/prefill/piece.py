@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .._launch import TUNING, LaunchPlan, prefill_config
+from .._launch import TUNING, LaunchPlan, is_channels_first, prefill_config
 from .heads import _head_and_state, _head_columns, _sequence_row, launch_args
 
 
@@ -258,7 +258,7 @@ def piece_plan(x, weight, bias, conv_states, cache_indices, has_initial_state, o
     # SEARCH is fixed, so a new batch size never compiles a new variant; ONE_SEQ splits off batch == 1, which
     # Triton specializes anyway (an int argument equal to 1 is compiled as a constant).
     t = TUNING["prefill_piece_one_seq"]
-    one_seq = batch == 1 and t["on"]
+    one_seq = batch == 1 and t["on"] and (t["channels_first"] or not is_channels_first(x, total))
     warps = cfg.num_warps
     if one_seq and total == 1 and t["thread_per_channel"]:
         # one channel per thread: every [BLOCK_D] vector then has the same register layout whatever its
