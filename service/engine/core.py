@@ -68,6 +68,7 @@ from convserve.state_pool import ConvStatePool, auto_slots
 from ..model import DTYPE_NAMES, ConvModel
 from ..scheduler import Scheduler
 from ..sessions import SessionTable
+from .accepts import Accepts
 from .config import EngineConfig
 from .intake import Intake
 from .loop import BATCH_HIST, STEP_FIELDS, Worker
@@ -98,7 +99,7 @@ class _WakingCondition(threading.Condition):
             self.wake()
 
 
-class Engine(Intake, SessionOps, Positions, SnapshotTaking, Worker):
+class Engine(Intake, SessionOps, Accepts, Positions, SnapshotTaking, Worker):
     """See the module docstring. Typical use::
 
         engine = Engine(ConvModel.random(4, dim=1024), EngineConfig(slots=64), device="cuda")
