@@ -363,7 +363,11 @@ class Intake:
             if slot < 0:
                 runner.stage_batch(req, b.dec_x)
         if runner is not None and plan is not None and (plan[1] or plan[2]):
-            runner.stage_tokens(req, xm, plan[1], plan[2])
+            # a verify-only batch of one length per row: its x into a verify slot (its launch is one replay)
+            if not n_dec and not plan[1] and padded == total and runner.verify_slot_fits(n, b.verify_len):
+                b.vbuf = runner.take_verify_slot(req, xm)
+            if b.vbuf < 0:
+                runner.stage_tokens(req, xm, plan[1], plan[2])
         rows = None if positions is None else (
             [(1, False)] * n if plan is None else list(zip(lengths.tolist(), spec.tolist())))
         try:
