@@ -1,4 +1,4 @@
-"""Session operations: create, delete, fork, export, import, accept, and their queue.
+"""Session operations: create, delete, fork, export, import (accept: :mod:`.accepts`), and their queue.
 
 Every operation that reads or writes a session's state runs on the worker thread between steps (so a slot is
 never freed or rewritten in the middle of a step), after the requests of that session submitted before it: the
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import operator
 import time
 from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -259,7 +260,7 @@ class SessionOps:
         queued), then queued in each session's FIFO of ops at once."""
         with self._lock:
             self._check_running_locked()
-            ss = [self._sessions.get(sid) for sid in session_ids]
+            ss = self._sessions.get_many(session_ids)
             check(ss)
             op = Op(ss[0], lambda: fn(ss), Future(), self._last_seq, sessions=tuple(ss),
                     label=", ".join(session_ids), deadline=time.monotonic() + self.config.request_timeout_s)
@@ -340,9 +341,11 @@ class SessionOps:
         for op in ops:
             try:
                 with self._lock:
-                    for s in () if op.recreates else op.sessions or (op.session,):
-                        if self._sessions.get(s.id) is not s:   # deleted and re-created
-                            raise UnknownSession(f"session {s.id!r} was deleted before this operation ran")
+                    ss = () if op.recreates else op.sessions or (op.session,)
+                    if any(map(operator.is_not, map(self._sessions.find, [s.id for s in ss]), ss)):
+                        for s in ss:
+                            if self._sessions.get(s.id) is not s:   # deleted and re-created
+                                raise UnknownSession(f"session {s.id!r} was deleted before this operation ran")
                 result = op.fn()
             except BaseException as e:  # noqa: BLE001 - delivered to the caller
                 if not isinstance(e, ServiceError):
