@@ -141,18 +141,14 @@ class Accepts:
         bits = 0
         for p in layers:
             bits |= 1 << p
-        every = len(layers) == len(ss[0].positions)
         slots, ns = [], []
         for s, n in zip(ss, tokens):
             s.pending.clear()
             s.spec_x.clear()
             if n:
-                if every:
-                    s.positions = [q + n for q in s.positions]
-                else:
-                    pos = s.positions
-                    for p in layers:
-                        pos[p] += n
+                pos = s.positions
+                for p in layers:
+                    pos[p] += n
                 if s.last:
                     self._forget_locked(s, layers)
                 s.initialized |= bits
