@@ -35,7 +35,8 @@ Conv semantics (``submit`` / ``conv``):
   its own ``submit`` would run; ``accept_batch`` commits several sessions' verifies as one operation. One
   scheduler entry and one result per batch; its rows join the step's launches of their kind on that layer. A
   plain decode batch (one token per session) is the hot path: one launch (a batch slot's CUDA graph: copy in,
-  kernel, copy out). A batch runs after the requests and session operations of its sessions submitted before
+  kernel, copy out); so is a verify-only batch of one length per row (a verify slot's graph: copy in, verify,
+  x kept for accept, copy out). A batch runs after the requests and session operations of its sessions submitted before
   it, and before their later ones, in one step; it is validated, and fails, as a whole.
 * Failure isolation: a request is validated before it is queued (:class:`UnknownSession`, :class:`StateLost`,
   :class:`UnknownLayer`, :class:`DtypeUnsupported`, :class:`ShapeMismatch`, :class:`NonFinite`,
@@ -157,7 +158,9 @@ class Engine(Intake, SessionOps, Accepts, Positions, SnapshotTaking, Worker):
         if snapshot is not None:       # before anything is allocated: a refused snapshot leaves a new engine
             check_content(snapshot.meta, snapshot.tensors, m.n_layers, m.width, m.dim, self.state_dtype, m.dtype)
         self.model = m.to(dev)
-        buf_estimate = 4 * (cfg.max_batch_tokens + 2 * m.n_layers * cfg.decode_buckets[-1]) * m.dim * 4
+        # the step's buffers, the decode launches' and the verify slots' device x and y (Buffers)
+        buf_estimate = 4 * (cfg.max_batch_tokens + 2 * m.n_layers * cfg.decode_buckets[-1]) * m.dim * 4 + \
+            2 * 4 * cfg.decode_buckets[-1] * m.dim * 4
         if cfg.slots == "auto":
             slots = auto_slots(m.n_layers, m.dim, m.width, self.state_dtype, dev, cfg.pool_memory_fraction,
                                reserve_bytes=buf_estimate)
