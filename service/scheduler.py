@@ -107,7 +107,8 @@ class RowBatch:
     verify: Any = None           # None, or (session, first token in x, tokens) per speculative row
     verify_len: int = 0          # the longest speculative row (its layer's verify launch is padded to it)
     ver_cols: Any = None         # with ``verify``: its columns ``(sessions, pool slots, first tokens, tokens)``
-    #                              as lists, and ``verify_tokens`` their real tokens: what a step's verify
+    #                              as lists (the slots an int32 array with ``vbuf``), and ``verify_tokens`` their
+    #                              real tokens: what a step's verify
     #                              launch takes, extended by whole lists (no per-row work in the scheduler)
     verify_tokens: int = 0
     vbuf: int = -1               # a verify-only batch with one length per row whose x is in a verify slot (the

@@ -472,13 +472,14 @@ class Intake:
                     self._advance_locked(s, p, k, req.track, a, a + k)
                 # (session, tokens) of each plain slice: decodes, then prefills
                 b.adv = [(s, 1) for s in dec_s] + [(s, k) for s, k, _a in pre_s]
-                slots = slots[dec_rows]
+                every_slot, slots = slots, slots[dec_rows]
                 if pre_rows:
                     b.prefill = [(sessions[i], a, k) for i, a, k in pre_rows]
                 if ver_rows:
                     vi, va, vk = ver_rows
                     if len(vi) == len(sessions):     # every row a verify: the rows are the sessions
-                        vs, vslots = sessions, slot_list
+                        # (a verify slot's launch copies the slots as one array)
+                        vs, vslots = sessions, every_slot if b.vbuf >= 0 else slot_list
                     else:
                         vs = [sessions[i] for i in vi]
                         vslots = [s.slot for s in vs]
