@@ -14,12 +14,13 @@ from convserve.service.engine.buffers import VERIFY_SLOTS
 from tests.engine_support import DIM, LAYERS, Oracle, gate_worker, make_engine
 from tests.tolerance import assert_close
 
-KNOBS = dict(slots=40, max_batch_size=16, max_batch_tokens=128, decode_buckets=(1, 2, 4, 8, 16), max_spec_tokens=6)
+KNOBS = dict(slots=40, max_batch_size=16, max_batch_tokens=128, decode_buckets=(1, 2, 4, 8, 16), max_spec_tokens=6,
+             verify_graph_tokens=(1, 2, 4, 5))
 
 
 def _fits(e, rows, k):
     bk = min(b for b in e.config.decode_buckets if b >= rows)
-    return bk * k <= e._runner.bufs.vslot_rows
+    return bk * k <= e._runner.bufs.vslot_rows and k in e.config.verify_graph_tokens
 
 
 def _round(e, oracle, sids, k, rng, layers=LAYERS, forks=0):
@@ -165,18 +166,18 @@ def test_a_held_verify_slot_result_is_never_overwritten():
         kept, used = [], []
         for i in range(VERIFY_SLOTS + 2):
             lay = LAYERS[i % len(LAYERS)]
-            x = torch.randn(12, DIM)
-            f = e.submit_batch(sids, lay, x, tokens=[3] * 4, speculative=True)
+            x = torch.randn(16, DIM)
+            f = e.submit_batch(sids, lay, x, tokens=[4] * 4, speculative=True)
             used.append(f._req.batch.vbuf)
             y = f.result(10)
-            want = torch.cat([oracle.verify(s, i % len(LAYERS), x[3 * j:3 * j + 3]) for j, s in enumerate(sids)])
+            want = torch.cat([oracle.verify(s, i % len(LAYERS), x[4 * j:4 * j + 4]) for j, s in enumerate(sids)])
             kept.append((y[1:], want[1:]))                 # a view of the slot's y
         assert sorted(used[:VERIFY_SLOTS]) == list(range(VERIFY_SLOTS)) and used[VERIFY_SLOTS:] == [-1, -1]
         for y, want in kept:
             assert_close(y, want)
         kept.clear()
         del y
-        f = e.submit_batch(sids, LAYERS[0], torch.randn(12, DIM), tokens=[3] * 4, speculative=True)
+        f = e.submit_batch(sids, LAYERS[0], torch.randn(16, DIM), tokens=[4] * 4, speculative=True)
         assert f._req.batch.vbuf >= 0
         f.result(10)
     finally:
@@ -214,14 +215,15 @@ def test_a_failed_verify_slot_launch_fails_its_batch_and_frees_its_slot():
 @pytest.mark.gpu
 @pytest.mark.parametrize("use_graphs", [True, False])
 def test_verify_slot_batches_on_cuda_equal_the_reference(use_graphs):
-    """On CUDA: a length with a captured graph per (slot, layer, bucket) (replayed) and one without (eager), with
-    the model's bf16 and an fp32 state; y, the committed states and the positions as the reference."""
+    """On CUDA: lengths with a verify-slot launch per (slot, layer, bucket) (a graph replayed, or with graphs off
+    the same ops eagerly) and lengths without (the token arena), with the model's fp32 and bf16 and an fp32
+    state; y, the committed states and the positions as the reference."""
     from convserve.service.model import ConvModel
 
     for dtype, sdtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.float32)):
         model = ConvModel.random(LAYERS, dim=DIM, width=4, dtype=dtype, seed=3)
-        e = make_engine(model, device="cuda", use_cuda_graphs=use_graphs, verify_graph_tokens=(2, 4),
-                        state_dtype=sdtype, **KNOBS)
+        e = make_engine(model, device="cuda", use_cuda_graphs=use_graphs, state_dtype=sdtype,
+                        **{**KNOBS, "verify_graph_tokens": (2, 4)})
         oracle = Oracle(e.model_cpu, e.state_dtype)
         rng = random.Random(7)
         try:

@@ -66,13 +66,13 @@ class EngineConfig:
     #                                              records cost host time on the step's path); the counters
     #                                              scale the sample (1: time every step)
     max_spec_tokens: int = 16                    # most tokens of one speculative verify
-    verify_slots: bool = True                    # a verify-only batch with one length per row launches from a
-    #                                              verify slot (CUDA: one graph replay; see Buffers), else
-    #                                              from the token arena with the layer's other verify rows
-    verify_graph_tokens: Sequence[int] = (2, 3, 4, 5, 6, 7, 8)   # CUDA: the verify lengths whose verify-slot
-    #                                              launches are captured as graphs (per slot, layer and bucket);
-    #                                              a verify-only batch of another length runs the same launch
-    #                                              eagerly
+    verify_slots: bool = True                    # a verify-only batch with one length per row (one of
+    #                                              verify_graph_tokens) launches from a verify slot (CUDA: one
+    #                                              graph replay; see Buffers), else from the token arena with
+    #                                              the layer's other verify rows
+    verify_graph_tokens: Sequence[int] = (2, 3, 4, 5, 6, 7, 8)   # the verify lengths that have verify-slot
+    #                                              launches (CUDA: warmed and captured as graphs at start, per
+    #                                              slot, layer and bucket)
     check_finite: bool = True                    # reject x with NaN/Inf (NonFinite) instead of poisoning state
     pool_memory_fraction: float = 0.5            # slots="auto": this share of free device memory
     max_evicted_ids: int = 65536                 # evicted ids remembered (StateLost rather than UnknownSession)

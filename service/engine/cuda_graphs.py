@@ -41,8 +41,9 @@ class DecodeLaunchers:
     Verify slots (:meth:`run_verify_slot`, keys ``(slot, layer, bucket, L)``): a verify-only batch of rows of L
     tokens each, x and the rows' pool slots in the verify slot's host buffers (``Buffers.vslot_*``); the launch
     copies them in, runs the verify (no state written), copies each row's x into ``d_spec`` (what accept commits
-    from) and y out into the slot's host buffer. On CUDA with graphs that is one ``replay()`` for each L of
-    ``verify_lengths``; another L runs the same ops eagerly. On the CPU the ops run on the host buffers.
+    from) and y out into the slot's host buffer, for each L of ``verify_lengths`` (``verify_shapes``; batches of
+    other lengths are not given a verify slot). On CUDA with graphs that is one ``replay()``, without them the
+    same ops eagerly (warmed at start). On the CPU the ops run on the host buffers.
     """
 
     #: the layer key of the multi-layer launch: rows of any layers, ``bufs.*_mix_*``, stacked weights
@@ -71,6 +72,9 @@ class DecodeLaunchers:
         self._vkeys = [(j, p, b, L) for j in range(VERIFY_SLOTS) for p in range(model.n_layers)
                        for L in sorted(set(verify_lengths)) if 1 <= L <= max_spec
                        for b in self._buckets if b <= self.verify_rows and b * L <= bufs.vslot_rows]
+        #: the (bucket, L) a verify slot launch takes: those warmed at start (on CUDA) and captured with graphs, so
+        #: no launch builds a kernel variant mid-traffic; other batches go through the token arena
+        self.verify_shapes = frozenset((b, L) for _j, _p, b, L in self._vkeys)
         self._vargs: dict = {}                    # the views of each verify slot launch, built on first use
         self.multi_layer = multi_layer and model.n_layers > 1
         if self.multi_layer:

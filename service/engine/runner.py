@@ -394,11 +394,10 @@ class Runner(Staging):
 
     def verify_slot_fits(self, rows: int, tokens: int) -> bool:
         """Can a verify-only batch of ``rows`` rows of ``tokens`` tokens each launch from a verify slot (its
-        bucket within the launch's rows, the bucket's tokens within the slot's x)?"""
+        bucket and length one of the launches made at start, ``DecodeLaunchers.verify_shapes``)?"""
         buckets = self.config.decode_buckets
         k = bisect.bisect_left(buckets, rows)
-        return self.config.verify_slots and k < len(buckets) and buckets[k] <= self.decode.verify_rows and \
-            buckets[k] * tokens <= self.bufs.vslot_rows
+        return self.config.verify_slots and k < len(buckets) and (buckets[k], tokens) in self.decode.verify_shapes
 
     def _verify_views(self, layer: int, a: int, L: int, i: int, rows: int, nr: int) -> tuple:
         """The views one verify launch takes (its ``rows`` rows of ``L`` tokens from ``d_in[a:]``, its indices
