@@ -74,6 +74,8 @@ def test_verify_slot_batches_and_their_accepts_equal_the_reference(rows, k):
         for r in range(3):
             _round(e, oracle, sids, k, rng, forks=1 if r == 1 else 0)
         _round(e, oracle, sids, k, rng, layers=LAYERS[1:])   # pending on some layers only
+        st = e.stats()
+        assert st["batch_requests_in_verify_slots"] == (11 if _fits(e, rows, k) else 0)
     finally:
         e.stop(drain=False)
 

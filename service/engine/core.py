@@ -300,6 +300,9 @@ class Engine(Intake, SessionOps, Accepts, Positions, SnapshotTaking, Worker):
                 "batch_requests": st.get("batches", 0),
                 # batch requests launched from a batch slot (one graph replay); the rest went through the arena
                 "batch_requests_in_slots": st.get("batches_in_slots", 0),
+                # verify-only batches launched from a verify slot (one graph replay); the rest joined the layer's
+                # verify launch
+                "batch_requests_in_verify_slots": st.get("batches_in_verify_slots", 0),
                 "decode_padded_rows": st.get("padded_rows", 0),
                 "pad_ratio": st.get("padded_rows", 0) / max(1, st.get("padded_rows", 0) + st.get("decode_rows", 0)),
                 "kernel_time_s": st.get("kernel_ns", 0) * 1e-9,

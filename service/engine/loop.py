@@ -276,6 +276,7 @@ class Worker:
             for r in out.batches:
                 st["batches"] += 1
                 st["batches_in_slots"] += r.batch.buf >= 0
+                st["batches_in_verify_slots"] += r.batch.vbuf >= 0
             st["padded_rows"] += padded
             if kernel_ns is not None:
                 st["kernel_ns"] += kernel_ns if self._runner.stream is None else \
