@@ -18,6 +18,11 @@ KNOBS = dict(slots=40, max_batch_size=16, max_batch_tokens=128, decode_buckets=(
              verify_graph_tokens=(1, 2, 4, 5))
 
 
+def _x(e, rows):
+    """x in the model's dtype (y then comes back in it, and is compared at its tolerance)."""
+    return torch.randn(rows, DIM).to(e.model_cpu.dtype)
+
+
 def _fits(e, rows, k):
     bk = min(b for b in e.config.decode_buckets if b >= rows)
     return bk * k <= e._runner.bufs.vslot_rows and k in e.config.verify_graph_tokens
@@ -28,7 +33,7 @@ def _round(e, oracle, sids, k, rng, layers=LAYERS, forks=0):
     accept_batch of the sessions (and one of the forks) with random n in [0, k]; checks y, states, positions."""
     slots_used = []
     for lay in layers:
-        x = torch.randn(len(sids) * k, DIM)
+        x = _x(e, len(sids) * k)
         f = e.submit_batch(sids, lay, x, tokens=[k] * len(sids), speculative=True)
         slots_used.append(f._req.batch.vbuf)
         want = torch.cat([oracle.verify(s, LAYERS.index(lay), x[i * k:(i + 1) * k]) for i, s in enumerate(sids)])
@@ -76,6 +81,48 @@ def test_verify_slot_batches_and_their_accepts_equal_the_reference(rows, k):
         _round(e, oracle, sids, k, rng, layers=LAYERS[1:])   # pending on some layers only
         st = e.stats()
         assert st["batch_requests_in_verify_slots"] == (11 if _fits(e, rows, k) else 0)
+    finally:
+        e.stop(drain=False)
+
+
+def _two_slots_in_one_step(e, oracle, sids):
+    """Two verify-slot batches (and a packed single verify) in one step, on one layer and on another: each its own
+    launch, one after another on the device buffers they share; then one accept of all."""
+    go, entered = gate_worker(e)
+    f0 = e.submit(sids[-1], LAYERS[2], _x(e, 1) * 0)
+    oracle.conv(sids[-1], 2, _x(e, 1) * 0)
+    assert entered.wait(10)
+    a, b, c = sids[:4], sids[4:8], sids[8:10]
+    xa, xb, xc, xs = _x(e, 16), _x(e, 8), _x(e, 8), _x(e, 4)
+    fa = e.submit_batch(a, LAYERS[0], xa, tokens=[4] * 4, speculative=True)
+    fb = e.submit_batch(b, LAYERS[0], xb, tokens=[2] * 4, speculative=True)
+    fs = e.submit(sids[10], LAYERS[0], xs, speculative=True)
+    assert fa._req.batch.vbuf >= 0 and fb._req.batch.vbuf >= 0 and fa._req.batch.vbuf != fb._req.batch.vbuf
+    go.set()
+    f0.result(10)
+    assert_close(fa.result(10), torch.cat([oracle.verify(s, 0, xa[4 * i:4 * i + 4]) for i, s in enumerate(a)]))
+    assert_close(fb.result(10), torch.cat([oracle.verify(s, 0, xb[2 * i:2 * i + 2]) for i, s in enumerate(b)]))
+    assert_close(fs.result(10), oracle.verify(sids[10], 0, xs))
+    fc = e.submit_batch(c, LAYERS[1], xc, tokens=[4] * 2, speculative=True)
+    assert_close(fc.result(10), torch.cat([oracle.verify(s, 1, xc[4 * i:4 * i + 4]) for i, s in enumerate(c)]))
+    rows = e.recent_steps()[-2]["rows"]
+    assert rows == 9, rows                        # a's 4, b's 4 and the single verify: one step
+    ns = [1, 4, 0, 3, 2, 0, 1, 2, 4, 3, 4]
+    e.accept_batch(sids[:11], ns)
+    for s, n in zip(sids[:11], ns):
+        oracle.accept(s, n)
+    for s in sids:
+        assert_close(e.export_state(s), oracle.export(s), what=s)
+
+
+def test_two_verify_slot_batches_in_one_step_equal_the_reference():
+    e = make_engine(**KNOBS)
+    oracle = Oracle(e.model_cpu, e.state_dtype)
+    try:
+        sids = [e.create_session() for _ in range(12)]
+        for s in sids:
+            oracle.new(s)
+        _two_slots_in_one_step(e, oracle, sids)
     finally:
         e.stop(drain=False)
 
@@ -225,7 +272,7 @@ def test_verify_slot_batches_on_cuda_equal_the_reference(use_graphs):
     for dtype, sdtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.float32)):
         model = ConvModel.random(LAYERS, dim=DIM, width=4, dtype=dtype, seed=3)
         e = make_engine(model, device="cuda", use_cuda_graphs=use_graphs, state_dtype=sdtype,
-                        **{**KNOBS, "verify_graph_tokens": (2, 4)})
+                        **{**KNOBS, "slots": 64, "verify_graph_tokens": (2, 4)})
         oracle = Oracle(e.model_cpu, e.state_dtype)
         rng = random.Random(7)
         try:
@@ -238,5 +285,9 @@ def test_verify_slot_batches_on_cuda_equal_the_reference(use_graphs):
                     oracle.new(s)
                 for k in (4, 2, 5, 1):
                     _round(e, oracle, sids, k, rng, forks=1)
+            sids = [e.create_session() for _ in range(12)]
+            for s in sids:
+                oracle.new(s)
+            _two_slots_in_one_step(e, oracle, sids)
         finally:
             e.stop(drain=False)
