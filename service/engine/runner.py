@@ -3,15 +3,15 @@
 
 A step is :meth:`Runner.execute`: pack the inputs on the host (:meth:`~Runner._pack_tokens` for prefills and
 verifies, :meth:`~Runner._pack_decodes` for decodes), launch (:meth:`~Runner._launch`), start the copies back
-(:meth:`~Runner._copy_out`; a verify slot's y is copied by its launch), synchronize once, unpack (:meth:`~Runner._unpack`: where each y lies). The runner
-holds no futures, takes no engine lock and never touches the scheduler or the session table: its inputs are the
-scheduler's output and the requests' payload (``x``, ``stage``, ``batch``), its outputs the step's host tensor
-and ``request.parts``.
+(:meth:`~Runner._copy_out`; a verify slot's y is copied by its launch), synchronize once, unpack
+(:meth:`~Runner._unpack`: where each y lies). The runner holds no futures, takes no engine lock and never touches
+the scheduler or the session table: its inputs are the scheduler's output and the requests' payload (``x``,
+``stage``, ``batch``), its outputs the step's host tensor and ``request.parts``.
 
 Staging (:mod:`.staging`: :meth:`Runner.stage`, :meth:`Runner.stage_batch`, :meth:`Runner.take_slot`,
-:meth:`Runner.stage_tokens`) runs on the submitting threads: it copies a request's x into the runner's host
-memory (the staging arena, a batch slot, the token arena) before the request is queued, under the runner's own
-small lock.
+:meth:`Runner.take_verify_slot`, :meth:`Runner.stage_tokens`) runs on the submitting threads: it copies a request's x
+into the runner's host memory (the staging arena, a batch slot, a verify slot, the token arena) before the request
+is queued, under the runner's own small lock.
 """
 
 from __future__ import annotations

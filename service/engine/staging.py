@@ -1,8 +1,8 @@
-"""Staging: a request's x copied into the runner's host memory on the submitting thread, before the request is
-queued (the staging arena for decode rows, a batch slot for a plain decode batch, a verify slot for a verify-only batch
-of one length per row, the token arena for a batch's other prefill and verify rows), under the runner's own small lock, so a step copies each run of rows to the device at
-once instead of packing rows on the worker thread. :class:`Staging` is a part of :class:`Runner` and shares its
-buffers (``self.bufs``)."""
+"""Staging: a request's x copied into the runner's host memory on the submitting thread, before the request is queued
+(the staging arena for decode rows, a batch slot for a plain decode batch, a verify slot for a verify-only batch of
+one length per row, the token arena for a batch's other prefill and verify rows), under the runner's own small lock,
+so a step copies each run of rows to the device at once instead of packing rows on the worker thread.
+:class:`Staging` is a part of :class:`Runner` and shares its buffers (``self.bufs``)."""
 
 from __future__ import annotations
 
