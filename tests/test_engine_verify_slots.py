@@ -261,6 +261,66 @@ def test_a_failed_verify_slot_launch_fails_its_batch_and_frees_its_slot():
         e.stop(drain=False)
 
 
+def test_a_refused_or_withdrawn_verify_slot_batch_frees_its_slot():
+    """A batch refused at enqueue (an unknown session) and one cancelled while queued give their verify slots back
+    and leave nothing pending; the slots then serve the next batches."""
+    from convserve.clients.protocol.errors import UnknownSession
+
+    e = make_engine(**KNOBS)
+    try:
+        sids = [e.create_session() for _ in range(3)]
+        for _ in range(VERIFY_SLOTS + 1):
+            with pytest.raises(UnknownSession):
+                e.submit_batch(sids + ["nobody"], LAYERS[0], torch.randn(8, DIM), tokens=[2] * 4, speculative=True)
+        go, entered = gate_worker(e)
+        f0 = e.submit(sids[0], LAYERS[2], torch.zeros(1, DIM))
+        assert entered.wait(10)
+        fc = e.submit_batch(sids, LAYERS[0], torch.randn(6, DIM), tokens=[2] * 3, speculative=True)
+        assert fc._req.batch.vbuf >= 0 and fc.cancel()
+        go.set()
+        f0.result(10)
+        assert [e.pending_layers(s) for s in sids] == [[]] * 3
+        used = []
+        for _ in range(VERIFY_SLOTS):
+            f = e.submit_batch(sids, LAYERS[0], torch.randn(6, DIM), tokens=[2] * 3, speculative=True)
+            used.append(f._req.batch.vbuf)
+            f.result(10)
+            del f
+        assert min(used) >= 0
+        e.accept_batch(sids, [2, 0, 1])
+    finally:
+        e.stop(drain=False)
+
+
+def test_a_verify_slot_batch_with_positions():
+    """A position-carrying verify batch in a verify slot: its y is right, the positions do not move until accept
+    (then by each n), and afterwards the old position is refused."""
+    from convserve.clients.protocol.errors import PositionMismatch
+
+    e = make_engine(**KNOBS)
+    oracle = Oracle(e.model_cpu, e.state_dtype)
+    try:
+        sids = [e.create_session() for _ in range(4)]
+        for s in sids:
+            oracle.new(s)
+        x = torch.randn(16, DIM)
+        f = e.submit_batch(sids, LAYERS[1], x, tokens=[4] * 4, speculative=True, position=[0] * 4)
+        assert f._req.batch.vbuf >= 0
+        y = f.result(10)
+        assert_close(y, torch.cat([oracle.verify(s, 1, x[4 * i:4 * i + 4]) for i, s in enumerate(sids)]))
+        assert [e.session_info(s)["positions"][1] for s in sids] == [0] * 4
+        e.accept_batch(sids, [4, 3, 2, 1])
+        for s, n in zip(sids, [4, 3, 2, 1]):
+            oracle.accept(s, n)
+        assert [e.session_info(s)["positions"][1] for s in sids] == [4, 3, 2, 1]
+        with pytest.raises(PositionMismatch):
+            e.submit_batch(sids, LAYERS[1], x, tokens=[4] * 4, speculative=True, position=[0] * 4)
+        for s in sids:
+            assert_close(e.export_state(s), oracle.export(s), what=s)
+    finally:
+        e.stop(drain=False)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("use_graphs", [True, False])
 def test_verify_slot_batches_on_cuda_equal_the_reference(use_graphs):
