@@ -324,7 +324,10 @@ def run_step_verify(args, model, n: int, k: int, verify: bool) -> dict:
 
         rtt, steps = _rounds(e, args, round_)
         out = step_summary(steps)
+        st = e.stats()
         out.update({"round_trip_us_p50": _pct(rtt, 0.5), "round_trip_us_p90": _pct(rtt, 0.9), "sessions": n,
+                    # the verify batches that launched from a verify slot (one graph replay), of all batches
+                    "verify_slot_batches": st["batch_requests_in_verify_slots"], "batches": st["batch_requests"],
                     "tokens_per_session": k if verify else 1, "layers": model.n_layers,
                     "steps_per_round": len(steps) / args.rounds,
                     "accept_batch_us_p50": _pct(acc[-args.rounds:], 0.5) if acc else None,

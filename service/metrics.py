@@ -161,6 +161,9 @@ class EngineCollector(Collector):
                                        "Sessions restored from a snapshot at start"),
         "batch_requests_in_slots": ("convserve_engine_batch_requests_in_slots", "counter",
                                     "Batch requests launched from a batch slot (one CUDA graph replay)"),
+        "batch_requests_in_verify_slots": ("convserve_engine_batch_requests_in_verify_slots", "counter",
+                                           "Verify-only batch requests launched from a verify slot (one CUDA "
+                                           "graph replay)"),
     }
 
     def __init__(self, stats: Callable[[], dict]):

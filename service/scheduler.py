@@ -38,7 +38,8 @@ per layer:
 * **Batch requests.** A batch request (:class:`RowBatch`: a slice of tokens for each of several sessions, on one
   layer: one-token decodes, prefill chunks, speculative verifies) is one request of ``rows`` rows: taken whole in
   pass 1 (never chunked), its decode rows alone on its layer's decode launch, its prefill rows in the layer's
-  prefill launch and its verify rows in the layer's verify launch, once every
+  prefill launch and its verify rows in the layer's verify launch (or, a verify-only batch in a verify slot,
+  a launch of their own: ``verify_slots``), once every
   unfinished request and session op of its sessions submitted before it is done or withdrawn (``waits``,
   ``wait_ops``); a session's requests submitted after it wait until it is done (``Request.after``). Its caller
   did the batching, so a newly queued batch request makes the step run at once (no delay window). The scheduler
@@ -106,9 +107,13 @@ class RowBatch:
     verify: Any = None           # None, or (session, first token in x, tokens) per speculative row
     verify_len: int = 0          # the longest speculative row (its layer's verify launch is padded to it)
     ver_cols: Any = None         # with ``verify``: its columns ``(sessions, pool slots, first tokens, tokens)``
-    #                              as lists, and ``verify_tokens`` their real tokens: what a step's verify
+    #                              as lists (the slots an int32 array with ``vbuf``), and ``verify_tokens`` their
+    #                              real tokens: what a step's verify
     #                              launch takes, extended by whole lists (no per-row work in the scheduler)
     verify_tokens: int = 0
+    vbuf: int = -1               # a verify-only batch with one length per row whose x is in a verify slot (the
+    #                              engine's runner): its rows are a launch of their own (``verify_slots``), not
+    #                              the layer's verify launch; -1: none
 
 
 @dataclass(slots=True)
@@ -161,6 +166,8 @@ class SchedulerOutput:
     prefills: list = field(default_factory=list)         # PrefillBatch per layer with prefill rows
     decodes: list = field(default_factory=list)          # DecodeBatch per layer with decode rows
     verifies: list = field(default_factory=list)         # VerifyBatch per layer with verify rows
+    verify_slots: list = field(default_factory=list)     # batch requests whose verify rows launch from their
+    #                                                      verify slot (``RowBatch.vbuf``), one launch each
     batches: list = field(default_factory=list)          # the batch requests of this step (also in finished)
     finished: list = field(default_factory=list)         # requests whose last token runs now, in arrival order
     expired: list = field(default_factory=list)          # never-started requests past request_timeout_s: fail
@@ -172,7 +179,7 @@ class SchedulerOutput:
 
     @property
     def empty(self) -> bool:
-        return not (self.prefills or self.decodes or self.verifies)
+        return not (self.prefills or self.decodes or self.verifies or self.verify_slots)
 
 
 @dataclass
@@ -331,6 +338,7 @@ class Scheduler:
         verify: dict = {}        # layer -> [requests, sessions, slots, starts, lengths, longest n] (one entry per row)
         prefill: dict = {}       # layer -> [(request, start, end, has_initial_state, slot)]
         batches: list = []       # batch requests taken
+        vslots: list = []        # the batch requests among them that launch from a verify slot
         finished: list = []      # requests whose last token is scheduled now
         pre_left = cfg.max_prefill_tokens_per_step   # prefill tokens this step may still take
         later: list = []         # pass 1's requests of sessions stopped at a prefill: pass 2's, in arrival order
@@ -366,7 +374,9 @@ class Scheduler:
                             (b.waits and not all(w.done for w in b.waits)) or \
                             (b.wait_ops and not all(op.cancelled or op.future.done() for op in b.wait_ops)):
                         continue
-                    if b.verify is not None:         # its verify rows join the layer's launch (padded)
+                    if b.vbuf >= 0:                  # its verify rows: a launch of their own
+                        vslots.append(r)
+                    elif b.verify is not None:       # its verify rows join the layer's launch (padded)
                         vl = verify.get(r.layer)
                         lv, kv = b.verify_len, len(b.verify)
                         if vl is None:
@@ -533,6 +543,7 @@ class Scheduler:
             out.num_padded_rows += b - len(reqs)
         out.finished = finished
         out.batches = batches
+        out.verify_slots = vslots
         out.num_rows, out.num_tokens, out.packed_tokens = rows, tokens, offset
         return out
 

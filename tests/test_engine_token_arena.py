@@ -85,8 +85,9 @@ def test_a_staged_region_is_not_reused_while_its_request_is_pending():
 
 
 def test_a_staged_verify_shorter_than_its_launch_is_padded_on_the_device_and_accepts_from_it():
-    """A batch's verify rows (2 tokens) in one launch with a single verify of 4: the launch is 4 long."""
-    e = make_engine(**KNOBS)
+    """A batch's verify rows (2 tokens) in one launch with a single verify of 4: the launch is 4 long (the
+    batch staged in the token arena: no verify slot)."""
+    e = make_engine(**KNOBS, verify_slots=False)
     oracle = Oracle(e.model_cpu, e.state_dtype)
     try:
         sids = [e.create_session() for _ in range(4)]

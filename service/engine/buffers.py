@@ -11,6 +11,9 @@ from convserve.kernels import PAD_SLOT_ID
 
 #: batch slots (see Buffers): batch requests that find one free launch with a single graph replay
 BATCH_SLOTS = 4
+#: verify slots (see Buffers): verify-only batches of one length per row that find one free launch with a single
+#: graph replay (one in its step while the next layer's is staged)
+VERIFY_SLOTS = 2
 
 #: c10 storage use count (a private binding, present since torch 2.0); without it every step gets a fresh output
 _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
@@ -164,6 +167,28 @@ class Buffers:
                          for _ in range(BATCH_SLOTS)]
         self.slot_idx_np = [t.numpy() for t in self.slot_idx]
         self.slot_y = OutputRing(BATCH_SLOTS, max_bucket, dim, dtype, cuda)
+        # verify slots: a verify-only batch whose rows all have one length L (n rows, n * L <= vslot_rows, n at
+        # most the largest bucket) has its x copied here at submit; its launch copies x and the rows' indices in,
+        # runs the verify, copies each row's x into d_spec (what accept commits from) and y out: on CUDA with
+        # graphs one replay per (slot, layer, bucket, L) (see DecodeLaunchers.run_verify_slot). Pad rows have
+        # the pad slot for the kernel (no output read, no state touched) and the null slot 0 for d_spec (its
+        # line is never read: slot 0 is never allocated). The device buffers are shared by the slots: a step's
+        # launches run one after another on one stream.
+        self.vslot_rows = 4 * max_bucket
+        self.vslot_x = [torch.empty((self.vslot_rows, dim), dtype=dtype, pin_memory=cuda)
+                        for _ in range(VERIFY_SLOTS)]
+        self.vslot_idx = [torch.full((max_bucket,), PAD_SLOT_ID, dtype=torch.int32, pin_memory=cuda)
+                          for _ in range(VERIFY_SLOTS)]
+        self.vslot_spec = [torch.zeros((max_bucket,), dtype=torch.int64, pin_memory=cuda)
+                           for _ in range(VERIFY_SLOTS)]
+        self.vslot_idx_np = [t.numpy() for t in self.vslot_idx]
+        self.vslot_spec_np = [t.numpy() for t in self.vslot_spec]
+        self.vslot_y = OutputRing(VERIFY_SLOTS, self.vslot_rows, dim, dtype, cuda)
+        if cuda:
+            self.d_vx = torch.empty((self.vslot_rows, dim), dtype=dtype, device=device)
+            self.d_vout = torch.empty((self.vslot_rows, dim), dtype=dtype, device=device)
+            self.d_vidx = torch.full((max_bucket,), PAD_SLOT_ID, dtype=torch.int32, device=device)
+            self.d_vspec = torch.zeros((max_bucket,), dtype=torch.int64, device=device)
         self.meta_np = self.h_meta.numpy()
         self.flags_np = self.h_flags.numpy()
         self.dec_idx_np = self.h_dec_idx.numpy()
@@ -177,7 +202,9 @@ class Buffers:
         names = ("in", "meta", "flags", "dec_x", "dec_idx", "mix_x", "mix_idx", "acc")
         host = sum(nb(getattr(self, "h_" + n)) for n in names) + nb(self.h_stage) + self.outputs.nbytes() + \
             self.packed_outputs.nbytes() + \
-            sum(nb(t) for t in (*self.slot_x, *self.slot_idx)) + self.slot_y.nbytes() + nb(self.h_tok)
+            sum(nb(t) for t in (*self.slot_x, *self.slot_idx)) + self.slot_y.nbytes() + nb(self.h_tok) + \
+            sum(nb(t) for t in (*self.vslot_x, *self.vslot_idx, *self.vslot_spec)) + self.vslot_y.nbytes()
         dev = (sum(nb(getattr(self, "d_" + n)) for n in names) if self.cuda else 0) + nb(self.d_osi) + \
-            nb(self.d_dec_out) + nb(self.d_mix_out) + nb(self.d_out) + nb(self.d_spec)
+            nb(self.d_dec_out) + nb(self.d_mix_out) + nb(self.d_out) + nb(self.d_spec) + \
+            (sum(nb(t) for t in (self.d_vx, self.d_vout, self.d_vidx, self.d_vspec)) if self.cuda else 0)
         return {"host": host, "device": dev, "total": host + dev, "spec": nb(self.d_spec)}

@@ -65,6 +65,13 @@ class EngineConfig:
     #                                              records cost host time on the step's path); the counters
     #                                              scale the sample (1: time every step)
     max_spec_tokens: int = 16                    # most tokens of one speculative verify
+    verify_slots: bool = True                    # a verify-only batch with one length per row (one of
+    #                                              verify_graph_tokens) launches from a verify slot (CUDA: one
+    #                                              graph replay; see Buffers), else from the token arena with
+    #                                              the layer's other verify rows
+    verify_graph_tokens: Sequence[int] = (2, 3, 4, 5, 6, 7, 8)   # the verify lengths that have verify-slot
+    #                                              launches (CUDA: warmed and captured as graphs at start, per
+    #                                              slot, layer and bucket)
     check_finite: bool = True                    # reject x with NaN/Inf (NonFinite) instead of poisoning state
     pool_memory_fraction: float = 0.5            # slots="auto": this share of free device memory
     max_evicted_ids: int = 65536                 # evicted ids remembered (StateLost rather than UnknownSession)
@@ -80,6 +87,9 @@ class EngineConfig:
         if self.state_dtype is not None:
             self.state_dtype = _dtype(self.state_dtype, "state_dtype")
         self.decode_buckets = tuple(sorted(set(int(b) for b in self.decode_buckets)))
+        self.verify_graph_tokens = tuple(sorted(set(int(k) for k in self.verify_graph_tokens)))
+        if self.verify_graph_tokens and self.verify_graph_tokens[0] < 1:
+            raise ValueError(f"verify_graph_tokens: expected token counts >= 1, got {self.verify_graph_tokens}")
         if self.answer_store_bytes < 0:
             raise ValueError(f"answer_store_bytes: expected >= 0, got {self.answer_store_bytes}")
         for name in ("max_queue", "max_spec_tokens", "max_evicted_ids", "gpu_timing_interval"):

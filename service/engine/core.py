@@ -35,7 +35,8 @@ Conv semantics (``submit`` / ``conv``):
   its own ``submit`` would run; ``accept_batch`` commits several sessions' verifies as one operation. One
   scheduler entry and one result per batch; its rows join the step's launches of their kind on that layer. A
   plain decode batch (one token per session) is the hot path: one launch (a batch slot's CUDA graph: copy in,
-  kernel, copy out). A batch runs after the requests and session operations of its sessions submitted before
+  kernel, copy out); so is a verify-only batch of one length per row (a verify slot's graph: copy in, verify,
+  x kept for accept, copy out). A batch runs after the requests and session operations of its sessions submitted before
   it, and before their later ones, in one step; it is validated, and fails, as a whole.
 * Failure isolation: a request is validated before it is queued (:class:`UnknownSession`, :class:`StateLost`,
   :class:`UnknownLayer`, :class:`DtypeUnsupported`, :class:`ShapeMismatch`, :class:`NonFinite`,
@@ -68,6 +69,7 @@ from convserve.state_pool import ConvStatePool, auto_slots
 from ..model import DTYPE_NAMES, ConvModel
 from ..scheduler import Scheduler
 from ..sessions import SessionTable
+from .accepts import Accepts
 from .config import EngineConfig
 from .intake import Intake
 from .loop import BATCH_HIST, STEP_FIELDS, Worker
@@ -98,7 +100,7 @@ class _WakingCondition(threading.Condition):
             self.wake()
 
 
-class Engine(Intake, SessionOps, Positions, SnapshotTaking, Worker):
+class Engine(Intake, SessionOps, Accepts, Positions, SnapshotTaking, Worker):
     """See the module docstring. Typical use::
 
         engine = Engine(ConvModel.random(4, dim=1024), EngineConfig(slots=64), device="cuda")
@@ -156,7 +158,9 @@ class Engine(Intake, SessionOps, Positions, SnapshotTaking, Worker):
         if snapshot is not None:       # before anything is allocated: a refused snapshot leaves a new engine
             check_content(snapshot.meta, snapshot.tensors, m.n_layers, m.width, m.dim, self.state_dtype, m.dtype)
         self.model = m.to(dev)
-        buf_estimate = 4 * (cfg.max_batch_tokens + 2 * m.n_layers * cfg.decode_buckets[-1]) * m.dim * 4
+        # the step's buffers, the decode launches' and the verify slots' device x and y (Buffers)
+        buf_estimate = 4 * (cfg.max_batch_tokens + 2 * m.n_layers * cfg.decode_buckets[-1]) * m.dim * 4 + \
+            2 * 4 * cfg.decode_buckets[-1] * m.dim * 4
         if cfg.slots == "auto":
             slots = auto_slots(m.n_layers, m.dim, m.width, self.state_dtype, dev, cfg.pool_memory_fraction,
                                reserve_bytes=buf_estimate)
@@ -296,6 +300,9 @@ class Engine(Intake, SessionOps, Positions, SnapshotTaking, Worker):
                 "batch_requests": st.get("batches", 0),
                 # batch requests launched from a batch slot (one graph replay); the rest went through the arena
                 "batch_requests_in_slots": st.get("batches_in_slots", 0),
+                # verify-only batches launched from a verify slot (one graph replay); the rest joined the layer's
+                # verify launch
+                "batch_requests_in_verify_slots": st.get("batches_in_verify_slots", 0),
                 "decode_padded_rows": st.get("padded_rows", 0),
                 "pad_ratio": st.get("padded_rows", 0) / max(1, st.get("padded_rows", 0) + st.get("decode_rows", 0)),
                 "kernel_time_s": st.get("kernel_ns", 0) * 1e-9,

@@ -1,6 +1,6 @@
-"""The decode launches of the engine: one per (layer, bucket), per (batch slot, layer, bucket) and (with
-``multi_layer_decode``) one multi-layer launch per bucket; on CUDA each is warmed and, with graphs, captured
-through :mod:`convserve.kernels.graphs` and replayed."""
+"""The decode launches of the engine: one per (layer, bucket), per (batch slot, layer, bucket), per (verify slot,
+layer, bucket, tokens) and (with ``multi_layer_decode``) one multi-layer launch per bucket; on CUDA each is warmed
+and, with graphs, captured through :mod:`convserve.kernels.graphs` and replayed."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from convserve.kernels import graphs
 from convserve.state_pool import ConvStatePool
 
 from ..model import ConvModel
-from .buffers import BATCH_SLOTS, Buffers
+from .buffers import BATCH_SLOTS, VERIFY_SLOTS, Buffers
 
 
 class DecodeLaunchers:
@@ -37,13 +37,20 @@ class DecodeLaunchers:
     Batch slots (:meth:`run_slot`, keys ``(slot, layer, bucket)``): the launch reads x and the pool slots from
     the batch slot's host buffers and writes y into the slot's host buffer, so on CUDA with graphs its copy in,
     kernel and copy out are one ``replay()``. On the CPU the torch op reads and writes those buffers directly.
+
+    Verify slots (:meth:`run_verify_slot`, keys ``(slot, layer, bucket, L)``): a verify-only batch of rows of L
+    tokens each, x and the rows' pool slots in the verify slot's host buffers (``Buffers.vslot_*``); the launch
+    copies them in, runs the verify (no state written), copies each row's x into ``d_spec`` (what accept commits
+    from) and y out into the slot's host buffer, for each L of ``verify_lengths`` (``verify_shapes``; batches of
+    other lengths are not given a verify slot). On CUDA with graphs that is one ``replay()``, without them the
+    same ops eagerly (warmed at start). On the CPU the ops run on the host buffers.
     """
 
     #: the layer key of the multi-layer launch: rows of any layers, ``bufs.*_mix_*``, stacked weights
     MIXED = -1
 
     def __init__(self, update_fn, pool: ConvStatePool, model: ConvModel, bufs: Buffers, buckets: Sequence[int],
-                 use_graphs: bool, multi_layer: bool = False):
+                 use_graphs: bool, multi_layer: bool = False, verify_lengths: Sequence[int] = ()):
         self._fn, self._pool, self._model, self._b = update_fn, pool, model, bufs
         self._buckets = tuple(buckets)
         self._graphs: dict = {}
@@ -58,6 +65,17 @@ class DecodeLaunchers:
                 self._args[(p, b)] = (bufs.d_dec_x[p, :b], pool.layer(p), model.weight[p], model.layer_bias(p),
                                       bufs.d_dec_idx[p, :b], bufs.h_dec_idx[p, :b], bufs.d_dec_out[p, :b])
         self._slot_keys = [(k, p, b) for k in range(BATCH_SLOTS) for p in range(model.n_layers) for b in self._buckets]
+        # verify slots: the buckets a verify slot launch takes (its rows fit the output-state index and the
+        # slot's x), and the keys captured as graphs
+        self.verify_rows = min(bufs.d_osi.shape[0], self._buckets[-1])
+        max_spec = bufs.d_spec.shape[2]
+        self._vkeys = [(j, p, b, L) for j in range(VERIFY_SLOTS) for p in range(model.n_layers)
+                       for L in sorted(set(verify_lengths)) if 1 <= L <= max_spec
+                       for b in self._buckets if b <= self.verify_rows and b * L <= bufs.vslot_rows]
+        #: the (bucket, L) a verify slot launch takes: those warmed at start (on CUDA) and captured with graphs, so
+        #: no launch builds a kernel variant mid-traffic; other batches go through the token arena
+        self.verify_shapes = frozenset((b, L) for _j, _p, b, L in self._vkeys)
+        self._vargs: dict = {}                    # the views of each verify slot launch, built on first use
         self.multi_layer = multi_layer and model.n_layers > 1
         if self.multi_layer:
             for b in self._buckets:
@@ -88,10 +106,43 @@ class DecodeLaunchers:
                  out=out)
         hy.copy_(out, non_blocking=True)
 
+    def _verify_args(self, j: int, p: int, b: int, L: int) -> tuple:
+        """The views verify slot ``j``'s launch on layer ``p`` takes for ``b`` rows of ``L`` tokens (its y buffer
+        not among them: a view kept here would hold it, see OutputRing.held)."""
+        key = (j, p, b, L)
+        v = self._vargs.get(key)
+        if v is None:
+            bf, D, n = self._b, self._model.dim, b * L
+            hx, hidx, hspec = bf.vslot_x[j][:n], bf.vslot_idx[j][:b], bf.vslot_spec[j][:b]
+            x, idx, sidx = (bf.d_vx[:n], bf.d_vidx[:b], bf.d_vspec[:b]) if self._cuda else (hx, hidx, hspec)
+            v = (hx, hidx, hspec, x, idx, sidx, x.view(b, L, D).transpose(1, 2), x.view(b, L, D),
+                 bf.d_osi[:b, :L], bf.d_spec[p, :, :L], self._pool.layer(p), self._model.weight[p],
+                 self._model.layer_bias(p))
+            self._vargs[key] = v
+        return v
+
+    def _verify_ops(self, j: int, p: int, b: int, L: int) -> None:
+        hx, hidx, hspec, x, idx, sidx, x3, xs, osi, spec, states, w, bias = self._verify_args(j, p, b, L)
+        n, D = b * L, self._model.dim
+        hy = self._b.vslot_y.buf(j)[:n]
+        if self._cuda:
+            x.copy_(hx, non_blocking=True)
+            idx.copy_(hidx, non_blocking=True)
+            sidx.copy_(hspec, non_blocking=True)
+            out = self._b.d_vout[:n]
+        else:
+            out = hy
+        self._fn(x3, states, w, bias, self._model.activation, conv_state_indices=idx, output_state_indices=osi,
+                 pad_slot_id=PAD_SLOT_ID, out=out.view(b, L, D).transpose(1, 2))
+        spec.index_copy_(0, sidx, xs)
+        if self._cuda:
+            hy.copy_(out, non_blocking=True)
+
     def _launches(self) -> dict:
         """Every launch: ``{key: run it eagerly}``."""
         fns = {key: (lambda key=key: self._ops(*key)) for key in self._args}
         fns.update({key: (lambda key=key: self._slot_ops(*key)) for key in self._slot_keys})
+        fns.update({key: (lambda key=key: self._verify_ops(*key)) for key in self._vkeys})
         return fns
 
     def _warm_and_capture(self, use_graphs: bool) -> None:
@@ -101,8 +152,10 @@ class DecodeLaunchers:
         dev, bf = self._pool.device, self._b
         bf.dec_idx_np[:] = PAD_SLOT_ID
         bf.mix_idx_np[:] = PAD_SLOT_ID
-        for t in bf.slot_idx_np:
+        for t in (*bf.slot_idx_np, *bf.vslot_idx_np):
             t[:] = PAD_SLOT_ID
+        for t in bf.vslot_spec_np:
+            t[:] = 0
         fns = self._launches()
         graphs.warm(fns, dev)
         if not use_graphs:
@@ -133,3 +186,12 @@ class DecodeLaunchers:
             g.replay()
         else:
             self._slot_ops(k, p, b)
+
+    def run_verify_slot(self, j: int, p: int, b: int, L: int) -> None:
+        """Launch layer ``p``'s verify of verify slot ``j``: ``b`` rows (a bucket; the pad rows' indices set by
+        the caller) of ``L`` tokens each."""
+        g = self._graphs.get((j, p, b, L))
+        if g is not None:
+            g.replay()
+        else:
+            self._verify_ops(j, p, b, L)

@@ -28,7 +28,11 @@ from .outputs import AsyncConvFuture, ConvFuture
 from .outputs import deliver
 from .records import BATCH_SESSION, BatchRows, ConvRequest, release_batch
 from .positions import Answer, Applied, Sink, batch_key, check_position, check_positions
-from .validate import check_batch_plan, check_batch_sessions, check_speculative, check_x
+from .validate import check_batch_plan, check_batch_sessions, check_speculative, check_x, uniform_verify
+
+#: the decode rows of a batch that has none (read only)
+_NO_ROWS = np.zeros(0, dtype=np.int64)
+_NO_ROWS.setflags(write=False)
 
 
 class Intake:
@@ -298,10 +302,16 @@ class Intake:
         if positions is not None:
             positions = check_positions(positions, n)
         p = model.position(layer)
-        plan = check_batch_plan(n, tokens, speculative, cfg.max_spec_tokens)
-        key = None if positions is None else batch_key(session_ids, plan)
+        uk = uniform_verify(n, tokens, speculative, cfg.max_spec_tokens)
+        plan = None if uk else check_batch_plan(n, tokens, speculative, cfg.max_spec_tokens)
+        if positions is None:
+            key = None
+        else:
+            key = (tuple(session_ids), (uk,) * n, (True,) * n) if uk else batch_key(session_ids, plan)
         xm, x_dtype = check_x(model, cfg, x, False, rows="rows", checked=checked)
-        if plan is None:
+        if uk:
+            total, n_dec = n * uk, 0
+        elif plan is None:
             total, n_dec = n, n
         else:
             lengths, spec = plan
@@ -315,7 +325,13 @@ class Intake:
         now = time.monotonic()
         req = ConvRequest(-1, BATCH_SESSION, p, total, False, now, x=xm, future=sink, x_dtype=x_dtype)
         b = req.batch = BatchRows([], [], dec_x=xm)
-        if plan is not None:
+        if uk:                         # every row a verify of uk tokens: the rows are x's, in order, one run
+            b.rows, b.dec_x, b.dec_pos = n, None, _NO_ROWS
+            b.verify_tokens, b.verify_len = total, uk
+            padded = total
+            # (rows of the batch, first tokens, tokens) of the verify rows, as columns
+            plan = (_NO_ROWS, [], (list(range(n)), list(range(0, total, uk)), [uk] * n))
+        elif plan is not None:
             b.rows = n
             starts = np.cumsum(lengths) - lengths
             dec = ~spec & (lengths == 1)
@@ -351,9 +367,11 @@ class Intake:
                 b.ver_pos = np.repeat(starts[ver_rows] - (np.cumsum(lv) - lv), lv) + np.arange(int(lv.sum()))
                 b.ver_row = np.repeat(np.arange(len(ver_rows)), lv)
                 b.ver_tok = b.ver_pos - first
-            # (position in the batch, first token, tokens) of the prefill and verify rows; sessions under the lock
+            # (position in the batch, first token, tokens) of each prefill row, and of the verify rows as
+            # columns (None: none); sessions under the lock
             plan = (dec_rows, list(zip(pre_rows.tolist(), starts[pre_rows].tolist(), lengths[pre_rows].tolist())),
-                    list(zip(ver_rows.tolist(), starts[ver_rows].tolist(), lengths[ver_rows].tolist())))
+                    (ver_rows.tolist(), starts[ver_rows].tolist(), lengths[ver_rows].tolist()) if len(ver_rows)
+                    else None)
         if n_dec > cfg.decode_buckets[-1]:
             raise PayloadTooLarge(f"sessions: {n_dec} one-token rows, more than the largest decode bucket "
                                   f"({cfg.decode_buckets[-1]}) takes in one launch; split the batch")
@@ -363,9 +381,14 @@ class Intake:
             if slot < 0:
                 runner.stage_batch(req, b.dec_x)
         if runner is not None and plan is not None and (plan[1] or plan[2]):
-            runner.stage_tokens(req, xm, plan[1], plan[2])
-        rows = None if positions is None else (
-            [(1, False)] * n if plan is None else list(zip(lengths.tolist(), spec.tolist())))
+            # a verify-only batch of one length per row: its x into a verify slot (its launch is one replay)
+            if not n_dec and not plan[1] and padded == total and runner.verify_slot_fits(n, b.verify_len):
+                b.vbuf = runner.take_verify_slot(req, xm)
+            if b.vbuf < 0:
+                runner.stage_tokens(req, xm, plan[1], list(zip(*plan[2])) if plan[2] else [])
+        rows = None if positions is None else ([(uk, True)] * n if uk else
+                                               [(1, False)] * n if plan is None else
+                                               list(zip(lengths.tolist(), spec.tolist())))
         try:
             replay = self._enqueue_batch(req, session_ids, now, slot, plan, positions, rows, key)
         except BaseException:
@@ -449,14 +472,19 @@ class Intake:
                     self._advance_locked(s, p, k, req.track, a, a + k)
                 # (session, tokens) of each plain slice: decodes, then prefills
                 b.adv = [(s, 1) for s in dec_s] + [(s, k) for s, k, _a in pre_s]
-                slots = slots[dec_rows]
+                every_slot, slots = slots, slots[dec_rows]
                 if pre_rows:
                     b.prefill = [(sessions[i], a, k) for i, a, k in pre_rows]
                 if ver_rows:
-                    b.verify = [(sessions[i], a, k) for i, a, k in ver_rows]
-                    vs = [v[0] for v in b.verify]
-                    vk = [v[2] for v in b.verify]
-                    b.ver_cols = (vs, [s.slot for s in vs], [v[1] for v in b.verify], vk)
+                    vi, va, vk = ver_rows
+                    if len(vi) == len(sessions):     # every row a verify: the rows are the sessions
+                        # (a verify slot's launch copies the slots as one array)
+                        vs, vslots = sessions, every_slot if b.vbuf >= 0 else slot_list
+                    else:
+                        vs = [sessions[i] for i in vi]
+                        vslots = [s.slot for s in vs]
+                    b.verify = list(zip(vs, va, vk))
+                    b.ver_cols = (vs, vslots, va, vk)
                     for s, k in zip(vs, vk):
                         if s.ops:                 # see _enqueue
                             if b.displaced is None:

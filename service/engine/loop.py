@@ -180,6 +180,10 @@ class Worker:
             p = vb.layer
             for r, s in zip(vb.requests, vb.sessions):
                 s.spec_x[p] = r.seq
+        for r in out.verify_slots:
+            p, seq = r.layer, r.seq
+            for s in r.batch.ver_cols[0]:
+                s.spec_x[p] = seq
         kept = deliver_step(out.finished, host_out, by_position)
         if kept:
             self._keep_answers(kept)
@@ -204,6 +208,7 @@ class Worker:
             self._ready = False
         err = step_error(e)
         done = set(r for b in (*out.prefills, *out.decodes, *out.verifies) for r in b.requests)
+        done.update(out.verify_slots)
         with self._lock:
             lost = written_sessions(out, self._runner.state_written)      # read before the retire below
             # each request's sessions, read before the retire (a batch forgets its sessions when released)
@@ -271,6 +276,7 @@ class Worker:
             for r in out.batches:
                 st["batches"] += 1
                 st["batches_in_slots"] += r.batch.buf >= 0
+                st["batches_in_verify_slots"] += r.batch.vbuf >= 0
             st["padded_rows"] += padded
             if kernel_ns is not None:
                 st["kernel_ns"] += kernel_ns if self._runner.stream is None else \

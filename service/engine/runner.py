@@ -3,15 +3,15 @@
 
 A step is :meth:`Runner.execute`: pack the inputs on the host (:meth:`~Runner._pack_tokens` for prefills and
 verifies, :meth:`~Runner._pack_decodes` for decodes), launch (:meth:`~Runner._launch`), start the copies back
-(:meth:`~Runner._copy_out`), synchronize once, unpack (:meth:`~Runner._unpack`: where each y lies). The runner
-holds no futures, takes no engine lock and never touches the scheduler or the session table: its inputs are the
-scheduler's output and the requests' payload (``x``, ``stage``, ``batch``), its outputs the step's host tensor
-and ``request.parts``.
+(:meth:`~Runner._copy_out`; a verify slot's y is copied by its launch), synchronize once, unpack
+(:meth:`~Runner._unpack`: where each y lies). The runner holds no futures, takes no engine lock and never touches
+the scheduler or the session table: its inputs are the scheduler's output and the requests' payload (``x``,
+``stage``, ``batch``), its outputs the step's host tensor and ``request.parts``.
 
 Staging (:mod:`.staging`: :meth:`Runner.stage`, :meth:`Runner.stage_batch`, :meth:`Runner.take_slot`,
-:meth:`Runner.stage_tokens`) runs on the submitting threads: it copies a request's x into the runner's host
-memory (the staging arena, a batch slot, the token arena) before the request is queued, under the runner's own
-small lock.
+:meth:`Runner.take_verify_slot`, :meth:`Runner.stage_tokens`) runs on the submitting threads: it copies a request's x
+into the runner's host memory (the staging arena, a batch slot, a verify slot, the token arena) before the request
+is queued, under the runner's own small lock.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class Runner(Staging):
         if cuda:
             self._warm_up()
         self.decode = DecodeLaunchers(causal_conv1d_update, pool, model, self.bufs, cfg.decode_buckets,
-                                      cfg.use_cuda_graphs, cfg.multi_layer_decode)
+                                      cfg.use_cuda_graphs, cfg.multi_layer_decode, cfg.verify_graph_tokens)
         if cuda:
             torch.cuda.synchronize(device)
         self._n_exec = 0                                # steps executed (the GPU is timed on every Nth)
@@ -128,7 +128,7 @@ class Runner(Staging):
         t_sync = time.perf_counter_ns()
         # with a single decode batch and nothing else, out.finished is that batch in row order and the row is the
         # position: no per-request bookkeeping
-        if out.packed_tokens or len(out.decodes) != 1 or n_slot:
+        if out.packed_tokens or len(out.decodes) != 1 or n_slot or out.verify_slots:
             self._unpack(out, host_out, mixed, slot_of, n_dec)
             by_position = False
         else:
@@ -378,9 +378,26 @@ class Runner(Staging):
             # what accept commits from: each real row's x, into its (layer, slot) line of d_spec (on the device;
             # the pad tokens past a row's real ones are copied too and never read)
             spec.index_copy_(0, real_idx.long(), real_x)
+        for r in out.verify_slots:                   # x in its verify slot: the rows' indices, one launch
+            b = r.batch
+            j, n = b.vbuf, b.rows
+            bucket = self.config.decode_buckets[bisect.bisect_left(self.config.decode_buckets, n)]
+            idx, sidx, slots = bf.vslot_idx_np[j], bf.vslot_spec_np[j], b.ver_cols[1]
+            idx[:n] = slots
+            idx[n:bucket] = PAD_SLOT_ID
+            sidx[:n] = slots
+            sidx[n:bucket] = 0                       # the null slot's d_spec line: never read
+            self.decode.run_verify_slot(j, r.layer, bucket, b.verify_len)
         if timed:
             self._ev1.record(self.stream)
         return timed
+
+    def verify_slot_fits(self, rows: int, tokens: int) -> bool:
+        """Can a verify-only batch of ``rows`` rows of ``tokens`` tokens each launch from a verify slot (its
+        bucket and length one of the launches made at start, ``DecodeLaunchers.verify_shapes``)?"""
+        buckets = self.config.decode_buckets
+        k = bisect.bisect_left(buckets, rows)
+        return self.config.verify_slots and k < len(buckets) and (buckets[k], tokens) in self.decode.verify_shapes
 
     def _verify_views(self, layer: int, a: int, L: int, i: int, rows: int, nr: int) -> tuple:
         """The views one verify launch takes (its ``rows`` rows of ``L`` tokens from ``d_in[a:]``, its indices
@@ -496,6 +513,8 @@ class Runner(Staging):
                     continue
                 r.parts = off + i * L
                 i += 1
+        for r in out.verify_slots:             # y is in its verify slot, rows in x's order
+            r.parts = self.bufs.vslot_y.buf(r.batch.vbuf)[:r.n_tokens]
         for r in out.batches:                  # a mixed batch's y: one gather of host_out by the reader
             if r.batch.gather:
                 r.parts = (BatchIndex(r.batch, r.n_tokens),)

@@ -1,4 +1,4 @@
-"""Session operations: create, delete, fork, export, import, accept, and their queue.
+"""Session operations: create, delete, fork, export, import (accept: :mod:`.accepts`), and their queue.
 
 Every operation that reads or writes a session's state runs on the worker thread between steps (so a slot is
 never freed or rewritten in the middle of a step), after the requests of that session submitted before it: the
@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import collections
 import logging
+import operator
 import time
 from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Optional
 
-import numpy as np
 import torch
 
 from convserve.clients.protocol.errors import (BadRequest, Internal, PoolExhausted, RequestTimeout, ServiceError,
@@ -26,7 +26,7 @@ from convserve.state_pool import PoolExhausted as PoolFull
 from ..sessions import Session, SessionTable
 from .outputs import deliver
 from .records import Op
-from .validate import check_accept_tokens, check_batch_sessions, check_state
+from .validate import check_state
 
 log = logging.getLogger("convserve.engine")
 
@@ -196,57 +196,6 @@ class SessionOps:
 
         return self._post_op(session_id, op)
 
-    def accept(self, session_id: str, n_tokens: int) -> None:
-        """Commit the session's pending speculative verify: every layer with one takes the state after its first
-        ``n_tokens`` tokens (0 discards the verify). Raises :class:`BadRequest` when no verify is pending or
-        ``n_tokens`` is outside ``[0, T]`` (checked at the call, and again at its turn; only at its turn when
-        another operation of the session is queued: a verify queued before it may yet be refused at its own)."""
-        self._wait_op(self._post_accept(session_id, n_tokens))
-
-    def _post_accept(self, session_id: str, n_tokens: int) -> Op:
-        check_accept_tokens(n_tokens)
-        with self._lock:
-            s = self._sessions.get(session_id)
-            if not s.ops:     # else at its turn only: a verify queued before it may yet be refused at its own
-                self._check_pending(s, n_tokens)
-        return self._post_op(session_id, lambda s: self._op_accept(s, n_tokens))
-
-    def accept_batch(self, session_ids, tokens) -> None:
-        """:meth:`accept` for several sessions at once: session ``session_ids[i]`` commits the state after the
-        first ``tokens[i]`` tokens of its pending verify. Whole-batch: every session must exist, appear once and
-        have a pending verify of at least ``tokens[i]`` tokens (on every layer it has one), else
-        :class:`BadRequest` (or :class:`UnknownSession` / :class:`StateLost`) and nothing is committed. It is one
-        session operation: it runs after the requests of those sessions submitted before it, and their requests
-        submitted after it wait for it."""
-        self._wait_op(self._post_accept_batch(session_ids, tokens))
-
-    def _post_accept_batch(self, session_ids, tokens) -> Op:
-        n = check_batch_sessions(session_ids, self.config.max_batch_size, "one accept_batch")
-        if isinstance(tokens, (list, tuple)) and len(tokens) == n:
-            for i, t in enumerate(tokens):
-                check_accept_tokens(t, f"tokens[{i}]")
-        elif isinstance(tokens, (list, tuple)):
-            raise BadRequest(f"tokens: expected one integer per session ({n}), got {len(tokens)}")
-        else:
-            raise BadRequest(f"tokens: expected a list of {n} integers (one per session), got "
-                             f"{type(tokens).__name__}")
-        tokens = list(tokens)
-
-        def check(ss, views=None):          # views None: at submit, where a session with ops waits for the turn
-            for i, (s, t) in enumerate(zip(ss, tokens)):
-                if views is not None or not s.ops:
-                    self._check_pending(s, t, None if views is None else views[i])
-
-        return self._post_op_many(session_ids, check, lambda ss: self._op_accept_batch(ss, tokens, check))
-
-    def check_accept_batch(self, session_ids, tokens) -> None:
-        """Raise what :meth:`accept_batch` would raise for the sessions' state now; queue nothing (the first
-        phase of an accept split across engine processes)."""
-        with self._lock:
-            self._check_running_locked()
-            for sid, n in zip(session_ids, tokens):
-                self._check_pending(self._sessions.get(sid), n)
-
     def mark_lost(self, session_ids, why: str) -> None:
         """Sessions of this engine's previous process: they answer :class:`StateLost` (410) with ``why``."""
         with self._lock:
@@ -261,95 +210,6 @@ class SessionOps:
         with self._lock:
             s = self._sessions.get(session_id)
             return sorted(self.model_cpu.layers[q] for q in s.pending)
-
-    def _check_pending(self, s: Session, n: int, pending: Optional[dict] = None) -> None:
-        """``pending``: the op's view as of its turn (:meth:`_pending_at_turn_locked`); None: ``s.pending``."""
-        pending = s.pending if pending is None else pending
-        if not pending:
-            raise BadRequest(f"session {s.id!r} has no speculative verify to accept; send a conv with "
-                             "speculative=true first")
-        shortest = min(pending.values())[0]          # (tokens, seq) pairs: the least tokens
-        if n > shortest:
-            raise BadRequest(f"tokens: expected at most {shortest} (the verify's length) for session {s.id!r}, "
-                             f"got {n}")
-
-    def _op_accept(self, s: Session, n: int) -> None:
-        with self._lock:
-            pending = self._pending_at_turn_locked(s)      # not the verifies queued after this op
-            self._check_pending(s, n, pending)
-            self._clear_pending_locked(s, pending)
-            self._accept_positions_locked(s, pending, n)
-        self._commit_verifies([(s, pending, n)])
-
-    def _op_accept_batch(self, ss: list, tokens: list, check) -> None:
-        with self._lock:
-            pending = [self._pending_at_turn_locked(s) for s in ss]   # not the verifies queued after this op
-            check(ss, pending)                        # all or nothing: checked again as it runs
-            for s, pend, n in zip(ss, pending, tokens):
-                self._clear_pending_locked(s, pend)
-                self._accept_positions_locked(s, pend, n)
-        self._commit_verifies(list(zip(ss, pending, tokens)))
-
-    def _commit_verifies(self, work: list) -> None:
-        """For each ``(session, pending, n)`` (``pending`` taken from ``session.pending``), commit on each layer of
-        ``pending`` the state after the first ``n`` tokens of the verify that ran there.
-
-        The state after n tokens is the last ``w1 = width - 1`` rows of ``[state, x[:n]]``: row r is row ``n + r``
-        of that, i.e. the old state's row ``n + r`` when ``n + r < w1``, else ``x[n + r - w1]``. The verify's x is
-        on the device already (its step copied it into ``d_spec[layer, slot]``, see Runner._launch), so every
-        (session, layer) is done at once with no host data but the row indices, computed here with numpy and
-        copied to the device in one non-blocking copy (no sync): gather the rows that move within the state and
-        the rows that come from x (both read before anything is written), then write both. The same few
-        launches for one session or hundreds, whatever their ``n``.
-        """
-        layers, slots, ns, counts = [], [], [], []      # the pairs' layers; per session its slot, n, pairs
-        for s, pending, n in work:
-            spec = s.spec_x
-            if n:
-                ps = [p for p, (_t, seq) in pending.items() if spec.get(p) == seq]   # that verify ran
-                if ps:
-                    layers += ps
-                    slots.append(s.slot)
-                    ns.append(n)
-                    counts.append(len(ps))
-                    bits = 0
-                    for p in ps:
-                        bits |= 1 << p
-                    s.initialized |= bits
-            spec.clear()
-        if not layers:
-            return
-        storage = self.pool.storage                                   # (layers, slots + 1, w1, dim)
-        spec = self._runner.bufs.d_spec                               # (layers, slots + 1, max_spec, dim)
-        bf = self._runner.bufs
-        _n_layers, lines_per_layer, w1, dim = storage.shape
-        n_spec = spec.shape[2]
-        counts = np.array(counts)
-        line = np.array(layers, dtype=np.int64) * lines_per_layer + np.repeat(np.array(slots, dtype=np.int64), counts)
-        # (pairs, w1): the row of [state, x] each new state row is
-        pos = np.repeat(np.array(ns, dtype=np.int64), counts)[:, None] + np.arange(w1)[None, :]
-        dst = (line * w1)[:, None] + np.arange(w1)[None, :]                        # each row it rewrites
-        old = pos < w1
-        rows = dst.size
-        m = int(np.count_nonzero(old))
-        acc = bf.acc_np
-        if bf.acc_done is not None:
-            bf.acc_done.synchronize()                 # the last commit's copy has read the host indices
-        acc[:m] = ((line * w1)[:, None] + pos)[old]
-        acc[m:rows] = ((line * n_spec)[:, None] + (pos - w1))[~old]
-        acc[rows:rows + m] = dst[old]
-        acc[rows + m:2 * rows] = dst[~old]
-        idx = bf.d_acc[:2 * rows]
-        if bf.acc_done is not None:
-            idx.copy_(bf.h_acc[:2 * rows], non_blocking=True)
-            bf.acc_done.record()
-        flat = storage.view(-1, dim)
-        from_state = flat.index_select(0, idx[:m]) if m else None
-        from_x = spec.view(-1, dim).index_select(0, idx[m:rows]) if m < rows else None
-        if from_state is not None:
-            flat.index_copy_(0, idx[rows:rows + m], from_state)
-        if from_x is not None:
-            flat.index_copy_(0, idx[rows + m:], from_x.to(storage.dtype))
 
     # ------------------------------------------------------------------ op queueing (runs on the worker)
 
@@ -400,7 +260,7 @@ class SessionOps:
         queued), then queued in each session's FIFO of ops at once."""
         with self._lock:
             self._check_running_locked()
-            ss = [self._sessions.get(sid) for sid in session_ids]
+            ss = self._sessions.get_many(session_ids)
             check(ss)
             op = Op(ss[0], lambda: fn(ss), Future(), self._last_seq, sessions=tuple(ss),
                     label=", ".join(session_ids), deadline=time.monotonic() + self.config.request_timeout_s)
@@ -481,9 +341,11 @@ class SessionOps:
         for op in ops:
             try:
                 with self._lock:
-                    for s in () if op.recreates else op.sessions or (op.session,):
-                        if self._sessions.get(s.id) is not s:   # deleted and re-created
-                            raise UnknownSession(f"session {s.id!r} was deleted before this operation ran")
+                    ss = () if op.recreates else op.sessions or (op.session,)
+                    if any(map(operator.is_not, map(self._sessions.find, [s.id for s in ss]), ss)):
+                        for s in ss:
+                            if self._sessions.get(s.id) is not s:   # deleted and re-created
+                                raise UnknownSession(f"session {s.id!r} was deleted before this operation ran")
                 result = op.fn()
             except BaseException as e:  # noqa: BLE001 - delivered to the caller
                 if not isinstance(e, ServiceError):

@@ -1,8 +1,8 @@
-"""Staging: a request's x copied into the runner's host memory on the submitting thread, before the request is
-queued (the staging arena for decode rows, a batch slot for a plain decode batch, the token arena for a batch's
-prefill and verify rows), under the runner's own small lock, so a step copies each run of rows to the device at
-once instead of packing rows on the worker thread. :class:`Staging` is a part of :class:`Runner` and shares its
-buffers (``self.bufs``)."""
+"""Staging: a request's x copied into the runner's host memory on the submitting thread, before the request is queued
+(the staging arena for decode rows, a batch slot for a plain decode batch, a verify slot for a verify-only batch of
+one length per row, the token arena for a batch's other prefill and verify rows), under the runner's own small lock,
+so a step copies each run of rows to the device at once instead of packing rows on the worker thread.
+:class:`Staging` is a part of :class:`Runner` and shares its buffers (``self.bufs``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import threading
 
 import torch
 
-from .buffers import BATCH_SLOTS
+from .buffers import BATCH_SLOTS, VERIFY_SLOTS
 
 
 class Staging:
@@ -23,6 +23,7 @@ class Staging:
         self._stage_next = 0
         self.stage_owner: list = [None] * self.bufs.stage_rows
         self.slot_owner: list = [None] * BATCH_SLOTS   # the batch request holding each batch slot
+        self.vslot_owner: list = [None] * VERIFY_SLOTS  # the batch request holding each verify slot
         self._tok_next = 0                              # the token arena: next free row, and the staged
         self._tok_live: list = []                       # regions [lo, hi) in staging order, with their requests
 
@@ -61,6 +62,23 @@ class Staging:
                 return -1
         bf.slot_x[k][:req.n_tokens].copy_(xm)
         return k
+
+    def take_verify_slot(self, req, xm: torch.Tensor) -> int:
+        """Reserve a free verify slot for ``req`` (a verify-only batch whose rows all have one length) and copy
+        its x there; the slot's index, or -1 when none is free (held by a batch not done, or its last y still
+        referred to by a caller). Whether the batch fits a verify slot is the caller's check."""
+        bf = self.bufs
+        with self._stage_lock:
+            owners, ys = self.vslot_owner, bf.vslot_y
+            for j in range(VERIFY_SLOTS):
+                o = owners[j]
+                if (o is None or o.done) and not ys.held(j):
+                    owners[j] = req
+                    break
+            else:
+                return -1
+        bf.vslot_x[j][:req.n_tokens].copy_(xm)
+        return j
 
     def stage_batch(self, req, xm: torch.Tensor) -> None:
         """Copy a batch's decode rows' x (``xm``, ``n_dec`` rows) into consecutive rows of the staging arena (they

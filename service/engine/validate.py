@@ -127,6 +127,18 @@ def _int_list(v, n: int, name: str, least: int) -> list:
     return [int(t) for t in v]
 
 
+def uniform_verify(n: int, tokens, speculative, max_spec: int) -> int:
+    """``k`` when a batch's ``tokens`` and ``speculative`` make it every session's verify of ``k`` tokens
+    (``speculative=True``, ``tokens`` a list of ``n`` equal plain ints, ``1 <= k <= max_spec``): a batch that
+    :func:`check_batch_plan` would accept, planned without arrays; else 0 (that function then checks it)."""
+    if speculative is not True or type(tokens) is not list or len(tokens) != n:
+        return 0
+    k = tokens[0]
+    if type(k) is not int or not 1 <= k <= max_spec or tokens.count(k) != n or set(map(type, tokens)) != {int}:
+        return 0
+    return k
+
+
 def check_batch_plan(n: int, tokens, speculative, max_spec: int):
     """A batch's ``tokens`` (None: one per session) and ``speculative`` (None, a bool, or one bool per session).
     Returns None for a plain batch (one decode token per session, nothing speculative), else

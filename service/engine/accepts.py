@@ -1,0 +1,233 @@
+"""Accepting speculative verifies: ``accept`` and ``accept_batch``, session operations that commit, on every
+layer with a pending verify, the state after the first n of its tokens (0 discards it).
+
+Both run on the worker between steps, as one operation on their sessions (see :mod:`.session_ops`). The commit
+itself is a few device ops whatever the counts (:meth:`Accepts._commit_rows`). A batch whose sessions all hold
+the same pending verifies (the layers' verify batches of one frontend step covered them all) and have nothing
+queued after the accept is checked, cleared and committed as one record (:meth:`Accepts._accept_uniform_locked`);
+any other batch goes session by session (:meth:`Accepts._op_accept_batch`), with the same result.
+:class:`Accepts` is a part of :class:`Engine` and shares its state.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from convserve.clients.protocol.errors import BadRequest
+
+from ..sessions import Session
+from .records import Op
+from .validate import check_accept_tokens, check_batch_sessions
+
+
+def _accept_token_list(tokens, n: int) -> list:
+    """``tokens`` of an accept_batch: a list or tuple of ``n`` integers >= 0, or :class:`BadRequest`."""
+    if isinstance(tokens, (list, tuple)) and len(tokens) == n:
+        if set(map(type, tokens)) == {int} and min(tokens) >= 0:     # plain ints (no bools): no loop
+            return list(tokens)
+        for i, t in enumerate(tokens):
+            check_accept_tokens(t, f"tokens[{i}]")
+        return list(tokens)
+    if isinstance(tokens, (list, tuple)):
+        raise BadRequest(f"tokens: expected one integer per session ({n}), got {len(tokens)}")
+    raise BadRequest(f"tokens: expected a list of {n} integers (one per session), got {type(tokens).__name__}")
+
+
+class Accepts:
+    """The accept operations of :class:`Engine` (see the module docstring)."""
+
+    def accept(self, session_id: str, n_tokens: int) -> None:
+        """Commit the session's pending speculative verify: every layer with one takes the state after its first
+        ``n_tokens`` tokens (0 discards the verify). Raises :class:`BadRequest` when no verify is pending or
+        ``n_tokens`` is outside ``[0, T]`` (checked at the call, and again at its turn; only at its turn when
+        another operation of the session is queued: a verify queued before it may yet be refused at its own)."""
+        self._wait_op(self._post_accept(session_id, n_tokens))
+
+    def _post_accept(self, session_id: str, n_tokens: int) -> Op:
+        check_accept_tokens(n_tokens)
+        with self._lock:
+            s = self._sessions.get(session_id)
+            if not s.ops:     # else at its turn only: a verify queued before it may yet be refused at its own
+                self._check_pending(s, n_tokens)
+        return self._post_op(session_id, lambda s: self._op_accept(s, n_tokens))
+
+    def accept_batch(self, session_ids, tokens) -> None:
+        """:meth:`accept` for several sessions at once: session ``session_ids[i]`` commits the state after the
+        first ``tokens[i]`` tokens of its pending verify. Whole-batch: every session must exist, appear once and
+        have a pending verify of at least ``tokens[i]`` tokens (on every layer it has one), else
+        :class:`BadRequest` (or :class:`UnknownSession` / :class:`StateLost`) and nothing is committed. It is one
+        session operation: it runs after the requests of those sessions submitted before it, and their requests
+        submitted after it wait for it."""
+        self._wait_op(self._post_accept_batch(session_ids, tokens))
+
+    def _post_accept_batch(self, session_ids, tokens) -> Op:
+        n = check_batch_sessions(session_ids, self.config.max_batch_size, "one accept_batch")
+        tokens = _accept_token_list(tokens, n)
+
+        def check(ss, views=None):          # views None: at submit, where a session with ops waits for the turn
+            if views is None and ss[0].pending and _same_pending(ss) and not any(s.ops for s in ss) and \
+                    max(tokens) <= min(ss[0].pending.values())[0]:
+                return                      # one record for all, and its shortest verify takes the most tokens
+            for i, (s, t) in enumerate(zip(ss, tokens)):
+                if views is not None or not s.ops:
+                    self._check_pending(s, t, None if views is None else views[i])
+
+        return self._post_op_many(session_ids, check, lambda ss: self._op_accept_batch(ss, tokens, check))
+
+    def check_accept_batch(self, session_ids, tokens) -> None:
+        """Raise what :meth:`accept_batch` would raise for the sessions' state now; queue nothing (the first
+        phase of an accept split across engine processes)."""
+        with self._lock:
+            self._check_running_locked()
+            for sid, n in zip(session_ids, tokens):
+                self._check_pending(self._sessions.get(sid), n)
+
+    def _check_pending(self, s: Session, n: int, pending: Optional[dict] = None) -> None:
+        """``pending``: the op's view as of its turn (:meth:`_pending_at_turn_locked`); None: ``s.pending``."""
+        pending = s.pending if pending is None else pending
+        if not pending:
+            raise BadRequest(f"session {s.id!r} has no speculative verify to accept; send a conv with "
+                             "speculative=true first")
+        shortest = min(pending.values())[0]          # (tokens, seq) pairs: the least tokens
+        if n > shortest:
+            raise BadRequest(f"tokens: expected at most {shortest} (the verify's length) for session {s.id!r}, "
+                             f"got {n}")
+
+    def _op_accept(self, s: Session, n: int) -> None:
+        with self._lock:
+            pending = self._pending_at_turn_locked(s)      # not the verifies queued after this op
+            self._check_pending(s, n, pending)
+            self._clear_pending_locked(s, pending)
+            self._accept_positions_locked(s, pending, n)
+        self._commit_verifies([(s, pending, n)])
+
+    def _op_accept_batch(self, ss: list, tokens: list, check) -> None:
+        with self._lock:
+            rows = self._accept_uniform_locked(ss, tokens)
+            if rows is None:
+                pending = [self._pending_at_turn_locked(s) for s in ss]   # not the verifies queued after this op
+                check(ss, pending)                        # all or nothing: checked again as it runs
+                for s, pend, n in zip(ss, pending, tokens):
+                    self._clear_pending_locked(s, pend)
+                    self._accept_positions_locked(s, pend, n)
+        if rows is None:
+            self._commit_verifies(list(zip(ss, pending, tokens)))
+        elif rows:
+            self._commit_rows(*rows)
+
+    def _accept_uniform_locked(self, ss: list, tokens: list):
+        """The batch accept as one record, when it is one: every session holds the same pending verifies
+        (``layer -> (tokens, seq)``: the same verify requests, a batch's per layer) and the same executed ones
+        (``spec_x``), none has a request queued after this op (so its view as of this turn is ``s.pending``
+        itself), and every ``tokens[i]`` is within the shortest verify. Then it checks, clears and advances as the
+        per-session path would and returns the commit's ``(layers, slots, ns)`` arrays (() when nothing is
+        committed); None when the batch is not such a record (the caller takes the per-session path, which also
+        raises the errors)."""
+        ref = ss[0].pending
+        if not ref or not _same_pending(ss):
+            return None
+        for s in ss:
+            q, b = s.queue, s.barrier
+            if q and b is not None and q[-1].seq > b:    # a request after this op: its view is not s.pending
+                return None
+        if max(tokens) > min(ref.values())[0]:
+            return None
+        ran = {p: seq for p, (_t, seq) in ref.items()}
+        if [s.spec_x for s in ss].count(ran) != len(ss):
+            return None
+        layers = sorted(ran)
+        bits = 0
+        for p in layers:
+            bits |= 1 << p
+        slots, ns = [], []
+        for s, n in zip(ss, tokens):
+            s.pending.clear()
+            s.spec_x.clear()
+            if n:
+                pos = s.positions
+                for p in layers:
+                    pos[p] += n
+                if s.last:
+                    self._forget_locked(s, layers)
+                s.initialized |= bits
+                slots.append(s.slot)
+                ns.append(n)
+        if not ns:
+            return ()
+        k = len(layers)
+        return (np.tile(np.array(layers, dtype=np.int64), len(ns)),
+                np.repeat(np.array(slots, dtype=np.int64), k), np.repeat(np.array(ns, dtype=np.int64), k))
+
+    def _commit_verifies(self, work: list) -> None:
+        """For each ``(session, pending, n)`` (``pending`` taken from ``session.pending``), commit on each layer of
+        ``pending`` whose verify ran (``spec_x``) the state after the first ``n`` tokens of that verify."""
+        layers, slots, ns, counts = [], [], [], []      # the pairs' layers; per session its slot, n, pairs
+        for s, pending, n in work:
+            spec = s.spec_x
+            if n:
+                ps = [p for p, (_t, seq) in pending.items() if spec.get(p) == seq]   # that verify ran
+                if ps:
+                    layers += ps
+                    slots.append(s.slot)
+                    ns.append(n)
+                    counts.append(len(ps))
+                    bits = 0
+                    for p in ps:
+                        bits |= 1 << p
+                    s.initialized |= bits
+            spec.clear()
+        if not layers:
+            return
+        counts = np.array(counts)
+        self._commit_rows(np.array(layers, dtype=np.int64), np.repeat(np.array(slots, dtype=np.int64), counts),
+                          np.repeat(np.array(ns, dtype=np.int64), counts))
+
+    def _commit_rows(self, layers: np.ndarray, slots: np.ndarray, ns: np.ndarray) -> None:
+        """Commit, for each (layer, slot, n) pair of the three arrays, the state after the first ``n`` tokens of
+        the verify that ran on that layer of that slot.
+
+        The state after n tokens is the last ``w1 = width - 1`` rows of ``[state, x[:n]]``: row r is row ``n + r``
+        of that, i.e. the old state's row ``n + r`` when ``n + r < w1``, else ``x[n + r - w1]``. The verify's x is
+        on the device already (its step copied it into ``d_spec[layer, slot]``, see Runner._launch), so every
+        pair is done at once with no host data but the row indices, computed here with numpy and copied to the
+        device in one non-blocking copy (no sync): gather the rows that move within the state and the rows that
+        come from x (both read before anything is written), then write both. The same few launches for one
+        session or hundreds, whatever their ``n``.
+        """
+        storage = self.pool.storage                                   # (layers, slots + 1, w1, dim)
+        bf = self._runner.bufs
+        spec = bf.d_spec                                              # (layers, slots + 1, max_spec, dim)
+        _n_layers, lines_per_layer, w1, dim = storage.shape
+        n_spec = spec.shape[2]
+        line = layers * lines_per_layer + slots
+        # (pairs, w1): the row of [state, x] each new state row is
+        pos = ns[:, None] + np.arange(w1)[None, :]
+        dst = (line * w1)[:, None] + np.arange(w1)[None, :]                        # each row it rewrites
+        old = pos < w1
+        rows = dst.size
+        m = int(np.count_nonzero(old))
+        acc = bf.acc_np
+        if bf.acc_done is not None:
+            bf.acc_done.synchronize()                 # the last commit's copy has read the host indices
+        acc[:m] = ((line * w1)[:, None] + pos)[old]
+        acc[m:rows] = ((line * n_spec)[:, None] + (pos - w1))[~old]
+        acc[rows:rows + m] = dst[old]
+        acc[rows + m:2 * rows] = dst[~old]
+        idx = bf.d_acc[:2 * rows]
+        if bf.acc_done is not None:
+            idx.copy_(bf.h_acc[:2 * rows], non_blocking=True)
+            bf.acc_done.record()
+        flat = storage.view(-1, dim)
+        from_state = flat.index_select(0, idx[:m]) if m else None
+        from_x = spec.view(-1, dim).index_select(0, idx[m:rows]) if m < rows else None
+        if from_state is not None:
+            flat.index_copy_(0, idx[rows:rows + m], from_state)
+        if from_x is not None:
+            flat.index_copy_(0, idx[rows + m:], from_x.to(storage.dtype))
+
+
+def _same_pending(ss: list) -> bool:
+    """Do the sessions all hold equal pending-verify records (compared in C: one list count)?"""
+    return [s.pending for s in ss].count(ss[0].pending) == len(ss)
