@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from .._launch import TUNING, LaunchPlan
+from .heads import _load_bias, _load_taps
 
 
 @triton.jit
@@ -200,14 +201,8 @@ def _channels_last_body_kernel(
 
     ld = tl.arange(0, BLOCK_D)  # [BLOCK_D]
     mask_d = ld < dim - d0
-    w_row = w_ptr + (d0 + ld) * stride_w_d  # [BLOCK_D]
-    w = ()  # WIDTH x [BLOCK_D] fp32 taps
-    for k in tl.static_range(WIDTH):
-        w = w + (tl.load(w_row + k * stride_w_k, mask=mask_d, other=0.0).to(tl.float32),)
-    if HAS_BIAS:
-        bias = tl.load(b_ptr + d0 + ld, mask=mask_d, other=0.0).to(tl.float32)  # [BLOCK_D]
-    else:
-        bias = tl.zeros([BLOCK_D], dtype=tl.float32)
+    w = _load_taps(w_ptr + (d0 + ld) * stride_w_d, stride_w_k, mask_d, WIDTH, False)  # WIDTH x [BLOCK_D] fp32
+    bias = _load_bias(b_ptr, d0, ld, mask_d, HAS_BIAS, False, BLOCK_D)  # [BLOCK_D]
 
     if PERSISTENT:
         # the grid is a multiple of n_d, so a program keeps its channel block, and its taps, in every turn

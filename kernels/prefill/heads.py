@@ -24,6 +24,46 @@ from .._launch import TUNING, LaunchPlan, Tile, next_pow2
 
 
 @triton.jit
+def _channel_tile(pid_d, dim, OFF64: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A program's channel block: ``(d0, ld, lt, mask_d)``, its first channel, the [BLOCK_D] channel and [BLOCK_T]
+    token offsets within the tile (int64 under OFF64, else int32: small offsets from a 64-bit corner keep the
+    per-element address arithmetic and its registers small) and the [BLOCK_D] channel mask."""
+    d0 = pid_d * BLOCK_D
+    ld = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    lt = tl.arange(0, BLOCK_T)  # [BLOCK_T]
+    if OFF64:
+        ld = ld.to(tl.int64)
+        lt = lt.to(tl.int64)
+    return d0, ld, lt, ld < dim - d0
+
+
+@triton.jit
+def _load_taps(w_ptrs, stride_w_k, mask_d, WIDTH: tl.constexpr, EVEN_D: tl.constexpr):
+    """The channel block's WIDTH taps as a tuple of [BLOCK_D] fp32 columns; w_ptrs: [BLOCK_D] pointers to
+    weight[:, 0]; unmasked when EVEN_D."""
+    w = ()
+    for k in tl.static_range(WIDTH):
+        if EVEN_D:
+            w = w + (tl.load(w_ptrs + k * stride_w_k).to(tl.float32),)
+        else:
+            w = w + (tl.load(w_ptrs + k * stride_w_k, mask=mask_d, other=0.0).to(tl.float32),)
+    return w
+
+
+@triton.jit
+def _load_bias(b_ptr, d0, ld, mask_d, HAS_BIAS: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The channel block's [BLOCK_D] fp32 bias (zeros without one); unmasked when EVEN_D."""
+    if HAS_BIAS:
+        if EVEN_D:
+            bias = tl.load(b_ptr + d0 + ld).to(tl.float32)
+        else:
+            bias = tl.load(b_ptr + d0 + ld, mask=mask_d, other=0.0).to(tl.float32)
+    else:
+        bias = tl.zeros([BLOCK_D], dtype=tl.float32)
+    return bias
+
+
+@triton.jit
 def _sequence_row(idx_ptr, init_ptr, s, batch, num_lines, pad_slot_id, WIDTH: tl.constexpr,
                   HAS_INDICES: tl.constexpr, HAS_STATE: tl.constexpr, HAS_INIT: tl.constexpr):
     """What sequence s in [0, batch] (batch: the virtual pad tail) owns: (is_real, line, hist_lim).
@@ -210,21 +250,9 @@ def _heads_kernel(
         end = tl.where(s < batch, tl.load(qsl_ptr + tl.minimum(s + 1, batch)).to(tl.int64), total_tokens)
         is_real, line, hist_lim = _sequence_row(idx_ptr, init_ptr, s, batch, num_lines, pad_slot_id, WIDTH,
                                                 HAS_INDICES, HAS_STATE, HAS_INIT)
-        d0 = pid_d * BLOCK_D
-        ld = tl.arange(0, BLOCK_D)  # [BLOCK_D] channel within the tile
-        lt = tl.arange(0, BLOCK_T)  # [BLOCK_T] token within a zeroing step
-        if OFF64:
-            ld = ld.to(tl.int64)
-            lt = lt.to(tl.int64)
-        mask_d = ld < dim - d0  # [BLOCK_D]
-        w_ptrs = w_ptr + (d0 + ld) * stride_w_d  # [BLOCK_D]
-        w = ()  # WIDTH x [BLOCK_D] fp32 taps
-        for k in tl.static_range(WIDTH):
-            w = w + (tl.load(w_ptrs + k * stride_w_k, mask=mask_d, other=0.0).to(tl.float32),)
-        if HAS_BIAS:
-            bias = tl.load(b_ptr + d0 + ld, mask=mask_d, other=0.0).to(tl.float32)  # [BLOCK_D]
-        else:
-            bias = tl.zeros([BLOCK_D], dtype=tl.float32)
+        d0, ld, lt, mask_d = _channel_tile(pid_d, dim, OFF64, BLOCK_T, BLOCK_D)  # lt: a zeroing step's tokens
+        w = _load_taps(w_ptr + (d0 + ld) * stride_w_d, stride_w_k, mask_d, WIDTH, False)  # WIDTH x [BLOCK_D]
+        bias = _load_bias(b_ptr, d0, ld, mask_d, HAS_BIAS, False, BLOCK_D)  # [BLOCK_D]
         if start >= end:
             return  # an empty sequence: nothing to write, its state stays
     else:
@@ -235,14 +263,7 @@ def _heads_kernel(
         is_real, line, hist_lim = _sequence_row(idx_ptr, init_ptr, s, batch, num_lines, pad_slot_id, WIDTH,
                                                 HAS_INDICES, HAS_STATE, HAS_INIT)
 
-        # Addresses: a 64-bit corner per program, then small offsets from it (int32 unless OFF64).
-        d0 = pid_d * BLOCK_D
-        ld = tl.arange(0, BLOCK_D)  # [BLOCK_D] channel within the tile
-        lt = tl.arange(0, BLOCK_T)  # [BLOCK_T] token within a zeroing step
-        if OFF64:
-            ld = ld.to(tl.int64)
-            lt = lt.to(tl.int64)
-        mask_d = ld < dim - d0  # [BLOCK_D]
+        d0, ld, lt, mask_d = _channel_tile(pid_d, dim, OFF64, BLOCK_T, BLOCK_D)  # lt: a zeroing step's tokens
     if is_real == 0:
         zeros = tl.zeros([BLOCK_T, BLOCK_D], dtype=out_ptr.dtype.element_ty)  # [BLOCK_T, BLOCK_D]
         for t0 in range(start, end, BLOCK_T):
@@ -259,13 +280,7 @@ def _heads_kernel(
                           stride_s_k, WIDTH, HAS_STATE, SILU)
         else:
             w_ptrs = w_ptr + (d0 + ld) * stride_w_d  # [BLOCK_D]
-            if HAS_BIAS:
-                if EVEN_D:
-                    bias = tl.load(b_ptr + d0 + ld).to(tl.float32)  # [BLOCK_D]
-                else:
-                    bias = tl.load(b_ptr + d0 + ld, mask=mask_d, other=0.0).to(tl.float32)
-            else:
-                bias = tl.zeros([BLOCK_D], dtype=tl.float32)
+            bias = _load_bias(b_ptr, d0, ld, mask_d, HAS_BIAS, EVEN_D, BLOCK_D)  # [BLOCK_D]
             _head_and_state(x_corner, o_corner, state_ptr, w_ptrs, bias, ld, mask_d, d0, line, head0, end - start,
                             hist_lim, stride_x_d, stride_x_t, stride_w_k, stride_o_d, stride_o_t, stride_s_line,
                             stride_s_d, stride_s_k, WIDTH, HEAD, HAS_STATE, SILU)

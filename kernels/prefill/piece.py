@@ -24,7 +24,8 @@ import triton
 import triton.language as tl
 
 from .._launch import TUNING, LaunchPlan, is_channels_first, prefill_config
-from .heads import _head_and_state, _head_columns, _sequence_row, launch_args
+from .heads import (_channel_tile, _head_and_state, _head_columns, _load_bias, _load_taps, _sequence_row,
+                    launch_args)
 
 
 @triton.jit
@@ -125,27 +126,10 @@ def _piece_kernel(
         q1 = tl.load(qsl_ptr + 1).to(tl.int64)
         is_real, line, hist_lim = _sequence_row(idx_ptr, init_ptr, pid * 0, batch, num_lines, pad_slot_id, WIDTH,
                                                 HAS_INDICES, HAS_STATE, HAS_INIT)
-        d0 = pid_d * BLOCK_D
-        ld = tl.arange(0, BLOCK_D)  # [BLOCK_D] channel within the tile
-        lt = tl.arange(0, BLOCK_T)  # [BLOCK_T] token within the tile
-        if OFF64:
-            ld = ld.to(tl.int64)
-            lt = lt.to(tl.int64)
-        mask_d = ld < dim - d0
+        d0, ld, lt, mask_d = _channel_tile(pid_d, dim, OFF64, BLOCK_T, BLOCK_D)
         w_ptrs = w_ptr + (d0 + ld) * stride_w_d  # [BLOCK_D]
-        w_pre = ()  # WIDTH x [BLOCK_D] fp32 taps
-        for k in tl.static_range(WIDTH):
-            if EVEN_D:
-                w_pre = w_pre + (tl.load(w_ptrs + k * stride_w_k).to(tl.float32),)
-            else:
-                w_pre = w_pre + (tl.load(w_ptrs + k * stride_w_k, mask=mask_d, other=0.0).to(tl.float32),)
-        if HAS_BIAS:
-            if EVEN_D:
-                bias = tl.load(b_ptr + d0 + ld).to(tl.float32)
-            else:
-                bias = tl.load(b_ptr + d0 + ld, mask=mask_d, other=0.0).to(tl.float32)
-        else:
-            bias = tl.zeros([BLOCK_D], dtype=tl.float32)
+        w_pre = _load_taps(w_ptrs, stride_w_k, mask_d, WIDTH, EVEN_D)  # WIDTH x [BLOCK_D] fp32 taps
+        bias = _load_bias(b_ptr, d0, ld, mask_d, HAS_BIAS, EVEN_D, BLOCK_D)  # [BLOCK_D]
 
         # The search's answer with two keys: the sequence (s = 0) below the pad tail's key
         # floor(qsl[1] / BLOCK_T) + 1, the tail (s = 1) from it on.
@@ -176,25 +160,12 @@ def _piece_kernel(
         is_real, line, hist_lim = _sequence_row(idx_ptr, init_ptr, s, batch, num_lines, pad_slot_id, WIDTH,
                                                 HAS_INDICES, HAS_STATE, HAS_INIT)
 
-        # Addresses: a 64-bit corner per program, then small offsets from it (int32 unless OFF64), which keeps
-        # the per-element address arithmetic and its registers small.
-        d0 = pid_d * BLOCK_D
-        ld = tl.arange(0, BLOCK_D)  # [BLOCK_D] channel within the tile
-        lt = tl.arange(0, BLOCK_T)  # [BLOCK_T] token within the tile
-        if OFF64:
-            ld = ld.to(tl.int64)
-            lt = lt.to(tl.int64)
-        mask_d = ld < dim - d0
+        # Addresses: a 64-bit corner per program, then small offsets from it (_channel_tile).
+        d0, ld, lt, mask_d = _channel_tile(pid_d, dim, OFF64, BLOCK_T, BLOCK_D)
         x_corner = x_ptr + blk_lo * stride_x_t + d0.to(tl.int64) * stride_x_d
         o_corner = out_ptr + blk_lo * stride_o_t + d0.to(tl.int64) * stride_o_d
         w_ptrs = w_ptr + (d0 + ld) * stride_w_d  # [BLOCK_D]
-        if HAS_BIAS:
-            if EVEN_D:
-                bias = tl.load(b_ptr + d0 + ld).to(tl.float32)
-            else:
-                bias = tl.load(b_ptr + d0 + ld, mask=mask_d, other=0.0).to(tl.float32)
-        else:
-            bias = tl.zeros([BLOCK_D], dtype=tl.float32)
+        bias = _load_bias(b_ptr, d0, ld, mask_d, HAS_BIAS, EVEN_D, BLOCK_D)  # [BLOCK_D]
 
         w_pre = None  # the taps are loaded where they are used
 
