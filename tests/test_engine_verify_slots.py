@@ -4,6 +4,7 @@ hold one pending record commits in one pass (Accepts._accept_uniform_locked). Bo
 per-session reference gives: every (rows, k, n accepted in [0, k]) over every layer, with forks between the
 verify and the accept, with requests queued behind the accept, with held results and with a failed launch."""
 
+import contextlib
 import random
 
 import pytest
@@ -16,6 +17,20 @@ from tests.tolerance import assert_close
 
 KNOBS = dict(slots=40, max_batch_size=16, max_batch_tokens=128, decode_buckets=(1, 2, 4, 8, 16), max_spec_tokens=6,
              verify_graph_tokens=(1, 2, 4, 5))
+
+
+@contextlib.contextmanager
+def _served(n: int):
+    """An engine with KNOBS, its per-session reference and ``n`` sessions in both; the engine is stopped after."""
+    e = make_engine(**KNOBS)
+    oracle = Oracle(e.model_cpu, e.state_dtype)
+    try:
+        sids = [e.create_session() for _ in range(n)]
+        for s in sids:
+            oracle.new(s)
+        yield e, oracle, sids
+    finally:
+        e.stop(drain=False)
 
 
 def _x(e, rows):
@@ -116,27 +131,15 @@ def _two_slots_in_one_step(e, oracle, sids):
 
 
 def test_two_verify_slot_batches_in_one_step_equal_the_reference():
-    e = make_engine(**KNOBS)
-    oracle = Oracle(e.model_cpu, e.state_dtype)
-    try:
-        sids = [e.create_session() for _ in range(12)]
-        for s in sids:
-            oracle.new(s)
+    with _served(12) as (e, oracle, sids):
         _two_slots_in_one_step(e, oracle, sids)
-    finally:
-        e.stop(drain=False)
 
 
 @pytest.mark.parametrize("n", ["zero", "full", "mixed"])
 def test_a_batched_accept_of_sessions_with_different_pending_records_commits_each_its_own(n):
     """Sessions verified on different layers, or with different lengths: the per-session path, same result."""
     rng = random.Random(5)
-    e = make_engine(**KNOBS)
-    oracle = Oracle(e.model_cpu, e.state_dtype)
-    try:
-        sids = [e.create_session() for _ in range(6)]
-        for s in sids:
-            oracle.new(s)
+    with _served(6) as (e, oracle, sids):
         for lay, group, k in ((LAYERS[0], sids, 3), (LAYERS[1], sids[:3], 3), (LAYERS[2], sids[3:], 2)):
             x = torch.randn(len(group) * k, DIM)
             y = e.submit_batch(group, lay, x, tokens=[k] * len(group), speculative=True).result(10)
@@ -147,8 +150,6 @@ def test_a_batched_accept_of_sessions_with_different_pending_records_commits_eac
         for s, m in zip(sids, ns):
             oracle.accept(s, m)
             assert_close(e.export_state(s), oracle.export(s), what=s)
-    finally:
-        e.stop(drain=False)
 
 
 def test_an_accept_too_long_for_one_session_commits_nothing():
@@ -171,12 +172,7 @@ def test_an_accept_too_long_for_one_session_commits_nothing():
 def test_an_accept_with_verifies_queued_after_it_commits_the_ones_before_it():
     """A verify batch queued after the accept (the worker held): the accept commits the first verify, the
     second stays pending and a later accept commits it."""
-    e = make_engine(**KNOBS)
-    oracle = Oracle(e.model_cpu, e.state_dtype)
-    try:
-        sids = [e.create_session() for _ in range(5)]
-        for s in sids:
-            oracle.new(s)
+    with _served(5) as (e, oracle, sids):
         go, entered = gate_worker(e)
         f0 = e.submit(sids[0], LAYERS[2], torch.zeros(1, DIM))
         oracle.conv(sids[0], 2, torch.zeros(1, DIM))
@@ -199,19 +195,12 @@ def test_an_accept_with_verifies_queued_after_it_commits_the_ones_before_it():
         for s, n in zip(sids, [2, 0, 1, 2, 1]):
             oracle.accept(s, n)
             assert_close(e.export_state(s), oracle.export(s), what=s)
-    finally:
-        e.stop(drain=False)
 
 
 def test_a_held_verify_slot_result_is_never_overwritten():
     """Callers that keep their y hold their verify slots: the next batches take the other slot, then the token
     arena; every kept y keeps its values, and once let go the slots serve again."""
-    e = make_engine(**KNOBS)
-    oracle = Oracle(e.model_cpu, e.state_dtype)
-    try:
-        sids = [e.create_session() for _ in range(4)]
-        for s in sids:
-            oracle.new(s)
+    with _served(4) as (e, oracle, sids):
         kept, used = [], []
         for i in range(VERIFY_SLOTS + 2):
             lay = LAYERS[i % len(LAYERS)]
@@ -229,8 +218,6 @@ def test_a_held_verify_slot_result_is_never_overwritten():
         f = e.submit_batch(sids, LAYERS[0], torch.randn(16, DIM), tokens=[4] * 4, speculative=True)
         assert f._req.batch.vbuf >= 0
         f.result(10)
-    finally:
-        e.stop(drain=False)
 
 
 def test_a_failed_verify_slot_launch_fails_its_batch_and_frees_its_slot():
@@ -297,12 +284,7 @@ def test_a_verify_slot_batch_with_positions():
     (then by each n), and afterwards the old position is refused."""
     from convserve.clients.protocol.errors import PositionMismatch
 
-    e = make_engine(**KNOBS)
-    oracle = Oracle(e.model_cpu, e.state_dtype)
-    try:
-        sids = [e.create_session() for _ in range(4)]
-        for s in sids:
-            oracle.new(s)
+    with _served(4) as (e, oracle, sids):
         x = torch.randn(16, DIM)
         f = e.submit_batch(sids, LAYERS[1], x, tokens=[4] * 4, speculative=True, position=[0] * 4)
         assert f._req.batch.vbuf >= 0
@@ -317,8 +299,6 @@ def test_a_verify_slot_batch_with_positions():
             e.submit_batch(sids, LAYERS[1], x, tokens=[4] * 4, speculative=True, position=[0] * 4)
         for s in sids:
             assert_close(e.export_state(s), oracle.export(s), what=s)
-    finally:
-        e.stop(drain=False)
 
 
 @pytest.mark.gpu
