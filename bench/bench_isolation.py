@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_service import serve  # noqa: E402
+from cpuset import cpu_set  # noqa: E402
 
 from convserve.clients.loadtest.stats import percentile  # noqa: E402
 from convserve.clients.protocol import wire  # noqa: E402
@@ -204,17 +205,6 @@ def _git_rev() -> str:
         return ""
 
 
-def _cpus(spec):
-    """``"0-3,8"`` -> {0, 1, 2, 3, 8}; None stays None."""
-    if not spec:
-        return None
-    out = set()
-    for part in spec.split(","):
-        a, _, b = part.partition("-")
-        out.update(range(int(a), int(b or a) + 1))
-    return out
-
-
 def main(argv=None) -> int:
     import torch
 
@@ -236,7 +226,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     args.server_arg = [a for s in args.server_arg for a in s.split("=", 1)] if args.server_arg else []
     for who in ("server", "probe", "flood"):
-        setattr(args, f"{who}_cpus", _cpus(getattr(args, f"{who}_cpus")))
+        setattr(args, f"{who}_cpus", cpu_set(getattr(args, f"{who}_cpus")))
     gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else None
     env = {"device": args.device, "gpu": gpu, "torch": torch.__version__, "python": platform.python_version(),
            "host": platform.node(), "cpu_count": os.cpu_count(), "git": _git_rev(),

@@ -33,6 +33,7 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_service as bs  # noqa: E402
+from cpuset import cpu_set  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -63,17 +64,6 @@ def leg_unary(args, url: str, info: dict, conc: int) -> dict:
     r = bs.latency_summary(lat, args.duration)
     r["client_procs"] = procs
     return r
-
-
-def cpu_set(text):
-    """``"0-7"``, ``"0,1,2"`` or ``"0-3,8-11"`` as a set of CPU numbers; None for None or empty."""
-    if not text:
-        return None
-    out = set()
-    for part in text.split(","):
-        lo, _, hi = part.partition("-")
-        out.update(range(int(lo), int(hi or lo) + 1))
-    return out
 
 
 def engine_overrides(server_args: list) -> dict:

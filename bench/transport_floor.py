@@ -25,17 +25,9 @@ from multiprocessing import get_context
 
 import numpy as np
 
+from cpuset import cpu_set
+
 SIZES = (8 * 1024, 512 * 1024, 2_097_152 + 64)   # 1, 64 and 256 sessions' decode rows at dim 4096, bf16
-
-
-def _cpus(spec):
-    if not spec:
-        return None
-    out = set()
-    for part in spec.split(","):
-        lo, _, hi = part.partition("-")
-        out.update(range(int(lo), int(hi or lo) + 1))
-    return out
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
@@ -142,7 +134,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="JSON path")
     a = ap.parse_args(argv)
     sizes = [int(s) for s in a.sizes.split(",")]
-    sc, cc = _cpus(a.server_cpus), _cpus(a.client_cpus)
+    sc, cc = cpu_set(a.server_cpus), cpu_set(a.client_cpus)
     rows = []
     for size in sizes:
         row = {"bytes": size, "memcpy_us": memcpy_us(size)}
