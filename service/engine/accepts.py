@@ -146,11 +146,7 @@ class Accepts:
             s.pending.clear()
             s.spec_x.clear()
             if n:
-                pos = s.positions
-                for p in layers:
-                    pos[p] += n
-                if s.last:
-                    self._forget_locked(s, layers)
+                self._accept_positions_locked(s, layers, n)
                 s.initialized |= bits
                 slots.append(s.slot)
                 ns.append(n)

@@ -50,35 +50,26 @@ class Staging:
     def take_slot(self, req, xm: torch.Tensor) -> int:
         """Reserve a free batch slot for ``req`` and copy its x there; the slot's index, or -1 when none is free
         (every one held by a queued batch, or its last y still referred to by a caller)."""
-        bf = self.bufs
-        with self._stage_lock:
-            owners, ys = self.slot_owner, bf.slot_y
-            for k in range(BATCH_SLOTS):
-                o = owners[k]
-                if (o is None or o.done) and not ys.held(k):
-                    owners[k] = req
-                    break
-            else:
-                return -1
-        bf.slot_x[k][:req.n_tokens].copy_(xm)
-        return k
+        return self._take(self.slot_owner, self.bufs.slot_y, self.bufs.slot_x, req, xm)
 
     def take_verify_slot(self, req, xm: torch.Tensor) -> int:
         """Reserve a free verify slot for ``req`` (a verify-only batch whose rows all have one length) and copy
         its x there; the slot's index, or -1 when none is free (held by a batch not done, or its last y still
         referred to by a caller). Whether the batch fits a verify slot is the caller's check."""
-        bf = self.bufs
+        return self._take(self.vslot_owner, self.bufs.vslot_y, self.bufs.vslot_x, req, xm)
+
+    def _take(self, owners: list, ys, xs: list, req, xm: torch.Tensor) -> int:
+        """The first slot of ``owners`` whose batch is done and whose y (in ring ``ys``) nobody holds, taken for
+        ``req`` with x copied into ``xs[k]``; -1 when there is none."""
         with self._stage_lock:
-            owners, ys = self.vslot_owner, bf.vslot_y
-            for j in range(VERIFY_SLOTS):
-                o = owners[j]
-                if (o is None or o.done) and not ys.held(j):
-                    owners[j] = req
+            for k, o in enumerate(owners):
+                if (o is None or o.done) and not ys.held(k):
+                    owners[k] = req
                     break
             else:
                 return -1
-        bf.vslot_x[j][:req.n_tokens].copy_(xm)
-        return j
+        xs[k][:req.n_tokens].copy_(xm)
+        return k
 
     def stage_batch(self, req, xm: torch.Tensor) -> None:
         """Copy a batch's decode rows' x (``xm``, ``n_dec`` rows) into consecutive rows of the staging arena (they
