@@ -29,13 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_engine as be  # noqa: E402
 from convserve.service import scheduler  # noqa: E402
 from convserve.service.engine import intake, loop, runner, session_ops, staging  # noqa: E402
+from convserve.service.engine.accepts import Accepts as _ACCEPTS  # noqa: E402
 from convserve.service.model import ConvModel  # noqa: E402
-
-try:
-    from convserve.service.engine import accepts
-    _ACCEPTS = accepts.Accepts
-except ImportError:                       # before accepts.py: the accept was a session op
-    _ACCEPTS = session_ops.SessionOps
 
 #: (owner, method name) of each timed piece
 PIECES = [(intake.Intake, "submit_batch"), (intake.Intake, "_enqueue_batch"), (intake, "check_batch_plan"),

@@ -64,7 +64,7 @@ def _echo(family: int, address, size: int, cpus, ready) -> None:
             _recv_exact(conn, view)
             conn.sendall(view)
     except (ConnectionError, OSError):
-        pass
+        pass                               # the client closed the connection: the leg is over
     finally:
         conn.close()
         srv.close()
