@@ -25,7 +25,10 @@ layers; req/s counts session tokens):
 7. ``step-mixed``: the same with mixed rows: one session in 16 sends a prefill chunk of 64-512 tokens, the others
    one decode token, and with ``--spec-k`` one session in 4 of the rest a speculative verify of k tokens (then
    one ``POST /v1/accept`` per step);
-8. ``step-echo``: the ``step`` leg's frames, byte for byte the same sizes (the batch body out, a ``y`` of x's size
+8. ``step-shm``: the ``step`` leg with x written into the client's shared-memory arena and sent by reference
+   (``ShmArena``; y comes back in the same block): the body carries no tensor bytes, the client pays one copy
+   of x into the arena per call;
+9. ``step-echo``: the ``step`` leg's frames, byte for byte the same sizes (the batch body out, a ``y`` of x's size
    back), over one raw TCP connection to the echo server, one call at a time: what moving those bytes through
    Python costs, so ``step / step-echo`` is the service's own share.
 
@@ -62,7 +65,7 @@ from convserve.clients.loadtest.stats import percentile  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tcp_echo import EchoTransport, _run_loop, _summary, leg_step_echo  # noqa: E402
 
-LEGS = ("inproc", "unary", "stream", "batch", "echo", "step", "step-mixed", "step-echo")
+LEGS = ("inproc", "unary", "stream", "batch", "echo", "step", "step-mixed", "step-shm", "step-echo")
 
 
 # ----------------------------------------------------------------------------------- subprocesses
@@ -336,16 +339,18 @@ def step_rows(conc: int, dim: int, rng, spec_k: int = 0) -> tuple:
     return tokens, spec
 
 
-async def leg_step(args, url: str, info: dict, conc: int, mixed: bool) -> dict:
+async def leg_step(args, url: str, info: dict, conc: int, mixed: bool, shm: bool = False) -> dict:
     """Frontend steps over HTTP: each step one batch per layer, layers in order (see the module docstring)."""
     import random
 
     from convserve.clients.client import AsyncConvClient
+    from convserve.clients.protocol.shm import ShmArena
 
     layers = list(info["layers"])
     dtype = getattr(torch, info["dtype"])
     rng = random.Random(conc)
-    async with AsyncConvClient(url, max_connections=4) as client:
+    arena = ShmArena(4 * (conc * 512 + 1024) * info["dim"] * dtype.itemsize) if shm else None
+    async with AsyncConvClient(url, max_connections=4, shm=arena) as client:
         sessions = list(await asyncio.gather(*(client.create_session() for _ in range(conc))))
         pool = torch.randn(conc * 512 + 1024, info["dim"]).to(dtype)
         lat, steps, tok = [], [], 0
@@ -362,7 +367,11 @@ async def leg_step(args, url: str, info: dict, conc: int, mixed: bool) -> dict:
             t0 = time.perf_counter()
             for layer in layers:
                 t1 = time.perf_counter()
-                await client.conv_batch(sessions, layer, x, **kw)
+                xs = x
+                if arena is not None:    # the layer's activations, written where the server reads them
+                    xs = arena.empty(x.shape, x.dtype)
+                    xs.copy_(x)
+                await client.conv_batch(sessions, layer, xs, **kw)
                 if t1 >= t_measure:
                     lat.append(time.perf_counter() - t1)
             if spec and any(spec):
@@ -376,8 +385,14 @@ async def leg_step(args, url: str, info: dict, conc: int, mixed: bool) -> dict:
         await asyncio.gather(*(client.delete_session(s) for s in sessions))
     r = _summary(lat, steps, tok, args.duration)
     r["engine"] = e
-    r["request_bytes"] = len(wire.packb({"sessions": sessions, "layer": layers[0], "x": wire.encode_tensor(
-        pool[:conc])}))
+    if arena is not None:
+        blk = arena.empty((conc, info["dim"]), dtype)
+        r["request_bytes"] = len(wire.packb({"sessions": sessions, "layer": layers[0],
+                                             "x": wire.encode_tensor(blk, arena)}))
+        arena.close()
+    else:
+        r["request_bytes"] = len(wire.packb({"sessions": sessions, "layer": layers[0], "x": wire.encode_tensor(
+            pool[:conc])}))
     return r
 
 
@@ -430,7 +445,7 @@ def main(argv=None) -> int:
                 _progress("inproc", c, results["inproc"][c])
         finally:
             engine.stop(drain=False)
-    if {"unary", "stream", "batch", "step", "step-mixed"} & set(legs):
+    if {"unary", "stream", "batch", "step", "step-mixed", "step-shm"} & set(legs):
         srv = start_server(args)
         try:
             import httpx
@@ -446,10 +461,11 @@ def main(argv=None) -> int:
                 for c in levels:
                     results["batch"][c] = _run_loop(leg_batch(args, srv.url, info, c))
                     _progress("batch", c, results["batch"][c])
-            for kind in ("step", "step-mixed"):
+            for kind in ("step", "step-mixed", "step-shm"):
                 if kind in legs:
                     for c in levels:
-                        results[kind][c] = _run_loop(leg_step(args, srv.url, info, c, kind == "step-mixed"))
+                        results[kind][c] = _run_loop(leg_step(args, srv.url, info, c, kind == "step-mixed",
+                                                              kind == "step-shm"))
                         _progress(kind, c, results[kind][c])
         finally:
             srv.stop()
@@ -480,6 +496,9 @@ def main(argv=None) -> int:
         a, b = get("step", "p50_ms"), get("step-echo", "p50_ms")
         if a and b:
             rc["step/step-echo p50"] = a / b
+        a, b = get("step-shm", "step_p50_ms"), get("step", "step_p50_ms")
+        if a and b:
+            rc["step-shm/step model step p50"] = a / b
             if den == "inproc" and get(num, "p50_ms") is not None and get(den, "p50_ms") is not None:
                 rc[f"{num}-{den} p50 ms"] = get(num, "p50_ms") - get(den, "p50_ms")
         ratios[c] = rc
@@ -541,7 +560,7 @@ def print_table(results, ratios, levels, legs, gpu) -> None:
     keys = sorted({k for v in ratios.values() for k in v})
     for k in keys:
         r.add_column(k.replace("unary", "2 unary").replace("stream", "3 stream").replace("inproc", "1 inproc")
-                     .replace("batch", "4 batch").replace("step-echo", "8 step-echo")
+                     .replace("batch", "4 batch").replace("step-echo", "9 step-echo").replace("step-shm", "8 step-shm")
                      .replace("step/", "6 step/").replace("/echo", "/5 echo"), justify="right")
     for c in levels:
         r.add_row(str(c), *[(f"{ratios[c][k]:+.3f}" if "ms" in k else f"{ratios[c][k]:.2f}")

@@ -33,9 +33,10 @@ class AsyncConvClient(_Base):
 
     def __init__(self, url: Optional[str] = None, *, api_key: Optional[str] = None, timeout: float = 60.0,
                  transport: Optional[httpx.AsyncBaseTransport] = None, max_connections: int = 100,
-                 track_positions: bool = False, max_retries: int = 3, retry_backoff_s: float = 0.05):
+                 track_positions: bool = False, max_retries: int = 3, retry_backoff_s: float = 0.05,
+                 shm=None):
         """``track_positions`` etc.: as :class:`ConvClient`."""
-        super().__init__(url, api_key, timeout, track_positions, max_retries, retry_backoff_s)
+        super().__init__(url, api_key, timeout, track_positions, max_retries, retry_backoff_s, shm)
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         self._http = httpx.AsyncClient(base_url=self.url, headers=self.headers, timeout=timeout, transport=transport,
                                        limits=limits)
@@ -178,7 +179,7 @@ class AsyncConvClient(_Base):
             raise
         if book is not None:
             book.applied(session, layer, x.shape[0], speculative)
-        return wire.decode_tensor(obj["y"], backend=_backend_of(x), name="y")
+        return wire.decode_tensor(obj["y"], backend=_backend_of(x), name="y", shm=self.shm)
 
     async def conv_batch(self, sessions: Sequence[str], layer: int, x, tokens: Optional[Sequence[int]] = None,
                          speculative=None):
@@ -200,7 +201,7 @@ class AsyncConvClient(_Base):
         if book is not None:
             for s, n, f in zip(sessions, toks, spec):
                 book.applied(s, layer, n, f)
-        return wire.decode_tensor(obj["y"], backend=_backend_of(x), name="y")
+        return wire.decode_tensor(obj["y"], backend=_backend_of(x), name="y", shm=self.shm)
 
     async def stream(self, requests: Union[Iterable, AsyncIterable], *, transport: str = "http", window: int = 64):
         """Async twin of :meth:`ConvClient.stream`; ``requests`` may be an async iterable."""

@@ -156,9 +156,9 @@ def _frame(req: Union[ConvRequest, BatchRequest]) -> dict:
             "speculative": req.speculative}
 
 
-def _batch_fields(sessions, layer, x, tokens, speculative) -> dict:
+def _batch_fields(sessions, layer, x, tokens, speculative, shm=None) -> dict:
     """A batch's fields; ``tokens`` and ``speculative`` only when given (absent means one plain token each)."""
-    fields = {"sessions": list(sessions), "layer": layer, "x": wire.encode_tensor(x)}
+    fields = {"sessions": list(sessions), "layer": layer, "x": wire.encode_tensor(x, shm)}
     if tokens is not None:
         fields["tokens"] = [int(n) for n in tokens]
     if speculative is not None:
@@ -217,7 +217,10 @@ def _ws_url(base: str) -> str:
 
 class _Base:
     def __init__(self, url: Optional[str], api_key: Optional[str], timeout: float, track_positions: bool = False,
-                 max_retries: int = 3, retry_backoff_s: float = 0.05):
+                 max_retries: int = 3, retry_backoff_s: float = 0.05, shm=None):
+        #: a :class:`~convserve.clients.protocol.shm.ShmArena`: an x lying in it is sent by reference, and its y
+        #: comes back in the same block (a server on this host only); None: every tensor travels in the body
+        self.shm = shm
         self.url = (url or os.environ.get("CONVSERVE_URL") or DEFAULT_URL).rstrip("/")
         self.api_key = api_key if api_key is not None else os.environ.get("CONVSERVE_API_KEY")
         self.timeout = timeout
@@ -247,16 +250,14 @@ class _Base:
     def _state_from(obj, backend) -> SessionState:
         return SessionState(list(obj["layers"]), wire.decode_tensor(obj["state"], backend=backend, name="state"))
 
-    @staticmethod
-    def _conv_body(session, layer, x, speculative, position=None) -> bytes:
-        body = {"session": session, "layer": layer, "x": wire.encode_tensor(x), "speculative": speculative}
+    def _conv_body(self, session, layer, x, speculative, position=None) -> bytes:
+        body = {"session": session, "layer": layer, "x": wire.encode_tensor(x, self.shm), "speculative": speculative}
         if position is not None:
             body["position"] = position
         return wire.packb(body)
 
-    @staticmethod
-    def _batch_body(sessions, layer, x, tokens, speculative, position=None) -> bytes:
-        fields = _batch_fields(sessions, layer, x, tokens, speculative)
+    def _batch_body(self, sessions, layer, x, tokens, speculative, position=None) -> bytes:
+        fields = _batch_fields(sessions, layer, x, tokens, speculative, self.shm)
         if position is not None:
             fields["position"] = list(position)
         return wire.packb(fields)

@@ -40,11 +40,14 @@ class ConvClient(_Base):
 
     def __init__(self, url: Optional[str] = None, *, api_key: Optional[str] = None, timeout: float = 60.0,
                  transport: Optional[httpx.BaseTransport] = None, track_positions: bool = False,
-                 max_retries: int = 3, retry_backoff_s: float = 0.05):
+                 max_retries: int = 3, retry_backoff_s: float = 0.05,
+                 shm=None):
         """``track_positions``: send each session's position with every conv and batch, and retry conv, batch
         and accept up to ``max_retries`` times (backoff from ``retry_backoff_s``) on connection errors, 503 and
-        504 without applying anything twice (see clients/positions.py)."""
-        super().__init__(url, api_key, timeout, track_positions, max_retries, retry_backoff_s)
+        504 without applying anything twice (see clients/positions.py). ``shm``: a
+        :class:`~convserve.clients.protocol.shm.ShmArena`; an x that lies in it is sent by reference and its y is
+        returned in the same block (a server on this host only; other tensors travel in the body)."""
+        super().__init__(url, api_key, timeout, track_positions, max_retries, retry_backoff_s, shm)
         self._http = httpx.Client(base_url=self.url, headers=self.headers, timeout=timeout, transport=transport)
 
     def close(self) -> None:
@@ -178,7 +181,7 @@ class ConvClient(_Base):
             raise
         if book is not None:
             book.applied(session, layer, x.shape[0], speculative)
-        return wire.decode_tensor(obj["y"], backend=_backend_of(x), name="y")
+        return wire.decode_tensor(obj["y"], backend=_backend_of(x), name="y", shm=self.shm)
 
     def conv_batch(self, sessions: Sequence[str], layer: int, x, tokens: Optional[Sequence[int]] = None,
                    speculative=None):
@@ -204,7 +207,7 @@ class ConvClient(_Base):
         if book is not None:
             for s, n, f in zip(sessions, toks, spec):
                 book.applied(s, layer, n, f)
-        return wire.decode_tensor(obj["y"], backend=_backend_of(x), name="y")
+        return wire.decode_tensor(obj["y"], backend=_backend_of(x), name="y", shm=self.shm)
 
     def stream(self, requests: Iterable, *, transport: str = "http", window: int = 64) -> Iterator[ConvResult]:
         """Pipeline ``requests`` (:class:`ConvRequest`, ``(session, layer, x[, speculative])`` tuples or dicts)

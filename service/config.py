@@ -166,6 +166,11 @@ class Settings(BaseSettings):
                                                                "in bytes (413 above)")
     max_body_objects: int = Field(MAX_OBJECTS, ge=64, description="most objects (array and map entries, and the "
                                   "containers) in one body or frame (413 above): decoding stops there")
+    client_shm: bool = Field(True, description="take a conv's x from a client's shared-memory segment on this "
+                             "host (a tensor map with 'shm' instead of 'data'; y is written back there): the "
+                             "body then carries no tensor bytes")
+    client_shm_segments: int = Field(64, ge=1, description="client shared-memory segments each HTTP process keeps "
+                                     "mapped (the least recently used one is dropped past it)")
     max_tokens_per_request: int = Field(8192, ge=1, description="largest T of one conv request (413 above)")
     check_finite: bool = Field(_ENGINE.check_finite, description="reject x with NaN or Inf (422 non_finite)")
     stream_window: int = Field(256, ge=1, description="frames of one stream or WebSocket being computed at "

@@ -102,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--transport", default="unary", choices=["unary", "stream", "ws"],
                    help="unary: POST /v1/conv; stream: POST /v1/conv/stream; ws: /v1/conv/ws [unary]")
     g.add_argument("--inflight", type=int, default=64, help="stream/ws: frames in flight per connection [64]")
+    g.add_argument("--shm-mib", type=int, default=0, metavar="MIB",
+                   help="frontend: write each layer call's x into a shared-memory arena of this many MiB and send "
+                        "its reference instead of the bytes; y comes back there (a server on this host only) "
+                        "[0: off]")
     g.add_argument("--connections", type=int, default=0,
                    help="stream/ws: connections (0: enough for concurrency x layers / inflight) [0]")
     g = p.add_argument_group("load")
@@ -279,7 +283,14 @@ async def run(args) -> dict:
     top = max(levels)
     n_conn = max(8, min(1024, int(top) * 4 if mode == "closed" else args.max_inflight))
     url = args.url[0] if args.url and len(args.url) == 1 else args.url     # several: the routing client
-    client = AsyncConvClient(url, api_key=args.api_key, timeout=args.timeout, max_connections=n_conn)
+    shm = None
+    if args.shm_mib:
+        if not frontend or not isinstance(url, str):
+            raise SetupError("--shm-mib applies to --scenario frontend against one server on this host")
+        from convserve.clients.protocol.shm import ShmArena
+
+        shm = ShmArena(args.shm_mib << 20)
+    client = AsyncConvClient(url, api_key=args.api_key, timeout=args.timeout, max_connections=n_conn, shm=shm)
     quiet_gc = None
     try:
         try:
@@ -304,7 +315,7 @@ async def run(args) -> dict:
                                  "pass --verify WEIGHTS.safetensors to check against a file") from None
         config = {
             "url": client.url, "model": info, "workload": wl.describe(),
-            "transport": "batch" if frontend else args.transport,
+            "transport": ("batch+shm" if shm is not None else "batch") if frontend else args.transport,
             "mode": mode, "levels": levels, "duration_s": args.duration, "requests": args.requests,
             "warmup_s": args.warmup, "inflight": args.inflight if args.transport != "unary" else None,
             "connections": args.connections or None, "max_retries": args.max_retries, "seed": args.seed,
@@ -368,6 +379,8 @@ async def run(args) -> dict:
         if quiet_gc is not None:
             quiet_gc.__exit__(None, None, None)
         await client.aclose()
+        if shm is not None:
+            shm.close()
 
 
 async def _progress(label, rec, start, warmup, duration, drv) -> None:

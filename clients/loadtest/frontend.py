@@ -6,6 +6,7 @@ of k tokens) and sends it as **one batch per layer** (``POST /v1/conv/batch`` wi
 ``speculative``), layer ``l + 1`` only after layer ``l``'s answer, as a model's forward pass must. After the
 layers, one ``POST /v1/accept`` commits a random 0..k of each verify. Sessions that are done are deleted and new
 ones join: up to ``concurrency`` live sessions (closed loop), or arriving at ``rate`` sessions/s (open loop).
+With ``--shm-mib`` each layer call's x is written into the client's shared-memory arena and sent by reference.
 
 Recorded kinds: ``batch`` (one layer's call; tokens are the session tokens it carried), ``step`` (all layers of
 one frontend step, plus its accept), ``prefill_done`` (from a session's arrival to the end of its last prefill
@@ -67,13 +68,18 @@ class FrontendDriver(Driver):
         plain = all(n == 1 for n in tokens) and not any(spec)
         total = sum(tokens)
         x = self.x(total)
+        arena = self.client.shm
         t0 = time.perf_counter()
         try:
             for layer in self.layers:
                 self.issued += 1
                 t1 = time.perf_counter()
+                xs = x
+                if arena is not None:   # the layer's activations, written where the server reads them
+                    xs = arena.empty(x.shape, x.dtype)
+                    xs[...] = x
                 y = await self._retrying(lambda: self.client.conv_batch(
-                    sessions, layer, x, None if plain else tokens, None if plain else spec), t1)
+                    sessions, layer, xs, None if plain else tokens, None if plain else spec), t1)
                 self.rec.ok("batch", t1, time.perf_counter(), total)
                 self._check(work, layer, x, y, t1)
             accepts = [(v, self.rng.randint(0, n)) for v, k, n in work if k == "verify"]

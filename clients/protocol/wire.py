@@ -2,7 +2,8 @@
 
 A tensor on the wire is the msgpack map ``{"dtype": "bfloat16" | "float16" | "float32", "shape": [...],
 "data": <bin>}``, C order, little-endian, never pickle. In JSON bodies (control routes, curl) ``data`` is the
-same bytes in base64.
+same bytes in base64. A conv's x and y may instead be ``{"dtype", "shape", "shm": {"key", "offset"}}``: the bytes
+lie in a shared-memory segment of the client (:mod:`.shm`).
 
 Encoding hands msgpack a ``memoryview`` of the tensor's own memory (msgpack copies it once into its output
 buffer). Decoding wraps the ``bytes`` msgpack produced with ``torch.frombuffer`` / ``numpy.frombuffer``: no
@@ -196,11 +197,20 @@ def _is_torch(x) -> bool:
     return type(x).__module__.startswith("torch") and hasattr(x, "untyped_storage")
 
 
-def encode_tensor(x) -> dict:
-    """``{"dtype", "shape", "data"}`` for a torch tensor or a numpy array, ``data`` a view of its memory.
+def encode_tensor(x, shm=None) -> dict:
+    """``{"dtype", "shape", "data"}`` for a torch tensor or a numpy array, ``data`` a view of its memory; or
+    ``{"dtype", "shape", "shm"}`` when ``x`` lies in ``shm`` (a :class:`~convserve.clients.protocol.shm.ShmArena`).
 
     Torch tensors on a device are copied to the host first; non-contiguous ones are made contiguous.
     """
+    if shm is not None:
+        ref = shm.locate(x)
+        if ref is not None:
+            name = _torch_names().get(x.dtype) if _is_torch(x) else _numpy_name(x.dtype)
+            if name is None:
+                raise DtypeUnsupported(f"tensor dtype {x.dtype} is not supported on the wire; "
+                                       f"use one of {', '.join(DTYPE_NAMES)}")
+            return {"dtype": name, "shape": list(x.shape), "shm": ref}
     if _is_torch(x):
         import torch
 
@@ -234,11 +244,12 @@ def encode_tensor_json(x) -> dict:
 
 
 def decode_tensor(obj: Any, *, check_shape: Optional[Callable[[tuple], None]] = None, backend: str = "torch",
-                  name: str = "x"):
+                  name: str = "x", shm=None):
     """Validate a tensor map and wrap its data without copying.
 
     ``check_shape(shape)`` raises :class:`ShapeMismatch` (or :class:`PayloadTooLarge`) when the shape is wrong
-    for the model. ``backend`` is ``"torch"`` or ``"numpy"``.
+    for the model. ``backend`` is ``"torch"`` or ``"numpy"``. A map with ``shm`` instead of ``data`` is a view
+    of shared memory that ``shm.view(ref, dtype, shape, backend, name)`` returns (None: refused, 400).
     """
     if not isinstance(obj, dict):
         raise BadRequest(f"'{name}' must be a tensor map {{dtype, shape, data}}, got {type(obj).__name__}")
@@ -256,6 +267,16 @@ def decode_tensor(obj: Any, *, check_shape: Optional[Callable[[tuple], None]] = 
     shape = tuple(shape)
     if check_shape is not None:
         check_shape(shape)
+    if len(obj) != 3 or "data" not in obj:
+        extra = [k for k in obj if k not in ("dtype", "shape", "data", "shm")]
+        if extra or "data" in obj and "shm" in obj:
+            raise BadRequest(f"'{name}' has fields {sorted(map(str, obj))}; a tensor map is {{dtype, shape, data}} "
+                             "or {dtype, shape, shm}")
+        if "shm" in obj:
+            if shm is None:
+                raise BadRequest(f"'{name}.shm': a tensor in shared memory is not taken here (the server's "
+                                 "client_shm setting is off, or this field is not a conv's x); send 'data'")
+            return shm.view(obj["shm"], dtype, shape, backend, name)
     data = obj.get("data")
     if isinstance(data, str):  # JSON body: base64
         try:

@@ -5,6 +5,7 @@ the modules of this package together.
 ``asgi``           headers, content negotiation, encoding and sending bytes
 ``errors``         the one renderer of every error (responses and stream/WebSocket frames)
 ``parse``          reading and validating request bodies
+``client_shm``     a conv's x and y in a client's shared memory instead of the body
 ``unary``          ``POST /v1/conv`` and ``POST /v1/conv/batch``
 ``pipeline``       frames to engine requests to results in per-session order
 ``stream``         ``POST /v1/conv/stream`` over the pipeline
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -30,6 +32,7 @@ from starlette.routing import Route, WebSocketRoute
 from convserve.clients.protocol.errors import NotReady
 from convserve.service.gcfreeze import freeze_startup_objects
 from convserve.service.http.backend import EngineAPI
+from convserve.service.http.client_shm import SHM_ROOT, ClientSegments
 from convserve.service.http.control import add_control_routes
 from convserve.service.http.edge import ConvServeApp, Edge
 from convserve.service.http.errors import install_handlers
@@ -50,8 +53,11 @@ class Service:
         self.settings = settings
         self.engine = engine
         self.metrics = metrics
+        # a conv's x may lie in a client's shared memory (its y is written there too), when the host has /dev/shm
+        self.client_shm = ClientSegments(settings.client_shm_segments) \
+            if settings.client_shm and os.path.isdir(SHM_ROOT) else None
         self.parser = Parser(engine.model_info(), settings.max_tokens_per_request, settings.max_batch_tokens,
-                             settings.max_batch_size)
+                             settings.max_batch_size, self.client_shm)
         self.max_body = settings.max_body_bytes
         self.max_objects = settings.max_body_objects
         self.max_json = settings.max_json_body_bytes

@@ -156,6 +156,12 @@ ACCEPT_FIELDS = ("tokens",)
 LIST_QUERY = ("cursor", "limit")
 
 
+def shm_ref(req: Any):
+    """The ``shm`` reference of a parsed conv or batch body's x (its y is written over it), else None."""
+    x = req.get("x")
+    return x.get("shm") if type(x) is dict else None
+
+
 def check_fields(req: dict, allowed, what: str) -> None:
     """:class:`BadRequest` naming the first field of ``req`` not in ``allowed`` (a misspelled field is never
     silently ignored)."""
@@ -170,7 +176,10 @@ class Parser:
     ``frame=True`` parses a stream or WebSocket frame: the same body plus its ``id``.
     """
 
-    def __init__(self, info: dict, max_tokens_per_request: int, max_batch_tokens: int, max_batch_size: int):
+    def __init__(self, info: dict, max_tokens_per_request: int, max_batch_tokens: int, max_batch_size: int,
+                 shm=None):
+        """``shm``: the :class:`~.client_shm.ClientSegments` a conv's x may lie in (None: x must carry data)."""
+        self.shm = shm
         self.layers = list(info["layers"])
         self.layer_set = frozenset(self.layers)
         dim, width = int(info["dim"]), int(info["width"])
@@ -192,7 +201,7 @@ class Parser:
         if type(session) is not str:
             raise BadRequest("'session' is missing or not a string; create a session with POST /v1/sessions")
         layer = self.layer(req)
-        x = wire.decode_tensor(req.get("x"), check_shape=self.x_check)
+        x = wire.decode_tensor(req.get("x"), check_shape=self.x_check, shm=self.shm)
         spec = req.get("speculative", False)
         if type(spec) is not bool:
             raise BadRequest("'speculative' must be true or false")
@@ -235,7 +244,7 @@ class Parser:
                                      not all(type(q) is int and q >= 0 for q in position)):
             raise BadRequest(f"'position' must be a list of {n} integers >= 0, one per session, got "
                              f"{position!r:.80}")
-        x = wire.decode_tensor(req.get("x"), check_shape=self.batch_check)
+        x = wire.decode_tensor(req.get("x"), check_shape=self.batch_check, shm=self.shm)
         want = n if tokens is None else sum(tokens)
         if x.shape[0] != want:
             raise ShapeMismatch(f"'x' has {x.shape[0]} rows but the sessions' tokens add up to {want}; pack each "

@@ -25,17 +25,20 @@ import msgpack
 
 from convserve.clients.protocol import wire
 from convserve.clients.protocol.errors import BadRequest, Internal, NotReady, PayloadTooLarge, ServiceError
+from convserve.service.http.client_shm import answer_in_place
 from convserve.service.http.errors import as_service_error, error_frame
+from convserve.service.http.parse import shm_ref
 
 if TYPE_CHECKING:
     from convserve.service.http.app import Service
 
 
 class _Frame:
-    __slots__ = ("id", "keys", "fut", "out", "t0", "code")
+    __slots__ = ("id", "keys", "fut", "out", "t0", "code", "x", "shm")
 
     def __init__(self, fid, t0):
         self.id = fid
+        self.x = self.shm = None  # with shm (x in a client's shared memory): x, which y is written over
         self.keys = (None,)     # the sessions whose order this frame keeps (one, or a batch's distinct ones)
         self.fut = None
         self.out: Optional[bytes] = None
@@ -196,6 +199,9 @@ class Pipeline:
             else:
                 session, layer, x, spec, position = self._parse(obj, frame=True)
                 fut = self._submit(session, layer, x, speculative=spec, position=position)
+            f.shm = shm_ref(obj)
+            if f.shm is not None:
+                f.x = x
         except Exception as e:  # noqa: BLE001 - a bad frame fails alone
             self._set_error(f, as_service_error(e))
             self._release(f.keys)
@@ -226,7 +232,10 @@ class Pipeline:
                     self._set_error(f, as_service_error(exc))
                 else:
                     try:
-                        f.out = self.packer.pack({"id": f.id, "y": wire.encode_tensor(fut.result())})
+                        y = fut.result()
+                        f.out = self.packer.pack({"id": f.id, "y": wire.encode_tensor(y) if f.shm is None
+                                                  else answer_in_place(f.x, y, f.shm)})
+                        f.x = None
                     except Exception as e:  # noqa: BLE001
                         self._set_error(f, as_service_error(e))
         self._release(f.keys)

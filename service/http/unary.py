@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING
 from convserve.clients.protocol import wire
 from convserve.service.http.asgi import (MSGPACK_CT, ROUTE_SCOPE_KEY, ClientGone, client_gone, render, send_bytes,
                                          wants_json)
+from convserve.service.http.client_shm import answer_in_place
 from convserve.service.http.errors import as_service_error, send_error
-from convserve.service.http.parse import parse_body, read_body
+from convserve.service.http.parse import parse_body, read_body, shm_ref
 from convserve.service.http.replica import merge_session
 
 if TYPE_CHECKING:
@@ -85,7 +86,8 @@ class _UnaryEndpoint:
         self.parser = svc.parser
 
     def parse(self, scope, body: bytes):
-        """The decoded and validated body: what :meth:`submit` takes (a parser thread may run this)."""
+        """``(parsed, shm)``: the decoded and validated body, what :meth:`submit` takes, and the ``shm`` reference
+        of its x when x lies in a client's shared memory (else None) (a parser thread may run this)."""
         raise NotImplementedError
 
     def submit(self, parsed):
@@ -98,10 +100,13 @@ class _UnaryEndpoint:
         try:
             svc.require_ready()
             body = await read_body(scope, receive, svc.max_body, svc.body_timeout)
-            fut = self.submit(await svc.decode(len(body), self.parse, scope, body))
+            parsed, shm = await svc.decode(len(body), self.parse, scope, body)
+            fut = self.submit(parsed)
             y = await wait_result(self.engine, fut, receive)
             as_json = wants_json(scope)
-            if as_json or y.nbytes < SPLIT_BYTES:
+            if shm is not None:         # y over x in the client's segment; the answer names it
+                out, ct = render({"y": answer_in_place(parsed[2], y, shm)}, as_json)
+            elif as_json or y.nbytes < SPLIT_BYTES:
                 out, ct = render({"y": wire.encode_tensor(y)}, as_json)
             else:
                 head, data = wire.packb_split({"y": wire.encode_tensor(y)}, "y")
@@ -111,7 +116,7 @@ class _UnaryEndpoint:
         except Exception as e:  # noqa: BLE001 - every failure becomes an error response
             await send_error(scope, send, as_service_error(e))
             return
-        if as_json or y.nbytes < SPLIT_BYTES:
+        if shm is not None or as_json or y.nbytes < SPLIT_BYTES:
             await send_bytes(send, 200, out, ct)
         else:       # y's memory (an engine output, or a worker's arena block) is written out as it is
             await send_bytes(send, 200, head, MSGPACK_CT, more=data)
@@ -129,7 +134,7 @@ class ConvEndpoint(_UnaryEndpoint):
             sid = merge_session(scope, obj.get("session") if type(obj.get("session")) is str else None)
             if sid is not None and "session" not in obj:
                 obj["session"] = sid
-        return self.parser.conv(obj)
+        return self.parser.conv(obj), shm_ref(obj)
 
     def submit(self, parsed):
         session, layer, x, spec, position = parsed
@@ -144,7 +149,8 @@ class BatchEndpoint(_UnaryEndpoint):
 
     def parse(self, scope, body: bytes):
         svc = self.svc
-        return self.parser.batch(parse_body(scope, body, svc.max_body, svc.max_objects, svc.max_json))
+        obj = parse_body(scope, body, svc.max_body, svc.max_objects, svc.max_json)
+        return self.parser.batch(obj), shm_ref(obj)
 
     def submit(self, parsed):
         sessions, layer, x, tokens, spec, position = parsed

@@ -1,0 +1,172 @@
+"""Tensors passed through shared memory instead of the body, for a client on the server's host.
+
+A tensor map may carry ``"shm": {"key": str, "offset": int}`` instead of ``"data"``: its bytes lie C-contiguous,
+little-endian, from byte ``offset`` of the POSIX shared-memory segment ``key`` (``/dev/shm/<key>`` on Linux),
+which the client created. The server reads x there and writes y over it (y has x's shape and dtype), and answers
+``{"y": {"dtype", "shape", "shm"}}`` with the same reference: the body of a 2 MB layer call is then a few hundred
+bytes each way, and neither side copies the tensor through a socket. It works only where client and server see
+the same ``/dev/shm`` (one host, or one pod), as KServe's and Triton's system shared-memory extension does.
+
+The client owns the segment (:class:`ShmArena` creates it, unlinks it at close); the server maps segments by key
+on first use (:mod:`convserve.service.http.client_shm`). A key must match :data:`KEY_RE` (``convserve-client-``
+and up to 200 characters of ``[A-Za-z0-9_.-]``), so a request can name no other file (the server's own
+shared memory, ``convserve-<pid>-*``, included).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import uuid
+import weakref
+from typing import Any, Optional
+
+from convserve.clients.protocol.errors import BadRequest
+
+#: the names a segment may have: the prefix keeps a request from naming any other file of /dev/shm
+KEY_RE = re.compile(r"convserve-client-[A-Za-z0-9_.-]{1,200}\Z")
+#: every block of a tensor starts at a multiple of this many bytes
+ALIGN = 64
+
+
+def check_ref(ref: Any, name: str) -> tuple[str, int]:
+    """``(key, offset)`` of a tensor map's ``shm`` field, or :class:`BadRequest` saying what to send."""
+    if type(ref) is not dict or set(ref) != {"key", "offset"}:
+        raise BadRequest(f"'{name}.shm' must be a map {{key, offset}} naming a shared-memory segment and the byte "
+                         f"where the tensor starts, got {ref!r:.80}")
+    key, offset = ref["key"], ref["offset"]
+    if type(key) is not str or not KEY_RE.match(key):
+        raise BadRequest(f"'{name}.shm.key' must name a segment 'convserve-client-<up to 200 of A-Z a-z 0-9 _ . "
+                         f"->' (as ShmArena creates), got {key!r:.80}")
+    if type(offset) is not int or offset < 0:
+        raise BadRequest(f"'{name}.shm.offset' must be an integer >= 0, got {offset!r:.40}")
+    return key, offset
+
+
+class ShmArena:
+    """A shared-memory segment the client creates, and a ring of tensor blocks in it.
+
+    ``empty(shape, dtype)`` hands out the next block (64-byte aligned; after the end, from the start again): a
+    block stays the caller's until ``nbytes`` of later blocks have been handed out. Fill it with x and pass it to
+    ``conv`` / ``conv_batch`` of a client made with ``shm=arena``: the request then carries the block's reference
+    instead of x's bytes, and the y returned is a view of the same block, which the server wrote y into. A tensor
+    that does not lie in the arena is sent in the body as usual.
+    """
+
+    def __init__(self, nbytes: int, key: Optional[str] = None, root: str = "/dev/shm"):
+        import mmap
+
+        import numpy as np
+
+        self.key = key or f"convserve-client-{uuid.uuid4().hex}"
+        if not KEY_RE.match(self.key):
+            raise ValueError(f"key: expected 'convserve-client-' and up to 200 of A-Z a-z 0-9 _ . -, got "
+                             f"{self.key!r}")
+        self.path = os.path.join(root, self.key)
+        # the file shm_open would make, made directly: readable and writable by this user only, unlinked at close
+        # (or when the arena is collected, or at exit)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self._unlink = weakref.finalize(self, _unlink, self.path)
+        try:
+            os.ftruncate(fd, int(nbytes))
+            mm = mmap.mmap(fd, int(nbytes))
+        finally:
+            os.close(fd)
+        self.nbytes = int(nbytes)
+        self._bytes = np.frombuffer(mm, dtype=np.uint8)      # the mapping lives as long as a view of it
+        self._base = self._bytes.ctypes.data
+        self._next = 0
+
+    def empty(self, shape, dtype):
+        """An uninitialized C-contiguous block of the arena: a torch tensor for a torch dtype, a numpy array for a
+        numpy dtype or a wire name (``"bfloat16"`` through ml_dtypes, ``"float16"``, ``"float32"``)."""
+        import math
+
+        import numpy as np
+
+        torch_dtype = _torch_dtype(dtype)
+        itemsize = torch_dtype.itemsize if torch_dtype is not None else _np_dtype(dtype).itemsize
+        n = math.prod(shape) * itemsize
+        if n > self.nbytes:
+            raise ValueError(f"a block of {n} bytes does not fit in this arena of {self.nbytes}")
+        lo = -(-self._next // ALIGN) * ALIGN
+        if lo + n > self.nbytes:
+            lo = 0
+        self._next = lo + n
+        raw = self._bytes[lo:lo + n]
+        if torch_dtype is not None:
+            import torch
+
+            return torch.from_numpy(raw).view(torch_dtype).view(tuple(shape))
+        return raw.view(_np_dtype(dtype)).reshape(shape)
+
+    def locate(self, x) -> Optional[dict]:
+        """The ``shm`` reference of ``x`` when it is a C-contiguous host tensor lying in this arena, else None."""
+        if hasattr(x, "data_ptr"):                       # torch
+            if x.device.type != "cpu" or not x.is_contiguous():
+                return None
+            ptr, n = x.data_ptr(), x.numel() * x.element_size()
+        else:
+            flags = getattr(x, "flags", None)
+            if flags is None or not flags.c_contiguous:
+                return None
+            ptr, n = x.ctypes.data, x.nbytes
+        off = ptr - self._base
+        if off < 0 or off + n > self.nbytes or n == 0:
+            return None
+        return {"key": self.key, "offset": off}
+
+    def view(self, ref: Any, dtype: str, shape: tuple, backend: str, name: str):
+        """The tensor a server's answer names (``ref``: its ``shm`` field): a view of this arena."""
+        import math
+
+        key, off = check_ref(ref, name)
+        if key != self.key:
+            raise BadRequest(f"'{name}.shm' names segment {key!r}, not this client's {self.key!r}")
+        from convserve.clients.protocol.wire import ITEMSIZE
+
+        n = math.prod(shape) * ITEMSIZE[dtype]
+        if off + n > self.nbytes:
+            raise BadRequest(f"'{name}.shm' reaches byte {off + n}, past this arena's {self.nbytes}")
+        raw = self._bytes[off:off + n]
+        if backend == "torch":
+            import torch
+
+            return torch.from_numpy(raw).view(getattr(torch, dtype)).view(tuple(shape))
+        from convserve.clients.protocol.wire import numpy_dtype
+
+        return raw.view(numpy_dtype(dtype)).reshape(shape)
+
+    def close(self) -> None:
+        """Unlink the segment. Blocks handed out stay valid (the mapping goes with the last of them); a server's
+        mappings of it too, until it drops them."""
+        self._bytes = None
+        self._unlink()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _torch_dtype(dtype):
+    """``dtype`` when it is a torch dtype, else None."""
+    return dtype if type(dtype).__module__ == "torch" else None
+
+
+def _np_dtype(dtype):
+    import numpy as np
+
+    if isinstance(dtype, str):
+        from convserve.clients.protocol.wire import numpy_dtype
+
+        return numpy_dtype(dtype)
+    return np.dtype(dtype)
