@@ -74,10 +74,7 @@ class FrontendDriver(Driver):
             for layer in self.layers:
                 self.issued += 1
                 t1 = time.perf_counter()
-                xs = x
-                if arena is not None:   # the layer's activations, written where the server reads them
-                    xs = arena.empty(x.shape, x.dtype)
-                    xs[...] = x
+                xs = x if arena is None else arena.put(x)   # the activations, where the server reads them
                 y = await self._retrying(lambda: self.client.conv_batch(
                     sessions, layer, xs, None if plain else tokens, None if plain else spec), t1)
                 self.rec.ok("batch", t1, time.perf_counter(), total)

@@ -11,6 +11,7 @@ request.
 from __future__ import annotations
 
 import collections
+import ctypes
 import math
 import mmap
 import os
@@ -19,7 +20,7 @@ import threading
 from typing import Any
 
 from convserve.clients.protocol.errors import BadRequest
-from convserve.clients.protocol.shm import ALIGN, check_ref
+from convserve.clients.protocol.shm import ALIGN, POPULATE, check_ref
 from convserve.clients.protocol.wire import ITEMSIZE
 
 #: where POSIX shared-memory segments live on Linux (shm_open's namespace)
@@ -74,7 +75,7 @@ class ClientSegments:
             size = fst.st_size
             if not stat.S_ISREG(fst.st_mode) or size == 0:
                 raise BadRequest(f"'{name}.shm': {key!r} is not a shared-memory segment with data")
-            mm = mmap.mmap(fd, size)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | POPULATE)   # every page mapped once, here
         finally:
             os.close(fd)
         with self._lock:
@@ -92,7 +93,12 @@ def answer_in_place(x, y, ref: dict) -> dict:
     """Write ``y`` over ``x`` (a view of a client's segment, the request's x) and return the answer's tensor map,
     which names the same block."""
     if y.data_ptr() != x.data_ptr():
-        x.copy_(y)
+        if y.dtype == x.dtype and y.is_contiguous() and y.device.type == "cpu":
+            # one memmove: torch's copy would spread it over intra-op threads that spin against the serving
+            # threads (an HTTP process running the engine keeps torch's default thread count)
+            ctypes.memmove(x.data_ptr(), y.data_ptr(), y.numel() * y.element_size())
+        else:
+            x.copy_(y)
     from convserve.clients.protocol.wire import _torch_names
 
     return {"dtype": _torch_names()[y.dtype], "shape": list(y.shape), "shm": ref}
