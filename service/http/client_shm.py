@@ -94,8 +94,8 @@ def answer_in_place(x, y, ref: dict) -> dict:
     which names the same block."""
     if y.data_ptr() != x.data_ptr():
         if y.dtype == x.dtype and y.is_contiguous() and y.device.type == "cpu":
-            # one memmove: torch's copy would spread it over intra-op threads that spin against the serving
-            # threads (an HTTP process running the engine keeps torch's default thread count)
+            # one memmove: torch's copy would spread it over intra-op threads (a CPU engine in this process runs
+            # with cpu_threads of them), which spin against the serving threads
             ctypes.memmove(x.data_ptr(), y.data_ptr(), y.numel() * y.element_size())
         else:
             x.copy_(y)
