@@ -29,6 +29,17 @@ def arena():
     a.close()
 
 
+@pytest.fixture
+def session(server, arena):
+    """``(client with the arena, reference, a fresh session on both)``; the session is deleted after the test."""
+    ref = Reference(model())
+    with ConvClient(server.url, shm=arena) as c:
+        sid = c.create_session()
+        ref.create(sid)
+        yield c, ref, sid
+        c.delete_session(sid)
+
+
 def _fill(arena, x):
     blk = arena.put(x)
     assert torch.equal(blk, x) and arena.locate(blk) is not None
@@ -61,47 +72,38 @@ def test_batch_in_shared_memory_matches_the_reference_and_answers_in_the_same_bl
             c.delete_session(s)
 
 
-def test_conv_and_speculative_in_shared_memory(server, arena):
-    ref = Reference(model())
-    with ConvClient(server.url, shm=arena) as c:
-        sid = c.create_session()
-        ref.create(sid)
-        for t in (1, 5, 64):
-            x = rand_x(t, seed=t)
-            y = c.conv(sid, LAYERS[1], _fill(arena, x))
-            assert_close(y, ref.conv(sid, LAYERS[1], x))
-        x = rand_x(3, seed=9)
-        y = c.conv(sid, LAYERS[1], _fill(arena, x), speculative=True)
-        assert_close(y, ref.conv(sid, LAYERS[1], x, speculative=True))
-        c.accept(sid, 2)
-        ref.accept(sid, 2)
-        x = rand_x(2, seed=10)
-        assert_close(c.conv(sid, LAYERS[1], _fill(arena, x)), ref.conv(sid, LAYERS[1], x))
-        c.delete_session(sid)
+def test_conv_and_speculative_in_shared_memory(session, arena):
+    c, ref, sid = session
+    for t in (1, 5, 64):
+        x = rand_x(t, seed=t)
+        y = c.conv(sid, LAYERS[1], _fill(arena, x))
+        assert_close(y, ref.conv(sid, LAYERS[1], x))
+    x = rand_x(3, seed=9)
+    y = c.conv(sid, LAYERS[1], _fill(arena, x), speculative=True)
+    assert_close(y, ref.conv(sid, LAYERS[1], x, speculative=True))
+    c.accept(sid, 2)
+    ref.accept(sid, 2)
+    x = rand_x(2, seed=10)
+    assert_close(c.conv(sid, LAYERS[1], _fill(arena, x)), ref.conv(sid, LAYERS[1], x))
 
 
-def test_numpy_blocks_round_trip(server, arena):
-    ref = Reference(model())
-    with ConvClient(server.url, shm=arena) as c:
-        sid = c.create_session()
-        ref.create(sid)
-        x = rand_x(4, seed=3)
-        blk = arena.empty((4, DIM), "float32")
-        blk[:] = x.numpy()
-        y = c.conv(sid, LAYERS[0], blk)
-        assert isinstance(y, np.ndarray) and y.ctypes.data == blk.ctypes.data
-        assert_close(torch.from_numpy(y), ref.conv(sid, LAYERS[0], x))
-        c.delete_session(sid)
+def test_numpy_blocks_round_trip(session, arena):
+    c, ref, sid = session
+    x = rand_x(4, seed=3)
+    blk = arena.empty((4, DIM), "float32")
+    blk[:] = x.numpy()
+    y = c.conv(sid, LAYERS[0], blk)
+    assert isinstance(y, np.ndarray) and y.ctypes.data == blk.ctypes.data
+    assert_close(torch.from_numpy(y), ref.conv(sid, LAYERS[0], x))
 
 
-def test_a_tensor_outside_the_arena_travels_in_the_body(server, arena):
-    with ConvClient(server.url, shm=arena) as c:
-        sid = c.create_session()
-        x = rand_x(2, seed=1)
-        y = c.conv(sid, LAYERS[0], x)                         # not in the arena
-        assert y.data_ptr() != x.data_ptr()
-        assert wire.encode_tensor(x, arena)["data"] is not None
-        c.delete_session(sid)
+def test_a_tensor_outside_the_arena_travels_in_the_body(session, arena):
+    c, ref, sid = session
+    x = rand_x(2, seed=1)
+    y = c.conv(sid, LAYERS[0], x)                             # not in the arena
+    assert y.data_ptr() != x.data_ptr()
+    assert_close(y, ref.conv(sid, LAYERS[0], x))
+    assert wire.encode_tensor(x, arena)["data"] is not None
 
 
 def _raw_conv(server, sid, xmap, path="/v1/conv"):
