@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import bisect
 import operator
+from itertools import accumulate
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -103,7 +104,10 @@ class RowBatch:
     rows: int = 0                # rows (sessions); 0 until queued: Scheduler.add then takes every token as one
     #                              decode row (rows = n_dec = n_tokens)
     n_dec: int = 0               # one-token decode rows: the layer's decode launch (none: the launch stays free)
-    prefill: Any = None          # None, or (session, first token in x, tokens) per prefill row (T > 1)
+    prefill: Any = None          # None, or (session, first token in x, tokens) per prefill row (T > 1, or any
+    #                              plain row of a batch without verify rows)
+    pre_cols: Any = None         # with ``prefill``: its columns ``(sessions, first tokens, tokens, pool slots)``
+    #                              as sequences, what a step's prefill launch takes, extended by whole lists
     verify: Any = None           # None, or (session, first token in x, tokens) per speculative row
     verify_len: int = 0          # the longest speculative row (its layer's verify launch is padded to it)
     ver_cols: Any = None         # with ``verify``: its columns ``(sessions, pool slots, first tokens, tokens)``
@@ -336,7 +340,7 @@ class Scheduler:
         pad = 0                  # verify pad tokens (in the packed buffer, counted against max_tokens)
         decode: dict = {}        # layer -> [requests], or the batch request that has the layer's launch
         verify: dict = {}        # layer -> [requests, sessions, slots, starts, lengths, longest n] (one entry per row)
-        prefill: dict = {}       # layer -> [(request, start, end, has_initial_state, slot)]
+        prefill: dict = {}       # layer -> [requests, starts, lengths, has_initial_state, slots] (a row each)
         batches: list = []       # batch requests taken
         vslots: list = []        # the batch requests among them that launch from a verify slot
         finished: list = []      # requests whose last token is scheduled now
@@ -400,11 +404,18 @@ class Scheduler:
                         decode[r.layer] = r
                     if b.prefill is not None:        # whole rows: a batch is never chunked
                         bit = 1 << r.layer
-                        lst = prefill.setdefault(r.layer, [])
-                        for ps, a, k in b.prefill:
-                            lst.append((r, a, a + k, bool(ps.initialized & bit), ps.slot))
-                            ps.initialized |= bit
-                            pre_left -= k
+                        pl = prefill.get(r.layer)
+                        if pl is None:
+                            pl = prefill[r.layer] = [[], [], [], [], []]
+                        ps, pa, pk, pslots = b.pre_cols
+                        pl[0].extend([r] * len(ps))
+                        pl[1].extend(pa)
+                        pl[2].extend(pk)
+                        pl[3].extend([bool(x.initialized & bit) for x in ps])
+                        pl[4].extend(pslots)
+                        for x in ps:
+                            x.initialized |= bit
+                        pre_left -= sum(pk)
                     rows += nr
                     tokens += n
                     batch_rows += nr - 1
@@ -452,7 +463,14 @@ class Scheduler:
                     s.sched_layers |= bit
                     s.sched_served = step
                     pre_left -= chunk
-                    prefill.setdefault(layer, []).append((r, start, start + chunk, init, s.slot))
+                    pl = prefill.get(layer)
+                    if pl is None:
+                        pl = prefill[layer] = [[], [], [], [], []]
+                    pl[0].append(r)
+                    pl[1].append(start)
+                    pl[2].append(chunk)
+                    pl[3].append(init)
+                    pl[4].append(s.slot)
                     r.scheduled_tokens = start + chunk
                     rows += 1
                     tokens += chunk
@@ -517,12 +535,9 @@ class Scheduler:
 
         offset = 0
         for layer in sorted(prefill):
-            rws = prefill[layer]
-            qsl = [0]
-            for _r, a, b, _i, _s in rws:
-                qsl.append(qsl[-1] + b - a)
-            out.prefills.append(PrefillBatch(layer, [x[0] for x in rws], [x[1] for x in rws], qsl,
-                                             [x[4] for x in rws], [x[3] for x in rws], offset))
+            reqs, starts, lengths, init, slots = prefill[layer]
+            qsl = list(accumulate(lengths, initial=0))
+            out.prefills.append(PrefillBatch(layer, reqs, starts, qsl, slots, init, offset))
             offset += qsl[-1]
         for layer in sorted(verify):
             reqs, sess, slots, starts, lengths, n = verify[layer]

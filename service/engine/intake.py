@@ -310,9 +310,9 @@ class Intake:
             key = (tuple(session_ids), (uk,) * n, (True,) * n) if uk else batch_key(session_ids, plan)
         xm, x_dtype = check_x(model, cfg, x, False, rows="rows", checked=checked)
         if uk:
-            total, n_dec = n * uk, 0
+            total, n_dec, n_one = n * uk, 0, 0
         elif plan is None:
-            total, n_dec = n, n
+            total, n_dec, n_one = n, n, n
         else:
             lengths, spec = plan
             total = int(lengths.sum())
@@ -334,12 +334,18 @@ class Intake:
         elif plan is not None:
             b.rows = n
             starts = np.cumsum(lengths) - lengths
-            dec = ~spec & (lengths == 1)
-            dec_rows = np.flatnonzero(dec)
+            ver_rows = np.flatnonzero(spec)
+            n_one = int(np.count_nonzero(~spec & (lengths == 1)))
+            if len(ver_rows):
+                dec_rows = np.flatnonzero(~spec & (lengths == 1))
+                pre_rows = np.flatnonzero(~spec & (lengths > 1))
+            else:
+                # No verify rows: every row is a prefill row, a one-token row a length-1 sequence of the layer's
+                # varlen prefill launch (from its session's state, or from zeros on a layer without one: what
+                # a decode computes). x is then one run in x's order: one staged copy, one launch, y one slice.
+                dec_rows, pre_rows = _NO_ROWS, np.arange(n)
             n_dec = b.n_dec = len(dec_rows)
             b.dec_pos = starts[dec_rows]
-            pre_rows = np.flatnonzero(~spec & (lengths > 1))
-            ver_rows = np.flatnonzero(spec)
             padded = total
             if len(ver_rows):
                 top = int(lengths[ver_rows].max())
@@ -372,8 +378,8 @@ class Intake:
             plan = (dec_rows, list(zip(pre_rows.tolist(), starts[pre_rows].tolist(), lengths[pre_rows].tolist())),
                     (ver_rows.tolist(), starts[ver_rows].tolist(), lengths[ver_rows].tolist()) if len(ver_rows)
                     else None)
-        if n_dec > cfg.decode_buckets[-1]:
-            raise PayloadTooLarge(f"sessions: {n_dec} one-token rows, more than the largest decode bucket "
+        if n_one > cfg.decode_buckets[-1]:        # every batch's limit, whichever launch its one-token rows take
+            raise PayloadTooLarge(f"sessions: {n_one} one-token rows, more than the largest decode bucket "
                                   f"({cfg.decode_buckets[-1]}) takes in one launch; split the batch")
         runner, slot = self._runner, -1
         if runner is not None and n_dec:             # not started: _enqueue_batch raises NotReady
@@ -423,7 +429,8 @@ class Intake:
                     if sessions[i].pending:
                         self._check_no_verify_locked(sessions[i])
                 for i, _a, _k in pre_rows:
-                    self._check_no_verify_locked(sessions[i])
+                    if sessions[i].pending:
+                        self._check_no_verify_locked(sessions[i])
             self._check_queue_locked()
             waits, wait_ops, slot_list = {}, [], []
             for s in sessions:
@@ -465,16 +472,27 @@ class Intake:
                             self._advance_locked(s, p, 1, None)
                         else:
                             s.positions[p] += 1
+                    for s, k, _a in pre_s:
+                        if s.last:
+                            self._advance_locked(s, p, k, None)
+                        else:
+                            s.positions[p] += k
                 else:
                     for s, a in zip(dec_s, b.dec_pos.tolist()):
                         self._advance_locked(s, p, 1, req.track, a, a + 1)
-                for s, k, a in pre_s:
-                    self._advance_locked(s, p, k, req.track, a, a + k)
+                    for s, k, a in pre_s:
+                        self._advance_locked(s, p, k, req.track, a, a + k)
                 # (session, tokens) of each plain slice: decodes, then prefills
                 b.adv = [(s, 1) for s in dec_s] + [(s, k) for s, k, _a in pre_s]
                 every_slot, slots = slots, slots[dec_rows]
                 if pre_rows:
-                    b.prefill = [(sessions[i], a, k) for i, a, k in pre_rows]
+                    b.prefill = [(s, a, k) for s, k, a in pre_s]
+                    _i, pa, pk = zip(*pre_rows)
+                    if len(pre_s) == len(sessions):  # every row a prefill row: the batch's sessions and slots
+                        b.pre_cols = (sessions, pa, pk, slot_list)
+                    else:
+                        ps = [s for s, _k, _a in pre_s]
+                        b.pre_cols = (ps, pa, pk, [s.slot for s in ps])
                 if ver_rows:
                     vi, va, vk = ver_rows
                     if len(vi) == len(sessions):     # every row a verify: the rows are the sessions

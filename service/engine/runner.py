@@ -187,6 +187,11 @@ class Runner(Staging):
                     d_in[lo:lo + b.n_pre].copy_(h_tok[b.tok:b.tok + b.n_pre], non_blocking=cuda)
                     i += len(b.prefill)
                     continue
+                if b is not None and b.n_pre == r.n_tokens:   # every row a prefill row, in x's order: x is the run
+                    lo = off + qsl[i]
+                    add(r.x, lo, lo + b.n_pre)
+                    i += len(b.prefill)
+                    continue
                 a, n = pb.starts[i], qsl[i + 1] - qsl[i]
                 add(r.x if n == r.n_tokens else r.x[a:a + n], off + qsl[i], off + qsl[i] + n)
                 i += 1
