@@ -149,8 +149,8 @@ class Runner(Staging):
 
     def _pack_tokens(self, out: SchedulerOutput) -> list:
         """Put the prefill and verify tokens into ``d_in`` at their packed offsets (a staged batch's rows straight
-        from the token arena, the others packed into ``h_in`` first) and their index arrays into ``h_meta`` /
-        ``h_flags`` (and copy them to the device). Returns each batch's offsets into those arrays, prefills
+        from the token arena, the others packed into ``h_in`` first) and their index arrays into ``h_meta``, then
+        their flags into ``h_flags`` past them (and copy both to the device in one copy). Returns each batch's offsets into those arrays, prefills
         then verifies: ``(qsl, idx, flags, rows)`` per prefill, ``(idx, rows)`` per verify."""
         bf, cuda = self.bufs, self.stream is not None
         h_in, d_in, h_tok = bf.h_in, bf.d_in, bf.h_tok
@@ -250,13 +250,17 @@ class Runner(Staging):
             meta += vb.cache_indices
             meta += [PAD_SLOT_ID] * pad
             meta += _PAD4[len(meta) % 4]
+        # the flags follow the indices in the same buffer, from the next 16-byte boundary: one copy for both
+        meta += _PAD4[len(meta) % 4]
+        fo = 4 * len(meta)
         bf.meta_np[:len(meta)] = meta
         if flags:
-            bf.flags_np[:len(flags)] = flags
+            bf.flags_np[fo:fo + len(flags)] = flags
+            for j, (q, i, f, rows) in enumerate(offs[:len(out.prefills)]):
+                offs[j] = (q, i, fo + f, rows)
         if cuda:
-            bf.d_meta[:len(meta)].copy_(bf.h_meta[:len(meta)], non_blocking=True)
-            if flags:
-                bf.d_flags[:len(flags)].copy_(bf.h_flags[:len(flags)], non_blocking=True)
+            n = fo + len(flags)
+            bf.d_mb[:n].copy_(bf.h_mb[:n], non_blocking=True)
         return offs
 
     def _pack_decodes(self, decodes: list):
