@@ -62,8 +62,8 @@ from __future__ import annotations
 
 import bisect
 import operator
-from itertools import accumulate
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any, Optional, Sequence
 
 from convserve.kernels import PAD_SLOT_ID
@@ -106,8 +106,10 @@ class RowBatch:
     n_dec: int = 0               # one-token decode rows: the layer's decode launch (none: the launch stays free)
     prefill: Any = None          # None, or (session, first token in x, tokens) per prefill row (T > 1, or any
     #                              plain row of a batch without verify rows)
-    pre_cols: Any = None         # with ``prefill``: its columns ``(sessions, first tokens, tokens, pool slots)``
-    #                              as sequences, what a step's prefill launch takes, extended by whole lists
+    pre_cols: Any = None         # with ``prefill``: its columns ``(sessions, first tokens, tokens, pool slots,
+    #                              has_initial_state, rows)`` as sequences, what a step's prefill launch takes,
+    #                              extended by whole lists; the flags of ``rows`` (places in the columns) are
+    #                              read from their sessions at the step, the others are as given
     verify: Any = None           # None, or (session, first token in x, tokens) per speculative row
     verify_len: int = 0          # the longest speculative row (its layer's verify launch is padded to it)
     ver_cols: Any = None         # with ``verify``: its columns ``(sessions, pool slots, first tokens, tokens)``
@@ -407,14 +409,18 @@ class Scheduler:
                         pl = prefill.get(r.layer)
                         if pl is None:
                             pl = prefill[r.layer] = [[], [], [], [], []]
-                        ps, pa, pk, pslots = b.pre_cols
+                        ps, pa, pk, pslots, init, read = b.pre_cols
                         pl[0].extend([r] * len(ps))
                         pl[1].extend(pa)
                         pl[2].extend(pk)
-                        pl[3].extend([bool(x.initialized & bit) for x in ps])
-                        pl[4].extend(pslots)
-                        for x in ps:
+                        fl = pl[3]
+                        j0 = len(fl)
+                        fl.extend(init)
+                        for j in read:
+                            x = ps[j]
+                            fl[j0 + j] = bool(x.initialized & bit)
                             x.initialized |= bit
+                        pl[4].extend(pslots)
                         pre_left -= sum(pk)
                     rows += nr
                     tokens += n

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import time
 from concurrent.futures import Future
+from itertools import compress
 from typing import Optional, Sequence
 
 import numpy as np
@@ -33,6 +34,7 @@ from .validate import check_batch_plan, check_batch_sessions, check_speculative,
 #: the decode rows of a batch that has none (read only)
 _NO_ROWS = np.zeros(0, dtype=np.int64)
 _NO_ROWS.setflags(write=False)
+_ZERO = np.zeros(1, dtype=np.int64)
 
 
 class Intake:
@@ -365,6 +367,9 @@ class Intake:
             if len(pre_rows):                         # the step's unpack adds only where its launch put them
                 lp = lengths[pre_rows]
                 b.n_pre = int(lp.sum())
+                one = lp == 1
+                b.pre_init, b.pre_long = one.tolist(), np.flatnonzero(~one).tolist()
+                b.pre_qsl = np.concatenate((_ZERO, np.cumsum(lp))).astype(np.int32)
                 if gather:
                     b.pre_pos = np.repeat(starts[pre_rows] - (np.cumsum(lp) - lp), lp) + np.arange(b.n_pre)
             if len(ver_rows) and gather:
@@ -489,10 +494,16 @@ class Intake:
                     b.prefill = [(s, a, k) for s, k, a in pre_s]
                     _i, pa, pk = zip(*pre_rows)
                     if len(pre_s) == len(sessions):  # every row a prefill row: the batch's sessions and slots
-                        b.pre_cols = (sessions, pa, pk, slot_list)
+                        ps, pslots, b.pre_slots = sessions, slot_list, every_slot
                     else:
                         ps = [s for s, _k, _a in pre_s]
-                        b.pre_cols = (ps, pa, pk, [s.slot for s in ps])
+                        pslots = [s.slot for s in ps]
+                        b.pre_slots = np.array(pslots, dtype=np.int32)
+                    # a one-token row reads its slot's state whatever the layer's flag, as a decode does (a slot
+                    # holds zeros on a layer without state): the layer has state from now on
+                    for s in compress(ps, b.pre_init):
+                        s.initialized |= bit
+                    b.pre_cols = (ps, pa, pk, pslots, b.pre_init, b.pre_long)
                 if ver_rows:
                     vi, va, vk = ver_rows
                     if len(vi) == len(sessions):     # every row a verify: the rows are the sessions

@@ -63,6 +63,12 @@ class BatchRows(RowBatch):
     tok: int = -1                # token-arena row of its staged prefill tokens, then its verify rows padded to
     #                              verify_len (see Runner.stage_tokens); -1: not staged, the step packs from x
     n_pre: int = 0               # prefill tokens
+    # Its prefill rows, computed at submit (``pre_slots`` at queueing), for the scheduler and the runner:
+    pre_init: Any = None         # has_initial_state of each prefill row when fixed at submit: True for a one-token
+    #                              row (it reads its slot's state, as a decode does), else filled in at the step
+    pre_long: Any = None         # the prefill rows (their places among them) whose flag is read at the step
+    pre_qsl: Any = None          # (prefill rows + 1,) int32: their query_start_loc, from 0
+    pre_slots: Any = None        # (prefill rows,) int32: their pool slots
     adv: Any = None              # (session, tokens) of each non-speculative slice, which advanced its position;
     #                              None: a plain batch (every session by one)
     displaced: Any = None        # id(session) -> the pending entry its verify row replaced, for a session with
