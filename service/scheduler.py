@@ -107,9 +107,11 @@ class RowBatch:
     prefill: Any = None          # None, or (session, first token in x, tokens) per prefill row (T > 1, or any
     #                              plain row of a batch without verify rows)
     pre_cols: Any = None         # with ``prefill``: its columns ``(sessions, first tokens, tokens, pool slots,
-    #                              has_initial_state, rows)`` as sequences, what a step's prefill launch takes,
-    #                              extended by whole lists; the flags of ``rows`` (places in the columns) are
-    #                              read from their sessions at the step, the others are as given
+    #                              has_initial_state, rows, query_start_loc)`` as lists, what a step's prefill
+    #                              launch takes as they are (its rows alone) or extended by whole lists; the
+    #                              flags of ``rows`` (places in the columns) are read from their sessions at the
+    #                              step into that list (the batch's own), the others are as given;
+    #                              query_start_loc from 0, rows + 1 long
     verify: Any = None           # None, or (session, first token in x, tokens) per speculative row
     verify_len: int = 0          # the longest speculative row (its layer's verify launch is padded to it)
     ver_cols: Any = None         # with ``verify``: its columns ``(sessions, pool slots, first tokens, tokens)``
@@ -405,23 +407,20 @@ class Scheduler:
                     if b.n_dec:
                         decode[r.layer] = r
                     if b.prefill is not None:        # whole rows: a batch is never chunked
-                        bit = 1 << r.layer
+                        flags = _batch_flags(b, 1 << r.layer)
                         pl = prefill.get(r.layer)
-                        if pl is None:
-                            pl = prefill[r.layer] = [[], [], [], [], []]
-                        ps, pa, pk, pslots, init, read = b.pre_cols
-                        pl[0].extend([r] * len(ps))
-                        pl[1].extend(pa)
-                        pl[2].extend(pk)
-                        fl = pl[3]
-                        j0 = len(fl)
-                        fl.extend(init)
-                        for j in read:
-                            x = ps[j]
-                            fl[j0 + j] = bool(x.initialized & bit)
-                            x.initialized |= bit
-                        pl[4].extend(pslots)
-                        pre_left -= sum(pk)
+                        if pl is None:               # its rows alone so far: its columns, copied only if others join
+                            prefill[r.layer] = (r, flags)
+                        else:
+                            if pl.__class__ is tuple:
+                                pl = prefill[r.layer] = _columns(*pl)
+                            ps, pa, pk, pslots, _i, _j, _q = b.pre_cols
+                            pl[0].extend([r] * len(ps))
+                            pl[1].extend(pa)
+                            pl[2].extend(pk)
+                            pl[3].extend(flags)
+                            pl[4].extend(pslots)
+                        pre_left -= b.pre_cols[6][-1]
                     rows += nr
                     tokens += n
                     batch_rows += nr - 1
@@ -472,6 +471,8 @@ class Scheduler:
                     pl = prefill.get(layer)
                     if pl is None:
                         pl = prefill[layer] = [[], [], [], [], []]
+                    elif pl.__class__ is tuple:
+                        pl = prefill[layer] = _columns(*pl)
                     pl[0].append(r)
                     pl[1].append(start)
                     pl[2].append(chunk)
@@ -541,8 +542,14 @@ class Scheduler:
 
         offset = 0
         for layer in sorted(prefill):
-            reqs, starts, lengths, init, slots = prefill[layer]
-            qsl = list(accumulate(lengths, initial=0))
+            pl = prefill[layer]
+            if pl.__class__ is tuple:             # one batch's rows alone: its columns as they are
+                r, init = pl
+                ps, starts, _k, slots, _i, _j, qsl = r.batch.pre_cols
+                reqs = [r] * len(ps)
+            else:
+                reqs, starts, lengths, init, slots = pl
+                qsl = list(accumulate(lengths, initial=0))
             out.prefills.append(PrefillBatch(layer, reqs, starts, qsl, slots, init, offset))
             offset += qsl[-1]
         for layer in sorted(verify):
@@ -570,6 +577,25 @@ class Scheduler:
 
 
 _seq = operator.attrgetter("seq")
+
+
+def _batch_flags(b: RowBatch, bit: int) -> list:
+    """has_initial_state of a batch's prefill rows as its step takes them: as given, but for the rows whose flag is
+    read from their sessions now (each session's layer ``bit``, which is set from now on). Filled into the batch's
+    own list: one step takes a batch, once."""
+    ps, _a, _k, _s, init, read, _q = b.pre_cols
+    for j in read:
+        x = ps[j]
+        init[j] = x.initialized & bit != 0
+        x.initialized |= bit
+    return init
+
+
+def _columns(r: Request, flags: list) -> list:
+    """A layer's prefill rows as columns ``[requests, starts, lengths, has_initial_state, slots]`` to extend,
+    from the one batch request ``r`` (its ``flags`` as its step took them) that held them so far."""
+    ps, pa, pk, pslots, _i, _j, _q = r.batch.pre_cols
+    return [[r] * len(ps), list(pa), list(pk), list(flags), list(pslots)]
 
 
 def _served_seq(r: Request) -> tuple:

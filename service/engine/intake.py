@@ -503,7 +503,7 @@ class Intake:
                     # holds zeros on a layer without state): the layer has state from now on
                     for s in compress(ps, b.pre_init):
                         s.initialized |= bit
-                    b.pre_cols = (ps, pa, pk, pslots, b.pre_init, b.pre_long)
+                    b.pre_cols = (ps, pa, pk, pslots, b.pre_init, b.pre_long, b.pre_qsl.tolist())
                 if ver_rows:
                     vi, va, vk = ver_rows
                     if len(vi) == len(sessions):     # every row a verify: the rows are the sessions
