@@ -368,7 +368,7 @@ class Intake:
                 lp = lengths[pre_rows]
                 b.n_pre = int(lp.sum())
                 one = lp == 1
-                b.pre_init, b.pre_long = one.tolist(), np.flatnonzero(~one).tolist()
+                b.pre_one, b.pre_init, b.pre_long = one, one.tolist(), np.flatnonzero(~one).tolist()
                 b.pre_qsl = np.concatenate((_ZERO, np.cumsum(lp))).astype(np.int32)
                 if gather:
                     b.pre_pos = np.repeat(starts[pre_rows] - (np.cumsum(lp) - lp), lp) + np.arange(b.n_pre)

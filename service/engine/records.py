@@ -66,6 +66,7 @@ class BatchRows(RowBatch):
     # Its prefill rows, computed at submit (``pre_slots`` at queueing), for the scheduler and the runner:
     pre_init: Any = None         # has_initial_state of each prefill row when fixed at submit: True for a one-token
     #                              row (it reads its slot's state, as a decode does), else filled in at the step
+    pre_one: Any = None          # (prefill rows,) bool: pre_init as an array
     pre_long: Any = None         # the prefill rows (their places among them) whose flag is read at the step
     pre_qsl: Any = None          # (prefill rows + 1,) int32: their query_start_loc, from 0
     pre_slots: Any = None        # (prefill rows,) int32: their pool slots

@@ -235,7 +235,7 @@ class Runner(Staging):
             if b is not None and rows == len(b.prefill):
                 qsl, idx = b.pre_qsl, b.pre_slots
             else:
-                qsl, idx = pb.query_start_loc, pb.cache_indices
+                qsl, idx, b = pb.query_start_loc, pb.cache_indices, None
             q = k
             mnp[k:k + rows + 1] = qsl
             k += rows + 1
@@ -250,7 +250,7 @@ class Runner(Staging):
                 mnp[k:k + pad] = PAD_SLOT_ID
                 k += pad
             offs.append((q, i, rows + pad))
-            runs.append((pb.has_initial_state, rows, pad))
+            runs.append((pb.has_initial_state, rows, pad, b))
         for vb in out.verifies:
             rows = len(vb.requests)
             pad = -rows % 16
@@ -267,8 +267,13 @@ class Runner(Staging):
         # them a multiple of 16 long): one copy for both
         fnp = bf.flags_np
         f = 4 * k
-        for j, (init, rows, pad) in enumerate(runs):
-            fnp[f:f + rows] = init
+        for j, (init, rows, pad, b) in enumerate(runs):
+            if b is None:
+                fnp[f:f + rows] = init
+            else:                                    # the batch's flags fixed at submit, then those read at the step
+                fnp[f:f + rows] = b.pre_one
+                for jr in b.pre_long:
+                    fnp[f + jr] = init[jr]
             if pad:
                 fnp[f + rows:f + rows + pad] = False
             q, i, n = offs[j]
