@@ -27,14 +27,10 @@ from convserve.clients.protocol.errors import (BadRequest, Internal, PayloadTooL
 from ..sessions import Session
 from .outputs import AsyncConvFuture, ConvFuture
 from .outputs import deliver
-from .records import BATCH_SESSION, BatchRows, ConvRequest, release_batch
+from .records import BATCH_SESSION, NO_ROWS, BatchRows, ConvRequest, plan_rows, release_batch
 from .positions import Answer, Applied, Sink, batch_key, check_position, check_positions
 from .validate import check_batch_plan, check_batch_sessions, check_speculative, check_x, uniform_verify
 
-#: the decode rows of a batch that has none (read only)
-_NO_ROWS = np.zeros(0, dtype=np.int64)
-_NO_ROWS.setflags(write=False)
-_ZERO = np.zeros(1, dtype=np.int64)
 
 
 class Intake:
@@ -268,7 +264,9 @@ class Intake:
         step (``sum(n_i) <= max_batch_tokens``, at most ``max_batch_size`` sessions, distinct), after the requests
         and session operations of its sessions submitted before it, and those submitted after it wait for it;
         cancelling it withdraws every row, a session deleted before it runs fails it whole. A plain decode batch
-        (no ``tokens`` or all 1, nothing speculative) takes the decode hot path: one batch-slot graph replay.
+        (no ``tokens`` or all 1, nothing speculative) takes the decode hot path: one batch-slot graph replay. A
+        batch with other rows but no verify rows runs every row in its layer's one varlen prefill launch (a
+        one-token row as a length-1 sequence from its session's state, which is what a decode computes).
         ``position`` (one per session) is checked whole (:mod:`.positions`)."""
         fut = ConvFuture(self)
         fut._req = self._submit_batch(session_ids, layer, x, tokens, speculative, fut, position)
@@ -328,61 +326,14 @@ class Intake:
         req = ConvRequest(-1, BATCH_SESSION, p, total, False, now, x=xm, future=sink, x_dtype=x_dtype)
         b = req.batch = BatchRows([], [], dec_x=xm)
         if uk:                         # every row a verify of uk tokens: the rows are x's, in order, one run
-            b.rows, b.dec_x, b.dec_pos = n, None, _NO_ROWS
+            b.rows, b.dec_x, b.dec_pos = n, None, NO_ROWS
             b.verify_tokens, b.verify_len = total, uk
             padded = total
             # (rows of the batch, first tokens, tokens) of the verify rows, as columns
-            plan = (_NO_ROWS, [], (list(range(n)), list(range(0, total, uk)), [uk] * n))
+            plan = (NO_ROWS, [], (list(range(n)), list(range(0, total, uk)), [uk] * n))
         elif plan is not None:
-            b.rows = n
-            starts = np.cumsum(lengths) - lengths
-            ver_rows = np.flatnonzero(spec)
-            n_one = int(np.count_nonzero(~spec & (lengths == 1)))
-            if len(ver_rows):
-                dec_rows = np.flatnonzero(~spec & (lengths == 1))
-                pre_rows = np.flatnonzero(~spec & (lengths > 1))
-            else:
-                # No verify rows: every row is a prefill row, a one-token row a length-1 sequence of the layer's
-                # varlen prefill launch (from its session's state, or from zeros on a layer without one: what
-                # a decode computes). x is then one run in x's order: one staged copy, one launch, y one slice.
-                dec_rows, pre_rows = _NO_ROWS, np.arange(n)
-            n_dec = b.n_dec = len(dec_rows)
-            b.dec_pos = starts[dec_rows]
-            padded = total
-            if len(ver_rows):
-                top = int(lengths[ver_rows].max())
-                b.verify_tokens = int(lengths[ver_rows].sum())
-                padded = total + top * len(ver_rows) - b.verify_tokens
-                if padded > cfg.max_batch_tokens:
-                    raise PayloadTooLarge(
-                        f"x: the verify rows padded to the longest ({top} tokens) make {padded} tokens, over "
-                        f"max_batch_tokens={cfg.max_batch_tokens}; split the batch")
-                b.verify_len = top
-            # only prefill rows, or only verify rows all of one length: the launch packs its rows in x's order,
-            # one run, so y is one slice of the step's output (no gather index)
-            gather = bool(n_dec) or (len(pre_rows) and len(ver_rows)) or padded != total
-            if gather:
-                b.gather, b.at = True, [0, 0, 0, 0]
-            b.dec_x = xm.index_select(0, torch.from_numpy(b.dec_pos)) if n_dec else None
-            if len(pre_rows):                         # the step's unpack adds only where its launch put them
-                lp = lengths[pre_rows]
-                b.n_pre = int(lp.sum())
-                one = lp == 1
-                b.pre_one, b.pre_init, b.pre_long = one, one.tolist(), np.flatnonzero(~one).tolist()
-                b.pre_qsl = np.concatenate((_ZERO, np.cumsum(lp))).astype(np.int32)
-                if gather:
-                    b.pre_pos = np.repeat(starts[pre_rows] - (np.cumsum(lp) - lp), lp) + np.arange(b.n_pre)
-            if len(ver_rows) and gather:
-                lv = lengths[ver_rows]
-                first = np.repeat(starts[ver_rows], lv)
-                b.ver_pos = np.repeat(starts[ver_rows] - (np.cumsum(lv) - lv), lv) + np.arange(int(lv.sum()))
-                b.ver_row = np.repeat(np.arange(len(ver_rows)), lv)
-                b.ver_tok = b.ver_pos - first
-            # (position in the batch, first token, tokens) of each prefill row, and of the verify rows as
-            # columns (None: none); sessions under the lock
-            plan = (dec_rows, list(zip(pre_rows.tolist(), starts[pre_rows].tolist(), lengths[pre_rows].tolist())),
-                    (ver_rows.tolist(), starts[ver_rows].tolist(), lengths[ver_rows].tolist()) if len(ver_rows)
-                    else None)
+            plan, n_one, padded = plan_rows(b, xm, lengths, spec, total, cfg.max_batch_tokens)
+            n_dec = b.n_dec
         if n_one > cfg.decode_buckets[-1]:        # every batch's limit, whichever launch its one-token rows take
             raise PayloadTooLarge(f"sessions: {n_one} one-token rows, more than the largest decode bucket "
                                   f"({cfg.decode_buckets[-1]}) takes in one launch; split the batch")
