@@ -104,14 +104,12 @@ class RowBatch:
     rows: int = 0                # rows (sessions); 0 until queued: Scheduler.add then takes every token as one
     #                              decode row (rows = n_dec = n_tokens)
     n_dec: int = 0               # one-token decode rows: the layer's decode launch (none: the launch stays free)
-    prefill: Any = None          # None, or (session, first token in x, tokens) per prefill row (T > 1, or any
-    #                              plain row of a batch without verify rows)
-    pre_cols: Any = None         # with ``prefill``: its columns ``(sessions, first tokens, tokens, pool slots,
-    #                              has_initial_state, rows, query_start_loc)`` as lists, what a step's prefill
-    #                              launch takes as they are (its rows alone) or extended by whole lists; the
-    #                              flags of ``rows`` (places in the columns) are read from their sessions at the
-    #                              step into that list (the batch's own), the others are as given;
-    #                              query_start_loc from 0, rows + 1 long
+    prefill: Any = None          # None, or its prefill rows (T > 1, or every plain row of a batch without verify
+    #                              rows) as columns ``(sessions, first tokens in x, tokens, pool slots,
+    #                              has_initial_state, rows, query_start_loc)``, what a step's prefill launch takes
+    #                              as they are (its rows alone) or extended by whole lists; the flags of ``rows``
+    #                              (places in the columns) are read from their sessions at the step into that
+    #                              list (the batch's own), the others are as given; query_start_loc from 0
     verify: Any = None           # None, or (session, first token in x, tokens) per speculative row
     verify_len: int = 0          # the longest speculative row (its layer's verify launch is padded to it)
     ver_cols: Any = None         # with ``verify``: its columns ``(sessions, pool slots, first tokens, tokens)``
@@ -414,13 +412,13 @@ class Scheduler:
                         else:
                             if pl.__class__ is tuple:
                                 pl = prefill[r.layer] = _columns(*pl)
-                            ps, pa, pk, pslots, _i, _j, _q = b.pre_cols
+                            ps, pa, pk, pslots, _i, _j, _q = b.prefill
                             pl[0].extend([r] * len(ps))
                             pl[1].extend(pa)
                             pl[2].extend(pk)
                             pl[3].extend(flags)
                             pl[4].extend(pslots)
-                        pre_left -= b.pre_cols[6][-1]
+                        pre_left -= b.prefill[6][-1]
                     rows += nr
                     tokens += n
                     batch_rows += nr - 1
@@ -545,7 +543,7 @@ class Scheduler:
             pl = prefill[layer]
             if pl.__class__ is tuple:             # one batch's rows alone: its columns as they are
                 r, init = pl
-                ps, starts, _k, slots, _i, _j, qsl = r.batch.pre_cols
+                ps, starts, _k, slots, _i, _j, qsl = r.batch.prefill
                 reqs = [r] * len(ps)
             else:
                 reqs, starts, lengths, init, slots = pl
@@ -583,7 +581,7 @@ def _batch_flags(b: RowBatch, bit: int) -> list:
     """has_initial_state of a batch's prefill rows as its step takes them: as given, but for the rows whose flag is
     read from their sessions now (each session's layer ``bit``, which is set from now on). Filled into the batch's
     own list: one step takes a batch, once."""
-    ps, _a, _k, _s, init, read, _q = b.pre_cols
+    ps, _a, _k, _s, init, read, _q = b.prefill
     for j in read:
         x = ps[j]
         init[j] = x.initialized & bit != 0
@@ -594,7 +592,7 @@ def _batch_flags(b: RowBatch, bit: int) -> list:
 def _columns(r: Request, flags: list) -> list:
     """A layer's prefill rows as columns ``[requests, starts, lengths, has_initial_state, slots]`` to extend,
     from the one batch request ``r`` (its ``flags`` as its step took them) that held them so far."""
-    ps, pa, pk, pslots, _i, _j, _q = r.batch.pre_cols
+    ps, pa, pk, pslots, _i, _j, _q = r.batch.prefill
     return [[r] * len(ps), list(pa), list(pk), list(flags), list(pslots)]
 
 

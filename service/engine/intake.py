@@ -421,14 +421,18 @@ class Intake:
                 dec_s = [sessions[i] for i in dec_rows.tolist()]
                 for s in dec_s:
                     s.initialized |= bit
-                pre_s = [(sessions[i], k, a) for i, a, k in pre_rows]
+                if pre_rows:
+                    pi, pa, pk = zip(*pre_rows)
+                    ps = sessions if len(pi) == len(sessions) else [sessions[i] for i in pi]
+                else:
+                    ps = pa = pk = ()
                 if req.track is None:              # the common case: positions advance, no answer to keep
                     for s in dec_s:
                         if s.last:
                             self._advance_locked(s, p, 1, None)
                         else:
                             s.positions[p] += 1
-                    for s, k, _a in pre_s:
+                    for s, k in zip(ps, pk):
                         if s.last:
                             self._advance_locked(s, p, k, None)
                         else:
@@ -436,25 +440,22 @@ class Intake:
                 else:
                     for s, a in zip(dec_s, b.dec_pos.tolist()):
                         self._advance_locked(s, p, 1, req.track, a, a + 1)
-                    for s, k, a in pre_s:
+                    for s, k, a in zip(ps, pk, pa):
                         self._advance_locked(s, p, k, req.track, a, a + k)
                 # (session, tokens) of each plain slice: decodes, then prefills
-                b.adv = [(s, 1) for s in dec_s] + [(s, k) for s, k, _a in pre_s]
+                b.adv = [(s, 1) for s in dec_s] + list(zip(ps, pk))
                 every_slot, slots = slots, slots[dec_rows]
                 if pre_rows:
-                    b.prefill = [(s, a, k) for s, k, a in pre_s]
-                    _i, pa, pk = zip(*pre_rows)
-                    if len(pre_s) == len(sessions):  # every row a prefill row: the batch's sessions and slots
-                        ps, pslots, b.pre_slots = sessions, slot_list, every_slot
+                    if ps is sessions:               # every row a prefill row: the batch's sessions and slots
+                        pslots, b.pre_slots = slot_list, every_slot
                     else:
-                        ps = [s for s, _k, _a in pre_s]
                         pslots = [s.slot for s in ps]
                         b.pre_slots = np.array(pslots, dtype=np.int32)
                     # a one-token row reads its slot's state whatever the layer's flag, as a decode does (a slot
                     # holds zeros on a layer without state): the layer has state from now on
                     for s in compress(ps, b.pre_init):
                         s.initialized |= bit
-                    b.pre_cols = (ps, pa, pk, pslots, b.pre_init, b.pre_long, b.pre_qsl.tolist())
+                    b.prefill = (ps, pa, pk, pslots, b.pre_init, b.pre_long, b.pre_qsl.tolist())
                 if ver_rows:
                     vi, va, vk = ver_rows
                     if len(vi) == len(sessions):     # every row a verify: the rows are the sessions

@@ -183,12 +183,12 @@ class Runner(Staging):
                     flush()
                     lo = off + qsl[i]
                     d_in[lo:lo + b.n_pre].copy_(h_tok[b.tok:b.tok + b.n_pre], non_blocking=cuda)
-                    i += len(b.prefill)
+                    i += len(b.prefill[0])
                     continue
                 if b is not None and b.n_pre == r.n_tokens:   # every row a prefill row, in x's order: x is the run
                     lo = off + qsl[i]
                     add(r.x, lo, lo + b.n_pre)
-                    i += len(b.prefill)
+                    i += len(b.prefill[0])
                     continue
                 a, n = pb.starts[i], qsl[i + 1] - qsl[i]
                 add(r.x if n == r.n_tokens else r.x[a:a + n], off + qsl[i], off + qsl[i] + n)
@@ -232,7 +232,7 @@ class Runner(Staging):
             rows = len(pb.requests)
             pad = -rows % 16
             b = pb.requests[0].batch
-            if b is not None and rows == len(b.prefill):
+            if b is not None and rows == len(b.prefill[0]):
                 qsl, idx = b.pre_qsl, b.pre_slots
             else:
                 qsl, idx, b = pb.query_start_loc, pb.cache_indices, None
@@ -511,7 +511,7 @@ class Runner(Staging):
                         b.at[1] = lo
                     else:                      # nothing but these rows: y is that run
                         r.parts = lo
-                    i += len(b.prefill)
+                    i += len(b.prefill[0])
                     continue
                 if hi - lo == r.n_tokens:
                     r.parts = lo
