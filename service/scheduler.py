@@ -38,8 +38,9 @@ per layer:
 * **Batch requests.** A batch request (:class:`RowBatch`: a slice of tokens for each of several sessions, on one
   layer: one-token decodes, prefill chunks, speculative verifies) is one request of ``rows`` rows: taken whole in
   pass 1 (never chunked), its decode rows (``n_dec``) alone on its layer's decode launch, its prefill rows in the
-  layer's prefill launch (the engine makes every plain row of a batch without verify rows a prefill row) and its verify rows in the layer's verify launch (or, a verify-only batch in a verify slot,
-  a launch of their own: ``verify_slots``), once every
+  layer's prefill launch (the engine makes every plain row of a batch without verify rows a prefill row) and its
+  verify rows in the layer's verify launch (or, a verify-only batch in a verify slot, a launch of their own:
+  ``verify_slots``), once every
   unfinished request and session op of its sessions submitted before it is done or withdrawn (``waits``,
   ``wait_ops``); a session's requests submitted after it wait until it is done (``Request.after``). Its caller
   did the batching, so a newly queued batch request makes the step run at once (no delay window). The scheduler

@@ -32,7 +32,6 @@ from .positions import Answer, Applied, Sink, batch_key, check_position, check_p
 from .validate import check_batch_plan, check_batch_sessions, check_speculative, check_x, uniform_verify
 
 
-
 class Intake:
     """The conv-request methods of :class:`Engine` (see the module docstring)."""
 
