@@ -37,9 +37,10 @@ per layer:
 * **Timeout.** A request that has not started after ``request_timeout_s`` is returned in ``expired`` (to fail).
 * **Batch requests.** A batch request (:class:`RowBatch`: a slice of tokens for each of several sessions, on one
   layer: one-token decodes, prefill chunks, speculative verifies) is one request of ``rows`` rows: taken whole in
-  pass 1 (never chunked), its decode rows alone on its layer's decode launch, its prefill rows in the layer's
-  prefill launch and its verify rows in the layer's verify launch (or, a verify-only batch in a verify slot,
-  a launch of their own: ``verify_slots``), once every
+  pass 1 (never chunked), its decode rows (``n_dec``) alone on its layer's decode launch, its prefill rows in the
+  layer's prefill launch (the engine makes every plain row of a batch without verify rows a prefill row) and its
+  verify rows in the layer's verify launch (or, a verify-only batch in a verify slot, a launch of their own:
+  ``verify_slots``), once every
   unfinished request and session op of its sessions submitted before it is done or withdrawn (``waits``,
   ``wait_ops``); a session's requests submitted after it wait until it is done (``Request.after``). Its caller
   did the batching, so a newly queued batch request makes the step run at once (no delay window). The scheduler
@@ -63,6 +64,7 @@ from __future__ import annotations
 import bisect
 import operator
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any, Optional, Sequence
 
 from convserve.kernels import PAD_SLOT_ID
@@ -103,7 +105,12 @@ class RowBatch:
     rows: int = 0                # rows (sessions); 0 until queued: Scheduler.add then takes every token as one
     #                              decode row (rows = n_dec = n_tokens)
     n_dec: int = 0               # one-token decode rows: the layer's decode launch (none: the launch stays free)
-    prefill: Any = None          # None, or (session, first token in x, tokens) per prefill row (T > 1)
+    prefill: Any = None          # None, or its prefill rows (T > 1, or every plain row of a batch without verify
+    #                              rows) as columns ``(sessions, first tokens in x, tokens, pool slots,
+    #                              has_initial_state, rows, query_start_loc)``, what a step's prefill launch takes
+    #                              as they are (its rows alone) or extended by whole lists; the flags of ``rows``
+    #                              (places in the columns) are read from their sessions at the step into that
+    #                              list (the batch's own), the others are as given; query_start_loc from 0
     verify: Any = None           # None, or (session, first token in x, tokens) per speculative row
     verify_len: int = 0          # the longest speculative row (its layer's verify launch is padded to it)
     ver_cols: Any = None         # with ``verify``: its columns ``(sessions, pool slots, first tokens, tokens)``
@@ -336,7 +343,7 @@ class Scheduler:
         pad = 0                  # verify pad tokens (in the packed buffer, counted against max_tokens)
         decode: dict = {}        # layer -> [requests], or the batch request that has the layer's launch
         verify: dict = {}        # layer -> [requests, sessions, slots, starts, lengths, longest n] (one entry per row)
-        prefill: dict = {}       # layer -> [(request, start, end, has_initial_state, slot)]
+        prefill: dict = {}       # layer -> [requests, starts, lengths, has_initial_state, slots] (a row each)
         batches: list = []       # batch requests taken
         vslots: list = []        # the batch requests among them that launch from a verify slot
         finished: list = []      # requests whose last token is scheduled now
@@ -399,12 +406,20 @@ class Scheduler:
                     if b.n_dec:
                         decode[r.layer] = r
                     if b.prefill is not None:        # whole rows: a batch is never chunked
-                        bit = 1 << r.layer
-                        lst = prefill.setdefault(r.layer, [])
-                        for ps, a, k in b.prefill:
-                            lst.append((r, a, a + k, bool(ps.initialized & bit), ps.slot))
-                            ps.initialized |= bit
-                            pre_left -= k
+                        flags = _batch_flags(b, 1 << r.layer)
+                        pl = prefill.get(r.layer)
+                        if pl is None:               # its rows alone so far: its columns, copied only if others join
+                            prefill[r.layer] = (r, flags)
+                        else:
+                            if pl.__class__ is tuple:
+                                pl = prefill[r.layer] = _columns(*pl)
+                            ps, pa, pk, pslots, _i, _j, _q = b.prefill
+                            pl[0].extend([r] * len(ps))
+                            pl[1].extend(pa)
+                            pl[2].extend(pk)
+                            pl[3].extend(flags)
+                            pl[4].extend(pslots)
+                        pre_left -= b.prefill[6][-1]
                     rows += nr
                     tokens += n
                     batch_rows += nr - 1
@@ -452,7 +467,16 @@ class Scheduler:
                     s.sched_layers |= bit
                     s.sched_served = step
                     pre_left -= chunk
-                    prefill.setdefault(layer, []).append((r, start, start + chunk, init, s.slot))
+                    pl = prefill.get(layer)
+                    if pl is None:
+                        pl = prefill[layer] = [[], [], [], [], []]
+                    elif pl.__class__ is tuple:
+                        pl = prefill[layer] = _columns(*pl)
+                    pl[0].append(r)
+                    pl[1].append(start)
+                    pl[2].append(chunk)
+                    pl[3].append(init)
+                    pl[4].append(s.slot)
                     r.scheduled_tokens = start + chunk
                     rows += 1
                     tokens += chunk
@@ -517,12 +541,15 @@ class Scheduler:
 
         offset = 0
         for layer in sorted(prefill):
-            rws = prefill[layer]
-            qsl = [0]
-            for _r, a, b, _i, _s in rws:
-                qsl.append(qsl[-1] + b - a)
-            out.prefills.append(PrefillBatch(layer, [x[0] for x in rws], [x[1] for x in rws], qsl,
-                                             [x[4] for x in rws], [x[3] for x in rws], offset))
+            pl = prefill[layer]
+            if pl.__class__ is tuple:             # one batch's rows alone: its columns as they are
+                r, init = pl
+                ps, starts, _k, slots, _i, _j, qsl = r.batch.prefill
+                reqs = [r] * len(ps)
+            else:
+                reqs, starts, lengths, init, slots = pl
+                qsl = list(accumulate(lengths, initial=0))
+            out.prefills.append(PrefillBatch(layer, reqs, starts, qsl, slots, init, offset))
             offset += qsl[-1]
         for layer in sorted(verify):
             reqs, sess, slots, starts, lengths, n = verify[layer]
@@ -549,6 +576,25 @@ class Scheduler:
 
 
 _seq = operator.attrgetter("seq")
+
+
+def _batch_flags(b: RowBatch, bit: int) -> list:
+    """has_initial_state of a batch's prefill rows as its step takes them: as given, but for the rows whose flag is
+    read from their sessions now (each session's layer ``bit``, which is set from now on). Filled into the batch's
+    own list: one step takes a batch, once."""
+    ps, _a, _k, _s, init, read, _q = b.prefill
+    for j in read:
+        x = ps[j]
+        init[j] = x.initialized & bit != 0
+        x.initialized |= bit
+    return init
+
+
+def _columns(r: Request, flags: list) -> list:
+    """A layer's prefill rows as columns ``[requests, starts, lengths, has_initial_state, slots]`` to extend,
+    from the one batch request ``r`` (its ``flags`` as its step took them) that held them so far."""
+    ps, pa, pk, pslots, _i, _j, _q = r.batch.prefill
+    return [[r] * len(ps), list(pa), list(pk), list(flags), list(pslots)]
 
 
 def _served_seq(r: Request) -> tuple:

@@ -103,14 +103,18 @@ def _fail_after_launch(monkeypatch, engine, make_exc, nth: int = 1):
 
 
 def _step_requests(e, kind: str, sessions: list, layer: int) -> list:
-    """The failing step's requests: a prefill or a decode of each session, or one batch of all of them."""
+    """The failing step's requests: a prefill or a decode of each session, or one batch of all of them (a decode
+    each, or a decode and prefill chunks)."""
     if kind == "batch":
         return [e.submit_batch(sessions, layer, torch.randn(len(sessions), DIM))]
+    if kind == "mixed batch":
+        toks = [1] + [3] * (len(sessions) - 1)
+        return [e.submit_batch(sessions, layer, torch.randn(sum(toks), DIM), tokens=toks)]
     return [e.submit(s, layer, torch.randn(3 if kind == "prefill" else 1, DIM)) for s in sessions]
 
 
 @pytest.mark.parametrize("fault", ["raises", "cuda-oom"])
-@pytest.mark.parametrize("kind", ["prefill", "decode", "batch"])
+@pytest.mark.parametrize("kind", ["prefill", "decode", "batch", "mixed batch"])
 def test_a_step_that_fails_after_its_kernels_started_drops_its_sessions_and_its_requests_answer_state_lost(
         monkeypatch, kind, fault):
     make_exc = FAULTS[fault][0]

@@ -288,6 +288,32 @@ def test_tokens_past_last_sequence_and_pad_sequences_are_zero(kernel_device):
     assert torch.all(y[:, int(qsl[1]):int(qsl[2])] == 0)
 
 
+def test_one_token_sequences_among_long_ones_match_reference(kernel_device):
+    """A frontend's mixed step as the engine launches it (x channels-last): mostly one-token sequences, from a
+    stored state or from zeros, a few long ones, padded to a multiple of 16 sequences (empty pad ones) and of 16
+    tokens."""
+    layout = "channels_last"
+    rng, gen = random.Random(SEED + 5), torch.Generator().manual_seed(SEED + 5)
+    dim, width = 24, 4
+    lens = [1] * 21 + [rng.randint(2, 40) for _ in range(3)]
+    rng.shuffle(lens)
+    pad = -len(lens) % 16
+    total = sum(lens)
+    qsl = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist() + [total] * pad, dtype=torch.int32,
+                       device=kernel_device)
+    lines = 2 * len(lens)
+    idx = torch.tensor(rng.sample(range(lines), len(lens)) + [PAD_SLOT_ID] * pad, dtype=torch.int32,
+                       device=kernel_device)
+    init = torch.tensor([rng.random() < 0.6 for _ in lens] + [False] * pad, device=kernel_device)
+    x = make_x(dim, total - total % 16 + 16, layout, torch.float32, kernel_device, gen)
+    weight = torch.randn(dim, width, generator=gen).to(kernel_device)
+    bias = torch.randn(dim, generator=gen).to(kernel_device)
+    states = torch.randn(lines, dim, width - 1, generator=gen).to(kernel_device)
+    y, st_k, ref, st_r = run_both(x, weight, bias, states, qsl, idx, init)
+    check(y, st_k, ref, st_r, torch.float32)
+    assert torch.all(y[:, total:] == 0)
+
+
 def test_wider_state_rows_keep_columns_past_the_window(kernel_device):
     rng, gen = random.Random(SEED), torch.Generator().manual_seed(SEED)
     x, w, b, _, qsl, idx, init = random_batch(gen, rng, 24, 3, "channels_last", torch.float32, kernel_device,

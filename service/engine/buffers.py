@@ -114,8 +114,14 @@ class Buffers:
         self.d_out = torch.empty((max_tokens + slack, dim), dtype=dtype, device=device)
         # the pad tokens after a verify row shorter than its launch's (see Runner._pack_tokens)
         self.h_zeros = torch.zeros((max(1, max_spec), dim), dtype=dtype)
-        self.h_meta, self.d_meta = pair((n_meta,), torch.int32)          # query_start_loc, cache_indices
-        self.h_flags, self.d_flags = pair((max_rows + 16 * n_layers,), torch.bool)   # has_initial_state
+        # a step's launch metadata, in one byte buffer so that it goes to the device in one copy: the index arrays
+        # (int32: query_start_loc, cache_indices) from byte 0, then the has_initial_state flags (bool) from a
+        # 16-byte aligned byte offset past the step's last index (see Runner._pack_tokens). ``h_meta`` /
+        # ``d_meta`` view its index part as int32, ``h_flags`` / ``d_flags`` the whole of it as bool (indexed
+        # by byte).
+        self.h_mb, self.d_mb = pair((4 * n_meta + max_rows + 16 * n_layers,), torch.uint8)
+        self.h_meta, self.d_meta = (t[:4 * n_meta].view(torch.int32) for t in (self.h_mb, self.d_mb))
+        self.h_flags, self.d_flags = (t.view(torch.bool) for t in (self.h_mb, self.d_mb))
         self.h_dec_x, self.d_dec_x = pair((n_layers, max_bucket, dim), dtype, 0)   # decode rows, per layer
         self.h_dec_idx, self.d_dec_idx = pair((n_layers, max_bucket), torch.int32, PAD_SLOT_ID)
         # one launch for the decodes of several layers: rows in arrival order, a state line per row
@@ -199,7 +205,7 @@ class Buffers:
         def nb(t):
             return t.numel() * t.element_size()
 
-        names = ("in", "meta", "flags", "dec_x", "dec_idx", "mix_x", "mix_idx", "acc")
+        names = ("in", "mb", "dec_x", "dec_idx", "mix_x", "mix_idx", "acc")
         host = sum(nb(getattr(self, "h_" + n)) for n in names) + nb(self.h_stage) + self.outputs.nbytes() + \
             self.packed_outputs.nbytes() + \
             sum(nb(t) for t in (*self.slot_x, *self.slot_idx)) + self.slot_y.nbytes() + nb(self.h_tok) + \

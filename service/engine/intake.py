@@ -15,6 +15,7 @@ import asyncio
 import logging
 import time
 from concurrent.futures import Future
+from itertools import compress
 from typing import Optional, Sequence
 
 import numpy as np
@@ -26,13 +27,9 @@ from convserve.clients.protocol.errors import (BadRequest, Internal, PayloadTooL
 from ..sessions import Session
 from .outputs import AsyncConvFuture, ConvFuture
 from .outputs import deliver
-from .records import BATCH_SESSION, BatchRows, ConvRequest, release_batch
+from .records import BATCH_SESSION, NO_ROWS, BatchRows, ConvRequest, plan_rows, release_batch
 from .positions import Answer, Applied, Sink, batch_key, check_position, check_positions
 from .validate import check_batch_plan, check_batch_sessions, check_speculative, check_x, uniform_verify
-
-#: the decode rows of a batch that has none (read only)
-_NO_ROWS = np.zeros(0, dtype=np.int64)
-_NO_ROWS.setflags(write=False)
 
 
 class Intake:
@@ -266,7 +263,9 @@ class Intake:
         step (``sum(n_i) <= max_batch_tokens``, at most ``max_batch_size`` sessions, distinct), after the requests
         and session operations of its sessions submitted before it, and those submitted after it wait for it;
         cancelling it withdraws every row, a session deleted before it runs fails it whole. A plain decode batch
-        (no ``tokens`` or all 1, nothing speculative) takes the decode hot path: one batch-slot graph replay.
+        (no ``tokens`` or all 1, nothing speculative) takes the decode hot path: one batch-slot graph replay. A
+        batch with other rows but no verify rows runs every row in its layer's one varlen prefill launch (a
+        one-token row as a length-1 sequence from its session's state, which is what a decode computes).
         ``position`` (one per session) is checked whole (:mod:`.positions`)."""
         fut = ConvFuture(self)
         fut._req = self._submit_batch(session_ids, layer, x, tokens, speculative, fut, position)
@@ -310,9 +309,9 @@ class Intake:
             key = (tuple(session_ids), (uk,) * n, (True,) * n) if uk else batch_key(session_ids, plan)
         xm, x_dtype = check_x(model, cfg, x, False, rows="rows", checked=checked)
         if uk:
-            total, n_dec = n * uk, 0
+            total, n_dec, n_one = n * uk, 0, 0
         elif plan is None:
-            total, n_dec = n, n
+            total, n_dec, n_one = n, n, n
         else:
             lengths, spec = plan
             total = int(lengths.sum())
@@ -326,54 +325,16 @@ class Intake:
         req = ConvRequest(-1, BATCH_SESSION, p, total, False, now, x=xm, future=sink, x_dtype=x_dtype)
         b = req.batch = BatchRows([], [], dec_x=xm)
         if uk:                         # every row a verify of uk tokens: the rows are x's, in order, one run
-            b.rows, b.dec_x, b.dec_pos = n, None, _NO_ROWS
+            b.rows, b.dec_x, b.dec_pos = n, None, NO_ROWS
             b.verify_tokens, b.verify_len = total, uk
             padded = total
             # (rows of the batch, first tokens, tokens) of the verify rows, as columns
-            plan = (_NO_ROWS, [], (list(range(n)), list(range(0, total, uk)), [uk] * n))
+            plan = (NO_ROWS, [], (list(range(n)), list(range(0, total, uk)), [uk] * n))
         elif plan is not None:
-            b.rows = n
-            starts = np.cumsum(lengths) - lengths
-            dec = ~spec & (lengths == 1)
-            dec_rows = np.flatnonzero(dec)
-            n_dec = b.n_dec = len(dec_rows)
-            b.dec_pos = starts[dec_rows]
-            pre_rows = np.flatnonzero(~spec & (lengths > 1))
-            ver_rows = np.flatnonzero(spec)
-            padded = total
-            if len(ver_rows):
-                top = int(lengths[ver_rows].max())
-                b.verify_tokens = int(lengths[ver_rows].sum())
-                padded = total + top * len(ver_rows) - b.verify_tokens
-                if padded > cfg.max_batch_tokens:
-                    raise PayloadTooLarge(
-                        f"x: the verify rows padded to the longest ({top} tokens) make {padded} tokens, over "
-                        f"max_batch_tokens={cfg.max_batch_tokens}; split the batch")
-                b.verify_len = top
-            # only prefill rows, or only verify rows all of one length: the launch packs its rows in x's order,
-            # one run, so y is one slice of the step's output (no gather index)
-            gather = bool(n_dec) or (len(pre_rows) and len(ver_rows)) or padded != total
-            if gather:
-                b.gather, b.at = True, [0, 0, 0, 0]
-            b.dec_x = xm.index_select(0, torch.from_numpy(b.dec_pos)) if n_dec else None
-            if len(pre_rows):                         # the step's unpack adds only where its launch put them
-                lp = lengths[pre_rows]
-                b.n_pre = int(lp.sum())
-                if gather:
-                    b.pre_pos = np.repeat(starts[pre_rows] - (np.cumsum(lp) - lp), lp) + np.arange(b.n_pre)
-            if len(ver_rows) and gather:
-                lv = lengths[ver_rows]
-                first = np.repeat(starts[ver_rows], lv)
-                b.ver_pos = np.repeat(starts[ver_rows] - (np.cumsum(lv) - lv), lv) + np.arange(int(lv.sum()))
-                b.ver_row = np.repeat(np.arange(len(ver_rows)), lv)
-                b.ver_tok = b.ver_pos - first
-            # (position in the batch, first token, tokens) of each prefill row, and of the verify rows as
-            # columns (None: none); sessions under the lock
-            plan = (dec_rows, list(zip(pre_rows.tolist(), starts[pre_rows].tolist(), lengths[pre_rows].tolist())),
-                    (ver_rows.tolist(), starts[ver_rows].tolist(), lengths[ver_rows].tolist()) if len(ver_rows)
-                    else None)
-        if n_dec > cfg.decode_buckets[-1]:
-            raise PayloadTooLarge(f"sessions: {n_dec} one-token rows, more than the largest decode bucket "
+            plan, n_one, padded = plan_rows(b, xm, lengths, spec, total, cfg.max_batch_tokens)
+            n_dec = b.n_dec
+        if n_one > cfg.decode_buckets[-1]:        # every batch's limit, whichever launch its one-token rows take
+            raise PayloadTooLarge(f"sessions: {n_one} one-token rows, more than the largest decode bucket "
                                   f"({cfg.decode_buckets[-1]}) takes in one launch; split the batch")
         runner, slot = self._runner, -1
         if runner is not None and n_dec:             # not started: _enqueue_batch raises NotReady
@@ -423,7 +384,8 @@ class Intake:
                     if sessions[i].pending:
                         self._check_no_verify_locked(sessions[i])
                 for i, _a, _k in pre_rows:
-                    self._check_no_verify_locked(sessions[i])
+                    if sessions[i].pending:
+                        self._check_no_verify_locked(sessions[i])
             self._check_queue_locked()
             waits, wait_ops, slot_list = {}, [], []
             for s in sessions:
@@ -458,23 +420,41 @@ class Intake:
                 dec_s = [sessions[i] for i in dec_rows.tolist()]
                 for s in dec_s:
                     s.initialized |= bit
-                pre_s = [(sessions[i], k, a) for i, a, k in pre_rows]
+                if pre_rows:
+                    pi, pa, pk = zip(*pre_rows)
+                    ps = sessions if len(pi) == len(sessions) else [sessions[i] for i in pi]
+                else:
+                    ps = pa = pk = ()
                 if req.track is None:              # the common case: positions advance, no answer to keep
                     for s in dec_s:
                         if s.last:
                             self._advance_locked(s, p, 1, None)
                         else:
                             s.positions[p] += 1
+                    for s, k in zip(ps, pk):
+                        if s.last:
+                            self._advance_locked(s, p, k, None)
+                        else:
+                            s.positions[p] += k
                 else:
                     for s, a in zip(dec_s, b.dec_pos.tolist()):
                         self._advance_locked(s, p, 1, req.track, a, a + 1)
-                for s, k, a in pre_s:
-                    self._advance_locked(s, p, k, req.track, a, a + k)
+                    for s, k, a in zip(ps, pk, pa):
+                        self._advance_locked(s, p, k, req.track, a, a + k)
                 # (session, tokens) of each plain slice: decodes, then prefills
-                b.adv = [(s, 1) for s in dec_s] + [(s, k) for s, k, _a in pre_s]
+                b.adv = [(s, 1) for s in dec_s] + list(zip(ps, pk))
                 every_slot, slots = slots, slots[dec_rows]
                 if pre_rows:
-                    b.prefill = [(sessions[i], a, k) for i, a, k in pre_rows]
+                    if ps is sessions:               # every row a prefill row: the batch's sessions and slots
+                        pslots, b.pre_slots = slot_list, every_slot
+                    else:
+                        pslots = [s.slot for s in ps]
+                        b.pre_slots = np.array(pslots, dtype=np.int32)
+                    # a one-token row reads its slot's state whatever the layer's flag, as a decode does (a slot
+                    # holds zeros on a layer without state): the layer has state from now on
+                    for s in compress(ps, b.pre_init):
+                        s.initialized |= bit
+                    b.prefill = (ps, pa, pk, pslots, b.pre_init, b.pre_long, b.pre_qsl.tolist())
                 if ver_rows:
                     vi, va, vk = ver_rows
                     if len(vi) == len(sessions):     # every row a verify: the rows are the sessions

@@ -14,10 +14,16 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
+from convserve.clients.protocol.errors import PayloadTooLarge
 from convserve.kernels import PAD_SLOT_ID
 
 from ..scheduler import Request, RowBatch
 from ..sessions import Session
+
+#: the decode rows of a batch that has none (read only)
+NO_ROWS = np.zeros(0, dtype=np.int64)
+NO_ROWS.setflags(write=False)
+_ZERO = np.zeros(1, dtype=np.int64)
 
 
 @dataclass(eq=False, slots=True)
@@ -46,7 +52,7 @@ class BatchRows(RowBatch):
     buf: int = -1                # the batch slot holding its x and y (-1: none, see Runner.take_slot)
     done_at: float = 0.0         # monotonic time it completed: its sessions' last use
     dec_x: Any = None            # (n_dec, dim) x of the decode rows: the request's x, a staging view or its own
-    #                              gathered copy (a mixed batch)
+    #                              gathered copy (a batch with verify rows; one without has no decode rows)
     # A mixed batch (rows other than one-token decodes) has its y gathered from the step's output by one index:
     dec_pos: Any = None          # (n_dec,) int64 array: each decode row's place in x and y; None: a plain batch
     gather: bool = False         # y is gathered from the step's output by a BatchIndex (rows of several kinds,
@@ -63,10 +69,76 @@ class BatchRows(RowBatch):
     tok: int = -1                # token-arena row of its staged prefill tokens, then its verify rows padded to
     #                              verify_len (see Runner.stage_tokens); -1: not staged, the step packs from x
     n_pre: int = 0               # prefill tokens
+    # Its prefill rows, computed at submit (``pre_slots`` at queueing), for the scheduler and the runner:
+    pre_init: Any = None         # has_initial_state of each prefill row when fixed at submit: True for a one-token
+    #                              row (it reads its slot's state, as a decode does), else filled in at the step
+    pre_one: Any = None          # (prefill rows,) bool: pre_init as an array
+    pre_long: Any = None         # the prefill rows (their places among them) whose flag is read at the step
+    pre_qsl: Any = None          # (prefill rows + 1,) int32: their query_start_loc, from 0
+    pre_slots: Any = None        # (prefill rows,) int32: their pool slots
     adv: Any = None              # (session, tokens) of each non-speculative slice, which advanced its position;
     #                              None: a plain batch (every session by one)
     displaced: Any = None        # id(session) -> the pending entry its verify row replaced, for a session with
     #                              ops queued (see ConvRequest.displaced); None: none
+
+
+def plan_rows(b: BatchRows, xm: torch.Tensor, lengths: np.ndarray, spec: np.ndarray, total: int,
+              max_tokens: int) -> tuple:
+    """Fill in a batch's rows (``b``, x ``xm (total, dim)``, ``lengths`` and ``spec`` one per row, see
+    ``check_batch_plan``) as the step takes them. Returns ``(plan, one-token plain rows, tokens with the verify rows
+    padded)``; ``plan`` is ``(decode rows, (row, first token, tokens) per prefill row, the verify rows' (rows, first
+    tokens, tokens) or None)``. Raises :class:`PayloadTooLarge` when the padded verify rows exceed ``max_tokens``."""
+    n = len(lengths)
+    b.rows = n
+    starts = np.cumsum(lengths) - lengths
+    ver_rows = np.flatnonzero(spec)
+    n_one = int(np.count_nonzero(~spec & (lengths == 1)))
+    if len(ver_rows):
+        dec_rows = np.flatnonzero(~spec & (lengths == 1))
+        pre_rows = np.flatnonzero(~spec & (lengths > 1))
+    else:
+        # No verify rows: every row is a prefill row, a one-token row a length-1 sequence of the layer's
+        # varlen prefill launch (from its session's state, or from zeros on a layer without one: what
+        # a decode computes). x is then one run in x's order: one staged copy, one launch, y one slice.
+        dec_rows, pre_rows = NO_ROWS, np.arange(n)
+    n_dec = b.n_dec = len(dec_rows)
+    b.dec_pos = starts[dec_rows]
+    padded = total
+    if len(ver_rows):
+        top = int(lengths[ver_rows].max())
+        b.verify_tokens = int(lengths[ver_rows].sum())
+        padded = total + top * len(ver_rows) - b.verify_tokens
+        if padded > max_tokens:
+            raise PayloadTooLarge(
+                f"x: the verify rows padded to the longest ({top} tokens) make {padded} tokens, over "
+                f"max_batch_tokens={max_tokens}; split the batch")
+        b.verify_len = top
+    # only prefill rows, or only verify rows all of one length: the launch packs its rows in x's order,
+    # one run, so y is one slice of the step's output (no gather index)
+    gather = bool(n_dec) or (len(pre_rows) and len(ver_rows)) or padded != total
+    if gather:
+        b.gather, b.at = True, [0, 0, 0, 0]
+    b.dec_x = xm.index_select(0, torch.from_numpy(b.dec_pos)) if n_dec else None
+    if len(pre_rows):                         # the step's unpack adds only where its launch put them
+        lp = lengths[pre_rows]
+        b.n_pre = int(lp.sum())
+        one = lp == 1
+        b.pre_one, b.pre_init, b.pre_long = one, one.tolist(), np.flatnonzero(~one).tolist()
+        b.pre_qsl = np.concatenate((_ZERO, np.cumsum(lp))).astype(np.int32)
+        if gather:
+            b.pre_pos = np.repeat(starts[pre_rows] - (np.cumsum(lp) - lp), lp) + np.arange(b.n_pre)
+    if len(ver_rows) and gather:
+        lv = lengths[ver_rows]
+        first = np.repeat(starts[ver_rows], lv)
+        b.ver_pos = np.repeat(starts[ver_rows] - (np.cumsum(lv) - lv), lv) + np.arange(int(lv.sum()))
+        b.ver_row = np.repeat(np.arange(len(ver_rows)), lv)
+        b.ver_tok = b.ver_pos - first
+    # (position in the batch, first token, tokens) of each prefill row, and of the verify rows as
+    # columns (None: none); sessions under the lock
+    plan = (dec_rows, list(zip(pre_rows.tolist(), starts[pre_rows].tolist(), lengths[pre_rows].tolist())),
+            (ver_rows.tolist(), starts[ver_rows].tolist(), lengths[ver_rows].tolist()) if len(ver_rows)
+            else None)
+    return plan, n_one, padded
 
 
 #: the ``session`` of every batch request (its rows' sessions are in ``request.batch.sessions``): a record that no

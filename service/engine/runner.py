@@ -31,9 +31,6 @@ from .cuda_graphs import DecodeLaunchers
 from .records import BatchIndex
 from .staging import Staging
 
-#: padding that brings an int32 list to a multiple of 4 elements (16 bytes), by its length mod 4
-_PAD4 = ([], [0, 0, 0], [0, 0], [0])
-
 
 class Runner(Staging):
     """The buffers, kernels and launchers of one engine on one device (built by :meth:`Engine.start`)."""
@@ -149,9 +146,10 @@ class Runner(Staging):
 
     def _pack_tokens(self, out: SchedulerOutput) -> list:
         """Put the prefill and verify tokens into ``d_in`` at their packed offsets (a staged batch's rows straight
-        from the token arena, the others packed into ``h_in`` first) and their index arrays into ``h_meta`` /
-        ``h_flags`` (and copy them to the device). Returns each batch's offsets into those arrays, prefills
-        then verifies: ``(qsl, idx, flags, rows)`` per prefill, ``(idx, rows)`` per verify."""
+        from the token arena, the others packed into ``h_in`` first), their index arrays into ``h_meta`` and their
+        flags into ``h_flags`` past them, and copy both to the device in one copy. Returns each batch's offsets into
+        those arrays, prefills then verifies: ``(qsl, idx, flags, rows)`` per prefill, ``(idx, rows)`` per
+        verify."""
         bf, cuda = self.bufs, self.stream is not None
         h_in, d_in, h_tok = bf.h_in, bf.d_in, bf.h_tok
         # Rows staged in the token arena (a batch's prefill rows, its verify rows: one run each) go straight to
@@ -185,7 +183,12 @@ class Runner(Staging):
                     flush()
                     lo = off + qsl[i]
                     d_in[lo:lo + b.n_pre].copy_(h_tok[b.tok:b.tok + b.n_pre], non_blocking=cuda)
-                    i += len(b.prefill)
+                    i += len(b.prefill[0])
+                    continue
+                if b is not None and b.n_pre == r.n_tokens:   # every row a prefill row, in x's order: x is the run
+                    lo = off + qsl[i]
+                    add(r.x, lo, lo + b.n_pre)
+                    i += len(b.prefill[0])
                     continue
                 a, n = pb.starts[i], qsl[i + 1] - qsl[i]
                 add(r.x if n == r.n_tokens else r.x[a:a + n], off + qsl[i], off + qsl[i] + n)
@@ -222,36 +225,62 @@ class Runner(Staging):
         # array starts 16-byte aligned, the sequences are padded to a multiple of 16 with empty pad ones
         # (no output, no state touched), and the tokens to a multiple of 16 (those past the last sequence
         # come out zero, in rows of d_out that the next launch overwrites or nobody reads).
-        meta, flags, offs = [], [], []
+        # Written straight into the pinned buffer, each array at a multiple of 4 indices; the gaps are never read.
+        # A launch of one batch's rows alone takes that batch's arrays, made at submit.
+        mnp, k, offs, runs = bf.meta_np, 0, [], []
         for pb in out.prefills:
             rows = len(pb.requests)
             pad = -rows % 16
-            q = len(meta)
-            meta += pb.query_start_loc
-            meta += [pb.query_start_loc[-1]] * pad
-            meta += _PAD4[len(meta) % 4]
-            i = len(meta)
-            meta += pb.cache_indices
-            meta += [PAD_SLOT_ID] * pad
-            offs.append((q, i, len(flags), rows + pad))
-            flags += pb.has_initial_state
-            flags += [False] * pad
+            b = pb.requests[0].batch
+            if b is not None and rows == len(b.prefill[0]):
+                qsl, idx = b.pre_qsl, b.pre_slots
+            else:
+                qsl, idx, b = pb.query_start_loc, pb.cache_indices, None
+            q = k
+            mnp[k:k + rows + 1] = qsl
+            k += rows + 1
+            if pad:
+                mnp[k:k + pad] = pb.query_start_loc[-1]
+                k += pad
+            k += -k % 4
+            i = k
+            mnp[k:k + rows] = idx
+            k += rows
+            if pad:
+                mnp[k:k + pad] = PAD_SLOT_ID
+                k += pad
+            offs.append((q, i, rows + pad))
+            runs.append((pb.has_initial_state, rows, pad, b))
         for vb in out.verifies:
             rows = len(vb.requests)
             pad = -rows % 16
             if vb.token_offset + (rows + pad) * vb.n_tokens > bf.d_in.shape[0]:
                 pad = 0
-            offs.append((len(meta), rows + pad))
-            meta += vb.cache_indices
-            meta += [PAD_SLOT_ID] * pad
-            meta += _PAD4[len(meta) % 4]
-        bf.meta_np[:len(meta)] = meta
-        if flags:
-            bf.flags_np[:len(flags)] = flags
+            offs.append((k, rows + pad))
+            mnp[k:k + rows] = vb.cache_indices
+            k += rows
+            if pad:
+                mnp[k:k + pad] = PAD_SLOT_ID
+                k += pad
+            k += -k % 4
+        # the flags follow the indices in the same buffer, from the next 16-byte boundary (each launch's run of
+        # them a multiple of 16 long): one copy for both
+        fnp = bf.flags_np
+        f = 4 * k
+        for j, (init, rows, pad, b) in enumerate(runs):
+            if b is None:
+                fnp[f:f + rows] = init
+            else:                                    # the batch's flags fixed at submit, then those read at the step
+                fnp[f:f + rows] = b.pre_one
+                for jr in b.pre_long:
+                    fnp[f + jr] = init[jr]
+            if pad:
+                fnp[f + rows:f + rows + pad] = False
+            q, i, n = offs[j]
+            offs[j] = (q, i, f, n)
+            f += rows + pad
         if cuda:
-            bf.d_meta[:len(meta)].copy_(bf.h_meta[:len(meta)], non_blocking=True)
-            if flags:
-                bf.d_flags[:len(flags)].copy_(bf.h_flags[:len(flags)], non_blocking=True)
+            bf.d_mb[:f].copy_(bf.h_mb[:f], non_blocking=True)
         return offs
 
     def _pack_decodes(self, decodes: list):
@@ -482,7 +511,7 @@ class Runner(Staging):
                         b.at[1] = lo
                     else:                      # nothing but these rows: y is that run
                         r.parts = lo
-                    i += len(b.prefill)
+                    i += len(b.prefill[0])
                     continue
                 if hi - lo == r.n_tokens:
                     r.parts = lo

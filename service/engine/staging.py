@@ -120,7 +120,9 @@ class Staging:
                 return False
             live.append((lo, hi, req))
             self._tok_next = hi
-        if pre:
+        if n_pre == xm.shape[0]:                 # every row a prefill row, in x's order: x is the run
+            bf.h_tok[lo:lo + n_pre].copy_(xm)
+        elif pre:
             views = [xm[a:a + t] for _i, a, t in pre]
             if len(views) > 1:
                 torch.cat(views, out=bf.h_tok[lo:lo + n_pre])
