@@ -200,46 +200,11 @@ class Accepts:
 
     def _commit_rows(self, layers: np.ndarray, slots: np.ndarray, ns: np.ndarray) -> None:
         """Commit, for each (layer, slot, n) pair of the three arrays, the state after the first ``n`` tokens of
-        the verify that ran on that layer of that slot.
-
-        The state after n tokens is the last ``w1 = width - 1`` rows of ``[state, x[:n]]``: row r is row ``n + r``
-        of that, i.e. the old state's row ``n + r`` when ``n + r < w1``, else ``x[n + r - w1]``. The verify's x is
-        on the device already (its step copied it into ``d_spec[layer, slot]``, see Runner._launch), so every
-        pair is done at once with no host data but the row indices, computed here with numpy and copied to the
-        device in one non-blocking copy (no sync): gather the rows that move within the state and the rows that
-        come from x (both read before anything is written), then write both. The same few launches for one
-        session or hundreds, whatever their ``n``.
-        """
-        storage = self.pool.storage                                   # (layers, slots + 1, w1, dim)
-        bf = self._runner.bufs
-        spec = bf.d_spec                                              # (layers, slots + 1, max_spec, dim)
-        _n_layers, lines_per_layer, w1, dim = storage.shape
-        n_spec = spec.shape[2]
-        line = layers * lines_per_layer + slots
-        # (pairs, w1): the row of [state, x] each new state row is
-        pos = ns[:, None] + np.arange(w1)[None, :]
-        dst = (line * w1)[:, None] + np.arange(w1)[None, :]                        # each row it rewrites
-        old = pos < w1
-        rows = dst.size
-        m = int(np.count_nonzero(old))
-        acc = bf.acc_np
-        if bf.acc_done is not None:
-            bf.acc_done.synchronize()                 # the last commit's copy has read the host indices
-        acc[:m] = ((line * w1)[:, None] + pos)[old]
-        acc[m:rows] = ((line * n_spec)[:, None] + (pos - w1))[~old]
-        acc[rows:rows + m] = dst[old]
-        acc[rows + m:2 * rows] = dst[~old]
-        idx = bf.d_acc[:2 * rows]
-        if bf.acc_done is not None:
-            idx.copy_(bf.h_acc[:2 * rows], non_blocking=True)
-            bf.acc_done.record()
-        flat = storage.view(-1, dim)
-        from_state = flat.index_select(0, idx[:m]) if m else None
-        from_x = spec.view(-1, dim).index_select(0, idx[m:rows]) if m < rows else None
-        if from_state is not None:
-            flat.index_copy_(0, idx[rows:rows + m], from_state)
-        if from_x is not None:
-            flat.index_copy_(0, idx[rows + m:], from_x.to(storage.dtype))
+        the verify that ran on that layer of that slot. The verify's x is on the device already (its step copied
+        it into ``d_spec[layer, slot]``, see Runner._launch), in the line of the pool's state it updates, so the
+        pairs' lines and counts are all the commit needs (:meth:`Runner.commit`: on CUDA one copy and one launch
+        for one session or hundreds, whatever their ``n``)."""
+        self._runner.commit(layers * self.pool.storage.shape[1] + slots, ns)
 
 
 def _same_pending(ss: list) -> bool:
