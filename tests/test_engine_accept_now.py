@@ -267,3 +267,40 @@ def test_an_accept_that_arrives_in_the_workers_pump_runs_there_and_is_done_when_
         assert_states(e, oracle, sids)
     finally:
         e.stop(drain=False)
+
+
+def test_the_runners_commit_waits_for_the_last_commits_copy_only_when_no_step_synchronized_since():
+    """Runner.commit's CUDA bookkeeping, on CPU tensors (the kernel in Triton's interpreter): the pinned pairs are
+    rewritten while the last commit's copy may still read them only after a synchronization of the stream."""
+    import types
+
+    import numpy as np
+
+    from convserve.kernels.commit import CommitLaunch
+    from convserve.service.engine.runner import Runner
+
+    class Stream:
+        syncs = 0
+
+        def synchronize(self):
+            Stream.syncs += 1
+
+    state = torch.randn(2, 5, 3, 8)
+    spec = torch.randn(2, 5, 4, 8)
+    h_acc = torch.zeros(21, dtype=torch.int64)
+    d_acc = torch.zeros(21, dtype=torch.int64)
+    runner = types.SimpleNamespace(stream=Stream(), syncs=0, _commit_at=-1, pool=None,
+                                   bufs=types.SimpleNamespace(h_acc=h_acc, d_acc=d_acc, acc_np=h_acc.numpy()),
+                                   _commit=CommitLaunch(state, spec, d_acc))
+    want = state.clone()
+    for lines, ns, synced in [([1, 7], [1, 4], 0), ([2], [3], 1), ([9, 0, 4], [2, 2, 1], 0)]:
+        lines, ns = np.array(lines, dtype=np.int64), np.array(ns, dtype=np.int64)
+        for line, n in zip(lines, ns):
+            w = want.view(-1, 3, 8)
+            w[line] = torch.cat([w[line], spec.view(-1, 4, 8)[line, :n]])[-3:]
+        before = Stream.syncs
+        Runner.commit(runner, lines, ns)
+        assert Stream.syncs - before == synced
+        assert torch.equal(state, want)
+        if lines[0] == 2:
+            runner.syncs += 1                      # a step synchronized the stream after the second commit
