@@ -40,6 +40,8 @@ PIECES = [(intake.Intake, "submit_batch"), (intake.Intake, "_enqueue_batch"), (i
           (runner.Runner, "_unpack"), (loop, "deliver_step"), (loop.Worker, "_step"),
           (_ACCEPTS, "accept_batch"), (_ACCEPTS, "_post_accept_batch"), (_ACCEPTS, "_op_accept_batch"),
           (_ACCEPTS, "_accept_uniform_locked"), (_ACCEPTS, "_commit_verifies"), (_ACCEPTS, "_commit_rows"),
+          (_ACCEPTS, "_accept_batch_locked"), (_ACCEPTS, "_verify_rows"), (session_ops.SessionOps, "_run_now_locked"),
+          (runner.Runner, "commit"),
           (session_ops.SessionOps, "_post_op_many"), (session_ops.SessionOps, "_take_ready_ops_locked"),
           (session_ops.SessionOps, "_run_ops"), (session_ops.SessionOps, "_op_done_locked")]
 

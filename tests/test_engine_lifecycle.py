@@ -101,7 +101,7 @@ def test_a_session_op_the_worker_took_is_never_a_timeout_it_answers_when_done(op
         sid = e.create_session()
         e.submit(sid, LAYERS[0], torch.randn(3, DIM), speculative=(op == "accept")).result(10)
         state = e.export_state(sid)
-        owner, name = {"fork": (e, "_op_fork"), "accept": (e, "_commit_verifies"),
+        owner, name = {"fork": (e, "_op_fork"), "accept": (e, "_commit_rows"),
                        "import": (e.pool, "import_")}[op]
         real = getattr(owner, name)
 
@@ -114,6 +114,7 @@ def test_a_session_op_the_worker_took_is_never_a_timeout_it_answers_when_done(op
             new = e.fork_session(sid)
             assert new in [s.id for s in e._sessions]
         elif op == "accept":
+            e.submit(sid, LAYERS[1], torch.randn(3, DIM), speculative=True)   # queued first: the worker runs the accept
             e.accept(sid, 2)
             assert not e._sessions.get(sid).pending
         else:

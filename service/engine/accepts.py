@@ -1,7 +1,8 @@
 """Accepting speculative verifies: ``accept`` and ``accept_batch``, session operations that commit, on every
 layer with a pending verify, the state after the first n of its tokens (0 discards it).
 
-Both run on the worker between steps, as one operation on their sessions (see :mod:`.session_ops`). The commit
+Both run between steps, as one operation on their sessions (see :mod:`.session_ops`): on the worker, or at once
+on the caller's thread when nothing is queued before them and the worker is parked. The commit
 itself is a few device ops whatever the counts (:meth:`Accepts._commit_rows`). A batch whose sessions all hold
 the same pending verifies (the layers' verify batches of one frontend step covered them all) and have nothing
 queued after the accept is checked, cleared and committed as one record (:meth:`Accepts._accept_uniform_locked`);
@@ -51,7 +52,8 @@ class Accepts:
             s = self._sessions.get(session_id)
             if not s.ops:     # else at its turn only: a verify queued before it may yet be refused at its own
                 self._check_pending(s, n_tokens)
-        return self._post_op(session_id, lambda s: self._op_accept(s, n_tokens))
+        return self._post_op(session_id, lambda s: self._op_accept(s, n_tokens),
+                             now=lambda s: self._commit(self._accept_locked(s, n_tokens)))
 
     def accept_batch(self, session_ids, tokens) -> None:
         """:meth:`accept` for several sessions at once: session ``session_ids[i]`` commits the state after the
@@ -74,7 +76,8 @@ class Accepts:
                 if views is not None or not s.ops:
                     self._check_pending(s, t, None if views is None else views[i])
 
-        return self._post_op_many(session_ids, check, lambda ss: self._op_accept_batch(ss, tokens, check))
+        return self._post_op_many(session_ids, check, lambda ss: self._op_accept_batch(ss, tokens, check),
+                                  now=lambda ss: self._commit(self._accept_batch_locked(ss, tokens, check)))
 
     def check_accept_batch(self, session_ids, tokens) -> None:
         """Raise what :meth:`accept_batch` would raise for the sessions' state now; queue nothing (the first
@@ -97,25 +100,34 @@ class Accepts:
 
     def _op_accept(self, s: Session, n: int) -> None:
         with self._lock:
-            pending = self._pending_at_turn_locked(s)      # not the verifies queued after this op
-            self._check_pending(s, n, pending)
-            self._clear_pending_locked(s, pending)
-            self._accept_positions_locked(s, pending, n)
-        self._commit_verifies([(s, pending, n)])
+            rows = self._accept_locked(s, n)
+        self._commit(rows)
+
+    def _accept_locked(self, s: Session, n: int):
+        """The accept at its turn: check, clear, advance; returns the commit's rows (see :meth:`_commit`)."""
+        pending = self._pending_at_turn_locked(s)      # not the verifies queued after this op
+        self._check_pending(s, n, pending)
+        self._clear_pending_locked(s, pending)
+        self._accept_positions_locked(s, pending, n)
+        return self._verify_rows([(s, pending, n)])
 
     def _op_accept_batch(self, ss: list, tokens: list, check) -> None:
         with self._lock:
-            rows = self._accept_uniform_locked(ss, tokens)
-            if rows is None:
-                pending = [self._pending_at_turn_locked(s) for s in ss]   # not the verifies queued after this op
-                check(ss, pending)                        # all or nothing: checked again as it runs
-                for s, pend, n in zip(ss, pending, tokens):
-                    self._clear_pending_locked(s, pend)
-                    self._accept_positions_locked(s, pend, n)
-        if rows is None:
-            self._commit_verifies(list(zip(ss, pending, tokens)))
-        elif rows:
-            self._commit_rows(*rows)
+            rows = self._accept_batch_locked(ss, tokens, check)
+        self._commit(rows)
+
+    def _accept_batch_locked(self, ss: list, tokens: list, check):
+        """The batch accept at its turn, all or nothing: checked again, then cleared and advanced; returns the
+        commit's rows (see :meth:`_commit`)."""
+        rows = self._accept_uniform_locked(ss, tokens)
+        if rows is not None:
+            return rows
+        pending = [self._pending_at_turn_locked(s) for s in ss]   # not the verifies queued after this op
+        check(ss, pending)
+        for s, pend, n in zip(ss, pending, tokens):
+            self._clear_pending_locked(s, pend)
+            self._accept_positions_locked(s, pend, n)
+        return self._verify_rows(list(zip(ss, pending, tokens)))
 
     def _accept_uniform_locked(self, ss: list, tokens: list):
         """The batch accept as one record, when it is one: every session holds the same pending verifies
@@ -156,9 +168,10 @@ class Accepts:
         return (np.tile(np.array(layers, dtype=np.int64), len(ns)),
                 np.repeat(np.array(slots, dtype=np.int64), k), np.repeat(np.array(ns, dtype=np.int64), k))
 
-    def _commit_verifies(self, work: list) -> None:
-        """For each ``(session, pending, n)`` (``pending`` taken from ``session.pending``), commit on each layer of
-        ``pending`` whose verify ran (``spec_x``) the state after the first ``n`` tokens of that verify."""
+    def _verify_rows(self, work: list):
+        """For each ``(session, pending, n)`` (``pending`` taken from ``session.pending``), the commit's pairs: each
+        layer of ``pending`` whose verify ran (``spec_x``), with the session's slot and ``n`` (none for n = 0), as
+        the ``(layers, slots, ns)`` arrays of :meth:`_commit_rows`, or () when there are none."""
         layers, slots, ns, counts = [], [], [], []      # the pairs' layers; per session its slot, n, pairs
         for s, pending, n in work:
             spec = s.spec_x
@@ -175,53 +188,23 @@ class Accepts:
                     s.initialized |= bits
             spec.clear()
         if not layers:
-            return
+            return ()
         counts = np.array(counts)
-        self._commit_rows(np.array(layers, dtype=np.int64), np.repeat(np.array(slots, dtype=np.int64), counts),
-                          np.repeat(np.array(ns, dtype=np.int64), counts))
+        return (np.array(layers, dtype=np.int64), np.repeat(np.array(slots, dtype=np.int64), counts),
+                np.repeat(np.array(ns, dtype=np.int64), counts))
+
+    def _commit(self, rows) -> None:
+        """Commit the ``(layers, slots, ns)`` arrays of an accept (() or None: nothing to commit)."""
+        if rows:
+            self._commit_rows(*rows)
 
     def _commit_rows(self, layers: np.ndarray, slots: np.ndarray, ns: np.ndarray) -> None:
         """Commit, for each (layer, slot, n) pair of the three arrays, the state after the first ``n`` tokens of
-        the verify that ran on that layer of that slot.
-
-        The state after n tokens is the last ``w1 = width - 1`` rows of ``[state, x[:n]]``: row r is row ``n + r``
-        of that, i.e. the old state's row ``n + r`` when ``n + r < w1``, else ``x[n + r - w1]``. The verify's x is
-        on the device already (its step copied it into ``d_spec[layer, slot]``, see Runner._launch), so every
-        pair is done at once with no host data but the row indices, computed here with numpy and copied to the
-        device in one non-blocking copy (no sync): gather the rows that move within the state and the rows that
-        come from x (both read before anything is written), then write both. The same few launches for one
-        session or hundreds, whatever their ``n``.
-        """
-        storage = self.pool.storage                                   # (layers, slots + 1, w1, dim)
-        bf = self._runner.bufs
-        spec = bf.d_spec                                              # (layers, slots + 1, max_spec, dim)
-        _n_layers, lines_per_layer, w1, dim = storage.shape
-        n_spec = spec.shape[2]
-        line = layers * lines_per_layer + slots
-        # (pairs, w1): the row of [state, x] each new state row is
-        pos = ns[:, None] + np.arange(w1)[None, :]
-        dst = (line * w1)[:, None] + np.arange(w1)[None, :]                        # each row it rewrites
-        old = pos < w1
-        rows = dst.size
-        m = int(np.count_nonzero(old))
-        acc = bf.acc_np
-        if bf.acc_done is not None:
-            bf.acc_done.synchronize()                 # the last commit's copy has read the host indices
-        acc[:m] = ((line * w1)[:, None] + pos)[old]
-        acc[m:rows] = ((line * n_spec)[:, None] + (pos - w1))[~old]
-        acc[rows:rows + m] = dst[old]
-        acc[rows + m:2 * rows] = dst[~old]
-        idx = bf.d_acc[:2 * rows]
-        if bf.acc_done is not None:
-            idx.copy_(bf.h_acc[:2 * rows], non_blocking=True)
-            bf.acc_done.record()
-        flat = storage.view(-1, dim)
-        from_state = flat.index_select(0, idx[:m]) if m else None
-        from_x = spec.view(-1, dim).index_select(0, idx[m:rows]) if m < rows else None
-        if from_state is not None:
-            flat.index_copy_(0, idx[rows:rows + m], from_state)
-        if from_x is not None:
-            flat.index_copy_(0, idx[rows + m:], from_x.to(storage.dtype))
+        the verify that ran on that layer of that slot. The verify's x is on the device already (its step copied
+        it into ``d_spec[layer, slot]``, see Runner._launch), in the line of the pool's state it updates, so the
+        pairs' lines and counts are all the commit needs (:meth:`Runner.commit`: on CUDA one copy and one launch
+        for one session or hundreds, whatever their ``n``)."""
+        self._runner.commit(layers * self.pool.storage.shape[1] + slots, ns)
 
 
 def _same_pending(ss: list) -> bool:

@@ -142,17 +142,14 @@ class Buffers:
         self.tok_rows = 2 * max_tokens
         self.h_tok = torch.empty((self.tok_rows, dim), dtype=dtype, pin_memory=cuda)
         # each verify's x, per (layer, pool slot): copied on the device from d_in in the verify's step, read by
-        # accept (Engine._commit_verifies), so a commit needs no host data. (layers, slots + 1, max_spec, dim)
+        # accept (Accepts._commit_rows), so a commit needs no host data. (layers, slots + 1, max_spec, dim)
         # in the model dtype: max_spec / (width - 1) times the state pool's size at the same dtype.
         self.d_spec = torch.empty((n_layers, slots + 1, max(1, max_spec), dim), dtype=dtype, device=device)
-        # accept's row indices (see Engine._commit_verifies): for each state row one commit rewrites (at most
-        # max_rows sessions x n_layers x (width - 1)), the row it reads and the row it writes, as one int64 array
-        # copied to the device at once. On CUDA the host side is pinned and is rewritten only once acc_done (the
-        # event after the last commit's copy) has passed.
-        self.acc_rows = max_rows * n_layers * max(1, width - 1)
-        self.h_acc, self.d_acc = pair((2 * self.acc_rows,), torch.int64)
+        # accept's pairs (see Runner.commit): ``[count, lines, ns]`` for the commit kernel on CUDA (at most
+        # max_rows sessions x n_layers pairs), copied to the device at once. The host side is pinned and is
+        # rewritten only once the last commit's copy is known done (a synchronization of the stream since).
+        self.h_acc, self.d_acc = pair((1 + 2 * max_rows * n_layers,), torch.int64)
         self.acc_np = self.h_acc.numpy()
-        self.acc_done = torch.cuda.Event() if cuda else None
         self.gather = torch.empty((max_bucket,), dtype=torch.int64)    # arena rows of one layer's decodes
         self.gather_np = self.gather.numpy()
         self.d_dec_out = torch.empty((n_layers, max_bucket, dim), dtype=dtype, device=device)

@@ -129,6 +129,8 @@ class Engine(Intake, SessionOps, Accepts, Positions, SnapshotTaking, Worker):
         self._state = "new"            # new -> running -> draining | stopping -> stopped
         self._ready = False
         self._thread: Optional[threading.Thread] = None
+        # the worker is parked between steps and takes nothing up again before it holds the lock (Worker._wait)
+        self._idle = False
         self.pool: Optional[ConvStatePool] = None
         self.model: Optional[ConvModel] = None
         self._runner: Optional[Runner] = None   # the buffers, kernels and launchers, from start()

@@ -96,15 +96,21 @@ class Worker:
             self._loop()
 
     def _wait(self, timeout: float) -> None:
-        """Wait for work (holding the lock): on the condition, or in the pump without the lock."""
-        if self._pump is None:
-            self._cv.wait(timeout)
-            return
-        self._lock.release()
+        """Wait for work (holding the lock): on the condition, or in the pump without the lock. The worker is
+        ``_idle`` meanwhile: it resumes only by taking the lock back, so whoever holds the lock may use the runner
+        (an operation run at once, :meth:`SessionOps._runs_now_locked`)."""
+        self._idle = True
         try:
-            self._pump(timeout)
+            if self._pump is None:
+                self._cv.wait(timeout)
+                return
+            self._lock.release()
+            try:
+                self._pump(timeout)
+            finally:
+                self._lock.acquire()
         finally:
-            self._lock.acquire()
+            self._idle = False
 
     def _loop(self) -> None:
         sched = self._sched
@@ -112,8 +118,10 @@ class Worker:
         self._cv.worker_ident = threading.get_ident()
         while True:
             if pump is not None:
+                self._idle = True         # between steps (see _wait); set back only under the lock, below
                 pump(0.0)                 # what arrived during the last step joins the next one
             with self._lock:
+                self._idle = False
                 while True:
                     now = time.monotonic()
                     if now >= self._next_evict:

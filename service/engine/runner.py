@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from convserve.kernels import PAD_SLOT_ID
+from convserve.kernels.commit import CommitLaunch, commit_windows_torch, pack_pairs
 
 from ..model import ConvModel
 from ..scheduler import SchedulerOutput
@@ -61,7 +62,13 @@ class Runner(Staging):
             self._warm_up()
         self.decode = DecodeLaunchers(causal_conv1d_update, pool, model, self.bufs, cfg.decode_buckets,
                                       cfg.use_cuda_graphs, cfg.multi_layer_decode, cfg.verify_graph_tokens)
+        self.syncs = 0          # the times the stream was synchronized (each step's synchronization among them)
+        self._commit_at = -1    # syncs when the last commit queued its copy of bufs.h_acc (see commit)
+        self._commit = None
         if cuda:
+            self._commit = CommitLaunch(pool.storage, self.bufs.d_spec, self.bufs.d_acc)
+            self.bufs.d_acc[0] = 0
+            self._commit.launch()                     # compiled now, not at the first accept (no pairs: no-op)
             torch.cuda.synchronize(device)
         self._n_exec = 0                                # steps executed (the GPU is timed on every Nth)
         self._vviews: dict = {}                         # see _verify_views
@@ -119,6 +126,7 @@ class Runner(Staging):
         # ---- the one synchronization of the step
         if self.stream is not None:
             self.stream.synchronize()
+            self.syncs += 1
             kernel_ns = int(self._ev0.elapsed_time(self._ev1) * 1e6) if timed else None
         else:
             kernel_ns = t_launch - t_k0
@@ -142,7 +150,27 @@ class Runner(Staging):
             self.stream.synchronize()
         except Exception:  # noqa: BLE001 - a sticky CUDA error: every later step would fail too
             return False
+        self.syncs += 1
         return True
+
+    def commit(self, lines: np.ndarray, ns: np.ndarray) -> None:
+        """Accept's commit (:mod:`convserve.kernels.commit`): for each pair, state line ``lines[i]`` (``layer *
+        (slots + 1) + slot``, in ``pool.storage`` and ``bufs.d_spec`` alike) takes the state after the first
+        ``ns[i]`` (>= 1) tokens of its verify; the lines distinct. On the current stream, which must be
+        :attr:`stream` (the steps' order). On CUDA: one copy of the pairs into ``d_acc`` and one launch, with no
+        synchronization unless the last commit's copy may still be reading ``h_acc`` (no step synchronized the
+        stream since it was queued)."""
+        if self.stream is None:
+            commit_windows_torch(self.pool.storage, self.bufs.d_spec, lines, ns)
+            return
+        bf = self.bufs
+        if self._commit_at == self.syncs:
+            self.stream.synchronize()
+            self.syncs += 1
+        k = pack_pairs(bf.acc_np, lines, ns)
+        bf.d_acc[:k].copy_(bf.h_acc[:k], non_blocking=True)
+        self._commit_at = self.syncs
+        self._commit.launch()
 
     def _pack_tokens(self, out: SchedulerOutput) -> list:
         """Put the prefill and verify tokens into ``d_in`` at their packed offsets (a staged batch's rows straight

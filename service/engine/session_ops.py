@@ -1,10 +1,11 @@
 """Session operations: create, delete, fork, export, import (accept: :mod:`.accepts`), and their queue.
 
-Every operation that reads or writes a session's state runs on the worker thread between steps (so a slot is
-never freed or rewritten in the middle of a step), after the requests of that session submitted before it: the
-caller's thread queues an :class:`Op` (with the last sequence number as its barrier), the worker picks the
-ready ones (:meth:`SessionOps._take_ready_ops_locked`) and runs them (:meth:`SessionOps._run_ops`). Validation
-runs on the caller's thread first. :class:`SessionOps` is a part of :class:`Engine` and shares its state.
+Every operation that reads or writes a session's state runs between steps (so a slot is never freed or rewritten
+in the middle of a step), after the requests of that session submitted before it: the caller's thread queues an
+:class:`Op` (with the last sequence number as its barrier), the worker picks the ready ones
+(:meth:`SessionOps._take_ready_ops_locked`) and runs them (:meth:`SessionOps._run_ops`). An accept whose turn is
+already there while the worker is parked runs at once on the caller's thread instead, under the engine lock
+(:meth:`SessionOps._runs_now_locked`). Validation runs on the caller's thread first. :class:`SessionOps` is a part of :class:`Engine` and shares its state.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import collections
 import logging
 import operator
+import threading
 import time
 from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -221,8 +223,8 @@ class SessionOps:
         """Queue the session operation ``name`` (one of :attr:`SUBMITTABLE_OPS`, arguments as its method's)
         without waiting for it, for a caller that forwards answers (the engine process). Validation errors are
         raised here, as the method raises them; the result or error comes on the returned future, set on the
-        worker thread (or by :meth:`stop`; a ``session_info`` of a session with no operation queued is done at
-        once, in this call). It is ordered exactly as the method: after
+        worker thread (or by :meth:`stop`; a ``session_info`` of a session with no operation queued, and an accept
+        that runs at once, see :meth:`_runs_now_locked`, are done in this call). It is ordered exactly as the method: after
         the requests and operations of its sessions submitted before this call, before those submitted after
         it. ``future.cancel()`` withdraws it if it has not started (once started it runs to its end and the
         cancel returns False). One not started within ``request_timeout_s`` fails with :class:`RequestTimeout`
@@ -232,12 +234,18 @@ class SessionOps:
             raise BadRequest(f"unknown session operation {name!r}")
         return getattr(self, "_post_" + name)(*args).future
 
-    def _post_op(self, session_id: str, fn: Callable[[Session], Any], deletes: bool = False) -> Op:
+    def _post_op(self, session_id: str, fn: Callable[[Session], Any], deletes: bool = False,
+                 now: Optional[Callable[[Session], Any]] = None) -> Op:
         """Queue ``fn(session)`` for the worker, behind the session's requests submitted so far (its barrier)
-        and its earlier ops (each session's ops are a FIFO)."""
+        and its earlier ops (each session's ops are a FIFO). With ``now`` (``fn``'s work, to be called under the
+        engine lock) the op runs at once instead, on this thread, when its turn is now
+        (:meth:`_runs_now_locked`); the op returned is then done."""
         with self._lock:
             self._check_running_locked()
-            return self._queue_op_locked(self._sessions.get(session_id), fn, deletes=deletes)
+            s = self._sessions.get(session_id)
+            if now is not None and self._runs_now_locked((s,)):
+                return self._run_now_locked((s,), s.id, lambda: now(s))
+            return self._queue_op_locked(s, fn, deletes=deletes)
 
     def _queue_op_locked(self, s: Session, fn: Callable[[Session], Any], **flags) -> Op:
         op = Op(s, lambda: fn(s), Future(), self._last_seq, label=s.id,
@@ -255,16 +263,56 @@ class SessionOps:
         self._cv.notify()
         return op
 
-    def _post_op_many(self, session_ids, check: Callable[[list], None], fn: Callable[[list], Any]) -> Op:
+    def _post_op_many(self, session_ids, check: Callable[[list], None], fn: Callable[[list], Any],
+                      now: Optional[Callable[[list], Any]] = None) -> Op:
         """One op on several sessions: ``check(sessions)`` under the lock first (it raises to refuse, nothing
-        queued), then queued in each session's FIFO of ops at once."""
+        queued), then queued in each session's FIFO of ops at once; or, with ``now``, run at once as
+        :meth:`_post_op` runs it."""
         with self._lock:
             self._check_running_locked()
             ss = self._sessions.get_many(session_ids)
             check(ss)
+            if now is not None and self._runs_now_locked(ss):
+                return self._run_now_locked(ss, ", ".join(session_ids), lambda: now(ss))
             op = Op(ss[0], lambda: fn(ss), Future(), self._last_seq, sessions=tuple(ss),
                     label=", ".join(session_ids), deadline=time.monotonic() + self.config.request_timeout_s)
             return self._enqueue_op_locked(op, ss)
+
+    def _runs_now_locked(self, ss) -> bool:
+        """May an op on the sessions ``ss`` run now on the calling thread, under the engine lock, rather than be
+        queued? Only when queueing it would change nothing but who runs it: the worker is parked between steps
+        (``_idle``: it takes nothing up before it has this lock back, so no step, op or snapshot uses the runner
+        meanwhile, and a request submitted after this op is scheduled after it), and no session of ``ss`` has
+        an op queued or an unfinished request (the worker would take the op at once: its turn is now)."""
+        if not self._idle:
+            return False
+        for s in ss:
+            if s.ops or s.oldest_active() is not None:
+                return False
+        return True
+
+    def _run_now_locked(self, ss, label: str, fn: Callable[[], Any]) -> Op:
+        """Run ``fn()`` here (see :meth:`_runs_now_locked`), on the runner's stream, and return a done op with its
+        result or error, as :meth:`_run_ops` would have set them (no one else holds its future yet)."""
+        op = Op(ss[0], fn, Future(), self._last_seq, started=True, sessions=tuple(ss), label=label)
+        stream = self._runner.stream
+        try:
+            if stream is None or threading.get_ident() == self._cv.worker_ident:
+                result = fn()
+            else:
+                with torch.cuda.stream(stream):         # ordered with the steps before and after it
+                    result = fn()
+        except BaseException as e:  # noqa: BLE001 - delivered to the caller
+            if not isinstance(e, ServiceError):
+                log.exception("session operation failed")
+                e = Internal(f"session operation failed: {e}")
+            op.future.set_exception(e)
+        else:
+            op.future.set_result(result)
+        t = time.monotonic()
+        for s in ss:
+            s.last_used = t
+        return op
 
     def _wait_op(self, op: Op):
         fut = op.future
