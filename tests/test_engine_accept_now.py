@@ -269,9 +269,10 @@ def test_an_accept_that_arrives_in_the_workers_pump_runs_there_and_is_done_when_
         e.stop(drain=False)
 
 
-def test_the_runners_commit_waits_for_the_last_commits_copy_only_when_no_step_synchronized_since():
-    """Runner.commit's CUDA bookkeeping, on CPU tensors (the kernel in Triton's interpreter): the pinned pairs are
-    rewritten while the last commit's copy may still read them only after a synchronization of the stream."""
+def test_the_runners_commit_waits_for_the_last_commits_copy_only_when_no_step_synchronized_since(kernel_device):
+    """Runner.commit's CUDA bookkeeping (on CPU tensors without CUDA: the kernel in Triton's interpreter; a stand-in
+    stream counts the synchronizations): the host pairs are rewritten while the last commit's copy may still read
+    them only after a synchronization of the stream."""
     import types
 
     import numpy as np
@@ -285,10 +286,10 @@ def test_the_runners_commit_waits_for_the_last_commits_copy_only_when_no_step_sy
         def synchronize(self):
             Stream.syncs += 1
 
-    state = torch.randn(2, 5, 3, 8)
-    spec = torch.randn(2, 5, 4, 8)
+    state = torch.randn(2, 5, 3, 8, device=kernel_device)
+    spec = torch.randn(2, 5, 4, 8, device=kernel_device)
     h_acc = torch.zeros(21, dtype=torch.int64)
-    d_acc = torch.zeros(21, dtype=torch.int64)
+    d_acc = torch.zeros(21, dtype=torch.int64, device=kernel_device)
     runner = types.SimpleNamespace(stream=Stream(), syncs=0, _commit_at=-1, pool=None,
                                    bufs=types.SimpleNamespace(h_acc=h_acc, d_acc=d_acc, acc_np=h_acc.numpy()),
                                    _commit=CommitLaunch(state, spec, d_acc))

@@ -43,17 +43,20 @@ def test_the_torch_commit_equals_the_row_by_row_reference(w1, s, state_dtype, x_
 
 @pytest.mark.parametrize("w1,s,state_dtype,x_dtype,dim", SHAPES)
 def test_the_triton_commit_equals_the_reference_and_a_count_of_zero_touches_nothing(w1, s, state_dtype, x_dtype,
-                                                                                    dim):
+                                                                                    dim, kernel_device):
     state, spec, lines, ns = case(w1, s, state_dtype, x_dtype, dim, seed=1)
     want = reference(state, spec, lines, ns)
-    pairs = torch.full((1 + 2 * 18,), -1, dtype=torch.int64)
+    state, spec = state.to(kernel_device), spec.to(kernel_device)
+    host = torch.full((1 + 2 * 18,), -1, dtype=torch.int64)
+    pairs = host.to(kernel_device)
     launch = CommitLaunch(state, spec, pairs)
-    assert pack_pairs(pairs.numpy(), lines, ns) == 1 + 2 * len(lines)
+    assert pack_pairs(host.numpy(), lines, ns) == 1 + 2 * len(lines)
+    pairs.copy_(host)
     launch.launch()
-    assert torch.equal(state, want)
+    assert torch.equal(state.cpu(), want)
     pairs[0] = 0
     launch.launch()
-    assert torch.equal(state, want)
+    assert torch.equal(state.cpu(), want)
 
 
 def test_the_commit_launch_refuses_tables_it_cannot_index():
