@@ -228,10 +228,10 @@ class SessionOps:
         worker thread (or by :meth:`stop`; a ``session_info`` of a session with no operation queued, and an accept
         that runs at once, see :meth:`_runs_now_locked`, are done in this call). It is ordered exactly as the
         method: after the requests and operations of its sessions submitted before this call, before those
-        submitted after it. ``future.cancel()`` withdraws it if it has not started (once started it runs to its end and the
-        cancel returns False). One not started within ``request_timeout_s`` fails with :class:`RequestTimeout`
-        and never runs;
-        ``export_for_move`` is ``(export_state, its positions)``, refused while a verify is pending."""
+        submitted after it. ``future.cancel()`` withdraws it if it has not started (once started it runs to its
+        end and the cancel returns False). One not started within ``request_timeout_s`` fails with
+        :class:`RequestTimeout` and never runs; ``export_for_move`` is ``(export_state, its positions)``, refused
+        while a verify is pending."""
         if name not in self.SUBMITTABLE_OPS:
             raise BadRequest(f"unknown session operation {name!r}")
         return getattr(self, "_post_" + name)(*args).future
