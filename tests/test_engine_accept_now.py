@@ -1,5 +1,7 @@
 """An accept whose turn is already there while the worker is parked runs at once on the caller's thread (no hand-off
-to the worker and back), with the result, errors and ordering the worker's run of it has."""
+to the worker and back), with the result, errors and ordering the worker's run of it has. That is the CUDA
+engine's rule; the CPU engine runs it so only on the worker's own thread (an engine process's pump), and the
+tests here switch the CUDA rule on (``_ops_on_callers``) to check it with the CPU's ops."""
 
 import random
 import threading
@@ -13,6 +15,15 @@ from convserve.service.engine import Engine, EngineConfig
 from convserve.service.model import ConvModel
 from tests.engine_support import DIM, LAYERS, Oracle, gate_worker, make_engine
 from tests.tolerance import assert_close
+
+
+@pytest.fixture
+def engine():
+    """A started CPU engine that runs an op whose turn is there on the caller's thread, as a CUDA engine does."""
+    e = make_engine()
+    e._ops_on_callers = True
+    yield e
+    e.stop(drain=False)
 
 
 def verified(e, oracle, n=4, k=3, layers=(0, 2)):
@@ -77,6 +88,22 @@ def test_an_accept_with_nothing_queued_commits_on_the_callers_thread_as_the_refe
     assert engine.stats()["ops_queued"] == 0
 
 
+def test_on_the_cpu_an_accept_from_a_callers_thread_is_the_workers_whose_thread_pool_runs_the_torch_ops():
+    e = make_engine()
+    try:
+        oracle = Oracle(e.model_cpu, e.state_dtype)
+        sids = verified(e, oracle, n=2)
+        where = commit_threads(e)
+        parked(e)
+        e.accept_batch(sids, [2, 1])
+        assert where == [e._thread.ident]
+        for s, n in zip(sids, [2, 1]):
+            oracle.accept(s, n)
+        assert_states(e, oracle, sids)
+    finally:
+        e.stop(drain=False)
+
+
 def test_an_accept_while_a_step_runs_waits_and_the_worker_commits_it_after_the_step(engine):
     oracle = Oracle(engine.model_cpu, engine.state_dtype)
     sids = verified(engine, oracle)
@@ -99,6 +126,7 @@ def test_an_accept_behind_a_queued_verify_of_its_session_waits_for_that_verify()
     """The verify sits in the batching window while the worker is parked: the accept is queued behind it (run at
     once, it would find that verify not run and commit nothing)."""
     e = make_engine(max_queue_delay_us=5_000_000)
+    e._ops_on_callers = True
     try:
         oracle = Oracle(e.model_cpu, e.state_dtype)
         sid = e.create_session()
@@ -166,6 +194,7 @@ def test_accepts_at_once_racing_with_other_threads_steps_and_queued_accepts_give
     running meanwhile), and verifies each with an accept queued right behind it (the worker commits those). Every
     session ends as the reference run of its own requests in order."""
     e = make_engine(slots=16)
+    e._ops_on_callers = True
     oracle = Oracle(e.model_cpu, e.state_dtype)
     try:
         groups = [[e.create_session() for _ in range(4)] for _ in range(3)]

@@ -2,11 +2,12 @@
 layer with a pending verify, the state after the first n of its tokens (0 discards it).
 
 Both run between steps, as one operation on their sessions (see :mod:`.session_ops`): on the worker, or at once
-on the caller's thread when nothing is queued before them and the worker is parked. The commit
-itself is a few device ops whatever the counts (:meth:`Accepts._commit_rows`). A batch whose sessions all hold
-the same pending verifies (the layers' verify batches of one frontend step covered them all) and have nothing
-queued after the accept is checked, cleared and committed as one record (:meth:`Accepts._accept_uniform_locked`);
-any other batch goes session by session (:meth:`Accepts._op_accept_batch`), with the same result.
+on the calling thread when nothing is queued before them and the worker is parked (see
+:meth:`SessionOps._runs_now_locked`). The commit itself is one copy and one launch on CUDA whatever the counts
+(:meth:`Accepts._commit_rows`). A batch whose sessions all hold the same pending verifies (the layers' verify
+batches of one frontend step covered them all) and have nothing queued after the accept is checked, cleared and
+committed as one record (:meth:`Accepts._accept_uniform_locked`); any other batch goes session by session
+(:meth:`Accepts._accept_batch_locked`), with the same result.
 :class:`Accepts` is a part of :class:`Engine` and shares its state.
 """
 

@@ -131,6 +131,11 @@ class Engine(Intake, SessionOps, Accepts, Positions, SnapshotTaking, Worker):
         self._thread: Optional[threading.Thread] = None
         # the worker is parked between steps and takes nothing up again before it holds the lock (Worker._wait)
         self._idle = False
+        # may an op whose turn is there run on any caller's thread (SessionOps._runs_now_locked), or only on the
+        # worker's own (an engine process's pump)? Any on CUDA, where an accept's commit is two asynchronous calls;
+        # on the CPU the commit is the torch ops themselves, intra-op parallel, and they stay on the worker's thread
+        # and its thread pool (another thread's pool competes with the worker's for the cores)
+        self._ops_on_callers = self.device.type == "cuda"
         self.pool: Optional[ConvStatePool] = None
         self.model: Optional[ConvModel] = None
         self._runner: Optional[Runner] = None   # the buffers, kernels and launchers, from start()

@@ -4,8 +4,10 @@ Every operation that reads or writes a session's state runs between steps (so a 
 in the middle of a step), after the requests of that session submitted before it: the caller's thread queues an
 :class:`Op` (with the last sequence number as its barrier), the worker picks the ready ones
 (:meth:`SessionOps._take_ready_ops_locked`) and runs them (:meth:`SessionOps._run_ops`). An accept whose turn is
-already there while the worker is parked runs at once on the caller's thread instead, under the engine lock
-(:meth:`SessionOps._runs_now_locked`). Validation runs on the caller's thread first. :class:`SessionOps` is a part of :class:`Engine` and shares its state.
+already there while the worker is parked runs at once instead, under the engine lock, on the caller's thread (on
+CUDA; on the CPU only when that is the worker's own, an engine process's pump): see
+:meth:`SessionOps._runs_now_locked`. Validation runs on the caller's thread first. :class:`SessionOps` is a part
+of :class:`Engine` and shares its state.
 """
 
 from __future__ import annotations
@@ -224,12 +226,12 @@ class SessionOps:
         without waiting for it, for a caller that forwards answers (the engine process). Validation errors are
         raised here, as the method raises them; the result or error comes on the returned future, set on the
         worker thread (or by :meth:`stop`; a ``session_info`` of a session with no operation queued, and an accept
-        that runs at once, see :meth:`_runs_now_locked`, are done in this call). It is ordered exactly as the method: after
-        the requests and operations of its sessions submitted before this call, before those submitted after
-        it. ``future.cancel()`` withdraws it if it has not started (once started it runs to its end and the
-        cancel returns False). One not started within ``request_timeout_s`` fails with :class:`RequestTimeout`
-        and never runs;
-        ``export_for_move`` is ``(export_state, its positions)``, refused while a verify is pending."""
+        that runs at once, see :meth:`_runs_now_locked`, are done in this call). It is ordered exactly as the
+        method: after the requests and operations of its sessions submitted before this call, before those
+        submitted after it. ``future.cancel()`` withdraws it if it has not started (once started it runs to its
+        end and the cancel returns False). One not started within ``request_timeout_s`` fails with
+        :class:`RequestTimeout` and never runs; ``export_for_move`` is ``(export_state, its positions)``, refused
+        while a verify is pending."""
         if name not in self.SUBMITTABLE_OPS:
             raise BadRequest(f"unknown session operation {name!r}")
         return getattr(self, "_post_" + name)(*args).future
@@ -283,8 +285,9 @@ class SessionOps:
         queued? Only when queueing it would change nothing but who runs it: the worker is parked between steps
         (``_idle``: it takes nothing up before it has this lock back, so no step, op or snapshot uses the runner
         meanwhile, and a request submitted after this op is scheduled after it), and no session of ``ss`` has
-        an op queued or an unfinished request (the worker would take the op at once: its turn is now)."""
-        if not self._idle:
+        an op queued or an unfinished request (the worker would take the op at once: its turn is now). On the
+        CPU only on the worker's own thread (``_ops_on_callers``)."""
+        if not self._idle or not (self._ops_on_callers or threading.get_ident() == self._cv.worker_ident):
             return False
         for s in ss:
             if s.ops or s.oldest_active() is not None:
