@@ -68,3 +68,18 @@ def test_malformed_frame_ends_the_stream_with_a_null_id_error_after_earlier_resu
         results = read_stream(resp)
     assert results[-1]["id"] is None and results[-1]["error"]["code"] == code
     check_stream_results(frames, results[:-1], [sid])
+
+
+@pytest.mark.parametrize("cut", [1, 5, 20, 50, 100])
+def test_a_body_that_ends_inside_a_frame_ends_with_an_error_naming_the_bytes_left_over(api, cut):
+    """Even a cut inside the frame's first map header or keys (the unpacker has begun the frame) is reported,
+    with the bytes of the unfinished frame."""
+    sid = api.session()
+    frames = make_frames([sid], 2, seed=7)
+    partial = pack_frames(make_frames([sid], 1, seed=8))[:cut]
+    with api.http.stream("POST", "/v1/conv/stream", content=pack_frames(frames) + partial) as resp:
+        results = read_stream(resp)
+    assert results[-1]["id"] is None and results[-1]["error"]["code"] == "bad_request", results[-1]
+    assert f"({cut} bytes left over)" in results[-1]["error"]["message"]
+    check_stream_results(frames, results[:-1], [sid])
+

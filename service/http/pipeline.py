@@ -67,6 +67,9 @@ class Pipeline:
         self.budget = wire.ObjectBudget(svc.max_objects)
         self.unpacker = wire.new_unpacker(svc.max_body, self.budget)
         self.fed = 0
+        # the end of the last whole frame: the unpacker's tell() also counts the bytes of a frame it has begun
+        # (a map header, its first keys), so a body that ends inside a frame is measured from here
+        self.whole = 0
         self.pending: dict = {}                # session -> deque of frames not yet released, in send order
         self.open = 0                          # frames read and not yet released
         self.inflight: set = set()             # frames submitted to the engine and not done
@@ -133,6 +136,7 @@ class Pipeline:
                 self.set_fatal(BadRequest(f"frame {self.nframes} is not valid msgpack ({type(e).__name__}: {e}); "
                                           "the stream ends here"))
                 return False
+            self.whole = unpacker.tell()
             self.budget.count = 0
             if not self.add(obj):
                 return False
@@ -149,9 +153,9 @@ class Pipeline:
 
     def finish_input(self) -> None:
         """The body (or the socket) ended: a partial frame left over is malformed."""
-        if self.fatal is None and self.unpacker.tell() != self.fed:
-            self.set_fatal(BadRequest(f"the body ends inside a frame ({self.fed - self.unpacker.tell()} bytes left "
-                                      "over); send whole msgpack maps"))
+        if self.fatal is None and self.whole != self.fed:
+            self.set_fatal(BadRequest(f"the body ends inside a frame ({self.fed - self.whole} bytes left over); "
+                                      "send whole msgpack maps"))
         self.reader_done = True
         self.event.set()
 
