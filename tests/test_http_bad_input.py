@@ -135,6 +135,14 @@ CASES = {
     "60MiB-json-string": (_post("/v1/sessions", lambda: b'{"session": "' + b"a" * (60 * MIB) + b'"}', JSON), 413,
                           "payload_too_large"),
     "garbage-msgpack": (_post("/v1/conv", lambda: b"\xc1" * 1000), 400, "bad_request"),
+    # valid msgpack with an array past the decoder's bound (the object budget): too large, not malformed
+    "100k-tokens-batch": (_post("/v1/conv/batch", lambda: wire.packb({"sessions": ["s"], "layer": 0, "x": _x_map(1),
+                                                                      "tokens": [1] * 100_000})), 413,
+                          "payload_too_large"),
+    # more sessions than max_batch_size, within the decoder's bounds: the batch's own limit
+    "5000-sessions-batch": (_post("/v1/conv/batch", lambda: wire.packb({"sessions": [f"s{i}" for i in range(5000)],
+                                                                        "layer": 0, "x": _x_map(5000)})), 413,
+                            "payload_too_large"),
     "wrong-content-type": (_post("/v1/conv", lambda: b"x=1", {"content-type": "text/plain"}), 400, "bad_request"),
     # issue 15 (3): no body read timeout
     "body-stops-halfway": (_slow_body, 408, "body_timeout"),

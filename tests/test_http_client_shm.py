@@ -213,6 +213,11 @@ def test_arena_blocks_are_aligned_and_wrap_around():
         assert a.locate(torch.zeros(4)) is None
         with pytest.raises(ValueError):
             a.empty((2000,), torch.float32)
+    with pytest.raises(ValueError, match="closed"):
+        a.empty((1,), torch.float32)
+    with pytest.raises(ValueError, match="closed"):
+        a.locate(b3)                                              # a block of the closed arena
+    assert not os.path.exists(a.path)
 
 
 def test_server_remaps_a_segment_recreated_under_its_key_and_keeps_evicted_views_valid(tmp_path):
@@ -228,3 +233,16 @@ def test_server_remaps_a_segment_recreated_under_its_key_and_keeps_evicted_views
     segs.view({"key": "convserve-client-b", "offset": 64}, "float32", (2,), "torch", "x")
     assert len(segs) == 1
     assert v.tolist() == [0, 1, 2, 3]                             # its mapping lives as long as the view
+
+
+def test_a_sweep_drops_the_mappings_of_unlinked_or_replaced_segments_only(tmp_path):
+    segs = ClientSegments(max_segments=8, root=str(tmp_path))
+    for k in "abc":
+        (tmp_path / f"convserve-client-{k}").write_bytes(bytes(256))
+        segs.view({"key": f"convserve-client-{k}", "offset": 0}, "float32", (4,), "torch", "x")
+    os.unlink(tmp_path / "convserve-client-a")                     # a client closed its arena
+    os.unlink(tmp_path / "convserve-client-b")                     # and one made a new one under the same key
+    (tmp_path / "convserve-client-b").write_bytes(bytes(256))
+    assert segs.sweep() == 2 and len(segs) == 1
+    assert segs.sweep() == 0
+

@@ -285,7 +285,7 @@ async def run(args) -> dict:
     url = args.url[0] if args.url and len(args.url) == 1 else args.url     # several: the routing client
     shm = None
     if args.shm_mib:
-        if not frontend or not isinstance(url, str):
+        if not frontend or isinstance(url, list):          # None: the default URL, one server
             raise SetupError("--shm-mib applies to --scenario frontend against one server on this host")
         from convserve.clients.protocol.shm import ShmArena
 

@@ -54,7 +54,7 @@ class ShmArena:
     block stays the caller's until ``nbytes`` of later blocks have been handed out. Fill it with x and pass it to
     ``conv`` / ``conv_batch`` of a client made with ``shm=arena``: the request then carries the block's reference
     instead of x's bytes, and the y returned is a view of the same block, which the server wrote y into. A tensor
-    that does not lie in the arena is sent in the body as usual.
+    that does not lie in the arena (or is a non-contiguous view of a block) is sent in the body as usual.
     """
 
     def __init__(self, nbytes: int, key: Optional[str] = None, root: str = "/dev/shm"):
@@ -88,6 +88,7 @@ class ShmArena:
 
         import numpy as np
 
+        self._check_open()
         torch_dtype = _torch_dtype(dtype)
         itemsize = torch_dtype.itemsize if torch_dtype is not None else _np_dtype(dtype).itemsize
         n = math.prod(shape) * itemsize
@@ -135,13 +136,20 @@ class ShmArena:
         off = ptr - self._base
         if off < 0 or off + n > self.nbytes or n == 0:
             return None
+        self._check_open()         # a block of this arena, closed since: its reference names no segment now
         return {"key": self.key, "offset": off}
+
+    def _check_open(self) -> None:
+        if self._bytes is None:
+            raise ValueError(f"ShmArena {self.key!r} is closed (its segment was unlinked): make a new ShmArena, "
+                             "or pass a client without shm=")
 
     def view(self, ref: Any, dtype: str, shape: tuple, backend: str, name: str):
         """The tensor a server's answer names (``ref``: its ``shm`` field): a view of this arena."""
         import math
 
         key, off = check_ref(ref, name)
+        self._check_open()
         if key != self.key:
             raise BadRequest(f"'{name}.shm' names segment {key!r}, not this client's {self.key!r}")
         from convserve.clients.protocol.wire import ITEMSIZE

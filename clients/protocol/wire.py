@@ -119,8 +119,11 @@ class ObjectBudget:
 
 
 def _bounds(max_bytes: int, budget: Optional[ObjectBudget] = None) -> dict:
+    # one array holds at most as many entries as the message may hold objects (the budget, a setting of the
+    # server): a batch of any max_batch_size within it decodes, and no array is built past it
     kw = dict(raw=False, strict_map_key=True, use_list=True, max_bin_len=max_bytes,
-              max_str_len=min(_MAX_STR_LEN, max_bytes), max_array_len=_MAX_ARRAY_LEN,
+              max_str_len=min(_MAX_STR_LEN, max_bytes),
+              max_array_len=_MAX_ARRAY_LEN if budget is None else max(_MAX_ARRAY_LEN, budget.limit),
               max_map_len=_MAX_MAP_LEN, max_ext_len=0)
     if budget is not None:
         kw.update(list_hook=budget.list_hook, object_hook=budget.object_hook)
@@ -148,8 +151,21 @@ def unpackb(data: bytes, max_bytes: int, max_objects: Optional[int] = None) -> A
         raise BadRequest("the body holds more than one msgpack object; send exactly one map "
                          "(use /v1/conv/stream for many)") from None
     except (ValueError, msgpack.UnpackException, TypeError) as e:
-        raise BadRequest(f"the body is not valid msgpack ({type(e).__name__}: {e}); send one msgpack map "
-                         f"encoded with bin types for bytes") from None
+        raise bound_error(e, "the body") or BadRequest(
+            f"the body is not valid msgpack ({type(e).__name__}: {e}); send one msgpack map encoded with bin "
+            "types for bytes") from None
+
+
+def bound_error(e: Exception, what: str) -> Optional[PayloadTooLarge]:
+    """The :class:`PayloadTooLarge` for a decoder error that is one of the size bounds of :func:`_bounds` (an array,
+    map or string longer than allowed; the message itself is valid msgpack), else None."""
+    text = str(e)
+    for bound, advice in (("max_array_len", "split the batch, or raise --max-body-objects"),
+                          ("max_map_len", "send the documented fields only"),
+                          ("max_str_len", "session ids and strings are at most 64 KiB")):
+        if bound in text:
+            return PayloadTooLarge(f"{what} holds a value larger than this server takes ({text}); {advice}")
+    return None
 
 
 def new_unpacker(max_bytes: int, budget: Optional[ObjectBudget] = None) -> msgpack.Unpacker:

@@ -32,7 +32,7 @@ from starlette.routing import Route, WebSocketRoute
 from convserve.clients.protocol.errors import NotReady
 from convserve.service.gcfreeze import freeze_startup_objects
 from convserve.service.http.backend import EngineAPI
-from convserve.service.http.client_shm import SHM_ROOT, ClientSegments
+from convserve.service.http.client_shm import SHM_ROOT, SWEEP_S, ClientSegments
 from convserve.service.http.control import add_control_routes
 from convserve.service.http.edge import ConvServeApp, Edge
 from convserve.service.http.errors import install_handlers
@@ -143,9 +143,19 @@ def create_app(settings, engine: EngineAPI, *, start_engine: bool = True, snapsh
                 log.info("ready", extra={"seconds": round(time.perf_counter() - t0, 3), **_info_fields(engine)})
 
             starter = asyncio.ensure_future(_start())
+        sweeper = None
+        if svc.client_shm is not None:
+            async def _sweep():
+                while True:
+                    await asyncio.sleep(SWEEP_S)
+                    await asyncio.to_thread(svc.client_shm.sweep)
+
+            sweeper = asyncio.ensure_future(_sweep())
         try:
             yield
         finally:
+            if sweeper is not None:
+                sweeper.cancel()
             svc.start_draining()
             if starter is not None and not starter.done():
                 await starter

@@ -3,9 +3,9 @@
 :class:`ClientSegments` maps a client's segment by key on first use and hands out views of it: x is read in
 place (the engine, or the worker's copy into its engine arena, reads it there), and y is written over it before
 the answer, which names the same block. A mapping is kept while the segment's file stays the same (same inode and
-size, checked with one ``stat`` per request) and while it is among the ``client_shm_segments`` most recently used
-of this process; a view holds its mapping alive, so a segment unlinked or evicted mid-request stays valid for that
-request.
+size, checked with one ``stat`` per request, and every :data:`SWEEP_S` seconds for every mapping, so a client's
+closed arena is released) and while it is among the ``client_shm_segments`` most recently used of this process; a
+view holds its mapping alive, so a segment unlinked or evicted mid-request stays valid for that request.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from convserve.clients.protocol.wire import ITEMSIZE
 
 #: where POSIX shared-memory segments live on Linux (shm_open's namespace)
 SHM_ROOT = "/dev/shm"
+#: seconds between two sweeps of the mappings of segments their clients have unlinked
+SWEEP_S = 5.0
 
 
 class ClientSegments:
@@ -35,6 +37,28 @@ class ClientSegments:
         self.root = root
         self._maps: collections.OrderedDict = collections.OrderedDict()   # key -> (inode, size, mmap)
         self._lock = threading.Lock()        # parsing may run on a parser thread as well as the loop's
+
+    def sweep(self) -> int:
+        """Drop the mappings of segments that were unlinked or replaced since they were mapped (a client that
+        closed its arena): their memory is freed once no request in flight holds a view. Returns how many.
+        The app runs this every few seconds (:data:`SWEEP_S`)."""
+        with self._lock:
+            cached = [(k, ino) for k, (ino, _size, _mm) in self._maps.items()]
+        gone = []
+        for key, ino in cached:
+            try:
+                if os.stat(os.path.join(self.root, key)).st_ino == ino:
+                    continue
+            except FileNotFoundError:
+                pass
+            gone.append(key)
+        inodes = dict(cached)
+        with self._lock:
+            for key in gone:
+                got = self._maps.get(key)
+                if got is not None and got[0] == inodes[key]:   # not remapped meanwhile
+                    del self._maps[key]
+        return len(gone)
 
     def view(self, ref: Any, dtype: str, shape: tuple, backend: str, name: str):
         """A writable torch view of ``shape`` / ``dtype`` at the block ``ref`` names, or :class:`BadRequest`."""

@@ -133,8 +133,9 @@ class Pipeline:
                 self.set_fatal(PayloadTooLarge(f"frame {self.nframes}: {e.message}; the stream ends here"))
                 return False
             except Exception as e:  # noqa: BLE001 - msgpack raises several types for bad input
-                self.set_fatal(BadRequest(f"frame {self.nframes} is not valid msgpack ({type(e).__name__}: {e}); "
-                                          "the stream ends here"))
+                too_large = wire.bound_error(e, f"frame {self.nframes}")
+                self.set_fatal(too_large or BadRequest(f"frame {self.nframes} is not valid msgpack "
+                                                       f"({type(e).__name__}: {e}); the stream ends here"))
                 return False
             self.whole = unpacker.tell()
             self.budget.count = 0
