@@ -135,7 +135,9 @@ def serve(device: str, server_args: list, cpus: Optional[set] = None, timeout: f
 
 
 def start_server(args) -> Proc:
-    return serve(args.device, ["--slots", str(args.slots), *args.server_arg], args.server_cpus)
+    # the step-shm leg's client is on this host: the server takes tensors from its shared memory
+    shm = ["--client-shm"] if "step-shm" in args.legs.split(",") else []
+    return serve(args.device, ["--slots", str(args.slots), *shm, *args.server_arg], args.server_cpus)
 
 
 # ----------------------------------------------------------------------------------- transports

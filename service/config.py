@@ -166,9 +166,10 @@ class Settings(BaseSettings):
                                                                "in bytes (413 above)")
     max_body_objects: int = Field(MAX_OBJECTS, ge=64, description="most objects (array and map entries, and the "
                                   "containers) in one body or frame (413 above): decoding stops there")
-    client_shm: bool = Field(True, description="take a conv's x from a client's shared-memory segment on this "
+    client_shm: bool = Field(False, description="take a conv's x from a client's shared-memory segment on this "
                              "host (a tensor map with 'shm' instead of 'data'; y is written back there): the "
-                             "body then carries no tensor bytes")
+                             "body then carries no tensor bytes. Any client may then name a convserve-client-* "
+                             "segment this server's user can open: turn it on for the frontends of this host")
     client_shm_segments: int = Field(64, ge=1, description="client shared-memory segments each HTTP process keeps "
                                      "mapped (the least recently used one is dropped past it)")
     max_tokens_per_request: int = Field(8192, ge=1, description="largest T of one conv request (413 above)")

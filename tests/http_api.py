@@ -26,7 +26,8 @@ MP = {"content-type": wire.MEDIA_TYPE, "accept": wire.MEDIA_TYPE}
 ATOL, RTOL = 1e-6, 1e-5
 SERVER_ARGS = ["--layers", "0,2,5", "--dim", str(DIM), "--width", str(WIDTH), "--dtype", "float32",
                "--slots", str(SLOTS), "--max-tokens-per-request", str(MAX_TOKENS), "--max-body-bytes", str(MAX_BODY),
-               "--max-batch-tokens", "1024", "--max-queue-delay-us", "500", "--stream-window", "32"]
+               "--max-batch-tokens", "1024", "--max-queue-delay-us", "500", "--stream-window", "32",
+               "--client-shm"]
 
 
 def model():

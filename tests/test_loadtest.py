@@ -32,7 +32,7 @@ def weights(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(weights):
-    srv = LiveServer(["--weights", str(weights[0]), "--slots", "64", "--max-queue-delay-us", "300"])
+    srv = LiveServer(["--weights", str(weights[0]), "--slots", "64", "--max-queue-delay-us", "300", "--client-shm"])
     srv.wait_ready()
     yield srv
     srv.terminate()

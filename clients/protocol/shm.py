@@ -7,8 +7,9 @@ which the client created. The server reads x there and writes y over it (y has x
 bytes each way, and neither side copies the tensor through a socket. It works only where client and server see
 the same ``/dev/shm`` (one host, or one pod), as KServe's and Triton's system shared-memory extension does.
 
-The client owns the segment (:class:`ShmArena` creates it, unlinks it at close); the server maps segments by key
-on first use (:mod:`convserve.service.http.client_shm`). A key must match :data:`KEY_RE` (``convserve-client-``
+The client owns the segment (:class:`ShmArena` creates it, unlinks it at close); the server opens segments by key
+on first use and reads and writes them through the descriptor, never a mapping
+(:mod:`convserve.service.http.client_shm`), when its ``client_shm`` setting is on. A key must match :data:`KEY_RE` (``convserve-client-``
 and up to 200 characters of ``[A-Za-z0-9_.-]``), so a request can name no other file (the server's own
 shared memory, ``convserve-<pid>-*``, included).
 """
@@ -25,11 +26,10 @@ from convserve.clients.protocol.errors import BadRequest
 
 #: the names a segment may have: the prefix keeps a request from naming any other file of /dev/shm
 KEY_RE = re.compile(r"convserve-client-[A-Za-z0-9_.-]{1,200}\Z")
-#: every block of a tensor starts at a multiple of this many bytes
+#: every block the arena hands out starts at a multiple of this many bytes
 ALIGN = 64
-#: mmap flag that maps (and on the creating side allocates) every page at once: a block's first use then costs no
-#: page faults on either side, which for a 2 MB block on a fresh page each call cost more than the bytes' socket
-#: round trip
+#: mmap flag that allocates and maps every page of the arena at creation: a block's first use then costs no page
+#: faults, which for a 2 MB block on fresh pages each call cost more than the bytes' socket round trip
 POPULATE = getattr(__import__("mmap"), "MAP_POPULATE", 0)
 
 

@@ -1,128 +1,155 @@
 """The server's side of tensors in a client's shared memory (:mod:`convserve.clients.protocol.shm`).
 
-:class:`ClientSegments` maps a client's segment by key on first use and hands out views of it: x is read in
-place (the engine, or the worker's copy into its engine arena, reads it there), and y is written over it before
-the answer, which names the same block. A mapping is kept while the segment's file stays the same (same inode and
-size, checked with one ``stat`` per request, and every :data:`SWEEP_S` seconds for every mapping, so a client's
-closed arena is released) and while it is among the ``client_shm_segments`` most recently used of this process; a
-view holds its mapping alive, so a segment unlinked or evicted mid-request stays valid for that request.
+The server never maps a client's segment: a mapping of a file its client can shrink turns any later touch of it
+(by the engine, a copy, the NaN check) into SIGBUS, which kills the process. It reads x out of the segment with one
+``preadv`` into a tensor of its own (a segment shorter than the block is a 400, before anything runs) and writes
+y back over it with one ``pwrite``. Both are one kernel copy, and the body carries no tensor bytes.
+
+:class:`ClientSegments` keeps an open descriptor per segment key (at most ``client_shm_segments``, least recently
+used closed first; the file opened without following links and checked to be a regular file). A request that names
+a segment takes a duplicate of its descriptor (:class:`ReplyTo`) at parse time, so y can always be written back,
+even if the client unlinks the segment meanwhile. Every :data:`SWEEP_S` seconds the descriptors of unlinked segments
+are closed (an open descriptor keeps an unlinked segment's memory allocated).
 """
 
 from __future__ import annotations
 
 import collections
-import ctypes
 import math
-import mmap
 import os
 import stat
 import threading
-from typing import Any
+from typing import Any, Optional
 
-from convserve.clients.protocol.errors import BadRequest
-from convserve.clients.protocol.shm import ALIGN, POPULATE, check_ref
+from convserve.clients.protocol.errors import BadRequest, Internal
+from convserve.clients.protocol.shm import check_ref
 from convserve.clients.protocol.wire import ITEMSIZE
 
 #: where POSIX shared-memory segments live on Linux (shm_open's namespace)
 SHM_ROOT = "/dev/shm"
-#: seconds between two sweeps of the mappings of segments their clients have unlinked
+#: seconds between two sweeps of the descriptors of segments their clients have unlinked
 SWEEP_S = 5.0
 
 
+class ReplyTo:
+    """Where a request's y goes: a duplicate descriptor of its segment and the block's offset. :meth:`write`
+    writes y and closes it; :meth:`close` alone (a request that failed) closes it."""
+
+    __slots__ = ("fd", "ref")
+
+    def __init__(self, fd: int, ref: dict):
+        self.fd, self.ref = fd, ref
+
+    def write(self, y) -> dict:
+        """Write ``y`` (a CPU tensor) over the block and return the answer's tensor map, which names it."""
+        import torch
+
+        from convserve.clients.protocol.wire import _torch_names
+
+        data = memoryview(y.contiguous().view(-1).view(torch.uint8).numpy())
+        try:
+            n = os.pwrite(self.fd, data, self.ref["offset"])
+        except OSError as e:
+            raise Internal(f"the conv was applied, but y could not be written to shared-memory segment "
+                           f"{self.ref['key']!r} ({e.strerror}); read the session's state before going on") from None
+        finally:
+            self.close()
+        if n != len(data):
+            raise Internal(f"the conv was applied, but only {n} of y's {len(data)} bytes could be written to "
+                           f"shared-memory segment {self.ref['key']!r}; read the session's state before going on")
+        return {"dtype": _torch_names()[y.dtype], "shape": list(y.shape), "shm": self.ref}
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __del__(self):
+        self.close()
+
+
 class ClientSegments:
-    """Segments of clients mapped in this process, at most ``max_segments`` (least recently used dropped)."""
+    """Open descriptors of clients' segments in this process, at most ``max_segments``."""
 
     def __init__(self, max_segments: int, root: str = SHM_ROOT):
         self.max_segments = max_segments
         self.root = root
-        self._maps: collections.OrderedDict = collections.OrderedDict()   # key -> (inode, size, mmap)
+        self._fds: collections.OrderedDict = collections.OrderedDict()   # key -> (fd, inode)
         self._lock = threading.Lock()        # parsing may run on a parser thread as well as the loop's
 
-    def sweep(self) -> int:
-        """Drop the mappings of segments that were unlinked or replaced since they were mapped (a client that
-        closed its arena): their memory is freed once no request in flight holds a view. Returns how many.
-        The app runs this every few seconds (:data:`SWEEP_S`)."""
-        with self._lock:
-            cached = [(k, ino) for k, (ino, _size, _mm) in self._maps.items()]
-        gone = []
-        for key, ino in cached:
-            try:
-                if os.stat(os.path.join(self.root, key)).st_ino == ino:
-                    continue
-            except FileNotFoundError:
-                pass
-            gone.append(key)
-        inodes = dict(cached)
-        with self._lock:
-            for key in gone:
-                got = self._maps.get(key)
-                if got is not None and got[0] == inodes[key]:   # not remapped meanwhile
-                    del self._maps[key]
-        return len(gone)
-
     def view(self, ref: Any, dtype: str, shape: tuple, backend: str, name: str):
-        """A writable torch view of ``shape`` / ``dtype`` at the block ``ref`` names, or :class:`BadRequest`."""
-        key, off = check_ref(ref, name)
-        if off % ALIGN:
-            raise BadRequest(f"'{name}.shm.offset' is {off}; a block starts at a multiple of {ALIGN} bytes")
-        n = math.prod(shape) * ITEMSIZE[dtype]
-        mm = self._mapping(key, name)
-        if off + n > len(mm):
-            raise BadRequest(f"'{name}.shm': {n} bytes from offset {off} run past the end of segment {key!r} "
-                             f"({len(mm)} bytes)")
+        """x: a torch tensor of ``shape`` / ``dtype`` holding a copy of the block ``ref`` names (one ``preadv``),
+        or :class:`BadRequest`."""
         import torch
 
-        tdt = getattr(torch, dtype)
+        key, off = check_ref(ref, name)
+        n = math.prod(shape) * ITEMSIZE[dtype]
+        x = torch.empty(shape, dtype=getattr(torch, dtype))
         if n == 0:
-            return torch.empty(shape, dtype=tdt)
-        return torch.frombuffer(mm, dtype=tdt, count=n // ITEMSIZE[dtype], offset=off).view(shape)
+            return x
+        fd = self._dup(key, name)
+        try:
+            got = os.preadv(fd, [memoryview(x.view(-1).view(torch.uint8).numpy())], off)
+            if got != n:
+                raise BadRequest(f"'{name}.shm': {n} bytes from offset {off} run past the end of segment "
+                                 f"{key!r} ({os.fstat(fd).st_size} bytes)")
+        finally:
+            os.close(fd)
+        return x
 
-    def _mapping(self, key: str, name: str) -> mmap.mmap:
-        path = os.path.join(self.root, key)
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            raise BadRequest(f"'{name}.shm': no shared-memory segment {key!r} on this server's host; create it "
-                             "there (ShmArena) or send 'data'") from None
+    def reply_to(self, ref: dict) -> ReplyTo:
+        """Where the request's y goes (its x named ``ref`` and was read)."""
+        return ReplyTo(self._dup(ref["key"], "x"), ref)
+
+    def sweep(self) -> int:
+        """Close the descriptors of segments that were unlinked or replaced since they were opened (a client that
+        closed its arena); returns how many. The app runs this every :data:`SWEEP_S` seconds."""
+        gone = []
         with self._lock:
-            got = self._maps.get(key)
-            if got is not None and got[0] == st.st_ino and got[1] == st.st_size:
-                self._maps.move_to_end(key)
-                return got[2]
+            for key, (fd, ino) in self._fds.items():
+                if os.fstat(fd).st_nlink == 0 or _inode(os.path.join(self.root, key)) != ino:
+                    gone.append(key)
+            for key in gone:
+                os.close(self._fds.pop(key)[0])
+        return len(gone)
+
+    def _dup(self, key: str, name: str) -> int:
+        """A duplicate of the segment's descriptor, the caller's to close (the cached one may be closed by another
+        thread at any time: only the lock holder touches it)."""
+        path = os.path.join(self.root, key)
+        ino = _inode(path)
+        if ino is None:
+            raise BadRequest(f"'{name}.shm': no shared-memory segment {key!r} on this server's host; create it "
+                             "there (ShmArena) or send 'data'")
+        with self._lock:
+            got = self._fds.get(key)
+            if got is not None and got[1] == ino:
+                self._fds.move_to_end(key)
+                return os.dup(got[0])
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as e:
             raise BadRequest(f"'{name}.shm': segment {key!r} cannot be opened for reading and writing by the "
                              f"server ({e.strerror}); give the server's user access, or send 'data'") from None
-        try:
-            fst = os.fstat(fd)
-            size = fst.st_size
-            if not stat.S_ISREG(fst.st_mode) or size == 0:
-                raise BadRequest(f"'{name}.shm': {key!r} is not a shared-memory segment with data")
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | POPULATE)   # every page mapped once, here
-        finally:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
             os.close(fd)
+            raise BadRequest(f"'{name}.shm': {key!r} is not a shared-memory segment")
         with self._lock:
-            self._maps[key] = (st.st_ino, size, mm)
-            self._maps.move_to_end(key)
-            while len(self._maps) > self.max_segments:
-                self._maps.popitem(last=False)       # its views (requests in flight) keep it mapped
-        return mm
+            old = self._fds.pop(key, None)
+            if old is not None:
+                os.close(old[0])
+            self._fds[key] = (fd, st.st_ino)
+            while len(self._fds) > self.max_segments:
+                os.close(self._fds.popitem(last=False)[1][0])
+            return os.dup(fd)
 
     def __len__(self) -> int:
-        return len(self._maps)
+        return len(self._fds)
 
 
-def answer_in_place(x, y, ref: dict) -> dict:
-    """Write ``y`` over ``x`` (a view of a client's segment, the request's x) and return the answer's tensor map,
-    which names the same block."""
-    if y.data_ptr() != x.data_ptr():
-        if y.dtype == x.dtype and y.is_contiguous() and y.device.type == "cpu":
-            # one memmove: torch's copy would spread it over intra-op threads (a CPU engine in this process runs
-            # with cpu_threads of them), which spin against the serving threads
-            ctypes.memmove(x.data_ptr(), y.data_ptr(), y.numel() * y.element_size())
-        else:
-            x.copy_(y)
-    from convserve.clients.protocol.wire import _torch_names
-
-    return {"dtype": _torch_names()[y.dtype], "shape": list(y.shape), "shm": ref}
+def _inode(path: str) -> Optional[int]:
+    try:
+        return os.stat(path, follow_symlinks=False).st_ino
+    except FileNotFoundError:
+        return None

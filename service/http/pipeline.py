@@ -25,7 +25,6 @@ import msgpack
 
 from convserve.clients.protocol import wire
 from convserve.clients.protocol.errors import BadRequest, Internal, NotReady, PayloadTooLarge, ServiceError
-from convserve.service.http.client_shm import answer_in_place
 from convserve.service.http.errors import as_service_error, error_frame
 from convserve.service.http.parse import shm_ref
 
@@ -34,11 +33,11 @@ if TYPE_CHECKING:
 
 
 class _Frame:
-    __slots__ = ("id", "keys", "fut", "out", "t0", "code", "x", "shm")
+    __slots__ = ("id", "keys", "fut", "out", "t0", "code", "shm")
 
     def __init__(self, fid, t0):
         self.id = fid
-        self.x = self.shm = None  # with shm (x in a client's shared memory): x, which y is written over
+        self.shm = None         # x came from a client's shared memory: where y goes (client_shm.ReplyTo)
         self.keys = (None,)     # the sessions whose order this frame keeps (one, or a batch's distinct ones)
         self.fut = None
         self.out: Optional[bytes] = None
@@ -204,9 +203,9 @@ class Pipeline:
             else:
                 session, layer, x, spec, position = self._parse(obj, frame=True)
                 fut = self._submit(session, layer, x, speculative=spec, position=position)
-            f.shm = shm_ref(obj)
-            if f.shm is not None:
-                f.x = x
+            ref = shm_ref(obj)
+            if ref is not None:
+                f.shm = svc.client_shm.reply_to(ref)
         except Exception as e:  # noqa: BLE001 - a bad frame fails alone
             self._set_error(f, as_service_error(e))
             self._release(f.keys)
@@ -239,10 +238,11 @@ class Pipeline:
                     try:
                         y = fut.result()
                         f.out = self.packer.pack({"id": f.id, "y": wire.encode_tensor(y) if f.shm is None
-                                                  else answer_in_place(f.x, y, f.shm)})
-                        f.x = None
+                                                  else f.shm.write(y)})
                     except Exception as e:  # noqa: BLE001
                         self._set_error(f, as_service_error(e))
+        if f.shm is not None:
+            f.shm.close()
         self._release(f.keys)
         if len(self.inflight) < self.window:
             self.window_free.set()

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 from convserve.clients.protocol import wire
 from convserve.service.http.asgi import (MSGPACK_CT, ROUTE_SCOPE_KEY, ClientGone, client_gone, render, send_bytes,
                                          wants_json)
-from convserve.service.http.client_shm import answer_in_place
 from convserve.service.http.errors import as_service_error, send_error
 from convserve.service.http.parse import parse_body, read_body, shm_ref
 from convserve.service.http.replica import merge_session
@@ -86,9 +85,14 @@ class _UnaryEndpoint:
         self.parser = svc.parser
 
     def parse(self, scope, body: bytes):
-        """``(parsed, shm)``: the decoded and validated body, what :meth:`submit` takes, and the ``shm`` reference
-        of its x when x lies in a client's shared memory (else None) (a parser thread may run this)."""
+        """``(parsed, shm)``: the decoded and validated body, what :meth:`submit` takes, and where its y goes when
+        its x lay in a client's shared memory (a :class:`~.client_shm.ReplyTo`, else None) (a parser thread may
+        run this)."""
         raise NotImplementedError
+
+    def reply_to(self, obj):
+        ref = shm_ref(obj)
+        return None if ref is None else self.svc.client_shm.reply_to(ref)
 
     def submit(self, parsed):
         """Submit a parsed body; returns the engine's asyncio future (on the loop)."""
@@ -97,6 +101,7 @@ class _UnaryEndpoint:
     async def __call__(self, scope, receive, send):
         svc = self.svc
         scope[ROUTE_SCOPE_KEY] = self.route
+        shm = None
         try:
             svc.require_ready()
             body = await read_body(scope, receive, svc.max_body, svc.body_timeout)
@@ -105,7 +110,7 @@ class _UnaryEndpoint:
             y = await wait_result(self.engine, fut, receive)
             as_json = wants_json(scope)
             if shm is not None:         # y over x in the client's segment; the answer names it
-                out, ct = render({"y": answer_in_place(parsed[2], y, shm)}, as_json)
+                out, ct = render({"y": shm.write(y)}, as_json)
             elif as_json or y.nbytes < SPLIT_BYTES:
                 out, ct = render({"y": wire.encode_tensor(y)}, as_json)
             else:
@@ -116,6 +121,9 @@ class _UnaryEndpoint:
         except Exception as e:  # noqa: BLE001 - every failure becomes an error response
             await send_error(scope, send, as_service_error(e))
             return
+        finally:
+            if shm is not None:
+                shm.close()
         if shm is not None or as_json or y.nbytes < SPLIT_BYTES:
             await send_bytes(send, 200, out, ct)
         else:       # y's memory (an engine output, or a worker's arena block) is written out as it is
@@ -134,7 +142,7 @@ class ConvEndpoint(_UnaryEndpoint):
             sid = merge_session(scope, obj.get("session") if type(obj.get("session")) is str else None)
             if sid is not None and "session" not in obj:
                 obj["session"] = sid
-        return self.parser.conv(obj), shm_ref(obj)
+        return self.parser.conv(obj), self.reply_to(obj)
 
     def submit(self, parsed):
         session, layer, x, spec, position = parsed
@@ -150,7 +158,7 @@ class BatchEndpoint(_UnaryEndpoint):
     def parse(self, scope, body: bytes):
         svc = self.svc
         obj = parse_body(scope, body, svc.max_body, svc.max_objects, svc.max_json)
-        return self.parser.batch(obj), shm_ref(obj)
+        return self.parser.batch(obj), self.reply_to(obj)
 
     def submit(self, parsed):
         sessions, layer, x, tokens, spec, position = parsed
