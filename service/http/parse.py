@@ -186,6 +186,7 @@ class Parser:
         self.state_dtype = str(info["state_dtype"])
         self.max_batch_size = max_batch_size
         self.x_check = wire.shape_checker((dim,), min_first=1, max_first=max_tokens_per_request)
+        self.max_batch_tokens = max_batch_tokens
         self.batch_check = wire.shape_checker((dim,), min_first=1, max_first=max_batch_tokens, first_name="rows")
         self.state_check = wire.exact_shape_checker((len(self.layers), dim, width - 1), "state")
         self._frame_fields = {f: (*f, "id") for f in (CONV_FIELDS, BATCH_FIELDS)}
@@ -234,7 +235,11 @@ class Parser:
                 raise BadRequest(f"'tokens' must be a list of {n} integers, one per session, got {tokens!r:.80}")
             for i, t in enumerate(tokens):
                 if type(t) is not int or t < 1:
-                    raise BadRequest(f"'tokens'[{i}] is {t!r:.40}; each session sends at least one token")
+                    raise BadRequest(f"'tokens'[{i}] is {t!r:.40}; each entry is an integer >= 1 (every session "
+                                     "sends at least one token)")
+            if sum(tokens) > self.max_batch_tokens:
+                raise PayloadTooLarge(f"'tokens' add up to {sum(tokens)}, above max_batch_tokens "
+                                      f"{self.max_batch_tokens}; split the batch")
         spec = req.get("speculative")
         if spec is not None and type(spec) is not bool:
             if type(spec) is not list or len(spec) != n or not all(type(s) is bool for s in spec):
