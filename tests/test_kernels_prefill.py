@@ -238,8 +238,10 @@ def test_persistent_channels_last_body_matches_reference(width, dim, monkeypatch
     small_channels_last_tiles(monkeypatch, 4, persistent=1)
     rng = random.Random(SEED + 700 + width)
     gen = torch.Generator().manual_seed(SEED + 700 + width)
+    # 40 tail tokens: at least 6 chunks of 8 per channel block whatever the draw, more than the 4 programs per
+    # block the grid has off CUDA (a draw of short sequences alone had as many chunks as programs)
     args = random_batch(gen, rng, dim, width, "channels_last", torch.float32, kernel_device, n_seq=4, max_len=60,
-                        tail=5, long_share=0.8)
+                        tail=40, long_share=0.8)
     y, st_k, ref, st_r = run_both(*args)
     [(body, _, _)] = prefill_plan._PLANS.values()
     [p] = body
