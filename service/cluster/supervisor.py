@@ -23,12 +23,12 @@ import os
 import shutil
 import signal
 import socket
-import tempfile
 import time
 from multiprocessing.connection import wait
 from typing import Optional
 
 from . import engine_proc, worker
+from .run_dirs import make_run_dir, sweep_dead
 from .status import DOWN, NEW, STARTING, STOPPED, StatusTable
 
 log = logging.getLogger("convserve.supervisor")
@@ -57,7 +57,8 @@ class Supervisor:
         self.devices = devices
         self.n_workers = n_workers
         self.ctx = mp.get_context("spawn")
-        self.run_dir = tempfile.mkdtemp(prefix=f"convserve-{os.getpid()}-", dir=run_dir_root())
+        sweep_dead(run_dir_root())
+        self.run_dir, self._run_lock = make_run_dir(run_dir_root())
         self.status = StatusTable(os.path.join(self.run_dir, "status"), len(devices), create=True)
         self.engines = [_Child("engine", i) for i in range(len(devices))]
         self.workers = [_Child("worker", i) for i in range(n_workers)]
@@ -142,6 +143,7 @@ class Supervisor:
             for s, h in old.items():
                 signal.signal(s, h)
             shutil.rmtree(self.run_dir, ignore_errors=True)
+            os.close(self._run_lock)
 
     def _on_signal(self, signum, frame) -> None:
         self.stopping = True
