@@ -170,8 +170,8 @@ class Settings(BaseSettings):
                              "host (a tensor map with 'shm' instead of 'data'; y is written back there): the "
                              "body then carries no tensor bytes. Any client may then name a convserve-client-* "
                              "segment this server's user can open: turn it on for the frontends of this host")
-    client_shm_segments: int = Field(64, ge=1, description="client shared-memory segments each HTTP process keeps "
-                                     "mapped (the least recently used one is dropped past it)")
+    client_shm_segments: int = Field(64, ge=1, description="client shared-memory segment descriptors each HTTP "
+                                     "process keeps open (the least recently used one is closed past it)")
     max_tokens_per_request: int = Field(8192, ge=1, description="largest T of one conv request (413 above)")
     check_finite: bool = Field(_ENGINE.check_finite, description="reject x with NaN or Inf (422 non_finite)")
     stream_window: int = Field(256, ge=1, description="frames of one stream or WebSocket being computed at "

@@ -16,6 +16,8 @@ shared memory, ``convserve-<pid>-*``, included).
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import os
 import re
 import uuid
@@ -30,7 +32,7 @@ KEY_RE = re.compile(r"convserve-client-[A-Za-z0-9_.-]{1,200}\Z")
 ALIGN = 64
 #: mmap flag that allocates and maps every page of the arena at creation: a block's first use then costs no page
 #: faults, which for a 2 MB block on fresh pages each call cost more than the bytes' socket round trip
-POPULATE = getattr(__import__("mmap"), "MAP_POPULATE", 0)
+POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 def check_ref(ref: Any, name: str) -> tuple[str, int]:
@@ -58,8 +60,6 @@ class ShmArena:
     """
 
     def __init__(self, nbytes: int, key: Optional[str] = None, root: str = "/dev/shm"):
-        import mmap
-
         import numpy as np
 
         self.key = key or f"convserve-client-{uuid.uuid4().hex}"
@@ -86,24 +86,27 @@ class ShmArena:
         numpy dtype or a wire name (``"bfloat16"`` through ml_dtypes, ``"float16"``, ``"float32"``)."""
         import math
 
-        import numpy as np
-
         self._check_open()
-        torch_dtype = _torch_dtype(dtype)
-        itemsize = torch_dtype.itemsize if torch_dtype is not None else _np_dtype(dtype).itemsize
-        n = math.prod(shape) * itemsize
+        if type(dtype).__module__ != "torch":
+            dtype = _np_dtype(dtype)
+        n = math.prod(shape) * dtype.itemsize
         if n > self.nbytes:
             raise ValueError(f"a block of {n} bytes does not fit in this arena of {self.nbytes}")
         lo = -(-self._next // ALIGN) * ALIGN
         if lo + n > self.nbytes:
             lo = 0
         self._next = lo + n
-        raw = self._bytes[lo:lo + n]
-        if torch_dtype is not None:
+        return self._typed(lo, n, dtype, shape)
+
+    def _typed(self, off: int, n: int, dtype, shape):
+        """Bytes ``[off, off + n)`` of the arena as ``shape``: a torch tensor for a torch dtype, else a numpy
+        array of the numpy dtype."""
+        raw = self._bytes[off:off + n]
+        if type(dtype).__module__ == "torch":
             import torch
 
-            return torch.from_numpy(raw).view(torch_dtype).view(tuple(shape))
-        return raw.view(_np_dtype(dtype)).reshape(shape)
+            return torch.from_numpy(raw).view(dtype).view(tuple(shape))
+        return raw.view(dtype).reshape(shape)
 
     def put(self, x):
         """The next block, holding a copy of ``x`` (a C-contiguous host tensor or array), made with one
@@ -157,18 +160,15 @@ class ShmArena:
         n = math.prod(shape) * ITEMSIZE[dtype]
         if off + n > self.nbytes:
             raise BadRequest(f"'{name}.shm' reaches byte {off + n}, past this arena's {self.nbytes}")
-        raw = self._bytes[off:off + n]
         if backend == "torch":
             import torch
 
-            return torch.from_numpy(raw).view(getattr(torch, dtype)).view(tuple(shape))
-        from convserve.clients.protocol.wire import numpy_dtype
-
-        return raw.view(numpy_dtype(dtype)).reshape(shape)
+            return self._typed(off, n, getattr(torch, dtype), shape)
+        return self._typed(off, n, _np_dtype(dtype), shape)
 
     def close(self) -> None:
-        """Unlink the segment. Blocks handed out stay valid (the mapping goes with the last of them); a server's
-        mappings of it too, until it drops them."""
+        """Unlink the segment. Blocks handed out stay valid (the mapping goes with the last of them), and so does
+        a server's descriptor of it until its sweep closes it."""
         self._bytes = None
         self._unlink()
 
@@ -180,15 +180,8 @@ class ShmArena:
 
 
 def _unlink(path: str) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):     # unlinked already (close, then collection or exit)
         os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def _torch_dtype(dtype):
-    """``dtype`` when it is a torch dtype, else None."""
-    return dtype if type(dtype).__module__ == "torch" else None
 
 
 def _np_dtype(dtype):

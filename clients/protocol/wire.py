@@ -213,6 +213,17 @@ def _is_torch(x) -> bool:
     return type(x).__module__.startswith("torch") and hasattr(x, "untyped_storage")
 
 
+def dtype_name(x) -> str:
+    """The wire name of a torch tensor's or numpy array's dtype, or :class:`DtypeUnsupported`."""
+    if not _is_torch(x):
+        return _numpy_name(x.dtype)
+    name = _torch_names().get(x.dtype)
+    if name is None:
+        raise DtypeUnsupported(f"tensor dtype {x.dtype} is not supported on the wire; "
+                               f"use one of {', '.join(DTYPE_NAMES)}")
+    return name
+
+
 def encode_tensor(x, shm=None) -> dict:
     """``{"dtype", "shape", "data"}`` for a torch tensor or a numpy array, ``data`` a view of its memory; or
     ``{"dtype", "shape", "shm"}`` when ``x`` lies in ``shm`` (a :class:`~convserve.clients.protocol.shm.ShmArena`).
@@ -222,18 +233,11 @@ def encode_tensor(x, shm=None) -> dict:
     if shm is not None:
         ref = shm.locate(x)
         if ref is not None:
-            name = _torch_names().get(x.dtype) if _is_torch(x) else _numpy_name(x.dtype)
-            if name is None:
-                raise DtypeUnsupported(f"tensor dtype {x.dtype} is not supported on the wire; "
-                                       f"use one of {', '.join(DTYPE_NAMES)}")
-            return {"dtype": name, "shape": list(x.shape), "shm": ref}
+            return {"dtype": dtype_name(x), "shape": list(x.shape), "shm": ref}
     if _is_torch(x):
         import torch
 
-        name = _torch_names().get(x.dtype)
-        if name is None:
-            raise DtypeUnsupported(f"tensor dtype {x.dtype} is not supported on the wire; "
-                                   f"use one of {', '.join(DTYPE_NAMES)}")
+        name = dtype_name(x)
         t = x.detach()
         if t.device.type != "cpu":
             t = t.cpu()

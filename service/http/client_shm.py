@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 from convserve.clients.protocol.errors import BadRequest, Internal
 from convserve.clients.protocol.shm import check_ref
-from convserve.clients.protocol.wire import ITEMSIZE
+from convserve.clients.protocol.wire import ITEMSIZE, dtype_name
 
 #: where POSIX shared-memory segments live on Linux (shm_open's namespace)
 SHM_ROOT = "/dev/shm"
@@ -44,8 +44,6 @@ class ReplyTo:
         """Write ``y`` (a CPU tensor) over the block and return the answer's tensor map, which names it."""
         import torch
 
-        from convserve.clients.protocol.wire import _torch_names
-
         data = memoryview(y.contiguous().view(-1).view(torch.uint8).numpy())
         try:
             n = os.pwrite(self.fd, data, self.ref["offset"])
@@ -57,7 +55,7 @@ class ReplyTo:
         if n != len(data):
             raise Internal(f"the conv was applied, but only {n} of y's {len(data)} bytes could be written to "
                            f"shared-memory segment {self.ref['key']!r}; read the session's state before going on")
-        return {"dtype": _torch_names()[y.dtype], "shape": list(y.shape), "shm": self.ref}
+        return {"dtype": dtype_name(y), "shape": list(y.shape), "shm": self.ref}
 
     def close(self) -> None:
         if self.fd >= 0:
