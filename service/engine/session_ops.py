@@ -306,10 +306,7 @@ class SessionOps:
                 with torch.cuda.stream(stream):         # ordered with the steps before and after it
                     result = fn()
         except BaseException as e:  # noqa: BLE001 - delivered to the caller
-            if not isinstance(e, ServiceError):
-                log.exception("session operation failed")
-                e = Internal(f"session operation failed: {e}")
-            op.future.set_exception(e)
+            op.future.set_exception(_op_error(e))
         else:
             op.future.set_result(result)
         t = time.monotonic()
@@ -399,9 +396,7 @@ class SessionOps:
                                 raise UnknownSession(f"session {s.id!r} was deleted before this operation ran")
                 result = op.fn()
             except BaseException as e:  # noqa: BLE001 - delivered to the caller
-                if not isinstance(e, ServiceError):
-                    log.exception("session operation failed")
-                    e = Internal(f"session operation failed: {e}")
+                e = _op_error(e)
                 with self._lock:
                     self._op_done_locked(op)
                 op.future.set_exception(e)
@@ -410,3 +405,13 @@ class SessionOps:
                     self._op_done_locked(op)
                 op.future.set_result(result)
             self._deliver_turns()
+
+
+def _op_error(e: BaseException) -> BaseException:
+    """What an operation's caller gets for its exception: a service error as it is, anything else logged and
+    answered as :class:`Internal`."""
+    if isinstance(e, ServiceError):
+        return e
+    log.exception("session operation failed")
+    return Internal(f"session operation failed: {e}")
+
