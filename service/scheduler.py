@@ -63,11 +63,13 @@ from __future__ import annotations
 
 import bisect
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import accumulate
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 from convserve.kernels import PAD_SLOT_ID
+
+from .scheduler_output import DecodeBatch, PrefillBatch, SchedulerOutput, VerifyBatch
 
 DECODE, VERIFY = "decode", "verify"   # the small kinds of pass 1 (anything else is a prefill)
 
@@ -94,6 +96,19 @@ class Request:
     after: Any = None            # the batch requests (of its session, submitted before it) it waits for, or None
 
 
+class PrefillRows(NamedTuple):
+    """A batch request's prefill rows as columns, what a step's prefill launch takes as they are (the batch's rows
+    alone on their layer) or extended by whole lists."""
+
+    sessions: list               # each row's session
+    starts: Any                  # its first token in x
+    lengths: Any                 # its tokens
+    slots: Any                   # its pool slot
+    init: list                   # has_initial_state, the batch's own list: as given, but for the rows of ``read``
+    read: list                   # the places whose flag is read from their session at the step (into ``init``)
+    qsl: list                    # query_start_loc, from 0 (rows + 1)
+
+
 @dataclass(eq=False, slots=True)
 class RowBatch:
     """What the scheduler reads of a batch request's rows (one decode token for each of several sessions, on one
@@ -106,11 +121,7 @@ class RowBatch:
     #                              decode row (rows = n_dec = n_tokens)
     n_dec: int = 0               # one-token decode rows: the layer's decode launch (none: the launch stays free)
     prefill: Any = None          # None, or its prefill rows (T > 1, or every plain row of a batch without verify
-    #                              rows) as columns ``(sessions, first tokens in x, tokens, pool slots,
-    #                              has_initial_state, rows, query_start_loc)``, what a step's prefill launch takes
-    #                              as they are (its rows alone) or extended by whole lists; the flags of ``rows``
-    #                              (places in the columns) are read from their sessions at the step into that
-    #                              list (the batch's own), the others are as given; query_start_loc from 0
+    #                              rows): a PrefillRows
     verify: Any = None           # None, or (session, first token in x, tokens) per speculative row
     verify_len: int = 0          # the longest speculative row (its layer's verify launch is padded to it)
     ver_cols: Any = None         # with ``verify``: its columns ``(sessions, pool slots, first tokens, tokens)``
@@ -121,72 +132,6 @@ class RowBatch:
     vbuf: int = -1               # a verify-only batch with one length per row whose x is in a verify slot (the
     #                              engine's runner): its rows are a launch of their own (``verify_slots``), not
     #                              the layer's verify launch; -1: none
-
-
-@dataclass(slots=True)
-class PrefillBatch:
-    """One prefill launch: packed sequences of one layer (``causal_conv1d_fn``)."""
-
-    layer: int                    # conv layer position: pool layer and index into the stacked weights
-    requests: list                # the request of each row, in packing order
-    starts: list                  # first token of each row's chunk within its request's x
-    query_start_loc: list         # (rows + 1,) cumulative token offsets of the rows within this batch, from 0
-    cache_indices: list           # pool slot of each row
-    has_initial_state: list       # per row: continue from the stored state (False: start from zeros)
-    token_offset: int             # where this batch's tokens start in the step's packed token buffer
-
-
-@dataclass(slots=True)
-class DecodeBatch:
-    """One decode launch of one layer (``causal_conv1d_update``, one token per row), padded to a bucket. A step
-    has at most one per layer (the launch's buffers are the layer's)."""
-
-    layer: int                    # conv layer position
-    requests: list                # the request of each real row (rows past len(requests) are padding); for a
-    #                               batch request, that one request
-    cache_indices: Optional[list]  # (bucket,) pool slot per row, PAD_SLOT_ID for the padding rows; None for a
-    #                               batch request (the engine's record of it holds its rows' slots)
-    bucket: int                   # padded batch size: the smallest configured bucket >= rows
-    rows: int = 0                 # real rows: len(requests), or the batch request's rows
-
-
-@dataclass(slots=True)
-class VerifyBatch:
-    """One speculative-verify launch of one layer: ``n_tokens`` tokens per row (each row's real tokens, then pad
-    tokens up to ``n_tokens``), the state left unwritten."""
-
-    layer: int                    # conv layer position
-    n_tokens: int                 # tokens of every row in the launch: the longest row's
-    requests: list                # the request of each row (a batch request once per row of it)
-    cache_indices: list           # pool slot per row
-    token_offset: int             # where this batch's rows start in the packed token buffer (row-major)
-    starts: list = field(default_factory=list)    # first token of each row within its request's x
-    lengths: list = field(default_factory=list)   # real tokens of each row (<= n_tokens)
-    sessions: list = field(default_factory=list)  # the Session of each row
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    """Everything the engine runs in one step."""
-
-    step: int                                            # step number, from 0
-    prefills: list = field(default_factory=list)         # PrefillBatch per layer with prefill rows
-    decodes: list = field(default_factory=list)          # DecodeBatch per layer with decode rows
-    verifies: list = field(default_factory=list)         # VerifyBatch per layer with verify rows
-    verify_slots: list = field(default_factory=list)     # batch requests whose verify rows launch from their
-    #                                                      verify slot (``RowBatch.vbuf``), one launch each
-    batches: list = field(default_factory=list)          # the batch requests of this step (also in finished)
-    finished: list = field(default_factory=list)         # requests whose last token runs now, in arrival order
-    expired: list = field(default_factory=list)          # never-started requests past request_timeout_s: fail
-    num_rows: int = 0                                    # real rows of all launches (chunks count once)
-    num_tokens: int = 0                                  # real tokens of all launches
-    packed_tokens: int = 0                               # tokens in the packed buffer (prefill + verify,
-    #                                                      verify pad tokens included)
-    num_padded_rows: int = 0                             # decode padding rows added to reach the buckets
-
-    @property
-    def empty(self) -> bool:
-        return not (self.prefills or self.decodes or self.verifies or self.verify_slots)
 
 
 @dataclass
@@ -405,21 +350,19 @@ class Scheduler:
                         pad += extra
                     if b.n_dec:
                         decode[r.layer] = r
-                    if b.prefill is not None:        # whole rows: a batch is never chunked
-                        flags = _batch_flags(b, 1 << r.layer)
-                        pl = prefill.get(r.layer)
-                        if pl is None:               # its rows alone so far: its columns, copied only if others join
+                    pr = b.prefill
+                    if pr is not None:               # whole rows: a batch is never chunked
+                        flags = _batch_flags(pr, 1 << r.layer)
+                        if r.layer not in prefill:   # its rows alone so far: its columns, copied only if others join
                             prefill[r.layer] = (r, flags)
                         else:
-                            if pl.__class__ is tuple:
-                                pl = prefill[r.layer] = _columns(*pl)
-                            ps, pa, pk, pslots, _i, _j, _q = b.prefill
-                            pl[0].extend([r] * len(ps))
-                            pl[1].extend(pa)
-                            pl[2].extend(pk)
+                            pl = _layer_columns(prefill, r.layer)
+                            pl[0].extend([r] * len(pr.sessions))
+                            pl[1].extend(pr.starts)
+                            pl[2].extend(pr.lengths)
                             pl[3].extend(flags)
-                            pl[4].extend(pslots)
-                        pre_left -= b.prefill[6][-1]
+                            pl[4].extend(pr.slots)
+                        pre_left -= pr.qsl[-1]
                     rows += nr
                     tokens += n
                     batch_rows += nr - 1
@@ -467,11 +410,7 @@ class Scheduler:
                     s.sched_layers |= bit
                     s.sched_served = step
                     pre_left -= chunk
-                    pl = prefill.get(layer)
-                    if pl is None:
-                        pl = prefill[layer] = [[], [], [], [], []]
-                    elif pl.__class__ is tuple:
-                        pl = prefill[layer] = _columns(*pl)
+                    pl = _layer_columns(prefill, layer)
                     pl[0].append(r)
                     pl[1].append(start)
                     pl[2].append(chunk)
@@ -544,8 +483,8 @@ class Scheduler:
             pl = prefill[layer]
             if pl.__class__ is tuple:             # one batch's rows alone: its columns as they are
                 r, init = pl
-                ps, starts, _k, slots, _i, _j, qsl = r.batch.prefill
-                reqs = [r] * len(ps)
+                pr = r.batch.prefill
+                starts, slots, qsl, reqs = pr.starts, pr.slots, pr.qsl, [r] * len(pr.sessions)
             else:
                 reqs, starts, lengths, init, slots = pl
                 qsl = list(accumulate(lengths, initial=0))
@@ -578,23 +517,30 @@ class Scheduler:
 _seq = operator.attrgetter("seq")
 
 
-def _batch_flags(b: RowBatch, bit: int) -> list:
+def _batch_flags(pr: PrefillRows, bit: int) -> list:
     """has_initial_state of a batch's prefill rows as its step takes them: as given, but for the rows whose flag is
     read from their sessions now (each session's layer ``bit``, which is set from now on). Filled into the batch's
     own list: one step takes a batch, once."""
-    ps, _a, _k, _s, init, read, _q = b.prefill
-    for j in read:
-        x = ps[j]
+    init = pr.init
+    for j in pr.read:
+        x = pr.sessions[j]
         init[j] = x.initialized & bit != 0
         x.initialized |= bit
     return init
 
 
-def _columns(r: Request, flags: list) -> list:
-    """A layer's prefill rows as columns ``[requests, starts, lengths, has_initial_state, slots]`` to extend,
-    from the one batch request ``r`` (its ``flags`` as its step took them) that held them so far."""
-    ps, pa, pk, pslots, _i, _j, _q = r.batch.prefill
-    return [[r] * len(ps), list(pa), list(pk), list(flags), list(pslots)]
+def _layer_columns(prefill: dict, layer: int) -> list:
+    """A layer's prefill rows as columns ``[requests, starts, lengths, has_initial_state, slots]`` to extend: new,
+    or made from the one batch request that held the layer alone so far (``(request, its flags)``)."""
+    pl = prefill.get(layer)
+    if pl is None:
+        pl = prefill[layer] = [[], [], [], [], []]
+    elif pl.__class__ is tuple:
+        r, flags = pl
+        pr = r.batch.prefill
+        pl = prefill[layer] = [[r] * len(pr.sessions), list(pr.starts), list(pr.lengths), list(flags),
+                               list(pr.slots)]
+    return pl
 
 
 def _served_seq(r: Request) -> tuple:

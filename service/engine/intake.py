@@ -24,6 +24,7 @@ import torch
 from convserve.clients.protocol.errors import (BadRequest, Internal, PayloadTooLarge, PositionMismatch, QueueFull,
                                                RequestTimeout, ShapeMismatch)
 
+from ..scheduler import PrefillRows
 from ..sessions import Session
 from .outputs import AsyncConvFuture, ConvFuture
 from .outputs import deliver
@@ -454,7 +455,7 @@ class Intake:
                     # holds zeros on a layer without state): the layer has state from now on
                     for s in compress(ps, b.pre_init):
                         s.initialized |= bit
-                    b.prefill = (ps, pa, pk, pslots, b.pre_init, b.pre_long, b.pre_qsl.tolist())
+                    b.prefill = PrefillRows(ps, pa, pk, pslots, b.pre_init, b.pre_long, b.pre_qsl.tolist())
                 if ver_rows:
                     vi, va, vk = ver_rows
                     if len(vi) == len(sessions):     # every row a verify: the rows are the sessions

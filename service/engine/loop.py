@@ -18,7 +18,7 @@ import torch
 
 from convserve.clients.protocol.errors import Internal, OutOfMemory, RequestTimeout, StateLost
 
-from ..scheduler import SchedulerOutput
+from ..scheduler_output import SchedulerOutput
 from .outputs import deliver, deliver_step
 from .records import release_batch
 
@@ -41,7 +41,7 @@ def written_sessions(out: SchedulerOutput, launched: bool) -> list:
                 if r.batch is None:
                     seen[id(r.session)] = r.session
                 else:
-                    for s in r.batch.prefill[0] if r.batch.prefill else ():
+                    for s in r.batch.prefill.sessions if r.batch.prefill else ():
                         seen[id(s)] = s
     if launched:
         for b in out.decodes:
@@ -50,7 +50,7 @@ def written_sessions(out: SchedulerOutput, launched: bool) -> list:
                     seen[id(r.session)] = r.session
                 else:
                     spec = {id(s) for s, _a, _k in r.batch.verify or ()}
-                    pre = {id(s) for s in (r.batch.prefill[0] if r.batch.prefill else ())}
+                    pre = {id(s) for s in (r.batch.prefill.sessions if r.batch.prefill else ())}
                     for s in r.batch.sessions:
                         if id(s) not in spec and id(s) not in pre:
                             seen[id(s)] = s

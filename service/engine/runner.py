@@ -26,7 +26,7 @@ from convserve.kernels import PAD_SLOT_ID
 from convserve.kernels.commit import CommitLaunch, commit_windows_torch, pack_pairs
 
 from ..model import ConvModel
-from ..scheduler import SchedulerOutput
+from ..scheduler_output import SchedulerOutput
 from .buffers import Buffers
 from .cuda_graphs import DecodeLaunchers
 from .records import BatchIndex
@@ -211,12 +211,12 @@ class Runner(Staging):
                     flush()
                     lo = off + qsl[i]
                     d_in[lo:lo + b.n_pre].copy_(h_tok[b.tok:b.tok + b.n_pre], non_blocking=cuda)
-                    i += len(b.prefill[0])
+                    i += len(b.prefill.sessions)
                     continue
                 if b is not None and b.n_pre == r.n_tokens:   # every row a prefill row, in x's order: x is the run
                     lo = off + qsl[i]
                     add(r.x, lo, lo + b.n_pre)
-                    i += len(b.prefill[0])
+                    i += len(b.prefill.sessions)
                     continue
                 a, n = pb.starts[i], qsl[i + 1] - qsl[i]
                 add(r.x if n == r.n_tokens else r.x[a:a + n], off + qsl[i], off + qsl[i] + n)
@@ -260,7 +260,7 @@ class Runner(Staging):
             rows = len(pb.requests)
             pad = -rows % 16
             b = pb.requests[0].batch
-            if b is not None and rows == len(b.prefill[0]):
+            if b is not None and rows == len(b.prefill.sessions):
                 qsl, idx = b.pre_qsl, b.pre_slots
             else:
                 qsl, idx, b = pb.query_start_loc, pb.cache_indices, None
@@ -539,7 +539,7 @@ class Runner(Staging):
                         b.at[1] = lo
                     else:                      # nothing but these rows: y is that run
                         r.parts = lo
-                    i += len(b.prefill[0])
+                    i += len(b.prefill.sessions)
                     continue
                 if hi - lo == r.n_tokens:
                     r.parts = lo
