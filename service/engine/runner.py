@@ -265,18 +265,10 @@ class Runner(Staging):
             else:
                 qsl, idx, b = pb.query_start_loc, pb.cache_indices, None
             q = k
-            mnp[k:k + rows + 1] = qsl
-            k += rows + 1
-            if pad:
-                mnp[k:k + pad] = pb.query_start_loc[-1]
-                k += pad
+            k = _put(mnp, k, qsl, rows + 1, pad, pb.query_start_loc[-1])
             k += -k % 4
             i = k
-            mnp[k:k + rows] = idx
-            k += rows
-            if pad:
-                mnp[k:k + pad] = PAD_SLOT_ID
-                k += pad
+            k = _put(mnp, k, idx, rows, pad, PAD_SLOT_ID)
             offs.append((q, i, rows + pad))
             runs.append((pb.has_initial_state, rows, pad, b))
         for vb in out.verifies:
@@ -285,28 +277,22 @@ class Runner(Staging):
             if vb.token_offset + (rows + pad) * vb.n_tokens > bf.d_in.shape[0]:
                 pad = 0
             offs.append((k, rows + pad))
-            mnp[k:k + rows] = vb.cache_indices
-            k += rows
-            if pad:
-                mnp[k:k + pad] = PAD_SLOT_ID
-                k += pad
+            k = _put(mnp, k, vb.cache_indices, rows, pad, PAD_SLOT_ID)
             k += -k % 4
         # the flags follow the indices in the same buffer, from the next 16-byte boundary (each launch's run of
         # them a multiple of 16 long): one copy for both
         fnp = bf.flags_np
         f = 4 * k
         for j, (init, rows, pad, b) in enumerate(runs):
-            if b is None:
-                fnp[f:f + rows] = init
-            else:                                    # the batch's flags fixed at submit, then those read at the step
-                fnp[f:f + rows] = b.pre_one
-                for jr in b.pre_long:
-                    fnp[f + jr] = init[jr]
-            if pad:
-                fnp[f + rows:f + rows + pad] = False
             q, i, n = offs[j]
             offs[j] = (q, i, f, n)
-            f += rows + pad
+            if b is None:
+                f = _put(fnp, f, init, rows, pad, False)
+            else:                                    # the batch's flags fixed at submit, then those read at the step
+                end = _put(fnp, f, b.pre_one, rows, pad, False)
+                for jr in b.pre_long:
+                    fnp[f + jr] = init[jr]
+                f = end
         if cuda:
             bf.d_mb[:f].copy_(bf.h_mb[:f], non_blocking=True)
         return offs
@@ -575,3 +561,14 @@ class Runner(Staging):
         for r in out.batches:                  # a mixed batch's y: one gather of host_out by the reader
             if r.batch.gather:
                 r.parts = (BatchIndex(r.batch, r.n_tokens),)
+
+
+def _put(a: np.ndarray, k: int, values, n: int, pad: int, fill) -> int:
+    """Write the ``n`` ``values`` at ``a[k:]``, then ``pad`` entries of ``fill``; returns the index past them."""
+    a[k:k + n] = values
+    k += n
+    if pad:
+        a[k:k + pad] = fill
+        k += pad
+    return k
+
