@@ -81,12 +81,8 @@ def _round(e, oracle, sids, k, rng, layers=LAYERS, forks=0):
 @pytest.mark.parametrize("k", [1, 2, 4, 5])
 def test_verify_slot_batches_and_their_accepts_equal_the_reference(rows, k):
     rng = random.Random(rows * 10 + k)
-    e = make_engine(**KNOBS)
-    oracle = Oracle(e.model_cpu, e.state_dtype)
-    try:
-        sids = [e.create_session() for _ in range(rows)]
+    with _served(rows) as (e, oracle, sids):
         for s in sids:
-            oracle.new(s)
             x = torch.randn(3, DIM)                         # a committed state to verify from
             for p, lay in enumerate(LAYERS):
                 e.submit(s, lay, x).result(10)
@@ -96,8 +92,6 @@ def test_verify_slot_batches_and_their_accepts_equal_the_reference(rows, k):
         _round(e, oracle, sids, k, rng, layers=LAYERS[1:])   # pending on some layers only
         st = e.stats()
         assert st["batch_requests_in_verify_slots"] == (11 if _fits(e, rows, k) else 0)
-    finally:
-        e.stop(drain=False)
 
 
 def _two_slots_in_one_step(e, oracle, sids):

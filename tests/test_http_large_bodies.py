@@ -78,6 +78,13 @@ def _state(srv, sid) -> torch.Tensor:
     return wire.decode_tensor(msgpack.unpackb(r.content)["state"]).clone()
 
 
+def _assert_reference(responses, ref, sid, layer, xs) -> None:
+    """Each response (``_read_response``'s) is a 200 whose y is the reference's for the x sent, in order."""
+    for (st, _, out), x in zip(responses, xs, strict=True):
+        assert st == 200, out
+        torch.testing.assert_close(_y(out), ref.conv(sid, layer, x), atol=1e-5, rtol=1e-5)
+
+
 def _reference():
     from convserve.service.model import ConvModel
 
@@ -105,9 +112,7 @@ def test_a_body_above_64_kib_gives_the_reference_y_however_it_arrives(srv, how):
                 assert f.readline().startswith(b"HTTP/1.1 100")
                 assert f.readline() == b"\r\n"
                 s.sendall(body)
-            st, _, out = _read_response(f)
-        assert st == 200, out
-        torch.testing.assert_close(_y(out), ref.conv(sid, layer, x), atol=1e-5, rtol=1e-5)
+            _assert_reference([_read_response(f)], ref, sid, layer, [x])
 
 
 def test_two_pipelined_large_requests_on_one_connection_are_answered_in_order(srv):
@@ -118,9 +123,7 @@ def test_two_pipelined_large_requests_on_one_connection_are_answered_in_order(sr
     with _connect(srv) as s, s.makefile("rb") as f:
         s.sendall(b"".join(_head("/v1/conv", len(b)) + b for b in bodies))
         outs = [_read_response(f) for _ in bodies]
-    for (st, _, out), x in zip(outs, xs):
-        assert st == 200, out
-        torch.testing.assert_close(_y(out), ref.conv(sid, 0, x), atol=1e-5, rtol=1e-5)
+    _assert_reference(outs, ref, sid, 0, xs)
 
 
 def test_a_client_that_hangs_up_mid_body_changes_nothing_and_the_server_keeps_serving(srv):
@@ -137,9 +140,7 @@ def test_a_client_that_hangs_up_mid_body_changes_nothing_and_the_server_keeps_se
     body = _conv_body(sid, 0, x)
     with _connect(srv) as s, s.makefile("rb") as f:
         s.sendall(_head("/v1/conv", len(body)) + body)
-        st, _, out = _read_response(f)
-    assert st == 200, out
-    torch.testing.assert_close(_y(out), ref.conv(sid, 0, x), atol=1e-5, rtol=1e-5)
+        _assert_reference([_read_response(f)], ref, sid, 0, [x])
 
 
 def test_a_large_body_that_stops_arriving_gets_408_body_timeout_and_changes_nothing(srv):
