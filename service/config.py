@@ -126,6 +126,11 @@ class Settings(BaseSettings):
                                                     "operation before it answers 504 engine_timeout (the request "
                                                     "may have been applied); more than request_timeout_s; unset: "
                                                     "request_timeout_s + 60")
+    caller_step_max_tokens: Optional[int] = Field(_ENGINE.caller_step_max_tokens, ge=0,
+                                        description="the largest engine step (tokens) that the thread submitting "
+                                        "its request runs itself, when the engine is idle and the step would "
+                                        "start at once (a batch request, a steady lone caller): no hand-off to the "
+                                        "engine thread and back; 0: every step on the engine thread; unset: 512 on CUDA, 0 on the CPU")
     use_cuda_graphs: bool = Field(_ENGINE.use_cuda_graphs,
                                   description="replay decode steps from CUDA graphs (CUDA only)")
     multi_layer_decode: bool = Field(_ENGINE.multi_layer_decode,

@@ -179,7 +179,9 @@ def run_random_workload(device, dtype, state_dtype, knobs, seed, n_ops=220, widt
 
 
 def gate_worker(e):
-    """Hold the worker inside its next step until the returned event is set (so requests queue behind it)."""
+    """Hold the worker inside its next step until the returned event is set (so requests queue behind it). Every
+    step runs on the worker from here on (no caller steps, see Worker._step_here_locked)."""
+    e._caller_tokens = 0
     go, entered = threading.Event(), threading.Event()
     real, first = e._runner.execute, [True]
 

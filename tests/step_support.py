@@ -12,12 +12,12 @@ from tests.live import Reference
 from tests.tolerance import assert_close
 
 
-def run_step_workload(device: str, seed: int, n_sessions: int = 20, n_ops: int = 120) -> dict:
+def run_step_workload(device: str, seed: int, n_sessions: int = 20, n_ops: int = 120, **cfg) -> dict:
     rng = random.Random(seed)
     torch.manual_seed(seed)
     model = ConvModel.random(LAYERS, dim=DIM, width=4, dtype=torch.float32, seed=seed, bias=seed % 2 == 0)
     e = make_engine(model, device=device, slots=n_sessions + 16, max_batch_tokens=512, max_batch_size=32,
-                    decode_buckets=(1, 2, 4, 8, 16, 32), max_spec_tokens=5, max_queue_delay_us=1000)
+                    decode_buckets=(1, 2, 4, 8, 16, 32), max_spec_tokens=5, max_queue_delay_us=1000, **cfg)
     ref = Reference(model, torch.float32)
     checks = []                                        # (future, expected y, what)
     try:

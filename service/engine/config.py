@@ -72,6 +72,11 @@ class EngineConfig:
     verify_graph_tokens: Sequence[int] = (2, 3, 4, 5, 6, 7, 8)   # the verify lengths that have verify-slot
     #                                              launches (CUDA: warmed and captured as graphs at start, per
     #                                              slot, layer and bucket)
+    caller_step_max_tokens: Optional[int] = None  # the largest step a submitting thread runs itself when the
+    #                                              worker is parked and the step would start at once (a batch,
+    #                                              a steady lone caller): no hand-off to the worker and back;
+    #                                              0: every step on the worker thread; None: 512 on CUDA, 0 on
+    #                                              the CPU (whose steps are torch ops on the worker's threads)
     check_finite: bool = True                    # reject x with NaN/Inf (NonFinite) instead of poisoning state
     pool_memory_fraction: float = 0.5            # slots="auto": this share of free device memory
     max_evicted_ids: int = 65536                 # evicted ids remembered (StateLost rather than UnknownSession)
@@ -92,6 +97,8 @@ class EngineConfig:
             raise ValueError(f"verify_graph_tokens: expected token counts >= 1, got {self.verify_graph_tokens}")
         if self.answer_store_bytes < 0:
             raise ValueError(f"answer_store_bytes: expected >= 0, got {self.answer_store_bytes}")
+        if self.caller_step_max_tokens is not None and self.caller_step_max_tokens < 0:
+            raise ValueError(f"caller_step_max_tokens: expected >= 0, got {self.caller_step_max_tokens}")
         for name in ("max_queue", "max_spec_tokens", "max_evicted_ids", "gpu_timing_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected >= 1, got {getattr(self, name)}")

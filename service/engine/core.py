@@ -131,6 +131,11 @@ class Engine(Intake, SessionOps, Accepts, Positions, SnapshotTaking, Worker):
         self._thread: Optional[threading.Thread] = None
         # the worker is parked between steps and takes nothing up again before it holds the lock (Worker._wait)
         self._idle = False
+        # a caller's thread is running a step on the runner (Worker._step_here_locked): the worker waits meanwhile
+        self._caller_step = False
+        cst = self.config.caller_step_max_tokens
+        # the largest step a caller's thread may run (0: none); see Worker._step_here_locked
+        self._caller_tokens = cst if cst is not None else (512 if self.device.type == "cuda" else 0)
         # may an op whose turn is there run on any caller's thread (SessionOps._runs_now_locked), or only on the
         # worker's own (an engine process's pump)? Any on CUDA, where an accept's commit is two asynchronous calls;
         # on the CPU the commit is the torch ops themselves, intra-op parallel, and they stay on the worker's thread
@@ -311,6 +316,8 @@ class Engine(Intake, SessionOps, Accepts, Positions, SnapshotTaking, Worker):
                 # verify launch
                 "batch_requests_in_verify_slots": st.get("batches_in_verify_slots", 0),
                 "decode_padded_rows": st.get("padded_rows", 0),
+                # steps run by the thread that submitted their request (Worker._step_here_locked)
+                "caller_steps": st.get("caller_steps", 0),
                 "pad_ratio": st.get("padded_rows", 0) / max(1, st.get("padded_rows", 0) + st.get("decode_rows", 0)),
                 "kernel_time_s": st.get("kernel_ns", 0) * 1e-9,
                 "host_time_s": st.get("host_ns", 0) * 1e-9,

@@ -109,7 +109,14 @@ class Intake:
             if deferred:
                 s.deferred.append(req)
             if depth == 0 or self._sched.ready(now):
-                self._cv.notify()
+                here = self._step_here_locked(now, req.n_tokens)
+                if here is None:
+                    self._cv.notify()
+                    return None
+            else:
+                return None
+        self._run_step_here(here)
+        return None
 
     def _check_no_verify_locked(self, s: Session, pending: Optional[dict] = None) -> None:
         """A non-speculative conv needs the session's pending verify accepted (or discarded) first. ``pending``:
@@ -474,7 +481,12 @@ class Intake:
                         s.pending[p] = (k, seq)
             b.waits, b.wait_ops, b.sessions, b.slots, b.buf = list(waits.values()), wait_ops, sessions, slots, slot
             self._sched.add(req)
-            self._cv.notify()
+            here = self._step_here_locked(now, req.n_tokens)
+            if here is None:
+                self._cv.notify()
+        if here is not None:
+            self._run_step_here(here)
+        return None
 
     def check_batch(self, session_ids, speculative=None, tokens=None, layer=None, position=None):
         """Raise what :meth:`submit_batch` would raise for the sessions' state now (unknown or lost sessions, a

@@ -123,6 +123,9 @@ class Worker:
             with self._lock:
                 self._idle = False
                 while True:
+                    if self._caller_step:        # a caller's thread has the runner (_step_here_locked); its
+                        self._wait(self._evict_interval())   # end notifies when work is left
+                        continue
                     now = time.monotonic()
                     if now >= self._next_evict:
                         self._evict_locked(now)
@@ -155,24 +158,78 @@ class Worker:
                 t_sched = time.perf_counter_ns()
                 out = sched.schedule(now) if run else None
                 t_sched = time.perf_counter_ns() - t_sched
-                if out is not None and out.expired:
-                    for r in out.expired:
-                        self._retire_locked(r, ok=False)
-                    self._st["expired"] += len(out.expired)
+                if out is not None:
+                    self._expire_locked(out)
             if out is None:
                 continue
-            if out.expired:
-                deliver([(r, None, RequestTimeout(
-                    f"the request waited longer than request_timeout_s={self.config.request_timeout_s} s in the "
-                    "queue; the engine is overloaded, retry later")) for r in out.expired])
-            if not out.empty:
-                try:
-                    self._step(out, t_sched)
-                except Exception:  # noqa: BLE001 - the loop outlives any one step (_step answers its own failures)
-                    log.exception("engine step %d: failure outside the runner", out.step)
-            elif not out.expired:             # everything queued waits on something (an op, a batch): no spin
+            self._run_scheduled(out, t_sched)
+            if out.empty and not out.expired:   # everything queued waits on something (an op, a batch): no spin
                 with self._lock:
                     self._wait(0.001)
+
+    def _expire_locked(self, out: SchedulerOutput) -> None:
+        for r in out.expired:
+            self._retire_locked(r, ok=False)
+        self._st["expired"] += len(out.expired)
+
+    def _run_scheduled(self, out: SchedulerOutput, t_sched: int) -> None:
+        """Answer the step's expired requests, run the step (unless empty); never raises (a step answers its own
+        failures)."""
+        if out.expired:
+            deliver([(r, None, RequestTimeout(
+                f"the request waited longer than request_timeout_s={self.config.request_timeout_s} s in the "
+                "queue; the engine is overloaded, retry later")) for r in out.expired])
+        if not out.empty:
+            try:
+                self._step(out, t_sched)
+            except Exception:  # noqa: BLE001 - the loop outlives any one step (_step answers its own failures)
+                log.exception("engine step %d: failure outside the runner", out.step)
+
+    def _step_here_locked(self, now: float, tokens: int):
+        """Called by the intake under the lock right after it queued a request of ``tokens`` tokens: when the
+        worker would run that request's step at once, take the step for the calling thread to run instead
+        (:meth:`_run_step_here`), which saves two thread hand-offs (the worker's wake-up, and the caller's after
+        the step); ``(step, scheduling ns)``, or None to leave it to the worker.
+
+        The step is taken only when queueing it changes nothing but who runs it: the worker is parked
+        (``_idle``: it takes nothing up before it holds the lock, and then waits while ``_caller_step`` is set,
+        so the runner is this thread's), no caller step is running, the worker has no pump (an engine process's
+        worker reads its socket itself), no operation, snapshot or refused turn waits, this request is the only
+        one queued and the scheduler runs its step now (a batch request; a steady lone caller). And only a
+        small step (``tokens`` up to ``caller_step_max_tokens``): a larger one would hold the caller (an event
+        loop) for its copies."""
+        if tokens > self._caller_tokens or not self._idle or self._caller_step or \
+                self._pump is not None or self._ops or self._snap_request is not None or self._turn_out or \
+                self._state != "running":
+            return None
+        sched = self._sched
+        if sched.depth != 1 or not sched.ready(now):
+            return None
+        t = time.perf_counter_ns()
+        out = sched.schedule(now)
+        t = time.perf_counter_ns() - t
+        self._expire_locked(out)
+        self._caller_step = True
+        return out, t
+
+    def _run_step_here(self, taken) -> None:
+        """Run the step :meth:`_step_here_locked` took, on this thread and the runner's stream, as the worker
+        would; then hand the runner back, waking the worker when work waits. Never raises."""
+        out, t_sched = taken
+        try:
+            stream = self._runner.stream
+            if stream is None:
+                self._run_scheduled(out, t_sched)
+            else:
+                with torch.cuda.device(self.device), torch.cuda.stream(stream):
+                    self._run_scheduled(out, t_sched)
+        finally:
+            with self._lock:
+                self._caller_step = False
+                self._st["caller_steps"] += 1
+                if self._sched.depth or self._ops or self._snap_request is not None or self._turn_out or \
+                        self._state != "running":
+                    self._cv.notify()
 
     def _step(self, out: SchedulerOutput, sched_ns: int = 0) -> None:
         """Run one step: the runner executes it, then its results go to their callers and its stats are

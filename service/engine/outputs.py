@@ -178,8 +178,13 @@ def deliver_step(finished: list, host_out: Optional[torch.Tensor], by_position: 
 
 
 def _post_async(by_loop: dict) -> None:
-    """Hand each asyncio loop its ``(future, y, error)`` items in one ``call_soon_threadsafe``."""
+    """Hand each asyncio loop its ``(future, y, error)`` items in one ``call_soon_threadsafe``; on the loop's
+    own thread (a step run by its submitter, ``Worker._step_here_locked``) resolve them at once."""
+    here = asyncio.events._get_running_loop()
     for loop, items in by_loop.items():
+        if loop is here:
+            _set_async_results(items)
+            continue
         try:
             loop.call_soon_threadsafe(_set_async_results, items)
         except RuntimeError:   # the loop is closed: nobody is waiting
