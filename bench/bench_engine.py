@@ -74,7 +74,8 @@ def make_engine(args, model, **cfg) -> Engine:
     base = dict(slots=max(args.sessions_list) + 64, max_batch_size=max(256, max(args.sessions_list)),
                 decode_buckets=tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
                                      if b <= max(256, max(args.sessions_list))),
-                max_batch_tokens=args.max_batch_tokens, max_queue_delay_us=args.delay_us, request_timeout_s=600.0)
+                max_batch_tokens=args.max_batch_tokens, max_queue_delay_us=args.delay_us, request_timeout_s=600.0,
+                caller_step_max_tokens=args.caller_step_max_tokens)
     base.update(cfg)
     e = Engine(model, EngineConfig(**base), device=args.device)
     e.start()
@@ -350,6 +351,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--delay-us", type=int, default=200)
     ap.add_argument("--max-batch-tokens", type=int, default=8192)
+    ap.add_argument("--caller-step-max-tokens", type=int, default=None,
+                    help="the engine's caller_step_max_tokens (default: the engine's, 512 on CUDA, 0 on the CPU)")
     ap.add_argument("--null-kernels", action="store_true", help="CPU only: kernels that do nothing (host cost)")
     ap.add_argument("--sizes", default=None, choices=["cuda", "cpu"],
                     help="scenario sizes (dim, sessions, step-* shapes): default those of --device; 'cuda' on the "
