@@ -160,7 +160,8 @@ class EngineCollector(Collector):
         "snapshot_restored_sessions": ("convserve_snapshot_restored_sessions", "gauge",
                                        "Sessions restored from a snapshot at start"),
         "caller_steps": ("convserve_engine_caller_steps", "counter",
-                         "Engine steps run by the thread that submitted their request (no hand-off to the engine thread)"),
+                         "Engine steps run by the thread that submitted their request (no hand-off to the engine "
+                         "thread)"),
         "batch_requests_in_slots": ("convserve_engine_batch_requests_in_slots", "counter",
                                     "Batch requests launched from a batch slot (one CUDA graph replay)"),
         "batch_requests_in_verify_slots": ("convserve_engine_batch_requests_in_verify_slots", "counter",

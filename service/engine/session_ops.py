@@ -284,10 +284,12 @@ class SessionOps:
         """May an op on the sessions ``ss`` run now on the calling thread, under the engine lock, rather than be
         queued? Only when queueing it would change nothing but who runs it: the worker is parked between steps
         (``_idle``: it takes nothing up before it has this lock back, so no step, op or snapshot uses the runner
-        meanwhile; nor is a caller's thread running a step, ``_caller_step``), and a request submitted after this op is scheduled after it), and no session of ``ss`` has
-        an op queued or an unfinished request (the worker would take the op at once: its turn is now). On the
-        CPU only on the worker's own thread (``_ops_on_callers``)."""
-        if not self._idle or self._caller_step or not (self._ops_on_callers or threading.get_ident() == self._cv.worker_ident):
+        meanwhile, and a request submitted after this op is scheduled after it), no caller's thread is running a
+        step (``_caller_step``), and no session of ``ss`` has an op queued or an unfinished request (the worker
+        would take the op at once: its turn is now). On the CPU only on the worker's own thread
+        (``_ops_on_callers``)."""
+        if not self._idle or self._caller_step or \
+                not (self._ops_on_callers or threading.get_ident() == self._cv.worker_ident):
             return False
         for s in ss:
             if s.ops or s.oldest_active() is not None:
