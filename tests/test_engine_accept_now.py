@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from convserve.clients.protocol.errors import BadRequest, Internal, UnknownSession
+from convserve.clients.protocol.errors import BadRequest, StateLost, UnknownSession
 from convserve.service.engine import Engine, EngineConfig
 from convserve.service.model import ConvModel
 from tests.engine_support import DIM, LAYERS, Oracle, gate_worker, make_engine
@@ -168,25 +168,43 @@ def test_a_refused_accept_run_at_once_changes_nothing(engine):
     assert_states(engine, oracle, sids)
 
 
-def test_a_commit_that_fails_at_once_is_an_internal_error_as_on_the_worker_and_the_engine_goes_on(engine):
+@pytest.mark.parametrize("at_once", [True, False])
+def test_a_commit_that_fails_drops_its_sessions_as_state_lost_and_the_engine_goes_on(engine, at_once):
+    """The accept cleared the verifies and advanced the positions before its commit failed: the sessions' state is
+    unknown, so they are dropped (410 from then on, slots freed) and the accept says so, on the caller's thread
+    and on the worker's alike."""
+    engine._ops_on_callers = at_once
     oracle = Oracle(engine.model_cpu, engine.state_dtype)
+    bystander = verified(engine, oracle, n=1)
     sids = verified(engine, oracle, n=2)
+    free = engine.pool.free_count
+    where = commit_threads(engine)
     real = engine._commit_rows
 
     def broken(*a):
+        where.append(threading.get_ident())
         raise RuntimeError("device lost")
 
     engine._commit_rows = broken
     parked(engine)
-    with pytest.raises(Internal, match="device lost"):
+    with pytest.raises(StateLost, match="commit failed") as err:
         engine.accept_batch(sids, [1, 1])
+    assert all(repr(s) in str(err.value) for s in sids)
+    assert where == [threading.get_ident() if at_once else engine._thread.ident]
+    for s in sids:
+        with pytest.raises(StateLost, match="commit of its accept failed"):
+            engine.submit(s, LAYERS[0], torch.randn(1, DIM))
+    assert engine.pool.free_count == free + 2
+    assert engine.stats()["sessions_dropped"] == 2
     engine._commit_rows = real
+    engine.accept(bystander[0], 2)
+    oracle.accept(bystander[0], 2)
     more = verified(engine, oracle, n=2)
     parked(engine)
     engine.accept_batch(more, [2, 3])
     for s, n in zip(more, [2, 3]):
         oracle.accept(s, n)
-    assert_states(engine, oracle, more)
+    assert_states(engine, oracle, more + bystander)
 
 
 def test_accepts_at_once_racing_with_other_threads_steps_and_queued_accepts_give_the_reference_states():

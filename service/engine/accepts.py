@@ -13,15 +13,19 @@ committed as one record (:meth:`Accepts._accept_uniform_locked`); any other batc
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import numpy as np
 
-from convserve.clients.protocol.errors import BadRequest
+from convserve.clients.protocol.errors import BadRequest, StateLost
 
 from ..sessions import Session
+from .outputs import deliver
 from .records import Op
 from .validate import check_accept_tokens, check_batch_sessions
+
+log = logging.getLogger("convserve.engine")
 
 
 def _accept_token_list(tokens, n: int) -> list:
@@ -54,7 +58,7 @@ class Accepts:
             if not s.ops:     # else at its turn only: a verify queued before it may yet be refused at its own
                 self._check_pending(s, n_tokens)
         return self._post_op(session_id, lambda s: self._op_accept(s, n_tokens),
-                             now=lambda s: self._commit(self._accept_locked(s, n_tokens)))
+                             now=lambda s: self._commit(self._accept_locked(s, n_tokens), [s], True))
 
     def accept_batch(self, session_ids, tokens) -> None:
         """:meth:`accept` for several sessions at once: session ``session_ids[i]`` commits the state after the
@@ -78,7 +82,8 @@ class Accepts:
                     self._check_pending(s, t, None if views is None else views[i])
 
         return self._post_op_many(session_ids, check, lambda ss: self._op_accept_batch(ss, tokens, check),
-                                  now=lambda ss: self._commit(self._accept_batch_locked(ss, tokens, check)))
+                                  now=lambda ss: self._commit(self._accept_batch_locked(ss, tokens, check), ss,
+                                                              True))
 
     def check_accept_batch(self, session_ids, tokens) -> None:
         """Raise what :meth:`accept_batch` would raise for the sessions' state now; queue nothing (the first
@@ -102,7 +107,7 @@ class Accepts:
     def _op_accept(self, s: Session, n: int) -> None:
         with self._lock:
             rows = self._accept_locked(s, n)
-        self._commit(rows)
+        self._commit(rows, [s])
 
     def _accept_locked(self, s: Session, n: int):
         """The accept at its turn: check, clear, advance; returns the commit's rows (see :meth:`_commit`)."""
@@ -115,7 +120,7 @@ class Accepts:
     def _op_accept_batch(self, ss: list, tokens: list, check) -> None:
         with self._lock:
             rows = self._accept_batch_locked(ss, tokens, check)
-        self._commit(rows)
+        self._commit(rows, ss)
 
     def _accept_batch_locked(self, ss: list, tokens: list, check):
         """The batch accept at its turn, all or nothing: checked again, then cleared and advanced; returns the
@@ -194,10 +199,28 @@ class Accepts:
         return (np.array(layers, dtype=np.int64), np.repeat(np.array(slots, dtype=np.int64), counts),
                 np.repeat(np.array(ns, dtype=np.int64), counts))
 
-    def _commit(self, rows) -> None:
-        """Commit the ``(layers, slots, ns)`` arrays of an accept (() or None: nothing to commit)."""
-        if rows:
+    def _commit(self, rows, sessions: list, locked: bool = False) -> None:
+        """Commit the ``(layers, slots, ns)`` arrays of an accept of ``sessions`` (() or None: nothing to commit),
+        whose pending verifies are cleared and positions advanced already (``locked``: the caller holds the
+        engine lock). A commit that fails leaves their state unknown (it may have written some lines): the
+        sessions are dropped, as a failed step's are (their ids answer ``410 state_lost``, their queued requests
+        fail with it), and the accept raises :class:`StateLost`, so its caller knows it was not applied whole
+        rather than retry it."""
+        if not rows:
+            return
+        try:
             self._commit_rows(*rows)
+        except Exception as e:  # noqa: BLE001 - answered as the sessions' loss
+            log.exception("the commit of an accept failed")
+            why = (f"was dropped: the commit of its accept failed ({type(e).__name__}: {str(e)[:200]}), so its "
+                   "state is unknown")
+            failed = self._drop_sessions_locked(sessions, why) if locked else self._drop_sessions(sessions, why)
+            if failed:     # requests queued behind the accept (the worker's path: none run at once)
+                deliver([(r, None, StateLost(f"session {sid!r} {why}; create it again")) for r, sid in failed])
+            ids = ", ".join(repr(s.id) for s in sessions[:8]) + (" ..." if len(sessions) > 8 else "")
+            raise StateLost(f"the accept's commit failed ({type(e).__name__}); the state of session(s) {ids} is "
+                            "unknown and was dropped (410 state_lost from now on): create the session(s) again "
+                            "and prefill") from e
 
     def _commit_rows(self, layers: np.ndarray, slots: np.ndarray, ns: np.ndarray) -> None:
         """Commit, for each (layer, slot, n) pair of the three arrays, the state after the first ``n`` tokens of

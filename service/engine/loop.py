@@ -311,21 +311,24 @@ class Worker:
         the device is in an error state: then they stay taken until the process restarts), their queued requests
         withdrawn (returned as ``(request, session id)`` for the caller to fail; their operations fail when they
         come to run)."""
-        failed, dropped = [], 0
         with self._lock:
-            for s in sessions:
-                if self._sessions.find(s.id) is not s:
-                    continue                          # deleted (or deleted and re-created) meanwhile
-                failed += [(r, s.id) for r in self._remove_locked(s)]
-                self._sessions.mark_lost([s.id], why)
-                dropped += 1
-                if self._ready:                       # freeing zeroes the slot: device work
-                    try:
-                        self.pool.free(s.slot)
-                    except Exception:  # noqa: BLE001 - the slot stays taken; the sessions are dropped anyway
-                        log.exception("cannot free slot %d of dropped session %r", s.slot, s.id)
-            self._st["sessions_dropped"] = self._st.get("sessions_dropped", 0) + dropped
-        log.error("dropped %d session(s) whose state a failed step may have written", dropped)
+            return self._drop_sessions_locked(sessions, why)
+
+    def _drop_sessions_locked(self, sessions: list, why: str) -> list:
+        failed, dropped = [], 0
+        for s in sessions:
+            if self._sessions.find(s.id) is not s:
+                continue                          # deleted (or deleted and re-created) meanwhile
+            failed += [(r, s.id) for r in self._remove_locked(s)]
+            self._sessions.mark_lost([s.id], why)
+            dropped += 1
+            if self._ready:                       # freeing zeroes the slot: device work
+                try:
+                    self.pool.free(s.slot)
+                except Exception:  # noqa: BLE001 - the slot stays taken; the sessions are dropped anyway
+                    log.exception("cannot free slot %d of dropped session %r", s.slot, s.id)
+        self._st["sessions_dropped"] = self._st.get("sessions_dropped", 0) + dropped
+        log.error("dropped %d session(s) whose state a failed step or commit may have written", dropped)
         return failed
 
     def _record_step(self, out: SchedulerOutput, sched_ns: int, t0: int, t_launch: int, t_sync: int, t3: int,
