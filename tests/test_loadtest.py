@@ -129,6 +129,20 @@ def test_verify_counts_mismatches_when_the_weights_differ(server, weights, tmp_p
     assert "relative L2 error" in st["verify"]["examples"][0]
 
 
+def test_verify_exits_4_on_a_mismatch_or_when_it_checked_nothing(server, weights, tmp_path):
+    # without --fail-on-errors too: a verification that saw a wrong answer is not a pass
+    rc, data = _run(tmp_path, server, "--concurrency", "2", "--requests", "20", "--verify", str(weights[1]),
+                    "--verify-sample", "1")
+    assert rc == 4 and data["steps"][0]["verify"]["mismatches"] >= 1
+    # a sample so small that no session is in it: nothing was verified, which is not a pass either
+    rc, data = _run(tmp_path, server, "--concurrency", "2", "--requests", "20", "--verify", str(weights[0]),
+                    "--verify-sample", "1e-9")
+    assert rc == 4 and data["steps"][0]["verify"]["checked"] == 0
+    rc, data = _run(tmp_path, server, "--concurrency", "2", "--requests", "20", "--verify", str(weights[0]),
+                    "--verify-sample", "1")
+    assert rc == 0 and data["steps"][0]["verify"]["checked"] >= 20
+
+
 def test_verify_refuses_weights_of_another_shape(server, tmp_path, capsys):
     path = tmp_path / "wide.safetensors"
     ConvModel.random(LAYERS, dim=DIM * 2, width=4, dtype=torch.float32, seed=0).save_safetensors(path)

@@ -9,7 +9,8 @@ Examples:
     convserve-loadtest --scenario frontend --concurrency 1,256 --chunk 512 --spec-k const:4 --duration 10
 
 Exit status: 0 done; 1 errors happened and ``--fail-on-errors`` was given; 2 bad arguments or the server
-could not be reached; 3 ``--compare`` found a regression past ``--regress-pct``.
+could not be reached; 3 ``--compare`` found a regression past ``--regress-pct``; 4 ``--verify`` found a response
+that differs from the reference, or checked none.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-EXIT_ERRORS, EXIT_USAGE, EXIT_REGRESSION = 1, 2, 3
+EXIT_ERRORS, EXIT_USAGE, EXIT_REGRESSION, EXIT_VERIFY = 1, 2, 3, 4
 
 #: ``--verify`` given alone: the reference is built from the server's own weights file (GET /v1/model/weights)
 FROM_SERVER = object()
@@ -189,6 +190,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             rc = EXIT_REGRESSION
     if rc == 0 and args.fail_on_errors and any(st["errors_total"] for st in result["steps"]):
         rc = EXIT_ERRORS
+    if rc == 0 and args.verify is not None:
+        checked = sum(st["verify"]["checked"] for st in result["steps"])
+        bad = sum(st["verify"]["mismatches"] for st in result["steps"])
+        if bad or not checked:      # a verification that saw a wrong answer, or none at all, is not a pass
+            print(f"convserve-loadtest: --verify: {bad} mismatch(es) in {checked} responses checked",
+                  file=sys.stderr)
+            rc = EXIT_VERIFY
     return rc
 
 
