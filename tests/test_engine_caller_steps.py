@@ -178,6 +178,35 @@ def test_on_an_event_loop_the_future_is_resolved_before_submit_returns(engine):
         assert_close(y, want, what="y")
 
 
+def test_an_interrupt_inside_a_caller_step_fails_its_request_and_leaves_the_session_usable():
+    """Ctrl-C reaches the main thread, which may be running a step: the interrupt propagates, and the step's
+    request is failed and retired first (its tokens given back), as a failed step on the worker is."""
+    e = make_engine(slots=8, caller_step_max_tokens=64, request_timeout_s=2.0)
+    try:
+        oracle = Oracle(e.model_cpu, e.state_dtype)
+        sid = e.create_session()
+        oracle.new(sid)
+        real, first = e._runner.execute, [True]
+
+        def execute(out):
+            if first[0]:
+                first[0] = False
+                raise KeyboardInterrupt
+            return real(out)
+
+        e._runner.execute = execute
+        parked(e)
+        with pytest.raises(KeyboardInterrupt):
+            e.submit_batch([sid], LAYERS[0], torch.randn(1, DIM))
+        assert e.session_info(sid)["positions"] == [0] * len(LAYERS)      # its token given back
+        assert e.stats()["requests_failed"] == 1
+        x = torch.randn(2, DIM)
+        assert_close(e.submit(sid, LAYERS[0], x).result(5), oracle.conv(sid, 0, x), what="after the interrupt")
+        assert_close(e.export_state(sid), oracle.export(sid), what="state")
+    finally:
+        e.stop(drain=False)
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_random_mixed_batches_with_caller_steps_equal_the_per_session_reference(seed):
     st = run_step_workload("cpu", seed, caller_step_max_tokens=64)

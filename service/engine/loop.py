@@ -214,7 +214,9 @@ class Worker:
 
     def _run_step_here(self, taken) -> None:
         """Run the step :meth:`_step_here_locked` took, on this thread and the runner's stream, as the worker
-        would; then hand the runner back, waking the worker when work waits. Never raises."""
+        would; then hand the runner back, waking the worker when work waits. Raises only what is not an
+        ``Exception`` (an interrupt: this may be the main thread), after failing the step's requests as the worker
+        fails a step's."""
         out, t_sched = taken
         try:
             stream = self._runner.stream
@@ -223,10 +225,13 @@ class Worker:
             else:
                 with torch.cuda.device(self.device), torch.cuda.stream(stream):
                     self._run_scheduled(out, t_sched)
+        except BaseException as e:  # an interrupt (this may be the main thread): the step's requests get answers
+            self._fail_step(out, e)
+            raise
         finally:
             with self._lock:
                 self._caller_step = False
-                self._st["caller_steps"] += 1
+                self._st["caller_steps"] += not out.empty
                 if self._sched.depth or self._ops or self._snap_request is not None or self._turn_out or \
                         self._state != "running":
                     self._cv.notify()
