@@ -27,7 +27,8 @@ layers; req/s counts session tokens):
    one ``POST /v1/accept`` per step);
 8. ``step-shm``: the ``step`` leg with x written into the client's shared-memory arena and sent by reference
    (``ShmArena``; y comes back in the same block): the body carries no tensor bytes, the client pays one copy
-   of x into the arena per call;
+   of x into the arena per call; ``step-shm-sealed``: the same with a sealed arena (``ShmArena(sealed=True)``, a
+   memfd the server maps);
 9. ``step-echo``: the ``step`` leg's frames, byte for byte the same sizes (the batch body out, a ``y`` of x's size
    back), over one raw TCP connection to the echo server, one call at a time: what moving those bytes through
    Python costs, so ``step / step-echo`` is the service's own share.
@@ -65,7 +66,7 @@ from convserve.clients.loadtest.stats import percentile  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tcp_echo import EchoTransport, _run_loop, _summary, leg_step_echo  # noqa: E402
 
-LEGS = ("inproc", "unary", "stream", "batch", "echo", "step", "step-mixed", "step-shm", "step-echo")
+LEGS = ("inproc", "unary", "stream", "batch", "echo", "step", "step-mixed", "step-shm", "step-shm-sealed", "step-echo")
 
 
 # ----------------------------------------------------------------------------------- subprocesses
@@ -136,7 +137,7 @@ def serve(device: str, server_args: list, cpus: Optional[set] = None, timeout: f
 
 def start_server(args) -> Proc:
     # the step-shm leg's client is on this host: the server takes tensors from its shared memory
-    shm = ["--client-shm"] if "step-shm" in args.legs.split(",") else []
+    shm = ["--client-shm"] if {"step-shm", "step-shm-sealed"} & set(args.legs.split(",")) else []
     return serve(args.device, ["--slots", str(args.slots), *shm, *args.server_arg], args.server_cpus)
 
 
@@ -341,7 +342,7 @@ def step_rows(conc: int, dim: int, rng, spec_k: int = 0) -> tuple:
     return tokens, spec
 
 
-async def leg_step(args, url: str, info: dict, conc: int, mixed: bool, shm: bool = False) -> dict:
+async def leg_step(args, url: str, info: dict, conc: int, mixed: bool, shm: Optional[str] = None) -> dict:
     """Frontend steps over HTTP: each step one batch per layer, layers in order (see the module docstring)."""
     import random
 
@@ -352,7 +353,7 @@ async def leg_step(args, url: str, info: dict, conc: int, mixed: bool, shm: bool
     dtype = getattr(torch, info["dtype"])
     rng = random.Random(conc)
     # room for four of the leg's largest calls: a frontend reuses a few blocks, whose pages stay mapped
-    arena = ShmArena(4 * (conc + 64) * info["dim"] * dtype.itemsize) if shm else None
+    arena = ShmArena(4 * (conc + 64) * info["dim"] * dtype.itemsize, sealed=shm == "sealed") if shm else None
     async with AsyncConvClient(url, max_connections=4, shm=arena) as client:
         sessions = list(await asyncio.gather(*(client.create_session() for _ in range(conc))))
         pool = torch.randn(conc * 512 + 1024, info["dim"]).to(dtype)
@@ -446,7 +447,7 @@ def main(argv=None) -> int:
                 _progress("inproc", c, results["inproc"][c])
         finally:
             engine.stop(drain=False)
-    if {"unary", "stream", "batch", "step", "step-mixed", "step-shm"} & set(legs):
+    if {"unary", "stream", "batch", "step", "step-mixed", "step-shm", "step-shm-sealed"} & set(legs):
         srv = start_server(args)
         try:
             import httpx
@@ -462,11 +463,11 @@ def main(argv=None) -> int:
                 for c in levels:
                     results["batch"][c] = _run_loop(leg_batch(args, srv.url, info, c))
                     _progress("batch", c, results["batch"][c])
-            for kind in ("step", "step-mixed", "step-shm"):
+            for kind in ("step", "step-mixed", "step-shm", "step-shm-sealed"):
                 if kind in legs:
                     for c in levels:
-                        results[kind][c] = _run_loop(leg_step(args, srv.url, info, c, kind == "step-mixed",
-                                                              kind == "step-shm"))
+                        shm = {"step-shm": "file", "step-shm-sealed": "sealed"}.get(kind)
+                        results[kind][c] = _run_loop(leg_step(args, srv.url, info, c, kind == "step-mixed", shm))
                         _progress(kind, c, results[kind][c])
         finally:
             srv.stop()
@@ -497,9 +498,10 @@ def main(argv=None) -> int:
         a, b = get("step", "p50_ms"), get("step-echo", "p50_ms")
         if a and b:
             rc["step/step-echo p50"] = a / b
-        a, b = get("step-shm", "step_p50_ms"), get("step", "step_p50_ms")
-        if a and b:
-            rc["step-shm/step model step p50"] = a / b
+        for kind in ("step-shm", "step-shm-sealed"):
+            a, b = get(kind, "step_p50_ms"), get("step", "step_p50_ms")
+            if a and b:
+                rc[f"{kind}/step model step p50"] = a / b
             if den == "inproc" and get(num, "p50_ms") is not None and get(den, "p50_ms") is not None:
                 rc[f"{num}-{den} p50 ms"] = get(num, "p50_ms") - get(den, "p50_ms")
         ratios[c] = rc
@@ -561,7 +563,8 @@ def print_table(results, ratios, levels, legs, gpu) -> None:
     keys = sorted({k for v in ratios.values() for k in v})
     for k in keys:
         r.add_column(k.replace("unary", "2 unary").replace("stream", "3 stream").replace("inproc", "1 inproc")
-                     .replace("batch", "4 batch").replace("step-echo", "9 step-echo").replace("step-shm", "8 step-shm")
+                     .replace("batch", "4 batch").replace("step-echo", "9 step-echo").replace("step-shm/", "8 step-shm/")
+                     .replace("step-shm-sealed", "8 step-shm-sealed")
                      .replace("step/", "6 step/").replace("/echo", "/5 echo"), justify="right")
     for c in levels:
         r.add_row(str(c), *[(f"{ratios[c][k]:+.3f}" if "ms" in k else f"{ratios[c][k]:.2f}")

@@ -22,9 +22,10 @@ from tests.live import LiveServer, Reference
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
 
 
-@pytest.fixture
-def arena():
-    a = ShmArena(1 << 20)
+@pytest.fixture(params=[False, True], ids=["dev-shm", "sealed"])
+def arena(request):
+    """A /dev/shm segment (read and written through a descriptor) and a sealed memfd (mapped by the server)."""
+    a = ShmArena(1 << 20, sealed=request.param)
     yield a
     a.close()
 
@@ -259,3 +260,62 @@ def test_a_sweep_closes_the_descriptors_of_unlinked_or_replaced_segments_only(tm
     (tmp_path / "convserve-client-b").write_bytes(bytes(256))
     assert segs.sweep() == 2 and len(segs) == 1
     assert segs.sweep() == 0
+
+
+def _memfd(name: str, nbytes: int, seals: int):
+    import fcntl
+
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, nbytes)
+    if seals:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+def test_a_sealed_arena_cannot_be_resized_so_its_mapping_cannot_fault():
+    """What makes the server's mapping safe: the client itself cannot shrink (or grow) its sealed segment."""
+    with ShmArena(1 << 16, sealed=True) as a:
+        fd = int(a.key.split(".")[2])
+        for size in (16, 1 << 17):
+            with pytest.raises(PermissionError):
+                os.ftruncate(fd, size)
+        assert os.fstat(fd).st_size == 1 << 16
+
+
+def test_sealed_segments_are_mapped_once_written_in_place_and_dropped_by_the_sweep_when_closed():
+    segs = ClientSegments(max_segments=4)
+    a = ShmArena(1 << 16, sealed=True)
+    x = a.put(torch.arange(16, dtype=torch.float32))
+    ref = a.locate(x)
+    got = segs.view(ref, "float32", (16,), "torch", "x")
+    assert torch.equal(got, x) and got.data_ptr() != x.data_ptr()      # a copy of the block
+    assert segs.view(ref, "float32", (16,), "torch", "x") is not got and len(segs) == 1
+    segs.reply_to(ref).write(x * 3)
+    assert torch.equal(x, torch.arange(16, dtype=torch.float32) * 3)  # y over x, seen by the client's block
+    assert segs.sweep() == 0
+    a.close()
+    assert segs.sweep() == 1 and len(segs) == 0
+
+
+def test_a_sealed_key_naming_an_unsealed_or_other_descriptor_or_a_bad_form_is_a_400():
+    from convserve.clients.protocol.errors import BadRequest
+    from convserve.clients.protocol.shm import SEALED_PREFIX
+
+    segs = ClientSegments(max_segments=4)
+    pid = os.getpid()
+    fd = _memfd(SEALED_PREFIX + "abc", 4096, 0)                       # named right, but resizable
+    other = _memfd(SEALED_PREFIX + "xyz", 4096, 0)
+    try:
+        cases = [
+            (f"{SEALED_PREFIX}{pid}.{fd}.abc", "not sealed against resizing"),
+            (f"{SEALED_PREFIX}{pid}.{other}.abc", "is not sealed segment"),     # another memfd's number
+            (f"{SEALED_PREFIX}{pid}.999999.abc", "cannot be opened"),
+            (f"{SEALED_PREFIX}{pid}.abc", "<pid>.<fd>.<tag>"),
+        ]
+        for key, needle in cases:
+            with pytest.raises(BadRequest, match=needle):
+                segs.view({"key": key, "offset": 0}, "float32", (4,), "torch", "x")
+        assert len(segs) == 0
+    finally:
+        os.close(fd)
+        os.close(other)

@@ -194,11 +194,12 @@ def test_timeouts_are_labelled_client_timeout_not_connection_error():
 # the shared-memory transport once per loop kind, with and without verifies (a pairwise cover of the three axes)
 @pytest.mark.parametrize("spec, loop, shm", [
     (False, ["--concurrency", "5"], False), (True, ["--concurrency", "5"], True),
-    (False, ["--rate", "40", "--max-inflight", "32"], True), (True, ["--rate", "40", "--max-inflight", "32"], False)])
+    (False, ["--rate", "40", "--max-inflight", "32"], "sealed"),
+    (True, ["--rate", "40", "--max-inflight", "32"], False)])
 def test_the_frontend_scenario_sends_steps_of_mixed_batches_that_verify(server, weights, tmp_path, spec, loop, shm):
     extra = ["--spec-k", "uniform:1:4"] if spec else []
     if shm:
-        extra += ["--shm-mib", "4"]
+        extra += ["--shm-mib", "4"] + (["--shm-sealed"] if shm == "sealed" else [])
     rc, data = _run(tmp_path, server, "--scenario", "frontend", *loop, "--requests", "60", "--chunk", "7",
                     "--verify", str(weights[0]), "--verify-sample", "1", "--fail-on-errors", *extra)
     st = data["steps"][0]

@@ -107,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="frontend: write each layer call's x into a shared-memory arena of this many MiB and send "
                         "its reference instead of the bytes; y comes back there (a server on this host only) "
                         "[0: off]")
+    g.add_argument("--shm-sealed", action="store_true",
+                   help="with --shm-mib: a sealed memfd (the server maps it) instead of a /dev/shm segment")
     g.add_argument("--connections", type=int, default=0,
                    help="stream/ws: connections (0: enough for concurrency x layers / inflight) [0]")
     g = p.add_argument_group("load")
@@ -151,6 +153,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error("--inflight and --prefill-chunk must be >= 1, --connections >= 0")
     if not 0 < args.verify_sample <= 1:
         parser.error("--verify-sample must be in (0, 1]")
+    if args.shm_sealed and not args.shm_mib:
+        parser.error("--shm-sealed needs --shm-mib (the arena's size)")
     if args.duration is None and args.requests is None:
         args.duration = 10.0
     if args.concurrency is None and args.rate is None:
@@ -297,7 +301,7 @@ async def run(args) -> dict:
             raise SetupError("--shm-mib applies to --scenario frontend against one server on this host")
         from convserve.clients.protocol.shm import ShmArena
 
-        shm = ShmArena(args.shm_mib << 20)
+        shm = ShmArena(args.shm_mib << 20, sealed=args.shm_sealed)
     client = AsyncConvClient(url, api_key=args.api_key, timeout=args.timeout, max_connections=n_conn, shm=shm)
     quiet_gc = None
     try:

@@ -9,7 +9,10 @@ the same ``/dev/shm`` (one host, or one pod), as KServe's and Triton's system sh
 
 The client owns the segment (:class:`ShmArena` creates it, unlinks it at close); the server opens segments by key
 on first use and reads and writes them through the descriptor, never a mapping
-(:mod:`convserve.service.http.client_shm`), when its ``client_shm`` setting is on. A key must match :data:`KEY_RE` (``convserve-client-``
+(:mod:`convserve.service.http.client_shm`), when its ``client_shm`` setting is on. A sealed arena
+(``ShmArena(sealed=True)``) is instead a memfd sealed against resizing, with a key that names this process and the
+descriptor (:data:`SEALED_PREFIX`): the server maps it (no one can shrink it under the mapping) and copies x and y
+with one ``memcpy`` each, faster than through a descriptor. A key must match :data:`KEY_RE` (``convserve-client-``
 and up to 200 characters of ``[A-Za-z0-9_.-]``), so a request can name no other file (the server's own
 shared memory, ``convserve-<pid>-*``, included).
 """
@@ -17,6 +20,7 @@ shared memory, ``convserve-<pid>-*``, included).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
 import re
@@ -28,6 +32,9 @@ from convserve.clients.protocol.errors import BadRequest
 
 #: the names a segment may have: the prefix keeps a request from naming any other file of /dev/shm
 KEY_RE = re.compile(r"convserve-client-[A-Za-z0-9_.-]{1,200}\Z")
+#: the key of a sealed segment: ``convserve-client-sealed.<pid>.<fd>.<tag>``; the memfd is named
+#: ``convserve-client-sealed.<tag>`` (so that the server can tell a reused descriptor number)
+SEALED_PREFIX = "convserve-client-sealed."
 #: every block the arena hands out starts at a multiple of this many bytes
 ALIGN = 64
 #: mmap flag that allocates and maps every page of the arena at creation: a block's first use then costs no page
@@ -59,23 +66,42 @@ class ShmArena:
     that does not lie in the arena (or is a non-contiguous view of a block) is sent in the body as usual.
     """
 
-    def __init__(self, nbytes: int, key: Optional[str] = None, root: str = "/dev/shm"):
+    def __init__(self, nbytes: int, key: Optional[str] = None, root: str = "/dev/shm", sealed: bool = False):
         import numpy as np
 
-        self.key = key or f"convserve-client-{uuid.uuid4().hex}"
-        if not KEY_RE.match(self.key):
-            raise ValueError(f"key: expected 'convserve-client-' and up to 200 of A-Z a-z 0-9 _ . -, got "
-                             f"{self.key!r}")
-        self.path = os.path.join(root, self.key)
-        # the file shm_open would make, made directly: readable and writable by this user only, unlinked at close
-        # (or when the arena is collected, or at exit)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        self._unlink = weakref.finalize(self, _unlink, self.path)
-        try:
-            os.ftruncate(fd, int(nbytes))
-            mm = mmap.mmap(fd, int(nbytes), flags=mmap.MAP_SHARED | POPULATE)
-        finally:
-            os.close(fd)
+        if sealed:
+            if key is not None:
+                raise ValueError("key: a sealed arena's key names its process and descriptor; leave it unset")
+            self.path = None
+            # a memfd: no file in /dev/shm; its size sealed (F_SEAL_SHRINK | F_SEAL_GROW) so that a server may map
+            # it safely; the descriptor stays open while the arena lives (the server opens it through /proc)
+            tag = uuid.uuid4().hex
+            fd = os.memfd_create(SEALED_PREFIX + tag, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            self.key = f"{SEALED_PREFIX}{os.getpid()}.{fd}.{tag}"
+            try:
+                os.ftruncate(fd, int(nbytes))
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+                mm = mmap.mmap(fd, int(nbytes), flags=mmap.MAP_SHARED | POPULATE)
+            except BaseException:
+                os.close(fd)
+                raise
+            self._unlink = weakref.finalize(self, os.close, fd)
+        else:
+            self.key = key or f"convserve-client-{uuid.uuid4().hex}"
+            if not KEY_RE.match(self.key) or self.key.startswith(SEALED_PREFIX):
+                raise ValueError(f"key: expected 'convserve-client-' and up to 200 of A-Z a-z 0-9 _ . - (not "
+                                 f"'{SEALED_PREFIX}'), got {self.key!r}")
+            self.path = os.path.join(root, self.key)
+            # the file shm_open would make, made directly: readable and writable by this user only, unlinked at
+            # close (or when the arena is collected, or at exit)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            self._unlink = weakref.finalize(self, _unlink, self.path)
+            try:
+                os.ftruncate(fd, int(nbytes))
+                mm = mmap.mmap(fd, int(nbytes), flags=mmap.MAP_SHARED | POPULATE)
+            finally:
+                os.close(fd)
+        self.sealed = sealed
         self.nbytes = int(nbytes)
         self._bytes = np.frombuffer(mm, dtype=np.uint8)      # the mapping lives as long as a view of it
         self._base = self._bytes.ctypes.data
@@ -167,8 +193,8 @@ class ShmArena:
         return self._typed(off, n, _np_dtype(dtype), shape)
 
     def close(self) -> None:
-        """Unlink the segment. Blocks handed out stay valid (the mapping goes with the last of them), and so does
-        a server's descriptor of it until its sweep closes it."""
+        """Unlink the segment (a sealed one: close its descriptor). Blocks handed out stay valid (the mapping goes
+        with the last of them), and so does a server's descriptor or mapping of it until its sweep closes it."""
         self._bytes = None
         self._unlink()
 

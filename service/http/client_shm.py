@@ -1,9 +1,15 @@
 """The server's side of tensors in a client's shared memory (:mod:`convserve.clients.protocol.shm`).
 
-The server never maps a client's segment: a mapping of a file its client can shrink turns any later touch of it
-(by the engine, a copy, the NaN check) into SIGBUS, which kills the process. It reads x out of the segment with one
-``preadv`` into a tensor of its own (a segment shorter than the block is a 400, before anything runs) and writes
-y back over it with one ``pwrite``. Both are one kernel copy, and the body carries no tensor bytes.
+The server never maps a segment its client can shrink: a mapping of such a file turns any later touch of it (by
+the engine, a copy, the NaN check) into SIGBUS, which kills the process. It reads x out of a ``/dev/shm`` segment
+with one ``preadv`` into a tensor of its own (a segment shorter than the block is a 400, before anything runs) and
+writes y back over it with one ``pwrite``. Both are one kernel copy, and the body carries no tensor bytes.
+
+A sealed segment (``ShmArena(sealed=True)``: a memfd whose size is sealed, ``F_SEAL_SHRINK | F_SEAL_GROW``, so no
+one can shrink it) is mapped instead, since a touch of its mapping cannot fault: the server opens it through
+``/proc/<pid>/fd/<fd>`` (both named in its key; the memfd's name must carry the key's tag, so a reused descriptor
+number is refused), checks the seals, maps it once, and copies x out of the mapping and y into it with one
+``memcpy`` each (cheaper per byte than a tmpfs read or write through a descriptor).
 
 :class:`ClientSegments` keeps an open descriptor per segment key (at most ``client_shm_segments``, least recently
 used closed first; the file opened without following links and checked to be a regular file). A request that names
@@ -15,36 +21,50 @@ are closed (an open descriptor keeps an unlinked segment's memory allocated).
 from __future__ import annotations
 
 import collections
+import fcntl
 import math
+import mmap
 import os
 import stat
 import threading
 from typing import Any, Optional
 
 from convserve.clients.protocol.errors import BadRequest, Internal
-from convserve.clients.protocol.shm import check_ref
+from convserve.clients.protocol.shm import SEALED_PREFIX, check_ref
 from convserve.clients.protocol.wire import ITEMSIZE, dtype_name
 
 #: where POSIX shared-memory segments live on Linux (shm_open's namespace)
 SHM_ROOT = "/dev/shm"
 #: seconds between two sweeps of the descriptors of segments their clients have unlinked
 SWEEP_S = 5.0
+#: fcntl's seal commands and flags (Linux; Python's fcntl has them from 3.8, not on every platform)
+F_GET_SEALS = getattr(fcntl, "F_GET_SEALS", 1034)
+F_SEAL_SHRINK = getattr(fcntl, "F_SEAL_SHRINK", 0x0002)
+F_SEAL_GROW = getattr(fcntl, "F_SEAL_GROW", 0x0004)
 
 
 class ReplyTo:
-    """Where a request's y goes: a duplicate descriptor of its segment and the block's offset. :meth:`write`
-    writes y and closes it; :meth:`close` alone (a request that failed) closes it."""
+    """Where a request's y goes: a duplicate descriptor of its segment, or the mapping of a sealed one, and the
+    block's offset. :meth:`write` writes y and closes it; :meth:`close` alone (a request that failed) closes it."""
 
-    __slots__ = ("fd", "ref")
+    __slots__ = ("fd", "ref", "mapped")
 
-    def __init__(self, fd: int, ref: dict):
-        self.fd, self.ref = fd, ref
+    def __init__(self, fd: int, ref: dict, mapped=None):
+        self.fd, self.ref, self.mapped = fd, ref, mapped
 
     def write(self, y) -> dict:
         """Write ``y`` (a CPU tensor) over the block and return the answer's tensor map, which names it."""
         import torch
 
         data = memoryview(y.contiguous().view(-1).view(torch.uint8).numpy())
+        if self.mapped is not None:
+            mm, self.mapped = self.mapped, None
+            off = self.ref["offset"]
+            if off + len(data) > len(mm):       # x was read there, and a sealed segment cannot shrink
+                raise Internal(f"the conv was applied, but y does not fit shared-memory segment {self.ref['key']!r};"
+                               " read the session's state before going on")
+            mm[off:off + len(data)] = data
+            return {"dtype": dtype_name(y), "shape": list(y.shape), "shm": self.ref}
         try:
             n = os.pwrite(self.fd, data, self.ref["offset"])
         except OSError as e:
@@ -58,6 +78,7 @@ class ReplyTo:
         return {"dtype": dtype_name(y), "shape": list(y.shape), "shm": self.ref}
 
     def close(self) -> None:
+        self.mapped = None
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -73,6 +94,8 @@ class ClientSegments:
         self.max_segments = max_segments
         self.root = root
         self._fds: collections.OrderedDict = collections.OrderedDict()   # key -> (fd, inode)
+        # sealed segments: key -> (mapping, path in /proc, inode); a mapping closes with its last reference
+        self._maps: collections.OrderedDict = collections.OrderedDict()
         self._lock = threading.Lock()        # parsing may run on a parser thread as well as the loop's
 
     def view(self, ref: Any, dtype: str, shape: tuple, backend: str, name: str):
@@ -84,6 +107,13 @@ class ClientSegments:
         n = math.prod(shape) * ITEMSIZE[dtype]
         x = torch.empty(shape, dtype=getattr(torch, dtype))
         if n == 0:
+            return x
+        if key.startswith(SEALED_PREFIX):
+            mm = self._mapping(key, name)
+            if off + n > len(mm):
+                raise BadRequest(f"'{name}.shm': {n} bytes from offset {off} run past the end of segment "
+                                 f"{key!r} ({len(mm)} bytes)")
+            x.view(-1).view(torch.uint8).numpy()[:] = memoryview(mm)[off:off + n]
             return x
         fd = self._dup(key, name)
         try:
@@ -97,7 +127,54 @@ class ClientSegments:
 
     def reply_to(self, ref: dict) -> ReplyTo:
         """Where the request's y goes (its x named ``ref`` and was read)."""
+        if ref["key"].startswith(SEALED_PREFIX):
+            return ReplyTo(-1, ref, self._mapping(ref["key"], "x"))
         return ReplyTo(self._dup(ref["key"], "x"), ref)
+
+    def _mapping(self, key: str, name: str):
+        """The mapping of sealed segment ``key`` (``convserve-client-sealed.<pid>.<fd>.<tag>``): opened through
+        ``/proc/<pid>/fd/<fd>``, whose memfd name must carry the key's tag, and mapped once (the client keeps its descriptor
+        open for as long as the arena lives; see the module docstring)."""
+        with self._lock:
+            got = self._maps.get(key)
+            if got is not None:
+                self._maps.move_to_end(key)
+                return got[0]
+        parts = key[len(SEALED_PREFIX):].split(".")
+        if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit():
+            raise BadRequest(f"'{name}.shm.key': a sealed segment's key is '{SEALED_PREFIX}<pid>.<fd>.<tag>' (as "
+                             f"ShmArena(sealed=True) makes it), got {key!r:.80}")
+        path = f"/proc/{int(parts[0])}/fd/{int(parts[1])}"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except OSError as e:
+            raise BadRequest(f"'{name}.shm': sealed segment {key!r} cannot be opened by the server through {path} "
+                             f"({e.strerror}): the client must run on this host as the server's user and keep its "
+                             "arena open, or send 'data'") from None
+        try:
+            # what was opened, not the name: the memfd's own name carries the key's tag
+            if os.readlink(f"/proc/self/fd/{fd}") != f"/memfd:{SEALED_PREFIX}{parts[2]} (deleted)":
+                raise BadRequest(f"'{name}.shm': {path} is not sealed segment {key!r} (the client closed its "
+                                 "arena, or the key was not made by ShmArena(sealed=True))")
+            seals = fcntl.fcntl(fd, F_GET_SEALS)
+            if seals & F_SEAL_SHRINK == 0 or seals & F_SEAL_GROW == 0:
+                raise BadRequest(f"'{name}.shm': segment {key!r} is not sealed against resizing (F_SEAL_SHRINK | "
+                                 "F_SEAL_GROW); the server maps only such segments: use ShmArena(sealed=True)")
+            st = os.fstat(fd)
+            if st.st_size == 0:
+                raise BadRequest(f"'{name}.shm': segment {key!r} is empty")
+            try:
+                mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED)
+            except OSError as e:
+                raise BadRequest(f"'{name}.shm': segment {key!r} cannot be mapped for writing ({e.strerror}); "
+                                 "do not seal it against writes") from None
+        finally:
+            os.close(fd)
+        with self._lock:
+            self._maps[key] = (mm, path, st.st_ino)
+            while len(self._maps) > self.max_segments:
+                self._maps.popitem(last=False)
+        return mm
 
     def sweep(self) -> int:
         """Close the descriptors of segments that were unlinked or replaced since they were opened (a client that
@@ -109,7 +186,10 @@ class ClientSegments:
                     gone.append(key)
             for key in gone:
                 os.close(self._fds.pop(key)[0])
-        return len(gone)
+            closed = [key for key, (_mm, path, ino) in self._maps.items() if _inode(path, True) != ino]
+            for key in closed:
+                del self._maps[key]
+        return len(gone) + len(closed)
 
     def _dup(self, key: str, name: str) -> int:
         """A duplicate of the segment's descriptor, the caller's to close (the cached one may be closed by another
@@ -143,11 +223,11 @@ class ClientSegments:
             return os.dup(fd)
 
     def __len__(self) -> int:
-        return len(self._fds)
+        return len(self._fds) + len(self._maps)
 
 
-def _inode(path: str) -> Optional[int]:
+def _inode(path: str, follow: bool = False) -> Optional[int]:
     try:
-        return os.stat(path, follow_symlinks=False).st_ino
-    except FileNotFoundError:
+        return os.stat(path, follow_symlinks=follow).st_ino
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
         return None
