@@ -178,10 +178,9 @@ def run_random_workload(device, dtype, state_dtype, knobs, seed, n_ops=220, widt
         e.stop(drain=False)
 
 
-def gate_worker(e):
-    """Hold the worker inside its next step until the returned event is set (so requests queue behind it). Every
-    step runs on the worker from here on (no caller steps, see Worker._step_here_locked)."""
-    e._caller_tokens = 0
+def hold_first_step(e):
+    """Hold the engine's next step (on whichever thread runs it) until the returned ``go`` is set; ``entered`` is
+    set once it is held."""
     go, entered = threading.Event(), threading.Event()
     real, first = e._runner.execute, [True]
 
@@ -194,3 +193,10 @@ def gate_worker(e):
 
     e._runner.execute = held
     return go, entered
+
+
+def gate_worker(e):
+    """Hold the worker inside its next step until the returned event is set (so requests queue behind it). Every
+    step runs on the worker from here on (no caller steps, see Worker._step_here_locked)."""
+    e._caller_tokens = 0
+    return hold_first_step(e)

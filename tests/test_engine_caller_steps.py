@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from tests.engine_support import DIM, LAYERS, Oracle, make_engine
+from tests.engine_support import DIM, LAYERS, Oracle, hold_first_step, make_engine
 from tests.step_support import run_step_workload
 from tests.tolerance import assert_close
 
@@ -24,21 +24,6 @@ def where_steps_run(e):
 
     e._runner.execute = execute
     return threads
-
-
-def hold_first_step(e):
-    """Hold the first step (on whichever thread runs it) until the returned ``go`` is set."""
-    go, entered, real, first = threading.Event(), threading.Event(), e._runner.execute, [True]
-
-    def execute(out):
-        if first[0]:
-            first[0] = False
-            entered.set()
-            go.wait(10)
-        return real(out)
-
-    e._runner.execute = execute
-    return go, entered
 
 
 def parked(e, timeout=5.0):
