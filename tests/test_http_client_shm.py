@@ -282,18 +282,26 @@ def test_a_sealed_arena_cannot_be_resized_so_its_mapping_cannot_fault():
         assert os.fstat(fd).st_size == 1 << 16
 
 
-def test_sealed_segments_are_mapped_once_written_in_place_and_dropped_by_the_sweep_when_closed():
+def test_sealed_segments_are_mapped_once_written_in_place_and_refused_once_closed():
+    from convserve.clients.protocol.errors import BadRequest
+
     segs = ClientSegments(max_segments=4)
+    b = ShmArena(1 << 16, sealed=True)                 # another arena: the sweep drops its mapping once closed
+    segs.view(b.locate(b.put(torch.zeros(4))), "float32", (4,), "torch", "x")
     a = ShmArena(1 << 16, sealed=True)
     x = a.put(torch.arange(16, dtype=torch.float32))
     ref = a.locate(x)
     got = segs.view(ref, "float32", (16,), "torch", "x")
     assert torch.equal(got, x) and got.data_ptr() != x.data_ptr()      # a copy of the block
-    assert segs.view(ref, "float32", (16,), "torch", "x") is not got and len(segs) == 1
+    assert segs.view(ref, "float32", (16,), "torch", "x") is not got and len(segs) == 2
     segs.reply_to(ref).write(x * 3)
     assert torch.equal(x, torch.arange(16, dtype=torch.float32) * 3)  # y over x, seen by the client's block
     assert segs.sweep() == 0
-    a.close()
+    a.close()                                          # refused at once, not only after the next sweep
+    with pytest.raises(BadRequest, match="cannot be opened|is not sealed segment"):
+        segs.view(ref, "float32", (16,), "torch", "x")
+    assert len(segs) == 1
+    b.close()
     assert segs.sweep() == 1 and len(segs) == 0
 
 

@@ -70,8 +70,8 @@ def print_table(result: dict, console: Optional[Console] = None) -> None:
                           f"{v['mismatches']} mismatch(es)")
         elif cfg.get("verify"):            # asked for, but no sampled session answered: say so, not silence
             console.print(f"{st['label']}: verified 0 responses: no sampled session (--verify-sample "
-                          f"{cfg.get('verify_sample')}) got an answer in this step; raise --verify-sample or "
-                          "run longer")
+                          f"{cfg.get('verify_sample')}) got an answer in this step; raise --verify-sample, run "
+                          "longer, or lower --warmup (a request in the warm-up is not verified)")
 
 
 def write_json(result: dict, path: Path) -> None:

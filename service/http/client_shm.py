@@ -133,13 +133,21 @@ class ClientSegments:
 
     def _mapping(self, key: str, name: str):
         """The mapping of sealed segment ``key`` (``convserve-client-sealed.<pid>.<fd>.<tag>``): opened through
-        ``/proc/<pid>/fd/<fd>``, whose memfd name must carry the key's tag, and mapped once (the client keeps its descriptor
-        open for as long as the arena lives; see the module docstring)."""
+        ``/proc/<pid>/fd/<fd>``, whose memfd name must carry the key's tag, and mapped once (the client keeps its
+        descriptor open for as long as the arena lives; see the module docstring)."""
         with self._lock:
             got = self._maps.get(key)
-            if got is not None:
-                self._maps.move_to_end(key)
-                return got[0]
+        # a mapping is used only while the client's descriptor still names that memfd (one stat): a closed arena,
+        # or an exited client, is refused at once rather than written until the next sweep
+        if got is not None and _inode(got[1], True) == got[2]:
+            with self._lock:
+                if key in self._maps:
+                    self._maps.move_to_end(key)
+            return got[0]
+        if got is not None:
+            with self._lock:
+                if self._maps.get(key) is got:
+                    del self._maps[key]
         parts = key[len(SEALED_PREFIX):].split(".")
         if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit():
             raise BadRequest(f"'{name}.shm.key': a sealed segment's key is '{SEALED_PREFIX}<pid>.<fd>.<tag>' (as "
