@@ -53,6 +53,32 @@ def assert_states_equal(st_k, st_r):
     assert not diff, f"state rows {diff} differ from the reference"
 
 
+def check_state_mode(x, state, w, b, rows, mode, seqlen, rng, osi=None):
+    """One verify-sized call on both sides with the state rows ``rows`` (a pad row among them) in ``mode``: "live"
+    (indices only), "inter" (intermediate windows, poisoned first), "osi" (``osi``: output_state_indices) or
+    "accepted" (num_accepted_tokens drawn from ``rng``); outputs against float64, states bit-exact, the live rows'
+    windows."""
+    dev, dtype, batch = x.device, x.dtype, x.shape[0]
+    dim, width = w.shape[-2], w.shape[-1]
+    kw = dict(conv_state_indices=torch.tensor(rows, dtype=torch.int32, device=dev))
+    if mode == "inter":
+        kw["intermediate_conv_window"] = torch.full((batch, seqlen, dim, width - 1), float("nan"), device=dev,
+                                                    dtype=dtype)
+    if mode == "osi":
+        kw["output_state_indices"] = torch.tensor(osi, dtype=torch.int32, device=dev)
+    if mode == "accepted":
+        kw["num_accepted_tokens"] = torch.tensor([rng.randint(1, seqlen) for _ in range(batch)], dtype=torch.int32,
+                                                 device=dev)
+    y, st_k, ref, st_r, kw_k, kw_r = run_both(x, state, w, b, **kw)
+    assert_close(y, ref, dtype, "output")
+    assert_states_equal(st_k, st_r)
+    if mode == "inter":
+        got, want = kw_k["intermediate_conv_window"], kw_r["intermediate_conv_window"]
+        live = [i for i in range(batch) if rows[i] != PAD_SLOT_ID]  # pad rows' windows are not written
+        assert_close(got[live], want[live], dtype, "intermediate windows")
+
+
+
 GRID = [(d, w, L) for d in (1, 7, 64, 257) for w in (2, 3, 4) for L in (1, 2, 3, 5)]
 GRID += [(40, w, L) for w in range(5, MAX_WIDTH + 1) for L in (1, 4)]
 GRID += [(33, 4, 40)]  # a long chunked decode: several token chunks
@@ -362,25 +388,12 @@ def test_few_token_update_matches_reference_on_both_paths(width, seqlen, mode, s
     state = pool_layout(lines, dim, state_len, dtype, kernel_device, gen)
     rows = rng.sample(range(1, lines), batch)
     rows[rng.randrange(batch)] = PAD_SLOT_ID
-    kw = dict(conv_state_indices=torch.tensor(rows, dtype=torch.int32, device=kernel_device))
-    if mode == "inter":
-        kw["intermediate_conv_window"] = torch.full((batch, seqlen, dim, width - 1), float("nan"),
-                                                    device=kernel_device, dtype=dtype)
+    osi = None
     if mode == "osi":  # each window to a fresh row, some skipped; the last row's last window onto its own row
         free = iter(rng.sample([r for r in range(1, lines) if r not in rows], lines - 1 - batch + 1))
         osi = [[next(free, -1) if rng.random() < 0.5 else -1 for _ in range(seqlen)] for _ in range(batch)]
         osi[-1][-1] = rows[-1] if rows[-1] != PAD_SLOT_ID else -1
-        kw["output_state_indices"] = torch.tensor(osi, dtype=torch.int32, device=kernel_device)
-    if mode == "accepted":
-        kw["num_accepted_tokens"] = torch.tensor([rng.randint(1, seqlen) for _ in range(batch)],
-                                                 dtype=torch.int32, device=kernel_device)
-    y, st_k, ref, st_r, kw_k, kw_r = run_both(x, state, w, b, **kw)
-    assert_close(y, ref, dtype, "output")
-    assert_states_equal(st_k, st_r)
-    if mode == "inter":
-        got, want = kw_k["intermediate_conv_window"], kw_r["intermediate_conv_window"]
-        live = [i for i in range(batch) if rows[i] != PAD_SLOT_ID]  # pad rows' windows are not written
-        assert_close(got[live], want[live], dtype, "intermediate windows")
+    check_state_mode(x, state, w, b, rows, mode, seqlen, rng, osi)
 
 
 @pytest.mark.parametrize("seqlen", [1, 3])

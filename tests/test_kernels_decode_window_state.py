@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from convserve.kernels import MAX_WIDTH, PAD_SLOT_ID, causal_conv1d_update, causal_conv1d_update_ref
-from tests.test_kernels_decode import DTYPES, SEED, assert_states_equal, run_both
+from tests.test_kernels_decode import DTYPES, SEED, assert_states_equal, check_state_mode
 from tests.tolerance import assert_close
 
 
@@ -101,21 +101,8 @@ def test_state_contiguous_along_the_window_matches_reference(width, seqlen, mode
     state = torch.randn(lines, dim, state_len, generator=gen).to(kernel_device, dtype)
     rows = rng.sample(range(1, lines), batch)
     rows[rng.randrange(batch)] = PAD_SLOT_ID
-    kw = dict(conv_state_indices=torch.tensor(rows, dtype=torch.int32, device=kernel_device))
-    if mode == "inter":
-        kw["intermediate_conv_window"] = torch.full((batch, seqlen, dim, width - 1), float("nan"),
-                                                    device=kernel_device, dtype=dtype)
+    osi = None
     if mode == "osi":
         free = iter(rng.sample([r for r in range(1, lines) if r not in rows], lines - 1 - batch))
-        kw["output_state_indices"] = torch.tensor([[next(free, -1) if (i + t) % 2 else -1 for t in range(seqlen)]
-                                                   for i in range(batch)], dtype=torch.int32, device=kernel_device)
-    if mode == "accepted":
-        kw["num_accepted_tokens"] = torch.tensor([rng.randint(1, seqlen) for _ in range(batch)],
-                                                 dtype=torch.int32, device=kernel_device)
-    y, st_k, ref, st_r, kw_k, kw_r = run_both(x, state, w, b, **kw)
-    assert_close(y, ref, dtype, "output")
-    assert_states_equal(st_k, st_r)
-    if mode == "inter":
-        live = [i for i in range(batch) if rows[i] != PAD_SLOT_ID]
-        assert_close(kw_k["intermediate_conv_window"][live], kw_r["intermediate_conv_window"][live], dtype,
-                     "intermediate windows")
+        osi = [[next(free, -1) if (i + t) % 2 else -1 for t in range(seqlen)] for i in range(batch)]
+    check_state_mode(x, state, w, b, rows, mode, seqlen, rng, osi)
