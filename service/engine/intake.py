@@ -108,14 +108,9 @@ class Intake:
                 self._advance_locked(s, p, req.n_tokens, req.track)
             if deferred:
                 s.deferred.append(req)
-            if depth == 0 or self._sched.ready(now):
-                here = self._step_here_locked(now, req.n_tokens)
-                if here is None:
-                    self._cv.notify()
-                    return None
-            else:
-                return None
-        self._run_step_here(here)
+            here = self._queued_locked(now, req.n_tokens) if depth == 0 or self._sched.ready(now) else None
+        if here is not None:
+            self._run_step_here(here)
         return None
 
     def _check_no_verify_locked(self, s: Session, pending: Optional[dict] = None) -> None:
@@ -481,9 +476,7 @@ class Intake:
                         s.pending[p] = (k, seq)
             b.waits, b.wait_ops, b.sessions, b.slots, b.buf = list(waits.values()), wait_ops, sessions, slots, slot
             self._sched.add(req)
-            here = self._step_here_locked(now, req.n_tokens)
-            if here is None:
-                self._cv.notify()
+            here = self._queued_locked(now, req.n_tokens)
         if here is not None:
             self._run_step_here(here)
         return None

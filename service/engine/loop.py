@@ -10,6 +10,7 @@ state.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import threading
 import time
@@ -185,11 +186,32 @@ class Worker:
             except Exception:  # noqa: BLE001 - the loop outlives any one step (_step answers its own failures)
                 log.exception("engine step %d: failure outside the runner", out.step)
 
+    def _on_runner(self):
+        """The context for runner work on a thread other than the worker's (a caller step, an op run at once): the
+        engine's device and the runner's stream, so that it is ordered with the steps; nothing on the CPU or on
+        the worker's own thread, which is set up so already."""
+        stream = self._runner.stream
+        if stream is None or threading.get_ident() == self._cv.worker_ident:
+            return contextlib.nullcontext()
+        ctx = contextlib.ExitStack()
+        ctx.enter_context(torch.cuda.device(self.device))
+        ctx.enter_context(torch.cuda.stream(stream))
+        return ctx
+
+    def _queued_locked(self, now: float, tokens: int):
+        """Called by the intake under the lock once it has queued a request of ``tokens`` tokens that the
+        scheduler may run now: take its step for this thread (:meth:`_step_here_locked`), returned for
+        :meth:`_run_step_here` once the lock is released, or else wake the worker and return None."""
+        here = self._step_here_locked(now, tokens)
+        if here is None:
+            self._cv.notify()
+        return here
+
     def _step_here_locked(self, now: float, tokens: int):
-        """Called by the intake under the lock right after it queued a request of ``tokens`` tokens: when the
-        worker would run that request's step at once, take the step for the calling thread to run instead
-        (:meth:`_run_step_here`), which saves two thread hand-offs (the worker's wake-up, and the caller's after
-        the step); ``(step, scheduling ns)``, or None to leave it to the worker.
+        """When the worker would run the step of the request just queued (``tokens`` tokens) at once, take the
+        step for the calling thread to run instead (:meth:`_run_step_here`), which saves two thread hand-offs (the
+        worker's wake-up, and the caller's after the step); ``(step, scheduling ns)``, or None to leave it to the
+        worker.
 
         The step is taken only when queueing it changes nothing but who runs it: the worker is parked
         (``_idle``: it takes nothing up before it holds the lock, and then waits while ``_caller_step`` is set,
@@ -219,12 +241,8 @@ class Worker:
         fails a step's."""
         out, t_sched = taken
         try:
-            stream = self._runner.stream
-            if stream is None:
+            with self._on_runner():
                 self._run_scheduled(out, t_sched)
-            else:
-                with torch.cuda.device(self.device), torch.cuda.stream(stream):
-                    self._run_scheduled(out, t_sched)
         except BaseException as e:  # an interrupt (this may be the main thread): the step's requests get answers
             self._fail_step(out, e)
             raise

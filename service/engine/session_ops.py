@@ -300,13 +300,9 @@ class SessionOps:
         """Run ``fn()`` here (see :meth:`_runs_now_locked`), on the runner's stream, and return a done op with its
         result or error, as :meth:`_run_ops` would have set them (no one else holds its future yet)."""
         op = Op(ss[0], fn, Future(), self._last_seq, started=True, sessions=tuple(ss), label=label)
-        stream = self._runner.stream
         try:
-            if stream is None or threading.get_ident() == self._cv.worker_ident:
+            with self._on_runner():                    # ordered with the steps before and after it
                 result = fn()
-            else:
-                with torch.cuda.stream(stream):         # ordered with the steps before and after it
-                    result = fn()
         except BaseException as e:  # noqa: BLE001 - delivered to the caller
             op.future.set_exception(_op_error(e))
         else:

@@ -37,7 +37,7 @@ from convserve.service.http.control import add_control_routes
 from convserve.service.http.edge import ConvServeApp, Edge
 from convserve.service.http.errors import install_handlers
 from convserve.service.http.oip import add_oip_routes
-from convserve.service.http.parse import Parser
+from convserve.service.http.parse import Parser, shm_ref
 from convserve.service.http.stream import StreamEndpoint
 from convserve.service.http.unary import BatchEndpoint, ConvEndpoint
 from convserve.service.http.websocket import WebSocketEndpoint
@@ -68,6 +68,12 @@ class Service:
         self.failed: Optional[BaseException] = None
         self.pipelines: set = set()
         self.snapshots = None            # the Snapshotter of an in-process engine with state_dir
+
+    def reply_to(self, body):
+        """Where a parsed conv or batch body's y goes when its x lay in a client's shared memory (a
+        :class:`~.client_shm.ReplyTo`), else None."""
+        ref = shm_ref(body)
+        return None if ref is None else self.client_shm.reply_to(ref)
 
     async def decode(self, nbytes: int, fn, *args):
         """``fn(*args)``: on the event loop for a body under ``parse_offload_bytes``, else in a parser thread, so

@@ -127,22 +127,22 @@ class ClientSegments:
 
     def reply_to(self, ref: dict) -> ReplyTo:
         """Where the request's y goes (its x named ``ref`` and was read)."""
-        if ref["key"].startswith(SEALED_PREFIX):
-            return ReplyTo(-1, ref, self._mapping(ref["key"], "x"))
+        if ref["key"].startswith(SEALED_PREFIX):      # mapped and checked by the read of x just before
+            return ReplyTo(-1, ref, self._mapping(ref["key"], "x", checked=True))
         return ReplyTo(self._dup(ref["key"], "x"), ref)
 
-    def _mapping(self, key: str, name: str):
+    def _mapping(self, key: str, name: str, checked: bool = False):
         """The mapping of sealed segment ``key`` (``convserve-client-sealed.<pid>.<fd>.<tag>``): opened through
         ``/proc/<pid>/fd/<fd>``, whose memfd name must carry the key's tag, and mapped once (the client keeps its
-        descriptor open for as long as the arena lives; see the module docstring)."""
+        descriptor open for as long as the arena lives; see the module docstring). ``checked``: the caller has just
+        used the mapping (x's read), so a cached one is taken without checking the descriptor again."""
         with self._lock:
             got = self._maps.get(key)
+            if got is not None:
+                self._maps.move_to_end(key)
         # a mapping is used only while the client's descriptor still names that memfd (one stat): a closed arena,
         # or an exited client, is refused at once rather than written until the next sweep
-        if got is not None and _inode(got[1], True) == got[2]:
-            with self._lock:
-                if key in self._maps:
-                    self._maps.move_to_end(key)
+        if got is not None and (checked or _inode(got[1], True) == got[2]):
             return got[0]
         if got is not None:
             with self._lock:

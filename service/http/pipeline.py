@@ -26,7 +26,6 @@ import msgpack
 from convserve.clients.protocol import wire
 from convserve.clients.protocol.errors import BadRequest, Internal, NotReady, PayloadTooLarge, ServiceError
 from convserve.service.http.errors import as_service_error, error_frame
-from convserve.service.http.parse import shm_ref
 
 if TYPE_CHECKING:
     from convserve.service.http.app import Service
@@ -203,9 +202,7 @@ class Pipeline:
             else:
                 session, layer, x, spec, position = self._parse(obj, frame=True)
                 fut = self._submit(session, layer, x, speculative=spec, position=position)
-            ref = shm_ref(obj)
-            if ref is not None:
-                f.shm = svc.client_shm.reply_to(ref)
+            f.shm = svc.reply_to(obj)
         except Exception as e:  # noqa: BLE001 - a bad frame fails alone
             self._set_error(f, as_service_error(e))
             self._release(f.keys)

@@ -14,7 +14,7 @@ from convserve.clients.protocol import wire
 from convserve.service.http.asgi import (MSGPACK_CT, ROUTE_SCOPE_KEY, ClientGone, client_gone, render, send_bytes,
                                          wants_json)
 from convserve.service.http.errors import as_service_error, send_error
-from convserve.service.http.parse import parse_body, read_body, shm_ref
+from convserve.service.http.parse import parse_body, read_body
 from convserve.service.http.replica import merge_session
 
 if TYPE_CHECKING:
@@ -90,10 +90,6 @@ class _UnaryEndpoint:
         run this)."""
         raise NotImplementedError
 
-    def reply_to(self, obj):
-        ref = shm_ref(obj)
-        return None if ref is None else self.svc.client_shm.reply_to(ref)
-
     def submit(self, parsed):
         """Submit a parsed body; returns the engine's asyncio future (on the loop)."""
         raise NotImplementedError
@@ -142,7 +138,7 @@ class ConvEndpoint(_UnaryEndpoint):
             sid = merge_session(scope, obj.get("session") if type(obj.get("session")) is str else None)
             if sid is not None and "session" not in obj:
                 obj["session"] = sid
-        return self.parser.conv(obj), self.reply_to(obj)
+        return self.parser.conv(obj), self.svc.reply_to(obj)
 
     def submit(self, parsed):
         session, layer, x, spec, position = parsed
@@ -158,7 +154,7 @@ class BatchEndpoint(_UnaryEndpoint):
     def parse(self, scope, body: bytes):
         svc = self.svc
         obj = parse_body(scope, body, svc.max_body, svc.max_objects, svc.max_json)
-        return self.parser.batch(obj), self.reply_to(obj)
+        return self.parser.batch(obj), self.svc.reply_to(obj)
 
     def submit(self, parsed):
         sessions, layer, x, tokens, spec, position = parsed
