@@ -33,13 +33,13 @@ class FakeEngine:
     def stats(self):
         return {}
 
-    def submit(self, session, layer, x, speculative=False, position=None):
+    def submit(self, session, layer, x, speculative=False, position=None, borrowed=False):
         f = cf.Future()
         f.set_running_or_notify_cancel()
         self.futures.append(f)
         return f
 
-    def submit_batch(self, sessions, layer, x, tokens=None, speculative=None, position=None):
+    def submit_batch(self, sessions, layer, x, tokens=None, speculative=None, position=None, borrowed=False):
         return self.submit(sessions[0], layer, x)
 
     def cancel(self, fut):

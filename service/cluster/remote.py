@@ -385,14 +385,17 @@ class RemoteEngine:
         return fut
 
     def submit_async(self, session_id: str, layer: int, x, speculative: bool = False,
-                     position: Optional[int] = None) -> asyncio.Future:
+                     position: Optional[int] = None, borrowed: bool = False) -> asyncio.Future:
+        """As :meth:`Engine.submit_async`. ``borrowed`` changes nothing here: x is always copied (into the arena,
+        or the message) before anything reads it, and the copy is what is checked."""
         e = engine_of(session_id, self.n) if isinstance(session_id, str) else 0
         return self._conv(e, {"k": m.CONV, "s": session_id, "l": layer, "sp": speculative, "po": position}, x)
 
     submit = submit_async   # its callers (the stream pipeline) run on the loop too
 
     def submit_batch_async(self, session_ids: Sequence[str], layer: int, x, tokens=None,
-                           speculative=None, position=None) -> asyncio.Future:
+                           speculative=None, position=None, borrowed: bool = False) -> asyncio.Future:
+        """As :meth:`Engine.submit_batch_async` (``borrowed``: see :meth:`submit_async`)."""
         groups = split(session_ids, self.n) if self.n > 1 else {0: None}
         if len(groups) == 1:
             (e,) = groups

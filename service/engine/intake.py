@@ -30,21 +30,24 @@ from .outputs import AsyncConvFuture, ConvFuture
 from .outputs import deliver
 from .records import BATCH_SESSION, NO_ROWS, BatchRows, ConvRequest, plan_rows, release_batch
 from .positions import Answer, Applied, Sink, batch_key, check_position, check_positions
-from .validate import check_batch_plan, check_batch_sessions, check_speculative, check_x, uniform_verify
+from .validate import (check_batch_plan, check_batch_sessions, check_finite_copy, check_speculative, check_x,
+                       own_copy, uniform_verify)
 
 
 class Intake:
     """The conv-request methods of :class:`Engine` (see the module docstring)."""
 
     def _submit(self, session_id: str, layer: int, x: torch.Tensor, speculative: bool, sink,
-                position=None, checked: bool = False) -> Optional[ConvRequest]:
+                position=None, checked: bool = False, borrowed: bool = False) -> Optional[ConvRequest]:
         """The request queued, or None when it repeated an applied one (``sink`` has or will get its answer)."""
         if position is not None:
             check_position(position)
         self._session_at_locked(session_id, position)   # cheap early 404/410 (a dict read), checked again under the lock
         p = self.model_cpu.position(layer)
         check_speculative(speculative)
-        xm, x_dtype = check_x(self.model_cpu, self.config, x, speculative, checked=checked)
+        xm, x_dtype = check_x(self.model_cpu, self.config, x, speculative, checked=checked, defer_finite=borrowed)
+        if borrowed and xm is x:          # the engine's own copy, checked: what the step reads
+            xm = own_copy(xm, self.config, self.model_cpu.dtype)
         now = time.monotonic()
         req = ConvRequest(-1, None, p, xm.shape[0], speculative, now, x=xm, future=sink, x_dtype=x_dtype)
         runner = self._runner
@@ -217,27 +220,27 @@ class Intake:
         return min(30.0, max(0.05, self._sched.depth / per_step * mean_step))
 
     def submit(self, session_id: str, layer: int, x: torch.Tensor, speculative: bool = False,
-               position: Optional[int] = None) -> Future:
+               position: Optional[int] = None, borrowed: bool = False) -> Future:
         """Queue one conv; the future's result is ``y (T, dim)`` on the CPU in x's dtype. Validation errors are
         raised here, before anything is queued; errors while running are set on the future, and so are the
         pending-verify and position checks when an operation of the session is queued (they are made at the
         conv's turn then, see :meth:`_take_turn_locked`). ``future.cancel()``
         withdraws the request if it has not started. ``position``: where the caller believes the session is on
         this layer (:mod:`.positions`): a mismatch is :class:`PositionMismatch`, a repeat of the last applied
-        request gets that request's answer."""
+        request gets that request's answer. ``borrowed``: see :meth:`submit_batch`."""
         fut = ConvFuture(self)
-        fut._req = self._submit(session_id, layer, x, speculative, fut, position)
+        fut._req = self._submit(session_id, layer, x, speculative, fut, position, borrowed=borrowed)
         return fut
 
-    def submit_async(self, session_id: str, layer: int, x: torch.Tensor,
-                     speculative: bool = False, position: Optional[int] = None) -> asyncio.Future:
+    def submit_async(self, session_id: str, layer: int, x: torch.Tensor, speculative: bool = False,
+                     position: Optional[int] = None, borrowed: bool = False) -> asyncio.Future:
         """:meth:`submit` for a caller on an asyncio loop (call it on the loop's thread): the result comes as an
         ``asyncio.Future`` of that loop, and the engine resolves all of one step's futures of a loop with one
         wake-up of the loop (one ``call_soon_threadsafe``), instead of one thread-safe callback per request.
         :meth:`cancel` withdraws the request if it has not started."""
         loop = asyncio.get_running_loop()
         fut = AsyncConvFuture(loop=loop)
-        fut._req = self._submit(session_id, layer, x, speculative, (loop, fut), position)
+        fut._req = self._submit(session_id, layer, x, speculative, (loop, fut), position, borrowed=borrowed)
         return fut
 
     async def conv(self, session_id: str, layer: int, x: torch.Tensor, speculative: bool = False,
@@ -251,7 +254,7 @@ class Intake:
             raise
 
     def submit_batch(self, session_ids: Sequence[str], layer: int, x: torch.Tensor, tokens=None,
-                     speculative=None, position=None) -> Future:
+                     speculative=None, position=None, borrowed: bool = False) -> Future:
         """A slice of tokens for each of several sessions on one layer, as one request (a frontend's step on a
         layer): ``x (sum(n_i), dim)`` holds the slices packed in the order of ``session_ids``, ``tokens`` their
         lengths ``n_i`` (None: one token each, the decode batch) and ``speculative`` a bool, or one per session,
@@ -269,17 +272,22 @@ class Intake:
         (no ``tokens`` or all 1, nothing speculative) takes the decode hot path: one batch-slot graph replay. A
         batch with other rows but no verify rows runs every row in its layer's one varlen prefill launch (a
         one-token row as a length-1 sequence from its session's state, which is what a decode computes).
-        ``position`` (one per session) is checked whole (:mod:`.positions`)."""
+        ``position`` (one per session) is checked whole (:mod:`.positions`).
+
+        ``borrowed``: x lies in memory someone else may write meanwhile (a client's shared memory): the engine
+        reads it only before this call returns, into a copy (the staging slot's, or its own) that it checks for
+        NaN/Inf and computes with; else x is read in place until the request is done (do not change it)."""
         fut = ConvFuture(self)
-        fut._req = self._submit_batch(session_ids, layer, x, tokens, speculative, fut, position)
+        fut._req = self._submit_batch(session_ids, layer, x, tokens, speculative, fut, position, borrowed=borrowed)
         return fut
 
     def submit_batch_async(self, session_ids: Sequence[str], layer: int, x: torch.Tensor, tokens=None,
-                           speculative=None, position=None) -> asyncio.Future:
+                           speculative=None, position=None, borrowed: bool = False) -> asyncio.Future:
         """:meth:`submit_batch` for a caller on an asyncio loop (see :meth:`submit_async`)."""
         loop = asyncio.get_running_loop()
         fut = AsyncConvFuture(loop=loop)
-        fut._req = self._submit_batch(session_ids, layer, x, tokens, speculative, (loop, fut), position)
+        fut._req = self._submit_batch(session_ids, layer, x, tokens, speculative, (loop, fut), position,
+                                      borrowed=borrowed)
         return fut
 
     async def conv_batch(self, session_ids: Sequence[str], layer: int, x: torch.Tensor, tokens=None,
@@ -298,7 +306,7 @@ class Intake:
         return min(cfg.max_batch_size, cfg.decode_buckets[-1], cfg.max_batch_tokens)
 
     def _submit_batch(self, session_ids, layer: int, x: torch.Tensor, tokens, speculative, sink,
-                      positions=None, checked: bool = False) -> Optional[ConvRequest]:
+                      positions=None, checked: bool = False, borrowed: bool = False) -> Optional[ConvRequest]:
         cfg, model = self.config, self.model_cpu
         n = check_batch_sessions(session_ids, cfg.max_batch_size)
         if positions is not None:
@@ -310,7 +318,10 @@ class Intake:
             key = None
         else:
             key = (tuple(session_ids), (uk,) * n, (True,) * n) if uk else batch_key(session_ids, plan)
-        xm, x_dtype = check_x(model, cfg, x, False, rows="rows", checked=checked)
+        xm, x_dtype = check_x(model, cfg, x, False, rows="rows", checked=checked, defer_finite=borrowed)
+        borrowed = borrowed and xm is x           # else xm is a copy, checked
+        if borrowed and (uk or plan is not None):   # (a plain decode batch checks the copy it stages, below)
+            xm, borrowed = own_copy(xm, cfg, model.dtype), False
         if uk:
             total, n_dec, n_one = n * uk, 0, 0
         elif plan is None:
@@ -350,6 +361,14 @@ class Intake:
                 b.vbuf = runner.take_verify_slot(req, xm)
             if b.vbuf < 0:
                 runner.stage_tokens(req, xm, plan[1], list(zip(*plan[2])) if plan[2] else [])
+        if borrowed:             # the step reads only the engine's copy (staged, or made here), checked
+            try:
+                own = runner.slot_rows(slot, total) if slot >= 0 else b.dec_x
+                own = own_copy(xm, cfg, model.dtype) if own is xm else check_finite_copy(own, cfg, model.dtype)
+            except BaseException:
+                req.done = True                       # frees its staging rows
+                raise
+            b.dec_x = req.x = own
         rows = None if positions is None else ([(uk, True)] * n if uk else
                                                [(1, False)] * n if plan is None else
                                                list(zip(lengths.tolist(), spec.tolist())))

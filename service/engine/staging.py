@@ -52,6 +52,10 @@ class Staging:
         (every one held by a queued batch, or its last y still referred to by a caller)."""
         return self._take(self.slot_owner, self.bufs.slot_y, self.bufs.slot_x, req, xm)
 
+    def slot_rows(self, k: int, n: int) -> torch.Tensor:
+        """The first ``n`` rows of batch slot ``k``'s x (where :meth:`take_slot` copied a request's x)."""
+        return self.bufs.slot_x[k][:n]
+
     def take_verify_slot(self, req, xm: torch.Tensor) -> int:
         """Reserve a free verify slot for ``req`` (a verify-only batch whose rows all have one length) and copy
         its x there; the slot's index, or -1 when none is free (held by a batch not done, or its last y still

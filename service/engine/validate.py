@@ -31,11 +31,14 @@ def check_finite_x(x: torch.Tensor, model_dtype: torch.dtype) -> None:
                         "in); it would poison the session's state: send finite values within that dtype's range")
 
 
-def check_x(model, cfg, x, speculative: bool, rows: str = "T", checked: bool = False) -> tuple:
+def check_x(model, cfg, x, speculative: bool, rows: str = "T", checked: bool = False,
+            defer_finite: bool = False) -> tuple:
     """``(x as the model's contiguous CPU tensor, the dtype y is cast to or None)``, or the request's error.
     ``model`` is the engine's CPU model, ``cfg`` its :class:`EngineConfig`; ``rows`` names x's first dimension in
     the messages. ``checked``: the caller already cast x to the model dtype and ran the finite check (an HTTP
-    worker of the engine process, which does that per-request work off the engine's one thread)."""
+    worker of the engine process, which does that per-request work off the engine's one thread).
+    ``defer_finite``: when x comes back as it is (no cast, no copy), skip the finite check: the caller checks
+    the copy of it that it makes (borrowed memory, see :meth:`Intake.submit_batch`)."""
     if not isinstance(x, torch.Tensor):
         raise BadRequest(f"x: expected a tensor of shape ({rows}, dim={model.dim}), got {type(x).__name__}")
     if x.dtype not in MODEL_DTYPES:
@@ -49,15 +52,29 @@ def check_x(model, cfg, x, speculative: bool, rows: str = "T", checked: bool = F
     x_dtype = None if x.dtype is model.dtype else x.dtype   # settled once here, so delivery never compares dtypes
     if checked and x_dtype is None and x.device.type == "cpu" and x.is_contiguous():
         return x, None
+    given = x
     if x.device.type != "cpu":
         x = x.to("cpu")
     if x.dtype != model.dtype:
         x = x.to(model.dtype)
-    x = x.contiguous()
+    xm = x.contiguous()
     # after the cast: a finite float32 value past the model dtype's range becomes Inf there
+    if cfg.check_finite and not (defer_finite and xm is given):
+        check_finite_x(xm, model.dtype)
+    return xm, x_dtype
+
+
+def check_finite_copy(x: torch.Tensor, cfg, model_dtype: torch.dtype) -> torch.Tensor:
+    """``x``, the engine's copy of a borrowed x, after the finite check (when ``cfg.check_finite``)."""
     if cfg.check_finite:
-        check_finite_x(x, model.dtype)
-    return x, x_dtype
+        check_finite_x(x, model_dtype)
+    return x
+
+
+def own_copy(x: torch.Tensor, cfg, model_dtype: torch.dtype) -> torch.Tensor:
+    """A checked copy of borrowed ``x`` (memory its owner may write while the request runs): the engine checks
+    and reads only memory of its own, so what passed the finite check is what the step computes with."""
+    return check_finite_copy(x.clone(), cfg, model_dtype)
 
 
 def check_speculative(speculative) -> None:

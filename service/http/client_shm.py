@@ -87,6 +87,12 @@ class ReplyTo:
         self.close()
 
 
+def borrowed(reply_to: Optional[ReplyTo]) -> bool:
+    """Is the x of the request that ``reply_to`` answers a view of a client's mapped (sealed) segment rather than
+    a copy? The engine is then told so (``borrowed=True``): it copies x before it checks or reads it."""
+    return reply_to is not None and reply_to.mapped is not None
+
+
 class ClientSegments:
     """Open descriptors of clients' segments in this process, at most ``max_segments``."""
 
@@ -99,22 +105,23 @@ class ClientSegments:
         self._lock = threading.Lock()        # parsing may run on a parser thread as well as the loop's
 
     def view(self, ref: Any, dtype: str, shape: tuple, backend: str, name: str):
-        """x: a torch tensor of ``shape`` / ``dtype`` holding a copy of the block ``ref`` names (one ``preadv``),
-        or :class:`BadRequest`."""
+        """x: a tensor of ``shape`` / ``dtype`` holding the block ``ref`` names, or :class:`BadRequest`. From a
+        sealed segment, a view of the block in its mapping (no copy: the engine copies it once, into its staging
+        memory, see :func:`borrowed`); else a copy read with one ``preadv``."""
         import torch
 
         key, off = check_ref(ref, name)
-        n = math.prod(shape) * ITEMSIZE[dtype]
-        x = torch.empty(shape, dtype=getattr(torch, dtype))
+        count = math.prod(shape)
+        n, tdt = count * ITEMSIZE[dtype], getattr(torch, dtype)
         if n == 0:
-            return x
+            return torch.empty(shape, dtype=tdt)
         if key.startswith(SEALED_PREFIX):
             mm = self._mapping(key, name)
             if off + n > len(mm):
                 raise BadRequest(f"'{name}.shm': {n} bytes from offset {off} run past the end of segment "
                                  f"{key!r} ({len(mm)} bytes)")
-            x.view(-1).view(torch.uint8).numpy()[:] = memoryview(mm)[off:off + n]
-            return x
+            return torch.frombuffer(mm, dtype=tdt, count=count, offset=off).view(shape)
+        x = torch.empty(shape, dtype=tdt)
         fd = self._dup(key, name)
         try:
             got = os.preadv(fd, [memoryview(x.view(-1).view(torch.uint8).numpy())], off)

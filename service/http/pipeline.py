@@ -25,6 +25,7 @@ import msgpack
 
 from convserve.clients.protocol import wire
 from convserve.clients.protocol.errors import BadRequest, Internal, NotReady, PayloadTooLarge, ServiceError
+from convserve.service.http.client_shm import borrowed
 from convserve.service.http.errors import as_service_error, error_frame
 
 if TYPE_CHECKING:
@@ -198,12 +199,16 @@ class Pipeline:
                 raise NotReady("the server is shutting down; resend this frame to another replica", retry_after=1)
             if batch:
                 sessions, layer, x, tokens, spec, position = self._parse_batch(obj, frame=True)
-                fut = self._submit_batch(sessions, layer, x, tokens, spec, position)
+                f.shm = svc.reply_to(obj)
+                fut = self._submit_batch(sessions, layer, x, tokens, spec, position, borrowed=borrowed(f.shm))
             else:
                 session, layer, x, spec, position = self._parse(obj, frame=True)
-                fut = self._submit(session, layer, x, speculative=spec, position=position)
-            f.shm = svc.reply_to(obj)
+                f.shm = svc.reply_to(obj)
+                fut = self._submit(session, layer, x, speculative=spec, position=position, borrowed=borrowed(f.shm))
         except Exception as e:  # noqa: BLE001 - a bad frame fails alone
+            if f.shm is not None:
+                f.shm.close()
+                f.shm = None
             self._set_error(f, as_service_error(e))
             self._release(f.keys)
             self.event.set()

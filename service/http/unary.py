@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from convserve.clients.protocol import wire
 from convserve.service.http.asgi import (MSGPACK_CT, ROUTE_SCOPE_KEY, ClientGone, client_gone, render, send_bytes,
                                          wants_json)
+from convserve.service.http.client_shm import borrowed
 from convserve.service.http.errors import as_service_error, send_error
 from convserve.service.http.parse import parse_body, read_body
 from convserve.service.http.replica import merge_session
@@ -90,8 +91,9 @@ class _UnaryEndpoint:
         run this)."""
         raise NotImplementedError
 
-    def submit(self, parsed):
-        """Submit a parsed body; returns the engine's asyncio future (on the loop)."""
+    def submit(self, parsed, borrowed: bool):
+        """Submit a parsed body (``borrowed``: its x is a view of a client's shared memory, see
+        :func:`~.client_shm.borrowed`); returns the engine's asyncio future (on the loop)."""
         raise NotImplementedError
 
     async def __call__(self, scope, receive, send):
@@ -102,7 +104,7 @@ class _UnaryEndpoint:
             svc.require_ready()
             body = await read_body(scope, receive, svc.max_body, svc.body_timeout)
             parsed, shm = await svc.decode(len(body), self.parse, scope, body)
-            fut = self.submit(parsed)
+            fut = self.submit(parsed, borrowed(shm))
             y = await wait_result(self.engine, fut, receive)
             as_json = wants_json(scope)
             if shm is not None:         # y over x in the client's segment; the answer names it
@@ -140,9 +142,9 @@ class ConvEndpoint(_UnaryEndpoint):
                 obj["session"] = sid
         return self.parser.conv(obj), self.svc.reply_to(obj)
 
-    def submit(self, parsed):
+    def submit(self, parsed, borrowed: bool):
         session, layer, x, spec, position = parsed
-        return self.engine.submit_async(session, layer, x, speculative=spec, position=position)
+        return self.engine.submit_async(session, layer, x, speculative=spec, position=position, borrowed=borrowed)
 
 
 class BatchEndpoint(_UnaryEndpoint):
@@ -156,6 +158,6 @@ class BatchEndpoint(_UnaryEndpoint):
         obj = parse_body(scope, body, svc.max_body, svc.max_objects, svc.max_json)
         return self.parser.batch(obj), self.svc.reply_to(obj)
 
-    def submit(self, parsed):
+    def submit(self, parsed, borrowed: bool):
         sessions, layer, x, tokens, spec, position = parsed
-        return self.engine.submit_batch_async(sessions, layer, x, tokens, spec, position)
+        return self.engine.submit_batch_async(sessions, layer, x, tokens, spec, position, borrowed=borrowed)

@@ -1,0 +1,121 @@
+"""``borrowed=True`` (x lies in memory its owner may write while the request runs, a client's shared memory): the
+engine reads x only before submit returns, into a copy it checks for NaN/Inf and computes with, so writing x
+afterwards changes nothing, and a non-finite x is refused with nothing changed, whichever path the request takes
+(a batch slot, the staging arena, a copy of its own)."""
+
+import pytest
+import torch
+
+from convserve.clients.protocol.errors import NonFinite
+from tests.engine_support import DIM, LAYERS, Oracle, gate_worker, make_engine
+from tests.tolerance import assert_close
+
+# how the request is sent: (batch?, tokens per session, speculative)
+KINDS = {
+    "decode batch": (True, [1, 1, 1], False),
+    "decode batch of one": (True, [1], False),
+    "mixed batch": (True, [3, 1, 2], False),
+    "verify batch": (True, [2, 2, 2], True),
+    "single decode": (False, [1], False),
+    "single prefill": (False, [5], False),
+    "single verify": (False, [3], True),
+}
+
+
+def no_staging(e):
+    """Every batch slot and staging row busy, as under load: a decode batch is left as it came."""
+    r = e._runner
+    r.take_slot = lambda req, xm: -1
+    r.stage_batch = lambda req, xm: None
+    r.stage = lambda req, xm: None
+
+
+@pytest.fixture(params=["staged", "unstaged"])
+def engine(request):
+    e = make_engine(slots=16, max_queue_delay_us=0)
+    if request.param == "unstaged":
+        no_staging(e)
+    yield e
+    e.stop(drain=False)
+
+
+def submit(e, sids, layer, x, kind):
+    is_batch, toks, spec = KINDS[kind]
+    if is_batch:
+        return e.submit_batch(sids, layer, x, tokens=None if set(toks) == {1} else toks, speculative=spec,
+                              borrowed=True)
+    return e.submit(sids[0], layer, x, speculative=spec, borrowed=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_writing_borrowed_x_after_submit_does_not_change_the_answer_or_the_state(engine, kind, dtype):
+    _b, toks, spec = KINDS[kind]
+    oracle = Oracle(engine.model_cpu, engine.state_dtype)
+    sids = [engine.create_session() for _ in toks]
+    other = engine.create_session()
+    for s in sids:
+        oracle.new(s)
+    for p, layer in enumerate(LAYERS):
+        go, entered = gate_worker(engine)
+        held = engine.submit(other, layer, torch.randn(1, DIM))     # the worker holds this step
+        assert entered.wait(5)
+        x = torch.randn(sum(toks), DIM).to(dtype)
+        want = oracle.batch(sids, p, x.to(engine.model_cpu.dtype), toks, [spec] * len(toks))
+        fut = submit(engine, sids, layer, x, kind)
+        x.fill_(float("nan"))                    # the owner writes its memory while the request waits
+        go.set()
+        held.result(5)
+        assert_close(fut.result(5).float(), want.float(), dtype=dtype, what=f"{kind}, layer {layer}")
+        if spec:
+            for s in sids:
+                engine.accept(s, toks[0])
+                oracle.accept(s, toks[0])
+    for s in sids:
+        assert_close(engine.export_state(s), oracle.export(s), what=s)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_borrowed_x_is_refused_and_changes_nothing(engine, kind, bad):
+    _b, toks, spec = KINDS[kind]
+    oracle = Oracle(engine.model_cpu, engine.state_dtype)
+    sids = [engine.create_session() for _ in toks]
+    for s in sids:
+        oracle.new(s)
+    layer, p = LAYERS[1], 1
+    for _ in range(40):                  # more refusals than there are batch slots: none keeps one
+        x = torch.randn(sum(toks), DIM)
+        x[-1, 3] = bad
+        with pytest.raises(NonFinite):
+            submit(engine, sids, layer, x, kind)
+    x = torch.randn(sum(toks), DIM)
+    want = oracle.batch(sids, p, x, toks, [spec] * len(toks))
+    assert_close(submit(engine, sids, layer, x, kind).result(5), want, what=kind)
+    if spec:
+        for s in sids:
+            engine.accept(s, toks[0])
+            oracle.accept(s, toks[0])
+    for s, n in zip(sids, toks):                  # only the one good request moved the sessions
+        assert engine.session_info(s)["positions"][p] == n
+        assert_close(engine.export_state(s), oracle.export(s), what=s)
+
+
+def test_a_borrowed_x_in_another_dtype_is_cast_once_and_checked():
+    e = make_engine(slots=4)
+    try:
+        sids = [e.create_session() for _ in range(2)]
+        x = torch.randn(2, DIM, dtype=torch.float64)
+        x[0, 0] = float("nan")
+        with pytest.raises(NonFinite):
+            e.submit_batch(sids, LAYERS[0], x.to(torch.float16), borrowed=True)
+        oracle = Oracle(e.model_cpu, e.state_dtype)
+        for s in sids:
+            oracle.new(s)
+        x = torch.randn(2, DIM, dtype=torch.float16)
+        want = oracle.batch(sids, 0, x, [1, 1], [False, False])
+        y = e.submit_batch(sids, LAYERS[0], x, borrowed=True).result(5)
+        assert y.dtype == torch.float16
+        assert_close(y, want, what="float16 x")
+    finally:
+        e.stop(drain=False)
