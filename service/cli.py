@@ -171,22 +171,28 @@ def ensure_fd_limit(max_connections: int) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
 
 
-#: allocations of at least this many bytes are mmapped and so given back to the system when freed
-MMAP_THRESHOLD = 1 << 20
+#: the smallest block glibc maps on its own (given back to the system when freed), and the largest it allows
+MMAP_MIN, MMAP_MAX = 1 << 20, 32 << 20
+#: mallopt's parameters
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 
 
-def return_large_frees() -> None:
+def tune_malloc(keep_bytes: int) -> None:
     """glibc raises its mmap threshold to the size of each mmapped block freed (up to 32 MiB), after which large
     bodies are carved from the heap and their pages stay resident after they are freed: a few 60 MiB bodies left
-    the RSS 10 % higher for good. A fixed threshold (which also turns that adaptation off) keeps every body, and
-    every piece of one, of 1 MiB or more in its own mapping, returned to the system when freed."""
+    the RSS 10 % higher for good. Fixed thresholds (which also turn that adaptation off) bound what stays: blocks
+    of ``keep_bytes / 2`` or more (at least 1 MiB) get their own mapping, given back when freed, and at most
+    ``keep_bytes`` of free heap stays mapped, so the bodies of a steady stream of requests reuse memory that is
+    already paged in instead of faulting in fresh pages every time."""
     import ctypes
     import ctypes.util
 
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name)
-        libc.mallopt(-3, MMAP_THRESHOLD)      # M_MMAP_THRESHOLD
+        libc.mallopt(M_MMAP_THRESHOLD, min(max(keep_bytes // 2, MMAP_MIN), MMAP_MAX))
+        if keep_bytes:
+            libc.mallopt(M_TRIM_THRESHOLD, keep_bytes)
     except (OSError, AttributeError, TypeError):  # pragma: no cover - not glibc: nothing to tune
         pass
 
@@ -210,7 +216,7 @@ def run_app(settings: Settings, app, sockets=None) -> int:
         ws_per_message_deflate=False, backlog=settings.backlog, timeout_keep_alive=settings.keep_alive_s,
         h11_max_incomplete_event_size=settings.max_header_bytes,
     )
-    return_large_frees()
+    tune_malloc(settings.heap_keep_bytes)
     app.state.freeze_gc = True     # this process serves until it exits: see service/gcfreeze.py
     server = Server(config, app.state.svc)
     app.state.on_fatal = server.fatal

@@ -189,6 +189,11 @@ class Settings(BaseSettings):
     parse_offload_bytes: int = Field(1 << 20, ge=0, description="bodies and frames of at least this many bytes "
                                      "are decoded in a parser thread, off the event loop (0: every body; above "
                                      "max_body_bytes: none)")
+    heap_keep_bytes: int = Field(16 << 20, ge=0, le=1 << 30, description="freed host memory (bodies, decoded "
+                                 "tensors) kept mapped for the next requests, in bytes: a request of a steady "
+                                 "size then costs no page faults; blocks of half of it or more (and of at least "
+                                 "1 MiB) are mapped on their own and given back when freed (0: every block of "
+                                 "1 MiB or more is given back, and each large request pays its page faults)")
     stream_buffer_bytes: int = Field(16 << 20, ge=1 << 16, description="answers of one stream or WebSocket "
                                      "waiting to be sent, in bytes: above it the server stops reading that "
                                      "stream's frames until its client reads (back-pressure)")

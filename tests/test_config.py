@@ -163,3 +163,23 @@ def test_a_bad_workers_value_names_the_flag_and_what_it_accepts():
     assert "--workers / CONVSERVE_WORKERS" in msg and "neither an integer nor 'auto'" in msg
     assert "literal" not in msg
     assert load_settings({"workers": "3"}).workers == 3 and load_settings({"workers": "AUTO"}).workers == "auto"
+
+
+@pytest.mark.parametrize("keep,want", [(16 << 20, [(-3, 8 << 20), (-1, 16 << 20)]), (0, [(-3, 1 << 20)]),
+                                       (1 << 30, [(-3, 32 << 20), (-1, 1 << 30)]), (1 << 20, [(-3, 1 << 20),
+                                                                                              (-1, 1 << 20)])])
+def test_heap_keep_bytes_sets_glibcs_mmap_and_trim_thresholds(monkeypatch, keep, want):
+    import ctypes
+
+    from convserve.service import cli
+
+    calls = []
+
+    class Libc:
+        def mallopt(self, param, value):
+            calls.append((param, value))
+            return 1
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: Libc())
+    cli.tune_malloc(keep)
+    assert calls == want

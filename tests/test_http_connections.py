@@ -240,7 +240,7 @@ def test_connection_settings_are_validated_at_start_up(monkeypatch):
 
     for bad in ({"max_connections": "1"}, {"header_timeout_s": "0"}, {"body_timeout_s": "-1"},
                 {"max_header_bytes": "10"}, {"parse_offload_bytes": "-1"}, {"stream_buffer_bytes": "5"},
-                {"max_json_body_bytes": "1"}, {"backlog": "1"}, {"keep_alive_s": "0"}):
+                {"max_json_body_bytes": "1"}, {"backlog": "1"}, {"keep_alive_s": "0"}, {"heap_keep_bytes": "-1"}):
         with pytest.raises(ConfigError) as err:
             load_settings(bad)
         name = next(iter(bad))
