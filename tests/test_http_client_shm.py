@@ -5,6 +5,7 @@ body names a block of a segment instead of carrying the tensor, and y comes back
 from __future__ import annotations
 
 import os
+import time
 
 import httpx
 import msgpack
@@ -15,7 +16,7 @@ import torch
 from convserve.clients.client import ConvClient
 from convserve.clients.protocol import wire
 from convserve.clients.protocol.shm import ShmArena
-from convserve.service.http.client_shm import ClientSegments
+from convserve.service.http.client_shm import RECHECK_S, ClientSegments
 from tests.http_api import DIM, LAYERS, MP, assert_close, model, rand_x, read_stream
 from tests.live import LiveServer, Reference
 
@@ -292,12 +293,15 @@ def test_sealed_segments_are_mapped_once_written_in_place_and_refused_once_close
     x = a.put(torch.arange(16, dtype=torch.float32))
     ref = a.locate(x)
     got = segs.view(ref, "float32", (16,), "torch", "x")
-    assert torch.equal(got, x) and got.data_ptr() != x.data_ptr()      # a copy of the block
+    assert torch.equal(got, x) and got.data_ptr() != x.data_ptr()      # the server's own mapping of the block
+    x[3] = -1.0
+    assert got[3] == -1.0                                              # a view, not a copy (borrowed x)
     assert segs.view(ref, "float32", (16,), "torch", "x") is not got and len(segs) == 2
     segs.reply_to(ref).write(x * 3)
-    assert torch.equal(x, torch.arange(16, dtype=torch.float32) * 3)  # y over x, seen by the client's block
+    assert torch.equal(got, x) and x[0] == 0 and x[5] == 15           # y over x, seen by the client's block
     assert segs.sweep() == 0
-    a.close()                                          # refused at once, not only after the next sweep
+    a.close()                    # refused within RECHECK_S (one stat then), not only after the next sweep
+    time.sleep(RECHECK_S * 1.5)
     with pytest.raises(BadRequest, match="cannot be opened|is not sealed segment"):
         segs.view(ref, "float32", (16,), "torch", "x")
     assert len(segs) == 1

@@ -27,6 +27,7 @@ import mmap
 import os
 import stat
 import threading
+import time
 from typing import Any, Optional
 
 from convserve.clients.protocol.errors import BadRequest, Internal
@@ -37,6 +38,8 @@ from convserve.clients.protocol.wire import ITEMSIZE, dtype_name
 SHM_ROOT = "/dev/shm"
 #: seconds between two sweeps of the descriptors of segments their clients have unlinked
 SWEEP_S = 5.0
+#: seconds a sealed segment's mapping is used without checking again that its client still holds the memfd
+RECHECK_S = 0.05
 #: fcntl's seal commands and flags (Linux; Python's fcntl has them from 3.8, not on every platform)
 F_GET_SEALS = getattr(fcntl, "F_GET_SEALS", 1034)
 F_SEAL_SHRINK = getattr(fcntl, "F_SEAL_SHRINK", 0x0002)
@@ -100,7 +103,8 @@ class ClientSegments:
         self.max_segments = max_segments
         self.root = root
         self._fds: collections.OrderedDict = collections.OrderedDict()   # key -> (fd, inode)
-        # sealed segments: key -> (mapping, path in /proc, inode); a mapping closes with its last reference
+        # sealed segments: key -> [mapping, path in /proc, inode, when last checked]; a mapping closes with its
+        # last reference
         self._maps: collections.OrderedDict = collections.OrderedDict()
         self._lock = threading.Lock()        # parsing may run on a parser thread as well as the loop's
 
@@ -147,10 +151,16 @@ class ClientSegments:
             got = self._maps.get(key)
             if got is not None:
                 self._maps.move_to_end(key)
-        # a mapping is used only while the client's descriptor still names that memfd (one stat): a closed arena,
-        # or an exited client, is refused at once rather than written until the next sweep
-        if got is not None and (checked or _inode(got[1], True) == got[2]):
-            return got[0]
+        # a mapping is used only while the client's descriptor still names that memfd (one stat, at most every
+        # RECHECK_S: a stat through /proc costs tens of µs on some hosts): a closed arena, or an exited client, is
+        # refused within RECHECK_S rather than written until the next sweep
+        if got is not None:
+            now = time.monotonic()
+            if checked or now - got[3] < RECHECK_S:
+                return got[0]
+            if _inode(got[1], True) == got[2]:
+                got[3] = now
+                return got[0]
         if got is not None:
             with self._lock:
                 if self._maps.get(key) is got:
@@ -186,7 +196,7 @@ class ClientSegments:
         finally:
             os.close(fd)
         with self._lock:
-            self._maps[key] = (mm, path, st.st_ino)
+            self._maps[key] = [mm, path, st.st_ino, time.monotonic()]
             while len(self._maps) > self.max_segments:
                 self._maps.popitem(last=False)
         return mm
@@ -201,7 +211,7 @@ class ClientSegments:
                     gone.append(key)
             for key in gone:
                 os.close(self._fds.pop(key)[0])
-            closed = [key for key, (_mm, path, ino) in self._maps.items() if _inode(path, True) != ino]
+            closed = [key for key, (_mm, path, ino, _t) in self._maps.items() if _inode(path, True) != ino]
             for key in closed:
                 del self._maps[key]
         return len(gone) + len(closed)
