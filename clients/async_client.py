@@ -233,16 +233,27 @@ class AsyncConvClient(_Base):
                     self.bytes_sent += len(chunk)
                     yield chunk
 
-        async with self._http.stream("POST", "/v1/conv/stream", content=body()) as resp:
-            if resp.status_code >= 400:
-                await resp.aread()
-                _raise_for(resp)
-            unpacker = wire.new_unpacker(MAX_MESSAGE_BYTES)
-            async for chunk in resp.aiter_raw():
-                self.bytes_received += len(chunk)
-                unpacker.feed(chunk)
-                for obj in unpacker:
-                    yield tracker.result(obj)
+        unpacker = wire.new_unpacker(MAX_MESSAGE_BYTES)
+        if self._h1 is not None:      # full duplex: frames that wait for earlier answers are fine
+            chunks = self._h1.stream(self._prefix + "/v1/conv/stream", body())
+            try:
+                async for chunk in chunks:
+                    self.bytes_received += len(chunk)
+                    unpacker.feed(chunk)
+                    for obj in unpacker:
+                        yield tracker.result(obj)
+            finally:
+                await chunks.aclose()
+        else:                         # httpx sends the whole body before it reads the answer
+            async with self._http.stream("POST", "/v1/conv/stream", content=body()) as resp:
+                if resp.status_code >= 400:
+                    await resp.aread()
+                    _raise_for(resp)
+                async for chunk in resp.aiter_raw():
+                    self.bytes_received += len(chunk)
+                    unpacker.feed(chunk)
+                    for obj in unpacker:
+                        yield tracker.result(obj)
         tracker.check_done()
 
     async def _stream_ws(self, requests, window: int):

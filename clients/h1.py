@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Optional
+from typing import AsyncIterator, Optional
 
 import httpx
 
@@ -103,10 +103,7 @@ class _H1Pool:
             conn = (r, w)
             break
         if conn is None:
-            try:
-                conn = await asyncio.open_connection(self.host, self.port, limit=_READ_BUFFER)
-            except OSError as e:
-                raise httpx.ConnectError(f"cannot connect to {self.host}:{self.port}: {e}") from e
+            conn = await self._connect()
         r, w = conn
         keep = False
         try:
@@ -128,38 +125,119 @@ class _H1Pool:
             else:
                 w.close()
 
+    async def _connect(self):
+        try:
+            return await asyncio.open_connection(self.host, self.port, limit=_READ_BUFFER)
+        except OSError as e:
+            raise httpx.ConnectError(f"cannot connect to {self.host}:{self.port}: {e}") from e
+
+    async def stream(self, path: str, body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """``POST path`` with a chunked body taken from ``body`` while the answer is read, on a connection of its
+        own: yields the answer's body as it arrives (a status >= 400 raises, as :func:`_raise_for` does). The
+        body is sent by a task, so a caller whose next frames depend on the answers (a model sending layer l + 1
+        after layer l's answer) is not held up; httpx sends a whole body before it reads any of the answer.
+        Each read waits at most ``timeout`` seconds; an error of ``body`` is raised here."""
+        from convserve.clients.common import _raise_for
+
+        r, w = await self._connect()
+        failed: list = []
+
+        async def send():
+            try:
+                w.write(b"POST %s HTTP/1.1\r\n%stransfer-encoding: chunked\r\n\r\n" % (path.encode("ascii"),
+                                                                                       self._fixed))
+                async for chunk in body:
+                    if chunk:
+                        w.writelines((b"%x\r\n" % len(chunk), chunk, b"\r\n"))
+                        await w.drain()
+                w.write(b"0\r\n\r\n")
+                await w.drain()
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:  # noqa: BLE001 - raised by the reader, which the closed socket stops
+                failed.append(e)
+                w.close()
+
+        sender = asyncio.ensure_future(send())
+
+        async def read(coro):
+            try:
+                return await asyncio.wait_for(coro, self.timeout)
+            except asyncio.TimeoutError:
+                raise httpx.ReadTimeout(f"no answer on POST {path} within {self.timeout} s") from None
+            except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError, IndexError) as e:
+                if failed:
+                    raise failed[0] from None
+                raise httpx.RemoteProtocolError(f"POST {path}: the connection failed before the end of the "
+                                                f"answer ({type(e).__name__}: {e})") from e
+
+        try:
+            status, headers, _keep = _parse_head(await read(r.readuntil(b"\r\n\r\n")))
+            if status >= 400:
+                content = await read(_read_content(r, status, headers))
+                _raise_for(_Resp(status, headers, content))
+            if "chunked" in headers.get("transfer-encoding", "").lower():
+                while True:
+                    size = int((await read(r.readuntil(b"\r\n"))).split(b";", 1)[0], 16)
+                    if size == 0:
+                        break
+                    yield (await read(r.readexactly(size + 2)))[:-2]
+            else:
+                left = int(headers.get("content-length", -1))
+                while left:
+                    piece = await read(r.read(_READ_BUFFER if left < 0 else min(left, _READ_BUFFER)))
+                    if not piece:
+                        break
+                    left -= len(piece)
+                    yield piece
+            if failed:
+                raise failed[0]
+        finally:
+            sender.cancel()
+            w.close()
+
     @staticmethod
     async def _read(r: asyncio.StreamReader):
-        head = await r.readuntil(b"\r\n\r\n")
-        lines = head[:-4].split(b"\r\n")
-        parts = lines[0].split(b" ", 2)
-        if not parts[0].startswith(b"HTTP/1."):
-            raise ValueError(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
-        status = int(parts[1])
-        headers = {}
-        for line in lines[1:]:
-            k, _, v = line.partition(b":")
-            headers[k.strip().lower().decode("latin-1")] = v.strip().decode("latin-1")
-        keep = headers.get("connection", "").lower() != "close" and parts[0] != b"HTTP/1.0"
-        n = headers.get("content-length")
-        if n is not None:
-            content = await r.readexactly(int(n)) if int(n) else b""
-        elif "chunked" in headers.get("transfer-encoding", "").lower():
-            chunks = []
-            while True:
-                size = int((await r.readuntil(b"\r\n")).split(b";", 1)[0], 16)
-                if size == 0:
-                    while (await r.readuntil(b"\r\n")) != b"\r\n":   # trailers
-                        pass
-                    break
-                chunks.append((await r.readexactly(size + 2))[:-2])
-            content = b"".join(chunks)
-        elif status in (204, 304) or 100 <= status < 200:
-            content = b""
-        else:                                     # delimited by the end of the connection
-            content = await r.read()
-            keep = False
+        status, headers, keep = _parse_head(await r.readuntil(b"\r\n\r\n"))
+        content = await _read_content(r, status, headers)
+        if "content-length" not in headers and "chunked" not in headers.get("transfer-encoding", "").lower() and \
+                not (status in (204, 304) or 100 <= status < 200):
+            keep = False                           # delimited by the end of the connection
         return _Resp(status, headers, content), keep
+
+
+def _parse_head(head: bytes) -> tuple:
+    """``(status, headers with lower-case names, keep-alive?)`` of a response head."""
+    lines = head[:-4].split(b"\r\n")
+    parts = lines[0].split(b" ", 2)
+    if not parts[0].startswith(b"HTTP/1."):
+        raise ValueError(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
+    status = int(parts[1])
+    headers = {}
+    for line in lines[1:]:
+        k, _, v = line.partition(b":")
+        headers[k.strip().lower().decode("latin-1")] = v.strip().decode("latin-1")
+    keep = headers.get("connection", "").lower() != "close" and parts[0] != b"HTTP/1.0"
+    return status, headers, keep
+
+
+async def _read_content(r: asyncio.StreamReader, status: int, headers: dict) -> bytes:
+    """A whole response body: by its Content-Length, chunked, or up to the end of the connection."""
+    n = headers.get("content-length")
+    if n is not None:
+        return await r.readexactly(int(n)) if int(n) else b""
+    if "chunked" in headers.get("transfer-encoding", "").lower():
+        chunks = []
+        while True:
+            size = int((await r.readuntil(b"\r\n")).split(b";", 1)[0], 16)
+            if size == 0:
+                while (await r.readuntil(b"\r\n")) != b"\r\n":   # trailers
+                    pass
+                return b"".join(chunks)
+            chunks.append((await r.readexactly(size + 2))[:-2])
+    if status in (204, 304) or 100 <= status < 200:
+        return b""
+    return await r.read()
 
 
 def _h1_target(url: str) -> Optional[tuple]:

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from convserve.clients.client import AsyncConvClient, ConvClient, ConvRequest, ConvServeError, SessionState
+from convserve.clients.client import (AsyncConvClient, BatchRequest, ConvClient, ConvRequest, ConvServeError,
+                                      SessionState)
 from convserve.clients.protocol.errors import BadRequest, PoolExhausted, SessionExists, ShapeMismatch, Unauthorized, UnknownSession
 from convserve.service.model import ConvModel
 from tests.live import ROOT, LiveServer, Reference
@@ -276,6 +277,61 @@ def test_async_client_covers_the_same_calls(server):
                 await c.delete_session(sid)
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("transport", ["http", "ws"])
+def test_async_stream_takes_frames_made_from_earlier_answers_as_a_model_sends_its_layers(server, transport):
+    """Each batch frame's x is the previous layer's answer, so the next frame exists only once that answer came:
+    the HTTP stream must send and read at once (a client that sends its whole body first waits forever)."""
+    async def main():
+        async with AsyncConvClient(server.url, api_key=KEY) as c:
+            ref = Reference(model())
+            sids = [await c.create_session() for _ in range(3)]
+            answers: asyncio.Queue = asyncio.Queue()
+            sent = []
+
+            async def frames():
+                x = torch.randn(len(sids), DIM)
+                for step in range(4):
+                    for layer in LAYERS:
+                        sent.append((layer, x))
+                        yield BatchRequest(sids, layer, x, id=len(sent))
+                        x = (await answers.get()).unwrap()      # layer l + 1 takes layer l's answer
+            got = []
+            async for r in c.stream(frames(), transport=transport):
+                got.append(r)
+                await answers.put(r)
+            assert [r.id for r in got] == list(range(1, len(sent) + 1))
+            for r, (layer, x) in zip(got, sent):
+                close(r.unwrap(), torch.cat([ref.conv(s, layer, x[i:i + 1]) for i, s in enumerate(sids)]))
+            for s in sids:
+                await c.delete_session(s)
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_async_http_stream_raises_its_frames_error_and_a_refused_stream_raises_at_once(server):
+    async def main():
+        async with AsyncConvClient(server.url, api_key=KEY) as c:
+            sid = await c.create_session()
+
+            async def frames():
+                yield ConvRequest(sid, 1, torch.randn(2, DIM), id=1)
+                raise RuntimeError("the frontend failed")
+            with pytest.raises(RuntimeError, match="the frontend failed"):
+                async for _r in c.stream(frames()):
+                    pass
+            y = await c.conv(sid, 1, torch.randn(1, DIM))       # the client goes on
+            assert tuple(y.shape) == (1, DIM)
+            await c.delete_session(sid)
+        async with AsyncConvClient(server.url, api_key="wrong") as bad:
+            async def one():
+                yield ConvRequest("s", 1, torch.randn(1, DIM))
+            with pytest.raises(Unauthorized):
+                async for _r in bad.stream(one()):
+                    pass
+
+    asyncio.run(asyncio.wait_for(main(), 60))
 
 
 def _cli(server, *args, key=KEY):
