@@ -202,3 +202,25 @@ def test_random_mixed_batches_with_caller_steps_equal_the_per_session_reference(
 def test_on_cuda_caller_steps_are_on_by_default_and_equal_the_reference():
     st = run_step_workload("cuda", 5)
     assert st["caller_steps"] > 0 and st["requests_failed"] == 0
+
+
+@pytest.mark.gpu
+def test_a_caller_step_runs_on_the_engines_stream_and_leaves_the_callers_stream_as_it_was():
+    e = make_engine(device="cuda", slots=8)
+    try:
+        oracle = Oracle(e.model_cpu, e.state_dtype)
+        sid = e.create_session()
+        oracle.new(sid)
+        mine = torch.cuda.Stream()
+        with torch.cuda.stream(mine):
+            for p, layer in enumerate(LAYERS):
+                x = torch.randn(1, DIM)
+                parked(e)
+                fut = e.submit_batch([sid], layer, x)
+                assert fut.done()                            # run on this thread
+                assert torch.cuda.current_stream() == mine
+                assert_close(fut.result(0), oracle.batch([sid], p, x, [1], [False]), what=f"layer {layer}")
+        assert torch.cuda.current_stream() == torch.cuda.default_stream()
+        assert e.stats()["caller_steps"] == len(LAYERS)
+    finally:
+        e.stop(drain=False)

@@ -193,10 +193,7 @@ class Worker:
         stream = self._runner.stream
         if stream is None or threading.get_ident() == self._cv.worker_ident:
             return contextlib.nullcontext()
-        ctx = contextlib.ExitStack()
-        ctx.enter_context(torch.cuda.device(self.device))
-        ctx.enter_context(torch.cuda.stream(stream))
-        return ctx
+        return _OnStream(stream)
 
     def _queued_locked(self, now: float, tokens: int):
         """Called by the intake under the lock once it has queued a request of ``tokens`` tokens that the
@@ -379,3 +376,24 @@ class Worker:
                    (sched_ns + t3 - t0) * 1e-9,
                    sched_ns * 1e-9, (t_launch - t0) * 1e-9, (t3 - t_sync) * 1e-9)
             self._steps.append(rec)
+
+
+class _OnStream:
+    """This thread's current CUDA stream (and device) set to ``stream`` for the block, and put back after: what
+    ``torch.cuda.device`` and ``torch.cuda.stream`` nested do, in four calls (it runs per caller step)."""
+
+    __slots__ = ("stream", "prev", "dev")
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def __enter__(self):
+        self.dev = torch.cuda.current_device()
+        self.prev = torch.cuda.current_stream(self.stream.device)
+        torch.cuda.set_stream(self.stream)          # (it makes the stream's device the current one too)
+
+    def __exit__(self, *exc):
+        torch.cuda.set_stream(self.prev)            # the previous stream of the runner's device
+        if self.dev != self.stream.device_index:
+            torch.cuda.set_device(self.dev)
+        return False
