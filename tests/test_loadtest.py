@@ -211,3 +211,16 @@ def test_the_frontend_scenario_sends_steps_of_mixed_batches_that_verify(server, 
     assert kinds["prefill_done"]["count"] >= 1 and st["sessions_completed"] >= 1
     assert st["verify"]["checked"] > 0 and st["verify"]["mismatches"] == 0
     assert ("accept" in kinds) == spec
+
+
+def test_a_step_whose_every_request_failed_exits_1_without_fail_on_errors(tmp_path, capsys):
+    # a server that takes one token per request: every prefill is a 413, and no session gets to decode
+    srv = LiveServer(["--layers", "0,2", "--dim", str(DIM), "--dtype", "float32", "--max-tokens-per-request", "1"])
+    try:
+        srv.wait_ready()
+        rc, data = _run(tmp_path, srv, "--concurrency", "2", "--requests", "20")
+    finally:
+        srv.terminate()
+    st = data["steps"][0]
+    assert st["requests"] == 0 and st["errors_total"] > 0, st
+    assert rc == 1 and "nothing was measured" in capsys.readouterr().err

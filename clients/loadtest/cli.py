@@ -8,7 +8,8 @@ Examples:
     convserve-loadtest --concurrency 64 --duration 10 --compare results/loadtest.json --regress-pct 10
     convserve-loadtest --scenario frontend --concurrency 1,256 --chunk 512 --spec-k const:4 --duration 10
 
-Exit status: 0 done; 1 errors happened and ``--fail-on-errors`` was given; 2 bad arguments or the server
+Exit status: 0 done; 1 errors happened and ``--fail-on-errors`` was given, or a step had errors and no conv
+request answered (with or without it: nothing was measured); 2 bad arguments or the server
 could not be reached; 3 ``--compare`` found a regression past ``--regress-pct``; 4 ``--verify`` found a response
 that differs from the reference, or checked none.
 """
@@ -193,6 +194,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if bad:
             rc = EXIT_REGRESSION
     if rc == 0 and args.fail_on_errors and any(st["errors_total"] for st in result["steps"]):
+        rc = EXIT_ERRORS
+    dead = [st["label"] for st in result["steps"] if st["errors_total"] and not st["requests"]]
+    if rc == 0 and dead:        # every request of a step failed: its latencies and rates measure nothing
+        print(f"convserve-loadtest: every conv request of step(s) {', '.join(dead)} failed (see the errors "
+              "column); nothing was measured", file=sys.stderr)
         rc = EXIT_ERRORS
     if rc == 0 and args.verify is not None:
         checked = sum(st["verify"]["checked"] for st in result["steps"])
