@@ -8,50 +8,32 @@ counting again. ``BENCH_MALLOC="<mmap threshold>,<trim threshold>"`` replaces th
 
 from __future__ import annotations
 
-import functools
-import inspect
 import json
 import os
 import signal
 import statistics
 import sys
-import time
 
 from convserve.service import cli
 from convserve.service.engine import intake, loop, staging
 from convserve.service.http import client_shm, unary
+from timers import wrap_timed
 
 TIMES: dict = {}
 
 
 def timed(owner, attr: str, name: str = "") -> None:
-    """Wrap ``owner.attr`` (a function or coroutine function) so each call's wall time is recorded."""
-    f, name = getattr(owner, attr), name or attr
-    if inspect.iscoroutinefunction(f):
-        @functools.wraps(f)
-        async def wrapper(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return await f(*a, **k)
-            finally:
-                TIMES.setdefault(name, []).append(time.perf_counter() - t0)
-    else:
-        @functools.wraps(f)
-        def wrapper(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return f(*a, **k)
-            finally:
-                TIMES.setdefault(name, []).append(time.perf_counter() - t0)
-    setattr(owner, attr, wrapper)
+    """Record each call's wall time of ``owner.attr`` under ``name`` (default: the attribute's)."""
+    wrap_timed(owner, attr, TIMES.setdefault(name or attr, []).append)
 
 
 def dump(*_) -> None:
-    if TIMES:
-        out = {k: {"n": len(v), "p50_us": round(statistics.median(v) * 1e6, 1)} for k, v in TIMES.items()}
+    if any(TIMES.values()):
+        out = {k: {"n": len(v), "p50_us": round(statistics.median(v) / 1e3, 1)} for k, v in TIMES.items() if v}
         with open(os.path.join(os.environ.get("OUT", "/tmp"), f"phases-{os.getpid()}.json"), "w") as fh:
             json.dump(out, fh, indent=1)
-    TIMES.clear()
+    for v in TIMES.values():
+        v.clear()
 
 
 def main() -> int:

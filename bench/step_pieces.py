@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import functools
 import random
 import statistics
 import sys
@@ -27,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_engine as be  # noqa: E402
+from timers import wrap_timed  # noqa: E402
 from convserve.service import scheduler  # noqa: E402
 from convserve.service.engine import intake, loop, runner, session_ops, staging  # noqa: E402
 from convserve.service.engine.accepts import Accepts as _ACCEPTS  # noqa: E402
@@ -47,18 +47,8 @@ PIECES = [(intake.Intake, "submit_batch"), (intake.Intake, "_enqueue_batch"), (i
 
 
 def _wrap(times, owner, name) -> None:
-    f = getattr(owner, name)
     label = f"{getattr(owner, '__name__', '?').rsplit('.', 1)[-1]}.{name}"
-
-    @functools.wraps(f)
-    def timed(*a, **kw):
-        t0 = time.perf_counter_ns()
-        try:
-            return f(*a, **kw)
-        finally:
-            times[label].append(time.perf_counter_ns() - t0)
-
-    setattr(owner, name, timed)
+    wrap_timed(owner, name, lambda ns: times[label].append(ns))      # looked up per call: times is cleared
 
 
 def main(argv=None) -> int:
@@ -78,7 +68,7 @@ def main(argv=None) -> int:
             _wrap(times, owner, name)
     model = ConvModel.random(8, dim=args.dim, width=4, dtype=torch.bfloat16, seed=0)
     ns = argparse.Namespace(sessions_list=[256], max_batch_tokens=8192, delay_us=200, device="cpu",
-                            null_kernels=True)
+                            null_kernels=True, caller_step_max_tokens=None)
     e = be.make_engine(ns, model, max_batch_size=max(256, args.sessions))
     n, k, verify = args.sessions, args.tokens, args.leg == "verify"
     rng = random.Random(1)
