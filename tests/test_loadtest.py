@@ -224,3 +224,36 @@ def test_a_step_whose_every_request_failed_exits_1_without_fail_on_errors(tmp_pa
     st = data["steps"][0]
     assert st["requests"] == 0 and st["errors_total"] > 0, st
     assert rc == 1 and "nothing was measured" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("scenario", ["decode-heavy", "frontend"])
+def test_a_server_that_goes_away_mid_run_exits_1_and_is_not_hammered(tmp_path, capsys, scenario):
+    import threading
+
+    srv = LiveServer(["--layers", "0,2", "--dim", str(DIM), "--dtype", "float32"])
+    try:
+        srv.wait_ready()
+        threading.Timer(1.5, srv.kill).start()
+        rc, data = _run(tmp_path, srv, "--scenario", scenario, "--concurrency", "4", "--duration", "4")
+    finally:
+        srv.kill()
+    st = data["steps"][0]
+    lost = st["errors"].get("connection_error", 0)
+    assert rc == 1 and "could not be reached" in capsys.readouterr().err
+    # each virtual session waits longer after each refused call (up to 1 s): a few dozen in 2.5 s, not thousands
+    assert 0 < lost < 400, st["errors"]
+
+
+def test_verify_that_rejects_every_answer_of_a_one_layer_model_exits_4_not_1(tmp_path):
+    # every conv answered, every answer wrong: a --verify failure (4), not a step where nothing was answered (1)
+    good, other = tmp_path / "g.safetensors", tmp_path / "o.safetensors"
+    ConvModel.random([0], dim=DIM, width=4, dtype=torch.float32, seed=0).save_safetensors(good)
+    ConvModel.random([0], dim=DIM, width=4, dtype=torch.float32, seed=1).save_safetensors(other)
+    srv = LiveServer(["--weights", str(good), "--slots", "16"])
+    try:
+        srv.wait_ready()
+        rc, data = _run(tmp_path, srv, "--concurrency", "2", "--requests", "10", "--verify", str(other),
+                        "--verify-sample", "1")
+    finally:
+        srv.terminate()
+    assert data["steps"][0]["verify"]["mismatches"] >= 1 and rc == 4

@@ -8,8 +8,9 @@ Examples:
     convserve-loadtest --concurrency 64 --duration 10 --compare results/loadtest.json --regress-pct 10
     convserve-loadtest --scenario frontend --concurrency 1,256 --chunk 512 --spec-k const:4 --duration 10
 
-Exit status: 0 done; 1 errors happened and ``--fail-on-errors`` was given, or a step had errors and no conv
-request answered (with or without it: nothing was measured); 2 bad arguments or the server
+Exit status: 0 done; 1 errors happened and ``--fail-on-errors`` was given, or (with or without it) a step had
+errors and no conv request answered, or the server could not be reached during a step (connection errors: it
+went away, or refused connections); 2 bad arguments or the server
 could not be reached; 3 ``--compare`` found a regression past ``--regress-pct``; 4 ``--verify`` found a response
 that differs from the reference, or checked none.
 """
@@ -177,6 +178,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from rich.console import Console
 
     from convserve.clients.loadtest import report
+    from convserve.clients.loadtest.verify import MISMATCH
 
     console = Console(width=None if sys.stdout.isatty() else 200)
     report.print_table(result, console)
@@ -195,10 +197,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             rc = EXIT_REGRESSION
     if rc == 0 and args.fail_on_errors and any(st["errors_total"] for st in result["steps"]):
         rc = EXIT_ERRORS
-    dead = [st["label"] for st in result["steps"] if st["errors_total"] and not st["requests"]]
+    # (a wrong answer is an answer: --verify's exit status below says so)
+    dead = [st["label"] for st in result["steps"]
+            if st["errors_total"] - st["errors"].get(MISMATCH, 0) and not st["requests"]]
     if rc == 0 and dead:        # every request of a step failed: its latencies and rates measure nothing
         print(f"convserve-loadtest: every conv request of step(s) {', '.join(dead)} failed (see the errors "
               "column); nothing was measured", file=sys.stderr)
+        rc = EXIT_ERRORS
+    lost = {st["label"]: st["errors"]["connection_error"] for st in result["steps"]
+            if st["errors"].get("connection_error")}
+    if rc == 0 and lost:        # the server went away (or refused connections): the step did not run as asked
+        print("convserve-loadtest: the server could not be reached during step(s) "
+              + ", ".join(f"{k} ({n} calls)" for k, n in lost.items())
+              + ": it stopped or refused connections; its figures cover only part of the step", file=sys.stderr)
         rc = EXIT_ERRORS
     if rc == 0 and args.verify is not None:
         checked = sum(st["verify"]["checked"] for st in result["steps"])

@@ -241,6 +241,10 @@ class Aborted(Exception):
     """A request of the session failed for good: the session ends (its state is no longer known)."""
 
 
+#: the first and the longest wait after a call that could not reach the server (see Driver.unreachable_wait)
+UNREACHABLE_WAIT_S = (0.01, 1.0)
+
+
 class Driver:
     """Runs virtual sessions against one server for one step of a sweep."""
 
@@ -263,6 +267,9 @@ class Driver:
         self.mismatch_examples: list = []
         self.stopping = False
         self.hard_stop = False
+        #: seconds a call that could not reach the server waits before it gives up (doubling, reset by an
+        #: answer): a server that went away is not hammered by every virtual session in a tight loop
+        self.unreachable_wait = UNREACHABLE_WAIT_S[0]
         n = max(workload.max_tokens(), 1) + 4096
         self.pool = np.random.default_rng(seed).standard_normal((n, self.dim), dtype=np.float32).astype(self.dtype)
 
@@ -282,11 +289,17 @@ class Driver:
         attempt = 0
         while True:
             try:
-                return await fn()
+                out = await fn()
+                self.unreachable_wait = UNREACHABLE_WAIT_S[0]
+                return out
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - every failure is counted by code
                 code = error_code(e)
+                if code == "connection_error" and not self.hard_stop:
+                    wait, self.unreachable_wait = self.unreachable_wait, min(self.unreachable_wait * 2,
+                                                                             UNREACHABLE_WAIT_S[1])
+                    await asyncio.sleep(wait)
                 status = getattr(e, "status", None)
                 if status in (429, 503) and attempt < self.max_retries and not self.hard_stop:
                     ra = getattr(e, "retry_after", None)
