@@ -143,10 +143,21 @@ class _H1Pool:
         failed: list = []
 
         async def send():
+            frames = body.__aiter__()
             try:
                 w.write(b"POST %s HTTP/1.1\r\n%stransfer-encoding: chunked\r\n\r\n" % (path.encode("ascii"),
                                                                                        self._fixed))
-                async for chunk in body:
+                while True:
+                    try:
+                        chunk = await frames.__anext__()
+                    except StopAsyncIteration:
+                        break
+                    except asyncio.CancelledError:
+                        raise
+                    except BaseException as e:  # noqa: BLE001 - the caller's frames failed: raised as they are
+                        failed.append(e)        # (by the reader, which the closed socket stops)
+                        w.close()
+                        return
                     if chunk:
                         w.writelines((b"%x\r\n" % len(chunk), chunk, b"\r\n"))
                         await w.drain()
@@ -154,15 +165,16 @@ class _H1Pool:
                 await w.drain()
             except asyncio.CancelledError:
                 raise
-            except BaseException as e:  # noqa: BLE001 - raised by the reader, which the closed socket stops
-                failed.append(e)
+            except Exception as e:  # noqa: BLE001 - the connection failed: an httpx error, as every call raises
+                failed.append(httpx.WriteError(f"POST {path}: the connection failed while the stream was sent "
+                                               f"({type(e).__name__}: {e})"))
                 w.close()
 
         sender = asyncio.ensure_future(send())
 
-        async def read(coro):
+        async def read(coro, parse=lambda b: b):
             try:
-                return await asyncio.wait_for(coro, self.timeout)
+                return parse(await asyncio.wait_for(coro, self.timeout))
             except asyncio.TimeoutError:
                 raise httpx.ReadTimeout(f"no answer on POST {path} within {self.timeout} s") from None
             except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError, IndexError) as e:
@@ -172,13 +184,13 @@ class _H1Pool:
                                                 f"answer ({type(e).__name__}: {e})") from e
 
         try:
-            status, headers, _keep = _parse_head(await read(r.readuntil(b"\r\n\r\n")))
+            status, headers, _keep = await read(r.readuntil(b"\r\n\r\n"), _parse_head)
             if status >= 400:
                 content = await read(_read_content(r, status, headers))
                 _raise_for(_Resp(status, headers, content))
             if "chunked" in headers.get("transfer-encoding", "").lower():
                 while True:
-                    size = int((await read(r.readuntil(b"\r\n"))).split(b";", 1)[0], 16)
+                    size = await read(r.readuntil(b"\r\n"), lambda line: int(line.split(b";", 1)[0], 16))
                     if size == 0:
                         break
                     yield (await read(r.readexactly(size + 2)))[:-2]

@@ -1,0 +1,91 @@
+"""``_H1Pool.stream`` (the async client's full-duplex HTTP stream) against small raw servers that misbehave: every
+failure of the connection or of the answer's framing is an httpx error, and the caller's own error is raised as
+it is."""
+
+import asyncio
+import socket
+
+import httpx
+import pytest
+
+from convserve.clients.h1 import _H1Pool
+
+
+def run_against(handler, body, timeout=5.0) -> list:
+    """The chunks ``_H1Pool.stream`` yields from a server running ``handler``, sending ``body()``; raises what it
+    raises."""
+    async def main():
+        srv = await asyncio.start_server(handler, "127.0.0.1", 0)
+        pool = _H1Pool("127.0.0.1", srv.sockets[0].getsockname()[1], {}, timeout, 4)
+        got = []
+        try:
+            async for c in pool.stream("/s", body()):
+                got.append(c)
+        finally:
+            srv.close()
+        return got
+
+    return asyncio.run(main())
+
+
+async def endless():
+    while True:
+        yield b"x" * (1 << 20)
+        await asyncio.sleep(0.01)
+
+
+def test_a_server_that_resets_mid_stream_raises_an_httpx_error():
+    async def handler(r, w):
+        await r.readuntil(b"\r\n\r\n")
+        w.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n")
+        await w.drain()
+        await asyncio.sleep(0.2)
+        w.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01" + b"\x00" * 7)
+        w.close()                                               # an RST while the client still sends
+
+    for _ in range(5):
+        with pytest.raises(httpx.HTTPError):
+            run_against(handler, endless)
+
+
+@pytest.mark.parametrize("answer", [b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n",
+                                    b"SMTP ready\r\n\r\n", b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nab"])
+def test_a_malformed_or_cut_answer_is_a_remote_protocol_error(answer):
+    async def handler(r, w):
+        await r.readuntil(b"\r\n\r\n")
+        w.write(answer)
+        await w.drain()
+        w.close()
+
+    with pytest.raises(httpx.RemoteProtocolError):
+        run_against(handler, endless)
+
+
+def test_the_callers_frames_error_is_raised_as_it_is_and_a_4xx_as_its_error():
+    async def handler(r, w):
+        await r.readuntil(b"\r\n\r\n")
+        while await r.read(1 << 16):        # until the client closes
+            pass
+        w.close()
+
+    async def failing():
+        yield b"frame"
+        raise KeyError("the frontend's own bug")
+
+    with pytest.raises(KeyError, match="own bug"):
+        run_against(handler, failing)
+
+    async def refusing(r, w):
+        await r.readuntil(b"\r\n\r\n")
+        body = b'{"error": {"code": "unauthorized", "message": "API key missing"}}'
+        w.write(b"HTTP/1.1 401 Unauthorized\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                % (len(body), body))
+        await w.drain()
+        while await r.read(1 << 16):        # answered early, it reads the rest (closing now would reset it)
+            pass
+        w.close()
+
+    from convserve.clients.protocol.errors import Unauthorized
+
+    with pytest.raises(Unauthorized):
+        run_against(refusing, endless)
