@@ -90,3 +90,73 @@ def test_a_conv_the_engine_did_not_answer_in_time_keeps_its_arena_block_until_th
         assert refs[1]() is None
 
     asyncio.run(main())
+
+
+def _ids_on_two_engines():
+    """Two session ids, the first held by engine 0 and the second by engine 1."""
+    from convserve.service.cluster.placement import engine_of, new_id_on
+
+    (a, _), (b, _) = new_id_on(lambda e: e == 0, 2), new_id_on(lambda e: e == 1, 2)
+    assert engine_of(a, 2) == 0 and engine_of(b, 2) == 1
+    return [a, b]
+
+
+@pytest.mark.parametrize("borrowed", [True, False])
+def test_a_borrowed_x_of_a_split_batch_is_copied_before_submit_returns(borrowed):
+    """The parts are read after the engines' checks come back: a borrowed x (a client's shared memory) is
+    copied first, so the client writing its block meanwhile changes nothing; one that is not borrowed is the
+    caller's to keep unchanged (read in place)."""
+    r = RemoteEngine.__new__(RemoteEngine)
+    r.n, r.dim = 2, 4
+    sent = {}
+
+    async def call(e, head, data=None):
+        await asyncio.sleep(0.01)                  # the check's round trip
+        return {"ok": None}, None
+
+    async def main():
+        loop = asyncio.get_running_loop()
+
+        def conv(e, head, x, rows=None):
+            sent[e] = x.index_select(0, rows).clone()
+            f = loop.create_future()
+            f.set_result(sent[e])
+            return f
+
+        r._call, r._conv = call, conv
+        x = torch.arange(8, dtype=torch.float32).view(2, 4)
+        fut = r.submit_batch_async(_ids_on_two_engines(), 1, x, borrowed=borrowed)
+        x.fill_(float("nan"))                      # the client writes its block
+        return await fut
+
+    y = asyncio.run(main())
+    assert torch.isnan(y).all() != borrowed
+    if borrowed:
+        assert torch.equal(y, torch.arange(8, dtype=torch.float32).view(2, 4))
+
+
+def test_a_borrowed_x_sent_inline_is_a_copy_not_the_clients_memory():
+    """With no arena block free, x goes in the message itself, without a copy (ZeroMQ reads it later, on its
+    thread): a borrowed x is copied first."""
+    from convserve.service.cluster import messages as m
+    from convserve.service.cluster.remote import _Link
+
+    r = RemoteEngine.__new__(RemoteEngine)
+    r.dim, r.model_dtype, r.reply_timeout, r.check_finite = 4, torch.float32, 5.0, True
+    r.links, r._ids = [_Link(0)], iter(range(1, 100))
+    r._target = lambda e: 1
+    r.arena = type("Full", (), {"lease": staticmethod(lambda n: None)})()
+    sent = []
+    r._send = lambda link, head, data=None: sent.append(data)
+
+    async def main():
+        r.loop = asyncio.get_running_loop()
+        for borrowed in (True, False):
+            x = torch.arange(8, dtype=torch.float32).view(2, 4)
+            r._conv(0, {"k": m.BATCH}, x, borrowed=borrowed)
+            x.fill_(-1.0)                          # the client writes its block after submit returned
+        return sent
+
+    borrowed_data, plain_data = asyncio.run(main())
+    assert torch.equal(torch.frombuffer(bytearray(borrowed_data), dtype=torch.float32), torch.arange(8.0))
+    assert torch.equal(torch.frombuffer(bytearray(plain_data), dtype=torch.float32), torch.full((8,), -1.0))

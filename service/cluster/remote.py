@@ -337,7 +337,7 @@ class RemoteEngine:
 
     # ------------------------------------------------------------------ convs (event loop)
 
-    def _conv(self, e: int, head: dict, x: torch.Tensor, rows=None) -> _Future:
+    def _conv(self, e: int, head: dict, x: torch.Tensor, rows=None, borrowed: bool = False) -> _Future:
         """Send one conv (or batch part) to engine ``e``; x (or its ``rows``) is copied into the arena.
 
         A float x of the right shape is cast to the model dtype in that copy and checked for NaN/Inf here
@@ -372,7 +372,9 @@ class RemoteEngine:
         else:
             lease = None
             dtype, out_dtype, name = x.dtype, None, _DTYPE_NAMES.get(x.dtype) or str(x.dtype).removeprefix("torch.")
-            src = (x if rows is None else x.index_select(0, rows)).contiguous()
+            # (sent without a copy, read by ZeroMQ's thread later: a borrowed x is copied first)
+            src = x.index_select(0, rows) if rows is not None else \
+                x.clone(memory_format=torch.contiguous_format) if borrowed else x.contiguous()
             data = memoryview(src.view(-1).view(torch.uint8).numpy())
         mid = next(self._ids)
         head.update(i=mid, e=epoch, d=name, n=n)
@@ -386,10 +388,11 @@ class RemoteEngine:
 
     def submit_async(self, session_id: str, layer: int, x, speculative: bool = False,
                      position: Optional[int] = None, borrowed: bool = False) -> asyncio.Future:
-        """As :meth:`Engine.submit_async`. ``borrowed`` changes nothing here: x is always copied (into the arena,
-        or the message) before anything reads it, and the copy is what is checked."""
+        """As :meth:`Engine.submit_async`. ``borrowed``: x is copied before this returns (into the arena, or a
+        copy of its own that the message is sent from); what the engine computes with and checks is that copy."""
         e = engine_of(session_id, self.n) if isinstance(session_id, str) else 0
-        return self._conv(e, {"k": m.CONV, "s": session_id, "l": layer, "sp": speculative, "po": position}, x)
+        return self._conv(e, {"k": m.CONV, "s": session_id, "l": layer, "sp": speculative, "po": position}, x,
+                          borrowed=borrowed)
 
     submit = submit_async   # its callers (the stream pipeline) run on the loop too
 
@@ -400,9 +403,11 @@ class RemoteEngine:
         if len(groups) == 1:
             (e,) = groups
             return self._conv(e, {"k": m.BATCH, "ss": list(session_ids), "l": layer, "t": tokens,
-                                  "sp": speculative, "po": position}, x)
+                                  "sp": speculative, "po": position}, x, borrowed=borrowed)
         if position is not None and (not isinstance(position, list) or len(position) != len(session_ids)):
             raise BadRequest(f"position: expected a list of {len(session_ids)} integers >= 0 (one per session)")
+        if borrowed and isinstance(x, torch.Tensor):    # the parts are read after the engines' checks come back
+            x = x.clone()
         return asyncio.ensure_future(self._split_batch(groups, list(session_ids), layer, x, tokens, speculative,
                                                        position))
 
