@@ -14,7 +14,9 @@ Network failures raise httpx's (or websockets') own exceptions.
 
 ``stream`` pipelines many conv requests over one call and yields results as they arrive:
 
-* ``transport="http"``: one ``POST /v1/conv/stream``. httpx sends the whole request body before it reads the
+* ``transport="http"``: one ``POST /v1/conv/stream``. :class:`AsyncConvClient` over plain ``http://`` sends and
+  reads at once (requests may be produced from earlier results); this sync client, and the async one over https,
+  a proxy or a custom transport, go through httpx, which sends the whole request body before it reads the
   response, so every request must be known up front; results still arrive as each completes.
 * ``transport="ws"``: the WebSocket ``/v1/conv/ws``, full duplex. At most ``window`` requests are in flight;
   requests may be produced lazily (even from earlier results).

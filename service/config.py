@@ -177,7 +177,8 @@ class Settings(BaseSettings):
                              "segment this server's user can open: turn it on for the frontends of this host")
     client_shm_segments: int = Field(64, ge=1, description="client shared-memory segment descriptors each HTTP "
                                      "process keeps open (the least recently used one is closed past it)")
-    max_tokens_per_request: int = Field(8192, ge=1, description="largest T of one conv request (413 above)")
+    max_tokens_per_request: int = Field(8192, ge=1, description="largest T of one conv request, and of one "
+                                        "session's slice of a batch (413 above)")
     check_finite: bool = Field(_ENGINE.check_finite, description="reject x with NaN or Inf (422 non_finite)")
     stream_window: int = Field(256, ge=1, description="frames of one stream or WebSocket being computed at "
                                                       "once; the next frames wait to be read")

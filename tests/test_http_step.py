@@ -101,6 +101,8 @@ BAD_BATCHES = [
     ("x rows not the sum of tokens", lambda s: _batch(s[:2], LAYERS[0], rand_x(4), [2, 3]), 422, "add up"),
     ("more tokens than max_batch_tokens", lambda s: _batch(s[:2], LAYERS[0], rand_x(1025), [1000, 25]), 413,
      "max_batch_tokens"),
+    ("a slice longer than max_tokens_per_request", lambda s: _batch(s[:2], LAYERS[0], rand_x(300), [257, 43]), 413,
+     "max_tokens_per_request"),
     ("tokens far past max_batch_tokens, x small", lambda s: _batch(s[:2], LAYERS[0], rand_x(2), [10**12, 1]), 413,
      "max_batch_tokens"),
     ("a token count not an integer", lambda s: _batch(s[:2], LAYERS[0], rand_x(2), [1.0, 1]), 400, "integer"),

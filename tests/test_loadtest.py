@@ -163,6 +163,13 @@ def test_retry_after_is_honoured_on_queue_full(tmp_path):
     assert rc == 0 and st["errors_total"] == 0             # ...and every request went through after waiting
 
 
+@pytest.mark.parametrize("transport", ["unary", "stream", "ws"])
+def test_a_transport_given_to_the_frontend_scenario_is_a_usage_error_not_ignored(server, capsys, transport):
+    assert main(["--url", server.url, *SMALL, "--scenario", "frontend", "--requests", "4",
+                 "--transport", transport]) == 2
+    assert "does not apply to --scenario frontend" in capsys.readouterr().err
+
+
 def test_unreachable_server_is_a_clear_usage_error(capsys):
     assert main(["--url", "http://127.0.0.1:9", "--requests", "1", "--no-progress"]) == 2
     assert "cannot reach the server" in capsys.readouterr().err

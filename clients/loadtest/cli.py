@@ -102,8 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="send a step's layers one after the other (like a forward pass) instead of together")
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("transport")
-    g.add_argument("--transport", default="unary", choices=["unary", "stream", "ws"],
-                   help="unary: POST /v1/conv; stream: POST /v1/conv/stream; ws: /v1/conv/ws [unary]")
+    g.add_argument("--transport", default=None, choices=["unary", "stream", "ws"],
+                   help="unary: POST /v1/conv; stream: POST /v1/conv/stream; ws: /v1/conv/ws [unary] (not with "
+                        "--scenario frontend, which sends a POST /v1/conv/batch per layer)")
     g.add_argument("--inflight", type=int, default=64, help="stream/ws: frames in flight per connection [64]")
     g.add_argument("--shm-mib", type=int, default=0, metavar="MIB",
                    help="frontend: write each layer call's x into a shared-memory arena of this many MiB and send "
@@ -304,6 +305,10 @@ async def run(args) -> dict:
     from convserve.clients.protocol.errors import ServiceError
 
     frontend = args.scenario == "frontend"
+    if frontend and args.transport is not None:
+        raise SetupError(f"--transport {args.transport} does not apply to --scenario frontend: it sends one POST "
+                         "/v1/conv/batch per layer call (--shm-mib puts x and y in shared memory); leave it out")
+    args.transport = args.transport or "unary"
     wl = Workload(args.scenario, args.prefill, args.decode, args.spec_k or parse("const:4"), args.prefill_chunk,
                   "sequential" if args.sequential_layers or frontend else "parallel",
                   frontend_spec=frontend and args.spec_k is not None)

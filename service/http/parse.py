@@ -185,6 +185,7 @@ class Parser:
         dim, width = int(info["dim"]), int(info["width"])
         self.state_dtype = str(info["state_dtype"])
         self.max_batch_size = max_batch_size
+        self.max_tokens_per_request = max_tokens_per_request
         self.x_check = wire.shape_checker((dim,), min_first=1, max_first=max_tokens_per_request)
         self.max_batch_tokens = max_batch_tokens
         self.batch_check = wire.shape_checker((dim,), min_first=1, max_first=max_batch_tokens, first_name="rows")
@@ -240,6 +241,11 @@ class Parser:
             if sum(tokens) > self.max_batch_tokens:
                 raise PayloadTooLarge(f"'tokens' add up to {sum(tokens)}, above max_batch_tokens "
                                       f"{self.max_batch_tokens}; split the batch")
+            if max(tokens) > self.max_tokens_per_request:     # a slice is one session's conv
+                i = tokens.index(max(tokens))
+                raise PayloadTooLarge(f"'tokens'[{i}] is {tokens[i]}, above max_tokens_per_request "
+                                      f"{self.max_tokens_per_request} (the most tokens of one session's conv, in a "
+                                      "batch too); split that session's prefill into chunks")
         spec = req.get("speculative")
         if spec is not None and type(spec) is not bool:
             if type(spec) is not list or len(spec) != n or not all(type(s) is bool for s in spec):
