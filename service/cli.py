@@ -181,9 +181,10 @@ def tune_malloc(keep_bytes: int) -> None:
     """glibc raises its mmap threshold to the size of each mmapped block freed (up to 32 MiB), after which large
     bodies are carved from the heap and their pages stay resident after they are freed: a few 60 MiB bodies left
     the RSS 10 % higher for good. Fixed thresholds (which also turn that adaptation off) bound what stays: blocks
-    of ``keep_bytes / 2`` or more (at least 1 MiB) get their own mapping, given back when freed, and at most
-    ``keep_bytes`` of free heap stays mapped, so the bodies of a steady stream of requests reuse memory that is
-    already paged in instead of faulting in fresh pages every time."""
+    of ``keep_bytes / 2`` or more (at least 1 MiB) get their own mapping, given back when freed, and free memory
+    at the top of each of glibc's heaps is given back past ``keep_bytes`` (free blocks inside a heap stay, as
+    always), so the bodies of a steady stream of requests reuse memory that is already paged in instead of faulting
+    in fresh pages every time."""
     import ctypes
     import ctypes.util
 

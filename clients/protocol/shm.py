@@ -170,8 +170,8 @@ class ShmArena:
 
     def _check_open(self) -> None:
         if self._bytes is None:
-            raise ValueError(f"ShmArena {self.key!r} is closed (its segment was unlinked): make a new ShmArena, "
-                             "or pass a client without shm=")
+            raise ValueError(f"ShmArena {self.key!r} is closed (the server can no longer reach its segment): make "
+                             "a new ShmArena, or pass a client without shm=")
 
     def view(self, ref: Any, dtype: str, shape: tuple, backend: str, name: str):
         """The tensor a server's answer names (``ref``: its ``shm`` field): a view of this arena."""
