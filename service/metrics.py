@@ -125,6 +125,8 @@ class EngineCollector(Collector):
 
     #: engine.stats() key -> (metric name, kind, help)
     KNOWN = {
+        "engine_restarts": ("convserve_engine_restarts", "counter", "Engine processes started again after their "
+                            "process died (per engine: label engine)"),
         "queue_depth": ("convserve_queue_depth", "gauge", "Requests queued in the engine, not yet in a step"),
         "slots_total": ("convserve_slots_total", "gauge", "Allocatable session slots (without the null slot)"),
         "slots_in_use": ("convserve_slots_in_use", "gauge", "Session slots holding a session"),
@@ -181,6 +183,10 @@ class EngineCollector(Collector):
         except Exception:  # a scrape must not fail because the engine is starting or stopping
             log.debug("engine.stats() failed during a scrape", exc_info=True)
             return
+        # several engine processes: their counters come one series per engine (label ``engine``), so that an
+        # engine that restarts (its counters back at 0) is one series' reset, which rate() handles, and not a
+        # drop of a sum, which rate() would read as a reset of everything
+        per_engine = stats.pop("per_engine", None) or {}
         flat: dict = {}
         hists = []
         _flatten("", stats, flat, hists)
@@ -194,11 +200,17 @@ class EngineCollector(Collector):
                 name, kind, help_ = self.KNOWN[key]
             else:
                 name, kind, help_ = "convserve_engine_" + key, "gauge", f"engine.stats()['{key}']"
-            if kind == "counter":
+            if kind == "counter" and per_engine:
+                m = CounterMetricFamily(name, help_, labels=["engine"])
+                for e, part in sorted(per_engine.items()):
+                    if key in part:
+                        m.add_metric([str(e)], float(part[key]))
+            elif kind == "counter":
                 m = CounterMetricFamily(name, help_)
+                m.add_metric([], value)
             else:
                 m = GaugeMetricFamily(name, help_)
-            m.add_metric([], value)
+                m.add_metric([], value)
             yield m
 
 
@@ -233,3 +245,7 @@ def _le(x: float) -> str:
 
 def _sanitize(key: str) -> str:
     return "".join(c if c.isalnum() or c == "_" else "_" for c in key)
+
+
+#: the engine.stats() keys exported as counters
+COUNTER_KEYS = frozenset(k for k, (_name, kind, _help) in EngineCollector.KNOWN.items() if kind == "counter")

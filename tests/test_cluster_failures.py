@@ -58,6 +58,16 @@ def _session_on(api: Api, engine: int, n: int = 2) -> str:
     raise AssertionError("no id found")
 
 
+def _series(text: str, name: str) -> dict:
+    """``{labels: value}`` of the samples of metric ``name`` in a Prometheus text scrape."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            labels, value = line[len(name) + 1:].rsplit(" ", 1)
+            out[labels.rstrip("}")] = float(value)
+    return out
+
+
 @pytest.fixture
 def slow_cluster():
     """Two CPU engines; every request waits 1 s in the batching window, so it can be in flight on purpose."""
@@ -103,6 +113,10 @@ def test_a_killed_engine_fails_its_in_flight_requests_serves_others_and_comes_ba
     _wait(lambda: _readyz(srv.url)["status"] == "ready", what="engine 0 back")
     row = _readyz(srv.url)["engines"][0]
     assert row["restarts"] == 1 and row["epoch"] == 2 and row["pid"] != victim
+    # the restart is counted, and only engine 0's counters start again (a reset of its series, not of a sum)
+    text = httpx.get(srv.url + "/metrics").text
+    assert _series(text, "convserve_engine_restarts_total") == {'engine="0"': 1.0, 'engine="1"': 0.0}
+    assert _series(text, "convserve_engine_requests_total")['engine="1"'] >= 2
     st, body, _ = api.call("POST", "/v1/conv", {"session": doomed, "layer": 0, "x": wire.encode_tensor(x)})
     assert st == 410 and body["error"]["code"] == "state_lost", body
     assert "restart" in body["error"]["message"]
@@ -180,9 +194,9 @@ def test_one_scrape_counts_the_requests_of_every_worker_and_engine():
         total = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                     if line.startswith("convserve_http_requests_total{") and 'route="/v1/conv"' in line)
         assert total == n
-        engine_requests = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                           if line.startswith("convserve_engine_requests_total ")]
-        assert engine_requests == [n]                           # both engines' counters, summed
+        engine_requests = _series(text, "convserve_engine_requests_total")
+        assert set(engine_requests) == {'engine="0"', 'engine="1"'}   # one series per engine, together n
+        assert sum(engine_requests.values()) == n
         info = api.call("GET", "/v1/model")[1]
         assert len(info["engines"]) == 2 and info["slots"]["total"] == 128
         assert sum(e["sessions"] for e in info["engines"]) == 4

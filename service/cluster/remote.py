@@ -38,6 +38,7 @@ from convserve.clients.protocol.errors import (BadRequest, EngineTimeout, Engine
 
 from . import messages as m
 from ..engine.validate import all_finite
+from ..metrics import COUNTER_KEYS
 from .placement import engine_of, new_id_on, split
 from .shm import Arena
 from .split_batch import check_positions, failure, parts_of, row_indices, sub
@@ -182,14 +183,20 @@ class RemoteEngine:
 
     def stats(self) -> dict:
         """Every engine's ``stats()`` that is up, summed (blocking; not on the loop)."""
-        parts = []
+        parts, per_engine = [], {}
         for e in range(self.n):
             if self.status.state(e)[0] == UP:
                 try:
-                    parts.append(self._call_sync(e, {"k": m.STATS})[0]["ok"])
+                    part = self._call_sync(e, {"k": m.STATS})[0]["ok"]
                 except ServiceError:
-                    pass
+                    continue
+                parts.append(part)
+                per_engine[e] = {k: v for k, v in part.items() if k in COUNTER_KEYS}
+        for e in range(self.n):                       # (an engine that is down has only this one)
+            per_engine.setdefault(e, {})["engine_restarts"] = self.status.row(e).restarts
         total = _sum_stats(parts)
+        total["engine_restarts"] = sum(p["engine_restarts"] for p in per_engine.values())
+        total["per_engine"] = per_engine     # the counters of each engine (see metrics.EngineCollector)
         dec, pad = total.get("decode_rows", 0), total.get("decode_padded_rows", 0)
         total["pad_ratio"] = pad / max(1, pad + dec)
         total["engines_up"] = len(parts)
