@@ -134,10 +134,12 @@ def read_stream(resp) -> list:
 
 
 def metric(url, name) -> float:
-    for line in httpx.get(url + "/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"no {name} in /metrics")
+    """Metric ``name`` in /metrics, summed over its series (an engine counter has one per engine process)."""
+    values = [float(line.rsplit(" ", 1)[1]) for line in httpx.get(url + "/metrics").text.splitlines()
+              if line.startswith((name + " ", name + "{"))]
+    if not values:
+        raise AssertionError(f"no {name} in /metrics")
+    return sum(values)
 
 
 def wait_metric(url, name, at_least, timeout=5.0) -> float:
