@@ -13,6 +13,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from convserve.service.cluster.supervisor import stop_budgets
 from convserve.service.config import Settings
 
 K8S = Path(__file__).resolve().parents[1] / "docker" / "k8s"
@@ -65,7 +66,9 @@ def test_statefulset_serves_one_gpu_per_stable_pod_with_its_probes_and_graceful_
     assert set(settings) <= set(Settings.model_fields)
     s = Settings(**settings)
     pre_stop = 5
-    assert pod["terminationGracePeriodSeconds"] > pre_stop + s.shutdown_timeout_s + s.snapshot_timeout_s
+    # the kubelet's SIGKILL comes after the grace period: the workers' and then the engines' drains and the
+    # final snapshot must fit in it, each stage's whole budget used
+    assert pod["terminationGracePeriodSeconds"] > pre_stop + sum(stop_budgets(s))
     assert env["CONVSERVE_REPLICA_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
     # the key is a file of the mounted Secret, never a plain env value
     assert "CONVSERVE_API_KEY" not in env

@@ -195,13 +195,11 @@ class Supervisor:
     # ------------------------------------------------------------------ shutdown
 
     def _stop_all(self) -> None:
-        grace = self.settings.shutdown_timeout_s + 5
-        self._stop(self.workers, grace)
+        workers, engines = stop_budgets(self.settings)
+        self._stop(self.workers, workers)
         if self.sock is not None:
             self.sock.close()
-        # an engine writes its snapshot after its drain
-        snap = self.settings.snapshot_timeout_s if self.settings.state_dir is not None else 0
-        self._stop(self.engines, grace + snap)
+        self._stop(self.engines, engines)
         for c in self.engines:
             self.status.set_state(c.index, STOPPED)
 
@@ -221,6 +219,15 @@ class Supervisor:
         for c in children:
             c.proc = None
             c.restart_at = None
+
+
+def stop_budgets(settings) -> tuple:
+    """``(the workers', the engines')`` seconds to stop after SIGTERM, one stage after the other: each drains for
+    up to ``shutdown_timeout_s`` (plus 5 s to exit), and an engine then writes its snapshot (``state_dir``: up to
+    ``snapshot_timeout_s`` more). Their sum is what a pod's termination grace period must exceed (after its
+    preStop sleep)."""
+    grace = settings.shutdown_timeout_s + 5
+    return grace, grace + (settings.snapshot_timeout_s if settings.state_dir is not None else 0)
 
 
 def _mark_dead(pid: int) -> None:
