@@ -360,6 +360,9 @@ class Settings(BaseSettings):
             raise ValueError(f"engine_reply_timeout_s ({self.engine_reply_timeout_s}) must exceed request_timeout_s "
                              f"({self.request_timeout_s}): a request may wait that long in the engine's queue before "
                              "it starts, and would then be answered as possibly applied")
+        if self.snapshot_interval_s is not None and self.state_dir is None:
+            raise ValueError("snapshot_interval_s is set but state_dir is not: snapshots are written only into "
+                             "state_dir; set --state-dir (or drop --snapshot-interval-s)")
         if self.max_batch_tokens < self.max_tokens_per_request:
             raise ValueError(f"max_tokens_per_request ({self.max_tokens_per_request}) exceeds max_batch_tokens "
                              f"({self.max_batch_tokens}): such a request could never be scheduled; raise "
@@ -469,6 +472,10 @@ def read_config_file(path: Path) -> dict:
     return data
 
 
+#: CONVSERVE_ variables that are not settings: the config file's path, and the clients' server URL
+NOT_SETTINGS = frozenset({"CONVSERVE_CONFIG", "CONVSERVE_URL"})
+
+
 def load_settings(overrides: Optional[dict] = None, config_file: Optional[Path] = None) -> Settings:
     """Build the settings from flags (``overrides``), the environment and ``config_file``.
 
@@ -479,6 +486,11 @@ def load_settings(overrides: Optional[dict] = None, config_file: Optional[Path] 
     from pydantic import ValidationError
 
     global _file_data
+    unknown = sorted(k for k in os.environ if k.startswith("CONVSERVE_") and k not in NOT_SETTINGS
+                     and k[len("CONVSERVE_"):].lower() not in Settings.model_fields)
+    if unknown:         # a misspelt variable would otherwise leave its setting at its default, unnoticed
+        raise ConfigError(f"unknown environment variable(s) {', '.join(unknown)}: no such setting (the settings are "
+                          "the flags of `convserve serve --help`, as CONVSERVE_<NAME>); fix or unset them")
     if config_file is None and os.environ.get("CONVSERVE_CONFIG"):
         config_file = Path(os.environ["CONVSERVE_CONFIG"])
     _file_data = read_config_file(config_file) if config_file is not None else {}

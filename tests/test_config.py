@@ -183,3 +183,24 @@ def test_heap_keep_bytes_sets_glibcs_mmap_and_trim_thresholds(monkeypatch, keep,
     monkeypatch.setattr(ctypes, "CDLL", lambda name: Libc())
     cli.tune_malloc(keep)
     assert calls == want
+
+
+@pytest.mark.parametrize("var", ["CONVSERVE_MAX_BODY_BYTE", "CONVSERVE_WORKERZ", "CONVSERVE_"])
+def test_an_unknown_convserve_variable_is_an_error_naming_it(monkeypatch, var):
+    monkeypatch.setenv(var, "5")
+    with pytest.raises(ConfigError, match=var + r"\b"):
+        load_settings()
+
+
+def test_the_config_path_and_the_clients_url_are_not_taken_for_settings(monkeypatch, tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text('{"port": 9001}')
+    monkeypatch.setenv("CONVSERVE_CONFIG", str(path))
+    monkeypatch.setenv("CONVSERVE_URL", "http://127.0.0.1:9001")
+    assert load_settings().port == 9001
+
+
+def test_a_snapshot_interval_without_a_state_dir_is_an_error(tmp_path):
+    with pytest.raises(ConfigError, match="state_dir"):
+        load_settings({"snapshot_interval_s": 5})
+    assert load_settings({"snapshot_interval_s": 5, "state_dir": tmp_path}).snapshot_interval_s == 5
