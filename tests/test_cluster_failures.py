@@ -334,3 +334,24 @@ def test_a_session_operation_is_answered_as_run_when_recording_it_in_the_journal
         assert "engine: cannot journal or publish a session operation" in srv.log_messages()
     finally:
         srv.kill()
+
+
+def test_while_the_only_engine_restarts_requests_are_told_it_died_not_that_it_is_starting():
+    srv = LiveServer([a if a != "cpu,cpu" else "cpu" for a in ARGS])
+    try:
+        api = Api(srv.url)
+        sid = api.session()
+        victim = _readyz(srv.url)["engines"][0]["pid"]
+        os.kill(victim, signal.SIGKILL)
+        seen = []
+
+        def refused():
+            st, body, _ = api.call("POST", "/v1/conv", {"session": sid, "layer": 0,
+                                                        "x": wire.encode_tensor(torch.randn(1, DIM))})
+            seen.append((st, body))
+            return st == 503 and body["error"]["code"] == "not_ready"
+        _wait(refused, what="a 503 while the engine is down")
+        assert "died and is being restarted" in seen[-1][1]["error"]["message"], seen[-1]
+        _wait(lambda: _readyz(srv.url).get("status") == "ready", what="the engine back")
+    finally:
+        srv.kill()

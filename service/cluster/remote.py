@@ -160,6 +160,16 @@ class RemoteEngine:
     def ready(self) -> bool:
         return self._any_up                 # kept by _watch: every request reads it
 
+    def not_ready_reason(self) -> Optional[str]:
+        """Why no engine is up when one of them died (it is being restarted without its sessions); None when they
+        are starting for the first time."""
+        dead = [e for e in range(self.n)
+                if self.status.state(e)[0] in (DOWN, STOPPED) or self.status.row(e).restarts > 0]
+        if not dead:
+            return None
+        return (f"engine process {', '.join(map(str, dead))} died and is being restarted without its sessions "
+                "(they answer 410 state_lost once it is back); retry shortly")
+
     # ------------------------------------------------------------------ description
 
     def model_info(self) -> dict:

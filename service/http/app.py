@@ -95,8 +95,9 @@ class Service:
         if self.failed is not None:
             raise NotReady(f"the engine failed to start ({self.failed}); see the server log", retry_after=5)
         if not self.engine.ready:
-            raise NotReady("the engine is starting (allocating the state pool, warming the kernels); retry shortly",
-                           retry_after=1)
+            why = getattr(self.engine, "not_ready_reason", lambda: None)()
+            raise NotReady(why or "the engine is starting (allocating the state pool, warming the kernels); retry "
+                           "shortly", retry_after=1)
 
     def start_draining(self) -> None:
         """Stop intake: /readyz turns 503, new requests and new stream frames get 503 not_ready."""
