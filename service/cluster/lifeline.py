@@ -1,8 +1,10 @@
-"""What every child process of the supervisor does first: leave Ctrl-C to the supervisor (it stops the workers,
-then the engines, in that order) and exit when the supervisor is gone, even after ``kill -9`` of it."""
+"""What every child process of the supervisor does first: take a name ``ps`` shows, leave Ctrl-C to the supervisor
+(it stops the workers, then the engines, in that order) and exit when the supervisor is gone, even after
+``kill -9`` of it."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import shutil
 import signal
@@ -14,6 +16,7 @@ from typing import Callable, Optional
 def hold(parent_pid: int, run_dir: Optional[str] = None, on_orphaned: Optional[Callable[[], None]] = None,
          interval: float = 0.25) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    set_name(multiprocessing.current_process().name)
 
     def watch():
         while os.getppid() == parent_pid:
@@ -27,3 +30,20 @@ def hold(parent_pid: int, run_dir: Optional[str] = None, on_orphaned: Optional[C
             os._exit(1)
 
     threading.Thread(target=watch, name="convserve-lifeline", daemon=True).start()
+
+
+def set_name(name: str) -> None:
+    """Name this process as ``ps -o comm``, ``top`` and ``pgrep`` show it (Linux keeps 15 bytes): every child's
+    command line is the same ``multiprocessing.spawn`` one. ``convserve-engine-0`` becomes ``cs-engine-0``."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        libc.prctl(PR_SET_NAME, name.replace("convserve-", "cs-", 1).encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError, TypeError):  # pragma: no cover - not Linux: the name stays
+        pass
+
+
+#: prctl's option that sets the calling thread's name (the main thread's is the process's)
+PR_SET_NAME = 15
