@@ -121,6 +121,10 @@ class Settings(BaseSettings):
     sessions_page_max: int = Field(1000, ge=1, description="most sessions in one page of GET /v1/sessions")
     request_timeout_s: float = Field(_ENGINE.request_timeout_s, gt=0,
                                      description="seconds a conv request may take before 504")
+    engine_down_unhealthy_s: float = Field(300.0, ge=0, description="with engine processes: /healthz answers 503 "
+                                           "once an engine has been down this many seconds since its process "
+                                           "died (it keeps failing to start), so that a liveness probe restarts "
+                                           "the server (0: never)")
     engine_reply_timeout_s: Optional[float] = Field(None, gt=0, description="with engine processes: seconds an "
                                                     "HTTP worker waits for an engine's answer to a conv or session "
                                                     "operation before it answers 504 engine_timeout (the request "

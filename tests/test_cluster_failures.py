@@ -357,3 +357,27 @@ def test_while_the_only_engine_restarts_requests_are_told_it_died_not_that_it_is
         _wait(lambda: _readyz(srv.url).get("status") == "ready", what="the engine back")
     finally:
         srv.kill()
+
+
+def test_healthz_fails_once_an_engine_stays_down_longer_than_engine_down_unhealthy_s():
+    srv = LiveServer([a if a != "cpu,cpu" else "cpu" for a in ARGS] + ["--engine-down-unhealthy-s", "0.5"])
+    try:
+        assert httpx.get(srv.url + "/healthz").status_code == 200
+        victim = _readyz(srv.url)["engines"][0]["pid"]
+        os.kill(victim, signal.SIGSTOP)            # alive but never answering: not down, /healthz stays 200
+        time.sleep(1.0)
+        assert httpx.get(srv.url + "/healthz").status_code == 200
+        os.kill(victim, signal.SIGKILL)            # died: restarted, and down meanwhile
+        seen = []
+
+        def unhealthy():
+            r = httpx.get(srv.url + "/healthz")
+            seen.append(r)
+            return r.status_code == 503
+        _wait(unhealthy, timeout=20, what="/healthz 503 while the engine is down")
+        body = seen[-1].json()
+        assert body["status"] == "unhealthy" and "engine 0 (cpu) has been down" in body["reason"], body
+        _wait(lambda: _readyz(srv.url).get("status") == "ready", what="the engine back")
+        _wait(lambda: httpx.get(srv.url + "/healthz").status_code == 200, timeout=5, what="healthy again")
+    finally:
+        srv.kill()

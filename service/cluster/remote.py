@@ -28,6 +28,7 @@ import asyncio
 import itertools
 import logging
 import os
+import time
 from typing import Any, Optional, Sequence
 
 import msgpack
@@ -42,7 +43,7 @@ from ..metrics import COUNTER_KEYS
 from .placement import engine_of, new_id_on, split
 from .shm import Arena
 from .split_batch import check_positions, failure, parts_of, row_indices, sub
-from .status import DOWN, STOPPED, UP, StatusTable
+from .status import DOWN, STOPPED, UP, DownClock, StatusTable
 
 log = logging.getLogger("convserve.worker")
 
@@ -87,8 +88,10 @@ class RemoteEngine:
     """See the module docstring. ``info`` is engine 0's ``model_info()`` (the model is the same on every engine)."""
 
     def __init__(self, run_dir: str, devices: Sequence[str], worker: int, generation: int, info: dict,
-                 arena_bytes: int, check_finite: bool = True, reply_timeout: float = 90.0):
+                 arena_bytes: int, check_finite: bool = True, reply_timeout: float = 90.0,
+                 down_unhealthy_s: float = 0.0):
         self.run_dir = run_dir
+        self.down_unhealthy_s = down_unhealthy_s
         self.model_dtype = getattr(torch, info["dtype"])
         self.check_finite = check_finite
         self.reply_timeout = reply_timeout
@@ -97,6 +100,7 @@ class RemoteEngine:
         self.info = info
         self.dim = int(info["dim"])
         self.status = StatusTable(os.path.join(run_dir, "status"))
+        self.down = DownClock(self.status, self.n)
         self.arena_name = m.arena_name(worker, generation)
         self.arena = Arena(os.path.join(run_dir, self.arena_name), arena_bytes)
         self.loop: Optional[asyncio.AbstractEventLoop] = None
@@ -163,12 +167,18 @@ class RemoteEngine:
     def not_ready_reason(self) -> Optional[str]:
         """Why no engine is up when one of them died (it is being restarted without its sessions); None when they
         are starting for the first time."""
-        dead = [e for e in range(self.n)
-                if self.status.state(e)[0] in (DOWN, STOPPED) or self.status.row(e).restarts > 0]
-        if not dead:
+        self.down.poll(time.monotonic())
+        dead = self.down.dead()
+        return None if not dead else (f"engine process {', '.join(map(str, dead))} died and is being restarted "
+                                      "without its sessions (they answer 410 state_lost once it is back); retry")
+
+    def unhealthy_reason(self) -> Optional[str]:
+        """Why this server should be restarted (``/healthz`` fails): an engine down for more than
+        ``down_unhealthy_s`` since its process died (it keeps failing to start: a wedged GPU); else None."""
+        e, s = self.down.longest(time.monotonic())
+        if e is None or not self.down_unhealthy_s or s <= self.down_unhealthy_s:
             return None
-        return (f"engine process {', '.join(map(str, dead))} died and is being restarted without its sessions "
-                "(they answer 410 state_lost once it is back); retry shortly")
+        return f"engine {e} ({self.devices[e]}) has been down for {s:.0f} s since its process died"
 
     # ------------------------------------------------------------------ description
 
@@ -255,6 +265,7 @@ class RemoteEngine:
         while True:
             self._any_up = any(self.status.state(e)[0] == UP for e in range(self.n))
             await asyncio.sleep(0.02)
+            self.down.poll(time.monotonic())
             now = self.loop.time()
             for link in self.links:
                 state, epoch = self.status.state(link.index)

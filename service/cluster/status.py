@@ -96,3 +96,33 @@ class StatusTable:
             self.mm.close()
         except BufferError:
             pass
+
+
+class DownClock:
+    """How long each engine of a table has been down since its process died, as one reader sees it (polled): an
+    engine that died (``down``, or started again after dying and not up yet) is down from the first poll that saw
+    it so, until a poll sees it up. A first start, and a stop, are not downtime."""
+
+    def __init__(self, table: StatusTable, n_engines: int):
+        self.table, self.n = table, n_engines
+        self.since: list = [None] * n_engines
+
+    def poll(self, now: float) -> None:
+        for e in range(self.n):
+            row = self.table.row(e)
+            if row.state == UP or row.state == STOPPED or (row.restarts == 0 and row.state != DOWN):
+                self.since[e] = None
+            elif self.since[e] is None:
+                self.since[e] = now
+
+    def dead(self) -> list:
+        """The engines down since their process died."""
+        return [e for e in range(self.n) if self.since[e] is not None]
+
+    def longest(self, now: float) -> tuple:
+        """``(engine, seconds)`` of the engine down the longest, or ``(None, 0.0)``."""
+        downs = [(now - t, e) for e, t in enumerate(self.since) if t is not None]
+        if not downs:
+            return None, 0.0
+        s, e = max(downs)
+        return e, s

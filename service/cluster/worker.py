@@ -30,6 +30,7 @@ def main(spec: dict) -> None:
     with open(os.path.join(spec["run_dir"], "model.msgpack"), "rb") as f:
         info = msgpack.unpackb(f.read(), raw=False, strict_map_key=False)
     engine = RemoteEngine(spec["run_dir"], spec["devices"], spec["index"], spec["generation"], info,
-                          settings.shm_bytes, settings.check_finite, settings.engine_reply_timeout())
+                          settings.shm_bytes, settings.check_finite, settings.engine_reply_timeout(),
+                          settings.engine_down_unhealthy_s)
     app = create_app(settings, engine)
     sys.exit(run_app(settings, app, sockets=[spec["socket"]]))

@@ -57,6 +57,10 @@ def add_control_routes(app: FastAPI, svc: Service) -> None:
     @app.get("/healthz")
     async def healthz(request: Request):
         await no_body(request)
+        why = getattr(engine, "unhealthy_reason", lambda: None)()
+        if why is not None:          # an engine keeps failing to start: a liveness probe restarts the server
+            return Response(json.dumps({"status": "unhealthy", "reason": why}).encode(), status_code=503,
+                            media_type="application/json")
         return Response(b'{"status":"ok"}', media_type="application/json")
 
     @app.get("/readyz")
