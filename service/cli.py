@@ -301,7 +301,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"convserve: {e}", file=sys.stderr)
             return EXIT_CONFIG
         if args.print_config:
-            print(json.dumps(_redacted(settings), indent=2))
+            devices = settings.resolved_devices()
+            # what "auto" and unset resolve to on this machine (the engine settles the rest at start, logged)
+            derived = {"devices": devices, "workers": settings.resolved_workers(len(devices)),
+                       "engine_reply_timeout_s": settings.engine_reply_timeout()}
+            print(json.dumps({**_redacted(settings), "derived": derived}, indent=2))
             return 0
         return serve(settings, key_on_command_line="api_key" in overrides)
     return EXIT_CONFIG  # pragma: no cover - argparse requires a command

@@ -118,6 +118,10 @@ def test_print_config_hides_the_api_key(capsys):
     assert cli_main(["serve", "--print-config", "--api-key", "hunter2", "--dim", "32"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["api_key"] == "***" and out["dim"] == 32
+    # what the auto and unset values resolve to here
+    assert out["workers"] == "auto" and out["derived"]["workers"] >= 1
+    assert out["derived"]["devices"] == ["cpu"]
+    assert out["derived"]["engine_reply_timeout_s"] == out["request_timeout_s"] + 60
 
 
 def test_serve_sets_the_gil_switch_interval_before_building_the_engine(monkeypatch):
