@@ -127,15 +127,21 @@ class Server:
         return _Server(config, svc)
 
 
-def bind_socket(settings: Settings):
-    """The listening socket (shared by every worker process, which inherit it)."""
+def bind_socket(settings: Settings, listen: bool = True):
+    """The listening socket (shared by every worker process, which inherit it). ``listen=False``: bound only (the
+    port is ours, connections are still refused); the caller calls ``listen(settings.backlog)`` once it serves."""
     import socket
 
     family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((settings.host, settings.port))
-    sock.listen(settings.backlog)
+    try:
+        sock.bind((settings.host, settings.port))
+    except OSError:
+        sock.close()
+        raise
+    if listen:
+        sock.listen(settings.backlog)
     sock.set_inheritable(True)
     return sock
 

@@ -31,3 +31,4 @@ def test_a_taken_port_exits_2_with_one_line_naming_it_and_no_traceback(workers):
     assert lines == [f"convserve: cannot listen on 127.0.0.1:{port} (Address already in use); stop what holds it "
                      "or pick another --port (--port 0 picks a free one)"], r.stderr[-2000:]
     assert "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "engine process started" not in r.stderr          # the port is bound before any engine is spawned

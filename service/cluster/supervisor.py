@@ -1,9 +1,9 @@
 """``convserve serve --workers N``: the supervisor process, its engine processes (one per entry of ``--devices``)
 and its HTTP worker processes (all on one listening socket).
 
-Start-up: the engines are spawned first; once each has built its model (so that a bad weights file stops the
-server at once with its message) the supervisor binds the port and spawns the workers, which answer ``/readyz``
-with 503 until an engine is warm. The supervisor does no request work.
+Start-up: the port is bound first (a taken one ends the start at once), then the engines are spawned; once each
+has built its model (so that a bad weights file stops the server at once with its message) the supervisor
+listens on the port and spawns the workers, which answer ``/readyz`` with 503 until an engine is warm. The supervisor does no request work.
 
 Failure: a child that dies is logged and started again (after a back-off that grows while it keeps dying). An
 engine's death is written to the status table at once, so workers fail its in-flight requests and route around it;
@@ -119,17 +119,17 @@ class Supervisor:
         os.makedirs(metrics_dir)
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir    # inherited by the workers (spawned below)
         try:
+            try:                                # the port first: a taken one ends the start before any engine
+                self.sock = bind_socket(self.settings, listen=False)
+            except OSError as e:                # the port is taken (or not ours): one line, not a traceback
+                self.start_error = cannot_listen(self.settings, e)
+                return 2
             for c in self.engines:
                 self._spawn_engine(c)
             if not self._wait_built():
                 self._stop_all()
                 return 2
-            try:
-                self.sock = bind_socket(self.settings)
-            except OSError as e:                # the port is taken (or not ours): one line, not a traceback
-                self.start_error = cannot_listen(self.settings, e)
-                self._stop_all()
-                return 2
+            self.sock.listen(self.settings.backlog)     # connections are refused, not queued, until now
             host, port = self.sock.getsockname()[:2]
             log.info("listening", extra={"host": host, "port": port, "url": f"http://{host}:{port}",
                                          "workers": self.n_workers, "engines": self.devices,
