@@ -455,16 +455,16 @@ def read_config_file(path: Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
+    if path.suffix not in (".toml", ".json"):
+        raise ConfigError(f"config file {path}: use a .toml or .json file")
     raw = path.read_bytes()
     try:
         if path.suffix == ".toml":
             import tomllib
 
             data = tomllib.loads(raw.decode())
-        elif path.suffix == ".json":
-            data = json.loads(raw)
         else:
-            raise ConfigError(f"config file {path}: use a .toml or .json file")
+            data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise ConfigError(f"config file {path} does not parse: {e}") from None
     if not isinstance(data, dict):
@@ -508,6 +508,8 @@ def load_settings(overrides: Optional[dict] = None, config_file: Optional[Path] 
             flag = "--" + loc.replace("_", "-") if loc in Settings.model_fields else loc
             env = "CONVSERVE_" + loc.upper() if loc in Settings.model_fields else ""
             where = f"{flag} / {env}" if env else flag
+            if loc in _file_data and loc not in (overrides or {}) and env not in os.environ:
+                where += f" (in config file {config_file})"
             # the value only for a field that is not a secret: a secret's (or the whole input's) never shows
             shown = loc in Settings.model_fields and loc not in SECRET_FIELDS
             lines.append(f"{where}: {msg}" + (f" (got {err.get('input')!r:.200})" if shown else ""))

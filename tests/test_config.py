@@ -208,3 +208,15 @@ def test_a_snapshot_interval_without_a_state_dir_is_an_error(tmp_path):
     with pytest.raises(ConfigError, match="state_dir"):
         load_settings({"snapshot_interval_s": 5})
     assert load_settings({"snapshot_interval_s": 5, "state_dir": tmp_path}).snapshot_interval_s == 5
+
+
+def test_a_bad_value_from_the_config_file_names_the_file_and_a_bad_suffix_is_said_once(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('heap_keep_bytes = "16MiB"\n')
+    with pytest.raises(ConfigError, match=r"--heap-keep-bytes / CONVSERVE_HEAP_KEEP_BYTES \(in config file "):
+        load_settings(config_file=path)
+    yaml = tmp_path / "c.yaml"
+    yaml.write_text("port: 1\n")
+    with pytest.raises(ConfigError) as err:
+        load_settings(config_file=yaml)
+    assert str(err.value).count("config file") == 1 and "use a .toml or .json file" in str(err.value)

@@ -210,7 +210,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if rc == 0 and lost:        # the server went away (or refused connections): the step did not run as asked
         print("convserve-loadtest: the server could not be reached during step(s) "
               + ", ".join(f"{k} ({n} calls)" for k, n in lost.items())
-              + ": it stopped or refused connections; its figures cover only part of the step", file=sys.stderr)
+              + ": it stopped, refused connections, or dropped them (as a server does when one of its worker "
+              "processes dies); its figures cover only part of the step", file=sys.stderr)
         rc = EXIT_ERRORS
     if rc == 0 and args.verify is not None:
         checked = sum(st["verify"]["checked"] for st in result["steps"])
