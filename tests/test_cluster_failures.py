@@ -165,8 +165,9 @@ def test_sigterm_stops_every_process_and_removes_the_run_directory():
     pids = _child_pids(srv)
     run_dir = next(r["run_dir"] for r in srv.logs if r.get("msg") == "listening" and "run_dir" in r)
     assert os.path.isdir(run_dir) and len(pids) == 4
-    names = sorted(open(f"/proc/{p}/comm").read().strip() for p in pids)      # what ps and pgrep show
-    assert names == ["cs-engine-0", "cs-engine-1", "cs-worker-0", "cs-worker-1"]
+    want = ["cs-engine-0", "cs-engine-1", "cs-worker-0", "cs-worker-1"]      # what ps and pgrep show
+    _wait(lambda: sorted(open(f"/proc/{p}/comm").read().strip() for p in pids) == want, timeout=20,
+          what="every child named (a worker names itself once its imports are done)")
     assert srv.terminate() == 0
     _wait(lambda: not any(_alive(p) for p in pids), timeout=10, what="children gone")
     assert not os.path.exists(run_dir)
