@@ -23,17 +23,22 @@ KINDS = {
 
 
 def no_staging(e):
-    """Every batch slot and staging row busy, as under load: a decode batch is left as it came."""
+    """Every batch slot, verify slot and staging row busy, as under load: a batch is left as it came."""
     r = e._runner
     r.take_slot = lambda req, xm: -1
+    r.take_verify_slot = lambda req, xm: -1
     r.stage_batch = lambda req, xm: None
+    r.stage_tokens = lambda req, xm, pre, ver: False
     r.stage = lambda req, xm: None
 
 
-@pytest.fixture(params=["staged", "unstaged"])
+@pytest.fixture(params=["staged", "token arena", "unstaged"])
 def engine(request):
     e = make_engine(slots=16, max_queue_delay_us=0)
-    if request.param == "unstaged":
+    if request.param == "token arena":       # no slot free: a verify batch goes to the token arena
+        e._runner.take_slot = lambda req, xm: -1
+        e._runner.take_verify_slot = lambda req, xm: -1
+    elif request.param == "unstaged":
         no_staging(e)
     yield e
     e.stop(drain=False)

@@ -320,7 +320,7 @@ class Intake:
             key = (tuple(session_ids), (uk,) * n, (True,) * n) if uk else batch_key(session_ids, plan)
         xm, x_dtype = check_x(model, cfg, x, False, rows="rows", checked=checked, defer_finite=borrowed)
         borrowed = borrowed and xm is x           # else xm is a copy, checked
-        if borrowed and (uk or plan is not None):   # (a plain decode batch checks the copy it stages, below)
+        if borrowed and plan is not None:     # (a plain decode or a uniform verify batch checks its staged copy)
             xm, borrowed = own_copy(xm, cfg, model.dtype), False
         if uk:
             total, n_dec, n_one = n * uk, 0, 0
@@ -363,12 +363,12 @@ class Intake:
                 runner.stage_tokens(req, xm, plan[1], list(zip(*plan[2])) if plan[2] else [])
         if borrowed:             # the step reads only the engine's copy (staged, or made here), checked
             try:
-                own = runner.slot_rows(slot, total) if slot >= 0 else b.dec_x
+                own = runner.staged_copy(req, xm, slot) if runner is not None else xm
                 own = own_copy(xm, cfg, model.dtype) if own is xm else check_finite_copy(own, cfg, model.dtype)
             except BaseException:
                 req.done = True                       # frees its staging rows
                 raise
-            b.dec_x = req.x = own
+            req.x, b.dec_x = own, (None if uk else own)     # (a verify-only batch has no decode rows)
         rows = None if positions is None else ([(uk, True)] * n if uk else
                                                [(1, False)] * n if plan is None else
                                                list(zip(lengths.tolist(), spec.tolist())))

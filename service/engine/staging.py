@@ -52,9 +52,20 @@ class Staging:
         (every one held by a queued batch, or its last y still referred to by a caller)."""
         return self._take(self.slot_owner, self.bufs.slot_y, self.bufs.slot_x, req, xm)
 
-    def slot_rows(self, k: int, n: int) -> torch.Tensor:
-        """The first ``n`` rows of batch slot ``k``'s x (where :meth:`take_slot` copied a request's x)."""
-        return self.bufs.slot_x[k][:n]
+    def staged_copy(self, req, xm: torch.Tensor, slot: int) -> torch.Tensor:
+        """The copy of batch ``req``'s x (``xm``) that staging made, as the step reads it: batch slot ``slot``'s
+        rows (:meth:`take_slot`), the staging rows of its decodes (:meth:`stage_batch`), its verify slot's rows,
+        or its run of the token arena (a verify-only batch); ``xm`` itself when no one run holds all of it."""
+        b, n = req.batch, xm.shape[0]
+        if slot >= 0:
+            return self.bufs.slot_x[slot][:n]
+        if b.vbuf >= 0:
+            return self.bufs.vslot_x[b.vbuf][:n]
+        if b.dec_x is not None:                  # a plain decode batch: staged, or x itself
+            return b.dec_x
+        if b.tok >= 0 and not b.n_pre and b.verify_tokens == n:   # verify rows of one length: x's rows in order
+            return self.bufs.h_tok[b.tok:b.tok + n]
+        return xm
 
     def take_verify_slot(self, req, xm: torch.Tensor) -> int:
         """Reserve a free verify slot for ``req`` (a verify-only batch whose rows all have one length) and copy
