@@ -190,7 +190,7 @@ class _H1Pool:
                 _raise_for(_Resp(status, headers, content))
             if "chunked" in headers.get("transfer-encoding", "").lower():
                 while True:
-                    size = await read(r.readuntil(b"\r\n"), lambda line: int(line.split(b";", 1)[0], 16))
+                    size = await read(r.readuntil(b"\r\n"), _chunk_size)
                     if size == 0:
                         break
                     yield (await read(r.readexactly(size + 2)))[:-2]
@@ -233,6 +233,11 @@ def _parse_head(head: bytes) -> tuple:
     return status, headers, keep
 
 
+def _chunk_size(line: bytes) -> int:
+    """The size of a chunk of a chunked body, from its size line (extensions after ``;`` ignored)."""
+    return int(line.split(b";", 1)[0], 16)
+
+
 async def _read_content(r: asyncio.StreamReader, status: int, headers: dict) -> bytes:
     """A whole response body: by its Content-Length, chunked, or up to the end of the connection."""
     n = headers.get("content-length")
@@ -241,7 +246,7 @@ async def _read_content(r: asyncio.StreamReader, status: int, headers: dict) -> 
     if "chunked" in headers.get("transfer-encoding", "").lower():
         chunks = []
         while True:
-            size = int((await r.readuntil(b"\r\n")).split(b";", 1)[0], 16)
+            size = _chunk_size(await r.readuntil(b"\r\n"))
             if size == 0:
                 while (await r.readuntil(b"\r\n")) != b"\r\n":   # trailers
                     pass

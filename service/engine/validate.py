@@ -59,8 +59,8 @@ def check_x(model, cfg, x, speculative: bool, rows: str = "T", checked: bool = F
         x = x.to(model.dtype)
     xm = x.contiguous()
     # after the cast: a finite float32 value past the model dtype's range becomes Inf there
-    if cfg.check_finite and not (defer_finite and xm is given):
-        check_finite_x(xm, model.dtype)
+    if not (defer_finite and xm is given):
+        check_finite_copy(xm, cfg, model.dtype)
     return xm, x_dtype
 
 
