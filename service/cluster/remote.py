@@ -100,7 +100,7 @@ class RemoteEngine:
         self.info = info
         self.dim = int(info["dim"])
         self.status = StatusTable(os.path.join(run_dir, "status"))
-        self.down = DownClock(self.status, self.n)
+        self.down = DownClock(self.status)
         self.arena_name = m.arena_name(worker, generation)
         self.arena = Arena(os.path.join(run_dir, self.arena_name), arena_bytes)
         self.loop: Optional[asyncio.AbstractEventLoop] = None

@@ -103,9 +103,9 @@ class DownClock:
     engine that died (``down``, or started again after dying and not up yet) is down from the first poll that saw
     it so, until a poll sees it up. A first start, and a stop, are not downtime."""
 
-    def __init__(self, table: StatusTable, n_engines: int):
-        self.table, self.n = table, n_engines
-        self.since: list = [None] * n_engines
+    def __init__(self, table: StatusTable):
+        self.table, self.n = table, table.n
+        self.since: list = [None] * table.n
 
     def poll(self, now: float) -> None:
         for e in range(self.n):
