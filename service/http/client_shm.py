@@ -67,17 +67,18 @@ class ReplyTo:
                 raise Internal(f"the conv was applied, but y does not fit shared-memory segment {self.ref['key']!r};"
                                " read the session's state before going on")
             mm[off:off + len(data)] = data
-            return {"dtype": dtype_name(y), "shape": list(y.shape), "shm": self.ref}
-        try:
-            n = os.pwrite(self.fd, data, self.ref["offset"])
-        except OSError as e:
-            raise Internal(f"the conv was applied, but y could not be written to shared-memory segment "
-                           f"{self.ref['key']!r} ({e.strerror}); read the session's state before going on") from None
-        finally:
-            self.close()
-        if n != len(data):
-            raise Internal(f"the conv was applied, but only {n} of y's {len(data)} bytes could be written to "
-                           f"shared-memory segment {self.ref['key']!r}; read the session's state before going on")
+        else:
+            try:
+                n = os.pwrite(self.fd, data, self.ref["offset"])
+            except OSError as e:
+                raise Internal(f"the conv was applied, but y could not be written to shared-memory segment "
+                               f"{self.ref['key']!r} ({e.strerror}); read the session's state before going on"
+                               ) from None
+            finally:
+                self.close()
+            if n != len(data):
+                raise Internal(f"the conv was applied, but only {n} of y's {len(data)} bytes could be written to "
+                               f"shared-memory segment {self.ref['key']!r}; read the session's state before going on")
         return {"dtype": dtype_name(y), "shape": list(y.shape), "shm": self.ref}
 
     def close(self) -> None:
