@@ -310,7 +310,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             devices = settings.resolved_devices()
             # what "auto" and unset resolve to on this machine (the engine settles the rest at start, logged)
             derived = {"devices": devices, "workers": settings.resolved_workers(len(devices)),
-                       "engine_reply_timeout_s": settings.engine_reply_timeout()}
+                       "engine_reply_timeout_s": settings.engine_reply_timeout(),
+                       "engine_busy_poll_us": settings.resolved_busy_poll_us(len(devices))}
             print(json.dumps({**_redacted(settings), "derived": derived}, indent=2))
             return 0
         return serve(settings, key_on_command_line="api_key" in overrides)

@@ -125,6 +125,12 @@ class Settings(BaseSettings):
                                            "once an engine has been down this many seconds since its process "
                                            "died (it keeps failing to start), so that a liveness probe restarts "
                                            "the server (0: never)")
+    engine_busy_poll_us: Union[int, Literal["auto"]] = Field(
+        "auto", description="with engine processes: after a message in or out, an engine process polls its socket "
+        "this long before it sleeps, so that a request arriving meanwhile is read at once instead of after the "
+        "wake-up of a sleeping CPU; it keeps one core busy while requests come closer together than this, none "
+        "when idle; 'auto': 2000 when the usable cores leave one spare per engine beyond one per worker and per "
+        "engine, else 0 (sleep at once)")
     engine_reply_timeout_s: Optional[float] = Field(None, gt=0, description="with engine processes: seconds an "
                                                     "HTTP worker waits for an engine's answer to a conv or session "
                                                     "operation before it answers 504 engine_timeout (the request "
@@ -258,7 +264,7 @@ class Settings(BaseSettings):
             raise ValueError("decode_buckets: give positive batch sizes, e.g. 1,2,4,8")
         return sorted(set(v))
 
-    @field_validator("workers", "slots", "max_prefill_tokens_per_step", mode="before")
+    @field_validator("workers", "slots", "max_prefill_tokens_per_step", "engine_busy_poll_us", mode="before")
     @classmethod
     def _int_or_auto(cls, v, info):
         if isinstance(v, str) and v.strip().lower() != "auto":
@@ -342,6 +348,12 @@ class Settings(BaseSettings):
             raise ValueError(f"workers: {v} is outside 0..64 (or 'auto')")
         return v
 
+    @field_validator("engine_busy_poll_us")
+    def _busy_poll(cls, v):
+        if v != "auto" and not 0 <= v <= 1_000_000:
+            raise ValueError(f"engine_busy_poll_us: {v} is outside 0..1000000 (or 'auto')")
+        return v
+
     @field_validator("devices", mode="before")
     def _devices(cls, v):
         if v is None:
@@ -416,10 +428,14 @@ class Settings(BaseSettings):
     def resolved_workers(self, n_engines: int) -> int:
         if self.workers != "auto":
             return self.workers
-        import os
+        return max(1, min(8, _usable_cores() - n_engines))
 
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        return max(1, min(8, cores - n_engines))
+    def resolved_busy_poll_us(self, n_engines: int) -> int:
+        """``engine_busy_poll_us``, 'auto' resolved: polling only where a core is left for it (the workers and
+        the engines' own threads have one each first)."""
+        if self.engine_busy_poll_us != "auto":
+            return self.engine_busy_poll_us
+        return 2000 if _usable_cores() >= self.resolved_workers(n_engines) + 2 * n_engines else 0
 
     def api_key_value(self) -> Optional[str]:
         return self.api_key.get_secret_value() if self.api_key is not None else None
@@ -428,6 +444,12 @@ class Settings(BaseSettings):
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
                                    file_secret_settings):
         return (init_settings, env_settings, _FileSource(settings_cls))
+
+
+def _usable_cores() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 #: settings whose values never appear in an error message or a log

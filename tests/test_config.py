@@ -84,6 +84,9 @@ def test_config_file_may_be_json_and_named_by_env(tmp_path, monkeypatch):
     ({"nope": 1}, "nope"),
     ({"engine_reply_timeout_s": "30", "request_timeout_s": "30"}, "must exceed request_timeout_s"),
     ({"engine_reply_timeout_s": "0"}, "--engine-reply-timeout-s"),
+    ({"engine_busy_poll_us": "soon"}, "--engine-busy-poll-us / CONVSERVE_ENGINE_BUSY_POLL_US"),
+    ({"engine_busy_poll_us": "-1"}, "outside 0..1000000"),
+    ({"engine_busy_poll_us": "1000001"}, "outside 0..1000000"),
 ])
 def test_invalid_settings_fail_with_the_setting_named(overrides, fragment):
     with pytest.raises(ConfigError) as e:
@@ -220,3 +223,22 @@ def test_a_bad_value_from_the_config_file_names_the_file_and_a_bad_suffix_is_sai
     with pytest.raises(ConfigError) as err:
         load_settings(config_file=yaml)
     assert str(err.value).count("config file") == 1 and "use a .toml or .json file" in str(err.value)
+
+
+@pytest.mark.parametrize("cores,workers,engines,given,want", [
+    (16, "auto", 1, "auto", 2000),     # 8 workers + 1 engine + 1 polling core <= 16
+    (8, "3", 1, "auto", 2000),         # the H200 bench's server: 8 cores, 3 workers
+    (8, "auto", 1, "auto", 0),         # auto workers take 7 cores: none left to poll on
+    (2, "auto", 1, "auto", 0),         # a small box: the core is better spent on the worker
+    (16, "9", 4, "auto", 0),           # 9 + 2 x 4 > 16
+    (16, "4", 4, "auto", 2000),
+    (2, "1", 1, "300", 300),           # given: taken as given
+    (64, "auto", 1, "0", 0),
+])
+def test_engine_busy_poll_auto_polls_only_where_a_core_is_left_for_it(monkeypatch, cores, workers, engines, given,
+                                                                        want):
+    from convserve.service import config
+
+    monkeypatch.setattr(config, "_usable_cores", lambda: cores)
+    s = load_settings({"workers": workers, "engine_busy_poll_us": given})
+    assert s.resolved_busy_poll_us(engines) == want

@@ -75,7 +75,8 @@ class Supervisor:
         c.epoch = c.generation
         spec = {"index": c.index, "device": self.devices[c.index], "epoch": c.epoch, "run_dir": self.run_dir,
                 "settings": self.settings, "parent_pid": os.getpid(), "restarts": c.generation - 1,
-                "engines": len(self.devices)}
+                "engines": len(self.devices),
+                "busy_poll_us": self.settings.resolved_busy_poll_us(len(self.devices))}
         c.proc = self.ctx.Process(target=engine_proc.main, args=(spec,), name=f"convserve-engine-{c.index}",
                                   daemon=False)
         c.proc.start()
