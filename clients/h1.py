@@ -193,7 +193,7 @@ class _H1Pool:
                     size = await read(r.readuntil(b"\r\n"), _chunk_size)
                     if size == 0:
                         break
-                    yield (await read(r.readexactly(size + 2)))[:-2]
+                    yield await read(r.readexactly(size + 2), _chunk_data)
             else:
                 left = int(headers.get("content-length", -1))
                 while left:
@@ -233,9 +233,23 @@ def _parse_head(head: bytes) -> tuple:
     return status, headers, keep
 
 
+_HEX = frozenset(b"0123456789abcdefABCDEF")
+
+
 def _chunk_size(line: bytes) -> int:
-    """The size of a chunk of a chunked body, from its size line (extensions after ``;`` ignored)."""
-    return int(line.split(b";", 1)[0], 16)
+    """The size of a chunk of a chunked body, from its size line (extensions after ``;`` ignored). Only hex digits
+    make a size (``int`` would take ``-1``, ``0x10`` or ``1_0``): anything else raises ValueError."""
+    digits = line.split(b";", 1)[0].strip(b" \t\r\n")
+    if not digits or not _HEX.issuperset(digits):
+        raise ValueError(f"bad chunk size line {line[:40]!r}")
+    return int(digits, 16)
+
+
+def _chunk_data(raw: bytes) -> bytes:
+    """A chunk's data from its ``size + 2`` bytes read, which must end with CRLF (else the size lied)."""
+    if raw[-2:] != b"\r\n":
+        raise ValueError("a chunk is longer than its size line says")
+    return raw[:-2]
 
 
 async def _read_content(r: asyncio.StreamReader, status: int, headers: dict) -> bytes:
@@ -251,7 +265,7 @@ async def _read_content(r: asyncio.StreamReader, status: int, headers: dict) -> 
                 while (await r.readuntil(b"\r\n")) != b"\r\n":   # trailers
                     pass
                 return b"".join(chunks)
-            chunks.append((await r.readexactly(size + 2))[:-2])
+            chunks.append(_chunk_data(await r.readexactly(size + 2)))
     if status in (204, 304) or 100 <= status < 200:
         return b""
     return await r.read()

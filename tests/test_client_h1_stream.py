@@ -89,3 +89,60 @@ def test_the_callers_frames_error_is_raised_as_it_is_and_a_4xx_as_its_error():
 
     with pytest.raises(Unauthorized):
         run_against(refusing, endless)
+
+
+CHUNKED = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+@pytest.mark.parametrize("body", [b"3\r\nabcd\r\n0\r\n\r\n",        # a chunk longer than its size
+                                  b"-1\r\nX0\r\n\r\n", b"+3\r\nabc\r\n0\r\n\r\n",     # sizes int() would take
+                                  b"0x3\r\nabc\r\n0\r\n\r\n", b"1_0\r\n" + b"a" * 16 + b"\r\n0\r\n\r\n",
+                                  b"\r\nabc\r\n0\r\n\r\n"])
+@pytest.mark.parametrize("how", ["stream", "request"])
+def test_a_chunked_answer_that_breaks_the_chunk_grammar_is_a_remote_protocol_error_not_short_data(body, how):
+    async def handler(r, w):
+        await r.readuntil(b"\r\n\r\n")
+        w.write(CHUNKED + body)
+        await w.drain()
+        await asyncio.sleep(0.2)
+        w.close()
+
+    if how == "stream":
+        async def one():
+            yield b"frame"
+
+        with pytest.raises(httpx.RemoteProtocolError):
+            run_against(handler, one)
+        return
+
+    async def main():
+        srv = await asyncio.start_server(handler, "127.0.0.1", 0)
+        pool = _H1Pool("127.0.0.1", srv.sockets[0].getsockname()[1], {}, 5.0, 4)
+        try:
+            return await pool.request("POST", "/r", b"x")
+        finally:
+            srv.close()
+
+    with pytest.raises(httpx.RemoteProtocolError):
+        asyncio.run(main())
+
+
+@pytest.mark.parametrize("body,want", [(b"3\r\nabc\r\n0\r\n\r\n", b"abc"),
+                                       (b"3;ext=1\r\nabc\r\nA\r\n0123456789\r\n0\r\n\r\n", b"abc0123456789"),
+                                       (b"3 \r\nabc\r\n0\r\ntrailer: t\r\n\r\n", b"abc")])
+def test_a_well_formed_chunked_answer_with_extensions_and_trailers_reads_whole(body, want):
+    async def handler(r, w):
+        await r.readuntil(b"\r\n\r\n")
+        w.write(CHUNKED + body)
+        await w.drain()
+        w.close()
+
+    async def main():
+        srv = await asyncio.start_server(handler, "127.0.0.1", 0)
+        pool = _H1Pool("127.0.0.1", srv.sockets[0].getsockname()[1], {}, 5.0, 4)
+        try:
+            return await pool.request("POST", "/r", b"x")
+        finally:
+            srv.close()
+
+    assert asyncio.run(main()).content == want
