@@ -130,7 +130,12 @@ class Supervisor:
             if not self._wait_built():
                 self._stop_all()
                 return 2
-            self.sock.listen(self.settings.backlog)     # connections are refused, not queued, until now
+            try:                                # connections are refused, not queued, until now
+                self.sock.listen(self.settings.backlog)
+            except OSError as e:                # another server bound the port meanwhile and listens first
+                self.start_error = cannot_listen(self.settings, e)
+                self._stop_all()
+                return 2
             host, port = self.sock.getsockname()[:2]
             log.info("listening", extra={"host": host, "port": port, "url": f"http://{host}:{port}",
                                          "workers": self.n_workers, "engines": self.devices,
