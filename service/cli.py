@@ -307,7 +307,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"convserve: {e}", file=sys.stderr)
             return EXIT_CONFIG
         if args.print_config:
-            devices = settings.resolved_devices()
+            try:
+                devices = settings.resolved_devices()
+            except ConfigError as e:      # CUDA asked for on a machine without it: what serve would say
+                print(f"convserve: {e}", file=sys.stderr)
+                return EXIT_CONFIG
             # what "auto" and unset resolve to on this machine (the engine settles the rest at start, logged)
             derived = {"devices": devices, "workers": settings.resolved_workers(len(devices)),
                        "engine_reply_timeout_s": settings.engine_reply_timeout(),

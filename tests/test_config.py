@@ -242,3 +242,15 @@ def test_engine_busy_poll_auto_polls_only_where_a_core_is_left_for_it(monkeypatc
     monkeypatch.setattr(config, "_usable_cores", lambda: cores)
     s = load_settings({"workers": workers, "engine_busy_poll_us": given})
     assert s.resolved_busy_poll_us(engines) == want
+
+
+@pytest.mark.parametrize("flags", [["--devices", "cuda:0"], ["--device", "cuda"]])
+def test_print_config_asking_for_cuda_on_a_machine_without_it_is_the_config_error_not_a_traceback(monkeypatch, capsys,
+                                                                                                  flags):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert cli_main(["serve", "--print-config", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("convserve: ") and "CUDA" in err and "Traceback" not in err
