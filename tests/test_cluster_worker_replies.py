@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import torch
 
-from convserve.clients.protocol.errors import OutOfMemory, RequestTimeout, StateLost
+from convserve.clients.protocol.errors import NotReady, OutOfMemory, RequestTimeout, StateLost
 from convserve.service.cluster.remote import RemoteEngine
 
 
@@ -25,13 +25,15 @@ def _split(results: dict):
         def conv(e, head, x, rows=None):
             f = loop.create_future()
             got = results[e]
+            if isinstance(got, tuple):                  # ("at once", error): refused before anything is sent
+                raise got[1]
             if isinstance(got, BaseException):
                 f.set_exception(got)
             else:
                 f.set_result(torch.zeros(len(rows), 4))
             return f
 
-        r._call, r._conv = call, conv
+        r._call, r._conv, r.loop = call, conv, loop
         return await r._split_batch({0: [0], 1: [1]}, ["a", "b"], 1, torch.zeros(2, 4), None, None)
 
     return asyncio.run(main())
@@ -46,6 +48,15 @@ def test_a_split_batch_with_a_part_whose_step_lost_its_state_answers_410_whateve
 def test_a_split_batch_with_a_lost_part_and_an_applied_part_says_which_was_applied():
     with pytest.raises(StateLost, match=r"slices of \['a'\] were applied"):
         _split({0: None, 1: StateLost("the state of 'b' was lost")})
+
+
+@pytest.mark.parametrize("first", [None, ("at once", NotReady("engine 0 is down", retry_after=1))])
+def test_a_part_refused_at_once_still_waits_for_the_parts_sent_and_says_which_were_applied(first):
+    # engine 1 goes down between the checks and the send: engine 0's part (sent first, or refused too) is
+    # awaited, and the error names the sessions whose slices were applied
+    with pytest.raises(NotReady) as e:
+        _split({0: first, 1: ("at once", NotReady("engine 1 is down", retry_after=1))})
+    assert ("slices of ['a'] were applied" in str(e.value)) == (first is None)
 
 
 def test_a_conv_the_engine_did_not_answer_in_time_keeps_its_arena_block_until_the_engine_answers_it():
@@ -123,7 +134,7 @@ def test_a_borrowed_x_of_a_split_batch_is_copied_before_submit_returns(borrowed)
             f.set_result(sent[e])
             return f
 
-        r._call, r._conv = call, conv
+        r._call, r._conv, r.loop = call, conv, loop
         x = torch.arange(8, dtype=torch.float32).view(2, 4)
         fut = r.submit_batch_async(_ids_on_two_engines(), 1, x, borrowed=borrowed)
         x.fill_(float("nan"))                      # the client writes its block

@@ -29,6 +29,7 @@ import itertools
 import logging
 import os
 import time
+from functools import partial
 from typing import Any, Optional, Sequence
 
 import msgpack
@@ -42,7 +43,7 @@ from ..engine.validate import all_finite
 from ..metrics import COUNTER_KEYS
 from .placement import engine_of, new_id_on, split
 from .shm import Arena
-from .split_batch import check_positions, failure, parts_of, row_indices, sub
+from .split_batch import check_positions, failure, parts_of, row_indices, sent_or_refused, sub
 from .status import DOWN, STOPPED, UP, DownClock, StatusTable
 
 log = logging.getLogger("convserve.worker")
@@ -453,10 +454,10 @@ class RemoteEngine:
             if isinstance(c, BaseException):
                 raise c
         row_ix = row_indices(parts, tokens, len(sids))
-        results = await asyncio.gather(*(
-            self._conv(e, {"k": m.BATCH, "ss": sub(sids, pos), "l": layer, "t": sub(tokens, pos), "sp": spec,
-                           "po": sub(position, pos)}, x, rows=ix)
-            for (e, pos, spec), ix in zip(parts, row_ix)), return_exceptions=True)
+        results = await asyncio.gather(*sent_or_refused(self.loop, (partial(
+            self._conv, e, {"k": m.BATCH, "ss": sub(sids, pos), "l": layer, "t": sub(tokens, pos), "sp": spec,
+                            "po": sub(position, pos)}, x, rows=ix) for (e, pos, spec), ix in zip(parts, row_ix))),
+            return_exceptions=True)
         if any(isinstance(r, BaseException) for r in results):
             raise failure(parts, results, sids)
         y = torch.empty((x.shape[0], self.dim), dtype=x.dtype)

@@ -64,3 +64,17 @@ def failure(parts: list, results: list, sids: list) -> BaseException:
                           f"sessions: the slices of {done} were applied, the others not)")
         first.args = (first.message,)
     return first
+
+
+def sent_or_refused(loop, sends) -> list:
+    """Each part's future: what its ``send()`` returned, or a future holding the error it raised at once (its
+    engine went down after the checks), so that the parts already sent are still awaited and reported
+    (:func:`failure`)."""
+    out = []
+    for send in sends:
+        try:
+            out.append(send())
+        except Exception as exc:  # noqa: BLE001 - reported with the other parts' outcomes
+            out.append(loop.create_future())
+            out[-1].set_exception(exc)
+    return out
