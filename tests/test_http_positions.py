@@ -47,6 +47,31 @@ def test_a_conv_at_the_sessions_position_advances_it_by_t_and_matches_the_refere
     assert got["layers"] == LAYERS
 
 
+@pytest.mark.parametrize("route", ["conv", "batch", "accept", "accept_batch"])
+@pytest.mark.parametrize("value", [1 << 63, (1 << 64) - 1, 10 ** 23])
+def test_a_position_or_count_beyond_int64_is_400_in_every_layout_and_changes_nothing(api, route, value):
+    # (an engine process's messages carry int64: such a value once reached the worker's send and failed as 500)
+    (sid,) = new_ids(api, 1)
+    assert conv(api, sid, 0, rand_x(2, seed=1), position=0)[0] == 200
+    before = api.state(sid)
+    x = wire.encode_tensor(rand_x(1, seed=2))
+    body, path = {"conv": ({"session": sid, "layer": 0, "x": x, "position": value}, "/v1/conv"),
+                  "batch": ({"sessions": [sid], "layer": 0, "x": x, "position": [value]}, "/v1/conv/batch"),
+                  "accept": ({"tokens": value}, f"/v1/sessions/{sid}/accept"),
+                  "accept_batch": ({"sessions": [sid], "tokens": [value]}, "/v1/accept")}[route]
+    if value < 1 << 64:
+        st, err, _ = api.call("POST", path, body)
+    else:                                     # beyond msgpack's integers: only a JSON body can carry it
+        import base64
+        import json
+        body = {k: (dict(v, data=base64.b64encode(v["data"]).decode()) if k == "x" else v) for k, v in body.items()}
+        st, err, _ = api.call("POST", path, raw=json.dumps(body).encode(),
+                              headers={"content-type": "application/json"})
+    assert st == 400, (st, err)
+    assert err["error"]["code"] == "bad_request" and "2**63" in err["error"]["message"], err
+    assert torch.equal(api.state(sid), before) and info(api, sid)["positions"][0] == 2
+
+
 @pytest.mark.parametrize("wrong", [1, 5, 100])
 def test_a_position_mismatch_is_409_with_the_servers_position_and_changes_nothing(api, wrong):
     (sid,) = new_ids(api, 1)

@@ -153,6 +153,7 @@ ACCEPT_BATCH_FIELDS = ("sessions", "tokens")
 SESSION_FIELDS = ("session",)
 STATE_FIELDS = ("layers", "state")
 ACCEPT_FIELDS = ("tokens",)
+INT64_MAX = (1 << 63) - 1       # what an engine message carries (msgpack); a count or position is far below it
 LIST_QUERY = ("cursor", "limit")
 
 
@@ -208,9 +209,9 @@ class Parser:
         if type(spec) is not bool:
             raise BadRequest("'speculative' must be true or false")
         position = req.get("position")
-        if position is not None and (type(position) is not int or position < 0):
+        if position is not None and (type(position) is not int or not 0 <= position <= INT64_MAX):
             raise BadRequest(f"'position' must be an integer >= 0 (the tokens the session has committed on this "
-                             f"layer), got {position!r:.40}")
+                             f"layer; at most 2**63 - 1), got {position!r:.40}")
         return session, layer, x, spec, position  # NaN/Inf (non_finite) is checked by the engine (check_finite)
 
     def batch(self, req: Any, frame: bool = False):
@@ -252,9 +253,9 @@ class Parser:
                 raise BadRequest(f"'speculative' must be true, false or a list of {n} booleans, one per session")
         position = req.get("position")
         if position is not None and (type(position) is not list or len(position) != n or
-                                     not all(type(q) is int and q >= 0 for q in position)):
-            raise BadRequest(f"'position' must be a list of {n} integers >= 0, one per session, got "
-                             f"{position!r:.80}")
+                                     not all(type(q) is int and 0 <= q <= INT64_MAX for q in position)):
+            raise BadRequest(f"'position' must be a list of {n} integers >= 0 (at most 2**63 - 1), one per session, "
+                             f"got {position!r:.80}")
         x = wire.decode_tensor(req.get("x"), check_shape=self.batch_check, shm=self.shm)
         want = n if tokens is None else sum(tokens)
         if x.shape[0] != want:
@@ -270,9 +271,9 @@ class Parser:
         sessions = self._sessions(req)
         tokens = req.get("tokens")
         if type(tokens) is not list or len(tokens) != len(sessions) or \
-                not all(type(t) is int and t >= 0 for t in tokens):
-            raise BadRequest(f"'tokens' must be a list of {len(sessions)} integers >= 0, the verified tokens each "
-                             "session keeps")
+                not all(type(t) is int and 0 <= t <= INT64_MAX for t in tokens):
+            raise BadRequest(f"'tokens' must be a list of {len(sessions)} integers >= 0 (at most 2**63 - 1), the "
+                             "verified tokens each session keeps")
         return sessions, tokens
 
     @staticmethod
@@ -346,6 +347,7 @@ class Parser:
         if type(body) is dict:
             check_fields(body, ACCEPT_FIELDS, "an accept body")
         n = body.get("tokens") if type(body) is dict else None
-        if type(n) is not int or n < 0:
-            raise BadRequest("the body must be {\"tokens\": n} with n >= 0, the number of verified tokens to keep")
+        if type(n) is not int or not 0 <= n <= INT64_MAX:
+            raise BadRequest("the body must be {\"tokens\": n} with 0 <= n < 2**63, the number of verified tokens to "
+                             "keep")
         return n
