@@ -27,6 +27,7 @@ class ReplicatedAsyncConvClient(AsyncConvClient):
         self.api_key, self.timeout = api_key, timeout
         self.health_interval_s, self.resolve_interval_s = health_interval_s, resolve_interval_s
         self._client_kwargs = dict(api_key=api_key, timeout=timeout, **client_kwargs)
+        self.shm = client_kwargs.get("shm")    # as each replica's client has it (callers read it)
         self._clients: dict[str, AsyncConvClient] = {}
         self._net = network_errors()
         self._checker: Optional[asyncio.Task] = None

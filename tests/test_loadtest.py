@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 
 import pytest
 import torch
@@ -69,6 +70,23 @@ def test_closed_loop_sweep_writes_json_png_and_html_with_consistent_figures(serv
     assert (out / "loadtest.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     page = (out / "loadtest.html").read_text()
     assert "data:image/png;base64," in page and "c=4" in page and "all conv" in page
+
+
+def test_the_bytes_count_from_the_end_of_the_warm_up_however_long_the_driver_takes_to_build(server, tmp_path,
+                                                                                            monkeypatch):
+    from convserve.clients.loadtest import runner
+
+    class Slow(runner.Driver):          # a driver whose random pool takes a second (a large model's does)
+        def __init__(self, *args, **kwargs):
+            time.sleep(1.0)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "Driver", Slow)
+    rc, data = _run(tmp_path, server, "--concurrency", "2", "--warmup", "0.3", "--duration", "0.8")
+    st = data["steps"][0]
+    assert rc == 0 and st["tokens"] > 0, st
+    assert st["mb_sent"] * 1e6 >= st["tokens"] * DIM * 4 and st["mb_received"] * 1e6 >= st["tokens"] * DIM * 4
+    assert st["mb_per_s"] > 0
 
 
 @pytest.mark.parametrize("transport", ["stream", "ws"])
@@ -218,6 +236,18 @@ def test_the_frontend_scenario_sends_steps_of_mixed_batches_that_verify(server, 
     assert kinds["prefill_done"]["count"] >= 1 and st["sessions_completed"] >= 1
     assert st["verify"]["checked"] > 0 and st["verify"]["mismatches"] == 0
     assert ("accept" in kinds) == spec
+
+
+def test_the_frontend_scenario_runs_over_several_urls(server, weights, tmp_path):
+    # two URLs (the server listens on the first only): the replicated client, which has no arena, drives the steps
+    out = tmp_path / "replicated"
+    rc = main(["--url", server.url, "--url", server.url.replace("127.0.0.1", "127.0.0.2"), *SMALL, "--out", str(out),
+               "--scenario", "frontend", "--concurrency", "3", "--requests", "30", "--verify", str(weights[0]),
+               "--verify-sample", "1", "--fail-on-errors"])
+    st = json.loads((out / "loadtest.json").read_text())["steps"][0]
+    assert rc == 0, st["errors"]
+    assert st["kinds"]["batch"]["count"] == len(LAYERS) * st["kinds"]["step"]["count"] > 0
+    assert st["verify"]["checked"] > 0 and st["verify"]["mismatches"] == 0
 
 
 def test_a_step_whose_every_request_failed_exits_1_without_fail_on_errors(tmp_path, capsys):

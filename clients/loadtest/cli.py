@@ -366,11 +366,14 @@ async def run(args) -> dict:
             conns = args.connections or auto_connections(args.transport, conc, len(info["layers"]), args.inflight)
             transport = make_transport(client, "unary" if frontend else args.transport, conns, args.inflight)
             label = f"c={conc}" if mode == "closed" else f"rate={level:g}"
-            start = time.perf_counter()
-            rec = Recorder(start + args.warmup)
+            rec = Recorder(0.0)
             kw = dict(seed=args.seed + i, max_retries=args.max_retries, verifier=verifier, max_requests=args.requests)
             drv = FrontendDriver(client, info, wl, rec, **kw) if frontend else Driver(client, transport, info, wl,
                                                                                        rec, **kw)
+            # the step starts once its driver is built (its random pool takes a while): the warm-up, the byte
+            # counters' mark and the deadline all count from here
+            start = time.perf_counter()
+            rec.measure_from = start + args.warmup
             deadline = None if args.duration is None else start + args.warmup + args.duration
             snap = {}
 
