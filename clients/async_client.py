@@ -10,7 +10,8 @@ from typing import AsyncIterable, Iterable, Optional, Sequence, Union
 import httpx
 
 from convserve.clients.common import (MAX_MESSAGE_BYTES, SessionState, _as_request, _backend_of, _Base, _chunked,
-                                      _decode, _default_backend, _frame, _quote, _raise_for, _Tracker, _ws_url)
+                                      _decode, _default_backend, _frame, _quote, _raise_for, _Tracker, _ws_url,
+                                      ws_connect_async)
 from convserve.clients.h1 import _H1Pool, _h1_target
 from convserve.clients.positions import RETRY_ERRORS, RETRY_STATUS
 from convserve.clients.protocol import wire
@@ -263,8 +264,9 @@ class AsyncConvClient(_Base):
         slots = asyncio.Semaphore(window)
         state = {"n": 0, "done": False, "error": None}
         wake = asyncio.Event()
-        async with connect(_ws_url(self.url), additional_headers=self._ws_headers(), max_size=MAX_MESSAGE_BYTES,
-                           compression=None, open_timeout=self.timeout) as ws:
+        async with await ws_connect_async(connect, _ws_url(self.url), additional_headers=self._ws_headers(),
+                                          max_size=MAX_MESSAGE_BYTES, compression=None,
+                                          open_timeout=self.timeout) as ws:
             async def sender():
                 packer = wire.new_packer()
                 try:

@@ -100,21 +100,57 @@ def error_from(err: Any, status: Optional[int] = None) -> ServiceError:
 def _raise_for(resp: httpx.Response) -> None:
     if resp.status_code < 400:
         return
-    body = resp.content
-    ct = resp.headers.get("content-type", "")
+    _raise_error(resp.status_code, resp.headers, resp.content)
+
+
+def ws_refused(exc: Exception) -> Exception:
+    """The error for a WebSocket handshake the server refused (websockets' ``InvalidStatus``): the class of the
+    code in its body, as an HTTP answer's (401 ``Unauthorized``, say); any other exception as it is."""
+    resp = getattr(exc, "response", None)
+    if resp is None or not isinstance(getattr(resp, "status_code", None), int):
+        return exc
+    try:
+        _raise_error(resp.status_code, resp.headers, bytes(resp.body or b""))
+    except ServiceError as e:
+        return e
+    return exc
+
+
+def ws_connect(connect, *args, **kwargs):
+    """websockets' sync ``connect(...)``, a refused handshake raised as :func:`ws_refused` says."""
+    from websockets.exceptions import InvalidStatus
+
+    try:
+        return connect(*args, **kwargs)
+    except InvalidStatus as e:
+        raise ws_refused(e) from None
+
+
+async def ws_connect_async(connect, *args, **kwargs):
+    """websockets' asyncio ``connect(...)``, awaited; a refused handshake raised as :func:`ws_refused` says."""
+    from websockets.exceptions import InvalidStatus
+
+    try:
+        return await connect(*args, **kwargs)
+    except InvalidStatus as e:
+        raise ws_refused(e) from None
+
+
+def _raise_error(status: int, headers, body: bytes) -> None:
+    ct = headers.get("content-type", "")
     try:
         obj = wire.loads_json(body) if "json" in ct else wire.unpackb(body, MAX_MESSAGE_BYTES)
         err = obj.get("error") if isinstance(obj, dict) else None
     except ServiceError:
         err = None
     if err is None:
-        e = ServiceError(f"HTTP {resp.status_code}: {body[:200]!r}")
-        e.status, e.code = resp.status_code, f"http_{resp.status_code}"
+        e = ServiceError(f"HTTP {status}: {body[:200]!r}")
+        e.status, e.code = status, f"http_{status}"
         raise e
-    exc = error_from(err, resp.status_code)
-    if exc.retry_after is None and "retry-after" in resp.headers:
+    exc = error_from(err, status)
+    if exc.retry_after is None and headers.get("retry-after") is not None:
         try:
-            exc.retry_after = float(resp.headers["retry-after"])
+            exc.retry_after = float(headers["retry-after"])
         except ValueError:
             pass
     raise exc

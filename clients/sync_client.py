@@ -11,7 +11,7 @@ import httpx
 
 from convserve.clients.common import (MAX_MESSAGE_BYTES, _POLL_S, ConvResult, SessionState, _as_request, _backend_of,
                                       _Base, _chunked, _decode, _default_backend, _frame, _quote, _raise_for,
-                                      _Tracker, _ws_url)
+                                      _Tracker, _ws_url, ws_connect)
 from convserve.clients.positions import RETRY_ERRORS, RETRY_STATUS
 from convserve.clients.protocol import wire
 from convserve.clients.replicas import is_routed
@@ -246,8 +246,8 @@ class ConvClient(_Base):
         tracker = _Tracker()
         slots = threading.Semaphore(window)
         sent = {"n": 0, "done": False, "error": None}
-        with connect(_ws_url(self.url), additional_headers=self._ws_headers(), max_size=MAX_MESSAGE_BYTES,
-                     compression=None, open_timeout=self.timeout) as ws:
+        with ws_connect(connect, _ws_url(self.url), additional_headers=self._ws_headers(),
+                        max_size=MAX_MESSAGE_BYTES, compression=None, open_timeout=self.timeout) as ws:
             def sender():
                 packer = wire.new_packer()
                 try:

@@ -158,9 +158,23 @@ def test_wrong_api_key_raises_unauthorized(server):
         with pytest.raises(Unauthorized) as e:
             c.model()
         assert e.value.status == 401
-    with ConvClient(server.url, api_key="wrong") as c:
-        with pytest.raises(Exception, match="401"):
-            list(c.stream([], transport="ws"))
+
+@pytest.mark.parametrize("key", [None, "wrong"])
+@pytest.mark.parametrize("transport", ["ws", "http"])
+def test_a_refused_stream_raises_unauthorized_on_every_transport_sync_and_async(server, key, transport):
+    with ConvClient(server.url, api_key=key) as c:
+        with pytest.raises(Unauthorized) as e:
+            list(c.stream([], transport=transport))
+        assert e.value.status == 401 and "API key" in str(e.value)
+
+    async def main():
+        async with AsyncConvClient(server.url, api_key=key) as c:
+            async for _ in c.stream([], transport=transport):
+                pass
+
+    with pytest.raises(Unauthorized) as e:
+        asyncio.run(main())
+    assert e.value.status == 401
 
 
 def _requests(sessions, n, seed, kind="torch"):
