@@ -48,7 +48,9 @@ def auth_server():
     srv.terminate()
 
 
-@pytest.mark.parametrize("header, status", [(None, 401), ("Bearer wrong", 401), ("k3y", 401), ("Bearer k3y", 200)])
+@pytest.mark.parametrize("header, status", [(None, 401), ("Bearer wrong", 401), ("k3y", 401), ("Bearer k3y", 200),
+                                            ("bearer k3y", 200), ("BEARER k3y", 200), ("Basic k3y", 401),
+                                            ("Bearer k3y2", 401), ("Bearer k3", 401), ("Bearerk3y", 401)])
 @pytest.mark.parametrize("method, path", [("GET", "/v1/model"), ("POST", "/v1/sessions"), ("POST", "/v1/conv"),
                                           ("POST", "/v1/conv/stream")])
 def test_api_key_guards_every_v1_route(auth_server, header, status, method, path):
@@ -63,6 +65,22 @@ def test_api_key_guards_every_v1_route(auth_server, header, status, method, path
         assert r.status_code == 401 and msgpack.unpackb(r.content)["error"]["code"] == "unauthorized"
     else:
         assert r.status_code != 401
+
+
+@pytest.mark.parametrize("header, says", [(None, "needs an API key"), ("Bearer wrong", "is not this server's"),
+                                          ("Token k3y", "is not 'Bearer <key>'")])
+def test_a_401_says_whether_the_key_was_missing_wrong_or_sent_in_another_scheme_and_never_repeats_it(auth_server,
+                                                                                                   header, says):
+    r = httpx.get(auth_server.url + "/v1/model", headers={"accept": "application/json",
+                                                          **({"authorization": header} if header else {})})
+    assert r.status_code == 401 and says in r.json()["error"]["message"]
+    assert "wrong" not in r.text and "k3y" not in r.text
+
+
+@pytest.mark.parametrize("path", ["/healthz", "/readyz"])
+def test_health_answers_head_as_probes_send_it(auth_server, path):
+    r = httpx.head(auth_server.url + path)
+    assert r.status_code == 200 and r.content == b""
 
 
 def test_api_key_leaves_health_and_metrics_open_and_guards_the_websocket(auth_server):

@@ -54,7 +54,7 @@ def add_control_routes(app: FastAPI, svc: Service) -> None:
 
     # --- health and metrics (no API key)
 
-    @app.get("/healthz")
+    @app.api_route("/healthz", methods=["GET", "HEAD"])     # HEAD: probes that send curl -I
     async def healthz(request: Request):
         await no_body(request)
         why = getattr(engine, "unhealthy_reason", lambda: None)()
@@ -63,7 +63,7 @@ def add_control_routes(app: FastAPI, svc: Service) -> None:
                             media_type="application/json")
         return Response(b'{"status":"ok"}', media_type="application/json")
 
-    @app.get("/readyz")
+    @app.api_route("/readyz", methods=["GET", "HEAD"])
     async def readyz(request: Request):
         await no_body(request)
         engines = getattr(engine, "engines", None)

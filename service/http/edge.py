@@ -48,7 +48,8 @@ class Edge:
         got = header(scope, b"authorization")
         if got is None:
             return False
-        return hmac.compare_digest(got, self.auth_value)
+        # the scheme's name is case-insensitive (RFC 9110 11.1); the key is compared in constant time
+        return got[:7].lower() == b"bearer " and hmac.compare_digest(got[7:].strip(), self.auth_value[7:])
 
     async def __call__(self, scope, receive, send):
         await self.serve(scope, receive, send, self.app)
@@ -70,7 +71,8 @@ class Edge:
                 if not self._authorized(scope):
                     # /v2 answers in the Open Inference Protocol's error form, which its clients parse
                     oip = scope["path"].startswith("/v2")
-                    await (send_oip_error if oip else send_error)(scope, send_wrapper, unauthorized())
+                    await (send_oip_error if oip else send_error)(scope, send_wrapper,
+                                                                  unauthorized(header(scope, b"authorization")))
                 else:
                     try:
                         check_path_session(scope)     # X-Session-Id against /v1/sessions/{id}: 400 when they differ
@@ -95,7 +97,7 @@ class Edge:
         elif t == "websocket":
             if not self._authorized(scope):
                 await receive()  # the websocket.connect the refusal answers
-                exc = unauthorized()
+                exc = unauthorized(header(scope, b"authorization"))
                 self.metrics.error("/v1/conv/ws", exc.code)
                 if "websocket.http.response" in scope.get("extensions", {}):
                     body, ct, headers = render_error(exc, wants_json(scope))

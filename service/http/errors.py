@@ -95,9 +95,17 @@ def as_service_error(exc: BaseException) -> ServiceError:
                     "report it with the server log")
 
 
-def unauthorized() -> Unauthorized:
-    return Unauthorized("this server needs an API key: send 'Authorization: Bearer <key>' (the key given to "
-                        "`convserve serve --api-key`)")
+def unauthorized(given: Optional[bytes] = None) -> Unauthorized:
+    """The 401 for a request whose ``Authorization`` header was ``given`` (None: absent). The key itself is never
+    repeated."""
+    if given is None:
+        return Unauthorized("this server needs an API key: send 'Authorization: Bearer <key>' (the key given to "
+                            "`convserve serve --api-key`)")
+    if given[:7].lower() != b"bearer ":
+        return Unauthorized("the Authorization header is not 'Bearer <key>': send the key given to `convserve "
+                            "serve --api-key` as 'Authorization: Bearer <key>'")
+    return Unauthorized("the API key sent is not this server's: send the key given to `convserve serve "
+                        "--api-key` as 'Authorization: Bearer <key>'")
 
 
 class _FrameworkError(ServiceError):
