@@ -33,7 +33,7 @@ def _add_settings_flags(p: argparse.ArgumentParser) -> None:
         flag = "--" + name.replace("_", "-")
         env = "CONVSERVE_" + name.upper()
         default = field.default
-        if name in ("api_key", "api_key_file"):
+        if name in ("api_key", "api_key_file") or default is None:
             default = "unset"
         help_ = f"{field.description} [env {env}; default {default}]"
         if field.annotation is bool:

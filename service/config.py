@@ -65,8 +65,9 @@ class Settings(BaseSettings):
     # --- network
     host: str = Field("127.0.0.1", description="address to bind (0.0.0.0 for all interfaces)")
     port: int = Field(8000, ge=0, le=65535, description="TCP port to listen on (0 picks a free one)")
-    api_key: Optional[SecretStr] = Field(None, description="when set, every /v1 route (and /docs, /openapi.json) "
-                                                           "needs 'Authorization: Bearer <key>'; prefer "
+    api_key: Optional[SecretStr] = Field(None, description="when set, every /v1 and /v2 route (but "
+                                                           "/v2/health/*) and /docs, /redoc, /openapi.json "
+                                                           "need 'Authorization: Bearer <key>'; prefer "
                                                            "api_key_file or the environment to the command line")
     api_key_file: Optional[Path] = Field(None, description="a file holding the API key (a mounted secret)")
     replica_name: Optional[str] = Field(None, description="this replica's name, sent on every answer as "
@@ -95,7 +96,7 @@ class Settings(BaseSettings):
     dtype: Optional[Literal["bfloat16", "float16", "float32"]] = Field(
         None, description="weight dtype (random model default bfloat16; file default: as stored)")
     state_dtype: Optional[Literal["bfloat16", "float16", "float32"]] = Field(
-        _ENGINE.state_dtype, description="conv state dtype (default: the engine's choice, see /v1/model)")
+        _ENGINE.state_dtype, description="conv state dtype (unset: the weight dtype; /v1/model says which)")
     seed: int = Field(0, description="random model: seed of the weights")
 
     # --- engine
@@ -120,7 +121,9 @@ class Settings(BaseSettings):
                                     "carried a position (oldest dropped first)")
     sessions_page_max: int = Field(1000, ge=1, description="most sessions in one page of GET /v1/sessions")
     request_timeout_s: float = Field(_ENGINE.request_timeout_s, gt=0,
-                                     description="seconds a conv request may take before 504")
+                                     description="seconds a conv or session operation may wait to start: one not "
+                                     "started by then fails with 504 timeout and never runs (one already started "
+                                     "always answers with its result)")
     engine_down_unhealthy_s: float = Field(300.0, ge=0, description="with engine processes: /healthz answers 503 "
                                            "once an engine has been down this many seconds since its process "
                                            "died (it keeps failing to start), so that a liveness probe restarts "
@@ -152,8 +155,9 @@ class Settings(BaseSettings):
     gpu_timing_interval: int = Field(_ENGINE.gpu_timing_interval, ge=1,
                                      description="CUDA: time the GPU with events on every Nth engine step "
                                      "(kernel time metrics scale the sample); 1 times every step")
-    gil_switch_interval_us: int = Field(500, ge=100, le=100_000, description="Python's thread switch interval "
-                                        "(sys.setswitchinterval; Python's default is 5000): how long the engine "
+    gil_switch_interval_us: int = Field(500, ge=100, le=100_000, description="with --workers 0 only: Python's "
+                                        "thread switch interval (sys.setswitchinterval; Python's default is 5000): "
+                                        "how long the engine "
                                         "thread may wait for the GIL after each GPU call while the HTTP loop is "
                                         "busy")
     cpu_threads: int = Field(1, ge=1, le=1024, description="CPU serving: torch's intra-op threads for the "
