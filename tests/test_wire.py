@@ -165,3 +165,10 @@ def test_a_split_answer_is_the_same_bytes_as_one_packed_body_without_copying_the
     if rows:
         assert np.shares_memory(np.frombuffer(data, np.uint8), y.view(torch.uint8).numpy())
     assert torch.equal(wire.decode_tensor(wire.unpackb(head + bytes(data), 1 << 24)["y"]), y)
+
+
+def test_a_missing_tensor_and_a_too_deeply_nested_body_say_so():
+    with pytest.raises(BadRequest, match="'x' is missing"):
+        wire.decode_tensor(None)
+    with pytest.raises(BadRequest, match="nested too deeply"):
+        wire.unpackb(b"\x91" * 5000 + b"\xc0", 1 << 20)

@@ -152,8 +152,8 @@ def unpackb(data: bytes, max_bytes: int, max_objects: Optional[int] = None) -> A
                          "(use /v1/conv/stream for many)") from None
     except (ValueError, msgpack.UnpackException, TypeError) as e:
         raise bound_error(e, "the body") or BadRequest(
-            f"the body is not valid msgpack ({type(e).__name__}: {e}); send one msgpack map encoded with bin "
-            "types for bytes") from None
+            f"the body is not valid msgpack ({type(e).__name__}: {str(e) or 'nested too deeply'}); send one "
+            "msgpack map encoded with bin types for bytes") from None
 
 
 def bound_error(e: Exception, what: str) -> Optional[PayloadTooLarge]:
@@ -272,6 +272,8 @@ def decode_tensor(obj: Any, *, check_shape: Optional[Callable[[tuple], None]] = 
     of shared memory that ``shm.view(ref, dtype, shape, backend, name)`` returns (None: refused, 400).
     """
     if not isinstance(obj, dict):
+        if obj is None:
+            raise BadRequest(f"'{name}' is missing: send it as a tensor map {{dtype, shape, data}}")
         raise BadRequest(f"'{name}' must be a tensor map {{dtype, shape, data}}, got {type(obj).__name__}")
     dtype = obj.get("dtype")
     if not isinstance(dtype, str):

@@ -169,9 +169,7 @@ class RemoteEngine:
         """Why no engine is up when one of them died (it is being restarted without its sessions); None when they
         are starting for the first time."""
         self.down.poll(time.monotonic())
-        dead = self.down.dead()
-        return None if not dead else (f"engine process {', '.join(map(str, dead))} died and is being restarted "
-                                      "without its sessions (they answer 410 state_lost once it is back); retry")
+        return self.down.dead_reason()
 
     def unhealthy_reason(self) -> Optional[str]:
         """Why this server should be restarted (``/healthz`` fails): an engine down for more than

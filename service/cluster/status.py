@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import Optional
 
 from .shm import map_file
 
@@ -118,6 +119,14 @@ class DownClock:
     def dead(self) -> list:
         """The engines down since their process died."""
         return [e for e in range(self.n) if self.since[e] is not None]
+
+    def dead_reason(self) -> Optional[str]:
+        """What a request is told while engines are down since their process died (None: none is)."""
+        dead = self.dead()
+        n = len(dead)
+        return None if not n else (f"engine process{'es' * (n > 1)} {', '.join(map(str, dead))} died and "
+                                   f"{'are' if n > 1 else 'is'} being restarted without {'their' if n > 1 else 'its'} "
+                                   "sessions (they answer 410 state_lost once it is back); retry")
 
     def longest(self, now: float) -> tuple:
         """``(engine, seconds)`` of the engine down the longest, or ``(None, 0.0)``."""
