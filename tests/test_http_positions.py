@@ -225,6 +225,22 @@ def test_a_bad_listing_query_is_400(api, query):
     assert st == 400 and err["error"]["code"] == "bad_request"
 
 
+@pytest.mark.parametrize("method, path", [("POST", "/v1/sessions?foo=1"), ("GET", "/v1/model?verbose=1"),
+                                          ("POST", "/v1/conv?session=a"), ("POST", "/v1/conv/batch?x"),
+                                          ("GET", "/v1/sessions/{sid}?full=1"), ("DELETE", "/v1/sessions/{sid}?force=1")])
+def test_a_query_parameter_on_a_route_that_takes_none_is_400_naming_it_and_changes_nothing(api, method, path):
+    (sid,) = new_ids(api, 1)
+    def ids():
+        return sorted(r["session"] for r in api.call("GET", "/v1/sessions?limit=1000")[1]["sessions"])
+
+    before = ids()
+    st, err, _ = api.call(method, path.format(sid=sid))
+    assert st == 400 and err["error"]["code"] == "bad_request", err
+    name = path.split("?", 1)[1].split("=", 1)[0]
+    assert f"unknown query parameter '{name}'" in err["error"]["message"]
+    assert ids() == before
+
+
 @pytest.mark.parametrize("bad", [-1, 1.5, "0", True, [0]])
 def test_a_malformed_position_is_400(api, bad):
     (sid,) = new_ids(api, 1)

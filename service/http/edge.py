@@ -19,6 +19,7 @@ from convserve.service.http.asgi import (CLIENT_CLOSED, CLIENT_CLOSED_STATUS, ER
                                          wants_json)
 from convserve.service.http.errors import HTTP_CODES, as_service_error, render_error, send_error, unauthorized
 from convserve.service.http.oip_wire import send_oip_error
+from convserve.service.http.parse import check_query
 from convserve.service.http.replica import check_path_session, replica_header, with_replica_header
 from convserve.service.metrics import Metrics
 
@@ -76,6 +77,7 @@ class Edge:
                 else:
                     try:
                         check_path_session(scope)     # X-Session-Id against /v1/sessions/{id}: 400 when they differ
+                        check_query(scope)
                     except ServiceError as e:
                         await send_error(scope, send_wrapper, e)
                         return

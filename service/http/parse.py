@@ -26,8 +26,8 @@ def body_format(scope) -> str:
         return "msgpack"
     if ct == wire.JSON_TYPE:
         return "json"
-    raise BadRequest(f"Content-Type {ct!r} is not supported; send {wire.MEDIA_TYPE} (or application/json on "
-                     "control routes)")
+    raise BadRequest(f"Content-Type {ct!r} is not supported; send {wire.MEDIA_TYPE} (or application/json, whose "
+                     "tensors carry their data in base64)")
 
 
 async def read_body(scope, receive, max_bytes: int, timeout: Optional[float] = None) -> bytes:
@@ -155,6 +155,18 @@ STATE_FIELDS = ("layers", "state")
 ACCEPT_FIELDS = ("tokens",)
 INT64_MAX = (1 << 63) - 1       # what an engine message carries (msgpack); a count or position is far below it
 LIST_QUERY = ("cursor", "limit")
+
+
+def check_query(scope) -> None:
+    """400 for a query parameter on a /v1 route that takes none (``GET /v1/sessions`` takes ``LIST_QUERY``, which
+    ``list_query`` checks): a misspelled parameter is never silently ignored."""
+    qs = scope.get("query_string")
+    path = scope["path"]
+    if not qs or not path.startswith("/v1/") or (path == "/v1/sessions" and scope["method"] == "GET"):
+        return
+    name = qs.split(b"&", 1)[0].split(b"=", 1)[0].decode("latin-1")
+    raise BadRequest(f"unknown query parameter {name!r:.60}: {scope['method']} {path} takes none (its fields go in "
+                     "the body)")
 
 
 def shm_ref(req: Any):
