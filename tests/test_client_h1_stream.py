@@ -28,6 +28,19 @@ def run_against(handler, body, timeout=5.0) -> list:
     return asyncio.run(main())
 
 
+def request_against(handler):
+    """``_H1Pool.request``'s answer from a server running ``handler``; raises what it raises."""
+    async def main():
+        srv = await asyncio.start_server(handler, "127.0.0.1", 0)
+        pool = _H1Pool("127.0.0.1", srv.sockets[0].getsockname()[1], {}, 5.0, 4)
+        try:
+            return await pool.request("POST", "/r", b"x")
+        finally:
+            srv.close()
+
+    return asyncio.run(main())
+
+
 async def endless():
     while True:
         yield b"x" * (1 << 20)
@@ -115,16 +128,8 @@ def test_a_chunked_answer_that_breaks_the_chunk_grammar_is_a_remote_protocol_err
             run_against(handler, one)
         return
 
-    async def main():
-        srv = await asyncio.start_server(handler, "127.0.0.1", 0)
-        pool = _H1Pool("127.0.0.1", srv.sockets[0].getsockname()[1], {}, 5.0, 4)
-        try:
-            return await pool.request("POST", "/r", b"x")
-        finally:
-            srv.close()
-
     with pytest.raises(httpx.RemoteProtocolError):
-        asyncio.run(main())
+        request_against(handler)
 
 
 @pytest.mark.parametrize("body,want", [(b"3\r\nabc\r\n0\r\n\r\n", b"abc"),
@@ -137,12 +142,4 @@ def test_a_well_formed_chunked_answer_with_extensions_and_trailers_reads_whole(b
         await w.drain()
         w.close()
 
-    async def main():
-        srv = await asyncio.start_server(handler, "127.0.0.1", 0)
-        pool = _H1Pool("127.0.0.1", srv.sockets[0].getsockname()[1], {}, 5.0, 4)
-        try:
-            return await pool.request("POST", "/r", b"x")
-        finally:
-            srv.close()
-
-    assert asyncio.run(main()).content == want
+    assert request_against(handler).content == want
