@@ -249,3 +249,11 @@ def _sanitize(key: str) -> str:
 
 #: the engine.stats() keys exported as counters
 COUNTER_KEYS = frozenset(k for k, (_name, kind, _help) in EngineCollector.KNOWN.items() if kind == "counter")
+
+
+def counters_of(stats: dict) -> dict:
+    """The counters of one engine's ``stats()``, flattened as the collector names them (``snapshot.writes`` is
+    ``snapshot_writes``): what ``per_engine`` holds for each engine process."""
+    flat: dict = {}
+    _flatten("", stats, flat, [])
+    return {k: v for k, v in flat.items() if k in COUNTER_KEYS}

@@ -131,6 +131,22 @@ def fsync_dir(folder: str) -> None:
         os.close(fd)
 
 
+def read_meta(path: str) -> Optional[dict]:
+    """A snapshot file's ``meta`` from its header alone (no tensor read, no digest checked: for sorting files,
+    never for loading one); None when the file is unreadable."""
+    try:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            meta = json.loads((f.metadata() or {})[META_KEY])
+    except Exception:  # noqa: BLE001 - torn, foreign, gone: not a file whose header says anything
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def _of_model(path: str, model: dict) -> bool:
+    meta = read_meta(path)
+    return meta is not None and compatible(meta, model) is None
+
+
 def read_checked(path: str) -> Snapshot:
     """The snapshot in ``path`` after its digest matched; :class:`SnapshotRefused` (saying why) otherwise."""
     try:
@@ -177,10 +193,14 @@ class SnapshotDir:
         return os.path.join(self.folder, f"e{self.index}.{seq:012d}.safetensors")
 
     def write(self, snap: Snapshot) -> tuple[str, int]:
-        """Write the next file, then drop the ones past ``keep``; ``(path, bytes)``."""
+        """Write the next file, then drop this model's files past ``keep``; ``(path, bytes)``. A file of another
+        model, or one whose header does not read, is never dropped and does not count: a server started with
+        the wrong model by mistake leaves the right model's files, which the next start with it restores."""
         path = self._next_path()
         size = write_atomic(path, snap)
-        for old in self.files()[self.keep:]:
+        model = snap.meta["model"]
+        ours = [p for p in self.files() if p == path or _of_model(p, model)]
+        for old in ours[self.keep:]:
             try:
                 os.unlink(old)
             except FileNotFoundError:

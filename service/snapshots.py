@@ -17,7 +17,8 @@ named by its engine index (:class:`~.snapshot_file.SnapshotDir`).
   never raised: the server still stops.
 
 :func:`prepare_state_dir` runs once per server start, before any engine: it records the engine count, and when
-it changed since the last start it moves the old snapshots aside (``superseded-<time>/``), since placement
+it changed since the last start (without a readable record, when the snapshots' own headers name another count)
+it moves the old snapshots aside (``superseded-<time>/``), since placement
 (:mod:`.cluster.placement`) hashes session ids over the engine count and the old files would restore sessions
 onto engines that no longer own them.
 """
@@ -32,7 +33,7 @@ import time
 from typing import Optional
 
 from .engine.snapshot import check_content
-from .snapshot_file import Snapshot, SnapshotDir, new_meta
+from .snapshot_file import Snapshot, SnapshotDir, new_meta, read_meta
 
 log = logging.getLogger("convserve.snapshots")
 
@@ -51,6 +52,10 @@ def prepare_state_dir(folder, n_engines: int) -> None:
     except (FileNotFoundError, ValueError, AttributeError):
         before = None
     snaps = [n for n in os.listdir(folder) if n.endswith(".safetensors")]
+    if snaps and before is None:      # no readable layout file: the snapshots' own headers say their layout
+        counts = {((read_meta(os.path.join(folder, n)) or {}).get("engine") or {}).get("count") for n in snaps}
+        counts.discard(None)
+        before = n_engines if counts == {n_engines} else before
     if snaps and before != n_engines:
         aside = os.path.join(folder, f"superseded-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
         os.makedirs(aside)

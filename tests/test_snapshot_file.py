@@ -98,6 +98,27 @@ def test_the_directory_keeps_the_newest_files_of_each_engine(tmp_path, keep):
     assert sorted(paths) == paths                             # names sort by age
 
 
+@pytest.mark.parametrize("keep", [1, 2, 3])
+def test_files_of_another_model_or_unreadable_are_never_rotated_out_so_the_right_model_finds_them_again(tmp_path,
+                                                                                                      keep):
+    d = sf.SnapshotDir(tmp_path, 0, keep)
+    torn, size = d.write(snap(1, seed=9))
+    with open(torn, "r+b") as f:
+        f.truncate(size // 2)
+    right = [d.write(snap(1, seed=i))[0] for i in range(keep + 1)]
+    assert set(d.files()) == {torn, *right[-keep:]}
+    mistaken = []
+    for i in range(keep + 3):                       # a server started with another model by mistake, writing on
+        other = snap(1, seed=10 + i)
+        other.meta["model"]["dim"] = 16
+        mistaken.append(d.write(other)[0])
+    files = d.files()
+    assert set(right[-keep:]) <= set(files) and torn in files     # the right model's newest keep, the torn one
+    assert [p for p in files if p in mistaken] == mistaken[::-1][:keep]   # the mistaken model rotates its own
+    path, got = d.newest_good(MODEL, 1)              # the right model back: its newest file
+    assert path == right[-1] and torch.equal(got.tensors["state"], snap(1, seed=keep).tensors["state"])
+
+
 def test_the_newest_good_file_is_used_and_torn_or_foreign_newer_ones_are_logged_and_skipped(tmp_path, caplog):
     d = sf.SnapshotDir(tmp_path, 0, 5)
     good, _ = d.write(snap(2, seed=1))
@@ -164,6 +185,23 @@ def test_snapshots_of_another_engine_count_are_set_aside_at_start(tmp_path, befo
         assert not left and len(aside) == 1 and len(list(aside[0].iterdir())) == 1
     else:
         assert len(left) == 1 and not aside
+
+
+@pytest.mark.parametrize("layout_file", ["missing", "garbage", "not a map"])
+@pytest.mark.parametrize("written_by,now,set_aside", [(1, 1, False), (2, 2, False), (1, 2, True), (2, 1, True)])
+def test_without_a_readable_layout_file_the_snapshots_headers_say_their_engine_count(tmp_path, layout_file,
+                                                                                      written_by, now, set_aside):
+    for e in range(written_by):
+        s = snap(1, seed=e)
+        s.meta["engine"] = {"index": e, "count": written_by, "device": "cpu"}
+        sf.SnapshotDir(tmp_path, e, 3).write(s)
+    if layout_file != "missing":
+        (tmp_path / LAYOUT_FILE).write_text("garbage{" if layout_file == "garbage" else "[1, 2]")
+    prepare_state_dir(tmp_path, now)
+    left = [p for p in tmp_path.iterdir() if p.name.endswith(".safetensors")]
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("superseded-")]
+    assert (len(left), len(aside)) == ((0, 1) if set_aside else (written_by, 0))
+    assert json.loads((tmp_path / LAYOUT_FILE).read_text()) == {"engines": now}
 
 
 def test_a_whole_file_whose_content_the_check_refuses_falls_back_to_the_one_before(tmp_path, caplog):

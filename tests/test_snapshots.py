@@ -229,6 +229,10 @@ def test_an_engine_process_restarted_after_a_crash_restores_nothing_and_its_sess
         t0 = time.time()
         while min(snapshot_times(srv.url)) <= t0:
             time.sleep(0.02)
+        # each engine process's snapshot counters reach the one scrape (a series per engine)
+        assert metric(srv.url, "convserve_snapshot_writes_total") >= 2
+        assert metric(srv.url, "convserve_snapshot_bytes_total") > 0
+        assert metric(srv.url, "convserve_snapshot_failures_total") == 0
         victim = httpx.get(srv.url + "/readyz").json()["engines"][0]["pid"]
         os.kill(victim, signal.SIGKILL)
         deadline = time.monotonic() + 30

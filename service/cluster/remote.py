@@ -40,7 +40,7 @@ from convserve.clients.protocol.errors import (BadRequest, EngineTimeout, Engine
 
 from . import messages as m
 from ..engine.validate import all_finite
-from ..metrics import COUNTER_KEYS
+from ..metrics import counters_of
 from .placement import engine_of, new_id_on, split
 from .shm import Arena
 from .split_batch import check_positions, failure, parts_of, row_indices, sent_or_refused, sub
@@ -210,7 +210,7 @@ class RemoteEngine:
                 except ServiceError:
                     continue
                 parts.append(part)
-                per_engine[e] = {k: v for k, v in part.items() if k in COUNTER_KEYS}
+                per_engine[e] = counters_of(part)
         for e in range(self.n):                       # (an engine that is down has only this one)
             per_engine.setdefault(e, {})["engine_restarts"] = self.status.row(e).restarts
         total = _sum_stats(parts)
