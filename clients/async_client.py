@@ -216,21 +216,24 @@ class AsyncConvClient(_Base):
             yield r
 
     async def _stream_http(self, requests):
-        tracker = _Tracker()
+        tracker, failed = _Tracker(), []
 
-        async def body():
+        async def body():   # a request that cannot be sent ends the body; raised after the answers before it
             if hasattr(requests, "__aiter__"):
                 packer = wire.new_packer()
                 i = 0
-                async for r in requests:
-                    req = _as_request(r, i)
-                    i += 1
-                    tracker.add(req)
-                    data = packer.pack(_frame(req))
-                    self.bytes_sent += len(data)
-                    yield data
+                try:
+                    async for r in requests:
+                        req = _as_request(r, i)
+                        i += 1
+                        data = packer.pack(_frame(req))
+                        tracker.add(req)
+                        self.bytes_sent += len(data)
+                        yield data
+                except Exception as e:  # noqa: BLE001 - raised by the reader (below)
+                    failed.append(e)
             else:
-                for chunk in _chunked(requests, tracker):
+                for chunk in _chunked(requests, tracker, failed):
                     self.bytes_sent += len(chunk)
                     yield chunk
 
@@ -255,6 +258,8 @@ class AsyncConvClient(_Base):
                     unpacker.feed(chunk)
                     for obj in unpacker:
                         yield tracker.result(obj)
+        if failed:
+            raise failed[0]
         tracker.check_done()
 
     async def _stream_ws(self, requests, window: int):
@@ -281,8 +286,8 @@ class AsyncConvClient(_Base):
                             slots.release()
                             break
                         req = _as_request(r, next(counter))
-                        tracker.add(req)
                         data = packer.pack(_frame(req))
+                        tracker.add(req)
                         await ws.send(data)
                         self.bytes_sent += len(data)
                         state["n"] += 1

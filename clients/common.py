@@ -330,22 +330,26 @@ class _Base:
         return wire.packb({"session": session} if session is not None else {})
 
 
-def _chunked(requests: Iterable, tracker: _Tracker) -> Iterator[bytes]:
-    """Encode requests into HTTP chunks of ~256 KiB (the whole body is sent before any answer is read)."""
+def _chunked(requests: Iterable, tracker: _Tracker, failed: list) -> Iterator[bytes]:
+    """Encode requests into HTTP chunks of ~256 KiB (the whole body is sent before any answer is read). A request
+    that cannot be encoded (or an error of ``requests`` itself) ends the body after the frames before it, which are
+    sent and answered; the error goes into ``failed``, for the reader to raise after their answers."""
     packer = wire.new_packer()
     buf, size = [], 0
-    for i, r in enumerate(requests):
-        req = _as_request(r, i)
-        tracker.add(req)
-        b = packer.pack(_frame(req))
-        buf.append(b)
-        size += len(b)
-        if size >= _CHUNK_BYTES:
-            yield b"".join(buf)
-            buf, size = [], 0
+    try:
+        for i, r in enumerate(requests):
+            req = _as_request(r, i)
+            b = packer.pack(_frame(req))
+            tracker.add(req)
+            buf.append(b)
+            size += len(b)
+            if size >= _CHUNK_BYTES:
+                yield b"".join(buf)
+                buf, size = [], 0
+    except Exception as e:  # noqa: BLE001 - raised by the reader once the frames sent are answered
+        failed.append(e)
     if buf:
         yield b"".join(buf)
-
 
 
 def _quote(segment: str) -> str:

@@ -221,10 +221,10 @@ class ConvClient(_Base):
             raise ValueError(f"transport must be 'http' or 'ws', got {transport!r}")
 
     def _stream_http(self, requests) -> Iterator[ConvResult]:
-        tracker = _Tracker()
+        tracker, failed = _Tracker(), []
 
         def body():
-            for chunk in _chunked(requests, tracker):
+            for chunk in _chunked(requests, tracker, failed):
                 self.bytes_sent += len(chunk)
                 yield chunk
 
@@ -238,6 +238,8 @@ class ConvClient(_Base):
                 unpacker.feed(chunk)
                 for obj in unpacker:
                     yield tracker.result(obj)
+        if failed:                      # a request that could not be sent, after the answers of those before it
+            raise failed[0]
         tracker.check_done()
 
     def _stream_ws(self, requests, window: int) -> Iterator[ConvResult]:
@@ -259,8 +261,8 @@ class ConvClient(_Base):
                         except StopIteration:
                             break
                         req = _as_request(r, i)
-                        tracker.add(req)
                         data = packer.pack(_frame(req))
+                        tracker.add(req)
                         ws.send(data)
                         self.bytes_sent += len(data)
                         sent["n"] += 1

@@ -15,7 +15,8 @@ import torch
 
 from convserve.clients.client import (AsyncConvClient, BatchRequest, ConvClient, ConvRequest, ConvServeError,
                                       SessionState)
-from convserve.clients.protocol.errors import BadRequest, PoolExhausted, SessionExists, ShapeMismatch, Unauthorized, UnknownSession
+from convserve.clients.protocol.errors import (BadRequest, DtypeUnsupported, PoolExhausted, SessionExists,
+                                               ShapeMismatch, Unauthorized, UnknownSession)
 from convserve.service.model import ConvModel
 from tests.live import ROOT, LiveServer, Reference
 
@@ -250,6 +251,43 @@ def test_stream_frame_errors_come_back_in_their_result(client):
         with pytest.raises(UnknownSession):
             res[1].unwrap()
     client.delete_session(sid)
+
+
+@pytest.mark.parametrize("transport", ["http", "ws"])
+@pytest.mark.parametrize("n_before", [0, 3, 50])
+def test_a_request_that_cannot_be_encoded_raises_after_the_answers_of_every_frame_sent_before_it(server, transport,
+                                                                                               n_before):
+    # nothing applied goes unanswered: each frame before the bad one (float64 x) is answered, then its error
+    def frames(sid):
+        for i in range(n_before):
+            yield ConvRequest(sid, 1, torch.randn(2, DIM), id=i)
+        yield ConvRequest(sid, 1, torch.randn(1, DIM, dtype=torch.float64), id="bad")
+        yield ConvRequest(sid, 1, torch.randn(1, DIM), id="after")
+
+    async def frames_async(sid):
+        for r in frames(sid):
+            yield r
+
+    with ConvClient(server.url, api_key=KEY) as c:
+        sid = c.create_session()
+        got = []
+        with pytest.raises(DtypeUnsupported):
+            for r in c.stream(frames(sid), transport=transport):
+                got.append(r)
+        assert sorted(r.id for r in got if r.ok) == list(range(n_before))
+        assert c.session_info(sid)["positions"][0] == 2 * n_before
+
+    async def main():
+        async with AsyncConvClient(server.url, api_key=KEY) as c:
+            sid = await c.create_session()
+            got = []
+            with pytest.raises(DtypeUnsupported):
+                async for r in c.stream(frames_async(sid), transport=transport):
+                    got.append(r)
+            assert sorted(r.id for r in got if r.ok) == list(range(n_before))
+            assert (await c.session_info(sid))["positions"][0] == 2 * n_before
+
+    asyncio.run(asyncio.wait_for(main(), 60))
 
 
 def test_async_client_covers_the_same_calls(server):
