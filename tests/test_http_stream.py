@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import socket
+import time
+from urllib.parse import urlparse
+
+import msgpack
 import pytest
 import torch
 
@@ -36,6 +41,41 @@ def test_stream_much_larger_than_the_window_completes_when_the_client_sends_ever
     with api.http.stream("POST", "/v1/conv/stream", content=pack_frames(frames)) as resp:
         results = read_stream(resp)
     check_stream_results(frames, results, sessions)
+
+
+def test_a_stream_with_a_content_length_runs_its_frames_as_they_arrive_not_once_the_body_is_complete(server, api):
+    # (a body of known length above 64 KiB is otherwise read into one buffer before the route sees any of it)
+    sid = api.session()
+    frames = [{"id": i, "session": sid, "layer": LAYERS[0], "x": rand_x(64, seed=i)} for i in range(30)]
+    body = pack_frames(frames)
+    assert len(body) > 1 << 17
+    u = urlparse(server.url)
+    with socket.create_connection((u.hostname, u.port), timeout=20) as s:
+        s.sendall(b"POST /v1/conv/stream HTTP/1.1\r\nhost: x\r\ncontent-type: application/msgpack\r\n"
+                  b"content-length: %d\r\n\r\n" % len(body) + body[:-100])
+        got, buf, deadline = [], b"", time.monotonic() + 15
+        unpacker = msgpack.Unpacker()
+        while len(got) < 20 and time.monotonic() < deadline:   # answers while the last 100 bytes are held back
+            buf += s.recv(1 << 16)
+            head, sep, rest = buf.partition(b"\r\n\r\n")
+            if not sep:
+                continue
+            # the answer is chunked: strip the chunk framing (size lines) before unpacking
+            data, pos = b"", 0
+            while True:
+                end = rest.find(b"\r\n", pos)
+                if end < 0:
+                    break
+                n = int(rest[pos:end], 16)
+                if len(rest) < end + 2 + n + 2:
+                    break
+                data += rest[end + 2:end + 2 + n]
+                pos = end + 2 + n + 2
+            unpacker = msgpack.Unpacker()
+            unpacker.feed(data)
+            got = list(unpacker)
+        assert len(got) >= 20 and all("y" in r for r in got), got[:1]
+        s.sendall(body[-100:])
 
 
 def test_stream_frame_error_fails_alone(api):

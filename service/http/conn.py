@@ -50,6 +50,10 @@ def _response(status: int, reason: bytes, code: str, message: str, retry_after: 
 _FILL_FROM = 1 << 16
 
 
+#: the routes whose body is consumed as it arrives (frames), which the one-piece buffer would hold back
+_STREAMED = "/v1/conv/stream"
+
+
 def _content_length(headers) -> Optional[int]:
     for k, v in headers:
         if k == b"content-length":
@@ -198,7 +202,8 @@ def guarded_protocol(settings, on_close: Callable[[str], None] = lambda reason: 
             if cycle is before or cycle is None:       # an upgrade: not a request cycle of ours
                 return
             n = _content_length(cycle.scope["headers"])
-            if n is not None and _FILL_FROM < n <= fill_limit:
+            # a stream's frames run as they arrive: its body is never held back until complete
+            if n is not None and _FILL_FROM < n <= fill_limit and not cycle.scope["path"].endswith(_STREAMED):
                 cycle._cv_fill = bytearray(n)
                 cycle._cv_filled = 0
                 cycle.receive = _receive_filled.__get__(cycle)
