@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from convserve.clients.protocol import wire
-from tests.http_api import (DIM, LAYERS, MAX_BODY, assert_close, check_stream_results, make_frames, pack_frames, rand_x,
+from tests.http_api import (DIM, LAYERS, Api, MAX_BODY, assert_close, check_stream_results, make_frames, pack_frames, rand_x,
                             read_stream)
 
 
@@ -76,6 +76,49 @@ def test_a_stream_with_a_content_length_runs_its_frames_as_they_arrive_not_once_
             got = list(unpacker)
         assert len(got) >= 20 and all("y" in r for r in got), got[:1]
         s.sendall(body[-100:])
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_a_stream_client_that_reads_nothing_is_cut_off_after_body_timeout_s_and_the_server_stops(framing):
+    # its unread answers fill the socket: the server resets the connection (a close would wait, forever, for the
+    # client to read them, and hold up the server's shutdown)
+    import threading
+
+    from tests.live import LiveServer
+
+    srv = LiveServer(["--layers", "1", "--dim", "1024", "--dtype", "float32", "--workers", "0", "--body-timeout-s",
+                      "1", "--max-body-bytes", str(1 << 20), "--stream-buffer-bytes", str(1 << 18),
+                      "--shutdown-timeout-s", "20"])
+    try:
+        sid = Api(srv.url).session()
+        frame = msgpack.packb({"id": 1, "session": sid, "layer": 0,
+                               "x": wire.encode_tensor(torch.randn(64, 1024))})
+        n = (24 << 20) // len(frame)
+        head = b"content-length: %d" % (n * len(frame)) if framing == "content-length" else \
+            b"transfer-encoding: chunked"
+        piece = frame if framing == "content-length" else b"%x\r\n%s\r\n" % (len(frame), frame)
+        u = urlparse(srv.url)
+        s = socket.create_connection((u.hostname, u.port))
+
+        def send():
+            try:
+                s.sendall(b"POST /v1/conv/stream HTTP/1.1\r\nhost: x\r\ncontent-type: application/msgpack\r\n"
+                          b"%s\r\n\r\n" % head)
+                for _ in range(n):
+                    s.sendall(piece)
+            except OSError:
+                pass                                     # reset by the server: what this test expects
+
+        t = threading.Thread(target=send, daemon=True)
+        t.start()
+        time.sleep(5)                                    # body_timeout_s is 1: long cut off by now
+        t1 = time.monotonic()
+        assert srv.terminate() == 0
+        assert time.monotonic() - t1 < 4, "the server's shutdown waited on the stuck stream"
+        s.close()
+        t.join(5)
+    finally:
+        srv.kill()
 
 
 def test_stream_frame_error_fails_alone(api):

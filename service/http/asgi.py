@@ -18,6 +18,9 @@ JSON_CT = b"application/json"
 ERROR_SCOPE_KEY = "convserve.error"
 #: scope key: the route label of a plain ASGI endpoint, which Starlette's router did not match
 ROUTE_SCOPE_KEY = "convserve.route"
+#: the scope key of a stream request's ``abort()`` (the connection's transport, set by the server's protocol):
+#: closing would wait for the unsent answers of a client that reads nothing, which may be never
+ABORT_SCOPE_KEY = "convserve.abort"
 
 
 #: what a request whose client went away counts as in the metrics (nginx's convention): not a server error

@@ -30,8 +30,13 @@ are per process: with several HTTP worker processes each applies its own cap.
 
 from __future__ import annotations
 
+import functools
 import json
+import socket
+import struct
 from typing import Callable, Optional
+
+from convserve.service.http.asgi import ABORT_SCOPE_KEY
 
 
 def _response(status: int, reason: bytes, code: str, message: str, retry_after: Optional[int] = None,
@@ -52,6 +57,17 @@ _FILL_FROM = 1 << 16
 
 #: the routes whose body is consumed as it arrives (frames), which the one-piece buffer would hold back
 _STREAMED = "/v1/conv/stream"
+
+
+def _reset(transport) -> None:
+    """Drop the connection now, with a reset: what the client never read is discarded on both sides (a plain close
+    would keep the socket, and the kernel its send queue, until the client reads)."""
+    sock = transport.get_extra_info("socket")
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except (OSError, AttributeError):
+        pass
+    transport.abort()
 
 
 def _content_length(headers) -> Optional[int]:
@@ -202,8 +218,10 @@ def guarded_protocol(settings, on_close: Callable[[str], None] = lambda reason: 
             if cycle is before or cycle is None:       # an upgrade: not a request cycle of ours
                 return
             n = _content_length(cycle.scope["headers"])
-            # a stream's frames run as they arrive: its body is never held back until complete
-            if n is not None and _FILL_FROM < n <= fill_limit and not cycle.scope["path"].endswith(_STREAMED):
+            if cycle.scope["path"].endswith(_STREAMED):
+                cycle.scope[ABORT_SCOPE_KEY] = functools.partial(_reset, self.transport)
+                return                                 # its frames run as they arrive: never held back whole
+            if n is not None and _FILL_FROM < n <= fill_limit:
                 cycle._cv_fill = bytearray(n)
                 cycle._cv_filled = 0
                 cycle.receive = _receive_filled.__get__(cycle)

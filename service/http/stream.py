@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from convserve.clients.protocol import wire
 from convserve.clients.protocol.errors import BadRequest, ServiceError
-from convserve.service.http.asgi import ERROR_SCOPE_KEY, MSGPACK_CT, ROUTE_SCOPE_KEY
+from convserve.service.http.asgi import ABORT_SCOPE_KEY, ERROR_SCOPE_KEY, MSGPACK_CT, ROUTE_SCOPE_KEY
 from convserve.service.http.errors import send_error
 from convserve.service.http.parse import body_format
 from convserve.service.http.pipeline import Pipeline
@@ -51,6 +51,9 @@ class StreamEndpoint:
                     await send({"type": "http.response.body", "body": data, "more_body": True})
             except Exception:  # noqa: BLE001 - the client is gone (uvicorn raises on a closed connection)
                 p.cancel_all()
+                abort = scope.get(ABORT_SCOPE_KEY)
+                if abort is not None:     # not close(): that waits to send what the client never reads
+                    abort()
 
         reader = asyncio.ensure_future(self._read(p, receive))
         try:
