@@ -146,6 +146,10 @@ def bind_socket(settings: Settings, listen: bool = True):
     return sock
 
 
+#: descriptors this process keeps open for its life (the state directory's lock)
+_held: list = []
+
+
 def cannot_listen(settings: Settings, e: OSError) -> str:
     """The one line ``serve`` ends with when :func:`bind_socket` fails (the port is taken, or not ours), whichever
     the layout (engine processes, or ``--workers 0``); the exit status is 2."""
@@ -250,9 +254,11 @@ def serve(settings: Settings, key_on_command_line: bool = False) -> int:
     workers = settings.resolved_workers(len(devices))
     log.info("starting", extra={"settings": _redacted(settings), "workers": workers, "engines": devices})
     if settings.state_dir is not None:
-        from convserve.service.snapshots import prepare_state_dir
+        from convserve.service.snapshots import lock_state_dir, prepare_state_dir
 
         try:
+            # held (open) until this process exits: the engine processes and workers are its children
+            _held.append(lock_state_dir(settings.state_dir))
             prepare_state_dir(settings.state_dir, len(devices) if workers > 0 else 1)
         except OSError as e:
             log.error("cannot use the state directory", extra={"state_dir": str(settings.state_dir),

@@ -259,6 +259,25 @@ def test_an_engine_process_restarted_after_a_crash_restores_nothing_and_its_sess
     assert [r["id"] for r in other_file["sessions"]] == [other]
 
 
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_second_server_on_a_state_dir_in_use_exits_2_and_the_first_keeps_its_files(tmp_path, layout):
+    first = serve(tmp_path, layout)
+    try:
+        c = Client(first.url)
+        c.create("mine-1")
+        c.conv("mine-1", 0, 2, seed=1)
+        with pytest.raises(RuntimeError, match=r"rc=2\)[\s\S]*another running server uses it"):
+            serve(tmp_path, layout)
+        assert first.terminate() == 0
+    finally:
+        first.kill()
+    again = serve(tmp_path, layout)                      # free once the first has stopped
+    try:
+        assert positions(Api(again.url), "mine-1") == c.pos["mine-1"]
+    finally:
+        again.kill()
+
+
 @pytest.mark.parametrize("bad", [{"state_dir": "FILE"}, {"snapshot_interval_s": "0"}, {"snapshot_keep": "0"},
                                  {"snapshot_timeout_s": "-1"}])
 def test_bad_snapshot_settings_are_config_errors_naming_the_setting(tmp_path, bad):
