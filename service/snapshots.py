@@ -129,8 +129,10 @@ class Snapshotter:
         snap = found[1] if found else None
         self.restored = e.start(snapshot=snap)
         if found is not None:
+            # lost: busy when it was taken; not_restored: in it, but not fitting this pool (both answer 410)
             log.info("snapshot restored", extra={"engine": self.index, "path": found[0],
                                                  "sessions": self.restored, "lost": len(snap.meta.get("lost", [])),
+                                                 "not_restored": len(snap.meta.get("sessions", [])) - self.restored,
                                                  "taken_unix": snap.meta.get("created_unix")})
         with self._lock:
             self._st["restored_sessions"] = self.restored

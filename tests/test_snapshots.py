@@ -259,6 +259,28 @@ def test_an_engine_process_restarted_after_a_crash_restores_nothing_and_its_sess
     assert [r["id"] for r in other_file["sessions"]] == [other]
 
 
+def test_sessions_beyond_the_new_pool_are_logged_as_not_restored_and_answer_410(tmp_path):
+    srv = serve(tmp_path, "in-process")
+    try:
+        c = Client(srv.url)
+        sids = ids(6, "in-process")
+        for k, s in enumerate(sids):
+            c.create(s)
+            c.conv(s, 0, 1, seed=k)
+        assert srv.terminate() == 0
+    finally:
+        srv.kill()
+    srv = LiveServer([*MODEL_ARGS, "--slots", "4", *LAYOUTS["in-process"], "--state-dir", str(tmp_path)])
+    try:
+        restored = [r for r in srv.logs if r.get("msg") == "snapshot restored"]
+        assert len(restored) == 1 and restored[0]["sessions"] == 4 and restored[0]["not_restored"] == 2
+        api = Api(srv.url)
+        answers = [conv(api, s, 0, rand_x(1), position=1)[0] for s in sids]
+        assert sorted(answers) == [200] * 4 + [410] * 2
+    finally:
+        srv.kill()
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_a_second_server_on_a_state_dir_in_use_exits_2_and_the_first_keeps_its_files(tmp_path, layout):
     first = serve(tmp_path, layout)
