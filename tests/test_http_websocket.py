@@ -50,3 +50,22 @@ def test_websocket_malformed_frame_sends_null_id_error_and_closes(server):
         with pytest.raises(Exception):
             ws.recv(timeout=10)
         assert ws.close_code == 1007
+
+
+@pytest.mark.parametrize("cut", [1, 5, -5])
+def test_a_message_that_ends_inside_a_frame_is_answered_after_the_frames_before_it_then_closed_1007(server, api, cut):
+    sid = api.session()
+    frames = make_frames([sid], 3, seed=9)
+    data = pack_frames(frames)
+    one = len(pack_frames(frames[:1]))
+    url = server.url.replace("http://", "ws://") + "/v1/conv/ws"
+    with ws_connect(url, max_size=None) as ws:
+        ws.send(data[:one + cut] if cut > 0 else data[:cut])    # frame 0 whole, then part of the next
+        got, u = [], msgpack.Unpacker()
+        with pytest.raises(Exception):
+            while True:
+                u.feed(ws.recv(timeout=10))
+                got.extend(u)
+        assert ws.close_code == 1007
+    assert "y" in got[0] and got[0]["id"] == frames[0]["id"]
+    assert got[-1]["id"] is None and "ends inside a frame" in got[-1]["error"]["message"]

@@ -84,3 +84,7 @@ class WebSocketEndpoint:
                 return
             if not await p.feed(data):
                 return
+            if p.whole != p.fed:                # each message holds whole frames (the contract a client reads by)
+                p.set_fatal(BadRequest(f"a WebSocket message ends inside a frame ({p.fed - p.whole} bytes left "
+                                       "over); send each frame whole in one binary message"))
+                return
