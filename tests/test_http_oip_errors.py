@@ -71,6 +71,8 @@ CASES = {
     "two inputs": (lambda: _with(_body(), lambda o: o["inputs"].append(dict(o["inputs"][0]))), 400,
                    "bad_request", ["2 inputs"]),
     "unknown output": (lambda: _body(outputs=[{"name": "logits"}]), 400, "bad_request", ["'logits'", "'y'"]),
+    "an output twice": (lambda: _body(outputs=[{"name": "y"}, {"name": "y"}]), 400, "bad_request",
+                        ["2 outputs", "'y'"]),
     "unknown output parameter": (lambda: _body(outputs=[{"name": "y", "parameters": {"classification": 2}}]),
                                  400, "bad_request", ["'classification'", "binary_data"]),
     "other model_name": (lambda: _body(model_name="mamba"), 400, "bad_request", ["'mamba'", "'conv'"]),

@@ -246,6 +246,9 @@ class InferParser:
             return default
         if type(outputs) is not list:
             raise BadRequest("'outputs' must be a list of requested outputs {name, parameters}")
+        if len(outputs) > 1:
+            raise BadRequest(f"'outputs' names {len(outputs)} outputs; the model has one, {OUTPUT!r}: request it "
+                             "once")
         binary = default
         for i, out in enumerate(outputs):
             if type(out) is not dict:
