@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -146,7 +147,7 @@ def bind_socket(settings: Settings, listen: bool = True):
     return sock
 
 
-#: descriptors this process keeps open for its life (the state directory's lock)
+#: descriptors serve() keeps open while it runs (the state directory's lock)
 _held: list = []
 
 
@@ -239,6 +240,15 @@ def run_app(settings: Settings, app, sockets=None) -> int:
 
 
 def serve(settings: Settings, key_on_command_line: bool = False) -> int:
+    """Run the server until it stops; its exit status. The state directory's lock is released on every return."""
+    try:
+        return _serve(settings, key_on_command_line)
+    finally:
+        while _held:
+            os.close(_held.pop())
+
+
+def _serve(settings: Settings, key_on_command_line: bool) -> int:
     from convserve.service import logs
 
     logs.configure(settings.log_level, secrets=[settings.api_key_value()])

@@ -300,6 +300,23 @@ def test_a_second_server_on_a_state_dir_in_use_exits_2_and_the_first_keeps_its_f
         again.kill()
 
 
+def test_serve_releases_the_state_dirs_lock_when_it_returns(tmp_path, capsys):
+    import socket
+
+    from convserve.service import cli
+
+    with socket.socket() as taken:                    # every start fails on the port, after taking the lock
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        settings = load_settings({"state_dir": str(tmp_path), "workers": "0", "port": str(taken.getsockname()[1]),
+                                  "dim": "32", "device": "cpu"})
+        for _ in range(2):
+            assert cli.serve(settings) == 2
+            assert not cli._held
+    err = capsys.readouterr().err
+    assert err.count("convserve: cannot listen") == 2 and "another running server" not in err
+
+
 @pytest.mark.parametrize("bad", [{"state_dir": "FILE"}, {"snapshot_interval_s": "0"}, {"snapshot_keep": "0"},
                                  {"snapshot_timeout_s": "-1"}])
 def test_bad_snapshot_settings_are_config_errors_naming_the_setting(tmp_path, bad):
