@@ -172,3 +172,10 @@ def test_a_missing_tensor_and_a_too_deeply_nested_body_say_so():
         wire.decode_tensor(None)
     with pytest.raises(BadRequest, match="nested too deeply"):
         wire.unpackb(b"\x91" * 5000 + b"\xc0", 1 << 20)
+    with pytest.raises(BadRequest, match="FormatError: not a msgpack value"):
+        wire.unpackb(b"\xc1\x00", 1 << 20)
+    u = msgpack.Unpacker()
+    u.feed(b"\x91" * 3000 + b"\x01")
+    with pytest.raises(msgpack.exceptions.StackError) as e:
+        next(u)
+    assert wire.why_not_msgpack(e.value) == "nested too deeply"

@@ -152,8 +152,17 @@ def unpackb(data: bytes, max_bytes: int, max_objects: Optional[int] = None) -> A
                          "(use /v1/conv/stream for many)") from None
     except (ValueError, msgpack.UnpackException, TypeError) as e:
         raise bound_error(e, "the body") or BadRequest(
-            f"the body is not valid msgpack ({type(e).__name__}: {str(e) or 'nested too deeply'}); send one "
+            f"the body is not valid msgpack ({type(e).__name__}: {why_not_msgpack(e)}); send one "
             "msgpack map encoded with bin types for bytes") from None
+
+
+def why_not_msgpack(e: Exception) -> str:
+    """What msgpack's error says, or, for the two it raises without a message, what they mean."""
+    if str(e):
+        return str(e)
+    if isinstance(e, msgpack.exceptions.StackError):
+        return "nested too deeply"
+    return "not a msgpack value" if isinstance(e, msgpack.exceptions.FormatError) else "malformed"
 
 
 def bound_error(e: Exception, what: str) -> Optional[PayloadTooLarge]:

@@ -134,7 +134,7 @@ class Pipeline:
             except Exception as e:  # noqa: BLE001 - msgpack raises several types for bad input
                 too_large = wire.bound_error(e, f"frame {self.nframes}")
                 self.set_fatal(too_large or BadRequest(f"frame {self.nframes} is not valid msgpack "
-                                                       f"({type(e).__name__}: {str(e) or 'not a msgpack value'}); "
+                                                       f"({type(e).__name__}: {wire.why_not_msgpack(e)}); "
                                                        "the stream ends here"))
                 return False
             self.whole = unpacker.tell()
