@@ -78,7 +78,7 @@ def test_a_stream_with_a_content_length_runs_its_frames_as_they_arrive_not_once_
         s.sendall(body[-100:])
 
 
-@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+@pytest.mark.parametrize("framing", ["content-length", pytest.param("chunked", marks=pytest.mark.slow)])
 def test_a_stream_client_that_reads_nothing_is_cut_off_after_body_timeout_s_and_the_server_stops(framing):
     # its unread answers fill the socket: the server resets the connection (a close would wait, forever, for the
     # client to read them, and hold up the server's shutdown)

@@ -281,7 +281,7 @@ def test_sessions_beyond_the_new_pool_are_logged_as_not_restored_and_answer_410(
         srv.kill()
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", ["in-process", pytest.param("engine processes", marks=pytest.mark.slow)])
 def test_a_second_server_on_a_state_dir_in_use_exits_2_and_the_first_keeps_its_files(tmp_path, layout):
     first = serve(tmp_path, layout)
     try:
