@@ -11,6 +11,16 @@ from typing import Optional
 import torch
 
 PAD_SLOT_ID = -1
+#: keyword arguments of the seed's API that the public functions take and do not need (any other is a TypeError)
+SEED_EXTRAS = frozenset(("metadata", "seq_lens_cpu"))
+
+
+def check_extras(kwargs: dict, fn: str) -> None:
+    """TypeError naming the keyword arguments of ``kwargs`` that are not :data:`SEED_EXTRAS` (a misspelled
+    ``conv_state_indices`` must not silently update the wrong rows)."""
+    bad = sorted(k for k in kwargs if k not in SEED_EXTRAS)
+    if bad:
+        raise TypeError(f"{fn}() got unexpected keyword argument(s) {', '.join(map(repr, bad))}")
 
 #: Widths the kernels are built for. Widths 2-4 are what Mamba/Mamba2/Qwen3-Next use; 5-8 are extra.
 MIN_WIDTH, MAX_WIDTH = 2, 8
