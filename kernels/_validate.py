@@ -90,6 +90,10 @@ def check_prefill(x, weight, bias, conv_states, query_start_loc, cache_indices, 
         raise _fail("x", "dtype bfloat16, float16 or float32", x.dtype)
     dim, total = x.shape
     device = x.device
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] != dim:
+        hint = "; a token-major x is x.t()" if total == weight.shape[0] else ""
+        raise _fail("x", f"shape (dim, total_tokens) with dim = weight.shape[0] = {weight.shape[0]}{hint}",
+                    tuple(x.shape))
     width = check_weight_bias(weight, bias, dim, device)
     if conv_states is not None:
         check_state("conv_states", conv_states, dim, width, device)
@@ -136,6 +140,13 @@ def check_update(x, conv_state, weight, bias, activation, cache_seqlens, conv_st
     if seqlen < 1:
         raise _fail("x", "seqlen (x.shape[2]) >= 1", seqlen)
     device = x.device
+    if isinstance(weight, torch.Tensor) and weight.dim() in (2, 3) and weight.shape[-2] != dim:
+        if weight.dim() == 3 and weight.shape[1] == 1 and weight.shape[0] == dim:
+            raise _fail("weight", f"shape (dim={dim}, width) (nn.Conv1d's (dim, 1, width) is weight.squeeze(1); a "
+                        "3-D weight is (groups, dim, width))", tuple(weight.shape))
+        hint = "; a (batch, seqlen, dim) x is x.transpose(1, 2)" if x.shape[-1] == weight.shape[-2] else ""
+        raise _fail("x", f"shape (batch, dim) or (batch, dim, seqlen) with dim = weight.shape[-2] = "
+                    f"{weight.shape[-2]}{hint}", tuple(x.shape))
     if isinstance(weight, torch.Tensor) and weight.dim() == 3:
         # stacked weights of several layers: conv_state's lines split into weight.shape[0] equal groups
         groups = weight.shape[0]

@@ -61,3 +61,21 @@ def test_update_takes_the_seeds_extras_and_none_as_pad_slot_id_and_refuses_other
     with pytest.raises(TypeError, match="'conv_state_indice'"):
         fn(x, s2, w, conv_state_indice=idx)
     assert torch.equal(s2, st)
+
+
+@pytest.mark.parametrize("op", list(PREFILL_OPS))
+def test_a_token_major_prefill_x_is_named_with_the_fix(op, kernel_device):
+    x, w, st, qsl, ci, hs = _prefill_args(kernel_device)
+    with pytest.raises(ValueError, match=r"^x: expected shape \(dim, total_tokens\) with dim = weight.shape\[0\] = 16; "
+                                         r"a token-major x is x.t\(\)"):
+        PREFILL_OPS[op](x.t().contiguous(), w, None, st, qsl, ci, hs)
+
+
+@pytest.mark.parametrize("op", list(UPDATE_OPS))
+def test_a_sequence_major_update_x_and_a_conv1d_weight_are_named_with_the_fix(op, kernel_device):
+    x, w, st, idx = _update_args(kernel_device)
+    with pytest.raises(ValueError, match=r"^x: .*dim = weight.shape\[-2\] = 16; a \(batch, seqlen, dim\) x is "
+                                         r"x.transpose\(1, 2\)"):
+        UPDATE_OPS[op](torch.randn(3, 2, DIM, device=kernel_device), st, w)
+    with pytest.raises(ValueError, match=r"^weight: .*nn.Conv1d's \(dim, 1, width\) is weight.squeeze\(1\)"):
+        UPDATE_OPS[op](x, st, w[:, None, :])
