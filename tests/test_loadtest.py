@@ -124,6 +124,17 @@ def test_compare_exits_nonzero_on_an_injected_regression_and_zero_otherwise(serv
     assert _run(tmp_path, server, *args, "--compare", str(tmp_path / "other.json"))[0] == 2
 
 
+def test_a_baseline_without_this_runs_steps_is_refused_before_any_load_is_sent(tmp_path, capsys):
+    # no server at all: the mismatch is found first, so nothing is sent (and no connection error comes first)
+    base = tmp_path / "base.json"
+    base.write_text(json.dumps({"steps": [{"label": "c=64"}, {"label": "rate=100"}]}))
+    rc = main(["--url", "http://127.0.0.1:9", "--concurrency", "2,8", "--duration", "1", "--compare", str(base)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "['c=2', 'c=8']" in err and "c=64" in err and "cannot reach" not in err
+    main(["--url", "http://127.0.0.1:9", "--rate", "100", "--duration", "1", "--compare", str(base)])
+    assert "none of this run's steps" not in capsys.readouterr().err      # rate=100 matches: it goes on to run
+
+
 @pytest.mark.parametrize("scenario, source", [("decode-heavy", "server"), ("spec", "server"), ("decode-heavy", "file")])
 def test_verify_passes_against_the_served_weights(server, weights, tmp_path, scenario, source):
     # --verify alone takes the server's GET /v1/model/weights (digest-checked); with a path, that file

@@ -169,6 +169,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except (OSError, ValueError) as e:
             print(f"convserve-loadtest: --compare {args.compare}: cannot read a JSON result ({e})", file=sys.stderr)
             return EXIT_USAGE
+        # checked before the load runs: a run with no step to compare would be wasted
+        planned = [f"c={c}" for c in args.concurrency] if args.concurrency is not None else \
+            [f"rate={float(r):g}" for r in args.rate]
+        base = [st.get("label") for st in baseline.get("steps", [])] if isinstance(baseline, dict) else []
+        if not set(planned) & set(base):
+            print(f"convserve-loadtest: --compare {args.compare}: none of this run's steps {planned} is in the "
+                  f"baseline (its steps: {base}); steps are matched by label: run the same --concurrency or "
+                  "--rate levels", file=sys.stderr)
+            return EXIT_USAGE
     try:
         result = _run_loop(run(args), args.loop)
     except SetupError as e:
