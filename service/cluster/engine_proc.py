@@ -232,8 +232,8 @@ class EngineProcess:
 
         if timeout > 0 and not self.outbox:
             # Poll without sleeping for up to engine_busy_poll_us after the last message: a sleeping CPU takes
-            # a wake-up to notice the next one (hundreds of µs on a VM whose idle vCPUs halt), and a steady
-            # caller's next request usually comes within a round trip. Idle, the pump sleeps at once.
+            # a wake-up to notice the next one (slow where idle CPUs halt, as a VM's do), and a steady caller's
+            # next request usually comes within a round trip. Idle, the pump sleeps at once.
             t0 = now = time.monotonic()
             end = min(self._last_io + self._busy_poll_s, t0 + timeout)
             ready: dict = {}

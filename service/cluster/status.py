@@ -123,10 +123,14 @@ class DownClock:
     def dead_reason(self) -> Optional[str]:
         """What a request is told while engines are down since their process died (None: none is)."""
         dead = self.dead()
-        n = len(dead)
-        return None if not n else (f"engine process{'es' * (n > 1)} {', '.join(map(str, dead))} died and "
-                                   f"{'are' if n > 1 else 'is'} being restarted without {'their' if n > 1 else 'its'} "
-                                   "sessions (they answer 410 state_lost once it is back); retry")
+        if not dead:
+            return None
+        names = ", ".join(map(str, dead))
+        if len(dead) == 1:
+            return (f"engine process {names} died and is being restarted without its sessions (they answer 410 "
+                    "state_lost once it is back); retry")
+        return (f"engine processes {names} died and are being restarted without their sessions (they answer 410 "
+                "state_lost once their engine is back); retry")
 
     def longest(self, now: float) -> tuple:
         """``(engine, seconds)`` of the engine down the longest, or ``(None, 0.0)``."""

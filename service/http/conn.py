@@ -55,7 +55,7 @@ def _response(status: int, reason: bytes, code: str, message: str, retry_after: 
 _FILL_FROM = 1 << 16
 
 
-#: the routes whose body is consumed as it arrives (frames), which the one-piece buffer would hold back
+#: the route whose body is consumed as it arrives (frames), which the one-piece buffer would hold back
 _STREAMED = "/v1/conv/stream"
 
 
@@ -65,7 +65,7 @@ def _reset(transport) -> None:
     sock = transport.get_extra_info("socket")
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    except (OSError, AttributeError):
+    except (OSError, AttributeError):     # no socket to set it on: abort() alone still drops the connection
         pass
     transport.abort()
 
