@@ -15,12 +15,15 @@ PAD_SLOT_ID = -1
 SEED_EXTRAS = frozenset(("metadata", "seq_lens_cpu"))
 
 
-def check_extras(kwargs: dict, fn: str) -> None:
-    """TypeError naming the keyword arguments of ``kwargs`` that are not :data:`SEED_EXTRAS` (a misspelled
-    ``conv_state_indices`` must not silently update the wrong rows)."""
+def seed_args(kwargs: dict, pad_slot_id, fn: str) -> int:
+    """``pad_slot_id`` for a call in the seed's conventions: None (its "no pad marker") is the default marker, as
+    rows outside the pool are skipped anyway. TypeError naming the keyword arguments of ``kwargs`` that are not
+    :data:`SEED_EXTRAS` (a misspelled ``conv_state_indices`` must not silently update the wrong rows). Callers
+    skip it when neither applies: ``if kwargs or pad_slot_id is None``."""
     bad = sorted(k for k in kwargs if k not in SEED_EXTRAS)
     if bad:
         raise TypeError(f"{fn}() got unexpected keyword argument(s) {', '.join(map(repr, bad))}")
+    return PAD_SLOT_ID if pad_slot_id is None else pad_slot_id
 
 #: Widths the kernels are built for. Widths 2-4 are what Mamba/Mamba2/Qwen3-Next use; 5-8 are extra.
 MIN_WIDTH, MAX_WIDTH = 2, 8

@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from ._validate import PAD_SLOT_ID, check_extras, check_out, check_prefill, check_update
+from ._validate import PAD_SLOT_ID, check_out, check_prefill, check_update, seed_args
 
 
 def _depthwise(xe: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], n_out: int,
@@ -50,10 +50,8 @@ def causal_conv1d_ref(
     query_start_loc: (batch + 1,) int; cache_indices: (batch,) int or None; has_initial_state: (batch,) bool or None.
     ``compute_dtype`` lets tests run the same code in float64.
     """
-    if kwargs:
-        check_extras(kwargs, "causal_conv1d_ref")
-    if pad_slot_id is None:
-        pad_slot_id = PAD_SLOT_ID
+    if kwargs or pad_slot_id is None:   # the seed's conventions (_validate.seed_args)
+        pad_slot_id = seed_args(kwargs, pad_slot_id, "causal_conv1d_ref")
     dim, total, width, batch, act = check_prefill(x, weight, bias, conv_states, query_start_loc, cache_indices,
                                                    has_initial_state, activation)
     if out is None:
@@ -103,10 +101,8 @@ def causal_conv1d_update_ref(
     x: (batch, dim) or (batch, dim, seqlen); conv_state: (num_cache_lines, dim, state_len >= width - 1);
     weight: (dim, width), or (groups, dim, width) with bias (groups, dim): line l uses group l // (lines / groups).
     """
-    if kwargs:
-        check_extras(kwargs, "causal_conv1d_update_ref")
-    if pad_slot_id is None:
-        pad_slot_id = PAD_SLOT_ID
+    if kwargs or pad_slot_id is None:   # the seed's conventions (_validate.seed_args)
+        pad_slot_id = seed_args(kwargs, pad_slot_id, "causal_conv1d_update_ref")
     batch, dim, seqlen, width, act = check_update(x, conv_state, weight, bias, activation, cache_seqlens,
                                                   conv_state_indices, num_accepted_tokens,
                                                   intermediate_conv_window, output_state_indices)

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from ._validate import PAD_SLOT_ID, check_extras, check_out, check_prefill, check_update
+from ._validate import PAD_SLOT_ID, check_out, check_prefill, check_update, seed_args
 
 
 _scratch_local = threading.local()
@@ -90,10 +90,8 @@ def causal_conv1d_fn_torch(
     conv_states: (num_cache_lines, dim, state_len >= width - 1) or None, updated in place;
     query_start_loc: (batch + 1,) int; cache_indices: (batch,) int or None; has_initial_state: (batch,) bool or None.
     """
-    if kwargs:
-        check_extras(kwargs, "causal_conv1d_fn_torch")
-    if pad_slot_id is None:
-        pad_slot_id = PAD_SLOT_ID
+    if kwargs or pad_slot_id is None:   # the seed's conventions (_validate.seed_args)
+        pad_slot_id = seed_args(kwargs, pad_slot_id, "causal_conv1d_fn_torch")
     dim, total, width, batch, act = check_prefill(x, weight, bias, conv_states, query_start_loc, cache_indices,
                                                    has_initial_state, activation)
     if out is None:
@@ -171,10 +169,8 @@ def causal_conv1d_update_torch(
     intermediate_conv_window: (batch, seqlen, dim, >= width - 1) or None; output_state_indices: (batch, seqlen) int
     or None.
     """
-    if kwargs:
-        check_extras(kwargs, "causal_conv1d_update_torch")
-    if pad_slot_id is None:
-        pad_slot_id = PAD_SLOT_ID
+    if kwargs or pad_slot_id is None:   # the seed's conventions (_validate.seed_args)
+        pad_slot_id = seed_args(kwargs, pad_slot_id, "causal_conv1d_update_torch")
     batch, dim, seqlen, width, act = check_update(x, conv_state, weight, bias, activation, cache_seqlens,
                                                   conv_state_indices, num_accepted_tokens,
                                                   intermediate_conv_window, output_state_indices)

@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from .._launch import ABSENT, LaunchPlan, PlanCache, add_guard, tensor_key
-from .._validate import PAD_SLOT_ID, check_extras, check_out, check_update
+from .._validate import PAD_SLOT_ID, check_out, check_update, seed_args
 from .chunked import chunked_plan
 from .dense import dense_applies, dense_plan
 from .pairs import pairs_applies, pairs_plan
@@ -111,10 +111,8 @@ def causal_conv1d_update(
     Unlike the seed, which overwrote ``x`` and returned it, the result is a new tensor (or ``out``); ``x`` is
     never written. Arithmetic is fp32, offsets 64-bit, and nothing waits on the device (graph-capturable).
     """
-    if kwargs:
-        check_extras(kwargs, "causal_conv1d_update")
-    if pad_slot_id is None:      # the seed's "no pad marker": rows outside the pool are skipped anyway
-        pad_slot_id = PAD_SLOT_ID
+    if kwargs or pad_slot_id is None:   # the seed's conventions (_validate.seed_args)
+        pad_slot_id = seed_args(kwargs, pad_slot_id, "causal_conv1d_update")
     # A layout seen before launches at once: the guards kept for x's shape, the activation and pad_slot_id
     # (_PLANS.guards, filled by _update_slow) check every tensor's shape, strides, dtype and device in one C++
     # call. Everything else (first calls, bad arguments, validate_data, empty x) takes _update_slow, which checks

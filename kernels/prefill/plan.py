@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from .._launch import ABSENT, PlanCache, add_guard, tensor_key
-from .._validate import PAD_SLOT_ID, check_extras, check_out, check_prefill
+from .._validate import PAD_SLOT_ID, check_out, check_prefill, seed_args
 from .body_channels_first import channels_first_body_plans
 from .body_channels_last import channels_last_body_plan
 from .heads import heads_plan
@@ -85,10 +85,8 @@ def causal_conv1d_fn(
         sequences are zero. Empty sequences leave their state untouched. Arithmetic is fp32 throughout, offsets
         are 64-bit, and nothing here waits on the device, so the call can be captured in a CUDA graph.
     """
-    if kwargs:
-        check_extras(kwargs, "causal_conv1d_fn")
-    if pad_slot_id is None:      # the seed's "no pad marker": rows outside the pool are skipped anyway
-        pad_slot_id = PAD_SLOT_ID
+    if kwargs or pad_slot_id is None:   # the seed's conventions (_validate.seed_args)
+        pad_slot_id = seed_args(kwargs, pad_slot_id, "causal_conv1d_fn")
     # A layout seen before launches at once: the guards kept for x's shape, the activation and pad_slot_id
     # (_PLANS.guards, filled by _prefill_slow) check every tensor's shape, strides, dtype and device in one C++
     # call. Everything else (first calls, bad arguments, validate_data, empty x) takes _prefill_slow, which checks
