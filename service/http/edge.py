@@ -17,7 +17,8 @@ from fastapi import FastAPI
 from convserve.clients.protocol.errors import ServiceError
 from convserve.service.http.asgi import (CLIENT_CLOSED, CLIENT_CLOSED_STATUS, ERROR_SCOPE_KEY, ROUTE_SCOPE_KEY, header,
                                          wants_json)
-from convserve.service.http.errors import HTTP_CODES, as_service_error, render_error, send_error, unauthorized
+from convserve.service.http.errors import (HTTP_CODES, as_service_error, bearer_key, render_error, send_error,
+                                          unauthorized)
 from convserve.service.http.oip_wire import send_oip_error
 from convserve.service.http.parse import check_query
 from convserve.service.http.replica import check_path_session, replica_header, with_replica_header
@@ -39,18 +40,15 @@ class Edge:
     def __init__(self, app, metrics: Metrics, api_key: Optional[str], access: bool):
         self.app = app
         self.metrics = metrics
-        self.auth_value = ("Bearer " + api_key).encode() if api_key else None
+        self.key = api_key.encode() if api_key else None
         self.access = access
 
     def _authorized(self, scope) -> bool:
         path = scope["path"]
-        if self.auth_value is None or not path.startswith(_GUARDED) or path.startswith(_OPEN):
+        if self.key is None or not path.startswith(_GUARDED) or path.startswith(_OPEN):
             return True
-        got = header(scope, b"authorization")
-        if got is None:
-            return False
-        # the scheme's name is case-insensitive (RFC 9110 11.1); the key is compared in constant time
-        return got[:7].lower() == b"bearer " and hmac.compare_digest(got[7:].strip(), self.auth_value[7:])
+        got = bearer_key(header(scope, b"authorization"))
+        return got is not None and hmac.compare_digest(got, self.key)     # in constant time
 
     async def __call__(self, scope, receive, send):
         await self.serve(scope, receive, send, self.app)

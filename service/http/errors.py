@@ -95,13 +95,21 @@ def as_service_error(exc: BaseException) -> ServiceError:
                     "report it with the server log")
 
 
+def bearer_key(value: Optional[bytes]) -> Optional[bytes]:
+    """The key of an ``Authorization: Bearer <key>`` header value (the scheme's name in any case, RFC 9110 11.1);
+    None when there is no such header or it names another scheme."""
+    if value is None or value[:7].lower() != b"bearer ":
+        return None
+    return value[7:].strip()
+
+
 def unauthorized(given: Optional[bytes] = None) -> Unauthorized:
     """The 401 for a request whose ``Authorization`` header was ``given`` (None: absent). The key itself is never
     repeated."""
     if given is None:
         return Unauthorized("this server needs an API key: send 'Authorization: Bearer <key>' (the key given to "
                             "`convserve serve --api-key`)")
-    if given[:7].lower() != b"bearer ":
+    if bearer_key(given) is None:
         return Unauthorized("the Authorization header is not 'Bearer <key>': send the key given to `convserve "
                             "serve --api-key` as 'Authorization: Bearer <key>'")
     return Unauthorized("the API key sent is not this server's: send the key given to `convserve serve "
