@@ -147,10 +147,6 @@ def bind_socket(settings: Settings, listen: bool = True):
     return sock
 
 
-#: descriptors serve() keeps open while it runs (the state directory's lock)
-_held: list = []
-
-
 def cannot_listen(settings: Settings, e: OSError) -> str:
     """The one line ``serve`` ends with when :func:`bind_socket` fails (the port is taken, or not ours), whichever
     the layout (engine processes, or ``--workers 0``); the exit status is 2."""
@@ -241,14 +237,15 @@ def run_app(settings: Settings, app, sockets=None) -> int:
 
 def serve(settings: Settings, key_on_command_line: bool = False) -> int:
     """Run the server until it stops; its exit status. The state directory's lock is released on every return."""
+    held: list = []                     # descriptors kept open while the server runs (the state directory's lock)
     try:
-        return _serve(settings, key_on_command_line)
+        return _serve(settings, key_on_command_line, held)
     finally:
-        while _held:
-            os.close(_held.pop())
+        for fd in held:
+            os.close(fd)
 
 
-def _serve(settings: Settings, key_on_command_line: bool) -> int:
+def _serve(settings: Settings, key_on_command_line: bool, held: list) -> int:
     from convserve.service import logs
 
     logs.configure(settings.log_level, secrets=[settings.api_key_value()])
@@ -268,7 +265,7 @@ def _serve(settings: Settings, key_on_command_line: bool) -> int:
 
         try:
             # held (open) until this process exits: the engine processes and workers are its children
-            _held.append(lock_state_dir(settings.state_dir))
+            held.append(lock_state_dir(settings.state_dir))
             prepare_state_dir(settings.state_dir, len(devices) if workers > 0 else 1)
         except OSError as e:
             log.error("cannot use the state directory", extra={"state_dir": str(settings.state_dir),

@@ -25,7 +25,6 @@ onto engines that no longer own them.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
@@ -52,16 +51,15 @@ def lock_state_dir(folder) -> int:
     """Create ``folder`` and take its lock (``flock`` on ``folder/lock``) for this server's life: two servers
     writing snapshots into one directory would rotate out, and restore, each other's files. Returns the lock's
     descriptor (keep it open); :class:`StateDirInUse` when another server holds it."""
+    from .cluster.run_dirs import take_lock
+
     folder = str(folder)
     os.makedirs(folder, exist_ok=True)
-    fd = os.open(os.path.join(folder, STATE_LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return take_lock(os.path.join(folder, STATE_LOCK))
     except BlockingIOError:
-        os.close(fd)
         raise StateDirInUse(f"another running server uses it (it holds {STATE_LOCK} there); give each server "
                             "its own --state-dir") from None
-    return fd
 
 
 def prepare_state_dir(folder, n_engines: int) -> None:

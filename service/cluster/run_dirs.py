@@ -33,9 +33,19 @@ def make_run_dir(root: Optional[str]) -> tuple[str, int]:
     """A new run directory under ``root`` (the system's temporary directory when None) and the descriptor of its
     lock, locked: keep it open for as long as the server runs."""
     path = tempfile.mkdtemp(prefix=f"convserve-{os.getpid()}-", dir=root)
-    fd = os.open(os.path.join(path, LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    return path, fd
+    return path, take_lock(os.path.join(path, LOCK))
+
+
+def take_lock(path: str) -> int:
+    """The descriptor of ``path`` (created when missing), locked (``flock``, exclusive) for as long as it stays
+    open; BlockingIOError when another open file holds the lock."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def sweep_dead(root: Optional[str], min_age_s: float = MIN_AGE_S) -> list[str]:
