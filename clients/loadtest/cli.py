@@ -170,8 +170,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"convserve-loadtest: --compare {args.compare}: cannot read a JSON result ({e})", file=sys.stderr)
             return EXIT_USAGE
         # checked before the load runs: a run with no step to compare would be wasted
-        planned = [f"c={c}" for c in args.concurrency] if args.concurrency is not None else \
-            [f"rate={float(r):g}" for r in args.rate]
+        planned = step_labels(args)
         base = [st.get("label") for st in baseline.get("steps", [])] if isinstance(baseline, dict) else []
         if not set(planned) & set(base):
             print(f"convserve-loadtest: --compare {args.compare}: none of this run's steps {planned} is in the "
@@ -303,6 +302,13 @@ class _QuietGC:
         return False
 
 
+def step_labels(args) -> list:
+    """Each step's label, as results and ``--compare`` match steps by: ``c=N`` (closed loop) or ``rate=R``."""
+    if args.concurrency is not None:
+        return [f"c={int(c)}" for c in args.concurrency]
+    return [f"rate={float(r):g}" for r in args.rate]
+
+
 async def run(args) -> dict:
     import httpx
 
@@ -324,6 +330,7 @@ async def run(args) -> dict:
                   frontend_spec=frontend and args.spec_k is not None)
     mode = "closed" if args.concurrency is not None else "open"
     levels = args.concurrency if mode == "closed" else args.rate
+    labels = step_labels(args)
     top = max(levels)
     n_conn = max(8, min(1024, int(top) * 4 if mode == "closed" else args.max_inflight))
     url = args.url[0] if args.url and len(args.url) == 1 else args.url     # several: the routing client
@@ -374,7 +381,7 @@ async def run(args) -> dict:
             conc = int(level) if mode == "closed" else None
             conns = args.connections or auto_connections(args.transport, conc, len(info["layers"]), args.inflight)
             transport = make_transport(client, "unary" if frontend else args.transport, conns, args.inflight)
-            label = f"c={conc}" if mode == "closed" else f"rate={level:g}"
+            label = labels[i]
             rec = Recorder(0.0)
             kw = dict(seed=args.seed + i, max_retries=args.max_retries, verifier=verifier, max_requests=args.requests)
             drv = FrontendDriver(client, info, wl, rec, **kw) if frontend else Driver(client, transport, info, wl,
