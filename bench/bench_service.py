@@ -116,7 +116,12 @@ def serve(device: str, server_args: list, cpus: Optional[set] = None, timeout: f
     log lines in a RuntimeError, if it exits or is not ready within ``timeout`` seconds."""
     cmd = [sys.executable, "-m", "convserve.service", "serve", "--host", "127.0.0.1", "--port", "0", "--device", device,
            *server_args]
-    srv = Proc(cmd, env={"OMP_NUM_THREADS": "1"} if device == "cpu" else None, cpus=cpus)
+    return wait_ready(Proc(cmd, env={"OMP_NUM_THREADS": "1"} if device == "cpu" else None, cpus=cpus), timeout)
+
+
+def wait_ready(srv: Proc, timeout: float = 600) -> Proc:
+    """``srv`` once its /readyz is 200 (``.url`` set); stopped, with its last log lines in a RuntimeError, if it
+    exits or is not ready within ``timeout`` seconds."""
     import httpx
 
     url = f"http://127.0.0.1:{srv.port}"

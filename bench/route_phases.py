@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from bench_service import Proc  # noqa: E402
+from bench_service import Proc, wait_ready  # noqa: E402
 from cpuset import cpu_set  # noqa: E402
 from convserve.clients.client import AsyncConvClient  # noqa: E402
 from convserve.clients.loadtest.stats import percentile  # noqa: E402
@@ -96,8 +96,8 @@ def main() -> None:
                "--port", "0", "--device", args.device, "--slots", str(max(map(int, args.sessions.split(","))) + 16),
                "--dim", str(args.dim), "--layers", ",".join(map(str, range(args.layers))), "--workers=0",
                "--client-shm"]
-        srv = Proc(cmd, env={"OUT": out_dir, "BENCH_MALLOC": malloc}, cpus=args.server_cpus)
-        url = f"http://127.0.0.1:{srv.port}"
+        srv = wait_ready(Proc(cmd, env={"OUT": out_dir, "BENCH_MALLOC": malloc}, cpus=args.server_cpus))
+        url = srv.url
         try:
             for n in map(int, args.sessions.split(",")):
                 for sealed in (True, False):

@@ -3,7 +3,8 @@
     PYTHONPATH=src python bench/step_pieces.py --leg verify     # 64 sessions x 4 tokens, 8 layers, + accept_batch
     PYTHONPATH=src python bench/step_pieces.py --leg decode     # the same sessions, one plain token each
 
-The engine runs with null kernels (``bench_engine._null_kernels``) at a small dim, driven like
+On the CPU the engine runs with null kernels (``bench_engine._null_kernels``) at a small dim; with ``--device cuda``
+(``--dim 4096``) with its real kernels, copies and graphs. It is driven like
 ``bench_engine.run_step_verify``: each round submits one batch per layer and waits for it, then (verify) one
 ``accept_batch``. Each engine method named in ``PIECES`` is wrapped with a timer (a few hundred ns per call), so
 its p50 per call and its sum per round are printed, on whichever thread runs it: the caller's (submit, check,
@@ -59,6 +60,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=4, help="verify tokens per session")
     ap.add_argument("--rounds", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--device", default="cpu", help="cpu (null kernels) or cuda (the real kernels, graphs and copies)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     sys.setswitchinterval(500e-6)                     # as bench_engine.py and `convserve serve` set it
@@ -67,8 +69,8 @@ def main(argv=None) -> int:
         if name in vars(owner):
             _wrap(times, owner, name)
     model = ConvModel.random(8, dim=args.dim, width=4, dtype=torch.bfloat16, seed=0)
-    ns = argparse.Namespace(sessions_list=[256], max_batch_tokens=8192, delay_us=200, device="cpu",
-                            null_kernels=True, caller_step_max_tokens=None)
+    ns = argparse.Namespace(sessions_list=[256], max_batch_tokens=8192, delay_us=200, device=args.device,
+                            null_kernels=args.device == "cpu", caller_step_max_tokens=None)
     e = be.make_engine(ns, model, max_batch_size=max(256, args.sessions))
     n, k, verify = args.sessions, args.tokens, args.leg == "verify"
     rng = random.Random(1)
@@ -91,7 +93,8 @@ def main(argv=None) -> int:
     finally:
         e.stop(drain=False)
     r = rounds[args.warmup:]
-    print(f"{args.leg}: {n} sessions, 8 layers x dim {args.dim}, null kernels; round p50 "
+    kernels = "null kernels" if ns.null_kernels else f"kernels on {args.device}"
+    print(f"{args.leg}: {n} sessions, 8 layers x dim {args.dim}, {kernels}; round p50 "
           f"{statistics.median(r) / 1e3:.0f} us, min {min(r) / 1e3:.0f} us")
     for label, v in sorted(times.items(), key=lambda kv: -sum(kv[1])):
         print(f"  {label:<36} per round {len(v) / args.rounds:4.1f}  p50 {statistics.median(v) / 1e3:8.1f} us  "
