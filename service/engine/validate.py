@@ -15,10 +15,14 @@ from ..model import DTYPE_NAMES, MODEL_DTYPES
 
 
 def all_finite(t: torch.Tensor) -> bool:
-    """No NaN or Inf in ``t``: one pass of ``torch.aminmax`` (a NaN anywhere makes both ends NaN, an Inf makes
-    one end infinite), with no temporary the size of ``t`` (it runs per request, on the caller's thread, over
-    every token of a batch)."""
+    """No NaN or Inf in ``t``, with no temporary the size of ``t`` (it runs per request, on the caller's thread,
+    over every token of a batch). First one ``sum``, about twice as fast as ``aminmax`` on the CPU: IEEE addition
+    keeps a NaN, and an Inf unless an opposite Inf turns it into a NaN, so a finite sum proves every element
+    finite. A sum that is not finite (an Inf or NaN, or finite values whose sum overflows the dtype) is settled by
+    ``torch.aminmax``: a NaN anywhere makes both ends NaN, an Inf makes one end infinite."""
     if t.numel() == 0:
+        return True
+    if math.isfinite(t.sum().item()):
         return True
     lo, hi = torch.aminmax(t)
     return math.isfinite(lo.item()) and math.isfinite(hi.item())
