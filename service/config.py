@@ -447,7 +447,12 @@ class Settings(BaseSettings):
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
                                    file_secret_settings):
-        return (init_settings, env_settings, _FileSource(settings_cls))
+        def env_without_service_links() -> dict:
+            values = env_settings()
+            if is_service_link("CONVSERVE_PORT", _environ().get("CONVSERVE_PORT", "")):
+                values.pop("port", None)
+            return values
+        return (init_settings, env_without_service_links, _FileSource(settings_cls))
 
 
 def _usable_cores() -> int:
@@ -504,6 +509,26 @@ def read_config_file(path: Path) -> dict:
 
 #: CONVSERVE_ variables that are not settings: the config file's path, and the clients' server URL
 NOT_SETTINGS = frozenset({"CONVSERVE_CONFIG", "CONVSERVE_URL"})
+# What Kubernetes puts in every pod's environment for a Service named convserve in its namespace (docker/k8s has
+# one), unless the pod spec says enableServiceLinks: false: CONVSERVE_SERVICE_HOST, CONVSERVE_SERVICE_PORT[_<NAME>],
+# CONVSERVE_PORT=tcp://<ip>:<port> and CONVSERVE_PORT_<port>_<PROTO>[_PROTO|_PORT|_ADDR]. None is a setting.
+_SERVICE_LINK = re.compile(r"CONVSERVE_(SERVICE_HOST|SERVICE_PORT(_[A-Z0-9_]+)?|PORT_\d+_(TCP|UDP|SCTP)(_PROTO|_PORT|_ADDR)?)")
+_SERVICE_LINK_URL = re.compile(r"(tcp|udp|sctp)://", re.I)
+
+
+def is_service_link(name: str, value: str) -> bool:
+    """Is environment variable ``name=value`` one of Kubernetes' service links for a Service named convserve
+    (ignored: a pod may get them from any such Service in its namespace)? ``CONVSERVE_PORT`` is one only when its
+    value is a URL (``tcp://10.0.0.1:8000``); as a number it is the port setting."""
+    if name == "CONVSERVE_PORT":
+        return bool(_SERVICE_LINK_URL.match(value))
+    return bool(_SERVICE_LINK.fullmatch(name))
+
+
+def _environ():
+    import os
+
+    return os.environ
 
 
 def load_settings(overrides: Optional[dict] = None, config_file: Optional[Path] = None) -> Settings:
@@ -516,8 +541,8 @@ def load_settings(overrides: Optional[dict] = None, config_file: Optional[Path] 
     from pydantic import ValidationError
 
     global _file_data
-    unknown = sorted(k for k in os.environ if k.startswith("CONVSERVE_") and k not in NOT_SETTINGS
-                     and k[len("CONVSERVE_"):].lower() not in Settings.model_fields)
+    unknown = sorted(k for k, v in os.environ.items() if k.startswith("CONVSERVE_") and k not in NOT_SETTINGS
+                     and k[len("CONVSERVE_"):].lower() not in Settings.model_fields and not is_service_link(k, v))
     if unknown:         # a misspelt variable would otherwise leave its setting at its default, unnoticed
         raise ConfigError(f"unknown environment variable(s) {', '.join(unknown)}: no such setting (the settings are "
                           "the flags of `convserve serve --help`, as CONVSERVE_<NAME>); fix or unset them")

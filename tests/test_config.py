@@ -254,3 +254,42 @@ def test_print_config_asking_for_cuda_on_a_machine_without_it_is_the_config_erro
     assert cli_main(["serve", "--print-config", *flags]) == 2
     err = capsys.readouterr().err
     assert err.startswith("convserve: ") and "CUDA" in err and "Traceback" not in err
+
+
+# what Kubernetes injects into every pod of a namespace with a Service named convserve (docker/k8s/services.yaml)
+SERVICE_LINKS = {"CONVSERVE_SERVICE_HOST": "10.96.0.12", "CONVSERVE_SERVICE_PORT": "8000",
+                 "CONVSERVE_SERVICE_PORT_HTTP": "8000", "CONVSERVE_PORT": "tcp://10.96.0.12:8000",
+                 "CONVSERVE_PORT_8000_TCP": "tcp://10.96.0.12:8000", "CONVSERVE_PORT_8000_TCP_PROTO": "tcp",
+                 "CONVSERVE_PORT_8000_TCP_PORT": "8000", "CONVSERVE_PORT_8000_TCP_ADDR": "10.96.0.12"}
+
+
+@pytest.mark.parametrize("port_flag", [None, 9123])
+def test_kubernetes_service_links_are_ignored_not_settings(monkeypatch, port_flag):
+    for k, v in SERVICE_LINKS.items():
+        monkeypatch.setenv(k, v)
+    s = load_settings({"port": port_flag} if port_flag else None)
+    assert s.port == (port_flag or 8000)
+
+
+def test_a_numeric_convserve_port_is_still_the_port_beside_service_links(monkeypatch):
+    for k, v in SERVICE_LINKS.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("CONVSERVE_PORT", "9001")
+    assert load_settings().port == 9001
+
+
+@pytest.mark.parametrize("name", ["CONVSERVE_SERVICE_HOSTNAME", "CONVSERVE_PORT_8000", "CONVSERVE_PORT_X_TCP",
+                                  "CONVSERVE_PROT"])
+def test_near_misses_of_service_links_are_still_unknown_variables(monkeypatch, name):
+    monkeypatch.setenv(name, "1")
+    with pytest.raises(ConfigError, match=name):
+        load_settings()
+
+
+def test_serve_starts_its_config_with_service_links_in_a_real_process(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONVSERVE_")}
+    env.update(SERVICE_LINKS)
+    r = subprocess.run([sys.executable, "-m", "convserve.service", "serve", "--print-config", "--device", "cpu"],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["port"] == 8000
