@@ -51,6 +51,7 @@ class Arena:
         self.path = path
         self.size = size
         self.mm, self.base = map_file(path, size, create=True)
+        self._fd = os.open(path, os.O_RDWR)   # kept to back each newly carved block (_back)
         self._top = 0                       # bump pointer: [0, _top) has been carved into blocks
         self._free: dict[int, list[int]] = {}
         self.in_use = 0                     # blocks leased and not yet returned
@@ -65,7 +66,7 @@ class Arena:
         if free:
             off = free.pop()
             self.reused += 1
-        elif self._top + cls <= self.size:
+        elif self._top + cls <= self.size and self._back(self._top, cls):
             off = self._top
             self._top += cls
         else:
@@ -77,12 +78,25 @@ class Arena:
         self.leases += 1
         return off, arr
 
+    def _back(self, off: int, n: int) -> bool:
+        """Allocate the file's pages under a block about to be carved. The file is sparse (its pages come at first
+        touch), so on a full tmpfs (a container's small /dev/shm) that first write would kill the process with
+        SIGBUS; here it is ENOSPC instead, and the request goes inline (``inline``)."""
+        try:
+            os.posix_fallocate(self._fd, off, n)
+        except OSError:
+            return False
+        return True
+
     def _release(self, off: int, cls: int) -> None:
         self.in_use -= 1
         self._free.setdefault(cls, []).append(off)
 
     def close(self, unlink: bool = True) -> None:
         self.base = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
         try:
             self.mm.close()
         except BufferError:          # a response still holds a view: the mapping goes with the process
