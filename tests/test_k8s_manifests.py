@@ -1,10 +1,13 @@
 """docker/k8s/: every manifest validates against the Kubernetes API's JSON schemas (kubernetes-validate, offline,
 strict: an unknown or misspelled field fails), and holds the invariants the service needs: one GPU per pod,
 probes on the right routes, a grace period above shutdown_timeout_s, a /dev/shm that fits the workers' arenas, the
-API key from a mounted Secret, the replica name from the pod's name."""
+API key from a mounted Secret, the replica name from the pod's name, no service-link variables in any pod, a proxy
+that resolves the replicas by their fully qualified name."""
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -46,7 +49,7 @@ def test_kustomization_lists_every_manifest():
 
 
 def env_of(container) -> dict:
-    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
 
 
 def test_statefulset_serves_one_gpu_per_stable_pod_with_its_probes_and_graceful_stop():
@@ -100,6 +103,43 @@ def test_services_pdb_and_proxy_select_what_they_should():
     assert pdb["spec"]["selector"]["matchLabels"].items() <= pods.items() and pdb["spec"]["maxUnavailable"] == 1
 
 
+def pod_templates() -> list[tuple[str, dict]]:
+    """Every pod template of the manifests (workloads' spec.template, a CronJob's jobTemplate), by kind/name."""
+    out = []
+    for _, d in documents():
+        spec = d.get("spec", {})
+        if "jobTemplate" in spec:
+            spec = spec["jobTemplate"]["spec"]
+        if "template" in spec:
+            out.append((f"{d['kind']}/{d['metadata']['name']}", spec["template"]))
+    return out
+
+
+def test_no_pod_gets_service_link_variables():
+    # the Service `convserve` would give every pod of the namespace CONVSERVE_SERVICE_HOST, CONVSERVE_PORT=tcp://...,
+    # CONVSERVE_PORT_8000_TCP... (Docker-link-style variables), which the settings loader takes for settings
+    templates = pod_templates()
+    assert {"StatefulSet/convserve", "Deployment/convserve-proxy"} <= {name for name, _ in templates}
+    for name, template in templates:
+        assert template["spec"].get("enableServiceLinks") is False, name
+
+
+def test_the_proxy_resolves_the_replicas_by_their_fully_qualified_name():
+    # HAProxy's resolvers do not apply resolv.conf's search domains (parse-resolv-conf takes only the nameservers):
+    # a bare "convserve-headless" is asked as it is, and cluster DNS answers NXDOMAIN
+    cfg = by_kind("ConfigMap")["data"]["haproxy.cfg"]
+    (line,) = [ln.strip() for ln in cfg.splitlines() if ln.strip().startswith("server-template ")]
+    m = re.fullmatch(r'server-template \S+ \d+ "([^"]+)" .*\bresolvers cluster\b.*', line)
+    assert m, line                                   # double-quoted: HAProxy expands variables only there
+    assert m.group(1) == "convserve-headless.${POD_NAMESPACE}.svc.${CLUSTER_DOMAIN}:8000"
+    (c,) = by_kind("Deployment")["spec"]["template"]["spec"]["containers"]
+    env = env_of(c)
+    assert env["POD_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    assert env["CLUSTER_DOMAIN"] == "cluster.local"
+    # every variable the configuration uses is set in the container
+    assert set(re.findall(r"\$\{(\w+)", cfg)) <= set(env)
+
+
 def test_the_proxy_configuration_is_valid_haproxy_that_hashes_the_session_header(tmp_path):
     cfg = by_kind("ConfigMap")["data"]["haproxy.cfg"]
     assert "balance hdr(X-Session-Id)" in cfg and "hash-type consistent" in cfg
@@ -107,5 +147,9 @@ def test_the_proxy_configuration_is_valid_haproxy_that_hashes_the_session_header
     if haproxy is None:
         pytest.skip("haproxy is not installed (apt-get install haproxy; .ci/run does it): syntax not checked")
     (tmp_path / "haproxy.cfg").write_text(cfg)
-    r = subprocess.run([haproxy, "-c", "-f", str(tmp_path / "haproxy.cfg")], capture_output=True, text=True)
+    # the container's environment, the downward API's namespace as a kubelet would fill it
+    (c,) = by_kind("Deployment")["spec"]["template"]["spec"]["containers"]
+    env = {k: v if isinstance(v, str) else "ns" for k, v in env_of(c).items()}
+    r = subprocess.run([haproxy, "-c", "-f", str(tmp_path / "haproxy.cfg")], capture_output=True, text=True,
+                       env={**os.environ, **env})
     assert r.returncode == 0, r.stdout + r.stderr
