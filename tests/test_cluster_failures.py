@@ -382,3 +382,33 @@ def test_healthz_fails_once_an_engine_stays_down_longer_than_engine_down_unhealt
         _wait(lambda: httpx.get(srv.url + "/healthz").status_code == 200, timeout=5, what="healthy again")
     finally:
         srv.kill()
+
+
+def test_after_sigterm_new_connections_are_refused_at_once_while_the_workers_drain():
+    import socket
+
+    srv = LiveServer(["--layers", "1", "--dim", str(DIM), "--dtype", "float32", "--slots", "8", "--workers", "1",
+                      "--devices", "cpu", "--shutdown-timeout-s", "4"])
+    held = socket.create_connection(("127.0.0.1", srv.port))
+    try:
+        # a request whose body never ends: the worker's drain waits for it (up to shutdown_timeout_s)
+        held.sendall(b"POST /v1/sessions HTTP/1.1\r\nhost: x\r\ncontent-type: application/msgpack\r\n"
+                     b"content-length: 100\r\n\r\n\x80")
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        refused = None
+        while time.monotonic() - t0 < 5:
+            try:
+                socket.create_connection(("127.0.0.1", srv.port), timeout=1).close()
+            except ConnectionRefusedError:
+                refused = time.monotonic() - t0
+                break
+            except OSError:
+                pass
+            time.sleep(0.05)
+        assert refused is not None and refused < 2.0, "new connections were not refused during the drain"
+        assert srv.proc.poll() is None, "the server should still be draining the held request"
+    finally:
+        held.close()
+        assert srv.terminate() == 0

@@ -202,9 +202,12 @@ class Supervisor:
 
     def _stop_all(self) -> None:
         workers, engines = stop_budgets(self.settings)
-        self._stop(self.workers, workers)
+        # the listening socket first: while any process holds it open the kernel completes new connections into
+        # its backlog, where they would wait out the workers' drain and then be reset instead of refused at once
         if self.sock is not None:
             self.sock.close()
+            self.sock = None
+        self._stop(self.workers, workers)
         self._stop(self.engines, engines)
         for c in self.engines:
             self.status.set_state(c.index, STOPPED)
