@@ -353,6 +353,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-batch-tokens", type=int, default=8192)
     ap.add_argument("--caller-step-max-tokens", type=int, default=None,
                     help="the engine's caller_step_max_tokens (default: the engine's, 512 on CUDA, 0 on the CPU)")
+    ap.add_argument("--torch-threads", type=int, default=None,
+                    help="torch's intra-op threads (default: torch's own; `convserve serve` sets 1 on CUDA)")
     ap.add_argument("--null-kernels", action="store_true", help="CPU only: kernels that do nothing (host cost)")
     ap.add_argument("--sizes", default=None, choices=["cuda", "cpu"],
                     help="scenario sizes (dim, sessions, step-* shapes): default those of --device; 'cuda' on the "
@@ -371,6 +373,8 @@ def main(argv=None) -> int:
         ap.error("--device cuda but torch sees no CUDA device; use --device cpu")
     if args.null_kernels and on_cuda:
         ap.error("--null-kernels is for the CPU (on CUDA the host time is measured apart from the GPU already)")
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     switch = sys.getswitchinterval()
     sys.setswitchinterval(args.gil_switch_interval_us * 1e-6)
     try:
@@ -431,7 +435,8 @@ def _run(args, on_cuda: bool) -> int:
            "host": platform.node(), "cpu_count": os.cpu_count(),
            "model": {"layers": args.layers, "dim": args.dim, "width": args.width, "dtype": args.dtype},
            "delay_us": args.delay_us, "max_batch_tokens": args.max_batch_tokens, "rounds": args.rounds,
-           "null_kernels": args.null_kernels, "gil_switch_interval_us": args.gil_switch_interval_us}
+           "null_kernels": args.null_kernels, "gil_switch_interval_us": args.gil_switch_interval_us,
+           "torch_threads": torch.get_num_threads()}
     try:
         import triton
         env["triton"] = triton.__version__

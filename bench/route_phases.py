@@ -3,6 +3,7 @@ p50 per call, in one run.
 
     python bench/route_phases.py --device cuda --server-cpus 0-3 --client-cpus 4-7 --out bench/results/F.json
     python bench/route_phases.py --malloc ",33554432,268435456"   # the server's glibc tuning, then fixed values
+    python bench/route_phases.py --threads ",4"    # the server's own torch threads, then 4 (host copies, checks)
 
 The server is ``bench/route_phases_server.py`` (``convserve serve --workers 0`` with timers on the route's
 pieces: body read, parse and the shared-memory view, the engine's checks, staging copy and enqueue, the step when
@@ -82,6 +83,8 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=3.0, help="seconds per cell")
     ap.add_argument("--malloc", default="", help="';'-separated server allocator settings: '' (the server's own "
                     "tuning) or '<mmap threshold>,<trim threshold>'")
+    ap.add_argument("--threads", default="", help="';'-separated torch intra-op thread counts for the server's "
+                    "engine ('' = the server's own choice), one server each")
     ap.add_argument("--server-cpus", type=cpu_set, default=None)
     ap.add_argument("--client-cpus", type=cpu_set, default=None)
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/route-phases-<gpu>-<date>.json)")
@@ -91,12 +94,13 @@ def main() -> None:
         torch.set_num_threads(len(args.client_cpus))
     out_dir = os.environ.get("OUT") or "/tmp"
     results = {}
-    for malloc in args.malloc.split(";"):
+    for malloc, threads in [(m, t) for m in args.malloc.split(";") for t in args.threads.split(";")]:
         cmd = [sys.executable, str(ROOT / "bench" / "route_phases_server.py"), "serve", "--host", "127.0.0.1",
                "--port", "0", "--device", args.device, "--slots", str(max(map(int, args.sessions.split(","))) + 16),
                "--dim", str(args.dim), "--layers", ",".join(map(str, range(args.layers))), "--workers=0",
                "--client-shm"]
-        srv = wait_ready(Proc(cmd, env={"OUT": out_dir, "BENCH_MALLOC": malloc}, cpus=args.server_cpus))
+        env = {"OUT": out_dir, "BENCH_MALLOC": malloc, "BENCH_THREADS": threads}
+        srv = wait_ready(Proc(cmd, env=env, cpus=args.server_cpus))
         url = srv.url
         try:
             for n in map(int, args.sessions.split(",")):
@@ -104,7 +108,8 @@ def main() -> None:
                     asyncio.run(drive(url, n, 0.5, sealed, args.dim, args.layers))       # warm-up
                     phases(srv.proc.pid, out_dir)
                     lat = sorted(asyncio.run(drive(url, n, args.duration, sealed, args.dim, args.layers)))
-                    key = f"{'sealed' if sealed else 'body'}-c{n}" + (f"-malloc{malloc}" if malloc else "")
+                    key = f"{'sealed' if sealed else 'body'}-c{n}" + (f"-malloc{malloc}" if malloc else "") + \
+                        (f"-threads{threads}" if threads else "")
                     results[key] = {"client_p50_us": round(percentile(lat, 0.5) * 1e6, 1),
                                     "client_p90_us": round(percentile(lat, 0.9) * 1e6, 1), "calls": len(lat),
                                     "server_p50_us": {k: v["p50_us"] for k, v in

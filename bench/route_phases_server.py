@@ -3,7 +3,8 @@ timers live in this process). Used by ``bench/route_phases.py``; not a product e
 
 On SIGUSR1 it writes the p50 of each piece since the last SIGUSR1 to ``$OUT/phases-<pid>.json`` and starts
 counting again. ``BENCH_MALLOC="<mmap threshold>,<trim threshold>"`` replaces the server's own glibc tuning
-(``heap_keep_bytes``) with those two values, to compare allocator settings on the same code.
+(``heap_keep_bytes``) with those two values, to compare allocator settings on the same code. ``BENCH_THREADS=n``
+sets torch's intra-op threads to n once the engine is built (the server sets 1 on CUDA).
 """
 
 from __future__ import annotations
@@ -62,6 +63,17 @@ def main() -> int:
             libc.mallopt(cli.M_MMAP_THRESHOLD, mmap_threshold)
             libc.mallopt(cli.M_TRIM_THRESHOLD, trim_threshold)
         cli.tune_malloc = tune
+    threads = os.environ.get("BENCH_THREADS")
+    if threads:
+        import torch
+
+        build = cli.build_engine
+
+        def build_engine(settings):
+            engine = build(settings)
+            torch.set_num_threads(int(threads))
+            return engine
+        cli.build_engine = build_engine
     signal.signal(signal.SIGUSR1, dump)
     return cli.main(sys.argv[1:])
 
