@@ -281,8 +281,7 @@ def _serve(settings: Settings, key_on_command_line: bool, held: list) -> int:
             print(f"convserve: {supervisor.start_error or 'the engine could not be built; see the log above'}",
                   file=sys.stderr)
             return EXIT_CONFIG
-        log.info("stopped")
-        return rc
+        return _stopped(rc)
     # --workers 0: the engine in this process, beside the HTTP loop
     from convserve.service.http.app import create_app
 
@@ -305,8 +304,19 @@ def _serve(settings: Settings, key_on_command_line: bool, held: list) -> int:
 
         snapshots = Snapshotter(engine, settings, 0, 1, devices[0])
     rc = run_app(settings, create_app(settings, engine, snapshots=snapshots), sockets=[sock])
+    if rc == 0 and snapshots is not None and snapshots.final_failed:
+        rc = EXIT_FAILED         # the sessions since the last good snapshot are lost: say so to whatever restarts us
+    return _stopped(rc)
+
+
+def _stopped(rc: int) -> int:
+    """The last log line of a serve that ran: ``stopped``, or, for a non-zero exit (a process that failed to stop
+    cleanly, a final snapshot not written), an error saying so."""
     if rc == 0:
         log.info("stopped")
+    else:
+        log.error("stopped with a failure (see the errors above: a process did not stop cleanly, or a final "
+                  "snapshot was not written)", extra={"exit_code": rc})
     return rc
 
 

@@ -104,6 +104,7 @@ class Snapshotter:
         self.interval = settings.snapshot_interval_s
         self.restarted = restarted
         self.on_written = on_written         # called with last() after each write (an engine process publishes it)
+        self.final_failed = False            # set by stop_engine: the final snapshot was not written
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
@@ -141,14 +142,16 @@ class Snapshotter:
             self._thread.start()
         return self.restored
 
-    def stop_engine(self, drain: bool = True, timeout: Optional[float] = None) -> None:
-        """Stop the periodic writer, stop the engine (draining), write every session."""
+    def stop_engine(self, drain: bool = True, timeout: Optional[float] = None) -> bool:
+        """Stop the periodic writer, stop the engine (draining), write every session. False (and
+        ``final_failed``) when the final snapshot could not be taken or written: the process then exits non-zero,
+        so whatever restarts it can tell that the sessions since the last good snapshot are lost."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
         self.engine.stop(drain, timeout)
         if self.engine.pool is None:
-            return                                   # never started: nothing to write
+            return True                              # never started: nothing to write
         t0 = time.perf_counter()
         try:
             cap = self.engine.capture_snapshot(self._meta())
@@ -156,8 +159,10 @@ class Snapshotter:
             log.exception("taking the final snapshot failed")
             with self._lock:
                 self._st["failures"] += 1
-            return
-        self._write(cap, t0, "final")
+            self.final_failed = True
+            return False
+        self.final_failed = not self._write(cap, t0, "final")
+        return not self.final_failed
 
     def write_now(self, kind: str = "periodic") -> bool:
         """Take a snapshot of the running engine and write it (blocks until written); False when it failed or

@@ -339,3 +339,21 @@ def test_a_state_dir_that_cannot_be_created_exits_2_before_the_model_is_built(tm
     monkeypatch.setattr(cli, "build_engine", no_model)
     assert cli.serve(Settings(state_dir=tmp_path / "FILE" / "sub", workers=0)) == cli.EXIT_CONFIG
     assert "state_dir" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_final_snapshot_that_cannot_be_written_makes_the_server_exit_1_not_0(tmp_path, layout):
+    state = tmp_path / "state"
+    srv = serve(state, layout)
+    try:
+        c = Client(srv.url)
+        for sid in ids(2, layout):
+            c.create(sid)
+            c.conv(sid, 0, 2, seed=3)
+        os.rename(state, tmp_path / "moved")     # the directory goes, and a file takes its name: every write fails
+        (tmp_path / "state").write_text("not a directory")
+        assert srv.terminate() == 1
+        assert any("writing a snapshot failed" in m for m in srv.log_messages())
+        assert "stopped" not in srv.log_messages()
+    finally:
+        srv.kill()

@@ -49,6 +49,7 @@ from .status import BUILT, STOPPED, UP, StatusTable
 log = logging.getLogger("convserve.engine_proc")
 
 EXIT_BUILD = 3        # the model or engine could not be built or started: restarting would not help
+EXIT_SNAPSHOT = 1     # stopped, but its final snapshot was not written (logged): the supervisor exits 1 too
 
 
 class Journal:
@@ -184,8 +185,9 @@ class EngineProcess:
 
     # ------------------------------------------------------------------ serving
 
-    def serve(self) -> None:
-        """The main thread: publish the slot counts until SIGTERM, then drain the engine and close."""
+    def serve(self) -> bool:
+        """The main thread: publish the slot counts until SIGTERM, then drain the engine and close. False when
+        the final snapshot could not be written."""
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         self.status.set_state(self.index, UP)
@@ -194,8 +196,9 @@ class EngineProcess:
         while not stop.wait(1.0):
             self._publish_slots()
         self.status.set_state(self.index, STOPPED)
+        written = True
         if self.snapshots is not None:
-            self.snapshots.stop_engine(True, self.settings.shutdown_timeout_s)
+            written = self.snapshots.stop_engine(True, self.settings.shutdown_timeout_s)
         else:
             self.engine.stop(True, self.settings.shutdown_timeout_s)
         self.pump_ident = threading.get_ident()       # the worker thread is gone: the socket is this thread's
@@ -204,6 +207,7 @@ class EngineProcess:
         self._flush()
         self.sock.close(0)
         self.ctx.term()
+        return written
 
     def _refuse_rest(self) -> None:
         """After the drain: every request still unread is answered ``503 not_ready`` (it did not run), so no
@@ -531,6 +535,6 @@ def main(spec: dict) -> None:
     # start-up is over (the engine is warm, its graphs captured): out of the cyclic GC's sight (gcfreeze.py)
     frozen = freeze_startup_objects()
     log.info("start-up objects frozen out of the cyclic GC", extra={"engine": proc.index, "objects": frozen})
-    proc.serve()
+    written = proc.serve()
     thaw()                      # the interpreter's exit sees every object again (gcfreeze.py)
-    sys.exit(0)
+    sys.exit(0 if written else EXIT_SNAPSHOT)
