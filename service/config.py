@@ -134,6 +134,10 @@ class Settings(BaseSettings):
         "wake-up of a sleeping CPU; it keeps one core busy while requests come closer together than this, none "
         "when idle; 'auto': 2000 when the usable cores leave one spare per engine beyond one per worker and per "
         "engine, else 0 (sleep at once)")
+    engine_stats_timeout_s: float = Field(2.0, gt=0, le=600, description="with engine processes: seconds a "
+                                          "/metrics scrape waits for each engine's counters; an engine that does "
+                                          "not answer in time is left out of that scrape and shows as not "
+                                          "answering in /readyz")
     engine_reply_timeout_s: Optional[float] = Field(None, gt=0, description="with engine processes: seconds an "
                                                     "HTTP worker waits for an engine's answer to a conv or session "
                                                     "operation before it answers 504 engine_timeout (the request "

@@ -257,3 +257,19 @@ def counters_of(stats: dict) -> dict:
     flat: dict = {}
     _flatten("", stats, flat, [])
     return {k: v for k, v in flat.items() if k in COUNTER_KEYS}
+
+
+def sum_stats(parts: list) -> dict:
+    """Numbers summed key by key (nested maps too); other values from the first part."""
+    if not parts:
+        return {}
+    out: dict = {}
+    for p in parts:
+        for k, v in p.items():
+            if isinstance(v, dict):
+                out[k] = sum_stats([out[k], v]) if isinstance(out.get(k), dict) else dict(v)
+            elif isinstance(v, (int, float)) and not isinstance(v, bool):
+                out[k] = out.get(k, 0) + v
+            else:
+                out.setdefault(k, v)
+    return out

@@ -40,7 +40,8 @@ from convserve.clients.protocol.errors import (BadRequest, EngineTimeout, Engine
 
 from . import messages as m
 from ..engine.validate import all_finite
-from ..metrics import counters_of
+from ..metrics import counters_of, sum_stats
+from .health import EngineHealth
 from .placement import engine_of, new_id_on, split
 from .shm import Arena
 from .split_batch import check_positions, failure, parts_of, row_indices, sent_or_refused, sub
@@ -83,15 +84,19 @@ class _Link:
         #: so the block is not reused before its late answer (or its cancel's) arrives or its process is gone
         self.orphans: dict[int, tuple] = {}
         self.outq: list = []          # requests without a data frame, sent together at the end of the loop's tick
+        #: loop time a request to it first went unanswered past its deadline, until its next answer of any kind:
+        #: an engine process that is alive but not answering (stopped, wedged) for /readyz and /healthz
+        self.silent_since: Optional[float] = None
 
 
-class RemoteEngine:
+class RemoteEngine(EngineHealth):
     """See the module docstring. ``info`` is engine 0's ``model_info()`` (the model is the same on every engine)."""
 
     def __init__(self, run_dir: str, devices: Sequence[str], worker: int, generation: int, info: dict,
                  arena_bytes: int, check_finite: bool = True, reply_timeout: float = 90.0,
-                 down_unhealthy_s: float = 0.0):
+                 down_unhealthy_s: float = 0.0, stats_timeout: float = 2.0):
         self.run_dir = run_dir
+        self.stats_timeout = stats_timeout      # a scrape's wait for each engine's counters
         self.down_unhealthy_s = down_unhealthy_s
         self.model_dtype = getattr(torch, info["dtype"])
         self.check_finite = check_finite
@@ -165,20 +170,6 @@ class RemoteEngine:
     def ready(self) -> bool:
         return self._any_up                 # kept by _watch: every request reads it
 
-    def not_ready_reason(self) -> Optional[str]:
-        """Why no engine is up when one of them died (it is being restarted without its sessions); None when they
-        are starting for the first time."""
-        self.down.poll(time.monotonic())
-        return self.down.dead_reason()
-
-    def unhealthy_reason(self) -> Optional[str]:
-        """Why this server should be restarted (``/healthz`` fails): an engine down for more than
-        ``down_unhealthy_s`` since its process died (it keeps failing to start: a wedged GPU); else None."""
-        e, s = self.down.longest(time.monotonic())
-        if e is None or not self.down_unhealthy_s or s <= self.down_unhealthy_s:
-            return None
-        return f"engine {e} ({self.devices[e]}) has been down for {s:.0f} s since its process died"
-
     # ------------------------------------------------------------------ description
 
     def model_info(self) -> dict:
@@ -196,24 +187,20 @@ class RemoteEngine:
             self._weights = self._op(up[0], "model_weights")
         return self._weights
 
-    def engines(self) -> list:
-        """Each engine's row of the status table, for ``/readyz`` and the metrics."""
-        return [{"device": d, **self.status.row(e).as_dict()} for e, d in enumerate(self.devices)]
-
     def stats(self) -> dict:
         """Every engine's ``stats()`` that is up, summed (blocking; not on the loop)."""
         parts, per_engine = [], {}
         for e in range(self.n):
             if self.status.state(e)[0] == UP:
                 try:
-                    part = self._call_sync(e, {"k": m.STATS})[0]["ok"]
+                    part = self._call_sync(e, {"k": m.STATS}, timeout=self.stats_timeout)[0]["ok"]
                 except ServiceError:
                     continue
                 parts.append(part)
                 per_engine[e] = counters_of(part)
         for e in range(self.n):                       # (an engine that is down has only this one)
             per_engine.setdefault(e, {})["engine_restarts"] = self.status.row(e).restarts
-        total = _sum_stats(parts)
+        total = sum_stats(parts)
         total["engine_restarts"] = sum(p["engine_restarts"] for p in per_engine.values())
         total["per_engine"] = per_engine     # the counters of each engine (see metrics.EngineCollector)
         dec, pad = total.get("decode_rows", 0), total.get("decode_padded_rows", 0)
@@ -268,6 +255,8 @@ class RemoteEngine:
             now = self.loop.time()
             for link in self.links:
                 state, epoch = self.status.state(link.index)
+                if link.silent_since is not None and (state == DOWN or epoch != link.epoch):
+                    link.silent_since = None         # its process is gone: the next one's silence is its own
                 if (link.pending or link.orphans) and (state == DOWN or epoch != link.epoch):
                     self._fail_pending(link, epoch if state != DOWN else -1)
                 if link.pending:
@@ -283,6 +272,8 @@ class RemoteEngine:
             expired.append(mid)
         if not expired:
             return
+        if link.silent_since is None:
+            link.silent_since = now
         log.error("engine did not answer in time", extra={"engine": link.index, "requests": len(expired),
                                                          "timeout_s": self.reply_timeout})
         for mid in expired:
@@ -310,6 +301,7 @@ class RemoteEngine:
             p.fut.set_exception(err)
 
     def _on_reply(self, link: _Link, frames: list) -> None:
+        link.silent_since = None
         head = msgpack.unpackb(frames[0], raw=False, strict_map_key=False)
         if isinstance(head, list):                              # several answers of one engine step
             for h in head:
@@ -475,7 +467,7 @@ class RemoteEngine:
 
     # ------------------------------------------------------------------ calls and session operations
 
-    async def _call(self, e: int, head: dict, data=None) -> tuple[dict, Any]:
+    async def _call(self, e: int, head: dict, data=None, timeout: Optional[float] = None) -> tuple[dict, Any]:
         epoch = self._target(e)
         link = self.links[e]
         mid = next(self._ids)
@@ -484,12 +476,20 @@ class RemoteEngine:
         what = f"the operation {head['f']}" if head["k"] == m.OP and head["f"] in _WRITES else ""
         link.pending[mid] = _Pending(fut, None, epoch, deadline=self.loop.time() + self.reply_timeout, what=what)
         self._send(link, head, data)
-        return await fut
+        if timeout is None:
+            return await fut
+        try:                                  # a read-only call with a shorter wait of its own (the counters)
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            link.pending.pop(mid, None)
+            if link.silent_since is None:
+                link.silent_since = self.loop.time()
+            raise EngineTimeout(f"engine {e} ({self.devices[e]}) did not answer within {timeout:g} s") from None
 
-    def _call_sync(self, e: int, head: dict, data=None) -> tuple[dict, Any]:
+    def _call_sync(self, e: int, head: dict, data=None, timeout: Optional[float] = None) -> tuple[dict, Any]:
         if self.loop is None:
             raise NotReady("the worker is starting; retry shortly", retry_after=1)
-        return asyncio.run_coroutine_threadsafe(self._call(e, head, data), self.loop).result()
+        return asyncio.run_coroutine_threadsafe(self._call(e, head, data, timeout), self.loop).result()
 
     def _op(self, e: int, name: str, *args, state=None):
         data = None
@@ -581,18 +581,3 @@ class RemoteEngine:
         for e, ss, tt in parts:
             self._op(e, "accept_batch", ss, tt)
 
-
-def _sum_stats(parts: list) -> dict:
-    """Numbers summed key by key (nested maps too); other values from the first part."""
-    if not parts:
-        return {}
-    out: dict = {}
-    for p in parts:
-        for k, v in p.items():
-            if isinstance(v, dict):
-                out[k] = _sum_stats([out[k], v]) if isinstance(out.get(k), dict) else dict(v)
-            elif isinstance(v, (int, float)) and not isinstance(v, bool):
-                out[k] = out.get(k, 0) + v
-            else:
-                out.setdefault(k, v)
-    return out

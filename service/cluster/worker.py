@@ -31,6 +31,6 @@ def main(spec: dict) -> None:
         info = msgpack.unpackb(f.read(), raw=False, strict_map_key=False)
     engine = RemoteEngine(spec["run_dir"], spec["devices"], spec["index"], spec["generation"], info,
                           settings.shm_bytes, settings.check_finite, settings.engine_reply_timeout(),
-                          settings.engine_down_unhealthy_s)
+                          settings.engine_down_unhealthy_s, settings.engine_stats_timeout_s)
     app = create_app(settings, engine)
     sys.exit(run_app(settings, app, sockets=[spec["socket"]]))

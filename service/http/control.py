@@ -67,19 +67,27 @@ def add_control_routes(app: FastAPI, svc: Service) -> None:
     async def readyz(request: Request):
         await no_body(request)
         engines = getattr(engine, "engines", None)
-        if svc.ready and engines is not None:       # engine processes: say which are up (degraded when not all)
+        silent = None
+        if svc.ready and engines is not None:       # engine processes: say which serve (degraded when not all)
             rows = engines()
-            degraded = any(r["state"] != "up" for r in rows)
-            body = json.dumps({"status": "degraded" if degraded else "ready", "engines": rows}).encode()
-            return Response(body, media_type="application/json")
-        if svc.ready and svc.snapshots is not None:    # in-process engine with state_dir: its last snapshot
+            serving = [r for r in rows if r["state"] == "up" and r["unanswered_s"] is None]
+            if serving:
+                status = "degraded" if len(serving) < len(rows) else "ready"
+                return Response(json.dumps({"status": status, "engines": rows}).encode(),
+                                media_type="application/json")
+            # none serves (a death this worker's ready flag has not seen yet, or none answers): 503 below
+            silent = [i for i, r in enumerate(rows) if r["state"] == "up" and r["unanswered_s"] is not None]
+        elif svc.ready and svc.snapshots is not None:  # in-process engine with state_dir: its last snapshot
             body = json.dumps({"status": "ready", "snapshot": svc.snapshots.last()}).encode()
             return Response(body, media_type="application/json")
-        if svc.ready:
+        elif svc.ready:
             return Response(b'{"status":"ready"}', media_type="application/json")
         try:
             svc.require_ready()
-            raise NotReady("not ready")
+            if silent:
+                raise NotReady(f"no engine is answering: engine(s) {', '.join(map(str, silent))} have answered "
+                               "nothing since a request to them went unanswered past its deadline", retry_after=5)
+            raise NotReady("no engine process is up; retry", retry_after=1)
         except NotReady as e:
             accept = header(request.scope, b"accept") or b""
             return error_response(request.scope, e, as_json=b"msgpack" not in accept)  # JSON unless msgpack asked

@@ -1,0 +1,44 @@
+"""What an HTTP worker tells ``/readyz`` and ``/healthz`` about the engine processes: each engine's row of the
+status table, whether it answers, and why the server should be restarted. A part of
+:class:`~convserve.service.cluster.remote.RemoteEngine`, which keeps the state read here (``status``, ``down``,
+``links``, ``devices``, ``down_unhealthy_s``, ``loop``)."""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+
+class EngineHealth:
+    """The health side of :class:`~convserve.service.cluster.remote.RemoteEngine` (see the module docstring)."""
+
+    def not_ready_reason(self) -> Optional[str]:
+        """Why no engine is up when one of them died (it is being restarted without its sessions); None when they
+        are starting for the first time."""
+        self.down.poll(time.monotonic())
+        return self.down.dead_reason()
+
+    def unhealthy_reason(self) -> Optional[str]:
+        """Why this server should be restarted (``/healthz`` fails): an engine down for more than
+        ``down_unhealthy_s`` since its process died (it keeps failing to start: a wedged GPU), or alive but
+        answering nothing for that long since a request to it went past its deadline (stopped, wedged); else
+        None."""
+        if not self.down_unhealthy_s:
+            return None
+        e, s = self.down.longest(time.monotonic())
+        if e is not None and s > self.down_unhealthy_s:
+            return f"engine {e} ({self.devices[e]}) has been down for {s:.0f} s since its process died"
+        for r, (e, d) in zip(self.engines(), enumerate(self.devices)):
+            if (r["unanswered_s"] or 0) > self.down_unhealthy_s:
+                return (f"engine {e} ({d}) has answered nothing for {r['unanswered_s']:.0f} s since a request "
+                        "to it went unanswered past its deadline")
+        return None
+
+    def engines(self) -> list:
+        """Each engine's row of the status table, for ``/readyz`` and the metrics, with ``unanswered_s``: seconds
+        since a request to it went unanswered past its deadline with no answer since (None: it answers)."""
+        now = time.monotonic() if self.loop is None else self.loop.time()
+        silent = [lk.silent_since for lk in self.links] or [None] * self.n
+        return [{"device": d, **self.status.row(e).as_dict(),
+                 "unanswered_s": None if silent[e] is None else round(now - silent[e], 1)}
+                for e, d in enumerate(self.devices)]

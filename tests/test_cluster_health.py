@@ -1,0 +1,90 @@
+"""/readyz, /healthz and /metrics of the multi-process server when an engine process is alive but answers nothing
+(SIGSTOP: as a wedged GPU looks from outside), or has just died. Real processes throughout."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import torch
+
+from convserve.clients.protocol import wire
+from tests.http_api import DIM, Api
+from tests.live import LiveServer
+from tests.test_cluster_failures import _session_on, _wait
+
+BASE = ["--layers", "0,2,5", "--dim", str(DIM), "--width", "4", "--dtype", "float32", "--slots", "64",
+        "--workers", "1", "--shutdown-timeout-s", "5", "--request-timeout-s", "1", "--engine-reply-timeout-s", "5",
+        "--engine-stats-timeout-s", "0.5"]
+
+
+def _get(url, path):
+    r = httpx.get(url + path, timeout=10)
+    return r.status_code, r.json() if r.headers.get("content-type", "").startswith("application/json") else r.text
+
+
+def test_an_engine_that_answers_nothing_shows_in_readyz_keeps_metrics_fast_and_fails_healthz_after_a_while():
+    srv = LiveServer([*BASE, "--devices", "cpu,cpu", "--engine-down-unhealthy-s", "3"])
+    try:
+        api = Api(srv.url)
+        sid = _session_on(api, 0)
+        victim = _get(srv.url, "/readyz")[1]["engines"][0]["pid"]
+        os.kill(victim, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            st, text = _get(srv.url, "/metrics")
+            assert st == 200 and time.monotonic() - t0 < 2.5, "a scrape waits engine_stats_timeout_s, not the reply's"
+            assert "convserve_http_requests_total" in text
+            st, body = _get(srv.url, "/readyz")
+            assert st == 200 and body["status"] == "degraded", body
+            assert body["engines"][0]["unanswered_s"] is not None and body["engines"][1]["unanswered_s"] is None
+            assert _get(srv.url, "/healthz")[0] == 200                     # not for long enough yet
+            _wait(lambda: _get(srv.url, "/healthz")[0] == 503, timeout=10, what="healthz failing")
+            st, body = _get(srv.url, "/healthz")
+            assert "engine 0" in body["reason"] and "answered nothing" in body["reason"], body
+        finally:
+            os.kill(victim, signal.SIGCONT)
+        st, _, _ = api.call("POST", "/v1/conv", {"session": sid, "layer": 0,
+                                                 "x": wire.encode_tensor(torch.randn(1, DIM))})
+        assert st == 200                                                  # an answer clears it
+        st, body = _get(srv.url, "/readyz")
+        assert st == 200 and body["status"] == "ready" and body["engines"][0]["unanswered_s"] is None, body
+        assert _get(srv.url, "/healthz")[0] == 200
+    finally:
+        srv.kill()
+
+
+def test_readyz_is_503_when_the_only_engine_answers_nothing():
+    srv = LiveServer([*BASE, "--devices", "cpu"])
+    try:
+        victim = _get(srv.url, "/readyz")[1]["engines"][0]["pid"]
+        os.kill(victim, signal.SIGSTOP)
+        try:
+            assert _get(srv.url, "/metrics")[0] == 200
+            st, body = _get(srv.url, "/readyz")
+            assert st == 503 and body["error"]["code"] == "not_ready", body
+            assert "no engine is answering" in body["error"]["message"]
+        finally:
+            os.kill(victim, signal.SIGCONT)
+    finally:
+        srv.kill()
+
+
+def test_readyz_never_answers_200_once_the_only_engine_has_died():
+    srv = LiveServer([*BASE, "--devices", "cpu"])
+    try:
+        victim = _get(srv.url, "/readyz")[1]["engines"][0]["pid"]
+        os.kill(victim, signal.SIGKILL)
+        seen = []
+        t_end = time.monotonic() + 1.5
+        while time.monotonic() < t_end:
+            st, body = _get(srv.url, "/readyz")
+            seen.append(st)
+            if st == 200:       # only once it is back: a row that is up and answering
+                assert any(r["state"] == "up" for r in body["engines"]), body
+            time.sleep(0.01)
+        assert 503 in seen
+    finally:
+        srv.kill()
