@@ -150,9 +150,16 @@ def bind_socket(settings: Settings, listen: bool = True):
 def cannot_listen(settings: Settings, e: OSError) -> str:
     """The one line ``serve`` ends with when :func:`bind_socket` fails (the port is taken, or not ours), whichever
     the layout (engine processes, or ``--workers 0``); the exit status is 2."""
+    import errno
+
     log.error("cannot listen", extra={"host": settings.host, "port": settings.port, "error": str(e)})
-    return (f"cannot listen on {settings.host}:{settings.port} ({e.strerror or e}); stop what holds it or pick "
-            "another --port (--port 0 picks a free one)")
+    if e.errno == errno.EADDRNOTAVAIL:
+        fix = "the address is not one of this machine's: pick another --host (0.0.0.0 for every interface)"
+    elif e.errno == errno.EACCES:
+        fix = "a port below 1024 needs privileges: pick another --port (--port 0 picks a free one)"
+    else:
+        fix = "stop what holds it or pick another --port (--port 0 picks a free one)"
+    return f"cannot listen on {settings.host}:{settings.port} ({e.strerror or e}); {fix}"
 
 
 #: descriptors a process needs besides its connections: the listening socket, logs, the engine links, the shared

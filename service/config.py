@@ -319,6 +319,11 @@ class Settings(BaseSettings):
             raise ValueError(f"state_dir: {v} exists and is not a directory")
         return v
 
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _log_level(cls, v):
+        return v.lower() if isinstance(v, str) else v
+
     @field_validator("api_key")
     @classmethod
     def _api_key(cls, v):
@@ -334,9 +339,10 @@ class Settings(BaseSettings):
             try:
                 key = self.api_key_file.read_text().strip()
             except (OSError, UnicodeDecodeError) as e:
-                raise ValueError(f"api_key_file: cannot read {self.api_key_file} ({type(e).__name__})") from None
+                raise ValueError(f"--api-key-file / CONVSERVE_API_KEY_FILE: cannot read {self.api_key_file} "
+                                 f"({type(e).__name__}); mount the key's file there or fix the path") from None
             if not key:
-                raise ValueError(f"api_key_file: {self.api_key_file} is empty")
+                raise ValueError(f"--api-key-file / CONVSERVE_API_KEY_FILE: {self.api_key_file} is empty")
             self.api_key = SecretStr(key)
         return self
 
@@ -441,6 +447,8 @@ class Settings(BaseSettings):
     def resolved_busy_poll_us(self, n_engines: int) -> int:
         """``engine_busy_poll_us``, 'auto' resolved: polling only where a core is left for it (the workers and
         the engines' own threads have one each first)."""
+        if self.workers == 0:
+            return 0                  # no engine processes: the engine runs in the HTTP process
         if self.engine_busy_poll_us != "auto":
             return self.engine_busy_poll_us
         return 2000 if _usable_cores() >= self.resolved_workers(n_engines) + 2 * n_engines else 0
@@ -459,10 +467,41 @@ class Settings(BaseSettings):
         return (init_settings, env_without_service_links, _FileSource(settings_cls))
 
 
+#: where a container's CPU limit is read: cgroup v2's cpu.max ("<quota> <period>" or "max <period>"), else v1's
+CGROUP_CPU_FILES = ("/sys/fs/cgroup/cpu.max", ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us",
+                                               "/sys/fs/cgroup/cpu/cpu.cfs_period_us"))
+
+
+def _cgroup_cpus() -> Optional[float]:
+    """The CPUs this process's cgroup may use (``docker --cpus 2``, a Kubernetes CPU limit), or None when it has
+    no limit or none can be read."""
+    v2, (quota_v1, period_v1) = CGROUP_CPU_FILES
+    try:
+        with open(v2) as f:
+            quota, period = f.read().split()[:2]
+    except (OSError, ValueError):
+        try:
+            with open(quota_v1) as f, open(period_v1) as g:
+                quota, period = f.read().strip(), g.read().strip()
+        except (OSError, ValueError):
+            return None
+    if quota in ("max", "-1"):
+        return None
+    try:
+        q, p = int(quota), int(period)
+    except ValueError:
+        return None
+    return q / p if q > 0 and p > 0 else None
+
+
 def _usable_cores() -> int:
+    """The CPUs this process may run on (its affinity mask), no more than its cgroup's CPU limit (rounded up)."""
+    import math
     import os
 
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    limit = _cgroup_cpus()
+    return cores if limit is None else max(1, min(cores, math.ceil(limit)))
 
 
 #: settings whose values never appear in an error message or a log
@@ -567,6 +606,9 @@ def load_settings(overrides: Optional[dict] = None, config_file: Optional[Path] 
                 where += f" (in config file {config_file})"
             # the value only for a field that is not a secret: a secret's (or the whole input's) never shows
             shown = loc in Settings.model_fields and loc not in SECRET_FIELDS
+            if loc == "settings" and msg.startswith("--"):      # a check across settings that names its own
+                lines.append(msg)
+                continue
             lines.append(f"{where}: {msg}" + (f" (got {err.get('input')!r:.200})" if shown else ""))
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None
     finally:

@@ -293,3 +293,46 @@ def test_serve_starts_its_config_with_service_links_in_a_real_process(tmp_path):
                        env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["port"] == 8000
+
+
+@pytest.mark.parametrize("given,want", [("DEBUG", "debug"), ("Info", "info"), ("warning", "warning")])
+def test_the_log_level_is_taken_in_any_case(given, want):
+    assert load_settings({"log_level": given}).log_level == want
+
+
+def test_an_unreadable_api_key_file_names_the_flag_and_the_variable(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_settings({"api_key_file": str(tmp_path / "missing")})
+    line = str(e.value).splitlines()[-1].strip()
+    assert line.startswith("--api-key-file / CONVSERVE_API_KEY_FILE: cannot read") and "settings:" not in line
+
+
+def test_engine_busy_poll_is_zero_without_engine_processes(monkeypatch):
+    from convserve.service import config
+
+    monkeypatch.setattr(config, "_usable_cores", lambda: 64)
+    assert load_settings({"workers": "0", "engine_busy_poll_us": "auto"}).resolved_busy_poll_us(1) == 0
+
+
+@pytest.mark.parametrize("files,cores,want", [
+    ({"v2": "200000 100000"}, 16, 2),                  # docker --cpus 2
+    ({"v2": "150000 100000"}, 16, 2),                  # 1.5 CPUs: rounded up
+    ({"v2": "max 100000"}, 16, 16),                    # no limit
+    ({"v2": "800000 100000"}, 4, 4),                   # a limit above the affinity mask: the mask
+    ({"q1": "300000", "p1": "100000"}, 16, 3),         # cgroup v1
+    ({"q1": "-1", "p1": "100000"}, 16, 16),
+    ({}, 16, 16),                                      # nothing readable
+    ({"v2": "garbage"}, 16, 16),
+])
+def test_usable_cores_is_the_affinity_mask_capped_by_the_cgroup_cpu_limit(tmp_path, monkeypatch, files, cores, want):
+    import os as _os
+
+    from convserve.service import config
+
+    paths = {k: tmp_path / k for k in ("v2", "q1", "p1")}
+    for k, v in files.items():
+        paths[k].write_text(v + "\n")
+    monkeypatch.setattr(config, "CGROUP_CPU_FILES", (str(paths["v2"]), (str(paths["q1"]), str(paths["p1"]))))
+    monkeypatch.setattr(_os, "sched_getaffinity", lambda pid: set(range(cores)))
+    assert config._usable_cores() == want
+    assert load_settings({"workers": "auto"}).resolved_workers(1) == max(1, min(8, want - 1))

@@ -32,3 +32,11 @@ def test_a_taken_port_exits_2_with_one_line_naming_it_and_no_traceback(workers):
                      "or pick another --port (--port 0 picks a free one)"], r.stderr[-2000:]
     assert "Traceback" not in r.stderr, r.stderr[-2000:]
     assert "engine process started" not in r.stderr          # the port is bound before any engine is spawned
+
+
+def test_an_address_that_is_not_this_machines_says_to_pick_another_host(capsys):
+    from convserve.service.cli import main as cli_main
+
+    assert cli_main(["serve", "--host", "192.0.2.1", "--port", "0", "--workers", "0", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot listen on 192.0.2.1:0" in err and "--host" in err and "stop what holds it" not in err
