@@ -153,3 +153,32 @@ def test_a_client_that_leaves_mid_body_counts_as_499_client_closed_with_no_trace
     assert _labelled(server.url, "convserve_errors_total", route=path, code="client_closed") >= 1
     assert _labelled(server.url, "convserve_http_requests_total", route=path, status="500") == 0
     assert not [line for line in server.raw if "Traceback" in line]
+
+
+@pytest.mark.parametrize("workers", ["0", "1"])
+def test_a_request_cut_off_at_shutdown_timeout_gets_one_503_and_no_traceback(workers):
+    args = ["--layers", "1", "--dim", "8", "--dtype", "float32", "--slots", "4", "--workers", workers,
+            "--device", "cpu", "--shutdown-timeout-s", "1"]
+    srv = LiveServer(args + (["--devices", "cpu"] if workers != "0" else []))
+    held = socket.create_connection(("127.0.0.1", srv.port))
+    try:
+        # a body that never ends: the drain waits for it until shutdown_timeout_s, then cuts it off
+        held.sendall(b"POST /v1/sessions HTTP/1.1\r\nhost: x\r\ncontent-type: application/msgpack\r\n"
+                     b"content-length: 100\r\n\r\n\x80")
+        time.sleep(0.3)
+        assert srv.terminate() == 0
+        held.settimeout(10)
+        data = b""
+        while True:
+            chunk = held.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503"), data[:300]
+        assert msgpack.unpackb(body)["error"]["code"] == "not_ready"
+        assert b"shutdown_timeout_s" in body
+        assert not any("Exception in ASGI application" in m for m in srv.log_messages())
+    finally:
+        held.close()
+        srv.kill()

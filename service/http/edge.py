@@ -7,6 +7,7 @@ requests take the FastAPI app, whose stack holds the same Edge.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -14,7 +15,7 @@ from typing import Optional
 
 from fastapi import FastAPI
 
-from convserve.clients.protocol.errors import ServiceError
+from convserve.clients.protocol.errors import NotReady, ServiceError
 from convserve.service.http.asgi import (CLIENT_CLOSED, CLIENT_CLOSED_STATUS, ERROR_SCOPE_KEY, ROUTE_SCOPE_KEY, header,
                                          wants_json)
 from convserve.service.http.errors import (HTTP_CODES, as_service_error, bearer_key, render_error, send_error,
@@ -79,7 +80,20 @@ class Edge:
                     except ServiceError as e:
                         await send_error(scope, send_wrapper, e)
                         return
-                    await app(scope, receive, send_wrapper)
+                    try:
+                        await app(scope, receive, send_wrapper)
+                    except asyncio.CancelledError:
+                        if status is not None:
+                            raise
+                        # the server stopping cut it off at shutdown_timeout_s (uvicorn cancels what still runs):
+                        # one answer, not uvicorn's plain-text 500 and a traceback in the log
+                        try:
+                            await send_error(scope, send_wrapper, NotReady(
+                                "the server is stopping and cut this request off at shutdown_timeout_s; if it had "
+                                "started it may have been applied (GET the session to see its positions): send it "
+                                "again to another replica, or once this one is back"))
+                        except Exception:  # noqa: BLE001 - the connection is gone: nothing more to send
+                            pass
             finally:
                 route = scope.get("route")
                 label = route.path if route is not None else scope.get(ROUTE_SCOPE_KEY, "unmatched")
