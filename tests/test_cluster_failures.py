@@ -394,7 +394,7 @@ def test_after_sigterm_new_connections_are_refused_at_once_while_the_workers_dra
         # a request whose body never ends: the worker's drain waits for it (up to shutdown_timeout_s)
         held.sendall(b"POST /v1/sessions HTTP/1.1\r\nhost: x\r\ncontent-type: application/msgpack\r\n"
                      b"content-length: 100\r\n\r\n\x80")
-        time.sleep(0.3)
+        time.sleep(1.0)                                       # read by a worker, on a loaded machine too
         t0 = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)
         refused = None

@@ -263,9 +263,15 @@ SERVICE_LINKS = {"CONVSERVE_SERVICE_HOST": "10.96.0.12", "CONVSERVE_SERVICE_PORT
                  "CONVSERVE_PORT_8000_TCP_PORT": "8000", "CONVSERVE_PORT_8000_TCP_ADDR": "10.96.0.12"}
 
 
+# the same for a Service named convserve-proxy in the namespace
+OTHER_SERVICE_LINKS = {"CONVSERVE_PROXY_SERVICE_HOST": "10.96.0.13", "CONVSERVE_PROXY_SERVICE_PORT": "8080",
+                       "CONVSERVE_PROXY_PORT": "tcp://10.96.0.13:8080", "CONVSERVE_PROXY_PORT_8080_TCP_ADDR": "10.96.0.13",
+                       "CONVSERVE_PROXY_PORT_8080_TCP": "tcp://10.96.0.13:8080"}
+
+
 @pytest.mark.parametrize("port_flag", [None, 9123])
 def test_kubernetes_service_links_are_ignored_not_settings(monkeypatch, port_flag):
-    for k, v in SERVICE_LINKS.items():
+    for k, v in {**SERVICE_LINKS, **OTHER_SERVICE_LINKS}.items():
         monkeypatch.setenv(k, v)
     s = load_settings({"port": port_flag} if port_flag else None)
     assert s.port == (port_flag or 8000)

@@ -40,5 +40,5 @@ class EngineHealth:
         now = time.monotonic() if self.loop is None else self.loop.time()
         silent = [lk.silent_since for lk in self.links] or [None] * self.n
         return [{"device": d, **self.status.row(e).as_dict(),
-                 "unanswered_s": None if silent[e] is None else round(now - silent[e], 1)}
+                 "unanswered_s": None if silent[e] is None or now < silent[e] else round(now - silent[e], 1)}
                 for e, d in enumerate(self.devices)]

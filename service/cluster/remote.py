@@ -84,8 +84,9 @@ class _Link:
         #: so the block is not reused before its late answer (or its cancel's) arrives or its process is gone
         self.orphans: dict[int, tuple] = {}
         self.outq: list = []          # requests without a data frame, sent together at the end of the loop's tick
-        #: loop time a request to it first went unanswered past its deadline, until its next answer of any kind:
-        #: an engine process that is alive but not answering (stopped, wedged) for /readyz and /healthz
+        #: loop time a request to it first went unanswered past its deadline (engine_reply_timeout_s after it was
+        #: sent; possibly still ahead), until its next answer of any kind: an engine process alive but not
+        #: answering (stopped, wedged), for /readyz and /healthz
         self.silent_since: Optional[float] = None
 
 
@@ -474,16 +475,20 @@ class RemoteEngine(EngineHealth):
         head.update(i=mid, e=epoch)
         fut = self.loop.create_future()
         what = f"the operation {head['f']}" if head["k"] == m.OP and head["f"] in _WRITES else ""
-        link.pending[mid] = _Pending(fut, None, epoch, deadline=self.loop.time() + self.reply_timeout, what=what)
+        deadline = self.loop.time() + self.reply_timeout
+        link.pending[mid] = _Pending(fut, None, epoch, deadline=deadline, what=what)
         self._send(link, head, data)
         if timeout is None:
             return await fut
         try:                                  # a read-only call with a shorter wait of its own (the counters)
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
-            link.pending.pop(mid, None)
-            if link.silent_since is None:
-                link.silent_since = self.loop.time()
+            # still unanswered (an answer read between the cancel and here has popped it): the engine counts as
+            # silent from the deadline a request has (engine_reply_timeout_s), so a busy engine that answers in
+            # time never does; any answer before then clears it (health.py reads it from that time on)
+            if link.pending.pop(mid, None) is not None and (link.silent_since is None
+                                                            or deadline < link.silent_since):
+                link.silent_since = deadline
             raise EngineTimeout(f"engine {e} ({self.devices[e]}) did not answer within {timeout:g} s") from None
 
     def _call_sync(self, e: int, head: dict, data=None, timeout: Optional[float] = None) -> tuple[dict, Any]:
