@@ -155,7 +155,7 @@ def test_a_client_that_leaves_mid_body_counts_as_499_client_closed_with_no_trace
     assert not [line for line in server.raw if "Traceback" in line]
 
 
-@pytest.mark.parametrize("workers", ["0", "1"])
+@pytest.mark.parametrize("workers", [pytest.param("0", marks=pytest.mark.slow), "1"])
 def test_a_request_cut_off_at_shutdown_timeout_gets_one_503_and_no_traceback(workers):
     args = ["--layers", "1", "--dim", "8", "--dtype", "float32", "--slots", "4", "--workers", workers,
             "--device", "cpu", "--shutdown-timeout-s", "1"]

@@ -341,7 +341,7 @@ def test_a_state_dir_that_cannot_be_created_exits_2_before_the_model_is_built(tm
     assert "state_dir" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", [pytest.param("in-process", marks=pytest.mark.slow), "engine processes"])
 def test_a_final_snapshot_that_cannot_be_written_makes_the_server_exit_1_not_0(tmp_path, layout):
     state = tmp_path / "state"
     srv = serve(state, layout)
