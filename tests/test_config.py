@@ -318,27 +318,3 @@ def test_engine_busy_poll_is_zero_without_engine_processes(monkeypatch):
 
     monkeypatch.setattr(config, "_usable_cores", lambda: 64)
     assert load_settings({"workers": "0", "engine_busy_poll_us": "auto"}).resolved_busy_poll_us(1) == 0
-
-
-@pytest.mark.parametrize("files,cores,want", [
-    ({"v2": "200000 100000"}, 16, 2),                  # docker --cpus 2
-    ({"v2": "150000 100000"}, 16, 2),                  # 1.5 CPUs: rounded up
-    ({"v2": "max 100000"}, 16, 16),                    # no limit
-    ({"v2": "800000 100000"}, 4, 4),                   # a limit above the affinity mask: the mask
-    ({"q1": "300000", "p1": "100000"}, 16, 3),         # cgroup v1
-    ({"q1": "-1", "p1": "100000"}, 16, 16),
-    ({}, 16, 16),                                      # nothing readable
-    ({"v2": "garbage"}, 16, 16),
-])
-def test_usable_cores_is_the_affinity_mask_capped_by_the_cgroup_cpu_limit(tmp_path, monkeypatch, files, cores, want):
-    import os as _os
-
-    from convserve.service import config
-
-    paths = {k: tmp_path / k for k in ("v2", "q1", "p1")}
-    for k, v in files.items():
-        paths[k].write_text(v + "\n")
-    monkeypatch.setattr(config, "CGROUP_CPU_FILES", (str(paths["v2"]), (str(paths["q1"]), str(paths["p1"]))))
-    monkeypatch.setattr(_os, "sched_getaffinity", lambda pid: set(range(cores)))
-    assert config._usable_cores() == want
-    assert load_settings({"workers": "auto"}).resolved_workers(1) == max(1, min(8, want - 1))
