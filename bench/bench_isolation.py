@@ -151,9 +151,10 @@ def engine_stats(url: str) -> dict:
     text = httpx.get(url + "/metrics", timeout=30).text
     out = {}
     for key in ("steps", "tokens", "rows", "decode_rows", "step_seconds"):
-        m = re.search(rf"^convserve_engine_{key}(?:_total)? ([0-9.eE+-]+)$", text, re.M)
-        if m:
-            out[key] = float(m.group(1))
+        # with engine processes one series per engine (label engine): summed
+        vals = re.findall(rf"^convserve_engine_{key}(?:_total)?(?:{{[^}}]*}})? ([0-9.eE+-]+)$", text, re.M)
+        if vals:
+            out[key] = sum(map(float, vals))
     return out
 
 

@@ -231,9 +231,8 @@ def _scrape(url: str) -> dict:
 
     text = httpx.get(url + "/metrics", timeout=10).text
     out = {}
-    for key, name in _METRICS.items():
-        m = re.search(rf"^{name}(?:{{[^}}]*}})? ([0-9.eE+-]+)$", text, re.M)
-        out[key] = float(m.group(1)) if m else 0.0
+    for key, name in _METRICS.items():       # summed over series: with engine processes one per engine
+        out[key] = sum(map(float, re.findall(rf"^{name}(?:{{[^}}]*}})? ([0-9.eE+-]+)$", text, re.M)))
     return out
 
 

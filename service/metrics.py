@@ -208,6 +208,13 @@ class EngineCollector(Collector):
             elif kind == "counter":
                 m = CounterMetricFamily(name, help_)
                 m.add_metric([], value)
+            elif per_engine and any(key in part for part in per_engine.values()):
+                # a gauge of each engine process (its slots, its last step, its prefill budget): one series per
+                # engine too, since a sum of values like these means nothing
+                m = GaugeMetricFamily(name, help_, labels=["engine"])
+                for e, part in sorted(per_engine.items()):
+                    if key in part:
+                        m.add_metric([str(e)], float(part[key]))
             else:
                 m = GaugeMetricFamily(name, help_)
                 m.add_metric([], value)
@@ -247,16 +254,12 @@ def _sanitize(key: str) -> str:
     return "".join(c if c.isalnum() or c == "_" else "_" for c in key)
 
 
-#: the engine.stats() keys exported as counters
-COUNTER_KEYS = frozenset(k for k, (_name, kind, _help) in EngineCollector.KNOWN.items() if kind == "counter")
-
-
-def counters_of(stats: dict) -> dict:
-    """The counters of one engine's ``stats()``, flattened as the collector names them (``snapshot.writes`` is
-    ``snapshot_writes``): what ``per_engine`` holds for each engine process."""
+def numbers_of(stats: dict) -> dict:
+    """The numbers of one engine's ``stats()`` (counters and gauges, not histograms), flattened as the collector
+    names them (``snapshot.writes`` is ``snapshot_writes``): what ``per_engine`` holds for each engine process."""
     flat: dict = {}
     _flatten("", stats, flat, [])
-    return {k: v for k, v in flat.items() if k in COUNTER_KEYS}
+    return flat
 
 
 def sum_stats(parts: list) -> dict:

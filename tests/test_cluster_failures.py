@@ -203,6 +203,13 @@ def test_one_scrape_counts_the_requests_of_every_worker_and_engine():
         info = api.call("GET", "/v1/model")[1]
         assert len(info["engines"]) == 2 and info["slots"]["total"] == 128
         assert sum(e["sessions"] for e in info["engines"]) == 4
+        # an engine's gauges too are one series per engine: a sum of two engines' settings would mean nothing
+        budget = _series(text, "convserve_engine_prefill_budget_tokens")
+        slots = _series(text, "convserve_slots_total")
+        assert set(budget) == set(slots) == {'engine="0"', 'engine="1"'}, (budget, slots)
+        assert len(set(budget.values())) == 1 and sum(slots.values()) == 128
+        sessions = _series(text, "convserve_sessions")
+        assert sessions == {f'engine="{e}"': float(r["sessions"]) for e, r in enumerate(info["engines"])}
     finally:
         srv.kill()
 

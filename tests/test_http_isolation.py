@@ -14,7 +14,8 @@ def test_the_prefill_budget_in_use_is_the_settings_in_both_layouts(workers, flag
     srv = LiveServer(["--workers", workers, "--dim", "512", "--layers", "0,1", "--slots", "4", *flag])
     try:
         text = httpx.get(srv.url + "/metrics", timeout=30).text
-        m = re.search(r"^convserve_engine_prefill_budget_tokens ([0-9.]+)$", text, re.M)
+        # with an engine process the gauge is that engine's series (label engine)
+        m = re.search(r'^convserve_engine_prefill_budget_tokens(?:\{engine="0"\})? ([0-9.]+)$', text, re.M)
         assert m and float(m.group(1)) == expected      # auto on the CPU at dim 512: 2^18 / 512
     finally:
         srv.terminate()

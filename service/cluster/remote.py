@@ -40,7 +40,7 @@ from convserve.clients.protocol.errors import (BadRequest, EngineTimeout, Engine
 
 from . import messages as m
 from ..engine.validate import all_finite
-from ..metrics import counters_of, sum_stats
+from ..metrics import numbers_of, sum_stats
 from .health import EngineHealth
 from .placement import engine_of, new_id_on, split
 from .shm import Arena
@@ -198,12 +198,12 @@ class RemoteEngine(EngineHealth):
                 except ServiceError:
                     continue
                 parts.append(part)
-                per_engine[e] = counters_of(part)
+                per_engine[e] = numbers_of(part)
         for e in range(self.n):                       # (an engine that is down has only this one)
             per_engine.setdefault(e, {})["engine_restarts"] = self.status.row(e).restarts
         total = sum_stats(parts)
         total["engine_restarts"] = sum(p["engine_restarts"] for p in per_engine.values())
-        total["per_engine"] = per_engine     # the counters of each engine (see metrics.EngineCollector)
+        total["per_engine"] = per_engine     # the numbers of each engine (see metrics.EngineCollector)
         dec, pad = total.get("decode_rows", 0), total.get("decode_padded_rows", 0)
         total["pad_ratio"] = pad / max(1, pad + dec)
         total["engines_up"] = len(parts)
