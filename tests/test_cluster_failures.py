@@ -419,3 +419,45 @@ def test_after_sigterm_new_connections_are_refused_at_once_while_the_workers_dra
     finally:
         held.close()
         assert srv.terminate() == 0
+
+
+_SLOW_BUILD = """
+import time
+import convserve.service.cli as cli
+_build = cli.build_engine
+def build_engine(settings):          # an engine warm-up that takes a minute (CUDA graphs on a big model)
+    time.sleep(60)
+    return _build(settings)
+cli.build_engine = build_engine
+"""
+
+
+def test_sigterm_during_the_engines_build_stops_at_once_and_exits_0(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    (tmp_path / "sitecustomize.py").write_text(_SLOW_BUILD)       # imported by every process, the engines' too
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONVSERVE_")}
+    env.update(PYTHONPATH=f"{tmp_path}{os.pathsep}{env.get('PYTHONPATH', '')}", PYTHONUNBUFFERED="1")
+    log = tmp_path / "log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "convserve.service", "serve", "--host", "127.0.0.1", "--port",
+                                 "0", "--device", "cpu", *ARGS], env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        def records():
+            return [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+        _wait(lambda: sum(r.get("msg") == "engine process started" for r in records()) == 2, timeout=30,
+              what="the engines spawned")
+        pids = [int(r["pid"]) for r in records() if r.get("msg") == "engine process started"]
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0 and time.monotonic() - t0 < 15, "it waited for the build"
+        msgs = [r.get("msg") for r in records()]
+        assert "stopped during start-up" in msgs and "listening" not in msgs, msgs
+        _wait(lambda: not any(_alive(p) for p in pids), timeout=10, what="engines gone")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)

@@ -98,7 +98,7 @@ class Supervisor:
     def _wait_built(self, timeout: float = 600.0) -> bool:
         """Wait until every engine has built its model (or one exits: a configuration error)."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not self.stopping:    # SIGTERM: no need to finish a warm-up
             states = [self.status.state(c.index)[0] for c in self.engines]
             if all(s not in (NEW, STARTING) for s in states):
                 return True
@@ -129,6 +129,9 @@ class Supervisor:
                 self._spawn_engine(c)
             if not self._wait_built():
                 self._stop_all()
+                if self.stopping:               # a SIGTERM during the build: a stop, not a failed start
+                    log.info("stopped during start-up")
+                    return 1 if self.failed else 0
                 return 2
             try:                                # connections are refused, not queued, until now
                 self.sock.listen(self.settings.backlog)
