@@ -266,6 +266,8 @@ def _serve(settings: Settings, key_on_command_line: bool, held: list) -> int:
         print(f"convserve: {e}", file=sys.stderr)
         return EXIT_CONFIG
     workers = settings.resolved_workers(len(devices))
+    if workers > 0:
+        logs.set_process("supervisor")
     log.info("starting", extra={"settings": _redacted(settings), "workers": workers, "engines": devices})
     if settings.state_dir is not None:
         from convserve.service.snapshots import lock_state_dir, prepare_state_dir

@@ -1,6 +1,7 @@
 """Structured logs: one JSON object per line on stderr, for our loggers and uvicorn's alike.
 
-Fields: ``ts`` (ISO 8601 UTC), ``level``, ``logger``, ``msg``, plus whatever the call passed in ``extra``
+Fields: ``ts`` (ISO 8601 UTC), ``level``, ``logger``, ``msg``, with engine processes ``proc`` (which process
+wrote the line: ``supervisor``, ``worker-N``, ``engine-N``), plus whatever the call passed in ``extra``
 (``log.info("listening", extra={"port": 8000})``) and ``exc`` with the traceback when there is one.
 """
 
@@ -35,6 +36,9 @@ class RedactSecrets(logging.Filter):
 
 
 class JsonFormatter(logging.Formatter):
+    #: this process's name in a multi-process server (set_process), on every line; "" for none
+    process = ""
+
     def format(self, record: logging.LogRecord) -> str:
         out = {
             "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
@@ -42,6 +46,8 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
+        if self.process:
+            out["proc"] = self.process
         for k, v in record.__dict__.items():
             if k not in _STD and not k.startswith("_"):
                 out[k] = v
@@ -78,3 +84,8 @@ def configure(level: str = "info", secrets=()) -> None:
     logging.config.dictConfig(log_config(level))
     logging.captureWarnings(True)
     sys.stderr.reconfigure(line_buffering=True)
+
+
+def set_process(name: str) -> None:
+    """Name this process (``worker-0``) in the ``proc`` field of every line it writes from now on."""
+    JsonFormatter.process = name

@@ -461,3 +461,19 @@ def test_sigterm_during_the_engines_build_stops_at_once_and_exits_0(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_every_log_line_of_a_multi_process_server_names_its_process():
+    srv = LiveServer(ARGS)
+    try:
+        Api(srv.url).session()
+        procs = {}
+        for r in srv.logs:
+            procs.setdefault(r.get("msg"), set()).add(r.get("proc"))
+        assert procs["engine process started"] == {"supervisor"} and "supervisor" in procs["listening"]
+        assert procs["engine up"] == {"engine-0", "engine-1"}
+        _wait(lambda: {"worker-0", "worker-1"} <= {r.get("proc") for r in srv.logs}, timeout=20,
+              what="a line from each worker")
+        assert all(r.get("proc") for r in srv.logs), [r for r in srv.logs if not r.get("proc")][:3]
+    finally:
+        srv.kill()

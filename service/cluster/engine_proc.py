@@ -524,6 +524,7 @@ def main(spec: dict) -> None:
 
     settings = spec["settings"]
     logs.configure(settings.log_level)
+    logs.set_process(f"engine-{spec['index']}")
     hold(spec["parent_pid"], spec["run_dir"])
     proc = EngineProcess(spec)
     try:

@@ -26,6 +26,7 @@ def main(spec: dict) -> None:
     torch.set_num_threads(1)
     settings = spec["settings"]
     logs.configure(settings.log_level, secrets=[settings.api_key_value()])
+    logs.set_process(f"worker-{spec['index']}")
     hold(spec["parent_pid"], spec["run_dir"])
     with open(os.path.join(spec["run_dir"], "model.msgpack"), "rb") as f:
         info = msgpack.unpackb(f.read(), raw=False, strict_map_key=False)
