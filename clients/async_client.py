@@ -13,7 +13,7 @@ from convserve.clients.common import (MAX_MESSAGE_BYTES, SessionState, _as_reque
                                       _decode, _default_backend, _frame, _quote, _raise_for, _Tracker, _ws_url,
                                       ws_connect_async)
 from convserve.clients.h1 import _H1Pool, _h1_target
-from convserve.clients.positions import RETRY_ERRORS, RETRY_STATUS
+from convserve.clients.positions import RETRY_ERRORS, RETRY_STATUS, outcome_unknown, serialized
 from convserve.clients.protocol import wire
 from convserve.clients.replicas import is_routed
 from convserve.clients.protocol.errors import BadRequest, PositionMismatch
@@ -122,6 +122,7 @@ class AsyncConvClient(_Base):
         await self.accept_batch([session], [tokens], _path=f"/v1/sessions/{_quote(session)}/accept",
                                 _body=wire.packb({"tokens": tokens}))
 
+    @serialized(one=False)
     async def accept_batch(self, sessions: Sequence[str], tokens: Sequence[int], *, _path: str = "/v1/accept",
                            _body: Optional[bytes] = None) -> None:
         """Async twin of :meth:`ConvClient.accept_batch`."""
@@ -130,7 +131,7 @@ class AsyncConvClient(_Base):
         if book is None:
             _raise_for(await self._send("POST", _path, body))
             return
-        resp, attempt = await self._post_retrying(_path, body)
+        resp, attempt = await self._post_retrying(_path, body, list(sessions))
         try:
             _raise_for(resp)
         except BadRequest:
@@ -142,15 +143,15 @@ class AsyncConvClient(_Base):
         for s, n in zip(sessions, tokens):
             book.accepted(s, n)
 
-    async def _post_retrying(self, path: str, body: bytes):
+    async def _post_retrying(self, path: str, body: bytes, sessions: list):
         """Async twin of :meth:`ConvClient._post_retrying`."""
         book, attempt = self.positions, 0
         while True:
             try:
                 resp = await self._send("POST", path, body)
-            except RETRY_ERRORS:
+            except RETRY_ERRORS as e:
                 if attempt >= book.max_retries:
-                    raise
+                    raise outcome_unknown(path, sessions, attempt + 1) from e
                 wait = book.delay(attempt, None)
             else:
                 if resp.status_code not in RETRY_STATUS or attempt >= book.max_retries:
@@ -159,17 +160,28 @@ class AsyncConvClient(_Base):
             await asyncio.sleep(wait)
             attempt += 1
 
+    @serialized(one=True)
+    async def resync(self, session: str) -> dict:
+        """With ``track_positions``: read the session's positions (and pending verify) from the server into the
+        client's book, after :class:`OutcomeUnknown` or a ``PositionMismatch``; returns ``session_info``."""
+        if self.positions is None:
+            raise ValueError("resync: this client keeps no positions (make it with track_positions=True)")
+        info = await self.session_info(session)
+        self.positions.from_info(info)
+        return info
+
     async def _position(self, session: str, layer: int) -> int:
         if not self.positions.known(session):
             self.positions.from_info(await self.session_info(session))
         return self.positions.at(session, layer)
 
+    @serialized(one=True)
     async def conv(self, session: str, layer: int, x, speculative: bool = False):
         book = self.positions
         pos = None if book is None else await self._position(session, layer)
         body = self._conv_body(session, layer, x, speculative, pos)
         resp, attempt = (await self._send("POST", "/v1/conv", body), 0) if book is None else \
-            await self._post_retrying("/v1/conv", body)
+            await self._post_retrying("/v1/conv", body, [session])
         self.bytes_sent += len(body)
         self.bytes_received += len(resp.content)
         try:
@@ -182,6 +194,7 @@ class AsyncConvClient(_Base):
             book.applied(session, layer, x.shape[0], speculative)
         return wire.decode_tensor(obj["y"], backend=_backend_of(x), name="y", shm=self.shm)
 
+    @serialized(one=False)
     async def conv_batch(self, sessions: Sequence[str], layer: int, x, tokens: Optional[Sequence[int]] = None,
                          speculative=None):
         """Async twin of :meth:`ConvClient.conv_batch`."""
@@ -189,7 +202,7 @@ class AsyncConvClient(_Base):
         pos = None if book is None else [await self._position(s, layer) for s in sessions]
         body = self._batch_body(sessions, layer, x, tokens, speculative, pos)
         resp, attempt = (await self._send("POST", "/v1/conv/batch", body), 0) if book is None else \
-            await self._post_retrying("/v1/conv/batch", body)
+            await self._post_retrying("/v1/conv/batch", body, list(sessions))
         self.bytes_sent += len(body)
         self.bytes_received += len(resp.content)
         toks, spec = self._batch_rows(sessions, x, tokens, speculative)

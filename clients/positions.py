@@ -11,16 +11,107 @@ longer kept: the position is moved on and the error raised.
 Speculative requests carry the committed position and move nothing; ``accept(n)`` moves every layer verified
 since the last accept by n. An accept is not repeatable on the server (a second one finds no verify), so after
 a retry that gets ``400`` the client asks ``GET /v1/sessions/{id}`` whether the first one was applied.
+
+Tracked requests of one session run one at a time, in the order they were called (:class:`SessionLocks`): each
+reads the position the one before it left. Two in flight at once would carry the same position, and the server
+would answer the second with the first's kept answer, applying nothing. When the retries run out without an
+answer, the outcome is unknown: :class:`OutcomeUnknown` says so, and ``resync(session)`` reads the server's
+positions back into the book.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import functools
 import random
+import threading
 from typing import Optional
 
 import httpx
 
-from convserve.clients.protocol.errors import PositionMismatch
+from convserve.clients.protocol.errors import OutcomeUnknown, PositionMismatch
+
+
+class SessionLocks:
+    """One tracked request at a time per session (a conv, batch or accept; a batch holds all its sessions, taken
+    in sorted order so that two batches cannot wait on each other). Threads of the sync client and tasks of the
+    async client each have their own kind of lock."""
+
+    def __init__(self):
+        self._threads: dict = {}
+        self._tasks: dict = {}
+        self._guard = threading.Lock()
+
+    @contextlib.contextmanager
+    def hold(self, sessions):
+        with self._guard:
+            locks = [self._threads.setdefault(s, threading.Lock()) for s in sorted(set(sessions))]
+        held = []
+        try:
+            for lk in locks:
+                lk.acquire()
+                held.append(lk)
+            yield
+        finally:
+            for lk in reversed(held):
+                lk.release()
+
+    @contextlib.asynccontextmanager
+    async def hold_async(self, sessions):
+        locks = [self._tasks.setdefault(s, asyncio.Lock()) for s in sorted(set(sessions))]
+        held = []
+        try:
+            for lk in locks:
+                await lk.acquire()
+                held.append(lk)
+            yield
+        finally:
+            for lk in reversed(held):
+                lk.release()
+
+    def forget(self, session: str) -> None:
+        for d in (self._threads, self._tasks):
+            lk = d.get(session)
+            if lk is not None and not lk.locked():
+                d.pop(session, None)
+
+
+def _sessions_of(one: bool, args, kwargs) -> list:
+    if one:
+        return [args[0] if args else kwargs["session"]]
+    sessions = args[0] if args else kwargs["sessions"]
+    return [sessions] if isinstance(sessions, str) else list(sessions)
+
+
+def serialized(one: bool):
+    """A tracked client method (``conv`` with ``one``, else a batch or accept over ``sessions``) run while holding
+    its sessions' locks; as it is without ``track_positions``."""
+    def deco(fn):
+        if asyncio.iscoroutinefunction(fn):
+            @functools.wraps(fn)
+            async def run_async(self, *args, **kwargs):
+                if self.positions is None:
+                    return await fn(self, *args, **kwargs)
+                async with self.positions.locks.hold_async(_sessions_of(one, args, kwargs)):
+                    return await fn(self, *args, **kwargs)
+            return run_async
+
+        @functools.wraps(fn)
+        def run(self, *args, **kwargs):
+            if self.positions is None:
+                return fn(self, *args, **kwargs)
+            with self.positions.locks.hold(_sessions_of(one, args, kwargs)):
+                return fn(self, *args, **kwargs)
+        return run
+    return deco
+
+
+def outcome_unknown(path: str, body_sessions: list, attempts: int) -> OutcomeUnknown:
+    return OutcomeUnknown(f"POST {path} for session(s) {', '.join(map(repr, body_sessions[:8]))}"
+                          f"{' ...' if len(body_sessions) > 8 else ''} got no answer in {attempts} attempts: it may or "
+                          "may not have been applied; call client.resync(session) to read the server's positions "
+                          "(applied where a layer moved by its tokens) before sending it again", sessions=body_sessions)
 
 #: statuses a tracked request is retried on (with the same body); connection errors are retried too
 RETRY_STATUS = (503, 504)
@@ -37,6 +128,7 @@ class PositionBook:
         self.verified: dict[str, set] = {}
         self.max_retries = max_retries
         self.backoff_s = backoff_s
+        self.locks = SessionLocks()
 
     def known(self, session: str) -> bool:
         return session in self.positions
@@ -63,6 +155,7 @@ class PositionBook:
     def forget(self, session: str) -> None:
         self.positions.pop(session, None)
         self.verified.pop(session, None)
+        self.locks.forget(session)
 
     def applied(self, session: str, layer: int, n: int, speculative: bool) -> None:
         if speculative:

@@ -12,7 +12,7 @@ import httpx
 from convserve.clients.common import (MAX_MESSAGE_BYTES, _POLL_S, ConvResult, SessionState, _as_request, _backend_of,
                                       _Base, _chunked, _decode, _default_backend, _frame, _quote, _raise_for,
                                       _Tracker, _ws_url, ws_connect)
-from convserve.clients.positions import RETRY_ERRORS, RETRY_STATUS
+from convserve.clients.positions import RETRY_ERRORS, RETRY_STATUS, outcome_unknown, serialized
 from convserve.clients.protocol import wire
 from convserve.clients.replicas import is_routed
 from convserve.clients.protocol.errors import BadRequest, PositionMismatch
@@ -120,6 +120,7 @@ class ConvClient(_Base):
         self.accept_batch([session], [tokens], _path=f"/v1/sessions/{_quote(session)}/accept",
                           _body=wire.packb({"tokens": tokens}))
 
+    @serialized(one=False)
     def accept_batch(self, sessions: Sequence[str], tokens: Sequence[int], *, _path: str = "/v1/accept",
                      _body: Optional[bytes] = None) -> None:
         """:meth:`accept` for several sessions as one request (``POST /v1/accept``): every session must have a
@@ -129,7 +130,7 @@ class ConvClient(_Base):
         if book is None:
             _raise_for(self._http.post(_path, content=body))
             return
-        resp, attempt = self._post_retrying(_path, body)
+        resp, attempt = self._post_retrying(_path, body, list(sessions))
         try:
             _raise_for(resp)
         except BadRequest:
@@ -140,15 +141,15 @@ class ConvClient(_Base):
         for s, n in zip(sessions, tokens):
             book.accepted(s, n)
 
-    def _post_retrying(self, path: str, body: bytes):
+    def _post_retrying(self, path: str, body: bytes, sessions: list):
         """``(response, retries it took)``: the same body again after a connection error, 503 or 504."""
         book, attempt = self.positions, 0
         while True:
             try:
                 resp = self._http.post(path, content=body)
-            except RETRY_ERRORS:
+            except RETRY_ERRORS as e:
                 if attempt >= book.max_retries:
-                    raise
+                    raise outcome_unknown(path, sessions, attempt + 1) from e
                 wait = book.delay(attempt, None)
             else:
                 if resp.status_code not in RETRY_STATUS or attempt >= book.max_retries:
@@ -157,6 +158,16 @@ class ConvClient(_Base):
             time.sleep(wait)
             attempt += 1
 
+    @serialized(one=True)
+    def resync(self, session: str) -> dict:
+        """With ``track_positions``: read the session's positions (and pending verify) from the server into the
+        client's book, after :class:`OutcomeUnknown` or a ``PositionMismatch``; returns ``session_info``."""
+        if self.positions is None:
+            raise ValueError("resync: this client keeps no positions (make it with track_positions=True)")
+        info = self.session_info(session)
+        self.positions.from_info(info)
+        return info
+
     def _position(self, session: str, layer: int) -> int:
         if not self.positions.known(session):             # a session this client did not create: ask the server
             self.positions.from_info(self.session_info(session))
@@ -164,13 +175,14 @@ class ConvClient(_Base):
 
     # --- conv
 
+    @serialized(one=True)
     def conv(self, session: str, layer: int, x, speculative: bool = False):
         """``y (T, dim)`` for ``x (T, dim)``, of the same kind (torch/numpy) and dtype as ``x``."""
         book = self.positions
         pos = None if book is None else self._position(session, layer)
         body = self._conv_body(session, layer, x, speculative, pos)
         resp, attempt = (self._http.post("/v1/conv", content=body), 0) if book is None else \
-            self._post_retrying("/v1/conv", body)
+            self._post_retrying("/v1/conv", body, [session])
         self.bytes_sent += len(body)
         self.bytes_received += len(resp.content)
         try:
@@ -183,6 +195,7 @@ class ConvClient(_Base):
             book.applied(session, layer, x.shape[0], speculative)
         return wire.decode_tensor(obj["y"], backend=_backend_of(x), name="y", shm=self.shm)
 
+    @serialized(one=False)
     def conv_batch(self, sessions: Sequence[str], layer: int, x, tokens: Optional[Sequence[int]] = None,
                    speculative=None):
         """A frontend's step on one layer as one request (``POST /v1/conv/batch``): ``x (sum(tokens), dim)`` holds
@@ -194,7 +207,7 @@ class ConvClient(_Base):
         pos = None if book is None else [self._position(s, layer) for s in sessions]
         body = self._batch_body(sessions, layer, x, tokens, speculative, pos)
         resp, attempt = (self._http.post("/v1/conv/batch", content=body), 0) if book is None else \
-            self._post_retrying("/v1/conv/batch", body)
+            self._post_retrying("/v1/conv/batch", body, list(sessions))
         self.bytes_sent += len(body)
         self.bytes_received += len(resp.content)
         toks, spec = self._batch_rows(sessions, x, tokens, speculative)

@@ -278,3 +278,66 @@ def test_a_session_the_client_did_not_create_starts_from_the_servers_positions(s
         with pytest.raises(PositionMismatch) as err:
             c.conv(sid, LAYER, rand_x(1, seed=12))
         assert err.value.position == 6 and err.value.status == 409
+
+
+@pytest.mark.parametrize("calls", ["conv", "batch"])
+def test_tracked_calls_in_flight_together_on_one_session_are_each_applied_in_call_order(server, calls):
+    ref = Reference(model())
+    xs = [rand_x(t, seed=10 + i) for i, t in enumerate((4, 3, 1, 2))]
+
+    async def steps(c):
+        sid = await c.create_session()
+        if calls == "conv":
+            ys = await asyncio.gather(*(c.conv(sid, LAYER, x) for x in xs))
+        else:
+            ys = await asyncio.gather(*(c.conv_batch([sid], LAYER, x, tokens=[x.shape[0]]) for x in xs))
+        return sid, ys, c.positions.at(sid, LAYER)
+
+    sid, ys, pos = _async_run(server.url, _Faults("/none", []), steps)
+    for x, y in zip(xs, ys):       # each its own answer, in the order called (the same position twice replayed one)
+        assert_close(y, ref.conv(sid, LAYER, x))
+    assert pos == 10 and Api(server.url).call("GET", f"/v1/sessions/{sid}")[1]["positions"][1] == 10
+    check_state(server.url, sid, ref)
+
+
+def test_tracked_sync_calls_from_threads_on_one_session_are_serialized(server):
+    import concurrent.futures as cf
+
+    ref = Reference(model())
+    xs = [rand_x(2, seed=20 + i) for i in range(6)]
+    with ConvClient(server.url, track_positions=True) as c:
+        sid = c.create_session()
+        with cf.ThreadPoolExecutor(6) as pool:
+            list(pool.map(lambda x: c.conv(sid, LAYER, x), xs))
+        assert c.positions.at(sid, LAYER) == 12
+    assert Api(server.url).call("GET", f"/v1/sessions/{sid}")[1]["positions"][1] == 12
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_retries_run_out_raise_outcome_unknown_and_resync_reads_the_servers_positions(server, kind):
+    from convserve.clients.client import OutcomeUnknown
+
+    faults = _Faults("/v1/conv", ["after"] * 4)          # applied once, every answer lost: the outcome is unknown
+    x = rand_x(3, seed=30)
+
+    def sync_steps(c):
+        sid = c.create_session()
+        with pytest.raises(OutcomeUnknown) as e:
+            c.conv(sid, LAYER, x)
+        assert e.value.sessions == [sid] and "resync" in str(e.value)
+        assert isinstance(e.value.__cause__, httpx.TransportError)
+        c.resync(sid)
+        return sid, c.positions.at(sid, LAYER), c.conv(sid, LAYER, x[:1])
+
+    async def async_steps(c):
+        sid = await c.create_session()
+        with pytest.raises(OutcomeUnknown) as e:
+            await c.conv(sid, LAYER, x)
+        assert e.value.sessions == [sid]
+        await c.resync(sid)
+        return sid, c.positions.at(sid, LAYER), await c.conv(sid, LAYER, x[:1])
+
+    sid, pos, _ = _sync_run(server.url, faults, sync_steps) if kind == "sync" else \
+        _async_run(server.url, faults, async_steps)
+    assert pos == 3                                      # it had been applied, once: the book now knows
+    assert Api(server.url).call("GET", f"/v1/sessions/{sid}")[1]["positions"][1] == 4

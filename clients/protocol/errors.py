@@ -142,6 +142,18 @@ class ReplicaUnavailable(ServiceError):
         self.applied = list(applied)
 
 
+class OutcomeUnknown(ServiceError):
+    """Raised by a client with ``track_positions`` (never sent by a server): a request got no answer within its
+    retries (the connection kept failing), so it may have been applied or not. ``client.resync(session)`` reads
+    the session's positions back from the server (applied on a layer whose position moved by its tokens);
+    ``sessions``: the ids of the request; the exception's cause is the last connection error."""
+    status, code = 504, "outcome_unknown"
+
+    def __init__(self, message: str, *, sessions=()):
+        super().__init__(message)
+        self.sessions = list(sessions)
+
+
 #: The name clients use for the base class.
 ConvServeError = ServiceError
 
