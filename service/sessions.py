@@ -101,6 +101,8 @@ class SessionTable:
             why = self._evicted[session_id] or "was evicted after being idle longer than the session TTL"
             raise StateLost(f"session {session_id!r} {why}; its state is gone: create a new session and prefill "
                             "again")
+        check_session_id(session_id)      # one no create could have made is a 400 naming the id rule (checked
+        # here, on the way to a 404, so that the lookups of a 256-session batch pay nothing for it)
         raise UnknownSession(f"session {session_id!r:.80} does not exist (never created, or deleted); create it "
                              "with POST /v1/sessions")
 

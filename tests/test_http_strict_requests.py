@@ -1,6 +1,6 @@
 """Strict requests on the routes that take their arguments in the path: a body on a route that takes none (GET,
-DELETE) is a 400 saying so, and a ``{id}`` in a path that is not a session id is a 400 naming the rule a create
-applies; neither changes any state. Over both layouts (the shared ``server``)."""
+DELETE) is a 400 saying so, and a ``{id}`` in a path (or a session in a body) that is not a session id is a 400
+naming the rule a create applies; neither changes any state. Over both layouts (the shared ``server``)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from convserve.clients.protocol import wire
+from tests.http_api import DIM
 
 #: every route of the routes table that takes no body ({id}: a live session)
 BODILESS = [("GET", "/healthz"), ("GET", "/readyz"), ("GET", "/metrics"), ("GET", "/v1/model"),
@@ -95,3 +96,19 @@ def test_a_fork_of_an_invalid_path_id_creates_nothing(api):
     st, obj, _ = api.call("POST", "/v1/sessions/a%20b/fork", {"session": new})
     assert st == 400 and "the session id in the path" in obj["error"]["message"]
     assert not _exists(api, new)
+
+
+BODY_ROUTES = [("POST", "/v1/conv", lambda sid, x: {"session": sid, "layer": 0, "x": x}),
+               ("POST", "/v1/conv/batch", lambda sid, x: {"sessions": [sid], "layer": 0, "x": x}),
+               ("POST", "/v1/accept", lambda sid, x: {"sessions": [sid], "tokens": [1]})]
+
+
+@pytest.mark.parametrize("method,route,make", BODY_ROUTES, ids=[r for _, r, _ in BODY_ROUTES])
+@pytest.mark.parametrize("raw,decoded", BAD_IDS, ids=["space", "bang", "129-chars", "non-ascii"])
+def test_an_invalid_session_id_in_a_body_is_a_400_naming_the_rule_not_a_404(api, method, route, make, raw,
+                                                                            decoded):
+    import torch
+
+    st, obj, _ = api.call(method, route, make(decoded, wire.encode_tensor(torch.randn(1, DIM))))
+    assert st == 400, obj
+    assert obj["error"]["code"] == "bad_request" and "A-Z a-z 0-9" in obj["error"]["message"]
