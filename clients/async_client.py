@@ -68,10 +68,18 @@ class AsyncConvClient(_Base):
         await self.aclose()
 
     async def health(self) -> bool:
-        return (await self._send("GET", "/healthz")).status_code == 200
+        """Is the server alive (``/healthz`` 200)? False when it answers otherwise or cannot be reached."""
+        try:
+            return (await self._send("GET", "/healthz")).status_code == 200
+        except httpx.TransportError:
+            return False
 
     async def ready(self) -> bool:
-        return (await self._send("GET", "/readyz")).status_code == 200
+        """Does the server take requests (``/readyz`` 200)? False when it answers otherwise or cannot be reached."""
+        try:
+            return (await self._send("GET", "/readyz")).status_code == 200
+        except httpx.TransportError:
+            return False
 
     async def model(self) -> dict:
         return _decode(await self._send("GET", "/v1/model"))

@@ -3,6 +3,7 @@ and the request bodies."""
 
 from __future__ import annotations
 
+import operator
 import os
 import threading
 import urllib.parse
@@ -192,11 +193,29 @@ def _frame(req: Union[ConvRequest, BatchRequest]) -> dict:
             "speculative": req.speculative}
 
 
+def _id_list(sessions, name: str = "sessions") -> list:
+    """``sessions`` as a list of ids; a lone id (a str) is a TypeError, not a list of its characters."""
+    if isinstance(sessions, (str, bytes)):
+        raise TypeError(f"{name}: expected a list of session ids, got one {type(sessions).__name__}; wrap a single "
+                        "id in a list: [session]")
+    return list(sessions)
+
+
+def _int_list(values, name: str) -> list:
+    """``values`` as a list of ints (numpy integers too); a float or another non-integer is a TypeError rather
+    than truncated."""
+    try:
+        return [operator.index(v) for v in values]
+    except TypeError:
+        bad = next(v for v in values if not hasattr(v, "__index__"))
+        raise TypeError(f"{name}: expected integers, got {bad!r:.40} ({type(bad).__name__})") from None
+
+
 def _batch_fields(sessions, layer, x, tokens, speculative, shm=None) -> dict:
     """A batch's fields; ``tokens`` and ``speculative`` only when given (absent means one plain token each)."""
-    fields = {"sessions": list(sessions), "layer": layer, "x": wire.encode_tensor(x, shm)}
+    fields = {"sessions": _id_list(sessions), "layer": layer, "x": wire.encode_tensor(x, shm)}
     if tokens is not None:
-        fields["tokens"] = [int(n) for n in tokens]
+        fields["tokens"] = _int_list(tokens, "tokens")
     if speculative is not None:
         fields["speculative"] = speculative if isinstance(speculative, bool) else [bool(s) for s in speculative]
     return fields
@@ -307,14 +326,14 @@ class _Base:
     def _batch_rows(sessions, x, tokens, speculative) -> tuple[list, list]:
         """Each session's tokens and speculative flag, as the server reads a batch's defaults."""
         n = len(sessions)
-        toks = [1] * n if tokens is None else [int(t) for t in tokens]
+        toks = [1] * n if tokens is None else _int_list(tokens, "tokens")
         spec = [bool(speculative)] * n if isinstance(speculative, bool) or speculative is None else \
             [bool(f) for f in speculative]
         return toks, spec
 
     @staticmethod
     def _accept_batch_body(sessions, tokens) -> bytes:
-        return wire.packb({"sessions": list(sessions), "tokens": [int(n) for n in tokens]})
+        return wire.packb({"sessions": _id_list(sessions), "tokens": _int_list(tokens, "tokens")})
 
     def _ws_results(self, msg, unpacker, tracker: "_Tracker") -> Iterator["ConvResult"]:
         """The results in one WebSocket message (binary: msgpack frames), counted in ``bytes_received``."""

@@ -62,10 +62,18 @@ class ConvClient(_Base):
     # --- health and model
 
     def health(self) -> bool:
-        return self._http.get("/healthz").status_code == 200
+        """Is the server alive (``/healthz`` 200)? False when it answers otherwise or cannot be reached."""
+        try:
+            return self._http.get("/healthz").status_code == 200
+        except httpx.TransportError:
+            return False
 
     def ready(self) -> bool:
-        return self._http.get("/readyz").status_code == 200
+        """Does the server take requests (``/readyz`` 200)? False when it answers otherwise or cannot be reached."""
+        try:
+            return self._http.get("/readyz").status_code == 200
+        except httpx.TransportError:
+            return False
 
     def model(self) -> dict:
         return _decode(self._http.get("/v1/model"))

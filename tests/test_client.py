@@ -413,3 +413,33 @@ def test_cli_health_model_and_conv(server):
 def test_cli_exit_codes(server, args, key, rc, fragment):
     r = _cli(server if rc != 2 else None, *args, key=key)
     assert r.returncode == rc and fragment in r.stderr
+
+
+def test_health_and_ready_are_false_when_nothing_listens_sync_and_async():
+    import socket as _socket
+
+    s = _socket.socket()
+    s.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    s.close()                                   # a port nothing listens on
+    with ConvClient(url, timeout=5) as c:
+        assert c.health() is False and c.ready() is False
+
+    async def go():
+        async with AsyncConvClient(url, timeout=5) as ac:
+            return await ac.health(), await ac.ready()
+    assert asyncio.run(go()) == (False, False)
+
+
+@pytest.mark.parametrize("call", ["batch", "accept"])
+@pytest.mark.parametrize("bad,err", [("sessions", "a list of session ids"), ("tokens", "expected integers")])
+def test_batch_arguments_a_lone_id_or_float_tokens_are_refused_before_sending(client, call, bad, err):
+    sid = client.create_session()
+    sessions = sid if bad == "sessions" else [sid]
+    tokens = [1.7] if bad == "tokens" else [1]
+    with pytest.raises(TypeError, match=err):
+        if call == "batch":
+            client.conv_batch(sessions, 0, torch.randn(1, DIM), tokens=tokens)
+        else:
+            client.accept_batch(sessions, tokens)
+    assert client.session_info(sid)["positions"][0] == 0           # nothing was sent
