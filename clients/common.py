@@ -28,13 +28,15 @@ _POLL_S = 0.05
 
 @dataclass
 class ConvRequest:
-    """One conv request of a stream. ``id`` defaults to the request's position in the stream."""
+    """One conv request of a stream. ``id`` defaults to the request's place in the stream; ``position``: the
+    tokens the session has committed on this layer before it (exactly once: see *Positions*), or None."""
 
     session: str
     layer: int
     x: Any
     speculative: bool = False
     id: Any = None
+    position: Optional[int] = None
 
 
 @dataclass
@@ -49,6 +51,7 @@ class BatchRequest:
     tokens: Optional[Sequence[int]] = None
     speculative: Union[bool, Sequence[bool], None] = None
     id: Any = None
+    position: Optional[Sequence[int]] = None      # one per session, as ConvRequest's
 
 
 @dataclass
@@ -188,9 +191,23 @@ def _as_request(r: Union[ConvRequest, BatchRequest, tuple, dict], i: int) -> Uni
 
 def _frame(req: Union[ConvRequest, BatchRequest]) -> dict:
     if isinstance(req, BatchRequest):
-        return {"id": req.id, **_batch_fields(req.sessions, req.layer, req.x, req.tokens, req.speculative)}
-    return {"id": req.id, "session": req.session, "layer": req.layer, "x": wire.encode_tensor(req.x),
-            "speculative": req.speculative}
+        frame = {"id": req.id, **_batch_fields(req.sessions, req.layer, req.x, req.tokens, req.speculative)}
+        if req.position is not None:
+            frame["position"] = _int_list(req.position, "position")
+        return frame
+    frame = {"id": req.id, "session": req.session, "layer": req.layer, "x": wire.encode_tensor(req.x),
+             "speculative": req.speculative}
+    if req.position is not None:
+        frame["position"] = operator.index(req.position)
+    return frame
+
+
+def given_position(book, position):
+    """An explicit ``position`` of a conv or batch call: refused when the client tracks positions itself."""
+    if position is not None and book is not None:
+        raise ValueError("position: this client tracks positions itself (track_positions=True); pass none, or "
+                         "make the client without tracking to send your own")
+    return position
 
 
 def _id_list(sessions, name: str = "sessions") -> list:

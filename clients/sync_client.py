@@ -11,7 +11,7 @@ import httpx
 
 from convserve.clients.common import (MAX_MESSAGE_BYTES, _POLL_S, ConvResult, SessionState, _as_request, _backend_of,
                                       _Base, _chunked, _decode, _default_backend, _frame, _quote, _raise_for,
-                                      _Tracker, _ws_url, ws_connect)
+                                      _Tracker, _ws_url, given_position, ws_connect)
 from convserve.clients.positions import RETRY_ERRORS, RETRY_STATUS, outcome_unknown, serialized
 from convserve.clients.protocol import wire
 from convserve.clients.replicas import is_routed
@@ -184,10 +184,14 @@ class ConvClient(_Base):
     # --- conv
 
     @serialized(one=True)
-    def conv(self, session: str, layer: int, x, speculative: bool = False):
-        """``y (T, dim)`` for ``x (T, dim)``, of the same kind (torch/numpy) and dtype as ``x``."""
+    def conv(self, session: str, layer: int, x, speculative: bool = False, position: Optional[int] = None):
+        """``y (T, dim)`` for ``x (T, dim)``, of the same kind (torch/numpy) and dtype as ``x``. ``position``: the
+        tokens the session has committed on this layer before this conv, sent for exactly-once (the server applies
+        it there only, and answers a repeat with its kept answer); only without ``track_positions``, which sends
+        its own."""
         book = self.positions
-        pos = None if book is None else self._position(session, layer)
+        pos = given_position(book, position) if book is None or position is not None else \
+            self._position(session, layer)
         body = self._conv_body(session, layer, x, speculative, pos)
         resp, attempt = (self._http.post("/v1/conv", content=body), 0) if book is None else \
             self._post_retrying("/v1/conv", body, [session])
@@ -205,14 +209,16 @@ class ConvClient(_Base):
 
     @serialized(one=False)
     def conv_batch(self, sessions: Sequence[str], layer: int, x, tokens: Optional[Sequence[int]] = None,
-                   speculative=None):
+                   speculative=None, position: Optional[Sequence[int]] = None):
         """A frontend's step on one layer as one request (``POST /v1/conv/batch``): ``x (sum(tokens), dim)`` holds
         ``tokens[i]`` rows for ``sessions[i]``, in order (``tokens`` defaults to one each: a decode step);
         ``speculative`` is a bool or one per session (a speculative slice leaves the committed state alone until
         :meth:`accept_batch`). Returns ``y (sum(tokens), dim)`` like :meth:`conv`. Exactly as if each slice were
-        its own :meth:`conv`; it fails whole, changing nothing, if any part is invalid."""
+        its own :meth:`conv`; it fails whole, changing nothing, if any part is invalid. ``position``: one per
+        session, as :meth:`conv`'s."""
         book = self.positions
-        pos = None if book is None else [self._position(s, layer) for s in sessions]
+        pos = given_position(book, position) if book is None or position is not None else \
+            [self._position(s, layer) for s in sessions]
         body = self._batch_body(sessions, layer, x, tokens, speculative, pos)
         resp, attempt = (self._http.post("/v1/conv/batch", content=body), 0) if book is None else \
             self._post_retrying("/v1/conv/batch", body, list(sessions))

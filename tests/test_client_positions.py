@@ -341,3 +341,29 @@ def test_retries_run_out_raise_outcome_unknown_and_resync_reads_the_servers_posi
         _async_run(server.url, faults, async_steps)
     assert pos == 3                                      # it had been applied, once: the book now knows
     assert Api(server.url).call("GET", f"/v1/sessions/{sid}")[1]["positions"][1] == 4
+
+
+@pytest.mark.parametrize("kind", ["conv", "batch", "stream"])
+def test_an_explicit_position_is_sent_and_a_repeat_is_answered_from_the_kept_answer_applying_once(server, kind):
+    from convserve.clients.client import ConvRequest
+
+    ref = Reference(model())
+    x = rand_x(3, seed=40)
+    with ConvClient(server.url) as c:
+        sid = c.create_session()
+        if kind == "conv":
+            y1, y2 = c.conv(sid, LAYER, x, position=0), c.conv(sid, LAYER, x, position=0)
+        elif kind == "batch":
+            y1, y2 = (c.conv_batch([sid], LAYER, x, tokens=[3], position=[0]) for _ in range(2))
+        else:
+            r1, r2 = c.stream([ConvRequest(sid, LAYER, x, position=0), ConvRequest(sid, LAYER, x, position=0)])
+            assert r1.error is None and r2.error is None, (r1.error, r2.error)
+            y1, y2 = r1.y, r2.y
+        assert_close(y1, ref.conv(sid, LAYER, x))
+        assert_close(y2, y1)
+        assert c.session_info(sid)["positions"][1] == 3            # applied once
+        with pytest.raises(PositionMismatch):
+            c.conv(sid, LAYER, x, position=1)
+    with ConvClient(server.url, track_positions=True) as c:
+        with pytest.raises(ValueError, match="tracks positions itself"):
+            c.conv(c.create_session(), LAYER, x, position=0)
