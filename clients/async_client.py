@@ -51,6 +51,7 @@ class AsyncConvClient(_Base):
             self._h1 = _H1Pool(host, port, self.headers, timeout, max_connections)
 
     async def aclose(self) -> None:
+        """Close the client's connections (``async with AsyncConvClient(...)`` does it on exit)."""
         if self._h1 is not None:
             await self._h1.aclose()
         await self._http.aclose()
@@ -82,6 +83,7 @@ class AsyncConvClient(_Base):
             return False
 
     async def model(self) -> dict:
+        """Async twin of :meth:`ConvClient.model`."""
         return _decode(await self._send("GET", "/v1/model"))
 
     async def model_weights(self) -> bytes:
@@ -92,17 +94,20 @@ class AsyncConvClient(_Base):
         return r.content
 
     async def create_session(self, session: Optional[str] = None) -> str:
+        """Async twin of :meth:`ConvClient.create_session`."""
         sid = _decode(await self._send("POST", "/v1/sessions", self._session_body(session)))["session"]
         if self.positions is not None:
             self.positions.reset(sid)
         return sid
 
     async def delete_session(self, session: str) -> None:
+        """Async twin of :meth:`ConvClient.delete_session`."""
         _raise_for(await self._send("DELETE", f"/v1/sessions/{_quote(session)}"))
         if self.positions is not None:
             self.positions.forget(session)
 
     async def fork(self, session: str, new_session: Optional[str] = None) -> str:
+        """Async twin of :meth:`ConvClient.fork`."""
         sid = _decode(await self._send("POST", f"/v1/sessions/{_quote(session)}/fork",
                                        self._session_body(new_session)))["session"]
         if self.positions is not None:
@@ -118,15 +123,18 @@ class AsyncConvClient(_Base):
         return _decode(await self._send("GET", self._list_path(cursor, limit)))
 
     async def export_state(self, session: str, backend: Optional[str] = None) -> SessionState:
+        """Async twin of :meth:`ConvClient.export_state`."""
         return self._state_from(_decode(await self._send("GET", f"/v1/sessions/{_quote(session)}/state")),
                                 backend or _default_backend())
 
     async def import_state(self, session: str, state, layers=None) -> None:
+        """Async twin of :meth:`ConvClient.import_state`."""
         _raise_for(await self._send("PUT", f"/v1/sessions/{_quote(session)}/state", self._state_body(state, layers)))
         if self.positions is not None:
             self.positions.reset(session)                 # an imported state is at position 0 on every layer
 
     async def accept(self, session: str, tokens: int) -> None:
+        """Async twin of :meth:`ConvClient.accept`."""
         await self.accept_batch([session], [tokens], _path=f"/v1/sessions/{_quote(session)}/accept",
                                 _body=wire.packb({"tokens": tokens}))
 

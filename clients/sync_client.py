@@ -41,16 +41,20 @@ class ConvClient(_Base):
     def __init__(self, url: Optional[str] = None, *, api_key: Optional[str] = None, timeout: float = 60.0,
                  transport: Optional[httpx.BaseTransport] = None, track_positions: bool = False,
                  max_retries: int = 3, retry_backoff_s: float = 0.05,
-                 shm=None):
+                 shm=None, max_connections: int = 100):
         """``track_positions``: send each session's position with every conv and batch, and retry conv, batch
         and accept up to ``max_retries`` times (backoff from ``retry_backoff_s``) on connection errors, 503 and
         504 without applying anything twice (see clients/positions.py). ``shm``: a
         :class:`~convserve.clients.protocol.shm.ShmArena`; an x that lies in it is sent by reference and its y is
-        returned in the same block (a server on this host only; other tensors travel in the body)."""
+        returned in the same block (a server on this host only; other tensors travel in the body).
+        ``max_connections``: connections kept to the server, all reused (threads calling at once each take one)."""
         super().__init__(url, api_key, timeout, track_positions, max_retries, retry_backoff_s, shm)
-        self._http = httpx.Client(base_url=self.url, headers=self.headers, timeout=timeout, transport=transport)
+        self._http = httpx.Client(base_url=self.url, headers=self.headers, timeout=timeout, transport=transport,
+                                  limits=httpx.Limits(max_connections=max_connections,
+                                                      max_keepalive_connections=max_connections))
 
     def close(self) -> None:
+        """Close the client's connections (``with ConvClient(...)`` does it on exit)."""
         self._http.close()
 
     def __enter__(self):
@@ -76,6 +80,8 @@ class ConvClient(_Base):
             return False
 
     def model(self) -> dict:
+        """``GET /v1/model``: the served model (layers, dim, width, dtypes, weights' sha256, slots; with engine
+        processes a row per engine)."""
         return _decode(self._http.get("/v1/model"))
 
     def model_weights(self) -> bytes:
@@ -88,17 +94,21 @@ class ConvClient(_Base):
     # --- sessions
 
     def create_session(self, session: Optional[str] = None) -> str:
+        """A new session (``POST /v1/sessions``), every layer at position 0; its id, ``session`` when given (an id
+        of 1 to 128 of ``A-Z a-z 0-9 . _ ~ : -``), else one the server makes."""
         sid = _decode(self._http.post("/v1/sessions", content=self._session_body(session)))["session"]
         if self.positions is not None:
             self.positions.reset(sid)
         return sid
 
     def delete_session(self, session: str) -> None:
+        """Delete the session and free its slot (``DELETE /v1/sessions/{id}``)."""
         _raise_for(self._http.delete(f"/v1/sessions/{_quote(session)}"))
         if self.positions is not None:
             self.positions.forget(session)
 
     def fork(self, session: str, new_session: Optional[str] = None) -> str:
+        """A copy of the session's state under a new id (``new_session``, or one the server makes); its id."""
         sid = _decode(self._http.post(f"/v1/sessions/{_quote(session)}/fork",
                                       content=self._session_body(new_session)))["session"]
         if self.positions is not None:
@@ -116,15 +126,21 @@ class ConvClient(_Base):
         return _decode(self._http.get(self._list_path(cursor, limit)))
 
     def export_state(self, session: str, backend: Optional[str] = None) -> SessionState:
+        """The session's conv state (every layer) as a :class:`SessionState`, in ``backend`` (``"torch"`` or
+        ``"numpy"``; default torch when installed)."""
         return self._state_from(_decode(self._http.get(f"/v1/sessions/{_quote(session)}/state")),
                                 backend or _default_backend())
 
     def import_state(self, session: str, state, layers=None) -> None:
+        """Replace the session's state with ``state`` (as :meth:`export_state` returns it, or a tensor
+        ``(n_layers, dim, width - 1)``); every layer is then at position 0."""
         _raise_for(self._http.put(f"/v1/sessions/{_quote(session)}/state", content=self._state_body(state, layers)))
         if self.positions is not None:
             self.positions.reset(session)                 # an imported state is at position 0 on every layer
 
     def accept(self, session: str, tokens: int) -> None:
+        """Commit the first ``tokens`` tokens of the session's pending speculative verify on every layer that has
+        one (0 discards it)."""
         self.accept_batch([session], [tokens], _path=f"/v1/sessions/{_quote(session)}/accept",
                           _body=wire.packb({"tokens": tokens}))
 

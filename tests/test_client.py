@@ -443,3 +443,15 @@ def test_batch_arguments_a_lone_id_or_float_tokens_are_refused_before_sending(cl
         else:
             client.accept_batch(sessions, tokens)
     assert client.session_info(sid)["positions"][0] == 0           # nothing was sent
+
+
+@pytest.mark.parametrize("max_connections", [1, 4])
+def test_the_sync_clients_connection_limit_serves_threads_that_call_at_once(server, max_connections):
+    import concurrent.futures as cf
+
+    with ConvClient(server.url, api_key=KEY, max_connections=max_connections) as c:
+        sids = [c.create_session() for _ in range(6)]
+        with cf.ThreadPoolExecutor(6) as pool:
+            ys = list(pool.map(lambda s: c.conv(s, 1, torch.randn(2, DIM)), sids))
+        assert [tuple(y.shape) for y in ys] == [(2, DIM)] * 6
+        assert c._http._transport._pool._max_connections == max_connections      # what httpx was given
