@@ -183,9 +183,11 @@ class EngineCollector(Collector):
         except Exception:  # a scrape must not fail because the engine is starting or stopping
             log.debug("engine.stats() failed during a scrape", exc_info=True)
             return
-        # several engine processes: their counters come one series per engine (label ``engine``), so that an
+        # several engine processes: their numbers come one series per engine (label ``engine``), so that an
         # engine that restarts (its counters back at 0) is one series' reset, which rate() handles, and not a
-        # drop of a sum, which rate() would read as a reset of everything
+        # drop of a sum, which rate() would read as a reset of everything; and a gauge of each (its slots, its
+        # last step, its prefill budget) is its own, since a sum of values like these means nothing. What only
+        # the worker reports (its shm arena, pad_ratio, engines_up) stays one series.
         per_engine = stats.pop("per_engine", None) or {}
         flat: dict = {}
         hists = []
@@ -200,23 +202,14 @@ class EngineCollector(Collector):
                 name, kind, help_ = self.KNOWN[key]
             else:
                 name, kind, help_ = "convserve_engine_" + key, "gauge", f"engine.stats()['{key}']"
-            if kind == "counter" and per_engine:
-                m = CounterMetricFamily(name, help_, labels=["engine"])
-                for e, part in sorted(per_engine.items()):
-                    if key in part:
-                        m.add_metric([str(e)], float(part[key]))
-            elif kind == "counter":
-                m = CounterMetricFamily(name, help_)
-                m.add_metric([], value)
-            elif per_engine and any(key in part for part in per_engine.values()):
-                # a gauge of each engine process (its slots, its last step, its prefill budget): one series per
-                # engine too, since a sum of values like these means nothing
-                m = GaugeMetricFamily(name, help_, labels=["engine"])
+            family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            if any(key in part for part in per_engine.values()):
+                m = family(name, help_, labels=["engine"])
                 for e, part in sorted(per_engine.items()):
                     if key in part:
                         m.add_metric([str(e)], float(part[key]))
             else:
-                m = GaugeMetricFamily(name, help_)
+                m = family(name, help_)
                 m.add_metric([], value)
             yield m
 

@@ -28,10 +28,10 @@ class EngineHealth:
         e, s = self.down.longest(time.monotonic())
         if e is not None and s > self.down_unhealthy_s:
             return f"engine {e} ({self.devices[e]}) has been down for {s:.0f} s since its process died"
-        for r, (e, d) in zip(self.engines(), enumerate(self.devices)):
+        for e, r in enumerate(self.engines()):
             if (r["unanswered_s"] or 0) > self.down_unhealthy_s:
-                return (f"engine {e} ({d}) has answered nothing for {r['unanswered_s']:.0f} s since a request "
-                        "to it went unanswered past its deadline")
+                return (f"engine {e} ({r['device']}) has answered nothing for {r['unanswered_s']:.0f} s since a "
+                        "request to it went unanswered past its deadline")
         return None
 
     def engines(self) -> list:
