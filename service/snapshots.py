@@ -142,16 +142,16 @@ class Snapshotter:
             self._thread.start()
         return self.restored
 
-    def stop_engine(self, drain: bool = True, timeout: Optional[float] = None) -> bool:
-        """Stop the periodic writer, stop the engine (draining), write every session. False (and
-        ``final_failed``) when the final snapshot could not be taken or written: the process then exits non-zero,
-        so whatever restarts it can tell that the sessions since the last good snapshot are lost."""
+    def stop_engine(self, drain: bool = True, timeout: Optional[float] = None) -> None:
+        """Stop the periodic writer, stop the engine (draining), write every session. ``final_failed`` when the
+        final snapshot could not be taken or written: the process then exits non-zero, so whatever restarts it
+        can tell that the sessions since the last good snapshot are lost."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
         self.engine.stop(drain, timeout)
         if self.engine.pool is None:
-            return True                              # never started: nothing to write
+            return                                   # never started: nothing to write
         t0 = time.perf_counter()
         try:
             cap = self.engine.capture_snapshot(self._meta())
@@ -160,9 +160,8 @@ class Snapshotter:
             with self._lock:
                 self._st["failures"] += 1
             self.final_failed = True
-            return False
+            return
         self.final_failed = not self._write(cap, t0, "final")
-        return not self.final_failed
 
     def write_now(self, kind: str = "periodic") -> bool:
         """Take a snapshot of the running engine and write it (blocks until written); False when it failed or

@@ -49,7 +49,6 @@ from .status import BUILT, STOPPED, UP, StatusTable
 log = logging.getLogger("convserve.engine_proc")
 
 EXIT_BUILD = 3        # the model or engine could not be built or started: restarting would not help
-EXIT_SNAPSHOT = 1     # stopped, but its final snapshot was not written (logged): the supervisor exits 1 too
 
 
 class Journal:
@@ -196,9 +195,8 @@ class EngineProcess:
         while not stop.wait(1.0):
             self._publish_slots()
         self.status.set_state(self.index, STOPPED)
-        written = True
         if self.snapshots is not None:
-            written = self.snapshots.stop_engine(True, self.settings.shutdown_timeout_s)
+            self.snapshots.stop_engine(True, self.settings.shutdown_timeout_s)
         else:
             self.engine.stop(True, self.settings.shutdown_timeout_s)
         self.pump_ident = threading.get_ident()       # the worker thread is gone: the socket is this thread's
@@ -207,7 +205,7 @@ class EngineProcess:
         self._flush()
         self.sock.close(0)
         self.ctx.term()
-        return written
+        return self.snapshots is None or not self.snapshots.final_failed
 
     def _refuse_rest(self) -> None:
         """After the drain: every request still unread is answered ``503 not_ready`` (it did not run), so no
@@ -538,4 +536,6 @@ def main(spec: dict) -> None:
     log.info("start-up objects frozen out of the cyclic GC", extra={"engine": proc.index, "objects": frozen})
     written = proc.serve()
     thaw()                      # the interpreter's exit sees every object again (gcfreeze.py)
-    sys.exit(0 if written else EXIT_SNAPSHOT)
+    from convserve.service.cli import EXIT_FAILED
+
+    sys.exit(0 if written else EXIT_FAILED)     # a final snapshot not written (logged): the supervisor exits 1 too
