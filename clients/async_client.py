@@ -11,7 +11,7 @@ import httpx
 
 from convserve.clients.common import (MAX_MESSAGE_BYTES, SessionState, _as_request, _backend_of, _Base, _chunked,
                                       _decode, _default_backend, _frame, _quote, _raise_for, _Tracker, _ws_url,
-                                      given_position, ws_connect_async)
+                                      check_given_position, ws_connect_async)
 from convserve.clients.h1 import _H1Pool, _h1_target
 from convserve.clients.positions import RETRY_ERRORS, RETRY_STATUS, outcome_unknown, serialized
 from convserve.clients.protocol import wire
@@ -195,8 +195,8 @@ class AsyncConvClient(_Base):
     async def conv(self, session: str, layer: int, x, speculative: bool = False, position: Optional[int] = None):
         """Async twin of :meth:`ConvClient.conv`."""
         book = self.positions
-        pos = given_position(book, position) if book is None or position is not None else \
-            await self._position(session, layer)
+        check_given_position(book, position)
+        pos = position if book is None else await self._position(session, layer)
         body = self._conv_body(session, layer, x, speculative, pos)
         resp, attempt = (await self._send("POST", "/v1/conv", body), 0) if book is None else \
             await self._post_retrying("/v1/conv", body, [session])
@@ -217,8 +217,8 @@ class AsyncConvClient(_Base):
                          speculative=None, position: Optional[Sequence[int]] = None):
         """Async twin of :meth:`ConvClient.conv_batch`."""
         book = self.positions
-        pos = given_position(book, position) if book is None or position is not None else \
-            [await self._position(s, layer) for s in sessions]
+        check_given_position(book, position)
+        pos = position if book is None else [await self._position(s, layer) for s in sessions]
         body = self._batch_body(sessions, layer, x, tokens, speculative, pos)
         resp, attempt = (await self._send("POST", "/v1/conv/batch", body), 0) if book is None else \
             await self._post_retrying("/v1/conv/batch", body, list(sessions))

@@ -202,12 +202,11 @@ def _frame(req: Union[ConvRequest, BatchRequest]) -> dict:
     return frame
 
 
-def given_position(book, position):
-    """An explicit ``position`` of a conv or batch call: refused when the client tracks positions itself."""
+def check_given_position(book, position) -> None:
+    """An explicit ``position`` of a conv or batch call is refused when the client tracks positions itself."""
     if position is not None and book is not None:
         raise ValueError("position: this client tracks positions itself (track_positions=True); pass none, or "
                          "make the client without tracking to send your own")
-    return position
 
 
 def _id_list(sessions, name: str = "sessions") -> list:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import inspect
 import random
 import threading
 from typing import Optional
@@ -88,7 +89,7 @@ def serialized(one: bool):
     """A tracked client method (``conv`` with ``one``, else a batch or accept over ``sessions``) run while holding
     its sessions' locks; as it is without ``track_positions``."""
     def deco(fn):
-        if asyncio.iscoroutinefunction(fn):
+        if inspect.iscoroutinefunction(fn):
             @functools.wraps(fn)
             async def run_async(self, *args, **kwargs):
                 if self.positions is None:

@@ -11,7 +11,7 @@ import httpx
 
 from convserve.clients.common import (MAX_MESSAGE_BYTES, _POLL_S, ConvResult, SessionState, _as_request, _backend_of,
                                       _Base, _chunked, _decode, _default_backend, _frame, _quote, _raise_for,
-                                      _Tracker, _ws_url, given_position, ws_connect)
+                                      _Tracker, _ws_url, check_given_position, ws_connect)
 from convserve.clients.positions import RETRY_ERRORS, RETRY_STATUS, outcome_unknown, serialized
 from convserve.clients.protocol import wire
 from convserve.clients.replicas import is_routed
@@ -206,8 +206,8 @@ class ConvClient(_Base):
         it there only, and answers a repeat with its kept answer); only without ``track_positions``, which sends
         its own."""
         book = self.positions
-        pos = given_position(book, position) if book is None or position is not None else \
-            self._position(session, layer)
+        check_given_position(book, position)
+        pos = position if book is None else self._position(session, layer)
         body = self._conv_body(session, layer, x, speculative, pos)
         resp, attempt = (self._http.post("/v1/conv", content=body), 0) if book is None else \
             self._post_retrying("/v1/conv", body, [session])
@@ -233,8 +233,8 @@ class ConvClient(_Base):
         its own :meth:`conv`; it fails whole, changing nothing, if any part is invalid. ``position``: one per
         session, as :meth:`conv`'s."""
         book = self.positions
-        pos = given_position(book, position) if book is None or position is not None else \
-            [self._position(s, layer) for s in sessions]
+        check_given_position(book, position)
+        pos = position if book is None else [self._position(s, layer) for s in sessions]
         body = self._batch_body(sessions, layer, x, tokens, speculative, pos)
         resp, attempt = (self._http.post("/v1/conv/batch", content=body), 0) if book is None else \
             self._post_retrying("/v1/conv/batch", body, list(sessions))
