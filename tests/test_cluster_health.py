@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -20,6 +21,17 @@ BASE = ["--layers", "0,2,5", "--dim", str(DIM), "--width", "4", "--dtype", "floa
         "--engine-stats-timeout-s", "0.5"]
 
 
+@contextlib.contextmanager
+def _stopped(srv, engine: int = 0):
+    """Engine ``engine``'s process stopped (SIGSTOP: alive, answering nothing) for the block, then resumed."""
+    pid = _get(srv.url, "/readyz")[1]["engines"][engine]["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
 def _get(url, path):
     r = httpx.get(url + path, timeout=10)
     return r.status_code, r.json() if r.headers.get("content-type", "").startswith("application/json") else r.text
@@ -30,9 +42,7 @@ def test_an_engine_that_answers_nothing_shows_in_readyz_keeps_metrics_fast_and_f
     try:
         api = Api(srv.url)
         sid = _session_on(api, 0)
-        victim = _get(srv.url, "/readyz")[1]["engines"][0]["pid"]
-        os.kill(victim, signal.SIGSTOP)
-        try:
+        with _stopped(srv):
             t0 = time.monotonic()
             st, text = _get(srv.url, "/metrics")
             assert st == 200 and time.monotonic() - t0 < 2.5, "a scrape waits engine_stats_timeout_s, not the reply's"
@@ -47,8 +57,6 @@ def test_an_engine_that_answers_nothing_shows_in_readyz_keeps_metrics_fast_and_f
             _wait(lambda: _get(srv.url, "/healthz")[0] == 503, timeout=10, what="healthz failing")
             st, body = _get(srv.url, "/healthz")
             assert "engine 0" in body["reason"] and "answered nothing" in body["reason"], body
-        finally:
-            os.kill(victim, signal.SIGCONT)
         st, _, _ = api.call("POST", "/v1/conv", {"session": sid, "layer": 0,
                                                  "x": wire.encode_tensor(torch.randn(1, DIM))})
         assert st == 200                                                  # an answer clears it
@@ -62,16 +70,12 @@ def test_an_engine_that_answers_nothing_shows_in_readyz_keeps_metrics_fast_and_f
 def test_readyz_is_503_when_the_only_engine_answers_nothing():
     srv = LiveServer([*BASE, "--devices", "cpu"])
     try:
-        victim = _get(srv.url, "/readyz")[1]["engines"][0]["pid"]
-        os.kill(victim, signal.SIGSTOP)
-        try:
+        with _stopped(srv):
             assert _get(srv.url, "/metrics")[0] == 200
             _wait(lambda: _get(srv.url, "/readyz")[0] == 503, timeout=10, what="readyz 503")
             st, body = _get(srv.url, "/readyz")
             assert body["error"]["code"] == "not_ready", body
             assert "no engine is answering" in body["error"]["message"]
-        finally:
-            os.kill(victim, signal.SIGCONT)
     finally:
         srv.kill()
 
