@@ -42,8 +42,9 @@ class DecodeLaunchers:
     tokens each, x and the rows' pool slots in the verify slot's host buffers (``Buffers.vslot_*``); the launch
     copies them in, runs the verify (no state written), copies each row's x into ``d_spec`` (what accept commits
     from) and y out into the slot's host buffer, for each L of ``verify_lengths`` (``verify_shapes``; batches of
-    other lengths are not given a verify slot). On CUDA with graphs that is one ``replay()``, without them the
-    same ops eagerly (warmed at start). On the CPU the ops run on the host buffers.
+    other lengths are not given a verify slot). On CUDA the rows go in two halves on two streams, so that one
+    half's copy out overlaps the other's copy in; with graphs that is one ``replay()``, without them the same ops
+    eagerly (warmed at start). On the CPU the ops run on the host buffers.
     """
 
     #: the layer key of the multi-layer launch: rows of any layers, ``bufs.*_mix_*``, stacked weights
@@ -57,6 +58,7 @@ class DecodeLaunchers:
         self.graph_bytes = 0
         self.multi_layer_runs = 0                 # launches of MIXED (for stats)
         self._cuda = pool.device.type == "cuda"
+        self._side = torch.cuda.Stream(pool.device) if self._cuda else None   # see _verify_ops
         # the views each (layer, bucket) launch takes, built once: a dozen view ops per launch otherwise (the
         # eager path and the CPU run every launch through _ops)
         self._args = {}
@@ -125,18 +127,41 @@ class DecodeLaunchers:
         hx, hidx, hspec, x, idx, sidx, x3, xs, osi, spec, states, w, bias = self._verify_args(j, p, b, L)
         n, D = b * L, self._model.dim
         hy = self._b.vslot_y.buf(j)[:n]
-        if self._cuda:
+        if not self._cuda:
+            self._verify_rows(slice(0, b), x3, xs, idx, osi, sidx, spec, states, w, bias, hy, hy, L)
+            return
+        out = self._b.d_vout[:n]
+        idx.copy_(hidx, non_blocking=True)
+        sidx.copy_(hspec, non_blocking=True)
+        h = b // 2
+        if h == 0:
             x.copy_(hx, non_blocking=True)
-            idx.copy_(hidx, non_blocking=True)
-            sidx.copy_(hspec, non_blocking=True)
-            out = self._b.d_vout[:n]
-        else:
-            out = hy
-        self._fn(x3, states, w, bias, self._model.activation, conv_state_indices=idx, output_state_indices=osi,
-                 pad_slot_id=PAD_SLOT_ID, out=out.view(b, L, D).transpose(1, 2))
-        spec.index_copy_(0, sidx, xs)
-        if self._cuda:
-            hy.copy_(out, non_blocking=True)
+            self._verify_rows(slice(0, b), x3, xs, idx, osi, sidx, spec, states, w, bias, out, hy, L)
+            return
+        # Two halves of the rows, so that the copies in and out overlap: the first half's verify and copy out run
+        # on a side stream while the second half's x is copied in (the two directions use separate copy engines;
+        # a verify moves about 4x a decode's bytes each way). The rows are independent: a verify writes no live
+        # state, and each row's windows and spec line are its own.
+        cur, side = torch.cuda.current_stream(), self._side
+        x[:h * L].copy_(hx[:h * L], non_blocking=True)
+        side.wait_stream(cur)
+        x[h * L:].copy_(hx[h * L:], non_blocking=True)
+        with torch.cuda.stream(side):
+            self._verify_rows(slice(0, h), x3, xs, idx, osi, sidx, spec, states, w, bias, out, hy, L)
+        self._verify_rows(slice(h, b), x3, xs, idx, osi, sidx, spec, states, w, bias, out, hy, L)
+        cur.wait_stream(side)
+
+    def _verify_rows(self, rows: slice, x3, xs, idx, osi, sidx, spec, states, w, bias, out, hy, L: int) -> None:
+        """The verify of ``rows`` (x already in place): the kernel into ``out``, each row's x into its spec line,
+        and (``out`` on the device) y copied out into ``hy``, on the current stream."""
+        t = slice(rows.start * L, rows.stop * L)
+        o = out[t]
+        self._fn(x3[rows], states, w, bias, self._model.activation, conv_state_indices=idx[rows],
+                 output_state_indices=osi[rows], pad_slot_id=PAD_SLOT_ID,
+                 out=o.view(rows.stop - rows.start, L, -1).transpose(1, 2))
+        spec.index_copy_(0, sidx[rows], xs[rows])
+        if o.data_ptr() != hy.data_ptr():
+            hy[t].copy_(o, non_blocking=True)
 
     def _launches(self) -> dict:
         """Every launch: ``{key: run it eagerly}``."""
