@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from convserve.clients.protocol import wire
-from tests.http_api import DIM, LAYERS, SLOTS, WIDTH, assert_close, model, rand_x
+from tests.http_api import DIM, LAYERS, MAX_BODY, MAX_TOKENS, SLOTS, WIDTH, assert_close, model, rand_x
 from tests.live import Reference
 
 
@@ -25,6 +25,13 @@ def test_health_ready_and_model_describe_the_served_model(server, api):
     assert info["slots"]["total"] == SLOTS * len(engines)
     assert 0 <= info["slots"]["free"] <= info["slots"]["total"]
     assert info["slots"]["free"] == sum(e["slots"]["free"] for e in engines)
+    # the request limits a frontend budgets its steps by: the server's settings
+    from convserve.service.config import load_settings
+
+    default = load_settings({"device": "cpu"})
+    assert info["limits"] == {"max_batch_tokens": 1024, "max_batch_size": default.max_batch_size,
+                              "max_tokens_per_request": MAX_TOKENS, "max_spec_tokens": default.max_spec_tokens,
+                              "max_body_bytes": MAX_BODY}
 
 
 def test_control_routes_accept_json_and_answer_json_when_asked(api):

@@ -261,6 +261,56 @@ def test_the_frontend_scenario_runs_over_several_urls(server, weights, tmp_path)
     assert st["verify"]["checked"] > 0 and st["verify"]["mismatches"] == 0
 
 
+def _admitted(live, tokens=float("inf"), sessions=float("inf"), per_slice=float("inf")):
+    import collections
+    import types
+
+    from convserve.clients.loadtest.frontend import FrontendDriver, _Live
+
+    lv = [_Live(sid, None, collections.deque(steps), 0.0) for sid, steps in live]
+    fake = types.SimpleNamespace(live=lv, max_tokens=tokens, max_sessions=sessions, max_slice=per_slice)
+    work = FrontendDriver._admit(fake)
+    return [(v.sid, k, n) for v, k, n in work], {v.sid: list(v.steps) for v in lv}
+
+
+def test_a_frontend_step_admits_decodes_and_verifies_first_then_prefills_cut_to_the_token_budget():
+    live = [("p1", [("prefill", 30), ("decode", 1)]), ("d1", [("decode", 1)]), ("p2", [("prefill", 30)]),
+            ("v1", [("verify", 5), ("decode", 1)]), ("p3", [("prefill", 9)])]
+    work, left = _admitted(live, tokens=40)
+    # the decode and the verify first (6 tokens), then p1's chunk whole (30), then 4 of p2's: p3 waits
+    assert work == [("d1", "decode", 1), ("v1", "verify", 5), ("p1", "prefill", 30), ("p2", "prefill", 4)]
+    assert left == {"p1": [("decode", 1)], "d1": [], "p2": [("prefill", 26)], "v1": [("decode", 1)],
+                    "p3": [("prefill", 9)]}
+    # no limits: every session's next piece, as it is
+    work, _ = _admitted(live)
+    assert sorted(work) == sorted([("p1", "prefill", 30), ("d1", "decode", 1), ("p2", "prefill", 30),
+                                   ("v1", "verify", 5), ("p3", "prefill", 9)])
+    # at most max_batch_size sessions; a slice at most max_tokens_per_request; a verify that does not fit waits
+    work, _ = _admitted(live, sessions=2)
+    assert work == [("d1", "decode", 1), ("v1", "verify", 5)]
+    work, _ = _admitted(live, per_slice=8)
+    assert [n for _, k, n in work if k == "prefill"] == [8, 8, 8]
+    work, left = _admitted([("v", [("verify", 5)]), ("d", [("decode", 1)])], tokens=3)
+    assert work == [("d", "decode", 1)] and left["v"] == [("verify", 5)]
+
+
+def test_the_frontend_scenario_fits_its_steps_to_the_servers_limits(weights, tmp_path):
+    # 12 sessions prefilled in chunks of up to 40 tokens would be 480 tokens a step: the server takes 64 and 4
+    srv = LiveServer(["--weights", str(weights[0]), "--slots", "32", "--max-batch-tokens", "64",
+                      "--max-tokens-per-request", "64", "--max-batch-size", "4"])
+    try:
+        srv.wait_ready()
+        rc, data = _run(tmp_path, srv, "--scenario", "frontend", "--concurrency", "12", "--requests", "60",
+                        "--chunk", "40", "--prefill", "uniform:30:90", "--spec-k", "const:3", "--verify",
+                        str(weights[0]), "--verify-sample", "1", "--fail-on-errors")
+    finally:
+        srv.terminate()
+    st = data["steps"][0]
+    assert rc == 0 and st["errors_total"] == 0, st["errors"]
+    assert st["kinds"]["batch"]["count"] == len(LAYERS) * st["kinds"]["step"]["count"] > 0
+    assert st["verify"]["checked"] > 0 and st["verify"]["mismatches"] == 0
+
+
 def test_a_step_whose_every_request_failed_exits_1_without_fail_on_errors(tmp_path, capsys):
     # a server that takes one token per request: every prefill is a 413, and no session gets to decode
     srv = LiveServer(["--layers", "0,2", "--dim", str(DIM), "--dtype", "float32", "--max-tokens-per-request", "1"])

@@ -2,7 +2,9 @@
 
 The frontend keeps a set of live sessions. Each of its steps takes the next piece of work of every live session
 (a prefill chunk of at most ``prefill_chunk`` tokens, a one-token decode, or with ``--spec-k`` a speculative verify
-of k tokens) and sends it as **one batch per layer** (``POST /v1/conv/batch`` with ``tokens`` and
+of k tokens) that fits the server's limits (``GET /v1/model``'s ``limits``: decodes and verifies first, then
+prefill chunks, the last one cut to the tokens left, as a continuous-batching scheduler admits them) and sends it
+as **one batch per layer** (``POST /v1/conv/batch`` with ``tokens`` and
 ``speculative``), layer ``l + 1`` only after layer ``l``'s answer, as a model's forward pass must. After the
 layers, one ``POST /v1/accept`` commits a random 0..k of each verify. Sessions that are done are deleted and new
 ones join: up to ``concurrency`` live sessions (closed loop), or arriving at ``rate`` sessions/s (open loop).
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import math
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -40,6 +43,11 @@ class FrontendDriver(Driver):
     def __init__(self, client, info: dict, workload, rec, **kw):
         super().__init__(client, None, info, workload, rec, **kw)
         self.live: list[_Live] = []
+        # the server's request limits (GET /v1/model; a server that reports none: no budget)
+        limits = info.get("limits") or {}
+        self.max_tokens = limits.get("max_batch_tokens") or math.inf
+        self.max_sessions = limits.get("max_batch_size") or math.inf
+        self.max_slice = limits.get("max_tokens_per_request") or math.inf
 
     async def _join(self, n: int, arrived: Optional[list] = None) -> None:
         """Create ``n`` sessions (concurrently) and add them to the live set."""
@@ -57,9 +65,36 @@ class FrontendDriver(Driver):
         if gone:
             await asyncio.gather(*(asyncio.shield(self.end_session(v.sid)) for v in gone))
 
+    def _admit(self) -> list:
+        """This step's work, ``(session, kind, tokens)``: each live session's next piece, within the server's
+        limits (a layer's call is one batch: at most ``max_batch_size`` sessions and ``max_batch_tokens`` tokens),
+        admitted as a continuous-batching scheduler does: decodes and verifies first, then prefill chunks in
+        arrival order, the last one cut to the tokens left (its rest stays first in that session's plan). A
+        session that does not fit waits for the next step."""
+        work, left = [], self.max_tokens
+        for v in sorted(self.live, key=lambda v: not v.steps or v.steps[0][0] == "prefill"):   # stable sort
+            if len(work) >= self.max_sessions or left < 1:
+                break
+            if not v.steps:
+                continue
+            kind, n = v.steps[0]
+            if kind == "prefill":
+                n = min(n, left, self.max_slice)
+                if n < v.steps[0][1]:
+                    v.steps[0] = (kind, v.steps[0][1] - n)
+                else:
+                    v.steps.popleft()
+            elif n <= left:
+                v.steps.popleft()
+            else:
+                continue
+            work.append((v, kind, n))
+            left -= n
+        return work
+
     async def step(self) -> None:
-        """One frontend step over every live session."""
-        work = [(v, *v.steps.popleft()) for v in self.live]        # (session, kind, tokens)
+        """One frontend step over the live sessions admitted to it (:meth:`_admit`)."""
+        work = self._admit()
         if not work:
             return
         sessions = [v.sid for v, _, _ in work]

@@ -281,6 +281,10 @@ class Driver:
         return self.stopping
 
     def x(self, tokens: int) -> np.ndarray:
+        """``tokens`` rows of random activations (a window of the pool, grown once when a step asks for more)."""
+        if tokens > self.pool.shape[0] - 4096:
+            rng = np.random.default_rng(self.rng.getrandbits(32))
+            self.pool = rng.standard_normal((tokens + 4096, self.dim), dtype=np.float32).astype(self.dtype)
         o = self.rng.randrange(0, self.pool.shape[0] - tokens + 1)
         return self.pool[o:o + tokens]
 

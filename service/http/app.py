@@ -58,6 +58,10 @@ class Service:
             if settings.client_shm and os.path.isdir(SHM_ROOT) else None
         self.parser = Parser(engine.model_info(), settings.max_tokens_per_request, settings.max_batch_tokens,
                              settings.max_batch_size, self.client_shm)
+        #: the request limits a caller must fit (GET /v1/model's "limits"): a frontend budgets its steps by them
+        self.limits = {k: getattr(settings, k) for k in ("max_batch_tokens", "max_batch_size",
+                                                          "max_tokens_per_request", "max_spec_tokens",
+                                                          "max_body_bytes")}
         self.max_body = settings.max_body_bytes
         self.max_objects = settings.max_body_objects
         self.max_json = settings.max_json_body_bytes
