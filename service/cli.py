@@ -21,12 +21,31 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from convserve.service.config import ConfigError, Settings, load_settings
+try:
+    from convserve.service.config import ConfigError, Settings, load_settings
+except ModuleNotFoundError:             # a client-only install: main() names what is missing
+    pass
 
 log = logging.getLogger("convserve.cli")
 
 EXIT_CONFIG = 2
 EXIT_FAILED = 1
+#: the modules ``convserve serve`` imports that a client-only install (``pip install convserve``) lacks
+SERVER_MODULES = ("pydantic", "pydantic_settings", "fastapi", "uvicorn", "prometheus_client", "zmq", "torch",
+                  "triton")
+
+
+def missing_server_modules() -> list:
+    """The server's dependencies this Python cannot import (none on a ``convserve[server]`` install)."""
+    import importlib.util
+
+    def absent(name: str) -> bool:
+        try:
+            return importlib.util.find_spec(name) is None
+        except (ImportError, ValueError):     # a parent package missing, or a stand-in in sys.modules
+            return True
+
+    return [m for m in SERVER_MODULES if absent(m)]
 
 
 def _add_settings_flags(p: argparse.ArgumentParser) -> None:
@@ -330,6 +349,12 @@ def _stopped(rc: int) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    missing = missing_server_modules()
+    if missing:
+        print(f"convserve: the server's dependencies are not installed (no module {', '.join(map(repr, missing))}): "
+              "pip install 'convserve[server]' (the client and convserve-loadtest work without them)",
+              file=sys.stderr)
+        return EXIT_CONFIG
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         overrides = {k: v for k, v in vars(args).items() if k in Settings.model_fields}

@@ -318,3 +318,15 @@ def test_engine_busy_poll_is_zero_without_engine_processes(monkeypatch):
 
     monkeypatch.setattr(config, "_usable_cores", lambda: 64)
     assert load_settings({"workers": "0", "engine_busy_poll_us": "auto"}).resolved_busy_poll_us(1) == 0
+
+
+def test_convserve_on_a_client_only_install_names_the_missing_modules_and_the_extra_to_install(monkeypatch, capsys):
+    from convserve.service import cli
+
+    assert cli.missing_server_modules() == []          # this (test) install has the server's dependencies
+    monkeypatch.setattr(cli, "SERVER_MODULES", ("pydantic", "convserve_no_such_module", "no_such_pkg.sub"))
+    assert cli.missing_server_modules() == ["convserve_no_such_module", "no_such_pkg.sub"]
+    assert cli.main(["serve", "--help"]) == cli.EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert "'convserve_no_such_module'" in err and "pip install 'convserve[server]'" in err
+    assert "Traceback" not in err

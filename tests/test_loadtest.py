@@ -355,3 +355,14 @@ def test_verify_that_rejects_every_answer_of_a_one_layer_model_exits_4_not_1(tmp
     finally:
         srv.terminate()
     assert data["steps"][0]["verify"]["mismatches"] >= 1 and rc == 4
+
+
+def test_without_matplotlib_the_run_says_how_to_get_the_plot(server, tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    out = tmp_path / "noplot"
+    assert main(["--url", server.url, *SMALL, "--concurrency", "1", "--requests", "8", "--out", str(out)]) == 0
+    assert "pip install 'convserve[loadtest]'" in capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir()) == ["loadtest.html", "loadtest.json"]

@@ -194,6 +194,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.out is not None:
         paths = report.write_outputs(result, args.out)
         console.print("wrote " + ", ".join(str(p) for p in paths.values()))
+        if "png" not in paths:
+            console.print("no loadtest.png: the plot needs matplotlib (pip install 'convserve[loadtest]')")
     rc = 0
     if baseline is not None:
         try:
