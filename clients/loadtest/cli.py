@@ -195,7 +195,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         paths = report.write_outputs(result, args.out)
         console.print("wrote " + ", ".join(str(p) for p in paths.values()))
         if "png" not in paths:
-            console.print("no loadtest.png: the plot needs matplotlib (pip install 'convserve[loadtest]')")
+            console.print("no loadtest.png: the plot needs matplotlib (pip install 'convserve[loadtest]')", markup=False)
     rc = 0
     if baseline is not None:
         try:
