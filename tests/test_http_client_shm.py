@@ -15,7 +15,7 @@ import torch
 
 from convserve.clients.client import ConvClient
 from convserve.clients.protocol import wire
-from convserve.clients.protocol.shm import ShmArena
+from convserve.clients.protocol.shm import MAX_OFFSET, ShmArena
 from convserve.service.http.client_shm import RECHECK_S, ClientSegments
 from tests.http_api import DIM, LAYERS, MP, assert_close, model, rand_x, read_stream
 from tests.live import LiveServer, Reference
@@ -123,7 +123,9 @@ def _raw_conv(server, sid, xmap, path="/v1/conv"):
     ("past the end", "past the end"),
     ("data and shm", "a tensor map is"),
     ("extra field", "a tensor map is"),
-    ("negative offset", "integer >= 0"),
+    ("negative offset", "integer from 0 to"),
+    ("offset past int64", "integer from 0 to"),      # once a 500 (OverflowError, then EINVAL, in the read)
+    ("largest offset", "past the end"),
     ("ref not a map", "must be a map"),
 ])
 def test_a_bad_reference_is_one_400_and_changes_nothing(server, arena, path, case, needle):
@@ -149,6 +151,10 @@ def test_a_bad_reference_is_one_400_and_changes_nothing(server, arena, path, cas
             xmap["bytes"] = 4 * DIM
         elif case == "negative offset":
             xmap["shm"] = {**shm, "offset": -64}
+        elif case == "offset past int64":
+            xmap["shm"] = {**shm, "offset": (1 << 64) - 1}
+        elif case == "largest offset":
+            xmap["shm"] = {**shm, "offset": MAX_OFFSET}
         elif case == "ref not a map":
             xmap["shm"] = [shm["key"], shm["offset"]]
         st, obj = _raw_conv(server, sid, xmap, path)

@@ -113,3 +113,36 @@ def test_session_header_that_disagrees_is_a_400_and_changes_nothing(api, route):
 def test_session_header_that_is_not_a_session_id_is_a_400(api):
     st, obj, _ = api.call("POST", "/v1/sessions", headers={"x-session-id": "no spaces allowed"})
     assert st == 400 and "X-Session-Id" in obj["error"]["message"]
+
+
+@pytest.mark.parametrize("values", [("same", "same"), ("same", "other")])
+def test_a_session_header_sent_twice_is_a_400_and_changes_nothing(api, values):
+    # a proxy may hash on either copy: the server takes neither
+    sid = api.session()
+    hdrs = [("x-session-id", sid if v == "same" else sid + "-other") for v in values]
+    r = api.http.delete(f"/v1/sessions/{sid}", headers=hdrs)
+    assert r.status_code == 400 and "2 times" in r.text, r.text
+    x = rand_x(1)
+    body = msgpack.packb({"session": sid, "layer": LAYERS[0], "x": wire.encode_tensor(x)}, use_bin_type=True)
+    r = api.http.post("/v1/conv", content=body, headers=[*hdrs, *MP.items()])
+    assert r.status_code == 400, r.text
+    assert float(api.state(sid).abs().sum()) == 0.0            # it exists, and nothing ran on it
+
+
+@pytest.mark.parametrize("method, tail", [("GET", "%2Fstate"), ("POST", "%2ffork"), ("DELETE", "%2F")])
+def test_an_encoded_slash_in_a_session_path_is_a_400_not_another_route(api, method, tail):
+    sid = api.session()
+    r = api.http.request(method, f"/v1/sessions/{sid}{tail}", headers=MP)
+    assert r.status_code == 400 and "session id" in r.text, r.text
+    assert api.call("GET", f"/v1/sessions/{sid}")[0] == 200      # not deleted, not forked
+    assert api.call("GET", f"/v1/sessions/{sid}-fork")[0] == 404
+
+
+@pytest.mark.parametrize("method, path", [("POST", "/v1/conv/"), ("POST", "/v1/conv/batch/"), ("GET", "/v1/model/"),
+                                          ("DELETE", "/v1/sessions/{sid}/"), ("GET", "/healthz/")])
+def test_a_trailing_slash_is_a_404_with_an_error_map_never_a_redirect(api, method, path):
+    sid = api.session()
+    r = api.http.request(method, path.format(sid=sid), headers=MP)
+    assert r.status_code == 404, (r.status_code, r.headers)
+    assert msgpack.unpackb(r.content)["error"]["code"] == "not_found"
+    assert api.call("GET", f"/v1/sessions/{sid}")[0] == 200

@@ -140,7 +140,9 @@ def test_stream_frame_error_fails_alone(api):
     (wire.packb([1, 2, 3]), "bad_request"),            # not a map
     (wire.packb({"session": "s", "layer": 0}), "bad_request"),  # no id
     (wire.packb({"id": 1, "x": b"\0" * (MAX_BODY + 10)}), "payload_too_large"),
-], ids=["bad-byte", "not-a-map", "no-id", "frame-too-large"])
+    (wire.packb({"id": None, "session": "s", "layer": 0}), "bad_request"),    # its error would look like the end's
+    (wire.packb({"id": 1.5, "session": "s", "layer": 0}), "bad_request"),
+], ids=["bad-byte", "not-a-map", "no-id", "frame-too-large", "null-id", "float-id"])
 def test_malformed_frame_ends_the_stream_with_a_null_id_error_after_earlier_results(api, garbage, code):
     sid = api.session()
     frames = make_frames([sid], 5, seed=5)

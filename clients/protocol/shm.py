@@ -42,6 +42,11 @@ ALIGN = 64
 POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
+#: the largest offset a reference may give: far past any segment (an offset past a segment's end is refused when
+#: the segment is read), and low enough that offset + size stays a file offset the OS takes
+MAX_OFFSET = (1 << 62) - 1
+
+
 def check_ref(ref: Any, name: str) -> tuple[str, int]:
     """``(key, offset)`` of a tensor map's ``shm`` field, or :class:`BadRequest` saying what to send."""
     if type(ref) is not dict or set(ref) != {"key", "offset"}:
@@ -51,8 +56,9 @@ def check_ref(ref: Any, name: str) -> tuple[str, int]:
     if type(key) is not str or not KEY_RE.match(key):
         raise BadRequest(f"'{name}.shm.key' must name a segment 'convserve-client-<up to 200 of A-Z a-z 0-9 _ . "
                          f"->' (as ShmArena creates), got {key!r:.80}")
-    if type(offset) is not int or offset < 0:
-        raise BadRequest(f"'{name}.shm.offset' must be an integer >= 0, got {offset!r:.40}")
+    if type(offset) is not int or not 0 <= offset <= MAX_OFFSET:
+        raise BadRequest(f"'{name}.shm.offset' must be an integer from 0 to {MAX_OFFSET} (a byte of the segment), "
+                         f"got {offset!r:.40}")
     return key, offset
 
 

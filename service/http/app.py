@@ -59,9 +59,9 @@ class Service:
         self.parser = Parser(engine.model_info(), settings.max_tokens_per_request, settings.max_batch_tokens,
                              settings.max_batch_size, self.client_shm)
         #: the request limits a caller must fit (GET /v1/model's "limits"): a frontend budgets its steps by them
-        self.limits = {k: getattr(settings, k) for k in ("max_batch_tokens", "max_batch_size",
-                                                          "max_tokens_per_request", "max_spec_tokens",
-                                                          "max_body_bytes")}
+        self.limits = {k: getattr(settings, k, None) for k in ("max_batch_tokens", "max_batch_size",
+                                                                "max_tokens_per_request", "max_spec_tokens",
+                                                                "max_body_bytes")}
         self.max_body = settings.max_body_bytes
         self.max_objects = settings.max_body_objects
         self.max_json = settings.max_json_body_bytes
@@ -174,7 +174,9 @@ def create_app(settings, engine: EngineAPI, *, start_engine: bool = True, snapsh
                 await asyncio.to_thread(stop, True, settings.shutdown_timeout_s)
                 log.info("engine stopped")
 
-    app = ConvServeApp(title="convserve", version=_version(), lifespan=lifespan,
+    # redirect_slashes off: a path with a trailing slash is a 404 with an error map, not a 307 that a client
+    # following redirects would replay (a DELETE included)
+    app = ConvServeApp(title="convserve", version=_version(), lifespan=lifespan, redirect_slashes=False,
                        description="Causal depthwise conv1d of Mamba/hybrid LLMs over HTTP/msgpack. "
                                    "See README.md (API reference).")
     app.state.svc = svc

@@ -173,9 +173,9 @@ class Pipeline:
                                       "body plus an 'id'; the stream ends here"))
             return False
         fid = obj["id"]
-        if fid is not None and type(fid) not in (int, str):
-            self.set_fatal(BadRequest(f"frame {self.nframes}: 'id' must be an integer or a string; the stream "
-                                      "ends here"))
+        if type(fid) not in (int, str):       # null too: its answer would look like the stream's last one
+            self.set_fatal(BadRequest(f"frame {self.nframes}: 'id' must be an integer or a string, got "
+                                      f"{type(fid).__name__}; the stream ends here"))
             return False
         self.nframes += 1
         svc = self.svc

@@ -44,11 +44,15 @@ def with_replica_header(send, pair: tuple[bytes, bytes]):
 
 
 def header_session(scope) -> Optional[str]:
-    """The session of the ``X-Session-Id`` header, None without one; 400 when it is not a session id."""
-    raw = header(scope, _SESSION_KEY)
-    if raw is None:
+    """The session of the ``X-Session-Id`` header, None without one; 400 when it is not a session id, or when the
+    header comes more than once (a proxy may hash on either copy)."""
+    raws = [v for k, v in scope["headers"] if k == _SESSION_KEY]
+    if not raws:
         return None
-    return check_session_id(raw.decode("latin-1"), f"the {SESSION_HEADER} header")
+    if len(raws) > 1:
+        raise BadRequest(f"the {SESSION_HEADER} header came {len(raws)} times; send it once (a proxy that routes "
+                         "by it may read another copy than the server)")
+    return check_session_id(raws[0].decode("latin-1"), f"the {SESSION_HEADER} header")
 
 
 def _disagree(got: str, want: str, where: str) -> BadRequest:
@@ -72,10 +76,16 @@ def merge_session(scope, body_session: Optional[str], where: str = "the body") -
 
 def check_path_session(scope) -> None:
     """400 when ``X-Session-Id`` disagrees with the ``{id}`` of a ``/v1/sessions/{id}[/...]`` path (the session
-    routes that take the session in the path; a fork's new id is in its body and is not compared)."""
+    routes that take the session in the path; a fork's new id is in its body and is not compared), or when such a
+    path holds an encoded ``/`` (``%2F``: no session id has one, and the decoded path would name another route,
+    ``a%2Fstate`` the state of ``a``)."""
     path = scope["path"]
     if not path.startswith(_SESSIONS_PREFIX):
         return
+    raw = scope.get("raw_path") or b""
+    if b"%2f" in raw.lower():
+        seg = raw.split(b"?", 1)[0][len(_SESSIONS_PREFIX):].decode("latin-1")
+        check_session_id(seg.split("/", 1)[0].replace("%2F", "/").replace("%2f", "/"), "the path's session id")
     h = header_session(scope)
     if h is None:
         return
