@@ -112,3 +112,38 @@ def test_an_invalid_session_id_in_a_body_is_a_400_naming_the_rule_not_a_404(api,
     st, obj, _ = api.call(method, route, make(decoded, wire.encode_tensor(torch.randn(1, DIM))))
     assert st == 400, obj
     assert obj["error"]["code"] == "bad_request" and "A-Z a-z 0-9" in obj["error"]["message"]
+
+
+@pytest.mark.parametrize("layers", [[0, 2.0, 5], [False, 2, 5], [0, 2, 5.0]], ids=["float", "bool", "last-float"])
+def test_an_import_whose_layers_are_mistyped_is_refused_and_changes_nothing(api, layers):
+    from tests.http_api import LAYERS
+
+    assert layers == LAYERS                    # equal in Python: 1.0 == 1 == True, which once let them through
+    sid = api.session()
+    st, exported, _ = api.call("GET", f"/v1/sessions/{sid}/state")
+    assert st == 200
+    x = wire.encode_tensor(__import__("tests.http_api", fromlist=["rand_x"]).rand_x(3))
+    assert api.call("POST", "/v1/conv", {"session": sid, "layer": LAYERS[0], "x": x})[0] == 200
+    before = api.call("GET", f"/v1/sessions/{sid}")[1]["positions"]
+    st, obj, _ = api.call("PUT", f"/v1/sessions/{sid}/state", {"layers": layers, "state": exported["state"]})
+    assert st == 422 and "layers" in obj["error"]["message"], obj
+    assert api.call("GET", f"/v1/sessions/{sid}")[1]["positions"] == before
+
+
+def test_an_optional_field_given_as_null_is_the_same_as_leaving_it_out(api):
+    from tests.http_api import LAYERS, rand_x
+
+    sid = api.session()
+    x = wire.encode_tensor(rand_x(2, seed=3))
+    st, with_null, _ = api.call("POST", "/v1/conv", {"session": sid, "layer": LAYERS[0], "x": x,
+                                                     "speculative": None, "position": None})
+    assert st == 200
+    other = api.session()
+    st, without, _ = api.call("POST", "/v1/conv", {"session": other, "layer": LAYERS[0], "x": x})
+    assert st == 200 and with_null["y"]["data"] == without["y"]["data"]
+    st, _, _ = api.call("POST", "/v1/conv/batch", {"sessions": [sid, other], "layer": LAYERS[1],
+                                                   "x": wire.encode_tensor(rand_x(2, seed=4)), "tokens": None,
+                                                   "speculative": None, "position": None})
+    assert st == 200
+    assert api.call("GET", f"/v1/sessions/{sid}")[1]["positions"] == \
+        api.call("GET", f"/v1/sessions/{other}")[1]["positions"]

@@ -217,8 +217,10 @@ class Parser:
             raise BadRequest("'session' is missing or not a string; create a session with POST /v1/sessions")
         layer = self.layer(req)
         x = wire.decode_tensor(req.get("x"), check_shape=self.x_check, shm=self.shm)
-        spec = req.get("speculative", False)
-        if type(spec) is not bool:
+        spec = req.get("speculative")
+        if spec is None:                      # an optional field given as null is left out, on every route
+            spec = False
+        elif type(spec) is not bool:
             raise BadRequest("'speculative' must be true or false")
         position = req.get("position")
         if position is not None and (type(position) is not int or not 0 <= position <= INT64_MAX):
@@ -322,7 +324,9 @@ class Parser:
             raise BadRequest("the body must be a map {\"layers\": [...], \"state\": tensor}, as GET .../state returns")
         check_fields(body, STATE_FIELDS, "a state body")
         layers = body.get("layers")
-        if layers is not None and (type(layers) is not list or layers != self.layers):
+        # compared by type too: 1.0 == 1 == True in Python, and a mistyped list is not the model's
+        if layers is not None and (type(layers) is not list or layers != self.layers
+                                   or any(type(v) is not int for v in layers)):
             raise ShapeMismatch(f"'layers' {layers!r:.100} do not match the model's conv layers {self.layers}")
         st = body["state"]
         if type(st) is dict and isinstance(st.get("dtype"), str) and st["dtype"] in wire.ITEMSIZE \
