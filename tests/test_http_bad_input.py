@@ -180,3 +180,80 @@ def test_a_good_request_still_works_after_the_matrix(srv):
                                                                          "x": wire.encode_tensor(x)}))
     assert r.status_code == 200
     assert wire.decode_tensor(msgpack.unpackb(r.content)["y"]).shape == (3, DIM)
+
+
+def _state(url, sid):
+    r = httpx.get(f"{url}/v1/sessions/{sid}/state", headers=MP)
+    assert r.status_code == 200, r.text
+    return wire.decode_tensor(msgpack.unpackb(r.content)["state"]).clone()
+
+
+def _ids(url):
+    return sorted(s["session"] for s in httpx.get(url + "/v1/sessions?limit=1000", headers=JSON).json()["sessions"])
+
+
+# JSON bodies of /v1 with a key twice in one object (json.loads kept the last: the first case created d2, 201)
+TWICE = {
+    "create": ("/v1/sessions", '{{"session": "twice-d1", "session": "twice-d2"}}', "session"),
+    "fork": ("/v1/sessions/{sid}/fork", '{{"session": "twice-f1", "session": "twice-f2"}}', "session"),
+    "conv x.dtype": ("/v1/conv", '{{"session": "{sid}", "layer": 0, "x": {{"dtype": "float16", "dtype": "float32", '
+                     '"shape": [1, %d], "data": "{data}"}}}}' % DIM, "dtype"),
+    "conv layer": ("/v1/conv", '{{"session": "{sid}", "layer": 1, "x": {{"dtype": "float32", "shape": [1, %d], '
+                   '"data": "{data}"}}, "layer": 0}}' % DIM, "layer"),
+    "batch sessions": ("/v1/conv/batch", '{{"sessions": ["{sid}"], "layer": 0, "sessions": ["{sid}"], "x": '
+                       '{{"dtype": "float32", "shape": [1, %d], "data": "{data}"}}}}' % DIM, "sessions"),
+    "accept": ("/v1/sessions/{sid}/accept", '{{"tokens": 1, "tokens": 0}}', "tokens"),
+    "state": ("/v1/sessions/{sid}/state", '{{"layers": [0, 1], "state": {{}}, "state": {{}}}}', "state"),
+}
+
+
+@pytest.mark.parametrize("case", list(TWICE))
+def test_a_json_key_given_twice_in_one_object_is_400_naming_it_and_changes_no_state(srv, case):
+    path, body, key = TWICE[case]
+    sid = msgpack.unpackb(httpx.post(srv.url + "/v1/sessions", headers=MP).content)["session"]
+    x = torch.randn(2, DIM)
+    r = httpx.post(srv.url + "/v1/conv", headers=MP, content=wire.packb({"session": sid, "layer": 0,
+                                                                         "x": wire.encode_tensor(x)}))
+    assert r.status_code == 200, r.text
+    before, state = _ids(srv.url), _state(srv.url, sid)
+    data = wire.encode_tensor_json(torch.randn(1, DIM))["data"]
+    method = "PUT" if case == "state" else "POST"
+    r = httpx.request(method, srv.url + path.format(sid=sid), headers=JSON,
+                      content=body.format(sid=sid, data=data).encode())
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "bad_request" and f"'{key}'" in err["message"] and "more than once" in err["message"], err
+    assert _ids(srv.url) == before and torch.equal(_state(srv.url, sid), state)
+    httpx.delete(f"{srv.url}/v1/sessions/{sid}")
+
+
+def _map_with(pairs: list) -> bytes:
+    """A msgpack map of ``pairs`` as given, a key twice included (a dict cannot hold that)."""
+    return bytes([0x80 | len(pairs)]) + b"".join(wire.packb(k) + wire.packb(v) for k, v in pairs)
+
+
+@pytest.mark.parametrize("where", ["body", "nested", "stream frame"])
+def test_a_msgpack_key_given_twice_is_400_naming_it_and_changes_no_state(srv, where):
+    sid = msgpack.unpackb(httpx.post(srv.url + "/v1/sessions", headers=MP).content)["session"]
+    x = wire.encode_tensor(torch.randn(1, DIM))
+    before, state = _ids(srv.url), _state(srv.url, sid)
+    if where == "body":
+        r = httpx.post(srv.url + "/v1/conv", headers=MP,
+                       content=_map_with([("session", sid), ("layer", 0), ("x", x), ("layer", 0)]))
+        assert r.status_code == 400, r.text
+        err = msgpack.unpackb(r.content)["error"]
+    elif where == "nested":
+        x2 = _map_with([("dtype", "float32"), ("dtype", "float32"), ("shape", [1, DIM]), ("data", x["data"])])
+        body = _map_with([("session", sid), ("layer", 0)])[1:] + wire.packb("x") + x2
+        r = httpx.post(srv.url + "/v1/conv", headers=MP, content=bytes([0x83]) + body)
+        assert r.status_code == 400, r.text
+        err = msgpack.unpackb(r.content)["error"]
+    else:
+        frame = _map_with([("id", 1), ("session", sid), ("layer", 0), ("x", x), ("id", 2)])
+        r = httpx.post(srv.url + "/v1/conv/stream", headers=MP, content=frame)
+        answers = list(msgpack.Unpacker(__import__("io").BytesIO(r.content)))
+        assert answers[-1]["id"] is None
+        err = answers[-1]["error"]
+    assert err["code"] == "bad_request" and "more than once" in err["message"], err
+    assert _ids(srv.url) == before and torch.equal(_state(srv.url, sid), state)
+    httpx.delete(f"{srv.url}/v1/sessions/{sid}")

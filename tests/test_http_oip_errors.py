@@ -113,6 +113,16 @@ CASES = {
         data=[True] * 2 * DIM)), 400, "bad_request", ["numbers only"]),
     "json data missing": (lambda: _with(_body(binary=False), lambda o: o["inputs"][0].pop("data")), 400,
                           "bad_request", ["neither 'data'"]),
+    # numbers and booleans mixed: numpy would promote true to 1.0 (once a 200), in each datatype, flat or nested
+    **{f"json data of numbers and a boolean {dt}": (
+        lambda dt=dt: _with(_body(binary=False, datatype=dt), lambda o: o["inputs"][0]["data"].__setitem__(1, True)),
+        400, "bad_request", ["numbers only", "true and false"]) for dt in ("FP32", "FP16", "BF16")},
+    "json data of integers and a boolean": (lambda: _with(_body(binary=False), lambda o: o["inputs"][0].update(
+        data=[1] * (2 * DIM - 1) + [False])), 400, "bad_request", ["numbers only", "true and false"]),
+    "json nested data with a row of booleans": (lambda: _with(_body(binary=False), lambda o: o["inputs"][0].update(
+        data=[[0.5] * DIM, [True] * DIM])), 400, "bad_request", ["numbers only", "true and false"]),
+    "json nested data with a boolean in a row": (lambda: _with(_body(binary=False), lambda o: o["inputs"][0].update(
+        data=[[0.5] * DIM, [0.5] * (DIM - 1) + [False]])), 400, "bad_request", ["numbers only", "true and false"]),
     # what the engine would refuse after the start: checked before it
     "NaN with a start": (lambda: _body(x=torch.tensor([[math.nan] * DIM] * 2)), 422, "non_finite", ["NaN"]),
     "a verify too long with a start": (lambda: _body(x=rand_x(17), params={"speculative": True}), 422,
@@ -166,6 +176,45 @@ def test_a_bad_request_is_one_4xx_naming_the_problem_and_changes_no_state(server
 def test_malformed_bodies_are_400_in_the_protocol_form(server, raw, headers, header_len, status, needle):
     r = _post(server.url, raw, headers=headers, header_len=header_len)
     assert r.status_code == status and needle in r.json()["error"], r.text
+
+
+def _dumps_with_key_twice(obj, where, key, other) -> bytes:
+    """``obj`` as JSON text, the object ``where(obj)`` holding ``key`` twice: first ``other``, then its own value
+    (or ``other`` again when it has none)."""
+    target = where(obj)
+
+    def enc(o):
+        if isinstance(o, dict):
+            pairs = list(o.items())
+            if o is target:
+                pairs = [(key, other)] + (pairs if key in o else [(key, other)] + pairs)
+            return "{" + ", ".join(f"{json.dumps(k)}: {enc(v)}" for k, v in pairs) + "}"
+        if isinstance(o, list):
+            return "[" + ", ".join(map(enc, o)) + "]"
+        return json.dumps(o)
+
+    return enc(obj).encode()
+
+
+@pytest.mark.parametrize("where, key, other", [
+    (lambda o: o["parameters"], "sequence_id", NEW),      # read as the last value: a start on another session
+    (lambda o: o["parameters"], "layer", 2),
+    (lambda o: o["inputs"][0], "datatype", "FP16"),
+    (lambda o: o["inputs"][0], "parameters", {}),
+    (lambda o: o, "id", "b"),
+], ids=["sequence_id", "layer", "datatype", "input-parameters", "id"])
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json-data"])
+def test_a_key_given_twice_in_one_object_is_400_naming_it_and_changes_no_state(server, api, keep, where, key, other,
+                                                                                 binary):
+    obj, data = _body(binary=binary, id="a")
+    obj["parameters"]["sequence_id"] = KEEP
+    r = _post(server.url, _dumps_with_key_twice(obj, where, key, other), data)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err.startswith("bad_request: ") and f"'{key}'" in err and "more than once" in err, err
+    state, free = keep
+    assert torch.equal(_state_of(api, KEEP), state)
+    assert _state_of(api, NEW) == 404 and api.free_slots() == free
 
 
 def test_trailing_bytes_after_the_tensor_data_are_refused(server):

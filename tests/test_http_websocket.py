@@ -1,14 +1,19 @@
-"""``/v1/conv/ws`` over a real socket: duplex and pipelined use against the reference, a malformed frame."""
+"""``/v1/conv/ws`` over a real socket: duplex and pipelined use against the reference, a malformed frame, and
+the handshakes and plain HTTP requests it refuses (a query string, an unknown path, another method, no Upgrade)."""
 
 from __future__ import annotations
 
+import json
+
+import httpx
 import msgpack
 import pytest
+from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect as ws_connect
 
 from convserve.clients.protocol import wire
-from tests.http_api import assert_close, make_frames, model, pack_frames
-from tests.live import Reference
+from tests.http_api import assert_close, make_frames, model, pack_frames, rand_x
+from tests.live import LiveServer, Reference
 
 
 def test_websocket_is_full_duplex_and_matches_the_reference(server, api):
@@ -69,3 +74,106 @@ def test_a_message_that_ends_inside_a_frame_is_answered_after_the_frames_before_
         assert ws.close_code == 1007
     assert "y" in got[0] and got[0]["id"] == frames[0]["id"]
     assert got[-1]["id"] is None and "ends inside a frame" in got[-1]["error"]["message"]
+
+
+# ------------------------------------------------------------------------------------------------ bad handshakes
+
+JSON = {"accept": "application/json"}
+
+
+def _refused(url: str, headers=None):
+    """The HTTP answer (status, headers, body) refusing a WebSocket handshake to ``url``."""
+    with pytest.raises(InvalidStatus) as e:
+        with ws_connect(url, additional_headers=headers or {}, open_timeout=10):
+            pass
+    r = e.value.response
+    return r.status_code, r.headers, bytes(r.body)
+
+
+def _ws(server) -> str:
+    return server.url.replace("http://", "ws://")
+
+
+@pytest.mark.parametrize("query", ["foo=1", "x", "session=a&layer=0"])
+def test_a_query_string_on_the_websocket_refuses_the_handshake_with_400_unknown_query_parameter(server, query):
+    status, headers, body = _refused(_ws(server) + "/v1/conv/ws?" + query, JSON)
+    assert status == 400 and headers["content-type"] == "application/json"
+    err = json.loads(body)["error"]
+    name = query.split("&")[0].split("=")[0]
+    assert err["code"] == "bad_request" and f"unknown query parameter {name!r}" in err["message"]
+    assert "/v1/conv/ws" in err["message"] and "frame" in err["message"]
+    # msgpack unless JSON is asked for, as everywhere
+    status, headers, body = _refused(_ws(server) + "/v1/conv/ws?" + query)
+    assert status == 400 and msgpack.unpackb(body)["error"]["code"] == "bad_request"
+
+
+@pytest.mark.parametrize("path", ["/v1/conv/ws/", "/v1/nope", "/v1/conv", "/nope", "/v2/models/conv/ws"])
+def test_a_websocket_to_an_unknown_path_is_404_not_found_with_the_error_map(server, path):
+    status, headers, body = _refused(_ws(server) + path, JSON)
+    assert status == 404 and headers["content-type"] == "application/json"
+    err = json.loads(body)["error"]
+    assert err["code"] == "not_found" and path in err["message"] and "/v1/conv/ws" in err["message"]
+    assert "x-convserve-replica" in headers
+
+
+@pytest.mark.parametrize("method", ["POST", "PUT", "DELETE", "PATCH"])
+def test_another_method_on_the_websocket_route_is_405_saying_it_is_a_websocket(server, method):
+    r = httpx.request(method, server.url + "/v1/conv/ws", headers=JSON)
+    assert r.status_code == 405 and r.headers["allow"] == "GET"
+    err = r.json()["error"]
+    assert err["code"] == "method_not_allowed" and f"{method} is not allowed on /v1/conv/ws" in err["message"]
+    assert "WebSocket" in err["message"] and "Upgrade: websocket" in err["message"]
+
+
+def test_a_get_of_the_websocket_route_without_upgrade_is_426_telling_to_open_a_websocket(server):
+    r = httpx.get(server.url + "/v1/conv/ws", headers=JSON)
+    assert r.status_code == 426 and r.headers["upgrade"] == "websocket"
+    err = r.json()["error"]
+    assert err["code"] == "upgrade_required" and "Upgrade: websocket" in err["message"]
+    assert msgpack.unpackb(httpx.get(server.url + "/v1/conv/ws").content)["error"]["code"] == "upgrade_required"
+    r = httpx.head(server.url + "/v1/conv/ws")
+    assert r.status_code == 426 and r.content == b""
+    # a query parameter is refused first, as on every /v1 route
+    r = httpx.post(server.url + "/v1/conv/ws?foo=1", headers=JSON)
+    assert r.status_code == 400 and "unknown query parameter 'foo'" in r.json()["error"]["message"]
+
+
+def test_refused_handshakes_and_wrong_methods_are_counted_in_the_metrics(server):
+    _refused(_ws(server) + "/v1/conv/ws?metrics=1")
+    _refused(_ws(server) + "/v1/conv/ws/metrics")
+    httpx.put(server.url + "/v1/conv/ws")
+    text = httpx.get(server.url + "/metrics").text
+    for needle in ['convserve_errors_total{code="bad_request",route="/v1/conv/ws"}',
+                   'convserve_errors_total{code="not_found",route="unmatched"}',
+                   'convserve_http_requests_total{method="PUT",route="/v1/conv/ws",status="405"}',
+                   'convserve_errors_total{code="method_not_allowed",route="/v1/conv/ws"}']:
+        assert needle in text, needle
+
+
+def test_a_websocket_without_a_query_string_still_opens(server):
+    with ws_connect(_ws(server) + "/v1/conv/ws") as ws:
+        ws.send(wire.packb({"id": 1, "session": "none", "layer": 0, "x": wire.encode_tensor(rand_x(1))}))
+        assert msgpack.unpackb(ws.recv(timeout=10))["error"]["code"] == "unknown_session"
+
+
+@pytest.fixture(scope="module")
+def auth_server():
+    srv = LiveServer(["--layers", "1", "--dim", "8", "--dtype", "float32", "--workers", "0"],
+                     env={"CONVSERVE_API_KEY": "k3y"})
+    yield srv
+    srv.terminate()
+
+
+@pytest.mark.parametrize("path", ["/v1/conv/ws?foo=1", "/v1/conv/ws/", "/v1/nope"])
+def test_the_api_key_is_checked_before_the_query_and_the_path_of_a_websocket(auth_server, path):
+    status, _, body = _refused(_ws(auth_server) + path, JSON)
+    assert status == 401 and json.loads(body)["error"]["code"] == "unauthorized"
+    status, _, body = _refused(_ws(auth_server) + path, {**JSON, "authorization": "Bearer k3y"})
+    assert status == (400 if "?" in path else 404)
+
+
+@pytest.mark.parametrize("method, status", [("GET", 426), ("POST", 405)])
+def test_the_api_key_is_checked_before_the_method_of_the_websocket_route(auth_server, method, status):
+    assert httpx.request(method, auth_server.url + "/v1/conv/ws").status_code == 401
+    r = httpx.request(method, auth_server.url + "/v1/conv/ws", headers={"authorization": "Bearer k3y"})
+    assert r.status_code == status

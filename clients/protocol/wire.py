@@ -92,6 +92,23 @@ class TooManyObjects(PayloadTooLarge):
     """A message holds more objects than its budget (raised from inside the decoder, so decoding stops there)."""
 
 
+class DuplicateKey(BadRequest):
+    """A map (a JSON object, a msgpack map) holds one key twice: raised from inside the decoder, which would
+    keep the last value."""
+
+
+def unique_keys(pairs: list) -> dict:
+    """The ``object_pairs_hook`` of every body the server decodes (JSON and msgpack): the map as a dict, or
+    :class:`DuplicateKey` naming the key given twice (``{"session": "a", "session": "b"}`` is a mistake, never
+    the last one winning)."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise DuplicateKey(f"the key {dup!r:.60} is given more than once in one map; give each key once")
+    return obj
+
+
 class ObjectBudget:
     """Counts a message's objects as msgpack builds its arrays and maps, and stops the decode past ``limit``: a
     body of millions of tiny arrays, each within the per-array bounds, is refused after ``limit`` objects
@@ -113,9 +130,9 @@ class ObjectBudget:
         self._add(len(v))
         return v
 
-    def object_hook(self, v):
-        self._add(len(v))
-        return v
+    def pairs_hook(self, pairs):
+        self._add(len(pairs))
+        return unique_keys(pairs)
 
 
 def _bounds(max_bytes: int, budget: Optional[ObjectBudget] = None) -> dict:
@@ -126,7 +143,7 @@ def _bounds(max_bytes: int, budget: Optional[ObjectBudget] = None) -> dict:
               max_array_len=_MAX_ARRAY_LEN if budget is None else max(_MAX_ARRAY_LEN, budget.limit),
               max_map_len=_MAX_MAP_LEN, max_ext_len=0)
     if budget is not None:
-        kw.update(list_hook=budget.list_hook, object_hook=budget.object_hook)
+        kw.update(list_hook=budget.list_hook, object_pairs_hook=budget.pairs_hook)
     return kw
 
 
@@ -138,7 +155,7 @@ def unpackb(data: bytes, max_bytes: int, max_objects: Optional[int] = None) -> A
                               "send fewer tokens per request (split a prefill into chunks)")
     try:
         return msgpack.unpackb(data, **_bounds(max_bytes, ObjectBudget(max_objects) if max_objects else None))
-    except TooManyObjects:
+    except (TooManyObjects, DuplicateKey):
         raise
     except msgpack.ExtraData as e:
         if data[:1] in (b"{", b"["):
@@ -196,7 +213,7 @@ def loads_json(data: bytes, max_objects: Optional[int] = None) -> Any:
         raise TooManyObjects(f"the JSON body holds more than {max_objects} values; send the documented fields "
                              "only, or raise --max-body-objects")
     try:
-        return json.loads(data)
+        return json.loads(data, object_pairs_hook=unique_keys)
     except ValueError as e:
         raise BadRequest(f"the body is not valid JSON ({e}); send a JSON object or use msgpack") from None
     except RecursionError:

@@ -14,15 +14,16 @@ import time
 from typing import Optional
 
 from fastapi import FastAPI
+from starlette.routing import Match, get_route_path
 
 from convserve.clients.protocol.errors import NotReady, ServiceError
-from convserve.service.http.asgi import (CLIENT_CLOSED, CLIENT_CLOSED_STATUS, ERROR_SCOPE_KEY, ROUTE_SCOPE_KEY, header,
-                                         wants_json)
-from convserve.service.http.errors import (HTTP_CODES, as_service_error, bearer_key, render_error, send_error,
-                                          unauthorized)
+from convserve.service.http.asgi import CLIENT_CLOSED, CLIENT_CLOSED_STATUS, ERROR_SCOPE_KEY, ROUTE_SCOPE_KEY, header
+from convserve.service.http.errors import HTTP_CODES, as_service_error, bearer_key, send_error, unauthorized
 from convserve.service.http.oip_wire import send_oip_error
 from convserve.service.http.parse import check_query
 from convserve.service.http.replica import check_path_session, replica_header, with_replica_header
+from convserve.service.http.websocket import WS_ROUTE, NoWebSocketRoute, WebSocketOverHTTP, refuse_handshake
+from convserve.service.http.websocket import check_query as check_ws_query
 from convserve.service.metrics import Metrics
 
 access_log = logging.getLogger("convserve.access")
@@ -32,6 +33,8 @@ access_log = logging.getLogger("convserve.access")
 _GUARDED = ("/v1", "/v2", "/docs", "/redoc", "/openapi.json")
 #: open like /healthz and /readyz: probes of an orchestrator or a load balancer carry no key
 _OPEN = ("/v2/health/",)
+#: a WebSocket handshake to no WebSocket route (404), and a plain HTTP request to one (426 or 405)
+_NO_WS_ROUTE, _WS_OVER_HTTP = NoWebSocketRoute(), WebSocketOverHTTP()
 
 
 class Edge:
@@ -109,20 +112,20 @@ class Edge:
                                                       "status": status, "ms": round(dt * 1e3, 3),
                                                       "error": code})
         elif t == "websocket":
-            if not self._authorized(scope):
-                await receive()  # the websocket.connect the refusal answers
-                exc = unauthorized(header(scope, b"authorization"))
-                self.metrics.error("/v1/conv/ws", exc.code)
-                if "websocket.http.response" in scope.get("extensions", {}):
-                    body, ct, headers = render_error(exc, wants_json(scope))
-                    await send({"type": "websocket.http.response.start", "status": exc.status,
-                                "headers": [(b"content-type", ct), (b"content-length", str(len(body)).encode()),
-                                            *headers]})
-                    await send({"type": "websocket.http.response.body", "body": body})
-                else:  # pragma: no cover - uvicorn supports the extension
-                    await send({"type": "websocket.close", "code": 1008})
-                return
-            await app(scope, receive, send)
+            # the handshake is refused with an HTTP answer and the error map: 401 first, then 400 for a query string
+            # (as on every /v1 route); the app refuses an unknown path (404, websocket.NoWebSocketRoute)
+            try:
+                if not self._authorized(scope):
+                    raise unauthorized(header(scope, b"authorization"))
+                if scope.get("query_string"):
+                    check_ws_query(scope)
+            except ServiceError as exc:
+                await refuse_handshake(scope, receive, send, exc)
+            else:
+                await app(scope, receive, send)
+            code = scope.get(ERROR_SCOPE_KEY)
+            if code is not None:                          # a refused handshake
+                self.metrics.error(WS_ROUTE if scope["path"] == WS_ROUTE else "unmatched", code)
         else:
             await app(scope, receive, send)
 
@@ -135,9 +138,11 @@ class ConvServeApp(FastAPI):
     request on the hot path creates no ServerErrorMiddleware, ExceptionMiddleware or AsyncExitStack frame and
     does no route matching. The endpoints answer every failure themselves, so those layers would never act on
     them; an exception that escapes anyway gets what ServerErrorMiddleware would give it (a 500 ``internal``
-    error body when nothing was sent yet, then re-raised to the server). Everything else, other methods on these
-    paths (405) and a non-empty ``root_path`` included, goes through the FastAPI app, whose stack holds the same
-    Edge.
+    error body when nothing was sent yet, then re-raised to the server). A WebSocket handshake to any other path
+    gets its 404 the same way (the router would close it with a bare 403), and so does a plain HTTP request to
+    the WebSocket route (426 without Upgrade, 405 for another method; the router would say 404). Everything else,
+    other methods on the POST paths (405) and a non-empty ``root_path`` included, goes through the FastAPI app,
+    whose stack holds the same Edge.
     """
 
     _hot_edge: Optional[Edge] = None
@@ -174,8 +179,15 @@ class ConvServeApp(FastAPI):
                             pass
                         raise
                     return
-        elif t == "websocket" and not scope.get("root_path"):
-            ep = self._hot_ws.get(scope["path"])
+            # a plain HTTP request to a WebSocket route: 426 (GET without Upgrade) or 405, behind the same Edge
+            if (scope["path"] if not scope.get("root_path") else get_route_path(scope)) in self._hot_ws:
+                scope["app"] = self
+                await self._hot_edge.serve(scope, receive, send, _WS_OVER_HTTP)
+                return
+        elif t == "websocket":
+            ep = self._hot_ws.get(scope["path"]) if not scope.get("root_path") else None
+            if ep is None and not any(r.matches(scope)[0] is not Match.NONE for r in self.router.routes):
+                ep = _NO_WS_ROUTE                         # 404 with the error map, not the router's bare 403
             if ep is not None:
                 scope["app"] = self
                 await self._hot_edge.serve(scope, receive, send, ep)

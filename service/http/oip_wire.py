@@ -184,7 +184,7 @@ class InferParser:
             raise wire.TooManyObjects(f"the JSON holds more than {self.max_objects} values; send x's data as "
                                      "binary (binary_data_size), or fewer tokens, or raise --max-body-objects")
         try:
-            return json.loads(head)
+            return json.loads(head, object_pairs_hook=wire.unique_keys)  # a key twice: 400 naming it
         except RecursionError:
             raise BadRequest("the JSON is nested too deeply; send the object the protocol documents") from None
         except ValueError as e:
@@ -267,6 +267,15 @@ def _aligned(buf, itemsize: int) -> bool:
     return np.frombuffer(buf, dtype=np.uint8).ctypes.data % itemsize == 0
 
 
+def _has_bool(data: list) -> bool:
+    """Whether a JSON true or false lies anywhere in ``data``: numpy reads a mix of numbers and booleans as numbers
+    (true as 1), so its dtype does not tell. The types are gathered in C (``set(map(type, ...))``), one pass."""
+    types = set(map(type, data))
+    if bool in types:
+        return True
+    return list in types and any(_has_bool(v) for v in data if type(v) is list)
+
+
 def _from_json(data: Any, shape: list, n: int, dtype: str) -> torch.Tensor:
     """x from JSON ``data``: numbers, flat in C order or nested as ``shape``."""
     if type(data) is not list:
@@ -275,8 +284,9 @@ def _from_json(data: Any, shape: list, n: int, dtype: str) -> torch.Tensor:
         arr = np.array(data)
     except (ValueError, OverflowError):
         arr = None
-    if arr is None or arr.dtype.kind not in "iuf":
-        raise BadRequest(f"input {INPUT!r}: 'data' must hold numbers only, flat or nested as the shape")
+    if arr is None or arr.dtype.kind not in "iuf" or _has_bool(data):
+        raise BadRequest(f"input {INPUT!r}: 'data' must hold numbers only (true and false are not numbers: send 1 "
+                         "and 0), flat or nested as the shape")
     if arr.size != n or (arr.ndim != 1 and list(arr.shape) != list(shape)):
         raise BadRequest(f"input {INPUT!r}: 'data' has {arr.size} numbers in shape {list(arr.shape)}, but shape "
                          f"{shape} needs {n}, flat or nested as the shape")

@@ -12,7 +12,7 @@ from typing import Any, Optional
 from convserve.clients.protocol import wire
 from convserve.clients.protocol.errors import (BadRequest, BodyTimeout, DtypeUnsupported, PayloadTooLarge,
                                               ShapeMismatch, UnknownLayer)
-from convserve.clients.protocol.ids import check_session_id
+from convserve.clients.protocol.ids import MAX_SESSION_ID_LEN, check_session_id, is_session_id
 from convserve.service.http.asgi import ClientGone, header
 
 
@@ -337,25 +337,33 @@ class Parser:
 
     @staticmethod
     def list_query(query, most: int) -> tuple:
-        """``(cursor, limit)`` of ``GET /v1/sessions?cursor=&limit=``: ``limit`` 1 to ``most`` (the
-        ``sessions_page_max`` setting; default 100 or ``most`` if smaller), ``cursor`` the previous page's
-        ``next`` or absent."""
-        bad = [k for k in query.keys() if k not in LIST_QUERY]
-        if bad:
-            raise BadRequest(f"unknown query parameter {bad[0]!r:.60}; the allowed ones are {', '.join(LIST_QUERY)}")
+        """``(cursor, limit)`` of ``GET /v1/sessions?cursor=&limit=``: ``limit`` plain ASCII digits from 1 to
+        ``most`` (the ``sessions_page_max`` setting; default 100 or ``most`` if smaller), ``cursor`` the previous
+        page's ``next`` (a session id: the last id of that page) or absent; each at most once. Anything the server
+        could not have handed out is a 400 naming the rule (not read leniently: int() alone takes " 5" and
+        non-ASCII digits)."""
+        items = query.multi_items()
+        seen = set()
+        for k, _ in items:
+            if k not in LIST_QUERY:
+                raise BadRequest(f"unknown query parameter {k!r:.60}; the allowed ones are {', '.join(LIST_QUERY)}")
+            if k in seen:
+                raise BadRequest(f"query parameter {k!r} is given more than once; give it once")
+            seen.add(k)
         limit = query.get("limit")
         if limit is None:
             n = min(100, most)
         else:
-            try:
-                n = int(limit)
-            except ValueError:
-                n = 0
+            n = int(limit) if limit.isascii() and limit.isdigit() and len(limit) <= 20 else 0
             if not 1 <= n <= most:
-                raise BadRequest(f"limit: expected an integer from 1 to {most} (sessions_page_max), got "
-                                 f"{limit!r:.40}")
+                raise BadRequest(f"limit: expected plain ASCII digits for an integer from 1 to {most} "
+                                 f"(sessions_page_max), got {limit!r:.40}")
         cursor = query.get("cursor")
-        return (cursor or None), n
+        if cursor is not None and not is_session_id(cursor):
+            raise BadRequest(f"cursor: expected the 'next' of the previous page, a session id of 1 to "
+                             f"{MAX_SESSION_ID_LEN} characters from A-Z a-z 0-9 . _ ~ : -, got {cursor!r:.80}; "
+                             "omit cursor for the first page")
+        return cursor, n
 
     @staticmethod
     def accept_tokens(body: Any) -> int:

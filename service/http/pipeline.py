@@ -131,6 +131,9 @@ class Pipeline:
             except wire.TooManyObjects as e:
                 self.set_fatal(PayloadTooLarge(f"frame {self.nframes}: {e.message}; the stream ends here"))
                 return False
+            except wire.DuplicateKey as e:
+                self.set_fatal(BadRequest(f"frame {self.nframes}: {e.message}; the stream ends here"))
+                return False
             except Exception as e:  # noqa: BLE001 - msgpack raises several types for bad input
                 too_large = wire.bound_error(e, f"frame {self.nframes}")
                 self.set_fatal(too_large or BadRequest(f"frame {self.nframes} is not valid msgpack "
