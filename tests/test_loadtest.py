@@ -249,7 +249,7 @@ def test_the_frontend_scenario_sends_steps_of_mixed_batches_that_verify(server, 
     assert ("accept" in kinds) == spec
 
 
-def test_the_frontend_scenario_runs_over_several_urls(server, weights, tmp_path):
+def test_the_frontend_scenario_runs_over_several_urls(server, weights, tmp_path, capsys):
     # two URLs (the server listens on the first only): the replicated client, which has no arena, drives the steps
     out = tmp_path / "replicated"
     rc = main(["--url", server.url, "--url", server.url.replace("127.0.0.1", "127.0.0.2"), *SMALL, "--out", str(out),
@@ -257,6 +257,8 @@ def test_the_frontend_scenario_runs_over_several_urls(server, weights, tmp_path)
                "--verify-sample", "1", "--fail-on-errors"])
     st = json.loads((out / "loadtest.json").read_text())["steps"][0]
     assert rc == 0, st["errors"]
+    down = server.url.replace("127.0.0.1", "127.0.0.2")
+    assert f"1 of 2 replicas did not answer at the start ({down})" in capsys.readouterr().err
     assert st["kinds"]["batch"]["count"] == len(LAYERS) * st["kinds"]["step"]["count"] > 0
     assert st["verify"]["checked"] > 0 and st["verify"]["mismatches"] == 0
 

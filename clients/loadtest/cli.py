@@ -353,6 +353,13 @@ async def run(args) -> dict:
                              "`convserve serve` or pass --url") from None
         except ServiceError as e:
             raise SetupError(f"GET {client.url}/v1/model answered {e.status} {e.code}: {e.message}") from None
+        if isinstance(url, list) and info.get("replicas") is not None:
+            up = {r["url"].rstrip("/") for r in info["replicas"]}
+            down = [u for u in url if "://" in u and not u.startswith("dns://") and u.rstrip("/") not in up]
+            if down:
+                print(f"convserve-loadtest: {len(down)} of {len(url)} replicas did not answer at the start "
+                      f"({', '.join(down)}); the run uses the others (the routing client retries them later)",
+                      file=sys.stderr)
         verifier = None
         if args.verify is not None:
             try:
