@@ -1,10 +1,12 @@
-"""The supervisor's start: the port is bound before the engines build and listened on after; another server
-that takes the port in between ends this start with the one-line error and exit 2, not a traceback."""
+"""The supervisor: the port is bound before the engines build and listened on after (another server that takes
+the port in between ends this start with the one-line error and exit 2, not a traceback); at shutdown a child
+that does not stop in time is killed."""
 
 from __future__ import annotations
 
 import os
 import socket
+import time
 
 from convserve.service.cluster.supervisor import Supervisor
 from convserve.service.config import load_settings
@@ -35,3 +37,32 @@ def test_a_port_taken_while_the_engines_build_ends_the_start_with_cannot_listen_
     assert spawned == [0] and stopped == [True]                 # the engines it started are stopped
     assert f"cannot listen on 127.0.0.1:{port}" in sup.start_error and "--port" in sup.start_error
     assert not os.path.exists(sup.run_dir)
+
+
+def _ignore_sigterm_and_sleep():
+    import signal
+    import time
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(60)
+
+
+def test_a_child_that_does_not_stop_in_time_is_killed_and_logged(caplog):
+    # the log call once raised (KeyError: 'name' overwrites a LogRecord attribute), so the child was never killed
+    import logging
+    import multiprocessing
+    import types
+
+    from convserve.service.cluster.supervisor import Supervisor
+
+    p = multiprocessing.get_context("fork").Process(target=_ignore_sigterm_and_sleep, name="engine-0")
+    p.start()
+    time.sleep(0.3)                          # its handler in place
+    fake = types.SimpleNamespace(failed=False)
+    child = types.SimpleNamespace(proc=p, restart_at=None)
+    with caplog.at_level(logging.ERROR, logger="convserve"):
+        Supervisor._stop(fake, [child], 0.5)
+    assert not p.is_alive() and p.exitcode == -9
+    assert fake.failed and child.proc is None
+    rec = [r for r in caplog.records if "did not stop in time" in r.getMessage()]
+    assert rec and rec[0].child == "engine-0" and rec[0].pid == p.pid

@@ -223,7 +223,7 @@ class Supervisor:
         for p in procs:
             p.join(max(0.0, deadline - time.monotonic()))
             if p.is_alive():
-                log.error("child did not stop in time; killing it", extra={"pid": p.pid, "name": p.name})
+                log.error("child did not stop in time; killing it", extra={"pid": p.pid, "child": p.name})
                 p.kill()
                 p.join(5)
             if p.exitcode not in (0, -signal.SIGTERM):
