@@ -147,6 +147,36 @@ def test_a_batch_that_repeats_on_some_sessions_and_is_new_on_others_is_refused_w
     assert [info(api, s)["positions"][0] for s in (a, b)] == [1, 2]
 
 
+@pytest.mark.parametrize("spec_on", ["engine 1", "both"])
+def test_a_repeat_of_a_batch_mixing_plain_and_speculative_slices_returns_the_identical_answer(api, spec_on):
+    # with two engines: a plain slice on engine 0, speculative ones on engine 1 (or on both): the split batch's
+    # repeat was refused as "repeats on some sessions and is new on others" though it had run (a part of verifies
+    # only repeats by running again, to the same answer)
+    from convserve.service.cluster.placement import engine_of
+
+    prefix = uuid.uuid4().hex[:8]
+    on = {0: [], 1: []}
+    for i in range(64):
+        sid = f"{prefix}-{i:03d}"
+        on[engine_of(sid, 2)].append(sid)
+    a, b = on[0][:2], on[1][:1]
+    sids = [a[0], b[0], a[1]]
+    for s in sids:
+        api.session(s)
+    spec = [False, True, spec_on == "both"]
+    toks = [2, 3, 3]
+    x = rand_x(sum(toks), seed=21)
+    st, y1 = batch(api, sids, 0, x, position=[0, 0, 0], tokens=toks, speculative=spec)
+    assert st == 200, y1
+    st, y2 = batch(api, sids, 0, x, position=[0, 0, 0], tokens=toks, speculative=spec)
+    assert st == 200, y2
+    assert torch.equal(y1, y2)
+    want = {"positions": [2, 0, 0] if spec_on == "both" else [2, 0, 3], "pending": [False, True, spec_on == "both"]}
+    got = [info(api, s) for s in sids]
+    assert [g["positions"][0] for g in got] == want["positions"]
+    assert [bool(g["pending"]["layers"]) for g in got] == want["pending"]
+
+
 @pytest.mark.parametrize("position,status,code", [(None, 404, "unknown_session"), (0, 404, "unknown_session"),
                                                   (1, 410, "state_lost"), (50, 410, "state_lost")])
 def test_a_conv_past_position_0_on_an_unknown_session_is_state_lost(api, position, status, code):

@@ -32,14 +32,20 @@ def row_indices(parts: list, tokens, n: int) -> list:
             for _e, pos, _spec in parts]
 
 
+def _verifies_only(part) -> bool:
+    spec = part[2]
+    return spec is True or (isinstance(spec, list) and all(spec))
+
+
 def check_positions(parts: list, checks: list, n: int) -> None:
     """The parts checked their positions (``checks``: each part's answer or error): all must be new, or all
     repeats of applied parts; else the batch is refused whole with every session's position, gathered from the
-    parts' answers."""
+    parts' answers. A part of speculative slices only goes with either: a verify leaves the positions alone, so
+    its repeat is to run it again (the same answer, the same pending verify), as a new one would."""
     errors = [c for c in checks if isinstance(c, BaseException)]
     if any(not isinstance(c, PositionMismatch) for c in errors):
         return                                   # another error: raised as it is
-    if not errors and len({c["repeat"] for c in checks}) <= 1:
+    if not errors and len({c["repeat"] for p, c in zip(parts, checks) if not _verifies_only(p)}) <= 1:
         return
     server = [0] * n
     for (_e, pos, _spec), c in zip(parts, checks):
