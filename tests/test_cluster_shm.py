@@ -135,3 +135,17 @@ def os_geteuid() -> int:
     import os
 
     return os.geteuid()
+
+
+def test_a_conv_naming_an_arena_whose_run_directory_is_gone_is_not_ready_not_an_engine_failure(tmp_path):
+    # the supervisor killed with -9: its children remove the run directory while a request is still on its way
+    import types
+
+    from convserve.clients.protocol.errors import NotReady
+    from convserve.service.cluster.engine_proc import EngineProcess
+
+    fake = types.SimpleNamespace(dtypes={"float32": torch.float32}, arenas=ArenaMap(str(tmp_path / "gone")),
+                                 index=0, engine=types.SimpleNamespace(model_cpu=types.SimpleNamespace(dim=8)))
+    head = {"k": 1, "i": 7, "d": "float32", "n": 1, "a": "arena-w0-g1", "o": 0}
+    with pytest.raises(NotReady, match="supervisor is gone"):
+        EngineProcess._conv(fake, b"w0", head, None)

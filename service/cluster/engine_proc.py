@@ -352,7 +352,12 @@ class EngineProcess:
         rows, dim = head["n"], self.engine.model_cpu.dim
         if "a" in head:
             off = head["o"]
-            block = self.arenas.tensor(head["a"])[off:off + rows * dim * dtype.itemsize]
+            try:
+                arena = self.arenas.tensor(head["a"])
+            except FileNotFoundError:        # the run directory is gone: the supervisor died, every child stops
+                raise NotReady(f"engine {self.index} is stopping (the server's supervisor is gone); this request "
+                               "did not run: retry once the server is back", retry_after=1) from None
+            block = arena[off:off + rows * dim * dtype.itemsize]
         else:
             import torch
 
