@@ -15,6 +15,11 @@ named by its engine index (:class:`~.snapshot_file.SnapshotDir`).
   thread waits for the copy, serializes and writes it, off the engine's thread.
 * **Stop.** After the engine drained and stopped, every session is written. A failed write is logged and counted,
   never raised: the server still stops.
+* **Imports.** An import (``PUT .../state``) sets a session's positions back to 0, so a snapshot taken before it
+  can hold another state at the same positions, which a client's positions cannot tell apart. Each import is
+  first noted in the engine's :class:`ImportJournal` (a line written through to the file, so that it survives
+  the process); a snapshot drops the lines older than itself, and a restore marks the sessions imported after
+  the snapshot it restored as lost (410), rather than serving their older state.
 
 :func:`prepare_state_dir` runs once per server start, before any engine: it records the engine count, and when
 it changed since the last start (without a readable record, when the snapshots' own headers name another count)
@@ -93,6 +98,47 @@ def prepare_state_dir(folder, n_engines: int) -> None:
     os.replace(tmp, path)
 
 
+class ImportJournal:
+    """Engine ``index``'s imports since its last snapshot: one line ``<unix time> <session id>`` per import, in
+    ``imports-<index>.log`` of the state folder (see the module docstring). Written through to the file (it
+    survives the process; a host crash may lose the last lines, as it may the file system's other writes)."""
+
+    def __init__(self, folder: str, index: int):
+        self.path = os.path.join(folder, f"imports-{index}.log")
+        self._lock = threading.Lock()
+
+    def note(self, session_id: str) -> None:
+        with self._lock, open(self.path, "a") as f:
+            f.write(f"{time.time():.6f} {session_id}\n")
+
+    def since(self, t: float) -> list:
+        """The sessions imported at or after unix time ``t``."""
+        return sorted({sid for when, sid in self._lines() if when >= t})
+
+    def drop_before(self, t: float) -> None:
+        """Forget the imports before unix time ``t`` (a snapshot taken at ``t`` holds them)."""
+        with self._lock:
+            keep = [f"{when:.6f} {sid}\n" for when, sid in self._lines() if when >= t]
+            tmp = self.path + ".tmp"
+            with open(tmp, "w") as f:
+                f.writelines(keep)
+            os.replace(tmp, self.path)
+
+    def _lines(self) -> list:
+        try:
+            with open(self.path) as f:
+                rows = [line.split(" ", 1) for line in f]
+        except FileNotFoundError:
+            return []
+        out = []
+        for row in rows:
+            try:
+                out.append((float(row[0]), row[1].strip()))
+            except (ValueError, IndexError):      # a line cut by a crash mid-write
+                continue
+        return out
+
+
 class Snapshotter:
     """Snapshots of ``engine`` in ``settings.state_dir`` as engine ``index`` of ``count`` (see the module
     docstring)."""
@@ -113,6 +159,8 @@ class Snapshotter:
         self._st = {"writes": 0, "failures": 0, "bytes": 0, "seconds": 0.0, "restored_sessions": 0}
         self._last: Optional[dict] = None
         engine.snapshot_stats = self.stats
+        self.imports = ImportJournal(self.dir.folder, index)
+        engine.on_import = self.imports.note
 
     # ------------------------------------------------------------------ life cycle
 
@@ -133,6 +181,9 @@ class Snapshotter:
                                                  "sessions": self.restored, "lost": len(snap.meta.get("lost", [])),
                                                  "not_restored": len(snap.meta.get("sessions", [])) - self.restored,
                                                  "taken_unix": snap.meta.get("created_unix")})
+        if snap is not None:
+            self._lose_imported_since(snap.meta["created_unix"])
+        self.imports.drop_before(float("inf"))      # what the restore holds, or nothing to restore
         with self._lock:
             self._st["restored_sessions"] = self.restored
         if self.restarted:
@@ -141,6 +192,19 @@ class Snapshotter:
             self._thread = threading.Thread(target=self._periodic, name="convserve-snapshot", daemon=True)
             self._thread.start()
         return self.restored
+
+    def _lose_imported_since(self, taken: float) -> None:
+        """The restored sessions imported after the snapshot was taken answer 410: their state is not in it."""
+        e = self.engine
+        lost = sorted(set(self.imports.since(taken)) & set(e.session_ids()))
+        for sid in lost:
+            e.delete_session(sid)
+        if lost:
+            e.mark_lost(lost, "its state was imported (PUT .../state) after the snapshot the server restored at "
+                              "start was taken; that snapshot holds an older state: import it again")
+            log.warning("sessions imported after the restored snapshot are lost",
+                        extra={"engine": self.index, "sessions": len(lost)})
+            self.restored -= len(lost)
 
     def stop_engine(self, drain: bool = True, timeout: Optional[float] = None) -> None:
         """Stop the periodic writer, stop the engine (draining), write every session. ``final_failed`` when the
@@ -204,6 +268,7 @@ class Snapshotter:
             with self._lock:
                 self._st["failures"] += 1
             return False
+        self.imports.drop_before(cap.meta["created_unix"])
         seconds = time.perf_counter() - t0
         n = len(cap.meta["sessions"])
         with self._lock:

@@ -13,6 +13,7 @@ import httpx
 import pytest
 import torch
 
+from convserve.clients.protocol import wire
 from convserve.service.cluster.placement import engine_of
 from convserve.service.config import ConfigError, Settings, load_settings
 from convserve.service.snapshot_file import SnapshotDir, read_checked
@@ -163,6 +164,44 @@ def test_after_kill_9_the_sessions_changed_since_the_last_periodic_snapshot_answ
             assert body["error"]["position"] == at_snapshot[s][0] < c.pos[s][0]
             assert positions(c.api, s) == at_snapshot[s]
         c.conv(kept, 5, 3, seed=300)                             # an unchanged session just continues
+    finally:
+        srv.kill()
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_after_kill_9_a_session_imported_since_the_last_snapshot_answers_410_not_its_older_state(tmp_path, layout):
+    # an import sets the positions back to 0: the snapshot's older state at the same positions would pass a
+    # client's position check, so the restore must not serve it
+    srv = serve(tmp_path, layout, "--snapshot-interval-s", "1.0")
+    try:
+        api = Api(srv.url)
+        before, after, untouched = ids(3, layout)
+        for sid in (before, after, untouched):
+            api.session(sid)
+        state = api.call("GET", f"/v1/sessions/{before}/state")[1]
+        a = dict(state, state=wire.encode_tensor(torch.randn(len(LAYERS), DIM, 3)))
+        b = dict(state, state=wire.encode_tensor(torch.randn(len(LAYERS), DIM, 3)))
+        assert api.call("PUT", f"/v1/sessions/{before}/state", a)[0] == 204
+        t0 = time.time()
+        deadline = time.monotonic() + 15
+        while min(snapshot_times(srv.url)) <= t0:               # every engine wrote one after that import
+            assert time.monotonic() < deadline, "no periodic snapshot"
+            time.sleep(0.02)
+        for sid in (before, after):
+            assert api.call("PUT", f"/v1/sessions/{sid}/state", b)[0] == 204
+        _kill9(srv)
+    finally:
+        srv.kill()
+
+    srv = serve(tmp_path, layout)
+    try:
+        api = Api(srv.url)
+        for sid in (before, after):
+            st, body = conv(api, sid, 0, rand_x(1, seed=1), position=0)
+            assert st == 410 and body["error"]["code"] == "state_lost", body
+            assert "imported" in body["error"]["message"]
+        st, _ = conv(api, untouched, 0, rand_x(1, seed=2), position=0)
+        assert st == 200
     finally:
         srv.kill()
 

@@ -149,6 +149,8 @@ class Engine(Intake, SessionOps, Accepts, Positions, SnapshotTaking, Worker):
         self._init_snapshots()
         #: extra numbers for stats() under "snapshot" (the snapshot writer's), or None
         self.snapshot_stats = None
+        #: called with a session id before its state is imported (the snapshot writer's journal), or None
+        self.on_import = None
         # stats (guarded by _lock)
         self._st = collections.Counter()
         self._batch_hist = [0] * (len(BATCH_HIST) + 1)

@@ -186,6 +186,8 @@ class SessionOps:
         if positions is not None and (len(positions) != n_layers or
                                       not all(type(q) is int and q >= 0 for q in positions)):
             raise BadRequest(f"positions: expected {n_layers} integers >= 0, got {positions!r:.80}")
+        if self.on_import is not None:   # before it can apply: a crash then cannot restore an older state silently
+            self.on_import(session_id)
 
         def op(s: Session) -> None:
             self.pool.import_(s.slot, state)               # checked above: the pool's own checks cannot fire
