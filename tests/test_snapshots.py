@@ -168,7 +168,7 @@ def test_after_kill_9_the_sessions_changed_since_the_last_periodic_snapshot_answ
         srv.kill()
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", ["in-process", pytest.param("engine processes", marks=pytest.mark.slow)])
 def test_after_kill_9_a_session_imported_since_the_last_snapshot_answers_410_not_its_older_state(tmp_path, layout):
     # an import sets the positions back to 0: the snapshot's older state at the same positions would pass a
     # client's position check, so the restore must not serve it
