@@ -368,3 +368,13 @@ def test_without_matplotlib_the_run_says_how_to_get_the_plot(server, tmp_path, m
     assert main(["--url", server.url, *SMALL, "--concurrency", "1", "--requests", "8", "--out", str(out)]) == 0
     assert "pip install 'convserve[loadtest]'" in capsys.readouterr().out
     assert sorted(p.name for p in out.iterdir()) == ["loadtest.html", "loadtest.json"]
+
+
+@pytest.mark.parametrize("scenario", ["spec", "frontend"])
+def test_a_spec_k_above_the_servers_max_spec_tokens_is_a_usage_error_before_any_request(server, capsys, scenario):
+    from convserve.service.config import load_settings
+
+    most = load_settings({"device": "cpu"}).max_spec_tokens
+    assert main(["--url", server.url, *SMALL, "--scenario", scenario, "--spec-k", f"const:{most + 1}",
+                 "--requests", "4"]) == 2
+    assert f"above the server's max_spec_tokens ({most})" in capsys.readouterr().err

@@ -353,6 +353,11 @@ async def run(args) -> dict:
                              "`convserve serve` or pass --url") from None
         except ServiceError as e:
             raise SetupError(f"GET {client.url}/v1/model answered {e.status} {e.code}: {e.message}") from None
+        most = (info.get("limits") or {}).get("max_spec_tokens")
+        if wl.spec and most is not None and wl.spec_k.max > most:
+            raise SetupError(f"--spec-k draws verifies of up to {wl.spec_k.max} tokens, above the server's "
+                             f"max_spec_tokens ({most}): every verify would be refused; lower --spec-k or start "
+                             "the server with a larger --max-spec-tokens")
         if isinstance(url, list) and info.get("replicas") is not None:
             up = {r["url"].rstrip("/") for r in info["replicas"]}
             down = [u for u in url if "://" in u and not u.startswith("dns://") and u.rstrip("/") not in up]
