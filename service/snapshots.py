@@ -118,7 +118,10 @@ class ImportJournal:
     def drop_before(self, t: float) -> None:
         """Forget the imports before unix time ``t`` (a snapshot taken at ``t`` holds them)."""
         with self._lock:
-            keep = [f"{when:.6f} {sid}\n" for when, sid in self._lines() if when >= t]
+            lines = self._lines()
+            keep = [f"{when:.6f} {sid}\n" for when, sid in lines if when >= t]
+            if len(keep) == len(lines):            # nothing to forget (no imports, or all since t): no rewrite
+                return
             tmp = self.path + ".tmp"
             with open(tmp, "w") as f:
                 f.writelines(keep)

@@ -153,14 +153,15 @@ class DecodeLaunchers:
 
     def _verify_rows(self, rows: slice, x3, xs, idx, osi, sidx, spec, states, w, bias, out, hy, L: int) -> None:
         """The verify of ``rows`` (x already in place): the kernel into ``out``, each row's x into its spec line,
-        and (``out`` on the device) y copied out into ``hy``, on the current stream."""
+        and on CUDA (``out`` on the device; on the CPU it is ``hy``) y copied out into ``hy``, on the current
+        stream."""
         t = slice(rows.start * L, rows.stop * L)
         o = out[t]
         self._fn(x3[rows], states, w, bias, self._model.activation, conv_state_indices=idx[rows],
                  output_state_indices=osi[rows], pad_slot_id=PAD_SLOT_ID,
                  out=o.view(rows.stop - rows.start, L, -1).transpose(1, 2))
         spec.index_copy_(0, sidx[rows], xs[rows])
-        if o.data_ptr() != hy.data_ptr():
+        if self._cuda:
             hy[t].copy_(o, non_blocking=True)
 
     def _launches(self) -> dict:

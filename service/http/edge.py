@@ -23,7 +23,6 @@ from convserve.service.http.oip_wire import send_oip_error
 from convserve.service.http.parse import check_query
 from convserve.service.http.replica import check_path_session, replica_header, with_replica_header
 from convserve.service.http.websocket import WS_ROUTE, NoWebSocketRoute, WebSocketOverHTTP, refuse_handshake
-from convserve.service.http.websocket import check_query as check_ws_query
 from convserve.service.metrics import Metrics
 
 access_log = logging.getLogger("convserve.access")
@@ -117,8 +116,7 @@ class Edge:
             try:
                 if not self._authorized(scope):
                     raise unauthorized(header(scope, b"authorization"))
-                if scope.get("query_string"):
-                    check_ws_query(scope)
+                check_query(scope)
             except ServiceError as exc:
                 await refuse_handshake(scope, receive, send, exc)
             else:

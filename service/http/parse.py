@@ -159,14 +159,17 @@ LIST_QUERY = ("cursor", "limit")
 
 def check_query(scope) -> None:
     """400 for a query parameter on a /v1 route that takes none (``GET /v1/sessions`` takes ``LIST_QUERY``, which
-    ``list_query`` checks): a misspelled parameter is never silently ignored."""
+    ``list_query`` checks), the WebSocket's handshake included: a misspelled parameter is never silently
+    ignored."""
     qs = scope.get("query_string")
     path = scope["path"]
-    if not qs or not path.startswith("/v1/") or (path == "/v1/sessions" and scope["method"] == "GET"):
+    method = scope.get("method")             # None: a WebSocket handshake
+    if not qs or not path.startswith("/v1/") or (path == "/v1/sessions" and method == "GET"):
         return
     name = qs.split(b"&", 1)[0].split(b"=", 1)[0].decode("latin-1")
-    raise BadRequest(f"unknown query parameter {name!r:.60}: {scope['method']} {path} takes none (its fields go in "
-                     "the body)")
+    where = f"{method} {path} takes none (its fields go in the body)" if method else \
+        f"the WebSocket {path} takes none (the fields of a conv go in each frame); open it without a query string"
+    raise BadRequest(f"unknown query parameter {name!r:.60}: {where}")
 
 
 def shm_ref(req: Any):

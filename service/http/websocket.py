@@ -6,7 +6,7 @@ closes with 1000 when the client is done, 1007 (bad frame) or 1009 (frame too la
 
 A handshake the server refuses gets an HTTP answer with the error map (:func:`refuse_handshake`, through ASGI's
 ``websocket.http.response`` extension), never a bare close: 401 without the API key, 400 for a query string
-(:func:`check_query`), 404 for any other path (:class:`NoWebSocketRoute`). A plain HTTP request to the route
+(:func:`.parse.check_query`), 404 for any other path (:class:`NoWebSocketRoute`). A plain HTTP request to the route
 gets 426 (GET or HEAD without ``Upgrade: websocket``) or 405 (any other method) from :class:`WebSocketOverHTTP`.
 """
 
@@ -38,16 +38,6 @@ class _HandshakeError(ServiceError):
     def __init__(self, status: int, code: str, message: str, headers=()):
         super().__init__(message)
         self.status, self.code, self.headers = status, code, list(headers)
-
-
-def check_query(scope) -> None:
-    """:class:`BadRequest` for a query string on a ``/v1`` WebSocket: like every ``/v1`` route that takes none, a
-    misspelled parameter is never silently ignored."""
-    qs = scope.get("query_string")
-    if qs and scope["path"].startswith("/v1/"):
-        name = qs.split(b"&", 1)[0].split(b"=", 1)[0].decode("latin-1")
-        raise BadRequest(f"unknown query parameter {name!r:.60}: the WebSocket {scope['path']} takes none (the "
-                         "fields of a conv go in each frame); open it without a query string")
 
 
 async def refuse_handshake(scope, receive, send, exc: ServiceError) -> None:
