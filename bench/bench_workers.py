@@ -88,12 +88,13 @@ def engine_overrides(server_args: list) -> dict:
 def _shm_stats(url: str) -> dict:
     import httpx
 
+    time.sleep(1.2)         # every worker publishes its arena's counts about once a second
     text = httpx.get(url + "/metrics", timeout=10).text
     out = {}
-    for key in ("leases", "reused", "inline"):
-        m = re.search(rf"^convserve_engine_shm_{key} ([0-9.eE+-]+)$", text, re.M)
-        if m:
-            out[key] = float(m.group(1))
+    for key in ("leases", "reused", "inline"):          # summed over the workers
+        vals = re.findall(rf"^convserve_worker_shm_{key}_total{{[^}}]*}} ([0-9.eE+-]+)$", text, re.M)
+        if vals:
+            out[key] = sum(float(v) for v in vals)
     return out
 
 

@@ -134,9 +134,10 @@ def test_a_killed_worker_is_restarted_and_no_session_state_is_corrupted():
         sids = [api.session() for _ in range(6)]
         for s in sids:
             ref.create(s)
-        workers = [int(r["pid"]) for r in srv.logs if r.get("msg") == "worker process started"]
-        assert len(workers) == 2
-        os.kill(workers[0], signal.SIGKILL)
+        started = [r for r in srv.logs if r.get("msg") == "worker process started"]
+        assert len(started) == 2
+        killed = started[0]["worker"]
+        os.kill(int(started[0]["pid"]), signal.SIGKILL)
         for i in range(40):                                    # every request succeeds or fails cleanly
             s = sids[i % len(sids)]
             x = torch.randn(1 + i % 3, DIM)
@@ -154,6 +155,11 @@ def test_a_killed_worker_is_restarted_and_no_session_state_is_corrupted():
         assert "worker process died; restarting it" in srv.log_messages()
         for s in sids:
             assert_close(api.state(s), ref.states[s])
+        # the restart is on /metrics, whichever worker answers the scrape
+        for _ in range(4):
+            restarts = _series(httpx.get(srv.url + "/metrics", headers={"connection": "close"}).text,
+                               "convserve_worker_restarts")
+            assert restarts == {f'worker="{w}"': float(w == killed) for w in (0, 1)}, restarts
     finally:
         srv.kill()
 
@@ -210,6 +216,19 @@ def test_one_scrape_counts_the_requests_of_every_worker_and_engine():
         assert len(set(budget.values())) == 1 and sum(slots.values()) == 128
         sessions = _series(text, "convserve_sessions")
         assert sessions == {f'engine="{e}"': float(r["sessions"]) for e, r in enumerate(info["engines"])}
+        # each worker's arena is its own series, summed into one scrape whichever worker answers it (a worker
+        # publishes its counts about once a second, and at a scrape it answers)
+        assert not [line for line in text.splitlines() if line.startswith("convserve_engine_shm")]
+
+        def leases():
+            t = httpx.get(srv.url + "/metrics", headers={"connection": "close"}).text
+            return (_series(t, "convserve_worker_shm_leases_total"), _series(t, "convserve_worker_shm_in_use"),
+                    _series(t, "convserve_worker_restarts"))
+
+        _wait(lambda: sum(leases()[0].values()) == n, timeout=10, what="every worker's leases on one scrape")
+        by_worker, in_use, restarts = leases()
+        assert set(by_worker) <= {'worker="0"', 'worker="1"'} and sum(in_use.values()) == 0
+        assert restarts == {'worker="0"': 0.0, 'worker="1"': 0.0}
     finally:
         srv.kill()
 

@@ -39,6 +39,7 @@ from convserve.clients.protocol.errors import (BadRequest, EngineTimeout, Engine
                                                ServiceError)
 
 from . import messages as m
+from . import worker_series
 from ..engine.validate import all_finite
 from ..metrics import numbers_of, sum_stats
 from .health import EngineHealth
@@ -110,6 +111,7 @@ class RemoteEngine(EngineHealth):
         self.down = DownClock(self.status)
         self.arena_name = m.arena_name(worker, generation)
         self.arena = Arena(os.path.join(run_dir, self.arena_name), arena_bytes)
+        self.series = worker_series.create(worker, generation - 1, self.arena)   # its numbers on /metrics
         self.loop: Optional[asyncio.AbstractEventLoop] = None
         self.links: list[_Link] = []
         self._ids = itertools.count(1)
@@ -207,8 +209,8 @@ class RemoteEngine(EngineHealth):
         dec, pad = total.get("decode_rows", 0), total.get("decode_padded_rows", 0)
         total["pad_ratio"] = pad / max(1, pad + dec)
         total["engines_up"] = len(parts)
-        total["shm"] = {"leases": self.arena.leases, "reused": self.arena.reused, "in_use": self.arena.in_use,
-                        "inline": self.arena.inline}
+        if self.series is not None:     # this worker's arena: its own series (worker_series), fresh for the scrape
+            self.series.publish()
         return total
 
     # ------------------------------------------------------------------ routing
@@ -249,6 +251,7 @@ class RemoteEngine(EngineHealth):
                 p.fut.set_exception(err)
 
     async def _watch(self) -> None:
+        published = 0.0
         while True:
             self._any_up = any(self.status.state(e)[0] == UP for e in range(self.n))
             await asyncio.sleep(0.02)
@@ -262,6 +265,9 @@ class RemoteEngine(EngineHealth):
                     self._fail_pending(link, epoch if state != DOWN else -1)
                 if link.pending:
                     self._expire(link, now)
+            if self.series is not None and now - published >= 1.0:
+                published = now
+                self.series.publish()
 
     def _expire(self, link: _Link, now: float) -> None:
         """Fail the requests engine ``link.index`` has not answered by their deadline. The pending map is in
