@@ -166,6 +166,11 @@ class EngineCollector(Collector):
                          "thread)"),
         "batch_requests_in_slots": ("convserve_engine_batch_requests_in_slots", "counter",
                                     "Batch requests launched from a batch slot (one CUDA graph replay)"),
+        "multi_layer_launches": ("convserve_engine_multi_layer_launches", "counter",
+                                 "Decode launches that ran several layers' decode batches at once"),
+        "outputs_fresh": ("convserve_engine_outputs_fresh", "counter",
+                          "Steps whose result buffer was still held by readers, so a fresh (pageable) one was "
+                          "allocated"),
         "batch_requests_in_verify_slots": ("convserve_engine_batch_requests_in_verify_slots", "counter",
                                            "Verify-only batch requests launched from a verify slot (one CUDA "
                                            "graph replay)"),

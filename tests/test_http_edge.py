@@ -34,6 +34,8 @@ def test_metrics_expose_requests_errors_latency_queue_batches_slots_and_kernel_t
         "convserve_queue_depth ", "convserve_engine_batch_size_bucket{le=", "convserve_decode_pad_ratio ",
         "convserve_slots_in_use ", "convserve_slots_free ", "convserve_kernel_seconds_total ",
         'convserve_stream_frames_total{code="ok",transport="stream"}',
+        # cumulative counts are counters (rate() works on them), not gauges
+        "convserve_engine_outputs_fresh_total ", "convserve_engine_multi_layer_launches_total ",
     ]:
         assert needle in text, needle
 
