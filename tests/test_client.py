@@ -15,8 +15,10 @@ import torch
 
 from convserve.clients.client import (AsyncConvClient, BatchRequest, ConvClient, ConvRequest, ConvServeError,
                                       SessionState)
-from convserve.clients.protocol.errors import (BadRequest, DtypeUnsupported, PoolExhausted, SessionExists,
-                                               ShapeMismatch, Unauthorized, UnknownSession)
+from convserve.clients.common import _raise_for
+from convserve.clients.protocol.errors import (BadRequest, DtypeUnsupported, MethodNotAllowed, NotFound,
+                                               PoolExhausted, SessionExists, ShapeMismatch, Unauthorized,
+                                               UnknownSession, UpgradeRequired)
 from convserve.service.model import ConvModel
 from tests.live import ROOT, LiveServer, Reference
 
@@ -141,6 +143,17 @@ def test_errors_raise_the_class_of_their_code(client, call, exc, status):
     with pytest.raises(exc) as e:
         call(client)
     assert isinstance(e.value, ConvServeError) and e.value.status == status
+
+
+@pytest.mark.parametrize("method, path, exc, status", [
+    ("GET", "/v1/no-such-route", NotFound, 404),
+    ("GET", "/v1/conv", MethodNotAllowed, 405),
+    ("GET", "/v1/conv/ws", UpgradeRequired, 426),
+], ids=["no-route", "wrong-method", "websocket-route-over-http"])
+def test_the_servers_own_http_errors_raise_their_classes_too(client, method, path, exc, status):
+    with pytest.raises(exc) as e:
+        _raise_for(client._http.request(method, path))
+    assert e.value.status == status and e.value.message
 
 
 def test_retryable_errors_carry_retry_after(server):

@@ -41,6 +41,38 @@ class Unauthorized(ServiceError):
     status, code = 401, "unauthorized"
 
 
+class NotFound(ServiceError):
+    """No such route (a trailing ``/`` included: the server does not redirect), or a WebSocket to another path
+    than ``/v1/conv/ws``."""
+    status, code = 404, "not_found"
+
+
+class MethodNotAllowed(ServiceError):
+    """The route exists, but not with this method (its ``Allow`` header lists the ones it takes)."""
+    status, code = 405, "method_not_allowed"
+
+
+class HeaderTimeout(ServiceError):
+    """The request line and headers did not arrive within the server's ``header_timeout_s``; the server closed
+    the connection."""
+    status, code = 408, "header_timeout"
+
+
+class UpgradeRequired(ServiceError):
+    """A plain ``GET`` of the WebSocket route: open a WebSocket instead."""
+    status, code = 426, "upgrade_required"
+
+
+class HeaderTooLarge(ServiceError):
+    """The request line and headers exceed the server's ``max_header_bytes``; the server closed the connection."""
+    status, code = 431, "header_too_large"
+
+
+class OverCapacity(ServiceError):
+    """The worker holds ``max_connections`` connections, all carrying a request; retry after Retry-After."""
+    status, code = 503, "over_capacity"
+
+
 class UnknownSession(ServiceError):
     status, code = 404, "unknown_session"
 
@@ -157,7 +189,8 @@ class OutcomeUnknown(ServiceError):
 #: The name clients use for the base class.
 ConvServeError = ServiceError
 
-ALL_ERRORS = (BadRequest, BodyTimeout, Unauthorized, UnknownSession, UnknownLayer, SessionExists, PositionMismatch,
+ALL_ERRORS = (BadRequest, BodyTimeout, Unauthorized, NotFound, MethodNotAllowed, HeaderTimeout, UpgradeRequired,
+              HeaderTooLarge, OverCapacity, UnknownSession, UnknownLayer, SessionExists, PositionMismatch,
               StateLost, PayloadTooLarge, ShapeMismatch, DtypeUnsupported, NonFinite, QueueFull, PoolExhausted,
               NotReady, EngineUnavailable, OutOfMemory, RequestTimeout, EngineTimeout, Internal)
 
