@@ -155,11 +155,16 @@ def test_a_killed_worker_is_restarted_and_no_session_state_is_corrupted():
         assert "worker process died; restarting it" in srv.log_messages()
         for s in sids:
             assert_close(api.state(s), ref.states[s])
-        # the restart is on /metrics, whichever worker answers the scrape
+        # the restart is on /metrics once the new worker is up, whichever worker answers the scrape
+        want = {f'worker="{w}"': float(w == killed) for w in (0, 1)}
+
+        def restarts():
+            return _series(httpx.get(srv.url + "/metrics", headers={"connection": "close"}).text,
+                           "convserve_worker_restarts")
+
+        _wait(lambda: restarts() == want, timeout=30, what="the restart on /metrics")
         for _ in range(4):
-            restarts = _series(httpx.get(srv.url + "/metrics", headers={"connection": "close"}).text,
-                               "convserve_worker_restarts")
-            assert restarts == {f'worker="{w}"': float(w == killed) for w in (0, 1)}, restarts
+            assert restarts() == want
     finally:
         srv.kill()
 

@@ -3,12 +3,14 @@ batch split across engines one part of which failed; the arena block of a conv t
 time."""
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from convserve.clients.protocol.errors import NotReady, OutOfMemory, RequestTimeout, StateLost
 from convserve.service.cluster.remote import RemoteEngine
+from convserve.service.cluster.session_order import SessionOrder
 
 
 def _split(results: dict):
@@ -22,7 +24,7 @@ def _split(results: dict):
     async def main():
         loop = asyncio.get_running_loop()
 
-        def conv(e, head, x, rows=None):
+        def conv(e, head, x, rows=None, checked=False):
             f = loop.create_future()
             got = results[e]
             if isinstance(got, tuple):                  # ("at once", error): refused before anything is sent
@@ -33,8 +35,14 @@ def _split(results: dict):
                 f.set_result(torch.zeros(len(rows), 4))
             return f
 
-        r._call, r._conv, r.loop = call, conv, loop
-        return await r._split_batch({0: [0], 1: [1]}, ["a", "b"], 1, torch.zeros(2, 4), None, None)
+        r._call, r._conv, r.loop, r.order = call, conv, loop, SessionOrder()
+        hold = loop.create_future()
+        r.order.hold(["a", "b"], hold)
+        try:
+            return await r._split_batch({0: [0], 1: [1]}, ["a", "b"], 1, torch.zeros(2, 4), torch.float32, None,
+                                        None, None, [], hold)
+        finally:
+            assert hold.done() and not r.order         # the sessions are released whatever the outcome
 
     return asyncio.run(main())
 
@@ -118,7 +126,9 @@ def test_a_borrowed_x_of_a_split_batch_is_copied_before_submit_returns(borrowed)
     copied first, so the client writing its block meanwhile changes nothing; one that is not borrowed is the
     caller's to keep unchanged (read in place)."""
     r = RemoteEngine.__new__(RemoteEngine)
-    r.n, r.dim = 2, 4
+    r.n, r.dim, r.model_dtype, r.order = 2, 4, torch.float32, SessionOrder()
+    r.limits = SimpleNamespace(max_batch_size=8, max_spec_tokens=4, max_batch_tokens=64, max_bucket=8,
+                               check_finite=True)
     sent = {}
 
     async def call(e, head, data=None):
@@ -128,7 +138,7 @@ def test_a_borrowed_x_of_a_split_batch_is_copied_before_submit_returns(borrowed)
     async def main():
         loop = asyncio.get_running_loop()
 
-        def conv(e, head, x, rows=None):
+        def conv(e, head, x, rows=None, checked=False):
             sent[e] = x.index_select(0, rows).clone()
             f = loop.create_future()
             f.set_result(sent[e])

@@ -134,6 +134,97 @@ def test_a_plain_slice_on_a_session_with_a_pending_verify_rejects_the_batch(api)
     assert all(torch.equal(b, api.state(s)) for s, b in zip(sessions, before))
 
 
+def _across(api, n=2):
+    """``n`` new sessions on alternating engines of the two-engine layout (engine 0, 1, 0, ...): a batch of them is
+    split across the engines there (the in-process layout has one engine, where nothing splits)."""
+    from convserve.service.cluster.placement import engine_of
+
+    out, i = [], 0
+    while len(out) < n:
+        sid = f"across-{random.getrandbits(48):x}-{i}"
+        i += 1
+        if engine_of(sid, 2) == len(out) % 2:
+            out.append(api.session(sid))
+    return out
+
+
+def _where(api, sid):
+    """A session's positions and pending verify (its info without the clock)."""
+    info = api.call("GET", f"/v1/sessions/{sid}")[1]
+    return info["positions"], info["pending"]
+
+
+def _nan_in(x, row):
+    x = x.clone()
+    x[row, 1] = float("nan")
+    return x
+
+
+# (a batch of sessions on both engines, each refused for what is wrong with one engine's part only)
+ACROSS_BAD = [
+    ("a session twice", lambda s: _batch([s[0], s[1], s[0]], LAYERS[0], rand_x(3)), 400, "twice"),
+    ("a verify over max_spec_tokens in the second part",
+     lambda s: _batch(s[:3], LAYERS[0], rand_x(19), [1, 17, 1], [False, True, False]), 400, "tokens[1]"),
+    ("a verify over max_spec_tokens in the first part",
+     lambda s: _batch(s[:3], LAYERS[0], rand_x(19), [17, 1, 1], [True, False, False]), 400, "tokens[0]"),
+    ("NaN in the second part", lambda s: _batch(s[:3], LAYERS[0], _nan_in(rand_x(3), 1)), 422, "NaN"),
+    ("NaN in the first part", lambda s: _batch(s[:3], LAYERS[0], _nan_in(rand_x(5), 0), [2, 2, 1]), 422, "NaN"),
+]
+
+
+@pytest.mark.parametrize("what,body,status,needle", ACROSS_BAD, ids=[b[0] for b in ACROSS_BAD])
+def test_a_batch_split_across_engines_and_bad_in_one_part_runs_no_part(api, what, body, status, needle):
+    sessions = _across(api, 3)
+    for sid in sessions:
+        api.conv(sid, LAYERS[0], rand_x(3, seed=4))               # some state to keep
+    before = [(api.state(s), _where(api, s)) for s in sessions]
+    st, obj, _ = api.call("POST", "/v1/conv/batch", body(sessions))
+    assert st == status, obj
+    assert needle in obj["error"]["message"], obj
+    for sid, (state, info) in zip(sessions, before):               # states, positions and pending verifies
+        assert torch.equal(state, api.state(sid)) and _where(api, sid) == info, sid
+
+
+def test_a_repeated_session_in_an_accept_split_across_engines_commits_nothing(api):
+    sessions = _across(api, 2)
+    for sid in sessions:
+        assert api.conv(sid, LAYERS[0], rand_x(3, seed=6), speculative=True)[0] == 200
+    before = [_where(api, s) for s in sessions]
+    st, obj, _ = api.call("POST", "/v1/accept", {"sessions": [sessions[0], sessions[1], sessions[1]],
+                                                  "tokens": [1, 1, 1]})
+    assert st == 400 and "twice" in obj["error"]["message"], obj
+    assert [_where(api, s) for s in sessions] == before
+
+
+@pytest.mark.parametrize("transport", ["http", "ws"])
+@pytest.mark.parametrize("then", ["conv", "batch"])
+def test_a_frame_after_a_batch_frame_split_across_engines_runs_after_it(server, api, transport, then):
+    """A split batch asks each engine to check its part before it sends the parts: a later frame on one of its
+    sessions must not overtake it."""
+    a, b = _across(api, 2)
+    ref = Reference(model())
+    ref.create(a)
+    ref.create(b)
+    reqs, want = [], []
+    for k in range(6):
+        xb, xc = rand_x(3, seed=40 + k), rand_x(2, seed=50 + k)
+        reqs.append(BatchRequest([a, b], LAYERS[1], xb, tokens=[1, 2]))
+        want.append(torch.cat([ref.conv(a, LAYERS[1], xb[:1]), ref.conv(b, LAYERS[1], xb[1:])]))
+        if then == "conv":
+            reqs.append(ConvRequest(b, LAYERS[1], xc))
+            want.append(ref.conv(b, LAYERS[1], xc))
+        else:
+            reqs.append(BatchRequest([b], LAYERS[1], xc, tokens=[2]))
+            want.append(ref.conv(b, LAYERS[1], xc))
+    with ConvClient(server.url) as c:
+        got = {r.id: r for r in c.stream(reqs, transport=transport)}
+        for i, w in enumerate(want):
+            assert got[i].ok, got[i]
+            assert_close(torch.as_tensor(got[i].y), w)
+        for sid in (a, b):
+            assert_close(c.export_state(sid).state, ref.states[sid])
+
+
 ACCEPT_BAD = [
     ("a session without a pending verify", lambda s: {"sessions": s, "tokens": [1, 1]}, 400),
     ("more tokens than the verify holds", lambda s: {"sessions": s[:1], "tokens": [9]}, 400),

@@ -40,12 +40,14 @@ from convserve.clients.protocol.errors import (BadRequest, EngineTimeout, Engine
 
 from . import messages as m
 from . import worker_series
+from .session_order import SessionOrder
 from ..engine.validate import all_finite
 from ..metrics import numbers_of, sum_stats
 from .health import EngineHealth
-from .placement import engine_of, new_id_on, split
+from .placement import engine_of, split
+from .remote_ops import RemoteSessions
 from .shm import Arena
-from .split_batch import check_positions, failure, parts_of, row_indices, sent_or_refused, sub
+from .split_batch import check_whole, check_positions, failure, parts_of, row_indices, sent_or_refused, sub
 from .status import DOWN, STOPPED, UP, DownClock, StatusTable
 
 log = logging.getLogger("convserve.worker")
@@ -91,14 +93,17 @@ class _Link:
         self.silent_since: Optional[float] = None
 
 
-class RemoteEngine(EngineHealth):
+class RemoteEngine(RemoteSessions, EngineHealth):
     """See the module docstring. ``info`` is engine 0's ``model_info()`` (the model is the same on every engine)."""
 
     def __init__(self, run_dir: str, devices: Sequence[str], worker: int, generation: int, info: dict,
                  arena_bytes: int, check_finite: bool = True, reply_timeout: float = 90.0,
-                 down_unhealthy_s: float = 0.0, stats_timeout: float = 2.0):
+                 down_unhealthy_s: float = 0.0, stats_timeout: float = 2.0, limits=None):
         self.run_dir = run_dir
         self.stats_timeout = stats_timeout      # a scrape's wait for each engine's counters
+        #: the engines' batch limits, for a split batch's whole-batch checks (split_batch.check_whole)
+        self.limits = limits
+        self.order = SessionOrder()             # sends held behind a split batch in flight (session_order)
         self.down_unhealthy_s = down_unhealthy_s
         self.model_dtype = getattr(torch, info["dtype"])
         self.check_finite = check_finite
@@ -363,12 +368,14 @@ class RemoteEngine(EngineHealth):
 
     # ------------------------------------------------------------------ convs (event loop)
 
-    def _conv(self, e: int, head: dict, x: torch.Tensor, rows=None, borrowed: bool = False) -> _Future:
+    def _conv(self, e: int, head: dict, x: torch.Tensor, rows=None, borrowed: bool = False,
+              checked: bool = False) -> _Future:
         """Send one conv (or batch part) to engine ``e``; x (or its ``rows``) is copied into the arena.
 
         A float x of the right shape is cast to the model dtype in that copy and checked for NaN/Inf here
         (``ck``), so the engine's one thread does neither; y comes back in the model dtype and is cast to x's.
-        Everything else, and a non-finite x, the engine checks (and raises the proper error for)."""
+        Everything else, and a non-finite x, the engine checks (and raises the proper error for). ``checked``: x
+        is in the model dtype and was found finite already (a split batch's, see :func:`.split_batch.check_whole`)."""
         epoch = self._target(e)
         link = self.links[e]
         dtype = out_dtype = x.dtype
@@ -394,7 +401,7 @@ class RemoteEngine(EngineHealth):
                 dst.copy_(x.index_select(0, rows))
             head["a"], head["o"] = self.arena_name, off
             # a non-finite x goes unchecked: the engine then raises its error, in its order of checks
-            head["ck"] = not self.check_finite or all_finite(dst)
+            head["ck"] = checked or not self.check_finite or all_finite(dst)
         else:
             lease = None
             dtype, out_dtype, name = x.dtype, None, _DTYPE_NAMES.get(x.dtype) or str(x.dtype).removeprefix("torch.")
@@ -417,8 +424,12 @@ class RemoteEngine(EngineHealth):
         """As :meth:`Engine.submit_async`. ``borrowed``: x is copied before this returns (into the arena, or a
         copy of its own that the message is sent from); what the engine computes with and checks is that copy."""
         e = engine_of(session_id, self.n) if isinstance(session_id, str) else 0
-        return self._conv(e, {"k": m.CONV, "s": session_id, "l": layer, "sp": speculative, "po": position}, x,
-                          borrowed=borrowed)
+        head = {"k": m.CONV, "s": session_id, "l": layer, "sp": speculative, "po": position}
+        if self.order:
+            waits = self.order.waits((session_id,))
+            if waits:
+                return self._after(waits, (session_id,), partial(self._conv, e, head), x, borrowed)
+        return self._conv(e, head, x, borrowed=borrowed)
 
     submit = submit_async   # its callers (the stream pipeline) run on the loop too
 
@@ -428,39 +439,79 @@ class RemoteEngine(EngineHealth):
         groups = split(session_ids, self.n) if self.n > 1 else {0: None}
         if len(groups) == 1:
             (e,) = groups
-            return self._conv(e, {"k": m.BATCH, "ss": list(session_ids), "l": layer, "t": tokens,
-                                  "sp": speculative, "po": position}, x, borrowed=borrowed)
+            head = {"k": m.BATCH, "ss": list(session_ids), "l": layer, "t": tokens, "sp": speculative, "po": position}
+            if self.order:
+                waits = self.order.waits(session_ids)
+                if waits:
+                    return self._after(waits, list(session_ids), partial(self._conv, e, head), x, borrowed)
+            return self._conv(e, head, x, borrowed=borrowed)
         if position is not None and (not isinstance(position, list) or len(position) != len(session_ids)):
             raise BadRequest(f"position: expected a list of {len(session_ids)} integers >= 0 (one per session)")
         if borrowed and isinstance(x, torch.Tensor):    # the parts are read after the engines' checks come back
             x = x.clone()
-        return asyncio.ensure_future(self._split_batch(groups, list(session_ids), layer, x, tokens, speculative,
-                                                       position))
+        sids = list(session_ids)
+        # what needs no session state is checked on the whole batch here: no part is refused for it after
+        # another part ran
+        xm = check_whole(sids, x, tokens, speculative, self.limits, self.model_dtype, self.dim)
+        hold = self.loop.create_future()           # this batch's sessions wait for its parts to be sent
+        waits = self.order.waits(sids)
+        self.order.hold(sids, hold)
+        return asyncio.ensure_future(self._split_batch(groups, sids, layer, xm, x.dtype, tokens, speculative,
+                                                       position, waits, hold))
 
     submit_batch = submit_batch_async
 
-    async def _split_batch(self, groups: dict, sids: list, layer: int, x, tokens, speculative, position=None):
+    async def _split_batch(self, groups: dict, sids: list, layer: int, x: torch.Tensor, y_dtype, tokens,
+                           speculative, position, waits: list, hold: asyncio.Future):
+        """Each engine checks its part; then, all clear, every part is sent (x: the whole batch's, checked, in
+        the model dtype) and the answers joined in batch order, as ``y_dtype``. Its sessions' later sends wait
+        for ``hold``, done once the parts are sent (or the batch refused)."""
         parts = parts_of(groups, speculative)
-        checks = await asyncio.gather(*(self._call(e, {"k": m.CHECK, "f": "batch", "ss": sub(sids, pos), "sp": spec,
-                                                       "t": sub(tokens, pos), "l": layer, "po": sub(position, pos)})
-                                        for e, pos, spec in parts), return_exceptions=True)
-        checks = [c if isinstance(c, BaseException) else c[0]["ok"] for c in checks]
-        if position is not None:
-            check_positions(parts, checks, len(sids))
-        for c in checks:
-            if isinstance(c, BaseException):
-                raise c
-        row_ix = row_indices(parts, tokens, len(sids))
-        results = await asyncio.gather(*sent_or_refused(self.loop, (partial(
-            self._conv, e, {"k": m.BATCH, "ss": sub(sids, pos), "l": layer, "t": sub(tokens, pos), "sp": spec,
-                            "po": sub(position, pos)}, x, rows=ix) for (e, pos, spec), ix in zip(parts, row_ix))),
-            return_exceptions=True)
+        try:
+            if waits:
+                await asyncio.gather(*waits)
+            checks = await asyncio.gather(*(self._call(e, {"k": m.CHECK, "f": "batch", "ss": sub(sids, pos),
+                                                           "sp": spec, "t": sub(tokens, pos), "l": layer,
+                                                           "po": sub(position, pos)})
+                                            for e, pos, spec in parts), return_exceptions=True)
+            checks = [c if isinstance(c, BaseException) else c[0]["ok"] for c in checks]
+            if position is not None:
+                check_positions(parts, checks, len(sids))
+            for c in checks:
+                if isinstance(c, BaseException):
+                    raise c
+            row_ix = row_indices(parts, tokens, len(sids))
+            sent = sent_or_refused(self.loop, (partial(
+                self._conv, e, {"k": m.BATCH, "ss": sub(sids, pos), "l": layer, "t": sub(tokens, pos), "sp": spec,
+                                "po": sub(position, pos)}, x, rows=ix, checked=True)
+                for (e, pos, spec), ix in zip(parts, row_ix)))
+        finally:
+            self.order.release(sids, hold)
+        results = await asyncio.gather(*sent, return_exceptions=True)
         if any(isinstance(r, BaseException) for r in results):
             raise failure(parts, results, sids)
         y = torch.empty((x.shape[0], self.dim), dtype=x.dtype)
         for ix, r in zip(row_ix, results):
             y.index_copy_(0, ix, r)
-        return y
+        return y if y.dtype is y_dtype else y.to(y_dtype)
+
+    def _after(self, waits: list, sids, send, x, borrowed: bool) -> asyncio.Future:
+        """Send ``send(x)`` once ``waits`` (the sessions' tails, see :mod:`.session_order`) are done, as the new
+        tail of ``sids``; the future of its answer. A borrowed x is copied first (it is read later)."""
+        if borrowed and isinstance(x, torch.Tensor):
+            x = x.clone()
+        done = self.loop.create_future()
+        self.order.hold(sids, done)
+
+        async def run():
+            try:
+                await asyncio.gather(*waits)
+                fut = send(x)
+            finally:
+                self.order.release(sids, done)
+            return await fut
+
+        return asyncio.ensure_future(run())
 
     def cancel(self, future) -> bool:
         """Ask the engine to withdraw the request if it has not started; the answer comes on the future."""
@@ -501,94 +552,3 @@ class RemoteEngine(EngineHealth):
         if self.loop is None:
             raise NotReady("the worker is starting; retry shortly", retry_after=1)
         return asyncio.run_coroutine_threadsafe(self._call(e, head, data, timeout), self.loop).result()
-
-    def _op(self, e: int, name: str, *args, state=None):
-        data = None
-        head = {"k": m.OP, "f": name, "a": list(args)}
-        if state is not None:
-            t = state.contiguous()
-            head["d"], head["sh"] = str(t.dtype).removeprefix("torch."), list(t.shape)
-            data = memoryview(t.view(-1).view(torch.uint8).numpy())
-        reply, frame = self._call_sync(e, head, data)
-        if reply.get("bytes"):
-            return bytes(frame)
-        if "sh" in reply:
-            t = torch.frombuffer(bytearray(frame), dtype=getattr(torch, reply["d"])).view(*reply["sh"])
-            return (t, reply["pos"]) if "pos" in reply else t
-        return reply["ok"]
-
-    def _up(self, e: int) -> bool:
-        return self.status.state(e)[0] == UP
-
-    def create_session(self, session_id: Optional[str] = None) -> str:
-        if session_id is None:
-            try:
-                session_id, e = new_id_on(self._up, self.n)
-            except LookupError:
-                self._target(0)
-                raise EngineUnavailable("no engine is up to hold a new session; retry shortly",
-                                        retry_after=2) from None
-        else:
-            e = engine_of(session_id, self.n)
-        return self._op(e, "create_session", session_id)
-
-    def delete_session(self, session_id: str) -> None:
-        self._op(engine_of(session_id, self.n), "delete_session", session_id)
-
-    def fork_session(self, src_id: str, new_id: Optional[str] = None) -> str:
-        e = engine_of(src_id, self.n)
-        if new_id is None and self.n > 1:
-            new_id, _ = new_id_on(lambda x: x == e, self.n, tries=4096)
-        if new_id is None or engine_of(new_id, self.n) == e:
-            return self._op(e, "fork_session", src_id, new_id)
-        state, positions = self._op(e, "export_for_fork", src_id)
-        self._op(engine_of(new_id, self.n), "create_with_state", new_id, positions, state=state)
-        return new_id
-
-    def export_state(self, session_id: str):
-        return self._op(engine_of(session_id, self.n), "export_state", session_id)
-
-    def import_state(self, session_id: str, state) -> None:
-        if not isinstance(state, torch.Tensor):
-            raise BadRequest("state: expected a tensor")
-        self._op(engine_of(session_id, self.n), "import_state", session_id, state=state)
-
-    def session_info(self, session_id: str) -> dict:
-        return self._op(engine_of(session_id, self.n), "session_info", session_id)
-
-    def list_sessions(self, cursor: Optional[str] = None, limit: int = 100) -> dict:
-        """Every engine that is up lists its sessions after ``cursor`` in id order; the pages are merged by id,
-        so the cursor (the last id of a page) is one order across engines. Sessions of an engine that is down
-        are left out (their state is gone)."""
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise BadRequest(f"limit: expected an integer >= 1, got {limit!r:.60}")
-        items, more = [], False
-        for e in range(self.n):
-            if not self._up(e):
-                continue
-            try:
-                page = self._op(e, "list_sessions", cursor, limit)
-            except (EngineUnavailable, NotReady):
-                continue
-            items.extend(page["sessions"])
-            more = more or page["next"] is not None
-        items.sort(key=lambda i: i["session"])
-        more = more or len(items) > limit
-        items = items[:limit]
-        return {"sessions": items, "next": items[-1]["session"] if more and items else None}
-
-    def accept(self, session_id: str, n_tokens: int) -> None:
-        self._op(engine_of(session_id, self.n), "accept", session_id, n_tokens)
-
-    def accept_batch(self, session_ids: Sequence[str], tokens: Sequence[int]) -> None:
-        groups = split(session_ids, self.n)
-        if len(groups) == 1:
-            (e,) = groups
-            self._op(e, "accept_batch", list(session_ids), list(tokens))
-            return
-        parts = [(e, [session_ids[i] for i in pos], [tokens[i] for i in pos]) for e, pos in groups.items()]
-        for e, ss, tt in parts:
-            self._call_sync(e, {"k": m.CHECK, "f": "accept", "ss": ss, "t": tt})
-        for e, ss, tt in parts:
-            self._op(e, "accept_batch", ss, tt)
-

@@ -6,10 +6,46 @@ with their slices of x) after every part was checked; these functions are the pi
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import torch
 
-from convserve.clients.protocol.errors import PositionMismatch, ServiceError, StateLost
+from convserve.clients.protocol.errors import PayloadTooLarge, PositionMismatch, ServiceError, ShapeMismatch, StateLost
+
+from ..engine.validate import check_batch_plan, check_batch_sessions, check_x
+
+
+def batch_limits(settings) -> SimpleNamespace:
+    """The engines' batch limits (every engine runs with the same settings) that :func:`check_whole` applies."""
+    return SimpleNamespace(max_batch_size=settings.max_batch_size, max_spec_tokens=settings.max_spec_tokens,
+                           max_batch_tokens=settings.max_batch_tokens, max_bucket=max(settings.decode_buckets),
+                           check_finite=settings.check_finite)
+
+
+def check_whole(sids: list, x, tokens, speculative, limits, model_dtype: torch.dtype, dim: int) -> torch.Tensor:
+    """The checks of a batch that need no session state, run on the whole batch before it is split, in the
+    engine's order and with its messages (each engine would run them on its part only, and a part refused there
+    would leave the others applied): distinct sessions, the ``tokens`` / ``speculative`` plan within
+    ``max_spec_tokens``, x's dtype and shape, NaN/Inf after the cast to the model dtype (with ``check_finite``),
+    x's rows against the tokens, ``max_batch_tokens`` and the one-token rows against the largest decode bucket.
+    ``limits``: ``max_batch_size``, ``max_spec_tokens``, ``max_batch_tokens``, ``max_bucket``, ``check_finite``.
+    Returns x as the model dtype's contiguous CPU tensor, checked."""
+    n = check_batch_sessions(sids, limits.max_batch_size)
+    plan = check_batch_plan(n, tokens, speculative, limits.max_spec_tokens)
+    xm, _ = check_x(SimpleNamespace(dim=dim, dtype=model_dtype), limits, x, False, rows="rows")
+    total = n if plan is None else int(plan[0].sum())
+    if xm.shape[0] != total:
+        what = "one row per session" if plan is None else "sum(tokens) rows"
+        raise ShapeMismatch(f"x: expected {what}, shape ({total}, {dim}), got {tuple(xm.shape)}")
+    if total > limits.max_batch_tokens:
+        raise PayloadTooLarge(f"x: a batch runs in one step of at most max_batch_tokens={limits.max_batch_tokens} "
+                              f"tokens, got {total}; split the batch")
+    n_one = n if plan is None else int(np.count_nonzero(~plan[1] & (plan[0] == 1)))
+    if n_one > limits.max_bucket:
+        raise PayloadTooLarge(f"sessions: {n_one} one-token rows, more than the largest decode bucket "
+                              f"({limits.max_bucket}) takes in one launch; split the batch")
+    return xm
 
 
 def parts_of(groups: dict, speculative) -> list:

@@ -18,6 +18,7 @@ def main(spec: dict) -> None:
     from convserve.service.http.app import create_app
 
     from .remote import RemoteEngine
+    from .split_batch import batch_limits
 
     import torch
 
@@ -32,6 +33,7 @@ def main(spec: dict) -> None:
         info = msgpack.unpackb(f.read(), raw=False, strict_map_key=False)
     engine = RemoteEngine(spec["run_dir"], spec["devices"], spec["index"], spec["generation"], info,
                           settings.shm_bytes, settings.check_finite, settings.engine_reply_timeout(),
-                          settings.engine_down_unhealthy_s, settings.engine_stats_timeout_s)
+                          settings.engine_down_unhealthy_s, settings.engine_stats_timeout_s,
+                          limits=batch_limits(settings))
     app = create_app(settings, engine)
     sys.exit(run_app(settings, app, sockets=[spec["socket"]]))

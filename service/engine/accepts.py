@@ -28,7 +28,7 @@ from .validate import check_accept_tokens, check_batch_sessions
 log = logging.getLogger("convserve.engine")
 
 
-def _accept_token_list(tokens, n: int) -> list:
+def accept_token_list(tokens, n: int) -> list:
     """``tokens`` of an accept_batch: a list or tuple of ``n`` integers >= 0, or :class:`BadRequest`."""
     if isinstance(tokens, (list, tuple)) and len(tokens) == n:
         if set(map(type, tokens)) == {int} and min(tokens) >= 0:     # plain ints (no bools): no loop
@@ -71,7 +71,7 @@ class Accepts:
 
     def _post_accept_batch(self, session_ids, tokens) -> Op:
         n = check_batch_sessions(session_ids, self.config.max_batch_size, "one accept_batch")
-        tokens = _accept_token_list(tokens, n)
+        tokens = accept_token_list(tokens, n)
 
         def check(ss, views=None):          # views None: at submit, where a session with ops waits for the turn
             if views is None and ss[0].pending and _same_pending(ss) and not any(s.ops for s in ss) and \

@@ -1,0 +1,121 @@
+"""The session operations of :class:`.remote.RemoteEngine` (create, delete, fork, export, import, info, list,
+accept), each a blocking call to the engine that holds the session, made from the HTTP routes' threads.
+
+A fork onto another engine goes through export and import; a listing merges every engine's page by id; an
+``accept_batch`` split across engines is checked whole, then by each engine, before any part commits.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from convserve.clients.protocol.errors import BadRequest, EngineUnavailable, NotReady
+
+from ..engine.accepts import accept_token_list
+from ..engine.validate import check_batch_sessions
+from . import messages as m
+from .placement import engine_of, new_id_on, split
+from .status import UP
+
+
+class RemoteSessions:
+    """Mixed into :class:`.remote.RemoteEngine`: uses its ``_call_sync``, ``_target``, ``status``, ``n`` and
+    ``limits``."""
+
+    def _op(self, e: int, name: str, *args, state=None):
+        data = None
+        head = {"k": m.OP, "f": name, "a": list(args)}
+        if state is not None:
+            t = state.contiguous()
+            head["d"], head["sh"] = str(t.dtype).removeprefix("torch."), list(t.shape)
+            data = memoryview(t.view(-1).view(torch.uint8).numpy())
+        reply, frame = self._call_sync(e, head, data)
+        if reply.get("bytes"):
+            return bytes(frame)
+        if "sh" in reply:
+            t = torch.frombuffer(bytearray(frame), dtype=getattr(torch, reply["d"])).view(*reply["sh"])
+            return (t, reply["pos"]) if "pos" in reply else t
+        return reply["ok"]
+
+    def _up(self, e: int) -> bool:
+        return self.status.state(e)[0] == UP
+
+    def create_session(self, session_id: Optional[str] = None) -> str:
+        if session_id is None:
+            try:
+                session_id, e = new_id_on(self._up, self.n)
+            except LookupError:
+                self._target(0)
+                raise EngineUnavailable("no engine is up to hold a new session; retry shortly",
+                                        retry_after=2) from None
+        else:
+            e = engine_of(session_id, self.n)
+        return self._op(e, "create_session", session_id)
+
+    def delete_session(self, session_id: str) -> None:
+        self._op(engine_of(session_id, self.n), "delete_session", session_id)
+
+    def fork_session(self, src_id: str, new_id: Optional[str] = None) -> str:
+        e = engine_of(src_id, self.n)
+        if new_id is None and self.n > 1:
+            new_id, _ = new_id_on(lambda x: x == e, self.n, tries=4096)
+        if new_id is None or engine_of(new_id, self.n) == e:
+            return self._op(e, "fork_session", src_id, new_id)
+        state, positions = self._op(e, "export_for_fork", src_id)
+        self._op(engine_of(new_id, self.n), "create_with_state", new_id, positions, state=state)
+        return new_id
+
+    def export_state(self, session_id: str):
+        return self._op(engine_of(session_id, self.n), "export_state", session_id)
+
+    def import_state(self, session_id: str, state) -> None:
+        if not isinstance(state, torch.Tensor):
+            raise BadRequest("state: expected a tensor")
+        self._op(engine_of(session_id, self.n), "import_state", session_id, state=state)
+
+    def session_info(self, session_id: str) -> dict:
+        return self._op(engine_of(session_id, self.n), "session_info", session_id)
+
+    def list_sessions(self, cursor: Optional[str] = None, limit: int = 100) -> dict:
+        """Every engine that is up lists its sessions after ``cursor`` in id order; the pages are merged by id,
+        so the cursor (the last id of a page) is one order across engines. Sessions of an engine that is down
+        are left out (their state is gone)."""
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise BadRequest(f"limit: expected an integer >= 1, got {limit!r:.60}")
+        items, more = [], False
+        for e in range(self.n):
+            if not self._up(e):
+                continue
+            try:
+                page = self._op(e, "list_sessions", cursor, limit)
+            except (EngineUnavailable, NotReady):
+                continue
+            items.extend(page["sessions"])
+            more = more or page["next"] is not None
+        items.sort(key=lambda i: i["session"])
+        more = more or len(items) > limit
+        items = items[:limit]
+        return {"sessions": items, "next": items[-1]["session"] if more and items else None}
+
+    def accept(self, session_id: str, n_tokens: int) -> None:
+        self._op(engine_of(session_id, self.n), "accept", session_id, n_tokens)
+
+    def accept_batch(self, session_ids: Sequence[str], tokens: Sequence[int]) -> None:
+        groups = split(session_ids, self.n)
+        if len(groups) > 1:
+            # what needs no session state is checked on the whole batch: no part is refused for it after
+            # another part committed
+            n = check_batch_sessions(session_ids, self.limits.max_batch_size, "one accept_batch")
+            tokens = accept_token_list(tokens, n)
+        if len(groups) == 1:
+            (e,) = groups
+            self._op(e, "accept_batch", list(session_ids), list(tokens))
+            return
+        parts = [(e, [session_ids[i] for i in pos], [tokens[i] for i in pos]) for e, pos in groups.items()]
+        for e, ss, tt in parts:
+            self._call_sync(e, {"k": m.CHECK, "f": "accept", "ss": ss, "t": tt})
+        for e, ss, tt in parts:
+            self._op(e, "accept_batch", ss, tt)
+
