@@ -154,7 +154,11 @@ class AsyncConvClient(_Base):
             if not attempt:
                 raise
             for s, n in zip(sessions, tokens):
-                if not (book.known(s) and book.accept_was_applied(s, n, await self.session_info(s))):
+                try:
+                    applied = book.known(s) and book.accept_was_applied(s, n, await self.session_info(s))
+                except RETRY_ERRORS as e:  # that read failed too: whether the first attempt committed is unknown
+                    raise outcome_unknown(_path, list(sessions), attempt + 1) from e
+                if not applied:
                     raise
         for s, n in zip(sessions, tokens):
             book.accepted(s, n)

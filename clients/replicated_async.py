@@ -13,15 +13,21 @@ from typing import AsyncIterable, Iterable, Optional, Sequence, Union
 from convserve.clients.async_client import AsyncConvClient
 from convserve.clients.common import BatchRequest, SessionState, _as_request
 from convserve.clients.protocol.errors import ReplicaUnavailable, ServiceError, SessionExists, StateLost, UnknownSession
-from convserve.clients.replicas import Endpoints, Router, batch_failure, health_result, join_batch, split_batch
+from convserve.clients.replicas import (Endpoints, Router, batch_failure, health_result, join_batch, routed_url,
+                                        split_batch)
 from convserve.clients.replicated_sync import _failed, network_errors, unavailable
 
 
 class ReplicatedAsyncConvClient(AsyncConvClient):
     """:class:`AsyncConvClient` over several replicas; the keywords of :class:`.ReplicatedConvClient`."""
 
-    def __init__(self, url, *, api_key: Optional[str] = None, timeout: float = 60.0,
+    def __init__(self, url=None, *, api_key: Optional[str] = None, timeout: float = 60.0,
                  health_interval_s: float = 2.0, resolve_interval_s: float = 10.0, resolver=None, **client_kwargs):
+        if url is None:                       # CONVSERVE_URL, which named several replicas (see ConvClient)
+            url = routed_url(None)
+            if url is None:
+                raise ValueError("url: give the replicas (a list of URLs, comma-separated URLs or dns://name:port), "
+                                 "or set CONVSERVE_URL to them")
         self.router = Router(Endpoints.parse(url, resolver))
         self.url = self.router.endpoints.describe()
         self.api_key, self.timeout = api_key, timeout

@@ -19,7 +19,8 @@ import httpx
 
 from convserve.clients.common import BatchRequest, ConvResult, SessionState, _as_request
 from convserve.clients.protocol.errors import ReplicaUnavailable, ServiceError, SessionExists, StateLost, UnknownSession
-from convserve.clients.replicas import Endpoints, Router, batch_failure, health_result, join_batch, split_batch
+from convserve.clients.replicas import (Endpoints, Router, batch_failure, health_result, join_batch, routed_url,
+                                        split_batch)
 from convserve.clients.sync_client import ConvClient
 
 
@@ -47,8 +48,13 @@ class ReplicatedConvClient(ConvClient):
     (default 2), ``resolve_interval_s`` (default 10, DNS endpoints), ``resolver`` (``host -> [addresses]``, for
     tests or a custom discovery); the others go to each replica's ``ConvClient``."""
 
-    def __init__(self, url, *, api_key: Optional[str] = None, timeout: float = 60.0,
+    def __init__(self, url=None, *, api_key: Optional[str] = None, timeout: float = 60.0,
                  health_interval_s: float = 2.0, resolve_interval_s: float = 10.0, resolver=None, **client_kwargs):
+        if url is None:                       # CONVSERVE_URL, which named several replicas (see ConvClient)
+            url = routed_url(None)
+            if url is None:
+                raise ValueError("url: give the replicas (a list of URLs, comma-separated URLs or dns://name:port), "
+                                 "or set CONVSERVE_URL to them")
         self.router = Router(Endpoints.parse(url, resolver))
         self.url = self.router.endpoints.describe()
         self.api_key, self.timeout = api_key, timeout

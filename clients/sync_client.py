@@ -159,8 +159,14 @@ class ConvClient(_Base):
             _raise_for(resp)
         except BadRequest:
             # a retry that finds no verify: the first attempt committed it if the positions moved by tokens
-            if not attempt or not all(book.known(s) and book.accept_was_applied(s, n, self.session_info(s))
-                                      for s, n in zip(sessions, tokens)):
+            if not attempt:
+                raise
+            try:
+                applied = all(book.known(s) and book.accept_was_applied(s, n, self.session_info(s))
+                              for s, n in zip(sessions, tokens))
+            except RETRY_ERRORS as e:     # that read failed too: whether the first attempt committed is unknown
+                raise outcome_unknown(_path, list(sessions), attempt + 1) from e
+            if not applied:
                 raise
         for s, n in zip(sessions, tokens):
             book.accepted(s, n)

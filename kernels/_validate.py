@@ -200,3 +200,35 @@ def check_out(out, like: torch.Tensor, x: torch.Tensor) -> None:
         raise _fail("out", f"shape {tuple(like.shape)}", tuple(out.shape))
     if out.data_ptr() == x.data_ptr() and out.numel() > 0:
         raise _fail("out", "a buffer distinct from x (the kernels read x after writing out)", "x itself")
+
+
+def check_prefill_values(total, batch, conv_states, query_start_loc, cache_indices, pad_slot_id):
+    """``validate_data``: the index values of a prefill call, read on the host (this syncs)."""
+    qsl = query_start_loc.tolist()
+    if qsl[0] != 0 or any(b < a for a, b in zip(qsl, qsl[1:])) or qsl[-1] > total:
+        raise ValueError(f"query_start_loc: expected non-decreasing values from 0 to at most {total}, got {qsl}")
+    if cache_indices is not None:
+        lines = conv_states.shape[0]
+        bad = [i for i in cache_indices[:batch].tolist() if i != pad_slot_id and not 0 <= i < lines]
+        if bad:
+            raise ValueError(f"cache_indices: expected rows in [0, {lines}) or pad_slot_id={pad_slot_id}, got {bad}")
+
+
+def check_update_values(conv_state, width, batch, conv_state_indices, num_accepted_tokens, output_state_indices,
+                        pad_slot_id):
+    """``validate_data``: the index values of a decode call, read on the host (this syncs)."""
+    lines, _, state_len = conv_state.shape
+    if conv_state_indices is not None:
+        bad = [i for i in conv_state_indices.tolist() if i != pad_slot_id and not 0 <= i < lines]
+        if bad:
+            raise ValueError(f"conv_state_indices: expected rows in [0, {lines}) or pad_slot_id={pad_slot_id}, "
+                             f"got {bad}")
+    if num_accepted_tokens is not None:
+        bad = [a for a in num_accepted_tokens[:batch].tolist() if not 1 <= a <= state_len - width + 2]
+        if bad:
+            raise ValueError(f"num_accepted_tokens: expected values in [1, {state_len - width + 2}] "
+                             f"(state_len={state_len}, width={width}), got {bad}")
+    if output_state_indices is not None:
+        bad = [i for i in output_state_indices.flatten().tolist() if i >= lines]
+        if bad:
+            raise ValueError(f"output_state_indices: expected rows < {lines} (or negative to skip), got {bad}")

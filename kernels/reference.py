@@ -10,7 +10,8 @@ from typing import Optional
 
 import torch
 
-from ._validate import PAD_SLOT_ID, check_out, check_prefill, check_update, seed_args
+from ._validate import (PAD_SLOT_ID, check_out, check_prefill, check_prefill_values, check_update,
+                        check_update_values, seed_args)
 
 
 def _depthwise(xe: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], n_out: int,
@@ -41,6 +42,7 @@ def causal_conv1d_ref(
     *,
     out: Optional[torch.Tensor] = None,
     compute_dtype: torch.dtype = torch.float32,
+    validate_data: bool = False,
     **kwargs,
 ) -> torch.Tensor:
     """Reference for :func:`kernels.causal_conv1d_fn` (see there for the full contract).
@@ -54,6 +56,8 @@ def causal_conv1d_ref(
         pad_slot_id = seed_args(kwargs, pad_slot_id, "causal_conv1d_ref")
     dim, total, width, batch, act = check_prefill(x, weight, bias, conv_states, query_start_loc, cache_indices,
                                                    has_initial_state, activation)
+    if validate_data:
+        check_prefill_values(total, batch, conv_states, query_start_loc, cache_indices, pad_slot_id)
     if out is None:
         out = torch.zeros_like(x)
     else:
@@ -94,6 +98,7 @@ def causal_conv1d_update_ref(
     *,
     out: Optional[torch.Tensor] = None,
     compute_dtype: torch.dtype = torch.float32,
+    validate_data: bool = False,
     **kwargs,
 ) -> torch.Tensor:
     """Reference for :func:`kernels.causal_conv1d_update` (see there for the full contract).
@@ -106,6 +111,9 @@ def causal_conv1d_update_ref(
     batch, dim, seqlen, width, act = check_update(x, conv_state, weight, bias, activation, cache_seqlens,
                                                   conv_state_indices, num_accepted_tokens,
                                                   intermediate_conv_window, output_state_indices)
+    if validate_data:
+        check_update_values(conv_state, width, batch, conv_state_indices, num_accepted_tokens,
+                            output_state_indices, pad_slot_id)
     if out is None:
         out = torch.empty_like(x)
     else:

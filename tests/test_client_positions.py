@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from convserve.clients.client import AsyncConvClient, ConvClient
-from convserve.clients.protocol.errors import PositionMismatch
-from tests.http_api import Api, assert_close, model, rand_x
+from convserve.clients.protocol.errors import OutcomeUnknown, PositionMismatch
+from tests.http_api import LAYERS, Api, assert_close, model, rand_x
 from tests.live import Reference
 
 LAYER = 2
@@ -239,6 +239,47 @@ def test_a_retried_accept_commits_once(server, n, kind):
     ref.accept(sid, n)
     assert pos == 2 + n
     check_state(server.url, sid, ref)
+
+
+class _FaultsOn(_Faults):
+    """:class:`_Faults` on several paths: ``{path: plan}``."""
+
+    def __init__(self, plans: dict):
+        super().__init__("", [])
+        self.plans = {k: list(v) for k, v in plans.items()}
+
+    def take(self, request) -> str | None:
+        plan = self.plans.get(request.url.path)
+        return plan.pop(0) if plan else None
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_retried_accept_whose_check_of_the_session_fails_too_raises_outcome_unknown(server, kind):
+    """The accept ran but its answer was lost; the retry finds no verify (400), and the read of the session that
+    would tell whether the first attempt committed fails on the network: whether it was applied is unknown."""
+    def faults(sid):
+        return _FaultsOn({f"/v1/sessions/{sid}/accept": ["after"], f"/v1/sessions/{sid}": ["before"] * 8})
+
+    def sync_steps(c):
+        sid = c.create_session()
+        c.conv(sid, LAYER, rand_x(3, seed=8), speculative=True)
+        c._http._transport.faults = faults(sid)
+        with pytest.raises(OutcomeUnknown) as e:
+            c.accept(sid, 2)
+        return sid, e.value
+
+    async def async_steps(c):
+        sid = await c.create_session()
+        await c.conv(sid, LAYER, rand_x(3, seed=8), speculative=True)
+        c._http._transport.faults = faults(sid)
+        with pytest.raises(OutcomeUnknown) as e:
+            await c.accept(sid, 2)
+        return sid, e.value
+
+    run = _sync_run if kind == "sync" else _async_run
+    sid, err = run(server.url, _Faults("", []), sync_steps if kind == "sync" else async_steps)
+    assert err.sessions == [sid] and isinstance(err.__cause__, httpx.TransportError)
+    assert Api(server.url).call("GET", f"/v1/sessions/{sid}")[1]["positions"][LAYERS.index(LAYER)] == 2
 
 
 def test_the_async_clients_own_pool_retries_through_a_proxy_that_drops_answers(server):

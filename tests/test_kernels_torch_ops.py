@@ -148,3 +148,40 @@ def test_rows_scattered_through_numpy_are_what_index_copy_writes(dtype, layout):
     _scatter_rows(dst, idx, src)
     assert torch.equal(dst, want)
 
+
+
+@pytest.mark.parametrize("fast, twins", [
+    ("causal_conv1d_fn", [causal_conv1d_ref, causal_conv1d_fn_torch]),
+    ("causal_conv1d_update", [causal_conv1d_update_ref, causal_conv1d_update_torch]),
+])
+def test_the_references_and_torch_twins_take_every_argument_of_the_triton_op(fast, twins):
+    """Drop-in: each parameter of the Triton op, by name and position, is a parameter of its twins."""
+    import inspect
+
+    import convserve.kernels as K
+
+    want = list(inspect.signature(getattr(K, fast)).parameters.items())
+    for twin in twins:
+        got = inspect.signature(twin).parameters
+        names = list(got)
+        for i, (name, p) in enumerate(want):
+            assert name in got, (twin.__name__, name)
+            if p.kind is p.POSITIONAL_OR_KEYWORD:
+                assert names[i] == name, (twin.__name__, i, name)
+
+
+def test_validate_data_in_the_twins_refuses_an_index_outside_the_pool_as_the_triton_op_does():
+    gen = torch.Generator().manual_seed(SEED)
+    dim, width = 8, 4
+    w = torch.randn(dim, width, generator=gen)
+    states = torch.zeros(4, dim, width - 1)
+    x = torch.randn(dim, 5, generator=gen)
+    qsl = torch.tensor([0, 2, 5], dtype=torch.int32)
+    bad = torch.tensor([1, 7], dtype=torch.int32)                    # 7: outside the pool's 4 lines
+    for fn in (causal_conv1d_ref, causal_conv1d_fn_torch):
+        with pytest.raises(ValueError, match="cache_indices"):
+            fn(x, w, None, states, qsl, bad, validate_data=True)
+    xd = torch.randn(2, dim, generator=gen)
+    for fn in (causal_conv1d_update_ref, causal_conv1d_update_torch):
+        with pytest.raises(ValueError, match="conv_state_indices"):
+            fn(xd, states, w, conv_state_indices=bad, validate_data=True)

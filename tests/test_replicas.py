@@ -122,6 +122,20 @@ def test_clients_with_several_endpoints_are_the_routing_clients():
     assert type(ConvClient("http://127.0.0.1:9")) is ConvClient
 
 
+@pytest.mark.parametrize("env", ["http://127.0.0.1:9,http://127.0.0.1:10", "dns://localhost:9"])
+def test_clients_made_without_a_url_route_over_the_replicas_convserve_url_names(monkeypatch, env):
+    from convserve.clients.replicated_async import ReplicatedAsyncConvClient
+    from convserve.clients.replicated_sync import ReplicatedConvClient
+
+    monkeypatch.setenv("CONVSERVE_URL", env)
+    c = ConvClient(health_interval_s=60, timeout=1)
+    try:
+        assert isinstance(c, ReplicatedConvClient) and not c.health()
+    finally:
+        c.close()
+    assert isinstance(AsyncConvClient(), ReplicatedAsyncConvClient)
+
+
 @pytest.mark.parametrize("kind", ["numpy", "torch"])
 def test_a_batch_splits_by_replica_and_joins_in_order(kind):
     sessions = ["a", "b", "c", "d"]

@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from .._launch import ABSENT, LaunchPlan, PlanCache, add_guard, tensor_key
-from .._validate import PAD_SLOT_ID, check_out, check_update, seed_args
+from .._validate import PAD_SLOT_ID, check_out, check_update, check_update_values, seed_args
 from .chunked import chunked_plan
 from .dense import dense_applies, dense_plan
 from .pairs import pairs_applies, pairs_plan
@@ -185,7 +185,7 @@ def _update_slow(x, conv_state, weight, bias, activation, cache_seqlens, conv_st
     if out is not None:
         check_out(out, x, x)
     if validate_data:
-        _validate_update_values(conv_state, width, batch, conv_state_indices, num_accepted_tokens,
+        check_update_values(conv_state, width, batch, conv_state_indices, num_accepted_tokens,
                                 output_state_indices, pad_slot_id)
     key = _update_key(x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices,
                       num_accepted_tokens, intermediate_conv_window, output_state_indices, pad_slot_id, out)
@@ -217,22 +217,3 @@ def _update_slow(x, conv_state, weight, bias, activation, cache_seqlens, conv_st
          intermediate_conv_window if intermediate_conv_window is not None else x,
          output_state_indices if output_state_indices is not None else x, out)
     return out
-
-
-def _validate_update_values(conv_state, width, batch, conv_state_indices, num_accepted_tokens, output_state_indices,
-                            pad_slot_id):
-    lines, _, state_len = conv_state.shape
-    if conv_state_indices is not None:
-        bad = [i for i in conv_state_indices.tolist() if i != pad_slot_id and not 0 <= i < lines]
-        if bad:
-            raise ValueError(f"conv_state_indices: expected rows in [0, {lines}) or pad_slot_id={pad_slot_id}, "
-                             f"got {bad}")
-    if num_accepted_tokens is not None:
-        bad = [a for a in num_accepted_tokens[:batch].tolist() if not 1 <= a <= state_len - width + 2]
-        if bad:
-            raise ValueError(f"num_accepted_tokens: expected values in [1, {state_len - width + 2}] "
-                             f"(state_len={state_len}, width={width}), got {bad}")
-    if output_state_indices is not None:
-        bad = [i for i in output_state_indices.flatten().tolist() if i >= lines]
-        if bad:
-            raise ValueError(f"output_state_indices: expected rows < {lines} (or negative to skip), got {bad}")

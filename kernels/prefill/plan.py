@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from .._launch import ABSENT, PlanCache, add_guard, tensor_key
-from .._validate import PAD_SLOT_ID, check_out, check_prefill, seed_args
+from .._validate import PAD_SLOT_ID, check_out, check_prefill, check_prefill_values, seed_args
 from .body_channels_first import channels_first_body_plans
 from .body_channels_last import channels_last_body_plan
 from .heads import heads_plan
@@ -146,7 +146,7 @@ def _prefill_slow(x, weight, bias, conv_states, query_start_loc, cache_indices, 
     if out is not None:
         check_out(out, x, x)
     if validate_data:
-        _validate_prefill_values(total, batch, conv_states, query_start_loc, cache_indices, pad_slot_id)
+        check_prefill_values(total, batch, conv_states, query_start_loc, cache_indices, pad_slot_id)
     key = _prefill_key(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state, activation,
                        pad_slot_id, out)
     guarded = _guarded(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state, out)
@@ -179,14 +179,3 @@ def _prefill_slow(x, weight, bias, conv_states, query_start_loc, cache_indices, 
         query_start_loc, cache_indices if cache_indices is not None else query_start_loc,
         has_initial_state if has_initial_state is not None else query_start_loc, out)
     return out
-
-
-def _validate_prefill_values(total, batch, conv_states, query_start_loc, cache_indices, pad_slot_id):
-    qsl = query_start_loc.tolist()
-    if qsl[0] != 0 or any(b < a for a, b in zip(qsl, qsl[1:])) or qsl[-1] > total:
-        raise ValueError(f"query_start_loc: expected non-decreasing values from 0 to at most {total}, got {qsl}")
-    if cache_indices is not None:
-        lines = conv_states.shape[0]
-        bad = [i for i in cache_indices[:batch].tolist() if i != pad_slot_id and not 0 <= i < lines]
-        if bad:
-            raise ValueError(f"cache_indices: expected rows in [0, {lines}) or pad_slot_id={pad_slot_id}, got {bad}")
