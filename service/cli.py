@@ -4,9 +4,9 @@ Every setting of :class:`service.config.Settings` is a flag (``--max-body-bytes`
 (``CONVSERVE_MAX_BODY_BYTES``) and a config-file key (``--config FILE``, TOML or JSON). Flags win over the
 environment, which wins over the file.
 
-On SIGTERM (or Ctrl-C) the server stops intake (``/readyz`` turns 503, new requests get 503 ``not_ready``),
-lets in-flight requests, streams and WebSockets finish for up to ``--shutdown-timeout-s``, stops the engine
-and exits 0.
+On SIGTERM (or Ctrl-C) the server stops intake (new connections are refused, idle keep-alive connections are
+closed, ``/readyz`` and requests that still reach an open connection get 503 ``not_ready``), lets in-flight
+requests, streams and WebSockets finish for up to ``--shutdown-timeout-s`` in all, stops the engine and exits 0.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -141,7 +142,12 @@ class Server:
                 self.svc.start_draining()
                 for server in self.servers:  # stop accepting connections now, not after the streams end
                     server.close()
-                await self.svc.wait_pipelines(self.config.timeout_graceful_shutdown or 0)
+                budget = self.config.timeout_graceful_shutdown or 0
+                deadline = time.monotonic() + budget
+                await self.svc.wait_pipelines(budget)
+                # one shutdown_timeout_s for the whole drain: what the streams took is not granted again to
+                # uvicorn's wait (else a stream held open drains for twice the budget, past the supervisor's grace)
+                self.config.timeout_graceful_shutdown = max(deadline - time.monotonic(), 0.1)
                 await super().shutdown(sockets)
 
         return _Server(config, svc)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import socket
 import time
+from datetime import datetime
 
 import httpx
 import msgpack
@@ -179,6 +180,29 @@ def test_a_request_cut_off_at_shutdown_timeout_gets_one_503_and_no_traceback(wor
         assert msgpack.unpackb(body)["error"]["code"] == "not_ready"
         assert b"shutdown_timeout_s" in body
         assert not any("Exception in ASGI application" in m for m in srv.log_messages())
+    finally:
+        held.close()
+        srv.kill()
+
+
+@pytest.mark.parametrize("workers", [pytest.param("0", marks=pytest.mark.slow), "1"])
+def test_a_stream_held_open_is_cut_off_once_at_shutdown_timeout_not_twice(workers):
+    """The drain has one shutdown_timeout_s in all: the time the open streams took is not granted again to the
+    wait for the other connections (a stream that never ends would double the drain, past a supervisor's grace)."""
+    budget = 3
+    args = ["--layers", "1", "--dim", "8", "--dtype", "float32", "--slots", "4", "--workers", workers,
+            "--device", "cpu", "--shutdown-timeout-s", str(budget)]
+    srv = LiveServer(args + (["--devices", "cpu"] if workers != "0" else []))
+    held = socket.create_connection(("127.0.0.1", srv.port))
+    try:
+        held.sendall(b"POST /v1/conv/stream HTTP/1.1\r\nhost: x\r\ncontent-type: application/msgpack\r\n"
+                     b"transfer-encoding: chunked\r\n\r\n")         # a stream whose frames never come
+        time.sleep(1.0)
+        assert srv.terminate() == 0
+        at = {r["msg"]: datetime.fromisoformat(r["ts"].replace("Z", "+00:00")) for r in srv.logs
+              if r.get("msg") in ("draining", "engine stopped") and r.get("proc", "worker-0") == "worker-0"}
+        drained = (at["engine stopped"] - at["draining"]).total_seconds()     # the HTTP side's drain
+        assert budget - 0.2 <= drained < budget + 1.5, drained
     finally:
         held.close()
         srv.kill()
