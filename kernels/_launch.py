@@ -50,7 +50,7 @@ TUNING = {
     # taps and bias in the bounds' round of loads and the head column by column, one channel per thread (off:
     # loaded after the bounds, the head as [HEAD, BLOCK_D] tiles)
     "prefill_heads": dict(block_d=256, elems=2048, head_elems=1024, num_warps=4, columns=True),
-    # decode, one token per row (dense kernel): channels per program
+    # decode, one token per row (the dense kernel, and the chunked one at seqlen 1): channels per program
     "decode": dict(block_d=512, num_warps=8),
     # several tokens per row with x dense per row (speculative verify): the dense kernel while
     # width - 1 + tokens <= max_positions (0: never)

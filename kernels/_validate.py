@@ -209,20 +209,25 @@ def check_prefill_values(total, batch, conv_states, query_start_loc, cache_indic
         raise ValueError(f"query_start_loc: expected non-decreasing values from 0 to at most {total}, got {qsl}")
     if cache_indices is not None:
         lines = conv_states.shape[0]
-        bad = [i for i in cache_indices[:batch].tolist() if i != pad_slot_id and not 0 <= i < lines]
+        idx = cache_indices[:batch].tolist()
+        bad = [i for i in idx if i != pad_slot_id and not 0 <= i < lines]
         if bad:
             raise ValueError(f"cache_indices: expected rows in [0, {lines}) or pad_slot_id={pad_slot_id}, got {bad}")
+        _check_distinct("cache_indices", [i for i, a, b in zip(idx, qsl, qsl[1:]) if i != pad_slot_id and b > a])
 
 
 def check_update_values(conv_state, width, batch, conv_state_indices, num_accepted_tokens, output_state_indices,
-                        pad_slot_id):
+                        pad_slot_id, intermediate_conv_window=None):
     """``validate_data``: the index values of a decode call, read on the host (this syncs)."""
     lines, _, state_len = conv_state.shape
     if conv_state_indices is not None:
-        bad = [i for i in conv_state_indices.tolist() if i != pad_slot_id and not 0 <= i < lines]
+        idx = conv_state_indices.tolist()
+        bad = [i for i in idx if i != pad_slot_id and not 0 <= i < lines]
         if bad:
             raise ValueError(f"conv_state_indices: expected rows in [0, {lines}) or pad_slot_id={pad_slot_id}, "
                              f"got {bad}")
+        if intermediate_conv_window is None and output_state_indices is None:     # the live state is written
+            _check_distinct("conv_state_indices", [i for i in idx if i != pad_slot_id])
     if num_accepted_tokens is not None:
         bad = [a for a in num_accepted_tokens[:batch].tolist() if not 1 <= a <= state_len - width + 2]
         if bad:
@@ -232,3 +237,16 @@ def check_update_values(conv_state, width, batch, conv_state_indices, num_accept
         bad = [i for i in output_state_indices.flatten().tolist() if i >= lines]
         if bad:
             raise ValueError(f"output_state_indices: expected rows < {lines} (or negative to skip), got {bad}")
+
+
+def _check_distinct(name: str, rows: list) -> None:
+    """Rows that a launch writes are distinct: two batch rows writing one state row race (the programs run in
+    any order on the GPU), so the contract forbids it and ``validate_data`` says so."""
+    if len(set(rows)) != len(rows):
+        seen, dup = set(), []
+        for r in rows:
+            if r in seen:
+                dup.append(r)
+            seen.add(r)
+        raise ValueError(f"{name}: expected distinct state rows (two batch rows writing one row race), row(s) "
+                         f"{sorted(set(dup))[:8]} given more than once")

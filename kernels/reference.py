@@ -113,7 +113,7 @@ def causal_conv1d_update_ref(
                                                   intermediate_conv_window, output_state_indices)
     if validate_data:
         check_update_values(conv_state, width, batch, conv_state_indices, num_accepted_tokens,
-                            output_state_indices, pad_slot_id)
+                            output_state_indices, pad_slot_id, intermediate_conv_window)
     if out is None:
         out = torch.empty_like(x)
     else:
@@ -128,7 +128,7 @@ def causal_conv1d_update_ref(
     acc = num_accepted_tokens.tolist() if num_accepted_tokens is not None else [1] * batch
     osi = output_state_indices.tolist() if output_state_indices is not None else None
     writes_live = intermediate_conv_window is None and output_state_indices is None
-    # Read every window before writing any state, as the kernel does.
+    # Read every window before writing any state (the rows a launch writes are distinct: the contract).
     windows = {}
     for bi in range(batch):
         if conv_state_indices is not None and idx[bi] == pad_slot_id:

@@ -181,7 +181,7 @@ def causal_conv1d_update_torch(
                                                   intermediate_conv_window, output_state_indices)
     if validate_data:
         check_update_values(conv_state, width, batch, conv_state_indices, num_accepted_tokens,
-                            output_state_indices, pad_slot_id)
+                            output_state_indices, pad_slot_id, intermediate_conv_window)
     if out is None:
         out = torch.empty_like(x)
     else:
@@ -226,9 +226,9 @@ def causal_conv1d_update_torch(
     if intermediate_conv_window is not None or output_state_indices is not None:
         after = xe.unfold(1, h, 1)[:, 1:seqlen + 1]                    # (R, seqlen, dim, h): window after token t
         if intermediate_conv_window is not None:
-            intermediate_conv_window[rows, :, :, :h] = after.to(intermediate_conv_window.dtype)
+            intermediate_conv_window[rows, :seqlen, :, :h] = after.to(intermediate_conv_window.dtype)
         if output_state_indices is not None:
-            osi = output_state_indices[:batch].to(device=dev, dtype=torch.long)[rows]  # (R, seqlen)
+            osi = output_state_indices[:batch, :seqlen].to(device=dev, dtype=torch.long)[rows]  # (R, seqlen)
             keep = osi >= 0
             conv_state[osi[keep], :, :h] = after[keep].to(conv_state.dtype)
     else:
@@ -266,9 +266,9 @@ def _update_all_live(x3, out3, out, conv_state, lines, weight, bias, silu: bool,
     if intermediate_conv_window is not None or output_state_indices is not None:
         after = xe.unfold(1, h, 1)[:, 1:seqlen + 1]                    # (R, seqlen, dim, h): window after token t
         if intermediate_conv_window is not None:
-            intermediate_conv_window[:batch, :, :, :h] = after.to(intermediate_conv_window.dtype)
+            intermediate_conv_window[:batch, :seqlen, :, :h] = after.to(intermediate_conv_window.dtype)
         if output_state_indices is not None:
-            osi = output_state_indices[:batch].to(device=x3.device, dtype=torch.long)
+            osi = output_state_indices[:batch, :seqlen].to(device=x3.device, dtype=torch.long)
             keep = osi >= 0
             if bool(keep.any()):
                 conv_state[osi[keep], :, :h] = after[keep].to(conv_state.dtype)

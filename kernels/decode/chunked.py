@@ -2,9 +2,9 @@
 
 One program per batch row and ``BLOCK_D`` channels reads the row's window (``width - 1`` state columns from
 ``num_accepted_tokens - 1``) and runs the row's tokens in chunks of ``BLOCK_L``, each tap a shifted load of
-``[window | x]`` (``_ext_load``). Within a program every read of a state row comes before the first write to any
-state row (a barrier separates them), so a window written through ``output_state_indices`` may land on the row
-being read.
+``[window | x]`` (``_ext_load``). Within a program the reads of the row's window come before the windows written
+through ``output_state_indices`` (a barrier separates them), so one may land on the row being read; the live
+row's last update (no saved windows) writes only the row this program read.
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ def _ext_load(x_row, state_row, pos, mask, o, stride_x_t, stride_s_k, WIDTH: tl.
 @triton.jit
 def _chunked_kernel(
     x_ptr,  # (batch, dim, seqlen), any strides
-    w_ptr,  # (dim, WIDTH)
-    b_ptr,  # (dim,), read when HAS_BIAS
+    w_ptr,  # (dim, WIDTH), or (groups, dim, WIDTH) when GROUPED
+    b_ptr,  # (dim,), or (groups, dim) when GROUPED; read when HAS_BIAS
     state_ptr,  # (num_lines, dim, state_len)
-    idx_ptr,  # (batch,) conv_state_indices, read when HAS_INDICES
-    acc_ptr,  # (batch,) num_accepted_tokens, read when HAS_ACCEPTED
+    idx_ptr,  # (>= batch,) conv_state_indices (the first batch read), when HAS_INDICES
+    acc_ptr,  # (>= batch,) num_accepted_tokens (the first batch read), when HAS_ACCEPTED
     inter_ptr,  # (>= batch, >= seqlen, dim, >= WIDTH - 1) intermediate_conv_window, written when SAVE_INTER
     osi_ptr,  # (batch, >= seqlen) output_state_indices, read when HAS_OSI
     out_ptr,  # (batch, dim, seqlen)

@@ -25,15 +25,17 @@ def _decode_row(idx_ptr, acc_ptr, b_ptr, b, d0, offs_d, dim, num_lines, state_le
     outside the pool, give zeros and touch no state); bias: [BLOCK_D] fp32 (zeros without one), read with
     stride_b_d along dim (1: an argument so that the scalar variant can leave it unspecialized).
     """
-    if HAS_INDICES:
+    if HAS_INDICES:  # a pad row is one whose index is pad_slot_id
         line = tl.load(idx_ptr + b * stride_idx).to(tl.int64)
-    else:
+        live = line != pad_slot_id
+    else:  # row b is state row b: no pad rows
         line = b
+        live = line >= 0
     if HAS_ACCEPTED:
         o = tl.load(acc_ptr + b * stride_acc).to(tl.int32) - 1
     else:
         o = tl.program_id(0) * 0
-    valid = (line != pad_slot_id) & (line >= 0) & (line < num_lines) & (o >= 0) & (o + WIDTH - 1 <= state_len)
+    valid = live & (line >= 0) & (line < num_lines) & (o >= 0) & (o + WIDTH - 1 <= state_len)
     if GROUPED:
         g = tl.where(valid, line // lines_per_group, 0)  # the row's weight group (layer)
     else:
@@ -52,11 +54,11 @@ def _decode_row(idx_ptr, acc_ptr, b_ptr, b, d0, offs_d, dim, num_lines, state_le
 @triton.jit
 def _dense_kernel(
     x_ptr,  # (batch, dim, SEQ) or (batch, dim), stride SEQ along dim and 1 along tokens
-    w_ptr,  # (dim, WIDTH)
-    b_ptr,  # (dim,), read when HAS_BIAS
+    w_ptr,  # (dim, WIDTH), or (groups, dim, WIDTH) when GROUPED
+    b_ptr,  # (dim,), or (groups, dim) when GROUPED; read when HAS_BIAS
     state_ptr,  # (num_lines, dim, state_len): stride 1 along dim (the pool) when S_UNIT_D, else any strides
-    idx_ptr,  # (batch,) conv_state_indices, read when HAS_INDICES
-    acc_ptr,  # (batch,) num_accepted_tokens, read when HAS_ACCEPTED
+    idx_ptr,  # (>= batch,) conv_state_indices (the first batch read), when HAS_INDICES
+    acc_ptr,  # (>= batch,) num_accepted_tokens (the first batch read), when HAS_ACCEPTED
     inter_ptr,  # (>= batch, >= SEQ, dim, >= WIDTH - 1) intermediate_conv_window, written when SAVE_INTER
     osi_ptr,  # (batch, >= SEQ) output_state_indices, read when HAS_OSI
     out_ptr,  # (batch, dim, SEQ), same layout as x

@@ -70,11 +70,13 @@ def _pairs_kernel(
     b = tl.program_id(0).to(tl.int64)
     d0 = tl.program_id(1) * (2 * BLOCK_P)  # the tile's first channel (even)
     offs_p = tl.arange(0, BLOCK_P)  # [BLOCK_P] pair within the tile
-    if HAS_INDICES:
+    if HAS_INDICES:  # a pad row is one whose index is pad_slot_id
         line = tl.load(idx_ptr + b * stride_idx).to(tl.int64)
-    else:
+        live = line != pad_slot_id
+    else:  # row b is state row b: no pad rows
         line = b
-    valid = (line != pad_slot_id) & (line >= 0) & (line < num_lines)
+        live = line >= 0
+    valid = live & (line >= 0) & (line < num_lines)
     if GROUPED:
         g = tl.where(valid, line // lines_per_group, 0)
     else:

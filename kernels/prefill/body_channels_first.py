@@ -112,7 +112,11 @@ def _channels_first_body_kernel(
     cols = _split8(a, R)  # 8 x [R]
     prev = ()  # WIDTH - 1 x [R]: the elements before each group (none before the array's start)
     for j in tl.static_range(1, WIDTH):
-        prev = prev + (tl.load(xs + g8 - j, mask=g8 >= j - f0, other=0.0).to(tl.float32),)
+        if FULL:
+            m = g8 >= j - f0  # [R]
+        else:  # the tail tile: its groups past the array's end read nothing there either
+            m = (g8 >= j - f0) & (g8 - j < n_total - f0)  # [R]
+        prev = prev + (tl.load(xs + g8 - j, mask=m, other=0.0).to(tl.float32),)
     w_row_lo = w_ptr + d_lo * stride_w_d
     w_row_hi = w_ptr + d_hi * stride_w_d
     if b >= R * 8:  # one channel row: scalar weights

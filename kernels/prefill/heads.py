@@ -200,8 +200,8 @@ def _heads_kernel(
     b_ptr,  # (dim,), read when HAS_BIAS
     state_ptr,  # (num_lines, dim, state_len >= WIDTH - 1), read/written when HAS_STATE
     qsl_ptr,  # (batch + 1,) int32/int64: query_start_loc
-    idx_ptr,  # (batch,) int32/int64: cache_indices, read when HAS_INDICES
-    init_ptr,  # (batch,) bool: has_initial_state, read when HAS_INIT
+    idx_ptr,  # (>= batch,) int32/int64: cache_indices (the first batch read), when HAS_INDICES
+    init_ptr,  # (>= batch,) has_initial_state, any dtype (nonzero: true; the first batch read), when HAS_INIT
     out_ptr,  # (dim, total_tokens), the body already written
     dim,
     total_tokens,
@@ -285,10 +285,14 @@ def _heads_kernel(
                             hist_lim, stride_x_d, stride_x_t, stride_w_k, stride_o_d, stride_o_t, stride_s_line,
                             stride_s_d, stride_s_k, WIDTH, HEAD, HAS_STATE, SILU)
 
-def tile_span(x, out, cfg: Tile, width: int) -> int:
-    """Largest element offset from a tile's corner (head and tap shifts included), for x and out."""
+def tile_span(x, out, cfg: Tile, width: int, states=None) -> int:
+    """Largest element offset from a tile's corner (head and tap shifts included), for x and out, and from a
+    state row's base across the tile's channels and columns (``states``: (lines, dim, state_len) or None)."""
     t_span = cfg.block_t + width
-    return max(t_span * abs(t.stride(1)) + cfg.block_d * abs(t.stride(0)) for t in (x, out))
+    span = max(t_span * abs(t.stride(1)) + cfg.block_d * abs(t.stride(0)) for t in (x, out))
+    if states is not None:
+        span = max(span, cfg.block_d * abs(states.stride(1)) + width * abs(states.stride(2)))
+    return span
 
 
 def launch_args(x, weight, bias, conv_states, cache_indices, has_initial_state, out, width, batch, silu,
@@ -307,7 +311,8 @@ def launch_args(x, weight, bias, conv_states, cache_indices, has_initial_state, 
         WIDTH=width, HEAD=max(2, next_pow2(width - 1)), HAS_BIAS=bias is not None, HAS_STATE=has_state,
         HAS_INDICES=cache_indices is not None, HAS_INIT=has_initial_state is not None and has_state, SILU=silu,
         X_UNIT_T=x.stride(1) == 1, X_UNIT_D=x.stride(0) == 1, O_UNIT_T=out.stride(1) == 1,
-        O_UNIT_D=out.stride(0) == 1, EVEN_D=dim % cfg.block_d == 0, OFF64=tile_span(x, out, cfg, width) >= 2**31)
+        O_UNIT_D=out.stride(0) == 1, EVEN_D=dim % cfg.block_d == 0,
+        OFF64=tile_span(x, out, cfg, width, conv_states) >= 2**31)
     return scalars, constexprs
 
 

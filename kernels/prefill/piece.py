@@ -14,8 +14,8 @@ A batch of one sequence (``ONE_SEQ``) skips the search: ``query_start_loc[0]`` a
 flag, the weights and the bias are all at fixed addresses and are loaded up front in one round of independent
 loads; the piece's sequence (0, or the pad tail) follows from ``query_start_loc[1]``, so x and the state row are
 the second and last round of dependent loads. Its head is computed column by column (``_head_columns``), every
-value a ``[BLOCK_D]`` vector in one register layout. Tokens before ``query_start_loc[0]`` (which the contract
-makes 0) are written as zeros there, as the reference does.
+value a ``[BLOCK_D]`` vector in one register layout. On that path tokens before ``query_start_loc[0]`` (which
+the contract makes 0) are written as zeros, as the reference does.
 """
 
 from __future__ import annotations
