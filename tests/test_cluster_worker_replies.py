@@ -54,8 +54,10 @@ def test_a_split_batch_with_a_part_whose_step_lost_its_state_answers_410_whateve
 
 
 def test_a_split_batch_with_a_lost_part_and_an_applied_part_says_which_was_applied():
-    with pytest.raises(StateLost, match=r"slices of \['a'\] were applied"):
+    with pytest.raises(StateLost, match=r"slices of \['a'\] were applied") as e:
         _split({0: None, 1: StateLost("the state of 'b' was lost")})
+    assert e.value.extra["applied"] == ["a"]          # a field too, for clients (and in the error body)
+    assert e.value.to_dict()["error"]["applied"] == ["a"]
 
 
 @pytest.mark.parametrize("first", [None, ("at once", NotReady("engine 0 is down", retry_after=1))])
@@ -65,6 +67,7 @@ def test_a_part_refused_at_once_still_waits_for_the_parts_sent_and_says_which_we
     with pytest.raises(NotReady) as e:
         _split({0: first, 1: ("at once", NotReady("engine 1 is down", retry_after=1))})
     assert ("slices of ['a'] were applied" in str(e.value)) == (first is None)
+    assert e.value.extra.get("applied") == (["a"] if first is None else None)
 
 
 def test_a_conv_the_engine_did_not_answer_in_time_keeps_its_arena_block_until_the_engine_answers_it():

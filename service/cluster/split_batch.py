@@ -97,14 +97,19 @@ def check_positions(parts: list, checks: list, n: int) -> None:
 def failure(parts: list, results: list, sids: list) -> BaseException:
     """The error to raise for a split batch some of whose parts failed (``results``: each part's y or error).
     A part whose step failed after its launches lost its sessions' state: that (410) is what the client must
-    learn, not another part's retryable error; the message names the sessions whose slices were applied."""
+    learn, not another part's retryable error. When other parts ran, the error's ``applied`` field lists their
+    sessions (in batch order) and the message says so: sending the batch again without positions would apply
+    those slices twice."""
     failed = [r for r in results if isinstance(r, BaseException)]
     first = next((r for r in failed if isinstance(r, StateLost)), failed[0])
-    done = [sids[i] for p, r in zip(parts, results) if not isinstance(r, BaseException) for i in p[1]]
+    done = sorted((i for p, r in zip(parts, results) if not isinstance(r, BaseException) for i in p[1]))
     if done and isinstance(first, ServiceError):
-        first.message += (f" (this batch was split across engines and raced with another change of its "
-                          f"sessions: the slices of {done} were applied, the others not)")
+        applied = [sids[i] for i in done]
+        first.message += (f" (this batch was split across engines and only some parts ran: the slices of "
+                          f"{applied!r:.300} were applied, the others not; see 'applied'. Send only the others "
+                          "again, or the batch with positions)")
         first.args = (first.message,)
+        first.extra["applied"] = applied
     return first
 
 
