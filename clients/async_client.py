@@ -11,12 +11,12 @@ import httpx
 
 from convserve.clients.common import (MAX_MESSAGE_BYTES, SessionState, _as_request, _backend_of, _Base, _chunked,
                                       _decode, _default_backend, _frame, _quote, _raise_for, _Tracker, _ws_url,
-                                      check_given_position, ws_connect_async)
+                                      check_given_position, partly_applied, ws_connect_async)
 from convserve.clients.h1 import _H1Pool, _h1_target
 from convserve.clients.positions import RETRY_ERRORS, RETRY_STATUS, outcome_unknown, serialized
 from convserve.clients.protocol import wire
 from convserve.clients.replicas import is_routed
-from convserve.clients.protocol.errors import BadRequest, PositionMismatch
+from convserve.clients.protocol.errors import BadRequest, PositionMismatch, ServiceError
 
 
 class AsyncConvClient(_Base):
@@ -174,7 +174,7 @@ class AsyncConvClient(_Base):
                     raise outcome_unknown(path, sessions, attempt + 1) from e
                 wait = book.delay(attempt, None)
             else:
-                if resp.status_code not in RETRY_STATUS or attempt >= book.max_retries:
+                if resp.status_code not in RETRY_STATUS or attempt >= book.max_retries or partly_applied(resp):
                     return resp, attempt
                 wait = book.delay(attempt, book.retry_after(resp))
             await asyncio.sleep(wait)
@@ -234,6 +234,13 @@ class AsyncConvClient(_Base):
         except PositionMismatch as e:
             if book is not None and attempt:
                 book.moved_on(e, list(sessions), layer, pos, toks, spec)
+            raise
+        except ServiceError as e:   # a batch split across engines, some of whose parts ran: they count
+            if book is not None and e.extra.get("applied"):
+                ran = set(e.extra["applied"])
+                for s, n, f in zip(sessions, toks, spec):
+                    if s in ran:
+                        book.applied(s, layer, n, f)
             raise
         if book is not None:
             for s, n, f in zip(sessions, toks, spec):

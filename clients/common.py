@@ -160,6 +160,19 @@ def _raise_error(status: int, headers, body: bytes) -> None:
     raise exc
 
 
+def partly_applied(resp: httpx.Response) -> bool:
+    """Does an error answer say that some of its batch ran (a batch split across engine processes, one of whose
+    parts failed: its ``applied`` field)? Sending it again cannot succeed then (it repeats on some sessions and
+    is new on others), so a retrying client stops and reports it."""
+    if resp.status_code < 400 or b"applied" not in resp.content:
+        return False
+    try:
+        _raise_error(resp.status_code, resp.headers, resp.content)
+    except ServiceError as e:
+        return bool(e.extra.get("applied"))
+    return False
+
+
 def _decode(resp: httpx.Response) -> Any:
     _raise_for(resp)
     if not resp.content:

@@ -408,3 +408,42 @@ def test_an_explicit_position_is_sent_and_a_repeat_is_answered_from_the_kept_ans
     with ConvClient(server.url, track_positions=True) as c:
         with pytest.raises(ValueError, match="tracks positions itself"):
             c.conv(c.create_session(), LAYER, x, position=0)
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_batch_answer_that_some_of_its_parts_ran_is_not_retried_and_those_sessions_advance(kind):
+    """A batch split across engine processes, one part failed after another ran (its 503 lists ``applied``):
+    sending it again cannot succeed (it repeats on some sessions and is new on others), so the tracking client
+    stops there, raises the answer's error, and counts the slices that ran."""
+    from convserve.clients.protocol.errors import EngineUnavailable
+    from convserve.clients.protocol import wire as w
+
+    posts = []
+
+    def handler(request):
+        if request.method == "GET":               # the session's positions, read on first use
+            sid = request.url.path.rsplit("/", 1)[1]
+            body = {"session": sid, "layers": [LAYER], "positions": [0], "pending": {"layers": []}}
+            return httpx.Response(200, content=w.packb(body), headers={"content-type": w.MEDIA_TYPE})
+        posts.append(request)
+        err = {"error": {"code": "engine_unavailable", "message": "engine 1 died; the slices of ['a'] ran",
+                         "retry_after": 0, "applied": ["a"]}}
+        return httpx.Response(503, content=w.packb(err), headers={"content-type": w.MEDIA_TYPE, "retry-after": "0"})
+
+    x = torch.zeros(3, 4)
+    if kind == "sync":
+        with ConvClient("http://replica", transport=httpx.MockTransport(handler), track_positions=True,
+                        retry_backoff_s=0.001) as c:
+            with pytest.raises(EngineUnavailable) as e:
+                c.conv_batch(["a", "b"], LAYER, x, tokens=[1, 2])
+            book = c.positions
+    else:
+        async def go():
+            async with AsyncConvClient("http://replica", transport=httpx.MockTransport(handler),
+                                       track_positions=True, retry_backoff_s=0.001) as c:
+                with pytest.raises(EngineUnavailable) as e:
+                    await c.conv_batch(["a", "b"], LAYER, x, tokens=[1, 2])
+                return e, c.positions
+        e, book = asyncio.run(go())
+    assert len(posts) == 1 and e.value.extra["applied"] == ["a"]
+    assert book.at("a", LAYER) == 1 and book.at("b", LAYER) == 0
