@@ -236,11 +236,8 @@ class AsyncConvClient(_Base):
                 book.moved_on(e, list(sessions), layer, pos, toks, spec)
             raise
         except ServiceError as e:   # a batch split across engines, some of whose parts ran: they count
-            if book is not None and e.extra.get("applied"):
-                ran = set(e.extra["applied"])
-                for s, n, f in zip(sessions, toks, spec):
-                    if s in ran:
-                        book.applied(s, layer, n, f)
+            if book is not None:
+                book.partly_applied(e, list(sessions), layer, toks, spec)
             raise
         if book is not None:
             for s, n, f in zip(sessions, toks, spec):

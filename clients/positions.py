@@ -31,7 +31,7 @@ from typing import Optional
 
 import httpx
 
-from convserve.clients.protocol.errors import OutcomeUnknown, PositionMismatch
+from convserve.clients.protocol.errors import OutcomeUnknown, PositionMismatch, ServiceError
 
 
 class SessionLocks:
@@ -191,6 +191,14 @@ class PositionBook:
             return float(resp.headers.get("retry-after"))
         except (TypeError, ValueError):
             return None
+
+    def partly_applied(self, err: ServiceError, sessions: list, layer: int, tokens: list, speculative: list) -> None:
+        """A batch's error that lists ``applied`` sessions (split across engine processes, some parts ran):
+        their slices count."""
+        ran = set(err.extra.get("applied") or ())
+        for s, n, f in zip(sessions, tokens, speculative):
+            if s in ran:
+                self.applied(s, layer, n, f)
 
     def moved_on(self, err: PositionMismatch, sessions: list, layer: int, positions: list, tokens: list,
                  speculative: list) -> None:

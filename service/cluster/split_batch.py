@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from convserve.clients.protocol.errors import PayloadTooLarge, PositionMismatch, ServiceError, ShapeMismatch, StateLost
+from convserve.clients.protocol.errors import PositionMismatch, ServiceError, StateLost
 
-from ..engine.validate import check_batch_plan, check_batch_sessions, check_x
+from ..engine.validate import check_batch_plan, check_batch_rows, check_batch_sessions, check_one_token_rows, check_x
 
 
 def batch_limits(settings) -> SimpleNamespace:
@@ -35,16 +35,8 @@ def check_whole(sids: list, x, tokens, speculative, limits, model_dtype: torch.d
     plan = check_batch_plan(n, tokens, speculative, limits.max_spec_tokens)
     xm, _ = check_x(SimpleNamespace(dim=dim, dtype=model_dtype), limits, x, False, rows="rows")
     total = n if plan is None else int(plan[0].sum())
-    if xm.shape[0] != total:
-        what = "one row per session" if plan is None else "sum(tokens) rows"
-        raise ShapeMismatch(f"x: expected {what}, shape ({total}, {dim}), got {tuple(xm.shape)}")
-    if total > limits.max_batch_tokens:
-        raise PayloadTooLarge(f"x: a batch runs in one step of at most max_batch_tokens={limits.max_batch_tokens} "
-                              f"tokens, got {total}; split the batch")
-    n_one = n if plan is None else int(np.count_nonzero(~plan[1] & (plan[0] == 1)))
-    if n_one > limits.max_bucket:
-        raise PayloadTooLarge(f"sessions: {n_one} one-token rows, more than the largest decode bucket "
-                              f"({limits.max_bucket}) takes in one launch; split the batch")
+    check_batch_rows(xm.shape[0], total, plan is not None, dim, limits.max_batch_tokens)
+    check_one_token_rows(n if plan is None else int(np.count_nonzero(~plan[1] & (plan[0] == 1))), limits.max_bucket)
     return xm
 
 

@@ -21,8 +21,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from convserve.clients.protocol.errors import (BadRequest, Internal, PayloadTooLarge, PositionMismatch, QueueFull,
-                                               RequestTimeout, ShapeMismatch)
+from convserve.clients.protocol.errors import BadRequest, Internal, PositionMismatch, QueueFull, RequestTimeout
 
 from ..scheduler import PrefillRows
 from ..sessions import Session
@@ -30,8 +29,8 @@ from .outputs import AsyncConvFuture, ConvFuture
 from .outputs import deliver
 from .records import BATCH_SESSION, NO_ROWS, BatchRows, ConvRequest, plan_rows, release_batch
 from .positions import Answer, Applied, Sink, batch_key, check_position, check_positions
-from .validate import (check_batch_plan, check_batch_sessions, check_finite_copy, check_speculative, check_x,
-                       own_copy, uniform_verify)
+from .validate import (check_batch_plan, check_batch_rows, check_batch_sessions, check_finite_copy,
+                       check_one_token_rows, check_speculative, check_x, own_copy, uniform_verify)
 
 
 class Intake:
@@ -329,12 +328,7 @@ class Intake:
         else:
             lengths, spec = plan
             total = int(lengths.sum())
-        if xm.shape[0] != total:
-            what = "one row per session" if plan is None else "sum(tokens) rows"
-            raise ShapeMismatch(f"x: expected {what}, shape ({total}, {model.dim}), got {tuple(xm.shape)}")
-        if total > cfg.max_batch_tokens:
-            raise PayloadTooLarge(f"x: a batch runs in one step of at most max_batch_tokens={cfg.max_batch_tokens} "
-                                  f"tokens, got {total}; split the batch")
+        check_batch_rows(xm.shape[0], total, plan is not None, model.dim, cfg.max_batch_tokens)
         now = time.monotonic()
         req = ConvRequest(-1, BATCH_SESSION, p, total, False, now, x=xm, future=sink, x_dtype=x_dtype)
         b = req.batch = BatchRows([], [], dec_x=xm)
@@ -347,9 +341,7 @@ class Intake:
         elif plan is not None:
             plan, n_one, padded = plan_rows(b, xm, lengths, spec, total, cfg.max_batch_tokens)
             n_dec = b.n_dec
-        if n_one > cfg.decode_buckets[-1]:        # every batch's limit, whichever launch its one-token rows take
-            raise PayloadTooLarge(f"sessions: {n_one} one-token rows, more than the largest decode bucket "
-                                  f"({cfg.decode_buckets[-1]}) takes in one launch; split the batch")
+        check_one_token_rows(n_one, cfg.decode_buckets[-1])
         runner, slot = self._runner, -1
         if runner is not None and n_dec:             # not started: _enqueue_batch raises NotReady
             slot = runner.take_slot(req, xm) if plan is None else -1

@@ -198,3 +198,21 @@ def check_batch_plan(n: int, tokens, speculative, max_spec: int):
         raise BadRequest(f"tokens[{i}]: a speculative slice takes at most max_spec_tokens={max_spec} tokens, got "
                          f"{int(lengths[i])}; shorten the draft")
     return lengths, spec
+
+
+def check_batch_rows(x_rows: int, total: int, planned: bool, dim: int, max_batch_tokens: int) -> None:
+    """A batch's x holds its ``total`` tokens (``planned``: ``tokens`` given, else one row per session), within
+    ``max_batch_tokens``; else :class:`ShapeMismatch` / :class:`PayloadTooLarge`."""
+    if x_rows != total:
+        what = "sum(tokens) rows" if planned else "one row per session"
+        raise ShapeMismatch(f"x: expected {what}, shape ({total}, {dim}), got ({x_rows}, {dim})")
+    if total > max_batch_tokens:
+        raise PayloadTooLarge(f"x: a batch runs in one step of at most max_batch_tokens={max_batch_tokens} "
+                              f"tokens, got {total}; split the batch")
+
+
+def check_one_token_rows(n_one: int, max_bucket: int) -> None:
+    """Every batch's limit, whichever launch its one-token rows take: the largest decode bucket."""
+    if n_one > max_bucket:
+        raise PayloadTooLarge(f"sessions: {n_one} one-token rows, more than the largest decode bucket "
+                              f"({max_bucket}) takes in one launch; split the batch")
