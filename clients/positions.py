@@ -200,6 +200,14 @@ class PositionBook:
             if s in ran:
                 self.applied(s, layer, n, f)
 
+    def partly_accepted(self, err: ServiceError, sessions: list, tokens: list) -> None:
+        """An accept_batch's error that lists ``applied`` sessions (split across engine processes, some parts
+        committed): their accepts count."""
+        ran = set(err.extra.get("applied") or ())
+        for s, n in zip(sessions, tokens):
+            if s in ran:
+                self.accepted(s, n)
+
     def moved_on(self, err: PositionMismatch, sessions: list, layer: int, positions: list, tokens: list,
                  speculative: list) -> None:
         """A ``409`` after a retry: sessions whose server position is the expected one plus their tokens had

@@ -157,15 +157,20 @@ class ConvClient(_Base):
         resp, attempt = self._post_retrying(_path, body, list(sessions))
         try:
             _raise_for(resp)
-        except BadRequest:
+        except ServiceError as e:
+            if e.extra.get("applied"):      # split across engines, some parts committed: they count
+                book.partly_accepted(e, list(sessions), list(tokens))
+                raise
+            if not isinstance(e, BadRequest):
+                raise
             # a retry that finds no verify: the first attempt committed it if the positions moved by tokens
             if not attempt:
                 raise
             try:
                 applied = all(book.known(s) and book.accept_was_applied(s, n, self.session_info(s))
                               for s, n in zip(sessions, tokens))
-            except RETRY_ERRORS as e:     # that read failed too: whether the first attempt committed is unknown
-                raise outcome_unknown(_path, list(sessions), attempt + 1) from e
+            except RETRY_ERRORS as err:   # that read failed too: whether the first attempt committed is unknown
+                raise outcome_unknown(_path, list(sessions), attempt + 1) from err
             if not applied:
                 raise
         for s, n in zip(sessions, tokens):

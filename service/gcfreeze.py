@@ -14,7 +14,8 @@ start-up is the process's own machinery, kept until it exits, so this is for the
 serve`` (the engine process and the HTTP worker, or the one process with its engine), not for a library caller
 that builds and drops engines. At shutdown :func:`thaw` gives them back to the collector, so that the interpreter's
 last collections see them as they would without the freeze (triton's bindings report every object of theirs
-still alive at exit as a leak, on the process's output).
+still alive at exit as a leak, on the process's output). The engine processes and HTTP workers of a
+multi-process server skip the interpreter's teardown altogether (``lifeline.exit_now``).
 """
 
 from __future__ import annotations

@@ -447,3 +447,25 @@ def test_a_batch_answer_that_some_of_its_parts_ran_is_not_retried_and_those_sess
         e, book = asyncio.run(go())
     assert len(posts) == 1 and e.value.extra["applied"] == ["a"]
     assert book.at("a", LAYER) == 1 and book.at("b", LAYER) == 0
+
+
+def test_an_accept_answer_that_some_of_its_parts_committed_counts_those_sessions():
+    from convserve.clients.protocol import wire as w
+    from convserve.clients.protocol.errors import BadRequest
+
+    posts = []
+
+    def handler(request):
+        posts.append(request)
+        err = {"error": {"code": "bad_request", "message": "session 'b' has no speculative verify to accept",
+                         "applied": ["a"]}}
+        return httpx.Response(400, content=w.packb(err), headers={"content-type": w.MEDIA_TYPE})
+
+    with ConvClient("http://replica", transport=httpx.MockTransport(handler), track_positions=True) as c:
+        for s in ("a", "b"):
+            c.positions.reset(s, {LAYER: 5})
+            c.positions.verified[s] = {LAYER}
+        with pytest.raises(BadRequest) as e:
+            c.accept_batch(["a", "b"], [2, 3])
+        assert e.value.extra["applied"] == ["a"] and len(posts) == 1
+        assert c.positions.at("a", LAYER) == 7 and c.positions.at("b", LAYER) == 5

@@ -184,3 +184,45 @@ def test_a_borrowed_x_sent_inline_is_a_copy_not_the_clients_memory():
     borrowed_data, plain_data = asyncio.run(main())
     assert torch.equal(torch.frombuffer(bytearray(borrowed_data), dtype=torch.float32), torch.arange(8.0))
     assert torch.equal(torch.frombuffer(bytearray(plain_data), dtype=torch.float32), torch.full((8,), -1.0))
+
+
+def test_split_batches_failing_on_one_shared_engine_error_each_list_their_own_applied_sessions():
+    """An engine that dies fails every request waiting on it with one error object: each split batch's answer is
+    a copy naming its own sessions that ran, and the shared error is left as it was."""
+    from convserve.clients.protocol.errors import EngineUnavailable
+    from convserve.service.cluster.split_batch import failure
+
+    shared = EngineUnavailable("engine 1 is down", retry_after=2)
+    parts = [(0, [0], None), (1, [1], None)]
+    one = failure(parts, [torch.zeros(1, 4), shared], ["a", "b"])
+    two = failure(parts, [torch.zeros(1, 4), shared], ["c", "d"])
+    assert one.extra["applied"] == ["a"] and two.extra["applied"] == ["c"]
+    assert "'c'" not in one.message and "'a'" not in two.message
+    assert isinstance(one, EngineUnavailable) and one.retry_after == 2
+    assert shared.extra == {} and shared.message == "engine 1 is down"
+
+
+def test_a_split_accept_whose_later_part_is_refused_after_an_earlier_one_committed_lists_what_committed():
+    """Each engine checked its part, then a concurrent change (or an engine's death) refuses a part after
+    another committed: the answer lists the committed sessions in ``applied``."""
+    from convserve.clients.protocol.errors import BadRequest
+    from convserve.service.cluster.placement import split
+    from convserve.service.cluster.remote_ops import RemoteSessions
+
+    a, b = _ids_on_two_engines()
+    r = RemoteSessions()
+    r.n = 2
+    r.limits = SimpleNamespace(max_batch_size=8)
+    first = next(iter(split([a, b], 2)))                       # the engine whose part commits first
+    committed = []
+
+    def op(e, name, ss, tt):
+        if e != first:
+            raise BadRequest(f"session {ss[0]!r} has no speculative verify to accept")
+        committed.extend(ss)
+
+    r._call_sync = lambda e, head: ({"ok": None}, None)
+    r._op = op
+    with pytest.raises(BadRequest) as e:
+        r.accept_batch([a, b], [1, 1])
+    assert e.value.extra["applied"] == committed and len(committed) == 1

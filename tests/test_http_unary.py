@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as cf
+import gc
 import random
 import re
+import warnings
 
 import pytest
 import torch
 
 from convserve.clients.protocol import wire
+from convserve.service.http.asgi import ClientGone
+from convserve.service.http.unary import wait_result
 from tests.http_api import DIM, LAYERS, Api, assert_close, model, rand_x
 from tests.live import Reference
 
@@ -78,3 +83,59 @@ def test_first_call_of_a_session_and_layer_starts_from_zero_state(api):
     assert_close(y0, ref.conv("a", 2, x))
     _, y5, _ = api.conv(sid, 5, x)  # another layer of the same session: zero state too
     assert_close(y5, ref.conv("a", 5, x))
+
+
+# ---- wait_result: a client that leaves while a split batch (a task of the worker's loop) is running
+class _Engine:
+    def __init__(self):
+        self.cancelled = []
+
+    def cancel(self, fut):
+        self.cancelled.append(fut)
+        return False
+
+
+@pytest.mark.parametrize("outcome", ["result", "error"])
+def test_a_client_leaving_a_split_batch_gets_client_gone_and_the_batch_outcome_is_still_read(outcome):
+    async def main():
+        release = asyncio.Event()
+
+        async def split_batch():          # parts checked and sent, answers awaited: it runs to its end
+            await release.wait()
+            if outcome == "error":
+                raise RuntimeError("engine 1 died")
+            return "y"
+
+        async def receive():
+            return {"type": "http.disconnect"}
+
+        engine, task = _Engine(), asyncio.ensure_future(split_batch())
+        with pytest.raises(ClientGone):
+            await wait_result(engine, task, receive)
+        assert engine.cancelled == [task]
+        release.set()
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        return task
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        task = asyncio.run(main())
+        gc.collect()
+    assert task.done() and (task.exception() is not None) == (outcome == "error")
+
+
+def test_a_split_batchs_answer_reaches_a_client_that_stays():
+    async def main():
+        async def split_batch():
+            await asyncio.sleep(0.01)
+            return "y"
+
+        never = asyncio.Event()
+
+        async def receive():
+            await never.wait()
+
+        return await wait_result(_Engine(), asyncio.ensure_future(split_batch()), receive)
+
+    assert asyncio.run(main()) == "y"

@@ -40,9 +40,9 @@ import msgpack
 
 from convserve.clients.protocol.errors import BadRequest, NotReady, ServiceError
 
-from ..gcfreeze import freeze_startup_objects, thaw
+from ..gcfreeze import freeze_startup_objects
 from . import messages as m
-from .lifeline import hold
+from .lifeline import exit_now, hold
 from .shm import ArenaMap
 from .status import BUILT, STOPPED, UP, StatusTable
 
@@ -540,7 +540,6 @@ def main(spec: dict) -> None:
     frozen = freeze_startup_objects()
     log.info("start-up objects frozen out of the cyclic GC", extra={"engine": proc.index, "objects": frozen})
     written = proc.serve()
-    thaw()                      # the interpreter's exit sees every object again (gcfreeze.py)
     from convserve.service.cli import EXIT_FAILED
 
-    sys.exit(0 if written else EXIT_FAILED)     # a final snapshot not written (logged): the supervisor exits 1 too
+    exit_now(0 if written else EXIT_FAILED)     # a final snapshot not written (logged): the supervisor exits 1 too

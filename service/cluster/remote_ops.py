@@ -2,7 +2,9 @@
 accept), each a blocking call to the engine that holds the session, made from the HTTP routes' threads.
 
 A fork onto another engine goes through export and import; a listing merges every engine's page by id; an
-``accept_batch`` split across engines is checked whole, then by each engine, before any part commits.
+``accept_batch`` split across engines is checked whole, then by each engine, before any part commits; a part
+refused after another committed (a concurrent change, an engine that died) answers with the committed sessions
+in its error's ``applied`` field.
 """
 
 from __future__ import annotations
@@ -11,12 +13,13 @@ from typing import Optional, Sequence
 
 import torch
 
-from convserve.clients.protocol.errors import BadRequest, EngineUnavailable, NotReady
+from convserve.clients.protocol.errors import BadRequest, EngineUnavailable, NotReady, ServiceError
 
 from ..engine.accepts import accept_token_list
 from ..engine.validate import check_batch_sessions
 from . import messages as m
 from .placement import engine_of, new_id_on, split
+from .split_batch import partly_applied
 from .status import UP
 
 
@@ -116,6 +119,16 @@ class RemoteSessions:
         parts = [(e, [session_ids[i] for i in pos], [tokens[i] for i in pos]) for e, pos in groups.items()]
         for e, ss, tt in parts:
             self._call_sync(e, {"k": m.CHECK, "f": "accept", "ss": ss, "t": tt})
+        committed: list = []
         for e, ss, tt in parts:
-            self._op(e, "accept_batch", ss, tt)
+            try:
+                self._op(e, "accept_batch", ss, tt)
+            except ServiceError as err:
+                # a concurrent change of these sessions since the check, or the engine died: the parts that
+                # committed stay committed, and the answer says which they are
+                if committed:
+                    done = set(committed)
+                    raise partly_applied(err, [s for s in session_ids if s in done], "accepts") from None
+                raise
+            committed.extend(ss)
 

@@ -6,6 +6,7 @@ with their slices of x) after every part was checked; these functions are the pi
 
 from __future__ import annotations
 
+import copy
 from types import SimpleNamespace
 
 import numpy as np
@@ -96,13 +97,21 @@ def failure(parts: list, results: list, sids: list) -> BaseException:
     first = next((r for r in failed if isinstance(r, StateLost)), failed[0])
     done = sorted((i for p, r in zip(parts, results) if not isinstance(r, BaseException) for i in p[1]))
     if done and isinstance(first, ServiceError):
-        applied = [sids[i] for i in done]
-        first.message += (f" (this batch was split across engines and only some parts ran: the slices of "
-                          f"{applied!r:.300} were applied, the others not; see 'applied'. Send only the others "
-                          "again, or the batch with positions)")
-        first.args = (first.message,)
-        first.extra["applied"] = applied
+        first = partly_applied(first, [sids[i] for i in done], "slices")
     return first
+
+
+def partly_applied(err: ServiceError, applied: list, what: str) -> ServiceError:
+    """A copy of ``err`` (an engine's error may be one object shared by every request that was waiting on that
+    engine) that lists ``applied``, the sessions whose part of the request ran, in its ``applied`` field and its
+    message."""
+    out = copy.copy(err)
+    out.extra = {**err.extra, "applied": applied}
+    out.message = (f"{err.message} (this request was split across engines and only some parts ran: the {what} of "
+                   f"{applied!r:.300} were applied, the others not; see 'applied'. Send only the others again, or "
+                   "the request with positions)")
+    out.args = (out.message,)
+    return out
 
 
 def sent_or_refused(loop, sends) -> list:

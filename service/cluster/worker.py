@@ -4,11 +4,10 @@ supervisor bound, with a :class:`.remote.RemoteEngine` as its engine."""
 from __future__ import annotations
 
 import os
-import sys
 
 import msgpack
 
-from .lifeline import hold
+from .lifeline import exit_now, hold
 
 
 def main(spec: dict) -> None:
@@ -36,4 +35,4 @@ def main(spec: dict) -> None:
                           settings.engine_down_unhealthy_s, settings.engine_stats_timeout_s,
                           limits=batch_limits(settings))
     app = create_app(settings, engine)
-    sys.exit(run_app(settings, app, sockets=[spec["socket"]]))
+    exit_now(run_app(settings, app, sockets=[spec["socket"]]))

@@ -23,13 +23,15 @@ if TYPE_CHECKING:
 
 
 def _transfer(src, dst: asyncio.Future) -> None:
-    """Copy a finished ``concurrent.futures.Future`` into an asyncio future (loop thread)."""
-    if dst.done():
-        return
+    """Copy a finished future (``concurrent.futures`` or a task of this loop) into an asyncio future (loop
+    thread). The source's outcome is read even when nobody waits any more (its error counts as retrieved)."""
     if src.cancelled():
-        dst.set_exception(ClientGone())
+        if not dst.done():
+            dst.set_exception(ClientGone())
         return
     exc = src.exception()
+    if dst.done():
+        return
     if exc is not None:
         dst.set_exception(exc)
     else:
@@ -43,7 +45,10 @@ async def wait_result(engine, fut, receive):
     one that has started always completes, since its slot is mid-step: it is never freed under a step.
     """
     loop = asyncio.get_running_loop()
-    if isinstance(fut, asyncio.Future):
+    if isinstance(fut, asyncio.Task):   # a batch split across engine processes (or held behind one): its own
+        waiter = loop.create_future()    # outcome, which a client that leaves cannot set
+        fut.add_done_callback(lambda f: _transfer(f, waiter))
+    elif isinstance(fut, asyncio.Future):
         waiter = fut    # engine.submit_async: the engine resolves it on this loop, one wake-up per step
     else:
         waiter = loop.create_future()
