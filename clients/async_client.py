@@ -151,12 +151,7 @@ class AsyncConvClient(_Base):
         try:
             _raise_for(resp)
         except ServiceError as e:
-            if e.extra.get("applied"):      # split across engines, some parts committed: they count
-                book.partly_accepted(e, list(sessions), list(tokens))
-                raise
-            if not isinstance(e, BadRequest):
-                raise
-            if not attempt:
+            if book.partly_accepted(e, list(sessions), list(tokens)) or not isinstance(e, BadRequest) or not attempt:
                 raise
             for s, n in zip(sessions, tokens):
                 try:

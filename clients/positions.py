@@ -200,13 +200,14 @@ class PositionBook:
             if s in ran:
                 self.applied(s, layer, n, f)
 
-    def partly_accepted(self, err: ServiceError, sessions: list, tokens: list) -> None:
-        """An accept_batch's error that lists ``applied`` sessions (split across engine processes, some parts
-        committed): their accepts count."""
+    def partly_accepted(self, err: ServiceError, sessions: list, tokens: list) -> bool:
+        """Whether an accept_batch's error lists ``applied`` sessions (split across engine processes, some parts
+        committed); their accepts count."""
         ran = set(err.extra.get("applied") or ())
         for s, n in zip(sessions, tokens):
             if s in ran:
                 self.accepted(s, n)
+        return bool(ran)
 
     def moved_on(self, err: PositionMismatch, sessions: list, layer: int, positions: list, tokens: list,
                  speculative: list) -> None:

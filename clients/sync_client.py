@@ -158,13 +158,8 @@ class ConvClient(_Base):
         try:
             _raise_for(resp)
         except ServiceError as e:
-            if e.extra.get("applied"):      # split across engines, some parts committed: they count
-                book.partly_accepted(e, list(sessions), list(tokens))
-                raise
-            if not isinstance(e, BadRequest):
-                raise
-            # a retry that finds no verify: the first attempt committed it if the positions moved by tokens
-            if not attempt:
+            # a retry that finds no verify (400): the first attempt committed it if the positions moved by tokens
+            if book.partly_accepted(e, list(sessions), list(tokens)) or not isinstance(e, BadRequest) or not attempt:
                 raise
             try:
                 applied = all(book.known(s) and book.accept_was_applied(s, n, self.session_info(s))
