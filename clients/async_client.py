@@ -153,13 +153,15 @@ class AsyncConvClient(_Base):
         except ServiceError as e:
             if book.partly_accepted(e, list(sessions), list(tokens)) or not isinstance(e, BadRequest) or not attempt:
                 raise
+            ran = []
             for s, n in zip(sessions, tokens):
                 try:
-                    applied = book.known(s) and book.accept_was_applied(s, n, await self.session_info(s))
+                    ran.append(book.known(s) and book.accept_was_applied(s, n, await self.session_info(s)))
                 except RETRY_ERRORS as err:  # that read failed too: whether the first attempt committed is unknown
                     raise outcome_unknown(_path, list(sessions), attempt + 1) from err
-                if not applied:
-                    raise
+            if not all(ran):
+                book.ran_accepts(sessions, tokens, ran)
+                raise
         for s, n in zip(sessions, tokens):
             book.accepted(s, n)
 

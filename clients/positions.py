@@ -209,6 +209,13 @@ class PositionBook:
                 self.accepted(s, n)
         return bool(ran)
 
+    def ran_accepts(self, sessions, tokens, ran: list) -> None:
+        """A retried accept_batch found some of its sessions committed and others not (split across engine
+        processes, its answer lost after a part committed): those that committed count."""
+        for s, n, r in zip(sessions, tokens, ran):
+            if r:
+                self.accepted(s, n)
+
     def moved_on(self, err: PositionMismatch, sessions: list, layer: int, positions: list, tokens: list,
                  speculative: list) -> None:
         """A ``409`` after a retry: sessions whose server position is the expected one plus their tokens had

@@ -162,11 +162,12 @@ class ConvClient(_Base):
             if book.partly_accepted(e, list(sessions), list(tokens)) or not isinstance(e, BadRequest) or not attempt:
                 raise
             try:
-                applied = all(book.known(s) and book.accept_was_applied(s, n, self.session_info(s))
-                              for s, n in zip(sessions, tokens))
+                ran = [book.known(s) and book.accept_was_applied(s, n, self.session_info(s))
+                       for s, n in zip(sessions, tokens)]
             except RETRY_ERRORS as err:   # that read failed too: whether the first attempt committed is unknown
                 raise outcome_unknown(_path, list(sessions), attempt + 1) from err
-            if not applied:
+            if not all(ran):
+                book.ran_accepts(sessions, tokens, ran)
                 raise
         for s, n in zip(sessions, tokens):
             book.accepted(s, n)

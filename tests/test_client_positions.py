@@ -469,3 +469,36 @@ def test_an_accept_answer_that_some_of_its_parts_committed_counts_those_sessions
             c.accept_batch(["a", "b"], [2, 3])
         assert e.value.extra["applied"] == ["a"] and len(posts) == 1
         assert c.positions.at("a", LAYER) == 7 and c.positions.at("b", LAYER) == 5
+
+
+def test_a_retried_accept_that_finds_one_session_committed_and_another_not_counts_the_committed_one():
+    """A split accept_batch committed one engine's part, then its answer was lost: the retry is refused (400);
+    the client reads each session back and counts the one whose verify was committed."""
+    from convserve.clients.protocol import wire as w
+    from convserve.clients.protocol.errors import BadRequest
+
+    server = {"a": {"pos": 5, "pending": [LAYER]}, "b": {"pos": 5, "pending": [LAYER]}}
+    posts = []
+
+    def handler(request):
+        if request.method == "GET":
+            sid = request.url.path.rsplit("/", 1)[1]
+            body = {"session": sid, "layers": [LAYER], "positions": [server[sid]["pos"]],
+                    "pending": {"layers": server[sid]["pending"]}}
+            return httpx.Response(200, content=w.packb(body), headers={"content-type": w.MEDIA_TYPE})
+        posts.append(request)
+        if len(posts) == 1:                       # engine 0's part ('a') commits; the answer is lost
+            server["a"] = {"pos": 7, "pending": []}
+            raise httpx.ReadError("injected: the connection dropped after the server answered", request=request)
+        err = {"error": {"code": "bad_request", "message": "session 'a' has no speculative verify to accept"}}
+        return httpx.Response(400, content=w.packb(err), headers={"content-type": w.MEDIA_TYPE})
+
+    with ConvClient("http://replica", transport=httpx.MockTransport(handler), track_positions=True,
+                    retry_backoff_s=0.001) as c:
+        for s in ("a", "b"):
+            c.positions.reset(s, {LAYER: 5})
+            c.positions.verified[s] = {LAYER}
+        with pytest.raises(BadRequest):
+            c.accept_batch(["a", "b"], [2, 3])
+        assert c.positions.at("a", LAYER) == 7 and c.positions.at("b", LAYER) == 5
+

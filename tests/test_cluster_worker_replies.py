@@ -226,3 +226,12 @@ def test_a_split_accept_whose_later_part_is_refused_after_an_earlier_one_committ
     with pytest.raises(BadRequest) as e:
         r.accept_batch([a, b], [1, 1])
     assert e.value.extra["applied"] == committed and len(committed) == 1
+
+
+def test_a_split_batch_whose_other_part_timed_out_does_not_say_that_part_did_not_run():
+    from convserve.clients.protocol.errors import EngineTimeout
+    from convserve.service.cluster.split_batch import failure
+
+    late = EngineTimeout("engine 1 did not answer within 3 s; it may have been applied")
+    err = failure([(0, [0], None), (1, [1], None)], [torch.zeros(1, 4), late], ["a", "b"])
+    assert err.extra["applied"] == ["a"] and "may or may not" in err.message and "the others not" not in err.message

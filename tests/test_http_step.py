@@ -185,6 +185,17 @@ def test_a_batch_split_across_engines_and_bad_in_one_part_runs_no_part(api, what
         assert torch.equal(state, api.state(sid)) and _where(api, sid) == info, sid
 
 
+def test_verify_rows_padded_past_max_batch_tokens_refuse_the_batch_however_its_sessions_are_placed(api):
+    """One engine pads the batch's verify rows to the longest (16 tokens x 66 rows > max_batch_tokens=1024
+    although x has 81 rows); split across engines, each part alone would fit: refused all the same, nothing ran."""
+    sessions = _across(api, 66)
+    before = [_where(api, s) for s in sessions]
+    tokens = [16] + [1] * 65
+    st, obj, _ = api.call("POST", "/v1/conv/batch", _batch(sessions, LAYERS[0], rand_x(81), tokens, True))
+    assert st == 413 and "padded" in obj["error"]["message"], obj
+    assert [_where(api, s) for s in sessions] == before
+
+
 def test_a_repeated_session_in_an_accept_split_across_engines_commits_nothing(api):
     sessions = _across(api, 2)
     for sid in sessions:

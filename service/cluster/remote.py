@@ -456,8 +456,8 @@ class RemoteEngine(RemoteSessions, EngineHealth):
         hold = self.loop.create_future()           # this batch's sessions wait for its parts to be sent
         waits = self.order.waits(sids)
         self.order.hold(sids, hold)
-        return asyncio.ensure_future(self._split_batch(groups, sids, layer, xm, x.dtype, tokens, speculative,
-                                                       position, waits, hold))
+        return self.order.released_at_end(asyncio.ensure_future(self._split_batch(
+            groups, sids, layer, xm, x.dtype, tokens, speculative, position, waits, hold)), sids, hold, waits)
 
     submit_batch = submit_batch_async
 
@@ -467,9 +467,9 @@ class RemoteEngine(RemoteSessions, EngineHealth):
         the model dtype) and the answers joined in batch order, as ``y_dtype``. Its sessions' later sends wait
         for ``hold``, done once the parts are sent (or the batch refused)."""
         parts = parts_of(groups, speculative)
+        if waits:
+            await asyncio.wait(waits)          # (cancelling this task leaves them alone)
         try:
-            if waits:
-                await asyncio.gather(*waits)
             checks = await asyncio.gather(*(self._call(e, {"k": m.CHECK, "f": "batch", "ss": sub(sids, pos),
                                                            "sp": spec, "t": sub(tokens, pos), "l": layer,
                                                            "po": sub(position, pos)})
@@ -504,14 +504,14 @@ class RemoteEngine(RemoteSessions, EngineHealth):
         self.order.hold(sids, done)
 
         async def run():
+            await asyncio.wait(waits)              # (cancelling this task leaves them alone)
             try:
-                await asyncio.gather(*waits)
                 fut = send(x)
             finally:
                 self.order.release(sids, done)
             return await fut
 
-        return asyncio.ensure_future(run())
+        return self.order.released_at_end(asyncio.ensure_future(run()), sids, done, waits)
 
     def cancel(self, future) -> bool:
         """Ask the engine to withdraw the request if it has not started; the answer comes on the future."""

@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from convserve.clients.protocol.errors import BadRequest, EngineUnavailable, NotReady, ServiceError
+from convserve.clients.protocol.errors import BadRequest, EngineTimeout, EngineUnavailable, NotReady, ServiceError
 
 from ..engine.accepts import accept_token_list
 from ..engine.validate import check_batch_sessions
@@ -128,7 +128,8 @@ class RemoteSessions:
                 # committed stay committed, and the answer says which they are
                 if committed:
                     done = set(committed)
-                    raise partly_applied(err, [s for s in session_ids if s in done], "accepts") from None
+                    raise partly_applied(err, [s for s in session_ids if s in done], "accepts",
+                                         isinstance(err, EngineTimeout)) from None
                 raise
             committed.extend(ss)
 

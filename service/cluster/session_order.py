@@ -39,6 +39,22 @@ class SessionOrder:
         for s in sids:
             self._tails[s] = fut
 
+    def released_at_end(self, task: asyncio.Task, sids: Iterable[str], fut: asyncio.Future,
+                        waits: list = ()) -> asyncio.Task:
+        """``task``, which waits for ``waits`` and then sends what ``fut`` stands for, releasing ``fut``
+        (:meth:`release`) whenever the task ends, also when it is cancelled before it ran at all; cancelled while
+        it waited, it keeps its place in line until what it waited for is done (a later request must not overtake
+        that)."""
+        def at_end(_task):
+            pending = [w for w in waits if not w.done()]
+            if pending:
+                asyncio.ensure_future(asyncio.wait(pending)).add_done_callback(lambda _w: self.release(sids, fut))
+            else:
+                self.release(sids, fut)
+
+        task.add_done_callback(at_end)
+        return task
+
     def release(self, sids: Iterable[str], fut: asyncio.Future) -> None:
         """The send that ``fut`` stands for went out (or failed): the sessions it is still the tail of have none,
         and whatever waits for it goes on. Never raises."""

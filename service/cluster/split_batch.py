@@ -12,9 +12,10 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from convserve.clients.protocol.errors import PositionMismatch, ServiceError, StateLost
+from convserve.clients.protocol.errors import EngineTimeout, PositionMismatch, ServiceError, StateLost
 
-from ..engine.validate import check_batch_plan, check_batch_rows, check_batch_sessions, check_one_token_rows, check_x
+from ..engine.validate import (check_batch_plan, check_batch_rows, check_batch_sessions, check_one_token_rows,
+                               check_padded_verify, check_x)
 
 
 def batch_limits(settings) -> SimpleNamespace:
@@ -37,6 +38,8 @@ def check_whole(sids: list, x, tokens, speculative, limits, model_dtype: torch.d
     xm, _ = check_x(SimpleNamespace(dim=dim, dtype=model_dtype), limits, x, False, rows="rows")
     total = n if plan is None else int(plan[0].sum())
     check_batch_rows(xm.shape[0], total, plan is not None, dim, limits.max_batch_tokens)
+    if plan is not None and plan[1].any():        # the verify rows of one engine's launch are padded as a whole
+        check_padded_verify(plan[0][plan[1]], total, limits.max_batch_tokens)
     check_one_token_rows(n if plan is None else int(np.count_nonzero(~plan[1] & (plan[0] == 1))), limits.max_bucket)
     return xm
 
@@ -97,19 +100,22 @@ def failure(parts: list, results: list, sids: list) -> BaseException:
     first = next((r for r in failed if isinstance(r, StateLost)), failed[0])
     done = sorted((i for p, r in zip(parts, results) if not isinstance(r, BaseException) for i in p[1]))
     if done and isinstance(first, ServiceError):
-        first = partly_applied(first, [sids[i] for i in done], "slices")
+        first = partly_applied(first, [sids[i] for i in done], "slices",
+                               any(isinstance(r, EngineTimeout) for r in failed))
     return first
 
 
-def partly_applied(err: ServiceError, applied: list, what: str) -> ServiceError:
+def partly_applied(err: ServiceError, applied: list, what: str, unknown: bool = False) -> ServiceError:
     """A copy of ``err`` (an engine's error may be one object shared by every request that was waiting on that
     engine) that lists ``applied``, the sessions whose part of the request ran, in its ``applied`` field and its
-    message."""
+    message. ``unknown``: a part's engine did not answer in time, so the others may have run too."""
     out = copy.copy(err)
     out.extra = {**err.extra, "applied": applied}
-    out.message = (f"{err.message} (this request was split across engines and only some parts ran: the {what} of "
-                   f"{applied!r:.300} were applied, the others not; see 'applied'. Send only the others again, or "
-                   "the request with positions)")
+    others = ("the others may or may not have been (an engine did not answer in time): GET their sessions before "
+              "sending them again" if unknown else
+              "the others not; see 'applied'. Send only the others again, or the request with positions")
+    out.message = (f"{err.message} (this request was split across engines and only some parts answered: the "
+                   f"{what} of {applied!r:.300} were applied, {others})")
     out.args = (out.message,)
     return out
 

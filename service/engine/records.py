@@ -14,11 +14,11 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from convserve.clients.protocol.errors import PayloadTooLarge
 from convserve.kernels import PAD_SLOT_ID
 
 from ..scheduler import Request, RowBatch
 from ..sessions import Session
+from .validate import check_padded_verify
 
 #: the decode rows of a batch that has none (read only)
 NO_ROWS = np.zeros(0, dtype=np.int64)
@@ -105,14 +105,7 @@ def plan_rows(b: BatchRows, xm: torch.Tensor, lengths: np.ndarray, spec: np.ndar
     b.dec_pos = starts[dec_rows]
     padded = total
     if len(ver_rows):
-        top = int(lengths[ver_rows].max())
-        b.verify_tokens = int(lengths[ver_rows].sum())
-        padded = total + top * len(ver_rows) - b.verify_tokens
-        if padded > max_tokens:
-            raise PayloadTooLarge(
-                f"x: the verify rows padded to the longest ({top} tokens) make {padded} tokens, over "
-                f"max_batch_tokens={max_tokens}; split the batch")
-        b.verify_len = top
+        b.verify_len, b.verify_tokens, padded = check_padded_verify(lengths[ver_rows], total, max_tokens)
     # only prefill rows, or only verify rows all of one length: the launch packs its rows in x's order,
     # one run, so y is one slice of the step's output (no gather index)
     gather = bool(n_dec) or (len(pre_rows) and len(ver_rows)) or padded != total

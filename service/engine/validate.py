@@ -216,3 +216,15 @@ def check_one_token_rows(n_one: int, max_bucket: int) -> None:
     if n_one > max_bucket:
         raise PayloadTooLarge(f"sessions: {n_one} one-token rows, more than the largest decode bucket "
                               f"({max_bucket}) takes in one launch; split the batch")
+
+
+def check_padded_verify(verify_lengths: np.ndarray, total: int, max_batch_tokens: int) -> tuple:
+    """A batch's verify rows run padded to the longest of them: ``(longest, their tokens, the batch's tokens
+    padded so)``, or :class:`PayloadTooLarge` past ``max_batch_tokens``."""
+    top = int(verify_lengths.max())
+    tokens = int(verify_lengths.sum())
+    padded = total + top * len(verify_lengths) - tokens
+    if padded > max_batch_tokens:
+        raise PayloadTooLarge(f"x: the verify rows padded to the longest ({top} tokens) make {padded} tokens, over "
+                              f"max_batch_tokens={max_batch_tokens}; split the batch")
+    return top, tokens, padded
