@@ -142,12 +142,11 @@ class Server:
                 self.svc.start_draining()
                 for server in self.servers:  # stop accepting connections now, not after the streams end
                     server.close()
-                budget = self.config.timeout_graceful_shutdown or 0
-                deadline = time.monotonic() + budget
-                await self.svc.wait_pipelines(budget)
-                # one shutdown_timeout_s for the whole drain: what the streams took is not granted again to
-                # uvicorn's wait (else a stream held open drains for twice the budget, past the supervisor's grace)
-                self.config.timeout_graceful_shutdown = max(deadline - time.monotonic(), 0.1)
+                # one shutdown_timeout_s for the whole drain, from the signal (svc.drain_deadline): what the streams
+                # took is not granted again to uvicorn's wait, nor to the engine's stop after it (else a stream held
+                # open drains for twice the budget, past the supervisor's grace)
+                await self.svc.wait_pipelines(max(self.svc.drain_deadline - time.monotonic(), 0.0))
+                self.config.timeout_graceful_shutdown = max(self.svc.drain_deadline - time.monotonic(), 0.1)
                 await super().shutdown(sockets)
 
         return _Server(config, svc)

@@ -69,6 +69,7 @@ class Service:
         self.offload_bytes = settings.parse_offload_bytes
         self._parse_pool: Optional[ThreadPoolExecutor] = None
         self.draining = False
+        self.drain_deadline = None     # monotonic: the end of the one shutdown_timeout_s a stop has in all
         self.failed: Optional[BaseException] = None
         self.pipelines: set = set()
         self.snapshots = None            # the Snapshotter of an in-process engine with state_dir
@@ -107,6 +108,7 @@ class Service:
         """Stop intake: /readyz turns 503, new requests and new stream frames get 503 not_ready."""
         if not self.draining:
             self.draining = True
+            self.drain_deadline = time.monotonic() + self.settings.shutdown_timeout_s
             log.info("draining", extra={"pipelines": len(self.pipelines)})
             for p in list(self.pipelines):
                 p.wake()
@@ -171,7 +173,10 @@ def create_app(settings, engine: EngineAPI, *, start_engine: bool = True, snapsh
             if starter is not None and not starter.done():
                 await starter
             if start_engine and svc.failed is None:
-                await asyncio.to_thread(stop, True, settings.shutdown_timeout_s)
+                # what is left of the stop's one budget (the streams and requests used the rest): a worker that
+                # took it twice over would outlive the supervisor's grace
+                left = max(0.1, svc.drain_deadline - time.monotonic())
+                await asyncio.to_thread(stop, True, left)
                 log.info("engine stopped")
 
     # redirect_slashes off: a path with a trailing slash is a 404 with an error map, not a 307 that a client
