@@ -217,7 +217,7 @@ def check_prefill_values(total, batch, conv_states, query_start_loc, cache_indic
 
 
 def check_update_values(conv_state, width, batch, conv_state_indices, num_accepted_tokens, output_state_indices,
-                        pad_slot_id, intermediate_conv_window=None):
+                        pad_slot_id, intermediate_conv_window=None, seqlen=None):
     """``validate_data``: the index values of a decode call, read on the host (this syncs)."""
     lines, _, state_len = conv_state.shape
     if conv_state_indices is not None:
@@ -237,6 +237,11 @@ def check_update_values(conv_state, width, batch, conv_state_indices, num_accept
         bad = [i for i in output_state_indices.flatten().tolist() if i >= lines]
         if bad:
             raise ValueError(f"output_state_indices: expected rows < {lines} (or negative to skip), got {bad}")
+        # the rows the launch saves windows to (live batch rows, their first seqlen tokens) are distinct
+        osi = output_state_indices[:batch, :seqlen].tolist()
+        live = [True] * batch if conv_state_indices is None else \
+            [i != pad_slot_id for i in conv_state_indices[:batch].tolist()]
+        _check_distinct("output_state_indices", [i for row, ok in zip(osi, live) if ok for i in row if i >= 0])
 
 
 def _check_distinct(name: str, rows: list) -> None:

@@ -181,7 +181,7 @@ def causal_conv1d_update_torch(
                                                   intermediate_conv_window, output_state_indices)
     if validate_data:
         check_update_values(conv_state, width, batch, conv_state_indices, num_accepted_tokens,
-                            output_state_indices, pad_slot_id, intermediate_conv_window)
+                            output_state_indices, pad_slot_id, intermediate_conv_window, seqlen)
     if out is None:
         out = torch.empty_like(x)
     else:

@@ -150,6 +150,12 @@ def test_validate_data_refuses_two_rows_writing_one_state_row():
         # a verify into intermediate windows leaves the live rows alone: reading one row twice is fine
         fn(xd, states.clone(), w, conv_state_indices=torch.tensor([2, 5, 2]), validate_data=True,
            intermediate_conv_window=torch.zeros(3, 2, 8, 3))
+        # two windows saved to one row race too; a pad row's, or one past the tokens, are not saved
+        with pytest.raises(ValueError, match="distinct"):
+            fn(xd, states.clone(), w, conv_state_indices=torch.tensor([0, 1, 2]), validate_data=True,
+               output_state_indices=torch.tensor([[3, 4], [5, 3], [-1, -1]]))
+        fn(xd, states.clone(), w, conv_state_indices=torch.tensor([0, PAD_SLOT_ID, 2]), validate_data=True,
+           output_state_indices=torch.tensor([[3, 4, 5], [3, 4, -1], [-1, -1, 4]]))
 
 
 def test_prefill_state_with_a_dim_stride_past_two_to_the_31_bytes_stays_64_bit():

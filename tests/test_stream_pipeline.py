@@ -55,7 +55,8 @@ def _service(window: int):
                                max_batch_size=4, stream_window=window,
                                max_body_objects=1024, max_json_body_bytes=1 << 20, body_timeout_s=60,
                                parse_offload_bytes=1 << 20, stream_buffer_bytes=16 << 20,
-                               client_shm=False, client_shm_segments=1, api_key_value=lambda: None)
+                               client_shm=False, client_shm_segments=1, shutdown_timeout_s=30,
+                               api_key_value=lambda: None)
     engine = FakeEngine()
     return Service(settings, engine, Metrics(stats=engine.stats)), engine
 
