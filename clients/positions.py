@@ -204,9 +204,7 @@ class PositionBook:
         """Whether an accept_batch's error lists ``applied`` sessions (split across engine processes, some parts
         committed); their accepts count."""
         ran = set(err.extra.get("applied") or ())
-        for s, n in zip(sessions, tokens):
-            if s in ran:
-                self.accepted(s, n)
+        self.ran_accepts(sessions, tokens, [s in ran for s in sessions])
         return bool(ran)
 
     def ran_accepts(self, sessions, tokens, ran: list) -> None:

@@ -6,6 +6,7 @@ GPU. Each failure is a ``ValueError`` that names the argument, what was expected
 
 from __future__ import annotations
 
+import collections
 from typing import Optional
 
 import torch
@@ -248,10 +249,6 @@ def _check_distinct(name: str, rows: list) -> None:
     """Rows that a launch writes are distinct: two batch rows writing one state row race (the programs run in
     any order on the GPU), so the contract forbids it and ``validate_data`` says so."""
     if len(set(rows)) != len(rows):
-        seen, dup = set(), []
-        for r in rows:
-            if r in seen:
-                dup.append(r)
-            seen.add(r)
+        dup = sorted(r for r, k in collections.Counter(rows).items() if k > 1)
         raise ValueError(f"{name}: expected distinct state rows (two batch rows writing one row race), row(s) "
-                         f"{sorted(set(dup))[:8]} given more than once")
+                         f"{dup[:8]} given more than once")

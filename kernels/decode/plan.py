@@ -186,7 +186,7 @@ def _update_slow(x, conv_state, weight, bias, activation, cache_seqlens, conv_st
         check_out(out, x, x)
     if validate_data:
         check_update_values(conv_state, width, batch, conv_state_indices, num_accepted_tokens,
-                                output_state_indices, pad_slot_id, intermediate_conv_window, seqlen)
+                            output_state_indices, pad_slot_id, intermediate_conv_window, seqlen)
     key = _update_key(x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices,
                       num_accepted_tokens, intermediate_conv_window, output_state_indices, pad_slot_id, out)
     guarded = _guarded(x, conv_state, weight, bias, conv_state_indices, num_accepted_tokens,

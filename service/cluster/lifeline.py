@@ -37,15 +37,14 @@ def exit_now(code: int) -> None:
     interpreter's teardown: that walks every object the process made (torch's among them) and took about a second
     per process, which every stop, restart and rolling update waited for. Nothing is left for it to do: sockets,
     snapshots and journals are closed by then, and the memory and devices go back with the process."""
+    import contextlib
     import logging
     import sys
 
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(OSError, ValueError):   # a closed or broken pipe: nothing more to say anyway
             stream.flush()
-        except (OSError, ValueError):  # a closed or broken pipe: nothing more to say anyway
-            pass
     os._exit(code)
 
 

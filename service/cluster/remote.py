@@ -424,12 +424,8 @@ class RemoteEngine(RemoteSessions, EngineHealth):
         """As :meth:`Engine.submit_async`. ``borrowed``: x is copied before this returns (into the arena, or a
         copy of its own that the message is sent from); what the engine computes with and checks is that copy."""
         e = engine_of(session_id, self.n) if isinstance(session_id, str) else 0
-        head = {"k": m.CONV, "s": session_id, "l": layer, "sp": speculative, "po": position}
-        if self.order:
-            waits = self.order.waits((session_id,))
-            if waits:
-                return self._after(waits, (session_id,), partial(self._conv, e, head), x, borrowed)
-        return self._conv(e, head, x, borrowed=borrowed)
+        return self._in_order(e, {"k": m.CONV, "s": session_id, "l": layer, "sp": speculative, "po": position},
+                              (session_id,), x, borrowed)
 
     submit = submit_async   # its callers (the stream pipeline) run on the loop too
 
@@ -439,12 +435,8 @@ class RemoteEngine(RemoteSessions, EngineHealth):
         groups = split(session_ids, self.n) if self.n > 1 else {0: None}
         if len(groups) == 1:
             (e,) = groups
-            head = {"k": m.BATCH, "ss": list(session_ids), "l": layer, "t": tokens, "sp": speculative, "po": position}
-            if self.order:
-                waits = self.order.waits(session_ids)
-                if waits:
-                    return self._after(waits, list(session_ids), partial(self._conv, e, head), x, borrowed)
-            return self._conv(e, head, x, borrowed=borrowed)
+            return self._in_order(e, {"k": m.BATCH, "ss": list(session_ids), "l": layer, "t": tokens,
+                                      "sp": speculative, "po": position}, session_ids, x, borrowed)
         if position is not None and (not isinstance(position, list) or len(position) != len(session_ids)):
             raise BadRequest(f"position: expected a list of {len(session_ids)} integers >= 0 (one per session)")
         if borrowed and isinstance(x, torch.Tensor):    # the parts are read after the engines' checks come back
@@ -494,6 +486,14 @@ class RemoteEngine(RemoteSessions, EngineHealth):
         for ix, r in zip(row_ix, results):
             y.index_copy_(0, ix, r)
         return y if y.dtype is y_dtype else y.to(y_dtype)
+
+    def _in_order(self, e: int, head: dict, sids, x, borrowed: bool) -> asyncio.Future:
+        """Send a conv or an unsplit batch to engine ``e`` now, or, when a split batch holds one of its sessions,
+        after it (:meth:`_after`)."""
+        waits = self.order.waits(sids) if self.order else None
+        if waits:
+            return self._after(waits, list(sids), partial(self._conv, e, head), x, borrowed)
+        return self._conv(e, head, x, borrowed=borrowed)
 
     def _after(self, waits: list, sids, send, x, borrowed: bool) -> asyncio.Future:
         """Send ``send(x)`` once ``waits`` (the sessions' tails, see :mod:`.session_order`) are done, as the new
