@@ -81,12 +81,7 @@ class ConvModel:
 
     def position(self, layer) -> int:
         """Position (0..n-1) of model layer ``layer``; raises :class:`UnknownLayer` for a layer without conv."""
-        if isinstance(layer, bool) or not isinstance(layer, int):
-            raise UnknownLayer(f"layer: expected an integer model layer index, got {layer!r}")
-        p = self._position.get(layer)
-        if p is None:
-            raise UnknownLayer(f"layer {layer} has no conv; conv layers are {self.layers}")
-        return p
+        return layer_position(layer, self._position, self.layers)
 
     def layer_bias(self, position: int) -> Optional[torch.Tensor]:
         return self.bias[position] if self.has_bias[position] else None
@@ -227,3 +222,14 @@ class ConvModel:
 def _raw_bytes(t: torch.Tensor) -> bytes:
     """The bytes of ``t`` in C order on the host (little-endian: the only byte order torch runs on here)."""
     return t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def layer_position(layer, positions: dict, layers: list) -> int:
+    """``positions[layer]`` (``{model layer: position}`` of the conv ``layers``); raises :class:`UnknownLayer`
+    for anything else, with the message every engine and worker answers."""
+    if isinstance(layer, bool) or not isinstance(layer, int):
+        raise UnknownLayer(f"layer: expected an integer model layer index, got {layer!r}")
+    p = positions.get(layer)
+    if p is None:
+        raise UnknownLayer(f"layer {layer} has no conv; conv layers are {layers}")
+    return p

@@ -11,6 +11,7 @@ import torch
 from convserve.clients.protocol.errors import NotReady, OutOfMemory, RequestTimeout, StateLost
 from convserve.service.cluster.remote import RemoteEngine
 from convserve.service.cluster.session_order import SessionOrder
+from convserve.service.cluster.split_batch import whole_model
 
 
 def _split(results: dict):
@@ -130,6 +131,7 @@ def test_a_borrowed_x_of_a_split_batch_is_copied_before_submit_returns(borrowed)
     caller's to keep unchanged (read in place)."""
     r = RemoteEngine.__new__(RemoteEngine)
     r.n, r.dim, r.model_dtype, r.order = 2, 4, torch.float32, SessionOrder()
+    r.whole_model = whole_model({"layers": [1], "dim": 4, "dtype": "float32"})
     r.limits = SimpleNamespace(max_batch_size=8, max_spec_tokens=4, max_batch_tokens=64, max_bucket=8,
                                check_finite=True)
     sent = {}

@@ -35,7 +35,7 @@ from typing import Any, Optional, Sequence
 import msgpack
 import torch
 
-from convserve.clients.protocol.errors import (BadRequest, EngineTimeout, EngineUnavailable, Internal, NotReady,
+from convserve.clients.protocol.errors import (EngineTimeout, EngineUnavailable, Internal, NotReady,
                                                ServiceError)
 
 from . import messages as m
@@ -47,7 +47,8 @@ from .health import EngineHealth
 from .placement import engine_of, split
 from .remote_ops import RemoteSessions
 from .shm import Arena
-from .split_batch import check_whole, check_positions, failure, parts_of, row_indices, sent_or_refused, sub
+from .split_batch import (check_whole, check_positions, failure, parts_of, row_indices, sent_or_refused, sub,
+                          whole_model)
 from .status import DOWN, STOPPED, UP, DownClock, StatusTable
 
 log = logging.getLogger("convserve.worker")
@@ -112,6 +113,7 @@ class RemoteEngine(RemoteSessions, EngineHealth):
         self.n = len(self.devices)
         self.info = info
         self.dim = int(info["dim"])
+        self.whole_model = whole_model(info)    # what a split batch's whole-batch check needs of the model
         self.status = StatusTable(os.path.join(run_dir, "status"))
         self.down = DownClock(self.status)
         self.arena_name = m.arena_name(worker, generation)
@@ -437,14 +439,12 @@ class RemoteEngine(RemoteSessions, EngineHealth):
             (e,) = groups
             return self._in_order(e, {"k": m.BATCH, "ss": list(session_ids), "l": layer, "t": tokens,
                                       "sp": speculative, "po": position}, session_ids, x, borrowed)
-        if position is not None and (not isinstance(position, list) or len(position) != len(session_ids)):
-            raise BadRequest(f"position: expected a list of {len(session_ids)} integers >= 0 (one per session)")
         if borrowed and isinstance(x, torch.Tensor):    # the parts are read after the engines' checks come back
             x = x.clone()
         sids = list(session_ids)
         # what needs no session state is checked on the whole batch here: no part is refused for it after
         # another part ran
-        xm = check_whole(sids, x, tokens, speculative, self.limits, self.model_dtype, self.dim)
+        xm = check_whole(sids, x, tokens, speculative, position, layer, self.limits, self.whole_model)
         hold = self.loop.create_future()           # this batch's sessions wait for its parts to be sent
         waits = self.order.waits(sids)
         self.order.hold(sids, hold)

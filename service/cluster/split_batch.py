@@ -14,8 +14,10 @@ import torch
 
 from convserve.clients.protocol.errors import EngineTimeout, PositionMismatch, ServiceError, StateLost
 
+from ..engine.positions import check_positions as check_position_list
 from ..engine.validate import (check_batch_plan, check_batch_rows, check_batch_sessions, check_one_token_rows,
                                check_padded_verify, check_x)
+from ..model import layer_position
 
 
 def batch_limits(settings) -> SimpleNamespace:
@@ -25,19 +27,30 @@ def batch_limits(settings) -> SimpleNamespace:
                            check_finite=settings.check_finite)
 
 
-def check_whole(sids: list, x, tokens, speculative, limits, model_dtype: torch.dtype, dim: int) -> torch.Tensor:
+def whole_model(info: dict) -> SimpleNamespace:
+    """What :func:`check_whole` needs of the model, from an engine's ``model_info()``."""
+    layers = list(info["layers"])
+    return SimpleNamespace(dim=int(info["dim"]), dtype=getattr(torch, info["dtype"]), layers=layers,
+                           positions={layer: p for p, layer in enumerate(layers)})
+
+
+def check_whole(sids: list, x, tokens, speculative, position, layer, limits, model) -> torch.Tensor:
     """The checks of a batch that need no session state, run on the whole batch before it is split, in the
     engine's order and with its messages (each engine would run them on its part only, and a part refused there
-    would leave the others applied): distinct sessions, the ``tokens`` / ``speculative`` plan within
-    ``max_spec_tokens``, x's dtype and shape, NaN/Inf after the cast to the model dtype (with ``check_finite``),
-    x's rows against the tokens, ``max_batch_tokens`` and the one-token rows against the largest decode bucket.
-    ``limits``: ``max_batch_size``, ``max_spec_tokens``, ``max_batch_tokens``, ``max_bucket``, ``check_finite``.
+    would leave the others applied): distinct sessions, ``position`` (one per session, or None), the layer, the
+    ``tokens`` / ``speculative`` plan within ``max_spec_tokens``, x's dtype and shape, NaN/Inf after the cast to
+    the model dtype (with ``check_finite``), x's rows against the tokens, ``max_batch_tokens`` and the one-token
+    rows against the largest decode bucket. ``limits``: ``max_batch_size``, ``max_spec_tokens``,
+    ``max_batch_tokens``, ``max_bucket``, ``check_finite``; ``model``: :func:`whole_model`.
     Returns x as the model dtype's contiguous CPU tensor, checked."""
     n = check_batch_sessions(sids, limits.max_batch_size)
+    if position is not None:
+        check_position_list(position, n)
+    layer_position(layer, model.positions, model.layers)
     plan = check_batch_plan(n, tokens, speculative, limits.max_spec_tokens)
-    xm, _ = check_x(SimpleNamespace(dim=dim, dtype=model_dtype), limits, x, False, rows="rows")
+    xm, _ = check_x(model, limits, x, False, rows="rows")
     total = n if plan is None else int(plan[0].sum())
-    check_batch_rows(xm.shape[0], total, plan is not None, dim, limits.max_batch_tokens)
+    check_batch_rows(xm.shape[0], total, plan is not None, model.dim, limits.max_batch_tokens)
     if plan is not None and plan[1].any():        # the verify rows of one engine's launch are padded as a whole
         check_padded_verify(plan[0][plan[1]], total, limits.max_batch_tokens)
     check_one_token_rows(n if plan is None else int(np.count_nonzero(~plan[1] & (plan[0] == 1))), limits.max_bucket)
