@@ -213,7 +213,7 @@ def _old_prefill(x, weight, bias, conv_states, query_start_loc, cache_indices, h
         weight.get_device(), tk(bias), tk(conv_states), query_start_loc.shape, query_start_loc.stride(),
         query_start_loc.dtype, query_start_loc.get_device(), tk(cache_indices), tk(has_initial_state), tk(out),
         activation, -1))
-    body, seq, copy_bias = plan  # each plan checks out against x (one check per plan)
+    body, seq, copy_bias, _ = plan  # each plan checks out against x (one check per plan; its arrays unit-stride)
     b = bias.contiguous() if copy_bias else bias
     for p in body:
         p(x, weight, b, out)

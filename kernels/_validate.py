@@ -13,7 +13,7 @@ import torch
 
 PAD_SLOT_ID = -1
 #: keyword arguments of the seed's API that the public functions take and do not need (any other is a TypeError)
-SEED_EXTRAS = frozenset(("metadata", "seq_lens_cpu"))
+SEED_EXTRAS = frozenset(("seq_lens_cpu",))
 
 
 def seed_args(kwargs: dict, pad_slot_id, fn: str) -> int:

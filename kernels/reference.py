@@ -39,10 +39,11 @@ def causal_conv1d_ref(
     has_initial_state: Optional[torch.Tensor] = None,
     activation="silu",
     pad_slot_id: int = PAD_SLOT_ID,
+    metadata=None,
+    validate_data: bool = False,
     *,
     out: Optional[torch.Tensor] = None,
     compute_dtype: torch.dtype = torch.float32,
-    validate_data: bool = False,
     **kwargs,
 ) -> torch.Tensor:
     """Reference for :func:`kernels.causal_conv1d_fn` (see there for the full contract).
@@ -70,8 +71,9 @@ def causal_conv1d_ref(
     init = has_initial_state.tolist() if has_initial_state is not None else [False] * batch
     for i in range(batch):
         start, end = qsl[i], qsl[i + 1]
-        if end <= start or (cache_indices is not None and idx[i] == pad_slot_id):
-            continue
+        if end <= start or (cache_indices is not None and (idx[i] == pad_slot_id or (
+                conv_states is not None and not 0 <= idx[i] < conv_states.shape[0]))):
+            continue                  # empty, a pad, or (with a pool) a row outside it: runs as a pad
         if conv_states is not None and init[i]:
             hist = conv_states[idx[i], :, :width - 1].to(compute_dtype)
         else:
@@ -95,10 +97,11 @@ def causal_conv1d_update_ref(
     intermediate_conv_window: Optional[torch.Tensor] = None,
     output_state_indices: Optional[torch.Tensor] = None,
     pad_slot_id: int = PAD_SLOT_ID,
+    metadata=None,
+    validate_data: bool = False,
     *,
     out: Optional[torch.Tensor] = None,
     compute_dtype: torch.dtype = torch.float32,
-    validate_data: bool = False,
     **kwargs,
 ) -> torch.Tensor:
     """Reference for :func:`kernels.causal_conv1d_update` (see there for the full contract).
@@ -131,9 +134,10 @@ def causal_conv1d_update_ref(
     # Read every window before writing any state (the rows a launch writes are distinct: the contract).
     windows = {}
     for bi in range(batch):
-        if conv_state_indices is not None and idx[bi] == pad_slot_id:
-            continue
         o = acc[bi] - 1
+        if (conv_state_indices is not None and idx[bi] == pad_slot_id) or not 0 <= idx[bi] < conv_state.shape[0] \
+                or o < 0 or o + width - 1 > state_len:
+            continue                  # a pad, or a row or window outside the pool: zeros, no state touched
         windows[bi] = conv_state[idx[bi], :, o:o + width - 1].to(compute_dtype)
     for bi in range(batch):
         if bi not in windows:
@@ -149,7 +153,7 @@ def causal_conv1d_update_ref(
             win_t = xe[:, t + 1:t + width]  # the window after token t
             if intermediate_conv_window is not None:
                 intermediate_conv_window[bi, t, :, :width - 1] = win_t.to(intermediate_conv_window.dtype)
-            if osi is not None and osi[bi][t] >= 0:
+            if osi is not None and 0 <= osi[bi][t] < conv_state.shape[0]:
                 conv_state[osi[bi][t], :, :width - 1] = win_t.to(conv_state.dtype)
         if writes_live:
             keep = min(state_len, width - 2 + seqlen)

@@ -80,10 +80,11 @@ def causal_conv1d_fn_torch(
     has_initial_state: Optional[torch.Tensor] = None,
     activation="silu",
     pad_slot_id: int = PAD_SLOT_ID,
+    metadata=None,
+    validate_data: bool = False,
     *,
     out: Optional[torch.Tensor] = None,
     compute_dtype: torch.dtype = torch.float32,
-    validate_data: bool = False,
     **kwargs,
 ) -> torch.Tensor:
     """Vectorized :func:`causal_conv1d_fn` (see there for the full contract).
@@ -110,8 +111,10 @@ def causal_conv1d_fn_torch(
     idx = (cache_indices[:batch].to(device=dev, dtype=torch.long) if cache_indices is not None
            else torch.arange(batch, device=dev))
     live = lens > 0
-    if cache_indices is not None:
+    if cache_indices is not None:     # as the kernels: a pad, or (with a pool) a row outside it, runs as a pad
         live &= idx != pad_slot_id
+        if conv_states is not None:
+            live &= (idx >= 0) & (idx < conv_states.shape[0])
     rows = live.nonzero().squeeze(1)                                    # (R,) sequences that run
     if rows.numel() == 0:
         return out
@@ -160,10 +163,11 @@ def causal_conv1d_update_torch(
     intermediate_conv_window: Optional[torch.Tensor] = None,
     output_state_indices: Optional[torch.Tensor] = None,
     pad_slot_id: int = PAD_SLOT_ID,
+    metadata=None,
+    validate_data: bool = False,
     *,
     out: Optional[torch.Tensor] = None,
     compute_dtype: torch.dtype = torch.float32,
-    validate_data: bool = False,
     **kwargs,
 ) -> torch.Tensor:
     """Vectorized :func:`causal_conv1d_update` (see there for the full contract).
@@ -192,12 +196,17 @@ def causal_conv1d_update_torch(
     dev = x.device
     idx = (conv_state_indices[:batch].to(device=dev, dtype=torch.long) if conv_state_indices is not None
            else torch.arange(batch, device=dev))
-    if (conv_state_indices is None or not bool((idx == pad_slot_id).any())) and weight.dim() == 2 \
-            and num_accepted_tokens is None:
+    # as the kernels: a row runs when its index is not the pad and lies in the pool, and its window (from
+    # num_accepted_tokens) lies in the row; any other row gives zeros and touches no state
+    live = (idx >= 0) & (idx < conv_state.shape[0])
+    if conv_state_indices is not None:                               # (without them row b is line b: no pads)
+        live &= idx != pad_slot_id
+    if num_accepted_tokens is not None:
+        first = num_accepted_tokens[:batch].to(device=dev, dtype=torch.long) - 1
+        live &= (first >= 0) & (first + h <= conv_state.shape[2])
+    elif weight.dim() == 2 and bool(live.all()):
         return _update_all_live(x3, out3, out, conv_state, idx, weight, bias, act is not None, h, seqlen,
                                 intermediate_conv_window, output_state_indices, compute_dtype)
-    live = (idx != pad_slot_id) if conv_state_indices is not None else torch.ones(batch, dtype=torch.bool,
-                                                                                    device=dev)
     out3.masked_fill_(~live[:, None, None], 0)
     rows = live.nonzero().squeeze(1)
     if rows.numel() == 0:
@@ -229,7 +238,7 @@ def causal_conv1d_update_torch(
             intermediate_conv_window[rows, :seqlen, :, :h] = after.to(intermediate_conv_window.dtype)
         if output_state_indices is not None:
             osi = output_state_indices[:batch, :seqlen].to(device=dev, dtype=torch.long)[rows]  # (R, seqlen)
-            keep = osi >= 0
+            keep = (osi >= 0) & (osi < conv_state.shape[0])
             conv_state[osi[keep], :, :h] = after[keep].to(conv_state.dtype)
     else:
         keep = min(conv_state.shape[2], width - 2 + seqlen)
@@ -269,7 +278,7 @@ def _update_all_live(x3, out3, out, conv_state, lines, weight, bias, silu: bool,
             intermediate_conv_window[:batch, :seqlen, :, :h] = after.to(intermediate_conv_window.dtype)
         if output_state_indices is not None:
             osi = output_state_indices[:batch, :seqlen].to(device=x3.device, dtype=torch.long)
-            keep = osi >= 0
+            keep = (osi >= 0) & (osi < conv_state.shape[0])
             if bool(keep.any()):
                 conv_state[osi[keep], :, :h] = after[keep].to(conv_state.dtype)
         return out

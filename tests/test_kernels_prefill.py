@@ -39,8 +39,8 @@ def run_both(x, weight, bias, states, qsl, idx, init, activation="silu"):
     y = causal_conv1d_fn(x, weight, bias, st_k, qsl, idx, init, activation, out=out)
     assert y is out
     ref = causal_conv1d_ref(x.cpu(), weight.cpu(), bias.cpu() if bias is not None else None,
-                            st_r, qsl.cpu(),
-                            idx.cpu() if idx is not None else None, init.cpu() if init is not None else None,
+                            st_r, qsl.cpu().contiguous(), idx.cpu().contiguous() if idx is not None else None,
+                            init.cpu().contiguous() if init is not None else None,
                             activation, compute_dtype=torch.float64)
     return y, st_k, ref, st_r
 
@@ -226,7 +226,7 @@ def test_heads_pass_by_columns_matches_reference(case, monkeypatch, kernel_devic
     args = random_batch(gen, rng, dim, width, layout, DTYPES[case % 3], kernel_device, n_seq=1 + case, max_len=24,
                         tail=[0, 3, 21][case % 3] + 16, long_share=0.6)
     y, st_k, ref, st_r = run_both(*args, activation=[None, "silu"][case % 2])
-    [(body, heads, _)] = prefill_plan._PLANS.values()
+    [(body, heads, *_)] = prefill_plan._PLANS.values()
     assert body and heads.constexprs["COLUMNS"]
     check(y, st_k, ref, st_r, DTYPES[case % 3])
 
@@ -375,6 +375,30 @@ def test_strided_bias_is_read_by_channel(kernel_device):
     idx = torch.tensor([2, 0], dtype=torch.int32, device=kernel_device)
     init = torch.tensor([True, False], device=kernel_device)
     check(*run_both(x, w, b, states, qsl, idx, init), torch.float32)
+
+
+def _column(t):
+    """``t`` as a column of a two-column table (stride 2), as a framework's metadata slice may be."""
+    table = torch.zeros(t.shape[0], 2, dtype=t.dtype, device=t.device)
+    table[:, 0] = t
+    return table[:, 0]
+
+
+@pytest.mark.parametrize("strided", ["query_start_loc", "cache_indices", "has_initial_state", "all"])
+@pytest.mark.parametrize("layout", ["channels_first", "channels_last"])
+def test_strided_metadata_is_read_by_sequence_on_the_first_and_the_planned_call(strided, layout, kernel_device):
+    """query_start_loc, cache_indices and has_initial_state as strided views give the reference's outputs and
+    state rows, on the call that builds the plan and on the next one (the cached plan's path)."""
+    gen, rng = torch.Generator().manual_seed(SEED + 7), random.Random(SEED + 7)
+    for call in range(2):
+        x, w, b, states, qsl, idx, init = random_batch(gen, rng, 33, 4, layout, torch.float32, kernel_device,
+                                                      n_seq=5, max_len=20, tail=3, long_share=0.8)
+        names = ["query_start_loc", "cache_indices", "has_initial_state"] if strided == "all" else [strided]
+        meta = {"query_start_loc": qsl, "cache_indices": idx, "has_initial_state": init}
+        meta.update({k: _column(meta[k]) for k in names})
+        assert all(meta[k].stride(0) == 2 for k in names)
+        check(*run_both(x, w, b, states, meta["query_start_loc"], meta["cache_indices"],
+                        meta["has_initial_state"]), torch.float32)
 
 
 def test_default_output_is_allocated_like_x(kernel_device):

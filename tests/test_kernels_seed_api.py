@@ -1,5 +1,6 @@
 """The seed's calling conventions on every op (Triton, vectorized PyTorch, reference): its extra keyword
-arguments (``metadata``, ``seq_lens_cpu``) are taken and not needed, any other unknown keyword is a TypeError (a
+arguments (``metadata``, ``seq_lens_cpu``) are taken and not needed, ``metadata`` and ``validate_data`` by position
+too (the seed's parameters 10-11 / 12-13), any other unknown keyword is a TypeError (a
 misspelled ``conv_state_indices`` must not update the wrong rows), and ``pad_slot_id=None`` (the seed's "no pad
 marker") works as the default marker: rows outside the pool are skipped either way."""
 
@@ -79,3 +80,31 @@ def test_a_sequence_major_update_x_and_a_conv1d_weight_are_named_with_the_fix(op
         UPDATE_OPS[op](torch.randn(3, 2, DIM, device=kernel_device), st, w)
     with pytest.raises(ValueError, match=r"^weight: .*nn.Conv1d's \(dim, 1, width\) is weight.squeeze\(1\)"):
         UPDATE_OPS[op](x, st, w[:, None, :])
+
+
+@pytest.mark.parametrize("op", list(PREFILL_OPS))
+def test_prefill_takes_metadata_and_validate_data_by_position_as_the_seed_orders_them(op, kernel_device):
+    fn = PREFILL_OPS[op]
+    x, w, st, qsl, ci, hs = _prefill_args(kernel_device)
+    s0, s1 = st.clone(), st.clone()
+    y0 = fn(x, w, None, s0, qsl, ci, hs, "silu", PAD_SLOT_ID)
+    y1 = fn(x, w, None, s1, qsl, ci, hs, "silu", PAD_SLOT_ID, object(), True)
+    assert_close(y1, y0, torch.float32)
+    assert_close(s1, s0, torch.float32)
+    bad = torch.tensor([2, 2], dtype=torch.int32, device=kernel_device)    # one row for two sequences
+    with pytest.raises(ValueError):                    # validate_data=True by position: the values are checked
+        fn(x, w, None, st.clone(), qsl, bad, hs, "silu", PAD_SLOT_ID, None, True)
+
+
+@pytest.mark.parametrize("op", list(UPDATE_OPS))
+def test_update_takes_metadata_and_validate_data_by_position_as_the_seed_orders_them(op, kernel_device):
+    fn = UPDATE_OPS[op]
+    x, w, st, idx = _update_args(kernel_device)
+    s0, s1 = st.clone(), st.clone()
+    y0 = fn(x, s0, w, None, "silu", None, idx)
+    y1 = fn(x, s1, w, None, "silu", None, idx, None, None, None, PAD_SLOT_ID, object(), True)
+    assert_close(y1, y0, torch.float32)
+    assert_close(s1, s0, torch.float32)
+    bad = torch.tensor([0, 0, 2], dtype=torch.int32, device=kernel_device)
+    with pytest.raises(ValueError):
+        fn(x, st.clone(), w, None, "silu", None, bad, None, None, None, PAD_SLOT_ID, None, True)

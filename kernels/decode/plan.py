@@ -70,9 +70,10 @@ def causal_conv1d_update(
     intermediate_conv_window: Optional[torch.Tensor] = None,
     output_state_indices: Optional[torch.Tensor] = None,
     pad_slot_id: int = PAD_SLOT_ID,
+    metadata=None,
+    validate_data: bool = False,
     *,
     out: Optional[torch.Tensor] = None,
-    validate_data: bool = False,
     **kwargs,
 ) -> torch.Tensor:
     """One decode step (or a few tokens: chunked decode, speculative verify) against a state pool.
@@ -99,8 +100,9 @@ def causal_conv1d_update(
             ``[0, width - 1)`` of row ``output_state_indices[i, t]`` when that is >= 0. The live state is then
             left untouched. Such a row may be the one read in this call, but not another batch entry's.
         pad_slot_id: the pad marker.
-        out: optional output buffer shaped like ``x`` (must not be ``x``).
+        metadata: the seed's precomputed launch metadata; accepted (by position too) and not needed.
         validate_data: also check index values on the device (this syncs; for debugging).
+        out: optional output buffer shaped like ``x`` (must not be ``x``).
 
     Without ``intermediate_conv_window`` and ``output_state_indices`` the live row is rewritten: its first
     ``n = min(state_len, width - 2 + seqlen)`` columns become the last ``n`` positions of ``[window | x]``. On a

@@ -51,9 +51,10 @@ def causal_conv1d_fn(
     has_initial_state: Optional[torch.Tensor] = None,
     activation="silu",
     pad_slot_id: int = PAD_SLOT_ID,
+    metadata=None,
+    validate_data: bool = False,
     *,
     out: Optional[torch.Tensor] = None,
-    validate_data: bool = False,
     **kwargs,
 ) -> torch.Tensor:
     """Causal depthwise conv1d over variable-length sequences packed along tokens.
@@ -76,9 +77,11 @@ def causal_conv1d_fn(
             capture size, as serving frameworks build them): entries past ``batch`` are never read.
         activation: None, "silu"/"swish" or True/False.
         pad_slot_id: the pad marker in ``cache_indices``.
-        out: optional output buffer shaped like ``x`` (must not be ``x``).
+        metadata: the seed's precomputed launch metadata; accepted (by position too) and not needed.
         validate_data: also check index values on the device (this syncs; for debugging).
-        **kwargs: the seed's extra arguments (``metadata``, ``seq_lens_cpu``) are accepted and not needed.
+        out: optional output buffer shaped like ``x`` (must not be ``x``).
+        **kwargs: the seed's extra ``seq_lens_cpu`` is accepted and not needed; any other keyword is a TypeError
+            (a misspelled argument must not be ignored).
 
     Returns:
         ``(dim, total_tokens)`` in x's dtype. Tokens past ``query_start_loc[batch]`` and tokens of pad
@@ -90,7 +93,8 @@ def causal_conv1d_fn(
     # A layout seen before launches at once: the guards kept for x's shape, the activation and pad_slot_id
     # (_PLANS.guards, filled by _prefill_slow) check every tensor's shape, strides, dtype and device in one C++
     # call. Everything else (first calls, bad arguments, validate_data, empty x) takes _prefill_slow, which checks
-    # the arguments and finds or builds the plan: (body plans, sequence plan, copy_bias), keyed on _prefill_key.
+    # the arguments and finds or builds the plan: (body plans, sequence plan, copy_bias, copy_index), keyed on
+    # _prefill_key.
     plan = None
     try:
         entries = _PLANS.guards.get((x.shape, activation, pad_slot_id))
@@ -111,8 +115,11 @@ def causal_conv1d_fn(
                              activation, pad_slot_id, out, validate_data)
     if out is None:
         out = torch.empty_like(x)
-    body, seq, copy_bias = plan
+    body, seq, copy_bias, copy_index = plan
     b = weight if bias is None else bias.contiguous() if copy_bias else bias
+    if copy_index:
+        query_start_loc, cache_indices, has_initial_state = _unit_stride(query_start_loc, cache_indices,
+                                                                         has_initial_state)
     # every plan checks that out is not x's buffer (check_out); absent tensors are stand-ins it never reads
     for p in body:
         p.fast(x, weight, b, out)
@@ -120,6 +127,11 @@ def causal_conv1d_fn(
              query_start_loc if cache_indices is None else cache_indices,
              query_start_loc if has_initial_state is None else has_initial_state, out)
     return out
+
+
+def _unit_stride(*tensors):
+    """Each of ``tensors`` (or None) with stride 1 along its one dimension."""
+    return tuple(None if t is None else t.contiguous() for t in tensors)
 
 
 def _guarded(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state, out):
@@ -140,7 +152,8 @@ def _prefill_key(x, weight, bias, conv_states, query_start_loc, cache_indices, h
 def _prefill_slow(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state, activation,
                   pad_slot_id, out, validate_data):
     """``causal_conv1d_fn`` without a plan (or with ``validate_data``): check the arguments, build and cache the
-    plan (none for an empty x), launch. A strided bias is copied per call (the plan's ``copy_bias``)."""
+    plan (none for an empty x), launch. A strided bias is copied per call (the plan's ``copy_bias``), and so are
+    strided ``query_start_loc`` / ``cache_indices`` / ``has_initial_state`` (its ``copy_index``)."""
     dim, total, width, batch, act = check_prefill(x, weight, bias, conv_states, query_start_loc, cache_indices,
                                                   has_initial_state, activation)
     if out is not None:
@@ -157,10 +170,17 @@ def _prefill_slow(x, weight, bias, conv_states, query_start_loc, cache_indices, 
     copy_bias = bias is not None and bias.stride(0) != 1
     if copy_bias:  # the kernels read bias with stride 1 along dim
         bias = bias.contiguous()
+    # the kernels read the per-sequence arrays with stride 1: a strided view (a column of a metadata table) is
+    # copied per call, as a strided bias is
+    copy_index = any(t is not None and t.numel() > 1 and t.stride(0) != 1
+                     for t in (query_start_loc, cache_indices, has_initial_state))
+    if copy_index:
+        query_start_loc, cache_indices, has_initial_state = _unit_stride(query_start_loc, cache_indices,
+                                                                         has_initial_state)
     plan = _PLANS.get(key)
     if plan is None:
         plan = (*_plan_prefill(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state, out,
-                               width, batch, act is not None, pad_slot_id), copy_bias)
+                               width, batch, act is not None, pad_slot_id), copy_bias, copy_index)
         # how the calls pass absent tensors (see LaunchPlan.called_as)
         no_bias = {2: 1} if bias is None else {}
         for p in plan[0]:
@@ -171,7 +191,7 @@ def _prefill_slow(x, weight, bias, conv_states, query_start_loc, cache_indices, 
         plan[1].called_as(same, alias=(0, 7))
         _PLANS[key] = plan
     add_guard(_PLANS, (x.shape, activation, pad_slot_id), guarded, plan)
-    body, seq, _ = plan
+    body, seq = plan[:2]
     b = bias if bias is not None else weight
     for p in body:
         p(x, weight, b, out)
