@@ -1,11 +1,13 @@
 """bench/bench_isolation.py runs its idle and flooded legs on CPU against a real server and writes every figure
 (the H200 numbers come from the same code)."""
 
+import pytest
 import json
 
 from tests.benches import load_bench
 
 
+@pytest.mark.slow  # a long run: `pytest -m slow` (kept out of CI's 10 minutes)
 def test_the_idle_and_flooded_legs_run_and_report_the_probe_and_the_flood(tmp_path):
     mod = load_bench("bench_isolation")       # the probe and the flood run in spawned processes: found by name
     out = tmp_path / "isolation.json"

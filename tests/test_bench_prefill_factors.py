@@ -1,6 +1,7 @@
 """bench/bench_prefill_factors.py --smoke runs in a fresh process (the CPU interpreter without CUDA), checks every
 launch it times (its tile-copy kernels must copy) and writes its JSON and Markdown."""
 
+import pytest
 import json
 import os
 import subprocess
@@ -10,6 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # a long run: `pytest -m slow` (kept out of CI's 10 minutes)
 def test_prefill_factors_smoke_runs_and_writes_every_factor(tmp_path):
     out = tmp_path / "f.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))

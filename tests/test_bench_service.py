@@ -1,6 +1,7 @@
 """bench/bench_service.py's frontend-step legs run on CPU against a real server and echo server and write every
 figure (the H200 numbers come from the same code)."""
 
+import pytest
 import json
 
 from tests.benches import load_bench
@@ -10,6 +11,7 @@ def _bench():
     return load_bench("bench_service")
 
 
+@pytest.mark.slow  # a long run: `pytest -m slow` (kept out of CI's 10 minutes)
 def test_the_step_legs_run_and_report_calls_steps_and_the_echo_ratio(tmp_path):
     out = tmp_path / "service.json"
     rc = _bench().main(["--device", "cpu", "--legs", "step,step-mixed,step-shm,step-echo", "--concurrency", "1,17",

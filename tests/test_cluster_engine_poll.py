@@ -32,7 +32,8 @@ def _cpu_during(pid: int, seconds: float) -> float:
     return _cpu_s(pid) - c0
 
 
-@pytest.mark.parametrize("poll_us", [pytest.param(0, marks=pytest.mark.slow), 1_000_000])
+@pytest.mark.slow  # a long run, and CPU time under load: `pytest -m slow` (kept out of CI)
+@pytest.mark.parametrize("poll_us", [0, 1_000_000])
 def test_the_engine_process_polls_for_engine_busy_poll_us_after_a_request_then_sleeps(poll_us):
     srv = LiveServer([*ARGS, "--engine-busy-poll-us", str(poll_us)])
     try:

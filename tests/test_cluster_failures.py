@@ -491,6 +491,7 @@ def test_sigterm_during_the_engines_build_stops_at_once_and_exits_0(tmp_path):
             proc.wait(10)
 
 
+@pytest.mark.slow  # a long run: `pytest -m slow` (kept out of CI's 10 minutes)
 def test_every_log_line_of_a_multi_process_server_names_its_process():
     srv = LiveServer(ARGS)
     try:

@@ -1,6 +1,7 @@
 """A serving process freezes its start-up objects out of the cyclic GC once it serves (service/gcfreeze.py); a
 library caller's process is left as it is."""
 
+import pytest
 import gc
 import time
 
@@ -38,6 +39,7 @@ def _frozen(srv: LiveServer, n: int) -> list:
     return [r for r in srv.logs if r.get("msg") == FROZEN]
 
 
+@pytest.mark.slow  # a long run: `pytest -m slow` (kept out of CI's 10 minutes)
 def test_the_engine_process_and_each_http_worker_freeze_once_up():
     srv = LiveServer(["--workers", "2", "--dim", "8", "--slots", "4"])
     try:
@@ -49,6 +51,7 @@ def test_the_engine_process_and_each_http_worker_freeze_once_up():
     assert not [line for line in srv.raw if "leaked" in line]     # thawed before the interpreter's exit
 
 
+@pytest.mark.slow  # a long run: `pytest -m slow` (kept out of CI's 10 minutes)
 def test_the_one_process_of_workers_0_freezes_once_its_engine_is_up():
     srv = LiveServer(["--workers", "0", "--dim", "8", "--slots", "4"])
     try:

@@ -84,6 +84,7 @@ def client_venv(wheel, tmp_path_factory) -> Path:
     return env_dir
 
 
+@pytest.mark.slow  # a long run: `pytest -m slow` (kept out of CI's 10 minutes)
 def test_the_client_side_installs_and_runs_without_torch(client_venv, tmp_path):
     py = client_venv / "bin" / "python"
     probe = ("import importlib.util as u, sys\n"
