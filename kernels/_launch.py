@@ -42,9 +42,11 @@ TUNING = {
     # prefill, channels-last body (x and out with stride(0) == 1, dim * T >= min_elems), then the heads pass:
     # 8 * 32 * num_warps channels per program, rows_per_step rows per loop step, chunks of at most max_chunk
     # tokens (halved until there are min_programs programs); persistent k > 0: instead of a program per chunk,
-    # about k programs per SM (a multiple of the channel blocks), each looping over chunks of one channel block
+    # about k programs per SM (a multiple of the channel blocks), each looping over chunks of one channel block;
+    # prefetch: each step's tile loaded that many steps before its use; stages > 0: instead the step loop
+    # software-pipelined by Triton (tl.range num_stages)
     "prefill_body_channels_last": dict(num_warps=2, rows_per_step=4, max_chunk=128, min_programs=132 * 16,
-                                       min_elems=1 << 24, max_width=8, persistent=0),
+                                       min_elems=1 << 24, max_width=8, persistent=0, prefetch=1, stages=0),
     # the heads pass after either body: channels per program (at most head_elems / HEAD, so a [HEAD, BLOCK_D]
     # head tile stays in registers at widths 6-8), elements per zeroing step of a pad; columns: the index, flag,
     # taps and bias in the bounds' round of loads and the head column by column, one channel per thread (off:

@@ -129,13 +129,33 @@ def _halo(x_col, t, stride_x_t, mask_d):
 
 
 @triton.jit
-def _chunk(x_ptr, out_ptr, dim, T, stride_x_t, stride_o_t, w, bias, d0, c0, WIDTH: tl.constexpr,
-           SILU: tl.constexpr, LOG_U: tl.constexpr, CHUNK: tl.constexpr, EVEN_D: tl.constexpr,
-           BLOCK_D: tl.constexpr):
-    """out over tokens [c0, c0 + CHUNK) of channels [d0, d0 + BLOCK_D): w, the WIDTH taps, and bias, each
-    [BLOCK_D] fp32."""
+def _load_step(p, mask_x, EVEN_D: tl.constexpr):
+    """One step's tile [BLOCK_D, 2, .., 2] at pointers p (masked by channel unless EVEN_D)."""
+    if EVEN_D:
+        v = tl.load(p)
+    else:
+        v = tl.load(p, mask=mask_x, other=0.0)
+    return v
+
+
+@triton.jit
+def _push(q, v):
+    """The queue q without its oldest tile, then v."""
+    out = ()
+    for j in tl.static_range(1, len(q)):
+        out = out + (q[j],)
+    return out + (v,)
+
+
+@triton.jit
+def _chunk(x_ptr, out_ptr, dim, stride_x_t, stride_o_t, w, bias, d0, c0, n_tok, WIDTH: tl.constexpr,
+           SILU: tl.constexpr, LOG_U: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr,
+           DEPTH: tl.constexpr, STAGES: tl.constexpr):
+    """out over tokens [c0, c0 + n_tok) of channels [d0, d0 + BLOCK_D), the window reaching back to c0 - WIDTH + 1
+    (x[t < 0] = 0): w, the WIDTH taps, and bias, each [BLOCK_D] fp32. Each step's tile is loaded DEPTH steps
+    before it is used (clamped to the last full step, which then re-reads itself); STAGES > 0: instead, loaded in
+    its own step and the loop software-pipelined by Triton into STAGES stages."""
     U: tl.constexpr = 1 << LOG_U
-    n_tok = tl.minimum(CHUNK, T - c0)
     ld = tl.arange(0, BLOCK_D)  # [BLOCK_D]
     mask_d = ld < dim - d0
 
@@ -151,23 +171,28 @@ def _chunk(x_ptr, out_ptr, dim, T, stride_x_t, stride_o_t, w, bias, d0, c0, WIDT
     mask_x = (dd < dim - d0) & (tt >= 0)  # [BLOCK_D, 2, .., 2]
     n_full = n_tok // U
     if n_full > 0:
-        if EVEN_D:
-            nxt = tl.load(x_ptrs)
+        if STAGES > 0:
+            for i in tl.range(0, n_full, num_stages=STAGES):
+                cur = _load_step(x_ptrs + i * (U * stride_x_t), mask_x, EVEN_D)
+                y, win = _window_rows(cur, win, w, bias, WIDTH, SILU, LOG_U, out_ptr.dtype.element_ty)
+                if EVEN_D:
+                    tl.store(o_ptrs + i * (U * stride_o_t), y)
+                else:
+                    tl.store(o_ptrs + i * (U * stride_o_t), y, mask=mask_x)
         else:
-            nxt = tl.load(x_ptrs, mask=mask_x, other=0.0)
-        for i in range(n_full):
-            cur = nxt
-            p_next = x_ptrs + tl.minimum(i + 1, n_full - 1) * (U * stride_x_t)  # the last step re-reads its own
-            if EVEN_D:
-                nxt = tl.load(p_next)
-            else:
-                nxt = tl.load(p_next, mask=mask_x, other=0.0)
-            y, win = _window_rows(cur, win, w, bias, WIDTH, SILU, LOG_U, out_ptr.dtype.element_ty)
-            if EVEN_D:
-                tl.store(o_ptrs + i * (U * stride_o_t), y)
-            else:
-                tl.store(o_ptrs + i * (U * stride_o_t), y, mask=mask_x)
-    if U > 1:  # the last n_tok % U tokens (only in the last chunk)
+            q = (_load_step(x_ptrs, mask_x, EVEN_D),)  # the tiles of steps i .. i + DEPTH - 1, the oldest first
+            for j in tl.static_range(1, DEPTH):
+                q = q + (_load_step(x_ptrs + tl.minimum(j, n_full - 1) * (U * stride_x_t), mask_x, EVEN_D),)
+            for i in range(n_full):
+                cur = q[0]
+                p_next = x_ptrs + tl.minimum(i + DEPTH, n_full - 1) * (U * stride_x_t)
+                q = _push(q, _load_step(p_next, mask_x, EVEN_D))
+                y, win = _window_rows(cur, win, w, bias, WIDTH, SILU, LOG_U, out_ptr.dtype.element_ty)
+                if EVEN_D:
+                    tl.store(o_ptrs + i * (U * stride_o_t), y)
+                else:
+                    tl.store(o_ptrs + i * (U * stride_o_t), y, mask=mask_x)
+    if U > 1:  # the last n_tok % U tokens
         rem = n_tok - n_full * U
         if rem > 0:
             mask = (tt < rem) & (dd < dim - d0)
@@ -193,6 +218,8 @@ def _channels_last_body_kernel(
     BLOCK_D: tl.constexpr,  # 8 * 32 * num_warps: every thread holds 8 channels of all U rows
     PERSISTENT: tl.constexpr,  # a grid of a multiple of cdiv(dim, BLOCK_D) programs, each looping over chunks
     #                            of its channel block; else one program per chunk
+    DEPTH: tl.constexpr,  # steps between a tile's load and its use (>= 1)
+    STAGES: tl.constexpr,  # > 0: the step loop software-pipelined by Triton instead (DEPTH unused)
 ):
     """out = conv along tokens as if all T tokens were one sequence (x[t < 0] = 0)."""
     pid = tl.program_id(0)
@@ -208,17 +235,17 @@ def _channels_last_body_kernel(
         # the grid is a multiple of n_d, so a program keeps its channel block, and its taps, in every turn
         for c in range(pid // n_d, tl.cdiv(T, CHUNK), tl.num_programs(0) // n_d):
             c0 = c * CHUNK + pid * 0  # a tensor also where the interpreter's loop counter is an int
-            _chunk(x_ptr, out_ptr, dim, T, stride_x_t, stride_o_t, w, bias, d0, c0, WIDTH, SILU, LOG_U, CHUNK,
-                   EVEN_D, BLOCK_D)
+            _chunk(x_ptr, out_ptr, dim, stride_x_t, stride_o_t, w, bias, d0, c0, tl.minimum(CHUNK, T - c0), WIDTH,
+                   SILU, LOG_U, EVEN_D, BLOCK_D, DEPTH, STAGES)
     else:
-        _chunk(x_ptr, out_ptr, dim, T, stride_x_t, stride_o_t, w, bias, d0, (pid // n_d) * CHUNK, WIDTH, SILU,
-               LOG_U, CHUNK, EVEN_D, BLOCK_D)
+        c0 = (pid // n_d) * CHUNK
+        _chunk(x_ptr, out_ptr, dim, stride_x_t, stride_o_t, w, bias, d0, c0, tl.minimum(CHUNK, T - c0), WIDTH,
+               SILU, LOG_U, EVEN_D, BLOCK_D, DEPTH, STAGES)
 
 
-def channels_last_body_plan(x, weight, bias, out, silu):
-    """The body launch for x / out (dim, T), or None when the path does not apply: x and out with stride(0) == 1,
-    width <= max_width and at least min_elems elements (below that the piece kernel's short tiles keep more
-    programs busy). Called as plan(x, weight, bias, out), bias replaced by any tensor when None."""
+def _body_tiling(x, weight, out):
+    """(warps, rows per step, channels per program, channel blocks, chunk, programs) of the body over x / out
+    (dim, T), or None when the body does not apply (see channels_last_body_plan)."""
     t = TUNING["prefill_body_channels_last"]
     dim, total = x.shape
     if (x.stride(0) != 1 or out.stride(0) != 1 or dim * total < t["min_elems"]
@@ -232,9 +259,30 @@ def channels_last_body_plan(x, weight, bias, out, silu):
     while chunk > u and n_d * -(-total // chunk) < t["min_programs"]:
         chunk //= 2
     chunk = max(chunk, u)
-    programs = n_d * -(-total // chunk)
+    return warps, u, block_d, n_d, chunk, n_d * -(-total // chunk)
+
+
+def _loop_constexprs() -> dict:
+    """The step loop's prefetch depth and software-pipelining stages, from TUNING."""
+    t = TUNING["prefill_body_channels_last"]
+    depth, stages = t.get("prefetch", 1), t.get("stages", 0)
+    assert depth >= 1 and stages >= 0, "prefetch >= 1, stages >= 0"
+    return dict(DEPTH=depth, STAGES=stages)
+
+
+def channels_last_body_plan(x, weight, bias, out, silu):
+    """The body launch for x / out (dim, T), or None when the path does not apply: x and out with stride(0) == 1,
+    width <= max_width and at least min_elems elements (below that the piece kernel's short tiles keep more
+    programs busy). Called as plan(x, weight, bias, out), bias replaced by any tensor when None."""
+    t = TUNING["prefill_body_channels_last"]
+    tiling = _body_tiling(x, weight, out)
+    if tiling is None:
+        return None
+    warps, u, block_d, n_d, chunk, programs = tiling
+    dim, total = x.shape
     constexprs = dict(WIDTH=weight.shape[1], HAS_BIAS=bias is not None, SILU=silu, LOG_U=u.bit_length() - 1,
-                      CHUNK=chunk, EVEN_D=dim % block_d == 0, BLOCK_D=block_d, PERSISTENT=False)
+                      CHUNK=chunk, EVEN_D=dim % block_d == 0, BLOCK_D=block_d, PERSISTENT=False,
+                      **_loop_constexprs())
     if t.get("persistent", 0) > 0:  # persistent programs per SM (0: one program per chunk)
         programs = min(programs, max(1, _sm_count(x.device) * t["persistent"] // n_d) * n_d)
         constexprs["PERSISTENT"] = True
