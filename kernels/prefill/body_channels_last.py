@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .._launch import TUNING, LaunchPlan
-from .heads import _load_bias, _load_taps
+from .heads import _head_columns, _load_bias, _load_taps, _sequence_row
 
 
 @triton.jit
@@ -243,6 +243,106 @@ def _channels_last_body_kernel(
                SILU, LOG_U, EVEN_D, BLOCK_D, DEPTH, STAGES)
 
 
+@triton.jit
+def _sequence_at(qsl_ptr, t, batch, SEARCH: tl.constexpr):
+    """(s, start, end): the sequence s in [0, batch] holding token t (batch: the tail past qsl[batch]) and its
+    bounds qsl[s], qsl[s + 1] (int64; end unused when s == batch), counted SEARCH keys at a time with independent
+    vector loads: s + 1 = #{i <= batch: qsl[i] <= t}, start = the largest of those keys, end = the smallest
+    other key."""
+    count = t.to(tl.int32) * 0
+    start = t.to(tl.int64) * 0
+    end = start + (1 << 62)
+    for b0 in range(0, batch + 1, SEARCH):
+        i = b0 + tl.arange(0, SEARCH)  # [SEARCH]
+        m = i <= batch
+        key = tl.load(qsl_ptr + i, mask=m, other=0).to(tl.int64)  # [SEARCH]
+        below = m & (key <= t)  # [SEARCH]
+        count += tl.sum(below.to(tl.int32), axis=0)
+        start = tl.maximum(start, tl.max(tl.where(below, key, 0), axis=0))
+        end = tl.minimum(end, tl.min(tl.where(m & (key > t), key, 1 << 62), axis=0))
+    return tl.maximum(count - 1, 0), start, end
+
+
+@triton.jit
+def _channels_last_fold_kernel(
+    x_ptr,  # (dim, T), stride_x_d == 1
+    w_ptr,  # (dim, WIDTH)
+    b_ptr,  # (dim,), read when HAS_BIAS
+    state_ptr,  # (num_lines, dim, state_len >= WIDTH - 1), read/written when HAS_STATE
+    qsl_ptr,  # (batch + 1,) int32/int64: query_start_loc
+    idx_ptr,  # (>= batch,) cache_indices (the first batch read), when HAS_INDICES
+    init_ptr,  # (>= batch,) has_initial_state (nonzero: true; the first batch read), when HAS_INIT
+    out_ptr,  # (dim, T), stride_o_d == 1
+    dim, T, batch, num_lines, pad_slot_id,
+    stride_x_t, stride_w_d, stride_w_k, stride_s_line, stride_s_d, stride_s_k, stride_o_t,
+    n_body,  # body programs: program ids below n_body, one per (chunk, channel block)
+    WIDTH: tl.constexpr,  # 2-8
+    HAS_BIAS: tl.constexpr,
+    HAS_STATE: tl.constexpr,
+    HAS_INDICES: tl.constexpr,
+    HAS_INIT: tl.constexpr,
+    SILU: tl.constexpr,
+    LOG_U: tl.constexpr,  # U = 2**LOG_U token rows per loop step
+    CHUNK: tl.constexpr,  # tokens per body program, a multiple of U
+    EVEN_D: tl.constexpr,  # dim % BLOCK_D == 0
+    BLOCK_D: tl.constexpr,  # 8 * 32 * num_warps
+    DEPTH: tl.constexpr,  # steps between a tile's load and its use
+    STAGES: tl.constexpr,  # > 0: the step loop software-pipelined by Triton instead
+    SEARCH: tl.constexpr,  # query_start_loc keys per vector load of the sequence search
+):
+    """causal_conv1d_fn in one launch: the body and the heads pass as disjoint sets of programs.
+
+    Body program (chunk, channel block), pid < n_body: for each real sequence s overlapping the chunk, the
+    outputs of its tokens in [qsl[s] + WIDTH - 1, qsl[s + 1]) within the chunk (their windows lie inside s).
+    Sequence program (s, channel block), pid >= n_body, s in [0, batch]: s's head (its first WIDTH - 1 tokens)
+    and new state, or, for a pad sequence or the tail (s == batch), zeros over all its tokens. So every output
+    element is written by exactly one program, each state row read and written by one program per channel
+    block, and no program reads out or a state row another program writes."""
+    pid = tl.program_id(0)
+    n_d = tl.cdiv(dim, BLOCK_D)
+    is_body = pid < n_body
+    q = tl.where(is_body, pid, pid - n_body)
+    d0 = (q % n_d) * BLOCK_D
+    ld = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    mask_d = ld < dim - d0
+    w = _load_taps(w_ptr + (d0 + ld) * stride_w_d, stride_w_k, mask_d, WIDTH, False)  # WIDTH x [BLOCK_D] fp32
+    bias = _load_bias(b_ptr, d0, ld, mask_d, HAS_BIAS, False, BLOCK_D)  # [BLOCK_D]
+    if is_body:
+        c0 = (q // n_d) * CHUNK
+        c1 = tl.minimum(c0 + CHUNK, T)
+        s, start, end = _sequence_at(qsl_ptr, c0, batch, SEARCH)
+        while (s < batch) & (start < c1):
+            is_real, line, hist_lim = _sequence_row(idx_ptr, init_ptr, s, batch, num_lines, pad_slot_id, WIDTH,
+                                                    HAS_INDICES, HAS_STATE, False)
+            lo = tl.maximum(c0.to(tl.int64), start + (WIDTH - 1))  # the head is the sequence programs'
+            hi = tl.minimum(c1.to(tl.int64), end)
+            if is_real & (lo < hi):
+                _chunk(x_ptr, out_ptr, dim, stride_x_t, stride_o_t, w, bias, d0, lo, hi - lo, WIDTH, SILU, LOG_U,
+                       EVEN_D, BLOCK_D, DEPTH, STAGES)
+            s += 1
+            start = end
+            end = tl.load(qsl_ptr + tl.minimum(s + 1, batch)).to(tl.int64)
+    else:
+        s = q // n_d
+        start = tl.load(qsl_ptr + s).to(tl.int64)
+        end = tl.where(s < batch, tl.load(qsl_ptr + tl.minimum(s + 1, batch)).to(tl.int64), T)
+        is_real, line, hist_lim = _sequence_row(idx_ptr, init_ptr, s, batch, num_lines, pad_slot_id, WIDTH,
+                                                HAS_INDICES, HAS_STATE, HAS_INIT)
+        if start < end:  # an empty sequence writes nothing, its state stays
+            if is_real:
+                _head_columns(x_ptr + start * stride_x_t + d0, out_ptr + start * stride_o_t + d0, state_ptr, w,
+                              bias, ld, mask_d, d0, line, start * 0, end - start, hist_lim, 1, stride_x_t, 1,
+                              stride_o_t, stride_s_line, stride_s_d, stride_s_k, WIDTH, HAS_STATE, SILU)
+            else:
+                U: tl.constexpr = 1 << LOG_U
+                tt, dd = _step_offsets(BLOCK_D, LOG_U)  # [1, 2, .., 2] tokens, [BLOCK_D, 1, .., 1] channels
+                zeros = tl.zeros(tt.shape, dtype=out_ptr.dtype.element_ty) + tl.zeros(
+                    dd.shape, dtype=out_ptr.dtype.element_ty)  # [BLOCK_D, 2, .., 2]
+                for t0 in range(start, end, U):
+                    zmask = (tt < end - t0) & (dd < dim - d0)  # [BLOCK_D, 2, .., 2]
+                    tl.store(out_ptr + (t0 * stride_o_t + d0) + (dd + tt * stride_o_t), zeros, mask=zmask)
+
+
 def _body_tiling(x, weight, out):
     """(warps, rows per step, channels per program, channel blocks, chunk, programs) of the body over x / out
     (dim, T), or None when the body does not apply (see channels_last_body_plan)."""
@@ -288,6 +388,28 @@ def channels_last_body_plan(x, weight, bias, out, silu):
         constexprs["PERSISTENT"] = True
     return LaunchPlan(_channels_last_body_kernel, (programs, 1),
                       (dim, total, x.stride(1), weight.stride(0), weight.stride(1), out.stride(1)), constexprs, warps,
+                      x.device)
+
+
+def channels_last_fold_plan(x, weight, bias, conv_states, cache_indices, has_initial_state, out, width, batch,
+                            silu, pad_slot_id):
+    """The whole op in one launch (``_channels_last_fold_kernel``) when TUNING's fold is on and the body applies to
+    x / out (dim, total_tokens), else None. Called as the heads pass is: plan(x, weight, bias, conv_states,
+    query_start_loc, cache_indices, has_initial_state, out), every optional tensor replaced by any tensor."""
+    tiling = _body_tiling(x, weight, out)
+    if not TUNING["prefill_body_channels_last"].get("fold") or tiling is None:
+        return None
+    warps, u, block_d, n_d, chunk, programs = tiling
+    dim, total = x.shape
+    has_state = conv_states is not None
+    s_strides = conv_states.stride() if has_state else (0, 0, 0)
+    scalars = (dim, total, batch, conv_states.shape[0] if has_state else 0, pad_slot_id, x.stride(1),
+               weight.stride(0), weight.stride(1), *s_strides, out.stride(1), programs)
+    constexprs = dict(WIDTH=width, HAS_BIAS=bias is not None, HAS_STATE=has_state,
+                      HAS_INDICES=cache_indices is not None, HAS_INIT=has_initial_state is not None and has_state, SILU=silu,
+                      LOG_U=u.bit_length() - 1, CHUNK=chunk, EVEN_D=dim % block_d == 0, BLOCK_D=block_d,
+                      SEARCH=64, **_loop_constexprs())
+    return LaunchPlan(_channels_last_fold_kernel, (programs + (batch + 1) * n_d, 1), scalars, constexprs, warps,
                       x.device)
 
 
