@@ -289,6 +289,7 @@ def _channels_last_fold_kernel(
     DEPTH: tl.constexpr,  # steps between a tile's load and its use
     STAGES: tl.constexpr,  # > 0: the step loop software-pipelined by Triton instead
     SEARCH: tl.constexpr,  # query_start_loc keys per vector load of the sequence search
+    ONE_SEQ: tl.constexpr,  # batch == 1: the body programs need no search
 ):
     """causal_conv1d_fn in one launch: the body and the heads pass as disjoint sets of programs.
 
@@ -310,18 +311,29 @@ def _channels_last_fold_kernel(
     if is_body:
         c0 = (q // n_d) * CHUNK
         c1 = tl.minimum(c0 + CHUNK, T)
-        s, start, end = _sequence_at(qsl_ptr, c0, batch, SEARCH)
-        while (s < batch) & (start < c1):
-            is_real, line, hist_lim = _sequence_row(idx_ptr, init_ptr, s, batch, num_lines, pad_slot_id, WIDTH,
+        if ONE_SEQ:  # the bounds and the index at fixed addresses: one round of loads, no search
+            start = tl.load(qsl_ptr).to(tl.int64)
+            end = tl.load(qsl_ptr + 1).to(tl.int64)
+            is_real, line, hist_lim = _sequence_row(idx_ptr, init_ptr, pid * 0, 1, num_lines, pad_slot_id, WIDTH,
                                                     HAS_INDICES, HAS_STATE, False)
             lo = tl.maximum(c0.to(tl.int64), start + (WIDTH - 1))  # the head is the sequence programs'
             hi = tl.minimum(c1.to(tl.int64), end)
             if is_real & (lo < hi):
                 _chunk(x_ptr, out_ptr, dim, stride_x_t, stride_o_t, w, bias, d0, lo, hi - lo, WIDTH, SILU, LOG_U,
                        EVEN_D, BLOCK_D, DEPTH, STAGES)
-            s += 1
-            start = end
-            end = tl.load(qsl_ptr + tl.minimum(s + 1, batch)).to(tl.int64)
+        else:
+            s, start, end = _sequence_at(qsl_ptr, c0, batch, SEARCH)
+            while (s < batch) & (start < c1):  # each real sequence overlapping the chunk: its tokens past the head
+                is_real, line, hist_lim = _sequence_row(idx_ptr, init_ptr, s, batch, num_lines, pad_slot_id, WIDTH,
+                                                        HAS_INDICES, HAS_STATE, False)
+                lo = tl.maximum(c0.to(tl.int64), start + (WIDTH - 1))
+                hi = tl.minimum(c1.to(tl.int64), end)
+                if is_real & (lo < hi):
+                    _chunk(x_ptr, out_ptr, dim, stride_x_t, stride_o_t, w, bias, d0, lo, hi - lo, WIDTH, SILU,
+                           LOG_U, EVEN_D, BLOCK_D, DEPTH, STAGES)
+                s += 1
+                start = end
+                end = tl.load(qsl_ptr + tl.minimum(s + 1, batch)).to(tl.int64)
     else:
         s = q // n_d
         start = tl.load(qsl_ptr + s).to(tl.int64)
@@ -408,7 +420,7 @@ def channels_last_fold_plan(x, weight, bias, conv_states, cache_indices, has_ini
     constexprs = dict(WIDTH=width, HAS_BIAS=bias is not None, HAS_STATE=has_state,
                       HAS_INDICES=cache_indices is not None, HAS_INIT=has_initial_state is not None and has_state, SILU=silu,
                       LOG_U=u.bit_length() - 1, CHUNK=chunk, EVEN_D=dim % block_d == 0, BLOCK_D=block_d,
-                      SEARCH=64, **_loop_constexprs())
+                      SEARCH=64, ONE_SEQ=batch == 1, **_loop_constexprs())
     return LaunchPlan(_channels_last_fold_kernel, (programs + (batch + 1) * n_d, 1), scalars, constexprs, warps,
                       x.device)
 
