@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .._launch import TUNING, LaunchPlan
-from .heads import _head_columns, _load_bias, _load_taps, _sequence_row
+from .heads import _head_columns, _load_bias, _load_taps, _sequence_at, _sequence_row
 
 
 @triton.jit
@@ -241,26 +241,6 @@ def _channels_last_body_kernel(
         c0 = (pid // n_d) * CHUNK
         _chunk(x_ptr, out_ptr, dim, stride_x_t, stride_o_t, w, bias, d0, c0, tl.minimum(CHUNK, T - c0), WIDTH,
                SILU, LOG_U, EVEN_D, BLOCK_D, DEPTH, STAGES)
-
-
-@triton.jit
-def _sequence_at(qsl_ptr, t, batch, SEARCH: tl.constexpr):
-    """(s, start, end): the sequence s in [0, batch] holding token t (batch: the tail past qsl[batch]) and its
-    bounds qsl[s], qsl[s + 1] (int64; end unused when s == batch), counted SEARCH keys at a time with independent
-    vector loads: s + 1 = #{i <= batch: qsl[i] <= t}, start = the largest of those keys, end = the smallest
-    other key."""
-    count = t.to(tl.int32) * 0
-    start = t.to(tl.int64) * 0
-    end = start + (1 << 62)
-    for b0 in range(0, batch + 1, SEARCH):
-        i = b0 + tl.arange(0, SEARCH)  # [SEARCH]
-        m = i <= batch
-        key = tl.load(qsl_ptr + i, mask=m, other=0).to(tl.int64)  # [SEARCH]
-        below = m & (key <= t)  # [SEARCH]
-        count += tl.sum(below.to(tl.int32), axis=0)
-        start = tl.maximum(start, tl.max(tl.where(below, key, 0), axis=0))
-        end = tl.minimum(end, tl.min(tl.where(m & (key > t), key, 1 << 62), axis=0))
-    return tl.maximum(count - 1, 0), start, end
 
 
 @triton.jit
