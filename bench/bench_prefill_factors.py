@@ -19,11 +19,12 @@ through ``tests/tolerance.py``, states bit for bit), ``triton.testing.do_bench``
    and without the SiLU: the cost per tap and of the activation;
 7. channels-last only, ``body_persistent{k}``: the body with a persistent grid of about k programs per SM (each
    looping over chunks; TUNING's ``persistent``, off by default), checked bit for bit against the default first;
-8. channels-last only, ``e2e_{variant}`` (and ``body_{variant}`` where there is a separate body) for each of
-   ``VARIANTS``, TUNING knobs of the channels-last body that are off by default: ``prefetch`` k (each step's tile
-   loaded k steps ahead), ``stages`` n (the step loop software-pipelined by Triton), ``fold`` (the heads pass done
-   by extra programs of the body's launch: one launch), and fold with each loop variant; each checked bit for bit
-   (output and state) against the default first. ``e2e_again``: the default once more after them (drift).
+8. ``e2e_{variant}`` (and ``body_{variant}`` where there is a separate body) for each of the layout's
+   ``VARIANTS``, TUNING knobs of the body that are off by default: channels-last ``prefetch`` k (each step's tile
+   loaded k steps ahead), ``stages`` n (the step loop software-pipelined by Triton), and, both layouts, ``fold``
+   (the heads pass done by extra programs of the body's launch: one launch), channels-last also with each loop
+   variant; each checked bit for bit (output and state) against the default first. ``e2e_again``: the default
+   once more after them (drift).
    ``--variants`` times only e2e, copy and these (a shorter device run).
 
 Writes a JSON (device, date, versions, every time) to --out and prints a Markdown table of each factor as a
@@ -64,10 +65,13 @@ from tests.tolerance import REL_TOL, rel_err  # noqa: E402
 SHAPES = [(4195, 8192), (11027, 8192), (14807, 8192)]
 PERSISTENT = (3, 6, 12)  # channels-last body: also timed with a persistent grid of k programs per SM (6 fit)
 LAYOUTS = ("channels-first", "channels-last")
-# channels-last body: TUNING knobs off by default, each timed end to end after a bit-for-bit check
-VARIANTS = (("prefetch2", dict(prefetch=2)), ("prefetch3", dict(prefetch=3)), ("stages2", dict(stages=2)),
-            ("stages3", dict(stages=3)), ("fold", dict(fold=True)), ("fold_prefetch2", dict(fold=True, prefetch=2)),
-            ("fold_prefetch3", dict(fold=True, prefetch=3)), ("fold_stages3", dict(fold=True, stages=3)))
+# the bodies' TUNING knobs, off by default, each timed end to end after a bit-for-bit check, per layout
+VARIANTS = {"channels-last": (("prefetch2", dict(prefetch=2)), ("prefetch3", dict(prefetch=3)),
+                              ("stages2", dict(stages=2)), ("stages3", dict(stages=3)), ("fold", dict(fold=True)),
+                              ("fold_prefetch2", dict(fold=True, prefetch=2)),
+                              ("fold_prefetch3", dict(fold=True, prefetch=3)),
+                              ("fold_stages3", dict(fold=True, stages=3))),
+            "channels-first": (("fold", dict(fold=True)),)}
 # smoke: tiny shapes, with the bodies' tiles shrunk so they apply (as tests/test_kernels_prefill.py does)
 SMOKE_SHAPES = [(37, 6)]
 SMOKE_TUNING = dict(
@@ -219,8 +223,7 @@ def run_case(T, dim, layout, device, smoke, seed, variants_only=False):
     row["e2e"] = t(lambda: causal_conv1d_fn(x, w, b, st_k, qsl, idx, init, "silu", out=out))
     if variants_only:
         row["copy"] = t(lambda: y.copy_(x))
-        if body[0].fn.__name__ == "_channels_last_body_kernel":
-            row.update(loop_variants(x, w, b, st, qsl, idx, init, t))
+        row.update(loop_variants(layout, x, w, b, st, qsl, idx, init, t))
         return row
     row["body"] = t(lambda: [p.fast(x, w, b, out) for p in body])
     row["heads"] = t(lambda: heads.fast(x, w, b, st_k, qsl, idx, init, out))
@@ -236,22 +239,22 @@ def run_case(T, dim, layout, device, smoke, seed, variants_only=False):
     if body[0].fn.__name__ == "_channels_last_body_kernel":
         for k in PERSISTENT:
             row.update(persistent_body(k, x, w, b, st, qsl, idx, init, heads, t))
-        row.update(loop_variants(x, w, b, st, qsl, idx, init, t))
+    row.update(loop_variants(layout, x, w, b, st, qsl, idx, init, t))
     return row
 
 
-def loop_variants(x, w, b, st, qsl, idx, init, t) -> dict:
-    """For each of VARIANTS (channels-last body knobs in TUNING), the op end to end (``e2e_{name}``) and, where
+def loop_variants(layout, x, w, b, st, qsl, idx, init, t) -> dict:
+    """For each of the layout's VARIANTS (body knobs in TUNING), the op end to end (``e2e_{name}``) and, where
     the variant keeps a separate body launch, that launch alone (``body_{name}``), each after checking output and
     state bit for bit against the default path (``{name}_ok``); then ``e2e_again``, the default once more."""
-    key = "prefill_body_channels_last"
+    key = "prefill_body_" + layout.replace("-", "_")
     saved = _launch.TUNING[key]
     pplan._PLANS.clear()
     want_st = st.clone()
     want = causal_conv1d_fn(x, w, b, want_st, qsl, idx, init, "silu")
     res = {}
     try:
-        for name, knobs in VARIANTS:
+        for name, knobs in VARIANTS[layout]:
             _launch.TUNING[key] = dict(saved, **knobs)
             pplan._PLANS.clear()
             out, st_k = torch.full_like(x, float("nan")), st.clone()
@@ -373,10 +376,10 @@ def markdown(res) -> str:
 
 
 def variants_markdown(res) -> list:
-    """The channels-last variants' table: e2e µs (copy/ours), and the body alone where it is a separate launch
-    (channels-first rows: the default only, the variants do not apply)."""
-    names = [n for n, _ in VARIANTS]
-    lines = ["Channels-last variants (TUNING, off by default), e2e µs (copy/e2e) [body alone µs]; each checked bit "
+    """The variants' table: e2e µs (copy/ours), and the body alone where it is a separate launch (channels-first
+    rows: the fold only)."""
+    names = [n for n, _ in VARIANTS["channels-last"]]
+    lines = ["Body variants (TUNING, off by default), e2e µs (copy/e2e) [body alone µs]; each checked bit "
              "for bit against the default first:", "",
              "| shape | layout | copy | default e2e | " + " | ".join(names) + " | default again |",
              "|---|---|---|---|" + "---|" * len(names) + "---|"]
