@@ -18,12 +18,20 @@ through ``tests/tolerance.py``, states bit for bit), ``triton.testing.do_bench``
    constexpr, reading the first columns of the same weights; width 1 only channels-first, whose kernel allows it)
    and without the SiLU: the cost per tap and of the activation;
 7. channels-last only, ``body_persistent{k}``: the body with a persistent grid of about k programs per SM (each
-   looping over chunks; TUNING's ``persistent``, off by default), checked bit for bit against the default first.
+   looping over chunks; TUNING's ``persistent``, off by default), checked bit for bit against the default first;
+8. ``e2e_{variant}`` (and ``body_{variant}`` where there is a separate body) for each of the layout's
+   ``VARIANTS``, TUNING knobs of the body that are off by default: channels-last ``prefetch`` k (each step's tile
+   loaded k steps ahead), ``stages`` n (the step loop software-pipelined by Triton), and, both layouts, ``fold``
+   (the heads pass done by extra programs of the body's launch: one launch), channels-last also with each loop
+   variant; each checked bit for bit (output and state) against the default first. ``e2e_again``: the default
+   once more after them (drift).
+   ``--variants`` times only e2e, copy and these (a shorter device run).
 
 Writes a JSON (device, date, versions, every time) to --out and prints a Markdown table of each factor as a
 fraction of ``e2e`` with the copy/ours ratios (also written next to the JSON, ``.md``).
 
     python bench/bench_prefill_factors.py --out $OUT/factors.json
+    python bench/bench_prefill_factors.py --variants --out $OUT/variants.json   # e2e, copy and VARIANTS only
     python bench/bench_prefill_factors.py --smoke --out /tmp/f.json   # CPU interpreter, tiny shapes, no timing
 """
 
@@ -57,6 +65,13 @@ from tests.tolerance import REL_TOL, rel_err  # noqa: E402
 SHAPES = [(4195, 8192), (11027, 8192), (14807, 8192)]
 PERSISTENT = (3, 6, 12)  # channels-last body: also timed with a persistent grid of k programs per SM (6 fit)
 LAYOUTS = ("channels-first", "channels-last")
+# the bodies' TUNING knobs, off by default, each timed end to end after a bit-for-bit check, per layout
+VARIANTS = {"channels-last": (("prefetch2", dict(prefetch=2)), ("prefetch3", dict(prefetch=3)),
+                              ("stages2", dict(stages=2)), ("stages3", dict(stages=3)), ("fold", dict(fold=True)),
+                              ("fold_prefetch2", dict(fold=True, prefetch=2)),
+                              ("fold_prefetch3", dict(fold=True, prefetch=3)),
+                              ("fold_stages3", dict(fold=True, stages=3))),
+            "channels-first": (("fold", dict(fold=True)),)}
 # smoke: tiny shapes, with the bodies' tiles shrunk so they apply (as tests/test_kernels_prefill.py does)
 SMOKE_SHAPES = [(37, 6)]
 SMOKE_TUNING = dict(
@@ -181,7 +196,7 @@ def timer(smoke):
     return lambda fn: triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
 
 
-def run_case(T, dim, layout, device, smoke, seed):
+def run_case(T, dim, layout, device, smoke, seed, variants_only=False):
     gen = torch.Generator().manual_seed(seed)
     x, w, b, st, qsl, idx, init = make_inputs(T, dim, layout, device, gen)
     pplan._PLANS.clear()
@@ -206,6 +221,10 @@ def run_case(T, dim, layout, device, smoke, seed):
         return row
     t = timer(smoke)
     row["e2e"] = t(lambda: causal_conv1d_fn(x, w, b, st_k, qsl, idx, init, "silu", out=out))
+    if variants_only:
+        row["copy"] = t(lambda: y.copy_(x))
+        row.update(loop_variants(layout, x, w, b, st, qsl, idx, init, t))
+        return row
     row["body"] = t(lambda: [p.fast(x, w, b, out) for p in body])
     row["heads"] = t(lambda: heads.fast(x, w, b, st_k, qsl, idx, init, out))
     row.update(heads_by_columns(x, w, b, st, qsl, idx, init, ref, st_r, t))
@@ -220,7 +239,40 @@ def run_case(T, dim, layout, device, smoke, seed):
     if body[0].fn.__name__ == "_channels_last_body_kernel":
         for k in PERSISTENT:
             row.update(persistent_body(k, x, w, b, st, qsl, idx, init, heads, t))
+    row.update(loop_variants(layout, x, w, b, st, qsl, idx, init, t))
     return row
+
+
+def loop_variants(layout, x, w, b, st, qsl, idx, init, t) -> dict:
+    """For each of the layout's VARIANTS (body knobs in TUNING), the op end to end (``e2e_{name}``) and, where
+    the variant keeps a separate body launch, that launch alone (``body_{name}``), each after checking output and
+    state bit for bit against the default path (``{name}_ok``); then ``e2e_again``, the default once more."""
+    key = "prefill_body_" + layout.replace("-", "_")
+    saved = _launch.TUNING[key]
+    pplan._PLANS.clear()
+    want_st = st.clone()
+    want = causal_conv1d_fn(x, w, b, want_st, qsl, idx, init, "silu")
+    res = {}
+    try:
+        for name, knobs in VARIANTS[layout]:
+            _launch.TUNING[key] = dict(saved, **knobs)
+            pplan._PLANS.clear()
+            out, st_k = torch.full_like(x, float("nan")), st.clone()
+            causal_conv1d_fn(x, w, b, st_k, qsl, idx, init, "silu", out=out)
+            (body, seq, _), = pplan._PLANS.values()
+            res[f"{name}_kernels"] = [p.fn.__name__ for p in (*body, seq)]
+            res[f"{name}_ok"] = ok = bool(torch.equal(out, want) and torch.equal(st_k, want_st))
+            if not ok:
+                continue
+            res[f"e2e_{name}"] = t(lambda: causal_conv1d_fn(x, w, b, st_k, qsl, idx, init, "silu", out=out))
+            if body:
+                res[f"body_{name}"] = t(lambda bp=body: [p.fast(x, w, b, out) for p in bp])
+    finally:
+        _launch.TUNING[key] = saved
+        pplan._PLANS.clear()
+    out, st_k = torch.empty_like(x), st.clone()
+    res["e2e_again"] = t(lambda: causal_conv1d_fn(x, w, b, st_k, qsl, idx, init, "silu", out=out))
+    return res
 
 
 def heads_by_columns(x, w, b, st, qsl, idx, init, ref, st_ref, t) -> dict:
@@ -267,7 +319,7 @@ def persistent_body(k, x, w, b, st, qsl, idx, init, heads, t) -> dict:
 # ----------------------------------------------------------------------------------------------- report
 def derived(r) -> dict:
     """Fractions of e2e and ratios from one row's times (µs)."""
-    if "e2e" not in r:
+    if "body" not in r:
         return {}
     e = r["e2e"]
     d = dict(copy_over_e2e=r["copy"] / e, copy_over_body=r["copy"] / r["body"],
@@ -303,8 +355,10 @@ def markdown(res) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         d = r.get("derived") or {}
-        if not d:
+        if not r["ok"]:
             lines.append(f"| {r['T']}x{r['dim']} | {r['layout']} | WRONG (err {r['rel_err']:.1e}) |" + " |" * 14)
+            continue
+        if not d:  # --variants: not measured
             continue
 
         def pc(k):
@@ -318,7 +372,30 @@ def markdown(res) -> str:
     lines += ["", "Fractions are of e2e; body, heads and tile copy are each timed alone (do_bench, L2 flushed), the "
               "launch gap is e2e - body - heads, per tap is the slope of the body's time over widths "
               "1/2-3-4."]
-    return "\n".join(lines)
+    return "\n".join(lines + ["", *variants_markdown(res)])
+
+
+def variants_markdown(res) -> list:
+    """The variants' table: e2e µs (copy/ours), and the body alone where it is a separate launch (channels-first
+    rows: the fold only)."""
+    names = [n for n, _ in VARIANTS["channels-last"]]
+    lines = ["Body variants (TUNING, off by default), e2e µs (copy/e2e) [body alone µs]; each checked bit "
+             "for bit against the default first:", "",
+             "| shape | layout | copy | default e2e | " + " | ".join(names) + " | default again |",
+             "|---|---|---|---|" + "---|" * len(names) + "---|"]
+    for r in res["rows"]:
+        if "e2e" not in r:
+            continue
+        cells = []
+        for n in names:
+            if not r.get(f"{n}_ok", False):
+                cells.append("WRONG" if f"{n}_ok" in r else "-")
+                continue
+            body = f" [{r[f'body_{n}']:.1f}]" if f"body_{n}" in r else ""
+            cells.append(f"{r[f'e2e_{n}']:.1f} ({r['copy'] / r[f'e2e_{n}']:.2f}){body}")
+        lines.append(f"| {r['T']}x{r['dim']} | {r['layout']} | {r['copy']:.1f} | {r['e2e']:.1f} ({r['copy'] / r['e2e']:.2f}) | "
+                     + " | ".join(cells) + (f" | {r['e2e_again']:.1f} |" if "e2e_again" in r else " | - |"))
+    return lines
 
 
 def main(argv=None) -> int:
@@ -328,6 +405,8 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shapes in the CPU interpreter (or on the GPU): checks only, times meaningless")
     ap.add_argument("--seed", type=int, default=None, help="input seed (default: fresh)")
+    ap.add_argument("--variants", action="store_true",
+                    help="time only e2e, copy and the channels-last VARIANTS (after the same checks)")
     a = ap.parse_args(argv)
     smoke = a.smoke or not torch.cuda.is_available()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -343,7 +422,7 @@ def main(argv=None) -> int:
     rows = []
     for T, dim in SMOKE_SHAPES if smoke else SHAPES:
         for layout in LAYOUTS:
-            r = run_case(T, dim, layout, device, smoke, seed + T)
+            r = run_case(T, dim, layout, device, smoke, seed + T, a.variants)
             r["derived"] = derived(r)
             rows.append(r)
             print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items() if k != "derived"},

@@ -77,3 +77,61 @@ def bounds_checked():
         yield found
     finally:
         builder.create_masked_load, builder.create_masked_store, executor.__call__ = load, store, call
+
+
+@contextlib.contextmanager
+def program_accesses():
+    """Within the block, every load and store lane a kernel launch in the interpreter makes (on the lanes its mask
+    lets through) is logged with the program that made it: yields the log, a list of ``(kernel, "load" |
+    "store", program (x, y, z), element addresses)`` for :func:`cross_program_conflicts`."""
+    try:
+        from triton.runtime import interpreter as interp
+
+        builder, executor = interp.InterpreterBuilder, interp.GridExecutor
+        load, store, call = builder.create_masked_load, builder.create_masked_store, executor.__call__
+    except (ImportError, AttributeError) as e:
+        pytest.skip(f"this Triton's interpreter has no hooks for the access log ({e})")
+    log: list = []
+    current = [None]
+
+    def record(op, self, ptrs, mask):
+        p = np.asarray(ptrs.data).astype(np.uint64)
+        m = np.broadcast_to(np.asarray(mask.data), p.shape).astype(bool)
+        if m.any():
+            log.append((current[0], op, tuple(self.grid_idx), np.unique(p[m])))
+
+    def logged_load(self, ptrs, mask, other, *args):
+        record("load", self, ptrs, mask)
+        return load(self, ptrs, mask, other, *args)
+
+    def logged_store(self, ptrs, value, mask, *args):
+        record("store", self, ptrs, mask)
+        return store(self, ptrs, value, mask, *args)
+
+    def logged_call(self, *args, **kwargs):
+        current[0] = getattr(self.fn, "__name__", "?")
+        return call(self, *args, **kwargs)
+
+    builder.create_masked_load, builder.create_masked_store = logged_load, logged_store
+    executor.__call__ = logged_call
+    try:
+        yield log
+    finally:
+        builder.create_masked_load, builder.create_masked_store, executor.__call__ = load, store, call
+
+
+def cross_program_conflicts(log, kernel: str, t: torch.Tensor) -> list:
+    """Within launches of ``kernel``, over the elements of view ``t``: addresses stored by two programs, and
+    addresses one program loads that another stores (each as ``(op, address, programs)``; empty: race-free)."""
+    lo, hi = _span(t)
+    writers: dict = {}
+    readers: dict = {}
+    for k, op, prog, addrs in log:
+        if k != kernel:
+            continue
+        for a in addrs[(addrs >= lo) & (addrs < hi)].tolist():
+            (writers if op == "store" else readers).setdefault(a, set()).add(prog)
+    found = [("store", a, progs) for a, progs in writers.items() if len(progs) > 1]
+    found += [("load", a, progs | writers[a]) for a, progs in readers.items() if a in writers
+              and progs - writers[a]]
+    return found

@@ -27,14 +27,16 @@ print(f"test_kernels_bounds seed={SEED}")
 def _tiles(monkeypatch, path):
     """Small tiles, and the tuning that sends a small shape down ``path``."""
     from convserve.kernels import _launch
-    if path == "channels_first_body":
+    if path.startswith("channels_first"):  # the body, or folded with the heads pass (TUNING's fold, off)
         monkeypatch.setitem(_launch.TUNING, "prefill_body_channels_first", dict(
             groups=2, min_groups=2, groups_per_thread=1, num_warps=1, tiles_per_row=1, min_t=16,
-            max_width=MAX_WIDTH))
-    elif path == "channels_last_body":
+            max_width=MAX_WIDTH, fold=path == "channels_first_fold"))
+    elif path.startswith("channels_last"):  # the body, or with a variant of TUNING's (off by default)
+        variant = dict(channels_last_deep=dict(prefetch=3), channels_last_stages=dict(stages=2),
+                       channels_last_fold=dict(fold=True, prefetch=2)).get(path, {})
         monkeypatch.setitem(_launch.TUNING, "prefill_body_channels_last", dict(
             num_warps=1, rows_per_step=2, max_chunk=8, min_programs=1, min_elems=0, max_width=MAX_WIDTH,
-            persistent=0))
+            persistent=0, **variant))
     monkeypatch.setitem(_launch.TUNING, "prefill_heads", dict(block_d=16, elems=64, head_elems=1024, num_warps=1))
     monkeypatch.setattr(pre.prefill_plan, "_PLANS", {})
 
@@ -42,7 +44,11 @@ def _tiles(monkeypatch, path):
 @pytest.mark.parametrize("case", range(4))
 @pytest.mark.parametrize("path, layout", [("piece", "strided"), ("piece", "channels_first"),
                                           ("channels_first_body", "channels_first"),
-                                          ("channels_last_body", "channels_last")])
+                                          ("channels_first_fold", "channels_first"),
+                                          ("channels_last_body", "channels_last"),
+                                          ("channels_last_deep", "channels_last"),
+                                          ("channels_last_stages", "channels_last"),
+                                          ("channels_last_fold", "channels_last")])
 def test_prefill_reads_and_writes_only_its_tensors(path, layout, case, monkeypatch):
     _tiles(monkeypatch, path)
     rng = random.Random(SEED + case)
@@ -57,7 +63,9 @@ def test_prefill_reads_and_writes_only_its_tensors(path, layout, case, monkeypat
         got = pre.run_both(*args)
     assert not found, found
     pre.check(*got, pre.DTYPES[case % 3])
-    if path != "piece":
+    if path.endswith("_fold"):
+        assert {seq.fn.__name__ for _, seq, _ in pre.prefill_plan._PLANS.values()} == {f"_{layout}_fold_kernel"}
+    elif path != "piece":
         assert pre._used_bodies(), "the body did not run"
 
 

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .._launch import TUNING, LaunchPlan
-from .heads import _load_bias, _load_taps
+from .heads import _head_columns, _load_bias, _load_taps, _sequence_at, _sequence_row
 
 
 @triton.jit
@@ -129,13 +129,33 @@ def _halo(x_col, t, stride_x_t, mask_d):
 
 
 @triton.jit
-def _chunk(x_ptr, out_ptr, dim, T, stride_x_t, stride_o_t, w, bias, d0, c0, WIDTH: tl.constexpr,
-           SILU: tl.constexpr, LOG_U: tl.constexpr, CHUNK: tl.constexpr, EVEN_D: tl.constexpr,
-           BLOCK_D: tl.constexpr):
-    """out over tokens [c0, c0 + CHUNK) of channels [d0, d0 + BLOCK_D): w, the WIDTH taps, and bias, each
-    [BLOCK_D] fp32."""
+def _load_step(p, mask_x, EVEN_D: tl.constexpr):
+    """One step's tile [BLOCK_D, 2, .., 2] at pointers p (masked by channel unless EVEN_D)."""
+    if EVEN_D:
+        v = tl.load(p)
+    else:
+        v = tl.load(p, mask=mask_x, other=0.0)
+    return v
+
+
+@triton.jit
+def _push(q, v):
+    """The queue q without its oldest tile, then v."""
+    out = ()
+    for j in tl.static_range(1, len(q)):
+        out = out + (q[j],)
+    return out + (v,)
+
+
+@triton.jit
+def _chunk(x_ptr, out_ptr, dim, stride_x_t, stride_o_t, w, bias, d0, c0, n_tok, WIDTH: tl.constexpr,
+           SILU: tl.constexpr, LOG_U: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr,
+           DEPTH: tl.constexpr, STAGES: tl.constexpr):
+    """out over tokens [c0, c0 + n_tok) of channels [d0, d0 + BLOCK_D), the window reaching back to c0 - WIDTH + 1
+    (x[t < 0] = 0): w, the WIDTH taps, and bias, each [BLOCK_D] fp32. Each step's tile is loaded DEPTH steps
+    before it is used (clamped to the last full step, which then re-reads itself); STAGES > 0: instead, loaded in
+    its own step and the loop software-pipelined by Triton into STAGES stages."""
     U: tl.constexpr = 1 << LOG_U
-    n_tok = tl.minimum(CHUNK, T - c0)
     ld = tl.arange(0, BLOCK_D)  # [BLOCK_D]
     mask_d = ld < dim - d0
 
@@ -151,23 +171,28 @@ def _chunk(x_ptr, out_ptr, dim, T, stride_x_t, stride_o_t, w, bias, d0, c0, WIDT
     mask_x = (dd < dim - d0) & (tt >= 0)  # [BLOCK_D, 2, .., 2]
     n_full = n_tok // U
     if n_full > 0:
-        if EVEN_D:
-            nxt = tl.load(x_ptrs)
+        if STAGES > 0:
+            for i in tl.range(0, n_full, num_stages=STAGES):
+                cur = _load_step(x_ptrs + i * (U * stride_x_t), mask_x, EVEN_D)
+                y, win = _window_rows(cur, win, w, bias, WIDTH, SILU, LOG_U, out_ptr.dtype.element_ty)
+                if EVEN_D:
+                    tl.store(o_ptrs + i * (U * stride_o_t), y)
+                else:
+                    tl.store(o_ptrs + i * (U * stride_o_t), y, mask=mask_x)
         else:
-            nxt = tl.load(x_ptrs, mask=mask_x, other=0.0)
-        for i in range(n_full):
-            cur = nxt
-            p_next = x_ptrs + tl.minimum(i + 1, n_full - 1) * (U * stride_x_t)  # the last step re-reads its own
-            if EVEN_D:
-                nxt = tl.load(p_next)
-            else:
-                nxt = tl.load(p_next, mask=mask_x, other=0.0)
-            y, win = _window_rows(cur, win, w, bias, WIDTH, SILU, LOG_U, out_ptr.dtype.element_ty)
-            if EVEN_D:
-                tl.store(o_ptrs + i * (U * stride_o_t), y)
-            else:
-                tl.store(o_ptrs + i * (U * stride_o_t), y, mask=mask_x)
-    if U > 1:  # the last n_tok % U tokens (only in the last chunk)
+            q = (_load_step(x_ptrs, mask_x, EVEN_D),)  # the tiles of steps i .. i + DEPTH - 1, the oldest first
+            for j in tl.static_range(1, DEPTH):
+                q = q + (_load_step(x_ptrs + tl.minimum(j, n_full - 1) * (U * stride_x_t), mask_x, EVEN_D),)
+            for i in range(n_full):
+                cur = q[0]
+                p_next = x_ptrs + tl.minimum(i + DEPTH, n_full - 1) * (U * stride_x_t)
+                q = _push(q, _load_step(p_next, mask_x, EVEN_D))
+                y, win = _window_rows(cur, win, w, bias, WIDTH, SILU, LOG_U, out_ptr.dtype.element_ty)
+                if EVEN_D:
+                    tl.store(o_ptrs + i * (U * stride_o_t), y)
+                else:
+                    tl.store(o_ptrs + i * (U * stride_o_t), y, mask=mask_x)
+    if U > 1:  # the last n_tok % U tokens
         rem = n_tok - n_full * U
         if rem > 0:
             mask = (tt < rem) & (dd < dim - d0)
@@ -193,6 +218,8 @@ def _channels_last_body_kernel(
     BLOCK_D: tl.constexpr,  # 8 * 32 * num_warps: every thread holds 8 channels of all U rows
     PERSISTENT: tl.constexpr,  # a grid of a multiple of cdiv(dim, BLOCK_D) programs, each looping over chunks
     #                            of its channel block; else one program per chunk
+    DEPTH: tl.constexpr,  # steps between a tile's load and its use (>= 1)
+    STAGES: tl.constexpr,  # > 0: the step loop software-pipelined by Triton instead (DEPTH unused)
 ):
     """out = conv along tokens as if all T tokens were one sequence (x[t < 0] = 0)."""
     pid = tl.program_id(0)
@@ -208,17 +235,109 @@ def _channels_last_body_kernel(
         # the grid is a multiple of n_d, so a program keeps its channel block, and its taps, in every turn
         for c in range(pid // n_d, tl.cdiv(T, CHUNK), tl.num_programs(0) // n_d):
             c0 = c * CHUNK + pid * 0  # a tensor also where the interpreter's loop counter is an int
-            _chunk(x_ptr, out_ptr, dim, T, stride_x_t, stride_o_t, w, bias, d0, c0, WIDTH, SILU, LOG_U, CHUNK,
-                   EVEN_D, BLOCK_D)
+            _chunk(x_ptr, out_ptr, dim, stride_x_t, stride_o_t, w, bias, d0, c0, tl.minimum(CHUNK, T - c0), WIDTH,
+                   SILU, LOG_U, EVEN_D, BLOCK_D, DEPTH, STAGES)
     else:
-        _chunk(x_ptr, out_ptr, dim, T, stride_x_t, stride_o_t, w, bias, d0, (pid // n_d) * CHUNK, WIDTH, SILU,
-               LOG_U, CHUNK, EVEN_D, BLOCK_D)
+        c0 = (pid // n_d) * CHUNK
+        _chunk(x_ptr, out_ptr, dim, stride_x_t, stride_o_t, w, bias, d0, c0, tl.minimum(CHUNK, T - c0), WIDTH,
+               SILU, LOG_U, EVEN_D, BLOCK_D, DEPTH, STAGES)
 
 
-def channels_last_body_plan(x, weight, bias, out, silu):
-    """The body launch for x / out (dim, T), or None when the path does not apply: x and out with stride(0) == 1,
-    width <= max_width and at least min_elems elements (below that the piece kernel's short tiles keep more
-    programs busy). Called as plan(x, weight, bias, out), bias replaced by any tensor when None."""
+@triton.jit
+def _channels_last_fold_kernel(
+    x_ptr,  # (dim, T), stride_x_d == 1
+    w_ptr,  # (dim, WIDTH)
+    b_ptr,  # (dim,), read when HAS_BIAS
+    state_ptr,  # (num_lines, dim, state_len >= WIDTH - 1), read/written when HAS_STATE
+    qsl_ptr,  # (batch + 1,) int32/int64: query_start_loc
+    idx_ptr,  # (>= batch,) cache_indices (the first batch read), when HAS_INDICES
+    init_ptr,  # (>= batch,) has_initial_state (nonzero: true; the first batch read), when HAS_INIT
+    out_ptr,  # (dim, T), stride_o_d == 1
+    dim, T, batch, num_lines, pad_slot_id,
+    stride_x_t, stride_w_d, stride_w_k, stride_s_line, stride_s_d, stride_s_k, stride_o_t,
+    n_body,  # body programs: program ids below n_body, one per (chunk, channel block)
+    WIDTH: tl.constexpr,  # 2-8
+    HAS_BIAS: tl.constexpr,
+    HAS_STATE: tl.constexpr,
+    HAS_INDICES: tl.constexpr,
+    HAS_INIT: tl.constexpr,
+    SILU: tl.constexpr,
+    LOG_U: tl.constexpr,  # U = 2**LOG_U token rows per loop step
+    CHUNK: tl.constexpr,  # tokens per body program, a multiple of U
+    EVEN_D: tl.constexpr,  # dim % BLOCK_D == 0
+    BLOCK_D: tl.constexpr,  # 8 * 32 * num_warps
+    DEPTH: tl.constexpr,  # steps between a tile's load and its use
+    STAGES: tl.constexpr,  # > 0: the step loop software-pipelined by Triton instead
+    SEARCH: tl.constexpr,  # query_start_loc keys per vector load of the sequence search
+    ONE_SEQ: tl.constexpr,  # batch == 1: the body programs need no search
+):
+    """causal_conv1d_fn in one launch: the body and the heads pass as disjoint sets of programs.
+
+    Body program (chunk, channel block), pid < n_body: for each real sequence s overlapping the chunk, the
+    outputs of its tokens in [qsl[s] + WIDTH - 1, qsl[s + 1]) within the chunk (their windows lie inside s).
+    Sequence program (s, channel block), pid >= n_body, s in [0, batch]: s's head (its first WIDTH - 1 tokens)
+    and new state, or, for a pad sequence or the tail (s == batch), zeros over all its tokens. So every output
+    element is written by exactly one program, each state row read and written by one program per channel
+    block, and no program reads out or a state row another program writes."""
+    pid = tl.program_id(0)
+    n_d = tl.cdiv(dim, BLOCK_D)
+    is_body = pid < n_body
+    q = tl.where(is_body, pid, pid - n_body)
+    d0 = (q % n_d) * BLOCK_D
+    ld = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    mask_d = ld < dim - d0
+    w = _load_taps(w_ptr + (d0 + ld) * stride_w_d, stride_w_k, mask_d, WIDTH, False)  # WIDTH x [BLOCK_D] fp32
+    bias = _load_bias(b_ptr, d0, ld, mask_d, HAS_BIAS, False, BLOCK_D)  # [BLOCK_D]
+    if is_body:
+        c0 = (q // n_d) * CHUNK
+        c1 = tl.minimum(c0 + CHUNK, T)
+        if ONE_SEQ:  # the bounds and the index at fixed addresses: one round of loads, no search
+            start = tl.load(qsl_ptr).to(tl.int64)
+            end = tl.load(qsl_ptr + 1).to(tl.int64)
+            is_real, line, hist_lim = _sequence_row(idx_ptr, init_ptr, pid * 0, 1, num_lines, pad_slot_id, WIDTH,
+                                                    HAS_INDICES, HAS_STATE, False)
+            lo = tl.maximum(c0.to(tl.int64), start + (WIDTH - 1))  # the head is the sequence programs'
+            hi = tl.minimum(c1.to(tl.int64), end)
+            if is_real & (lo < hi):
+                _chunk(x_ptr, out_ptr, dim, stride_x_t, stride_o_t, w, bias, d0, lo, hi - lo, WIDTH, SILU, LOG_U,
+                       EVEN_D, BLOCK_D, DEPTH, STAGES)
+        else:
+            s, start, end = _sequence_at(qsl_ptr, c0, batch, SEARCH)
+            while (s < batch) & (start < c1):  # each real sequence overlapping the chunk: its tokens past the head
+                is_real, line, hist_lim = _sequence_row(idx_ptr, init_ptr, s, batch, num_lines, pad_slot_id, WIDTH,
+                                                        HAS_INDICES, HAS_STATE, False)
+                lo = tl.maximum(c0.to(tl.int64), start + (WIDTH - 1))
+                hi = tl.minimum(c1.to(tl.int64), end)
+                if is_real & (lo < hi):
+                    _chunk(x_ptr, out_ptr, dim, stride_x_t, stride_o_t, w, bias, d0, lo, hi - lo, WIDTH, SILU,
+                           LOG_U, EVEN_D, BLOCK_D, DEPTH, STAGES)
+                s += 1
+                start = end
+                end = tl.load(qsl_ptr + tl.minimum(s + 1, batch)).to(tl.int64)
+    else:
+        s = q // n_d
+        start = tl.load(qsl_ptr + s).to(tl.int64)
+        end = tl.where(s < batch, tl.load(qsl_ptr + tl.minimum(s + 1, batch)).to(tl.int64), T)
+        is_real, line, hist_lim = _sequence_row(idx_ptr, init_ptr, s, batch, num_lines, pad_slot_id, WIDTH,
+                                                HAS_INDICES, HAS_STATE, HAS_INIT)
+        if start < end:  # an empty sequence writes nothing, its state stays
+            if is_real:
+                _head_columns(x_ptr + start * stride_x_t + d0, out_ptr + start * stride_o_t + d0, state_ptr, w,
+                              bias, ld, mask_d, d0, line, start * 0, end - start, hist_lim, 1, stride_x_t, 1,
+                              stride_o_t, stride_s_line, stride_s_d, stride_s_k, WIDTH, HAS_STATE, SILU)
+            else:
+                U: tl.constexpr = 1 << LOG_U
+                tt, dd = _step_offsets(BLOCK_D, LOG_U)  # [1, 2, .., 2] tokens, [BLOCK_D, 1, .., 1] channels
+                zeros = tl.zeros(tt.shape, dtype=out_ptr.dtype.element_ty) + tl.zeros(
+                    dd.shape, dtype=out_ptr.dtype.element_ty)  # [BLOCK_D, 2, .., 2]
+                for t0 in range(start, end, U):
+                    zmask = (tt < end - t0) & (dd < dim - d0)  # [BLOCK_D, 2, .., 2]
+                    tl.store(out_ptr + (t0 * stride_o_t + d0) + (dd + tt * stride_o_t), zeros, mask=zmask)
+
+
+def _body_tiling(x, weight, out):
+    """(warps, rows per step, channels per program, channel blocks, chunk, programs) of the body over x / out
+    (dim, T), or None when the body does not apply (see channels_last_body_plan)."""
     t = TUNING["prefill_body_channels_last"]
     dim, total = x.shape
     if (x.stride(0) != 1 or out.stride(0) != 1 or dim * total < t["min_elems"]
@@ -232,14 +351,57 @@ def channels_last_body_plan(x, weight, bias, out, silu):
     while chunk > u and n_d * -(-total // chunk) < t["min_programs"]:
         chunk //= 2
     chunk = max(chunk, u)
-    programs = n_d * -(-total // chunk)
+    return warps, u, block_d, n_d, chunk, n_d * -(-total // chunk)
+
+
+def _loop_constexprs() -> dict:
+    """The step loop's prefetch depth and software-pipelining stages, from TUNING."""
+    t = TUNING["prefill_body_channels_last"]
+    depth, stages = t.get("prefetch", 1), t.get("stages", 0)
+    assert depth >= 1 and stages >= 0, "prefetch >= 1, stages >= 0"
+    return dict(DEPTH=depth, STAGES=stages)
+
+
+def channels_last_body_plan(x, weight, bias, out, silu):
+    """The body launch for x / out (dim, T), or None when the path does not apply: x and out with stride(0) == 1,
+    width <= max_width and at least min_elems elements (below that the piece kernel's short tiles keep more
+    programs busy). Called as plan(x, weight, bias, out), bias replaced by any tensor when None."""
+    t = TUNING["prefill_body_channels_last"]
+    tiling = _body_tiling(x, weight, out)
+    if tiling is None:
+        return None
+    warps, u, block_d, n_d, chunk, programs = tiling
+    dim, total = x.shape
     constexprs = dict(WIDTH=weight.shape[1], HAS_BIAS=bias is not None, SILU=silu, LOG_U=u.bit_length() - 1,
-                      CHUNK=chunk, EVEN_D=dim % block_d == 0, BLOCK_D=block_d, PERSISTENT=False)
+                      CHUNK=chunk, EVEN_D=dim % block_d == 0, BLOCK_D=block_d, PERSISTENT=False,
+                      **_loop_constexprs())
     if t.get("persistent", 0) > 0:  # persistent programs per SM (0: one program per chunk)
         programs = min(programs, max(1, _sm_count(x.device) * t["persistent"] // n_d) * n_d)
         constexprs["PERSISTENT"] = True
     return LaunchPlan(_channels_last_body_kernel, (programs, 1),
                       (dim, total, x.stride(1), weight.stride(0), weight.stride(1), out.stride(1)), constexprs, warps,
+                      x.device)
+
+
+def channels_last_fold_plan(x, weight, bias, conv_states, cache_indices, has_initial_state, out, width, batch,
+                            silu, pad_slot_id):
+    """The whole op in one launch (``_channels_last_fold_kernel``) when TUNING's fold is on and the body applies to
+    x / out (dim, total_tokens), else None. Called as the heads pass is: plan(x, weight, bias, conv_states,
+    query_start_loc, cache_indices, has_initial_state, out), every optional tensor replaced by any tensor."""
+    tiling = _body_tiling(x, weight, out)
+    if not TUNING["prefill_body_channels_last"].get("fold") or tiling is None:
+        return None
+    warps, u, block_d, n_d, chunk, programs = tiling
+    dim, total = x.shape
+    has_state = conv_states is not None
+    s_strides = conv_states.stride() if has_state else (0, 0, 0)
+    scalars = (dim, total, batch, conv_states.shape[0] if has_state else 0, pad_slot_id, x.stride(1),
+               weight.stride(0), weight.stride(1), *s_strides, out.stride(1), programs)
+    constexprs = dict(WIDTH=width, HAS_BIAS=bias is not None, HAS_STATE=has_state,
+                      HAS_INDICES=cache_indices is not None, HAS_INIT=has_initial_state is not None and has_state, SILU=silu,
+                      LOG_U=u.bit_length() - 1, CHUNK=chunk, EVEN_D=dim % block_d == 0, BLOCK_D=block_d,
+                      SEARCH=64, ONE_SEQ=batch == 1, **_loop_constexprs())
+    return LaunchPlan(_channels_last_fold_kernel, (programs + (batch + 1) * n_d, 1), scalars, constexprs, warps,
                       x.device)
 
 
