@@ -206,7 +206,7 @@ def run_case(T, dim, layout, device, smoke, seed, variants_only=False):
     ref = causal_conv1d_ref(x, w, b, st_r, qsl, idx, init, "silu", compute_dtype=torch.float64)
     err = rel_err(out, ref)
     ok = err <= REL_TOL[torch.bfloat16] and torch.equal(st_k, st_r)
-    (body, heads, _), = pplan._PLANS.values()
+    (body, heads, *_), = pplan._PLANS.values()
     y = torch.empty_like(x)
     copies = tile_copy_plans(body, x)
     for p in copies:  # the tile copy must be a copy
@@ -259,7 +259,7 @@ def loop_variants(layout, x, w, b, st, qsl, idx, init, t) -> dict:
             pplan._PLANS.clear()
             out, st_k = torch.full_like(x, float("nan")), st.clone()
             causal_conv1d_fn(x, w, b, st_k, qsl, idx, init, "silu", out=out)
-            (body, seq, _), = pplan._PLANS.values()
+            (body, seq, *_), = pplan._PLANS.values()
             res[f"{name}_kernels"] = [p.fn.__name__ for p in (*body, seq)]
             res[f"{name}_ok"] = ok = bool(torch.equal(out, want) and torch.equal(st_k, want_st))
             if not ok:
@@ -285,7 +285,7 @@ def heads_by_columns(x, w, b, st, qsl, idx, init, ref, st_ref, t) -> dict:
     try:
         out, st_k = torch.full_like(x, float("nan")), st.clone()
         causal_conv1d_fn(x, w, b, st_k, qsl, idx, init, "silu", out=out)
-        (_, heads, _), = pplan._PLANS.values()
+        (_, heads, *_), = pplan._PLANS.values()
         if not (heads.constexprs["COLUMNS"] and rel_err(out, ref) <= REL_TOL[torch.bfloat16]
                 and torch.equal(st_k, st_ref)):
             return dict(columns_ok=False)

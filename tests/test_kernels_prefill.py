@@ -243,7 +243,7 @@ def test_persistent_channels_last_body_matches_reference(width, dim, monkeypatch
     args = random_batch(gen, rng, dim, width, "channels_last", torch.float32, kernel_device, n_seq=4, max_len=60,
                         tail=40, long_share=0.8)
     y, st_k, ref, st_r = run_both(*args)
-    [(body, _, _)] = prefill_plan._PLANS.values()
+    [(body, *_)] = prefill_plan._PLANS.values()
     [p] = body
     chunks = -(-dim // 256) * -(-args[0].shape[1] // 8)
     assert p.constexprs["PERSISTENT"] and p.grid[0] < chunks

@@ -64,7 +64,7 @@ def test_one_sequence_matches_reference(variant, T, layout, monkeypatch, kernel_
     st_r = states.clone().cpu() if states is not None else None
     ref = causal_conv1d_ref(*(a.cpu() if a is not None else None for a in ref_args[:3]), st_r,
                             *(a.cpu() if a is not None else None for a in ref_args[4:]), compute_dtype=torch.float64)
-    [(_, seq, _)] = prefill_plan._PLANS.values()
+    [(_, seq, *_)] = prefill_plan._PLANS.values()
     assert seq.constexprs["ONE_SEQ"]
     check(out, st_k, ref, st_r, dtype)
     if variant in ("pad", "out_of_pool", "empty"):
@@ -88,7 +88,7 @@ def test_one_sequence_path_agrees_with_the_search_path(variant, layout, monkeypa
         st = args[3].clone() if args[3] is not None else None
         out = torch.full_like(args[0], float("nan"))
         causal_conv1d_fn(*args[:3], st, *args[4:], out=out)
-        [(_, seq, _)] = prefill_plan._PLANS.values()
+        [(_, seq, *_)] = prefill_plan._PLANS.values()
         assert seq.constexprs["ONE_SEQ"] == on
         results.append((out, st))
     (y1, s1), (y0, s0) = results
@@ -135,5 +135,5 @@ def test_by_default_the_batch_1_path_is_taken_at_T_1_and_for_channels_last_x_onl
     q = torch.tensor([0, T], dtype=torch.int32, device=kernel_device)
     y = causal_conv1d_fn(x, w, None, None, q)
     assert_close(y, causal_conv1d_ref(x.cpu(), w.cpu(), None, None, q.cpu(), compute_dtype=torch.float64))
-    [(_, seq, _)] = prefill_plan._PLANS.values()
+    [(_, seq, *_)] = prefill_plan._PLANS.values()
     assert seq.constexprs["ONE_SEQ"] == (T == 1 or layout == "channels_last")

@@ -57,7 +57,7 @@ def _run(args, activation):
     st = states.clone() if states is not None else None
     out = torch.full_like(x, float("nan"))
     causal_conv1d_fn(x, w, b, st, qsl, idx, init, activation, out=out)
-    names = {p.fn.__name__ for body, seq, _ in prefill_plan._PLANS.values() for p in (*body, seq)}
+    names = {p.fn.__name__ for body, seq, *_ in prefill_plan._PLANS.values() for p in (*body, seq)}
     return out, st, names
 
 
