@@ -145,14 +145,33 @@ def make_transport(client, kind: str, connections: int, inflight: int):
     raise ValueError(f"transport must be unary, stream or ws, got {kind!r}")
 
 
+def _ws_closed() -> tuple:
+    try:
+        from websockets.exceptions import ConnectionClosed
+    except ImportError:         # pragma: no cover - websockets is a client dependency
+        return ()
+    return (ConnectionClosed,)
+
+
 def error_code(e: BaseException) -> str:
+    """The code a failed call counts under; the same for every transport (a dropped connection is a
+    ``connection_error`` whether it was a keep-alive HTTP connection, a stream or a WebSocket)."""
     if isinstance(e, ServiceError):
         return e.code or "internal"
     if isinstance(e, (httpx.TimeoutException, TimeoutError)):   # before OSError: TimeoutError is one
         return "client_timeout"
-    if isinstance(e, (httpx.TransportError, OSError)):
+    if isinstance(e, (httpx.TransportError, OSError, *_ws_closed())):
         return "connection_error"
     return "client_" + type(e).__name__
+
+
+def error_message(e: BaseException) -> str:
+    """What the server (or the client library) said about a failed call, for the report."""
+    if isinstance(e, ServiceError):
+        status = f"{e.status} " if getattr(e, "status", None) else ""
+        return f"{status}{e.code}: {e.message}" if e.message else f"{status}{e.code}"
+    text = str(e)
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def auto_connections(transport: str, concurrency: Optional[int], n_layers: int, inflight: int) -> int:
