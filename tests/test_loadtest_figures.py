@@ -74,3 +74,15 @@ def test_a_closed_websocket_is_a_connection_error_like_a_dropped_http_connection
 
     assert error_code(ConnectionClosedError(None, None)) == "connection_error"
     assert error_code(ConnectionClosedOK(Close(1000, ""), Close(1000, ""), True)) == "connection_error"
+
+
+def test_the_frontend_step_reports_accepted_tokens_beside_the_drafted_ones():
+    from convserve.clients.loadtest.report import table_rows
+
+    rec = Recorder(measure_from=0.0)
+    rec.ok("step", 0.0, 1.0, 10)            # 2 decodes and 2 verifies of 4 drafted tokens...
+    rec.accepted(0.0, 2 + 3)                # ...of which 3 were accepted
+    s = rec.summary(1.0, 0, 0)
+    assert s["kinds"]["step"]["tokens_per_s"] == 10 and s["kinds"]["step"]["accepted_tokens_per_s"] == 5
+    row = next(r for r in table_rows({"steps": [{"label": "c=2", **s}]}) if r[1] == "step")
+    assert row[4] == "10 (5 accepted)"

@@ -130,6 +130,7 @@ class FrontendDriver(Driver):
             return
         t_end = time.perf_counter()
         self.rec.ok("step", t0, t_end, total)
+        self.rec.accepted(t0, sum(n for _, k, n in work if k != "verify") + sum(a for _, a in accepts))
         gone = []
         for v, kind, _ in work:
             if v.prefilling and (not v.steps or v.steps[0][0] != "prefill"):

@@ -30,6 +30,12 @@ def _codes(d: dict) -> str:
     return ", ".join(f"{k} {v}" for k, v in d.items()) or "-"
 
 
+def _tokens_cell(kind: str, d: dict) -> str:
+    if kind == "step" and d.get("accepted_tokens_per_s") is not None and d["accepted_tokens"] != d["tokens"]:
+        return f"{d['tokens_per_s']:.0f} ({d['accepted_tokens_per_s']:.0f} accepted)"   # drafted verify tokens
+    return f"{d['tokens_per_s']:.0f}" if kind in CONV_KINDS or kind == "step" else ""
+
+
 def table_rows(result: dict) -> list:
     """Rows ``[step, kind, requests, req/s, tokens/s, MB/s, p50, p90, p99, max, errors, retries]`` (strings)."""
     rows = []
@@ -42,7 +48,7 @@ def table_rows(result: dict) -> list:
                                        "p90_ms": None, "p99_ms": None, "max_ms": None}
             # a control call's errors are on its own row (create, delete, accept), not among the conv errors
             rows.append([st["label"] if first else "", k, str(d["count"]), f"{d['req_per_s']:.1f}",
-                         f"{d['tokens_per_s']:.0f}" if k in CONV_KINDS or k == "step" else "", "",
+                         _tokens_cell(k, d), "",
                          _ms(d["p50_ms"]), _ms(d["p90_ms"]), _ms(d["p99_ms"]), _ms(d["max_ms"]),
                          _codes(ctl_errors[k]) if k in ctl_errors else "", ""])
             first = False

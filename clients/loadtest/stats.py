@@ -45,6 +45,7 @@ class Recorder:
         self.last_done: Optional[float] = None
         self.last_conv_done: Optional[float] = None
         self.sessions_done = 0
+        self.accepted_tokens = 0
         self.verified = 0
         self.mismatches = 0
         self.ok_total = 0           # conv requests answered, warm-up included (progress display)
@@ -89,6 +90,12 @@ class Recorder:
         if t_start >= self.measure_from:
             self.retries[code] += 1
 
+    def accepted(self, t_start: float, tokens: int) -> None:
+        """A frontend step's tokens that advanced its sessions: prefill and decode tokens and the accepted part of
+        each verify (its ``step`` tokens are every token sent, drafted verify tokens included)."""
+        if t_start >= self.measure_from:
+            self.accepted_tokens += tokens
+
     def checked(self, t_start: float, mismatch: bool) -> None:
         """One answer compared with the reference (``mismatch``: it differed; also an error of its request)."""
         if t_start >= self.measure_from:
@@ -131,6 +138,9 @@ class Recorder:
                 tok_conv += self.tokens[kind]
             kinds[kind] = {"count": len(xs), "tokens": self.tokens[kind], "req_per_s": len(xs) / elapsed,
                            "tokens_per_s": self.tokens[kind] / elapsed, **_lat_fields(xs)}
+            if kind == "step":
+                kinds[kind].update(accepted_tokens=self.accepted_tokens,
+                                   accepted_tokens_per_s=self.accepted_tokens / elapsed)
         conv_lats.sort()
         return {
             "elapsed_s": elapsed,
