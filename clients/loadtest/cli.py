@@ -8,11 +8,12 @@ Examples:
     convserve-loadtest --concurrency 64 --duration 10 --compare results/loadtest.json --regress-pct 10
     convserve-loadtest --scenario frontend --concurrency 1,256 --chunk 512 --spec-k const:4 --duration 10
 
-Exit status: 0 done; 1 errors happened and ``--fail-on-errors`` was given, or (with or without it) a step had
-errors and no conv request answered, or the server could not be reached during a step (connection errors: it
-went away, or refused connections); 2 bad arguments or the server
-could not be reached; 3 ``--compare`` found a regression past ``--regress-pct``; 4 ``--verify`` found a response
-that differs from the reference, or checked none.
+Exit status: 0 done; 1 errors happened and ``--fail-on-errors`` was given, or (with or without it) a step
+measured nothing, the server could not be reached during a step (connection errors: it went away, or refused
+connections), or sessions could not be deleted; 2 bad arguments, a ``--compare`` baseline of other settings, or
+the server could not be reached; 3 ``--compare`` found a regression past ``--regress-pct``; 4 ``--verify`` found a
+response that differs from the reference, or checked none; 130 / 143 interrupted by SIGINT / SIGTERM (the step in
+progress is cut off and its sessions deleted; the partial results are printed and written).
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--spec-k", type=_dist, default=None, metavar="DIST",
                    help="spec: tokens per speculative verify [const:4]; the tester accepts 0..k of them; frontend: "
                         "decode by speculative verify (off unless given)")
-    g.add_argument("--prefill-chunk", "--chunk", type=_number(int, 1, strict=False, example="512"), default=2048,
+    g.add_argument("--prefill-chunk", "--chunk", type=_number(int, 1, strict=False, example="512"), default=None,
                    help="largest prefill request (frontend: prefill chunk per step), tokens [2048]")
     g.add_argument("--sequential-layers", action="store_true",
                    help="send a step's layers one after the other (like a forward pass) instead of together")
@@ -251,6 +252,8 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
     if args.shm_mib and not frontend:
         parser.error("--shm-mib applies to --scenario frontend only")
     args.inflight = 64 if args.inflight is None else args.inflight
+    args.chunk_given = args.prefill_chunk is not None
+    args.prefill_chunk = 2048 if args.prefill_chunk is None else args.prefill_chunk
     args.connections = args.connections or 0
     args.max_inflight = 4096 if args.max_inflight is None else args.max_inflight
     if args.duration is None and args.requests is None:
@@ -380,6 +383,12 @@ async def run(args) -> dict:
             raise SetupError(f"--spec-k draws verifies of up to {wl.spec_k.max} tokens, above the server's "
                              f"max_spec_tokens ({most}): every verify would be refused; lower --spec-k or start "
                              "the server with a larger --max-spec-tokens")
+        per_request = (info.get("limits") or {}).get("max_tokens_per_request")
+        if getattr(args, "chunk_given", False) and not frontend and per_request is not None \
+                and args.prefill_chunk > per_request:   # (the frontend cuts its slices to the limit itself)
+            raise SetupError(f"--chunk {args.prefill_chunk} is above the server's max_tokens_per_request "
+                             f"({per_request}): every longer prefill request would be refused; use --chunk "
+                             f"{per_request} or less")
         if isinstance(url, list) and info.get("replicas") is not None:
             up = {r["url"].rstrip("/") for r in info["replicas"]}
             down = [u for u in url if "://" in u and not u.startswith("dns://") and u.rstrip("/") not in up]
