@@ -39,7 +39,7 @@ def test_the_warm_up_is_excluded_from_every_count_and_mismatches_agree_with_the_
     assert s["errors"][MISMATCH] == s["verify"]["mismatches"]
 
 
-def test_control_call_errors_have_their_own_row_and_the_servers_message_is_kept():
+def test_control_call_errors_have_their_own_row_and_the_servers_message_is_kept(tmp_path):
     rec = Recorder(measure_from=0.0)
     rec.error("pool_exhausted", 1.0, "create", "503 pool_exhausted: all 2 session slots are in use")
     rec.error("pool_exhausted", 1.5, "create", "a later message")
@@ -57,6 +57,11 @@ def test_control_call_errors_have_their_own_row_and_the_servers_message_is_kept(
     assert "pool_exhausted 2" in create_row
     assert "c=2: pool_exhausted: 503 pool_exhausted: all 2 session slots are in use" in out
     assert "c=2: bad_request: 400 bad_request: wrong width" in out
+    from convserve.clients.loadtest.report import write_html
+
+    page = tmp_path / "r.html"
+    write_html({"config": {**cfg, "mode": "closed", "started": "now"}, "steps": [step]}, None, page)
+    assert "all 2 session slots are in use" in page.read_text()
 
 
 def test_rates_end_at_the_last_conv_answer_not_at_the_final_deletes():

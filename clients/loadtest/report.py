@@ -169,6 +169,8 @@ def write_html(result: dict, png_path: Optional[Path], path: Path) -> None:
         cls = ' class="total"' if row[1] == "all conv" else ""
         body.append(f"<tr{cls}>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>")
     model = cfg.get("model", {})
+    notes = [n for st in result["steps"] for n in step_notes(st, cfg)]
+    notes_html = ("<h2>Notes</h2>\n<pre>" + html.escape("\n".join(notes)) + "</pre>") if notes else ""
     doc = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>convserve load test</title>
 <style>
@@ -188,6 +190,7 @@ against {html.escape(cfg['url'])} (model: layers {html.escape(str(model.get('lay
 <table><thead><tr>{head}</tr></thead><tbody>
 {chr(10).join(body)}
 </tbody></table>
+{notes_html}
 <h2>Run configuration</h2>
 <pre>{html.escape(json.dumps(cfg, indent=2, default=str))}</pre>
 </body></html>
