@@ -338,10 +338,12 @@ def test_a_server_that_goes_away_mid_run_exits_1_and_is_not_hammered(tmp_path, c
     finally:
         srv.kill()
     st = data["steps"][0]
-    lost = st["errors"].get("connection_error", 0)
+    # conv calls and control calls (creates, deletes: their own kind) alike
+    lost = st["errors"].get("connection_error", 0) + sum(c.get("connection_error", 0)
+                                                         for c in st["control_errors"].values())
     assert rc == 1 and "could not be reached" in capsys.readouterr().err
     # each virtual session waits longer after each refused call (up to 1 s): a few dozen in 2.5 s, not thousands
-    assert 0 < lost < 400, st["errors"]
+    assert 0 < lost < 400, (st["errors"], st["control_errors"])
 
 
 def test_verify_that_rejects_every_answer_of_a_one_layer_model_exits_4_not_1(tmp_path):
@@ -378,3 +380,11 @@ def test_a_spec_k_above_the_servers_max_spec_tokens_is_a_usage_error_before_any_
     assert main(["--url", server.url, *SMALL, "--scenario", scenario, "--spec-k", f"const:{most + 1}",
                  "--requests", "4"]) == 2
     assert f"above the server's max_spec_tokens ({most})" in capsys.readouterr().err
+
+
+def test_a_chunk_above_the_servers_max_tokens_per_request_is_a_usage_error_before_any_request(server, capsys):
+    from convserve.service.config import load_settings
+
+    most = load_settings({"device": "cpu"}).max_tokens_per_request
+    assert main(["--url", server.url, *SMALL, "--chunk", str(most + 1), "--requests", "4"]) == 2
+    assert f"above the server's max_tokens_per_request ({most})" in capsys.readouterr().err

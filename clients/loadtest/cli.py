@@ -8,11 +8,12 @@ Examples:
     convserve-loadtest --concurrency 64 --duration 10 --compare results/loadtest.json --regress-pct 10
     convserve-loadtest --scenario frontend --concurrency 1,256 --chunk 512 --spec-k const:4 --duration 10
 
-Exit status: 0 done; 1 errors happened and ``--fail-on-errors`` was given, or (with or without it) a step had
-errors and no conv request answered, or the server could not be reached during a step (connection errors: it
-went away, or refused connections); 2 bad arguments or the server
-could not be reached; 3 ``--compare`` found a regression past ``--regress-pct``; 4 ``--verify`` found a response
-that differs from the reference, or checked none.
+Exit status: 0 done; 1 errors happened and ``--fail-on-errors`` was given, or (with or without it) a step
+measured nothing, the server could not be reached during a step (connection errors: it went away, or refused
+connections), or sessions could not be deleted; 2 bad arguments, a ``--compare`` baseline of other settings, or
+the server could not be reached; 3 ``--compare`` found a regression past ``--regress-pct``; 4 ``--verify`` found a
+response that differs from the reference, or checked none; 130 / 143 interrupted by SIGINT / SIGTERM (the step in
+progress is cut off and its sessions deleted; the partial results are printed and written).
 """
 
 from __future__ import annotations
@@ -21,14 +22,16 @@ import argparse
 import asyncio
 import datetime as _dt
 import json
+import math
 import os
 import platform
+import signal
 import sys
 import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-EXIT_ERRORS, EXIT_USAGE, EXIT_REGRESSION, EXIT_VERIFY = 1, 2, 3, 4
+from convserve.clients.loadtest.outcome import EXIT_USAGE, exit_status
 
 #: ``--verify`` given alone: the reference is built from the server's own weights file (GET /v1/model/weights)
 FROM_SERVER = object()
@@ -57,9 +60,25 @@ def _float_list(s: str) -> list:
         vals = [float(v) for v in s.split(",") if v.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{s!r}: expected numbers separated by commas, e.g. 100,200,400") from None
-    if not vals or min(vals) <= 0:
-        raise argparse.ArgumentTypeError(f"{s!r}: expected positive rates (requests/s)")
+    if not vals or not all(math.isfinite(v) and v > 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"{s!r}: expected finite positive rates (requests/s), e.g. 100,200,400")
     return vals
+
+
+def _number(conv, low, *, strict: bool, example: str):
+    """An argparse type: a finite ``conv`` (int or float) ``> low`` (``strict``) or ``>= low``."""
+    def parse(s: str):
+        try:
+            v = conv(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{s!r}: expected {'an integer' if conv is int else 'a number'}, "
+                                             f"e.g. {example}") from None
+        if not math.isfinite(v) or v < low or (strict and v == low):
+            raise argparse.ArgumentTypeError(f"{s!r}: expected a finite {'integer' if conv is int else 'number'} "
+                                             f"{'>' if strict else '>='} {low}, e.g. {example}")
+        return v
+    parse.__name__ = conv.__name__
+    return parse
 
 
 def _dist(s: str):
@@ -82,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "replicas (sessions are placed on them by the client's rendezvous hashing), or give "
                         "dns://NAME:PORT for the replicas a DNS name lists (a Kubernetes headless Service)")
     g.add_argument("--api-key", default=None, help="API key [env CONVSERVE_API_KEY]")
-    g.add_argument("--timeout", type=float, default=60.0, help="seconds per HTTP call [60]")
+    g.add_argument("--timeout", type=_number(float, 0, strict=True, example="60"), default=60.0,
+                   help="seconds per HTTP call [60]")
     g = p.add_argument_group("workload")
     g.add_argument("--scenario", default="decode-heavy", choices=[*SCENARIOS, "mixed"],
                    help="decode-heavy: short prefills, long decodes; prefill-heavy: long prefills, few decodes; "
@@ -96,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--spec-k", type=_dist, default=None, metavar="DIST",
                    help="spec: tokens per speculative verify [const:4]; the tester accepts 0..k of them; frontend: "
                         "decode by speculative verify (off unless given)")
-    g.add_argument("--prefill-chunk", "--chunk", type=int, default=2048,
+    g.add_argument("--prefill-chunk", "--chunk", type=_number(int, 1, strict=False, example="512"), default=None,
                    help="largest prefill request (frontend: prefill chunk per step), tokens [2048]")
     g.add_argument("--sequential-layers", action="store_true",
                    help="send a step's layers one after the other (like a forward pass) instead of together")
@@ -105,14 +125,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--transport", default=None, choices=["unary", "stream", "ws"],
                    help="unary: POST /v1/conv; stream: POST /v1/conv/stream; ws: /v1/conv/ws [unary] (not with "
                         "--scenario frontend, which sends a POST /v1/conv/batch per layer)")
-    g.add_argument("--inflight", type=int, default=64, help="stream/ws: frames in flight per connection [64]")
-    g.add_argument("--shm-mib", type=int, default=0, metavar="MIB",
+    g.add_argument("--inflight", type=_number(int, 1, strict=False, example="64"), default=None,
+                   help="stream/ws: frames in flight per connection [64]")
+    g.add_argument("--shm-mib", type=_number(int, 0, strict=False, example="64"), default=0, metavar="MIB",
                    help="frontend: write each layer call's x into a shared-memory arena of this many MiB and send "
                         "its reference instead of the bytes; y comes back there (a server on this host only) "
                         "[0: off]")
     g.add_argument("--shm-sealed", action="store_true",
                    help="with --shm-mib: a sealed memfd (the server maps it) instead of a /dev/shm segment")
-    g.add_argument("--connections", type=int, default=0,
+    g.add_argument("--connections", type=_number(int, 0, strict=False, example="8"), default=None,
                    help="stream/ws: connections (0: enough for concurrency x layers / inflight) [0]")
     g = p.add_argument_group("load")
     m = g.add_mutually_exclusive_group()
@@ -122,19 +143,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="open loop: Poisson arrivals at R conv requests/s (frontend: R sessions/s), one step per "
                         "value")
     b = g.add_mutually_exclusive_group()
-    b.add_argument("--duration", type=float, default=None, help="seconds per step, warm-up excluded [10]")
-    b.add_argument("--requests", type=int, default=None, help="conv requests per step, warm-up included")
-    g.add_argument("--warmup", type=float, default=1.0, help="seconds at the start of each step not measured [1]")
-    g.add_argument("--grace", type=float, default=30.0, help="seconds to wait for in-flight work after a step [30]")
-    g.add_argument("--max-retries", type=int, default=20, help="retries of one request on 429/503 [20]")
-    g.add_argument("--max-inflight", type=int, default=4096,
+    b.add_argument("--duration", type=_number(float, 0, strict=True, example="10"), default=None,
+                   help="seconds per step, warm-up excluded [10]")
+    b.add_argument("--requests", type=_number(int, 1, strict=False, example="2000"), default=None,
+                   help="measured conv requests per step (frontend: layer calls; a step ends whole), after the "
+                        "warm-up")
+    g.add_argument("--warmup", type=_number(float, 0, strict=False, example="1"), default=1.0,
+                   help="seconds at the start of each step not measured [1]")
+    g.add_argument("--grace", type=_number(float, 0, strict=False, example="30"), default=30.0,
+                   help="seconds to wait for in-flight work after a step; what is still running then is cancelled "
+                        "and its sessions deleted [30]")
+    g.add_argument("--max-retries", type=_number(int, 0, strict=False, example="20"), default=20,
+                   help="retries of one request on 429/503 [20]")
+    g.add_argument("--max-inflight", type=_number(int, 1, strict=False, example="4096"), default=None,
                    help="open loop: steps in flight (frontend: live sessions) before arrivals are dropped as "
                         "client_backlog [4096]")
     g = p.add_argument_group("output")
     g.add_argument("--out", type=Path, default=None, help="folder for loadtest.json, loadtest.png, loadtest.html")
     g.add_argument("--compare", type=Path, default=None, metavar="BASELINE.json",
                    help="compare with an earlier run's JSON; exit 3 on a regression past --regress-pct")
-    g.add_argument("--regress-pct", type=float, default=10.0,
+    g.add_argument("--compare-loose", action="store_true",
+                   help="with --compare: compare even when the baseline ran another workload, transport, mode or "
+                        "model (a warning instead of exit 2)")
+    g.add_argument("--regress-pct", type=_number(float, 0, strict=False, example="10"), default=10.0,
                    help="a throughput drop or p99 rise of more than this percent is a regression [10]")
     g.add_argument("--verify", type=Path, nargs="?", const=FROM_SERVER, default=None, metavar="WEIGHTS.safetensors",
                    help="check a sample of sessions against a float64 reference of the served weights: alone, "
@@ -152,16 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.inflight < 1 or args.prefill_chunk < 1 or args.connections < 0:
-        parser.error("--inflight and --prefill-chunk must be >= 1, --connections >= 0")
-    if not 0 < args.verify_sample <= 1:
-        parser.error("--verify-sample must be in (0, 1]")
-    if args.shm_sealed and not args.shm_mib:
-        parser.error("--shm-sealed needs --shm-mib (the arena's size)")
-    if args.duration is None and args.requests is None:
-        args.duration = 10.0
-    if args.concurrency is None and args.rate is None:
-        args.concurrency = [8]
+    _check_args(parser, args)
     baseline = None
     if args.compare is not None:
         try:
@@ -177,17 +199,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   f"baseline (its steps: {base}); steps are matched by label: run the same --concurrency or "
                   "--rate levels", file=sys.stderr)
             return EXIT_USAGE
+    args.baseline = baseline
     try:
         result = _run_loop(run(args), args.loop)
     except SetupError as e:
         print(f"convserve-loadtest: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, asyncio.CancelledError):     # a second interrupt: out now, without results
         return 130
     from rich.console import Console
 
     from convserve.clients.loadtest import report
-    from convserve.clients.loadtest.verify import MISMATCH
 
     console = Console(width=None if sys.stdout.isatty() else 200)
     report.print_table(result, console)
@@ -196,45 +218,48 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         console.print("wrote " + ", ".join(str(p) for p in paths.values()))
         if "png" not in paths:
             console.print("no loadtest.png: the plot needs matplotlib (pip install 'convserve[loadtest]')", markup=False)
-    rc = 0
-    if baseline is not None:
-        try:
-            rows, bad = report.compare(result, baseline, args.regress_pct)
-        except report.CompareError as e:
-            print(f"convserve-loadtest: --compare: {e}", file=sys.stderr)
-            return EXIT_USAGE
-        report.print_compare(rows, bad, args.regress_pct, str(args.compare), console)
-        if bad:
-            rc = EXIT_REGRESSION
-    if rc == 0 and args.fail_on_errors and any(st["errors_total"] for st in result["steps"]):
-        rc = EXIT_ERRORS
-    # (a wrong answer is an answer: --verify's exit status below says so)
-    dead = [st["label"] for st in result["steps"]
-            if st["errors_total"] - st["errors"].get(MISMATCH, 0) and not st["requests"]]
-    if rc == 0 and dead:        # every request of a step failed: its latencies and rates measure nothing
-        print(f"convserve-loadtest: every conv request of step(s) {', '.join(dead)} failed (see the errors "
-              "column); nothing was measured", file=sys.stderr)
-        rc = EXIT_ERRORS
-    lost = {st["label"]: st["errors"]["connection_error"] for st in result["steps"]
-            if st["errors"].get("connection_error")}
-    if rc == 0 and lost:        # the server went away (or refused connections): the step did not run as asked
-        print("convserve-loadtest: the server could not be reached during step(s) "
-              + ", ".join(f"{k} ({n} calls)" for k, n in lost.items())
-              + ": it stopped, refused connections, or dropped them (as a server does when one of its worker "
-              "processes dies); its figures cover only part of the step", file=sys.stderr)
-        rc = EXIT_ERRORS
-    if rc == 0 and args.verify is not None:
-        checked = sum(st["verify"]["checked"] for st in result["steps"])
-        bad = sum(st["verify"]["mismatches"] for st in result["steps"])
-        if bad or not checked:      # a verification that saw a wrong answer, or none at all, is not a pass
-            print(f"convserve-loadtest: --verify: {bad} mismatch(es) in {checked} responses checked",
-                  file=sys.stderr)
-            rc = EXIT_VERIFY
-    return rc
+    sig = result.get("interrupted")
+    if sig:
+        print(f"convserve-loadtest: interrupted by {sig}: the figures above are partial (the step in progress "
+              "was cut off; later steps did not run)", file=sys.stderr)
+        return 128 + int(getattr(signal, sig))
+    return exit_status(result, args, baseline, console)
 
 
 class SetupError(Exception):
     pass
+
+
+def _check_args(parser: argparse.ArgumentParser, args) -> None:
+    """Refuse (exit 2) what the argument types cannot see: combinations, and flags that do not apply to the chosen
+    scenario, transport or loop (a flag silently ignored would make the run something other than asked); then
+    fill in the defaults."""
+    if not 0 < args.verify_sample <= 1:         # NaN fails this too
+        parser.error(f"--verify-sample {args.verify_sample}: must be in (0, 1], e.g. 0.1")
+    if args.shm_sealed and not args.shm_mib:
+        parser.error("--shm-sealed needs --shm-mib (the arena's size)")
+    frontend = args.scenario == "frontend"
+    if args.spec_k is not None and args.scenario not in ("spec", "frontend"):
+        parser.error(f"--spec-k applies to --scenario spec or frontend, not {args.scenario}: leave it out or choose "
+                     "one of those")
+    piped = not frontend and args.transport in ("stream", "ws")
+    for flag, value in (("--inflight", args.inflight), ("--connections", args.connections)):
+        if value is not None and not piped:
+            parser.error(f"{flag} applies to --transport stream or ws, not "
+                         f"{'--scenario frontend' if frontend else '--transport unary'}: leave it out")
+    if args.max_inflight is not None and args.rate is None:
+        parser.error("--max-inflight applies to the open loop (--rate), not --concurrency: leave it out")
+    if args.shm_mib and not frontend:
+        parser.error("--shm-mib applies to --scenario frontend only")
+    args.inflight = 64 if args.inflight is None else args.inflight
+    args.chunk_given = args.prefill_chunk is not None
+    args.prefill_chunk = 2048 if args.prefill_chunk is None else args.prefill_chunk
+    args.connections = args.connections or 0
+    args.max_inflight = 4096 if args.max_inflight is None else args.max_inflight
+    if args.duration is None and args.requests is None:
+        args.duration = 10.0
+    if args.concurrency is None and args.rate is None:
+        args.concurrency = [8]
 
 
 def _loop_name(kind: str) -> str:
@@ -344,7 +369,7 @@ async def run(args) -> dict:
 
         shm = ShmArena(args.shm_mib << 20, sealed=args.shm_sealed)
     client = AsyncConvClient(url, api_key=args.api_key, timeout=args.timeout, max_connections=n_conn, shm=shm)
-    quiet_gc = None
+    quiet_gc = interrupted = None
     try:
         try:
             info = await client.model()
@@ -358,6 +383,12 @@ async def run(args) -> dict:
             raise SetupError(f"--spec-k draws verifies of up to {wl.spec_k.max} tokens, above the server's "
                              f"max_spec_tokens ({most}): every verify would be refused; lower --spec-k or start "
                              "the server with a larger --max-spec-tokens")
+        per_request = (info.get("limits") or {}).get("max_tokens_per_request")
+        if getattr(args, "chunk_given", False) and not frontend and per_request is not None \
+                and args.prefill_chunk > per_request:   # (the frontend cuts its slices to the limit itself)
+            raise SetupError(f"--chunk {args.prefill_chunk} is above the server's max_tokens_per_request "
+                             f"({per_request}): every longer prefill request would be refused; use --chunk "
+                             f"{per_request} or less")
         if isinstance(url, list) and info.get("replicas") is not None:
             up = {r["url"].rstrip("/") for r in info["replicas"]}
             down = [u for u in url if "://" in u and not u.startswith("dns://") and u.rstrip("/") not in up]
@@ -384,14 +415,20 @@ async def run(args) -> dict:
             "mode": mode, "levels": levels, "duration_s": args.duration, "requests": args.requests,
             "warmup_s": args.warmup, "inflight": args.inflight if args.transport != "unary" else None,
             "connections": args.connections or None, "max_retries": args.max_retries, "seed": args.seed,
+            "max_inflight": args.max_inflight if mode == "open" else None, "grace_s": args.grace,
             "verify": _verify_label(args.verify, info), "verify_sample": args.verify_sample,
             "started": _dt.datetime.now().isoformat(timespec="seconds"),
             "client": {"host": platform.node(), "python": platform.python_version(), "cpu_count": os.cpu_count(),
                        "loop": type(asyncio.get_running_loop()).__module__.split(".")[0]},
         }
+        if getattr(args, "baseline", None) is not None:
+            _check_baseline(config, args.baseline, args.compare, args.compare_loose)
         steps = []
+        interrupted = _Interrupts()
         quiet_gc = _QuietGC().__enter__()
         for i, level in enumerate(levels):
+            if interrupted.signal is not None:
+                break
             conc = int(level) if mode == "closed" else None
             conns = args.connections or auto_connections(args.transport, conc, len(info["layers"]), args.inflight)
             transport = make_transport(client, "unary" if frontend else args.transport, conns, args.inflight)
@@ -416,22 +453,26 @@ async def run(args) -> dict:
                 mark()
             progress = None if args.no_progress else asyncio.ensure_future(
                 _progress(label, rec, start, args.warmup, args.duration, drv))
+            loop_task = asyncio.ensure_future(drv.closed_loop(conc, deadline, args.grace) if mode == "closed" else
+                                              drv.open_loop(float(level), deadline, args.grace, args.max_inflight))
+            interrupted.task = loop_task
             try:
-                if mode == "closed":
-                    await drv.closed_loop(conc, deadline, args.grace)
-                else:
-                    await drv.open_loop(float(level), deadline, args.grace, args.max_inflight)
+                await asyncio.wait({loop_task})     # SIGINT / SIGTERM cancel it (see _Interrupts)
+                if not loop_task.cancelled() and loop_task.exception() is not None:
+                    raise loop_task.exception()
             finally:
+                interrupted.task = None
                 if progress is not None:
                     progress.cancel()
                     try:
                         await progress
                     except asyncio.CancelledError:
                         pass
+                await drv.cleanup()     # work cut off by --grace or the interrupt: cancelled, sessions deleted
                 await transport.close()
                 if handle is not None:
                     handle.cancel()
-            end = deadline if deadline is not None else time.perf_counter()
+            end = deadline if deadline is not None and interrupted.signal is None else time.perf_counter()
             if not snap:
                 mark()
             summary = rec.summary(min(end, time.perf_counter()), client.bytes_sent - snap["sent"],
@@ -439,16 +480,75 @@ async def run(args) -> dict:
             st = {"label": label, "mode": mode, "concurrency": conc, "rate": None if conc else float(level),
                   "transport": config["transport"], "connections": conns if args.transport != "unary" else None,
                   **summary}
+            st["cut_off"] = {"tasks_cancelled": drv.cancelled, "sessions_deleted": drv.cleanup_deleted,
+                             "sessions_not_deleted": len(drv.cleanup_failed),
+                             "not_deleted_examples": drv.cleanup_failed[:5]}
+            if interrupted.signal is not None:
+                st["interrupted"] = True
             if drv.mismatch_examples:
                 st["verify"]["examples"] = drv.mismatch_examples[:5]
             steps.append(st)
-        return {"config": config, "steps": steps}
+        out = {"config": config, "steps": steps}
+        if interrupted.signal is not None:
+            out["interrupted"] = signal.Signals(interrupted.signal).name
+        return out
     finally:
+        if interrupted is not None:
+            interrupted.close()
         if quiet_gc is not None:
             quiet_gc.__exit__(None, None, None)
         await client.aclose()
         if shm is not None:
             shm.close()
+
+
+class _Interrupts:
+    """SIGINT and SIGTERM while the load runs: the first one cancels the step in progress (its work is cut off and
+    its sessions deleted, as after --grace) and no further step starts, so the partial results are reported; a
+    second one cancels everything at once (no results, sessions may be left)."""
+
+    def __init__(self):
+        self.signal: Optional[int] = None
+        self.task: Optional[asyncio.Task] = None
+        self.main = asyncio.current_task()
+        self.loop = asyncio.get_running_loop()
+        self.installed = []
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self.loop.add_signal_handler(sig, self._on, sig)
+                self.installed.append(sig)
+            except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no signals here
+                pass
+
+    def _on(self, sig: int) -> None:
+        if self.signal is not None:
+            print(f"convserve-loadtest: {signal.Signals(sig).name} again: stopping now, without cleanup",
+                  file=sys.stderr)
+            self.main.cancel()
+            return
+        self.signal = sig
+        print(f"convserve-loadtest: {signal.Signals(sig).name}: stopping the step, deleting its sessions and "
+              "reporting what was measured (again to stop at once)", file=sys.stderr)
+        if self.task is not None:
+            self.task.cancel()
+
+    def close(self) -> None:
+        for sig in self.installed:
+            self.loop.remove_signal_handler(sig)
+
+
+def _check_baseline(config: dict, baseline: dict, path, loose: bool) -> None:
+    """Refuse (or with ``loose``, warn about) a ``--compare`` baseline that measured something else: another
+    workload, transport, loop, model shape or client setting; warn when only the measurement's length differs."""
+    from convserve.clients.loadtest.report import config_differences
+
+    hard, soft = config_differences(config, baseline.get("config") or {})
+    if hard and not loose:
+        raise SetupError(f"--compare {path}: the baseline ran something else, so its figures are not comparable: "
+                         + "; ".join(hard) + ". Run with the baseline's settings, or pass --compare-loose to compare "
+                         "anyway")
+    for d in (hard + soft):
+        print(f"convserve-loadtest: warning: --compare {path}: {d}", file=sys.stderr)
 
 
 async def _progress(label, rec, start, warmup, duration, drv) -> None:

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from convserve.clients.loadtest.runner import Aborted, Driver
+from convserve.clients.loadtest.runner import CREATE_BACKOFF_S, Aborted, Driver
 from convserve.clients.loadtest.verify import MISMATCH
 
 
@@ -49,21 +49,22 @@ class FrontendDriver(Driver):
         self.max_sessions = limits.get("max_batch_size") or math.inf
         self.max_slice = limits.get("max_tokens_per_request") or math.inf
 
-    async def _join(self, n: int, arrived: Optional[list] = None) -> None:
-        """Create ``n`` sessions (concurrently) and add them to the live set."""
+    async def _join(self, n: int, arrived: Optional[list] = None) -> int:
+        """Create ``n`` sessions (concurrently) and add them to the live set; returns how many joined."""
         async def one(t0):
             try:
                 sid, ref = await self.new_session(t0)
             except Aborted:
-                return
+                return 0
             self.live.append(_Live(sid, ref, collections.deque(self.plan()), t0))
+            return 1
 
         now = time.perf_counter()
-        await asyncio.gather(*(one(arrived[i] if arrived else now) for i in range(n)))
+        return sum(await asyncio.gather(*(one(arrived[i] if arrived else now) for i in range(n))))
 
     async def _leave(self, gone: list) -> None:
-        if gone:
-            await asyncio.gather(*(asyncio.shield(self.end_session(v.sid)) for v in gone))
+        if gone:        # a delete cut off here leaves its session in open_sids: Driver.cleanup deletes it
+            await asyncio.gather(*(self.end_session(v.sid) for v in gone))
 
     def _admit(self) -> list:
         """This step's work, ``(session, kind, tokens)``: each live session's next piece, within the server's
@@ -107,11 +108,12 @@ class FrontendDriver(Driver):
         t0 = time.perf_counter()
         try:
             for layer in self.layers:
-                self.issued += 1
                 t1 = time.perf_counter()
+                if t1 >= self.rec.measure_from:     # --requests counts measured calls (a step ends whole)
+                    self.issued += 1
                 xs = x if arena is None else arena.put(x)   # the activations, where the server reads them
                 y = await self._retrying(lambda: self.client.conv_batch(
-                    sessions, layer, xs, None if plain else tokens, None if plain else spec), t1)
+                    sessions, layer, xs, None if plain else tokens, None if plain else spec), t1, "batch")
                 self.rec.ok("batch", t1, time.perf_counter(), total)
                 self._check(work, layer, x, y, t1)
             accepts = [(v, self.rng.randint(0, n)) for v, k, n in work if k == "verify"]
@@ -128,6 +130,7 @@ class FrontendDriver(Driver):
             return
         t_end = time.perf_counter()
         self.rec.ok("step", t0, t_end, total)
+        self.rec.accepted(t0, sum(n for _, k, n in work if k != "verify") + sum(a for _, a in accepts))
         gone = []
         for v, kind, _ in work:
             if v.prefilling and (not v.steps or v.steps[0][0] != "prefill"):
@@ -135,7 +138,7 @@ class FrontendDriver(Driver):
                 self.rec.ok("prefill_done", v.arrived, t_end)
             if not v.steps:
                 gone.append(v)
-                self.rec.sessions_done += 1
+                self.rec.session_done(t_end)
         if gone:
             done = set(map(id, gone))
             self.live = [v for v in self.live if id(v) not in done]
@@ -148,21 +151,32 @@ class FrontendDriver(Driver):
             ref = v.ref
             if ref is not None and not ref.broken:
                 problem = ref.check(layer, x[a:a + n], kind == "verify", y[a:a + n])
-                self.rec.verified += 1
+                self.rec.checked(t0, problem is not None)
                 if problem is not None:
                     ref.broken = True
-                    self.rec.mismatches += 1
-                    self.rec.error(MISMATCH, t0)
+                    self.rec.error(MISMATCH, t0, "batch", problem)
                     self.mismatch_examples.append(f"session {v.sid} layer {layer} ({kind}, T={n}): {problem}")
             a += n
 
     # --- loops (the same interface as Driver's)
 
     async def closed_loop(self, concurrency: int, deadline: Optional[float], grace_s: float) -> None:
+        backoff, join_at = CREATE_BACKOFF_S[0], 0.0
         try:
             while not self.should_stop() and (deadline is None or time.perf_counter() < deadline):
-                if len(self.live) < concurrency:
-                    await self._join(concurrency - len(self.live))
+                want = concurrency - len(self.live)
+                if want > 0 and time.perf_counter() >= join_at:
+                    if await self._join(want) < want:   # creates failed: back off before asking again
+                        join_at = time.perf_counter() + backoff * (0.5 + self.rng.random())
+                        backoff = min(backoff * 2, CREATE_BACKOFF_S[1])
+                    else:
+                        backoff = CREATE_BACKOFF_S[0]
+                if not self.live:
+                    wait = join_at - time.perf_counter()
+                    if deadline is not None:
+                        wait = min(wait, deadline - time.perf_counter())
+                    await asyncio.sleep(max(0.0, wait))
+                    continue
                 await self.step()
         finally:
             gone, self.live = self.live, []
@@ -182,7 +196,8 @@ class FrontendDriver(Driver):
                     if len(self.live) + len(arrived) < max_inflight:
                         arrived.append(next_at)
                     else:
-                        self.rec.error("client_backlog", next_at)
+                        self.rec.error("client_backlog", next_at, "", f"{max_inflight} live sessions "
+                                       "(--max-inflight): an arrival was dropped")
                     next_at += self.rng.expovariate(rate)
                 if arrived:
                     await self._join(len(arrived), arrived)

@@ -17,7 +17,7 @@ from rich.table import Table
 from convserve.clients.loadtest.stats import CONTROL_KINDS, CONV_KINDS, FRONTEND_KINDS
 
 KIND_COLORS = {"prefill": "tab:blue", "decode": "tab:orange", "verify": "tab:green", "batch": "tab:purple",
-               "all": "tab:gray"}
+               "step": "tab:red", "prefill_done": "tab:brown", "all": "tab:gray"}
 
 
 def _ms(v) -> str:
@@ -30,17 +30,27 @@ def _codes(d: dict) -> str:
     return ", ".join(f"{k} {v}" for k, v in d.items()) or "-"
 
 
+def _tokens_cell(kind: str, d: dict) -> str:
+    if kind == "step" and d.get("accepted_tokens_per_s") is not None and d["accepted_tokens"] != d["tokens"]:
+        return f"{d['tokens_per_s']:.0f} ({d['accepted_tokens_per_s']:.0f} accepted)"   # drafted verify tokens
+    return f"{d['tokens_per_s']:.0f}" if kind in CONV_KINDS or kind == "step" else ""
+
+
 def table_rows(result: dict) -> list:
     """Rows ``[step, kind, requests, req/s, tokens/s, MB/s, p50, p90, p99, max, errors, retries]`` (strings)."""
     rows = []
     for st in result["steps"]:
-        kinds = [k for k in (*CONV_KINDS, *FRONTEND_KINDS, *CONTROL_KINDS) if k in st["kinds"]]
+        ctl_errors = st.get("control_errors") or {}
+        kinds = [k for k in (*CONV_KINDS, *FRONTEND_KINDS, *CONTROL_KINDS) if k in st["kinds"] or k in ctl_errors]
         first = True
         for k in kinds:
-            d = st["kinds"][k]
+            d = st["kinds"].get(k) or {"count": 0, "req_per_s": 0.0, "tokens_per_s": 0.0, "p50_ms": None,
+                                       "p90_ms": None, "p99_ms": None, "max_ms": None}
+            # a control call's errors are on its own row (create, delete, accept), not among the conv errors
             rows.append([st["label"] if first else "", k, str(d["count"]), f"{d['req_per_s']:.1f}",
-                         f"{d['tokens_per_s']:.0f}" if k in CONV_KINDS or k == "step" else "", "",
-                         _ms(d["p50_ms"]), _ms(d["p90_ms"]), _ms(d["p99_ms"]), _ms(d["max_ms"]), "", ""])
+                         _tokens_cell(k, d), "",
+                         _ms(d["p50_ms"]), _ms(d["p90_ms"]), _ms(d["p99_ms"]), _ms(d["max_ms"]),
+                         _codes(ctl_errors[k]) if k in ctl_errors else "", ""])
             first = False
         lat = st["latency"]
         rows.append([st["label"] if first else "", "all conv", str(st["requests"]), f"{st['req_per_s']:.1f}",
@@ -64,6 +74,8 @@ def print_table(result: dict, console: Optional[Console] = None) -> None:
         t.add_row(*row, end_section=row[1] == "all conv")
     console.print(t)
     for st in result["steps"]:
+        for line in step_notes(st, cfg):
+            console.print(line, markup=False, highlight=False)
         v = st["verify"]
         if v["checked"] or v["mismatches"]:
             console.print(f"{st['label']}: verified {v['checked']} responses against the reference, "
@@ -72,6 +84,22 @@ def print_table(result: dict, console: Optional[Console] = None) -> None:
             console.print(f"{st['label']}: verified 0 responses: no sampled session (--verify-sample "
                           f"{cfg.get('verify_sample')}) got an answer in this step; raise --verify-sample, run "
                           "longer, or lower --warmup (a request in the warm-up is not verified)")
+
+
+def step_notes(st: dict, cfg: dict) -> list:
+    """Lines under the table for one step: what the errors said, work cut off at the step's end, an interrupt."""
+    out = []
+    for code, msg in (st.get("error_messages") or {}).items():
+        out.append(f"{st['label']}: {code}: {msg}")
+    c = st.get("cut_off") or {}
+    if c.get("tasks_cancelled") or c.get("sessions_deleted") or c.get("sessions_not_deleted"):
+        why = "the interrupt" if st.get("interrupted") else f"--grace {cfg.get('grace_s', '?')} s"
+        out.append(f"{st['label']}: {c.get('tasks_cancelled', 0)} virtual session(s) / arrival(s) still running "
+                   f"were cancelled at {why}; {c.get('sessions_deleted', 0)} session(s) left on the server deleted"
+                   + (f", {c['sessions_not_deleted']} could not be" if c.get("sessions_not_deleted") else ""))
+    if st.get("interrupted"):
+        out.append(f"{st['label']}: interrupted: the figures cover the step up to the interrupt")
+    return out
 
 
 def write_json(result: dict, path: Path) -> None:
@@ -85,7 +113,9 @@ def _json_default(o):
 
 
 def plot_png(result: dict, path: Path) -> None:
-    """Latency (p50 dashed, p99 solid) against throughput across the sweep, one colour per kind."""
+    """Latency (p50 dashed, p99 solid) against throughput across the sweep, one colour per kind (the frontend's
+    ``step`` and ``prefill_done`` too, against the same conv throughput); points are labelled by step on the
+    decode / verify lines, or on the only line there is."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -93,7 +123,8 @@ def plot_png(result: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
     steps = result["steps"]
-    for kind in (*CONV_KINDS, "all"):
+    plotted = [k for k in (*CONV_KINDS, *FRONTEND_KINDS) if any(k in st["kinds"] for st in steps)]
+    for kind in (*CONV_KINDS, *FRONTEND_KINDS, "all"):
         pts = []
         for st in steps:
             d = st["latency"] if kind == "all" else st["kinds"].get(kind)
@@ -106,7 +137,7 @@ def plot_png(result: dict, path: Path) -> None:
         c = KIND_COLORS[kind]
         ax.plot(xs, [p[2] for p in pts], "-o", color=c, label=f"{kind} p99")
         ax.plot(xs, [p[1] for p in pts], "--", marker=".", color=c, label=f"{kind} p50")
-        if kind in ("decode", "verify") or len(CONV_KINDS) == 1:
+        if kind in ("decode", "verify", "step") or len(plotted) == 1:
             for x, _, y, lab in pts:
                 ax.annotate(lab, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
     cfg = result["config"]
@@ -138,6 +169,8 @@ def write_html(result: dict, png_path: Optional[Path], path: Path) -> None:
         cls = ' class="total"' if row[1] == "all conv" else ""
         body.append(f"<tr{cls}>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>")
     model = cfg.get("model", {})
+    notes = [n for st in result["steps"] for n in step_notes(st, cfg)]
+    notes_html = ("<h2>Notes</h2>\n<pre>" + html.escape("\n".join(notes)) + "</pre>") if notes else ""
     doc = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>convserve load test</title>
 <style>
@@ -157,6 +190,7 @@ against {html.escape(cfg['url'])} (model: layers {html.escape(str(model.get('lay
 <table><thead><tr>{head}</tr></thead><tbody>
 {chr(10).join(body)}
 </tbody></table>
+{notes_html}
 <h2>Run configuration</h2>
 <pre>{html.escape(json.dumps(cfg, indent=2, default=str))}</pre>
 </body></html>
@@ -179,6 +213,25 @@ def write_outputs(result: dict, out_dir: Path) -> dict:
 
 
 # --------------------------------------------------------------------------------------------- compare
+
+#: config fields that define what a run measured: a baseline that differs in one is not comparable
+_HARD = ("mode", "transport", "workload", "inflight", "connections", "max_inflight")
+_MODEL = ("layers", "dim", "width", "dtype", "state_dtype")
+#: fields that change how long or how it was measured: reported, not refused
+_SOFT = ("duration_s", "requests", "warmup_s", "verify", "seed")
+
+
+def config_differences(config: dict, base: dict) -> tuple[list, list]:
+    """``(hard, soft)``: descriptions of the run-defining (hard) and measurement (soft) settings in which
+    ``config`` differs from the baseline's ``base`` (fields a baseline lacks are not compared)."""
+    def diff(names, a, b, prefix=""):
+        return [f"{prefix}{n}: baseline {b[n]!r}, this run {a.get(n)!r}" for n in names
+                if n in b and a.get(n) != b[n]]
+
+    hard = diff(_HARD, config, base)
+    hard += diff(_MODEL, config.get("model") or {}, base.get("model") or {}, "model ")
+    return hard, diff(_SOFT, config, base)
+
 
 
 class CompareError(ValueError):

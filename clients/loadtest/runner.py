@@ -19,18 +19,19 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import math
 import random
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Optional
 
-import httpx
 import numpy as np
 
-from convserve.clients.client import AsyncConvClient, ConvRequest
+from convserve.clients.client import AsyncConvClient
 from convserve.clients.loadtest.dists import Dist, parse
 from convserve.clients.loadtest.stats import Recorder
+from convserve.clients.loadtest.transports import (  # noqa: F401 - re-exported: cli and bench import them here
+    PipedTransport, UnaryTransport, auto_connections, error_code, error_message, make_transport)
 from convserve.clients.loadtest.verify import MISMATCH, Verifier
 from convserve.clients.protocol.errors import ServiceError
 from convserve.clients.protocol.wire import numpy_dtype
@@ -91,162 +92,46 @@ class Workload:
         return max([min(p.max, self.prefill_chunk) for p, _ in self._profiles] + [self.spec_k.max, 1])
 
 
-# ------------------------------------------------------------------------------------------------ transports
-
-
-class UnaryTransport:
-    """``POST /v1/conv``, one request per call, on a pool of keep-alive connections."""
-
-    name = "unary"
-
-    def __init__(self, client: AsyncConvClient):
-        self.client = client
-
-    async def conv(self, session, layer, x, speculative=False):
-        return await self.client.conv(session, layer, x, speculative)
-
-    async def close(self):
-        pass
-
-
-class _Pipe:
-    def __init__(self, client: AsyncConvClient, inflight: int):
-        self.client = client
-        self.inflight = inflight
-        self.q: asyncio.Queue = asyncio.Queue()
-        self.task = asyncio.ensure_future(self.run())
-
-    async def run(self):  # pragma: no cover - overridden
-        raise NotImplementedError
-
-    async def close(self):
-        self.task.cancel()
-        try:
-            await self.task
-        except asyncio.CancelledError:
-            pass
-        except Exception:  # noqa: BLE001 - the pipe task had crashed earlier: say so instead of hiding it
-            log.warning("a %s pipe had failed before close", type(self).__name__, exc_info=True)
-
-
-def _settle(fut: asyncio.Future, res) -> None:
-    if fut.done():
-        return
-    if res.error is not None:
-        fut.set_exception(res.error)
-    else:
-        fut.set_result(res.y)
-
-
-class _HttpStreamPipe(_Pipe):
-    """One connection: each ``POST /v1/conv/stream`` carries the frames waiting (at most ``inflight``); the
-    next POST goes once every answer of this one is in (httpx sends a whole body before it reads)."""
-
-    async def run(self):
-        while True:
-            batch = [await self.q.get()]
-            await asyncio.sleep(0)  # let requests made in the same tick join this POST
-            while len(batch) < self.inflight and not self.q.empty():
-                batch.append(self.q.get_nowait())
-            futs = {}
-            reqs = []
-            for i, (args, fut) in enumerate(batch):
-                reqs.append(ConvRequest(*args, id=i))
-                futs[i] = fut
-            try:
-                async for res in self.client.stream(reqs, transport="http"):
-                    f = futs.pop(res.id, None)
-                    if f is not None:
-                        _settle(f, res)
-            except Exception as e:  # noqa: BLE001 - the whole stream failed: so did its frames
-                for f in futs.values():
-                    if not f.done():
-                        f.set_exception(e)
-            for f in futs.values():
-                if not f.done():
-                    f.set_exception(ServiceError("the stream ended without answering this frame"))
-
-
-class _WsPipe(_Pipe):
-    """One WebSocket with at most ``inflight`` frames in flight; requests are taken as they come."""
-
-    async def run(self):
-        ids = 0
-        while True:
-            futs: dict = {}
-
-            async def frames():
-                nonlocal ids
-                while True:
-                    args, fut = await self.q.get()
-                    ids += 1
-                    futs[ids] = fut
-                    yield ConvRequest(*args, id=ids)
-
-            try:
-                async for res in self.client.stream(frames(), transport="ws", window=self.inflight):
-                    f = futs.pop(res.id, None)
-                    if f is not None:
-                        _settle(f, res)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # noqa: BLE001 - the socket failed: fail its frames and reconnect
-                for f in futs.values():
-                    if not f.done():
-                        f.set_exception(e)
-                await asyncio.sleep(0.05)
-
-
-class PipedTransport:
-    """Frames over ``connections`` pipes (a session stays on one), ``inflight`` frames per connection."""
-
-    def __init__(self, client: AsyncConvClient, kind: str, connections: int, inflight: int):
-        self.client = client
-        self.name = kind
-        cls = _HttpStreamPipe if kind == "stream" else _WsPipe
-        self.pipes = [cls(client, inflight) for _ in range(connections)]
-
-    async def conv(self, session, layer, x, speculative=False):
-        fut = asyncio.get_running_loop().create_future()
-        self.pipes[hash(session) % len(self.pipes)].q.put_nowait(((session, layer, x, speculative), fut))
-        return await fut
-
-    async def close(self):
-        for p in self.pipes:
-            await p.close()
-
-
-def make_transport(client, kind: str, connections: int, inflight: int):
-    if kind == "unary":
-        return UnaryTransport(client)
-    if kind in ("stream", "ws"):
-        return PipedTransport(client, kind, connections, inflight)
-    raise ValueError(f"transport must be unary, stream or ws, got {kind!r}")
-
-
-def error_code(e: BaseException) -> str:
-    if isinstance(e, ServiceError):
-        return e.code or "internal"
-    if isinstance(e, (httpx.TimeoutException, TimeoutError)):   # before OSError: TimeoutError is one
-        return "client_timeout"
-    if isinstance(e, (httpx.TransportError, OSError)):
-        return "connection_error"
-    return "client_" + type(e).__name__
-
-
 # ------------------------------------------------------------------------------------------------ sessions
 
 
 class Aborted(Exception):
     """A request of the session failed for good: the session ends (its state is no longer known)."""
 
+    def __init__(self, code: str, status: Optional[int] = None):
+        super().__init__(code)
+        self.code, self.status = code, status
+
+
+class Stopped(Aborted):
+    """``--requests`` is spent: the request was not sent and its session ends (not an error)."""
+
 
 #: the first and the longest wait after a call that could not reach the server (see Driver.unreachable_wait)
 UNREACHABLE_WAIT_S = (0.01, 1.0)
+#: the first and the longest wait of a virtual session (or the frontend) after a session create failed
+CREATE_BACKOFF_S = (0.01, 1.0)
+#: deletes in flight at once when a step's left-over sessions are cleaned up, and the time each may take
+CLEANUP_CONCURRENCY, CLEANUP_TIMEOUT_S = 32, 10.0
+
+
+def _retrieve(fut: asyncio.Future) -> None:
+    """Mark a create's failure as seen (it is counted already), also when nobody awaits it any more."""
+    if not fut.cancelled():
+        fut.exception()
+
+
+def new_sid() -> str:
+    """A session id chosen by the load tester (so a create cut off in flight can still be deleted)."""
+    return "lt-" + uuid.uuid4().hex
 
 
 class Driver:
-    """Runs virtual sessions against one server for one step of a sweep."""
+    """Runs virtual sessions against one server for one step of a sweep.
+
+    Every session id is chosen here and kept in ``open_sids`` from before its create is sent until its delete
+    answered (or the create was refused): whatever is left there when the step ends (work cut off by ``--grace``
+    or an interrupt, a create whose answer never came) is deleted by :meth:`cleanup`."""
 
     def __init__(self, client: AsyncConvClient, transport, info: dict, workload: Workload, rec: Recorder, *,
                  seed: int = 0, max_retries: int = 20, max_backoff_s: float = 30.0,
@@ -263,15 +148,27 @@ class Driver:
         self.max_backoff_s = max_backoff_s
         self.verifier = verifier
         self.max_requests = max_requests
-        self.issued = 0
+        self.issued = 0              # measured conv requests sent (what --requests counts)
         self.mismatch_examples: list = []
         self.stopping = False
         self.hard_stop = False
+        #: sessions that may exist on the server (see the class docstring)
+        self.open_sids: set = set()
+        self.creating: dict = {}     # session id -> its create, still waiting for the answer
+        #: this step's tasks (virtual sessions, arrivals), cancelled by :meth:`cleanup` if still running
+        self.tasks: set = set()
+        self.cut_off: set = set()    # tasks cancelled (by --grace or an interrupt) before they ended
+        self.cleanup_deleted = 0     # sessions those left behind, deleted by cleanup
+        self.cleanup_failed: list = []
         #: seconds a call that could not reach the server waits before it gives up (doubling, reset by an
         #: answer): a server that went away is not hammered by every virtual session in a tight loop
         self.unreachable_wait = UNREACHABLE_WAIT_S[0]
         n = max(workload.max_tokens(), 1) + 4096
         self.pool = np.random.default_rng(seed).standard_normal((n, self.dim), dtype=np.float32).astype(self.dtype)
+
+    @property
+    def cancelled(self) -> int:
+        return len(self.cut_off)
 
     # --- helpers
 
@@ -279,6 +176,17 @@ class Driver:
         if self.max_requests is not None and self.issued >= self.max_requests:
             self.stopping = True
         return self.stopping
+
+    def _ticket(self, t0: float) -> bool:
+        """Whether a conv request started at ``t0`` may be sent under ``--requests`` (which counts measured
+        requests: those of the warm-up are free); a request past the budget is not sent."""
+        if self.max_requests is None or t0 < self.rec.measure_from:
+            return True
+        if self.issued >= self.max_requests:
+            self.stopping = True
+            return False
+        self.issued += 1
+        return True
 
     def x(self, tokens: int) -> np.ndarray:
         """``tokens`` rows of random activations (a window of the pool, grown once when a step asks for more)."""
@@ -288,8 +196,9 @@ class Driver:
         o = self.rng.randrange(0, self.pool.shape[0] - tokens + 1)
         return self.pool[o:o + tokens]
 
-    async def _retrying(self, fn, t0: float):
-        """``await fn()``, retried after Retry-After on 429/503; raises :class:`Aborted` once it gives up."""
+    async def _retrying(self, fn, t0: float, kind: str = ""):
+        """``await fn()``, retried after Retry-After on 429/503; raises :class:`Aborted` once it gives up (the
+        failure counted under ``kind``'s errors: a conv kind's, or a control call's)."""
         attempt = 0
         while True:
             try:
@@ -309,31 +218,31 @@ class Driver:
                     ra = getattr(e, "retry_after", None)
                     wait = float(ra) if ra is not None else min(self.max_backoff_s, 0.05 * 2 ** attempt)
                     wait = min(self.max_backoff_s, wait) * (1.0 + 0.25 * self.rng.random())
-                    self.rec.retry(code)
+                    self.rec.retry(code, t0)
                     attempt += 1
                     await asyncio.sleep(wait)
                     continue
-                self.rec.error(code, t0)
-                raise Aborted(code) from e
+                self.rec.error(code, t0, kind, error_message(e))
+                raise Aborted(code, status if isinstance(e, ServiceError) else None) from e
 
     async def control(self, kind: str, fn, t0: Optional[float] = None):
         t0 = time.perf_counter() if t0 is None else t0
-        out = await self._retrying(fn, t0)
+        out = await self._retrying(fn, t0, kind)
         self.rec.ok(kind, t0, time.perf_counter())
         return out
 
     async def conv(self, kind: str, sid: str, layer: int, x: np.ndarray, spec: bool, ref, t0: Optional[float]):
         t0 = time.perf_counter() if t0 is None else t0
-        self.issued += 1
-        y = await self._retrying(lambda: self.transport.conv(sid, layer, x, spec), t0)
+        if not self._ticket(t0):
+            raise Stopped("requests")
+        y = await self._retrying(lambda: self.transport.conv(sid, layer, x, spec), t0, kind)
         t1 = time.perf_counter()
         if ref is not None and not ref.broken:
             problem = ref.check(layer, x, spec, y)
-            self.rec.verified += 1
+            self.rec.checked(t0, problem is not None)
             if problem is not None:
                 ref.broken = True
-                self.rec.mismatches += 1
-                self.rec.error(MISMATCH, t0)
+                self.rec.error(MISMATCH, t0, kind, problem)
                 self.mismatch_examples.append(f"session {sid} layer {layer} ({kind}, T={x.shape[0]}): {problem}")
                 raise Aborted(MISMATCH)
         self.rec.ok(kind, t0, t1, int(x.shape[0]))
@@ -378,40 +287,101 @@ class Driver:
         else:
             await self.layers_step(kind, sid, tokens, False, ref, t0)
 
+    async def _create(self, sid: str, t0: Optional[float]) -> None:
+        try:
+            await self.control("create", lambda: self.client.create_session(sid), t0)
+        except Aborted as e:
+            if e.status is not None and e.status < 500:     # refused: it does not exist
+                self.open_sids.discard(sid)
+            raise
+        finally:
+            self.creating.pop(sid, None)
+
     async def new_session(self, t0: Optional[float] = None):
-        sid = await self.control("create", lambda: self.client.create_session(), t0)
+        sid = new_sid()
+        self.open_sids.add(sid)         # before the create: if its answer is lost, the session may exist anyway
+        # the create runs to its answer even when this session is cancelled (a create cancelled in flight may
+        # still land on the server): cleanup waits for it, then deletes what it made
+        fut = self.creating[sid] = asyncio.ensure_future(self._create(sid, t0))
+        fut.add_done_callback(_retrieve)
+        await asyncio.shield(fut)
         ref = self.verifier.track() if self.verifier is not None else None
         return sid, ref
 
     async def end_session(self, sid: str) -> None:
         try:
             await self.control("delete", lambda: self.client.delete_session(sid))
-        except Aborted:
-            pass
+        except Aborted as e:
+            if e.status != 404:
+                return                  # still open: cleanup tries again
+        self.open_sids.discard(sid)
+
+    async def cleanup(self) -> None:
+        """End the step: cancel its tasks still running (counted in ``cancelled``), then delete every session
+        that may still exist on the server (``cleanup_deleted``; those that could not be deleted are listed in
+        ``cleanup_failed``)."""
+        pending = [t for t in self.tasks if not t.done()]
+        if pending:
+            self.hard_stop = self.stopping = True
+            for t in pending:
+                t.cancel()
+            self.cut_off.update(pending)
+            await asyncio.wait(pending, timeout=5)
+        if self.creating:               # creates of cancelled sessions: their answer says whether they landed
+            await asyncio.wait(list(self.creating.values()), timeout=CLEANUP_TIMEOUT_S)
+            for f in self.creating.values():
+                f.cancel()
+        sem = asyncio.Semaphore(CLEANUP_CONCURRENCY)
+
+        async def one(sid):
+            async with sem:
+                try:
+                    await asyncio.wait_for(self.client.delete_session(sid), CLEANUP_TIMEOUT_S)
+                except ServiceError as e:
+                    if e.status != 404:         # 404: the create never landed, nothing to delete
+                        self.cleanup_failed.append(f"{sid} ({error_message(e)})")
+                        return
+                except Exception as e:  # noqa: BLE001 - reported, not raised: the results still count
+                    self.cleanup_failed.append(f"{sid} ({error_message(e)})")
+                    return
+                else:
+                    self.cleanup_deleted += 1
+                self.open_sids.discard(sid)
+
+        await asyncio.gather(*(one(sid) for sid in list(self.open_sids)))
+
+    def _spawn(self, coro) -> asyncio.Task:
+        t = asyncio.ensure_future(coro)
+        self.tasks.add(t)
+        t.add_done_callback(self.tasks.discard)
+        return t
 
     # --- closed loop
 
     async def closed_worker(self) -> None:
+        backoff = CREATE_BACKOFF_S[0]
         while not self.should_stop():
             try:
                 sid, ref = await self.new_session()
-            except Aborted:
-                await asyncio.sleep(0.01)
+            except Aborted:             # back off: a server refusing creates is not asked again at once
+                await asyncio.sleep(backoff * (0.5 + self.rng.random()))
+                backoff = min(backoff * 2, CREATE_BACKOFF_S[1])
                 continue
+            backoff = CREATE_BACKOFF_S[0]
             try:
                 for step in self.plan():
                     if self.should_stop():
                         break
                     await self.run_step(sid, step, ref)
                 else:
-                    self.rec.sessions_done += 1
+                    self.rec.session_done(time.perf_counter())
             except Aborted:
                 pass
             finally:
-                await asyncio.shield(self.end_session(sid))
+                await self.end_session(sid)     # cancelled here: the session stays in open_sids for cleanup
 
     async def closed_loop(self, concurrency: int, deadline: Optional[float], grace_s: float) -> None:
-        tasks = [asyncio.ensure_future(self.closed_worker()) for _ in range(concurrency)]
+        tasks = [self._spawn(self.closed_worker()) for _ in range(concurrency)]
         await self._until(deadline, tasks, grace_s)
 
     async def _until(self, deadline, tasks, grace_s) -> None:
@@ -422,11 +392,13 @@ class Driver:
                 wait = 0.05 if deadline is None else min(0.05, max(0.0, deadline - time.perf_counter()))
                 await asyncio.sleep(wait)
             self.stopping = True
-            _, pending = await asyncio.wait(tasks, timeout=grace_s) if tasks else (None, set())
+            _, pending = await asyncio.wait(tasks, timeout=grace_s) if tasks and grace_s > 0 else \
+                (None, {t for t in tasks if not t.done()})
             if pending:
                 self.hard_stop = True
                 for t in pending:
                     t.cancel()
+                self.cut_off.update(pending)
                 await asyncio.wait(pending, timeout=5)
         finally:
             for t in tasks:
@@ -437,15 +409,16 @@ class Driver:
     # --- open loop
 
     async def open_loop(self, rate: float, deadline: Optional[float], grace_s: float, max_inflight: int) -> None:
-        """Poisson arrivals of session steps; ``rate`` is in requests/s (a step of L layers is L requests)."""
+        """Poisson arrivals of session steps; ``rate`` is in requests/s (a step of L layers is L requests). A new
+        session's create counts from the arrival (its wait shows there); its first step from the create's answer."""
         step_rate = rate / len(self.layers)
         idle: collections.deque = collections.deque()
-        tasks: set = set()
         state = {"inflight": 0}
 
         async def arrival(t_sched: float):
             state["inflight"] += 1
             try:
+                t0 = t_sched
                 if idle:
                     vs = idle.popleft()
                 else:
@@ -454,43 +427,35 @@ class Driver:
                     except Aborted:
                         return
                     vs = [sid, ref, collections.deque(self.plan())]
+                    t0 = time.perf_counter()
                 sid, ref, steps = vs
                 try:
-                    await self.run_step(sid, steps.popleft(), ref, t_sched)
+                    await self.run_step(sid, steps.popleft(), ref, t0)
                 except Aborted:
-                    await asyncio.shield(self.end_session(sid))
+                    await self.end_session(sid)
                     return
                 if steps:
                     idle.append(vs)
                 else:
-                    self.rec.sessions_done += 1
-                    await asyncio.shield(self.end_session(sid))
+                    self.rec.session_done(time.perf_counter())
+                    await self.end_session(sid)
             finally:
                 state["inflight"] -= 1
 
         t = time.perf_counter()
         while not self.should_stop() and (deadline is None or t < deadline):
             t += self.rng.expovariate(step_rate)
-            delay = t - time.perf_counter()
+            # never sleep past the step's end: at a low rate the next arrival may be far beyond it
+            delay = (t if deadline is None else min(t, deadline)) - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
             if deadline is not None and t >= deadline:
                 break
             if state["inflight"] >= max_inflight:
-                self.rec.error("client_backlog", t)  # the client cannot keep the offered rate
+                self.rec.error("client_backlog", t, "", f"{max_inflight} steps in flight (--max-inflight): an "
+                               "arrival was dropped; the client cannot keep the offered rate")
                 continue
-            task = asyncio.ensure_future(arrival(t))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
+            self._spawn(arrival(t))
         self.stopping = True
-        await self._until(None, list(tasks), grace_s)
-        for sid, _, _ in idle:
-            await self.end_session(sid)
-
-
-def auto_connections(transport: str, concurrency: Optional[int], n_layers: int, inflight: int) -> int:
-    if transport == "unary":
-        return 0
-    if concurrency is None:
-        return 4
-    return max(1, min(64, math.ceil(concurrency * n_layers / inflight)))
+        await self._until(None, list(self.tasks), grace_s)
+        await asyncio.gather(*(self.end_session(sid) for sid, _, _ in idle))

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import collections
+import math
 import time
+from fractions import Fraction
 from typing import Optional
 
 #: Kinds of conv requests (each carries tokens; ``batch`` is one layer's call of the frontend scenario).
@@ -14,24 +16,36 @@ CONTROL_KINDS = ("create", "delete", "accept")
 
 
 def percentile(sorted_xs, q: float) -> float:
-    """Nearest-rank percentile of an already sorted list (``q`` in [0, 1]); NaN when empty."""
-    if not sorted_xs:
+    """Nearest-rank percentile of an already sorted list (``q`` in [0, 1]): the smallest value with at least
+    ``q`` of the values at or below it, i.e. index ``ceil(q * n) - 1``; NaN when empty. ``q`` is taken as the
+    decimal it was written as (0.99 is 99/100, not the float just above it), so ``0.99 * 100`` is rank 99."""
+    n = len(sorted_xs)
+    if not n:
         return float("nan")
-    return sorted_xs[min(len(sorted_xs) - 1, max(0, int(q * len(sorted_xs) + 0.5) - 1))]
+    rank = math.ceil(Fraction(repr(float(q))) * n)
+    return sorted_xs[min(n - 1, max(0, rank - 1))]
 
 
 class Recorder:
-    """Collects one step. Only operations started at or after ``measure_from`` count (the warm-up does not)."""
+    """Collects one step. Only operations started at or after ``measure_from`` count (the warm-up does not): a
+    request's latency, tokens, error, retries and verification all count by the time the request started, a
+    completed session by the time it completed."""
 
     def __init__(self, measure_from: float, live_window_s: float = 2.0):
         self.measure_from = measure_from
         self.lat: dict = collections.defaultdict(list)
         self.tokens: dict = collections.Counter()
-        self.errors: collections.Counter = collections.Counter()
+        self.errors: collections.Counter = collections.Counter()          # conv requests (and dropped arrivals)
+        #: errors of control calls (create, delete, accept), by kind then code: not conv errors
+        self.control_errors: dict = collections.defaultdict(collections.Counter)
+        #: the first message the server (or the client library) gave for each error code
+        self.error_messages: dict = {}
         self.retries: collections.Counter = collections.Counter()
         self.first_start: Optional[float] = None
         self.last_done: Optional[float] = None
+        self.last_conv_done: Optional[float] = None
         self.sessions_done = 0
+        self.accepted_tokens = 0
         self.verified = 0
         self.mismatches = 0
         self.ok_total = 0           # conv requests answered, warm-up included (progress display)
@@ -57,14 +71,40 @@ class Recorder:
             self.first_start = t_start
         if self.last_done is None or t_done > self.last_done:
             self.last_done = t_done
+        if kind not in CONTROL_KINDS and (self.last_conv_done is None or t_done > self.last_conv_done):
+            self.last_conv_done = t_done
 
-    def error(self, code: str, t_start: float, kind: str = "") -> None:
+    def error(self, code: str, t_start: float, kind: str = "", message: Optional[str] = None) -> None:
+        """A failed request: a conv error, or with ``kind`` one of :data:`CONTROL_KINDS` a control-call error."""
         self.err_total += 1
-        if t_start >= self.measure_from:
+        if t_start < self.measure_from:
+            return
+        if kind in CONTROL_KINDS:
+            self.control_errors[kind][code] += 1
+        else:
             self.errors[code] += 1
+        if message and code not in self.error_messages:
+            self.error_messages[code] = message[:500]
 
-    def retry(self, code: str) -> None:
-        self.retries[code] += 1
+    def retry(self, code: str, t_start: float) -> None:
+        if t_start >= self.measure_from:
+            self.retries[code] += 1
+
+    def accepted(self, t_start: float, tokens: int) -> None:
+        """A frontend step's tokens that advanced its sessions: prefill and decode tokens and the accepted part of
+        each verify (its ``step`` tokens are every token sent, drafted verify tokens included)."""
+        if t_start >= self.measure_from:
+            self.accepted_tokens += tokens
+
+    def checked(self, t_start: float, mismatch: bool) -> None:
+        """One answer compared with the reference (``mismatch``: it differed; also an error of its request)."""
+        if t_start >= self.measure_from:
+            self.verified += 1
+            self.mismatches += mismatch
+
+    def session_done(self, t_done: float) -> None:
+        if t_done >= self.measure_from:
+            self.sessions_done += 1
 
     # --- live view
 
@@ -80,8 +120,9 @@ class Recorder:
     # --- summary
 
     def summary(self, end: float, bytes_sent: int, bytes_received: int) -> dict:
-        """Every figure of the step. Rates are over ``[measure_from, max(end, last answer)]``."""
-        stop = max(end, self.last_done or end)
+        """Every figure of the step. Rates are over ``[measure_from, max(end, last conv answer)]`` (the deletes
+        and other control calls after the last conv answer do not stretch the window)."""
+        stop = max(end, self.last_conv_done or end)
         elapsed = max(1e-9, stop - self.measure_from)
         kinds = {}
         conv_lats = []
@@ -97,6 +138,9 @@ class Recorder:
                 tok_conv += self.tokens[kind]
             kinds[kind] = {"count": len(xs), "tokens": self.tokens[kind], "req_per_s": len(xs) / elapsed,
                            "tokens_per_s": self.tokens[kind] / elapsed, **_lat_fields(xs)}
+            if kind == "step":
+                kinds[kind].update(accepted_tokens=self.accepted_tokens,
+                                   accepted_tokens_per_s=self.accepted_tokens / elapsed)
         conv_lats.sort()
         return {
             "elapsed_s": elapsed,
@@ -111,6 +155,9 @@ class Recorder:
             "kinds": kinds,
             "errors": dict(sorted(self.errors.items())),
             "errors_total": sum(self.errors.values()),
+            "control_errors": {k: dict(sorted(v.items())) for k, v in sorted(self.control_errors.items())},
+            "control_errors_total": sum(sum(v.values()) for v in self.control_errors.values()),
+            "error_messages": dict(sorted(self.error_messages.items())),
             "retries": dict(sorted(self.retries.items())),
             "retries_total": sum(self.retries.values()),
             "sessions_completed": self.sessions_done,

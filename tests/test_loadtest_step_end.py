@@ -1,0 +1,111 @@
+"""How a load-test step ends against a real server: no session is left behind (work cut off by --grace, a create
+cancelled in flight, SIGTERM), an interrupt prints the partial results, the open loop stops at --duration at any
+rate, --requests counts measured requests exactly, and a step that measured nothing does not exit 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from convserve.clients.loadtest import main
+from tests.live import ROOT, LiveServer
+
+DIM = 32
+SMALL = ["--prefill", "uniform:4:24", "--decode", "const:6", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = LiveServer(["--layers", "0,2", "--dim", str(DIM), "--dtype", "float32", "--slots", "64"])
+    srv.wait_ready()
+    yield srv
+    srv.terminate()
+
+
+def _free(server) -> tuple:
+    s = httpx.get(server.url + "/v1/model", headers={"Accept": "application/json"}).json()["slots"]
+    return s["free"], s["total"]
+
+
+def _run(tmp_path, server, *extra) -> tuple:
+    out = tmp_path / f"out{time.monotonic_ns()}"
+    rc = main(["--url", server.url, *SMALL, "--out", str(out), *extra])
+    path = out / "loadtest.json"
+    return rc, (json.loads(path.read_text()) if path.exists() else None)
+
+
+@pytest.mark.parametrize("loop", [["--rate", "3000"], ["--concurrency", "48"],
+                                  ["--scenario", "frontend", "--concurrency", "48"]])
+def test_work_cut_off_by_the_grace_leaves_no_session_on_the_server(server, tmp_path, loop):
+    # --grace 0: every session, create and delete still in flight at the step's end is cancelled
+    rc, data = _run(tmp_path, server, *loop, "--duration", "0.4", "--warmup", "0", "--grace", "0",
+                    "--prefill", "uniform:64:256")
+    free, total = _free(server)
+    assert free == total, f"{total - free} sessions left on the server"
+    cut = data["steps"][0]["cut_off"]
+    assert cut["sessions_not_deleted"] == 0
+    if "--scenario" not in loop:
+        assert cut["tasks_cancelled"] > 0       # it says what it cut off
+
+
+def test_sigterm_cleans_up_prints_the_partial_results_and_exits_143(server, tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "convserve.clients.loadtest", "--url", server.url, *SMALL,
+                             "--concurrency", "24,32", "--duration", "20", "--warmup", "0", "--out",
+                             str(tmp_path / "term")], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _free(server)[0] == _free(server)[1]:
+        time.sleep(0.1)                     # until its sessions are on the server
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "interrupted by SIGTERM" in err and "c=24" in out and "all conv" in out
+    data = json.loads((tmp_path / "term" / "loadtest.json").read_text())
+    assert data["interrupted"] == "SIGTERM" and [s["label"] for s in data["steps"]] == ["c=24"]
+    assert data["steps"][0]["requests"] > 0
+    free, total = _free(server)
+    assert free == total, f"{total - free} sessions left on the server"
+
+
+def test_the_open_loop_stops_at_the_duration_even_when_the_next_arrival_is_far_beyond_it(server, tmp_path):
+    t0 = time.monotonic()
+    _run(tmp_path, server, "--rate", "0.2", "--duration", "1", "--warmup", "0", "--seed", "3")
+    assert time.monotonic() - t0 < 3.0          # was: the wait for an arrival 5 s away on average
+
+
+def test_requests_counts_measured_requests_exactly(server, tmp_path):
+    rc, data = _run(tmp_path, server, "--concurrency", "2", "--requests", "7", "--warmup", "0")
+    assert rc == 0 and data["steps"][0]["requests"] == 7
+    # the warm-up's requests are not counted: N measured requests after it
+    rc, data = _run(tmp_path, server, "--concurrency", "2", "--requests", "30", "--warmup", "0.5")
+    assert rc == 0 and data["steps"][0]["requests"] == 30
+
+
+def test_a_step_that_measured_nothing_exits_1_and_says_why(tmp_path, capsys):
+    # every create refused (no slots): no conv request; the control errors have their own row and message
+    srv = LiveServer(["--layers", "0,2", "--dim", str(DIM), "--dtype", "float32", "--slots", "1"])
+    try:
+        srv.wait_ready()
+        httpx.post(srv.url + "/v1/sessions", json={"session": "hog"}).raise_for_status()   # the only slot
+        rc, data = _run(tmp_path, srv, "--concurrency", "3", "--duration", "1", "--warmup", "0",
+                        "--max-retries", "0")
+        rc_frontend, frontend = _run(tmp_path, srv, "--scenario", "frontend", "--concurrency", "3", "--duration",
+                                     "1", "--warmup", "0", "--max-retries", "0")
+    finally:
+        srv.terminate()
+    err = capsys.readouterr().err
+    st = data["steps"][0]
+    assert rc == 1 and "nothing was measured" in err and "pool_exhausted" in err
+    assert st["errors_total"] == 0 and st["control_errors"]["create"]["pool_exhausted"] > 0
+    assert "session slots" in st["error_messages"]["pool_exhausted"]
+    # the frontend backs off after failed creates instead of retrying them before every step
+    assert rc_frontend == 1 and 0 < frontend["steps"][0]["control_errors"]["create"]["pool_exhausted"] < 60
