@@ -33,7 +33,7 @@ def _tiles(monkeypatch, path):
             max_width=MAX_WIDTH, fold=path == "channels_first_fold"))
     elif path.startswith("channels_last"):  # the body, or with a variant of TUNING's (off by default)
         variant = dict(channels_last_deep=dict(prefetch=3), channels_last_stages=dict(stages=2),
-                       channels_last_fold=dict(fold=True, prefetch=2)).get(path, {})
+                       channels_last_fold=dict(fold=True, prefetch=2)).get(path, dict(stages=4))
         monkeypatch.setitem(_launch.TUNING, "prefill_body_channels_last", dict(
             num_warps=1, rows_per_step=2, max_chunk=8, min_programs=1, min_elems=0, max_width=MAX_WIDTH,
             persistent=0, **variant))

@@ -135,12 +135,12 @@ def small_channels_first_tiles(monkeypatch):
 
 def small_channels_last_tiles(monkeypatch, rows_per_step, persistent=0):
     """Make the channels-last body (then the heads pass) apply to any size: 1-warp programs of 256 channels,
-    chunks of 8 tokens (the window carried across chunks and steps); persistent > 0: that many programs per SM
-    (4 SMs off CUDA), each looping over chunks."""
+    chunks of 8 tokens (the window carried across chunks and steps), the step loop pipelined as by default
+    (``stages``); persistent > 0: that many programs per SM (4 SMs off CUDA), each looping over chunks."""
     from convserve.kernels import _launch
     monkeypatch.setitem(_launch.TUNING, "prefill_body_channels_last", dict(
         num_warps=1, rows_per_step=rows_per_step, max_chunk=8, min_programs=1, min_elems=0, max_width=MAX_WIDTH,
-        persistent=persistent))
+        persistent=persistent, stages=_launch.TUNING["prefill_body_channels_last"]["stages"]))
     monkeypatch.setitem(_launch.TUNING, "prefill_heads", dict(block_d=16, elems=64, head_elems=1024, num_warps=1))
     monkeypatch.setattr(prefill_plan, "_PLANS", {})
 

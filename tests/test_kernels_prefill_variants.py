@@ -141,8 +141,8 @@ def _check_against_default(args, activation, rows_per_step, dtype, monkeypatch, 
 CASES = [c if c < 3 else pytest.param(c, marks=pytest.mark.slow) for c in range(10)]
 
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("variant", [dict(prefetch=2), dict(prefetch=3), dict(stages=3)],
-                         ids=["prefetch2", "prefetch3", "stages3"])
+@pytest.mark.parametrize("variant", [dict(prefetch=2), dict(prefetch=3), dict(stages=3), dict(stages=4)],
+                         ids=["prefetch2", "prefetch3", "stages3", "stages4"])
 def test_deeper_prefetch_matches_default_bit_for_bit(variant, case, monkeypatch, kernel_device):
     args, activation, rows_per_step, dtype = _case(case, kernel_device)
     _check_against_default(args, activation, rows_per_step, dtype, monkeypatch, variant,
@@ -150,7 +150,8 @@ def test_deeper_prefetch_matches_default_bit_for_bit(variant, case, monkeypatch,
 
 
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("variant", [dict(fold=True), dict(fold=True, prefetch=2)], ids=["fold", "fold_prefetch2"])
+@pytest.mark.parametrize("variant", [dict(fold=True), dict(fold=True, prefetch=2), dict(fold=True, stages=4)],
+                         ids=["fold", "fold_prefetch2", "fold_stages4"])
 def test_fold_matches_default_bit_for_bit(variant, case, monkeypatch, kernel_device):
     args, activation, rows_per_step, dtype = _case(case, kernel_device)
     _check_against_default(args, activation, rows_per_step, dtype, monkeypatch, variant,
