@@ -354,10 +354,13 @@ def _body_tiling(x, weight, out):
     return warps, u, block_d, n_d, chunk, n_d * -(-total // chunk)
 
 
-def _loop_constexprs() -> dict:
-    """The step loop's prefetch depth and software-pipelining stages, from TUNING."""
+def _loop_constexprs(width: int) -> dict:
+    """The step loop's prefetch depth and software-pipelining stages, from TUNING (stages only up to width
+    stages_max_width: wider windows already hold most registers, and the pipelined loop is slower there)."""
     t = TUNING["prefill_body_channels_last"]
     depth, stages = t.get("prefetch", 1), t.get("stages", 0)
+    if width > t.get("stages_max_width", 8):
+        stages = 0
     assert depth >= 1 and stages >= 0, "prefetch >= 1, stages >= 0"
     return dict(DEPTH=depth, STAGES=stages)
 
@@ -374,7 +377,7 @@ def channels_last_body_plan(x, weight, bias, out, silu):
     dim, total = x.shape
     constexprs = dict(WIDTH=weight.shape[1], HAS_BIAS=bias is not None, SILU=silu, LOG_U=u.bit_length() - 1,
                       CHUNK=chunk, EVEN_D=dim % block_d == 0, BLOCK_D=block_d, PERSISTENT=False,
-                      **_loop_constexprs())
+                      **_loop_constexprs(weight.shape[1]))
     if t.get("persistent", 0) > 0:  # persistent programs per SM (0: one program per chunk)
         programs = min(programs, max(1, _sm_count(x.device) * t["persistent"] // n_d) * n_d)
         constexprs["PERSISTENT"] = True
@@ -400,7 +403,7 @@ def channels_last_fold_plan(x, weight, bias, conv_states, cache_indices, has_ini
     constexprs = dict(WIDTH=width, HAS_BIAS=bias is not None, HAS_STATE=has_state,
                       HAS_INDICES=cache_indices is not None, HAS_INIT=has_initial_state is not None and has_state, SILU=silu,
                       LOG_U=u.bit_length() - 1, CHUNK=chunk, EVEN_D=dim % block_d == 0, BLOCK_D=block_d,
-                      SEARCH=64, ONE_SEQ=batch == 1, **_loop_constexprs())
+                      SEARCH=64, ONE_SEQ=batch == 1, **_loop_constexprs(width))
     return LaunchPlan(_channels_last_fold_kernel, (programs + (batch + 1) * n_d, 1), scalars, constexprs, warps,
                       x.device)
 
