@@ -30,53 +30,72 @@ def _span(t: torch.Tensor):
 
 
 @contextlib.contextmanager
-def bounds_checked():
-    """Within the block, every kernel launch in the interpreter is checked (see the module); yields the list of
-    violations found, ``(kernel, "load" | "store", lanes, first address)``, which the caller asserts empty."""
+def _interpreter_hooks(what: str, on_access, on_call=None):
+    """Within the block, the interpreter calls ``on_access(op, program, ptrs, mask)`` (op "load" or "store";
+    program: the interpreter's builder, whose ``grid_idx`` is the program) before every masked load and store,
+    and ``on_call(args, kwargs)`` before every launch; yields ``current``, a one-item list holding the name of
+    the kernel being run. Skips the test where this Triton's interpreter lacks the hooks (``what`` says which
+    check)."""
     try:
         from triton.runtime import interpreter as interp
 
         builder, executor = interp.InterpreterBuilder, interp.GridExecutor
-        np_dtype = interp._get_np_dtype
         load, store, call = builder.create_masked_load, builder.create_masked_store, executor.__call__
     except (ImportError, AttributeError) as e:
+        pytest.skip(f"this Triton's interpreter has no hooks for {what} ({e})")
+    current = [None]
+
+    def hooked_load(self, ptrs, mask, other, *args):
+        on_access("load", self, ptrs, mask)
+        return load(self, ptrs, mask, other, *args)
+
+    def hooked_store(self, ptrs, value, mask, *args):
+        on_access("store", self, ptrs, mask)
+        return store(self, ptrs, value, mask, *args)
+
+    def hooked_call(self, *args, **kwargs):
+        if on_call is not None:
+            on_call(args, kwargs)
+        current[0] = getattr(self.fn, "__name__", "?")
+        return call(self, *args, **kwargs)
+
+    builder.create_masked_load, builder.create_masked_store = hooked_load, hooked_store
+    executor.__call__ = hooked_call
+    try:
+        yield current
+    finally:
+        builder.create_masked_load, builder.create_masked_store, executor.__call__ = load, store, call
+
+
+@contextlib.contextmanager
+def bounds_checked():
+    """Within the block, every kernel launch in the interpreter is checked (see the module); yields the list of
+    violations found, ``(kernel, "load" | "store", lanes, first address)``, which the caller asserts empty."""
+    try:
+        from triton.runtime.interpreter import _get_np_dtype as np_dtype
+    except ImportError as e:
         pytest.skip(f"this Triton's interpreter has no hooks for the bounds check ({e})")
     spans: list = []
     found: list = []
-    current = [None]
 
-    def check(op, ptrs, mask, ptr_ty):
+    def check(op, _program, ptrs, mask):
         p = np.asarray(ptrs.data).astype(np.uint64).ravel()
         m = np.broadcast_to(np.asarray(mask.data), np.asarray(ptrs.data).shape).ravel().astype(bool)
         p = p[m]
         if p.size == 0:
             return
-        size = np.dtype(np_dtype(ptr_ty)).itemsize
+        size = np.dtype(np_dtype(ptrs.get_element_ty())).itemsize
         ok = np.zeros(p.size, dtype=bool)
         for lo, hi in spans:
             ok |= (p >= lo) & (p + size <= hi)
         if not ok.all():
             found.append((current[0], op, int((~ok).sum()), int(p[~ok][0])))
 
-    def checked_load(self, ptrs, mask, other, *args):
-        check("load", ptrs, mask, ptrs.get_element_ty())
-        return load(self, ptrs, mask, other, *args)
-
-    def checked_store(self, ptrs, value, mask, *args):
-        check("store", ptrs, mask, ptrs.get_element_ty())
-        return store(self, ptrs, value, mask, *args)
-
-    def checked_call(self, *args, **kwargs):
+    def spans_of(args, kwargs):
         spans[:] = [_span(a) for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.numel()]
-        current[0] = getattr(self.fn, "__name__", "?")
-        return call(self, *args, **kwargs)
 
-    builder.create_masked_load, builder.create_masked_store = checked_load, checked_store
-    executor.__call__ = checked_call
-    try:
+    with _interpreter_hooks("the bounds check", check, spans_of) as current:
         yield found
-    finally:
-        builder.create_masked_load, builder.create_masked_store, executor.__call__ = load, store, call
 
 
 @contextlib.contextmanager
@@ -84,40 +103,16 @@ def program_accesses():
     """Within the block, every load and store lane a kernel launch in the interpreter makes (on the lanes its mask
     lets through) is logged with the program that made it: yields the log, a list of ``(kernel, "load" |
     "store", program (x, y, z), element addresses)`` for :func:`cross_program_conflicts`."""
-    try:
-        from triton.runtime import interpreter as interp
-
-        builder, executor = interp.InterpreterBuilder, interp.GridExecutor
-        load, store, call = builder.create_masked_load, builder.create_masked_store, executor.__call__
-    except (ImportError, AttributeError) as e:
-        pytest.skip(f"this Triton's interpreter has no hooks for the access log ({e})")
     log: list = []
-    current = [None]
 
-    def record(op, self, ptrs, mask):
+    def record(op, program, ptrs, mask):
         p = np.asarray(ptrs.data).astype(np.uint64)
         m = np.broadcast_to(np.asarray(mask.data), p.shape).astype(bool)
         if m.any():
-            log.append((current[0], op, tuple(self.grid_idx), np.unique(p[m])))
+            log.append((current[0], op, tuple(program.grid_idx), np.unique(p[m])))
 
-    def logged_load(self, ptrs, mask, other, *args):
-        record("load", self, ptrs, mask)
-        return load(self, ptrs, mask, other, *args)
-
-    def logged_store(self, ptrs, value, mask, *args):
-        record("store", self, ptrs, mask)
-        return store(self, ptrs, value, mask, *args)
-
-    def logged_call(self, *args, **kwargs):
-        current[0] = getattr(self.fn, "__name__", "?")
-        return call(self, *args, **kwargs)
-
-    builder.create_masked_load, builder.create_masked_store = logged_load, logged_store
-    executor.__call__ = logged_call
-    try:
+    with _interpreter_hooks("the access log", record) as current:
         yield log
-    finally:
-        builder.create_masked_load, builder.create_masked_store, executor.__call__ = load, store, call
 
 
 def cross_program_conflicts(log, kernel: str, t: torch.Tensor) -> list:

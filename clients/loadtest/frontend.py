@@ -172,10 +172,7 @@ class FrontendDriver(Driver):
                     else:
                         backoff = CREATE_BACKOFF_S[0]
                 if not self.live:
-                    wait = join_at - time.perf_counter()
-                    if deadline is not None:
-                        wait = min(wait, deadline - time.perf_counter())
-                    await asyncio.sleep(max(0.0, wait))
+                    await _sleep_until(join_at, deadline)
                     continue
                 await self.step()
         finally:
@@ -202,12 +199,17 @@ class FrontendDriver(Driver):
                 if arrived:
                     await self._join(len(arrived), arrived)
                 if not self.live:
-                    wait = next_at - time.perf_counter()
-                    if deadline is not None:
-                        wait = min(wait, deadline - time.perf_counter())
-                    await asyncio.sleep(max(0.0, wait))
+                    await _sleep_until(next_at, deadline)
                     continue
                 await self.step()
         finally:
             gone, self.live = self.live, []
             await self._leave(gone)
+
+
+async def _sleep_until(t: float, deadline: Optional[float]) -> None:
+    """Sleep until ``perf_counter()`` reaches ``t``, or the step's ``deadline`` if that comes first."""
+    wait = t - time.perf_counter()
+    if deadline is not None:
+        wait = min(wait, deadline - time.perf_counter())
+    await asyncio.sleep(max(0.0, wait))
