@@ -2,7 +2,9 @@
 
 The shapes are picked from the memory order of ``x``: the tile's long side runs along x's contiguous axis, so
 each warp loads long runs of consecutive bytes. ``TUNING`` holds the numbers (the sweeps behind them are in
-bench/NOTES.md); the benchmark overrides them to compare variants in one process.
+bench/NOTES.md); the benchmark overrides them to compare variants in one process. A plan reads ``TUNING`` when it
+is built and keeps what it read, so a change applies to layouts seen before only once the op's plan cache is
+emptied (``kernels.prefill.plan._PLANS.clear()``, ``kernels.decode.plan._PLANS.clear()``), as the benchmarks do.
 """
 
 from __future__ import annotations

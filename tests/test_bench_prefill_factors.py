@@ -1,12 +1,15 @@
 """bench/bench_prefill_factors.py --smoke runs in a fresh process (the CPU interpreter without CUDA), checks every
 launch it times (its tile-copy kernels must copy) and writes its JSON and Markdown."""
 
-import pytest
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+from tests.benches import load_bench
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,8 +34,8 @@ def test_prefill_factors_smoke_runs_and_writes_every_factor(tmp_path):
         assert r["fold_ok"] and r["e2e_fold"] > 0 and r["e2e_again"] > 0  # both layouts fold
         if r["layout"] == "channels-last":  # the persistent grid, checked bit for bit against the default body
             assert all(r[f"body_persistent{k}"] > 0 for k in (3, 6, 12))
-            # the off-by-default variants, each checked bit for bit against the default first
-            for name in ("prefetch2", "prefetch3", "stages2", "stages3", "fold", "fold_prefetch2"):
+            # every variant other than the default, each checked bit for bit against the default first
+            for name, _ in load_bench("bench_prefill_factors").VARIANTS["channels-last"]:
                 assert r[f"{name}_ok"] and r[f"e2e_{name}"] > 0, name
             assert r["fold_kernels"] == ["_channels_last_fold_kernel"] and r["body_prefetch2"] > 0
     assert "| shape | layout |" in out.with_suffix(".md").read_text()

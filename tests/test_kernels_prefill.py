@@ -386,19 +386,29 @@ def _column(t):
 
 @pytest.mark.parametrize("strided", ["query_start_loc", "cache_indices", "has_initial_state", "all"])
 @pytest.mark.parametrize("layout", ["channels_first", "channels_last"])
-def test_strided_metadata_is_read_by_sequence_on_the_first_and_the_planned_call(strided, layout, kernel_device):
+def test_strided_metadata_is_read_by_sequence_on_the_first_and_the_planned_call(strided, layout, kernel_device,
+                                                                                 monkeypatch):
     """query_start_loc, cache_indices and has_initial_state as strided views give the reference's outputs and
-    state rows, on the call that builds the plan and on the next one (the cached plan's path)."""
+    state rows, on the call that builds the plan and on the next one with other values in the same layout (the
+    cached plan's path: the slow path runs once)."""
     gen, rng = torch.Generator().manual_seed(SEED + 7), random.Random(SEED + 7)
+    slow = []
+    real = prefill_plan._prefill_slow
+    monkeypatch.setattr(prefill_plan, "_PLANS", type(prefill_plan._PLANS)())   # empty, with its guards
+    monkeypatch.setattr(prefill_plan, "_prefill_slow", lambda *a: slow.append(1) or real(*a))
+    x, w, b, states, qsl, idx, init = random_batch(gen, rng, 33, 4, layout, torch.float32, kernel_device,
+                                                   n_seq=5, max_len=20, tail=3, long_share=0.8)
+    names = ["query_start_loc", "cache_indices", "has_initial_state"] if strided == "all" else [strided]
     for call in range(2):
-        x, w, b, states, qsl, idx, init = random_batch(gen, rng, 33, 4, layout, torch.float32, kernel_device,
-                                                      n_seq=5, max_len=20, tail=3, long_share=0.8)
-        names = ["query_start_loc", "cache_indices", "has_initial_state"] if strided == "all" else [strided]
+        if call:                            # other rows and flags, the same shapes: the planned path
+            idx = idx[torch.randperm(idx.numel(), generator=gen).to(idx.device)]
+            init = ~init
         meta = {"query_start_loc": qsl, "cache_indices": idx, "has_initial_state": init}
         meta.update({k: _column(meta[k]) for k in names})
         assert all(meta[k].stride(0) == 2 for k in names)
         check(*run_both(x, w, b, states, meta["query_start_loc"], meta["cache_indices"],
                         meta["has_initial_state"]), torch.float32)
+    assert len(slow) == 1, "the second call did not take the cached plan"
 
 
 def test_default_output_is_allocated_like_x(kernel_device):

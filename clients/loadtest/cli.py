@@ -461,6 +461,7 @@ async def run(args) -> dict:
                 if not loop_task.cancelled() and loop_task.exception() is not None:
                     raise loop_task.exception()
             finally:
+                loop_done = time.perf_counter()     # before the cleanup's deletes: they are not load
                 interrupted.task = None
                 if progress is not None:
                     progress.cancel()
@@ -472,7 +473,14 @@ async def run(args) -> dict:
                 await transport.close()
                 if handle is not None:
                     handle.cancel()
-            end = deadline if deadline is not None and interrupted.signal is None else time.perf_counter()
+            # the measured window's end: the deadline; else (--requests) the last conv answer, not the sessions'
+            # final deletes nor the cleanup; after an interrupt, the signal
+            if interrupted.signal is not None:
+                end = interrupted.at
+            elif deadline is not None:
+                end = deadline
+            else:
+                end = rec.last_conv_done or loop_done
             if not snap:
                 mark()
             summary = rec.summary(min(end, time.perf_counter()), client.bytes_sent - snap["sent"],
@@ -509,6 +517,7 @@ class _Interrupts:
 
     def __init__(self):
         self.signal: Optional[int] = None
+        self.at: Optional[float] = None     # perf_counter() at the first signal
         self.task: Optional[asyncio.Task] = None
         self.main = asyncio.current_task()
         self.loop = asyncio.get_running_loop()
@@ -526,7 +535,7 @@ class _Interrupts:
                   file=sys.stderr)
             self.main.cancel()
             return
-        self.signal = sig
+        self.signal, self.at = sig, time.perf_counter()
         print(f"convserve-loadtest: {signal.Signals(sig).name}: stopping the step, deleting its sessions and "
               "reporting what was measured (again to stop at once)", file=sys.stderr)
         if self.task is not None:

@@ -174,10 +174,27 @@ class FrontendDriver(Driver):
                 if not self.live:
                     await _sleep_until(join_at, deadline)
                     continue
-                await self.step()
+                if not await self._step_within(deadline, grace_s):
+                    break
         finally:
             gone, self.live = self.live, []
             await self._leave(gone)
+
+    async def _step_within(self, deadline: Optional[float], grace_s: float) -> bool:
+        """One step, as a task of the step (an interrupt's cleanup cancels it); still running at the deadline
+        plus ``grace_s`` it is cut off (counted in ``cancelled``; its sessions stay in ``open_sids`` until the
+        cleanup deletes them) and False is returned."""
+        task = self._spawn(self.step())
+        limit = None if deadline is None else max(0.0, deadline + grace_s - time.perf_counter())
+        done, _ = await asyncio.wait({task}, timeout=limit)
+        if not done:
+            self.hard_stop = self.stopping = True
+            task.cancel()
+            self.cut_off.add(task)
+            await asyncio.wait({task}, timeout=5)
+            return False
+        task.result()
+        return True
 
     async def open_loop(self, rate: float, deadline: Optional[float], grace_s: float, max_inflight: int) -> None:
         """Sessions arrive as a Poisson process of ``rate`` sessions/s; each step admits those that have arrived
@@ -201,7 +218,8 @@ class FrontendDriver(Driver):
                 if not self.live:
                     await _sleep_until(next_at, deadline)
                     continue
-                await self.step()
+                if not await self._step_within(deadline, grace_s):
+                    break
         finally:
             gone, self.live = self.live, []
             await self._leave(gone)

@@ -120,8 +120,9 @@ class Recorder:
     # --- summary
 
     def summary(self, end: float, bytes_sent: int, bytes_received: int) -> dict:
-        """Every figure of the step. Rates are over ``[measure_from, max(end, last conv answer)]`` (the deletes
-        and other control calls after the last conv answer do not stretch the window)."""
+        """Every figure of the step. Rates are over ``[measure_from, max(end, last conv answer)]``; the caller
+        passes the deadline, the last conv answer (a ``--requests`` step) or the interrupt's time as ``end``, so
+        the deletes and other control calls after the last conv answer do not stretch the window."""
         stop = max(end, self.last_conv_done or end)
         elapsed = max(1e-9, stop - self.measure_from)
         kinds = {}
