@@ -193,6 +193,7 @@ def test_children_exit_when_the_supervisor_is_killed():
     _wait(lambda: not os.path.exists(run_dir), timeout=5, what="run dir removed")
 
 
+@pytest.mark.slow  # a long run: `pytest -m slow` (kept out of CI's 10 minutes)
 def test_one_scrape_counts_the_requests_of_every_worker_and_engine():
     srv = LiveServer(ARGS)
     try:
@@ -395,6 +396,7 @@ def test_while_the_only_engine_restarts_requests_are_told_it_died_not_that_it_is
         srv.kill()
 
 
+@pytest.mark.slow  # a long run: `pytest -m slow` (kept out of CI's 10 minutes)
 def test_healthz_fails_once_an_engine_stays_down_longer_than_engine_down_unhealthy_s():
     srv = LiveServer([a if a != "cpu,cpu" else "cpu" for a in ARGS] + ["--engine-down-unhealthy-s", "0.5"])
     try:

@@ -9,6 +9,7 @@ import signal
 import time
 
 import httpx
+import pytest
 import torch
 
 from convserve.clients.protocol import wire
@@ -37,6 +38,7 @@ def _get(url, path):
     return r.status_code, r.json() if r.headers.get("content-type", "").startswith("application/json") else r.text
 
 
+@pytest.mark.slow  # a long run: `pytest -m slow` (kept out of CI's 10 minutes)
 def test_an_engine_that_answers_nothing_shows_in_readyz_keeps_metrics_fast_and_fails_healthz_after_a_while():
     srv = LiveServer([*BASE, "--devices", "cpu,cpu", "--engine-down-unhealthy-s", "3"])
     try:

@@ -206,6 +206,7 @@ def test_after_kill_9_a_session_imported_since_the_last_snapshot_answers_410_not
         srv.kill()
 
 
+@pytest.mark.slow  # a long run: `pytest -m slow` (kept out of CI's 10 minutes)
 def test_a_torn_newest_snapshot_is_refused_and_the_previous_good_one_restored(tmp_path):
     c = None
     for run in range(2):                                         # two SIGTERMs: two files
