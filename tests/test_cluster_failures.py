@@ -361,6 +361,7 @@ def test_a_step_failing_after_its_kernels_in_an_engine_process_answers_410_state
         srv.kill()
 
 
+@pytest.mark.slow  # a long run: `pytest -m slow` (kept out of CI's 10 minutes)
 def test_a_session_operation_is_answered_as_run_when_recording_it_in_the_journal_fails(tmp_path):
     srv = _faulty_server(tmp_path, FAULT_JOURNAL="1")
     try:
@@ -421,6 +422,7 @@ def test_healthz_fails_once_an_engine_stays_down_longer_than_engine_down_unhealt
         srv.kill()
 
 
+@pytest.mark.slow  # a long run: `pytest -m slow` (kept out of CI's 10 minutes)
 def test_after_sigterm_new_connections_are_refused_at_once_while_the_workers_drain():
     import socket
 

@@ -9,7 +9,8 @@ import pytest
 from tests.live import LiveServer
 
 
-@pytest.mark.parametrize("workers,flag,expected", [("0", [], 512), ("1", ["--max-prefill-tokens-per-step", "48"], 48)])
+@pytest.mark.parametrize("workers,flag,expected", [("0", [], 512), pytest.param(
+    "1", ["--max-prefill-tokens-per-step", "48"], 48, marks=pytest.mark.slow)])  # slow: kept out of CI's 10 minutes
 def test_the_prefill_budget_in_use_is_the_settings_in_both_layouts(workers, flag, expected):
     srv = LiveServer(["--workers", workers, "--dim", "512", "--layers", "0,1", "--slots", "4", *flag])
     try:

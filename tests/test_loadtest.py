@@ -326,7 +326,7 @@ def test_a_step_whose_every_request_failed_exits_1_without_fail_on_errors(tmp_pa
     assert rc == 1 and "nothing was measured" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("scenario", ["decode-heavy", "frontend"])
+@pytest.mark.parametrize("scenario", ["decode-heavy", pytest.param("frontend", marks=pytest.mark.slow)])  # slow: CI time
 def test_a_server_that_goes_away_mid_run_exits_1_and_is_not_hammered(tmp_path, capsys, scenario):
     import threading
 
