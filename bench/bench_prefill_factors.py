@@ -394,7 +394,8 @@ def variants_markdown(res) -> list:
                 continue
             body = f" [{r[f'body_{n}']:.1f}]" if f"body_{n}" in r else ""
             cells.append(f"{r[f'e2e_{n}']:.1f} ({r['copy'] / r[f'e2e_{n}']:.2f}){body}")
-        lines.append(f"| {r['T']}x{r['dim']} | {r['layout']} | {r['copy']:.1f} | {r['e2e']:.1f} ({r['copy'] / r['e2e']:.2f}) | "
+        default = f"{r['e2e']:.1f} ({r['copy'] / r['e2e']:.2f})"
+        lines.append(f"| {r['T']}x{r['dim']} | {r['layout']} | {r['copy']:.1f} | {default} | "
                      + " | ".join(cells) + (f" | {r['e2e_again']:.1f} |" if "e2e_again" in r else " | - |"))
     return lines
 

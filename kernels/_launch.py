@@ -49,9 +49,9 @@ TUNING = {
     # about k programs per SM (a multiple of the channel blocks), each looping over chunks of one channel block;
     # prefetch: each step's tile loaded that many steps before its use; stages > 0: instead the step loop
     # software-pipelined by Triton (tl.range num_stages: cp.async into shared memory, stages - 1 tiles in
-    # flight), at widths up to stages_max_width (the one-step prefetch above it); fold: the heads pass done by extra programs of the
-    # body's launch, the body programs writing only tokens past each real sequence's head (one launch, not two;
-    # one program per chunk: persistent is ignored)
+    # flight), at widths up to stages_max_width (the one-step prefetch above it); fold: the heads pass done by
+    # extra programs of the body's launch, the body programs writing only tokens past each real sequence's head
+    # (one launch, not two; one program per chunk: persistent is ignored)
     "prefill_body_channels_last": dict(num_warps=2, rows_per_step=4, max_chunk=128, min_programs=132 * 16,
                                        min_elems=1 << 24, max_width=8, persistent=0, prefetch=1, stages=4,
                                        stages_max_width=4, fold=False),

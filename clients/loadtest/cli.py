@@ -217,7 +217,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         paths = report.write_outputs(result, args.out)
         console.print("wrote " + ", ".join(str(p) for p in paths.values()))
         if "png" not in paths:
-            console.print("no loadtest.png: the plot needs matplotlib (pip install 'convserve[loadtest]')", markup=False)
+            console.print("no loadtest.png: the plot needs matplotlib (pip install 'convserve[loadtest]')",
+                          markup=False)
     sig = result.get("interrupted")
     if sig:
         print(f"convserve-loadtest: interrupted by {sig}: the figures above are partial (the step in progress "

@@ -188,10 +188,7 @@ class FrontendDriver(Driver):
         limit = None if deadline is None else max(0.0, deadline + grace_s - time.perf_counter())
         done, _ = await asyncio.wait({task}, timeout=limit)
         if not done:
-            self.hard_stop = self.stopping = True
-            task.cancel()
-            self.cut_off.add(task)
-            await asyncio.wait({task}, timeout=5)
+            await self.cut({task})
             return False
         task.result()
         return True

@@ -322,11 +322,7 @@ class Driver:
         ``cleanup_failed``)."""
         pending = [t for t in self.tasks if not t.done()]
         if pending:
-            self.hard_stop = self.stopping = True
-            for t in pending:
-                t.cancel()
-            self.cut_off.update(pending)
-            await asyncio.wait(pending, timeout=5)
+            await self.cut(pending)
         if self.creating:               # creates of cancelled sessions: their answer says whether they landed
             await asyncio.wait(list(self.creating.values()), timeout=CLEANUP_TIMEOUT_S)
             for f in self.creating.values():
@@ -349,6 +345,16 @@ class Driver:
                 self.open_sids.discard(sid)
 
         await asyncio.gather(*(one(sid) for sid in list(self.open_sids)))
+
+    async def cut(self, pending) -> None:
+        """Cut off the step's ``pending`` tasks (``--grace`` ran out, or an interrupt): nothing more is started,
+        they are cancelled and counted in ``cancelled``, and waited for a moment (their sessions stay in
+        ``open_sids`` for :meth:`cleanup`)."""
+        self.hard_stop = self.stopping = True
+        for t in pending:
+            t.cancel()
+        self.cut_off.update(pending)
+        await asyncio.wait(pending, timeout=5)
 
     def _spawn(self, coro) -> asyncio.Task:
         t = asyncio.ensure_future(coro)
@@ -395,11 +401,7 @@ class Driver:
             _, pending = await asyncio.wait(tasks, timeout=grace_s) if tasks and grace_s > 0 else \
                 (None, {t for t in tasks if not t.done()})
             if pending:
-                self.hard_stop = True
-                for t in pending:
-                    t.cancel()
-                self.cut_off.update(pending)
-                await asyncio.wait(pending, timeout=5)
+                await self.cut(pending)
         finally:
             for t in tasks:
                 if t.done() and not t.cancelled() and t.exception() is not None \

@@ -41,8 +41,6 @@ class Recorder:
         #: the first message the server (or the client library) gave for each error code
         self.error_messages: dict = {}
         self.retries: collections.Counter = collections.Counter()
-        self.first_start: Optional[float] = None
-        self.last_done: Optional[float] = None
         self.last_conv_done: Optional[float] = None
         self.sessions_done = 0
         self.accepted_tokens = 0
@@ -67,10 +65,6 @@ class Recorder:
             return
         self.lat[kind].append(t_done - t_start)
         self.tokens[kind] += tokens
-        if self.first_start is None or t_start < self.first_start:
-            self.first_start = t_start
-        if self.last_done is None or t_done > self.last_done:
-            self.last_done = t_done
         if kind not in CONTROL_KINDS and (self.last_conv_done is None or t_done > self.last_conv_done):
             self.last_conv_done = t_done
 

@@ -401,7 +401,8 @@ def channels_last_fold_plan(x, weight, bias, conv_states, cache_indices, has_ini
     scalars = (dim, total, batch, conv_states.shape[0] if has_state else 0, pad_slot_id, x.stride(1),
                weight.stride(0), weight.stride(1), *s_strides, out.stride(1), programs)
     constexprs = dict(WIDTH=width, HAS_BIAS=bias is not None, HAS_STATE=has_state,
-                      HAS_INDICES=cache_indices is not None, HAS_INIT=has_initial_state is not None and has_state, SILU=silu,
+                      HAS_INDICES=cache_indices is not None, HAS_INIT=has_initial_state is not None and has_state,
+                      SILU=silu,
                       LOG_U=u.bit_length() - 1, CHUNK=chunk, EVEN_D=dim % block_d == 0, BLOCK_D=block_d,
                       SEARCH=64, ONE_SEQ=batch == 1, **_loop_constexprs(width))
     return LaunchPlan(_channels_last_fold_kernel, (programs + (batch + 1) * n_d, 1), scalars, constexprs, warps,

@@ -9,9 +9,9 @@ and the old state, writes the sequence's new state, and zeroes pad sequences and
 program.
 
 The jit helpers here (``_sequence_row``, ``_head_and_state``, ``_head_columns``) are shared with the piece kernel,
-which computes the head of each sequence whose first token falls in its tile in the same way, and with the bodies'
-folded launches (TUNING's ``fold``), whose body programs also find sequences by token (``_sequence_at``). With ``TUNING``'s
-``prefill_heads`` ``columns`` (the default) the heads pass loads each sequence's index, flag, taps and bias in
+which computes the head of each sequence whose first token falls in its tile in the same way, and with the
+bodies' folded launches (TUNING's ``fold``), whose body programs also find sequences by token (``_sequence_at``).
+With ``TUNING``'s ``prefill_heads`` ``columns`` (the default) the heads pass loads each sequence's index, flag, taps and bias in
 the same round as its bounds and computes the head column by column, as the piece kernel's batch-1 path does;
 without it, after the bounds, as ``[HEAD, BLOCK_D]`` tiles.
 """
