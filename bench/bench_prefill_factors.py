@@ -12,19 +12,15 @@ through ``tests/tolerance.py``, states bit for bit), ``triton.testing.do_bench``
    bounds, the head column by column), checked against the reference first;
 4. ``copy``: a same-size ``torch`` ``copy_`` of x (the ceiling: the same bytes read and written);
 5. ``tile_copy``: a copy kernel with exactly the body's tiling (same grid, groups or channels and tokens per
-   program, warps, 16-byte vector loads and stores, the channels-last body's prefetch loop) and no math: what the
-   tiling and the launch cost, apart from the math;
+   program, warps, 16-byte vector loads and stores, the channels-last body's one-step prefetch loop) and no math:
+   what the tiling and the launch cost, apart from the math;
 6. ``body_width{1,2,3}`` and ``body_nosilu``: the body launch with fewer taps (its own kernel with a smaller WIDTH
    constexpr, reading the first columns of the same weights; width 1 only channels-first, whose kernel allows it)
    and without the SiLU: the cost per tap and of the activation;
-7. channels-last only, ``body_persistent{k}``: the body with a persistent grid of about k programs per SM (each
-   looping over chunks; TUNING's ``persistent``, off by default), checked bit for bit against the default first;
-8. ``e2e_{variant}`` (and ``body_{variant}`` where there is a separate body) for each of the layout's
-   ``VARIANTS``, TUNING knobs of the body other than the default's: channels-last ``prefetch`` k with ``stages`` 0
-   (each step's tile loaded k steps ahead by hand), ``stages`` n (the step loop software-pipelined by Triton; 4 is
-   the default), other program counts, and, both layouts, ``fold``
-   (the heads pass done by extra programs of the body's launch: one launch), channels-last also with each loop
-   variant; each checked bit for bit (output and state) against the default first. ``e2e_again``: the default
+7. ``e2e_{variant}`` and ``body_{variant}`` for each of the layout's ``VARIANTS``, TUNING knobs of the body
+   other than the default's: channels-last ``stages`` n (the step loop software-pipelined by Triton; 4 is the
+   default; 0: each step's tile loaded one step ahead, as at widths past ``stages_max_width``) and other program
+   counts; each checked bit for bit (output and state) against the default first. ``e2e_again``: the default
    once more after them (drift).
    ``--variants`` times only e2e, copy and these (a shorter device run).
 
@@ -64,15 +60,12 @@ from convserve.kernels.prefill.body_channels_last import _step_offsets  # noqa: 
 from tests.tolerance import REL_TOL, rel_err  # noqa: E402
 
 SHAPES = [(4195, 8192), (11027, 8192), (14807, 8192)]
-PERSISTENT = (3, 6, 12)  # channels-last body: also timed with a persistent grid of k programs per SM (6 fit)
 LAYOUTS = ("channels-first", "channels-last")
-# the bodies' TUNING knobs other than the default's (channels-last: stages=4, no fold), each timed end to end
-# after a bit-for-bit check, per layout
-VARIANTS = {"channels-last": (("prefetch1", dict(stages=0)), ("prefetch2", dict(stages=0, prefetch=2)),
-                              ("stages3", dict(stages=3)), ("stages5", dict(stages=5)), ("fold", dict(fold=True)),
-                              ("fold_prefetch1", dict(fold=True, stages=0)),
+# the bodies' TUNING knobs other than the default's (channels-last: stages=4), each timed end to end after a
+# bit-for-bit check, per layout
+VARIANTS = {"channels-last": (("prefetch1", dict(stages=0)), ("stages3", dict(stages=3)), ("stages5", dict(stages=5)),
                               ("stages4_chunks_1056", dict(min_programs=1056))),
-            "channels-first": (("fold", dict(fold=True)),)}
+            "channels-first": ()}
 # smoke: tiny shapes, with the bodies' tiles shrunk so they apply (as tests/test_kernels_prefill.py does)
 SMOKE_SHAPES = [(37, 6)]
 SMOKE_TUNING = dict(
@@ -237,17 +230,14 @@ def run_case(T, dim, layout, device, smoke, seed, variants_only=False):
         row[f"body_width{width}"] = t(lambda v=variant: [p.fast(x, w, b, out) for p in v])
     nosilu = body_variant(body, x.device, SILU=False)
     row["body_nosilu"] = t(lambda: [p.fast(x, w, b, out) for p in nosilu])
-    if body[0].fn.__name__ == "_channels_last_body_kernel":
-        for k in PERSISTENT:
-            row.update(persistent_body(k, x, w, b, st, qsl, idx, init, heads, t))
     row.update(loop_variants(layout, x, w, b, st, qsl, idx, init, t))
     return row
 
 
 def loop_variants(layout, x, w, b, st, qsl, idx, init, t) -> dict:
-    """For each of the layout's VARIANTS (body knobs in TUNING), the op end to end (``e2e_{name}``) and, where
-    the variant keeps a separate body launch, that launch alone (``body_{name}``), each after checking output and
-    state bit for bit against the default path (``{name}_ok``); then ``e2e_again``, the default once more."""
+    """For each of the layout's VARIANTS (body knobs in TUNING), the op end to end (``e2e_{name}``) and its body
+    launch alone (``body_{name}``), each after checking output and state bit for bit against the default path
+    (``{name}_ok``); then ``e2e_again``, the default once more."""
     key = "prefill_body_" + layout.replace("-", "_")
     saved = _launch.TUNING[key]
     pplan._PLANS.clear()
@@ -266,8 +256,7 @@ def loop_variants(layout, x, w, b, st, qsl, idx, init, t) -> dict:
             if not ok:
                 continue
             res[f"e2e_{name}"] = t(lambda: causal_conv1d_fn(x, w, b, st_k, qsl, idx, init, "silu", out=out))
-            if body:
-                res[f"body_{name}"] = t(lambda bp=body: [p.fast(x, w, b, out) for p in bp])
+            res[f"body_{name}"] = t(lambda bp=body: [p.fast(x, w, b, out) for p in bp])
     finally:
         _launch.TUNING[key] = saved
         pplan._PLANS.clear()
@@ -297,26 +286,6 @@ def heads_by_columns(x, w, b, st, qsl, idx, init, ref, st_ref, t) -> dict:
         pplan._PLANS.clear()
 
 
-def persistent_body(k, x, w, b, st, qsl, idx, init, heads, t) -> dict:
-    """The channels-last body with a persistent grid of about k programs per SM (TUNING's persistent), checked
-    (then the heads pass: the same output as the default body, bit for bit) and timed alone."""
-    from convserve.kernels.prefill.body_channels_last import channels_last_body_plan
-    key = "prefill_body_channels_last"
-    saved = _launch.TUNING[key]
-    _launch.TUNING[key] = dict(saved, persistent=k)
-    try:
-        p = channels_last_body_plan(x, w, b, x, True)
-    finally:
-        _launch.TUNING[key] = saved
-    want = causal_conv1d_fn(x, w, b, st.clone(), qsl, idx, init, "silu")
-    got = torch.full_like(x, float("nan"))
-    p(x, w, b, got)
-    heads(x, w, b, st.clone(), qsl, idx, init, got)
-    if not torch.equal(got, want):
-        return {f"body_persistent{k}": None, f"body_persistent{k}_ok": False}
-    return {f"body_persistent{k}": t(lambda: p.fast(x, w, b, got)), f"body_persistent{k}_grid": p.grid[0]}
-
-
 # ----------------------------------------------------------------------------------------------- report
 def derived(r) -> dict:
     """Fractions of e2e and ratios from one row's times (µs)."""
@@ -335,13 +304,6 @@ def derived(r) -> dict:
     return d
 
 
-def _persistent(r) -> str:
-    ts = [r.get(f"body_persistent{k}") for k in PERSISTENT]
-    if all(v is None for v in ts):
-        return "-" if not any(f"body_persistent{k}_ok" in r for k in PERSISTENT) else "WRONG"
-    return " / ".join("WRONG" if v is None else f"{v:.1f}" for v in ts)
-
-
 def _columns(r) -> str:
     return f"{r['e2e_columns']:.1f} / {r['heads_columns']:.1f}" if r.get("columns_ok") else "WRONG"
 
@@ -352,12 +314,12 @@ def markdown(res) -> str:
              f"{' (smoke: CPU interpreter, times meaningless)' if env['smoke'] else ''}", "",
              "| shape | layout | e2e µs | copy µs | copy/e2e | body | heads | launch gap | tile copy | tiling "
              "(tile copy - copy) | math (body - tile copy) | SiLU | per tap | copy/body | tile copy/body | "
-             "persistent body k=" + "/".join(map(str, PERSISTENT)) + " | heads by columns: e2e / heads |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "heads by columns: e2e / heads |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         d = r.get("derived") or {}
         if not r["ok"]:
-            lines.append(f"| {r['T']}x{r['dim']} | {r['layout']} | WRONG (err {r['rel_err']:.1e}) |" + " |" * 14)
+            lines.append(f"| {r['T']}x{r['dim']} | {r['layout']} | WRONG (err {r['rel_err']:.1e}) |" + " |" * 13)
             continue
         if not d:  # --variants: not measured
             continue
@@ -369,7 +331,7 @@ def markdown(res) -> str:
             f"| {pc('body_frac')} ({r['body']:.1f}) | {pc('heads_frac')} ({r['heads']:.1f}) | {pc('gap_frac')} "
             f"| {r['tile_copy']:.1f} | {pc('tiling_frac')} | {pc('math_frac')} | {pc('silu_frac')} "
             f"| {d['per_tap_us']:.2f} µs ({pc('per_tap_frac')}) | {d['copy_over_body']:.2f} "
-            f"| {d['tile_copy_over_body']:.2f} | {_persistent(r)} | {_columns(r)} |")
+            f"| {d['tile_copy_over_body']:.2f} | {_columns(r)} |")
     lines += ["", "Fractions are of e2e; body, heads and tile copy are each timed alone (do_bench, L2 flushed), the "
               "launch gap is e2e - body - heads, per tap is the slope of the body's time over widths "
               "1/2-3-4."]
@@ -377,8 +339,8 @@ def markdown(res) -> str:
 
 
 def variants_markdown(res) -> list:
-    """The variants' table: e2e µs (copy/ours), and the body alone where it is a separate launch (channels-first
-    rows: the fold only)."""
+    """The variants' table: e2e µs (copy/ours) and the body alone (the channels-last VARIANTS; channels-first rows:
+    the default and its repeat)."""
     names = [n for n, _ in VARIANTS["channels-last"]]
     lines = ["Body variants (TUNING other than the default), e2e µs (copy/e2e) [body alone µs]; each checked bit "
              "for bit against the default first:", "",

@@ -39,22 +39,16 @@ TUNING = {
     # prefill, channels-first body (x and out a contiguous (dim, T) with T >= min_t), then the heads pass: up to
     # `groups` aligned groups of 8 elements per program: about T / (8 * tiles_per_row), but not below min_groups
     # (nor above T / 8), groups_per_thread per thread
-    # fold: the heads pass done by extra programs of the body's launch (one channel per thread), the body programs
-    # storing only tokens past each real sequence's head (one launch, not two)
     "prefill_body_channels_first": dict(groups=512, min_groups=128, groups_per_thread=4, num_warps=4,
-                                        tiles_per_row=2, min_t=512, max_width=8, fold=False),
+                                        tiles_per_row=2, min_t=512, max_width=8),
     # prefill, channels-last body (x and out with stride(0) == 1, dim * T >= min_elems), then the heads pass:
     # 8 * 32 * num_warps channels per program, rows_per_step rows per loop step, chunks of at most max_chunk
-    # tokens (halved until there are min_programs programs); persistent k > 0: instead of a program per chunk,
-    # about k programs per SM (a multiple of the channel blocks), each looping over chunks of one channel block;
-    # prefetch: each step's tile loaded that many steps before its use; stages > 0: instead the step loop
+    # tokens (halved until there are min_programs programs), one program per chunk; stages > 0: the step loop
     # software-pipelined by Triton (tl.range num_stages: cp.async into shared memory, stages - 1 tiles in
-    # flight), at widths up to stages_max_width (the one-step prefetch above it); fold: the heads pass done by
-    # extra programs of the body's launch, the body programs writing only tokens past each real sequence's head
-    # (one launch, not two; one program per chunk: persistent is ignored)
+    # flight), at widths up to stages_max_width; stages == 0 or wider windows: each step's tile loaded one step
+    # before its use
     "prefill_body_channels_last": dict(num_warps=2, rows_per_step=4, max_chunk=128, min_programs=132 * 16,
-                                       min_elems=1 << 24, max_width=8, persistent=0, prefetch=1, stages=4,
-                                       stages_max_width=4, fold=False),
+                                       min_elems=1 << 24, max_width=8, stages=4, stages_max_width=4),
     # the heads pass after either body: channels per program (at most head_elems / HEAD, so a [HEAD, BLOCK_D]
     # head tile stays in registers at widths 6-8), elements per zeroing step of a pad; columns: the index, flag,
     # taps and bias in the bounds' round of loads and the head column by column, one channel per thread (off:

@@ -31,13 +31,12 @@ def test_prefill_factors_smoke_runs_and_writes_every_factor(tmp_path):
                   "e2e_columns", "heads_columns"):
             assert r[k] > 0, k
         assert {"copy_over_e2e", "math_frac", "per_tap_us"} <= set(r["derived"])
-        assert r["fold_ok"] and r["e2e_fold"] > 0 and r["e2e_again"] > 0  # both layouts fold
-        if r["layout"] == "channels-last":  # the persistent grid, checked bit for bit against the default body
-            assert all(r[f"body_persistent{k}"] > 0 for k in (3, 6, 12))
+        assert r["e2e_again"] > 0
+        if r["layout"] == "channels-last":
             # every variant other than the default, each checked bit for bit against the default first
             for name, _ in load_bench("bench_prefill_factors").VARIANTS["channels-last"]:
-                assert r[f"{name}_ok"] and r[f"e2e_{name}"] > 0, name
-            assert r["fold_kernels"] == ["_channels_last_fold_kernel"] and r["body_prefetch2"] > 0
+                assert r[f"{name}_ok"] and r[f"e2e_{name}"] > 0 and r[f"body_{name}"] > 0, name
+            assert r["prefetch1_kernels"] == ["_channels_last_body_kernel", "_heads_kernel"]
     assert "| shape | layout |" in out.with_suffix(".md").read_text()
 
 

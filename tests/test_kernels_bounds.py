@@ -27,16 +27,17 @@ print(f"test_kernels_bounds seed={SEED}")
 def _tiles(monkeypatch, path):
     """Small tiles, and the tuning that sends a small shape down ``path``."""
     from convserve.kernels import _launch
-    if path.startswith("channels_first"):  # the body, or folded with the heads pass (TUNING's fold, off)
+    if path.startswith("channels_first"):
         monkeypatch.setitem(_launch.TUNING, "prefill_body_channels_first", dict(
             groups=2, min_groups=2, groups_per_thread=1, num_warps=1, tiles_per_row=1, min_t=16,
-            max_width=MAX_WIDTH, fold=path == "channels_first_fold"))
-    elif path.startswith("channels_last"):  # the body, or with a variant of TUNING's (off by default)
-        variant = dict(channels_last_deep=dict(prefetch=3), channels_last_stages=dict(stages=2),
-                       channels_last_fold=dict(fold=True, prefetch=2)).get(path, dict(stages=4))
+            max_width=MAX_WIDTH))
+    elif path.startswith("channels_last"):
+        # the pipelined step loop at every width (stages 4, the default, or 2), or the one-step prefetch (stages
+        # 0, which widths past stages_max_width take)
+        stages = dict(channels_last_one_step=0, channels_last_stages=2).get(path, 4)
         monkeypatch.setitem(_launch.TUNING, "prefill_body_channels_last", dict(
             num_warps=1, rows_per_step=2, max_chunk=8, min_programs=1, min_elems=0, max_width=MAX_WIDTH,
-            persistent=0, **variant))
+            stages=stages))
     monkeypatch.setitem(_launch.TUNING, "prefill_heads", dict(block_d=16, elems=64, head_elems=1024, num_warps=1))
     monkeypatch.setattr(pre.prefill_plan, "_PLANS", {})
 
@@ -44,11 +45,9 @@ def _tiles(monkeypatch, path):
 @pytest.mark.parametrize("case", range(4))
 @pytest.mark.parametrize("path, layout", [("piece", "strided"), ("piece", "channels_first"),
                                           ("channels_first_body", "channels_first"),
-                                          ("channels_first_fold", "channels_first"),
                                           ("channels_last_body", "channels_last"),
-                                          ("channels_last_deep", "channels_last"),
-                                          ("channels_last_stages", "channels_last"),
-                                          ("channels_last_fold", "channels_last")])
+                                          ("channels_last_one_step", "channels_last"),
+                                          ("channels_last_stages", "channels_last")])
 def test_prefill_reads_and_writes_only_its_tensors(path, layout, case, monkeypatch):
     _tiles(monkeypatch, path)
     rng = random.Random(SEED + case)
@@ -63,9 +62,7 @@ def test_prefill_reads_and_writes_only_its_tensors(path, layout, case, monkeypat
         got = pre.run_both(*args)
     assert not found, found
     pre.check(*got, pre.DTYPES[case % 3])
-    if path.endswith("_fold"):
-        assert {seq.fn.__name__ for _, seq, *_ in pre.prefill_plan._PLANS.values()} == {f"_{layout}_fold_kernel"}
-    elif path != "piece":
+    if path != "piece":
         assert pre._used_bodies(), "the body did not run"
 
 
@@ -178,7 +175,8 @@ def test_prefill_state_with_a_dim_stride_past_two_to_the_31_bytes_stays_64_bit()
     before = torch.stack([cs[0, d].clone() for d in range(dim)])[None]
     x = torch.randn(dim, 10, generator=gen).to(torch.float16)
     w = torch.randn(dim, width, generator=gen).to(torch.float16)
-    qsl, idx, init = torch.tensor([0, 10], dtype=torch.int32), torch.tensor([0], dtype=torch.int32), torch.tensor([True])
+    qsl, idx = torch.tensor([0, 10], dtype=torch.int32), torch.tensor([0], dtype=torch.int32)
+    init = torch.tensor([True])
     ref_state = before.float()
     ref = causal_conv1d_ref(x, w, None, ref_state, qsl, idx, init, None, compute_dtype=torch.float64)
     with bounds_checked() as found:

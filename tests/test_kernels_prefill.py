@@ -133,14 +133,14 @@ def small_channels_first_tiles(monkeypatch):
     monkeypatch.setattr(prefill_plan, "_PLANS", {})
 
 
-def small_channels_last_tiles(monkeypatch, rows_per_step, persistent=0):
+def small_channels_last_tiles(monkeypatch, rows_per_step):
     """Make the channels-last body (then the heads pass) apply to any size: 1-warp programs of 256 channels,
     chunks of 8 tokens (the window carried across chunks and steps), the step loop pipelined as by default
-    (``stages``); persistent > 0: that many programs per SM (4 SMs off CUDA), each looping over chunks."""
+    (``stages``)."""
     from convserve.kernels import _launch
     monkeypatch.setitem(_launch.TUNING, "prefill_body_channels_last", dict(
         num_warps=1, rows_per_step=rows_per_step, max_chunk=8, min_programs=1, min_elems=0, max_width=MAX_WIDTH,
-        persistent=persistent, stages=_launch.TUNING["prefill_body_channels_last"]["stages"]))
+        stages=_launch.TUNING["prefill_body_channels_last"]["stages"]))
     monkeypatch.setitem(_launch.TUNING, "prefill_heads", dict(block_d=16, elems=64, head_elems=1024, num_warps=1))
     monkeypatch.setattr(prefill_plan, "_PLANS", {})
 
@@ -207,8 +207,9 @@ def test_channels_last_body_matches_reference(width, rows_per_step, monkeypatch,
 # prefill test runs it too
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c == 3 else c for c in range(6)])
 def test_heads_pass_by_columns_matches_reference(case, monkeypatch, kernel_device):
-    """The heads pass with TUNING's columns on (the default; the other heads tests set tiles without it): index, flag, taps and bias with the bounds, the
-    head column by column; after either body, varlen with pads, empty and short sequences, a tail."""
+    """The heads pass with TUNING's columns on (the default; the other heads tests set tiles without it): index,
+    flag, taps and bias with the bounds, the head column by column; after either body, varlen with pads, empty and
+    short sequences, a tail."""
     from convserve.kernels import _launch
     layout = ["channels_first", "channels_last", "strided"][case % 3]
     if layout == "channels_first":
@@ -229,25 +230,6 @@ def test_heads_pass_by_columns_matches_reference(case, monkeypatch, kernel_devic
     [(body, heads, *_)] = prefill_plan._PLANS.values()
     assert body and heads.constexprs["COLUMNS"]
     check(y, st_k, ref, st_r, DTYPES[case % 3])
-
-
-@pytest.mark.parametrize("width,dim", [(2, 300), (4, 64), (7, 520)])
-def test_persistent_channels_last_body_matches_reference(width, dim, monkeypatch, kernel_device):
-    """The channels-last body's persistent grid (off by default): fewer programs than chunks, each looping over
-    the chunks of its channel block."""
-    small_channels_last_tiles(monkeypatch, 4, persistent=1)
-    rng = random.Random(SEED + 700 + width)
-    gen = torch.Generator().manual_seed(SEED + 700 + width)
-    # 40 tail tokens: at least 6 chunks of 8 per channel block whatever the draw, more than the 4 programs per
-    # block the grid has off CUDA (a draw of short sequences alone had as many chunks as programs)
-    args = random_batch(gen, rng, dim, width, "channels_last", torch.float32, kernel_device, n_seq=4, max_len=60,
-                        tail=40, long_share=0.8)
-    y, st_k, ref, st_r = run_both(*args)
-    [(body, *_)] = prefill_plan._PLANS.values()
-    [p] = body
-    chunks = -(-dim // 256) * -(-args[0].shape[1] // 8)
-    assert p.constexprs["PERSISTENT"] and p.grid[0] < chunks
-    check(y, st_k, ref, st_r, torch.float32)
 
 
 @pytest.mark.parametrize("layout", ["channels_first", "channels_last"])

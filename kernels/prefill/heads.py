@@ -9,9 +9,8 @@ and the old state, writes the sequence's new state, and zeroes pad sequences and
 program.
 
 The jit helpers here (``_sequence_row``, ``_head_and_state``, ``_head_columns``) are shared with the piece kernel,
-which computes the head of each sequence whose first token falls in its tile in the same way, and with the
-bodies' folded launches (TUNING's ``fold``), whose body programs also find sequences by token (``_sequence_at``).
-With ``TUNING``'s ``prefill_heads`` ``columns`` (the default) the heads pass loads each sequence's index, flag, taps and bias in
+which computes the head of each sequence whose first token falls in its tile in the same way. With ``TUNING``'s
+``prefill_heads`` ``columns`` (the default) the heads pass loads each sequence's index, flag, taps and bias in
 the same round as its bounds and computes the head column by column, as the piece kernel's batch-1 path does;
 without it, after the bounds, as ``[HEAD, BLOCK_D]`` tiles.
 """
@@ -86,26 +85,6 @@ def _sequence_row(idx_ptr, init_ptr, s, batch, num_lines, pad_slot_id, WIDTH: tl
         use_init = tl.load(init_ptr + tl.minimum(s, batch - 1)) != 0
         hist_lim = tl.where(use_init, WIDTH - 1, 0)
     return is_real, line, hist_lim
-
-
-@triton.jit
-def _sequence_at(qsl_ptr, t, batch, SEARCH: tl.constexpr):
-    """(s, start, end): the sequence s in [0, batch] holding token t (batch: the tail past qsl[batch]) and its
-    bounds qsl[s], qsl[s + 1] (int64; end unused when s == batch), counted SEARCH keys at a time with independent
-    vector loads: s + 1 = #{i <= batch: qsl[i] <= t}, start = the largest of those keys, end = the smallest
-    other key."""
-    count = t.to(tl.int32) * 0
-    start = t.to(tl.int64) * 0
-    end = start + (1 << 62)
-    for b0 in range(0, batch + 1, SEARCH):
-        i = b0 + tl.arange(0, SEARCH)  # [SEARCH]
-        m = i <= batch
-        key = tl.load(qsl_ptr + i, mask=m, other=0).to(tl.int64)  # [SEARCH]
-        below = m & (key <= t)  # [SEARCH]
-        count += tl.sum(below.to(tl.int32), axis=0)
-        start = tl.maximum(start, tl.max(tl.where(below, key, 0), axis=0))
-        end = tl.minimum(end, tl.min(tl.where(m & (key > t), key, 1 << 62), axis=0))
-    return tl.maximum(count - 1, 0), start, end
 
 
 @triton.jit

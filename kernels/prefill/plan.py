@@ -19,8 +19,8 @@ import torch
 
 from .._launch import ABSENT, PlanCache, add_guard, tensor_key
 from .._validate import PAD_SLOT_ID, check_out, check_prefill, check_prefill_values, seed_args
-from .body_channels_first import channels_first_body_plans, channels_first_fold_plan
-from .body_channels_last import channels_last_body_plan, channels_last_fold_plan
+from .body_channels_first import channels_first_body_plans
+from .body_channels_last import channels_last_body_plan
 from .heads import heads_plan
 from .piece import piece_plan
 
@@ -29,14 +29,10 @@ _PLANS = PlanCache()  # _prefill_key -> plan; guards: (x.shape, activation, pad_
 
 def _plan_prefill(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state, out, width,
                   batch, silu, pad_slot_id) -> tuple:
-    """(body plans, sequence plan): a body and the heads pass when a body applies to x's layout and size (with
-    TUNING's fold: () and the one launch doing both), else () and the piece kernel. x, out: (dim,
-    total_tokens); query_start_loc: (batch + 1,), read only on the device."""
+    """(body plans, sequence plan): a body and the heads pass when a body applies to x's layout and size, else
+    () and the piece kernel. x, out: (dim, total_tokens); query_start_loc: (batch + 1,), read only on the
+    device."""
     body = channels_first_body_plans(x, weight, bias, out, silu)
-    fold = (channels_first_fold_plan if body else channels_last_fold_plan)(
-        x, weight, bias, conv_states, cache_indices, has_initial_state, out, width, batch, silu, pad_slot_id)
-    if fold is not None:  # the body and the heads pass in one launch, which takes the sequence plan's place
-        return (), fold
     if not body:
         cl = channels_last_body_plan(x, weight, bias, out, silu)
         body = (cl,) if cl is not None else ()
