@@ -1,6 +1,7 @@
-"""Every kernel path reads and writes only inside the tensors it is given (checked lane by lane in Triton's
-interpreter, ``tests/interp_bounds.py``), on random inputs with odd sizes, pads, tails and both state layouts;
-and the contract's edges a review found: decode without indices has no pad rows, repeated state rows are refused
+"""Every kernel path reads and writes only inside the tensors it is given, and within one launch no element of the
+output or the state is stored by two programs or loaded by a program other than the one storing it (both checked
+lane by lane in Triton's interpreter, ``tests/interp_bounds.py``), on random inputs with odd sizes, pads, tails and
+both state layouts; and the contract's edges a review found: decode without indices has no pad rows, repeated state rows are refused
 by ``validate_data``, a prefill state's 64-bit offsets, the CPU twin's wider verify buffers."""
 
 from __future__ import annotations
@@ -15,13 +16,21 @@ from convserve.kernels import (MAX_WIDTH, PAD_SLOT_ID, causal_conv1d_fn, causal_
 from convserve.kernels.torch_ops import causal_conv1d_fn_torch, causal_conv1d_update_torch
 from tests import test_kernels_decode as dec
 from tests import test_kernels_prefill as pre
-from tests.interp_bounds import bounds_checked
+from tests.interp_bounds import bounds_checked, cross_program_conflicts, program_accesses
 from tests.tolerance import assert_close
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's bounds check runs on the CPU")
 
 SEED = random.randrange(2**31)
 print(f"test_kernels_bounds seed={SEED}")
+
+
+def races(log, *written) -> list:
+    """Cross-program conflicts (``cross_program_conflicts``) over the tensors ``written`` in each kernel's launches
+    of the access log: a few per kernel and tensor, empty when every launch is race-free."""
+    kernels = sorted({k for k, *_ in log})
+    return [(k, i, c[:3]) for k in kernels for i, t in enumerate(written) if t is not None
+            for c in [cross_program_conflicts(log, k, t)] if c]
 
 
 def _tiles(monkeypatch, path):
@@ -58,9 +67,10 @@ def test_prefill_reads_and_writes_only_its_tensors(path, layout, case, monkeypat
     args = pre.random_batch(gen, rng, dim, width, layout, pre.DTYPES[case % 3], "cpu", n_seq=rng.randint(1, 6),
                             max_len=40, tail=rng.choice([0, 1, 3]) + (17 if path != "piece" else 0),
                             long_share=0.5)                      # (the bodies take 16 tokens and more)
-    with bounds_checked() as found:
+    with bounds_checked() as found, program_accesses() as log:
         got = pre.run_both(*args)
     assert not found, found
+    assert not races(log, got[0], got[1])
     pre.check(*got, pre.DTYPES[case % 3])
     if path != "piece":
         assert pre._used_bodies(), "the body did not run"
@@ -109,9 +119,10 @@ def test_decode_reads_and_writes_only_its_tensors(path, case, monkeypatch):
     b = torch.randn(dim, generator=gen).to(dtype)
     rows = rng.sample(range(lines), batch)
     idx = torch.tensor([PAD_SLOT_ID if rng.random() < 0.25 else r for r in rows], dtype=torch.int32)
-    with bounds_checked() as found:
+    with bounds_checked() as found, program_accesses() as log:
         y, st_k, ref, st_r, _, _ = dec.run_both(x, state, w, b, conv_state_indices=idx)
     assert not found, found
+    assert not races(log, y, st_k)
     assert_close(y, ref, dtype, "output")
     dec.assert_states_equal(st_k, st_r)
     assert {p.fn.__name__ for p in plan._PLANS.values()} == {f"_{path}_kernel"}
@@ -207,3 +218,26 @@ def test_the_cpu_twin_takes_verify_buffers_longer_than_the_tokens(extra):
     (y0, s0, k0), (y1, s1, k1) = outs
     assert_close(y1, y0, torch.float32, "output")
     assert torch.equal(s0, s1) and all(torch.equal(k0[n], k1[n]) for n in k0)     # copies: bit for bit
+
+
+@pytest.mark.parametrize("path", ["dense", "chunked", "pairs"])
+def test_the_race_check_sees_two_decode_rows_writing_one_state_row(path, monkeypatch):
+    """The access log of the checks above is live: repeated state rows (a caller error ``validate_data`` refuses)
+    are two programs storing one row."""
+    from convserve.kernels import _launch
+    from convserve.kernels.decode import plan
+    monkeypatch.setitem(_launch.TUNING, "decode_short", dict(max_positions=0 if path == "chunked" else 8,
+                                                             block_d=32, num_warps=1))
+    monkeypatch.setitem(_launch.TUNING, "decode_pairs", dict(on=path == "pairs", block_p=16, num_warps=1))
+    monkeypatch.setattr(plan, "_PLANS", {})
+    gen = torch.Generator().manual_seed(SEED)
+    x = torch.randn(3, 8, generator=gen).to(torch.bfloat16)
+    state = (torch.randn(4, 8, 3, generator=gen).to(torch.bfloat16) if path == "pairs"
+             else dec.pool_layout(4, 8, 3, torch.bfloat16, "cpu", gen))
+    w = torch.randn(8, 4, generator=gen).to(torch.bfloat16)
+    out = torch.empty_like(x)
+    with program_accesses() as log:
+        causal_conv1d_update(x, state, w, None, conv_state_indices=torch.tensor([2, 0, 2], dtype=torch.int32),
+                             out=out)
+    (found,) = races(log, out, state)
+    assert found[0] == f"_{path}_kernel" and found[1] == 1 and found[2][0][0] == "store"
