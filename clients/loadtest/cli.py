@@ -10,10 +10,10 @@ Examples:
 
 Exit status: 0 done; 1 errors happened and ``--fail-on-errors`` was given, or (with or without it) a step
 measured nothing, the server could not be reached during a step (connection errors: it went away, or refused
-connections), or sessions could not be deleted; 2 bad arguments, a ``--compare`` baseline of other settings, or
-the server could not be reached; 3 ``--compare`` found a regression past ``--regress-pct``; 4 ``--verify`` found a
-response that differs from the reference, or checked none; 130 / 143 interrupted by SIGINT / SIGTERM (the step in
-progress is cut off and its sessions deleted; the partial results are printed and written).
+connections), or sessions could not be confirmed deleted; 2 bad arguments, a ``--compare`` baseline of other
+settings, or the server could not be reached; 3 ``--compare`` found a regression past ``--regress-pct``; 4
+``--verify`` found a response that differs from the reference, or checked none; 130 / 143 interrupted by SIGINT /
+SIGTERM (the step in progress is cut off and its sessions deleted; the partial results are printed and written).
 """
 
 from __future__ import annotations
@@ -489,8 +489,7 @@ async def run(args) -> dict:
                   "transport": config["transport"], "connections": conns if args.transport != "unary" else None,
                   **summary}
             st["cut_off"] = {"tasks_cancelled": drv.cancelled, "sessions_deleted": drv.cleanup_deleted,
-                             "sessions_not_deleted": len(drv.cleanup_failed),
-                             "not_deleted_examples": drv.cleanup_failed[:5]}
+                             "sessions_not_deleted": len(drv.cleanup_failed), "not_deleted": drv.cleanup_failed}
             if interrupted.signal is not None:
                 st["interrupted"] = True
             if drv.mismatch_examples:

@@ -103,7 +103,14 @@ def step_notes(st: dict, cfg: dict) -> list:
         why = "the interrupt" if st.get("interrupted") else f"--grace {cfg.get('grace_s', '?')} s"
         out.append(f"{st['label']}: {c.get('tasks_cancelled', 0)} virtual session(s) / arrival(s) still running "
                    f"were cancelled at {why}; {c.get('sessions_deleted', 0)} session(s) left on the server deleted"
-                   + (f", {c['sessions_not_deleted']} could not be" if c.get("sessions_not_deleted") else ""))
+                   + (f", {c['sessions_not_deleted']} could not be confirmed deleted" if c.get("sessions_not_deleted")
+                      else ""))
+    by_why: dict = {}
+    for sid, reason in (c.get("not_deleted") or {}).items():
+        by_why.setdefault(reason, []).append(sid)
+    for reason, sids in by_why.items():         # every id: an operator must be able to delete them
+        out.append(f"{st['label']}: {len(sids)} session(s) may still hold a slot on the server ({reason}): "
+                   + ", ".join(sids))
     if st.get("interrupted"):
         out.append(f"{st['label']}: interrupted: the figures cover the step up to the interrupt")
     return out
