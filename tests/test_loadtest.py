@@ -263,14 +263,15 @@ def test_the_frontend_scenario_runs_over_several_urls(server, weights, tmp_path,
     assert st["verify"]["checked"] > 0 and st["verify"]["mismatches"] == 0
 
 
-def _admitted(live, tokens=float("inf"), sessions=float("inf"), per_slice=float("inf")):
+def _admitted(live, tokens=float("inf"), sessions=float("inf"), per_slice=float("inf"), body=float("inf"), row=0):
     import collections
     import types
 
     from convserve.clients.loadtest.frontend import FrontendDriver, _Live
+    from convserve.clients.loadtest.limits import Limits
 
     lv = [_Live(sid, None, collections.deque(steps), 0.0) for sid, steps in live]
-    fake = types.SimpleNamespace(live=lv, max_tokens=tokens, max_sessions=sessions, max_slice=per_slice)
+    fake = types.SimpleNamespace(live=lv, limits=Limits(tokens, sessions, per_slice, body, row))
     work = FrontendDriver._admit(fake)
     return [(v.sid, k, n) for v, k, n in work], {v.sid: list(v.steps) for v in lv}
 
@@ -296,32 +297,94 @@ def test_a_frontend_step_admits_decodes_and_verifies_first_then_prefills_cut_to_
     assert work == [("d", "decode", 1)] and left["v"] == [("verify", 5)]
 
 
-def test_the_frontend_scenario_fits_its_steps_to_the_servers_limits(weights, tmp_path):
-    # 12 sessions prefilled in chunks of up to 40 tokens would be 480 tokens a step: the server takes 64 and 4
-    srv = LiveServer(["--weights", str(weights[0]), "--slots", "32", "--max-batch-tokens", "64",
-                      "--max-tokens-per-request", "64", "--max-batch-size", "4"])
-    try:
-        srv.wait_ready()
-        rc, data = _run(tmp_path, srv, "--scenario", "frontend", "--concurrency", "12", "--requests", "60",
-                        "--chunk", "40", "--prefill", "uniform:30:90", "--spec-k", "const:3", "--verify",
-                        str(weights[0]), "--verify-sample", "1", "--fail-on-errors")
-    finally:
-        srv.terminate()
+def test_a_frontend_step_fits_its_batch_body_to_max_body_bytes():
+    from convserve.clients.loadtest.limits import BODY_FIXED_BYTES, BODY_SESSION_BYTES
+
+    live = [("p1", [("prefill", 30)]), ("d1", [("decode", 1)]), ("v1", [("verify", 5)]), ("p2", [("prefill", 9)])]
+    # 10 bytes a token: room for three sessions' fields and 35 tokens; the decode and the verify take 6
+    body = BODY_FIXED_BYTES + 3 * BODY_SESSION_BYTES + 35 * 10
+    work, left = _admitted(live, body=body, row=10)
+    assert work == [("d1", "decode", 1), ("v1", "verify", 5), ("p1", "prefill", 29)]
+    assert left["p1"] == [("prefill", 1)] and left["p2"] == [("prefill", 9)]
+    # x in shared memory (no rows in the body): only the sessions' fields count
+    work, _ = _admitted(live, body=body, row=0)
+    assert len(work) == len(live)
+
+
+def test_the_default_chunk_is_the_most_one_request_may_carry_and_the_report_says_which_limit_set_it():
+    from convserve.clients.loadtest.limits import ChunkError, Limits, choose_chunk
+
+    def chunk(limits, given=None, frontend=False, dim=32, shm=False):
+        return choose_chunk(given, Limits.of({"dim": dim, "dtype": "float32", "limits": limits}, not shm), frontend)
+
+    assert chunk({}) == (2048, "default")                       # a server that reports no limits: as before
+    assert chunk({"max_tokens_per_request": 8192, "max_batch_tokens": 8192}) == (2048, "default")
+    assert chunk({"max_tokens_per_request": 512, "max_batch_tokens": 512}) == (512, "server max_tokens_per_request")
+    assert chunk({"max_batch_tokens": 300}, frontend=True) == (300, "server max_batch_tokens")
+    # 64 MiB bodies of 32 KiB tokens (dim 8192, float32): 2047 tokens and the body's other fields
+    assert chunk({"max_body_bytes": 64 << 20}, dim=8192) == (2047, "server max_body_bytes")
+    assert chunk({"max_body_bytes": 64 << 20}, dim=8192, frontend=True, shm=True) == (2048, "default")
+    assert chunk({"max_tokens_per_request": 512}, given=100) == (100, "--chunk")
+    with pytest.raises(ChunkError, match=r"--chunk 600 is above the server's max_tokens_per_request \(512\).*"
+                                         r"use --chunk 512 or less"):
+        chunk({"max_tokens_per_request": 512}, given=600)
+    assert chunk({"max_tokens_per_request": 512}, given=600, frontend=True)[0] == 600   # its steps cut slices
+    with pytest.raises(ChunkError, match="leaves no room for one token of x"):
+        chunk({"max_body_bytes": 1024}, dim=1024)
+
+
+@pytest.fixture(scope="module")
+def low_limits_server(weights):
+    # 96 tokens a request, 192 a batch, 4 sessions a batch, 16 KiB bodies (x: 128 bytes a token, 125 tokens a body)
+    srv = LiveServer(["--weights", str(weights[0]), "--slots", "32", "--max-tokens-per-request", "96",
+                      "--max-batch-tokens", "192", "--max-batch-size", "4", "--max-body-bytes", "16384"])
+    srv.wait_ready()
+    yield srv
+    srv.terminate()
+
+
+def test_the_frontend_scenario_fits_its_steps_to_the_servers_limits(low_limits_server, weights, tmp_path):
+    # 12 sessions prefilled in chunks of up to 40 tokens would be 480 tokens a step: the server takes 4 sessions,
+    # 192 tokens, and 125 tokens' worth of x in a body
+    rc, data = _run(tmp_path, low_limits_server, "--scenario", "frontend", "--concurrency", "12", "--requests", "60",
+                    "--chunk", "40", "--prefill", "uniform:30:90", "--spec-k", "const:3", "--verify",
+                    str(weights[0]), "--verify-sample", "1", "--fail-on-errors")
     st = data["steps"][0]
     assert rc == 0 and st["errors_total"] == 0, st["errors"]
+    assert data["config"]["prefill_chunk"] == {"tokens": 40, "why": "--chunk"}
     assert st["kinds"]["batch"]["count"] == len(LAYERS) * st["kinds"]["step"]["count"] > 0
     assert st["verify"]["checked"] > 0 and st["verify"]["mismatches"] == 0
 
 
-def test_a_step_whose_every_request_failed_exits_1_without_fail_on_errors(tmp_path, capsys):
-    # a server that takes one token per request: every prefill is a 413, and no session gets to decode
-    srv = LiveServer(["--layers", "0,2", "--dim", str(DIM), "--dtype", "float32", "--max-tokens-per-request", "1"])
-    try:
-        srv.wait_ready()
-        rc, data = _run(tmp_path, srv, "--concurrency", "2", "--requests", "20")
-    finally:
-        srv.terminate()
+# the frontend's batches of up to 4 sessions and 192 tokens (24 KiB of x) are cut to the 16 KiB body too
+@pytest.mark.parametrize("scenario, concurrency", [("prefill-heavy", "3"), ("frontend", "6")])
+def test_without_chunk_every_prefill_fits_the_servers_limits_and_the_report_says_which_chunk_and_why(
+        low_limits_server, weights, tmp_path, capsys, scenario, concurrency):
+    rc, data = _run(tmp_path, low_limits_server, "--scenario", scenario, "--concurrency", concurrency,
+                    "--prefill", "uniform:100:400", "--requests", "40", "--verify", str(weights[0]),
+                    "--verify-sample", "1", "--fail-on-errors")
     st = data["steps"][0]
+    assert rc == 0 and st["errors_total"] == 0, st["errors"]
+    assert data["config"]["prefill_chunk"] == {"tokens": 96, "why": "server max_tokens_per_request"}
+    assert data["config"]["workload"]["prefill_chunk"] == 96
+    assert "chunk 96 (server max_tokens_per_request)" in " ".join(capsys.readouterr().out.split())   # (wrapped)
+    assert st["verify"]["checked"] > 0 and st["verify"]["mismatches"] == 0
+
+
+def test_a_step_whose_every_request_failed_exits_1_without_fail_on_errors(low_limits_server, tmp_path, capsys,
+                                                                          monkeypatch):
+    from convserve.clients.client import AsyncConvClient
+
+    model = AsyncConvClient.model
+
+    async def no_limits(self):      # a server that does not report its limits: the default chunk, as before
+        return {k: v for k, v in (await model(self)).items() if k != "limits"}
+
+    monkeypatch.setattr(AsyncConvClient, "model", no_limits)
+    # prefills of 200 tokens to a server that takes 96: every prefill is a 413, and no session gets to decode
+    rc, data = _run(tmp_path, low_limits_server, "--concurrency", "2", "--requests", "20", "--prefill", "const:200")
+    st = data["steps"][0]
+    assert data["config"]["prefill_chunk"] == {"tokens": 2048, "why": "default"}
     assert st["requests"] == 0 and st["errors_total"] > 0, st
     assert rc == 1 and "nothing was measured" in capsys.readouterr().err
 

@@ -127,3 +127,66 @@ def test_a_requests_step_ends_its_rates_at_the_last_conv_answer_not_at_slow_fina
     st = data["steps"][0]
     assert rc == 0 and st["requests"] == 20
     assert st["elapsed_s"] < 1.0, f"the window ran {st['elapsed_s']:.2f} s: the final deletes stretched it"
+
+
+def _late_creates(monkeypatch, server, lands: bool, on_time: int = 4) -> list:
+    """Make every session create after the first ``on_time`` late: the server gets it only once the cleanup's
+    DELETE of its session has answered (``lands``: a create that was on its way, answered after its session was
+    meant to be deleted), or never (a create whose answer is lost). Returns the late sessions' ids and the
+    threads that send them."""
+    import concurrent.futures
+    import threading
+
+    from convserve.clients.client import AsyncConvClient
+    from convserve.clients.loadtest import runner
+
+    monkeypatch.setattr(runner, "CLEANUP_TIMEOUT_S", 2.0)     # (the default 10 s, shorter for the test's time)
+    create, delete = AsyncConvClient.create_session, AsyncConvClient.delete_session
+    made, late, deleted = [], [], {}
+    senders = concurrent.futures.ThreadPoolExecutor(8)      # not the load tester's loop: cancelling does not stop them
+
+    def send(sid):
+        if deleted.setdefault(sid, threading.Event()).wait(30):
+            httpx.post(server.url + "/v1/sessions", json={"session": sid}).raise_for_status()
+        return sid
+
+    async def late_create(self, session=None):
+        made.append(session)
+        if len(made) <= on_time:
+            return await create(self, session)
+        late.append(session)
+        if not lands:
+            await asyncio.Event().wait()
+        return await asyncio.wrap_future(senders.submit(send, session))
+
+    async def marked_delete(self, session):
+        try:
+            return await delete(self, session)
+        finally:
+            deleted.setdefault(session, threading.Event()).set()
+
+    monkeypatch.setattr(AsyncConvClient, "create_session", late_create)
+    monkeypatch.setattr(AsyncConvClient, "delete_session", marked_delete)
+    return late, senders
+
+
+def test_a_create_answered_after_the_cleanups_delete_is_followed_by_another_delete(server, tmp_path, monkeypatch):
+    late, senders = _late_creates(monkeypatch, server, lands=True)
+    rc, data = _run(tmp_path, server, "--concurrency", "4", "--duration", "0.6", "--warmup", "0", "--grace", "0")
+    senders.shutdown(wait=True)         # every late create has landed
+    free, total = _free(server)
+    assert late and free == total, f"{total - free} sessions left on the server"
+    cut = data["steps"][0]["cut_off"]
+    assert rc == 0 and cut["sessions_not_deleted"] == 0 and cut["sessions_deleted"] >= len(late)
+
+
+def test_a_create_never_answered_is_reported_by_id_and_the_run_exits_1(server, tmp_path, monkeypatch, capsys):
+    late, _ = _late_creates(monkeypatch, server, lands=False)
+    rc, data = _run(tmp_path, server, "--concurrency", "4", "--duration", "0.6", "--warmup", "0", "--grace", "0")
+    cut = data["steps"][0]["cut_off"]
+    assert late and cut["sessions_not_deleted"] == len(late) and sorted(cut["not_deleted"]) == sorted(late)
+    assert all("the create may still land" in why for why in cut["not_deleted"].values())
+    out, err = capsys.readouterr()
+    assert rc == 1 and f"{len(late)} session(s) could not be confirmed deleted" in err
+    table = " ".join(out.split())
+    assert all(sid in table for sid in late), table     # every id, where an operator reads the results

@@ -10,10 +10,10 @@ Examples:
 
 Exit status: 0 done; 1 errors happened and ``--fail-on-errors`` was given, or (with or without it) a step
 measured nothing, the server could not be reached during a step (connection errors: it went away, or refused
-connections), or sessions could not be deleted; 2 bad arguments, a ``--compare`` baseline of other settings, or
-the server could not be reached; 3 ``--compare`` found a regression past ``--regress-pct``; 4 ``--verify`` found a
-response that differs from the reference, or checked none; 130 / 143 interrupted by SIGINT / SIGTERM (the step in
-progress is cut off and its sessions deleted; the partial results are printed and written).
+connections), or sessions could not be confirmed deleted; 2 bad arguments, a ``--compare`` baseline of other
+settings, or the server could not be reached; 3 ``--compare`` found a regression past ``--regress-pct``; 4
+``--verify`` found a response that differs from the reference, or checked none; 130 / 143 interrupted by SIGINT /
+SIGTERM (the step in progress is cut off and its sessions deleted; the partial results are printed and written).
 """
 
 from __future__ import annotations
@@ -117,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="spec: tokens per speculative verify [const:4]; the tester accepts 0..k of them; frontend: "
                         "decode by speculative verify (off unless given)")
     g.add_argument("--prefill-chunk", "--chunk", type=_number(int, 1, strict=False, example="512"), default=None,
-                   help="largest prefill request (frontend: prefill chunk per step), tokens [2048]")
+                   help="largest prefill request (frontend: prefill chunk per step), tokens [2048, or the most "
+                        "one request may carry by the server's limits]")
     g.add_argument("--sequential-layers", action="store_true",
                    help="send a step's layers one after the other (like a forward pass) instead of together")
     g.add_argument("--seed", type=int, default=0)
@@ -253,8 +254,6 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
     if args.shm_mib and not frontend:
         parser.error("--shm-mib applies to --scenario frontend only")
     args.inflight = 64 if args.inflight is None else args.inflight
-    args.chunk_given = args.prefill_chunk is not None
-    args.prefill_chunk = 2048 if args.prefill_chunk is None else args.prefill_chunk
     args.connections = args.connections or 0
     args.max_inflight = 4096 if args.max_inflight is None else args.max_inflight
     if args.duration is None and args.requests is None:
@@ -343,6 +342,7 @@ async def run(args) -> dict:
     from convserve.clients.client import AsyncConvClient
     from convserve.clients.loadtest.dists import parse
     from convserve.clients.loadtest.frontend import FrontendDriver
+    from convserve.clients.loadtest.limits import ChunkError, Limits, choose_chunk
     from convserve.clients.loadtest.runner import Driver, Workload, auto_connections, make_transport
     from convserve.clients.loadtest.stats import Recorder
     from convserve.clients.loadtest.verify import Verifier, VerifyError, served_weights
@@ -353,9 +353,6 @@ async def run(args) -> dict:
         raise SetupError(f"--transport {args.transport} does not apply to --scenario frontend: it sends one POST "
                          "/v1/conv/batch per layer call (--shm-mib puts x and y in shared memory); leave it out")
     args.transport = args.transport or "unary"
-    wl = Workload(args.scenario, args.prefill, args.decode, args.spec_k or parse("const:4"), args.prefill_chunk,
-                  "sequential" if args.sequential_layers or frontend else "parallel",
-                  frontend_spec=frontend and args.spec_k is not None)
     mode = "closed" if args.concurrency is not None else "open"
     levels = args.concurrency if mode == "closed" else args.rate
     labels = step_labels(args)
@@ -379,17 +376,18 @@ async def run(args) -> dict:
                              "`convserve serve` or pass --url") from None
         except ServiceError as e:
             raise SetupError(f"GET {client.url}/v1/model answered {e.status} {e.code}: {e.message}") from None
+        try:    # the chunk fits what the server takes (the frontend's batches are fitted step by step)
+            chunk, chunk_why = choose_chunk(args.prefill_chunk, Limits.of(info, shm is None), frontend)
+        except ChunkError as e:
+            raise SetupError(str(e)) from None
+        wl = Workload(args.scenario, args.prefill, args.decode, args.spec_k or parse("const:4"), chunk,
+                      "sequential" if args.sequential_layers or frontend else "parallel",
+                      frontend_spec=frontend and args.spec_k is not None)
         most = (info.get("limits") or {}).get("max_spec_tokens")
         if wl.spec and most is not None and wl.spec_k.max > most:
             raise SetupError(f"--spec-k draws verifies of up to {wl.spec_k.max} tokens, above the server's "
                              f"max_spec_tokens ({most}): every verify would be refused; lower --spec-k or start "
                              "the server with a larger --max-spec-tokens")
-        per_request = (info.get("limits") or {}).get("max_tokens_per_request")
-        if getattr(args, "chunk_given", False) and not frontend and per_request is not None \
-                and args.prefill_chunk > per_request:   # (the frontend cuts its slices to the limit itself)
-            raise SetupError(f"--chunk {args.prefill_chunk} is above the server's max_tokens_per_request "
-                             f"({per_request}): every longer prefill request would be refused; use --chunk "
-                             f"{per_request} or less")
         if isinstance(url, list) and info.get("replicas") is not None:
             up = {r["url"].rstrip("/") for r in info["replicas"]}
             down = [u for u in url if "://" in u and not u.startswith("dns://") and u.rstrip("/") not in up]
@@ -412,6 +410,7 @@ async def run(args) -> dict:
                                  "pass --verify WEIGHTS.safetensors to check against a file") from None
         config = {
             "url": client.url, "model": info, "workload": wl.describe(),
+            "prefill_chunk": {"tokens": chunk, "why": chunk_why},
             "transport": ("batch+shm" if shm is not None else "batch") if frontend else args.transport,
             "mode": mode, "levels": levels, "duration_s": args.duration, "requests": args.requests,
             "warmup_s": args.warmup, "inflight": args.inflight if args.transport != "unary" else None,
@@ -490,8 +489,7 @@ async def run(args) -> dict:
                   "transport": config["transport"], "connections": conns if args.transport != "unary" else None,
                   **summary}
             st["cut_off"] = {"tasks_cancelled": drv.cancelled, "sessions_deleted": drv.cleanup_deleted,
-                             "sessions_not_deleted": len(drv.cleanup_failed),
-                             "not_deleted_examples": drv.cleanup_failed[:5]}
+                             "sessions_not_deleted": len(drv.cleanup_failed), "not_deleted": drv.cleanup_failed}
             if interrupted.signal is not None:
                 st["interrupted"] = True
             if drv.mismatch_examples:

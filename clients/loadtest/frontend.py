@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import math
 import time
 from dataclasses import dataclass
 from typing import Optional
 
+from convserve.clients.loadtest.limits import Limits
 from convserve.clients.loadtest.runner import CREATE_BACKOFF_S, Aborted, Driver
 from convserve.clients.loadtest.verify import MISMATCH
 
@@ -43,11 +43,9 @@ class FrontendDriver(Driver):
     def __init__(self, client, info: dict, workload, rec, **kw):
         super().__init__(client, None, info, workload, rec, **kw)
         self.live: list[_Live] = []
-        # the server's request limits (GET /v1/model; a server that reports none: no budget)
-        limits = info.get("limits") or {}
-        self.max_tokens = limits.get("max_batch_tokens") or math.inf
-        self.max_sessions = limits.get("max_batch_size") or math.inf
-        self.max_slice = limits.get("max_tokens_per_request") or math.inf
+        # the server's request limits (GET /v1/model; a server that reports none: no budget); x in shared memory
+        # takes no room in the body
+        self.limits = Limits.of(info, x_in_body=client.shm is None)
 
     async def _join(self, n: int, arrived: Optional[list] = None) -> int:
         """Create ``n`` sessions (concurrently) and add them to the live set; returns how many joined."""
@@ -68,29 +66,33 @@ class FrontendDriver(Driver):
 
     def _admit(self) -> list:
         """This step's work, ``(session, kind, tokens)``: each live session's next piece, within the server's
-        limits (a layer's call is one batch: at most ``max_batch_size`` sessions and ``max_batch_tokens`` tokens),
-        admitted as a continuous-batching scheduler does: decodes and verifies first, then prefill chunks in
-        arrival order, the last one cut to the tokens left (its rest stays first in that session's plan). A
-        session that does not fit waits for the next step."""
-        work, left = [], self.max_tokens
+        limits (a layer's call is one batch: at most ``max_batch_size`` sessions, ``max_batch_tokens`` tokens and
+        ``max_body_bytes`` of body; a slice at most ``max_tokens_per_request``), admitted as a continuous-batching
+        scheduler does: decodes and verifies first, then prefill chunks in arrival order, the last one cut to the
+        room left (its rest stays first in that session's plan). A session that does not fit waits for the next
+        step."""
+        lim = self.limits
+        work, left, room = [], lim.batch_tokens, lim.body_room()
         for v in sorted(self.live, key=lambda v: not v.steps or v.steps[0][0] == "prefill"):   # stable sort
-            if len(work) >= self.max_sessions or left < 1:
+            fits = min(left, lim.rows_in(room))     # the most tokens one more session's slice may have
+            if len(work) >= lim.batch_size or fits < 1:
                 break
             if not v.steps:
                 continue
             kind, n = v.steps[0]
             if kind == "prefill":
-                n = min(n, left, self.max_slice)
+                n = int(min(n, fits, lim.slice_tokens))
                 if n < v.steps[0][1]:
                     v.steps[0] = (kind, v.steps[0][1] - n)
                 else:
                     v.steps.popleft()
-            elif n <= left:
+            elif n <= fits:
                 v.steps.popleft()
             else:
                 continue
             work.append((v, kind, n))
             left -= n
+            room -= lim.slice_bytes(n)
         return work
 
     async def step(self) -> None:

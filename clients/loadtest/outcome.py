@@ -62,8 +62,9 @@ def exit_status(result: dict, args, baseline, console) -> int:
         rc = EXIT_ERRORS
     left = [(st["label"], st["cut_off"]) for st in steps if (st.get("cut_off") or {}).get("sessions_not_deleted")]
     for label, c in left:       # said whatever the status: an operator must clean these up
-        _say(f"step {label}: {c['sessions_not_deleted']} session(s) could not be deleted and may still hold "
-             f"slots on the server, e.g. {', '.join(c['not_deleted_examples'])}")
+        ids = list(c["not_deleted"])
+        _say(f"step {label}: {len(ids)} session(s) could not be confirmed deleted and may still hold slots on the "
+             f"server: {', '.join(ids[:5])}{', ...' if len(ids) > 5 else ''} (every id and why: under the table)")
     if rc == 0 and left:
         rc = EXIT_ERRORS
     if rc == 0 and args.verify is not None:

@@ -63,11 +63,18 @@ HEADERS = ["step", "kind", "requests", "req/s", "tokens/s", "MB/s", "p50 ms", "p
            "errors", "retries"]
 
 
+def chunk_words(cfg: dict) -> str:
+    """``", chunk 512 (server max_tokens_per_request)"``: the prefill chunk the run used and why (empty for a
+    result that does not say)."""
+    c = cfg.get("prefill_chunk")
+    return f", chunk {c['tokens']} ({c['why']})" if c else ""
+
+
 def print_table(result: dict, console: Optional[Console] = None) -> None:
     console = console or Console()
     cfg = result["config"]
     t = Table(title=f"convserve load test: {cfg['workload']['scenario']} over {cfg['transport']} "
-                    f"against {cfg['url']}", show_lines=False)
+                    f"against {cfg['url']}{chunk_words(cfg)}", show_lines=False)
     for h in HEADERS:
         t.add_column(h, justify="left" if h in ("step", "kind", "errors", "retries") else "right")
     for st_i, row in enumerate(table_rows(result)):
@@ -96,7 +103,14 @@ def step_notes(st: dict, cfg: dict) -> list:
         why = "the interrupt" if st.get("interrupted") else f"--grace {cfg.get('grace_s', '?')} s"
         out.append(f"{st['label']}: {c.get('tasks_cancelled', 0)} virtual session(s) / arrival(s) still running "
                    f"were cancelled at {why}; {c.get('sessions_deleted', 0)} session(s) left on the server deleted"
-                   + (f", {c['sessions_not_deleted']} could not be" if c.get("sessions_not_deleted") else ""))
+                   + (f", {c['sessions_not_deleted']} could not be confirmed deleted" if c.get("sessions_not_deleted")
+                      else ""))
+    by_why: dict = {}
+    for sid, reason in (c.get("not_deleted") or {}).items():
+        by_why.setdefault(reason, []).append(sid)
+    for reason, sids in by_why.items():         # every id: an operator must be able to delete them
+        out.append(f"{st['label']}: {len(sids)} session(s) may still hold a slot on the server ({reason}): "
+                   + ", ".join(sids))
     if st.get("interrupted"):
         out.append(f"{st['label']}: interrupted: the figures cover the step up to the interrupt")
     return out
@@ -184,7 +198,8 @@ pre {{ background: #f8f8f8; padding: 1em; font-size: 12px; }}
 <h1>convserve load test</h1>
 <p>{html.escape(cfg['workload']['scenario'])} over {html.escape(cfg['transport'])}, {html.escape(cfg['mode'])} loop,
 against {html.escape(cfg['url'])} (model: layers {html.escape(str(model.get('layers')))}, dim
-{html.escape(str(model.get('dim')))}, {html.escape(str(model.get('dtype')))}); {html.escape(cfg['started'])}.</p>
+{html.escape(str(model.get('dim')))}, {html.escape(str(model.get('dtype')))}){html.escape(chunk_words(cfg))};
+{html.escape(cfg['started'])}.</p>
 {figure}
 <h2>Per step</h2>
 <table><thead><tr>{head}</tr></thead><tbody>

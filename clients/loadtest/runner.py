@@ -159,7 +159,8 @@ class Driver:
         self.tasks: set = set()
         self.cut_off: set = set()    # tasks cancelled (by --grace or an interrupt) before they ended
         self.cleanup_deleted = 0     # sessions those left behind, deleted by cleanup
-        self.cleanup_failed: list = []
+        #: session id -> why cleanup could not confirm it deleted (it may still hold a slot on the server)
+        self.cleanup_failed: dict = {}
         #: seconds a call that could not reach the server waits before it gives up (doubling, reset by an
         #: answer): a server that went away is not hammered by every virtual session in a tight loop
         self.unreachable_wait = UNREACHABLE_WAIT_S[0]
@@ -318,33 +319,55 @@ class Driver:
 
     async def cleanup(self) -> None:
         """End the step: cancel its tasks still running (counted in ``cancelled``), then delete every session
-        that may still exist on the server (``cleanup_deleted``; those that could not be deleted are listed in
-        ``cleanup_failed``)."""
+        that may still exist on the server (``cleanup_deleted``); those that could not be confirmed deleted are
+        in ``cleanup_failed``, with the reason.
+
+        A create still in flight is waited for (``CLEANUP_TIMEOUT_S``) before its session's DELETE. A DELETE that
+        found no session while the create had no answer yet proves nothing (the create may land after it), so the
+        create is waited for once more: answered, its session is deleted again; still unanswered, it is given up
+        and its session reported."""
         pending = [t for t in self.tasks if not t.done()]
         if pending:
             await self.cut(pending)
-        if self.creating:               # creates of cancelled sessions: their answer says whether they landed
-            await asyncio.wait(list(self.creating.values()), timeout=CLEANUP_TIMEOUT_S)
-            for f in self.creating.values():
-                f.cancel()
+        creates = dict(self.creating)   # session id -> its create, not answered yet
+        if creates:                     # (their answer says whether they landed)
+            await asyncio.wait(list(creates.values()), timeout=CLEANUP_TIMEOUT_S)
         sem = asyncio.Semaphore(CLEANUP_CONCURRENCY)
+        try:
+            await asyncio.gather(*(self._delete_left(sid, creates.get(sid), sem) for sid in list(self.open_sids)))
+        finally:
+            for f in creates.values():
+                f.cancel()
 
-        async def one(sid):
-            async with sem:
-                try:
+    async def _delete_left(self, sid: str, create: Optional[asyncio.Future], sem: asyncio.Semaphore) -> None:
+        """Delete ``sid``, a session the step left behind (``create``: its create, which may still be in
+        flight); see :meth:`cleanup`."""
+        while True:
+            unanswered = create is not None and not create.done()
+            try:
+                async with sem:
                     await asyncio.wait_for(self.client.delete_session(sid), CLEANUP_TIMEOUT_S)
-                except ServiceError as e:
-                    if e.status != 404:         # 404: the create never landed, nothing to delete
-                        self.cleanup_failed.append(f"{sid} ({error_message(e)})")
-                        return
-                except Exception as e:  # noqa: BLE001 - reported, not raised: the results still count
-                    self.cleanup_failed.append(f"{sid} ({error_message(e)})")
+            except ServiceError as e:
+                if e.status != 404:
+                    self.cleanup_failed[sid] = error_message(e)
                     return
-                else:
-                    self.cleanup_deleted += 1
-                self.open_sids.discard(sid)
-
-        await asyncio.gather(*(one(sid) for sid in list(self.open_sids)))
+                # no such session: nothing to delete, unless its create may land after this DELETE
+                if unanswered:          # its answer decides
+                    await asyncio.wait({create}, timeout=CLEANUP_TIMEOUT_S)
+                    if not create.done():
+                        self.cleanup_failed[sid] = (f"the create had no answer after {CLEANUP_TIMEOUT_S:g} s, a "
+                                                    f"DELETE found no session, and {CLEANUP_TIMEOUT_S:g} s more "
+                                                    "brought no answer: the create may still land")
+                        return
+                    if sid in self.open_sids:   # it landed, or may have (a failure of no status): delete again
+                        continue
+            except Exception as e:  # noqa: BLE001 - reported, not raised: the results still count
+                self.cleanup_failed[sid] = error_message(e)
+                return
+            else:
+                self.cleanup_deleted += 1
+            self.open_sids.discard(sid)
+            return
 
     async def cut(self, pending) -> None:
         """Cut off the step's ``pending`` tasks (``--grace`` ran out, or an interrupt): nothing more is started,

@@ -1,0 +1,89 @@
+"""The server's request limits (``GET /v1/model``'s ``limits``) as the load tester fits its requests to them: the
+prefill chunk (``--chunk``, or the largest piece the server takes when it is not given) and the budget of the
+frontend's batch for one layer.
+
+A limit the server does not report is no limit here: against such a server the load tester sends what it would
+send to any other (the default chunk, batches of every live session)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from convserve.clients.protocol.wire import ITEMSIZE
+
+#: the prefill chunk when ``--chunk`` is not given and the server takes one this long
+DEFAULT_CHUNK = 2048
+#: bytes of a conv or batch body besides x's rows, at most: the map, its keys, the layer and x's header (measured
+#: about 110), and in a batch each session's id, token count and speculative flag (about 41 each)
+BODY_FIXED_BYTES, BODY_SESSION_BYTES = 256, 64
+
+
+class ChunkError(ValueError):
+    """No prefill chunk fits the server's limits, or ``--chunk`` is above what one request may carry."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may carry; ``math.inf`` where the server reports no limit."""
+
+    batch_tokens: float = math.inf      # max_batch_tokens: every session's tokens of one batch together
+    batch_size: float = math.inf        # max_batch_size: sessions in one batch
+    slice_tokens: float = math.inf      # max_tokens_per_request: one request, or one session's slice of a batch
+    body_bytes: float = math.inf        # max_body_bytes: one body (or stream frame)
+    row_bytes: int = 0                  # one token of x in the body (0: x travels in shared memory)
+
+    @classmethod
+    def of(cls, info: dict, x_in_body: bool = True) -> "Limits":
+        lim = info.get("limits") or {}
+        return cls(*(lim.get(k) or math.inf for k in ("max_batch_tokens", "max_batch_size", "max_tokens_per_request",
+                                                      "max_body_bytes")),
+                   row_bytes=int(info["dim"]) * ITEMSIZE.get(info.get("dtype"), 4) if x_in_body else 0)
+
+    def body_room(self) -> float:
+        """Bytes of a body left for the sessions' fields and x's rows."""
+        return self.body_bytes - BODY_FIXED_BYTES
+
+    def rows_in(self, room: float) -> float:
+        """Tokens of x that fit in ``room`` bytes of a body beside one more session's fields."""
+        if room == math.inf:
+            return math.inf
+        if room < BODY_SESSION_BYTES:
+            return 0
+        return (room - BODY_SESSION_BYTES) // self.row_bytes if self.row_bytes else math.inf
+
+    def slice_bytes(self, tokens: int) -> int:
+        """Bytes one session's slice of ``tokens`` takes in a body."""
+        return BODY_SESSION_BYTES + tokens * self.row_bytes
+
+    def largest_slice(self) -> tuple:
+        """``(tokens, name, detail)``: the most tokens one request (or one session's slice of a batch) may carry,
+        the server's limit that sets it (the first on a tie) and that limit's value in words."""
+        body_rows = self.rows_in(self.body_room())
+        caps = [(self.slice_tokens, "max_tokens_per_request", f"{self.slice_tokens}"),
+                (self.batch_tokens, "max_batch_tokens", f"{self.batch_tokens}"),
+                (body_rows, "max_body_bytes", f"{self.body_bytes}: room for {body_rows} tokens of x at "
+                                              f"{self.row_bytes} bytes each")]
+        return min(caps, key=lambda c: c[0])
+
+
+def choose_chunk(given: Optional[int], limits: Limits, frontend: bool) -> tuple:
+    """``(chunk, why)``: the prefill chunk of the run and why it is that long (for the report).
+
+    ``given`` (``--chunk``) is used as it is; above what one request may carry it is refused (:class:`ChunkError`:
+    every longer prefill request would be refused), except in the frontend scenario, whose steps cut each slice
+    to the limits anyway. Not given: :data:`DEFAULT_CHUNK`, or less where the server takes less."""
+    most, name, detail = limits.largest_slice()
+    if most < 1:
+        raise ChunkError(f"the server's {name} ({detail}) leaves no room for one token of x: every conv request "
+                         "would be refused; start the server with a larger --max-body-bytes, or send x in shared "
+                         "memory (--scenario frontend --shm-mib, a server on this host)")
+    if given is None:
+        return (DEFAULT_CHUNK, "default") if most >= DEFAULT_CHUNK else (int(most), f"server {name}")
+    if given <= most:
+        return given, "--chunk"
+    if frontend:
+        return given, f"--chunk; each step cuts a slice to the server's {name} ({detail})"
+    raise ChunkError(f"--chunk {given} is above the server's {name} ({detail}): every longer prefill request would "
+                     f"be refused; use --chunk {int(most)} or less")
