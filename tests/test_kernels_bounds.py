@@ -1,8 +1,8 @@
 """Every kernel path reads and writes only inside the tensors it is given, and within one launch no element of the
 output or the state is stored by two programs or loaded by a program other than the one storing it (both checked
 lane by lane in Triton's interpreter, ``tests/interp_bounds.py``), on random inputs with odd sizes, pads, tails and
-both state layouts; and the contract's edges a review found: decode without indices has no pad rows, repeated state rows are refused
-by ``validate_data``, a prefill state's 64-bit offsets, the CPU twin's wider verify buffers."""
+both state layouts; and the contract's edges a review found: decode without indices has no pad rows, repeated state
+rows are refused by ``validate_data``, a prefill state's 64-bit offsets, the CPU twin's wider verify buffers."""
 
 from __future__ import annotations
 

@@ -389,7 +389,8 @@ def test_a_step_whose_every_request_failed_exits_1_without_fail_on_errors(low_li
     assert rc == 1 and "nothing was measured" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("scenario", ["decode-heavy", pytest.param("frontend", marks=pytest.mark.slow)])  # slow: CI time
+# the frontend case is slow (CI time)
+@pytest.mark.parametrize("scenario", ["decode-heavy", pytest.param("frontend", marks=pytest.mark.slow)])
 def test_a_server_that_goes_away_mid_run_exits_1_and_is_not_hammered(tmp_path, capsys, scenario):
     import threading
 
