@@ -1,8 +1,9 @@
-"""Every kernel path reads and writes only inside the tensors it is given, and within one launch no element of the
-output or the state is stored by two programs or loaded by a program other than the one storing it (both checked
-lane by lane in Triton's interpreter, ``tests/interp_bounds.py``), on random inputs with odd sizes, pads, tails and
-both state layouts; and the contract's edges a review found: decode without indices has no pad rows, repeated state
-rows are refused by ``validate_data``, a prefill state's 64-bit offsets, the CPU twin's wider verify buffers."""
+"""Every kernel path reads and writes only inside the tensors it is given, and within the launches of one kernel
+(their program ids merged) no element of the output or the state is stored by two programs or loaded by a program
+other than the one storing it (both checked lane by lane in Triton's interpreter, ``tests/interp_bounds.py``), on
+random inputs with odd sizes, pads, tails and both state layouts; and the contract's edges a review found: decode
+without indices has no pad rows, repeated state rows are refused by ``validate_data``, a prefill state's 64-bit
+offsets, the CPU twin's wider verify buffers."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ print(f"test_kernels_bounds seed={SEED}")
 
 def races(log, *written) -> list:
     """Cross-program conflicts (``cross_program_conflicts``) over the tensors ``written`` in each kernel's launches
-    of the access log: a few per kernel and tensor, empty when every launch is race-free."""
+    of the access log (two launches of one kernel are checked as one): a few per kernel and tensor, empty
+    when race-free."""
     kernels = sorted({k for k, *_ in log})
     return [(k, i, c[:3]) for k in kernels for i, t in enumerate(written) if t is not None
             for c in [cross_program_conflicts(log, k, t)] if c]

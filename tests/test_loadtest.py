@@ -297,6 +297,24 @@ def test_a_frontend_step_admits_decodes_and_verifies_first_then_prefills_cut_to_
     assert work == [("d", "decode", 1)] and left["v"] == [("verify", 5)]
 
 
+def test_a_frontend_step_counts_its_verifies_padded_to_the_longest_as_the_server_does():
+    import numpy as np
+
+    from convserve.service.engine.validate import check_padded_verify
+
+    live = [("v1", [("verify", 1)]), ("v8", [("verify", 8)]), ("p", [("prefill", 100)])]
+    work, _ = _admitted(live, tokens=16)
+    # v1 padded to 8 beside v8: 16 tokens as the server counts them, no room left for the prefill
+    assert work == [("v1", "verify", 1), ("v8", "verify", 8)]
+    lengths = np.array([n for _, k, n in work if k == "verify"])
+    assert check_padded_verify(lengths, sum(n for *_, n in work), 16)[2] == 16
+    # a longer verify that would pad the admitted ones past the budget waits; a shorter one is padded to them
+    work, left = _admitted(live, tokens=12)
+    assert work == [("v1", "verify", 1), ("p", "prefill", 11)] and left["v8"] == [("verify", 8)]
+    work, _ = _admitted([("v8", [("verify", 8)]), ("v1", [("verify", 1)]), ("v2", [("verify", 2)])], tokens=17)
+    assert [sid for sid, *_ in work] == ["v8", "v1"]
+
+
 def test_a_frontend_step_fits_its_batch_body_to_max_body_bytes():
     from convserve.clients.loadtest.limits import BODY_FIXED_BYTES, BODY_SESSION_BYTES
 
@@ -444,6 +462,20 @@ def test_a_spec_k_above_the_servers_max_spec_tokens_is_a_usage_error_before_any_
     assert main(["--url", server.url, *SMALL, "--scenario", scenario, "--spec-k", f"const:{most + 1}",
                  "--requests", "4"]) == 2
     assert f"above the server's max_spec_tokens ({most})" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("scenario", ["spec", "frontend"])
+def test_a_spec_k_above_what_one_slice_may_carry_is_a_usage_error_before_any_request(weights, capsys, scenario):
+    srv = LiveServer(["--weights", str(weights[0]), "--slots", "8", "--max-tokens-per-request", "4",
+                      "--max-spec-tokens", "8"])
+    try:
+        srv.wait_ready()
+        assert main(["--url", srv.url, *SMALL, "--scenario", scenario, "--spec-k", "const:6", "--chunk", "4",
+                     "--requests", "4"]) == 2
+        err = " ".join(capsys.readouterr().err.split())
+        assert "max_tokens_per_request" in err and "lower --spec-k to 4 or less" in err
+    finally:
+        srv.terminate()
 
 
 def test_a_chunk_above_the_servers_max_tokens_per_request_is_a_usage_error_before_any_request(server, capsys):

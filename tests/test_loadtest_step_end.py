@@ -129,7 +129,7 @@ def test_a_requests_step_ends_its_rates_at_the_last_conv_answer_not_at_slow_fina
     assert st["elapsed_s"] < 1.0, f"the window ran {st['elapsed_s']:.2f} s: the final deletes stretched it"
 
 
-def _late_creates(monkeypatch, server, lands: bool, on_time: int = 4) -> list:
+def _late_creates(monkeypatch, server, lands: bool, on_time: int = 4) -> tuple:
     """Make every session create after the first ``on_time`` late: the server gets it only once the cleanup's
     DELETE of its session has answered (``lands``: a create that was on its way, answered after its session was
     meant to be deleted), or never (a create whose answer is lost). Returns the late sessions' ids and the

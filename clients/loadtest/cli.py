@@ -388,6 +388,12 @@ async def run(args) -> dict:
             raise SetupError(f"--spec-k draws verifies of up to {wl.spec_k.max} tokens, above the server's "
                              f"max_spec_tokens ({most}): every verify would be refused; lower --spec-k or start "
                              "the server with a larger --max-spec-tokens")
+        slice_most, slice_name, slice_detail = Limits.of(info, shm is None).largest_slice()
+        if wl.spec and wl.spec_k.max > slice_most:
+            raise SetupError(f"--spec-k draws verifies of up to {wl.spec_k.max} tokens, above what one session's "
+                             f"slice may carry (the server's {slice_name}: {slice_detail}): those verifies would "
+                             f"be refused or never sent; lower --spec-k to {int(slice_most)} or less, start the "
+                             "server with larger limits, or send x in shared memory (--shm-mib)")
         if isinstance(url, list) and info.get("replicas") is not None:
             up = {r["url"].rstrip("/") for r in info["replicas"]}
             down = [u for u in url if "://" in u and not u.startswith("dns://") and u.rstrip("/") not in up]

@@ -3,7 +3,7 @@
 The frontend keeps a set of live sessions. Each of its steps takes the next piece of work of every live session
 (a prefill chunk of at most ``prefill_chunk`` tokens, a one-token decode, or with ``--spec-k`` a speculative verify
 of k tokens) that fits the server's limits (``GET /v1/model``'s ``limits``: decodes and verifies first, then
-prefill chunks, the last one cut to the tokens left, as a continuous-batching scheduler admits them) and sends it
+prefill chunks, the last one cut to the room left, as a continuous-batching scheduler admits them) and sends it
 as **one batch per layer** (``POST /v1/conv/batch`` with ``tokens`` and
 ``speculative``), layer ``l + 1`` only after layer ``l``'s answer, as a model's forward pass must. After the
 layers, one ``POST /v1/accept`` commits a random 0..k of each verify. Sessions that are done are deleted and new
@@ -73,6 +73,9 @@ class FrontendDriver(Driver):
         step."""
         lim = self.limits
         work, left, room = [], lim.batch_tokens, lim.body_room()
+        # the server counts every verify row of a batch at the longest verify's length (it pads them to it):
+        # `left` is the batch's token room with the admitted verifies counted so, `longest` / `n_verify` their pad
+        longest = n_verify = 0
         for v in sorted(self.live, key=lambda v: not v.steps or v.steps[0][0] == "prefill"):   # stable sort
             fits = min(left, lim.rows_in(room))     # the most tokens one more session's slice may have
             if len(work) >= lim.batch_size or fits < 1:
@@ -86,12 +89,17 @@ class FrontendDriver(Driver):
                     v.steps[0] = (kind, v.steps[0][1] - n)
                 else:
                     v.steps.popleft()
-            elif n <= fits:
-                v.steps.popleft()
+                cost = n
             else:
-                continue
+                # a verify longer than the ones admitted pads each of them to its length too
+                cost = max(n, longest) + n_verify * max(0, n - longest) if kind == "verify" else n
+                if n > min(fits, lim.slice_tokens) or cost > left:
+                    continue
+                v.steps.popleft()
+                if kind == "verify":
+                    longest, n_verify = max(longest, n), n_verify + 1
             work.append((v, kind, n))
-            left -= n
+            left -= cost
             room -= lim.slice_bytes(n)
         return work
 

@@ -64,7 +64,8 @@ def exit_status(result: dict, args, baseline, console) -> int:
     for label, c in left:       # said whatever the status: an operator must clean these up
         ids = list(c["not_deleted"])
         _say(f"step {label}: {len(ids)} session(s) could not be confirmed deleted and may still hold slots on the "
-             f"server: {', '.join(ids[:5])}{', ...' if len(ids) > 5 else ''} (every id and why: under the table)")
+             f"server: {', '.join(ids[:5])}{', ...' if len(ids) > 5 else ''} (every id and why: under the table); "
+             "free them with DELETE /v1/sessions/<id>, or let the server evict them after its session_ttl_s")
     if rc == 0 and left:
         rc = EXIT_ERRORS
     if rc == 0 and args.verify is not None:
