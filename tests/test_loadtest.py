@@ -335,7 +335,7 @@ def test_the_default_chunk_is_the_most_one_request_may_carry_and_the_report_says
     def chunk(limits, given=None, frontend=False, dim=32, shm=False):
         return choose_chunk(given, Limits.of({"dim": dim, "dtype": "float32", "limits": limits}, not shm), frontend)
 
-    assert chunk({}) == (2048, "default")                       # a server that reports no limits: as before
+    assert chunk({}) == (2048, "default")                       # a server that reports no limits: the default
     assert chunk({"max_tokens_per_request": 8192, "max_batch_tokens": 8192}) == (2048, "default")
     assert chunk({"max_tokens_per_request": 512, "max_batch_tokens": 512}) == (512, "server max_tokens_per_request")
     assert chunk({"max_batch_tokens": 300}, frontend=True) == (300, "server max_batch_tokens")
@@ -395,7 +395,7 @@ def test_a_step_whose_every_request_failed_exits_1_without_fail_on_errors(low_li
 
     model = AsyncConvClient.model
 
-    async def no_limits(self):      # a server that does not report its limits: the default chunk, as before
+    async def no_limits(self):      # a server that does not report its limits: the default chunk
         return {k: v for k, v in (await model(self)).items() if k != "limits"}
 
     monkeypatch.setattr(AsyncConvClient, "model", no_limits)

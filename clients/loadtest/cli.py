@@ -376,8 +376,9 @@ async def run(args) -> dict:
                              "`convserve serve` or pass --url") from None
         except ServiceError as e:
             raise SetupError(f"GET {client.url}/v1/model answered {e.status} {e.code}: {e.message}") from None
+        limits = Limits.of(info, shm is None)
         try:    # the chunk fits what the server takes (the frontend's batches are fitted step by step)
-            chunk, chunk_why = choose_chunk(args.prefill_chunk, Limits.of(info, shm is None), frontend)
+            chunk, chunk_why = choose_chunk(args.prefill_chunk, limits, frontend)
         except ChunkError as e:
             raise SetupError(str(e)) from None
         wl = Workload(args.scenario, args.prefill, args.decode, args.spec_k or parse("const:4"), chunk,
@@ -388,7 +389,7 @@ async def run(args) -> dict:
             raise SetupError(f"--spec-k draws verifies of up to {wl.spec_k.max} tokens, above the server's "
                              f"max_spec_tokens ({most}): every verify would be refused; lower --spec-k or start "
                              "the server with a larger --max-spec-tokens")
-        slice_most, slice_name, slice_detail = Limits.of(info, shm is None).largest_slice()
+        slice_most, slice_name, slice_detail = limits.largest_slice()
         if wl.spec and wl.spec_k.max > slice_most:
             raise SetupError(f"--spec-k draws verifies of up to {wl.spec_k.max} tokens, above what one session's "
                              f"slice may carry (the server's {slice_name}: {slice_detail}): those verifies would "

@@ -15,8 +15,8 @@ from convserve.clients.protocol.wire import ITEMSIZE
 
 #: the prefill chunk when ``--chunk`` is not given and the server takes one this long
 DEFAULT_CHUNK = 2048
-#: bytes of a conv or batch body besides x's rows, at most: the map, its keys, the layer and x's header (measured
-#: about 110), and in a batch each session's id, token count and speculative flag (about 41 each)
+#: bytes of a conv or batch body besides x's rows, at most: the map, its keys, the layer and x's header; and, in a
+#: batch, per session: its id, token count and speculative flag (both bounds with room over what they encode to)
 BODY_FIXED_BYTES, BODY_SESSION_BYTES = 256, 64
 
 
