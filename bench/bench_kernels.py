@@ -36,6 +36,7 @@ CARD = [(1, 4096), (128, 4096), (256, 4096), (514, 4096), (1024, 4096), (1, 8192
         (14807, 8192)]
 DECODE_BATCHES = [1, 8, 64, 256, 1024]
 DECODE_DIMS = [4096, 8192]
+_REPLAY_ON = {}  # TUNING["replay"]["after"] as the package set it (set_replays restores it)
 POOL_SLOTS = 4096
 README_START, README_END = "<!-- bench:kernels:start -->", "<!-- bench:kernels:end -->"
 # x (dim, T) with T contiguous / with dim contiguous (stride(0) == 1): the glossary in kernels/__init__.py
@@ -50,8 +51,10 @@ def bench(fn, rep_ms=100):
 
 
 def b2b(fn, n=300):
-    """(event time per call, host time per call) for n back-to-back calls, no L2 flush."""
-    fn()
+    """(event time per call, host time per call) for n back-to-back calls, no L2 flush. Three calls first: a
+    plan's repeated launch is a graph replay from its third call on (kernels/_replay.py)."""
+    for _ in range(3):
+        fn()
     torch.cuda.synchronize()
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     s.record()
@@ -64,16 +67,35 @@ def b2b(fn, n=300):
     return s.elapsed_time(e) / n * 1e3, host
 
 
+def set_replays(on: bool) -> None:
+    """Graph replays of repeated launches on (the default) or off, for the calls after this one (both ops' plans
+    are rebuilt on their next call)."""
+    from convserve.kernels import _launch
+    from convserve.kernels.decode import plan as dplan
+    from convserve.kernels.prefill import plan as pplan
+    r = _launch.TUNING["replay"]
+    _REPLAY_ON.setdefault("after", r["after"])
+    r["after"] = _REPLAY_ON["after"] if on else 0
+    dplan._PLANS.clear()
+    pplan._PLANS.clear()
+
+
 def b2b_pair(ours, aten, rounds=7, n=200):
-    """(ours b2b, ours host, aten b2b, aten host): ``b2b`` of ours and of one ATen op alternated over ``rounds``
-    rounds, medians of each. The host's speed drifts by tens of percent between seconds on a VM, so a direct
-    call's host cost is only comparable with an ATen op's when the two are timed interleaved."""
-    got = [[], [], [], []]
-    for _ in range(rounds):
-        for k, fn in ((0, ours), (2, aten)):
-            t, h = b2b(fn, n)
-            got[k].append(t)
-            got[k + 1].append(h)
+    """(ours b2b, ours host, aten b2b, aten host, direct b2b, direct host): ``b2b`` of ours (repeated launches
+    replayed as graphs, the default), of one ATen op and of ours with replays off (every call through Triton's
+    launcher), alternated over ``rounds`` rounds, medians of each. The host's speed drifts by tens of percent
+    between seconds on a VM, so a direct call's host cost is only comparable with an ATen op's when the two are
+    timed interleaved."""
+    got = [[] for _ in range(6)]
+    try:
+        for _ in range(rounds):
+            for k, fn, replays in ((0, ours, True), (2, aten, True), (4, ours, False)):
+                set_replays(replays)
+                t, h = b2b(fn, n)
+                got[k].append(t)
+                got[k + 1].append(h)
+    finally:
+        set_replays(True)
     return tuple(sorted(v)[len(v) // 2] for v in got)
 
 
@@ -161,7 +183,8 @@ def run_prefill_case(T, dim, layout, peers, width=4, extra=True):
     r["ours"] = bench(lambda: causal_conv1d_fn(x, w, b, st_k, qsl, idx, init, "silu", out=out))
     r["copy"] = bench(lambda: y.copy_(x))
     if extra:
-        r["ours_b2b"], r["ours_host"], r["aten16k_b2b"], r["aten16k_host"] = b2b_pair(
+        (r["ours_b2b"], r["ours_host"], r["aten16k_b2b"], r["aten16k_host"], r["direct_b2b"],
+         r["direct_host"]) = b2b_pair(
             lambda: causal_conv1d_fn(x, w, b, st_k, qsl, idx, init, "silu", out=out), aten_op())
         r["copy_b2b"], _ = b2b(lambda: y.copy_(x))
         r["ref"] = bench(lambda: causal_conv1d_ref(x, w, b, st_r, qsl, idx, init, "silu"), rep_ms=50)
@@ -264,7 +287,8 @@ def run_decode_case(batch, dim, peers, seqlen=1, spec=False, extra=True, state_l
     r["ours"] = bench(fn)
     r["copy"] = bench(lambda: dst.copy_(src))
     if extra:
-        r["ours_b2b"], r["ours_host"], r["aten16k_b2b"], r["aten16k_host"] = b2b_pair(fn, aten_op())
+        (r["ours_b2b"], r["ours_host"], r["aten16k_b2b"], r["aten16k_host"], r["direct_b2b"],
+         r["direct_host"]) = b2b_pair(fn, aten_op())
         r["copy_b2b"], r["copy_host"] = b2b(lambda: dst.copy_(src))
         g = DecodeGraph(p_k, w, b, "silu", batch=batch, seqlen=seqlen, x_dtype=x.dtype, intermediate=spec)
         g.x.copy_(x.view(batch, dim, seqlen))
@@ -417,8 +441,10 @@ def markdown(res):
     if host:
         lines.append("")
         lines.append("A direct `causal_conv1d_update` call against one ATen op, back to back (ours b2b / aten b2b, "
-                     "timed alternately): " + "; ".join(
+                     "timed alternately" + ("; in brackets with graph replays off" if any("direct_b2b" in r for r in host)
+                                            else "") + "): " + "; ".join(
                          f"b{r['batch']}×{r['dim']} {r.get('layout', 'pool')} {r['ours_b2b'] / r['aten16k_b2b']:.2f}"
+                         + (f" ({r['direct_b2b'] / r['aten16k_b2b']:.2f})" if "direct_b2b" in r else "")
                          for r in host))
     return "\n".join(lines)
 

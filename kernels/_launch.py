@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ._replay import Replays
 from ._validate import check_out
 
 
@@ -69,6 +70,10 @@ TUNING = {
     # several tokens per row otherwise (chunked kernel: strided x, long chunks): narrower tiles keep the token
     # chunk and its windows in registers
     "decode_multi": dict(block_d=128, num_warps=2),
+    # every plan on CUDA: the `after`-th launch with the same tensor addresses captures a one-node CUDA graph that
+    # later launches with those addresses replay (less host time per call; _replay.py); at most `keep` graphs per
+    # plan. after=0: never
+    "replay": dict(after=2, keep=16),
 }
 
 
@@ -147,6 +152,8 @@ class LaunchPlan:
         # tensor in both (a stand-in for an absent optional tensor, which the kernel never reads), so the launch
         # reuses that address; (i, j): tensor j (out) must not share tensor i's (x's) address (check_out raises)
         self.same, self.alias = {}, None
+        # the graphs of repeated launches (_replay.py), made with the generated launcher; None: never
+        self.replays = None
         # what the public functions call: this generic __call__ until the aligned kernel is compiled, then a
         # launcher generated for this plan (_make_fast)
         self.fast = self.__call__
@@ -217,34 +224,58 @@ class LaunchPlan:
         if all(sig):
             self._aligned = entry
             if entry[0]:
+                r = TUNING["replay"]
+                if r["after"] > 0:
+                    self.replays = Replays(self.device_index, r["after"], r["keep"])
                 self.fast = self._make_fast(entry, len(tensors))
 
     def _make_fast(self, entry, n: int):
         """A launcher for this plan alone, as Python source: one address read per distinct tensor (``same``),
         the alias and alignment checks on plain ints, then the C launcher with the grid, the scalars and the
         constexprs written in as constants. Any other case (an unaligned pointer, an aliased out) goes through
-        the generic ``__call__``."""
+        the generic ``__call__``. With ``replays``, a launch whose addresses have a graph replays it instead, and
+        a plain launch is noted (``Replays.note``)."""
         _, run, function, meta, coop, pdl = entry
         ts = [f"t{k}" for k in range(n)]
         ps = [f"p{self.same.get(k, k)}" for k in range(n)]
+        distinct = sorted(set(ps), key=ps.index)
+        consts = all(type(v) in (int, bool) for v in self.tail)
+        tail = ", ".join(repr(v) for v in self.tail) if consts else "*tail"
+        launch = (f"run({int(self.grid[0])}, {int(self.grid[1])}, 1, stream({int(self.device_index)}), "
+                  f"function, coop, pdl, None, None, meta, None, None, None, {', '.join(ps)}"
+                  f"{', ' + tail if self.tail else ''})")
+        key = f"({', '.join(distinct)},)"
         lines = [f"def fast({', '.join(ts)}):"]
         lines += [f"    p{k} = t{k}.data_ptr()" for k in range(n) if k not in self.same]
         checks = [f"(p{self.alias[1]} == p{self.alias[0]})"] if self.alias is not None else []
-        checks.append(f"(({' | '.join(sorted(set(ps)))}) & 15)")
+        checks.append(f"(({' | '.join(distinct)}) & 15)")
         lines.append(f"    if {' or '.join(checks)}:")
         lines.append(f"        return generic({', '.join(ts)})")
-        consts = all(type(v) in (int, bool) for v in self.tail)
-        tail = ", ".join(repr(v) for v in self.tail) if consts else "*tail"
+        if self.replays is not None:
+            lines.append(f"    key = {key}")
+            lines.append("    graph = graphs.get(key)")
+            lines.append("    if graph is not None and not capturing():")
+            lines.append("        graph.replay()")
+            lines.append("        return")
         lines.append("    try:")
-        lines.append(f"        run({int(self.grid[0])}, {int(self.grid[1])}, 1, stream({int(self.device_index)}), "
-                     f"function, coop, pdl, None, None, meta, None, None, None, {', '.join(ps)}"
-                     f"{', ' + tail if self.tail else ''})")
+        lines.append(f"        {launch}")
         lines.append("    except (TypeError, SystemError, AttributeError) as exc:")
         lines.append(f"        broken(exc, ({', '.join(ts)},))")
+        if self.replays is not None:
+            lines.append("        return")
+            lines.append("    if graph is None:")
+            lines.append("        note(key)")
+            lines.append("def launch_with(key):")
+            lines.append(f"    {', '.join(distinct)}, = key")
+            lines.append(f"    {launch}")
         env = dict(run=run, stream=_raw_stream, function=function, coop=coop, pdl=pdl, meta=meta, tail=self.tail,
                    generic=self.__call__, broken=self._broken)
+        if self.replays is not None:
+            env.update(graphs=self.replays.graphs, capturing=self.replays.capturing, note=self.replays.note)
         name = f"<convserve launch {getattr(self.fn, '__name__', 'kernel')}>"
         exec(compile("\n".join(lines), name, "exec"), env)  # noqa: S102  (source built above from ints and names)
+        if self.replays is not None:
+            self.replays.launch_with = env["launch_with"]
         return env["fast"]
 
 

@@ -41,3 +41,14 @@ def test_report_leaves_out_the_aten_line_when_no_case_timed_it():
     for r in res["rows"]:
         r.pop("aten16k_b2b", None)
     assert "ATen op, back to back" not in bk.markdown(res)
+
+
+def test_report_adds_the_ratio_with_graph_replays_off_where_it_was_timed():
+    bk = load_bench("bench_kernels")
+    res = _results()
+    decode = [r for r in res["rows"] if r["op"] == "decode"]
+    decode[0]["ours_b2b"], decode[0]["aten16k_b2b"], decode[0]["direct_b2b"] = 4.5, 6.0, 7.5
+    (line,) = [x for x in bk.markdown(res).splitlines() if x.startswith("A direct `causal_conv1d_update` call")]
+    assert "in brackets with graph replays off" in line
+    parts = line.split("): ", 1)[1].split("; ")
+    assert parts[0].endswith(" 0.75 (1.25)") and "(" not in parts[1]
