@@ -9,6 +9,7 @@ import torch
 
 from convserve.kernels import _launch, causal_conv1d_fn, causal_conv1d_update, causal_conv1d_update_ref
 from convserve.kernels._launch import LaunchPlan, layout_guard
+from tests.fake_kernel import FakeKernel
 from tests.tolerance import assert_close
 
 
@@ -119,20 +120,10 @@ def test_layout_guard_compares_shapes_strides_dtypes_devices():
     assert not g2.check(a, b)
 
 
-class _Param:
-    def __init__(self, name, is_constexpr):
-        self.name, self.is_constexpr = name, is_constexpr
-
-
-class _FakeKernel:
-    __name__ = "_fake_kernel"
-    params = (_Param("p0", False), _Param("n", False), _Param("FLAG", True))
-
-
 def _direct_plan(monkeypatch):
     """A plan set up as on CUDA with Triton 3.6's C launcher replaced by a recorder."""
     monkeypatch.setattr(_launch, "_raw_stream", lambda index: 1000 + index)
-    plan = LaunchPlan(_FakeKernel(), (3, 5), (7, 4096), dict(FLAG=True), 4, torch.device("cpu"))
+    plan = LaunchPlan(FakeKernel(), (3, 5), (7, 4096), dict(FLAG=True), 4, torch.device("cpu"))
     plan.direct, plan.device_index = True, 1
     plan.const_values = (True,)
     plan.tail = plan.scalars + plan.const_values

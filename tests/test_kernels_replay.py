@@ -14,17 +14,8 @@ from convserve.kernels import _launch, causal_conv1d_fn, causal_conv1d_ref, caus
 from convserve.kernels import causal_conv1d_update_ref
 from convserve.kernels._launch import LaunchPlan
 from convserve.kernels._replay import Replays
+from tests.fake_kernel import FakeKernel
 from tests.tolerance import assert_close
-
-
-class _Param:
-    def __init__(self, name, is_constexpr):
-        self.name, self.is_constexpr = name, is_constexpr
-
-
-class _FakeKernel:
-    __name__ = "_fake_kernel"
-    params = (_Param("p0", False), _Param("n", False), _Param("FLAG", True))
 
 
 class _Graph:
@@ -41,7 +32,7 @@ class _Rig:
     def __init__(self, monkeypatch, after=2, keep=2, fail=False):
         monkeypatch.setattr(_launch, "_raw_stream", lambda index: 1000 + index)
         self.log, self.capturing = [], False
-        plan = LaunchPlan(_FakeKernel(), (3, 5), (7,), dict(FLAG=True), 4, torch.device("cpu"))
+        plan = LaunchPlan(FakeKernel(), (3, 5), (7,), dict(FLAG=True), 4, torch.device("cpu"))
         plan.direct, plan.device_index = True, 0
         plan.const_values = (True,)
         plan.tail = plan.scalars + plan.const_values
@@ -151,7 +142,7 @@ def test_the_alias_and_alignment_checks_come_before_any_graph(monkeypatch):
 def test_replay_off_generates_the_plain_launcher(monkeypatch):
     monkeypatch.setitem(_launch.TUNING, "replay", dict(after=0, keep=16))
     monkeypatch.setattr(_launch, "_raw_stream", lambda index: 1000 + index)
-    plan = LaunchPlan(_FakeKernel(), (1, 1), (7,), dict(FLAG=True), 4, torch.device("cpu"))
+    plan = LaunchPlan(FakeKernel(), (1, 1), (7,), dict(FLAG=True), 4, torch.device("cpu"))
     plan.direct = True
     plan.const_values = (True,)
     plan.tail = plan.scalars + plan.const_values
