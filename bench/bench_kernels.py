@@ -51,8 +51,8 @@ def bench(fn, rep_ms=100):
 
 
 def b2b(fn, n=300):
-    """(event time per call, host time per call) for n back-to-back calls, no L2 flush. Three calls first: a
-    plan's repeated launch is a graph replay from its third call on (kernels/_replay.py)."""
+    """(event time per call, host time per call) for n back-to-back calls, no L2 flush. Three calls first: on a
+    new layout the third captures the graph that the calls after it replay (kernels/_replay.py)."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ._replay import AVAILABLE as REPLAYS_AVAILABLE
 from ._replay import Replays
 from ._validate import check_out
 
@@ -225,7 +226,7 @@ class LaunchPlan:
             self._aligned = entry
             if entry[0]:
                 r = TUNING["replay"]
-                if r["after"] > 0:
+                if r["after"] > 0 and REPLAYS_AVAILABLE:
                     self.replays = Replays(self.device_index, r["after"], r["keep"])
                 self.fast = self._make_fast(entry, len(tensors))
 
@@ -241,7 +242,7 @@ class LaunchPlan:
         distinct = sorted(set(ps), key=ps.index)
         consts = all(type(v) in (int, bool) for v in self.tail)
         tail = ", ".join(repr(v) for v in self.tail) if consts else "*tail"
-        launch = (f"run({int(self.grid[0])}, {int(self.grid[1])}, 1, stream({int(self.device_index)}), "
+        launch = (f"run({int(self.grid[0])}, {int(self.grid[1])}, 1, STREAM, "
                   f"function, coop, pdl, None, None, meta, None, None, None, {', '.join(ps)}"
                   f"{', ' + tail if self.tail else ''})")
         key = f"({', '.join(distinct)},)"
@@ -251,31 +252,37 @@ class LaunchPlan:
         checks.append(f"(({' | '.join(distinct)}) & 15)")
         lines.append(f"    if {' or '.join(checks)}:")
         lines.append(f"        return generic({', '.join(ts)})")
-        if self.replays is not None:
+        on = f"stream({int(self.device_index)})"
+        if self.replays is not None:  # the stream read once: the graph and the plain launch go to the same one
+            lines.append(f"    s = {on}")
             lines.append(f"    key = {key}")
             lines.append("    graph = graphs.get(key)")
-            lines.append("    if graph is not None and not capturing():")
-            lines.append("        graph.replay()")
-            lines.append("        return")
+            lines.append("    if graph is not None and not (s and capturing(s)):")
+            lines.append("        result = launch(graph.handle, s)")
+            lines.append("        if not result:")
+            lines.append("            return")
+            lines.append("        failed(f'CUDA graph launch failed: CUDA driver error {result}')")
+            on = "s"
         lines.append("    try:")
-        lines.append(f"        {launch}")
+        lines.append(f"        {launch.replace('STREAM', on)}")
         lines.append("    except (TypeError, SystemError, AttributeError) as exc:")
         lines.append(f"        broken(exc, ({', '.join(ts)},))")
         if self.replays is not None:
             lines.append("        return")
             lines.append("    if graph is None:")
-            lines.append("        note(key)")
-            lines.append("def launch_with(key):")
+            lines.append("        note(key, s)")
+            lines.append("def launch_on(key, s):")
             lines.append(f"    {', '.join(distinct)}, = key")
-            lines.append(f"    {launch}")
+            lines.append(f"    {launch.replace('STREAM', 's')}")
         env = dict(run=run, stream=_raw_stream, function=function, coop=coop, pdl=pdl, meta=meta, tail=self.tail,
                    generic=self.__call__, broken=self._broken)
-        if self.replays is not None:
-            env.update(graphs=self.replays.graphs, capturing=self.replays.capturing, note=self.replays.note)
+        r = self.replays
+        if r is not None:
+            env.update(graphs=r.graphs, capturing=r.capturing, launch=r.launch, note=r.note, failed=r.failed)
         name = f"<convserve launch {getattr(self.fn, '__name__', 'kernel')}>"
         exec(compile("\n".join(lines), name, "exec"), env)  # noqa: S102  (source built above from ints and names)
-        if self.replays is not None:
-            self.replays.launch_with = env["launch_with"]
+        if r is not None:
+            r.launch_on = env["launch_on"]
         return env["fast"]
 
 

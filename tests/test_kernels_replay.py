@@ -19,38 +19,47 @@ from tests.tolerance import assert_close
 
 
 class _Graph:
-    def __init__(self, log, launches):
-        self.log, self.launches = log, launches
-
-    def replay(self):
-        self.log.append(("replay", self.launches))
+    def __init__(self, handle):
+        self.handle = handle
 
 
 class _Rig:
-    """A plan set up as on CUDA: the C launcher, the capture and the capturing flag are recorders."""
+    """A plan set up as on CUDA: the C launcher, the capture, the graph launch and the capturing flag are
+    recorders (a graph's launch logs the launches its capture recorded)."""
 
-    def __init__(self, monkeypatch, after=2, keep=2, fail=False):
+    def __init__(self, monkeypatch, after=2, keep=2, fail=False, launch_result=0):
         monkeypatch.setattr(_launch, "_raw_stream", lambda index: 1000 + index)
-        self.log, self.capturing = [], False
+        self.log, self.capturing, self.recorded, self.fail = [], False, [], fail
+        self.launch_result, self.streams = launch_result, []
         plan = LaunchPlan(FakeKernel(), (3, 5), (7,), dict(FLAG=True), 4, torch.device("cpu"))
         plan.direct, plan.device_index = True, 0
         plan.const_values = (True,)
         plan.tail = plan.scalars + plan.const_values
         plan.called_as({2: 1}, alias=(0, 3))
-        plan.replays = Replays(0, after, keep, capture=self._capture, capturing=lambda: self.capturing)
+        plan.replays = Replays(0, after, keep, capture=self._capture, capturing=self._capturing,
+                               launch=self._launch)
         entry = (True, lambda *a: self.log.append(("launch", a[13:-2])), 0xF00, ("meta",), 0, 0)
         plan._aligned = entry
-        self.fail = fail
+        plan._slow = lambda tensors: self.log.append(("generic", tensors))
         self.plan, self.fast = plan, plan._make_fast(entry, 4)
 
-    def _capture(self, device_index, launch):
+    def _capturing(self, stream):
+        self.streams.append(stream)
+        return self.capturing
+
+    def _capture(self, device_index, launch_on):
         if self.fail:
             raise RuntimeError("capture refused")
         n = len(self.log)
-        launch()  # what a capture records: the launch, not run
-        recorded = self.log[n:]
+        launch_on(777)  # what a capture records: the launch, not run
+        self.recorded.append(self.log[n:])
         del self.log[n:]
-        return _Graph(self.log, recorded)
+        return _Graph(len(self.recorded) - 1)
+
+    def _launch(self, handle, stream):
+        if not self.launch_result:
+            self.log.append(("replay", self.recorded[handle]))
+        return self.launch_result
 
 
 def _tensors():
@@ -131,12 +140,39 @@ def test_a_failed_capture_warns_once_and_leaves_plain_launches(monkeypatch):
     assert sum("graph capture" in str(c.message) for c in caught) == 1
 
 
-def test_the_alias_and_alignment_checks_come_before_any_graph(monkeypatch):
+def test_an_aliased_out_or_an_unaligned_address_takes_the_generic_path_and_never_a_graph(monkeypatch):
     rig = _Rig(monkeypatch, after=1)
     x, w, _, o = _tensors()
     with pytest.raises(ValueError, match="out"):
         rig.fast(x, w, w, x.view(64))
-    assert not rig.plan.replays.graphs
+    odd = torch.empty(65, dtype=torch.bfloat16)[1:]  # 2 bytes off 16-byte alignment
+    rig.plan._entries[(True, True, True, False)] = rig.plan._aligned
+    for _ in range(3):
+        rig.fast(x, w, w, odd)
+    assert [e[0] for e in rig.log] == ["launch"] * 3 and rig.log[0][1][3] == odd.data_ptr()
+    assert not rig.plan.replays.graphs and not rig.plan.replays.counts
+
+
+def test_the_capture_check_asks_about_the_stream_the_launch_goes_to(monkeypatch):
+    rig = _Rig(monkeypatch)
+    t = _tensors()
+    for _ in range(4):
+        rig.fast(*t)
+    assert rig.streams and set(rig.streams) == {1000}  # _raw_stream(0) as patched
+
+
+def test_a_failed_graph_launch_warns_drops_the_graphs_and_launches_plainly(monkeypatch):
+    rig = _Rig(monkeypatch, after=1, launch_result=700)
+    t = _tensors()
+    rig.fast(*t)  # launch, capture
+    assert rig.plan.replays.graphs
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rig.fast(*t)  # the graph's launch fails: the plain launch instead
+        rig.fast(*t)
+    assert [e[0] for e in rig.log] == ["launch"] * 3
+    assert not rig.plan.replays.graphs and rig.plan.replays.captures_left == 0
+    assert sum("error 700" in str(c.message) for c in caught) == 1
 
 
 def test_replay_off_generates_the_plain_launcher(monkeypatch):
@@ -161,6 +197,22 @@ def test_replay_off_generates_the_plain_launcher(monkeypatch):
 # --- GPU: real graphs -------------------------------------------------------------------------------------------
 
 gpu = pytest.mark.gpu
+# a failed capture or graph launch only warns in use; here it fails the test
+no_replay_warnings = pytest.mark.filterwarnings("error:convserve")
+
+
+@pytest.fixture
+def fresh_plans(monkeypatch):
+    """Both ops' plan caches empty for this test, so that the plans found afterwards are its own."""
+    from convserve.kernels.decode import plan as dplan
+    from convserve.kernels.prefill import plan as pplan
+    monkeypatch.setattr(dplan, "_PLANS", _launch.PlanCache())
+    monkeypatch.setattr(pplan, "_PLANS", _launch.PlanCache())
+    return dplan, pplan
+
+
+def _replayed(module) -> bool:
+    return any(p.replays is not None and p.replays.graphs for p in _plans(module))
 
 
 def _decode_case(dim, batch, layout, dtype):
@@ -190,11 +242,13 @@ def _plans(module):
 
 
 @gpu
+@no_replay_warnings
 @pytest.mark.parametrize("layout", ["pool", "window-contiguous"])
 @pytest.mark.parametrize("dim,batch,dtype", [(4096, 8, torch.bfloat16), (1000, 3, torch.float32),
                                              (8192, 256, torch.float16)])
-def test_decode_replays_match_the_reference_on_fresh_contents_at_the_same_addresses(layout, dim, batch, dtype):
-    from convserve.kernels.decode import plan as dplan
+def test_decode_replays_match_the_reference_on_fresh_contents_at_the_same_addresses(layout, dim, batch, dtype,
+                                                                                      fresh_plans):
+    dplan = fresh_plans[0]
     w, b, pool, idx, x, out = _decode_case(dim, batch, layout, dtype)
     state = pool.detach().cpu().clone()
     for step in range(6):
@@ -207,11 +261,12 @@ def test_decode_replays_match_the_reference_on_fresh_contents_at_the_same_addres
         assert y is out
         assert_close(out, ref, dtype, what=f"step {step}")
         assert torch.equal(pool.cpu(), state), f"state after step {step}"
-    assert any(p.replays is not None and p.replays.graphs for p in _plans(dplan)), "no call was replayed"
+    assert _replayed(dplan), "no call was replayed"
 
 
 @gpu
-def test_replays_run_in_order_on_the_callers_stream():
+@no_replay_warnings
+def test_replays_run_in_order_on_the_callers_stream(fresh_plans):
     w, b, pool, idx, x, out = _decode_case(2048, 16, "pool", torch.float32)
     side = torch.cuda.Stream()
     state = pool.detach().cpu().clone()
@@ -223,6 +278,7 @@ def test_replays_run_in_order_on_the_callers_stream():
             causal_conv1d_update(x, pool, w, b, None, conv_state_indices=idx, out=out)
             outs.append((x.clone(), out.clone()))
     side.synchronize()
+    assert _replayed(fresh_plans[0]), "no call was replayed"
     for xs, ys in outs:
         ref = causal_conv1d_update_ref(xs.cpu(), state, w.cpu(), b.cpu(), None, conv_state_indices=idx.cpu(),
                                        compute_dtype=torch.float64)
@@ -230,11 +286,13 @@ def test_replays_run_in_order_on_the_callers_stream():
 
 
 @gpu
-def test_a_callers_graph_capture_records_the_launch_after_replays_began():
+@no_replay_warnings
+def test_a_callers_graph_capture_records_the_launch_after_replays_began(fresh_plans):
     w, b, pool, idx, x, out = _decode_case(1024, 4, "pool", torch.float32)
     for _ in range(4):  # replays begin
         causal_conv1d_update(x.normal_(), pool, w, b, "silu", conv_state_indices=idx, out=out)
     torch.cuda.synchronize()
+    assert _replayed(fresh_plans[0])
     g = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -254,10 +312,11 @@ def test_a_callers_graph_capture_records_the_launch_after_replays_began():
 
 
 @gpu
+@no_replay_warnings
 @pytest.mark.parametrize("layout", ["channels-first", "channels-last"])
 @pytest.mark.parametrize("lens", [[1], [300, 5, 1024], [4195]])
-def test_prefill_replays_match_the_reference_on_fresh_contents(layout, lens):
-    from convserve.kernels.prefill import plan as pplan
+def test_prefill_replays_match_the_reference_on_fresh_contents(layout, lens, fresh_plans):
+    pplan = fresh_plans[1]
     dim, total = 2048, sum(lens)
     w = torch.randn(dim, 4, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(dim, device="cuda", dtype=torch.bfloat16)
@@ -278,4 +337,4 @@ def test_prefill_replays_match_the_reference_on_fresh_contents(layout, lens):
                                 compute_dtype=torch.float64)
         assert_close(out, ref, torch.bfloat16, what=f"step {step}")
         assert torch.equal(pool.cpu(), state), f"state after step {step}"
-    assert any(p.replays is not None and p.replays.graphs for p in _plans(pplan)), "no call was replayed"
+    assert _replayed(pplan), "no call was replayed"
