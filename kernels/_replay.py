@@ -160,12 +160,14 @@ class Replays:
                 self.counts[key] = n
                 return
             self.counts.pop(key, None)
-            if self.captures_left <= 0:
+            if self.captures_left <= 0:  # spent: not even the capture check (a driver call)
                 return
         try:
             if self.capturing(stream):
                 return
-            with _LOCK:
+            with _LOCK:  # the budget checked and spent in one step: two threads cannot both take the last one
+                if self.captures_left <= 0:
+                    return
                 self.captures_left -= 1
             graph = self.capture(self.device_index, lambda stream: self.launch_on(key, stream))
         except Exception as exc:  # noqa: BLE001 - any failure: plain launches from now on
