@@ -140,6 +140,27 @@ def test_partial_header_connections_above_the_cap_cannot_starve_healthz_or_the_d
     assert probe.failures == 0 and p90 < 100
 
 
+def test_above_the_cap_a_connection_sending_headers_is_replaced_before_one_not_read_yet(srv):
+    # a connection not read yet may carry a whole request that arrived with it: it goes last
+    addr = _addr(srv.url)
+    silent = [_connect(addr) for _ in range(CAP - 1)]      # accepted, nothing sent: never read
+    socks = list(silent)
+    try:
+        time.sleep(0.2)
+        partial = _connect(addr)
+        socks.append(partial)
+        partial.send(b"GET /healthz HTTP/1.1\r\nhost: x\r\n")
+        time.sleep(0.2)                                    # read: still sending headers
+        r = httpx.get(srv.url + "/healthz", timeout=5)    # one above the cap
+        assert r.status_code == 200
+        time.sleep(0.1)
+        assert _closed_by_server(partial)
+        assert not any(_closed_by_server(s) for s in silent)
+    finally:
+        for s in socks:
+            s.close()
+
+
 def test_above_the_cap_with_every_connection_busy_a_new_one_gets_503_over_capacity(srv):
     addr = _addr(srv.url)
     busy = []

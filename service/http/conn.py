@@ -11,9 +11,10 @@ protocol (httptools, or h11 when httptools is not installed) with:
 * **header size**: more than ``max_header_bytes`` before the headers are complete is ``431`` and a close (httptools
   itself sets no limit; h11 gets the same bound through ``h11_max_incomplete_event_size``);
 * **connection cap**: at most ``max_connections`` open connections in this process. A new connection above it
-  takes the place of the oldest connection that is idle or still sending headers (that one is closed): such a
-  connection holds no request, and under a slowloris flood they are the attacker's, so a health probe or a real
-  client still gets in. When every connection carries a request, the new one is answered ``503 over_capacity``
+  takes the place of the oldest connection that is idle or still sending headers (that one is closed), and only
+  when there is none, of the oldest one not read yet: such a connection holds no request, and under a slowloris
+  flood they are the attacker's, so a health probe or a real client still gets in (and a request that arrived
+  with its connection is read before it can be replaced, unless the flood leaves nothing else). When every connection carries a request, the new one is answered ``503 over_capacity``
   (with ``Retry-After``) and closed at once, so its descriptor is free again.
 
 **Large bodies in one piece.** uvicorn stops reading a connection once 64 KiB of body wait unread, so a 2 MB
@@ -115,9 +116,12 @@ def guarded_protocol(settings, on_close: Callable[[str], None] = lambda reason: 
     fill_limit = getattr(settings, "max_body_bytes", 0)
     header_timeout = settings.header_timeout_s
     max_header = settings.max_header_bytes
-    # the connections that carry no request (idle, or still sending headers), oldest first (a dict keeps the
-    # insertion order): the ones a new connection above the cap may replace
+    # the connections that carry no request, oldest first (a dict keeps the insertion order): the ones a new
+    # connection above the cap may replace. ``idle`` holds those read at least once (keep-alive between requests,
+    # or still sending headers), ``unread`` those accepted and not read yet; ``idle`` goes first, so a client's
+    # request that arrived with its connection is not replaced before the loop has had its turn to read it
     idle: dict = {}
+    unread: dict = {}
     replica = getattr(settings, "replica_name", None)
     over_capacity = _response(503, b"Service Unavailable", "over_capacity",
                               f"this server process holds its maximum of {cap} connections, all busy; retry "
@@ -146,16 +150,17 @@ def guarded_protocol(settings, on_close: Callable[[str], None] = lambda reason: 
                 transport.write(over_capacity)
                 transport.close()
                 return
-            idle[self] = None
+            unread[self] = None
             self._arm()
 
         def _make_room(self) -> bool:
-            for victim in idle:
-                if victim is not self:
-                    on_close("replaced")
-                    victim._drop()
-                    victim.transport.close()
-                    return True
+            for tier in (idle, unread):
+                for victim in tier:
+                    if victim is not self:
+                        on_close("replaced")
+                        victim._drop()
+                        victim.transport.close()
+                        return True
             return False
 
         def _arm(self) -> None:
@@ -170,6 +175,7 @@ def guarded_protocol(settings, on_close: Callable[[str], None] = lambda reason: 
         def _drop(self) -> None:
             self._disarm()
             idle.pop(self, None)
+            unread.pop(self, None)
 
         def _header_timeout(self) -> None:
             self._timer = None
@@ -177,6 +183,7 @@ def guarded_protocol(settings, on_close: Callable[[str], None] = lambda reason: 
                 return
             on_close("header_timeout")
             idle.pop(self, None)
+            unread.pop(self, None)
             self.transport.write(timed_out)
             self.transport.close()
 
@@ -198,6 +205,7 @@ def guarded_protocol(settings, on_close: Callable[[str], None] = lambda reason: 
                         > max_header:
                     self._too_large()
                     return
+            unread.pop(self, None)
             super().data_received(data)
             if self.transport.get_protocol() is not self:   # upgraded to a WebSocket: not ours any more
                 self._drop()
@@ -209,6 +217,7 @@ def guarded_protocol(settings, on_close: Callable[[str], None] = lambda reason: 
             elif not self.transport.is_closing():  # a request's headers, still incomplete
                 self._header_bytes += len(data)
                 self._header_tail = (self._header_tail + data)[-3:]
+                idle.setdefault(self, None)
                 self._arm()                        # the first byte of a request starts its header clock
 
         def on_headers_complete(self) -> None:
