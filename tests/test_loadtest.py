@@ -263,7 +263,8 @@ def test_the_frontend_scenario_runs_over_several_urls(server, weights, tmp_path,
     assert st["verify"]["checked"] > 0 and st["verify"]["mismatches"] == 0
 
 
-def _admitted(live, tokens=float("inf"), sessions=float("inf"), per_slice=float("inf"), body=float("inf"), row=0):
+def _admitted(live, tokens=float("inf"), sessions=float("inf"), per_slice=float("inf"), body=float("inf"), row=0,
+              arena=float("inf")):
     import collections
     import types
 
@@ -271,7 +272,7 @@ def _admitted(live, tokens=float("inf"), sessions=float("inf"), per_slice=float(
     from convserve.clients.loadtest.limits import Limits
 
     lv = [_Live(sid, None, collections.deque(steps), 0.0) for sid, steps in live]
-    fake = types.SimpleNamespace(live=lv, limits=Limits(tokens, sessions, per_slice, body, row))
+    fake = types.SimpleNamespace(live=lv, limits=Limits(tokens, sessions, per_slice, body, row, arena))
     work = FrontendDriver._admit(fake)
     return [(v.sid, k, n) for v, k, n in work], {v.sid: list(v.steps) for v in lv}
 
@@ -294,6 +295,16 @@ def test_a_frontend_step_admits_decodes_and_verifies_first_then_prefills_cut_to_
     work, _ = _admitted(live, per_slice=8)
     assert [n for _, k, n in work if k == "prefill"] == [8, 8, 8]
     work, left = _admitted([("v", [("verify", 5)]), ("d", [("decode", 1)])], tokens=3)
+    assert work == [("d", "decode", 1)] and left["v"] == [("verify", 5)]
+
+
+def test_a_frontend_step_fits_its_x_in_one_block_of_the_shared_memory_arena():
+    live = [("d1", [("decode", 1)]), ("v1", [("verify", 4)]), ("p1", [("prefill", 30)]), ("p2", [("prefill", 9)])]
+    work, left = _admitted(live, arena=20)
+    # x's rows (not the verifies' padded length) against the block: 1 + 4, then 15 of p1's 30; p2 waits
+    assert work == [("d1", "decode", 1), ("v1", "verify", 4), ("p1", "prefill", 15)]
+    assert left["p1"] == [("prefill", 15)] and left["p2"] == [("prefill", 9)]
+    work, left = _admitted([("v", [("verify", 5)]), ("d", [("decode", 1)])], arena=4)
     assert work == [("d", "decode", 1)] and left["v"] == [("verify", 5)]
 
 
@@ -349,6 +360,13 @@ def test_the_default_chunk_is_the_most_one_request_may_carry_and_the_report_says
     assert chunk({"max_tokens_per_request": 512}, given=600, frontend=True)[0] == 600   # its steps cut slices
     with pytest.raises(ChunkError, match="leaves no room for one token of x"):
         chunk({"max_body_bytes": 1024}, dim=1024)
+    # x in a 1 MiB arena of 16 KiB tokens: 64 tokens a call, whatever the body may carry
+    lim = Limits.of({"dim": 4096, "dtype": "float32", "limits": {"max_body_bytes": 1024}}, False, 1 << 20)
+    assert choose_chunk(None, lim, True) == (64, "--shm-mib arena")
+    assert choose_chunk(100, lim, True)[1] == ("--chunk; each step cuts a slice to this run's --shm-mib arena "
+                                               "(1048576 bytes: room for 64 tokens of x)")
+    with pytest.raises(ChunkError, match=r"^This run's --shm-mib arena \(1024 bytes.*raise --shm-mib$"):
+        choose_chunk(None, Limits.of({"dim": 4096, "dtype": "float32"}, False, 1024), True)
 
 
 @pytest.fixture(scope="module")
@@ -372,6 +390,22 @@ def test_the_frontend_scenario_fits_its_steps_to_the_servers_limits(low_limits_s
     assert data["config"]["prefill_chunk"] == {"tokens": 40, "why": "--chunk"}
     assert st["kinds"]["batch"]["count"] == len(LAYERS) * st["kinds"]["step"]["count"] > 0
     assert st["verify"]["checked"] > 0 and st["verify"]["mismatches"] == 0
+
+
+def test_the_frontend_scenario_fits_each_layer_calls_x_in_the_shared_memory_arena(tmp_path):
+    # 16 KiB tokens in a 1 MiB arena: 64 tokens a call, where 3 sessions' chunks of up to 100 would be 300
+    srv = LiveServer(["--layers", "0,2", "--dim", "4096", "--dtype", "float32", "--client-shm"])
+    try:
+        srv.wait_ready()
+        rc, data = _run(tmp_path, srv, "--scenario", "frontend", "--concurrency", "3", "--requests", "24",
+                        "--prefill", "uniform:60:100", "--chunk", "100", "--shm-mib", "1", "--fail-on-errors")
+    finally:
+        srv.terminate()
+    st = data["steps"][0]
+    assert rc == 0 and st["errors_total"] == 0, st["errors"]
+    assert data["config"]["transport"] == "batch+shm"
+    assert "this run's --shm-mib arena" in data["config"]["prefill_chunk"]["why"]
+    assert st["kinds"]["batch"]["count"] == len(LAYERS) * st["kinds"]["step"]["count"] > 0
 
 
 # the frontend's batches of up to 4 sessions and 192 tokens (24 KiB of x) are cut to the 16 KiB body too

@@ -342,7 +342,7 @@ async def run(args) -> dict:
     from convserve.clients.client import AsyncConvClient
     from convserve.clients.loadtest.dists import parse
     from convserve.clients.loadtest.frontend import FrontendDriver
-    from convserve.clients.loadtest.limits import ChunkError, Limits, choose_chunk
+    from convserve.clients.loadtest.limits import ARENA, ChunkError, Limits, choose_chunk, limit_words
     from convserve.clients.loadtest.runner import Driver, Workload, auto_connections, make_transport
     from convserve.clients.loadtest.stats import Recorder
     from convserve.clients.loadtest.verify import Verifier, VerifyError, served_weights
@@ -376,7 +376,7 @@ async def run(args) -> dict:
                              "`convserve serve` or pass --url") from None
         except ServiceError as e:
             raise SetupError(f"GET {client.url}/v1/model answered {e.status} {e.code}: {e.message}") from None
-        limits = Limits.of(info, shm is None)
+        limits = Limits.of(info, shm is None, shm.nbytes if shm is not None else None)
         try:    # the chunk fits what the server takes (the frontend's batches are fitted step by step)
             chunk, chunk_why = choose_chunk(args.prefill_chunk, limits, frontend)
         except ChunkError as e:
@@ -392,9 +392,10 @@ async def run(args) -> dict:
         slice_most, slice_name, slice_detail = limits.largest_slice()
         if wl.spec and wl.spec_k.max > slice_most:
             raise SetupError(f"--spec-k draws verifies of up to {wl.spec_k.max} tokens, above what one session's "
-                             f"slice may carry (the server's {slice_name}: {slice_detail}): those verifies would "
-                             f"be refused or never sent; lower --spec-k to {int(slice_most)} or less, start the "
-                             "server with larger limits, or send x in shared memory (--shm-mib)")
+                             f"slice may carry ({limit_words(slice_name, slice_detail)}): those verifies would "
+                             f"be refused or never sent; lower --spec-k to {int(slice_most)} or less, "
+                             + ("raise --shm-mib" if slice_name == ARENA else "start the server with larger limits, "
+                                "or send x in shared memory (--shm-mib)"))
         if isinstance(url, list) and info.get("replicas") is not None:
             up = {r["url"].rstrip("/") for r in info["replicas"]}
             down = [u for u in url if "://" in u and not u.startswith("dns://") and u.rstrip("/") not in up]

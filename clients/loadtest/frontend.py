@@ -45,7 +45,7 @@ class FrontendDriver(Driver):
         self.live: list[_Live] = []
         # the server's request limits (GET /v1/model; a server that reports none: no budget); x in shared memory
         # takes no room in the body
-        self.limits = Limits.of(info, x_in_body=client.shm is None)
+        self.limits = Limits.of(info, client.shm is None, client.shm.nbytes if client.shm is not None else None)
 
     async def _join(self, n: int, arrived: Optional[list] = None) -> int:
         """Create ``n`` sessions (concurrently) and add them to the live set; returns how many joined."""
@@ -73,11 +73,12 @@ class FrontendDriver(Driver):
         step."""
         lim = self.limits
         work, left, room = [], lim.batch_tokens, lim.body_room()
+        rows = lim.arena_tokens                     # x's rows, in one block of the shared-memory arena
         # the server counts every verify row of a batch at the longest verify's length (it pads them to it):
         # `left` is the batch's token room with the admitted verifies counted so, `longest` / `n_verify` their pad
         longest = n_verify = 0
         for v in sorted(self.live, key=lambda v: not v.steps or v.steps[0][0] == "prefill"):   # stable sort
-            fits = min(left, lim.rows_in(room))     # the most tokens one more session's slice may have
+            fits = min(left, lim.rows_in(room), rows)   # the most tokens one more session's slice may have
             if len(work) >= lim.batch_size or fits < 1:
                 break
             if not v.steps:
@@ -100,6 +101,7 @@ class FrontendDriver(Driver):
                     longest, n_verify = max(longest, n), n_verify + 1
             work.append((v, kind, n))
             left -= cost
+            rows -= n
             room -= lim.slice_bytes(n)
         return work
 

@@ -18,6 +18,8 @@ DEFAULT_CHUNK = 2048
 #: bytes of a conv or batch body besides x's rows, at most: the map, its keys, the layer and x's header; and, in a
 #: batch, per session: its id, token count and speculative flag (both bounds with room over what they encode to)
 BODY_FIXED_BYTES, BODY_SESSION_BYTES = 256, 64
+#: the name of the client's own limit, beside the server's
+ARENA = "--shm-mib arena"
 
 
 class ChunkError(ValueError):
@@ -33,13 +35,19 @@ class Limits:
     slice_tokens: float = math.inf      # max_tokens_per_request: one request, or one session's slice of a batch
     body_bytes: float = math.inf        # max_body_bytes: one body (or stream frame)
     row_bytes: int = 0                  # one token of x in the body (0: x travels in shared memory)
+    arena_tokens: float = math.inf      # tokens of x one block of the client's shared-memory arena holds
+    arena_bytes: float = math.inf       # that arena's size (--shm-mib)
 
     @classmethod
-    def of(cls, info: dict, x_in_body: bool = True) -> "Limits":
+    def of(cls, info: dict, x_in_body: bool = True, arena_bytes: Optional[int] = None) -> "Limits":
+        """The limits ``GET /v1/model`` reports; with ``arena_bytes`` x travels in a shared-memory arena of that
+        size (and takes no room in the body): one call's x must fit in one block of it."""
         lim = info.get("limits") or {}
+        token = int(info["dim"]) * ITEMSIZE.get(info.get("dtype"), 4)
+        arena = dict(arena_tokens=arena_bytes // token, arena_bytes=arena_bytes) if arena_bytes is not None else {}
         return cls(*(lim.get(k) or math.inf for k in ("max_batch_tokens", "max_batch_size", "max_tokens_per_request",
                                                       "max_body_bytes")),
-                   row_bytes=int(info["dim"]) * ITEMSIZE.get(info.get("dtype"), 4) if x_in_body else 0)
+                   row_bytes=token if x_in_body and arena_bytes is None else 0, **arena)
 
     def body_room(self) -> float:
         """Bytes of a body left for the sessions' fields and x's rows."""
@@ -59,13 +67,20 @@ class Limits:
 
     def largest_slice(self) -> tuple:
         """``(tokens, name, detail)``: the most tokens one request (or one session's slice of a batch) may carry,
-        the server's limit that sets it (the first on a tie) and that limit's value in words."""
+        the limit that sets it (the first on a tie: the server's, or this run's ``--shm-mib`` arena) and that
+        limit's value in words."""
         body_rows = self.rows_in(self.body_room())
         caps = [(self.slice_tokens, "max_tokens_per_request", f"{self.slice_tokens}"),
                 (self.batch_tokens, "max_batch_tokens", f"{self.batch_tokens}"),
                 (body_rows, "max_body_bytes", f"{self.body_bytes}: room for {body_rows} tokens of x at "
-                                              f"{self.row_bytes} bytes each")]
+                                              f"{self.row_bytes} bytes each"),
+                (self.arena_tokens, ARENA, f"{self.arena_bytes} bytes: room for {self.arena_tokens} tokens of x")]
         return min(caps, key=lambda c: c[0])
+
+
+def limit_words(name: str, detail: str) -> str:
+    """A limit of :meth:`Limits.largest_slice` in words, for messages."""
+    return f"this run's {name} ({detail})" if name == ARENA else f"the server's {name} ({detail})"
 
 
 def choose_chunk(given: Optional[int], limits: Limits, frontend: bool) -> tuple:
@@ -75,15 +90,18 @@ def choose_chunk(given: Optional[int], limits: Limits, frontend: bool) -> tuple:
     every longer prefill request would be refused), except in the frontend scenario, whose steps cut each slice
     to the limits anyway. Not given: :data:`DEFAULT_CHUNK`, or less where the server takes less."""
     most, name, detail = limits.largest_slice()
+    words = limit_words(name, detail)
     if most < 1:
-        raise ChunkError(f"the server's {name} ({detail}) leaves no room for one token of x: every conv request "
-                         "would be refused; start the server with a larger --max-body-bytes, or send x in shared "
-                         "memory (--scenario frontend --shm-mib, a server on this host)")
+        fix = ("raise --shm-mib" if name == ARENA else "start the server with a larger --max-body-bytes, or send x in "
+               "shared memory (--scenario frontend --shm-mib, a server on this host)")
+        raise ChunkError(f"{words[0].upper()}{words[1:]} leaves no room for one token of x: every conv request "
+                         f"would be refused; {fix}")
     if given is None:
-        return (DEFAULT_CHUNK, "default") if most >= DEFAULT_CHUNK else (int(most), f"server {name}")
+        return (DEFAULT_CHUNK, "default") if most >= DEFAULT_CHUNK else \
+            (int(most), name if name == ARENA else f"server {name}")
     if given <= most:
         return given, "--chunk"
     if frontend:
-        return given, f"--chunk; each step cuts a slice to the server's {name} ({detail})"
-    raise ChunkError(f"--chunk {given} is above the server's {name} ({detail}): every longer prefill request would "
+        return given, f"--chunk; each step cuts a slice to {words}"
+    raise ChunkError(f"--chunk {given} is above {words}: every longer prefill request would "
                      f"be refused; use --chunk {int(most)} or less")
