@@ -129,16 +129,18 @@ def test_a_requests_step_ends_its_rates_at_the_last_conv_answer_not_at_slow_fina
     assert st["elapsed_s"] < 1.0, f"the window ran {st['elapsed_s']:.2f} s: the final deletes stretched it"
 
 
-def _late_creates(monkeypatch, server, lands: bool, on_time: int = 4) -> tuple:
+def _late_creates(monkeypatch, server, lands: bool, on_time: int = 4, failed: int = 0) -> tuple:
     """Make every session create after the first ``on_time`` late: the server gets it only once the cleanup's
     DELETE of its session has answered (``lands``: a create that was on its way, answered after its session was
-    meant to be deleted), or never (a create whose answer is lost). Returns the late sessions' ids and the
-    threads that send them."""
+    meant to be deleted), or never (a create whose answer is lost). With ``failed``, that many of the late creates
+    are answered ``504 engine_timeout`` at once instead (they land all the same). Returns the late sessions' ids
+    and the threads that send them."""
     import concurrent.futures
     import threading
 
     from convserve.clients.client import AsyncConvClient
     from convserve.clients.loadtest import runner
+    from convserve.clients.protocol.errors import EngineTimeout
 
     monkeypatch.setattr(runner, "CLEANUP_TIMEOUT_S", 2.0)     # (the default 10 s, shorter for the test's time)
     create, delete = AsyncConvClient.create_session, AsyncConvClient.delete_session
@@ -155,6 +157,9 @@ def _late_creates(monkeypatch, server, lands: bool, on_time: int = 4) -> tuple:
         if len(made) <= on_time:
             return await create(self, session)
         late.append(session)
+        if len(late) <= failed:
+            senders.submit(send, session)
+            raise EngineTimeout("the engine did not answer in time: the request may have been applied")
         if not lands:
             await asyncio.Event().wait()
         return await asyncio.wrap_future(senders.submit(send, session))
@@ -178,6 +183,19 @@ def test_a_create_answered_after_the_cleanups_delete_is_followed_by_another_dele
     assert late and free == total, f"{total - free} sessions left on the server"
     cut = data["steps"][0]["cut_off"]
     assert rc == 0 and cut["sessions_not_deleted"] == 0 and cut["sessions_deleted"] >= len(late)
+
+
+def test_a_create_answered_504_engine_timeout_that_lands_after_the_cleanups_delete_is_deleted(server, tmp_path,
+                                                                                             monkeypatch):
+    # the create may have been applied (504 engine_timeout): a 404 to the cleanup's DELETE is checked again later
+    late, senders = _late_creates(monkeypatch, server, lands=True, failed=3)
+    rc, data = _run(tmp_path, server, "--concurrency", "4", "--duration", "0.6", "--warmup", "0", "--grace", "0")
+    senders.shutdown(wait=True)
+    free, total = _free(server)
+    assert len(late) >= 3 and free == total, f"{total - free} sessions left on the server"
+    st = data["steps"][0]
+    assert st["control_errors"]["create"]["engine_timeout"] == 3, st["control_errors"]
+    assert st["cut_off"]["sessions_not_deleted"] == 0 and st["cut_off"]["sessions_deleted"] >= len(late)
 
 
 def test_a_create_never_answered_is_reported_by_id_and_the_run_exits_1(server, tmp_path, monkeypatch, capsys):

@@ -113,6 +113,11 @@ UNREACHABLE_WAIT_S = (0.01, 1.0)
 CREATE_BACKOFF_S = (0.01, 1.0)
 #: deletes in flight at once when a step's left-over sessions are cleaned up, and the time each may take
 CLEANUP_CONCURRENCY, CLEANUP_TIMEOUT_S = 32, 10.0
+#: the waits before cleanup's DELETE of a session whose create may have been applied is sent again after a 404
+#: (the create may still be queued behind it on the server, reached through another connection)
+DOUBTFUL_RECHECKS_S = (0.5, 1.5)
+#: codes of a failed create that do not say it was not applied (a failure of no status is one too)
+MAYBE_APPLIED = frozenset({"engine_timeout", "outcome_unknown", "internal"})
 
 
 def _retrieve(fut: asyncio.Future) -> None:
@@ -155,6 +160,8 @@ class Driver:
         #: sessions that may exist on the server (see the class docstring)
         self.open_sids: set = set()
         self.creating: dict = {}     # session id -> its create, still waiting for the answer
+        #: sessions whose create failed without saying it was not applied (a 504 engine_timeout, a 500, no answer)
+        self.doubtful: set = set()
         #: this step's tasks (virtual sessions, arrivals), cancelled by :meth:`cleanup` if still running
         self.tasks: set = set()
         self.cut_off: set = set()    # tasks cancelled (by --grace or an interrupt) before they ended
@@ -294,6 +301,8 @@ class Driver:
         except Aborted as e:
             if e.status is not None and e.status < 500:     # refused: it does not exist
                 self.open_sids.discard(sid)
+            elif e.status is None or e.code in MAYBE_APPLIED or e.status == 502:
+                self.doubtful.add(sid)
             raise
         finally:
             self.creating.pop(sid, None)
@@ -325,7 +334,9 @@ class Driver:
         A create still in flight is waited for (``CLEANUP_TIMEOUT_S``) before its session's DELETE. A DELETE that
         found no session while the create had no answer yet proves nothing (the create may land after it), so the
         create is waited for once more: answered, its session is deleted again; still unanswered, it is given up
-        and its session reported."""
+        and its session reported. A DELETE that found no session whose create failed in a way that may have
+        applied it (:data:`MAYBE_APPLIED`, or no answer) is sent again after each of :data:`DOUBTFUL_RECHECKS_S`
+        (that create may still be queued on the server behind another connection), then taken as gone."""
         pending = [t for t in self.tasks if not t.done()]
         if pending:
             await self.cut(pending)
@@ -342,6 +353,7 @@ class Driver:
     async def _delete_left(self, sid: str, create: Optional[asyncio.Future], sem: asyncio.Semaphore) -> None:
         """Delete ``sid``, a session the step left behind (``create``: its create, which may still be in
         flight); see :meth:`cleanup`."""
+        rechecks = list(DOUBTFUL_RECHECKS_S) if sid in self.doubtful else []
         while True:
             unanswered = create is not None and not create.done()
             try:
@@ -361,6 +373,9 @@ class Driver:
                         return
                     if sid in self.open_sids:   # it landed, or may have (a failure of no status): delete again
                         continue
+                elif rechecks:          # its create failed but may have been applied: it may land yet
+                    await asyncio.sleep(rechecks.pop(0))
+                    continue
             except Exception as e:  # noqa: BLE001 - reported, not raised: the results still count
                 self.cleanup_failed[sid] = error_message(e)
                 return
