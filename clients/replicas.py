@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence, Union
 
 from convserve.clients.protocol import wire
-from convserve.clients.protocol.errors import ReplicaUnavailable
+from convserve.clients.protocol.errors import ReplicaUnavailable, ServiceError
 from convserve.clients.protocol.ids import REPLICA_HEADER, new_session_id
 
 DNS_SCHEMES = {"dns": "http", "dns+http": "http", "dns+https": "https"}
@@ -258,6 +258,30 @@ class Router:
             if not self.replicas:
                 return f"{self.endpoints.describe()} named no replica"
             return "; ".join(f"{u}: {r.why}" for u, r in sorted(self.replicas.items()))
+
+
+def merged_model(infos: list, names: dict) -> dict:
+    """``GET /v1/model`` of a set of replicas as one: the first one's, with ``replicas`` (each live replica's
+    ``url``, ``name``, ``weights_sha256``, ``slots`` and ``limits``) and ``limits`` the tightest each replica
+    reports (a request must fit whichever replica its sessions live on). ``infos``: ``(url, model)`` pairs of the
+    live replicas that answered; ``names``: url -> replica name. Raises :class:`ServiceError`
+    (``replica_mismatch``) when they serve different weights."""
+    if len({i.get("weights_sha256") for _, i in infos}) > 1:
+        e = ServiceError("the replicas serve different weights: " + ", ".join(
+            f"{u}: {i.get('weights_sha256')}" for u, i in infos))
+        e.code, e.status = "replica_mismatch", 500
+        raise e
+    info = dict(infos[0][1])
+    limits: dict = {}
+    for _, i in infos:
+        for k, v in (i.get("limits") or {}).items():
+            if v is not None:
+                limits[k] = v if limits.get(k) is None else min(limits[k], v)
+    if limits or "limits" in info:
+        info["limits"] = limits
+    info["replicas"] = [{"url": u, "name": names.get(u), "weights_sha256": i.get("weights_sha256"),
+                         "slots": i.get("slots"), "limits": i.get("limits")} for u, i in infos]
+    return info
 
 
 def health_result(status_code: int, headers) -> tuple[bool, str, Optional[str]]:

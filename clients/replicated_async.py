@@ -12,9 +12,9 @@ from typing import AsyncIterable, Iterable, Optional, Sequence, Union
 
 from convserve.clients.async_client import AsyncConvClient
 from convserve.clients.common import BatchRequest, SessionState, _as_request
-from convserve.clients.protocol.errors import ReplicaUnavailable, ServiceError, SessionExists, StateLost, UnknownSession
-from convserve.clients.replicas import (Endpoints, Router, batch_failure, health_result, join_batch, routed_url,
-                                        split_batch)
+from convserve.clients.protocol.errors import ReplicaUnavailable, SessionExists, StateLost, UnknownSession
+from convserve.clients.replicas import (Endpoints, Router, batch_failure, health_result, join_batch, merged_model,
+                                        routed_url, split_batch)
 from convserve.clients.replicated_sync import _failed, network_errors, unavailable
 
 
@@ -142,16 +142,7 @@ class ReplicatedAsyncConvClient(AsyncConvClient):
         infos = [(u, i) for u, i in await asyncio.gather(*(one(u) for u in live.values())) if i is not None]
         if not infos:
             return await self._any(lambda c: c.model())
-        if len({i.get("weights_sha256") for _, i in infos}) > 1:
-            e = ServiceError("the replicas serve different weights: " + ", ".join(
-                f"{u}: {i.get('weights_sha256')}" for u, i in infos))
-            e.code, e.status = "replica_mismatch", 500
-            raise e
-        names = {u: n for n, u in live.items()}
-        info = dict(infos[0][1])
-        info["replicas"] = [{"url": u, "name": names.get(u), "weights_sha256": i.get("weights_sha256"),
-                             "slots": i.get("slots")} for u, i in infos]
-        return info
+        return merged_model(infos, {u: n for n, u in live.items()})
 
     async def model_weights(self) -> bytes:
         return await self._any(lambda c: c.model_weights())

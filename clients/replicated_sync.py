@@ -18,9 +18,9 @@ from typing import Iterable, Iterator, Optional, Sequence
 import httpx
 
 from convserve.clients.common import BatchRequest, ConvResult, SessionState, _as_request
-from convserve.clients.protocol.errors import ReplicaUnavailable, ServiceError, SessionExists, StateLost, UnknownSession
-from convserve.clients.replicas import (Endpoints, Router, batch_failure, health_result, join_batch, routed_url,
-                                        split_batch)
+from convserve.clients.protocol.errors import ReplicaUnavailable, SessionExists, StateLost, UnknownSession
+from convserve.clients.replicas import (Endpoints, Router, batch_failure, health_result, join_batch, merged_model,
+                                        routed_url, split_batch)
 from convserve.clients.sync_client import ConvClient
 
 
@@ -160,25 +160,16 @@ class ReplicatedConvClient(ConvClient):
         return bool(self.router.live())
 
     def model(self) -> dict:
-        """The model of a live replica, with ``replicas``: each live replica's ``url``, ``name``,
-        ``weights_sha256`` and ``slots``. Raises :class:`ServiceError` (``replica_mismatch``) when live replicas
-        serve different weights."""
+        """The live replicas' model as one (:func:`~convserve.clients.replicas.merged_model`): the first one's,
+        with ``replicas`` (each one's ``url``, ``name``, ``weights_sha256``, ``slots`` and ``limits``) and the
+        tightest of their ``limits``. Raises :class:`ServiceError` (``replica_mismatch``) when live replicas serve
+        different weights."""
         live = self.router.live()
         infos = [(u, f.result()) for u, f in [(u, self._pool.submit(self._try_model, u)) for u in live.values()]]
         infos = [(u, i) for u, i in infos if i is not None]
         if not infos:
             return self._any(lambda c: c.model())
-        digests = {i.get("weights_sha256") for _, i in infos}
-        if len(digests) > 1:
-            e = ServiceError("the replicas serve different weights: " + ", ".join(
-                f"{u}: {i.get('weights_sha256')}" for u, i in infos))
-            e.code, e.status = "replica_mismatch", 500
-            raise e
-        info = dict(infos[0][1])
-        names = {u: n for n, u in live.items()}
-        info["replicas"] = [{"url": u, "name": names.get(u), "weights_sha256": i.get("weights_sha256"),
-                             "slots": i.get("slots")} for u, i in infos]
-        return info
+        return merged_model(infos, {u: n for n, u in live.items()})
 
     def _try_model(self, url: str) -> Optional[dict]:
         try:

@@ -31,7 +31,8 @@ def test_health_ready_and_model_describe_the_served_model(server, api):
     default = load_settings({"device": "cpu"})
     assert info["limits"] == {"max_batch_tokens": 1024, "max_batch_size": default.max_batch_size,
                               "max_tokens_per_request": MAX_TOKENS, "max_spec_tokens": default.max_spec_tokens,
-                              "max_body_bytes": MAX_BODY}
+                              "max_body_bytes": MAX_BODY, "max_body_objects": default.max_body_objects,
+                              "max_decode_rows": max(default.decode_buckets)}
 
 
 def test_control_routes_accept_json_and_answer_json_when_asked(api):

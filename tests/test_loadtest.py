@@ -264,7 +264,7 @@ def test_the_frontend_scenario_runs_over_several_urls(server, weights, tmp_path,
 
 
 def _admitted(live, tokens=float("inf"), sessions=float("inf"), per_slice=float("inf"), body=float("inf"), row=0,
-              arena=float("inf")):
+              arena=float("inf"), objects=float("inf"), decode_rows=float("inf")):
     import collections
     import types
 
@@ -272,7 +272,8 @@ def _admitted(live, tokens=float("inf"), sessions=float("inf"), per_slice=float(
     from convserve.clients.loadtest.limits import Limits
 
     lv = [_Live(sid, None, collections.deque(steps), 0.0) for sid, steps in live]
-    fake = types.SimpleNamespace(live=lv, limits=Limits(tokens, sessions, per_slice, body, row, arena))
+    fake = types.SimpleNamespace(live=lv, limits=Limits(tokens, sessions, per_slice, body, row, arena,
+                                                        body_objects=objects, decode_rows=decode_rows))
     work = FrontendDriver._admit(fake)
     return [(v.sid, k, n) for v, k, n in work], {v.sid: list(v.steps) for v in lv}
 
@@ -306,6 +307,21 @@ def test_a_frontend_step_fits_its_x_in_one_block_of_the_shared_memory_arena():
     assert left["p1"] == [("prefill", 15)] and left["p2"] == [("prefill", 9)]
     work, left = _admitted([("v", [("verify", 5)]), ("d", [("decode", 1)])], arena=4)
     assert work == [("d", "decode", 1)] and left["v"] == [("verify", 5)]
+
+
+def test_a_frontend_step_fits_the_body_objects_and_the_largest_decode_bucket():
+    from convserve.clients.loadtest.limits import BODY_FIXED_OBJECTS, BODY_SESSION_OBJECTS
+
+    live = [(f"d{i}", [("decode", 1)]) for i in range(5)] + [("v", [("verify", 3)]), ("p", [("prefill", 1)]),
+                                                              ("q", [("prefill", 4)])]
+    # objects for 4 sessions' fields
+    work, _ = _admitted(live, objects=BODY_FIXED_OBJECTS + 4 * BODY_SESSION_OBJECTS + 2)
+    assert [s for s, _, _ in work] == ["d0", "d1", "d2", "d3"]
+    # 3 one-token plain rows: 3 decodes, the verify, not the one-token prefill, the 4-token one
+    work, left = _admitted(live, decode_rows=3)
+    assert work == [("d0", "decode", 1), ("d1", "decode", 1), ("d2", "decode", 1), ("v", "verify", 3),
+                    ("q", "prefill", 4)]
+    assert left["d3"] == [("decode", 1)] and left["p"] == [("prefill", 1)]
 
 
 def test_a_frontend_step_counts_its_verifies_padded_to_the_longest_as_the_server_does():

@@ -150,3 +150,22 @@ def test_a_batch_splits_by_replica_and_joins_in_order(kind):
     y = join_batch(len(sessions), tokens, parts, [p.x for p in parts])      # an identity "conv"
     assert np.asarray(y).tolist() == rows.tolist()
     assert offsets(3, None) == [0, 1, 2, 3]
+
+
+def test_the_replicas_model_takes_the_tightest_limit_of_each_and_refuses_different_weights():
+    from convserve.clients.protocol.errors import ServiceError
+    from convserve.clients.replicas import merged_model
+
+    a = {"dim": 8, "weights_sha256": "w", "slots": {"total": 4, "free": 4},
+         "limits": {"max_batch_tokens": 1024, "max_batch_size": 256, "max_body_bytes": None}}
+    b = {"dim": 8, "weights_sha256": "w", "slots": {"total": 8, "free": 2},
+         "limits": {"max_batch_tokens": 512, "max_batch_size": 512, "max_body_bytes": 4096, "max_decode_rows": 64}}
+    info = merged_model([("http://a", a), ("http://b", b)], {"http://a": "ra", "http://b": "rb"})
+    assert info["limits"] == {"max_batch_tokens": 512, "max_batch_size": 256, "max_body_bytes": 4096,
+                              "max_decode_rows": 64}
+    assert [(r["name"], r["limits"]) for r in info["replicas"]] == [("ra", a["limits"]), ("rb", b["limits"])]
+    assert a["limits"]["max_batch_tokens"] == 1024             # the replicas' own answers are left as they are
+    assert "limits" not in merged_model([("http://c", {"weights_sha256": "w"})], {})
+    with pytest.raises(ServiceError, match="different weights") as e:
+        merged_model([("http://a", a), ("http://b", dict(b, weights_sha256="v"))], {})
+    assert e.value.code == "replica_mismatch"

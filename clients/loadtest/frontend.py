@@ -74,18 +74,21 @@ class FrontendDriver(Driver):
         lim = self.limits
         work, left, room = [], lim.batch_tokens, lim.body_room()
         rows = lim.arena_tokens                     # x's rows, in one block of the shared-memory arena
+        most, ones = lim.batch_sessions(), lim.decode_rows    # sessions; one-token plain rows (one decode launch)
         # the server counts every verify row of a batch at the longest verify's length (it pads them to it):
         # `left` is the batch's token room with the admitted verifies counted so, `longest` / `n_verify` their pad
         longest = n_verify = 0
         for v in sorted(self.live, key=lambda v: not v.steps or v.steps[0][0] == "prefill"):   # stable sort
             fits = min(left, lim.rows_in(room), rows)   # the most tokens one more session's slice may have
-            if len(work) >= lim.batch_size or fits < 1:
+            if len(work) >= most or fits < 1:
                 break
             if not v.steps:
                 continue
             kind, n = v.steps[0]
             if kind == "prefill":
                 n = int(min(n, fits, lim.slice_tokens))
+                if n == 1 and ones < 1:             # a one-token chunk would be one more decode row
+                    continue
                 if n < v.steps[0][1]:
                     v.steps[0] = (kind, v.steps[0][1] - n)
                 else:
@@ -94,7 +97,7 @@ class FrontendDriver(Driver):
             else:
                 # a verify longer than the ones admitted pads each of them to its length too
                 cost = max(n, longest) + n_verify * max(0, n - longest) if kind == "verify" else n
-                if n > min(fits, lim.slice_tokens) or cost > left:
+                if n > min(fits, lim.slice_tokens) or cost > left or (kind == "decode" and ones < 1):
                     continue
                 v.steps.popleft()
                 if kind == "verify":
@@ -102,6 +105,7 @@ class FrontendDriver(Driver):
             work.append((v, kind, n))
             left -= cost
             rows -= n
+            ones -= kind != "verify" and n == 1
             room -= lim.slice_bytes(n)
         return work
 

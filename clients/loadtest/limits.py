@@ -18,6 +18,9 @@ DEFAULT_CHUNK = 2048
 #: bytes of a conv or batch body besides x's rows, at most: the map, its keys, the layer and x's header; and, in a
 #: batch, per session: its id, token count and speculative flag (both bounds with room over what they encode to)
 BODY_FIXED_BYTES, BODY_SESSION_BYTES = 256, 64
+#: objects of a batch body besides its sessions' (containers, map entries, x's map), and per session (its id,
+#: token count and speculative flag), at most
+BODY_FIXED_OBJECTS, BODY_SESSION_OBJECTS = 32, 3
 #: the name of the client's own limit, beside the server's
 ARENA = "--shm-mib arena"
 
@@ -37,6 +40,8 @@ class Limits:
     row_bytes: int = 0                  # one token of x in the body (0: x travels in shared memory)
     arena_tokens: float = math.inf      # tokens of x one block of the client's shared-memory arena holds
     arena_bytes: float = math.inf       # that arena's size (--shm-mib)
+    body_objects: float = math.inf      # max_body_objects: objects in one body
+    decode_rows: float = math.inf       # max_decode_rows: one-token plain rows in one batch
 
     @classmethod
     def of(cls, info: dict, x_in_body: bool = True, arena_bytes: Optional[int] = None) -> "Limits":
@@ -47,7 +52,13 @@ class Limits:
         arena = dict(arena_tokens=arena_bytes // token, arena_bytes=arena_bytes) if arena_bytes is not None else {}
         return cls(*(lim.get(k) or math.inf for k in ("max_batch_tokens", "max_batch_size", "max_tokens_per_request",
                                                       "max_body_bytes")),
-                   row_bytes=token if x_in_body and arena_bytes is None else 0, **arena)
+                   row_bytes=token if x_in_body and arena_bytes is None else 0,
+                   body_objects=lim.get("max_body_objects") or math.inf,
+                   decode_rows=lim.get("max_decode_rows") or math.inf, **arena)
+
+    def batch_sessions(self) -> float:
+        """The most sessions one batch may carry: ``max_batch_size``, and what ``max_body_objects`` leaves room for."""
+        return min(self.batch_size, (self.body_objects - BODY_FIXED_OBJECTS) // BODY_SESSION_OBJECTS)
 
     def body_room(self) -> float:
         """Bytes of a body left for the sessions' fields and x's rows."""
