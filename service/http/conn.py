@@ -14,8 +14,9 @@ protocol (httptools, or h11 when httptools is not installed) with:
   takes the place of the oldest connection that is idle or still sending headers (that one is closed), and only
   when there is none, of the oldest one not read yet: such a connection holds no request, and under a slowloris
   flood they are the attacker's, so a health probe or a real client still gets in (and a request that arrived
-  with its connection is read before it can be replaced, unless the flood leaves nothing else). When every connection carries a request, the new one is answered ``503 over_capacity``
-  (with ``Retry-After``) and closed at once, so its descriptor is free again.
+  with its connection is read before it can be replaced, unless the flood leaves nothing else). When every
+  connection carries a request, the new one is answered ``503 over_capacity`` (with ``Retry-After``) and closed at
+  once, so its descriptor is free again.
 
 **Large bodies in one piece.** uvicorn stops reading a connection once 64 KiB of body wait unread, so a 2 MB
 body reaches the app in ~30 rounds of resume, read and wake-up, each adding a copy of what it holds. A request whose
