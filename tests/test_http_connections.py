@@ -140,25 +140,45 @@ def test_partial_header_connections_above_the_cap_cannot_starve_healthz_or_the_d
     assert probe.failures == 0 and p90 < 100
 
 
-def test_above_the_cap_a_connection_sending_headers_is_replaced_before_one_not_read_yet(srv):
-    # a connection not read yet may carry a whole request that arrived with it: it goes last
+def test_above_the_cap_silent_connections_older_than_a_keep_alive_client_are_replaced_before_it(srv):
     addr = _addr(srv.url)
-    silent = [_connect(addr) for _ in range(CAP - 1)]      # accepted, nothing sent: never read
-    socks = list(silent)
+    ka = _connect(addr)                                   # a client's pooled keep-alive connection
+    silent = [_connect(addr) for _ in range(CAP - 1)]     # a flood that never sends a byte
     try:
         time.sleep(0.2)
-        partial = _connect(addr)
-        socks.append(partial)
-        partial.send(b"GET /healthz HTTP/1.1\r\nhost: x\r\n")
-        time.sleep(0.2)                                    # read: still sending headers
-        r = httpx.get(srv.url + "/healthz", timeout=5)    # one above the cap
-        assert r.status_code == 200
+        ka.setblocking(True)
+        ka.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")   # used: answered, then idle again
+        assert ka.recv(65536).startswith(b"HTTP/1.1 200")
+        ka.setblocking(False)
         time.sleep(0.1)
-        assert _closed_by_server(partial)
-        assert not any(_closed_by_server(s) for s in silent)
+        silent.append(_connect(addr))                     # one more above the cap
+        time.sleep(0.2)
+        assert not _closed_by_server(ka)
+        assert _closed_by_server(silent[0])               # the oldest silent one
+        assert not any(_closed_by_server(s) for s in silent[1:])
     finally:
-        for s in socks:
+        for s in silent + [ka]:
             s.close()
+
+
+@pytest.mark.parametrize("ages, expected", [
+    ((None, 0.5), "unread"),          # only an unread one: it, even inside its grace
+    ((0.2, 0.5), "idle"),             # an unread one inside its grace goes after an idle one, even a newer one
+    ((1.0, 5.0), "unread"),           # past its grace: the older of the two
+    ((9.0, 5.0), "idle"),             # past its grace, but newer
+    ((1.0, None), "idle"),
+    ((None, None), None),
+])
+def test_the_connection_replaced_is_the_oldest_idle_or_unread_one_past_its_grace(ages, expected):
+    from convserve.service.http.conn import UNREAD_GRACE_S, replaceable
+
+    now = 10.0
+    # ages: how long ago the idle one became idle and the unread one was accepted, in units of the grace
+    idle_at, unread_at = (None if a is None else now - a * UNREAD_GRACE_S for a in ages)
+    me = object()
+    idle = {me: now - 99} if idle_at is None else {"idle": idle_at}
+    unread = {me: now - 99} if unread_at is None else {"unread": unread_at, me: now}
+    assert replaceable(idle, unread, me, now) == expected
 
 
 def test_above_the_cap_with_every_connection_busy_a_new_one_gets_503_over_capacity(srv):

@@ -11,10 +11,10 @@ protocol (httptools, or h11 when httptools is not installed) with:
 * **header size**: more than ``max_header_bytes`` before the headers are complete is ``431`` and a close (httptools
   itself sets no limit; h11 gets the same bound through ``h11_max_incomplete_event_size``);
 * **connection cap**: at most ``max_connections`` open connections in this process. A new connection above it
-  takes the place of the oldest connection that is idle or still sending headers (that one is closed), and only
-  when there is none, of the oldest one not read yet: such a connection holds no request, and under a slowloris
-  flood they are the attacker's, so a health probe or a real client still gets in (and a request that arrived
-  with its connection is read before it can be replaced, unless the flood leaves nothing else). When every
+  takes the place of the oldest connection that is idle, still sending headers or silent (that one is closed):
+  such a connection holds no request, and under a slowloris flood they are the attacker's, so a health probe or a
+  real client still gets in. A connection accepted less than ``UNREAD_GRACE_S`` ago and not read yet goes last: a
+  request that arrived with it is read at the loop's next turn (a burst of accepts may come first). When every
   connection carries a request, the new one is answered ``503 over_capacity`` (with ``Retry-After``) and closed at
   once, so its descriptor is free again.
 
@@ -55,6 +55,10 @@ def _response(status: int, reason: bytes, code: str, message: str, retry_after: 
 
 #: bodies up to uvicorn's high-water mark arrive in one or two reads anyway
 _FILL_FROM = 1 << 16
+
+#: seconds a connection not read yet is spared by the cap's replacement: long enough for the loop to read what
+#: arrived with it after a burst of accepts, short enough that silent connections are replaced as they age
+UNREAD_GRACE_S = 0.1
 
 
 #: the route whose body is consumed as it arrives (frames), which the one-piece buffer would hold back
@@ -99,6 +103,17 @@ async def _receive_filled(cycle):
     return {"type": "http.request", "body": body, "more_body": cycle.more_body}
 
 
+def replaceable(idle: dict, unread: dict, me, now: float):
+    """The connection a new one above the cap replaces (None: none may be): the oldest of ``idle`` and of those of
+    ``unread`` accepted at least ``UNREAD_GRACE_S`` before ``now``, else the oldest of ``unread``; never ``me``.
+    Both map a connection to the loop time it became replaceable, oldest first."""
+    a = next((c for c in idle.items() if c[0] is not me), None)
+    b = next((c for c in unread.items() if c[0] is not me), None)
+    if b is not None and (a is None or (b[1] <= now - UNREAD_GRACE_S and b[1] < a[1])):
+        return b[0]
+    return a[0] if a is not None else None
+
+
 def guarded_protocol(settings, on_close: Callable[[str], None] = lambda reason: None,
                      base: Optional[type] = None) -> type:
     """A subclass of uvicorn's HTTP protocol class applying ``settings``' connection limits (see the module
@@ -117,10 +132,9 @@ def guarded_protocol(settings, on_close: Callable[[str], None] = lambda reason: 
     fill_limit = getattr(settings, "max_body_bytes", 0)
     header_timeout = settings.header_timeout_s
     max_header = settings.max_header_bytes
-    # the connections that carry no request, oldest first (a dict keeps the insertion order): the ones a new
-    # connection above the cap may replace. ``idle`` holds those read at least once (keep-alive between requests,
-    # or still sending headers), ``unread`` those accepted and not read yet; ``idle`` goes first, so a client's
-    # request that arrived with its connection is not replaced before the loop has had its turn to read it
+    # the connections that carry no request, each with the loop time it became one, oldest first (a dict keeps the
+    # insertion order): the ones a new connection above the cap may replace. ``idle`` holds those read at least
+    # once (keep-alive between requests, or still sending headers), ``unread`` those accepted and not read yet
     idle: dict = {}
     unread: dict = {}
     replica = getattr(settings, "replica_name", None)
@@ -151,18 +165,17 @@ def guarded_protocol(settings, on_close: Callable[[str], None] = lambda reason: 
                 transport.write(over_capacity)
                 transport.close()
                 return
-            unread[self] = None
+            unread[self] = self.loop.time()
             self._arm()
 
         def _make_room(self) -> bool:
-            for tier in (idle, unread):
-                for victim in tier:
-                    if victim is not self:
-                        on_close("replaced")
-                        victim._drop()
-                        victim.transport.close()
-                        return True
-            return False
+            victim = replaceable(idle, unread, self, self.loop.time())
+            if victim is None:
+                return False
+            on_close("replaced")
+            victim._drop()
+            victim.transport.close()
+            return True
 
         def _arm(self) -> None:
             if self._timer is None:
@@ -218,7 +231,7 @@ def guarded_protocol(settings, on_close: Callable[[str], None] = lambda reason: 
             elif not self.transport.is_closing():  # a request's headers, still incomplete
                 self._header_bytes += len(data)
                 self._header_tail = (self._header_tail + data)[-3:]
-                idle.setdefault(self, None)
+                idle.setdefault(self, self.loop.time())
                 self._arm()                        # the first byte of a request starts its header clock
 
         def on_headers_complete(self) -> None:
@@ -264,7 +277,7 @@ def guarded_protocol(settings, on_close: Callable[[str], None] = lambda reason: 
         def on_response_complete(self) -> None:
             super().on_response_complete()
             if not self.transport.is_closing() and not self._in_request():
-                idle[self] = None              # idle again: the keep-alive timeout runs, replaceable
+                idle[self] = self.loop.time()  # idle again: the keep-alive timeout runs, replaceable
 
         def connection_lost(self, exc) -> None:
             self._drop()
