@@ -262,8 +262,8 @@ class Router:
 
 def merged_model(infos: list, names: dict) -> dict:
     """``GET /v1/model`` of a set of replicas as one: the first one's, with ``replicas`` (each live replica's
-    ``url``, ``name``, ``weights_sha256``, ``slots`` and ``limits``) and ``limits`` the tightest each replica
-    reports (a request must fit whichever replica its sessions live on). ``infos``: ``(url, model)`` pairs of the
+    ``url``, ``name``, ``weights_sha256``, ``slots``, ``limits`` and ``engines``), ``slots`` their sums, and
+    ``limits`` the tightest each replica reports (a request must fit whichever replica its sessions live on). ``infos``: ``(url, model)`` pairs of the
     live replicas that answered; ``names``: url -> replica name. Raises :class:`ServiceError`
     (``replica_mismatch``) when they serve different weights."""
     if len({i.get("weights_sha256") for _, i in infos}) > 1:
@@ -279,8 +279,13 @@ def merged_model(infos: list, names: dict) -> dict:
                 limits[k] = v if limits.get(k) is None else min(limits[k], v)
     if limits or "limits" in info:
         info["limits"] = limits
+    slots = [i.get("slots") for _, i in infos]
+    if all(slots):
+        info["slots"] = {k: sum(sl[k] for sl in slots) for k in ("total", "free")}
+    info.pop("engines", None)           # per replica, below
     info["replicas"] = [{"url": u, "name": names.get(u), "weights_sha256": i.get("weights_sha256"),
-                         "slots": i.get("slots"), "limits": i.get("limits")} for u, i in infos]
+                         "slots": i.get("slots"), "limits": i.get("limits"), "engines": i.get("engines")}
+                        for u, i in infos]
     return info
 
 

@@ -324,6 +324,23 @@ def test_a_frontend_step_fits_the_body_objects_and_the_largest_decode_bucket():
     assert left["d3"] == [("decode", 1)] and left["p"] == [("prefill", 1)]
 
 
+def test_sessions_a_frontend_step_left_waiting_go_first_at_the_next_one():
+    import collections
+    import types
+
+    from convserve.clients.loadtest.frontend import FrontendDriver, _Live
+    from convserve.clients.loadtest.limits import Limits
+
+    # two one-token rows a step: five decoders (then a one-token prefill, then a decode) share them in turn
+    lv = [_Live(f"d{i}", None, collections.deque([("decode", 1)] * 3), 0.0) for i in range(5)]
+    lv.append(_Live("p", None, collections.deque([("prefill", 1), ("decode", 1)]), 0.0))
+    fake = types.SimpleNamespace(live=lv, limits=Limits(decode_rows=2))
+    steps = [[v.sid for v, _, _ in FrontendDriver._admit(fake)] for _ in range(9)]
+    assert steps[:3] == [["d0", "d1"], ["d2", "d3"], ["d4", "p"]]
+    waits = collections.Counter(s for step in steps for s in step)
+    assert all(waits[f"d{i}"] == 3 for i in range(5)) and waits["p"] == 2
+
+
 def test_a_frontend_step_counts_its_verifies_padded_to_the_longest_as_the_server_does():
     import numpy as np
 
@@ -534,3 +551,40 @@ def test_a_chunk_above_the_servers_max_tokens_per_request_is_a_usage_error_befor
     most = load_settings({"device": "cpu"}).max_tokens_per_request
     assert main(["--url", server.url, *SMALL, "--chunk", str(most + 1), "--requests", "4"]) == 2
     assert f"above the server's max_tokens_per_request ({most})" in capsys.readouterr().err
+
+
+def test_the_frontend_reads_the_limits_again_while_replicas_may_join(monkeypatch):
+    import asyncio
+    import types
+
+    from convserve.clients.loadtest import frontend
+
+    answers = [{"dim": 8, "dtype": "float32", "limits": {"max_batch_tokens": 4096}},
+               ConnectionError("a replica is restarting"),
+               {"dim": 8, "dtype": "float32", "limits": {"max_batch_tokens": 1024}}]
+
+    async def model():
+        a = answers.pop(0)
+        if isinstance(a, Exception):
+            raise a
+        return a
+
+    clock = [100.0]
+    monkeypatch.setattr(frontend.time, "perf_counter", lambda: clock[0])
+    d = frontend.FrontendDriver.__new__(frontend.FrontendDriver)
+    d.client = types.SimpleNamespace(shm=None, model=model)
+    d.limits = d._limits({"dim": 8, "dtype": "float32", "limits": {"max_batch_tokens": 8192}})
+    d.refresh_s, d.refresh_at = 1.0, 101.0
+
+    async def refresh_at(t):
+        clock[0] = t
+        await d._refresh_limits()
+        return d.limits.batch_tokens
+
+    assert asyncio.run(refresh_at(100.5)) == 8192      # not yet due: no request
+    assert asyncio.run(refresh_at(101.0)) == 4096
+    assert asyncio.run(refresh_at(101.5)) == 4096      # not due again until 102
+    assert asyncio.run(refresh_at(102.0)) == 4096      # no answer: the limits stand
+    assert asyncio.run(refresh_at(103.0)) == 1024
+    d.refresh_s = None
+    assert asyncio.run(refresh_at(200.0)) == 1024 and not answers

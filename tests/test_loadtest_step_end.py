@@ -208,3 +208,39 @@ def test_a_create_never_answered_is_reported_by_id_and_the_run_exits_1(server, t
     assert rc == 1 and f"{len(late)} session(s) could not be confirmed deleted" in err
     table = " ".join(out.split())
     assert all(sid in table for sid in late), table     # every id, where an operator reads the results
+
+
+def test_a_create_in_flight_at_cleanup_that_then_fails_504_is_still_deleted_again_later(monkeypatch):
+    # the create's answer (504 engine_timeout: it may have been applied) comes after the cleanup's first DELETE
+    # found nothing, and the session lands 0.4 s after that: the DELETEs that follow wait for it
+    from convserve.clients.loadtest import runner
+    from convserve.clients.protocol.errors import UnknownSession
+
+    monkeypatch.setattr(runner, "CLEANUP_TIMEOUT_S", 0.3)
+    on_server = set()
+
+    class Client:
+        async def delete_session(self, sid):
+            if sid not in on_server:
+                raise UnknownSession("no such session")
+            on_server.discard(sid)
+
+    async def main():
+        d = runner.Driver.__new__(runner.Driver)
+        d.client, d.doubtful, d.open_sids, d.creating = Client(), set(), {"s"}, {}
+        d.cleanup_failed, d.cleanup_deleted, d.tasks = {}, 0, set()
+        loop = asyncio.get_running_loop()
+
+        async def create():
+            await asyncio.sleep(0.45)
+            loop.call_later(0.4, on_server.add, "s")
+            d.doubtful.add("s")                 # as Driver._create records a 504 engine_timeout
+            raise runner.Aborted("engine_timeout", 504)
+
+        fut = d.creating["s"] = asyncio.ensure_future(create())
+        fut.add_done_callback(lambda f: f.exception())
+        await d.cleanup()
+        return d
+
+    d = asyncio.run(main())
+    assert not on_server and d.cleanup_deleted == 1 and not d.open_sids and not d.cleanup_failed

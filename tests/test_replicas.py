@@ -152,7 +152,7 @@ def test_a_batch_splits_by_replica_and_joins_in_order(kind):
     assert offsets(3, None) == [0, 1, 2, 3]
 
 
-def test_the_replicas_model_takes_the_tightest_limit_of_each_and_refuses_different_weights():
+def test_the_replicas_model_sums_their_slots_takes_the_tightest_limit_of_each_and_refuses_different_weights():
     from convserve.clients.protocol.errors import ServiceError
     from convserve.clients.replicas import merged_model
 
@@ -164,6 +164,7 @@ def test_the_replicas_model_takes_the_tightest_limit_of_each_and_refuses_differe
     assert info["limits"] == {"max_batch_tokens": 512, "max_batch_size": 256, "max_body_bytes": 4096,
                               "max_decode_rows": 64}
     assert [(r["name"], r["limits"]) for r in info["replicas"]] == [("ra", a["limits"]), ("rb", b["limits"])]
+    assert info["slots"] == {"total": 12, "free": 6}
     assert a["limits"]["max_batch_tokens"] == 1024             # the replicas' own answers are left as they are
     assert "limits" not in merged_model([("http://c", {"weights_sha256": "w"})], {})
     with pytest.raises(ServiceError, match="different weights") as e:

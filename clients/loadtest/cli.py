@@ -35,6 +35,8 @@ from convserve.clients.loadtest.outcome import EXIT_USAGE, exit_status
 
 #: ``--verify`` given alone: the reference is built from the server's own weights file (GET /v1/model/weights)
 FROM_SERVER = object()
+#: seconds between the frontend's reads of the limits while replicas may join (some did not answer at the start)
+LIMITS_REFRESH_S = 1.0
 
 
 def _verify_label(verify, info: dict) -> Optional[str]:
@@ -396,13 +398,17 @@ async def run(args) -> dict:
                              f"be refused or never sent; lower --spec-k to {int(slice_most)} or less, "
                              + ("raise --shm-mib" if slice_name == ARENA else "start the server with larger limits, "
                                 "or send x in shared memory (--shm-mib)"))
+        refresh_s = None                # the frontend reads the limits again this often (replicas may join)
         if isinstance(url, list) and info.get("replicas") is not None:
             up = {r["url"].rstrip("/") for r in info["replicas"]}
             down = [u for u in url if "://" in u and not u.startswith("dns://") and u.rstrip("/") not in up]
+            if down or any(u.startswith("dns") for u in url):
+                refresh_s = LIMITS_REFRESH_S
             if down:
                 print(f"convserve-loadtest: {len(down)} of {len(url)} replicas did not answer at the start "
-                      f"({', '.join(down)}); the run uses the others (the routing client retries them later)",
-                      file=sys.stderr)
+                      f"({', '.join(down)}); the run uses the others (the routing client retries them later"
+                      + (f"; the frontend reads their limits again every {LIMITS_REFRESH_S:g} s)" if frontend
+                         else "; the prefill chunk fits the limits of those that answered)"), file=sys.stderr)
         verifier = None
         if args.verify is not None:
             try:
@@ -443,8 +449,8 @@ async def run(args) -> dict:
             label = labels[i]
             rec = Recorder(0.0)
             kw = dict(seed=args.seed + i, max_retries=args.max_retries, verifier=verifier, max_requests=args.requests)
-            drv = FrontendDriver(client, info, wl, rec, **kw) if frontend else Driver(client, transport, info, wl,
-                                                                                       rec, **kw)
+            drv = FrontendDriver(client, info, wl, rec, refresh_limits_s=refresh_s, **kw) if frontend else \
+                Driver(client, transport, info, wl, rec, **kw)
             # the step starts once its driver is built (its random pool takes a while): the warm-up, the byte
             # counters' mark and the deadline all count from here
             start = time.perf_counter()

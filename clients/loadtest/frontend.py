@@ -35,17 +35,46 @@ class _Live:
     steps: collections.deque     # what is left: ("prefill" | "decode" | "verify", tokens)
     arrived: float               # perf_counter time the session was asked for
     prefilling: bool = True
+    skipped: int = 0             # steps in a row it had work and was not admitted to
+
+
+def _order(v: _Live) -> tuple:
+    """A live session's place in a step's admission: its next piece a decode, a verify or a one-token prefill
+    chunk (one row of the step's decode launch), those skipped most often first; then longer prefill chunks; then
+    sessions with nothing left."""
+    if not v.steps:
+        return 2, 0
+    kind, n = v.steps[0]
+    return (1, 0) if kind == "prefill" and n > 1 else (0, -v.skipped)
 
 
 class FrontendDriver(Driver):
     """Runs the frontend loop against one server for one level of a sweep (see the module docstring)."""
 
-    def __init__(self, client, info: dict, workload, rec, **kw):
+    def __init__(self, client, info: dict, workload, rec, refresh_limits_s: Optional[float] = None, **kw):
         super().__init__(client, None, info, workload, rec, **kw)
         self.live: list[_Live] = []
-        # the server's request limits (GET /v1/model; a server that reports none: no budget); x in shared memory
-        # takes no room in the body
-        self.limits = Limits.of(info, client.shm is None, client.shm.nbytes if client.shm is not None else None)
+        self.limits = self._limits(info)
+        # replicas that did not answer at the start (or a DNS name's) may join with tighter limits: GET /v1/model
+        # again every refresh_limits_s
+        self.refresh_s = refresh_limits_s
+        self.refresh_at = time.perf_counter() + (refresh_limits_s or 0.0)
+
+    def _limits(self, info: dict) -> Limits:
+        """The server's request limits (GET /v1/model; a server that reports none: no budget); x in shared memory
+        takes no room in the body."""
+        shm = self.client.shm
+        return Limits.of(info, shm is None, shm.nbytes if shm is not None else None)
+
+    async def _refresh_limits(self) -> None:
+        if self.refresh_s is None or time.perf_counter() < self.refresh_at:
+            return
+        self.refresh_at = time.perf_counter() + self.refresh_s
+        try:
+            info = await self.client.model()
+        except Exception:  # noqa: BLE001 - no answer now: the limits it has stand until the next try
+            return
+        self.limits = self._limits(info)
 
     async def _join(self, n: int, arrived: Optional[list] = None) -> int:
         """Create ``n`` sessions (concurrently) and add them to the live set; returns how many joined."""
@@ -67,10 +96,11 @@ class FrontendDriver(Driver):
     def _admit(self) -> list:
         """This step's work, ``(session, kind, tokens)``: each live session's next piece, within the server's
         limits (a layer's call is one batch: at most ``max_batch_size`` sessions, ``max_batch_tokens`` tokens and
-        ``max_body_bytes`` of body; a slice at most ``max_tokens_per_request``), admitted as a continuous-batching
-        scheduler does: decodes and verifies first, then prefill chunks in arrival order, the last one cut to the
-        room left (its rest stays first in that session's plan). A session that does not fit waits for the next
-        step."""
+        ``max_body_bytes`` and ``max_body_objects`` of body, ``max_decode_rows`` one-token plain rows; a slice at
+        most ``max_tokens_per_request``; with ``--shm-mib`` x's rows within one block of the arena), admitted as a
+        continuous-batching scheduler does: decodes, verifies and one-token prefill chunks first, those that waited
+        longest first, then prefill chunks in arrival order, the last one cut to the room left (its rest stays
+        first in that session's plan). A session that does not fit waits for the next step."""
         lim = self.limits
         work, left, room = [], lim.batch_tokens, lim.body_room()
         rows = lim.arena_tokens                     # x's rows, in one block of the shared-memory arena
@@ -78,7 +108,7 @@ class FrontendDriver(Driver):
         # the server counts every verify row of a batch at the longest verify's length (it pads them to it):
         # `left` is the batch's token room with the admitted verifies counted so, `longest` / `n_verify` their pad
         longest = n_verify = 0
-        for v in sorted(self.live, key=lambda v: not v.steps or v.steps[0][0] == "prefill"):   # stable sort
+        for v in sorted(self.live, key=_order):      # a stable sort: arrival order within each group
             fits = min(left, lim.rows_in(room), rows)   # the most tokens one more session's slice may have
             if len(work) >= most or fits < 1:
                 break
@@ -107,10 +137,14 @@ class FrontendDriver(Driver):
             rows -= n
             ones -= kind != "verify" and n == 1
             room -= lim.slice_bytes(n)
+        admitted = {id(v) for v, _, _ in work}
+        for v in self.live:
+            v.skipped = 0 if id(v) in admitted or not v.steps else v.skipped + 1
         return work
 
     async def step(self) -> None:
         """One frontend step over the live sessions admitted to it (:meth:`_admit`)."""
+        await self._refresh_limits()
         work = self._admit()
         if not work:
             return

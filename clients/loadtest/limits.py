@@ -58,6 +58,8 @@ class Limits:
 
     def batch_sessions(self) -> float:
         """The most sessions one batch may carry: ``max_batch_size``, and what ``max_body_objects`` leaves room for."""
+        if self.body_objects == math.inf:
+            return self.batch_size
         return min(self.batch_size, (self.body_objects - BODY_FIXED_OBJECTS) // BODY_SESSION_OBJECTS)
 
     def body_room(self) -> float:

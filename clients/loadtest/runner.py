@@ -117,7 +117,7 @@ CLEANUP_CONCURRENCY, CLEANUP_TIMEOUT_S = 32, 10.0
 #: (the create may still be queued behind it on the server, reached through another connection)
 DOUBTFUL_RECHECKS_S = (0.5, 1.5)
 #: codes of a failed create that do not say it was not applied (a failure of no status is one too)
-MAYBE_APPLIED = frozenset({"engine_timeout", "outcome_unknown", "internal"})
+MAYBE_APPLIED = frozenset({"engine_timeout", "outcome_unknown", "internal", "replica_unavailable"})
 
 
 def _retrieve(fut: asyncio.Future) -> None:
@@ -353,7 +353,7 @@ class Driver:
     async def _delete_left(self, sid: str, create: Optional[asyncio.Future], sem: asyncio.Semaphore) -> None:
         """Delete ``sid``, a session the step left behind (``create``: its create, which may still be in
         flight); see :meth:`cleanup`."""
-        rechecks = list(DOUBTFUL_RECHECKS_S) if sid in self.doubtful else []
+        rechecks = None                 # the waits left before another DELETE, once its create's answer is known
         while True:
             unanswered = create is not None and not create.done()
             try:
@@ -373,9 +373,12 @@ class Driver:
                         return
                     if sid in self.open_sids:   # it landed, or may have (a failure of no status): delete again
                         continue
-                elif rechecks:          # its create failed but may have been applied: it may land yet
-                    await asyncio.sleep(rechecks.pop(0))
-                    continue
+                else:
+                    if rechecks is None:
+                        rechecks = list(DOUBTFUL_RECHECKS_S) if sid in self.doubtful else []
+                    if rechecks:        # its create failed but may have been applied: it may land yet
+                        await asyncio.sleep(rechecks.pop(0))
+                        continue
             except Exception as e:  # noqa: BLE001 - reported, not raised: the results still count
                 self.cleanup_failed[sid] = error_message(e)
                 return
