@@ -33,6 +33,7 @@ def test_health_ready_and_model_describe_the_served_model(server, api):
                               "max_tokens_per_request": MAX_TOKENS, "max_spec_tokens": default.max_spec_tokens,
                               "max_body_bytes": MAX_BODY, "max_body_objects": default.max_body_objects,
                               "max_decode_rows": max(default.decode_buckets)}
+    assert info["client_shm"] is True                          # SERVER_ARGS has --client-shm
 
 
 def test_control_routes_accept_json_and_answer_json_when_asked(api):

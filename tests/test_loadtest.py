@@ -6,6 +6,7 @@ import json
 import random
 import time
 
+import httpx
 import pytest
 import torch
 
@@ -218,8 +219,6 @@ def test_distribution_specs_parse_sample_within_bounds_and_reject_nonsense():
 
 
 def test_timeouts_are_labelled_client_timeout_not_connection_error():
-    import httpx
-
     from convserve.clients.loadtest.runner import error_code
     assert error_code(TimeoutError()) == "client_timeout"            # an OSError subclass
     assert error_code(httpx.ReadTimeout("slow")) == "client_timeout"
@@ -439,6 +438,15 @@ def test_the_frontend_scenario_fits_each_layer_calls_x_in_the_shared_memory_aren
     assert data["config"]["transport"] == "batch+shm"
     assert "this run's --shm-mib arena" in data["config"]["prefill_chunk"]["why"]
     assert st["kinds"]["batch"]["count"] == len(LAYERS) * st["kinds"]["step"]["count"] > 0
+
+
+def test_shm_mib_against_a_server_without_client_shm_is_refused_before_any_load(low_limits_server, tmp_path, capsys):
+    rc, data = _run(tmp_path, low_limits_server, "--scenario", "frontend", "--concurrency", "2", "--requests", "10",
+                    "--shm-mib", "1")
+    assert rc == 2 and data is None
+    assert "does not take tensors in shared memory: start it with --client-shm" in capsys.readouterr().err
+    free = httpx.get(low_limits_server.url + "/v1/model", headers={"Accept": "application/json"}).json()
+    assert free["client_shm"] is False and free["slots"]["free"] == free["slots"]["total"]
 
 
 # the frontend's batches of up to 4 sessions and 192 tokens (24 KiB of x) are cut to the 16 KiB body too

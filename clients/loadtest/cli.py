@@ -378,6 +378,9 @@ async def run(args) -> dict:
                              "`convserve serve` or pass --url") from None
         except ServiceError as e:
             raise SetupError(f"GET {client.url}/v1/model answered {e.status} {e.code}: {e.message}") from None
+        if shm is not None and info.get("client_shm") is False:
+            raise SetupError(f"the server at {client.url} does not take tensors in shared memory: start it with "
+                             "--client-shm, or leave --shm-mib out")
         limits = Limits.of(info, shm is None, shm.nbytes if shm is not None else None)
         try:    # the chunk fits what the server takes (the frontend's batches are fitted step by step)
             chunk, chunk_why = choose_chunk(args.prefill_chunk, limits, frontend)

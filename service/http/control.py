@@ -104,7 +104,7 @@ def add_control_routes(app: FastAPI, svc: Service) -> None:
     async def model(request: Request):
         await no_body(request)
         svc.require_ready()
-        return reply(request, {**engine.model_info(), "limits": svc.limits})
+        return reply(request, {**engine.model_info(), "limits": svc.limits, "client_shm": svc.client_shm is not None})
 
     @app.get("/v1/model/weights")
     async def model_weights(request: Request):
