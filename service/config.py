@@ -25,6 +25,8 @@ from .cores import usable_cores as _usable_cores
 from .engine.config import DEFAULTS as _ENGINE  # the engine's defaults (EngineConfig), without torch
 
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+#: objects of a batch body besides its sessions' 3 each (the map, x's map and shape, other fields), at most
+BATCH_FIXED_OBJECTS = 64
 
 
 def _int_list(v: Any, name: str) -> Any:
@@ -394,10 +396,19 @@ class Settings(BaseSettings):
         if self.snapshot_interval_s is not None and self.state_dir is None:
             raise ValueError("snapshot_interval_s is set but state_dir is not: snapshots are written only into "
                              "state_dir; set --state-dir (or drop --snapshot-interval-s)")
+        given = self.model_fields_set
+        if self.max_batch_tokens < self.max_tokens_per_request and "max_tokens_per_request" not in given:
+            self.max_tokens_per_request = self.max_batch_tokens      # its default: at most what a step takes
         if self.max_batch_tokens < self.max_tokens_per_request:
             raise ValueError(f"max_tokens_per_request ({self.max_tokens_per_request}) exceeds max_batch_tokens "
                              f"({self.max_batch_tokens}): such a request could never be scheduled; raise "
                              "max_batch_tokens or lower max_tokens_per_request")
+        need = BATCH_FIXED_OBJECTS + 3 * self.max_batch_size
+        if self.max_body_objects < need:
+            raise ValueError(f"max_body_objects ({self.max_body_objects}) cannot hold a batch of max_batch_size "
+                             f"({self.max_batch_size}) sessions (3 objects a session in its sessions, tokens and "
+                             f"speculative lists, and up to {BATCH_FIXED_OBJECTS} more): raise max_body_objects to "
+                             f"{need} or more, or lower max_batch_size")
         return self
 
     # --- derived

@@ -70,6 +70,12 @@ def test_config_file_may_be_json_and_named_by_env(tmp_path, monkeypatch):
     assert s.max_body_bytes == 4096 and s.port == 1234
 
 
+def test_max_tokens_per_request_left_unset_follows_a_smaller_max_batch_tokens():
+    assert load_settings({"max_batch_tokens": "4096"}).max_tokens_per_request == 4096
+    assert load_settings({"max_batch_tokens": "16384"}).max_tokens_per_request == 8192
+    assert load_settings({"max_batch_tokens": "4096", "max_tokens_per_request": "100"}).max_tokens_per_request == 100
+
+
 @pytest.mark.parametrize("overrides, fragment", [
     ({"port": "70000"}, "--port / CONVSERVE_PORT"),
     ({"device": "tpu"}, "not one of auto, cpu, cuda"),
@@ -81,6 +87,7 @@ def test_config_file_may_be_json_and_named_by_env(tmp_path, monkeypatch):
     ({"weights": "/nonexistent.safetensors"}, "is not a file"),
     ({"dtype": "int8"}, "--dtype"),
     ({"max_tokens_per_request": "9000", "max_batch_tokens": "8192"}, "could never be scheduled"),
+    ({"max_body_objects": "100", "max_batch_size": "32"}, "raise max_body_objects to 160 or more"),
     ({"nope": 1}, "nope"),
     ({"engine_reply_timeout_s": "30", "request_timeout_s": "30"}, "must exceed request_timeout_s"),
     ({"engine_reply_timeout_s": "0"}, "--engine-reply-timeout-s"),
