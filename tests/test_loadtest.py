@@ -396,7 +396,8 @@ def test_the_default_chunk_is_the_most_one_request_may_carry_and_the_report_says
     lim = Limits.of({"dim": 4096, "dtype": "float32", "limits": {"max_body_bytes": 1024}}, False, 1 << 20)
     assert choose_chunk(None, lim, True) == (64, "--shm-mib arena")
     assert choose_chunk(100, lim, True)[1] == ("--chunk; each step cuts a slice to this run's --shm-mib arena "
-                                               "(1048576 bytes: room for 64 tokens of x)")
+                                               "(1048576 bytes: room for 64 tokens of x in one layer call, "
+                                               "all sessions' together)")
     with pytest.raises(ChunkError, match=r"^This run's --shm-mib arena \(1024 bytes.*raise --shm-mib$"):
         choose_chunk(None, Limits.of({"dim": 4096, "dtype": "float32"}, False, 1024), True)
 

@@ -87,7 +87,8 @@ class Limits:
                 (self.batch_tokens, "max_batch_tokens", f"{self.batch_tokens}"),
                 (body_rows, "max_body_bytes", f"{self.body_bytes}: room for {body_rows} tokens of x at "
                                               f"{self.row_bytes} bytes each"),
-                (self.arena_tokens, ARENA, f"{self.arena_bytes} bytes: room for {self.arena_tokens} tokens of x")]
+                (self.arena_tokens, ARENA, f"{self.arena_bytes} bytes: room for {self.arena_tokens} tokens of x "
+                                           "in one layer call, all sessions' together")]
         return min(caps, key=lambda c: c[0])
 
 
