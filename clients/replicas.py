@@ -263,9 +263,9 @@ class Router:
 def merged_model(infos: list, names: dict) -> dict:
     """``GET /v1/model`` of a set of replicas as one: the first one's, with ``replicas`` (each live replica's
     ``url``, ``name``, ``weights_sha256``, ``slots``, ``limits`` and ``engines``), ``slots`` their sums, and
-    ``limits`` the tightest each replica reports (a request must fit whichever replica its sessions live on). ``infos``: ``(url, model)`` pairs of the
-    live replicas that answered; ``names``: url -> replica name. Raises :class:`ServiceError`
-    (``replica_mismatch``) when they serve different weights."""
+    ``limits`` the tightest each replica reports (a request must fit whichever replica its sessions live on).
+    ``infos``: ``(url, model)`` pairs of the live replicas that answered; ``names``: url -> replica name.
+    Raises :class:`ServiceError` (``replica_mismatch``) when they serve different weights."""
     if len({i.get("weights_sha256") for _, i in infos}) > 1:
         e = ServiceError("the replicas serve different weights: " + ", ".join(
             f"{u}: {i.get('weights_sha256')}" for u, i in infos))
