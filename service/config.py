@@ -25,7 +25,8 @@ from .cores import usable_cores as _usable_cores
 from .engine.config import DEFAULTS as _ENGINE  # the engine's defaults (EngineConfig), without torch
 
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
-#: objects of a batch body besides its sessions' 3 each (the map, x's map and shape, other fields), at most
+#: objects of a batch body besides its sessions' 4 each (their ids, tokens, speculative flags and positions): the
+#: map, x's map and shape, the other fields, at most
 BATCH_FIXED_OBJECTS = 64
 
 
@@ -191,7 +192,8 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(64 << 20, ge=1024, description="largest request body, or stream frame, "
                                                                "in bytes (413 above)")
     max_body_objects: int = Field(MAX_OBJECTS, ge=64, description="most objects (array and map entries, and the "
-                                  "containers) in one body or frame (413 above): decoding stops there")
+                                  "containers) in one body or frame (413 above): decoding stops there; at "
+                                  "least 4 × max_batch_size + 64, what a full batch takes")
     client_shm: bool = Field(False, description="take a conv's x from a client's shared-memory segment on this "
                              "host (a tensor map with 'shm' instead of 'data'; y is written back there): the "
                              "body then carries no tensor bytes. Any client may then name a convserve-client-* "
@@ -199,7 +201,8 @@ class Settings(BaseSettings):
     client_shm_segments: int = Field(64, ge=1, description="client shared-memory segment descriptors each HTTP "
                                      "process keeps open (the least recently used one is closed past it)")
     max_tokens_per_request: int = Field(8192, ge=1, description="largest T of one conv request, and of one "
-                                        "session's slice of a batch (413 above)")
+                                        "session's slice of a batch (413 above); at most max_batch_tokens, "
+                                        "which it follows when left unset")
     check_finite: bool = Field(_ENGINE.check_finite, description="reject x with NaN or Inf (422 non_finite)")
     stream_window: int = Field(256, ge=1, description="frames of one stream or WebSocket being computed at "
                                                       "once; the next frames wait to be read")
@@ -403,12 +406,12 @@ class Settings(BaseSettings):
             raise ValueError(f"max_tokens_per_request ({self.max_tokens_per_request}) exceeds max_batch_tokens "
                              f"({self.max_batch_tokens}): such a request could never be scheduled; raise "
                              "max_batch_tokens or lower max_tokens_per_request")
-        need = BATCH_FIXED_OBJECTS + 3 * self.max_batch_size
+        need = BATCH_FIXED_OBJECTS + 4 * self.max_batch_size
         if self.max_body_objects < need:
             raise ValueError(f"max_body_objects ({self.max_body_objects}) cannot hold a batch of max_batch_size "
-                             f"({self.max_batch_size}) sessions (3 objects a session in its sessions, tokens and "
-                             f"speculative lists, and up to {BATCH_FIXED_OBJECTS} more): raise max_body_objects to "
-                             f"{need} or more, or lower max_batch_size")
+                             f"({self.max_batch_size}) sessions (4 objects a session in its sessions, tokens, "
+                             f"speculative and position lists, and up to {BATCH_FIXED_OBJECTS} more): raise "
+                             f"max_body_objects to {need} or more, or lower max_batch_size")
         return self
 
     # --- derived

@@ -87,7 +87,7 @@ def test_max_tokens_per_request_left_unset_follows_a_smaller_max_batch_tokens():
     ({"weights": "/nonexistent.safetensors"}, "is not a file"),
     ({"dtype": "int8"}, "--dtype"),
     ({"max_tokens_per_request": "9000", "max_batch_tokens": "8192"}, "could never be scheduled"),
-    ({"max_body_objects": "100", "max_batch_size": "32"}, "raise max_body_objects to 160 or more"),
+    ({"max_body_objects": "100", "max_batch_size": "32"}, "raise max_body_objects to 192 or more"),
     ({"nope": 1}, "nope"),
     ({"engine_reply_timeout_s": "30", "request_timeout_s": "30"}, "must exceed request_timeout_s"),
     ({"engine_reply_timeout_s": "0"}, "--engine-reply-timeout-s"),

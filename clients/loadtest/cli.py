@@ -35,8 +35,6 @@ from convserve.clients.loadtest.outcome import EXIT_USAGE, exit_status
 
 #: ``--verify`` given alone: the reference is built from the server's own weights file (GET /v1/model/weights)
 FROM_SERVER = object()
-#: seconds between the frontend's reads of the limits while replicas may join (some did not answer at the start)
-LIMITS_REFRESH_S = 1.0
 
 
 def _verify_label(verify, info: dict) -> Optional[str]:
@@ -344,7 +342,8 @@ async def run(args) -> dict:
     from convserve.clients.client import AsyncConvClient
     from convserve.clients.loadtest.dists import parse
     from convserve.clients.loadtest.frontend import FrontendDriver
-    from convserve.clients.loadtest.limits import ARENA, ChunkError, Limits, choose_chunk, limit_words
+    from convserve.clients.loadtest.limits import (ARENA, LIMITS_REFRESH_S, ChunkError, Limits, choose_chunk,
+                                                  limit_words, replicas_down)
     from convserve.clients.loadtest.runner import Driver, Workload, auto_connections, make_transport
     from convserve.clients.loadtest.stats import Recorder
     from convserve.clients.loadtest.verify import Verifier, VerifyError, served_weights
@@ -379,8 +378,9 @@ async def run(args) -> dict:
         except ServiceError as e:
             raise SetupError(f"GET {client.url}/v1/model answered {e.status} {e.code}: {e.message}") from None
         if shm is not None and info.get("client_shm") is False:
-            raise SetupError(f"the server at {client.url} does not take tensors in shared memory: start it with "
-                             "--client-shm, or leave --shm-mib out")
+            raise SetupError(f"the server at {client.url} does not take tensors in shared memory (it was started "
+                             "without --client-shm, or its host has no /dev/shm): start it with --client-shm on a "
+                             "host with /dev/shm, or leave --shm-mib out")
         limits = Limits.of(info, shm is None, shm.nbytes if shm is not None else None)
         try:    # the chunk fits what the server takes (the frontend's batches are fitted step by step)
             chunk, chunk_why = choose_chunk(args.prefill_chunk, limits, frontend)
@@ -401,17 +401,12 @@ async def run(args) -> dict:
                              f"be refused or never sent; lower --spec-k to {int(slice_most)} or less, "
                              + ("raise --shm-mib" if slice_name == ARENA else "start the server with larger limits, "
                                 "or send x in shared memory (--shm-mib)"))
-        refresh_s = None                # the frontend reads the limits again this often (replicas may join)
-        if isinstance(url, list) and info.get("replicas") is not None:
-            up = {r["url"].rstrip("/") for r in info["replicas"]}
-            down = [u for u in url if "://" in u and not u.startswith("dns://") and u.rstrip("/") not in up]
-            if down or any(u.startswith("dns") for u in url):
-                refresh_s = LIMITS_REFRESH_S
-            if down:
-                print(f"convserve-loadtest: {len(down)} of {len(url)} replicas did not answer at the start "
-                      f"({', '.join(down)}); the run uses the others (the routing client retries them later"
-                      + (f"; the frontend reads their limits again every {LIMITS_REFRESH_S:g} s)" if frontend
-                         else "; the prefill chunk fits the limits of those that answered)"), file=sys.stderr)
+        down, refresh_s = replicas_down(url, info)
+        if down:
+            print(f"convserve-loadtest: {len(down)} of {len(url)} replicas did not answer at the start "
+                  f"({', '.join(down)}); the run uses the others (the routing client retries them later"
+                  + (f"; the frontend reads their limits again every {LIMITS_REFRESH_S:g} s)" if frontend
+                     else "; the prefill chunk fits the limits of those that answered)"), file=sys.stderr)
         verifier = None
         if args.verify is not None:
             try:
@@ -443,6 +438,7 @@ async def run(args) -> dict:
         steps = []
         interrupted = _Interrupts()
         quiet_gc = _QuietGC().__enter__()
+        last = None                         # the previous level's driver
         for i, level in enumerate(levels):
             if interrupted.signal is not None:
                 break
@@ -454,6 +450,9 @@ async def run(args) -> dict:
             kw = dict(seed=args.seed + i, max_retries=args.max_retries, verifier=verifier, max_requests=args.requests)
             drv = FrontendDriver(client, info, wl, rec, refresh_limits_s=refresh_s, **kw) if frontend else \
                 Driver(client, transport, info, wl, rec, **kw)
+            if frontend and last is not None:
+                drv.limits = last.limits            # what the level before learned (replicas that joined)
+            last = drv
             # the step starts once its driver is built (its random pool takes a while): the warm-up, the byte
             # counters' mark and the deadline all count from here
             start = time.perf_counter()

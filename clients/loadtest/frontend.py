@@ -71,7 +71,7 @@ class FrontendDriver(Driver):
             return
         self.refresh_at = time.perf_counter() + self.refresh_s
         try:
-            info = await self.client.model()
+            info = await asyncio.wait_for(self.client.model(), self.refresh_s)
         except Exception:  # noqa: BLE001 - no answer now: the limits it has stand until the next try
             return
         self.limits = self._limits(info)

@@ -1,6 +1,6 @@
 """The server's request limits (``GET /v1/model``'s ``limits``) as the load tester fits its requests to them: the
-prefill chunk (``--chunk``, or the largest piece the server takes when it is not given) and the budget of the
-frontend's batch for one layer.
+prefill chunk (``--chunk``, or the largest piece the server takes when it is not given), the budget of the
+frontend's batch for one layer, and when replicas that may join make the frontend read them again.
 
 A limit the server does not report is no limit here: against such a server the load tester sends what it would
 send to any other (the default chunk, batches of every live session)."""
@@ -119,3 +119,20 @@ def choose_chunk(given: Optional[int], limits: Limits, frontend: bool) -> tuple:
         return given, f"--chunk; each step cuts a slice to {words}"
     raise ChunkError(f"--chunk {given} is above {words}: every longer prefill request would "
                      f"be refused; use --chunk {int(most)} or less")
+
+
+#: seconds between the frontend's reads of the limits while replicas may join (some did not answer at the start)
+LIMITS_REFRESH_S = 1.0
+
+
+def replicas_down(url, info: dict) -> tuple:
+    """``(down, refresh_s)``: the replica URLs of ``url`` (one or a list) missing from ``info``'s ``replicas``
+    (``GET /v1/model`` through the routing client), and how often the frontend reads the limits again: every
+    :data:`LIMITS_REFRESH_S` when some did not answer or a URL is a DNS name (replicas may join later), else
+    never (None)."""
+    if info.get("replicas") is None:
+        return [], None
+    urls = url if isinstance(url, list) else [url]
+    up = {r["url"].rstrip("/") for r in info["replicas"]}
+    down = [u for u in urls if "://" in u and not u.startswith("dns") and u.rstrip("/") not in up]
+    return down, LIMITS_REFRESH_S if down or any(u.startswith("dns") for u in urls) else None

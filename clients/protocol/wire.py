@@ -123,7 +123,7 @@ class ObjectBudget:
         self.count += n + 1
         if self.count > self.limit:
             raise TooManyObjects(f"the message holds more than {self.limit} objects (arrays, maps and their "
-                                 "entries); a conv body needs a few dozen, a batch 3 more per session: send the "
+                                 "entries); a conv body needs a few dozen, a batch 4 more per session: send the "
                                  "documented fields only, or raise --max-body-objects")
 
     def list_hook(self, v):

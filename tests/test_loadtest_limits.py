@@ -1,0 +1,57 @@
+"""The load tester's view of the server's limits as they change: the frontend reads them again while replicas may
+join (no server: a fake client, and the decision from GET /v1/model's replicas)."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def test_the_frontend_reads_the_limits_again_while_replicas_may_join(monkeypatch):
+    import asyncio
+    import types
+
+    from convserve.clients.loadtest import frontend
+
+    answers = [{"dim": 8, "dtype": "float32", "limits": {"max_batch_tokens": 4096}},
+               ConnectionError("a replica is restarting"),
+               {"dim": 8, "dtype": "float32", "limits": {"max_batch_tokens": 1024}}]
+
+    async def model():
+        a = answers.pop(0)
+        if isinstance(a, Exception):
+            raise a
+        return a
+
+    clock = [100.0]
+    monkeypatch.setattr(frontend.time, "perf_counter", lambda: clock[0])
+    d = frontend.FrontendDriver.__new__(frontend.FrontendDriver)
+    d.client = types.SimpleNamespace(shm=None, model=model)
+    d.limits = d._limits({"dim": 8, "dtype": "float32", "limits": {"max_batch_tokens": 8192}})
+    d.refresh_s, d.refresh_at = 1.0, 101.0
+
+    async def refresh_at(t):
+        clock[0] = t
+        await d._refresh_limits()
+        return d.limits.batch_tokens
+
+    assert asyncio.run(refresh_at(100.5)) == 8192      # not yet due: no request
+    assert asyncio.run(refresh_at(101.0)) == 4096
+    assert asyncio.run(refresh_at(101.5)) == 4096      # not due again until 102
+    assert asyncio.run(refresh_at(102.0)) == 4096      # no answer: the limits stand
+    assert asyncio.run(refresh_at(103.0)) == 1024
+    d.refresh_s = None
+    assert asyncio.run(refresh_at(200.0)) == 1024 and not answers
+
+
+@pytest.mark.parametrize("url, up, down, refresh", [
+    ("http://a:1", None, [], False),                                   # one server: no replicas in its model
+    (["http://a:1", "http://b:1"], ["http://a:1", "http://b:1"], [], False),
+    (["http://a:1", "http://b:1/"], ["http://a:1"], ["http://b:1/"], True),
+    ("dns://convserve:8000", ["http://10.0.0.1:8000"], [], True),        # a DNS name: replicas may join
+    (["dns+http://convserve:8000"], ["http://10.0.0.1:8000"], [], True),
+])
+def test_the_frontend_reads_the_limits_again_when_a_replica_was_down_or_a_url_is_a_dns_name(url, up, down, refresh):
+    from convserve.clients.loadtest.limits import LIMITS_REFRESH_S, replicas_down
+
+    info = {} if up is None else {"replicas": [{"url": u} for u in up]}
+    assert replicas_down(url, info) == (down, LIMITS_REFRESH_S if refresh else None)
