@@ -560,3 +560,26 @@ def test_a_chunk_above_the_servers_max_tokens_per_request_is_a_usage_error_befor
     most = load_settings({"device": "cpu"}).max_tokens_per_request
     assert main(["--url", server.url, *SMALL, "--chunk", str(most + 1), "--requests", "4"]) == 2
     assert f"above the server's max_tokens_per_request ({most})" in capsys.readouterr().err
+
+
+def test_sessions_that_join_together_are_live_in_arrival_order_whatever_order_their_creates_answer_in():
+    import asyncio
+    import itertools
+
+    from convserve.clients.loadtest.frontend import FrontendDriver
+    from convserve.clients.loadtest.runner import Aborted
+
+    d = FrontendDriver.__new__(FrontendDriver)
+    d.live, n = [], itertools.count()
+    d.plan = lambda: [("decode", 1)]
+
+    async def new_session(t0):
+        i = next(n)
+        await asyncio.sleep(0.05 * (3 - i))            # the first asked answers last
+        if i == 1:
+            raise Aborted("internal", 500)
+        return f"s{i}", None
+
+    d.new_session = new_session
+    assert asyncio.run(d._join(4, arrived=[1.0, 2.0, 3.0, 4.0])) == 3
+    assert [(v.sid, v.arrived) for v in d.live] == [("s0", 1.0), ("s2", 3.0), ("s3", 4.0)]

@@ -80,14 +80,17 @@ class FrontendDriver(Driver):
         """Create ``n`` sessions (concurrently) and add them to the live set; returns how many joined."""
         async def one(t0):
             try:
-                sid, ref = await self.new_session(t0)
+                return await self.new_session(t0)
             except Aborted:
-                return 0
-            self.live.append(_Live(sid, ref, collections.deque(self.plan()), t0))
-            return 1
+                return None
 
         now = time.perf_counter()
-        return sum(await asyncio.gather(*(one(arrived[i] if arrived else now) for i in range(n))))
+        times = [arrived[i] if arrived else now for i in range(n)]
+        made = await asyncio.gather(*(one(t0) for t0 in times))
+        for t0, m in zip(times, made):          # in arrival order, whatever order the creates answered in
+            if m is not None:
+                self.live.append(_Live(m[0], m[1], collections.deque(self.plan()), t0))
+        return sum(m is not None for m in made)
 
     async def _leave(self, gone: list) -> None:
         if gone:        # a delete cut off here leaves its session in open_sids: Driver.cleanup deletes it
