@@ -10,7 +10,7 @@ def test_the_frontend_reads_the_limits_again_while_replicas_may_join(monkeypatch
     import asyncio
     import types
 
-    from convserve.clients.loadtest import frontend
+    from convserve.clients.loadtest import frontend, runner
 
     answers = [{"dim": 8, "dtype": "float32", "limits": {"max_batch_tokens": 4096}},
                ConnectionError("a replica is restarting"),
@@ -23,7 +23,7 @@ def test_the_frontend_reads_the_limits_again_while_replicas_may_join(monkeypatch
         return a
 
     clock = [100.0]
-    monkeypatch.setattr(frontend.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(runner.time, "perf_counter", lambda: clock[0])
     d = frontend.FrontendDriver.__new__(frontend.FrontendDriver)
     d.client = types.SimpleNamespace(shm=None, model=model)
     d.limits = d._limits({"dim": 8, "dtype": "float32", "limits": {"max_batch_tokens": 8192}})
@@ -31,7 +31,7 @@ def test_the_frontend_reads_the_limits_again_while_replicas_may_join(monkeypatch
 
     async def refresh_at(t):
         clock[0] = t
-        await d._refresh_limits()
+        await d.refresh_limits()
         return d.limits.batch_tokens
 
     assert asyncio.run(refresh_at(100.5)) == 8192      # not yet due: no request
@@ -55,3 +55,19 @@ def test_the_frontend_reads_the_limits_again_when_a_replica_was_down_or_a_url_is
 
     info = {} if up is None else {"replicas": [{"url": u} for u in up]}
     assert replicas_down(url, info) == (down, LIMITS_REFRESH_S if refresh else None)
+
+
+def test_a_new_sessions_prefill_chunks_fit_the_limits_read_last():
+    import random
+    import types
+
+    from convserve.clients.loadtest.limits import Limits
+    from convserve.clients.loadtest.runner import Driver
+
+    d = Driver.__new__(Driver)
+    d.rng = random.Random(0)
+    d.wl = types.SimpleNamespace(draw=lambda rng: (250, 2), prefill_chunk=2048, spec=False)
+    d.limits = Limits()
+    assert d.plan() == [("prefill", 250), ("decode", 1), ("decode", 1)]
+    d.limits = Limits(slice_tokens=100)                  # a replica with a smaller max_tokens_per_request joined
+    assert d.plan() == [("prefill", 100), ("prefill", 100), ("prefill", 50), ("decode", 1), ("decode", 1)]

@@ -405,8 +405,7 @@ async def run(args) -> dict:
         if down:
             print(f"convserve-loadtest: {len(down)} of {len(url)} replicas did not answer at the start "
                   f"({', '.join(down)}); the run uses the others (the routing client retries them later"
-                  + (f"; the frontend reads their limits again every {LIMITS_REFRESH_S:g} s)" if frontend
-                     else "; the prefill chunk fits the limits of those that answered)"), file=sys.stderr)
+                  f"; their limits are read again every {LIMITS_REFRESH_S:g} s)", file=sys.stderr)
         verifier = None
         if args.verify is not None:
             try:
@@ -448,9 +447,10 @@ async def run(args) -> dict:
             label = labels[i]
             rec = Recorder(0.0)
             kw = dict(seed=args.seed + i, max_retries=args.max_retries, verifier=verifier, max_requests=args.requests)
-            drv = FrontendDriver(client, info, wl, rec, refresh_limits_s=refresh_s, **kw) if frontend else \
-                Driver(client, transport, info, wl, rec, **kw)
-            if frontend and last is not None:
+            kw["refresh_limits_s"] = refresh_s
+            drv = FrontendDriver(client, info, wl, rec, **kw) if frontend else Driver(client, transport, info, wl,
+                                                                                       rec, **kw)
+            if last is not None:
                 drv.limits = last.limits            # what the level before learned (replicas that joined)
             last = drv
             # the step starts once its driver is built (its random pool takes a while): the warm-up, the byte

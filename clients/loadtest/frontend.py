@@ -23,7 +23,6 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from convserve.clients.loadtest.limits import Limits
 from convserve.clients.loadtest.runner import CREATE_BACKOFF_S, Aborted, Driver
 from convserve.clients.loadtest.verify import MISMATCH
 
@@ -51,30 +50,9 @@ def _order(v: _Live) -> tuple:
 class FrontendDriver(Driver):
     """Runs the frontend loop against one server for one level of a sweep (see the module docstring)."""
 
-    def __init__(self, client, info: dict, workload, rec, refresh_limits_s: Optional[float] = None, **kw):
+    def __init__(self, client, info: dict, workload, rec, **kw):
         super().__init__(client, None, info, workload, rec, **kw)
         self.live: list[_Live] = []
-        self.limits = self._limits(info)
-        # replicas that did not answer at the start (or a DNS name's) may join with tighter limits: GET /v1/model
-        # again every refresh_limits_s
-        self.refresh_s = refresh_limits_s
-        self.refresh_at = time.perf_counter() + (refresh_limits_s or 0.0)
-
-    def _limits(self, info: dict) -> Limits:
-        """The server's request limits (GET /v1/model; a server that reports none: no budget); x in shared memory
-        takes no room in the body."""
-        shm = self.client.shm
-        return Limits.of(info, shm is None, shm.nbytes if shm is not None else None)
-
-    async def _refresh_limits(self) -> None:
-        if self.refresh_s is None or time.perf_counter() < self.refresh_at:
-            return
-        self.refresh_at = time.perf_counter() + self.refresh_s
-        try:
-            info = await asyncio.wait_for(self.client.model(), self.refresh_s)
-        except Exception:  # noqa: BLE001 - no answer now: the limits it has stand until the next try
-            return
-        self.limits = self._limits(info)
 
     async def _join(self, n: int, arrived: Optional[list] = None) -> int:
         """Create ``n`` sessions (concurrently) and add them to the live set; returns how many joined."""
@@ -147,7 +125,7 @@ class FrontendDriver(Driver):
 
     async def step(self) -> None:
         """One frontend step over the live sessions admitted to it (:meth:`_admit`)."""
-        await self._refresh_limits()
+        await self.refresh_limits()
         work = self._admit()
         if not work:
             return

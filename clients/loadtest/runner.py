@@ -29,6 +29,7 @@ import numpy as np
 
 from convserve.clients.client import AsyncConvClient
 from convserve.clients.loadtest.dists import Dist, parse
+from convserve.clients.loadtest.limits import Limits
 from convserve.clients.loadtest.stats import Recorder
 from convserve.clients.loadtest.transports import (  # noqa: F401 - re-exported: cli and bench import them here
     PipedTransport, UnaryTransport, auto_connections, error_code, error_message, make_transport)
@@ -140,7 +141,8 @@ class Driver:
 
     def __init__(self, client: AsyncConvClient, transport, info: dict, workload: Workload, rec: Recorder, *,
                  seed: int = 0, max_retries: int = 20, max_backoff_s: float = 30.0,
-                 verifier: Optional[Verifier] = None, max_requests: Optional[int] = None):
+                 verifier: Optional[Verifier] = None, max_requests: Optional[int] = None,
+                 refresh_limits_s: Optional[float] = None):
         self.client = client
         self.transport = transport
         self.layers = list(info["layers"])
@@ -153,6 +155,11 @@ class Driver:
         self.max_backoff_s = max_backoff_s
         self.verifier = verifier
         self.max_requests = max_requests
+        self.limits = self._limits(info)
+        # replicas that did not answer at the start (or a DNS name's) may join with tighter limits: GET /v1/model
+        # again every refresh_limits_s (a session's prefill chunks and the frontend's batches fit the latest)
+        self.refresh_s = refresh_limits_s
+        self.refresh_at = time.perf_counter() + (refresh_limits_s or 0.0)
         self.issued = 0              # measured conv requests sent (what --requests counts)
         self.mismatch_examples: list = []
         self.stopping = False
@@ -269,12 +276,30 @@ class Driver:
             if isinstance(r, BaseException):
                 raise r
 
+    def _limits(self, info: dict) -> Limits:
+        """The server's request limits (GET /v1/model; a server that reports none: no budget); x in shared memory
+        takes no room in the body."""
+        shm = getattr(self.client, "shm", None)
+        return Limits.of(info, shm is None, shm.nbytes if shm is not None else None)
+
+    async def refresh_limits(self) -> None:
+        """Read the limits again when :attr:`refresh_s` says so and it is due (at most once per period)."""
+        if self.refresh_s is None or time.perf_counter() < self.refresh_at:
+            return
+        self.refresh_at = time.perf_counter() + self.refresh_s
+        try:
+            info = await asyncio.wait_for(self.client.model(), self.refresh_s)
+        except Exception:  # noqa: BLE001 - no answer now: the limits it has stand until the next try
+            return
+        self.limits = self._limits(info)
+
     # --- a session as a list of steps
 
     def plan(self) -> list:
         P, D = self.wl.draw(self.rng)
         steps = []
-        chunk = self.wl.prefill_chunk
+        # the workload's chunk, cut to what one request may carry now (limits read again may be tighter)
+        chunk = max(1, int(min(self.wl.prefill_chunk, self.limits.largest_slice()[0])))
         for o in range(0, P, chunk):
             steps.append(("prefill", min(chunk, P - o)))
         for _ in range(D):
@@ -308,6 +333,7 @@ class Driver:
             self.creating.pop(sid, None)
 
     async def new_session(self, t0: Optional[float] = None):
+        await self.refresh_limits()
         sid = new_sid()
         self.open_sids.add(sid)         # before the create: if its answer is lost, the session may exist anyway
         # the create runs to its answer even when this session is cancelled (a create cancelled in flight may
