@@ -425,6 +425,7 @@ def test_the_frontend_scenario_fits_its_steps_to_the_servers_limits(low_limits_s
     assert st["verify"]["checked"] > 0 and st["verify"]["mismatches"] == 0
 
 
+@pytest.mark.slow      # a server of its own (CI time); the admission itself: test_a_frontend_step_fits_its_x_in_...
 def test_the_frontend_scenario_fits_each_layer_calls_x_in_the_shared_memory_arena(tmp_path):
     # 16 KiB tokens in a 1 MiB arena: 64 tokens a call, where 3 sessions' chunks of up to 100 would be 300
     srv = LiveServer(["--layers", "0,2", "--dim", "4096", "--dtype", "float32", "--client-shm"])
