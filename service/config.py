@@ -19,15 +19,12 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
-from convserve.clients.protocol.wire import MAX_OBJECTS
+from convserve.clients.protocol.wire import BATCH_FIXED_OBJECTS, BATCH_SESSION_OBJECTS, MAX_OBJECTS
 
 from .cores import usable_cores as _usable_cores
 from .engine.config import DEFAULTS as _ENGINE  # the engine's defaults (EngineConfig), without torch
 
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
-#: objects of a batch body besides its sessions' 4 each (their ids, tokens, speculative flags and positions): the
-#: map, x's map and shape, the other fields, at most
-BATCH_FIXED_OBJECTS = 64
 
 
 def _int_list(v: Any, name: str) -> Any:
@@ -406,12 +403,12 @@ class Settings(BaseSettings):
             raise ValueError(f"max_tokens_per_request ({self.max_tokens_per_request}) exceeds max_batch_tokens "
                              f"({self.max_batch_tokens}): such a request could never be scheduled; raise "
                              "max_batch_tokens or lower max_tokens_per_request")
-        need = BATCH_FIXED_OBJECTS + 4 * self.max_batch_size
+        need = BATCH_FIXED_OBJECTS + BATCH_SESSION_OBJECTS * self.max_batch_size
         if self.max_body_objects < need:
             raise ValueError(f"max_body_objects ({self.max_body_objects}) cannot hold a batch of max_batch_size "
-                             f"({self.max_batch_size}) sessions (4 objects a session in its sessions, tokens, "
-                             f"speculative and position lists, and up to {BATCH_FIXED_OBJECTS} more): raise "
-                             f"max_body_objects to {need} or more, or lower max_batch_size")
+                             f"({self.max_batch_size}) sessions ({BATCH_SESSION_OBJECTS} objects a session in its "
+                             f"sessions, tokens, speculative and position lists, and up to {BATCH_FIXED_OBJECTS} "
+                             f"more): raise max_body_objects to {need} or more, or lower max_batch_size")
         return self
 
     # --- derived

@@ -309,7 +309,8 @@ def test_a_frontend_step_fits_its_x_in_one_block_of_the_shared_memory_arena():
 
 
 def test_a_frontend_step_fits_the_body_objects_and_the_largest_decode_bucket():
-    from convserve.clients.loadtest.limits import BODY_FIXED_OBJECTS, BODY_SESSION_OBJECTS
+    from convserve.clients.protocol.wire import BATCH_FIXED_OBJECTS as BODY_FIXED_OBJECTS
+    from convserve.clients.protocol.wire import BATCH_SESSION_OBJECTS as BODY_SESSION_OBJECTS
 
     live = [(f"d{i}", [("decode", 1)]) for i in range(5)] + [("v", [("verify", 3)]), ("p", [("prefill", 1)]),
                                                               ("q", [("prefill", 4)])]
@@ -376,7 +377,8 @@ def test_the_default_chunk_is_the_most_one_request_may_carry_and_the_report_says
     from convserve.clients.loadtest.limits import ChunkError, Limits, choose_chunk
 
     def chunk(limits, given=None, frontend=False, dim=32, shm=False):
-        return choose_chunk(given, Limits.of({"dim": dim, "dtype": "float32", "limits": limits}, not shm), frontend)
+        return choose_chunk(given, Limits.of({"dim": dim, "dtype": "float32", "limits": limits},
+                                             (1 << 30) if shm else None), frontend)
 
     assert chunk({}) == (2048, "default")                       # a server that reports no limits: the default
     assert chunk({"max_tokens_per_request": 8192, "max_batch_tokens": 8192}) == (2048, "default")
@@ -393,13 +395,13 @@ def test_the_default_chunk_is_the_most_one_request_may_carry_and_the_report_says
     with pytest.raises(ChunkError, match="leaves no room for one token of x"):
         chunk({"max_body_bytes": 1024}, dim=1024)
     # x in a 1 MiB arena of 16 KiB tokens: 64 tokens a call, whatever the body may carry
-    lim = Limits.of({"dim": 4096, "dtype": "float32", "limits": {"max_body_bytes": 1024}}, False, 1 << 20)
+    lim = Limits.of({"dim": 4096, "dtype": "float32", "limits": {"max_body_bytes": 1024}}, 1 << 20)
     assert choose_chunk(None, lim, True) == (64, "--shm-mib arena")
     assert choose_chunk(100, lim, True)[1] == ("--chunk; each step cuts a slice to this run's --shm-mib arena "
                                                "(1048576 bytes: room for 64 tokens of x in one layer call, "
                                                "all sessions' together)")
     with pytest.raises(ChunkError, match=r"^This run's --shm-mib arena \(1024 bytes.*raise --shm-mib$"):
-        choose_chunk(None, Limits.of({"dim": 4096, "dtype": "float32"}, False, 1024), True)
+        choose_chunk(None, Limits.of({"dim": 4096, "dtype": "float32"}, 1024), True)
 
 
 @pytest.fixture(scope="module")

@@ -202,7 +202,7 @@ async def run(args) -> dict:
             raise SetupError(f"the server at {client.url} does not take tensors in shared memory (it was started "
                              "without --client-shm, or its host has no /dev/shm): start it with --client-shm on a "
                              "host with /dev/shm, or leave --shm-mib out")
-        limits = Limits.of(info, shm is None, shm.nbytes if shm is not None else None)
+        limits = Limits.of(info, shm and shm.nbytes)
         try:    # the chunk fits what the server takes (the frontend's batches are fitted step by step)
             chunk, chunk_why = choose_chunk(args.prefill_chunk, limits, frontend)
         except ChunkError as e:

@@ -11,16 +11,13 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from convserve.clients.protocol.wire import ITEMSIZE
+from convserve.clients.protocol.wire import BATCH_FIXED_OBJECTS, BATCH_SESSION_OBJECTS, ITEMSIZE
 
 #: the prefill chunk when ``--chunk`` is not given and the server takes one this long
 DEFAULT_CHUNK = 2048
 #: bytes of a conv or batch body besides x's rows, at most: the map, its keys, the layer and x's header; and, in a
 #: batch, per session: its id, token count and speculative flag (both bounds with room over what they encode to)
 BODY_FIXED_BYTES, BODY_SESSION_BYTES = 256, 64
-#: objects of a batch body besides its sessions' (containers, map entries, x's map), and per session (its id,
-#: token count and speculative flag), at most
-BODY_FIXED_OBJECTS, BODY_SESSION_OBJECTS = 32, 3
 #: the name of the client's own limit, beside the server's
 ARENA = "--shm-mib arena"
 
@@ -44,7 +41,7 @@ class Limits:
     decode_rows: float = math.inf       # max_decode_rows: one-token plain rows in one batch
 
     @classmethod
-    def of(cls, info: dict, x_in_body: bool = True, arena_bytes: Optional[int] = None) -> "Limits":
+    def of(cls, info: dict, arena_bytes: Optional[int] = None) -> "Limits":
         """The limits ``GET /v1/model`` reports; with ``arena_bytes`` x travels in a shared-memory arena of that
         size (and takes no room in the body): one call's x must fit in one block of it."""
         lim = info.get("limits") or {}
@@ -52,7 +49,7 @@ class Limits:
         arena = dict(arena_tokens=arena_bytes // token, arena_bytes=arena_bytes) if arena_bytes is not None else {}
         return cls(*(lim.get(k) or math.inf for k in ("max_batch_tokens", "max_batch_size", "max_tokens_per_request",
                                                       "max_body_bytes")),
-                   row_bytes=token if x_in_body and arena_bytes is None else 0,
+                   row_bytes=token if arena_bytes is None else 0,
                    body_objects=lim.get("max_body_objects") or math.inf,
                    decode_rows=lim.get("max_decode_rows") or math.inf, **arena)
 
@@ -60,7 +57,7 @@ class Limits:
         """The most sessions one batch may carry: ``max_batch_size``, and what ``max_body_objects`` leaves room for."""
         if self.body_objects == math.inf:
             return self.batch_size
-        return min(self.batch_size, (self.body_objects - BODY_FIXED_OBJECTS) // BODY_SESSION_OBJECTS)
+        return min(self.batch_size, (self.body_objects - BATCH_FIXED_OBJECTS) // BATCH_SESSION_OBJECTS)
 
     def body_room(self) -> float:
         """Bytes of a body left for the sessions' fields and x's rows."""

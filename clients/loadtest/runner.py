@@ -280,7 +280,7 @@ class Driver:
         """The server's request limits (GET /v1/model; a server that reports none: no budget); x in shared memory
         takes no room in the body."""
         shm = getattr(self.client, "shm", None)
-        return Limits.of(info, shm is None, shm.nbytes if shm is not None else None)
+        return Limits.of(info, shm and shm.nbytes)
 
     async def refresh_limits(self) -> None:
         """Read the limits again when :attr:`refresh_s` says so and it is due (at most once per period)."""

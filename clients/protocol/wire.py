@@ -86,6 +86,9 @@ def packb_split(obj: dict, key: str) -> tuple[bytes, memoryview]:
 #: Objects (array and map entries, and the containers themselves) one message may hold by default: a batch of
 #: 4096 sessions with tokens and flags needs about 12,300.
 MAX_OBJECTS = 65536
+#: objects a batch body takes besides its sessions' (the map, x's map and shape, the other fields), at most; and per
+#: session (its id, token count, speculative flag and position)
+BATCH_FIXED_OBJECTS, BATCH_SESSION_OBJECTS = 64, 4
 
 
 class TooManyObjects(PayloadTooLarge):
@@ -123,8 +126,8 @@ class ObjectBudget:
         self.count += n + 1
         if self.count > self.limit:
             raise TooManyObjects(f"the message holds more than {self.limit} objects (arrays, maps and their "
-                                 "entries); a conv body needs a few dozen, a batch 4 more per session: send the "
-                                 "documented fields only, or raise --max-body-objects")
+                                 f"entries); a conv body needs a few dozen, a batch {BATCH_SESSION_OBJECTS} more per "
+                                 "session: send the documented fields only, or raise --max-body-objects")
 
     def list_hook(self, v):
         self._add(len(v))
