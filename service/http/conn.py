@@ -196,8 +196,7 @@ def guarded_protocol(settings, on_close: Callable[[str], None] = lambda reason: 
             if self._in_request() or self.transport.is_closing():
                 return
             on_close("header_timeout")
-            idle.pop(self, None)
-            unread.pop(self, None)
+            self._drop()
             self.transport.write(timed_out)
             self.transport.close()
 
