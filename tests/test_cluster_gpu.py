@@ -54,3 +54,31 @@ def test_two_engines_on_one_gpu_serve_unary_split_batches_and_forks_like_the_ref
         assert st == 201, body
         ref.fork(src, new)
         assert_rel_close(api.state(new), ref.states[new])
+
+
+def test_decode_batches_go_direct_from_the_page_locked_arena_and_match_the_reference(gpu_cluster):
+    """Plain decode batches split over both engines: once the arena's chunks are page-locked (on a thread of
+    their own, so the first batches copy), each part is copied to the GPU straight from its arena block and y
+    back over it (``batch_requests_direct``)."""
+    api, ref = Api(gpu_cluster.url), Reference(model())
+    sids = [api.session() for _ in range(40)]
+    for s in sids:
+        ref.create(s)
+    for step in range(40):
+        layer = [0, 2, 5][step % 3]
+        x = torch.randn(len(sids), DIM)
+        st, body, _ = api.call("POST", "/v1/conv/batch", {"sessions": sids, "layer": layer,
+                                                           "x": wire.encode_tensor(x)})
+        assert st == 200, body
+        y = wire.decode_tensor(body["y"])
+        for i, s in enumerate(sids):
+            assert_rel_close(y[i:i + 1], ref.conv(s, layer, x[i:i + 1]))
+    for s in sids:
+        assert_rel_close(api.state(s), ref.states[s])
+    text = api.http.get("/metrics").text
+
+    def total(name):
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+    assert total("convserve_engine_arena_chunks_pinned") >= 1
+    assert total("convserve_engine_batch_requests_direct_total") >= 20

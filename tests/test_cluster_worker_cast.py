@@ -76,3 +76,29 @@ def test_x_non_finite_in_the_model_dtype_is_refused_in_the_engines_order_of_chec
                                                      "x": wire.encode_tensor(x[1:])})
     assert st == 422 and obj["error"]["code"] == "non_finite", obj
     assert torch.equal(api.state(sid), before)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_decode_batches_run_direct_from_the_arena_with_the_same_bits_as_in_process(servers, dtype):
+    """A plain decode batch is computed straight from the worker's arena block (x cast there to the model dtype)
+    and y written over it (``batch_requests_direct``), with the in-process bits."""
+    def direct_count():
+        text = servers["engine-process"].http.get("/metrics").text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("convserve_engine_batch_requests_direct_total"))
+
+    sids = {k: [api.session() for _ in range(5)] for k, api in servers.items()}
+    before = direct_count()
+    for step in range(4):
+        x = _x(5, dtype, seed=100 + step)
+        ys = {}
+        for k, api in servers.items():
+            st, obj, _ = api.call("POST", "/v1/conv/batch", {"sessions": sids[k], "layer": 3 * (step % 2),
+                                                             "x": wire.encode_tensor(x)})
+            assert st == 200, obj
+            ys[k] = wire.decode_tensor(obj["y"])
+        assert ys["engine-process"].dtype == dtype
+        assert torch.equal(ys["engine-process"], ys["in-process"])
+    for a, b in zip(sids["engine-process"], sids["in-process"]):
+        assert torch.equal(servers["engine-process"].state(a), servers["in-process"].state(b))
+    assert direct_count() - before == 4

@@ -43,6 +43,7 @@ from convserve.clients.protocol.errors import BadRequest, NotReady, ServiceError
 from ..gcfreeze import freeze_startup_objects
 from . import messages as m
 from .lifeline import exit_now, hold
+from .pinned import HostPinning
 from .shm import ArenaMap
 from .status import BUILT, STOPPED, UP, StatusTable
 
@@ -122,6 +123,8 @@ class EngineProcess:
 
         settings = self.settings.model_copy(update={"device": self.spec["device"]})
         self.engine = build_engine(settings)
+        if self.engine.device.type == "cuda":    # x to the device straight from the arenas (see .pinned)
+            self.arenas.pinning = HostPinning(str(self.engine.device))
         if settings.state_dir is not None:
             from convserve.service.snapshots import Snapshotter
 
@@ -337,7 +340,11 @@ class EngineProcess:
                     self.engine.check_accept_batch(head["ss"], head["t"])
                 self._send(ident, {"i": mid, "ok": ok})
             elif kind == m.STATS:
-                self._send(ident, {"i": mid, "ok": self.engine.stats()})
+                st = self.engine.stats()
+                pin = self.arenas.pinning
+                if pin is not None:
+                    st["arena_chunks_pinned"], st["arena_chunks_pin_failed"] = pin.registered, pin.failed
+                self._send(ident, {"i": mid, "ok": st})
             else:
                 raise BadRequest(f"unknown message kind {kind!r}")
         except Exception as e:  # noqa: BLE001 - answered to the worker, which raises it to its caller
@@ -357,8 +364,11 @@ class EngineProcess:
             except FileNotFoundError:        # the run directory is gone: the supervisor died, every child stops
                 raise NotReady(f"engine {self.index} is stopping (the server's supervisor is gone); this request "
                                "did not run: retry once the server is back", retry_after=1) from None
-            block = arena[off:off + rows * dim * dtype.itemsize]
+            nbytes = rows * dim * dtype.itemsize
+            block = arena[off:off + nbytes]
+            direct = head["k"] == m.BATCH and self.arenas.direct(head["a"], off, nbytes)
         else:
+            direct = False
             import torch
 
             block = torch.frombuffer(bytearray(data), dtype=torch.uint8)
@@ -372,7 +382,7 @@ class EngineProcess:
                                                 head.get("ck", False))
             else:
                 ans.req = self.engine.submit_batch_to(ans, head["ss"], head["l"], x, head.get("t"), head.get("sp"),
-                                                      head.get("po"), head.get("ck", False))
+                                                      head.get("po"), head.get("ck", False), direct)
         except BaseException:
             self.inflight.pop(key, None)
             raise
@@ -395,7 +405,8 @@ class EngineProcess:
             return
         block = ans.block
         try:
-            block.view(y.dtype).view(y.shape).copy_(y)    # y has x's shape and dtype: it fits x's block exactly
+            if y.data_ptr() != block.data_ptr():          # (a direct batch's y is already there)
+                block.view(y.dtype).view(y.shape).copy_(y)    # y has x's shape and dtype: it fits x's block exactly
         except Exception as e:  # noqa: BLE001 - the request still gets an answer (the step's delivery swallows)
             log.exception("engine: cannot write an answer into its block")
             self._send(ans.ident, m.error_reply(ans.mid, e))

@@ -111,8 +111,9 @@ class Arena:
 class ArenaMap:
     """The engine's side: the workers' arenas, mapped on first use, by path (one generation per worker slot)."""
 
-    def __init__(self, run_dir: str):
+    def __init__(self, run_dir: str, pinning=None):
         self.run_dir = os.path.realpath(run_dir)
+        self.pinning = pinning                   # a HostPinning (an engine on CUDA), or None
         self._maps: dict[str, np.ndarray] = {}
         self._by_worker: dict[str, str] = {}
         self._tensors: dict[str, tuple] = {}     # name -> (its mapping, a tensor over it)
@@ -138,7 +139,17 @@ class ArenaMap:
             if old is not None:              # that worker was restarted: its old arena is no longer written
                 self._maps.pop(old, None)
                 self._tensors.pop(old, None)
+                if self.pinning is not None:
+                    self.pinning.forget(old)
             _mm, base = map_file(os.path.join(self.run_dir, name))
             self._maps[name] = base
             self._by_worker[worker] = name
         return base
+
+    def direct(self, name: str, off: int, nbytes: int) -> bool:
+        """May the engine copy to and from block ``[off, off + nbytes)`` of arena ``name`` (mapped) without a host
+        copy of its own? On CUDA when the block lies in a page-locked chunk (:mod:`.pinned`); on the CPU always
+        (the step reads x from the block and writes y into it, as it would from its own buffers)."""
+        if self.pinning is None:
+            return True
+        return self.pinning.covers(name, self._maps[name], off, nbytes)

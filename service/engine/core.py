@@ -314,6 +314,9 @@ class Engine(Intake, SessionOps, Accepts, Positions, SnapshotTaking, Worker):
                 "batch_requests": st.get("batches", 0),
                 # batch requests launched from a batch slot (one graph replay); the rest went through the arena
                 "batch_requests_in_slots": st.get("batches_in_slots", 0),
+                # plain decode batches copied to the device from their caller's page-locked memory and y back
+                # over it (an engine process's arena blocks): no host copy in the engine
+                "batch_requests_direct": st.get("batches_direct", 0),
                 # verify-only batches launched from a verify slot (one graph replay); the rest joined the layer's
                 # verify launch
                 "batch_requests_in_verify_slots": st.get("batches_in_verify_slots", 0),

@@ -305,7 +305,8 @@ class Intake:
         return min(cfg.max_batch_size, cfg.decode_buckets[-1], cfg.max_batch_tokens)
 
     def _submit_batch(self, session_ids, layer: int, x: torch.Tensor, tokens, speculative, sink,
-                      positions=None, checked: bool = False, borrowed: bool = False) -> Optional[ConvRequest]:
+                      positions=None, checked: bool = False, borrowed: bool = False,
+                      direct: bool = False) -> Optional[ConvRequest]:
         cfg, model = self.config, self.model_cpu
         n = check_batch_sessions(session_ids, cfg.max_batch_size)
         if positions is not None:
@@ -343,7 +344,9 @@ class Intake:
             n_dec = b.n_dec
         check_one_token_rows(n_one, cfg.decode_buckets[-1])
         runner, slot = self._runner, -1
-        if runner is not None and n_dec:             # not started: _enqueue_batch raises NotReady
+        if direct and plan is None and xm is x and not borrowed:
+            b.direct = True                          # the step reads dec_x (x itself) and writes y over it
+        elif runner is not None and n_dec:           # not started: _enqueue_batch raises NotReady
             slot = runner.take_slot(req, xm) if plan is None else -1
             if slot < 0:
                 runner.stage_batch(req, b.dec_x)
@@ -533,9 +536,15 @@ class Intake:
         return self._submit(session_id, layer, x, speculative, sink, position, checked)
 
     def submit_batch_to(self, sink, session_ids: Sequence[str], layer: int, x: torch.Tensor, tokens=None,
-                        speculative=None, position=None, checked: bool = False) -> Optional[ConvRequest]:
-        """:meth:`submit_batch` delivering to ``sink`` (see :meth:`submit_to`)."""
-        return self._submit_batch(session_ids, layer, x, tokens, speculative, sink, position, checked)
+                        speculative=None, position=None, checked: bool = False,
+                        direct: bool = False) -> Optional[ConvRequest]:
+        """:meth:`submit_batch` delivering to ``sink`` (see :meth:`submit_to`). ``direct``: x lies in host memory
+        the caller holds, unchanged, until the answer, page-locked on CUDA (a worker's arena block, see
+        :mod:`convserve.service.cluster.pinned`); a plain decode batch whose x is already the model's contiguous
+        tensor then skips the batch slot: its step copies x to the device straight from there and y back over
+        it, and the result is a view of x's memory (no host copy on either side)."""
+        return self._submit_batch(session_ids, layer, x, tokens, speculative, sink, position, checked,
+                                  direct=direct)
 
     def withdraw(self, request: Optional[ConvRequest]) -> bool:
         """Withdraw a request of :meth:`submit_to` if it has not started (its sink is not called); True if

@@ -364,6 +364,7 @@ class Worker:
             for r in out.batches:
                 st["batches"] += 1
                 st["batches_in_slots"] += r.batch.buf >= 0
+                st["batches_direct"] += r.batch.direct
                 st["batches_in_verify_slots"] += r.batch.vbuf >= 0
             st["padded_rows"] += padded
             if kernel_ns is not None:

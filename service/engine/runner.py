@@ -32,6 +32,10 @@ from .cuda_graphs import DecodeLaunchers
 from .records import BatchIndex
 from .staging import Staging
 
+#: ``slot_of``'s entry for a direct decode batch (``BatchRows.direct``): no batch slot, and y not in the step's
+#: host output
+DIRECT = -2
+
 
 class Runner(Staging):
     """The buffers, kernels and launchers of one engine on one device (built by :meth:`Engine.start`)."""
@@ -115,7 +119,8 @@ class Runner(Staging):
         """Pack, launch, synchronize once, unpack. Returns ``(host_out, by_position, t_launched, t_synced,
         kernel_ns, padded_rows)``: every finished request's y lies in ``host_out``, at row ``r.parts`` (or, when
         ``by_position``, at its position in ``out.finished``), except a chunked prefill's, whose ``r.parts`` is
-        its own joined tensor, and a batch request's in a batch slot, whose ``r.parts`` is the slot's y."""
+        its own joined tensor, a batch request's in a batch slot, whose ``r.parts`` is the slot's y, and a direct
+        batch's, whose ``r.parts`` is its x (y copied over it)."""
         offs = self._pack_tokens(out) if out.packed_tokens else None
         mixed, slot_of, n_slot = self._pack_decodes(out.decodes)
         t_k0 = time.perf_counter_ns()
@@ -301,8 +306,8 @@ class Runner(Staging):
         """Put each decode launch's x and indices in place: one launch per layer, or (several layers, their rows
         fitting one bucket, ``multi_layer_decode``) one launch for all. Returns ``(mixed, slot_of, n_slot)``:
         ``mixed`` is ``(the rows of the multi-layer launch in row order, bucket)`` or None; ``slot_of`` each
-        decode batch's batch slot or -1 (empty with ``mixed``); ``n_slot`` the rows launched from batch slots
-        (their y is not in the step's host output)."""
+        decode batch's batch slot, -1, or :data:`DIRECT` (empty with ``mixed``); ``n_slot`` the rows launched from
+        batch slots or direct (their y is not in the step's host output)."""
         bf, cuda = self.bufs, self.stream is not None
         mixed = None
         if len(decodes) > 1 and self.decode.multi_layer and all(db.cache_indices is not None for db in decodes):
@@ -322,16 +327,19 @@ class Runner(Staging):
                 bf.dec_idx_np[db.layer, :db.bucket] = db.cache_indices
                 continue
             r = db.requests[0]                       # a batch request: x in its batch slot (copied at submit),
-            k = r.batch.buf                          # staged as one run of the arena, or its own tensor
+            b = r.batch                              # staged as one run of the arena, its caller's page-locked
+            k = DIRECT if b.direct else b.buf        # memory (direct), or its own tensor
             slot_of.append(k)
             if k >= 0:
                 idx = bf.slot_idx_np[k]
                 n_slot += n
             else:
-                dx = r.batch.dec_x
-                src = dx if r.stage >= 0 or not cuda else bf.h_dec_x[db.layer, :n].copy_(dx)
+                dx = b.dec_x
+                src = dx if r.stage >= 0 or not cuda or k == DIRECT else bf.h_dec_x[db.layer, :n].copy_(dx)
                 bf.d_dec_x[db.layer, :n].copy_(src, non_blocking=cuda)
                 idx = bf.dec_idx_np[db.layer]
+                if k == DIRECT:                      # y goes back over x, not into the step's host output
+                    n_slot += n
             idx[:n] = r.batch.slots
             idx[n:db.bucket] = PAD_SLOT_ID
         return mixed, slot_of, n_slot
@@ -481,10 +489,12 @@ class Runner(Staging):
             host_out[:n_dec].copy_(bf.d_mix_out[:n_dec], non_blocking=cuda)
         a = 0
         for db, k in zip(decodes, slot_of):
-            if k < 0:
+            if k == -1:
                 n = db.rows
                 host_out[a:a + n].copy_(bf.d_dec_out[db.layer, :n], non_blocking=cuda)
                 a += n
+            elif k == DIRECT:
+                db.requests[0].batch.dec_x.copy_(bf.d_dec_out[db.layer, :db.rows], non_blocking=cuda)
         if n_packed:
             host_out[n_dec:n_out].copy_(bf.d_out[:n_packed], non_blocking=cuda)
         return host_out, n_dec
@@ -504,6 +514,10 @@ class Runner(Staging):
                 if k >= 0:                     # a batch request in a batch slot: y is the slot's
                     r = db.requests[0]
                     r.parts = self.bufs.slot_y.buf(k)[:r.n_tokens]
+                    continue
+                if k == DIRECT:                # y is over x, in its caller's memory
+                    r = db.requests[0]
+                    r.parts = r.batch.dec_x
                     continue
                 for r in db.requests:          # a batch request's rows in host_out, or single decodes
                     b = r.batch
