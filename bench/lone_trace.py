@@ -1,8 +1,12 @@
-"""Where a lone session's call goes, hop by hop, through ``convserve serve`` (issue 14's one-session target).
+"""Where a batch call goes, hop by hop, through ``convserve serve`` (a lone session by default: issue 14's
+one-session target; ``--sessions 256 --shm sealed``: issue 13's frontend step).
 
     python bench/lone_trace.py --out bench/results/lone-trace-<gpu>-<date>.json [--workers 1,0] [--base TREE]
+                               [--sessions N] [--shm sealed]
 
-One session, ``AsyncConvClient.conv_batch`` per layer, 8 layers in turn (dim 4096, bf16). The server's processes
+N sessions (one by default), ``AsyncConvClient.conv_batch`` of all of them per layer, 8 layers in turn (dim 4096,
+bf16), x and y in the bodies or (``--shm sealed``) in a sealed client arena (the client's copy of x into it
+counted in the call). The server's processes
 record timestamps at the hops of a call (``bench/lone_trace_hook``: the route's pieces, the worker's send, the
 engine process's receive, submit, step, answer and send, the worker's receive); for each call the first time of
 each milestone after the previous one gives the gaps, whose medians are reported with the client's p50. The
@@ -32,6 +36,7 @@ sys.path.insert(0, str(HERE))
 import bench_service as bs  # noqa: E402
 
 from convserve.clients.client import AsyncConvClient  # noqa: E402
+from convserve.clients.protocol.shm import ShmArena  # noqa: E402
 
 #: the hops of a call through an engine process, in order
 THROUGH_ENGINE = ["_UnaryEndpoint.__call__", "unary.read_body:end", "BatchEndpoint.parse:end",
@@ -45,20 +50,25 @@ IN_PROCESS = ["_UnaryEndpoint.__call__", "unary.read_body:end", "BatchEndpoint.p
               "Runner.execute:end", "unary.wait_result:end", "unary.render:end", "unary.send_bytes:end"]
 
 
-async def drive(url: str, x, seconds: float) -> list:
+async def drive(url: str, x, seconds: float, shm: str) -> list:
     """(start, end) perf_counter_ns of each call after 100 rounds of warm-up."""
-    async with AsyncConvClient(url) as c:
-        s = await c.create_session()
-        for _ in range(100):
-            for layer in range(8):
-                await c.conv_batch([s], layer, x)
-        calls, end = [], time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            for layer in range(8):
-                t0 = time.perf_counter_ns()
-                await c.conv_batch([s], layer, x)
-                calls.append((t0, time.perf_counter_ns()))
-        return calls
+    arena = ShmArena(max(64 << 20, 4 * x.nbytes), sealed=True) if shm == "sealed" else None
+    try:
+        async with AsyncConvClient(url, shm=arena) as c:
+            ss = [await c.create_session() for _ in range(x.shape[0])]
+            for _ in range(100):
+                for layer in range(8):
+                    await c.conv_batch(ss, layer, x)
+            calls, end = [], time.perf_counter() + seconds
+            while time.perf_counter() < end:
+                for layer in range(8):
+                    t0 = time.perf_counter_ns()
+                    await c.conv_batch(ss, layer, x)
+                    calls.append((t0, time.perf_counter_ns()))
+            return calls
+    finally:
+        if arena is not None:
+            arena.close()
 
 
 def gaps(calls: list, events: list, milestones: list) -> dict:
@@ -86,7 +96,7 @@ def gaps(calls: list, events: list, milestones: list) -> dict:
             "gaps_us": {m: med(v) for m, v in per.items() if v}}
 
 
-def run_one(tree: Path, workers: str, x, seconds: float, cpus) -> dict:
+def run_one(tree: Path, workers: str, x, seconds: float, cpus, shm: str = "none") -> dict:
     with tempfile.TemporaryDirectory() as d:
         env = {"LONE_TRACE_DIR": d,
                "PYTHONPATH": f"{HERE / 'lone_trace_hook'}:{tree / 'src'}:{os.environ.get('PYTHONPATH', '')}"}
@@ -94,13 +104,14 @@ def run_one(tree: Path, workers: str, x, seconds: float, cpus) -> dict:
         os.environ.update(env)
         try:
             srv = bs.serve("cuda" if torch.cuda.is_available() else "cpu",
-                           ["--slots", "64", "--dim", str(x.shape[1]), "--layers", "0,1,2,3,4,5,6,7",
-                            f"--workers={workers}"], cpus)
+                           ["--slots", str(max(64, x.shape[0])), "--dim", str(x.shape[1]), "--layers",
+                            "0,1,2,3,4,5,6,7", f"--workers={workers}"] + (["--client-shm"] if shm != "none" else []),
+                           cpus)
         finally:
             for k, v in saved.items():
                 os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
         try:
-            calls = asyncio.run(drive(srv.url, x, seconds))
+            calls = asyncio.run(drive(srv.url, x, seconds, shm))
             time.sleep(1.5)                                     # the last events written
         finally:
             srv.stop()
@@ -119,24 +130,28 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--dim", type=int, default=4096)
+    ap.add_argument("--sessions", type=int, default=1, help="sessions per batch call [1]")
+    ap.add_argument("--shm", choices=["none", "sealed"], default="none",
+                    help="x and y in the bodies, or in a sealed client arena [none]")
     args = ap.parse_args()
     torch.set_num_threads(1)
     cpus = None
     if (os.cpu_count() or 0) >= 16:
         os.sched_setaffinity(0, set(range(8, 16)))
         cpus = set(range(0, 8))
-    x = torch.randn(1, args.dim).to(torch.bfloat16)
+    x = torch.randn(args.sessions, args.dim).to(torch.bfloat16)
     root = HERE.parent
     trees = [("this", root)] + ([("base", Path(args.base).resolve())] if args.base else [])
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
                             text=True).stdout.strip()
     out = {"env": {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                    "torch": torch.__version__, "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "commit": commit,
-                   "dim": args.dim, "layers": 8, "dtype": "bfloat16"}, "runs": []}
+                   "dim": args.dim, "layers": 8, "dtype": "bfloat16", "sessions": args.sessions, "shm": args.shm},
+           "runs": []}
     for rnd in range(args.rounds):
         for w in args.workers.split(","):
             for label, tree in (trees if rnd % 2 == 0 else trees[::-1]):
-                r = {"tree": label, "workers": int(w), "round": rnd, **run_one(tree, w, x, args.seconds, cpus)}
+                r = {"tree": label, "workers": int(w), "round": rnd, **run_one(tree, w, x, args.seconds, cpus, args.shm)}
                 out["runs"].append(r)
                 print(json.dumps(r), flush=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
