@@ -167,11 +167,12 @@ class EngineCollector(Collector):
         "batch_requests_in_slots": ("convserve_engine_batch_requests_in_slots", "counter",
                                     "Batch requests launched from a batch slot (one CUDA graph replay)"),
         "batch_requests_direct": ("convserve_engine_batch_requests_direct", "counter",
-                                  "Decode batch requests copied to the device straight from a worker's page-locked "
-                                  "shared memory, y back over it (no host copy in the engine)"),
+                                  "Decode batch requests computed straight from a worker's shared-memory block, y "
+                                  "written back over it (no host copy in the engine; on a GPU the block is "
+                                  "page-locked)"),
         "arena_chunks_pinned": ("convserve_engine_arena_chunks_pinned", "gauge",
                                 "Chunks of the workers' shared-memory arenas page-locked for the GPU's copies"),
-        "arena_chunks_pin_failed": ("convserve_engine_arena_chunks_pin_failed", "gauge",
+        "arena_chunks_pin_failed": ("convserve_engine_arena_chunks_pin_failed", "counter",
                                     "Chunks of the workers' arenas that could not be page-locked (their blocks are "
                                     "copied on the host)"),
         "multi_layer_launches": ("convserve_engine_multi_layer_launches", "counter",

@@ -81,4 +81,4 @@ def test_decode_batches_go_direct_from_the_page_locked_arena_and_match_the_refer
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
     assert total("convserve_engine_arena_chunks_pinned") >= 1
-    assert total("convserve_engine_batch_requests_direct_total") >= 20
+    assert total("convserve_engine_batch_requests_direct_total") >= 40     # of 80 parts: the first ones copy

@@ -33,7 +33,9 @@ class Runtime:
         return True
 
     def unregister(self, ptr):
+        assert ptr in self.registered, "unregistered twice, or never registered"
         del self.registered[ptr]
+        return True
 
 
 def _pinning(rt):
@@ -42,7 +44,7 @@ def _pinning(rt):
 
 def _settle(pin, n, timeout=5.0):
     end = time.monotonic() + timeout
-    while pin.registered + pin.failed < n and time.monotonic() < end:
+    while pin.pinned + pin.failed < n and time.monotonic() < end:
         time.sleep(0.002)
     time.sleep(0.01)
 
@@ -85,7 +87,7 @@ def test_a_chunk_is_registered_once_and_a_failed_one_is_never_tried_again():
     for _ in range(3):
         assert not pin.covers("a", base, CHUNK + 8, 64)
     time.sleep(0.02)
-    assert rt.calls == 2 and (pin.registered, pin.failed) == (1, 1)
+    assert rt.calls == 2 and (pin.pinned, pin.failed) == (1, 1)
 
 
 def test_a_retired_arena_is_unregistered_only_when_its_last_view_is_gone(tmp_path):
@@ -105,7 +107,10 @@ def test_a_retired_arena_is_unregistered_only_when_its_last_view_is_gone(tmp_pat
     assert len(rt.registered) == 2
     del view
     gc.collect()
-    assert rt.registered == {}
+    end = time.monotonic() + 5                       # (unregistered on the registration thread)
+    while rt.registered and time.monotonic() < end:
+        time.sleep(0.002)
+    assert rt.registered == {} and pin.pinned == 0
 
 
 def test_without_pinning_every_block_goes_direct(tmp_path):
@@ -114,3 +119,37 @@ def test_without_pinning_every_block_goes_direct(tmp_path):
     map_file(str(tmp_path / "arena-w0-g1"), 2 * CHUNK, create=True)
     arenas.tensor("arena-w0-g1")
     assert arenas.direct("arena-w0-g1", CHUNK - 1, 2)
+
+
+def test_a_device_the_thread_cannot_set_turns_pinning_off_and_every_block_copies():
+    rt, base = Runtime(), np.zeros(2 * CHUNK, dtype=np.uint8)
+
+    def broken():
+        raise RuntimeError("no such device")
+
+    pin = HostPinning(register=rt.register, unregister=rt.unregister, set_device=broken, chunk=CHUNK)
+    assert not pin.covers("a", base, 0, 64)
+    end = time.monotonic() + 5
+    while not pin.off and time.monotonic() < end:
+        time.sleep(0.002)
+    for off in (0, CHUNK):
+        assert not pin.covers("a", base, off, 64)
+    assert rt.calls == 0 and pin.pinned == 0
+
+
+def test_a_failed_unregister_is_logged_and_not_counted_as_pinned(tmp_path, caplog):
+    rt = Runtime()
+    rt.unregister = lambda ptr: False
+    pin = _pinning(rt)
+    arenas = ArenaMap(str(tmp_path), pinning=pin)
+    for g in (1, 2):
+        map_file(str(tmp_path / f"arena-w0-g{g}"), CHUNK, create=True)
+    arenas.tensor("arena-w0-g1")
+    arenas.direct("arena-w0-g1", 0, 64)
+    _settle(pin, 1)
+    arenas.tensor("arena-w0-g2")
+    gc.collect()
+    end = time.monotonic() + 5
+    while pin.pinned and time.monotonic() < end:
+        time.sleep(0.002)
+    assert pin.pinned == 0 and "cannot unregister" in caplog.text

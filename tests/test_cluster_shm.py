@@ -149,3 +149,34 @@ def test_a_conv_naming_an_arena_whose_run_directory_is_gone_is_not_ready_not_an_
     head = {"k": 1, "i": 7, "d": "float32", "n": 1, "a": "arena-w0-g1", "o": 0}
     with pytest.raises(NotReady, match="supervisor is gone"):
         EngineProcess._conv(fake, b"w0", head, None)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_carved_blocks_are_aligned_to_their_size_and_never_straddle_a_page_locked_chunk(tmp_path, monkeypatch, seed):
+    """Blocks of mixed sizes, some released and reused: each starts at a multiple of min(its class, CHUNK), so a
+    block of at most a chunk lies in one chunk (with CHUNK made small, to cross many)."""
+    import random
+
+    from convserve.service.cluster import shm
+
+    monkeypatch.setattr(shm, "CHUNK", 1 << 16)
+    rng = random.Random(seed)
+    a = Arena(str(tmp_path / "arena-w0-g1"), 1 << 26)
+    held = []
+    try:
+        for _ in range(300):
+            got = a.lease(rng.choice([1, 5000, 9000, 40_000, 70_000, 200_000]))
+            if got is None:
+                break
+            off, lease = got
+            cls = shm._size_class(lease.nbytes)
+            assert off % min(cls, shm.CHUNK) == 0
+            if lease.nbytes <= shm.CHUNK:
+                assert off // shm.CHUNK == (off + lease.nbytes - 1) // shm.CHUNK
+            held.append(lease)
+            if rng.random() < 0.6:
+                held.pop(rng.randrange(len(held)))      # (returned at once: a lease is in no cycle)
+        assert a.leases > 100 and a.reused > 0
+    finally:
+        held.clear()
+        a.close()

@@ -3,6 +3,7 @@ an engine process does with its workers' page-locked arena blocks. Run on the CP
 on the GPU as a ``gpu`` test, against the float64-style reference."""
 
 import concurrent.futures as cf
+import time
 
 import pytest
 import torch
@@ -141,5 +142,93 @@ def test_a_non_finite_direct_x_is_refused_and_changes_nothing():
         with pytest.raises(NonFinite):
             _submit(e, sids, LAYERS[0], x, True)
         assert all(torch.equal(e.export_state(s), b) for s, b in zip(sids, before))
+    finally:
+        e.stop(drain=False)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("direct_layer", [0, 1, 2])
+def test_a_direct_batch_in_one_step_with_other_launches_leaves_their_results_in_place(device, direct_layer):
+    """One step: single decodes and a prefill on other layers, a batch in a batch slot, and the direct batch on
+    the first, a middle or the last decode launch: every y where it belongs."""
+    from tests.engine_support import gate_worker
+
+    e = _engine(device, torch.bfloat16)
+    oracle = Oracle(e.model_cpu, e.state_dtype)
+    try:
+        S = [e.create_session() for _ in range(14)]
+        for s in S:
+            oracle.new(s)
+        go, entered = gate_worker(e)
+        first = e.submit(S[13], LAYERS[0], torch.randn(1, DIM).to(torch.bfloat16))
+        assert entered.wait(10)
+        steps = e.stats()["steps"]
+        others = [p for p in range(3) if p != direct_layer]
+        xs = {k: torch.randn(n, DIM).to(torch.bfloat16) for k, n in (("a", 1), ("b", 5), ("f", 1), ("n", 3))}
+        fa = e.submit(S[0], LAYERS[others[0]], xs["a"])
+        fb = e.submit(S[1], LAYERS[others[1]], xs["b"])
+        ff = e.submit(S[5], LAYERS[others[0]], xs["f"])
+        block = _host(6, torch.bfloat16, device)
+        xd = block[1:5]
+        xd.copy_(torch.randn(4, DIM).to(torch.bfloat16))
+        xd_in = xd.clone()
+        sd, sn = Sink(), Sink()
+        direct_sids = S[2:5] + [S[9]]
+        e.submit_batch_to(sd, direct_sids, LAYERS[direct_layer], xd, None, None, None, False, True)
+        e.submit_batch_to(sn, S[6:9], LAYERS[others[1]], xs["n"], None, None, None, False, False)
+        go.set()
+        first.result(10)
+        got = {"a": fa.result(10), "b": fb.result(10), "f": ff.result(10), "n": sn.fut.result(10)}
+        yd = sd.fut.result(10)
+        end = time.monotonic() + 5                     # (a step's stats are recorded after its delivery)
+        while e.stats()["steps"] - steps < 2 and time.monotonic() < end:
+            time.sleep(0.005)
+        time.sleep(0.05)
+        assert e.stats()["steps"] - steps == 2, "the held step and one more"
+        assert yd.data_ptr() == xd.data_ptr()
+        assert_close(got["a"], oracle.conv(S[0], others[0], xs["a"]), what="single decode")
+        assert_close(got["b"], oracle.conv(S[1], others[1], xs["b"]), what="prefill")
+        assert_close(got["f"], oracle.conv(S[5], others[0], xs["f"]), what="second single decode")
+        assert_close(got["n"], torch.cat([oracle.conv(s, others[1], xs["n"][i:i + 1])
+                                          for i, s in enumerate(S[6:9])]), what="slot batch")
+        assert_close(yd, torch.cat([oracle.conv(s, direct_layer, xd_in[i:i + 1])
+                                    for i, s in enumerate(direct_sids)]), what="direct batch")
+    finally:
+        e.stop(drain=False)
+
+
+@pytest.mark.gpu
+def test_a_direct_batch_from_a_registered_shared_mapping_matches_the_reference(tmp_path):
+    """What an engine process does: a file mapping page-locked with cudaHostRegister (:mod:`.pinned`), blocks of it
+    as x, y written back over them by the GPU's copies."""
+    from convserve.service.cluster.shm import ArenaMap, map_file
+
+    e = _engine("cuda", torch.bfloat16)
+    oracle = Oracle(e.model_cpu, e.state_dtype)
+    from convserve.service.cluster.pinned import HostPinning
+
+    pin = HostPinning(str(e.device))
+    arenas = ArenaMap(str(tmp_path), pinning=pin)
+    map_file(str(tmp_path / "arena-w0-g1"), 3 << 20, create=True)
+    arena = arenas.tensor("arena-w0-g1")
+    try:
+        sids = [e.create_session() for _ in range(29)]
+        for s in sids:
+            oracle.new(s)
+        nbytes = 29 * DIM * 2
+        assert not arenas.direct("arena-w0-g1", 4096, nbytes)        # first use: registered on the thread
+        end = time.monotonic() + 10
+        while not arenas.direct("arena-w0-g1", 4096, nbytes) and time.monotonic() < end:
+            time.sleep(0.01)
+        assert pin.pinned == 1 and pin.failed == 0
+        for step in range(4):
+            off = 4096 + step * 2 * nbytes
+            x = arena[off:off + nbytes].view(torch.bfloat16).view(29, DIM)
+            x.copy_(torch.randn(29, DIM).to(torch.bfloat16))
+            want = torch.cat([oracle.conv(s, step % 3, x[i:i + 1].clone()) for i, s in enumerate(sids)])
+            y = _submit(e, sids, LAYERS[step % 3], x, arenas.direct("arena-w0-g1", off, nbytes))
+            assert y.data_ptr() == x.data_ptr()
+            assert_close(y, want, what=f"step {step}")
+        assert e.stats()["batch_requests_direct"] == 4
     finally:
         e.stop(drain=False)

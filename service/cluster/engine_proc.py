@@ -343,7 +343,7 @@ class EngineProcess:
                 st = self.engine.stats()
                 pin = self.arenas.pinning
                 if pin is not None:
-                    st["arena_chunks_pinned"], st["arena_chunks_pin_failed"] = pin.registered, pin.failed
+                    st["arena_chunks_pinned"], st["arena_chunks_pin_failed"] = pin.pinned, pin.failed
                 self._send(ident, {"i": mid, "ok": st})
             else:
                 raise BadRequest(f"unknown message kind {kind!r}")

@@ -10,10 +10,11 @@ resident (the holes of the sparse arena file in it are allocated then), so at mo
 worker has carved is allocated. A chunk whose registration fails (a full ``/dev/shm``, the driver's limit on locked
 memory) is not tried again: its blocks keep the copying path.
 
-A registered arena is unregistered when its mapping is collected (the old arena of a restarted worker, once no
-request holds a view of it): a finalizer on the mapping's array runs before the array releases the mapping, so no
-page is unmapped while still registered, and no copy is in flight then (a request's views are dropped only after
-its step has synchronized).
+A registered arena is unregistered when its mapping's array is collected (the old arena of a restarted worker,
+once no request holds a view of it; no copy is in flight then: a request's views are dropped only after its step
+has synchronized). The array's finalizer runs on whichever thread drops the last view (often the engine's, under
+its lock), so it only hands the chunks, and the mapping object itself, to the registration thread, which
+unregisters them and then lets the mapping go: no page is unmapped while registered.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ CHUNK = 32 << 20
 
 
 def _cuda_functions(device: str) -> tuple[Callable, Callable, Callable]:
-    """``(register(ptr, n) -> bool, unregister(ptr), set_device())`` through torch's CUDA runtime bindings."""
+    """``(register(ptr, n) -> bool, unregister(ptr) -> bool, set_device())`` through torch's CUDA runtime
+    bindings (which return the error code rather than raise)."""
     import torch
 
     rt = torch.cuda.cudart()
@@ -42,15 +44,15 @@ def _cuda_functions(device: str) -> tuple[Callable, Callable, Callable]:
     def register(ptr: int, n: int) -> bool:
         return int(rt.cudaHostRegister(ptr, n, portable)) == 0
 
-    def unregister(ptr: int) -> None:
-        rt.cudaHostUnregister(ptr)
+    def unregister(ptr: int) -> bool:
+        return int(rt.cudaHostUnregister(ptr)) == 0
 
     return register, unregister, lambda: torch.cuda.set_device(torch.device(device))
 
 
 class _Pins:
-    """One arena's chunks: ``state[c]`` is True (registered), False (failed), or absent (not tried); ``ptrs`` the
-    registered chunks' addresses, for the finalizer (which must not refer to the array itself)."""
+    """One arena's chunks: ``state[c]`` is True (registered), False (failed, or being registered), or absent (not
+    tried); ``ptrs`` the registered chunks' addresses, for the finalizer (which must not refer to the array)."""
 
     __slots__ = ("state", "ptrs", "lock")
 
@@ -62,8 +64,8 @@ class _Pins:
 
 class HostPinning:
     """Registers arenas' chunks on a thread of its own (started on first use) and answers whether a block lies in
-    one registered chunk. ``register`` / ``unregister`` / ``set_device`` default to the CUDA runtime's for
-    ``device``; tests pass their own."""
+    one registered chunk. ``register`` / ``unregister`` (each returning whether it succeeded) and ``set_device``
+    default to the CUDA runtime's for ``device``; tests pass their own."""
 
     def __init__(self, device: str = "cuda", register: Optional[Callable] = None,
                  unregister: Optional[Callable] = None, set_device: Optional[Callable] = None,
@@ -75,20 +77,21 @@ class HostPinning:
         self._arenas: dict[str, _Pins] = {}        # by arena name (a name is never reused)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: Optional[threading.Thread] = None
-        self.registered = 0          # chunks registered, in all
-        self.failed = 0              # chunks whose registration failed
+        self.off = False             # the thread could not start (its device): every block copies
+        self.pinned = 0              # chunks registered now
+        self.failed = 0              # chunks whose registration failed, in all
 
     def covers(self, name: str, base: np.ndarray, off: int, n: int) -> bool:
         """Is ``base[off:off + n]`` (the mapping of arena ``name``) in one registered chunk? When its chunk was
         never tried, queue its registration and answer False (this request copies). One caller thread."""
         c = off // self.chunk
-        if n <= 0 or (off + n - 1) // self.chunk != c:
+        if n <= 0 or (off + n - 1) // self.chunk != c or self.off:
             return False
         pins = self._arenas.get(name)
         if pins is None:
             pins = self._arenas[name] = _Pins()
-            # unregister before the array releases the mapping (see the module docstring)
-            weakref.finalize(base, _unregister_all, pins, self._unregister).atexit = False
+            # see the module docstring: the mapping object (base.base) stays alive until the thread unregistered
+            weakref.finalize(base, self._jobs.put, (None, pins, base.base)).atexit = False
         got = pins.state.get(c)
         if got is not None:
             return got
@@ -108,10 +111,22 @@ class HostPinning:
         self._arenas.pop(name, None)
 
     def _run(self) -> None:
-        if self._set_device is not None:
-            self._set_device()
+        try:
+            if self._set_device is not None:
+                self._set_device()
+        except Exception:  # noqa: BLE001 - nothing is registered: every block keeps the copying path
+            log.exception("cannot page-lock the arenas: the registration thread cannot use the device")
+            self.off = True
+            while True:                     # drop the queued arenas' references (each job fails)
+                job = self._jobs.get()
+                if job[0] is not None:
+                    self.failed += 1
         while True:
             base, pins, c = self._jobs.get()
+            if base is None:                # the arena was collected: c is its mapping object
+                self._unregister_all(pins)
+                del c
+                continue
             lo = c * self.chunk
             n = min(self.chunk, len(base) - lo)
             ptr = base.ctypes.data + lo
@@ -125,21 +140,20 @@ class HostPinning:
                     pins.ptrs.append(ptr)
                     pins.state[c] = True
             if ok:
-                self.registered += 1
+                self.pinned += 1
             else:
                 self.failed += 1
-                log.warning("an arena chunk could not be page-locked; its blocks are copied",
-                            extra={"bytes": n})
+                log.warning("an arena chunk could not be page-locked; its blocks are copied", extra={"bytes": n})
             del base                        # the job's reference: the arena may be collected from here on
 
-
-def _unregister_all(pins: _Pins, unregister: Callable) -> None:
-    with pins.lock:
-        ptrs, pins.ptrs = pins.ptrs, []
-        for c in pins.state:
-            pins.state[c] = False
-    for ptr in ptrs:
-        try:
-            unregister(ptr)
-        except Exception:  # noqa: BLE001 - the process's memory, released with it
-            log.exception("cannot unregister an arena chunk")
+    def _unregister_all(self, pins: _Pins) -> None:
+        with pins.lock:
+            ptrs, pins.ptrs = pins.ptrs, []
+        for ptr in ptrs:
+            try:
+                ok = bool(self._unregister(ptr))
+            except Exception:  # noqa: BLE001 - logged below
+                ok = False
+            self.pinned -= 1
+            if not ok:         # its pages stay locked until the process exits
+                log.error("cannot unregister an arena chunk", extra={"address": ptr})

@@ -9,7 +9,8 @@ a numpy array that owns the block; torch tensors made from it (``torch.from_nump
 of those all keep that array alive, and the block returns to the free lists when the array is collected. The
 worker holds the lease while the engine may still write to the block (until the engine's reply, or its death).
 
-Allocation: power-of-two size classes carved from the arena with a bump pointer, and a free list per class. A
+Allocation: power-of-two size classes carved from the arena with a bump pointer (each block aligned to its size,
+up to :data:`~.pinned.CHUNK`), and a free list per class. A
 request that finds no block (the arena is full, or the tensor is larger than it) travels inline in the message
 instead, which costs one more copy; :attr:`Arena.inline` counts those.
 """
@@ -23,11 +24,21 @@ from typing import Optional
 
 import numpy as np
 
+from .pinned import CHUNK
+
 MIN_BLOCK = 4096
 
 
 def _size_class(nbytes: int) -> int:
     return max(MIN_BLOCK, 1 << (max(1, nbytes) - 1).bit_length())
+
+
+def _aligned(top: int, cls: int) -> int:
+    """Where a new block of size class ``cls`` is carved: at the bump pointer rounded up to ``min(cls, CHUNK)``, so
+    that no block of at most a chunk straddles two page-locked chunks (:mod:`.pinned`; the gap it skips is never
+    backed by memory: the file is sparse)."""
+    a = min(cls, CHUNK)
+    return -(-top // a) * a
 
 
 def map_file(path: str, size: Optional[int] = None, create: bool = False) -> tuple[mmap.mmap, np.ndarray]:
@@ -66,9 +77,8 @@ class Arena:
         if free:
             off = free.pop()
             self.reused += 1
-        elif self._top + cls <= self.size and self._back(self._top, cls):
-            off = self._top
-            self._top += cls
+        elif (off := _aligned(self._top, cls)) + cls <= self.size and self._back(off, cls):
+            self._top = off + cls
         else:
             self.inline += 1
             return None
