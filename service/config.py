@@ -85,6 +85,10 @@ class Settings(BaseSettings):
     shm_bytes: int = Field(256 << 20, ge=1 << 20, description="each worker's shared-memory arena for the tensors "
                            "it exchanges with the engines, in bytes (larger tensors travel inline, one more copy; "
                            "containers need a /dev/shm at least workers x this)")
+    shm_pin: bool = Field(True, description="engine processes on a GPU page-lock the workers' arenas (in 32 MiB "
+                          "chunks, as they are used) and copy a decode batch's x to the device and y back straight "
+                          "from its block, with no host copy; off: every request is copied through the engine's "
+                          "own pinned memory (the arenas' pages then stay as sparse as their use)")
 
     # --- model
     device: str = Field("auto", description="auto (CUDA if present, else CPU), cpu, cuda or cuda:N")

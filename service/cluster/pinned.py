@@ -154,6 +154,6 @@ class HostPinning:
                 ok = bool(self._unregister(ptr))
             except Exception:  # noqa: BLE001 - logged below
                 ok = False
-            self.pinned -= 1
             if not ok:         # its pages stay locked until the process exits
                 log.error("cannot unregister an arena chunk", extra={"address": ptr})
+            self.pinned -= 1
