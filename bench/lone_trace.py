@@ -151,7 +151,8 @@ def main() -> None:
     for rnd in range(args.rounds):
         for w in args.workers.split(","):
             for label, tree in (trees if rnd % 2 == 0 else trees[::-1]):
-                r = {"tree": label, "workers": int(w), "round": rnd, **run_one(tree, w, x, args.seconds, cpus, args.shm)}
+                r = {"tree": label, "workers": int(w), "round": rnd,
+                     **run_one(tree, w, x, args.seconds, cpus, args.shm)}
                 out["runs"].append(r)
                 print(json.dumps(r), flush=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")

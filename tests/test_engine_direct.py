@@ -40,6 +40,15 @@ def _engine(device, dtype):
     return make_engine(model, device=device, slots=40, max_batch_size=32, decode_buckets=(1, 4, 8, 32))
 
 
+def _sessions(e, n):
+    """``n`` new sessions of ``e`` and an :class:`Oracle` that knows them."""
+    oracle = Oracle(e.model_cpu, e.state_dtype)
+    sids = [e.create_session() for _ in range(n)]
+    for s in sids:
+        oracle.new(s)
+    return oracle, sids
+
+
 def _host(n, dtype, device):
     """A poisoned host block (pinned on CUDA, as a registered arena is)."""
     t = torch.empty(n, DIM, dtype=dtype, pin_memory=device == "cuda")
@@ -58,11 +67,8 @@ def _submit(e, sids, layer, x, direct, position=None, tokens=None):
 @pytest.mark.parametrize("rows", [1, 3, 8, 29])
 def test_a_direct_decode_batch_writes_y_over_x_and_equals_the_reference(device, dtype, rows):
     e = _engine(device, dtype)
-    oracle = Oracle(e.model_cpu, e.state_dtype)
     try:
-        sids = [e.create_session() for _ in range(rows)]
-        for s in sids:
-            oracle.new(s)
+        oracle, sids = _sessions(e, rows)
         before = e.stats()
         for step in range(3):
             layer = step % len(LAYERS)
@@ -87,11 +93,8 @@ def test_a_direct_decode_batch_writes_y_over_x_and_equals_the_reference(device, 
 def test_direct_is_ignored_where_it_cannot_hold_and_those_batches_still_match(device):
     """A mixed batch, an x in another dtype than the model's: the usual path (y a copy, x untouched)."""
     e = _engine(device, torch.float32)
-    oracle = Oracle(e.model_cpu, e.state_dtype)
     try:
-        sids = [e.create_session() for _ in range(4)]
-        for s in sids:
-            oracle.new(s)
+        oracle, sids = _sessions(e, 4)
         x = torch.randn(7, DIM)
         keep = x.clone()
         want = oracle.batch(sids, 0, x, [1, 3, 1, 2], [False] * 4)
@@ -113,11 +116,8 @@ def test_direct_is_ignored_where_it_cannot_hold_and_those_batches_still_match(de
 def test_a_repeat_of_a_direct_batch_gets_the_kept_y_after_x_memory_was_reused(device):
     """Kept answers (``position``) are copies: the caller reuses its block once answered."""
     e = _engine(device, torch.float32)
-    oracle = Oracle(e.model_cpu, e.state_dtype)
     try:
-        sids = [e.create_session() for _ in range(5)]
-        for s in sids:
-            oracle.new(s)
+        oracle, sids = _sessions(e, 5)
         x = _host(5, torch.float32, device)
         x.copy_(torch.randn(5, DIM))
         want = torch.cat([oracle.conv(s, 0, x[i:i + 1].clone()) for i, s in enumerate(sids)])
@@ -154,11 +154,8 @@ def test_a_direct_batch_in_one_step_with_other_launches_leaves_their_results_in_
     from tests.engine_support import gate_worker
 
     e = _engine(device, torch.bfloat16)
-    oracle = Oracle(e.model_cpu, e.state_dtype)
     try:
-        S = [e.create_session() for _ in range(14)]
-        for s in S:
-            oracle.new(s)
+        oracle, S = _sessions(e, 14)
         go, entered = gate_worker(e)
         first = e.submit(S[13], LAYERS[0], torch.randn(1, DIM).to(torch.bfloat16))
         assert entered.wait(10)
@@ -204,7 +201,6 @@ def test_a_direct_batch_from_a_registered_shared_mapping_matches_the_reference(t
     from convserve.service.cluster.shm import ArenaMap, map_file
 
     e = _engine("cuda", torch.bfloat16)
-    oracle = Oracle(e.model_cpu, e.state_dtype)
     from convserve.service.cluster.pinned import HostPinning
 
     pin = HostPinning(str(e.device))
@@ -212,9 +208,7 @@ def test_a_direct_batch_from_a_registered_shared_mapping_matches_the_reference(t
     map_file(str(tmp_path / "arena-w0-g1"), 3 << 20, create=True)
     arena = arenas.tensor("arena-w0-g1")
     try:
-        sids = [e.create_session() for _ in range(29)]
-        for s in sids:
-            oracle.new(s)
+        oracle, sids = _sessions(e, 29)
         nbytes = 29 * DIM * 2
         assert not arenas.direct("arena-w0-g1", 4096, nbytes)        # first use: registered on the thread
         end = time.monotonic() + 10
