@@ -58,12 +58,13 @@ async def drive(url: str, x, seconds: float, shm: str) -> list:
             ss = [await c.create_session() for _ in range(x.shape[0])]
             for _ in range(100):
                 for layer in range(8):
-                    await c.conv_batch(ss, layer, x)
+                    await c.conv_batch(ss, layer, x if arena is None else arena.put(x))
             calls, end = [], time.perf_counter() + seconds
             while time.perf_counter() < end:
                 for layer in range(8):
                     t0 = time.perf_counter_ns()
-                    await c.conv_batch(ss, layer, x)
+                    # (x written into the arena, where the server reads it, inside the call)
+                    await c.conv_batch(ss, layer, x if arena is None else arena.put(x))
                     calls.append((t0, time.perf_counter_ns()))
             return calls
     finally:
