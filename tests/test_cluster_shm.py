@@ -81,6 +81,23 @@ def test_an_engine_drops_the_arena_of_a_restarted_worker(tmp_path):
     a2.close()
 
 
+def test_a_late_message_of_a_replaced_worker_generation_leaves_the_current_arena_mapped(tmp_path):
+    from convserve.clients.protocol.errors import NotReady
+
+    arenas = [Arena(str(tmp_path / f"arena-w3-g{g}"), 1 << 16) for g in (1, 2, 10)]
+    maps = ArenaMap(str(tmp_path))
+    current = maps.get("arena-w3-g2")
+    with pytest.raises(NotReady, match="restarted"):
+        maps.get("arena-w3-g1")
+    assert maps.get("arena-w3-g2") is current and list(maps._maps) == ["arena-w3-g2"]
+    maps.get("arena-w3-g10")                  # generations compare as numbers
+    with pytest.raises(NotReady):
+        maps.get("arena-w3-g2")
+    assert list(maps._maps) == ["arena-w3-g10"]
+    for a in arenas:
+        a.close()
+
+
 def test_a_block_the_filesystem_cannot_back_goes_inline_instead_of_being_carved(arena, monkeypatch):
     import errno
     import os

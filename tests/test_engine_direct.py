@@ -3,6 +3,8 @@ an engine process does with its workers' page-locked arena blocks. Run on the CP
 on the GPU as a ``gpu`` test, against the float64-style reference."""
 
 import concurrent.futures as cf
+import os
+import pathlib
 import time
 
 import pytest
@@ -194,11 +196,24 @@ def test_a_direct_batch_in_one_step_with_other_launches_leaves_their_results_in_
         e.stop(drain=False)
 
 
+@pytest.fixture
+def shm_dir():
+    """A directory where the server puts its run directory: ``/dev/shm`` (tmpfs) when there is one."""
+    import shutil
+    import tempfile
+
+    d = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    yield pathlib.Path(d)
+    shutil.rmtree(d, ignore_errors=True)
+
+
 @pytest.mark.gpu
-def test_a_direct_batch_from_a_registered_shared_mapping_matches_the_reference(tmp_path):
-    """What an engine process does: a file mapping page-locked with cudaHostRegister (:mod:`.pinned`), blocks of it
-    as x, y written back over them by the GPU's copies."""
+def test_a_direct_batch_from_a_registered_shared_mapping_matches_the_reference(shm_dir):
+    """What an engine process does: an arena file's mapping page-locked with cudaHostRegister (:mod:`.pinned`),
+    blocks of it as x, y written back over them by the GPU's copies."""
     from convserve.service.cluster.shm import ArenaMap, map_file
+
+    tmp_path = shm_dir
 
     e = _engine("cuda", torch.bfloat16)
     from convserve.service.cluster.pinned import HostPinning
@@ -214,7 +229,7 @@ def test_a_direct_batch_from_a_registered_shared_mapping_matches_the_reference(t
         end = time.monotonic() + 10
         while not arenas.direct("arena-w0-g1", 4096, nbytes) and time.monotonic() < end:
             time.sleep(0.01)
-        assert pin.pinned == 1 and pin.failed == 0
+        assert (pin.pinned, pin.failed) == (1, 0)
         for step in range(4):
             off = 4096 + step * 2 * nbytes
             x = arena[off:off + nbytes].view(torch.bfloat16).view(29, DIM)

@@ -24,6 +24,8 @@ from typing import Optional
 
 import numpy as np
 
+from convserve.clients.protocol.errors import NotReady
+
 from .pinned import CHUNK
 
 MIN_BLOCK = 4096
@@ -144,8 +146,14 @@ class ArenaMap:
         if base is None:
             if "/" in name or not name.startswith("arena-"):
                 raise ValueError(f"not an arena name: {name!r}")
-            worker = name.rsplit("-g", 1)[0]
-            old = self._by_worker.pop(worker, None)
+            worker, gen = name.rsplit("-g", 1)
+            old = self._by_worker.get(worker)
+            if old is not None and gen.isdigit() and int(old.rsplit("-g", 1)[1]) > int(gen):
+                # a late message of a worker generation already replaced: its arena is not mapped again (the
+                # current one would be forgotten, then mapped and page-locked a second time)
+                raise NotReady(f"arena {name!r} belongs to a worker that was restarted since; this request did "
+                               "not run", retry_after=1)
+            self._by_worker.pop(worker, None)
             if old is not None:              # that worker was restarted: its old arena is no longer written
                 self._maps.pop(old, None)
                 self._tensors.pop(old, None)
