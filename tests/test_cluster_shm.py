@@ -169,9 +169,9 @@ def test_a_conv_naming_an_arena_whose_run_directory_is_gone_is_not_ready_not_an_
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_carved_blocks_are_aligned_to_their_size_and_never_straddle_a_page_locked_chunk(tmp_path, monkeypatch, seed):
-    """Blocks of mixed sizes, some released and reused: each starts at a multiple of min(its class, CHUNK), so a
-    block of at most a chunk lies in one chunk (with CHUNK made small, to cross many)."""
+def test_carved_blocks_never_straddle_a_page_locked_chunk(tmp_path, monkeypatch, seed):
+    """Blocks of mixed sizes, some released and reused: a block of at most a chunk lies in one chunk (with CHUNK
+    made small, to cross many), and no two held blocks overlap."""
     import random
 
     from convserve.service.cluster import shm
@@ -186,14 +186,73 @@ def test_carved_blocks_are_aligned_to_their_size_and_never_straddle_a_page_locke
             if got is None:
                 break
             off, lease = got
-            cls = shm._size_class(lease.nbytes)
-            assert off % min(cls, shm.CHUNK) == 0
-            if lease.nbytes <= shm.CHUNK:
+            if shm._size_class(lease.nbytes) <= shm.CHUNK:
                 assert off // shm.CHUNK == (off + lease.nbytes - 1) // shm.CHUNK
             held.append(lease)
+            offs = sorted((x.ctypes.data - a.base.ctypes.data, x.nbytes) for x in held)
+            assert all(o1 + n1 <= o2 for (o1, n1), (o2, _) in zip(offs, offs[1:])), "blocks overlap"
             if rng.random() < 0.6:
                 held.pop(rng.randrange(len(held)))      # (returned at once: a lease is in no cycle)
         assert a.leases > 100 and a.reused > 0
     finally:
         held.clear()
         a.close()
+
+
+@pytest.mark.parametrize("large", [60_000, 100_000, 200_000])   # classes up to a quarter chunk (a decode batch)
+def test_blocks_kept_off_chunk_boundaries_cost_at_most_a_quarter_of_the_arena(tmp_path, monkeypatch, large):
+    """Small and large leases in turn, all held, 16 chunks: a packed carve would fit ``size // (4 KiB + class)``
+    pairs; moving the large blocks off the chunk boundaries (the gaps to the free lists) keeps 3/4 of that."""
+    from convserve.service.cluster import shm
+
+    monkeypatch.setattr(shm, "CHUNK", 1 << 20)
+    size = 16 << 20
+    a = Arena(str(tmp_path / "arena-w0-g1"), size)
+    held, pairs = [], 0
+    try:
+        while True:
+            small, big = a.lease(3000), a.lease(large)
+            if small is None or big is None:
+                break
+            held += [small[1], big[1]]
+            pairs += 1
+        assert pairs >= 0.75 * (size // (4096 + shm._size_class(large)))
+    finally:
+        held.clear()
+        a.close()
+
+
+def test_a_gap_block_the_filesystem_cannot_back_goes_inline_and_is_kept_for_later(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    from convserve.service.cluster import shm
+
+    monkeypatch.setattr(shm, "CHUNK", 1 << 20)
+    a = Arena(str(tmp_path / "arena-w0-g1"), 4 << 20)
+    try:
+        first = a.lease(3000)
+        big = a.lease(1 << 20)                       # aligned at 1 MiB: [4 KiB, 1 MiB) goes to the free lists
+        assert big[0] == 1 << 20 and 4096 in a._unbacked
+
+        def full(fd, off, n):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(os, "posix_fallocate", full)
+        assert a.lease(3000) is None and a.inline == 1
+        monkeypatch.setattr(os, "posix_fallocate", lambda fd, off, n: None)
+        off, blk = a.lease(3000)
+        assert off == 4096 and 4096 not in a._unbacked and a.reused == 0
+        del first, big, blk
+    finally:
+        a.close()
+
+
+def test_without_pinning_blocks_go_direct_only_on_a_cpu_engine(tmp_path):
+    """``shm_pin`` off on a GPU: no block goes direct (every request through the engine's own pinned memory)."""
+    Arena(str(tmp_path / "arena-w0-g1"), 1 << 16).close(unlink=False)
+    for host_direct in (True, False):
+        maps = ArenaMap(str(tmp_path), host_direct=host_direct)
+        maps.get("arena-w0-g1")
+        assert maps.direct("arena-w0-g1", 0, 4096) is host_direct
+    with pytest.raises(ValueError, match="not an arena name"):
+        ArenaMap(str(tmp_path)).get("arena-w0")

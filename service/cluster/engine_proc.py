@@ -123,8 +123,9 @@ class EngineProcess:
 
         settings = self.settings.model_copy(update={"device": self.spec["device"]})
         self.engine = build_engine(settings)
-        if self.engine.device.type == "cuda" and settings.shm_pin:    # x to the device from the arenas (.pinned)
-            self.arenas.pinning = HostPinning(str(self.engine.device))
+        if self.engine.device.type == "cuda":    # x to the device straight from the arenas, or never (.pinned)
+            self.arenas.pinning = HostPinning(str(self.engine.device)) if settings.shm_pin else None
+            self.arenas.host_direct = False
         if settings.state_dir is not None:
             from convserve.service.snapshots import Snapshotter
 

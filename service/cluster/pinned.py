@@ -121,6 +121,7 @@ class HostPinning:
                 job = self._jobs.get()
                 if job[0] is not None:
                     self.failed += 1
+                job = None                  # (not held while waiting: the arena may be collected)
         while True:
             base, pins, c = self._jobs.get()
             if base is None:                # the arena was collected: c is its mapping object

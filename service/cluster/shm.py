@@ -9,8 +9,8 @@ a numpy array that owns the block; torch tensors made from it (``torch.from_nump
 of those all keep that array alive, and the block returns to the free lists when the array is collected. The
 worker holds the lease while the engine may still write to the block (until the engine's reply, or its death).
 
-Allocation: power-of-two size classes carved from the arena with a bump pointer (each block aligned to its size,
-up to :data:`~.pinned.CHUNK`), and a free list per class. A
+Allocation: power-of-two size classes carved from the arena with a bump pointer (a block that would straddle a
+:data:`~.pinned.CHUNK` boundary starts at it instead), and a free list per class. A
 request that finds no block (the arena is full, or the tensor is larger than it) travels inline in the message
 instead, which costs one more copy; :attr:`Arena.inline` counts those.
 """
@@ -36,11 +36,12 @@ def _size_class(nbytes: int) -> int:
 
 
 def _aligned(top: int, cls: int) -> int:
-    """Where a new block of size class ``cls`` is carved: at the bump pointer rounded up to ``min(cls, CHUNK)``, so
-    that no block of at most a chunk straddles two page-locked chunks (:mod:`.pinned`; the gap it skips is never
-    backed by memory: the file is sparse)."""
-    a = min(cls, CHUNK)
-    return -(-top // a) * a
+    """Where a new block of size class ``cls`` is carved: at the bump pointer, or at the next chunk boundary when a
+    block of at most a chunk would straddle two page-locked chunks there (:mod:`.pinned`; the gap it skips goes to
+    the free lists, see :meth:`Arena._spare`)."""
+    if cls <= CHUNK and top // CHUNK != (top + cls - 1) // CHUNK:
+        return -(-top // CHUNK) * CHUNK
+    return top
 
 
 def map_file(path: str, size: Optional[int] = None, create: bool = False) -> tuple[mmap.mmap, np.ndarray]:
@@ -67,6 +68,7 @@ class Arena:
         self._fd = os.open(path, os.O_RDWR)   # kept to back each newly carved block (_back)
         self._top = 0                       # bump pointer: [0, _top) has been carved into blocks
         self._free: dict[int, list[int]] = {}
+        self._unbacked: set[int] = set()    # free blocks cut from alignment gaps: backed when first leased
         self.in_use = 0                     # blocks leased and not yet returned
         self.leases = 0                     # blocks handed out, in all
         self.reused = 0                     # of those, taken from a free list
@@ -76,10 +78,14 @@ class Arena:
         """``(offset, array of nbytes)`` owning a block, or None when none is free."""
         cls = _size_class(nbytes)
         free = self._free.get(cls)
-        if free:
+        if free and (free[-1] not in self._unbacked or self._back(free[-1], cls)):
             off = free.pop()
-            self.reused += 1
-        elif (off := _aligned(self._top, cls)) + cls <= self.size and self._back(off, cls):
+            if off in self._unbacked:
+                self._unbacked.discard(off)
+            else:
+                self.reused += 1
+        elif not free and (off := _aligned(self._top, cls)) + cls <= self.size and self._back(off, cls):
+            self._spare(self._top, off)
             self._top = off + cls
         else:
             self.inline += 1
@@ -89,6 +95,17 @@ class Arena:
         self.in_use += 1
         self.leases += 1
         return off, arr
+
+    def _spare(self, lo: int, hi: int) -> None:
+        """Put the alignment gap ``[lo, hi)`` (multiples of MIN_BLOCK) on the free lists, as the largest aligned
+        power-of-two blocks that tile it; not backed yet (see :meth:`_back`): that happens when one is leased."""
+        while lo < hi:
+            size = lo & -lo
+            while lo + size > hi:
+                size >>= 1
+            self._free.setdefault(size, []).append(lo)
+            self._unbacked.add(lo)
+            lo += size
 
     def _back(self, off: int, n: int) -> bool:
         """Allocate the file's pages under a block about to be carved. The file is sparse (its pages come at first
@@ -123,9 +140,10 @@ class Arena:
 class ArenaMap:
     """The engine's side: the workers' arenas, mapped on first use, by path (one generation per worker slot)."""
 
-    def __init__(self, run_dir: str, pinning=None):
+    def __init__(self, run_dir: str, pinning=None, host_direct: bool = True):
         self.run_dir = os.path.realpath(run_dir)
-        self.pinning = pinning                   # a HostPinning (an engine on CUDA), or None
+        self.pinning = pinning                   # a HostPinning (an engine on CUDA with shm_pin), or None
+        self.host_direct = host_direct           # without pinning, whether blocks go direct (a CPU engine)
         self._maps: dict[str, np.ndarray] = {}
         self._by_worker: dict[str, str] = {}
         self._tensors: dict[str, tuple] = {}     # name -> (its mapping, a tensor over it)
@@ -144,7 +162,7 @@ class ArenaMap:
     def get(self, name: str) -> np.ndarray:
         base = self._maps.get(name)
         if base is None:
-            if "/" in name or not name.startswith("arena-"):
+            if "/" in name or not name.startswith("arena-") or "-g" not in name:
                 raise ValueError(f"not an arena name: {name!r}")
             worker, gen = name.rsplit("-g", 1)
             old = self._by_worker.get(worker)
@@ -166,8 +184,9 @@ class ArenaMap:
 
     def direct(self, name: str, off: int, nbytes: int) -> bool:
         """May the engine copy to and from block ``[off, off + nbytes)`` of arena ``name`` (mapped) without a host
-        copy of its own? On CUDA when the block lies in a page-locked chunk (:mod:`.pinned`); on the CPU always
-        (the step reads x from the block and writes y into it, as it would from its own buffers)."""
+        copy of its own? On CUDA when the block lies in a page-locked chunk (:mod:`.pinned`; never with
+        ``shm_pin`` off); on the CPU always (the step reads x from the block and writes y into it, as it would
+        from its own buffers)."""
         if self.pinning is None:
-            return True
+            return self.host_direct
         return self.pinning.covers(name, self._maps[name], off, nbytes)
