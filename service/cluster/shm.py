@@ -78,13 +78,17 @@ class Arena:
         """``(offset, array of nbytes)`` owning a block, or None when none is free."""
         cls = _size_class(nbytes)
         free = self._free.get(cls)
-        if free and (free[-1] not in self._unbacked or self._back(free[-1], cls)):
-            off = free.pop()
-            if off in self._unbacked:
+        if free:
+            off = free[-1]
+            if off not in self._unbacked:
+                self.reused += 1
+            elif self._back(off, cls):           # a gap block: backed at its first lease
                 self._unbacked.discard(off)
             else:
-                self.reused += 1
-        elif not free and (off := _aligned(self._top, cls)) + cls <= self.size and self._back(off, cls):
+                self.inline += 1
+                return None
+            free.pop()
+        elif (off := _aligned(self._top, cls)) + cls <= self.size and self._back(off, cls):
             self._spare(self._top, off)
             self._top = off + cls
         else:

@@ -50,7 +50,7 @@ class BatchRows(RowBatch):
     sessions: Any = ()           # the Session of each row, in row order (distinct); () once the batch is done
     slots: Any = None            # (n_dec,) int32 array of the decode rows' pool slots
     buf: int = -1                # the batch slot holding its x and y (-1: none, see Runner.take_slot)
-    direct: bool = False         # a plain decode batch whose x its caller holds in page-locked memory: the step
+    direct: bool = False         # a plain decode batch whose x its caller holds (page-locked on CUDA): the step
     #                              copies x in from there and y back over it (Engine.submit_batch_to's direct)
     done_at: float = 0.0         # monotonic time it completed: its sessions' last use
     dec_x: Any = None            # (n_dec, dim) x of the decode rows: the request's x, a staging view or its own

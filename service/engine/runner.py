@@ -340,7 +340,7 @@ class Runner(Staging):
                 idx = bf.dec_idx_np[db.layer]
                 if k == DIRECT:                      # y goes back over x, not into the step's host output
                     n_slot += n
-            idx[:n] = r.batch.slots
+            idx[:n] = b.slots
             idx[n:db.bucket] = PAD_SLOT_ID
         return mixed, slot_of, n_slot
 
