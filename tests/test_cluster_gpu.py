@@ -82,3 +82,47 @@ def test_decode_batches_go_direct_from_the_page_locked_arena_and_match_the_refer
 
     assert total("convserve_engine_arena_chunks_pinned") >= 1
     assert total("convserve_engine_batch_requests_direct_total") >= 40     # of 80 parts: the first ones copy
+
+
+def test_sealed_client_blocks_go_by_reference_and_direct_from_the_page_locked_segment():
+    """A sealed client segment's decode batches: the engine process maps the segment, page-locks its chunks, and
+    copies x to the GPU straight from the client's block and y back over it (``client_block_requests``, and
+    ``batch_requests_direct`` once the chunk is registered); prefill batches and unary convs read in place too."""
+    from convserve.clients.client import ConvClient
+    from convserve.clients.protocol.shm import ShmArena
+
+    srv = LiveServer(["--layers", "0,2,5", "--dim", str(DIM), "--width", "4", "--dtype", "float32", "--slots", "64",
+                      "--workers", "1", "--devices", "cuda:0", "--client-shm"], timeout=300)
+    arena = ShmArena(8 << 20, sealed=True)
+    try:
+        api, ref = Api(srv.url), Reference(model())
+        with ConvClient(srv.url, shm=arena) as c:
+            sids = [c.create_session() for _ in range(40)]
+            for s in sids:
+                ref.create(s)
+            for step in range(30):
+                layer = [0, 2, 5][step % 3]
+                tokens = [3 if i % 7 == 0 else 1 for i in range(len(sids))] if step % 5 == 4 else None
+                x = torch.randn(sum(tokens or [1] * len(sids)), DIM)
+                blk = arena.put(x)
+                y = c.conv_batch(sids, layer, blk, tokens=tokens)
+                assert y.data_ptr() == blk.data_ptr()
+                at = 0
+                for s, n in zip(sids, tokens or [1] * len(sids)):
+                    assert_rel_close(y[at:at + n], ref.conv(s, layer, x[at:at + n]))
+                    at += n
+                xs = torch.randn(5, DIM)
+                assert_rel_close(c.conv(sids[step], layer, arena.put(xs)), ref.conv(sids[step], layer, xs))
+            for s in sids:
+                assert_rel_close(api.state(s), ref.states[s])
+        text = api.http.get("/metrics").text
+
+        def total(name):
+            return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+        assert total("convserve_engine_client_block_requests_total") == 60
+        assert total("convserve_engine_batch_requests_direct_total") >= 12     # of 24 decode batches
+        assert total("convserve_engine_arena_chunks_pinned") >= 1
+    finally:
+        arena.close()
+        srv.terminate()

@@ -43,6 +43,8 @@ from convserve.clients.protocol.errors import BadRequest, NotReady, ServiceError
 from ..gcfreeze import freeze_startup_objects
 from . import messages as m
 from .lifeline import exit_now, hold
+from ..http.client_shm import SWEEP_S
+from .client_blocks import ClientBlocks
 from .pinned import HostPinning
 from .shm import ArenaMap
 from .status import BUILT, STOPPED, UP, StatusTable
@@ -104,6 +106,7 @@ class EngineProcess:
         self.engine = None
         self.snapshots = None
         self.arenas = ArenaMap(self.run_dir)
+        self.clients = ClientBlocks(self.settings.client_shm_segments)    # sealed client segments' blocks
         self.status = StatusTable(os.path.join(self.run_dir, "status"))
         self.journal = Journal(os.path.join(self.run_dir, f"engine-{self.index}.journal"))
         self.inflight: dict = {}          # (worker identity, request id) -> its _Answer
@@ -126,6 +129,7 @@ class EngineProcess:
         if self.engine.device.type == "cuda":    # x to the device straight from the arenas, or never (.pinned)
             self.arenas.pinning = HostPinning(str(self.engine.device)) if settings.shm_pin else None
             self.arenas.host_direct = False
+            self.clients.pinning, self.clients.host_direct = self.arenas.pinning, False
         if settings.state_dir is not None:
             from convserve.service.snapshots import Snapshotter
 
@@ -196,8 +200,12 @@ class EngineProcess:
         self.status.set_state(self.index, UP)
         log.info("engine up", extra={"engine": self.index, "device": self.spec["device"], "epoch": self.epoch,
                                      "pid": os.getpid()})
+        swept = time.monotonic()
         while not stop.wait(1.0):
             self._publish_slots()
+            if time.monotonic() - swept >= SWEEP_S:   # closed client arenas: their mappings go
+                swept = time.monotonic()
+                self.clients.sweep()
         self.status.set_state(self.index, STOPPED)
         if self.snapshots is not None:
             self.snapshots.stop_engine(True, self.settings.shutdown_timeout_s)
@@ -345,6 +353,7 @@ class EngineProcess:
                 pin = self.arenas.pinning
                 if pin is not None:
                     st["arena_chunks_pinned"], st["arena_chunks_pin_failed"] = pin.pinned, pin.failed
+                st["client_block_requests"] = self.clients.requests
                 self._send(ident, {"i": mid, "ok": st})
             else:
                 raise BadRequest(f"unknown message kind {kind!r}")
@@ -368,13 +377,16 @@ class EngineProcess:
             nbytes = rows * dim * dtype.itemsize
             block = arena[off:off + nbytes]
             direct = head["k"] == m.BATCH and self.arenas.direct(head["a"], off, nbytes)
+        elif "c" in head:                    # a block of the client's sealed segment, checked by the worker
+            block, direct = self.clients.block(head["c"], head["o"], rows * dim * dtype.itemsize)
+            direct = direct and head["k"] == m.BATCH
         else:
             direct = False
             import torch
 
             block = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         x = block.view(dtype).view(rows, dim)
-        ans = _Answer(self, ident, head["i"], block, "a" in head)
+        ans = _Answer(self, ident, head["i"], block, "a" in head or "c" in head)
         key = (ident, ans.mid)
         self.inflight[key] = ans             # before the submit: a repeat is answered within it
         try:

@@ -67,13 +67,15 @@ class _Future(asyncio.Future):
 
 
 class _Pending:
-    __slots__ = ("fut", "lease", "epoch", "dtype", "shape", "out_dtype", "deadline", "what")
+    __slots__ = ("fut", "lease", "epoch", "dtype", "shape", "out_dtype", "deadline", "what", "in_place")
 
-    def __init__(self, fut, lease, epoch, dtype=None, shape=None, out_dtype=None, deadline=0.0, what=""):
+    def __init__(self, fut, lease, epoch, dtype=None, shape=None, out_dtype=None, deadline=0.0, what="",
+                 in_place=False):
         self.fut, self.lease, self.epoch, self.dtype, self.shape = fut, lease, epoch, dtype, shape
         self.out_dtype = out_dtype        # x's dtype when the block holds the model's (y is cast back to it)
         self.deadline = deadline          # loop time: no answer by then, it fails with EngineTimeout
         self.what = what                  # what was asked, for that error ("" : a read)
+        self.in_place = in_place          # the block is the client's own (a sealed segment's, see _conv)
 
 
 class _Link:
@@ -99,7 +101,8 @@ class RemoteEngine(RemoteSessions, EngineHealth):
 
     def __init__(self, run_dir: str, devices: Sequence[str], worker: int, generation: int, info: dict,
                  arena_bytes: int, check_finite: bool = True, reply_timeout: float = 90.0,
-                 down_unhealthy_s: float = 0.0, stats_timeout: float = 2.0, limits=None):
+                 down_unhealthy_s: float = 0.0, stats_timeout: float = 2.0, limits=None,
+                 client_direct: bool = False):
         self.run_dir = run_dir
         self.stats_timeout = stats_timeout      # a scrape's wait for each engine's counters
         #: the engines' batch limits, for a split batch's whole-batch checks (split_batch.check_whole)
@@ -108,6 +111,7 @@ class RemoteEngine(RemoteSessions, EngineHealth):
         self.down_unhealthy_s = down_unhealthy_s
         self.model_dtype = getattr(torch, info["dtype"])
         self.check_finite = check_finite
+        self.client_direct = client_direct      # sealed client blocks go by reference (see _conv)
         self.reply_timeout = reply_timeout
         self.devices = list(devices)
         self.n = len(self.devices)
@@ -307,7 +311,9 @@ class RemoteEngine(RemoteSessions, EngineHealth):
                     f"engine {link.index} ({self.devices[link.index]}) did not answer {p.what} within "
                     f"engine_reply_timeout_s={self.reply_timeout:g} s; it may or may not have been applied: GET "
                     "/v1/sessions/{id} to see the session's positions (or whether it exists) before sending it "
-                    "again; a conv sent again with 'position' is applied at most once")
+                    "again; a conv sent again with 'position' is applied at most once" + (
+                        "; the engine may still write y over x's block in your shared-memory segment: send it "
+                        "again from another block" if p.in_place else ""))
             else:
                 err = EngineTimeout(f"engine {link.index} ({self.devices[link.index]}) did not answer within "
                                     f"engine_reply_timeout_s={self.reply_timeout:g} s; nothing was changed by this "
@@ -370,14 +376,17 @@ class RemoteEngine(RemoteSessions, EngineHealth):
 
     # ------------------------------------------------------------------ convs (event loop)
 
-    def _conv(self, e: int, head: dict, x: torch.Tensor, rows=None, borrowed: bool = False,
+    def _conv(self, e: int, head: dict, x: torch.Tensor, rows=None, borrowed=False,
               checked: bool = False) -> _Future:
         """Send one conv (or batch part) to engine ``e``; x (or its ``rows``) is copied into the arena.
 
         A float x of the right shape is cast to the model dtype in that copy and checked for NaN/Inf here
         (``ck``), so the engine's one thread does neither; y comes back in the model dtype and is cast to x's.
         Everything else, and a non-finite x, the engine checks (and raises the proper error for). ``checked``: x
-        is in the model dtype and was found finite already (a split batch's, see :func:`.split_batch.check_whole`)."""
+        is in the model dtype and was found finite already (a split batch's, see :func:`.split_batch.check_whole`).
+        ``borrowed``: true when x is a view of its client's memory; its block's ``{key, offset}`` in a sealed
+        segment, which, with ``client_direct`` and x in the model dtype, goes by reference: the engine reads x
+        there and writes y over it (:mod:`.client_blocks`), and nothing is copied here."""
         epoch = self._target(e)
         link = self.links[e]
         dtype = out_dtype = x.dtype
@@ -390,9 +399,16 @@ class RemoteEngine(RemoteSessions, EngineHealth):
         if name is None:   # the engine raises the proper error; send it anyway, inline
             name = str(dtype).removeprefix("torch.")
         nbytes = n * self.dim * dtype.itemsize
-        got = self.arena.lease(nbytes) if cast else None
+        in_place = (cast and out_dtype is None and rows is None and type(borrowed) is dict and self.client_direct
+                    and x.is_contiguous())
+        got = self.arena.lease(nbytes) if cast and not in_place else None
         data = None
-        if got is not None:
+        if in_place:
+            # the block stays the client's; the engine maps its segment (the worker's checks were made at parse)
+            lease = x.view(-1).view(torch.uint8).numpy()
+            head["c"], head["o"] = borrowed["key"], borrowed["offset"]
+            head["ck"] = checked or not self.check_finite or all_finite(x)
+        elif got is not None:
             off, lease = got
             dst = torch.from_numpy(lease).view(dtype).view(n, self.dim)
             if rows is None:
@@ -417,14 +433,15 @@ class RemoteEngine(RemoteSessions, EngineHealth):
         fut.engine, fut.mid = e, mid
         link.pending[mid] = _Pending(fut, lease, epoch, dtype, (n, self.dim), out_dtype,
                                      self.loop.time() + self.reply_timeout,
-                                     "this batch" if head["k"] == m.BATCH else "this conv")
+                                     "this batch" if head["k"] == m.BATCH else "this conv", in_place)
         self._send(link, head, data)
         return fut
 
     def submit_async(self, session_id: str, layer: int, x, speculative: bool = False,
-                     position: Optional[int] = None, borrowed: bool = False) -> asyncio.Future:
+                     position: Optional[int] = None, borrowed=False) -> asyncio.Future:
         """As :meth:`Engine.submit_async`. ``borrowed``: x is copied before this returns (into the arena, or a
-        copy of its own that the message is sent from); what the engine computes with and checks is that copy."""
+        copy of its own that the message is sent from), and what the engine computes with and checks is that copy;
+        or, a sealed client block sent by reference, checked here first (see :meth:`_conv`)."""
         e = engine_of(session_id, self.n) if isinstance(session_id, str) else 0
         return self._in_order(e, {"k": m.CONV, "s": session_id, "l": layer, "sp": speculative, "po": position},
                               (session_id,), x, borrowed)
@@ -432,7 +449,7 @@ class RemoteEngine(RemoteSessions, EngineHealth):
     submit = submit_async   # its callers (the stream pipeline) run on the loop too
 
     def submit_batch_async(self, session_ids: Sequence[str], layer: int, x, tokens=None,
-                           speculative=None, position=None, borrowed: bool = False) -> asyncio.Future:
+                           speculative=None, position=None, borrowed=False) -> asyncio.Future:
         """As :meth:`Engine.submit_batch_async` (``borrowed``: see :meth:`submit_async`)."""
         groups = split(session_ids, self.n) if self.n > 1 else {0: None}
         if len(groups) == 1:
@@ -487,7 +504,7 @@ class RemoteEngine(RemoteSessions, EngineHealth):
             y.index_copy_(0, ix, r)
         return y if y.dtype is y_dtype else y.to(y_dtype)
 
-    def _in_order(self, e: int, head: dict, sids, x, borrowed: bool) -> asyncio.Future:
+    def _in_order(self, e: int, head: dict, sids, x, borrowed) -> asyncio.Future:
         """Send a conv or an unsplit batch to engine ``e`` now, or, when a split batch holds one of its sessions,
         after it (:meth:`_after`)."""
         waits = self.order.waits(sids) if self.order else None
@@ -495,7 +512,7 @@ class RemoteEngine(RemoteSessions, EngineHealth):
             return self._after(waits, list(sids), partial(self._conv, e, head), x, borrowed)
         return self._conv(e, head, x, borrowed=borrowed)
 
-    def _after(self, waits: list, sids, send, x, borrowed: bool) -> asyncio.Future:
+    def _after(self, waits: list, sids, send, x, borrowed) -> asyncio.Future:
         """Send ``send(x)`` once ``waits`` (the sessions' tails, see :mod:`.session_order`) are done, as the new
         tail of ``sids``; the future of its answer. A borrowed x is copied first (it is read later)."""
         if borrowed and isinstance(x, torch.Tensor):

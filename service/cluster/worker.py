@@ -16,6 +16,7 @@ def main(spec: dict) -> None:
     from convserve.service.cli import run_app
     from convserve.service.http.app import create_app
 
+    from .client_blocks import client_direct
     from .remote import RemoteEngine
     from .split_batch import batch_limits
 
@@ -33,6 +34,6 @@ def main(spec: dict) -> None:
     engine = RemoteEngine(spec["run_dir"], spec["devices"], spec["index"], spec["generation"], info,
                           settings.shm_bytes, settings.check_finite, settings.engine_reply_timeout(),
                           settings.engine_down_unhealthy_s, settings.engine_stats_timeout_s,
-                          limits=batch_limits(settings))
+                          limits=batch_limits(settings), client_direct=client_direct(settings, spec["devices"]))
     app = create_app(settings, engine)
     exit_now(run_app(settings, app, sockets=[spec["socket"]]))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, Optional, Protocol, Sequence, Union
 
 
 class EngineAPI(Protocol):
@@ -21,18 +21,19 @@ class EngineAPI(Protocol):
     def stats(self) -> dict: ...                       # read at scrape time by /metrics
 
     # --- conv requests (position: where the client believes the session is on the layer, one per session for a
-    # batch; None checks nothing; see service/engine/positions.py. borrowed: x is a view of memory its client
-    # may write meanwhile, so the backend copies it before it checks or reads it)
+    # batch; None checks nothing; see service/engine/positions.py. borrowed: true when x is a view of memory its
+    # client may write meanwhile, so the backend copies it before it checks or reads it; the block's {key, offset}
+    # when that memory is a sealed client segment, which an engine process reads in place: client_blocks.py)
     def submit(self, session_id: str, layer: int, x, speculative: bool = False,
-               position: Optional[int] = None, borrowed: bool = False) -> cf.Future: ...
+               position: Optional[int] = None, borrowed: Union[bool, dict, None] = False) -> cf.Future: ...
     def submit_async(self, session_id: str, layer: int, x, speculative: bool = False,
-                     position: Optional[int] = None, borrowed: bool = False) -> asyncio.Future: ...
+                     position: Optional[int] = None, borrowed: Union[bool, dict, None] = False) -> asyncio.Future: ...
     def submit_batch(self, session_ids: Sequence[str], layer: int, x, tokens: Optional[Sequence[int]] = None,
                      speculative=None, position: Optional[Sequence[int]] = None,
-                     borrowed: bool = False) -> cf.Future: ...
+                     borrowed: Union[bool, dict, None] = False) -> cf.Future: ...
     def submit_batch_async(self, session_ids: Sequence[str], layer: int, x, tokens: Optional[Sequence[int]] = None,
                            speculative=None, position: Optional[Sequence[int]] = None,
-                           borrowed: bool = False) -> asyncio.Future: ...
+                           borrowed: Union[bool, dict, None] = False) -> asyncio.Future: ...
     def cancel(self, future) -> bool: ...                  # withdraw a request that has not started
 
     # --- session operations (blocking: the routes run them in a thread)

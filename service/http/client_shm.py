@@ -66,7 +66,8 @@ class ReplyTo:
             if off + len(data) > len(mm):       # x was read there, and a sealed segment cannot shrink
                 raise Internal(f"the conv was applied, but y does not fit shared-memory segment {self.ref['key']!r};"
                                " read the session's state before going on")
-            mm[off:off + len(data)] = data
+            if y.data_ptr() != torch.frombuffer(mm, dtype=torch.uint8, count=1, offset=off).data_ptr():
+                mm[off:off + len(data)] = data  # (an engine process that read x in place wrote y there already)
         else:
             try:
                 n = os.pwrite(self.fd, data, self.ref["offset"])
@@ -91,10 +92,12 @@ class ReplyTo:
         self.close()
 
 
-def borrowed(reply_to: Optional[ReplyTo]) -> bool:
-    """Is the x of the request that ``reply_to`` answers a view of a client's mapped (sealed) segment rather than
-    a copy? The engine is then told so (``borrowed=True``): it copies x before it checks or reads it."""
-    return reply_to is not None and reply_to.mapped is not None
+def borrowed(reply_to: Optional[ReplyTo]) -> Optional[dict]:
+    """The block's reference ``{"key", "offset"}`` when the x of the request that ``reply_to`` answers is a view of
+    a client's mapped (sealed) segment rather than a copy, else None. The engine is told so (``borrowed``, a true
+    value): an in-process engine copies x before it checks or reads it; an engine process may map the block itself
+    and compute on it in place (:mod:`convserve.service.cluster.client_blocks`)."""
+    return reply_to.ref if reply_to is not None and reply_to.mapped is not None else None
 
 
 class ClientSegments:
@@ -247,6 +250,11 @@ class ClientSegments:
             while len(self._fds) > self.max_segments:
                 os.close(self._fds.popitem(last=False)[1][0])
             return os.dup(fd)
+
+    def mapped(self, key: str) -> bool:
+        """Is sealed segment ``key`` mapped here now (not dropped as least recently used, or by a sweep)?"""
+        with self._lock:
+            return key in self._maps
 
     def __len__(self) -> int:
         return len(self._fds) + len(self._maps)
