@@ -204,16 +204,17 @@ class AsyncConvClient(_Base):
         check_given_position(book, position)
         pos = position if book is None else await self._position(session, layer)
         body = self._conv_body(session, layer, x, speculative, pos)
-        resp, attempt = (await self._send("POST", "/v1/conv", body), 0) if book is None else \
-            await self._post_retrying("/v1/conv", body, [session])
-        self.bytes_sent += len(body)
-        self.bytes_received += len(resp.content)
-        try:
-            obj = _decode(resp)
-        except PositionMismatch as e:
-            if book is not None and attempt:
-                book.moved_on(e, [session], layer, [pos], [x.shape[0]], [speculative])
-            raise
+        with self._sent_from(x):
+            resp, attempt = (await self._send("POST", "/v1/conv", body), 0) if book is None else \
+                await self._post_retrying("/v1/conv", body, [session])
+            self.bytes_sent += len(body)
+            self.bytes_received += len(resp.content)
+            try:
+                obj = _decode(resp)
+            except PositionMismatch as e:
+                if book is not None and attempt:
+                    book.moved_on(e, [session], layer, [pos], [x.shape[0]], [speculative])
+                raise
         if book is not None:
             book.applied(session, layer, x.shape[0], speculative)
         return wire.decode_tensor(obj["y"], backend=_backend_of(x), name="y", shm=self.shm)
@@ -226,21 +227,22 @@ class AsyncConvClient(_Base):
         check_given_position(book, position)
         pos = position if book is None else [await self._position(s, layer) for s in sessions]
         body = self._batch_body(sessions, layer, x, tokens, speculative, pos)
-        resp, attempt = (await self._send("POST", "/v1/conv/batch", body), 0) if book is None else \
-            await self._post_retrying("/v1/conv/batch", body, list(sessions))
-        self.bytes_sent += len(body)
-        self.bytes_received += len(resp.content)
-        toks, spec = self._batch_rows(sessions, x, tokens, speculative)
-        try:
-            obj = _decode(resp)
-        except PositionMismatch as e:
-            if book is not None and attempt:
-                book.moved_on(e, list(sessions), layer, pos, toks, spec)
-            raise
-        except ServiceError as e:   # a batch split across engines, some of whose parts ran: they count
-            if book is not None:
-                book.partly_applied(e, list(sessions), layer, toks, spec)
-            raise
+        with self._sent_from(x):
+            resp, attempt = (await self._send("POST", "/v1/conv/batch", body), 0) if book is None else \
+                await self._post_retrying("/v1/conv/batch", body, list(sessions))
+            self.bytes_sent += len(body)
+            self.bytes_received += len(resp.content)
+            toks, spec = self._batch_rows(sessions, x, tokens, speculative)
+            try:
+                obj = _decode(resp)
+            except PositionMismatch as e:
+                if book is not None and attempt:
+                    book.moved_on(e, list(sessions), layer, pos, toks, spec)
+                raise
+            except ServiceError as e:   # a batch split across engines, some of whose parts ran: they count
+                if book is not None:
+                    book.partly_applied(e, list(sessions), layer, toks, spec)
+                raise
         if book is not None:
             for s, n, f in zip(sessions, toks, spec):
                 book.applied(s, layer, n, f)

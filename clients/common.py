@@ -3,6 +3,7 @@ and the request bodies."""
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import os
 import threading
@@ -15,7 +16,7 @@ import httpx
 from convserve.clients.positions import PositionBook
 from convserve.clients.protocol import wire
 from convserve.clients.protocol.errors import BY_CODE as _BY_CODE
-from convserve.clients.protocol.errors import ServiceError
+from convserve.clients.protocol.errors import EngineTimeout, OutcomeUnknown, ServiceError
 
 _HEADERS = {"content-type": wire.MEDIA_TYPE, "accept": wire.MEDIA_TYPE}
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -317,6 +318,20 @@ class _Base:
         #: with ``track_positions``: the positions the client believes its sessions are at (see clients/positions.py)
         self.positions: Optional[PositionBook] = PositionBook(max_retries, retry_backoff_s) if track_positions \
             else None
+
+    @contextlib.contextmanager
+    def _sent_from(self, x):
+        """Around a call that may send ``x`` by reference (a block of :attr:`shm`): when the call ends without
+        the server's answer (a timeout, a dropped connection, a cancelled task) or with ``504 engine_timeout``,
+        the server may still read x there and write y over it, so the block is held out of the arena's reuse
+        (:meth:`ShmArena.hold`)."""
+        try:
+            yield
+        except BaseException as e:
+            if self.shm is not None and (not isinstance(e, ServiceError) or isinstance(e, (EngineTimeout,
+                                                                                           OutcomeUnknown))):
+                self.shm.hold(x)
+            raise
 
     def _ws_headers(self) -> dict:
         return {"authorization": self.headers["authorization"]} if self.api_key else {}

@@ -171,8 +171,9 @@ class EngineCollector(Collector):
                                   "written back over it (no host copy in the engine; on a GPU the block is "
                                   "page-locked)"),
         "client_block_requests": ("convserve_engine_client_block_requests", "counter",
-                                  "Convs whose x an engine process read from a client's sealed shared-memory "
-                                  "segment and whose y it wrote back there (no copy in the HTTP worker)"),
+                                  "Decode batches an engine process took with x in a client's sealed "
+                                  "shared-memory segment, to read x and write y there (no copy in the HTTP "
+                                  "worker)"),
         "arena_chunks_pinned": ("convserve_engine_arena_chunks_pinned", "gauge",
                                 "Chunks of the workers' shared-memory arenas page-locked for the GPU's copies"),
         "arena_chunks_pin_failed": ("convserve_engine_arena_chunks_pin_failed", "counter",

@@ -85,10 +85,12 @@ def test_decode_batches_go_direct_from_the_page_locked_arena_and_match_the_refer
 
 
 def test_sealed_client_blocks_go_by_reference_and_direct_from_the_page_locked_segment():
-    """A sealed client segment's decode batches: the engine process maps the segment, page-locks its chunks, and
-    copies x to the GPU straight from the client's block and y back over it (``client_block_requests``, and
-    ``batch_requests_direct`` once the chunk is registered); prefill batches and unary convs read in place too."""
+    """A sealed client segment's plain decode batches: the engine process maps the segment, page-locks its chunks,
+    and copies x to the GPU straight from the client's block and y back over it (``client_block_requests``, and
+    ``batch_requests_direct`` once the chunk is registered), checking x there; a NaN refuses the batch with no
+    state written. Prefill batches and unary convs from the segment take the worker's copy."""
     from convserve.clients.client import ConvClient
+    from convserve.clients.protocol.errors import NonFinite
     from convserve.clients.protocol.shm import ShmArena
 
     srv = LiveServer(["--layers", "0,2,5", "--dim", str(DIM), "--width", "4", "--dtype", "float32", "--slots", "64",
@@ -113,6 +115,11 @@ def test_sealed_client_blocks_go_by_reference_and_direct_from_the_page_locked_se
                     at += n
                 xs = torch.randn(5, DIM)
                 assert_rel_close(c.conv(sids[step], layer, arena.put(xs)), ref.conv(sids[step], layer, xs))
+                if step % 5 == 3:        # a NaN in one row: refused after the device's check, no state written
+                    bad = torch.randn(len(sids), DIM)
+                    bad[step, 3] = float("nan")
+                    with pytest.raises(NonFinite):
+                        c.conv_batch(sids, layer, arena.put(bad))
             for s in sids:
                 assert_rel_close(api.state(s), ref.states[s])
         text = api.http.get("/metrics").text
@@ -120,8 +127,8 @@ def test_sealed_client_blocks_go_by_reference_and_direct_from_the_page_locked_se
         def total(name):
             return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
-        assert total("convserve_engine_client_block_requests_total") == 60
-        assert total("convserve_engine_batch_requests_direct_total") >= 12     # of 24 decode batches
+        assert total("convserve_engine_client_block_requests_total") == 30     # the plain decode batches
+        assert total("convserve_engine_batch_requests_direct_total") >= 15     # of those 30
         assert total("convserve_engine_arena_chunks_pinned") >= 1
     finally:
         arena.close()

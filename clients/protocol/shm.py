@@ -24,6 +24,7 @@ import fcntl
 import mmap
 import os
 import re
+import time
 import uuid
 import weakref
 from typing import Any, Optional
@@ -41,6 +42,10 @@ ALIGN = 64
 #: faults, which for a 2 MB block on fresh pages each call cost more than the bytes' socket round trip
 POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
+
+#: seconds a block whose request ended without an answer stays out of reuse (ShmArena.hold): longer than the
+#: server's default engine_reply_timeout_s, after which its worker fails the request
+HOLD_S = 120.0
 
 #: the largest offset a reference may give: far past any segment (an offset past a segment's end is refused when
 #: the segment is read), and low enough that offset + size stays a file offset the OS takes
@@ -69,10 +74,13 @@ class ShmArena:
     block stays the caller's until ``nbytes`` of later blocks have been handed out. Fill it with x and pass it to
     ``conv`` / ``conv_batch`` of a client made with ``shm=arena``: the request then carries the block's reference
     instead of x's bytes, and the y returned is a view of the same block, which the server wrote y into. A tensor
-    that does not lie in the arena (or is a non-contiguous view of a block) is sent in the body as usual.
+    that does not lie in the arena (or is a non-contiguous view of a block) is sent in the body as usual. A block
+    whose request ended without an answer is held out of the ring for ``hold_s`` seconds (:meth:`hold`; the
+    clients do it for their calls): the server may still be using it.
     """
 
-    def __init__(self, nbytes: int, key: Optional[str] = None, root: str = "/dev/shm", sealed: bool = False):
+    def __init__(self, nbytes: int, key: Optional[str] = None, root: str = "/dev/shm", sealed: bool = False,
+                 hold_s: float = HOLD_S):
         import numpy as np
 
         if sealed:
@@ -112,6 +120,8 @@ class ShmArena:
         self._bytes = np.frombuffer(mm, dtype=np.uint8)      # the mapping lives as long as a view of it
         self._base = self._bytes.ctypes.data
         self._next = 0
+        self.hold_s = hold_s
+        self._held: list = []        # [start, end, monotonic time it is free again] of blocks kept out of empty()
 
     def empty(self, shape, dtype):
         """An uninitialized C-contiguous block of the arena: a torch tensor for a torch dtype, a numpy array for a
@@ -127,8 +137,40 @@ class ShmArena:
         lo = -(-self._next // ALIGN) * ALIGN
         if lo + n > self.nbytes:
             lo = 0
+        if self._held:
+            lo = self._past_held(lo, n)
         self._next = lo + n
         return self._typed(lo, n, dtype, shape)
+
+    def hold(self, x, seconds: Optional[float] = None) -> None:
+        """Keep the block of ``x`` (a block of this arena; anything else is ignored) out of :meth:`empty` for
+        ``seconds`` (default ``hold_s``). For a block whose request ended without the server's answer (a timeout,
+        a dropped connection, a ``504``): the server may still read x there and write y over it until its engine
+        has finished that request. The clients call this for their own calls."""
+        ref = self.locate(x)
+        if ref is not None:
+            n = x.numel() * x.element_size() if hasattr(x, "data_ptr") else x.nbytes
+            until = time.monotonic() + (self.hold_s if seconds is None else seconds)
+            self._held.append((ref["offset"], ref["offset"] + n, until))
+
+    def _past_held(self, lo: int, n: int) -> int:
+        """The first offset from ``lo`` (going round the ring) where ``n`` bytes meet no held block."""
+        now = time.monotonic()
+        self._held = [h for h in self._held if h[2] > now]
+        start, wrapped = lo, False
+        while True:
+            hit = next((h for h in self._held if h[0] < lo + n and lo < h[1]), None)
+            if hit is None:
+                return lo
+            lo = -(-hit[1] // ALIGN) * ALIGN
+            if lo + n > self.nbytes:
+                if wrapped:
+                    break
+                lo, wrapped = 0, True
+            if wrapped and lo >= start:
+                break
+        raise ValueError(f"no room for a block of {n} bytes: this arena's free room is held by blocks whose "
+                         "requests ended without an answer (ShmArena.hold); make the arena larger, or wait")
 
     def _typed(self, off: int, n: int, dtype, shape):
         """Bytes ``[off, off + n)`` of the arena as ``shape``: a torch tensor for a torch dtype, else a numpy

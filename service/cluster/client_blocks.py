@@ -39,7 +39,7 @@ class ClientBlocks:
         # key -> (its mapping, a uint8 array and a tensor over it); slicing the tensor is cheaper than a new one
         self._views: collections.OrderedDict = collections.OrderedDict()
         self._lock = threading.Lock()          # the sweep runs on the process's main thread
-        self.requests = 0                      # convs whose x and y stayed in their client's segment
+        self.requests = 0                      # convs taken with x in their client's segment (counted by the caller)
 
     def block(self, key: str, off: int, nbytes: int):
         """``(bytes [off, off + nbytes) of sealed segment key as a uint8 tensor, whether a step may copy to and
@@ -60,7 +60,6 @@ class ClientBlocks:
         if nbytes <= 0 or off + nbytes > len(got[1]):
             raise BadRequest(f"'x.shm': {nbytes} bytes from offset {off} run past the end of segment {key!r} "
                              f"({len(got[1])} bytes)")
-        self.requests += 1
         if self.pinning is None:
             return got[2][off:off + nbytes], self.host_direct
         return got[2][off:off + nbytes], self.pinning.covers(key, got[1], off, nbytes)

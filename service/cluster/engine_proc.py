@@ -205,7 +205,10 @@ class EngineProcess:
             self._publish_slots()
             if time.monotonic() - swept >= SWEEP_S:   # closed client arenas: their mappings go
                 swept = time.monotonic()
-                self.clients.sweep()
+                try:
+                    self.clients.sweep()
+                except Exception:  # noqa: BLE001 - a failed sweep must not stop the engine (the next one retries)
+                    log.exception("engine: cannot sweep the clients' segments")
         self.status.set_state(self.index, STOPPED)
         if self.snapshots is not None:
             self.snapshots.stop_engine(True, self.settings.shutdown_timeout_s)
@@ -377,7 +380,7 @@ class EngineProcess:
             nbytes = rows * dim * dtype.itemsize
             block = arena[off:off + nbytes]
             direct = head["k"] == m.BATCH and self.arenas.direct(head["a"], off, nbytes)
-        elif "c" in head:                    # a block of the client's sealed segment, checked by the worker
+        elif "c" in head:                    # a block of a client's sealed segment: its client may write it
             block, direct = self.clients.block(head["c"], head["o"], rows * dim * dtype.itemsize)
             direct = direct and head["k"] == m.BATCH
         else:
@@ -390,15 +393,18 @@ class EngineProcess:
         key = (ident, ans.mid)
         self.inflight[key] = ans             # before the submit: a repeat is answered within it
         try:
+            # a client's block is checked for NaN/Inf on the engine's own copy of x (on the device when direct)
+            borrowed = "c" in head
             if head["k"] == m.CONV:
                 ans.req = self.engine.submit_to(ans, head["s"], head["l"], x, head["sp"], head.get("po"),
-                                                head.get("ck", False))
+                                                head.get("ck", False), borrowed)
             else:
                 ans.req = self.engine.submit_batch_to(ans, head["ss"], head["l"], x, head.get("t"), head.get("sp"),
-                                                      head.get("po"), head.get("ck", False), direct)
+                                                      head.get("po"), head.get("ck", False), direct, borrowed)
         except BaseException:
             self.inflight.pop(key, None)
             raise
+        self.clients.requests += borrowed
 
     def _cancel(self, ident: bytes, mid: int) -> None:
         ans = self.inflight.get((ident, mid))

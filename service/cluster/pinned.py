@@ -1,6 +1,6 @@
-"""Page-locking the workers' arenas in an engine process on CUDA (``cudaHostRegister``), so that the engine copies a
-plain decode batch's x to the device straight from its arena block and y back over it, with no host copy on either
-side (``Engine.submit_batch_to(..., direct=True)``).
+"""Page-locking the workers' arenas (and clients' sealed segments, :mod:`.client_blocks`) in an engine process on
+CUDA (``cudaHostRegister``), so that the engine copies a plain decode batch's x to the device straight from its
+block and y back over it, with no host copy on either side (``Engine.submit_batch_to(..., direct=True)``).
 
 An arena is registered in chunks of :data:`CHUNK` bytes, each the first time a block in it is used, on a thread of
 its own: registering pins every page of the range (milliseconds per chunk), so the request that finds its chunk not
@@ -74,7 +74,10 @@ class HostPinning:
             register, unregister, set_device = _cuda_functions(device)
         self._register, self._unregister, self._set_device = register, unregister, set_device
         self.chunk = chunk
-        self._arenas: dict[str, _Pins] = {}        # by arena name (a name is never reused)
+        # by arena name or client segment key; a name is used again only after forget() (a client segment mapped
+        # again): its new mapping's chunks are then registered afresh (an old registration of the same pages
+        # makes that fail, and those blocks copy)
+        self._arenas: dict[str, _Pins] = {}
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: Optional[threading.Thread] = None
         self.off = False             # the thread could not start (its device): every block copies

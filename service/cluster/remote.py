@@ -9,7 +9,9 @@ id gets an id on the source's engine and stays there.
 
 Data path: x is copied once, from the request body into a block of this worker's arena (:mod:`.shm`); the engine
 reads it there and writes y over it; the route answers from that block and the block is reused once the answer
-is written (the lease's lifetime, not a flag). Control travels as small msgpack messages (:mod:`.messages`).
+is written (the lease's lifetime, not a flag). A plain decode batch whose x lies in a client's sealed segment goes
+by reference instead (:mod:`.client_blocks`): nothing is copied here. Control travels as small msgpack messages
+(:mod:`.messages`).
 
 Failure: the status table says which engines are up. A request for an engine that is down or restarting fails at
 once with ``503 engine_unavailable``; requests in flight on an engine whose process died fail the same way as soon
@@ -57,6 +59,15 @@ _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.floa
 #: the session operations that change state (the others only read)
 _WRITES = frozenset(("create_session", "delete_session", "fork_session", "import_state", "accept", "accept_batch",
                      "create_with_state"))
+
+
+def _plain_decode(head: dict) -> bool:
+    """Is this message a batch of one token per session, none speculative (the batches an engine computes
+    straight from their block, checking x on the device)?"""
+    if head["k"] != m.BATCH:
+        return False
+    t, sp = head.get("t"), head.get("sp")
+    return (t is None or all(n == 1 for n in t)) and not (sp is True or (type(sp) is list and any(sp)))
 
 
 class _Future(asyncio.Future):
@@ -378,15 +389,17 @@ class RemoteEngine(RemoteSessions, EngineHealth):
 
     def _conv(self, e: int, head: dict, x: torch.Tensor, rows=None, borrowed=False,
               checked: bool = False) -> _Future:
-        """Send one conv (or batch part) to engine ``e``; x (or its ``rows``) is copied into the arena.
+        """Send one conv (or batch part) to engine ``e``; x (or its ``rows``) is copied into the arena, or sent by
+        reference (below).
 
         A float x of the right shape is cast to the model dtype in that copy and checked for NaN/Inf here
         (``ck``), so the engine's one thread does neither; y comes back in the model dtype and is cast to x's.
         Everything else, and a non-finite x, the engine checks (and raises the proper error for). ``checked``: x
         is in the model dtype and was found finite already (a split batch's, see :func:`.split_batch.check_whole`).
         ``borrowed``: true when x is a view of its client's memory; its block's ``{key, offset}`` in a sealed
-        segment, which, with ``client_direct`` and x in the model dtype, goes by reference: the engine reads x
-        there and writes y over it (:mod:`.client_blocks`), and nothing is copied here."""
+        segment, which, for a plain decode batch (one token per session, none speculative) in the model dtype
+        with ``client_direct``, goes by reference: the engine reads x there, checks its own copy and writes y
+        over the block (:mod:`.client_blocks`), and nothing is copied or read here."""
         epoch = self._target(e)
         link = self.links[e]
         dtype = out_dtype = x.dtype
@@ -400,14 +413,14 @@ class RemoteEngine(RemoteSessions, EngineHealth):
             name = str(dtype).removeprefix("torch.")
         nbytes = n * self.dim * dtype.itemsize
         in_place = (cast and out_dtype is None and rows is None and type(borrowed) is dict and self.client_direct
-                    and x.is_contiguous())
+                    and x.is_contiguous() and _plain_decode(head) and borrowed["offset"] % dtype.itemsize == 0)
         got = self.arena.lease(nbytes) if cast and not in_place else None
         data = None
         if in_place:
-            # the block stays the client's; the engine maps its segment (the worker's checks were made at parse)
+            # the block stays the client's: the engine maps its segment and checks x on its own copy (the
+            # client may write the block meanwhile), so nothing here reads x
             lease = x.view(-1).view(torch.uint8).numpy()
             head["c"], head["o"] = borrowed["key"], borrowed["offset"]
-            head["ck"] = checked or not self.check_finite or all_finite(x)
         elif got is not None:
             off, lease = got
             dst = torch.from_numpy(lease).view(dtype).view(n, self.dim)

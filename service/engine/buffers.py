@@ -124,6 +124,8 @@ class Buffers:
         self.h_flags, self.d_flags = (t.view(torch.bool) for t in (self.h_mb, self.d_mb))
         self.h_dec_x, self.d_dec_x = pair((n_layers, max_bucket, dim), dtype, 0)   # decode rows, per layer
         self.h_dec_idx, self.d_dec_idx = pair((n_layers, max_bucket), torch.int32, PAD_SLOT_ID)
+        # per layer: whether the last checked decode launch's x was finite (DecodeLaunchers.run_checked)
+        self.h_dec_ok = torch.ones(n_layers, dtype=torch.bool, pin_memory=cuda)
         # one launch for the decodes of several layers: rows in arrival order, a state line per row
         # (layer * (slots + 1) + slot, see ConvStatePool.lines)
         self.h_mix_x, self.d_mix_x = pair((max_bucket, dim), dtype, 0)

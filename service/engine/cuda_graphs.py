@@ -16,6 +16,10 @@ from ..model import ConvModel
 from .buffers import BATCH_SLOTS, VERIFY_SLOTS, Buffers
 
 
+#: the first part of a checked decode launch's key, ``(CHECKED, layer, bucket)`` (see DecodeLaunchers.run_checked)
+CHECKED = "checked"
+
+
 class DecodeLaunchers:
     """The decode launch of one layer for one bucket: ``causal_conv1d_update`` over the layer's rows in
     ``bufs.d_dec_x[layer, :bucket]`` / ``bufs.h_dec_idx[layer, :bucket]``, output in
@@ -33,6 +37,11 @@ class DecodeLaunchers:
     With ``multi_layer`` there is also one launch per bucket for rows of any layers (key ``MIXED``): x in
     ``bufs.d_mix_x``, state lines (``layer * (slots + 1) + slot``) in ``bufs.h_mix_idx``, the model's stacked
     weights over the pool's table of lines, output in ``bufs.d_mix_out``.
+
+    Checked launches (:meth:`run_checked`, keys ``(CHECKED, layer, bucket)``): the same launch for a direct batch
+    whose x nothing checked before (its owner may write it): the launch checks its own copy of x and turns every
+    row into a pad unless the real rows are finite, so no state is written, and leaves the answer in
+    ``bufs.h_dec_ok[layer]``.
 
     Batch slots (:meth:`run_slot`, keys ``(slot, layer, bucket)``): the launch reads x and the pool slots from
     the batch slot's host buffers and writes y into the slot's host buffer, so on CUDA with graphs its copy in,
@@ -93,6 +102,21 @@ class DecodeLaunchers:
             d_idx.copy_(h_idx, non_blocking=True)
         self._fn(x, states, w, bias, self._model.activation, conv_state_indices=d_idx, pad_slot_id=PAD_SLOT_ID,
                  out=out)
+
+    def _checked_ops(self, p: int, b: int):
+        """:meth:`_ops` for rows whose x was not checked for NaN/Inf (a direct batch from memory its client may
+        write; the check reads the launch's own copy of x): when any real row's x is not finite, every row's
+        index becomes the pad slot, so the kernel writes no state (and y is zero); ``bufs.h_dec_ok[p]`` says
+        which, once the step has synchronized."""
+        x, states, w, bias, d_idx, h_idx, out = self._args[(p, b)]
+        if self._cuda:
+            d_idx.copy_(h_idx, non_blocking=True)
+        # [b]: a pad row's x is whatever an earlier launch left, so only real rows count
+        ok = (torch.isfinite(x).all(dim=1) | (d_idx == PAD_SLOT_ID)).all()
+        d_idx.masked_fill_(~ok, PAD_SLOT_ID)
+        self._fn(x, states, w, bias, self._model.activation, conv_state_indices=d_idx, pad_slot_id=PAD_SLOT_ID,
+                 out=out)
+        self._b.h_dec_ok[p].copy_(ok, non_blocking=True)
 
     def _slot_ops(self, k: int, p: int, b: int):
         bf = self._b
@@ -167,6 +191,8 @@ class DecodeLaunchers:
     def _launches(self) -> dict:
         """Every launch: ``{key: run it eagerly}``."""
         fns = {key: (lambda key=key: self._ops(*key)) for key in self._args}
+        fns.update({(CHECKED, p, b): (lambda p=p, b=b: self._checked_ops(p, b))
+                    for p, b in self._args if p != self.MIXED})
         fns.update({key: (lambda key=key: self._slot_ops(*key)) for key in self._slot_keys})
         fns.update({key: (lambda key=key: self._verify_ops(*key)) for key in self._vkeys})
         return fns
@@ -204,6 +230,14 @@ class DecodeLaunchers:
             g.replay()
         else:
             self._ops(p, b)
+
+    def run_checked(self, p: int, b: int) -> None:
+        """Launch layer ``p``'s decode for bucket ``b`` with the finite check of :meth:`_checked_ops`."""
+        g = self._graphs.get((CHECKED, p, b))
+        if g is not None:
+            g.replay()
+        else:
+            self._checked_ops(p, b)
 
     def run_slot(self, k: int, p: int, b: int) -> None:
         """Launch layer ``p``'s decode of batch slot ``k`` (x, pool slots and y in the slot's host buffers)."""

@@ -344,8 +344,10 @@ class Intake:
             n_dec = b.n_dec
         check_one_token_rows(n_one, cfg.decode_buckets[-1])
         runner, slot = self._runner, -1
-        if direct and plan is None and xm is x and not borrowed:
+        if direct and plan is None and xm is x:
             b.direct = True                          # the step reads dec_x (x itself) and writes y over it
+            # a borrowed x is checked by the step, on its own copy (Runner, DIRECT_CHECKED)
+            b.device_check, borrowed = borrowed and cfg.check_finite, False
         elif runner is not None and n_dec:           # not started: _enqueue_batch raises NotReady
             slot = runner.take_slot(req, xm) if plan is None else -1
             if slot < 0:
@@ -527,24 +529,25 @@ class Intake:
         return None
 
     def submit_to(self, sink, session_id: str, layer: int, x: torch.Tensor, speculative: bool = False,
-                  position: Optional[int] = None, checked: bool = False) -> Optional[ConvRequest]:
+                  position: Optional[int] = None, checked: bool = False,
+                  borrowed: bool = False) -> Optional[ConvRequest]:
         """:meth:`submit` without a future per request, for a caller that forwards answers (the engine process):
         the engine calls ``sink.set_result(y)`` or ``sink.set_exception(error)`` once, on its worker thread for a
         step's results (any thread for failures), and may call ``sink.done()``. Validation errors are raised
         here. Returns the request, for :meth:`withdraw` (None when a repeat was answered at once). ``checked``:
-        see :func:`~.validate.check_x`."""
-        return self._submit(session_id, layer, x, speculative, sink, position, checked)
+        see :func:`~.validate.check_x`; ``borrowed``: see :meth:`submit_batch`."""
+        return self._submit(session_id, layer, x, speculative, sink, position, checked, borrowed=borrowed)
 
     def submit_batch_to(self, sink, session_ids: Sequence[str], layer: int, x: torch.Tensor, tokens=None,
                         speculative=None, position=None, checked: bool = False,
-                        direct: bool = False) -> Optional[ConvRequest]:
+                        direct: bool = False, borrowed: bool = False) -> Optional[ConvRequest]:
         """:meth:`submit_batch` delivering to ``sink`` (see :meth:`submit_to`). ``direct``: x lies in host memory
-        the caller holds, unchanged, until the answer, page-locked on CUDA (a worker's arena block, see
-        :mod:`convserve.service.cluster.pinned`); a plain decode batch whose x is already the model's contiguous
-        tensor then skips the batch slot: its step copies x to the device straight from there and y back over
-        it, and the result is a view of x's memory (no host copy on either side)."""
+        mapped until the answer, page-locked on CUDA (:mod:`convserve.service.cluster.pinned`); a plain decode
+        batch whose x is the model's contiguous tensor then skips the batch slot: its step copies x in straight
+        from there and y back over it (no host copy either side). With ``borrowed`` (x's owner may write it),
+        that step checks its own copy of x for NaN/Inf, writing no state unless finite (else ``422``)."""
         return self._submit_batch(session_ids, layer, x, tokens, speculative, sink, position, checked,
-                                  direct=direct)
+                                  borrowed=borrowed, direct=direct)
 
     def withdraw(self, request: Optional[ConvRequest]) -> bool:
         """Withdraw a request of :meth:`submit_to` if it has not started (its sink is not called); True if

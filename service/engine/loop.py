@@ -22,6 +22,7 @@ from convserve.clients.protocol.errors import Internal, OutOfMemory, RequestTime
 from ..scheduler_output import SchedulerOutput
 from .outputs import deliver, deliver_step
 from .records import release_batch
+from .validate import non_finite
 
 log = logging.getLogger("convserve.engine")
 
@@ -269,7 +270,8 @@ class Worker:
             p, seq = r.layer, r.seq
             for s in r.batch.ver_cols[0]:
                 s.spec_x[p] = seq
-        kept = deliver_step(out.finished, host_out, by_position)
+        finished = out.finished if not self._runner.rejected else self._fail_rejected(out.finished)
+        kept = deliver_step(finished, host_out, by_position)
         if kept:
             self._keep_answers(kept)
         t3 = time.perf_counter_ns()
@@ -278,6 +280,18 @@ class Worker:
             now = time.monotonic()
             for r in out.batches:
                 release_batch(r, now)
+
+    def _fail_rejected(self, finished: list) -> list:
+        """The step's direct batches whose x its launch found not finite (:attr:`Runner.rejected`) wrote no state:
+        each fails with ``422 non_finite``, its tokens given back, as if refused at submit. Returns the rest."""
+        bad = self._runner.rejected
+        with self._lock:
+            for r in bad:
+                self._retire_locked(r, ok=False)
+            self._st["failed"] += len(bad)
+        err = non_finite(self.model_cpu.dtype)
+        deliver([(r, None, err) for r in bad])
+        return [r for r in finished if not r.done]
 
     def _fail_step(self, out: SchedulerOutput, e: Exception) -> None:
         """Fail the step's requests. A step that failed before its launches changed no state: its requests give

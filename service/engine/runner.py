@@ -35,6 +35,8 @@ from .staging import Staging
 #: ``slot_of``'s entry for a direct decode batch (``BatchRows.direct``): no batch slot, and y not in the step's
 #: host output
 DIRECT = -2
+#: ``slot_of``'s entry for a direct decode batch whose x its step checks for NaN/Inf (``BatchRows.device_check``)
+DIRECT_CHECKED = -3
 
 
 class Runner(Staging):
@@ -45,6 +47,9 @@ class Runner(Staging):
         cfg = config
         self.model, self.pool, self.config, self.device = model, pool, cfg, device
         self.state_written = False   # the current step has reached its launches (the worker resets it per step)
+        #: the last step's direct batches whose x its check found not finite: they wrote no state, and their y is
+        #: not an answer (the engine fails them with their tokens given back)
+        self.rejected: list = []
         cuda = device.type == "cuda"
         # per layer position, what a launch takes: (weight, bias or None, the pool's (slots + 1, dim, W - 1) view)
         self.layer_args = [(model.weight[p], model.layer_bias(p), pool.layer(p)) for p in range(model.n_layers)]
@@ -120,8 +125,10 @@ class Runner(Staging):
         kernel_ns, padded_rows)``: every finished request's y lies in ``host_out``, at row ``r.parts`` (or, when
         ``by_position``, at its position in ``out.finished``), except a chunked prefill's, whose ``r.parts`` is
         its own joined tensor, a batch request's in a batch slot, whose ``r.parts`` is the slot's y, and a direct
-        batch's, whose ``r.parts`` is its x (y copied over it)."""
+        batch's, whose ``r.parts`` is its x (y copied over it), unless it is in :attr:`rejected`."""
         offs = self._pack_tokens(out) if out.packed_tokens else None
+        if self.rejected:
+            self.rejected = []
         mixed, slot_of, n_slot = self._pack_decodes(out.decodes)
         t_k0 = time.perf_counter_ns()
         self.state_written = True             # from here on the pool's state may change (see Worker._fail_step)
@@ -328,17 +335,17 @@ class Runner(Staging):
                 continue
             r = db.requests[0]                       # a batch request: x in its batch slot (copied at submit),
             b = r.batch                              # staged as one run of the arena, its caller's page-locked
-            k = DIRECT if b.direct else b.buf        # memory (direct), or its own tensor
-            slot_of.append(k)
+            k = (DIRECT_CHECKED if b.device_check else DIRECT) if b.direct else b.buf  # memory (direct), or its
+            slot_of.append(k)                                                            # own tensor
             if k >= 0:
                 idx = bf.slot_idx_np[k]
                 n_slot += n
             else:
                 dx = b.dec_x
-                src = dx if r.stage >= 0 or not cuda or k == DIRECT else bf.h_dec_x[db.layer, :n].copy_(dx)
+                src = dx if r.stage >= 0 or not cuda or k <= DIRECT else bf.h_dec_x[db.layer, :n].copy_(dx)
                 bf.d_dec_x[db.layer, :n].copy_(src, non_blocking=cuda)
                 idx = bf.dec_idx_np[db.layer]
-                if k == DIRECT:                      # y goes back over x, not into the step's host output
+                if k <= DIRECT:                      # y goes back over x, not into the step's host output
                     n_slot += n
             idx[:n] = b.slots
             idx[n:db.bucket] = PAD_SLOT_ID
@@ -402,6 +409,8 @@ class Runner(Staging):
             for db, k in zip(out.decodes, slot_of):
                 if k >= 0:
                     self.decode.run_slot(k, db.layer, db.bucket)
+                elif k == DIRECT_CHECKED:
+                    self.decode.run_checked(db.layer, db.bucket)
                 else:
                     self.decode.run(db.layer, db.bucket)
         k = 0                                        # this batch's entry of offs
@@ -493,7 +502,7 @@ class Runner(Staging):
                 n = db.rows
                 host_out[a:a + n].copy_(bf.d_dec_out[db.layer, :n], non_blocking=cuda)
                 a += n
-            elif k == DIRECT:
+            elif k <= DIRECT:
                 db.requests[0].batch.dec_x.copy_(bf.d_dec_out[db.layer, :db.rows], non_blocking=cuda)
         if n_packed:
             host_out[n_dec:n_out].copy_(bf.d_out[:n_packed], non_blocking=cuda)
@@ -515,9 +524,11 @@ class Runner(Staging):
                     r = db.requests[0]
                     r.parts = self.bufs.slot_y.buf(k)[:r.n_tokens]
                     continue
-                if k == DIRECT:                # y is over x, in its caller's memory
+                if k <= DIRECT:                # y is over x, in its caller's memory
                     r = db.requests[0]
                     r.parts = r.batch.dec_x
+                    if k == DIRECT_CHECKED and not self.bufs.h_dec_ok[db.layer]:
+                        self.rejected.append(r)       # x not finite: no state written (the engine fails it)
                     continue
                 for r in db.requests:          # a batch request's rows in host_out, or single decodes
                     b = r.batch

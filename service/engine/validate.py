@@ -28,11 +28,16 @@ def all_finite(t: torch.Tensor) -> bool:
     return math.isfinite(lo.item()) and math.isfinite(hi.item())
 
 
+def non_finite(model_dtype: torch.dtype) -> NonFinite:
+    """The error of an x with NaN or Inf (in the model dtype): nothing of its request is applied."""
+    return NonFinite(f"x: contains NaN or Inf as {DTYPE_NAMES[model_dtype]} (the model dtype it is computed in); it "
+                     "would poison the session's state: send finite values within that dtype's range")
+
+
 def check_finite_x(x: torch.Tensor, model_dtype: torch.dtype) -> None:
     """:class:`NonFinite` unless x (already in the model dtype) is finite."""
     if not all_finite(x):
-        raise NonFinite(f"x: contains NaN or Inf as {DTYPE_NAMES[model_dtype]} (the model dtype it is computed "
-                        "in); it would poison the session's state: send finite values within that dtype's range")
+        raise non_finite(model_dtype)
 
 
 def check_x(model, cfg, x, speculative: bool, rows: str = "T", checked: bool = False,

@@ -8,8 +8,11 @@ writes y back over it with one ``pwrite``. Both are one kernel copy, and the bod
 A sealed segment (``ShmArena(sealed=True)``: a memfd whose size is sealed, ``F_SEAL_SHRINK | F_SEAL_GROW``, so no
 one can shrink it) is mapped instead, since a touch of its mapping cannot fault: the server opens it through
 ``/proc/<pid>/fd/<fd>`` (both named in its key; the memfd's name must carry the key's tag, so a reused descriptor
-number is refused), checks the seals, maps it once, and copies x out of the mapping and y into it with one
-``memcpy`` each (cheaper per byte than a tmpfs read or write through a descriptor).
+number is refused), checks the seals and maps it once. x is then a view of the mapping: an engine process may
+take a plain decode batch's block by reference and read x and write y there itself
+(:mod:`convserve.service.cluster.client_blocks`); otherwise x is copied once on its way to the engine (into a
+worker's arena, or an in-process engine's staging memory) and y is written back with one ``memcpy`` (cheaper per
+byte than a tmpfs read or write through a descriptor).
 
 :class:`ClientSegments` keeps an open descriptor per segment key (at most ``client_shm_segments``, least recently
 used closed first; the file opened without following links and checked to be a regular file). A request that names
@@ -114,8 +117,8 @@ class ClientSegments:
 
     def view(self, ref: Any, dtype: str, shape: tuple, backend: str, name: str):
         """x: a tensor of ``shape`` / ``dtype`` holding the block ``ref`` names, or :class:`BadRequest`. From a
-        sealed segment, a view of the block in its mapping (no copy: the engine copies it once, into its staging
-        memory, see :func:`borrowed`); else a copy read with one ``preadv``."""
+        sealed segment, a view of the block in its mapping (no copy here, see :func:`borrowed`); else a copy read
+        with one ``preadv``."""
         import torch
 
         key, off = check_ref(ref, name)

@@ -96,7 +96,7 @@ class _UnaryEndpoint:
         run this)."""
         raise NotImplementedError
 
-    def submit(self, parsed, borrowed: bool):
+    def submit(self, parsed, borrowed):
         """Submit a parsed body (``borrowed``: its x is a view of a client's shared memory, see
         :func:`~.client_shm.borrowed`); returns the engine's asyncio future (on the loop)."""
         raise NotImplementedError
@@ -147,7 +147,7 @@ class ConvEndpoint(_UnaryEndpoint):
                 obj["session"] = sid
         return self.parser.conv(obj), self.svc.reply_to(obj)
 
-    def submit(self, parsed, borrowed: bool):
+    def submit(self, parsed, borrowed):
         session, layer, x, spec, position = parsed
         return self.engine.submit_async(session, layer, x, speculative=spec, position=position, borrowed=borrowed)
 
@@ -163,6 +163,6 @@ class BatchEndpoint(_UnaryEndpoint):
         obj = parse_body(scope, body, svc.max_body, svc.max_objects, svc.max_json)
         return self.parser.batch(obj), self.svc.reply_to(obj)
 
-    def submit(self, parsed, borrowed: bool):
+    def submit(self, parsed, borrowed):
         sessions, layer, x, tokens, spec, position = parsed
         return self.engine.submit_batch_async(sessions, layer, x, tokens, spec, position, borrowed=borrowed)
