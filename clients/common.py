@@ -328,9 +328,11 @@ class _Base:
         try:
             yield
         except BaseException as e:
-            if self.shm is not None and (not isinstance(e, ServiceError) or isinstance(e, (EngineTimeout,
-                                                                                           OutcomeUnknown))):
-                self.shm.hold(x)
+            # (a failed connect sent nothing; every other failure may have)
+            if self.shm is not None and not isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)) and (
+                    not isinstance(e, ServiceError) or isinstance(e, (EngineTimeout, OutcomeUnknown))):
+                with contextlib.suppress(ValueError):      # the arena was closed meanwhile: nothing to hold
+                    self.shm.hold(x)
             raise
 
     def _ws_headers(self) -> dict:

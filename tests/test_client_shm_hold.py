@@ -124,3 +124,59 @@ def test_a_cancelled_async_call_holds_its_block():
             arena.close()
 
     assert asyncio.run(run())
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_with_blocks_held_the_ring_keeps_the_blocks_handed_out_last_the_callers(seed):
+    """While blocks are held the ring has their room less: a block stays the caller's until nbytes less the held
+    bytes (and two blocks) of later blocks were handed out, and when no such room is left it says so, never
+    handing out a block that is still the caller's (the newest one above all)."""
+    import random
+
+    rng = random.Random(seed)
+    with ShmArena(4096) as arena:
+        given = []                                        # (span, aligned size) in hand-out order
+        for _ in range(400):
+            held = sum(-(-(b - a) // ALIGN) * ALIGN for a, b, t in arena._held if t > time.monotonic())
+            n = rng.choice([64, 128, 200, 512])
+            try:
+                blk = arena.empty((n // 4,), torch.float32)
+            except ValueError as e:
+                assert "no room" in str(e)
+                arena._held.clear()
+                continue
+            span = _span(arena, blk)
+            room, later = arena.nbytes - held - 2 * -(-n // ALIGN) * ALIGN, 0
+            # (with nothing held the ring's own order keeps clear of the newest blocks, as it always did)
+            for old, size in reversed(given if held else ()):   # the caller's blocks: none overlaps the new one
+                if later >= room:
+                    break
+                assert not _overlaps(span, old), (span, old, room)
+                later += size
+            given.append((span, -(-n // ALIGN) * ALIGN))
+            if rng.random() < 0.1:
+                arena.hold(blk, seconds=60)
+
+
+def test_a_connect_error_sent_nothing_and_holds_nothing():
+    def refuse(req):
+        raise httpx.ConnectError("refused", request=req)
+
+    with ShmArena(1 << 16) as arena, ConvClient("http://127.0.0.1:9", shm=arena,
+                                                 transport=httpx.MockTransport(refuse)) as c:
+        with pytest.raises(httpx.ConnectError):
+            c.conv_batch(["a"], 0, arena.put(torch.randn(1, 16)))
+        assert not arena._held
+
+
+def test_a_block_of_a_closed_arena_raises_the_calls_own_error():
+    arena = ShmArena(1 << 16)
+    x = arena.put(torch.randn(1, 16))
+
+    def late(req):
+        arena.close()
+        raise httpx.ReadTimeout("slow", request=req)
+
+    with ConvClient("http://127.0.0.1:9", shm=arena, transport=httpx.MockTransport(late)) as c:
+        with pytest.raises(httpx.ReadTimeout):
+            c.conv_batch(["a"], 0, x)

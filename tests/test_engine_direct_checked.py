@@ -49,19 +49,44 @@ def test_a_non_finite_row_refuses_the_whole_batch_after_its_step_and_no_state_ch
         for step in range(4):
             layer = step % len(LAYERS)
             good = _block(rows, dtype, device, seed=step)
-            pos = [step // len(LAYERS)] * rows
             bad = _block(rows, dtype, device, seed=100 + step, bad_row=rng.randrange(rows), special=special)
             with pytest.raises(NonFinite, match="NaN or Inf"):
-                _submit(e, sids, LAYERS[layer], bad, position=pos)
+                _submit(e, sids, LAYERS[layer], bad)
             assert not bad.any(), "a refused batch's block holds zeros (its launch's pad rows' y)"
             for s in sids:
                 assert_close(e.export_state(s), oracle.export(s), what=f"state after the refusal, step {step}")
+            assert [e.session_info(s)["positions"][layer] for s in sids] == [step // len(LAYERS)] * rows
             want = torch.cat([oracle.conv(s, layer, good[i:i + 1].clone()) for i, s in enumerate(sids)])
-            y = _submit(e, sids, LAYERS[layer], good, position=pos)    # the same positions: none was taken
+            y = _submit(e, sids, LAYERS[layer], good)
+            assert y.data_ptr() == good.data_ptr()
             assert_close(y, want, what=f"y, step {step}")
-            assert_close(good, want, what=f"y over x, step {step}")
         after = e.stats()
-        assert after["batch_requests_direct"] - before["batch_requests_direct"] == 8
+        assert after["batch_requests_direct"] - before["batch_requests_direct"] == 8   # the refused ones too
+        for s in sids:
+            assert_close(e.export_state(s), oracle.export(s), what=f"state {s}")
+    finally:
+        e.stop(drain=False)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_with_positions_a_borrowed_batch_is_checked_at_submit_so_a_pipelined_follower_gets_a_409(device):
+    """A refusal after the step would come after a follower's position check had counted the refused tokens: a
+    batch with positions is copied and checked at submit instead, and the follower at the next position is a
+    409, not applied onto a state without the refused token."""
+    from convserve.clients.protocol.errors import PositionMismatch
+
+    e = _engine(device, torch.float32)
+    try:
+        oracle, sids = _sessions(e, 3)
+        before = e.stats()["batch_requests_direct"]
+        with pytest.raises(NonFinite):
+            _submit(e, sids, LAYERS[0], _block(3, torch.float32, device, seed=4, bad_row=1), position=[0] * 3)
+        with pytest.raises(PositionMismatch):
+            _submit(e, sids, LAYERS[0], _block(3, torch.float32, device, seed=5), position=[1] * 3)
+        x = _block(3, torch.float32, device, seed=6)
+        want = torch.cat([oracle.conv(s, 0, x[i:i + 1].clone()) for i, s in enumerate(sids)])
+        assert_close(_submit(e, sids, LAYERS[0], x, position=[0] * 3), want, what="the batch at position 0")
+        assert e.stats()["batch_requests_direct"] == before
         for s in sids:
             assert_close(e.export_state(s), oracle.export(s), what=f"state {s}")
     finally:

@@ -19,11 +19,13 @@ shared memory, ``convserve-<pid>-*``, included).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import fcntl
 import mmap
 import os
 import re
+import threading
 import time
 import uuid
 import weakref
@@ -122,6 +124,11 @@ class ShmArena:
         self._next = 0
         self.hold_s = hold_s
         self._held: list = []        # [start, end, monotonic time it is free again] of blocks kept out of empty()
+        # the blocks handed out last (newest at the right, at most nbytes of them): with blocks held, the search for
+        # room must not land on the newest of them (without, the ring's order keeps clear of them)
+        self._recent: collections.deque = collections.deque()
+        self._recent_bytes = 0
+        self._lock = threading.Lock()   # hold() may come from another thread than empty()'s
 
     def empty(self, shape, dtype):
         """An uninitialized C-contiguous block of the arena: a torch tensor for a torch dtype, a numpy array for a
@@ -138,8 +145,14 @@ class ShmArena:
         if lo + n > self.nbytes:
             lo = 0
         if self._held:
-            lo = self._past_held(lo, n)
+            with self._lock:
+                lo = self._past_held(lo, n)
         self._next = lo + n
+        self._recent.append((lo, lo + n))
+        self._recent_bytes += _aligned(n)
+        while self._recent_bytes - _aligned(self._recent[0][1] - self._recent[0][0]) > self.nbytes:
+            a, b = self._recent.popleft()             # (more than nbytes of later blocks: never protected)
+            self._recent_bytes -= _aligned(b - a)
         return self._typed(lo, n, dtype, shape)
 
     def hold(self, x, seconds: Optional[float] = None) -> None:
@@ -151,15 +164,26 @@ class ShmArena:
         if ref is not None:
             n = x.numel() * x.element_size() if hasattr(x, "data_ptr") else x.nbytes
             until = time.monotonic() + (self.hold_s if seconds is None else seconds)
-            self._held.append((ref["offset"], ref["offset"] + n, until))
+            with self._lock:
+                self._held.append((ref["offset"], ref["offset"] + n, until))
 
     def _past_held(self, lo: int, n: int) -> int:
-        """The first offset from ``lo`` (going round the ring) where ``n`` bytes meet no held block."""
+        """The first offset from ``lo`` (going round the ring) where ``n`` bytes meet no held block and none of
+        the blocks handed out last: while blocks are held the ring has their room less, so a block stays the
+        caller's until ``nbytes`` less the held bytes (and two blocks of this size: the ring's end may waste one)
+        of later blocks were handed out."""
         now = time.monotonic()
         self._held = [h for h in self._held if h[2] > now]
+        room = self.nbytes - 2 * _aligned(n) - sum(_aligned(b - a) for a, b, _t in self._held)
+        taken, later = [(a, b) for a, b, _t in self._held], 0
+        for a, b in reversed(self._recent):
+            if later >= room:
+                break
+            taken.append((a, b))
+            later += _aligned(b - a)
         start, wrapped = lo, False
         while True:
-            hit = next((h for h in self._held if h[0] < lo + n and lo < h[1]), None)
+            hit = next((h for h in taken if h[0] < lo + n and lo < h[1]), None)
             if hit is None:
                 return lo
             lo = -(-hit[1] // ALIGN) * ALIGN
@@ -170,7 +194,8 @@ class ShmArena:
             if wrapped and lo >= start:
                 break
         raise ValueError(f"no room for a block of {n} bytes: this arena's free room is held by blocks whose "
-                         "requests ended without an answer (ShmArena.hold); make the arena larger, or wait")
+                         "requests ended without an answer (ShmArena.hold) or by the blocks handed out last; make "
+                         "the arena larger, or wait")
 
     def _typed(self, off: int, n: int, dtype, shape):
         """Bytes ``[off, off + n)`` of the arena as ``shape``: a torch tensor for a torch dtype, else a numpy
@@ -251,6 +276,11 @@ class ShmArena:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _aligned(n: int) -> int:
+    """The ring's room a block of ``n`` bytes takes."""
+    return -(-n // ALIGN) * ALIGN
 
 
 def _unlink(path: str) -> None:

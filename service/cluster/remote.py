@@ -62,9 +62,10 @@ _WRITES = frozenset(("create_session", "delete_session", "fork_session", "import
 
 
 def _plain_decode(head: dict) -> bool:
-    """Is this message a batch of one token per session, none speculative (the batches an engine computes
-    straight from their block, checking x on the device)?"""
-    if head["k"] != m.BATCH:
+    """Is this message a batch of one token per session, none speculative and without positions (the batches an
+    engine computes straight from their block, checking x on the device: a position-checked batch must be
+    refused before later requests are checked against it)?"""
+    if head["k"] != m.BATCH or head.get("po") is not None:
         return False
     t, sp = head.get("t"), head.get("sp")
     return (t is None or all(n == 1 for n in t)) and not (sp is True or (type(sp) is list and any(sp)))
@@ -397,8 +398,8 @@ class RemoteEngine(RemoteSessions, EngineHealth):
         Everything else, and a non-finite x, the engine checks (and raises the proper error for). ``checked``: x
         is in the model dtype and was found finite already (a split batch's, see :func:`.split_batch.check_whole`).
         ``borrowed``: true when x is a view of its client's memory; its block's ``{key, offset}`` in a sealed
-        segment, which, for a plain decode batch (one token per session, none speculative) in the model dtype
-        with ``client_direct``, goes by reference: the engine reads x there, checks its own copy and writes y
+        segment, which, for a plain decode batch (one token per session, none speculative, no positions) in the
+        model dtype with ``client_direct``, goes by reference: the engine reads x there, checks its own copy and writes y
         over the block (:mod:`.client_blocks`), and nothing is copied or read here."""
         epoch = self._target(e)
         link = self.links[e]
@@ -454,7 +455,7 @@ class RemoteEngine(RemoteSessions, EngineHealth):
                      position: Optional[int] = None, borrowed=False) -> asyncio.Future:
         """As :meth:`Engine.submit_async`. ``borrowed``: x is copied before this returns (into the arena, or a
         copy of its own that the message is sent from), and what the engine computes with and checks is that copy;
-        or, a sealed client block sent by reference, checked here first (see :meth:`_conv`)."""
+        or, a plain decode batch's sealed client block, sent by reference (see :meth:`_conv`)."""
         e = engine_of(session_id, self.n) if isinstance(session_id, str) else 0
         return self._in_order(e, {"k": m.CONV, "s": session_id, "l": layer, "sp": speculative, "po": position},
                               (session_id,), x, borrowed)

@@ -344,9 +344,10 @@ class Intake:
             n_dec = b.n_dec
         check_one_token_rows(n_one, cfg.decode_buckets[-1])
         runner, slot = self._runner, -1
-        if direct and plan is None and xm is x:
+        if direct and plan is None and xm is x and not (borrowed and positions is not None):
             b.direct = True                          # the step reads dec_x (x itself) and writes y over it
-            # a borrowed x is checked by the step, on its own copy (Runner, DIRECT_CHECKED)
+            # a borrowed x is checked by the step, on its own copy (Runner, DIRECT_CHECKED); not with positions:
+            # a refusal after the step would come after later requests passed their position checks
             b.device_check, borrowed = borrowed and cfg.check_finite, False
         elif runner is not None and n_dec:           # not started: _enqueue_batch raises NotReady
             slot = runner.take_slot(req, xm) if plan is None else -1
