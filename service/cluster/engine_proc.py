@@ -41,10 +41,10 @@ import msgpack
 from convserve.clients.protocol.errors import BadRequest, NotReady, ServiceError
 
 from ..gcfreeze import freeze_startup_objects
-from . import messages as m
-from .lifeline import exit_now, hold
 from ..http.client_shm import SWEEP_S
+from . import messages as m
 from .client_blocks import ClientBlocks
+from .lifeline import exit_now, hold
 from .pinned import HostPinning
 from .shm import ArenaMap
 from .status import BUILT, STOPPED, UP, StatusTable

@@ -53,7 +53,7 @@ class BatchRows(RowBatch):
     direct: bool = False         # a plain decode batch whose x its caller holds (page-locked on CUDA): the step
     #                              copies x in from there and y back over it (Engine.submit_batch_to's direct)
     device_check: bool = False   # with direct: x was not checked for NaN/Inf (its caller may write it): the step
-    #                              checks its own copy and writes no state unless finite (Runner, CHECKED)
+    #                              checks its own copy and writes no state unless finite (DIRECT_CHECKED)
     done_at: float = 0.0         # monotonic time it completed: its sessions' last use
     dec_x: Any = None            # (n_dec, dim) x of the decode rows: the request's x, a staging view or its own
     #                              gathered copy (a batch with verify rows; one without has no decode rows)
