@@ -4,12 +4,13 @@ is read from and y written over in place, with no copy in the HTTP worker.
 A worker that parsed a plain decode batch (one token per session, none speculative, no positions) whose x lies in
 a sealed segment, in the model dtype, sends the segment's key and the block's offset instead of copying x into its
 arena (``client_shm_direct``), without reading x: the engine's launch checks its own copy of x for NaN/Inf
-(``Engine.submit_batch_to``'s ``borrowed``). The engine process maps the segment itself, through the same checks the worker
-made (:class:`~convserve.service.http.client_shm.ClientSegments`: the memfd behind ``/proc/<pid>/fd/<fd>`` must
-carry the key's tag and be sealed against resizing, so the mapping cannot fault), and treats the block as it
-treats an arena block: on CUDA its 32 MiB chunks are page-locked as they are used (:mod:`.pinned`), and a plain
-decode batch copies x to the device straight from the block and y back over it; on the CPU the step reads and
-writes the block itself. The client reads y where it wrote x, once the answer comes.
+(``Engine.submit_batch_to``'s ``borrowed``). The engine process maps the segment itself, through the same checks
+the worker made (:class:`~convserve.service.http.client_shm.ClientSegments`: the memfd behind
+``/proc/<pid>/fd/<fd>`` must carry the key's tag and be sealed against resizing, so the mapping cannot fault), and
+treats the block as it treats an arena block: on CUDA its 32 MiB chunks are page-locked as they are used
+(:mod:`.pinned`), and the batch's step copies x to the device straight from the block and y back over it; on the
+CPU the step copies x into its own buffer and writes y over the block. The client reads y where it wrote x, once
+the answer comes.
 
 Mappings are kept per key, at most ``max_segments`` (least recently used dropped first), and every
 :data:`~convserve.service.http.client_shm.SWEEP_S` seconds those whose client closed its arena are dropped. A

@@ -399,8 +399,8 @@ class RemoteEngine(RemoteSessions, EngineHealth):
         is in the model dtype and was found finite already (a split batch's, see :func:`.split_batch.check_whole`).
         ``borrowed``: true when x is a view of its client's memory; its block's ``{key, offset}`` in a sealed
         segment, which, for a plain decode batch (one token per session, none speculative, no positions) in the
-        model dtype with ``client_direct``, goes by reference: the engine reads x there, checks its own copy and writes y
-        over the block (:mod:`.client_blocks`), and nothing is copied or read here."""
+        model dtype with ``client_direct``, goes by reference: the engine reads x there, checks its own copy and
+        writes y over the block (:mod:`.client_blocks`), and nothing is copied or read here."""
         epoch = self._target(e)
         link = self.links[e]
         dtype = out_dtype = x.dtype
