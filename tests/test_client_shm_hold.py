@@ -147,7 +147,7 @@ def test_with_blocks_held_the_ring_keeps_the_blocks_handed_out_last_the_callers(
                 continue
             span = _span(arena, blk)
             room, later = arena.nbytes - held - 2 * -(-n // ALIGN) * ALIGN, 0
-            # (with nothing held the ring's own order keeps clear of the newest blocks, as it always did)
+            # (with nothing held the ring's own order keeps clear of the newest blocks)
             for old, size in reversed(given if held else ()):   # the caller's blocks: none overlaps the new one
                 if later >= room:
                     break

@@ -96,7 +96,7 @@ def _check_against_one_step(args, activation, rows_per_step, dtype, monkeypatch,
     pre.check(got, got_st, ref, ref_st, dtype)
 
 
-#: two of the grid's cases run in CI (case 1 alone took 17 s per stage count there); the rest with `pytest -m slow`
+#: two of the grid's cases run in CI (case 1, the slowest of the first three, runs with the rest: `pytest -m slow`)
 CASES = [c if c in (0, 2) else pytest.param(c, marks=pytest.mark.slow) for c in range(10)]
 
 

@@ -141,7 +141,7 @@ class ShmArena:
         n = math.prod(shape) * dtype.itemsize
         if n > self.nbytes:
             raise ValueError(f"a block of {n} bytes does not fit in this arena of {self.nbytes}")
-        lo = -(-self._next // ALIGN) * ALIGN
+        lo = _aligned(self._next)
         if lo + n > self.nbytes:
             lo = 0
         if self._held:
@@ -186,7 +186,7 @@ class ShmArena:
             hit = next((h for h in taken if h[0] < lo + n and lo < h[1]), None)
             if hit is None:
                 return lo
-            lo = -(-hit[1] // ALIGN) * ALIGN
+            lo = _aligned(hit[1])
             if lo + n > self.nbytes:
                 if wrapped:
                     break
@@ -279,7 +279,8 @@ class ShmArena:
 
 
 def _aligned(n: int) -> int:
-    """The ring's room a block of ``n`` bytes takes."""
+    """``n`` rounded up to :data:`ALIGN`: where a block may start after byte ``n``, and the ring's room a block of
+    ``n`` bytes takes."""
     return -(-n // ALIGN) * ALIGN
 
 

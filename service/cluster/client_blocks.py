@@ -41,7 +41,6 @@ class ClientBlocks:
         # key -> (its mapping, a uint8 array and a tensor over it); slicing the tensor is cheaper than a new one
         self._views: collections.OrderedDict = collections.OrderedDict()
         self._lock = threading.Lock()          # the sweep runs on the process's main thread
-        self.requests = 0                      # convs taken with x in their client's segment (counted by the caller)
 
     def block(self, key: str, off: int, nbytes: int):
         """``(bytes [off, off + nbytes) of sealed segment key as a uint8 tensor, whether a step may copy to and

@@ -107,6 +107,7 @@ class EngineProcess:
         self.snapshots = None
         self.arenas = ArenaMap(self.run_dir)
         self.clients = ClientBlocks(self.settings.client_shm_segments)    # sealed client segments' blocks
+        self.client_block_requests = 0    # batches taken with x in their client's segment
         self.status = StatusTable(os.path.join(self.run_dir, "status"))
         self.journal = Journal(os.path.join(self.run_dir, f"engine-{self.index}.journal"))
         self.inflight: dict = {}          # (worker identity, request id) -> its _Answer
@@ -356,7 +357,7 @@ class EngineProcess:
                 pin = self.arenas.pinning
                 if pin is not None:
                     st["arena_chunks_pinned"], st["arena_chunks_pin_failed"] = pin.pinned, pin.failed
-                st["client_block_requests"] = self.clients.requests
+                st["client_block_requests"] = self.client_block_requests
                 self._send(ident, {"i": mid, "ok": st})
             else:
                 raise BadRequest(f"unknown message kind {kind!r}")
@@ -380,9 +381,10 @@ class EngineProcess:
             nbytes = rows * dim * dtype.itemsize
             block = arena[off:off + nbytes]
             direct = head["k"] == m.BATCH and self.arenas.direct(head["a"], off, nbytes)
-        elif "c" in head:                    # a block of a client's sealed segment: its client may write it
+        elif "c" in head:                    # a batch's block in a client's sealed segment: its client may write it
+            if head["k"] != m.BATCH:
+                raise BadRequest("only a batch's x may be sent by reference")
             block, direct = self.clients.block(head["c"], head["o"], rows * dim * dtype.itemsize)
-            direct = direct and head["k"] == m.BATCH
         else:
             direct = False
             import torch
@@ -393,18 +395,16 @@ class EngineProcess:
         key = (ident, ans.mid)
         self.inflight[key] = ans             # before the submit: a repeat is answered within it
         try:
-            # a client's block is checked for NaN/Inf on the engine's own copy of x (on the device when direct)
-            borrowed = "c" in head
             if head["k"] == m.CONV:
                 ans.req = self.engine.submit_to(ans, head["s"], head["l"], x, head["sp"], head.get("po"),
-                                                head.get("ck", False), borrowed)
-            else:
+                                                head.get("ck", False))
+            else:    # a client's block is checked for NaN/Inf on the engine's own copy (the device's when direct)
                 ans.req = self.engine.submit_batch_to(ans, head["ss"], head["l"], x, head.get("t"), head.get("sp"),
-                                                      head.get("po"), head.get("ck", False), direct, borrowed)
+                                                      head.get("po"), head.get("ck", False), direct, "c" in head)
         except BaseException:
             self.inflight.pop(key, None)
             raise
-        self.clients.requests += borrowed
+        self.client_block_requests += "c" in head
 
     def _cancel(self, ident: bytes, mid: int) -> None:
         ans = self.inflight.get((ident, mid))

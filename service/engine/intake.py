@@ -530,14 +530,13 @@ class Intake:
         return None
 
     def submit_to(self, sink, session_id: str, layer: int, x: torch.Tensor, speculative: bool = False,
-                  position: Optional[int] = None, checked: bool = False,
-                  borrowed: bool = False) -> Optional[ConvRequest]:
+                  position: Optional[int] = None, checked: bool = False) -> Optional[ConvRequest]:
         """:meth:`submit` without a future per request, for a caller that forwards answers (the engine process):
         the engine calls ``sink.set_result(y)`` or ``sink.set_exception(error)`` once, on its worker thread for a
         step's results (any thread for failures), and may call ``sink.done()``. Validation errors are raised
         here. Returns the request, for :meth:`withdraw` (None when a repeat was answered at once). ``checked``:
-        see :func:`~.validate.check_x`; ``borrowed``: see :meth:`submit_batch`."""
-        return self._submit(session_id, layer, x, speculative, sink, position, checked, borrowed=borrowed)
+        see :func:`~.validate.check_x`."""
+        return self._submit(session_id, layer, x, speculative, sink, position, checked)
 
     def submit_batch_to(self, sink, session_ids: Sequence[str], layer: int, x: torch.Tensor, tokens=None,
                         speculative=None, position=None, checked: bool = False,
