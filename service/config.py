@@ -47,6 +47,13 @@ def _int_list(v: Any, name: str) -> Any:
     return v
 
 
+def _cuda_count() -> int:
+    """The CUDA devices torch sees (torch imported only here: a CPU-only list needs no torch in the supervisor)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def _default_replica_name() -> str:
     """The pod's name on Kubernetes (HOSTNAME is set to it, and to the container id by Docker), else the host
     name; a stable name for X-Convserve-Replica without configuration."""
@@ -445,9 +452,7 @@ class Settings(BaseSettings):
         """One device per engine process."""
         if self.devices is None:
             return [self.resolved_device()]
-        import torch
-
-        n_cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        n_cuda = _cuda_count() if "cuda" in self.devices or self.devices == "all" else 0
         if self.devices == "all":
             return [f"cuda:{i}" for i in range(n_cuda)] or ["cpu"]
         out = []

@@ -50,6 +50,44 @@ def _child_pids(srv) -> list[int]:
     return [int(r["pid"]) for r in srv.logs if r.get("msg") in ("engine process started", "worker process started")]
 
 
+def _descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (from ``/proc``)."""
+    parents = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    parents[int(name)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    out, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parents.items() if pp == p and _alive(c)]
+        out.update(kids)
+        todo += kids
+    return out
+
+
+def _tree(srv, pids=None) -> tuple[set, int]:
+    """The supervisor's process tree (its children and theirs), and the fork server that ``pids`` (default: the
+    children the log names) were started from: the parent of each, itself the supervisor's child."""
+    pids = _child_pids(srv) if pids is None else pids
+    tree = _descendants(srv.proc.pid)
+    servers = {int(open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1]) for p in pids}
+    assert len(servers) == 1 and set(pids) < tree, (pids, tree, servers)
+    fork_server = servers.pop()
+    assert fork_server in tree and fork_server != srv.proc.pid
+    return tree, fork_server
+
+
+def _ready(url) -> bool:
+    try:
+        return _readyz(url).get("status") == "ready"
+    except httpx.HTTPError:         # a worker that died while it answered
+        return False
+
+
 def _session_on(api: Api, engine: int, n: int = 2) -> str:
     for i in range(200):
         sid = f"e{engine}-{i}-{time.monotonic_ns()}"
@@ -179,18 +217,49 @@ def test_sigterm_stops_every_process_and_removes_the_run_directory():
     want = ["cs-engine-0", "cs-engine-1", "cs-worker-0", "cs-worker-1"]      # what ps and pgrep show
     _wait(lambda: sorted(open(f"/proc/{p}/comm").read().strip() for p in pids) == want, timeout=20,
           what="every child named (a worker names itself once its imports are done)")
+    tree, _ = _tree(srv)
     assert srv.terminate() == 0
-    _wait(lambda: not any(_alive(p) for p in pids), timeout=10, what="children gone")
+    _wait(lambda: not any(_alive(p) for p in tree), timeout=10, what="children and the fork server gone")
     assert not os.path.exists(run_dir)
 
 
 def test_children_exit_when_the_supervisor_is_killed():
     srv = LiveServer(ARGS)
-    pids = _child_pids(srv)
+    tree, _ = _tree(srv)
     run_dir = next(r["run_dir"] for r in srv.logs if r.get("msg") == "listening" and "run_dir" in r)
     srv.kill()                                                 # SIGKILL: no shutdown code runs in the parent
-    _wait(lambda: not any(_alive(p) for p in pids), timeout=15, what="orphans gone")
+    _wait(lambda: not any(_alive(p) for p in tree), timeout=15, what="orphans and the fork server gone")
     _wait(lambda: not os.path.exists(run_dir), timeout=5, what="run dir removed")
+
+
+def test_a_killed_fork_server_takes_its_children_and_every_one_comes_back_once_without_its_sessions():
+    # the fork server reports its children's exits to the supervisor: once it is gone, every child must go too,
+    # or the supervisor, reading them as exited, would start a second process for one engine or worker
+    srv = LiveServer(ARGS)
+    try:
+        api = Api(srv.url)
+        sid = api.session()
+        _, fork_server = _tree(srv)
+        old = set(_child_pids(srv)) | {fork_server}
+        os.kill(fork_server, signal.SIGKILL)
+        _wait(lambda: not any(_alive(p) for p in old), timeout=5, what="the old children gone")
+        _wait(lambda: len(_child_pids(srv)) == 8 and _ready(srv.url), what="the server back")
+        kids = set(_child_pids(srv)) - old
+        _, new_fork_server = _tree(srv, kids)
+        assert new_fork_server != fork_server and all(_alive(p) for p in kids)
+        assert sorted(open(f"/proc/{p}/comm").read().strip() for p in kids) == [
+            "cs-engine-0", "cs-engine-1", "cs-worker-0", "cs-worker-1"]                  # one of each, no more
+        st, body, _ = api.call("POST", "/v1/conv", {"session": sid, "layer": 0,
+                                                    "x": wire.encode_tensor(torch.randn(1, DIM))})
+        assert st == 410 and body["error"]["code"] == "state_lost", body
+        fresh = api.session()
+        x = torch.randn(2, DIM)
+        ref = Reference(model())
+        ref.create(fresh)
+        assert_close(api.conv(fresh, 0, x)[1], ref.conv(fresh, 0, x))
+        assert srv.terminate() == 0
+    finally:
+        srv.terminate()
 
 
 @pytest.mark.slow  # a long run: `pytest -m slow` (kept out of CI's 10 minutes)

@@ -552,13 +552,13 @@ class _Answer:
 
 
 def main(spec: dict) -> None:
-    """The spawn target of one engine process."""
+    """The target of one engine process (:mod:`.fork_server`)."""
     from convserve.service import logs
 
     settings = spec["settings"]
     logs.configure(settings.log_level)
     logs.set_process(f"engine-{spec['index']}")
-    hold(spec["parent_pid"], spec["run_dir"])
+    hold(spec)
     proc = EngineProcess(spec)
     try:
         proc.build()

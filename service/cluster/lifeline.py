@@ -10,26 +10,46 @@ import shutil
 import signal
 import threading
 import time
-from typing import Callable, Optional
 
 
-def hold(parent_pid: int, run_dir: Optional[str] = None, on_orphaned: Optional[Callable[[], None]] = None,
-         interval: float = 0.25) -> None:
+def hold(spec: dict, interval: float = 0.25) -> None:
+    """Start a child of the supervisor (``spec``: its spawn spec, with ``parent_pid``, ``run_dir`` and
+    ``metrics_dir``). The child exits once the supervisor or its own parent is gone (and with the supervisor gone,
+    removes the run directory). Its parent is the supervisor's fork server (:mod:`.fork_server`), through which
+    the supervisor learns of its children's exits: a child outliving it would look dead to the supervisor, which
+    would start another in its place. The supervisor is watched by its pid and start time, which no later process
+    with that pid shares."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     set_name(multiprocessing.current_process().name)
+    if spec.get("metrics_dir"):     # the fork server's environment is the supervisor's as of the server's start
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = spec["metrics_dir"]
+    supervisor, parent, run_dir = spec["parent_pid"], os.getppid(), spec["run_dir"]
+    born = started(supervisor)
+
+    def supervised() -> bool:
+        return born is None or started(supervisor) == born
 
     def watch():
-        while os.getppid() == parent_pid:
+        while os.getppid() == parent and supervised():
             time.sleep(interval)
         try:
-            if on_orphaned is not None:
-                on_orphaned()
-            if run_dir is not None:
+            if not supervised():      # the run's files are the supervisor's while it runs
                 shutil.rmtree(run_dir, ignore_errors=True)
         finally:
             os._exit(1)
 
     threading.Thread(target=watch, name="convserve-lifeline", daemon=True).start()
+
+
+def started(pid: int):
+    """The start time of live process ``pid`` (clock ticks since boot, from ``/proc``), or None when there is no
+    such process, it is a zombie, or there is no ``/proc``."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()    # past the command name, which may hold spaces
+    except OSError:
+        return None
+    return None if fields[0] == b"Z" else int(fields[19])
 
 
 def exit_now(code: int) -> None:
@@ -50,7 +70,7 @@ def exit_now(code: int) -> None:
 
 def set_name(name: str) -> None:
     """Name this process as ``ps -o comm``, ``top`` and ``pgrep`` show it (Linux keeps 15 bytes): every child's
-    command line is the same ``multiprocessing.spawn`` one. ``convserve-engine-0`` becomes ``cs-engine-0``."""
+    command line is the same ``multiprocessing`` one. ``convserve-engine-0`` becomes ``cs-engine-0``."""
     import ctypes
     import ctypes.util
 

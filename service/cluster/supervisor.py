@@ -1,9 +1,10 @@
 """``convserve serve --workers N``: the supervisor process, its engine processes (one per entry of ``--devices``)
 and its HTTP worker processes (all on one listening socket).
 
-Start-up: the port is bound first (a taken one ends the start at once), then the engines are spawned; once each
-has built its model (so that a bad weights file stops the server at once with its message) the supervisor
-listens on the port and spawns the workers, which answer ``/readyz`` with 503 until an engine is warm. The supervisor does no request work.
+Start-up: the port is bound first (a taken one ends the start at once), then the engines are started (forked from
+the fork server, :mod:`.fork_server`); once each has built its model (so that a bad weights file stops the server
+at once with its message) the supervisor listens on the port and starts the workers, which answer ``/readyz`` with
+503 until an engine is warm. The supervisor does no request work.
 
 Failure: a child that dies is logged and started again (after a back-off that grows while it keeps dying). An
 engine's death is written to the status table at once, so workers fail its in-flight requests and route around it;
@@ -27,7 +28,8 @@ import time
 from multiprocessing.connection import wait
 from typing import Optional
 
-from . import engine_proc, worker
+from . import engine_proc, fork_server, worker
+from .lifeline import started
 from .run_dirs import make_run_dir, sweep_dead
 from .status import DOWN, NEW, STARTING, STOPPED, StatusTable
 
@@ -45,6 +47,7 @@ class _Child:
         self.backoff = 0.5
         self.restart_at: Optional[float] = None
         self.started_at = 0.0
+        self.born = None         # the process's start time (lifeline.started): tells it from a later one
 
 
 def run_dir_root() -> Optional[str]:
@@ -56,7 +59,7 @@ class Supervisor:
         self.settings = settings
         self.devices = devices
         self.n_workers = n_workers
-        self.ctx = mp.get_context("spawn")
+        self.ctx = fork_server.context()
         sweep_dead(run_dir_root())
         self.run_dir, self._run_lock = make_run_dir(run_dir_root())
         self.status = StatusTable(os.path.join(self.run_dir, "status"), len(devices), create=True)
@@ -75,12 +78,14 @@ class Supervisor:
         c.epoch = c.generation
         spec = {"index": c.index, "device": self.devices[c.index], "epoch": c.epoch, "run_dir": self.run_dir,
                 "settings": self.settings, "parent_pid": os.getpid(), "restarts": c.generation - 1,
+                "metrics_dir": os.environ.get("PROMETHEUS_MULTIPROC_DIR"),
                 "engines": len(self.devices),
                 "busy_poll_us": self.settings.resolved_busy_poll_us(len(self.devices))}
         c.proc = self.ctx.Process(target=engine_proc.main, args=(spec,), name=f"convserve-engine-{c.index}",
                                   daemon=False)
         c.proc.start()
         c.started_at = time.monotonic()
+        c.born = started(c.proc.pid)
         self.status.begin(c.index, c.epoch, c.proc.pid, c.generation - 1)
         log.info("engine process started", extra={"engine": c.index, "device": self.devices[c.index],
                                                    "pid": c.proc.pid, "epoch": c.epoch})
@@ -88,11 +93,13 @@ class Supervisor:
     def _spawn_worker(self, c: _Child) -> None:
         c.generation += 1
         spec = {"index": c.index, "generation": c.generation, "run_dir": self.run_dir, "settings": self.settings,
-                "devices": self.devices, "parent_pid": os.getpid(), "socket": self.sock}
+                "devices": self.devices, "parent_pid": os.getpid(), "socket": self.sock,
+                "metrics_dir": os.environ.get("PROMETHEUS_MULTIPROC_DIR")}
         c.proc = self.ctx.Process(target=worker.main, args=(spec,), name=f"convserve-worker-{c.index}",
                                   daemon=False)
         c.proc.start()
         c.started_at = time.monotonic()
+        c.born = started(c.proc.pid)
         log.info("worker process started", extra={"worker": c.index, "pid": c.proc.pid})
 
     def _wait_built(self, timeout: float = 600.0) -> bool:
@@ -118,7 +125,7 @@ class Supervisor:
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         metrics_dir = os.path.join(self.run_dir, "metrics")
         os.makedirs(metrics_dir)
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir    # inherited by the workers (spawned below)
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir    # in each child's spec, and for _mark_dead
         try:
             try:                                # the port first: a taken one ends the start before any engine
                 self.sock = bind_socket(self.settings, listen=False)
@@ -182,6 +189,7 @@ class Supervisor:
         code = c.proc.exitcode
         pid = c.proc.pid
         c.proc = None
+        _make_sure_gone(pid, c.born)
         if now - c.started_at > 30:
             c.backoff = 0.5                       # it had been running: not a crash loop
         c.restart_at = now + c.backoff
@@ -240,6 +248,21 @@ def stop_budgets(settings) -> tuple:
     preStop sleep)."""
     grace = settings.shutdown_timeout_s + 5
     return grace, grace + (settings.snapshot_timeout_s if settings.state_dir is not None else 0)
+
+
+def _make_sure_gone(pid: int, born, timeout: float = 2.0) -> None:
+    """A child's exit is reported by the fork server; when the fork server dies first, every child reads as exited
+    (code 255) while it may still run for a moment (until its lifeline sees its parent gone). Kill it, so that no
+    two processes ever serve one engine or hold one worker's arena."""
+    if born is None or started(pid) != born:
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout
+    while started(pid) == born and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _mark_dead(pid: int) -> None:

@@ -11,7 +11,7 @@ from .lifeline import exit_now, hold
 
 
 def main(spec: dict) -> None:
-    """The spawn target of one worker process."""
+    """The target of one worker process (:mod:`.fork_server`)."""
     from convserve.service import logs
     from convserve.service.cli import run_app
     from convserve.service.http.app import create_app
@@ -28,7 +28,7 @@ def main(spec: dict) -> None:
     settings = spec["settings"]
     logs.configure(settings.log_level, secrets=[settings.api_key_value()])
     logs.set_process(f"worker-{spec['index']}")
-    hold(spec["parent_pid"], spec["run_dir"])
+    hold(spec)
     with open(os.path.join(spec["run_dir"], "model.msgpack"), "rb") as f:
         info = msgpack.unpackb(f.read(), raw=False, strict_map_key=False)
     engine = RemoteEngine(spec["run_dir"], spec["devices"], spec["index"], spec["generation"], info,

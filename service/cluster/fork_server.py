@@ -1,0 +1,34 @@
+"""How the supervisor starts its children: forked from multiprocessing's fork server, which has imported torch once.
+
+A child started by ``spawn`` imports torch itself, a few seconds of one core each time: at start-up for every
+engine and worker, and again for every restart after a crash, while its sessions wait. The fork server is a fresh
+interpreter (started, like a spawned child, with nothing of the supervisor's memory, threads or descriptors) that
+imports :data:`PRELOAD` and then forks a child per start, so a child begins with torch imported and shares its
+pages with the others. It imports modules only: no CUDA call, no thread, no state a fork could not carry; each
+child initializes its device after the fork, as a spawned one did.
+
+The fork server is a child of the supervisor and exits when the supervisor does (its end of the server's pipe
+closes, ``kill -9`` included); the children are the fork server's, so :func:`.lifeline.hold` watches both. A
+child reads its environment from the fork server, which took the supervisor's when it started: what a child needs
+from the supervisor's current state comes in its spec.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+#: what the fork server imports before its first fork: the libraries the children need that take long to import
+#: (not ours, and nothing that reads per-run settings from the environment at import time, as prometheus-client
+#: does)
+PRELOAD = ("torch", "triton", "numpy", "msgpack", "zmq", "fastapi", "uvicorn", "pydantic_settings")
+
+
+def context(method: str = "forkserver"):
+    """The multiprocessing context children are started from (``method``: ``forkserver``, or ``spawn`` where
+    there is no fork server)."""
+    if method not in mp.get_all_start_methods():
+        method = "spawn"
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
