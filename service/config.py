@@ -12,6 +12,7 @@ bfloat16 weights, seed 0) on 127.0.0.1:8000, on CUDA when present and on the CPU
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
@@ -23,6 +24,7 @@ from convserve.clients.protocol.wire import BATCH_FIXED_OBJECTS, BATCH_SESSION_O
 
 from .cores import usable_cores as _usable_cores
 from .engine.config import DEFAULTS as _ENGINE  # the engine's defaults (EngineConfig), without torch
+from .env_names import is_service_link, unknown_variables
 
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
@@ -488,7 +490,7 @@ class Settings(BaseSettings):
                                    file_secret_settings):
         def env_without_service_links() -> dict:
             values = env_settings()
-            if is_service_link("CONVSERVE_PORT", _environ().get("CONVSERVE_PORT", "")):
+            if is_service_link("CONVSERVE_PORT", os.environ.get("CONVSERVE_PORT", "")):
                 values.pop("port", None)
             return values
         return (init_settings, env_without_service_links, _FileSource(settings_cls))
@@ -541,44 +543,15 @@ def read_config_file(path: Path) -> dict:
     return data
 
 
-#: CONVSERVE_ variables that are not settings: the config file's path, and the clients' server URL
-NOT_SETTINGS = frozenset({"CONVSERVE_CONFIG", "CONVSERVE_URL"})
-# What Kubernetes puts in every pod's environment for a Service named convserve (or convserve-<x>) in its
-# namespace (docker/k8s has one), unless the pod spec says enableServiceLinks: false: CONVSERVE[_<X>]_SERVICE_HOST,
-# CONVSERVE[_<X>]_SERVICE_PORT[_<NAME>], CONVSERVE[_<X>]_PORT=tcp://<ip>:<port> and
-# CONVSERVE[_<X>]_PORT_<port>_<PROTO>[_PROTO|_PORT|_ADDR]. None is a setting.
-_SERVICE_LINK = re.compile(r"CONVSERVE(_[A-Z0-9_]+?)?_(SERVICE_HOST|SERVICE_PORT(_[A-Z0-9_]+)?|"
-                           r"PORT_\d+_(TCP|UDP|SCTP)(_PROTO|_PORT|_ADDR)?)")
-_SERVICE_LINK_URL = re.compile(r"(tcp|udp|sctp)://", re.I)
-
-
-def is_service_link(name: str, value: str) -> bool:
-    """Is environment variable ``name=value`` one of Kubernetes' service links for a Service named convserve or
-    convserve-<x> (ignored: a pod may get them from any such Service in its namespace)? ``CONVSERVE_PORT`` is one
-    only when its value is a URL (``tcp://10.0.0.1:8000``); as a number it is the port setting."""
-    if name.endswith("_PORT") and _SERVICE_LINK_URL.match(value):      # CONVSERVE[_<X>]_PORT=tcp://...
-        return True
-    return bool(_SERVICE_LINK.fullmatch(name))
-
-
-def _environ():
-    import os
-
-    return os.environ
-
-
 def load_settings(overrides: Optional[dict] = None, config_file: Optional[Path] = None) -> Settings:
     """Build the settings from flags (``overrides``), the environment and ``config_file``.
 
     ``config_file`` defaults to ``$CONVSERVE_CONFIG``. Raises :class:`ConfigError` with one line per problem.
     """
-    import os
-
     from pydantic import ValidationError
 
     global _file_data
-    unknown = sorted(k for k, v in os.environ.items() if k.startswith("CONVSERVE_") and k not in NOT_SETTINGS
-                     and k[len("CONVSERVE_"):].lower() not in Settings.model_fields and not is_service_link(k, v))
+    unknown = unknown_variables(os.environ, Settings.model_fields)
     if unknown:         # a misspelt variable would otherwise leave its setting at its default, unnoticed
         raise ConfigError(f"unknown environment variable(s) {', '.join(unknown)}: no such setting (the settings are "
                           "the flags of `convserve serve --help`, as CONVSERVE_<NAME>); fix or unset them")

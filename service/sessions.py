@@ -46,7 +46,7 @@ class Session:
     #: last request the oldest op waits for. The scheduler holds back this session's later requests until it ran.
     barrier: Optional[int] = None
     #: requests submitted while ops were queued, whose checks wait for their turn (``ConvRequest.deferred``), in
-    #: arrival order; taken when the op before them is done (:meth:`Intake._take_turns_locked`). Empty when
+    #: arrival order; taken when the op before them is done (:meth:`Turns._take_turns_locked`). Empty when
     #: ``ops`` is: the checks at submit need only look at ``ops``.
     deferred: deque = field(default_factory=deque)
     #: the latest batch request (several sessions' decodes as one request) that covers this session; the

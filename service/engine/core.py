@@ -78,6 +78,7 @@ from .positions import Positions
 from .runner import Runner
 from .session_ops import SessionOps, fail_op
 from .snapshot import SnapshotTaking, check_content
+from .turns import Turns
 
 log = logging.getLogger("convserve.engine")
 
@@ -100,7 +101,7 @@ class _WakingCondition(threading.Condition):
             self.wake()
 
 
-class Engine(Intake, SessionOps, Accepts, Positions, SnapshotTaking, Worker):
+class Engine(Intake, Turns, SessionOps, Accepts, Positions, SnapshotTaking, Worker):
     """See the module docstring. Typical use::
 
         engine = Engine(ConvModel.random(4, dim=1024), EngineConfig(slots=64), device="cuda")

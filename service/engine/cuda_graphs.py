@@ -149,7 +149,7 @@ class DecodeLaunchers:
 
     def _verify_ops(self, j: int, p: int, b: int, L: int) -> None:
         hx, hidx, hspec, x, idx, sidx, x3, xs, osi, spec, states, w, bias = self._verify_args(j, p, b, L)
-        n, D = b * L, self._model.dim
+        n = b * L
         hy = self._b.vslot_y.buf(j)[:n]
         if not self._cuda:
             self._verify_rows(slice(0, b), x3, xs, idx, osi, sidx, spec, states, w, bias, hy, hy, L)

@@ -5,14 +5,13 @@ caller's thread (:mod:`.validate`, before anything is queued), build its :class:
 the runner's staging memory, and queue it (scheduler, session queue) under the engine lock; the result comes
 back through the future it returns (:mod:`.outputs`). The checks that read the session (a pending verify, a
 position) run there too, unless an operation of the session is queued: then they wait for the conv's turn
-(:meth:`Intake._take_turns_locked`), so they see what the operations before it did. :class:`Intake` is a part
+(:mod:`.turns`), so they see what the operations before it did. :class:`Intake` is a part
 of :class:`Engine` and shares its state.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from concurrent.futures import Future
 from itertools import compress
@@ -21,14 +20,14 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from convserve.clients.protocol.errors import BadRequest, Internal, PositionMismatch, QueueFull, RequestTimeout
+from convserve.clients.protocol.errors import BadRequest, QueueFull, RequestTimeout
 
 from ..scheduler import PrefillRows
 from ..sessions import Session
 from .outputs import AsyncConvFuture, ConvFuture
 from .outputs import deliver
 from .records import BATCH_SESSION, NO_ROWS, BatchRows, ConvRequest, plan_rows, release_batch
-from .positions import Answer, Applied, Sink, batch_key, check_position, check_positions
+from .positions import Answer, Sink, batch_key, check_position, check_positions
 from .validate import (check_batch_plan, check_batch_rows, check_batch_sessions, check_finite_copy,
                        check_one_token_rows, check_speculative, check_x, own_copy, uniform_verify)
 
@@ -123,86 +122,6 @@ class Intake:
             raise BadRequest(f"session {s.id!r} has an un-accepted speculative verify on layer(s) "
                              f"{sorted(self.model_cpu.layers[q] for q in pending)}; call accept (0 to "
                              "discard it) before a non-speculative conv")
-
-    # ------------------------------------------------------------------ deferred checks, at the request's turn
-
-    def _take_turns_locked(self, s: Session) -> None:
-        """The op before some of ``s``'s deferred requests is done (it ran, failed, was cancelled or expired):
-        check those requests now, oldest first (:meth:`_take_turn_locked`). Called by ``_op_done_locked`` as it
-        moves ``s.barrier`` on, so a deferred request is always behind ``s.barrier`` (the scheduler holds it
-        back) until its checks passed, and ``s.deferred`` is empty whenever ``s.ops`` is."""
-        d, barrier = s.deferred, s.barrier
-        while d and (barrier is None or d[0].seq <= barrier):
-            r = d.popleft()
-            if not r.done:             # not cancelled, expired, or withdrawn with its deleted session
-                self._take_turn_locked(r)
-
-    def _take_turn_locked(self, r: ConvRequest) -> None:
-        """The checks :meth:`_enqueue` makes at submit, made for a deferred request at its turn: every op and
-        request of its session before it has been applied (or has failed), and those after it are taken off
-        (a position advances at submit, a verify sets its pending entry at submit). A request refused here, or
-        answered as the repeat of an applied one, is withdrawn as if it had never been queued (its tokens and
-        its pending entry given back); its answer goes out with :meth:`_deliver_turns`."""
-        s, p, n, position = r.session, r.layer, r.n_tokens, r.position
-        cur = None
-        try:
-            if position is not None:
-                cur = s.positions[p] - self._held_tokens_locked(s, r.seq - 1)[p]
-                rec = self._check_position_locked(s, p, position, n, r.speculative, cur)
-                if rec is not None:
-                    self._withdraw_turn_locked(r)
-                    self._turn_out += self._replay_locked(rec.answer, rec.lo, rec.hi,
-                                                          r.x_dtype or self.model_cpu.dtype, r.future)
-                    return
-            if not r.speculative:
-                self._check_no_verify_locked(s, self._pending_at_turn_locked(s, r.seq))
-        except (BadRequest, PositionMismatch) as e:
-            self._withdraw_turn_locked(r)
-            self._turn_out.append((r, None, e))
-            return
-        except Exception as e:  # noqa: BLE001 - this runs on the worker: the request fails, not the engine
-            logging.getLogger("convserve.engine").exception("checking a deferred conv at its turn failed")
-            self._withdraw_turn_locked(r)
-            self._turn_out.append((r, None, Internal(f"checking this conv at its turn failed: {e}; nothing ran")))
-            return
-        if not r.speculative and (r.track is not None or s.last):   # now the layer's last applied request
-            old = s.last.pop(p, None)
-            if old is not None:
-                self._unref_locked(old.answer)
-            if r.track is not None:
-                s.last[p] = Applied(cur, n, r.track, 0, None)
-                r.track.refs += 1
-
-    def _withdraw_turn_locked(self, r: ConvRequest) -> None:
-        """Withdraw a deferred request at its turn as if it had never been queued: its tokens given back, and, for
-        a verify, the pending entry it replaced at submit back in its place if that verify still is one (queued,
-        or run and neither accepted nor discarded since: its x is in ``spec_x``); a later verify that replaced
-        this one's entry is pointed at that entry instead (its ``displaced``, for the views as of a turn)."""
-        if not self._sched.cancel(r):                # it cannot have started: the barrier held it back
-            return
-        s, p = r.session, r.layer
-        mine = (r.n_tokens, r.seq)
-        was = s.pending.get(p)
-        self._retire_locked(r, ok=False)
-        if not r.speculative:
-            return
-        back = r.displaced
-        if back is not None and s.spec_x.get(p) != back[1] and \
-                not any(q.seq == back[1] and not q.done for q in s.queue):
-            back = None                              # it failed, or was accepted or discarded
-        if was == mine:
-            if back is not None:
-                s.pending[p] = back
-            return
-        self._redirect_displaced(s, p, mine, back)
-
-    def _deliver_turns(self) -> None:
-        """Answer the deferred requests refused (or repeats answered) at their turn; outside the engine lock.
-        Called on the thread that made the turns, after each place that can (an op done)."""
-        if self._turn_out:
-            with self._lock:
-                out, self._turn_out = self._turn_out, []
-            deliver(out)
 
     def _check_queue_locked(self) -> int:
         """The queue depth, or :class:`QueueFull` when it is at ``max_queue``."""

@@ -39,7 +39,7 @@ class ConvRequest(Request):
     displaced: Any = None        # a verify queued behind a session op: the pending entry it replaced (for the
     #                              op's view as of its turn, Positions._pending_at_turn_locked)
     deferred: bool = False       # queued behind a session op: its checks that read the session (position,
-    #                              pending verify) run at its turn (Intake._take_turn_locked), not at submit
+    #                              pending verify) run at its turn (Turns._take_turn_locked), not at submit
     position: Any = None         # the position it carried, for that check (None: none)
 
 
