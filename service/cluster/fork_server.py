@@ -7,10 +7,13 @@ imports :data:`PRELOAD` and then forks a child per start, so a child begins with
 pages with the others. It imports modules only: no CUDA call, no thread, no state a fork could not carry; each
 child initializes its device after the fork, as a spawned one did.
 
-The fork server is a child of the supervisor and exits when the supervisor does (its end of the server's pipe
-closes, ``kill -9`` included); the children are the fork server's, so :func:`.lifeline.hold` watches both. A
-child reads its environment from the fork server, which took the supervisor's when it started: what a child needs
-from the supervisor's current state comes in its spec.
+The fork server is a child of the supervisor. It exits once no process holds the write end of its pipe: the
+supervisor, and each child until it closes its copy (:func:`.lifeline.hold`), so in effect with the supervisor,
+``kill -9`` included. It ignores SIGTERM and SIGINT (:mod:`.fork_server_preload`). The children are the fork
+server's, and it reports their exits to the supervisor, so :func:`.lifeline.hold` watches both. A child takes its
+environment and its stdout and stderr from the fork server, which took the supervisor's when it started (one
+fork server serves every supervisor run in one Python process): what a child needs from the supervisor's current
+state comes in its spec.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ import multiprocessing as mp
 #: what the fork server imports before its first fork: the libraries the children need that take long to import
 #: (not ours, and nothing that reads per-run settings from the environment at import time, as prometheus-client
 #: does)
-PRELOAD = ("torch", "triton", "numpy", "msgpack", "zmq", "fastapi", "uvicorn", "pydantic_settings")
+PRELOAD = ("convserve.service.cluster.fork_server_preload", "torch", "triton", "numpy", "msgpack", "zmq", "fastapi",
+           "uvicorn", "pydantic_settings")
 
 
 def context(method: str = "forkserver"):

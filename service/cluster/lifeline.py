@@ -13,18 +13,21 @@ import time
 
 
 def hold(spec: dict, interval: float = 0.25) -> None:
-    """Start a child of the supervisor (``spec``: its spawn spec, with ``parent_pid``, ``run_dir`` and
-    ``metrics_dir``). The child exits once the supervisor or its own parent is gone (and with the supervisor gone,
-    removes the run directory). Its parent is the supervisor's fork server (:mod:`.fork_server`), through which
-    the supervisor learns of its children's exits: a child outliving it would look dead to the supervisor, which
-    would start another in its place. The supervisor is watched by its pid and start time, which no later process
-    with that pid shares."""
+    """Start a child of the supervisor (``spec``: its spec, with ``parent_pid``, ``parent_started``, ``run_dir``
+    and ``metrics_dir``). The child exits once the supervisor or its own parent is gone (and with the supervisor
+    gone, removes the run directory). Its parent is the supervisor's fork server (:mod:`.fork_server`), through
+    which the supervisor learns of its children's exits: a child outliving it would look dead to the supervisor,
+    which would start another in its place. The supervisor is watched by its pid and the start time it put in the
+    spec, which a process that died before this child got here, or a later one with that pid, does not match;
+    where there is no ``/proc``, through the fork server, which exits with the supervisor once every child has
+    closed its copy of the server's pipe (done here)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _close_fork_server_pipe()
     set_name(multiprocessing.current_process().name)
     if spec.get("metrics_dir"):     # the fork server's environment is the supervisor's as of the server's start
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = spec["metrics_dir"]
-    supervisor, parent, run_dir = spec["parent_pid"], os.getppid(), spec["run_dir"]
-    born = started(supervisor)
+    supervisor, born, run_dir = spec["parent_pid"], spec.get("parent_started"), spec["run_dir"]
+    parent = os.getppid()
 
     def supervised() -> bool:
         return born is None or started(supervisor) == born
@@ -39,6 +42,22 @@ def hold(spec: dict, interval: float = 0.25) -> None:
             os._exit(1)
 
     threading.Thread(target=watch, name="convserve-lifeline", daemon=True).start()
+
+
+def _close_fork_server_pipe() -> None:
+    """Close this process's copy of the write end of the fork server's pipe (multiprocessing hands one to every
+    child it forks, for the child's own children), so that the fork server's life ends with the supervisor's
+    rather than with the last child's."""
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        server._forkserver_alive_fd = None
 
 
 def started(pid: int):

@@ -60,6 +60,7 @@ class Supervisor:
         self.devices = devices
         self.n_workers = n_workers
         self.ctx = fork_server.context()
+        self.started = started(os.getpid())      # in each child's spec: how it tells this process from a later one
         sweep_dead(run_dir_root())
         self.run_dir, self._run_lock = make_run_dir(run_dir_root())
         self.status = StatusTable(os.path.join(self.run_dir, "status"), len(devices), create=True)
@@ -76,31 +77,38 @@ class Supervisor:
     def _spawn_engine(self, c: _Child) -> None:
         c.generation += 1
         c.epoch = c.generation
-        spec = {"index": c.index, "device": self.devices[c.index], "epoch": c.epoch, "run_dir": self.run_dir,
-                "settings": self.settings, "parent_pid": os.getpid(), "restarts": c.generation - 1,
-                "metrics_dir": os.environ.get("PROMETHEUS_MULTIPROC_DIR"),
-                "engines": len(self.devices),
-                "busy_poll_us": self.settings.resolved_busy_poll_us(len(self.devices))}
-        c.proc = self.ctx.Process(target=engine_proc.main, args=(spec,), name=f"convserve-engine-{c.index}",
-                                  daemon=False)
-        c.proc.start()
-        c.started_at = time.monotonic()
-        c.born = started(c.proc.pid)
+        self._start(c, engine_proc.main, {
+            "device": self.devices[c.index], "epoch": c.epoch, "restarts": c.generation - 1,
+            "engines": len(self.devices), "busy_poll_us": self.settings.resolved_busy_poll_us(len(self.devices))})
         self.status.begin(c.index, c.epoch, c.proc.pid, c.generation - 1)
         log.info("engine process started", extra={"engine": c.index, "device": self.devices[c.index],
                                                    "pid": c.proc.pid, "epoch": c.epoch})
 
     def _spawn_worker(self, c: _Child) -> None:
         c.generation += 1
-        spec = {"index": c.index, "generation": c.generation, "run_dir": self.run_dir, "settings": self.settings,
-                "devices": self.devices, "parent_pid": os.getpid(), "socket": self.sock,
-                "metrics_dir": os.environ.get("PROMETHEUS_MULTIPROC_DIR")}
-        c.proc = self.ctx.Process(target=worker.main, args=(spec,), name=f"convserve-worker-{c.index}",
-                                  daemon=False)
-        c.proc.start()
+        self._start(c, worker.main, {"generation": c.generation, "devices": self.devices, "socket": self.sock})
+        log.info("worker process started", extra={"worker": c.index, "pid": c.proc.pid})
+
+    def _start(self, c: _Child, target, spec: dict) -> None:
+        """Start child ``c`` running ``target(spec)``, with what every child's spec holds added. A fork server
+        that died since the last start is started again by multiprocessing; one that dies during this start
+        (its answer cut short) gets one more try."""
+        spec.update({"index": c.index, "run_dir": self.run_dir, "settings": self.settings,
+                     "parent_pid": os.getpid(), "parent_started": self.started,
+                     "metrics_dir": os.environ.get("PROMETHEUS_MULTIPROC_DIR")})
+        for attempt in (0, 1):
+            c.proc = self.ctx.Process(target=target, args=(spec,), name=f"convserve-{c.kind}-{c.index}",
+                                      daemon=False)
+            try:
+                c.proc.start()
+                break
+            except (EOFError, ConnectionError) as e:
+                if attempt:
+                    raise
+                log.warning("the fork server went away while it started a child; trying again",
+                            extra={"child": c.proc.name, "error": repr(e)})
         c.started_at = time.monotonic()
         c.born = started(c.proc.pid)
-        log.info("worker process started", extra={"worker": c.index, "pid": c.proc.pid})
 
     def _wait_built(self, timeout: float = 600.0) -> bool:
         """Wait until every engine has built its model (or one exits: a configuration error)."""
@@ -224,21 +232,45 @@ class Supervisor:
             self.status.set_state(c.index, STOPPED)
 
     def _stop(self, children: list, grace: float) -> None:
-        procs = [c.proc for c in children if c.proc is not None and c.proc.is_alive()]
-        for p in procs:
-            p.terminate()                                   # SIGTERM: drain
+        """SIGTERM to each child that runs, then up to ``grace`` seconds for all to exit; SIGKILL to the rest."""
+        live = [c for c in children if c.proc is not None and _running(c)]
+        for c in live:
+            _signal(c, signal.SIGTERM)                      # drain
         deadline = time.monotonic() + grace
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-            if p.is_alive():
+        for c in live:
+            p = c.proc
+            p.join(max(0.0, deadline - time.monotonic()))   # at once where the fork server died: then by /proc
+            while _running(c) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if _running(c):
                 log.error("child did not stop in time; killing it", extra={"pid": p.pid, "child": p.name})
-                p.kill()
+                _signal(c, signal.SIGKILL)
                 p.join(5)
+                _make_sure_gone(p.pid, getattr(c, "born", None))
             if p.exitcode not in (0, -signal.SIGTERM):
                 self.failed = True
         for c in children:
             c.proc = None
             c.restart_at = None
+
+
+def _signal(c, sig: int) -> None:
+    """Send ``sig`` to child ``c`` if it runs (see :func:`_running`; multiprocessing's own ``terminate`` and
+    ``kill`` do nothing once the fork server has reported the child exited)."""
+    if _running(c):
+        try:
+            os.kill(c.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _running(c) -> bool:
+    """Does child ``c``'s process run? Its fork server says, or, once the fork server is gone (every child then
+    reads as exited), ``/proc`` by its pid and start time."""
+    if c.proc.is_alive():
+        return True
+    born = getattr(c, "born", None)
+    return born is not None and started(c.proc.pid) == born
 
 
 def stop_budgets(settings) -> tuple:

@@ -1,0 +1,115 @@
+"""The supervisor's children and the fork server they are forked from (service/cluster/fork_server.py): no process
+outlives the supervisor, however early it dies; a signal to the whole process group stops the server in order, as
+a SIGTERM to the supervisor does; a killed fork server takes every child with it and every one comes back once."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+
+import httpx
+import pytest
+import torch
+
+from convserve.clients.protocol import wire
+from tests.http_api import DIM, Api, assert_close, model
+from tests.live import LiveServer, Reference
+from tests.proc_tree import alive, child_pids, descendants, tree, wait
+
+ARGS = ["--layers", "0,2,5", "--dim", str(DIM), "--width", "4", "--dtype", "float32", "--slots", "64",
+        "--workers", "2", "--devices", "cpu,cpu", "--shutdown-timeout-s", "5"]
+
+
+def _ready(url) -> bool:
+    try:
+        return httpx.get(url + "/readyz", timeout=5).json().get("status") == "ready"
+    except (httpx.HTTPError, ValueError):       # a worker that died while it answered
+        return False
+
+
+def _logged(srv, msg: str, n: int = 1):
+    return lambda: sum(r.get("msg") == msg for r in srv.logs) >= n
+
+
+@pytest.mark.parametrize("when", ["engines started", "engines building"])
+def test_a_supervisor_killed_while_its_children_start_leaves_no_process_and_no_run_directory(when):
+    # a child that had not yet read the supervisor's start time when it died once watched nothing but the fork
+    # server, which in turn waited for the child: both ran on forever
+    srv = LiveServer(ARGS, listening=False)
+    try:
+        wait(_logged(srv, "engine process started", 2), what="two engines started")
+        if when == "engines building":
+            wait(lambda: len(descendants(srv.proc.pid)) >= 3, timeout=10, what="the engines forked")
+        below = descendants(srv.proc.pid)
+        srv.kill()
+        wait(lambda: not any(alive(p) for p in below), timeout=15, what="every process gone")
+        wait(lambda: not glob.glob(f"/dev/shm/convserve-{srv.proc.pid}-*"), timeout=5, what="the run dir removed")
+    finally:
+        srv.kill()
+
+
+def test_sigterm_to_the_whole_process_group_stops_in_order_writes_every_final_snapshot_and_exits_0(tmp_path):
+    # Ctrl-C, `timeout` and systemd signal the group: the fork server, signalled too, once died of it, and every
+    # child read as exited in the middle of its drain and its final snapshot
+    srv = LiveServer([*ARGS, "--state-dir", str(tmp_path)], group=True)
+    api = Api(srv.url)
+    for i in range(6):
+        sid = api.session(f"s{i}")
+        assert api.conv(sid, 0, torch.randn(2, DIM))[0] == 200
+    below = descendants(srv.proc.pid)
+    os.killpg(srv.proc.pid, signal.SIGTERM)
+    assert srv.proc.wait(60) == 0, "\n".join(srv.raw[-30:])
+    msgs = srv.log_messages()
+    assert "stopped with a failure" not in " ".join(msgs)
+    assert sum(r.get("msg") == "snapshot written" and r.get("kind") != "periodic" for r in srv.logs) >= 2
+    assert msgs.index("stopped") > max(i for i, m in enumerate(msgs) if m == "snapshot written")
+    wait(lambda: not any(alive(p) for p in below), timeout=10, what="every process gone")
+    again = LiveServer([*ARGS, "--state-dir", str(tmp_path)])
+    try:
+        assert {s["session"] for s in Api(again.url).call("GET", "/v1/sessions")[1]["sessions"]} == \
+            {f"s{i}" for i in range(6)}
+    finally:
+        again.terminate()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_to_the_process_group_during_start_up_stops_it_and_exits_0(sig):
+    srv = LiveServer(ARGS, listening=False, group=True)
+    try:
+        wait(_logged(srv, "engine process started", 1), what="an engine started")
+        os.killpg(srv.proc.pid, sig)
+        assert srv.proc.wait(60) == 0, "\n".join(srv.raw[-30:])
+        assert "Traceback" not in "\n".join(srv.raw)
+    finally:
+        srv.kill()
+
+
+def test_a_killed_fork_server_takes_its_children_and_every_one_comes_back_once_without_its_sessions():
+    # the fork server reports its children's exits to the supervisor: once it is gone, every child must go too,
+    # or the supervisor, reading them as exited, would start a second process for one engine or worker
+    srv = LiveServer(ARGS)
+    try:
+        api = Api(srv.url)
+        sid = api.session()
+        _, fork_server = tree(srv)
+        old = set(child_pids(srv)) | {fork_server}
+        os.kill(fork_server, signal.SIGKILL)
+        wait(lambda: not any(alive(p) for p in old), timeout=5, what="the old children gone")
+        wait(lambda: len(child_pids(srv)) == 8 and _ready(srv.url), what="the server back")
+        kids = set(child_pids(srv)) - old
+        _, new_fork_server = tree(srv, kids)
+        assert new_fork_server != fork_server and all(alive(p) for p in kids)
+        assert sorted(open(f"/proc/{p}/comm").read().strip() for p in kids) == [
+            "cs-engine-0", "cs-engine-1", "cs-worker-0", "cs-worker-1"]                  # one of each, no more
+        st, body, _ = api.call("POST", "/v1/conv", {"session": sid, "layer": 0,
+                                                    "x": wire.encode_tensor(torch.randn(1, DIM))})
+        assert st == 410 and body["error"]["code"] == "state_lost", body
+        fresh = api.session()
+        x = torch.randn(2, DIM)
+        ref = Reference(model())
+        ref.create(fresh)
+        assert_close(api.conv(fresh, 0, x)[1], ref.conv(fresh, 0, x))
+        assert srv.terminate() == 0
+    finally:
+        srv.terminate()
