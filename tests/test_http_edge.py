@@ -121,7 +121,7 @@ def test_the_key_never_reaches_the_log_even_at_debug_and_a_key_on_the_command_li
         srv.terminate()
     assert srv.raw and not [line for line in srv.raw if key in line]
     assert not [m for m in srv.log_messages() if "--api-key" in m]
-    loud = LiveServer(["--layers", "1", "--dim", "8", "--dtype", "float32", "--api-key", key])
+    loud = LiveServer(["--layers", "1", "--dim", "8", "--dtype", "float32", "--api-key", key, "--workers", "0"])
     loud.terminate()
     assert [m for m in loud.log_messages() if "process list" in m]
     assert not [line for line in loud.raw if key in line]
