@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import os
 import signal
+from pathlib import Path
 
 import httpx
 import pytest
@@ -78,6 +79,19 @@ def test_a_signal_to_the_process_group_during_start_up_stops_it_and_exits_0(sig)
         assert "Traceback" not in "\n".join(srv.raw)
     finally:
         srv.kill()
+
+
+def test_a_file_in_the_working_directory_named_like_a_module_torch_imports_shadows_nothing(tmp_path):
+    # the fork server runs as `python -c`, whose sys.path starts with the working directory
+    (tmp_path / "grp.py").write_text("raise SystemExit('the working directory shadowed the module grp')\n")
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    srv = LiveServer(ARGS, cwd=tmp_path, env={"PYTHONPATH": os.pathsep.join(
+        [src, *filter(None, [os.environ.get("PYTHONPATH")])])})
+    try:
+        assert Api(srv.url).session()
+        assert "shadowed" not in "\n".join(srv.raw)
+    finally:
+        srv.terminate()
 
 
 def test_a_killed_fork_server_takes_its_children_and_every_one_comes_back_once_without_its_sessions():
