@@ -9,7 +9,7 @@ child initializes its device after the fork, as a spawned one did.
 
 The fork server is a child of the supervisor. It exits once no process holds the write end of its pipe: the
 supervisor, and each child until it closes its copy (:func:`.lifeline.hold`), so in effect with the supervisor,
-``kill -9`` included. It ignores SIGTERM and SIGINT (:mod:`.fork_server_preload`). The children are the fork
+``kill -9`` included. It blocks SIGTERM and ignores SIGINT (:mod:`.fork_server_preload`). The children are the fork
 server's, and it reports their exits to the supervisor, so :func:`.lifeline.hold` watches both. A child takes its
 environment and its stdout and stderr from the fork server, which took the supervisor's when it started (one
 fork server serves every supervisor run in one Python process): what a child needs from the supervisor's current
