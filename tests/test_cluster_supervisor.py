@@ -59,7 +59,7 @@ def test_a_child_that_does_not_stop_in_time_is_killed_and_logged(caplog):
     p.start()
     time.sleep(0.3)                          # its handler in place
     fake = types.SimpleNamespace(failed=False)
-    child = types.SimpleNamespace(proc=p, restart_at=None)
+    child = types.SimpleNamespace(proc=p, restart_at=None, born=None)
     with caplog.at_level(logging.ERROR, logger="convserve"):
         Supervisor._stop(fake, [child], 0.5)
     assert not p.is_alive() and p.exitcode == -9

@@ -27,12 +27,11 @@ PRELOAD = ("convserve.service.cluster.fork_server_preload", "torch", "triton", "
            "uvicorn", "pydantic_settings")
 
 
-def context(method: str = "forkserver"):
-    """The multiprocessing context children are started from (``method``: ``forkserver``, or ``spawn`` where
-    there is no fork server)."""
-    if method not in mp.get_all_start_methods():
-        method = "spawn"
-    ctx = mp.get_context(method)
-    if method == "forkserver":
-        ctx.set_forkserver_preload(list(PRELOAD))
+def context():
+    """The multiprocessing context children are started from: the fork server, or ``spawn`` on a platform
+    without one."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
     return ctx

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import shutil
@@ -53,10 +54,8 @@ def _close_fork_server_pipe() -> None:
     server = getattr(forkserver, "_forkserver", None)
     fd = getattr(server, "_forkserver_alive_fd", None)
     if fd is not None:
-        try:
+        with contextlib.suppress(OSError):          # closed already
             os.close(fd)
-        except OSError:
-            pass
         server._forkserver_alive_fd = None
 
 

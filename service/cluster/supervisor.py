@@ -18,6 +18,7 @@ exits on its own when the supervisor is gone, ``kill -9`` included (:mod:`.lifel
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -246,7 +247,7 @@ class Supervisor:
                 log.error("child did not stop in time; killing it", extra={"pid": p.pid, "child": p.name})
                 _signal(c, signal.SIGKILL)
                 p.join(5)
-                _make_sure_gone(p.pid, getattr(c, "born", None))
+                _make_sure_gone(p.pid, c.born)
             if p.exitcode not in (0, -signal.SIGTERM):
                 self.failed = True
         for c in children:
@@ -258,19 +259,14 @@ def _signal(c, sig: int) -> None:
     """Send ``sig`` to child ``c`` if it runs (see :func:`_running`; multiprocessing's own ``terminate`` and
     ``kill`` do nothing once the fork server has reported the child exited)."""
     if _running(c):
-        try:
+        with contextlib.suppress(ProcessLookupError):     # it exited since
             os.kill(c.proc.pid, sig)
-        except ProcessLookupError:
-            pass
 
 
 def _running(c) -> bool:
     """Does child ``c``'s process run? Its fork server says, or, once the fork server is gone (every child then
     reads as exited), ``/proc`` by its pid and start time."""
-    if c.proc.is_alive():
-        return True
-    born = getattr(c, "born", None)
-    return born is not None and started(c.proc.pid) == born
+    return c.proc.is_alive() or (c.born is not None and started(c.proc.pid) == c.born)
 
 
 def stop_budgets(settings) -> tuple:
