@@ -236,6 +236,16 @@ def _scrape(url: str) -> dict:
     return out
 
 
+def _worker_connections(url: str) -> list:
+    """The client connections each HTTP worker holds open (its ``convserve_worker_connections``, published about
+    once a second), by worker index; empty with the engine in the HTTP process."""
+    import httpx
+
+    text = httpx.get(url + "/metrics", timeout=10).text
+    found = re.findall(r'^convserve_worker_connections{worker="(\d+)"} ([0-9.eE+-]+)$', text, re.M)
+    return [int(float(v)) for _, v in sorted(found, key=lambda f: int(f[0]))]
+
+
 async def leg_inproc(args, engine, model, conc: int) -> dict:
     tr = EngineTransport(engine)
     sessions = [engine.create_session() for _ in range(conc)]
@@ -267,6 +277,7 @@ async def leg_http(args, url: str, info: dict, conc: int, kind: str) -> dict:
         b0, r0 = client.bytes_sent, client.bytes_received
         try:
             r = await drive(tr, sessions, layers, x, args.warmup, args.duration, getattr(args, "keep_lat", False))
+            r["worker_connections"] = _worker_connections(url)
         finally:
             await tr.close()
         r["engine"] = _engine_delta(a, _scrape(url))

@@ -121,6 +121,9 @@ class Server:
             async def startup(self, sockets=None):
                 self.loop = asyncio.get_running_loop()
                 await super().startup(sockets)
+                series = getattr(self.svc.engine, "series", None)    # a worker process's own /metrics series
+                if series is not None:
+                    series.watch_connections(lambda: len(self.server_state.connections))
                 if self.servers and self.servers[0].sockets:
                     host, port = self.servers[0].sockets[0].getsockname()[:2]
                     self.bound_port = port

@@ -9,7 +9,9 @@ worker's index:
   worker's processes, dead ones included, so a restarted worker's series keeps counting up (``rate()`` works);
 * ``convserve_worker_shm_in_use`` (gauge): blocks leased now, the live process's;
 * ``convserve_worker_restarts`` (gauge): how many times the supervisor started this worker again after its
-  process died.
+  process died;
+* ``convserve_worker_connections`` (gauge): the client connections the worker holds open now (how evenly the
+  workers share the clients: each accepts from the one listening socket).
 
 The arena counts plain ints on the request path (no file write per request); :meth:`WorkerSeries.publish` copies
 them out, from the worker's watch loop about once a second and at each scrape.
@@ -46,6 +48,10 @@ class WorkerSeries:
         # max over the worker's processes, dead ones included: the latest process's count
         Gauge("convserve_worker_restarts", "Times the supervisor started this worker again after its process died",
               ["worker"], registry=None, multiprocess_mode="max").labels(w).set(restarts)
+        self._open = Gauge("convserve_worker_connections", "Client connections this worker holds open now",
+                           ["worker"], registry=None, multiprocess_mode="livesum").labels(w)
+        #: ``() -> connections open``, set by the HTTP server once it serves (:meth:`watch_connections`)
+        self._connections = None
         self._seen = dict.fromkeys(self._counts, 0)
         self._lock = threading.Lock()          # the watch loop and a scrape's thread may publish at once
 
@@ -59,6 +65,12 @@ class WorkerSeries:
                     c.inc(v - self._seen[k])
                     self._seen[k] = v
             self._in_use.set(a.in_use)
+            if self._connections is not None:
+                self._open.set(self._connections())
+
+    def watch_connections(self, count) -> None:
+        """Publish ``count() -> connections open`` from now on."""
+        self._connections = count
 
 
 def create(worker: int, restarts: int, arena) -> Optional[WorkerSeries]:
