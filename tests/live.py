@@ -61,15 +61,15 @@ def app_in_thread(settings: dict, start_engine: bool = True, ready: bool = False
 
 class LiveServer:
     def __init__(self, args: list[str], env: Optional[dict] = None, ready: bool = True, timeout: float = 60.0,
-                 listening: bool = True, group: bool = False, cwd=ROOT):
+                 listening: bool = True, group: bool = False, cwd=ROOT, prefix: tuple = ()):
         """``listening``: return once the server listens (else at once, its logs still read); ``group``: the
         server leads a process group of its own, as a shell's job or a systemd unit does; ``cwd``: its working
-        directory."""
+        directory; ``prefix``: a command the server runs under (``unshare ...``)."""
         self.args = list(args)
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("CONVSERVE_")}
         full_env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
         full_env.update(env or {})
-        cmd = [sys.executable, "-m", "convserve.service", "serve", "--host", "127.0.0.1", "--port", "0", "--device", "cpu",
+        cmd = [*prefix, sys.executable, "-m", "convserve.service", "serve", "--host", "127.0.0.1", "--port", "0", "--device", "cpu",
                *self.args]
         self.proc = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=group)

@@ -122,3 +122,54 @@ def test_a_killed_fork_server_takes_its_children_and_every_one_comes_back_once_w
         assert srv.terminate() == 0
     finally:
         srv.terminate()
+
+
+def _pid_namespace() -> tuple:
+    """A command prefix that runs the server as PID 1 of a new PID namespace, as a container's entry point without
+    an init runs; empty where this machine does not allow one."""
+    import shutil
+    import subprocess
+
+    for prefix in (("unshare", "--pid", "--fork", "--mount-proc", "--kill-child"),
+                   ("unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc", "--kill-child")):
+        if shutil.which(prefix[0]) and subprocess.run([*prefix, "true"], capture_output=True).returncode == 0:
+            return prefix
+    return ()
+
+
+def _children(pid: int, state: str = "") -> list[int]:
+    """``pid``'s children (those in ``state`` only, e.g. "Z"), from the host's ``/proc``."""
+    out = []
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, ValueError):
+            continue
+        if int(fields[1]) == pid and (not state or fields[0] == state):
+            out.append(int(name))
+    return out
+
+
+def test_as_pid_1_the_supervisor_reaps_the_children_a_killed_fork_server_left_it():
+    # in a container whose entry point is the server, the fork server's orphans are the supervisor's: their
+    # zombies would stay until the container ends if it did not collect them
+    prefix = _pid_namespace()
+    if not prefix:
+        pytest.skip("this machine allows no PID namespace (unshare --pid), so the supervisor cannot run as PID 1")
+    srv = LiveServer(ARGS, prefix=prefix)
+    try:
+        (supervisor,) = _children(srv.proc.pid)                       # unshare's child: PID 1 inside
+        (fork_server,) = [p for p in _children(supervisor) if len(_children(p)) == 4]
+        old = set(_children(fork_server))
+        os.kill(fork_server, signal.SIGKILL)
+        wait(lambda: not any(alive(p) for p in old), timeout=5, what="the old children gone")
+        wait(lambda: _ready(srv.url) and any(len(_children(p)) == 4 for p in _children(supervisor)),
+             what="the server back")
+        wait(lambda: not _children(supervisor, "Z"), timeout=5, what="no zombie left under the supervisor")
+        assert not set(_children(supervisor)) & old
+        assert _ready(srv.url)
+        os.kill(supervisor, signal.SIGTERM)
+        assert srv.proc.wait(30) == 0
+    finally:
+        srv.kill()

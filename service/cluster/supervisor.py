@@ -9,7 +9,8 @@ at once with its message) the supervisor listens on the port and starts the work
 Failure: a child that dies is logged and started again (after a back-off that grows while it keeps dying). An
 engine's death is written to the status table at once, so workers fail its in-flight requests and route around it;
 its next process starts without its sessions (they answer 410). A worker's death drops the connections it held;
-its arena file is removed and the new worker gets a new one.
+its arena file is removed and the new worker gets a new one. Children that outlive their fork server are killed,
+and collected where they become this process's own (PID 1 of a container).
 
 Shutdown (SIGTERM, SIGINT): the workers drain (as a single process does: ``/readyz`` 503, in-flight requests
 finish, up to ``shutdown_timeout_s``), then the engines stop, then the run directory is removed. Every child also
@@ -71,6 +72,7 @@ class Supervisor:
         self.stopping = False
         self._wake_r, self._wake_w = socket.socketpair()
         self.failed = False
+        self._orphans: dict = {}                   # pid -> start time of dead children not yet collected (_reap)
         self.start_error: Optional[str] = None     # why run() returned 2, when it was not the engine's build
 
     # ------------------------------------------------------------------ children
@@ -187,6 +189,7 @@ class Supervisor:
             if self.stopping:
                 return
             now = time.monotonic()
+            self._reap_orphans()
             for c in self.engines + self.workers:
                 if c.proc is not None and not c.proc.is_alive():
                     self._died(c, now)
@@ -199,6 +202,8 @@ class Supervisor:
         pid = c.proc.pid
         c.proc = None
         _make_sure_gone(pid, c.born)
+        self._orphans[pid] = c.born
+        self._reap_orphans()
         if now - c.started_at > 30:
             c.backoff = 0.5                       # it had been running: not a crash loop
         c.restart_at = now + c.backoff
@@ -217,6 +222,12 @@ class Supervisor:
             _mark_dead(pid)
             log.error("worker process died; restarting it", extra={"worker": c.index, "pid": pid, "exitcode": code,
                                                                   "restart_in_s": c.restart_at - now})
+
+    def _reap_orphans(self) -> None:
+        """Collect the children that died after their fork server and are still to be collected (:func:`_reap`)."""
+        for pid, born in list(self._orphans.items()):
+            if _reap(pid, born):
+                del self._orphans[pid]
 
     # ------------------------------------------------------------------ shutdown
 
@@ -291,6 +302,21 @@ def _make_sure_gone(pid: int, born, timeout: float = 2.0) -> None:
     deadline = time.monotonic() + timeout
     while started(pid) == born and time.monotonic() < deadline:
         time.sleep(0.01)
+
+
+def _reap(pid: int, born) -> bool:
+    """Collect the exit status of a child that outlived its fork server, if it is now this process's: orphans go
+    to the nearest subreaper, which is this process where it runs as PID 1 (a container without an init), and
+    nothing else would ever wait for them. False while it is still to be collected (it runs, or it is a zombie
+    whose other threads are still exiting, which ``waitpid`` does not collect yet)."""
+    if born is None:
+        return True
+    if started(pid, zombie=True) != born:
+        return started(pid) != born                       # gone, or collected by another: done
+    try:
+        return os.waitpid(pid, os.WNOHANG)[0] == pid
+    except ChildProcessError:                             # adopted by another process (init, a subreaper)
+        return True
 
 
 def _mark_dead(pid: int) -> None:
