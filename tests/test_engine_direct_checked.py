@@ -62,6 +62,9 @@ def test_a_non_finite_row_refuses_the_whole_batch_after_its_step_and_no_state_ch
             assert_close(y, want, what=f"y, step {step}")
         after = e.stats()
         assert after["batch_requests_direct"] - before["batch_requests_direct"] == 8   # the refused ones too
+        # served: the good batches only; the refused ones are failed requests, their tokens not counted
+        assert after["requests"] - before["requests"] == 4 and after["tokens"] - before["tokens"] == 4 * rows
+        assert after["requests_failed"] - before["requests_failed"] == 4
         for s in sids:
             assert_close(e.export_state(s), oracle.export(s), what=f"state {s}")
     finally:

@@ -270,12 +270,13 @@ class Worker:
             p, seq = r.layer, r.seq
             for s in r.batch.ver_cols[0]:
                 s.spec_x[p] = seq
-        finished = out.finished if not self._runner.rejected else self._fail_rejected(out.finished)
+        refused = self._runner.rejected
+        finished = out.finished if not refused else self._fail_rejected(out.finished)
         kept = deliver_step(finished, host_out, by_position)
         if kept:
             self._keep_answers(kept)
         t3 = time.perf_counter_ns()
-        self._record_step(out, sched_ns, t0, t_launch, t_sync, t3, kernel_ns, padded)
+        self._record_step(out, sched_ns, t0, t_launch, t_sync, t3, kernel_ns, padded, refused)
         if out.batches:
             now = time.monotonic()
             for r in out.batches:
@@ -366,13 +367,16 @@ class Worker:
         return failed
 
     def _record_step(self, out: SchedulerOutput, sched_ns: int, t0: int, t_launch: int, t_sync: int, t3: int,
-                     kernel_ns, padded: int) -> None:
+                     kernel_ns, padded: int, refused: list) -> None:
+        """Count the step. Its ``refused`` requests (direct batches whose x was not finite) were launched but
+        served nothing: they are counted among the failed (:meth:`_fail_rejected`), not in ``requests`` and
+        ``tokens``; the rows and launches they took are counted."""
         with self._lock:
             st = self._st
             host = sched_ns + (t_launch - t0) + (t3 - t_sync)
             st["steps"] += 1
-            st["requests"] += len(out.finished)
-            st["tokens"] += out.num_tokens
+            st["requests"] += len(out.finished) - len(refused)
+            st["tokens"] += out.num_tokens - sum(r.n_tokens for r in refused)
             st["rows"] += out.num_rows
             st["decode_rows"] += sum(d.rows for d in out.decodes)
             for r in out.batches:
