@@ -230,23 +230,8 @@ class AsyncConvClient(_Base):
         with self._sent_from(x):
             resp, attempt = (await self._send("POST", "/v1/conv/batch", body), 0) if book is None else \
                 await self._post_retrying("/v1/conv/batch", body, list(sessions))
-            self.bytes_sent += len(body)
-            self.bytes_received += len(resp.content)
-            toks, spec = self._batch_rows(sessions, x, tokens, speculative)
-            try:
-                obj = _decode(resp)
-            except PositionMismatch as e:
-                if book is not None and attempt:
-                    book.moved_on(e, list(sessions), layer, pos, toks, spec)
-                raise
-            except ServiceError as e:   # a batch split across engines, some of whose parts ran: they count
-                if book is not None:
-                    book.partly_applied(e, list(sessions), layer, toks, spec)
-                raise
-        if book is not None:
-            for s, n, f in zip(sessions, toks, spec):
-                book.applied(s, layer, n, f)
-        return wire.decode_tensor(obj["y"], backend=_backend_of(x), name="y", shm=self.shm)
+            answer = self._batch_answer(body, resp, attempt, sessions, layer, x, tokens, speculative, pos)
+        return self._batch_y(answer, sessions, layer, x)
 
     async def stream(self, requests: Union[Iterable, AsyncIterable], *, transport: str = "http", window: int = 64):
         """Async twin of :meth:`ConvClient.stream`; ``requests`` may be an async iterable."""

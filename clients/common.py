@@ -16,7 +16,7 @@ import httpx
 from convserve.clients.positions import PositionBook
 from convserve.clients.protocol import wire
 from convserve.clients.protocol.errors import BY_CODE as _BY_CODE
-from convserve.clients.protocol.errors import EngineTimeout, OutcomeUnknown, ServiceError
+from convserve.clients.protocol.errors import EngineTimeout, OutcomeUnknown, PositionMismatch, ServiceError
 
 _HEADERS = {"content-type": wire.MEDIA_TYPE, "accept": wire.MEDIA_TYPE}
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -376,6 +376,33 @@ class _Base:
         spec = [bool(speculative)] * n if isinstance(speculative, bool) or speculative is None else \
             [bool(f) for f in speculative]
         return toks, spec
+
+    def _batch_answer(self, body: bytes, resp, attempt: int, sessions, layer, x, tokens, speculative, pos) -> tuple:
+        """A ``/v1/conv/batch`` call's answer (both clients' ``conv_batch``): its bytes counted, its body decoded,
+        and with a position book what a refusal tells it (a mismatch after a retry, the parts of a split batch that
+        ran). Returns ``(answer, tokens per session, speculative per session)``."""
+        book = self.positions
+        self.bytes_sent += len(body)
+        self.bytes_received += len(resp.content)
+        toks, spec = self._batch_rows(sessions, x, tokens, speculative)
+        try:
+            return _decode(resp), toks, spec
+        except PositionMismatch as e:
+            if book is not None and attempt:
+                book.moved_on(e, list(sessions), layer, pos, toks, spec)
+            raise
+        except ServiceError as e:   # a batch split across engines, some of whose parts ran: they count
+            if book is not None:
+                book.partly_applied(e, list(sessions), layer, toks, spec)
+            raise
+
+    def _batch_y(self, answer: tuple, sessions, layer, x):
+        """The y of a batch answer (:meth:`_batch_answer`), the rows it applied noted in the position book."""
+        obj, toks, spec = answer
+        if self.positions is not None:
+            for s, n, f in zip(sessions, toks, spec):
+                self.positions.applied(s, layer, n, f)
+        return wire.decode_tensor(obj["y"], backend=_backend_of(x), name="y", shm=self.shm)
 
     @staticmethod
     def _accept_batch_body(sessions, tokens) -> bytes:
