@@ -121,9 +121,9 @@ class Server:
             async def startup(self, sockets=None):
                 self.loop = asyncio.get_running_loop()
                 await super().startup(sockets)
-                series = getattr(self.svc.engine, "series", None)    # a worker process's own /metrics series
-                if series is not None:
-                    series.watch_connections(lambda: len(self.server_state.connections))
+                serving = getattr(self.svc.engine, "serving", None)   # a worker process's (service/cluster/health.py)
+                if serving is not None:
+                    serving(lambda: len(self.server_state.connections))
                 if self.servers and self.servers[0].sockets:
                     host, port = self.servers[0].sockets[0].getsockname()[:2]
                     self.bound_port = port

@@ -98,3 +98,50 @@ def test_readyz_never_answers_200_once_the_only_engine_has_died():
         assert 503 in seen
     finally:
         srv.kill()
+
+
+#: loaded by every process of the server (sitecustomize): worker 1 waits before it starts while the file named by
+#: HOLD_WORKER_1 exists
+_HOLD_HOOK = '''
+import os
+_flag = os.environ.get("HOLD_WORKER_1")
+if _flag:
+    import time
+    from convserve.service.cluster import worker as _worker
+    _real = _worker.main
+
+    def main(spec):
+        while spec["index"] == 1 and os.path.exists(_flag):
+            time.sleep(0.02)
+        return _real(spec)
+
+    _worker.main = main
+'''
+
+
+def test_readyz_waits_until_every_worker_serves_so_a_client_pool_opened_at_ready_can_reach_all(tmp_path):
+    (tmp_path / "sitecustomize.py").write_text(_HOLD_HOOK)
+    flag = tmp_path / "hold"
+    flag.touch()
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    srv = LiveServer(["--layers", "0,1", "--dim", str(DIM), "--dtype", "float32", "--slots", "16", "--workers", "2",
+                      "--devices", "cpu"], env={"PYTHONPATH": path, "HOLD_WORKER_1": str(flag)}, ready=False)
+    try:
+        _wait(lambda: httpx.get(srv.url + "/healthz", timeout=5).status_code == 200, what="worker 0 serving")
+        time.sleep(1.0)                          # worker 0 and the engine are up, worker 1 is held
+        r = httpx.get(srv.url + "/readyz", timeout=5)
+        assert r.status_code == 503 and "1 of 2 HTTP worker processes" in r.json()["error"]["message"], r.text
+        assert r.headers["retry-after"] == "1"
+        flag.unlink()
+        _wait(lambda: httpx.get(srv.url + "/readyz", timeout=5).status_code == 200, what="ready")
+        assert httpx.get(srv.url + "/readyz", timeout=5).json()["status"] == "ready"
+        # both serve: each publishes its connections once its server accepts them
+
+        def publishing():
+            text = httpx.get(srv.url + "/metrics", headers={"connection": "close"}).text
+            return {line.split('"')[1] for line in text.splitlines()
+                    if line.startswith('convserve_worker_connections{worker="')} == {"0", "1"}
+
+        _wait(publishing, what="both workers' series")
+    finally:
+        srv.kill()

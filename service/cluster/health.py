@@ -1,16 +1,40 @@
 """What an HTTP worker tells ``/readyz`` and ``/healthz`` about the engine processes: each engine's row of the
-status table, whether it answers, and why the server should be restarted. A part of
-:class:`~convserve.service.cluster.remote.RemoteEngine`, which keeps the state read here (``status``, ``down``,
-``links``, ``devices``, ``down_unhealthy_s``, ``loop``)."""
+status table, whether it answers, and why the server should be restarted; and whether every HTTP worker has started
+serving. A part of :class:`~convserve.service.cluster.remote.RemoteEngine`, which keeps the state read here
+(``status``, ``down``, ``links``, ``devices``, ``down_unhealthy_s``, ``loop``, ``run_dir``, ``worker``,
+``n_workers``, ``series``)."""
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Optional
 
 
+def _serving_mark(run_dir: str, worker: int) -> str:
+    return os.path.join(run_dir, f"serving-w{worker}")
+
+
 class EngineHealth:
     """The health side of :class:`~convserve.service.cluster.remote.RemoteEngine` (see the module docstring)."""
+
+    def serving(self, connections) -> None:
+        """This worker's HTTP server accepts connections now: its mark for the other workers' ``/readyz`` (a file
+        in the run directory), and ``connections() -> open connections`` published on ``/metrics``."""
+        if self.series is not None:
+            self.series.watch_connections(connections)
+        open(_serving_mark(self.run_dir, self.worker), "ab").close()
+
+    def workers_starting(self) -> int:
+        """How many HTTP workers have not served yet since the server started: ``/readyz`` waits for all, since a
+        client that opens its connections at the first ready would leave the late workers none of them for as long
+        as it keeps them. 0 from the first time every worker has served (a worker restarted later does not make the
+        server unready)."""
+        if self._workers_up:
+            return 0
+        n = sum(not os.path.exists(_serving_mark(self.run_dir, w)) for w in range(self.n_workers))
+        self._workers_up = n == 0
+        return n
 
     def not_ready_reason(self) -> Optional[str]:
         """Why no engine is up when one of them died (it is being restarted without its sessions); None when they

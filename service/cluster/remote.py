@@ -114,8 +114,10 @@ class RemoteEngine(RemoteSessions, EngineHealth):
     def __init__(self, run_dir: str, devices: Sequence[str], worker: int, generation: int, info: dict,
                  arena_bytes: int, check_finite: bool = True, reply_timeout: float = 90.0,
                  down_unhealthy_s: float = 0.0, stats_timeout: float = 2.0, limits=None,
-                 client_direct: bool = False):
+                 client_direct: bool = False, workers: int = 1):
         self.run_dir = run_dir
+        self.worker, self.n_workers = worker, workers     # this worker's index, and how many the server runs
+        self._workers_up = False                          # every worker has served (health.workers_starting)
         self.stats_timeout = stats_timeout      # a scrape's wait for each engine's counters
         #: the engines' batch limits, for a split batch's whole-batch checks (split_batch.check_whole)
         self.limits = limits

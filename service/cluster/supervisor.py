@@ -89,7 +89,8 @@ class Supervisor:
 
     def _spawn_worker(self, c: _Child) -> None:
         c.generation += 1
-        self._start(c, worker.main, {"generation": c.generation, "devices": self.devices, "socket": self.sock})
+        self._start(c, worker.main, {"generation": c.generation, "devices": self.devices, "socket": self.sock,
+                                     "workers": self.n_workers})
         log.info("worker process started", extra={"worker": c.index, "pid": c.proc.pid})
 
     def _start(self, c: _Child, target, spec: dict) -> None:

@@ -34,6 +34,7 @@ def main(spec: dict) -> None:
     engine = RemoteEngine(spec["run_dir"], spec["devices"], spec["index"], spec["generation"], info,
                           settings.shm_bytes, settings.check_finite, settings.engine_reply_timeout(),
                           settings.engine_down_unhealthy_s, settings.engine_stats_timeout_s,
-                          limits=batch_limits(settings), client_direct=client_direct(settings, spec["devices"]))
+                          limits=batch_limits(settings), client_direct=client_direct(settings, spec["devices"]),
+                          workers=spec["workers"])
     app = create_app(settings, engine)
     exit_now(run_app(settings, app, sockets=[spec["socket"]]))

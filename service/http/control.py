@@ -68,7 +68,10 @@ def add_control_routes(app: FastAPI, svc: Service) -> None:
         await no_body(request)
         engines = getattr(engine, "engines", None)
         silent = None
-        if svc.ready and engines is not None:       # engine processes: say which serve (degraded when not all)
+        starting = engine.workers_starting() if svc.ready and engines is not None else 0
+        if starting:                                # every worker serves first: 503 below
+            pass
+        elif svc.ready and engines is not None:     # engine processes: say which serve (degraded when not all)
             rows = engines()
             serving = [r for r in rows if r["state"] == "up" and r["unanswered_s"] is None]
             if serving:
@@ -84,6 +87,9 @@ def add_control_routes(app: FastAPI, svc: Service) -> None:
             return Response(b'{"status":"ready"}', media_type="application/json")
         try:
             svc.require_ready()
+            if starting:
+                raise NotReady(f"{starting} of {engine.n_workers} HTTP worker processes have not started serving yet; "
+                               "retry", retry_after=1)
             if silent:
                 raise NotReady(f"no engine is answering: engine(s) {', '.join(map(str, silent))} have answered "
                                "nothing since a request to them went unanswered past its deadline", retry_after=5)
