@@ -236,14 +236,17 @@ def _scrape(url: str) -> dict:
     return out
 
 
-def _worker_connections(url: str) -> list:
-    """The client connections each HTTP worker holds open (its ``convserve_worker_connections``, published about
-    once a second), by worker index; empty with the engine in the HTTP process."""
+def _worker_connections(url: str) -> dict:
+    """``{worker index: client connections it holds open}`` (each worker's ``convserve_worker_connections``,
+    published about once a second); empty with the engine in the HTTP process, or when the scrape fails."""
     import httpx
 
-    text = httpx.get(url + "/metrics", timeout=10).text
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
     found = re.findall(r'^convserve_worker_connections{worker="(\d+)"} ([0-9.eE+-]+)$', text, re.M)
-    return [int(float(v)) for _, v in sorted(found, key=lambda f: int(f[0]))]
+    return {int(w): int(float(v)) for w, v in sorted(found, key=lambda f: int(f[0]))}
 
 
 async def leg_inproc(args, engine, model, conc: int) -> dict:

@@ -59,9 +59,9 @@ class Metrics:
             from prometheus_client import multiprocess
 
             self._multiprocess = CollectorRegistry(auto_describe=True)
+            if stats is not None:    # collected first: its stats() publishes this worker's own series (see
+                self._multiprocess.register(EngineCollector(stats))     # worker_series) before the files are read
             multiprocess.MultiProcessCollector(self._multiprocess)
-            if stats is not None:
-                self._multiprocess.register(EngineCollector(stats))
 
     # Labelled children are cached: ``labels()`` costs a lock and a dict lookup per call otherwise.
 
@@ -134,7 +134,7 @@ class EngineCollector(Collector):
         "sessions": ("convserve_sessions", "gauge", "Live sessions"),
         "steps": ("convserve_engine_steps", "counter", "Engine steps run"),
         "requests": ("convserve_engine_requests", "counter", "Requests completed by the engine"),
-        "tokens": ("convserve_engine_tokens", "counter", "Tokens computed by the engine"),
+        "tokens": ("convserve_engine_tokens", "counter", "Tokens of the requests completed by the engine"),
         "pad_ratio": ("convserve_decode_pad_ratio", "gauge", "Padded decode rows over all decode rows "
                                                              "(cumulative)"),
         "kernel_time_s": ("convserve_kernel_seconds", "counter", "Time spent in conv kernels (CUDA: estimated "

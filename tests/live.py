@@ -66,6 +66,7 @@ class LiveServer:
         server leads a process group of its own, as a shell's job or a systemd unit does; ``cwd``: its working
         directory; ``prefix``: a command the server runs under (``unshare ...``)."""
         self.args = list(args)
+        self.prefix = tuple(prefix)
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("CONVSERVE_")}
         full_env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
         full_env.update(env or {})
@@ -121,9 +122,18 @@ class LiveServer:
             time.sleep(0.05)
         raise RuntimeError("server never became ready:\n" + "\n".join(self.raw[-40:]))
 
+    def server_pid(self) -> int:
+        """The server's pid: with a ``prefix``, the prefix's child (``unshare --fork`` passes no signal on)."""
+        if not self.prefix:
+            return self.proc.pid
+        from tests.proc_tree import descendants, parent_of
+
+        (pid,) = [p for p in descendants(self.proc.pid) if parent_of(p) == self.proc.pid]
+        return pid
+
     def terminate(self, timeout: float = 30.0) -> int:
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            os.kill(self.server_pid(), signal.SIGTERM)
         try:
             rc = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:

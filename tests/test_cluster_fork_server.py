@@ -151,25 +151,44 @@ def _children(pid: int, state: str = "") -> list[int]:
     return out
 
 
-def test_as_pid_1_the_supervisor_reaps_the_children_a_killed_fork_server_left_it():
-    # in a container whose entry point is the server, the fork server's orphans are the supervisor's: their
-    # zombies would stay until the container ends if it did not collect them
+#: loaded by every process of the server (sitecustomize): each engine process starts a ``sleep`` it never waits for,
+#: which outlives it when it dies
+_GRANDCHILD_HOOK = '''
+import os
+if os.environ.get("ENGINE_GRANDCHILD"):
+    import subprocess
+    from convserve.service.cluster import engine_proc as _engine_proc
+    _real = _engine_proc.main
+
+    def main(spec):
+        subprocess.Popen(["sleep", os.environ["ENGINE_GRANDCHILD"]])
+        return _real(spec)
+
+    _engine_proc.main = main
+'''
+
+
+def test_as_pid_1_the_supervisor_collects_every_process_orphaned_below_it(tmp_path):
+    # in a container whose entry point is the server, the children of a killed fork server, and what a dying
+    # engine left running, are re-parented to the supervisor: their zombies would stay until the container ends
     prefix = _pid_namespace()
     if not prefix:
         pytest.skip("this machine allows no PID namespace (unshare --pid), so the supervisor cannot run as PID 1")
-    srv = LiveServer(ARGS, prefix=prefix)
+    (tmp_path / "sitecustomize.py").write_text(_GRANDCHILD_HOOK)
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    srv = LiveServer(ARGS, prefix=prefix, env={"PYTHONPATH": path, "ENGINE_GRANDCHILD": "2"})
     try:
-        (supervisor,) = _children(srv.proc.pid)                       # unshare's child: PID 1 inside
+        supervisor = srv.server_pid()                                  # unshare's child: PID 1 inside
         (fork_server,) = [p for p in _children(supervisor) if len(_children(p)) == 4]
         old = set(_children(fork_server))
+        sleeps = {p for e in old for p in _children(e)}                # the engines' grandchildren
+        assert len(sleeps) == 2
         os.kill(fork_server, signal.SIGKILL)
-        wait(lambda: not any(alive(p) for p in old), timeout=5, what="the old children gone")
+        wait(lambda: not any(alive(p) for p in old | sleeps), timeout=10, what="the old children gone")
         wait(lambda: _ready(srv.url) and any(len(_children(p)) == 4 for p in _children(supervisor)),
              what="the server back")
         wait(lambda: not _children(supervisor, "Z"), timeout=5, what="no zombie left under the supervisor")
-        assert not set(_children(supervisor)) & old
-        assert _ready(srv.url)
-        os.kill(supervisor, signal.SIGTERM)
-        assert srv.proc.wait(30) == 0
+        assert not set(_children(supervisor)) & (old | sleeps)
+        assert srv.terminate() == 0
     finally:
         srv.kill()

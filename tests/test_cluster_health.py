@@ -16,6 +16,7 @@ from convserve.clients.protocol import wire
 from tests.http_api import DIM, Api
 from tests.live import LiveServer
 from tests.test_cluster_failures import _session_on, _wait
+from tests.test_cluster_worker_series import connect_until_every_worker_holds_some
 
 BASE = ["--layers", "0,2,5", "--dim", str(DIM), "--width", "4", "--dtype", "float32", "--slots", "64",
         "--workers", "1", "--shutdown-timeout-s", "5", "--request-timeout-s", "1", "--engine-reply-timeout-s", "3",
@@ -119,6 +120,13 @@ if _flag:
 '''
 
 
+def _ready_text(url: str) -> str:
+    try:
+        return httpx.get(url + "/readyz", timeout=5).text
+    except httpx.TransportError:               # nothing listens yet
+        return ""
+
+
 def test_readyz_waits_until_every_worker_serves_so_a_client_pool_opened_at_ready_can_reach_all(tmp_path):
     (tmp_path / "sitecustomize.py").write_text(_HOLD_HOOK)
     flag = tmp_path / "hold"
@@ -127,21 +135,16 @@ def test_readyz_waits_until_every_worker_serves_so_a_client_pool_opened_at_ready
     srv = LiveServer(["--layers", "0,1", "--dim", str(DIM), "--dtype", "float32", "--slots", "16", "--workers", "2",
                       "--devices", "cpu"], env={"PYTHONPATH": path, "HOLD_WORKER_1": str(flag)}, ready=False)
     try:
-        _wait(lambda: httpx.get(srv.url + "/healthz", timeout=5).status_code == 200, what="worker 0 serving")
-        time.sleep(1.0)                          # worker 0 and the engine are up, worker 1 is held
+        # worker 0 and the engine up (it warms first), worker 1 held
+        _wait(lambda: "1 of 2 HTTP worker processes" in _ready_text(srv.url), what="the workers' 503")
         r = httpx.get(srv.url + "/readyz", timeout=5)
-        assert r.status_code == 503 and "1 of 2 HTTP worker processes" in r.json()["error"]["message"], r.text
-        assert r.headers["retry-after"] == "1"
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        time.sleep(0.5)
+        assert "1 of 2 HTTP worker processes" in _ready_text(srv.url)    # for as long as worker 1 is held
         flag.unlink()
         _wait(lambda: httpx.get(srv.url + "/readyz", timeout=5).status_code == 200, what="ready")
         assert httpx.get(srv.url + "/readyz", timeout=5).json()["status"] == "ready"
-        # both serve: each publishes its connections once its server accepts them
-
-        def publishing():
-            text = httpx.get(srv.url + "/metrics", headers={"connection": "close"}).text
-            return {line.split('"')[1] for line in text.splitlines()
-                    if line.startswith('convserve_worker_connections{worker="')} == {"0", "1"}
-
-        _wait(publishing, what="both workers' series")
+        for s in connect_until_every_worker_holds_some(srv.url, 2):     # both take connections now
+            s.close()
     finally:
         srv.kill()

@@ -27,7 +27,7 @@ class EngineHealth:
 
     def workers_starting(self) -> int:
         """How many HTTP workers have not served yet since the server started: ``/readyz`` waits for all, since a
-        client that opens its connections at the first ready would leave the late workers none of them for as long
+        client that opens its connections at the first ready could leave the late workers none of them for as long
         as it keeps them. 0 from the first time every worker has served (a worker restarted later does not make the
         server unready)."""
         if self._workers_up:

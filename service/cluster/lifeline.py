@@ -59,16 +59,15 @@ def _close_fork_server_pipe() -> None:
         server._forkserver_alive_fd = None
 
 
-def started(pid: int, zombie: bool = False):
+def started(pid: int):
     """The start time of live process ``pid`` (clock ticks since boot, from ``/proc``), or None when there is no
-    such process, it is a zombie, or there is no ``/proc``. ``zombie``: of ``pid`` only while it is a zombie (it
-    has exited and its parent has not collected its status yet)."""
+    such process, it is a zombie, or there is no ``/proc``."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()    # past the command name, which may hold spaces
     except OSError:
         return None
-    return int(fields[19]) if (fields[0] == b"Z") == zombie else None
+    return None if fields[0] == b"Z" else int(fields[19])
 
 
 def exit_now(code: int) -> None:

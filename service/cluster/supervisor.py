@@ -9,8 +9,9 @@ at once with its message) the supervisor listens on the port and starts the work
 Failure: a child that dies is logged and started again (after a back-off that grows while it keeps dying). An
 engine's death is written to the status table at once, so workers fail its in-flight requests and route around it;
 its next process starts without its sessions (they answer 410). A worker's death drops the connections it held;
-its arena file is removed and the new worker gets a new one. Children that outlive their fork server are killed,
-and collected where they become this process's own (PID 1 of a container).
+its arena file is removed and the new worker gets a new one. Children that outlive their fork server are killed.
+Where this process is PID 1 (a container's entry point without an init), every process orphaned below it becomes
+its child, and it collects their exit status (:func:`_collect_adopted`).
 
 Shutdown (SIGTERM, SIGINT): the workers drain (as a single process does: ``/readyz`` 503, in-flight requests
 finish, up to ``shutdown_timeout_s``), then the engines stop, then the run directory is removed. Every child also
@@ -72,7 +73,6 @@ class Supervisor:
         self.stopping = False
         self._wake_r, self._wake_w = socket.socketpair()
         self.failed = False
-        self._orphans: dict = {}                   # pid -> start time of dead children not yet collected (_reap)
         self.start_error: Optional[str] = None     # why run() returned 2, when it was not the engine's build
 
     # ------------------------------------------------------------------ children
@@ -190,7 +190,7 @@ class Supervisor:
             if self.stopping:
                 return
             now = time.monotonic()
-            self._reap_orphans()
+            _collect_adopted()
             for c in self.engines + self.workers:
                 if c.proc is not None and not c.proc.is_alive():
                     self._died(c, now)
@@ -203,8 +203,7 @@ class Supervisor:
         pid = c.proc.pid
         c.proc = None
         _make_sure_gone(pid, c.born)
-        self._orphans[pid] = c.born
-        self._reap_orphans()
+        _collect_adopted()
         if now - c.started_at > 30:
             c.backoff = 0.5                       # it had been running: not a crash loop
         c.restart_at = now + c.backoff
@@ -223,12 +222,6 @@ class Supervisor:
             _mark_dead(pid)
             log.error("worker process died; restarting it", extra={"worker": c.index, "pid": pid, "exitcode": code,
                                                                   "restart_in_s": c.restart_at - now})
-
-    def _reap_orphans(self) -> None:
-        """Collect the children that died after their fork server and are still to be collected (:func:`_reap`)."""
-        for pid, born in list(self._orphans.items()):
-            if _reap(pid, born):
-                del self._orphans[pid]
 
     # ------------------------------------------------------------------ shutdown
 
@@ -305,19 +298,46 @@ def _make_sure_gone(pid: int, born, timeout: float = 2.0) -> None:
         time.sleep(0.01)
 
 
-def _reap(pid: int, born) -> bool:
-    """Collect the exit status of a child that outlived its fork server, if it is now this process's: orphans go
-    to the nearest subreaper, which is this process where it runs as PID 1 (a container without an init), and
-    nothing else would ever wait for them. False while it is still to be collected (it runs, or it is a zombie
-    whose other threads are still exiting, which ``waitpid`` does not collect yet)."""
-    if born is None:
-        return True
-    if started(pid, zombie=True) != born:
-        return started(pid) != born                       # gone, or collected by another: done
+def _collect_adopted() -> None:
+    """Where this process is PID 1, collect the exit status of its zombie children but the two multiprocessing
+    waits for itself (the fork server, the resource tracker). Orphans go to PID 1: the engines and workers of a
+    fork server that died, and whatever a dying child left running (a compiler Triton started). Nothing else would
+    ever wait for them, and each would stay a zombie until the container ends. A zombie whose other threads are
+    still exiting is not collectable yet; it is found again at a later turn of the loop. Elsewhere init (or a
+    subreaper) adopts them."""
+    if os.getpid() != 1:
+        return
+    from multiprocessing import forkserver, resource_tracker
+
+    # multiprocessing's own children (private names, stable since Python 3.8); unknown: collect nothing
+    own = {getattr(forkserver._forkserver, "_forkserver_pid", False),
+           getattr(resource_tracker._resource_tracker, "_pid", False)}
+    if False in own:
+        return
+    for pid in _zombie_children():
+        if pid not in own:
+            with contextlib.suppress(ChildProcessError):     # collected meanwhile
+                os.waitpid(pid, os.WNOHANG)
+
+
+def _zombie_children() -> list[int]:
+    """This process's children that are zombies, from ``/proc`` (empty without it)."""
+    me, out = os.getpid(), []
     try:
-        return os.waitpid(pid, os.WNOHANG)[0] == pid
-    except ChildProcessError:                             # adopted by another process (init, a subreaper)
-        return True
+        names = os.listdir("/proc")
+    except OSError:
+        return out
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] == b"Z" and int(fields[1]) == me:
+            out.append(int(name))
+    return out
 
 
 def _mark_dead(pid: int) -> None:

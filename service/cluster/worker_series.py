@@ -1,4 +1,4 @@
-"""An HTTP worker's own numbers on ``/metrics``: its shared-memory arena and its restarts.
+"""An HTTP worker's own numbers on ``/metrics``: its shared-memory arena, its restarts and its connections.
 
 A scrape reaches one worker, so what a worker holds in its own memory (its arena's counts) would show only that
 worker's, changing with whichever answered. Instead each worker writes its numbers as prometheus-client
@@ -14,7 +14,9 @@ worker's index:
   workers share the clients: each accepts from the one listening socket).
 
 The arena counts plain ints on the request path (no file write per request); :meth:`WorkerSeries.publish` copies
-them out, from the worker's watch loop about once a second and at each scrape.
+them out, from the worker's watch loop about once a second and at each scrape the worker answers (before the files
+are read: ``metrics.Metrics`` collects the engine series first), so a scrape sees the other workers' numbers up to
+about a second old.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ class WorkerSeries:
         self._lock = threading.Lock()          # the watch loop and a scrape's thread may publish at once
 
     def publish(self) -> None:
-        """Add what the arena counted since the last call; set the blocks in use."""
+        """Add what the arena counted since the last call; set the blocks in use and the connections open."""
         a = self.arena
         with self._lock:
             for k, c in self._counts.items():
