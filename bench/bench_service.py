@@ -581,7 +581,8 @@ def print_table(results, ratios, levels, legs, gpu) -> None:
     keys = sorted({k for v in ratios.values() for k in v})
     for k in keys:
         r.add_column(k.replace("unary", "2 unary").replace("stream", "3 stream").replace("inproc", "1 inproc")
-                     .replace("batch", "4 batch").replace("step-echo", "9 step-echo").replace("step-shm/", "8 step-shm/")
+                     .replace("batch", "4 batch").replace("step-echo", "9 step-echo")
+                     .replace("step-shm/", "8 step-shm/")
                      .replace("step-shm-sealed", "8 step-shm-sealed")
                      .replace("step/", "6 step/").replace("/echo", "/5 echo"), justify="right")
     for c in levels:

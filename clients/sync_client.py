@@ -26,8 +26,9 @@ class ConvClient(_Base):
     ...     y = c.conv(s, c.model()["layers"][0], x)   # x: (T, dim) tensor or array
 
     ``url`` (or ``CONVSERVE_URL``) may also be several replicas: a list of URLs, comma-separated URLs, or
-    ``"dns://name:port"`` (the A/AAAA records of a Kubernetes headless Service): the client is then a :class:`.replicated_sync.ReplicatedConvClient`, which sends
-    each session's calls to its replica (:mod:`.replicas`).
+    ``"dns://name:port"`` (the A/AAAA records of a Kubernetes headless Service): the client is then a
+    :class:`.replicated_sync.ReplicatedConvClient`, which sends each session's calls to its replica
+    (:mod:`.replicas`).
     """
 
     def __new__(cls, url=None, *args, **kwargs):

@@ -70,8 +70,8 @@ class LiveServer:
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("CONVSERVE_")}
         full_env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
         full_env.update(env or {})
-        cmd = [*prefix, sys.executable, "-m", "convserve.service", "serve", "--host", "127.0.0.1", "--port", "0", "--device", "cpu",
-               *self.args]
+        cmd = [*prefix, sys.executable, "-m", "convserve.service", "serve", "--host", "127.0.0.1", "--port", "0",
+               "--device", "cpu", *self.args]
         self.proc = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=group)
         self.logs: list[dict] = []
