@@ -5,11 +5,12 @@ Tensors go in and come out as torch tensors or numpy arrays: ``conv`` answers in
 tensors or asks for them, so a numpy-only frontend needs no torch at all.
 
 :class:`AsyncConvClient` sends its request-response calls (``conv``, sessions, state) over its own keep-alive
-HTTP/1.1 pool (:class:`convserve.clients.h1._H1Pool`), whose cost per request does not grow with the number of connections the way
-httpx's pool does; streams, https, proxies and custom transports use httpx.
+HTTP/1.1 pool (:class:`convserve.clients.h1._H1Pool`), whose cost per request does not grow with the number of
+connections the way httpx's pool does; streams, https, proxies and custom transports use httpx.
 
-Every error answer raises the :mod:`convserve.clients.protocol.errors` class of its code (``UnknownSession``, ``QueueFull``...),
-all subclasses of :class:`ConvServeError`, carrying ``.status``, ``.code``, ``.message`` and ``.retry_after``.
+Every error answer raises the :mod:`convserve.clients.protocol.errors` class of its code (``UnknownSession``,
+``QueueFull``...), all subclasses of :class:`ConvServeError`, carrying ``.status``, ``.code``, ``.message`` and
+``.retry_after``.
 Network failures raise httpx's (or websockets') own exceptions.
 
 ``stream`` pipelines many conv requests over one call and yields results as they arrive:
@@ -28,5 +29,6 @@ from convserve.clients.common import (DEFAULT_URL, MAX_MESSAGE_BYTES, BatchReque
 from convserve.clients.protocol.errors import ConvServeError, OutcomeUnknown, ReplicaUnavailable, ServiceError
 from convserve.clients.sync_client import ConvClient
 
-__all__ = ["ConvClient", "AsyncConvClient", "ConvRequest", "BatchRequest", "ConvResult", "SessionState", "ConvServeError",
-           "ServiceError", "ReplicaUnavailable", "OutcomeUnknown", "error_from", "DEFAULT_URL", "MAX_MESSAGE_BYTES"]
+__all__ = ["ConvClient", "AsyncConvClient", "ConvRequest", "BatchRequest", "ConvResult", "SessionState",
+           "ConvServeError", "ServiceError", "ReplicaUnavailable", "OutcomeUnknown", "error_from", "DEFAULT_URL",
+           "MAX_MESSAGE_BYTES"]

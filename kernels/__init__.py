@@ -2,8 +2,9 @@
 
 ``from convserve.kernels import causal_conv1d_fn, causal_conv1d_update, PAD_SLOT_ID`` is a drop-in for the
 seed's API. ``prefill/`` holds ``causal_conv1d_fn`` and ``decode/`` ``causal_conv1d_update``, one file per kernel
-(each package's docstring lists them); ``_launch`` the tile choices and launch plans, ``_replay`` the CUDA graphs of a
-plan's repeated launches, ``_validate`` the argument checks, ``reference`` the PyTorch references, ``graphs`` CUDA-graph capture.
+(each package's docstring lists them); ``_launch`` the tile choices and launch plans, ``_replay`` the CUDA graphs of
+a plan's repeated launches, ``_validate`` the argument checks, ``reference`` the PyTorch references, ``graphs``
+CUDA-graph capture.
 
 Glossary (PyTorch's conv1d vocabulary, for x ``(dim, T)``; the same words name tests, tuning keys and the
 benchmark's layout column):

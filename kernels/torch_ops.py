@@ -4,8 +4,8 @@ and as :mod:`.reference`, computed in fp32 (or ``compute_dtype``), with no Pytho
 Each op lays out what the windows read as rows of ``dim`` contiguous values: the prefill gathers every token's
 tap ``k`` from one source matrix (the tokens followed by the sequences' initial states) with one ``index_select``
 per tap; the update slices its rows' ``[window, x]`` blocks. So a launch is a fixed handful of torch ops whatever
-its number of rows; the only loops are over the ``width`` taps. The reference loops over sequences on the host and stays the specification:
-these are tested against it on the same grid.
+its number of rows; the only loops are over the ``width`` taps. The reference loops over sequences on the host and
+stays the specification: these are tested against it on the same grid.
 
 They read index arrays on the host (``.tolist()``-free, but boolean masks select rows), so on a GPU they would
 synchronize: the Triton ops are for the GPU.

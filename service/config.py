@@ -161,7 +161,8 @@ class Settings(BaseSettings):
                                         description="the largest engine step (tokens) that the thread submitting "
                                         "its request runs itself, when the engine is idle and the step would "
                                         "start at once (a batch request, a steady lone caller): no hand-off to the "
-                                        "engine thread and back; 0: every step on the engine thread; unset: 512 on CUDA, 0 on the CPU")
+                                        "engine thread and back; 0: every step on the engine thread; unset: 512 "
+                                        "on CUDA, 0 on the CPU")
     use_cuda_graphs: bool = Field(_ENGINE.use_cuda_graphs,
                                   description="replay decode steps from CUDA graphs (CUDA only)")
     multi_layer_decode: bool = Field(_ENGINE.multi_layer_decode,

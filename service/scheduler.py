@@ -1,7 +1,8 @@
 """The batching scheduler: which queued conv requests run in the next engine step, and how they are packed.
 
 It builds no tensors (plain lists and numbers; the kernels' ``PAD_SLOT_ID`` marks padding rows): it decides,
-the engine (the model runner) turns its :class:`SchedulerOutput` into tensors, and the state pool allocates. The engine's lock guards every call.
+the engine (the model runner) turns its :class:`SchedulerOutput` into tensors, and the state pool allocates. The
+engine's lock guards every call.
 
 Each request is ``(session, layer position, T tokens)``. Per step, within ``max_batch_size`` rows,
 ``max_batch_tokens`` tokens, ``max_prefill_tokens_per_step`` prefill tokens and ``max(decode_buckets)`` decode rows
@@ -9,9 +10,10 @@ per layer:
 
 * **Order.** A session's requests run in arrival order: per session the step takes a prefix of its queue, and a
   session never has two requests of the same layer in one step (the second waits for the next step).
-* **Decodes and verifies first.** Pass 1 takes the small requests (decodes ``T = 1`` and speculative verifies), in arrival order, each session stopping at its first prefill. A prefill met in pass
-  1 keeps one of the step's ``max_batch_size`` rows from the small requests that arrived after it, so a steady
-  stream of newer decodes cannot starve it (older ones still go first). Pass 2 fills the rest with prefills,
+* **Decodes and verifies first.** Pass 1 takes the small requests (decodes ``T = 1`` and speculative verifies),
+  in arrival order, each session stopping at its first prefill. A prefill met in pass 1 keeps one of the step's
+  ``max_batch_size`` rows from the small requests that arrived after it, so a steady stream of newer decodes
+  cannot starve it (older ones still go first). Pass 2 fills the rest with prefills,
   chunked when they do not fit: a prefill longer than what is left runs its first tokens now and the rest in
   later steps (as a chunked prefill that continues from the stored state). The session's later requests wait
   until it completes.

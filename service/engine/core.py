@@ -2,7 +2,8 @@
 that runs the scheduler's steps; callers in the same process submit conv requests and session operations.
 
 Kernels: on CUDA the Triton ops of :mod:`kernels` (imported when the engine starts on CUDA), with each decode
-bucket of each layer replayed from a CUDA graph captured at start-up; on CPU the vectorized PyTorch ops (``kernels.torch_ops``).
+bucket of each layer replayed from a CUDA graph captured at start-up; on CPU the vectorized PyTorch ops
+(``kernels.torch_ops``).
 
 Threading: every public method is thread-safe. The worker thread is the only one that touches device memory after
 :meth:`Engine.start`: conv steps and the session operations that read or write state (delete, fork, export,

@@ -40,7 +40,7 @@ class Intake:
         """The request queued, or None when it repeated an applied one (``sink`` has or will get its answer)."""
         if position is not None:
             check_position(position)
-        self._session_at_locked(session_id, position)   # cheap early 404/410 (a dict read), checked again under the lock
+        self._session_at_locked(session_id, position)   # an early 404/410 (a dict read), checked again under the lock
         p = self.model_cpu.position(layer)
         check_speculative(speculative)
         xm, x_dtype = check_x(self.model_cpu, self.config, x, speculative, checked=checked, defer_finite=borrowed)

@@ -261,8 +261,8 @@ class Runner(Staging):
         flush()
         # Triton specializes a kernel on each pointer's 16-byte alignment and on whether each integer is 1 or
         # a multiple of 16, so a prefill launch that varied in those would compile a new variant mid-traffic
-        # (the compile stalls the engine thread). Every prefill launch is made to look like start-up's warm-up: each index
-        # array starts 16-byte aligned, the sequences are padded to a multiple of 16 with empty pad ones
+        # (the compile stalls the engine thread). Every prefill launch is made to look like start-up's warm-up:
+        # each index array starts 16-byte aligned, the sequences are padded to a multiple of 16 with empty pad ones
         # (no output, no state touched), and the tokens to a multiple of 16 (those past the last sequence
         # come out zero, in rows of d_out that the next launch overwrites or nobody reads).
         # Written straight into the pinned buffer, each array at a multiple of 4 indices; the gaps are never read.

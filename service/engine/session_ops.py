@@ -145,7 +145,8 @@ class SessionOps:
             # the fork holds the state as of this op's turn: not the tokens of the source's held requests
             positions = [q - h for q, h in zip(s.positions, self._held_tokens_locked(s))]
             self._sessions.add(Session(nid, slot, initialized=s.initialized, positions=positions,
-                                       pending=self._pending_at_turn_locked(s), spec_x=dict(s.spec_x), last_used=time.monotonic()))
+                                       pending=self._pending_at_turn_locked(s), spec_x=dict(s.spec_x),
+                                       last_used=time.monotonic()))
         return nid
 
     def export_state(self, session_id: str) -> torch.Tensor:

@@ -234,8 +234,8 @@ class Parser:
     def batch(self, req: Any, frame: bool = False):
         """``(sessions, layer, x, tokens, speculative, position)`` from a /v1/conv/batch body (or a batch frame).
 
-        ``tokens``, ``speculative`` and ``position`` are None when absent (one plain token per session). Types, lengths and
-        limits are checked here; what needs the sessions' state (existence, pending verifies, the decode
+        ``tokens``, ``speculative`` and ``position`` are None when absent (one plain token per session). Types,
+        lengths and limits are checked here; what needs the sessions' state (existence, pending verifies, the decode
         bucket) the engine checks, also whole-batch.
         """
         if type(req) is not dict:
