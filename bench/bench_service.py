@@ -64,6 +64,7 @@ from convserve.clients.protocol import wire  # noqa: E402
 from convserve.clients.loadtest.stats import percentile  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from service_counters import engine_counters, engine_delta, scrape, worker_connections  # noqa: E402
 from tcp_echo import EchoTransport, _run_loop, _summary, leg_step_echo  # noqa: E402
 
 LEGS = ("inproc", "unary", "stream", "batch", "echo", "step", "step-mixed", "step-shm", "step-shm-sealed", "step-echo")
@@ -206,58 +207,15 @@ def latency_summary(lat: list, duration: float) -> dict:
             "p99_ms": percentile(lat, 0.99) * 1e3, "max_ms": lat[-1] * 1e3 if lat else float("nan")}
 
 
-def _engine_delta(a: dict, b: dict) -> dict:
-    steps = b["steps"] - a["steps"]
-    if steps <= 0:
-        return {}
-    return {"steps": steps, "rows_per_step": (b["rows"] - a["rows"]) / steps,
-            "kernel_us_per_step": (b["kernel_s"] - a["kernel_s"]) / steps * 1e6,
-            "host_us_per_step": (b["host_s"] - a["host_s"]) / steps * 1e6,
-            "step_us": (b["step_s"] - a["step_s"]) / steps * 1e6}
-
-
-def _engine_counters(stats: dict) -> dict:
-    return {"steps": stats["steps"], "rows": stats["batch_size"]["sum"], "kernel_s": stats["kernel_time_s"],
-            "host_s": stats["host_time_s"], "step_s": stats["step_time_s"]}
-
-
-_METRICS = {"steps": "convserve_engine_batch_size_count", "rows": "convserve_engine_batch_size_sum",
-            "kernel_s": "convserve_kernel_seconds_total", "host_s": "convserve_engine_host_seconds_total",
-            "step_s": "convserve_engine_step_seconds_total"}
-
-
-def _scrape(url: str) -> dict:
-    import httpx
-
-    text = httpx.get(url + "/metrics", timeout=10).text
-    out = {}
-    for key, name in _METRICS.items():       # summed over series: with engine processes one per engine
-        out[key] = sum(map(float, re.findall(rf"^{name}(?:{{[^}}]*}})? ([0-9.eE+-]+)$", text, re.M)))
-    return out
-
-
-def _worker_connections(url: str) -> dict:
-    """``{worker index: client connections it holds open}`` (each worker's ``convserve_worker_connections``,
-    published about once a second); empty with the engine in the HTTP process, or when the scrape fails."""
-    import httpx
-
-    try:
-        text = httpx.get(url + "/metrics", timeout=10).text
-    except httpx.HTTPError:
-        return {}
-    found = re.findall(r'^convserve_worker_connections{worker="(\d+)"} ([0-9.eE+-]+)$', text, re.M)
-    return {int(w): int(float(v)) for w, v in sorted(found, key=lambda f: int(f[0]))}
-
-
 async def leg_inproc(args, engine, model, conc: int) -> dict:
     tr = EngineTransport(engine)
     sessions = [engine.create_session() for _ in range(conc)]
     x4 = torch.randn(4, model.dim).to(model.dtype)
     await asyncio.gather(*(engine.conv(s, layer, x4) for s in sessions for layer in model.layers))
     x = torch.randn(1, model.dim).to(model.dtype)
-    a = _engine_counters(engine.stats())
+    a = engine_counters(engine.stats())
     r = await drive(tr, sessions, model.layers, x, args.warmup, args.duration)
-    r["engine"] = _engine_delta(a, _engine_counters(engine.stats()))
+    r["engine"] = engine_delta(a, engine_counters(engine.stats()))
     for s in sessions:
         engine.delete_session(s)
     return r
@@ -276,14 +234,14 @@ async def leg_http(args, url: str, info: dict, conc: int, kind: str) -> dict:
         conns = auto_connections(kind, conc, len(layers), args.inflight)
         tr = make_transport(client, kind, conns, args.inflight)
         x = torch.randn(1, info["dim"]).to(dtype)
-        a = _scrape(url)
+        a = scrape(url)
         b0, r0 = client.bytes_sent, client.bytes_received
         try:
             r = await drive(tr, sessions, layers, x, args.warmup, args.duration, getattr(args, "keep_lat", False))
-            r["worker_connections"] = _worker_connections(url)
+            r["worker_connections"] = worker_connections(url)
         finally:
             await tr.close()
-        r["engine"] = _engine_delta(a, _scrape(url))
+        r["engine"] = engine_delta(a, scrape(url))
         r["wire_bytes_per_request"] = ((client.bytes_sent - b0) + (client.bytes_received - r0)) / r["requests"] \
             if r["requests"] else None
         if kind != "unary":
@@ -304,7 +262,7 @@ async def leg_batch(args, url: str, info: dict, conc: int) -> dict:
         await asyncio.gather(*(client.conv(s, layer, x4) for s in sessions for layer in layers))
         x = torch.randn(conc, info["dim"]).to(dtype)
         lat: list = []
-        a = _scrape(url)
+        a = scrape(url)
         t_measure = time.perf_counter() + args.warmup
         t_end = t_measure + args.duration
 
@@ -317,7 +275,7 @@ async def leg_batch(args, url: str, info: dict, conc: int) -> dict:
 
         while time.perf_counter() < t_end:
             await asyncio.gather(*(one(layer) for layer in layers))
-        e = _engine_delta(a, _scrape(url))
+        e = engine_delta(a, scrape(url))
         await asyncio.gather(*(client.delete_session(s) for s in sessions))
     lat.sort()
     return {"requests": len(lat) * conc, "req_per_s": len(lat) * conc / args.duration, "batches": len(lat),
@@ -376,7 +334,7 @@ async def leg_step(args, url: str, info: dict, conc: int, mixed: bool, shm: Opti
         sessions = list(await asyncio.gather(*(client.create_session() for _ in range(conc))))
         pool = torch.randn(conc * 512 + 1024, info["dim"]).to(dtype)
         lat, steps, tok = [], [], 0
-        a = _scrape(url)
+        a = scrape(url)
         t_measure = time.perf_counter() + args.warmup
         t_end = t_measure + args.duration
         while time.perf_counter() < t_end:
@@ -401,7 +359,7 @@ async def leg_step(args, url: str, info: dict, conc: int, mixed: bool, shm: Opti
             if t0 >= t_measure and t2 <= t_end:
                 steps.append(t2 - t0)
                 tok += sum(tokens)
-        e = _engine_delta(a, _scrape(url))
+        e = engine_delta(a, scrape(url))
         await asyncio.gather(*(client.delete_session(s) for s in sessions))
     r = _summary(lat, steps, tok, args.duration)
     r["engine"] = e
