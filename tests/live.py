@@ -126,9 +126,9 @@ class LiveServer:
         """The server's pid: with a ``prefix``, the prefix's child (``unshare --fork`` passes no signal on)."""
         if not self.prefix:
             return self.proc.pid
-        from tests.proc_tree import descendants, parent_of
+        from tests.proc_tree import children
 
-        (pid,) = [p for p in descendants(self.proc.pid) if parent_of(p) == self.proc.pid]
+        (pid,) = children(self.proc.pid)
         return pid
 
     def terminate(self, timeout: float = 30.0) -> int:

@@ -25,15 +25,28 @@ def parent_of(pid: int) -> int:
         return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
-def descendants(pid: int) -> set[int]:
-    """Every live process below ``pid``."""
-    parents = {}
+def _stats() -> dict:
+    """``{pid: (state, parent's pid)}`` of every process in ``/proc``."""
+    out = {}
     for name in os.listdir("/proc"):
         if name.isdigit():
             try:
-                parents[int(name)] = parent_of(int(name))
+                with open(f"/proc/{name}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                out[int(name)] = (fields[0], int(fields[1]))
             except (OSError, ValueError, IndexError):
                 pass
+    return out
+
+
+def children(pid: int, state: str = "") -> list[int]:
+    """``pid``'s children (only those in ``state``, e.g. "Z", when given), zombies included."""
+    return [c for c, (st, pp) in _stats().items() if pp == pid and (not state or st == state)]
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below ``pid``."""
+    parents = {c: pp for c, (_st, pp) in _stats().items()}
     out, todo = set(), [pid]
     while todo:
         p = todo.pop()

@@ -16,7 +16,7 @@ import torch
 from convserve.clients.protocol import wire
 from tests.http_api import DIM, Api, assert_close, model
 from tests.live import LiveServer, Reference
-from tests.proc_tree import alive, child_pids, descendants, tree, wait
+from tests.proc_tree import alive, child_pids, children, descendants, tree, wait
 
 ARGS = ["--layers", "0,2,5", "--dim", str(DIM), "--width", "4", "--dtype", "float32", "--slots", "64",
         "--workers", "2", "--devices", "cpu,cpu", "--shutdown-timeout-s", "5"]
@@ -137,20 +137,6 @@ def _pid_namespace() -> tuple:
     return ()
 
 
-def _children(pid: int, state: str = "") -> list[int]:
-    """``pid``'s children (those in ``state`` only, e.g. "Z"), from the host's ``/proc``."""
-    out = []
-    for name in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, ValueError):
-            continue
-        if int(fields[1]) == pid and (not state or fields[0] == state):
-            out.append(int(name))
-    return out
-
-
 #: loaded by every process of the server (sitecustomize): each engine process starts a ``sleep`` it never waits for,
 #: which outlives it when it dies
 _GRANDCHILD_HOOK = '''
@@ -179,16 +165,16 @@ def test_as_pid_1_the_supervisor_collects_every_process_orphaned_below_it(tmp_pa
     srv = LiveServer(ARGS, prefix=prefix, env={"PYTHONPATH": path, "ENGINE_GRANDCHILD": "2"})
     try:
         supervisor = srv.server_pid()                                  # unshare's child: PID 1 inside
-        (fork_server,) = [p for p in _children(supervisor) if len(_children(p)) == 4]
-        old = set(_children(fork_server))
-        sleeps = {p for e in old for p in _children(e)}                # the engines' grandchildren
+        (fork_server,) = [p for p in children(supervisor) if len(children(p)) == 4]
+        old = set(children(fork_server))
+        sleeps = {p for e in old for p in children(e)}                # the engines' grandchildren
         assert len(sleeps) == 2
         os.kill(fork_server, signal.SIGKILL)
         wait(lambda: not any(alive(p) for p in old | sleeps), timeout=10, what="the old children gone")
-        wait(lambda: _ready(srv.url) and any(len(_children(p)) == 4 for p in _children(supervisor)),
+        wait(lambda: _ready(srv.url) and any(len(children(p)) == 4 for p in children(supervisor)),
              what="the server back")
-        wait(lambda: not _children(supervisor, "Z"), timeout=5, what="no zombie left under the supervisor")
-        assert not set(_children(supervisor)) & (old | sleeps)
+        wait(lambda: not children(supervisor, "Z"), timeout=5, what="no zombie left under the supervisor")
+        assert not set(children(supervisor)) & (old | sleeps)
         assert srv.terminate() == 0
     finally:
         srv.kill()

@@ -11,6 +11,7 @@ import shutil
 import signal
 import threading
 import time
+from typing import Optional
 
 
 def hold(spec: dict, interval: float = 0.25) -> None:
@@ -59,15 +60,21 @@ def _close_fork_server_pipe() -> None:
         server._forkserver_alive_fd = None
 
 
+def proc_stat(pid) -> Optional[list]:
+    """The fields of ``/proc/<pid>/stat`` past the command name (state first, then the parent's pid, ...), or
+    None when there is no such process or no ``/proc``."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()      # past the command name, which may hold spaces
+    except OSError:
+        return None
+
+
 def started(pid: int):
     """The start time of live process ``pid`` (clock ticks since boot, from ``/proc``), or None when there is no
     such process, it is a zombie, or there is no ``/proc``."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()    # past the command name, which may hold spaces
-    except OSError:
-        return None
-    return None if fields[0] == b"Z" else int(fields[19])
+    fields = proc_stat(pid)
+    return None if fields is None or fields[0] == b"Z" else int(fields[19])
 
 
 def exit_now(code: int) -> None:

@@ -32,7 +32,7 @@ from multiprocessing.connection import wait
 from typing import Optional
 
 from . import engine_proc, fork_server, worker
-from .lifeline import started
+from .lifeline import proc_stat, started
 from .run_dirs import make_run_dir, sweep_dead
 from .status import DOWN, NEW, STARTING, STOPPED, StatusTable
 
@@ -190,20 +190,19 @@ class Supervisor:
             if self.stopping:
                 return
             now = time.monotonic()
-            _collect_adopted()
             for c in self.engines + self.workers:
                 if c.proc is not None and not c.proc.is_alive():
                     self._died(c, now)
                 if c.restart_at is not None and now >= c.restart_at:
                     c.restart_at = None
                     (self._spawn_engine if c.kind == "engine" else self._spawn_worker)(c)
+            _collect_adopted()          # after the turn's deaths: what _died killed is a zombie by now
 
     def _died(self, c: _Child, now: float) -> None:
         code = c.proc.exitcode
         pid = c.proc.pid
         c.proc = None
         _make_sure_gone(pid, c.born)
-        _collect_adopted()
         if now - c.started_at > 30:
             c.backoff = 0.5                       # it had been running: not a crash loop
         c.restart_at = now + c.backoff
@@ -322,22 +321,12 @@ def _collect_adopted() -> None:
 
 def _zombie_children() -> list[int]:
     """This process's children that are zombies, from ``/proc`` (empty without it)."""
-    me, out = os.getpid(), []
+    me = str(os.getpid()).encode()
     try:
-        names = os.listdir("/proc")
+        pids = [name for name in os.listdir("/proc") if name.isdigit()]
     except OSError:
-        return out
-    for name in names:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] == b"Z" and int(fields[1]) == me:
-            out.append(int(name))
-    return out
+        return []
+    return [int(p) for p in pids if (f := proc_stat(p)) is not None and f[0] == b"Z" and f[1] == me]
 
 
 def _mark_dead(pid: int) -> None:

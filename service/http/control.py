@@ -68,10 +68,8 @@ def add_control_routes(app: FastAPI, svc: Service) -> None:
         await no_body(request)
         engines = getattr(engine, "engines", None)
         silent = None
-        starting = engine.workers_starting() if svc.ready and engines is not None else 0
-        if starting:                                # every worker serves first: 503 below
-            pass
-        elif svc.ready and engines is not None:     # engine processes: say which serve (degraded when not all)
+        starting = engine.workers_starting() if svc.ready and engines is not None else 0   # >0: 503 below
+        if svc.ready and engines is not None and not starting:  # engine processes: which serve (degraded: not all)
             rows = engines()
             serving = [r for r in rows if r["state"] == "up" and r["unanswered_s"] is None]
             if serving:
@@ -80,10 +78,10 @@ def add_control_routes(app: FastAPI, svc: Service) -> None:
                                 media_type="application/json")
             # none serves (a death this worker's ready flag has not seen yet, or none answers): 503 below
             silent = [i for i, r in enumerate(rows) if r["state"] == "up" and r["unanswered_s"] is not None]
-        elif svc.ready and svc.snapshots is not None:  # in-process engine with state_dir: its last snapshot
+        elif svc.ready and engines is None and svc.snapshots is not None:  # in-process, state_dir: last snapshot
             body = json.dumps({"status": "ready", "snapshot": svc.snapshots.last()}).encode()
             return Response(body, media_type="application/json")
-        elif svc.ready:
+        elif svc.ready and engines is None:
             return Response(b'{"status":"ready"}', media_type="application/json")
         try:
             svc.require_ready()
