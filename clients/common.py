@@ -247,8 +247,16 @@ def _batch_fields(sessions, layer, x, tokens, speculative, shm=None) -> dict:
     if tokens is not None:
         fields["tokens"] = _int_list(tokens, "tokens")
     if speculative is not None:
-        fields["speculative"] = speculative if isinstance(speculative, bool) else [bool(s) for s in speculative]
+        fields["speculative"] = _flags(speculative)
     return fields
+
+
+def _flags(speculative) -> Union[bool, list]:
+    """A batch's ``speculative`` as the wire takes it: one bool (numpy's and a 0-d tensor too) or one per
+    session."""
+    if isinstance(speculative, bool) or getattr(speculative, "ndim", None) == 0:
+        return bool(speculative)
+    return [bool(s) for s in speculative]
 
 
 class _Tracker:
@@ -360,7 +368,7 @@ class _Base:
     def _batch_body(self, sessions, layer, x, tokens, speculative, position=None) -> bytes:
         fields = _batch_fields(sessions, layer, x, tokens, speculative, self.shm)
         if position is not None:
-            fields["position"] = list(position)
+            fields["position"] = _int_list(position, "position")
         return wire.packb(fields)
 
     @staticmethod
@@ -373,8 +381,8 @@ class _Base:
         """Each session's tokens and speculative flag, as the server reads a batch's defaults."""
         n = len(sessions)
         toks = [1] * n if tokens is None else _int_list(tokens, "tokens")
-        spec = [bool(speculative)] * n if isinstance(speculative, bool) or speculative is None else \
-            [bool(f) for f in speculative]
+        f = False if speculative is None else _flags(speculative)
+        spec = [f] * n if isinstance(f, bool) else f
         return toks, spec
 
     def _batch_answer(self, body: bytes, resp, attempt: int, sessions, layer, x, tokens, speculative, pos) -> tuple:

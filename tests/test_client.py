@@ -126,6 +126,40 @@ def test_sessions_fork_state_and_accept_through_the_client(client):
     assert (e.value.status, e.value.code) == (404, "unknown_session") and "create it" in e.value.message
 
 
+@pytest.mark.parametrize("scalar", [np.int64, np.int32, torch.tensor], ids=["int64", "int32", "tensor"])
+def test_numpy_and_torch_scalars_are_taken_wherever_an_int_or_a_bool_is(server, client, scalar):
+    """A layer, position, token count or flag taken from an array: the same answers and states as Python's."""
+    ref = Reference(model())
+    flag = np.bool_ if scalar is not torch.tensor else torch.tensor
+    a, b = client.create_session(), client.create_session()
+    ref.create(a), ref.create(b)
+    x = torch.randn(3, DIM)
+    close(client.conv(a, scalar(1), x, speculative=flag(False), position=scalar(0)), ref.conv(a, 1, x))
+    xv = torch.randn(2, DIM)
+    close(client.conv(a, scalar(3), xv, speculative=flag(True)), ref.conv(a, 3, xv, speculative=True))
+    client.accept(a, scalar(1))
+    ref.accept(a, 1)
+    xb = torch.randn(3, DIM)
+    y = client.conv_batch([a, b], scalar(1), xb, tokens=[scalar(1), scalar(2)], speculative=flag(True),
+                          position=np.array([3, 0]))
+    close(y, torch.cat([ref.conv(a, 1, xb[:1], speculative=True), ref.conv(b, 1, xb[1:], speculative=True)]))
+
+    async def main():
+        async with AsyncConvClient(server.url, api_key=KEY) as c:
+            await c.accept_batch([a, b], [scalar(1), scalar(2)])
+            ref.accept(a, 1), ref.accept(b, 2)
+            x2 = torch.randn(2, DIM)
+            close(await c.conv_batch([b, a], scalar(1), x2, speculative=flag(False)),
+                  torch.cat([ref.conv(b, 1, x2[:1]), ref.conv(a, 1, x2[1:])]))
+
+    asyncio.run(main())
+    for s in (a, b):
+        close(client.export_state(s).state, ref.states[s])
+        client.delete_session(s)
+    with pytest.raises(TypeError, match="ndarray"):
+        client.conv(a, np.array([1, 3]), x)
+
+
 def test_a_session_id_with_url_characters_stays_one_path_segment(client):
     sid = client.create_session("quoted")
     with pytest.raises((UnknownSession, BadRequest)):

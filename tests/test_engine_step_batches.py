@@ -165,7 +165,7 @@ def test_a_bad_mixed_batch_is_rejected_whole_before_queueing_and_changes_no_stat
 
 BAD_ACCEPT = {
     "unknown session": ((["v", "nope"], [1, 1]), UnknownSession, "nope"),
-    "repeated session": ((["v", "v"], [1, 1]), BadRequest, "appears twice"),
+    "repeated session": ((["v", "v"], [1, 1]), BadRequest, "appears twice; an accept names each session once"),
     "no pending verify": ((["v", "a"], [1, 1]), BadRequest, "no speculative verify"),
     "more than the verify's tokens": ((["v", "w"], [1, 4]), BadRequest, "at most 3"),
     "tokens too short": ((["v", "w"], [1]), BadRequest, "one integer per session"),

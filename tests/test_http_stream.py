@@ -152,6 +152,7 @@ def test_malformed_frame_ends_the_stream_with_a_null_id_error_after_earlier_resu
         assert resp.status_code == 200
         results = read_stream(resp)
     assert results[-1]["id"] is None and results[-1]["error"]["code"] == code
+    assert results[-1]["error"]["message"].startswith("frame 6"), results[-1]   # counted from 1: the sixth
     check_stream_results(frames, results[:-1], [sid])
 
 

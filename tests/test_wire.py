@@ -93,10 +93,11 @@ CHECK = wire.shape_checker((4,), min_first=1, max_first=8)
     (_map(shape=(2, 4), nbytes=31), BadRequest, "31 bytes"),
     ({"dtype": "float32", "shape": [1, 4], "data": [0, 0]}, BadRequest, "data"),
     ({"dtype": "float32", "shape": [1, 4], "data": "***"}, BadRequest, "base64"),
+    ({"dtype": "float32", "shape": [1, 4], "data": "abcd"}, BadRequest, "a string, read as base64, of 3 bytes"),
     ([1, 2], BadRequest, "tensor map"),
 ], ids=["dtype-before-shape-and-length", "float64", "missing-dtype", "shape-before-length", "missing-T", "zero-T",
         "too-many-tokens", "negative-dim", "shape-not-list", "length", "data-not-bytes", "bad-base64",
-        "not-a-map"])
+        "base64-length", "not-a-map"])
 def test_tensor_validation_reports_dtype_then_shape_then_length(obj, exc, fragment):
     with pytest.raises(exc) as e:
         wire.decode_tensor(obj, check_shape=CHECK)
@@ -179,3 +180,31 @@ def test_a_missing_tensor_and_a_too_deeply_nested_body_say_so():
     with pytest.raises(msgpack.exceptions.StackError) as e:
         next(u)
     assert wire.why_not_msgpack(e.value) == "nested too deeply"
+
+
+@pytest.mark.parametrize("value, packed", [
+    (np.int64(3), 3), (np.int32(-2), -2), (np.uint8(7), 7), (np.bool_(True), True), (np.float32(1.5), 1.5),
+    (torch.tensor(4), 4), (torch.tensor(False), False), (torch.tensor(0.25), 0.25)], ids=repr)
+def test_numpy_and_torch_scalars_pack_as_the_python_number_they_hold(value, packed):
+    for got in (msgpack.unpackb(wire.packb({"v": value}))["v"], json.loads(wire.dumps_json({"v": value}))["v"]):
+        assert got == packed and type(got) is type(packed)
+
+
+@pytest.mark.parametrize("value", [np.array([1, 2]), torch.tensor([1]), object(), np.complex64(1 + 2j)],
+                         ids=["array", "tensor", "object", "complex"])
+def test_arrays_and_other_objects_are_refused_by_the_packer_not_flattened(value):
+    with pytest.raises(TypeError, match="cannot encode"):
+        wire.packb({"v": value})
+
+
+@pytest.mark.parametrize("bound, value, fragment", [
+    (dict(max_array_len=10), list(range(70)), "an array of 70 entries, more than the 10 this server takes; split"),
+    (dict(max_map_len=2), {"a": 1, "b": 2, "c": 3}, "a map of 3 entries, more than the 2 this server takes"),
+    (dict(max_str_len=4), "abcdefgh", "a string of 8 bytes, more than the 4 this server takes"),
+])
+def test_a_size_bound_error_names_the_size_and_the_limit_in_the_servers_words(bound, value, fragment):
+    with pytest.raises(ValueError) as e:
+        msgpack.unpackb(msgpack.packb(value), **bound)
+    err = wire.bound_error(e.value, "the body")
+    assert isinstance(err, PayloadTooLarge) and err.message.startswith("the body holds " + fragment), err.message
+    assert "max_" not in err.message.split(";")[0]

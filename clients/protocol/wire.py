@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import math
+import re
 import sys
 import warnings
 from typing import Any, Callable, Iterable, Optional
@@ -56,11 +57,23 @@ warnings.filterwarnings("ignore", message="The given NumPy array is not writable
 # ----------------------------------------------------------------------------------------------- msgpack
 
 
-_packer_kwargs = dict(use_bin_type=True, datetime=False)
+def _scalar(o):
+    """msgpack's ``default``: a numpy or torch scalar (``np.int64(3)``, ``np.bool_(True)``, a 0-d tensor) as the
+    Python number it holds, so a layer, position or flag may come straight from an array; anything else stays a
+    TypeError."""
+    if getattr(o, "ndim", None) == 0 and type(o).__module__.split(".")[0] in ("numpy", "torch"):
+        v = o.item()
+        if isinstance(v, (bool, int, float)):
+            return v
+    raise TypeError(f"cannot encode {type(o).__name__} in a msgpack message")
+
+
+_packer_kwargs = dict(use_bin_type=True, datetime=False, default=_scalar)
 
 
 def packb(obj: Any) -> bytes:
-    """Serialize one message (maps, lists, str, int, float, bool, None, bytes/memoryview as bin)."""
+    """Serialize one message (maps, lists, str, int, float, bool, None, bytes/memoryview as bin; numpy and torch
+    scalars as the number they hold)."""
     return msgpack.packb(obj, **_packer_kwargs)
 
 
@@ -189,12 +202,18 @@ def bound_error(e: Exception, what: str) -> Optional[PayloadTooLarge]:
     """The :class:`PayloadTooLarge` for a decoder error that is one of the size bounds of :func:`_bounds` (an array,
     map or string longer than allowed; the message itself is valid msgpack), else None."""
     text = str(e)
-    for bound, advice in (("max_array_len", "split the batch, or raise --max-body-objects"),
-                          ("max_map_len", "send the documented fields only"),
-                          ("max_str_len", "session ids and strings are at most 64 KiB")):
+    for bound, (kind, unit, advice) in _BOUNDS.items():
         if bound in text:
-            return PayloadTooLarge(f"{what} holds a value larger than this server takes ({text}); {advice}")
+            m = re.fullmatch(r"(\d+) exceeds \w+\((\d+)\)", text)
+            size = f"{kind} of {m[1]} {unit}, more than the {m[2]}" if m else f"{kind} larger than what"
+            return PayloadTooLarge(f"{what} holds {size} this server takes; {advice}")
     return None
+
+
+#: msgpack's bound, and what a message past it holds (a value of what, counted in what) and how to fix it
+_BOUNDS = {"max_array_len": ("an array", "entries", "split the batch, or raise --max-body-objects"),
+           "max_map_len": ("a map", "entries", "send the documented fields only"),
+           "max_str_len": ("a string", "bytes", "session ids and strings are at most 64 KiB")}
 
 
 def new_unpacker(max_bytes: int, budget: Optional[ObjectBudget] = None) -> msgpack.Unpacker:
@@ -232,7 +251,10 @@ def dumps_json(obj: Any) -> bytes:
 def _json_default(o):
     if isinstance(o, (bytes, bytearray, memoryview)):
         return base64.b64encode(o).decode("ascii")
-    raise TypeError(f"cannot encode {type(o).__name__} as JSON")
+    try:
+        return _scalar(o)
+    except TypeError:
+        raise TypeError(f"cannot encode {type(o).__name__} as JSON") from None
 
 
 # ----------------------------------------------------------------------------------------------- tensors
@@ -329,7 +351,8 @@ def decode_tensor(obj: Any, *, check_shape: Optional[Callable[[tuple], None]] = 
                                  "client_shm setting is off, or this field is not a conv's x); send 'data'")
             return shm.view(obj["shm"], dtype, shape, backend, name)
     data = obj.get("data")
-    if isinstance(data, str):  # JSON body: base64
+    b64 = isinstance(data, str)
+    if b64:  # JSON body: base64 (a string in msgpack is read the same way)
         try:
             data = base64.b64decode(data, validate=True)
         except ValueError:
@@ -339,8 +362,9 @@ def decode_tensor(obj: Any, *, check_shape: Optional[Callable[[tuple], None]] = 
         raise BadRequest(f"'{name}.data' must be bin (msgpack) or base64 (JSON), got {type(data).__name__}")
     n = math.prod(shape)
     if len(data) != n * itemsize:
-        raise BadRequest(f"'{name}.data' has {len(data)} bytes but shape {list(shape)} of {dtype} needs "
-                         f"{n * itemsize}; send the tensor C-contiguous, little-endian, without padding")
+        got = f"is a string, read as base64, of {len(data)} bytes" if b64 else f"has {len(data)} bytes"
+        raise BadRequest(f"'{name}.data' {got} but shape {list(shape)} of {dtype} needs {n * itemsize}; send the "
+                         "tensor C-contiguous, little-endian, without padding (in msgpack as bin)")
     if backend == "torch":
         import torch
 

@@ -131,7 +131,8 @@ def check_batch_sessions(session_ids, most: int, what: str = "one batch") -> int
                 dup = sid
                 break
             seen.add(sid)
-        raise BadRequest(f"sessions: session {dup!r:.80} appears twice; a batch holds one slice per session")
+        once = "an accept names each session once" if "accept" in what else "a batch holds one slice per session"
+        raise BadRequest(f"sessions: session {dup!r:.80} appears twice; {once}")
     return n
 
 

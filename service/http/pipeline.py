@@ -118,8 +118,8 @@ class Pipeline:
         try:
             self.unpacker.feed(chunk)
         except msgpack.BufferFull:
-            self.set_fatal(PayloadTooLarge(f"a frame exceeds the limit of {self.svc.max_body} bytes; send fewer "
-                                           "tokens per frame"))
+            self.set_fatal(PayloadTooLarge(f"frame {self.nframes + 1} exceeds the limit of {self.svc.max_body} "
+                                           "bytes; send fewer tokens per frame"))
             return False
         self.fed += len(chunk)
         unpacker = self.unpacker
@@ -129,14 +129,14 @@ class Pipeline:
             except StopIteration:
                 return True
             except wire.TooManyObjects as e:
-                self.set_fatal(PayloadTooLarge(f"frame {self.nframes}: {e.message}; the stream ends here"))
+                self.set_fatal(PayloadTooLarge(f"frame {self.nframes + 1}: {e.message}; the stream ends here"))
                 return False
             except wire.DuplicateKey as e:
-                self.set_fatal(BadRequest(f"frame {self.nframes}: {e.message}; the stream ends here"))
+                self.set_fatal(BadRequest(f"frame {self.nframes + 1}: {e.message}; the stream ends here"))
                 return False
             except Exception as e:  # noqa: BLE001 - msgpack raises several types for bad input
-                too_large = wire.bound_error(e, f"frame {self.nframes}")
-                self.set_fatal(too_large or BadRequest(f"frame {self.nframes} is not valid msgpack "
+                too_large = wire.bound_error(e, f"frame {self.nframes + 1}")
+                self.set_fatal(too_large or BadRequest(f"frame {self.nframes + 1} is not valid msgpack "
                                                        f"({type(e).__name__}: {wire.why_not_msgpack(e)}); "
                                                        "the stream ends here"))
                 return False
@@ -172,12 +172,12 @@ class Pipeline:
     def add(self, obj) -> bool:
         """Submit one frame; False if it is malformed (the stream ends)."""
         if type(obj) is not dict or "id" not in obj:
-            self.set_fatal(BadRequest(f"frame {self.nframes} is not a map with an 'id'; every frame is a /v1/conv "
+            self.set_fatal(BadRequest(f"frame {self.nframes + 1} is not a map with an 'id'; every frame is a /v1/conv "
                                       "body plus an 'id'; the stream ends here"))
             return False
         fid = obj["id"]
         if type(fid) not in (int, str):       # null too: its answer would look like the stream's last one
-            self.set_fatal(BadRequest(f"frame {self.nframes}: 'id' must be an integer or a string, got "
+            self.set_fatal(BadRequest(f"frame {self.nframes + 1}: 'id' must be an integer or a string, got "
                                       f"{type(fid).__name__}; the stream ends here"))
             return False
         self.nframes += 1
