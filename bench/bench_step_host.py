@@ -41,7 +41,7 @@ def _p50(xs) -> float:
 
 def _engine(args, model, **cfg):
     ns = argparse.Namespace(sessions_list=[256], max_batch_tokens=args.max_batch_tokens, delay_us=200,
-                            device="cpu", null_kernels=True)
+                            device="cpu", null_kernels=True, caller_step_max_tokens=None)
     return be.make_engine(ns, model, **cfg)
 
 

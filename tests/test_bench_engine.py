@@ -41,3 +41,15 @@ def test_bench_engine_runs_on_cpu_and_writes_every_scenario(tmp_path, null_kerne
         assert r["callers"] == n and r["tokens_per_s"] > 0 and r["round_trip_us_p50"] > 0
     assert data["env"]["null_kernels"] is null_kernels
     assert "host overhead per decode step" in capsys.readouterr().out
+
+
+def test_bench_step_host_runs_every_leg_on_cpu_and_writes_its_pieces(tmp_path, capsys):
+    import bench_step_host
+
+    out = tmp_path / "h.json"
+    assert bench_step_host.main(["--dim", "32", "--rounds", "3", "--warmup", "1", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())["results"]
+    assert set(res) == {"mixed", "verify", "decode-64", "decode-256"}
+    for name, pieces in res.items():
+        assert pieces and all(v > 0 for v in pieces.values() if v == v), (name, pieces)
+    assert "verify round / decode round" in capsys.readouterr().out
