@@ -56,6 +56,8 @@ def _add_settings_flags(p: argparse.ArgumentParser) -> None:
         default = field.default
         if name in ("api_key", "api_key_file") or default is None:
             default = "unset"
+        elif isinstance(default, (list, tuple)):         # as the flag takes it: 1,2,4
+            default = ",".join(map(str, default))
         help_ = f"{field.description} [env {env}; default {default}]"
         if field.annotation is bool:
             p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,

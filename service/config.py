@@ -56,6 +56,14 @@ def _cuda_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def _check_key(key: str, name: str) -> None:
+    """An API key travels in a header (``Authorization: Bearer <key>``): visible ASCII, no spaces. Says nothing
+    of the key itself in the error (it is a secret)."""
+    if not re.fullmatch(r"[!-~]+", key):
+        raise ValueError(f"{name}: an API key must be visible ASCII characters without spaces (it is sent in an "
+                         "HTTP header); generate one with: python -c 'import secrets; print(secrets.token_urlsafe())'")
+
+
 def _default_replica_name() -> str:
     """The pod's name on Kubernetes (HOSTNAME is set to it, and to the container id by Docker), else the host
     name; a stable name for X-Convserve-Replica without configuration."""
@@ -352,6 +360,8 @@ class Settings(BaseSettings):
     def _api_key(cls, v):
         if v is not None and not v.get_secret_value().strip():
             return None
+        if v is not None:
+            _check_key(v.get_secret_value(), "api_key")
         return v
 
     @model_validator(mode="after")
@@ -366,6 +376,7 @@ class Settings(BaseSettings):
                                  f"({type(e).__name__}); mount the key's file there or fix the path") from None
             if not key:
                 raise ValueError(f"--api-key-file / CONVSERVE_API_KEY_FILE: {self.api_key_file} is empty")
+            _check_key(key, f"--api-key-file / CONVSERVE_API_KEY_FILE: the key in {self.api_key_file}")
             self.api_key = SecretStr(key)
         return self
 
@@ -467,7 +478,16 @@ class Settings(BaseSettings):
                                       "'all', cpu, or an index below that")
                 d = f"cuda:{i}"
             out.append(d)
+        if self.workers == 0 and len(out) > 1:
+            raise ConfigError(f"devices: {len(out)} engines ({','.join(out)}) were asked for, but --workers 0 runs "
+                              "one engine inside the HTTP process; give workers (auto or N >= 1) for one engine "
+                              "process per device, or one device")
         return out
+
+    def max_decode_rows(self) -> int:
+        """The one-token plain rows one batch may carry: they run in one decode launch, so at most the largest
+        decode bucket, and a batch holds at most max_batch_size sessions."""
+        return min(max(self.decode_buckets), self.max_batch_size)
 
     def resolved_workers(self, n_engines: int) -> int:
         if self.workers != "auto":

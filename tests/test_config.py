@@ -115,6 +115,8 @@ def test_every_setting_is_a_flag_and_an_env_var(capsys):
     for name in Settings.model_fields:
         assert "--" + name.replace("_", "-") in out
         assert "CONVSERVE_" + name.upper() in out.replace("\n", "").replace(" ", "")
+    # a list's default as the flag takes it
+    assert "CONVSERVE_DECODE_BUCKETS;default1,2,4,8,16,32,64,128,256]" in out.replace("\n", "").replace(" ", "")
 
 
 def test_cli_exits_2_with_a_message_on_bad_config():
@@ -166,6 +168,38 @@ def test_the_api_key_comes_from_a_file_and_never_shows_in_a_config_error(tmp_pat
     msg = str(e.value)
     assert "--api-key" in msg and "hunter2" not in msg
     assert "not-a-port" in msg                # other fields still show what came
+
+
+@pytest.mark.parametrize("key", ["h\u00e9llo", "two words", "tab\tin", "\u5bc6\u94a5"])
+@pytest.mark.parametrize("given", ["flag", "env", "file"])
+def test_an_api_key_a_header_cannot_carry_is_refused_at_start_without_showing_it(tmp_path, monkeypatch, key, given):
+    """The key is sent as ``Authorization: Bearer <key>``: a key outside visible ASCII would start a server that
+    its own client (and most HTTP clients) cannot authenticate to."""
+    f = tmp_path / "key"
+    f.write_text(key + "\n", encoding="utf-8")
+    if given == "env":
+        monkeypatch.setenv("CONVSERVE_API_KEY", key)
+    overrides = {"flag": {"api_key": key}, "env": {}, "file": {"api_key_file": str(f)}}[given]
+    with pytest.raises(ConfigError, match="visible ASCII") as e:
+        load_settings(overrides)
+    assert key not in str(e.value) and key.split()[0] not in str(e.value)
+
+
+def test_several_devices_with_workers_0_are_refused_not_left_unused():
+    s = load_settings({"devices": "cpu,cpu", "workers": "0"})
+    with pytest.raises(ConfigError, match="--workers 0 runs one engine"):
+        s.resolved_devices()
+    assert load_settings({"devices": "cpu", "workers": "0"}).resolved_devices() == ["cpu"]
+    assert load_settings({"devices": "cpu,cpu", "workers": "1"}).resolved_devices() == ["cpu", "cpu"]
+    r = subprocess.run([sys.executable, "-m", "convserve.service", "serve", "--devices", "cpu,cpu", "--workers", "0"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--workers 0 runs one engine" in r.stderr.strip().splitlines()[-1], r.stderr
+
+
+@pytest.mark.parametrize("buckets, batch, rows", [("1,2,4", 256, 4), ("1,2,512", 256, 256), ("8,64", 64, 64),
+                                                  ("1,2,4,8", 3, 3)])
+def test_max_decode_rows_is_the_largest_bucket_a_batch_can_fill(buckets, batch, rows):
+    assert load_settings({"decode_buckets": buckets, "max_batch_size": str(batch)}).max_decode_rows() == rows
 
 
 def test_a_bad_workers_value_names_the_flag_and_what_it_accepts():

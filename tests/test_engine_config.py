@@ -72,3 +72,15 @@ def test_engine_config_from_settings_like_object():
     assert cfg.slots == 32 and cfg.decode_buckets == (1, 2, 4) and cfg.state_dtype == torch.float32
     assert cfg.max_batch_tokens == 1024 and cfg.session_ttl_s == 10.0
     assert copy.copy(cfg) == cfg
+
+
+@pytest.mark.parametrize("max_spec_tokens", [1, 8, 16])
+def test_slots_auto_on_the_cpu_is_1024_whatever_the_verify_length(max_spec_tokens):
+    """On the CPU there is no free-memory reading to share with the verify buffers: auto is the fixed count."""
+    from tests.engine_support import make_engine
+
+    e = make_engine(slots="auto", max_spec_tokens=max_spec_tokens)
+    try:
+        assert e.stats()["slots_total"] == 1024
+    finally:
+        e.stop(drain=False)

@@ -32,7 +32,7 @@ def test_health_ready_and_model_describe_the_served_model(server, api):
     assert info["limits"] == {"max_batch_tokens": 1024, "max_batch_size": default.max_batch_size,
                               "max_tokens_per_request": MAX_TOKENS, "max_spec_tokens": default.max_spec_tokens,
                               "max_body_bytes": MAX_BODY, "max_body_objects": default.max_body_objects,
-                              "max_decode_rows": max(default.decode_buckets)}
+                              "max_decode_rows": min(max(default.decode_buckets), default.max_batch_size)}
     assert info["client_shm"] is True                          # SERVER_ARGS has --client-shm
 
 

@@ -40,3 +40,17 @@ def test_an_address_that_is_not_this_machines_says_to_pick_another_host(capsys):
     assert cli_main(["serve", "--host", "192.0.2.1", "--port", "0", "--workers", "0", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert "cannot listen on 192.0.2.1:0" in err and "--host" in err and "stop what holds it" not in err
+
+
+@pytest.mark.parametrize("workers", ["1", "0"], ids=["engine-processes", "workers-0"])
+def test_a_weights_file_that_cannot_be_read_exits_2_with_its_reason_on_the_last_line(tmp_path, workers):
+    bad = tmp_path / "model.safetensors"
+    bad.write_bytes(b"not safetensors")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONVSERVE_")}
+    r = subprocess.run([sys.executable, "-m", "convserve.service", "serve", "--port", "0", "--device", "cpu",
+                        "--workers", workers, "--weights", str(bad)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 2, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("convserve: ") and f"{bad} is not a readable safetensors file" in last, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr, r.stderr[-2000:]

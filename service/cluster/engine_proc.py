@@ -551,6 +551,11 @@ class _Answer:
         return self.finished
 
 
+def start_error_path(run_dir: str, index: int) -> str:
+    """Where engine ``index`` leaves the reason it could not start (read by the supervisor)."""
+    return os.path.join(run_dir, f"start-error-e{index}")
+
+
 def main(spec: dict) -> None:
     """The target of one engine process (:mod:`.fork_server`)."""
     from convserve.service import logs
@@ -565,6 +570,11 @@ def main(spec: dict) -> None:
         proc.start()
     except (ServiceError, ValueError, OSError, RuntimeError) as e:
         log.error("engine process cannot start", extra={"engine": proc.index, "error": str(e)})
+        try:                        # why, for the supervisor's one line on stderr (start_error_path)
+            with open(start_error_path(spec["run_dir"], proc.index), "w") as f:
+                f.write(str(e))
+        except OSError:
+            pass                    # the log line above says it
         sys.exit(EXIT_BUILD)
     # start-up is over (the engine is warm, its graphs captured): out of the cyclic GC's sight (gcfreeze.py)
     frozen = freeze_startup_objects()

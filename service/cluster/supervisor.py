@@ -36,6 +36,11 @@ from .lifeline import proc_stat, started
 from .run_dirs import make_run_dir, sweep_dead
 from .status import DOWN, NEW, STARTING, STOPPED, StatusTable
 
+#: a child still running at the end of its stage's grace is killed; then the stop waits this long for its exit,
+#: and this long for its pid to be gone (a process in the kernel's uninterruptible sleep takes both): a
+#: supervisor's orchestrator (terminationGracePeriodSeconds) allows for them on top of stop_budgets
+KILL_JOIN_S, GONE_S = 5.0, 2.0
+
 log = logging.getLogger("convserve.supervisor")
 
 MAX_BACKOFF_S = 10.0
@@ -125,6 +130,12 @@ class Supervisor:
                 if not c.proc.is_alive():
                     log.error("engine process exited during start-up", extra={"engine": c.index,
                                                                                "exitcode": c.proc.exitcode})
+                    try:
+                        with open(engine_proc.start_error_path(self.run_dir, c.index)) as f:
+                            why = f.read(4096)
+                        self.start_error = f"engine {c.index} ({self.devices[c.index]}) cannot start: {why}"
+                    except OSError:
+                        pass                    # killed or crashed, not refused: the log says what is known
                     return False
             time.sleep(0.02)
         return False
@@ -250,7 +261,7 @@ class Supervisor:
             if _running(c):
                 log.error("child did not stop in time; killing it", extra={"pid": p.pid, "child": p.name})
                 _signal(c, signal.SIGKILL)
-                p.join(5)
+                p.join(KILL_JOIN_S)
                 _make_sure_gone(p.pid, c.born)
             if p.exitcode not in (0, -signal.SIGTERM):
                 self.failed = True
@@ -282,7 +293,7 @@ def stop_budgets(settings) -> tuple:
     return grace, grace + (settings.snapshot_timeout_s if settings.state_dir is not None else 0)
 
 
-def _make_sure_gone(pid: int, born, timeout: float = 2.0) -> None:
+def _make_sure_gone(pid: int, born, timeout: float = GONE_S) -> None:
     """A child's exit is reported by the fork server; when the fork server dies first, every child reads as exited
     (code 255) while it may still run for a moment (until its lifeline sees its parent gone). Kill it, so that no
     two processes ever serve one engine or hold one worker's arena."""

@@ -180,10 +180,10 @@ class Engine(Intake, Turns, SessionOps, Accepts, Positions, SnapshotTaking, Work
         if cfg.slots == "auto":
             slots = auto_slots(m.n_layers, m.dim, m.width, self.state_dtype, dev, cfg.pool_memory_fraction,
                                reserve_bytes=buf_estimate)
-            # the runner's per-slot verify x (Buffers.d_spec) shares that budget with the pool
-            state = (m.width - 1) * torch.empty((), dtype=self.state_dtype).element_size()
-            spec = cfg.max_spec_tokens * torch.empty((), dtype=m.dtype).element_size()
-            slots = max(1, slots * state // (state + spec))
+            if dev.type == "cuda":     # the runner's per-slot verify x (Buffers.d_spec) shares the memory budget
+                state = (m.width - 1) * torch.empty((), dtype=self.state_dtype).element_size()
+                spec = cfg.max_spec_tokens * torch.empty((), dtype=m.dtype).element_size()
+                slots = max(1, slots * state // (state + spec))
         else:
             slots = cfg.slots
         self.pool = ConvStatePool(m.n_layers, slots, m.dim, m.width, self.state_dtype, dev)

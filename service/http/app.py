@@ -62,8 +62,7 @@ class Service:
         self.limits = {k: getattr(settings, k, None) for k in ("max_batch_tokens", "max_batch_size",
                                                                 "max_tokens_per_request", "max_spec_tokens",
                                                                 "max_body_bytes", "max_body_objects")}
-        # one batch's one-token rows run in one decode launch: at most the largest decode bucket
-        self.limits["max_decode_rows"] = max(settings.decode_buckets)
+        self.limits["max_decode_rows"] = settings.max_decode_rows()
         self.max_body = settings.max_body_bytes
         self.max_objects = settings.max_body_objects
         self.max_json = settings.max_json_body_bytes
