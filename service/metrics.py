@@ -189,6 +189,37 @@ class EngineCollector(Collector):
                                            "graph replay)"),
     }
 
+    #: help texts of the engine.stats() keys exported under their own name (``convserve_engine_<key>``)
+    HELP = {
+        "batch_size": "Rows per engine step (with several engine processes, summed over them: an engine's restart "
+                      "lowers it)",
+        "queued_tokens": "Tokens of the requests queued in the engine, not yet in a step",
+        "prefill_budget_tokens": "Prefill tokens one step takes at most (max_prefill_tokens_per_step, resolved)",
+        "ops_queued": "Session operations (create, fork, export, import, accept, delete) waiting for the engine",
+        "slots_peak": "Most session slots in use at once since the engine started",
+        "answers_kept": "Answers kept for a request with a position that may be sent again (a retry is answered "
+                        "from them, not applied twice)",
+        "last_step_rows": "Rows of the engine's last step",
+        "last_step_tokens": "Tokens of the engine's last step",
+        "last_step_host_s": "Host time of the engine's last step (scheduling, packing and launches, delivery), "
+                            "seconds",
+        "last_step_kernel_s": "Kernel time of the engine's last step, when it was timed (CUDA: every "
+                              "gpu_timing_interval-th step), seconds",
+        "last_step_wall_s": "Wall time of the engine's last step, from its scheduling to its delivery (the device's "
+                            "time included), seconds",
+        "last_step_sched_s": "Scheduling time of the engine's last step, seconds",
+        "last_step_launch_s": "Packing and launch time of the engine's last step (before it waits for the device), "
+                              "seconds",
+        "last_step_deliver_s": "Time the engine's last step took to hand its results to their requests, seconds",
+        "bytes_pool": "Bytes of the conv-state pool (every slot, the null slot included)",
+        "bytes_weights": "Bytes of the model's conv weights and biases",
+        "bytes_buffers": "Bytes of the engine's staging, launch and output buffers",
+        "bytes_graphs": "Device memory reserved by the engine's CUDA graph captures, bytes",
+        "bytes_answers": "Bytes of the answers kept for requests that may be sent again (answers_kept)",
+        "cuda_graphs": "CUDA graphs captured by the engine (decode buckets, batch and verify slots)",
+        "engines_up": "Engine processes answering the HTTP worker",
+    }
+
     def __init__(self, stats: Callable[[], dict]):
         self._stats = stats
 
@@ -212,14 +243,15 @@ class EngineCollector(Collector):
         _flatten("", stats, flat, hists)
         for key, (buckets, total, count) in hists:
             name = "convserve_engine_" + key
-            h = HistogramMetricFamily(name, f"engine.stats()['{key}']")
+            h = HistogramMetricFamily(name, self.HELP.get(key, f"engine.stats()['{key}']"))
             h.add_metric([], buckets=buckets, sum_value=total)
             yield h
         for key, value in flat.items():
             if key in self.KNOWN:
                 name, kind, help_ = self.KNOWN[key]
             else:
-                name, kind, help_ = "convserve_engine_" + key, "gauge", f"engine.stats()['{key}']"
+                name, kind = "convserve_engine_" + key, "gauge"
+                help_ = self.HELP.get(key, f"engine.stats()['{key}']")
             family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
             if any(key in part for part in per_engine.values()):
                 m = family(name, help_, labels=["engine"])

@@ -38,6 +38,8 @@ def test_metrics_expose_requests_errors_latency_queue_batches_slots_and_kernel_t
         "convserve_engine_outputs_fresh_total ", "convserve_engine_multi_layer_launches_total ",
     ]:
         assert needle in text, needle
+    # every series says what it is: no help text is the stats() key it was read from
+    assert not [line for line in text.splitlines() if line.startswith("# HELP") and "stats()" in line]
 
 
 # ------------------------------------------------------------------------------------------------ auth
