@@ -16,7 +16,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from convserve.service.cluster.supervisor import stop_budgets
+from convserve.service.cluster.supervisor import GONE_S, KILL_JOIN_S, stop_budgets
 from convserve.service.config import Settings
 
 K8S = Path(__file__).resolve().parents[1] / "docker" / "k8s"
@@ -70,8 +70,9 @@ def test_statefulset_serves_one_gpu_per_stable_pod_with_its_probes_and_graceful_
     s = Settings(**settings)
     pre_stop = 5
     # the kubelet's SIGKILL comes after the grace period: the workers' and then the engines' drains and the
-    # final snapshot must fit in it, each stage's whole budget used
-    assert pod["terminationGracePeriodSeconds"] > pre_stop + sum(stop_budgets(s))
+    # final snapshot must fit in it, each stage's whole budget used, and a stage's child killed at its end
+    kill = len(stop_budgets(s)) * (KILL_JOIN_S + GONE_S)
+    assert pod["terminationGracePeriodSeconds"] > pre_stop + sum(stop_budgets(s)) + kill
     assert env["CONVSERVE_REPLICA_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
     # the key is a file of the mounted Secret, never a plain env value
     assert "CONVSERVE_API_KEY" not in env
@@ -99,8 +100,18 @@ def test_services_pdb_and_proxy_select_what_they_should():
     proxy = by_kind("Deployment")
     assert services["convserve"]["spec"]["type"] == "ClusterIP"
     assert services["convserve"]["spec"]["selector"].items() <= proxy["spec"]["template"]["metadata"]["labels"].items()
-    pdb = by_kind("PodDisruptionBudget")
-    assert pdb["spec"]["selector"]["matchLabels"].items() <= pods.items() and pdb["spec"]["maxUnavailable"] == 1
+    pdbs = {d["metadata"]["name"]: d for _, d in documents() if d["kind"] == "PodDisruptionBudget"}
+    assert set(pdbs) == {"convserve", "convserve-proxy"}
+    for name, selected in (("convserve", pods), ("convserve-proxy", proxy["spec"]["template"]["metadata"]["labels"])):
+        pdb = pdbs[name]
+        assert pdb["spec"]["selector"]["matchLabels"].items() <= selected.items() and pdb["spec"]["maxUnavailable"] == 1
+    # the replicas' PDB does not also select the proxy's pods (nor the other way round)
+    assert not pdbs["convserve"]["spec"]["selector"]["matchLabels"].items() <= \
+        proxy["spec"]["template"]["metadata"]["labels"].items()
+    for _, template in pod_templates():
+        for c in template["spec"]["containers"]:
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"], c["name"]
 
 
 def pod_templates() -> list[tuple[str, dict]]:
@@ -128,10 +139,19 @@ def test_the_proxy_resolves_the_replicas_by_their_fully_qualified_name():
     # HAProxy's resolvers do not apply resolv.conf's search domains (parse-resolv-conf takes only the nameservers):
     # a bare "convserve-headless" is asked as it is, and cluster DNS answers NXDOMAIN
     cfg = by_kind("ConfigMap")["data"]["haproxy.cfg"]
-    (line,) = [ln.strip() for ln in cfg.splitlines() if ln.strip().startswith("server-template ")]
-    m = re.fullmatch(r'server-template \S+ \d+ "([^"]+)" .*\bresolvers cluster\b.*', line)
-    assert m, line                                   # double-quoted: HAProxy expands variables only there
-    assert m.group(1) == "convserve-headless.${POD_NAMESPACE}.svc.${CLUSTER_DOMAIN}:8000"
+    lines = [ln.strip() for ln in cfg.splitlines()]
+    assert "default-server check resolvers cluster init-addr none" in lines
+    servers = [ln for ln in lines if ln.startswith("server")]
+    assert len(servers) == 16
+    # one per StatefulSet pod by its stable name, with a fixed id (consistent hashing places servers by id, so
+    # every proxy replica, and a restarted pod, keeps a session on one pod); double-quoted: HAProxy expands
+    # variables only there
+    sts = by_kind("StatefulSet")
+    assert sts["spec"]["replicas"] <= len(servers)
+    svc = sts["spec"]["serviceName"]
+    for i, line in enumerate(servers):
+        assert line == (f'server {sts["metadata"]["name"]}-{i} "{sts["metadata"]["name"]}-{i}.{svc}'
+                        f'.${{POD_NAMESPACE}}.svc.${{CLUSTER_DOMAIN}}:8000" id {i + 1}'), line
     (c,) = by_kind("Deployment")["spec"]["template"]["spec"]["containers"]
     env = env_of(c)
     assert env["POD_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
