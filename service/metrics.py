@@ -191,8 +191,7 @@ class EngineCollector(Collector):
 
     #: help texts of the engine.stats() keys exported under their own name (``convserve_engine_<key>``)
     HELP = {
-        "batch_size": "Rows per engine step (with several engine processes, summed over them: an engine's restart "
-                      "lowers it)",
+        "batch_size": "Rows per engine step",
         "queued_tokens": "Tokens of the requests queued in the engine, not yet in a step",
         "prefill_budget_tokens": "Prefill tokens one step takes at most (max_prefill_tokens_per_step, resolved)",
         "ops_queued": "Session operations (create, fork, export, import, accept, delete) waiting for the engine",
@@ -242,9 +241,15 @@ class EngineCollector(Collector):
         hists = []
         _flatten("", stats, flat, hists)
         for key, (buckets, total, count) in hists:
-            name = "convserve_engine_" + key
-            h = HistogramMetricFamily(name, self.HELP.get(key, f"engine.stats()['{key}']"))
-            h.add_metric([], buckets=buckets, sum_value=total)
+            name, help_ = "convserve_engine_" + key, self.HELP.get(key, f"engine.stats()['{key}']")
+            parts = {e: part[HIST + key] for e, part in per_engine.items() if HIST + key in part}
+            if parts:                    # one series per engine, as its counters: a restart is its own reset
+                h = HistogramMetricFamily(name, help_, labels=["engine"])
+                for e, (b, t, _n) in sorted(parts.items()):
+                    h.add_metric([str(e)], buckets=b, sum_value=t)
+            else:
+                h = HistogramMetricFamily(name, help_)
+                h.add_metric([], buckets=buckets, sum_value=total)
             yield h
         for key, value in flat.items():
             if key in self.KNOWN:
@@ -297,11 +302,18 @@ def _sanitize(key: str) -> str:
     return "".join(c if c.isalnum() or c == "_" else "_" for c in key)
 
 
+#: ``numbers_of``'s key prefix for a histogram's parts ``(buckets, sum, count)``
+HIST = "histogram:"
+
+
 def numbers_of(stats: dict) -> dict:
-    """The numbers of one engine's ``stats()`` (counters and gauges, not histograms), flattened as the collector
-    names them (``snapshot.writes`` is ``snapshot_writes``): what ``per_engine`` holds for each engine process."""
+    """The numbers of one engine's ``stats()``, flattened as the collector names them (``snapshot.writes`` is
+    ``snapshot_writes``), each histogram's parts under ``HIST + its name``: what ``per_engine`` holds for each
+    engine process."""
     flat: dict = {}
-    _flatten("", stats, flat, [])
+    hists: list = []
+    _flatten("", stats, flat, hists)
+    flat.update((HIST + key, h) for key, h in hists)
     return flat
 
 

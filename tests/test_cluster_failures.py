@@ -94,6 +94,9 @@ def test_a_killed_engine_fails_its_in_flight_requests_serves_others_and_comes_ba
     text = httpx.get(srv.url + "/metrics").text
     assert _series(text, "convserve_engine_restarts_total") == {'engine="0"': 1.0, 'engine="1"': 0.0}
     assert _series(text, "convserve_engine_requests_total")['engine="1"'] >= 2
+    # so do its histograms: engine 0's step count is its new process's (none yet), engine 1's is kept
+    steps = _series(text, "convserve_engine_batch_size_count")
+    assert steps['engine="0"'] == 0 and steps['engine="1"'] >= 2 and len(steps) == 2, steps
     st, body, _ = api.call("POST", "/v1/conv", {"session": doomed, "layer": 0, "x": wire.encode_tensor(x)})
     assert st == 410 and body["error"]["code"] == "state_lost", body
     assert "restart" in body["error"]["message"]

@@ -31,7 +31,7 @@ def test_metrics_expose_requests_errors_latency_queue_batches_slots_and_kernel_t
         'convserve_http_requests_total{method="POST",route="/v1/conv",status="404"}',
         'convserve_errors_total{code="unknown_session",route="/v1/conv"}',
         'convserve_http_request_duration_seconds_bucket{le="0.001",route="/v1/conv"}',
-        "convserve_queue_depth ", "convserve_engine_batch_size_bucket{le=", "convserve_decode_pad_ratio ",
+        "convserve_queue_depth ", "convserve_engine_batch_size_bucket{", 'le="+Inf"}', "convserve_decode_pad_ratio ",
         "convserve_slots_in_use ", "convserve_slots_free ", "convserve_kernel_seconds_total ",
         'convserve_stream_frames_total{code="ok",transport="stream"}',
         # cumulative counts are counters (rate() works on them), not gauges
