@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import functools
 import inspect
+import operator
 import random
 import threading
 from typing import Optional
@@ -135,7 +136,8 @@ class PositionBook:
         return session in self.positions
 
     def at(self, session: str, layer: int) -> int:
-        return self.positions[session].get(layer, 0)
+        # keyed by the int: a layer given as a 0-d tensor (hashed by identity) would be a new key each call
+        return self.positions[session].get(operator.index(layer), 0)
 
     def reset(self, session: str, positions: Optional[dict] = None) -> None:
         """A session created, imported (every layer at 0) or read from the server (``positions``)."""
@@ -159,11 +161,12 @@ class PositionBook:
         self.locks.forget(session)
 
     def applied(self, session: str, layer: int, n: int, speculative: bool) -> None:
+        layer = operator.index(layer)
         if speculative:
             self.verified.setdefault(session, set()).add(layer)
         else:
             p = self.positions.setdefault(session, {})
-            p[layer] = p.get(layer, 0) + n
+            p[layer] = p.get(layer, 0) + operator.index(n)
 
     def accepted(self, session: str, n: int) -> None:
         for layer in self.verified.pop(session, ()):

@@ -15,7 +15,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Literal, Optional, Union
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
@@ -24,29 +24,10 @@ from convserve.clients.protocol.wire import BATCH_FIXED_OBJECTS, BATCH_SESSION_O
 
 from .cores import usable_cores as _usable_cores
 from .engine.config import DEFAULTS as _ENGINE  # the engine's defaults (EngineConfig), without torch
+from .config_values import check_key, default_replica_name, int_list
 from .env_names import is_service_link, unknown_variables
 
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
-
-
-def _int_list(v: Any, name: str) -> Any:
-    """Accept ``[1, 2]``, ``"1,2"``, ``"[1, 2]"`` or a single int / ``"4"`` (left as an int)."""
-    if isinstance(v, str):
-        s = v.strip()
-        if s.startswith("["):
-            try:
-                return json.loads(s)
-            except ValueError:
-                raise ValueError(f"{name}: {v!r} is not a JSON list of integers") from None
-        parts = [p.strip() for p in s.split(",") if p.strip()]
-        if not parts:
-            raise ValueError(f"{name}: empty value")
-        try:
-            ints = [int(p) for p in parts]
-        except ValueError:
-            raise ValueError(f"{name}: {v!r} is not an integer or a comma-separated list of integers") from None
-        return ints[0] if len(ints) == 1 and "," not in s else ints
-    return v
 
 
 def _cuda_count() -> int:
@@ -54,24 +35,6 @@ def _cuda_count() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def _check_key(key: str, name: str) -> None:
-    """An API key travels in a header (``Authorization: Bearer <key>``): visible ASCII, no spaces. Says nothing
-    of the key itself in the error (it is a secret)."""
-    if not re.fullmatch(r"[!-~]+", key):
-        raise ValueError(f"{name}: an API key must be visible ASCII characters without spaces (it is sent in an "
-                         "HTTP header); generate one with: python -c 'import secrets; print(secrets.token_urlsafe())'")
-
-
-def _default_replica_name() -> str:
-    """The pod's name on Kubernetes (HOSTNAME is set to it, and to the container id by Docker), else the host
-    name; a stable name for X-Convserve-Replica without configuration."""
-    import os
-    import socket
-
-    name = os.environ.get("HOSTNAME", "").strip() or socket.gethostname() or "convserve"
-    return name if re.fullmatch(r"[!-~]{1,253}", name) else "convserve"
 
 
 class Settings(BaseSettings):
@@ -271,7 +234,7 @@ class Settings(BaseSettings):
     @field_validator("layers", mode="before")
     @classmethod
     def _layers(cls, v):
-        v = _int_list(v, "layers")
+        v = int_list(v, "layers")
         if isinstance(v, int):
             if v < 1:
                 raise ValueError("layers: a count must be >= 1")
@@ -293,7 +256,7 @@ class Settings(BaseSettings):
     @field_validator("decode_buckets", mode="before")
     @classmethod
     def _buckets(cls, v):
-        v = _int_list(v, "decode_buckets")
+        v = int_list(v, "decode_buckets")
         return [v] if isinstance(v, int) else v
 
     @field_validator("decode_buckets")
@@ -361,7 +324,7 @@ class Settings(BaseSettings):
         if v is not None and not v.get_secret_value().strip():
             return None
         if v is not None:
-            _check_key(v.get_secret_value(), "api_key")
+            check_key(v.get_secret_value(), "api_key")
         return v
 
     @model_validator(mode="after")
@@ -376,7 +339,7 @@ class Settings(BaseSettings):
                                  f"({type(e).__name__}); mount the key's file there or fix the path") from None
             if not key:
                 raise ValueError(f"--api-key-file / CONVSERVE_API_KEY_FILE: {self.api_key_file} is empty")
-            _check_key(key, f"--api-key-file / CONVSERVE_API_KEY_FILE: the key in {self.api_key_file}")
+            check_key(key, f"--api-key-file / CONVSERVE_API_KEY_FILE: the key in {self.api_key_file}")
             self.api_key = SecretStr(key)
         return self
 
@@ -385,7 +348,7 @@ class Settings(BaseSettings):
     def _replica_name(cls, v):
         # a header value: visible ASCII, no spaces (a pod name, a host name, an address)
         if v is None or not v.strip():
-            return _default_replica_name()
+            return default_replica_name()
         if not re.fullmatch(r"[!-~]{1,253}", v):
             raise ValueError(f"replica_name: {v!r:.80} must be 1 to 253 visible ASCII characters without spaces")
         return v
@@ -467,10 +430,10 @@ class Settings(BaseSettings):
         if self.devices is None:
             return [self.resolved_device()]
         n_cuda = _cuda_count() if "cuda" in self.devices or self.devices == "all" else 0
-        if self.devices == "all":
-            return [f"cuda:{i}" for i in range(n_cuda)] or ["cpu"]
         out = []
-        for d in (p.strip() for p in self.devices.split(",")):
+        if self.devices == "all":
+            out = [f"cuda:{i}" for i in range(n_cuda)] or ["cpu"]
+        for d in (p.strip() for p in self.devices.split(",")) if not out else ():
             if d.startswith("cuda"):
                 i = int(d.split(":")[1]) if ":" in d else 0
                 if i >= n_cuda:

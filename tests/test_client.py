@@ -160,6 +160,39 @@ def test_numpy_and_torch_scalars_are_taken_wherever_an_int_or_a_bool_is(server, 
         client.conv(a, np.array([1, 3]), x)
 
 
+@pytest.mark.parametrize("scalar", [np.int64, torch.tensor], ids=["int64", "tensor"])
+def test_a_tracking_client_keeps_one_position_per_layer_whatever_scalar_names_it(server, scalar):
+    """The position book is keyed by the layer's int: a 0-d tensor (hashed by identity) must not start a new
+    position at 0 on each call, which the server would answer as a repeat of the first call, applying nothing."""
+    ref = Reference(model())
+    with ConvClient(server.url, api_key=KEY, track_positions=True) as c:
+        a, b = c.create_session(), c.create_session()
+        ref.create(a), ref.create(b)
+        for _ in range(3):
+            x = torch.randn(2, DIM)
+            close(c.conv(a, scalar(1), x), ref.conv(a, 1, x))
+        xv = torch.randn(4, DIM)
+        close(c.conv_batch([a, b], scalar(1), xv, tokens=[scalar(2), scalar(2)], speculative=scalar(1) > 0),
+              torch.cat([ref.conv(a, 1, xv[:2], speculative=True), ref.conv(b, 1, xv[2:], speculative=True)]))
+        c.accept_batch([a, b], [scalar(1), scalar(2)])
+        ref.accept(a, 1), ref.accept(b, 2)
+        assert c.positions.positions[a] == {1: 7} and c.positions.positions[b] == {1: 2}
+        assert c.session_info(a)["positions"] == [7, 0]
+
+        async def main():
+            async with AsyncConvClient(server.url, api_key=KEY, track_positions=True) as ac:
+                for _ in range(2):
+                    x = torch.randn(2, DIM)
+                    close(await ac.conv_batch([b, a], scalar(3), x), torch.cat([ref.conv(b, 3, x[:1]),
+                                                                                   ref.conv(a, 3, x[1:])]))
+
+        asyncio.run(main())
+        assert c.session_info(b)["positions"] == [2, 2]
+        for s in (a, b):
+            close(c.export_state(s).state, ref.states[s])
+            c.delete_session(s)
+
+
 def test_a_session_id_with_url_characters_stays_one_path_segment(client):
     sid = client.create_session("quoted")
     with pytest.raises((UnknownSession, BadRequest)):

@@ -37,9 +37,8 @@ def server():
 def _engine_rows_steps(url: str) -> tuple[float, float]:
     text = httpx.get(url + "/metrics", timeout=10).text
 
-    def metric(name):
-        m = re.search(rf"^{name} (\S+)$", text, re.M)
-        return float(m.group(1)) if m else 0.0
+    def metric(name):                        # summed over engines (with engine processes, one series each)
+        return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
     return metric("convserve_engine_batch_size_sum"), metric("convserve_engine_batch_size_count")
 

@@ -5,8 +5,11 @@ that does not stop in time is killed."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import time
+
+import pytest
 
 from convserve.service.cluster.supervisor import Supervisor
 from convserve.service.config import load_settings
@@ -66,3 +69,37 @@ def test_a_child_that_does_not_stop_in_time_is_killed_and_logged(caplog):
     assert fake.failed and child.proc is None
     rec = [r for r in caplog.records if "did not stop in time" in r.getMessage()]
     assert rec and rec[0].child == "engine-0" and rec[0].pid == p.pid
+
+
+class _StuckProcess:
+    """A child that neither SIGTERM nor SIGKILL ends at once (one in the kernel's uninterruptible sleep): each join
+    waits out its timeout, and records it."""
+
+    def __init__(self, i: int):
+        self.pid, self.name, self.exitcode, self.joins = 10**7 + i, f"worker-{i}", None, []
+
+    def is_alive(self) -> bool:
+        return True
+
+    def join(self, timeout=None) -> None:
+        self.joins.append(timeout)
+        time.sleep(timeout or 0)
+
+
+def test_the_children_overdue_at_a_stage_end_are_killed_together_so_the_stage_waits_once(monkeypatch):
+    """A stage's kill wait is one KILL_JOIN_S for all its overdue children, not one each: the orchestrator's grace
+    (terminationGracePeriodSeconds) allows one per stage."""
+    import types
+
+    from convserve.service.cluster import supervisor
+
+    sent = []
+    monkeypatch.setattr(supervisor, "_signal", lambda c, sig: sent.append((c.proc.name, sig)))
+    monkeypatch.setattr(supervisor, "KILL_JOIN_S", 0.3)
+    children = [types.SimpleNamespace(proc=_StuckProcess(i), restart_at=None, born=None) for i in range(3)]
+    procs = [c.proc for c in children]
+    fake = types.SimpleNamespace(failed=False)
+    Supervisor._stop(fake, children, 0.2)
+    assert [sig for _, sig in sent] == [signal.SIGTERM] * 3 + [signal.SIGKILL] * 3 and fake.failed
+    kill_waits = [p.joins[-1] for p in procs]       # each child's last join: after the kills
+    assert kill_waits[0] == pytest.approx(0.3, abs=0.05) and sum(kill_waits[1:]) < 0.05, kill_waits

@@ -52,7 +52,7 @@ class FakeEngine:
 
 def _service(window: int):
     settings = SimpleNamespace(max_body_bytes=1 << 20, max_tokens_per_request=64, max_batch_tokens=64,
-                               max_batch_size=4, decode_buckets=[4], stream_window=window,
+                               max_batch_size=4, decode_buckets=[4], max_decode_rows=lambda: 4, stream_window=window,
                                max_body_objects=1024, max_json_body_bytes=1 << 20, body_timeout_s=60,
                                parse_offload_bytes=1 << 20, stream_buffer_bytes=16 << 20,
                                client_shm=False, client_shm_segments=1, shutdown_timeout_s=30,

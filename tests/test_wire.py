@@ -193,6 +193,7 @@ def test_numpy_and_torch_scalars_pack_as_the_python_number_they_hold(value, pack
 @pytest.mark.parametrize("value", [np.array([1, 2]), torch.tensor([1]), object(), np.complex64(1 + 2j)],
                          ids=["array", "tensor", "object", "complex"])
 def test_arrays_and_other_objects_are_refused_by_the_packer_not_flattened(value):
+    """The scalar hook takes 0-d numbers only: an array (even of one element) is still an error."""
     with pytest.raises(TypeError, match="cannot encode"):
         wire.packb({"v": value})
 

@@ -36,9 +36,9 @@ from .lifeline import proc_stat, started
 from .run_dirs import make_run_dir, sweep_dead
 from .status import DOWN, NEW, STARTING, STOPPED, StatusTable
 
-#: a child still running at the end of its stage's grace is killed; then the stop waits this long for its exit,
-#: and this long for its pid to be gone (a process in the kernel's uninterruptible sleep takes both): a
-#: supervisor's orchestrator (terminationGracePeriodSeconds) allows for them on top of stop_budgets
+#: the children still running at the end of a stop stage's grace are killed together; the stage then waits up to
+#: KILL_JOIN_S for their exits and GONE_S more for their pids to be gone (a process in the kernel's uninterruptible
+#: sleep takes both): an orchestrator's grace (terminationGracePeriodSeconds) allows for them on top of stop_budgets
 KILL_JOIN_S, GONE_S = 5.0, 2.0
 
 log = logging.getLogger("convserve.supervisor")
@@ -132,7 +132,7 @@ class Supervisor:
                                                                                "exitcode": c.proc.exitcode})
                     try:
                         with open(engine_proc.start_error_path(self.run_dir, c.index)) as f:
-                            why = f.read(4096)
+                            why = " ".join(f.read(4096).split())     # one line: the last of stderr
                         self.start_error = f"engine {c.index} ({self.devices[c.index]}) cannot start: {why}"
                     except OSError:
                         pass                    # killed or crashed, not refused: the log says what is known
@@ -254,17 +254,19 @@ class Supervisor:
             _signal(c, signal.SIGTERM)                      # drain
         deadline = time.monotonic() + grace
         for c in live:
-            p = c.proc
-            p.join(max(0.0, deadline - time.monotonic()))   # at once where the fork server died: then by /proc
+            c.proc.join(max(0.0, deadline - time.monotonic()))   # at once where the fork server died: then by /proc
             while _running(c) and time.monotonic() < deadline:
                 time.sleep(0.02)
-            if _running(c):
-                log.error("child did not stop in time; killing it", extra={"pid": p.pid, "child": p.name})
-                _signal(c, signal.SIGKILL)
-                p.join(KILL_JOIN_S)
-                _make_sure_gone(p.pid, c.born)
-            if p.exitcode not in (0, -signal.SIGTERM):
-                self.failed = True
+        overdue = [c for c in live if _running(c)]
+        for c in overdue:                  # all killed at once: the stage's kill time is one wait, not one each
+            log.error("child did not stop in time; killing it", extra={"pid": c.proc.pid, "child": c.proc.name})
+            _signal(c, signal.SIGKILL)
+        joined, gone = time.monotonic() + KILL_JOIN_S, time.monotonic() + KILL_JOIN_S + GONE_S
+        for c in overdue:
+            c.proc.join(max(0.0, joined - time.monotonic()))
+            _make_sure_gone(c.proc.pid, c.born, max(0.0, gone - time.monotonic()))
+        if any(c.proc.exitcode not in (0, -signal.SIGTERM) for c in live):
+            self.failed = True
         for c in children:
             c.proc = None
             c.restart_at = None
