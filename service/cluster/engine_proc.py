@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import contextlib
 import logging
 import os
 import signal
@@ -570,11 +571,9 @@ def main(spec: dict) -> None:
         proc.start()
     except (ServiceError, ValueError, OSError, RuntimeError) as e:
         log.error("engine process cannot start", extra={"engine": proc.index, "error": str(e)})
-        try:                        # why, for the supervisor's one line on stderr (start_error_path)
+        with contextlib.suppress(OSError):     # why, for the supervisor's one line (the log line above has it)
             with open(start_error_path(spec["run_dir"], proc.index), "w") as f:
                 f.write(str(e))
-        except OSError:
-            pass                    # the log line above says it
         sys.exit(EXIT_BUILD)
     # start-up is over (the engine is warm, its graphs captured): out of the cyclic GC's sight (gcfreeze.py)
     frozen = freeze_startup_objects()

@@ -130,12 +130,10 @@ class Supervisor:
                 if not c.proc.is_alive():
                     log.error("engine process exited during start-up", extra={"engine": c.index,
                                                                                "exitcode": c.proc.exitcode})
-                    try:
+                    with contextlib.suppress(OSError):      # none: killed or crashed, not refused
                         with open(engine_proc.start_error_path(self.run_dir, c.index)) as f:
                             why = " ".join(f.read(4096).split())     # one line: the last of stderr
                         self.start_error = f"engine {c.index} ({self.devices[c.index]}) cannot start: {why}"
-                    except OSError:
-                        pass                    # killed or crashed, not refused: the log says what is known
                     return False
             time.sleep(0.02)
         return False
