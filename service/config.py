@@ -448,8 +448,8 @@ class Settings(BaseSettings):
         return out
 
     def max_decode_rows(self) -> int:
-        """The one-token plain rows one batch may carry: they run in one decode launch, so at most the largest
-        decode bucket, and a batch holds at most max_batch_size sessions."""
+        """The one-token plain rows a batch with verify rows may carry: they run in the layer's decode launch, so
+        at most the largest decode bucket, and a batch holds at most max_batch_size sessions."""
         return min(max(self.decode_buckets), self.max_batch_size)
 
     def resolved_workers(self, n_engines: int) -> int:

@@ -84,3 +84,31 @@ def test_a_good_batch_passes_the_whole_check_as_the_model_dtype():
         np.testing.assert_array_equal(xm.numpy(), x.to(torch.float32).numpy())
     finally:
         e.stop(drain=False)
+
+
+@pytest.mark.parametrize("tokens, speculative, refused", [
+    (None, None, False),                              # 10 plain rows: the prefill launch, past the bucket (4)
+    ([1] * 9 + [2], None, False),
+    ([1] * 5 + [2], [False] * 5 + [True], True),      # 5 plain one-token rows beside a verify: the decode launch
+    ([1] * 4 + [2], [False] * 4 + [True], False),
+])
+def test_the_whole_check_and_one_engine_agree_on_one_token_rows_past_the_largest_bucket(tokens, speculative, refused):
+    e = make_engine(slots=16, max_batch_size=12, max_batch_tokens=64, max_spec_tokens=4, decode_buckets=(1, 2, 4))
+    try:
+        n = len(tokens or [1] * 10)
+        sids = [e.create_session() for _ in range(n)]
+        x = torch.randn(sum(tokens or [1] * 10), DIM)
+        limits, model = batch_limits(e.config), whole_model(e.model_info())
+        if refused:
+            with pytest.raises(Exception) as split:
+                check_whole(sids, x.clone(), tokens, speculative, None, LAYERS[0], limits, model)
+            with pytest.raises(Exception) as one:
+                e.submit_batch(sids, LAYERS[0], x.clone(), tokens=tokens, speculative=speculative).result(10)
+            assert type(split.value) is type(one.value) and str(split.value) == str(one.value)
+            assert "one-token plain rows beside speculative ones" in str(one.value)
+        else:
+            check_whole(sids, x.clone(), tokens, speculative, None, LAYERS[0], limits, model)
+            y = e.submit_batch(sids, LAYERS[0], x.clone(), tokens=tokens, speculative=speculative).result(10)
+            assert y.shape == x.shape
+    finally:
+        e.stop(drain=False)

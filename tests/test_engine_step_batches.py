@@ -64,6 +64,59 @@ def test_a_mixed_batch_equals_each_slice_submitted_on_its_own_and_is_one_step(ca
         e.stop(drain=False)
 
 
+@pytest.mark.parametrize("tokens, spec", [
+    (None, None),                                    # a plain decode batch, 10 rows: past the largest bucket (4)
+    ([1] * 9 + [6], None),                           # nine one-token rows and a prefill chunk
+    ([1] * 5, [False] * 5),                          # tokens and flags given, all plain
+], ids=["plain", "with-prefill", "given"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_one_token_rows_past_the_largest_decode_bucket_run_in_the_prefill_launch(tokens, spec, device):
+    """Without verify rows a batch's rows are its layer's prefill launch: any number of one-token rows fits, with the
+    answers and states of each slice sent on its own, in one step."""
+    e = make_engine(slots=16, max_batch_tokens=64, max_batch_size=12, decode_buckets=(1, 2, 4), max_spec_tokens=4,
+                    device=device)
+    oracle = Oracle(e.model_cpu, e.state_dtype)
+    try:
+        toks = tokens or [1] * 10
+        sids = [e.create_session() for _ in toks]
+        for i, s in enumerate(sids):
+            oracle.new(s)
+            if i % 2:                                   # half start from a stored state, half from zeros
+                x0 = torch.randn(2, DIM)
+                e.submit(s, LAYERS[0], x0).result(10)
+                oracle.conv(s, 0, x0)
+        x = torch.randn(sum(toks), DIM)
+        want = oracle.batch(sids, 0, x, toks, [False] * len(toks))
+        before = e.stats()
+        y = e.submit_batch(sids, LAYERS[0], x, tokens=tokens, speculative=spec).result(10)
+        after = e.stats()
+        assert_close(y, want, what="batch y")
+        assert after["steps"] - before["steps"] == 1 and after["decode_rows"] == before["decode_rows"]
+        for s in sids:
+            assert_close(e.export_state(s), oracle.export(s), what=f"state {s}")
+    finally:
+        e.stop(drain=False)
+
+
+def test_one_token_rows_beside_verify_rows_past_the_largest_decode_bucket_are_a_413_that_changes_nothing():
+    e = make_engine(slots=16, max_batch_tokens=64, max_batch_size=12, decode_buckets=(1, 2, 4), max_spec_tokens=4)
+    try:
+        sids = [e.create_session() for _ in range(6)]
+        for s in sids:
+            e.submit(s, LAYERS[0], torch.randn(2, DIM)).result(10)
+        before = {s: e.export_state(s) for s in sids}
+        with pytest.raises(PayloadTooLarge, match="5 one-token plain rows beside speculative ones"):
+            e.submit_batch(sids, LAYERS[0], torch.randn(7, DIM), tokens=[1] * 5 + [2],
+                           speculative=[False] * 5 + [True])
+        for s in sids:
+            assert torch.equal(e.export_state(s), before[s]) and not e._sessions.get(s).pending
+        y = e.submit_batch(sids[2:], LAYERS[0], torch.randn(5, DIM), tokens=[1] * 3 + [2],
+                           speculative=[False] * 3 + [True]).result(10)   # four fit
+        assert y.shape == (5, DIM)
+    finally:
+        e.stop(drain=False)
+
+
 @pytest.mark.parametrize("speculative", [True, [True, True]])
 def test_speculative_true_without_tokens_is_one_token_verifies(speculative):
     e = make_engine(**KNOBS)

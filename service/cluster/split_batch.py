@@ -39,8 +39,8 @@ def check_whole(sids: list, x, tokens, speculative, position, layer, limits, mod
     engine's order and with its messages (each engine would run them on its part only, and a part refused there
     would leave the others applied): distinct sessions, ``position`` (one per session, or None), the layer, the
     ``tokens`` / ``speculative`` plan within ``max_spec_tokens``, x's dtype and shape, NaN/Inf after the cast to
-    the model dtype (with ``check_finite``), x's rows against the tokens, ``max_batch_tokens`` and the one-token
-    rows against the largest decode bucket. ``limits``: ``max_batch_size``, ``max_spec_tokens``,
+    the model dtype (with ``check_finite``), x's rows against the tokens, ``max_batch_tokens`` and, with verify
+    rows, the one-token rows against the largest decode bucket. ``limits``: ``max_batch_size``, ``max_spec_tokens``,
     ``max_batch_tokens``, ``max_bucket``, ``check_finite``; ``model``: :func:`whole_model`.
     Returns x as the model dtype's contiguous CPU tensor, checked."""
     n = check_batch_sessions(sids, limits.max_batch_size)
@@ -53,7 +53,9 @@ def check_whole(sids: list, x, tokens, speculative, position, layer, limits, mod
     check_batch_rows(xm.shape[0], total, plan is not None, model.dim, limits.max_batch_tokens)
     if plan is not None and plan[1].any():        # the verify rows of one engine's launch are padded as a whole
         check_padded_verify(plan[0][plan[1]], total, limits.max_batch_tokens)
-    check_one_token_rows(n if plan is None else int(np.count_nonzero(~plan[1] & (plan[0] == 1))), limits.max_bucket)
+    # only a batch with verify rows runs its one-token rows in a decode launch (others: in the prefill launch)
+    verifies = plan is not None and plan[1].any()
+    check_one_token_rows(int(np.count_nonzero(~plan[1] & (plan[0] == 1))) if verifies else 0, limits.max_bucket)
     return xm
 
 

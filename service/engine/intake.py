@@ -237,18 +237,23 @@ class Intake:
             key = None
         else:
             key = (tuple(session_ids), (uk,) * n, (True,) * n) if uk else batch_key(session_ids, plan)
+        planned = plan is not None
+        if plan is None and not uk and n > cfg.decode_buckets[-1]:
+            # more one-token rows than a decode launch holds: as length-1 rows of the layer's prefill launch (a
+            # batch without verify rows runs its rows there), not a 413
+            plan = (np.ones(n, dtype=np.int64), np.zeros(n, dtype=bool))
         xm, x_dtype = check_x(model, cfg, x, False, rows="rows", checked=checked, defer_finite=borrowed)
         borrowed = borrowed and xm is x           # else xm is a copy, checked
         if borrowed and plan is not None:     # (a plain decode or a uniform verify batch checks its staged copy)
             xm, borrowed = own_copy(xm, cfg, model.dtype), False
         if uk:
-            total, n_dec, n_one = n * uk, 0, 0
+            total, n_dec = n * uk, 0
         elif plan is None:
-            total, n_dec, n_one = n, n, n
+            total, n_dec = n, n
         else:
             lengths, spec = plan
             total = int(lengths.sum())
-        check_batch_rows(xm.shape[0], total, plan is not None, model.dim, cfg.max_batch_tokens)
+        check_batch_rows(xm.shape[0], total, planned, model.dim, cfg.max_batch_tokens)
         now = time.monotonic()
         req = ConvRequest(-1, BATCH_SESSION, p, total, False, now, x=xm, future=sink, x_dtype=x_dtype)
         b = req.batch = BatchRows([], [], dec_x=xm)
@@ -259,9 +264,9 @@ class Intake:
             # (rows of the batch, first tokens, tokens) of the verify rows, as columns
             plan = (NO_ROWS, [], (list(range(n)), list(range(0, total, uk)), [uk] * n))
         elif plan is not None:
-            plan, n_one, padded = plan_rows(b, xm, lengths, spec, total, cfg.max_batch_tokens)
+            plan, _one_token_rows, padded = plan_rows(b, xm, lengths, spec, total, cfg.max_batch_tokens)
             n_dec = b.n_dec
-        check_one_token_rows(n_one, cfg.decode_buckets[-1])
+        check_one_token_rows(n_dec, cfg.decode_buckets[-1])
         runner, slot = self._runner, -1
         if direct and plan is None and xm is x and not (borrowed and positions is not None):
             b.direct = True                          # the step reads dec_x (x itself) and writes y over it

@@ -217,11 +217,12 @@ def check_batch_rows(x_rows: int, total: int, planned: bool, dim: int, max_batch
                               f"tokens, got {total}; split the batch")
 
 
-def check_one_token_rows(n_one: int, max_bucket: int) -> None:
-    """Every batch's limit, whichever launch its one-token rows take: the largest decode bucket."""
-    if n_one > max_bucket:
-        raise PayloadTooLarge(f"sessions: {n_one} one-token rows, more than the largest decode bucket "
-                              f"({max_bucket}) takes in one launch; split the batch")
+def check_one_token_rows(n_dec: int, max_bucket: int) -> None:
+    """The one-token plain rows of a batch with verify rows run in the layer's decode launch: at most the largest
+    decode bucket (a batch without verify rows runs them in its prefill launch, a plain one past the bucket too)."""
+    if n_dec > max_bucket:
+        raise PayloadTooLarge(f"sessions: {n_dec} one-token plain rows beside speculative ones, more than the largest "
+                              f"decode bucket ({max_bucket}) takes in one launch; split the batch")
 
 
 def check_padded_verify(verify_lengths: np.ndarray, total: int, max_batch_tokens: int) -> tuple:
