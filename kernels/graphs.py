@@ -11,6 +11,8 @@ launchers (``service.engine.cuda_graphs``) both go through them.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from typing import Callable, Hashable, Mapping, Optional
 
 import torch
@@ -38,12 +40,27 @@ def capture(fns: Mapping[Hashable, Callable[[], object]], pool=None) -> dict:
     functions first. The functions run once during capture, so each must be safe to run again (pad rows)."""
     pool = torch.cuda.graph_pool_handle() if pool is None else pool
     graphs = {}
-    for key, fn in fns.items():
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=pool):
-            fn()
-        graphs[key] = g
+    with no_gc():
+        for key, fn in fns.items():
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):      # (which collects first: garbage found now goes now)
+                fn()
+            graphs[key] = g
     return graphs
+
+
+@contextlib.contextmanager
+def no_gc():
+    """The cyclic garbage collector off for a capture: a collection inside one runs whatever finalizers its garbage
+    has (an earlier engine's buffers and graphs, freed through CUDA) on the capturing thread, where CUDA refuses
+    calls that are unsafe during a capture, and such a refusal inside a destructor cannot be raised, only abort."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _capture(fn, pool):
