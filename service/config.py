@@ -30,6 +30,18 @@ from .env_names import is_service_link, unknown_variables
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
+def _one_device(d: str, n_cuda: int) -> str:
+    """One entry of ``devices`` as its engine's device: ``cuda`` is ``cuda:0``; an index torch does not see is a
+    :class:`ConfigError`."""
+    if not d.startswith("cuda"):
+        return d
+    i = int(d.split(":")[1]) if ":" in d else 0
+    if i >= n_cuda:
+        raise ConfigError(f"devices: {d} was asked for but torch sees {n_cuda} CUDA device(s); use 'all', cpu, or "
+                          "an index below that")
+    return f"cuda:{i}"
+
+
 def _cuda_count() -> int:
     """The CUDA devices torch sees (torch imported only here: a CPU-only list needs no torch in the supervisor)."""
     import torch
@@ -430,17 +442,10 @@ class Settings(BaseSettings):
         if self.devices is None:
             return [self.resolved_device()]
         n_cuda = _cuda_count() if "cuda" in self.devices or self.devices == "all" else 0
-        out = []
         if self.devices == "all":
             out = [f"cuda:{i}" for i in range(n_cuda)] or ["cpu"]
-        for d in (p.strip() for p in self.devices.split(",")) if not out else ():
-            if d.startswith("cuda"):
-                i = int(d.split(":")[1]) if ":" in d else 0
-                if i >= n_cuda:
-                    raise ConfigError(f"devices: {d} was asked for but torch sees {n_cuda} CUDA device(s); use "
-                                      "'all', cpu, or an index below that")
-                d = f"cuda:{i}"
-            out.append(d)
+        else:
+            out = [_one_device(d.strip(), n_cuda) for d in self.devices.split(",")]
         if self.workers == 0 and len(out) > 1:
             raise ConfigError(f"devices: {len(out)} engines ({','.join(out)}) were asked for, but --workers 0 runs "
                               "one engine inside the HTTP process; give workers (auto or N >= 1) for one engine "

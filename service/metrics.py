@@ -222,6 +222,9 @@ class EngineCollector(Collector):
     def __init__(self, stats: Callable[[], dict]):
         self._stats = stats
 
+    def _help(self, key: str) -> str:
+        return self.HELP.get(key, f"engine.stats()['{key}']")
+
     def describe(self):
         return []
 
@@ -241,7 +244,7 @@ class EngineCollector(Collector):
         hists = []
         _flatten("", stats, flat, hists)
         for key, (buckets, total, count) in hists:
-            name, help_ = "convserve_engine_" + key, self.HELP.get(key, f"engine.stats()['{key}']")
+            name, help_ = "convserve_engine_" + key, self._help(key)
             parts = {e: part[HIST + key] for e, part in per_engine.items() if HIST + key in part}
             if parts:                    # one series per engine, as its counters: a restart is its own reset
                 h = HistogramMetricFamily(name, help_, labels=["engine"])
@@ -255,8 +258,7 @@ class EngineCollector(Collector):
             if key in self.KNOWN:
                 name, kind, help_ = self.KNOWN[key]
             else:
-                name, kind = "convserve_engine_" + key, "gauge"
-                help_ = self.HELP.get(key, f"engine.stats()['{key}']")
+                name, kind, help_ = "convserve_engine_" + key, "gauge", self._help(key)
             family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
             if any(key in part for part in per_engine.values()):
                 m = family(name, help_, labels=["engine"])

@@ -259,7 +259,8 @@ class Supervisor:
         for c in overdue:                  # all killed at once: the stage's kill time is one wait, not one each
             log.error("child did not stop in time; killing it", extra={"pid": c.proc.pid, "child": c.proc.name})
             _signal(c, signal.SIGKILL)
-        joined, gone = time.monotonic() + KILL_JOIN_S, time.monotonic() + KILL_JOIN_S + GONE_S
+        joined = time.monotonic() + KILL_JOIN_S
+        gone = joined + GONE_S
         for c in overdue:
             c.proc.join(max(0.0, joined - time.monotonic()))
             _make_sure_gone(c.proc.pid, c.born, max(0.0, gone - time.monotonic()))

@@ -264,7 +264,7 @@ class Intake:
             # (rows of the batch, first tokens, tokens) of the verify rows, as columns
             plan = (NO_ROWS, [], (list(range(n)), list(range(0, total, uk)), [uk] * n))
         elif plan is not None:
-            plan, _one_token_rows, padded = plan_rows(b, xm, lengths, spec, total, cfg.max_batch_tokens)
+            plan, padded = plan_rows(b, xm, lengths, spec, total, cfg.max_batch_tokens)
             n_dec = b.n_dec
         check_one_token_rows(n_dec, cfg.decode_buckets[-1])
         runner, slot = self._runner, -1

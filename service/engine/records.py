@@ -89,14 +89,13 @@ class BatchRows(RowBatch):
 def plan_rows(b: BatchRows, xm: torch.Tensor, lengths: np.ndarray, spec: np.ndarray, total: int,
               max_tokens: int) -> tuple:
     """Fill in a batch's rows (``b``, x ``xm (total, dim)``, ``lengths`` and ``spec`` one per row, see
-    ``check_batch_plan``) as the step takes them. Returns ``(plan, one-token plain rows, tokens with the verify rows
-    padded)``; ``plan`` is ``(decode rows, (row, first token, tokens) per prefill row, the verify rows' (rows, first
-    tokens, tokens) or None)``. Raises :class:`PayloadTooLarge` when the padded verify rows exceed ``max_tokens``."""
+    ``check_batch_plan``) as the step takes them. Returns ``(plan, tokens with the verify rows padded)``;
+    ``plan`` is ``(decode rows, (row, first token, tokens) per prefill row, the verify rows' (rows, first tokens,
+    tokens) or None)``. Raises :class:`PayloadTooLarge` when the padded verify rows exceed ``max_tokens``."""
     n = len(lengths)
     b.rows = n
     starts = np.cumsum(lengths) - lengths
     ver_rows = np.flatnonzero(spec)
-    n_one = int(np.count_nonzero(~spec & (lengths == 1)))
     if len(ver_rows):
         dec_rows = np.flatnonzero(~spec & (lengths == 1))
         pre_rows = np.flatnonzero(~spec & (lengths > 1))
@@ -135,7 +134,7 @@ def plan_rows(b: BatchRows, xm: torch.Tensor, lengths: np.ndarray, spec: np.ndar
     plan = (dec_rows, list(zip(pre_rows.tolist(), starts[pre_rows].tolist(), lengths[pre_rows].tolist())),
             (ver_rows.tolist(), starts[ver_rows].tolist(), lengths[ver_rows].tolist()) if len(ver_rows)
             else None)
-    return plan, n_one, padded
+    return plan, padded
 
 
 #: the ``session`` of every batch request (its rows' sessions are in ``request.batch.sessions``): a record that no
