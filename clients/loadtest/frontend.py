@@ -197,7 +197,10 @@ class FrontendDriver(Driver):
             while not self.should_stop() and (deadline is None or time.perf_counter() < deadline):
                 want = concurrency - len(self.live)
                 if want > 0 and time.perf_counter() >= join_at:
-                    if await self._join(want) < want:   # creates failed: back off before asking again
+                    ran, joined = await self._within(self._join(want), deadline, grace_s)
+                    if not ran:
+                        break
+                    if joined < want:                   # creates failed: back off before asking again
                         join_at = time.perf_counter() + backoff * (0.5 + self.rng.random())
                         backoff = min(backoff * 2, CREATE_BACKOFF_S[1])
                     else:
@@ -205,24 +208,24 @@ class FrontendDriver(Driver):
                 if not self.live:
                     await _sleep_until(join_at, deadline)
                     continue
-                if not await self._step_within(deadline, grace_s):
+                if not (await self._within(self.step(), deadline, grace_s))[0]:
                     break
         finally:
             gone, self.live = self.live, []
             await self._leave(gone)
 
-    async def _step_within(self, deadline: Optional[float], grace_s: float) -> bool:
-        """One step, as a task of the step (an interrupt's cleanup cancels it); still running at the deadline
-        plus ``grace_s`` it is cut off (counted in ``cancelled``; its sessions stay in ``open_sids`` until the
-        cleanup deletes them) and False is returned."""
-        task = self._spawn(self.step())
+    async def _within(self, work, deadline: Optional[float], grace_s: float) -> tuple:
+        """Run ``work`` (a step, or the creates of sessions joining) as a task of the step (an interrupt's
+        cleanup cancels it): ``(True, its result)``, or ``(False, None)`` when it is still running at the deadline
+        plus ``grace_s``: then it is cut off (counted in ``cancelled``; its sessions, created or maybe created, stay in
+        ``open_sids`` until the cleanup deletes them)."""
+        task = self._spawn(work)
         limit = None if deadline is None else max(0.0, deadline + grace_s - time.perf_counter())
         done, _ = await asyncio.wait({task}, timeout=limit)
         if not done:
             await self.cut({task})
-            return False
-        task.result()
-        return True
+            return False, None
+        return True, task.result()
 
     async def open_loop(self, rate: float, deadline: Optional[float], grace_s: float, max_inflight: int) -> None:
         """Sessions arrive as a Poisson process of ``rate`` sessions/s; each step admits those that have arrived
@@ -241,12 +244,12 @@ class FrontendDriver(Driver):
                         self.rec.error("client_backlog", next_at, "", f"{max_inflight} live sessions "
                                        "(--max-inflight): an arrival was dropped")
                     next_at += self.rng.expovariate(rate)
-                if arrived:
-                    await self._join(len(arrived), arrived)
+                if arrived and not (await self._within(self._join(len(arrived), arrived), deadline, grace_s))[0]:
+                    break
                 if not self.live:
                     await _sleep_until(next_at, deadline)
                     continue
-                if not await self._step_within(deadline, grace_s):
+                if not (await self._within(self.step(), deadline, grace_s))[0]:
                     break
         finally:
             gone, self.live = self.live, []
