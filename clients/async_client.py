@@ -4,6 +4,7 @@ proxy), streams and everything else over httpx; WebSocket streams through ``webs
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from typing import AsyncIterable, Iterable, Optional, Sequence, Union
 
@@ -241,120 +242,188 @@ class AsyncConvClient(_Base):
             gen = self._stream_ws(requests, window)
         else:
             raise ValueError(f"transport must be 'http' or 'ws', got {transport!r}")
-        async for r in gen:
-            yield r
+        async with contextlib.aclosing(gen):      # closing this stream closes (and drains) the transport's now
+            async for r in gen:
+                yield r
 
     async def _stream_http(self, requests):
-        tracker, failed = _Tracker(), []
+        tracker, failed = _Tracker(self.positions), []
+        st = {"closing": False}     # the caller stopped early: nothing more is sent, the owed answers are dropped
+        stop = asyncio.Event()      # set with st["closing"]: the body ends even while it waits for a request
 
         async def body():   # a request that cannot be sent ends the body; raised after the answers before it
             if hasattr(requests, "__aiter__"):
                 packer = wire.new_packer()
-                i = 0
+                stopped = asyncio.ensure_future(stop.wait())
+                it = requests.__aiter__()
                 try:
-                    async for r in requests:
+                    for i in itertools.count():
+                        r = await _next_unless(it, stopped)
+                        if r is _STOPPED:
+                            break
                         req = _as_request(r, i)
-                        i += 1
                         data = packer.pack(_frame(req))
                         tracker.add(req)
                         self.bytes_sent += len(data)
                         yield data
                 except Exception as e:  # noqa: BLE001 - raised by the reader (below)
                     failed.append(e)
+                finally:
+                    stopped.cancel()
             else:
                 for chunk in _chunked(requests, tracker, failed):
                     self.bytes_sent += len(chunk)
                     yield chunk
+                    if st["closing"]:
+                        break
 
         unpacker = wire.new_unpacker(MAX_MESSAGE_BYTES)
-        if self._h1 is not None:      # full duplex: frames that wait for earlier answers are fine
-            chunks = self._h1.stream(self._prefix + "/v1/conv/stream", body())
+        try:
+            if self._h1 is not None:      # full duplex: frames that wait for earlier answers are fine
+                chunks = self._h1.stream(self._prefix + "/v1/conv/stream", body())
+            else:                         # httpx sends the whole body before it reads the answer
+                chunks = self._httpx_stream(body())
             try:
                 async for chunk in chunks:
                     self.bytes_received += len(chunk)
                     unpacker.feed(chunk)
                     for obj in unpacker:
-                        yield tracker.result(obj)
+                        res = tracker.result(obj)
+                        if not st["closing"]:
+                            try:
+                                yield res
+                            except GeneratorExit:
+                                st["closing"] = True
+                                stop.set()
             finally:
                 await chunks.aclose()
-        else:                         # httpx sends the whole body before it reads the answer
-            async with self._http.stream("POST", "/v1/conv/stream", content=body()) as resp:
-                if resp.status_code >= 400:
-                    await resp.aread()
-                    _raise_for(resp)
-                async for chunk in resp.aiter_raw():
-                    self.bytes_received += len(chunk)
-                    unpacker.feed(chunk)
-                    for obj in unpacker:
-                        yield tracker.result(obj)
+        except BaseException as e:
+            tracker.abandon()
+            if st["closing"] and isinstance(e, Exception):
+                return              # aclose() is not the place to raise: the owed frames' sessions are forgotten
+            raise
+        if st["closing"]:
+            tracker.abandon()
+            return
         if failed:
             raise failed[0]
         tracker.check_done()
 
+    async def _httpx_stream(self, body):
+        """The answer's bytes of a ``/v1/conv/stream`` request sent through httpx."""
+        async with self._http.stream("POST", "/v1/conv/stream", content=body) as resp:
+            if resp.status_code >= 400:
+                await resp.aread()
+                _raise_for(resp)
+            async for chunk in resp.aiter_raw():
+                yield chunk
+
     async def _stream_ws(self, requests, window: int):
         from websockets.asyncio.client import connect
 
-        tracker = _Tracker()
+        tracker = _Tracker(self.positions)
         slots = asyncio.Semaphore(window)
-        state = {"n": 0, "done": False, "error": None}
-        wake = asyncio.Event()
-        async with await ws_connect_async(connect, _ws_url(self.url), additional_headers=self._ws_headers(),
-                                          max_size=MAX_MESSAGE_BYTES, compression=None,
-                                          open_timeout=self.timeout) as ws:
-            async def sender():
-                packer = wire.new_packer()
-                try:
-                    it = requests.__aiter__() if hasattr(requests, "__aiter__") else None
-                    counter = itertools.count()
-                    sync_it = iter(requests) if it is None else None
-                    while True:
-                        await slots.acquire()
-                        try:
-                            r = await it.__anext__() if it is not None else next(sync_it)
-                        except (StopAsyncIteration, StopIteration):
-                            slots.release()
-                            break
-                        req = _as_request(r, next(counter))
-                        data = packer.pack(_frame(req))
-                        tracker.add(req)
-                        await ws.send(data)
-                        self.bytes_sent += len(data)
-                        state["n"] += 1
-                except BaseException as e:  # noqa: BLE001 - re-raised by the receiver
-                    state["error"] = e
-                finally:
-                    state["done"] = True
-                    wake.set()
+        state = {"n": 0, "done": False, "error": None, "stop": False}
+        wake, stop = asyncio.Event(), asyncio.Event()      # the sender's end; the caller's early stop
+        try:
+            async with await ws_connect_async(connect, _ws_url(self.url), additional_headers=self._ws_headers(),
+                                              max_size=MAX_MESSAGE_BYTES, compression=None,
+                                              open_timeout=self.timeout) as ws:
+                async def sender():
+                    packer = wire.new_packer()
+                    stopped = asyncio.ensure_future(stop.wait())
+                    try:
+                        it = requests.__aiter__() if hasattr(requests, "__aiter__") else None
+                        counter = itertools.count()
+                        sync_it = iter(requests) if it is None else None
+                        while True:
+                            await slots.acquire()
+                            if state["stop"]:
+                                break
+                            try:
+                                r = await _next_unless(it, stopped) if it is not None else next(sync_it)
+                            except StopIteration:
+                                r = _STOPPED
+                            if r is _STOPPED or state["stop"]:
+                                slots.release()
+                                break
+                            req = _as_request(r, next(counter))
+                            data = packer.pack(_frame(req))
+                            tracker.add(req)
+                            state["n"] += 1     # counted before the send: the receiver waits for its answer
+                            await ws.send(data)
+                            self.bytes_sent += len(data)
+                    except BaseException as e:  # noqa: BLE001 - re-raised by the receiver
+                        state["error"] = e
+                    finally:
+                        stopped.cancel()
+                        state["done"] = True
+                        wake.set()
 
-            task = asyncio.ensure_future(sender())
-            unpacker = wire.new_unpacker(MAX_MESSAGE_BYTES)
-            received = 0
-            recv = None
-            waiter = asyncio.ensure_future(wake.wait())   # the sender's end (set once)
-            try:
-                while True:
-                    if state["done"] and received >= state["n"]:
-                        break
-                    if recv is None:
-                        recv = asyncio.ensure_future(ws.recv())
-                    done, _ = await asyncio.wait((recv,) if waiter.done() else (recv, waiter), timeout=self.timeout,
-                                                 return_when=asyncio.FIRST_COMPLETED)
-                    if not done:
-                        raise TimeoutError(f"no answer from the server within {self.timeout} s")
-                    if recv not in done:
-                        continue
-                    msg = recv.result()
-                    recv = None
-                    for res in self._ws_results(msg, unpacker, tracker):
-                        received += 1
-                        slots.release()
-                        yield res
-                if state["error"] is not None:
-                    raise state["error"]
-            finally:
-                waiter.cancel()
-                if recv is not None:
-                    recv.cancel()
-                if not task.done():
-                    task.cancel()
+                task = asyncio.ensure_future(sender())
+                unpacker = wire.new_unpacker(MAX_MESSAGE_BYTES)
+                received = 0
+                recv = None
+                waiter = asyncio.ensure_future(wake.wait())   # the sender's end (set once)
+                try:
+                    while True:
+                        if (state["done"] or state["stop"]) and received >= state["n"]:
+                            break
+                        if state["stop"] and state["error"] is not None:
+                            break               # a send that failed after the stop: its answer never comes
+                        if recv is None:
+                            recv = asyncio.ensure_future(ws.recv())
+                        done, _ = await asyncio.wait((recv,) if waiter.done() else (recv, waiter),
+                                                     timeout=self.timeout, return_when=asyncio.FIRST_COMPLETED)
+                        if not done:
+                            raise TimeoutError(f"no answer from the server within {self.timeout} s")
+                        if recv not in done:
+                            continue
+                        msg = recv.result()
+                        recv = None
+                        for res in self._ws_results(msg, unpacker, tracker):
+                            received += 1
+                            slots.release()
+                            if not state["stop"]:
+                                try:
+                                    yield res
+                                except GeneratorExit:
+                                    state["stop"] = True
+                                    stop.set()
+                                    slots.release()     # wake the sender to see the stop
+                    if state["error"] is not None and not state["stop"]:
+                        raise state["error"]
+                finally:
+                    waiter.cancel()
+                    if recv is not None:
+                        recv.cancel()
+                    if not task.done():
+                        task.cancel()
+        except BaseException as e:
+            tracker.abandon()
+            if state["stop"] and isinstance(e, Exception):
+                return
+            raise
+        if state["stop"]:
+            tracker.abandon()
+            return
         tracker.check_done()
+
+
+_STOPPED = object()
+
+
+async def _next_unless(it, stopped: asyncio.Future):
+    """The next item of the async iterator ``it``, or :data:`_STOPPED` when ``stopped`` finishes first (the
+    caller left the stream: a request the iterable has not produced yet is never taken) or the iterator ends."""
+    if stopped.done():
+        return _STOPPED
+    nxt = asyncio.ensure_future(it.__anext__())
+    await asyncio.wait((nxt, stopped), return_when=asyncio.FIRST_COMPLETED)
+    if not nxt.done():
+        nxt.cancel()
+        return _STOPPED
+    try:
+        return nxt.result()
+    except StopAsyncIteration:
+        return _STOPPED

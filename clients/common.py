@@ -260,18 +260,27 @@ def _flags(speculative) -> Union[bool, list]:
 
 
 class _Tracker:
-    """Matches answers of a stream to their requests."""
+    """Matches answers of a stream to their requests and, for a client that tracks positions (``book``), notes
+    in its book what each frame did: an answered frame's tokens are applied; a session of a frame that failed
+    or was never answered is forgotten, so that its next tracked call reads the server's positions first."""
 
-    def __init__(self):
+    def __init__(self, book=None):
         self.meta: dict = {}
         self.lock = threading.Lock()
+        self.book = book
 
     def add(self, req: ConvRequest) -> None:
         with self.lock:
             if req.id in self.meta:
                 raise ValueError(f"request id {req.id!r} is already in flight in this stream; ids must be unique")
-            session = list(req.sessions) if isinstance(req, BatchRequest) else req.session
-            self.meta[req.id] = (session, req.layer, _backend_of(req.x))
+            if isinstance(req, BatchRequest):
+                session = list(req.sessions)
+                n = [1] * len(session) if req.tokens is None else [operator.index(t) for t in req.tokens]
+                spec = req.speculative
+                spec = [bool(f) for f in spec] if isinstance(spec, (list, tuple)) else [bool(spec)] * len(n)
+            else:
+                session, n, spec = req.session, [len(req.x)], [bool(req.speculative)]
+            self.meta[req.id] = (session, req.layer, _backend_of(req.x), n, spec)
 
     def result(self, obj: Any) -> ConvResult:
         if not isinstance(obj, dict) or "id" not in obj:
@@ -287,15 +296,33 @@ class _Tracker:
             e = ServiceError(f"the server answered an unknown frame id {fid!r}")
             e.code = "internal"
             raise e
-        session, layer, backend = meta
+        session, layer, backend, n, spec = meta
+        sessions = session if isinstance(session, list) else [session]
         if "error" in obj:
-            err = error_from(obj["error"])
-            return ConvResult(fid, session, layer, error=err)
+            self._forget(sessions)
+            return ConvResult(fid, session, layer, error=error_from(obj["error"]))
+        if self.book is not None:
+            for s, k, f in zip(sessions, n, spec):
+                self.book.applied(s, layer, k, f)
         return ConvResult(fid, session, layer, y=wire.decode_tensor(obj["y"], backend=backend, name="y"))
+
+    def _forget(self, sessions) -> None:
+        if self.book is not None:
+            for s in sessions:
+                self.book.forget(s)
+
+    def abandon(self) -> None:
+        """The stream ended without the answers still owed: their outcome is unknown to the client."""
+        with self.lock:
+            owed, self.meta = list(self.meta.values()), {}
+        for session, *_ in owed:
+            self._forget(session if isinstance(session, list) else [session])
 
     def check_done(self) -> None:
         if self.meta:
-            e = ServiceError(f"the stream ended with {len(self.meta)} request(s) unanswered")
+            n = len(self.meta)
+            self.abandon()
+            e = ServiceError(f"the stream ended with {n} request(s) unanswered")
             e.code, e.status = "internal", 500
             raise e
 

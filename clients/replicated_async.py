@@ -10,7 +10,7 @@ import asyncio
 import time
 from typing import AsyncIterable, Iterable, Optional, Sequence, Union
 
-from convserve.clients.async_client import AsyncConvClient
+from convserve.clients.async_client import _STOPPED, AsyncConvClient, _next_unless
 from convserve.clients.common import BatchRequest, SessionState, _as_request
 from convserve.clients.protocol.errors import ReplicaUnavailable, SessionExists, StateLost, UnknownSession
 from convserve.clients.replicas import (Endpoints, Router, batch_failure, health_result, join_batch, merged_model,
@@ -253,10 +253,14 @@ class ReplicatedAsyncConvClient(AsyncConvClient):
                 for r in requests:
                     yield r
 
+        stop = asyncio.Event()          # the caller left: nothing more is taken from ``requests``
+
         async def feeder():
+            stopped = asyncio.ensure_future(stop.wait())
             try:
                 i = 0
-                async for r in items():
+                it = items()
+                while (r := await _next_unless(it, stopped)) is not _STOPPED:
                     req = _as_request(r, i)
                     i += 1
                     try:
@@ -271,6 +275,7 @@ class ReplicatedAsyncConvClient(AsyncConvClient):
             except BaseException as e:  # noqa: BLE001 - raised by the reader
                 out.put_nowait(("raise", e))
             finally:
+                stopped.cancel()
                 for q in inputs.values():
                     q.put_nowait(end)
                 out.put_nowait(("fed", len(inputs)))
@@ -307,12 +312,16 @@ class ReplicatedAsyncConvClient(AsyncConvClient):
             while started is None or done < started:
                 kind, val = await out.get()
                 if kind == "res":
-                    yield val
+                    if not stop.is_set():
+                        try:
+                            yield val
+                        except GeneratorExit:   # the replicas' streams end once what they sent is answered
+                            stop.set()
                 elif kind == "fed":
                     started = val
                 elif kind == "done":
                     done += 1
-                else:
+                elif not stop.is_set():
                     raise val
         finally:
             for t in (feed, *tasks):

@@ -288,9 +288,13 @@ class ReplicatedConvClient(ConvClient):
                 return next(iter(split))
             return self.router.route(req.session)
 
+        stop = threading.Event()        # the caller left: nothing more is taken from ``requests``
+
         def feeder():
             try:
                 for i, r in enumerate(requests):
+                    if stop.is_set():
+                        break
                     req = _as_request(r, i)
                     try:
                         url = target(req)
@@ -340,12 +344,16 @@ class ReplicatedConvClient(ConvClient):
         while started is None or done < started:
             kind, val = out.get()
             if kind == "res":
-                yield val
+                if not stop.is_set():
+                    try:
+                        yield val
+                    except GeneratorExit:   # the replicas' streams end once what they sent is answered (dropped)
+                        stop.set()
             elif kind == "fed":
                 started = val
             elif kind == "done":
                 done += 1
-            else:
+            elif not stop.is_set():
                 raise val
 
 

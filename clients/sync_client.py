@@ -263,23 +263,38 @@ class ConvClient(_Base):
             raise ValueError(f"transport must be 'http' or 'ws', got {transport!r}")
 
     def _stream_http(self, requests) -> Iterator[ConvResult]:
-        tracker, failed = _Tracker(), []
+        tracker, failed = _Tracker(self.positions), []
+        closing = False             # the caller stopped early: the answers still owed are read and dropped
 
         def body():
             for chunk in _chunked(requests, tracker, failed):
                 self.bytes_sent += len(chunk)
                 yield chunk
 
-        with self._http.stream("POST", "/v1/conv/stream", content=body()) as resp:
-            if resp.status_code >= 400:
-                resp.read()
-                _raise_for(resp)
-            unpacker = wire.new_unpacker(MAX_MESSAGE_BYTES)
-            for chunk in resp.iter_raw():
-                self.bytes_received += len(chunk)
-                unpacker.feed(chunk)
-                for obj in unpacker:
-                    yield tracker.result(obj)
+        try:
+            with self._http.stream("POST", "/v1/conv/stream", content=body()) as resp:
+                if resp.status_code >= 400:
+                    resp.read()
+                    _raise_for(resp)
+                unpacker = wire.new_unpacker(MAX_MESSAGE_BYTES)
+                for chunk in resp.iter_raw():
+                    self.bytes_received += len(chunk)
+                    unpacker.feed(chunk)
+                    for obj in unpacker:
+                        res = tracker.result(obj)
+                        if not closing:
+                            try:
+                                yield res
+                            except GeneratorExit:
+                                closing = True
+        except BaseException as e:
+            tracker.abandon()
+            if closing and isinstance(e, Exception):
+                return              # close() is not the place to raise: the owed frames' sessions are forgotten
+            raise
+        if closing:
+            tracker.abandon()
+            return
         if failed:                      # a request that could not be sent, after the answers of those before it
             raise failed[0]
         tracker.check_done()
@@ -287,56 +302,74 @@ class ConvClient(_Base):
     def _stream_ws(self, requests, window: int) -> Iterator[ConvResult]:
         from websockets.sync.client import connect
 
-        tracker = _Tracker()
+        tracker = _Tracker(self.positions)
         slots = threading.Semaphore(window)
-        sent = {"n": 0, "done": False, "error": None}
-        with ws_connect(connect, _ws_url(self.url), additional_headers=self._ws_headers(),
-                        max_size=MAX_MESSAGE_BYTES, compression=None, open_timeout=self.timeout) as ws:
-            def sender():
-                packer = wire.new_packer()
-                try:
-                    it = iter(requests)
-                    for i in itertools.count():
-                        slots.acquire()  # a request is taken from the iterable only once it may be sent
-                        try:
-                            r = next(it)
-                        except StopIteration:
-                            break
-                        req = _as_request(r, i)
-                        data = packer.pack(_frame(req))
-                        tracker.add(req)
-                        ws.send(data)
-                        self.bytes_sent += len(data)
-                        sent["n"] += 1
-                except BaseException as e:  # noqa: BLE001 - re-raised by the receiver
-                    sent["error"] = e
-                finally:
-                    sent["done"] = True
-
-            t = threading.Thread(target=sender, name="convserve-ws-sender", daemon=True)
-            t.start()
-            received = 0
-            unpacker = wire.new_unpacker(MAX_MESSAGE_BYTES)
-            try:
-                idle_since = time.monotonic()
-                while True:
-                    if sent["done"] and received >= sent["n"]:
-                        break
-                    # Short waits, so that the end of the requests is noticed without a message to wake us.
+        sent = {"n": 0, "done": False, "error": None, "stop": False}
+        closing = False             # the caller stopped early: nothing more is sent, the owed answers are dropped
+        try:
+            with ws_connect(connect, _ws_url(self.url), additional_headers=self._ws_headers(),
+                            max_size=MAX_MESSAGE_BYTES, compression=None, open_timeout=self.timeout) as ws:
+                def sender():
+                    packer = wire.new_packer()
                     try:
-                        msg = ws.recv(timeout=_POLL_S)
-                    except TimeoutError:
-                        if time.monotonic() - idle_since > self.timeout:
-                            raise TimeoutError(f"no answer from the server within {self.timeout} s") from None
-                        continue
+                        it = iter(requests)
+                        for i in itertools.count():
+                            slots.acquire()  # a request is taken from the iterable only once it may be sent
+                            if sent["stop"]:
+                                break
+                            try:
+                                r = next(it)
+                            except StopIteration:
+                                break
+                            req = _as_request(r, i)
+                            data = packer.pack(_frame(req))
+                            tracker.add(req)
+                            ws.send(data)
+                            self.bytes_sent += len(data)
+                            sent["n"] += 1
+                    except BaseException as e:  # noqa: BLE001 - re-raised by the receiver
+                        sent["error"] = e
+                    finally:
+                        sent["done"] = True
+
+                t = threading.Thread(target=sender, name="convserve-ws-sender", daemon=True)
+                t.start()
+                received = 0
+                unpacker = wire.new_unpacker(MAX_MESSAGE_BYTES)
+                try:
                     idle_since = time.monotonic()
-                    for res in self._ws_results(msg, unpacker, tracker):
-                        received += 1
-                        slots.release()
-                        yield res
-                if sent["error"] is not None:
-                    raise sent["error"]
-            finally:
-                slots.release(window)  # unblock the sender if we stop early
-                t.join(timeout=5)
+                    while True:
+                        if sent["done"] and received >= sent["n"]:
+                            break
+                        # Short waits, so that the end of the requests is noticed without a message to wake us.
+                        try:
+                            msg = ws.recv(timeout=_POLL_S)
+                        except TimeoutError:
+                            if time.monotonic() - idle_since > self.timeout:
+                                raise TimeoutError(f"no answer from the server within {self.timeout} s") from None
+                            continue
+                        idle_since = time.monotonic()
+                        for res in self._ws_results(msg, unpacker, tracker):
+                            received += 1
+                            slots.release()
+                            if not closing:
+                                try:
+                                    yield res
+                                except GeneratorExit:
+                                    closing = sent["stop"] = True
+                                    slots.release()     # wake the sender to see the stop
+                    if sent["error"] is not None and not closing:
+                        raise sent["error"]
+                finally:
+                    sent["stop"] = True
+                    slots.release(window)  # unblock the sender: it sends nothing more
+                    t.join(timeout=5)
+        except BaseException as e:
+            tracker.abandon()
+            if closing and isinstance(e, Exception):
+                return
+            raise
+        if closing:
+            tracker.abandon()
+            return
         tracker.check_done()

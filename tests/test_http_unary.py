@@ -118,6 +118,7 @@ def test_a_client_leaving_a_split_batch_gets_client_gone_and_the_batch_outcome_i
         await asyncio.sleep(0)
         return task
 
+    gc.collect()                          # other tests' garbage (their sockets' ResourceWarnings) first
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         task = asyncio.run(main())

@@ -1,0 +1,136 @@
+"""A caller that leaves a stream early (``break``; ``aclosing`` on the async client): nothing more is taken from
+its requests, every frame already sent is answered and applied on the server (the answers dropped) before the
+loop is left, so the session's position counts exactly the frames sent and its state matches them; a tracking
+client's book counts them too, and its next tracked call is accepted. Over HTTP and WebSocket, the sync and async
+clients, plain and replicated, against both layouts of the shared server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+
+import pytest
+import torch
+
+from convserve.clients.client import AsyncConvClient, BatchRequest, ConvClient, ConvRequest
+from convserve.clients.replicated_async import ReplicatedAsyncConvClient
+from convserve.clients.replicated_sync import ReplicatedConvClient
+from tests.http_api import DIM, LAYERS, assert_close, model
+from tests.live import Reference
+
+LAYER = LAYERS[1]
+FRAMES = 20
+
+
+def _frames(sid: str, seed: int, batch: bool) -> list:
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(1 + i % 3, DIM, generator=g) for i in range(FRAMES)]
+    if batch:
+        return [BatchRequest([sid], LAYER, x, tokens=[len(x)], id=i) for i, x in enumerate(xs)]
+    return [ConvRequest(sid, LAYER, x, id=i) for i, x in enumerate(xs)]
+
+
+def _check_after(info: dict, state, frames: list, sid: str, taken: int) -> int:
+    """The session's position and state: those of the first ``sent`` frames, ``1 <= sent <= taken``."""
+    sent = info["positions"][info["layers"].index(LAYER)]
+    lens = list(itertools.accumulate(len(f.x) for f in frames[:taken]))
+    assert sent in lens, f"position {sent} is not the end of a frame sent (frame ends {lens})"
+    ref = Reference(model())
+    for f in frames[:lens.index(sent) + 1]:
+        ref.conv(sid, LAYER, f.x)
+    assert_close(state[LAYERS.index(LAYER)], ref.states[sid][LAYERS.index(LAYER)])
+    return sent
+
+
+def _next_call_is_accepted(c_info: dict, y, ref_state, sid: str, x) -> None:
+    ref = Reference(model())
+    ref.states[sid] = ref_state.clone()
+    ref.spec[sid] = {}
+    assert_close(y, ref.conv(sid, LAYER, x))
+
+
+@pytest.mark.parametrize("transport", ["http", "ws"])
+@pytest.mark.parametrize("replicated", [False, True])
+@pytest.mark.parametrize("batch", [False, True])
+def test_a_sync_stream_left_early_applied_exactly_the_frames_it_sent_and_tracking_goes_on(server, transport,
+                                                                                          replicated, batch):
+    c = ReplicatedConvClient([server.url], track_positions=True) if replicated else \
+        ConvClient(server.url, track_positions=True)
+    with c:
+        sid = c.create_session()
+        frames = _frames(sid, 1, batch)
+        taken = []
+
+        def requests():             # counts what the client took from it: nothing after the break's drain
+            for f in frames:
+                taken.append(f.id)
+                yield f
+
+        got = []
+        for r in c.stream(requests(), transport=transport, window=8):
+            got.append(r.unwrap())
+            break
+        n_taken = len(taken)
+        state = c.export_state(sid, backend="torch").state
+        sent = _check_after(c.session_info(sid), state, frames, sid, n_taken)
+        assert len(taken) == n_taken            # the iterable is not read after the stream was left
+        if transport == "http" and not replicated:      # httpx sends the whole body before it reads an answer
+            assert sent == sum(len(f.x) for f in frames)
+        base = c if not replicated else c._client(server.url)
+        assert base.positions.at(sid, LAYER) == sent    # the book counts the frames the stream applied
+        x = torch.randn(2, DIM)
+        y = c.conv(sid, LAYER, x)               # carries that position: accepted, not a 409
+        _next_call_is_accepted(c.session_info(sid), y, state, sid, x)
+        c.delete_session(sid)
+
+
+@pytest.mark.parametrize("transport", ["http", "ws"])
+@pytest.mark.parametrize("replicated", [False, True])
+def test_an_async_stream_closed_early_stops_even_while_its_requests_wait_for_an_answer(server, transport,
+                                                                                       replicated):
+    """The requests are an async generator that waits for answers (a model's next layer): after the first answer
+    the caller leaves; closing the stream must not wait for a request that will never come."""
+    async def main():
+        c = ReplicatedAsyncConvClient([server.url], track_positions=True) if replicated else \
+            AsyncConvClient(server.url, track_positions=True)
+        async with c:
+            sid = await c.create_session()
+            frames = _frames(sid, 2, False)
+            never = asyncio.Event()
+
+            async def requests():
+                for f in frames[:3]:
+                    yield f
+                await never.wait()              # the next frame needs an answer the caller never passes on
+                yield frames[3]
+
+            async with contextlib.aclosing(c.stream(requests(), transport=transport, window=8)) as s:
+                async for r in s:
+                    r.unwrap()
+                    break
+            state = (await c.export_state(sid, backend="torch")).state
+            sent = _check_after(await c.session_info(sid), state, frames, sid, 3)
+            base = c if not replicated else c._client(server.url)
+            assert base.positions.at(sid, LAYER) == sent
+            x = torch.randn(1, DIM)
+            y = await c.conv(sid, LAYER, x)
+            _next_call_is_accepted(await c.session_info(sid), y, state, sid, x)
+            await c.delete_session(sid)
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_a_tracking_clients_book_forgets_a_session_whose_stream_frame_failed(server):
+    # a failed frame (here: too many tokens for a verify) changed nothing, but the client cannot know that of
+    # every error: the session's positions are read from the server at its next tracked call
+    with ConvClient(server.url, track_positions=True) as c:
+        sid = c.create_session()
+        c.conv(sid, LAYER, torch.randn(2, DIM))
+        too_long = torch.randn(64, DIM)
+        res = list(c.stream([ConvRequest(sid, LAYER, too_long, speculative=True)]))
+        assert res[0].error is not None
+        assert not c.positions.known(sid)
+        c.conv(sid, LAYER, torch.randn(1, DIM))     # reads the server's position (2) first: accepted
+        assert c.positions.at(sid, LAYER) == 3
+        c.delete_session(sid)
