@@ -243,6 +243,18 @@ def check_update_values(conv_state, width, batch, conv_state_indices, num_accept
         live = [True] * batch if conv_state_indices is None else \
             [i != pad_slot_id for i in conv_state_indices[:batch].tolist()]
         _check_distinct("output_state_indices", [i for row, ok in zip(osi, live) if ok for i in row if i >= 0])
+        # a saved row may be the row its own entry reads, never another live entry's (that entry may read it
+        # after the write: the programs run in any order)
+        reads = list(range(batch)) if conv_state_indices is None else conv_state_indices[:batch].tolist()
+        readers = collections.defaultdict(set)
+        for i, (r, ok) in enumerate(zip(reads, live)):
+            if ok:
+                readers[r].add(i)
+        bad = sorted({s for i, (row, ok) in enumerate(zip(osi, live)) if ok for s in row
+                      if s >= 0 and readers.get(s, set()) - {i}})
+        if bad:
+            raise ValueError(f"output_state_indices: row(s) {bad[:8]} are read by another batch entry of this call "
+                             "(its conv_state_indices); save the windows to rows no other entry reads")
 
 
 def _check_distinct(name: str, rows: list) -> None:

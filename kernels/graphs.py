@@ -89,6 +89,9 @@ class DecodeGraph:
         self.intermediate_conv_window = (torch.zeros(batch, seqlen, dim, width - 1, dtype=conv_state.dtype,
                                                      device=dev) if intermediate else None)
 
+        # the graph holds raw pointers, no references: the object keeps the tensors it was captured on alive
+        self.captured_on = (conv_state, weight, bias)
+
         def step():
             causal_conv1d_update(self.x, conv_state, weight, bias, activation,
                                  conv_state_indices=self.conv_state_indices,
@@ -133,6 +136,9 @@ class PrefillGraph:
         self.query_start_loc = torch.zeros(seqs + 1, dtype=torch.int32, device=dev)
         self.cache_indices = torch.full((seqs,), pad_slot_id, dtype=torch.int32, device=dev)
         self.has_initial_state = torch.zeros(seqs, dtype=torch.bool, device=dev)
+
+        # the graph holds raw pointers, no references: the object keeps the tensors it was captured on alive
+        self.captured_on = (conv_states, weight, bias)
 
         def step():
             causal_conv1d_fn(self.x, weight, bias, conv_states, self.query_start_loc, self.cache_indices,

@@ -291,6 +291,29 @@ def test_validate_data_reports_bad_index_values(kernel_device):
                              validate_data=True)
 
 
+@pytest.mark.parametrize("idx,osi,ok", [
+    ([0, 1], [[1], [-1]], False),       # entry 0 saves to the row entry 1 reads: a race
+    ([0, 1], [[-1], [0]], False),
+    ([0, 0], [[0], [-1]], False),       # the row is entry 0's own, but entry 1 reads it too
+    ([0, 1], [[0], [1]], True),         # each entry saves to the row it reads
+    ([0, 1], [[2], [3]], True),
+    ([0, 3], [[3], [-1]], True),        # entry 1 is a pad (3 is the pad id here): it reads nothing
+    (None, [[1], [-1]], False),         # without indices entry i reads row i
+])
+def test_validate_data_refuses_a_saved_row_that_another_entry_reads(kernel_device, idx, osi, ok):
+    x = torch.zeros(2, 8, device=kernel_device)
+    st = torch.zeros(4, 8, 3, device=kernel_device)
+    w = torch.zeros(8, 4, device=kernel_device)
+    kw = dict(output_state_indices=torch.tensor(osi, device=kernel_device), pad_slot_id=3, validate_data=True)
+    if idx is not None:
+        kw["conv_state_indices"] = torch.tensor(idx, dtype=torch.int32, device=kernel_device)
+    if ok:
+        causal_conv1d_update(x, st, w, **kw)
+    else:
+        with pytest.raises(ValueError, match="read by another batch entry"):
+            causal_conv1d_update(x, st, w, **kw)
+
+
 # ---------------------------------------------------------------- GPU only: serving-size pools
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch", [1, 64, 1024])

@@ -47,3 +47,20 @@ def test_prefill_graph_replays_match_reference(lens):
     assert_close(y, ref, torch.float32)
     assert torch.equal(pool.cpu(), st_r)
     assert torch.all(g.out[:, n:] == 0)
+
+
+def test_a_decode_graph_captured_on_temporaries_replays_right_after_their_memory_is_reused():
+    dim, width, n = 256, 4, 8
+    w32, b32 = torch.randn(dim, width, device="cuda"), torch.randn(dim, device="cuda")
+    pool = torch.randn(50, width - 1, dim, device="cuda").transpose(1, 2)
+    g = DecodeGraph(pool, w32.to(torch.bfloat16), b32.to(torch.bfloat16), "silu", batch=n,
+                    x_dtype=torch.bfloat16)       # the cast weight and bias: no reference but the graph's object
+    junk = [torch.full((dim, width), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(64)]
+    st_r = pool.clone().cpu()
+    x = torch.randn(n, dim, 1, device="cuda", dtype=torch.bfloat16)
+    idx = torch.arange(1, n + 1, dtype=torch.int32, device="cuda") * 5
+    y = g.run(x, idx).clone()
+    ref = causal_conv1d_update_ref(x.cpu(), st_r, w32.to(torch.bfloat16).cpu(), b32.to(torch.bfloat16).cpu(),
+                                   "silu", conv_state_indices=idx.cpu(), compute_dtype=torch.float64)
+    assert_close(y, ref, torch.bfloat16)
+    assert len(junk) == 64

@@ -101,7 +101,7 @@ def causal_conv1d_update(
             left untouched. Such a row may be the one read in this call, but not another batch entry's.
         pad_slot_id: the pad marker.
         metadata: the seed's precomputed launch metadata; accepted (by position too) and not needed.
-        validate_data: also check index values on the device (this syncs; for debugging).
+        validate_data: also check the index values (read on the host: this syncs; for debugging).
         out: optional output buffer shaped like ``x`` (must not be ``x``).
 
     Without ``intermediate_conv_window`` and ``output_state_indices`` the live row is rewritten: its first

@@ -78,7 +78,7 @@ def causal_conv1d_fn(
         activation: None, "silu"/"swish" or True/False.
         pad_slot_id: the pad marker in ``cache_indices``.
         metadata: the seed's precomputed launch metadata; accepted (by position too) and not needed.
-        validate_data: also check index values on the device (this syncs; for debugging).
+        validate_data: also check the index values (read on the host: this syncs; for debugging).
         out: optional output buffer shaped like ``x`` (must not be ``x``).
         **kwargs: the seed's extra ``seq_lens_cpu`` is accepted and not needed; any other keyword is a TypeError
             (a misspelled argument must not be ignored).
