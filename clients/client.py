@@ -2,7 +2,8 @@
 
 Tensors go in and come out as torch tensors or numpy arrays: ``conv`` answers in the kind it was given
 (numpy needs the ``ml_dtypes`` package for bfloat16). torch is imported only when the caller passes torch
-tensors or asks for them, so a numpy-only frontend needs no torch at all.
+tensors or asks for them, so a numpy-only frontend needs no torch at all; a call that takes no tensor
+(``export_state``) answers in torch where torch is installed unless given ``backend="numpy"``.
 
 :class:`AsyncConvClient` sends its request-response calls (``conv``, sessions, state) over its own keep-alive
 HTTP/1.1 pool (:class:`convserve.clients.h1._H1Pool`), whose cost per request does not grow with the number of

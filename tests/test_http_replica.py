@@ -110,6 +110,28 @@ def test_session_header_that_disagrees_is_a_400_and_changes_nothing(api, route):
     assert float(api.state(sid).abs().sum()) == 0.0
 
 
+@pytest.mark.parametrize("route", ["batch", "accept"])
+@pytest.mark.parametrize("named", ["first", "last", "none"])
+def test_a_batch_takes_a_session_header_naming_one_of_its_sessions_and_refuses_another(api, route, named):
+    sids = [api.session() for _ in range(3)]
+    header = {"first": sids[0], "last": sids[-1], "none": sids[0] + "-other"}[named]
+    h = {"x-session-id": header}
+    x = rand_x(2 * len(sids))
+    if route == "batch":
+        body = {"sessions": sids, "layer": LAYERS[0], "tokens": [2] * len(sids), "x": wire.encode_tensor(x)}
+        st, obj, _ = api.call("POST", "/v1/conv/batch", body, headers=h)
+    else:
+        for s in sids:              # a verify pending on each session, for the accept
+            api.conv(s, LAYERS[0], rand_x(2), speculative=True)
+        st, obj, _ = api.call("POST", "/v1/accept", {"sessions": sids, "tokens": [1] * len(sids)}, headers=h)
+    if named != "none":
+        assert st in (200, 204), obj
+        return
+    assert st == 400 and "X-Session-Id" in obj["error"]["message"] and "not one of the batch" in str(obj)
+    for s in sids:                  # nothing ran: no state moved
+        assert float(api.state(s).abs().sum()) == 0.0
+
+
 def test_session_header_that_is_not_a_session_id_is_a_400(api):
     st, obj, _ = api.call("POST", "/v1/sessions", headers={"x-session-id": "no spaces allowed"})
     assert st == 400 and "X-Session-Id" in obj["error"]["message"]

@@ -177,3 +177,25 @@ def test_the_api_key_is_checked_before_the_method_of_the_websocket_route(auth_se
     assert httpx.request(method, auth_server.url + "/v1/conv/ws").status_code == 401
     r = httpx.request(method, auth_server.url + "/v1/conv/ws", headers={"authorization": "Bearer k3y"})
     assert r.status_code == status
+
+
+def test_an_id_still_unanswered_ends_the_stream_and_one_already_answered_may_come_again(server, api):
+    sid = api.session()
+    frames = [{"id": 7, "session": sid, "layer": f["layer"], "x": f["x"]} for f in make_frames([sid], 3, seed=9)]
+    ref = Reference(model())
+    url = server.url.replace("http://", "ws://") + "/v1/conv/ws"
+    with ws_connect(url, max_size=None, compression=None) as ws:
+        for f in frames[:2]:        # id 7 again once its answer came: a new frame
+            ws.send(pack_frames([f]))
+            r = msgpack.unpackb(ws.recv(timeout=10))
+            assert r["id"] == 7
+            assert_close(wire.decode_tensor(r["y"]), ref.conv(sid, f["layer"], f["x"]))
+        ws.send(pack_frames([frames[2], frames[2]]))   # one message: the first is unanswered when the second comes
+        results, u = [], msgpack.Unpacker()
+        while not results or results[-1]["id"] is not None:
+            u.feed(ws.recv(timeout=10))
+            results.extend(u)
+    assert [r["id"] for r in results] == [7, None]
+    assert_close(wire.decode_tensor(results[0]["y"]), ref.conv(sid, frames[2]["layer"], frames[2]["x"]))
+    err = results[-1]["error"]
+    assert err["code"] == "bad_request" and "frame 4: id 7 is already in flight" in err["message"]

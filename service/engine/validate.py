@@ -104,7 +104,9 @@ def check_state(model, state_dtype: torch.dtype, state) -> torch.Tensor:
         raise ShapeMismatch(f"state: expected shape (layers, dim, width - 1) = {expected}, got "
                             f"{tuple(state.shape)}")
     if not all_finite(state):
-        raise NonFinite("state: contains NaN or Inf")
+        raise NonFinite(f"state: contains NaN or Inf; send finite values within {DTYPE_NAMES[state_dtype]}'s range "
+                        "(a state exported from a session is always finite: an exported state that is not was "
+                        "changed on the way)")
     return state.to("cpu").contiguous()
 
 

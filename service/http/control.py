@@ -22,7 +22,7 @@ from convserve.clients.protocol.ids import check_session_id
 from convserve.service.http.asgi import header, render, wants_json
 from convserve.service.http.errors import error_response
 from convserve.service.http.parse import parse_body, read_body, refuse_body
-from convserve.service.http.replica import merge_session
+from convserve.service.http.replica import check_batch_sessions, merge_session
 from convserve.service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
 if TYPE_CHECKING:
@@ -180,6 +180,7 @@ def add_control_routes(app: FastAPI, svc: Service) -> None:
     async def accept_batch(request: Request):
         svc.require_ready()
         sessions, tokens = parser.accept_batch(await read(request))
+        check_batch_sessions(request.scope, sessions)
         await asyncio.to_thread(engine.accept_batch, sessions, tokens)
         return Response(status_code=204)
 

@@ -8,7 +8,8 @@ Invariants:
 * a session's results are sent in the order its frames arrived; results of different sessions are not ordered;
   a batch frame (``"sessions"``) is ordered with the frames of each of its sessions;
 * a bad frame (bad field, unknown session, engine error) is answered alone with an error frame, while a frame
-  that cannot be parsed ends the stream with a ``{"id": None, "error"}`` frame after every earlier result;
+  that cannot be parsed, or whose id is an unanswered frame's, ends the stream with a ``{"id": None, "error"}``
+  frame after every earlier result;
 * answers released but not yet sent hold at most about ``stream_buffer_bytes``: past it the reader stops taking
   frames until the client has read some (back-pressure through TCP), so a client that sends without reading
   costs the server that much memory, not its whole stream.
@@ -71,6 +72,7 @@ class Pipeline:
         self.whole = 0
         self.pending: dict = {}                # session -> deque of frames not yet released, in send order
         self.open = 0                          # frames read and not yet released
+        self.open_ids: set = set()             # their ids: an answer names its frame by id, so no two at once
         self.inflight: set = set()             # frames submitted to the engine and not done
         self._done = collections.deque()       # frames whose future completed (engine thread appends)
         self._wake_scheduled = False
@@ -180,6 +182,12 @@ class Pipeline:
             self.set_fatal(BadRequest(f"frame {self.nframes + 1}: 'id' must be an integer or a string, got "
                                       f"{type(fid).__name__}; the stream ends here"))
             return False
+        if fid in self.open_ids:
+            self.set_fatal(BadRequest(f"frame {self.nframes + 1}: id {fid!r} is already in flight on this stream (an "
+                                      "answer names its frame by id); give every frame an id no unanswered frame "
+                                      "has; the stream ends here"))
+            return False
+        self.open_ids.add(fid)
         self.nframes += 1
         svc = self.svc
         f = _Frame(fid, time.perf_counter())
@@ -275,6 +283,7 @@ class Pipeline:
                 self.ready_out.append(f.out)
                 self.buffered += len(f.out)
                 self.open -= 1
+                self.open_ids.discard(f.id)
                 self.outcomes[f.code] = self.outcomes.get(f.code, 0) + 1
                 self.latencies.append(now - f.t0)
 

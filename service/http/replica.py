@@ -8,8 +8,9 @@ Invariants:
   framework's own error answers and ``/metrics`` included;
 * ``X-Session-Id`` is optional everywhere; when present it must be a valid session id and name the session the
   request acts on (the path's ``{id}`` of a session route, the body's ``session`` of ``/v1/sessions`` and
-  ``/v1/conv``, the ``sequence_id`` of a ``/v2`` infer), else ``400 bad_request`` and nothing runs. Where the body
-  may leave the session out (a create, a conv), the header supplies it.
+  ``/v1/conv``, the ``sequence_id`` of a ``/v2`` infer; one of the sessions of ``/v1/conv/batch`` and
+  ``/v1/accept``), else ``400 bad_request`` and nothing runs. Where the body may leave the session out (a create,
+  a conv), the header supplies it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from typing import Optional
 
 from convserve.clients.protocol.errors import BadRequest
 from convserve.clients.protocol.ids import REPLICA_HEADER, SESSION_HEADER, check_session_id
-from convserve.service.http.asgi import header
 
 _SESSION_KEY = SESSION_HEADER.lower().encode()
 _REPLICA_KEY = REPLICA_HEADER.lower().encode()
@@ -72,6 +72,16 @@ def merge_session(scope, body_session: Optional[str], where: str = "the body") -
     if body_session != h:
         raise _disagree(h, body_session, where)
     return body_session
+
+
+def check_batch_sessions(scope, sessions) -> None:
+    """400 when ``X-Session-Id`` names none of a batch's ``sessions`` (``/v1/conv/batch``, ``/v1/accept``): a
+    proxy routes the whole batch by the header, to the replica of that session."""
+    h = header_session(scope)
+    if h is not None and h not in sessions:
+        raise BadRequest(f"the {SESSION_HEADER} header names session {h!r}, which is not one of the batch's "
+                         f"{len(sessions)} sessions; send one of them (a proxy routes the batch by the header, to "
+                         "the replica where that session lives, which must hold all of them)")
 
 
 def check_path_session(scope) -> None:

@@ -16,7 +16,7 @@ from convserve.service.http.asgi import (MSGPACK_CT, ROUTE_SCOPE_KEY, ClientGone
 from convserve.service.http.client_shm import borrowed
 from convserve.service.http.errors import as_service_error, send_error
 from convserve.service.http.parse import parse_body, read_body
-from convserve.service.http.replica import merge_session
+from convserve.service.http.replica import check_batch_sessions, merge_session
 
 if TYPE_CHECKING:
     from convserve.service.http.app import Service
@@ -161,7 +161,9 @@ class BatchEndpoint(_UnaryEndpoint):
     def parse(self, scope, body: bytes):
         svc = self.svc
         obj = parse_body(scope, body, svc.max_body, svc.max_objects, svc.max_json)
-        return self.parser.batch(obj), self.svc.reply_to(obj)
+        parsed = self.parser.batch(obj)
+        check_batch_sessions(scope, parsed[0])
+        return parsed, self.svc.reply_to(obj)
 
     def submit(self, parsed, borrowed):
         sessions, layer, x, tokens, spec, position = parsed
