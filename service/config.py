@@ -49,11 +49,16 @@ def _cuda_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+#: the longest wait a setting may ask for (a day): waits go to poll() and join() as milliseconds in a C int
+MAX_WAIT_S = 86400.0
+
+
 class Settings(BaseSettings):
     """All settings of one ``convserve serve`` process."""
 
+    # allow_inf_nan: every float setting is finite (an infinite timeout would wait forever, and JSON has no inf)
     model_config = SettingsConfigDict(env_prefix="CONVSERVE_", extra="forbid", validate_default=True,
-                                      case_sensitive=False)
+                                      case_sensitive=False, allow_inf_nan=False)
 
     # --- network
     host: str = Field("127.0.0.1", description="address to bind (0.0.0.0 for all interfaces)")
@@ -117,11 +122,11 @@ class Settings(BaseSettings):
                                     description="bytes of answers kept per engine for retries of convs that "
                                     "carried a position (oldest dropped first)")
     sessions_page_max: int = Field(1000, ge=1, description="most sessions in one page of GET /v1/sessions")
-    request_timeout_s: float = Field(_ENGINE.request_timeout_s, gt=0,
+    request_timeout_s: float = Field(_ENGINE.request_timeout_s, gt=0, le=MAX_WAIT_S,
                                      description="seconds a conv or session operation may wait to start: one not "
                                      "started by then fails with 504 timeout and never runs (one already started "
                                      "always answers with its result)")
-    engine_down_unhealthy_s: float = Field(300.0, ge=0, description="with engine processes: /healthz answers 503 "
+    engine_down_unhealthy_s: float = Field(300.0, ge=0, le=MAX_WAIT_S, description="with engine processes: /healthz answers 503 "
                                            "once an engine has been down this many seconds since its process "
                                            "died (it keeps failing to start), so that a liveness probe restarts "
                                            "the server (0: never)")
@@ -135,7 +140,7 @@ class Settings(BaseSettings):
                                           "/metrics scrape waits for each engine's counters; an engine that does "
                                           "not answer in time is left out of that scrape and shows as not "
                                           "answering in /readyz")
-    engine_reply_timeout_s: Optional[float] = Field(None, gt=0, description="with engine processes: seconds an "
+    engine_reply_timeout_s: Optional[float] = Field(None, gt=0, le=MAX_WAIT_S, description="with engine processes: seconds an "
                                                     "HTTP worker waits for an engine's answer to a conv or session "
                                                     "operation before it answers 504 engine_timeout (the request "
                                                     "may have been applied); more than request_timeout_s; unset: "
@@ -173,12 +178,12 @@ class Settings(BaseSettings):
     state_dir: Optional[Path] = Field(None, description="directory of the session snapshots: every session is "
                                       "written there on SIGTERM (and every --snapshot-interval-s) and the newest "
                                       "good snapshot is restored at start; unset: no snapshots")
-    snapshot_interval_s: Optional[float] = Field(None, gt=0, description="with --state-dir: also write a "
+    snapshot_interval_s: Optional[float] = Field(None, gt=0, le=MAX_WAIT_S, description="with --state-dir: also write a "
                                                  "snapshot every this many seconds (what a kill -9 loses is "
                                                  "what changed since); unset: only on SIGTERM")
     snapshot_keep: int = Field(3, ge=1, le=1000, description="snapshot files kept per engine (newest first): a "
                                "torn or unreadable newest falls back to the one before")
-    snapshot_timeout_s: float = Field(60.0, gt=0, description="on SIGTERM, how long writing the final snapshot "
+    snapshot_timeout_s: float = Field(60.0, gt=0, le=MAX_WAIT_S, description="on SIGTERM, how long writing the final snapshot "
                                       "may take, after the drain (the supervisor waits this much longer for "
                                       "engine processes)")
 
@@ -206,7 +211,7 @@ class Settings(BaseSettings):
     check_finite: bool = Field(_ENGINE.check_finite, description="reject x with NaN or Inf (422 non_finite)")
     stream_window: int = Field(256, ge=1, description="frames of one stream or WebSocket being computed at "
                                                       "once; the next frames wait to be read")
-    shutdown_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, how long to let in-flight work "
+    shutdown_timeout_s: float = Field(30.0, ge=0, le=MAX_WAIT_S, description="on SIGTERM, how long to let in-flight work "
                                                               "finish before exiting")
     max_json_body_bytes: int = Field(2 << 20, ge=1024, description="largest JSON body (or JSON part of a /v2 "
                                      "request), in bytes (413 above): JSON is decoded in one C call that holds "
@@ -333,8 +338,9 @@ class Settings(BaseSettings):
     @field_validator("api_key")
     @classmethod
     def _api_key(cls, v):
-        if v is not None and not v.get_secret_value().strip():
-            return None
+        if v is not None and not v.get_secret_value().strip():   # an unset shell variable: not "no auth"
+            raise ValueError("api_key: the key is empty; give one (python -c 'import secrets; "
+                             "print(secrets.token_urlsafe())'), or leave the setting out to serve without one")
         if v is not None:
             check_key(v.get_secret_value(), "api_key")
         return v
@@ -359,7 +365,7 @@ class Settings(BaseSettings):
     @classmethod
     def _replica_name(cls, v):
         # a header value: visible ASCII, no spaces (a pod name, a host name, an address)
-        if v is None or not v.strip():
+        if v is None:
             return default_replica_name()
         if not re.fullmatch(r"[!-~]{1,253}", v):
             raise ValueError(f"replica_name: {v!r:.80} must be 1 to 253 visible ASCII characters without spaces")

@@ -94,6 +94,16 @@ def test_max_tokens_per_request_left_unset_follows_a_smaller_max_batch_tokens():
     ({"engine_busy_poll_us": "soon"}, "--engine-busy-poll-us / CONVSERVE_ENGINE_BUSY_POLL_US"),
     ({"engine_busy_poll_us": "-1"}, "outside 0..1000000"),
     ({"engine_busy_poll_us": "1000001"}, "outside 0..1000000"),
+    ({"shutdown_timeout_s": "inf"}, "--shutdown-timeout-s / CONVSERVE_SHUTDOWN_TIMEOUT_S: Input should be a finite"),
+    ({"snapshot_timeout_s": "1e400"}, "--snapshot-timeout-s"),          # overflows to inf
+    ({"request_timeout_s": "infinity"}, "--request-timeout-s"),
+    ({"engine_reply_timeout_s": "inf"}, "--engine-reply-timeout-s"),
+    ({"engine_down_unhealthy_s": "nan"}, "--engine-down-unhealthy-s"),
+    ({"shutdown_timeout_s": "1e9"}, "less than or equal to 86400"),   # poll() takes a C int of milliseconds
+    ({"snapshot_interval_s": "86401"}, "--snapshot-interval-s"),
+    ({"api_key": ""}, "the key is empty"),
+    ({"api_key": "  "}, "the key is empty"),
+    ({"replica_name": ""}, "--replica-name"),
 ])
 def test_invalid_settings_fail_with_the_setting_named(overrides, fragment):
     with pytest.raises(ConfigError) as e:
@@ -385,3 +395,10 @@ def test_convserve_on_a_client_only_install_names_the_missing_modules_and_the_ex
     err = capsys.readouterr().err
     assert "'convserve_no_such_module'" in err and "pip install 'convserve[server]'" in err
     assert "Traceback" not in err
+
+
+def test_an_empty_api_key_from_the_environment_is_refused_not_taken_as_no_key(monkeypatch):
+    # `-e CONVSERVE_API_KEY="$KEY"` with KEY unset would otherwise serve every route to anyone
+    monkeypatch.setenv("CONVSERVE_API_KEY", "")
+    with pytest.raises(ConfigError, match="the key is empty"):
+        load_settings({})
