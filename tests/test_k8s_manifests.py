@@ -109,9 +109,36 @@ def test_services_pdb_and_proxy_select_what_they_should():
     assert not pdbs["convserve"]["spec"]["selector"]["matchLabels"].items() <= \
         proxy["spec"]["template"]["metadata"]["labels"].items()
     for _, template in pod_templates():
+        # the "restricted" Pod Security Standard, which namespaces may enforce
+        assert template["spec"]["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert template["spec"]["securityContext"]["runAsNonRoot"] is True
         for c in template["spec"]["containers"]:
             sc = c["securityContext"]
             assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"], c["name"]
+
+
+def _bytes(q: str) -> int:
+    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
+    return int(q[:-2]) * units[q[-2:]] if q[-2:] in units else int(q)
+
+
+def test_a_snapshot_of_every_slot_fits_the_memory_limit_and_snapshot_keep_of_them_the_volume():
+    # the final snapshot passes through host memory whole: a pool sized by the GPU (slots=auto) would not
+    sts = by_kind("StatefulSet")
+    (c,) = sts["spec"]["template"]["spec"]["containers"]
+    env = env_of(c)
+    s = Settings(**{k[len("CONVSERVE_"):].lower(): v for k, v in env.items()
+                    if k.startswith("CONVSERVE_") and isinstance(v, str) and k != "CONVSERVE_API_KEY_FILE"})
+    assert isinstance(s.slots, int), "a fixed slots value: auto follows the GPU, not the pod's memory"
+    layers = s.layers if isinstance(s.layers, int) else len(s.layers)
+    per_session = layers * s.dim * (s.width - 1) * 2       # the default model's state, bf16 on the GPU
+    snapshot = s.slots * per_session
+    memory = _bytes(c["resources"]["limits"]["memory"])
+    volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
+    shm = _bytes(volumes["dshm"]["emptyDir"]["sizeLimit"])
+    assert snapshot + shm <= memory // 2
+    (claim,) = sts["spec"]["volumeClaimTemplates"]
+    assert s.snapshot_keep * snapshot <= _bytes(claim["spec"]["resources"]["requests"]["storage"])
 
 
 def pod_templates() -> list[tuple[str, dict]]:
