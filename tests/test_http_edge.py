@@ -81,6 +81,18 @@ def test_a_401_says_whether_the_key_was_missing_wrong_or_sent_in_another_scheme_
     assert "wrong" not in r.text and "k3y" not in r.text
 
 
+def test_a_refused_request_is_counted_under_its_routes_template_and_only_an_unknown_path_as_unmatched(auth_server):
+    calls = [("POST", "/v1/conv/batch"), ("POST", "/v1/accept"), ("DELETE", "/v1/sessions/abc"),
+             ("GET", "/v1/model"), ("POST", "/v1/nope")]
+    for method, path in calls:
+        assert httpx.request(method, auth_server.url + path, headers=MP).status_code == 401
+    text = httpx.get(auth_server.url + "/metrics").text
+    for method, route in [("POST", "/v1/conv/batch"), ("POST", "/v1/accept"), ("DELETE", "/v1/sessions/{session}"),
+                          ("GET", "/v1/model"), ("POST", "unmatched")]:
+        assert f'convserve_http_requests_total{{method="{method}",route="{route}",status="401"}}' in text, route
+        assert f'convserve_errors_total{{code="unauthorized",route="{route}"}}' in text, route
+
+
 @pytest.mark.parametrize("path", ["/healthz", "/readyz"])
 def test_health_answers_head_as_probes_send_it(auth_server, path):
     r = httpx.head(auth_server.url + path)

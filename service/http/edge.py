@@ -98,7 +98,7 @@ class Edge:
                             pass
             finally:
                 route = scope.get("route")
-                label = route.path if route is not None else scope.get(ROUTE_SCOPE_KEY, "unmatched")
+                label = route.path if route is not None else scope.get(ROUTE_SCOPE_KEY) or _route_of(scope)
                 dt = time.perf_counter() - start
                 code = scope.get(ERROR_SCOPE_KEY)
                 if status is None:                        # nothing was sent: the client left, or a bug
@@ -126,6 +126,15 @@ class Edge:
                 self.metrics.error(WS_ROUTE if scope["path"] == WS_ROUTE else "unmatched", code)
         else:
             await app(scope, receive, send)
+
+
+def _route_of(scope) -> str:
+    """The route template of a request answered before it was routed (401, the Edge's 400s) or that no route
+    took (404, 405 for another method), for its metrics' label: "unmatched" only when no route has its path."""
+    for r in getattr(getattr(scope.get("app"), "router", None), "routes", ()):    # the hot routes are there too
+        if r.matches(scope)[0] is not Match.NONE and hasattr(r, "path"):
+            return r.path
+    return "unmatched"
 
 
 class ConvServeApp(FastAPI):
