@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -160,8 +161,6 @@ class Server:
 def bind_socket(settings: Settings, listen: bool = True):
     """The listening socket (shared by every worker process, which inherit it). ``listen=False``: bound only (the
     port is ours, connections are still refused); the caller calls ``listen(settings.backlog)`` once it serves."""
-    import socket
-
     family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -182,12 +181,17 @@ def cannot_listen(settings: Settings, e: OSError) -> str:
     import errno
 
     log.error("cannot listen", extra={"host": settings.host, "port": settings.port, "error": str(e)})
-    if e.errno == errno.EADDRNOTAVAIL:
+    if isinstance(e, socket.gaierror):            # a --host that is no address and no name that resolves
+        fix = "--host must be an address of this machine or a name that resolves to one (0.0.0.0 for every " \
+              "interface, 127.0.0.1 for this machine only)"
+    elif e.errno == errno.EADDRNOTAVAIL:
         fix = "the address is not one of this machine's: pick another --host (0.0.0.0 for every interface)"
     elif e.errno == errno.EACCES:
         fix = "a port below 1024 needs privileges: pick another --port (--port 0 picks a free one)"
-    else:
+    elif e.errno == errno.EADDRINUSE:
         fix = "stop what holds it or pick another --port (--port 0 picks a free one)"
+    else:
+        fix = "check --host and --port"
     return f"cannot listen on {settings.host}:{settings.port} ({e.strerror or e}); {fix}"
 
 
@@ -308,7 +312,9 @@ def _serve(settings: Settings, key_on_command_line: bool, held: list) -> int:
         except OSError as e:
             log.error("cannot use the state directory", extra={"state_dir": str(settings.state_dir),
                                                                "error": str(e)})
-            print(f"convserve: state_dir: cannot use {settings.state_dir}: {e}", file=sys.stderr)
+            print(f"convserve: state_dir: cannot use {settings.state_dir}: {e.strerror or e}; give --state-dir a "
+                  "directory this user can create and write (it is created if missing), on a persistent volume",
+                  file=sys.stderr)
             return EXIT_CONFIG
     if workers > 0:
         from convserve.service.cluster.supervisor import Supervisor

@@ -516,7 +516,8 @@ class _FileSource(PydanticBaseSettingsSource):
 def read_config_file(path: Path) -> dict:
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
+        raise ConfigError(f"config file {path} " + ("is a directory: give the file's path" if path.is_dir()
+                                                     else "does not exist"))
     if path.suffix not in (".toml", ".json"):
         raise ConfigError(f"config file {path}: use a .toml or .json file")
     raw = path.read_bytes()

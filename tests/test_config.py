@@ -402,3 +402,8 @@ def test_an_empty_api_key_from_the_environment_is_refused_not_taken_as_no_key(mo
     monkeypatch.setenv("CONVSERVE_API_KEY", "")
     with pytest.raises(ConfigError, match="the key is empty"):
         load_settings({})
+
+
+def test_a_config_path_that_is_a_directory_says_so(tmp_path):
+    with pytest.raises(ConfigError, match="is a directory: give the file's path"):
+        load_settings({}, tmp_path)

@@ -42,6 +42,15 @@ def test_an_address_that_is_not_this_machines_says_to_pick_another_host(capsys):
     assert "cannot listen on 192.0.2.1:0" in err and "--host" in err and "stop what holds it" not in err
 
 
+@pytest.mark.parametrize("host", ["999.1.1.1", "no-such-host.invalid"])
+def test_a_host_that_does_not_resolve_says_so_not_to_pick_another_port(capsys, host):
+    from convserve.service.cli import main as cli_main
+
+    assert cli_main(["serve", "--host", host, "--port", "0", "--workers", "0", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on {host}:0" in err and "name that resolves" in err and "--port" not in err
+
+
 @pytest.mark.parametrize("workers", ["1", "0"], ids=["engine-processes", "workers-0"])
 def test_a_weights_file_that_cannot_be_read_exits_2_with_its_reason_on_the_last_line(tmp_path, workers):
     bad = tmp_path / "model.safetensors"
