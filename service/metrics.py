@@ -127,6 +127,8 @@ class EngineCollector(Collector):
     KNOWN = {
         "engine_restarts": ("convserve_engine_restarts", "counter", "Engine processes started again after their "
                             "process died (per engine: label engine)"),
+        "engines_up": ("convserve_engines_up", "gauge", "Engine processes answering the HTTP worker that "
+                       "answered this scrape"),
         "queue_depth": ("convserve_queue_depth", "gauge", "Requests queued in the engine, not yet in a step"),
         "slots_total": ("convserve_slots_total", "gauge", "Allocatable session slots (without the null slot)"),
         "slots_in_use": ("convserve_slots_in_use", "gauge", "Session slots holding a session"),
@@ -216,7 +218,6 @@ class EngineCollector(Collector):
         "bytes_graphs": "Device memory reserved by the engine's CUDA graph captures, bytes",
         "bytes_answers": "Bytes of the answers kept for requests that may be sent again (answers_kept)",
         "cuda_graphs": "CUDA graphs captured by the engine (decode buckets, batch and verify slots)",
-        "engines_up": "Engine processes answering the HTTP worker",
     }
 
     def __init__(self, stats: Callable[[], dict]):

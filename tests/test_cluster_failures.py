@@ -140,7 +140,7 @@ def test_a_killed_worker_is_restarted_and_no_session_state_is_corrupted():
 
         def restarts():
             return _series(httpx.get(srv.url + "/metrics", headers={"connection": "close"}).text,
-                           "convserve_worker_restarts")
+                           "convserve_worker_restarts_total")
 
         _wait(lambda: restarts() == want, timeout=30, what="the restart on /metrics")
         for _ in range(4):
@@ -210,7 +210,7 @@ def test_one_scrape_counts_the_requests_of_every_worker_and_engine():
         def leases():
             t = httpx.get(srv.url + "/metrics", headers={"connection": "close"}).text
             return (_series(t, "convserve_worker_shm_leases_total"), _series(t, "convserve_worker_shm_in_use"),
-                    _series(t, "convserve_worker_restarts"))
+                    _series(t, "convserve_worker_restarts_total"))
 
         _wait(lambda: sum(leases()[0].values()) == n, timeout=10, what="every worker's leases on one scrape")
         by_worker, in_use, restarts = leases()

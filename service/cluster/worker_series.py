@@ -8,8 +8,8 @@ worker's index:
 * ``convserve_worker_shm_leases_total``, ``_reused_total``, ``_inline_total`` (counters): summed over the
   worker's processes, dead ones included, so a restarted worker's series keeps counting up (``rate()`` works);
 * ``convserve_worker_shm_in_use`` (gauge): blocks leased now, the live process's;
-* ``convserve_worker_restarts`` (gauge): how many times the supervisor started this worker again after its
-  process died;
+* ``convserve_worker_restarts_total`` (counter): how many times the supervisor started this worker again after
+  its process died (each restarted process counts itself once; the dead ones' counts stay in their files);
 * ``convserve_worker_connections`` (gauge): the client connections the worker holds open now (how evenly the
   workers share the clients: each accepts from the one listening socket).
 
@@ -47,9 +47,11 @@ class WorkerSeries:
                         for k, help_ in _COUNTS.items()}
         self._in_use = Gauge("convserve_worker_shm_in_use", "Blocks of this worker's shared-memory arena leased now",
                              ["worker"], registry=None, multiprocess_mode="livesum").labels(w)
-        # max over the worker's processes, dead ones included: the latest process's count
-        Gauge("convserve_worker_restarts", "Times the supervisor started this worker again after its process died",
-              ["worker"], registry=None, multiprocess_mode="max").labels(w).set(restarts)
+        # summed over the worker's processes, dead ones included: each restarted one adds itself
+        restarted = Counter("convserve_worker_restarts", "Times the supervisor started this worker again after its "
+                            "process died", ["worker"], registry=None).labels(w)
+        if restarts:
+            restarted.inc()
         self._open = Gauge("convserve_worker_connections", "Client connections this worker holds open now",
                            ["worker"], registry=None, multiprocess_mode="livesum").labels(w)
         #: ``() -> connections open``, set by the HTTP server once it serves (:meth:`watch_connections`)
