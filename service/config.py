@@ -421,6 +421,17 @@ class Settings(BaseSettings):
                              f"({self.max_batch_size}) sessions ({BATCH_SESSION_OBJECTS} objects a session in its "
                              f"sessions, tokens, speculative and position lists, and up to {BATCH_FIXED_OBJECTS} "
                              f"more): raise max_body_objects to {need} or more, or lower max_batch_size")
+        # a limit given above the one that bounds it would read as taking effect and never could
+        if "max_spec_tokens" in given and self.max_spec_tokens > self.max_tokens_per_request:
+            raise ValueError(f"max_spec_tokens ({self.max_spec_tokens}) exceeds max_tokens_per_request "
+                             f"({self.max_tokens_per_request}): no verify that long can be sent; lower it")
+        if "max_json_body_bytes" in given and self.max_json_body_bytes > self.max_body_bytes:
+            raise ValueError(f"max_json_body_bytes ({self.max_json_body_bytes}) exceeds max_body_bytes "
+                             f"({self.max_body_bytes}), which bounds every body: lower it, or raise max_body_bytes")
+        b = self.max_prefill_tokens_per_step
+        if "max_prefill_tokens_per_step" in given and isinstance(b, int) and b > self.max_batch_tokens:
+            raise ValueError(f"max_prefill_tokens_per_step ({b}) exceeds max_batch_tokens ({self.max_batch_tokens}), "
+                             "the tokens of one step: lower it, or raise max_batch_tokens")
         return self
 
     # --- derived

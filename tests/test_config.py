@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -407,3 +408,19 @@ def test_an_empty_api_key_from_the_environment_is_refused_not_taken_as_no_key(mo
 def test_a_config_path_that_is_a_directory_says_so(tmp_path):
     with pytest.raises(ConfigError, match="is a directory: give the file's path"):
         load_settings({}, tmp_path)
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    ({"max_spec_tokens": "100000"}, "no verify that long can be sent"),
+    ({"max_spec_tokens": "65", "max_tokens_per_request": "64"}, "max_spec_tokens (65) exceeds"),
+    ({"max_json_body_bytes": str(3 << 20), "max_body_bytes": str(2 << 20)}, "which bounds every body"),
+    ({"max_prefill_tokens_per_step": "8193"}, "the tokens of one step"),
+])
+def test_a_limit_given_above_the_limit_that_bounds_it_is_refused(overrides, fragment):
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        load_settings(overrides)
+
+
+def test_the_bounded_limits_defaults_stay_valid_under_small_bounds():
+    s = load_settings({"max_tokens_per_request": "8", "max_body_bytes": "4096", "max_batch_tokens": "16"})
+    assert s.max_spec_tokens == 16 and s.max_json_body_bytes == 2 << 20     # defaults: bounded where they act
