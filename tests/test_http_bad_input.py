@@ -94,7 +94,7 @@ def _stream_without_reading_run(url):
     host, port = url.removeprefix("http://").split(":")
     sid = httpx.post(url + "/v1/sessions", headers=MP).content
     sid = msgpack.unpackb(sid)["session"]
-    frame = wire.packb({"id": 0, "session": sid, "layer": 0, "x": _x_map(1024)})     # 256 KiB in, 256 KiB out
+    x = _x_map(1024)                                    # 256 KiB in, 256 KiB out a frame
     sent = 0
     with socket.create_connection((host, int(port))) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
@@ -102,7 +102,8 @@ def _stream_without_reading_run(url):
                   b"transfer-encoding: chunked\r\n\r\n")
         s.settimeout(5)
         try:
-            for _ in range(160):
+            for i in range(160):                        # ids distinct: a repeated unanswered one ends the stream
+                frame = wire.packb({"id": i, "session": sid, "layer": 0, "x": x})
                 s.sendall(b"%x\r\n" % len(frame) + frame + b"\r\n")
                 sent += len(frame)
         except (TimeoutError, OSError):
