@@ -545,8 +545,8 @@ def test_a_spec_k_above_the_servers_max_spec_tokens_is_a_usage_error_before_any_
 
 @pytest.mark.parametrize("scenario", ["spec", "frontend"])
 def test_a_spec_k_above_what_one_slice_may_carry_is_a_usage_error_before_any_request(weights, capsys, scenario):
-    srv = LiveServer(["--weights", str(weights[0]), "--slots", "8", "--max-tokens-per-request", "4",
-                      "--max-spec-tokens", "8"])
+    # max_spec_tokens left at its default (16), above max_tokens_per_request: the slice limit is what binds
+    srv = LiveServer(["--weights", str(weights[0]), "--slots", "8", "--max-tokens-per-request", "4"])
     try:
         srv.wait_ready()
         assert main(["--url", srv.url, *SMALL, "--scenario", scenario, "--spec-k", "const:6", "--chunk", "4",
