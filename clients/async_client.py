@@ -259,7 +259,7 @@ class AsyncConvClient(_Base):
                 try:
                     for i in itertools.count():
                         r = await _next_unless(it, stopped)
-                        if r is _STOPPED:
+                        if r is _STOPPED or st["closing"]:     # the stop may come with a value in one pass
                             break
                         req = _as_request(r, i)
                         data = packer.pack(_frame(req))
@@ -397,8 +397,11 @@ class AsyncConvClient(_Base):
                     waiter.cancel()
                     if recv is not None:
                         recv.cancel()
+                    if state["stop"] and not task.done():   # it sees the stop at once: let it end by itself
+                        await asyncio.wait({task}, timeout=5)
                     if not task.done():
                         task.cancel()
+                        await asyncio.gather(task, return_exceptions=True)
         except BaseException as e:
             tracker.abandon()
             if state["stop"] and isinstance(e, Exception):
@@ -419,7 +422,11 @@ async def _next_unless(it, stopped: asyncio.Future):
     if stopped.done():
         return _STOPPED
     nxt = asyncio.ensure_future(it.__anext__())
-    await asyncio.wait((nxt, stopped), return_when=asyncio.FIRST_COMPLETED)
+    try:
+        await asyncio.wait((nxt, stopped), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:           # cancelled while it waits: no request is taken by a task left behind
+        nxt.cancel()
+        raise
     if not nxt.done():
         nxt.cancel()
         return _STOPPED

@@ -270,14 +270,15 @@ class _Tracker:
         self.book = book
 
     def add(self, req: ConvRequest) -> None:
+        check_given_position(self.book, req.position)
         with self.lock:
             if req.id in self.meta:
                 raise ValueError(f"request id {req.id!r} is already in flight in this stream; ids must be unique")
             if isinstance(req, BatchRequest):
                 session = list(req.sessions)
                 n = [1] * len(session) if req.tokens is None else [operator.index(t) for t in req.tokens]
-                spec = req.speculative
-                spec = [bool(f) for f in spec] if isinstance(spec, (list, tuple)) else [bool(spec)] * len(n)
+                spec = False if req.speculative is None else _flags(req.speculative)
+                spec = [spec] * len(n) if isinstance(spec, bool) else spec
             else:
                 session, n, spec = req.session, [len(req.x)], [bool(req.speculative)]
             self.meta[req.id] = (session, req.layer, _backend_of(req.x), n, spec)
@@ -303,7 +304,8 @@ class _Tracker:
             return ConvResult(fid, session, layer, error=error_from(obj["error"]))
         if self.book is not None:
             for s, k, f in zip(sessions, n, spec):
-                self.book.applied(s, layer, k, f)
+                if self.book.known(s):      # else its next tracked call reads the server's positions
+                    self.book.applied(s, layer, k, f)
         return ConvResult(fid, session, layer, y=wire.decode_tensor(obj["y"], backend=backend, name="y"))
 
     def _forget(self, sessions) -> None:

@@ -253,14 +253,15 @@ class ReplicatedAsyncConvClient(AsyncConvClient):
                 for r in requests:
                     yield r
 
-        stop = asyncio.Event()          # the caller left: nothing more is taken from ``requests``
+        stop = asyncio.Event()          # the caller left: nothing more is taken from ``requests``, nor sent
+        lead: dict[str, asyncio.Semaphore] = {}     # a replica's requests queued, not yet taken by its stream
 
         async def feeder():
             stopped = asyncio.ensure_future(stop.wait())
             try:
                 i = 0
                 it = items()
-                while (r := await _next_unless(it, stopped)) is not _STOPPED:
+                while (r := await _next_unless(it, stopped)) is not _STOPPED and not stop.is_set():
                     req = _as_request(r, i)
                     i += 1
                     try:
@@ -269,9 +270,12 @@ class ReplicatedAsyncConvClient(AsyncConvClient):
                         out.put_nowait(("res", _failed(req, e)))
                         continue
                     if url not in inputs:
-                        inputs[url] = asyncio.Queue()
+                        inputs[url], lead[url] = asyncio.Queue(), asyncio.Semaphore(window)
                         tasks.append(asyncio.ensure_future(replica_stream(url, inputs[url])))
+                    await lead[url].acquire()    # at most `window` requests ahead of that replica's stream
                     inputs[url].put_nowait(req)
+            except asyncio.CancelledError:
+                pass                             # the caller left (see below): what was fed is all
             except BaseException as e:  # noqa: BLE001 - raised by the reader
                 out.put_nowait(("raise", e))
             finally:
@@ -283,8 +287,15 @@ class ReplicatedAsyncConvClient(AsyncConvClient):
         async def replica_stream(url, q):
             pending: dict = {}
 
+            async def take():
+                req = await q.get()
+                if req is end or stop.is_set():  # after the caller left, a queued request is not sent
+                    return end
+                lead[url].release()
+                return req
+
             async def reqs():
-                while (req := await q.get()) is not end:
+                while (req := await take()) is not end:
                     pending[req.id] = req
                     yield req
             try:
@@ -297,7 +308,7 @@ class ReplicatedAsyncConvClient(AsyncConvClient):
                     for req in list(pending.values()):
                         out.put_nowait(("res", _failed(req, err)))
                     pending.clear()
-                    req = await q.get()
+                    req = await take()
                     if req is end:
                         break
                     pending[req.id] = req
@@ -317,6 +328,7 @@ class ReplicatedAsyncConvClient(AsyncConvClient):
                             yield val
                         except GeneratorExit:   # the replicas' streams end once what they sent is answered
                             stop.set()
+                            feed.cancel()       # it may wait on the caller's iterable or a replica's lead
                 elif kind == "fed":
                     started = val
                 elif kind == "done":
@@ -324,6 +336,7 @@ class ReplicatedAsyncConvClient(AsyncConvClient):
                 elif not stop.is_set():
                     raise val
         finally:
-            for t in (feed, *tasks):
-                if not t.done():
-                    t.cancel()
+            left = [t for t in (feed, *tasks) if not t.done()]
+            for t in left:
+                t.cancel()
+            await asyncio.gather(*left, return_exceptions=True)

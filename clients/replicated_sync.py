@@ -43,6 +43,10 @@ def unavailable(router: Router, url: str, sessions: list, e: BaseException) -> R
     return err
 
 
+#: how often a stream's feeder, waiting for room in a replica's queue, looks whether the caller left
+_STOP_POLL_S = 0.05
+
+
 class ReplicatedConvClient(ConvClient):
     """:class:`ConvClient` over several replicas (see :mod:`.replicas`). Extra keywords: ``health_interval_s``
     (default 2), ``resolve_interval_s`` (default 10, DNS endpoints), ``resolver`` (``host -> [addresses]``, for
@@ -288,7 +292,9 @@ class ReplicatedConvClient(ConvClient):
                 return next(iter(split))
             return self.router.route(req.session)
 
-        stop = threading.Event()        # the caller left: nothing more is taken from ``requests``
+        stop = threading.Event()        # the caller left: nothing more is taken from ``requests``, nor sent
+        lead: dict[str, threading.Semaphore] = {}   # a replica's requests queued, not yet taken by its stream
+        lock = threading.Lock()         # the stop and the replicas' queues: none is made once stopped
 
         def feeder():
             try:
@@ -301,23 +307,39 @@ class ReplicatedConvClient(ConvClient):
                     except ReplicaUnavailable as e:
                         out.put(("res", _failed(req, e)))
                         continue
-                    if url not in inputs:
-                        inputs[url] = queue.Queue()
-                        threading.Thread(target=replica_stream, args=(url, inputs[url]), daemon=True,
-                                         name="convserve-replica-stream").start()
+                    with lock:
+                        if stop.is_set():
+                            break
+                        if url not in inputs:
+                            inputs[url], lead[url] = queue.Queue(), threading.Semaphore(window)
+                            threading.Thread(target=replica_stream, args=(url, inputs[url]), daemon=True,
+                                             name="convserve-replica-stream").start()
+                    # at most `window` requests ahead of that replica's stream; the wait ends at the stop too
+                    while not lead[url].acquire(timeout=_STOP_POLL_S) and not stop.is_set():
+                        continue
+                    if stop.is_set():
+                        break
                     inputs[url].put(req)
             except BaseException as e:  # noqa: BLE001 - raised by the reader
                 out.put(("raise", e))
             finally:
-                for q in inputs.values():
-                    q.put(end)
-                out.put(("fed", len(inputs)))
+                with lock:
+                    for q in inputs.values():
+                        q.put(end)
+                    out.put(("fed", len(inputs)))
 
         def replica_stream(url, q):
             pending: dict = {}
 
+            def take():
+                req = q.get()
+                if req is end or stop.is_set():  # after the caller left, a queued request is not sent
+                    return end
+                lead[url].release()
+                return req
+
             def reqs():
-                while (req := q.get()) is not end:
+                while (req := take()) is not end:
                     pending[req.id] = req
                     yield req
             try:
@@ -330,7 +352,7 @@ class ReplicatedConvClient(ConvClient):
                     for req in list(pending.values()):
                         out.put(("res", _failed(req, err)))
                     pending.clear()
-                    req = q.get()
+                    req = take()
                     if req is end:
                         break
                     pending[req.id] = req
@@ -348,9 +370,14 @@ class ReplicatedConvClient(ConvClient):
                     try:
                         yield val
                     except GeneratorExit:   # the replicas' streams end once what they sent is answered (dropped)
-                        stop.set()
+                        with lock:
+                            stop.set()
+                            started = len(inputs)       # final: the feeder makes no queue after the stop
+                            for q in inputs.values():
+                                q.put(end)              # wakes a stream waiting for its next request
             elif kind == "fed":
-                started = val
+                if not stop.is_set():
+                    started = val
             elif kind == "done":
                 done += 1
             elif not stop.is_set():

@@ -305,6 +305,7 @@ class ConvClient(_Base):
         tracker = _Tracker(self.positions)
         slots = threading.Semaphore(window)
         sent = {"n": 0, "done": False, "error": None, "stop": False}
+        gate = threading.Lock()     # the stop and the count of frames sent change under it: once stopped, n is final
         closing = False             # the caller stopped early: nothing more is sent, the owed answers are dropped
         try:
             with ws_connect(connect, _ws_url(self.url), additional_headers=self._ws_headers(),
@@ -323,10 +324,18 @@ class ConvClient(_Base):
                                 break
                             req = _as_request(r, i)
                             data = packer.pack(_frame(req))
-                            tracker.add(req)
-                            ws.send(data)
+                            with gate:
+                                if sent["stop"]:    # the caller left while the iterable produced it: not sent
+                                    break
+                                tracker.add(req)
+                                sent["n"] += 1      # counted before the send: the receiver waits for its answer
+                            try:
+                                ws.send(data)
+                            except BaseException:
+                                with gate:
+                                    sent["n"] -= 1  # not sent: no answer to wait for
+                                raise
                             self.bytes_sent += len(data)
-                            sent["n"] += 1
                     except BaseException as e:  # noqa: BLE001 - re-raised by the receiver
                         sent["error"] = e
                     finally:
@@ -339,7 +348,7 @@ class ConvClient(_Base):
                 try:
                     idle_since = time.monotonic()
                     while True:
-                        if sent["done"] and received >= sent["n"]:
+                        if (sent["done"] or sent["stop"]) and received >= sent["n"]:
                             break
                         # Short waits, so that the end of the requests is noticed without a message to wake us.
                         try:
@@ -356,14 +365,16 @@ class ConvClient(_Base):
                                 try:
                                     yield res
                                 except GeneratorExit:
-                                    closing = sent["stop"] = True
+                                    with gate:
+                                        closing = sent["stop"] = True
                                     slots.release()     # wake the sender to see the stop
                     if sent["error"] is not None and not closing:
                         raise sent["error"]
                 finally:
                     sent["stop"] = True
                     slots.release(window)  # unblock the sender: it sends nothing more
-                    t.join(timeout=5)
+                    # a sender still waiting on the caller's iterable sends nothing once it returns: not waited for
+                    t.join(timeout=0.1 if closing else 5)
         except BaseException as e:
             tracker.abandon()
             if closing and isinstance(e, Exception):

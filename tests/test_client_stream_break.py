@@ -9,7 +9,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import threading
+import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -85,6 +88,66 @@ def test_a_sync_stream_left_early_applied_exactly_the_frames_it_sent_and_trackin
         c.delete_session(sid)
 
 
+@pytest.mark.parametrize("replicated", [False, True])
+def test_a_sync_ws_stream_left_while_its_requests_wait_for_an_answer_returns_and_sends_nothing_more(server,
+                                                                                                   replicated):
+    # (the sync clients' HTTP streams send the whole body before they read an answer: requests that wait for an
+    # answer need the WebSocket there, as the README says)
+    transport = "ws"
+    c = ReplicatedConvClient([server.url], track_positions=True, timeout=30) if replicated else \
+        ConvClient(server.url, track_positions=True, timeout=30)
+    never = threading.Event()
+    with c:
+        sid = c.create_session()
+        frames = _frames(sid, 3, False)
+        taken = []
+
+        def requests():             # a model's next layer: waits for an answer the caller never passes on
+            for f in frames[:3]:
+                taken.append(f.id)
+                yield f
+            never.wait(60)
+            taken.append("late")
+            yield frames[3]
+
+        t0 = time.monotonic()
+        for r in c.stream(requests(), transport=transport, window=8):
+            r.unwrap()
+            break
+        assert time.monotonic() - t0 < 15, "the close waited for the blocked iterable"
+        never.set()                 # the iterable produces its next request now: it must not be sent
+        time.sleep(0.3)
+        state = c.export_state(sid, backend="torch").state
+        sent = _check_after(c.session_info(sid), state, frames, sid, 3)
+        assert sent <= sum(len(f.x) for f in frames[:3])
+        c.delete_session(sid)
+
+
+def test_a_replicated_ws_stream_reads_at_most_a_window_ahead_and_sends_nothing_after_the_break(server):
+    # (over HTTP each replica's stream is a ConvClient's, which sends the whole iterable before it reads)
+    transport = "ws"
+    with ReplicatedConvClient([server.url]) as c:
+        sid = c.create_session()
+        frames = _frames(sid, 4, False) * 10
+        frames = [ConvRequest(sid, LAYER, f.x, id=i) for i, f in enumerate(frames)]     # 200 frames
+        taken = []
+
+        def requests():
+            for f in frames:
+                taken.append(f.id)
+                yield f
+
+        for r in c.stream(requests(), transport=transport, window=2):
+            r.unwrap()
+            break
+        n = len(taken)
+        assert n <= 2 * 2 + 2, f"{n} requests taken for a window of 2"
+        info = c.session_info(sid)
+        sent = info["positions"][info["layers"].index(LAYER)]
+        assert sent <= sum(len(f.x) for f in frames[:n])
+        c.delete_session(sid)
+
+
 @pytest.mark.parametrize("transport", ["http", "ws"])
 @pytest.mark.parametrize("replicated", [False, True])
 def test_an_async_stream_closed_early_stops_even_while_its_requests_wait_for_an_answer(server, transport,
@@ -133,4 +196,44 @@ def test_a_tracking_clients_book_forgets_a_session_whose_stream_frame_failed(ser
         assert not c.positions.known(sid)
         c.conv(sid, LAYER, torch.randn(1, DIM))     # reads the server's position (2) first: accepted
         assert c.positions.at(sid, LAYER) == 3
+        c.delete_session(sid)
+
+
+def test_a_tracking_clients_stream_leaves_a_session_it_did_not_know_unknown(server):
+    # made by another client: the stream's answers are not counted from nothing (which would give the book a
+    # partial entry); the next tracked call reads the server's positions
+    with ConvClient(server.url) as other, ConvClient(server.url, track_positions=True) as c:
+        sid = other.create_session()
+        other.conv(sid, LAYERS[0], torch.randn(3, DIM))
+        other.conv(sid, LAYER, torch.randn(2, DIM))
+        bad = ConvRequest(sid, LAYER, torch.randn(64, DIM), speculative=True, id="bad")   # fails: forgotten
+        good = ConvRequest(sid, LAYERS[0], torch.randn(1, DIM), id="good")
+        res = {r.id: r for r in c.stream([bad, good], transport="ws")}
+        assert res["bad"].error is not None and res["good"].error is None
+        assert not c.positions.known(sid)
+        c.conv(sid, LAYERS[0], torch.randn(1, DIM))     # reads [4, 2, 0] first: accepted
+        c.conv(sid, LAYER, torch.randn(1, DIM))
+        assert c.positions.at(sid, LAYERS[0]) == 5 and c.positions.at(sid, LAYER) == 3
+        other.delete_session(sid)
+
+
+@pytest.mark.parametrize("spec", [np.array([False, True]), np.bool_(False), torch.tensor([True, False]), None])
+def test_a_batch_frames_speculative_may_be_any_form_conv_batch_takes(server, spec):
+    with ConvClient(server.url, track_positions=True) as c:
+        sids = [c.create_session() for _ in range(2)]
+        x = torch.randn(4, DIM)
+        (res,) = c.stream([BatchRequest(sids, LAYER, x, tokens=np.array([2, 2]), speculative=spec)], transport="ws")
+        assert res.error is None
+        flags = [False, False] if spec is None else np.broadcast_to(np.asarray(spec), (2,)).tolist()
+        for s, f in zip(sids, flags):
+            assert c.positions.at(s, LAYER) == (0 if f else 2)
+            c.delete_session(s)
+
+
+def test_a_tracking_client_refuses_an_explicit_position_on_a_stream_frame(server):
+    with ConvClient(server.url, track_positions=True) as c:
+        sid = c.create_session()
+        with pytest.raises(ValueError, match="tracks positions itself"):
+            list(c.stream([ConvRequest(sid, LAYER, torch.randn(1, DIM), position=0)], transport="ws"))
+        assert c.session_info(sid)["positions"] == [0, 0, 0]
         c.delete_session(sid)
