@@ -289,9 +289,6 @@ def _serve(settings: Settings, key_on_command_line: bool, held: list) -> int:
     from convserve.service import logs
 
     logs.configure(settings.log_level, secrets=[settings.api_key_value()])
-    if key_on_command_line:
-        log.warning("the API key was given with --api-key, which every user of this machine can read in the "
-                    "process list; use --api-key-file or CONVSERVE_API_KEY instead")
     try:
         devices = settings.resolved_devices()
         ensure_fd_limit(settings.max_connections)
@@ -301,6 +298,9 @@ def _serve(settings: Settings, key_on_command_line: bool, held: list) -> int:
     workers = settings.resolved_workers(len(devices))
     if workers > 0:
         logs.set_process("supervisor")
+    if key_on_command_line:     # after set_process: every line of a multi-process server names its process
+        log.warning("the API key was given with --api-key, which every user of this machine can read in the "
+                    "process list; use --api-key-file or CONVSERVE_API_KEY instead")
     log.info("starting", extra={"settings": _redacted(settings), "workers": workers, "engines": devices})
     if settings.state_dir is not None:
         from convserve.service.snapshots import lock_state_dir, prepare_state_dir

@@ -135,7 +135,9 @@ def test_the_key_never_reaches_the_log_even_at_debug_and_a_key_on_the_command_li
         srv.terminate()
     assert srv.raw and not [line for line in srv.raw if key in line]
     assert not [m for m in srv.log_messages() if "--api-key" in m]
-    loud = LiveServer(["--layers", "1", "--dim", "8", "--dtype", "float32", "--api-key", key, "--workers", "0"])
-    loud.terminate()
-    assert [m for m in loud.log_messages() if "process list" in m]
-    assert not [line for line in loud.raw if key in line]
+    for workers in ("0", "1"):
+        loud = LiveServer(["--layers", "1", "--dim", "8", "--dtype", "float32", "--api-key", key, "--workers", workers])
+        loud.terminate()
+        (warned,) = [r for r in loud.logs if "process list" in r.get("msg", "")]
+        assert ("proc" in warned) == (workers == "1")      # a multi-process server's lines all name their process
+        assert not [line for line in loud.raw if key in line]
