@@ -126,10 +126,11 @@ class Settings(BaseSettings):
                                      description="seconds a conv or session operation may wait to start: one not "
                                      "started by then fails with 504 timeout and never runs (one already started "
                                      "always answers with its result)")
-    engine_down_unhealthy_s: float = Field(300.0, ge=0, le=MAX_WAIT_S, description="with engine processes: /healthz answers 503 "
-                                           "once an engine has been down this many seconds since its process "
-                                           "died (it keeps failing to start), so that a liveness probe restarts "
-                                           "the server (0: never)")
+    engine_down_unhealthy_s: float = Field(300.0, ge=0, le=MAX_WAIT_S,
+        description="with engine processes: /healthz answers 503 "
+                    "once an engine has been down this many seconds since its process "
+                    "died (it keeps failing to start), so that a liveness probe restarts "
+                    "the server (0: never)")
     engine_busy_poll_us: Union[int, Literal["auto"]] = Field(
         "auto", description="with engine processes: after a message in or out, an engine process polls its socket "
         "this long before it sleeps, so that a request arriving meanwhile is read at once instead of after the "
@@ -140,11 +141,12 @@ class Settings(BaseSettings):
                                           "/metrics scrape waits for each engine's counters; an engine that does "
                                           "not answer in time is left out of that scrape and shows as not "
                                           "answering in /readyz")
-    engine_reply_timeout_s: Optional[float] = Field(None, gt=0, le=MAX_WAIT_S, description="with engine processes: seconds an "
-                                                    "HTTP worker waits for an engine's answer to a conv or session "
-                                                    "operation before it answers 504 engine_timeout (the request "
-                                                    "may have been applied); more than request_timeout_s; unset: "
-                                                    "request_timeout_s + 60")
+    engine_reply_timeout_s: Optional[float] = Field(None, gt=0, le=MAX_WAIT_S,
+        description="with engine processes: seconds an "
+                    "HTTP worker waits for an engine's answer to a conv or session "
+                    "operation before it answers 504 engine_timeout (the request "
+                    "may have been applied); more than request_timeout_s; unset: "
+                    "request_timeout_s + 60")
     caller_step_max_tokens: Optional[int] = Field(_ENGINE.caller_step_max_tokens, ge=0,
                                         description="the largest engine step (tokens) that the thread submitting "
                                         "its request runs itself, when the engine is idle and the step would "
@@ -178,14 +180,16 @@ class Settings(BaseSettings):
     state_dir: Optional[Path] = Field(None, description="directory of the session snapshots: every session is "
                                       "written there on SIGTERM (and every --snapshot-interval-s) and the newest "
                                       "good snapshot is restored at start; unset: no snapshots")
-    snapshot_interval_s: Optional[float] = Field(None, gt=0, le=MAX_WAIT_S, description="with --state-dir: also write a "
-                                                 "snapshot every this many seconds (what a kill -9 loses is "
-                                                 "what changed since); unset: only on SIGTERM")
+    snapshot_interval_s: Optional[float] = Field(None, gt=0, le=MAX_WAIT_S,
+        description="with --state-dir: also write a "
+                    "snapshot every this many seconds (what a kill -9 loses is "
+                    "what changed since); unset: only on SIGTERM")
     snapshot_keep: int = Field(3, ge=1, le=1000, description="snapshot files kept per engine (newest first): a "
                                "torn or unreadable newest falls back to the one before")
-    snapshot_timeout_s: float = Field(60.0, gt=0, le=MAX_WAIT_S, description="on SIGTERM, how long writing the final snapshot "
-                                      "may take, after the drain (the supervisor waits this much longer for "
-                                      "engine processes)")
+    snapshot_timeout_s: float = Field(60.0, gt=0, le=MAX_WAIT_S,
+        description="on SIGTERM, how long writing the final snapshot "
+                    "may take, after the drain (the supervisor waits this much longer for "
+                    "engine processes)")
 
     # --- HTTP limits
     max_body_bytes: int = Field(64 << 20, ge=1024, description="largest request body, or stream frame, "
@@ -211,8 +215,9 @@ class Settings(BaseSettings):
     check_finite: bool = Field(_ENGINE.check_finite, description="reject x with NaN or Inf (422 non_finite)")
     stream_window: int = Field(256, ge=1, description="frames of one stream or WebSocket being computed at "
                                                       "once; the next frames wait to be read")
-    shutdown_timeout_s: float = Field(30.0, ge=0, le=MAX_WAIT_S, description="on SIGTERM, how long to let in-flight work "
-                                                              "finish before exiting")
+    shutdown_timeout_s: float = Field(30.0, ge=0, le=MAX_WAIT_S,
+        description="on SIGTERM, how long to let in-flight work "
+                    "finish before exiting")
     max_json_body_bytes: int = Field(2 << 20, ge=1024, description="largest JSON body (or JSON part of a /v2 "
                                      "request), in bytes (413 above): JSON is decoded in one C call that holds "
                                      "the interpreter for about 12 ms per MiB at worst; send tensors in msgpack")
