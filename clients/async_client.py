@@ -351,7 +351,11 @@ class AsyncConvClient(_Base):
                             data = packer.pack(_frame(req))
                             tracker.add(req)
                             state["n"] += 1     # counted before the send: the receiver waits for its answer
-                            await ws.send(data)
+                            try:
+                                await ws.send(data)
+                            except BaseException:
+                                state["n"] -= 1     # not sent: no answer to wait for
+                                raise
                             self.bytes_sent += len(data)
                     except BaseException as e:  # noqa: BLE001 - re-raised by the receiver
                         state["error"] = e
@@ -369,8 +373,6 @@ class AsyncConvClient(_Base):
                     while True:
                         if (state["done"] or state["stop"]) and received >= state["n"]:
                             break
-                        if state["stop"] and state["error"] is not None:
-                            break               # a send that failed after the stop: its answer never comes
                         if recv is None:
                             recv = asyncio.ensure_future(ws.recv())
                         done, _ = await asyncio.wait((recv,) if waiter.done() else (recv, waiter),

@@ -274,8 +274,10 @@ class ReplicatedAsyncConvClient(AsyncConvClient):
                         tasks.append(asyncio.ensure_future(replica_stream(url, inputs[url])))
                     await lead[url].acquire()    # at most `window` requests ahead of that replica's stream
                     inputs[url].put_nowait(req)
-            except asyncio.CancelledError:
-                pass                             # the caller left (see below): what was fed is all
+            except asyncio.CancelledError as e:
+                if not stop.is_set():            # the caller's own iterable was cancelled: raised by the reader
+                    out.put_nowait(("raise", e))
+                # else the caller left (see below): what was fed is all
             except BaseException as e:  # noqa: BLE001 - raised by the reader
                 out.put_nowait(("raise", e))
             finally:
@@ -286,10 +288,12 @@ class ReplicatedAsyncConvClient(AsyncConvClient):
 
         async def replica_stream(url, q):
             pending: dict = {}
+            ended = []          # reqs() took the end: the queue holds nothing more for this replica
 
             async def take():
                 req = await q.get()
                 if req is end or stop.is_set():  # after the caller left, a queued request is not sent
+                    ended.append(True)
                     return end
                 lead[url].release()
                 return req
@@ -308,6 +312,8 @@ class ReplicatedAsyncConvClient(AsyncConvClient):
                     for req in list(pending.values()):
                         out.put_nowait(("res", _failed(req, err)))
                     pending.clear()
+                    if ended:
+                        break
                     req = await take()
                     if req is end:
                         break

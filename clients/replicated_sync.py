@@ -330,10 +330,12 @@ class ReplicatedConvClient(ConvClient):
 
         def replica_stream(url, q):
             pending: dict = {}
+            ended = []          # the end was taken: the queue holds nothing more for this replica
 
-            def take():
-                req = q.get()
+            def take(timeout=None):
+                req = q.get(timeout=timeout)
                 if req is end or stop.is_set():  # after the caller left, a queued request is not sent
+                    ended.append(True)
                     return end
                 lead[url].release()
                 return req
@@ -352,7 +354,12 @@ class ReplicatedConvClient(ConvClient):
                     for req in list(pending.values()):
                         out.put(("res", _failed(req, err)))
                     pending.clear()
-                    req = take()
+                    if ended:
+                        break
+                    try:    # polled: a sub-stream's sender thread left behind may take the end instead
+                        req = take(_STOP_POLL_S)
+                    except queue.Empty:
+                        continue
                     if req is end:
                         break
                     pending[req.id] = req
@@ -361,27 +368,34 @@ class ReplicatedConvClient(ConvClient):
             finally:
                 out.put(("done", url))
 
+        def halt() -> int:
+            """Stop the feeder and every replica's stream after what they sent; the number of streams."""
+            with lock:
+                stop.set()
+                for q in inputs.values():
+                    q.put(end)              # wakes a stream waiting for its next request
+                return len(inputs)          # final: the feeder makes no queue after the stop
+
         threading.Thread(target=feeder, daemon=True, name="convserve-replica-feeder").start()
         started, done = None, 0
-        while started is None or done < started:
-            kind, val = out.get()
-            if kind == "res":
-                if not stop.is_set():
-                    try:
-                        yield val
-                    except GeneratorExit:   # the replicas' streams end once what they sent is answered (dropped)
-                        with lock:
-                            stop.set()
-                            started = len(inputs)       # final: the feeder makes no queue after the stop
-                            for q in inputs.values():
-                                q.put(end)              # wakes a stream waiting for its next request
-            elif kind == "fed":
-                if not stop.is_set():
-                    started = val
-            elif kind == "done":
-                done += 1
-            elif not stop.is_set():
-                raise val
+        try:
+            while started is None or done < started:
+                kind, val = out.get()
+                if kind == "res":
+                    if not stop.is_set():
+                        try:
+                            yield val
+                        except GeneratorExit:   # the replicas' streams end once what they sent is answered
+                            started = halt()
+                elif kind == "fed":
+                    if not stop.is_set():
+                        started = val
+                elif kind == "done":
+                    done += 1
+                elif not stop.is_set():
+                    raise val
+        finally:
+            halt()                          # on every way out: no feeder left waiting on a queue nobody reads
 
 
 def _failed(req, err: ReplicaUnavailable) -> ConvResult:

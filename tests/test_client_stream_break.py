@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import socket
 import threading
 import time
 
@@ -237,3 +238,91 @@ def test_a_tracking_client_refuses_an_explicit_position_on_a_stream_frame(server
             list(c.stream([ConvRequest(sid, LAYER, torch.randn(1, DIM), position=0)], transport="ws"))
         assert c.session_info(sid)["positions"] == [0, 0, 0]
         c.delete_session(sid)
+
+
+def test_an_async_ws_stream_whose_iterable_failed_still_reads_every_owed_answer_when_closed(server):
+    async def main():
+        async with AsyncConvClient(server.url, track_positions=True) as c:
+            sid = await c.create_session()
+            frames = _frames(sid, 5, False)[:10]
+
+            async def requests():
+                for f in frames:
+                    yield f
+                raise RuntimeError("the caller's iterable failed")
+
+            async with contextlib.aclosing(c.stream(requests(), transport="ws", window=16)) as s:
+                async for r in s:
+                    r.unwrap()
+                    await asyncio.sleep(0.3)        # the sender has met the error by now
+                    break
+            info = await c.session_info(sid)
+            sent = info["positions"][info["layers"].index(LAYER)]
+            assert sent == sum(len(f.x) for f in frames)    # every frame sent was answered before the close
+            assert c.positions.at(sid, LAYER) == sent
+            await c.delete_session(sid)
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+@pytest.mark.parametrize("transport", ["http", "ws"])
+def test_a_replicated_stream_that_raises_leaves_no_feeder_behind(server, transport):
+    with ReplicatedConvClient([server.url]) as c:
+        sid = c.create_session()
+        dup = [ConvRequest(sid, LAYER, torch.randn(1, DIM), id=0) for _ in range(200)]     # ids repeat: ValueError
+        with pytest.raises(ValueError, match="already in flight"):
+            list(c.stream(dup, transport=transport, window=4))
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(t.name == "convserve-replica-feeder" for t in threading.enumerate()):
+            time.sleep(0.05)
+        assert not any(t.name == "convserve-replica-feeder" for t in threading.enumerate())
+        c.delete_session(sid)
+
+
+def _dropper():
+    """A fake replica: ``GET`` answers 200 ``{}``; a POST's whole chunked body is read, then the connection is closed
+    unanswered (a replica that fails after the request's end)."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+
+    def handle(conn):
+        buf = b""
+        with conn:
+            while d := conn.recv(65536):
+                buf += d
+                if buf.startswith(b"GET") and b"\r\n\r\n" in buf:
+                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
+                    buf = b""
+                elif buf.startswith(b"POST") and b"0\r\n\r\n" in buf[-64:]:
+                    return
+
+    def serve():
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            threading.Thread(target=handle, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return srv, f"http://127.0.0.1:{srv.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_replica_that_drops_the_stream_after_its_body_answers_every_request_as_unavailable_and_ends(kind):
+    srv, url = _dropper()
+    reqs = [ConvRequest("s1", LAYER, torch.randn(1, DIM), id=i) for i in range(3)]
+    try:
+        if kind == "sync":
+            with ReplicatedConvClient([url], timeout=3, health_interval_s=3600) as c:
+                got = list(c.stream(reqs, transport="http"))
+        else:
+            async def main():
+                async with ReplicatedAsyncConvClient([url], timeout=3, health_interval_s=3600) as c:
+                    return [r async for r in c.stream(reqs, transport="http")]
+            got = asyncio.run(asyncio.wait_for(main(), 30))
+    finally:
+        srv.close()
+    assert sorted(r.id for r in got) == [0, 1, 2]
+    assert all(type(r.error).__name__ == "ReplicaUnavailable" for r in got)
