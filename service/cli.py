@@ -259,7 +259,7 @@ def run_app(settings: Settings, app, sockets=None) -> int:
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, loop="auto", ws="auto", lifespan="on",
         http=guarded_protocol(settings, on_close=app.state.metrics.connection_closed),
-        log_config=logs.log_config(settings.log_level), access_log=False, server_header=False,
+        log_config=logs.log_config(settings.log_level, settings.access_log), access_log=False, server_header=False,
         timeout_graceful_shutdown=max(settings.shutdown_timeout_s, 0.1), ws_max_size=settings.max_body_bytes,
         ws_per_message_deflate=False, backlog=settings.backlog, timeout_keep_alive=settings.keep_alive_s,
         h11_max_incomplete_event_size=settings.max_header_bytes,
@@ -288,7 +288,7 @@ def serve(settings: Settings, key_on_command_line: bool = False) -> int:
 def _serve(settings: Settings, key_on_command_line: bool, held: list) -> int:
     from convserve.service import logs
 
-    logs.configure(settings.log_level, secrets=[settings.api_key_value()])
+    logs.configure(settings.log_level, secrets=[settings.api_key_value()], access=settings.access_log)
     try:
         devices = settings.resolved_devices()
         ensure_fd_limit(settings.max_connections)

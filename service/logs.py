@@ -56,32 +56,43 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str, separators=(",", ":"))
 
 
-def log_config(level: str = "info") -> dict:
-    """A ``logging.config.dictConfig`` dict (also handed to uvicorn) sending everything as JSON to stderr."""
+class ConnectionLines(logging.Filter):
+    """Drops the lines uvicorn and websockets write per WebSocket connection at info level (the handshake's
+    outcome, "connection open", "connection closed"): access-log lines, kept only with ``access_log``."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.msg if isinstance(record.msg, str) else ""
+        return not (record.levelno == logging.INFO and (msg.startswith('%s - "WebSocket %s"')
+                                                        or msg in ("connection open", "connection closed")))
+
+
+def log_config(level: str = "info", access: bool = False) -> dict:
+    """A ``logging.config.dictConfig`` dict (also handed to uvicorn) sending everything as JSON to stderr;
+    ``access``: the ``access_log`` setting (the WebSocket connections' lines too)."""
     lvl = level.upper()
     return {
         "version": 1,
         "disable_existing_loggers": False,
         "formatters": {"json": {"()": JsonFormatter}},
-        "filters": {"secrets": {"()": RedactSecrets}},
+        "filters": {"secrets": {"()": RedactSecrets}, "connections": {"()": ConnectionLines}},
         "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "json", "stream": "ext://sys.stderr",
                                 "filters": ["secrets"]}},
         "loggers": {
             "convserve": {"handlers": ["stderr"], "level": lvl, "propagate": False},
             "uvicorn": {"handlers": ["stderr"], "level": lvl, "propagate": False},
-            "uvicorn.error": {"level": lvl},
+            "uvicorn.error": {"level": lvl, "filters": [] if access else ["connections"]},
             "uvicorn.access": {"handlers": [], "level": "WARNING", "propagate": False},
         },
         "root": {"handlers": ["stderr"], "level": "WARNING"},
     }
 
 
-def configure(level: str = "info", secrets=()) -> None:
+def configure(level: str = "info", secrets=(), access: bool = False) -> None:
     """Send every log as JSON to stderr; ``secrets`` (the API key) are blanked wherever they would appear."""
     import logging.config
 
     RedactSecrets.secrets = tuple(s for s in secrets if s)
-    logging.config.dictConfig(log_config(level))
+    logging.config.dictConfig(log_config(level, access))
     logging.captureWarnings(True)
     sys.stderr.reconfigure(line_buffering=True)
 

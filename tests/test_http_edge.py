@@ -141,3 +141,20 @@ def test_the_key_never_reaches_the_log_even_at_debug_and_a_key_on_the_command_li
         (warned,) = [r for r in loud.logs if "process list" in r.get("msg", "")]
         assert ("proc" in warned) == (workers == "1")      # a multi-process server's lines all name their process
         assert not [line for line in loud.raw if key in line]
+
+
+@pytest.mark.parametrize("access", [False, True])
+@pytest.mark.parametrize("workers", ["0", "1"])
+def test_a_websockets_connection_lines_are_written_only_with_the_access_log(access, workers):
+    args = ["--layers", "1", "--dim", "8", "--dtype", "float32", "--workers", workers]
+    srv = LiveServer(args + (["--access-log"] if access else []))
+    try:
+        url = srv.url.replace("http://", "ws://") + "/v1/conv/ws"
+        with ws_connect(url) as ws:
+            ws.send(wire.packb({"id": 1, "session": "none", "layer": 1, "x": wire.encode_tensor(torch.zeros(1, 8))}))
+            ws.recv(timeout=10)
+    finally:
+        srv.terminate()
+    lines = [m for m in srv.log_messages() if "WebSocket" in m or m in ("connection open", "connection closed")]
+    assert bool(lines) == access, lines
+    assert "stopped" in srv.log_messages()          # the server's own lines are all still there

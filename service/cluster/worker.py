@@ -26,7 +26,7 @@ def main(spec: dict) -> None:
     # the other workers and the engines for the same cores
     torch.set_num_threads(1)
     settings = spec["settings"]
-    logs.configure(settings.log_level, secrets=[settings.api_key_value()])
+    logs.configure(settings.log_level, secrets=[settings.api_key_value()], access=settings.access_log)
     logs.set_process(f"worker-{spec['index']}")
     hold(spec)
     with open(os.path.join(spec["run_dir"], "model.msgpack"), "rb") as f:
