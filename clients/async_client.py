@@ -248,8 +248,9 @@ class AsyncConvClient(_Base):
 
     async def _stream_http(self, requests):
         tracker, failed = _Tracker(self.positions), []
-        st = {"closing": False}     # the caller stopped early: nothing more is sent, the owed answers are dropped
-        stop = asyncio.Event()      # set with st["closing"]: the body ends even while it waits for a request
+        # the caller stopped early: nothing more is sent (the body ends even while it waits for a request), the
+        # owed answers are dropped
+        stop = asyncio.Event()
 
         async def body():   # a request that cannot be sent ends the body; raised after the answers before it
             if hasattr(requests, "__aiter__"):
@@ -259,7 +260,7 @@ class AsyncConvClient(_Base):
                 try:
                     for i in itertools.count():
                         r = await _next_unless(it, stopped)
-                        if r is _STOPPED or st["closing"]:     # the stop may come with a value in one pass
+                        if r is _STOPPED or stop.is_set():     # the stop may come with a value in one pass
                             break
                         req = _as_request(r, i)
                         data = packer.pack(_frame(req))
@@ -274,11 +275,11 @@ class AsyncConvClient(_Base):
                 for chunk in _chunked(requests, tracker, failed):
                     self.bytes_sent += len(chunk)
                     yield chunk
-                    if st["closing"]:
+                    if stop.is_set():
                         break
 
         unpacker = wire.new_unpacker(MAX_MESSAGE_BYTES)
-        try:
+        with tracker.answering(stop.is_set):
             if self._h1 is not None:      # full duplex: frames that wait for earlier answers are fine
                 chunks = self._h1.stream(self._prefix + "/v1/conv/stream", body())
             else:                         # httpx sends the whole body before it reads the answer
@@ -289,21 +290,14 @@ class AsyncConvClient(_Base):
                     unpacker.feed(chunk)
                     for obj in unpacker:
                         res = tracker.result(obj)
-                        if not st["closing"]:
+                        if not stop.is_set():
                             try:
                                 yield res
                             except GeneratorExit:
-                                st["closing"] = True
                                 stop.set()
             finally:
                 await chunks.aclose()
-        except BaseException as e:
-            tracker.abandon()
-            if st["closing"] and isinstance(e, Exception):
-                return              # aclose() is not the place to raise: the owed frames' sessions are forgotten
-            raise
-        if st["closing"]:
-            tracker.abandon()
+        if stop.is_set():
             return
         if failed:
             raise failed[0]
@@ -323,9 +317,9 @@ class AsyncConvClient(_Base):
 
         tracker = _Tracker(self.positions)
         slots = asyncio.Semaphore(window)
-        state = {"n": 0, "done": False, "error": None, "stop": False}
+        state = {"n": 0, "done": False, "error": None}
         wake, stop = asyncio.Event(), asyncio.Event()      # the sender's end; the caller's early stop
-        try:
+        with tracker.answering(stop.is_set):
             async with await ws_connect_async(connect, _ws_url(self.url), additional_headers=self._ws_headers(),
                                               max_size=MAX_MESSAGE_BYTES, compression=None,
                                               open_timeout=self.timeout) as ws:
@@ -338,13 +332,13 @@ class AsyncConvClient(_Base):
                         sync_it = iter(requests) if it is None else None
                         while True:
                             await slots.acquire()
-                            if state["stop"]:
+                            if stop.is_set():
                                 break
                             try:
                                 r = await _next_unless(it, stopped) if it is not None else next(sync_it)
                             except StopIteration:
                                 r = _STOPPED
-                            if r is _STOPPED or state["stop"]:
+                            if r is _STOPPED or stop.is_set():
                                 slots.release()
                                 break
                             req = _as_request(r, next(counter))
@@ -371,7 +365,7 @@ class AsyncConvClient(_Base):
                 waiter = asyncio.ensure_future(wake.wait())   # the sender's end (set once)
                 try:
                     while True:
-                        if (state["done"] or state["stop"]) and received >= state["n"]:
+                        if (state["done"] or stop.is_set()) and received >= state["n"]:
                             break
                         if recv is None:
                             recv = asyncio.ensure_future(ws.recv())
@@ -386,31 +380,24 @@ class AsyncConvClient(_Base):
                         for res in self._ws_results(msg, unpacker, tracker):
                             received += 1
                             slots.release()
-                            if not state["stop"]:
+                            if not stop.is_set():
                                 try:
                                     yield res
                                 except GeneratorExit:
-                                    state["stop"] = True
                                     stop.set()
                                     slots.release()     # wake the sender to see the stop
-                    if state["error"] is not None and not state["stop"]:
+                    if state["error"] is not None and not stop.is_set():
                         raise state["error"]
                 finally:
                     waiter.cancel()
                     if recv is not None:
                         recv.cancel()
-                    if state["stop"] and not task.done():   # it sees the stop at once: let it end by itself
+                    if stop.is_set() and not task.done():   # it sees the stop at once: let it end by itself
                         await asyncio.wait({task}, timeout=5)
                     if not task.done():
                         task.cancel()
                         await asyncio.gather(task, return_exceptions=True)
-        except BaseException as e:
-            tracker.abandon()
-            if state["stop"] and isinstance(e, Exception):
-                return
-            raise
-        if state["stop"]:
-            tracker.abandon()
+        if stop.is_set():
             return
         tracker.check_done()
 

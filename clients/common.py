@@ -274,14 +274,13 @@ class _Tracker:
         with self.lock:
             if req.id in self.meta:
                 raise ValueError(f"request id {req.id!r} is already in flight in this stream; ids must be unique")
-            if isinstance(req, BatchRequest):
-                session = list(req.sessions)
-                n = [1] * len(session) if req.tokens is None else [operator.index(t) for t in req.tokens]
-                spec = False if req.speculative is None else _flags(req.speculative)
-                spec = [spec] * len(n) if isinstance(spec, bool) else spec
-            else:
-                session, n, spec = req.session, [len(req.x)], [bool(req.speculative)]
-            self.meta[req.id] = (session, req.layer, _backend_of(req.x), n, spec)
+            batch = isinstance(req, BatchRequest)
+            session = list(req.sessions) if batch else req.session
+            # what each session's row applies, for the book only (no per-frame work without one)
+            rows = None if self.book is None else \
+                _Base._batch_rows(session, req.x, req.tokens, req.speculative) if batch else \
+                ([len(req.x)], [bool(req.speculative)])
+            self.meta[req.id] = (session, req.layer, _backend_of(req.x), rows)
 
     def result(self, obj: Any) -> ConvResult:
         if not isinstance(obj, dict) or "id" not in obj:
@@ -297,13 +296,13 @@ class _Tracker:
             e = ServiceError(f"the server answered an unknown frame id {fid!r}")
             e.code = "internal"
             raise e
-        session, layer, backend, n, spec = meta
+        session, layer, backend, rows = meta
         sessions = session if isinstance(session, list) else [session]
         if "error" in obj:
             self._forget(sessions)
             return ConvResult(fid, session, layer, error=error_from(obj["error"]))
-        if self.book is not None:
-            for s, k, f in zip(sessions, n, spec):
+        if rows is not None:
+            for s, k, f in zip(sessions, *rows):
                 if self.book.known(s):      # else its next tracked call reads the server's positions
                     self.book.applied(s, layer, k, f)
         return ConvResult(fid, session, layer, y=wire.decode_tensor(obj["y"], backend=backend, name="y"))
@@ -312,6 +311,21 @@ class _Tracker:
         if self.book is not None:
             for s in sessions:
                 self.book.forget(s)
+
+    @contextlib.contextmanager
+    def answering(self, closing):
+        """Around a stream's reading of its answers. An exception abandons the answers still owed, and is not
+        raised when it ends a stream the caller left (``closing()``: close() is not the place to raise); a stream
+        the caller left abandons what it still owed at its end too."""
+        try:
+            yield
+        except BaseException as e:
+            self.abandon()
+            if closing() and isinstance(e, Exception):
+                return
+            raise
+        if closing():
+            self.abandon()
 
     def abandon(self) -> None:
         """The stream ended without the answers still owed: their outcome is unknown to the client."""

@@ -271,7 +271,7 @@ class ConvClient(_Base):
                 self.bytes_sent += len(chunk)
                 yield chunk
 
-        try:
+        with tracker.answering(lambda: closing):
             with self._http.stream("POST", "/v1/conv/stream", content=body()) as resp:
                 if resp.status_code >= 400:
                     resp.read()
@@ -287,13 +287,7 @@ class ConvClient(_Base):
                                 yield res
                             except GeneratorExit:
                                 closing = True
-        except BaseException as e:
-            tracker.abandon()
-            if closing and isinstance(e, Exception):
-                return              # close() is not the place to raise: the owed frames' sessions are forgotten
-            raise
         if closing:
-            tracker.abandon()
             return
         if failed:                      # a request that could not be sent, after the answers of those before it
             raise failed[0]
@@ -307,7 +301,7 @@ class ConvClient(_Base):
         sent = {"n": 0, "done": False, "error": None, "stop": False}
         gate = threading.Lock()     # the stop and the count of frames sent change under it: once stopped, n is final
         closing = False             # the caller stopped early: nothing more is sent, the owed answers are dropped
-        try:
+        with tracker.answering(lambda: closing):
             with ws_connect(connect, _ws_url(self.url), additional_headers=self._ws_headers(),
                             max_size=MAX_MESSAGE_BYTES, compression=None, open_timeout=self.timeout) as ws:
                 def sender():
@@ -375,12 +369,6 @@ class ConvClient(_Base):
                     slots.release(window)  # unblock the sender: it sends nothing more
                     # a sender still waiting on the caller's iterable sends nothing once it returns: not waited for
                     t.join(timeout=0.1 if closing else 5)
-        except BaseException as e:
-            tracker.abandon()
-            if closing and isinstance(e, Exception):
-                return
-            raise
         if closing:
-            tracker.abandon()
             return
         tracker.check_done()
