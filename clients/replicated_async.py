@@ -255,6 +255,7 @@ class ReplicatedAsyncConvClient(AsyncConvClient):
 
         stop = asyncio.Event()          # the caller left: nothing more is taken from ``requests``, nor sent
         lead: dict[str, asyncio.Semaphore] = {}     # a replica's requests queued, not yet taken by its stream
+        held: dict[str, asyncio.Semaphore] = {}     # a replica's answer handed on and not yet taken back by the caller
 
         async def feeder():
             stopped = asyncio.ensure_future(stop.wait())
@@ -267,10 +268,11 @@ class ReplicatedAsyncConvClient(AsyncConvClient):
                     try:
                         url = target(req)
                     except ReplicaUnavailable as e:
-                        out.put_nowait(("res", _failed(req, e)))
+                        out.put_nowait(("res", (_failed(req, e), None)))
                         continue
                     if url not in inputs:
                         inputs[url], lead[url] = asyncio.Queue(), asyncio.Semaphore(window)
+                        held[url] = asyncio.Semaphore(window)
                         tasks.append(asyncio.ensure_future(replica_stream(url, inputs[url])))
                     await lead[url].acquire()    # at most `window` requests ahead of that replica's stream
                     inputs[url].put_nowait(req)
@@ -302,15 +304,20 @@ class ReplicatedAsyncConvClient(AsyncConvClient):
                 while (req := await take()) is not end:
                     pending[req.id] = req
                     yield req
+
+            async def hand(res):
+                # the caller's pace holds this stream: at most `window` of its answers wait for the caller
+                await held[url].acquire()
+                out.put_nowait(("res", (res, url)))
             try:
                 async for res in self._client(url).stream(reqs(), transport=transport, window=window):
                     pending.pop(res.id, None)
-                    out.put_nowait(("res", res))
+                    await hand(res)
             except self._net as e:
                 err = unavailable(self.router, url, [], e)
                 while True:
                     for req in list(pending.values()):
-                        out.put_nowait(("res", _failed(req, err)))
+                        await hand(_failed(req, err))
                     pending.clear()
                     if ended:
                         break
@@ -329,12 +336,16 @@ class ReplicatedAsyncConvClient(AsyncConvClient):
             while started is None or done < started:
                 kind, val = await out.get()
                 if kind == "res":
-                    if not stop.is_set():
-                        try:
-                            yield val
-                        except GeneratorExit:   # the replicas' streams end once what they sent is answered
-                            stop.set()
-                            feed.cancel()       # it may wait on the caller's iterable or a replica's lead
+                    res, url = val
+                    try:
+                        if not stop.is_set():
+                            yield res
+                    except GeneratorExit:   # the replicas' streams end once what they sent is answered
+                        stop.set()
+                        feed.cancel()       # it may wait on the caller's iterable or a replica's lead
+                    finally:
+                        if url is not None:
+                            held[url].release()
                 elif kind == "fed":
                     started = val
                 elif kind == "done":

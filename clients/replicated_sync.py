@@ -294,6 +294,7 @@ class ReplicatedConvClient(ConvClient):
 
         stop = threading.Event()        # the caller left: nothing more is taken from ``requests``, nor sent
         lead: dict[str, threading.Semaphore] = {}   # a replica's requests queued, not yet taken by its stream
+        held: dict[str, threading.Semaphore] = {}   # a replica's answer handed on and not yet taken back by the caller
         lock = threading.Lock()         # the stop and the replicas' queues: none is made once stopped
 
         def feeder():
@@ -305,13 +306,14 @@ class ReplicatedConvClient(ConvClient):
                     try:
                         url = target(req)
                     except ReplicaUnavailable as e:
-                        out.put(("res", _failed(req, e)))
+                        out.put(("res", (_failed(req, e), None)))
                         continue
                     with lock:
                         if stop.is_set():
                             break
                         if url not in inputs:
                             inputs[url], lead[url] = queue.Queue(), threading.Semaphore(window)
+                            held[url] = threading.Semaphore(window)
                             threading.Thread(target=replica_stream, args=(url, inputs[url]), daemon=True,
                                              name="convserve-replica-stream").start()
                     # at most `window` requests ahead of that replica's stream; the wait ends at the stop too
@@ -344,15 +346,21 @@ class ReplicatedConvClient(ConvClient):
                 while (req := take()) is not end:
                     pending[req.id] = req
                     yield req
+
+            def hand(res):
+                # the caller's pace holds this stream: at most `window` of its answers wait for the caller
+                while not held[url].acquire(timeout=_STOP_POLL_S) and not stop.is_set():
+                    continue
+                out.put(("res", (res, url)))
             try:
                 for res in self._client(url).stream(reqs(), transport=transport, window=window):
                     pending.pop(res.id, None)
-                    out.put(("res", res))
+                    hand(res)
             except self._net as e:
                 err = unavailable(self.router, url, [], e)
                 while True:     # every request of this replica, sent or not, answers with the failure
                     for req in list(pending.values()):
-                        out.put(("res", _failed(req, err)))
+                        hand(_failed(req, err))
                     pending.clear()
                     if ended:
                         break
@@ -382,11 +390,15 @@ class ReplicatedConvClient(ConvClient):
             while started is None or done < started:
                 kind, val = out.get()
                 if kind == "res":
-                    if not stop.is_set():
-                        try:
-                            yield val
-                        except GeneratorExit:   # the replicas' streams end once what they sent is answered
-                            started = halt()
+                    res, url = val
+                    try:
+                        if not stop.is_set():
+                            yield res
+                    except GeneratorExit:   # the replicas' streams end once what they sent is answered
+                        started = halt()
+                    finally:
+                        if url is not None:
+                            held[url].release()
                 elif kind == "fed":
                     if not stop.is_set():
                         started = val

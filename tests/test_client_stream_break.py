@@ -124,13 +124,21 @@ def test_a_sync_ws_stream_left_while_its_requests_wait_for_an_answer_returns_and
         c.delete_session(sid)
 
 
-def test_a_replicated_ws_stream_reads_at_most_a_window_ahead_and_sends_nothing_after_the_break(server):
+# What a replicated WebSocket stream may have taken from the caller's requests while the caller holds its first
+# answer, for one replica: `window` answers handed on to the caller (that one included), one more the replica's
+# stream holds until there is room, `window` in flight, `window` queued for the replica's stream, and the one the
+# feeder waits to queue.
+def _most_taken(window: int) -> int:
+    return window + 1 + window + window + 1
+
+
+@pytest.mark.parametrize("pause", [0.0, 0.5])
+def test_a_replicated_ws_stream_reads_ahead_at_the_callers_pace_and_sends_nothing_after_the_break(server, pause):
     # (over HTTP each replica's stream is a ConvClient's, which sends the whole iterable before it reads)
-    transport = "ws"
+    window = 2
     with ReplicatedConvClient([server.url]) as c:
         sid = c.create_session()
-        frames = _frames(sid, 4, False) * 10
-        frames = [ConvRequest(sid, LAYER, f.x, id=i) for i, f in enumerate(frames)]     # 200 frames
+        frames = [ConvRequest(sid, LAYER, f.x, id=i) for i, f in enumerate(_frames(sid, 4, False) * 10)]
         taken = []
 
         def requests():
@@ -138,15 +146,47 @@ def test_a_replicated_ws_stream_reads_at_most_a_window_ahead_and_sends_nothing_a
                 taken.append(f.id)
                 yield f
 
-        for r in c.stream(requests(), transport=transport, window=2):
+        for r in c.stream(requests(), transport="ws", window=window):
             r.unwrap()
+            time.sleep(pause)       # a slow caller: the stream must not run on without it
+            n = len(taken)
             break
-        n = len(taken)
-        assert n <= 2 * 2 + 2, f"{n} requests taken for a window of 2"
+        assert n <= _most_taken(window), f"{n} requests taken for a window of {window}"
+        assert len(taken) == n, "a request was taken after the break"
         info = c.session_info(sid)
         sent = info["positions"][info["layers"].index(LAYER)]
         assert sent <= sum(len(f.x) for f in frames[:n])
         c.delete_session(sid)
+
+
+@pytest.mark.parametrize("pause", [0.0, 0.5])
+def test_a_replicated_async_ws_stream_reads_ahead_at_the_callers_pace(server, pause):
+    window = 2
+
+    async def main():
+        async with ReplicatedAsyncConvClient([server.url]) as c:
+            sid = await c.create_session()
+            frames = [ConvRequest(sid, LAYER, f.x, id=i) for i, f in enumerate(_frames(sid, 4, False) * 10)]
+            taken = []
+
+            async def requests():
+                for f in frames:
+                    taken.append(f.id)
+                    yield f
+
+            async with contextlib.aclosing(c.stream(requests(), transport="ws", window=window)) as s:
+                async for r in s:
+                    r.unwrap()
+                    await asyncio.sleep(pause)
+                    n = len(taken)
+                    break
+            assert n <= _most_taken(window), f"{n} requests taken for a window of {window}"
+            assert len(taken) == n, "a request was taken after the break"
+            info = await c.session_info(sid)
+            assert info["positions"][info["layers"].index(LAYER)] <= sum(len(f.x) for f in frames[:n])
+            await c.delete_session(sid)
+
+    asyncio.run(asyncio.wait_for(main(), 60))
 
 
 @pytest.mark.parametrize("transport", ["http", "ws"])
