@@ -410,14 +410,7 @@ async def _next_unless(it, stopped: asyncio.Future):
     caller left the stream: a request the iterable has not produced yet is never taken) or the iterator ends."""
     if stopped.done():
         return _STOPPED
-    step = it.__anext__().__await__()
-    try:                            # an item at hand is taken in this pass: no task, no wait
-        waiting_on = step.send(None)
-    except StopIteration as done:
-        return done.value
-    except StopAsyncIteration:
-        return _STOPPED
-    nxt = asyncio.ensure_future(_rest_of(step, waiting_on))    # the iterable waits: race it against the stop
+    nxt = asyncio.ensure_future(it.__anext__())
     try:
         await asyncio.wait((nxt, stopped), return_when=asyncio.FIRST_COMPLETED)
     except BaseException:           # cancelled while it waits: no request is taken by a task left behind
@@ -430,35 +423,3 @@ async def _next_unless(it, stopped: asyncio.Future):
         return nxt.result()
     except StopAsyncIteration:
         return _STOPPED
-
-
-async def _rest_of(step, waiting_on):
-    """The rest of an await that ``step`` began and suspended on ``waiting_on``, as a coroutine a task can run."""
-    return await _Resumed(step, waiting_on)
-
-
-class _Resumed:
-    __slots__ = ("step", "waiting_on")
-
-    def __init__(self, step, waiting_on):
-        self.step, self.waiting_on = step, waiting_on
-
-    def __await__(self):
-        # what ``yield from step`` does after its first pass: the loop's values and exceptions go through to it
-        step, yielded = self.step, self.waiting_on
-        while True:
-            try:
-                sent = yield yielded
-            except GeneratorExit:
-                step.close()
-                raise
-            except BaseException as e:  # noqa: BLE001 - thrown into the await it stands for
-                try:
-                    yielded = step.throw(e)
-                except StopIteration as done:
-                    return done.value
-            else:
-                try:
-                    yielded = step.send(sent)
-                except StopIteration as done:
-                    return done.value
