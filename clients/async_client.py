@@ -325,7 +325,6 @@ class AsyncConvClient(_Base):
                                               open_timeout=self.timeout) as ws:
                 async def sender():
                     packer = wire.new_packer()
-                    stopped = asyncio.ensure_future(stop.wait())
                     try:
                         it = requests.__aiter__() if hasattr(requests, "__aiter__") else None
                         counter = itertools.count()
@@ -335,8 +334,15 @@ class AsyncConvClient(_Base):
                             if stop.is_set():
                                 break
                             try:
-                                r = await _next_unless(it, stopped) if it is not None else next(sync_it)
-                            except StopIteration:
+                                if it is None:
+                                    r = next(sync_it)
+                                else:   # the caller's stop cancels this await (below): nothing more is taken
+                                    in_iterable[0] = True
+                                    try:
+                                        r = await it.__anext__()
+                                    finally:
+                                        in_iterable[0] = False
+                            except (StopIteration, StopAsyncIteration):
                                 r = _STOPPED
                             if r is _STOPPED or stop.is_set():
                                 slots.release()
@@ -354,10 +360,10 @@ class AsyncConvClient(_Base):
                     except BaseException as e:  # noqa: BLE001 - re-raised by the receiver
                         state["error"] = e
                     finally:
-                        stopped.cancel()
                         state["done"] = True
                         wake.set()
 
+                in_iterable = [False]       # the sender waits on the caller's async iterable
                 task = asyncio.ensure_future(sender())
                 unpacker = wire.new_unpacker(MAX_MESSAGE_BYTES)
                 received = 0
@@ -386,6 +392,8 @@ class AsyncConvClient(_Base):
                                 except GeneratorExit:
                                     stop.set()
                                     slots.release()     # wake the sender to see the stop
+                                    if in_iterable[0]:  # an iterable waiting for an answer the caller no
+                                        task.cancel()   # longer passes on would hold the close up
                     if state["error"] is not None and not stop.is_set():
                         raise state["error"]
                 finally:

@@ -10,7 +10,7 @@ import asyncio
 import time
 from typing import AsyncIterable, Iterable, Optional, Sequence, Union
 
-from convserve.clients.async_client import _STOPPED, AsyncConvClient, _next_unless
+from convserve.clients.async_client import AsyncConvClient
 from convserve.clients.common import BatchRequest, SessionState, _as_request
 from convserve.clients.protocol.errors import ReplicaUnavailable, SessionExists, StateLost, UnknownSession
 from convserve.clients.replicas import (Endpoints, Router, batch_failure, health_result, join_batch, merged_model,
@@ -258,11 +258,11 @@ class ReplicatedAsyncConvClient(AsyncConvClient):
         held: dict[str, asyncio.Semaphore] = {}     # a replica's answer handed on and not yet taken back by the caller
 
         async def feeder():
-            stopped = asyncio.ensure_future(stop.wait())
             try:
                 i = 0
-                it = items()
-                while (r := await _next_unless(it, stopped)) is not _STOPPED and not stop.is_set():
+                async for r in items():     # the caller's stop cancels this task (below): nothing more is taken
+                    if stop.is_set():
+                        break
                     req = _as_request(r, i)
                     i += 1
                     try:
@@ -283,7 +283,6 @@ class ReplicatedAsyncConvClient(AsyncConvClient):
             except BaseException as e:  # noqa: BLE001 - raised by the reader
                 out.put_nowait(("raise", e))
             finally:
-                stopped.cancel()
                 for q in inputs.values():
                     q.put_nowait(end)
                 out.put_nowait(("fed", len(inputs)))

@@ -366,3 +366,49 @@ def test_a_replica_that_drops_the_stream_after_its_body_answers_every_request_as
         srv.close()
     assert sorted(r.id for r in got) == [0, 1, 2]
     assert all(type(r.error).__name__ == "ReplicaUnavailable" for r in got)
+
+
+@pytest.mark.parametrize("transport", ["http", "ws"])
+@pytest.mark.parametrize("replicated", [False, True])
+@pytest.mark.parametrize("scope", ["asyncio.timeout", "anyio.fail_after"])
+def test_an_async_iterable_that_ends_itself_on_a_timeout_ends_the_stream_normally(server, transport, replicated,
+                                                                                  scope):
+    """A frontend's requests often end when none came for a while (``asyncio.timeout`` or anyio's
+    ``fail_after`` around the wait): the scope belongs to the task that runs the iterable, so the timeout ends the
+    iterable, not the stream's own tasks; every frame is answered and the stream ends without an error."""
+    import anyio
+
+    async def get(q):
+        if scope == "asyncio.timeout":
+            async with asyncio.timeout(0.3):
+                return await q.get()
+        with anyio.fail_after(0.3):
+            return await q.get()
+
+    async def main():
+        c = ReplicatedAsyncConvClient([server.url]) if replicated else AsyncConvClient(server.url)
+        async with c:
+            sid = await c.create_session()
+            frames = _frames(sid, 5, False)[:6]
+            q: asyncio.Queue = asyncio.Queue()
+            for f in frames:
+                q.put_nowait(f)
+
+            async def requests():
+                while True:
+                    try:
+                        r = await get(q)
+                    except TimeoutError:
+                        return          # idle: the requests end
+                    yield r
+
+            got = []
+            async for r in c.stream(requests(), transport=transport, window=2):
+                r.unwrap()
+                got.append(r.id)
+            assert sorted(got) == [f.id for f in frames]
+            info = await c.session_info(sid)
+            assert info["positions"][info["layers"].index(LAYER)] == sum(len(f.x) for f in frames)
+            await c.delete_session(sid)
+
+    asyncio.run(asyncio.wait_for(main(), 60))
