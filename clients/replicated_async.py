@@ -255,7 +255,13 @@ class ReplicatedAsyncConvClient(AsyncConvClient):
 
         stop = asyncio.Event()          # the caller left: nothing more is taken from ``requests``, nor sent
         lead: dict[str, asyncio.Semaphore] = {}     # a replica's requests queued, not yet taken by its stream
-        held: dict[str, asyncio.Semaphore] = {}     # a replica's answer handed on and not yet taken back by the caller
+        # answers handed on and not yet done with by the caller, per replica (None: the feeder's own, for requests
+        # no replica could take): the caller's pace holds whoever answers, at most `window` answers each
+        held: dict[Optional[str], asyncio.Semaphore] = {None: asyncio.Semaphore(window)}
+
+        async def hand(url, res):
+            await held[url].acquire()
+            out.put_nowait(("res", (res, url)))
 
         async def feeder():
             try:
@@ -268,7 +274,7 @@ class ReplicatedAsyncConvClient(AsyncConvClient):
                     try:
                         url = target(req)
                     except ReplicaUnavailable as e:
-                        out.put_nowait(("res", (_failed(req, e), None)))
+                        await hand(None, _failed(req, e))
                         continue
                     if url not in inputs:
                         inputs[url], lead[url] = asyncio.Queue(), asyncio.Semaphore(window)
@@ -303,20 +309,15 @@ class ReplicatedAsyncConvClient(AsyncConvClient):
                 while (req := await take()) is not end:
                     pending[req.id] = req
                     yield req
-
-            async def hand(res):
-                # the caller's pace holds this stream: at most `window` of its answers wait for the caller
-                await held[url].acquire()
-                out.put_nowait(("res", (res, url)))
             try:
                 async for res in self._client(url).stream(reqs(), transport=transport, window=window):
                     pending.pop(res.id, None)
-                    await hand(res)
+                    await hand(url, res)
             except self._net as e:
                 err = unavailable(self.router, url, [], e)
                 while True:
                     for req in list(pending.values()):
-                        await hand(_failed(req, err))
+                        await hand(url, _failed(req, err))
                     pending.clear()
                     if ended:
                         break
@@ -343,8 +344,7 @@ class ReplicatedAsyncConvClient(AsyncConvClient):
                         stop.set()
                         feed.cancel()       # it may wait on the caller's iterable or a replica's lead
                     finally:
-                        if url is not None:
-                            held[url].release()
+                        held[url].release()
                 elif kind == "fed":
                     started = val
                 elif kind == "done":

@@ -294,7 +294,14 @@ class ReplicatedConvClient(ConvClient):
 
         stop = threading.Event()        # the caller left: nothing more is taken from ``requests``, nor sent
         lead: dict[str, threading.Semaphore] = {}   # a replica's requests queued, not yet taken by its stream
-        held: dict[str, threading.Semaphore] = {}   # a replica's answer handed on and not yet taken back by the caller
+        # answers handed on and not yet done with by the caller, per replica (None: the feeder's own, for requests
+        # no replica could take): the caller's pace holds whoever answers, at most `window` answers each
+        held: dict[Optional[str], threading.Semaphore] = {None: threading.Semaphore(window)}
+
+        def hand(url, res):
+            while not held[url].acquire(timeout=_STOP_POLL_S) and not stop.is_set():
+                continue
+            out.put(("res", (res, url)))
         lock = threading.Lock()         # the stop and the replicas' queues: none is made once stopped
 
         def feeder():
@@ -306,7 +313,7 @@ class ReplicatedConvClient(ConvClient):
                     try:
                         url = target(req)
                     except ReplicaUnavailable as e:
-                        out.put(("res", (_failed(req, e), None)))
+                        hand(None, _failed(req, e))
                         continue
                     with lock:
                         if stop.is_set():
@@ -346,21 +353,15 @@ class ReplicatedConvClient(ConvClient):
                 while (req := take()) is not end:
                     pending[req.id] = req
                     yield req
-
-            def hand(res):
-                # the caller's pace holds this stream: at most `window` of its answers wait for the caller
-                while not held[url].acquire(timeout=_STOP_POLL_S) and not stop.is_set():
-                    continue
-                out.put(("res", (res, url)))
             try:
                 for res in self._client(url).stream(reqs(), transport=transport, window=window):
                     pending.pop(res.id, None)
-                    hand(res)
+                    hand(url, res)
             except self._net as e:
                 err = unavailable(self.router, url, [], e)
                 while True:     # every request of this replica, sent or not, answers with the failure
                     for req in list(pending.values()):
-                        hand(_failed(req, err))
+                        hand(url, _failed(req, err))
                     pending.clear()
                     if ended:
                         break
@@ -397,8 +398,7 @@ class ReplicatedConvClient(ConvClient):
                     except GeneratorExit:   # the replicas' streams end once what they sent is answered
                         started = halt()
                     finally:
-                        if url is not None:
-                            held[url].release()
+                        held[url].release()
                 elif kind == "fed":
                     if not stop.is_set():
                         started = val

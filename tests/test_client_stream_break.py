@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from convserve.clients.client import AsyncConvClient, BatchRequest, ConvClient, ConvRequest
+from convserve.clients.protocol.errors import ReplicaUnavailable
 from convserve.clients.replicated_async import ReplicatedAsyncConvClient
 from convserve.clients.replicated_sync import ReplicatedConvClient
 from tests.http_api import DIM, LAYERS, assert_close, model
@@ -52,6 +53,57 @@ def _next_call_is_accepted(c_info: dict, y, ref_state, sid: str, x) -> None:
     ref.states[sid] = ref_state.clone()
     ref.spec[sid] = {}
     assert_close(y, ref.conv(sid, LAYER, x))
+
+
+@pytest.mark.parametrize("transport", ["http", "ws"])
+@pytest.mark.parametrize("is_async", [False, True])
+def test_a_replicated_stream_to_a_replica_that_is_down_answers_at_the_callers_pace(server, transport, is_async):
+    """Requests no replica can take are answered by the client itself (ReplicaUnavailable): those answers too wait
+    for the caller, at most `window` of them, so a slow caller does not have the whole iterable read."""
+    window, pause = 2, 0.3
+    with socket.socket() as sock:       # a replica nobody listens on: checked, it is marked down
+        sock.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    urls = [server.url, dead]
+    taken = []
+
+    def frames(router):
+        sid = "s-on-the-dead-replica"
+        router.pin(sid, dead)
+        for i in range(200):
+            taken.append(i)
+            yield ConvRequest(sid, LAYER, torch.zeros(1, DIM), id=i)
+
+    def check(r, n):
+        assert isinstance(r.error, ReplicaUnavailable), r.error
+        assert n <= window + 1, f"{n} requests taken for a window of {window}"
+        assert len(taken) == n, "a request was taken after the break"
+
+    if not is_async:
+        with ReplicatedConvClient(urls) as c:
+            c.refresh()
+            for r in c.stream(frames(c.router), transport=transport, window=window):
+                time.sleep(pause)
+                n = len(taken)
+                break
+            check(r, n)
+        return
+
+    async def main():
+        async with ReplicatedAsyncConvClient(urls) as c:
+            await c.refresh()
+
+            async def requests():
+                for f in frames(c.router):
+                    yield f
+            async with contextlib.aclosing(c.stream(requests(), transport=transport, window=window)) as s:
+                async for r in s:
+                    await asyncio.sleep(pause)
+                    n = len(taken)
+                    break
+            check(r, n)
+
+    asyncio.run(asyncio.wait_for(main(), 60))
 
 
 @pytest.mark.parametrize("transport", ["http", "ws"])
