@@ -349,9 +349,21 @@ class ReplicatedConvClient(ConvClient):
                 lead[url].release()
                 return req
 
+            taking = threading.Lock()   # a request taken by the stream's sender is in `pending` before it is let go
+            broken = []                 # the stream failed: a sender it left behind takes nothing more
+
             def reqs():
-                while (req := take()) is not end:
-                    pending[req.id] = req
+                while True:
+                    with taking:
+                        if broken:
+                            return
+                        try:    # polled, so that a sender left behind by a failed stream sees `broken`
+                            req = take(_STOP_POLL_S)
+                        except queue.Empty:
+                            continue
+                        if req is end:
+                            return
+                        pending[req.id] = req
                     yield req
             try:
                 for res in self._client(url).stream(reqs(), transport=transport, window=window):
@@ -359,17 +371,14 @@ class ReplicatedConvClient(ConvClient):
                     hand(url, res)
             except self._net as e:
                 err = unavailable(self.router, url, [], e)
+                broken.append(err)
+                with taking:    # what a sender left behind took is in `pending`; from here this loop alone takes
+                    pass
                 while True:     # every request of this replica, sent or not, answers with the failure
                     for req in list(pending.values()):
                         hand(url, _failed(req, err))
                     pending.clear()
-                    if ended:
-                        break
-                    try:    # polled: a sub-stream's sender thread left behind may take the end instead
-                        req = take(_STOP_POLL_S)
-                    except queue.Empty:
-                        continue
-                    if req is end:
+                    if ended or (req := take()) is end:
                         break
                     pending[req.id] = req
             except BaseException as e:  # noqa: BLE001 - raised by the reader

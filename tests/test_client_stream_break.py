@@ -9,10 +9,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import queue
 import socket
 import threading
 import time
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -464,3 +466,89 @@ def test_an_async_iterable_that_ends_itself_on_a_timeout_ends_the_stream_normall
             await c.delete_session(sid)
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def _ws_dropper(after: int):
+    """A fake replica over WebSocket: it reads ``after`` frames, then drops the connection unanswered."""
+    from websockets.sync.server import serve
+
+    def handler(ws):
+        for _ in range(after):
+            ws.recv()
+        ws.socket.close()               # no close frame: the connection is lost, as when a replica dies
+
+    srv = serve(handler, "127.0.0.1", 0)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv, f"http://127.0.0.1:{srv.socket.getsockname()[1]}"
+
+
+def _ws_drop_case(kind: str, idle: float) -> None:
+    srv, url = _ws_dropper(after=2)
+    frames = [ConvRequest("s1", LAYER, torch.randn(1, DIM), id=i) for i in range(6)]
+
+    def pace(i):        # two frames, then the caller is idle while the replica drops its stream, then the rest
+        return idle if i == 2 else 0.0
+    try:
+        if kind == "sync":
+            def requests():
+                for i, f in enumerate(frames):
+                    time.sleep(pace(i))
+                    yield f
+            with ReplicatedConvClient([url], timeout=10, health_interval_s=3600) as c:
+                got = list(c.stream(requests(), transport="ws", window=4))
+        else:
+            async def main():
+                async def requests():
+                    for i, f in enumerate(frames):
+                        await asyncio.sleep(pace(i))
+                        yield f
+                async with ReplicatedAsyncConvClient([url], timeout=10, health_interval_s=3600) as c:
+                    return [r async for r in c.stream(requests(), transport="ws", window=4)]
+            got = asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        srv.shutdown()
+    assert sorted(r.id for r in got) == [f.id for f in frames], "a request went unanswered"
+    assert all(isinstance(r.error, ReplicaUnavailable) for r in got), [r.error for r in got]
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_replica_that_drops_a_websocket_stream_while_the_caller_is_idle_answers_every_request(kind):
+    _ws_drop_case(kind, idle=0.5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_replica_that_drops_a_websocket_stream_answers_every_request_after_a_long_idle(kind):
+    """Idle past the stream's 5 s wait for its sender: the sender is left behind, waiting for the caller's next
+    request, while the failure is answered; whichever takes a request answers it."""
+    _ws_drop_case(kind, idle=6.0)
+
+
+class _LeavesItsSenderBehind:
+    """A replica's stream that fails at its first answer while its sender thread goes on taking requests (what a
+    WebSocket stream's sender does when it outlives the stream's wait for it)."""
+
+    def stream(self, reqs, transport="ws", window=64):
+        first = queue.Queue()
+
+        def sender():
+            for r in reqs:
+                first.put(r)
+        threading.Thread(target=sender, daemon=True).start()
+        first.get()
+        raise httpx.ConnectError("the replica died")
+        yield                           # a generator, like the real stream
+
+
+def test_every_request_is_answered_when_a_failed_replicas_stream_left_its_sender_taking_requests():
+    urls = ["http://127.0.0.1:9", "http://127.0.0.1:10"]
+    for _ in range(40):                 # the sender and the failure's answers race for each request
+        c = ReplicatedConvClient(urls, timeout=1, health_interval_s=3600)
+        for u in urls:
+            c.router.mark(u, True)
+        c._client = lambda url: _LeavesItsSenderBehind()
+        reqs = [ConvRequest(f"s{i % 8}", LAYER, None, id=i) for i in range(40)]
+        got = list(c.stream(reqs, transport="ws", window=2))
+        c.close()
+        assert sorted(r.id for r in got) == list(range(40)), "a request went unanswered"
+        assert all(isinstance(r.error, ReplicaUnavailable) for r in got)
