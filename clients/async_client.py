@@ -317,7 +317,8 @@ class AsyncConvClient(_Base):
 
         tracker = _Tracker(self.positions)
         slots = asyncio.Semaphore(window)
-        state = {"n": 0, "done": False, "error": None}
+        # frames sent; the sender's end and error; it waits in the caller's iterable; the stream no longer waits for it
+        state = {"n": 0, "done": False, "error": None, "in_iterable": False, "left": False}
         wake, stop = asyncio.Event(), asyncio.Event()      # the sender's end; the caller's early stop
         with tracker.answering(stop.is_set):
             async with await ws_connect_async(connect, _ws_url(self.url), additional_headers=self._ws_headers(),
@@ -337,14 +338,14 @@ class AsyncConvClient(_Base):
                                 if it is None:
                                     r = next(sync_it)
                                 else:   # the caller's stop cancels this await (below): nothing more is taken
-                                    in_iterable[0] = True
+                                    state["in_iterable"] = True
                                     try:
                                         r = await it.__anext__()
                                     finally:
-                                        in_iterable[0] = False
+                                        state["in_iterable"] = False
                             except (StopIteration, StopAsyncIteration):
                                 r = _STOPPED
-                            if r is _STOPPED or stop.is_set():
+                            if r is _STOPPED or stop.is_set() or state["left"]:
                                 slots.release()
                                 break
                             req = _as_request(r, next(counter))
@@ -363,7 +364,6 @@ class AsyncConvClient(_Base):
                         state["done"] = True
                         wake.set()
 
-                in_iterable = [False]       # the sender waits on the caller's async iterable
                 task = asyncio.ensure_future(sender())
                 unpacker = wire.new_unpacker(MAX_MESSAGE_BYTES)
                 received = 0
@@ -392,25 +392,28 @@ class AsyncConvClient(_Base):
                                 except GeneratorExit:
                                     stop.set()
                                     slots.release()     # wake the sender to see the stop
-                                    if in_iterable[0]:  # an iterable waiting for an answer the caller no
-                                        task.cancel()   # longer passes on would hold the close up
+                                    if state["in_iterable"]:   # an iterable waiting for an answer the
+                                        task.cancel()           # caller no longer passes on holds the close up
                     if state["error"] is not None and not stop.is_set():
                         raise state["error"]
                 finally:
                     waiter.cancel()
                     if recv is not None:
                         recv.cancel()
-                    if stop.is_set() and not task.done():   # it sees the stop at once: let it end by itself
-                        await asyncio.wait({task}, timeout=5)
+                    if stop.is_set() and not task.done() and not state["in_iterable"]:
+                        await asyncio.wait({task}, timeout=5)   # it sees the stop at once: let it end by itself
                     if not task.done():
+                        # an iterable that ignores the cancel is left behind: what it yields later is not sent
+                        state["left"] = True
                         task.cancel()
-                        await asyncio.gather(task, return_exceptions=True)
+                        await asyncio.wait({task}, timeout=LEFT_BEHIND_S)
         if stop.is_set():
             return
         tracker.check_done()
 
 
 _STOPPED = object()
+LEFT_BEHIND_S = 1.0     # how long a stream's end waits for its task in a caller's iterable after cancelling it
 
 
 async def _next_unless(it, stopped: asyncio.Future):

@@ -10,7 +10,7 @@ import asyncio
 import time
 from typing import AsyncIterable, Iterable, Optional, Sequence, Union
 
-from convserve.clients.async_client import AsyncConvClient
+from convserve.clients.async_client import LEFT_BEHIND_S, AsyncConvClient
 from convserve.clients.common import BatchRequest, SessionState, _as_request
 from convserve.clients.protocol.errors import ReplicaUnavailable, SessionExists, StateLost, UnknownSession
 from convserve.clients.replicas import (Endpoints, Router, batch_failure, health_result, join_batch, merged_model,
@@ -343,10 +343,16 @@ class ReplicatedAsyncConvClient(AsyncConvClient):
                     except GeneratorExit:   # the replicas' streams end once what they sent is answered
                         stop.set()
                         feed.cancel()       # it may wait on the caller's iterable or a replica's lead
+                        # the feeder makes no replica stream once stopped, and ends none while it waits in an
+                        # iterable that ignores the cancel: end them here
+                        started = len(inputs)
+                        for q in inputs.values():
+                            q.put_nowait(end)
                     finally:
                         held[url].release()
                 elif kind == "fed":
-                    started = val
+                    if not stop.is_set():
+                        started = val
                 elif kind == "done":
                     done += 1
                 elif not stop.is_set():
@@ -355,4 +361,5 @@ class ReplicatedAsyncConvClient(AsyncConvClient):
             left = [t for t in (feed, *tasks) if not t.done()]
             for t in left:
                 t.cancel()
-            await asyncio.gather(*left, return_exceptions=True)
+            if left:    # a task in an iterable that ignores the cancel is left behind: it sends nothing more
+                await asyncio.wait(left, timeout=LEFT_BEHIND_S)

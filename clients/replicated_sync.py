@@ -313,7 +313,9 @@ class ReplicatedConvClient(ConvClient):
                     try:
                         url = target(req)
                     except ReplicaUnavailable as e:
-                        hand(None, _failed(req, e))
+                        hand(None, _failed(req, e))     # it may wait for the caller, who may leave meanwhile
+                        if stop.is_set():
+                            break
                         continue
                     with lock:
                         if stop.is_set():
