@@ -348,7 +348,9 @@ class ConvClient(_Base):
                         try:
                             msg = ws.recv(timeout=_POLL_S)
                         except TimeoutError:
-                            if time.monotonic() - idle_since > self.timeout:
+                            if received >= sent["n"]:   # nothing owed: the wait is the caller's iterable's
+                                idle_since = time.monotonic()
+                            elif time.monotonic() - idle_since > self.timeout:
                                 raise TimeoutError(f"no answer from the server within {self.timeout} s") from None
                             continue
                         idle_since = time.monotonic()
@@ -368,7 +370,7 @@ class ConvClient(_Base):
                     sent["stop"] = True
                     slots.release(window)  # unblock the sender: it sends nothing more
                     # a sender still waiting on the caller's iterable sends nothing once it returns: not waited for
-                    t.join(timeout=0.1 if closing else 5)
+                    t.join(timeout=0.1)
         if closing:
             return
         tracker.check_done()

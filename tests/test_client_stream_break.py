@@ -325,3 +325,49 @@ def test_an_async_stream_closed_while_its_iterable_ignores_the_cancel_returns_an
             await c.delete_session(sid)
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+@pytest.mark.parametrize("is_async", [False, True])
+@pytest.mark.parametrize("replicated", [False, True])
+def test_a_ws_stream_whose_requests_pause_past_the_timeout_with_nothing_owed_goes_on(server, is_async, replicated):
+    """The client's `timeout` bounds the wait for the server's answers, not for the caller's next request: a
+    stream idle for longer with every answer in goes on, and a replica is not marked down for it."""
+    pause, timeout = 1.6, 1.0
+
+    def check(got, c):
+        assert got == [0, 1, 2, 3]
+        if replicated:
+            assert list(c.router.live().values()) == [server.url]
+
+    if not is_async:
+        cls = ReplicatedConvClient if replicated else ConvClient
+        with cls([server.url] if replicated else server.url, timeout=timeout) as c:
+            sid = c.create_session()
+            frames = _frames(sid, 7, False)[:4]
+
+            def requests():
+                for i, f in enumerate(frames):
+                    if i == 2:
+                        time.sleep(pause)
+                    yield f
+            got = [r.unwrap() is not None and r.id for r in c.stream(requests(), transport="ws", window=4)]
+            check(got, c)
+            c.delete_session(sid)
+        return
+
+    async def main():
+        cls = ReplicatedAsyncConvClient if replicated else AsyncConvClient
+        async with cls([server.url] if replicated else server.url, timeout=timeout) as c:
+            sid = await c.create_session()
+            frames = _frames(sid, 7, False)[:4]
+
+            async def requests():
+                for i, f in enumerate(frames):
+                    if i == 2:
+                        await asyncio.sleep(pause)
+                    yield f
+            got = [r.unwrap() is not None and r.id async for r in c.stream(requests(), transport="ws", window=4)]
+            check(got, c)
+            await c.delete_session(sid)
+
+    asyncio.run(asyncio.wait_for(main(), 60))
