@@ -10,9 +10,9 @@ from typing import AsyncIterable, Iterable, Optional, Sequence, Union
 
 import httpx
 
-from convserve.clients.common import (MAX_MESSAGE_BYTES, SessionState, _as_request, _backend_of, _Base, _chunked,
-                                      _decode, _default_backend, _frame, _quote, _raise_for, _Tracker, _ws_url,
-                                      check_given_position, partly_applied, ws_connect_async)
+from convserve.clients.common import (_POLL_S, MAX_MESSAGE_BYTES, SessionState, _as_request, _backend_of, _Base,
+                                      _chunked, _decode, _default_backend, _frame, _quote, _raise_for, _Tracker,
+                                      _ws_url, check_given_position, partly_applied, ws_connect_async)
 from convserve.clients.h1 import _H1Pool, _h1_target
 from convserve.clients.positions import RETRY_ERRORS, RETRY_STATUS, outcome_unknown, serialized
 from convserve.clients.protocol import wire
@@ -369,20 +369,26 @@ class AsyncConvClient(_Base):
                 received = 0
                 recv = None
                 waiter = asyncio.ensure_future(wake.wait())   # the sender's end (set once)
+                loop = asyncio.get_running_loop()
+                quiet_since = loop.time()   # the last answer, or the last moment nothing was owed
                 try:
                     while True:
                         if (state["done"] or stop.is_set()) and received >= state["n"]:
                             break
                         if recv is None:
                             recv = asyncio.ensure_future(ws.recv())
+                        # short waits, so that time with nothing owed (the caller's iterable's) is not counted
                         done, _ = await asyncio.wait((recv,) if waiter.done() else (recv, waiter),
-                                                     timeout=self.timeout, return_when=asyncio.FIRST_COMPLETED)
+                                                     timeout=_POLL_S, return_when=asyncio.FIRST_COMPLETED)
+                        if received >= state["n"]:
+                            quiet_since = loop.time()
                         if not done:
-                            if received >= state["n"]:  # nothing owed: the wait is the caller's iterable's
-                                continue
-                            raise TimeoutError(f"no answer from the server within {self.timeout} s")
+                            if loop.time() - quiet_since > self.timeout:
+                                raise TimeoutError(f"no answer from the server within {self.timeout} s")
+                            continue
                         if recv not in done:
                             continue
+                        quiet_since = loop.time()
                         msg = recv.result()
                         recv = None
                         for res in self._ws_results(msg, unpacker, tracker):

@@ -358,8 +358,10 @@ class ReplicatedAsyncConvClient(AsyncConvClient):
                 elif not stop.is_set():
                     raise val
         finally:
-            left = [t for t in (feed, *tasks) if not t.done()]
-            for t in left:
+            if not feed.done():     # in an iterable that ignores the cancel, it is left behind: it feeds no more
+                feed.cancel()
+                await asyncio.wait({feed}, timeout=LEFT_BEHIND_S)
+            left = [t for t in tasks if not t.done()]
+            for t in left:          # the replicas' streams close (their owed answers dropped) before this returns
                 t.cancel()
-            if left:    # a task in an iterable that ignores the cancel is left behind: it sends nothing more
-                await asyncio.wait(left, timeout=LEFT_BEHIND_S)
+            await asyncio.gather(*left, return_exceptions=True)

@@ -371,3 +371,75 @@ def test_a_ws_stream_whose_requests_pause_past_the_timeout_with_nothing_owed_goe
             await c.delete_session(sid)
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def _slow_echo(delay: float):
+    """A fake server's WebSocket stream that answers each frame with its own x, ``delay`` s after it came."""
+    import msgpack
+    from websockets.sync.server import serve
+
+    def handler(ws):
+        unpacker = msgpack.Unpacker(raw=False)
+        for msg in ws:
+            unpacker.feed(msg)
+            for frame in unpacker:
+                time.sleep(delay)
+                ws.send(msgpack.packb({"id": frame["id"], "y": frame["x"]}))
+
+    def ready(conn, request):           # `GET /readyz` is answered 200: a replicated client checks it up
+        return conn.respond(200, "{}") if request.path.startswith("/readyz") else None
+
+    srv = serve(handler, "127.0.0.1", 0, process_request=ready)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv, f"http://127.0.0.1:{srv.socket.getsockname()[1]}"
+
+
+def test_a_replicated_async_stream_whose_iterable_fails_raises_once_its_replica_streams_are_closed():
+    """The frame sent before the caller's iterable failed is answered 1.5 s later: the error reaches the caller
+    after that answer is read (and dropped), with no replica stream left open."""
+    srv, url = _slow_echo(1.5)
+
+    async def main():
+        async def requests():
+            yield ConvRequest("s", LAYER, torch.zeros(1, 4), id=0)
+            raise KeyError("the caller's own")
+        async with ReplicatedAsyncConvClient([url], timeout=10, health_interval_s=3600) as c:
+            with pytest.raises(KeyError, match="the caller's own"):
+                async for r in c.stream(requests(), transport="ws"):
+                    r.unwrap()
+            return [t for t in asyncio.all_tasks() if t.get_coro().__qualname__.endswith("replica_stream")]
+    try:
+        left = asyncio.run(asyncio.wait_for(main(), 30))
+    finally:
+        srv.shutdown()
+    assert left == [], left
+
+
+@pytest.mark.parametrize("is_async", [False, True])
+def test_a_ws_streams_timeout_counts_only_the_time_an_answer_is_owed(is_async):
+    """Answers take 0.3 s, the timeout is 1 s; the requests pause 0.9 s after the first answer (nothing owed),
+    then one more comes: its answer has been owed 0.3 s when it arrives, so the stream goes on."""
+    srv, url = _slow_echo(0.3)
+    frames = [ConvRequest("s", LAYER, torch.zeros(1, 4), id=i) for i in range(2)]
+    try:
+        if not is_async:
+            def requests():
+                yield frames[0]
+                time.sleep(0.3 + 0.9)
+                yield frames[1]
+                time.sleep(0.5)
+            with ConvClient(url, timeout=1.0) as c:
+                got = [r.unwrap() is not None and r.id for r in c.stream(requests(), transport="ws")]
+        else:
+            async def main():
+                async def requests():
+                    yield frames[0]
+                    await asyncio.sleep(0.3 + 0.9)
+                    yield frames[1]
+                    await asyncio.sleep(0.5)
+                async with AsyncConvClient(url, timeout=1.0) as c:
+                    return [r.unwrap() is not None and r.id async for r in c.stream(requests(), transport="ws")]
+            got = asyncio.run(asyncio.wait_for(main(), 30))
+    finally:
+        srv.shutdown()
+    assert got == [0, 1]
