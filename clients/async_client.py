@@ -380,15 +380,12 @@ class AsyncConvClient(_Base):
                         # short waits, so that time with nothing owed (the caller's iterable's) is not counted
                         done, _ = await asyncio.wait((recv,) if waiter.done() else (recv, waiter),
                                                      timeout=_POLL_S, return_when=asyncio.FIRST_COMPLETED)
-                        if received >= state["n"]:
+                        if recv in done or received >= state["n"]:     # an answer came, or none is owed
                             quiet_since = loop.time()
-                        if not done:
-                            if loop.time() - quiet_since > self.timeout:
-                                raise TimeoutError(f"no answer from the server within {self.timeout} s")
-                            continue
+                        elif loop.time() - quiet_since > self.timeout:
+                            raise TimeoutError(f"no answer from the server within {self.timeout} s")
                         if recv not in done:
                             continue
-                        quiet_since = loop.time()
                         msg = recv.result()
                         recv = None
                         for res in self._ws_results(msg, unpacker, tracker):

@@ -297,12 +297,12 @@ class ReplicatedConvClient(ConvClient):
         # answers handed on and not yet done with by the caller, per replica (None: the feeder's own, for requests
         # no replica could take): the caller's pace holds whoever answers, at most `window` answers each
         held: dict[Optional[str], threading.Semaphore] = {None: threading.Semaphore(window)}
+        lock = threading.Lock()         # the stop and the replicas' queues: none is made once stopped
 
         def hand(url, res):
             while not held[url].acquire(timeout=_STOP_POLL_S) and not stop.is_set():
                 continue
             out.put(("res", (res, url)))
-        lock = threading.Lock()         # the stop and the replicas' queues: none is made once stopped
 
         def feeder():
             try:
@@ -373,9 +373,8 @@ class ReplicatedConvClient(ConvClient):
                     hand(url, res)
             except self._net as e:
                 err = unavailable(self.router, url, [], e)
-                broken.append(err)
                 with taking:    # what a sender left behind took is in `pending`; from here this loop alone takes
-                    pass
+                    broken.append(err)
                 while True:     # every request of this replica, sent or not, answers with the failure
                     for req in list(pending.values()):
                         hand(url, _failed(req, err))

@@ -373,10 +373,22 @@ def test_a_ws_stream_whose_requests_pause_past_the_timeout_with_nothing_owed_goe
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
-def _slow_echo(delay: float):
-    """A fake server's WebSocket stream that answers each frame with its own x, ``delay`` s after it came."""
-    import msgpack
+def fake_ws_server(handler):
+    """A fake server: its WebSocket streams run ``handler(ws)`` and ``GET /readyz`` answers 200 (a replicated
+    client checks it up). ``(server, url)``; ``server.shutdown()`` stops it."""
     from websockets.sync.server import serve
+
+    def ready(conn, request):
+        return conn.respond(200, "{}") if request.path.startswith("/readyz") else None
+
+    srv = serve(handler, "127.0.0.1", 0, process_request=ready)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv, f"http://127.0.0.1:{srv.socket.getsockname()[1]}"
+
+
+def _slow_echo(delay: float):
+    """A fake server whose WebSocket stream answers each frame with its own x, ``delay`` s after it came."""
+    import msgpack
 
     def handler(ws):
         unpacker = msgpack.Unpacker(raw=False)
@@ -386,12 +398,7 @@ def _slow_echo(delay: float):
                 time.sleep(delay)
                 ws.send(msgpack.packb({"id": frame["id"], "y": frame["x"]}))
 
-    def ready(conn, request):           # `GET /readyz` is answered 200: a replicated client checks it up
-        return conn.respond(200, "{}") if request.path.startswith("/readyz") else None
-
-    srv = serve(handler, "127.0.0.1", 0, process_request=ready)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    return srv, f"http://127.0.0.1:{srv.socket.getsockname()[1]}"
+    return fake_ws_server(handler)
 
 
 def test_a_replicated_async_stream_whose_iterable_fails_raises_once_its_replica_streams_are_closed():

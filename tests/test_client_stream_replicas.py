@@ -21,7 +21,7 @@ from convserve.clients.protocol.errors import ReplicaUnavailable
 from convserve.clients.replicated_async import ReplicatedAsyncConvClient
 from convserve.clients.replicated_sync import ReplicatedConvClient
 from tests.http_api import DIM
-from tests.test_client_stream_break import LAYER, _frames
+from tests.test_client_stream_break import LAYER, _frames, fake_ws_server
 
 
 @pytest.mark.parametrize("transport", ["http", "ws"])
@@ -206,19 +206,12 @@ def test_a_replica_that_drops_the_stream_after_its_body_answers_every_request_as
 
 def _ws_dropper(after: int):
     """A fake replica over WebSocket: it reads ``after`` frames, then drops the connection unanswered."""
-    from websockets.sync.server import serve
-
     def handler(ws):
         for _ in range(after):
             ws.recv()
         ws.socket.close()               # no close frame: the connection is lost, as when a replica dies
 
-    def ready(conn, request):           # `GET /readyz` is answered 200: the replica is checked up
-        return conn.respond(200, "{}") if request.path.startswith("/readyz") else None
-
-    srv = serve(handler, "127.0.0.1", 0, process_request=ready)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    return srv, f"http://127.0.0.1:{srv.socket.getsockname()[1]}"
+    return fake_ws_server(handler)
 
 
 def _ws_drop_case(kind: str, idle: float) -> None:
