@@ -50,6 +50,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from convserve.clients.loadtest.stats import percentile  # noqa: E402
+from convserve.kernels._launch import TUNING  # noqa: E402
 from convserve.service.engine import Engine, EngineConfig  # noqa: E402
 from convserve.service.model import ConvModel  # noqa: E402
 
@@ -366,6 +367,9 @@ def main(argv=None) -> int:
     ap.add_argument("--closed-seconds", type=float, default=1.0)
     ap.add_argument("--gil-switch-interval-us", type=int, default=500,
                     help="sys.setswitchinterval, as `convserve serve` sets it (its gil_switch_interval_us default)")
+    ap.add_argument("--copies", default="sm", choices=["sm", "engines"],
+                    help="how the batch and verify slots copy x in and y out: the SMs (kernels/host_copy.py, the "
+                         "default) or the copy engines (Tensor.copy_)")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/engine-<gpu>-<date>.json)")
     args = ap.parse_args(argv)
     on_cuda = args.device.startswith("cuda")
@@ -375,6 +379,7 @@ def main(argv=None) -> int:
         ap.error("--null-kernels is for the CPU (on CUDA the host time is measured apart from the GPU already)")
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
+    TUNING["pinned_copy"]["on"] = args.copies == "sm"
     switch = sys.getswitchinterval()
     sys.setswitchinterval(args.gil_switch_interval_us * 1e-6)
     try:
@@ -436,7 +441,7 @@ def _run(args, on_cuda: bool) -> int:
            "model": {"layers": args.layers, "dim": args.dim, "width": args.width, "dtype": args.dtype},
            "delay_us": args.delay_us, "max_batch_tokens": args.max_batch_tokens, "rounds": args.rounds,
            "null_kernels": args.null_kernels, "gil_switch_interval_us": args.gil_switch_interval_us,
-           "torch_threads": torch.get_num_threads()}
+           "torch_threads": torch.get_num_threads(), "copies": args.copies}
     try:
         import triton
         env["triton"] = triton.__version__

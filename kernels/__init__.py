@@ -4,7 +4,8 @@
 seed's API. ``prefill/`` holds ``causal_conv1d_fn`` and ``decode/`` ``causal_conv1d_update``, one file per kernel
 (each package's docstring lists them); ``_launch`` the tile choices and launch plans, ``_replay`` the CUDA graphs of
 a plan's repeated launches, ``_validate`` the argument checks, ``reference`` the PyTorch references, ``graphs``
-CUDA-graph capture.
+CUDA-graph capture, ``commit`` an accept's commit and ``host_copy`` copies between pinned memory and the device made
+by the SMs (both for the service's engine).
 
 Glossary (PyTorch's conv1d vocabulary, for x ``(dim, T)``; the same words name tests, tuning keys and the
 benchmark's layout column):

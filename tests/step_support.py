@@ -85,6 +85,9 @@ def run_step_workload(device: str, seed: int, n_sessions: int = 20, n_ops: int =
             assert_close(y, want, what=what)
         for s in sids:
             assert_close(e.export_state(s), ref.states[s], what=f"final state {s}")
-        return e.stats()
+        st = e.stats()
+        copies = e._runner.bufs.copies           # None on the CPU
+        st["copies_by_sm"] = copies.by_sm if copies is not None else 0
+        return st
     finally:
         e.stop(drain=False)

@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import sys
+from typing import Optional
 
 import torch
 
 from convserve.kernels import PAD_SLOT_ID
+from convserve.kernels.host_copy import PinnedCopies
 
 #: batch slots (see Buffers): batch requests that find one free launch with a single graph replay
 BATCH_SLOTS = 4
@@ -35,10 +37,14 @@ class OutputRing:
     device-to-host copy into pageable memory returns once it has landed, so it is complete when the step's
     synchronization returns)."""
 
-    def __init__(self, n: int, rows: int, dim: int, dtype: torch.dtype, pin: bool, most: int = 0):
+    def __init__(self, n: int, rows: int, dim: int, dtype: torch.dtype, pin: bool, most: int = 0,
+                 copies: Optional[PinnedCopies] = None):
         self.rows, self._shape, self._dtype, self._pin = rows, (rows, dim), dtype, pin
         self._most = max(n, most)
         self._bufs = [torch.empty(self._shape, dtype=dtype, pin_memory=pin) for _ in range(n)]
+        self._copies = copies              # told of every pinned buffer, the ones the ring grows by included
+        if copies is not None:
+            copies.add(*self._bufs)
         # each buffer's storage object: torch hands out the same Python object for it, so a caller that keeps
         # only y.untyped_storage() shows in its reference count (not in the c10 use count)
         self._stores = [b.untyped_storage() for b in self._bufs]
@@ -69,6 +75,8 @@ class OutputRing:
                     return self._bufs[i]
             if k < self._most:
                 b = torch.empty(self._shape, dtype=self._dtype, pin_memory=self._pin)
+                if self._copies is not None:
+                    self._copies.add(b)
                 self._bufs.append(b)
                 self._stores.append(b.untyped_storage())
                 self._next = 0
@@ -95,6 +103,9 @@ class Buffers:
     def __init__(self, n_layers: int, dim: int, dtype: torch.dtype, max_tokens: int, max_rows: int,
                  max_bucket: int, max_spec: int, device: torch.device, slots: int = 0, width: int = 4):
         cuda = device.type == "cuda"
+        # the copies of x in and y out between the pinned buffers below and the device (by the SMs): None on the
+        # CPU
+        self.copies = PinnedCopies(device) if cuda else None
 
         def pair(shape, dt, fill=None):
             h = torch.empty(shape, dtype=dt, pin_memory=cuda)
@@ -159,11 +170,11 @@ class Buffers:
         self.d_osi = torch.full((max_rows + 16, max_spec), PAD_SLOT_ID, dtype=torch.int32, device=device)
         # the results of a step with up to max_rows output rows (every decode-only step). 4 buffers (the callers
         # of the last steps may not have read theirs yet), growing to 16 for callers that keep their results.
-        self.outputs = OutputRing(4, max_rows, dim, dtype, cuda, most=16)
+        self.outputs = OutputRing(4, max_rows, dim, dtype, cuda, most=16, copies=self.copies)
         # the results of a step with packed prefill / verify tokens: its decode rows (at most max_rows) and its
         # packed tokens (at most max_tokens: the scheduler counts verify pad tokens against them). 2 buffers of
         # the largest step: one read by the last step's callers while the next step is copied into the other.
-        self.packed_outputs = OutputRing(2, max_rows + max_tokens, dim, dtype, cuda)
+        self.packed_outputs = OutputRing(2, max_rows + max_tokens, dim, dtype, cuda, copies=self.copies)
         # batch slots: a batch request's x (copied in at submit), rows' pool slots and y, each slot with a CUDA graph
         # per (layer, bucket) that holds the copy in, the kernel and the copy out: its launch is one replay. A
         # slot is reused once its batch is done and nothing outside refers to its y (see Runner.take_slot).
@@ -171,7 +182,7 @@ class Buffers:
         self.slot_idx = [torch.full((max_bucket,), PAD_SLOT_ID, dtype=torch.int32, pin_memory=cuda)
                          for _ in range(BATCH_SLOTS)]
         self.slot_idx_np = [t.numpy() for t in self.slot_idx]
-        self.slot_y = OutputRing(BATCH_SLOTS, max_bucket, dim, dtype, cuda)
+        self.slot_y = OutputRing(BATCH_SLOTS, max_bucket, dim, dtype, cuda, copies=self.copies)
         # verify slots: a verify-only batch whose rows all have one length L (n rows, n * L <= vslot_rows, n at
         # most the largest bucket) has its x copied here at submit; its launch copies x and the rows' indices in,
         # runs the verify, copies each row's x into d_spec (what accept commits from) and y out: on CUDA with
@@ -188,8 +199,10 @@ class Buffers:
                            for _ in range(VERIFY_SLOTS)]
         self.vslot_idx_np = [t.numpy() for t in self.vslot_idx]
         self.vslot_spec_np = [t.numpy() for t in self.vslot_spec]
-        self.vslot_y = OutputRing(VERIFY_SLOTS, self.vslot_rows, dim, dtype, cuda)
+        self.vslot_y = OutputRing(VERIFY_SLOTS, self.vslot_rows, dim, dtype, cuda, copies=self.copies)
         if cuda:
+            self.copies.add(self.h_in, self.h_dec_x, self.h_mix_x, self.h_stage, self.h_tok, *self.slot_x,
+                            *self.vslot_x)
             self.d_vx = torch.empty((self.vslot_rows, dim), dtype=dtype, device=device)
             self.d_vout = torch.empty((self.vslot_rows, dim), dtype=dtype, device=device)
             self.d_vidx = torch.full((max_bucket,), PAD_SLOT_ID, dtype=torch.int32, device=device)

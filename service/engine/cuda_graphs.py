@@ -126,11 +126,12 @@ class DecodeLaunchers:
             self._fn(hx, states, w, bias, self._model.activation, conv_state_indices=hidx, pad_slot_id=PAD_SLOT_ID,
                      out=hy)
             return
-        x.copy_(hx, non_blocking=True)
+        cp = bf.copies.copy
+        cp(x, hx)
         d_idx.copy_(hidx, non_blocking=True)
         self._fn(x, states, w, bias, self._model.activation, conv_state_indices=d_idx, pad_slot_id=PAD_SLOT_ID,
                  out=out)
-        hy.copy_(out, non_blocking=True)
+        cp(hy, out)
 
     def _verify_args(self, j: int, p: int, b: int, L: int) -> tuple:
         """The views verify slot ``j``'s launch on layer ``p`` takes for ``b`` rows of ``L`` tokens (its y buffer
@@ -158,18 +159,19 @@ class DecodeLaunchers:
         idx.copy_(hidx, non_blocking=True)
         sidx.copy_(hspec, non_blocking=True)
         h = b // 2
+        cp = self._b.copies.copy
         if h == 0:
-            x.copy_(hx, non_blocking=True)
+            cp(x, hx)
             self._verify_rows(slice(0, b), x3, xs, idx, osi, sidx, spec, states, w, bias, out, hy, L)
             return
         # Two halves of the rows, so that the copies in and out overlap: the first half's verify and copy out run
-        # on a side stream while the second half's x is copied in (the two directions use separate copy engines;
-        # a verify moves about 4x a decode's bytes each way). The rows are independent: a verify writes no live
-        # state, and each row's windows and spec line are its own.
+        # on a side stream while the second half's x is copied in (PCIe carries both directions at once; a verify
+        # moves about 4x a decode's bytes each way). The rows are independent: a verify writes no live state, and
+        # each row's windows and spec line are its own.
         cur, side = torch.cuda.current_stream(), self._side
-        x[:h * L].copy_(hx[:h * L], non_blocking=True)
+        cp(x[:h * L], hx[:h * L])
         side.wait_stream(cur)
-        x[h * L:].copy_(hx[h * L:], non_blocking=True)
+        cp(x[h * L:], hx[h * L:])
         with torch.cuda.stream(side):
             self._verify_rows(slice(0, h), x3, xs, idx, osi, sidx, spec, states, w, bias, out, hy, L)
         self._verify_rows(slice(h, b), x3, xs, idx, osi, sidx, spec, states, w, bias, out, hy, L)
@@ -186,7 +188,7 @@ class DecodeLaunchers:
                  out=o.view(rows.stop - rows.start, L, -1).transpose(1, 2))
         spec.index_copy_(0, sidx[rows], xs[rows])
         if self._cuda:
-            hy[t].copy_(o, non_blocking=True)
+            self._b.copies.copy(hy[t], o)
 
     def _launches(self) -> dict:
         """Every launch: ``{key: run it eagerly}``."""

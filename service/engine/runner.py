@@ -55,6 +55,8 @@ class Runner(Staging):
         self.layer_args = [(model.weight[p], model.layer_bias(p), pool.layer(p)) for p in range(model.n_layers)]
         self.bufs = Buffers(model.n_layers, model.dim, model.dtype, cfg.max_batch_tokens, cfg.max_batch_size,
                             cfg.decode_buckets[-1], cfg.max_spec_tokens, device, pool.slots, model.width)
+        # dst.copy_(src) of a step's x and y: by the SMs from and into the pinned buffers on CUDA (host_copy.py)
+        self._cp = self.bufs.copies.copy if cuda else torch.Tensor.copy_
         if cuda:
             from convserve.kernels import causal_conv1d_fn, causal_conv1d_update
 
@@ -191,7 +193,7 @@ class Runner(Staging):
         those arrays, prefills then verifies: ``(qsl, idx, flags, rows)`` per prefill, ``(idx, rows)`` per
         verify."""
         bf, cuda = self.bufs, self.stream is not None
-        h_in, d_in, h_tok = bf.h_in, bf.d_in, bf.h_tok
+        h_in, d_in, h_tok, cp = bf.h_in, bf.d_in, bf.h_tok, self._cp
         # Rows staged in the token arena (a batch's prefill rows, its verify rows: one run each) go straight to
         # d_in; the others are packed into h_in, each contiguous run of them copied with one cat and one copy.
         xs, run = [], [0, 0]                          # the pending run: its rows' x, and [first, end) in d_in
@@ -204,7 +206,7 @@ class Runner(Staging):
                 else:
                     h_in[lo:hi].copy_(xs[0])
                 if cuda:
-                    d_in[lo:hi].copy_(h_in[lo:hi], non_blocking=True)
+                    cp(d_in[lo:hi], h_in[lo:hi])
                 xs.clear()
 
         def add(x, lo, hi):
@@ -222,7 +224,7 @@ class Runner(Staging):
                 if b is not None and b.tok >= 0:      # the batch's prefill rows, next to each other here
                     flush()
                     lo = off + qsl[i]
-                    d_in[lo:lo + b.n_pre].copy_(h_tok[b.tok:b.tok + b.n_pre], non_blocking=cuda)
+                    cp(d_in[lo:lo + b.n_pre], h_tok[b.tok:b.tok + b.n_pre])
                     i += len(b.prefill.sessions)
                     continue
                 if b is not None and b.n_pre == r.n_tokens:   # every row a prefill row, in x's order: x is the run
@@ -245,7 +247,7 @@ class Runner(Staging):
                     k, lv = len(b.verify), b.verify_len
                     lo, src = off + i * L, h_tok[b.tok + b.n_pre:b.tok + b.n_pre + k * lv]
                     if lv == L:
-                        d_in[lo:lo + k * L].copy_(src, non_blocking=cuda)
+                        cp(d_in[lo:lo + k * L], src)
                     else:                             # a longer verify in the launch: pad on the device
                         d3 = d_in[lo:lo + k * L].view(k, L, D)
                         d3[:, lv:].zero_()
@@ -343,7 +345,7 @@ class Runner(Staging):
             else:
                 dx = b.dec_x
                 src = dx if r.stage >= 0 or not cuda or k <= DIRECT else bf.h_dec_x[db.layer, :n].copy_(dx)
-                bf.d_dec_x[db.layer, :n].copy_(src, non_blocking=cuda)
+                self._cp(bf.d_dec_x[db.layer, :n], src)
                 idx = bf.dec_idx_np[db.layer]
                 if k <= DIRECT:                      # y goes back over x, not into the step's host output
                     n_slot += n
@@ -361,7 +363,7 @@ class Runner(Staging):
         t0 = tickets[0]
         lo = t0 % R
         if t0 >= 0 and lo + n <= R and (n == 1 or tickets == list(range(t0, t0 + n))):
-            d_x.copy_(bf.h_stage[lo:lo + n], non_blocking=cuda)
+            self._cp(d_x, bf.h_stage[lo:lo + n])
             return
         if min(tickets) >= 0:
             rows = bf.gather_np[:n]                  # through numpy: cheaper than torch.tensor(list) per element
@@ -373,7 +375,7 @@ class Runner(Staging):
         else:
             torch.cat([r.x for r in reqs], out=h_x)
         if cuda:
-            d_x.copy_(h_x, non_blocking=True)
+            self._cp(d_x, h_x)
 
     def _pack_mixed(self, decodes: list, n: int, bucket: int):
         """Pack the decodes of several layers for one launch (``DecodeLaunchers.MIXED``): rows in arrival order
@@ -483,8 +485,7 @@ class Runner(Staging):
         can), one copy per launch group, decode rows first. Each request's y is then a view of it, cut lazily by
         whoever reads the result (not on this thread). Returns ``(host_out, n_dec)``: the tensor (None when every
         result is in a batch slot) and its decode rows."""
-        bf, cuda = self.bufs, self.stream is not None
-        decodes = out.decodes
+        bf, decodes = self.bufs, out.decodes
         n_packed = out.packed_tokens
         n_dec = sum(db.rows for db in decodes) - n_slot
         n_out = n_dec + n_packed
@@ -494,18 +495,19 @@ class Runner(Staging):
             host_out = bf.outputs.take(n_out)
         else:
             host_out = bf.packed_outputs.take(n_out)
+        cp = self._cp
         if mixed is not None:
-            host_out[:n_dec].copy_(bf.d_mix_out[:n_dec], non_blocking=cuda)
+            cp(host_out[:n_dec], bf.d_mix_out[:n_dec])
         a = 0
         for db, k in zip(decodes, slot_of):
             if k == -1:
                 n = db.rows
-                host_out[a:a + n].copy_(bf.d_dec_out[db.layer, :n], non_blocking=cuda)
+                cp(host_out[a:a + n], bf.d_dec_out[db.layer, :n])
                 a += n
             elif k <= DIRECT:
-                db.requests[0].batch.dec_x.copy_(bf.d_dec_out[db.layer, :db.rows], non_blocking=cuda)
+                cp(db.requests[0].batch.dec_x, bf.d_dec_out[db.layer, :db.rows])
         if n_packed:
-            host_out[n_dec:n_out].copy_(bf.d_out[:n_packed], non_blocking=cuda)
+            cp(host_out[n_dec:n_out], bf.d_out[:n_packed])
         return host_out, n_dec
 
     def _unpack(self, out: SchedulerOutput, host_out, mixed, slot_of: list, n_dec: int) -> None:

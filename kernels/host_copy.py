@@ -1,0 +1,123 @@
+"""Copies between pinned host memory and the device made by the GPU's SMs (a kernel's loads and stores) instead
+of a copy engine.
+
+A copy engine reads pinned lines that the CPU has just written (still in the CPU's caches) at about half of PCIe's
+speed, and writes into pinned lines the CPU has just read about as slowly; a kernel keeps enough requests in flight
+to run at PCIe's speed either way, and at the copy engine's speed otherwise (bench/NOTES.md, "Copies by the SMs").
+The engine moves each step's x in and y out through pinned buffers the CPU has just written or read, so it copies
+this way (``TUNING["pinned_copy"]``).
+
+The host memory must be page-locked and mapped. Under unified addressing (every 64-bit CUDA platform) a pinned
+tensor's address is valid on the device as it is; a pageable one is not, and a kernel that reads it faults and
+takes the CUDA context down. So the kernel runs on CUDA only through :class:`PinnedCopies`, which copies by the SMs
+only from or into memory it was given as pinned (checked once, when it is given), and hands anything else to
+``Tensor.copy_``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ._launch import TUNING, _entry, _raw_stream
+
+
+@triton.jit(do_not_specialize=["n"])
+def _copy_kernel(
+    src_ptr,  # (n,) int64 words, contiguous
+    dst_ptr,  # (n,) int64 words, contiguous
+    n,  # words to copy (not specialized: one compiled kernel for every size)
+    BLOCK: tl.constexpr,  # words per program
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+    mask = offs < n  # [BLOCK]
+    tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask), mask=mask)
+
+
+def copy_words(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """The kernel through ``kernel[grid]``, for any two tensors Triton can address (contiguous, one dtype and
+    size, a whole number of 8-byte words): the CPU under Triton's interpreter, and the reference path of the
+    tests. The engine calls :meth:`PinnedCopies.copy`."""
+    s, d = src.reshape(-1).view(torch.int64), dst.view(-1).view(torch.int64)
+    if s.numel():
+        cfg = TUNING["pinned_copy"]
+        _copy_kernel[(triton.cdiv(s.numel(), cfg["block"]),)](s, d, s.numel(), BLOCK=cfg["block"],
+                                                              num_warps=cfg["num_warps"])
+
+
+class PinnedCopies:
+    """``dst.copy_(src, non_blocking=True)`` by the SMs, on the current stream, between one CUDA device and the
+    pinned host buffers given to :meth:`add` (the engine's own, alive as long as this object is used).
+
+    A copy goes to the kernel when: one side is a tensor on this device and the other lies inside a given buffer;
+    both are contiguous, of one dtype and size, a whole number of 8-byte words, at 16-byte aligned addresses. Any
+    other copy (a pageable or foreign host tensor, odd sizes, strided views, ``TUNING["pinned_copy"]["on"]`` off)
+    is ``Tensor.copy_``, with the same result. Per copy: a few attribute reads and comparisons, then the compiled
+    kernel's launcher called directly (no ``kernel[grid]`` binding); inside a CUDA-graph capture it is captured
+    like any launch."""
+
+    def __init__(self, device: torch.device, max_bytes: Optional[int] = None):
+        """``max_bytes``: the largest copy made by the SMs (default ``TUNING["pinned_copy"]["max_bytes"]``)."""
+        self.device = torch.device(device)
+        self.index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        self._ranges: list = []            # [start, end) addresses of the pinned buffers given
+        self._launch = None                # the compiled kernel's entry (kernels._launch._entry), once compiled
+        cfg = TUNING["pinned_copy"]
+        self._block, self._warps = cfg["block"], cfg["num_warps"]
+        self._most = cfg["max_bytes"] if max_bytes is None else max_bytes
+        self.by_sm = 0                     # copies made by the kernel (for tests and stats)
+
+    def add(self, *buffers: torch.Tensor) -> None:
+        """Let copies read from or write into these pinned host tensors (their whole storage)."""
+        for b in buffers:
+            if b.device.type != "cpu" or not b.is_pinned():
+                raise ValueError(f"PinnedCopies.add: expected pinned host memory, got a {b.device} tensor"
+                                 f"{' (not pinned)' if b.device.type == 'cpu' else ''}")
+            s = b.untyped_storage()
+            self._ranges.append((s.data_ptr(), s.data_ptr() + s.nbytes()))
+
+    def covers(self, ptr: int, nbytes: int) -> bool:
+        """Do ``nbytes`` from address ``ptr`` lie inside one buffer given to :meth:`add`?"""
+        end = ptr + nbytes
+        for lo, hi in self._ranges:
+            if lo <= ptr and end <= hi:
+                return True
+        return False
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst.copy_(src, non_blocking=True)`` (see the class docstring for which copies the SMs make)."""
+        n = src.numel()
+        nbytes = n * src.element_size()
+        if dst.is_cuda == src.is_cuda or not TUNING["pinned_copy"]["on"] or dst.dtype != src.dtype or \
+                dst.numel() != n or nbytes & 7 or not nbytes or nbytes > self._most:
+            dst.copy_(src, non_blocking=True)
+            return
+        host, dev = (src, dst) if dst.is_cuda else (dst, src)
+        sp, dp = src.data_ptr(), dst.data_ptr()
+        if (sp | dp) & 15 or dev.device.index != self.index or not (src.is_contiguous() and dst.is_contiguous()) \
+                or not self.covers(host.data_ptr(), nbytes):
+            dst.copy_(src, non_blocking=True)
+            return
+        words = nbytes >> 3
+        grid = -(-words // self._block)
+        entry = self._launch
+        if entry is None:                  # the first copy compiles the kernel (16-byte aligned pointers)
+            with torch.cuda.device(self.index):
+                compiled = _copy_kernel[(grid,)](src.view(-1).view(torch.int64), dst.view(-1).view(torch.int64),
+                                                 words, BLOCK=self._block, num_warps=self._warps)
+            if hasattr(compiled, "result"):
+                compiled = compiled.result()
+            self._launch = _entry(compiled)
+            self.by_sm += 1
+            return
+        raw, run, function, meta, coop, pdl = entry
+        stream = _raw_stream(self.index)
+        if raw:
+            run(grid, 1, 1, stream, function, coop, pdl, None, None, meta, None, None, None, sp, dp, words,
+                self._block)
+        else:
+            run(grid, 1, 1, stream, function, meta, None, None, None, sp, dp, words, self._block)
+        self.by_sm += 1
