@@ -16,6 +16,7 @@ only from or into memory it was given as pinned (checked once, when it is given)
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
@@ -52,12 +53,17 @@ class PinnedCopies:
     """``dst.copy_(src, non_blocking=True)`` by the SMs, on the current stream, between one CUDA device and the
     pinned host buffers given to :meth:`add` (the engine's own, alive as long as this object is used).
 
-    A copy goes to the kernel when: one side is a tensor on this device and the other lies inside a given buffer;
-    both are contiguous, of one dtype and size, a whole number of 8-byte words, at 16-byte aligned addresses. Any
-    other copy (a pageable or foreign host tensor, odd sizes, strided views, ``TUNING["pinned_copy"]["on"]`` off)
-    is ``Tensor.copy_``, with the same result. Per copy: a few attribute reads and comparisons, then the compiled
-    kernel's launcher called directly (no ``kernel[grid]`` binding); inside a CUDA-graph capture it is captured
-    like any launch."""
+    A copy goes to the kernel when (:meth:`by_sms`): one side is a tensor on this device and the other lies inside a
+    given buffer; both are contiguous, of one dtype and shape, a whole number of 8-byte words, at most ``max_bytes``,
+    at 16-byte aligned addresses. Any other copy (a pageable or foreign host tensor, odd sizes, strided views,
+    ``TUNING["pinned_copy"]["on"]`` off) is ``Tensor.copy_``, with the same result. Per copy: a few attribute reads
+    and comparisons, then the compiled kernel's launcher called directly (no ``kernel[grid]`` binding); inside a
+    CUDA-graph capture it is captured like any launch. Should that launcher refuse its arguments (a Triton whose
+    launcher takes others), every copy from then on is ``Tensor.copy_``, with a warning.
+
+    A buffer given to :meth:`add` must stay allocated and page-locked for as long as this object copies, and be
+    memory whose host address is its device address (torch's pinned allocations, ``cudaHostAlloc``): never memory
+    registered for a while (``cudaHostRegister``), such as a client's shared-memory block."""
 
     def __init__(self, device: torch.device, max_bytes: Optional[int] = None):
         """``max_bytes``: the largest copy made by the SMs (default ``TUNING["pinned_copy"]["max_bytes"]``)."""
@@ -65,6 +71,7 @@ class PinnedCopies:
         self.index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         self._ranges: list = []            # [start, end) addresses of the pinned buffers given
         self._launch = None                # the compiled kernel's entry (kernels._launch._entry), once compiled
+        self._refused = False              # the launcher refused its arguments: Tensor.copy_ from then on
         cfg = TUNING["pinned_copy"]
         self._block, self._warps = cfg["block"], cfg["num_warps"]
         self._most = cfg["max_bytes"] if max_bytes is None else max_bytes
@@ -87,21 +94,22 @@ class PinnedCopies:
                 return True
         return False
 
+    def by_sms(self, dst: torch.Tensor, src: torch.Tensor) -> bool:
+        """Would :meth:`copy` make this copy by the SMs (see the class docstring)?"""
+        nbytes = src.numel() * src.element_size()
+        if dst.is_cuda == src.is_cuda or self._refused or not TUNING["pinned_copy"]["on"] or \
+                dst.dtype != src.dtype or dst.shape != src.shape or nbytes & 7 or not nbytes or nbytes > self._most:
+            return False
+        host, dev = (src, dst) if dst.is_cuda else (dst, src)
+        return not (src.data_ptr() | dst.data_ptr()) & 15 and dev.device.index == self.index and \
+            src.is_contiguous() and dst.is_contiguous() and self.covers(host.data_ptr(), nbytes)
+
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """``dst.copy_(src, non_blocking=True)`` (see the class docstring for which copies the SMs make)."""
-        n = src.numel()
-        nbytes = n * src.element_size()
-        if dst.is_cuda == src.is_cuda or not TUNING["pinned_copy"]["on"] or dst.dtype != src.dtype or \
-                dst.numel() != n or nbytes & 7 or not nbytes or nbytes > self._most:
+        if not self.by_sms(dst, src):
             dst.copy_(src, non_blocking=True)
             return
-        host, dev = (src, dst) if dst.is_cuda else (dst, src)
-        sp, dp = src.data_ptr(), dst.data_ptr()
-        if (sp | dp) & 15 or dev.device.index != self.index or not (src.is_contiguous() and dst.is_contiguous()) \
-                or not self.covers(host.data_ptr(), nbytes):
-            dst.copy_(src, non_blocking=True)
-            return
-        words = nbytes >> 3
+        words = (src.numel() * src.element_size()) >> 3
         grid = -(-words // self._block)
         entry = self._launch
         if entry is None:                  # the first copy compiles the kernel (16-byte aligned pointers)
@@ -115,9 +123,17 @@ class PinnedCopies:
             return
         raw, run, function, meta, coop, pdl = entry
         stream = _raw_stream(self.index)
-        if raw:
-            run(grid, 1, 1, stream, function, coop, pdl, None, None, meta, None, None, None, sp, dp, words,
-                self._block)
-        else:
-            run(grid, 1, 1, stream, function, meta, None, None, None, sp, dp, words, self._block)
+        sp, dp = src.data_ptr(), dst.data_ptr()
+        try:
+            if raw:
+                run(grid, 1, 1, stream, function, coop, pdl, None, None, meta, None, None, None, sp, dp, words,
+                    self._block)
+            else:
+                run(grid, 1, 1, stream, function, meta, None, None, None, sp, dp, words, self._block)
+        except (TypeError, SystemError, AttributeError) as exc:  # a Triton whose launcher takes other arguments
+            warnings.warn(f"convserve: the SMs' copy kernel cannot be launched directly ({exc!r}); copying with "
+                          "Tensor.copy_")
+            self._refused = True
+            dst.copy_(src, non_blocking=True)
+            return
         self.by_sm += 1

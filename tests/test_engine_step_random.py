@@ -17,4 +17,4 @@ def test_random_mixed_batches_equal_the_per_session_reference(seed):
 def test_random_mixed_batches_equal_the_per_session_reference_on_cuda(seed):
     st = run_step_workload("cuda", seed)
     assert st["batch_requests"] > 0 and st["requests_failed"] == 0
-    assert st["copies_by_sm"] > 0             # the step's x and y went through kernels/host_copy.py
+    assert st["copies_by_sm"] > 0             # the steps' eager copies of x and y went through kernels/host_copy.py

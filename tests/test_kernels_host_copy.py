@@ -56,6 +56,93 @@ def test_an_empty_copy_launches_nothing():
     copy_words(torch.empty(0), torch.empty(0))
 
 
+class _Fake:
+    """What PinnedCopies reads of a tensor, at an address of our choosing (no memory behind it: nothing is copied)."""
+
+    def __init__(self, ptr=1 << 20, nbytes=1024, cuda=False, dtype=torch.bfloat16, shape=None, contiguous=True,
+                 index=0, pinned=True, storage=None):
+        self.ptr, self.nbytes, self.is_cuda, self.dtype = ptr, nbytes, cuda, dtype
+        self.shape = torch.Size(shape or (nbytes // torch.empty((), dtype=dtype).element_size(),))
+        self.device = torch.device("cuda", index) if cuda else torch.device("cpu")
+        self._contiguous, self._pinned, self._storage = contiguous, pinned, storage or (ptr, nbytes)
+
+    def numel(self):
+        return self.shape.numel()
+
+    def element_size(self):
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def data_ptr(self):
+        return self.ptr
+
+    def is_contiguous(self):
+        return self._contiguous
+
+    def is_pinned(self):
+        return self._pinned
+
+    def untyped_storage(self):
+        lo, n = self._storage
+        return type("S", (), {"data_ptr": lambda _s: lo, "nbytes": lambda _s: n})()
+
+
+def _router():
+    c = PinnedCopies(torch.device("cuda", 0))
+    c.add(_Fake(ptr=1 << 20, nbytes=1 << 16, storage=(1 << 20, 1 << 16)))   # [1 MiB, 1 MiB + 64 KiB)
+    return c
+
+
+ROUTES = [  # (what, dst, src, by the SMs?)
+    ("in", dict(cuda=True, ptr=1 << 30), dict(), True),
+    ("out", dict(), dict(cuda=True, ptr=1 << 30), True),
+    ("at the buffer's end", dict(cuda=True, ptr=1 << 30), dict(ptr=(1 << 20) + (1 << 16) - 1024), True),
+    ("past the buffer's end", dict(cuda=True, ptr=1 << 30), dict(ptr=(1 << 20) + (1 << 16) - 1008), False),
+    ("before the buffer", dict(cuda=True, ptr=1 << 30), dict(ptr=(1 << 20) - 16), False),
+    ("another host range", dict(cuda=True, ptr=1 << 30), dict(ptr=1 << 24), False),
+    ("two hosts", dict(), dict(), False),
+    ("two devices", dict(cuda=True, ptr=1 << 30), dict(cuda=True), False),
+    ("another device", dict(cuda=True, ptr=1 << 30, index=1), dict(), False),
+    ("dtype", dict(cuda=True, ptr=1 << 30, dtype=torch.float16), dict(), False),
+    ("shape", dict(cuda=True, ptr=1 << 30, shape=(2, 256)), dict(shape=(256, 2)), False),
+    ("odd bytes", dict(cuda=True, ptr=1 << 30, nbytes=1020), dict(nbytes=1020), False),
+    ("empty", dict(cuda=True, ptr=1 << 30, nbytes=0), dict(nbytes=0), False),
+    ("8-byte aligned", dict(cuda=True, ptr=(1 << 30) + 8), dict(ptr=(1 << 20) + 8), False),
+    ("strided", dict(cuda=True, ptr=1 << 30, contiguous=False), dict(), False),
+    ("at max_bytes", dict(cuda=True, ptr=1 << 30, nbytes=2 << 20), dict(nbytes=2 << 20), True),
+    ("past max_bytes", dict(cuda=True, ptr=1 << 30, nbytes=(2 << 20) + 16),
+     dict(nbytes=(2 << 20) + 16), False),
+]
+
+
+@pytest.mark.parametrize("what,dst,src,want", ROUTES, ids=[r[0] for r in ROUTES])
+def test_only_whole_aligned_copies_inside_a_given_buffer_go_to_the_sms(what, dst, src, want):
+    c = _router()
+    if what.endswith("max_bytes"):
+        c.add(_Fake(ptr=1 << 20, nbytes=4 << 20, storage=(1 << 20, 4 << 20)))
+    assert c.by_sms(_Fake(**dst), _Fake(**src)) is want
+
+
+def test_the_sms_are_not_used_when_turned_off():
+    c = _router()
+    TUNING["pinned_copy"]["on"] = False
+    try:
+        assert not c.by_sms(_Fake(cuda=True, ptr=1 << 30), _Fake())
+    finally:
+        TUNING["pinned_copy"]["on"] = True
+    assert c.by_sms(_Fake(cuda=True, ptr=1 << 30), _Fake())
+
+
+def test_only_pinned_host_memory_can_be_given_and_its_whole_storage_counts():
+    c = PinnedCopies(torch.device("cuda", 0))
+    with pytest.raises(ValueError, match="not pinned"):
+        c.add(_Fake(pinned=False))
+    with pytest.raises(ValueError, match="expected pinned host memory"):
+        c.add(_Fake(cuda=True))
+    c.add(_Fake(ptr=1010, nbytes=10, storage=(1000, 100)))               # a view: its storage is given
+    assert c.covers(1000, 100) and c.covers(1050, 50)
+    assert not c.covers(999, 2) and not c.covers(1001, 100)
+
+
 def _copies(*buffers):
     c = PinnedCopies(torch.device("cuda"))
     c.add(*buffers)
@@ -70,12 +157,14 @@ def _copies(*buffers):
 def test_a_copy_between_given_pinned_memory_and_the_device_is_made_by_the_sms_bit_exact(direction, dtype, n, off):
     src, dst, buf = _pair(n, off, dtype, *direction, seed=n + off)
     host = src if direction[0] == "pinned" else buf
-    c = _copies(host)
-    c.copy(dst, src)
+    warm_h = torch.zeros(96, dtype=torch.uint8).pin_memory()
+    c = _copies(host, warm_h)
+    c.copy(torch.empty(96, dtype=torch.uint8, device="cuda"), warm_h)   # compiled on 12 words: the copy below
+    c.copy(dst, src)                                                     # takes the direct launcher, any size
     torch.cuda.synchronize()
     _check(src, dst, buf, off)
     small = src.numel() * src.element_size() <= TUNING["pinned_copy"]["max_bytes"]   # larger: the copy engines
-    assert c.by_sm == (1 if (src.data_ptr() | dst.data_ptr()) % 16 == 0 and small else 0)
+    assert c.by_sm == 1 + ((src.data_ptr() | dst.data_ptr()) % 16 == 0 and small)
 
 
 @gpu
@@ -122,15 +211,22 @@ def test_any_other_copy_goes_to_tensor_copy_with_the_same_result(case):
 
 @gpu
 @needs_cuda
-def test_only_pinned_host_memory_can_be_given():
-    c = PinnedCopies(torch.device("cuda"))
-    with pytest.raises(ValueError, match="not pinned"):
-        c.add(torch.empty(8))
-    with pytest.raises(ValueError, match="expected pinned host memory"):
-        c.add(torch.empty(8, device="cuda"))
-    b = torch.empty(100, dtype=torch.uint8).pin_memory()
-    c.add(b[10:20])                                   # the whole storage is given
-    assert c.covers(b.data_ptr(), 100) and not c.covers(b.data_ptr() + 1, 100)
+def test_a_launcher_that_refuses_its_arguments_leaves_every_copy_to_tensor_copy():
+    h = torch.randn(64, 64).pin_memory()
+    d = torch.zeros(64, 64, device="cuda")
+    c = _copies(h)
+    c.copy(d, h)                                         # compiles
+    raw, run, *rest = c._launch
+
+    def refuses(*args):
+        raise TypeError("launch() takes other arguments")
+    c._launch = (raw, refuses, *rest)
+    d.zero_()
+    with pytest.warns(UserWarning, match="cannot be launched directly"):
+        c.copy(d, h)
+    c.copy(d[:32], h[:32])
+    torch.cuda.synchronize()
+    assert torch.equal(d.cpu(), h) and c.by_sm == 1 and not c.by_sms(d, h)
 
 
 @gpu
