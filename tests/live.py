@@ -156,7 +156,7 @@ class Reference:
 
     Mirrors the service's contract: a session's first call on a layer starts from a zero state, later calls
     continue from it; a speculative call leaves the state alone until ``accept(n)`` commits the state after n of
-    its tokens, for every layer at once; ``fork`` copies every layer's state.
+    its tokens, for every layer at once; ``fork`` copies every layer's state and the pending verifies.
     """
 
     def __init__(self, model, state_dtype: torch.dtype = torch.float32):
@@ -181,7 +181,7 @@ class Reference:
 
     def fork(self, src: str, dst: str) -> None:
         self.states[dst] = self._state(src).clone()
-        self.spec[dst] = {}
+        self.spec[dst] = dict(self.spec[src])          # a pending verify goes with the fork, to be accepted there
 
     def set_state(self, session: str, state: torch.Tensor) -> None:
         self._state(session)

@@ -105,3 +105,64 @@ def test_session_ops_see_the_requests_submitted_before_them():
         assert_close(e.export_state(dst), oracle.export(sid))
     finally:
         e.stop(drain=False)
+
+
+def _pending_source(e, oracle):
+    """A session with verifies of 3 and 2 tokens pending on two layers and none on the third."""
+    oracle.new("src")
+    e.create_session("src")
+    for p, layer in enumerate(LAYERS):
+        x = torch.randn(4, DIM)
+        e.submit("src", layer, x).result(10)
+        oracle.conv("src", p, x)
+        oracle.states["src"][p][0] = e.export_state("src")[p]
+    for p, t in ((0, 3), (2, 2)):
+        x = torch.randn(t, DIM)
+        assert_close(e.submit("src", LAYERS[p], x, speculative=True).result(10), oracle.verify("src", p, x))
+
+
+@pytest.mark.parametrize("n", [0, 1, 2])
+def test_a_session_moved_to_another_engine_keeps_its_pending_verifies(n):
+    """export_for_move then import_state on a second engine (what a named fork across engine processes does): the
+    copy accepts its verifies as the source accepts its own."""
+    a, b = make_engine(), make_engine()
+    oracle = Oracle(a.model_cpu, torch.float32)
+    try:
+        _pending_source(a, oracle)
+        state, positions, pending, spec = a.submit_op("export_for_move", "src").result(10)
+        assert pending == [[0, 3], [2, 2]] and tuple(spec.shape) == (2, 3, DIM)
+        b.create_session("moved")
+        b.import_state("moved", state, positions, pending, spec)
+        assert b.session_info("moved")["pending"] == a.session_info("src")["pending"]
+        assert b.session_info("moved")["positions"] == a.session_info("src")["positions"] == [4, 4, 4]
+        a.accept("src", n)
+        b.accept("moved", n)
+        assert torch.equal(b.export_state("moved"), a.export_state("src"))
+        x = torch.randn(1, DIM)
+        assert torch.equal(b.submit("moved", LAYERS[2], x).result(10), a.submit("src", LAYERS[2], x).result(10))
+    finally:
+        a.stop(drain=False)
+        b.stop(drain=False)
+
+
+@pytest.mark.parametrize("pending,spec_shape", [
+    ([[0, 3]], (2, 3, DIM)),                 # one record, two x
+    ([[0, 4]], (1, 3, DIM)),                 # more tokens than its x
+    ([[3, 1]], (1, 3, DIM)),                 # no such layer
+    ([[0, 1], [0, 2]], (2, 3, DIM)),         # one layer twice
+    ([[0, 17]], (1, 17, DIM)),               # past max_spec_tokens (16)
+    ([[0, 0]], (1, 3, DIM)),                 # no token
+    ([[0, 1]], (1, 3, DIM + 1)),             # another width of x
+    ([["0", 1]], (1, 3, DIM)),
+    ([0, 1], (2, 3, DIM)),                   # not pairs
+    ([[0, 1]], None),                        # no x
+])
+def test_a_moved_session_whose_verifies_do_not_fit_is_refused_and_nothing_changes(engine, pending, spec_shape):
+    assert engine.config.max_spec_tokens == 16
+    engine.create_session("moved")
+    before = engine.export_state("moved")
+    spec = None if spec_shape is None else torch.randn(spec_shape)
+    with pytest.raises(BadRequest, match="pending: expected"):
+        engine.import_state("moved", torch.randn_like(before), [1, 1, 1], pending, spec)
+    assert torch.equal(engine.export_state("moved"), before)
+    assert engine.session_info("moved")["pending"] == {"layers": [], "tokens": []}

@@ -1,4 +1,5 @@
-"""Control routes over real HTTP: health, the model, JSON bodies, fork, state export/import, speculative accept."""
+"""Control routes over real HTTP: health, the model, JSON bodies, fork, state export/import, speculative accept
+(both server layouts: two engine processes, where a named fork may land on the other engine, and in-process)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from convserve.clients.protocol import wire
+from convserve.service.cluster.placement import engine_of
 from tests.http_api import DIM, LAYERS, MAX_BODY, MAX_TOKENS, SLOTS, WIDTH, assert_close, model, rand_x
 from tests.live import Reference
 
@@ -113,3 +115,40 @@ def test_speculative_verify_leaves_state_until_accept_commits_n_tokens(api, acce
     assert_close(api.state(sid), ref.states[sid])
     x = rand_x(1, seed=77)
     assert_close(api.conv(sid, 2, x)[1], ref.conv(sid, 2, x))
+
+
+@pytest.mark.parametrize("where", ["same engine", "other engine"])
+@pytest.mark.parametrize("accepts", [(0, 2), (3, 1), (2, 3)])
+def test_a_named_fork_keeps_the_pending_verify_on_either_engine(api, where, accepts):
+    """A named fork whose id hashes to another engine (with two engine processes) moves by export and import:
+    it keeps the source's pending verifies as a fork on the same engine does, and each side accepts its own."""
+    ref = Reference(model())
+    sid = api.session()
+    ref.create(sid)
+    for layer in LAYERS:
+        x = rand_x(5, seed=layer + 40)
+        api.conv(sid, layer, x)
+        ref.conv(sid, layer, x)
+    for layer in LAYERS[:2]:                          # pending on two layers, the third without one
+        xv = rand_x(3, seed=60 + layer)
+        st, y, _ = api.conv(sid, layer, xv, speculative=True)
+        assert st == 200
+        ref.conv(sid, layer, xv, speculative=True)
+    same = where == "same engine"
+    new = next(n for n in (f"vfork-{sid}-{i}" for i in range(999)) if (engine_of(n, 2) == engine_of(sid, 2)) == same)
+    st, obj, _ = api.call("POST", f"/v1/sessions/{sid}/fork", {"session": new})
+    assert st == 201 and obj == {"session": new}, obj
+    ref.fork(sid, new)
+    pending = {"layers": LAYERS[:2], "tokens": [3, 3]}
+    assert api.call("GET", f"/v1/sessions/{new}")[1]["pending"] == pending
+    assert api.call("GET", f"/v1/sessions/{new}")[1]["positions"] == \
+        api.call("GET", f"/v1/sessions/{sid}")[1]["positions"]
+    st, err, _ = api.conv(new, LAYERS[0], rand_x(1))   # the fork, too, must accept first
+    assert st == 400 and "un-accepted speculative verify" in err["error"]["message"]
+    for s, n in zip((sid, new), accepts):
+        assert api.call("POST", f"/v1/sessions/{s}/accept", {"tokens": n})[0] == 204
+        ref.accept(s, n)
+    for s in (sid, new):
+        assert_close(api.state(s), ref.states[s])
+        x = rand_x(2, seed=91)
+        assert_close(api.conv(s, LAYERS[1], x)[1], ref.conv(s, LAYERS[1], x))

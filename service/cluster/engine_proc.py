@@ -452,24 +452,20 @@ class EngineProcess:
         elif name == "list_sessions":
             self._op_finished(ident, head, eng.list_sessions(*args))
         elif name == "create_with_state":
-            sid, positions = args
+            sid, positions, pending = args
+            state, spec = m.get_tensors(head, data)
             eng.create_session_now(sid)          # a moved session's id is new: no delete of it to wait for
             try:
-                fut = eng.submit_op("import_state", sid, self._state_of(head, data), positions)
+                fut = eng.submit_op("import_state", sid, state, positions, pending, spec)
             except BaseException:
                 eng.submit_op("delete_session", sid)
                 raise
             fut.add_done_callback(lambda f: self._created_with_state(ident, head, f))
         else:
             if name == "import_state":
-                args.append(self._state_of(head, data))
+                args.append(m.get_tensors(head, data)[0])
             fut = eng.submit_op("export_for_move" if name == "export_for_fork" else name, *args)
             fut.add_done_callback(lambda f: self._op_done(ident, head, f))
-
-    def _state_of(self, head: dict, data: bytes):
-        import torch
-
-        return torch.frombuffer(bytearray(data), dtype=getattr(torch, head["d"])).view(*head["sh"])
 
     def _created_with_state(self, ident: bytes, head: dict, fut: cf.Future) -> None:
         """A session moved here: created at arrival, its state imported in its turn; a failed import removes
@@ -516,17 +512,13 @@ class EngineProcess:
                 "GET the session to see its state")))
 
     def _reply_op(self, ident: bytes, mid: int, result) -> None:
-        reply = {"i": mid, "ok": None}
-        if isinstance(result, tuple):                 # (state, positions) of a session moving to another engine
-            result, reply["pos"] = result
+        reply, spec = {"i": mid, "ok": None}, None
+        if isinstance(result, tuple):     # (state, positions, pending, verify x) of a session moving to another engine
+            result, reply["pos"], reply["pend"], spec = result
         if isinstance(result, bytes):                 # the weights file: as a second frame
             self._send(ident, {"i": mid, "ok": None, "bytes": True}, result)
-        elif hasattr(result, "untyped_storage"):     # a state tensor: its bytes as a second frame
-            import torch
-
-            t = result.contiguous()
-            reply.update(d=str(t.dtype).removeprefix("torch."), sh=list(t.shape))
-            self._send(ident, reply, memoryview(t.view(-1).view(torch.uint8).numpy()))
+        elif hasattr(result, "untyped_storage"):     # a state tensor (and a verify x): as a second frame
+            self._send(ident, reply, m.put_tensors(reply, result, spec))
         else:
             self._send(ident, {"i": mid, "ok": result})
 

@@ -15,7 +15,8 @@ of such maps (the requests of one tick of the worker's loop, none with a data fr
 ``b``  batch: ``ss`` sessions, ``l``, ``t`` tokens or None, ``sp`` bool / list / None, ``po`` positions or None,
        ``d``, ``n``; as ``c``
 ``x``  cancel request ``i`` if it has not started (no reply of its own: the request itself answers)
-``o``  a session operation ``f`` with arguments ``a`` (a state tensor travels as a second frame)
+``o``  a session operation ``f`` with arguments ``a`` (a state tensor, and a moved session's verify x, travel as
+       a second frame: :func:`put_tensors`)
 ``q``  a check before a batch split across engines (``f``: ``batch`` with ``ss``, ``sp``, ``t``, ``l``, ``po``;
        or ``accept``): validates, queues nothing; with ``po`` the reply is ``{"positions", "repeat"}``
 ``s``  stats
@@ -50,6 +51,43 @@ def error_reply(mid: int, exc: BaseException) -> dict:
 def error_of(reply: dict) -> ServiceError:
     cls = BY_CODE.get(reply.get("err"), Internal)
     return cls(reply.get("m") or "engine error", retry_after=reply.get("ra"), **(reply.get("x") or {}))
+
+
+#: the head's keys that describe the tensors of a data frame (:func:`put_tensors`): dtype and shape of each
+_TENSOR_KEYS = (("d", "sh"), ("sd", "ssh"))
+
+
+def put_tensors(head: dict, *tensors):
+    """A data frame holding ``tensors`` (a state, then optionally a moved session's verify x; None entries are
+    left out) one after another, each described in ``head`` (``d`` / ``sh``, then ``sd`` / ``ssh``)."""
+    import torch
+
+    parts = []
+    for t, (kd, ks) in zip(tensors, _TENSOR_KEYS):
+        if t is not None:
+            t = t.contiguous()
+            head[kd], head[ks] = str(t.dtype).removeprefix("torch."), list(t.shape)
+            parts.append(t.view(-1).view(torch.uint8))
+    return memoryview((parts[0] if len(parts) == 1 else torch.cat(parts)).numpy())
+
+
+def get_tensors(head: dict, frame) -> tuple:
+    """The tensors of a data frame made by :func:`put_tensors`, each None that ``head`` does not describe."""
+    import torch
+
+    buf, at, out = bytearray(frame), 0, []
+    for kd, ks in _TENSOR_KEYS:
+        if kd not in head:
+            out.append(None)
+            continue
+        dtype, shape = getattr(torch, head[kd]), head[ks]
+        count = 1
+        for n in shape:
+            count *= n
+        out.append(torch.frombuffer(buf, dtype=dtype, count=count, offset=at).view(*shape) if count else
+                   torch.empty(shape, dtype=dtype))
+        at += count * out[-1].element_size()
+    return tuple(out)
 
 
 def endpoint(run_dir: str, engine: int) -> str:

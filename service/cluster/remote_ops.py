@@ -1,10 +1,10 @@
 """The session operations of :class:`.remote.RemoteEngine` (create, delete, fork, export, import, info, list,
 accept), each a blocking call to the engine that holds the session, made from the HTTP routes' threads.
 
-A fork onto another engine goes through export and import; a listing merges every engine's page by id; an
-``accept_batch`` split across engines is checked whole, then by each engine, before any part commits; a part
-refused after another committed (a concurrent change, an engine that died) answers with the committed sessions
-in its error's ``applied`` field.
+A fork onto another engine goes through export and import (its pending verify with it); a listing merges every
+engine's page by id; an ``accept_batch`` split across engines is checked whole, then by each engine, before any
+part commits; a part refused after another committed (a concurrent change, an engine that died) answers with the
+committed sessions in its error's ``applied`` field.
 """
 
 from __future__ import annotations
@@ -27,19 +27,16 @@ class RemoteSessions:
     """Mixed into :class:`.remote.RemoteEngine`: uses its ``_call_sync``, ``_target``, ``status``, ``n`` and
     ``limits``."""
 
-    def _op(self, e: int, name: str, *args, state=None):
-        data = None
+    def _op(self, e: int, name: str, *args, state=None, spec=None):
+        """``state`` (and ``spec``, a moved session's verify x) travel as the data frame (messages.put_tensors)."""
         head = {"k": m.OP, "f": name, "a": list(args)}
-        if state is not None:
-            t = state.contiguous()
-            head["d"], head["sh"] = str(t.dtype).removeprefix("torch."), list(t.shape)
-            data = memoryview(t.view(-1).view(torch.uint8).numpy())
+        data = m.put_tensors(head, state, spec) if state is not None else None
         reply, frame = self._call_sync(e, head, data)
         if reply.get("bytes"):
             return bytes(frame)
         if "sh" in reply:
-            t = torch.frombuffer(bytearray(frame), dtype=getattr(torch, reply["d"])).view(*reply["sh"])
-            return (t, reply["pos"]) if "pos" in reply else t
+            t, spec = m.get_tensors(reply, frame)
+            return (t, reply["pos"], reply.get("pend") or [], spec) if "pos" in reply else t
         return reply["ok"]
 
     def _up(self, e: int) -> bool:
@@ -66,8 +63,8 @@ class RemoteSessions:
             new_id, _ = new_id_on(lambda x: x == e, self.n, tries=4096)
         if new_id is None or engine_of(new_id, self.n) == e:
             return self._op(e, "fork_session", src_id, new_id)
-        state, positions = self._op(e, "export_for_fork", src_id)
-        self._op(engine_of(new_id, self.n), "create_with_state", new_id, positions, state=state)
+        state, positions, pending, spec = self._op(e, "export_for_fork", src_id)
+        self._op(engine_of(new_id, self.n), "create_with_state", new_id, positions, pending, state=state, spec=spec)
         return new_id
 
     def export_state(self, session_id: str):

@@ -158,35 +158,43 @@ class SessionOps:
         return self._post_op(session_id, lambda s: self.pool.export(s.slot))
 
     def _post_export_for_move(self, session_id: str) -> Op:
-        """``(state, positions)`` of a session copied to another engine (a fork there), both as of the op's
-        turn: refused with :class:`BadRequest` when a speculative verify is pending (it does not travel)."""
+        """``(state, positions, pending, spec)`` of a session copied to another engine (a fork there), all as of
+        the op's turn: ``pending`` its speculative verifies as ``[[layer index, tokens], ...]`` and ``spec`` their x,
+        ``(len(pending), longest, dim)`` in the model dtype (None without one), for :meth:`import_state`."""
         def op(s: Session):
             with self._lock:
-                layers = sorted(self.model_cpu.layers[q] for q in self._pending_at_turn_locked(s))
-            if layers:
-                raise BadRequest(f"session {s.id!r} has an un-accepted speculative verify on layer(s) {layers}; "
-                                 "a fork onto another engine carries the committed state only: accept (or accept "
-                                 "0) first, or fork without naming the new id (the fork then stays on this "
-                                 "engine and keeps the verify)")
-            state = self.pool.export(s.slot)
+                pend = self._pending_at_turn_locked(s)
+                ran = sorted([p, t] for p, (t, seq) in pend.items() if s.spec_x.get(p) == seq)
+            if len(ran) != len(pend):      # at its turn every verify before it has run: never, but never silently
+                raise BadRequest(f"session {s.id!r} has a speculative verify that has not run yet; retry the fork")
+            state, spec = self.pool.export(s.slot), None
+            if ran:
+                d_spec = self._runner.bufs.d_spec
+                spec = torch.zeros((len(ran), max(t for _p, t in ran), d_spec.shape[-1]), dtype=d_spec.dtype)
+                for j, (p, t) in enumerate(ran):
+                    spec[j, :t].copy_(d_spec[p, s.slot, :t])
             with self._lock:
-                return state, [q - h for q, h in zip(s.positions, self._held_tokens_locked(s))]
+                return state, [q - h for q, h in zip(s.positions, self._held_tokens_locked(s))], ran, spec
 
         return self._post_op(session_id, op)
 
-    def import_state(self, session_id: str, state: torch.Tensor, positions=None) -> None:
+    def import_state(self, session_id: str, state: torch.Tensor, positions=None, pending=None, spec=None) -> None:
         """Replace the session's state (every layer) and discard a pending verify. ``state`` is
         ``(n_conv_layers, dim, width - 1)`` in the state dtype. Raises :class:`ShapeMismatch`,
         :class:`DtypeUnsupported`, :class:`NonFinite`, :class:`BadRequest`; a rejected state changes nothing.
-        Every layer's position becomes 0, or ``positions`` (one per layer: a session moved between engines)."""
-        self._wait_op(self._post_import_state(session_id, state, positions))
+        Every layer's position becomes 0, or ``positions`` (one per layer: a session moved between engines).
+        ``pending`` and ``spec`` (a moved session's verifies, as :meth:`_post_export_for_move` gives them): the
+        session then holds those verifies pending, to be accepted as on the engine it came from."""
+        self._wait_op(self._post_import_state(session_id, state, positions, pending, spec))
 
-    def _post_import_state(self, session_id: str, state: torch.Tensor, positions=None) -> Op:
+    def _post_import_state(self, session_id: str, state: torch.Tensor, positions=None, pending=None,
+                           spec=None) -> Op:
         state = check_state(self.model_cpu, self.state_dtype, state)
         n_layers = self.model_cpu.n_layers
         if positions is not None and (len(positions) != n_layers or
                                       not all(type(q) is int and q >= 0 for q in positions)):
             raise BadRequest(f"positions: expected {n_layers} integers >= 0, got {positions!r:.80}")
+        pending = self._moved_verifies(pending or [], spec)
         if self.on_import is not None:   # before it can apply: a crash then cannot restore an older state silently
             self.on_import(session_id)
 
@@ -199,9 +207,34 @@ class SessionOps:
                 base = positions if positions is not None else [0] * n_layers
                 s.positions = [q + h for q, h in zip(base, self._held_tokens_locked(s))]
                 self._forget_locked(s)
-            s.spec_x.clear()
+                s.spec_x.clear()
+                d_spec = self._runner.bufs.d_spec
+                for j, (p, t) in enumerate(pending):
+                    seq = next(self._seq)              # a number no request has: only an accept reads it
+                    d_spec[p, s.slot, :t].copy_(spec[j, :t])
+                    s.pending[p], s.spec_x[p] = (t, seq), seq
 
         return self._post_op(session_id, op)
+
+    def _moved_verifies(self, pending: list, spec) -> list:
+        """``pending`` checked against ``spec`` (see :meth:`import_state`), as ``[(layer index, tokens), ...]``;
+        :class:`BadRequest` when they do not fit this engine."""
+        if not pending:
+            return []
+        d_spec = self._runner.bufs.d_spec
+        n_layers, max_spec, dim = d_spec.shape[0], d_spec.shape[2], d_spec.shape[3]
+        ok = isinstance(spec, torch.Tensor) and spec.dim() == 3 and spec.shape[0] == len(pending) and \
+            spec.shape[2] == dim and spec.dtype == d_spec.dtype
+        out = []
+        for rec in pending:
+            p, t = rec if isinstance(rec, (list, tuple)) and len(rec) == 2 else (None, None)
+            ok = ok and type(p) is int and type(t) is int and 0 <= p < n_layers and 1 <= t <= min(max_spec,
+                                                                                                     spec.shape[1])
+            out.append((p, t))
+        if not ok or len({p for p, _t in out}) != len(out):
+            raise BadRequest(f"pending: expected [layer index, tokens] pairs of distinct layers below {n_layers}, "
+                             f"at most {max_spec} tokens, with their x; got {pending!r:.80}")
+        return out
 
     def mark_lost(self, session_ids, why: str) -> None:
         """Sessions of this engine's previous process: they answer :class:`StateLost` (410) with ``why``."""
@@ -233,8 +266,8 @@ class SessionOps:
         method: after the requests and operations of its sessions submitted before this call, before those
         submitted after it. ``future.cancel()`` withdraws it if it has not started (once started it runs to its
         end and the cancel returns False). One not started within ``request_timeout_s`` fails with
-        :class:`RequestTimeout` and never runs; ``export_for_move`` is ``(export_state, its positions)``, refused
-        while a verify is pending."""
+        :class:`RequestTimeout` and never runs; ``export_for_move`` is ``(export_state, its positions, its pending
+        verifies, their x)`` (see :meth:`_post_export_for_move`)."""
         if name not in self.SUBMITTABLE_OPS:
             raise BadRequest(f"unknown session operation {name!r}")
         return getattr(self, "_post_" + name)(*args).future
