@@ -68,12 +68,11 @@ def run_step_workload(device: str, seed: int, n_sessions: int = 20, n_ops: int =
                     n = rng.randint(0, pending_len(s))
                     e.accept(s, n)
                     ref.accept(s, n)
-            elif r < 0.80:                             # a fork (of a session without a pending verify: the
-                src = rng.choice([s for s in sids if not ref.spec[s]] or [None])   # reference drops it)
-                if src is not None:
-                    dst = e.fork_session(src)
-                    ref.fork(src, dst)
-                    sids.append(dst)
+            elif r < 0.80:                             # a fork (its pending verifies go with it)
+                src = rng.choice(sids)
+                dst = e.fork_session(src)
+                ref.fork(src, dst)
+                sids.append(dst)
             else:                                      # a single request between the batches
                 s = rng.choice(sids)
                 spec = bool(ref.spec[s]) or rng.random() < 0.2

@@ -166,3 +166,40 @@ def test_a_moved_session_whose_verifies_do_not_fit_is_refused_and_nothing_change
         engine.import_state("moved", torch.randn_like(before), [1, 1, 1], pending, spec)
     assert torch.equal(engine.export_state("moved"), before)
     assert engine.session_info("moved")["pending"] == {"layers": [], "tokens": []}
+
+
+@pytest.mark.parametrize("withdrawn", [False, True])
+def test_a_verify_queued_behind_a_moved_sessions_import_replaces_its_imported_verify(withdrawn):
+    """A request for the new id can arrive once the target engine has created it, before its import ran: a verify
+    then queued on a layer the import brings a verify for replaces that one, as on the source; withdrawn, it
+    leaves the imported one pending."""
+    a, b = make_engine(), make_engine()
+    oracle = Oracle(a.model_cpu, torch.float32)
+    try:
+        _pending_source(a, oracle)
+        state, positions, pending, spec = a.submit_op("export_for_move", "src").result(10)
+        b.create_session("moved")
+        slow = b.submit("moved", LAYERS[1], torch.randn(3000, DIM))    # holds the import op back
+        imp = b.submit_op("import_state", "moved", state, positions, pending, spec)
+        xv = torch.randn(2, DIM)
+        v = b.submit("moved", LAYERS[0], xv, speculative=True)
+        if withdrawn:
+            assert v.cancel()
+        slow.result(60), imp.result(60)
+        if not withdrawn:
+            v.result(60)
+        want = {"layers": [LAYERS[0], LAYERS[2]], "tokens": [3 if withdrawn else 2, 2]}
+        assert b.session_info("moved")["pending"] == want
+        before = b.export_state("moved").clone()
+        b.accept("moved", 2)
+        a.accept("src", 2)
+        after = b.export_state("moved")
+        if withdrawn:                      # the imported verify committed, as the source's did
+            assert torch.equal(after, a.export_state("src"))
+        else:                              # the later verify's first 2 tokens
+            assert_close(after[0], torch.cat([before[0], xv.t()], dim=1)[:, -3:])
+            assert torch.equal(after[2], a.export_state("src")[2])
+        assert b.session_info("moved")["positions"] == [6, 4, 6]
+    finally:
+        a.stop(drain=False)
+        b.stop(drain=False)

@@ -212,7 +212,11 @@ class SessionOps:
                 for j, (p, t) in enumerate(pending):
                     seq = next(self._seq)              # a number no request has: only an accept reads it
                     d_spec[p, s.slot, :t].copy_(spec[j, :t])
-                    s.pending[p], s.spec_x[p] = (t, seq), seq
+                    s.spec_x[p] = seq
+                    if p in s.pending:    # a verify queued after this op replaced it (and is put back if withdrawn)
+                        self._redirect_displaced(s, p, None, (t, seq))
+                    else:
+                        s.pending[p] = (t, seq)
 
         return self._post_op(session_id, op)
 
