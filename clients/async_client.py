@@ -317,13 +317,14 @@ class AsyncConvClient(_Base):
 
         tracker = _Tracker(self.positions)
         slots = asyncio.Semaphore(window)
-        # frames sent; the sender's end and error; it waits in the caller's iterable; the stream no longer waits for it
-        state = {"n": 0, "done": False, "error": None, "in_iterable": False, "left": False}
+        # frames sent; the sender's end and error; it waits in the caller's iterable; the stream no longer waits for
+        # it; it waits in a send
+        state = {"n": 0, "done": False, "error": None, "in_iterable": False, "left": False, "sending": False}
         wake, stop = asyncio.Event(), asyncio.Event()      # the sender's end; the caller's early stop
         with tracker.answering(stop.is_set):
             async with await ws_connect_async(connect, _ws_url(self.url), additional_headers=self._ws_headers(),
                                               max_size=MAX_MESSAGE_BYTES, compression=None,
-                                              open_timeout=self.timeout) as ws:
+                                              open_timeout=self.timeout, close_timeout=self.timeout) as ws:
                 async def sender():
                     packer = wire.new_packer()
                     try:
@@ -352,11 +353,14 @@ class AsyncConvClient(_Base):
                             data = packer.pack(_frame(req))
                             tracker.add(req)
                             state["n"] += 1     # counted before the send: the receiver waits for its answer
+                            state["sending"] = True
                             try:
                                 await ws.send(data)
                             except BaseException:
                                 state["n"] -= 1     # not sent: no answer to wait for
                                 raise
+                            finally:
+                                state["sending"] = False
                             self.bytes_sent += len(data)
                     except BaseException as e:  # noqa: BLE001 - re-raised by the receiver
                         state["error"] = e
@@ -410,8 +414,11 @@ class AsyncConvClient(_Base):
                     if not task.done():
                         # an iterable that ignores the cancel is left behind: what it yields later is not sent
                         state["left"] = True
+                        stuck = state["sending"]
                         task.cancel()
                         await asyncio.wait({task}, timeout=LEFT_BEHIND_S)
+                        if stuck:   # a send the server does not read, cut mid-frame: no close handshake to wait for
+                            ws.transport.abort()
         if stop.is_set():
             return
         tracker.check_done()

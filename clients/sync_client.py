@@ -298,12 +298,15 @@ class ConvClient(_Base):
 
         tracker = _Tracker(self.positions)
         slots = threading.Semaphore(window)
-        sent = {"n": 0, "done": False, "error": None, "stop": False}
-        gate = threading.Lock()     # the stop and the count of frames sent change under it: once stopped, n is final
+        sent = {"n": 0, "done": False, "error": None, "stop": False, "sending": False}
+        # the stop, the count of frames sent and "sending" (a send begun and not returned) change under it: once
+        # stopped, n is final and no send begins
+        gate = threading.Lock()
         closing = False             # the caller stopped early: nothing more is sent, the owed answers are dropped
         with tracker.answering(lambda: closing):
             with ws_connect(connect, _ws_url(self.url), additional_headers=self._ws_headers(),
-                            max_size=MAX_MESSAGE_BYTES, compression=None, open_timeout=self.timeout) as ws:
+                            max_size=MAX_MESSAGE_BYTES, compression=None, open_timeout=self.timeout,
+                            close_timeout=self.timeout) as ws:
                 def sender():
                     packer = wire.new_packer()
                     try:
@@ -323,12 +326,16 @@ class ConvClient(_Base):
                                     break
                                 tracker.add(req)
                                 sent["n"] += 1      # counted before the send: the receiver waits for its answer
+                                sent["sending"] = True
                             try:
                                 ws.send(data)
                             except BaseException:
                                 with gate:
                                     sent["n"] -= 1  # not sent: no answer to wait for
+                                    sent["sending"] = False
                                 raise
+                            with gate:
+                                sent["sending"] = False
                             self.bytes_sent += len(data)
                     except BaseException as e:  # noqa: BLE001 - re-raised by the receiver
                         sent["error"] = e
@@ -367,10 +374,26 @@ class ConvClient(_Base):
                     if sent["error"] is not None and not closing:
                         raise sent["error"]
                 finally:
-                    sent["stop"] = True
+                    with gate:
+                        sent["stop"] = True
                     slots.release(window)  # unblock the sender: it sends nothing more
                     # a sender still waiting on the caller's iterable sends nothing once it returns: not waited for
                     t.join(timeout=0.1)
+                    with gate:
+                        stuck = t.is_alive() and sent["sending"]
+                    if stuck:              # a send the server does not read (we are leaving on an error): the
+                        _shut(ws)          # socket goes down, so that the send and the close return
         if closing:
             return
         tracker.check_done()
+
+
+def _shut(ws) -> None:
+    """Shut a WebSocket connection's socket down both ways: a send blocked on it fails, and the close that follows
+    returns at once (with no close handshake)."""
+    import socket
+
+    try:
+        ws.socket.shutdown(socket.SHUT_RDWR)
+    except OSError:          # already down
+        pass

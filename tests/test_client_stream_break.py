@@ -373,15 +373,16 @@ def test_a_ws_stream_whose_requests_pause_past_the_timeout_with_nothing_owed_goe
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
-def fake_ws_server(handler):
+def fake_ws_server(handler, **kw):
     """A fake server: its WebSocket streams run ``handler(ws)`` and ``GET /readyz`` answers 200 (a replicated
-    client checks it up). ``(server, url)``; ``server.shutdown()`` stops it."""
+    client checks it up); ``kw`` goes to websockets' ``serve``. ``(server, url)``; ``server.shutdown()`` stops
+    it."""
     from websockets.sync.server import serve
 
     def ready(conn, request):
         return conn.respond(200, "{}") if request.path.startswith("/readyz") else None
 
-    srv = serve(handler, "127.0.0.1", 0, process_request=ready)
+    srv = serve(handler, "127.0.0.1", 0, process_request=ready, **kw)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     return srv, f"http://127.0.0.1:{srv.socket.getsockname()[1]}"
 
@@ -450,3 +451,38 @@ def test_a_ws_streams_timeout_counts_only_the_time_an_answer_is_owed(is_async):
     finally:
         srv.shutdown()
     assert got == [0, 1]
+
+
+def _deaf_server(done: threading.Event):
+    """A fake server that never reads its WebSocket streams (it holds them until ``done``, at most 20 s): with a
+    queue of one message, websockets stops reading the socket, so a client's sends block once the socket buffers
+    are full."""
+    return fake_ws_server(lambda ws: done.wait(20), max_queue=1, max_size=None, close_timeout=0.2)
+
+
+@pytest.mark.parametrize("side", ["sync", "async"])
+def test_a_ws_stream_to_a_server_that_stops_reading_raises_its_timeout_without_waiting_for_the_close(side):
+    """The stream's sender is blocked in a send when the timeout ends the stream: the stream raises within about
+    its timeout (0.5 s), not after the server lets the connection go (20 s) or a close handshake's wait."""
+    done = threading.Event()
+    srv, url = _deaf_server(done)
+    x = torch.randn(2048, 256)                       # 2 MiB frames: the socket buffers fill after a few
+    reqs = [ConvRequest("s", 0, x) for _ in range(200)]
+    t0 = time.monotonic()
+    try:
+        if side == "sync":
+            with ConvClient(url, timeout=0.5) as c, pytest.raises(TimeoutError):
+                for _ in c.stream(reqs, transport="ws", window=64):
+                    pass
+        else:
+            async def run():
+                async with AsyncConvClient(url, timeout=0.5) as c:
+                    with pytest.raises(TimeoutError):
+                        async for _ in c.stream(reqs, transport="ws", window=64):
+                            pass
+            asyncio.run(run())
+        took = time.monotonic() - t0
+    finally:
+        done.set()
+        srv.shutdown()
+    assert took < 3.0, took
