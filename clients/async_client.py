@@ -12,7 +12,7 @@ import httpx
 
 from convserve.clients.common import (_POLL_S, MAX_MESSAGE_BYTES, SessionState, _as_request, _backend_of, _Base,
                                       _chunked, _decode, _default_backend, _frame, _quote, _raise_for, _Tracker,
-                                      _ws_url, check_given_position, partly_applied, ws_connect_async)
+                                      _ws_url, check_given_position, partly_applied, ws_connect_async, WS_CLOSE_S)
 from convserve.clients.h1 import _H1Pool, _h1_target
 from convserve.clients.positions import RETRY_ERRORS, RETRY_STATUS, outcome_unknown, serialized
 from convserve.clients.protocol import wire
@@ -324,7 +324,8 @@ class AsyncConvClient(_Base):
         with tracker.answering(stop.is_set):
             async with await ws_connect_async(connect, _ws_url(self.url), additional_headers=self._ws_headers(),
                                               max_size=MAX_MESSAGE_BYTES, compression=None,
-                                              open_timeout=self.timeout, close_timeout=self.timeout) as ws:
+                                              open_timeout=self.timeout,
+                                              close_timeout=min(self.timeout, WS_CLOSE_S)) as ws:
                 async def sender():
                     packer = wire.new_packer()
                     try:

@@ -25,6 +25,8 @@ MAX_MESSAGE_BYTES = 512 << 20
 #: Frames grouped into one HTTP chunk when streaming a known list of requests.
 _CHUNK_BYTES = 256 << 10
 _POLL_S = 0.05
+#: the longest a WebSocket stream's close waits for the server's close frame (less when the client's timeout is)
+WS_CLOSE_S = 10.0
 
 
 @dataclass

@@ -11,7 +11,7 @@ import httpx
 
 from convserve.clients.common import (MAX_MESSAGE_BYTES, _POLL_S, ConvResult, SessionState, _as_request, _backend_of,
                                       _Base, _chunked, _decode, _default_backend, _frame, _quote, _raise_for,
-                                      _Tracker, _ws_url, check_given_position, partly_applied, ws_connect)
+                                      _Tracker, _ws_url, check_given_position, partly_applied, ws_connect, WS_CLOSE_S)
 from convserve.clients.positions import RETRY_ERRORS, RETRY_STATUS, outcome_unknown, serialized
 from convserve.clients.protocol import wire
 from convserve.clients.replicas import is_routed
@@ -306,7 +306,7 @@ class ConvClient(_Base):
         with tracker.answering(lambda: closing):
             with ws_connect(connect, _ws_url(self.url), additional_headers=self._ws_headers(),
                             max_size=MAX_MESSAGE_BYTES, compression=None, open_timeout=self.timeout,
-                            close_timeout=self.timeout) as ws:
+                            close_timeout=min(self.timeout, WS_CLOSE_S)) as ws:
                 def sender():
                     packer = wire.new_packer()
                     try:
