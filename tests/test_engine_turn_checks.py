@@ -230,3 +230,53 @@ def test_a_verify_refused_at_its_turn_leaves_the_verify_it_was_sent_to_replace_p
     assert info(e, a)["pending"] == {"layers": [LAYERS[0]], "tokens": [3]}   # as if refused at submit
     e.accept(a, 3)
     assert info(e, a)["positions"] == [5, 2, 0]
+
+
+# A batch's checks read its sessions at its arrival (the README's known limit): an operation queued before it that
+# changes what they read makes it a refusal (400, nothing changed) instead of a batch applied against stale checks.
+
+@pytest.mark.parametrize("with_positions", [False, True])
+def test_a_batch_sent_while_an_import_of_one_of_its_sessions_is_queued_is_refused_with_nothing_changed(
+        e, with_positions):
+    a, b = prefilled(e), prefilled(e)
+    go = hold(e)
+    state = torch.randn(len(LAYERS), DIM, e.model_cpu.width - 1)
+    imp = e.submit_op("import_state", a, state)
+    kw = {"position": [2, 2]} if with_positions else {}
+    with pytest.raises(BadRequest, match="import queued"):
+        e.submit_batch([b, a], LAYERS[0], torch.randn(2, DIM), **kw)
+    with pytest.raises(BadRequest, match="import queued"):
+        e.check_batch([b, a], layer=LAYERS[0], **({"position": [2, 2]} if with_positions else {}))
+    go.set()
+    imp.result(10)
+    assert info(e, a)["positions"] == [0, 0, 0] and info(e, b)["positions"] == [2, 2, 0]
+    e.submit_batch([b, a], LAYERS[0], torch.randn(2, DIM)).result(10)      # once the import answered: applied
+    assert info(e, a)["positions"] == [1, 0, 0] and info(e, b)["positions"] == [3, 2, 0]
+
+
+def test_a_batch_with_positions_sent_while_an_accept_is_queued_is_refused_with_nothing_changed(e):
+    a = prefilled(e)
+    e.submit(a, LAYERS[1], torch.randn(3, DIM), speculative=True).result(10)
+    go = hold(e)
+    acc = e.submit_op("accept", a, 2)
+    with pytest.raises(BadRequest, match="accept queued"):   # a verify from position 2: at its turn it is 4
+        e.submit_batch([a], LAYERS[1], torch.randn(2, DIM), tokens=[2], speculative=True, position=[2])
+    verify = e.submit_batch([a], LAYERS[0], torch.randn(2, DIM), tokens=[2], speculative=True)   # no position
+    go.set()
+    acc.result(10), verify.result(10)
+    assert info(e, a)["positions"] == [2, 4, 0]
+    assert info(e, a)["pending"] == {"layers": [LAYERS[0]], "tokens": [2]}
+
+
+def test_a_repeated_batch_gets_its_kept_answer_even_with_an_accept_queued(e):
+    a = prefilled(e)
+    x = torch.randn(1, DIM)
+    y = e.submit_batch([a], LAYERS[0], x, position=[2]).result(10)
+    e.submit(a, LAYERS[1], torch.randn(2, DIM), speculative=True).result(10)
+    go = hold(e)
+    acc = e.submit_op("accept", a, 1)
+    again = e.submit_batch([a], LAYERS[0], x, position=[2])             # a retry of the applied batch
+    go.set()
+    acc.result(10)
+    assert torch.equal(again.result(10), y)
+    assert info(e, a)["positions"] == [3, 3, 0]

@@ -58,7 +58,7 @@ class Accepts:
             if not s.ops:     # else at its turn only: a verify queued before it may yet be refused at its own
                 self._check_pending(s, n_tokens)
         return self._post_op(session_id, lambda s: self._op_accept(s, n_tokens),
-                             now=lambda s: self._commit(self._accept_locked(s, n_tokens), [s], True))
+                             now=lambda s: self._commit(self._accept_locked(s, n_tokens), [s], True), kind="accept")
 
     def accept_batch(self, session_ids, tokens) -> None:
         """:meth:`accept` for several sessions at once: session ``session_ids[i]`` commits the state after the
@@ -83,7 +83,7 @@ class Accepts:
 
         return self._post_op_many(session_ids, check, lambda ss: self._op_accept_batch(ss, tokens, check),
                                   now=lambda ss: self._commit(self._accept_batch_locked(ss, tokens, check), ss,
-                                                              True))
+                                                              True), kind="accept")
 
     def check_accept_batch(self, session_ids, tokens) -> None:
         """Raise what :meth:`accept_batch` would raise for the sessions' state now; queue nothing (the first

@@ -316,8 +316,11 @@ class Intake:
             else:
                 sessions = [self._session_at_locked(sid, at) for sid, at in zip(session_ids, positions)]
                 answer = self._check_batch_positions_locked(sessions, req.layer, positions, rows, key)
-                if answer is not None:
+                if answer is not None:         # a repeat: its kept answer, whatever is queued since
                     return self._replay_locked(answer, 0, None, req.x_dtype or self.model_cpu.dtype, req.future)
+            for s in sessions:
+                if s.ops:
+                    _check_ops_before_batch(s, positions is not None)
             if plan is None:
                 for s in sessions:
                     if s.pending:
@@ -423,8 +426,9 @@ class Intake:
         return None
 
     def check_batch(self, session_ids, speculative=None, tokens=None, layer=None, position=None):
-        """Raise what :meth:`submit_batch` would raise for the sessions' state now (unknown or lost sessions, a
-        plain row on a session with a pending verify, a position mismatch); queue nothing. The first phase of a
+        """Raise what :meth:`submit_batch` would raise for the sessions' state now (unknown or lost sessions, an
+        import or accept queued before it, a plain row on a session with a pending verify, a position mismatch);
+        queue nothing. The first phase of a
         batch split across engine processes: the shape and limit checks are the same on every engine and run in
         the worker. With ``position``: ``{"positions": the sessions' positions, "repeat": whether the part
         repeats an applied batch}`` (a split batch must be all new or all a repeat), else None."""
@@ -443,11 +447,15 @@ class Intake:
                 repeat = self._check_batch_positions_locked(ss, p, position, rows, key) is not None
                 if not repeat:
                     for s, (_n, spec) in zip(ss, rows):
+                        if s.ops:
+                            _check_ops_before_batch(s, True)
                         if not spec:
                             self._check_no_verify_locked(s)
                 return {"positions": [s.positions[p] for s in ss], "repeat": repeat}
             for i, sid in enumerate(session_ids):
                 s = self._sessions.get(sid)
+                if s.ops:
+                    _check_ops_before_batch(s, False)
                 spec = speculative if isinstance(speculative, bool) else bool(speculative and speculative[i])
                 if not spec:
                     self._check_no_verify_locked(s)
@@ -525,3 +533,14 @@ class Intake:
                     if vs.pending.get(r.layer, (0, None))[1] == r.seq:
                         del vs.pending[r.layer]
             release_batch(r, time.monotonic())
+
+
+def _check_ops_before_batch(s, with_positions: bool) -> None:
+    """A batch's checks read its sessions as of its arrival, not at its turn as a single request's do: refuse it
+    (:class:`BadRequest`, nothing changed) when an operation queued before it changes what they read: an import
+    (positions, and the verifies of a session moved from another engine), or, for a batch with positions, an
+    accept (positions)."""
+    for op in s.ops:
+        if op.kind == "import" or (with_positions and op.kind == "accept"):
+            raise BadRequest(f"session {s.id!r} has an {op.kind} queued whose effect this batch's checks cannot "
+                             "see yet; wait for its answer, then send the batch")

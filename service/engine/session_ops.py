@@ -218,7 +218,7 @@ class SessionOps:
                     else:
                         s.pending[p] = (t, seq)
 
-        return self._post_op(session_id, op)
+        return self._post_op(session_id, op, kind="import")
 
     def _moved_verifies(self, pending: list, spec) -> list:
         """``pending`` checked against ``spec`` (see :meth:`import_state`), as ``[(layer index, tokens), ...]``;
@@ -277,7 +277,7 @@ class SessionOps:
         return getattr(self, "_post_" + name)(*args).future
 
     def _post_op(self, session_id: str, fn: Callable[[Session], Any], deletes: bool = False,
-                 now: Optional[Callable[[Session], Any]] = None) -> Op:
+                 now: Optional[Callable[[Session], Any]] = None, kind: str = "") -> Op:
         """Queue ``fn(session)`` for the worker, behind the session's requests submitted so far (its barrier)
         and its earlier ops (each session's ops are a FIFO). With ``now`` (``fn``'s work, to be called under the
         engine lock) the op runs at once instead, on this thread, when its turn is now
@@ -287,7 +287,7 @@ class SessionOps:
             s = self._sessions.get(session_id)
             if now is not None and self._runs_now_locked((s,)):
                 return self._run_now_locked((s,), s.id, lambda: now(s))
-            return self._queue_op_locked(s, fn, deletes=deletes)
+            return self._queue_op_locked(s, fn, deletes=deletes, kind=kind)
 
     def _queue_op_locked(self, s: Session, fn: Callable[[Session], Any], **flags) -> Op:
         op = Op(s, lambda: fn(s), Future(), self._last_seq, label=s.id,
@@ -306,7 +306,7 @@ class SessionOps:
         return op
 
     def _post_op_many(self, session_ids, check: Callable[[list], None], fn: Callable[[list], Any],
-                      now: Optional[Callable[[list], Any]] = None) -> Op:
+                      now: Optional[Callable[[list], Any]] = None, kind: str = "") -> Op:
         """One op on several sessions: ``check(sessions)`` under the lock first (it raises to refuse, nothing
         queued), then queued in each session's FIFO of ops at once; or, with ``now``, run at once as
         :meth:`_post_op` runs it."""
@@ -316,7 +316,7 @@ class SessionOps:
             check(ss)
             if now is not None and self._runs_now_locked(ss):
                 return self._run_now_locked(ss, ", ".join(session_ids), lambda: now(ss))
-            op = Op(ss[0], lambda: fn(ss), Future(), self._last_seq, sessions=tuple(ss),
+            op = Op(ss[0], lambda: fn(ss), Future(), self._last_seq, sessions=tuple(ss), kind=kind,
                     label=", ".join(session_ids), deadline=time.monotonic() + self.config.request_timeout_s)
             return self._enqueue_op_locked(op, ss)
 
