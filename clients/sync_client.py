@@ -18,6 +18,12 @@ from convserve.clients.replicas import is_routed
 from convserve.clients.protocol.errors import BadRequest, PositionMismatch, ServiceError
 
 
+#: the most bytes of frames a WebSocket stream keeps sent and unanswered (a larger frame goes alone): websockets'
+#: sync connection cannot read while one of its sends blocks, and the server stops reading a stream whose answers
+#: wait past its stream_buffer_bytes (16 MiB by default), so more in flight could leave both sides waiting
+WS_INFLIGHT_BYTES = 8 << 20
+
+
 class ConvClient(_Base):
     """Synchronous client. Use as a context manager, or call :meth:`close`.
 
@@ -298,10 +304,12 @@ class ConvClient(_Base):
 
         tracker = _Tracker(self.positions)
         slots = threading.Semaphore(window)
-        sent = {"n": 0, "done": False, "error": None, "stop": False, "sending": False}
-        # the stop, the count of frames sent and "sending" (a send begun and not returned) change under it: once
-        # stopped, n is final and no send begins
+        sent = {"n": 0, "done": False, "error": None, "stop": False, "sending": False, "bytes": 0}
+        # the stop, the count of frames sent, "sending" (a send begun and not returned) and the bytes of frames sent
+        # and not answered change under it: once stopped, n is final and no send begins
         gate = threading.Lock()
+        room = threading.Condition(gate)    # notified when answers free bytes (see WS_INFLIGHT_BYTES) or at the stop
+        sizes: dict = {}                    # frame id -> its bytes, until answered
         closing = False             # the caller stopped early: nothing more is sent, the owed answers are dropped
         with tracker.answering(lambda: closing):
             with ws_connect(connect, _ws_url(self.url), additional_headers=self._ws_headers(),
@@ -321,17 +329,23 @@ class ConvClient(_Base):
                                 break
                             req = _as_request(r, i)
                             data = packer.pack(_frame(req))
-                            with gate:
+                            with room:
+                                while sent["bytes"] and sent["bytes"] + len(data) > WS_INFLIGHT_BYTES and \
+                                        not sent["stop"]:
+                                    room.wait(_POLL_S)
                                 if sent["stop"]:    # the caller left while the iterable produced it: not sent
                                     break
                                 tracker.add(req)
                                 sent["n"] += 1      # counted before the send: the receiver waits for its answer
+                                sent["bytes"] += len(data)
+                                sizes[req.id] = len(data)
                                 sent["sending"] = True
                             try:
                                 ws.send(data)
                             except BaseException:
                                 with gate:
                                     sent["n"] -= 1  # not sent: no answer to wait for
+                                    sent["bytes"] -= sizes.pop(req.id, 0)
                                     sent["sending"] = False
                                 raise
                             with gate:
@@ -364,18 +378,23 @@ class ConvClient(_Base):
                         for res in self._ws_results(msg, unpacker, tracker):
                             received += 1
                             slots.release()
+                            with room:
+                                sent["bytes"] -= sizes.pop(res.id, 0)
+                                room.notify()
                             if not closing:
                                 try:
                                     yield res
                                 except GeneratorExit:
-                                    with gate:
+                                    with room:
                                         closing = sent["stop"] = True
+                                        room.notify()
                                     slots.release()     # wake the sender to see the stop
                     if sent["error"] is not None and not closing:
                         raise sent["error"]
                 finally:
-                    with gate:
+                    with room:
                         sent["stop"] = True
+                        room.notify()
                     slots.release(window)  # unblock the sender: it sends nothing more
                     # a sender still waiting on the caller's iterable sends nothing once it returns: not waited for
                     t.join(timeout=0.1)
