@@ -410,7 +410,7 @@ class AsyncConvClient(_Base):
                     waiter.cancel()
                     if recv is not None:
                         recv.cancel()
-                    if stop.is_set() and not task.done() and not state["in_iterable"]:
+                    if stop.is_set() and not task.done() and not state["in_iterable"] and not state["sending"]:
                         await asyncio.wait({task}, timeout=5)   # it sees the stop at once: let it end by itself
                     if not task.done():
                         # an iterable that ignores the cancel is left behind: what it yields later is not sent

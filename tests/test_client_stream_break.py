@@ -486,3 +486,47 @@ def test_a_ws_stream_to_a_server_that_stops_reading_raises_its_timeout_without_w
         done.set()
         srv.shutdown()
     assert took < 3.0, took
+
+
+def _answers_once_then_deaf(done: threading.Event):
+    """A fake server that answers the first frame of a WebSocket stream, then reads nothing more until ``done``."""
+    import msgpack
+
+    def handler(ws):
+        unpacker = msgpack.Unpacker(raw=False)
+        for msg in ws:
+            unpacker.feed(msg)
+            for frame in unpacker:
+                ws.send(msgpack.packb({"id": frame["id"], "y": frame["x"]}))
+                done.wait(20)
+                return
+
+    return fake_ws_server(handler, max_queue=1, max_size=None, close_timeout=0.2)
+
+
+@pytest.mark.parametrize("side", ["sync", "async"])
+def test_a_ws_stream_left_after_its_first_answer_while_a_send_is_blocked_returns_within_its_timeout(side):
+    """The caller leaves after the first answer; the large frames after it block in a send (the server no longer
+    reads): the stream waits its timeout (0.5 s) for their answers, then returns without waiting on the send."""
+    done = threading.Event()
+    srv, url = _answers_once_then_deaf(done)
+    small, big = torch.ones(1, 256), torch.ones(2048, 256)
+    reqs = [ConvRequest("s", 0, small)] + [ConvRequest("s", 0, big) for _ in range(100)]
+    t0 = time.monotonic()
+    try:
+        if side == "sync":
+            with ConvClient(url, timeout=0.5) as c:
+                for _ in c.stream(reqs, transport="ws", window=64):
+                    break
+        else:
+            async def run():
+                async with AsyncConvClient(url, timeout=0.5) as c:
+                    async with contextlib.aclosing(c.stream(reqs, transport="ws", window=64)) as s:
+                        async for _ in s:
+                            break
+            asyncio.run(run())
+        took = time.monotonic() - t0
+    finally:
+        done.set()
+        srv.shutdown()
+    assert took < 3.0, took
