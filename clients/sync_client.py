@@ -401,18 +401,19 @@ class ConvClient(_Base):
                     with gate:
                         stuck = t.is_alive() and sent["sending"]
                     if stuck:              # a send the server does not read (we are leaving on an error): the
-                        _shut(ws)          # socket goes down, so that the send and the close return
+                        _shut(ws)          # socket stops sending, so that the send and the close return
         if closing:
             return
         tracker.check_done()
 
 
 def _shut(ws) -> None:
-    """Shut a WebSocket connection's socket down both ways: a send blocked on it fails, and the close that follows
-    returns at once (with no close handshake)."""
+    """Shut the sending side of a WebSocket connection's socket: a send blocked on it fails at once, and the close
+    that follows sends nothing and waits at most its close timeout for the server's close (its reading side stays
+    open, so websockets' reader ends without an error of its own)."""
     import socket
 
     try:
-        ws.socket.shutdown(socket.SHUT_RDWR)
+        ws.socket.shutdown(socket.SHUT_WR)
     except OSError:          # already down
         pass
