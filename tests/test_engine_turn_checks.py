@@ -280,3 +280,25 @@ def test_a_repeated_batch_gets_its_kept_answer_even_with_an_accept_queued(e):
     acc.result(10)
     assert torch.equal(again.result(10), y)
     assert info(e, a)["positions"] == [3, 3, 0]
+
+
+@pytest.mark.parametrize("op", ["export_state", "fork_session", "export_for_move"])
+def test_a_batch_with_positions_behind_a_single_request_waiting_for_an_operation_is_refused(e, op):
+    """A single conv queued behind an operation counts in the position now and is checked at its turn; refused
+    there (a wrong position), its token is given back, so a batch checked against the position it made would be
+    applied at another one."""
+    a = prefilled(e)
+    go = hold(e)
+    f = e.submit_op(op, a)
+    bad = e.submit(a, LAYERS[0], torch.randn(1, DIM), position=7)      # waits for the op; position now 3
+    with pytest.raises(BadRequest, match="waiting for an operation's turn"):
+        e.submit_batch([a], LAYERS[0], torch.randn(1, DIM), position=[3])
+    with pytest.raises(BadRequest, match="waiting for an operation's turn"):
+        e.check_batch([a], layer=LAYERS[0], position=[3])
+    go.set()
+    f.result(10)
+    with pytest.raises(PositionMismatch):
+        bad.result(10)
+    assert info(e, a)["positions"] == [2, 2, 0]                         # nothing applied
+    e.submit_batch([a], LAYERS[0], torch.randn(1, DIM), position=[2]).result(10)
+    assert info(e, a)["positions"] == [3, 2, 0]
