@@ -468,24 +468,33 @@ def test_a_ws_stream_to_a_server_that_stops_reading_raises_its_timeout_without_w
     srv, url = _deaf_server(done)
     x = torch.randn(2048, 256)                       # 2 MiB frames: the socket buffers fill after a few
     reqs = [ConvRequest("s", 0, x) for _ in range(200)]
-    t0 = time.monotonic()
-    try:
+
+    def run():
         if side == "sync":
             with ConvClient(url, timeout=0.5) as c, pytest.raises(TimeoutError):
                 for _ in c.stream(reqs, transport="ws", window=64):
                     pass
         else:
-            async def run():
+            async def go():
                 async with AsyncConvClient(url, timeout=0.5) as c:
                     with pytest.raises(TimeoutError):
                         async for _ in c.stream(reqs, transport="ws", window=64):
                             pass
-            asyncio.run(run())
-        took = time.monotonic() - t0
+            asyncio.run(go())
+
+    took = _seconds_then_stop(run, srv, done)
+    assert took < 3.0, took
+
+
+def _seconds_then_stop(run, srv, done: threading.Event) -> float:
+    """The seconds ``run()`` takes; then the fake server ``srv`` is released (``done``) and stopped."""
+    t0 = time.monotonic()
+    try:
+        run()
+        return time.monotonic() - t0
     finally:
         done.set()
         srv.shutdown()
-    assert took < 3.0, took
 
 
 def _answers_once_then_deaf(done: threading.Event):
@@ -512,21 +521,19 @@ def test_a_ws_stream_left_after_its_first_answer_while_a_send_is_blocked_returns
     srv, url = _answers_once_then_deaf(done)
     small, big = torch.ones(1, 256), torch.ones(2048, 256)
     reqs = [ConvRequest("s", 0, small)] + [ConvRequest("s", 0, big) for _ in range(100)]
-    t0 = time.monotonic()
-    try:
+
+    def run():
         if side == "sync":
             with ConvClient(url, timeout=0.5) as c:
                 for _ in c.stream(reqs, transport="ws", window=64):
                     break
         else:
-            async def run():
+            async def go():
                 async with AsyncConvClient(url, timeout=0.5) as c:
-                    async with contextlib.aclosing(c.stream(reqs, transport="ws", window=64)) as s:
-                        async for _ in s:
+                    async with contextlib.aclosing(c.stream(reqs, transport="ws", window=64)) as st:
+                        async for _ in st:
                             break
-            asyncio.run(run())
-        took = time.monotonic() - t0
-    finally:
-        done.set()
-        srv.shutdown()
+            asyncio.run(go())
+
+    took = _seconds_then_stop(run, srv, done)
     assert took < 3.0, took
