@@ -238,10 +238,12 @@ def test_a_verify_refused_at_its_turn_leaves_the_verify_it_was_sent_to_replace_p
 @pytest.mark.parametrize("with_positions", [False, True])
 def test_a_batch_sent_while_an_import_of_one_of_its_sessions_is_queued_is_refused_with_nothing_changed(
         e, with_positions):
+    """With positions, any import; without, the import of a session moved from another engine (its verifies)."""
     a, b = prefilled(e), prefilled(e)
     go = hold(e)
     state = torch.randn(len(LAYERS), DIM, e.model_cpu.width - 1)
-    imp = e.submit_op("import_state", a, state)
+    moved = [[1, 2]], torch.randn(1, 2, DIM)           # a verify of 2 tokens on the second layer, with its x
+    imp = e.submit_op("import_state", a, state, None, *(() if with_positions else moved))
     kw = {"position": [2, 2]} if with_positions else {}
     with pytest.raises(BadRequest, match="import queued"):
         e.submit_batch([b, a], LAYERS[0], torch.randn(2, DIM), **kw)
@@ -250,6 +252,8 @@ def test_a_batch_sent_while_an_import_of_one_of_its_sessions_is_queued_is_refuse
     go.set()
     imp.result(10)
     assert info(e, a)["positions"] == [0, 0, 0] and info(e, b)["positions"] == [2, 2, 0]
+    if not with_positions:
+        e.accept(a, 0)
     e.submit_batch([b, a], LAYERS[0], torch.randn(2, DIM)).result(10)      # once the import answered: applied
     assert info(e, a)["positions"] == [1, 0, 0] and info(e, b)["positions"] == [3, 2, 0]
 
@@ -302,3 +306,14 @@ def test_a_batch_with_positions_behind_a_single_request_waiting_for_an_operation
     assert info(e, a)["positions"] == [2, 2, 0]                         # nothing applied
     e.submit_batch([a], LAYERS[0], torch.randn(1, DIM), position=[2]).result(10)
     assert info(e, a)["positions"] == [3, 2, 0]
+
+
+def test_a_batch_without_positions_sent_while_a_plain_import_is_queued_runs_after_it(e):
+    """A plain import (PUT state) brings no verify: a batch without positions has nothing it could misread."""
+    a = prefilled(e)
+    go = hold(e)
+    imp = e.submit_op("import_state", a, torch.randn(len(LAYERS), DIM, e.model_cpu.width - 1))
+    batch = e.submit_batch([a], LAYERS[0], torch.randn(1, DIM))
+    go.set()
+    imp.result(10), batch.result(10)
+    assert info(e, a)["positions"] == [1, 0, 0]

@@ -158,7 +158,7 @@ class Op:
     deadline: float = float("inf")    # monotonic: not started by then, it fails with RequestTimeout, never runs
     deletes: bool = False             # a delete_session: a create of its id queued behind it waits for it
     recreates: bool = False           # a create queued behind a delete of its id: runs with its session gone
-    kind: str = ""                    # "import", "accept": an op that changes what a batch's checks read
+    kind: str = ""                    # "import", "move" (an import with verifies), "accept": see intake
 
 
 class BatchIndex:

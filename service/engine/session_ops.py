@@ -218,7 +218,7 @@ class SessionOps:
                     else:
                         s.pending[p] = (t, seq)
 
-        return self._post_op(session_id, op, kind="import")
+        return self._post_op(session_id, op, kind="move" if pending else "import")
 
     def _moved_verifies(self, pending: list, spec) -> list:
         """``pending`` checked against ``spec`` (see :meth:`import_state`), as ``[(layer index, tokens), ...]``;
