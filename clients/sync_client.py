@@ -309,7 +309,7 @@ class ConvClient(_Base):
         # and not answered change under it: once stopped, n is final and no send begins
         gate = threading.Lock()
         room = threading.Condition(gate)    # notified when answers free bytes (see WS_INFLIGHT_BYTES) or at the stop
-        sizes: dict = {}                    # frame id -> its bytes, until answered
+        sizes: dict = {}                    # frame id -> the bytes of its frames sent and not answered, oldest first
         closing = False             # the caller stopped early: nothing more is sent, the owed answers are dropped
         with tracker.answering(lambda: closing):
             with ws_connect(connect, _ws_url(self.url), additional_headers=self._ws_headers(),
@@ -338,14 +338,16 @@ class ConvClient(_Base):
                                 tracker.add(req)
                                 sent["n"] += 1      # counted before the send: the receiver waits for its answer
                                 sent["bytes"] += len(data)
-                                sizes[req.id] = len(data)
+                                # a list per id: an answered id can be sent again before its answer's size is
+                                # taken back below (the tracker lets an id go first)
+                                sizes.setdefault(req.id, []).append(len(data))
                                 sent["sending"] = True
                             try:
                                 ws.send(data)
                             except BaseException:
                                 with gate:
                                     sent["n"] -= 1  # not sent: no answer to wait for
-                                    sent["bytes"] -= sizes.pop(req.id, 0)
+                                    sent["bytes"] -= _take(sizes, req.id, -1)
                                     sent["sending"] = False
                                 raise
                             with gate:
@@ -379,7 +381,7 @@ class ConvClient(_Base):
                             received += 1
                             slots.release()
                             with room:
-                                sent["bytes"] -= sizes.pop(res.id, 0)
+                                sent["bytes"] -= _take(sizes, res.id, 0)
                                 room.notify()
                             if not closing:
                                 try:
@@ -407,10 +409,21 @@ class ConvClient(_Base):
         tracker.check_done()
 
 
+def _take(sizes: dict, key, i: int) -> int:
+    """Remove and return entry ``i`` (0: the oldest, -1: the newest) of ``sizes[key]`` (0 when there is none)."""
+    got = sizes.get(key)
+    if not got:
+        return 0
+    n = got.pop(i)
+    if not got:
+        del sizes[key]
+    return n
+
+
 def _shut(ws) -> None:
     """Shut the sending side of a WebSocket connection's socket: a send blocked on it fails at once, and the close
-    that follows sends nothing and waits at most its close timeout for the server's close (its reading side stays
-    open, so websockets' reader ends without an error of its own)."""
+    that follows sends nothing and waits at most its close timeout for the server's close (over plain TCP its
+    reading side stays open, so websockets' reader ends without an error of its own)."""
     import socket
 
     try:

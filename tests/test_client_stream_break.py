@@ -537,3 +537,47 @@ def test_a_ws_stream_left_after_its_first_answer_while_a_send_is_blocked_returns
 
     took = _seconds_then_stop(run, srv, done)
     assert took < 3.0, took
+
+
+def test_a_sync_ws_stream_that_sends_an_answered_id_again_keeps_its_byte_count(monkeypatch):
+    """An id may be sent again once its answer came; the receiver takes that answer's bytes back a moment after the
+    tracker let the id go (here it is made slow to): the new frame's bytes must not be taken in its place, or the
+    stream's 8 MiB bound never frees and it waits for ever."""
+    import types
+
+    import msgpack
+
+    import convserve.clients.sync_client as sc
+
+    def handler(ws):
+        up = msgpack.Unpacker(raw=False)
+        for msg in ws:
+            up.feed(msg)
+            for f in up:
+                ws.send(msgpack.packb({"id": f["id"], "y": f["x"]}))
+
+    class SlowReceiver(threading.Condition):
+        def __enter__(self):
+            if threading.current_thread().name == "caller":
+                time.sleep(0.02)
+            return super().__enter__()
+
+    fake = types.SimpleNamespace(**{k: getattr(threading, k) for k in dir(threading) if not k.startswith("__")})
+    fake.Condition = SlowReceiver
+    monkeypatch.setattr(sc, "threading", fake)
+    srv, url = fake_ws_server(handler, max_size=None)
+    reqs = [ConvRequest("s", 0, torch.ones(768, 1024), id="a") for _ in range(4)]       # 3 MiB each
+    reqs.append(ConvRequest("s", 0, torch.ones(1536, 1024), id="a"))                     # 6 MiB
+    got = []
+
+    def run():
+        with ConvClient(url, timeout=2) as c:
+            got.extend(r.ok for r in c.stream(reqs, transport="ws", window=1))
+
+    t = threading.Thread(target=run, daemon=True, name="caller")
+    try:
+        t.start()
+        t.join(15)
+    finally:
+        srv.shutdown()
+    assert not t.is_alive() and got == [True] * 5
