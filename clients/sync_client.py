@@ -424,9 +424,8 @@ def _shut(ws) -> None:
     """Shut the sending side of a WebSocket connection's socket: a send blocked on it fails at once, and the close
     that follows sends nothing and waits at most its close timeout for the server's close (over plain TCP its
     reading side stays open, so websockets' reader ends without an error of its own)."""
+    import contextlib
     import socket
 
-    try:
+    with contextlib.suppress(OSError):          # already down: nothing left to stop
         ws.socket.shutdown(socket.SHUT_WR)
-    except OSError:          # already down
-        pass

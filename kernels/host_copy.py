@@ -96,20 +96,25 @@ class PinnedCopies:
 
     def by_sms(self, dst: torch.Tensor, src: torch.Tensor) -> bool:
         """Would :meth:`copy` make this copy by the SMs (see the class docstring)?"""
+        return self._words(dst, src) > 0
+
+    def _words(self, dst: torch.Tensor, src: torch.Tensor) -> int:
+        """The 8-byte words the SMs would copy for ``dst.copy_(src)``; 0 when the copy is not theirs."""
         nbytes = src.numel() * src.element_size()
         if dst.is_cuda == src.is_cuda or self._refused or not TUNING["pinned_copy"]["on"] or \
                 dst.dtype != src.dtype or dst.shape != src.shape or nbytes & 7 or not nbytes or nbytes > self._most:
-            return False
+            return 0
         host, dev = (src, dst) if dst.is_cuda else (dst, src)
-        return not (src.data_ptr() | dst.data_ptr()) & 15 and dev.device.index == self.index and \
+        ok = not (src.data_ptr() | dst.data_ptr()) & 15 and dev.device.index == self.index and \
             src.is_contiguous() and dst.is_contiguous() and self.covers(host.data_ptr(), nbytes)
+        return nbytes >> 3 if ok else 0
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """``dst.copy_(src, non_blocking=True)`` (see the class docstring for which copies the SMs make)."""
-        if not self.by_sms(dst, src):
+        words = self._words(dst, src)
+        if not words:
             dst.copy_(src, non_blocking=True)
             return
-        words = (src.numel() * src.element_size()) >> 3
         grid = -(-words // self._block)
         entry = self._launch
         if entry is None:                  # the first copy compiles the kernel (16-byte aligned pointers)

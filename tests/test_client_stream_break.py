@@ -470,20 +470,30 @@ def test_a_ws_stream_to_a_server_that_stops_reading_raises_its_timeout_without_w
     reqs = [ConvRequest("s", 0, x) for _ in range(200)]
 
     def run():
-        if side == "sync":
-            with ConvClient(url, timeout=0.5) as c, pytest.raises(TimeoutError):
-                for _ in c.stream(reqs, transport="ws", window=64):
-                    pass
-        else:
-            async def go():
-                async with AsyncConvClient(url, timeout=0.5) as c:
-                    with pytest.raises(TimeoutError):
-                        async for _ in c.stream(reqs, transport="ws", window=64):
-                            pass
-            asyncio.run(go())
+        with pytest.raises(TimeoutError):
+            _read_ws_stream(side, url, reqs)
 
     took = _seconds_then_stop(run, srv, done)
     assert took < 3.0, took
+
+
+def _read_ws_stream(side: str, url: str, reqs: list, first_only: bool = False) -> None:
+    """Read a WebSocket stream of ``reqs`` (timeout 0.5 s, window 64) with the ``side`` client: to its end, or
+    (``first_only``) its first answer, then leave it (async: closed by ``contextlib.aclosing``)."""
+    if side == "sync":
+        with ConvClient(url, timeout=0.5) as c:
+            for _ in c.stream(reqs, transport="ws", window=64):
+                if first_only:
+                    break
+        return
+
+    async def go():
+        async with AsyncConvClient(url, timeout=0.5) as c:
+            async with contextlib.aclosing(c.stream(reqs, transport="ws", window=64)) as st:
+                async for _ in st:
+                    if first_only:
+                        break
+    asyncio.run(go())
 
 
 def _seconds_then_stop(run, srv, done: threading.Event) -> float:
@@ -521,21 +531,7 @@ def test_a_ws_stream_left_after_its_first_answer_while_a_send_is_blocked_returns
     srv, url = _answers_once_then_deaf(done)
     small, big = torch.ones(1, 256), torch.ones(2048, 256)
     reqs = [ConvRequest("s", 0, small)] + [ConvRequest("s", 0, big) for _ in range(100)]
-
-    def run():
-        if side == "sync":
-            with ConvClient(url, timeout=0.5) as c:
-                for _ in c.stream(reqs, transport="ws", window=64):
-                    break
-        else:
-            async def go():
-                async with AsyncConvClient(url, timeout=0.5) as c:
-                    async with contextlib.aclosing(c.stream(reqs, transport="ws", window=64)) as st:
-                        async for _ in st:
-                            break
-            asyncio.run(go())
-
-    took = _seconds_then_stop(run, srv, done)
+    took = _seconds_then_stop(lambda: _read_ws_stream(side, url, reqs, first_only=True), srv, done)
     assert took < 3.0, took
 
 

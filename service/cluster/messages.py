@@ -30,6 +30,8 @@ ready together (a step's) come as one message whose first frame is a list of suc
 
 from __future__ import annotations
 
+import math
+
 from convserve.clients.protocol.errors import BY_CODE, Internal, ServiceError
 
 CONV, BATCH, CANCEL, OP, CHECK, STATS = "c", "b", "x", "o", "q", "s"
@@ -81,9 +83,7 @@ def get_tensors(head: dict, frame) -> tuple:
             out.append(None)
             continue
         dtype, shape = getattr(torch, head[kd]), head[ks]
-        count = 1
-        for n in shape:
-            count *= n
+        count = math.prod(shape)
         out.append(torch.frombuffer(buf, dtype=dtype, count=count, offset=at).view(*shape) if count else
                    torch.empty(shape, dtype=dtype))
         at += count * out[-1].element_size()

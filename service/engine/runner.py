@@ -55,8 +55,7 @@ class Runner(Staging):
         self.layer_args = [(model.weight[p], model.layer_bias(p), pool.layer(p)) for p in range(model.n_layers)]
         self.bufs = Buffers(model.n_layers, model.dim, model.dtype, cfg.max_batch_tokens, cfg.max_batch_size,
                             cfg.decode_buckets[-1], cfg.max_spec_tokens, device, pool.slots, model.width)
-        # dst.copy_(src) of a step's x and y: by the SMs from and into the pinned buffers on CUDA (host_copy.py)
-        self._cp = self.bufs.copies.copy if cuda else torch.Tensor.copy_
+        self._cp = self.bufs.copies.copy if cuda else torch.Tensor.copy_    # x in, y out: by the SMs on CUDA
         if cuda:
             from convserve.kernels import causal_conv1d_fn, causal_conv1d_update
 
