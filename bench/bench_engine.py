@@ -370,6 +370,9 @@ def main(argv=None) -> int:
     ap.add_argument("--copies", default="sm", choices=["sm", "engines"],
                     help="how the batch and verify slots copy x in and y out: the SMs (kernels/host_copy.py, the "
                          "default) or the copy engines (Tensor.copy_)")
+    ap.add_argument("--copy-in-max-bytes", type=int, default=None,
+                    help="the largest copy into the device the SMs make (TUNING['pinned_copy']['max_bytes_in']; "
+                         "larger ones go to the copy engines) [the tuning's]")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/engine-<gpu>-<date>.json)")
     args = ap.parse_args(argv)
     on_cuda = args.device.startswith("cuda")
@@ -380,6 +383,8 @@ def main(argv=None) -> int:
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     TUNING["pinned_copy"]["on"] = args.copies == "sm"
+    if args.copy_in_max_bytes is not None:
+        TUNING["pinned_copy"]["max_bytes_in"] = args.copy_in_max_bytes
     switch = sys.getswitchinterval()
     sys.setswitchinterval(args.gil_switch_interval_us * 1e-6)
     try:
@@ -441,7 +446,8 @@ def _run(args, on_cuda: bool) -> int:
            "model": {"layers": args.layers, "dim": args.dim, "width": args.width, "dtype": args.dtype},
            "delay_us": args.delay_us, "max_batch_tokens": args.max_batch_tokens, "rounds": args.rounds,
            "null_kernels": args.null_kernels, "gil_switch_interval_us": args.gil_switch_interval_us,
-           "torch_threads": torch.get_num_threads(), "copies": args.copies}
+           "torch_threads": torch.get_num_threads(), "copies": args.copies,
+           "pinned_copy": dict(TUNING["pinned_copy"])}
     try:
         import triton
         env["triton"] = triton.__version__

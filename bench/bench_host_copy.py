@@ -5,7 +5,7 @@
   after the CPU wrote the host buffer (``hot``: its lines in the CPU's caches, as a just-submitted x is) or after
   the CPU's caches were evicted (``cold``), at 1 / 64 / 256 / 1024 rows of dim 4096 in bf16 (8 KiB to 8 MiB).
 * ``sizes``: eager copies of 1-64 MiB out of one large pinned buffer the CPU has just written (h2d) or read (d2h):
-  where the SMs stop gaining (``TUNING["pinned_copy"]["max_bytes"]``).
+  where the SMs stop gaining (``TUNING["pinned_copy"]["max_bytes_out"]``).
 
 GPU time per copy, CUDA events around it, p50 in µs. Results: ``bench/results/host-copy-<gpu>-<date>.{json,txt}``.
 """
@@ -86,7 +86,7 @@ def sizes_leg(reps: int) -> list:
     h = torch.empty(160 * MB // 2, dtype=torch.bfloat16, pin_memory=True)
     d = torch.empty(160 * MB // 2, dtype=torch.bfloat16, device="cuda")
     src = torch.randn(64 * MB // 2).to(torch.bfloat16)
-    cp = PinnedCopies(torch.device("cuda"), max_bytes=1 << 40)     # every size by the SMs, for the comparison
+    cp = PinnedCopies(torch.device("cuda"), max_bytes_in=1 << 40, max_bytes_out=1 << 40)   # every size by the SMs
     cp.add(h)
     off = 17 * MB // 2
     for mb in (1, 2, 4, 6, 8, 16, 32, 64):

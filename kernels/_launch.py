@@ -75,9 +75,10 @@ TUNING = {
     # later launches with those addresses replay (less host time per call; _replay.py); at most `keep` graphs per
     # plan. after=0: never
     "replay": dict(after=2, keep=16),
-    # host_copy.PinnedCopies: 8-byte words per program, warps, the largest copy made by the SMs (larger ones go to
-    # the copy engines); on: the engine copies x in and y out with it (off: the copy engines, as Tensor.copy_)
-    "pinned_copy": dict(on=True, block=4096, num_warps=4, max_bytes=2 << 20),
+    # host_copy.PinnedCopies: 8-byte words per program, warps, the largest copy into and out of the device made by
+    # the SMs (larger ones go to the copy engines: the SMs' writes into host lines the CPU has read slow down past
+    # about 4 MiB, their reads do not); on: the engine copies x in and y out with it (off: the copy engines)
+    "pinned_copy": dict(on=True, block=4096, num_warps=4, max_bytes_in=1 << 30, max_bytes_out=2 << 20),
 }
 
 

@@ -54,7 +54,8 @@ class PinnedCopies:
     pinned host buffers given to :meth:`add` (the engine's own, alive as long as this object is used).
 
     A copy goes to the kernel when (:meth:`by_sms`): one side is a tensor on this device and the other lies inside a
-    given buffer; both are contiguous, of one dtype and shape, a whole number of 8-byte words, at most ``max_bytes``,
+    given buffer; both are contiguous, of one dtype and shape, a whole number of 8-byte words, at most ``max_bytes_in``
+    into the device or ``max_bytes_out`` out of it,
     at 16-byte aligned addresses. Any other copy (a pageable or foreign host tensor, odd sizes, strided views,
     ``TUNING["pinned_copy"]["on"]`` off) is ``Tensor.copy_``, with the same result. Per copy: a few attribute reads
     and comparisons, then the compiled kernel's launcher called directly (no ``kernel[grid]`` binding); inside a
@@ -65,8 +66,9 @@ class PinnedCopies:
     memory whose host address is its device address (torch's pinned allocations, ``cudaHostAlloc``): never memory
     registered for a while (``cudaHostRegister``), such as a client's shared-memory block."""
 
-    def __init__(self, device: torch.device, max_bytes: Optional[int] = None):
-        """``max_bytes``: the largest copy made by the SMs (default ``TUNING["pinned_copy"]["max_bytes"]``)."""
+    def __init__(self, device: torch.device, max_bytes_in: Optional[int] = None, max_bytes_out: Optional[int] = None):
+        """``max_bytes_in`` / ``max_bytes_out``: the largest copy into / out of the device made by the SMs (defaults
+        ``TUNING["pinned_copy"]``'s)."""
         self.device = torch.device(device)
         self.index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         self._ranges: list = []            # [start, end) addresses of the pinned buffers given
@@ -74,7 +76,8 @@ class PinnedCopies:
         self._refused = False              # the launcher refused its arguments: Tensor.copy_ from then on
         cfg = TUNING["pinned_copy"]
         self._block, self._warps = cfg["block"], cfg["num_warps"]
-        self._most = cfg["max_bytes"] if max_bytes is None else max_bytes
+        self._most_in = cfg["max_bytes_in"] if max_bytes_in is None else max_bytes_in
+        self._most_out = cfg["max_bytes_out"] if max_bytes_out is None else max_bytes_out
         self.by_sm = 0                     # copies made by the kernel (for tests and stats)
 
     def add(self, *buffers: torch.Tensor) -> None:
@@ -102,7 +105,8 @@ class PinnedCopies:
         """The 8-byte words the SMs would copy for ``dst.copy_(src)``; 0 when the copy is not theirs."""
         nbytes = src.numel() * src.element_size()
         if dst.is_cuda == src.is_cuda or self._refused or not TUNING["pinned_copy"]["on"] or \
-                dst.dtype != src.dtype or dst.shape != src.shape or nbytes & 7 or not nbytes or nbytes > self._most:
+                dst.dtype != src.dtype or dst.shape != src.shape or nbytes & 7 or not nbytes or \
+                nbytes > (self._most_in if dst.is_cuda else self._most_out):
             return 0
         host, dev = (src, dst) if dst.is_cuda else (dst, src)
         ok = not (src.data_ptr() | dst.data_ptr()) & 15 and dev.device.index == self.index and \

@@ -337,7 +337,10 @@ def test_the_runners_commit_waits_for_the_last_commits_copy_only_when_no_step_sy
     spec = torch.randn(2, 5, 4, 8, device=kernel_device)
     h_acc = torch.zeros(21, dtype=torch.int64)
     d_acc = torch.zeros(21, dtype=torch.int64, device=kernel_device)
-    runner = types.SimpleNamespace(stream=Stream(), syncs=0, _commit_at=-1, pool=None,
+    def copy(dst, src):
+        dst.copy_(src, non_blocking=True)
+
+    runner = types.SimpleNamespace(stream=Stream(), syncs=0, _commit_at=-1, pool=None, _cp=copy,
                                    bufs=types.SimpleNamespace(h_acc=h_acc, d_acc=d_acc, acc_np=h_acc.numpy()),
                                    _commit=CommitLaunch(state, spec, d_acc))
     want = state.clone()

@@ -1,7 +1,7 @@
 """Copies by the SMs (kernels/host_copy.py): the copy kernel leaves ``dst`` bit-equal to ``src`` for every dtype,
 odd sizes and offsets, and touches nothing past ``dst``; ``PinnedCopies`` copies by the SMs only between its device
 and the pinned buffers it was given (both directions, in a CUDA graph too) and hands every other copy (pageable or
-foreign host memory, odd sizes, strided or misaligned views, copies past ``max_bytes``, two host or two device
+foreign host memory, odd sizes, strided or misaligned views, copies past the size limits, two host or two device
 tensors) to ``Tensor.copy_``, with the same result. The kernel on the CPU through Triton's interpreter; the class
 on CUDA."""
 
@@ -86,8 +86,8 @@ class _Fake:
         return type("S", (), {"data_ptr": lambda _s: lo, "nbytes": lambda _s: n})()
 
 
-def _router():
-    c = PinnedCopies(torch.device("cuda", 0))
+def _router(**limits):
+    c = PinnedCopies(torch.device("cuda", 0), **limits)
     c.add(_Fake(ptr=1 << 20, nbytes=1 << 16, storage=(1 << 20, 1 << 16)))   # [1 MiB, 1 MiB + 64 KiB)
     return c
 
@@ -108,17 +108,21 @@ ROUTES = [  # (what, dst, src, by the SMs?)
     ("empty", dict(cuda=True, ptr=1 << 30, nbytes=0), dict(nbytes=0), False),
     ("8-byte aligned", dict(cuda=True, ptr=(1 << 30) + 8), dict(ptr=(1 << 20) + 8), False),
     ("strided", dict(cuda=True, ptr=1 << 30, contiguous=False), dict(), False),
-    ("at max_bytes", dict(cuda=True, ptr=1 << 30, nbytes=2 << 20), dict(nbytes=2 << 20), True),
-    ("past max_bytes", dict(cuda=True, ptr=1 << 30, nbytes=(2 << 20) + 16),
-     dict(nbytes=(2 << 20) + 16), False),
+    ("out at max_bytes_out", dict(nbytes=2 << 20), dict(cuda=True, ptr=1 << 30, nbytes=2 << 20), True),
+    ("out past max_bytes_out", dict(nbytes=(2 << 20) + 16), dict(cuda=True, ptr=1 << 30, nbytes=(2 << 20) + 16),
+     False),
+    ("in past max_bytes_out", dict(cuda=True, ptr=1 << 30, nbytes=3 << 20), dict(nbytes=3 << 20), True),
+    ("in at max_bytes_in", dict(cuda=True, ptr=1 << 30, nbytes=4 << 20), dict(nbytes=4 << 20), True),
+    ("in past max_bytes_in", dict(cuda=True, ptr=1 << 30, nbytes=(4 << 20) + 16), dict(nbytes=(4 << 20) + 16),
+     False),
 ]
 
 
 @pytest.mark.parametrize("what,dst,src,want", ROUTES, ids=[r[0] for r in ROUTES])
 def test_only_whole_aligned_copies_inside_a_given_buffer_go_to_the_sms(what, dst, src, want):
-    c = _router()
-    if what.endswith("max_bytes"):
-        c.add(_Fake(ptr=1 << 20, nbytes=4 << 20, storage=(1 << 20, 4 << 20)))
+    c = _router(max_bytes_in=4 << 20)       # in-copies of up to 4 MiB, out-copies of up to 2 MiB (the default)
+    if "max_bytes" in what:
+        c.add(_Fake(ptr=1 << 20, nbytes=8 << 20, storage=(1 << 20, 8 << 20)))
     assert c.by_sms(_Fake(**dst), _Fake(**src)) is want
 
 
@@ -153,7 +157,7 @@ def _copies(*buffers):
 @needs_cuda
 @pytest.mark.parametrize("direction", [("pinned", "cuda"), ("cuda", "pinned")])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n,off", SIZES + [(1 << 18, 0), (3 * (1 << 17) + 5, 2)])
+@pytest.mark.parametrize("n,off", SIZES + [(1 << 18, 0), (3 * (1 << 17) + 5, 2), (3 << 19, 0)])
 def test_a_copy_between_given_pinned_memory_and_the_device_is_made_by_the_sms_bit_exact(direction, dtype, n, off):
     src, dst, buf = _pair(n, off, dtype, *direction, seed=n + off)
     host = src if direction[0] == "pinned" else buf
@@ -163,7 +167,8 @@ def test_a_copy_between_given_pinned_memory_and_the_device_is_made_by_the_sms_bi
     c.copy(dst, src)                                                     # takes the direct launcher, any size
     torch.cuda.synchronize()
     _check(src, dst, buf, off)
-    small = src.numel() * src.element_size() <= TUNING["pinned_copy"]["max_bytes"]   # larger: the copy engines
+    most = TUNING["pinned_copy"]["max_bytes_in" if direction[1] == "cuda" else "max_bytes_out"]
+    small = src.numel() * src.element_size() <= most                                 # larger: the copy engines
     assert c.by_sm == 1 + ((src.data_ptr() | dst.data_ptr()) % 16 == 0 and small)
 
 
@@ -195,9 +200,10 @@ def test_any_other_copy_goes_to_tensor_copy_with_the_same_result(case):
     elif case == "dtype":
         dst = torch.zeros(64, 40, dtype=torch.float32, device="cuda")
     elif case == "large":
-        big = torch.randn(TUNING["pinned_copy"]["max_bytes"] // 2 + 8, generator=g).to(torch.bfloat16).pin_memory()
+        big = torch.randn(TUNING["pinned_copy"]["max_bytes_out"] // 2 + 8, generator=g).to(torch.bfloat16)
+        big = big.pin_memory()
         c.add(big)
-        dst, src = torch.zeros_like(big, device="cuda"), big
+        dst, src = big, torch.zeros_like(big, device="cuda")      # out of the device: past max_bytes_out
     elif case == "off":
         TUNING["pinned_copy"]["on"] = False
     try:

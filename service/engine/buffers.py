@@ -201,8 +201,8 @@ class Buffers:
         self.vslot_spec_np = [t.numpy() for t in self.vslot_spec]
         self.vslot_y = OutputRing(VERIFY_SLOTS, self.vslot_rows, dim, dtype, cuda, copies=self.copies)
         if cuda:
-            self.copies.add(self.h_in, self.h_dec_x, self.h_mix_x, self.h_stage, self.h_tok, *self.slot_x,
-                            *self.vslot_x)
+            self.copies.add(self.h_in, self.h_dec_x, self.h_mix_x, self.h_stage, self.h_tok, self.h_mb, self.h_acc,
+                            *self.slot_x, *self.vslot_x)
             self.d_vx = torch.empty((self.vslot_rows, dim), dtype=dtype, device=device)
             self.d_vout = torch.empty((self.vslot_rows, dim), dtype=dtype, device=device)
             self.d_vidx = torch.full((max_bucket,), PAD_SLOT_ID, dtype=torch.int32, device=device)

@@ -74,9 +74,8 @@ class Runner(Staging):
                                       cfg.use_cuda_graphs, cfg.multi_layer_decode, cfg.verify_graph_tokens)
         self.syncs = 0          # the times the stream was synchronized (each step's synchronization among them)
         self._commit_at = -1    # syncs when the last commit queued its copy of bufs.h_acc (see commit)
-        self._commit = None
+        self._commit = CommitLaunch(pool.storage, self.bufs.d_spec, self.bufs.d_acc) if cuda else None
         if cuda:
-            self._commit = CommitLaunch(pool.storage, self.bufs.d_spec, self.bufs.d_acc)
             self.bufs.d_acc[0] = 0
             self._commit.launch()                     # compiled now, not at the first accept (no pairs: no-op)
             torch.cuda.synchronize(device)
@@ -181,7 +180,7 @@ class Runner(Staging):
             self.stream.synchronize()
             self.syncs += 1
         k = pack_pairs(bf.acc_np, lines, ns)
-        bf.d_acc[:k].copy_(bf.h_acc[:k], non_blocking=True)
+        self._cp(bf.d_acc[:k], bf.h_acc[:k])
         self._commit_at = self.syncs
         self._commit.launch()
 
@@ -306,8 +305,9 @@ class Runner(Staging):
                 for jr in b.pre_long:
                     fnp[f + jr] = init[jr]
                 f = end
-        if cuda:
-            bf.d_mb[:f].copy_(bf.h_mb[:f], non_blocking=True)
+        if cuda:      # whole 8-byte words (the SMs copy those): the bytes past f are never read
+            g = min(-(-f // 8) * 8, bf.h_mb.shape[0])
+            self._cp(bf.d_mb[:g], bf.h_mb[:g])
         return offs
 
     def _pack_decodes(self, decodes: list):
