@@ -205,10 +205,10 @@ class Settings(BaseSettings):
                                      "process keeps open, and sealed segments each engine process keeps mapped "
                                      "(the least recently used one is closed past it)")
     client_shm_direct: bool = Field(True, description="with engine processes, a plain decode batch (no position) "
-                                    "whose x lies in a sealed client segment in the model dtype goes to its engine "
-                                    "by reference: the engine copies x from there, checks its copy for NaN/Inf and "
-                                    "writes y over the block, and the HTTP worker copies nothing; off: x is copied "
-                                    "into the worker's arena first")
+                                    "or a verify of one length for every session whose x lies in a sealed client "
+                                    "segment in the model dtype goes to its engine by reference: the engine copies "
+                                    "x from there, checks its copy for NaN/Inf and writes y over the block, and the "
+                                    "HTTP worker copies nothing; off: x is copied into the worker's arena first")
     max_tokens_per_request: int = Field(8192, ge=1, description="largest T of one conv request, and of one "
                                         "session's slice of a batch (413 above); at most max_batch_tokens, "
                                         "which it follows when left unset")

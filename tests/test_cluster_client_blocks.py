@@ -1,6 +1,6 @@
-"""A plain decode batch whose x lies in a client's sealed segment goes to its engine process by reference
-(service/cluster/client_blocks.py): the engine maps the segment, checks its own copy of x for NaN/Inf, and
-writes y over the block; the HTTP worker neither copies nor reads x. Real servers (a worker and a CPU engine
+"""A plain decode batch, or a verify of one length for every session, whose x lies in a client's sealed segment
+goes to its engine process by reference (service/cluster/client_blocks.py): the engine maps the segment, checks
+its own copy of x for NaN/Inf, and writes y over the block; the HTTP worker neither copies nor reads x. Real servers (a worker and a CPU engine
 process, with and without ``client_shm_direct``, and an in-process engine), real clients, compared bit for
 bit."""
 
@@ -49,7 +49,7 @@ def _x(t, dtype, seed, scale=3.0):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16], ids=str)
-def test_sealed_blocks_give_the_same_bits_in_every_layout_and_plain_decodes_go_by_reference_in_the_model_dtype(
+def test_sealed_blocks_give_the_same_bits_in_every_layout_and_decodes_and_verifies_go_by_reference_in_the_model_dtype(
         servers, dtype):
     arenas = {k: ShmArena(1 << 20, sealed=True) for k in servers}
     clients = {k: ConvClient(s.url, shm=arenas[k]) for k, s in servers.items()}
@@ -57,16 +57,21 @@ def test_sealed_blocks_give_the_same_bits_in_every_layout_and_plain_decodes_go_b
         sids = {k: [c.create_session() for _ in range(6)] for k, c in clients.items()}
         before = _metric(servers["direct"], "convserve_engine_client_block_requests_total")
         calls = 0
-        for step, tokens in enumerate([None, [1, 3, 1, 17, 2, 1], None, [1] * 6, [2, 1, 1, 1, 5, 1]]):
+        for step, (tokens, spec) in enumerate([
+                (None, None), ([1, 3, 1, 17, 2, 1], None), ([2] * 6, True), (None, None), ([3] * 6, [True] * 6),
+                ([1] * 6, None), ([2, 3, 2, 2, 2, 2], [True] * 6), ([2, 1, 1, 1, 5, 1], None), ([4] * 6, True)]):
             x = _x(sum(tokens or [1] * 6), dtype, seed=step)
             layer = 3 * (step % 2)
             ys = {}
             for k, c in clients.items():
                 blk = arenas[k].put(x)
-                y = c.conv_batch(sids[k], layer, blk, tokens=tokens)
+                y = c.conv_batch(sids[k], layer, blk, tokens=tokens, speculative=spec)
                 assert y.dtype == dtype and y.data_ptr() == blk.data_ptr()    # y is written over the block
                 ys[k] = y.clone()
-            calls += tokens is None or set(tokens) == {1}        # a plain decode batch goes by reference
+                if spec:
+                    c.accept_batch(sids[k], [step % 3, 1, 0, 2, 1, 2])
+            # by reference: a plain decode batch, and a verify of one length for every session
+            calls += (tokens is None or set(tokens) == {1}) if not spec else len(set(tokens)) == 1
             one = _x(4, dtype, seed=50 + step)
             for k, c in clients.items():                                      # a single conv of 4 tokens
                 y = c.conv(sids[k][step % 6], layer, arenas[k].put(one))
@@ -103,6 +108,12 @@ def test_a_non_finite_x_in_a_sealed_block_is_a_422_and_changes_no_state(servers,
                 c.conv_batch(sids, 0, arena.put(x))
             with pytest.raises(NonFinite):
                 c.conv(sids[1], 3, arena.put(x))
+            v = _x(6, torch.bfloat16, seed=4)
+            v[5, 3] = value
+            with pytest.raises(NonFinite):                   # a verify refused leaves no verify to accept
+                c.conv_batch(sids, 0, arena.put(v), tokens=[2] * 3, speculative=[True] * 3)
+            with pytest.raises(BadRequest, match="no speculative verify"):
+                c.accept_batch(sids, [1] * 3)
             for s, before in zip(sids, states):
                 assert torch.equal(c.export_state(s).state, before)
             y = c.conv_batch(sids, 0, arena.put(_x(3, torch.bfloat16, seed=3)))     # and the sessions go on

@@ -61,14 +61,20 @@ _WRITES = frozenset(("create_session", "delete_session", "fork_session", "import
                      "create_with_state"))
 
 
-def _plain_decode(head: dict) -> bool:
-    """Is this message a batch of one token per session, none speculative and without positions (the batches an
-    engine computes straight from their block, checking x on the device: a position-checked batch must be
-    refused before later requests are checked against it)?"""
-    if head["k"] != m.BATCH or head.get("po") is not None:
+def _by_reference(head: dict) -> bool:
+    """May this batch's x go to its engine as a reference to the client's block? A batch of one token per
+    session, none speculative and without positions (the engine computes it straight from the block, checking x
+    on the device: a position-checked batch must be refused before later requests are checked against it), or a
+    verify of one length for every session (the engine copies x from the block into its verify staging and
+    checks that copy as it arrives). Any other batch the engine would copy whole first, on its one thread: the
+    worker copies those."""
+    if head["k"] != m.BATCH:
         return False
     t, sp = head.get("t"), head.get("sp")
-    return (t is None or all(n == 1 for n in t)) and not (sp is True or (type(sp) is list and any(sp)))
+    if sp is True or (type(sp) is list and sp and all(s is True for s in sp)):
+        return type(t) is list and len(set(t)) == 1
+    return head.get("po") is None and (t is None or all(n == 1 for n in t)) and \
+        not (sp is True or (type(sp) is list and any(sp)))
 
 
 class _Future(asyncio.Future):
@@ -400,9 +406,9 @@ class RemoteEngine(RemoteSessions, EngineHealth):
         Everything else, and a non-finite x, the engine checks (and raises the proper error for). ``checked``: x
         is in the model dtype and was found finite already (a split batch's, see :func:`.split_batch.check_whole`).
         ``borrowed``: true when x is a view of its client's memory; its block's ``{key, offset}`` in a sealed
-        segment, which, for a plain decode batch (one token per session, none speculative, no positions) in the
-        model dtype with ``client_direct``, goes by reference: the engine reads x there, checks its own copy and
-        writes y over the block (:mod:`.client_blocks`), and nothing is copied or read here."""
+        segment, which, for the batches of :func:`_by_reference` in the model dtype with ``client_direct``, goes by
+        reference: the engine reads x there, checks its own copy and writes y over the block
+        (:mod:`.client_blocks`), and nothing is copied or read here."""
         epoch = self._target(e)
         link = self.links[e]
         dtype = out_dtype = x.dtype
@@ -416,7 +422,7 @@ class RemoteEngine(RemoteSessions, EngineHealth):
             name = str(dtype).removeprefix("torch.")
         nbytes = n * self.dim * dtype.itemsize
         in_place = (cast and out_dtype is None and rows is None and type(borrowed) is dict and self.client_direct
-                    and x.is_contiguous() and _plain_decode(head) and borrowed["offset"] % dtype.itemsize == 0)
+                    and x.is_contiguous() and _by_reference(head) and borrowed["offset"] % dtype.itemsize == 0)
         got = self.arena.lease(nbytes) if cast and not in_place else None
         data = None
         if in_place:

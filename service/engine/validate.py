@@ -158,9 +158,12 @@ def _int_list(v, n: int, name: str, least: int) -> list:
 
 def uniform_verify(n: int, tokens, speculative, max_spec: int) -> int:
     """``k`` when a batch's ``tokens`` and ``speculative`` make it every session's verify of ``k`` tokens
-    (``speculative=True``, ``tokens`` a list of ``n`` equal plain ints, ``1 <= k <= max_spec``): a batch that
-    :func:`check_batch_plan` would accept, planned without arrays; else 0 (that function then checks it)."""
-    if speculative is not True or type(tokens) is not list or len(tokens) != n:
+    (``speculative`` True or a list of ``n`` Trues, ``tokens`` a list of ``n`` equal plain ints, ``1 <= k <=
+    max_spec``): a batch that :func:`check_batch_plan` would accept, planned without arrays; else 0 (that
+    function then checks it)."""
+    if type(tokens) is not list or len(tokens) != n or not (speculative is True or (
+            type(speculative) is list and len(speculative) == n and set(map(type, speculative)) == {bool}
+            and all(speculative))):
         return 0
     k = tokens[0]
     if type(k) is not int or not 1 <= k <= max_spec or tokens.count(k) != n or set(map(type, tokens)) != {int}:
