@@ -16,6 +16,7 @@ only from or into memory it was given as pinned (checked once, when it is given)
 
 from __future__ import annotations
 
+import bisect
 import warnings
 from typing import Optional
 
@@ -71,7 +72,10 @@ class PinnedCopies:
         ``TUNING["pinned_copy"]``'s)."""
         self.device = torch.device(device)
         self.index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        self._ranges: list = []            # [start, end) addresses of the pinned buffers given
+        # the pinned buffers given, as disjoint [start, end) address ranges sorted by start (overlapping or
+        # adjacent ones merged: every byte of a range is pinned): a copy's range is looked up by bisection
+        self._starts: list = []
+        self._ends: list = []
         self._launch = None                # the compiled kernel's entry (kernels._launch._entry), once compiled
         self._refused = False              # the launcher refused its arguments: Tensor.copy_ from then on
         cfg = TUNING["pinned_copy"]
@@ -87,15 +91,19 @@ class PinnedCopies:
                 raise ValueError(f"PinnedCopies.add: expected pinned host memory, got a {b.device} tensor"
                                  f"{' (not pinned)' if b.device.type == 'cpu' else ''}")
             s = b.untyped_storage()
-            self._ranges.append((s.data_ptr(), s.data_ptr() + s.nbytes()))
+            lo, hi = s.data_ptr(), s.data_ptr() + s.nbytes()
+            if hi == lo:
+                continue
+            i = bisect.bisect_left(self._ends, lo)           # the first range ending at or past lo
+            j = bisect.bisect_right(self._starts, hi)        # the ranges before j start at or before hi
+            if i < j:                                        # ranges i..j-1 touch [lo, hi): one range now
+                lo, hi = min(lo, self._starts[i]), max(hi, self._ends[j - 1])
+            self._starts[i:j], self._ends[i:j] = [lo], [hi]
 
     def covers(self, ptr: int, nbytes: int) -> bool:
-        """Do ``nbytes`` from address ``ptr`` lie inside one buffer given to :meth:`add`?"""
-        end = ptr + nbytes
-        for lo, hi in self._ranges:
-            if lo <= ptr and end <= hi:
-                return True
-        return False
+        """Does every byte of the ``nbytes`` from address ``ptr`` lie in a buffer given to :meth:`add`?"""
+        i = bisect.bisect_right(self._starts, ptr) - 1
+        return i >= 0 and ptr + nbytes <= self._ends[i]
 
     def by_sms(self, dst: torch.Tensor, src: torch.Tensor) -> bool:
         """Would :meth:`copy` make this copy by the SMs (see the class docstring)?"""

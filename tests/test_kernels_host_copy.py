@@ -147,6 +147,22 @@ def test_only_pinned_host_memory_can_be_given_and_its_whole_storage_counts():
     assert not c.covers(999, 2) and not c.covers(1001, 100)
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_a_range_is_covered_exactly_when_every_byte_of_it_lies_in_a_given_buffer(seed):
+    import random
+
+    rng = random.Random(seed)
+    c = PinnedCopies(torch.device("cuda", 0))
+    pinned = set()
+    for _ in range(rng.randint(1, 12)):             # buffers apart, adjacent, overlapping, nested, repeated, empty
+        lo, n = rng.randrange(0, 400), rng.choice([0, 1, 3, 8, 20, 60])
+        c.add(_Fake(ptr=lo, nbytes=n, storage=(lo, n)))
+        pinned.update(range(lo, lo + n))
+    for _ in range(300):
+        ptr, n = rng.randrange(0, 480), rng.randint(1, 80)
+        assert c.covers(ptr, n) is all(b in pinned for b in range(ptr, ptr + n)), (ptr, n)
+
+
 def _copies(*buffers):
     c = PinnedCopies(torch.device("cuda"))
     c.add(*buffers)
