@@ -124,6 +124,31 @@ def test_a_non_finite_x_in_a_sealed_block_is_a_422_and_changes_no_state(servers,
     arena.close()
 
 
+BY_REFERENCE = [  # (what, the batch message's fields, sent by reference?)
+    ("plain decode", dict(), True),
+    ("decode tokens of 1", dict(t=[1, 1, 1]), True),
+    ("verify, speculative true", dict(t=[4, 4, 4], sp=True), True),
+    ("verify, speculative all true", dict(t=[2, 2, 2], sp=[True, True, True]), True),
+    ("decode with positions", dict(po=[3, 3, 3]), False),
+    ("verify with positions", dict(t=[4, 4, 4], sp=True, po=[3, 3, 3]), False),
+    ("verify of two lengths", dict(t=[4, 2, 4], sp=True), False),
+    ("verify without tokens", dict(sp=True), False),
+    ("verify and decode rows", dict(t=[4, 1, 4], sp=[True, False, True]), False),
+    ("prefill rows", dict(t=[1, 5, 1]), False),
+]
+
+
+@pytest.mark.parametrize("what,fields,want", BY_REFERENCE, ids=[r[0] for r in BY_REFERENCE])
+def test_a_worker_sends_by_reference_only_decodes_and_one_length_verifies_without_positions(what, fields, want):
+    """A batch with positions is sent again from the same block after a 503 or 504, which the first attempt's y
+    may have overwritten: it goes through the worker's copy."""
+    from convserve.service.cluster import messages as m
+    from convserve.service.cluster.remote import _by_reference
+
+    assert _by_reference({"k": m.BATCH, **fields}) is want
+    assert not _by_reference({"k": m.CONV, **fields})
+
+
 def test_a_worker_sends_sealed_blocks_by_reference_only_where_its_engines_copy_them_directly():
     class S:
         client_shm, client_shm_direct, shm_pin = True, True, True

@@ -9,8 +9,9 @@ id gets an id on the source's engine and stays there.
 
 Data path: x is copied once, from the request body into a block of this worker's arena (:mod:`.shm`); the engine
 reads it there and writes y over it; the route answers from that block and the block is reused once the answer
-is written (the lease's lifetime, not a flag). A plain decode batch whose x lies in a client's sealed segment goes
-by reference instead (:mod:`.client_blocks`): nothing is copied here. Control travels as small msgpack messages
+is written (the lease's lifetime, not a flag). A plain decode batch, or a verify of one length for every session,
+whose x lies in a client's sealed segment goes by reference instead (:mod:`.client_blocks`, :func:`_by_reference`):
+nothing is copied here. Control travels as small msgpack messages
 (:mod:`.messages`).
 
 Failure: the status table says which engines are up. A request for an engine that is down or restarting fails at
@@ -62,19 +63,18 @@ _WRITES = frozenset(("create_session", "delete_session", "fork_session", "import
 
 
 def _by_reference(head: dict) -> bool:
-    """May this batch's x go to its engine as a reference to the client's block? A batch of one token per
-    session, none speculative and without positions (the engine computes it straight from the block, checking x
-    on the device: a position-checked batch must be refused before later requests are checked against it), or a
-    verify of one length for every session (the engine copies x from the block into its verify staging and
-    checks that copy as it arrives). Any other batch the engine would copy whole first, on its one thread: the
-    worker copies those."""
-    if head["k"] != m.BATCH:
+    """May this batch's x go to its engine as a reference to the client's block? Without positions only: the
+    clients resend a batch with positions after a 503 or 504, naming the same block, which the first attempt's y
+    may have overwritten by then. Then a batch of one token per session, none speculative (the engine computes it
+    straight from the block, checking x on the device), or a verify of one length for every session (the engine
+    copies x from the block into its verify staging and checks that copy as it arrives). Any other batch the
+    engine would copy whole first, on its one thread: the worker copies those."""
+    if head["k"] != m.BATCH or head.get("po") is not None:
         return False
     t, sp = head.get("t"), head.get("sp")
     if sp is True or (type(sp) is list and sp and all(s is True for s in sp)):
         return type(t) is list and len(set(t)) == 1
-    return head.get("po") is None and (t is None or all(n == 1 for n in t)) and \
-        not (sp is True or (type(sp) is list and any(sp)))
+    return (t is None or all(n == 1 for n in t)) and not (sp is True or (type(sp) is list and any(sp)))
 
 
 class _Future(asyncio.Future):
@@ -463,7 +463,8 @@ class RemoteEngine(RemoteSessions, EngineHealth):
                      position: Optional[int] = None, borrowed=False) -> asyncio.Future:
         """As :meth:`Engine.submit_async`. ``borrowed``: x is copied before this returns (into the arena, or a
         copy of its own that the message is sent from), and what the engine computes with and checks is that copy;
-        or, a plain decode batch's sealed client block, sent by reference (see :meth:`_conv`)."""
+        or, for the batches of :func:`_by_reference`, their sealed client block, sent by reference (see
+        :meth:`_conv`)."""
         e = engine_of(session_id, self.n) if isinstance(session_id, str) else 0
         return self._in_order(e, {"k": m.CONV, "s": session_id, "l": layer, "sp": speculative, "po": position},
                               (session_id,), x, borrowed)

@@ -477,7 +477,8 @@ class Intake:
         mapped until the answer, page-locked on CUDA (:mod:`convserve.service.cluster.pinned`); a plain decode
         batch whose x is the model's contiguous tensor then skips the batch slot: its step copies x in straight
         from there and y back over it (no host copy either side). With ``borrowed`` (x's owner may write it),
-        that step checks its own copy of x for NaN/Inf, writing no state unless finite (else ``422``)."""
+        that step checks its own copy of x for NaN/Inf, writing no state unless finite (else ``422``); any other
+        borrowed batch is checked here, on the copy staging makes (see :meth:`submit_batch`)."""
         return self._submit_batch(session_ids, layer, x, tokens, speculative, sink, position, checked,
                                   borrowed=borrowed, direct=direct)
 
