@@ -1,8 +1,8 @@
 """A plain decode batch, or a verify of one length for every session, whose x lies in a client's sealed segment
 goes to its engine process by reference (service/cluster/client_blocks.py): the engine maps the segment, checks
-its own copy of x for NaN/Inf, and writes y over the block; the HTTP worker neither copies nor reads x. Real servers (a worker and a CPU engine
-process, with and without ``client_shm_direct``, and an in-process engine), real clients, compared bit for
-bit."""
+its own copy of x for NaN/Inf, and writes y over the block; the HTTP worker neither copies nor reads x. Real
+servers (a worker and a CPU engine process, with and without ``client_shm_direct``, and an in-process engine),
+real clients, compared bit for bit."""
 
 from __future__ import annotations
 
