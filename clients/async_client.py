@@ -166,7 +166,7 @@ class AsyncConvClient(_Base):
         for s, n in zip(sessions, tokens):
             book.accepted(s, n)
 
-    async def _post_retrying(self, path: str, body: bytes, sessions: list):
+    async def _post_retrying(self, path: str, body: bytes, sessions: list, rebody=None):
         """Async twin of :meth:`ConvClient._post_retrying`."""
         book, attempt = self.positions, 0
         while True:
@@ -182,6 +182,8 @@ class AsyncConvClient(_Base):
                 wait = book.delay(attempt, book.retry_after(resp))
             await asyncio.sleep(wait)
             attempt += 1
+            if rebody is not None:
+                body = rebody()
 
     @serialized(one=True)
     async def resync(self, session: str) -> dict:
@@ -205,9 +207,11 @@ class AsyncConvClient(_Base):
         check_given_position(book, position)
         pos = position if book is None else await self._position(session, layer)
         body = self._conv_body(session, layer, x, speculative, pos)
-        with self._sent_from(x):
+        blocks, rebody = self._resend_from_copy(x, speculative,
+                                                lambda b: self._conv_body(session, layer, b, speculative, pos))
+        with self._sent_from(x, blocks):
             resp, attempt = (await self._send("POST", "/v1/conv", body), 0) if book is None else \
-                await self._post_retrying("/v1/conv", body, [session])
+                await self._post_retrying("/v1/conv", body, [session], rebody)
             self.bytes_sent += len(body)
             self.bytes_received += len(resp.content)
             try:
@@ -228,9 +232,11 @@ class AsyncConvClient(_Base):
         check_given_position(book, position)
         pos = position if book is None else [await self._position(s, layer) for s in sessions]
         body = self._batch_body(sessions, layer, x, tokens, speculative, pos)
-        with self._sent_from(x):
+        blocks, rebody = self._resend_from_copy(
+            x, speculative, lambda b: self._batch_body(sessions, layer, b, tokens, speculative, pos))
+        with self._sent_from(x, blocks):
             resp, attempt = (await self._send("POST", "/v1/conv/batch", body), 0) if book is None else \
-                await self._post_retrying("/v1/conv/batch", body, list(sessions))
+                await self._post_retrying("/v1/conv/batch", body, list(sessions), rebody)
             answer = self._batch_answer(body, resp, attempt, sessions, layer, x, tokens, speculative, pos)
         return self._batch_y(answer, sessions, layer, x)
 

@@ -253,6 +253,13 @@ def _batch_fields(sessions, layer, x, tokens, speculative, shm=None) -> dict:
     return fields
 
 
+def _any_speculative(speculative) -> bool:
+    """Does a call's ``speculative`` (a bool, or one per session) mark any row speculative?"""
+    if isinstance(speculative, bool) or getattr(speculative, "ndim", None) == 0:
+        return bool(speculative)
+    return speculative is not None and any(bool(f) for f in speculative)
+
+
 def _flags(speculative) -> Union[bool, list]:
     """A batch's ``speculative`` as the wire takes it: one bool (numpy's and a 0-d tensor too) or one per
     session."""
@@ -373,20 +380,44 @@ class _Base:
             else None
 
     @contextlib.contextmanager
-    def _sent_from(self, x):
-        """Around a call that may send ``x`` by reference (a block of :attr:`shm`): when the call ends without
-        the server's answer (a timeout, a dropped connection, a cancelled task) or with ``504 engine_timeout``,
-        the server may still read x there and write y over it, so the block is held out of the arena's reuse
-        (:meth:`ShmArena.hold`)."""
+    def _sent_from(self, x, blocks=()):
+        """Around a call that may send ``x`` by reference (a block of :attr:`shm`; its retries also those of
+        ``blocks``, see :meth:`_resend_from_copy`): when the call ends without the server's answer (a timeout, a
+        dropped connection, a cancelled task) or with ``504 engine_timeout``, the server may still read x there
+        and write y over it, so the block is held out of the arena's reuse (:meth:`ShmArena.hold`)."""
         try:
             yield
         except BaseException as e:
             # (a failed connect sent nothing; every other failure may have)
             if self.shm is not None and not isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)) and (
                     not isinstance(e, ServiceError) or isinstance(e, (EngineTimeout, OutcomeUnknown))):
-                with contextlib.suppress(ValueError):      # the arena was closed meanwhile: nothing to hold
-                    self.shm.hold(x)
+                for b in (x, *blocks):
+                    self._hold(b)
             raise
+
+    def _hold(self, block) -> None:
+        with contextlib.suppress(ValueError):      # the arena was closed meanwhile: nothing to hold
+            self.shm.hold(block)
+
+    def _resend_from_copy(self, x, speculative, body_of) -> tuple:
+        """``(blocks, rebody)`` for a tracked call (:meth:`_post_retrying`): ``rebody`` None sends the first body
+        again on a retry. A call with a speculative row whose x goes by reference is computed again when retried
+        (the server keeps no verify's answer to repeat), and the server writes y over x's block before it answers:
+        an answer lost on the way leaves y there. So such a call keeps a copy of x, made before the first attempt,
+        and each retry puts it into a fresh block (``blocks``, the blocks sent so far; the one before held, as its
+        attempt may still write y there) and sends ``body_of(block)``."""
+        if self.positions is None or self.shm is None or not _any_speculative(speculative) or \
+                self.shm.locate(x) is None:
+            return [], None
+        keep = x.clone() if hasattr(x, "clone") else x.copy()
+        blocks = [x]
+
+        def rebody() -> bytes:
+            self._hold(blocks[-1])
+            blocks.append(self.shm.put(keep))
+            return body_of(blocks[-1])
+
+        return blocks, rebody
 
     def _ws_headers(self) -> dict:
         return {"authorization": self.headers["authorization"]} if self.api_key else {}

@@ -179,8 +179,9 @@ class ConvClient(_Base):
         for s, n in zip(sessions, tokens):
             book.accepted(s, n)
 
-    def _post_retrying(self, path: str, body: bytes, sessions: list):
-        """``(response, retries it took)``: the same body again after a connection error, 503 or 504."""
+    def _post_retrying(self, path: str, body: bytes, sessions: list, rebody=None):
+        """``(response, retries it took)``: the same body again after a connection error, 503 or 504 (or, with
+        ``rebody``, the body it returns for each retry: see :meth:`_resend_from_copy`)."""
         book, attempt = self.positions, 0
         while True:
             try:
@@ -195,6 +196,8 @@ class ConvClient(_Base):
                 wait = book.delay(attempt, book.retry_after(resp))
             time.sleep(wait)
             attempt += 1
+            if rebody is not None:
+                body = rebody()
 
     @serialized(one=True)
     def resync(self, session: str) -> dict:
@@ -223,9 +226,11 @@ class ConvClient(_Base):
         check_given_position(book, position)
         pos = position if book is None else self._position(session, layer)
         body = self._conv_body(session, layer, x, speculative, pos)
-        with self._sent_from(x):
+        blocks, rebody = self._resend_from_copy(x, speculative,
+                                                lambda b: self._conv_body(session, layer, b, speculative, pos))
+        with self._sent_from(x, blocks):
             resp, attempt = (self._http.post("/v1/conv", content=body), 0) if book is None else \
-                self._post_retrying("/v1/conv", body, [session])
+                self._post_retrying("/v1/conv", body, [session], rebody)
             self.bytes_sent += len(body)
             self.bytes_received += len(resp.content)
             try:
@@ -251,9 +256,11 @@ class ConvClient(_Base):
         check_given_position(book, position)
         pos = position if book is None else [self._position(s, layer) for s in sessions]
         body = self._batch_body(sessions, layer, x, tokens, speculative, pos)
-        with self._sent_from(x):
+        blocks, rebody = self._resend_from_copy(
+            x, speculative, lambda b: self._batch_body(sessions, layer, b, tokens, speculative, pos))
+        with self._sent_from(x, blocks):
             resp, attempt = (self._http.post("/v1/conv/batch", content=body), 0) if book is None else \
-                self._post_retrying("/v1/conv/batch", body, list(sessions))
+                self._post_retrying("/v1/conv/batch", body, list(sessions), rebody)
             answer = self._batch_answer(body, resp, attempt, sessions, layer, x, tokens, speculative, pos)
         return self._batch_y(answer, sessions, layer, x)
 
