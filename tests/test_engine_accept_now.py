@@ -355,3 +355,13 @@ def test_the_runners_commit_waits_for_the_last_commits_copy_only_when_no_step_sy
         assert torch.equal(state, want)
         if lines[0] == 2:
             runner.syncs += 1                      # a step synchronized the stream after the second commit
+
+
+def test_an_accept_past_the_shortest_pending_verify_names_its_layer(engine):
+    sid = engine.create_session()
+    engine.submit(sid, LAYERS[0], torch.randn(5, DIM), speculative=True).result(10)
+    engine.submit(sid, LAYERS[2], torch.randn(3, DIM), speculative=True).result(10)
+    with pytest.raises(BadRequest, match=rf"at most 3 \(the length of the verify pending on layer {LAYERS[2]},"):
+        engine.accept(sid, 4)
+    engine.accept(sid, 3)
+    assert engine.session_info(sid)["positions"][0] == 3 and engine.session_info(sid)["positions"][2] == 3
