@@ -344,7 +344,6 @@ def test_tracked_calls_in_flight_together_on_one_session_are_each_applied_in_cal
 def test_tracked_sync_calls_from_threads_on_one_session_are_serialized(server):
     import concurrent.futures as cf
 
-    ref = Reference(model())
     xs = [rand_x(2, seed=20 + i) for i in range(6)]
     with ConvClient(server.url, track_positions=True) as c:
         sid = c.create_session()
