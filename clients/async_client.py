@@ -183,7 +183,10 @@ class AsyncConvClient(_Base):
             await asyncio.sleep(wait)
             attempt += 1
             if rebody is not None:
-                body = rebody()
+                try:
+                    body = rebody()
+                except ValueError as e:     # no room in the arena for the retry's block: the outcome is unknown
+                    raise outcome_unknown(path, sessions, attempt) from e
 
     @serialized(one=True)
     async def resync(self, session: str) -> dict:

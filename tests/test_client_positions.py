@@ -576,3 +576,19 @@ def test_a_retried_async_verify_from_shared_memory_computes_on_x(server):
     ref.accept(b, 2)
     check_state(server.url, a, ref)
     check_state(server.url, b, ref)
+
+
+def test_a_verify_retry_with_no_room_left_in_the_arena_raises_outcome_unknown(server):
+    from convserve.clients.protocol.shm import ShmArena
+
+    x0, xv = rand_x(4, seed=15), rand_x(4, seed=16)
+    faults = _Faults("/v1/conv/batch", [None, "after"])
+    with ShmArena(xv.numel() * xv.element_size(), sealed=True) as arena, \
+            ConvClient(server.url, transport=DroppingTransport(faults), track_positions=True,
+                       retry_backoff_s=0.001, shm=arena) as c:
+        a, b = c.create_session(), c.create_session()
+        c.conv_batch([a, b], LAYER, x0, tokens=[2, 2])
+        with pytest.raises(OutcomeUnknown) as err:     # the block is held for the first attempt: no room for x
+            c.conv_batch([a, b], LAYER, arena.put(xv), tokens=[2, 2], speculative=True)
+        assert "no room" in str(err.value.__cause__)
+        assert c.resync(a)["positions"][1] == 2       # the book reads the server's positions again
