@@ -176,17 +176,16 @@ class AsyncConvClient(_Base):
                 if attempt >= book.max_retries:
                     raise outcome_unknown(path, sessions, attempt + 1) from e
                 wait = book.delay(attempt, None)
+                ran = not isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout))   # (a failed connect sent nothing)
             else:
                 if resp.status_code not in RETRY_STATUS or attempt >= book.max_retries or partly_applied(resp):
                     return resp, attempt
                 wait = book.delay(attempt, book.retry_after(resp))
+                ran = resp.status_code == 504                                      # (a 503 ran nothing)
             await asyncio.sleep(wait)
             attempt += 1
             if rebody is not None:
-                try:
-                    body = rebody()
-                except ValueError as e:     # no room in the arena for the retry's block: the outcome is unknown
-                    raise outcome_unknown(path, sessions, attempt) from e
+                body = rebody(ran)
 
     @serialized(one=True)
     async def resync(self, session: str) -> dict:
@@ -210,9 +209,9 @@ class AsyncConvClient(_Base):
         check_given_position(book, position)
         pos = position if book is None else await self._position(session, layer)
         body = self._conv_body(session, layer, x, speculative, pos)
-        blocks, rebody = self._resend_from_copy(x, speculative,
-                                                lambda b: self._conv_body(session, layer, b, speculative, pos))
-        with self._sent_from(x, blocks):
+        rebody = self._resend_from_copy(x, speculative,
+                                        lambda b: self._conv_body(session, layer, b, speculative, pos))
+        with self._sent_from(x):
             resp, attempt = (await self._send("POST", "/v1/conv", body), 0) if book is None else \
                 await self._post_retrying("/v1/conv", body, [session], rebody)
             self.bytes_sent += len(body)
@@ -235,9 +234,9 @@ class AsyncConvClient(_Base):
         check_given_position(book, position)
         pos = position if book is None else [await self._position(s, layer) for s in sessions]
         body = self._batch_body(sessions, layer, x, tokens, speculative, pos)
-        blocks, rebody = self._resend_from_copy(
+        rebody = self._resend_from_copy(
             x, speculative, lambda b: self._batch_body(sessions, layer, b, tokens, speculative, pos))
-        with self._sent_from(x, blocks):
+        with self._sent_from(x):
             resp, attempt = (await self._send("POST", "/v1/conv/batch", body), 0) if book is None else \
                 await self._post_retrying("/v1/conv/batch", body, list(sessions), rebody)
             answer = self._batch_answer(body, resp, attempt, sessions, layer, x, tokens, speculative, pos)

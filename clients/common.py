@@ -254,10 +254,11 @@ def _batch_fields(sessions, layer, x, tokens, speculative, shm=None) -> dict:
 
 
 def _any_speculative(speculative) -> bool:
-    """Does a call's ``speculative`` (a bool, or one per session) mark any row speculative?"""
-    if isinstance(speculative, bool) or getattr(speculative, "ndim", None) == 0:
-        return bool(speculative)
-    return speculative is not None and any(bool(f) for f in speculative)
+    """Does a call's ``speculative`` (a bool, or one per session) mark any row speculative? (A value of another
+    type counts as true: the server refuses it.)"""
+    if isinstance(speculative, (list, tuple)) or getattr(speculative, "ndim", 0):
+        return any(bool(f) for f in speculative)
+    return bool(speculative)
 
 
 def _flags(speculative) -> Union[bool, list]:
@@ -380,44 +381,46 @@ class _Base:
             else None
 
     @contextlib.contextmanager
-    def _sent_from(self, x, blocks=()):
-        """Around a call that may send ``x`` by reference (a block of :attr:`shm`; its retries also those of
-        ``blocks``, see :meth:`_resend_from_copy`): when the call ends without the server's answer (a timeout, a
-        dropped connection, a cancelled task) or with ``504 engine_timeout``, the server may still read x there
-        and write y over it, so the block is held out of the arena's reuse (:meth:`ShmArena.hold`)."""
+    def _sent_from(self, x):
+        """Around a call that may send ``x`` by reference (a block of :attr:`shm`): when the call ends without
+        the server's answer (a timeout, a dropped connection, a cancelled task) or with ``504 engine_timeout``,
+        the server may still read x there and write y over it, so the block is held out of the arena's reuse
+        (:meth:`ShmArena.hold`)."""
         try:
             yield
         except BaseException as e:
             # (a failed connect sent nothing; every other failure may have)
             if self.shm is not None and not isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)) and (
                     not isinstance(e, ServiceError) or isinstance(e, (EngineTimeout, OutcomeUnknown))):
-                for b in (x, *blocks):
-                    self._hold(b)
+                self._hold(x)
             raise
 
     def _hold(self, block) -> None:
         with contextlib.suppress(ValueError):      # the arena was closed meanwhile: nothing to hold
             self.shm.hold(block)
 
-    def _resend_from_copy(self, x, speculative, body_of) -> tuple:
-        """``(blocks, rebody)`` for a tracked call (:meth:`_post_retrying`): ``rebody`` None sends the first body
-        again on a retry. A call with a speculative row whose x goes by reference is computed again when retried
-        (the server keeps no verify's answer to repeat), and the server writes y over x's block before it answers:
-        an answer lost on the way leaves y there. So such a call keeps a copy of x, made before the first attempt,
-        and each retry puts it into a fresh block (``blocks``, the blocks sent so far; the one before held, as its
-        attempt may still write y there) and sends ``body_of(block)``."""
+    def _resend_from_copy(self, x, speculative, body_of):
+        """``rebody`` for a tracked call (:meth:`_post_retrying`), or None to send the first body again on a
+        retry. A call with a speculative row whose x goes by reference is computed again when retried (the server
+        keeps no verify's answer to repeat), and the server writes y over x's block before it answers: an answer
+        lost on the way leaves y there. So such a call keeps a copy of x, made before the first attempt, and a
+        retry sends that copy in the body (``body_of(copy)``; its y comes back in the body too), taking nothing
+        from the arena, whose blocks other calls may be using. ``rebody(ran)``: ``ran`` when the attempt before
+        may still be running on the server (it was sent and not refused), which may then still write y over x's
+        block: the block is held (:meth:`ShmArena.hold`)."""
         if self.positions is None or self.shm is None or not _any_speculative(speculative) or \
                 self.shm.locate(x) is None:
-            return [], None
+            return None
         keep = x.clone() if hasattr(x, "clone") else x.copy()
-        blocks = [x]
+        held = []
 
-        def rebody() -> bytes:
-            self._hold(blocks[-1])
-            blocks.append(self.shm.put(keep))
-            return body_of(blocks[-1])
+        def rebody(ran: bool) -> bytes:
+            if ran and not held:
+                self._hold(x)
+                held.append(x)
+            return body_of(keep)
 
-        return blocks, rebody
+        return rebody
 
     def _ws_headers(self) -> dict:
         return {"authorization": self.headers["authorization"]} if self.api_key else {}

@@ -578,17 +578,28 @@ def test_a_retried_async_verify_from_shared_memory_computes_on_x(server):
     check_state(server.url, b, ref)
 
 
-def test_a_verify_retry_with_no_room_left_in_the_arena_raises_outcome_unknown(server):
+@pytest.mark.parametrize("fault", ["after", "503", "before"])
+def test_a_verify_retry_takes_no_block_and_holds_x_only_if_its_attempt_may_still_run(server, fault):
+    """The retry sends the copy of x in the body: an arena of one block is enough, and no block another call
+    might be using is taken. x's block is held when the attempt before may still write y there (its answer was
+    lost), not after a 503 or a request that never left."""
     from convserve.clients.protocol.shm import ShmArena
 
+    ref = Reference(model())
     x0, xv = rand_x(4, seed=15), rand_x(4, seed=16)
-    faults = _Faults("/v1/conv/batch", [None, "after"])
+    faults = _Faults("/v1/conv/batch", [None, fault])
     with ShmArena(xv.numel() * xv.element_size(), sealed=True) as arena, \
             ConvClient(server.url, transport=DroppingTransport(faults), track_positions=True,
                        retry_backoff_s=0.001, shm=arena) as c:
         a, b = c.create_session(), c.create_session()
         c.conv_batch([a, b], LAYER, x0, tokens=[2, 2])
-        with pytest.raises(OutcomeUnknown) as err:     # the block is held for the first attempt: no room for x
-            c.conv_batch([a, b], LAYER, arena.put(xv), tokens=[2, 2], speculative=True)
-        assert "no room" in str(err.value.__cause__)
-        assert c.resync(a)["positions"][1] == 2       # the book reads the server's positions again
+        y = c.conv_batch([a, b], LAYER, arena.put(xv), tokens=[2, 2], speculative=True).clone()
+        ref.conv(a, LAYER, x0[:2])
+        ref.conv(b, LAYER, x0[2:])
+        assert_close(y[:2], ref.conv(a, LAYER, xv[:2], speculative=True))
+        assert_close(y[2:], ref.conv(b, LAYER, xv[2:], speculative=True))
+        if fault == "after":
+            with pytest.raises(ValueError, match="no room"):
+                arena.put(xv)
+        else:
+            arena.put(xv)
