@@ -65,7 +65,7 @@ _WRITES = frozenset(("create_session", "delete_session", "fork_session", "import
 def _by_reference(head: dict) -> bool:
     """May this batch's x go to its engine as a reference to the client's block? Without positions only: a batch
     with positions is one its client may send again from the same block after a timeout, while the attempt that
-    timed out here may still write its y over that block (the Python clients retry a verify from a fresh block;
+    timed out here may still write its y over that block (the Python clients retry a verify with x in the body;
     other clients need not). Then a batch of one token per session, none speculative (the engine computes it
     straight from the block, checking x on the device), or a verify of one length for every session (the engine
     copies x from the block into its verify staging and checks that copy as it arrives). Any other batch the

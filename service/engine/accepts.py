@@ -101,9 +101,10 @@ class Accepts:
                              "speculative=true first")
         shortest = min(pending.values())[0]          # (tokens, seq) pairs: the least tokens
         if n > shortest:
-            at = [self.model_cpu.layers[p] for p, (t, _seq) in sorted(pending.items()) if t == shortest]
+            at = min(p for p, (t, _seq) in pending.items() if t == shortest)
             raise BadRequest(f"tokens: expected at most {shortest} (the length of the verify pending on layer "
-                             f"{at[0]}, the shortest of the session's) for session {s.id!r}, got {n}")
+                             f"{self.model_cpu.layers[at]}, the shortest of the session's) for session {s.id!r}, "
+                             f"got {n}")
 
     def _op_accept(self, s: Session, n: int) -> None:
         with self._lock:
