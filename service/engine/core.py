@@ -230,7 +230,7 @@ class Engine(Intake, Turns, SessionOps, Accepts, Positions, SnapshotTaking, Work
     def _withdraw_all_locked(self):
         failed = self._sched.drain()
         for r in failed:
-            self._retire_locked(r, ok=False)
+            self._retire_locked(r, ok=False, withdrawn=True)
         ops = list(self._ops)
         self._ops.clear()
         for op in ops:

@@ -95,8 +95,8 @@ class Intake:
             q.append(req)
             s.last_used = now
             if speculative:
-                if s.ops:                         # an op queued before it reads the entry this one replaces
-                    req.displaced = s.pending.get(p)
+                # the entry this one replaces: put back if it is withdrawn unrun, read by an op queued before it
+                req.displaced = s.pending.get(p)
                 s.pending[p] = (xm.shape[0], seq)
             elif deferred:                            # its turn records it as the last applied (s.last)
                 s.positions[p] += req.n_tokens
@@ -413,10 +413,11 @@ class Intake:
                     b.verify = list(zip(vs, va, vk))
                     b.ver_cols = (vs, vslots, va, vk)
                     for s, k in zip(vs, vk):
-                        if s.ops:                 # see _enqueue
+                        was = s.pending.get(p)
+                        if was is not None:       # see _enqueue
                             if b.displaced is None:
                                 b.displaced = {}
-                            b.displaced[id(s)] = s.pending.get(p)
+                            b.displaced[id(s)] = was
                         s.pending[p] = (k, seq)
             b.waits, b.wait_ops, b.sessions, b.slots, b.buf = list(waits.values()), wait_ops, sessions, slots, slot
             self._sched.add(req)
@@ -506,7 +507,7 @@ class Intake:
         with self._lock:
             ok = self._sched.cancel(req)
             if ok:
-                self._retire_locked(req, ok=False)
+                self._retire_locked(req, ok=False, withdrawn=True)
                 self._st["cancelled"] += 1
                 if req.track is not None and req.track.waiters:
                     repeats, req.track.waiters = req.track.waiters, []
@@ -518,21 +519,25 @@ class Intake:
             deliver([(Sink(w[0]), None, err) for w in repeats])
         return ok
 
-    def _retire_locked(self, r: ConvRequest, ok: bool) -> None:
+    def _retire_locked(self, r: ConvRequest, ok: bool, withdrawn: bool = False) -> None:
         """Bookkeeping when a request leaves the engine (finished, failed, cancelled); a failed one takes back
-        the tokens it advanced its sessions' positions by."""
+        the tokens it advanced its sessions' positions by, and its verifies leave the pending ones. ``withdrawn``:
+        it never ran (cancelled, expired or withdrawn in the queue), so the verify each of its verifies replaced
+        at submit is put back (its x is untouched); after a failed step that x may be overwritten, and is not."""
         if not ok and not r.done:
             self._rollback_locked(r)
         r.done = True
         s = r.session
         s.oldest_active()
-        if not ok and r.speculative and s.pending.get(r.layer, (0, None))[1] == r.seq:
-            del s.pending[r.layer]
+        p, seq = r.layer, r.seq
+        if not ok and r.speculative:
+            self._drop_verify_locked(s, p, (r.n_tokens, seq), r.displaced if withdrawn else None)
         if r.batch is not None:
-            if not ok and r.batch.verify:             # its verify rows' pending verifies, unless replaced since
-                for vs, _a, _k in r.batch.verify:
-                    if vs.pending.get(r.layer, (0, None))[1] == r.seq:
-                        del vs.pending[r.layer]
+            b = r.batch
+            if not ok and b.verify:
+                back = (b.displaced or {}) if withdrawn else {}
+                for vs, _a, k in b.verify:
+                    self._drop_verify_locked(vs, p, (k, seq), back.get(id(vs)))
             release_batch(r, time.monotonic())
 
 

@@ -171,7 +171,7 @@ class Worker:
 
     def _expire_locked(self, out: SchedulerOutput) -> None:
         for r in out.expired:
-            self._retire_locked(r, ok=False)
+            self._retire_locked(r, ok=False, withdrawn=True)
         self._st["expired"] += len(out.expired)
 
     def _run_scheduled(self, out: SchedulerOutput, t_sched: int) -> None:

@@ -300,6 +300,24 @@ class Positions:
                 Positions._redirect_displaced(s, p, v, None)
 
     @staticmethod
+    def _drop_verify_locked(s: Session, p: int, mine: tuple, back) -> None:
+        """Take the verify ``mine`` (``(tokens, seq)`` on layer ``p``), which failed or was withdrawn, off the
+        session's pending verifies. ``back``: the entry it replaced at submit (None: none, or not to be put back),
+        put back in its place if it still is a verify (queued, or run and neither accepted nor discarded since:
+        ``spec_x``); when a later verify has replaced ``mine`` already, that one's ``displaced`` becomes ``back``."""
+        if back is not None and s.spec_x.get(p) != back[1] and \
+                not any(q.seq == back[1] and not q.done for q in s.queue):
+            back = None                              # it failed, or was accepted or discarded
+        cur = s.pending.get(p)
+        if cur is not None and cur[1] == mine[1]:
+            if back is None:
+                del s.pending[p]
+            else:
+                s.pending[p] = back
+        elif cur is not None:
+            Positions._redirect_displaced(s, p, mine, back)
+
+    @staticmethod
     def _redirect_displaced(s: Session, p: int, old, new) -> None:
         """The queued verifies of ``s`` on layer ``p`` that replaced pending entry ``old`` at submit
         (``displaced``: the request's own, or its batch's for ``s``) replaced ``new`` instead."""

@@ -36,8 +36,9 @@ class ConvRequest(Request):
     parts: Any = None            # after its step, where y lies (see Runner.execute); chunks so far while chunked
     stage: int = -1              # staging-arena ticket of x (-1: not staged)
     track: Any = None            # the positions.Answer its y is kept in (it carried a position), else None
-    displaced: Any = None        # a verify queued behind a session op: the pending entry it replaced (for the
-    #                              op's view as of its turn, Positions._pending_at_turn_locked)
+    displaced: Any = None        # a verify: the pending entry it replaced at submit (None: none), put back if
+    #                              it is withdrawn unrun; an op queued before it reads it for its view as of its
+    #                              turn (Positions._pending_at_turn_locked)
     deferred: bool = False       # queued behind a session op: its checks that read the session (position,
     #                              pending verify) run at its turn (Turns._take_turn_locked), not at submit
     position: Any = None         # the position it carried, for that check (None: none)
@@ -82,8 +83,8 @@ class BatchRows(RowBatch):
     pre_slots: Any = None        # (prefill rows,) int32: their pool slots
     adv: Any = None              # (session, tokens) of each non-speculative slice, which advanced its position;
     #                              None: a plain batch (every session by one)
-    displaced: Any = None        # id(session) -> the pending entry its verify row replaced, for a session with
-    #                              ops queued (see ConvRequest.displaced); None: none
+    displaced: Any = None        # id(session) -> the pending entry its verify row replaced, for a session that
+    #                              had one (see ConvRequest.displaced); None: none
 
 
 def plan_rows(b: BatchRows, xm: torch.Tensor, lengths: np.ndarray, spec: np.ndarray, total: int,

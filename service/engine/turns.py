@@ -63,27 +63,10 @@ class Turns:
                 r.track.refs += 1
 
     def _withdraw_turn_locked(self, r: ConvRequest) -> None:
-        """Withdraw a deferred request at its turn as if it had never been queued: its tokens given back, and, for
-        a verify, the pending entry it replaced at submit back in its place if that verify still is one (queued,
-        or run and neither accepted nor discarded since: its x is in ``spec_x``); a later verify that replaced
-        this one's entry is pointed at that entry instead (its ``displaced``, for the views as of a turn)."""
-        if not self._sched.cancel(r):                # it cannot have started: the barrier held it back
-            return
-        s, p = r.session, r.layer
-        mine = (r.n_tokens, r.seq)
-        was = s.pending.get(p)
-        self._retire_locked(r, ok=False)
-        if not r.speculative:
-            return
-        back = r.displaced
-        if back is not None and s.spec_x.get(p) != back[1] and \
-                not any(q.seq == back[1] and not q.done for q in s.queue):
-            back = None                              # it failed, or was accepted or discarded
-        if was == mine:
-            if back is not None:
-                s.pending[p] = back
-            return
-        self._redirect_displaced(s, p, mine, back)
+        """Withdraw a deferred request at its turn as if it had never been queued: its tokens given back and, for
+        a verify, the pending entry it replaced put back (see :meth:`_retire_locked`)."""
+        if self._sched.cancel(r):                    # it cannot have started: the barrier held it back
+            self._retire_locked(r, ok=False, withdrawn=True)
 
     def _deliver_turns(self) -> None:
         """Answer the deferred requests refused (or repeats answered) at their turn; outside the engine lock.
