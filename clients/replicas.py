@@ -195,6 +195,18 @@ class Router:
             return [{"url": u, "name": r.name, "up": r.up, "listed": r.listed, "why": r.why,
                      "sessions": counts.get(u, 0)} for u, r in sorted(self.replicas.items())]
 
+    def servers(self) -> list[tuple[str, bool]]:
+        """One ``(URL, up)`` per server, sorted by URL (a server's several addresses count once: the first), the
+        listed replicas and those still holding placed sessions: what a walk over every server's sessions visits."""
+        with self.lock:
+            held = set(self.placed.values())
+            seen, out = set(), []
+            for u, r in sorted(self.replicas.items()):
+                if (r.listed or u in held) and r.key not in seen:
+                    seen.add(r.key)
+                    out.append((u, r.up))
+            return out
+
     # --- placement
 
     def new_id(self) -> str:
@@ -370,3 +382,50 @@ def batch_failure(parts: list[BatchPart], outcomes: list) -> Optional[BaseExcept
     except AttributeError:  # pragma: no cover - an exception type with slots
         pass
     return err
+
+
+
+class SessionsWalk:
+    """The walk of a replicated ``list_sessions`` page over the servers (``Router.servers``, sorted by URL): from
+    the one its cursor names on, each up server's pages in turn, until one has sessions or the last is done. A
+    cursor is the ``next`` of the page before: ``"<URL> <that server's cursor>"`` (``"<URL> "``: its first page).
+    A server down (or failing on the network) is passed over and named in the page's ``unavailable``."""
+
+    def __init__(self, servers: Sequence[tuple], cursor: Optional[str]):
+        self.walk, self.inner, self.i, self.skipped = list(servers), None, 0, []
+        if cursor is not None:
+            url, sep, inner = str(cursor).partition(" ")
+            urls = [u for u, _up in self.walk]
+            if not sep or url not in urls:
+                raise ValueError(f"cursor {cursor!r} is not a 'next' of this client's list_sessions (or its replica "
+                                 "left): start again from None")
+            self.i, self.inner = urls.index(url), inner or None
+
+    def server(self) -> Optional[str]:
+        """The URL to ask next (``self.inner``: its cursor), passing over the servers down; None: none left."""
+        while self.i < len(self.walk) and not self.walk[self.i][1]:
+            self.failed()
+        return self.walk[self.i][0] if self.i < len(self.walk) else None
+
+    def failed(self) -> None:
+        self.skipped.append(self.walk[self.i][0])
+        self.i, self.inner = self.i + 1, None
+
+    def page(self, page: dict) -> Optional[dict]:
+        """The page to return for the server's ``page`` (its infos tagged with ``replica``), or None to go on to
+        the next server (this one had no more sessions)."""
+        url = self.walk[self.i][0]
+        for info in page["sessions"]:
+            info["replica"] = url
+        inner = page.get("next")
+        if inner is not None:
+            nxt = f"{url} {inner}"
+        else:
+            nxt = f"{self.walk[self.i + 1][0]} " if self.i + 1 < len(self.walk) else None
+        if page["sessions"] or nxt is None or inner is not None:
+            return {"sessions": page["sessions"], "next": nxt, "unavailable": self.skipped}
+        self.i, self.inner = self.i + 1, None
+        return None
+
+    def done(self) -> dict:
+        return {"sessions": [], "next": None, "unavailable": self.skipped}

@@ -14,7 +14,7 @@ from convserve.clients.async_client import LEFT_BEHIND_S, AsyncConvClient
 from convserve.clients.common import BatchRequest, SessionState, _as_request
 from convserve.clients.protocol.errors import ReplicaUnavailable, SessionExists, StateLost, UnknownSession
 from convserve.clients.replicas import (Endpoints, Router, batch_failure, health_result, join_batch, merged_model,
-                                        routed_url, split_batch)
+                                        routed_url, split_batch, SessionsWalk)
 from convserve.clients.replicated_sync import _failed, network_errors, unavailable
 
 
@@ -172,6 +172,26 @@ class ReplicatedAsyncConvClient(AsyncConvClient):
         out = await self._on(session, AsyncConvClient.fork, session, new)
         self.router.pin(out, url)
         return out
+
+    async def list_sessions(self, cursor: Optional[str] = None, limit: Optional[int] = None) -> dict:
+        """As :meth:`ReplicatedConvClient.list_sessions`."""
+        await self._start()
+        w = SessionsWalk(self.router.servers(), cursor)
+        while (url := w.server()) is not None:
+            try:
+                page = await AsyncConvClient.list_sessions(self._client(url), w.inner, limit)
+            except self._net as e:
+                self.router.mark(url, False, f"{type(e).__name__}: {e}")
+                w.failed()
+                continue
+            out = w.page(page)
+            if out is not None:
+                return out
+        return w.done()
+
+    async def resync(self, session: str) -> dict:
+        """As :meth:`ConvClient.resync`, on the session's replica (whose client keeps its positions)."""
+        return await self._on(session, AsyncConvClient.resync, session)
 
     async def export_state(self, session: str, backend: Optional[str] = None) -> SessionState:
         return await self._on(session, AsyncConvClient.export_state, session, backend)

@@ -20,7 +20,7 @@ import httpx
 from convserve.clients.common import BatchRequest, ConvResult, SessionState, _as_request
 from convserve.clients.protocol.errors import ReplicaUnavailable, SessionExists, StateLost, UnknownSession
 from convserve.clients.replicas import (Endpoints, Router, batch_failure, health_result, join_batch, merged_model,
-                                        routed_url, split_batch)
+                                        routed_url, split_batch, SessionsWalk)
 from convserve.clients.sync_client import ConvClient
 
 
@@ -213,6 +213,28 @@ class ReplicatedConvClient(ConvClient):
         out = self._on(session, ConvClient.fork, session, new)
         self.router.pin(out, url)
         return out
+
+    def list_sessions(self, cursor: Optional[str] = None, limit: Optional[int] = None) -> dict:
+        """One page of every replica's sessions, replica by replica: ``{"sessions": [session_info...], "next",
+        "unavailable"}``, each info with its ``replica`` (URL); pass ``next`` as the cursor of the following page
+        (None when it was the last; ``limit`` is per replica). A replica down or failing is passed over and named
+        in ``unavailable``: its sessions are not in the listing."""
+        w = SessionsWalk(self.router.servers(), cursor)
+        while (url := w.server()) is not None:
+            try:
+                page = ConvClient.list_sessions(self._client(url), w.inner, limit)
+            except self._net as e:
+                self.router.mark(url, False, f"{type(e).__name__}: {e}")
+                w.failed()
+                continue
+            out = w.page(page)
+            if out is not None:
+                return out
+        return w.done()
+
+    def resync(self, session: str) -> dict:
+        """As :meth:`ConvClient.resync`, on the session's replica (whose client keeps its positions)."""
+        return self._on(session, ConvClient.resync, session)
 
     def export_state(self, session: str, backend: Optional[str] = None) -> SessionState:
         return self._on(session, ConvClient.export_state, session, backend)

@@ -152,6 +152,65 @@ def test_async_client_over_a_dns_name_keeps_every_session_when_a_replica_joins(t
     asyncio.run(run())
 
 
+def list_all(c, limit):
+    """Every page of ``c.list_sessions``: the infos, and the replicas any page named unavailable."""
+    infos, unavailable, cursor = [], set(), None
+    while True:
+        page = c.list_sessions(cursor, limit)
+        assert len(page["sessions"]) <= limit
+        infos += page["sessions"]
+        unavailable |= set(page["unavailable"])
+        cursor = page["next"]
+        if cursor is None:
+            return infos, unavailable
+
+
+@pytest.mark.parametrize("limit", [1, 7, 1000])
+def test_list_sessions_walks_every_replica_in_pages_and_names_each_sessions_replica(trio, limit):
+    with ConvClient([r.url for r in trio]) as c:
+        mine = [c.create_session(f"list-{limit}-{i}") for i in range(17)]
+        try:
+            infos, unavailable = list_all(c, limit)
+            got = {i["session"]: i["replica"] for i in infos if i["session"] in mine}
+            assert got == {s: c.replica_of(s) for s in mine} and not unavailable
+            assert len({i["session"] for i in infos}) == len(infos)               # none listed twice
+            with pytest.raises(ValueError, match="start again from None"):
+                c.list_sessions("http://10.9.9.9:1 x")
+
+            async def run():
+                async with AsyncConvClient([r.url for r in trio]) as a:
+                    out, cursor = [], None
+                    while True:
+                        page = await a.list_sessions(cursor, limit)
+                        out += page["sessions"]
+                        cursor = page["next"]
+                        if cursor is None:
+                            return out
+            assert {i["session"]: i["replica"] for i in asyncio.run(run()) if i["session"] in mine} == got
+        finally:
+            for s in mine:
+                c.delete_session(s)
+
+
+def test_resync_reads_the_sessions_positions_from_its_replica_into_the_tracked_book(trio):
+    with ConvClient([r.url for r in trio], track_positions=True) as c, ConvClient(trio[0].url) as other:
+        s = next(sid for sid in (c.create_session() for _ in range(30)) if c.replica_of(sid) == trio[0].url)
+        c.conv(s, 0, rand(3, 1))
+        other.conv(s, 0, rand(2, 2), position=3)                        # behind the tracked client's back
+        info = c.resync(s)
+        assert info["positions"][0] == 5
+        c.conv(s, 0, rand(1, 3))                                         # sent with position 5: no mismatch
+        assert c.session_info(s)["positions"][0] == 6
+
+        async def run():
+            async with AsyncConvClient([r.url for r in trio], track_positions=True) as a:
+                other.conv(s, 0, rand(1, 4), position=6)
+                assert (await a.resync(s))["positions"][0] == 7
+                await a.conv(s, 0, rand(1, 5))
+                return (await a.session_info(s))["positions"][0]
+        assert asyncio.run(run()) == 8
+
+
 def test_stopping_a_replica_fails_only_its_sessions_with_replica_unavailable_naming_them():
     rs = start_replicas(3, "stop")
     ref = reference()
@@ -187,6 +246,9 @@ def test_stopping_a_replica_fails_only_its_sessions_with_replica_unavailable_nam
             assert {r.session for r in results if not r.ok} == set(lost)
             assert all(isinstance(r.error, ReplicaUnavailable) for r in results if not r.ok)
             assert all(c.replica_of(c.create_session()) != gone.url for _ in range(30))   # new ones avoid it
+            infos, unavailable = list_all(c, 4)                          # listed: the others', the gone one named
+            assert unavailable == {gone.url} and set(kept) <= {i["session"] for i in infos}
+            assert not set(lost) & {i["session"] for i in infos}
     finally:
         stop(rs)
 
