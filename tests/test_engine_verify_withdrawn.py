@@ -23,6 +23,30 @@ def submit_verify(e, form, sid, other, n):
     return e.submit_batch([other, sid], LAYERS[0], torch.randn(2 + n, DIM), tokens=[2, n], speculative=True)
 
 
+def hold(e):
+    """Hold the worker inside a step of another session, so that what is submitted next stays queued."""
+    go, entered = gate_worker(e)
+    e.submit(e.create_session(), LAYERS[1], torch.randn(1, DIM))
+    assert entered.wait(10)
+    return go
+
+
+def verified(e, oracle, n):
+    """A session with a verify of ``n`` tokens that ran, and a second session (both in the oracle)."""
+    sid, other = e.create_session(), e.create_session()
+    oracle.new(sid)
+    oracle.new(other)
+    a = torch.randn(n, DIM)
+    assert_close(e.submit(sid, LAYERS[0], a, speculative=True).result(10), oracle.verify(sid, 0, a))
+    return sid, other
+
+
+def accept_and_compare(e, oracle, sid, n):
+    e.accept(sid, n)
+    oracle.accept(sid, n)
+    assert_close(e.export_state(sid), oracle.export(sid))
+
+
 @pytest.mark.parametrize("how,older", [("cancel", "ran"), ("cancel", "queued"), ("expire", "ran")])
 @pytest.mark.parametrize("form", ["single", "batch"])
 def test_a_verify_withdrawn_before_it_ran_puts_back_the_verify_it_replaced(form, how, older):
@@ -38,9 +62,7 @@ def test_a_verify_withdrawn_before_it_ran_puts_back_the_verify_it_replaced(form,
         a = torch.randn(4, DIM)
         if older == "ran":
             assert_close(e.submit(sid, LAYERS[0], a, speculative=True).result(10), oracle.verify(sid, 0, a))
-        go, entered = gate_worker(e)
-        e.submit(e.create_session(), LAYERS[1], torch.randn(1, DIM))
-        assert entered.wait(10)
+        go = hold(e)
         fa = e.submit(sid, LAYERS[0], a, speculative=True) if older == "queued" else None
         fb = submit_verify(e, form, sid, other, 3)
         assert pending(e, sid)["tokens"] == [3]
@@ -56,9 +78,7 @@ def test_a_verify_withdrawn_before_it_ran_puts_back_the_verify_it_replaced(form,
         assert pending(e, other) == {"layers": [], "tokens": []}
         if fa is not None:
             assert_close(fa.result(10), oracle.verify(sid, 0, a))
-        e.accept(sid, 4)
-        oracle.accept(sid, 4)
-        assert_close(e.export_state(sid), oracle.export(sid))
+        accept_and_compare(e, oracle, sid, 4)
         with pytest.raises(BadRequest, match="no speculative verify"):
             e.accept(other, 1)
     finally:
@@ -71,22 +91,15 @@ def test_two_withdrawn_verifies_in_a_row_put_back_the_one_before_both(order):
     e = make_engine()
     oracle = Oracle(e.model_cpu, e.state_dtype)
     try:
-        sid, other = e.create_session(), e.create_session()
-        oracle.new(sid)
-        a = torch.randn(2, DIM)
-        assert_close(e.submit(sid, LAYERS[0], a, speculative=True).result(10), oracle.verify(sid, 0, a))
-        go, entered = gate_worker(e)
-        e.submit(e.create_session(), LAYERS[1], torch.randn(1, DIM))
-        assert entered.wait(10)
+        sid, other = verified(e, oracle, 2)
+        go = hold(e)
         fb = submit_verify(e, "batch", sid, other, 3)
         fc = submit_verify(e, "single", sid, other, 5)
         for f in ([fc, fb] if order == "newest-first" else [fb, fc]):
             assert f.cancel()
         assert pending(e, sid) == {"layers": [LAYERS[0]], "tokens": [2]}
         go.set()
-        e.accept(sid, 2)
-        oracle.accept(sid, 2)
-        assert_close(e.export_state(sid), oracle.export(sid))
+        accept_and_compare(e, oracle, sid, 2)
     finally:
         e.stop(drain=False)
 
@@ -96,12 +109,8 @@ def test_a_withdrawn_verify_behind_a_newer_one_that_ran_leaves_the_newer_one_pen
     e = make_engine()
     oracle = Oracle(e.model_cpu, e.state_dtype)
     try:
-        sid = e.create_session()
-        oracle.new(sid)
-        e.submit(sid, LAYERS[0], torch.randn(2, DIM), speculative=True).result(10)
-        go, entered = gate_worker(e)
-        e.submit(e.create_session(), LAYERS[1], torch.randn(1, DIM))
-        assert entered.wait(10)
+        sid, _other = verified(e, oracle, 2)
+        go = hold(e)
         fb = e.submit(sid, LAYERS[0], torch.randn(3, DIM), speculative=True)
         c = torch.randn(5, DIM)
         fc = e.submit(sid, LAYERS[0], c, speculative=True)
@@ -109,9 +118,7 @@ def test_a_withdrawn_verify_behind_a_newer_one_that_ran_leaves_the_newer_one_pen
         go.set()
         assert_close(fc.result(10), oracle.verify(sid, 0, c))
         assert pending(e, sid) == {"layers": [LAYERS[0]], "tokens": [5]}
-        e.accept(sid, 5)
-        oracle.accept(sid, 5)
-        assert_close(e.export_state(sid), oracle.export(sid))
+        accept_and_compare(e, oracle, sid, 5)
     finally:
         e.stop(drain=False)
 
