@@ -14,7 +14,7 @@ from convserve.clients.common import (_POLL_S, MAX_MESSAGE_BYTES, SessionState, 
                                       _chunked, _decode, _default_backend, _frame, _quote, _raise_for, _Tracker,
                                       _ws_url, check_given_position, partly_applied, ws_connect_async, WS_CLOSE_S)
 from convserve.clients.h1 import _H1Pool, _h1_target
-from convserve.clients.positions import RETRY_ERRORS, RETRY_STATUS, outcome_unknown, serialized
+from convserve.clients.positions import RETRY_ERRORS, RETRY_STATUS, outcome_unknown, resend_too_large, serialized
 from convserve.clients.protocol import wire
 from convserve.clients.replicas import is_routed
 from convserve.clients.protocol.errors import BadRequest, PositionMismatch, ServiceError
@@ -168,7 +168,7 @@ class AsyncConvClient(_Base):
 
     async def _post_retrying(self, path: str, body: bytes, sessions: list, rebody=None):
         """Async twin of :meth:`ConvClient._post_retrying`."""
-        book, attempt = self.positions, 0
+        book, attempt, resent = self.positions, 0, False
         while True:
             try:
                 resp = await self._send("POST", path, body)
@@ -179,6 +179,8 @@ class AsyncConvClient(_Base):
                 ran = not isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout))   # (a failed connect sent nothing)
             else:
                 if resp.status_code not in RETRY_STATUS or attempt >= book.max_retries or partly_applied(resp):
+                    if resent and resp.status_code == 413:
+                        raise resend_too_large(path, sessions, attempt + 1)
                     return resp, attempt
                 wait = book.delay(attempt, book.retry_after(resp))
                 ran = resp.status_code == 504                                      # (a 503 ran nothing)
@@ -186,6 +188,7 @@ class AsyncConvClient(_Base):
             attempt += 1
             if rebody is not None:
                 body = rebody(ran)
+                resent = resent or ran              # a body unlike the first, after an attempt that may have run
 
     @serialized(one=True)
     async def resync(self, session: str) -> dict:

@@ -115,6 +115,17 @@ def outcome_unknown(path: str, body_sessions: list, attempts: int) -> OutcomeUnk
                           "may not have been applied; call client.resync(session) to read the server's positions "
                           "(applied where a layer moved by its tokens) before sending it again", sessions=body_sessions)
 
+def resend_too_large(path: str, body_sessions: list, attempts: int) -> OutcomeUnknown:
+    """A retry sent with its copy of x in the body (``_resend_from_copy``: x was in shared memory) after an attempt
+    that may have run, refused as too large (413; the first attempt's body carried only x's reference)."""
+    return OutcomeUnknown(f"POST {path} for session(s) {', '.join(map(repr, body_sessions[:8]))}"
+                          f"{' ...' if len(body_sessions) > 8 else ''}: an earlier attempt may have run (its answer "
+                          "was lost), and the retry, which carries x in the body, was refused as larger than the "
+                          "server's max_body_bytes (413). Call client.resync(session) to read the sessions' positions "
+                          "and pending verifies; to retry, send smaller batches or raise max_body_bytes",
+                          sessions=body_sessions)
+
+
 #: statuses a tracked request is retried on (with the same body); connection errors are retried too
 RETRY_STATUS = (503, 504)
 #: the connection errors a tracked request is retried on (httpx's, which the lean async pool raises as well)

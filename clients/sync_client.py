@@ -12,7 +12,7 @@ import httpx
 from convserve.clients.common import (MAX_MESSAGE_BYTES, _POLL_S, ConvResult, SessionState, _as_request, _backend_of,
                                       _Base, _chunked, _decode, _default_backend, _frame, _quote, _raise_for,
                                       _Tracker, _ws_url, check_given_position, partly_applied, ws_connect, WS_CLOSE_S)
-from convserve.clients.positions import RETRY_ERRORS, RETRY_STATUS, outcome_unknown, serialized
+from convserve.clients.positions import RETRY_ERRORS, RETRY_STATUS, outcome_unknown, resend_too_large, serialized
 from convserve.clients.protocol import wire
 from convserve.clients.replicas import is_routed
 from convserve.clients.protocol.errors import BadRequest, PositionMismatch, ServiceError
@@ -182,7 +182,7 @@ class ConvClient(_Base):
     def _post_retrying(self, path: str, body: bytes, sessions: list, rebody=None):
         """``(response, retries it took)``: the same body again after a connection error, 503 or 504 (or, with
         ``rebody``, the body it returns for each retry: see :meth:`_resend_from_copy`)."""
-        book, attempt = self.positions, 0
+        book, attempt, resent = self.positions, 0, False
         while True:
             try:
                 resp = self._http.post(path, content=body)
@@ -193,6 +193,8 @@ class ConvClient(_Base):
                 ran = not isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout))   # (a failed connect sent nothing)
             else:
                 if resp.status_code not in RETRY_STATUS or attempt >= book.max_retries or partly_applied(resp):
+                    if resent and resp.status_code == 413:
+                        raise resend_too_large(path, sessions, attempt + 1)
                     return resp, attempt
                 wait = book.delay(attempt, book.retry_after(resp))
                 ran = resp.status_code == 504                                      # (a 503 ran nothing)
@@ -200,6 +202,7 @@ class ConvClient(_Base):
             attempt += 1
             if rebody is not None:
                 body = rebody(ran)
+                resent = resent or ran              # a body unlike the first, after an attempt that may have run
 
     @serialized(one=True)
     def resync(self, session: str) -> dict:

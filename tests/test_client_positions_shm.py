@@ -116,3 +116,40 @@ def test_a_verify_retry_takes_no_block_and_holds_x_only_if_its_attempt_may_still
                 arena.put(xv)
         else:
             arena.put(xv)
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_verify_retry_too_large_for_the_body_raises_outcome_unknown_not_the_413(kind):
+    """x in the arena travels as a reference; its retry carries x in the body, which can pass max_body_bytes. The
+    first attempt may have run (its answer was lost), so the caller gets OutcomeUnknown, not a plain 413 saying
+    nothing ran; resync then reads the verify the first attempt left pending."""
+    from convserve.clients.protocol.errors import OutcomeUnknown
+    from convserve.clients.protocol.shm import ShmArena
+    from tests.http_api import SERVER_ARGS
+    from tests.live import LiveServer
+
+    srv = LiveServer([*SERVER_ARGS, "--workers", "0", "--max-body-bytes", "4096"])
+    xv = rand_x(8 * 4, seed=17)                                  # 4 KiB of x: over the limit with the rest
+    try:
+        with ShmArena(1 << 20, sealed=True) as arena:
+            if kind == "sync":
+                with ConvClient(srv.url, transport=DroppingTransport(_Faults("/v1/conv/batch", ["after"])),
+                                track_positions=True, retry_backoff_s=0.001, shm=arena) as c:
+                    ss = [c.create_session() for _ in range(8)]
+                    with pytest.raises(OutcomeUnknown, match="max_body_bytes") as e:
+                        c.conv_batch(ss, LAYER, arena.put(xv), tokens=[4] * 8, speculative=True)
+                    info = c.resync(ss[0])
+            else:
+                async def go():
+                    async with AsyncConvClient(srv.url, transport=AsyncDroppingTransport(
+                            _Faults("/v1/conv/batch", ["after"])), track_positions=True, retry_backoff_s=0.001,
+                            shm=arena) as c:
+                        ss = [await c.create_session() for _ in range(8)]
+                        with pytest.raises(OutcomeUnknown, match="max_body_bytes") as e:
+                            await c.conv_batch(ss, LAYER, arena.put(xv), tokens=[4] * 8, speculative=True)
+                        return ss, e, await c.resync(ss[0])
+                ss, e, info = asyncio.run(go())
+        assert e.value.sessions == ss
+        assert info["pending"] == {"layers": [LAYER], "tokens": [4]}     # the first attempt ran
+    finally:
+        srv.terminate()
