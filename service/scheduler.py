@@ -384,6 +384,9 @@ class Scheduler:
                 if r.arrival < oldest_ok and not r.started:
                     self.cancel(r)
                     out.expired.append(r)
+                    # the session's later requests wait for its retirement, which may fail those whose position
+                    # counted its tokens (a batch's wait for it, or its after, does the same for batches)
+                    s.sched_block = 2
                     continue
                 layer = r.layer
                 bit = 1 << layer

@@ -70,8 +70,9 @@ class Intake:
             self._check_running_locked()
             s = self._session_at_locked(session_id, position)
             deferred = s.ops             # ops queued: they may change what these checks read; checked at its turn
+            req.position = position
             if deferred:
-                req.deferred, req.position = True, position
+                req.deferred = True
             else:
                 if position is not None:
                     rec = self._check_position_locked(s, p, position, req.n_tokens, speculative)
@@ -519,13 +520,14 @@ class Intake:
             deliver([(Sink(w[0]), None, err) for w in repeats])
         return ok
 
-    def _retire_locked(self, r: ConvRequest, ok: bool, withdrawn: bool = False) -> None:
+    def _retire_locked(self, r: ConvRequest, ok: bool, withdrawn: bool = False, cascade: bool = True):
         """Bookkeeping when a request leaves the engine (finished, failed, cancelled); a failed one takes back
         the tokens it advanced its sessions' positions by, and its verifies leave the pending ones. ``withdrawn``:
         it never ran (cancelled, expired or withdrawn in the queue), so the verify each of its verifies replaced
-        at submit is put back (its x is untouched); after a failed step that x may be overwritten, and is not."""
-        if not ok and not r.done:
-            self._rollback_locked(r)
+        at submit is put back (its x is untouched); after a failed step that x may be overwritten, and is not.
+        ``cascade``: the later requests whose position counted the tokens taken back fail too (see
+        :meth:`_fail_dependents_locked`). Returns the ``(session, tokens)`` pairs taken back."""
+        adv = self._rollback_locked(r) if not ok and not r.done else ()
         r.done = True
         s = r.session
         s.oldest_active()
@@ -539,6 +541,9 @@ class Intake:
                 for vs, _a, k in b.verify:
                     self._drop_verify_locked(vs, p, (k, seq), back.get(id(vs)))
             release_batch(r, time.monotonic())
+        if adv and cascade:
+            self._fail_dependents_locked(p, seq, adv)
+        return adv
 
 
 def _check_ops_before_batch(s, with_positions: bool) -> None:

@@ -216,12 +216,13 @@ class Positions:
         for p in list(s.last) if layers is None else [q for q in layers if q in s.last]:
             self._unref_locked(s.last.pop(p).answer)
 
-    def _rollback_locked(self, r) -> None:
-        """Request ``r`` failed (it did not run, or its step failed): take its tokens back."""
+    def _rollback_locked(self, r):
+        """Request ``r`` failed (it did not run, or its step failed): take its tokens back. Returns the
+        ``(session, tokens)`` pairs taken back."""
         b, p, answer = r.batch, r.layer, r.track
         if b is None:
             if r.speculative:
-                return
+                return ()
             adv = ((r.session, r.n_tokens),)
         else:
             adv = b.adv if b.adv is not None else [(s, 1) for s in b.sessions]
@@ -234,6 +235,39 @@ class Positions:
         if answer is not None:
             answer.refs = 0
             self._drop_locked(answer)
+        return adv
+
+    def _fail_dependents_locked(self, p: int, seq: int, adv) -> None:
+        """A request (``seq``, on layer ``p``) left without running and took back the tokens ``adv`` (``(session,
+        n)`` pairs) it had advanced positions by. Every later request of those sessions on that layer that carried
+        a position had it checked against a position that counted those tokens: it would run elsewhere than it
+        claimed, so it fails too (``409 position_mismatch``, nothing run, its tokens taken back, and so on down
+        the queue: a batch's other sessions too). A deferred request whose turn has not come is left: its check
+        at its turn reads the positions without them. The answers go out with :meth:`_deliver_turns`."""
+        work, failed = [(s, seq) for s, n in adv if n], []
+        while work:
+            s, after = work.pop()
+            waiting = {id(d) for d in s.deferred}
+            for q in [q for q in s.queue if q.seq > after and q.layer == p and not q.done and id(q) not in waiting
+                      and (q.track if q.batch is not None else q.position) is not None]:
+                if not self._sched.cancel(q):           # started: in a step already (failing with it, if so)
+                    continue
+                sessions = (q.session,) if q.batch is None else tuple(q.batch.sessions)
+                work += [(qs, q.seq) for qs, n in self._retire_locked(q, ok=False, withdrawn=True, cascade=False)
+                         if n]
+                failed.append((q, sessions))
+        if not failed:
+            return
+        name = self.model_cpu.layers[p]
+        for q, sessions in failed:
+            where = sessions[0].positions[p] if q.batch is None else [s.positions[p] for s in sessions]
+            ids = ", ".join(repr(s.id) for s in sessions[:8]) + (" ..." if len(sessions) > 8 else "")
+            self._turn_out.append((q, None, self._mismatch(
+                f"layer {name}, session(s) {ids}: a conv queued before this request on this layer was withdrawn "
+                "or failed before it ran, and the position this request carried counted its tokens, so it would "
+                "not run where it claimed", where)))
+        self._st["failed"] += len(failed)
+        self._cv.notify()                               # the worker delivers them (_deliver_turns)
 
     def _held_tokens_locked(self, s: Session, barrier: Optional[int] = None) -> list:
         """Per layer, the tokens of the session's requests queued after the barrier of the op now at the head of

@@ -41,7 +41,7 @@ class ConvRequest(Request):
     #                              turn (Positions._pending_at_turn_locked)
     deferred: bool = False       # queued behind a session op: its checks that read the session (position,
     #                              pending verify) run at its turn (Turns._take_turn_locked), not at submit
-    position: Any = None         # the position it carried, for that check (None: none)
+    position: Any = None         # the position it carried (None: none): checked at its turn when deferred
 
 
 @dataclass(eq=False, slots=True)
