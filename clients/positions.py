@@ -93,18 +93,30 @@ def serialized(one: bool):
         if inspect.iscoroutinefunction(fn):
             @functools.wraps(fn)
             async def run_async(self, *args, **kwargs):
-                if self.positions is None:
+                book = self.positions
+                if book is None:
                     return await fn(self, *args, **kwargs)
-                async with self.positions.locks.hold_async(_sessions_of(one, args, kwargs)):
-                    return await fn(self, *args, **kwargs)
+                sessions = _sessions_of(one, args, kwargs)
+                async with book.locks.hold_async(sessions):
+                    try:
+                        return await fn(self, *args, **kwargs)
+                    except BaseException as e:
+                        book.interrupted(sessions, e)
+                        raise
             return run_async
 
         @functools.wraps(fn)
         def run(self, *args, **kwargs):
-            if self.positions is None:
+            book = self.positions
+            if book is None:
                 return fn(self, *args, **kwargs)
-            with self.positions.locks.hold(_sessions_of(one, args, kwargs)):
-                return fn(self, *args, **kwargs)
+            sessions = _sessions_of(one, args, kwargs)
+            with book.locks.hold(sessions):
+                try:
+                    return fn(self, *args, **kwargs)
+                except BaseException as e:
+                    book.interrupted(sessions, e)
+                    raise
         return run
     return deco
 
@@ -114,6 +126,7 @@ def outcome_unknown(path: str, body_sessions: list, attempts: int) -> OutcomeUnk
                           f"{' ...' if len(body_sessions) > 8 else ''} got no answer in {attempts} attempts: it may or "
                           "may not have been applied; call client.resync(session) to read the server's positions "
                           "(applied where a layer moved by its tokens) before sending it again", sessions=body_sessions)
+
 
 def resend_too_large(path: str, body_sessions: list, attempts: int) -> OutcomeUnknown:
     """A retry sent with its copy of x in the body (``_resend_from_copy``: x was in shared memory) after an attempt
@@ -170,6 +183,16 @@ class PositionBook:
         self.positions.pop(session, None)
         self.verified.pop(session, None)
         self.locks.forget(session)
+
+    def interrupted(self, sessions: list, e: BaseException) -> None:
+        """A tracked call ended by ``e`` without its answer read. Not an ``Exception`` (a cancelled task, a
+        ``KeyboardInterrupt``): it may have been sent and applied, or not, so its sessions' positions are read
+        from the server at their next tracked call; a stale position there would name the applied request's
+        place, and a request of the same length would be answered as its repeat instead of being applied."""
+        if not isinstance(e, Exception):
+            for s in sessions:
+                self.positions.pop(s, None)
+                self.verified.pop(s, None)
 
     def applied(self, session: str, layer: int, n: int, speculative: bool) -> None:
         layer = operator.index(layer)
