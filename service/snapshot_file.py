@@ -42,6 +42,8 @@ MODEL_FIELDS = ("weights_sha256", "layers", "dim", "width", "dtype", "state_dtyp
 
 _NAME = re.compile(r"^e(\d+)\.(\d{12})\.safetensors$")
 _TMP_PREFIX = ".tmp-e"
+#: ``e<index>.crashed``: the newest snapshot sequence number of engine ``index`` when its process crashed
+CRASH_SUFFIX = ".crashed"
 
 
 class SnapshotRefused(Exception):
@@ -187,10 +189,41 @@ class SnapshotDir:
                 found.append((int(m.group(2)), os.path.join(self.folder, name)))
         return [p for _seq, p in sorted(found, reverse=True)]
 
-    def _next_path(self) -> str:
+    def _newest_seq(self) -> int:
         files = self.files()
-        seq = int(_NAME.match(os.path.basename(files[0])).group(2)) + 1 if files else 1
+        return int(_NAME.match(os.path.basename(files[0])).group(2)) if files else 0
+
+    def _next_path(self) -> str:
+        seq = max(self._newest_seq(), self.crashed_through()) + 1      # above a crash mark even once rotated out
         return os.path.join(self.folder, f"e{self.index}.{seq:012d}.safetensors")
+
+    @property
+    def crash_path(self) -> str:
+        return os.path.join(self.folder, f"e{self.index}{CRASH_SUFFIX}")
+
+    def mark_crashed(self) -> int:
+        """Engine ``index``'s process died: its sessions are lost (they answer 410), so none of its files written
+        so far may be restored, not even at a cold start before its next process writes one (a stop during the
+        restart's back-off). Records the newest sequence number (durably); returns it."""
+        seq = max(self._newest_seq(), self.crashed_through())
+        tmp = f"{self.crash_path}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(f"{seq}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.crash_path)
+        fsync_dir(self.folder)
+        return seq
+
+    def crashed_through(self) -> int:
+        """The sequence number through which this engine's files predate a crash of its process (0: none)."""
+        try:
+            with open(self.crash_path, encoding="utf-8") as f:
+                return int(f.read().strip() or 0)
+        except FileNotFoundError:
+            return 0
+        except ValueError:               # a torn mark: refuse every file there is, as a crash mark would
+            return self._newest_seq()
 
     def write(self, snap: Snapshot) -> tuple[str, int]:
         """Write the next file, then drop this model's files past ``keep``; ``(path, bytes)``. A file of another
@@ -211,8 +244,12 @@ class SnapshotDir:
                     check: Optional[Callable[[Snapshot], None]] = None) -> Optional[tuple[str, Snapshot]]:
         """The newest file that is whole, belongs to ``model`` (and the layout) and passes ``check`` (which raises
         ValueError to refuse); each refused one is logged."""
+        crashed = self.crashed_through()
         for path in self.files():
             try:
+                if int(_NAME.match(os.path.basename(path)).group(2)) <= crashed:
+                    raise SnapshotRefused(f"written before engine {self.index}'s process crashed: its sessions were "
+                                          "lost then (they answered 410 state_lost)")
                 snap = read_checked(path)
                 why = compatible(snap.meta, model, n_engines)
                 if why is not None:

@@ -38,7 +38,7 @@ import time
 from typing import Optional
 
 from .engine.snapshot import check_content
-from .snapshot_file import Snapshot, SnapshotDir, new_meta, read_meta
+from .snapshot_file import CRASH_SUFFIX, Snapshot, SnapshotDir, new_meta, read_meta
 
 log = logging.getLogger("convserve.snapshots")
 
@@ -78,7 +78,8 @@ def prepare_state_dir(folder, n_engines: int) -> None:
             before = json.load(f).get("engines")
     except (FileNotFoundError, ValueError, AttributeError):
         before = None
-    snaps = [n for n in os.listdir(folder) if n.endswith(".safetensors")]
+    names = os.listdir(folder)
+    snaps = [n for n in names if n.endswith(".safetensors")]
     if snaps and before is None:      # no readable layout file: the snapshots' own headers say their layout
         counts = {((read_meta(os.path.join(folder, n)) or {}).get("engine") or {}).get("count") for n in snaps}
         counts.discard(None)
@@ -86,7 +87,7 @@ def prepare_state_dir(folder, n_engines: int) -> None:
     if snaps and before != n_engines:
         aside = os.path.join(folder, f"superseded-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
         os.makedirs(aside)
-        for n in snaps:
+        for n in snaps + [n for n in names if n.endswith(CRASH_SUFFIX)]:    # the crash marks refer to them
             os.replace(os.path.join(folder, n), os.path.join(aside, n))
         log.warning("snapshots of another engine layout set aside, not restored",
                     extra={"engines_before": before, "engines_now": n_engines, "files": len(snaps), "to": aside})

@@ -216,3 +216,46 @@ def test_a_whole_file_whose_content_the_check_refuses_falls_back_to_the_one_befo
     with caplog.at_level(logging.ERROR, logger="convserve.snapshots"):
         assert d.newest_good(MODEL, 1, one_session_only)[0] == good
     assert [r.reason for r in caplog.records] == ["malformed content: too many"]
+
+
+@pytest.mark.parametrize("keep", [1, 3])
+def test_files_written_before_a_crash_mark_are_never_restored_and_later_ones_are(tmp_path, caplog, keep):
+    """The supervisor marks an engine whose process died: none of its files so far is restored (its sessions
+    were lost), not even as the fallback of a later torn one; files written after the mark number above it, also
+    once the marked ones are rotated out; the other engine's files are untouched."""
+    d0, d1 = sf.SnapshotDir(tmp_path, 0, keep), sf.SnapshotDir(tmp_path, 1, keep)
+    for i in range(keep + 1):
+        d0.write(snap(2, seed=i))
+    d1.write(snap(1))
+    assert d0.mark_crashed() == keep + 1
+    with caplog.at_level(logging.ERROR, logger="convserve.snapshots"):
+        assert d0.newest_good(MODEL) is None
+    assert all("crashed" in r.reason for r in caplog.records) and caplog.records
+    assert d1.newest_good(MODEL) is not None
+    paths = [d0.write(snap(0, seed=10 + i))[0] for i in range(keep + 1)]     # the marked ones rotate out
+    assert d0.newest_good(MODEL)[0] == paths[-1]
+    assert all(int(os.path.basename(p).split(".")[1]) > keep + 1 for p in d0.files())
+    with open(paths[-1], "r+b") as f:                                         # a torn newest: the one before
+        f.truncate(10)
+    assert d0.newest_good(MODEL)[0] == paths[-2] if keep > 1 else d0.newest_good(MODEL) is None
+
+
+def test_a_torn_crash_mark_refuses_every_file_there_is_and_a_second_mark_keeps_the_first(tmp_path):
+    d = sf.SnapshotDir(tmp_path, 0, 3)
+    d.write(snap(1))
+    with open(d.crash_path, "w") as f:
+        f.write("garb")
+    assert d.newest_good(MODEL) is None
+    assert d.mark_crashed() == 1 and d.mark_crashed() == 1
+    assert int(os.path.basename(d.write(snap(1))[0]).split(".")[1]) == 2
+
+
+def test_crash_marks_are_set_aside_with_the_snapshots_of_another_engine_count(tmp_path):
+    prepare_state_dir(tmp_path, 2)
+    d = sf.SnapshotDir(tmp_path, 0, 3)
+    d.write(snap(1))
+    d.mark_crashed()
+    prepare_state_dir(tmp_path, 1)
+    assert not os.path.exists(d.crash_path) and d.crashed_through() == 0
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("superseded-")]
+    assert sorted(n.name for n in aside[0].iterdir()) == ["e0.000000000001.safetensors", "e0.crashed"]

@@ -1,6 +1,7 @@
 """Session snapshots of a real server (service/snapshots.py), in both layouts: SIGTERM, restart and continue; kill -9
 after a periodic snapshot, where positions reveal the stale sessions; torn and foreign snapshots refused with the
-previous good one used; an engine process restarted after a crash restores nothing."""
+previous good one used; an engine process restarted after a crash restores nothing, and a stop before it is
+back does not bring its sessions back at the next start."""
 
 from __future__ import annotations
 
@@ -297,6 +298,45 @@ def test_an_engine_process_restarted_after_a_crash_restores_nothing_and_its_sess
     assert written[-1]["kind"] == "final" and written[-1]["sessions"] == 0
     other_file = read_checked(SnapshotDir(tmp_path, 1, 3).files()[0]).meta
     assert [r["id"] for r in other_file["sessions"]] == [other]
+
+
+def test_a_stop_before_a_crashed_engine_is_back_does_not_resurrect_its_sessions_at_the_next_start(tmp_path):
+    """Engine 0's process dies and the server is stopped before its next process wrote a snapshot (its back-off
+    and build): engine 0's older files must not be restored at the next start, since its sessions were lost (a
+    client was told 410); engine 1's sessions come back."""
+    srv = serve(tmp_path, "engine processes")
+    try:
+        c = Client(srv.url)
+        doomed, kept = ids(2, "engine processes")
+        for s in (doomed, kept):
+            c.create(s)
+            c.conv(s, 0, 3, seed=1)
+        assert srv.terminate() == 0                       # both engines' files hold the sessions at 3
+    finally:
+        srv.kill()
+    srv = serve(tmp_path, "engine processes")
+    try:
+        c.reconnect(srv.url)
+        for s in (doomed, kept):
+            c.conv(s, 0, 2, seed=2)
+        os.kill(httpx.get(srv.url + "/readyz").json()["engines"][0]["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while httpx.get(srv.url + "/readyz").json()["engines"][0]["state"] != "down":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert srv.terminate() == 0
+    finally:
+        srv.kill()
+    assert any(r.get("msg") == "snapshots of the crashed engine will not be restored" for r in srv.logs)
+    srv = serve(tmp_path, "engine processes")
+    try:
+        c.reconnect(srv.url)
+        st, body = conv(c.api, doomed, 0, rand_x(1), position=5)
+        assert st == 410 and body["error"]["code"] == "state_lost", body
+        assert positions(c.api, kept) == [5, 0, 0]
+        c.conv(kept, 0, 1, seed=3)
+    finally:
+        srv.kill()
 
 
 def test_sessions_beyond_the_new_pool_are_logged_as_not_restored_and_answer_410(tmp_path):

@@ -220,6 +220,7 @@ class Supervisor:
             self.status.set_state(c.index, DOWN)
             log.error("engine process died; restarting it without its sessions",
                       extra={"engine": c.index, "pid": pid, "exitcode": code, "restart_in_s": c.restart_at - now})
+            self._mark_crashed(c.index)
         else:
             for name in os.listdir(self.run_dir):
                 if name.startswith(f"arena-w{c.index}-"):
@@ -230,6 +231,24 @@ class Supervisor:
             _mark_dead(pid)
             log.error("worker process died; restarting it", extra={"worker": c.index, "pid": pid, "exitcode": code,
                                                                   "restart_in_s": c.restart_at - now})
+
+    def _mark_crashed(self, index: int) -> None:
+        """With ``state_dir``: no snapshot of engine ``index`` written so far may be restored, since its sessions
+        died with it (see :meth:`SnapshotDir.mark_crashed`); its next process writes one at once, but a stop or a
+        crash of this process can come first."""
+        if self.settings.state_dir is None:
+            return
+        from convserve.service.snapshot_file import SnapshotDir
+
+        try:
+            seq = SnapshotDir(self.settings.state_dir, index, self.settings.snapshot_keep).mark_crashed()
+        except OSError as e:
+            log.error("could not mark the snapshots of a crashed engine as not to be restored: a cold start "
+                      "before its next process writes one would restore its lost sessions",
+                      extra={"engine": index, "error": str(e)})
+            return
+        log.warning("snapshots of the crashed engine will not be restored", extra={"engine": index,
+                                                                                  "through_file": seq})
 
     # ------------------------------------------------------------------ shutdown
 
