@@ -70,6 +70,26 @@ def test_an_engine_that_answers_nothing_shows_in_readyz_keeps_metrics_fast_and_f
         srv.kill()
 
 
+def test_a_scrape_asks_every_engine_at_once_so_hung_engines_cost_one_stats_timeout_not_one_each():
+    srv = LiveServer([*BASE, "--devices", "cpu,cpu,cpu", "--engine-stats-timeout-s", "1"])
+    try:
+        pids = [r["pid"] for r in _get(srv.url, "/readyz")[1]["engines"]]
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            st, text = _get(srv.url, "/metrics")
+            took = time.monotonic() - t0
+        finally:
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+        assert st == 200 and "convserve_http_requests_total" in text
+        assert "convserve_engines_up 0.0" in text
+        assert 1.0 <= took < 2.0, f"{took:.2f} s: one engine_stats_timeout_s (1 s), not three in turn"
+    finally:
+        srv.kill()
+
+
 def test_readyz_is_503_when_the_only_engine_answers_nothing():
     srv = LiveServer([*BASE, "--devices", "cpu"])
     try:

@@ -223,16 +223,21 @@ class RemoteEngine(RemoteSessions, EngineHealth):
         return self._weights
 
     def stats(self) -> dict:
-        """Every engine's ``stats()`` that is up, summed (blocking; not on the loop)."""
+        """Every engine's ``stats()`` that is up, summed (blocking; not on the loop). The engines are asked at once,
+        so a scrape waits ``stats_timeout`` at most however many of them hang."""
         parts, per_engine = [], {}
-        for e in range(self.n):
-            if self.status.state(e)[0] == UP:
-                try:
-                    part = self._call_sync(e, {"k": m.STATS}, timeout=self.stats_timeout)[0]["ok"]
-                except ServiceError:
+        live = [e for e in range(self.n) if self.status.state(e)[0] == UP]
+        if live and self.loop is not None:
+            async def ask():
+                return await asyncio.gather(*(self._call(e, {"k": m.STATS}, timeout=self.stats_timeout)
+                                              for e in live), return_exceptions=True)
+            for e, got in zip(live, asyncio.run_coroutine_threadsafe(ask(), self.loop).result()):
+                if isinstance(got, ServiceError):    # not up by now, or no answer in time: left out
                     continue
-                parts.append(part)
-                per_engine[e] = numbers_of(part)
+                if isinstance(got, BaseException):
+                    raise got
+                parts.append(got[0]["ok"])
+                per_engine[e] = numbers_of(got[0]["ok"])
         for e in range(self.n):                       # (an engine that is down has only this one)
             per_engine.setdefault(e, {})["engine_restarts"] = self.status.row(e).restarts
         total = sum_stats(parts)
