@@ -321,6 +321,9 @@ def _serve(settings: Settings, key_on_command_line: bool, held: list) -> int:
 
         supervisor = Supervisor(settings, devices, workers)
         rc = supervisor.run()
+        if supervisor.timed_out:
+            print(f"convserve: {supervisor.start_error}", file=sys.stderr)
+            return rc
         if rc == 2:
             print(f"convserve: {supervisor.start_error or 'the engine could not be built; see the log above'}",
                   file=sys.stderr)

@@ -137,6 +137,9 @@ class Settings(BaseSettings):
         "wake-up of a sleeping CPU; it keeps one core busy while requests come closer together than this, none "
         "when idle; 'auto': 2000 when the usable cores leave one spare per engine beyond one per worker and per "
         "engine, else 0 (sleep at once)")
+    engine_build_timeout_s: float = Field(600.0, gt=0, le=MAX_WAIT_S, description="with engine processes: seconds "
+                                          "the start waits for every engine to build its model and warm up (CUDA "
+                                          "graphs) before it gives up and exits 1")
     engine_stats_timeout_s: float = Field(2.0, gt=0, le=600, description="with engine processes: seconds a "
                                           "/metrics scrape waits for each engine's counters; an engine that does "
                                           "not answer in time is left out of that scrape and shows as not "

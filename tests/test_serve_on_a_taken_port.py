@@ -63,3 +63,15 @@ def test_a_weights_file_that_cannot_be_read_exits_2_with_its_reason_on_the_last_
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("convserve: ") and f"{bad} is not a readable safetensors file" in last, r.stderr[-2000:]
     assert "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_engines_not_built_within_engine_build_timeout_s_exit_1_with_a_line_naming_them(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONVSERVE_")}
+    r = subprocess.run([sys.executable, "-m", "convserve.service", "serve", "--port", "0", "--device", "cpu",
+                        "--workers", "1", "--devices", "cpu,cpu", "--layers", "1", "--dim", "8", "--slots", "2",
+                        "--engine-build-timeout-s", "0.001"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 1, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("convserve: engine(s) 0 (cpu)") and "engine_build_timeout_s=0.001" in last, last
+    assert "--engine-build-timeout-s" in last and "Traceback" not in r.stderr, r.stderr[-2000:]

@@ -78,7 +78,8 @@ class Supervisor:
         self.stopping = False
         self._wake_r, self._wake_w = socket.socketpair()
         self.failed = False
-        self.start_error: Optional[str] = None     # why run() returned 2, when it was not the engine's build
+        self.timed_out = False                     # the engines' build passed engine_build_timeout_s (run() gives 1)
+        self.start_error: Optional[str] = None     # why run() returned 2 (or 1, timed out), when not the build
 
     # ------------------------------------------------------------------ children
 
@@ -119,13 +120,24 @@ class Supervisor:
         c.started_at = time.monotonic()
         c.born = started(c.proc.pid)
 
-    def _wait_built(self, timeout: float = 600.0) -> bool:
-        """Wait until every engine has built its model (or one exits: a configuration error)."""
+    def _wait_built(self) -> bool:
+        """Wait until every engine has built its model (or one exits: a configuration error), up to
+        ``engine_build_timeout_s`` (then ``self.timed_out``)."""
+        timeout = self.settings.engine_build_timeout_s
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and not self.stopping:    # SIGTERM: no need to finish a warm-up
+        while not self.stopping:                    # SIGTERM: no need to finish a warm-up
             states = [self.status.state(c.index)[0] for c in self.engines]
             if all(s not in (NEW, STARTING) for s in states):
                 return True
+            if time.monotonic() >= deadline:
+                late = [f"{c.index} ({self.devices[c.index]})" for c, s in zip(self.engines, states)
+                        if s in (NEW, STARTING)]
+                log.error("engines not built in time", extra={"engines": late, "engine_build_timeout_s": timeout})
+                self.timed_out = True
+                self.start_error = (f"engine(s) {', '.join(late)} not built within engine_build_timeout_s={timeout:g} "
+                                    "s (model build and warm-up); see the log above, or raise "
+                                    "--engine-build-timeout-s")
+                return False
             for c in self.engines:
                 if not c.proc.is_alive():
                     log.error("engine process exited during start-up", extra={"engine": c.index,
@@ -160,7 +172,7 @@ class Supervisor:
                 if self.stopping:               # a SIGTERM during the build: a stop, not a failed start
                     log.info("stopped during start-up")
                     return 1 if self.failed else 0
-                return 2
+                return 1 if self.timed_out else 2
             try:                                # connections are refused, not queued, until now
                 self.sock.listen(self.settings.backlog)
             except OSError as e:                # another server bound the port meanwhile and listens first
