@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from convserve.clients.protocol.errors import Internal, PositionMismatch, RequestTimeout
+from convserve.clients.protocol.errors import Internal, PositionMismatch, RequestTimeout, StateLost
 from tests.engine_support import DIM, LAYERS, Oracle, gate_worker, make_engine
 from tests.tolerance import assert_close
 
@@ -117,5 +117,30 @@ def test_the_failure_carries_on_through_a_batch_to_its_other_sessions_later_clai
         for s in (sid, other, third):
             assert_close(e.export_state(s), oracle.export(s), what=s)
         assert e.stats()["requests_failed"] >= 2
+    finally:
+        e.stop(drain=False)
+
+
+def test_behind_a_step_that_failed_after_its_kernels_started_the_dropped_sessions_requests_are_410_not_409():
+    """That step's sessions are dropped (their state is unknown): a later request of one answers 410 state_lost,
+    as before the cascade, not 409 with a position of a session that no longer exists."""
+    e = make_engine()
+    try:
+        sid = e.create_session()
+        e.submit(sid, L, torch.randn(4, DIM), position=0).result(10)
+        go = hold(e)
+        a = e.submit(sid, L, torch.randn(2, DIM), position=4)
+        q = e.submit(sid, L, torch.randn(1, DIM), position=6)
+        real = e._runner.execute
+
+        def fail_after_launch(out):
+            e._runner.execute = real
+            e._runner.state_written = True           # its kernels started
+            raise RuntimeError("injected failure after launch")
+        e._runner.execute = fail_after_launch
+        go.set()
+        for f in (a, q):
+            with pytest.raises(StateLost):
+                f.result(10)
     finally:
         e.stop(drain=False)

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from convserve.clients.protocol.errors import BadRequest, Internal, RequestTimeout
+from convserve.clients.protocol.errors import BadRequest, Internal, RequestTimeout, UnknownSession
 from tests.engine_support import DIM, LAYERS, Oracle, gate_worker, make_engine
 from tests.tolerance import assert_close
 
@@ -144,5 +144,26 @@ def test_a_verify_whose_step_failed_does_not_put_back_the_one_it_replaced():
         assert pending(e, sid) == {"layers": [], "tokens": []}
         with pytest.raises(BadRequest, match="no speculative verify"):
             e.accept(sid, 1)
+    finally:
+        e.stop(drain=False)
+
+
+def test_a_batch_withdrawn_with_a_deleted_session_puts_back_the_other_sessions_verify():
+    """A verify batch queued behind the delete of one of its sessions never runs: the verify it replaced on the
+    other session is pending again, and accept commits it."""
+    e = make_engine()
+    oracle = Oracle(e.model_cpu, e.state_dtype)
+    try:
+        t, s = verified(e, oracle, 3)
+        go = hold(e)
+        d = e.submit_op("delete_session", s)
+        b = e.submit_batch([s, t], LAYERS[0], torch.randn(4, DIM), tokens=[2, 2], speculative=True)
+        assert pending(e, t)["tokens"] == [2]
+        go.set()
+        d.result(10)
+        with pytest.raises(UnknownSession):
+            b.result(10)
+        assert pending(e, t) == {"layers": [LAYERS[0]], "tokens": [3]}
+        accept_and_compare(e, oracle, t, 3)
     finally:
         e.stop(drain=False)

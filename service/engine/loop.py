@@ -313,10 +313,16 @@ class Worker:
             lost = written_sessions(out, self._runner.state_written)      # read before the retire below
             # each request's sessions, read before the retire (a batch forgets its sessions when released)
             owners = {r: (r.session,) if r.batch is None else tuple(r.batch.sessions) for r in done}
+            gone = {id(s) for s in lost}
             for r in done:
                 if not r.done:
                     self._sched.abort(r)
-                    self._retire_locked(r, ok=False)
+                    # later positioned requests of a session that stays fail (409: their positions counted these
+                    # tokens); a dropped session's fail with it (410), below
+                    adv = self._retire_locked(r, ok=False, cascade=False)
+                    kept = [(s, n) for s, n in adv if id(s) not in gone]
+                    if kept:
+                        self._fail_dependents_locked(r.layer, r.seq, kept)
             self._st["failed"] += len(done)
         answers = {r: err for r in done}
         failed: list = []

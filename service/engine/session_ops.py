@@ -117,7 +117,7 @@ class SessionOps:
         self._sessions.remove(s)
         failed = [r for r in s.queue if not r.done and self._sched.abort(r)]
         for r in failed:
-            self._retire_locked(r, ok=False)
+            self._retire_locked(r, ok=False, withdrawn=not r.started)   # (a chunked prefill may have started)
         self._forget_locked(s)
         return failed
 
