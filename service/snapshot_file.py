@@ -42,7 +42,7 @@ MODEL_FIELDS = ("weights_sha256", "layers", "dim", "width", "dtype", "state_dtyp
 
 _NAME = re.compile(r"^e(\d+)\.(\d{12})\.safetensors$")
 _TMP_PREFIX = ".tmp-e"
-#: ``e<index>.crashed``: the newest snapshot sequence number of engine ``index`` when its process crashed
+#: ``e<index>.crashed``: the files of engine ``index`` that predate a crash of its process (SnapshotDir.mark_crashed)
 CRASH_SUFFIX = ".crashed"
 
 
@@ -124,6 +124,17 @@ def write_atomic(path: str, snap: Snapshot) -> int:
     return os.path.getsize(path)
 
 
+def _write_json(path: str, obj) -> None:
+    """``obj`` as JSON in ``path``, atomically and durably."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(path) or ".")
+
+
 def fsync_dir(folder: str) -> None:
     """Make a rename in ``folder`` durable."""
     fd = os.open(folder, os.O_RDONLY)
@@ -194,36 +205,60 @@ class SnapshotDir:
         return int(_NAME.match(os.path.basename(files[0])).group(2)) if files else 0
 
     def _next_path(self) -> str:
-        seq = max(self._newest_seq(), self.crashed_through()) + 1      # above a crash mark even once rotated out
-        return os.path.join(self.folder, f"e{self.index}.{seq:012d}.safetensors")
+        top = max([self._newest_seq()] + [m["through"] for m in self.crash_marks()])   # above a crash mark's files
+        return os.path.join(self.folder, f"e{self.index}.{top + 1:012d}.safetensors")
 
     @property
     def crash_path(self) -> str:
         return os.path.join(self.folder, f"e{self.index}{CRASH_SUFFIX}")
 
-    def mark_crashed(self) -> int:
-        """Engine ``index``'s process died: its sessions are lost (they answer 410), so none of its files written
-        so far may be restored, not even at a cold start before its next process writes one (a stop during the
-        restart's back-off). Records the newest sequence number (durably); returns it."""
-        seq = max(self._newest_seq(), self.crashed_through())
-        tmp = f"{self.crash_path}.{os.getpid()}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(f"{seq}\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.crash_path)
-        fsync_dir(self.folder)
-        return seq
+    @property
+    def model_path(self) -> str:
+        return os.path.join(self.folder, f"e{self.index}.model.json")
 
-    def crashed_through(self) -> int:
-        """The sequence number through which this engine's files predate a crash of its process (0: none)."""
+    def note_model(self, model: dict) -> None:
+        """Record the model this engine's process serves (at its start, before it restores): a crash of that
+        process marks that model's files only (:meth:`mark_crashed`)."""
+        _write_json(self.model_path, {f: model.get(f) for f in MODEL_FIELDS})
+
+    def mark_crashed(self) -> int:
+        """Engine ``index``'s process died: its sessions are lost (they answer 410), so none of its files of the
+        model it served written so far may be restored, not even at a cold start before its next process writes
+        one (a stop during the restart's back-off). Files of another model stay restorable (a server started with
+        the wrong model by mistake). Records ``{"through": newest file number, "model"}`` beside earlier marks
+        (durably; the model None, refusing every model's files, when the process never said which it served);
+        returns the number."""
+        try:
+            with open(self.model_path, encoding="utf-8") as f:
+                model = json.load(f)
+        except (OSError, ValueError):
+            model = None
+        through = max([self._newest_seq()] + [m["through"] for m in self.crash_marks()])
+        marks = [m for m in self.crash_marks() if m["model"] != model] + [{"through": through, "model": model}]
+        _write_json(self.crash_path, {"marks": marks})
+        return through
+
+    def crash_marks(self) -> list:
+        """The crash marks (``{"through", "model"}``, see :meth:`mark_crashed`). A torn mark file is replaced, once,
+        by one refusing every file there is now (of any model), as the crash it recorded would have."""
         try:
             with open(self.crash_path, encoding="utf-8") as f:
-                return int(f.read().strip() or 0)
+                marks = json.load(f)["marks"]
+            return [{"through": int(m["through"]), "model": m["model"]} for m in marks]
         except FileNotFoundError:
-            return 0
-        except ValueError:               # a torn mark: refuse every file there is, as a crash mark would
-            return self._newest_seq()
+            return []
+        except (ValueError, KeyError, TypeError):
+            marks = [{"through": self._newest_seq(), "model": None}]
+            try:
+                _write_json(self.crash_path, {"marks": marks})
+            except OSError:
+                pass
+            return marks
+
+    def _crashed(self, path: str, marks: list) -> bool:
+        """Whether ``path`` predates a crash of the process that served its model (see :meth:`mark_crashed`)."""
+        seq = int(_NAME.match(os.path.basename(path)).group(2))
+        return any(seq <= m["through"] and (m["model"] is None or _of_model(path, m["model"])) for m in marks)
 
     def write(self, snap: Snapshot) -> tuple[str, int]:
         """Write the next file, then drop this model's files past ``keep``; ``(path, bytes)``. A file of another
@@ -232,8 +267,10 @@ class SnapshotDir:
         path = self._next_path()
         size = write_atomic(path, snap)
         model = snap.meta["model"]
-        ours = [p for p in self.files() if p == path or _of_model(p, model)]
-        for old in ours[self.keep:]:
+        marks = self.crash_marks()
+        dead = [p for p in self.files() if marks and p != path and self._crashed(p, marks)]   # never restored
+        ours = [p for p in self.files() if p not in dead and (p == path or _of_model(p, model))]
+        for old in dead + ours[self.keep:]:
             try:
                 os.unlink(old)
             except FileNotFoundError:
@@ -244,10 +281,10 @@ class SnapshotDir:
                     check: Optional[Callable[[Snapshot], None]] = None) -> Optional[tuple[str, Snapshot]]:
         """The newest file that is whole, belongs to ``model`` (and the layout) and passes ``check`` (which raises
         ValueError to refuse); each refused one is logged."""
-        crashed = self.crashed_through()
+        marks = self.crash_marks()
         for path in self.files():
             try:
-                if int(_NAME.match(os.path.basename(path)).group(2)) <= crashed:
+                if marks and self._crashed(path, marks):
                     raise SnapshotRefused(f"written before engine {self.index}'s process crashed: its sessions were "
                                           "lost then (they answered 410 state_lost)")
                 snap = read_checked(path)

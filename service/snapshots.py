@@ -176,6 +176,7 @@ class Snapshotter:
         def restorable(snap):
             check_content(snap.meta, snap.tensors, m.n_layers, m.width, m.dim, e.state_dtype, m.dtype)
 
+        self.dir.note_model(e.model_info())          # before anything is restored: what a crash mark refuses
         found = None if self.restarted else self.dir.newest_good(e.model_info(), self.count, restorable)
         snap = found[1] if found else None
         self.restored = e.start(snapshot=snap)

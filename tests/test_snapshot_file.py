@@ -221,9 +221,10 @@ def test_a_whole_file_whose_content_the_check_refuses_falls_back_to_the_one_befo
 @pytest.mark.parametrize("keep", [1, 3])
 def test_files_written_before_a_crash_mark_are_never_restored_and_later_ones_are(tmp_path, caplog, keep):
     """The supervisor marks an engine whose process died: none of its files so far is restored (its sessions
-    were lost), not even as the fallback of a later torn one; files written after the mark number above it, also
-    once the marked ones are rotated out; the other engine's files are untouched."""
+    were lost), not even as the fallback of a later torn one; files written after the mark number above it, the
+    marked ones are removed at the next write; the other engine's files are untouched."""
     d0, d1 = sf.SnapshotDir(tmp_path, 0, keep), sf.SnapshotDir(tmp_path, 1, keep)
+    d0.note_model(MODEL)
     for i in range(keep + 1):
         d0.write(snap(2, seed=i))
     d1.write(snap(1))
@@ -232,22 +233,44 @@ def test_files_written_before_a_crash_mark_are_never_restored_and_later_ones_are
         assert d0.newest_good(MODEL) is None
     assert all("crashed" in r.reason for r in caplog.records) and caplog.records
     assert d1.newest_good(MODEL) is not None
-    paths = [d0.write(snap(0, seed=10 + i))[0] for i in range(keep + 1)]     # the marked ones rotate out
+    paths = [d0.write(snap(0, seed=10 + i))[0] for i in range(2)]
+    assert d0.files() == paths[::-1][:keep]                                  # the marked ones are gone
+    assert int(os.path.basename(paths[0]).split(".")[1]) == keep + 2
     assert d0.newest_good(MODEL)[0] == paths[-1]
-    assert all(int(os.path.basename(p).split(".")[1]) > keep + 1 for p in d0.files())
     with open(paths[-1], "r+b") as f:                                         # a torn newest: the one before
         f.truncate(10)
     assert d0.newest_good(MODEL)[0] == paths[-2] if keep > 1 else d0.newest_good(MODEL) is None
 
 
-def test_a_torn_crash_mark_refuses_every_file_there_is_and_a_second_mark_keeps_the_first(tmp_path):
+def test_a_crash_marks_only_the_files_of_the_model_its_process_served(tmp_path):
+    """A server started by mistake with another model, whose engine then crashes: the right model's files stay
+    restorable for the next start with it."""
+    d = sf.SnapshotDir(tmp_path, 0, 3)
+    right = d.write(snap(2))[0]
+    other = dict(MODEL, weights_sha256="cd" * 32)
+    s = snap(1)
+    s.meta["model"] = dict(other)
+    d.write(s)
+    d.note_model(other)
+    d.mark_crashed()
+    assert d.newest_good(other) is None
+    assert d.newest_good(MODEL)[0] == right
+    d.note_model(MODEL)                                                       # later the right model's crashes
+    d.mark_crashed()
+    assert d.newest_good(MODEL) is None and len(d.crash_marks()) == 2
+
+
+def test_a_torn_crash_mark_refuses_every_file_there_is_then_and_not_the_ones_written_after(tmp_path):
     d = sf.SnapshotDir(tmp_path, 0, 3)
     d.write(snap(1))
     with open(d.crash_path, "w") as f:
         f.write("garb")
     assert d.newest_good(MODEL) is None
-    assert d.mark_crashed() == 1 and d.mark_crashed() == 1
-    assert int(os.path.basename(d.write(snap(1))[0]).split(".")[1]) == 2
+    later = [d.write(snap(1, seed=i))[0] for i in range(2)]
+    assert d.newest_good(MODEL)[0] == later[-1]
+    d.note_model(MODEL)
+    assert d.mark_crashed() == 3 and d.mark_crashed() == 3
+    assert int(os.path.basename(d.write(snap(1))[0]).split(".")[1]) == 4
 
 
 def test_crash_marks_are_set_aside_with_the_snapshots_of_another_engine_count(tmp_path):
@@ -256,6 +279,6 @@ def test_crash_marks_are_set_aside_with_the_snapshots_of_another_engine_count(tm
     d.write(snap(1))
     d.mark_crashed()
     prepare_state_dir(tmp_path, 1)
-    assert not os.path.exists(d.crash_path) and d.crashed_through() == 0
+    assert not os.path.exists(d.crash_path) and d.crash_marks() == []
     aside = [p for p in tmp_path.iterdir() if p.name.startswith("superseded-")]
     assert sorted(n.name for n in aside[0].iterdir()) == ["e0.000000000001.safetensors", "e0.crashed"]

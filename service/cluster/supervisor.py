@@ -129,7 +129,7 @@ class Supervisor:
             states = [self.status.state(c.index)[0] for c in self.engines]
             if all(s not in (NEW, STARTING) for s in states):
                 return True
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= deadline and all(c.proc.is_alive() for c in self.engines):   # (else: below)
                 late = [f"{c.index} ({self.devices[c.index]})" for c, s in zip(self.engines, states)
                         if s in (NEW, STARTING)]
                 log.error("engines not built in time", extra={"engines": late, "engine_build_timeout_s": timeout})
