@@ -147,6 +147,25 @@ def test_a_batch_that_repeats_on_some_sessions_and_is_new_on_others_is_refused_w
     assert [info(api, s)["positions"][0] for s in (a, b)] == [1, 2]
 
 
+def test_a_batch_sent_again_in_another_order_is_no_repeat_whatever_engines_its_sessions_live_on(api):
+    """[t, s] after [s, t] at the same positions is 409 with nothing run, in every layout: split across engines,
+    each part is a one-session batch whose kept answer must still belong to the same whole batch."""
+    from convserve.service.cluster.placement import engine_of
+
+    prefix = uuid.uuid4().hex[:8]
+    on = {0: [], 1: []}
+    for i in range(64):
+        on[engine_of(f"{prefix}-{i:03d}", 2)].append(f"{prefix}-{i:03d}")
+    s, t = api.session(on[0][0]), api.session(on[1][0])
+    assert batch(api, [s, t], 0, rand_x(2, seed=31), position=[0, 0])[0] == 200
+    states = [api.state(v) for v in (s, t)]
+    st, err = batch(api, [t, s], 0, rand_x(2, seed=31).flip(0), position=[0, 0])
+    assert st == 409 and err["error"]["code"] == "position_mismatch" and err["error"]["position"] == [1, 1], err
+    assert all(torch.equal(api.state(v), before) for v, before in zip((s, t), states))
+    st, y = batch(api, [s, t], 0, rand_x(2, seed=31), position=[0, 0])           # the same order still repeats
+    assert st == 200
+
+
 @pytest.mark.parametrize("spec_on", ["engine 1", "both"])
 def test_a_repeat_of_a_batch_mixing_plain_and_speculative_slices_returns_the_identical_answer(api, spec_on):
     # with two engines: a plain slice on engine 0, speculative ones on engine 1 (or on both): the split batch's

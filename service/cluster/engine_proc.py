@@ -349,7 +349,7 @@ class EngineProcess:
                 ok = None
                 if head["f"] == "batch":
                     ok = self.engine.check_batch(head["ss"], head.get("sp"), head.get("t"), head.get("l"),
-                                                 head.get("po"))
+                                                 head.get("po"), whole=head.get("wk"))
                 else:
                     self.engine.check_accept_batch(head["ss"], head["t"])
                 self._send(ident, {"i": mid, "ok": ok})
@@ -401,7 +401,8 @@ class EngineProcess:
                                                 head.get("ck", False))
             else:    # a client's block is checked for NaN/Inf on the engine's own copy (the device's when direct)
                 ans.req = self.engine.submit_batch_to(ans, head["ss"], head["l"], x, head.get("t"), head.get("sp"),
-                                                      head.get("po"), head.get("ck", False), direct, "c" in head)
+                                                      head.get("po"), head.get("ck", False), direct, "c" in head,
+                                                      whole=head.get("wk"))
         except BaseException:
             self.inflight.pop(key, None)
             raise

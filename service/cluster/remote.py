@@ -51,7 +51,7 @@ from .placement import engine_of, split
 from .remote_ops import RemoteSessions
 from .shm import Arena
 from .split_batch import (check_whole, check_positions, failure, parts_of, row_indices, sent_or_refused, sub,
-                          whole_model)
+                          whole_key, whole_model)
 from .status import DOWN, STOPPED, UP, DownClock, StatusTable
 
 log = logging.getLogger("convserve.worker")
@@ -505,12 +505,13 @@ class RemoteEngine(RemoteSessions, EngineHealth):
         the model dtype) and the answers joined in batch order, as ``y_dtype``. Its sessions' later sends wait
         for ``hold``, done once the parts are sent (or the batch refused)."""
         parts = parts_of(groups, speculative)
+        whole = {} if position is None else {"wk": whole_key(sids, tokens, speculative)}
         if waits:
             await asyncio.wait(waits)          # (cancelling this task leaves them alone)
         try:
             checks = await asyncio.gather(*(self._call(e, {"k": m.CHECK, "f": "batch", "ss": sub(sids, pos),
                                                            "sp": spec, "t": sub(tokens, pos), "l": layer,
-                                                           "po": sub(position, pos)})
+                                                           "po": sub(position, pos), **whole})
                                             for e, pos, spec in parts), return_exceptions=True)
             checks = [c if isinstance(c, BaseException) else c[0]["ok"] for c in checks]
             if position is not None:
@@ -521,7 +522,7 @@ class RemoteEngine(RemoteSessions, EngineHealth):
             row_ix = row_indices(parts, tokens, len(sids))
             sent = sent_or_refused(self.loop, (partial(
                 self._conv, e, {"k": m.BATCH, "ss": sub(sids, pos), "l": layer, "t": sub(tokens, pos), "sp": spec,
-                                "po": sub(position, pos)}, x, rows=ix, checked=True)
+                                "po": sub(position, pos), **whole}, x, rows=ix, checked=True)
                 for (e, pos, spec), ix in zip(parts, row_ix)))
         finally:
             self.order.release(sids, hold)

@@ -7,6 +7,8 @@ with their slices of x) after every part was checked; these functions are the pi
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 from types import SimpleNamespace
 
 import numpy as np
@@ -57,6 +59,16 @@ def check_whole(sids: list, x, tokens, speculative, position, layer, limits, mod
     verifies = plan is not None and plan[1].any()
     check_one_token_rows(int(np.count_nonzero(~plan[1] & (plan[0] == 1))) if verifies else 0, limits.max_bucket)
     return xm
+
+
+def whole_key(sids: list, tokens, speculative) -> str:
+    """What identifies a split batch with positions for its parts' repeats, the same in every worker: a digest of
+    its sessions in order, tokens and flags. Each part's kept answer carries it, so a part repeats an applied part
+    only within the same whole batch (a batch sent again in another order is not a repeat, as on one engine)."""
+    n = len(sids)
+    toks = [1] * n if tokens is None else [int(k) for k in tokens]
+    spec = [bool(speculative)] * n if not isinstance(speculative, list) else [bool(f) for f in speculative]
+    return hashlib.blake2b(json.dumps([list(sids), toks, spec]).encode(), digest_size=16).hexdigest()
 
 
 def parts_of(groups: dict, speculative) -> list:

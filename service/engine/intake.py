@@ -226,7 +226,7 @@ class Intake:
 
     def _submit_batch(self, session_ids, layer: int, x: torch.Tensor, tokens, speculative, sink,
                       positions=None, checked: bool = False, borrowed: bool = False,
-                      direct: bool = False) -> Optional[ConvRequest]:
+                      direct: bool = False, whole: Optional[str] = None) -> Optional[ConvRequest]:
         cfg, model = self.config, self.model_cpu
         n = check_batch_sessions(session_ids, cfg.max_batch_size)
         if positions is not None:
@@ -236,6 +236,8 @@ class Intake:
         plan = None if uk else check_batch_plan(n, tokens, speculative, cfg.max_spec_tokens)
         if positions is None:
             key = None
+        elif whole is not None:                  # a part of a split batch: repeated only within the same whole
+            key = ("whole", whole)
         else:
             key = (tuple(session_ids), (uk,) * n, (True,) * n) if uk else batch_key(session_ids, plan)
         planned = plan is not None
@@ -427,7 +429,8 @@ class Intake:
             self._run_step_here(here)
         return None
 
-    def check_batch(self, session_ids, speculative=None, tokens=None, layer=None, position=None):
+    def check_batch(self, session_ids, speculative=None, tokens=None, layer=None, position=None,
+                    whole: Optional[str] = None):
         """Raise what :meth:`submit_batch` would raise for the sessions' state now (unknown or lost sessions, an
         import or accept queued before it, a plain row on a session with a pending verify, a position mismatch);
         queue nothing. The first phase of a
@@ -440,7 +443,7 @@ class Intake:
             position = check_positions(position, n)
             plan = check_batch_plan(n, tokens, speculative, self.config.max_spec_tokens)
             rows = [(1, False)] * n if plan is None else list(zip(plan[0].tolist(), plan[1].tolist()))
-            key = batch_key(session_ids, plan)
+            key = ("whole", whole) if whole is not None else batch_key(session_ids, plan)
         with self._lock:
             self._check_running_locked()
             if position is not None:
@@ -474,15 +477,18 @@ class Intake:
 
     def submit_batch_to(self, sink, session_ids: Sequence[str], layer: int, x: torch.Tensor, tokens=None,
                         speculative=None, position=None, checked: bool = False,
-                        direct: bool = False, borrowed: bool = False) -> Optional[ConvRequest]:
+                        direct: bool = False, borrowed: bool = False,
+                        whole: Optional[str] = None) -> Optional[ConvRequest]:
         """:meth:`submit_batch` delivering to ``sink`` (see :meth:`submit_to`). ``direct``: x lies in host memory
         mapped until the answer, page-locked on CUDA (:mod:`convserve.service.cluster.pinned`); a plain decode
         batch whose x is the model's contiguous tensor then skips the batch slot: its step copies x in straight
         from there and y back over it (no host copy either side). With ``borrowed`` (x's owner may write it),
         that step checks its own copy of x for NaN/Inf, writing no state unless finite (else ``422``); any other
-        borrowed batch is checked here, on the copy staging makes (see :meth:`submit_batch`)."""
+        borrowed batch is checked here, on the copy staging makes (see :meth:`submit_batch`). ``whole``: with
+        ``position``, the key of the split batch this is a part of (``cluster.split_batch.whole_key``): it
+        repeats only a part of the same whole batch."""
         return self._submit_batch(session_ids, layer, x, tokens, speculative, sink, position, checked,
-                                  borrowed=borrowed, direct=direct)
+                                  borrowed=borrowed, direct=direct, whole=whole)
 
     def withdraw(self, request: Optional[ConvRequest]) -> bool:
         """Withdraw a request of :meth:`submit_to` if it has not started (its sink is not called); True if
