@@ -223,8 +223,7 @@ class RemoteEngine(RemoteSessions, EngineHealth):
         return self._weights
 
     def stats(self) -> dict:
-        """Every engine's ``stats()`` that is up, summed (blocking; not on the loop). The engines are asked at once,
-        so a scrape waits ``stats_timeout`` at most however many of them hang."""
+        """Every up engine's ``stats()``, summed (blocking, off the loop; all asked at once: one stats_timeout)."""
         parts, per_engine = [], {}
         live = [e for e in range(self.n) if self.status.state(e)[0] == UP]
         if live and self.loop is not None:
