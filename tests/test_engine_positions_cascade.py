@@ -121,26 +121,69 @@ def test_the_failure_carries_on_through_a_batch_to_its_other_sessions_later_clai
         e.stop(drain=False)
 
 
-def test_behind_a_step_that_failed_after_its_kernels_started_the_dropped_sessions_requests_are_410_not_409():
-    """That step's sessions are dropped (their state is unknown): a later request of one answers 410 state_lost,
-    as before the cascade, not 409 with a position of a session that no longer exists."""
+def _fail_next_step(e, written: bool, when=lambda out: True):
+    """The next step for which ``when(out)`` holds fails, after its kernels started (``written``) or before."""
+    real = e._runner.execute
+
+    def execute(out):
+        if not when(out):
+            return real(out)
+        e._runner.execute = real
+        e._runner.state_written = written
+        raise RuntimeError("injected step failure")
+    e._runner.execute = execute
+
+
+@pytest.mark.parametrize("case", ["one session", "two linked by a batch"])
+def test_behind_a_step_that_failed_after_its_kernels_started_the_dropped_sessions_requests_are_410_not_409(case):
+    """That step's sessions are dropped (their state is unknown): their later requests, and batches holding one,
+    answer 410 state_lost, not 409 with a position of a session that no longer exists (also where a batch links
+    two dropped sessions, whose removals would otherwise cascade into each other)."""
     e = make_engine()
     try:
-        sid = e.create_session()
-        e.submit(sid, L, torch.randn(4, DIM), position=0).result(10)
+        a, b = e.create_session(), e.create_session()
         go = hold(e)
-        a = e.submit(sid, L, torch.randn(2, DIM), position=4)
-        q = e.submit(sid, L, torch.randn(1, DIM), position=6)
-        real = e._runner.execute
-
-        def fail_after_launch(out):
-            e._runner.execute = real
-            e._runner.state_written = True           # its kernels started
-            raise RuntimeError("injected failure after launch")
-        e._runner.execute = fail_after_launch
+        first = [e.submit(a, L, torch.randn(2, DIM), position=0)]
+        if case == "one session":
+            later = [e.submit(a, L, torch.randn(1, DIM), position=2)]
+        else:
+            first.append(e.submit(b, L, torch.randn(2, DIM), position=0))
+            later = [e.submit_batch([a, b], L, torch.randn(2, DIM), position=[2, 2]),
+                     e.submit(b, L, torch.randn(1, DIM), position=3)]
+        _fail_next_step(e, written=True)
         go.set()
-        for f in (a, q):
+        for f in first + later:
             with pytest.raises(StateLost):
                 f.result(10)
+    finally:
+        e.stop(drain=False)
+
+
+def test_a_kept_sessions_cascade_stops_at_a_batch_holding_a_dropped_session():
+    """A step fails before its kernels: a kept session's prefill gives its tokens back (500), a chunked prefill's
+    session is dropped (its first chunk wrote state). The batch over both answers 410 for the dropped one, as do
+    the dropped one's later requests; the kept one's own later claim is 409."""
+    e = make_engine(max_prefill_tokens_per_step=4)
+    try:
+        d, k = e.create_session(), e.create_session()
+        go = hold(e)
+        chunked = e.submit(d, L, torch.randn(10, DIM), position=0)          # 4 tokens a step
+        mine = e.submit(k, L, torch.randn(3, DIM), position=0)
+        both = e.submit_batch([k, d], L, torch.randn(2, DIM), position=[3, 10])
+        after = e.submit(d, L, torch.randn(1, DIM), position=11)
+        k_later = e.submit(k, L, torch.randn(1, DIM), position=4)
+        claim = e.submit(k, LAYERS[2], torch.randn(1, DIM), position=0)    # another layer: untouched
+        _fail_next_step(e, written=False, when=lambda out: any(r is mine._req for b in out.prefills
+                                                                 for r in b.requests))
+        go.set()
+        with pytest.raises(Internal):
+            mine.result(10)
+        for f in (chunked, both, after):
+            with pytest.raises(StateLost):
+                f.result(10)
+        with pytest.raises(PositionMismatch):
+            k_later.result(10)
+        claim.result(10)
+        assert e.session_info(k)["positions"] == [0, 0, 1]
     finally:
         e.stop(drain=False)

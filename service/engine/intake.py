@@ -526,13 +526,15 @@ class Intake:
             deliver([(Sink(w[0]), None, err) for w in repeats])
         return ok
 
-    def _retire_locked(self, r: ConvRequest, ok: bool, withdrawn: bool = False, cascade: bool = True):
+    def _retire_locked(self, r: ConvRequest, ok: bool, withdrawn: bool = False, cascade: bool = True,
+                       skip: frozenset = frozenset()):
         """Bookkeeping when a request leaves the engine (finished, failed, cancelled); a failed one takes back
         the tokens it advanced its sessions' positions by, and its verifies leave the pending ones. ``withdrawn``:
         it never ran (cancelled, expired or withdrawn in the queue), so the verify each of its verifies replaced
         at submit is put back (its x is untouched); after a failed step that x may be overwritten, and is not.
         ``cascade``: the later requests whose position counted the tokens taken back fail too (see
-        :meth:`_fail_dependents_locked`). Returns the ``(session, tokens)`` pairs taken back."""
+        :meth:`_fail_dependents_locked`; ``skip``: the ids of sessions being dropped). Returns the ``(session,
+        tokens)`` pairs taken back."""
         adv = self._rollback_locked(r) if not ok and not r.done else ()
         r.done = True
         s = r.session
@@ -548,7 +550,7 @@ class Intake:
                     self._drop_verify_locked(vs, p, (k, seq), back.get(id(vs)))
             release_batch(r, time.monotonic())
         if adv and cascade:
-            self._fail_dependents_locked(p, seq, adv)
+            self._fail_dependents_locked(p, seq, adv, skip)
         return adv
 
 

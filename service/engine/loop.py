@@ -313,16 +313,13 @@ class Worker:
             lost = written_sessions(out, self._runner.state_written)      # read before the retire below
             # each request's sessions, read before the retire (a batch forgets its sessions when released)
             owners = {r: (r.session,) if r.batch is None else tuple(r.batch.sessions) for r in done}
-            gone = {id(s) for s in lost}
+            gone = frozenset(id(s) for s in lost)
             for r in done:
                 if not r.done:
                     self._sched.abort(r)
                     # later positioned requests of a session that stays fail (409: their positions counted these
                     # tokens); a dropped session's fail with it (410), below
-                    adv = self._retire_locked(r, ok=False, cascade=False)
-                    kept = [(s, n) for s, n in adv if id(s) not in gone]
-                    if kept:
-                        self._fail_dependents_locked(r.layer, r.seq, kept)
+                    self._retire_locked(r, ok=False, skip=gone)
             self._st["failed"] += len(done)
         answers = {r: err for r in done}
         failed: list = []
@@ -357,10 +354,11 @@ class Worker:
 
     def _drop_sessions_locked(self, sessions: list, why: str) -> list:
         failed, dropped = [], 0
+        gone = frozenset(id(s) for s in sessions)        # their requests fail with them (410), not by a cascade
         for s in sessions:
             if self._sessions.find(s.id) is not s:
                 continue                          # deleted (or deleted and re-created) meanwhile
-            failed += [(r, s.id) for r in self._remove_locked(s)]
+            failed += [(r, s.id) for r in self._remove_locked(s, gone)]
             self._sessions.mark_lost([s.id], why)
             dropped += 1
             if self._ready:                       # freeing zeroes the slot: device work

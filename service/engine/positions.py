@@ -237,24 +237,25 @@ class Positions:
             self._drop_locked(answer)
         return adv
 
-    def _fail_dependents_locked(self, p: int, seq: int, adv) -> None:
+    def _fail_dependents_locked(self, p: int, seq: int, adv, skip: frozenset = frozenset()) -> None:
         """A request (``seq``, on layer ``p``) left without running and took back the tokens ``adv`` (``(session,
         n)`` pairs) it had advanced positions by. Every later request of those sessions on that layer that carried
         a position had it checked against a position that counted those tokens: it would run elsewhere than it
         claimed, so it fails too (``409 position_mismatch``, nothing run, its tokens taken back, and so on down
         the queue: a batch's other sessions too). A deferred request whose turn has not come is left: its check
-        at its turn reads the positions without them. The answers go out with :meth:`_deliver_turns`."""
-        work, failed = [(s, seq) for s, n in adv if n], []
+        at its turn reads the positions without them. ``skip``: ids of sessions being dropped; a request of one
+        is left to fail with it (``410``). The answers go out with :meth:`_deliver_turns`."""
+        work, failed = [(s, seq) for s, n in adv if n and id(s) not in skip], []
         while work:
             s, after = work.pop()
             waiting = {id(d) for d in s.deferred}
             for q in [q for q in s.queue if q.seq > after and q.layer == p and not q.done and id(q) not in waiting
                       and (q.track if q.batch is not None else q.position) is not None]:
-                if not self._sched.cancel(q):           # started: in a step already (failing with it, if so)
-                    continue
                 sessions = (q.session,) if q.batch is None else tuple(q.batch.sessions)
+                if (skip and any(id(qs) in skip for qs in sessions)) or not self._sched.cancel(q):
+                    continue                            # being dropped, or started (failing with its step)
                 work += [(qs, q.seq) for qs, n in self._retire_locked(q, ok=False, withdrawn=True, cascade=False)
-                         if n]
+                         if n and id(qs) not in skip]
                 failed.append((q, sessions))
         if not failed:
             return

@@ -111,13 +111,14 @@ class SessionOps:
         deliver([(r, None, UnknownSession(f"session {s.id!r} was deleted before this request ran"))
                        for r in failed])
 
-    def _remove_locked(self, s: Session) -> list:
+    def _remove_locked(self, s: Session, dropping: frozenset = frozenset()) -> list:
         """Take a live session out of the table: its queued requests withdrawn and retired (returned, for the
-        caller to fail), its kept answers forgotten. Its slot is the caller's to free."""
+        caller to fail), its kept answers forgotten. Its slot is the caller's to free. ``dropping``: the ids of
+        the sessions dropped with it (their requests are theirs to fail)."""
         self._sessions.remove(s)
         failed = [r for r in s.queue if not r.done and self._sched.abort(r)]
-        for r in failed:
-            self._retire_locked(r, ok=False, withdrawn=not r.started)   # (a chunked prefill may have started)
+        for r in failed:       # (withdrawn: it never ran, unless a chunked prefill had started)
+            self._retire_locked(r, ok=False, withdrawn=not r.started, skip=dropping | {id(s)})
         self._forget_locked(s)
         return failed
 
