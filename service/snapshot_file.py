@@ -185,7 +185,9 @@ class SnapshotDir:
         self.folder, self.index, self.keep = str(folder), index, keep
         os.makedirs(self.folder, exist_ok=True)
         for name in os.listdir(self.folder):       # what a crash in the middle of a write left
-            if name.startswith(f"{_TMP_PREFIX}{self.index}."):
+            if name.startswith(f"{_TMP_PREFIX}{self.index}.") or (
+                    name.startswith((f"e{self.index}{CRASH_SUFFIX}.", f"e{self.index}.model.json."))
+                    and name.endswith(".tmp")):
                 try:
                     os.unlink(os.path.join(self.folder, name))
                 except FileNotFoundError:
@@ -221,6 +223,13 @@ class SnapshotDir:
         process marks that model's files only (:meth:`mark_crashed`)."""
         _write_json(self.model_path, {f: model.get(f) for f in MODEL_FIELDS})
 
+    def forget_model(self) -> None:
+        """No model noted (one from an earlier start would be wrong); best effort."""
+        try:
+            os.unlink(self.model_path)
+        except OSError:
+            pass
+
     def mark_crashed(self) -> int:
         """Engine ``index``'s process died: its sessions are lost (they answer 410), so none of its files of the
         model it served written so far may be restored, not even at a cold start before its next process writes
@@ -243,8 +252,10 @@ class SnapshotDir:
         by one refusing every file there is now (of any model), as the crash it recorded would have."""
         try:
             with open(self.crash_path, encoding="utf-8") as f:
-                marks = json.load(f)["marks"]
-            return [{"through": int(m["through"]), "model": m["model"]} for m in marks]
+                marks = json.load(f)
+            if isinstance(marks, int) and not isinstance(marks, bool):   # the first format: a bare number
+                return [{"through": marks, "model": None}]
+            return [{"through": int(m["through"]), "model": m["model"]} for m in marks["marks"]]
         except FileNotFoundError:
             return []
         except (ValueError, KeyError, TypeError):
@@ -268,8 +279,9 @@ class SnapshotDir:
         size = write_atomic(path, snap)
         model = snap.meta["model"]
         marks = self.crash_marks()
-        dead = [p for p in self.files() if marks and p != path and self._crashed(p, marks)]   # never restored
-        ours = [p for p in self.files() if p not in dead and (p == path or _of_model(p, model))]
+        ours = [p for p in self.files() if p == path or _of_model(p, model)]
+        dead = [p for p in ours if marks and p != path and self._crashed(p, marks)]      # never restored
+        ours = [p for p in ours if p not in dead]
         for old in dead + ours[self.keep:]:
             try:
                 os.unlink(old)

@@ -165,6 +165,11 @@ class Snapshotter:
         engine.snapshot_stats = self.stats
         self.imports = ImportJournal(self.dir.folder, index)
         engine.on_import = self.imports.note
+        try:                                  # as soon as the model is built: what a crash mark of it refuses
+            self.dir.note_model(engine.model_info())
+        except OSError as e:                  # (a later mark then refuses every model's files, as one without it)
+            log.error("cannot note the model beside the snapshots", extra={"engine": index, "error": str(e)})
+            self.dir.forget_model()
 
     # ------------------------------------------------------------------ life cycle
 
@@ -176,7 +181,6 @@ class Snapshotter:
         def restorable(snap):
             check_content(snap.meta, snap.tensors, m.n_layers, m.width, m.dim, e.state_dtype, m.dtype)
 
-        self.dir.note_model(e.model_info())          # before anything is restored: what a crash mark refuses
         found = None if self.restarted else self.dir.newest_good(e.model_info(), self.count, restorable)
         snap = found[1] if found else None
         self.restored = e.start(snapshot=snap)

@@ -282,3 +282,41 @@ def test_crash_marks_are_set_aside_with_the_snapshots_of_another_engine_count(tm
     assert not os.path.exists(d.crash_path) and d.crash_marks() == []
     aside = [p for p in tmp_path.iterdir() if p.name.startswith("superseded-")]
     assert sorted(n.name for n in aside[0].iterdir()) == ["e0.000000000001.safetensors", "e0.crashed"]
+
+
+def test_a_crash_mark_of_the_first_format_refuses_the_files_up_to_its_number_only(tmp_path):
+    """Files 2 and 3 written after a mark "1" (by the release that wrote that format) stay restorable."""
+    d = sf.SnapshotDir(tmp_path, 0, 3)
+    d.write(snap(1))
+    with open(d.crash_path, "w") as f:
+        f.write("1\n")
+    later = [str(tmp_path / f"e0.00000000000{i}.safetensors") for i in (2, 3)]
+    for i, path in enumerate(later):
+        sf.write_atomic(path, snap(1, seed=i))
+    assert d.crash_marks() == [{"through": 1, "model": None}]
+    assert d.newest_good(MODEL)[0] == later[-1]
+
+
+def test_a_state_dir_that_cannot_take_the_models_note_leaves_the_engine_starting_and_no_stale_note(tmp_path,
+                                                                                                 monkeypatch):
+    import errno
+    from types import SimpleNamespace
+
+    from convserve.service.snapshots import Snapshotter
+
+    sf.SnapshotDir(tmp_path, 0, 3).note_model(dict(MODEL, weights_sha256="ef" * 32))   # an earlier start's
+
+    def full(path, obj):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(sf, "_write_json", full)
+    settings = SimpleNamespace(state_dir=str(tmp_path), snapshot_keep=3, snapshot_interval_s=0)
+    engine = SimpleNamespace(model_info=lambda: dict(MODEL))
+    Snapshotter(engine, settings)                                 # does not raise
+    assert not os.path.exists(sf.SnapshotDir(tmp_path, 0, 3).model_path)
+
+
+def test_temporaries_of_the_mark_and_the_note_left_by_a_crash_are_removed(tmp_path):
+    for name in ("e0.crashed.123.tmp", "e0.model.json.77.tmp", "e1.crashed.5.tmp"):
+        (tmp_path / name).write_text("x")
+    sf.SnapshotDir(tmp_path, 0, 3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["e1.crashed.5.tmp"]
