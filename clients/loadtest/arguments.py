@@ -74,7 +74,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument("--scenario", default="decode-heavy", choices=[*SCENARIOS, "mixed"],
                    help="decode-heavy: short prefills, long decodes; prefill-heavy: long prefills, few decodes; "
                         "mixed: half of the sessions each; spec: decode by speculative verify of k tokens then "
-                        "accept [decode-heavy]")
+                        "accept; frontend: a continuous-batching frontend, one POST /v1/conv/batch per layer and step "
+                        "over every session, the layers in turn [decode-heavy]")
     g.add_argument("--prefill", type=_dist, default=None, metavar="DIST",
                    help="prefill tokens per session, e.g. uniform:64:512, const:128, lognormal:256:0.5, "
                         "choice:16,256 (default: the scenario's)")

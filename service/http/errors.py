@@ -107,13 +107,13 @@ def unauthorized(given: Optional[bytes] = None) -> Unauthorized:
     """The 401 for a request whose ``Authorization`` header was ``given`` (None: absent). The key itself is never
     repeated."""
     if given is None:
-        return Unauthorized("this server needs an API key: send 'Authorization: Bearer <key>' (the key given to "
-                            "`convserve serve --api-key`)")
+        return Unauthorized("this server needs an API key: send 'Authorization: Bearer <key>' (the server's key: "
+                            "CONVSERVE_API_KEY, api_key_file, or --api-key)")
     if bearer_key(given) is None:
-        return Unauthorized("the Authorization header is not 'Bearer <key>': send the key given to `convserve "
-                            "serve --api-key` as 'Authorization: Bearer <key>'")
-    return Unauthorized("the API key sent is not this server's: send the key given to `convserve serve "
-                        "--api-key` as 'Authorization: Bearer <key>'")
+        return Unauthorized("the Authorization header is not 'Bearer <key>': send the server's key "
+                            "(CONVSERVE_API_KEY, api_key_file, or --api-key) as 'Authorization: Bearer <key>'")
+    return Unauthorized("the API key sent is not this server's: send the server's key "
+                        "(CONVSERVE_API_KEY, api_key_file, or --api-key) as 'Authorization: Bearer <key>'")
 
 
 class _FrameworkError(ServiceError):

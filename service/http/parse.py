@@ -167,7 +167,8 @@ def check_query(scope) -> None:
     if not qs or not path.startswith("/v1/") or (path == "/v1/sessions" and method == "GET"):
         return
     name = qs.split(b"&", 1)[0].split(b"=", 1)[0].decode("latin-1")
-    where = f"{method} {path} takes none (its fields go in the body)" if method else \
+    where = (f"{method} {path} takes none (its fields go in the body)" if method in ("POST", "PUT") else
+             f"{method} {path} takes none") if method else \
         f"the WebSocket {path} takes none (the fields of a conv go in each frame); open it without a query string"
     raise BadRequest(f"unknown query parameter {name!r:.60}: {where}")
 
