@@ -8,6 +8,7 @@ import operator
 import os
 import threading
 import urllib.parse
+import uuid
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Optional, Sequence, Union
 
@@ -438,16 +439,25 @@ class _Base:
     def _state_from(obj, backend) -> SessionState:
         return SessionState(list(obj["layers"]), wire.decode_tensor(obj["state"], backend=backend, name="state"))
 
-    def _conv_body(self, session, layer, x, speculative, position=None) -> bytes:
+    def _request_id(self) -> Optional[str]:
+        """A tracked call's ``request_id``, the same in its retries: the server then answers a repeat only of
+        this call, never of another request applied at the same position (one interrupted, say)."""
+        return uuid.uuid4().hex if self.positions is not None else None
+
+    def _conv_body(self, session, layer, x, speculative, position=None, rid: Optional[str] = None) -> bytes:
         body = {"session": session, "layer": layer, "x": wire.encode_tensor(x, self.shm), "speculative": speculative}
         if position is not None:
             body["position"] = position
+            if rid is not None:
+                body["request_id"] = rid
         return wire.packb(body)
 
-    def _batch_body(self, sessions, layer, x, tokens, speculative, position=None) -> bytes:
+    def _batch_body(self, sessions, layer, x, tokens, speculative, position=None, rid: Optional[str] = None) -> bytes:
         fields = _batch_fields(sessions, layer, x, tokens, speculative, self.shm)
         if position is not None:
             fields["position"] = _int_list(position, "position")
+            if rid is not None:
+                fields["request_id"] = rid
         return wire.packb(fields)
 
     @staticmethod

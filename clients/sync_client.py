@@ -230,9 +230,10 @@ class ConvClient(_Base):
         book = self.positions
         check_given_position(book, position)
         pos = position if book is None else self._position(session, layer)
-        body = self._conv_body(session, layer, x, speculative, pos)
+        rid = self._request_id()
+        body = self._conv_body(session, layer, x, speculative, pos, rid)
         rebody = self._resend_from_copy(x, speculative,
-                                        lambda b: self._conv_body(session, layer, b, speculative, pos))
+                                        lambda b: self._conv_body(session, layer, b, speculative, pos, rid))
         with self._sent_from(x):
             resp, attempt = (self._http.post("/v1/conv", content=body), 0) if book is None else \
                 self._post_retrying("/v1/conv", body, [session], rebody)
@@ -260,9 +261,10 @@ class ConvClient(_Base):
         book = self.positions
         check_given_position(book, position)
         pos = position if book is None else [self._position(s, layer) for s in sessions]
-        body = self._batch_body(sessions, layer, x, tokens, speculative, pos)
+        rid = self._request_id()
+        body = self._batch_body(sessions, layer, x, tokens, speculative, pos, rid)
         rebody = self._resend_from_copy(
-            x, speculative, lambda b: self._batch_body(sessions, layer, b, tokens, speculative, pos))
+            x, speculative, lambda b: self._batch_body(sessions, layer, b, tokens, speculative, pos, rid))
         with self._sent_from(x):
             resp, attempt = (self._http.post("/v1/conv/batch", content=body), 0) if book is None else \
                 self._post_retrying("/v1/conv/batch", body, list(sessions), rebody)

@@ -41,6 +41,7 @@ import msgpack
 
 from convserve.clients.protocol.errors import BadRequest, NotReady, ServiceError
 
+from ..engine.positions import claim
 from ..gcfreeze import freeze_startup_objects
 from ..http.client_shm import SWEEP_S
 from . import messages as m
@@ -349,7 +350,7 @@ class EngineProcess:
                 ok = None
                 if head["f"] == "batch":
                     ok = self.engine.check_batch(head["ss"], head.get("sp"), head.get("t"), head.get("l"),
-                                                 head.get("po"), whole=head.get("wk"))
+                                                 claim(head.get("po"), head.get("ri")), whole=head.get("wk"))
                 else:
                     self.engine.check_accept_batch(head["ss"], head["t"])
                 self._send(ident, {"i": mid, "ok": ok})
@@ -397,12 +398,12 @@ class EngineProcess:
         self.inflight[key] = ans             # before the submit: a repeat is answered within it
         try:
             if head["k"] == m.CONV:
-                ans.req = self.engine.submit_to(ans, head["s"], head["l"], x, head["sp"], head.get("po"),
-                                                head.get("ck", False))
+                ans.req = self.engine.submit_to(ans, head["s"], head["l"], x, head["sp"],
+                                                claim(head.get("po"), head.get("ri")), head.get("ck", False))
             else:    # a client's block is checked for NaN/Inf on the engine's own copy (the device's when direct)
                 ans.req = self.engine.submit_batch_to(ans, head["ss"], head["l"], x, head.get("t"), head.get("sp"),
-                                                      head.get("po"), head.get("ck", False), direct, "c" in head,
-                                                      whole=head.get("wk"))
+                                                      claim(head.get("po"), head.get("ri")), head.get("ck", False),
+                                                      direct, "c" in head, whole=head.get("wk"))
         except BaseException:
             self.inflight.pop(key, None)
             raise

@@ -38,13 +38,13 @@ from typing import Any, Optional, Sequence
 import msgpack
 import torch
 
-from convserve.clients.protocol.errors import (EngineTimeout, EngineUnavailable, Internal, NotReady,
-                                               ServiceError)
+from convserve.clients.protocol.errors import EngineTimeout, EngineUnavailable, Internal, NotReady, ServiceError
 
 from . import messages as m
 from . import worker_series
 from .session_order import SessionOrder
 from ..engine.validate import all_finite
+from ..engine.positions import claim_fields
 from ..metrics import numbers_of, sum_stats
 from .health import EngineHealth
 from .placement import engine_of, split
@@ -466,12 +466,12 @@ class RemoteEngine(RemoteSessions, EngineHealth):
 
     def submit_async(self, session_id: str, layer: int, x, speculative: bool = False,
                      position: Optional[int] = None, borrowed=False) -> asyncio.Future:
-        """As :meth:`Engine.submit_async`. ``borrowed``: x is copied before this returns (into the arena, or a
-        copy of its own that the message is sent from), and what the engine computes with and checks is that copy;
-        or, for the batches of :func:`_by_reference`, their sealed client block, sent by reference (see
-        :meth:`_conv`)."""
+        """As :meth:`Engine.submit_async`. ``borrowed``: x is copied before this returns (into the arena, or a copy
+        of its own that the message is sent from), and the engine computes with and checks that copy; or, for the
+        batches of :func:`_by_reference`, their sealed client block, sent by reference (see :meth:`_conv`)."""
         e = engine_of(session_id, self.n) if isinstance(session_id, str) else 0
-        return self._in_order(e, {"k": m.CONV, "s": session_id, "l": layer, "sp": speculative, "po": position},
+        position, ri = claim_fields(position)
+        return self._in_order(e, {"k": m.CONV, "s": session_id, "l": layer, "sp": speculative, "po": position, **ri},
                               (session_id,), x, borrowed)
 
     submit = submit_async   # its callers (the stream pipeline) run on the loop too
@@ -480,31 +480,31 @@ class RemoteEngine(RemoteSessions, EngineHealth):
                            speculative=None, position=None, borrowed=False) -> asyncio.Future:
         """As :meth:`Engine.submit_batch_async` (``borrowed``: see :meth:`submit_async`)."""
         groups = split(session_ids, self.n) if self.n > 1 else {0: None}
+        position, ri = claim_fields(position)
         if len(groups) == 1:
             (e,) = groups
             return self._in_order(e, {"k": m.BATCH, "ss": list(session_ids), "l": layer, "t": tokens,
-                                      "sp": speculative, "po": position}, session_ids, x, borrowed)
+                                      "sp": speculative, "po": position, **ri}, session_ids, x, borrowed)
         if borrowed and isinstance(x, torch.Tensor):    # the parts are read after the engines' checks come back
             x = x.clone()
         sids = list(session_ids)
-        # what needs no session state is checked on the whole batch here: no part is refused for it after
-        # another part ran
+        # what needs no session state is checked on the whole batch: no part is refused for it after another ran
         xm = check_whole(sids, x, tokens, speculative, position, layer, self.limits, self.whole_model)
         hold = self.loop.create_future()           # this batch's sessions wait for its parts to be sent
         waits = self.order.waits(sids)
         self.order.hold(sids, hold)
         return self.order.released_at_end(asyncio.ensure_future(self._split_batch(
-            groups, sids, layer, xm, x.dtype, tokens, speculative, position, waits, hold)), sids, hold, waits)
+            groups, sids, layer, xm, x.dtype, tokens, speculative, position, waits, hold, ri)), sids, hold, waits)
 
     submit_batch = submit_batch_async
 
     async def _split_batch(self, groups: dict, sids: list, layer: int, x: torch.Tensor, y_dtype, tokens,
-                           speculative, position, waits: list, hold: asyncio.Future):
+                           speculative, position, waits: list, hold: asyncio.Future, ri: dict):
         """Each engine checks its part; then, all clear, every part is sent (x: the whole batch's, checked, in
         the model dtype) and the answers joined in batch order, as ``y_dtype``. Its sessions' later sends wait
         for ``hold``, done once the parts are sent (or the batch refused)."""
         parts = parts_of(groups, speculative)
-        whole = {} if position is None else {"wk": whole_key(sids, tokens, speculative)}
+        whole = {} if position is None else {"wk": whole_key(sids, tokens, speculative), **ri}
         if waits:
             await asyncio.wait(waits)          # (cancelling this task leaves them alone)
         try:

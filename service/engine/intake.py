@@ -27,7 +27,7 @@ from ..sessions import Session
 from .outputs import AsyncConvFuture, ConvFuture
 from .outputs import deliver
 from .records import BATCH_SESSION, NO_ROWS, BatchRows, ConvRequest, plan_rows, release_batch
-from .positions import Answer, Sink, batch_key, check_position, check_positions
+from .positions import Answer, Sink, batch_key, check_position, check_positions, unclaim
 from .validate import (check_batch_plan, check_batch_rows, check_batch_sessions, check_finite_copy,
                        check_one_token_rows, check_speculative, check_x, own_copy, uniform_verify)
 
@@ -38,6 +38,7 @@ class Intake:
     def _submit(self, session_id: str, layer: int, x: torch.Tensor, speculative: bool, sink,
                 position=None, checked: bool = False, borrowed: bool = False) -> Optional[ConvRequest]:
         """The request queued, or None when it repeated an applied one (``sink`` has or will get its answer)."""
+        position, rid = unclaim(position)
         if position is not None:
             check_position(position)
         self._session_at_locked(session_id, position)   # an early 404/410 (a dict read), checked again under the lock
@@ -52,7 +53,7 @@ class Intake:
         if req.n_tokens == 1 and not speculative and runner is not None:   # a decode (or a one-token prefill)
             runner.stage(req, xm)
         try:
-            replay = self._enqueue(req, session_id, now, position)
+            replay = self._enqueue(req, session_id, now, position, rid)
         except BaseException:
             req.done = True                           # frees its staging row
             raise
@@ -62,7 +63,7 @@ class Intake:
             return None
         return req
 
-    def _enqueue(self, req: ConvRequest, session_id: str, now: float, position) -> Optional[list]:
+    def _enqueue(self, req: ConvRequest, session_id: str, now: float, position, rid=None) -> Optional[list]:
         """Queue ``req``; or, when it repeats the layer's last applied request, return its answer's deliveries
         (queueing nothing)."""
         p, speculative, xm = req.layer, req.speculative, req.x
@@ -75,7 +76,7 @@ class Intake:
                 req.deferred = True
             else:
                 if position is not None:
-                    rec = self._check_position_locked(s, p, position, req.n_tokens, speculative)
+                    rec = self._check_position_locked(s, p, position, req.n_tokens, speculative, rid=rid)
                     if rec is not None:
                         return self._replay_locked(rec.answer, rec.lo, rec.hi, req.x_dtype or self.model_cpu.dtype,
                                                    req.future)
@@ -102,11 +103,11 @@ class Intake:
             elif deferred:                            # its turn records it as the last applied (s.last)
                 s.positions[p] += req.n_tokens
                 if position is not None:
-                    req.track = Answer()
+                    req.track = Answer(rid=rid)
             elif position is None and not s.last:     # the common case: no answer to keep or to drop
                 s.positions[p] += req.n_tokens
             else:
-                req.track = Answer() if position is not None else None
+                req.track = Answer(rid=rid) if position is not None else None
                 self._advance_locked(s, p, req.n_tokens, req.track)
             if deferred:
                 s.deferred.append(req)
@@ -229,6 +230,7 @@ class Intake:
                       direct: bool = False, whole: Optional[str] = None) -> Optional[ConvRequest]:
         cfg, model = self.config, self.model_cpu
         n = check_batch_sessions(session_ids, cfg.max_batch_size)
+        positions, rid = unclaim(positions)
         if positions is not None:
             positions = check_positions(positions, n)
         p = model.position(layer)
@@ -298,7 +300,7 @@ class Intake:
                                                [(1, False)] * n if plan is None else
                                                list(zip(lengths.tolist(), spec.tolist())))
         try:
-            replay = self._enqueue_batch(req, session_ids, now, slot, plan, positions, rows, key)
+            replay = self._enqueue_batch(req, session_ids, now, slot, plan, positions, rows, key, rid)
         except BaseException:
             req.done = True                           # frees its staging rows
             raise
@@ -310,7 +312,7 @@ class Intake:
         return req
 
     def _enqueue_batch(self, req: ConvRequest, session_ids, now: float, slot: int, plan, positions=None,
-                       rows=None, key=None) -> Optional[list]:
+                       rows=None, key=None, rid=None) -> Optional[list]:
         bit, table, b = 1 << req.layer, self._sessions, req.batch
         with self._lock:
             self._check_running_locked()
@@ -318,7 +320,7 @@ class Intake:
                 sessions = table.get_many(session_ids)    # UnknownSession / StateLost name the id
             else:
                 sessions = [self._session_at_locked(sid, at) for sid, at in zip(session_ids, positions)]
-                answer = self._check_batch_positions_locked(sessions, req.layer, positions, rows, key)
+                answer = self._check_batch_positions_locked(sessions, req.layer, positions, rows, key, rid)
                 if answer is not None:         # a repeat: its kept answer, whatever is queued since
                     return self._replay_locked(answer, 0, None, req.x_dtype or self.model_cpu.dtype, req.future)
             for s in sessions:
@@ -358,7 +360,7 @@ class Intake:
             slots = np.array(slot_list, dtype=np.int32)
             p = req.layer
             if positions is not None:
-                req.track = Answer(key)
+                req.track = Answer(key, rid)
             if plan is None:
                 for i, s in enumerate(sessions):   # an uninitialized layer holds the zero state: a decode from
                     s.initialized |= bit           # it is the one-token prefill
@@ -438,6 +440,7 @@ class Intake:
         the worker. With ``position``: ``{"positions": the sessions' positions, "repeat": whether the part
         repeats an applied batch}`` (a split batch must be all new or all a repeat), else None."""
         plan = rows = key = None
+        position, rid = unclaim(position)
         if position is not None:
             n = check_batch_sessions(session_ids, self.config.max_batch_size)
             position = check_positions(position, n)
@@ -449,7 +452,7 @@ class Intake:
             if position is not None:
                 p = self.model_cpu.position(layer)
                 ss = [self._session_at_locked(sid, at) for sid, at in zip(session_ids, position)]
-                repeat = self._check_batch_positions_locked(ss, p, position, rows, key) is not None
+                repeat = self._check_batch_positions_locked(ss, p, position, rows, key, rid) is not None
                 if not repeat:
                     for s, (_n, spec) in zip(ss, rows):
                         if s.ops:

@@ -44,7 +44,7 @@ from __future__ import annotations
 import collections
 import time
 from concurrent.futures import Future
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 from convserve.clients.protocol.errors import BadRequest, PositionMismatch, StateLost, UnknownSession
 
@@ -53,19 +53,43 @@ from .outputs import deliver
 from .records import Op
 
 
+class Claimed(NamedTuple):
+    """A ``position`` (an int, or a batch's list) that carries its request's ``request_id``: only a request with
+    the same id repeats the one applied there (without an id, position and length alone tell a repeat)."""
+    at: Any
+    rid: str
+
+
+def unclaim(position) -> tuple:
+    """``(position, request id or None)``."""
+    return (position.at, position.rid) if isinstance(position, Claimed) else (position, None)
+
+
+def claim_fields(position) -> tuple:
+    """``(position, the message fields of its request id: {"ri": id} or {})``, for an engine message."""
+    at, rid = unclaim(position)
+    return at, ({} if rid is None else {"ri": rid})
+
+
+def claim(position, rid):
+    """The ``position`` argument for ``position`` and request id ``rid`` (None: no id)."""
+    return position if rid is None or position is None else Claimed(position, rid)
+
+
 class Answer:
     """The answer of one position-carrying request (a conv's y, or a batch's whole y), kept for its repeats.
     ``y`` is None while the request is in flight (repeats then wait in ``waiters``) and once it is dropped."""
 
-    __slots__ = ("y", "waiters", "refs", "nbytes", "kept", "key")
+    __slots__ = ("y", "waiters", "refs", "nbytes", "kept", "key", "rid")
 
-    def __init__(self, key=None):
+    def __init__(self, key=None, rid: Optional[str] = None):
         self.y = None
         self.waiters: list = []          # (sink, lo, hi, dtype) of repeats waiting for the first's answer
         self.refs = 0                    # Applied records (sessions' ``last``) that point here
         self.nbytes = 0
         self.kept = True                 # False once dropped or failed: repeats get a 409, never a stale y
         self.key = key                   # a batch's (sessions, plan): only the same batch repeats it
+        self.rid = rid                   # its request_id (None: none): a repeat that carries one must match it
 
 
 class Applied:
@@ -139,7 +163,7 @@ class Positions:
                                 "resynchronize (GET /v1/sessions/{id}) before sending more", position=server)
 
     def _check_position_locked(self, s: Session, p: int, position: int, n: int, speculative: bool,
-                               cur: Optional[int] = None):
+                               cur: Optional[int] = None, rid: Optional[str] = None):
         """None when ``position`` is the layer's (``cur``: the layer's as of a deferred request's turn); the
         :class:`Applied` record when the request repeats the last applied one; else :class:`PositionMismatch`."""
         at_turn = cur is not None
@@ -150,15 +174,19 @@ class Positions:
         rec = None if speculative else s.last.get(p)
         if at_turn and rec is not None and rec.pos + rec.n != cur:
             rec = None         # not the last request applied as of the turn (one queued after it set it)
+        other = ""
         if rec is not None and rec.pos == position and rec.n == n:
-            if rec.answer.kept:
-                return rec
-            raise self._mismatch(f"session {s.id!r} layer {self.model_cpu.layers[p]}: this request (position "
-                                 f"{position}, {n} tokens) was applied, but its answer is no longer kept", cur)
+            if rid is None or rec.answer.rid == rid:
+                if rec.answer.kept:
+                    return rec
+                raise self._mismatch(f"session {s.id!r} layer {self.model_cpu.layers[p]}: this request (position "
+                                     f"{position}, {n} tokens) was applied, but its answer is no longer kept", cur)
+            other = f" (another request, request_id {rec.answer.rid!r:.70}, was applied at {position})"
         raise self._mismatch(f"session {s.id!r} layer {self.model_cpu.layers[p]}: the request says position "
-                             f"{position}, the session is at {cur}", cur)
+                             f"{position}, the session is at {cur}{other}", cur)
 
-    def _check_batch_positions_locked(self, sessions: list, p: int, positions: list, rows: list, key):
+    def _check_batch_positions_locked(self, sessions: list, p: int, positions: list, rows: list, key,
+                                      rid: Optional[str] = None):
         """None when every position is its session's; the kept :class:`Answer` when the batch repeats an applied
         one (same ``key``, every plain slice's record pointing to it); else :class:`PositionMismatch` with every
         session's position. ``rows`` is ``(tokens, speculative)`` per session."""
@@ -177,7 +205,7 @@ class Positions:
             if not ok:
                 break
         else:
-            if answer is not None and answer.key == key:
+            if answer is not None and answer.key == key and (rid is None or answer.rid == rid):
                 if answer.kept:
                     return answer
                 raise self._mismatch(f"layer {self.model_cpu.layers[p]}: this batch was applied, but its answer "

@@ -37,7 +37,8 @@ class Turns:
         try:
             if position is not None:
                 cur = s.positions[p] - self._held_tokens_locked(s, r.seq - 1)[p]
-                rec = self._check_position_locked(s, p, position, n, r.speculative, cur)
+                rec = self._check_position_locked(s, p, position, n, r.speculative, cur,
+                                                  r.track.rid if r.track is not None else None)
                 if rec is not None:
                     self._withdraw_turn_locked(r)
                     self._turn_out += self._replay_locked(rec.answer, rec.lo, rec.hi,

@@ -14,6 +14,7 @@ from convserve.clients.protocol.errors import (BadRequest, BodyTimeout, DtypeUns
                                               ShapeMismatch, UnknownLayer)
 from convserve.clients.protocol.ids import MAX_SESSION_ID_LEN, check_session_id, is_session_id
 from convserve.service.http.asgi import ClientGone, header
+from convserve.service.engine.positions import Claimed
 
 
 def body_format(scope) -> str:
@@ -147,8 +148,8 @@ def check_json_size(n: int, max_json_bytes: Optional[int]) -> None:
 
 
 #: The fields each body may hold; any other field is a 400 that names it and lists these.
-CONV_FIELDS = ("session", "layer", "x", "speculative", "position")
-BATCH_FIELDS = ("sessions", "layer", "x", "tokens", "speculative", "position")
+CONV_FIELDS = ("session", "layer", "x", "speculative", "position", "request_id")
+BATCH_FIELDS = ("sessions", "layer", "x", "tokens", "speculative", "position", "request_id")
 ACCEPT_BATCH_FIELDS = ("sessions", "tokens")
 SESSION_FIELDS = ("session",)
 STATE_FIELDS = ("layers", "state")
@@ -171,6 +172,20 @@ def check_query(scope) -> None:
              f"{method} {path} takes none") if method else \
         f"the WebSocket {path} takes none (the fields of a conv go in each frame); open it without a query string"
     raise BadRequest(f"unknown query parameter {name!r:.60}: {where}")
+
+
+def claimed(req: dict, position):
+    """``position``, with the request's ``request_id`` when it has one (:class:`Claimed`): a repeat of an applied
+    request must carry the same id. 1 to 64 printable ASCII characters, and only beside ``position``."""
+    rid = req.get("request_id")
+    if rid is None:
+        return position
+    if type(rid) is not str or not 0 < len(rid) <= 64 or not (rid.isascii() and rid.isprintable()):
+        raise BadRequest(f"'request_id' must be a string of 1 to 64 printable ASCII characters, got {rid!r:.80}")
+    if position is None:
+        raise BadRequest("'request_id' goes with 'position': it tells a repeat of the request applied at that "
+                         "position from another request; send both, or neither")
+    return Claimed(position, rid)
 
 
 def shm_ref(req: Any):
@@ -230,6 +245,7 @@ class Parser:
         if position is not None and (type(position) is not int or not 0 <= position <= INT64_MAX):
             raise BadRequest(f"'position' must be an integer >= 0 (the tokens the session has committed on this "
                              f"layer; at most 2**63 - 1), got {position!r:.40}")
+        position = claimed(req, position)
         return session, layer, x, spec, position  # NaN/Inf (non_finite) is checked by the engine (check_finite)
 
     def batch(self, req: Any, frame: bool = False):
@@ -274,6 +290,7 @@ class Parser:
                                      not all(type(q) is int and 0 <= q <= INT64_MAX for q in position)):
             raise BadRequest(f"'position' must be a list of {n} integers >= 0 (at most 2**63 - 1), one per session, "
                              f"got {position!r:.80}")
+        position = claimed(req, position)
         x = wire.decode_tensor(req.get("x"), check_shape=self.batch_check, shm=self.shm)
         want = n if tokens is None else sum(tokens)
         if x.shape[0] != want:

@@ -1,0 +1,125 @@
+"""``request_id`` beside ``position``: only a request with the same id repeats the one applied at that position
+(its kept answer); one with another id is a ``409`` that names the applied one, nothing run; without an id,
+position and length alone tell a repeat, as before. On the engine, over HTTP (unary, batch, stream frames, both
+layouts of the shared server), and the tracked clients, which send one per call (the same in its retries): the
+next call after an interrupted one that the server applied late is a 409, never that call's answer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from convserve.clients.client import ConvClient
+from convserve.clients.protocol import wire
+from convserve.clients.protocol.errors import PositionMismatch
+from convserve.service.engine.positions import Claimed
+from tests.engine_support import DIM as EDIM, LAYERS as ELAYERS, make_engine
+from tests.http_api import pack_frames, rand_x, read_stream
+from tests.test_http_positions import batch, info, new_ids
+
+
+@pytest.mark.parametrize("kind", ["conv", "batch"])
+def test_on_the_engine_only_the_same_request_id_repeats_and_none_keeps_the_old_rule(kind):
+    e = make_engine()
+    try:
+        a, b = e.create_session(), e.create_session()
+        x = torch.randn(2, EDIM)
+
+        def send(rid, at=0):
+            if kind == "conv":
+                pos = at if rid is None else Claimed(at, rid)
+                return e.submit(a, ELAYERS[0], x, position=pos).result(10)
+            pos = [at, at] if rid is None else Claimed([at, at], rid)
+            return e.submit_batch([a, b], ELAYERS[0], x, position=pos).result(10)
+
+        y = send("first")
+        assert torch.equal(send("first"), y)              # its repeat: the kept answer
+        assert torch.equal(send(None), y)                 # no id: position and length, as before
+        with pytest.raises(PositionMismatch, match="another request" if kind == "conv" else "positions") as err:
+            send("second")
+        assert err.value.position == (2 if kind == "conv" else [1, 1])
+        assert e.session_info(a)["positions"][0] == (2 if kind == "conv" else 1)
+    finally:
+        e.stop(drain=False)
+
+
+def _conv(api, sid, x, position, rid):
+    body = {"session": sid, "layer": 0, "x": wire.encode_tensor(x), "position": position}
+    if rid is not None:
+        body["request_id"] = rid
+    st, obj, _ = api.call("POST", "/v1/conv", body)
+    return st, (wire.decode_tensor(obj["y"]).clone() if st == 200 else obj)
+
+
+def test_over_http_a_conv_batch_and_frame_repeat_only_with_their_request_id(api):
+    s, t = new_ids(api, 2)
+    x = rand_x(2, seed=41)
+    st, y = _conv(api, s, x, 0, "r-1")
+    assert st == 200
+    st, y2 = _conv(api, s, x, 0, "r-1")
+    assert st == 200 and torch.equal(y, y2)
+    st, err = _conv(api, s, rand_x(2, seed=42), 0, "r-2")
+    assert st == 409 and err["error"]["code"] == "position_mismatch" and "r-1" in err["error"]["message"], err
+    assert info(api, s)["positions"][0] == 2
+
+    body = {"sessions": [s, t], "layer": 0, "x": wire.encode_tensor(rand_x(2, seed=43)), "position": [2, 0],
+            "request_id": "b-1"}
+    st, obj, _ = api.call("POST", "/v1/conv/batch", body)
+    assert st == 200
+    st, again, _ = api.call("POST", "/v1/conv/batch", body)
+    assert st == 200 and again["y"] == obj["y"]
+    st, err, _ = api.call("POST", "/v1/conv/batch", {**body, "request_id": "b-2"})
+    assert st == 409 and err["error"]["position"] == [3, 1], err
+
+    frames = [{"id": 0, "session": t, "layer": 0, "x": rand_x(1, seed=44), "position": 1, "request_id": "f-1"},
+              {"id": 1, "session": t, "layer": 0, "x": rand_x(1, seed=44), "position": 1, "request_id": "f-1"},
+              {"id": 2, "session": t, "layer": 0, "x": rand_x(1, seed=45), "position": 1, "request_id": "f-2"}]
+    with api.http.stream("POST", "/v1/conv/stream", content=pack_frames(frames)) as r:
+        out = {o["id"]: o for o in read_stream(r)}
+    assert "y" in out[0] and out[1]["y"] == out[0]["y"]
+    assert out[2]["error"]["code"] == "position_mismatch"
+    assert info(api, t)["positions"][0] == 2
+
+
+@pytest.mark.parametrize("field,message", [({"request_id": 7}, "printable ASCII"),
+                                           ({"request_id": ""}, "printable ASCII"),
+                                           ({"request_id": "x" * 65}, "printable ASCII"),
+                                           ({"request_id": "tab\there"}, "printable ASCII"),
+                                           ({"request_id": "ok", "position": None}, "goes with 'position'")])
+def test_a_bad_request_id_is_400_and_changes_nothing(api, field, message):
+    (sid,) = new_ids(api, 1)
+    for route, body in (("/v1/conv", {"session": sid, "layer": 0, "x": wire.encode_tensor(rand_x(1)),
+                                      "position": 0}),
+                        ("/v1/conv/batch", {"sessions": [sid], "layer": 0, "x": wire.encode_tensor(rand_x(1)),
+                                            "position": [0]})):
+        body = {**body, **field}
+        if body.get("position", 0) is None:
+            del body["position"]
+        st, err, _ = api.call("POST", route, body)
+        assert st == 400 and message in err["error"]["message"], (route, err)
+    assert info(api, sid)["positions"][0] == 0
+
+
+@pytest.mark.parametrize("kind", ["conv", "batch"])
+def test_a_tracked_calls_next_call_after_a_late_applied_interrupted_one_is_409_not_its_answer(server, api, kind):
+    """The interrupted call reached the engine only after the client re-read the positions (the window the
+    README names): the next call carries that position and the same length. With its own request_id it is a 409,
+    nothing run; without ids it was answered with the interrupted call's y."""
+    with ConvClient(server.url, track_positions=True) as c:
+        s = c.create_session()
+        c.conv(s, 0, rand_x(3, seed=51))
+        late = rand_x(2, seed=52)                       # what the interrupted call sent, applied late
+        if kind == "conv":
+            st, _ = _conv(api, s, late, 3, "interrupted")
+        else:
+            st, _ = batch(api, [s], 0, late, position=[3], tokens=[2])
+        assert st == 200
+        with pytest.raises(PositionMismatch):           # the book still says 3
+            if kind == "conv":
+                c.conv(s, 0, rand_x(2, seed=53))
+            else:
+                c.conv_batch([s], 0, rand_x(2, seed=53), tokens=[2])
+        assert c.session_info(s)["positions"][0] == 5
+        c.resync(s)
+        c.conv(s, 0, rand_x(1, seed=54))
+        assert c.session_info(s)["positions"][0] == 6
