@@ -474,7 +474,8 @@ class _Base:
         spec = [f] * n if isinstance(f, bool) else f
         return toks, spec
 
-    def _batch_answer(self, body: bytes, resp, attempt: int, sessions, layer, x, tokens, speculative, pos) -> tuple:
+    def _batch_answer(self, body: bytes, resp, attempt: int, sessions, layer, x, tokens, speculative, pos,
+                      rid=None) -> tuple:
         """A ``/v1/conv/batch`` call's answer (both clients' ``conv_batch``): its bytes counted, its body decoded,
         and with a position book what a refusal tells it (a mismatch after a retry, the parts of a split batch that
         ran). Returns ``(answer, tokens per session, speculative per session)``."""
@@ -486,7 +487,7 @@ class _Base:
             return _decode(resp), toks, spec
         except PositionMismatch as e:
             if book is not None and attempt:
-                book.moved_on(e, list(sessions), layer, pos, toks, spec)
+                book.moved_on(e, list(sessions), layer, pos, toks, spec, rid)
             raise
         except ServiceError as e:   # a batch split across engines, some of whose parts ran: they count
             if book is not None:

@@ -2,11 +2,13 @@
 session is at, and the rules that make a retried conv, batch or accept safe.
 
 The client keeps, per session and layer, the tokens it has committed there (the server's ``position``). Every
-conv and batch carries it. A retry (after a connection error, ``503`` or ``504``) sends the same body, so it
-carries the *original* position: if the first attempt was applied, the server recognises the repeat and answers
-with the answer it kept, applying nothing twice; if it was not, the retry is applied as new. A ``409`` after a
-retry whose server position is the expected one plus T means the first attempt was applied but its answer is no
-longer kept: the position is moved on and the error raised.
+conv and batch carries it, and a ``request_id`` of its own. A retry (after a connection error, ``503`` or
+``504``) sends the same position and id: if the first attempt was applied, the server recognises the repeat and
+answers with the answer it kept, applying nothing twice; if it was not, the retry is applied as new. A request
+of another id applied at that position (an interrupted call that reached the engine late) is a ``409`` naming
+it, never answered as this call's. A ``409`` after a retry whose server position is the expected one plus T,
+naming this call's id (or none), means the first attempt was applied but its answer is no longer kept: the
+position is moved on and the error raised.
 
 Speculative requests carry the committed position and move nothing; ``accept(n)`` moves every layer verified
 since the last accept by n. An accept is not repeatable on the server (a second one finds no verify), so after
@@ -14,7 +16,7 @@ a retry that gets ``400`` the client asks ``GET /v1/sessions/{id}`` whether the 
 
 Tracked requests of one session run one at a time, in the order they were called (:class:`SessionLocks`): each
 reads the position the one before it left. Two in flight at once would carry the same position, and the server
-would answer the second with the first's kept answer, applying nothing. When the retries run out without an
+would refuse the second (``409``). When the retries run out without an
 answer, the outcome is unknown: :class:`OutcomeUnknown` says so, and ``resync(session)`` reads the server's
 positions back into the book.
 """
@@ -187,8 +189,8 @@ class PositionBook:
     def interrupted(self, sessions: list, e: BaseException) -> None:
         """A tracked call ended by ``e`` without its answer read. Not an ``Exception`` (a cancelled task, a
         ``KeyboardInterrupt``): it may have been sent and applied, or not, so its sessions' positions are read
-        from the server at their next tracked call; a stale position there would name the applied request's
-        place, and a request of the same length would be answered as its repeat instead of being applied."""
+        from the server at their next tracked call (a stale position would be a ``409`` there, since each call
+        carries its own request id)."""
         if not isinstance(e, Exception):
             for s in sessions:
                 self.positions.pop(s, None)
@@ -252,9 +254,13 @@ class PositionBook:
                 self.accepted(s, n)
 
     def moved_on(self, err: PositionMismatch, sessions: list, layer: int, positions: list, tokens: list,
-                 speculative: list) -> None:
+                 speculative: list, rid: Optional[str] = None) -> None:
         """A ``409`` after a retry: sessions whose server position is the expected one plus their tokens had
-        the first attempt applied (its answer no longer kept); record that they moved on."""
+        the first attempt applied (its answer no longer kept); record that they moved on. Not when the error says
+        another request (``applied_request_id`` not ``rid``, this call's) was applied there: this call never
+        ran."""
+        if rid is not None and err.extra.get("applied_request_id", rid) != rid:
+            return
         server = err.position if isinstance(err.position, list) else [err.position]
         if len(server) != len(sessions):
             return

@@ -243,7 +243,7 @@ class ConvClient(_Base):
                 obj = _decode(resp)
             except PositionMismatch as e:
                 if book is not None and attempt:
-                    book.moved_on(e, [session], layer, [pos], [x.shape[0]], [speculative])
+                    book.moved_on(e, [session], layer, [pos], [x.shape[0]], [speculative], rid)
                 raise
         if book is not None:
             book.applied(session, layer, x.shape[0], speculative)
@@ -268,7 +268,7 @@ class ConvClient(_Base):
         with self._sent_from(x):
             resp, attempt = (self._http.post("/v1/conv/batch", content=body), 0) if book is None else \
                 self._post_retrying("/v1/conv/batch", body, list(sessions), rebody)
-            answer = self._batch_answer(body, resp, attempt, sessions, layer, x, tokens, speculative, pos)
+            answer = self._batch_answer(body, resp, attempt, sessions, layer, x, tokens, speculative, pos, rid)
         return self._batch_y(answer, sessions, layer, x)
 
     def stream(self, requests: Iterable, *, transport: str = "http", window: int = 64) -> Iterator[ConvResult]:

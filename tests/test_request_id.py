@@ -12,7 +12,7 @@ import torch
 from convserve.clients.client import ConvClient
 from convserve.clients.protocol import wire
 from convserve.clients.protocol.errors import PositionMismatch
-from convserve.service.engine.positions import Claimed
+from convserve.service.claims import Claimed
 from tests.engine_support import DIM as EDIM, LAYERS as ELAYERS, make_engine
 from tests.http_api import pack_frames, rand_x, read_stream
 from tests.test_http_positions import batch, info, new_ids
@@ -70,6 +70,7 @@ def test_over_http_a_conv_batch_and_frame_repeat_only_with_their_request_id(api)
     assert st == 200 and again["y"] == obj["y"]
     st, err, _ = api.call("POST", "/v1/conv/batch", {**body, "request_id": "b-2"})
     assert st == 409 and err["error"]["position"] == [3, 1], err
+    assert err["error"]["applied_request_id"] == "b-1" and "b-1" in err["error"]["message"], err
 
     frames = [{"id": 0, "session": t, "layer": 0, "x": rand_x(1, seed=44), "position": 1, "request_id": "f-1"},
               {"id": 1, "session": t, "layer": 0, "x": rand_x(1, seed=44), "position": 1, "request_id": "f-1"},
@@ -123,3 +124,33 @@ def test_a_tracked_calls_next_call_after_a_late_applied_interrupted_one_is_409_n
         c.resync(s)
         c.conv(s, 0, rand_x(1, seed=54))
         assert c.session_info(s)["positions"][0] == 6
+
+
+def test_a_retry_refused_because_another_request_was_applied_there_does_not_book_that_ones_tokens(server, api):
+    """The first attempt never left (a failed connect); meanwhile another request of the same length was applied
+    at that position. The retry's 409 names that request (``applied_request_id``): the client's book stays where
+    it was, since this call never ran; a retry whose own first attempt ran (its answer dropped) still books."""
+    import httpx
+
+    class Injecting(httpx.HTTPTransport):
+        def __init__(self):
+            super().__init__()
+            self.armed = False
+
+        def handle_request(self, request):
+            if self.armed and request.url.path == "/v1/conv":
+                self.armed = False
+                assert _conv(api, s, rand_x(2, seed=62), 3, "somebody-else")[0] == 200
+                raise httpx.ConnectError("injected: the request never left", request=request)
+            return super().handle_request(request)
+
+    transport = Injecting()
+    with ConvClient(server.url, transport=transport, track_positions=True, retry_backoff_s=0.001) as c:
+        s = c.create_session()
+        c.conv(s, 0, rand_x(3, seed=61))
+        transport.armed = True
+        with pytest.raises(PositionMismatch) as err:
+            c.conv(s, 0, rand_x(2, seed=63))
+        assert err.value.extra["applied_request_id"] == "somebody-else"
+        assert c.positions.at(s, 0) == 3                  # not moved on: this call never ran
+        assert c.session_info(s)["positions"][0] == 5

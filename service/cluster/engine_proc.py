@@ -41,7 +41,7 @@ import msgpack
 
 from convserve.clients.protocol.errors import BadRequest, NotReady, ServiceError
 
-from ..engine.positions import claim
+from ..claims import claim
 from ..gcfreeze import freeze_startup_objects
 from ..http.client_shm import SWEEP_S
 from . import messages as m

@@ -44,7 +44,7 @@ from . import messages as m
 from . import worker_series
 from .session_order import SessionOrder
 from ..engine.validate import all_finite
-from ..engine.positions import claim_fields
+from ..claims import claim_fields
 from ..metrics import numbers_of, sum_stats
 from .health import EngineHealth
 from .placement import engine_of, split
@@ -499,12 +499,12 @@ class RemoteEngine(RemoteSessions, EngineHealth):
     submit_batch = submit_batch_async
 
     async def _split_batch(self, groups: dict, sids: list, layer: int, x: torch.Tensor, y_dtype, tokens,
-                           speculative, position, waits: list, hold: asyncio.Future, ri: dict):
+                           speculative, position, waits: list, hold: asyncio.Future, ri: Optional[dict] = None):
         """Each engine checks its part; then, all clear, every part is sent (x: the whole batch's, checked, in
         the model dtype) and the answers joined in batch order, as ``y_dtype``. Its sessions' later sends wait
         for ``hold``, done once the parts are sent (or the batch refused)."""
         parts = parts_of(groups, speculative)
-        whole = {} if position is None else {"wk": whole_key(sids, tokens, speculative), **ri}
+        whole = {} if position is None else {"wk": whole_key(sids, tokens, speculative), **(ri or {})}
         if waits:
             await asyncio.wait(waits)          # (cancelling this task leaves them alone)
         try:

@@ -113,8 +113,12 @@ def check_positions(parts: list, checks: list, n: int) -> None:
             server[i] = q
     what = errors[0].message.split(";")[0] if errors else \
         "the batch repeats an applied request on some sessions and is new on others"
+    # the request every part found applied at its claimed positions, when all name the same one
+    applied = {repr(e.extra["applied_request_id"]) for e in errors if "applied_request_id" in e.extra}
+    extra = ({"applied_request_id": errors[0].extra["applied_request_id"]}
+             if len(applied) == 1 and all("applied_request_id" in e.extra for e in errors) else {})
     raise PositionMismatch(f"{what}; nothing ran. The server's positions are {server!r:.300} (in 'position')",
-                           position=server)
+                           position=server, **extra)
 
 
 def failure(parts: list, results: list, sids: list) -> BaseException:

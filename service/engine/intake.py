@@ -27,7 +27,8 @@ from ..sessions import Session
 from .outputs import AsyncConvFuture, ConvFuture
 from .outputs import deliver
 from .records import BATCH_SESSION, NO_ROWS, BatchRows, ConvRequest, plan_rows, release_batch
-from .positions import Answer, Sink, batch_key, check_position, check_positions, unclaim
+from ..claims import unclaim
+from .positions import Answer, Sink, batch_key, check_position, check_positions
 from .validate import (check_batch_plan, check_batch_rows, check_batch_sessions, check_finite_copy,
                        check_one_token_rows, check_speculative, check_x, own_copy, uniform_verify)
 

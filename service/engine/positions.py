@@ -11,7 +11,8 @@ positions of its turn, those tokens taken off or kept (:meth:`Positions._held_to
 
 A request that fails takes its T back: cancelled or expired before it started, withdrawn at stop, its session
 deleted, or its step failed. Requests of the session queued after it keep theirs, so a position is always the
-count of tokens of the requests that ran (or will run) on that layer. A failed step may have written part of
+count of tokens of the requests that ran (or will run) on that layer; those of them that carried a position
+(checked counting the failed one's tokens) fail too (:meth:`Positions._fail_dependents_locked`). A failed step may have written part of
 the state (a chunked prefill whose later chunk failed): after such a ``500 internal`` the state of that step's
 sessions is undefined, whatever the position says; re-create or re-import them.
 
@@ -30,8 +31,8 @@ here that is gone.
 
 **Retries.** When a non-speculative request carried a position, the engine keeps its answer (:class:`Answer`,
 y in the caller's dtype) and records it as the layer's last applied request (:class:`Applied`). A request that
-repeats it (same position, same T; for a batch the same sessions, tokens and flags) is answered with the kept y
-and applies nothing; while the first is still queued or running, the repeat waits for its answer (or its
+repeats it (same position, same T; for a batch the same sessions, tokens and flags; and, when it carries a
+``request_id``, the same id: ``service.claims``) is answered with the kept y and applies nothing; while the first is still queued or running, the repeat waits for its answer (or its
 error). A kept answer is dropped when a later non-speculative request on that layer is queued, when accept,
 import, delete or eviction touch the session, or, oldest first, when the answers kept by this engine exceed
 ``answer_store_bytes``; a repeat of a dropped one is a 409 that says it was applied. Memory: at most
@@ -44,36 +45,13 @@ from __future__ import annotations
 import collections
 import time
 from concurrent.futures import Future
-from typing import Any, NamedTuple, Optional
+from typing import Optional
 
 from convserve.clients.protocol.errors import BadRequest, PositionMismatch, StateLost, UnknownSession
 
 from ..sessions import Session
 from .outputs import deliver
 from .records import Op
-
-
-class Claimed(NamedTuple):
-    """A ``position`` (an int, or a batch's list) that carries its request's ``request_id``: only a request with
-    the same id repeats the one applied there (without an id, position and length alone tell a repeat)."""
-    at: Any
-    rid: str
-
-
-def unclaim(position) -> tuple:
-    """``(position, request id or None)``."""
-    return (position.at, position.rid) if isinstance(position, Claimed) else (position, None)
-
-
-def claim_fields(position) -> tuple:
-    """``(position, the message fields of its request id: {"ri": id} or {})``, for an engine message."""
-    at, rid = unclaim(position)
-    return at, ({} if rid is None else {"ri": rid})
-
-
-def claim(position, rid):
-    """The ``position`` argument for ``position`` and request id ``rid`` (None: no id)."""
-    return position if rid is None or position is None else Claimed(position, rid)
 
 
 class Answer:
@@ -158,9 +136,12 @@ class Positions:
                                 "again and prefill") from None
             raise
 
-    def _mismatch(self, what: str, server) -> PositionMismatch:
+    def _mismatch(self, what: str, server, applied=(None,)) -> PositionMismatch:
+        """``applied``: the ``request_id`` (or None) of the request applied at the position and length claimed,
+        when there is one (the error's ``applied_request_id``: a client tells its own lost answer by it)."""
+        extra = {} if applied == (None,) else {"applied_request_id": applied}
         return PositionMismatch(f"{what}; nothing ran. The server's position is {server!r} (in 'position'): "
-                                "resynchronize (GET /v1/sessions/{id}) before sending more", position=server)
+                                "resynchronize (GET /v1/sessions/{id}) before sending more", position=server, **extra)
 
     def _check_position_locked(self, s: Session, p: int, position: int, n: int, speculative: bool,
                                cur: Optional[int] = None, rid: Optional[str] = None):
@@ -180,10 +161,15 @@ class Positions:
                 if rec.answer.kept:
                     return rec
                 raise self._mismatch(f"session {s.id!r} layer {self.model_cpu.layers[p]}: this request (position "
-                                     f"{position}, {n} tokens) was applied, but its answer is no longer kept", cur)
-            other = f" (another request, request_id {rec.answer.rid!r:.70}, was applied at {position})"
+                                     f"{position}, {n} tokens) was applied, but its answer is no longer kept", cur,
+                                     rec.answer.rid)
+            other = (f" (another request, request_id {rec.answer.rid!r:.70}, was applied at {position})"
+                     if rec.answer.rid is not None else f" (another request, without a request_id, was applied at "
+                     f"{position})")
+            raise self._mismatch(f"session {s.id!r} layer {self.model_cpu.layers[p]}: the request says position "
+                                 f"{position}, the session is at {cur}{other}", cur, rec.answer.rid)
         raise self._mismatch(f"session {s.id!r} layer {self.model_cpu.layers[p]}: the request says position "
-                             f"{position}, the session is at {cur}{other}", cur)
+                             f"{position}, the session is at {cur}", cur)
 
     def _check_batch_positions_locked(self, sessions: list, p: int, positions: list, rows: list, key,
                                       rid: Optional[str] = None):
@@ -209,7 +195,10 @@ class Positions:
                 if answer.kept:
                     return answer
                 raise self._mismatch(f"layer {self.model_cpu.layers[p]}: this batch was applied, but its answer "
-                                     "is no longer kept", cur)
+                                     "is no longer kept", cur, answer.rid)
+            if answer is not None:                 # another request was applied at these positions and lengths
+                raise self._mismatch(f"layer {self.model_cpu.layers[p]}: another request (request_id "
+                                     f"{answer.rid!r:.70}) was applied at the batch's positions", cur, answer.rid)
         bad = [s.id for s, want, now in zip(sessions, positions, cur) if want != now]
         raise self._mismatch(f"layer {self.model_cpu.layers[p]}: the batch's positions differ from the sessions' "
                              f"for {bad[:8]!r:.300}", cur)

@@ -14,7 +14,7 @@ from convserve.clients.protocol.errors import (BadRequest, BodyTimeout, DtypeUns
                                               ShapeMismatch, UnknownLayer)
 from convserve.clients.protocol.ids import MAX_SESSION_ID_LEN, check_session_id, is_session_id
 from convserve.service.http.asgi import ClientGone, header
-from convserve.service.engine.positions import Claimed
+from convserve.service.claims import Claimed
 
 
 def body_format(scope) -> str:

@@ -1,0 +1,33 @@
+"""A request's claim about where it runs: its ``position``, and the ``request_id`` that goes with it on the wire.
+
+The HTTP parse makes a :class:`Claimed` when a request carries an id; the engine's entry points take it through
+their ``position`` argument and split it (:func:`unclaim`), and an engine message carries the id as its own field
+(``ri``, :func:`claim_fields`; rebuilt by :func:`claim`). Kept out of the engine package, which imports torch: the
+supervisor imports the engine process's module, and must not import what a working directory could shadow."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+
+class Claimed(NamedTuple):
+    """A ``position`` (an int, or a batch's list) that carries its request's ``request_id``: only a request with
+    the same id repeats the one applied there (without an id, position and length alone tell a repeat)."""
+    at: Any
+    rid: str
+
+
+def unclaim(position) -> tuple:
+    """``(position, request id or None)``."""
+    return (position.at, position.rid) if isinstance(position, Claimed) else (position, None)
+
+
+def claim_fields(position) -> tuple:
+    """``(position, the message fields of its request id: {"ri": id} or {})``, for an engine message."""
+    at, rid = unclaim(position)
+    return at, ({} if rid is None else {"ri": rid})
+
+
+def claim(position, rid):
+    """The ``position`` argument for ``position`` and request id ``rid`` (None: no id)."""
+    return position if rid is None or position is None else Claimed(position, rid)
