@@ -206,12 +206,13 @@ class AsyncConvClient(_Base):
         return self.positions.at(session, layer)
 
     @serialized(one=True)
-    async def conv(self, session: str, layer: int, x, speculative: bool = False, position: Optional[int] = None):
+    async def conv(self, session: str, layer: int, x, speculative: bool = False, position: Optional[int] = None,
+                   request_id: Optional[str] = None):
         """Async twin of :meth:`ConvClient.conv`."""
         book = self.positions
-        check_given_position(book, position)
+        check_given_position(book, position, request_id)
         pos = position if book is None else await self._position(session, layer)
-        rid = self._request_id()
+        rid = request_id if book is None else self._request_id()
         body = self._conv_body(session, layer, x, speculative, pos, rid)
         rebody = self._resend_from_copy(x, speculative,
                                         lambda b: self._conv_body(session, layer, b, speculative, pos, rid))
@@ -232,12 +233,13 @@ class AsyncConvClient(_Base):
 
     @serialized(one=False)
     async def conv_batch(self, sessions: Sequence[str], layer: int, x, tokens: Optional[Sequence[int]] = None,
-                         speculative=None, position: Optional[Sequence[int]] = None):
+                         speculative=None, position: Optional[Sequence[int]] = None,
+                         request_id: Optional[str] = None):
         """Async twin of :meth:`ConvClient.conv_batch`."""
         book = self.positions
-        check_given_position(book, position)
+        check_given_position(book, position, request_id)
         pos = position if book is None else [await self._position(s, layer) for s in sessions]
-        rid = self._request_id()
+        rid = request_id if book is None else self._request_id()
         body = self._batch_body(sessions, layer, x, tokens, speculative, pos, rid)
         rebody = self._resend_from_copy(
             x, speculative, lambda b: self._batch_body(sessions, layer, b, tokens, speculative, pos, rid))

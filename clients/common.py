@@ -219,11 +219,15 @@ def _frame(req: Union[ConvRequest, BatchRequest]) -> dict:
     return frame
 
 
-def check_given_position(book, position) -> None:
-    """An explicit ``position`` of a conv or batch call is refused when the client tracks positions itself."""
-    if position is not None and book is not None:
-        raise ValueError("position: this client tracks positions itself (track_positions=True); pass none, or "
-                         "make the client without tracking to send your own")
+def check_given_position(book, position, request_id=None) -> None:
+    """An explicit ``position`` (or ``request_id``) of a conv or batch call is refused when the client tracks
+    positions itself; a ``request_id`` goes with a ``position``."""
+    if (position is not None or request_id is not None) and book is not None:
+        raise ValueError("position, request_id: this client tracks positions itself (track_positions=True) and "
+                         "sends its own; pass none, or make the client without tracking to send yours")
+    if request_id is not None and position is None:
+        raise ValueError("request_id goes with position (it tells a retry of the request applied there from "
+                         "another request); pass both, or neither")
 
 
 def _id_list(sessions, name: str = "sessions") -> list:

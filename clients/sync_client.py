@@ -222,15 +222,17 @@ class ConvClient(_Base):
     # --- conv
 
     @serialized(one=True)
-    def conv(self, session: str, layer: int, x, speculative: bool = False, position: Optional[int] = None):
+    def conv(self, session: str, layer: int, x, speculative: bool = False, position: Optional[int] = None,
+             request_id: Optional[str] = None):
         """``y (T, dim)`` for ``x (T, dim)``, of the same kind (torch/numpy) and dtype as ``x``. ``position``: the
         tokens the session has committed on this layer before this conv, sent for exactly-once (the server applies
         it there only, and answers a repeat with its kept answer); only without ``track_positions``, which sends
-        its own."""
+        its own. ``request_id`` (with ``position``): this request's id, the same when you send it again; only a
+        request with it repeats this one."""
         book = self.positions
-        check_given_position(book, position)
+        check_given_position(book, position, request_id)
         pos = position if book is None else self._position(session, layer)
-        rid = self._request_id()
+        rid = request_id if book is None else self._request_id()
         body = self._conv_body(session, layer, x, speculative, pos, rid)
         rebody = self._resend_from_copy(x, speculative,
                                         lambda b: self._conv_body(session, layer, b, speculative, pos, rid))
@@ -251,17 +253,17 @@ class ConvClient(_Base):
 
     @serialized(one=False)
     def conv_batch(self, sessions: Sequence[str], layer: int, x, tokens: Optional[Sequence[int]] = None,
-                   speculative=None, position: Optional[Sequence[int]] = None):
+                   speculative=None, position: Optional[Sequence[int]] = None, request_id: Optional[str] = None):
         """A frontend's step on one layer as one request (``POST /v1/conv/batch``): ``x (sum(tokens), dim)`` holds
         ``tokens[i]`` rows for ``sessions[i]``, in order (``tokens`` defaults to one each: a decode step);
         ``speculative`` is a bool or one per session (a speculative slice leaves the committed state alone until
         :meth:`accept_batch`). Returns ``y (sum(tokens), dim)`` like :meth:`conv`. Exactly as if each slice were
         its own :meth:`conv`; it fails whole, changing nothing, if any part is invalid. ``position``: one per
-        session, as :meth:`conv`'s."""
+        session, as :meth:`conv`'s; ``request_id`` as :meth:`conv`'s."""
         book = self.positions
-        check_given_position(book, position)
+        check_given_position(book, position, request_id)
         pos = position if book is None else [self._position(s, layer) for s in sessions]
-        rid = self._request_id()
+        rid = request_id if book is None else self._request_id()
         body = self._batch_body(sessions, layer, x, tokens, speculative, pos, rid)
         rebody = self._resend_from_copy(
             x, speculative, lambda b: self._batch_body(sessions, layer, b, tokens, speculative, pos, rid))

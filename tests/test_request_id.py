@@ -154,3 +154,43 @@ def test_a_retry_refused_because_another_request_was_applied_there_does_not_book
         assert err.value.extra["applied_request_id"] == "somebody-else"
         assert c.positions.at(s, 0) == 3                  # not moved on: this call never ran
         assert c.session_info(s)["positions"][0] == 5
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_caller_keeping_its_own_positions_gives_its_own_request_ids(server, kind):
+    import asyncio
+
+    from convserve.clients.client import AsyncConvClient
+
+    x, other = rand_x(2, seed=71), rand_x(2, seed=72)
+
+    async def run_async():
+        async with AsyncConvClient(server.url) as c:
+            s = await c.create_session()
+            y = await c.conv(s, 0, x, position=0, request_id="mine-1")
+            again = await c.conv(s, 0, x, position=0, request_id="mine-1")
+            with pytest.raises(PositionMismatch) as err:
+                await c.conv(s, 0, other, position=0, request_id="mine-2")
+            yb = await c.conv_batch([s], 0, other, tokens=[2], position=[2], request_id="b")
+            yb2 = await c.conv_batch([s], 0, other, tokens=[2], position=[2], request_id="b")
+            return y, again, err.value, yb, yb2
+
+    if kind == "async":
+        y, again, err, yb, yb2 = asyncio.run(run_async())
+    else:
+        with ConvClient(server.url) as c:
+            s = c.create_session()
+            y = c.conv(s, 0, x, position=0, request_id="mine-1")
+            again = c.conv(s, 0, x, position=0, request_id="mine-1")
+            with pytest.raises(PositionMismatch) as e:
+                c.conv(s, 0, other, position=0, request_id="mine-2")
+            err = e.value
+            yb = c.conv_batch([s], 0, other, tokens=[2], position=[2], request_id="b")
+            yb2 = c.conv_batch([s], 0, other, tokens=[2], position=[2], request_id="b")
+            with pytest.raises(ValueError, match="goes with position"):
+                c.conv(s, 0, x, request_id="alone")
+    assert torch.equal(y, again) and torch.equal(yb, yb2)
+    assert err.extra["applied_request_id"] == "mine-1"
+    with ConvClient(server.url, track_positions=True) as t:
+        with pytest.raises(ValueError, match="tracks positions itself"):
+            t.conv(t.create_session(), 0, x, request_id="x")
