@@ -33,7 +33,8 @@ WS_CLOSE_S = 10.0
 @dataclass
 class ConvRequest:
     """One conv request of a stream. ``id`` defaults to the request's place in the stream; ``position``: the
-    tokens the session has committed on this layer before it (exactly once: see *Positions*), or None."""
+    tokens the session has committed on this layer before it (exactly once: see *Positions*), or None;
+    ``request_id`` (with ``position``): its own id, the same when it is sent again (only its repeat matches)."""
 
     session: str
     layer: int
@@ -41,6 +42,7 @@ class ConvRequest:
     speculative: bool = False
     id: Any = None
     position: Optional[int] = None
+    request_id: Optional[str] = None
 
 
 @dataclass
@@ -56,6 +58,7 @@ class BatchRequest:
     speculative: Union[bool, Sequence[bool], None] = None
     id: Any = None
     position: Optional[Sequence[int]] = None      # one per session, as ConvRequest's
+    request_id: Optional[str] = None              # as ConvRequest's
 
 
 @dataclass
@@ -211,11 +214,13 @@ def _frame(req: Union[ConvRequest, BatchRequest]) -> dict:
         frame = {"id": req.id, **_batch_fields(req.sessions, req.layer, req.x, req.tokens, req.speculative)}
         if req.position is not None:
             frame["position"] = _int_list(req.position, "position")
-        return frame
-    frame = {"id": req.id, "session": req.session, "layer": req.layer, "x": wire.encode_tensor(req.x),
-             "speculative": req.speculative}
-    if req.position is not None:
-        frame["position"] = operator.index(req.position)
+    else:
+        frame = {"id": req.id, "session": req.session, "layer": req.layer, "x": wire.encode_tensor(req.x),
+                 "speculative": req.speculative}
+        if req.position is not None:
+            frame["position"] = operator.index(req.position)
+    if req.request_id is not None:
+        frame["request_id"] = req.request_id
     return frame
 
 
@@ -285,7 +290,7 @@ class _Tracker:
         self.book = book
 
     def add(self, req: ConvRequest) -> None:
-        check_given_position(self.book, req.position)
+        check_given_position(self.book, req.position, req.request_id)
         with self.lock:
             if req.id in self.meta:
                 raise ValueError(f"request id {req.id!r} is already in flight in this stream; ids must be unique")

@@ -194,3 +194,22 @@ def test_a_caller_keeping_its_own_positions_gives_its_own_request_ids(server, ki
     with ConvClient(server.url, track_positions=True) as t:
         with pytest.raises(ValueError, match="tracks positions itself"):
             t.conv(t.create_session(), 0, x, request_id="x")
+
+
+@pytest.mark.parametrize("transport", ["http", "ws"])
+def test_stream_requests_of_the_client_carry_their_request_ids(server, transport):
+    from convserve.clients.client import BatchRequest, ConvRequest
+
+    with ConvClient(server.url) as c:
+        s = c.create_session()
+        x = rand_x(1, seed=81)
+        reqs = [ConvRequest(s, 0, x, position=0, request_id="s-1"),
+                ConvRequest(s, 0, x, position=0, request_id="s-1"),
+                ConvRequest(s, 0, rand_x(1, seed=82), position=0, request_id="s-2"),
+                BatchRequest([s], 0, x, position=[1], request_id="sb"),
+                BatchRequest([s], 0, x, position=[1], request_id="other")]
+        got = {r.id: r for r in c.stream(reqs, transport=transport)}
+        assert torch.equal(got[0].unwrap(), got[1].unwrap())
+        assert isinstance(got[2].error, PositionMismatch) and got[2].error.extra["applied_request_id"] == "s-1"
+        assert got[3].ok and isinstance(got[4].error, PositionMismatch)
+        assert c.session_info(s)["positions"][0] == 2
