@@ -23,7 +23,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -32,18 +31,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .snapshot_marks import CRASH_SUFFIX, MODEL_FIELDS, SNAPSHOT_NAME, CrashMarks, fsync_dir
+
 log = logging.getLogger("convserve.snapshots")
 
 FORMAT = "convserve-snapshot"
 VERSION = 1
 META_KEY = "convserve"
-#: the fields of the model part of ``meta`` that must equal the serving model's for a snapshot to load
-MODEL_FIELDS = ("weights_sha256", "layers", "dim", "width", "dtype", "state_dtype")
-
-_NAME = re.compile(r"^e(\d+)\.(\d{12})\.safetensors$")
 _TMP_PREFIX = ".tmp-e"
-#: ``e<index>.crashed``: the files of engine ``index`` that predate a crash of its process (SnapshotDir.mark_crashed)
-CRASH_SUFFIX = ".crashed"
 
 
 class SnapshotRefused(Exception):
@@ -124,26 +119,6 @@ def write_atomic(path: str, snap: Snapshot) -> int:
     return os.path.getsize(path)
 
 
-def _write_json(path: str, obj) -> None:
-    """``obj`` as JSON in ``path``, atomically and durably."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(path) or ".")
-
-
-def fsync_dir(folder: str) -> None:
-    """Make a rename in ``folder`` durable."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def read_meta(path: str) -> Optional[dict]:
     """A snapshot file's ``meta`` from its header alone (no tensor read, no digest checked: for sorting files,
     never for loading one); None when the file is unreadable."""
@@ -178,11 +153,12 @@ def read_checked(path: str) -> Snapshot:
     return Snapshot(meta, tensors)
 
 
-class SnapshotDir:
-    """The snapshot files of one engine (``index``) in ``folder``."""
+class SnapshotDir(CrashMarks):
+    """The snapshot files of one engine (``index``) in ``folder``, with its crash marks (:class:`CrashMarks`)."""
 
     def __init__(self, folder: str, index: int, keep: int):
-        self.folder, self.index, self.keep = str(folder), index, keep
+        super().__init__(folder, index)
+        self.keep = keep
         os.makedirs(self.folder, exist_ok=True)
         for name in os.listdir(self.folder):       # what a crash in the middle of a write left
             if name.startswith(f"{_TMP_PREFIX}{self.index}.") or (
@@ -193,82 +169,13 @@ class SnapshotDir:
                 except FileNotFoundError:
                     pass
 
-    def files(self) -> list:
-        """This engine's snapshot paths, newest first."""
-        found = []
-        for name in os.listdir(self.folder):
-            m = _NAME.match(name)
-            if m and int(m.group(1)) == self.index:
-                found.append((int(m.group(2)), os.path.join(self.folder, name)))
-        return [p for _seq, p in sorted(found, reverse=True)]
-
-    def _newest_seq(self) -> int:
-        files = self.files()
-        return int(_NAME.match(os.path.basename(files[0])).group(2)) if files else 0
-
     def _next_path(self) -> str:
         top = max([self._newest_seq()] + [m["through"] for m in self.crash_marks()])   # above a crash mark's files
         return os.path.join(self.folder, f"e{self.index}.{top + 1:012d}.safetensors")
 
-    @property
-    def crash_path(self) -> str:
-        return os.path.join(self.folder, f"e{self.index}{CRASH_SUFFIX}")
-
-    @property
-    def model_path(self) -> str:
-        return os.path.join(self.folder, f"e{self.index}.model.json")
-
-    def note_model(self, model: dict) -> None:
-        """Record the model this engine's process serves (at its start, before it restores): a crash of that
-        process marks that model's files only (:meth:`mark_crashed`)."""
-        _write_json(self.model_path, {f: model.get(f) for f in MODEL_FIELDS})
-
-    def forget_model(self) -> None:
-        """No model noted (one from an earlier start would be wrong); best effort."""
-        try:
-            os.unlink(self.model_path)
-        except OSError:
-            pass
-
-    def mark_crashed(self) -> int:
-        """Engine ``index``'s process died: its sessions are lost (they answer 410), so none of its files of the
-        model it served written so far may be restored, not even at a cold start before its next process writes
-        one (a stop during the restart's back-off). Files of another model stay restorable (a server started with
-        the wrong model by mistake). Records ``{"through": newest file number, "model"}`` beside earlier marks
-        (durably; the model None, refusing every model's files, when the process never said which it served);
-        returns the number."""
-        try:
-            with open(self.model_path, encoding="utf-8") as f:
-                model = json.load(f)
-        except (OSError, ValueError):
-            model = None
-        through = max([self._newest_seq()] + [m["through"] for m in self.crash_marks()])
-        marks = [m for m in self.crash_marks() if m["model"] != model] + [{"through": through, "model": model}]
-        _write_json(self.crash_path, {"marks": marks})
-        return through
-
-    def crash_marks(self) -> list:
-        """The crash marks (``{"through", "model"}``, see :meth:`mark_crashed`). A torn mark file is replaced, once,
-        by one refusing every file there is now (of any model), as the crash it recorded would have."""
-        try:
-            with open(self.crash_path, encoding="utf-8") as f:
-                marks = json.load(f)
-            if isinstance(marks, int) and not isinstance(marks, bool):   # the first format: a bare number
-                return [{"through": marks, "model": None}]
-            return [{"through": int(m["through"]), "model": m["model"]} for m in marks["marks"]]
-        except FileNotFoundError:
-            return []
-        except (ValueError, KeyError, TypeError):
-            marks = [{"through": self._newest_seq(), "model": None}]
-            try:
-                _write_json(self.crash_path, {"marks": marks})
-            except OSError:
-                pass
-            return marks
-
     def _crashed(self, path: str, marks: list) -> bool:
         """Whether ``path`` predates a crash of the process that served its model (see :meth:`mark_crashed`)."""
-        seq = int(_NAME.match(os.path.basename(path)).group(2))
+        seq = int(SNAPSHOT_NAME.match(os.path.basename(path)).group(2))
         return any(seq <= m["through"] and (m["model"] is None or _of_model(path, m["model"])) for m in marks)
 
     def write(self, snap: Snapshot) -> tuple[str, int]:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from convserve.service import snapshot_file as sf
+from convserve.service import snapshot_marks
 from convserve.service.snapshots import LAYOUT_FILE, prepare_state_dir
 
 MODEL = {"weights_sha256": "ab" * 32, "layers": [0, 2, 5], "dim": 8, "width": 4, "dtype": "float32",
@@ -308,7 +309,7 @@ def test_a_state_dir_that_cannot_take_the_models_note_leaves_the_engine_starting
 
     def full(path, obj):
         raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(sf, "_write_json", full)
+    monkeypatch.setattr(snapshot_marks, "write_json", full)
     settings = SimpleNamespace(state_dir=str(tmp_path), snapshot_keep=3, snapshot_interval_s=0)
     engine = SimpleNamespace(model_info=lambda: dict(MODEL))
     Snapshotter(engine, settings)                                 # does not raise
@@ -320,3 +321,16 @@ def test_temporaries_of_the_mark_and_the_note_left_by_a_crash_are_removed(tmp_pa
         (tmp_path / name).write_text("x")
     sf.SnapshotDir(tmp_path, 0, 3)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["e1.crashed.5.tmp"]
+
+
+def test_the_supervisor_marks_a_crash_without_importing_torch(tmp_path):
+    """It marks the moment an engine dies; torch there would cost seconds, and its working directory (on its
+    sys.path) could shadow a module torch imports."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from convserve.service.snapshot_marks import CrashMarks; "
+            f"CrashMarks({str(tmp_path)!r}, 0).mark_crashed(); "
+            "print(sorted(m for m in ('torch', 'safetensors') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]" and (tmp_path / "e0.crashed").exists()

@@ -250,10 +250,10 @@ class Supervisor:
         crash of this process can come first."""
         if self.settings.state_dir is None:
             return
-        from convserve.service.snapshot_file import SnapshotDir
+        from convserve.service.snapshot_marks import CrashMarks      # (no torch: see its module)
 
         try:
-            seq = SnapshotDir(self.settings.state_dir, index, self.settings.snapshot_keep).mark_crashed()
+            seq = CrashMarks(self.settings.state_dir, index).mark_crashed()
         except OSError as e:
             log.error("could not mark the snapshots of a crashed engine as not to be restored: a cold start "
                       "before its next process writes one would restore its lost sessions",
