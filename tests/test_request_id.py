@@ -34,7 +34,7 @@ def test_on_the_engine_only_the_same_request_id_repeats_and_none_keeps_the_old_r
 
         y = send("first")
         assert torch.equal(send("first"), y)              # its repeat: the kept answer
-        assert torch.equal(send(None), y)                 # no id: position and length, as before
+        assert torch.equal(send(None), y)                 # no id: position and length alone
         with pytest.raises(PositionMismatch, match="another request" if kind == "conv" else "positions") as err:
             send("second")
         assert err.value.position == (2 if kind == "conv" else [1, 1])
