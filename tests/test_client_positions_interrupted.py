@@ -1,8 +1,8 @@
 """``track_positions=True``: a tracked call ended by a cancelled task or a ``KeyboardInterrupt`` after the server
 applied it (its answer never read) leaves its sessions' positions unknown to the client, which reads them from the
-server at the next tracked call. Before, the next call of the same length went out with the applied one's position
-and was answered as its repeat: the applied call's y came back and the new x was never applied. Real servers (both
-layouts of the shared ``server`` fixture); the interruption is injected after the server answered."""
+server at the next tracked call, so that call is applied at the session's position, not sent with the applied
+one's position (a 409, or with no id a repeat answered with the applied call's y). Real servers (both layouts of
+the shared ``server`` fixture); the interruption is injected after the server answered."""
 
 from __future__ import annotations
 

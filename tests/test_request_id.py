@@ -1,6 +1,6 @@
 """``request_id`` beside ``position``: only a request with the same id repeats the one applied at that position
 (its kept answer); one with another id is a ``409`` that names the applied one, nothing run; without an id,
-position and length alone tell a repeat, as before. On the engine, over HTTP (unary, batch, stream frames, both
+position and length alone tell a repeat. On the engine, over HTTP (unary, batch, stream frames, both
 layouts of the shared server), and the tracked clients, which send one per call (the same in its retries): the
 next call after an interrupted one that the server applied late is a 409, never that call's answer."""
 
@@ -105,7 +105,7 @@ def test_a_bad_request_id_is_400_and_changes_nothing(api, field, message):
 def test_a_tracked_calls_next_call_after_a_late_applied_interrupted_one_is_409_not_its_answer(server, api, kind):
     """The interrupted call reached the engine only after the client re-read the positions (the window the
     README names): the next call carries that position and the same length. With its own request_id it is a 409,
-    nothing run; without ids it was answered with the interrupted call's y."""
+    nothing run, never the interrupted call's y."""
     with ConvClient(server.url, track_positions=True) as c:
         s = c.create_session()
         c.conv(s, 0, rand_x(3, seed=51))
