@@ -14,7 +14,8 @@ from convserve.clients.common import (_POLL_S, MAX_MESSAGE_BYTES, SessionState, 
                                       _chunked, _decode, _default_backend, _frame, _quote, _raise_for, _Tracker,
                                       _ws_url, check_given_position, partly_applied, ws_connect_async, WS_CLOSE_S)
 from convserve.clients.h1 import _H1Pool, _h1_target
-from convserve.clients.positions import RETRY_ERRORS, RETRY_STATUS, outcome_unknown, resend_too_large, serialized
+from convserve.clients.positions import (RETRY_ERRORS, RETRY_STATUS, UNSENT_ERRORS, outcome_unknown,
+                                         resend_too_large, serialized)
 from convserve.clients.protocol import wire
 from convserve.clients.replicas import is_routed
 from convserve.clients.protocol.errors import BadRequest, PositionMismatch, ServiceError
@@ -176,7 +177,7 @@ class AsyncConvClient(_Base):
                 if attempt >= book.max_retries:
                     raise outcome_unknown(path, sessions, attempt + 1) from e
                 wait = book.delay(attempt, None)
-                ran = not isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout))   # (a failed connect sent nothing)
+                ran = not isinstance(e, UNSENT_ERRORS)
             else:
                 if resp.status_code not in RETRY_STATUS or attempt >= book.max_retries or partly_applied(resp):
                     if resent and resp.status_code == 413:

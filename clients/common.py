@@ -14,7 +14,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence, Union
 
 import httpx
 
-from convserve.clients.positions import PositionBook
+from convserve.clients.positions import UNSENT_ERRORS, PositionBook
 from convserve.clients.protocol import wire
 from convserve.clients.protocol.errors import BY_CODE as _BY_CODE
 from convserve.clients.protocol.errors import EngineTimeout, OutcomeUnknown, PositionMismatch, ServiceError
@@ -400,7 +400,7 @@ class _Base:
             yield
         except BaseException as e:
             # (a failed connect sent nothing; every other failure may have)
-            if self.shm is not None and not isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)) and (
+            if self.shm is not None and not isinstance(e, UNSENT_ERRORS) and (
                     not isinstance(e, ServiceError) or isinstance(e, (EngineTimeout, OutcomeUnknown))):
                 self._hold(x)
             raise

@@ -145,6 +145,8 @@ def resend_too_large(path: str, body_sessions: list, attempts: int) -> OutcomeUn
 RETRY_STATUS = (503, 504)
 #: the connection errors a tracked request is retried on (httpx's, which the lean async pool raises as well)
 RETRY_ERRORS = (httpx.TransportError,)
+#: the connection errors raised before anything was sent: the request cannot be running on the server
+UNSENT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
 
 
 class PositionBook:

@@ -12,7 +12,8 @@ import httpx
 from convserve.clients.common import (MAX_MESSAGE_BYTES, _POLL_S, ConvResult, SessionState, _as_request, _backend_of,
                                       _Base, _chunked, _decode, _default_backend, _frame, _quote, _raise_for,
                                       _Tracker, _ws_url, check_given_position, partly_applied, ws_connect, WS_CLOSE_S)
-from convserve.clients.positions import RETRY_ERRORS, RETRY_STATUS, outcome_unknown, resend_too_large, serialized
+from convserve.clients.positions import (RETRY_ERRORS, RETRY_STATUS, UNSENT_ERRORS, outcome_unknown,
+                                         resend_too_large, serialized)
 from convserve.clients.protocol import wire
 from convserve.clients.replicas import is_routed
 from convserve.clients.protocol.errors import BadRequest, PositionMismatch, ServiceError
@@ -190,7 +191,7 @@ class ConvClient(_Base):
                 if attempt >= book.max_retries:
                     raise outcome_unknown(path, sessions, attempt + 1) from e
                 wait = book.delay(attempt, None)
-                ran = not isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout))   # (a failed connect sent nothing)
+                ran = not isinstance(e, UNSENT_ERRORS)
             else:
                 if resp.status_code not in RETRY_STATUS or attempt >= book.max_retries or partly_applied(resp):
                     if resent and resp.status_code == 413:
