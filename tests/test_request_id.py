@@ -19,26 +19,33 @@ from tests.test_http_positions import batch, info, new_ids
 
 
 @pytest.mark.parametrize("kind", ["conv", "batch"])
-def test_on_the_engine_only_the_same_request_id_repeats_and_none_keeps_the_old_rule(kind):
+def test_on_the_engine_only_the_same_request_id_or_none_on_both_repeats(kind):
     e = make_engine()
     try:
         a, b = e.create_session(), e.create_session()
         x = torch.randn(2, EDIM)
 
-        def send(rid, at=0):
+        def send(rid, at=0, layer=ELAYERS[0]):
             if kind == "conv":
                 pos = at if rid is None else Claimed(at, rid)
-                return e.submit(a, ELAYERS[0], x, position=pos).result(10)
+                return e.submit(a, layer, x, position=pos).result(10)
             pos = [at, at] if rid is None else Claimed([at, at], rid)
-            return e.submit_batch([a, b], ELAYERS[0], x, position=pos).result(10)
+            return e.submit_batch([a, b], layer, x, position=pos).result(10)
 
         y = send("first")
         assert torch.equal(send("first"), y)              # its repeat: the kept answer
-        assert torch.equal(send(None), y)                 # no id: position and length alone
-        with pytest.raises(PositionMismatch, match="another request" if kind == "conv" else "positions") as err:
-            send("second")
-        assert err.value.position == (2 if kind == "conv" else [1, 1])
+        for rid in (None, "second"):                      # no id, or another: not its retry
+            with pytest.raises(PositionMismatch, match="another request" if kind == "conv" else "positions") as err:
+                send(rid)
+            assert err.value.position == (2 if kind == "conv" else [1, 1])
+            assert err.value.extra["applied_request_id"] == "first"
         assert e.session_info(a)["positions"][0] == (2 if kind == "conv" else 1)
+        y = send(None, layer=ELAYERS[1])                  # applied without an id: position and length alone
+        assert torch.equal(send(None, layer=ELAYERS[1]), y)
+        with pytest.raises(PositionMismatch) as err:
+            send("late", layer=ELAYERS[1])
+        assert err.value.extra["applied_request_id"] is None
+        assert e.session_info(a)["positions"][1] == (2 if kind == "conv" else 1)
     finally:
         e.stop(drain=False)
 

@@ -10,11 +10,11 @@ positions already: it reads (a fork, an export for a move, a deferred ``session_
 positions of its turn, those tokens taken off or kept (:meth:`Positions._held_tokens_locked`).
 
 A request that fails takes its T back: cancelled or expired before it started, withdrawn at stop, its session
-deleted, or its step failed. Requests of the session queued after it keep theirs, so a position is always the
-count of tokens of the requests that ran (or will run) on that layer; those of them that carried a position
-(checked counting the failed one's tokens) fail too (:meth:`Positions._fail_dependents_locked`). A failed step may have written part of
-the state (a chunked prefill whose later chunk failed): after such a ``500 internal`` the state of that step's
-sessions is undefined, whatever the position says; re-create or re-import them.
+deleted, or its step failed. Requests of the session queued after it keep theirs, so a position is always the count
+of tokens of the requests that ran (or will run) on that layer; those of them that carried a position (checked
+counting the failed one's tokens) fail too (:meth:`Positions._fail_dependents_locked`). A failed step may have
+written part of the state (a chunked prefill whose later chunk failed): after such a ``500 internal`` the state of
+that step's sessions is undefined, whatever the position says; re-create or re-import them.
 
 **Checking.** A request may carry ``position``: where the client believes the session is on that layer (for a
 speculative request, the committed position it verifies from: a verify never moves it). It is compared under
@@ -29,16 +29,15 @@ refused whole (the error's ``position`` is the list of every session's position)
 ``position > 0`` for a session this engine does not know is :class:`StateLost` (410): the client held state
 here that is gone.
 
-**Retries.** When a non-speculative request carried a position, the engine keeps its answer (:class:`Answer`,
-y in the caller's dtype) and records it as the layer's last applied request (:class:`Applied`). A request that
-repeats it (same position, same T; for a batch the same sessions, tokens and flags; and, when it carries a
-``request_id``, the same id: ``service.claims``) is answered with the kept y and applies nothing; while the first is still queued or running, the repeat waits for its answer (or its
-error). A kept answer is dropped when a later non-speculative request on that layer is queued, when accept,
-import, delete or eviction touch the session, or, oldest first, when the answers kept by this engine exceed
-``answer_store_bytes``; a repeat of a dropped one is a 409 that says it was applied. Memory: at most
-``answer_store_bytes`` of kept y (plus the answers of tracked requests in flight), and a small record per
-tracked session and layer.
-"""
+**Retries.** When a non-speculative request carried a position, the engine keeps its answer (:class:`Answer`, y in
+the caller's dtype) and records it as the layer's last applied request (:class:`Applied`). A request that repeats it
+(same position, same T; for a batch the same sessions, tokens and flags; and the same ``request_id``, or none on
+both: ``service.claims``) is answered with the kept y and applies nothing; while the first is still queued or
+running, the repeat waits for its answer (or its error). A kept answer is dropped when a later non-speculative
+request on that layer is queued, when accept, import, delete or eviction touch the session, or, oldest first, when
+the answers kept by this engine exceed ``answer_store_bytes``; a repeat of a dropped one is a 409 that says it was
+applied. Memory: at most ``answer_store_bytes`` of kept y (plus the answers of tracked requests in flight), and a
+small record per tracked session and layer."""
 
 from __future__ import annotations
 
@@ -67,7 +66,7 @@ class Answer:
         self.nbytes = 0
         self.kept = True                 # False once dropped or failed: repeats get a 409, never a stale y
         self.key = key                   # a batch's (sessions, plan): only the same batch repeats it
-        self.rid = rid                   # its request_id (None: none): a repeat that carries one must match it
+        self.rid = rid                   # its request_id (None: none): a repeat carries the same (or none)
 
 
 class Applied:
@@ -157,7 +156,7 @@ class Positions:
             rec = None         # not the last request applied as of the turn (one queued after it set it)
         other = ""
         if rec is not None and rec.pos == position and rec.n == n:
-            if rid is None or rec.answer.rid == rid:
+            if rec.answer.rid == rid:
                 if rec.answer.kept:
                     return rec
                 raise self._mismatch(f"session {s.id!r} layer {self.model_cpu.layers[p]}: this request (position "
@@ -191,7 +190,7 @@ class Positions:
             if not ok:
                 break
         else:
-            if answer is not None and answer.key == key and (rid is None or answer.rid == rid):
+            if answer is not None and answer.key == key and answer.rid == rid:
                 if answer.kept:
                     return answer
                 raise self._mismatch(f"layer {self.model_cpu.layers[p]}: this batch was applied, but its answer "
