@@ -7,7 +7,9 @@ supervisor imports the engine process's module, and must not import what a worki
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
+
+from convserve.clients.protocol.errors import BadRequest
 
 
 class Claimed(NamedTuple):
@@ -31,3 +33,16 @@ def claim_fields(position) -> tuple:
 def claim(position, rid):
     """The ``position`` argument for ``position`` and request id ``rid`` (None: no id)."""
     return position if rid is None or position is None else Claimed(position, rid)
+
+
+def with_request_id(position, rid: Optional[str]):
+    """``position`` with a caller's ``request_id`` (None: none) as :class:`Claimed`, checked: 1 to 64 printable
+    ASCII characters, and only beside a position (:class:`BadRequest` otherwise)."""
+    if rid is None:
+        return position
+    if type(rid) is not str or not 0 < len(rid) <= 64 or not (rid.isascii() and rid.isprintable()):
+        raise BadRequest(f"'request_id' must be a string of 1 to 64 printable ASCII characters, got {rid!r:.80}")
+    if position is None:
+        raise BadRequest("'request_id' goes with 'position': it tells a repeat of the request applied at that "
+                         "position from another request; send both, or neither")
+    return Claimed(position, rid)

@@ -6,13 +6,14 @@ next call after an interrupted one that the server applied late is a 409, never 
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
 from convserve.clients.client import ConvClient
 from convserve.clients.protocol import wire
-from convserve.clients.protocol.errors import PositionMismatch
-from convserve.service.claims import Claimed
+from convserve.clients.protocol.errors import BadRequest, PositionMismatch
 from tests.engine_support import DIM as EDIM, LAYERS as ELAYERS, make_engine
 from tests.http_api import pack_frames, rand_x, read_stream
 from tests.test_http_positions import batch, info, new_ids
@@ -27,10 +28,8 @@ def test_on_the_engine_only_the_same_request_id_or_none_on_both_repeats(kind):
 
         def send(rid, at=0, layer=ELAYERS[0]):
             if kind == "conv":
-                pos = at if rid is None else Claimed(at, rid)
-                return e.submit(a, layer, x, position=pos).result(10)
-            pos = [at, at] if rid is None else Claimed([at, at], rid)
-            return e.submit_batch([a, b], layer, x, position=pos).result(10)
+                return e.submit(a, layer, x, position=at, request_id=rid).result(10)
+            return e.submit_batch([a, b], layer, x, position=[at, at], request_id=rid).result(10)
 
         y = send("first")
         assert torch.equal(send("first"), y)              # its repeat: the kept answer
@@ -46,6 +45,44 @@ def test_on_the_engine_only_the_same_request_id_or_none_on_both_repeats(kind):
             send("late", layer=ELAYERS[1])
         assert err.value.extra["applied_request_id"] is None
         assert e.session_info(a)["positions"][1] == (2 if kind == "conv" else 1)
+    finally:
+        e.stop(drain=False)
+
+
+@pytest.mark.parametrize("rid, position, match", [
+    ("", 0, "1 to 64 printable"), ("x" * 65, 0, "1 to 64 printable"), ("tab\there", 0, "1 to 64 printable"),
+    ("é", 0, "1 to 64 printable"), (7, 0, "1 to 64 printable"), ("ok", None, "goes with 'position'")])
+def test_the_in_process_engine_refuses_a_bad_request_id_before_queueing_anything(rid, position, match):
+    e = make_engine()
+    try:
+        a = e.create_session()
+        x = torch.randn(1, EDIM)
+        with pytest.raises(BadRequest, match=match):
+            e.submit(a, ELAYERS[0], x, position=position, request_id=rid)
+        with pytest.raises(BadRequest, match=match):
+            e.submit_batch([a], ELAYERS[0], x, position=None if position is None else [position], request_id=rid)
+        assert e.session_info(a)["positions"] == [0] * len(ELAYERS)
+    finally:
+        e.stop(drain=False)
+
+
+def test_the_in_process_engine_awaitables_take_a_request_id():
+    e = make_engine()
+
+    async def run():
+        a = e.create_session()
+        x = torch.randn(1, EDIM)
+        y = await e.conv(a, ELAYERS[0], x, position=0, request_id="one")
+        assert torch.equal(await e.conv(a, ELAYERS[0], x, position=0, request_id="one"), y)
+        with pytest.raises(PositionMismatch):
+            await e.conv(a, ELAYERS[0], x, position=0, request_id="two")
+        yb = await e.conv_batch([a], ELAYERS[1], x, position=[0], request_id="b")
+        assert torch.equal(await e.conv_batch([a], ELAYERS[1], x, position=[0], request_id="b"), yb)
+        with pytest.raises(PositionMismatch):
+            await e.conv_batch([a], ELAYERS[1], x, position=[0])
+
+    try:
+        asyncio.run(run())
     finally:
         e.stop(drain=False)
 

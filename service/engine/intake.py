@@ -27,7 +27,7 @@ from ..sessions import Session
 from .outputs import AsyncConvFuture, ConvFuture
 from .outputs import deliver
 from .records import BATCH_SESSION, NO_ROWS, BatchRows, ConvRequest, plan_rows, release_batch
-from ..claims import unclaim
+from ..claims import unclaim, with_request_id
 from .positions import Answer, Sink, batch_key, check_position, check_positions
 from .validate import (check_batch_plan, check_batch_rows, check_batch_sessions, check_finite_copy,
                        check_one_token_rows, check_speculative, check_x, own_copy, uniform_verify)
@@ -141,33 +141,37 @@ class Intake:
         return min(30.0, max(0.05, self._sched.depth / per_step * mean_step))
 
     def submit(self, session_id: str, layer: int, x: torch.Tensor, speculative: bool = False,
-               position: Optional[int] = None, borrowed: bool = False) -> Future:
+               position: Optional[int] = None, borrowed: bool = False, request_id: Optional[str] = None) -> Future:
         """Queue one conv; the future's result is ``y (T, dim)`` on the CPU in x's dtype. Validation errors are
         raised here, before anything is queued; errors while running are set on the future, and so are the
         pending-verify and position checks when an operation of the session is queued (they are made at the
         conv's turn then, see :meth:`_take_turn_locked`). ``future.cancel()``
         withdraws the request if it has not started. ``position``: where the caller believes the session is on
         this layer (:mod:`.positions`): a mismatch is :class:`PositionMismatch`, a repeat of the last applied
-        request gets that request's answer. ``borrowed``: see :meth:`submit_batch`."""
+        request gets that request's answer; ``request_id`` (only with ``position``) names the request, and only a
+        request of the same id (or none on both) repeats it. ``borrowed``: see :meth:`submit_batch`."""
         fut = ConvFuture(self)
-        fut._req = self._submit(session_id, layer, x, speculative, fut, position, borrowed=borrowed)
+        fut._req = self._submit(session_id, layer, x, speculative, fut, with_request_id(position, request_id),
+                                borrowed=borrowed)
         return fut
 
     def submit_async(self, session_id: str, layer: int, x: torch.Tensor, speculative: bool = False,
-                     position: Optional[int] = None, borrowed: bool = False) -> asyncio.Future:
+                     position: Optional[int] = None, borrowed: bool = False,
+                     request_id: Optional[str] = None) -> asyncio.Future:
         """:meth:`submit` for a caller on an asyncio loop (call it on the loop's thread): the result comes as an
         ``asyncio.Future`` of that loop, and the engine resolves all of one step's futures of a loop with one
         wake-up of the loop (one ``call_soon_threadsafe``), instead of one thread-safe callback per request.
         :meth:`cancel` withdraws the request if it has not started."""
         loop = asyncio.get_running_loop()
         fut = AsyncConvFuture(loop=loop)
-        fut._req = self._submit(session_id, layer, x, speculative, (loop, fut), position, borrowed=borrowed)
+        fut._req = self._submit(session_id, layer, x, speculative, (loop, fut), with_request_id(position, request_id),
+                                borrowed=borrowed)
         return fut
 
     async def conv(self, session_id: str, layer: int, x: torch.Tensor, speculative: bool = False,
-                   position: Optional[int] = None) -> torch.Tensor:
+                   position: Optional[int] = None, request_id: Optional[str] = None) -> torch.Tensor:
         """``await``-able :meth:`submit`. Cancelling the awaiting task withdraws the request if not started."""
-        fut = self.submit_async(session_id, layer, x, speculative, position)
+        fut = self.submit_async(session_id, layer, x, speculative, position, request_id=request_id)
         try:
             return await fut
         except asyncio.CancelledError:
@@ -175,7 +179,8 @@ class Intake:
             raise
 
     def submit_batch(self, session_ids: Sequence[str], layer: int, x: torch.Tensor, tokens=None,
-                     speculative=None, position=None, borrowed: bool = False) -> Future:
+                     speculative=None, position=None, borrowed: bool = False,
+                     request_id: Optional[str] = None) -> Future:
         """A slice of tokens for each of several sessions on one layer, as one request (a frontend's step on a
         layer): ``x (sum(n_i), dim)`` holds the slices packed in the order of ``session_ids``, ``tokens`` their
         lengths ``n_i`` (None: one token each, the decode batch) and ``speculative`` a bool, or one per session,
@@ -193,28 +198,31 @@ class Intake:
         (no ``tokens`` or all 1, nothing speculative) takes the decode hot path: one batch-slot graph replay. A
         batch with other rows but no verify rows runs every row in its layer's one varlen prefill launch (a
         one-token row as a length-1 sequence from its session's state, which is what a decode computes).
-        ``position`` (one per session) is checked whole (:mod:`.positions`).
+        ``position`` (one per session) is checked whole (:mod:`.positions`), with ``request_id`` as in
+        :meth:`submit`.
 
         ``borrowed``: x lies in memory someone else may write meanwhile (a client's shared memory): the engine
         reads it only before this call returns, into a copy (the staging slot's, or its own) that it checks for
         NaN/Inf and computes with; else x is read in place until the request is done (do not change it)."""
         fut = ConvFuture(self)
-        fut._req = self._submit_batch(session_ids, layer, x, tokens, speculative, fut, position, borrowed=borrowed)
+        fut._req = self._submit_batch(session_ids, layer, x, tokens, speculative, fut,
+                                      with_request_id(position, request_id), borrowed=borrowed)
         return fut
 
     def submit_batch_async(self, session_ids: Sequence[str], layer: int, x: torch.Tensor, tokens=None,
-                           speculative=None, position=None, borrowed: bool = False) -> asyncio.Future:
+                           speculative=None, position=None, borrowed: bool = False,
+                           request_id: Optional[str] = None) -> asyncio.Future:
         """:meth:`submit_batch` for a caller on an asyncio loop (see :meth:`submit_async`)."""
         loop = asyncio.get_running_loop()
         fut = AsyncConvFuture(loop=loop)
-        fut._req = self._submit_batch(session_ids, layer, x, tokens, speculative, (loop, fut), position,
-                                      borrowed=borrowed)
+        fut._req = self._submit_batch(session_ids, layer, x, tokens, speculative, (loop, fut),
+                                      with_request_id(position, request_id), borrowed=borrowed)
         return fut
 
     async def conv_batch(self, session_ids: Sequence[str], layer: int, x: torch.Tensor, tokens=None,
-                         speculative=None, position=None) -> torch.Tensor:
+                         speculative=None, position=None, request_id: Optional[str] = None) -> torch.Tensor:
         """``await``-able :meth:`submit_batch`. Cancelling the awaiting task withdraws it if not started."""
-        fut = self.submit_batch_async(session_ids, layer, x, tokens, speculative, position)
+        fut = self.submit_batch_async(session_ids, layer, x, tokens, speculative, position, request_id=request_id)
         try:
             return await fut
         except asyncio.CancelledError:

@@ -14,7 +14,7 @@ from convserve.clients.protocol.errors import (BadRequest, BodyTimeout, DtypeUns
                                               ShapeMismatch, UnknownLayer)
 from convserve.clients.protocol.ids import MAX_SESSION_ID_LEN, check_session_id, is_session_id
 from convserve.service.http.asgi import ClientGone, header
-from convserve.service.claims import Claimed
+from convserve.service.claims import with_request_id
 
 
 def body_format(scope) -> str:
@@ -176,16 +176,8 @@ def check_query(scope) -> None:
 
 def claimed(req: dict, position):
     """``position``, with the request's ``request_id`` when it has one (:class:`Claimed`): a repeat of an applied
-    request must carry the same id. 1 to 64 printable ASCII characters, and only beside ``position``."""
-    rid = req.get("request_id")
-    if rid is None:
-        return position
-    if type(rid) is not str or not 0 < len(rid) <= 64 or not (rid.isascii() and rid.isprintable()):
-        raise BadRequest(f"'request_id' must be a string of 1 to 64 printable ASCII characters, got {rid!r:.80}")
-    if position is None:
-        raise BadRequest("'request_id' goes with 'position': it tells a repeat of the request applied at that "
-                         "position from another request; send both, or neither")
-    return Claimed(position, rid)
+    request must carry the same id (:func:`with_request_id`)."""
+    return with_request_id(position, req.get("request_id"))
 
 
 def shm_ref(req: Any):
