@@ -269,8 +269,8 @@ def _update_all_live(x3, out3, out, conv_state, lines, weight, bias, silu: bool,
         y += torch.mul(xe[:, k:k + seqlen], wt[k], out=t)
     if bias is not None:
         y += bias.to(compute_dtype)
-    if silu:
-        y.mul_(torch.sigmoid(y))                   # as the reference computes it: the same bits
+    if silu:                                       # as the reference computes it: the same bits
+        y.mul_(torch.sigmoid(y, out=t))            # (into the scratch: a fresh MB per call costs page faults)
     out3.copy_(y.transpose(1, 2))
     if intermediate_conv_window is not None or output_state_indices is not None:
         after = xe.unfold(1, h, 1)[:, 1:seqlen + 1]                    # (R, seqlen, dim, h): window after token t
@@ -305,8 +305,8 @@ def _decode_all_live(x2, out2, out, state_t, lines, weight, bias, silu: bool, h:
     y += torch.mul(x2, wt[h], out=t)
     if bias is not None:
         y += bias.to(compute_dtype)
-    if silu:
-        y.mul_(torch.sigmoid(y))                   # as the reference computes it: the same bits
+    if silu:                                       # as the reference computes it: the same bits
+        y.mul_(torch.sigmoid(y, out=t))            # (into the scratch: a fresh MB per call costs page faults)
     out2.copy_(y)
     new = _scratch("new", (batch, h, dim), state_t.dtype, dev)       # every window was read above
     new[:, :h - 1].copy_(win[:, 1:])
