@@ -198,6 +198,8 @@ def cannot_listen(settings: Settings, e: OSError) -> str:
 #: descriptors a process needs besides its connections: the listening socket, logs, the engine links, the shared
 #: memory, the prometheus files, the parser threads
 FD_RESERVE = 256
+#: the WebSocket layer's largest message, in units of max_body_bytes (see serve's uvicorn.Config)
+WS_MESSAGE_LIMIT = 2
 
 
 def ensure_fd_limit(max_connections: int) -> None:
@@ -255,13 +257,16 @@ def run_app(settings: Settings, app, sockets=None) -> int:
 
     # the HTTP protocol is uvicorn's, with a header timeout, a header size limit and the connection cap
     # (service/http/conn.py): uvicorn has no header timeout, and its limit_concurrency counts a connection only
-    # once its headers are complete, so it is left unset
+    # once its headers are complete, so it is left unset. The WebSocket layer's message limit is above
+    # max_body_bytes: a message over max_body_bytes reaches the stream, which answers the frames before it, then
+    # sends the 413 frame and closes 1009; the layer itself would close at once, dropping those answers
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, loop="auto", ws="auto", lifespan="on",
         http=guarded_protocol(settings, on_close=app.state.metrics.connection_closed),
         log_config=logs.log_config(settings.log_level, settings.access_log), access_log=False, server_header=False,
-        timeout_graceful_shutdown=max(settings.shutdown_timeout_s, 0.1), ws_max_size=settings.max_body_bytes,
-        ws_per_message_deflate=False, backlog=settings.backlog, timeout_keep_alive=settings.keep_alive_s,
+        timeout_graceful_shutdown=max(settings.shutdown_timeout_s, 0.1),
+        ws_max_size=WS_MESSAGE_LIMIT * settings.max_body_bytes, ws_per_message_deflate=False,
+        backlog=settings.backlog, timeout_keep_alive=settings.keep_alive_s,
         h11_max_incomplete_event_size=settings.max_header_bytes,
     )
     tune_malloc(settings.heap_keep_bytes)

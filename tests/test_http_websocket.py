@@ -12,7 +12,7 @@ from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect as ws_connect
 
 from convserve.clients.protocol import wire
-from tests.http_api import assert_close, make_frames, model, pack_frames, rand_x
+from tests.http_api import DIM, LAYERS, MAX_BODY, assert_close, make_frames, model, pack_frames, rand_x
 from tests.live import LiveServer, Reference
 
 
@@ -74,6 +74,31 @@ def test_a_message_that_ends_inside_a_frame_is_answered_after_the_frames_before_
         assert ws.close_code == 1007
     assert "y" in got[0] and got[0]["id"] == frames[0]["id"]
     assert got[-1]["id"] is None and "ends inside a frame" in got[-1]["error"]["message"]
+
+
+@pytest.mark.parametrize("over", [1, MAX_BODY - 256])     # up to the WebSocket layer's limit (twice)
+def test_a_message_over_max_body_bytes_is_answered_after_the_frames_before_it_then_413_and_closed_1009(server, api,
+                                                                                                       over):
+    sid = api.session()
+    frames = make_frames([sid], 40, seed=11)
+    big = wire.packb({"id": "big", "session": sid, "layer": LAYERS[0], "x": {"dtype": "float32",
+                      "shape": [1, DIM], "data": b"\0" * (MAX_BODY + over)}})
+    url = server.url.replace("http://", "ws://") + "/v1/conv/ws"
+    with ws_connect(url, max_size=None) as ws:
+        ws.send(pack_frames(frames))
+        ws.send(big)
+        got, u = [], msgpack.Unpacker()
+        with pytest.raises(Exception):
+            while True:
+                u.feed(ws.recv(timeout=10))
+                got.extend(u)
+        assert ws.close_code == 1009
+    assert [r["id"] for r in got[:-1]] == [f["id"] for f in frames] and all("y" in r for r in got[:-1])
+    assert got[-1]["id"] is None and got[-1]["error"]["code"] == "payload_too_large"
+    ref = Reference(model())
+    for f, r in zip(frames, got):
+        assert_close(wire.decode_tensor(r["y"]), ref.conv(f["session"], f["layer"], f["x"]))
+    assert api.call("GET", f"/v1/sessions/{sid}")[1]["positions"] == [sum(f["x"].shape[0] for f in frames if f["layer"] == p) for p in LAYERS]
 
 
 # ------------------------------------------------------------------------------------------------ bad handshakes
