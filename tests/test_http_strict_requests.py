@@ -23,6 +23,8 @@ ID_ROUTES = [("GET", "/v1/sessions/{id}", None), ("DELETE", "/v1/sessions/{id}",
              ("POST", "/v1/sessions/{id}/accept", {"tokens": 0})]
 #: ids no create accepts, as they appear in a URL path (percent-encoded), and as the server decodes them
 BAD_IDS = [("a%20b", "a b"), ("a%21b", "a!b"), ("x" * 129, "x" * 129), ("%C3%A9", "\u00e9")]
+#: and in a body, one far longer than the rule (in msgpack, beyond what a bound on strings once refused as 413)
+BODY_BAD_IDS = [*BAD_IDS, ("x" * 70_000, "x" * 70_000)]
 
 
 def _exists(api, sid) -> bool:
@@ -104,7 +106,7 @@ BODY_ROUTES = [("POST", "/v1/conv", lambda sid, x: {"session": sid, "layer": 0, 
 
 
 @pytest.mark.parametrize("method,route,make", BODY_ROUTES, ids=[r for _, r, _ in BODY_ROUTES])
-@pytest.mark.parametrize("raw,decoded", BAD_IDS, ids=["space", "bang", "129-chars", "non-ascii"])
+@pytest.mark.parametrize("raw,decoded", BODY_BAD_IDS, ids=["space", "bang", "129-chars", "non-ascii", "70k-chars"])
 def test_an_invalid_session_id_in_a_body_is_a_400_naming_the_rule_not_a_404(api, method, route, make, raw,
                                                                             decoded):
     import torch
@@ -147,3 +149,22 @@ def test_an_optional_field_given_as_null_is_the_same_as_leaving_it_out(api):
     assert st == 200
     assert api.call("GET", f"/v1/sessions/{sid}")[1]["positions"] == \
         api.call("GET", f"/v1/sessions/{other}")[1]["positions"]
+
+
+def test_a_msgpack_x_whose_data_is_a_base64_string_of_any_size_within_the_body_is_read(api):
+    """A string ``data`` in a msgpack body is base64, as in JSON: no bound of its own below the body's."""
+    import base64
+
+    import torch
+
+    x = torch.randn(768, DIM)                            # 768 x DIM float32: a base64 string past 64 KiB
+    enc = wire.encode_tensor(x)
+    assert len(base64.b64encode(enc["data"])) > 64 << 10
+    ys = []
+    for data in (base64.b64encode(enc["data"]).decode(), enc["data"]):
+        sids = [api.session() for _ in range(3)]
+        st, obj, _ = api.call("POST", "/v1/conv/batch", {"sessions": sids, "layer": 0, "tokens": [256] * 3,
+                                                        "x": {**enc, "data": data}})
+        assert st == 200, obj
+        ys.append(wire.decode_tensor(obj["y"]))
+    assert torch.equal(*ys)

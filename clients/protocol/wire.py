@@ -42,8 +42,7 @@ DTYPE_NAMES = tuple(ITEMSIZE)
 #: Structural bounds for decoded messages, besides the byte bound the caller passes.
 MAX_DIMS = 8
 _MAX_ARRAY_LEN = 4096     # shapes, layer lists, the session ids of a batch
-_MAX_MAP_LEN = 32         # request / response maps
-_MAX_STR_LEN = 64 * 1024  # session ids, messages
+_MAX_MAP_LEN = 32         # response maps (a request's maps are bounded by its object budget)
 
 if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for is little-endian
     raise ImportError("convserve's wire codec assumes a little-endian host")
@@ -152,12 +151,14 @@ class ObjectBudget:
 
 
 def _bounds(max_bytes: int, budget: Optional[ObjectBudget] = None) -> dict:
-    # one array holds at most as many entries as the message may hold objects (the budget, a setting of the
-    # server): a batch of any max_batch_size within it decodes, and no array is built past it
-    kw = dict(raw=False, strict_map_key=True, use_list=True, max_bin_len=max_bytes,
-              max_str_len=min(_MAX_STR_LEN, max_bytes),
-              max_array_len=_MAX_ARRAY_LEN if budget is None else max(_MAX_ARRAY_LEN, budget.limit),
-              max_map_len=_MAX_MAP_LEN, max_ext_len=0)
+    # one array or map holds at most as many entries as the message may hold objects (the budget, a setting of
+    # the server): a batch of any max_batch_size within it decodes, no container is built past it, and a map of
+    # unknown fields decodes to the 400 that names them. Strings, like bins, are bounded by the message's bytes:
+    # the fields that hold one check their own lengths (a session id's rule, a tensor's base64 data)
+    cap = None if budget is None else max(_MAX_ARRAY_LEN, budget.limit)
+    kw = dict(raw=False, strict_map_key=True, use_list=True, max_bin_len=max_bytes, max_str_len=max_bytes,
+              max_array_len=_MAX_ARRAY_LEN if cap is None else cap, max_map_len=_MAX_MAP_LEN if cap is None else cap,
+              max_ext_len=0)
     if budget is not None:
         kw.update(list_hook=budget.list_hook, object_pairs_hook=budget.pairs_hook)
     return kw
@@ -213,7 +214,7 @@ def bound_error(e: Exception, what: str) -> Optional[PayloadTooLarge]:
 #: msgpack's bound, and what a message past it holds (a value of what, counted in what) and how to fix it
 _BOUNDS = {"max_array_len": ("an array", "entries", "split the batch, or raise --max-body-objects"),
            "max_map_len": ("a map", "entries", "send the documented fields only"),
-           "max_str_len": ("a string", "bytes", "session ids and strings are at most 64 KiB")}
+           "max_str_len": ("a string", "bytes", "send fewer tokens per request")}
 
 
 def new_unpacker(max_bytes: int, budget: Optional[ObjectBudget] = None) -> msgpack.Unpacker:
