@@ -121,6 +121,14 @@ def test_a_stream_client_that_reads_nothing_is_cut_off_after_body_timeout_s_and_
         srv.kill()
 
 
+@pytest.mark.parametrize("ct", ["application/json", "text/plain"])
+def test_a_stream_in_another_content_type_is_a_400_saying_the_route_takes_msgpack_only(api, ct):
+    r = api.http.post("/v1/conv/stream", content=b"{}", headers={"content-type": ct})
+    assert r.status_code == 400
+    msg = api.decode(r)["error"]["message"]
+    assert "msgpack frames only" in msg and "application/vnd.msgpack" in msg and "base64" not in msg, msg
+
+
 def test_stream_frame_error_fails_alone(api):
     sid = api.session()
     frames = make_frames([sid], 6, seed=4)

@@ -17,17 +17,21 @@ from convserve.service.http.asgi import ClientGone, header
 from convserve.service.claims import with_request_id
 
 
-def body_format(scope) -> str:
-    """``"msgpack"`` or ``"json"`` from the Content-Type; raise :class:`BadRequest` for anything else."""
+def body_format(scope, route: Optional[str] = None) -> str:
+    """``"msgpack"`` or ``"json"`` from the Content-Type; raise :class:`BadRequest` for anything else. With
+    ``route`` (a route that carries msgpack only), JSON is refused too, naming the route."""
     ct = header(scope, b"content-type")
     if ct is None:
         return "msgpack"
     ct = ct.split(b";", 1)[0].strip().lower().decode("latin-1")
     if ct in wire.MSGPACK_TYPES:
         return "msgpack"
+    if route is not None:
+        raise BadRequest(f"Content-Type {ct!r:.60} is not supported: {route} carries msgpack frames only; send "
+                         f"Content-Type {wire.MEDIA_TYPE}")
     if ct == wire.JSON_TYPE:
         return "json"
-    raise BadRequest(f"Content-Type {ct!r} is not supported; send {wire.MEDIA_TYPE} (or application/json, whose "
+    raise BadRequest(f"Content-Type {ct!r:.60} is not supported; send {wire.MEDIA_TYPE} (or application/json, whose "
                      "tensors carry their data in base64)")
 
 

@@ -12,8 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
-from convserve.clients.protocol import wire
-from convserve.clients.protocol.errors import BadRequest, ServiceError
+from convserve.clients.protocol.errors import ServiceError
 from convserve.service.http.asgi import ABORT_SCOPE_KEY, ERROR_SCOPE_KEY, MSGPACK_CT, ROUTE_SCOPE_KEY
 from convserve.service.http.errors import send_error
 from convserve.service.http.parse import body_format
@@ -34,8 +33,7 @@ class StreamEndpoint:
         scope[ROUTE_SCOPE_KEY] = "/v1/conv/stream"
         try:
             svc.require_ready()
-            if body_format(scope) != "msgpack":
-                raise BadRequest(f"/v1/conv/stream carries msgpack frames; send Content-Type {wire.MEDIA_TYPE}")
+            body_format(scope, "/v1/conv/stream")
         except ServiceError as e:
             await send_error(scope, send, e)
             return
