@@ -168,3 +168,16 @@ def test_a_msgpack_x_whose_data_is_a_base64_string_of_any_size_within_the_body_i
         assert st == 200, obj
         ys.append(wire.decode_tensor(obj["y"]))
     assert torch.equal(*ys)
+
+
+@pytest.mark.parametrize("method,route,allowed", [
+    ("POST", "/v1/sessions/{s}/state", ["GET", "PUT"]), ("PATCH", "/v1/sessions", ["GET", "POST"]),
+    ("PATCH", "/v1/sessions/{s}", ["DELETE", "GET"]), ("GET", "/v1/conv", ["POST"]),
+    ("PUT", "/v1/accept", ["POST"])])
+def test_a_405_lists_every_method_of_the_path_in_allow_and_in_its_message(api, method, route, allowed):
+    sid = api.session()
+    st, obj, headers = api.call(method, route.format(s=sid))
+    assert st == 405 and obj["error"]["code"] == "method_not_allowed", obj
+    assert sorted(m.strip() for m in headers["allow"].split(",")) == allowed
+    assert ", ".join(allowed) in obj["error"]["message"]
+    assert _exists(api, sid)

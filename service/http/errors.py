@@ -20,6 +20,7 @@ from typing import Optional
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from convserve.clients.protocol.errors import Internal, ServiceError, Unauthorized
 from convserve.service.http.asgi import (CLIENT_CLOSED_STATUS, ERROR_SCOPE_KEY, ClientGone, client_gone, render,
@@ -124,6 +125,16 @@ class _FrameworkError(ServiceError):
         self.status, self.code = status, code
 
 
+def allowed_methods(app: FastAPI, scope) -> list:
+    """Every method some route takes on ``scope``'s path (the router's own 405 names only the first such route's):
+    one path is often several routes, a GET and a PUT, say."""
+    methods: set = set()
+    for route in app.router.routes:
+        if getattr(route, "methods", None) and route.matches({**scope, "type": "http"})[0] != Match.NONE:
+            methods |= route.methods
+    return sorted(methods)
+
+
 def install_handlers(app: FastAPI) -> None:
     """Render every exception a FastAPI route raises (or the router's own 404/405) with :func:`error_response`."""
 
@@ -133,10 +144,17 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
-        msg = {404: f"no route {request.url.path}; see README.md (API reference) for the routes",
-               405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
+        headers = exc.headers
+        if exc.status_code == 405:
+            allowed = allowed_methods(app, request.scope)
+            headers = {**{k: v for k, v in (headers or {}).items() if k.lower() != "allow"},
+                       "allow": ", ".join(allowed)}
+            msg = f"{request.method} is not allowed on {request.url.path}; its methods are {', '.join(allowed)}"
+        else:
+            msg = {404: f"no route {request.url.path}; see README.md (API reference) for the routes"}.get(
+                exc.status_code, str(exc.detail))
         err = _FrameworkError(exc.status_code, HTTP_CODES.get(exc.status_code, "bad_request"), msg)
-        return error_response(request.scope, err, extra_headers=exc.headers)
+        return error_response(request.scope, err, extra_headers=headers)
 
     @app.exception_handler(ClientGone)
     async def _client_gone(request: Request, exc: ClientGone):
