@@ -228,7 +228,7 @@ def layer_position(layer, positions: dict, layers: list) -> int:
     """``positions[layer]`` (``{model layer: position}`` of the conv ``layers``); raises :class:`UnknownLayer`
     for anything else, with the message every engine and worker answers."""
     if isinstance(layer, bool) or not isinstance(layer, int):
-        raise UnknownLayer(f"layer: expected an integer model layer index, got {layer!r}")
+        raise UnknownLayer(f"layer: expected an integer model layer index, got {layer!r:.40}")
     p = positions.get(layer)
     if p is None:
         raise UnknownLayer(f"layer {layer} has no conv; conv layers are {layers}")

@@ -181,3 +181,22 @@ def test_a_405_lists_every_method_of_the_path_in_allow_and_in_its_message(api, m
     assert sorted(m.strip() for m in headers["allow"].split(",")) == allowed
     assert ", ".join(allowed) in obj["error"]["message"]
     assert _exists(api, sid)
+
+
+@pytest.mark.parametrize("make", [
+    lambda sid: ("/v1/conv", {"session": sid, "layer": 0, "x": {"dtype": "float32", "shape": [1] * 60_000,
+                                                                  "data": b""}}),
+    lambda sid: ("/v1/conv", {"session": sid, "layer": 0, "x": {"dtype": "f" * 60_000, "shape": [1], "data": b""}}),
+    lambda sid: ("/v1/conv", {"session": sid, "layer": "9" * 60_000, "x": {"dtype": "float32", "shape": [1, DIM],
+                                                                           "data": b"\0" * 4 * DIM}}),
+    lambda sid: ("/v1/conv/batch", {"sessions": [sid], "layer": 0, "tokens": ["1" * 60_000],
+                                    "x": {"dtype": "float32", "shape": [1, DIM], "data": b"\0" * 4 * DIM}}),
+    lambda sid: ("/v1/conv/batch", {"sessions": [sid], "layer": 0, "speculative": "t" * 60_000,
+                                    "x": {"dtype": "float32", "shape": [1, DIM], "data": b"\0" * 4 * DIM}}),
+], ids=["shape", "dtype", "layer", "tokens", "speculative"])
+def test_an_error_quotes_a_bad_value_cut_short_not_the_whole_value(api, make):
+    sid = api.session()
+    route, body = make(sid)
+    r = api.http.post(route, content=wire.packb(body))
+    assert 400 <= r.status_code < 500 and len(r.content) < 1000, (r.status_code, len(r.content))
+    assert api.call("GET", f"/v1/sessions/{sid}")[1]["positions"] == [0] * len(api.layers)

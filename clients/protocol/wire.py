@@ -332,12 +332,12 @@ def decode_tensor(obj: Any, *, check_shape: Optional[Callable[[tuple], None]] = 
         raise BadRequest(f"'{name}.dtype' is missing or not a string; use one of {', '.join(DTYPE_NAMES)}")
     itemsize = ITEMSIZE.get(dtype)
     if itemsize is None:
-        raise DtypeUnsupported(f"'{name}.dtype' {dtype!r} is not supported; use one of {', '.join(DTYPE_NAMES)}")
+        raise DtypeUnsupported(f"'{name}.dtype' {dtype!r:.40} is not supported; use one of {', '.join(DTYPE_NAMES)}")
     shape = obj.get("shape")
     if (not isinstance(shape, (list, tuple)) or len(shape) > MAX_DIMS
             or not all(type(s) is int and s >= 0 for s in shape)):
         raise BadRequest(f"'{name}.shape' must be a list of at most {MAX_DIMS} non-negative integers, "
-                         f"got {shape!r}")
+                         f"got {shape!r:.80}")
     shape = tuple(shape)
     if check_shape is not None:
         check_shape(shape)

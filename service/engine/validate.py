@@ -88,7 +88,7 @@ def own_copy(x: torch.Tensor, cfg, model_dtype: torch.dtype) -> torch.Tensor:
 
 def check_speculative(speculative) -> None:
     if not isinstance(speculative, bool):
-        raise BadRequest(f"speculative: expected a boolean, got {speculative!r}")
+        raise BadRequest(f"speculative: expected a boolean, got {speculative!r:.60}")
 
 
 def check_state(model, state_dtype: torch.dtype, state) -> torch.Tensor:
@@ -112,7 +112,7 @@ def check_state(model, state_dtype: torch.dtype, state) -> torch.Tensor:
 
 def check_accept_tokens(n_tokens, name: str = "tokens") -> None:
     if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 0:
-        raise BadRequest(f"{name}: expected an integer >= 0, got {n_tokens!r}")
+        raise BadRequest(f"{name}: expected an integer >= 0, got {n_tokens!r:.60}")
 
 
 def check_batch_sessions(session_ids, most: int, what: str = "one batch") -> int:
@@ -152,7 +152,7 @@ def _int_list(v, n: int, name: str, least: int) -> list:
         return v if type(v) is list else list(v)
     for i, t in enumerate(v):
         if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or t < least:
-            raise BadRequest(f"{name}[{i}]: expected an integer >= {least}, got {t!r}")
+            raise BadRequest(f"{name}[{i}]: expected an integer >= {least}, got {t!r:.60}")
     return [int(t) for t in v]
 
 
@@ -189,7 +189,7 @@ def check_batch_plan(n: int, tokens, speculative, max_spec: int):
             raise BadRequest(f"speculative: expected one boolean per session ({n}), got {len(speculative)}")
         for i, f in enumerate(speculative):
             if not isinstance(f, (bool, np.bool_)):
-                raise BadRequest(f"speculative[{i}]: expected a boolean, got {f!r}")
+                raise BadRequest(f"speculative[{i}]: expected a boolean, got {f!r:.60}")
         spec = np.array(speculative, dtype=bool)
         if not spec.any():
             spec = None

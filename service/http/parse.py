@@ -365,7 +365,7 @@ class Parser:
             if k not in LIST_QUERY:
                 raise BadRequest(f"unknown query parameter {k!r:.60}; the allowed ones are {', '.join(LIST_QUERY)}")
             if k in seen:
-                raise BadRequest(f"query parameter {k!r} is given more than once; give it once")
+                raise BadRequest(f"query parameter {k!r:.60} is given more than once; give it once")
             seen.add(k)
         limit = query.get("limit")
         if limit is None:
