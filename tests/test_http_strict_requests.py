@@ -200,3 +200,20 @@ def test_an_error_quotes_a_bad_value_cut_short_not_the_whole_value(api, make):
     r = api.http.post(route, content=wire.packb(body))
     assert 400 <= r.status_code < 500 and len(r.content) < 1000, (r.status_code, len(r.content))
     assert api.call("GET", f"/v1/sessions/{sid}")[1]["positions"] == [0] * len(api.layers)
+
+
+@pytest.mark.parametrize("route", ["/v1/sessions", "/v1/sessions/{s}/fork"])
+@pytest.mark.parametrize("raw,ct", [(b"\xc0", wire.MEDIA_TYPE), (b"\xc4\x00", wire.MEDIA_TYPE),
+                                    (b"null", "application/json"), (b"[]", "application/json")],
+                         ids=["msgpack-nil", "msgpack-empty-bin", "json-null", "json-list"])
+def test_a_create_or_fork_body_that_is_no_map_is_a_400_and_creates_nothing(api, route, raw, ct):
+    sid = api.session()
+    ids = (lambda: sorted(s["session"] for s in api.call("GET", "/v1/sessions?limit=1000")[1]["sessions"]))
+    before = ids()
+    st, obj, _ = api.call("POST", route.format(s=sid), raw=raw, headers={"content-type": ct})
+    assert st == 400 and "must be a map" in obj["error"]["message"], obj
+    assert ids() == before
+    for ok in (b"", wire.packb({})):                 # an empty body, or an empty map: the server picks the id
+        st, obj, _ = api.call("POST", route.format(s=sid), raw=ok)
+        assert st == 201, obj
+        api.call("DELETE", f"/v1/sessions/{obj['session']}")

@@ -324,11 +324,11 @@ class Parser:
 
     @staticmethod
     def new_session_id(body: Any, what: str = "session") -> Optional[str]:
-        """The id asked for by a create or fork body, or None (the engine picks one)."""
-        if body is None or body == {} or body == b"":
-            return None
+        """The id asked for by a create or fork body (an empty body reads as ``{}``), or None (the engine picks
+        one). A body that is no map (a msgpack nil or empty bin, a JSON null) is a 400, as any other non-map."""
         if type(body) is not dict:
-            raise BadRequest(f"the body must be a map {{\"session\": id}} or empty, got {type(body).__name__}")
+            got = "null" if body is None else type(body).__name__
+            raise BadRequest(f"the body must be a map {{\"session\": id}} or empty, got {got}")
         check_fields(body, SESSION_FIELDS, "this body")
         sid = body.get("session")
         if sid is None:
