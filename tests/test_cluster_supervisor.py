@@ -61,12 +61,14 @@ def test_a_child_that_does_not_stop_in_time_is_killed_and_logged(caplog):
     p = multiprocessing.get_context("fork").Process(target=_ignore_sigterm_and_sleep, name="engine-0")
     p.start()
     time.sleep(0.3)                          # its handler in place
-    fake = types.SimpleNamespace(failed=False)
-    child = types.SimpleNamespace(proc=p, restart_at=None, born=None)
+    marked = []
+    fake = types.SimpleNamespace(failed=False, _mark_crashed=marked.append)
+    child = types.SimpleNamespace(proc=p, restart_at=None, born=None, kind="engine", index=0)
     with caplog.at_level(logging.ERROR, logger="convserve"):
         Supervisor._stop(fake, [child], 0.5)
     assert not p.is_alive() and p.exitcode == -9
     assert fake.failed and child.proc is None
+    assert marked == [0]                     # killed: no final snapshot, so its files are not to be restored
     rec = [r for r in caplog.records if "did not stop in time" in r.getMessage()]
     assert rec and rec[0].child == "engine-0" and rec[0].pid == p.pid
 
@@ -96,7 +98,8 @@ def test_the_children_overdue_at_a_stage_end_are_killed_together_so_the_stage_wa
     sent = []
     monkeypatch.setattr(supervisor, "_signal", lambda c, sig: sent.append((c.proc.name, sig)))
     monkeypatch.setattr(supervisor, "KILL_JOIN_S", 0.3)
-    children = [types.SimpleNamespace(proc=_StuckProcess(i), restart_at=None, born=None) for i in range(3)]
+    children = [types.SimpleNamespace(proc=_StuckProcess(i), restart_at=None, born=None, kind="worker", index=i)
+                for i in range(3)]
     procs = [c.proc for c in children]
     fake = types.SimpleNamespace(failed=False)
     Supervisor._stop(fake, children, 0.2)

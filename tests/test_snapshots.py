@@ -339,6 +339,48 @@ def test_a_stop_before_a_crashed_engine_is_back_does_not_resurrect_its_sessions_
         srv.kill()
 
 
+def test_an_engine_that_dies_as_the_server_stops_is_marked_crashed_and_the_stop_exits_1(tmp_path):
+    """Engine 0's process dies just as the server is told to stop (the supervisor, paused, sees the SIGTERM before
+    the death): it wrote no final snapshot, so its files are older than its sessions and must not be restored (the
+    sessions answer 410 at the next start, not an older state), and the stop lost state: exit 1."""
+    srv = serve(tmp_path, "engine processes")
+    try:
+        c = Client(srv.url)
+        doomed, kept = ids(2, "engine processes")
+        for s in (doomed, kept):
+            c.create(s)
+            c.conv(s, 0, 3, seed=1)
+        assert srv.terminate() == 0                       # both engines' files hold the sessions at 3
+    finally:
+        srv.kill()
+    srv = serve(tmp_path, "engine processes")
+    try:
+        c.reconnect(srv.url)
+        for s in (doomed, kept):
+            c.conv(s, 0, 2, seed=2)
+        engine = httpx.get(srv.url + "/readyz").json()["engines"][0]["pid"]
+        sup = srv.server_pid()
+        os.kill(sup, signal.SIGSTOP)
+        try:
+            os.kill(engine, signal.SIGKILL)
+            os.kill(sup, signal.SIGTERM)
+        finally:
+            os.kill(sup, signal.SIGCONT)
+        assert srv.proc.wait(30) == 1
+        srv._reader.join(timeout=5)
+    finally:
+        srv.kill()
+    assert any(r.get("msg") == "snapshots of the crashed engine will not be restored" for r in srv.logs)
+    srv = serve(tmp_path, "engine processes")
+    try:
+        c.reconnect(srv.url)
+        st, body = conv(c.api, doomed, 0, rand_x(1), position=5)
+        assert st == 410 and body["error"]["code"] == "state_lost", body
+        assert positions(c.api, kept) == [5, 0, 0]
+    finally:
+        srv.kill()
+
+
 def test_sessions_beyond_the_new_pool_are_logged_as_not_restored_and_answer_410(tmp_path):
     srv = serve(tmp_path, "in-process")
     try:

@@ -277,8 +277,12 @@ class Supervisor:
             self.status.set_state(c.index, STOPPED)
 
     def _stop(self, children: list, grace: float) -> None:
-        """SIGTERM to each child that runs, then up to ``grace`` seconds for all to exit; SIGKILL to the rest."""
-        live = [c for c in children if c.proc is not None and _running(c)]
+        """SIGTERM to each child that runs, then up to ``grace`` seconds for all to exit; SIGKILL to the rest. A
+        child that died before (a death the loop had not handled when the stop came) or did not exit cleanly fails
+        the stop (exit 1), and such an engine's snapshots are marked as not to be restored: it wrote no final one,
+        so its files are older than its sessions."""
+        dead = [c for c in children if c.proc is not None and not _running(c)]
+        live = [c for c in children if c.proc is not None and c not in dead]
         for c in live:
             _signal(c, signal.SIGTERM)                      # drain
         deadline = time.monotonic() + grace
@@ -295,8 +299,12 @@ class Supervisor:
         for c in overdue:
             c.proc.join(max(0.0, joined - time.monotonic()))
             _make_sure_gone(c.proc.pid, c.born, max(0.0, gone - time.monotonic()))
-        if any(c.proc.exitcode not in (0, -signal.SIGTERM) for c in live):
+        for c in dead + [c for c in live if c.proc.exitcode not in (0, -signal.SIGTERM)]:
             self.failed = True
+            log.error("child process died before it could stop cleanly",
+                      extra={"pid": c.proc.pid, "child": c.proc.name, "exitcode": c.proc.exitcode})
+            if c.kind == "engine":
+                self._mark_crashed(c.index)
         for c in children:
             c.proc = None
             c.restart_at = None
