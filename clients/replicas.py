@@ -196,16 +196,18 @@ class Router:
                      "sessions": counts.get(u, 0)} for u, r in sorted(self.replicas.items())]
 
     def servers(self) -> list[tuple[str, bool]]:
-        """One ``(URL, up)`` per server, sorted by URL (a server's several addresses count once: the first), the
-        listed replicas and those still holding placed sessions: what a walk over every server's sessions visits."""
+        """One ``(URL, up)`` per server, sorted by URL, of the listed replicas and those still holding placed
+        sessions: what a walk over every server's sessions visits. A server's several addresses count once: an up
+        one, listed first (a server back at a new address is walked there, not named down at its old one)."""
         with self.lock:
             held = set(self.placed.values())
-            seen, out = set(), []
+            best: dict = {}
             for u, r in sorted(self.replicas.items()):
-                if (r.listed or u in held) and r.key not in seen:
-                    seen.add(r.key)
-                    out.append((u, r.up))
-            return out
+                if r.listed or u in held:
+                    rank = (not r.up, not r.listed, u)
+                    if r.key not in best or rank < best[r.key][0]:
+                        best[r.key] = (rank, u, r.up)
+            return sorted((u, up) for _, u, up in best.values())
 
     # --- placement
 

@@ -83,6 +83,20 @@ def test_two_addresses_of_one_replica_count_once():
     assert len(r.live()) == 1
 
 
+@pytest.mark.parametrize("old_first", [True, False])
+def test_a_replica_back_at_a_new_address_is_walked_there_not_named_down_at_its_old_one(old_first):
+    old, new, other = ("http://10.0.0.1:8000", "http://10.0.0.9:8000", "http://10.0.0.5:8000") if old_first else \
+        ("http://10.0.0.9:8000", "http://10.0.0.1:8000", "http://10.0.0.5:8000")
+    r = router([old, other], names={old: "same", other: "b"})
+    next(s for s in (f"s{i}" for i in range(50)) if r.place(s) == old)     # a session held at the old one
+    r.set_urls([new, other])                 # the replica left the name (its sessions keep it) and came back
+    r.mark(new, True, name="same")
+    assert r.servers() == sorted([(new, True), (other, True)])
+    r.mark(new, False, why="refused")         # down at both: named once, down
+    assert sorted(u for u, up in r.servers() if not up) in ([old], [new])
+    assert len(r.servers()) == 2
+
+
 def test_dns_endpoints_resolve_through_the_injected_resolver():
     e = Endpoints.parse("dns://convserve-headless.default.svc:8000", resolver=lambda host: ["10.1.0.7", "fd00::5"])
     assert e.resolve() == ["http://10.1.0.7:8000", "http://[fd00::5]:8000"]
