@@ -494,9 +494,12 @@ class _Base:
         toks, spec = self._batch_rows(sessions, x, tokens, speculative)
         try:
             return _decode(resp), toks, spec
-        except PositionMismatch as e:
-            if book is not None and attempt:
-                book.moved_on(e, list(sessions), layer, pos, toks, spec, rid)
+        except PositionMismatch as e:       # (a split batch's part refused after other parts ran: those count)
+            if book is not None:
+                ran = e.extra.get("applied") or ()
+                book.partly_applied(e, list(sessions), layer, toks, spec)
+                if attempt:
+                    book.moved_on(e, list(sessions), layer, pos, toks, spec, rid, skip=frozenset(ran))
             raise
         except ServiceError as e:   # a batch split across engines, some of whose parts ran: they count
             if book is not None:

@@ -256,16 +256,16 @@ class PositionBook:
                 self.accepted(s, n)
 
     def moved_on(self, err: PositionMismatch, sessions: list, layer: int, positions: list, tokens: list,
-                 speculative: list, rid: Optional[str] = None) -> None:
+                 speculative: list, rid: Optional[str] = None, skip: frozenset = frozenset()) -> None:
         """A ``409`` after a retry: sessions whose server position is the expected one plus their tokens had
         the first attempt applied (its answer no longer kept); record that they moved on. Not when the error says
         another request (``applied_request_id`` not ``rid``, this call's) was applied there: this call never
-        ran."""
+        ran. ``skip``: sessions this attempt applied (counted by :meth:`partly_applied`)."""
         if rid is not None and err.extra.get("applied_request_id", rid) != rid:
             return
         server = err.position if isinstance(err.position, list) else [err.position]
         if len(server) != len(sessions):
             return
         for s, want, got, n, spec in zip(sessions, positions, server, tokens, speculative):
-            if not spec and got == want + n:
+            if not spec and got == want + n and s not in skip:
                 self.applied(s, layer, n, False)

@@ -502,3 +502,46 @@ def test_a_retried_accept_that_finds_one_session_committed_and_another_not_count
         assert c.positions.at("a", LAYER) == 7 and c.positions.at("b", LAYER) == 5
 
 
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+@pytest.mark.parametrize("retried", [False, True])
+def test_a_batch_409_that_lists_applied_sessions_counts_their_slices_once_and_only_theirs(kind, retried):
+    """A batch split across engines whose one part was refused for its position after the other ran: the 409
+    lists the applied session; the tracking client counts its slice (once, also when the 409 answers a retry, where
+    the server's position for it is the expected one plus its tokens), and not the refused session's."""
+    from convserve.clients.protocol import wire as w
+
+    posts = []
+
+    def handler(request):
+        if request.method == "GET":
+            sid = request.url.path.rsplit("/", 1)[1]
+            body = {"session": sid, "layers": [LAYER], "positions": [0], "pending": {"layers": []}}
+            return httpx.Response(200, content=w.packb(body), headers={"content-type": w.MEDIA_TYPE})
+        posts.append(request)
+        if retried and len(posts) == 1:          # the first attempt: refused at once, nothing ran
+            err = {"error": {"code": "not_ready", "message": "engine 1 is down", "retry_after": 0}}
+            return httpx.Response(503, content=w.packb(err), headers={"content-type": w.MEDIA_TYPE,
+                                                                       "retry-after": "0"})
+        err = {"error": {"code": "position_mismatch", "message": "a conv before it left; the other parts ran",
+                         "position": [1, 4], "applied": ["a"]}}
+        return httpx.Response(409, content=w.packb(err), headers={"content-type": w.MEDIA_TYPE})
+
+    x = torch.zeros(3, 4)
+    if kind == "sync":
+        with ConvClient("http://replica", transport=httpx.MockTransport(handler), track_positions=True,
+                        retry_backoff_s=0.001) as c:
+            with pytest.raises(PositionMismatch) as e:
+                c.conv_batch(["a", "b"], LAYER, x, tokens=[1, 2])
+            book = c.positions
+    else:
+        async def go():
+            async with AsyncConvClient("http://replica", transport=httpx.MockTransport(handler),
+                                       track_positions=True, retry_backoff_s=0.001) as c:
+                with pytest.raises(PositionMismatch) as e:
+                    await c.conv_batch(["a", "b"], LAYER, x, tokens=[1, 2])
+                return e, c.positions
+        e, book = asyncio.run(go())
+    assert len(posts) == (2 if retried else 1) and e.value.extra["applied"] == ["a"]
+    assert book.at("a", LAYER) == 1 and book.at("b", LAYER) == 0

@@ -8,19 +8,20 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from convserve.clients.protocol.errors import NotReady, OutOfMemory, RequestTimeout, StateLost
+from convserve.clients.protocol.errors import NotReady, OutOfMemory, PositionMismatch, RequestTimeout, StateLost
 from convserve.service.cluster.remote import RemoteEngine
 from convserve.service.cluster.session_order import SessionOrder
 from convserve.service.cluster.split_batch import whole_model
 
 
-def _split(results: dict):
-    """``_split_batch`` of two sessions, one on each of engines 0 and 1, whose parts answer ``results[e]``."""
+def _split(results: dict, position=None):
+    """``_split_batch`` of two sessions, one on each of engines 0 and 1, whose parts answer ``results[e]`` (after
+    checks that pass, ``position``: the batch's)."""
     r = RemoteEngine.__new__(RemoteEngine)
     r.dim = 4
 
     async def call(e, head, data=None):
-        return {"ok": None}, None
+        return {"ok": None if position is None else {"repeat": False, "positions": head["po"]}}, None
 
     async def main():
         loop = asyncio.get_running_loop()
@@ -41,7 +42,7 @@ def _split(results: dict):
         r.order.hold(["a", "b"], hold)
         try:
             return await r._split_batch({0: [0], 1: [1]}, ["a", "b"], 1, torch.zeros(2, 4), torch.float32, None,
-                                        None, None, [], hold)
+                                        None, position, [], hold)
         finally:
             assert hold.done() and not r.order         # the sessions are released whatever the outcome
 
@@ -59,6 +60,16 @@ def test_a_split_batch_with_a_lost_part_and_an_applied_part_says_which_was_appli
         _split({0: None, 1: StateLost("the state of 'b' was lost")})
     assert e.value.extra["applied"] == ["a"]          # a field too, for clients (and in the error body)
     assert e.value.to_dict()["error"]["applied"] == ["a"]
+
+
+def test_a_part_refused_for_its_position_after_the_other_ran_is_a_409_with_every_sessions_position_and_applied():
+    """Engine 1's part is refused at its turn (a conv queued before it left without running: the cascade) after
+    engine 0's part ran: the 409 names the applied session and gives both sessions' positions, not one."""
+    with pytest.raises(PositionMismatch) as e:
+        _split({0: None, 1: PositionMismatch("layer 1: a conv queued before this request was withdrawn; nothing "
+                                             "ran. The server's position is [4]", position=[4])}, position=[2, 5])
+    assert e.value.position == [3, 4] and e.value.extra["applied"] == ["a"]
+    assert "nothing ran" not in e.value.message and "slices of ['a'] were applied" in e.value.message
 
 
 @pytest.mark.parametrize("first", [None, ("at once", NotReady("engine 0 is down", retry_after=1))])

@@ -527,7 +527,7 @@ class RemoteEngine(RemoteSessions, EngineHealth):
             self.order.release(sids, hold)
         results = await asyncio.gather(*sent, return_exceptions=True)
         if any(isinstance(r, BaseException) for r in results):
-            raise failure(parts, results, sids)
+            raise failure(parts, results, sids, position, tokens)
         y = torch.empty((x.shape[0], self.dim), dtype=x.dtype)
         for ix, r in zip(row_ix, results):
             y.index_copy_(0, ix, r)

@@ -121,19 +121,41 @@ def check_positions(parts: list, checks: list, n: int) -> None:
                            position=server, **extra)
 
 
-def failure(parts: list, results: list, sids: list) -> BaseException:
+def failure(parts: list, results: list, sids: list, position=None, tokens=None) -> BaseException:
     """The error to raise for a split batch some of whose parts failed (``results``: each part's y or error).
     A part whose step failed after its launches lost its sessions' state: that (410) is what the client must
     learn, not another part's retryable error. When other parts ran, the error's ``applied`` field lists their
     sessions (in batch order) and the message says so: sending the batch again without positions would apply
-    those slices twice."""
+    those slices twice. A part refused for its positions (``position``: the batch's, ``tokens`` its lengths)
+    after others ran is a 409 whose ``position`` lists every session's (:func:`_mismatch_after_parts_ran`)."""
     failed = [r for r in results if isinstance(r, BaseException)]
     first = next((r for r in failed if isinstance(r, StateLost)), failed[0])
     done = sorted((i for p, r in zip(parts, results) if not isinstance(r, BaseException) for i in p[1]))
+    if done and isinstance(first, PositionMismatch) and position is not None:
+        first = _mismatch_after_parts_ran(first, parts, results, position, tokens)
     if done and isinstance(first, ServiceError):
         first = partly_applied(first, [sids[i] for i in done], "slices",
                                any(isinstance(r, EngineTimeout) for r in failed))
     return first
+
+
+def _mismatch_after_parts_ran(err: PositionMismatch, parts: list, results: list, position: list, tokens):
+    """``err``, a part's 409, for the whole batch: ``position`` per session in batch order, the refused parts'
+    as they reported them, the parts that ran at their claimed positions moved by their plain slices' tokens, and
+    null for a part that failed otherwise (nothing known of it here)."""
+    server: list = [None] * len(position)
+    for (_e, pos, spec), r in zip(parts, results):
+        if isinstance(r, PositionMismatch) and isinstance(r.position, list):
+            for i, q in zip(pos, r.position):
+                server[i] = q
+        elif not isinstance(r, BaseException):
+            flags = spec if isinstance(spec, list) else [bool(spec)] * len(pos)
+            for i, f in zip(pos, flags):
+                server[i] = position[i] + (0 if f else 1 if tokens is None else tokens[i])
+    extra = {k: v for k, v in err.extra.items() if k != "position"}
+    return PositionMismatch(f"{err.message.split(';')[0]}; the batch's parts on other engines ran. The server's "
+                            f"positions are {server!r:.300} (in 'position'; null where not known)",
+                            position=server, **extra)
 
 
 def partly_applied(err: ServiceError, applied: list, what: str, unknown: bool = False) -> ServiceError:
