@@ -169,8 +169,8 @@ def _raise_error(status: int, headers, body: bytes) -> None:
 
 def partly_applied(resp: httpx.Response) -> bool:
     """Does an error answer say that some of its batch ran (a batch split across engine processes, one of whose
-    parts failed: its ``applied`` field)? Sending it again cannot succeed then (it repeats on some sessions and
-    is new on others), so a retrying client stops and reports it."""
+    parts failed: its ``applied`` field)? A retrying client stops and reports it: the caller learns which slices
+    ran (the error names them) instead of a retry that, with its failed part's cause still there, fails again."""
     if resp.status_code < 400 or b"applied" not in resp.content:
         return False
     try:

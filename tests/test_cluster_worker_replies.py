@@ -14,14 +14,14 @@ from convserve.service.cluster.session_order import SessionOrder
 from convserve.service.cluster.split_batch import whole_model
 
 
-def _split(results: dict, position=None):
+def _split(results: dict, position=None, repeat=(False, False)):
     """``_split_batch`` of two sessions, one on each of engines 0 and 1, whose parts answer ``results[e]`` (after
-    checks that pass, ``position``: the batch's)."""
+    checks that pass, ``position``: the batch's; ``repeat[e]``: engine e's part repeats an applied one)."""
     r = RemoteEngine.__new__(RemoteEngine)
     r.dim = 4
 
     async def call(e, head, data=None):
-        return {"ok": None if position is None else {"repeat": False, "positions": head["po"]}}, None
+        return {"ok": None if position is None else {"repeat": repeat[e], "positions": head["po"]}}, None
 
     async def main():
         loop = asyncio.get_running_loop()
@@ -34,7 +34,7 @@ def _split(results: dict, position=None):
             if isinstance(got, BaseException):
                 f.set_exception(got)
             else:
-                f.set_result(torch.zeros(len(rows), 4))
+                f.set_result(torch.full((len(rows), 4), float(e)))
             return f
 
         r._call, r._conv, r.loop, r.order = call, conv, loop, SessionOrder()
@@ -70,6 +70,15 @@ def test_a_part_refused_for_its_position_after_the_other_ran_is_a_409_with_every
                                              "ran. The server's position is [4]", position=[4])}, position=[2, 5])
     assert e.value.position == [3, 4] and e.value.extra["applied"] == ["a"]
     assert "nothing ran" not in e.value.message and "slices of ['a'] were applied" in e.value.message
+
+
+@pytest.mark.parametrize("repeat", [(True, False), (False, True), (True, True)])
+def test_a_split_batch_whose_earlier_attempt_ran_only_some_parts_completes_them_when_sent_again(repeat):
+    """The same batch (its whole key) sent again after an attempt of which only some parts ran (its worker died
+    between the sends): the repeated parts are answered from their kept answers, the others run, and y is joined;
+    the batch was refused whole as "repeats on some sessions and new on others", saying nothing ran."""
+    y = _split({0: None, 1: None}, position=[3, 7], repeat=repeat)
+    assert torch.equal(y, torch.tensor([[0.0] * 4, [1.0] * 4]))
 
 
 @pytest.mark.parametrize("first", [None, ("at once", NotReady("engine 0 is down", retry_after=1))])

@@ -91,28 +91,23 @@ def row_indices(parts: list, tokens, n: int) -> list:
             for _e, pos, _spec in parts]
 
 
-def _verifies_only(part) -> bool:
-    spec = part[2]
-    return spec is True or (isinstance(spec, list) and all(spec))
-
-
 def check_positions(parts: list, checks: list, n: int) -> None:
-    """The parts checked their positions (``checks``: each part's answer or error): all must be new, or all
-    repeats of applied parts; else the batch is refused whole with every session's position, gathered from the
-    parts' answers. A part of speculative slices only goes with either: a verify leaves the positions alone, so
-    its repeat is to run it again (the same answer, the same pending verify), as a new one would."""
+    """The parts checked their positions (``checks``: each part's answer or error): when every part is new or
+    a repeat, the batch goes on, each part run (new) or answered from its kept answer (a repeat); else it is
+    refused whole with every session's position, gathered from the parts' answers. A mix of new and repeated
+    parts is this batch sent again after an attempt of which only some parts ran (its worker died between the
+    sends, say): a part repeats only the applied part of the same whole batch (its ``whole_key``) and request id,
+    so the other parts complete it, exactly once. A part of speculative slices is either: a verify leaves the
+    positions alone, so its repeat is to run it again (the same answer, the same pending verify)."""
     errors = [c for c in checks if isinstance(c, BaseException)]
-    if any(not isinstance(c, PositionMismatch) for c in errors):
-        return                                   # another error: raised as it is
-    if not errors and len({c["repeat"] for p, c in zip(parts, checks) if not _verifies_only(p)}) <= 1:
-        return
+    if not errors or any(not isinstance(c, PositionMismatch) for c in errors):
+        return                                   # (another error: raised as it is)
     server = [0] * n
     for (_e, pos, _spec), c in zip(parts, checks):
         got = c.position if isinstance(c, PositionMismatch) else c["positions"]
         for i, q in zip(pos, got or ()):
             server[i] = q
-    what = errors[0].message.split(";")[0] if errors else \
-        "the batch repeats an applied request on some sessions and is new on others"
+    what = errors[0].message.split(";")[0]
     # the request every part found applied at its claimed positions, when all name the same one
     applied = {repr(e.extra["applied_request_id"]) for e in errors if "applied_request_id" in e.extra}
     extra = ({"applied_request_id": errors[0].extra["applied_request_id"]}

@@ -447,7 +447,7 @@ class Intake:
         queue nothing. The first phase of a
         batch split across engine processes: the shape and limit checks are the same on every engine and run in
         the worker. With ``position``: ``{"positions": the sessions' positions, "repeat": whether the part
-        repeats an applied batch}`` (a split batch must be all new or all a repeat), else None."""
+        repeats an applied batch}`` (a split batch's parts may mix both: ``split_batch.check_positions``), else None."""
         plan = rows = key = None
         position, rid = unclaim(position)
         if position is not None:
