@@ -16,7 +16,8 @@ marks the engine down (and after ``engine_reply_timeout_s`` in any case).
 Sessions survive nothing: when this process dies its sessions die with it. So that their ids answer
 ``410 state_lost`` rather than ``404 unknown_session`` from the next process, the ids of live sessions are kept in a
 journal file in the run directory (``+id`` at create, ``-id`` at delete, rewritten when it grows); the next process
-of this engine reads it at start-up and marks those ids lost.
+of this engine reads it at start-up and marks those ids lost, and keeps them in its own journal as lost (``!id``)
+until they are created or deleted again, so that a second crash does not turn them into 404s.
 
 With ``state_dir`` the engine is started and stopped through a :class:`~convserve.service.snapshots.Snapshotter`
 (its own files, named by its index): the first process of this engine restores its newest good snapshot, a
@@ -57,45 +58,59 @@ EXIT_BUILD = 3        # the model or engine could not be built or started: resta
 
 
 class Journal:
-    """``+id`` / ``-id`` lines of the sessions this engine process holds (see the module docstring)."""
+    """``+id`` / ``-id`` / ``!id`` lines of the sessions this engine process holds and of those its previous
+    processes lost (see the module docstring). At most ``max_lost`` lost ids are kept, the newest, as the
+    session table keeps at most that many evicted ones."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, max_lost: int = 65536):
         self.path = path
         self.f = None
         self.lines = 0
+        self.max_lost = max_lost
+        self.lost: collections.OrderedDict = collections.OrderedDict()   # lost ids not created or deleted since
 
     def recover(self) -> list:
-        """The ids that were live in the previous process, and a fresh journal."""
-        live: dict = {}
+        """The ids that were live in the previous process or lost before it (and not deleted since), and a fresh
+        journal that holds them as lost."""
+        ids: collections.OrderedDict = collections.OrderedDict()
         try:
             with open(self.path, encoding="utf-8") as f:
                 for line in f:
                     sid = line[1:].rstrip("\n")
-                    if line.startswith("+"):
-                        live[sid] = None
+                    if line[:1] in ("+", "!"):
+                        ids[sid] = None
+                        ids.move_to_end(sid)
                     elif line.startswith("-"):
-                        live.pop(sid, None)
+                        ids.pop(sid, None)
         except FileNotFoundError:
             pass
+        while len(ids) > self.max_lost:
+            ids.popitem(last=False)
+        self.lost = ids
         self.f = open(self.path, "w", encoding="utf-8", buffering=1)
-        return list(live)
+        self.f.writelines(f"!{sid}\n" for sid in ids)
+        self.lines = len(ids)
+        return list(ids)
 
     def add(self, sid: str) -> None:
+        self.lost.pop(sid, None)
         self.f.write(f"+{sid}\n")
         self.lines += 1
 
     def remove(self, sid: str) -> None:
+        self.lost.pop(sid, None)
         self.f.write(f"-{sid}\n")
         self.lines += 1
 
     def compact(self, live: list) -> None:
         tmp = self.path + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(f"!{sid}\n" for sid in self.lost)
             f.writelines(f"+{sid}\n" for sid in live)
         os.replace(tmp, self.path)
         self.f.close()
         self.f = open(self.path, "a", encoding="utf-8", buffering=1)
-        self.lines = len(live)
+        self.lines = len(self.lost) + len(live)
 
 
 class EngineProcess:
@@ -499,7 +514,7 @@ class EngineProcess:
                     self.journal.add(head["a"][0])
                 elif name == "delete_session":
                     self.journal.remove(head["a"][0])
-                    if self.journal.lines > 4 * max(1024, len(self.engine._sessions)):
+                    if self.journal.lines > 4 * max(1024, len(self.engine._sessions) + len(self.journal.lost)):
                         self.journal.compact(self.engine.session_ids())
             if name in ("create_session", "fork_session", "create_with_state", "delete_session"):
                 self._publish_slots()                # before the answer: /v1/model after it sees the change

@@ -1,0 +1,51 @@
+"""The engine process's session journal (service/cluster/engine_proc.py): what a restarted process marks lost."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from convserve.service.cluster.engine_proc import Journal
+
+
+def _run(path, ops, max_lost=65536) -> Journal:
+    j = Journal(str(path), max_lost=max_lost)
+    j.recover()
+    for op, sid in ops:
+        (j.add if op == "+" else j.remove)(sid)
+    return j
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_each_recovery_returns_the_ids_live_or_lost_and_not_deleted_since_whatever_the_compactions(tmp_path, seed):
+    """Random creates and deletes over several process lives, with compactions between them, against a set
+    model: a process marks lost what the previous one held or had itself marked lost, less what was deleted."""
+    rng = random.Random(seed)
+    path = tmp_path / "engine-0.journal"
+    expect: set = set()
+    for life in range(5):
+        j = Journal(str(path))
+        assert set(j.recover()) == expect
+        live: set = set()
+        for _ in range(rng.randrange(0, 60)):
+            sid = f"s{rng.randrange(40)}"
+            if sid in live and rng.random() < 0.5:
+                j.remove(sid)
+                live.discard(sid)
+                expect.discard(sid)
+            elif sid not in live:
+                j.add(sid)
+                live.add(sid)
+            if rng.random() < 0.1:
+                j.compact(sorted(live))
+        expect |= live
+        j.f.close()
+
+
+def test_at_most_max_lost_ids_are_kept_the_newest(tmp_path):
+    path = tmp_path / "j"
+    _run(path, [("+", f"s{i}") for i in range(10)]).f.close()
+    j = Journal(str(path), max_lost=4)
+    assert j.recover() == ["s6", "s7", "s8", "s9"]
+    j.f.close()
