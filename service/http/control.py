@@ -140,7 +140,8 @@ def add_control_routes(app: FastAPI, svc: Service) -> None:
         path_session(session)
         await no_body(request)
         svc.require_ready()
-        return reply(request, await asyncio.to_thread(engine.session_info, session))
+        # at the session's turn: a request queued before this read has run (counted) or left (not) by then
+        return reply(request, await asyncio.to_thread(engine.session_info, session, True))
 
     @app.delete("/v1/sessions/{session}", status_code=204)
     async def delete_session(session: str, request: Request):
