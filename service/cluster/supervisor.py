@@ -278,11 +278,12 @@ class Supervisor:
 
     def _stop(self, children: list, grace: float) -> None:
         """SIGTERM to each child that runs, then up to ``grace`` seconds for all to exit; SIGKILL to the rest. A
-        child that died before (a death the loop had not handled when the stop came) or did not exit cleanly fails
-        the stop (exit 1), and such an engine's snapshots are marked as not to be restored: it wrote no final one,
-        so its files are older than its sessions."""
-        dead = [c for c in children if c.proc is not None and not _running(c)]
-        live = [c for c in children if c.proc is not None and c not in dead]
+        child that did not exit cleanly, now or before the stop came (a death the loop had not handled yet; a
+        child signalled with its process group exits cleanly on its own), fails the stop (exit 1), and such an
+        engine's snapshots are marked as not to be restored: it wrote no final one, so its files are older than
+        its sessions."""
+        ended = [c for c in children if c.proc is not None and not _running(c)]
+        live = [c for c in children if c.proc is not None and c not in ended]
         for c in live:
             _signal(c, signal.SIGTERM)                      # drain
         deadline = time.monotonic() + grace
@@ -299,7 +300,7 @@ class Supervisor:
         for c in overdue:
             c.proc.join(max(0.0, joined - time.monotonic()))
             _make_sure_gone(c.proc.pid, c.born, max(0.0, gone - time.monotonic()))
-        for c in dead + [c for c in live if c.proc.exitcode not in (0, -signal.SIGTERM)]:
+        for c in [c for c in ended + live if c.proc.exitcode not in (0, -signal.SIGTERM)]:
             self.failed = True
             log.error("child process died before it could stop cleanly",
                       extra={"pid": c.proc.pid, "child": c.proc.name, "exitcode": c.proc.exitcode})
