@@ -429,21 +429,7 @@ def test_a_batch_answer_that_some_of_its_parts_ran_is_not_retried_and_those_sess
                          "retry_after": 0, "applied": ["a"]}}
         return httpx.Response(503, content=w.packb(err), headers={"content-type": w.MEDIA_TYPE, "retry-after": "0"})
 
-    x = torch.zeros(3, 4)
-    if kind == "sync":
-        with ConvClient("http://replica", transport=httpx.MockTransport(handler), track_positions=True,
-                        retry_backoff_s=0.001) as c:
-            with pytest.raises(EngineUnavailable) as e:
-                c.conv_batch(["a", "b"], LAYER, x, tokens=[1, 2])
-            book = c.positions
-    else:
-        async def go():
-            async with AsyncConvClient("http://replica", transport=httpx.MockTransport(handler),
-                                       track_positions=True, retry_backoff_s=0.001) as c:
-                with pytest.raises(EngineUnavailable) as e:
-                    await c.conv_batch(["a", "b"], LAYER, x, tokens=[1, 2])
-                return e, c.positions
-        e, book = asyncio.run(go())
+    e, book = _batch_of_two_raising(kind, handler, EngineUnavailable)
     assert len(posts) == 1 and e.value.extra["applied"] == ["a"]
     assert book.at("a", LAYER) == 1 and book.at("b", LAYER) == 0
 
@@ -528,20 +514,26 @@ def test_a_batch_409_that_lists_applied_sessions_counts_their_slices_once_and_on
                          "position": [1, 4], "applied": ["a"]}}
         return httpx.Response(409, content=w.packb(err), headers={"content-type": w.MEDIA_TYPE})
 
+    e, book = _batch_of_two_raising(kind, handler, PositionMismatch)
+    assert len(posts) == (2 if retried else 1) and e.value.extra["applied"] == ["a"]
+    assert book.at("a", LAYER) == 1 and book.at("b", LAYER) == 0
+
+
+def _batch_of_two_raising(kind: str, handler, error):
+    """A tracking client (``kind``: sync or async) over ``handler`` sends ``conv_batch(["a", "b"], tokens=[1, 2])``,
+    which raises ``error``: ``(the raised error's ExceptionInfo, the client's position book)``."""
     x = torch.zeros(3, 4)
     if kind == "sync":
         with ConvClient("http://replica", transport=httpx.MockTransport(handler), track_positions=True,
                         retry_backoff_s=0.001) as c:
-            with pytest.raises(PositionMismatch) as e:
+            with pytest.raises(error) as e:
                 c.conv_batch(["a", "b"], LAYER, x, tokens=[1, 2])
-            book = c.positions
-    else:
-        async def go():
-            async with AsyncConvClient("http://replica", transport=httpx.MockTransport(handler),
-                                       track_positions=True, retry_backoff_s=0.001) as c:
-                with pytest.raises(PositionMismatch) as e:
-                    await c.conv_batch(["a", "b"], LAYER, x, tokens=[1, 2])
-                return e, c.positions
-        e, book = asyncio.run(go())
-    assert len(posts) == (2 if retried else 1) and e.value.extra["applied"] == ["a"]
-    assert book.at("a", LAYER) == 1 and book.at("b", LAYER) == 0
+            return e, c.positions
+
+    async def go():
+        async with AsyncConvClient("http://replica", transport=httpx.MockTransport(handler),
+                                   track_positions=True, retry_backoff_s=0.001) as c:
+            with pytest.raises(error) as e:
+                await c.conv_batch(["a", "b"], LAYER, x, tokens=[1, 2])
+            return e, c.positions
+    return asyncio.run(go())

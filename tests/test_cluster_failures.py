@@ -355,7 +355,8 @@ def test_a_step_failing_after_its_kernels_in_an_engine_process_answers_410_state
         sid, bystander = _session_on(api, 0), _session_on(api, 0)
 
         def conv(s):
-            return api.call("POST", "/v1/conv", {"session": s, "layer": 0, "x": wire.encode_tensor(torch.randn(2, DIM))})
+            return api.call("POST", "/v1/conv", {"session": s, "layer": 0,
+                                                 "x": wire.encode_tensor(torch.randn(2, DIM))})
 
         assert conv(sid)[0] == 200
         flag.touch()

@@ -278,7 +278,8 @@ def test_a_bad_listing_query_is_400(api, query):
 
 @pytest.mark.parametrize("method, path", [("POST", "/v1/sessions?foo=1"), ("GET", "/v1/model?verbose=1"),
                                           ("POST", "/v1/conv?session=a"), ("POST", "/v1/conv/batch?x"),
-                                          ("GET", "/v1/sessions/{sid}?full=1"), ("DELETE", "/v1/sessions/{sid}?force=1")])
+                                          ("GET", "/v1/sessions/{sid}?full=1"),
+                                          ("DELETE", "/v1/sessions/{sid}?force=1")])
 def test_a_query_parameter_on_a_route_that_takes_none_is_400_naming_it_and_changes_nothing(api, method, path):
     (sid,) = new_ids(api, 1)
     def ids():

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from convserve.clients.protocol import wire
-from tests.http_api import (DIM, LAYERS, Api, MAX_BODY, assert_close, check_stream_results, make_frames, pack_frames, rand_x,
-                            read_stream)
+from tests.http_api import (DIM, LAYERS, Api, MAX_BODY, assert_close, check_stream_results, make_frames, pack_frames,
+                            rand_x, read_stream)
 
 
 def test_stream_of_many_sessions_matches_the_reference_in_per_session_order(server, api):

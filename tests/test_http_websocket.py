@@ -57,6 +57,16 @@ def test_websocket_malformed_frame_sends_null_id_error_and_closes(server):
         assert ws.close_code == 1007
 
 
+def _until_closed(ws) -> list:
+    """Every frame the server sends until it closes the socket."""
+    got, u = [], msgpack.Unpacker()
+    with pytest.raises(Exception):
+        while True:
+            u.feed(ws.recv(timeout=10))
+            got.extend(u)
+    return got
+
+
 @pytest.mark.parametrize("cut", [1, 5, -5])
 def test_a_message_that_ends_inside_a_frame_is_answered_after_the_frames_before_it_then_closed_1007(server, api, cut):
     sid = api.session()
@@ -66,11 +76,7 @@ def test_a_message_that_ends_inside_a_frame_is_answered_after_the_frames_before_
     url = server.url.replace("http://", "ws://") + "/v1/conv/ws"
     with ws_connect(url, max_size=None) as ws:
         ws.send(data[:one + cut] if cut > 0 else data[:cut])    # frame 0 whole, then part of the next
-        got, u = [], msgpack.Unpacker()
-        with pytest.raises(Exception):
-            while True:
-                u.feed(ws.recv(timeout=10))
-                got.extend(u)
+        got = _until_closed(ws)
         assert ws.close_code == 1007
     assert "y" in got[0] and got[0]["id"] == frames[0]["id"]
     assert got[-1]["id"] is None and "ends inside a frame" in got[-1]["error"]["message"]
@@ -87,18 +93,15 @@ def test_a_message_over_max_body_bytes_is_answered_after_the_frames_before_it_th
     with ws_connect(url, max_size=None) as ws:
         ws.send(pack_frames(frames))
         ws.send(big)
-        got, u = [], msgpack.Unpacker()
-        with pytest.raises(Exception):
-            while True:
-                u.feed(ws.recv(timeout=10))
-                got.extend(u)
+        got = _until_closed(ws)
         assert ws.close_code == 1009
     assert [r["id"] for r in got[:-1]] == [f["id"] for f in frames] and all("y" in r for r in got[:-1])
     assert got[-1]["id"] is None and got[-1]["error"]["code"] == "payload_too_large"
     ref = Reference(model())
     for f, r in zip(frames, got):
         assert_close(wire.decode_tensor(r["y"]), ref.conv(f["session"], f["layer"], f["x"]))
-    assert api.call("GET", f"/v1/sessions/{sid}")[1]["positions"] == [sum(f["x"].shape[0] for f in frames if f["layer"] == p) for p in LAYERS]
+    want = [sum(f["x"].shape[0] for f in frames if f["layer"] == p) for p in LAYERS]
+    assert api.call("GET", f"/v1/sessions/{sid}")[1]["positions"] == want
 
 
 # ------------------------------------------------------------------------------------------------ bad handshakes

@@ -300,10 +300,39 @@ def test_an_engine_process_restarted_after_a_crash_restores_nothing_and_its_sess
     assert [r["id"] for r in other_file["sessions"]] == [other]
 
 
-def test_a_stop_before_a_crashed_engine_is_back_does_not_resurrect_its_sessions_at_the_next_start(tmp_path):
+def _crash_before_back(srv) -> int:
     """Engine 0's process dies and the server is stopped before its next process wrote a snapshot (its back-off
-    and build): engine 0's older files must not be restored at the next start, since its sessions were lost (a
-    client was told 410); engine 1's sessions come back."""
+    and build). The stop's exit code."""
+    os.kill(httpx.get(srv.url + "/readyz").json()["engines"][0]["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while httpx.get(srv.url + "/readyz").json()["engines"][0]["state"] != "down":
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    return srv.terminate()
+
+
+def _crash_as_it_stops(srv) -> int:
+    """Engine 0's process dies just as the server is told to stop (the supervisor, paused, sees the SIGTERM
+    before the death): it writes no final snapshot. The stop's exit code."""
+    engine = httpx.get(srv.url + "/readyz").json()["engines"][0]["pid"]
+    sup = srv.server_pid()
+    os.kill(sup, signal.SIGSTOP)
+    try:
+        os.kill(engine, signal.SIGKILL)
+        os.kill(sup, signal.SIGTERM)
+    finally:
+        os.kill(sup, signal.SIGCONT)
+    code = srv.proc.wait(30)
+    srv._reader.join(timeout=5)
+    return code
+
+
+@pytest.mark.parametrize("crash, exit_code", [(_crash_before_back, 0), (_crash_as_it_stops, 1)],
+                         ids=["before-it-is-back", "as-the-server-stops"])
+def test_a_crashed_engines_older_files_are_not_restored_at_the_next_start(tmp_path, crash, exit_code):
+    """Engine 0's files are older than its sessions when its process died (before its next process wrote a
+    snapshot, or during the stop, with no final snapshot): they must not be restored at the next start (its
+    sessions answer 410, not an older state); engine 1's sessions come back. A stop that lost state exits 1."""
     srv = serve(tmp_path, "engine processes")
     try:
         c = Client(srv.url)
@@ -319,12 +348,7 @@ def test_a_stop_before_a_crashed_engine_is_back_does_not_resurrect_its_sessions_
         c.reconnect(srv.url)
         for s in (doomed, kept):
             c.conv(s, 0, 2, seed=2)
-        os.kill(httpx.get(srv.url + "/readyz").json()["engines"][0]["pid"], signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while httpx.get(srv.url + "/readyz").json()["engines"][0]["state"] != "down":
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        assert srv.terminate() == 0
+        assert crash(srv) == exit_code
     finally:
         srv.kill()
     assert any(r.get("msg") == "snapshots of the crashed engine will not be restored" for r in srv.logs)
@@ -335,48 +359,6 @@ def test_a_stop_before_a_crashed_engine_is_back_does_not_resurrect_its_sessions_
         assert st == 410 and body["error"]["code"] == "state_lost", body
         assert positions(c.api, kept) == [5, 0, 0]
         c.conv(kept, 0, 1, seed=3)
-    finally:
-        srv.kill()
-
-
-def test_an_engine_that_dies_as_the_server_stops_is_marked_crashed_and_the_stop_exits_1(tmp_path):
-    """Engine 0's process dies just as the server is told to stop (the supervisor, paused, sees the SIGTERM before
-    the death): it wrote no final snapshot, so its files are older than its sessions and must not be restored (the
-    sessions answer 410 at the next start, not an older state), and the stop lost state: exit 1."""
-    srv = serve(tmp_path, "engine processes")
-    try:
-        c = Client(srv.url)
-        doomed, kept = ids(2, "engine processes")
-        for s in (doomed, kept):
-            c.create(s)
-            c.conv(s, 0, 3, seed=1)
-        assert srv.terminate() == 0                       # both engines' files hold the sessions at 3
-    finally:
-        srv.kill()
-    srv = serve(tmp_path, "engine processes")
-    try:
-        c.reconnect(srv.url)
-        for s in (doomed, kept):
-            c.conv(s, 0, 2, seed=2)
-        engine = httpx.get(srv.url + "/readyz").json()["engines"][0]["pid"]
-        sup = srv.server_pid()
-        os.kill(sup, signal.SIGSTOP)
-        try:
-            os.kill(engine, signal.SIGKILL)
-            os.kill(sup, signal.SIGTERM)
-        finally:
-            os.kill(sup, signal.SIGCONT)
-        assert srv.proc.wait(30) == 1
-        srv._reader.join(timeout=5)
-    finally:
-        srv.kill()
-    assert any(r.get("msg") == "snapshots of the crashed engine will not be restored" for r in srv.logs)
-    srv = serve(tmp_path, "engine processes")
-    try:
-        c.reconnect(srv.url)
-        st, body = conv(c.api, doomed, 0, rand_x(1), position=5)
-        assert st == 410 and body["error"]["code"] == "state_lost", body
-        assert positions(c.api, kept) == [5, 0, 0]
     finally:
         srv.kill()
 
