@@ -75,8 +75,7 @@ class RemoteSessions:
             raise BadRequest("state: expected a tensor")
         self._op(engine_of(session_id, self.n), "import_state", session_id, state=state)
 
-    def session_info(self, session_id: str, at_turn: bool = True) -> dict:
-        """Always read at the session's turn in its engine (``Engine.submit_op``)."""
+    def session_info(self, session_id: str) -> dict:
         return self._op(engine_of(session_id, self.n), "session_info", session_id)
 
     def list_sessions(self, cursor: Optional[str] = None, limit: int = 100) -> dict:

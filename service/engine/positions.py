@@ -42,7 +42,6 @@ small record per tracked session and layer."""
 from __future__ import annotations
 
 import collections
-import threading
 import time
 from concurrent.futures import Future
 from typing import Optional
@@ -432,25 +431,18 @@ class Positions:
                 "pending": {"layers": [layers[p] for p, _ in pend], "tokens": [t for _p, (t, _seq) in pend]},
                 "idle_s": round(max(0.0, now - used), 3)}
 
-    def session_info(self, session_id: str, at_turn: bool = False) -> dict:
+    def session_info(self, session_id: str) -> dict:
         """``{"session", "layers", "positions" (one per layer), "pending": {"layers", "tokens"} (the un-accepted
-        verify of each layer), "idle_s"}``, read at once (positions count the requests queued, which may still
-        leave), or with ``at_turn`` at the session's turn (:meth:`_post_session_info`: what the HTTP route
-        reads). Raises :class:`UnknownSession` / :class:`StateLost` (and :class:`RequestTimeout` when its turn
-        does not come within ``request_timeout_s``)."""
-        if not at_turn or threading.get_ident() == self._cv.worker_ident:   # (the worker cannot wait for its turn)
-            with self._lock:
-                return self._info_locked(self._sessions.get(session_id), time.monotonic())
-        return self._post_session_info(session_id).future.result()
+        verify of each layer), "idle_s"}``. Raises :class:`UnknownSession` / :class:`StateLost`."""
+        with self._lock:
+            return self._info_locked(self._sessions.get(session_id), time.monotonic())
 
     def _post_session_info(self, session_id: str):
-        """:meth:`session_info` for :meth:`submit_op`: at once when nothing of the session is queued or running,
-        else as an op behind what is (so it sees what they did: a request queued before it has run or left by
-        then, and a position counts it only if it ran; its positions are those of its turn). A client that lost
-        a request's answer reads whether it ran so (the client's ``resync``)."""
+        """:meth:`session_info` for :meth:`submit_op`: at once, or, while operations of the session are queued,
+        as an op behind them (so it sees what they did; its positions are those of its turn)."""
         with self._lock:
             s = self._sessions.get(session_id)
-            if not s.ops and s.oldest_active() is None:
+            if not s.ops:
                 op = Op(s, None, Future(), -1, label=session_id)
                 op.future.set_result(self._info_locked(s, time.monotonic()))
                 return op

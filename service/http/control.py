@@ -140,8 +140,7 @@ def add_control_routes(app: FastAPI, svc: Service) -> None:
         path_session(session)
         await no_body(request)
         svc.require_ready()
-        # at the session's turn: a request queued before this read has run (counted) or left (not) by then
-        return reply(request, await asyncio.to_thread(engine.session_info, session, True))
+        return reply(request, await asyncio.to_thread(engine.session_info, session))
 
     @app.delete("/v1/sessions/{session}", status_code=204)
     async def delete_session(session: str, request: Request):
