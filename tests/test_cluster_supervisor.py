@@ -106,3 +106,22 @@ def test_the_children_overdue_at_a_stage_end_are_killed_together_so_the_stage_wa
     assert [sig for _, sig in sent] == [signal.SIGTERM] * 3 + [signal.SIGKILL] * 3 and fake.failed
     kill_waits = [p.joins[-1] for p in procs]       # each child's last join: after the kills
     assert kill_waits[0] == pytest.approx(0.3, abs=0.05) and sum(kill_waits[1:]) < 0.05, kill_waits
+
+
+@pytest.mark.parametrize("code, marked", [(-9, [0]), (1, [0]), (3, []), (255, [])],
+                         ids=["killed", "final-snapshot-failed", "start-failed", "fork-server-gone"])
+def test_an_engine_that_ended_before_the_stop_fails_it_and_is_marked_crashed_only_if_its_files_are_stale(code, marked):
+    """Killed, or its final snapshot not written: its files are older than its sessions (marked). A start that
+    failed (EXIT_BUILD) served nothing, and 255 is what every child reads once the fork server is gone: not
+    marked. Each fails the stop."""
+    import types
+
+    from convserve.service.cluster.supervisor import Supervisor
+
+    got = []
+    fake = types.SimpleNamespace(failed=False, _mark_crashed=got.append)
+    proc = types.SimpleNamespace(pid=10**7, name="engine-0", exitcode=code, is_alive=lambda: False,
+                                 join=lambda timeout=None: None)
+    child = types.SimpleNamespace(proc=proc, restart_at=None, born=None, kind="engine", index=0)
+    Supervisor._stop(fake, [child], 0.1)
+    assert fake.failed and got == marked and child.proc is None

@@ -302,9 +302,13 @@ class Supervisor:
             _make_sure_gone(c.proc.pid, c.born, max(0.0, gone - time.monotonic()))
         for c in [c for c in ended + live if c.proc.exitcode not in (0, -signal.SIGTERM)]:
             self.failed = True
+            code = c.proc.exitcode
             log.error("child process died before it could stop cleanly",
-                      extra={"pid": c.proc.pid, "child": c.proc.name, "exitcode": c.proc.exitcode})
-            if c.kind == "engine":
+                      extra={"pid": c.proc.pid, "child": c.proc.name, "exitcode": code})
+            # killed by a signal, or its final snapshot failed (1): its files are older than its sessions. Not a
+            # start that failed (EXIT_BUILD: it served nothing, its files are exact) nor 255, which is what every
+            # child reads once the fork server is gone, whatever its own exit
+            if c.kind == "engine" and code is not None and (code < 0 or code == 1):
                 self._mark_crashed(c.index)
         for c in children:
             c.proc = None
