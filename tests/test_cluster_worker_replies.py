@@ -257,3 +257,15 @@ def test_a_split_batch_whose_other_part_timed_out_does_not_say_that_part_did_not
     late = EngineTimeout("engine 1 did not answer within 3 s; it may have been applied")
     err = failure([(0, [0], None), (1, [1], None)], [torch.zeros(1, 4), late], ["a", "b"])
     assert err.extra["applied"] == ["a"] and "may or may not" in err.message and "the others not" not in err.message
+
+
+@pytest.mark.parametrize("ids, common", [(("x", "x"), "x"), (("x", "y"), None), (("x", None), None)])
+def test_a_409_after_some_parts_ran_names_the_applied_request_only_when_every_refused_part_agrees(ids, common):
+    from convserve.service.cluster.split_batch import failure
+
+    parts = [(0, [0], False), (1, [1], False), (2, [2], False)]
+    refused = [PositionMismatch("no; nothing ran", position=[9], applied_request_id=i) for i in ids]
+    err = failure(parts, [torch.zeros(1, 4), *refused], ["a", "b", "c"], position=[1, 2, 3])
+    assert err.position == [2, 9, 9] and err.extra["applied"] == ["a"]
+    assert err.extra.get("applied_request_id", None) == common and (common is not None) == (
+        "applied_request_id" in err.extra)

@@ -23,7 +23,7 @@ ID_ROUTES = [("GET", "/v1/sessions/{id}", None), ("DELETE", "/v1/sessions/{id}",
              ("POST", "/v1/sessions/{id}/accept", {"tokens": 0})]
 #: ids no create accepts, as they appear in a URL path (percent-encoded), and as the server decodes them
 BAD_IDS = [("a%20b", "a b"), ("a%21b", "a!b"), ("x" * 129, "x" * 129), ("%C3%A9", "\u00e9")]
-#: and in a body, one far longer than the rule (in msgpack, beyond what a bound on strings once refused as 413)
+#: and in a body, one far longer than the rule: a 400 naming the rule, whatever its length within the body
 BODY_BAD_IDS = [*BAD_IDS, ("x" * 70_000, "x" * 70_000)]
 
 

@@ -71,6 +71,16 @@ def ids(n, layout):
     return out
 
 
+def one_on_each_engine_at_3(c: Client) -> tuple:
+    """Two sessions created through ``c``, on engines 0 and 1 of the two-engine layout, each prefilled with 3
+    tokens on layer 0."""
+    sids = ids(2, "engine processes")
+    for s in sids:
+        c.create(s)
+        c.conv(s, 0, 3, seed=1)
+    return tuple(sids)
+
+
 def snapshot_times(url) -> list:
     body = httpx.get(url + "/readyz", timeout=5).json()
     rows = [body] if "engines" not in body else body["engines"]
@@ -263,10 +273,7 @@ def test_an_engine_process_restarted_after_a_crash_restores_nothing_and_its_sess
     srv = serve(tmp_path, "engine processes", "--snapshot-interval-s", "0.2")
     try:
         c = Client(srv.url)
-        doomed, other = ids(2, "engine processes")
-        for s in (doomed, other):
-            c.create(s)
-            c.conv(s, 0, 3, seed=1)
+        doomed, other = one_on_each_engine_at_3(c)
         t0 = time.time()
         while min(snapshot_times(srv.url)) <= t0:
             time.sleep(0.02)
@@ -336,10 +343,7 @@ def test_a_crashed_engines_older_files_are_not_restored_at_the_next_start(tmp_pa
     srv = serve(tmp_path, "engine processes")
     try:
         c = Client(srv.url)
-        doomed, kept = ids(2, "engine processes")
-        for s in (doomed, kept):
-            c.create(s)
-            c.conv(s, 0, 3, seed=1)
+        doomed, kept = one_on_each_engine_at_3(c)
         assert srv.terminate() == 0                       # both engines' files hold the sessions at 3
     finally:
         srv.kill()

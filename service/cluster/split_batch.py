@@ -108,12 +108,18 @@ def check_positions(parts: list, checks: list, n: int) -> None:
         for i, q in zip(pos, got or ()):
             server[i] = q
     what = errors[0].message.split(";")[0]
-    # the request every part found applied at its claimed positions, when all name the same one
-    applied = {repr(e.extra["applied_request_id"]) for e in errors if "applied_request_id" in e.extra}
-    extra = ({"applied_request_id": errors[0].extra["applied_request_id"]}
-             if len(applied) == 1 and all("applied_request_id" in e.extra for e in errors) else {})
+    extra = _common_applied_id(errors)
     raise PositionMismatch(f"{what}; nothing ran. The server's positions are {server!r:.300} (in 'position')",
                            position=server, **extra)
+
+
+def _common_applied_id(errors: list) -> dict:
+    """``{"applied_request_id": id}`` when every refused part (``errors``, its 409s) found the same request applied
+    at its claimed positions, else ``{}``: a client books its lost answer only by an id all parts agree on."""
+    applied = {repr(e.extra["applied_request_id"]) for e in errors if "applied_request_id" in e.extra}
+    if len(applied) == 1 and all("applied_request_id" in e.extra for e in errors):
+        return {"applied_request_id": errors[0].extra["applied_request_id"]}
+    return {}
 
 
 def failure(parts: list, results: list, sids: list, position=None, tokens=None) -> BaseException:
@@ -147,7 +153,9 @@ def _mismatch_after_parts_ran(err: PositionMismatch, parts: list, results: list,
             flags = spec if isinstance(spec, list) else [bool(spec)] * len(pos)
             for i, f in zip(pos, flags):
                 server[i] = position[i] + (0 if f else 1 if tokens is None else tokens[i])
-    extra = {k: v for k, v in err.extra.items() if k != "position"}
+    refused = [r for r in results if isinstance(r, PositionMismatch)]
+    extra = {**{k: v for k, v in err.extra.items() if k not in ("position", "applied_request_id")},
+             **_common_applied_id(refused)}
     return PositionMismatch(f"{err.message.split(';')[0]}; the batch's parts on other engines ran. The server's "
                             f"positions are {server!r:.300} (in 'position'; null where not known)",
                             position=server, **extra)
