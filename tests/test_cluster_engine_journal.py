@@ -49,3 +49,25 @@ def test_at_most_max_lost_ids_are_kept_the_newest(tmp_path):
     j = Journal(str(path), max_lost=4)
     assert j.recover() == ["s6", "s7", "s8", "s9"]
     j.f.close()
+
+
+def test_a_recovery_that_fails_midway_leaves_the_previous_journal_whole(tmp_path, monkeypatch):
+    """The recovered ids are written to a temporary file that replaces the journal whole: a failure before the
+    replace (a full disk, a crash) leaves the previous journal, so the next process still finds its ids."""
+    from convserve.service.cluster import engine_proc
+
+    path = tmp_path / "j"
+    _run(path, [("+", "a"), ("+", "b"), ("-", "a")]).f.close()
+    before = path.read_text()
+
+    def fail(*args):
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(engine_proc.os, "replace", fail)
+    with pytest.raises(OSError):
+        Journal(str(path)).recover()
+    assert path.read_text() == before
+    monkeypatch.undo()
+    j = Journal(str(path))
+    assert j.recover() == ["b"]
+    j.f.close()

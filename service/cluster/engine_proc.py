@@ -87,9 +87,7 @@ class Journal:
         while len(ids) > self.max_lost:
             ids.popitem(last=False)
         self.lost = ids
-        self.f = open(self.path, "w", encoding="utf-8", buffering=1)
-        self.f.writelines(f"!{sid}\n" for sid in ids)
-        self.lines = len(ids)
+        self._rewrite([])
         return list(ids)
 
     def add(self, sid: str) -> None:
@@ -103,12 +101,18 @@ class Journal:
         self.lines += 1
 
     def compact(self, live: list) -> None:
+        self._rewrite(live)
+
+    def _rewrite(self, live: list) -> None:
+        """The journal as the lost ids and ``live``, replaced whole (a crash meanwhile leaves the old one), then
+        open for appending."""
         tmp = self.path + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             f.writelines(f"!{sid}\n" for sid in self.lost)
             f.writelines(f"+{sid}\n" for sid in live)
         os.replace(tmp, self.path)
-        self.f.close()
+        if self.f is not None:
+            self.f.close()
         self.f = open(self.path, "a", encoding="utf-8", buffering=1)
         self.lines = len(self.lost) + len(live)
 
