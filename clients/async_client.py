@@ -12,13 +12,13 @@ import httpx
 
 from convserve.clients.common import (_POLL_S, MAX_MESSAGE_BYTES, SessionState, _as_request, _backend_of, _Base,
                                       _chunked, _decode, _default_backend, _frame, _quote, _raise_for, _Tracker,
-                                      _ws_url, check_given_position, partly_applied, ws_connect_async, WS_CLOSE_S)
+                                      _ws_url, check_given_position, ws_connect_async, WS_CLOSE_S)
 from convserve.clients.h1 import _H1Pool, _h1_target
-from convserve.clients.positions import (RETRY_ERRORS, RETRY_STATUS, UNSENT_ERRORS, outcome_unknown,
-                                         resend_too_large, serialized)
+from convserve.clients.positions import (LOOK, RESYNC, RETRY_ERRORS, Attempts, resend_too_large, serialized)
 from convserve.clients.protocol import wire
 from convserve.clients.replicas import is_routed
 from convserve.clients.protocol.errors import BadRequest, PositionMismatch, ServiceError
+from convserve.clients.protocol.ids import new_session_id
 
 
 class AsyncConvClient(_Base):
@@ -97,23 +97,35 @@ class AsyncConvClient(_Base):
 
     async def create_session(self, session: Optional[str] = None) -> str:
         """Async twin of :meth:`ConvClient.create_session`."""
-        sid = _decode(await self._send("POST", "/v1/sessions", self._session_body(session)))["session"]
-        if self.positions is not None:
-            self.positions.reset(sid)
+        sid = session if session is not None else new_session_id()
+        body = self._session_body(sid)
+        if self.positions is None:
+            return _decode(await self._send("POST", "/v1/sessions", body))["session"]
+        att = Attempts(self.positions, "POST", "/v1/sessions", [sid], remedy=LOOK)
+        sid = self._created(await self._retrying("POST", "/v1/sessions", body, att), att, sid)
+        self.positions.reset(sid)
         return sid
 
     async def delete_session(self, session: str) -> None:
         """Async twin of :meth:`ConvClient.delete_session`."""
-        _raise_for(await self._send("DELETE", f"/v1/sessions/{_quote(session)}"))
-        if self.positions is not None:
-            self.positions.forget(session)
+        path = f"/v1/sessions/{_quote(session)}"
+        if self.positions is None:
+            _raise_for(await self._send("DELETE", path))
+            return
+        att = Attempts(self.positions, "DELETE", path, [session], remedy=LOOK)
+        self._deleted(await self._retrying("DELETE", path, b"", att), att)
+        self.positions.forget(session)
 
+    @serialized(one=True)
     async def fork(self, session: str, new_session: Optional[str] = None) -> str:
         """Async twin of :meth:`ConvClient.fork`."""
-        sid = _decode(await self._send("POST", f"/v1/sessions/{_quote(session)}/fork",
-                                       self._session_body(new_session)))["session"]
-        if self.positions is not None:
-            self.positions.fork(session, sid)
+        new = new_session if new_session is not None else new_session_id()
+        path, body = f"/v1/sessions/{_quote(session)}/fork", self._session_body(new)
+        if self.positions is None:
+            return _decode(await self._send("POST", path, body))["session"]
+        att = Attempts(self.positions, "POST", path, [session, new], remedy=LOOK)
+        sid = self._created(await self._retrying("POST", path, body, att), att, new)
+        self.positions.fork(session, sid)
         return sid
 
     async def session_info(self, session: str) -> dict:
@@ -129,6 +141,7 @@ class AsyncConvClient(_Base):
         return self._state_from(_decode(await self._send("GET", f"/v1/sessions/{_quote(session)}/state")),
                                 backend or _default_backend())
 
+    @serialized(one=True)
     async def import_state(self, session: str, state, layers=None) -> None:
         """Async twin of :meth:`ConvClient.import_state`."""
         _raise_for(await self._send("PUT", f"/v1/sessions/{_quote(session)}/state", self._state_body(state, layers)))
@@ -149,7 +162,8 @@ class AsyncConvClient(_Base):
         if book is None:
             _raise_for(await self._send("POST", _path, body))
             return
-        resp, attempt = await self._post_retrying(_path, body, list(sessions))
+        att = Attempts(book, "POST", _path, list(sessions), remedy=RESYNC)
+        resp, attempt = await self._retrying("POST", _path, body, att)
         try:
             _raise_for(resp)
         except ServiceError as e:
@@ -160,36 +174,31 @@ class AsyncConvClient(_Base):
                 try:
                     ran.append(book.known(s) and book.accept_was_applied(s, n, await self.session_info(s)))
                 except RETRY_ERRORS as err:  # that read failed too: whether the first attempt committed is unknown
-                    raise outcome_unknown(_path, list(sessions), attempt + 1) from err
+                    raise att.unknown() from err
             if not all(ran):
                 book.ran_accepts(sessions, tokens, ran)
                 raise
         for s, n in zip(sessions, tokens):
             book.accepted(s, n)
 
-    async def _post_retrying(self, path: str, body: bytes, sessions: list, rebody=None):
-        """Async twin of :meth:`ConvClient._post_retrying`."""
-        book, attempt, resent = self.positions, 0, False
+    async def _retrying(self, method: str, path: str, body: bytes, att: Attempts, rebody=None):
+        """Async twin of :meth:`ConvClient._retrying`."""
         while True:
             try:
-                resp = await self._send("POST", path, body)
+                resp = await self._send(method, path, body)
             except RETRY_ERRORS as e:
-                if attempt >= book.max_retries:
-                    raise outcome_unknown(path, sessions, attempt + 1) from e
-                wait = book.delay(attempt, None)
-                ran = not isinstance(e, UNSENT_ERRORS)
+                wait = att.failed(e)
             else:
-                if resp.status_code not in RETRY_STATUS or attempt >= book.max_retries or partly_applied(resp):
-                    if resent and resp.status_code == 413:
-                        raise resend_too_large(path, sessions, attempt + 1)
-                    return resp, attempt
-                wait = book.delay(attempt, book.retry_after(resp))
-                ran = resp.status_code == 504                                      # (a 503 ran nothing)
+                wait = att.answered(resp)
+                if wait is None:
+                    if att.resent and resp.status_code == 413:
+                        raise resend_too_large(path, att.sessions, att.n + 1)
+                    return resp, att.n
             await asyncio.sleep(wait)
-            attempt += 1
+            att.n += 1
             if rebody is not None:
-                body = rebody(ran)
-                resent = resent or ran              # a body unlike the first, after an attempt that may have run
+                body = rebody(att.ran)
+                att.resent = att.resent or att.ran   # a body unlike the first, after an attempt that may have run
 
     @serialized(one=True)
     async def resync(self, session: str) -> dict:
@@ -203,7 +212,9 @@ class AsyncConvClient(_Base):
 
     async def _position(self, session: str, layer: int) -> int:
         if not self.positions.known(session):
-            self.positions.from_info(await self.session_info(session))
+            path = f"/v1/sessions/{_quote(session)}"
+            att = Attempts(self.positions, "GET", path, [session], read=True)
+            self.positions.from_info(_decode((await self._retrying("GET", path, b"", att))[0]))
         return self.positions.at(session, layer)
 
     @serialized(one=True)
@@ -212,14 +223,19 @@ class AsyncConvClient(_Base):
         """Async twin of :meth:`ConvClient.conv`."""
         book = self.positions
         check_given_position(book, position, request_id)
-        pos = position if book is None else await self._position(session, layer)
-        rid = request_id if book is None else self._request_id()
+        if book is None or request_id is not None:
+            pos, rid = position, request_id
+        else:
+            pos, rid = await self._position(session, layer), self._request_id()
         body = self._conv_body(session, layer, x, speculative, pos, rid)
         rebody = self._resend_from_copy(x, speculative,
                                         lambda b: self._conv_body(session, layer, b, speculative, pos, rid))
         with self._sent_from(x):
-            resp, attempt = (await self._send("POST", "/v1/conv", body), 0) if book is None else \
-                await self._post_retrying("/v1/conv", body, [session], rebody)
+            if book is None:
+                resp, attempt = await self._send("POST", "/v1/conv", body), 0
+            else:
+                att = Attempts(book, "POST", "/v1/conv", [session], rid=rid, layer=layer, positions=[pos])
+                resp, attempt = await self._retrying("POST", "/v1/conv", body, att, rebody)
             self.bytes_sent += len(body)
             self.bytes_received += len(resp.content)
             try:
@@ -229,7 +245,7 @@ class AsyncConvClient(_Base):
                     book.moved_on(e, [session], layer, [pos], [x.shape[0]], [speculative], rid)
                 raise
         if book is not None:
-            book.applied(session, layer, x.shape[0], speculative)
+            book.applied_at(session, layer, pos, x.shape[0], speculative)
         return wire.decode_tensor(obj["y"], backend=_backend_of(x), name="y", shm=self.shm)
 
     @serialized(one=False)
@@ -239,16 +255,21 @@ class AsyncConvClient(_Base):
         """Async twin of :meth:`ConvClient.conv_batch`."""
         book = self.positions
         check_given_position(book, position, request_id)
-        pos = position if book is None else [await self._position(s, layer) for s in sessions]
-        rid = request_id if book is None else self._request_id()
+        if book is None or request_id is not None:
+            pos, rid = position, request_id
+        else:
+            pos, rid = [await self._position(s, layer) for s in sessions], self._request_id()
         body = self._batch_body(sessions, layer, x, tokens, speculative, pos, rid)
         rebody = self._resend_from_copy(
             x, speculative, lambda b: self._batch_body(sessions, layer, b, tokens, speculative, pos, rid))
         with self._sent_from(x):
-            resp, attempt = (await self._send("POST", "/v1/conv/batch", body), 0) if book is None else \
-                await self._post_retrying("/v1/conv/batch", body, list(sessions), rebody)
+            if book is None:
+                resp, attempt = await self._send("POST", "/v1/conv/batch", body), 0
+            else:
+                att = Attempts(book, "POST", "/v1/conv/batch", list(sessions), rid=rid, layer=layer, positions=pos)
+                resp, attempt = await self._retrying("POST", "/v1/conv/batch", body, att, rebody)
             answer = self._batch_answer(body, resp, attempt, sessions, layer, x, tokens, speculative, pos, rid)
-        return self._batch_y(answer, sessions, layer, x)
+        return self._batch_y(answer, sessions, layer, x, pos)
 
     async def stream(self, requests: Union[Iterable, AsyncIterable], *, transport: str = "http", window: int = 64):
         """Async twin of :meth:`ConvClient.stream`; ``requests`` may be an async iterable."""

@@ -17,7 +17,8 @@ import httpx
 from convserve.clients.positions import UNSENT_ERRORS, PositionBook
 from convserve.clients.protocol import wire
 from convserve.clients.protocol.errors import BY_CODE as _BY_CODE
-from convserve.clients.protocol.errors import EngineTimeout, OutcomeUnknown, PositionMismatch, ServiceError
+from convserve.clients.protocol.errors import (EngineTimeout, OutcomeUnknown, PositionMismatch, ServiceError,
+                                              SessionExists, UnknownSession)
 
 _HEADERS = {"content-type": wire.MEDIA_TYPE, "accept": wire.MEDIA_TYPE}
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -225,11 +226,14 @@ def _frame(req: Union[ConvRequest, BatchRequest]) -> dict:
 
 
 def check_given_position(book, position, request_id=None) -> None:
-    """An explicit ``position`` (or ``request_id``) of a conv or batch call is refused when the client tracks
-    positions itself; a ``request_id`` goes with a ``position``."""
-    if (position is not None or request_id is not None) and book is not None:
+    """An explicit ``position`` and ``request_id`` of a conv or batch call. Without ``track_positions`` a
+    ``request_id`` goes with a ``position``. A client that tracks positions sends its own, and takes both
+    together only to send again a call whose outcome is unknown (``OutcomeUnknown``'s ``positions`` and
+    ``request_id``)."""
+    if book is not None and (position is None) != (request_id is None):
         raise ValueError("position, request_id: this client tracks positions itself (track_positions=True) and "
-                         "sends its own; pass none, or make the client without tracking to send yours")
+                         "sends its own; pass neither, or both to send again a call that raised OutcomeUnknown "
+                         "(position=e.positions, request_id=e.request_id)")
     if request_id is not None and position is None:
         raise ValueError("request_id goes with position (it tells a retry of the request applied there from "
                          "another request); pass both, or neither")
@@ -410,7 +414,7 @@ class _Base:
             self.shm.hold(block)
 
     def _resend_from_copy(self, x, speculative, body_of):
-        """``rebody`` for a tracked call (:meth:`_post_retrying`), or None to send the first body again on a
+        """``rebody`` for a tracked call (:meth:`_retrying`), or None to send the first body again on a
         retry. A call with a speculative row whose x goes by reference is computed again when retried (the server
         keeps no verify's answer to repeat), and the server writes y over x's block before it answers: an answer
         lost on the way leaves y there. So such a call keeps a copy of x, made before the first attempt, and a
@@ -506,12 +510,13 @@ class _Base:
                 book.partly_applied(e, list(sessions), layer, toks, spec)
             raise
 
-    def _batch_y(self, answer: tuple, sessions, layer, x):
-        """The y of a batch answer (:meth:`_batch_answer`), the rows it applied noted in the position book."""
+    def _batch_y(self, answer: tuple, sessions, layer, x, pos=None):
+        """The y of a batch answer (:meth:`_batch_answer`), the rows it applied (at ``pos``) noted in the position
+        book."""
         obj, toks, spec = answer
         if self.positions is not None:
-            for s, n, f in zip(sessions, toks, spec):
-                self.positions.applied(s, layer, n, f)
+            for s, p, n, f in zip(sessions, pos, toks, spec):
+                self.positions.applied_at(s, layer, p, n, f)
         return wire.decode_tensor(obj["y"], backend=_backend_of(x), name="y", shm=self.shm)
 
     @staticmethod
@@ -530,6 +535,28 @@ class _Base:
     @staticmethod
     def _session_body(session: Optional[str]) -> bytes:
         return wire.packb({"session": session} if session is not None else {})
+
+    @staticmethod
+    def _created(answer: tuple, att, sid: str) -> str:
+        """The id a tracked create or fork of ``sid`` made (``answer``: its ``(response, retries)``). A retry
+        refused because ``sid`` exists, after an attempt that may have been applied: that attempt made it (an id
+        the client made is known to no one else; one the caller chose is taken as the caller's)."""
+        try:
+            return _decode(answer[0])["session"]
+        except SessionExists:
+            if not att.maybe_ran:
+                raise
+            return sid
+
+    @staticmethod
+    def _deleted(answer: tuple, att) -> None:
+        """A tracked delete's answer: a retry that finds no session, after an attempt that may have been applied,
+        found that attempt's work done."""
+        try:
+            _raise_for(answer[0])
+        except UnknownSession:
+            if not att.maybe_ran:
+                raise
 
 
 def _chunked(requests: Iterable, tracker: _Tracker, failed: list) -> Iterator[bytes]:

@@ -34,7 +34,7 @@ from typing import Optional
 
 import httpx
 
-from convserve.clients.protocol.errors import OutcomeUnknown, PositionMismatch, ServiceError
+from convserve.clients.protocol.errors import OutcomeUnknown, PositionMismatch, ServiceError, Unreachable
 
 
 class SessionLocks:
@@ -123,22 +123,89 @@ def serialized(one: bool):
     return deco
 
 
-def outcome_unknown(path: str, body_sessions: list, attempts: int) -> OutcomeUnknown:
-    return OutcomeUnknown(f"POST {path} for session(s) {', '.join(map(repr, body_sessions[:8]))}"
-                          f"{' ...' if len(body_sessions) > 8 else ''} got no answer in {attempts} attempts: it may or "
-                          "may not have been applied; call client.resync(session) to read the server's positions "
-                          "(applied where a layer moved by its tokens) before sending it again", sessions=body_sessions)
+#: what to do after an :class:`OutcomeUnknown` of a conv or batch
+RESEND = ("call client.resync(session) to read the server's positions (applied where a layer moved by its tokens), "
+          "or send the same call again with position=e.positions (a conv: e.positions[0]) and "
+          "request_id=e.request_id (applied once)")
+#: ... of an accept
+RESYNC = "call client.resync(session) to read the server's positions and pending verifies before sending it again"
+#: ... of a create, fork or delete
+LOOK = "call client.session_info(session) to see whether the session exists, or send the same call again"
 
 
 def resend_too_large(path: str, body_sessions: list, attempts: int) -> OutcomeUnknown:
     """A retry sent with its copy of x in the body (``_resend_from_copy``: x was in shared memory) after an attempt
     that may have run, refused as too large (413; the first attempt's body carried only x's reference)."""
-    return OutcomeUnknown(f"POST {path} for session(s) {', '.join(map(repr, body_sessions[:8]))}"
-                          f"{' ...' if len(body_sessions) > 8 else ''}: an earlier attempt may have run (its answer "
-                          "was lost), and the retry, which carries x in the body, was refused as larger than the "
-                          "server's max_body_bytes (413). Call client.resync(session) to read the sessions' positions "
-                          "and pending verifies; to retry, send smaller batches or raise max_body_bytes",
+    return OutcomeUnknown(f"POST {path} for session(s) {_ids(body_sessions)}: an earlier attempt may have run (its "
+                          "answer was lost), and the retry, which carries x in the body, was refused as larger than "
+                          "the server's max_body_bytes (413). Call client.resync(session) to read the sessions' "
+                          "positions and pending verifies; to retry, send smaller batches or raise max_body_bytes",
                           sessions=body_sessions)
+
+
+def _ids(sessions: list) -> str:
+    return f"{', '.join(map(repr, sessions[:8]))}{' ...' if len(sessions) > 8 else ''}"
+
+
+class Attempts:
+    """The attempts of one tracked call and what their failures say. It is retried (the same body) after a
+    connection error, ``503`` or ``504``, up to the book's ``max_retries``. When they run out it raises
+    :class:`OutcomeUnknown` if any attempt may have been applied (it was sent and not refused: a connection error
+    after the connect, a ``504``), else :class:`Unreachable` (nothing was sent, or only refused: nothing applied).
+    ``read``: a read (``GET``), which applies nothing whatever happens. ``rid``, ``layer``, ``positions``: what
+    the call carried, for :class:`OutcomeUnknown`; ``remedy``: what its message tells the caller to do."""
+
+    def __init__(self, book, method: str, path: str, sessions: list, *, remedy: str = RESEND,
+                 rid: Optional[str] = None, layer: Optional[int] = None, positions=None, read: bool = False):
+        self.book, self.what, self.sessions, self.remedy = book, f"{method} {path}", list(sessions), remedy
+        self.rid, self.layer, self.positions, self.read = rid, layer, positions, read
+        self.n = 0                # retries made
+        self.maybe_ran = False    # an attempt so far may have been applied
+        self.ran = False          # the last attempt may have been applied
+        self.resent = False       # a retry carried a body unlike the first, after an attempt that may have run
+
+    def failed(self, e: BaseException) -> float:
+        """The attempt failed on the network (``e``): the seconds to wait before the next one, or the error."""
+        self.ran = not self.read and not isinstance(e, UNSENT_ERRORS)
+        self.maybe_ran = self.maybe_ran or self.ran
+        if self.n >= self.book.max_retries:
+            raise (self.unknown() if self.maybe_ran else self.unreachable()) from e
+        return self.book.delay(self.n, None)
+
+    def answered(self, resp) -> Optional[float]:
+        """None when ``resp`` is the call's answer, else the seconds to wait before the next attempt. Out of
+        retries on a ``503`` or ``504`` after an earlier attempt that may have been applied:
+        :class:`OutcomeUnknown` (the last answer's error as its cause)."""
+        from convserve.clients.common import _raise_for, partly_applied
+
+        if resp.status_code not in RETRY_STATUS or partly_applied(resp):
+            return None
+        if self.n >= self.book.max_retries:
+            if self.maybe_ran:
+                try:
+                    _raise_for(resp)
+                except ServiceError as e:
+                    raise self.unknown() from e
+            return None
+        self.ran = not self.read and resp.status_code == 504                  # (a 503 ran nothing)
+        self.maybe_ran = self.maybe_ran or self.ran
+        return self.book.delay(self.n, self.book.retry_after(resp))
+
+    def unknown(self) -> OutcomeUnknown:
+        return OutcomeUnknown(f"{self.what} for session(s) {_ids(self.sessions)} got no answer in {self.n + 1} "
+                              f"attempts: it may or may not have been applied; {self.remedy}",
+                              sessions=self.sessions, request_id=self.rid, layer=self.layer,
+                              positions=self.positions)
+
+    def unreachable(self) -> Unreachable:
+        head = f"{self.what} for session(s) {_ids(self.sessions)}"
+        if self.read:
+            why = (f"{head} (the session's positions, read before its first tracked call) got no answer in "
+                   f"{self.n + 1} attempts, so that call was not sent")
+        else:
+            why = f"{head}: none of {self.n + 1} attempts reached the server (each connect failed or was refused)"
+        return Unreachable(f"{why}; nothing was applied: send it again once the server is reachable",
+                           sessions=self.sessions)
 
 
 #: statuses a tracked request is retried on (with the same body); connection errors are retried too
@@ -205,6 +272,15 @@ class PositionBook:
         else:
             p = self.positions.setdefault(session, {})
             p[layer] = p.get(layer, 0) + operator.index(n)
+
+    def applied_at(self, session: str, layer: int, position: int, n: int, speculative: bool) -> None:
+        """A tracked call sent at ``position`` was applied (answered, or answered as a repeat): the layer is at
+        ``position + n`` now, however the book counted it meanwhile (a ``resync`` after ``OutcomeUnknown`` may
+        have counted it already). A session the book holds nothing of stays unknown (read at its next call)."""
+        if speculative:
+            self.applied(session, layer, n, True)
+        elif session in self.positions:
+            self.positions[session][operator.index(layer)] = operator.index(position) + operator.index(n)
 
     def accepted(self, session: str, n: int) -> None:
         for layer in self.verified.pop(session, ()):

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence, Union
 
 from convserve.clients.protocol import wire
-from convserve.clients.protocol.errors import ReplicaUnavailable, ServiceError
+from convserve.clients.protocol.errors import EngineTimeout, OutcomeUnknown, ReplicaUnavailable, ServiceError
 from convserve.clients.protocol.ids import REPLICA_HEADER, new_session_id
 
 DNS_SCHEMES = {"dns": "http", "dns+http": "http", "dns+https": "https"}
@@ -228,10 +228,16 @@ class Router:
         with self.lock:
             return self.placed.setdefault(session, live[rendezvous(session, list(live))])
 
-    def pin(self, session: str, url: str) -> None:
-        """Record ``session`` on ``url`` (a fork lives on its source's replica, whatever its id hashes to)."""
+    def pin(self, session: str, url: Optional[str]) -> Optional[str]:
+        """Record ``session`` on ``url`` (a fork lives on its source's replica, whatever its id hashes to; None:
+        where it hashes); returns where it was recorded before (None: nowhere)."""
         with self.lock:
-            self.placed[session] = url
+            was = self.placed.get(session)
+            if url is None:
+                self.placed.pop(session, None)
+            else:
+                self.placed[session] = url
+            return was
 
     def forget(self, session: str) -> None:
         with self.lock:
@@ -343,6 +349,19 @@ class BatchPart:
     speculative: object
 
 
+def maybe_applied(e: BaseException) -> bool:
+    """Whether a call to a replica that ended with ``e`` may have been applied there: it was sent and got no answer
+    that says it was not (a network failure after the connect, ``504 engine_timeout``, ``OutcomeUnknown``, an
+    interrupted call); a session it may have created or forked stays placed on that replica."""
+    if not isinstance(e, Exception):
+        return True
+    if isinstance(e, ReplicaUnavailable):          # a network failure: unsent when the connect failed, or none
+        import httpx                               # was made (the replica was known down: no cause)
+
+        return e.__cause__ is not None and not isinstance(e.__cause__, (httpx.ConnectError, httpx.ConnectTimeout))
+    return isinstance(e, (OutcomeUnknown, EngineTimeout))
+
+
 def split_batch(parts: dict[str, list[int]], sessions, x, tokens, speculative) -> list[BatchPart]:
     """One :class:`BatchPart` per replica, x's rows and the per-session fields cut to its sessions."""
     off = offsets(len(sessions), tokens)
@@ -354,6 +373,11 @@ def split_batch(parts: dict[str, list[int]], sessions, x, tokens, speculative) -
         out.append(BatchPart(url, pos, [sessions[i] for i in pos], xs,
                              None if tokens is None else [int(tokens[i]) for i in pos], spec))
     return out
+
+
+def part_position(position, part: BatchPart):
+    """The ``position`` list of a batch (one per session, or None) cut to ``part``'s sessions."""
+    return None if position is None else [position[i] for i in part.positions]
 
 
 def join_batch(n_sessions: int, tokens, parts: list[BatchPart], ys: list):

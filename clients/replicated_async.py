@@ -13,8 +13,8 @@ from typing import AsyncIterable, Iterable, Optional, Sequence, Union
 from convserve.clients.async_client import LEFT_BEHIND_S, AsyncConvClient
 from convserve.clients.common import BatchRequest, SessionState, _as_request
 from convserve.clients.protocol.errors import ReplicaUnavailable, SessionExists, StateLost, UnknownSession
-from convserve.clients.replicas import (Endpoints, Router, batch_failure, health_result, join_batch, merged_model,
-                                        routed_url, split_batch, SessionsWalk)
+from convserve.clients.replicas import (Endpoints, Router, batch_failure, health_result, join_batch, maybe_applied,
+                                        merged_model, part_position, routed_url, split_batch, SessionsWalk)
 from convserve.clients.replicated_sync import _failed, network_errors, unavailable
 
 
@@ -152,9 +152,10 @@ class ReplicatedAsyncConvClient(AsyncConvClient):
         try:
             return await self._on(sid, AsyncConvClient.create_session, sid)
         except SessionExists:
-            raise
-        except BaseException:
-            self.router.forget(sid)
+            raise                           # it exists where it was placed: keep the placement
+        except BaseException as e:
+            if not maybe_applied(e):        # not created: a retry places it afresh
+                self.router.forget(sid)
             raise
 
     async def delete_session(self, session: str) -> None:
@@ -169,9 +170,13 @@ class ReplicatedAsyncConvClient(AsyncConvClient):
         await self._start()
         url = self.router.route(session)
         new = new_session if new_session is not None else self.router.new_id()
-        out = await self._on(session, AsyncConvClient.fork, session, new)
-        self.router.pin(out, url)
-        return out
+        was = self.router.pin(new, url)     # before it is sent: a fork whose answer is lost lives there too
+        try:
+            return await self._on(session, AsyncConvClient.fork, session, new)
+        except BaseException as e:
+            if isinstance(e, SessionExists) or not maybe_applied(e):
+                self.router.pin(new, was)   # not forked (an existing id stays where it was)
+            raise
 
     async def list_sessions(self, cursor: Optional[str] = None, limit: Optional[int] = None) -> dict:
         """As :meth:`ReplicatedConvClient.list_sessions`."""
@@ -205,8 +210,9 @@ class ReplicatedAsyncConvClient(AsyncConvClient):
     async def accept(self, session: str, tokens: int) -> None:
         await self._on(session, AsyncConvClient.accept, session, tokens)
 
-    async def conv(self, session: str, layer: int, x, speculative: bool = False):
-        return await self._on(session, AsyncConvClient.conv, session, layer, x, speculative)
+    async def conv(self, session: str, layer: int, x, speculative: bool = False, position: Optional[int] = None,
+                   request_id: Optional[str] = None):
+        return await self._on(session, AsyncConvClient.conv, session, layer, x, speculative, position, request_id)
 
     async def _parts(self, parts, call) -> list:
         async def run(p):
@@ -219,19 +225,21 @@ class ReplicatedAsyncConvClient(AsyncConvClient):
         return list(await asyncio.gather(*(run(p) for p in parts)))
 
     async def conv_batch(self, sessions: Sequence[str], layer: int, x, tokens: Optional[Sequence[int]] = None,
-                         speculative=None):
+                         speculative=None, position: Optional[Sequence[int]] = None,
+                         request_id: Optional[str] = None):
         """As :meth:`ReplicatedConvClient.conv_batch`."""
         await self._start()
         split = self.router.split(sessions)
         if len(split) == 1:
             url = next(iter(split))
             try:
-                return await self._client(url).conv_batch(sessions, layer, x, tokens, speculative)
+                return await self._client(url).conv_batch(sessions, layer, x, tokens, speculative, position, request_id)
             except self._net as e:
                 raise unavailable(self.router, url, list(sessions), e) from e
         parts = split_batch(split, sessions, x, tokens, speculative)
         outcomes = await self._parts(parts, lambda c, p: c.conv_batch(p.sessions, layer, p.x, p.tokens,
-                                                                      p.speculative))
+                                                                      p.speculative, part_position(position, p),
+                                                                      request_id))
         err = batch_failure(parts, outcomes)
         if err is not None:
             raise err

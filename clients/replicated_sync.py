@@ -19,8 +19,8 @@ import httpx
 
 from convserve.clients.common import BatchRequest, ConvResult, SessionState, _as_request
 from convserve.clients.protocol.errors import ReplicaUnavailable, SessionExists, StateLost, UnknownSession
-from convserve.clients.replicas import (Endpoints, Router, batch_failure, health_result, join_batch, merged_model,
-                                        routed_url, split_batch, SessionsWalk)
+from convserve.clients.replicas import (Endpoints, Router, batch_failure, health_result, join_batch, maybe_applied,
+                                        merged_model, part_position, routed_url, split_batch, SessionsWalk)
 from convserve.clients.sync_client import ConvClient
 
 
@@ -194,8 +194,9 @@ class ReplicatedConvClient(ConvClient):
             return self._on(sid, ConvClient.create_session, sid)
         except SessionExists:
             raise                           # it exists where it was placed: keep the placement
-        except BaseException:
-            self.router.forget(sid)         # not created: a retry places it afresh
+        except BaseException as e:
+            if not maybe_applied(e):        # not created: a retry places it afresh
+                self.router.forget(sid)
             raise
 
     def delete_session(self, session: str) -> None:
@@ -210,9 +211,13 @@ class ReplicatedConvClient(ConvClient):
         """The fork lives on its source's replica (the state is there), whatever its id hashes to."""
         url = self.router.route(session)
         new = new_session if new_session is not None else self.router.new_id()
-        out = self._on(session, ConvClient.fork, session, new)
-        self.router.pin(out, url)
-        return out
+        was = self.router.pin(new, url)     # before it is sent: a fork whose answer is lost lives there too
+        try:
+            return self._on(session, ConvClient.fork, session, new)
+        except BaseException as e:
+            if isinstance(e, SessionExists) or not maybe_applied(e):
+                self.router.pin(new, was)   # not forked (an existing id stays where it was)
+            raise
 
     def list_sessions(self, cursor: Optional[str] = None, limit: Optional[int] = None) -> dict:
         """One page of every replica's sessions, replica by replica: ``{"sessions": [session_info...], "next",
@@ -248,8 +253,9 @@ class ReplicatedConvClient(ConvClient):
     def accept(self, session: str, tokens: int) -> None:
         self._on(session, ConvClient.accept, session, tokens)
 
-    def conv(self, session: str, layer: int, x, speculative: bool = False):
-        return self._on(session, ConvClient.conv, session, layer, x, speculative)
+    def conv(self, session: str, layer: int, x, speculative: bool = False, position: Optional[int] = None,
+             request_id: Optional[str] = None):
+        return self._on(session, ConvClient.conv, session, layer, x, speculative, position, request_id)
 
     # --- batches: split by replica, parts concurrently, joined in order
 
@@ -267,18 +273,19 @@ class ReplicatedConvClient(ConvClient):
         return list(self._pool.map(run, parts))
 
     def conv_batch(self, sessions: Sequence[str], layer: int, x, tokens: Optional[Sequence[int]] = None,
-                   speculative=None):
+                   speculative=None, position: Optional[Sequence[int]] = None, request_id: Optional[str] = None):
         """:meth:`ConvClient.conv_batch` over replicas: one request per replica, concurrently, y in order. When a
         part fails, the error's ``applied`` lists the sessions whose parts ran (they are not undone)."""
         split = self.router.split(sessions)
         if len(split) == 1:                 # one replica: the request as given, no copy
             url = next(iter(split))
             try:
-                return self._client(url).conv_batch(sessions, layer, x, tokens, speculative)
+                return self._client(url).conv_batch(sessions, layer, x, tokens, speculative, position, request_id)
             except self._net as e:
                 raise unavailable(self.router, url, list(sessions), e) from e
         parts = split_batch(split, sessions, x, tokens, speculative)
-        outcomes = self._parts(parts, lambda c, p: c.conv_batch(p.sessions, layer, p.x, p.tokens, p.speculative))
+        outcomes = self._parts(parts, lambda c, p: c.conv_batch(p.sessions, layer, p.x, p.tokens, p.speculative,
+                                                                part_position(position, p), request_id))
         err = batch_failure(parts, outcomes)
         if err is not None:
             raise err

@@ -11,12 +11,12 @@ import httpx
 
 from convserve.clients.common import (MAX_MESSAGE_BYTES, _POLL_S, ConvResult, SessionState, _as_request, _backend_of,
                                       _Base, _chunked, _decode, _default_backend, _frame, _quote, _raise_for,
-                                      _Tracker, _ws_url, check_given_position, partly_applied, ws_connect, WS_CLOSE_S)
-from convserve.clients.positions import (RETRY_ERRORS, RETRY_STATUS, UNSENT_ERRORS, outcome_unknown,
-                                         resend_too_large, serialized)
+                                      _Tracker, _ws_url, check_given_position, ws_connect, WS_CLOSE_S)
+from convserve.clients.positions import (LOOK, RESYNC, RETRY_ERRORS, Attempts, resend_too_large, serialized)
 from convserve.clients.protocol import wire
 from convserve.clients.replicas import is_routed
 from convserve.clients.protocol.errors import BadRequest, PositionMismatch, ServiceError
+from convserve.clients.protocol.ids import new_session_id
 
 
 #: the most bytes of frames a WebSocket stream keeps sent and unanswered (a larger frame goes alone): websockets'
@@ -102,25 +102,43 @@ class ConvClient(_Base):
     # --- sessions
 
     def create_session(self, session: Optional[str] = None) -> str:
-        """A new session (``POST /v1/sessions``), every layer at position 0; its id, ``session`` when given (an id
-        of 1 to 128 of ``A-Z a-z 0-9 . _ ~ : -``), else one the server makes."""
-        sid = _decode(self._http.post("/v1/sessions", content=self._session_body(session)))["session"]
-        if self.positions is not None:
-            self.positions.reset(sid)
+        """A new session (``POST /v1/sessions``), every layer at position 0; its id: ``session`` when given (an id
+        of 1 to 128 of ``A-Z a-z 0-9 . _ ~ : -``), else a fresh one the client makes (so a create whose answer
+        was lost can be looked up, or sent again). With ``track_positions`` it is retried as a conv is; a retry
+        answered ``409 session_exists`` after an attempt that may have run means that attempt created it."""
+        sid = session if session is not None else new_session_id()
+        body = self._session_body(sid)
+        if self.positions is None:
+            return _decode(self._http.post("/v1/sessions", content=body))["session"]
+        att = Attempts(self.positions, "POST", "/v1/sessions", [sid], remedy=LOOK)
+        sid = self._created(self._retrying("POST", "/v1/sessions", body, att), att, sid)
+        self.positions.reset(sid)
         return sid
 
     def delete_session(self, session: str) -> None:
-        """Delete the session and free its slot (``DELETE /v1/sessions/{id}``)."""
-        _raise_for(self._http.delete(f"/v1/sessions/{_quote(session)}"))
-        if self.positions is not None:
-            self.positions.forget(session)
+        """Delete the session and free its slot (``DELETE /v1/sessions/{id}``). With ``track_positions`` it is
+        retried as a conv is; a retry answered ``404 unknown_session`` after an attempt that may have run means
+        that attempt deleted it."""
+        path = f"/v1/sessions/{_quote(session)}"
+        if self.positions is None:
+            _raise_for(self._http.delete(path))
+            return
+        att = Attempts(self.positions, "DELETE", path, [session], remedy=LOOK)
+        self._deleted(self._retrying("DELETE", path, None, att), att)
+        self.positions.forget(session)
 
+    @serialized(one=True)
     def fork(self, session: str, new_session: Optional[str] = None) -> str:
-        """A copy of the session's state under a new id (``new_session``, or one the server makes); its id."""
-        sid = _decode(self._http.post(f"/v1/sessions/{_quote(session)}/fork",
-                                      content=self._session_body(new_session)))["session"]
-        if self.positions is not None:
-            self.positions.fork(session, sid)
+        """A copy of the session's state under a new id (``new_session``, or a fresh one the client makes); its
+        id. With ``track_positions`` it waits for the session's tracked calls before it (its positions are
+        theirs) and is retried as :meth:`create_session` is."""
+        new = new_session if new_session is not None else new_session_id()
+        path, body = f"/v1/sessions/{_quote(session)}/fork", self._session_body(new)
+        if self.positions is None:
+            return _decode(self._http.post(path, content=body))["session"]
+        att = Attempts(self.positions, "POST", path, [session, new], remedy=LOOK)
+        sid = self._created(self._retrying("POST", path, body, att), att, new)
+        self.positions.fork(session, sid)
         return sid
 
     def session_info(self, session: str) -> dict:
@@ -139,9 +157,11 @@ class ConvClient(_Base):
         return self._state_from(_decode(self._http.get(f"/v1/sessions/{_quote(session)}/state")),
                                 backend or _default_backend())
 
+    @serialized(one=True)
     def import_state(self, session: str, state, layers=None) -> None:
         """Replace the session's state with ``state`` (as :meth:`export_state` returns it, or a tensor
-        ``(n_layers, dim, width - 1)``); every layer is then at position 0."""
+        ``(n_layers, dim, width - 1)``); every layer is then at position 0 (with ``track_positions``, after the
+        session's tracked calls before it)."""
         _raise_for(self._http.put(f"/v1/sessions/{_quote(session)}/state", content=self._state_body(state, layers)))
         if self.positions is not None:
             self.positions.reset(session)                 # an imported state is at position 0 on every layer
@@ -162,7 +182,8 @@ class ConvClient(_Base):
         if book is None:
             _raise_for(self._http.post(_path, content=body))
             return
-        resp, attempt = self._post_retrying(_path, body, list(sessions))
+        att = Attempts(book, "POST", _path, list(sessions), remedy=RESYNC)
+        resp, attempt = self._retrying("POST", _path, body, att)
         try:
             _raise_for(resp)
         except ServiceError as e:
@@ -173,37 +194,33 @@ class ConvClient(_Base):
                 ran = [book.known(s) and book.accept_was_applied(s, n, self.session_info(s))
                        for s, n in zip(sessions, tokens)]
             except RETRY_ERRORS as err:   # that read failed too: whether the first attempt committed is unknown
-                raise outcome_unknown(_path, list(sessions), attempt + 1) from err
+                raise att.unknown() from err
             if not all(ran):
                 book.ran_accepts(sessions, tokens, ran)
                 raise
         for s, n in zip(sessions, tokens):
             book.accepted(s, n)
 
-    def _post_retrying(self, path: str, body: bytes, sessions: list, rebody=None):
-        """``(response, retries it took)``: the same body again after a connection error, 503 or 504 (or, with
-        ``rebody``, the body it returns for each retry: see :meth:`_resend_from_copy`)."""
-        book, attempt, resent = self.positions, 0, False
+    def _retrying(self, method: str, path: str, body: Optional[bytes], att: Attempts, rebody=None):
+        """``(response, retries it took)`` of a tracked call: the same body again after a connection error, 503 or
+        504 (or, with ``rebody``, the body it returns for each retry: see :meth:`_resend_from_copy`), as ``att``
+        decides (:class:`~convserve.clients.positions.Attempts`)."""
         while True:
             try:
-                resp = self._http.post(path, content=body)
+                resp = self._http.request(method, path, content=body)
             except RETRY_ERRORS as e:
-                if attempt >= book.max_retries:
-                    raise outcome_unknown(path, sessions, attempt + 1) from e
-                wait = book.delay(attempt, None)
-                ran = not isinstance(e, UNSENT_ERRORS)
+                wait = att.failed(e)
             else:
-                if resp.status_code not in RETRY_STATUS or attempt >= book.max_retries or partly_applied(resp):
-                    if resent and resp.status_code == 413:
-                        raise resend_too_large(path, sessions, attempt + 1)
-                    return resp, attempt
-                wait = book.delay(attempt, book.retry_after(resp))
-                ran = resp.status_code == 504                                      # (a 503 ran nothing)
+                wait = att.answered(resp)
+                if wait is None:
+                    if att.resent and resp.status_code == 413:
+                        raise resend_too_large(path, att.sessions, att.n + 1)
+                    return resp, att.n
             time.sleep(wait)
-            attempt += 1
+            att.n += 1
             if rebody is not None:
-                body = rebody(ran)
-                resent = resent or ran              # a body unlike the first, after an attempt that may have run
+                body = rebody(att.ran)
+                att.resent = att.resent or att.ran   # a body unlike the first, after an attempt that may have run
 
     @serialized(one=True)
     def resync(self, session: str) -> dict:
@@ -217,7 +234,9 @@ class ConvClient(_Base):
 
     def _position(self, session: str, layer: int) -> int:
         if not self.positions.known(session):             # a session this client did not create: ask the server
-            self.positions.from_info(self.session_info(session))
+            path = f"/v1/sessions/{_quote(session)}"
+            att = Attempts(self.positions, "GET", path, [session], read=True)
+            self.positions.from_info(_decode(self._retrying("GET", path, None, att)[0]))
         return self.positions.at(session, layer)
 
     # --- conv
@@ -232,14 +251,19 @@ class ConvClient(_Base):
         request with it repeats this one."""
         book = self.positions
         check_given_position(book, position, request_id)
-        pos = position if book is None else self._position(session, layer)
-        rid = request_id if book is None else self._request_id()
+        if book is None or request_id is not None:
+            pos, rid = position, request_id
+        else:
+            pos, rid = self._position(session, layer), self._request_id()
         body = self._conv_body(session, layer, x, speculative, pos, rid)
         rebody = self._resend_from_copy(x, speculative,
                                         lambda b: self._conv_body(session, layer, b, speculative, pos, rid))
         with self._sent_from(x):
-            resp, attempt = (self._http.post("/v1/conv", content=body), 0) if book is None else \
-                self._post_retrying("/v1/conv", body, [session], rebody)
+            if book is None:
+                resp, attempt = self._http.post("/v1/conv", content=body), 0
+            else:
+                att = Attempts(book, "POST", "/v1/conv", [session], rid=rid, layer=layer, positions=[pos])
+                resp, attempt = self._retrying("POST", "/v1/conv", body, att, rebody)
             self.bytes_sent += len(body)
             self.bytes_received += len(resp.content)
             try:
@@ -249,7 +273,7 @@ class ConvClient(_Base):
                     book.moved_on(e, [session], layer, [pos], [x.shape[0]], [speculative], rid)
                 raise
         if book is not None:
-            book.applied(session, layer, x.shape[0], speculative)
+            book.applied_at(session, layer, pos, x.shape[0], speculative)
         return wire.decode_tensor(obj["y"], backend=_backend_of(x), name="y", shm=self.shm)
 
     @serialized(one=False)
@@ -263,16 +287,21 @@ class ConvClient(_Base):
         session, as :meth:`conv`'s; ``request_id`` as :meth:`conv`'s."""
         book = self.positions
         check_given_position(book, position, request_id)
-        pos = position if book is None else [self._position(s, layer) for s in sessions]
-        rid = request_id if book is None else self._request_id()
+        if book is None or request_id is not None:
+            pos, rid = position, request_id
+        else:
+            pos, rid = [self._position(s, layer) for s in sessions], self._request_id()
         body = self._batch_body(sessions, layer, x, tokens, speculative, pos, rid)
         rebody = self._resend_from_copy(
             x, speculative, lambda b: self._batch_body(sessions, layer, b, tokens, speculative, pos, rid))
         with self._sent_from(x):
-            resp, attempt = (self._http.post("/v1/conv/batch", content=body), 0) if book is None else \
-                self._post_retrying("/v1/conv/batch", body, list(sessions), rebody)
+            if book is None:
+                resp, attempt = self._http.post("/v1/conv/batch", content=body), 0
+            else:
+                att = Attempts(book, "POST", "/v1/conv/batch", list(sessions), rid=rid, layer=layer, positions=pos)
+                resp, attempt = self._retrying("POST", "/v1/conv/batch", body, att, rebody)
             answer = self._batch_answer(body, resp, attempt, sessions, layer, x, tokens, speculative, pos, rid)
-        return self._batch_y(answer, sessions, layer, x)
+        return self._batch_y(answer, sessions, layer, x, pos)
 
     def stream(self, requests: Iterable, *, transport: str = "http", window: int = 64) -> Iterator[ConvResult]:
         """Pipeline ``requests`` (:class:`ConvRequest`, ``(session, layer, x[, speculative])`` tuples or dicts)

@@ -264,3 +264,57 @@ def test_loadtest_drives_several_replicas_through_the_client_and_verifies(trio, 
     step = data["steps"][0]
     assert step["errors_total"] == 0 and step["requests"] >= 150
     assert data["config"]["url"] == ",".join(r.url for r in trio)
+
+
+@pytest.mark.parametrize("op", ["create", "fork"])
+def test_a_create_or_fork_whose_answer_is_lost_stays_placed_on_the_replica_that_may_hold_it(trio, op):
+    """The answer lost after the replica ran it: the id stays routed there (not placed afresh on another replica
+    while that one is marked down), so a second attempt finds it (409, not a second session elsewhere), and a
+    fresh client (placement by the id's hash) agrees for a create; a fork is reached on its source's replica."""
+    from convserve.clients.protocol.errors import SessionExists
+    from tests.test_client_positions import DroppingTransport, _Faults
+
+    urls = [r.url for r in trio]
+    with ConvClient(urls) as plain, ConvClient(urls) as probe:
+        src = plain.create_session()
+        home = plain.router.place(src)
+        # a fork's id that hashes to another replica than its source's
+        new = next(n for n in (f"lost-{op}-{i}-{time.monotonic_ns()}" for i in range(100))
+                   if op == "create" or probe.router.place(n) != home)
+    faults = _Faults("/v1/sessions" if op == "create" else f"/v1/sessions/{src}/fork", ["after"])
+    with ConvClient(urls, transport=DroppingTransport(faults), health_interval_s=3600) as c:
+        with pytest.raises(ReplicaUnavailable, match="may or may not have run"):
+            c.create_session(new) if op == "create" else c.fork(src, new)
+        # its replica is marked down: refused, not sent elsewhere
+        with pytest.raises(ReplicaUnavailable, match="is unavailable"):
+            c.create_session(new) if op == "create" else c.session_info(new)
+        c.refresh()                                   # back up
+        with pytest.raises(SessionExists):
+            c.create_session(new) if op == "create" else c.fork(src, new)
+        assert c.session_info(new)["session"] == new
+        holder = c.router.place(new)
+        assert op == "create" or holder == home
+    holders = [r.url for r in trio if httpx.get(f"{r.url}/v1/sessions/{new}").status_code == 200]
+    assert holders == [holder]                        # one session, on the replica the client routes it to
+    if op == "create":
+        with ConvClient(urls) as fresh:
+            assert fresh.session_info(new)["session"] == new
+
+
+def test_routing_clients_pass_position_and_request_id_to_the_sessions_replica(trio):
+    ref = reference()
+    x = rand(3, seed=5)
+    with ConvClient([r.url for r in trio]) as c:
+        sids = [c.create_session() for _ in range(6)]          # spread over the replicas
+        for s in sids:
+            ref.create(s)
+        y1 = c.conv(sids[0], 0, x, position=0, request_id="a")
+        y2 = c.conv(sids[0], 0, x, position=0, request_id="a")   # the repeat: its kept answer, applied once
+        close(y1, ref.conv(sids[0], 0, torch.from_numpy(x)))
+        np.testing.assert_array_equal(np.asarray(y1), np.asarray(y2))
+        xb = rand(len(sids), seed=6)
+        yb = c.conv_batch(sids, 1, xb, position=[0] * len(sids), request_id="b")
+        yb2 = c.conv_batch(sids, 1, xb, position=[0] * len(sids), request_id="b")
+        np.testing.assert_array_equal(np.asarray(yb), np.asarray(yb2))
+        close(yb, torch.cat([ref.conv(s, 1, torch.from_numpy(xb[i:i + 1])) for i, s in enumerate(sids)]))
+        assert [c.session_info(s)["positions"] for s in sids] == [[3, 1]] + [[0, 1]] * (len(sids) - 1)

@@ -176,13 +176,33 @@ class ReplicaUnavailable(ServiceError):
 
 class OutcomeUnknown(ServiceError):
     """Raised by a client with ``track_positions`` (never sent by a server): a request got no answer within its
-    retries (the connection kept failing), so it may have been applied or not. ``client.resync(session)`` reads
-    the session's positions back from the server (applied on a layer whose position moved by its tokens);
-    ``sessions``: the ids of the request; the exception's cause is the last connection error."""
+    retries (the connection kept failing after an attempt was sent), so it may have been applied or not.
+    ``client.resync(session)`` reads the session's positions back from the server (applied on a layer whose
+    position moved by its tokens); to be sure, send the same call again with ``position=e.positions`` (a conv:
+    ``e.positions[0]``) and ``request_id=e.request_id``: a server that applied it answers from its kept answer or
+    with a ``409`` naming that id, and one that did not applies it now. ``sessions``: the ids of the request;
+    ``request_id``, ``layer``, ``positions`` (one per session): those it carried (None for an accept or a session
+    operation); the exception's cause is the last connection error."""
     status, code = 504, "outcome_unknown"
 
-    def __init__(self, message: str, *, sessions=()):
+    def __init__(self, message: str, *, sessions=(), request_id: Optional[str] = None, layer: Optional[int] = None,
+                 positions=None):
         super().__init__(message)
+        self.sessions = list(sessions)
+        self.request_id = request_id
+        self.layer = layer
+        self.positions = None if positions is None else list(positions)
+
+
+class Unreachable(ServiceError):
+    """Raised by a client with ``track_positions`` (never sent by a server): no attempt of the request reached the
+    server (every connection was refused or timed out while connecting), or the read of the session's positions
+    that a tracked call makes first got no answer, so the request was never sent: nothing of it was applied, and
+    calling it again is safe. ``sessions``: the ids of the request; the cause is the last connection error."""
+    status, code = 503, "unreachable"
+
+    def __init__(self, message: str, *, sessions=()):
+        super().__init__(message, retry_after=1.0)
         self.sessions = list(sessions)
 
 
