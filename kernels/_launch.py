@@ -16,7 +16,7 @@ import torch
 
 from ._replay import AVAILABLE as REPLAYS_AVAILABLE
 from ._replay import Replays
-from ._validate import check_out
+from ._validate import byte_span, check_out, overlaps
 
 
 @dataclass(frozen=True)
@@ -177,7 +177,7 @@ class LaunchPlan:
     def __call__(self, *tensors):
         if self.alias is not None:
             i, j = self.alias
-            if tensors[j].data_ptr() == tensors[i].data_ptr():
+            if overlaps(tensors[j], tensors[i]):
                 check_out(tensors[j], tensors[i], tensors[i])
         if not self.direct:
             if self.align_mask and any(t.data_ptr() & self.align_mask for t in tensors):
@@ -232,15 +232,17 @@ class LaunchPlan:
                 r = TUNING["replay"]
                 if r["after"] > 0 and REPLAYS_AVAILABLE:
                     self.replays = Replays(self.device_index, r["after"], r["keep"])
-                self.fast = self._make_fast(entry, len(tensors))
+                self.fast = self._make_fast(entry, tensors)
 
-    def _make_fast(self, entry, n: int):
+    def _make_fast(self, entry, tensors):
         """A launcher for this plan alone, as Python source: one address read per distinct tensor (``same``),
-        the alias and alignment checks on plain ints, then the C launcher with the grid, the scalars and the
-        constexprs written in as constants. Any other case (an unaligned pointer, an aliased out) goes through
-        the generic ``__call__``. With ``replays``, a launch whose addresses have a graph replays it instead, and
-        a plain launch is noted (``Replays.note``)."""
+        the alias check (do out's and x's byte ranges meet? their spans fixed by the plan's layout, taken from
+        ``tensors``, the first call's) and the alignment check on plain ints, then the C launcher with the grid,
+        the scalars and the constexprs written in as constants. Any other case (an unaligned pointer, an out that
+        may overlap x) goes through the generic ``__call__``. With ``replays``, a launch whose addresses have a
+        graph replays it instead, and a plain launch is noted (``Replays.note``)."""
         _, run, function, meta, coop, pdl = entry
+        n = len(tensors)
         ts = [f"t{k}" for k in range(n)]
         ps = [f"p{self.same.get(k, k)}" for k in range(n)]
         distinct = sorted(set(ps), key=ps.index)
@@ -252,7 +254,10 @@ class LaunchPlan:
         key = f"({', '.join(distinct)},)"
         lines = [f"def fast({', '.join(ts)}):"]
         lines += [f"    p{k} = t{k}.data_ptr()" for k in range(n) if k not in self.same]
-        checks = [f"(p{self.alias[1]} == p{self.alias[0]})"] if self.alias is not None else []
+        checks = []
+        if self.alias is not None:
+            i, j = self.alias
+            checks.append(f"(p{j} < p{i} + {byte_span(tensors[i])} and p{i} < p{j} + {byte_span(tensors[j])})")
         checks.append(f"(({' | '.join(distinct)}) & 15)")
         lines.append(f"    if {' or '.join(checks)}:")
         lines.append(f"        return generic({', '.join(ts)})")

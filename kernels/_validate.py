@@ -7,6 +7,7 @@ GPU. Each failure is a ``ValueError`` that names the argument, what was expected
 from __future__ import annotations
 
 import collections
+import numbers
 from typing import Optional
 
 import torch
@@ -25,6 +26,14 @@ def seed_args(kwargs: dict, pad_slot_id, fn: str) -> int:
     if bad:
         raise TypeError(f"{fn}() got unexpected keyword argument(s) {', '.join(map(repr, bad))}")
     return PAD_SLOT_ID if pad_slot_id is None else pad_slot_id
+
+def check_pad_slot_id(pad_slot_id) -> int:
+    """``pad_slot_id`` as a Python int (an integer, not a bool; numpy integers are taken), or ValueError."""
+    if isinstance(pad_slot_id, bool) or not isinstance(pad_slot_id, numbers.Integral):
+        raise ValueError(f"pad_slot_id: expected an integer (the cache index that marks a padded row), got "
+                         f"{pad_slot_id!r:.60} ({type(pad_slot_id).__name__})")
+    return int(pad_slot_id)
+
 
 #: Widths the kernels are built for. Widths 2-4 are what Mamba/Mamba2/Qwen3-Next use; 5-8 are extra.
 MIN_WIDTH, MAX_WIDTH = 2, 8
@@ -199,8 +208,23 @@ def check_out(out, like: torch.Tensor, x: torch.Tensor) -> None:
     _check_tensor("out", out, like.dim(), (like.dtype,), like.device)
     if tuple(out.shape) != tuple(like.shape):
         raise _fail("out", f"shape {tuple(like.shape)}", tuple(out.shape))
-    if out.data_ptr() == x.data_ptr() and out.numel() > 0:
-        raise _fail("out", "a buffer distinct from x (the kernels read x after writing out)", "x itself")
+    if out.numel() > 0 and x.numel() > 0 and overlaps(out, x):
+        raise _fail("out", "memory that does not overlap x's (the kernels read x after writing out)",
+                    "x itself" if out.data_ptr() == x.data_ptr() else "a view overlapping x")
+
+
+def byte_span(t: torch.Tensor) -> int:
+    """Bytes from ``t``'s first element to just past its last (its strides non-negative), or 0 when empty."""
+    if t.numel() == 0:
+        return 0
+    return (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Do the byte ranges of ``a`` and ``b`` intersect? (Conservative: two interleaved views whose elements never
+    meet count as overlapping.)"""
+    pa, pb = a.data_ptr(), b.data_ptr()
+    return pa < pb + byte_span(b) and pb < pa + byte_span(a)
 
 
 def check_prefill_values(total, batch, conv_states, query_start_loc, cache_indices, pad_slot_id):

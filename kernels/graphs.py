@@ -107,10 +107,18 @@ class DecodeGraph:
     def run(self, x: torch.Tensor, conv_state_indices: torch.Tensor) -> torch.Tensor:
         """x: ``(n, dim)`` or ``(n, dim, seqlen)`` with ``n <= batch``; returns ``out[:n]`` (a view, overwritten by
         the next replay)."""
-        n = x.shape[0]
+        n, dim = x.shape[0], self.x.shape[1]
         if n > self.batch:
             raise ValueError(f"x: expected at most batch={self.batch} rows for this graph, got {n}")
-        self.x[:n].copy_(x.view(n, x.shape[1], -1))
+        # exact shapes: copy_ would broadcast a (n, dim) x over a longer graph's seqlen, or one index over n rows
+        want = (n, dim) if self.seqlen == 1 and x.dim() == 2 else (n, dim, self.seqlen)
+        if tuple(x.shape) != want:
+            raise ValueError(f"x: expected shape {want} for this graph (seqlen={self.seqlen}; (n, dim) only when "
+                             f"seqlen is 1), got {tuple(x.shape)}")
+        if tuple(conv_state_indices.shape) != (n,):
+            raise ValueError(f"conv_state_indices: expected shape ({n},) (one per row of x), got "
+                             f"{tuple(conv_state_indices.shape)}")
+        self.x[:n].copy_(x.view(n, dim, -1))
         self.conv_state_indices[:n].copy_(conv_state_indices)
         self.conv_state_indices[n:].fill_(self.pad_slot_id)
         self.graph.replay()
@@ -158,6 +166,13 @@ class PrefillGraph:
         if n > self.tokens or b > self.seqs:
             raise ValueError(f"x / cache_indices: expected at most {self.tokens} tokens and {self.seqs} sequences "
                              f"for this graph, got {n} and {b}")
+        # exact shapes: copy_ would broadcast a shorter array over the graph's buffers
+        got = (tuple(x.shape), tuple(query_start_loc.shape), tuple(cache_indices.shape),
+               tuple(has_initial_state.shape))
+        want = ((self.x.shape[0], n), (b + 1,), (b,), (b,))
+        if got != want:
+            raise ValueError(f"x, query_start_loc, cache_indices, has_initial_state: expected shapes {want} for "
+                             f"{n} tokens of {b} sequences, got {got}")
         self.x[:, :n].copy_(x)
         self.query_start_loc[:b + 1].copy_(query_start_loc)
         self.query_start_loc[b + 1:].fill_(n)

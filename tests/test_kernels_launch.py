@@ -98,6 +98,60 @@ def test_out_sharing_x_buffer_is_refused_on_the_fast_path(slow_calls, kernel_dev
     assert slow_calls["prefill"] == 1
 
 
+@pytest.mark.parametrize("shift", [1, -1, 2])
+def test_out_partly_overlapping_x_is_refused_on_both_paths(slow_calls, kernel_device, shift):
+    dim, t = 16, 5
+    w = torch.randn(dim, 4).to(kernel_device, torch.float32)
+    qsl = torch.tensor([0, t], dtype=torch.int32, device=kernel_device)
+    buf = torch.randn(dim, t + 4).to(kernel_device)
+    x, out = (buf[:, 2:t + 2], buf[:, 2 + shift:t + 2 + shift])
+    causal_conv1d_fn(x, w, None, None, qsl, out=torch.empty_like(x))      # the layout's plan, cached
+    for _ in range(2):                                                     # the fast path, then the slow one
+        with pytest.raises(ValueError, match="overlapping x"):
+            causal_conv1d_fn(x, w, None, None, qsl, out=out)
+        from convserve.kernels.prefill import plan as pplan
+        pplan._PLANS.clear()
+    rows = torch.randn(3, dim * 2).to(kernel_device)
+    xd, od = rows[:, :dim], rows[:, dim // 2:dim // 2 + dim]               # rows that share bytes
+    state = torch.randn(3, dim, 3).to(kernel_device)
+    with pytest.raises(ValueError, match="overlapping x"):
+        causal_conv1d_update(xd, state, w, None, None, out=od)
+
+
+@pytest.mark.parametrize("bad", [1, 0, 1.0])
+def test_an_activation_that_is_not_a_name_or_bool_is_refused_even_after_a_bool_call(slow_calls, kernel_device, bad):
+    dim = 16
+    w = torch.randn(dim, 4).to(kernel_device)
+    x = torch.randn(2, dim).to(kernel_device)
+    state = torch.randn(2, dim, 3).to(kernel_device)
+    qsl = torch.tensor([0, 2], dtype=torch.int32, device=kernel_device)
+    for flag in (True, False):                      # plans cached for 1 == True and 0 == False
+        causal_conv1d_update(x, state, w, None, flag)
+        causal_conv1d_fn(x.t(), w, None, None, qsl, activation=flag)
+    with pytest.raises(ValueError, match="activation"):
+        causal_conv1d_update(x, state, w, None, bad)
+    with pytest.raises(ValueError, match="activation"):
+        causal_conv1d_fn(x.t(), w, None, None, qsl, activation=bad)
+
+
+@pytest.mark.parametrize("bad", [-1.0, torch.tensor(-1), "x", True, None])
+def test_a_pad_slot_id_that_is_not_an_integer_is_refused_naming_it(kernel_device, bad):
+    import numpy as np
+    dim = 16
+    w = torch.randn(dim, 4).to(kernel_device)
+    x = torch.randn(2, dim).to(kernel_device)
+    state = torch.randn(2, dim, 3).to(kernel_device)
+    qsl = torch.tensor([0, 2], dtype=torch.int32, device=kernel_device)
+    if bad is None:                                  # (None is the seed's "no marker": the default)
+        causal_conv1d_update(x, state, w, pad_slot_id=None)
+        causal_conv1d_update(x, state, w, pad_slot_id=np.int64(-1))      # a numpy integer is an integer
+        return
+    with pytest.raises(ValueError, match="pad_slot_id"):
+        causal_conv1d_update(x, state, w, pad_slot_id=bad)
+    with pytest.raises(ValueError, match="pad_slot_id"):
+        causal_conv1d_fn(x.t(), w, None, None, qsl, pad_slot_id=bad)
+
+
 def test_clearing_a_plan_cache_drops_its_guards(kernel_device):
     from convserve.kernels.decode import plan as dplan
     x = torch.randn(1, 16).to(kernel_device)
@@ -138,15 +192,21 @@ def test_generated_launcher_hands_the_c_launcher_what_triton_would(monkeypatch):
     plan.called_as({2: 1, 4: 0}, alias=(0, 5))  # bias and an index tensor absent: stand-ins weight and x
     entry = (True, lambda *a: launches.append(a), 0xF00, ("meta",), 0, 1)
     plan._aligned = entry
-    fast = plan._make_fast(entry, 6)
     x, w, s, o = (torch.empty(64, dtype=torch.bfloat16) for _ in range(4))
+    fast = plan._make_fast(entry, (x, w, w, s, x, o))
     fast(x, w, w, s, x, o)
     assert launches[-1] == (3, 5, 1, 1001, 0xF00, 0, 1, None, None, ("meta",), None, None, None,
                             x.data_ptr(), w.data_ptr(), w.data_ptr(), s.data_ptr(), x.data_ptr(), o.data_ptr(),
                             7, 4096, True)
-    n = len(launches)
     with pytest.raises(ValueError, match="out"):  # out over x's buffer: the generic path, which refuses it
         fast(x, w, w, s, x, x.view(64))
+    buf = torch.empty(128, dtype=torch.bfloat16)
+    for xo, oo in ((buf[:64], buf[32:96]), (buf[32:96], buf[:64]), (buf[:64], buf[63:127])):
+        with pytest.raises(ValueError, match="overlapping x"):    # a shifted view over x: refused the same way
+            fast(xo, w, w, s, xo, oo)
+    fast(buf[:64], w, w, s, buf[:64], buf[64:])                   # adjacent, not overlapping: launched
+    assert launches[-1][13] == buf.data_ptr() and launches[-1][18] == buf.data_ptr() + 128
+    n = len(launches)
     odd = torch.empty(65, dtype=torch.bfloat16)[1:]  # 2 bytes off 16-byte alignment: the generic path
     plan._entries[(True, True, True, False, True, True)] = entry
     fast(x, w, w, odd, x, o)
@@ -155,7 +215,7 @@ def test_generated_launcher_hands_the_c_launcher_what_triton_would(monkeypatch):
     def broken(*a):
         raise TypeError("another launcher")
     plan2, generic2 = _direct_plan(monkeypatch)
-    plan2.fast = plan2._make_fast((True, broken, 1, (), 0, 0), 6)
+    plan2.fast = plan2._make_fast((True, broken, 1, (), 0, 0), (x, w, w, s, x, o))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         plan2.fast(x, w, w, s, x, o)

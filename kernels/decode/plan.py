@@ -10,12 +10,13 @@ from typing import Optional
 import torch
 
 from .._launch import ABSENT, LaunchPlan, PlanCache, add_guard, tensor_key
-from .._validate import PAD_SLOT_ID, check_out, check_update, check_update_values, seed_args
+from .._validate import PAD_SLOT_ID, check_out, check_pad_slot_id, check_update, check_update_values, seed_args
 from .chunked import chunked_plan
 from .dense import dense_applies, dense_plan
 from .pairs import pairs_applies, pairs_plan
 
-_PLANS = PlanCache()  # _update_key -> LaunchPlan; guards: (x.shape, activation, pad_slot_id) -> add_guard's
+# _update_key -> LaunchPlan; guards: (x.shape, activation and pad_slot_id with their types) -> add_guard's
+_PLANS = PlanCache()
 
 
 def _plan_update(x, conv_state, weight, bias, conv_state_indices, num_accepted_tokens, inter, osi, out, width,
@@ -115,13 +116,14 @@ def causal_conv1d_update(
     """
     if kwargs or pad_slot_id is None:   # the seed's conventions (_validate.seed_args)
         pad_slot_id = seed_args(kwargs, pad_slot_id, "causal_conv1d_update")
-    # A layout seen before launches at once: the guards kept for x's shape, the activation and pad_slot_id
+    # A layout seen before launches at once: the guards kept for x's shape, the activation and pad_slot_id, each
+    # of the last two with its type (1 == True and -1.0 == -1: neither may find the other's plan)
     # (_PLANS.guards, filled by _update_slow) check every tensor's shape, strides, dtype and device in one C++
     # call. Everything else (first calls, bad arguments, validate_data, empty x) takes _update_slow, which checks
     # the arguments and finds or builds the plan (_PLANS, keyed on _update_key).
     plan = None
     try:
-        entries = _PLANS.guards.get((x.shape, activation, pad_slot_id))
+        entries = _PLANS.guards.get((x.shape, activation, type(activation), pad_slot_id, type(pad_slot_id)))
         if entries is not None and cache_seqlens is None and not validate_data:
             # the tuple _guarded builds, inline (a call less)
             tensors = (x, conv_state, weight, ABSENT[0] if bias is None else bias,
@@ -184,6 +186,7 @@ def _update_slow(x, conv_state, weight, bias, activation, cache_seqlens, conv_st
     batch, dim, seqlen, width, act = check_update(x, conv_state, weight, bias, activation, cache_seqlens,
                                                   conv_state_indices, num_accepted_tokens,
                                                   intermediate_conv_window, output_state_indices)
+    given_pad, pad_slot_id = pad_slot_id, check_pad_slot_id(pad_slot_id)
     if out is not None:
         check_out(out, x, x)
     if validate_data:
@@ -212,7 +215,7 @@ def _update_slow(x, conv_state, weight, bias, activation, cache_seqlens, conv_st
             same[2] = 1
         plan.called_as(same, alias=(0, 8))
         _PLANS[key] = plan
-    add_guard(_PLANS, (x.shape, activation, pad_slot_id), guarded, plan)
+    add_guard(_PLANS, (x.shape, activation, type(activation), given_pad, type(given_pad)), guarded, plan)
     plan(x, weight, bias if bias is not None else weight, conv_state,
          conv_state_indices if conv_state_indices is not None else x,
          num_accepted_tokens if num_accepted_tokens is not None else x,

@@ -18,13 +18,15 @@ from typing import Optional
 import torch
 
 from .._launch import ABSENT, PlanCache, add_guard, tensor_key
-from .._validate import PAD_SLOT_ID, check_out, check_prefill, check_prefill_values, seed_args
+from .._validate import (PAD_SLOT_ID, check_out, check_pad_slot_id, check_prefill, check_prefill_values,
+                         seed_args)
 from .body_channels_first import channels_first_body_plans
 from .body_channels_last import channels_last_body_plan
 from .heads import heads_plan
 from .piece import piece_plan
 
-_PLANS = PlanCache()  # _prefill_key -> plan; guards: (x.shape, activation, pad_slot_id) -> add_guard's
+# _prefill_key -> plan; guards: (x.shape, activation and pad_slot_id with their types) -> add_guard's
+_PLANS = PlanCache()
 
 
 def _plan_prefill(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state, out, width,
@@ -67,7 +69,8 @@ def causal_conv1d_fn(
         bias: ``(dim,)`` or None.
         conv_states: ``(num_cache_lines, dim, state_len >= width - 1)`` or None; any dtype of the three (fp32
             state with bf16 ``x`` is fine). Updated in place: columns ``[0, width - 1)`` of sequence ``i``'s row
-            become its last ``width - 1`` inputs, with the old state shifted in when the sequence is shorter.
+            become its last ``width - 1`` inputs; a sequence shorter than that shifts in the old state when
+            ``has_initial_state[i]``, zeros otherwise.
         query_start_loc: ``(batch + 1,)`` int32/int64, ``query_start_loc[0] == 0``, non-decreasing.
         cache_indices: ``(batch,)`` int32/int64 state row of each sequence, or None for row ``i``. A row equal
             to ``pad_slot_id`` marks a pad sequence: its outputs are zero and no state is touched. Rows outside
@@ -90,14 +93,15 @@ def causal_conv1d_fn(
     """
     if kwargs or pad_slot_id is None:   # the seed's conventions (_validate.seed_args)
         pad_slot_id = seed_args(kwargs, pad_slot_id, "causal_conv1d_fn")
-    # A layout seen before launches at once: the guards kept for x's shape, the activation and pad_slot_id
+    # A layout seen before launches at once: the guards kept for x's shape, the activation and pad_slot_id, each
+    # of the last two with its type (1 == True and -1.0 == -1: neither may find the other's plan)
     # (_PLANS.guards, filled by _prefill_slow) check every tensor's shape, strides, dtype and device in one C++
     # call. Everything else (first calls, bad arguments, validate_data, empty x) takes _prefill_slow, which checks
     # the arguments and finds or builds the plan: (body plans, sequence plan, copy_bias, copy_index), keyed on
     # _prefill_key.
     plan = None
     try:
-        entries = _PLANS.guards.get((x.shape, activation, pad_slot_id))
+        entries = _PLANS.guards.get((x.shape, activation, type(activation), pad_slot_id, type(pad_slot_id)))
         if entries is not None and not validate_data:
             # the tuple _guarded builds, inline (a call less)
             tensors = (x, weight, ABSENT[0] if bias is None else bias,
@@ -156,6 +160,7 @@ def _prefill_slow(x, weight, bias, conv_states, query_start_loc, cache_indices, 
     strided ``query_start_loc`` / ``cache_indices`` / ``has_initial_state`` (its ``copy_index``)."""
     dim, total, width, batch, act = check_prefill(x, weight, bias, conv_states, query_start_loc, cache_indices,
                                                   has_initial_state, activation)
+    given_pad, pad_slot_id = pad_slot_id, check_pad_slot_id(pad_slot_id)
     if out is not None:
         check_out(out, x, x)
     if validate_data:
@@ -190,7 +195,7 @@ def _prefill_slow(x, weight, bias, conv_states, query_start_loc, cache_indices, 
                      if t is None})
         plan[1].called_as(same, alias=(0, 7))
         _PLANS[key] = plan
-    add_guard(_PLANS, (x.shape, activation, pad_slot_id), guarded, plan)
+    add_guard(_PLANS, (x.shape, activation, type(activation), given_pad, type(given_pad)), guarded, plan)
     body, seq = plan[:2]
     b = bias if bias is not None else weight
     for p in body:
