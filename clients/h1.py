@@ -76,23 +76,32 @@ class _H1Pool:
         self._drop_idle()
 
     async def request(self, method: str, path: str, body: bytes = b"") -> _Resp:
+        """One exchange within ``timeout`` seconds, the wait for a free connection and the connect included. A
+        timeout before the request was written raises what says nothing was sent (``PoolTimeout`` waiting for a
+        connection, ``ConnectTimeout`` connecting), after it ``ReadTimeout``."""
         slots = self._bind()
-        await slots.acquire()
+        phase = ["pool"]
+
+        async def go():
+            await slots.acquire()
+            try:
+                return await self._exchange(method, path, body, phase)
+            finally:
+                slots.release()
+
         try:
             if _deadline is not None:
-                try:
-                    async with _deadline(self.timeout):
-                        return await self._exchange(method, path, body)
-                except TimeoutError:
-                    raise httpx.ReadTimeout(f"no answer to {method} {path} within {self.timeout} s") from None
-            try:
-                return await asyncio.wait_for(self._exchange(method, path, body), self.timeout)
-            except asyncio.TimeoutError:
-                raise httpx.ReadTimeout(f"no answer to {method} {path} within {self.timeout} s") from None
-        finally:
-            slots.release()
+                async with _deadline(self.timeout):
+                    return await go()
+            return await asyncio.wait_for(go(), self.timeout)
+        except (TimeoutError, asyncio.TimeoutError):
+            what = {"pool": (httpx.PoolTimeout, "no free connection (max_connections) for"),
+                    "connect": (httpx.ConnectTimeout, "no connection to the server for")}
+            cls, why = what.get(phase[0], (httpx.ReadTimeout, "no answer to"))
+            raise cls(f"{why} {method} {path} within {self.timeout} s") from None
 
-    async def _exchange(self, method: str, path: str, body: bytes) -> _Resp:
+    async def _exchange(self, method: str, path: str, body: bytes, phase: list) -> _Resp:
+        """``phase[0]``: "connect" while connecting, "sent" from the request's write on."""
         conn = None
         idle = self._idle
         while idle:
@@ -103,7 +112,9 @@ class _H1Pool:
             conn = (r, w)
             break
         if conn is None:
+            phase[0] = "connect"
             conn = await self._connect()
+        phase[0] = "sent"
         r, w = conn
         keep = False
         try:

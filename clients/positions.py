@@ -212,8 +212,9 @@ class Attempts:
 RETRY_STATUS = (503, 504)
 #: the connection errors a tracked request is retried on (httpx's, which the lean async pool raises as well)
 RETRY_ERRORS = (httpx.TransportError,)
-#: the connection errors raised before anything was sent: the request cannot be running on the server
-UNSENT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
+#: the connection errors raised before anything was sent (no connection made, or none free in the pool): the
+#: request cannot be running on the server
+UNSENT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 
 
 class PositionBook:

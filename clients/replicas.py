@@ -31,6 +31,7 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence, Union
 
+from convserve.clients.positions import UNSENT_ERRORS
 from convserve.clients.protocol import wire
 from convserve.clients.protocol.errors import EngineTimeout, OutcomeUnknown, ReplicaUnavailable, ServiceError
 from convserve.clients.protocol.ids import REPLICA_HEADER, new_session_id
@@ -355,10 +356,8 @@ def maybe_applied(e: BaseException) -> bool:
     interrupted call); a session it may have created or forked stays placed on that replica."""
     if not isinstance(e, Exception):
         return True
-    if isinstance(e, ReplicaUnavailable):          # a network failure: unsent when the connect failed, or none
-        import httpx                               # was made (the replica was known down: no cause)
-
-        return e.__cause__ is not None and not isinstance(e.__cause__, (httpx.ConnectError, httpx.ConnectTimeout))
+    if isinstance(e, ReplicaUnavailable):   # a network failure: unsent when the connect failed, or none was made
+        return e.__cause__ is not None and not isinstance(e.__cause__, UNSENT_ERRORS)
     return isinstance(e, (OutcomeUnknown, EngineTimeout))
 
 

@@ -143,3 +143,43 @@ def test_a_well_formed_chunked_answer_with_extensions_and_trailers_reads_whole(b
         w.close()
 
     assert request_against(handler).content == want
+
+
+def test_request_timeout_bounds_the_wait_for_a_connection_and_says_nothing_was_sent_while_waiting():
+    """One connection, a server that never answers: the call holding it times out as a read (it was sent), the
+    calls waiting for it as ``PoolTimeout`` (nothing sent), each within ``timeout`` of its own start."""
+    async def handler(r, w):
+        await r.read()                                          # reads, never answers
+
+    async def main():
+        srv = await asyncio.start_server(handler, "127.0.0.1", 0)
+        pool = _H1Pool("127.0.0.1", srv.sockets[0].getsockname()[1], {}, 0.4, 1)
+        loop = asyncio.get_running_loop()
+
+        async def one():
+            t0 = loop.time()
+            try:
+                await pool.request("GET", "/r")
+            except httpx.TimeoutException as e:
+                return type(e), loop.time() - t0
+        try:
+            return await asyncio.gather(*(one() for _ in range(4)))
+        finally:
+            srv.close()
+
+    outs = asyncio.run(main())
+    assert sorted(c.__name__ for c, _ in outs) == ["PoolTimeout"] * 3 + ["ReadTimeout"]
+    assert all(t < 0.8 for _, t in outs), outs
+
+
+def test_a_connect_that_hangs_times_out_as_a_connect_timeout(monkeypatch):
+    async def main():
+        pool = _H1Pool("127.0.0.1", 9, {}, 0.2, 1)
+
+        async def hang(*a, **k):
+            await asyncio.sleep(10)
+        monkeypatch.setattr(asyncio, "open_connection", hang)
+        await pool.request("GET", "/r")
+
+    with pytest.raises(httpx.ConnectTimeout):
+        asyncio.run(main())
