@@ -15,6 +15,20 @@ from tests.http_api import DIM, LAYERS, MAX_BODY, MAX_TOKENS, SLOTS, WIDTH, asse
 from tests.live import Reference
 
 
+@pytest.mark.parametrize("path", ["/healthz", "/readyz"])
+@pytest.mark.parametrize("accept", [None, "application/json", "application/msgpack", "application/x-msgpack"])
+def test_the_probes_answer_json_unless_msgpack_is_asked_for(server, path, accept):
+    r = httpx.get(server.url + path, headers={"accept": accept} if accept else {})
+    assert r.status_code == 200
+    if accept is not None and "msgpack" in accept:
+        assert r.headers["content-type"] == wire.MEDIA_TYPE
+        body = wire.unpackb(r.content, 1 << 20)
+    else:
+        assert r.headers["content-type"].startswith("application/json")
+        body = json.loads(r.content)
+    assert body["status"] in ("ok", "ready")
+
+
 def test_health_ready_and_model_describe_the_served_model(server, api):
     assert httpx.get(server.url + "/healthz").status_code == 200
     assert httpx.get(server.url + "/readyz").status_code == 200

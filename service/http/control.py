@@ -10,7 +10,6 @@ API key (the :class:`.edge.Edge` guards only ``/v1``).
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -54,14 +53,20 @@ def add_control_routes(app: FastAPI, svc: Service) -> None:
 
     # --- health and metrics (no API key)
 
+    def probe(request: Request, obj: dict, status: int = 200) -> Response:
+        """A probe's answer: JSON (what probes and people read) unless the request asks for msgpack, as the
+        errors of these routes are."""
+        accept = header(request.scope, b"accept") or b""
+        body, ctype = render(obj, b"msgpack" not in accept)
+        return Response(body, status_code=status, media_type=ctype.decode())
+
     @app.api_route("/healthz", methods=["GET", "HEAD"])     # HEAD: probes that send curl -I
     async def healthz(request: Request):
         await no_body(request)
         why = getattr(engine, "unhealthy_reason", lambda: None)()
         if why is not None:          # an engine keeps failing to start: a liveness probe restarts the server
-            return Response(json.dumps({"status": "unhealthy", "reason": why}).encode(), status_code=503,
-                            media_type="application/json")
-        return Response(b'{"status":"ok"}', media_type="application/json")
+            return probe(request, {"status": "unhealthy", "reason": why}, 503)
+        return probe(request, {"status": "ok"})
 
     @app.api_route("/readyz", methods=["GET", "HEAD"])
     async def readyz(request: Request):
@@ -74,15 +79,13 @@ def add_control_routes(app: FastAPI, svc: Service) -> None:
             serving = [r for r in rows if r["state"] == "up" and r["unanswered_s"] is None]
             if serving:
                 status = "degraded" if len(serving) < len(rows) else "ready"
-                return Response(json.dumps({"status": status, "engines": rows}).encode(),
-                                media_type="application/json")
+                return probe(request, {"status": status, "engines": rows})
             # none serves (a death this worker's ready flag has not seen yet, or none answers): 503 below
             silent = [i for i, r in enumerate(rows) if r["state"] == "up" and r["unanswered_s"] is not None]
         elif svc.ready and engines is None and svc.snapshots is not None:  # in-process, state_dir: last snapshot
-            body = json.dumps({"status": "ready", "snapshot": svc.snapshots.last()}).encode()
-            return Response(body, media_type="application/json")
+            return probe(request, {"status": "ready", "snapshot": svc.snapshots.last()})
         elif svc.ready and engines is None:
-            return Response(b'{"status":"ready"}', media_type="application/json")
+            return probe(request, {"status": "ready"})
         try:
             svc.require_ready()
             if starting:
