@@ -14,7 +14,7 @@ from convserve.clients.common import (_POLL_S, MAX_MESSAGE_BYTES, SessionState, 
                                       _chunked, _decode, _default_backend, _frame, _quote, _raise_for, _Tracker,
                                       _ws_url, check_given_position, ws_connect_async, WS_CLOSE_S)
 from convserve.clients.h1 import _H1Pool, _h1_target
-from convserve.clients.positions import (LOOK, RESYNC, RETRY_ERRORS, Attempts, resend_too_large, serialized)
+from convserve.clients.positions import (LOOK, RESYNC, RETRY_ERRORS, Attempts, serialized)
 from convserve.clients.protocol import wire
 from convserve.clients.replicas import is_routed
 from convserve.clients.protocol.errors import BadRequest, PositionMismatch, ServiceError
@@ -192,7 +192,7 @@ class AsyncConvClient(_Base):
                 wait = att.answered(resp)
                 if wait is None:
                     if att.resent and resp.status_code == 413:
-                        raise resend_too_large(path, att.sessions, att.n + 1)
+                        raise att.too_large()
                     return resp, att.n
             await asyncio.sleep(wait)
             att.n += 1
@@ -241,7 +241,7 @@ class AsyncConvClient(_Base):
             try:
                 obj = _decode(resp)
             except PositionMismatch as e:
-                if book is not None and attempt:
+                if book is not None and (attempt or request_id is not None):   # a retry, or sent again
                     book.moved_on(e, [session], layer, [pos], [x.shape[0]], [speculative], rid)
                 raise
         if book is not None:
@@ -268,7 +268,8 @@ class AsyncConvClient(_Base):
             else:
                 att = Attempts(book, "POST", "/v1/conv/batch", list(sessions), rid=rid, layer=layer, positions=pos)
                 resp, attempt = await self._retrying("POST", "/v1/conv/batch", body, att, rebody)
-            answer = self._batch_answer(body, resp, attempt, sessions, layer, x, tokens, speculative, pos, rid)
+            answer = self._batch_answer(body, resp, attempt > 0 or request_id is not None, sessions, layer, x,
+                                        tokens, speculative, pos, rid)
         return self._batch_y(answer, sessions, layer, x, pos)
 
     async def stream(self, requests: Union[Iterable, AsyncIterable], *, transport: str = "http", window: int = 64):

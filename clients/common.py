@@ -487,11 +487,11 @@ class _Base:
         spec = [f] * n if isinstance(f, bool) else f
         return toks, spec
 
-    def _batch_answer(self, body: bytes, resp, attempt: int, sessions, layer, x, tokens, speculative, pos,
+    def _batch_answer(self, body: bytes, resp, retried: bool, sessions, layer, x, tokens, speculative, pos,
                       rid=None) -> tuple:
         """A ``/v1/conv/batch`` call's answer (both clients' ``conv_batch``): its bytes counted, its body decoded,
-        and with a position book what a refusal tells it (a mismatch after a retry, the parts of a split batch that
-        ran). Returns ``(answer, tokens per session, speculative per session)``."""
+        and with a position book what a refusal tells it (a mismatch after a retry or on a call sent again, the
+        parts of a split batch that ran). Returns ``(answer, tokens per session, speculative per session)``."""
         book = self.positions
         self.bytes_sent += len(body)
         self.bytes_received += len(resp.content)
@@ -501,13 +501,13 @@ class _Base:
         except PositionMismatch as e:       # (a split batch's part refused after other parts ran: those count)
             if book is not None:
                 ran = e.extra.get("applied") or ()
-                book.partly_applied(e, list(sessions), layer, toks, spec)
-                if attempt:
+                book.partly_applied(e, list(sessions), layer, pos, toks, spec)
+                if retried:
                     book.moved_on(e, list(sessions), layer, pos, toks, spec, rid, skip=frozenset(ran))
             raise
         except ServiceError as e:   # a batch split across engines, some of whose parts ran: they count
             if book is not None:
-                book.partly_applied(e, list(sessions), layer, toks, spec)
+                book.partly_applied(e, list(sessions), layer, pos, toks, spec)
             raise
 
     def _batch_y(self, answer: tuple, sessions, layer, x, pos=None):

@@ -22,10 +22,12 @@ class _Resp:
         self.status_code, self.headers, self.content = status_code, headers, content
 
 
-if hasattr(asyncio, "timeout"):
-    _deadline = asyncio.timeout
-else:  # Python 3.10
-    _deadline = None
+async def _within(coro, seconds: float):
+    """``await coro`` within ``seconds``, else TimeoutError (``asyncio.timeout`` where there is one: no task)."""
+    if hasattr(asyncio, "timeout"):
+        async with asyncio.timeout(seconds):
+            return await coro
+    return await asyncio.wait_for(coro, seconds)  # Python 3.10
 
 
 class _H1Pool:
@@ -76,29 +78,26 @@ class _H1Pool:
         self._drop_idle()
 
     async def request(self, method: str, path: str, body: bytes = b"") -> _Resp:
-        """One exchange within ``timeout`` seconds, the wait for a free connection and the connect included. A
-        timeout before the request was written raises what says nothing was sent (``PoolTimeout`` waiting for a
-        connection, ``ConnectTimeout`` connecting), after it ``ReadTimeout``."""
+        """One exchange. The wait for a free connection and the exchange (connect, send, answer) each get
+        ``timeout`` seconds: a request is never sent with only what a long wait for a connection left of one
+        budget. A timeout before the request was written raises what says nothing was sent (``PoolTimeout``
+        waiting for a connection, ``ConnectTimeout`` connecting), after it ``ReadTimeout``."""
         slots = self._bind()
-        phase = ["pool"]
-
-        async def go():
-            await slots.acquire()
-            try:
-                return await self._exchange(method, path, body, phase)
-            finally:
-                slots.release()
-
         try:
-            if _deadline is not None:
-                async with _deadline(self.timeout):
-                    return await go()
-            return await asyncio.wait_for(go(), self.timeout)
+            await _within(slots.acquire(), self.timeout)
         except (TimeoutError, asyncio.TimeoutError):
-            what = {"pool": (httpx.PoolTimeout, "no free connection (max_connections) for"),
-                    "connect": (httpx.ConnectTimeout, "no connection to the server for")}
-            cls, why = what.get(phase[0], (httpx.ReadTimeout, "no answer to"))
-            raise cls(f"{why} {method} {path} within {self.timeout} s") from None
+            raise httpx.PoolTimeout(f"no free connection (max_connections={self.max_connections}) for {method} "
+                                    f"{path} within {self.timeout} s") from None
+        phase = ["pool"]
+        try:
+            return await _within(self._exchange(method, path, body, phase), self.timeout)
+        except (TimeoutError, asyncio.TimeoutError):
+            if phase[0] == "connect":
+                raise httpx.ConnectTimeout(f"no connection to the server for {method} {path} within "
+                                           f"{self.timeout} s") from None
+            raise httpx.ReadTimeout(f"no answer to {method} {path} within {self.timeout} s") from None
+        finally:
+            slots.release()
 
     async def _exchange(self, method: str, path: str, body: bytes, phase: list) -> _Resp:
         """``phase[0]``: "connect" while connecting, "sent" from the request's write on."""

@@ -34,7 +34,8 @@ from typing import Optional
 
 import httpx
 
-from convserve.clients.protocol.errors import OutcomeUnknown, PositionMismatch, ServiceError, Unreachable
+from convserve.clients.protocol.errors import (OutcomeUnknown, PositionMismatch, RequestTimeout, ServiceError,
+                                              Unreachable)
 
 
 class SessionLocks:
@@ -133,16 +134,6 @@ RESYNC = "call client.resync(session) to read the server's positions and pending
 LOOK = "call client.session_info(session) to see whether the session exists, or send the same call again"
 
 
-def resend_too_large(path: str, body_sessions: list, attempts: int) -> OutcomeUnknown:
-    """A retry sent with its copy of x in the body (``_resend_from_copy``: x was in shared memory) after an attempt
-    that may have run, refused as too large (413; the first attempt's body carried only x's reference)."""
-    return OutcomeUnknown(f"POST {path} for session(s) {_ids(body_sessions)}: an earlier attempt may have run (its "
-                          "answer was lost), and the retry, which carries x in the body, was refused as larger than "
-                          "the server's max_body_bytes (413). Call client.resync(session) to read the sessions' "
-                          "positions and pending verifies; to retry, send smaller batches or raise max_body_bytes",
-                          sessions=body_sessions)
-
-
 def _ids(sessions: list) -> str:
     return f"{', '.join(map(repr, sessions[:8]))}{' ...' if len(sessions) > 8 else ''}"
 
@@ -174,17 +165,21 @@ class Attempts:
 
     def answered(self, resp) -> Optional[float]:
         """None when ``resp`` is the call's answer, else the seconds to wait before the next attempt. Out of
-        retries on a ``503`` or ``504`` after an earlier attempt that may have been applied:
-        :class:`OutcomeUnknown` (the last answer's error as its cause)."""
+        retries on a ``503`` or ``504`` when this or an earlier attempt may have been applied (a ``504
+        engine_timeout``, an attempt lost after it was sent): :class:`OutcomeUnknown`, the last answer's error as
+        its cause."""
         from convserve.clients.common import _raise_for, partly_applied
 
         if resp.status_code not in RETRY_STATUS or partly_applied(resp):
             return None
         if self.n >= self.book.max_retries:
-            if self.maybe_ran:
-                try:
-                    _raise_for(resp)
-                except ServiceError as e:
+            try:
+                _raise_for(resp)
+            except RequestTimeout as e:           # 504 timeout: withdrawn, never runs
+                if self.maybe_ran and not self.read:
+                    raise self.unknown() from e
+            except ServiceError as e:             # 503s ran nothing; a 504 engine_timeout may have
+                if not self.read and (self.maybe_ran or resp.status_code == 504):
                     raise self.unknown() from e
             return None
         self.ran = not self.read and resp.status_code == 504                  # (a 503 ran nothing)
@@ -195,6 +190,17 @@ class Attempts:
         return OutcomeUnknown(f"{self.what} for session(s) {_ids(self.sessions)} got no answer in {self.n + 1} "
                               f"attempts: it may or may not have been applied; {self.remedy}",
                               sessions=self.sessions, request_id=self.rid, layer=self.layer,
+                              positions=self.positions)
+
+    def too_large(self) -> OutcomeUnknown:
+        """A retry sent with its copy of x in the body (``_resend_from_copy``: x was in shared memory) after an
+        attempt that may have run, refused as too large (413; the first attempt's body carried only x's
+        reference)."""
+        return OutcomeUnknown(f"{self.what} for session(s) {_ids(self.sessions)}: an earlier attempt may have run "
+                              "(its answer was lost), and the retry, which carries x in the body, was refused as "
+                              "larger than the server's max_body_bytes (413). Call client.resync(session) to read the "
+                              "sessions' positions and pending verifies; to retry, send smaller batches or raise "
+                              "max_body_bytes", sessions=self.sessions, request_id=self.rid, layer=self.layer,
                               positions=self.positions)
 
     def unreachable(self) -> Unreachable:
@@ -310,13 +316,14 @@ class PositionBook:
         except (TypeError, ValueError):
             return None
 
-    def partly_applied(self, err: ServiceError, sessions: list, layer: int, tokens: list, speculative: list) -> None:
+    def partly_applied(self, err: ServiceError, sessions: list, layer: int, positions: list, tokens: list,
+                       speculative: list) -> None:
         """A batch's error that lists ``applied`` sessions (split across engine processes, some parts ran):
-        their slices count."""
+        their slices count (applied at ``positions``)."""
         ran = set(err.extra.get("applied") or ())
-        for s, n, f in zip(sessions, tokens, speculative):
+        for s, p, n, f in zip(sessions, positions, tokens, speculative):
             if s in ran:
-                self.applied(s, layer, n, f)
+                self.applied_at(s, layer, p, n, f)
 
     def partly_accepted(self, err: ServiceError, sessions: list, tokens: list) -> bool:
         """Whether an accept_batch's error lists ``applied`` sessions (split across engine processes, some parts
@@ -334,8 +341,9 @@ class PositionBook:
 
     def moved_on(self, err: PositionMismatch, sessions: list, layer: int, positions: list, tokens: list,
                  speculative: list, rid: Optional[str] = None, skip: frozenset = frozenset()) -> None:
-        """A ``409`` after a retry: sessions whose server position is the expected one plus their tokens had
-        the first attempt applied (its answer no longer kept); record that they moved on. Not when the error says
+        """A ``409`` after a retry (or on a call sent again after :class:`OutcomeUnknown`): sessions whose server
+        position is the one sent plus their tokens had the first attempt applied (its answer no longer kept);
+        record that they moved on (to that position, however the book counted them meanwhile). Not when the error says
         another request (``applied_request_id`` not ``rid``, this call's) was applied there: this call never
         ran. ``skip``: sessions this attempt applied (counted by :meth:`partly_applied`)."""
         if rid is not None and err.extra.get("applied_request_id", rid) != rid:
@@ -345,4 +353,4 @@ class PositionBook:
             return
         for s, want, got, n, spec in zip(sessions, positions, server, tokens, speculative):
             if not spec and got == want + n and s not in skip:
-                self.applied(s, layer, n, False)
+                self.applied_at(s, layer, want, n, False)

@@ -33,7 +33,8 @@ from typing import Callable, Optional, Sequence, Union
 
 from convserve.clients.positions import UNSENT_ERRORS
 from convserve.clients.protocol import wire
-from convserve.clients.protocol.errors import EngineTimeout, OutcomeUnknown, ReplicaUnavailable, ServiceError
+from convserve.clients.protocol.errors import (EngineTimeout, OutcomeUnknown, ReplicaUnavailable, ServiceError,
+                                              Unreachable)
 from convserve.clients.protocol.ids import REPLICA_HEADER, new_session_id
 
 DNS_SCHEMES = {"dns": "http", "dns+http": "http", "dns+https": "https"}
@@ -244,6 +245,11 @@ class Router:
         with self.lock:
             self.placed.pop(session, None)
 
+    def where(self, session: str) -> Optional[str]:
+        """The URL ``session`` is placed on, or None when it is not placed yet (nothing is recorded)."""
+        with self.lock:
+            return self.placed.get(session)
+
     def route(self, session: str) -> str:
         """``place``, and :class:`ReplicaUnavailable` when that replica is down (nothing is sent)."""
         url = self.place(session)
@@ -357,7 +363,7 @@ def maybe_applied(e: BaseException) -> bool:
     if not isinstance(e, Exception):
         return True
     if isinstance(e, ReplicaUnavailable):   # a network failure: unsent when the connect failed, or none was made
-        return e.__cause__ is not None and not isinstance(e.__cause__, UNSENT_ERRORS)
+        return e.__cause__ is not None and not isinstance(e.__cause__, (*UNSENT_ERRORS, Unreachable))
     return isinstance(e, (OutcomeUnknown, EngineTimeout))
 
 

@@ -15,7 +15,7 @@ from convserve.clients.common import BatchRequest, SessionState, _as_request
 from convserve.clients.protocol.errors import ReplicaUnavailable, SessionExists, StateLost, UnknownSession
 from convserve.clients.replicas import (Endpoints, Router, batch_failure, health_result, join_batch, maybe_applied,
                                         merged_model, part_position, routed_url, split_batch, SessionsWalk)
-from convserve.clients.replicated_sync import _failed, network_errors, unavailable
+from convserve.clients.replicated_sync import _failed, failure, network_errors, unavailable
 
 
 class ReplicatedAsyncConvClient(AsyncConvClient):
@@ -91,8 +91,11 @@ class ReplicatedAsyncConvClient(AsyncConvClient):
         url = self.router.route(session)
         try:
             return await fn(self._client(url), *args)
-        except self._net as e:
-            raise unavailable(self.router, url, [session], e) from e
+        except Exception as e:
+            err = failure(self.router, url, [session], e, self._net)
+            if err is None:
+                raise
+            raise err from e
 
     async def _any(self, fn):
         await self._start()
@@ -149,12 +152,13 @@ class ReplicatedAsyncConvClient(AsyncConvClient):
 
     async def create_session(self, session: Optional[str] = None) -> str:
         sid = session if session is not None else self.router.new_id()
+        placed = self.router.where(sid)     # an earlier attempt's placement: kept, it may have created it there
         try:
             return await self._on(sid, AsyncConvClient.create_session, sid)
         except SessionExists:
             raise                           # it exists where it was placed: keep the placement
         except BaseException as e:
-            if not maybe_applied(e):        # not created: a retry places it afresh
+            if placed is None and not maybe_applied(e):   # placed by this call, not created: placed afresh next
                 self.router.forget(sid)
             raise
 
@@ -218,10 +222,8 @@ class ReplicatedAsyncConvClient(AsyncConvClient):
         async def run(p):
             try:
                 return await call(self._client(p.url), p)
-            except self._net as e:
-                return unavailable(self.router, p.url, p.sessions, e)
             except Exception as e:  # noqa: BLE001 - raised by the caller with the others' outcome
-                return e
+                return failure(self.router, p.url, p.sessions, e, self._net) or e
         return list(await asyncio.gather(*(run(p) for p in parts)))
 
     async def conv_batch(self, sessions: Sequence[str], layer: int, x, tokens: Optional[Sequence[int]] = None,
@@ -234,8 +236,11 @@ class ReplicatedAsyncConvClient(AsyncConvClient):
             url = next(iter(split))
             try:
                 return await self._client(url).conv_batch(sessions, layer, x, tokens, speculative, position, request_id)
-            except self._net as e:
-                raise unavailable(self.router, url, list(sessions), e) from e
+            except Exception as e:
+                err = failure(self.router, url, list(sessions), e, self._net)
+                if err is None:
+                    raise
+                raise err from e
         parts = split_batch(split, sessions, x, tokens, speculative)
         outcomes = await self._parts(parts, lambda c, p: c.conv_batch(p.sessions, layer, p.x, p.tokens,
                                                                       p.speculative, part_position(position, p),

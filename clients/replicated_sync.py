@@ -18,7 +18,8 @@ from typing import Iterable, Iterator, Optional, Sequence
 import httpx
 
 from convserve.clients.common import BatchRequest, ConvResult, SessionState, _as_request
-from convserve.clients.protocol.errors import ReplicaUnavailable, SessionExists, StateLost, UnknownSession
+from convserve.clients.protocol.errors import (OutcomeUnknown, ReplicaUnavailable, SessionExists, StateLost,
+                                              UnknownSession, Unreachable)
 from convserve.clients.replicas import (Endpoints, Router, batch_failure, health_result, join_batch, maybe_applied,
                                         merged_model, part_position, routed_url, split_batch, SessionsWalk)
 from convserve.clients.sync_client import ConvClient
@@ -41,6 +42,21 @@ def unavailable(router: Router, url: str, sessions: list, e: BaseException) -> R
                              sessions=sessions, replica=url, retry_after=1.0)
     err.__cause__ = e
     return err
+
+
+def failure(router: Router, url: str, sessions: list, e: BaseException, net: tuple) -> Optional[BaseException]:
+    """What a call to replica ``url`` for ``sessions`` that raised ``e`` raises instead (None: ``e`` itself). A
+    network failure marks the replica down (:func:`unavailable`), and so does a tracked client's
+    :class:`Unreachable` (its connects all failed) or an :class:`OutcomeUnknown` lost on the network (which is
+    raised as it is: it names the call to send again). Not ``PoolTimeout``: no free connection in this client's
+    pool says nothing about the replica."""
+    if isinstance(e, httpx.PoolTimeout):
+        return None
+    if isinstance(e, net) or isinstance(e, Unreachable):
+        return unavailable(router, url, sessions, e)
+    if isinstance(e, OutcomeUnknown) and isinstance(e.__cause__, net):
+        router.mark(url, False, f"{type(e.__cause__).__name__}: {e.__cause__}")
+    return None
 
 
 #: how often a stream's feeder, waiting for room in a replica's queue, looks whether the caller left
@@ -123,8 +139,11 @@ class ReplicatedConvClient(ConvClient):
         url = self.router.route(session)
         try:
             return fn(self._client(url), *args, **kw)
-        except self._net as e:
-            raise unavailable(self.router, url, [session], e) from e
+        except Exception as e:
+            err = failure(self.router, url, [session], e, self._net)
+            if err is None:
+                raise
+            raise err from e
 
     def _any(self, fn):
         """``fn(client)`` on a live replica (model information: every replica serves the same model)."""
@@ -190,12 +209,13 @@ class ReplicatedConvClient(ConvClient):
     def create_session(self, session: Optional[str] = None) -> str:
         """A new session on the replica it hashes to (the client picks a UUID when ``session`` is None)."""
         sid = session if session is not None else self.router.new_id()
+        placed = self.router.where(sid)     # an earlier attempt's placement: kept, it may have created it there
         try:
             return self._on(sid, ConvClient.create_session, sid)
         except SessionExists:
             raise                           # it exists where it was placed: keep the placement
         except BaseException as e:
-            if not maybe_applied(e):        # not created: a retry places it afresh
+            if placed is None and not maybe_applied(e):   # placed by this call, not created: placed afresh next
                 self.router.forget(sid)
             raise
 
@@ -264,10 +284,9 @@ class ReplicatedConvClient(ConvClient):
         def run(p):
             try:
                 return call(self._client(p.url), p)
-            except self._net as e:
-                return unavailable(self.router, p.url, p.sessions, e)
             except BaseException as e:  # noqa: BLE001 - returned, raised by the caller with the others' outcome
-                return e
+                return (failure(self.router, p.url, p.sessions, e, self._net) if isinstance(e, Exception)
+                        else None) or e
         if len(parts) == 1:
             return [run(parts[0])]
         return list(self._pool.map(run, parts))
@@ -281,8 +300,11 @@ class ReplicatedConvClient(ConvClient):
             url = next(iter(split))
             try:
                 return self._client(url).conv_batch(sessions, layer, x, tokens, speculative, position, request_id)
-            except self._net as e:
-                raise unavailable(self.router, url, list(sessions), e) from e
+            except Exception as e:
+                err = failure(self.router, url, list(sessions), e, self._net)
+                if err is None:
+                    raise
+                raise err from e
         parts = split_batch(split, sessions, x, tokens, speculative)
         outcomes = self._parts(parts, lambda c, p: c.conv_batch(p.sessions, layer, p.x, p.tokens, p.speculative,
                                                                 part_position(position, p), request_id))

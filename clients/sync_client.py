@@ -12,7 +12,7 @@ import httpx
 from convserve.clients.common import (MAX_MESSAGE_BYTES, _POLL_S, ConvResult, SessionState, _as_request, _backend_of,
                                       _Base, _chunked, _decode, _default_backend, _frame, _quote, _raise_for,
                                       _Tracker, _ws_url, check_given_position, ws_connect, WS_CLOSE_S)
-from convserve.clients.positions import (LOOK, RESYNC, RETRY_ERRORS, Attempts, resend_too_large, serialized)
+from convserve.clients.positions import (LOOK, RESYNC, RETRY_ERRORS, Attempts, serialized)
 from convserve.clients.protocol import wire
 from convserve.clients.replicas import is_routed
 from convserve.clients.protocol.errors import BadRequest, PositionMismatch, ServiceError
@@ -214,7 +214,7 @@ class ConvClient(_Base):
                 wait = att.answered(resp)
                 if wait is None:
                     if att.resent and resp.status_code == 413:
-                        raise resend_too_large(path, att.sessions, att.n + 1)
+                        raise att.too_large()
                     return resp, att.n
             time.sleep(wait)
             att.n += 1
@@ -269,7 +269,7 @@ class ConvClient(_Base):
             try:
                 obj = _decode(resp)
             except PositionMismatch as e:
-                if book is not None and attempt:
+                if book is not None and (attempt or request_id is not None):   # a retry, or sent again
                     book.moved_on(e, [session], layer, [pos], [x.shape[0]], [speculative], rid)
                 raise
         if book is not None:
@@ -300,7 +300,8 @@ class ConvClient(_Base):
             else:
                 att = Attempts(book, "POST", "/v1/conv/batch", list(sessions), rid=rid, layer=layer, positions=pos)
                 resp, attempt = self._retrying("POST", "/v1/conv/batch", body, att, rebody)
-            answer = self._batch_answer(body, resp, attempt, sessions, layer, x, tokens, speculative, pos, rid)
+            answer = self._batch_answer(body, resp, attempt > 0 or request_id is not None, sessions, layer, x,
+                                        tokens, speculative, pos, rid)
         return self._batch_y(answer, sessions, layer, x, pos)
 
     def stream(self, requests: Iterable, *, transport: str = "http", window: int = 64) -> Iterator[ConvResult]:

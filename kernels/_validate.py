@@ -208,7 +208,7 @@ def check_out(out, like: torch.Tensor, x: torch.Tensor) -> None:
     _check_tensor("out", out, like.dim(), (like.dtype,), like.device)
     if tuple(out.shape) != tuple(like.shape):
         raise _fail("out", f"shape {tuple(like.shape)}", tuple(out.shape))
-    if out.numel() > 0 and x.numel() > 0 and overlaps(out, x):
+    if out.numel() > 0 and x.numel() > 0 and overlaps(out, x) and shares_elements(out, x):
         raise _fail("out", "memory that does not overlap x's (the kernels read x after writing out)",
                     "x itself" if out.data_ptr() == x.data_ptr() else "a view overlapping x")
 
@@ -221,10 +221,48 @@ def byte_span(t: torch.Tensor) -> int:
 
 
 def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Do the byte ranges of ``a`` and ``b`` intersect? (Conservative: two interleaved views whose elements never
-    meet count as overlapping.)"""
+    """Do the byte ranges of ``a`` and ``b`` intersect? (A cheap first test: two interleaved views whose elements
+    never meet, such as two column blocks of one buffer, pass it; :func:`shares_elements` tells them apart.)"""
     pa, pb = a.data_ptr(), b.data_ptr()
     return pa < pb + byte_span(b) and pb < pa + byte_span(a)
+
+
+#: steps of :func:`shares_elements`' search before it gives up and answers "may share"
+_SHARE_SEARCH_STEPS = 4096
+
+
+def shares_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """May ``a`` and ``b`` have a byte in common? Exact for two views of one layout (same dtype, shape and
+    strides, as ``out`` and ``x`` of the kernels usually are): is their offset a sum of per-dimension steps
+    ``k_i * stride_i`` with ``|k_i| < size_i``? Searched from the largest stride down, each level keeping only
+    the steps the smaller strides can still make up (one or two per level for ordinary layouts). Conservative
+    (True) for other pairs, an offset that is not a whole number of elements, or a search past
+    ``_SHARE_SEARCH_STEPS``."""
+    if a.dtype != b.dtype or a.shape != b.shape or a.stride() != b.stride():
+        return True
+    e = a.element_size()
+    d, rem = divmod(b.data_ptr() - a.data_ptr(), e)
+    if rem:
+        return True
+    dims = sorted(((st, n) for n, st in zip(a.shape, a.stride()) if n > 1 and st > 0), reverse=True)
+    reach = [0] * (len(dims) + 1)             # reach[i]: the largest |offset| dims[i:] can make up
+    for i in range(len(dims) - 1, -1, -1):
+        reach[i] = reach[i + 1] + (dims[i][1] - 1) * dims[i][0]
+    steps = [_SHARE_SEARCH_STEPS]
+
+    def found(i: int, r: int) -> bool:
+        if i == len(dims):
+            return r == 0
+        st, n = dims[i]
+        rest = reach[i + 1]
+        lo, hi = max(-(n - 1), -((rest - r) // st)), min(n - 1, (r + rest) // st)
+        for k in range(lo, hi + 1):
+            steps[0] -= 1
+            if steps[0] < 0 or found(i + 1, r - k * st):
+                return True
+        return False
+
+    return found(0, d)
 
 
 def check_prefill_values(total, batch, conv_states, query_start_loc, cache_indices, pad_slot_id):

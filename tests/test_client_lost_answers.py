@@ -247,6 +247,77 @@ def test_outcome_unknown_names_the_call_and_sending_it_again_with_them_applies_i
     assert at == 4 and Api(server.url).call("GET", f"/v1/sessions/{sid}")[1]["positions"][1] == 4
 
 
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_504_engine_timeout_on_the_last_attempt_raises_outcome_unknown_naming_the_call(server, kind):
+    faults = _Faults("/v1/conv", ["before", "before", "before", "504"])     # only the last attempt was sent
+
+    def sync_steps(c):
+        sid = c.create_session()
+        with pytest.raises(OutcomeUnknown) as e:
+            c.conv(sid, LAYER, rand_x(2, seed=14))
+        return sid, e.value
+
+    async def async_steps(c):
+        sid = await c.create_session()
+        with pytest.raises(OutcomeUnknown) as e:
+            await c.conv(sid, LAYER, rand_x(2, seed=14))
+        return sid, e.value
+
+    sid, err = _run(kind, server.url, faults, sync_steps, async_steps)
+    assert err.request_id and err.positions == [0] and err.__cause__.code == "engine_timeout"
+
+
+@pytest.fixture(scope="module")
+def no_kept_answers():
+    """A server that keeps no answers for repeats (``answer_store_bytes`` 0): an applied request sent again is a
+    409 naming it."""
+    from tests.http_api import SERVER_ARGS
+    from tests.live import LiveServer
+
+    srv = LiveServer([*SERVER_ARGS, "--workers", "0", "--answer-store-bytes", "0"])
+    yield srv
+    srv.terminate()
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+@pytest.mark.parametrize("resync", [False, True])
+@pytest.mark.parametrize("lost", [0, 1])
+def test_sending_again_a_call_whose_answer_is_not_kept_ends_in_a_409_and_moves_the_book_once(no_kept_answers, kind,
+                                                                                             resync, lost):
+    from convserve.clients.protocol.errors import PositionMismatch
+
+    url = no_kept_answers.url
+    # the call: applied, every answer lost; sent again: `lost` of its answers lost too, then the 409 naming it
+    faults = _Faults("/v1/conv", [None] + ["after"] * 4 + ["after"] * lost)
+    x0, x = rand_x(1, seed=15), rand_x(3, seed=16)
+
+    def sync_steps(c):
+        sid = c.create_session()
+        c.conv(sid, LAYER, x0)
+        with pytest.raises(OutcomeUnknown) as e:
+            c.conv(sid, LAYER, x)
+        if resync:
+            c.resync(sid)
+        with pytest.raises(PositionMismatch) as m:
+            c.conv(sid, LAYER, x, position=e.value.positions[0], request_id=e.value.request_id)
+        return sid, m.value, e.value.request_id, c.positions.at(sid, LAYER)
+
+    async def async_steps(c):
+        sid = await c.create_session()
+        await c.conv(sid, LAYER, x0)
+        with pytest.raises(OutcomeUnknown) as e:
+            await c.conv(sid, LAYER, x)
+        if resync:
+            await c.resync(sid)
+        with pytest.raises(PositionMismatch) as m:
+            await c.conv(sid, LAYER, x, position=e.value.positions[0], request_id=e.value.request_id)
+        return sid, m.value, e.value.request_id, c.positions.at(sid, LAYER)
+
+    sid, mismatch, rid, at = _run(kind, url, faults, sync_steps, async_steps)
+    assert mismatch.extra.get("applied_request_id") == rid
+    assert at == 4 and Api(url).call("GET", f"/v1/sessions/{sid}")[1]["positions"][1] == 4
+
+
 def test_a_tracked_client_takes_position_and_request_id_only_together(server):
     with ConvClient(server.url, track_positions=True) as c:
         sid = c.create_session()

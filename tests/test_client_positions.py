@@ -25,7 +25,8 @@ LAYER = 2
 
 class _Faults:
     """Which of the next calls to a path fail, and how: ``"after"`` drops the answer of a request the server
-    ran, ``"before"`` drops the request before it is sent, ``"503"`` replaces the server's answer by a 503."""
+    ran, ``"before"`` drops the request before it is sent, ``"503"`` replaces the server's answer by a 503,
+    ``"504"`` by a 504 engine_timeout (the request was sent; it may or may not have run)."""
 
     def __init__(self, path: str, plan: list):
         self.path, self.plan, self.sent = path, list(plan), 0
@@ -37,6 +38,11 @@ class _Faults:
         fault = self.plan.pop(0) if self.plan else None
         self.sent += fault != "before"
         return fault
+
+    @staticmethod
+    def fake_504(request):
+        return httpx.Response(504, headers={"content-type": "application/json"},
+                              content=b'{"error": {"code": "engine_timeout", "message": "injected"}}', request=request)
 
     @staticmethod
     def fake_503(request):
@@ -61,6 +67,9 @@ class DroppingTransport(httpx.HTTPTransport):
         if fault == "503":
             resp.read()
             return self.faults.fake_503(request)
+        if fault == "504":
+            resp.read()
+            return self.faults.fake_504(request)
         return resp
 
 
@@ -81,6 +90,9 @@ class AsyncDroppingTransport(httpx.AsyncHTTPTransport):
         if fault == "503":
             await resp.aread()
             return self.faults.fake_503(request)
+        if fault == "504":
+            await resp.aread()
+            return self.faults.fake_504(request)
         return resp
 
 

@@ -118,6 +118,49 @@ def test_out_partly_overlapping_x_is_refused_on_both_paths(slow_calls, kernel_de
         causal_conv1d_update(xd, state, w, None, None, out=od)
 
 
+@pytest.mark.parametrize("layout", ["column-blocks", "channels-first-blocks"])
+def test_out_in_another_block_of_xs_buffer_is_taken_and_matches_the_reference(slow_calls, kernel_device, layout):
+    """Byte ranges that interleave without sharing an element (x and out as two column blocks of one buffer)
+    are no overlap: computed, right, x untouched, on the slow path and then the fast one."""
+    from convserve.kernels import causal_conv1d_ref
+    dim, t = 16, 6
+    w = torch.randn(dim, 4).to(kernel_device)
+    qsl = torch.tensor([0, 2, t], dtype=torch.int32, device=kernel_device)
+    for _ in range(2):
+        if layout == "column-blocks":                 # (T, 2 dim): x and out channels-last, side by side
+            buf = torch.randn(t, 2 * dim).to(kernel_device)
+            x, out = buf[:, :dim].t(), buf[:, dim:].t()
+        else:                                         # (dim, 2 T): x and out channels-first, side by side
+            buf = torch.randn(dim, 2 * t).to(kernel_device)
+            x, out = buf[:, :t], buf[:, t:]
+        x0 = x.clone()
+        out.fill_(float("nan"))
+        causal_conv1d_fn(x, w, None, None, qsl, out=out)
+        assert torch.equal(x, x0)
+        assert_close(out, causal_conv1d_ref(x0.cpu(), w.cpu(), None, None, qsl.cpu(), compute_dtype=torch.float64),
+                     torch.float32)
+
+
+def test_shares_elements_is_exact_for_two_views_of_one_layout():
+    import random
+    from convserve.kernels._validate import overlaps, shares_elements
+
+    def elements(v):
+        base = v.storage_offset()
+        idx = {base}
+        for n, st in zip(v.shape, v.stride()):
+            idx = {i + k * st for i in idx for k in range(n)}
+        return idx
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        buf = torch.zeros(700)
+        shape = tuple(rng.randint(1, 5) for _ in range(rng.choice([1, 2, 3])))
+        st = tuple(rng.randint(1, 15) for _ in shape)
+        a, b = (buf.as_strided(shape, st, rng.randint(0, 90)) for _ in range(2))
+        assert (overlaps(a, b) and shares_elements(a, b)) == bool(elements(a) & elements(b)), (shape, st)
+
+
 @pytest.mark.parametrize("bad", [1, 0, 1.0])
 def test_an_activation_that_is_not_a_name_or_bool_is_refused_even_after_a_bool_call(slow_calls, kernel_device, bad):
     dim = 16

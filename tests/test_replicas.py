@@ -184,3 +184,34 @@ def test_the_replicas_model_sums_their_slots_takes_the_tightest_limit_of_each_an
     with pytest.raises(ServiceError, match="different weights") as e:
         merged_model([("http://a", a), ("http://b", dict(b, weights_sha256="v"))], {})
     assert e.value.code == "replica_mismatch"
+
+
+def test_what_a_replicas_failure_does_to_it_and_to_the_error_raised():
+    """A network failure or a tracked client's Unreachable takes the replica out and becomes ReplicaUnavailable
+    (not sent: the placement of a create may be dropped); an OutcomeUnknown lost on the network takes it out and
+    is raised as it is (it names the call to send again); a PoolTimeout (no free connection in this client) and
+    an error answer leave it in."""
+    import httpx
+
+    from convserve.clients.protocol.errors import OutcomeUnknown, QueueFull, Unreachable
+    from convserve.clients.replicas import maybe_applied
+    from convserve.clients.replicated_sync import failure, network_errors
+
+    net = network_errors()
+    for e, down, raised in ((httpx.PoolTimeout("no free connection"), False, None),
+                            (QueueFull("busy"), False, None),
+                            (httpx.ReadError("reset"), True, ReplicaUnavailable),
+                            (httpx.ConnectError("refused"), True, ReplicaUnavailable),
+                            (Unreachable("nothing reached it"), True, ReplicaUnavailable),
+                            (OutcomeUnknown("lost"), False, None)):
+        r = router(["http://a:1"])
+        got = failure(r, "http://a:1", ["s"], e, net)
+        assert (type(got) if got is not None else None) is raised, e
+        assert r.live() == ({} if down else {"r0": "http://a:1"}), e
+        if got is not None:
+            got.__cause__ = e
+            assert maybe_applied(got) == isinstance(e, httpx.ReadError), e   # sent and unanswered: may have run
+    lost = OutcomeUnknown("lost")
+    lost.__cause__ = httpx.ReadError("reset")
+    r = router(["http://a:1"])
+    assert failure(r, "http://a:1", ["s"], lost, net) is None and r.live() == {}
