@@ -136,8 +136,9 @@ class Server:
                 if self.loop is not None and not self.svc.draining:
                     self.loop.call_soon_threadsafe(self.svc.start_draining)
                 super().handle_exit(sig, frame)
-                # A graceful stop on SIGTERM is the normal end: exit 0 instead of re-raising the signal.
-                if sig == signal.SIGTERM and sig in self._captured_signals:
+                # A graceful stop on SIGTERM or Ctrl-C (SIGINT) is the normal end: exit 0 instead of re-raising the
+                # signal (uvicorn re-raises each signal it caught once it has shut down)
+                if sig in (signal.SIGTERM, signal.SIGINT) and sig in self._captured_signals:
                     self._captured_signals.remove(sig)
 
             def fatal(self, exc):
@@ -355,7 +356,11 @@ def _serve(settings: Settings, key_on_command_line: bool, held: list) -> int:
         from convserve.service.snapshots import Snapshotter
 
         snapshots = Snapshotter(engine, settings, 0, 1, devices[0])
-    rc = run_app(settings, create_app(settings, engine, snapshots=snapshots), sockets=[sock])
+    app = create_app(settings, engine, snapshots=snapshots)
+    rc = run_app(settings, app, sockets=[sock])
+    if app.state.svc.failed is not None:      # the engine's start failed (its state pool, its warm-up): as a build
+        print(f"convserve: the engine cannot start: {app.state.svc.failed}", file=sys.stderr)
+        return EXIT_CONFIG
     if rc == 0 and snapshots is not None and snapshots.final_failed:
         rc = EXIT_FAILED         # the sessions since the last good snapshot are lost: say so to whatever restarts us
     return _stopped(rc)

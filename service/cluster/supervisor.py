@@ -34,7 +34,7 @@ from typing import Optional
 from . import engine_proc, fork_server, worker
 from .lifeline import proc_stat, started
 from .run_dirs import make_run_dir, sweep_dead
-from .status import DOWN, NEW, STARTING, STOPPED, StatusTable
+from .status import DOWN, NEW, STARTING, STOPPED, UP, StatusTable
 
 #: the children still running at the end of a stop stage's grace are killed together; the stage then waits up to
 #: KILL_JOIN_S for their exits and GONE_S more for their pids to be gone (a process in the kernel's uninterruptible
@@ -56,6 +56,7 @@ class _Child:
         self.restart_at: Optional[float] = None
         self.started_at = 0.0
         self.born = None         # the process's start time (lifeline.started): tells it from a later one
+        self.was_up = False      # an engine: one of its processes came up (warm, serving) in this server's life
 
 
 def run_dir_root() -> Optional[str]:
@@ -187,6 +188,8 @@ class Supervisor:
                 self._spawn_worker(c)
             self._loop()
             self._stop_all()
+            if self.start_error is not None:    # an engine's first process died warming up (_start_failed)
+                return 2
             return 1 if self.failed else 0
         finally:
             for s, h in old.items():
@@ -229,10 +232,19 @@ class Supervisor:
         c.restart_at = now + c.backoff
         c.backoff = min(MAX_BACKOFF_S, c.backoff * 2)
         if c.kind == "engine":
+            up = self.status.state(c.index)[0] == UP     # the process had come up: it served its sessions
             self.status.set_state(c.index, DOWN)
+            if not (up or c.was_up):
+                # its first process died before it came up (the state pool or the warm-up failed, after the
+                # model was built): the start failed, as one before the build would have; a restart would fail
+                # the same way. It served nothing, so its snapshots stay as they are.
+                self._start_failed(c, code)
+                return
+            c.was_up = True
             log.error("engine process died; restarting it without its sessions",
                       extra={"engine": c.index, "pid": pid, "exitcode": code, "restart_in_s": c.restart_at - now})
-            self._mark_crashed(c.index)
+            if up:                                # (one that died warming up served nothing: its files stand)
+                self._mark_crashed(c.index)
         else:
             for name in os.listdir(self.run_dir):
                 if name.startswith(f"arena-w{c.index}-"):
@@ -243,6 +255,18 @@ class Supervisor:
             _mark_dead(pid)
             log.error("worker process died; restarting it", extra={"worker": c.index, "pid": pid, "exitcode": code,
                                                                   "restart_in_s": c.restart_at - now})
+
+    def _start_failed(self, c: _Child, code) -> None:
+        """Engine ``c``'s first process exited before it came up: stop the server, which exits 2 with the
+        engine's reason (see :meth:`run`)."""
+        c.restart_at = None
+        log.error("engine process exited during start-up", extra={"engine": c.index, "exitcode": code})
+        why = "it exited before it came up; see the log above"
+        with contextlib.suppress(OSError):                 # none: killed or crashed, not refused
+            with open(engine_proc.start_error_path(self.run_dir, c.index)) as f:
+                why = " ".join(f.read(4096).split())
+        self.start_error = f"engine {c.index} ({self.devices[c.index]}) cannot start: {why}"
+        self.stopping = True
 
     def _mark_crashed(self, index: int) -> None:
         """With ``state_dir``: no snapshot of engine ``index`` written so far may be restored, since its sessions

@@ -65,7 +65,7 @@ from typing import Optional, Union
 import torch
 
 from convserve.clients.protocol.errors import NotReady
-from convserve.state_pool import ConvStatePool, auto_slots
+from convserve.state_pool import ConvStatePool, auto_slots, pool_bytes
 
 from ..model import DTYPE_NAMES, ConvModel
 from ..scheduler import Scheduler
@@ -186,7 +186,13 @@ class Engine(Intake, Turns, SessionOps, Accepts, Positions, SnapshotTaking, Work
                 slots = max(1, slots * state // (state + spec))
         else:
             slots = cfg.slots
-        self.pool = ConvStatePool(m.n_layers, slots, m.dim, m.width, self.state_dtype, dev)
+        try:
+            self.pool = ConvStatePool(m.n_layers, slots, m.dim, m.width, self.state_dtype, dev)
+        except (RuntimeError, MemoryError) as e:      # out of host or device memory: say which setting to lower
+            need = pool_bytes(m.n_layers, slots, m.dim, m.width, self.state_dtype)
+            raise RuntimeError(f"slots: the state pool of {slots} slots ({need / 2**30:.1f} GiB on {dev}) could "
+                               f"not be allocated ({type(e).__name__}: {str(e)[:160]}); lower --slots, or use "
+                               "--slots auto (sized by pool_memory_fraction)") from e
         self._runner = Runner(self.model, self.pool, cfg, dev)
         restored = 0
         if snapshot is not None:
