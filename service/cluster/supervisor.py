@@ -6,7 +6,9 @@ the fork server, :mod:`.fork_server`); once each has built its model (so that a 
 at once with its message) the supervisor listens on the port and starts the workers, which answer ``/readyz`` with
 503 until an engine is warm. The supervisor does no request work.
 
-Failure: a child that dies is logged and started again (after a back-off that grows while it keeps dying). An
+Failure: an engine whose first process exits before it comes up (its pool or warm-up failed) ends the start (exit
+2, its reason). Any other child that dies is logged and started again (after a back-off that grows while it keeps
+dying). An
 engine's death is written to the status table at once, so workers fail its in-flight requests and route around it;
 its next process starts without its sessions (they answer 410). A worker's death drops the connections it held;
 its arena file is removed and the new worker gets a new one. Children that outlive their fork server are killed.
