@@ -99,7 +99,7 @@ class Settings(BaseSettings):
         None, description="weight dtype (random model default bfloat16; file default: as stored)")
     state_dtype: Optional[Literal["bfloat16", "float16", "float32"]] = Field(
         _ENGINE.state_dtype, description="conv state dtype (unset: the weight dtype; /v1/model says which)")
-    seed: int = Field(0, description="random model: seed of the weights")
+    seed: int = Field(0, ge=0, le=2**63 - 1, description="random model: seed of the weights")
 
     # --- engine
     slots: Union[int, Literal["auto"]] = Field(_ENGINE.slots, description="session slots in the state pool, or "

@@ -105,6 +105,8 @@ def test_max_tokens_per_request_left_unset_follows_a_smaller_max_batch_tokens():
     ({"api_key": ""}, "the key is empty"),
     ({"api_key": "  "}, "the key is empty"),
     ({"replica_name": ""}, "--replica-name"),
+    ({"seed": str(2**63)}, "--seed / CONVSERVE_SEED"),                  # torch's generator takes 64-bit seeds
+    ({"seed": "-1"}, "--seed"),
 ])
 def test_invalid_settings_fail_with_the_setting_named(overrides, fragment):
     with pytest.raises(ConfigError) as e:
