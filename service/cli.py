@@ -318,9 +318,12 @@ def _serve(settings: Settings, key_on_command_line: bool, held: list) -> int:
         except OSError as e:
             log.error("cannot use the state directory", extra={"state_dir": str(settings.state_dir),
                                                                "error": str(e)})
-            print(f"convserve: state_dir: cannot use {settings.state_dir}: {e.strerror or e}; give --state-dir a "
-                  "directory this user can create and write (it is created if missing), on a persistent volume",
-                  file=sys.stderr)
+            from convserve.service.snapshots import StateDirInUse
+
+            fix = "" if isinstance(e, StateDirInUse) else (   # (its message says what to do)
+                "; give --state-dir a directory this user can create and write (it is created if missing), on a "
+                "persistent volume")
+            print(f"convserve: state_dir: cannot use {settings.state_dir}: {e.strerror or e}{fix}", file=sys.stderr)
             return EXIT_CONFIG
     if workers > 0:
         from convserve.service.cluster.supervisor import Supervisor

@@ -396,8 +396,9 @@ def test_a_second_server_on_a_state_dir_in_use_exits_2_and_the_first_keeps_its_f
         c = Client(first.url)
         c.create("mine-1")
         c.conv("mine-1", 0, 2, seed=1)
-        with pytest.raises(RuntimeError, match=r"rc=2\)[\s\S]*another running server uses it"):
+        with pytest.raises(RuntimeError, match=r"rc=2\)[\s\S]*another running server uses it") as e:
             serve(tmp_path, layout)
+        assert "can create and write" not in str(e.value)     # the lock's own advice, not the generic one
         assert first.terminate() == 0
     finally:
         first.kill()
