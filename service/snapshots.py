@@ -83,7 +83,8 @@ def prepare_state_dir(folder, n_engines: int) -> None:
     if snaps and before is None:      # no readable layout file: the snapshots' own headers say their layout
         counts = {((read_meta(os.path.join(folder, n)) or {}).get("engine") or {}).get("count") for n in snaps}
         counts.discard(None)
-        before = n_engines if counts == {n_engines} else before
+        # none readable says nothing of another layout: such files stay (a restore refuses each with a log line)
+        before = n_engines if counts <= {n_engines} else before
     if snaps and before != n_engines:
         aside = os.path.join(folder, f"superseded-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
         os.makedirs(aside)

@@ -205,6 +205,20 @@ def test_without_a_readable_layout_file_the_snapshots_headers_say_their_engine_c
     assert json.loads((tmp_path / LAYOUT_FILE).read_text()) == {"engines": now}
 
 
+@pytest.mark.parametrize("layout_file", ["missing", "garbage"])
+def test_unreadable_snapshots_without_a_layout_file_stay_where_they_are(tmp_path, layout_file):
+    """Nothing readable says another engine count: the files are left (a restore refuses each with a log line),
+    not moved aside."""
+    junk = [tmp_path / "e0.000000000001.safetensors", tmp_path / "e5.notanumber.safetensors"]
+    for p in junk:
+        p.write_bytes(b"not a safetensors file")
+    if layout_file != "missing":
+        (tmp_path / LAYOUT_FILE).write_text("garbage{")
+    prepare_state_dir(tmp_path, 1)
+    assert all(p.read_bytes() == b"not a safetensors file" for p in junk)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("superseded-")]
+
+
 def test_a_whole_file_whose_content_the_check_refuses_falls_back_to_the_one_before(tmp_path, caplog):
     d = sf.SnapshotDir(tmp_path, 0, 3)
     good, _ = d.write(snap(1))
