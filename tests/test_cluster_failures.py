@@ -200,6 +200,9 @@ def test_children_exit_when_the_supervisor_is_killed():
     srv.kill()                                                 # SIGKILL: no shutdown code runs in the parent
     _wait(lambda: not any(_alive(p) for p in tree), timeout=15, what="orphans and the fork server gone")
     _wait(lambda: not os.path.exists(run_dir), timeout=5, what="run dir removed")
+    # each child says why it left (their output goes to the pipe the supervisor shared with them)
+    _wait(lambda: sum(r.get("msg") == "the supervisor is gone; this process exits" for r in srv.logs) >= 3,
+          timeout=5, what="a line from each child")
 
 
 @pytest.mark.slow  # a long run: `pytest -m slow` (kept out of CI's 10 minutes)

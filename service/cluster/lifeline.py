@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing
 import os
 import shutil
@@ -38,6 +39,9 @@ def hold(spec: dict, interval: float = 0.25) -> None:
         while os.getppid() == parent and supervised():
             time.sleep(interval)
         try:
+            gone = "supervisor" if not supervised() else "fork server"
+            logging.getLogger("convserve.lifeline").error(f"the {gone} is gone; this process exits",
+                                                          extra={"supervisor_pid": supervisor})
             if not supervised():      # the run's files are the supervisor's while it runs
                 shutil.rmtree(run_dir, ignore_errors=True)
         finally:

@@ -48,6 +48,10 @@ log = logging.getLogger("convserve.supervisor")
 MAX_BACKOFF_S = 10.0
 
 
+#: the exit code every child of a fork server reads once that fork server is gone, whatever the child's own exit
+FORK_SERVER_GONE = 255
+
+
 class _Child:
     def __init__(self, kind: str, index: int):
         self.kind, self.index = kind, index
@@ -226,6 +230,9 @@ class Supervisor:
 
     def _died(self, c: _Child, now: float) -> None:
         code = c.proc.exitcode
+        if code == FORK_SERVER_GONE:
+            log.error("the fork server is gone (its children read exit code 255); multiprocessing starts another "
+                      "at the next start", extra={"child": c.proc.name, "pid": c.proc.pid})
         pid = c.proc.pid
         c.proc = None
         _make_sure_gone(pid, c.born)
