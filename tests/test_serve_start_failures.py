@@ -18,16 +18,29 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HUGE = "999999999999"                      # slots: a pool of hundreds of TiB
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_a_pool_that_cannot_be_allocated_ends_the_start_with_exit_2_and_keeps_the_last_snapshot(tmp_path, layout):
+def _served_then(tmp_path, layout: str, sid: str, tokens: int, stop) -> int:
+    """A server on ``tmp_path`` whose session ``sid`` took ``tokens`` tokens on layer 0, then ``stop(srv)``: its
+    exit code."""
     srv = LiveServer([*MODEL_ARGS, *LAYOUTS[layout], "--state-dir", str(tmp_path)])
     try:
         api = Api(srv.url)
-        sid = api.session("kept")
-        assert conv(api, sid, 0, rand_x(3), position=0)[0] == 200
-        assert srv.terminate() == 0                       # the final snapshot holds it at 3
+        assert conv(api, api.session(sid), 0, rand_x(tokens), position=0)[0] == 200
+        return stop(srv)
     finally:
         srv.kill()
+
+
+def _positions_after_restart(tmp_path, layout: str, sid: str) -> list:
+    srv = LiveServer([*MODEL_ARGS, *LAYOUTS[layout], "--state-dir", str(tmp_path)])
+    try:
+        return positions(Api(srv.url), sid)
+    finally:
+        srv.kill()
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_pool_that_cannot_be_allocated_ends_the_start_with_exit_2_and_keeps_the_last_snapshot(tmp_path, layout):
+    assert _served_then(tmp_path, layout, "kept", 3, LiveServer.terminate) == 0    # the final snapshot: at 3
     env = {k: v for k, v in os.environ.items() if not k.startswith("CONVSERVE_")}
     r = subprocess.run([sys.executable, "-m", "convserve.service", "serve", "--port", "0", *MODEL_ARGS,
                         *LAYOUTS[layout], "--state-dir", str(tmp_path), "--slots", HUGE],
@@ -37,32 +50,20 @@ def test_a_pool_that_cannot_be_allocated_ends_the_start_with_exit_2_and_keeps_th
     assert len(lines) == 1 and "cannot start" in lines[0] and f"{HUGE} slots" in lines[0], r.stderr[-3000:]
     assert "lower --slots" in lines[0]
     assert "restarting it" not in r.stderr and "will not be restored" not in r.stderr, r.stderr[-3000:]
-    srv = LiveServer([*MODEL_ARGS, *LAYOUTS[layout], "--state-dir", str(tmp_path)])
-    try:
-        assert positions(Api(srv.url), "kept") == [3, 0, 0]
-    finally:
-        srv.kill()
+    assert _positions_after_restart(tmp_path, layout, "kept") == [3, 0, 0]
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_ctrl_c_stops_the_server_as_sigterm_does_exit_0_no_traceback(tmp_path, layout):
     import signal
 
-    srv = LiveServer([*MODEL_ARGS, *LAYOUTS[layout], "--state-dir", str(tmp_path)])
-    try:
-        api = Api(srv.url)
-        sid = api.session("ctrl-c")
-        assert conv(api, sid, 0, rand_x(2), position=0)[0] == 200
+    def ctrl_c(srv):
         srv.proc.send_signal(signal.SIGINT)
         code = srv.proc.wait(60)
         srv._reader.join(timeout=5)
-    finally:
-        srv.kill()
-    assert code == 0, "\n".join(srv.raw[-30:])
-    assert not any("Traceback" in line or "KeyboardInterrupt" in line for line in srv.raw), "\n".join(srv.raw[-30:])
-    assert srv.logs[-1].get("msg") == "stopped"
-    srv = LiveServer([*MODEL_ARGS, *LAYOUTS[layout], "--state-dir", str(tmp_path)])
-    try:
-        assert positions(Api(srv.url), "ctrl-c") == [2, 0, 0]      # the final snapshot was written
-    finally:
-        srv.kill()
+        assert not any("Traceback" in ln or "KeyboardInterrupt" in ln for ln in srv.raw), "\n".join(srv.raw[-30:])
+        assert srv.logs[-1].get("msg") == "stopped"
+        return code
+
+    assert _served_then(tmp_path, layout, "ctrl-c", 2, ctrl_c) == 0
+    assert _positions_after_restart(tmp_path, layout, "ctrl-c") == [2, 0, 0]      # the final snapshot was written
