@@ -14,7 +14,7 @@ from convserve.clients.common import (_POLL_S, MAX_MESSAGE_BYTES, SessionState, 
                                       _chunked, _decode, _default_backend, _frame, _quote, _raise_for, _Tracker,
                                       _ws_url, check_given_position, ws_connect_async, WS_CLOSE_S)
 from convserve.clients.h1 import _H1Pool, _h1_target
-from convserve.clients.positions import (LOOK, RESYNC, RETRY_ERRORS, Attempts, serialized)
+from convserve.clients.positions import (IMPORT, LOOK, RESYNC, RETRY_ERRORS, Attempts, serialized)
 from convserve.clients.protocol import wire
 from convserve.clients.replicas import is_routed
 from convserve.clients.protocol.errors import BadRequest, PositionMismatch, ServiceError
@@ -144,9 +144,14 @@ class AsyncConvClient(_Base):
     @serialized(one=True)
     async def import_state(self, session: str, state, layers=None) -> None:
         """Async twin of :meth:`ConvClient.import_state`."""
-        _raise_for(await self._send("PUT", f"/v1/sessions/{_quote(session)}/state", self._state_body(state, layers)))
-        if self.positions is not None:
-            self.positions.reset(session)                 # an imported state is at position 0 on every layer
+        path, body = f"/v1/sessions/{_quote(session)}/state", self._state_body(state, layers)
+        if self.positions is None:
+            _raise_for(await self._send("PUT", path, body))
+            return
+        att = Attempts(self.positions, "PUT", path, [session], remedy=IMPORT)
+        with self.positions.unknown_forgets(session):
+            _raise_for((await self._retrying("PUT", path, body, att))[0])
+        self.positions.reset(session)                     # an imported state is at position 0 on every layer
 
     async def accept(self, session: str, tokens: int) -> None:
         """Async twin of :meth:`ConvClient.accept`."""

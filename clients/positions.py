@@ -130,6 +130,9 @@ RESEND = ("call client.resync(session) to read the server's positions (applied w
           "request_id=e.request_id (applied once)")
 #: ... of an accept
 RESYNC = "call client.resync(session) to read the server's positions and pending verifies before sending it again"
+#: ... of an import
+IMPORT = ("the session's positions are read from the server at its next tracked call; an import is safe to send "
+          "again (the same state, every layer at 0)")
 #: ... of a create, fork or delete
 LOOK = "call client.session_info(session) to see whether the session exists, or send the same call again"
 
@@ -261,6 +264,18 @@ class PositionBook:
         self.positions.pop(session, None)
         self.verified.pop(session, None)
         self.locks.forget(session)
+
+    @contextlib.contextmanager
+    def unknown_forgets(self, session: str):
+        """Around a call that may change ``session``'s positions in a way the book cannot follow (an import):
+        when its outcome is unknown, the book forgets the session, whose positions are read from the server at
+        its next tracked call."""
+        try:
+            yield
+        except OutcomeUnknown:
+            self.positions.pop(session, None)
+            self.verified.pop(session, None)
+            raise
 
     def interrupted(self, sessions: list, e: BaseException) -> None:
         """A tracked call ended by ``e`` without its answer read. Not an ``Exception`` (a cancelled task, a

@@ -12,7 +12,7 @@ import httpx
 from convserve.clients.common import (MAX_MESSAGE_BYTES, _POLL_S, ConvResult, SessionState, _as_request, _backend_of,
                                       _Base, _chunked, _decode, _default_backend, _frame, _quote, _raise_for,
                                       _Tracker, _ws_url, check_given_position, ws_connect, WS_CLOSE_S)
-from convserve.clients.positions import (LOOK, RESYNC, RETRY_ERRORS, Attempts, serialized)
+from convserve.clients.positions import (IMPORT, LOOK, RESYNC, RETRY_ERRORS, Attempts, serialized)
 from convserve.clients.protocol import wire
 from convserve.clients.replicas import is_routed
 from convserve.clients.protocol.errors import BadRequest, PositionMismatch, ServiceError
@@ -162,9 +162,14 @@ class ConvClient(_Base):
         """Replace the session's state with ``state`` (as :meth:`export_state` returns it, or a tensor
         ``(n_layers, dim, width - 1)``); every layer is then at position 0 (with ``track_positions``, after the
         session's tracked calls before it)."""
-        _raise_for(self._http.put(f"/v1/sessions/{_quote(session)}/state", content=self._state_body(state, layers)))
-        if self.positions is not None:
-            self.positions.reset(session)                 # an imported state is at position 0 on every layer
+        path, body = f"/v1/sessions/{_quote(session)}/state", self._state_body(state, layers)
+        if self.positions is None:
+            _raise_for(self._http.put(path, content=body))
+            return
+        att = Attempts(self.positions, "PUT", path, [session], remedy=IMPORT)
+        with self.positions.unknown_forgets(session):
+            _raise_for(self._retrying("PUT", path, body, att)[0])
+        self.positions.reset(session)                     # an imported state is at position 0 on every layer
 
     def accept(self, session: str, tokens: int) -> None:
         """Commit the first ``tokens`` tokens of the session's pending speculative verify on every layer that has

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from convserve.clients.protocol.errors import SessionExists, StateLost, UnknownSession
 from convserve.clients.protocol.ids import check_session_id, new_session_id
@@ -60,6 +60,11 @@ class Session:
     sched_block: int = 0
     #: the last step that gave this session a prefill chunk (-1: none); prefills take turns by it
     sched_served: int = -1
+    #: the ``request_id``\ s of the session's verifies, oldest first (at most ``VERIFY_IDS_KEPT``), and the id of
+    #: what was submitted on the session last (None: a request without one; ``OP``: an operation): a verify that
+    #: repeats a kept id is a late copy unless nothing else came since (see Positions._check_fresh_verify_locked)
+    verify_ids: dict = field(default_factory=dict)
+    last_id: Any = None
 
     def oldest_active(self):
         """The oldest unfinished request, or None (drops finished ones from the head of ``queue``)."""

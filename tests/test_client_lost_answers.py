@@ -318,6 +318,44 @@ def test_sending_again_a_call_whose_answer_is_not_kept_ends_in_a_409_and_moves_t
     assert at == 4 and Api(url).call("GET", f"/v1/sessions/{sid}")[1]["positions"][1] == 4
 
 
+@pytest.mark.parametrize("kind", ["sync", "async"])
+@pytest.mark.parametrize("lost", [1, 4])
+def test_an_import_whose_answer_is_lost_is_retried_or_leaves_the_positions_to_be_read_again(server, kind, lost):
+    sid = Api(server.url).session(f"import-{kind}-{lost}-{time.monotonic_ns()}")
+    # the export (a GET of the same path) goes through; then the import's answers are lost (4: every attempt's)
+    faults = _Faults(f"/v1/sessions/{sid}/state", [None] + ["after"] * lost)
+
+    def sync_steps(c):
+        c.conv(sid, LAYER, rand_x(3, seed=17))
+        state = c.export_state(sid)
+        c.conv(sid, LAYER, rand_x(2, seed=18))
+        try:
+            c.import_state(sid, state)
+            err = None
+        except OutcomeUnknown as e:
+            err = e
+        known = c.positions.known(sid)
+        c.conv(sid, LAYER, rand_x(1, seed=19))          # from the server's positions either way
+        return err, known, c.positions.at(sid, LAYER)
+
+    async def async_steps(c):
+        await c.conv(sid, LAYER, rand_x(3, seed=17))
+        state = await c.export_state(sid)
+        await c.conv(sid, LAYER, rand_x(2, seed=18))
+        try:
+            await c.import_state(sid, state)
+            err = None
+        except OutcomeUnknown as e:
+            err = e
+        known = c.positions.known(sid)
+        await c.conv(sid, LAYER, rand_x(1, seed=19))
+        return err, known, c.positions.at(sid, LAYER)
+
+    err, known, at = _run(kind, server.url, faults, sync_steps, async_steps)
+    assert (err is None) == (lost == 1) and known == (lost == 1)
+    assert at == 1 and Api(server.url).call("GET", f"/v1/sessions/{sid}")[1]["positions"][1] == 1
+
+
 def test_a_tracked_client_takes_position_and_request_id_only_together(server):
     with ConvClient(server.url, track_positions=True) as c:
         sid = c.create_session()

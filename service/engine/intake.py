@@ -71,6 +71,8 @@ class Intake:
         with self._lock:
             self._check_running_locked()
             s = self._session_at_locked(session_id, position)
+            if speculative:
+                self._check_fresh_verify_locked(s, rid, p)
             deferred = s.ops             # ops queued: they may change what these checks read; checked at its turn
             req.position = position
             if deferred:
@@ -87,6 +89,7 @@ class Intake:
             seq = next(self._seq)
             self._last_seq = seq
             req.seq, req.session = seq, s
+            self._note_submitted_locked(s, rid, speculative)
             if s.batch is not None:                  # the session has been in a batch: wait for any not done
                 after = [r for r in s.queue if r.batch is not None and not r.done]
                 if after:
@@ -347,6 +350,9 @@ class Intake:
                 for i, _a, _k in pre_rows:
                     if sessions[i].pending:
                         self._check_no_verify_locked(sessions[i])
+                if rid is not None and ver_rows:
+                    for i in ver_rows[0]:
+                        self._check_fresh_verify_locked(sessions[i], rid, req.layer)
             self._check_queue_locked()
             waits, wait_ops, slot_list = {}, [], []
             for s in sessions:
@@ -367,6 +373,9 @@ class Intake:
             self._last_seq = seq
             req.seq = seq
             slots = np.array(slot_list, dtype=np.int32)
+            verifying = frozenset(plan[2][0]) if plan is not None and plan[2] else frozenset()
+            for i, s in enumerate(sessions):
+                self._note_submitted_locked(s, rid, i in verifying)
             p = req.layer
             if positions is not None:
                 req.track = Answer(key, rid)
@@ -468,6 +477,8 @@ class Intake:
                             _check_ops_before_batch(s, True)
                         if not spec:
                             self._check_no_verify_locked(s)
+                        else:
+                            self._check_fresh_verify_locked(s, rid, p)
                 return {"positions": [s.positions[p] for s in ss], "repeat": repeat}
             for i, sid in enumerate(session_ids):
                 s = self._sessions.get(sid)

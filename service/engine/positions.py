@@ -115,6 +115,12 @@ def _cut(y, lo: int, hi: Optional[int], dtype):
     return y if dtype is None or y.dtype == dtype else y.to(dtype)
 
 
+#: a session's verify request ids kept to tell a late copy of a verify from its retry
+VERIFY_IDS_KEPT = 64
+#: ``Session.last_id`` after an operation (accept, import, fork, export, delete...)
+OP = object()
+
+
 class Positions:
     """The position and kept-answer bookkeeping of :class:`Engine` (see the module docstring). Methods named
     ``_locked`` run under the engine lock."""
@@ -141,6 +147,28 @@ class Positions:
         extra = {} if applied == (None,) else {"applied_request_id": applied}
         return PositionMismatch(f"{what}; nothing ran. The server's position is {server!r} (in 'position'): "
                                 "resynchronize (GET /v1/sessions/{id}) before sending more", position=server, **extra)
+
+    def _check_fresh_verify_locked(self, s: Session, rid, p: int) -> None:
+        """A verify carrying ``rid`` that an earlier verify of ``s`` carried is its retry only when nothing was
+        submitted on ``s`` since (a client sends a call's retries before its next call on the session). Anything
+        since (another verify, a conv, an accept or other operation) makes it a late copy of an attempt that sat in
+        the server while its retry ran, such as one held in a stalled HTTP worker: run now it would replace a later
+        verify, or stand after an accept as a verify nobody sent. Refused (409), nothing run."""
+        if rid is not None and rid in s.verify_ids and s.last_id != rid:
+            raise self._mismatch(f"session {s.id!r}: this verify (request_id {rid!r:.80}) was sent before, and "
+                                 "the session has had requests or operations since; a late copy of it is not run",
+                                 s.positions[p])
+
+    def _note_submitted_locked(self, s: Session, rid, speculative: bool) -> None:
+        """``rid`` (None: none) was submitted on ``s``; a verify's id is kept for
+        :meth:`_check_fresh_verify_locked`."""
+        s.last_id = rid
+        if speculative and rid is not None:
+            ids = s.verify_ids
+            ids.pop(rid, None)
+            ids[rid] = None
+            if len(ids) > VERIFY_IDS_KEPT:
+                del ids[next(iter(ids))]
 
     def _check_position_locked(self, s: Session, p: int, position: int, n: int, speculative: bool,
                                cur: Optional[int] = None, rid: Optional[str] = None):

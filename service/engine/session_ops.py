@@ -29,6 +29,7 @@ from convserve.state_pool import PoolExhausted as PoolFull
 
 from ..sessions import Session, SessionTable
 from .outputs import deliver
+from .positions import OP
 from .records import Op
 from .validate import check_state
 
@@ -300,6 +301,7 @@ class SessionOps:
         and of the worker's queue."""
         for s in sessions:
             s.ops.append(op)
+            s.last_id = OP                       # a verify's late copy from before it is not its retry
             if len(s.ops) == 1:
                 s.barrier = op.barrier
         self._ops.append(op)
@@ -341,6 +343,8 @@ class SessionOps:
         """Run ``fn()`` here (see :meth:`_runs_now_locked`), on the runner's stream, and return a done op with its
         result or error, as :meth:`_run_ops` would have set them (no one else holds its future yet)."""
         op = Op(ss[0], fn, Future(), self._last_seq, started=True, sessions=tuple(ss), label=label)
+        for s in ss:
+            s.last_id = OP
         try:
             with self._on_runner():                    # ordered with the steps before and after it
                 result = fn()
