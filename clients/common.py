@@ -4,6 +4,7 @@ and the request bodies."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import operator
 import os
 import threading
@@ -393,6 +394,7 @@ class _Base:
         #: with ``track_positions``: the positions the client believes its sessions are at (see clients/positions.py)
         self.positions: Optional[PositionBook] = PositionBook(max_retries, retry_backoff_s) if track_positions \
             else None
+        self._rid_prefix, self._rid_count = uuid.uuid4().hex[:20], itertools.count()
 
     @contextlib.contextmanager
     def _sent_from(self, x):
@@ -454,8 +456,12 @@ class _Base:
 
     def _request_id(self) -> Optional[str]:
         """A tracked call's ``request_id``, the same in its retries: the server then answers a repeat only of
-        this call, never of another request applied at the same position (one interrupted, say)."""
-        return uuid.uuid4().hex if self.positions is not None else None
+        this call, never of another request applied at the same position (one interrupted, say). ``PREFIX:N``,
+        one prefix per client and N counting its calls: a verify's late copy (an attempt that sat in the server
+        while its retry ran) reaching the engine after a later call of this client on the session is refused."""
+        if self.positions is None:
+            return None
+        return f"{self._rid_prefix}:{next(self._rid_count)}"
 
     def _conv_body(self, session, layer, x, speculative, position=None, rid: Optional[str] = None) -> bytes:
         body = {"session": session, "layer": layer, "x": wire.encode_tensor(x, self.shm), "speculative": speculative}

@@ -314,6 +314,9 @@ def test_sigterm_to_an_engine_answers_its_in_flight_convs_and_operations_then_it
     _wait(lambda: api.call("POST", "/v1/conv", {"session": sid, "layer": 0,
                                                "x": wire.encode_tensor(torch.randn(1, DIM))})[0] in (503, 410),
           what="the engine's sessions refused")
+    # a stop of one engine is a death to restart, not a failed start: the server goes on, engine 0 comes back
+    _wait(lambda: _readyz(srv.url)["engines"][0]["state"] == "up", timeout=30, what="engine 0 back")
+    assert srv.proc.poll() is None and _readyz(srv.url)["engines"][0]["pid"] != victim
 
 
 #: a ``sitecustomize`` for the server's processes: the engine's next step after ``$FAULT_FAIL_STEP`` appears (the

@@ -1,7 +1,9 @@
 """A verify's late copy: an attempt that sat in the server (a stalled HTTP worker) while its retry ran, reaching
-the engine after the session moved on. A retry (nothing sent on the session since) runs; a copy after another
-verify, a conv or an operation is refused (409, nothing run), so it neither replaces a later verify nor stands
-after an accept as a verify nobody sent. The committed state is checked against the reference."""
+the engine after the session moved on. A retry (nothing that changes the session sent since) runs; a copy after
+another verify, a conv, an accept is refused (409, nothing run), so it neither replaces a later verify nor stands
+after an accept as a verify nobody sent; a read (an export) in between does not count. Ids of the tracked
+clients' form (``PREFIX:N``) are refused after any later call of that client, however many came since. The
+committed state is checked against the reference."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ def _verify(e, kind, sid, other, x, rid):
 
 
 @pytest.mark.parametrize("kind", ["conv", "batch"])
-@pytest.mark.parametrize("between", ["verify", "accept", "conv", "export"])
+@pytest.mark.parametrize("between", ["verify", "accept", "conv"])
 def test_a_verify_sent_again_after_the_session_moved_on_is_refused_and_the_later_state_stands(kind, between):
     e = make_engine(max_spec_tokens=4)
     try:
@@ -36,15 +38,13 @@ def test_a_verify_sent_again_after_the_session_moved_on_is_refused_and_the_later
             _verify(e, kind, sid, other, v2, "v2")
         elif between == "accept":
             e.accept_batch(verified, [2] * len(verified))
-        elif between == "conv":
+        else:
             e.accept_batch(verified, [0] * len(verified))
             e.submit(sid, L0, torch.randn(1, DIM), position=0).result(10)
-        else:
-            e.export_state(sid)
         before = e.export_state(sid)
         info = e.session_info(sid)
         # (after an accept or a conv the committed position moved too: refused by its position as well)
-        with pytest.raises(PositionMismatch, match="late copy" if between in ("verify", "export") else None):
+        with pytest.raises(PositionMismatch, match="late copy" if between == "verify" else None):
             _verify(e, kind, sid, other, v1, "v1")
         assert_close(e.export_state(sid), before, torch.float32)
         assert e.session_info(sid)["pending"] == info["pending"]
@@ -69,5 +69,52 @@ def test_verifies_without_a_request_id_are_not_held_to_it():
         e.submit(sid, L0, x, speculative=True).result(10)
         e.submit(sid, L0, torch.randn(2, DIM), speculative=True).result(10)
         e.submit(sid, L0, x, speculative=True).result(10)          # no id: a new verify each time, as before
+    finally:
+        e.stop(drain=False)
+
+
+def test_a_read_between_a_verify_and_its_retry_does_not_make_the_retry_a_late_copy():
+    e = make_engine(max_spec_tokens=4)
+    try:
+        sid = e.create_session()
+        x = torch.randn(2, DIM)
+        y = e.submit(sid, L0, x, speculative=True, position=0, request_id="v").result(10)
+        e.export_state(sid)
+        e.session_info(sid)
+        assert torch.equal(e.submit(sid, L0, x, speculative=True, position=0, request_id="v").result(10), y)
+    finally:
+        e.stop(drain=False)
+
+
+@pytest.mark.parametrize("rounds", [1, 40])
+def test_a_counted_id_is_late_after_any_later_call_of_its_client_however_many_came_since(rounds):
+    """The tracked clients' ids ``PREFIX:N``: a round of verifies on every layer, an accept of 0, then ``rounds``
+    more rounds (more verifies than any window of ids keeps), then round 1's copy on the first layer: refused,
+    and the last round's tokens are committed."""
+    e = make_engine(max_spec_tokens=4)
+    try:
+        sid = e.create_session()
+        n = 0
+        xs = {}
+        for r in range(rounds + 1):
+            for layer in LAYERS:
+                xs[(r, layer)] = torch.randn(3, DIM)
+                e.submit(sid, layer, xs[(r, layer)], speculative=True, position=0, request_id=f"c:{n}").result(10)
+                n += 1
+            if r < rounds:
+                e.accept_batch([sid], [0])
+        with pytest.raises(PositionMismatch, match="late copy"):
+            e.submit(sid, L0, xs[(0, L0)], speculative=True, position=0, request_id="c:0").result(10)
+        with pytest.raises(PositionMismatch, match="late copy"):   # another layer, another of round 1's
+            e.submit(sid, LAYERS[-1], xs[(0, LAYERS[-1])], speculative=True, position=0,
+                     request_id=f"c:{len(LAYERS) - 1}").result(10)
+        e.accept_batch([sid], [2])
+        ref = make_engine(max_spec_tokens=4)
+        try:
+            r = ref.create_session()
+            ref.submit(r, L0, xs[(rounds, L0)][:2]).result(10)
+            assert_close(e.export_state(sid)[0], ref.export_state(r)[0], torch.float32)
+        finally:
+            ref.stop(drain=False)
     finally:
         e.stop(drain=False)

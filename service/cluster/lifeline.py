@@ -39,7 +39,8 @@ def hold(spec: dict, interval: float = 0.25) -> None:
         while os.getppid() == parent and supervised():
             time.sleep(interval)
         try:
-            gone = "supervisor" if not supervised() else "fork server"
+            gone = ("supervisor or the fork server" if born is None else    # (no /proc: not told apart)
+                    "supervisor" if not supervised() else "fork server")
             logging.getLogger("convserve.lifeline").error(f"the {gone} is gone; this process exits",
                                                           extra={"supervisor_pid": supervisor})
             if not supervised():      # the run's files are the supervisor's while it runs

@@ -241,15 +241,16 @@ class Supervisor:
         c.restart_at = now + c.backoff
         c.backoff = min(MAX_BACKOFF_S, c.backoff * 2)
         if c.kind == "engine":
-            up = self.status.state(c.index)[0] == UP     # the process had come up: it served its sessions
+            # the process had come up (up, or stopped after it was: a SIGTERM to it alone): it served sessions
+            up = self.status.state(c.index)[0] in (UP, STOPPED)
             self.status.set_state(c.index, DOWN)
-            if not (up or c.was_up):
+            if not (up or c.was_up or code == FORK_SERVER_GONE):   # (255: the fork server died, not the engine)
                 # its first process died before it came up (the state pool or the warm-up failed, after the
                 # model was built): the start failed, as one before the build would have; a restart would fail
                 # the same way. It served nothing, so its snapshots stay as they are.
                 self._start_failed(c, code)
                 return
-            c.was_up = True
+            c.was_up = c.was_up or up
             log.error("engine process died; restarting it without its sessions",
                       extra={"engine": c.index, "pid": pid, "exitcode": code, "restart_in_s": c.restart_at - now})
             if up:                                # (one that died warming up served nothing: its files stand)

@@ -89,7 +89,7 @@ class Intake:
             seq = next(self._seq)
             self._last_seq = seq
             req.seq, req.session = seq, s
-            self._note_submitted_locked(s, rid, speculative)
+            self._note_submitted_locked(s, rid, speculative, p)
             if s.batch is not None:                  # the session has been in a batch: wait for any not done
                 after = [r for r in s.queue if r.batch is not None and not r.done]
                 if after:
@@ -375,7 +375,7 @@ class Intake:
             slots = np.array(slot_list, dtype=np.int32)
             verifying = frozenset(plan[2][0]) if plan is not None and plan[2] else frozenset()
             for i, s in enumerate(sessions):
-                self._note_submitted_locked(s, rid, i in verifying)
+                self._note_submitted_locked(s, rid, i in verifying, req.layer)
             p = req.layer
             if positions is not None:
                 req.track = Answer(key, rid)

@@ -115,10 +115,20 @@ def _cut(y, lo: int, hi: Optional[int], dtype):
     return y if dtype is None or y.dtype == dtype else y.to(dtype)
 
 
-#: a session's verify request ids kept to tell a late copy of a verify from its retry
-VERIFY_IDS_KEPT = 64
-#: ``Session.last_id`` after an operation (accept, import, fork, export, delete...)
+#: per session and layer, the verify request ids (other than ``PREFIX:N``) kept to tell a verify's late copy
+VERIFY_IDS_KEPT = 16
+#: per session, the clients (``PREFIX`` of ``PREFIX:N`` request ids) whose highest N is kept
+RID_PREFIXES_KEPT = 8
+#: ``Session.last_id`` after an operation that changes the session (accept, import, delete)
 OP = object()
+
+
+def rid_counter(rid: str):
+    """``(prefix, n)`` of a request id ``PREFIX:N`` (N: 1 to 18 digits), else None."""
+    prefix, sep, n = rid.rpartition(":")
+    if sep and prefix and n.isdigit() and len(n) <= 18 and n.isascii():
+        return prefix, int(n)
+    return None
 
 
 class Positions:
@@ -149,22 +159,41 @@ class Positions:
                                 "resynchronize (GET /v1/sessions/{id}) before sending more", position=server, **extra)
 
     def _check_fresh_verify_locked(self, s: Session, rid, p: int) -> None:
-        """A verify carrying ``rid`` that an earlier verify of ``s`` carried is its retry only when nothing was
-        submitted on ``s`` since (a client sends a call's retries before its next call on the session). Anything
-        since (another verify, a conv, an accept or other operation) makes it a late copy of an attempt that sat in
-        the server while its retry ran, such as one held in a stalled HTTP worker: run now it would replace a later
-        verify, or stand after an accept as a verify nobody sent. Refused (409), nothing run."""
-        if rid is not None and rid in s.verify_ids and s.last_id != rid:
+        """Refuse (409, nothing run) a verify carrying ``rid`` that is a late copy: an attempt that sat in the
+        server (a stalled HTTP worker) while its retry ran, reaching the engine after the session moved on. Run
+        now it would replace a later verify, or stand after an accept as a verify nobody sent. An id ``PREFIX:N``
+        (the tracked clients': one prefix per client, N counting its calls) is a late copy when the session has
+        seen a later call of that client (a higher N), however long ago. Any other id is one when this layer's
+        last ``VERIFY_IDS_KEPT`` verifies include it and something that changes the session was submitted since
+        it (a request, an accept, an import, a delete): a client sends a call's retries before its next call."""
+        if rid is None:
+            return
+        counted = rid_counter(rid)
+        if counted is not None:
+            late = counted[1] < s.rid_hi.get(counted[0], -1)
+        else:
+            late = rid in s.verify_ids.get(p, ()) and s.last_id != rid
+        if late:
             raise self._mismatch(f"session {s.id!r}: this verify (request_id {rid!r:.80}) was sent before, and "
                                  "the session has had requests or operations since; a late copy of it is not run",
                                  s.positions[p])
 
-    def _note_submitted_locked(self, s: Session, rid, speculative: bool) -> None:
-        """``rid`` (None: none) was submitted on ``s``; a verify's id is kept for
+    @staticmethod
+    def _note_submitted_locked(s: Session, rid, speculative: bool, p: int) -> None:
+        """A request carrying ``rid`` (None: none) was queued on ``s`` (layer ``p``); see
         :meth:`_check_fresh_verify_locked`."""
         s.last_id = rid
-        if speculative and rid is not None:
-            ids = s.verify_ids
+        if rid is None:
+            return
+        counted = rid_counter(rid)
+        if counted is not None:
+            prefix, n = counted
+            if n > s.rid_hi.get(prefix, -1):
+                if prefix not in s.rid_hi and len(s.rid_hi) >= RID_PREFIXES_KEPT:
+                    del s.rid_hi[next(iter(s.rid_hi))]       # the oldest client's
+                s.rid_hi[prefix] = n
+        elif speculative:
+            ids = s.verify_ids.setdefault(p, {})
             ids.pop(rid, None)
             ids[rid] = None
             if len(ids) > VERIFY_IDS_KEPT:

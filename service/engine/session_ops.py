@@ -301,7 +301,8 @@ class SessionOps:
         and of the worker's queue."""
         for s in sessions:
             s.ops.append(op)
-            s.last_id = OP                       # a verify's late copy from before it is not its retry
+            if op.kind or op.deletes:            # it changes the session (accept, import, delete): a verify's
+                s.last_id = OP                   # copy from before it is not its retry; a read does not count
             if len(s.ops) == 1:
                 s.barrier = op.barrier
         self._ops.append(op)
@@ -343,7 +344,7 @@ class SessionOps:
         """Run ``fn()`` here (see :meth:`_runs_now_locked`), on the runner's stream, and return a done op with its
         result or error, as :meth:`_run_ops` would have set them (no one else holds its future yet)."""
         op = Op(ss[0], fn, Future(), self._last_seq, started=True, sessions=tuple(ss), label=label)
-        for s in ss:
+        for s in ss:                             # (run at once: an accept)
             s.last_id = OP
         try:
             with self._on_runner():                    # ordered with the steps before and after it

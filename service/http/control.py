@@ -56,7 +56,7 @@ def add_control_routes(app: FastAPI, svc: Service) -> None:
     def probe(request: Request, obj: dict, status: int = 200) -> Response:
         """A probe's answer: JSON (what probes and people read) unless the request asks for msgpack, as the
         errors of these routes are."""
-        accept = header(request.scope, b"accept") or b""
+        accept = (header(request.scope, b"accept") or b"").lower()
         body, ctype = render(obj, b"msgpack" not in accept)
         return Response(body, status_code=status, media_type=ctype.decode())
 
