@@ -17,6 +17,17 @@ from tests.tolerance import assert_close
 L0 = LAYERS[0]
 
 
+def _assert_first_layer_took(e, sid, x) -> None:
+    """Session ``sid``'s state on the first layer is a fresh session's after a plain conv of ``x`` there."""
+    ref = make_engine(max_spec_tokens=4)
+    try:
+        r = ref.create_session()
+        ref.submit(r, L0, x).result(10)
+        assert_close(e.export_state(sid)[0], ref.export_state(r)[0], torch.float32)
+    finally:
+        ref.stop(drain=False)
+
+
 def _verify(e, kind, sid, other, x, rid):
     if kind == "conv":
         return e.submit(sid, L0, x, speculative=True, position=0, request_id=rid).result(10)
@@ -50,13 +61,7 @@ def test_a_verify_sent_again_after_the_session_moved_on_is_refused_and_the_later
         assert e.session_info(sid)["pending"] == info["pending"]
         if between == "verify":                        # the accept commits v2's tokens, not v1's
             e.accept_batch(verified, [2] * len(verified))
-            ref = make_engine(max_spec_tokens=4)
-            try:
-                r = ref.create_session()
-                ref.submit(r, L0, v2[:2]).result(10)
-                assert_close(e.export_state(sid)[0], ref.export_state(r)[0], torch.float32)
-            finally:
-                ref.stop(drain=False)
+            _assert_first_layer_took(e, sid, v2[:2])
     finally:
         e.stop(drain=False)
 
@@ -109,12 +114,6 @@ def test_a_counted_id_is_late_after_any_later_call_of_its_client_however_many_ca
             e.submit(sid, LAYERS[-1], xs[(0, LAYERS[-1])], speculative=True, position=0,
                      request_id=f"c:{len(LAYERS) - 1}").result(10)
         e.accept_batch([sid], [2])
-        ref = make_engine(max_spec_tokens=4)
-        try:
-            r = ref.create_session()
-            ref.submit(r, L0, xs[(rounds, L0)][:2]).result(10)
-            assert_close(e.export_state(sid)[0], ref.export_state(r)[0], torch.float32)
-        finally:
-            ref.stop(drain=False)
+        _assert_first_layer_took(e, sid, xs[(rounds, L0)][:2])
     finally:
         e.stop(drain=False)
