@@ -28,7 +28,7 @@ from .outputs import AsyncConvFuture, ConvFuture
 from .outputs import deliver
 from .records import BATCH_SESSION, NO_ROWS, BatchRows, ConvRequest, plan_rows, release_batch
 from ..claims import unclaim, with_request_id
-from .positions import Answer, Sink, batch_key, check_position, check_positions
+from .positions import Answer, Sink, batch_key, check_position, check_positions, rid_counter
 from .validate import (check_batch_plan, check_batch_rows, check_batch_sessions, check_finite_copy,
                        check_one_token_rows, check_speculative, check_x, own_copy, uniform_verify)
 
@@ -71,8 +71,9 @@ class Intake:
         with self._lock:
             self._check_running_locked()
             s = self._session_at_locked(session_id, position)
-            if speculative:
-                self._check_fresh_verify_locked(s, rid, p)
+            counted = rid_counter(rid)
+            if speculative and rid is not None:
+                self._check_fresh_verify_locked(s, rid, counted, p)
             deferred = s.ops             # ops queued: they may change what these checks read; checked at its turn
             req.position = position
             if deferred:
@@ -89,7 +90,9 @@ class Intake:
             seq = next(self._seq)
             self._last_seq = seq
             req.seq, req.session = seq, s
-            self._note_submitted_locked(s, rid, speculative, p)
+            s.last_id = rid
+            if rid is not None:
+                self._note_id_locked(s, rid, counted, speculative, p)
             if s.batch is not None:                  # the session has been in a batch: wait for any not done
                 after = [r for r in s.queue if r.batch is not None and not r.done]
                 if after:
@@ -351,8 +354,9 @@ class Intake:
                     if sessions[i].pending:
                         self._check_no_verify_locked(sessions[i])
                 if rid is not None and ver_rows:
+                    counted = rid_counter(rid)
                     for i in ver_rows[0]:
-                        self._check_fresh_verify_locked(sessions[i], rid, req.layer)
+                        self._check_fresh_verify_locked(sessions[i], rid, counted, req.layer)
             self._check_queue_locked()
             waits, wait_ops, slot_list = {}, [], []
             for s in sessions:
@@ -368,14 +372,17 @@ class Intake:
                 q.append(req)
                 s.batch = req
                 s.last_used = now
+                s.last_id = rid
                 slot_list.append(s.slot)
             seq = next(self._seq)
             self._last_seq = seq
             req.seq = seq
             slots = np.array(slot_list, dtype=np.int32)
-            verifying = frozenset(plan[2][0]) if plan is not None and plan[2] else frozenset()
-            for i, s in enumerate(sessions):
-                self._note_submitted_locked(s, rid, i in verifying, req.layer)
+            if rid is not None:                      # (what a late copy's check reads: see _note_id_locked)
+                counted = rid_counter(rid)
+                verifying = frozenset(plan[2][0]) if plan is not None and plan[2] else frozenset()
+                for i, s in enumerate(sessions):
+                    self._note_id_locked(s, rid, counted, i in verifying, req.layer)
             p = req.layer
             if positions is not None:
                 req.track = Answer(key, rid)
@@ -472,13 +479,14 @@ class Intake:
                 ss = [self._session_at_locked(sid, at) for sid, at in zip(session_ids, position)]
                 repeat = self._check_batch_positions_locked(ss, p, position, rows, key, rid) is not None
                 if not repeat:
+                    counted = rid_counter(rid)
                     for s, (_n, spec) in zip(ss, rows):
                         if s.ops:
                             _check_ops_before_batch(s, True)
                         if not spec:
                             self._check_no_verify_locked(s)
-                        else:
-                            self._check_fresh_verify_locked(s, rid, p)
+                        elif rid is not None:
+                            self._check_fresh_verify_locked(s, rid, counted, p)
                 return {"positions": [s.positions[p] for s in ss], "repeat": repeat}
             for i, sid in enumerate(session_ids):
                 s = self._sessions.get(sid)

@@ -123,8 +123,10 @@ RID_PREFIXES_KEPT = 8
 OP = object()
 
 
-def rid_counter(rid: str):
-    """``(prefix, n)`` of a request id ``PREFIX:N`` (N: 1 to 18 digits), else None."""
+def rid_counter(rid: Optional[str]):
+    """``(prefix, n)`` of a request id ``PREFIX:N`` (N: 1 to 18 digits), else None (None too)."""
+    if rid is None:
+        return None
     prefix, sep, n = rid.rpartition(":")
     if sep and prefix and n.isdigit() and len(n) <= 18 and n.isascii():
         return prefix, int(n)
@@ -158,17 +160,15 @@ class Positions:
         return PositionMismatch(f"{what}; nothing ran. The server's position is {server!r} (in 'position'): "
                                 "resynchronize (GET /v1/sessions/{id}) before sending more", position=server, **extra)
 
-    def _check_fresh_verify_locked(self, s: Session, rid, p: int) -> None:
-        """Refuse (409, nothing run) a verify carrying ``rid`` that is a late copy: an attempt that sat in the
-        server (a stalled HTTP worker) while its retry ran, reaching the engine after the session moved on. Run
-        now it would replace a later verify, or stand after an accept as a verify nobody sent. An id ``PREFIX:N``
-        (the tracked clients': one prefix per client, N counting its calls) is a late copy when the session has
-        seen a later call of that client (a higher N), however long ago. Any other id is one when this layer's
-        last ``VERIFY_IDS_KEPT`` verifies include it and something that changes the session was submitted since
-        it (a request, an accept, an import, a delete): a client sends a call's retries before its next call."""
-        if rid is None:
-            return
-        counted = rid_counter(rid)
+    def _check_fresh_verify_locked(self, s: Session, rid, counted, p: int) -> None:
+        """Refuse (409, nothing run) a verify carrying ``rid`` (``counted``: its :func:`rid_counter`) that is a
+        late copy: an attempt that sat in the server (a stalled HTTP worker) while its retry ran, reaching the
+        engine after the session moved on. Run now it would replace a later verify, or stand after an accept as a
+        verify nobody sent. An id ``PREFIX:N`` (the tracked clients': one prefix per client, N counting its calls)
+        is a late copy when the session has seen a later call of that client (a higher N), however long ago. Any
+        other id is one when this layer's last ``VERIFY_IDS_KEPT`` verifies include it and something that changes
+        the session was submitted since it (a request, an accept, an import, a delete): a client sends a call's
+        retries before its next call."""
         if counted is not None:
             late = counted[1] < s.rid_hi.get(counted[0], -1)
         else:
@@ -179,19 +179,16 @@ class Positions:
                                  s.positions[p])
 
     @staticmethod
-    def _note_submitted_locked(s: Session, rid, speculative: bool, p: int) -> None:
-        """A request carrying ``rid`` (None: none) was queued on ``s`` (layer ``p``); see
-        :meth:`_check_fresh_verify_locked`."""
-        s.last_id = rid
-        if rid is None:
-            return
-        counted = rid_counter(rid)
+    def _note_id_locked(s: Session, rid: str, counted, speculative: bool, p: int) -> None:
+        """A request carrying ``rid`` (``counted``: its :func:`rid_counter`) was queued on ``s`` (layer ``p``;
+        its caller set ``s.last_id``): keep what :meth:`_check_fresh_verify_locked` reads."""
         if counted is not None:
             prefix, n = counted
-            if n > s.rid_hi.get(prefix, -1):
-                if prefix not in s.rid_hi and len(s.rid_hi) >= RID_PREFIXES_KEPT:
-                    del s.rid_hi[next(iter(s.rid_hi))]       # the oldest client's
-                s.rid_hi[prefix] = n
+            hi = s.rid_hi
+            if n > hi.get(prefix, -1):
+                if prefix not in hi and len(hi) >= RID_PREFIXES_KEPT:
+                    del hi[next(iter(hi))]                   # the oldest client's
+                hi[prefix] = n
         elif speculative:
             ids = s.verify_ids.setdefault(p, {})
             ids.pop(rid, None)
