@@ -83,12 +83,15 @@ class _H1Pool:
         budget. A timeout before the request was written raises what says nothing was sent (``PoolTimeout``
         waiting for a connection, ``ConnectTimeout`` connecting), after it ``ReadTimeout``."""
         slots = self._bind()
-        try:
-            await _within(slots.acquire(), self.timeout)
-        except (TimeoutError, asyncio.TimeoutError):
-            raise httpx.PoolTimeout(f"no free connection (max_connections={self.max_connections}) for {method} "
-                                    f"{path} within {self.timeout} s") from None
-        phase = ["pool"]
+        if slots.locked():                    # none free: wait for one, within timeout (else it is taken at once)
+            try:
+                await _within(slots.acquire(), self.timeout)
+            except (TimeoutError, asyncio.TimeoutError):
+                raise httpx.PoolTimeout(f"no free connection (max_connections={self.max_connections}) for "
+                                        f"{method} {path} within {self.timeout} s") from None
+        else:
+            await slots.acquire()
+        phase = [""]
         try:
             return await _within(self._exchange(method, path, body, phase), self.timeout)
         except (TimeoutError, asyncio.TimeoutError):
@@ -100,7 +103,7 @@ class _H1Pool:
             slots.release()
 
     async def _exchange(self, method: str, path: str, body: bytes, phase: list) -> _Resp:
-        """``phase[0]``: "connect" while connecting, "sent" from the request's write on."""
+        """``phase[0]``: "connect" while connecting, "sent" from the request's write on ("" before either)."""
         conn = None
         idle = self._idle
         while idle:

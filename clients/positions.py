@@ -171,9 +171,11 @@ class Attempts:
         retries on a ``503`` or ``504`` when this or an earlier attempt may have been applied (a ``504
         engine_timeout``, an attempt lost after it was sent): :class:`OutcomeUnknown`, the last answer's error as
         its cause."""
-        from convserve.clients.common import _raise_for, partly_applied
+        if resp.status_code not in RETRY_STATUS:     # (every answer of a tracked call comes here)
+            return None
+        from convserve.clients.common import _raise_for, partly_applied     # (common imports this module)
 
-        if resp.status_code not in RETRY_STATUS or partly_applied(resp):
+        if partly_applied(resp):
             return None
         if self.n >= self.book.max_retries:
             try:
