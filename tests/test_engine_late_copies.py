@@ -17,9 +17,17 @@ from tests.tolerance import assert_close
 L0 = LAYERS[0]
 
 
+@pytest.fixture
+def spec_engine():
+    """A started CPU engine that takes verifies of up to 4 tokens (stopped after the test)."""
+    e = make_engine(max_spec_tokens=4)
+    yield e
+    e.stop(drain=False)
+
+
 def _assert_first_layer_took(e, sid, x) -> None:
     """Session ``sid``'s state on the first layer is a fresh session's after a plain conv of ``x`` there."""
-    ref = make_engine(max_spec_tokens=4)
+    ref = make_engine()
     try:
         r = ref.create_session()
         ref.submit(r, L0, x).result(10)
@@ -37,83 +45,72 @@ def _verify(e, kind, sid, other, x, rid):
 
 @pytest.mark.parametrize("kind", ["conv", "batch"])
 @pytest.mark.parametrize("between", ["verify", "accept", "conv"])
-def test_a_verify_sent_again_after_the_session_moved_on_is_refused_and_the_later_state_stands(kind, between):
-    e = make_engine(max_spec_tokens=4)
-    try:
-        sid, other = e.create_session(), e.create_session()
-        verified = [sid] if kind == "conv" else [sid, other]
-        v1, v2 = torch.randn(3, DIM), torch.randn(3, DIM)
-        y1 = _verify(e, kind, sid, other, v1, "v1")
-        assert torch.equal(_verify(e, kind, sid, other, v1, "v1")[:3], y1[:3])   # its retry: runs again
-        if between == "verify":
-            _verify(e, kind, sid, other, v2, "v2")
-        elif between == "accept":
-            e.accept_batch(verified, [2] * len(verified))
-        else:
-            e.accept_batch(verified, [0] * len(verified))
-            e.submit(sid, L0, torch.randn(1, DIM), position=0).result(10)
-        before = e.export_state(sid)
-        info = e.session_info(sid)
-        # (after an accept or a conv the committed position moved too: refused by its position as well)
-        with pytest.raises(PositionMismatch, match="late copy" if between == "verify" else None):
-            _verify(e, kind, sid, other, v1, "v1")
-        assert_close(e.export_state(sid), before, torch.float32)
-        assert e.session_info(sid)["pending"] == info["pending"]
-        if between == "verify":                        # the accept commits v2's tokens, not v1's
-            e.accept_batch(verified, [2] * len(verified))
-            _assert_first_layer_took(e, sid, v2[:2])
-    finally:
-        e.stop(drain=False)
+def test_a_verify_sent_again_after_the_session_moved_on_is_refused_and_the_later_state_stands(kind, between,
+                                                                                             spec_engine):
+    e = spec_engine
+    sid, other = e.create_session(), e.create_session()
+    verified = [sid] if kind == "conv" else [sid, other]
+    v1, v2 = torch.randn(3, DIM), torch.randn(3, DIM)
+    y1 = _verify(e, kind, sid, other, v1, "v1")
+    assert torch.equal(_verify(e, kind, sid, other, v1, "v1")[:3], y1[:3])   # its retry: runs again
+    if between == "verify":
+        _verify(e, kind, sid, other, v2, "v2")
+    elif between == "accept":
+        e.accept_batch(verified, [2] * len(verified))
+    else:
+        e.accept_batch(verified, [0] * len(verified))
+        e.submit(sid, L0, torch.randn(1, DIM), position=0).result(10)
+    before = e.export_state(sid)
+    info = e.session_info(sid)
+    # (after an accept or a conv the committed position moved too: refused by its position as well)
+    with pytest.raises(PositionMismatch, match="late copy" if between == "verify" else None):
+        _verify(e, kind, sid, other, v1, "v1")
+    assert_close(e.export_state(sid), before, torch.float32)
+    assert e.session_info(sid)["pending"] == info["pending"]
+    if between == "verify":                        # the accept commits v2's tokens, not v1's
+        e.accept_batch(verified, [2] * len(verified))
+        _assert_first_layer_took(e, sid, v2[:2])
 
 
-def test_verifies_without_a_request_id_are_not_held_to_it():
-    e = make_engine(max_spec_tokens=4)
-    try:
-        sid = e.create_session()
-        x = torch.randn(2, DIM)
-        e.submit(sid, L0, x, speculative=True).result(10)
-        e.submit(sid, L0, torch.randn(2, DIM), speculative=True).result(10)
-        e.submit(sid, L0, x, speculative=True).result(10)          # no id: a new verify each time, as before
-    finally:
-        e.stop(drain=False)
+def test_verifies_without_a_request_id_are_not_held_to_it(spec_engine):
+    e = spec_engine
+    sid = e.create_session()
+    x = torch.randn(2, DIM)
+    e.submit(sid, L0, x, speculative=True).result(10)
+    e.submit(sid, L0, torch.randn(2, DIM), speculative=True).result(10)
+    e.submit(sid, L0, x, speculative=True).result(10)          # no id: each is a new verify
 
 
-def test_a_read_between_a_verify_and_its_retry_does_not_make_the_retry_a_late_copy():
-    e = make_engine(max_spec_tokens=4)
-    try:
-        sid = e.create_session()
-        x = torch.randn(2, DIM)
-        y = e.submit(sid, L0, x, speculative=True, position=0, request_id="v").result(10)
-        e.export_state(sid)
-        e.session_info(sid)
-        assert torch.equal(e.submit(sid, L0, x, speculative=True, position=0, request_id="v").result(10), y)
-    finally:
-        e.stop(drain=False)
+def test_a_read_between_a_verify_and_its_retry_does_not_make_the_retry_a_late_copy(spec_engine):
+    e = spec_engine
+    sid = e.create_session()
+    x = torch.randn(2, DIM)
+    y = e.submit(sid, L0, x, speculative=True, position=0, request_id="v").result(10)
+    e.export_state(sid)
+    e.session_info(sid)
+    assert torch.equal(e.submit(sid, L0, x, speculative=True, position=0, request_id="v").result(10), y)
 
 
 @pytest.mark.parametrize("rounds", [1, 40])
-def test_a_counted_id_is_late_after_any_later_call_of_its_client_however_many_came_since(rounds):
+def test_a_counted_id_is_late_after_any_later_call_of_its_client_however_many_came_since(rounds, spec_engine):
     """The tracked clients' ids ``PREFIX:N``: a round of verifies on every layer, an accept of 0, then ``rounds``
     more rounds (more verifies than any window of ids keeps), then round 1's copy on the first layer: refused,
     and the last round's tokens are committed."""
-    e = make_engine(max_spec_tokens=4)
-    try:
-        sid = e.create_session()
-        n = 0
-        xs = {}
-        for r in range(rounds + 1):
-            for layer in LAYERS:
-                xs[(r, layer)] = torch.randn(3, DIM)
-                e.submit(sid, layer, xs[(r, layer)], speculative=True, position=0, request_id=f"c:{n}").result(10)
-                n += 1
-            if r < rounds:
-                e.accept_batch([sid], [0])
-        with pytest.raises(PositionMismatch, match="late copy"):
-            e.submit(sid, L0, xs[(0, L0)], speculative=True, position=0, request_id="c:0").result(10)
-        with pytest.raises(PositionMismatch, match="late copy"):   # another layer, another of round 1's
-            e.submit(sid, LAYERS[-1], xs[(0, LAYERS[-1])], speculative=True, position=0,
-                     request_id=f"c:{len(LAYERS) - 1}").result(10)
-        e.accept_batch([sid], [2])
-        _assert_first_layer_took(e, sid, xs[(rounds, L0)][:2])
-    finally:
-        e.stop(drain=False)
+    e = spec_engine
+    sid = e.create_session()
+    n = 0
+    xs = {}
+    for r in range(rounds + 1):
+        for layer in LAYERS:
+            xs[(r, layer)] = torch.randn(3, DIM)
+            e.submit(sid, layer, xs[(r, layer)], speculative=True, position=0, request_id=f"c:{n}").result(10)
+            n += 1
+        if r < rounds:
+            e.accept_batch([sid], [0])
+    with pytest.raises(PositionMismatch, match="late copy"):
+        e.submit(sid, L0, xs[(0, L0)], speculative=True, position=0, request_id="c:0").result(10)
+    with pytest.raises(PositionMismatch, match="late copy"):   # another layer, another of round 1's
+        e.submit(sid, LAYERS[-1], xs[(0, LAYERS[-1])], speculative=True, position=0,
+                 request_id=f"c:{len(LAYERS) - 1}").result(10)
+    e.accept_batch([sid], [2])
+    _assert_first_layer_took(e, sid, xs[(rounds, L0)][:2])
