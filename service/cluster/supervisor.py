@@ -147,12 +147,7 @@ class Supervisor:
                 return False
             for c in self.engines:
                 if not c.proc.is_alive():
-                    log.error("engine process exited during start-up", extra={"engine": c.index,
-                                                                               "exitcode": c.proc.exitcode})
-                    with contextlib.suppress(OSError):      # none: killed or crashed, not refused
-                        with open(engine_proc.start_error_path(self.run_dir, c.index)) as f:
-                            why = " ".join(f.read(4096).split())     # one line: the last of stderr
-                        self.start_error = f"engine {c.index} ({self.devices[c.index]}) cannot start: {why}"
+                    self._exited_at_start(c, c.proc.exitcode)
                     return False
             time.sleep(0.02)
         return False
@@ -270,13 +265,19 @@ class Supervisor:
         """Engine ``c``'s first process exited before it came up: stop the server, which exits 2 with the
         engine's reason (see :meth:`run`)."""
         c.restart_at = None
+        self._exited_at_start(c, code, "it exited before it came up; see the log above")
+        self.stopping = True
+
+    def _exited_at_start(self, c: _Child, code, default: Optional[str] = None) -> None:
+        """Log that engine ``c`` exited during start-up, and make ``start_error`` the reason it left (the start
+        error file, one line), else ``default`` (None: left unset)."""
         log.error("engine process exited during start-up", extra={"engine": c.index, "exitcode": code})
-        why = "it exited before it came up; see the log above"
+        why = default
         with contextlib.suppress(OSError):                 # none: killed or crashed, not refused
             with open(engine_proc.start_error_path(self.run_dir, c.index)) as f:
                 why = " ".join(f.read(4096).split())
-        self.start_error = f"engine {c.index} ({self.devices[c.index]}) cannot start: {why}"
-        self.stopping = True
+        if why is not None:
+            self.start_error = f"engine {c.index} ({self.devices[c.index]}) cannot start: {why}"
 
     def _mark_crashed(self, index: int) -> None:
         """With ``state_dir``: no snapshot of engine ``index`` written so far may be restored, since its sessions
