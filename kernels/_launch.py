@@ -16,7 +16,7 @@ import torch
 
 from ._replay import AVAILABLE as REPLAYS_AVAILABLE
 from ._replay import Replays
-from ._validate import byte_span, check_out, overlaps
+from ._validate import byte_span, check_apart
 
 
 @dataclass(frozen=True)
@@ -155,7 +155,8 @@ class LaunchPlan:
         self.fallback, self.align_mask = fallback, align - 1
         # set by the public function (called_as): {slot: earlier slot} where the caller always passes the same
         # tensor in both (a stand-in for an absent optional tensor, which the kernel never reads), so the launch
-        # reuses that address; (i, j): tensor j (out) must not share tensor i's (x's) address (check_out raises)
+        # reuses that address; (i, j): tensor j (out) must not share an element with tensor i (x) (check_apart
+        # raises)
         self.same, self.alias = {}, None
         # the graphs of repeated launches (_replay.py), made with the generated launcher; None: never
         self.replays = None
@@ -177,8 +178,7 @@ class LaunchPlan:
     def __call__(self, *tensors):
         if self.alias is not None:
             i, j = self.alias
-            if overlaps(tensors[j], tensors[i]):
-                check_out(tensors[j], tensors[i], tensors[i])
+            check_apart(tensors[j], tensors[i])
         if not self.direct:
             if self.align_mask and any(t.data_ptr() & self.align_mask for t in tensors):
                 self.fallback(*tensors)

@@ -208,6 +208,11 @@ def check_out(out, like: torch.Tensor, x: torch.Tensor) -> None:
     _check_tensor("out", out, like.dim(), (like.dtype,), like.device)
     if tuple(out.shape) != tuple(like.shape):
         raise _fail("out", f"shape {tuple(like.shape)}", tuple(out.shape))
+    check_apart(out, x)
+
+
+def check_apart(out: torch.Tensor, x: torch.Tensor) -> None:
+    """``out`` shares no element with ``x`` (the kernels read x after writing out), else ValueError."""
     if out.numel() > 0 and x.numel() > 0 and overlaps(out, x) and shares_elements(out, x):
         raise _fail("out", "memory that does not overlap x's (the kernels read x after writing out)",
                     "x itself" if out.data_ptr() == x.data_ptr() else "a view overlapping x")
