@@ -11,12 +11,13 @@ from typing import AsyncIterable, Iterable, Optional, Sequence, Union
 import httpx
 
 from convserve.clients.common import (_POLL_S, MAX_MESSAGE_BYTES, SessionState, _as_request, _backend_of, _Base,
-                                      _chunked, _decode, _default_backend, _frame, _quote, _raise_for, _Tracker,
-                                      _ws_url, check_given_position, ws_connect_async, WS_CLOSE_S)
+                                      _chunked, _decode, _default_backend, _frame, _raise_for,
+                                      _Tracker, _ws_url, check_given_position, ws_connect_async, WS_CLOSE_S)
 from convserve.clients.h1 import _H1Pool, _h1_target
 from convserve.clients.positions import (IMPORT, LOOK, RESYNC, RETRY_ERRORS, Attempts, serialized)
 from convserve.clients.protocol import wire
 from convserve.clients.replicas import is_routed
+from convserve.clients.session_requests import accept_body, delete_path, quote_id, session_body, state_body
 from convserve.clients.protocol.errors import BadRequest, PositionMismatch, ServiceError
 from convserve.clients.protocol.ids import new_session_id
 
@@ -98,21 +99,24 @@ class AsyncConvClient(_Base):
     async def create_session(self, session: Optional[str] = None) -> str:
         """Async twin of :meth:`ConvClient.create_session`."""
         sid = session if session is not None else new_session_id()
-        body = self._session_body(sid)
+        rid = self._request_id()
+        body = session_body(sid, rid)
         if self.positions is None:
             return _decode(await self._send("POST", "/v1/sessions", body))["session"]
-        att = Attempts(self.positions, "POST", "/v1/sessions", [sid], remedy=LOOK)
+        att = Attempts(self.positions, "POST", "/v1/sessions", [sid], remedy=LOOK, rid=rid)
         sid = self._created(await self._retrying("POST", "/v1/sessions", body, att), att, sid)
         self.positions.reset(sid)
         return sid
 
+    @serialized(one=True)
     async def delete_session(self, session: str) -> None:
         """Async twin of :meth:`ConvClient.delete_session`."""
-        path = f"/v1/sessions/{_quote(session)}"
+        rid = self._request_id()
+        path = delete_path(session, rid)
         if self.positions is None:
             _raise_for(await self._send("DELETE", path))
             return
-        att = Attempts(self.positions, "DELETE", path, [session], remedy=LOOK)
+        att = Attempts(self.positions, "DELETE", path, [session], remedy=LOOK, rid=rid)
         self._deleted(await self._retrying("DELETE", path, b"", att), att)
         self.positions.forget(session)
 
@@ -120,17 +124,18 @@ class AsyncConvClient(_Base):
     async def fork(self, session: str, new_session: Optional[str] = None) -> str:
         """Async twin of :meth:`ConvClient.fork`."""
         new = new_session if new_session is not None else new_session_id()
-        path, body = f"/v1/sessions/{_quote(session)}/fork", self._session_body(new)
+        rid = self._request_id()
+        path, body = f"/v1/sessions/{quote_id(session)}/fork", session_body(new, rid)
         if self.positions is None:
             return _decode(await self._send("POST", path, body))["session"]
-        att = Attempts(self.positions, "POST", path, [session, new], remedy=LOOK)
+        att = Attempts(self.positions, "POST", path, [session, new], remedy=LOOK, rid=rid)
         sid = self._created(await self._retrying("POST", path, body, att), att, new)
         self.positions.fork(session, sid)
         return sid
 
     async def session_info(self, session: str) -> dict:
         """Async twin of :meth:`ConvClient.session_info`."""
-        return _decode(await self._send("GET", f"/v1/sessions/{_quote(session)}"))
+        return _decode(await self._send("GET", f"/v1/sessions/{quote_id(session)}"))
 
     async def list_sessions(self, cursor: Optional[str] = None, limit: Optional[int] = None) -> dict:
         """Async twin of :meth:`ConvClient.list_sessions`."""
@@ -138,36 +143,37 @@ class AsyncConvClient(_Base):
 
     async def export_state(self, session: str, backend: Optional[str] = None) -> SessionState:
         """Async twin of :meth:`ConvClient.export_state`."""
-        return self._state_from(_decode(await self._send("GET", f"/v1/sessions/{_quote(session)}/state")),
+        return self._state_from(_decode(await self._send("GET", f"/v1/sessions/{quote_id(session)}/state")),
                                 backend or _default_backend())
 
     @serialized(one=True)
     async def import_state(self, session: str, state, layers=None) -> None:
         """Async twin of :meth:`ConvClient.import_state`."""
-        path, body = f"/v1/sessions/{_quote(session)}/state", self._state_body(state, layers)
+        rid = self._request_id()
+        path, body = f"/v1/sessions/{quote_id(session)}/state", state_body(state, layers, rid)
         if self.positions is None:
             _raise_for(await self._send("PUT", path, body))
             return
-        att = Attempts(self.positions, "PUT", path, [session], remedy=IMPORT)
+        att = Attempts(self.positions, "PUT", path, [session], remedy=IMPORT, rid=rid)
         with self.positions.unknown_forgets(session):
             _raise_for((await self._retrying("PUT", path, body, att))[0])
         self.positions.reset(session)                     # an imported state is at position 0 on every layer
 
     async def accept(self, session: str, tokens: int) -> None:
         """Async twin of :meth:`ConvClient.accept`."""
-        await self.accept_batch([session], [tokens], _path=f"/v1/sessions/{_quote(session)}/accept",
-                                _body=wire.packb({"tokens": tokens}))
+        await self.accept_batch([session], [tokens], _path=f"/v1/sessions/{quote_id(session)}/accept")
 
     @serialized(one=False)
-    async def accept_batch(self, sessions: Sequence[str], tokens: Sequence[int], *, _path: str = "/v1/accept",
-                           _body: Optional[bytes] = None) -> None:
+    async def accept_batch(self, sessions: Sequence[str], tokens: Sequence[int], *,
+                           _path: str = "/v1/accept") -> None:
         """Async twin of :meth:`ConvClient.accept_batch`."""
-        body = _body if _body is not None else self._accept_batch_body(sessions, tokens)
+        rid = self._request_id()
+        body = accept_body(sessions, tokens, rid, _path != "/v1/accept")
         book = self.positions
         if book is None:
             _raise_for(await self._send("POST", _path, body))
             return
-        att = Attempts(book, "POST", _path, list(sessions), remedy=RESYNC)
+        att = Attempts(book, "POST", _path, list(sessions), remedy=RESYNC, rid=rid)
         resp, attempt = await self._retrying("POST", _path, body, att)
         try:
             _raise_for(resp)
@@ -217,7 +223,7 @@ class AsyncConvClient(_Base):
 
     async def _position(self, session: str, layer: int) -> int:
         if not self.positions.known(session):
-            path = f"/v1/sessions/{_quote(session)}"
+            path = f"/v1/sessions/{quote_id(session)}"
             att = Attempts(self.positions, "GET", path, [session], read=True)
             self.positions.from_info(_decode((await self._retrying("GET", path, b"", att))[0]))
         return self.positions.at(session, layer)

@@ -442,15 +442,6 @@ class _Base:
         return {"authorization": self.headers["authorization"]} if self.api_key else {}
 
     @staticmethod
-    def _state_body(state, layers) -> bytes:
-        if isinstance(state, SessionState):
-            layers, state = state.layers, state.state
-        body = {"state": wire.encode_tensor(state)}
-        if layers is not None:
-            body["layers"] = list(layers)
-        return wire.packb(body)
-
-    @staticmethod
     def _state_from(obj, backend) -> SessionState:
         return SessionState(list(obj["layers"]), wire.decode_tensor(obj["state"], backend=backend, name="state"))
 
@@ -525,10 +516,6 @@ class _Base:
                 self.positions.applied_at(s, layer, p, n, f)
         return wire.decode_tensor(obj["y"], backend=_backend_of(x), name="y", shm=self.shm)
 
-    @staticmethod
-    def _accept_batch_body(sessions, tokens) -> bytes:
-        return wire.packb({"sessions": _id_list(sessions), "tokens": _int_list(tokens, "tokens")})
-
     def _ws_results(self, msg, unpacker, tracker: "_Tracker") -> Iterator["ConvResult"]:
         """The results in one WebSocket message (binary: msgpack frames), counted in ``bytes_received``."""
         if isinstance(msg, str):
@@ -537,10 +524,6 @@ class _Base:
         unpacker.feed(msg)
         for obj in unpacker:
             yield tracker.result(obj)
-
-    @staticmethod
-    def _session_body(session: Optional[str]) -> bytes:
-        return wire.packb({"session": session} if session is not None else {})
 
     @staticmethod
     def _created(answer: tuple, att, sid: str) -> str:
@@ -585,8 +568,3 @@ def _chunked(requests: Iterable, tracker: _Tracker, failed: list) -> Iterator[by
         failed.append(e)
     if buf:
         yield b"".join(buf)
-
-
-def _quote(segment: str) -> str:
-    """A session id as one URL path segment (httpx quotes the same characters)."""
-    return urllib.parse.quote(str(segment), safe="!$&'()*+,;=:@-._~")

@@ -10,11 +10,12 @@ from typing import Iterable, Iterator, Optional, Sequence
 import httpx
 
 from convserve.clients.common import (MAX_MESSAGE_BYTES, _POLL_S, ConvResult, SessionState, _as_request, _backend_of,
-                                      _Base, _chunked, _decode, _default_backend, _frame, _quote, _raise_for,
-                                      _Tracker, _ws_url, check_given_position, ws_connect, WS_CLOSE_S)
+                                      _Base, _chunked, _decode, _default_backend, _frame,
+                                      _raise_for, _Tracker, _ws_url, check_given_position, ws_connect, WS_CLOSE_S)
 from convserve.clients.positions import (IMPORT, LOOK, RESYNC, RETRY_ERRORS, Attempts, serialized)
 from convserve.clients.protocol import wire
 from convserve.clients.replicas import is_routed
+from convserve.clients.session_requests import accept_body, delete_path, quote_id, session_body, state_body
 from convserve.clients.protocol.errors import BadRequest, PositionMismatch, ServiceError
 from convserve.clients.protocol.ids import new_session_id
 
@@ -107,23 +108,26 @@ class ConvClient(_Base):
         was lost can be looked up, or sent again). With ``track_positions`` it is retried as a conv is; a retry
         answered ``409 session_exists`` after an attempt that may have run means that attempt created it."""
         sid = session if session is not None else new_session_id()
-        body = self._session_body(sid)
+        rid = self._request_id()
+        body = session_body(sid, rid)
         if self.positions is None:
             return _decode(self._http.post("/v1/sessions", content=body))["session"]
-        att = Attempts(self.positions, "POST", "/v1/sessions", [sid], remedy=LOOK)
+        att = Attempts(self.positions, "POST", "/v1/sessions", [sid], remedy=LOOK, rid=rid)
         sid = self._created(self._retrying("POST", "/v1/sessions", body, att), att, sid)
         self.positions.reset(sid)
         return sid
 
+    @serialized(one=True)
     def delete_session(self, session: str) -> None:
-        """Delete the session and free its slot (``DELETE /v1/sessions/{id}``). With ``track_positions`` it is
-        retried as a conv is; a retry answered ``404 unknown_session`` after an attempt that may have run means
-        that attempt deleted it."""
-        path = f"/v1/sessions/{_quote(session)}"
+        """Delete the session and free its slot (``DELETE /v1/sessions/{id}``). With ``track_positions`` it waits
+        for the session's tracked calls before it and is retried as a conv is; a retry answered ``404
+        unknown_session`` after an attempt that may have run means that attempt deleted it."""
+        rid = self._request_id()
+        path = delete_path(session, rid)
         if self.positions is None:
             _raise_for(self._http.delete(path))
             return
-        att = Attempts(self.positions, "DELETE", path, [session], remedy=LOOK)
+        att = Attempts(self.positions, "DELETE", path, [session], remedy=LOOK, rid=rid)
         self._deleted(self._retrying("DELETE", path, None, att), att)
         self.positions.forget(session)
 
@@ -133,10 +137,11 @@ class ConvClient(_Base):
         id. With ``track_positions`` it waits for the session's tracked calls before it (its positions are
         theirs) and is retried as :meth:`create_session` is."""
         new = new_session if new_session is not None else new_session_id()
-        path, body = f"/v1/sessions/{_quote(session)}/fork", self._session_body(new)
+        rid = self._request_id()
+        path, body = f"/v1/sessions/{quote_id(session)}/fork", session_body(new, rid)
         if self.positions is None:
             return _decode(self._http.post(path, content=body))["session"]
-        att = Attempts(self.positions, "POST", path, [session, new], remedy=LOOK)
+        att = Attempts(self.positions, "POST", path, [session, new], remedy=LOOK, rid=rid)
         sid = self._created(self._retrying("POST", path, body, att), att, new)
         self.positions.fork(session, sid)
         return sid
@@ -144,7 +149,7 @@ class ConvClient(_Base):
     def session_info(self, session: str) -> dict:
         """``GET /v1/sessions/{id}``: ``{"session", "layers", "positions", "pending": {"layers", "tokens"},
         "idle_s"}``."""
-        return _decode(self._http.get(f"/v1/sessions/{_quote(session)}"))
+        return _decode(self._http.get(f"/v1/sessions/{quote_id(session)}"))
 
     def list_sessions(self, cursor: Optional[str] = None, limit: Optional[int] = None) -> dict:
         """One page of ``GET /v1/sessions``: ``{"sessions": [session_info...], "next"}``; pass ``next`` as the
@@ -154,7 +159,7 @@ class ConvClient(_Base):
     def export_state(self, session: str, backend: Optional[str] = None) -> SessionState:
         """The session's conv state (every layer) as a :class:`SessionState`, in ``backend`` (``"torch"`` or
         ``"numpy"``; default torch when installed)."""
-        return self._state_from(_decode(self._http.get(f"/v1/sessions/{_quote(session)}/state")),
+        return self._state_from(_decode(self._http.get(f"/v1/sessions/{quote_id(session)}/state")),
                                 backend or _default_backend())
 
     @serialized(one=True)
@@ -162,11 +167,12 @@ class ConvClient(_Base):
         """Replace the session's state with ``state`` (as :meth:`export_state` returns it, or a tensor
         ``(n_layers, dim, width - 1)``); every layer is then at position 0 (with ``track_positions``, after the
         session's tracked calls before it)."""
-        path, body = f"/v1/sessions/{_quote(session)}/state", self._state_body(state, layers)
+        rid = self._request_id()
+        path, body = f"/v1/sessions/{quote_id(session)}/state", state_body(state, layers, rid)
         if self.positions is None:
             _raise_for(self._http.put(path, content=body))
             return
-        att = Attempts(self.positions, "PUT", path, [session], remedy=IMPORT)
+        att = Attempts(self.positions, "PUT", path, [session], remedy=IMPORT, rid=rid)
         with self.positions.unknown_forgets(session):
             _raise_for(self._retrying("PUT", path, body, att)[0])
         self.positions.reset(session)                     # an imported state is at position 0 on every layer
@@ -174,20 +180,19 @@ class ConvClient(_Base):
     def accept(self, session: str, tokens: int) -> None:
         """Commit the first ``tokens`` tokens of the session's pending speculative verify on every layer that has
         one (0 discards it)."""
-        self.accept_batch([session], [tokens], _path=f"/v1/sessions/{_quote(session)}/accept",
-                          _body=wire.packb({"tokens": tokens}))
+        self.accept_batch([session], [tokens], _path=f"/v1/sessions/{quote_id(session)}/accept")
 
     @serialized(one=False)
-    def accept_batch(self, sessions: Sequence[str], tokens: Sequence[int], *, _path: str = "/v1/accept",
-                     _body: Optional[bytes] = None) -> None:
+    def accept_batch(self, sessions: Sequence[str], tokens: Sequence[int], *, _path: str = "/v1/accept") -> None:
         """:meth:`accept` for several sessions as one request (``POST /v1/accept``): every session must have a
         pending verify of at least ``tokens[i]`` tokens, or nothing is committed."""
-        body = _body if _body is not None else self._accept_batch_body(sessions, tokens)
+        rid = self._request_id()
+        body = accept_body(sessions, tokens, rid, _path != "/v1/accept")
         book = self.positions
         if book is None:
             _raise_for(self._http.post(_path, content=body))
             return
-        att = Attempts(book, "POST", _path, list(sessions), remedy=RESYNC)
+        att = Attempts(book, "POST", _path, list(sessions), remedy=RESYNC, rid=rid)
         resp, attempt = self._retrying("POST", _path, body, att)
         try:
             _raise_for(resp)
@@ -239,7 +244,7 @@ class ConvClient(_Base):
 
     def _position(self, session: str, layer: int) -> int:
         if not self.positions.known(session):             # a session this client did not create: ask the server
-            path = f"/v1/sessions/{_quote(session)}"
+            path = f"/v1/sessions/{quote_id(session)}"
             att = Attempts(self.positions, "GET", path, [session], read=True)
             self.positions.from_info(_decode(self._retrying("GET", path, None, att)[0]))
         return self.positions.at(session, layer)

@@ -46,3 +46,28 @@ def with_request_id(position, rid: Optional[str]):
         raise BadRequest("'request_id' goes with 'position': it tells a repeat of the request applied at that "
                          "position from another request; send both, or neither")
     return Claimed(position, rid)
+
+
+def rid_counter(rid: Optional[str]):
+    """``(prefix, n)`` of a request id ``PREFIX:N`` (N: 1 to 18 digits), else None (None too)."""
+    if rid is None:
+        return None
+    prefix, sep, n = rid.rpartition(":")
+    if sep and prefix and n.isdigit() and len(n) <= 18 and n.isascii():
+        return prefix, int(n)
+    return None
+
+
+def op_request_id(rid) -> Optional[tuple]:
+    """``(prefix, n)`` of a session operation's ``request_id`` (None: none), which must be ``PREFIX:N``
+    (:class:`BadRequest` otherwise): on an operation an id does nothing but order the client's calls on the
+    session, so that a late copy of an earlier call is refused."""
+    if rid is None:
+        return None
+    counted = rid_counter(rid) if type(rid) is str and 0 < len(rid) <= 64 and rid.isascii() and rid.isprintable() \
+        else None
+    if counted is None:
+        raise BadRequest(f"'request_id' of a session operation must be PREFIX:N (at most 64 printable ASCII "
+                         f"characters, N a count of up to 18 digits that grows with each call of one client), got "
+                         f"{rid!r:.80}")
+    return counted

@@ -2,7 +2,9 @@
 
 A session owns one slot of the state pool (its conv state for every conv layer). The table remembers a bounded
 number of ids evicted by the idle TTL, so that those answer :class:`StateLost` (410) rather than
-:class:`UnknownSession` (404, for ids that never existed or were deleted). Not thread-safe: the engine guards it
+:class:`UnknownSession` (404, for ids that never existed or were deleted); and, as boundedly, the clients' highest
+request counters of removed sessions (``Session.rid_hi``), which a session created again under the id takes over,
+so that a late copy of a call sent before the removal is refused then too. Not thread-safe: the engine guards it
 with its lock.
 """
 
@@ -76,11 +78,12 @@ class Session:
 
 
 class SessionTable:
-    """``id -> Session`` plus a bounded memory of evicted ids."""
+    """``id -> Session`` plus a bounded memory of evicted ids and of removed ones' request counters."""
 
     def __init__(self, max_evicted: int = 65536):
         self._live: dict[str, Session] = {}
         self._evicted: OrderedDict[str, Optional[str]] = OrderedDict()   # id -> why it is lost (None: the TTL)
+        self._gone: OrderedDict[str, dict] = OrderedDict()    # removed id -> its Session.rid_hi (when not empty)
         self._max_evicted = max_evicted
 
     def __len__(self) -> int:
@@ -128,9 +131,16 @@ class SessionTable:
         if session_id in self._live:
             raise SessionExists(f"session {session_id!r} already exists; pick another id or omit it")
 
+    def counters_of(self, session_id: str) -> dict:
+        """The request counters (``Session.rid_hi``) a session created now under ``session_id`` starts with:
+        those of the session last removed under it (empty when none is remembered)."""
+        return dict(self._gone.get(session_id, ()))
+
     def add(self, session: Session) -> None:
+        """Make ``session`` live (its ``rid_hi`` already holds :meth:`counters_of` its id, when it should)."""
         self.check_free(session.id)
         self._evicted.pop(session.id, None)
+        self._gone.pop(session.id, None)
         self._live[session.id] = session
 
     def mark_lost(self, session_ids, why: str) -> None:
@@ -143,6 +153,10 @@ class SessionTable:
 
     def remove(self, session: Session, evicted: bool = False) -> None:
         del self._live[session.id]
+        if session.rid_hi:
+            self._gone[session.id] = session.rid_hi
+            if len(self._gone) > self._max_evicted:
+                self._gone.popitem(last=False)
         if evicted:
             self._evicted[session.id] = None
             while len(self._evicted) > self._max_evicted:

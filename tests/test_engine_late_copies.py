@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from convserve.clients.protocol.errors import PositionMismatch
+from convserve.clients.protocol.errors import LateRequest, PositionMismatch
 from tests.engine_support import DIM, LAYERS, make_engine
 from tests.tolerance import assert_close
 
@@ -62,8 +62,8 @@ def test_a_verify_sent_again_after_the_session_moved_on_is_refused_and_the_later
         e.submit(sid, L0, torch.randn(1, DIM), position=0).result(10)
     before = e.export_state(sid)
     info = e.session_info(sid)
-    # (after an accept or a conv the committed position moved too: refused by its position as well)
-    with pytest.raises(PositionMismatch, match="late copy" if between == "verify" else None):
+    # (after an accept or a conv a batch's copy is refused by its positions first, which moved)
+    with pytest.raises(LateRequest if between == "verify" or kind == "conv" else PositionMismatch):
         _verify(e, kind, sid, other, v1, "v1")
     assert_close(e.export_state(sid), before, torch.float32)
     assert e.session_info(sid)["pending"] == info["pending"]
@@ -107,9 +107,9 @@ def test_a_counted_id_is_late_after_any_later_call_of_its_client_however_many_ca
             n += 1
         if r < rounds:
             e.accept_batch([sid], [0])
-    with pytest.raises(PositionMismatch, match="late copy"):
+    with pytest.raises(LateRequest, match="late copy"):
         e.submit(sid, L0, xs[(0, L0)], speculative=True, position=0, request_id="c:0").result(10)
-    with pytest.raises(PositionMismatch, match="late copy"):   # another layer, another of round 1's
+    with pytest.raises(LateRequest, match="late copy"):   # another layer, another of round 1's
         e.submit(sid, LAYERS[-1], xs[(0, LAYERS[-1])], speculative=True, position=0,
                  request_id=f"c:{len(LAYERS) - 1}").result(10)
     e.accept_batch([sid], [2])

@@ -95,6 +95,13 @@ class PositionMismatch(ServiceError):
         return self.extra.get("position")
 
 
+class LateRequest(ServiceError):
+    """A call whose ``request_id`` ``PREFIX:N`` is below the highest N the session has seen from that client (one
+    ``PREFIX``): a late copy of an earlier call (an attempt that sat in the server while its retry ran, reaching
+    the engine after the client's later calls), or a call sent again after later ones. Nothing ran."""
+    status, code = 409, "late_request"
+
+
 class StateLost(ServiceError):
     status, code = 410, "state_lost"
 
@@ -211,8 +218,8 @@ ConvServeError = ServiceError
 
 ALL_ERRORS = (BadRequest, BodyTimeout, Unauthorized, NotFound, MethodNotAllowed, HeaderTimeout, UpgradeRequired,
               HeaderTooLarge, OverCapacity, UnknownSession, UnknownLayer, SessionExists, PositionMismatch,
-              StateLost, PayloadTooLarge, ShapeMismatch, DtypeUnsupported, NonFinite, QueueFull, PoolExhausted,
-              NotReady, EngineUnavailable, OutOfMemory, RequestTimeout, EngineTimeout, Internal)
+              LateRequest, StateLost, PayloadTooLarge, ShapeMismatch, DtypeUnsupported, NonFinite, QueueFull,
+              PoolExhausted, NotReady, EngineUnavailable, OutOfMemory, RequestTimeout, EngineTimeout, Internal)
 
 #: ``code -> class``, for turning an error body back into its class.
 BY_CODE = {cls.code: cls for cls in ALL_ERRORS}

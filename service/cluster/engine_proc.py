@@ -371,7 +371,7 @@ class EngineProcess:
                     ok = self.engine.check_batch(head["ss"], head.get("sp"), head.get("t"), head.get("l"),
                                                  claim(head.get("po"), head.get("ri")), whole=head.get("wk"))
                 else:
-                    self.engine.check_accept_batch(head["ss"], head["t"])
+                    self.engine.check_accept_batch(head["ss"], head["t"], head.get("ri"))
                 self._send(ident, {"i": mid, "ok": ok})
             elif kind == m.STATS:
                 st = self.engine.stats()
@@ -464,7 +464,7 @@ class EngineProcess:
         ordered exactly where it arrived among the convs and operations of its session (as the in-process
         engine orders calls), and answered from its future; only the weights file, which concerns no session,
         is built on a thread of its own."""
-        name, args = head["f"], list(head.get("a") or ())
+        name, args, rid = head["f"], list(head.get("a") or ()), head.get("ri")
         if name not in m.OPS:
             raise BadRequest(f"unknown session operation {name!r}")
         eng = self.engine
@@ -475,7 +475,7 @@ class EngineProcess:
         elif name == "create_with_state":
             sid, positions, pending = args
             state, spec = m.get_tensors(head, data)
-            eng.create_session_now(sid)          # a moved session's id is new: no delete of it to wait for
+            eng.create_session_now(sid, rid)     # a moved session's id is new: no delete of it to wait for
             try:
                 fut = eng.submit_op("import_state", sid, state, positions, pending, spec)
             except BaseException:
@@ -485,7 +485,7 @@ class EngineProcess:
         else:
             if name == "import_state":
                 args.append(m.get_tensors(head, data)[0])
-            fut = eng.submit_op("export_for_move" if name == "export_for_fork" else name, *args)
+            fut = eng.submit_op("export_for_move" if name == "export_for_fork" else name, *args, request_id=rid)
             fut.add_done_callback(lambda f: self._op_done(ident, head, f))
 
     def _created_with_state(self, ident: bytes, head: dict, fut: cf.Future) -> None:

@@ -27,9 +27,12 @@ class RemoteSessions:
     """Mixed into :class:`.remote.RemoteEngine`: uses its ``_call_sync``, ``_target``, ``status``, ``n`` and
     ``limits``."""
 
-    def _op(self, e: int, name: str, *args, state=None, spec=None):
-        """``state`` (and ``spec``, a moved session's verify x) travel as the data frame (messages.put_tensors)."""
+    def _op(self, e: int, name: str, *args, state=None, spec=None, rid: Optional[str] = None):
+        """``state`` (and ``spec``, a moved session's verify x) travel as the data frame (messages.put_tensors);
+        ``rid``: the operation's ``request_id``."""
         head = {"k": m.OP, "f": name, "a": list(args)}
+        if rid is not None:
+            head["ri"] = rid
         data = m.put_tensors(head, state, spec) if state is not None else None
         reply, frame = self._call_sync(e, head, data)
         if reply.get("bytes"):
@@ -42,7 +45,7 @@ class RemoteSessions:
     def _up(self, e: int) -> bool:
         return self.status.state(e)[0] == UP
 
-    def create_session(self, session_id: Optional[str] = None) -> str:
+    def create_session(self, session_id: Optional[str] = None, request_id: Optional[str] = None) -> str:
         if session_id is None:
             try:
                 session_id, e = new_id_on(self._up, self.n)
@@ -52,28 +55,29 @@ class RemoteSessions:
                                         retry_after=2) from None
         else:
             e = engine_of(session_id, self.n)
-        return self._op(e, "create_session", session_id)
+        return self._op(e, "create_session", session_id, rid=request_id)
 
-    def delete_session(self, session_id: str) -> None:
-        self._op(engine_of(session_id, self.n), "delete_session", session_id)
+    def delete_session(self, session_id: str, request_id: Optional[str] = None) -> None:
+        self._op(engine_of(session_id, self.n), "delete_session", session_id, rid=request_id)
 
-    def fork_session(self, src_id: str, new_id: Optional[str] = None) -> str:
+    def fork_session(self, src_id: str, new_id: Optional[str] = None, request_id: Optional[str] = None) -> str:
         e = engine_of(src_id, self.n)
         if new_id is None and self.n > 1:
             new_id, _ = new_id_on(lambda x: x == e, self.n, tries=4096)
         if new_id is None or engine_of(new_id, self.n) == e:
-            return self._op(e, "fork_session", src_id, new_id)
+            return self._op(e, "fork_session", src_id, new_id, rid=request_id)
         state, positions, pending, spec = self._op(e, "export_for_fork", src_id)
-        self._op(engine_of(new_id, self.n), "create_with_state", new_id, positions, pending, state=state, spec=spec)
+        self._op(engine_of(new_id, self.n), "create_with_state", new_id, positions, pending, state=state, spec=spec,
+                 rid=request_id)
         return new_id
 
     def export_state(self, session_id: str):
         return self._op(engine_of(session_id, self.n), "export_state", session_id)
 
-    def import_state(self, session_id: str, state) -> None:
+    def import_state(self, session_id: str, state, request_id: Optional[str] = None) -> None:
         if not isinstance(state, torch.Tensor):
             raise BadRequest("state: expected a tensor")
-        self._op(engine_of(session_id, self.n), "import_state", session_id, state=state)
+        self._op(engine_of(session_id, self.n), "import_state", session_id, state=state, rid=request_id)
 
     def session_info(self, session_id: str) -> dict:
         return self._op(engine_of(session_id, self.n), "session_info", session_id)
@@ -99,10 +103,11 @@ class RemoteSessions:
         items = items[:limit]
         return {"sessions": items, "next": items[-1]["session"] if more and items else None}
 
-    def accept(self, session_id: str, n_tokens: int) -> None:
-        self._op(engine_of(session_id, self.n), "accept", session_id, n_tokens)
+    def accept(self, session_id: str, n_tokens: int, request_id: Optional[str] = None) -> None:
+        self._op(engine_of(session_id, self.n), "accept", session_id, n_tokens, rid=request_id)
 
-    def accept_batch(self, session_ids: Sequence[str], tokens: Sequence[int]) -> None:
+    def accept_batch(self, session_ids: Sequence[str], tokens: Sequence[int],
+                     request_id: Optional[str] = None) -> None:
         groups = split(session_ids, self.n)
         if len(groups) > 1:
             # what needs no session state is checked on the whole batch: no part is refused for it after
@@ -111,15 +116,16 @@ class RemoteSessions:
             tokens = accept_token_list(tokens, n)
         if len(groups) == 1:
             (e,) = groups
-            self._op(e, "accept_batch", list(session_ids), list(tokens))
+            self._op(e, "accept_batch", list(session_ids), list(tokens), rid=request_id)
             return
         parts = [(e, [session_ids[i] for i in pos], [tokens[i] for i in pos]) for e, pos in groups.items()]
         for e, ss, tt in parts:
-            self._call_sync(e, {"k": m.CHECK, "f": "accept", "ss": ss, "t": tt})
+            self._call_sync(e, {"k": m.CHECK, "f": "accept", "ss": ss, "t": tt,
+                                **({} if request_id is None else {"ri": request_id})})
         committed: list = []
         for e, ss, tt in parts:
             try:
-                self._op(e, "accept_batch", ss, tt)
+                self._op(e, "accept_batch", ss, tt, rid=request_id)
             except ServiceError as err:
                 # a concurrent change of these sessions since the check, or the engine died: the parts that
                 # committed stay committed, and the answer says which they are

@@ -20,8 +20,10 @@ import numpy as np
 
 from convserve.clients.protocol.errors import BadRequest, StateLost
 
+from ..claims import op_request_id
 from ..sessions import Session
 from .outputs import deliver
+from .positions import refuse_late_all
 from .records import Op
 from .validate import check_accept_tokens, check_batch_sessions
 
@@ -44,32 +46,35 @@ def accept_token_list(tokens, n: int) -> list:
 class Accepts:
     """The accept operations of :class:`Engine` (see the module docstring)."""
 
-    def accept(self, session_id: str, n_tokens: int) -> None:
+    def accept(self, session_id: str, n_tokens: int, request_id: Optional[str] = None) -> None:
         """Commit the session's pending speculative verify: every layer with one takes the state after its first
         ``n_tokens`` tokens (0 discards the verify). Raises :class:`BadRequest` when no verify is pending or
         ``n_tokens`` is outside ``[0, T]`` (checked at the call, and again at its turn; only at its turn when
-        another operation of the session is queued: a verify queued before it may yet be refused at its own)."""
-        self._wait_op(self._post_accept(session_id, n_tokens))
+        another operation of the session is queued: a verify queued before it may yet be refused at its own).
+        ``request_id`` (``PREFIX:N``): :class:`LateRequest` when below a later call of its client on the session
+        (an accept's late copy would commit a later verify)."""
+        self._wait_op(self._post_accept(session_id, n_tokens, request_id))
 
-    def _post_accept(self, session_id: str, n_tokens: int) -> Op:
+    def _post_accept(self, session_id: str, n_tokens: int, request_id: Optional[str] = None) -> Op:
         check_accept_tokens(n_tokens)
         with self._lock:
             s = self._sessions.get(session_id)
             if not s.ops:     # else at its turn only: a verify queued before it may yet be refused at its own
                 self._check_pending(s, n_tokens)
         return self._post_op(session_id, lambda s: self._op_accept(s, n_tokens),
-                             now=lambda s: self._commit(self._accept_locked(s, n_tokens), [s], True), kind="accept")
+                             now=lambda s: self._commit(self._accept_locked(s, n_tokens), [s], True), kind="accept",
+                             rid=request_id)
 
-    def accept_batch(self, session_ids, tokens) -> None:
+    def accept_batch(self, session_ids, tokens, request_id: Optional[str] = None) -> None:
         """:meth:`accept` for several sessions at once: session ``session_ids[i]`` commits the state after the
         first ``tokens[i]`` tokens of its pending verify. Whole-batch: every session must exist, appear once and
         have a pending verify of at least ``tokens[i]`` tokens (on every layer it has one), else
         :class:`BadRequest` (or :class:`UnknownSession` / :class:`StateLost`) and nothing is committed. It is one
         session operation: it runs after the requests of those sessions submitted before it, and their requests
-        submitted after it wait for it."""
-        self._wait_op(self._post_accept_batch(session_ids, tokens))
+        submitted after it wait for it. ``request_id`` as :meth:`accept`'s, for every session."""
+        self._wait_op(self._post_accept_batch(session_ids, tokens, request_id))
 
-    def _post_accept_batch(self, session_ids, tokens) -> Op:
+    def _post_accept_batch(self, session_ids, tokens, request_id: Optional[str] = None) -> Op:
         n = check_batch_sessions(session_ids, self.config.max_batch_size, "one accept_batch")
         tokens = accept_token_list(tokens, n)
 
@@ -83,13 +88,15 @@ class Accepts:
 
         return self._post_op_many(session_ids, check, lambda ss: self._op_accept_batch(ss, tokens, check),
                                   now=lambda ss: self._commit(self._accept_batch_locked(ss, tokens, check), ss,
-                                                              True), kind="accept")
+                                                              True), kind="accept", rid=request_id)
 
-    def check_accept_batch(self, session_ids, tokens) -> None:
+    def check_accept_batch(self, session_ids, tokens, request_id: Optional[str] = None) -> None:
         """Raise what :meth:`accept_batch` would raise for the sessions' state now; queue nothing (the first
         phase of an accept split across engine processes)."""
+        op_request_id(request_id)
         with self._lock:
             self._check_running_locked()
+            refuse_late_all(self._sessions.get_many(session_ids), request_id)
             for sid, n in zip(session_ids, tokens):
                 self._check_pending(self._sessions.get(sid), n)
 

@@ -79,7 +79,8 @@ class EngineConfig:
     #                                              the CPU (whose steps are torch ops on the worker's threads)
     check_finite: bool = True                    # reject x with NaN/Inf (NonFinite) instead of poisoning state
     pool_memory_fraction: float = 0.5            # slots="auto": this share of free device memory
-    max_evicted_ids: int = 65536                 # evicted ids remembered (StateLost rather than UnknownSession)
+    max_evicted_ids: int = 65536                 # evicted ids remembered (StateLost rather than UnknownSession),
+    #                                              and as many removed ids' request counters (LateRequest)
     answer_store_bytes: int = 64 << 20           # answers of position-carrying requests kept for their retries
     #                                              (oldest dropped first past this; see engine/positions.py)
 

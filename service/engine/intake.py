@@ -27,8 +27,8 @@ from ..sessions import Session
 from .outputs import AsyncConvFuture, ConvFuture
 from .outputs import deliver
 from .records import BATCH_SESSION, NO_ROWS, BatchRows, ConvRequest, plan_rows, release_batch
-from ..claims import unclaim, with_request_id
-from .positions import Answer, Sink, batch_key, check_position, check_positions, rid_counter
+from ..claims import rid_counter, unclaim, with_request_id
+from .positions import Answer, Sink, batch_key, check_position, check_positions, refuse_late_all
 from .validate import (check_batch_plan, check_batch_rows, check_batch_sessions, check_finite_copy,
                        check_one_token_rows, check_speculative, check_x, own_copy, uniform_verify)
 
@@ -72,8 +72,8 @@ class Intake:
             self._check_running_locked()
             s = self._session_at_locked(session_id, position)
             counted = rid_counter(rid)
-            if speculative and rid is not None:
-                self._check_fresh_verify_locked(s, rid, counted, p)
+            if rid is not None:
+                self._check_not_late_locked(s, rid, counted, p, speculative)
             deferred = s.ops             # ops queued: they may change what these checks read; checked at its turn
             req.position = position
             if deferred:
@@ -335,6 +335,7 @@ class Intake:
                 sessions = table.get_many(session_ids)    # UnknownSession / StateLost name the id
             else:
                 sessions = [self._session_at_locked(sid, at) for sid, at in zip(session_ids, positions)]
+                refuse_late_all(sessions, rid)
                 answer = self._check_batch_positions_locked(sessions, req.layer, positions, rows, key, rid)
                 if answer is not None:         # a repeat: its kept answer, whatever is queued since
                     return self._replay_locked(answer, 0, None, req.x_dtype or self.model_cpu.dtype, req.future)
@@ -353,10 +354,9 @@ class Intake:
                 for i, _a, _k in pre_rows:
                     if sessions[i].pending:
                         self._check_no_verify_locked(sessions[i])
-                if rid is not None and ver_rows:
-                    counted = rid_counter(rid)
+                if rid is not None and ver_rows and rid_counter(rid) is None:
                     for i in ver_rows[0]:
-                        self._check_fresh_verify_locked(sessions[i], rid, counted, req.layer)
+                        self._check_not_late_locked(sessions[i], rid, None, req.layer, True)
             self._check_queue_locked()
             waits, wait_ops, slot_list = {}, [], []
             for s in sessions:
@@ -477,16 +477,16 @@ class Intake:
             if position is not None:
                 p = self.model_cpu.position(layer)
                 ss = [self._session_at_locked(sid, at) for sid, at in zip(session_ids, position)]
+                counted = refuse_late_all(ss, rid)
                 repeat = self._check_batch_positions_locked(ss, p, position, rows, key, rid) is not None
                 if not repeat:
-                    counted = rid_counter(rid)
                     for s, (_n, spec) in zip(ss, rows):
                         if s.ops:
                             _check_ops_before_batch(s, True)
                         if not spec:
                             self._check_no_verify_locked(s)
                         elif rid is not None:
-                            self._check_fresh_verify_locked(s, rid, counted, p)
+                            self._check_not_late_locked(s, rid, counted, p, True)
                 return {"positions": [s.positions[p] for s in ss], "repeat": repeat}
             for i, sid in enumerate(session_ids):
                 s = self._sessions.get(sid)

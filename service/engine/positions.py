@@ -46,8 +46,9 @@ import time
 from concurrent.futures import Future
 from typing import Optional
 
-from convserve.clients.protocol.errors import BadRequest, PositionMismatch, StateLost, UnknownSession
+from convserve.clients.protocol.errors import BadRequest, LateRequest, PositionMismatch, StateLost, UnknownSession
 
+from ..claims import rid_counter
 from ..sessions import Session
 from .outputs import deliver
 from .records import Op
@@ -123,14 +124,35 @@ RID_PREFIXES_KEPT = 8
 OP = object()
 
 
-def rid_counter(rid: Optional[str]):
-    """``(prefix, n)`` of a request id ``PREFIX:N`` (N: 1 to 18 digits), else None (None too)."""
-    if rid is None:
-        return None
-    prefix, sep, n = rid.rpartition(":")
-    if sep and prefix and n.isdigit() and len(n) <= 18 and n.isascii():
-        return prefix, int(n)
-    return None
+def refuse_late(hi: dict, counted, rid, session_id) -> None:
+    """:class:`LateRequest` when ``counted`` (``(prefix, n)`` of ``rid``; None: nothing to check) is below the
+    highest N of its prefix in ``hi`` (a session's ``rid_hi``, or a deleted one's)."""
+    if counted is not None and counted[1] < hi.get(counted[0], -1):
+        raise LateRequest(f"session {session_id!r:.80}: request_id {rid!r:.80} is below "
+                          f"{counted[0]!r:.40}:{hi[counted[0]]}, a later call of the same client on this session id: "
+                          "a late copy of an earlier call (an attempt that sat in the server while its retry ran), "
+                          "or a call sent again after later ones, is not run; nothing changed. Read the session "
+                          "(GET /v1/sessions/{id}) to see where it stands; a client that starts again takes a new "
+                          "PREFIX")
+
+
+def refuse_late_all(sessions, rid):
+    """:func:`refuse_late` for each of ``sessions`` (a batch's); ``rid``'s :func:`rid_counter`."""
+    counted = rid_counter(rid)
+    if counted is not None:
+        for s in sessions:
+            refuse_late(s.rid_hi, counted, rid, s.id)
+    return counted
+
+
+def note_counted(hi: dict, counted) -> None:
+    """Keep ``counted`` (``(prefix, n)``) in ``hi`` when its N is the highest of its prefix; at most
+    ``RID_PREFIXES_KEPT`` prefixes, the least recently raised dropped first."""
+    prefix, n = counted
+    if n > hi.get(prefix, -1):
+        if hi.pop(prefix, None) is None and len(hi) >= RID_PREFIXES_KEPT:
+            del hi[next(iter(hi))]
+        hi[prefix] = n
 
 
 class Positions:
@@ -160,35 +182,28 @@ class Positions:
         return PositionMismatch(f"{what}; nothing ran. The server's position is {server!r} (in 'position'): "
                                 "resynchronize (GET /v1/sessions/{id}) before sending more", position=server, **extra)
 
-    def _check_fresh_verify_locked(self, s: Session, rid, counted, p: int) -> None:
-        """Refuse (409, nothing run) a verify carrying ``rid`` (``counted``: its :func:`rid_counter`) that is a
-        late copy: an attempt that sat in the server (a stalled HTTP worker) while its retry ran, reaching the
-        engine after the session moved on. Run now it would replace a later verify, or stand after an accept as a
-        verify nobody sent. An id ``PREFIX:N`` (the tracked clients': one prefix per client, N counting its calls)
-        is a late copy when the session has seen a later call of that client (a higher N), however long ago. Any
-        other id is one when this layer's last ``VERIFY_IDS_KEPT`` verifies include it and something that changes
-        the session was submitted since it (a request, an accept, an import, a delete): a client sends a call's
-        retries before its next call."""
+    def _check_not_late_locked(self, s: Session, rid, counted, p: int, speculative: bool) -> None:
+        """Refuse (:class:`LateRequest`, nothing run) a request carrying ``rid`` (``counted``: its
+        :func:`rid_counter`) that is a late copy: an attempt that sat in the server (a stalled HTTP worker) while
+        its retry ran, reaching the engine after the session moved on. An id ``PREFIX:N`` (the tracked clients':
+        one prefix per client, N counting its calls) is a late copy when the session has seen a later call of
+        that client (a higher N), however long ago: run now, a verify would replace a later verify or stand
+        after an accept as a verify nobody sent, and a conv at position 0 would apply again after an import.
+        Another id is one only on a verify, when this layer's last ``VERIFY_IDS_KEPT`` verifies include it and
+        something that changes the session was submitted since it (a request, an accept, an import, a delete):
+        a client sends a call's retries before its next call."""
         if counted is not None:
-            late = counted[1] < s.rid_hi.get(counted[0], -1)
-        else:
-            late = rid in s.verify_ids.get(p, ()) and s.last_id != rid
-        if late:
-            raise self._mismatch(f"session {s.id!r}: this verify (request_id {rid!r:.80}) was sent before, and "
-                                 "the session has had requests or operations since; a late copy of it is not run",
-                                 s.positions[p])
+            refuse_late(s.rid_hi, counted, rid, s.id)
+        elif speculative and rid in s.verify_ids.get(p, ()) and s.last_id != rid:
+            raise LateRequest(f"session {s.id!r}: this verify (request_id {rid!r:.80}) was sent before, and the "
+                              "session has had requests or operations since; a late copy of it is not run")
 
     @staticmethod
     def _note_id_locked(s: Session, rid: str, counted, speculative: bool, p: int) -> None:
         """A request carrying ``rid`` (``counted``: its :func:`rid_counter`) was queued on ``s`` (layer ``p``;
-        its caller set ``s.last_id``): keep what :meth:`_check_fresh_verify_locked` reads."""
+        its caller set ``s.last_id``): keep what :meth:`_check_not_late_locked` reads."""
         if counted is not None:
-            prefix, n = counted
-            hi = s.rid_hi
-            if n > hi.get(prefix, -1):
-                if prefix not in hi and len(hi) >= RID_PREFIXES_KEPT:
-                    del hi[next(iter(hi))]                   # the oldest client's
-                hi[prefix] = n
+            note_counted(s.rid_hi, counted)
         elif speculative:
             ids = s.verify_ids.setdefault(p, {})
             ids.pop(rid, None)

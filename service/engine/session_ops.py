@@ -29,7 +29,8 @@ from convserve.state_pool import PoolExhausted as PoolFull
 
 from ..sessions import Session, SessionTable
 from .outputs import deliver
-from .positions import OP
+from ..claims import op_request_id
+from .positions import OP, note_counted, refuse_late, refuse_late_all
 from .records import Op
 from .validate import check_state
 
@@ -47,15 +48,18 @@ def fail_op(op: Op, e: BaseException) -> None:
 class SessionOps:
     """The session operations of :class:`Engine` (see the module docstring)."""
 
-    def create_session(self, session_id: Optional[str] = None) -> str:
+    def create_session(self, session_id: Optional[str] = None, request_id: Optional[str] = None) -> str:
         """Create a session with a zero state; return its id (``uuid4().hex`` when None). A create of an id whose
         session has a delete queued (not yet run) is queued behind that delete, as an operation of that id, and
         waits for it: it creates the session anew once the delete ran (:class:`SessionExists` then if the delete
         failed or was withdrawn). Otherwise it runs at once: an id that exists is :class:`SessionExists`.
-        Raises :class:`SessionExists`, :class:`PoolExhausted`, :class:`BadRequest` (bad id)."""
-        return self._wait_op(self._post_create_session(session_id))
+        ``request_id`` (``PREFIX:N``, as every session operation takes it): a create whose N is below a later call
+        of that client on the id (a delete of the session it would bring back) is :class:`LateRequest`.
+        Raises :class:`SessionExists`, :class:`PoolExhausted`, :class:`LateRequest`, :class:`BadRequest`."""
+        return self._wait_op(self._post_create_session(session_id, request_id))
 
-    def _post_create_session(self, session_id: Optional[str] = None) -> Op:
+    def _post_create_session(self, session_id: Optional[str] = None, request_id: Optional[str] = None) -> Op:
+        counted = op_request_id(request_id)
         if session_id is not None:
             SessionTable.check_id(session_id)
         with self._lock:
@@ -63,30 +67,52 @@ class SessionOps:
             s = self._sessions.find(session_id) if session_id is not None else None
             if s is not None and any(op.deletes and not op.cancelled for op in s.ops):
                 # behind the delete (and whatever else is queued on the id): it runs with that session gone
-                return self._queue_op_locked(s, lambda _s: self._op_create(session_id), recreates=True)
+                self._order_locked(s, counted, request_id)
+                return self._queue_op_locked(s, lambda _s: self._op_create(session_id, counted, request_id),
+                                             recreates=True)
             op = Op(None, None, Future(), -1, label=session_id or "")
-            op.future.set_result(self._create_locked(session_id))
+            op.future.set_result(self._create_locked(session_id, counted, request_id))
             return op
 
-    def create_session_now(self, session_id: Optional[str] = None) -> str:
+    def create_session_now(self, session_id: Optional[str] = None, request_id: Optional[str] = None) -> str:
         """:meth:`create_session` at once, never queued: an id that exists is :class:`SessionExists` even with a
         delete of it queued (for a caller that must not wait: the engine process's worker thread)."""
+        counted = op_request_id(request_id)
         if session_id is not None:
             SessionTable.check_id(session_id)
         with self._lock:
             self._check_running_locked()
-            return self._create_locked(session_id)
+            return self._create_locked(session_id, counted, request_id)
 
-    def _op_create(self, sid: str) -> str:
+    def _op_create(self, sid: str, counted, rid) -> str:
         with self._lock:
-            return self._create_locked(sid)
+            return self._create_locked(sid, counted, rid)
 
-    def _create_locked(self, session_id: Optional[str]) -> str:
+    def _create_locked(self, session_id: Optional[str], counted=None, rid=None) -> str:
         sid = session_id if session_id is not None else SessionTable.new_id()
         self._sessions.check_free(sid)
+        hi = self._new_counters_locked(sid, counted, rid)
         slot = self._alloc_locked()
-        self._sessions.add(Session(sid, slot, positions=[0] * self.model_cpu.n_layers, last_used=time.monotonic()))
+        self._sessions.add(Session(sid, slot, positions=[0] * self.model_cpu.n_layers, last_used=time.monotonic(),
+                                   rid_hi=hi))
         return sid
+
+    def _new_counters_locked(self, sid: str, counted, rid) -> dict:
+        """The request counters of a session about to be made under ``sid`` by a call carrying ``rid``
+        (``counted``: its counter, or None): the last removed session's of that id, and the call's own;
+        :class:`LateRequest` when the call is below them (a create or fork sent before that removal)."""
+        hi = self._sessions.counters_of(sid)
+        if counted is not None:
+            refuse_late(hi, counted, rid, sid)
+            note_counted(hi, counted)
+        return hi
+
+    def _order_locked(self, s: Session, counted, rid) -> None:
+        """A session operation carrying ``rid`` (``counted``: its counter, or None) on ``s``:
+        :class:`LateRequest` when below a later call of its client on ``s``, else noted as its client's latest."""
+        if counted is not None:
+            refuse_late(s.rid_hi, counted, rid, s.id)
+            note_counted(s.rid_hi, counted)
 
     def _alloc_locked(self, fork_of: Optional[int] = None) -> int:
         """A free slot (a copy of slot ``fork_of``'s state when given), or :class:`PoolExhausted`."""
@@ -96,14 +122,15 @@ class SessionOps:
             raise PoolExhausted(f"all {e.capacity} session slots are in use; delete idle sessions or retry later",
                                 retry_after=1.0) from None
 
-    def delete_session(self, session_id: str) -> None:
+    def delete_session(self, session_id: str, request_id: Optional[str] = None) -> None:
         """Delete a session and free its slot, after the requests submitted to it so far have run (to withdraw
         those, cancel them first); requests submitted after the delete fail with :class:`UnknownSession`.
-        Raises :class:`UnknownSession` (never existed or deleted) or :class:`StateLost` (evicted)."""
-        self._wait_op(self._post_delete_session(session_id))
+        Raises :class:`UnknownSession` (never existed or deleted), :class:`StateLost` (evicted) or
+        :class:`LateRequest` (``request_id`` below a later call of its client on the session)."""
+        self._wait_op(self._post_delete_session(session_id, request_id))
 
-    def _post_delete_session(self, session_id: str) -> Op:
-        return self._post_op(session_id, self._op_delete, deletes=True)
+    def _post_delete_session(self, session_id: str, request_id: Optional[str] = None) -> Op:
+        return self._post_op(session_id, self._op_delete, deletes=True, rid=request_id)
 
     def _op_delete(self, s: Session) -> None:
         with self._lock:
@@ -123,23 +150,28 @@ class SessionOps:
         self._forget_locked(s)
         return failed
 
-    def fork_session(self, src_id: str, new_id: Optional[str] = None) -> str:
+    def fork_session(self, src_id: str, new_id: Optional[str] = None, request_id: Optional[str] = None) -> str:
         """A new session holding a copy of ``src_id``'s state (and its pending verify, if any), after the
-        requests submitted to ``src_id`` so far. Raises :class:`UnknownSession`, :class:`StateLost`,
-        :class:`SessionExists`, :class:`PoolExhausted`."""
-        return self._wait_op(self._post_fork_session(src_id, new_id))
+        requests submitted to ``src_id`` so far. ``request_id`` orders it as :meth:`create_session`'s does, on
+        the new id. Raises :class:`UnknownSession`, :class:`StateLost`, :class:`SessionExists`,
+        :class:`PoolExhausted`, :class:`LateRequest`."""
+        return self._wait_op(self._post_fork_session(src_id, new_id, request_id))
 
-    def _post_fork_session(self, src_id: str, new_id: Optional[str] = None) -> Op:
+    def _post_fork_session(self, src_id: str, new_id: Optional[str] = None, request_id: Optional[str] = None) -> Op:
+        counted = op_request_id(request_id)
         if new_id is not None:
             SessionTable.check_id(new_id)
             with self._lock:
                 self._sessions.check_free(new_id)
-        return self._post_op(src_id, lambda s: self._op_fork(s, new_id))
+                if counted is not None:
+                    refuse_late(self._sessions.counters_of(new_id), counted, request_id, new_id)
+        return self._post_op(src_id, lambda s: self._op_fork(s, new_id, counted, request_id))
 
-    def _op_fork(self, s: Session, new_id: Optional[str]) -> str:
+    def _op_fork(self, s: Session, new_id: Optional[str], counted=None, rid=None) -> str:
         with self._lock:
             nid = new_id if new_id is not None else SessionTable.new_id()
             self._sessions.check_free(nid)
+            hi = self._new_counters_locked(nid, counted, rid)
             slot = self._alloc_locked(fork_of=s.slot)
             if s.spec_x:                  # its pending verify's x, for the fork's accept
                 spec = self._runner.bufs.d_spec
@@ -148,7 +180,7 @@ class SessionOps:
             positions = [q - h for q, h in zip(s.positions, self._held_tokens_locked(s))]
             self._sessions.add(Session(nid, slot, initialized=s.initialized, positions=positions,
                                        pending=self._pending_at_turn_locked(s), spec_x=dict(s.spec_x),
-                                       last_used=time.monotonic()))
+                                       last_used=time.monotonic(), rid_hi=hi))
         return nid
 
     def export_state(self, session_id: str) -> torch.Tensor:
@@ -180,23 +212,31 @@ class SessionOps:
 
         return self._post_op(session_id, op)
 
-    def import_state(self, session_id: str, state: torch.Tensor, positions=None, pending=None, spec=None) -> None:
+    def import_state(self, session_id: str, state: torch.Tensor, positions=None, pending=None, spec=None,
+                     request_id: Optional[str] = None) -> None:
         """Replace the session's state (every layer) and discard a pending verify. ``state`` is
         ``(n_conv_layers, dim, width - 1)`` in the state dtype. Raises :class:`ShapeMismatch`,
         :class:`DtypeUnsupported`, :class:`NonFinite`, :class:`BadRequest`; a rejected state changes nothing.
         Every layer's position becomes 0, or ``positions`` (one per layer: a session moved between engines).
         ``pending`` and ``spec`` (a moved session's verifies, as :meth:`_post_export_for_move` gives them): the
-        session then holds those verifies pending, to be accepted as on the engine it came from."""
-        self._wait_op(self._post_import_state(session_id, state, positions, pending, spec))
+        session then holds those verifies pending, to be accepted as on the engine it came from. ``request_id``:
+        :class:`LateRequest` when below a later call of its client on the session (an import's late copy would
+        undo the convs after it)."""
+        self._wait_op(self._post_import_state(session_id, state, positions, pending, spec, request_id))
 
     def _post_import_state(self, session_id: str, state: torch.Tensor, positions=None, pending=None,
-                           spec=None) -> Op:
+                           spec=None, request_id: Optional[str] = None) -> Op:
+        counted = op_request_id(request_id)
         state = check_state(self.model_cpu, self.state_dtype, state)
         n_layers = self.model_cpu.n_layers
         if positions is not None and (len(positions) != n_layers or
                                       not all(type(q) is int and q >= 0 for q in positions)):
             raise BadRequest(f"positions: expected {n_layers} integers >= 0, got {positions!r:.80}")
         pending = self._moved_verifies(pending or [], spec)
+        if counted is not None:            # a late copy is refused before the journal notes an import
+            with self._lock:
+                s = self._sessions.get(session_id)
+                refuse_late(s.rid_hi, counted, request_id, s.id)
         if self.on_import is not None:   # before it can apply: a crash then cannot restore an older state silently
             self.on_import(session_id)
 
@@ -220,7 +260,7 @@ class SessionOps:
                     else:
                         s.pending[p] = (t, seq)
 
-        return self._post_op(session_id, op, kind="move" if pending else "import")
+        return self._post_op(session_id, op, kind="move" if pending else "import", rid=request_id)
 
     def _moved_verifies(self, pending: list, spec) -> list:
         """``pending`` checked against ``spec`` (see :meth:`import_state`), as ``[(layer index, tokens), ...]``;
@@ -263,7 +303,10 @@ class SessionOps:
     SUBMITTABLE_OPS = ("create_session", "delete_session", "fork_session", "export_state", "import_state", "accept",
                        "accept_batch", "export_for_move", "session_info")
 
-    def submit_op(self, name: str, *args) -> Future:
+    #: the operations that take a ``request_id`` (keyword), which orders them among their client's calls
+    ORDERED_OPS = ("create_session", "delete_session", "fork_session", "import_state", "accept", "accept_batch")
+
+    def submit_op(self, name: str, *args, request_id: Optional[str] = None) -> Future:
         """Queue the session operation ``name`` (one of :attr:`SUBMITTABLE_OPS`, arguments as its method's)
         without waiting for it, for a caller that forwards answers (the engine process). Validation errors are
         raised here, as the method raises them; the result or error comes on the returned future, set on the
@@ -273,20 +316,27 @@ class SessionOps:
         submitted after it. ``future.cancel()`` withdraws it if it has not started (once started it runs to its
         end and the cancel returns False). One not started within ``request_timeout_s`` fails with
         :class:`RequestTimeout` and never runs; ``export_for_move`` is ``(export_state, its positions, its pending
-        verifies, their x)`` (see :meth:`_post_export_for_move`)."""
+        verifies, their x)`` (see :meth:`_post_export_for_move`). ``request_id``: for :attr:`ORDERED_OPS`."""
         if name not in self.SUBMITTABLE_OPS:
             raise BadRequest(f"unknown session operation {name!r}")
-        return getattr(self, "_post_" + name)(*args).future
+        if request_id is None:
+            return getattr(self, "_post_" + name)(*args).future
+        if name not in self.ORDERED_OPS:
+            raise BadRequest(f"the session operation {name!r} takes no request_id")
+        return getattr(self, "_post_" + name)(*args, request_id=request_id).future
 
     def _post_op(self, session_id: str, fn: Callable[[Session], Any], deletes: bool = False,
-                 now: Optional[Callable[[Session], Any]] = None, kind: str = "") -> Op:
+                 now: Optional[Callable[[Session], Any]] = None, kind: str = "", rid: Optional[str] = None) -> Op:
         """Queue ``fn(session)`` for the worker, behind the session's requests submitted so far (its barrier)
         and its earlier ops (each session's ops are a FIFO). With ``now`` (``fn``'s work, to be called under the
         engine lock) the op runs at once instead, on this thread, when its turn is now
-        (:meth:`_runs_now_locked`); the op returned is then done."""
+        (:meth:`_runs_now_locked`); the op returned is then done. ``rid``: its ``request_id`` (see
+        :meth:`_order_locked`)."""
+        counted = op_request_id(rid)
         with self._lock:
             self._check_running_locked()
             s = self._sessions.get(session_id)
+            self._order_locked(s, counted, rid)
             if now is not None and self._runs_now_locked((s,)):
                 return self._run_now_locked((s,), s.id, lambda: now(s))
             return self._queue_op_locked(s, fn, deletes=deletes, kind=kind)
@@ -310,14 +360,18 @@ class SessionOps:
         return op
 
     def _post_op_many(self, session_ids, check: Callable[[list], None], fn: Callable[[list], Any],
-                      now: Optional[Callable[[list], Any]] = None, kind: str = "") -> Op:
+                      now: Optional[Callable[[list], Any]] = None, kind: str = "", rid: Optional[str] = None) -> Op:
         """One op on several sessions: ``check(sessions)`` under the lock first (it raises to refuse, nothing
         queued), then queued in each session's FIFO of ops at once; or, with ``now``, run at once as
         :meth:`_post_op` runs it."""
+        counted = op_request_id(rid)
         with self._lock:
             self._check_running_locked()
             ss = self._sessions.get_many(session_ids)
+            refuse_late_all(ss, rid)            # (every session before any is noted)
             check(ss)
+            for s in ss:
+                self._order_locked(s, counted, rid)
             if now is not None and self._runs_now_locked(ss):
                 return self._run_now_locked(ss, ", ".join(session_ids), lambda: now(ss))
             op = Op(ss[0], lambda: fn(ss), Future(), self._last_seq, sessions=tuple(ss), kind=kind,

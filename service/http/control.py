@@ -128,8 +128,10 @@ def add_control_routes(app: FastAPI, svc: Service) -> None:
     @app.post("/v1/sessions", status_code=201)
     async def create_session(request: Request):
         svc.require_ready()
-        sid = merge_session(request.scope, parser.new_session_id(await read(request)))  # X-Session-Id
-        return reply(request, {"session": await asyncio.to_thread(engine.create_session, sid)}, 201)
+        body = await read(request)
+        sid = merge_session(request.scope, parser.new_session_id(body))  # X-Session-Id
+        rid = parser.op_request_id(body)
+        return reply(request, {"session": await asyncio.to_thread(engine.create_session, sid, rid)}, 201)
 
     @app.get("/v1/sessions")
     async def list_sessions(request: Request):
@@ -149,16 +151,18 @@ def add_control_routes(app: FastAPI, svc: Service) -> None:
     async def delete_session(session: str, request: Request):
         path_session(session)
         await no_body(request)
+        rid = parser.delete_query(request.query_params)
         svc.require_ready()
-        await asyncio.to_thread(engine.delete_session, session)
+        await asyncio.to_thread(engine.delete_session, session, rid)
         return Response(status_code=204)
 
     @app.post("/v1/sessions/{session}/fork", status_code=201)
     async def fork_session(session: str, request: Request):
         path_session(session)
         svc.require_ready()
-        new_id = parser.new_session_id(await read(request))
-        return reply(request, {"session": await asyncio.to_thread(engine.fork_session, session, new_id)}, 201)
+        body = await read(request)
+        new_id, rid = parser.new_session_id(body), parser.op_request_id(body)
+        return reply(request, {"session": await asyncio.to_thread(engine.fork_session, session, new_id, rid)}, 201)
 
     @app.get("/v1/sessions/{session}/state")
     async def export_state(session: str, request: Request):
@@ -175,22 +179,26 @@ def add_control_routes(app: FastAPI, svc: Service) -> None:
     async def import_state(session: str, request: Request):
         path_session(session)
         svc.require_ready()
-        state = parser.state(await read(request))
-        await asyncio.to_thread(engine.import_state, session, state)  # NaN/Inf -> non_finite (engine)
+        body = await read(request)
+        state, rid = parser.state(body), parser.op_request_id(body)
+        # (keyword: the in-process engine's import_state takes a moved session's positions before it)
+        await asyncio.to_thread(engine.import_state, session, state, request_id=rid)  # NaN/Inf: non_finite
         return Response(status_code=204)
 
     @app.post("/v1/accept", status_code=204)
     async def accept_batch(request: Request):
         svc.require_ready()
-        sessions, tokens = parser.accept_batch(await read(request))
+        body = await read(request)
+        sessions, tokens = parser.accept_batch(body)
         check_batch_sessions(request.scope, sessions)
-        await asyncio.to_thread(engine.accept_batch, sessions, tokens)
+        await asyncio.to_thread(engine.accept_batch, sessions, tokens, parser.op_request_id(body))
         return Response(status_code=204)
 
     @app.post("/v1/sessions/{session}/accept", status_code=204)
     async def accept(session: str, request: Request):
         path_session(session)
         svc.require_ready()
-        n = parser.accept_tokens(await read(request))
-        await asyncio.to_thread(engine.accept, session, n)
+        body = await read(request)
+        n = parser.accept_tokens(body)
+        await asyncio.to_thread(engine.accept, session, n, parser.op_request_id(body))
         return Response(status_code=204)

@@ -14,7 +14,7 @@ from convserve.clients.protocol.errors import (BadRequest, BodyTimeout, DtypeUns
                                               ShapeMismatch, UnknownLayer)
 from convserve.clients.protocol.ids import MAX_SESSION_ID_LEN, check_session_id, is_session_id
 from convserve.service.http.asgi import ClientGone, header
-from convserve.service.claims import with_request_id
+from convserve.service.claims import op_request_id, with_request_id
 
 
 def body_format(scope, route: Optional[str] = None) -> str:
@@ -154,22 +154,24 @@ def check_json_size(n: int, max_json_bytes: Optional[int]) -> None:
 #: The fields each body may hold; any other field is a 400 that names it and lists these.
 CONV_FIELDS = ("session", "layer", "x", "speculative", "position", "request_id")
 BATCH_FIELDS = ("sessions", "layer", "x", "tokens", "speculative", "position", "request_id")
-ACCEPT_BATCH_FIELDS = ("sessions", "tokens")
-SESSION_FIELDS = ("session",)
-STATE_FIELDS = ("layers", "state")
-ACCEPT_FIELDS = ("tokens",)
+ACCEPT_BATCH_FIELDS = ("sessions", "tokens", "request_id")
+SESSION_FIELDS = ("session", "request_id")
+STATE_FIELDS = ("layers", "state", "request_id")
+ACCEPT_FIELDS = ("tokens", "request_id")
 INT64_MAX = (1 << 63) - 1       # what an engine message carries (msgpack); a count or position is far below it
 LIST_QUERY = ("cursor", "limit")
+DELETE_QUERY = ("request_id",)
 
 
 def check_query(scope) -> None:
     """400 for a query parameter on a /v1 route that takes none (``GET /v1/sessions`` takes ``LIST_QUERY``, which
-    ``list_query`` checks), the WebSocket's handshake included: a misspelled parameter is never silently
-    ignored."""
+    ``list_query`` checks, and ``DELETE /v1/sessions/{id}`` ``DELETE_QUERY``, which ``delete_query`` checks), the
+    WebSocket's handshake included: a misspelled parameter is never silently ignored."""
     qs = scope.get("query_string")
     path = scope["path"]
     method = scope.get("method")             # None: a WebSocket handshake
-    if not qs or not path.startswith("/v1/") or (path == "/v1/sessions" and method == "GET"):
+    if not qs or not path.startswith("/v1/") or (path == "/v1/sessions" and method == "GET") or \
+            (method == "DELETE" and path.startswith("/v1/sessions/") and path.count("/") == 3):
         return
     name = qs.split(b"&", 1)[0].split(b"=", 1)[0].decode("latin-1")
     where = (f"{method} {path} takes none (its fields go in the body)" if method in ("POST", "PUT") else
@@ -351,6 +353,28 @@ class Parser:
             raise DtypeUnsupported(f"'state.dtype' is {st['dtype']}; this server keeps its state in "
                                    f"{self.state_dtype} (see /v1/model state_dtype): send the state as exported")
         return wire.decode_tensor(st, check_shape=self.state_check, name="state")  # NaN/Inf: the engine
+
+    @staticmethod
+    def op_request_id(body: Any) -> Optional[str]:
+        """The ``request_id`` of a session operation's body (a map, checked before), or None; it must be
+        ``PREFIX:N`` (:func:`~convserve.service.claims.op_request_id`)."""
+        rid = body.get("request_id") if type(body) is dict else None
+        op_request_id(rid)
+        return rid
+
+    @staticmethod
+    def delete_query(query) -> Optional[str]:
+        """The ``request_id`` of ``DELETE /v1/sessions/{id}?request_id=PREFIX:N`` (a DELETE has no body), or
+        None; any other query parameter, or this one twice, is a 400."""
+        for k, _ in query.multi_items():
+            if k not in DELETE_QUERY:
+                raise BadRequest(f"unknown query parameter {k!r:.60}; the allowed one is request_id")
+        got = query.getlist("request_id")
+        if len(got) > 1:
+            raise BadRequest("query parameter 'request_id' is given more than once; give it once")
+        rid = got[0] if got else None
+        op_request_id(rid)
+        return rid
 
     @staticmethod
     def list_query(query, most: int) -> tuple:
