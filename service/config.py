@@ -20,10 +20,11 @@ from typing import Annotated, Literal, Optional, Union
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
-from convserve.clients.protocol.wire import BATCH_FIXED_OBJECTS, BATCH_SESSION_OBJECTS, MAX_OBJECTS
+from convserve.clients.protocol.wire import MAX_OBJECTS
 
 from .cores import usable_cores as _usable_cores
 from .engine.config import DEFAULTS as _ENGINE  # the engine's defaults (EngineConfig), without torch
+from .config_checks import check_across
 from .config_values import check_key, default_replica_name, int_list
 from .env_names import is_service_link, unknown_variables
 
@@ -409,38 +410,7 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _cross(self):
-        if self.engine_reply_timeout_s is not None and self.engine_reply_timeout_s <= self.request_timeout_s:
-            raise ValueError(f"engine_reply_timeout_s ({self.engine_reply_timeout_s}) must exceed request_timeout_s "
-                             f"({self.request_timeout_s}): a request may wait that long in the engine's queue before "
-                             "it starts, and would then be answered as possibly applied")
-        if self.snapshot_interval_s is not None and self.state_dir is None:
-            raise ValueError("snapshot_interval_s is set but state_dir is not: snapshots are written only into "
-                             "state_dir; set --state-dir (or drop --snapshot-interval-s)")
-        given = self.model_fields_set
-        if self.max_batch_tokens < self.max_tokens_per_request and "max_tokens_per_request" not in given:
-            self.max_tokens_per_request = self.max_batch_tokens      # its default: at most what a step takes
-        if self.max_batch_tokens < self.max_tokens_per_request:
-            raise ValueError(f"max_tokens_per_request ({self.max_tokens_per_request}) exceeds max_batch_tokens "
-                             f"({self.max_batch_tokens}): such a request could never be scheduled; raise "
-                             "max_batch_tokens or lower max_tokens_per_request")
-        need = BATCH_FIXED_OBJECTS + BATCH_SESSION_OBJECTS * self.max_batch_size
-        if self.max_body_objects < need:
-            raise ValueError(f"max_body_objects ({self.max_body_objects}) cannot hold a batch of max_batch_size "
-                             f"({self.max_batch_size}) sessions ({BATCH_SESSION_OBJECTS} objects a session in its "
-                             f"sessions, tokens, speculative and position lists, and up to {BATCH_FIXED_OBJECTS} "
-                             f"more): raise max_body_objects to {need} or more, or lower max_batch_size")
-        # a limit given above the one that bounds it would read as taking effect and never could
-        if "max_spec_tokens" in given and self.max_spec_tokens > self.max_tokens_per_request:
-            raise ValueError(f"max_spec_tokens ({self.max_spec_tokens}) exceeds max_tokens_per_request "
-                             f"({self.max_tokens_per_request}): no verify that long can be sent; lower it")
-        if "max_json_body_bytes" in given and self.max_json_body_bytes > self.max_body_bytes:
-            raise ValueError(f"max_json_body_bytes ({self.max_json_body_bytes}) exceeds max_body_bytes "
-                             f"({self.max_body_bytes}), which bounds every body: lower it, or raise max_body_bytes")
-        b = self.max_prefill_tokens_per_step
-        if "max_prefill_tokens_per_step" in given and isinstance(b, int) and b > self.max_batch_tokens:
-            raise ValueError(f"max_prefill_tokens_per_step ({b}) exceeds max_batch_tokens ({self.max_batch_tokens}), "
-                             "the tokens of one step: lower it, or raise max_batch_tokens")
-        return self
+        return check_across(self)
 
     # --- derived
 

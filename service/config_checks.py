@@ -1,0 +1,44 @@
+"""The checks of :class:`.config.Settings` across settings, run once every setting has its own value: a limit
+given above the one that bounds it, two settings that contradict each other, and the defaults that follow another
+setting (each left unset takes the value the other allows)."""
+
+from __future__ import annotations
+
+from convserve.clients.protocol.wire import BATCH_FIXED_OBJECTS, BATCH_SESSION_OBJECTS
+
+
+def check_across(s):
+    """Check (and, for those left at their defaults, fit) the settings of ``s`` against each other; raise
+    ValueError naming the settings and the fix."""
+    if s.engine_reply_timeout_s is not None and s.engine_reply_timeout_s <= s.request_timeout_s:
+        raise ValueError(f"engine_reply_timeout_s ({s.engine_reply_timeout_s}) must exceed request_timeout_s "
+                         f"({s.request_timeout_s}): a request may wait that long in the engine's queue before "
+                         "it starts, and would then be answered as possibly applied")
+    if s.snapshot_interval_s is not None and s.state_dir is None:
+        raise ValueError("snapshot_interval_s is set but state_dir is not: snapshots are written only into "
+                         "state_dir; set --state-dir (or drop --snapshot-interval-s)")
+    given = s.model_fields_set
+    if s.max_batch_tokens < s.max_tokens_per_request and "max_tokens_per_request" not in given:
+        s.max_tokens_per_request = s.max_batch_tokens      # its default: at most what a step takes
+    if s.max_batch_tokens < s.max_tokens_per_request:
+        raise ValueError(f"max_tokens_per_request ({s.max_tokens_per_request}) exceeds max_batch_tokens "
+                         f"({s.max_batch_tokens}): such a request could never be scheduled; raise "
+                         "max_batch_tokens or lower max_tokens_per_request")
+    need = BATCH_FIXED_OBJECTS + BATCH_SESSION_OBJECTS * s.max_batch_size
+    if s.max_body_objects < need:
+        raise ValueError(f"max_body_objects ({s.max_body_objects}) cannot hold a batch of max_batch_size "
+                         f"({s.max_batch_size}) sessions ({BATCH_SESSION_OBJECTS} objects a session in its "
+                         f"sessions, tokens, speculative and position lists, and up to {BATCH_FIXED_OBJECTS} "
+                         f"more): raise max_body_objects to {need} or more, or lower max_batch_size")
+    # a limit given above the one that bounds it would read as taking effect and never could
+    if "max_spec_tokens" in given and s.max_spec_tokens > s.max_tokens_per_request:
+        raise ValueError(f"max_spec_tokens ({s.max_spec_tokens}) exceeds max_tokens_per_request "
+                         f"({s.max_tokens_per_request}): no verify that long can be sent; lower it")
+    if "max_json_body_bytes" in given and s.max_json_body_bytes > s.max_body_bytes:
+        raise ValueError(f"max_json_body_bytes ({s.max_json_body_bytes}) exceeds max_body_bytes "
+                         f"({s.max_body_bytes}), which bounds every body: lower it, or raise max_body_bytes")
+    b = s.max_prefill_tokens_per_step
+    if "max_prefill_tokens_per_step" in given and isinstance(b, int) and b > s.max_batch_tokens:
+        raise ValueError(f"max_prefill_tokens_per_step ({b}) exceeds max_batch_tokens ({s.max_batch_tokens}), "
+                         "the tokens of one step: lower it, or raise max_batch_tokens")
+    return s
