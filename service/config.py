@@ -115,7 +115,9 @@ class Settings(BaseSettings):
         "in chunks over several steps, taking turns), so that decodes wait for short steps only; 'auto': "
         "2^18 / dim on the CPU, 2^22 / dim on CUDA (multiples of 16), at most max_batch_tokens")
     decode_buckets: Annotated[list[int], NoDecode] = Field(
-        list(_ENGINE.decode_buckets), description="decode batch sizes (CUDA graphs are captured for each)")
+        list(_ENGINE.decode_buckets), description="decode batch sizes (CUDA graphs are captured for each), at "
+        "most max_batch_size; unset: 1,2,4,...,256 below max_batch_size, and max_batch_size itself when that is "
+        "less than 256")
     max_queue: int = Field(_ENGINE.max_queue, ge=1, description="queued requests before 429 queue_full")
     session_ttl_s: float = Field(_ENGINE.session_ttl_s, gt=0,
                                  description="idle seconds before a session's state is evicted (410 state_lost)")
@@ -449,7 +451,8 @@ class Settings(BaseSettings):
 
     def max_decode_rows(self) -> int:
         """The one-token plain rows a batch with verify rows may carry: they run in the layer's decode launch, so
-        at most the largest decode bucket, and a batch holds at most max_batch_size sessions."""
+        at most the largest decode bucket, and a batch holds at most max_batch_size sessions (the checks keep the
+        largest bucket within it; a copy made without them may not)."""
         return min(max(self.decode_buckets), self.max_batch_size)
 
     def resolved_workers(self, n_engines: int) -> int:

@@ -41,4 +41,24 @@ def check_across(s):
     if "max_prefill_tokens_per_step" in given and isinstance(b, int) and b > s.max_batch_tokens:
         raise ValueError(f"max_prefill_tokens_per_step ({b}) exceeds max_batch_tokens ({s.max_batch_tokens}), "
                          "the tokens of one step: lower it, or raise max_batch_tokens")
+    _fit_decode_buckets(s, "decode_buckets" in given)
     return s
+
+
+def _fit_decode_buckets(s, given: bool) -> None:
+    """No step holds more than ``max_batch_size`` rows, so a decode bucket above it is never used, yet costs its
+    CUDA graphs (one per layer and bucket, per batch and verify slot) and buffers sized to the largest bucket.
+    Buckets given so are refused. The default buckets above it are dropped and ``max_batch_size`` becomes the
+    largest bucket: a step of that many decodes of one layer still runs in one decode launch, padded to no more
+    than it holds (the largest bucket bounds a layer's decode rows and a batch's one-token rows)."""
+    most = s.max_batch_size
+    if s.decode_buckets[-1] <= most:
+        return
+    fit = [b for b in s.decode_buckets if b < most] + [most]
+    if given:
+        over = [b for b in s.decode_buckets if b > most]
+        raise ValueError(f"decode_buckets {', '.join(map(str, over))} exceed max_batch_size ({most}), the rows of "
+                         "one step: no decode batch fills them, and their CUDA graphs would be captured for "
+                         f"nothing; drop them (decode_buckets {','.join(map(str, fit))}), or raise "
+                         f"max_batch_size to {over[-1]}")
+    s.decode_buckets = fit
