@@ -158,7 +158,7 @@ class Settings(BaseSettings):
                                         "its request runs itself, when the engine is idle and the step would "
                                         "start at once (a batch request, a steady lone caller): no hand-off to the "
                                         "engine thread and back; 0: every step on the engine thread; unset: 512 "
-                                        "on CUDA, 0 on the CPU")
+                                        "on CUDA, 0 on the CPU; at most max_batch_tokens")
     use_cuda_graphs: bool = Field(_ENGINE.use_cuda_graphs,
                                   description="replay decode steps from CUDA graphs (CUDA only)")
     multi_layer_decode: bool = Field(_ENGINE.multi_layer_decode,

@@ -41,6 +41,11 @@ def check_across(s):
     if "max_prefill_tokens_per_step" in given and isinstance(b, int) and b > s.max_batch_tokens:
         raise ValueError(f"max_prefill_tokens_per_step ({b}) exceeds max_batch_tokens ({s.max_batch_tokens}), "
                          "the tokens of one step: lower it, or raise max_batch_tokens")
+    c = s.caller_step_max_tokens       # (unset: 512 on CUDA, which a smaller step bounds as it is)
+    if "caller_step_max_tokens" in given and c is not None and c > s.max_batch_tokens:
+        raise ValueError(f"caller_step_max_tokens ({c}) exceeds max_batch_tokens ({s.max_batch_tokens}), the "
+                         "tokens of one step, so no step that large comes to a caller's thread: lower it, or raise "
+                         "max_batch_tokens")
     _fit_decode_buckets(s, "decode_buckets" in given)
     return s
 

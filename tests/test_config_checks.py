@@ -73,3 +73,32 @@ def test_serve_refuses_buckets_above_max_batch_size_with_exit_2_and_prints_the_f
     assert "decode_buckets 64 exceed max_batch_size (32)" in err and "decode_buckets 1,2,32" in err, err
     assert cli_main(["serve", "--print-config", "--max-batch-size", "48"]) == 0
     assert json.loads(capsys.readouterr().out)["decode_buckets"] == [1, 2, 4, 8, 16, 32, 48]
+
+
+# --- caller_step_max_tokens against max_batch_tokens
+
+@pytest.mark.parametrize("given", [{"caller_step_max_tokens": "1024", "max_batch_tokens": "512"},
+                                   {"caller_step_max_tokens": "9000"}],        # above the default max_batch_tokens
+                         ids=["both-given", "caller-steps-given"])
+def test_caller_step_max_tokens_above_max_batch_tokens_is_refused_naming_both_and_the_fix(given):
+    with pytest.raises(ConfigError) as e:
+        load_settings(given)
+    msg = str(e.value)
+    most = int(given.get("max_batch_tokens", DEFAULTS.max_batch_tokens))
+    assert f"caller_step_max_tokens ({given['caller_step_max_tokens']}) exceeds max_batch_tokens ({most})" in msg
+    assert "lower it, or raise max_batch_tokens" in msg
+
+
+def test_caller_step_max_tokens_within_max_batch_tokens_or_unset_is_accepted(monkeypatch):
+    assert load_settings({"caller_step_max_tokens": "512", "max_batch_tokens": "512"}).caller_step_max_tokens == 512
+    assert load_settings({"caller_step_max_tokens": "0", "max_batch_tokens": "1"}).caller_step_max_tokens == 0
+    # unset: the engine's default (512 on CUDA) is bounded by a smaller step as it stands, not refused
+    assert load_settings({"max_batch_tokens": "256"}).caller_step_max_tokens is None
+    monkeypatch.setenv("CONVSERVE_CALLER_STEP_MAX_TOKENS", "300")
+    with pytest.raises(ConfigError, match=r"caller_step_max_tokens \(300\) exceeds max_batch_tokens \(256\)"):
+        load_settings({"max_batch_tokens": "256"})
+
+
+def test_serve_refuses_caller_step_max_tokens_above_max_batch_tokens_with_exit_2(capsys):
+    assert cli_main(["serve", "--print-config", "--caller-step-max-tokens", "4096", "--max-batch-tokens", "2048"]) == 2
+    assert "caller_step_max_tokens (4096) exceeds max_batch_tokens (2048)" in capsys.readouterr().err
