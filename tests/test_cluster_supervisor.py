@@ -125,3 +125,115 @@ def test_an_engine_that_ended_before_the_stop_fails_it_and_is_marked_crashed_onl
     child = types.SimpleNamespace(proc=proc, restart_at=None, born=None, kind="engine", index=0)
     Supervisor._stop(fake, [child], 0.1)
     assert fake.failed and got == marked and child.proc is None
+
+
+def _exit_with(code: int) -> None:
+    import os
+    import signal
+
+    if code < 0:                                   # killed by that signal, as its default action does
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code)
+
+
+def _supervisor_whose_engine_exits(monkeypatch, code: int, reason=None):
+    """A supervisor of one cpu engine and no workers whose engine process exits with ``code`` at once (leaving
+    ``reason`` as its start error, as engine_proc.main does), before it ever comes up."""
+    import multiprocessing
+
+    from convserve.service.cluster import engine_proc
+
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "unused")        # run() sets it for its children: restored
+    sup = Supervisor(load_settings({"port": 0, "device": "cpu"}), ["cpu"], 1)
+
+    def spawn(c):
+        if reason is not None:
+            with open(engine_proc.start_error_path(sup.run_dir, c.index), "w") as f:
+                f.write(reason)
+        c.proc = multiprocessing.get_context("fork").Process(target=_exit_with, args=(code,), name="engine-0")
+        c.proc.start()
+        c.proc.join()                     # its exit is there to be seen from here on
+
+    monkeypatch.setattr(sup, "_spawn_engine", spawn)
+    monkeypatch.setattr(sup, "_spawn_worker", lambda c: None)
+    return sup
+
+
+@pytest.mark.parametrize("reason, why", [("999 slots need 9 TiB; lower --slots", "999 slots need 9 TiB; lower --slots"),
+                                         (None, "it exited before it came up")], ids=["its-reason", "no-reason"])
+def test_a_sigterm_in_the_turn_an_engine_fails_its_start_still_exits_2_with_the_reason(monkeypatch, reason, why):
+    """The loop's wait returns for the engine's exit, and the SIGTERM's handler runs before the loop looks at the
+    exits: the stop that follows still reads the engine's EXIT_BUILD as its failed start (2), not as a child that
+    failed to stop (1)."""
+    from convserve.service.cluster import supervisor
+
+    sup = _supervisor_whose_engine_exits(monkeypatch, 3, reason)
+    monkeypatch.setattr(sup, "_wait_built", lambda: True)
+
+    def wait(sentinels, timeout=None):            # the exit and a SIGTERM in one turn
+        sup._on_signal(signal.SIGTERM, None)
+        return sentinels
+
+    monkeypatch.setattr(supervisor, "wait", wait)
+    assert sup.run() == 2
+    assert sup.start_error == f"engine 0 (cpu) cannot start: {why}" + ("; see the log above" if reason is None else "")
+    assert not sup.failed                          # its exit is its start's failure, not a stop's
+    assert not os.path.exists(sup.run_dir)
+
+
+def test_a_sigterm_while_the_engines_build_still_exits_2_when_one_failed_its_start(monkeypatch):
+    sup = _supervisor_whose_engine_exits(monkeypatch, 3, "cannot allocate the pool")
+    spawn = sup._spawn_engine
+
+    def spawn_then_sigterm(c):                    # the exit, then the SIGTERM before the build's wait looks
+        spawn(c)
+        sup._on_signal(signal.SIGTERM, None)
+
+    monkeypatch.setattr(sup, "_spawn_engine", spawn_then_sigterm)
+    assert sup.run() == 2 and sup.start_error == "engine 0 (cpu) cannot start: cannot allocate the pool"
+
+
+def test_a_sigterm_to_the_whole_group_while_the_engines_build_is_a_clean_stop(monkeypatch):
+    """An engine that the group's SIGTERM ends while it builds exits -15: a stop, not a failed start."""
+    sup = _supervisor_whose_engine_exits(monkeypatch, -signal.SIGTERM)
+    spawn = sup._spawn_engine
+
+    def spawn_then_sigterm(c):
+        spawn(c)
+        sup._on_signal(signal.SIGTERM, None)
+
+    monkeypatch.setattr(sup, "_spawn_engine", spawn_then_sigterm)
+    assert sup.run() == 0 and sup.start_error is None and not sup.failed
+
+
+class _ExitNotYetReported:
+    """An engine process that has exited with EXIT_BUILD but whose fork server reports it only once joined."""
+
+    def __init__(self):
+        self.pid, self.name, self._code = 10**7, "engine-0", None
+
+    @property
+    def exitcode(self):
+        return self._code
+
+    def is_alive(self) -> bool:
+        return self._code is None
+
+    def join(self, timeout=None) -> None:
+        self._code = 3
+
+
+def test_an_engine_start_failure_reported_only_during_the_stop_is_still_the_start_failure(monkeypatch):
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "unused")
+    sup = Supervisor(load_settings({"port": 0, "device": "cpu"}), ["cpu"], 1)
+    try:
+        sup.engines[0].proc = _ExitNotYetReported()
+        sup.stopping = True
+        sup._stop_all()
+        assert sup.start_error == "engine 0 (cpu) cannot start: it exited before it came up; see the log above"
+    finally:
+        import shutil
+
+        shutil.rmtree(sup.run_dir, ignore_errors=True)
+        os.close(sup._run_lock)

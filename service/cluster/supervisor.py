@@ -6,14 +6,14 @@ the fork server, :mod:`.fork_server`); once each has built its model (so that a 
 at once with its message) the supervisor listens on the port and starts the workers, which answer ``/readyz`` with
 503 until an engine is warm. The supervisor does no request work.
 
-Failure: an engine whose first process exits before it comes up (its pool or warm-up failed) ends the start (exit
-2, its reason). Any other child that dies is logged and started again (after a back-off that grows while it keeps
-dying). An
-engine's death is written to the status table at once, so workers fail its in-flight requests and route around it;
-its next process starts without its sessions (they answer 410). A worker's death drops the connections it held;
-its arena file is removed and the new worker gets a new one. Children that outlive their fork server are killed.
-Where this process is PID 1 (a container's entry point without an init), every process orphaned below it becomes
-its child, and it collects their exit status (:func:`_collect_adopted`).
+Failure: an engine whose first process exits before it comes up (its pool or warm-up failed) ends the start (exit 2,
+its reason), a SIGTERM that comes with that exit included. Any other child that dies is logged and started again
+(after a back-off that grows while it keeps dying). An engine's death is written to the status table at once, so
+workers fail its in-flight requests and route around it; its next process starts without its sessions (they answer
+410). A worker's death drops the connections it held; its arena file is removed and the new worker gets a new one.
+Children that outlive their fork server are killed. Where this process is PID 1 (a container's entry point without
+an init), every process orphaned below it becomes its child, and it collects their exit status
+(:func:`_collect_adopted`).
 
 Shutdown (SIGTERM, SIGINT): the workers drain (as a single process does: ``/readyz`` 503, in-flight requests
 finish, up to ``shutdown_timeout_s``), then the engines stop, then the run directory is removed. Every child also
@@ -63,6 +63,7 @@ class _Child:
         self.started_at = 0.0
         self.born = None         # the process's start time (lifeline.started): tells it from a later one
         self.was_up = False      # an engine: one of its processes came up (warm, serving) in this server's life
+        self.start_heard = False  # an engine: its exit during start-up was logged and its reason read
 
 
 def run_dir_root() -> Optional[str]:
@@ -171,7 +172,8 @@ class Supervisor:
                 self._spawn_engine(c)
             if not self._wait_built():
                 self._stop_all()
-                if self.stopping:               # a SIGTERM during the build: a stop, not a failed start
+                if self.stopping and self.start_error is None:   # a SIGTERM during the build: a stop, not a failed
+                    #                                              start (unless an engine's start failed too)
                     log.info("stopped during start-up")
                     return 1 if self.failed else 0
                 return 1 if self.timed_out else 2
@@ -236,8 +238,7 @@ class Supervisor:
         c.restart_at = now + c.backoff
         c.backoff = min(MAX_BACKOFF_S, c.backoff * 2)
         if c.kind == "engine":
-            # the process had come up (up, or stopped after it was: a SIGTERM to it alone): it served sessions
-            up = self.status.state(c.index)[0] in (UP, STOPPED)
+            up = self._up(c)
             self.status.set_state(c.index, DOWN)
             if not (up or c.was_up or code == FORK_SERVER_GONE):   # (255: the fork server died, not the engine)
                 # its first process died before it came up (the state pool or the warm-up failed, after the
@@ -261,6 +262,26 @@ class Supervisor:
             log.error("worker process died; restarting it", extra={"worker": c.index, "pid": pid, "exitcode": code,
                                                                   "restart_in_s": c.restart_at - now})
 
+    def _up(self, c: _Child) -> bool:
+        """Has engine ``c``'s process come up (up, or stopped after it was: a SIGTERM to it alone)? It served
+        sessions."""
+        return self.status.state(c.index)[0] in (UP, STOPPED)
+
+    def _start_failures_unheard(self, procs: list) -> None:
+        """Of ``procs`` (``(engine, its process)`` pairs), the first processes that exited with EXIT_BUILD (the
+        engine's own word that it cannot start) unhandled: a SIGTERM ended the loop or the build's wait in the
+        turn of the exit, or came before its fork server reported it. Their start failed all the same, so the
+        server exits 2 with the reason (see :meth:`run`); one that has ended by the stop is not counted as a child
+        that failed to stop. Any other exit is the stop's to judge: an engine that a SIGTERM to the whole process
+        group ends while it builds exits -15, a clean stop."""
+        for c, p in procs:
+            if c.start_heard or p.exitcode != engine_proc.EXIT_BUILD or c.was_up or self._up(c):
+                continue
+            self.status.set_state(c.index, DOWN)
+            self._exited_at_start(c, p.exitcode, "it exited before it came up; see the log above")
+            if c.proc is p:
+                c.proc, c.restart_at = None, None
+
     def _start_failed(self, c: _Child, code) -> None:
         """Engine ``c``'s first process exited before it came up: stop the server, which exits 2 with the
         engine's reason (see :meth:`run`)."""
@@ -272,6 +293,7 @@ class Supervisor:
         """Log that engine ``c`` exited during start-up, and make ``start_error`` the reason it left (the start
         error file, one line), else ``default`` (None: left unset)."""
         log.error("engine process exited during start-up", extra={"engine": c.index, "exitcode": code})
+        c.start_heard = True
         why = default
         with contextlib.suppress(OSError):                 # none: killed or crashed, not refused
             with open(engine_proc.start_error_path(self.run_dir, c.index)) as f:
@@ -300,6 +322,7 @@ class Supervisor:
     # ------------------------------------------------------------------ shutdown
 
     def _stop_all(self) -> None:
+        self._start_failures_unheard([(c, c.proc) for c in self.engines if c.proc is not None])
         workers, engines = stop_budgets(self.settings)
         # the listening socket first: while any process holds it open the kernel completes new connections into
         # its backlog, where they would wait out the workers' drain and then be reset instead of refused at once
@@ -307,7 +330,9 @@ class Supervisor:
             self.sock.close()
             self.sock = None
         self._stop(self.workers, workers)
+        procs = [(c, c.proc) for c in self.engines if c.proc is not None]
         self._stop(self.engines, engines)
+        self._start_failures_unheard(procs)        # (an exit its fork server reported during the stop)
         for c in self.engines:
             self.status.set_state(c.index, STOPPED)
 
