@@ -184,7 +184,7 @@ def test_sigterm_stops_every_process_and_removes_the_run_directory():
     pids = _child_pids(srv)
     run_dir = next(r["run_dir"] for r in srv.logs if r.get("msg") == "listening" and "run_dir" in r)
     assert os.path.isdir(run_dir) and len(pids) == 4
-    want = ["cs-engine-0", "cs-engine-1", "cs-worker-0", "cs-worker-1"]      # what ps and pgrep show
+    want = [f"cs-{k}:{srv.port}" for k in ("e0", "e1", "w0", "w1")]          # what ps and pgrep show
     _wait(lambda: sorted(open(f"/proc/{p}/comm").read().strip() for p in pids) == want, timeout=20,
           what="every child named (a worker names itself once its imports are done)")
     tree, _ = _tree(srv)

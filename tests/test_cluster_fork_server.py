@@ -110,7 +110,7 @@ def test_a_killed_fork_server_takes_its_children_and_every_one_comes_back_once_w
         _, new_fork_server = tree(srv, kids)
         assert new_fork_server != fork_server and all(alive(p) for p in kids)
         assert sorted(open(f"/proc/{p}/comm").read().strip() for p in kids) == [
-            "cs-engine-0", "cs-engine-1", "cs-worker-0", "cs-worker-1"]                  # one of each, no more
+            f"cs-{k}:{srv.port}" for k in ("e0", "e1", "w0", "w1")]                       # one of each, no more
         assert any(r.get("msg", "").startswith("the fork server is gone") for r in srv.logs)   # the log says why
         st, body, _ = api.call("POST", "/v1/conv", {"session": sid, "layer": 0,
                                                     "x": wire.encode_tensor(torch.randn(1, DIM))})

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import multiprocessing
 import os
 import shutil
 import signal
@@ -16,17 +15,17 @@ from typing import Optional
 
 
 def hold(spec: dict, interval: float = 0.25) -> None:
-    """Start a child of the supervisor (``spec``: its spec, with ``parent_pid``, ``parent_started``, ``run_dir``
-    and ``metrics_dir``). The child exits once the supervisor or its own parent is gone (and with the supervisor
-    gone, removes the run directory). Its parent is the supervisor's fork server (:mod:`.fork_server`), through
-    which the supervisor learns of its children's exits: a child outliving it would look dead to the supervisor,
-    which would start another in its place. The supervisor is watched by its pid and the start time it put in the
-    spec, which a process that died before this child got here, or a later one with that pid, does not match;
-    where there is no ``/proc``, through the fork server, which exits with the supervisor once every child has
-    closed its copy of the server's pipe (done here)."""
+    """Start a child of the supervisor (``spec``: its spec, with ``title``, ``parent_pid``, ``parent_started``,
+    ``run_dir`` and ``metrics_dir``). The child exits once the supervisor or its own parent is gone (and with the
+    supervisor gone, removes the run directory). Its parent is the supervisor's fork server (:mod:`.fork_server`),
+    through which the supervisor learns of its children's exits: a child outliving it would look dead to the
+    supervisor, which would start another in its place. The supervisor is watched by its pid and the start time it
+    put in the spec, which a process that died before this child got here, or a later one with that pid, does not
+    match; where there is no ``/proc``, through the fork server, which exits with the supervisor once every child
+    has closed its copy of the server's pipe (done here)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _close_fork_server_pipe()
-    set_name(multiprocessing.current_process().name)
+    set_name(spec["title"])
     if spec.get("metrics_dir"):     # the fork server's environment is the supervisor's as of the server's start
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = spec["metrics_dir"]
     supervisor, born, run_dir = spec["parent_pid"], spec.get("parent_started"), spec["run_dir"]
@@ -98,15 +97,22 @@ def exit_now(code: int) -> None:
     os._exit(code)
 
 
+def title(kind: str, index: int, port: int) -> str:
+    """The name ``ps`` shows for child ``index`` of ``kind`` (``engine``, ``worker``) of the server on ``port``:
+    ``cs-e0:8000``, ``cs-w3:8000``. The port tells two servers on one host apart, which their command lines (the
+    same ``multiprocessing`` one) do not; it comes last, after a colon, as in an address. Linux keeps 15 bytes of
+    a name: a port has at most 5 digits, so the whole name is kept for an index below 10^5."""
+    return f"cs-{kind[0]}{index}:{port}"
+
+
 def set_name(name: str) -> None:
-    """Name this process as ``ps -o comm``, ``top`` and ``pgrep`` show it (Linux keeps 15 bytes): every child's
-    command line is the same ``multiprocessing`` one. ``convserve-engine-0`` becomes ``cs-engine-0``."""
+    """Name this process as ``ps -o comm``, ``top`` and ``pgrep`` show it (Linux keeps 15 bytes of it)."""
     import ctypes
     import ctypes.util
 
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-        libc.prctl(PR_SET_NAME, name.replace("convserve-", "cs-", 1).encode()[:15], 0, 0, 0)
+        libc.prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
     except (OSError, AttributeError, TypeError):  # pragma: no cover - not Linux: the name stays
         pass
 

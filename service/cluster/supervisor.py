@@ -34,7 +34,7 @@ from multiprocessing.connection import wait
 from typing import Optional
 
 from . import engine_proc, fork_server, worker
-from .lifeline import proc_stat, started
+from .lifeline import proc_stat, started, title
 from .run_dirs import make_run_dir, sweep_dead
 from .status import DOWN, NEW, STARTING, STOPPED, UP, StatusTable
 
@@ -83,6 +83,7 @@ class Supervisor:
         self.engines = [_Child("engine", i) for i in range(len(devices))]
         self.workers = [_Child("worker", i) for i in range(n_workers)]
         self.sock: Optional[socket.socket] = None
+        self.port = self.settings.port             # the port bound, once it is (--port 0 picks one)
         self.stopping = False
         self._wake_r, self._wake_w = socket.socketpair()
         self.failed = False
@@ -111,8 +112,8 @@ class Supervisor:
         """Start child ``c`` running ``target(spec)``, with what every child's spec holds added. A fork server
         that died since the last start is started again by multiprocessing; one that dies during this start
         (its answer cut short) gets one more try."""
-        spec.update({"index": c.index, "run_dir": self.run_dir, "settings": self.settings,
-                     "parent_pid": os.getpid(), "parent_started": self.started,
+        spec.update({"index": c.index, "title": title(c.kind, c.index, self.port), "run_dir": self.run_dir,
+                     "settings": self.settings, "parent_pid": os.getpid(), "parent_started": self.started,
                      "metrics_dir": os.environ.get("PROMETHEUS_MULTIPROC_DIR")})
         for attempt in (0, 1):
             c.proc = self.ctx.Process(target=target, args=(spec,), name=f"convserve-{c.kind}-{c.index}",
@@ -168,6 +169,7 @@ class Supervisor:
             except OSError as e:                # the port is taken (or not ours): one line, not a traceback
                 self.start_error = cannot_listen(self.settings, e)
                 return 2
+            self.port = self.sock.getsockname()[1]
             for c in self.engines:
                 self._spawn_engine(c)
             if not self._wait_built():
