@@ -120,6 +120,7 @@ class Accepts:
 
     def _accept_locked(self, s: Session, n: int):
         """The accept at its turn: check, clear, advance; returns the commit's rows (see :meth:`_commit`)."""
+        self._changes += 1
         pending = self._pending_at_turn_locked(s)      # not the verifies queued after this op
         self._check_pending(s, n, pending)
         self._clear_pending_locked(s, pending)
@@ -134,6 +135,7 @@ class Accepts:
     def _accept_batch_locked(self, ss: list, tokens: list, check):
         """The batch accept at its turn, all or nothing: checked again, then cleared and advanced; returns the
         commit's rows (see :meth:`_commit`)."""
+        self._changes += 1
         rows = self._accept_uniform_locked(ss, tokens)
         if rows is not None:
             return rows

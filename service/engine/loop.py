@@ -83,6 +83,7 @@ class Worker:
             used = s.last_used if s.batch is None else max(s.last_used, s.batch.batch.done_at)
             if now - used > ttl and not s.ops and s.oldest_active() is None:
                 self._sessions.remove(s, evicted=True)
+                self._changes += 1
                 self._forget_locked(s)
                 self.pool.free(s.slot)
                 self._st["evicted"] += 1
@@ -161,7 +162,7 @@ class Worker:
                 out = sched.schedule(now) if run else None
                 t_sched = time.perf_counter_ns() - t_sched
                 if out is not None:
-                    self._expire_locked(out)
+                    self._scheduled_locked(out)
             if out is None:
                 continue
             self._run_scheduled(out, t_sched)
@@ -169,7 +170,11 @@ class Worker:
                 with self._lock:
                     self._wait(0.001)
 
-    def _expire_locked(self, out: SchedulerOutput) -> None:
+    def _scheduled_locked(self, out: SchedulerOutput) -> None:
+        """A step was scheduled: its expired requests retire, and a step with rows counts as a change from here
+        (its rows change state, a verify's x; no snapshot is taken before the step ends: see :mod:`.snapshot`)."""
+        if not out.empty:
+            self._changes += 1
         for r in out.expired:
             self._retire_locked(r, ok=False, withdrawn=True)
         self._st["expired"] += len(out.expired)
@@ -228,7 +233,7 @@ class Worker:
         t = time.perf_counter_ns()
         out = sched.schedule(now)
         t = time.perf_counter_ns() - t
-        self._expire_locked(out)
+        self._scheduled_locked(out)
         self._caller_step = True
         return out, t
 

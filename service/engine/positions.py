@@ -304,6 +304,7 @@ class Positions:
     def _rollback_locked(self, r):
         """Request ``r`` failed (it did not run, or its step failed): take its tokens back. Returns the
         ``(session, tokens)`` pairs taken back."""
+        self._changes += 1          # positions or a pending verify taken back (see .snapshot)
         b, p, answer = r.batch, r.layer, r.track
         if b is None:
             if r.speculative:

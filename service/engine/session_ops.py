@@ -95,6 +95,7 @@ class SessionOps:
         slot = self._alloc_locked()
         self._sessions.add(Session(sid, slot, positions=[0] * self.model_cpu.n_layers, last_used=time.monotonic(),
                                    rid_hi=hi))
+        self._changes += 1
         return sid
 
     def _new_counters_locked(self, sid: str, counted, rid) -> dict:
@@ -144,6 +145,7 @@ class SessionOps:
         caller to fail), its kept answers forgotten. Its slot is the caller's to free. ``dropping``: the ids of
         the sessions dropped with it (their requests are theirs to fail)."""
         self._sessions.remove(s)
+        self._changes += 1
         failed = [r for r in s.queue if not r.done and self._sched.abort(r)]
         for r in failed:       # (withdrawn: it never ran, unless a chunked prefill had started)
             self._retire_locked(r, ok=False, withdrawn=not r.started, skip=dropping | {id(s)})
@@ -181,6 +183,7 @@ class SessionOps:
             self._sessions.add(Session(nid, slot, initialized=s.initialized, positions=positions,
                                        pending=self._pending_at_turn_locked(s), spec_x=dict(s.spec_x),
                                        last_used=time.monotonic(), rid_hi=hi))
+            self._changes += 1
         return nid
 
     def export_state(self, session_id: str) -> torch.Tensor:
@@ -244,6 +247,7 @@ class SessionOps:
             self.pool.import_(s.slot, state)               # checked above: the pool's own checks cannot fire
             s.initialized = (1 << n_layers) - 1
             with self._lock:
+                self._changes += 1
                 self._clear_pending_locked(s, self._pending_at_turn_locked(s))   # a later verify's stays
                 # the requests held behind this op keep the tokens they advanced at submit
                 base = positions if positions is not None else [0] * n_layers
@@ -286,6 +290,7 @@ class SessionOps:
         """Sessions of this engine's previous process: they answer :class:`StateLost` (410) with ``why``."""
         with self._lock:
             self._sessions.mark_lost(session_ids, why)
+            self._changes += 1
 
     def session_ids(self) -> list:
         with self._lock:

@@ -15,6 +15,17 @@ to host memory is asynchronous (``non_blocking`` into a pinned buffer kept for t
 event), so the worker goes on with the next step while the snapshot's writer waits for the event
 (:meth:`Capture.wait`).
 
+**Changes.** ``_changes`` counts the changes to what a snapshot holds: each step with rows, when scheduled (its rows
+commit state; a verify's x and ``spec_x``), each request taken back (failed or withdrawn: positions, verifies), each
+create, fork, delete, import, accept, eviction, drop, restore and ``mark_lost``. It is bumped under the engine lock
+where the change is made or scheduled (the device work of steps and operations never overlaps a capture: both run
+between steps) and read by the capture under that lock (``Capture.changes``). Between two captures of one count no
+session came or went, none was changed by a step or an operation and no request was taken back: a session settled at
+the first holds the same state, positions and verifies at the second, or has requests queued since that have not run
+(not settled then). So a written snapshot that lists no session as lost still holds every session as of any later
+capture of its count. A request given ``unchanged_since`` equal to the count gathers nothing (``Capture.tensors``
+None).
+
 **Restore.** :meth:`_restore` runs in :meth:`Engine.start` after the pool is allocated and before the worker
 starts, so no request sees a half-restored engine. Restored sessions keep their positions and pending verifies;
 kept answers are not saved, so a retry of a request applied before the snapshot is a 409 whose position says it
@@ -44,10 +55,11 @@ GATHER_BYTES = 64 << 20
 class Capture:
     """The sessions of one snapshot, their tensors on their way to host memory (``event``: done when on CUDA)."""
 
-    __slots__ = ("meta", "tensors", "event")
+    __slots__ = ("meta", "tensors", "event", "changes")
 
-    def __init__(self, meta: dict, tensors: dict, event=None):
-        self.meta, self.tensors, self.event = meta, tensors, event
+    def __init__(self, meta: dict, tensors: Optional[dict], event=None, changes: int = 0):
+        # tensors None: nothing changed since the snapshot the request named (meta then lists no sessions)
+        self.meta, self.tensors, self.event, self.changes = meta, tensors, event, changes
 
     def wait(self) -> None:
         """Block until the tensors are in host memory."""
@@ -104,17 +116,21 @@ class SnapshotTaking:
     """The snapshot side of :class:`Engine` (see the module docstring)."""
 
     def _init_snapshots(self) -> None:
-        self._snap_request: Optional[tuple] = None      # (meta, callback) for the worker's next pause
+        self._snap_request: Optional[tuple] = None      # (meta, callback, unchanged_since) for the worker's next pause
         self._snap_host: dict = {}                       # CUDA: name -> pinned buffer reused by snapshots
+        self._changes = 0                                # see the module docstring (guarded by _lock)
 
-    def request_snapshot(self, meta: dict, callback: Callable[[Optional[Capture]], None]) -> bool:
+    def request_snapshot(self, meta: dict, callback: Callable[[Optional[Capture]], None],
+                         unchanged_since: Optional[int] = None) -> bool:
         """Have the worker take a snapshot between two steps and hand the :class:`Capture` (tensors maybe still
         on their way: call ``wait()``) to ``callback``, on the worker thread; ``callback(None)`` when the engine
-        stops first. False (and no callback) when the engine is not running."""
+        stops first. False (and no callback) when the engine is not running. ``unchanged_since``: the
+        ``changes`` of a snapshot already written; when nothing changed since, the capture gathers nothing and
+        its ``tensors`` are None."""
         with self._lock:
             if self._state != "running":
                 return False
-            self._snap_request = (meta, callback)
+            self._snap_request = (meta, callback, unchanged_since)
             self._cv.notify()
         return True
 
@@ -125,7 +141,7 @@ class SnapshotTaking:
             if req is None:
                 return
             try:
-                cap = self._capture_locked(req[0], asynchronous=True)
+                cap = self._capture_locked(req[0], asynchronous=True, unchanged_since=req[2])
             except Exception:  # noqa: BLE001 - a failed snapshot must not stop the engine
                 log.exception("taking a snapshot failed")
                 cap = None
@@ -147,7 +163,10 @@ class SnapshotTaking:
         with self._lock:
             return self._capture_locked(meta, asynchronous=False)
 
-    def _capture_locked(self, meta: dict, asynchronous: bool) -> Capture:
+    def _capture_locked(self, meta: dict, asynchronous: bool, unchanged_since: Optional[int] = None) -> Capture:
+        changes = self._changes
+        if changes == unchanged_since:
+            return Capture(dict(meta, sessions=[], lost=[]), None, changes=changes)
         records, slots, lost, spec_slots, longest = [], [], [], [], 0
         for s in self._sessions:
             if not _settled(s):
@@ -167,7 +186,7 @@ class SnapshotTaking:
             sources["spec"] = (self._runner.bufs.d_spec[:, :, :longest], spec_slots)
         if dev.type != "cuda":       # index_select copies: later steps cannot change the snapshot
             return Capture(meta, {name: src.index_select(1, torch.tensor(idx, dtype=torch.int64))
-                                  for name, (src, idx) in sources.items()})
+                                  for name, (src, idx) in sources.items()}, changes=changes)
         out = {}
         for name, (src, idx) in sources.items():
             shape = (src.shape[0], len(idx), *src.shape[2:])
@@ -187,7 +206,7 @@ class SnapshotTaking:
         if asynchronous:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(dev))
-        return Capture(meta, out, event)
+        return Capture(meta, out, event, changes)
 
     def _restore(self, meta: dict, tensors: dict) -> int:
         """Sessions of a checked snapshot (:func:`check_content`) into a fresh engine; how many were restored."""
@@ -196,6 +215,7 @@ class SnapshotTaking:
         max_spec = self._runner.bufs.d_spec.shape[2]
         lost, restored, j = list(meta.get("lost", [])), 0, -1
         with self._lock:
+            self._changes += 1
             for i, rec in enumerate(meta["sessions"]):
                 pend = rec["pending"]
                 if pend:
