@@ -156,6 +156,8 @@ class EngineCollector(Collector):
         "batch_requests": ("convserve_engine_batch_requests", "counter",
                            "Batch requests run (one decode token for each of several sessions)"),
         "snapshot_writes": ("convserve_snapshot_writes", "counter", "Session snapshots written"),
+        "snapshot_skips": ("convserve_snapshot_skips", "counter",
+                           "Periodic session snapshots not written: nothing changed since the last one written"),
         "snapshot_failures": ("convserve_snapshot_failures", "counter",
                               "Session snapshots that could not be taken or written"),
         "snapshot_bytes": ("convserve_snapshot_bytes", "counter", "Bytes of session snapshots written"),

@@ -12,9 +12,14 @@ named by its engine index (:class:`~.snapshot_file.SnapshotDir`).
   sessions of the process that died.
 * **Periodic.** A thread asks the engine for a snapshot every ``snapshot_interval_s``; the engine takes it
   between two steps (:meth:`Engine.request_snapshot`: a gather and an asynchronous copy to host memory), and this
-  thread waits for the copy, serializes and writes it, off the engine's thread.
-* **Stop.** After the engine drained and stopped, every session is written. A failed write is logged and counted,
-  never raised: the server still stops.
+  thread waits for the copy, serializes and writes it, off the engine's thread. One is skipped (counted, no file
+  written, none rotated out) when the file this process last wrote still holds every session: the engine's change
+  count (:mod:`.engine.snapshot`) is that file's, the file listed no session as lost (such a session may be
+  settled now), it is still there, and no import was noted since it was taken (its line then stays in the
+  journal until a snapshot is written: the import may have been withdrawn, and the next file says so).
+* **Stop.** After the engine drained and stopped, every session is written, whatever the change count: the file
+  the next start restores is the one written after the drain. A failed write is logged and counted, never
+  raised: the server still stops.
 * **Imports.** An import (``PUT .../state``) sets a session's positions back to 0, so a snapshot taken before it
   can hold another state at the same positions, which a client's positions cannot tell apart. Each import is
   first noted in the engine's :class:`ImportJournal` (a line written through to the file, so that it survives
@@ -161,8 +166,11 @@ class Snapshotter:
         self._lock = threading.Lock()
         self.restored = 0
         # counters (summed over engines by the cluster's stats), then the last write's numbers
-        self._st = {"writes": 0, "failures": 0, "bytes": 0, "seconds": 0.0, "restored_sessions": 0}
+        self._st = {"writes": 0, "skips": 0, "failures": 0, "bytes": 0, "seconds": 0.0, "restored_sessions": 0}
         self._last: Optional[dict] = None
+        # (changes, created_unix, path) of the last file written that a periodic snapshot may keep instead of
+        # writing (see the module docstring); None: the next one writes
+        self._kept: Optional[tuple] = None
         engine.snapshot_stats = self.stats
         self.imports = ImportJournal(self.dir.folder, index)
         engine.on_import = self.imports.note
@@ -238,7 +246,8 @@ class Snapshotter:
         self.final_failed = not self._write(cap, t0, "final")
 
     def write_now(self, kind: str = "periodic") -> bool:
-        """Take a snapshot of the running engine and write it (blocks until written); False when it failed or
+        """Take a snapshot of the running engine and write it (blocks until written); a periodic one is skipped
+        when nothing changed since the last file written (see the module docstring). False when it failed or
         the engine stopped first."""
         t0 = time.perf_counter()
         done = threading.Event()
@@ -248,7 +257,8 @@ class Snapshotter:
             box.append(cap)
             done.set()
 
-        if not self.engine.request_snapshot(self._meta(), handed):
+        since = self._unchanged_since() if kind == "periodic" else None
+        if not self.engine.request_snapshot(self._meta(), handed, since):
             return False
         while not done.wait(0.5):
             worker = self.engine._thread
@@ -258,7 +268,20 @@ class Snapshotter:
             with self._lock:
                 self._st["failures"] += 1
             return False
+        if box[0].tensors is None:                # nothing changed since the file it keeps (since is not None)
+            with self._lock:
+                self._st["skips"] += 1
+            log.debug("snapshot skipped: nothing changed", extra={"engine": self.index, "kind": kind})
+            return True
         return self._write(box[0], t0, kind)
+
+    def _unchanged_since(self) -> Optional[int]:
+        """The change count of the file a periodic snapshot may keep instead of writing, or None."""
+        with self._lock:
+            kept = self._kept
+        if kept is None or not os.path.exists(kept[2]) or self.imports.since(kept[1]):
+            return None
+        return kept[0]
 
     def _periodic(self) -> None:
         while not self._stop.wait(self.interval):
@@ -282,6 +305,8 @@ class Snapshotter:
         seconds = time.perf_counter() - t0
         n = len(cap.meta["sessions"])
         with self._lock:
+            # a session listed as lost may be settled by now without a change counted: the next one writes
+            self._kept = None if cap.meta["lost"] else (cap.changes, cap.meta["created_unix"], path)
             st = self._st
             st["writes"] += 1
             st["bytes"] += size

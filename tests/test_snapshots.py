@@ -81,10 +81,28 @@ def one_on_each_engine_at_3(c: Client) -> tuple:
     return tuple(sids)
 
 
-def snapshot_times(url) -> list:
-    body = httpx.get(url + "/readyz", timeout=5).json()
-    rows = [body] if "engines" not in body else body["engines"]
-    return [(r.get("snapshot") or {}).get("unix_time", 0.0) for r in rows]
+def periodic_snapshots(url) -> dict:
+    """Per engine (its metrics series' labels): the periodic snapshots written or skipped so far."""
+    out: dict = {}
+    for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+        if line.startswith(("convserve_snapshot_writes_total", "convserve_snapshot_skips_total")):
+            series, value = line.rsplit(" ", 1)
+            labels = series.partition("{")[2]
+            out[labels] = out.get(labels, 0.0) + float(value)
+    return out
+
+
+def wait_for_snapshots_of_all_so_far(url, timeout: float = 15.0) -> None:
+    """Until every engine's files hold what was done before the call: two periodic snapshots of each ended
+    since, so the second was taken after the call (written, it holds all; skipped, the file it kept does)."""
+    base = periodic_snapshots(url)
+    deadline = time.monotonic() + timeout
+    while True:
+        now = periodic_snapshots(url)
+        if now.keys() >= base.keys() and all(now[k] >= base[k] + 2 for k in base):
+            return
+        assert time.monotonic() < deadline, f"no periodic snapshot: {base} then {now}"
+        time.sleep(0.02)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -152,11 +170,7 @@ def test_after_kill_9_the_sessions_changed_since_the_last_periodic_snapshot_answ
         for k in range(8):
             c.conv(stale[k % 4], LAYERS[k % 3], 2, seed=k)
         kept = stale.pop()                                       # untouched after the snapshot
-        t0 = time.time()
-        deadline = time.monotonic() + 15
-        while min(snapshot_times(srv.url)) <= t0:               # every engine wrote one after those convs
-            assert time.monotonic() < deadline, "no periodic snapshot"
-            time.sleep(0.02)
+        wait_for_snapshots_of_all_so_far(srv.url)
         at_snapshot = {s: list(c.pos[s]) for s in stale}
         assert metric(srv.url, "convserve_snapshot_writes_total") >= 1
         assert metric(srv.url, "convserve_snapshot_failures_total") == 0
@@ -193,11 +207,7 @@ def test_after_kill_9_a_session_imported_since_the_last_snapshot_answers_410_not
         a = dict(state, state=wire.encode_tensor(torch.randn(len(LAYERS), DIM, 3)))
         b = dict(state, state=wire.encode_tensor(torch.randn(len(LAYERS), DIM, 3)))
         assert api.call("PUT", f"/v1/sessions/{before}/state", a)[0] == 204
-        t0 = time.time()
-        deadline = time.monotonic() + 15
-        while min(snapshot_times(srv.url)) <= t0:               # every engine wrote one after that import
-            assert time.monotonic() < deadline, "no periodic snapshot"
-            time.sleep(0.02)
+        wait_for_snapshots_of_all_so_far(srv.url)
         for sid in (before, after):
             assert api.call("PUT", f"/v1/sessions/{sid}/state", b)[0] == 204
         _kill9(srv)
@@ -274,9 +284,7 @@ def test_an_engine_process_restarted_after_a_crash_restores_nothing_and_its_sess
     try:
         c = Client(srv.url)
         doomed, other = one_on_each_engine_at_3(c)
-        t0 = time.time()
-        while min(snapshot_times(srv.url)) <= t0:
-            time.sleep(0.02)
+        wait_for_snapshots_of_all_so_far(srv.url)
         # each engine process's snapshot counters reach the one scrape (a series per engine)
         assert metric(srv.url, "convserve_snapshot_writes_total") >= 2
         assert metric(srv.url, "convserve_snapshot_bytes_total") > 0
