@@ -205,3 +205,27 @@ def test_a_periodic_snapshot_on_cuda_copies_every_settled_sessions_state_and_ver
     assert e2.session_info("g1")["pending"] == {"layers": [4], "tokens": [2]}
     e2.accept("g1", 2)
     e2.stop()
+
+
+@pytest.mark.parametrize("moved", [False, True])
+def test_an_import_is_noted_in_the_journal_under_the_lock_that_queues_it(moved):
+    """A snapshot is captured under the engine lock. Noted under that lock as its operation is queued, an import
+    is either queued at the capture (the session left out as busy) or noted after it (its line kept, and the
+    session lost at a restore): never noted before a capture that still holds the older state, whose write
+    drops the line."""
+    e = engine(model())
+    e.start()
+    try:
+        sid = e.create_session()
+        seen = []
+        e.on_import = lambda s: seen.append((s, e._lock.locked(), len(e._sessions.get(s).ops)))
+        state = torch.zeros_like(e.export_state(sid))
+        if moved:
+            e.submit(sid, LAYERS[0], torch.randn(2, DIM), speculative=True).result(10)
+            pend, spec = [[0, 2]], torch.randn(1, 2, DIM)
+            e.import_state(sid, state, [0] * len(LAYERS), pend, spec)
+        else:
+            e.import_state(sid, state)
+        assert seen == [(sid, True, 0)]            # under the lock, before the op joined the session's queue
+    finally:
+        e.stop()

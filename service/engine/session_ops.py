@@ -229,19 +229,12 @@ class SessionOps:
 
     def _post_import_state(self, session_id: str, state: torch.Tensor, positions=None, pending=None,
                            spec=None, request_id: Optional[str] = None) -> Op:
-        counted = op_request_id(request_id)
         state = check_state(self.model_cpu, self.state_dtype, state)
         n_layers = self.model_cpu.n_layers
         if positions is not None and (len(positions) != n_layers or
                                       not all(type(q) is int and q >= 0 for q in positions)):
             raise BadRequest(f"positions: expected {n_layers} integers >= 0, got {positions!r:.80}")
         pending = self._moved_verifies(pending or [], spec)
-        if counted is not None:            # a late copy is refused before the journal notes an import
-            with self._lock:
-                s = self._sessions.get(session_id)
-                refuse_late(s.rid_hi, counted, request_id, s.id)
-        if self.on_import is not None:   # before it can apply: a crash then cannot restore an older state silently
-            self.on_import(session_id)
 
         def op(s: Session) -> None:
             self.pool.import_(s.slot, state)               # checked above: the pool's own checks cannot fire
@@ -264,7 +257,10 @@ class SessionOps:
                     else:
                         s.pending[p] = (t, seq)
 
-        return self._post_op(session_id, op, kind="move" if pending else "import", rid=request_id)
+        # noted in the journal before it can apply (a crash then cannot restore an older state silently), under
+        # the lock that queues it: a snapshot sees the import queued (the session left out) or the line after it
+        return self._post_op(session_id, op, kind="move" if pending else "import", rid=request_id,
+                             noted=self.on_import)
 
     def _moved_verifies(self, pending: list, spec) -> list:
         """``pending`` checked against ``spec`` (see :meth:`import_state`), as ``[(layer index, tokens), ...]``;
@@ -331,17 +327,21 @@ class SessionOps:
         return getattr(self, "_post_" + name)(*args, request_id=request_id).future
 
     def _post_op(self, session_id: str, fn: Callable[[Session], Any], deletes: bool = False,
-                 now: Optional[Callable[[Session], Any]] = None, kind: str = "", rid: Optional[str] = None) -> Op:
+                 now: Optional[Callable[[Session], Any]] = None, kind: str = "", rid: Optional[str] = None,
+                 noted: Optional[Callable[[str], None]] = None) -> Op:
         """Queue ``fn(session)`` for the worker, behind the session's requests submitted so far (its barrier)
         and its earlier ops (each session's ops are a FIFO). With ``now`` (``fn``'s work, to be called under the
         engine lock) the op runs at once instead, on this thread, when its turn is now
         (:meth:`_runs_now_locked`); the op returned is then done. ``rid``: its ``request_id`` (see
-        :meth:`_order_locked`)."""
+        :meth:`_order_locked`); ``noted(session id)``: called under the lock once the op is sure to be queued
+        (it raises to refuse)."""
         counted = op_request_id(rid)
         with self._lock:
             self._check_running_locked()
             s = self._sessions.get(session_id)
             self._order_locked(s, counted, rid)
+            if noted is not None:
+                noted(s.id)
             if now is not None and self._runs_now_locked((s,)):
                 return self._run_now_locked((s,), s.id, lambda: now(s))
             return self._queue_op_locked(s, fn, deletes=deletes, kind=kind)
