@@ -238,7 +238,7 @@ def test_a_split_accept_whose_later_part_is_refused_after_an_earlier_one_committ
     first = next(iter(split([a, b], 2)))                       # the engine whose part commits first
     committed = []
 
-    def op(e, name, ss, tt):
+    def op(e, name, ss, tt, rid=None):
         if e != first:
             raise BadRequest(f"session {ss[0]!r} has no speculative verify to accept")
         committed.extend(ss)

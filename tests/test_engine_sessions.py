@@ -132,7 +132,7 @@ def test_a_session_moved_to_another_engine_keeps_its_pending_verifies(n):
         state, positions, pending, spec = a.submit_op("export_for_move", "src").result(10)
         assert pending == [[0, 3], [2, 2]] and tuple(spec.shape) == (2, 3, DIM)
         b.create_session("moved")
-        b.import_state("moved", state, positions, pending, spec)
+        b.import_state("moved", state, positions=positions, pending=pending, spec=spec)
         assert b.session_info("moved")["pending"] == a.session_info("src")["pending"]
         assert b.session_info("moved")["positions"] == a.session_info("src")["positions"] == [4, 4, 4]
         a.accept("src", n)
@@ -163,7 +163,7 @@ def test_a_moved_session_whose_verifies_do_not_fit_is_refused_and_nothing_change
     before = engine.export_state("moved")
     spec = None if spec_shape is None else torch.randn(spec_shape)
     with pytest.raises(BadRequest, match="pending: expected"):
-        engine.import_state("moved", torch.randn_like(before), [1, 1, 1], pending, spec)
+        engine.import_state("moved", torch.randn_like(before), positions=[1, 1, 1], pending=pending, spec=spec)
     assert torch.equal(engine.export_state("moved"), before)
     assert engine.session_info("moved")["pending"] == {"layers": [], "tokens": []}
 

@@ -223,7 +223,7 @@ def test_an_import_is_noted_in_the_journal_under_the_lock_that_queues_it(moved):
         if moved:
             e.submit(sid, LAYERS[0], torch.randn(2, DIM), speculative=True).result(10)
             pend, spec = [[0, 2]], torch.randn(1, 2, DIM)
-            e.import_state(sid, state, [0] * len(LAYERS), pend, spec)
+            e.import_state(sid, state, positions=[0] * len(LAYERS), pending=pend, spec=spec)
         else:
             e.import_state(sid, state)
         assert seen == [(sid, True, 0)]            # under the lock, before the op joined the session's queue

@@ -215,8 +215,8 @@ class SessionOps:
 
         return self._post_op(session_id, op)
 
-    def import_state(self, session_id: str, state: torch.Tensor, positions=None, pending=None, spec=None,
-                     request_id: Optional[str] = None) -> None:
+    def import_state(self, session_id: str, state: torch.Tensor, request_id: Optional[str] = None, *,
+                     positions=None, pending=None, spec=None) -> None:
         """Replace the session's state (every layer) and discard a pending verify. ``state`` is
         ``(n_conv_layers, dim, width - 1)`` in the state dtype. Raises :class:`ShapeMismatch`,
         :class:`DtypeUnsupported`, :class:`NonFinite`, :class:`BadRequest`; a rejected state changes nothing.
