@@ -46,6 +46,17 @@ def engine():
 SERVER_MODES = {"two-engines": ["--workers", "1", "--devices", "cpu,cpu"], "in-process": ["--workers", "0"]}
 
 
+@pytest.fixture
+def spec_engine():
+    """A started CPU engine (``tests.engine_support.make_engine``) that takes verifies of up to 4 tokens, stopped
+    after the test."""
+    from tests.engine_support import make_engine
+
+    e = make_engine(max_spec_tokens=4)
+    yield e
+    e.stop(drain=False)
+
+
 @pytest.fixture(scope="session", params=list(SERVER_MODES))
 def server(request):
     """The conv server the test_http_* modules share (``tests.http_api.SERVER_ARGS``), one per layout and test

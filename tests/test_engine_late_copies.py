@@ -17,14 +17,6 @@ from tests.tolerance import assert_close
 L0 = LAYERS[0]
 
 
-@pytest.fixture
-def spec_engine():
-    """A started CPU engine that takes verifies of up to 4 tokens (stopped after the test)."""
-    e = make_engine(max_spec_tokens=4)
-    yield e
-    e.stop(drain=False)
-
-
 def _assert_first_layer_took(e, sid, x) -> None:
     """Session ``sid``'s state on the first layer is a fresh session's after a plain conv of ``x`` there."""
     ref = make_engine()

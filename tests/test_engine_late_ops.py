@@ -17,21 +17,13 @@ from tests.tolerance import assert_close
 L0 = LAYERS[0]
 
 
-@pytest.fixture
-def engine():
-    """A started CPU engine that takes verifies of up to 4 tokens (stopped after the test)."""
-    e = make_engine(max_spec_tokens=4)
-    yield e
-    e.stop(drain=False)
-
-
 def _state(e, sid):
     return e.export_state(sid)
 
 
 @pytest.mark.parametrize("how", ["create", "fork"])
-def test_a_create_or_fork_sent_before_a_delete_of_its_id_is_refused_and_the_id_stays_deleted(how, engine):
-    e = engine
+def test_a_create_or_fork_sent_before_a_delete_of_its_id_is_refused_and_the_id_stays_deleted(how, spec_engine):
+    e = spec_engine
     src = e.create_session("src", request_id="c:0")
     e.submit(src, L0, torch.randn(3, DIM), position=0, request_id="c:1").result(10)
     if how == "create":
@@ -49,8 +41,8 @@ def test_a_create_or_fork_sent_before_a_delete_of_its_id_is_refused_and_the_id_s
     assert e.create_session("s", request_id="c:4") == "s"      # a later call of the client: a new session
 
 
-def test_a_delete_sent_before_the_id_was_created_again_is_refused_and_the_new_session_stays(engine):
-    e = engine
+def test_a_delete_sent_before_the_id_was_created_again_is_refused_and_the_new_session_stays(spec_engine):
+    e = spec_engine
     e.create_session("s", request_id="c:0")
     e.delete_session("s", request_id="c:1")
     e.create_session("s", request_id="c:2")
@@ -64,8 +56,8 @@ def test_a_delete_sent_before_the_id_was_created_again_is_refused_and_the_new_se
 
 
 @pytest.mark.parametrize("then", ["conv", "accept"])
-def test_an_import_sent_before_later_calls_is_refused_and_leaves_their_state(then, engine):
-    e = engine
+def test_an_import_sent_before_later_calls_is_refused_and_leaves_their_state(then, spec_engine):
+    e = spec_engine
     sid = e.create_session(request_id="c:0")
     zero = torch.zeros_like(_state(e, sid))
     e.import_state(sid, zero, request_id="c:1")
@@ -82,8 +74,8 @@ def test_an_import_sent_before_later_calls_is_refused_and_leaves_their_state(the
 
 
 @pytest.mark.parametrize("batch", [False, True])
-def test_an_accept_sent_before_a_later_verify_is_refused_and_that_verify_stays_pending(batch, engine):
-    e = engine
+def test_an_accept_sent_before_a_later_verify_is_refused_and_that_verify_stays_pending(batch, spec_engine):
+    e = spec_engine
     sid = e.create_session(request_id="c:0")
     e.submit(sid, L0, torch.randn(3, DIM), speculative=True, position=0, request_id="c:1").result(10)
     accept = (lambda rid: e.accept_batch([sid], [1], request_id=rid)) if batch else \
@@ -98,9 +90,9 @@ def test_an_accept_sent_before_a_later_verify_is_refused_and_that_verify_stays_p
 
 
 @pytest.mark.parametrize("kind", ["conv", "batch"])
-def test_a_plain_conv_at_position_0_sent_before_an_import_is_refused(kind, engine):
+def test_a_plain_conv_at_position_0_sent_before_an_import_is_refused(kind, spec_engine):
     """After an import every layer is at 0 again: the position alone cannot tell the copy from a new call."""
-    e = engine
+    e = spec_engine
     sid, other = e.create_session(request_id="c:0"), e.create_session(request_id="d:0")
     x = torch.randn(2, DIM)
     if kind == "conv":
@@ -117,9 +109,9 @@ def test_a_plain_conv_at_position_0_sent_before_an_import_is_refused(kind, engin
     assert e.session_info(sid)["positions"][0] == 0
 
 
-def test_retries_carrying_the_same_id_are_not_late(engine):
+def test_retries_carrying_the_same_id_are_not_late(spec_engine):
     """A retry of an applied call is answered as it is without ids (the create exists, the delete finds none)."""
-    e = engine
+    e = spec_engine
     e.create_session("s", request_id="c:0")
     with pytest.raises(SessionExists):
         e.create_session("s", request_id="c:0")
@@ -132,9 +124,9 @@ def test_retries_carrying_the_same_id_are_not_late(engine):
         e.delete_session("s", request_id="c:3")
 
 
-def test_clients_are_told_apart_by_their_prefix(engine):
+def test_clients_are_told_apart_by_their_prefix(spec_engine):
     """Another client's counter (a lower N under another prefix) is no late copy of this one's calls."""
-    e = engine
+    e = spec_engine
     e.create_session("s", request_id="a:100")
     e.submit("s", L0, torch.randn(1, DIM), position=0, request_id="b:1").result(10)
     e.submit("s", L0, torch.randn(1, DIM), position=1, request_id="a:101").result(10)
@@ -142,8 +134,8 @@ def test_clients_are_told_apart_by_their_prefix(engine):
     e.create_session("s", request_id="a:102")
 
 
-def test_a_session_operation_takes_only_a_counted_request_id(engine):
-    e = engine
+def test_a_session_operation_takes_only_a_counted_request_id(spec_engine):
+    e = spec_engine
     sid = e.create_session()
     for rid in ("plain", "c:", ":5", "c:-1", "c:1" + "0" * 18, "x" * 63 + ":1", 5):
         with pytest.raises(BadRequest, match="PREFIX:N"):
@@ -153,8 +145,8 @@ def test_a_session_operation_takes_only_a_counted_request_id(engine):
     e.delete_session(sid, request_id="c:1")
 
 
-def test_ids_without_a_counter_and_calls_without_ids_are_not_held_to_anything(engine):
-    e = engine
+def test_ids_without_a_counter_and_calls_without_ids_are_not_held_to_anything(spec_engine):
+    e = spec_engine
     e.create_session("s", request_id="c:5")
     e.submit("s", L0, torch.randn(1, DIM), position=0, request_id="free-form").result(10)
     e.submit("s", L0, torch.randn(1, DIM)).result(10)
@@ -178,8 +170,8 @@ def test_the_counters_of_deleted_ids_are_bounded_by_max_evicted_ids():
         e.stop(drain=False)
 
 
-def test_a_late_copy_on_an_evicted_or_lost_id_still_answers_state_lost(engine):
-    e = engine
+def test_a_late_copy_on_an_evicted_or_lost_id_still_answers_state_lost(spec_engine):
+    e = spec_engine
     e.create_session("s", request_id="c:0")
     e.mark_lost(["gone"], "was lost in a test")
     with pytest.raises(StateLost):
