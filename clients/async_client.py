@@ -11,7 +11,7 @@ from typing import AsyncIterable, Iterable, Optional, Sequence, Union
 import httpx
 
 from convserve.clients.common import (_POLL_S, MAX_MESSAGE_BYTES, SessionState, _as_request, _backend_of, _Base,
-                                      _chunked, _decode, _default_backend, _frame, _raise_for,
+                                      _chunked, _decode, _default_backend, _raise_for,
                                       _Tracker, _ws_url, check_given_position, ws_connect_async, WS_CLOSE_S)
 from convserve.clients.h1 import _H1Pool, _h1_target
 from convserve.clients.positions import (IMPORT, LOOK, RESYNC, RETRY_ERRORS, Attempts, serialized)
@@ -312,7 +312,7 @@ class AsyncConvClient(_Base):
                         if r is _STOPPED or stop.is_set():     # the stop may come with a value in one pass
                             break
                         req = _as_request(r, i)
-                        data = packer.pack(_frame(req))
+                        data = packer.pack(self._stream_frame(req))
                         tracker.add(req)
                         self.bytes_sent += len(data)
                         yield data
@@ -321,7 +321,7 @@ class AsyncConvClient(_Base):
                 finally:
                     stopped.cancel()
             else:
-                for chunk in _chunked(requests, tracker, failed):
+                for chunk in _chunked(requests, tracker, failed, self._stream_frame):
                     self.bytes_sent += len(chunk)
                     yield chunk
                     if stop.is_set():
@@ -400,7 +400,7 @@ class AsyncConvClient(_Base):
                                 slots.release()
                                 break
                             req = _as_request(r, next(counter))
-                            data = packer.pack(_frame(req))
+                            data = packer.pack(self._stream_frame(req))
                             tracker.add(req)
                             state["n"] += 1     # counted before the send: the receiver waits for its answer
                             state["sending"] = True

@@ -18,8 +18,8 @@ import httpx
 from convserve.clients.positions import UNSENT_ERRORS, PositionBook
 from convserve.clients.protocol import wire
 from convserve.clients.protocol.errors import BY_CODE as _BY_CODE
-from convserve.clients.protocol.errors import (EngineTimeout, OutcomeUnknown, PositionMismatch, ServiceError,
-                                              SessionExists, UnknownSession)
+from convserve.clients.protocol.errors import (EngineTimeout, LateRequest, OutcomeUnknown, PositionMismatch,
+                                              ServiceError, SessionExists, UnknownSession)
 
 _HEADERS = {"content-type": wire.MEDIA_TYPE, "accept": wire.MEDIA_TYPE}
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -445,6 +445,15 @@ class _Base:
     def _state_from(obj, backend) -> SessionState:
         return SessionState(list(obj["layers"]), wire.decode_tensor(obj["state"], backend=backend, name="state"))
 
+    def _stream_frame(self, req) -> dict:
+        """A stream or WebSocket frame of ``req``; a tracking client's carries its own ``request_id``
+        (``PREFIX:N``, no position): the frames then order the client's calls on their sessions, so that a late
+        copy of an earlier import or accept cannot overtake them."""
+        frame = _frame(req)
+        if "request_id" not in frame and self.positions is not None:
+            frame["request_id"] = self._request_id()
+        return frame
+
     def _request_id(self) -> Optional[str]:
         """A tracked call's ``request_id``, the same in its retries: the server then answers a repeat only of
         this call, never of another request applied at the same position (one interrupted, say). ``PREFIX:N``,
@@ -529,26 +538,29 @@ class _Base:
     def _created(answer: tuple, att, sid: str) -> str:
         """The id a tracked create or fork of ``sid`` made (``answer``: its ``(response, retries)``). A retry
         refused because ``sid`` exists, after an attempt that may have been applied: that attempt made it (an id
-        the client made is known to no one else; one the caller chose is taken as the caller's)."""
+        the client made is known to no one else; one the caller chose is taken as the caller's). Refused as a late
+        copy (``late_request``): the server received an attempt of this call before, and made the session then (it
+        was removed since, by another client)."""
         try:
             return _decode(answer[0])["session"]
-        except SessionExists:
+        except (SessionExists, LateRequest):
             if not att.maybe_ran:
                 raise
             return sid
 
     @staticmethod
     def _deleted(answer: tuple, att) -> None:
-        """A tracked delete's answer: a retry that finds no session, after an attempt that may have been applied,
-        found that attempt's work done."""
+        """A tracked delete's answer: a retry that finds no session, or is refused as a late copy (the session was
+        made again under the id since), after an attempt that may have been applied, found that attempt's work
+        done."""
         try:
             _raise_for(answer[0])
-        except UnknownSession:
+        except (UnknownSession, LateRequest):
             if not att.maybe_ran:
                 raise
 
 
-def _chunked(requests: Iterable, tracker: _Tracker, failed: list) -> Iterator[bytes]:
+def _chunked(requests: Iterable, tracker: _Tracker, failed: list, frame=_frame) -> Iterator[bytes]:
     """Encode requests into HTTP chunks of ~256 KiB (the whole body is sent before any answer is read). A request
     that cannot be encoded (or an error of ``requests`` itself) ends the body after the frames before it, which are
     sent and answered; the error goes into ``failed``, for the reader to raise after their answers."""
@@ -557,7 +569,7 @@ def _chunked(requests: Iterable, tracker: _Tracker, failed: list) -> Iterator[by
     try:
         for i, r in enumerate(requests):
             req = _as_request(r, i)
-            b = packer.pack(_frame(req))
+            b = packer.pack(frame(req))
             tracker.add(req)
             buf.append(b)
             size += len(b)

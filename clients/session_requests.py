@@ -46,4 +46,4 @@ def accept_body(sessions, tokens, rid: Optional[str], one: bool) -> bytes:
 def delete_path(session: str, rid: Optional[str]) -> str:
     """``DELETE /v1/sessions/{id}``'s path, with its ``request_id`` as the query (a DELETE has no body)."""
     path = f"/v1/sessions/{quote_id(session)}"
-    return path if rid is None else f"{path}?request_id={quote_id(rid)}"
+    return path if rid is None else f"{path}?request_id={urllib.parse.quote(rid, safe='')}"

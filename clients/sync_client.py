@@ -10,7 +10,7 @@ from typing import Iterable, Iterator, Optional, Sequence
 import httpx
 
 from convserve.clients.common import (MAX_MESSAGE_BYTES, _POLL_S, ConvResult, SessionState, _as_request, _backend_of,
-                                      _Base, _chunked, _decode, _default_backend, _frame,
+                                      _Base, _chunked, _decode, _default_backend,
                                       _raise_for, _Tracker, _ws_url, check_given_position, ws_connect, WS_CLOSE_S)
 from convserve.clients.positions import (IMPORT, LOOK, RESYNC, RETRY_ERRORS, Attempts, serialized)
 from convserve.clients.protocol import wire
@@ -330,7 +330,7 @@ class ConvClient(_Base):
         closing = False             # the caller stopped early: the answers still owed are read and dropped
 
         def body():
-            for chunk in _chunked(requests, tracker, failed):
+            for chunk in _chunked(requests, tracker, failed, self._stream_frame):
                 self.bytes_sent += len(chunk)
                 yield chunk
 
@@ -385,7 +385,7 @@ class ConvClient(_Base):
                             except StopIteration:
                                 break
                             req = _as_request(r, i)
-                            data = packer.pack(_frame(req))
+                            data = packer.pack(self._stream_frame(req))
                             with room:
                                 while sent["bytes"] and sent["bytes"] + len(data) > WS_INFLIGHT_BYTES and \
                                         not sent["stop"]:

@@ -7,6 +7,7 @@ supervisor imports the engine process's module, and must not import what a worki
 
 from __future__ import annotations
 
+import sys
 from typing import Any, NamedTuple, Optional
 
 from convserve.clients.protocol.errors import BadRequest
@@ -32,19 +33,21 @@ def claim_fields(position) -> tuple:
 
 def claim(position, rid):
     """The ``position`` argument for ``position`` and request id ``rid`` (None: no id)."""
-    return position if rid is None or position is None else Claimed(position, rid)
+    return position if rid is None else Claimed(position, rid)
 
 
 def with_request_id(position, rid: Optional[str]):
     """``position`` with a caller's ``request_id`` (None: none) as :class:`Claimed`, checked: 1 to 64 printable
-    ASCII characters, and only beside a position (:class:`BadRequest` otherwise)."""
+    ASCII characters, and only beside a position unless of the form ``PREFIX:N`` (:class:`BadRequest`
+    otherwise)."""
     if rid is None:
         return position
     if type(rid) is not str or not 0 < len(rid) <= 64 or not (rid.isascii() and rid.isprintable()):
         raise BadRequest(f"'request_id' must be a string of 1 to 64 printable ASCII characters, got {rid!r:.80}")
-    if position is None:
-        raise BadRequest("'request_id' goes with 'position': it tells a repeat of the request applied at that "
-                         "position from another request; send both, or neither")
+    if position is None and rid_counter(rid) is None:
+        raise BadRequest("'request_id' goes with 'position' (it tells a repeat of the request applied at that "
+                         "position from another request; send both, or neither), unless it is PREFIX:N, which "
+                         "alone orders a client's calls")
     return Claimed(position, rid)
 
 
@@ -54,7 +57,7 @@ def rid_counter(rid: Optional[str]):
         return None
     prefix, sep, n = rid.rpartition(":")
     if sep and prefix and n.isdigit() and len(n) <= 18 and n.isascii():
-        return prefix, int(n)
+        return sys.intern(prefix), int(n)      # (one string per client in every session's counters it is kept in)
     return None
 
 

@@ -62,9 +62,10 @@ class Session:
     sched_block: int = 0
     #: the last step that gave this session a prefill chunk (-1: none); prefills take turns by it
     sched_served: int = -1
-    #: to tell a verify's late copy (see Positions._check_fresh_verify_locked): per client (``PREFIX`` of its
-    #: ``PREFIX:N`` request ids) the highest N seen; per layer the other verify ids, oldest first; and the id of
-    #: what was submitted last (None: a request without one; ``OP``: an accept, import or delete)
+    #: to tell a late copy (see Positions._check_not_late_locked): per client (``PREFIX`` of its ``PREFIX:N``
+    #: request ids) the lowest N this session takes, that is the highest seen (or one above a removed session's
+    #: under this id); per layer the other verify ids, oldest first; and the id of what was submitted last (None:
+    #: a request without one; ``OP``: an accept, import or delete)
     rid_hi: dict = field(default_factory=dict)
     verify_ids: dict = field(default_factory=dict)
     last_id: Any = None

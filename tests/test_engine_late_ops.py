@@ -31,7 +31,7 @@ def test_a_create_or_fork_sent_before_a_delete_of_its_id_is_refused_and_the_id_s
     else:
         e.fork_session(src, "s", request_id="c:2")
     e.delete_session("s", request_id="c:3")
-    with pytest.raises(LateRequest, match="c:2.*below 'c':3"):
+    with pytest.raises(LateRequest, match="c:2.*below 'c':4, the lowest"):
         if how == "create":
             e.create_session("s", request_id="c:2")
         else:
@@ -176,3 +176,75 @@ def test_a_late_copy_on_an_evicted_or_lost_id_still_answers_state_lost(spec_engi
     e.mark_lost(["gone"], "was lost in a test")
     with pytest.raises(StateLost):
         e.delete_session("gone", request_id="c:1")
+
+
+def test_a_fork_sent_before_the_clients_later_calls_on_its_source_is_refused(spec_engine):
+    """The fork's answer was lost and its new id then seen absent; the client went on with the source. The fork's
+    late copy would make a session of the source's later state, which the client believes does not exist."""
+    e = spec_engine
+    e.create_session("src", request_id="c:0")
+    e.submit("src", L0, torch.randn(3, DIM), position=0, request_id="c:1").result(10)
+    with pytest.raises(UnknownSession):
+        e.session_info("child")
+    e.submit("src", L0, torch.randn(4, DIM), position=3, request_id="c:3").result(10)
+    with pytest.raises(LateRequest):
+        e.fork_session("src", "child", request_id="c:2")
+    with pytest.raises(UnknownSession):
+        e.session_info("child")
+
+
+@pytest.mark.parametrize("late", ["delete", "create"])
+def test_a_copy_of_another_clients_latest_call_before_the_id_was_made_again_is_refused(late, spec_engine):
+    """Client a's call (its retry ran) and client b's remove-or-make-again of the id after it: a's copy carries the
+    same N as its retry, yet it was sent before the session that now holds the id existed."""
+    e = spec_engine
+    if late == "delete":
+        e.create_session("x", request_id="a:0")
+        e.delete_session("x", request_id="a:1")              # a's retry of its delete
+        e.create_session("x", request_id="b:0")              # b makes the id again
+        e.submit("x", L0, torch.randn(2, DIM), position=0, request_id="b:1").result(10)
+        with pytest.raises(LateRequest):
+            e.delete_session("x", request_id="a:1")
+        assert e.session_info("x")["positions"][0] == 2
+    else:
+        e.create_session("x", request_id="a:0")              # a's retry of its create
+        e.delete_session("x", request_id="b:0")              # b removes it
+        with pytest.raises(LateRequest):
+            e.create_session("x", request_id="a:0")
+        with pytest.raises(UnknownSession):
+            e.session_info("x")
+        e.create_session("x", request_id="a:1")              # a's next call makes it again
+
+
+def test_a_create_queued_behind_a_delete_keeps_its_own_counter(spec_engine):
+    """The create queued behind its client's delete noted its N on the session it follows: it is not late when
+    it runs, and its retry is answered session_exists, not late."""
+    e = spec_engine
+    e.create_session("x", request_id="c:0")
+    gate = e.submit("x", L0, torch.randn(2, DIM), position=0, request_id="c:1")
+    deleting = e.submit_op("delete_session", "x", request_id="c:2")
+    creating = e.submit_op("create_session", "x", request_id="c:3")
+    gate.result(10)
+    deleting.result(10)
+    assert creating.result(10) == "x"
+    with pytest.raises(SessionExists):
+        e.create_session("x", request_id="c:3")
+    with pytest.raises(LateRequest):
+        e.delete_session("x", request_id="c:2")
+
+
+def test_a_counted_id_alone_orders_a_conv_without_a_position(spec_engine):
+    """A stream frame of a tracking client carries its PREFIX:N and no position: it orders the calls after it,
+    and is itself refused below a later call."""
+    e = spec_engine
+    sid = e.create_session(request_id="c:0")
+    zero = torch.zeros_like(_state(e, sid))
+    e.import_state(sid, zero, request_id="c:1")
+    e.submit(sid, L0, torch.randn(2, DIM), request_id="c:2").result(10)
+    with pytest.raises(LateRequest):
+        e.import_state(sid, zero, request_id="c:1")
+    with pytest.raises(LateRequest):
+        e.submit(sid, L0, torch.randn(2, DIM), request_id="c:1").result(10)
+    with pytest.raises(BadRequest, match="goes with 'position'"):
+        e.submit(sid, L0, torch.randn(2, DIM), request_id="free-form").result(10)
+    assert e.session_info(sid)["positions"][0] == 2

@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 
-from convserve.clients.protocol.errors import StateLost
+from convserve.clients.protocol.errors import StateLost, UnknownSession
 from convserve.service.engine import Engine, EngineConfig
 from convserve.service.model import ConvModel
 from convserve.service.snapshot_file import Snapshot, new_meta
@@ -208,24 +208,54 @@ def test_a_periodic_snapshot_on_cuda_copies_every_settled_sessions_state_and_ver
 
 
 @pytest.mark.parametrize("moved", [False, True])
-def test_an_import_is_noted_in_the_journal_under_the_lock_that_queues_it(moved):
-    """A snapshot is captured under the engine lock. Noted under that lock as its operation is queued, an import
-    is either queued at the capture (the session left out as busy) or noted after it (its line kept, and the
-    session lost at a restore): never noted before a capture that still holds the older state, whose write
-    drops the line."""
+def test_a_snapshot_taken_while_an_import_is_noted_leaves_that_session_out(moved):
+    """An import is noted in the journal (a file write) before it is queued, outside the engine lock. A snapshot
+    captured meanwhile, whose write drops the journal's lines before its time, must not hold the session's older
+    state (a crash after the import ran would restore it without a 410): the session is left out as busy, and
+    another session is not. After the import is queued, captures see it queued, then applied."""
+    e = engine(model())
+    e.start()
+    try:
+        sid, other = e.create_session(), e.create_session()
+        seen = []
+
+        meta = new_meta(e.model_info(), 0, 1, "cpu")
+
+        def note(s):
+            locked = e._lock.locked()
+            with e._lock:
+                cap = e._capture_locked(meta, asynchronous=False)
+            seen.append((s, locked, cap.meta["lost"], [r["id"] for r in cap.meta["sessions"]]))
+
+        e.on_import = note
+        state = torch.zeros_like(e.export_state(sid))
+        if moved:
+            e.submit(sid, LAYERS[0], torch.randn(2, DIM), speculative=True).result(10)
+            e.import_state(sid, state, positions=[0] * len(LAYERS), pending=[[0, 2]], spec=torch.randn(1, 2, DIM))
+        else:
+            e.import_state(sid, state)
+        assert seen == [(sid, False, [sid], [other])]     # noted outside the lock; the capture left it out
+        with e._lock:
+            assert not e._importing
+            cap = e._capture_locked(meta, asynchronous=False)
+        assert cap.meta["lost"] == [] and len(cap.meta["sessions"]) == 2
+    finally:
+        e.stop()
+
+
+def test_an_import_refused_after_its_note_leaves_no_session_marked_importing():
     e = engine(model())
     e.start()
     try:
         sid = e.create_session()
-        seen = []
-        e.on_import = lambda s: seen.append((s, e._lock.locked(), len(e._sessions.get(s).ops)))
         state = torch.zeros_like(e.export_state(sid))
-        if moved:
-            e.submit(sid, LAYERS[0], torch.randn(2, DIM), speculative=True).result(10)
-            pend, spec = [[0, 2]], torch.randn(1, 2, DIM)
-            e.import_state(sid, state, positions=[0] * len(LAYERS), pending=pend, spec=spec)
-        else:
+
+        def note(s):
+            e.delete_session(s)                      # gone before its import is queued: 404, nothing marked
+
+        e.on_import = note
+        with pytest.raises(UnknownSession):
             e.import_state(sid, state)
-        assert seen == [(sid, True, 0)]            # under the lock, before the op joined the session's queue
+        assert not e._importing
     finally:
         e.stop()

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from convserve.clients.client import AsyncConvClient, ConvClient
+from convserve.clients.client import AsyncConvClient, ConvClient, ConvRequest
 from convserve.clients.protocol import wire
 from tests.http_api import Api, assert_close, rand_x
 
@@ -68,6 +68,12 @@ def _steps(op: str, sid: str):
     if op == "import":       # its copy would undo the conv after it
         return [("create_session", (sid,)), ("import_state", (sid, None)), ("conv", (sid, LAYER, x))], \
             ("PUT", "/state")
+    if op == "import-stream":      # ... sent on the client's stream (frames carry its ids, no positions)
+        return [("create_session", (sid,)), ("import_state", (sid, None)), ("stream", (sid, LAYER, x, False))], \
+            ("PUT", "/state")
+    if op == "accept-stream":      # its copy would commit the verify sent on the stream after it
+        return [("create_session", (sid,)), ("conv", (sid, LAYER, v, True)), ("accept", (sid, 2)),
+                ("stream", (sid, LAYER, x, True))], ("POST", "/accept")
     # accept: its copy would commit the later verify
     return [("create_session", (sid,)), ("conv", (sid, LAYER, v, True)), ("accept", (sid, 2)),
             ("conv", (sid, LAYER, x, True))], ("POST", "/accept")
@@ -76,12 +82,16 @@ def _steps(op: str, sid: str):
 def _call(c, name, args):
     if name == "import_state":
         return c.import_state(args[0], c.export_state(args[0]))
+    if name == "stream":
+        return [r.unwrap() for r in c.stream([ConvRequest(*args)])]
     return getattr(c, name)(*args)
 
 
 async def _acall(c, name, args):
     if name == "import_state":
         return await c.import_state(args[0], await c.export_state(args[0]))
+    if name == "stream":
+        return [r.unwrap() async for r in c.stream([ConvRequest(*args)])]
     return await getattr(c, name)(*args)
 
 
@@ -94,7 +104,7 @@ def _observe(api: Api, sid: str):
 
 
 @pytest.mark.parametrize("kind", ["sync", "async"])
-@pytest.mark.parametrize("op", ["create", "fork", "delete", "import", "accept"])
+@pytest.mark.parametrize("op", ["create", "fork", "delete", "import", "import-stream", "accept", "accept-stream"])
 def test_a_tracked_operations_late_copy_is_refused_and_changes_nothing(server, api, op, kind):
     sid = f"late-{op}-{kind}-{time.monotonic_ns()}"
     steps, (method, end) = _steps(op, sid)
@@ -116,7 +126,7 @@ def test_a_tracked_operations_late_copy_is_refused_and_changes_nothing(server, a
                                                      "accept": "application/msgpack"})
     assert r.status_code == 409, r.content
     err = Api.decode(r)["error"]
-    assert err["code"] == "late_request" and "later call of the same client" in err["message"]
+    assert err["code"] == "late_request" and "still takes from the same client" in err["message"]
     after = _observe(api, sid)
     assert (before is None) == (after is None)
     if before is not None:

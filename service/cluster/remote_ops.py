@@ -66,7 +66,7 @@ class RemoteSessions:
             new_id, _ = new_id_on(lambda x: x == e, self.n, tries=4096)
         if new_id is None or engine_of(new_id, self.n) == e:
             return self._op(e, "fork_session", src_id, new_id, rid=request_id)
-        state, positions, pending, spec = self._op(e, "export_for_fork", src_id)
+        state, positions, pending, spec = self._op(e, "export_for_fork", src_id, rid=request_id)
         self._op(engine_of(new_id, self.n), "create_with_state", new_id, positions, pending, state=state, spec=spec,
                  rid=request_id)
         return new_id

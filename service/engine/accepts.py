@@ -59,6 +59,7 @@ class Accepts:
         check_accept_tokens(n_tokens)
         with self._lock:
             s = self._sessions.get(session_id)
+            refuse_late_all((s,), request_id)   # (a late copy is told as such, before a verify it finds missing)
             if not s.ops:     # else at its turn only: a verify queued before it may yet be refused at its own
                 self._check_pending(s, n_tokens)
         return self._post_op(session_id, lambda s: self._op_accept(s, n_tokens),

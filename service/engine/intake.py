@@ -331,11 +331,11 @@ class Intake:
         bit, table, b = 1 << req.layer, self._sessions, req.batch
         with self._lock:
             self._check_running_locked()
-            if positions is None:
-                sessions = table.get_many(session_ids)    # UnknownSession / StateLost name the id
-            else:
-                sessions = [self._session_at_locked(sid, at) for sid, at in zip(session_ids, positions)]
+            sessions = table.get_many(session_ids) if positions is None else \
+                [self._session_at_locked(sid, at) for sid, at in zip(session_ids, positions)]   # (404/410 name it)
+            if rid is not None:
                 refuse_late_all(sessions, rid)
+            if positions is not None:
                 answer = self._check_batch_positions_locked(sessions, req.layer, positions, rows, key, rid)
                 if answer is not None:         # a repeat: its kept answer, whatever is queued since
                     return self._replay_locked(answer, 0, None, req.x_dtype or self.model_cpu.dtype, req.future)

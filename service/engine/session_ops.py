@@ -69,7 +69,7 @@ class SessionOps:
                 # behind the delete (and whatever else is queued on the id): it runs with that session gone
                 self._order_locked(s, counted, request_id)
                 return self._queue_op_locked(s, lambda _s: self._op_create(session_id, counted, request_id),
-                                             recreates=True)
+                                             recreates=True)   # (its N noted on the session it follows)
             op = Op(None, None, Future(), -1, label=session_id or "")
             op.future.set_result(self._create_locked(session_id, counted, request_id))
             return op
@@ -86,25 +86,36 @@ class SessionOps:
 
     def _op_create(self, sid: str, counted, rid) -> str:
         with self._lock:
-            return self._create_locked(sid, counted, rid)
+            return self._create_locked(sid, counted, rid, behind_delete=True)
 
-    def _create_locked(self, session_id: Optional[str], counted=None, rid=None) -> str:
+    def _create_locked(self, session_id: Optional[str], counted=None, rid=None, behind_delete: bool = False) -> str:
         sid = session_id if session_id is not None else SessionTable.new_id()
+        live = self._sessions.find(sid)
+        if live is not None and counted is not None:
+            refuse_late(live.rid_hi, counted, rid, sid)      # a late copy is told as such, not as an id in use
         self._sessions.check_free(sid)
-        hi = self._new_counters_locked(sid, counted, rid)
+        hi = self._new_counters_locked(sid, counted, rid, behind_delete)
         slot = self._alloc_locked()
         self._sessions.add(Session(sid, slot, positions=[0] * self.model_cpu.n_layers, last_used=time.monotonic(),
                                    rid_hi=hi))
         self._changes += 1
         return sid
 
-    def _new_counters_locked(self, sid: str, counted, rid) -> dict:
+    def _new_counters_locked(self, sid: str, counted, rid, behind_delete: bool = False) -> dict:
         """The request counters of a session about to be made under ``sid`` by a call carrying ``rid``
-        (``counted``: its counter, or None): the last removed session's of that id, and the call's own;
-        :class:`LateRequest` when the call is below them (a create or fork sent before that removal)."""
-        hi = self._sessions.counters_of(sid)
+        (``counted``: its counter, or None). The last removed session's of that id are taken over one higher:
+        every call they counted was received before this session existed, so one of the same N is a late copy
+        here (a delete's whose retry removed the old session; a create's whose retry made it), and so is this
+        call when it is one of them (:class:`LateRequest`). Except a create queued behind the delete
+        (``behind_delete``), whose own N was noted on the old session: it is late only below it."""
+        old = self._sessions.counters_of(sid)
+        hi = {prefix: n + 1 for prefix, n in old.items()}
         if counted is not None:
-            refuse_late(hi, counted, rid, sid)
+            if behind_delete:
+                refuse_late(old, counted, rid, sid)
+                hi.pop(counted[0], None)
+            else:
+                refuse_late(hi, counted, rid, sid)
             note_counted(hi, counted)
         return hi
 
@@ -165,9 +176,10 @@ class SessionOps:
             SessionTable.check_id(new_id)
             with self._lock:
                 self._sessions.check_free(new_id)
-                if counted is not None:
-                    refuse_late(self._sessions.counters_of(new_id), counted, request_id, new_id)
-        return self._post_op(src_id, lambda s: self._op_fork(s, new_id, counted, request_id))
+                self._new_counters_locked(new_id, counted, request_id)    # (refuses a late copy now)
+        # ordered on the source too: a copy that reaches it after the client's later calls there would fork a
+        # state the client never asked for (its fork's answer lost, the new id then seen absent)
+        return self._post_op(src_id, lambda s: self._op_fork(s, new_id, counted, request_id), rid=request_id)
 
     def _op_fork(self, s: Session, new_id: Optional[str], counted=None, rid=None) -> str:
         with self._lock:
@@ -194,10 +206,11 @@ class SessionOps:
     def _post_export_state(self, session_id: str) -> Op:
         return self._post_op(session_id, lambda s: self.pool.export(s.slot))
 
-    def _post_export_for_move(self, session_id: str) -> Op:
+    def _post_export_for_move(self, session_id: str, request_id: Optional[str] = None) -> Op:
         """``(state, positions, pending, spec)`` of a session copied to another engine (a fork there), all as of
         the op's turn: ``pending`` its speculative verifies as ``[[layer index, tokens], ...]`` and ``spec`` their x,
-        ``(len(pending), longest, dim)`` in the model dtype (None without one), for :meth:`import_state`."""
+        ``(len(pending), longest, dim)`` in the model dtype (None without one), for :meth:`import_state`.
+        ``request_id``: the fork's, ordered on the source as :meth:`fork_session` orders it."""
         def op(s: Session):
             with self._lock:
                 pend = self._pending_at_turn_locked(s)
@@ -213,7 +226,7 @@ class SessionOps:
             with self._lock:
                 return state, [q - h for q, h in zip(s.positions, self._held_tokens_locked(s))], ran, spec
 
-        return self._post_op(session_id, op)
+        return self._post_op(session_id, op, rid=request_id)
 
     def import_state(self, session_id: str, state: torch.Tensor, request_id: Optional[str] = None, *,
                      positions=None, pending=None, spec=None) -> None:
@@ -257,10 +270,40 @@ class SessionOps:
                     else:
                         s.pending[p] = (t, seq)
 
-        # noted in the journal before it can apply (a crash then cannot restore an older state silently), under
-        # the lock that queues it: a snapshot sees the import queued (the session left out) or the line after it
-        return self._post_op(session_id, op, kind="move" if pending else "import", rid=request_id,
-                             noted=self.on_import)
+        return self._post_noted(session_id, op, "move" if pending else "import", request_id)
+
+    def _post_noted(self, session_id: str, fn: Callable[[Session], None], kind: str, rid: Optional[str]) -> Op:
+        """Queue an import ``fn``, noted in the journal (``on_import``) before it can apply, so that a crash after
+        it ran cannot restore an older state silently. The note, a file write, is made outside the engine lock;
+        from before it until the import is queued the session is marked importing (``_importing``), and a snapshot
+        captured meanwhile leaves it out as busy: a snapshot, whose write drops the journal's lines before its
+        time, then never holds the older state of a session whose import may run after it."""
+        note = self.on_import
+        if note is None:
+            return self._post_op(session_id, fn, kind=kind, rid=rid)
+        counted = op_request_id(rid)
+        with self._lock:
+            s = self._sessions.get(session_id)
+            refuse_late(s.rid_hi, counted, rid, s.id)             # (a late copy leaves no line)
+            self._importing[s.id] = self._importing.get(s.id, 0) + 1
+        marked = [s.id]
+
+        def queued(sid: str) -> None:
+            self._unmark_importing_locked(sid)
+            marked.clear()
+
+        try:
+            note(session_id)
+            return self._post_op(session_id, fn, kind=kind, rid=rid, on_queue=queued)
+        finally:
+            if marked:
+                with self._lock:
+                    self._unmark_importing_locked(marked[0])
+
+    def _unmark_importing_locked(self, sid: str) -> None:
+        n = self._importing.pop(sid) - 1
+        if n:
+            self._importing[sid] = n
 
     def _moved_verifies(self, pending: list, spec) -> list:
         """``pending`` checked against ``spec`` (see :meth:`import_state`), as ``[(layer index, tokens), ...]``;
@@ -305,7 +348,8 @@ class SessionOps:
                        "accept_batch", "export_for_move", "session_info")
 
     #: the operations that take a ``request_id`` (keyword), which orders them among their client's calls
-    ORDERED_OPS = ("create_session", "delete_session", "fork_session", "import_state", "accept", "accept_batch")
+    ORDERED_OPS = ("create_session", "delete_session", "fork_session", "import_state", "accept", "accept_batch",
+                   "export_for_move")
 
     def submit_op(self, name: str, *args, request_id: Optional[str] = None) -> Future:
         """Queue the session operation ``name`` (one of :attr:`SUBMITTABLE_OPS`, arguments as its method's)
@@ -328,20 +372,20 @@ class SessionOps:
 
     def _post_op(self, session_id: str, fn: Callable[[Session], Any], deletes: bool = False,
                  now: Optional[Callable[[Session], Any]] = None, kind: str = "", rid: Optional[str] = None,
-                 noted: Optional[Callable[[str], None]] = None) -> Op:
+                 on_queue: Optional[Callable[[str], None]] = None) -> Op:
         """Queue ``fn(session)`` for the worker, behind the session's requests submitted so far (its barrier)
         and its earlier ops (each session's ops are a FIFO). With ``now`` (``fn``'s work, to be called under the
         engine lock) the op runs at once instead, on this thread, when its turn is now
         (:meth:`_runs_now_locked`); the op returned is then done. ``rid``: its ``request_id`` (see
-        :meth:`_order_locked`); ``noted(session id)``: called under the lock once the op is sure to be queued
-        (it raises to refuse)."""
+        :meth:`_order_locked`); ``on_queue(session id)``: called under the lock once the op is sure to be queued
+        or run."""
         counted = op_request_id(rid)
         with self._lock:
             self._check_running_locked()
             s = self._sessions.get(session_id)
             self._order_locked(s, counted, rid)
-            if noted is not None:
-                noted(s.id)
+            if on_queue is not None:
+                on_queue(s.id)
             if now is not None and self._runs_now_locked((s,)):
                 return self._run_now_locked((s,), s.id, lambda: now(s))
             return self._queue_op_locked(s, fn, deletes=deletes, kind=kind)

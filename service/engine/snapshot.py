@@ -119,6 +119,7 @@ class SnapshotTaking:
         self._snap_request: Optional[tuple] = None      # (meta, callback, unchanged_since) for the worker's next pause
         self._snap_host: dict = {}                       # CUDA: name -> pinned buffer reused by snapshots
         self._changes = 0                                # see the module docstring (guarded by _lock)
+        self._importing: dict = {}    # session id -> its imports noted in the journal, not yet queued (_post_noted)
 
     def request_snapshot(self, meta: dict, callback: Callable[[Optional[Capture]], None],
                          unchanged_since: Optional[int] = None) -> bool:
@@ -169,7 +170,7 @@ class SnapshotTaking:
             return Capture(dict(meta, sessions=[], lost=[]), None, changes=changes)
         records, slots, lost, spec_slots, longest = [], [], [], [], 0
         for s in self._sessions:
-            if not _settled(s):
+            if not _settled(s) or s.id in self._importing:
                 lost.append(s.id)
                 continue
             pend = sorted((p, t) for p, (t, _seq) in s.pending.items())

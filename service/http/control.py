@@ -181,8 +181,7 @@ def add_control_routes(app: FastAPI, svc: Service) -> None:
         svc.require_ready()
         body = await read(request)
         state, rid = parser.state(body), parser.op_request_id(body)
-        # (keyword: the in-process engine's import_state takes a moved session's positions before it)
-        await asyncio.to_thread(engine.import_state, session, state, request_id=rid)  # NaN/Inf: non_finite
+        await asyncio.to_thread(engine.import_state, session, state, rid)  # NaN/Inf -> non_finite (engine)
         return Response(status_code=204)
 
     @app.post("/v1/accept", status_code=204)
