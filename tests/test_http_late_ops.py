@@ -12,7 +12,8 @@ import time
 import httpx
 import pytest
 
-from convserve.clients.client import AsyncConvClient, ConvClient, ConvRequest
+from convserve.clients.client import AsyncConvClient, BatchRequest, ConvClient, ConvRequest
+from convserve.service.cluster.placement import engine_of
 from convserve.clients.protocol import wire
 from tests.http_api import Api, assert_close, rand_x
 
@@ -71,6 +72,10 @@ def _steps(op: str, sid: str):
     if op == "import-stream":      # ... sent on the client's stream (frames carry its ids, no positions)
         return [("create_session", (sid,)), ("import_state", (sid, None)), ("stream", (sid, LAYER, x, False))], \
             ("PUT", "/state")
+    if op == "import-stream-batch":     # ... in a batch frame whose sessions live on two engine processes
+        other = next(f"{sid}-b{i}" for i in range(64) if engine_of(f"{sid}-b{i}", 2) != engine_of(sid, 2))
+        return [("create_session", (sid,)), ("create_session", (other,)), ("import_state", (sid, None)),
+                ("stream_batch", ([sid, other], LAYER, rand_x(6, seed=7), [3, 3]))], ("PUT", "/state")
     if op == "accept-stream":      # its copy would commit the verify sent on the stream after it
         return [("create_session", (sid,)), ("conv", (sid, LAYER, v, True)), ("accept", (sid, 2)),
                 ("stream", (sid, LAYER, x, True))], ("POST", "/accept")
@@ -82,17 +87,21 @@ def _steps(op: str, sid: str):
 def _call(c, name, args):
     if name == "import_state":
         return c.import_state(args[0], c.export_state(args[0]))
-    if name == "stream":
-        return [r.unwrap() for r in c.stream([ConvRequest(*args)])]
+    if name.startswith("stream"):
+        return [r.unwrap() for r in c.stream([_frame_of(name, args)])]
     return getattr(c, name)(*args)
 
 
 async def _acall(c, name, args):
     if name == "import_state":
         return await c.import_state(args[0], await c.export_state(args[0]))
-    if name == "stream":
-        return [r.unwrap() async for r in c.stream([ConvRequest(*args)])]
+    if name.startswith("stream"):
+        return [r.unwrap() async for r in c.stream([_frame_of(name, args)])]
     return await getattr(c, name)(*args)
+
+
+def _frame_of(name, args):
+    return BatchRequest(*args) if name == "stream_batch" else ConvRequest(*args)
 
 
 def _observe(api: Api, sid: str):
@@ -104,7 +113,8 @@ def _observe(api: Api, sid: str):
 
 
 @pytest.mark.parametrize("kind", ["sync", "async"])
-@pytest.mark.parametrize("op", ["create", "fork", "delete", "import", "import-stream", "accept", "accept-stream"])
+@pytest.mark.parametrize("op", ["create", "fork", "delete", "import", "import-stream", "import-stream-batch", "accept",
+                                "accept-stream"])
 def test_a_tracked_operations_late_copy_is_refused_and_changes_nothing(server, api, op, kind):
     sid = f"late-{op}-{kind}-{time.monotonic_ns()}"
     steps, (method, end) = _steps(op, sid)
@@ -163,8 +173,6 @@ def test_a_delete_takes_request_id_once_and_no_other_query_parameter(api, query)
 def test_a_fork_onto_another_engine_refuses_its_late_copy_there_too(server, api):
     """A fork whose new id hashes to another engine process goes through export and a create with the state
     there: that create is refused as a create of the id is (on the in-process layout, the plain fork)."""
-    from convserve.service.cluster.placement import engine_of
-
     tag = time.monotonic_ns()
     src = api.session(f"xfork-src-{tag}")
     dst = next(f"xfork-dst-{tag}-{i}" for i in range(64) if engine_of(f"xfork-dst-{tag}-{i}", 2) != engine_of(src, 2))

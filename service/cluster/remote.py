@@ -504,7 +504,7 @@ class RemoteEngine(RemoteSessions, EngineHealth):
         the model dtype) and the answers joined in batch order, as ``y_dtype``. Its sessions' later sends wait
         for ``hold``, done once the parts are sent (or the batch refused)."""
         parts = parts_of(groups, speculative)
-        whole = {} if position is None else {"wk": whole_key(sids, tokens, speculative), **(ri or {})}
+        whole = {**(ri or {})} if position is None else {"wk": whole_key(sids, tokens, speculative), **(ri or {})}
         if waits:
             await asyncio.wait(waits)          # (cancelling this task leaves them alone)
         try:
