@@ -137,6 +137,10 @@ class SessionTable:
         those of the session last removed under it (empty when none is remembered)."""
         return dict(self._gone.get(session_id, ()))
 
+    def forget_counters(self, session_id: str) -> None:
+        """Keep no counters for a removed ``session_id`` (a session undone right after it was made)."""
+        self._gone.pop(session_id, None)
+
     def add(self, session: Session) -> None:
         """Make ``session`` live (its ``rid_hi`` already holds :meth:`counters_of` its id, when it should)."""
         self.check_free(session.id)

@@ -248,3 +248,40 @@ def test_a_counted_id_alone_orders_a_conv_without_a_position(spec_engine):
     with pytest.raises(BadRequest, match="goes with 'position'"):
         e.submit(sid, L0, torch.randn(2, DIM), request_id="free-form").result(10)
     assert e.session_info(sid)["positions"][0] == 2
+
+
+def test_a_session_dropped_right_after_it_was_made_leaves_its_retry_free(spec_engine):
+    """An engine process makes a forked session, then its state fails to arrive and the session is dropped: the
+    fork's retry (the same N) makes it, rather than being refused as a late copy of itself."""
+    e = spec_engine
+    e.create_session_now("fx", request_id="a:5")
+    e.submit_op("drop_created", "fx").result(10)
+    with pytest.raises(UnknownSession):
+        e.session_info("fx")
+    assert e.create_session_now("fx", request_id="a:5") == "fx"
+
+
+def test_a_second_create_queued_behind_a_delete_is_told_the_id_is_taken(spec_engine):
+    e = spec_engine
+    e.create_session("x", request_id="b:0")
+    gate = e.submit("x", L0, torch.randn(2, DIM), position=0, request_id="b:1")
+    ops = [e.submit_op("delete_session", "x", request_id="b:2"), e.submit_op("create_session", "x", request_id="a:3"),
+           e.submit_op("create_session", "x", request_id="c:9")]
+    gate.result(10)
+    ops[0].result(10)
+    assert ops[1].result(10) == "x"
+    with pytest.raises(SessionExists):
+        ops[2].result(10)
+
+
+def test_a_split_batch_check_refuses_a_late_counted_id_without_a_position(spec_engine):
+    """The first phase of a batch split across engine processes refuses what each part's engine would: a part
+    refused only when it is run would leave the other parts applied."""
+    from convserve.service.claims import Claimed
+
+    e = spec_engine
+    sid = e.create_session()
+    e.submit(sid, L0, torch.randn(1, DIM), request_id="z:6").result(10)
+    with pytest.raises(LateRequest):
+        e.check_batch([sid], None, None, L0, Claimed(None, "z:5"))
+    assert e.check_batch([sid], None, None, L0, Claimed(None, "z:7")) is None

@@ -479,7 +479,7 @@ class EngineProcess:
             try:
                 fut = eng.submit_op("import_state", sid, state, positions, pending, spec)
             except BaseException:
-                eng.submit_op("delete_session", sid)
+                eng.submit_op("drop_created", sid)
                 raise
             fut.add_done_callback(lambda f: self._created_with_state(ident, head, f))
         else:
@@ -493,7 +493,7 @@ class EngineProcess:
         it again (nothing else can have used it: its id was answered to no one yet)."""
         if fut.exception() is not None:
             try:
-                self.engine.submit_op("delete_session", head["a"][0])
+                self.engine.submit_op("drop_created", head["a"][0])
             except Exception:  # noqa: BLE001 - already gone, or the engine is stopping: nothing to remove
                 pass
         self._op_done(ident, head, fut)

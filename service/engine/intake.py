@@ -488,12 +488,12 @@ class Intake:
                         elif rid is not None:
                             self._check_not_late_locked(s, rid, counted, p, True)
                 return {"positions": [s.positions[p] for s in ss], "repeat": repeat}
-            for i, sid in enumerate(session_ids):
-                s = self._sessions.get(sid)
+            ss = self._sessions.get_many(session_ids)
+            refuse_late_all(ss, rid)                 # (a counted id without a position: it only orders)
+            for i, s in enumerate(ss):
                 if s.ops:
                     _check_ops_before_batch(s, False)
-                spec = speculative if isinstance(speculative, bool) else bool(speculative and speculative[i])
-                if not spec:
+                if not (speculative if isinstance(speculative, bool) else bool(speculative and speculative[i])):
                     self._check_no_verify_locked(s)
         return None
 

@@ -91,7 +91,7 @@ class SessionOps:
     def _create_locked(self, session_id: Optional[str], counted=None, rid=None, behind_delete: bool = False) -> str:
         sid = session_id if session_id is not None else SessionTable.new_id()
         live = self._sessions.find(sid)
-        if live is not None and counted is not None:
+        if live is not None and counted is not None and not behind_delete:
             refuse_late(live.rid_hi, counted, rid, sid)      # a late copy is told as such, not as an id in use
         self._sessions.check_free(sid)
         hi = self._new_counters_locked(sid, counted, rid, behind_delete)
@@ -143,6 +143,17 @@ class SessionOps:
 
     def _post_delete_session(self, session_id: str, request_id: Optional[str] = None) -> Op:
         return self._post_op(session_id, self._op_delete, deletes=True, rid=request_id)
+
+    def _post_drop_created(self, session_id: str) -> Op:
+        """Remove a session just created for a state that then failed to arrive (an engine process's
+        ``create_with_state``), as if it had never been: its counters are not kept, so the retry of the call that
+        made it, which carries the same N, is not refused as a late copy."""
+        def op(s: Session) -> None:
+            self._op_delete(s)
+            with self._lock:
+                self._sessions.forget_counters(s.id)
+
+        return self._post_op(session_id, op, deletes=True)
 
     def _op_delete(self, s: Session) -> None:
         with self._lock:
@@ -344,8 +355,8 @@ class SessionOps:
     # ------------------------------------------------------------------ op queueing (runs on the worker)
 
     #: the operations :meth:`submit_op` queues (each has a ``_post_<name>``)
-    SUBMITTABLE_OPS = ("create_session", "delete_session", "fork_session", "export_state", "import_state", "accept",
-                       "accept_batch", "export_for_move", "session_info")
+    SUBMITTABLE_OPS = ("create_session", "delete_session", "drop_created", "fork_session", "export_state",
+                       "import_state", "accept", "accept_batch", "export_for_move", "session_info")
 
     #: the operations that take a ``request_id`` (keyword), which orders them among their client's calls
     ORDERED_OPS = ("create_session", "delete_session", "fork_session", "import_state", "accept", "accept_batch",
