@@ -42,13 +42,18 @@ def with_request_id(position, rid: Optional[str]):
     otherwise)."""
     if rid is None:
         return position
-    if type(rid) is not str or not 0 < len(rid) <= 64 or not (rid.isascii() and rid.isprintable()):
+    if not _well_formed(rid):
         raise BadRequest(f"'request_id' must be a string of 1 to 64 printable ASCII characters, got {rid!r:.80}")
     if position is None and rid_counter(rid) is None:
         raise BadRequest("'request_id' goes with 'position' (it tells a repeat of the request applied at that "
                          "position from another request; send both, or neither), unless it is PREFIX:N, which "
                          "alone orders a client's calls")
     return Claimed(position, rid)
+
+
+def _well_formed(rid) -> bool:
+    """A request id's rule, on every request that carries one: 1 to 64 printable ASCII characters."""
+    return type(rid) is str and 0 < len(rid) <= 64 and rid.isascii() and rid.isprintable()
 
 
 def rid_counter(rid: Optional[str]):
@@ -67,8 +72,7 @@ def op_request_id(rid) -> Optional[tuple]:
     session, so that a late copy of an earlier call is refused."""
     if rid is None:
         return None
-    counted = rid_counter(rid) if type(rid) is str and 0 < len(rid) <= 64 and rid.isascii() and rid.isprintable() \
-        else None
+    counted = rid_counter(rid) if _well_formed(rid) else None
     if counted is None:
         raise BadRequest(f"'request_id' of a session operation must be PREFIX:N (at most 64 printable ASCII "
                          f"characters, N a count of up to 18 digits that grows with each call of one client), got "

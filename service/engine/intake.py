@@ -333,8 +333,7 @@ class Intake:
             self._check_running_locked()
             sessions = table.get_many(session_ids) if positions is None else \
                 [self._session_at_locked(sid, at) for sid, at in zip(session_ids, positions)]   # (404/410 name it)
-            if rid is not None:
-                refuse_late_all(sessions, rid)
+            counted = refuse_late_all(sessions, rid) if rid is not None else None    # (the id parsed once)
             if positions is not None:
                 answer = self._check_batch_positions_locked(sessions, req.layer, positions, rows, key, rid)
                 if answer is not None:         # a repeat: its kept answer, whatever is queued since
@@ -354,7 +353,7 @@ class Intake:
                 for i, _a, _k in pre_rows:
                     if sessions[i].pending:
                         self._check_no_verify_locked(sessions[i])
-                if rid is not None and ver_rows and rid_counter(rid) is None:
+                if rid is not None and ver_rows and counted is None:
                     for i in ver_rows[0]:
                         self._check_not_late_locked(sessions[i], rid, None, req.layer, True)
             self._check_queue_locked()
@@ -379,7 +378,6 @@ class Intake:
             req.seq = seq
             slots = np.array(slot_list, dtype=np.int32)
             if rid is not None:                      # (what a late copy's check reads: see _note_id_locked)
-                counted = rid_counter(rid)
                 verifying = frozenset(plan[2][0]) if plan is not None and plan[2] else frozenset()
                 for i, s in enumerate(sessions):
                     self._note_id_locked(s, rid, counted, i in verifying, req.layer)

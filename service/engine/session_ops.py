@@ -430,8 +430,9 @@ class SessionOps:
             ss = self._sessions.get_many(session_ids)
             refuse_late_all(ss, rid)            # (every session before any is noted)
             check(ss)
-            for s in ss:
-                self._order_locked(s, counted, rid)
+            if counted is not None:
+                for s in ss:
+                    note_counted(s.rid_hi, counted)
             if now is not None and self._runs_now_locked(ss):
                 return self._run_now_locked(ss, ", ".join(session_ids), lambda: now(ss))
             op = Op(ss[0], lambda: fn(ss), Future(), self._last_seq, sessions=tuple(ss), kind=kind,

@@ -180,6 +180,17 @@ def check_query(scope) -> None:
     raise BadRequest(f"unknown query parameter {name!r:.60}: {where}")
 
 
+def check_query_names(query, allowed: tuple) -> None:
+    """400 for a query parameter of a route that takes only ``allowed``, or for one given more than once."""
+    seen = set()
+    for k, _ in query.multi_items():
+        if k not in allowed:
+            raise BadRequest(f"unknown query parameter {k!r:.60}; the allowed ones are {', '.join(allowed)}")
+        if k in seen:
+            raise BadRequest(f"query parameter {k!r:.60} is given more than once; give it once")
+        seen.add(k)
+
+
 def claimed(req: dict, position):
     """``position``, with the request's ``request_id`` when it has one (:class:`Claimed`): a repeat of an applied
     request must carry the same id (:func:`with_request_id`)."""
@@ -366,13 +377,8 @@ class Parser:
     def delete_query(query) -> Optional[str]:
         """The ``request_id`` of ``DELETE /v1/sessions/{id}?request_id=PREFIX:N`` (a DELETE has no body), or
         None; any other query parameter, or this one twice, is a 400."""
-        for k, _ in query.multi_items():
-            if k not in DELETE_QUERY:
-                raise BadRequest(f"unknown query parameter {k!r:.60}; the allowed one is request_id")
-        got = query.getlist("request_id")
-        if len(got) > 1:
-            raise BadRequest("query parameter 'request_id' is given more than once; give it once")
-        rid = got[0] if got else None
+        check_query_names(query, DELETE_QUERY)
+        rid = query.get("request_id")
         op_request_id(rid)
         return rid
 
@@ -383,14 +389,7 @@ class Parser:
         page's ``next`` (a session id: the last id of that page) or absent; each at most once. Anything the server
         could not have handed out is a 400 naming the rule (not read leniently: int() alone takes " 5" and
         non-ASCII digits)."""
-        items = query.multi_items()
-        seen = set()
-        for k, _ in items:
-            if k not in LIST_QUERY:
-                raise BadRequest(f"unknown query parameter {k!r:.60}; the allowed ones are {', '.join(LIST_QUERY)}")
-            if k in seen:
-                raise BadRequest(f"query parameter {k!r:.60} is given more than once; give it once")
-            seen.add(k)
+        check_query_names(query, LIST_QUERY)
         limit = query.get("limit")
         if limit is None:
             n = min(100, most)
