@@ -11,8 +11,8 @@ from typing import AsyncIterable, Iterable, Optional, Sequence, Union
 import httpx
 
 from convserve.clients.common import (_POLL_S, MAX_MESSAGE_BYTES, SessionState, _as_request, _backend_of, _Base,
-                                      _chunked, _decode, _default_backend, _raise_for,
-                                      _Tracker, _ws_url, check_given_position, ws_connect_async, WS_CLOSE_S)
+                                      _chunked, _decode, _default_backend, _raise_for, _Tracker, _ws_url,
+                                      check_given_position, ws_connect_async, WS_CLOSE_S)
 from convserve.clients.h1 import _H1Pool, _h1_target
 from convserve.clients.positions import (IMPORT, LOOK, RESYNC, RETRY_ERRORS, Attempts, serialized)
 from convserve.clients.protocol import wire

@@ -10,8 +10,8 @@ from typing import Iterable, Iterator, Optional, Sequence
 import httpx
 
 from convserve.clients.common import (MAX_MESSAGE_BYTES, _POLL_S, ConvResult, SessionState, _as_request, _backend_of,
-                                      _Base, _chunked, _decode, _default_backend,
-                                      _raise_for, _Tracker, _ws_url, check_given_position, ws_connect, WS_CLOSE_S)
+                                      _Base, _chunked, _decode, _default_backend, _raise_for, _Tracker, _ws_url,
+                                      check_given_position, ws_connect, WS_CLOSE_S)
 from convserve.clients.positions import (IMPORT, LOOK, RESYNC, RETRY_ERRORS, Attempts, serialized)
 from convserve.clients.protocol import wire
 from convserve.clients.replicas import is_routed
