@@ -137,9 +137,12 @@ class SessionTable:
         those of the session last removed under it (empty when none is remembered)."""
         return dict(self._gone.get(session_id, ()))
 
-    def forget_counters(self, session_id: str) -> None:
-        """Keep no counters for a removed ``session_id`` (a session undone right after it was made)."""
+    def put_back_counters(self, session_id: str, counters: dict) -> None:
+        """Remember ``counters`` (empty: none) as removed ``session_id``'s: those it had before a session made
+        under it was undone."""
         self._gone.pop(session_id, None)
+        if counters:
+            self._gone[session_id] = counters
 
     def add(self, session: Session) -> None:
         """Make ``session`` live (its ``rid_hi`` already holds :meth:`counters_of` its id, when it should)."""

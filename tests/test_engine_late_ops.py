@@ -261,6 +261,25 @@ def test_a_session_dropped_right_after_it_was_made_leaves_its_retry_free(spec_en
     assert e.create_session_now("fx", request_id="a:5") == "fx"
 
 
+def test_a_session_dropped_right_after_it_was_made_keeps_the_counters_of_the_one_removed_before(spec_engine):
+    """The id had a session before, deleted by client b's N 7: after a session made under it is dropped, a late
+    copy of b's create (N 6) or delete (N 7) is still refused, the dropped call's retry (a:5) is not, and neither
+    is a lower N of a client the id never saw."""
+    e = spec_engine
+    e.create_session("fx", request_id="b:6")
+    e.delete_session("fx", request_id="b:7")
+    e.create_session_now("fx", request_id="a:5")
+    e.submit_op("drop_created", "fx").result(10)
+    for late in ("b:6", "b:7"):
+        with pytest.raises(LateRequest):
+            e.create_session_now("fx", request_id=late)
+    assert e.create_session_now("fx", request_id="a:5") == "fx"
+    e.submit_op("drop_created", "fx").result(10)
+    with pytest.raises(LateRequest):
+        e.create_session_now("fx", request_id="a:4")      # below the dropped call's own N
+    assert e.create_session_now("fx", request_id="c:0") == "fx"
+
+
 def test_a_second_create_queued_behind_a_delete_is_told_the_id_is_taken(spec_engine):
     e = spec_engine
     e.create_session("x", request_id="b:0")
