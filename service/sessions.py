@@ -151,6 +151,10 @@ class SessionTable:
         self._gone.pop(session.id, None)
         self._live[session.id] = session
 
+    def lost_ids(self) -> list:
+        """The ids remembered as evicted or lost, oldest first."""
+        return list(self._evicted)
+
     def mark_lost(self, session_ids, why: str) -> None:
         """Remember ``session_ids`` as lost (they answer :class:`StateLost` with ``why``) unless live."""
         for sid in session_ids:

@@ -71,3 +71,30 @@ def test_a_recovery_that_fails_midway_leaves_the_previous_journal_whole(tmp_path
     j = Journal(str(path))
     assert j.recover() == ["b"]
     j.f.close()
+
+
+def test_an_id_the_idle_ttl_evicted_stays_lost_through_a_compaction(tmp_path):
+    """A session the TTL evicted keeps its ``+id`` line until a compaction rewrites the journal from the live
+    sessions; the engine's lost ids go into that rewrite, so the next process still answers it 410, not 404."""
+    import time
+
+    import torch
+
+    from tests.engine_support import DIM, LAYERS, make_engine
+
+    e = make_engine(session_ttl_s=0.1)
+    try:
+        path = tmp_path / "engine-0.journal"
+        j = _run(path, [("+", e.create_session("idle")), ("+", e.create_session("kept"))])
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline:
+            e.submit("kept", LAYERS[0], torch.randn(1, DIM)).result(5)
+            time.sleep(0.02)
+        assert e.session_ids() == ["kept"] and e.lost_ids() == ["idle"]
+        j.compact(e.session_ids(), e.lost_ids())
+        j.f.close()
+    finally:
+        e.stop(drain=False)
+    j = Journal(str(path))
+    assert sorted(j.recover()) == ["idle", "kept"]
+    j.f.close()

@@ -17,7 +17,8 @@ Sessions survive nothing: when this process dies its sessions die with it. So th
 ``410 state_lost`` rather than ``404 unknown_session`` from the next process, the ids of live sessions are kept in a
 journal file in the run directory (``+id`` at create, ``-id`` at delete, rewritten when it grows); the next process
 of this engine reads it at start-up and marks those ids lost, and keeps them in its own journal as lost (``!id``)
-until they are created or deleted again, so that a second crash does not turn them into 404s.
+until they are created or deleted again, so that a second crash does not turn them into 404s (and so are the ids
+the idle TTL evicted, when the journal is rewritten).
 
 With ``state_dir`` the engine is started and stopped through a :class:`~convserve.service.snapshots.Snapshotter`
 (its own files, named by its index): the first process of this engine restores its newest good snapshot, a
@@ -100,7 +101,13 @@ class Journal:
         self.f.write(f"-{sid}\n")
         self.lines += 1
 
-    def compact(self, live: list) -> None:
+    def compact(self, live: list, lost: list = ()) -> None:
+        """The journal as ``live`` and the lost ids, ``lost`` (the engine's: the TTL's evictions too) among them."""
+        for sid in lost:
+            self.lost[sid] = None
+            self.lost.move_to_end(sid)
+        while len(self.lost) > self.max_lost:
+            self.lost.popitem(last=False)
         self._rewrite(live)
 
     def _rewrite(self, live: list) -> None:
@@ -519,7 +526,7 @@ class EngineProcess:
                 elif name == "delete_session":
                     self.journal.remove(head["a"][0])
                     if self.journal.lines > 4 * max(1024, len(self.engine._sessions) + len(self.journal.lost)):
-                        self.journal.compact(self.engine.session_ids())
+                        self.journal.compact(self.engine.session_ids(), self.engine.lost_ids())
             if name in ("create_session", "fork_session", "create_with_state", "delete_session"):
                 self._publish_slots()                # before the answer: /v1/model after it sees the change
         except Exception:  # noqa: BLE001 - see the docstring

@@ -349,6 +349,11 @@ class SessionOps:
         with self._lock:
             return [s.id for s in self._sessions]
 
+    def lost_ids(self) -> list:
+        """The ids that answer :class:`StateLost` (evicted, or lost with an earlier process), oldest first."""
+        with self._lock:
+            return self._sessions.lost_ids()
+
     def pending_layers(self, session_id: str) -> list:
         """The layers with an un-accepted speculative verify (empty when none)."""
         with self._lock:
