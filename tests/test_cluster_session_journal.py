@@ -1,4 +1,4 @@
-"""The engine process's session journal (service/cluster/engine_proc.py): what a restarted process marks lost."""
+"""The engine process's session journal (service/cluster/session_journal.py): what a restarted process marks lost."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from convserve.service.cluster.engine_proc import Journal
+from convserve.service.cluster.session_journal import Journal
 
 
 def _run(path, ops, max_lost=65536) -> Journal:
@@ -54,7 +54,7 @@ def test_at_most_max_lost_ids_are_kept_the_newest(tmp_path):
 def test_a_recovery_that_fails_midway_leaves_the_previous_journal_whole(tmp_path, monkeypatch):
     """The recovered ids are written to a temporary file that replaces the journal whole: a failure before the
     replace (a full disk, a crash) leaves the previous journal, so the next process still finds its ids."""
-    from convserve.service.cluster import engine_proc
+    from convserve.service.cluster import session_journal
 
     path = tmp_path / "j"
     _run(path, [("+", "a"), ("+", "b"), ("-", "a")]).f.close()
@@ -63,7 +63,7 @@ def test_a_recovery_that_fails_midway_leaves_the_previous_journal_whole(tmp_path
     def fail(*args):
         raise OSError("no space left on device")
 
-    monkeypatch.setattr(engine_proc.os, "replace", fail)
+    monkeypatch.setattr(session_journal.os, "replace", fail)
     with pytest.raises(OSError):
         Journal(str(path)).recover()
     assert path.read_text() == before
