@@ -247,7 +247,7 @@ class EngineCollector(Collector):
         hists = []
         _flatten("", stats, flat, hists)
         for key, (buckets, total, count) in hists:
-            name, help_ = "convserve_engine_" + key, self._help(key)
+            name, help_ = _engine_series(key), self._help(key)
             parts = {e: part[HIST + key] for e, part in per_engine.items() if HIST + key in part}
             if parts:                    # one series per engine, as its counters: a restart is its own reset
                 h = HistogramMetricFamily(name, help_, labels=["engine"])
@@ -261,7 +261,7 @@ class EngineCollector(Collector):
             if key in self.KNOWN:
                 name, kind, help_ = self.KNOWN[key]
             else:
-                name, kind, help_ = "convserve_engine_" + key, "gauge", self._help(key)
+                name, kind, help_ = _engine_series(key), "gauge", self._help(key)
             family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
             if any(key in part for part in per_engine.values()):
                 m = family(name, help_, labels=["engine"])
@@ -301,6 +301,17 @@ def _as_histogram(v: dict):
 
 def _le(x: float) -> str:
     return repr(float(x))
+
+
+def _engine_series(key: str) -> str:
+    """The series of an ``engine.stats()`` key: ``convserve_engine_<key>`` with its unit spelled out last, as
+    Prometheus names go (``last_step_host_s`` -> ``..._last_step_host_seconds``, ``bytes_pool`` ->
+    ``..._pool_bytes``)."""
+    if key.endswith("_s"):
+        key = key[:-2] + "_seconds"
+    elif key.startswith("bytes_"):
+        key = key[6:] + "_bytes"
+    return "convserve_engine_" + key
 
 
 def _sanitize(key: str) -> str:

@@ -40,6 +40,10 @@ def test_metrics_expose_requests_errors_latency_queue_batches_slots_and_kernel_t
         assert needle in text, needle
     # every series says what it is: no help text is the stats() key it was read from
     assert not [line for line in text.splitlines() if line.startswith("# HELP") and "stats()" in line]
+    # and its unit last, spelled out, as Prometheus names go
+    names = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")}
+    assert {"convserve_engine_last_step_host_seconds", "convserve_engine_pool_bytes"} <= names
+    assert not [n for n in names if n.endswith("_s") or "_bytes_" in n or n.startswith("convserve_engine_bytes")]
 
 
 # ------------------------------------------------------------------------------------------------ auth
