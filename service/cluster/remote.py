@@ -50,7 +50,7 @@ from .health import EngineHealth
 from .placement import engine_of, split
 from .remote_ops import RemoteSessions
 from .shm import Arena
-from .split_batch import (check_whole, check_positions, failure, parts_of, row_indices, sent_or_refused, sub,
+from .split_batch import (check_whole, failure, parts_of, refusal, row_indices, sent_or_refused, sub,
                           whole_key, whole_model)
 from .status import DOWN, STOPPED, UP, DownClock, StatusTable
 
@@ -513,11 +513,9 @@ class RemoteEngine(RemoteSessions, EngineHealth):
                                                            "po": sub(position, pos), **whole})
                                             for e, pos, spec in parts), return_exceptions=True)
             checks = [c if isinstance(c, BaseException) else c[0]["ok"] for c in checks]
-            if position is not None:
-                check_positions(parts, checks, len(sids))
-            for c in checks:
-                if isinstance(c, BaseException):
-                    raise c
+            err = refusal(parts, checks, sids, position, layer)
+            if err is not None:
+                raise err
             row_ix = row_indices(parts, tokens, len(sids))
             sent = sent_or_refused(self.loop, (partial(
                 self._conv, e, {"k": m.BATCH, "ss": sub(sids, pos), "l": layer, "t": sub(tokens, pos), "sp": spec,

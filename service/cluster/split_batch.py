@@ -14,8 +14,10 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from convserve.clients.protocol.errors import EngineTimeout, PositionMismatch, ServiceError, StateLost
+from convserve.clients.protocol.errors import (BadRequest, EngineTimeout, LateRequest, PositionMismatch, ServiceError,
+                                               StateLost)
 
+from ..engine.positions import PART_POSITIONS, mismatch_message
 from ..engine.positions import check_positions as check_position_list
 from ..engine.validate import (check_batch_plan, check_batch_rows, check_batch_sessions, check_one_token_rows,
                                check_padded_verify, check_x)
@@ -91,26 +93,53 @@ def row_indices(parts: list, tokens, n: int) -> list:
             for _e, pos, _spec in parts]
 
 
-def check_positions(parts: list, checks: list, n: int) -> None:
-    """The parts checked their positions (``checks``: each part's answer or error): when every part is new or
-    a repeat, the batch goes on, each part run (new) or answered from its kept answer (a repeat); else it is
-    refused whole with every session's position, gathered from the parts' answers. A mix of new and repeated
-    parts is this batch sent again after an attempt of which only some parts ran (its worker died between the
-    sends, say): a part repeats only the applied part of the same whole batch (its ``whole_key``) and request id,
-    so the other parts complete it, exactly once. A part of speculative slices is either: a verify leaves the
-    positions alone, so its repeat is to run it again (the same answer, the same pending verify)."""
+def refusal(parts: list, checks: list, sids: list, position, layer: int):
+    """The error a split batch is refused with (None: every part may go on), as the in-process engine would
+    choose it for the whole batch (``checks``: each part's answer or error). Its checks come in this order, so
+    the first kind any part raised wins: an unknown or lost session, a late ``request_id``, the positions, then
+    a session's own state (a pending verify, a queued import). The positions' ``409`` lists every session's,
+    gathered from the parts' answers and errors (each part checks its positions before its sessions' state).
+    When every part is new or a repeat, the batch goes on, each part run (new) or answered from its kept answer
+    (a repeat). A mix of new and repeated parts is this batch sent again after an attempt of which only some
+    parts ran (its worker died between the sends, say): a part repeats only the applied part of the same whole
+    batch (its ``whole_key``) and request id, so the other parts complete it, exactly once. A part of
+    speculative slices is either: a verify leaves the positions alone, so its repeat is to run it again (the
+    same answer, the same pending verify)."""
     errors = [c for c in checks if isinstance(c, BaseException)]
-    if not errors or any(not isinstance(c, PositionMismatch) for c in errors):
-        return                                   # (another error: raised as it is)
-    server = [0] * n
+    if not errors:
+        return None
+    first = min(errors, key=_check_rank)         # (the earliest part among equals)
+    if not isinstance(first, PositionMismatch):
+        return _own(first)
+    server: list = [None] * len(sids)
     for (_e, pos, _spec), c in zip(parts, checks):
-        got = c.position if isinstance(c, PositionMismatch) else c["positions"]
+        got = (c.position if isinstance(c, PositionMismatch) else
+               c.extra.get(PART_POSITIONS) if isinstance(c, ServiceError) else
+               None if isinstance(c, BaseException) else c["positions"])
         for i, q in zip(pos, got or ()):
             server[i] = q
-    what = errors[0].message.split(";")[0]
-    extra = _common_applied_id(errors)
-    raise PositionMismatch(f"{what}; nothing ran. The server's positions are {server!r:.300} (in 'position')",
-                           position=server, **extra)
+    refused = [c for c in errors if isinstance(c, PositionMismatch)]
+    differ = [sid for sid, want, q in zip(sids, position, server) if q is not None and want != q]
+    what = (f"layer {layer}: the batch's positions differ from the sessions' for {differ[:8]!r:.300}" if differ
+            else first.message.split(";")[0])   # (a request applied at them: the part's own account)
+    return PositionMismatch(mismatch_message(what, server), position=server, **_common_applied_id(refused))
+
+
+def _check_rank(err: BaseException) -> int:
+    """Where the engine's batch check raises ``err``: 0 an unknown or lost session (or an engine that does not
+    answer), 1 a late ``request_id``, 2 the positions, 3 a session's own state (past the positions)."""
+    if isinstance(err, BadRequest) or (isinstance(err, ServiceError) and PART_POSITIONS in err.extra):
+        return 3
+    return 2 if isinstance(err, PositionMismatch) else 1 if isinstance(err, LateRequest) else 0
+
+
+def _own(err: BaseException) -> BaseException:
+    """``err`` as the client gets it: without the part's positions (a copy: one engine's error may be shared)."""
+    if not isinstance(err, ServiceError) or PART_POSITIONS not in err.extra:
+        return err
+    out = copy.copy(err)
+    out.extra = {k: v for k, v in err.extra.items() if k != PART_POSITIONS}
+    return out
 
 
 def _common_applied_id(errors: list) -> dict:

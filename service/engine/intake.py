@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from convserve.clients.protocol.errors import BadRequest, QueueFull, RequestTimeout
+from convserve.clients.protocol.errors import BadRequest, QueueFull, RequestTimeout, ServiceError
 
 from ..scheduler import PrefillRows
 from ..sessions import Session
@@ -28,7 +28,8 @@ from .outputs import AsyncConvFuture, ConvFuture
 from .outputs import deliver
 from .records import BATCH_SESSION, NO_ROWS, BatchRows, ConvRequest, plan_rows, release_batch
 from ..claims import rid_counter, unclaim, with_request_id
-from .positions import Answer, Sink, batch_key, check_position, check_positions, refuse_late_all
+from .turns import check_ops_before_batch
+from .positions import PART_POSITIONS, Answer, Sink, batch_key, check_position, check_positions, refuse_late_all
 from .validate import (check_batch_plan, check_batch_rows, check_batch_sessions, check_finite_copy,
                        check_one_token_rows, check_speculative, check_x, own_copy, uniform_verify)
 
@@ -340,7 +341,7 @@ class Intake:
                     return self._replay_locked(answer, 0, None, req.x_dtype or self.model_cpu.dtype, req.future)
             for s in sessions:
                 if s.ops:
-                    _check_ops_before_batch(s, positions is not None)
+                    check_ops_before_batch(s, positions is not None)
             if plan is None:
                 for s in sessions:
                     if s.pending:
@@ -461,7 +462,8 @@ class Intake:
         queue nothing. The first phase of a
         batch split across engine processes: the shape and limit checks are the same on every engine and run in
         the worker. With ``position``: ``{"positions": the sessions' positions, "repeat": whether the part
-        repeats an applied batch}`` (a split batch's parts may mix both: ``split_batch.check_positions``), else None."""
+        repeats an applied batch}`` (a split batch's parts may mix both: ``split_batch.refusal``), else None; an
+        error raised past the position check carries them in ``extra[PART_POSITIONS]``."""
         plan = rows = key = None
         position, rid = unclaim(position)
         if position is not None:
@@ -477,20 +479,25 @@ class Intake:
                 ss = [self._session_at_locked(sid, at) for sid, at in zip(session_ids, position)]
                 counted = refuse_late_all(ss, rid)
                 repeat = self._check_batch_positions_locked(ss, p, position, rows, key, rid) is not None
+                here = [s.positions[p] for s in ss]
                 if not repeat:
-                    for s, (_n, spec) in zip(ss, rows):
-                        if s.ops:
-                            _check_ops_before_batch(s, True)
-                        if not spec:
-                            self._check_no_verify_locked(s)
-                        elif rid is not None:
-                            self._check_not_late_locked(s, rid, counted, p, True)
-                return {"positions": [s.positions[p] for s in ss], "repeat": repeat}
+                    try:
+                        for s, (_n, spec) in zip(ss, rows):
+                            if s.ops:
+                                check_ops_before_batch(s, True)
+                            if not spec:
+                                self._check_no_verify_locked(s)
+                            elif rid is not None:
+                                self._check_not_late_locked(s, rid, counted, p, True)
+                    except ServiceError as e:      # past the position check: the join needs them (split_batch)
+                        e.extra[PART_POSITIONS] = here
+                        raise
+                return {"positions": here, "repeat": repeat}
             ss = self._sessions.get_many(session_ids)
             refuse_late_all(ss, rid)                 # (a counted id without a position: it only orders)
             for i, s in enumerate(ss):
                 if s.ops:
-                    _check_ops_before_batch(s, False)
+                    check_ops_before_batch(s, False)
                 if not (speculative if isinstance(speculative, bool) else bool(speculative and speculative[i])):
                     self._check_no_verify_locked(s)
         return None
@@ -581,18 +588,3 @@ class Intake:
         if adv and cascade:
             self._fail_dependents_locked(p, seq, adv, skip)
         return adv
-
-
-def _check_ops_before_batch(s, with_positions: bool) -> None:
-    """A batch's checks read its sessions as of its arrival, not at its turn as a single request's do: refuse it
-    (:class:`BadRequest`, nothing changed) when something queued before it changes what they read: the import of a
-    session moved from another engine (the verifies it brings); for a batch with positions, any import or accept
-    (positions) or a single request waiting for an operation's turn (its tokens count in the position now, and are
-    given back if its own check refuses it there)."""
-    for op in s.ops:
-        if op.kind == "move" or (with_positions and op.kind in ("import", "accept")):
-            raise BadRequest(f"session {s.id!r} has an {'import' if op.kind == 'move' else op.kind} queued whose "
-                             "effect this batch's checks cannot see yet; wait for its answer, then send the batch")
-    if with_positions and any(not r.done for r in s.deferred):
-        raise BadRequest(f"session {s.id!r} has requests waiting for an operation's turn, whose positions this "
-                         "batch's check cannot know yet; wait for their answers, then send the batch")

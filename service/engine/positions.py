@@ -122,6 +122,8 @@ VERIFY_IDS_KEPT = 16
 RID_PREFIXES_KEPT = 8
 #: ``Session.last_id`` after an operation that changes the session (accept, import, delete)
 OP = object()
+#: the error ``extra`` key of a batch part's positions, on an error its check raised past them (``check_batch``)
+PART_POSITIONS = "part_positions"
 
 
 def refuse_late(hi: dict, counted, rid, session_id) -> None:
@@ -144,6 +146,13 @@ def refuse_late_all(sessions, rid):
         for s in sessions:
             refuse_late(s.rid_hi, counted, rid, s.id)
     return counted
+
+
+def mismatch_message(what: str, server) -> str:
+    """A refused conv's or batch's ``409 position_mismatch`` message: ``what`` differed, and the server's
+    positions."""
+    return (f"{what}; nothing ran. The server's position is {server!r:.300} (in 'position'): resynchronize "
+            "(GET /v1/sessions/{id}) before sending more")
 
 
 def note_counted(hi: dict, counted) -> None:
@@ -180,8 +189,7 @@ class Positions:
         """``applied``: the ``request_id`` (or None) of the request applied at the position and length claimed,
         when there is one (the error's ``applied_request_id``: a client tells its own lost answer by it)."""
         extra = {} if applied == (None,) else {"applied_request_id": applied}
-        return PositionMismatch(f"{what}; nothing ran. The server's position is {server!r} (in 'position'): "
-                                "resynchronize (GET /v1/sessions/{id}) before sending more", position=server, **extra)
+        return PositionMismatch(mismatch_message(what, server), position=server, **extra)
 
     def _check_not_late_locked(self, s: Session, rid, counted, p: int, speculative: bool) -> None:
         """Refuse (:class:`LateRequest`, nothing run) a request carrying ``rid`` (``counted``: its

@@ -1,6 +1,7 @@
 """A deferred conv's checks at its turn: what :mod:`.intake` checks at submit (a pending verify, a position) for a
 conv queued behind an operation of its session, made once every operation and request before it has been applied
-or has failed, so they see what those did. :class:`Turns` is a part of :class:`Engine` and shares its state."""
+or has failed, so they see what those did. :class:`Turns` is a part of :class:`Engine` and shares its state.
+:func:`check_ops_before_batch`: what a batch, checked at its arrival, cannot wait behind."""
 
 from __future__ import annotations
 
@@ -76,3 +77,18 @@ class Turns:
             with self._lock:
                 out, self._turn_out = self._turn_out, []
             deliver(out)
+
+
+def check_ops_before_batch(s, with_positions: bool) -> None:
+    """A batch's checks read its sessions as of its arrival, not at its turn as a single request's do: refuse it
+    (:class:`BadRequest`, nothing changed) when something queued before it changes what they read: the import of a
+    session moved from another engine (the verifies it brings); for a batch with positions, any import or accept
+    (positions) or a single request waiting for an operation's turn (its tokens count in the position now, and are
+    given back if its own check refuses it there)."""
+    for op in s.ops:
+        if op.kind == "move" or (with_positions and op.kind in ("import", "accept")):
+            raise BadRequest(f"session {s.id!r} has an {'import' if op.kind == 'move' else op.kind} queued whose "
+                             "effect this batch's checks cannot see yet; wait for its answer, then send the batch")
+    if with_positions and any(not r.done for r in s.deferred):
+        raise BadRequest(f"session {s.id!r} has requests waiting for an operation's turn, whose positions this "
+                         "batch's check cannot know yet; wait for their answers, then send the batch")
