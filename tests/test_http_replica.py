@@ -168,3 +168,22 @@ def test_a_trailing_slash_is_a_404_with_an_error_map_never_a_redirect(api, metho
     assert r.status_code == 404, (r.status_code, r.headers)
     assert msgpack.unpackb(r.content)["error"]["code"] == "not_found"
     assert api.call("GET", f"/v1/sessions/{sid}")[0] == 200
+
+
+def test_a_session_header_on_a_stream_route_is_a_400_and_runs_no_frame(api, server):
+    """A stream carries many sessions' frames, each naming its own: a proxy routing it by one header would send
+    them all to one replica, so the stream routes refuse the header (its handshake, for the WebSocket)."""
+    from websockets.exceptions import InvalidStatus
+    from websockets.sync.client import connect as ws_connect
+
+    from tests.http_api import make_frames, pack_frames
+
+    sid = api.session()
+    r = api.http.post("/v1/conv/stream", content=pack_frames(make_frames([sid], 2, seed=3)),
+                      headers={**MP, "x-session-id": sid})
+    assert r.status_code == 400 and "takes no X-Session-Id" in r.text, r.text
+    with pytest.raises(InvalidStatus) as e:
+        ws_connect(server.url.replace("http", "ws") + "/v1/conv/ws", additional_headers={"x-session-id": sid},
+                   open_timeout=10)
+    assert e.value.response.status_code == 400 and b"takes no X-Session-Id" in e.value.response.body
+    assert float(api.state(sid).abs().sum()) == 0.0

@@ -43,6 +43,10 @@ def with_replica_header(send, pair: tuple[bytes, bytes]):
     return send_with_replica
 
 
+#: the routes whose frames name their own sessions: they take no session header
+STREAM_ROUTES = ("/v1/conv/stream", "/v1/conv/ws")
+
+
 def header_session(scope) -> Optional[str]:
     """The session of the ``X-Session-Id`` header, None without one; 400 when it is not a session id, or when the
     header comes more than once (a proxy may hash on either copy)."""
@@ -85,11 +89,17 @@ def check_batch_sessions(scope, sessions) -> None:
 
 
 def check_path_session(scope) -> None:
-    """400 when ``X-Session-Id`` disagrees with the ``{id}`` of a ``/v1/sessions/{id}[/...]`` path (the session
-    routes that take the session in the path; a fork's new id is in its body and is not compared), or when such a
-    path holds an encoded ``/`` (``%2F``: no session id has one, and the decoded path would name another route,
-    ``a%2Fstate`` the state of ``a``)."""
+    """400 when ``X-Session-Id`` comes on a stream route (:data:`STREAM_ROUTES`) or disagrees with the ``{id}`` of
+    a ``/v1/sessions/{id}[/...]`` path (the session routes that take the session in the path; a fork's new id is
+    in its body and is not compared), or when such a path holds an encoded ``/`` (``%2F``: no session id has one,
+    and the decoded path would name another route, ``a%2Fstate`` the state of ``a``)."""
     path = scope["path"]
+    if path in STREAM_ROUTES:
+        if header_session(scope) is not None:
+            raise BadRequest(f"{path} takes no {SESSION_HEADER} header: a stream carries the frames of many "
+                             "sessions, each naming its own; open it without the header (a proxy that routes by "
+                             "it would send every frame to one session's replica)")
+        return
     if not path.startswith(_SESSIONS_PREFIX):
         return
     raw = scope.get("raw_path") or b""
