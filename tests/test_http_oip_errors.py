@@ -241,8 +241,27 @@ def test_unknown_models_versions_and_routes_are_404_in_the_protocol_form(server)
     for path in ("/v2/models/mamba", "/v2/models/mamba/ready", "/v2/repository/index", "/v2/models/conv/config"):
         r = httpx.get(server.url + path)
         assert r.status_code == 404 and r.json()["error"].startswith("not_found: ") and "conv" in r.json()["error"]
-    r = httpx.get(server.url + "/v2/models/conv/infer")
-    assert r.status_code == 404 and "POST /v2/models/conv/infer" in r.json()["error"]
+
+@pytest.mark.parametrize("method, path, allow", [("GET", "/v2/models/conv/infer", "POST"),
+                                                 ("PUT", "/v2/models/conv/versions/1/infer", "POST"),
+                                                 ("POST", "/v2/health/ready", "GET"),
+                                                 ("DELETE", "/v2/models/conv", "GET")])
+def test_a_v2_route_taken_with_another_method_is_405_naming_its_methods_as_on_v1(server, method, path, allow):
+    r = httpx.request(method, server.url + path)
+    assert r.status_code == 405 and r.headers["allow"] == allow, r.text
+    assert r.json()["error"].startswith("method_not_allowed: ") and allow in r.json()["error"]
+
+
+@pytest.mark.parametrize("path", ["/v2/models/conv/infer?priority=5", "/v2/models/conv/versions/1/infer?timeout=1"])
+def test_a_query_parameter_on_v2_is_a_400_naming_it_and_changes_no_state(server, api, keep, path):
+    obj, binary = _body(params={"sequence_id": KEEP, "sequence_start": False, "sequence_end": False})
+    r = _post(server.url, obj, binary, path=path)
+    assert r.status_code == 400 and r.json()["error"].startswith("bad_request: unknown query parameter"), r.text
+    state, free = keep
+    assert torch.equal(_state_of(api, KEEP), state) and api.free_slots() == free
+    for get in ("/v2/models/conv?foo=1", "/v2/health/ready?x", "/v2?verbose=1"):
+        r = httpx.get(server.url + get)
+        assert r.status_code == 400 and "unknown query parameter" in r.json()["error"], r.text
 
 
 def test_a_sequence_without_a_start_is_unknown_and_the_message_says_how_to_start_one(server):

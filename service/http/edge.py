@@ -80,7 +80,8 @@ class Edge:
                         check_path_session(scope)     # X-Session-Id against /v1/sessions/{id}: 400 when they differ
                         check_query(scope)
                     except ServiceError as e:
-                        await send_error(scope, send_wrapper, e)
+                        await (send_oip_error if scope["path"].startswith("/v2") else send_error)(scope, send_wrapper,
+                                                                                                 e)
                         return
                     try:
                         await app(scope, receive, send_wrapper)

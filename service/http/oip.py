@@ -35,9 +35,10 @@ from fastapi.responses import Response
 from starlette.routing import Route
 
 from convserve import __version__
-from convserve.clients.protocol.errors import NonFinite, SessionExists, ShapeMismatch, StateLost, UnknownSession
+from convserve.clients.protocol.errors import (MethodNotAllowed, NonFinite, SessionExists, ShapeMismatch, StateLost,
+                                               UnknownSession)
 from convserve.service.http.asgi import ERROR_SCOPE_KEY, ROUTE_SCOPE_KEY, ClientGone, client_gone
-from convserve.service.http.errors import as_service_error
+from convserve.service.http.errors import allowed_methods, as_service_error
 from convserve.service.http.oip_wire import (INPUT, MODEL_NAME, MODEL_VERSION, OIP_DATATYPE, OUTPUT,
                                              InferParser, InferRequest, NotFound, dumps, infer_answer,
                                              oip_error_body, send_chunks, send_oip_error)
@@ -122,14 +123,24 @@ def add_oip_routes(app: FastAPI, svc: Service) -> None:
         app.add_api_route(prefix + "/ready", model_ready, methods=["GET"])
         app.router.routes.append(Route(prefix + "/infer", InferEndpoint(svc, prefix + "/infer"), methods=["POST"]))
     # last: any other /v2 path answers the protocol's 404 (the framework's would be /v1's error map)
-    app.router.routes.append(Route("/v2/{path:path}", UnknownRoute()))
+    app.router.routes.append(Route("/v2/{path:path}", UnknownRoute(app)))
 
 
 class UnknownRoute:
-    """Any other ``/v2`` path: the protocol's 404 (an ASGI object, so Starlette passes it the raw request)."""
+    """Any other ``/v2`` path or method: the protocol's 404, or 405 ``method_not_allowed`` (with ``Allow``) for a
+    route taken with another method, as on ``/v1`` (an ASGI object, so Starlette passes it the raw request)."""
+
+    def __init__(self, app: FastAPI):
+        self.app = app
 
     async def __call__(self, scope, receive, send):
         scope[ROUTE_SCOPE_KEY] = "/v2/{path}"
+        allowed = allowed_methods(self.app, scope)
+        if allowed:
+            await send_oip_error(scope, send, MethodNotAllowed(
+                f"{scope['method']} is not allowed on {scope['path']}; its methods are {', '.join(allowed)}"),
+                [(b"allow", ", ".join(allowed).encode())])
+            return
         await send_oip_error(scope, send, NotFound(f"no route {scope['method']} {scope['path']}; the /v2 routes "
                                                    f"are {', '.join(ROUTES)}"))
 

@@ -337,8 +337,8 @@ def oip_error_body(exc: ServiceError) -> tuple[bytes, list]:
     return dumps({"error": f"{exc.code}: {exc.message}"}), headers
 
 
-async def send_oip_error(scope, send, exc: ServiceError) -> None:
+async def send_oip_error(scope, send, exc: ServiceError, extra_headers=()) -> None:
     """Answer a plain-ASGI request with ``exc`` in the protocol's form."""
     scope[ERROR_SCOPE_KEY] = exc.code
     body, headers = oip_error_body(exc)
-    await send_chunks(send, exc.status, [body], headers)
+    await send_chunks(send, exc.status, [body], [*headers, *extra_headers])

@@ -166,11 +166,13 @@ DELETE_QUERY = ("request_id",)
 def check_query(scope) -> None:
     """400 for a query parameter on a /v1 route that takes none (``GET /v1/sessions`` takes ``LIST_QUERY``, which
     ``list_query`` checks, and ``DELETE /v1/sessions/{id}`` ``DELETE_QUERY``, which ``delete_query`` checks), the
-    WebSocket's handshake included: a misspelled parameter is never silently ignored."""
+    WebSocket's handshake included, or on any /v2 route (the Open Inference Protocol defines none): a misspelled
+    parameter is never silently ignored."""
     qs = scope.get("query_string")
     path = scope["path"]
     method = scope.get("method")             # None: a WebSocket handshake
-    if not qs or not path.startswith("/v1/") or (path == "/v1/sessions" and method == "GET") or \
+    ours = path.startswith(("/v1/", "/v2/")) or path == "/v2"
+    if not qs or not ours or (path == "/v1/sessions" and method == "GET") or \
             (method == "DELETE" and path.startswith("/v1/sessions/") and path.count("/") == 3):
         return
     name = qs.split(b"&", 1)[0].split(b"=", 1)[0].decode("latin-1")
