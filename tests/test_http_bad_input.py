@@ -228,6 +228,27 @@ def test_a_json_key_given_twice_in_one_object_is_400_naming_it_and_changes_no_st
     httpx.delete(f"{srv.url}/v1/sessions/{sid}")
 
 
+@pytest.mark.parametrize("encode", [lambda t: t.encode("utf-16"), lambda t: t.encode("utf-16-le"),
+                                    lambda t: t.encode("utf-32"), lambda t: b"\xef\xbb\xbf" + t.encode()],
+                         ids=["utf-16", "utf-16-le", "utf-32", "utf-8-bom"])
+@pytest.mark.parametrize("route", ["/v1/conv", "/v2/models/conv/infer"])
+def test_a_json_body_not_in_plain_utf8_is_400_and_runs_nothing(srv, encode, route):
+    """RFC 8259: JSON between systems is UTF-8 without a byte order mark; Python's parser alone would guess."""
+    sid = msgpack.unpackb(httpx.post(srv.url + "/v1/sessions", headers=MP).content)["session"]
+    state = _state(srv.url, sid)
+    if route == "/v1/conv":
+        body = json.dumps({"session": sid, "layer": 0, "x": wire.encode_tensor_json(torch.randn(1, DIM))})
+    else:
+        body = json.dumps({"inputs": [{"name": "x", "shape": [1, DIM], "datatype": "FP32", "data": [0.5] * DIM}],
+                           "parameters": {"sequence_id": sid, "layer": 0}})
+    assert httpx.post(srv.url + route, headers=JSON, content=body.encode()).status_code == 200    # as UTF-8: runs
+    state = _state(srv.url, sid)
+    r = httpx.post(srv.url + route, headers=JSON, content=encode(body))
+    assert r.status_code == 400 and ("UTF-8" in r.text or "not valid JSON" in r.text), r.text
+    assert torch.equal(_state(srv.url, sid), state)
+    httpx.delete(f"{srv.url}/v1/sessions/{sid}")
+
+
 def _map_with(pairs: list) -> bytes:
     """A msgpack map of ``pairs`` as given, a key twice included (a dict cannot hold that)."""
     return bytes([0x80 | len(pairs)]) + b"".join(wire.packb(k) + wire.packb(v) for k, v in pairs)

@@ -11,7 +11,7 @@ import torch
 
 from convserve.clients.protocol import wire
 from convserve.clients.protocol.errors import BadRequest, Internal, NotReady, QueueFull, ShapeMismatch
-from convserve.service.http.asgi import ERROR_SCOPE_KEY
+from convserve.service.http.asgi import ERROR_SCOPE_KEY, wants_json
 from convserve.service.http.errors import (as_service_error, error_frame, error_response, render_error,
                                            send_error)
 from tests.http_api import DIM, LAYERS, MAX_BODY, MAX_TOKENS, WIDTH, rand_x
@@ -64,6 +64,17 @@ def test_send_error_answers_a_plain_asgi_request_by_its_accept_header(accept, as
     assert h[b"retry-after"] == b"1"
     assert _decode(body["body"], ct)["error"] == {"code": "queue_full", "message": "queue is full",
                                                   "retry_after": 1.0}
+
+
+@pytest.mark.parametrize("accept, as_json", [
+    (None, False), (b"*/*", False), (b"application/json", True), (b"application/json, */*", True),
+    (b"application/json, application/vnd.msgpack", False), (b"application/msgpack;q=0, application/json", True),
+    (b"application/json;q=0.5, application/vnd.msgpack;q=0.9", False),
+    (b"application/json;q=0.9, application/vnd.msgpack;q=0.5", True),
+    (b"application/json;q=0.5, application/msgpack;q=0.5", False), (b"application/json;q=0", False),
+    (b"Application/JSON; Q=1, application/x-msgpack; q=0", True), (b"application/json;q=x", False)])
+def test_json_is_answered_when_accept_prefers_it_to_msgpack_by_quality(accept, as_json):
+    assert wants_json({"headers": [(b"accept", accept)] if accept else []}) is as_json
 
 
 def test_error_response_is_the_same_rendering_as_a_framework_response():

@@ -227,6 +227,18 @@ def new_unpacker(max_bytes: int, budget: Optional[ObjectBudget] = None) -> msgpa
     return msgpack.Unpacker(max_buffer_size=max_bytes, **_bounds(max_bytes, budget))
 
 
+def json_text(data) -> str:
+    """``data`` (bytes) as the text of a JSON body: UTF-8 without a byte order mark, as RFC 8259 has JSON
+    exchanged between systems (``json.loads`` of bytes would also take UTF-16 and UTF-32, and a BOM); else 400."""
+    try:
+        text = bytes(data).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadRequest(f"the JSON is not UTF-8 (byte {e.start}); send it encoded as UTF-8") from None
+    if text.startswith("\ufeff"):
+        raise BadRequest("the JSON starts with a byte order mark; send UTF-8 without one")
+    return text
+
+
 def loads_json(data: bytes, max_objects: Optional[int] = None) -> Any:
     import json
 
@@ -236,7 +248,7 @@ def loads_json(data: bytes, max_objects: Optional[int] = None) -> Any:
         raise TooManyObjects(f"the JSON body holds more than {max_objects} values; send the documented fields "
                              "only, or raise --max-body-objects")
     try:
-        return json.loads(data, object_pairs_hook=unique_keys)
+        return json.loads(json_text(data), object_pairs_hook=unique_keys)
     except ValueError as e:
         raise BadRequest(f"the body is not valid JSON ({e}); send a JSON object or use msgpack") from None
     except RecursionError:

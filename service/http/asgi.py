@@ -44,9 +44,31 @@ def header(scope, name: bytes) -> Optional[bytes]:
 
 
 def wants_json(scope) -> bool:
-    """JSON when the Accept header asks for JSON and not for msgpack; msgpack otherwise."""
+    """JSON when the Accept header asks for JSON and not for msgpack, or for msgpack at a lower quality (``q=0``:
+    not at all); msgpack otherwise, a tie included."""
     accept = header(scope, b"accept")
-    return accept is not None and b"json" in accept and b"msgpack" not in accept
+    if accept is None:
+        return False
+    accept = accept.lower()                      # (media types and their parameter names are case-insensitive)
+    if b"json" not in accept:
+        return False
+    if b"q=" not in accept:
+        return b"msgpack" not in accept
+    best = {b"json": 0.0, b"msgpack": None}
+    for part in accept.split(b","):
+        kind, *params = part.split(b";")
+        q = 1.0
+        for p in params:
+            k, _, v = p.partition(b"=")
+            if k.strip() == b"q":
+                try:
+                    q = float(v)
+                except ValueError:               # not a quality: that range is not read as acceptable
+                    q = 0.0
+        for name in best:
+            if name in kind:
+                best[name] = max(best[name] or 0.0, q)
+    return best[b"json"] > 0 and (best[b"msgpack"] is None or best[b"json"] > best[b"msgpack"])
 
 
 def render(obj: Any, as_json: bool) -> tuple[bytes, bytes]:

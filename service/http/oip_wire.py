@@ -184,7 +184,7 @@ class InferParser:
             raise wire.TooManyObjects(f"the JSON holds more than {self.max_objects} values; send x's data as "
                                      "binary (binary_data_size), or fewer tokens, or raise --max-body-objects")
         try:
-            return json.loads(head, object_pairs_hook=wire.unique_keys)  # a key twice: 400 naming it
+            return json.loads(wire.json_text(head), object_pairs_hook=wire.unique_keys)  # a key twice: 400
         except RecursionError:
             raise BadRequest("the JSON is nested too deeply; send the object the protocol documents") from None
         except ValueError as e:
