@@ -1,12 +1,12 @@
-"""``convserve`` command line: ``convserve serve [flags]`` starts the HTTP service under uvicorn.
+"""The convserve command line: `convserve serve [flags]` starts the HTTP service under uvicorn.
 
-Every setting of :class:`service.config.Settings` is a flag (``--max-body-bytes``), an environment variable
-(``CONVSERVE_MAX_BODY_BYTES``) and a config-file key (``--config FILE``, TOML or JSON). Flags win over the
+Every setting (service/config.py) is a flag (--max-body-bytes), an environment variable
+(CONVSERVE_MAX_BODY_BYTES) and a config-file key (--config FILE, TOML or JSON). Flags win over the
 environment, which wins over the file.
 
 On SIGTERM (or Ctrl-C) the server stops intake (new connections are refused, idle keep-alive connections are
-closed, ``/readyz`` and requests that still reach an open connection get 503 ``not_ready``), lets in-flight
-requests, streams and WebSockets finish for up to ``--shutdown-timeout-s`` in all, stops the engine and exits 0.
+closed, /readyz and requests that still reach an open connection get 503 not_ready), lets in-flight
+requests, streams and WebSockets finish for up to --shutdown-timeout-s in all, stops the engine and exits 0.
 """
 
 from __future__ import annotations

@@ -132,6 +132,16 @@ def test_every_setting_is_a_flag_and_an_env_var(capsys):
     assert "CONVSERVE_DECODE_BUCKETS;default1,2,4,8,16,32,64,128,256]" in out.replace("\n", "").replace(" ", "")
 
 
+def test_the_help_texts_are_plain_text_not_docstring_markup(capsys):
+    from convserve.clients.loadtest.arguments import build_parser
+    from convserve.clients.loadtest.cli import __doc__ as loadtest_doc
+
+    with pytest.raises(SystemExit):
+        cli_main(["serve", "--help"])
+    for out in (capsys.readouterr().out, build_parser(loadtest_doc).format_help()):
+        assert "``" not in out and ":class:" not in out and ":func:" not in out, out[:400]
+
+
 def test_cli_exits_2_with_a_message_on_bad_config():
     r = subprocess.run([sys.executable, "-m", "convserve.service", "serve", "--port", "x"], cwd=ROOT, capture_output=True,
                        text=True, timeout=60)

@@ -1,4 +1,4 @@
-"""``convserve-loadtest``: drive a running convserve server with virtual sessions and report what a frontend sees.
+"""convserve-loadtest: drive a running convserve server with virtual sessions and report what a frontend sees.
 
 Examples:
 
@@ -8,11 +8,11 @@ Examples:
     convserve-loadtest --concurrency 64 --duration 10 --compare results/loadtest.json --regress-pct 10
     convserve-loadtest --scenario frontend --concurrency 1,256 --chunk 512 --spec-k const:4 --duration 10
 
-Exit status: 0 done; 1 errors happened and ``--fail-on-errors`` was given, or (with or without it) a step
+Exit status: 0 done; 1 errors happened and --fail-on-errors was given, or (with or without it) a step
 measured nothing, the server could not be reached during a step (connection errors: it went away, or refused
-connections), or sessions could not be confirmed deleted; 2 bad arguments, a ``--compare`` baseline of other
-settings, or the server could not be reached; 3 ``--compare`` found a regression past ``--regress-pct``; 4
-``--verify`` found a response that differs from the reference, or checked none; 130 / 143 interrupted by SIGINT /
+connections), or sessions could not be confirmed deleted; 2 bad arguments, a --compare baseline of other
+settings, or the server could not be reached; 3 --compare found a regression past --regress-pct; 4
+--verify found a response that differs from the reference, or checked none; 130 / 143 interrupted by SIGINT /
 SIGTERM (the step in progress is cut off and its sessions deleted; the partial results are printed and written).
 """
 
