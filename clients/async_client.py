@@ -135,16 +135,23 @@ class AsyncConvClient(_Base):
 
     async def session_info(self, session: str) -> dict:
         """Async twin of :meth:`ConvClient.session_info`."""
-        return _decode(await self._send("GET", f"/v1/sessions/{quote_id(session)}"))
+        return _decode(await self._read(f"/v1/sessions/{quote_id(session)}", [session]))
 
     async def list_sessions(self, cursor: Optional[str] = None, limit: Optional[int] = None) -> dict:
         """Async twin of :meth:`ConvClient.list_sessions`."""
-        return _decode(await self._send("GET", self._list_path(cursor, limit)))
+        return _decode(await self._read(self._list_path(cursor, limit)))
 
     async def export_state(self, session: str, backend: Optional[str] = None) -> SessionState:
         """Async twin of :meth:`ConvClient.export_state`."""
-        return self._state_from(_decode(await self._send("GET", f"/v1/sessions/{quote_id(session)}/state")),
+        return self._state_from(_decode(await self._read(f"/v1/sessions/{quote_id(session)}/state", [session])),
                                 backend or _default_backend())
+
+    async def _read(self, path: str, sessions=(), before: bool = False):
+        """Async twin of :meth:`ConvClient._read`."""
+        if self.positions is None:
+            return await self._send("GET", path)
+        att = Attempts(self.positions, "GET", path, list(sessions), read=True, before=before)
+        return (await self._retrying("GET", path, b"", att))[0]
 
     @serialized(one=True)
     async def import_state(self, session: str, state, layers=None) -> None:
@@ -184,7 +191,7 @@ class AsyncConvClient(_Base):
             for s, n in zip(sessions, tokens):
                 try:
                     ran.append(book.known(s) and book.accept_was_applied(s, n, await self.session_info(s)))
-                except RETRY_ERRORS as err:  # that read failed too: whether the first attempt committed is unknown
+                except (*RETRY_ERRORS, ServiceError) as err:   # that read failed too: whether it committed is unknown
                     raise att.unknown() from err
             if not all(ran):
                 book.ran_accepts(sessions, tokens, ran)
@@ -223,9 +230,7 @@ class AsyncConvClient(_Base):
 
     async def _position(self, session: str, layer: int) -> int:
         if not self.positions.known(session):
-            path = f"/v1/sessions/{quote_id(session)}"
-            att = Attempts(self.positions, "GET", path, [session], read=True)
-            self.positions.from_info(_decode((await self._retrying("GET", path, b"", att))[0]))
+            self.positions.from_info(_decode(await self._read(f"/v1/sessions/{quote_id(session)}", [session], True)))
         return self.positions.at(session, layer)
 
     @serialized(one=True)

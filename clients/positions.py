@@ -146,13 +146,15 @@ class Attempts:
     connection error, ``503`` or ``504``, up to the book's ``max_retries``. When they run out it raises
     :class:`OutcomeUnknown` if any attempt may have been applied (it was sent and not refused: a connection error
     after the connect, a ``504``), else :class:`Unreachable` (nothing was sent, or only refused: nothing applied).
-    ``read``: a read (``GET``), which applies nothing whatever happens. ``rid``, ``layer``, ``positions``: what
-    the call carried, for :class:`OutcomeUnknown`; ``remedy``: what its message tells the caller to do."""
+    ``read``: a read (``GET``), which applies nothing whatever happens; ``before``: the read of the session's
+    positions a tracked call makes first. ``rid``, ``layer``, ``positions``: what the call carried, for
+    :class:`OutcomeUnknown`; ``remedy``: what its message tells the caller to do."""
 
     def __init__(self, book, method: str, path: str, sessions: list, *, remedy: str = RESEND,
-                 rid: Optional[str] = None, layer: Optional[int] = None, positions=None, read: bool = False):
+                 rid: Optional[str] = None, layer: Optional[int] = None, positions=None, read: bool = False,
+                 before: bool = False):
         self.book, self.what, self.sessions, self.remedy = book, f"{method} {path}", list(sessions), remedy
-        self.rid, self.layer, self.positions, self.read = rid, layer, positions, read
+        self.rid, self.layer, self.positions, self.read, self.before = rid, layer, positions, read, before
         self.n = 0                # retries made
         self.maybe_ran = False    # an attempt so far may have been applied
         self.ran = False          # the last attempt may have been applied
@@ -209,10 +211,12 @@ class Attempts:
                               positions=self.positions)
 
     def unreachable(self) -> Unreachable:
-        head = f"{self.what} for session(s) {_ids(self.sessions)}"
-        if self.read:
+        head = f"{self.what} for session(s) {_ids(self.sessions)}" if self.sessions else self.what
+        if self.before:
             why = (f"{head} (the session's positions, read before its first tracked call) got no answer in "
                    f"{self.n + 1} attempts, so that call was not sent")
+        elif self.read:
+            why = f"{head} (a read) got no answer in {self.n + 1} attempts"
         else:
             why = f"{head}: none of {self.n + 1} attempts reached the server (each connect failed or was refused)"
         return Unreachable(f"{why}; nothing was applied: send it again once the server is reachable",

@@ -149,18 +149,26 @@ class ConvClient(_Base):
     def session_info(self, session: str) -> dict:
         """``GET /v1/sessions/{id}``: ``{"session", "layers", "positions", "pending": {"layers", "tokens"},
         "idle_s"}``."""
-        return _decode(self._http.get(f"/v1/sessions/{quote_id(session)}"))
+        return _decode(self._read(f"/v1/sessions/{quote_id(session)}", [session]))
 
     def list_sessions(self, cursor: Optional[str] = None, limit: Optional[int] = None) -> dict:
         """One page of ``GET /v1/sessions``: ``{"sessions": [session_info...], "next"}``; pass ``next`` as the
         cursor of the following page (None when it was the last)."""
-        return _decode(self._http.get(self._list_path(cursor, limit)))
+        return _decode(self._read(self._list_path(cursor, limit)))
 
     def export_state(self, session: str, backend: Optional[str] = None) -> SessionState:
         """The session's conv state (every layer) as a :class:`SessionState`, in ``backend`` (``"torch"`` or
         ``"numpy"``; default torch when installed)."""
-        return self._state_from(_decode(self._http.get(f"/v1/sessions/{quote_id(session)}/state")),
+        return self._state_from(_decode(self._read(f"/v1/sessions/{quote_id(session)}/state", [session])),
                                 backend or _default_backend())
+
+    def _read(self, path: str, sessions=(), before: bool = False) -> httpx.Response:
+        """``GET path``; with ``track_positions`` retried as a conv is (a read applies nothing: always safe to send
+        again), :class:`Unreachable` when no attempt was answered. ``before``: the read a tracked call makes first."""
+        if self.positions is None:
+            return self._http.get(path)
+        att = Attempts(self.positions, "GET", path, list(sessions), read=True, before=before)
+        return self._retrying("GET", path, None, att)[0]
 
     @serialized(one=True)
     def import_state(self, session: str, state, layers=None) -> None:
@@ -203,7 +211,7 @@ class ConvClient(_Base):
             try:
                 ran = [book.known(s) and book.accept_was_applied(s, n, self.session_info(s))
                        for s, n in zip(sessions, tokens)]
-            except RETRY_ERRORS as err:   # that read failed too: whether the first attempt committed is unknown
+            except (*RETRY_ERRORS, ServiceError) as err:   # that read failed too: whether it committed is unknown
                 raise att.unknown() from err
             if not all(ran):
                 book.ran_accepts(sessions, tokens, ran)
@@ -244,9 +252,7 @@ class ConvClient(_Base):
 
     def _position(self, session: str, layer: int) -> int:
         if not self.positions.known(session):             # a session this client did not create: ask the server
-            path = f"/v1/sessions/{quote_id(session)}"
-            att = Attempts(self.positions, "GET", path, [session], read=True)
-            self.positions.from_info(_decode(self._retrying("GET", path, None, att)[0]))
+            self.positions.from_info(_decode(self._read(f"/v1/sessions/{quote_id(session)}", [session], True)))
         return self.positions.at(session, layer)
 
     # --- conv

@@ -140,6 +140,45 @@ def test_the_first_call_on_a_session_retries_its_position_read_and_raises_unreac
 
 
 @pytest.mark.parametrize("kind", ["sync", "async"])
+@pytest.mark.parametrize("read", ["session_info", "export_state", "list_sessions"])
+def test_a_read_whose_answer_is_lost_is_retried_and_one_never_answered_raises_unreachable(server, kind, read):
+    """A read applies nothing, so a tracked client sends it again after a lost answer or a 503, as it does a
+    conv; when no attempt is answered it raises :class:`Unreachable`, not the transport's error."""
+    api = Api(server.url)
+    sid = api.session(f"read-{kind}-{read}-{time.monotonic_ns()}")
+    assert api.conv(sid, LAYER, rand_x(3, seed=9))[0] == 200
+    path = {"session_info": f"/v1/sessions/{sid}", "export_state": f"/v1/sessions/{sid}/state",
+            "list_sessions": "/v1/sessions"}[read]
+    args = () if read == "list_sessions" else (sid,)
+    faults = _Faults(path, ["after", "before", "503"])
+
+    def check(got):
+        if read == "session_info":
+            assert got["positions"][1] == 3
+        elif read == "export_state":
+            assert float(got.state.abs().sum()) > 0
+        else:
+            assert "sessions" in got
+
+    def sync_steps(c):
+        check(getattr(c, read)(*args))
+        faults.plan = ["after"] * 4
+        with pytest.raises(Unreachable) as e:
+            getattr(c, read)(*args)
+        return e.value
+
+    async def async_steps(c):
+        check(await getattr(c, read)(*args))
+        faults.plan = ["after"] * 4
+        with pytest.raises(Unreachable) as e:
+            await getattr(c, read)(*args)
+        return e.value
+
+    err = _run(kind, server.url, faults, sync_steps, async_steps)
+    assert "(a read) got no answer in 4 attempts" in err.message and isinstance(err.__cause__, httpx.TransportError)
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
 def test_the_first_call_on_a_session_goes_on_once_a_retried_position_read_answers(server, kind):
     sid = Api(server.url).session(f"read-late-{kind}-{time.monotonic_ns()}")
     st = Api(server.url).call("POST", "/v1/conv", {"session": sid, "layer": LAYER,

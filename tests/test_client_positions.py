@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from convserve.clients.client import AsyncConvClient, ConvClient
-from convserve.clients.protocol.errors import OutcomeUnknown, PositionMismatch
+from convserve.clients.protocol.errors import OutcomeUnknown, PositionMismatch, Unreachable
 from tests.http_api import LAYERS, Api, assert_close, model, rand_x
 from tests.live import Reference
 
@@ -290,7 +290,9 @@ def test_a_retried_accept_whose_check_of_the_session_fails_too_raises_outcome_un
 
     run = _sync_run if kind == "sync" else _async_run
     sid, err = run(server.url, _Faults("", []), sync_steps if kind == "sync" else async_steps)
-    assert err.sessions == [sid] and isinstance(err.__cause__, httpx.TransportError)
+    # the cause: the read, retried as a conv is, reached no server
+    assert err.sessions == [sid] and isinstance(err.__cause__, Unreachable)
+    assert isinstance(err.__cause__.__cause__, httpx.TransportError)
     assert Api(server.url).call("GET", f"/v1/sessions/{sid}")[1]["positions"][LAYERS.index(LAYER)] == 2
 
 
