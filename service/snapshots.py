@@ -15,16 +15,17 @@ named by its engine index (:class:`~.snapshot_file.SnapshotDir`).
   thread waits for the copy, serializes and writes it, off the engine's thread. One is skipped (counted, no file
   written, none rotated out) when the file this process last wrote still holds every session: the engine's change
   count (:mod:`.engine.snapshot`) is that file's, the file listed no session as lost (such a session may be
-  settled now), it is still there, and no import was noted since it was taken (its line then stays in the
-  journal until a snapshot is written: the import may have been withdrawn, and the next file says so).
+  settled now), it is still there, and no import or delete was noted since it was taken (its line then stays in
+  the journal until a snapshot is written: the operation may have been withdrawn, and the next file says so).
 * **Stop.** After the engine drained and stopped, every session is written, whatever the change count: the file
   the next start restores is the one written after the drain. A failed write is logged and counted, never
   raised: the server still stops.
-* **Imports.** An import (``PUT .../state``) sets a session's positions back to 0, so a snapshot taken before it
-  can hold another state at the same positions, which a client's positions cannot tell apart. Each import is
-  first noted in the engine's :class:`ImportJournal` (a line written through to the file, so that it survives
-  the process); a snapshot drops the lines older than itself, and a restore marks the sessions imported after
-  the snapshot it restored as lost (410), rather than serving their older state.
+* **Imports and deletes.** An import (``PUT .../state``) sets a session's positions back to 0, and a delete lets
+  the id be created again from 0, so a snapshot taken before either can hold another state at the same positions,
+  which a client's positions cannot tell apart. Each is first noted in the engine's :class:`RewindJournal` (a
+  line written through to the file, so that it survives the process); a snapshot drops the lines older than
+  itself, and a restore marks the sessions imported or deleted after the snapshot it restored as lost (410),
+  rather than serving their older state.
 
 :func:`prepare_state_dir` runs once per server start, before any engine: it records the engine count, and when
 it changed since the last start (without a readable record, when the snapshots' own headers name another count)
@@ -105,13 +106,13 @@ def prepare_state_dir(folder, n_engines: int) -> None:
     os.replace(tmp, path)
 
 
-class ImportJournal:
-    """Engine ``index``'s imports since its last snapshot: one line ``<unix time> <session id>`` per import, in
-    ``imports-<index>.log`` of the state folder (see the module docstring). Written through to the file (it
+class RewindJournal:
+    """Engine ``index``'s imports and deletes since its last snapshot: one line ``<unix time> <session id>`` each,
+    in ``rewinds-<index>.log`` of the state folder (see the module docstring). Written through to the file (it
     survives the process; a host crash may lose the last lines, as it may the file system's other writes)."""
 
     def __init__(self, folder: str, index: int):
-        self.path = os.path.join(folder, f"imports-{index}.log")
+        self.path = os.path.join(folder, f"rewinds-{index}.log")
         self._lock = threading.Lock()
 
     def note(self, session_id: str) -> None:
@@ -119,15 +120,15 @@ class ImportJournal:
             f.write(f"{time.time():.6f} {session_id}\n")
 
     def since(self, t: float) -> list:
-        """The sessions imported at or after unix time ``t``."""
+        """The sessions imported or deleted at or after unix time ``t``."""
         return sorted({sid for when, sid in self._lines() if when >= t})
 
     def drop_before(self, t: float) -> None:
-        """Forget the imports before unix time ``t`` (a snapshot taken at ``t`` holds them)."""
+        """Forget the lines before unix time ``t`` (a snapshot taken at ``t`` holds what they did)."""
         with self._lock:
             lines = self._lines()
             keep = [f"{when:.6f} {sid}\n" for when, sid in lines if when >= t]
-            if len(keep) == len(lines):            # nothing to forget (no imports, or all since t): no rewrite
+            if len(keep) == len(lines):            # nothing to forget (no lines, or all since t): no rewrite
                 return
             tmp = self.path + ".tmp"
             with open(tmp, "w") as f:
@@ -172,8 +173,8 @@ class Snapshotter:
         # writing (see the module docstring); None: the next one writes
         self._kept: Optional[tuple] = None
         engine.snapshot_stats = self.stats
-        self.imports = ImportJournal(self.dir.folder, index)
-        engine.on_import = self.imports.note
+        self.rewinds = RewindJournal(self.dir.folder, index)
+        engine.on_rewind = self.rewinds.note
         try:                                  # as soon as the model is built: what a crash mark of it refuses
             self.dir.note_model(engine.model_info())
         except OSError as e:                  # (a later mark then refuses every model's files, as one without it)
@@ -200,8 +201,8 @@ class Snapshotter:
                                                  "not_restored": len(snap.meta.get("sessions", [])) - self.restored,
                                                  "taken_unix": snap.meta.get("created_unix")})
         if snap is not None:
-            self._lose_imported_since(snap.meta["created_unix"])
-        self.imports.drop_before(float("inf"))      # what the restore holds, or nothing to restore
+            self._lose_rewound_since(snap.meta["created_unix"])
+        self.rewinds.drop_before(float("inf"))      # what the restore holds, or nothing to restore
         with self._lock:
             self._st["restored_sessions"] = self.restored
         if self.restarted:
@@ -211,16 +212,17 @@ class Snapshotter:
             self._thread.start()
         return self.restored
 
-    def _lose_imported_since(self, taken: float) -> None:
-        """The restored sessions imported after the snapshot was taken answer 410: their state is not in it."""
+    def _lose_rewound_since(self, taken: float) -> None:
+        """The restored sessions imported or deleted after the snapshot was taken answer 410: their state is not
+        in it (a session deleted since may have been created again under its id)."""
         e = self.engine
-        lost = sorted(set(self.imports.since(taken)) & set(e.session_ids()))
+        lost = sorted(set(self.rewinds.since(taken)) & set(e.session_ids()))
         for sid in lost:
             e.delete_session(sid)
         if lost:
-            e.mark_lost(lost, "its state was imported (PUT .../state) after the snapshot the server restored at "
-                              "start was taken; that snapshot holds an older state: import it again")
-            log.warning("sessions imported after the restored snapshot are lost",
+            e.mark_lost(lost, "was imported (PUT .../state) or deleted after the snapshot the server restored at "
+                              "start was taken; that snapshot holds an older state: import it or create it again")
+            log.warning("sessions imported or deleted after the restored snapshot are lost",
                         extra={"engine": self.index, "sessions": len(lost)})
             self.restored -= len(lost)
 
@@ -279,7 +281,7 @@ class Snapshotter:
         """The change count of the file a periodic snapshot may keep instead of writing, or None."""
         with self._lock:
             kept = self._kept
-        if kept is None or not os.path.exists(kept[2]) or self.imports.since(kept[1]):
+        if kept is None or not os.path.exists(kept[2]) or self.rewinds.since(kept[1]):
             return None
         return kept[0]
 
@@ -301,7 +303,7 @@ class Snapshotter:
             with self._lock:
                 self._st["failures"] += 1
             return False
-        self.imports.drop_before(cap.meta["created_unix"])
+        self.rewinds.drop_before(cap.meta["created_unix"])
         seconds = time.perf_counter() - t0
         n = len(cap.meta["sessions"])
         with self._lock:

@@ -227,7 +227,7 @@ def test_a_snapshot_taken_while_an_import_is_noted_leaves_that_session_out(moved
                 cap = e._capture_locked(meta, asynchronous=False)
             seen.append((s, locked, cap.meta["lost"], [r["id"] for r in cap.meta["sessions"]]))
 
-        e.on_import = note
+        e.on_rewind = note
         state = torch.zeros_like(e.export_state(sid))
         if moved:
             e.submit(sid, LAYERS[0], torch.randn(2, DIM), speculative=True).result(10)
@@ -251,9 +251,10 @@ def test_an_import_refused_after_its_note_leaves_no_session_marked_importing():
         state = torch.zeros_like(e.export_state(sid))
 
         def note(s):
+            e.on_rewind = None                       # (the delete's own note)
             e.delete_session(s)                      # gone before its import is queued: 404, nothing marked
 
-        e.on_import = note
+        e.on_rewind = note
         with pytest.raises(UnknownSession):
             e.import_state(sid, state)
         assert not e._importing

@@ -151,8 +151,9 @@ class Engine(Intake, Turns, SessionOps, Accepts, Positions, SnapshotTaking, Work
         self._init_snapshots()
         #: extra numbers for stats() under "snapshot" (the snapshot writer's), or None
         self.snapshot_stats = None
-        #: called with a session id before its state is imported (the snapshot writer's journal), or None
-        self.on_import = None
+        #: called with a session id before it is imported or deleted, and after it is evicted or dropped (the
+        #: snapshot writer's rewind journal), or None
+        self.on_rewind = None
         # stats (guarded by _lock)
         self._st = collections.Counter()
         self._batch_hist = [0] * (len(BATCH_HIST) + 1)

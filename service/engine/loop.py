@@ -83,6 +83,7 @@ class Worker:
             used = s.last_used if s.batch is None else max(s.last_used, s.batch.batch.done_at)
             if now - used > ttl and not s.ops and s.oldest_active() is None:
                 self._sessions.remove(s, evicted=True)
+                self._note_removed_locked(s.id)
                 self._changes += 1
                 self._forget_locked(s)
                 self.pool.free(s.slot)
@@ -136,8 +137,8 @@ class Worker:
                     draining = self._state != "running"
                     # a session op waiting for its session's requests runs them without the delay window
                     if ops or expired_ops or sched.ready(now) or ((draining or self._ops) and sched.depth) or \
-                            self._snap_request is not None or self._turn_out:   # (refusals made by the op
-                        break                                                  # withdrawals above: answer now)
+                            self._snap_request is not None or self._turn_out or self._unnoted:  # (refusals
+                        break                                    # made by the op withdrawals above: answer now)
                     if draining and not self._ops and not sched.depth:
                         return
                     deadline = sched.next_deadline()
@@ -147,6 +148,8 @@ class Worker:
                     if self._ops:
                         wait = min(wait, self._next_op_deadline_locked() - now)
                     self._wait(max(wait, 0.0))
+            if self._unnoted:
+                self._note_removed()
             if expired_ops:
                 self._fail_expired_ops(expired_ops)
             if self._turn_out:           # requests refused at their turn as a withdrawn or expired op left
@@ -365,6 +368,7 @@ class Worker:
                 continue                          # deleted (or deleted and re-created) meanwhile
             failed += [(r, s.id) for r in self._remove_locked(s, gone)]
             self._sessions.mark_lost([s.id], why)
+            self._note_removed_locked(s.id)
             dropped += 1
             if self._ready:                       # freeing zeroes the slot: device work
                 try:

@@ -142,7 +142,7 @@ class SessionOps:
         self._wait_op(self._post_delete_session(session_id, request_id))
 
     def _post_delete_session(self, session_id: str, request_id: Optional[str] = None) -> Op:
-        return self._post_op(session_id, self._op_delete, deletes=True, rid=request_id)
+        return self._post_noted(session_id, self._op_delete, "", request_id, deletes=True)
 
     def _post_drop_created(self, session_id: str) -> Op:
         """Remove a session just created for a state that then failed to arrive (an engine process's
@@ -286,15 +286,17 @@ class SessionOps:
 
         return self._post_noted(session_id, op, "move" if pending else "import", request_id)
 
-    def _post_noted(self, session_id: str, fn: Callable[[Session], None], kind: str, rid: Optional[str]) -> Op:
-        """Queue an import ``fn``, noted in the journal (``on_import``) before it can apply, so that a crash after
-        it ran cannot restore an older state silently. The note, a file write, is made outside the engine lock;
-        from before it until the import is queued the session is marked importing (``_importing``), and a snapshot
-        captured meanwhile leaves it out as busy: a snapshot, whose write drops the journal's lines before its
-        time, then never holds the older state of a session whose import may run after it."""
-        note = self.on_import
+    def _post_noted(self, session_id: str, fn: Callable[[Session], None], kind: str, rid: Optional[str],
+                    deletes: bool = False) -> Op:
+        """Queue an import or a delete ``fn``, noted in the rewind journal (``on_rewind``) before it can apply, so
+        that a crash after it ran cannot restore an older state silently (a delete's id may be created again,
+        from position 0). The note, a file write, is made outside the engine lock; from before it until the op
+        is queued the session is marked importing (``_importing``), and a snapshot captured meanwhile leaves it
+        out as busy: a snapshot, whose write drops the journal's lines before its time, then never holds the
+        older state of a session whose import or delete may run after it."""
+        note = self.on_rewind
         if note is None:
-            return self._post_op(session_id, fn, kind=kind, rid=rid)
+            return self._post_op(session_id, fn, kind=kind, rid=rid, deletes=deletes)
         counted = op_request_id(rid)
         with self._lock:
             s = self._sessions.get(session_id)
@@ -308,7 +310,7 @@ class SessionOps:
 
         try:
             note(session_id)
-            return self._post_op(session_id, fn, kind=kind, rid=rid, on_queue=queued)
+            return self._post_op(session_id, fn, kind=kind, rid=rid, on_queue=queued, deletes=deletes)
         finally:
             if marked:
                 with self._lock:

@@ -120,6 +120,24 @@ class SnapshotTaking:
         self._snap_host: dict = {}                       # CUDA: name -> pinned buffer reused by snapshots
         self._changes = 0                                # see the module docstring (guarded by _lock)
         self._importing: dict = {}    # session id -> its imports noted in the journal, not yet queued (_post_noted)
+        self._unnoted: list = []      # ids evicted or dropped, for the worker to note in the journal (guarded by _lock)
+
+    def _note_removed_locked(self, sid: str) -> None:
+        """A session removed without a delete (evicted, dropped): its id goes to the rewind journal soon after,
+        from the worker's loop (a file write: never under the lock), as a delete's goes before it."""
+        if self.on_rewind is not None:
+            self._unnoted.append(sid)
+            self._cv.notify()
+
+    def _note_removed(self) -> None:
+        """Write the ids :meth:`_note_removed_locked` gathered (the worker, without the lock)."""
+        with self._lock:
+            ids, self._unnoted = self._unnoted, []
+        for sid in ids:
+            try:
+                self.on_rewind(sid)
+            except Exception:  # noqa: BLE001 - logged; the session is gone either way
+                log.exception("cannot note a removed session in the rewind journal", extra={"session": sid})
 
     def request_snapshot(self, meta: dict, callback: Callable[[Optional[Capture]], None],
                          unchanged_since: Optional[int] = None) -> bool:

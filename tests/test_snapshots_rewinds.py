@@ -1,0 +1,90 @@
+"""A restore never serves the older state of a session removed since the snapshot it restores (service/snapshots.py,
+the rewind journal): a delete, an eviction by the idle TTL or an import after the snapshot makes the id answer
+``410 state_lost`` after a crash, since a session created again under it starts from position 0 and a client's
+positions could not tell the snapshot's older state from its own."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from convserve.clients.protocol.errors import StateLost, UnknownSession
+from convserve.service.engine import Engine, EngineConfig
+from convserve.service.model import ConvModel
+from convserve.service.snapshots import Snapshotter
+
+LAYERS, DIM = [1, 4, 6], 24
+
+
+def x_of(t, seed):
+    return torch.randn(t, DIM, generator=torch.Generator().manual_seed(seed))
+
+
+def start(tmp_path, **cfg):
+    e = Engine(ConvModel.random(LAYERS, dim=DIM, width=4, dtype=torch.float32, seed=3),
+               EngineConfig(slots=8, max_queue_delay_us=0, **cfg))
+    sn = Snapshotter(e, SimpleNamespace(state_dir=str(tmp_path), snapshot_keep=5, snapshot_interval_s=0))
+    sn.start_engine()
+    return e, sn
+
+
+def _wait_evicted(e, sid, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while sid in e.session_ids():
+        assert time.monotonic() < deadline, "not evicted"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("change", ["deleted", "deleted and created again", "evicted", "evicted and created again",
+                                    "imported"])
+def test_a_session_removed_after_the_restored_snapshot_answers_410_not_its_older_state(tmp_path, change):
+    e, sn = start(tmp_path, session_ttl_s=3600 if "evicted" not in change else 0.3)
+    e.create_session("s")
+    e.submit("s", 1, x_of(5, 0)).result()                  # the snapshot's state: 5 tokens on layer 1
+    if "evicted" not in change:
+        e.create_session("kept")
+        e.submit("kept", 1, x_of(2, 1)).result()
+    assert sn.write_now()
+    if change.startswith("deleted"):
+        e.delete_session("s")
+    elif change.startswith("evicted"):
+        _wait_evicted(e, "s")
+    else:
+        e.import_state("s", torch.zeros(len(LAYERS), DIM, 3))
+    if change.endswith("created again"):
+        e.create_session("s")
+        e.submit("s", 1, x_of(5, 2)).result()              # the client's own 5 tokens: the same positions
+    e._note_removed()                                       # (the worker writes its notes between steps)
+    e.stop(drain=False)                                     # a crash: no final snapshot
+
+    e2, sn2 = start(tmp_path)
+    try:
+        with pytest.raises(StateLost, match="imported .* or deleted after the snapshot"):
+            e2.submit("s", 1, x_of(1, 3), position=5)
+        if "evicted" not in change:
+            assert e2.session_info("kept")["positions"][0] == 2     # an untouched session is restored
+    finally:
+        e2.stop()
+
+
+def test_an_eviction_is_noted_by_the_worker_without_a_call_to_wake_it(tmp_path):
+    e, sn = start(tmp_path, session_ttl_s=0.2)
+    t0 = time.time()
+    e.create_session("idle")
+    _wait_evicted(e, "idle")
+    deadline = time.monotonic() + 5
+    while "idle" not in sn.rewinds.since(t0):
+        assert time.monotonic() < deadline, "the eviction was not noted"
+        time.sleep(0.02)
+    e.stop()
+
+
+def test_a_delete_of_an_unknown_session_notes_nothing(tmp_path):
+    e, sn = start(tmp_path)
+    with pytest.raises(UnknownSession):
+        e.delete_session("never")
+    assert sn.rewinds.since(0.0) == []
+    e.stop()
