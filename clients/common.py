@@ -182,6 +182,19 @@ def partly_applied(resp: httpx.Response) -> bool:
     return False
 
 
+def maybe_applied(resp: httpx.Response) -> bool:
+    """Does an error answer say that its request may have been applied (``"maybe_applied": true``: an engine
+    process that died with it in flight, a server stopping that cut it off)? Its retry must not be told that
+    nothing ran."""
+    if resp.status_code < 400 or b"maybe_applied" not in resp.content:
+        return False
+    try:
+        _raise_error(resp.status_code, resp.headers, resp.content)
+    except ServiceError as e:
+        return e.extra.get("maybe_applied") is True
+    return False
+
+
 def _decode(resp: httpx.Response) -> Any:
     _raise_for(resp)
     if not resp.content:

@@ -175,21 +175,22 @@ class Attempts:
         its cause."""
         if resp.status_code not in RETRY_STATUS:     # (every answer of a tracked call comes here)
             return None
-        from convserve.clients.common import _raise_for, partly_applied     # (common imports this module)
+        from convserve.clients.common import _raise_for, maybe_applied, partly_applied   # (common imports this)
 
         if partly_applied(resp):
             return None
+        ran = not self.read and (resp.status_code == 504 or maybe_applied(resp))   # (other 503s ran nothing)
         if self.n >= self.book.max_retries:
             try:
                 _raise_for(resp)
             except RequestTimeout as e:           # 504 timeout: withdrawn, never runs
                 if self.maybe_ran and not self.read:
                     raise self.unknown() from e
-            except ServiceError as e:             # 503s ran nothing; a 504 engine_timeout may have
-                if not self.read and (self.maybe_ran or resp.status_code == 504):
+            except ServiceError as e:             # a 504 engine_timeout may have run, and a maybe_applied 503
+                if self.maybe_ran or ran:
                     raise self.unknown() from e
             return None
-        self.ran = not self.read and resp.status_code == 504                  # (a 503 ran nothing)
+        self.ran = ran
         self.maybe_ran = self.maybe_ran or self.ran
         return self.book.delay(self.n, self.book.retry_after(resp))
 

@@ -96,7 +96,7 @@ def test_a_fork_whose_answer_is_lost_is_retried_and_the_fork_carries_the_sources
 
 
 @pytest.mark.parametrize("kind", ["sync", "async"])
-@pytest.mark.parametrize("fault", ["after", "before"])
+@pytest.mark.parametrize("fault", ["after", "before", "503-maybe"])
 def test_a_delete_whose_answer_is_lost_is_retried_and_ends_with_the_session_gone(server, kind, fault):
     sid = Api(server.url).session(f"lost-delete-{kind}-{fault}-{time.monotonic_ns()}")
     faults = _Faults(f"/v1/sessions/{sid}", [fault])
@@ -195,6 +195,28 @@ def test_the_first_call_on_a_session_goes_on_once_a_retried_position_read_answer
         return c.positions.at(sid, LAYER)
 
     assert _run(kind, server.url, faults, sync_steps, async_steps) == 5
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_conv_answered_only_by_503s_that_say_it_may_have_run_raises_outcome_unknown(server, kind):
+    """A 503 ``maybe_applied`` (its engine process died with it in flight, or the server cut it off stopping)
+    is no "nothing ran": out of retries, the call's outcome is unknown, not unreachable."""
+    faults = _Faults("/v1/conv", ["503-maybe"] * 4)
+
+    def sync_steps(c):
+        sid = c.create_session()
+        with pytest.raises(OutcomeUnknown) as e:
+            c.conv(sid, LAYER, rand_x(2, seed=8))
+        return sid, e.value
+
+    async def async_steps(c):
+        sid = await c.create_session()
+        with pytest.raises(OutcomeUnknown) as e:
+            await c.conv(sid, LAYER, rand_x(2, seed=8))
+        return sid, e.value
+
+    sid, err = _run(kind, server.url, faults, sync_steps, async_steps)
+    assert err.sessions == [sid] and err.positions == [0] and err.request_id is not None
 
 
 @pytest.mark.parametrize("kind", ["sync", "async"])

@@ -26,7 +26,8 @@ LAYER = 2
 class _Faults:
     """Which of the next calls to a path fail, and how: ``"after"`` drops the answer of a request the server
     ran, ``"before"`` drops the request before it is sent, ``"503"`` replaces the server's answer by a 503,
-    ``"504"`` by a 504 engine_timeout (the request was sent; it may or may not have run)."""
+    ``"504"`` by a 504 engine_timeout (the request was sent; it may or may not have run), ``"503-maybe"`` by a 503
+    that says ``maybe_applied`` (an engine process that died with it in flight)."""
 
     def __init__(self, path: str, plan: list):
         self.path, self.plan, self.sent = path, list(plan), 0
@@ -43,6 +44,12 @@ class _Faults:
     def fake_504(request):
         return httpx.Response(504, headers={"content-type": "application/json"},
                               content=b'{"error": {"code": "engine_timeout", "message": "injected"}}', request=request)
+
+    @staticmethod
+    def fake_503_maybe(request):
+        return httpx.Response(503, headers={"retry-after": "0", "content-type": "application/json"},
+                              content=b'{"error": {"code": "engine_unavailable", "message": "injected", '
+                                      b'"maybe_applied": true}}', request=request)
 
     @staticmethod
     def fake_503(request):
@@ -67,6 +74,9 @@ class DroppingTransport(httpx.HTTPTransport):
         if fault == "503":
             resp.read()
             return self.faults.fake_503(request)
+        if fault == "503-maybe":
+            resp.read()
+            return self.faults.fake_503_maybe(request)
         if fault == "504":
             resp.read()
             return self.faults.fake_504(request)
@@ -90,6 +100,9 @@ class AsyncDroppingTransport(httpx.AsyncHTTPTransport):
         if fault == "503":
             await resp.aread()
             return self.faults.fake_503(request)
+        if fault == "503-maybe":
+            await resp.aread()
+            return self.faults.fake_503_maybe(request)
         if fault == "504":
             await resp.aread()
             return self.faults.fake_504(request)

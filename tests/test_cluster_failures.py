@@ -76,11 +76,12 @@ def test_a_killed_engine_fails_its_in_flight_requests_serves_others_and_comes_ba
     status, body, headers = answers["r"]
     assert status == 503 and body["error"]["code"] == "engine_unavailable", body
     assert "410" in body["error"]["message"] and int(headers["retry-after"]) >= 1
+    assert body["error"]["maybe_applied"] is True          # sent to the engine: it may have run before it died
 
     # while engine 0 is down or restarting (about a second: the checks that need it down come first): its
     # sessions get 503, new sessions go to the other engine, /readyz is degraded, the other engine serves
     st, body, _ = api.call("POST", "/v1/conv", {"session": doomed, "layer": 2, "x": wire.encode_tensor(x)})
-    assert st == 503 and body["error"]["code"] == "engine_unavailable"
+    assert st == 503 and body["error"]["code"] == "engine_unavailable" and "maybe_applied" not in body["error"]
     fresh = api.session()                             # placed on the engine that is up
     assert httpx.get(srv.url + "/readyz").json()["status"] == "degraded"
     assert engine_of(fresh, 2) == 1

@@ -178,6 +178,7 @@ def test_a_request_cut_off_at_shutdown_timeout_gets_one_503_and_no_traceback(wor
         head, _, body = data.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 503"), data[:300]
         assert msgpack.unpackb(body)["error"]["code"] == "not_ready"
+        assert msgpack.unpackb(body)["error"]["maybe_applied"] is True     # (the edge cannot tell how far it got)
         assert b"shutdown_timeout_s" in body
         assert not any("Exception in ASGI application" in m for m in srv.log_messages())
     finally:

@@ -279,7 +279,8 @@ class RemoteEngine(RemoteSessions, EngineHealth):
         link.epoch = epoch
         err = EngineUnavailable(f"engine {link.index} ({self.devices[link.index]}) died while this request was in "
                                 "flight; the session's state was lost with it (the session answers 410 state_lost "
-                                "once the engine is back): create it again and prefill", retry_after=2)
+                                "once the engine is back): create it again and prefill", retry_after=2,
+                                maybe_applied=True)
         log.error("engine process lost with requests in flight", extra={"engine": link.index,
                                                                       "requests": len(old)})
         for p in old:

@@ -94,7 +94,7 @@ class Edge:
                             await send_error(scope, send_wrapper, NotReady(
                                 "the server is stopping and cut this request off at shutdown_timeout_s; if it had "
                                 "started it may have been applied (GET the session to see its positions): send it "
-                                "again to another replica, or once this one is back"))
+                                "again to another replica, or once this one is back", maybe_applied=True))
                         except Exception:  # noqa: BLE001 - the connection is gone: nothing more to send
                             pass
             finally:
