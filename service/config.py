@@ -124,6 +124,16 @@ class Settings(BaseSettings):
     answer_store_bytes: int = Field(_ENGINE.answer_store_bytes, ge=0,
                                     description="bytes of answers kept per engine for retries of convs that "
                                     "carried a position (oldest dropped first)")
+    max_evicted_ids: int = Field(_ENGINE.max_evicted_ids, ge=1,
+                                 description="ids of evicted, lost and removed sessions remembered per engine (410 "
+                                 "state_lost rather than 404; a removed id's request counters, for late_request)")
+    request_clients_kept: int = Field(_ENGINE.request_clients_kept, ge=1,
+                                      description="per session, the clients (PREFIX of a PREFIX:N request_id) whose "
+                                      "latest call is kept to refuse late copies (409 late_request); a late copy of "
+                                      "a client past them runs")
+    verify_ids_kept: int = Field(_ENGINE.verify_ids_kept, ge=1,
+                                 description="per session and layer, the last verifies' request_ids (other than "
+                                 "PREFIX:N) kept to refuse their late copies")
     sessions_page_max: int = Field(1000, ge=1, description="most sessions in one page of GET /v1/sessions")
     request_timeout_s: float = Field(_ENGINE.request_timeout_s, gt=0, le=MAX_WAIT_S,
                                      description="seconds a conv or session operation may wait to start: one not "

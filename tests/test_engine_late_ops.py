@@ -31,7 +31,7 @@ def test_a_create_or_fork_sent_before_a_delete_of_its_id_is_refused_and_the_id_s
     else:
         e.fork_session(src, "s", request_id="c:2")
     e.delete_session("s", request_id="c:3")
-    with pytest.raises(LateRequest, match="c:2.*below 'c':4, the lowest"):
+    with pytest.raises(LateRequest, match="c:2.*below 'c:4', the lowest"):
         if how == "create":
             e.create_session("s", request_id="c:2")
         else:
@@ -304,3 +304,21 @@ def test_a_split_batch_check_refuses_a_late_counted_id_without_a_position(spec_e
     with pytest.raises(LateRequest):
         e.check_batch([sid], None, None, L0, Claimed(None, "z:5"))
     assert e.check_batch([sid], None, None, L0, Claimed(None, "z:7")) is None
+
+
+@pytest.mark.parametrize("kept", [2, 3])
+def test_a_late_copy_is_refused_while_its_client_is_among_the_request_clients_kept(kept):
+    """``request_clients_kept``: a session keeps the latest N of that many clients; once two others called
+    after it, a client kept among 2 is forgotten and its late copy runs, while one kept among 3 is refused."""
+    e = make_engine(request_clients_kept=kept)
+    try:
+        sid = e.create_session(request_id="a:1")
+        for prefix in ("b", "c"):
+            e.submit(sid, L0, torch.randn(1, DIM), request_id=f"{prefix}:1").result(10)
+        if kept == 3:
+            with pytest.raises(LateRequest):
+                e.submit(sid, L0, torch.randn(1, DIM), request_id="a:0")
+        else:
+            assert e.submit(sid, L0, torch.randn(1, DIM), request_id="a:0").result(10).shape == (1, DIM)
+    finally:
+        e.stop(drain=False)

@@ -68,7 +68,8 @@ class EngineProcess:
         self.clients = ClientBlocks(self.settings.client_shm_segments)    # sealed client segments' blocks
         self.client_block_requests = 0    # batches taken with x in their client's segment
         self.status = StatusTable(os.path.join(self.run_dir, "status"))
-        self.journal = Journal(os.path.join(self.run_dir, f"engine-{self.index}.journal"))
+        self.journal = Journal(os.path.join(self.run_dir, f"engine-{self.index}.journal"),
+                               self.settings.max_evicted_ids)
         self.inflight: dict = {}          # (worker identity, request id) -> its _Answer
         # the weights file is built once, off the worker thread (it concerns no session: no order to keep)
         self.pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="convserve-weights")

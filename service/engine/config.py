@@ -81,6 +81,11 @@ class EngineConfig:
     pool_memory_fraction: float = 0.5            # slots="auto": this share of free device memory
     max_evicted_ids: int = 65536                 # evicted ids remembered (StateLost rather than UnknownSession),
     #                                              and as many removed ids' request counters (LateRequest)
+    request_clients_kept: int = 8                # per session, the clients (PREFIX of PREFIX:N request ids)
+    #                                              whose highest N is kept: a late copy of a client dropped
+    #                                              from them is not refused (LateRequest)
+    verify_ids_kept: int = 16                    # per session and layer, the last verifies' other request ids
+    #                                              kept to refuse their late copies
     answer_store_bytes: int = 64 << 20           # answers of position-carrying requests kept for their retries
     #                                              (oldest dropped first past this; see engine/positions.py)
 
@@ -100,7 +105,8 @@ class EngineConfig:
             raise ValueError(f"answer_store_bytes: expected >= 0, got {self.answer_store_bytes}")
         if self.caller_step_max_tokens is not None and self.caller_step_max_tokens < 0:
             raise ValueError(f"caller_step_max_tokens: expected >= 0, got {self.caller_step_max_tokens}")
-        for name in ("max_queue", "max_spec_tokens", "max_evicted_ids", "gpu_timing_interval"):
+        for name in ("max_queue", "max_spec_tokens", "max_evicted_ids", "gpu_timing_interval", "request_clients_kept",
+                     "verify_ids_kept"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected >= 1, got {getattr(self, name)}")
         if self.max_spec_tokens > self.max_batch_tokens:

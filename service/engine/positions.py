@@ -116,10 +116,6 @@ def _cut(y, lo: int, hi: Optional[int], dtype):
     return y if dtype is None or y.dtype == dtype else y.to(dtype)
 
 
-#: per session and layer, the verify request ids (other than ``PREFIX:N``) kept to tell a verify's late copy
-VERIFY_IDS_KEPT = 16
-#: per session, the clients (``PREFIX`` of ``PREFIX:N`` request ids) whose highest N is kept
-RID_PREFIXES_KEPT = 8
 #: ``Session.last_id`` after an operation that changes the session (accept, import, delete)
 OP = object()
 #: the error ``extra`` key of a batch part's positions, on an error its check raised past them (``check_batch``)
@@ -132,7 +128,7 @@ def refuse_late(hi: dict, counted, rid, session_id) -> None:
     session's, see ``SessionOps._new_counters_locked``; or a removed session's)."""
     if counted is not None and counted[1] < hi.get(counted[0], -1):
         raise LateRequest(f"session {session_id!r:.80}: request_id {rid!r:.80} is below "
-                          f"{counted[0]!r:.40}:{hi[counted[0]]}, the lowest this session id still takes from the "
+                          f"{counted[0] + ':' + str(hi[counted[0]])!r:.60}, the lowest this session id still takes from the "
                           "same client (it has seen later calls of it): a late copy of an earlier call (an attempt "
                           "that sat in the server while its retry ran), or a call sent again after later ones, is "
                           "not run; nothing changed. Read the session (GET /v1/sessions/{id}) to see where it "
@@ -155,12 +151,12 @@ def mismatch_message(what: str, server) -> str:
             "(GET /v1/sessions/{id}) before sending more")
 
 
-def note_counted(hi: dict, counted) -> None:
-    """Keep ``counted`` (``(prefix, n)``) in ``hi`` when its N is the highest of its prefix; at most
-    ``RID_PREFIXES_KEPT`` prefixes, the least recently raised dropped first."""
+def note_counted(hi: dict, counted, most: int) -> None:
+    """Keep ``counted`` (``(prefix, n)``) in ``hi`` when its N is the highest of its prefix; at most ``most``
+    prefixes (``request_clients_kept``), the least recently raised dropped first."""
     prefix, n = counted
     if n > hi.get(prefix, -1):
-        if hi.pop(prefix, None) is None and len(hi) >= RID_PREFIXES_KEPT:
+        if hi.pop(prefix, None) is None and len(hi) >= most:
             del hi[next(iter(hi))]
         hi[prefix] = n
 
@@ -198,7 +194,7 @@ class Positions:
         one prefix per client, N counting its calls) is a late copy when the session has seen a later call of
         that client (a higher N), however long ago: run now, a verify would replace a later verify or stand
         after an accept as a verify nobody sent, and a conv at position 0 would apply again after an import.
-        Another id is one only on a verify, when this layer's last ``VERIFY_IDS_KEPT`` verifies include it and
+        Another id is one only on a verify, when this layer's last ``verify_ids_kept`` verifies include it and
         something that changes the session was submitted since it (a request, an accept, an import, a delete):
         a client sends a call's retries before its next call."""
         if counted is not None:
@@ -207,17 +203,16 @@ class Positions:
             raise LateRequest(f"session {s.id!r}: this verify (request_id {rid!r:.80}) was sent before, and the "
                               "session has had requests or operations since; a late copy of it is not run")
 
-    @staticmethod
-    def _note_id_locked(s: Session, rid: str, counted, speculative: bool, p: int) -> None:
+    def _note_id_locked(self, s: Session, rid: str, counted, speculative: bool, p: int) -> None:
         """A request carrying ``rid`` (``counted``: its :func:`rid_counter`) was queued on ``s`` (layer ``p``;
         its caller set ``s.last_id``): keep what :meth:`_check_not_late_locked` reads."""
         if counted is not None:
-            note_counted(s.rid_hi, counted)
+            note_counted(s.rid_hi, counted, self.config.request_clients_kept)
         elif speculative:
             ids = s.verify_ids.setdefault(p, {})
             ids.pop(rid, None)
             ids[rid] = None
-            if len(ids) > VERIFY_IDS_KEPT:
+            if len(ids) > self.config.verify_ids_kept:
                 del ids[next(iter(ids))]
 
     def _check_position_locked(self, s: Session, p: int, position: int, n: int, speculative: bool,

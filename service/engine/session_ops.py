@@ -116,7 +116,7 @@ class SessionOps:
                 hi.pop(counted[0], None)
             else:
                 refuse_late(hi, counted, rid, sid)
-            note_counted(hi, counted)
+            note_counted(hi, counted, self.config.request_clients_kept)
         return hi
 
     def _order_locked(self, s: Session, counted, rid) -> None:
@@ -124,7 +124,7 @@ class SessionOps:
         :class:`LateRequest` when below a later call of its client on ``s``, else noted as its client's latest."""
         if counted is not None:
             refuse_late(s.rid_hi, counted, rid, s.id)
-            note_counted(s.rid_hi, counted)
+            note_counted(s.rid_hi, counted, self.config.request_clients_kept)
 
     def _alloc_locked(self, fork_of: Optional[int] = None) -> int:
         """A free slot (a copy of slot ``fork_of``'s state when given), or :class:`PoolExhausted`."""
@@ -442,7 +442,7 @@ class SessionOps:
             check(ss)
             if counted is not None:
                 for s in ss:
-                    note_counted(s.rid_hi, counted)
+                    note_counted(s.rid_hi, counted, self.config.request_clients_kept)
             if now is not None and self._runs_now_locked(ss):
                 return self._run_now_locked(ss, ", ".join(session_ids), lambda: now(ss))
             op = Op(ss[0], lambda: fn(ss), Future(), self._last_seq, sessions=tuple(ss), kind=kind,
