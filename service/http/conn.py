@@ -103,41 +103,6 @@ async def _receive_filled(cycle):
     return {"type": "http.request", "body": body, "more_body": cycle.more_body}
 
 
-class _HeadWithBody:
-    """A request cycle's transport that holds the response's head (the status line and headers, which uvicorn
-    writes at ``http.response.start``) until the body's first write, and writes the two at once: one system call,
-    and for a small answer one segment, which the client reads in one wake-up. A response that writes no body
-    (``HEAD``) has its head written when it completes (:meth:`flush`) or closes."""
-
-    __slots__ = ("_t", "_cycle", "_head", "_passed")
-
-    def __init__(self, transport, cycle):
-        self._t, self._cycle, self._head, self._passed = transport, cycle, None, False
-
-    def write(self, data) -> None:
-        if self._passed or not self._cycle.response_started:      # (a 100 Continue comes before the head)
-            self._t.write(data)
-        elif self._head is None:
-            self._head = data
-        else:
-            self._passed = True
-            self._t.writelines((self._head, data))
-            self._head = None
-
-    def flush(self) -> None:
-        if self._head is not None:
-            self._passed = True
-            self._t.write(self._head)
-            self._head = None
-
-    def close(self) -> None:
-        self.flush()
-        self._t.close()
-
-    def __getattr__(self, name):
-        return getattr(self._t, name)
-
-
 def replaceable(idle: dict, unread: dict, me, now: float):
     """The connection a new one above the cap replaces (None: none may be): the oldest of ``idle`` and of those of
     ``unread`` accepted at least ``UNREAD_GRACE_S`` before ``now``, else the oldest of ``unread``; never ``me``.
@@ -278,9 +243,6 @@ def guarded_protocol(settings, on_close: Callable[[str], None] = lambda reason: 
             if cycle.scope["path"].endswith(_STREAMED):
                 cycle.scope[ABORT_SCOPE_KEY] = functools.partial(_reset, self.transport)
                 return                                 # its frames run as they arrive: never held back whole
-            import os
-            if os.environ.get("CS_HEAD", "1") == "1":
-                cycle.transport = _HeadWithBody(cycle.transport, cycle)
             if n is not None and _FILL_FROM < n <= fill_limit:
                 cycle._cv_fill = bytearray(n)
                 cycle._cv_filled = 0
@@ -312,9 +274,6 @@ def guarded_protocol(settings, on_close: Callable[[str], None] = lambda reason: 
             self.transport.close()
 
         def on_response_complete(self) -> None:
-            held = getattr(self.cycle, "transport", None)
-            if isinstance(held, _HeadWithBody):
-                held.flush()
             super().on_response_complete()
             if not self.transport.is_closing() and not self._in_request():
                 idle[self] = self.loop.time()  # idle again: the keep-alive timeout runs, replaceable
