@@ -104,6 +104,23 @@ def test_a_message_over_max_body_bytes_is_answered_after_the_frames_before_it_th
     assert api.call("GET", f"/v1/sessions/{sid}")[1]["positions"] == want
 
 
+def test_a_message_whose_later_frame_is_past_max_body_bytes_serves_the_frames_before_it_in_that_message(server,
+                                                                                                        api):
+    """One message, several frames, the last too large: the frames before it in the same message run, and the
+    413 names the frame past the limit, not the message's first."""
+    sid = api.session()
+    frames = make_frames([sid], 6, seed=12)
+    big = wire.packb({"id": "big", "session": sid, "layer": LAYERS[0], "x": {"dtype": "float32",
+                      "shape": [1, DIM], "data": b"\0" * (MAX_BODY + 1)}})
+    url = server.url.replace("http://", "ws://") + "/v1/conv/ws"
+    with ws_connect(url, max_size=None) as ws:
+        ws.send(pack_frames(frames) + big)
+        got = _until_closed(ws)
+        assert ws.close_code == 1009
+    assert [r["id"] for r in got[:-1]] == [f["id"] for f in frames] and all("y" in r for r in got[:-1])
+    assert got[-1]["error"]["code"] == "payload_too_large" and f"frame {len(frames) + 1} " in got[-1]["error"]["message"]
+
+
 # ------------------------------------------------------------------------------------------------ bad handshakes
 
 JSON = {"accept": "application/json"}

@@ -116,14 +116,28 @@ class Pipeline:
     # --- reader side (loop thread)
 
     async def feed(self, chunk: bytes) -> bool:
-        """Parse and submit every complete frame in ``chunk``; False once the stream must end."""
-        try:
-            self.unpacker.feed(chunk)
-        except msgpack.BufferFull:
-            self.set_fatal(PayloadTooLarge(f"frame {self.nframes + 1} exceeds the limit of {self.svc.max_body} "
-                                           "bytes; send fewer tokens per frame"))
-            return False
-        self.fed += len(chunk)
+        """Parse and submit every complete frame in ``chunk``; False once the stream must end. A chunk larger than
+        the room left in the unpacker's buffer (a WebSocket message of several frames) goes in pieces, the frames
+        of each submitted before the next: only a frame that is itself past the limit ends the stream."""
+        view = memoryview(chunk)
+        while view:
+            room = self.svc.max_body - (self.fed - self.whole)     # (the frame begun holds the rest)
+            piece, view = view[:room], view[room:]
+            try:
+                if not piece:
+                    raise msgpack.BufferFull
+                self.unpacker.feed(piece)
+            except msgpack.BufferFull:
+                self.set_fatal(PayloadTooLarge(f"frame {self.nframes + 1} exceeds the limit of "
+                                               f"{self.svc.max_body} bytes; send fewer tokens per frame"))
+                return False
+            self.fed += len(piece)
+            if not await self._submit_parsed():
+                return False
+        return True
+
+    async def _submit_parsed(self) -> bool:
+        """Submit the frames complete in the unpacker; False once the stream must end."""
         unpacker = self.unpacker
         while True:
             try:
