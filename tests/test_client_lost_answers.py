@@ -198,28 +198,6 @@ def test_the_first_call_on_a_session_goes_on_once_a_retried_position_read_answer
 
 
 @pytest.mark.parametrize("kind", ["sync", "async"])
-def test_a_conv_answered_only_by_503s_that_say_it_may_have_run_raises_outcome_unknown(server, kind):
-    """A 503 ``maybe_applied`` (its engine process died with it in flight, or the server cut it off stopping)
-    is no "nothing ran": out of retries, the call's outcome is unknown, not unreachable."""
-    faults = _Faults("/v1/conv", ["503-maybe"] * 4)
-
-    def sync_steps(c):
-        sid = c.create_session()
-        with pytest.raises(OutcomeUnknown) as e:
-            c.conv(sid, LAYER, rand_x(2, seed=8))
-        return sid, e.value
-
-    async def async_steps(c):
-        sid = await c.create_session()
-        with pytest.raises(OutcomeUnknown) as e:
-            await c.conv(sid, LAYER, rand_x(2, seed=8))
-        return sid, e.value
-
-    sid, err = _run(kind, server.url, faults, sync_steps, async_steps)
-    assert err.sessions == [sid] and err.positions == [0] and err.request_id is not None
-
-
-@pytest.mark.parametrize("kind", ["sync", "async"])
 def test_a_call_none_of_whose_attempts_left_raises_unreachable_and_applies_nothing(server, kind):
     faults = _Faults("/v1/conv", ["before"] * 4)
 
@@ -240,8 +218,12 @@ def test_a_call_none_of_whose_attempts_left_raises_unreachable_and_applies_nothi
 
 
 @pytest.mark.parametrize("kind", ["sync", "async"])
-def test_a_call_that_may_have_run_then_met_only_503s_raises_outcome_unknown_not_the_503(server, kind):
-    faults = _Faults("/v1/conv", ["after", "503", "503", "503"])   # applied once, then the retries refused
+@pytest.mark.parametrize("plan", [["after", "503", "503", "503"], ["503-maybe"] * 4],
+                         ids=["lost-then-503s", "503s-maybe-applied"])
+def test_a_call_that_may_have_run_then_met_only_503s_raises_outcome_unknown_not_the_503(server, kind, plan):
+    """Applied once, then the retries refused: the first answer lost, or every answer a 503 ``maybe_applied``
+    (its engine process died with it in flight, or the server cut it off stopping), which is no "nothing ran"."""
+    faults = _Faults("/v1/conv", plan)
 
     def sync_steps(c):
         sid = c.create_session()
@@ -257,6 +239,7 @@ def test_a_call_that_may_have_run_then_met_only_503s_raises_outcome_unknown_not_
 
     sid, err = _run(kind, server.url, faults, sync_steps, async_steps)
     assert err.__cause__ is not None and err.__cause__.status == 503
+    assert err.sessions == [sid] and err.positions == [0] and err.request_id is not None
     assert Api(server.url).call("GET", f"/v1/sessions/{sid}")[1]["positions"][1] == 2
 
 
