@@ -26,6 +26,12 @@ def _readyz(url) -> dict:
     return httpx.get(url + "/readyz", timeout=5).json()
 
 
+def _proc_state(pid: int) -> str:
+    """The state letter of ``/proc/<pid>/stat`` (``T``: stopped)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
 def _session_on(api: Api, engine: int, n: int = 2) -> str:
     for i in range(200):
         sid = f"e{engine}-{i}-{time.monotonic_ns()}"
@@ -263,6 +269,7 @@ def test_a_hung_engine_answers_in_engine_reply_timeout_s_with_engine_timeout_tha
         victim = _readyz(srv.url)["engines"][0]["pid"]
         os.kill(victim, signal.SIGSTOP)
         try:
+            _wait(lambda: _proc_state(victim) == "T", what="engine 0 stopped")     # (kill() does not wait)
             t0 = time.monotonic()
             st, body, headers = api.call("POST", "/v1/conv", {"session": sid, "layer": 0,
                                                               "x": wire.encode_tensor(torch.randn(2, DIM))})
