@@ -36,6 +36,7 @@ onto engines that no longer own them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -114,10 +115,17 @@ class RewindJournal:
     def __init__(self, folder: str, index: int):
         self.path = os.path.join(folder, f"rewinds-{index}.log")
         self._lock = threading.Lock()
+        old = os.path.join(folder, f"imports-{index}.log")      # its name while it held imports only
+        if os.path.exists(old):
+            with open(old) as f, open(self.path, "a") as to:
+                to.write(f.read())
+            os.unlink(old)
 
-    def note(self, session_id: str) -> None:
+    def note(self, session_ids) -> None:
+        """One line for each of ``session_ids``, in one write."""
+        now = time.time()
         with self._lock, open(self.path, "a") as f:
-            f.write(f"{time.time():.6f} {session_id}\n")
+            f.write("".join(f"{now:.6f} {sid}\n" for sid in session_ids))
 
     def since(self, t: float) -> list:
         """The sessions imported or deleted at or after unix time ``t``."""
@@ -174,7 +182,11 @@ class Snapshotter:
         self._kept: Optional[tuple] = None
         engine.snapshot_stats = self.stats
         self.rewinds = RewindJournal(self.dir.folder, index)
-        engine.on_rewind = self.rewinds.note
+        # the ids a restore may read back (the newest file's sessions), and the snapshots being taken: a removed
+        # session is noted only when a snapshot may hold it, which keeps the journal within one snapshot's ids
+        self._held: set = set()
+        self._taking = 0
+        engine.on_rewind = self._note_rewinds
         try:                                  # as soon as the model is built: what a crash mark of it refuses
             self.dir.note_model(engine.model_info())
         except OSError as e:                  # (a later mark then refuses every model's files, as one without it)
@@ -201,6 +213,8 @@ class Snapshotter:
                                                  "not_restored": len(snap.meta.get("sessions", [])) - self.restored,
                                                  "taken_unix": snap.meta.get("created_unix")})
         if snap is not None:
+            with self._lock:
+                self._held = {rec["id"] for rec in snap.meta["sessions"]}
             self._lose_rewound_since(snap.meta["created_unix"])
         self.rewinds.drop_before(float("inf"))      # what the restore holds, or nothing to restore
         with self._lock:
@@ -211,6 +225,15 @@ class Snapshotter:
             self._thread = threading.Thread(target=self._periodic, name="convserve-snapshot", daemon=True)
             self._thread.start()
         return self.restored
+
+    def _note_rewinds(self, session_ids) -> None:
+        """The engine's ``on_rewind``: note those of ``session_ids`` that a snapshot a restore may read can hold
+        (the newest file's, or any while one is being taken); any other was made after it, and cannot come back
+        from it."""
+        with self._lock:
+            keep = [sid for sid in session_ids if self._taking or sid in self._held]
+        if keep:
+            self.rewinds.note(keep)
 
     def _lose_rewound_since(self, taken: float) -> None:
         """The restored sessions imported or deleted after the snapshot was taken answer 410: their state is not
@@ -237,20 +260,36 @@ class Snapshotter:
         if self.engine.pool is None:
             return                                   # never started: nothing to write
         t0 = time.perf_counter()
+        with self._taking_one():
+            try:
+                cap = self.engine.capture_snapshot(self._meta())
+            except Exception:  # noqa: BLE001 - logged and counted; the server still stops
+                log.exception("taking the final snapshot failed")
+                with self._lock:
+                    self._st["failures"] += 1
+                self.final_failed = True
+                return
+            self.final_failed = not self._write(cap, t0, "final")
+
+    @contextlib.contextmanager
+    def _taking_one(self):
+        """A snapshot is being taken (from before its capture until its file is written or given up)."""
+        with self._lock:
+            self._taking += 1
         try:
-            cap = self.engine.capture_snapshot(self._meta())
-        except Exception:  # noqa: BLE001 - logged and counted; the server still stops
-            log.exception("taking the final snapshot failed")
+            yield
+        finally:
             with self._lock:
-                self._st["failures"] += 1
-            self.final_failed = True
-            return
-        self.final_failed = not self._write(cap, t0, "final")
+                self._taking -= 1
 
     def write_now(self, kind: str = "periodic") -> bool:
         """Take a snapshot of the running engine and write it (blocks until written); a periodic one is skipped
         when nothing changed since the last file written (see the module docstring). False when it failed or
         the engine stopped first."""
+        with self._taking_one():
+            return self._take_and_write(kind)
+
+    def _take_and_write(self, kind: str) -> bool:
         t0 = time.perf_counter()
         done = threading.Event()
         box: list = []
@@ -309,6 +348,7 @@ class Snapshotter:
         with self._lock:
             # a session listed as lost may be settled by now without a change counted: the next one writes
             self._kept = None if cap.meta["lost"] else (cap.changes, cap.meta["created_unix"], path)
+            self._held = {rec["id"] for rec in cap.meta["sessions"]}
             st = self._st
             st["writes"] += 1
             st["bytes"] += size

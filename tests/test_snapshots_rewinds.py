@@ -57,7 +57,7 @@ def test_a_session_removed_after_the_restored_snapshot_answers_410_not_its_older
     if change.endswith("created again"):
         e.create_session("s")
         e.submit("s", 1, x_of(5, 2)).result()              # the client's own 5 tokens: the same positions
-    e._note_removed()                                       # (the worker writes its notes between steps)
+    _wait_noted(sn, "s")                                    # (the worker notes an eviction between steps)
     e.stop(drain=False)                                     # a crash: no final snapshot
 
     e2, sn2 = start(tmp_path)
@@ -70,16 +70,50 @@ def test_a_session_removed_after_the_restored_snapshot_answers_410_not_its_older
         e2.stop()
 
 
-def test_an_eviction_is_noted_by_the_worker_without_a_call_to_wake_it(tmp_path):
-    e, sn = start(tmp_path, session_ttl_s=0.2)
-    t0 = time.time()
+def _wait_noted(sn, sid, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while sid not in sn.rewinds.since(0.0):
+        assert time.monotonic() < deadline, f"{sid!r} was not noted"
+        time.sleep(0.02)
+
+
+def test_only_the_sessions_a_snapshot_may_hold_are_noted_so_the_journal_stays_within_one_snapshot(tmp_path):
+    """A session made after the newest snapshot cannot come back from it: its delete or eviction writes no line
+    (without periodic snapshots the journal would otherwise grow by one line per session ever ended), unless a
+    snapshot is being taken meanwhile, which may hold it."""
+    e, sn = start(tmp_path, session_ttl_s=0.3)
+    e.create_session("held")
+    assert sn.write_now()
+    for i in range(50):
+        e.create_session(f"new{i}")
+        e.delete_session(f"new{i}")
     e.create_session("idle")
     _wait_evicted(e, "idle")
-    deadline = time.monotonic() + 5
-    while "idle" not in sn.rewinds.since(t0):
-        assert time.monotonic() < deadline, "the eviction was not noted"
-        time.sleep(0.02)
+    _wait_evicted(e, "held")                                # evicted too: held by the snapshot, so noted
+    _wait_noted(sn, "held")
+    with sn._taking_one():                                  # a snapshot being taken may hold "late"
+        e.create_session("late")
+        e.delete_session("late")
+    assert sn.rewinds.since(0.0) == ["held", "late"]
     e.stop()
+
+
+def test_the_journal_of_an_earlier_version_is_read_as_this_ones(tmp_path):
+    """Before deletes were noted the journal was imports-<engine>.log: its lines still make their sessions 410."""
+    e, sn = start(tmp_path)
+    e.create_session("s")
+    e.submit("s", 1, x_of(5, 0)).result()
+    assert sn.write_now()
+    e.stop(drain=False)
+    (tmp_path / "imports-0.log").write_text(f"{time.time() + 1:.6f} s\n")
+
+    e2, sn2 = start(tmp_path)
+    try:
+        assert not (tmp_path / "imports-0.log").exists()
+        with pytest.raises(StateLost):
+            e2.submit("s", 1, x_of(1, 3), position=5)
+    finally:
+        e2.stop()
 
 
 def test_a_delete_of_an_unknown_session_notes_nothing(tmp_path):

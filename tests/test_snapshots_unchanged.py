@@ -194,7 +194,7 @@ def test_an_import_noted_but_not_applied_makes_the_next_periodic_snapshot_write(
     before it ran: the new file then says the session holds its older state)."""
     e, sn = started(tmp_path)
     assert sn.write_now()
-    e.on_rewind("a")                              # noted; its operation never ran
+    e.on_rewind(["a"])                            # noted; its operation never ran
     assert sn.write_now() and counts(sn) == (2, 0, 2)
     assert sn.rewinds.since(0.0) == []
     assert sn.write_now() and counts(sn) == (2, 1, 2)

@@ -151,8 +151,8 @@ class Engine(Intake, Turns, SessionOps, Accepts, Positions, SnapshotTaking, Work
         self._init_snapshots()
         #: extra numbers for stats() under "snapshot" (the snapshot writer's), or None
         self.snapshot_stats = None
-        #: called with a session id before it is imported or deleted, and after it is evicted or dropped (the
-        #: snapshot writer's rewind journal), or None
+        #: called with a list of session ids before they are imported or deleted, and after they are evicted or
+        #: dropped (the snapshot writer's rewind journal), or None
         self.on_rewind = None
         # stats (guarded by _lock)
         self._st = collections.Counter()

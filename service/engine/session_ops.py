@@ -309,7 +309,7 @@ class SessionOps:
             marked.clear()
 
         try:
-            note(session_id)
+            note([session_id])
             return self._post_op(session_id, fn, kind=kind, rid=rid, on_queue=queued, deletes=deletes)
         finally:
             if marked:

@@ -133,11 +133,10 @@ class SnapshotTaking:
         """Write the ids :meth:`_note_removed_locked` gathered (the worker, without the lock)."""
         with self._lock:
             ids, self._unnoted = self._unnoted, []
-        for sid in ids:
-            try:
-                self.on_rewind(sid)
-            except Exception:  # noqa: BLE001 - logged; the session is gone either way
-                log.exception("cannot note a removed session in the rewind journal", extra={"session": sid})
+        try:
+            self.on_rewind(ids)
+        except Exception:  # noqa: BLE001 - logged; the sessions are gone either way
+            log.exception("cannot note removed sessions in the rewind journal", extra={"sessions": len(ids)})
 
     def request_snapshot(self, meta: dict, callback: Callable[[Optional[Capture]], None],
                          unchanged_since: Optional[int] = None) -> bool:
