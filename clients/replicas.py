@@ -359,12 +359,14 @@ class BatchPart:
 def maybe_applied(e: BaseException) -> bool:
     """Whether a call to a replica that ended with ``e`` may have been applied there: it was sent and got no answer
     that says it was not (a network failure after the connect, ``504 engine_timeout``, ``OutcomeUnknown``, an
-    interrupted call); a session it may have created or forked stays placed on that replica."""
+    interrupted call, an error that says ``maybe_applied``); a session it may have created or forked stays placed
+    on that replica."""
     if not isinstance(e, Exception):
         return True
     if isinstance(e, ReplicaUnavailable):   # a network failure: unsent when the connect failed, or none was made
         return e.__cause__ is not None and not isinstance(e.__cause__, (*UNSENT_ERRORS, Unreachable))
-    return isinstance(e, (OutcomeUnknown, EngineTimeout))
+    return isinstance(e, (OutcomeUnknown, EngineTimeout)) or \
+        (isinstance(e, ServiceError) and e.extra.get("maybe_applied") is True)
 
 
 def split_batch(parts: dict[str, list[int]], sessions, x, tokens, speculative) -> list[BatchPart]:

@@ -12,7 +12,8 @@ from typing import AsyncIterable, Iterable, Optional, Sequence, Union
 
 from convserve.clients.async_client import LEFT_BEHIND_S, AsyncConvClient
 from convserve.clients.common import BatchRequest, SessionState, _as_request
-from convserve.clients.protocol.errors import ReplicaUnavailable, SessionExists, StateLost, UnknownSession
+from convserve.clients.protocol.errors import (ReplicaUnavailable, SessionExists, StateLost, UnknownSession,
+                                              Unreachable)
 from convserve.clients.replicas import (Endpoints, Router, batch_failure, health_result, join_batch, maybe_applied,
                                         merged_model, part_position, routed_url, split_batch, SessionsWalk)
 from convserve.clients.replicated_sync import _failed, failure, network_errors, unavailable
@@ -189,7 +190,7 @@ class ReplicatedAsyncConvClient(AsyncConvClient):
         while (url := w.server()) is not None:
             try:
                 page = await AsyncConvClient.list_sessions(self._client(url), w.inner, limit)
-            except self._net as e:
+            except (*self._net, Unreachable) as e:      # (a tracking client's retried read: none answered)
                 self.router.mark(url, False, f"{type(e).__name__}: {e}")
                 w.failed()
                 continue

@@ -248,7 +248,7 @@ class ReplicatedConvClient(ConvClient):
         while (url := w.server()) is not None:
             try:
                 page = ConvClient.list_sessions(self._client(url), w.inner, limit)
-            except self._net as e:
+            except (*self._net, Unreachable) as e:      # (a tracking client's retried read: none answered)
                 self.router.mark(url, False, f"{type(e).__name__}: {e}")
                 w.failed()
                 continue

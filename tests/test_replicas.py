@@ -215,3 +215,15 @@ def test_what_a_replicas_failure_does_to_it_and_to_the_error_raised():
     lost.__cause__ = httpx.ReadError("reset")
     r = router(["http://a:1"])
     assert failure(r, "http://a:1", ["s"], lost, net) is None and r.live() == {}
+
+
+def test_an_error_that_says_maybe_applied_keeps_a_create_or_fork_placed_on_its_replica():
+    """An engine process that died with the call in flight, or a server that cut it off stopping, answers 503
+    with ``maybe_applied``: the session it may have made stays placed there, as after a lost answer."""
+    from convserve.clients.protocol.errors import EngineUnavailable, NotReady
+    from convserve.clients.replicas import maybe_applied
+
+    assert maybe_applied(EngineUnavailable("died in flight", maybe_applied=True))
+    assert maybe_applied(NotReady("cut off at shutdown_timeout_s", maybe_applied=True))
+    assert not maybe_applied(EngineUnavailable("down: not sent"))
+    assert not maybe_applied(NotReady("starting"))

@@ -253,6 +253,29 @@ def test_stopping_a_replica_fails_only_its_sessions_with_replica_unavailable_nam
         stop(rs)
 
 
+def test_a_tracking_clients_listing_names_a_replica_gone_since_its_last_check_unavailable(trio):
+    """A replica that went away after the client's last health check: a tracking client retries its listing read
+    there, and when none is answered (Unreachable) passes it over and names it, as an untracked one does."""
+    gone = Replica("127.0.0.1", 0, "gone")
+    urls = [trio[0].url, gone.url]
+    sync = ConvClient(urls, track_positions=True, health_interval_s=3600, retry_backoff_s=0.01)
+    aclient = AsyncConvClient(urls, track_positions=True, health_interval_s=3600, retry_backoff_s=0.01)
+    try:
+        assert sync.list_sessions(limit=5)["unavailable"] == []
+        assert asyncio.run(aclient.list_sessions(limit=5))["unavailable"] == []
+        gone.server.kill()
+        assert list_all(sync, 5)[1] == {gone.url}
+
+        async def listed():
+            return await aclient.list_sessions(limit=1000)
+
+        assert asyncio.run(listed())["unavailable"] == [gone.url]
+    finally:
+        sync.close()
+        asyncio.run(aclient.aclose())
+        gone.server.kill()
+
+
 def test_loadtest_drives_several_replicas_through_the_client_and_verifies(trio, tmp_path):
     out = tmp_path / "lt"
     urls = [a for r in trio for a in ("--url", r.url)]
