@@ -269,3 +269,28 @@ def test_a_409_after_some_parts_ran_names_the_applied_request_only_when_every_re
     assert err.position == [2, 9, 9] and err.extra["applied"] == ["a"]
     assert err.extra.get("applied_request_id", None) == common and (common is not None) == (
         "applied_request_id" in err.extra)
+
+
+def test_the_requests_a_dead_engine_held_say_maybe_applied_only_when_they_could_change_state():
+    """An engine process died with requests in flight: a conv, batch or changing operation may have run first
+    (its 503 says ``maybe_applied``, so a tracked client does not read it as "nothing ran"); a read or a split
+    batch's check did not."""
+    from convserve.clients.protocol.errors import EngineUnavailable
+    from convserve.service.cluster.remote import _Link, _Pending
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        r = RemoteEngine.__new__(RemoteEngine)
+        r.devices = ["cpu"]
+        link = _Link.__new__(_Link)
+        link.index, link.epoch, link.orphans = 0, 1, {}
+        futs = {what: loop.create_future() for what in ("this conv", "this batch", "the operation delete_session",
+                                                        "")}
+        link.pending = {i: _Pending(f, None, 1, what=what) for i, (what, f) in enumerate(futs.items())}
+        r._fail_pending(link, 2)
+        return {what: f.exception() for what, f in futs.items()}
+
+    errs = asyncio.run(main())
+    assert all(isinstance(e, EngineUnavailable) for e in errs.values())
+    assert {what: e.extra.get("maybe_applied") for what, e in errs.items()} == {
+        "this conv": True, "this batch": True, "the operation delete_session": True, "": None}

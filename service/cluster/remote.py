@@ -277,15 +277,16 @@ class RemoteEngine(RemoteSessions, EngineHealth):
             return
         link.pending = {mid: p for mid, p in link.pending.items() if p.epoch == epoch}
         link.epoch = epoch
-        err = EngineUnavailable(f"engine {link.index} ({self.devices[link.index]}) died while this request was in "
-                                "flight; the session's state was lost with it (the session answers 410 state_lost "
-                                "once the engine is back): create it again and prefill", retry_after=2,
-                                maybe_applied=True)
-        log.error("engine process lost with requests in flight", extra={"engine": link.index,
-                                                                      "requests": len(old)})
+        why = (f"engine {link.index} ({self.devices[link.index]}) died while this request was in flight; the "
+               "session's state was lost with it (the session answers 410 state_lost once the engine is back): "
+               "create it again and prefill")
+        # a conv, batch or changing operation may have run before the process died; a read or a check did not
+        errs = {True: EngineUnavailable(why, retry_after=2, maybe_applied=True),
+                False: EngineUnavailable(why, retry_after=2)}
+        log.error("engine process lost with requests in flight", extra={"engine": link.index, "requests": len(old)})
         for p in old:
             if not p.fut.done():
-                p.fut.set_exception(err)
+                p.fut.set_exception(errs[bool(p.what)])
 
     async def _watch(self) -> None:
         published = 0.0
