@@ -69,6 +69,8 @@ class Session:
     rid_hi: dict = field(default_factory=dict)
     verify_ids: dict = field(default_factory=dict)
     last_id: Any = None
+    #: the counters its id kept when this session was made under it (None: none), put back if it is undone
+    rid_before: Optional[dict] = None
 
     def oldest_active(self):
         """The oldest unfinished request, or None (drops finished ones from the head of ``queue``)."""
@@ -137,18 +139,17 @@ class SessionTable:
         those of the session last removed under it (empty when none is remembered)."""
         return dict(self._gone.get(session_id, ()))
 
-    def put_back_counters(self, session_id: str, counters: dict) -> None:
-        """Remember ``counters`` (empty: none) as removed ``session_id``'s: those it had before a session made
-        under it was undone."""
-        self._gone.pop(session_id, None)
-        if counters:
-            self._gone[session_id] = counters
+    def put_back_counters(self, session: Session) -> None:
+        """``session``, just removed, is undone: its id keeps the counters it had before it was made."""
+        self._gone.pop(session.id, None)
+        if session.rid_before:
+            self._gone[session.id] = session.rid_before
 
     def add(self, session: Session) -> None:
         """Make ``session`` live (its ``rid_hi`` already holds :meth:`counters_of` its id, when it should)."""
         self.check_free(session.id)
         self._evicted.pop(session.id, None)
-        self._gone.pop(session.id, None)
+        session.rid_before = self._gone.pop(session.id, None)
         self._live[session.id] = session
 
     def lost_ids(self) -> list:

@@ -146,21 +146,16 @@ class SessionOps:
 
     def _post_drop_created(self, session_id: str) -> Op:
         """Remove a session just created for a state that then failed to arrive (an engine process's
-        ``create_with_state``), as if it had never been: the id keeps the counters it had before, one lower than
-        the session took them over (see :meth:`_new_counters_locked`), so the retry of the call that made it,
-        which carries the same N, is not refused as a late copy, while the late copies of a session removed
-        before still are. (The creating call's own counter goes back to one below its N: its client's lower
-        N on this id were sent before it.)"""
-        def op(s: Session) -> None:
-            self._op_delete(s)
-            with self._lock:
-                self._sessions.put_back_counters(s.id, {p: n - 1 for p, n in s.rid_hi.items() if n > 0})
+        ``create_with_state``), as if it had never been: the id keeps the counters it had before (in the same
+        locked turn as the removal), so the retry of the call that made it, which carries the same N, is not
+        refused as a late copy, while the late copies of a session removed before still are."""
+        return self._post_op(session_id, lambda s: self._op_delete(s, undo=True), deletes=True)
 
-        return self._post_op(session_id, op, deletes=True)
-
-    def _op_delete(self, s: Session) -> None:
+    def _op_delete(self, s: Session, undo: bool = False) -> None:
         with self._lock:
             failed = self._remove_locked(s)
+            if undo:
+                self._sessions.put_back_counters(s)
             self.pool.free(s.slot)
         deliver([(r, None, UnknownSession(f"session {s.id!r} was deleted before this request ran"))
                        for r in failed])
