@@ -16,11 +16,14 @@ from tests.live import Reference
 
 
 @pytest.mark.parametrize("path", ["/healthz", "/readyz"])
-@pytest.mark.parametrize("accept", [None, "application/json", "application/msgpack", "application/x-msgpack"])
-def test_the_probes_answer_json_unless_msgpack_is_asked_for(server, path, accept):
+@pytest.mark.parametrize("accept, msgpack_", [
+    (None, False), ("application/json", False), ("application/msgpack", True), ("application/x-msgpack", True),
+    ("application/json, application/msgpack", True), ("application/msgpack;q=0, application/json", False),
+    ("application/msgpack;q=0.4, application/json;q=0.5", False)])
+def test_the_probes_answer_json_unless_msgpack_is_asked_for(server, path, accept, msgpack_):
     r = httpx.get(server.url + path, headers={"accept": accept} if accept else {})
     assert r.status_code == 200
-    if accept is not None and "msgpack" in accept:
+    if msgpack_:
         assert r.headers["content-type"] == wire.MEDIA_TYPE
         body = wire.unpackb(r.content, 1 << 20)
     else:

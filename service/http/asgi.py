@@ -43,18 +43,16 @@ def header(scope, name: bytes) -> Optional[bytes]:
     return None
 
 
-def wants_json(scope) -> bool:
-    """JSON when the Accept header asks for JSON and not for msgpack, or for msgpack at a lower quality (``q=0``:
-    not at all); msgpack otherwise, a tie included."""
+def _qualities(scope):
+    """``(json, msgpack)``: the quality the Accept header gives each (0: not at all), None where it names neither
+    (``None`` for both without the header)."""
     accept = header(scope, b"accept")
     if accept is None:
-        return False
+        return None, None
     accept = accept.lower()                      # (media types and their parameter names are case-insensitive)
-    if b"json" not in accept:
-        return False
     if b"q=" not in accept:
-        return b"msgpack" not in accept
-    best = {b"json": 0.0, b"msgpack": None}
+        return (1.0 if b"json" in accept else None), (1.0 if b"msgpack" in accept else None)
+    best: dict = {b"json": None, b"msgpack": None}
     for part in accept.split(b","):
         kind, *params = part.split(b";")
         q = 1.0
@@ -68,7 +66,21 @@ def wants_json(scope) -> bool:
         for name in best:
             if name in kind:
                 best[name] = max(best[name] or 0.0, q)
-    return best[b"json"] > 0 and (best[b"msgpack"] is None or best[b"json"] > best[b"msgpack"])
+    return best[b"json"], best[b"msgpack"]
+
+
+def wants_json(scope) -> bool:
+    """JSON when the Accept header asks for JSON and not for msgpack, or for msgpack at a lower quality (``q=0``:
+    not at all); msgpack otherwise, a tie included (the API's answers)."""
+    j, m = _qualities(scope)
+    return bool(j) and (m is None or j > m)
+
+
+def wants_msgpack(scope) -> bool:
+    """msgpack when the Accept header asks for it at least as much as for JSON (and not at ``q=0``); JSON otherwise
+    (the probes' answers, which people and probes read)."""
+    j, m = _qualities(scope)
+    return bool(m) and (j is None or m >= j)
 
 
 def render(obj: Any, as_json: bool) -> tuple[bytes, bytes]:

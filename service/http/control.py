@@ -18,7 +18,7 @@ from fastapi.responses import Response
 from convserve.clients.protocol import wire
 from convserve.clients.protocol.errors import NotReady
 from convserve.clients.protocol.ids import check_session_id
-from convserve.service.http.asgi import header, render, wants_json
+from convserve.service.http.asgi import render, wants_json, wants_msgpack
 from convserve.service.http.errors import error_response
 from convserve.service.http.parse import parse_body, read_body, refuse_body
 from convserve.service.http.replica import check_batch_sessions, merge_session
@@ -56,8 +56,7 @@ def add_control_routes(app: FastAPI, svc: Service) -> None:
     def probe(request: Request, obj: dict, status: int = 200) -> Response:
         """A probe's answer: JSON (what probes and people read) unless the request asks for msgpack, as the
         errors of these routes are."""
-        accept = (header(request.scope, b"accept") or b"").lower()
-        body, ctype = render(obj, b"msgpack" not in accept)
+        body, ctype = render(obj, not wants_msgpack(request.scope))
         return Response(body, status_code=status, media_type=ctype.decode())
 
     @app.api_route("/healthz", methods=["GET", "HEAD"])     # HEAD: probes that send curl -I
@@ -96,8 +95,7 @@ def add_control_routes(app: FastAPI, svc: Service) -> None:
                                "nothing since a request to them went unanswered past its deadline", retry_after=5)
             raise NotReady("no engine process is up; retry", retry_after=1)
         except NotReady as e:
-            accept = header(request.scope, b"accept") or b""
-            return error_response(request.scope, e, as_json=b"msgpack" not in accept)  # JSON unless msgpack asked
+            return error_response(request.scope, e, as_json=not wants_msgpack(request.scope))   # as probe()
 
     @app.get("/metrics")
     async def metrics_route(request: Request):
