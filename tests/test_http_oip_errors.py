@@ -245,7 +245,7 @@ def test_unknown_models_versions_and_routes_are_404_in_the_protocol_form(server)
 @pytest.mark.parametrize("method, path, allow", [("GET", "/v2/models/conv/infer", "POST"),
                                                  ("PUT", "/v2/models/conv/versions/1/infer", "POST"),
                                                  ("POST", "/v2/health/ready", "GET"),
-                                                 ("DELETE", "/v2/models/conv", "GET")])
+                                                 ("DELETE", "/v2/models/conv", "GET"), ("POST", "/v2", "GET")])
 def test_a_v2_route_taken_with_another_method_is_405_naming_its_methods_as_on_v1(server, method, path, allow):
     r = httpx.request(method, server.url + path)
     assert r.status_code == 405 and r.headers["allow"] == allow, r.text

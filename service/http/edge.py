@@ -91,7 +91,8 @@ class Edge:
                         # the server stopping cut it off at shutdown_timeout_s (uvicorn cancels what still runs):
                         # one answer, not uvicorn's plain-text 500 and a traceback in the log
                         try:
-                            await send_error(scope, send_wrapper, NotReady(
+                            await (send_oip_error if scope["path"].startswith("/v2") else send_error)(
+                                scope, send_wrapper, NotReady(
                                 "the server is stopping and cut this request off at shutdown_timeout_s; if it had "
                                 "started it may have been applied (GET the session to see its positions): send it "
                                 "again to another replica, or once this one is back", maybe_applied=True))

@@ -123,7 +123,9 @@ def add_oip_routes(app: FastAPI, svc: Service) -> None:
         app.add_api_route(prefix + "/ready", model_ready, methods=["GET"])
         app.router.routes.append(Route(prefix + "/infer", InferEndpoint(svc, prefix + "/infer"), methods=["POST"]))
     # last: any other /v2 path answers the protocol's 404 (the framework's would be /v1's error map)
-    app.router.routes.append(Route("/v2/{path:path}", UnknownRoute(app)))
+    unknown = UnknownRoute(app)
+    app.router.routes.append(Route("/v2", unknown))          # (another method on /v2 itself)
+    app.router.routes.append(Route("/v2/{path:path}", unknown))
 
 
 class UnknownRoute:
