@@ -451,14 +451,7 @@ class EngineProcess:
         name, mid = head["f"], head["i"]
         try:
             with self._journal_lock:
-                if name in ("create_session", "fork_session"):
-                    self.journal.add(result)
-                elif name == "create_with_state":
-                    self.journal.add(head["a"][0])
-                elif name == "delete_session":
-                    self.journal.remove(head["a"][0])
-                    if self.journal.lines > 4 * max(1024, len(self.engine._sessions) + len(self.journal.lost)):
-                        self.journal.compact(self.engine.session_ids(), self.engine.lost_ids())
+                self.journal.record(name, result, head.get("a") or (), self.engine)
             if name in ("create_session", "fork_session", "create_with_state", "delete_session"):
                 self._publish_slots()                # before the answer: /v1/model after it sees the change
         except Exception:  # noqa: BLE001 - see the docstring

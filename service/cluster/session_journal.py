@@ -13,6 +13,9 @@ from __future__ import annotations
 import collections
 import os
 
+#: lines below which the journal is never rewritten (a quarter of the smallest size that triggers a rewrite)
+COMPACT_FROM = 1024
+
 
 class Journal:
     """``+id`` / ``-id`` / ``!id`` lines of the sessions this engine process holds and of those its previous
@@ -56,6 +59,21 @@ class Journal:
         self.lost.pop(sid, None)
         self.f.write(f"-{sid}\n")
         self.lines += 1
+
+    def record(self, name: str, result, args, engine) -> None:
+        """What a session operation ``name`` that ran (``args``, ``result``) did to the live ids; then, when the
+        journal has grown past four times what it holds (after creates too: sessions the idle TTL evicts leave
+        their ``+id`` lines, and no delete comes), rewritten from ``engine``'s live and lost ids."""
+        if name in ("create_session", "fork_session"):
+            self.add(result)
+        elif name == "create_with_state":
+            self.add(args[0])
+        elif name == "delete_session":
+            self.remove(args[0])
+        else:
+            return
+        if self.lines > 4 * max(COMPACT_FROM, len(engine._sessions) + len(self.lost)):
+            self.compact(engine.session_ids(), engine.lost_ids())
 
     def compact(self, live: list, lost: list = ()) -> None:
         """The journal as ``live`` and the lost ids, ``lost`` (the engine's: the TTL's evictions too) among them."""
