@@ -106,3 +106,22 @@ def test_a_counted_id_is_late_after_any_later_call_of_its_client_however_many_ca
                  request_id=f"c:{len(LAYERS) - 1}").result(10)
     e.accept_batch([sid], [2])
     _assert_first_layer_took(e, sid, xs[(rounds, L0)][:2])
+
+
+@pytest.mark.parametrize("kept", [2, 3])
+def test_a_verifys_late_copy_is_refused_while_its_id_is_among_the_verify_ids_kept(kept):
+    """``verify_ids_kept``: a layer keeps that many of its last verifies' ids; a late copy of one of them is
+    refused, of one pushed out by later verifies it runs (a verify, run again, replaces the pending one)."""
+    e = make_engine(max_spec_tokens=4, verify_ids_kept=kept)
+    try:
+        sid = e.create_session()
+        for rid in ("v1", "v2", "v3"):
+            e.submit(sid, L0, torch.randn(2, DIM), speculative=True, position=0, request_id=rid).result(10)
+        x = torch.randn(2, DIM)
+        if kept == 3:
+            with pytest.raises(LateRequest):
+                e.submit(sid, L0, x, speculative=True, position=0, request_id="v1")
+        else:
+            assert e.submit(sid, L0, x, speculative=True, position=0, request_id="v1").result(10).shape == (2, DIM)
+    finally:
+        e.stop(drain=False)
