@@ -196,6 +196,17 @@ class SnapshotDir(CrashMarks):
                 pass
         return path, size
 
+    def headers(self) -> list:
+        """``(path, meta)`` of each file a restore may read (none a crash mark refuses), from its header alone,
+        newest first; the unreadable ones are left out."""
+        marks = self.crash_marks()
+        out = []
+        for path in self.files():
+            meta = None if marks and self._crashed(path, marks) else read_meta(path)
+            if meta is not None:
+                out.append((path, meta))
+        return out
+
     def newest_good(self, model: dict, n_engines: Optional[int] = None,
                     check: Optional[Callable[[Snapshot], None]] = None) -> Optional[tuple[str, Snapshot]]:
         """The newest file that is whole, belongs to ``model`` (and the layout) and passes ``check`` (which raises

@@ -20,12 +20,15 @@ named by its engine index (:class:`~.snapshot_file.SnapshotDir`).
 * **Stop.** After the engine drained and stopped, every session is written, whatever the change count: the file
   the next start restores is the one written after the drain. A failed write is logged and counted, never
   raised: the server still stops.
-* **Imports and deletes.** An import (``PUT .../state``) sets a session's positions back to 0, and a delete lets
-  the id be created again from 0, so a snapshot taken before either can hold another state at the same positions,
-  which a client's positions cannot tell apart. Each is first noted in the engine's :class:`RewindJournal` (a
-  line written through to the file, so that it survives the process); a snapshot drops the lines older than
-  itself, and a restore marks the sessions imported or deleted after the snapshot it restored as lost (410),
-  rather than serving their older state.
+* **Imports and removals.** An import (``PUT .../state``) sets a session's positions back to 0, and a removed
+  session (deleted, evicted by the idle TTL, dropped) may be created again from 0, so a snapshot taken before
+  either can hold another state at the same positions, which a client's positions cannot tell apart. Each is
+  noted in the engine's :class:`RewindJournal` (a line written through to the file, so that it survives the
+  process): an import or delete before it runs, an eviction or drop just after. A restore marks the sessions
+  noted after the snapshot it restored as lost (410), rather than serving their older state. A session is noted
+  once between two writes, and only when a file a restore may read holds it (or while one is being taken), and
+  the lines older than the oldest such file go: the journal stays within the kept files' ids, and a restore that
+  falls back to an older file (the newest refused) still finds every line since it.
 
 :func:`prepare_state_dir` runs once per server start, before any engine: it records the engine count, and when
 it changed since the last start (without a readable record, when the snapshots' own headers name another count)
@@ -117,8 +120,8 @@ class RewindJournal:
         self._lock = threading.Lock()
         old = os.path.join(folder, f"imports-{index}.log")      # its name while it held imports only
         if os.path.exists(old):
-            with open(old) as f, open(self.path, "a") as to:
-                to.write(f.read())
+            lines = [f"{when:.6f} {sid}\n" for when, sid in self._lines() + self._lines(old)]
+            self._rewrite(lines)
             os.unlink(old)
 
     def note(self, session_ids) -> None:
@@ -132,20 +135,24 @@ class RewindJournal:
         return sorted({sid for when, sid in self._lines() if when >= t})
 
     def drop_before(self, t: float) -> None:
-        """Forget the lines before unix time ``t`` (a snapshot taken at ``t`` holds what they did)."""
+        """Forget the lines before unix time ``t`` (every snapshot a restore may read was taken at ``t`` or later,
+        and holds what they did)."""
         with self._lock:
             lines = self._lines()
             keep = [f"{when:.6f} {sid}\n" for when, sid in lines if when >= t]
-            if len(keep) == len(lines):            # nothing to forget (no lines, or all since t): no rewrite
-                return
-            tmp = self.path + ".tmp"
-            with open(tmp, "w") as f:
-                f.writelines(keep)
-            os.replace(tmp, self.path)
+            if len(keep) != len(lines):            # (nothing to forget: no rewrite)
+                self._rewrite(keep)
 
-    def _lines(self) -> list:
+    def _rewrite(self, lines: list) -> None:
+        """The journal replaced whole by ``lines`` (a crash meanwhile leaves the old one)."""
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(lines)
+        os.replace(tmp, self.path)
+
+    def _lines(self, path: Optional[str] = None) -> list:
         try:
-            with open(self.path) as f:
+            with open(path or self.path) as f:
                 rows = [line.split(" ", 1) for line in f]
         except FileNotFoundError:
             return []
@@ -182,10 +189,14 @@ class Snapshotter:
         self._kept: Optional[tuple] = None
         engine.snapshot_stats = self.stats
         self.rewinds = RewindJournal(self.dir.folder, index)
-        # the ids a restore may read back (the newest file's sessions), and the snapshots being taken: a removed
-        # session is noted only when a snapshot may hold it, which keeps the journal within one snapshot's ids
+        # the files a restore may read (path -> (created_unix, their session ids)) and the ids they hold, the
+        # snapshots being taken, the ids noted since the last write: a removed or imported session is noted once,
+        # and only when a snapshot may hold it, which keeps the journal within the kept files' ids
+        self._files: dict = {}
         self._held: set = set()
         self._taking = 0
+        self._noted: set = set()
+        self._files_unknown = False          # a write failed: a file may be on disk that _files lacks
         engine.on_rewind = self._note_rewinds
         try:                                  # as soon as the model is built: what a crash mark of it refuses
             self.dir.note_model(engine.model_info())
@@ -213,10 +224,8 @@ class Snapshotter:
                                                  "not_restored": len(snap.meta.get("sessions", [])) - self.restored,
                                                  "taken_unix": snap.meta.get("created_unix")})
         if snap is not None:
-            with self._lock:
-                self._held = {rec["id"] for rec in snap.meta["sessions"]}
-            self._lose_rewound_since(snap.meta["created_unix"])
-        self.rewinds.drop_before(float("inf"))      # what the restore holds, or nothing to restore
+            self._lose_rewound_since(snap.meta["created_unix"])   # (their lines stay: a second crash reads them)
+        self._files_now(self._files_on_disk())
         with self._lock:
             self._st["restored_sessions"] = self.restored
         if self.restarted:
@@ -231,9 +240,27 @@ class Snapshotter:
         (the newest file's, or any while one is being taken); any other was made after it, and cannot come back
         from it."""
         with self._lock:
-            keep = [sid for sid in session_ids if self._taking or sid in self._held]
+            if self._taking:
+                keep = list(session_ids)
+            else:
+                keep = [sid for sid in session_ids if sid in self._held and sid not in self._noted]
+                self._noted.update(keep)
         if keep:
             self.rewinds.note(keep)
+
+    def _files_on_disk(self) -> dict:
+        """``_files`` read from the files' headers (at start, and after a write that failed)."""
+        return {path: (meta.get("created_unix", 0.0), frozenset(r.get("id") for r in meta.get("sessions", ())))
+                for path, meta in self.dir.headers()}
+
+    def _files_now(self, files: dict) -> None:
+        """``files`` are those a restore may read now: the ids noted from now on are theirs, and the journal's
+        lines older than the oldest of them go (any of them may be restored: a refused newest falls back)."""
+        held = set().union(*(ids for _t, ids in files.values()))
+        with self._lock:
+            self._files, self._held = files, held
+            self._noted.clear()
+        self.rewinds.drop_before(min((t for t, _ids in files.values()), default=float("inf")))
 
     def _lose_rewound_since(self, taken: float) -> None:
         """The restored sessions imported or deleted after the snapshot was taken answer 410: their state is not
@@ -334,6 +361,9 @@ class Snapshotter:
         return new_meta(self.engine.model_info(), self.index, self.count, self.device)
 
     def _write(self, cap, t0: float, kind: str) -> bool:
+        ids = frozenset(rec["id"] for rec in cap.meta["sessions"])
+        with self._lock:          # before the file can be on disk: a write that fails past that point leaves it
+            self._held |= ids
         try:
             cap.wait()
             path, size = self.dir.write(Snapshot(cap.meta, cap.tensors))
@@ -341,14 +371,19 @@ class Snapshotter:
             log.error("writing a snapshot failed", extra={"engine": self.index, "kind": kind, "error": str(e)})
             with self._lock:
                 self._st["failures"] += 1
+                self._files_unknown = True
             return False
-        self.rewinds.drop_before(cap.meta["created_unix"])
+        if self._files_unknown:
+            self._files_unknown = False
+            self._files_now(self._files_on_disk())
+        else:                     # this file, and those the rotation left
+            files = {p: v for p, v in self._files.items() if os.path.exists(p)}
+            self._files_now({**files, path: (cap.meta["created_unix"], ids)})
         seconds = time.perf_counter() - t0
         n = len(cap.meta["sessions"])
         with self._lock:
             # a session listed as lost may be settled by now without a change counted: the next one writes
             self._kept = None if cap.meta["lost"] else (cap.changes, cap.meta["created_unix"], path)
-            self._held = {rec["id"] for rec in cap.meta["sessions"]}
             st = self._st
             st["writes"] += 1
             st["bytes"] += size

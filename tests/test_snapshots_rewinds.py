@@ -122,3 +122,91 @@ def test_a_delete_of_an_unknown_session_notes_nothing(tmp_path):
         e.delete_session("never")
     assert sn.rewinds.since(0.0) == []
     e.stop()
+
+
+def test_a_write_that_fails_after_its_file_is_in_place_still_has_its_sessions_noted(tmp_path, monkeypatch):
+    """The folder's fsync (after the rename) fails: the write is reported failed, but the file is on disk and
+    a restore reads it, so a session only it holds is noted when it is deleted."""
+    from convserve.service import snapshot_file
+
+    e, sn = start(tmp_path)
+    e.create_session("a")
+    assert sn.write_now()
+    e.create_session("s")
+    e.submit("s", 1, x_of(5, 0)).result()
+
+    def fails(folder):
+        raise OSError(5, "EIO on the folder's fsync")
+
+    monkeypatch.setattr(snapshot_file, "fsync_dir", fails)
+    assert not sn.write_now()
+    monkeypatch.undo()
+    e.delete_session("s")
+    e.create_session("s")
+    e.submit("s", 1, x_of(5, 2)).result()
+    e.stop(drain=False)
+
+    e2, sn2 = start(tmp_path)
+    try:
+        with pytest.raises(StateLost):
+            e2.submit("s", 1, x_of(1, 3), position=5)
+    finally:
+        e2.stop()
+
+
+def test_a_second_crash_before_any_new_snapshot_still_answers_410(tmp_path):
+    """The first restart marks the deleted session lost and keeps its line (the restored file is still the
+    newest on disk): a crash before the next snapshot restores the same file and marks it lost again."""
+    e, sn = start(tmp_path)
+    e.create_session("s")
+    e.submit("s", 1, x_of(5, 0)).result()
+    assert sn.write_now()
+    e.delete_session("s")
+    e.stop(drain=False)
+    for _ in range(2):
+        e2, sn2 = start(tmp_path)
+        try:
+            with pytest.raises(StateLost):
+                e2.submit("s", 1, x_of(1, 3), position=5)
+        finally:
+            e2.stop(drain=False)
+
+
+def test_a_restore_that_falls_back_to_an_older_file_knows_what_was_removed_since_it(tmp_path):
+    """The newest file is refused (a flipped bit): the one before is restored, and the lines since it were kept,
+    so a session deleted after it and created again at the same positions answers 410, not its older state."""
+    e, sn = start(tmp_path)
+    e.create_session("s")
+    e.submit("s", 1, x_of(5, 0)).result()
+    e.create_session("k")
+    assert sn.write_now()
+    e.delete_session("s")
+    e.submit("k", 1, x_of(1, 9)).result()
+    assert sn.write_now()
+    e.create_session("s")
+    e.submit("s", 1, x_of(5, 2)).result()
+    e.stop(drain=False)
+    newest = sorted(tmp_path.glob("*.safetensors"))[-1]
+    with open(newest, "r+b") as f:
+        f.seek(-3, 2)
+        b = f.read(1)
+        f.seek(-3, 2)
+        f.write(bytes([b[0] ^ 1]))
+
+    e2, sn2 = start(tmp_path)
+    try:
+        with pytest.raises(StateLost):
+            e2.submit("s", 1, x_of(1, 3), position=5)
+        assert e2.session_info("k")["positions"][0] == 0      # (the older file's: before its conv)
+    finally:
+        e2.stop()
+
+
+def test_a_session_imported_again_and_again_is_noted_once_until_the_next_write(tmp_path):
+    e, sn = start(tmp_path)
+    e.create_session("held")
+    assert sn.write_now()
+    for _ in range(50):
+        e.import_state("held", torch.zeros(len(LAYERS), DIM, 3))
+    assert len(sn.rewinds._lines()) == 1
+    e.stop()
