@@ -162,3 +162,13 @@ def test_a_websockets_connection_lines_are_written_only_with_the_access_log(acce
     lines = [m for m in srv.log_messages() if "WebSocket" in m or m in ("connection open", "connection closed")]
     assert bool(lines) == access, lines
     assert "stopped" in srv.log_messages()          # the server's own lines are all still there
+
+
+@pytest.mark.parametrize("method, maybe", [("GET", False), ("HEAD", False), ("POST", True), ("PUT", True),
+                                           ("DELETE", True)])
+def test_a_request_cut_off_at_shutdown_says_maybe_applied_only_when_it_could_change_state(method, maybe):
+    from convserve.service.http.edge import _cut_off, _is_v2
+
+    err = _cut_off(method)
+    assert err.code == "not_ready" and ("maybe_applied" in err.extra) is maybe
+    assert [_is_v2(p) for p in ("/v2", "/v2/models/conv", "/v2foo", "/v1/conv")] == [True, True, False, False]

@@ -72,7 +72,7 @@ class Edge:
             try:
                 if not self._authorized(scope):
                     # /v2 answers in the Open Inference Protocol's error form, which its clients parse
-                    oip = scope["path"].startswith("/v2")
+                    oip = _is_v2(scope["path"])
                     await (send_oip_error if oip else send_error)(scope, send_wrapper,
                                                                   unauthorized(header(scope, b"authorization")))
                 else:
@@ -80,8 +80,7 @@ class Edge:
                         check_path_session(scope)     # X-Session-Id against /v1/sessions/{id}: 400 when they differ
                         check_query(scope)
                     except ServiceError as e:
-                        await (send_oip_error if scope["path"].startswith("/v2") else send_error)(scope, send_wrapper,
-                                                                                                 e)
+                        await (send_oip_error if _is_v2(scope["path"]) else send_error)(scope, send_wrapper, e)
                         return
                     try:
                         await app(scope, receive, send_wrapper)
@@ -91,11 +90,8 @@ class Edge:
                         # the server stopping cut it off at shutdown_timeout_s (uvicorn cancels what still runs):
                         # one answer, not uvicorn's plain-text 500 and a traceback in the log
                         try:
-                            await (send_oip_error if scope["path"].startswith("/v2") else send_error)(
-                                scope, send_wrapper, NotReady(
-                                "the server is stopping and cut this request off at shutdown_timeout_s; if it had "
-                                "started it may have been applied (GET the session to see its positions): send it "
-                                "again to another replica, or once this one is back", maybe_applied=True))
+                            await (send_oip_error if _is_v2(scope["path"]) else send_error)(
+                                scope, send_wrapper, _cut_off(scope["method"]))
                         except Exception:  # noqa: BLE001 - the connection is gone: nothing more to send
                             pass
             finally:
@@ -129,6 +125,21 @@ class Edge:
                 self.metrics.error(WS_ROUTE if scope["path"] == WS_ROUTE else "unmatched", code)
         else:
             await app(scope, receive, send)
+
+
+def _is_v2(path: str) -> bool:
+    """An Open Inference Protocol path, whose errors take the protocol's form."""
+    return path == "/v2" or path.startswith("/v2/")
+
+
+def _cut_off(method: str) -> NotReady:
+    """The answer of a request the stopping server cut off at shutdown_timeout_s: one that could change state
+    (not a GET or HEAD) may have been applied (``maybe_applied``)."""
+    again = "send it again to another replica, or once this one is back"
+    if method in ("GET", "HEAD"):
+        return NotReady(f"the server is stopping and cut this read off at shutdown_timeout_s; {again}")
+    return NotReady("the server is stopping and cut this request off at shutdown_timeout_s; if it had started it "
+                    f"may have been applied (GET the session to see its positions): {again}", maybe_applied=True)
 
 
 def _route_of(scope) -> str:
