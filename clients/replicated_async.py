@@ -12,8 +12,8 @@ from typing import AsyncIterable, Iterable, Optional, Sequence, Union
 
 from convserve.clients.async_client import LEFT_BEHIND_S, AsyncConvClient
 from convserve.clients.common import BatchRequest, SessionState, _as_request
-from convserve.clients.protocol.errors import (ReplicaUnavailable, SessionExists, StateLost, UnknownSession,
-                                              Unreachable)
+from convserve.clients.protocol.errors import (ReplicaUnavailable, ServiceError, SessionExists, StateLost,
+                                              UnknownSession, Unreachable)
 from convserve.clients.replicas import (Endpoints, Router, batch_failure, health_result, join_batch, maybe_applied,
                                         merged_model, part_position, routed_url, split_batch, SessionsWalk)
 from convserve.clients.replicated_sync import _failed, failure, network_errors, unavailable
@@ -192,6 +192,11 @@ class ReplicatedAsyncConvClient(AsyncConvClient):
                 page = await AsyncConvClient.list_sessions(self._client(url), w.inner, limit)
             except (*self._net, Unreachable) as e:      # (a tracking client's retried read: none answered)
                 self.router.mark(url, False, f"{type(e).__name__}: {e}")
+                w.failed()
+                continue
+            except ServiceError as e:                   # it answers, but cannot list now (503 not_ready, say)
+                if e.status < 500:
+                    raise
                 w.failed()
                 continue
             out = w.page(page)

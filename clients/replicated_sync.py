@@ -18,8 +18,8 @@ from typing import Iterable, Iterator, Optional, Sequence
 import httpx
 
 from convserve.clients.common import BatchRequest, ConvResult, SessionState, _as_request
-from convserve.clients.protocol.errors import (OutcomeUnknown, ReplicaUnavailable, SessionExists, StateLost,
-                                              UnknownSession, Unreachable)
+from convserve.clients.protocol.errors import (OutcomeUnknown, ReplicaUnavailable, ServiceError, SessionExists,
+                                              StateLost, UnknownSession, Unreachable)
 from convserve.clients.replicas import (Endpoints, Router, batch_failure, health_result, join_batch, maybe_applied,
                                         merged_model, part_position, routed_url, split_batch, SessionsWalk)
 from convserve.clients.sync_client import ConvClient
@@ -250,6 +250,11 @@ class ReplicatedConvClient(ConvClient):
                 page = ConvClient.list_sessions(self._client(url), w.inner, limit)
             except (*self._net, Unreachable) as e:      # (a tracking client's retried read: none answered)
                 self.router.mark(url, False, f"{type(e).__name__}: {e}")
+                w.failed()
+                continue
+            except ServiceError as e:                   # it answers, but cannot list now (503 not_ready, say)
+                if e.status < 500:
+                    raise
                 w.failed()
                 continue
             out = w.page(page)

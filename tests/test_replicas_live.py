@@ -276,6 +276,28 @@ def test_a_tracking_clients_listing_names_a_replica_gone_since_its_last_check_un
         gone.server.kill()
 
 
+def test_a_replica_that_answers_the_listing_with_a_5xx_is_passed_over_and_named(trio, monkeypatch):
+    """A replica reachable but unable to list (503 not_ready while it starts, say) is named in "unavailable", as
+    a down one is; the other replicas' sessions are listed."""
+    from convserve.clients.protocol.errors import NotReady
+    from convserve.clients.sync_client import ConvClient as OneServer
+
+    listing = OneServer.list_sessions
+
+    def failing(client, *args, **kw):
+        if client.url == trio[1].url:
+            raise NotReady("starting")
+        return listing(client, *args, **kw)
+
+    monkeypatch.setattr(OneServer, "list_sessions", failing)
+    with ConvClient([r.url for r in trio], health_interval_s=3600) as c:
+        mine = [c.create_session(f"fail5xx-{i}-{time.monotonic_ns()}") for i in range(12)]
+        infos, unavailable = list_all(c, 50)
+        assert unavailable == {trio[1].url}
+        listed = {i["session"] for i in infos}
+        assert {s for s in mine if c.replica_of(s) != trio[1].url} <= listed
+
+
 def test_loadtest_drives_several_replicas_through_the_client_and_verifies(trio, tmp_path):
     out = tmp_path / "lt"
     urls = [a for r in trio for a in ("--url", r.url)]
