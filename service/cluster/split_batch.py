@@ -119,10 +119,12 @@ def refusal(parts: list, checks: list, sids: list, position, layer: int):
         for i, q in zip(pos, got or ()):
             server[i] = q
     refused = [c for c in errors if isinstance(c, PositionMismatch)]
+    applied = _common_applied_id(refused)
     differ = [sid for sid, want, q in zip(sids, position, server) if q is not None and want != q]
-    what = (f"layer {layer}: the batch's positions differ from the sessions' for {differ[:8]!r:.300}" if differ
-            else first.message.split(";")[0])   # (a request applied at them: the part's own account)
-    return PositionMismatch(mismatch_message(what, server), position=server, **_common_applied_id(refused))
+    # one request applied at every part's positions: the parts' own account (which names it), as the engine's
+    what = (first.message.split(";")[0] if applied or not differ else
+            f"layer {layer}: the batch's positions differ from the sessions' for {differ[:8]!r:.300}")
+    return PositionMismatch(mismatch_message(what, server), position=server, **applied)
 
 
 def _check_rank(err: BaseException) -> int:
