@@ -145,7 +145,8 @@ class Attempts:
     """The attempts of one tracked call and what their failures say. It is retried (the same body) after a
     connection error, ``503`` or ``504``, up to the book's ``max_retries``. When they run out it raises
     :class:`OutcomeUnknown` if any attempt may have been applied (it was sent and not refused: a connection error
-    after the connect, a ``504``, a ``503`` that says ``maybe_applied``), else :class:`Unreachable` (nothing was sent, or only refused: nothing applied).
+    after the connect, a ``504``, a ``503`` that says ``maybe_applied``), else :class:`Unreachable` (nothing was
+    sent, or only refused: nothing applied).
     ``read``: a read (``GET``), which applies nothing whatever happens; ``before``: the read of the session's
     positions a tracked call makes first. ``rid``, ``layer``, ``positions``: what the call carried, for
     :class:`OutcomeUnknown`; ``remedy``: what its message tells the caller to do."""

@@ -118,7 +118,8 @@ def test_a_message_whose_later_frame_is_past_max_body_bytes_serves_the_frames_be
         got = _until_closed(ws)
         assert ws.close_code == 1009
     assert [r["id"] for r in got[:-1]] == [f["id"] for f in frames] and all("y" in r for r in got[:-1])
-    assert got[-1]["error"]["code"] == "payload_too_large" and f"frame {len(frames) + 1} " in got[-1]["error"]["message"]
+    err = got[-1]["error"]
+    assert err["code"] == "payload_too_large" and f"frame {len(frames) + 1} " in err["message"]
 
 
 # ------------------------------------------------------------------------------------------------ bad handshakes

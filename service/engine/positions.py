@@ -128,11 +128,11 @@ def refuse_late(hi: dict, counted, rid, session_id) -> None:
     session's, see ``SessionOps._new_counters_locked``; or a removed session's)."""
     if counted is not None and counted[1] < hi.get(counted[0], -1):
         raise LateRequest(f"session {session_id!r:.80}: request_id {rid!r:.80} is below "
-                          f"{counted[0] + ':' + str(hi[counted[0]])!r:.60}, the lowest this session id still takes from the "
-                          "same client (it has seen later calls of it): a late copy of an earlier call (an attempt "
-                          "that sat in the server while its retry ran), or a call sent again after later ones, is "
-                          "not run; nothing changed. Read the session (GET /v1/sessions/{id}) to see where it "
-                          "stands; a client that starts again takes a new PREFIX")
+                          f"{counted[0] + ':' + str(hi[counted[0]])!r:.60}, the lowest this session id still takes "
+                          "from the same client (it has seen later calls of it): a late copy of an earlier call (an "
+                          "attempt that sat in the server while its retry ran), or a call sent again after later "
+                          "ones, is not run; nothing changed. Read the session (GET /v1/sessions/{id}) to see where "
+                          "it stands; a client that starts again takes a new PREFIX")
 
 
 def refuse_late_all(sessions, rid):

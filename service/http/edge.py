@@ -110,7 +110,8 @@ class Edge:
                                                       "error": code})
         elif t == "websocket":
             # the handshake is refused with an HTTP answer and the error map: 401 first, then 400 for a query string
-            # (as on every /v1 route) or a session header; the app refuses an unknown path (404, websocket.NoWebSocketRoute)
+            # (as on every /v1 route) or a session header; the app refuses an unknown path (404,
+            # websocket.NoWebSocketRoute)
             try:
                 if not self._authorized(scope):
                     raise unauthorized(header(scope, b"authorization"))
