@@ -125,10 +125,17 @@ class RewindJournal:
             os.unlink(old)
 
     def note(self, session_ids) -> None:
-        """One line for each of ``session_ids``, in one write."""
+        """One line for each of ``session_ids``, in one write; after a line a failed write left cut (a full disk),
+        on a line of their own."""
         now = time.time()
-        with self._lock, open(self.path, "a") as f:
-            f.write("".join(f"{now:.6f} {sid}\n" for sid in session_ids))
+        text = "".join(f"{now:.6f} {sid}\n" for sid in session_ids)
+        with self._lock, open(self.path, "a+b") as f:        # (appends go to the end wherever it reads)
+            end = f.seek(0, os.SEEK_END)
+            if end:
+                f.seek(end - 1)
+                if f.read(1) != b"\n":
+                    text = "\n" + text
+            f.write(text.encode())
 
     def since(self, t: float) -> list:
         """The sessions imported or deleted at or after unix time ``t``."""

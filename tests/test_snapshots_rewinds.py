@@ -210,3 +210,14 @@ def test_a_session_imported_again_and_again_is_noted_once_until_the_next_write(t
         e.import_state("held", torch.zeros(len(LAYERS), DIM, 3))
     assert len(sn.rewinds._lines()) == 1
     e.stop()
+
+
+def test_a_note_after_a_line_cut_by_a_failed_write_goes_on_a_line_of_its_own(tmp_path):
+    from convserve.service.snapshots import RewindJournal
+
+    j = RewindJournal(str(tmp_path), 0)
+    j.note(["a"])
+    with open(j.path, "a") as f:
+        f.write("1733.5 cu")                                 # a write a full disk cut short
+    j.note(["b", "c"])
+    assert {"a", "b", "c"} <= set(j.since(0.0))
