@@ -15,6 +15,7 @@ import json
 import os
 import re
 from pathlib import Path
+import typing
 from typing import Annotated, Literal, Optional, Union
 
 from pydantic import Field, SecretStr, field_validator, model_validator
@@ -124,14 +125,14 @@ class Settings(BaseSettings):
     answer_store_bytes: int = Field(_ENGINE.answer_store_bytes, ge=0,
                                     description="bytes of answers kept per engine for retries of convs that "
                                     "carried a position (oldest dropped first)")
-    max_evicted_ids: int = Field(_ENGINE.max_evicted_ids, ge=1,
+    max_evicted_ids: int = Field(_ENGINE.max_evicted_ids, ge=1, le=1 << 22,
                                  description="ids of evicted, lost and removed sessions remembered per engine (410 "
                                  "state_lost rather than 404; a removed id's request counters, for late_request)")
-    request_clients_kept: int = Field(_ENGINE.request_clients_kept, ge=1,
+    request_clients_kept: int = Field(_ENGINE.request_clients_kept, ge=1, le=1024,
                                       description="per session, the clients (PREFIX of a PREFIX:N request_id) whose "
                                       "latest call is kept to refuse late copies (409 late_request); a late copy of "
                                       "a client past them runs")
-    verify_ids_kept: int = Field(_ENGINE.verify_ids_kept, ge=1,
+    verify_ids_kept: int = Field(_ENGINE.verify_ids_kept, ge=1, le=1024,
                                  description="per session and layer, the last verifies' request_ids (other than "
                                  "PREFIX:N) kept to refuse their late copies")
     sessions_page_max: int = Field(1000, ge=1, description="most sessions in one page of GET /v1/sessions")
@@ -303,6 +304,16 @@ class Settings(BaseSettings):
         if not v or any(b < 1 for b in v):
             raise ValueError("decode_buckets: give positive batch sizes, e.g. 1,2,4,8")
         return sorted(set(v))
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_numbers(cls, v, info):
+        """A boolean given for a number is an error, not 1 or 0 (JSON's ``true`` for ``max_queue``, say)."""
+        if isinstance(v, bool):
+            ann = cls.model_fields[info.field_name].annotation
+            if ann is not bool and bool not in typing.get_args(ann):
+                raise ValueError(f"{info.field_name}: expected a number, not a boolean")
+        return v
 
     @field_validator("workers", "slots", "max_prefill_tokens_per_step", "engine_busy_poll_us", mode="before")
     @classmethod

@@ -233,6 +233,11 @@ class Snapshotter:
         if snap is not None:
             self._lose_rewound_since(snap.meta["created_unix"])   # (their lines stay: a second crash reads them)
         self._files_now(self._files_on_disk())
+        newest = max((t for t, _ids in self._files.values()), default=None)
+        if newest is not None:        # noted since every kept file: not again (crash after crash, no snapshot)
+            noted = self.rewinds.since(newest)
+            with self._lock:
+                self._noted.update(noted)
         with self._lock:
             self._st["restored_sessions"] = self.restored
         if self.restarted:
@@ -277,9 +282,10 @@ class Snapshotter:
         for sid in lost:
             e.delete_session(sid)
         if lost:
-            e.mark_lost(lost, "was imported (PUT .../state) or deleted after the snapshot the server restored at "
-                              "start was taken; that snapshot holds an older state: import it or create it again")
-            log.warning("sessions imported or deleted after the restored snapshot are lost",
+            e.mark_lost(lost, "was imported (PUT .../state), deleted, evicted or dropped after the snapshot the server "
+                              "restored at start was taken; that snapshot holds an older state: import it or create "
+                              "it again")
+            log.warning("sessions imported or removed after the restored snapshot are lost",
                         extra={"engine": self.index, "sessions": len(lost)})
             self.restored -= len(lost)
 

@@ -437,3 +437,20 @@ def test_a_limit_given_above_the_limit_that_bounds_it_is_refused(overrides, frag
 def test_the_bounded_limits_defaults_stay_valid_under_small_bounds():
     s = load_settings({"max_tokens_per_request": "8", "max_body_bytes": "4096", "max_batch_tokens": "16"})
     assert s.max_spec_tokens == 16 and s.max_json_body_bytes == 2 << 20     # defaults: bounded where they act
+
+
+@pytest.mark.parametrize("key, value", [("max_queue", True), ("request_clients_kept", False), ("session_ttl_s", True),
+                                        ("verify_ids_kept", 1025), ("request_clients_kept", 0),
+                                        ("max_evicted_ids", 1 << 23)])
+def test_a_config_file_number_that_is_a_boolean_or_out_of_bounds_is_refused(tmp_path, key, value):
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({key: value}))
+    with pytest.raises(ConfigError, match="CONVSERVE_" + key.upper()):
+        load_settings({}, cfg)
+
+
+def test_a_boolean_setting_still_takes_a_boolean(tmp_path):
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"check_finite": False, "access_log": True}))
+    s = load_settings({}, cfg)
+    assert s.check_finite is False and s.access_log is True

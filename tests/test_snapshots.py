@@ -227,6 +227,43 @@ def test_after_kill_9_a_session_imported_since_the_last_snapshot_answers_410_not
         srv.kill()
 
 
+def test_a_session_a_restore_left_lost_stays_410_after_its_engine_process_crashes(tmp_path):
+    """Restored after a crash, a session deleted since its snapshot answers 410; the engine process notes it lost
+    in its own journal too, so that after that process's crash it is still 410 (a client without positions
+    would otherwise read 404, "never created or deleted")."""
+    srv = serve(tmp_path, "engine processes")
+    try:
+        api = Api(srv.url)
+        sid = ids(1, "engine processes")[0]                  # on engine 0
+        api.session(sid)
+        assert conv(api, sid, 0, rand_x(2, seed=1))[0] == 200
+        assert srv.terminate() == 0                            # its final snapshot holds it
+    finally:
+        srv.kill()
+    srv = serve(tmp_path, "engine processes")
+    try:
+        assert Api(srv.url).call("DELETE", f"/v1/sessions/{sid}")[0] == 204
+        _kill9(srv)
+    finally:
+        srv.kill()
+    srv = serve(tmp_path, "engine processes")
+    try:
+        api = Api(srv.url)
+        assert api.call("GET", f"/v1/sessions/{sid}")[0] == 410
+        victim = httpx.get(srv.url + "/readyz").json()["engines"][0]["pid"]
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while True:
+            ready = httpx.get(srv.url + "/readyz").json()
+            if ready["status"] == "ready" and ready["engines"][0]["pid"] != victim:
+                break
+            assert time.monotonic() < deadline, ready
+            time.sleep(0.1)
+        assert api.call("GET", f"/v1/sessions/{sid}")[0] == 410
+    finally:
+        srv.kill()
+
+
 @pytest.mark.slow  # a long run: `pytest -m slow` (kept out of CI's 10 minutes)
 def test_a_torn_newest_snapshot_is_refused_and_the_previous_good_one_restored(tmp_path):
     c = None

@@ -62,7 +62,7 @@ def test_a_session_removed_after_the_restored_snapshot_answers_410_not_its_older
 
     e2, sn2 = start(tmp_path)
     try:
-        with pytest.raises(StateLost, match="imported .* or deleted after the snapshot"):
+        with pytest.raises(StateLost, match="imported .*, deleted, evicted or dropped after the snapshot"):
             e2.submit("s", 1, x_of(1, 3), position=5)
         if "evicted" not in change:
             assert e2.session_info("kept")["positions"][0] == 2     # an untouched session is restored
@@ -221,3 +221,22 @@ def test_a_note_after_a_line_cut_by_a_failed_write_goes_on_a_line_of_its_own(tmp
         f.write("1733.5 cu")                                 # a write a full disk cut short
     j.note(["b", "c"])
     assert {"a", "b", "c"} <= set(j.since(0.0))
+
+
+def test_crash_after_crash_without_a_snapshot_leaves_one_line_per_session(tmp_path):
+    """No periodic snapshots: each start finds the lines of the one before, and a session removed again is
+    not noted again (the journal would grow by the held sessions at every crash)."""
+    e, sn = start(tmp_path)
+    for s in ("s", "t"):
+        e.create_session(s)
+    sn.stop_engine()
+    for _ in range(4):
+        e, sn = start(tmp_path)
+        for s in ("s", "t"):
+            if s in e.session_ids():
+                e.delete_session(s)
+            e.create_session(s)
+            e.delete_session(s)
+            e.create_session(s)
+        e.stop(drain=False)
+    assert sorted(sid for _t, sid in sn.rewinds._lines()) == ["s", "t"]

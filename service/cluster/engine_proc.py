@@ -136,12 +136,13 @@ class EngineProcess:
             self.engine.start()
         self.pump_ident = self.engine._thread.ident
         lost = self.journal.recover()
-        for sid in self.engine.session_ids():           # restored from a snapshot
-            self.journal.add(sid)
         if lost:
             self.engine.mark_lost(lost, f"was on engine {self.index}, whose process stopped (restart "
                                         f"{self.spec['restarts']})")
             log.warning("engine restarted without its sessions", extra={"engine": self.index, "lost": len(lost)})
+        # the sessions restored from a snapshot, and those its restore left lost (busy when it was taken, or
+        # rewound since): a crash of this process must leave them 410 too
+        self.journal.compact(self.engine.session_ids(), self.engine.lost_ids())
         self._publish_slots()
 
     def _snapshot_written(self, last: dict) -> None:
@@ -175,6 +176,7 @@ class EngineProcess:
             self.snapshots.stop_engine(True, self.settings.shutdown_timeout_s)
         else:
             self.engine.stop(True, self.settings.shutdown_timeout_s)
+        log.info("engine stopped", extra={"engine": self.index})
         self.pump_ident = threading.get_ident()       # the worker thread is gone: the socket is this thread's
         self.pool.shutdown(wait=True)                  # a weights file being built is answered too
         self._refuse_rest()

@@ -178,7 +178,8 @@ def create_app(settings, engine: EngineAPI, *, start_engine: bool = True, snapsh
                 # took it twice over would outlive the supervisor's grace
                 left = max(0.1, svc.drain_deadline - time.monotonic())
                 await asyncio.to_thread(stop, True, left)
-                log.info("engine stopped")
+                # (engine processes say "engine stopped" themselves: a worker only closed its links to them)
+                log.info("engine links closed" if bind is not None else "engine stopped")
 
     # redirect_slashes off: a path with a trailing slash is a 404 with an error map, not a 307 that a client
     # following redirects would replay (a DELETE included)
