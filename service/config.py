@@ -308,10 +308,12 @@ class Settings(BaseSettings):
     @field_validator("*", mode="before")
     @classmethod
     def _no_boolean_numbers(cls, v, info):
-        """A boolean given for a number is an error, not 1 or 0 (JSON's ``true`` for ``max_queue``, say)."""
-        if isinstance(v, bool):
+        """A boolean given for a number (or in a list of numbers) is an error, not 1 or 0 (JSON's ``true`` for
+        ``max_queue``, say)."""
+        if isinstance(v, bool) or (isinstance(v, (list, tuple)) and any(isinstance(b, bool) for b in v)):
             ann = cls.model_fields[info.field_name].annotation
-            if ann is not bool and bool not in typing.get_args(ann):
+            kinds = {ann, *typing.get_args(ann)}
+            if bool not in kinds and kinds & {int, float}:
                 raise ValueError(f"{info.field_name}: expected a number, not a boolean")
         return v
 

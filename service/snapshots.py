@@ -48,7 +48,7 @@ import time
 from typing import Optional
 
 from .engine.snapshot import check_content
-from .snapshot_file import CRASH_SUFFIX, Snapshot, SnapshotDir, new_meta, read_meta
+from .snapshot_file import CRASH_SUFFIX, Snapshot, SnapshotDir, compatible, new_meta, read_meta
 
 log = logging.getLogger("convserve.snapshots")
 
@@ -118,6 +118,9 @@ class RewindJournal:
     def __init__(self, folder: str, index: int):
         self.path = os.path.join(folder, f"rewinds-{index}.log")
         self._lock = threading.Lock()
+        # no line is stamped before this: the newest snapshot time issued or on disk (a clock stepped back would
+        # otherwise stamp a later removal before the snapshot it follows, which a restore would not read)
+        self.floor = 0.0
         old = os.path.join(folder, f"imports-{index}.log")      # its name while it held imports only
         if os.path.exists(old):
             lines = [f"{when:.6f} {sid}\n" for when, sid in self._lines() + self._lines(old)]
@@ -127,14 +130,15 @@ class RewindJournal:
     def note(self, session_ids) -> None:
         """One line for each of ``session_ids``, in one write; after a line a failed write left cut (a full disk),
         on a line of their own."""
-        now = time.time()
+        now = max(time.time(), self.floor)
         text = "".join(f"{now:.6f} {sid}\n" for sid in session_ids)
         with self._lock, open(self.path, "a+b") as f:        # (appends go to the end wherever it reads)
             end = f.seek(0, os.SEEK_END)
             if end:
-                f.seek(end - 1)
-                if f.read(1) != b"\n":
-                    text = "\n" + text
+                f.seek(max(0, end - 4096))
+                tail = f.read()
+                if not tail.endswith(b"\n"):                 # a line a failed write cut: it names no session
+                    f.truncate(end - len(tail) + tail.rfind(b"\n") + 1)
             f.write(text.encode())
 
     def since(self, t: float) -> list:
@@ -155,6 +159,8 @@ class RewindJournal:
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
             f.writelines(lines)
+            f.flush()
+            os.fsync(f.fileno())          # (the rename must not land before the lines: a host crash would empty it)
         os.replace(tmp, self.path)
 
     def _lines(self, path: Optional[str] = None) -> list:
@@ -166,8 +172,9 @@ class RewindJournal:
         out = []
         for row in rows:
             try:
-                out.append((float(row[0]), row[1].strip()))
-            except (ValueError, IndexError):      # a line cut by a crash mid-write
+                if row[1].endswith("\n"):           # (a line a crash cut mid-write has none: it is no id)
+                    out.append((float(row[0]), row[1].strip()))
+            except (ValueError, IndexError):
                 continue
         return out
 
@@ -252,18 +259,21 @@ class Snapshotter:
         (the newest file's, or any while one is being taken); any other was made after it, and cannot come back
         from it."""
         with self._lock:
-            if self._taking:
-                keep = list(session_ids)
-            else:
-                keep = [sid for sid in session_ids if sid in self._held and sid not in self._noted]
-                self._noted.update(keep)
+            taking = self._taking
+            keep = list(session_ids) if taking else \
+                [sid for sid in session_ids if sid in self._held and sid not in self._noted]
         if keep:
-            self.rewinds.note(keep)
+            self.rewinds.note(keep)               # (raises: nothing counted as noted)
+            if not taking:
+                with self._lock:
+                    self._noted.update(keep)
 
     def _files_on_disk(self) -> dict:
-        """``_files`` read from the files' headers (at start, and after a write that failed)."""
+        """``_files`` read from the headers of this model's files (at start, and after a write that failed); a
+        file of another model is not restored while this one serves."""
+        model = self.engine.model_info()
         return {path: (meta.get("created_unix", 0.0), frozenset(r.get("id") for r in meta.get("sessions", ())))
-                for path, meta in self.dir.headers()}
+                for path, meta in self.dir.headers() if compatible(meta, model, self.count) is None}
 
     def _files_now(self, files: dict) -> None:
         """``files`` are those a restore may read now: the ids noted from now on are theirs, and the journal's
@@ -272,6 +282,7 @@ class Snapshotter:
         with self._lock:
             self._files, self._held = files, held
             self._noted.clear()
+        self.rewinds.floor = max([self.rewinds.floor, *(t for t, _ids in files.values())])
         self.rewinds.drop_before(min((t for t, _ids in files.values()), default=float("inf")))
 
     def _lose_rewound_since(self, taken: float) -> None:
@@ -371,12 +382,15 @@ class Snapshotter:
     # ------------------------------------------------------------------ writing
 
     def _meta(self) -> dict:
-        return new_meta(self.engine.model_info(), self.index, self.count, self.device)
+        meta = new_meta(self.engine.model_info(), self.index, self.count, self.device)
+        self.rewinds.floor = max(self.rewinds.floor, meta["created_unix"])
+        return meta
 
     def _write(self, cap, t0: float, kind: str) -> bool:
         ids = frozenset(rec["id"] for rec in cap.meta["sessions"])
         with self._lock:          # before the file can be on disk: a write that fails past that point leaves it
             self._held |= ids
+            self._noted.clear()   # (what was noted before it is not noted since it)
         try:
             cap.wait()
             path, size = self.dir.write(Snapshot(cap.meta, cap.tensors))

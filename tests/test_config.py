@@ -440,6 +440,7 @@ def test_the_bounded_limits_defaults_stay_valid_under_small_bounds():
 
 
 @pytest.mark.parametrize("key, value", [("max_queue", True), ("request_clients_kept", False), ("session_ttl_s", True),
+                                        ("decode_buckets", [True, 2]),
                                         ("verify_ids_kept", 1025), ("request_clients_kept", 0),
                                         ("max_evicted_ids", 1 << 23)])
 def test_a_config_file_number_that_is_a_boolean_or_out_of_bounds_is_refused(tmp_path, key, value):

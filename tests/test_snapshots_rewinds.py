@@ -240,3 +240,125 @@ def test_crash_after_crash_without_a_snapshot_leaves_one_line_per_session(tmp_pa
             e.create_session(s)
         e.stop(drain=False)
     assert sorted(sid for _t, sid in sn.rewinds._lines()) == ["s", "t"]
+
+
+def _restored_410(tmp_path, sid) -> bool:
+    e2, sn2 = start(tmp_path)
+    try:
+        e2.submit(sid, 1, x_of(1, 3), position=5).result()
+        return False
+    except StateLost:
+        return True
+    finally:
+        e2.stop()
+
+
+def test_a_removal_after_a_write_that_landed_but_failed_is_noted_again(tmp_path, monkeypatch):
+    """Noted once after the first file; a second file lands holding the session made again, its write reported
+    failed (the folder's fsync): a removal since is noted again, as the second file may be restored."""
+    from convserve.service import snapshot_file
+
+    e, sn = start(tmp_path)
+    e.create_session("s")
+    e.submit("s", 1, x_of(5, 0)).result()
+    assert sn.write_now()
+    e.delete_session("s")
+    e.create_session("s")
+    e.submit("s", 1, x_of(5, 1)).result()
+
+    def fails(folder):
+        raise OSError(5, "EIO")
+
+    monkeypatch.setattr(snapshot_file, "fsync_dir", fails)
+    assert not sn.write_now()
+    monkeypatch.undo()
+    e.delete_session("s")
+    e.create_session("s")
+    e.submit("s", 1, x_of(5, 2)).result()
+    e.stop(drain=False)
+    assert _restored_410(tmp_path, "s")
+
+
+@pytest.mark.parametrize("how", ["delete", "eviction"])
+def test_a_note_a_full_disk_refused_is_not_counted_as_made(tmp_path, monkeypatch, how):
+    """A delete whose note fails does not run, and its retry tries the note again (it is not taken as noted); an
+    eviction's failed note is kept and tried again until it is written."""
+    from convserve.service.engine import snapshot as engine_snapshot
+    from convserve.service.snapshots import RewindJournal
+
+    monkeypatch.setattr(engine_snapshot, "NOTE_RETRY_S", 0.05)
+    e, sn = start(tmp_path, session_ttl_s=0.3 if how == "eviction" else 3600)
+    e.create_session("s")
+    e.submit("s", 1, x_of(5, 0)).result()
+    assert sn.write_now()
+    real, tried = RewindJournal.note, []
+
+    def full(self, ids):
+        tried.append(list(ids))
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(RewindJournal, "note", full)
+    if how == "delete":
+        for _ in range(2):                                  # refused, and so is its retry
+            with pytest.raises(OSError):
+                e.delete_session("s")
+        assert "s" in e.session_ids() and len(tried) == 2
+        monkeypatch.setattr(RewindJournal, "note", real)
+        e.delete_session("s")
+    else:
+        _wait_evicted(e, "s")
+        deadline = time.monotonic() + 5
+        while len(tried) < 2:                               # tried again
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        monkeypatch.setattr(RewindJournal, "note", real)
+    _wait_noted(sn, "s")
+    e.create_session("s")
+    e.submit("s", 1, x_of(5, 2)).result()
+    e.stop(drain=False)
+    assert _restored_410(tmp_path, "s")
+
+
+def test_files_of_another_model_do_not_hold_the_journal_back(tmp_path):
+    """A file of another model (an earlier weights version) stays in the folder, never restored under this model:
+    the journal's lines are forgotten past this model's files, whatever its time."""
+    from convserve.service.engine import Engine, EngineConfig
+    from convserve.service.model import ConvModel
+
+    other = Engine(ConvModel.random(LAYERS, dim=DIM, width=4, dtype=torch.float32, seed=99),
+                   EngineConfig(slots=8, max_queue_delay_us=0))
+    osn = Snapshotter(other, SimpleNamespace(state_dir=str(tmp_path), snapshot_keep=2, snapshot_interval_s=0))
+    osn.start_engine()
+    other.create_session("old")
+    osn.stop_engine()
+    e = Engine(ConvModel.random(LAYERS, dim=DIM, width=4, dtype=torch.float32, seed=3),
+               EngineConfig(slots=8, max_queue_delay_us=0))
+    sn = Snapshotter(e, SimpleNamespace(state_dir=str(tmp_path), snapshot_keep=2, snapshot_interval_s=0))
+    sn.start_engine()
+    for i in range(20):
+        e.create_session(f"c{i}")
+        assert sn.write_now()
+        e.delete_session(f"c{i}")
+    assert sn.write_now()
+    assert len(sn.rewinds._lines()) <= 2
+    e.stop()
+
+
+def test_a_clock_stepped_back_does_not_stamp_a_removal_before_the_snapshot_it_follows(tmp_path, monkeypatch):
+    import types
+
+    from convserve.service import snapshots
+
+    e, sn = start(tmp_path)
+    e.create_session("s")
+    e.submit("s", 1, x_of(5, 0)).result()
+    assert sn.write_now()
+    real = time.time
+    monkeypatch.setattr(snapshots, "time", types.SimpleNamespace(time=lambda: real() - 2.0,
+                                                                 perf_counter=time.perf_counter))
+    e.delete_session("s")
+    e.create_session("s")
+    e.submit("s", 1, x_of(5, 2)).result()
+    e.stop(drain=False)
+    monkeypatch.undo()
+    assert _restored_410(tmp_path, "s")

@@ -137,8 +137,9 @@ class Worker:
                     draining = self._state != "running"
                     # a session op waiting for its session's requests runs them without the delay window
                     if ops or expired_ops or sched.ready(now) or ((draining or self._ops) and sched.depth) or \
-                            self._snap_request is not None or self._turn_out or self._unnoted:  # (refusals
-                        break                                    # made by the op withdrawals above: answer now)
+                            self._snap_request is not None or self._turn_out or \
+                            (self._unnoted and now >= self._note_again_at):   # (refusals made by the op
+                        break                                                # withdrawals above: answer now)
                     if draining and not self._ops and not sched.depth:
                         return
                     deadline = sched.next_deadline()
@@ -147,8 +148,10 @@ class Worker:
                         wait = min(wait, deadline - now)
                     if self._ops:
                         wait = min(wait, self._next_op_deadline_locked() - now)
+                    if self._unnoted:
+                        wait = min(wait, self._note_again_at - now)
                     self._wait(max(wait, 0.0))
-            if self._unnoted:
+            if self._unnoted and now >= self._note_again_at:
                 self._note_removed()
             if expired_ops:
                 self._fail_expired_ops(expired_ops)

@@ -50,6 +50,8 @@ log = logging.getLogger("convserve.engine")
 #: CUDA: the most bytes of state rows gathered on the device at once on their way to host memory (a gather is a
 #: temporary device tensor: a snapshot of a full pool must not need a second pool's worth of device memory)
 GATHER_BYTES = 64 << 20
+#: seconds before a rewind note that failed (a full disk) is tried again
+NOTE_RETRY_S = 1.0
 
 
 class Capture:
@@ -121,6 +123,7 @@ class SnapshotTaking:
         self._changes = 0                                # see the module docstring (guarded by _lock)
         self._importing: dict = {}    # session id -> its imports noted in the journal, not yet queued (_post_noted)
         self._unnoted: list = []      # ids evicted or dropped, for the worker to note in the journal (guarded by _lock)
+        self._note_again_at = 0.0     # monotonic time before which a failed note is not tried again
 
     def _note_removed_locked(self, sid: str) -> None:
         """A session removed without a delete (evicted, dropped): its id goes to the rewind journal soon after,
@@ -135,8 +138,12 @@ class SnapshotTaking:
             ids, self._unnoted = self._unnoted, []
         try:
             self.on_rewind(ids)
-        except Exception:  # noqa: BLE001 - logged; the sessions are gone either way
-            log.exception("cannot note removed sessions in the rewind journal", extra={"sessions": len(ids)})
+        except Exception:  # noqa: BLE001 - kept, and tried again in a second (a full disk may clear)
+            log.exception("cannot note removed sessions in the rewind journal; trying again",
+                          extra={"sessions": len(ids)})
+            with self._lock:
+                self._unnoted[:0] = ids
+                self._note_again_at = time.monotonic() + NOTE_RETRY_S
 
     def request_snapshot(self, meta: dict, callback: Callable[[Optional[Capture]], None],
                          unchanged_since: Optional[int] = None) -> bool:
