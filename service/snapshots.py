@@ -272,8 +272,8 @@ class Snapshotter:
         """``_files`` read from the headers of this model's files (at start, and after a write that failed); a
         file of another model is not restored while this one serves."""
         model = self.engine.model_info()
-        return {path: (meta.get("created_unix", 0.0), frozenset(r.get("id") for r in meta.get("sessions", ())))
-                for path, meta in self.dir.headers() if compatible(meta, model, self.count) is None}
+        return {path: (s.get("created_unix", 0.0), s["ids"]) for path, s in self.dir.headers()
+                if compatible(s, model, self.count) is None}
 
     def _files_now(self, files: dict) -> None:
         """``files`` are those a restore may read now: the ids noted from now on are theirs, and the journal's

@@ -348,3 +348,16 @@ def test_the_supervisor_marks_a_crash_without_importing_torch(tmp_path):
             "print(sorted(m for m in ('torch', 'safetensors') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]" and (tmp_path / "e0.crashed").exists()
+
+
+def test_the_rotation_reads_each_files_header_once_not_at_every_write(tmp_path, monkeypatch):
+    """A header holds every session's record (a fifth of a second to parse at 100,000 sessions): the rotation's
+    model check and the start's summary read each file's once, as files never change once written."""
+    d = sf.SnapshotDir(tmp_path, 0, 3)
+    reads = []
+    real = sf.read_meta
+    monkeypatch.setattr(sf, "read_meta", lambda path: reads.append(path) or real(path))
+    written = [d.write(snap(2, seed=i))[0] for i in range(8)]
+    assert len(reads) == len(set(reads)) <= len(written)
+    assert [p for p, _s in d.headers()] == written[::-1][:3]
+    assert len(reads) == len(set(reads))
