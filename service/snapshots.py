@@ -130,7 +130,7 @@ class RewindJournal:
     def note(self, session_ids) -> None:
         """One line for each of ``session_ids``, in one write; after a line a failed write left cut (a full disk),
         on a line of their own."""
-        now = max(time.time(), self.floor)
+        now = max(time.time(), self.floor) + 1e-6       # (1 µs up: written to 6 decimals, never below the floor)
         text = "".join(f"{now:.6f} {sid}\n" for sid in session_ids)
         with self._lock, open(self.path, "a+b") as f:        # (appends go to the end wherever it reads)
             end = f.seek(0, os.SEEK_END)
