@@ -259,20 +259,22 @@ def test_a_tracking_clients_listing_names_a_replica_gone_since_its_last_check_un
     gone = Replica("127.0.0.1", 0, "gone")
     urls = [trio[0].url, gone.url]
     sync = ConvClient(urls, track_positions=True, health_interval_s=3600, retry_backoff_s=0.01)
-    aclient = AsyncConvClient(urls, track_positions=True, health_interval_s=3600, retry_backoff_s=0.01)
+
+    async def async_client_across_the_kill():
+        c = AsyncConvClient(urls, track_positions=True, health_interval_s=3600, retry_backoff_s=0.01)
+        try:
+            assert (await c.list_sessions(limit=5))["unavailable"] == []
+            gone.server.kill()
+            return (await c.list_sessions(limit=1000))["unavailable"]
+        finally:
+            await c.aclose()
+
     try:
         assert sync.list_sessions(limit=5)["unavailable"] == []
-        assert asyncio.run(aclient.list_sessions(limit=5))["unavailable"] == []
-        gone.server.kill()
+        assert asyncio.run(async_client_across_the_kill()) == [gone.url]
         assert list_all(sync, 5)[1] == {gone.url}
-
-        async def listed():
-            return await aclient.list_sessions(limit=1000)
-
-        assert asyncio.run(listed())["unavailable"] == [gone.url]
     finally:
         sync.close()
-        asyncio.run(aclient.aclose())
         gone.server.kill()
 
 
