@@ -169,30 +169,19 @@ def _raise_error(status: int, headers, body: bytes) -> None:
     raise exc
 
 
-def partly_applied(resp: httpx.Response) -> bool:
-    """Does an error answer say that some of its batch ran (a batch split across engine processes, one of whose
-    parts failed: its ``applied`` field)? A retrying client stops and reports it: the caller learns which slices
-    ran (the error names them) instead of a retry that, with its failed part's cause still there, fails again."""
-    if resp.status_code < 400 or b"applied" not in resp.content:
-        return False
+def error_field(resp: httpx.Response, key: str):
+    """Field ``key`` of an error answer's map (None when absent, or when ``resp`` is no error): read by a retrying
+    client from the answers it may not retry blindly. ``"applied"``: some of a batch split across engine
+    processes ran (one part failed), so a retry, its failed part's cause still there, would fail again: the
+    caller learns which slices ran instead. ``"maybe_applied"``: the request may have run (its engine process
+    died with it in flight, a stopping server cut it off), so its retry must not be told that nothing ran."""
+    if resp.status_code < 400 or key.encode() not in resp.content:
+        return None
     try:
         _raise_error(resp.status_code, resp.headers, resp.content)
     except ServiceError as e:
-        return bool(e.extra.get("applied"))
-    return False
-
-
-def maybe_applied(resp: httpx.Response) -> bool:
-    """Does an error answer say that its request may have been applied (``"maybe_applied": true``: an engine
-    process that died with it in flight, a server stopping that cut it off)? Its retry must not be told that
-    nothing ran."""
-    if resp.status_code < 400 or b"maybe_applied" not in resp.content:
-        return False
-    try:
-        _raise_error(resp.status_code, resp.headers, resp.content)
-    except ServiceError as e:
-        return e.extra.get("maybe_applied") is True
-    return False
+        return e.extra.get(key)
+    return None
 
 
 def _decode(resp: httpx.Response) -> Any:

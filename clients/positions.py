@@ -176,11 +176,12 @@ class Attempts:
         its cause."""
         if resp.status_code not in RETRY_STATUS:     # (every answer of a tracked call comes here)
             return None
-        from convserve.clients.common import _raise_for, maybe_applied, partly_applied   # (common imports this)
+        from convserve.clients.common import _raise_for, error_field    # (common imports this module)
 
-        if partly_applied(resp):
+        if error_field(resp, "applied"):
             return None
-        ran = not self.read and (resp.status_code == 504 or maybe_applied(resp))   # (other 503s ran nothing)
+        # (other 503s ran nothing)
+        ran = not self.read and (resp.status_code == 504 or error_field(resp, "maybe_applied") is True)
         if self.n >= self.book.max_retries:
             try:
                 _raise_for(resp)
