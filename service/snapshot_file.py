@@ -132,7 +132,7 @@ def read_meta(path: str) -> Optional[dict]:
 
 def _summary(meta: dict) -> dict:
     """What the rotation and the start read of a file's header: its meta without the session records, and
-    ``ids``, the sessions it holds (a header of 100,000 sessions takes a fifth of a second to parse)."""
+    ``ids``, the sessions it holds (the records are what makes a header slow to parse: it is parsed once)."""
     out = {k: v for k, v in meta.items() if k not in ("sessions", "lost")}
     out["ids"] = frozenset(r.get("id") for r in meta.get("sessions", ()) if isinstance(r, dict))
     return out

@@ -121,7 +121,7 @@ class RewindJournal:
         # no line is stamped before this: the newest snapshot time issued or on disk (a clock stepped back would
         # otherwise stamp a later removal before the snapshot it follows, which a restore would not read)
         self.floor = 0.0
-        old = os.path.join(folder, f"imports-{index}.log")      # its name while it held imports only
+        old = os.path.join(folder, f"imports-{index}.log")      # an older server's journal (imports): ours too
         if os.path.exists(old):
             lines = [f"{when:.6f} {sid}\n" for when, sid in self._lines() + self._lines(old)]
             self._rewrite(lines)

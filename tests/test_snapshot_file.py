@@ -351,8 +351,8 @@ def test_the_supervisor_marks_a_crash_without_importing_torch(tmp_path):
 
 
 def test_the_rotation_reads_each_files_header_once_not_at_every_write(tmp_path, monkeypatch):
-    """A header holds every session's record (a fifth of a second to parse at 100,000 sessions): the rotation's
-    model check and the start's summary read each file's once, as files never change once written."""
+    """A header holds every session's record: the rotation's model check and the start's summary read each
+    file's once, as files never change once written."""
     d = sf.SnapshotDir(tmp_path, 0, 3)
     reads = []
     real = sf.read_meta

@@ -231,7 +231,7 @@ def json_text(data) -> str:
     """``data`` (bytes) as the text of a JSON body: UTF-8 without a byte order mark, as RFC 8259 has JSON
     exchanged between systems (``json.loads`` of bytes would also take UTF-16 and UTF-32, and a BOM); else 400."""
     try:
-        text = bytes(data).decode("utf-8")
+        text = str(data, "utf-8")         # (any buffer: a body's bytearray is not copied to bytes first)
     except UnicodeDecodeError as e:
         raise BadRequest(f"the JSON is not UTF-8 (byte {e.start}); send it encoded as UTF-8") from None
     if text.startswith("\ufeff"):

@@ -33,7 +33,7 @@ class Journal:
         """The ids that were live in the previous process or lost before it (and not deleted since), and a fresh
         journal that holds them as lost."""
         ids: collections.OrderedDict = collections.OrderedDict()
-        try:
+        if os.path.exists(self.path):          # (none: no earlier process of this engine held a session)
             with open(self.path, encoding="utf-8") as f:
                 for line in f:
                     sid = line[1:].rstrip("\n")
@@ -42,8 +42,6 @@ class Journal:
                         ids.move_to_end(sid)
                     elif line.startswith("-"):
                         ids.pop(sid, None)
-        except FileNotFoundError:
-            pass
         while len(ids) > self.max_lost:
             ids.popitem(last=False)
         self.lost = ids
