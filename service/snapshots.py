@@ -15,7 +15,7 @@ named by its engine index (:class:`~.snapshot_file.SnapshotDir`).
   thread waits for the copy, serializes and writes it, off the engine's thread. One is skipped (counted, no file
   written, none rotated out) when the file this process last wrote still holds every session: the engine's change
   count (:mod:`.engine.snapshot`) is that file's, the file listed no session as lost (such a session may be
-  settled now), it is still there, and no import or delete was noted since it was taken (its line then stays in
+  settled now), it is still there, and no import or removal was noted since it was taken (its line then stays in
   the journal until a snapshot is written: the operation may have been withdrawn, and the next file says so).
 * **Stop.** After the engine drained and stopped, every session is written, whatever the change count: the file
   the next start restores is the one written after the drain. A failed write is logged and counted, never
@@ -111,7 +111,7 @@ def prepare_state_dir(folder, n_engines: int) -> None:
 
 
 class RewindJournal:
-    """Engine ``index``'s imports and deletes since its last snapshot: one line ``<unix time> <session id>`` each,
+    """Engine ``index``'s imports and removals since its snapshots: one line ``<unix time> <session id>`` each,
     in ``rewinds-<index>.log`` of the state folder (see the module docstring). Written through to the file (it
     survives the process; a host crash may lose the last lines, as it may the file system's other writes)."""
 
@@ -142,7 +142,7 @@ class RewindJournal:
             f.write(text.encode())
 
     def since(self, t: float) -> list:
-        """The sessions imported or deleted at or after unix time ``t``."""
+        """The sessions noted at or after unix time ``t``."""
         return sorted({sid for when, sid in self._lines() if when >= t})
 
     def drop_before(self, t: float) -> None:
@@ -256,8 +256,8 @@ class Snapshotter:
 
     def _note_rewinds(self, session_ids) -> None:
         """The engine's ``on_rewind``: note those of ``session_ids`` that a snapshot a restore may read can hold
-        (the newest file's, or any while one is being taken); any other was made after it, and cannot come back
-        from it."""
+        (a kept file's, or any while one is being taken); any other was made after them, and cannot come back
+        from them."""
         with self._lock:
             taking = self._taking
             keep = list(session_ids) if taking else \
@@ -286,8 +286,8 @@ class Snapshotter:
         self.rewinds.drop_before(min((t for t, _ids in files.values()), default=float("inf")))
 
     def _lose_rewound_since(self, taken: float) -> None:
-        """The restored sessions imported or deleted after the snapshot was taken answer 410: their state is not
-        in it (a session deleted since may have been created again under its id)."""
+        """The restored sessions noted after the snapshot was taken answer 410: their state is not in it (a
+        session removed since may have been created again under its id)."""
         e = self.engine
         lost = sorted(set(self.rewinds.since(taken)) & set(e.session_ids()))
         for sid in lost:

@@ -237,7 +237,7 @@ def test_a_snapshot_taken_while_an_import_is_noted_leaves_that_session_out(moved
             e.import_state(sid, state)
         assert seen == [(sid, False, [sid], [other])]     # noted outside the lock; the capture left it out
         with e._lock:
-            assert not e._importing
+            assert not e._noting
             cap = e._capture_locked(meta, asynchronous=False)
         assert cap.meta["lost"] == [] and len(cap.meta["sessions"]) == 2
     finally:
@@ -258,6 +258,6 @@ def test_an_import_refused_after_its_note_leaves_no_session_marked_importing():
         e.on_rewind = note
         with pytest.raises(UnknownSession):
             e.import_state(sid, state)
-        assert not e._importing
+        assert not e._noting
     finally:
         e.stop()

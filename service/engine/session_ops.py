@@ -286,9 +286,9 @@ class SessionOps:
         """Queue an import or a delete ``fn``, noted in the rewind journal (``on_rewind``) before it can apply, so
         that a crash after it ran cannot restore an older state silently (a delete's id may be created again,
         from position 0). The note, a file write, is made outside the engine lock; from before it until the op
-        is queued the session is marked importing (``_importing``), and a snapshot captured meanwhile leaves it
-        out as busy: a snapshot, whose write drops the journal's lines before its time, then never holds the
-        older state of a session whose import or delete may run after it."""
+        is queued the session is marked (``_noting``), and a snapshot captured meanwhile leaves it out as busy:
+        a snapshot, whose write drops the journal's lines before its time, then never holds the older state of a
+        session whose import or delete may run after it."""
         note = self.on_rewind
         if note is None:
             return self._post_op(session_id, fn, kind=kind, rid=rid, deletes=deletes)
@@ -296,11 +296,11 @@ class SessionOps:
         with self._lock:
             s = self._sessions.get(session_id)
             refuse_late(s.rid_hi, counted, rid, s.id)             # (a late copy leaves no line)
-            self._importing[s.id] = self._importing.get(s.id, 0) + 1
+            self._noting[s.id] = self._noting.get(s.id, 0) + 1
         marked = [s.id]
 
         def queued(sid: str) -> None:
-            self._unmark_importing_locked(sid)
+            self._unmark_noting_locked(sid)
             marked.clear()
 
         try:
@@ -309,12 +309,12 @@ class SessionOps:
         finally:
             if marked:
                 with self._lock:
-                    self._unmark_importing_locked(marked[0])
+                    self._unmark_noting_locked(marked[0])
 
-    def _unmark_importing_locked(self, sid: str) -> None:
-        n = self._importing.pop(sid) - 1
+    def _unmark_noting_locked(self, sid: str) -> None:
+        n = self._noting.pop(sid) - 1
         if n:
-            self._importing[sid] = n
+            self._noting[sid] = n
 
     def _moved_verifies(self, pending: list, spec) -> list:
         """``pending`` checked against ``spec`` (see :meth:`import_state`), as ``[(layer index, tokens), ...]``;

@@ -121,7 +121,7 @@ class SnapshotTaking:
         self._snap_request: Optional[tuple] = None      # (meta, callback, unchanged_since) for the worker's next pause
         self._snap_host: dict = {}                       # CUDA: name -> pinned buffer reused by snapshots
         self._changes = 0                                # see the module docstring (guarded by _lock)
-        self._importing: dict = {}    # session id -> its imports noted in the journal, not yet queued (_post_noted)
+        self._noting: dict = {}       # session id -> its imports and deletes noted, not yet queued (_post_noted)
         self._unnoted: list = []      # ids evicted or dropped, for the worker to note in the journal (guarded by _lock)
         self._note_again_at = 0.0     # monotonic time before which a failed note is not tried again
 
@@ -194,7 +194,7 @@ class SnapshotTaking:
             return Capture(dict(meta, sessions=[], lost=[]), None, changes=changes)
         records, slots, lost, spec_slots, longest = [], [], [], [], 0
         for s in self._sessions:
-            if not _settled(s) or s.id in self._importing:
+            if not _settled(s) or s.id in self._noting:
                 lost.append(s.id)
                 continue
             pend = sorted((p, t) for p, (t, _seq) in s.pending.items())
