@@ -169,19 +169,20 @@ def _raise_error(status: int, headers, body: bytes) -> None:
     raise exc
 
 
-def error_field(resp: httpx.Response, key: str):
-    """Field ``key`` of an error answer's map (None when absent, or when ``resp`` is no error): read by a retrying
-    client from the answers it may not retry blindly. ``"applied"``: some of a batch split across engine
-    processes ran (one part failed), so a retry, its failed part's cause still there, would fail again: the
-    caller learns which slices ran instead. ``"maybe_applied"``: the request may have run (its engine process
-    died with it in flight, a stopping server cut it off), so its retry must not be told that nothing ran."""
-    if resp.status_code < 400 or key.encode() not in resp.content:
-        return None
+def error_extra(resp: httpx.Response) -> dict:
+    """The fields of an error answer's map beyond its code and message (empty when ``resp`` is no error): what a
+    retrying client reads from the answers it may not retry blindly. ``"applied"``: some of a batch split across
+    engine processes ran (one part failed), so a retry, its failed part's cause still there, would fail again:
+    the caller learns which slices ran instead. ``"maybe_applied"``: the request may have run (its engine
+    process died with it in flight, a stopping server cut it off), so its retry must not be told that nothing
+    ran."""
+    if resp.status_code < 400:
+        return {}
     try:
         _raise_error(resp.status_code, resp.headers, resp.content)
     except ServiceError as e:
-        return e.extra.get(key)
-    return None
+        return e.extra
+    return {}
 
 
 def _decode(resp: httpx.Response) -> Any:

@@ -176,12 +176,12 @@ class Attempts:
         its cause."""
         if resp.status_code not in RETRY_STATUS:     # (every answer of a tracked call comes here)
             return None
-        from convserve.clients.common import _raise_for, error_field    # (common imports this module)
+        from convserve.clients.common import _raise_for, error_extra    # (common imports this module)
 
-        if error_field(resp, "applied"):
+        extra = error_extra(resp)
+        if extra.get("applied"):
             return None
-        # (other 503s ran nothing)
-        ran = not self.read and (resp.status_code == 504 or error_field(resp, "maybe_applied") is True)
+        ran = not self.read and (resp.status_code == 504 or extra.get("maybe_applied") is True)   # (other 503s: no)
         if self.n >= self.book.max_retries:
             try:
                 _raise_for(resp)
