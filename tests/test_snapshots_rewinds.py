@@ -5,6 +5,8 @@ positions could not tell the snapshot's older state from its own."""
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from types import SimpleNamespace
 
@@ -266,7 +268,7 @@ def test_a_note_a_full_disk_refused_is_not_counted_as_made(tmp_path, monkeypatch
     assert sn.write_now()
     real, tried = RewindJournal.note, []
 
-    def full(self, ids):
+    def full(self, ids, wait=True):
         tried.append(list(ids))
         raise OSError(28, "No space left on device")
 
@@ -335,3 +337,81 @@ def test_a_clock_stepped_back_does_not_stamp_a_removal_before_the_snapshot_it_fo
     e.stop(drain=False)
     monkeypatch.undo()
     assert _restored_410(tmp_path, "s")
+
+
+class _FsyncLog:
+    """``os.fsync`` recorded: for each fsync of a rewind journal, the thread that made it, the lines the file held
+    then (what that fsync made durable) and what ``probe()`` said then."""
+
+    def __init__(self, monkeypatch, delay=0.0, probe=lambda: None):
+        self.calls, self._real, self._delay, self._probe = [], os.fsync, delay, probe
+        monkeypatch.setattr(os, "fsync", self)
+
+    def __call__(self, fd):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if os.path.basename(path).startswith("rewinds-") and path.endswith(".log"):
+            with open(path) as f:
+                lines = {line.split(" ", 1)[1].strip() for line in f if " " in line}
+            seen = self._probe()
+            time.sleep(self._delay)
+            self.calls.append((threading.current_thread().name, lines, seen))
+        return self._real(fd)
+
+    def durable(self) -> set:
+        return set().union(*(lines for _name, lines, _seen in self.calls))
+
+
+def test_a_delete_runs_only_once_its_note_is_durable(tmp_path, monkeypatch):
+    """A host crash keeps the snapshots (they are fsynced), so the line that outdates one must be on the disk
+    before the delete it notes can run: the journal is fsynced with the session still there."""
+    e, sn = start(tmp_path)
+    e.create_session("s")
+    e.submit("s", 1, x_of(5, 0)).result()
+    assert sn.write_now()
+    log = _FsyncLog(monkeypatch, probe=lambda: "s" in e.session_ids())
+    e.delete_session("s")
+    assert "s" in log.durable()
+    assert all(present for _name, _lines, present in log.calls)       # fsynced before the delete ran
+    e.stop()
+
+
+def test_notes_made_together_share_fsyncs_and_each_returns_durable(tmp_path, monkeypatch):
+    """Group commit: notes issued while an fsync runs wait for the next one, which covers them all; none returns
+    before an fsync that saw its line."""
+    from convserve.service.snapshots import RewindJournal
+
+    j = RewindJournal(str(tmp_path), 0)
+    log = _FsyncLog(monkeypatch, delay=0.05)
+    late, start_line = [], threading.Barrier(16)
+
+    def one(i):
+        start_line.wait()
+        j.note([f"s{i}"])
+        if f"s{i}" not in log.durable():
+            late.append(i)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert late == []
+    assert log.durable() == {f"s{i}" for i in range(16)}
+    assert len(log.calls) < 16
+
+
+def test_an_eviction_is_made_durable_off_the_engines_loop(tmp_path, monkeypatch):
+    """An eviction is noted by the engine's loop, which must not wait on the disk: its fsync runs on a thread of
+    its own, and the line becomes durable."""
+    e, sn = start(tmp_path, session_ttl_s=0.3)
+    e.create_session("s")
+    e.submit("s", 1, x_of(5, 0)).result()
+    assert sn.write_now()
+    log = _FsyncLog(monkeypatch)
+    _wait_evicted(e, "s")
+    deadline = time.monotonic() + 5
+    while "s" not in log.durable():
+        assert time.monotonic() < deadline, "the eviction's line was never made durable"
+        time.sleep(0.02)
+    assert {name for name, _lines, _seen in log.calls} == {"rewind-fsync"}
+    e.stop()

@@ -137,7 +137,7 @@ class SnapshotTaking:
         with self._lock:
             ids, self._unnoted = self._unnoted, []
         try:
-            self.on_rewind(ids)
+            self.on_rewind(ids, False)            # (made durable off this thread: the loop does not wait on a disk)
         except Exception:  # noqa: BLE001 - kept, and tried again in a second (a full disk may clear)
             log.exception("cannot note removed sessions in the rewind journal; trying again",
                           extra={"sessions": len(ids)})
