@@ -486,6 +486,20 @@ def test_a_step_whose_every_request_failed_exits_1_without_fail_on_errors(low_li
     assert rc == 1 and "nothing was measured" in capsys.readouterr().err
 
 
+def _kill_once_measured(srv, warmup_s: float = 1.0, timeout_s: float = 60.0) -> None:
+    """Kill ``srv`` half a second past the load tester's warm-up, counted from the first conv call the server
+    answered (the level's clock starts before it): its calls are measured by then, however slow the box is."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = httpx.get(srv.url + "/metrics", timeout=5).text
+        if any(line.startswith("convserve_http_requests_total{") and 'route="/v1/conv' in line
+               for line in text.splitlines()):
+            time.sleep(warmup_s + 0.5)
+            break
+        time.sleep(0.02)
+    srv.kill()
+
+
 # the frontend case is slow (CI time)
 @pytest.mark.parametrize("scenario", ["decode-heavy", pytest.param("frontend", marks=pytest.mark.slow)])
 def test_a_server_that_goes_away_mid_run_exits_1_and_is_not_hammered(tmp_path, capsys, scenario):
@@ -494,7 +508,7 @@ def test_a_server_that_goes_away_mid_run_exits_1_and_is_not_hammered(tmp_path, c
     srv = LiveServer(["--layers", "0,2", "--dim", str(DIM), "--dtype", "float32"])
     try:
         srv.wait_ready()
-        threading.Timer(1.5, srv.kill).start()
+        threading.Thread(target=_kill_once_measured, args=(srv,), daemon=True).start()
         rc, data = _run(tmp_path, srv, "--scenario", scenario, "--concurrency", "4", "--duration", "4")
     finally:
         srv.kill()
