@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
@@ -390,11 +391,8 @@ def test_notes_made_together_share_fsyncs_and_each_returns_durable(tmp_path, mon
         if f"s{i}" not in log.durable():
             late.append(i)
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(one, range(16)))
     assert late == []
     assert log.durable() == {f"s{i}" for i in range(16)}
     assert len(log.calls) < 16
