@@ -290,7 +290,9 @@ def _flags(speculative) -> Union[bool, list]:
 class _Tracker:
     """Matches answers of a stream to their requests and, for a client that tracks positions (``book``), notes
     in its book what each frame did: an answered frame's tokens are applied; a session of a frame that failed
-    or was never answered is forgotten, so that its next tracked call reads the server's positions first."""
+    or was never answered, or whose positions the book set while the frame was in flight (a read of the server's,
+    a tracked call's answer: :meth:`PositionBook.mark`), is forgotten, so that its next tracked call reads the
+    server's positions first."""
 
     def __init__(self, book=None):
         self.meta: dict = {}
@@ -304,10 +306,13 @@ class _Tracker:
                 raise ValueError(f"request id {req.id!r} is already in flight in this stream; ids must be unique")
             batch = isinstance(req, BatchRequest)
             session = list(req.sessions) if batch else req.session
-            # what each session's row applies, for the book only (no per-frame work without one)
+            # what each session's row applies, and the session's mark in the book then (PositionBook.mark), for the
+            # book only (no per-frame work without one)
             rows = None if self.book is None else \
                 _Base._batch_rows(session, req.x, req.tokens, req.speculative) if batch else \
                 ([len(req.x)], [bool(req.speculative)])
+            if rows is not None:
+                rows = (*rows, [self.book.mark(s) for s in (session if batch else [session])])
             self.meta[req.id] = (session, req.layer, _backend_of(req.x), rows)
 
     def result(self, obj: Any) -> ConvResult:
@@ -330,8 +335,10 @@ class _Tracker:
             self._forget(sessions)
             return ConvResult(fid, session, layer, error=error_from(obj["error"]))
         if rows is not None:
-            for s, k, f in zip(sessions, *rows):
-                if self.book.known(s):      # else its next tracked call reads the server's positions
+            for s, k, f, mark in zip(sessions, *rows):
+                if self.book.mark(s) != mark:           # set since the frame was sent: counted or not, unknown
+                    self.book.forget(s)
+                elif self.book.known(s):    # else its next tracked call reads the server's positions
                     self.book.applied(s, layer, k, f)
         return ConvResult(fid, session, layer, y=wire.decode_tensor(obj["y"], backend=backend, name="y"))
 

@@ -242,6 +242,11 @@ class PositionBook:
     def __init__(self, max_retries: int, backoff_s: float):
         self.positions: dict[str, dict[int, int]] = {}
         self.verified: dict[str, set] = {}
+        # session -> the number of its last change a stream's answer cannot be ordered with (a read of the server's
+        # positions, a tracked call's absolute position, a forget): a frame sent before it is counted neither way
+        # (see :meth:`mark`). Numbers are never reused; a session absent here is unknown too.
+        self._marks: dict[str, int] = {}
+        self._next_mark = 1
         self.max_retries = max_retries
         self.backoff_s = backoff_s
         self.locks = SessionLocks()
@@ -253,10 +258,28 @@ class PositionBook:
         # keyed by the int: a layer given as a 0-d tensor (hashed by identity) would be a new key each call
         return self.positions[session].get(operator.index(layer), 0)
 
+    def mark(self, session: str) -> int:
+        """What a stream records beside a frame it sends: the frame's answer moves the book by its tokens only while
+        the mark is the same (nothing set the session's positions since). Otherwise what the book holds may or may
+        not count the frame already (a read of the server's positions made while it was in flight), or a tracked
+        call's answer set a position the frame's tokens may or may not follow: the stream forgets the session,
+        whose positions are read from the server at its next tracked call."""
+        return self._marks.get(session, 0)
+
+    def _moved(self, session: str) -> None:
+        self._marks[session] = self._next_mark
+        self._next_mark += 1
+
     def reset(self, session: str, positions: Optional[dict] = None) -> None:
         """A session created, imported (every layer at 0) or read from the server (``positions``)."""
         self.positions[session] = dict(positions or {})
         self.verified.pop(session, None)
+        self._moved(session)
+
+    def _drop(self, session: str) -> None:
+        self.positions.pop(session, None)
+        self.verified.pop(session, None)
+        self._marks.pop(session, None)
 
     def from_info(self, info: dict) -> None:
         self.reset(info["session"], dict(zip(info["layers"], info["positions"])))
@@ -268,10 +291,10 @@ class PositionBook:
             self.positions[dst] = dict(self.positions[src])
             if src in self.verified:
                 self.verified[dst] = set(self.verified[src])
+            self._moved(dst)
 
     def forget(self, session: str) -> None:
-        self.positions.pop(session, None)
-        self.verified.pop(session, None)
+        self._drop(session)
         self.locks.forget(session)
 
     @contextlib.contextmanager
@@ -282,8 +305,7 @@ class PositionBook:
         try:
             yield
         except OutcomeUnknown:
-            self.positions.pop(session, None)
-            self.verified.pop(session, None)
+            self._drop(session)
             raise
 
     def interrupted(self, sessions: list, e: BaseException) -> None:
@@ -293,8 +315,7 @@ class PositionBook:
         carries its own request id)."""
         if not isinstance(e, Exception):
             for s in sessions:
-                self.positions.pop(s, None)
-                self.verified.pop(s, None)
+                self._drop(s)
 
     def applied(self, session: str, layer: int, n: int, speculative: bool) -> None:
         layer = operator.index(layer)
@@ -312,6 +333,7 @@ class PositionBook:
             self.applied(session, layer, n, True)
         elif session in self.positions:
             self.positions[session][operator.index(layer)] = operator.index(position) + operator.index(n)
+            self._moved(session)
 
     def accepted(self, session: str, n: int) -> None:
         for layer in self.verified.pop(session, ()):

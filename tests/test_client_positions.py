@@ -17,7 +17,7 @@ import torch
 
 from convserve.clients.client import AsyncConvClient, ConvClient
 from convserve.clients.protocol.errors import OutcomeUnknown, PositionMismatch, Unreachable
-from tests.http_api import LAYERS, Api, assert_close, model, rand_x
+from tests.http_api import DIM, LAYERS, Api, assert_close, model, rand_x
 from tests.live import Reference
 
 LAYER = 2
@@ -564,3 +564,74 @@ def _batch_of_two_raising(kind: str, handler, error):
                 await c.conv_batch(["a", "b"], LAYER, x, tokens=[1, 2])
             return e, c.positions
     return asyncio.run(go())
+
+
+@pytest.mark.parametrize("transport", ["http", "ws"])
+def test_a_tracked_call_made_while_a_streams_frames_are_in_flight_leaves_the_book_at_the_servers_position(
+        server, transport):
+    """A frame fails alone, so the stream forgets its session; a tracked conv of that session, made from the stream's
+    loop while its later frames are in flight, reads the server's positions (which count those frames already):
+    their answers must not move the book again, and the session's next tracked conv is sent at the server's
+    position."""
+    import time
+
+    from convserve.clients.client import ConvRequest
+
+    with ConvClient(server.url, track_positions=True) as c:
+        sid = c.create_session()
+        frames = [ConvRequest(sid, LAYER, rand_x(1, seed=1)[:, :DIM // 2])]          # the wrong width: 422 alone
+        frames += [ConvRequest(sid, LAYER, rand_x(1, seed=2 + i)) for i in range(4)]
+        answers = []
+        for r in c.stream(frames, transport=transport):
+            answers.append(r.ok)
+            if len(answers) == 1:
+                time.sleep(0.3)                       # the four frames after it reach the server meanwhile
+                c.conv(sid, LAYER, rand_x(2, seed=9))
+        assert answers == [False, True, True, True, True]
+        server_at = Api(server.url).call("GET", f"/v1/sessions/{sid}")[1]["positions"][LAYERS.index(LAYER)]
+        assert server_at == 6
+        c.conv(sid, LAYER, rand_x(1, seed=10))        # sent at the server's position: no PositionMismatch
+        assert c.positions.at(sid, LAYER) == 7
+
+
+def _tracked_frame(book, sid, tokens=1):
+    from convserve.clients.client import ConvRequest
+    from convserve.clients.common import _Tracker
+
+    tr = _Tracker(book)
+    tr.add(ConvRequest(sid, LAYER, rand_x(tokens, seed=1), id=0))
+    return tr, {"id": 0, "y": {"dtype": "float32", "shape": [tokens, DIM], "data": bytes(4 * tokens * DIM)}}
+
+
+@pytest.mark.parametrize("meanwhile", ["read from the server", "a tracked call's answer", "forgotten"])
+def test_a_frames_answer_after_the_book_set_its_session_forgets_it_rather_than_guess(meanwhile):
+    """Between a frame's send and its answer, the book set the session's positions: a read of the server's (which
+    may count the frame already), or a tracked call's absolute position (the frame may have run before or after
+    it). Counting the frame could put the book ahead or behind; the session is forgotten instead, and its next
+    tracked call reads the server's positions."""
+    from convserve.clients.positions import PositionBook
+
+    book = PositionBook(max_retries=0, backoff_s=0.0)
+    book.reset("s", {LAYER: 3})
+    tr, answer = _tracked_frame(book, "s")
+    if meanwhile == "read from the server":
+        book.reset("s", {LAYER: 4})
+    elif meanwhile == "a tracked call's answer":
+        book.applied_at("s", LAYER, 3, 2, False)
+    else:
+        book.forget("s")
+        book.reset("s", {LAYER: 4})
+    assert tr.result(answer).ok
+    assert not book.known("s")
+
+
+def test_a_frames_answer_with_nothing_set_meanwhile_moves_the_book_by_its_tokens():
+    from convserve.clients.positions import PositionBook
+
+    book = PositionBook(max_retries=0, backoff_s=0.0)
+    book.reset("s", {LAYER: 3})
+    book.reset("other", {LAYER: 0})
+    tr, answer = _tracked_frame(book, "s", tokens=2)
+    book.applied_at("other", LAYER, 0, 1, False)      # another session's change leaves this frame's count alone
+    assert tr.result(answer).ok
+    assert book.at("s", LAYER) == 5
