@@ -121,6 +121,53 @@ def test_a_stream_client_that_reads_nothing_is_cut_off_after_body_timeout_s_and_
         srv.kill()
 
 
+@pytest.mark.parametrize("workers", [pytest.param("0", marks=pytest.mark.slow), "1"])
+def test_a_stream_whose_client_reads_nothing_is_cut_off_at_the_drains_deadline_without_a_traceback(workers):
+    """SIGTERM while a stream's write is blocked on a client that reads nothing (body_timeout_s far off): at
+    shutdown_timeout_s the drain drops that connection itself, so the write ends as a gone client's, not as a task
+    the HTTP server cancels (which logs "Exception in ASGI application" with a traceback); the server exits 0."""
+    import threading
+
+    from tests.live import LiveServer
+
+    args = ["--layers", "1", "--dim", "1024", "--dtype", "float32", "--workers", workers, "--device", "cpu",
+            "--body-timeout-s", "60", "--shutdown-timeout-s", "1", "--max-body-bytes", str(1 << 20),
+            "--stream-buffer-bytes", str(1 << 28)]        # (not the buffer's limit: that would end it first)
+    srv = LiveServer(args + (["--devices", "cpu"] if workers != "0" else []))
+    s = None
+    try:
+        sid = Api(srv.url).session()
+        x = wire.encode_tensor(torch.randn(64, 1024))
+        u = urlparse(srv.url)
+        s = socket.create_connection((u.hostname, u.port))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 12)
+
+        def send():
+            try:
+                s.sendall(b"POST /v1/conv/stream HTTP/1.1\r\nhost: x\r\ncontent-type: application/msgpack\r\n"
+                          b"transfer-encoding: chunked\r\n\r\n")
+                for i in range(200):                     # 50 MB of answers: far past what the sockets buffer
+                    frame = msgpack.packb({"id": i, "session": sid, "layer": 0, "x": x})
+                    s.sendall(b"%x\r\n%s\r\n" % (len(frame), frame))
+            except OSError:
+                pass                                     # reset by the server: what this test expects
+
+        t = threading.Thread(target=send, daemon=True)
+        t.start()
+        time.sleep(3)                                    # the server's writes are blocked by now
+        t1 = time.monotonic()
+        assert srv.terminate() == 0
+        assert time.monotonic() - t1 < 6
+        t.join(5)
+        messages = srv.log_messages()
+        assert "streams cut off at the drain's deadline" in messages
+        assert not any("Exception in ASGI application" in m for m in messages), messages
+    finally:
+        if s is not None:
+            s.close()
+        srv.kill()
+
+
 @pytest.mark.parametrize("ct", ["application/json", "text/plain"])
 def test_a_stream_in_another_content_type_is_a_400_saying_the_route_takes_msgpack_only(api, ct):
     r = api.http.post("/v1/conv/stream", content=b"{}", headers={"content-type": ct})

@@ -115,9 +115,20 @@ class Service:
                 p.wake()
 
     async def wait_pipelines(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for the streams to end; then drop the connections of those that can be dropped
+        (their unanswered frames are withdrawn where not started, as when a client leaves), so that a write
+        blocked on a client that reads nothing ends here rather than in the server's cancellation of its task."""
         deadline = time.monotonic() + timeout
         while self.pipelines and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
+        cut = [p for p in self.pipelines if p.abort is not None]
+        if cut:
+            log.warning("streams cut off at the drain's deadline", extra={"streams": len(cut)})
+        for p in cut:
+            p.cancel_all()
+            p.abort()
+        if cut:
+            await asyncio.sleep(0)              # (their writers see the connection gone and return)
 
 
 def create_app(settings, engine: EngineAPI, *, start_engine: bool = True, snapshots=None) -> ConvServeApp:

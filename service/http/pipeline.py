@@ -91,6 +91,9 @@ class Pipeline:
         self.nframes = 0                       # frames read (for error messages)
         self.reader_done = False
         self.closed = False                    # the client went away: write nothing more
+        # drops the connection now (set by an adapter that can: the HTTP stream's reset); the drain calls it on a
+        # stream still open at its deadline, so a write blocked on a client that reads nothing ends as a gone client
+        self.abort = None
 
     # --- engine-thread side
 

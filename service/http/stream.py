@@ -38,6 +38,7 @@ class StreamEndpoint:
             await send_error(scope, send, e)
             return
         p = Pipeline(svc, "stream")
+        p.abort = scope.get(ABORT_SCOPE_KEY)
         svc.pipelines.add(p)
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", MSGPACK_CT)]})
 
