@@ -68,6 +68,41 @@ def test_a_new_sessions_prefill_chunks_fit_the_limits_read_last():
     d.rng = random.Random(0)
     d.wl = types.SimpleNamespace(draw=lambda rng: (250, 2), prefill_chunk=2048, spec=False)
     d.limits = Limits()
-    assert d.plan() == [("prefill", 250), ("decode", 1), ("decode", 1)]
+    assert list(d.plan()) == [("prefill", 250), ("decode", 1), ("decode", 1)]
     d.limits = Limits(slice_tokens=100)                  # a replica with a smaller max_tokens_per_request joined
-    assert d.plan() == [("prefill", 100), ("prefill", 100), ("prefill", 50), ("decode", 1), ("decode", 1)]
+    assert list(d.plan()) == [("prefill", 100), ("prefill", 100), ("prefill", 50), ("decode", 1), ("decode", 1)]
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_a_long_decode_plan_is_a_count_made_as_it_is_reached_not_a_list(spec):
+    """--decode const:100000 over hundreds of sessions must not build a tuple per step up front: the plan holds its
+    prefill chunks and a count, and makes each decode (or verify, its k drawn then) when it is reached."""
+    import random
+    import types
+
+    from convserve.clients.loadtest.dists import parse
+    from convserve.clients.loadtest.limits import Limits
+    from convserve.clients.loadtest.runner import Driver
+
+    d = Driver.__new__(Driver)
+    d.rng = random.Random(0)
+    d.wl = types.SimpleNamespace(draw=lambda rng: (5, 10 ** 9), prefill_chunk=2, spec=spec, spec_k=parse("const:3"))
+    d.limits = Limits()
+    plan = d.plan()                                     # (a list of 10**9 steps would never be made)
+    assert [plan.popleft() for _ in range(3)] == [("prefill", 2), ("prefill", 2), ("prefill", 1)]
+    step = ("verify", 3) if spec else ("decode", 1)
+    assert plan[0] == step and plan.popleft() == step and plan
+    plan[0] = ("prefill", 7)                              # the loops replace the next step (a cut chunk's rest)
+    assert plan.popleft() == ("prefill", 7) and plan.popleft() == step
+
+
+def test_a_plan_ends_after_its_last_step():
+    import random
+
+    from convserve.clients.loadtest.runner import Plan
+
+    plan = Plan([3], 2, None, random.Random(0))
+    assert list(plan) == [("prefill", 3), ("decode", 1), ("decode", 1)]
+    assert not plan
+    with pytest.raises(IndexError):
+        plan.popleft()

@@ -18,12 +18,11 @@ chunk) and the control calls.
 from __future__ import annotations
 
 import asyncio
-import collections
 import time
 from dataclasses import dataclass
 from typing import Optional
 
-from convserve.clients.loadtest.runner import CREATE_BACKOFF_S, Aborted, Driver
+from convserve.clients.loadtest.runner import CREATE_BACKOFF_S, Aborted, Driver, Plan
 from convserve.clients.loadtest.verify import MISMATCH
 
 
@@ -31,7 +30,7 @@ from convserve.clients.loadtest.verify import MISMATCH
 class _Live:
     sid: str
     ref: object                  # the verifier's SessionRef, or None
-    steps: collections.deque     # what is left: ("prefill" | "decode" | "verify", tokens)
+    steps: Plan                  # what is left: ("prefill" | "decode" | "verify", tokens)
     arrived: float               # perf_counter time the session was asked for
     prefilling: bool = True
     skipped: int = 0             # steps in a row it had work and was not admitted to
@@ -67,7 +66,7 @@ class FrontendDriver(Driver):
         made = await asyncio.gather(*(one(t0) for t0 in times))
         for t0, m in zip(times, made):          # in arrival order, whatever order the creates answered in
             if m is not None:
-                self.live.append(_Live(m[0], m[1], collections.deque(self.plan()), t0))
+                self.live.append(_Live(m[0], m[1], self.plan(), t0))
         return sum(m is not None for m in made)
 
     async def _leave(self, gone: list) -> None:

@@ -96,6 +96,55 @@ class Workload:
 # ------------------------------------------------------------------------------------------------ sessions
 
 
+class Plan:
+    """A session's steps, ``(kind, tokens)``: its prefill chunks, then ``decodes`` one-token decodes, or (with
+    ``spec_k``) as many speculative verifies, whose k is drawn when the step is reached. Made as they are reached: a
+    long decode is a count, not a list (``--decode const:100000`` over 256 sessions would be 25.6 M tuples). The
+    loops use it as a deque: its truth, ``[0]`` (read, and replaced by the rest of a cut prefill chunk),
+    ``popleft()`` and iteration."""
+
+    __slots__ = ("_chunks", "_left", "_spec_k", "_rng", "_head")
+
+    def __init__(self, chunks: list, decodes: int, spec_k: Optional[Dist], rng: random.Random):
+        self._chunks = collections.deque(("prefill", n) for n in chunks)
+        self._left, self._spec_k, self._rng = decodes, spec_k, rng
+        self._head = None                     # the next step, once made
+
+    def _next(self) -> tuple:
+        if self._head is None:
+            if self._chunks:
+                self._head = self._chunks.popleft()
+            elif self._left > 0:
+                self._left -= 1
+                self._head = ("decode", 1) if self._spec_k is None else ("verify", self._spec_k.sample(self._rng))
+            else:
+                raise IndexError("the session's plan is done")
+        return self._head
+
+    def __bool__(self) -> bool:
+        return self._head is not None or bool(self._chunks) or self._left > 0
+
+    def __getitem__(self, i: int) -> tuple:
+        if i != 0:
+            raise IndexError("only the next step of a plan is made")
+        return self._next()
+
+    def __setitem__(self, i: int, step: tuple) -> None:
+        if i != 0:
+            raise IndexError("only the next step of a plan is made")
+        self._next()                           # (what it replaces is made, and counted, first)
+        self._head = step
+
+    def popleft(self) -> tuple:
+        step = self._next()
+        self._head = None
+        return step
+
+    def __iter__(self):
+        while self:
+            yield self.popleft()
+
+
 class Aborted(Exception):
     """A request of the session failed for good: the session ends (its state is no longer known)."""
 
@@ -295,19 +344,12 @@ class Driver:
 
     # --- a session as a list of steps
 
-    def plan(self) -> list:
+    def plan(self) -> "Plan":
         P, D = self.wl.draw(self.rng)
-        steps = []
         # the workload's chunk, cut to what one request may carry now (limits read again may be tighter)
         chunk = max(1, int(min(self.wl.prefill_chunk, self.limits.largest_slice()[0])))
-        for o in range(0, P, chunk):
-            steps.append(("prefill", min(chunk, P - o)))
-        for _ in range(D):
-            if self.wl.spec:
-                steps.append(("verify", self.wl.spec_k.sample(self.rng)))
-            else:
-                steps.append(("decode", 1))
-        return steps
+        return Plan([min(chunk, P - o) for o in range(0, P, chunk)], D, self.wl.spec_k if self.wl.spec else None,
+                    self.rng)
 
     async def run_step(self, sid: str, step: tuple, ref, t0: Optional[float] = None) -> None:
         kind, tokens = step
@@ -495,7 +537,7 @@ class Driver:
                         sid, ref = await self.new_session(t_sched)
                     except Aborted:
                         return
-                    vs = [sid, ref, collections.deque(self.plan())]
+                    vs = [sid, ref, self.plan()]
                     t0 = time.perf_counter()
                 sid, ref, steps = vs
                 try:
