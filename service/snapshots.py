@@ -23,9 +23,10 @@ named by its engine index (:class:`~.snapshot_file.SnapshotDir`).
 * **Imports and removals.** An import (``PUT .../state``) sets a session's positions back to 0, and a removed
   session (deleted, evicted by the idle TTL, dropped) may be created again from 0, so a snapshot taken before
   either can hold another state at the same positions, which a client's positions cannot tell apart. Each is
-  noted in the engine's :class:`RewindJournal` (a line made durable, as the snapshots are, so that it survives
-  the process and the host): an import or delete before it runs, an eviction or drop just after. A restore marks the sessions
-  noted after the snapshot it restored as lost (410), rather than serving their older state. A session is noted
+  noted in the engine's :class:`~.rewind_journal.RewindJournal` (a line made durable, as the snapshots are, so
+  that it survives the process and the host): an import or delete before it runs (or, in an engine process, before
+  it is answered), an eviction or drop just after. A restore marks the sessions noted after the snapshot it
+  restored as lost (410), rather than serving their older state. A session is noted
   once between two writes, and only when a file a restore may read holds it (or while one is being taken), and
   the lines older than the oldest such file go: the journal stays within the kept files' ids, and a restore that
   falls back to an older file (the newest refused) still finds every line since it.
@@ -49,7 +50,8 @@ from typing import Optional
 
 from .engine.snapshot import check_content
 from .snapshot_file import CRASH_SUFFIX, Snapshot, SnapshotDir, compatible, new_meta, read_meta
-from .snapshot_marks import fsync_dir, write_json
+from .rewind_journal import RewindJournal
+from .snapshot_marks import write_json
 
 log = logging.getLogger("convserve.snapshots")
 
@@ -104,113 +106,6 @@ def prepare_state_dir(folder, n_engines: int) -> None:
         log.warning("snapshots of another engine layout set aside, not restored",
                     extra={"engines_before": before, "engines_now": n_engines, "files": len(snaps), "to": aside})
     write_json(path, {"engines": n_engines})
-
-
-class RewindJournal:
-    """Engine ``index``'s imports and removals since its snapshots: one line ``<unix time> <session id>`` each,
-    in ``rewinds-<index>.log`` of the state folder (see the module docstring). A note is durable when
-    :meth:`note` returns (fsynced, as the snapshots are: a host crash that kept a snapshot keeps the lines that
-    outdate it); notes made at the same time share one fsync."""
-
-    def __init__(self, folder: str, index: int):
-        self.path = os.path.join(folder, f"rewinds-{index}.log")
-        self._lock = threading.Lock()
-        # group commit: each write is numbered; an fsync made after write n was issued makes 1..n durable
-        self._sync_lock = threading.Lock()
-        self._written = self._synced = 0
-        # no line is stamped before this: the newest snapshot time issued or on disk (a clock stepped back would
-        # otherwise stamp a later removal before the snapshot it follows, which a restore would not read)
-        self.floor = 0.0
-        old = os.path.join(folder, f"imports-{index}.log")      # an older server's journal (imports): ours too
-        if os.path.exists(old):
-            lines = [f"{when:.6f} {sid}\n" for when, sid in self._lines() + self._lines(old)]
-            self._rewrite(lines)
-            os.unlink(old)
-
-    def note(self, session_ids, wait: bool = True) -> None:
-        """One line for each of ``session_ids``, in one write; after a line a failed write left cut (a full disk),
-        on a line of their own. Durable on return; with ``wait`` false (a removal noted after the fact, from the
-        engine's loop, which must not stall on the disk) the fsync runs on a thread of its own."""
-        now = max(time.time(), self.floor) + 1e-6       # (1 µs up: written to 6 decimals, never below the floor)
-        text = "".join(f"{now:.6f} {sid}\n" for sid in session_ids)
-        with self._lock:
-            created = not os.path.exists(self.path)
-            with open(self.path, "a+b") as f:                # (appends go to the end wherever it reads)
-                end = f.seek(0, os.SEEK_END)
-                if end:
-                    f.seek(max(0, end - 4096))
-                    tail = f.read()
-                    if not tail.endswith(b"\n"):             # a line a failed write cut: it names no session
-                        f.truncate(end - len(tail) + tail.rfind(b"\n") + 1)
-                f.write(text.encode())
-            self._written += 1
-            mine = self._written
-        if created:
-            fsync_dir(os.path.dirname(self.path))
-        if wait:
-            self._sync(mine)
-        else:
-            threading.Thread(target=self._sync_logged, args=(mine,), name="rewind-fsync", daemon=True).start()
-
-    def _sync_logged(self, mine: int) -> None:
-        try:
-            self._sync(mine)
-        except OSError as e:
-            log.error("cannot make the rewind journal durable: a host crash may lose its last lines",
-                      extra={"path": self.path, "error": str(e)})
-
-    def _sync(self, mine: int) -> None:
-        """Return once write ``mine`` is durable: one fsync covers every write issued before it started, so notes
-        made while another note's fsync runs wait for it and share the next one."""
-        with self._sync_lock:
-            if self._synced >= mine:
-                return
-            with self._lock:
-                upto = self._written
-            fd = os.open(self.path, os.O_RDONLY)        # (fsync is of the file, through any descriptor)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            self._synced = upto
-
-    def since(self, t: float) -> list:
-        """The sessions noted at or after unix time ``t``."""
-        return sorted({sid for when, sid in self._lines() if when >= t})
-
-    def drop_before(self, t: float) -> None:
-        """Forget the lines before unix time ``t`` (every snapshot a restore may read was taken at ``t`` or later,
-        and holds what they did)."""
-        with self._lock:
-            lines = self._lines()
-            keep = [f"{when:.6f} {sid}\n" for when, sid in lines if when >= t]
-            if len(keep) != len(lines):            # (nothing to forget: no rewrite)
-                self._rewrite(keep)
-
-    def _rewrite(self, lines: list) -> None:
-        """The journal replaced whole by ``lines`` (a crash meanwhile leaves the old one)."""
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            f.writelines(lines)
-            f.flush()
-            os.fsync(f.fileno())          # (the rename must not land before the lines: a host crash would empty it)
-        os.replace(tmp, self.path)
-        fsync_dir(os.path.dirname(self.path))
-
-    def _lines(self, path: Optional[str] = None) -> list:
-        try:
-            with open(path or self.path) as f:
-                rows = [line.split(" ", 1) for line in f]
-        except FileNotFoundError:
-            return []
-        out = []
-        for row in rows:
-            try:
-                if row[1].endswith("\n"):           # (a line a crash cut mid-write has none: it is no id)
-                    out.append((float(row[0]), row[1].strip()))
-            except (ValueError, IndexError):
-                continue
-        return out
 
 
 class Snapshotter:
@@ -288,19 +183,23 @@ class Snapshotter:
             self._thread.start()
         return self.restored
 
-    def _note_rewinds(self, session_ids, wait: bool = True) -> None:
+    def _note_rewinds(self, session_ids, wait: bool = True):
         """The engine's ``on_rewind``: note those of ``session_ids`` that a snapshot a restore may read can hold
         (a kept file's, or any while one is being taken); any other was made after them, and cannot come back
-        from them. ``wait``: see :meth:`RewindJournal.note`."""
+        from them. Returns the future of the journal's durability (:mod:`.rewind_journal`); with ``wait``, done
+        (a failed fsync raises, and nothing counts as noted)."""
         with self._lock:
             taking = self._taking
             keep = list(session_ids) if taking else \
                 [sid for sid in session_ids if sid in self._held and sid not in self._noted]
-        if keep:
-            self.rewinds.note(keep, wait)         # (raises: nothing counted as noted)
-            if not taking:
-                with self._lock:
-                    self._noted.update(keep)
+        # (an id noted before may still be on its way to the disk: the journal's pending lines are waited for)
+        durable = self.rewinds.note(keep, wait) if keep else self.rewinds.durable(wait)
+        if wait:
+            durable.result()
+        if keep and not taking:
+            with self._lock:
+                self._noted.update(keep)
+        return durable
 
     def _files_on_disk(self) -> dict:
         """``_files`` read from the headers of this model's files (at start, and after a write that failed); a

@@ -221,7 +221,7 @@ def test_a_snapshot_taken_while_an_import_is_noted_leaves_that_session_out(moved
 
         meta = new_meta(e.model_info(), 0, 1, "cpu")
 
-        def note(ids):
+        def note(ids, wait=True):
             (s,) = ids
             locked = e._lock.locked()
             with e._lock:
@@ -251,7 +251,7 @@ def test_an_import_refused_after_its_note_leaves_no_session_marked_importing():
         sid = e.create_session()
         state = torch.zeros_like(e.export_state(sid))
 
-        def note(ids):
+        def note(ids, wait=True):
             e.on_rewind = None                       # (the delete's own note)
             e.delete_session(ids[0])                 # gone before its import is queued: 404, nothing marked
 

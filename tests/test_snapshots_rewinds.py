@@ -215,7 +215,7 @@ def test_a_session_imported_again_and_again_is_noted_once_until_the_next_write(t
 
 
 def test_a_note_after_a_line_cut_by_a_failed_write_goes_on_a_line_of_its_own(tmp_path):
-    from convserve.service.snapshots import RewindJournal
+    from convserve.service.rewind_journal import RewindJournal
 
     j = RewindJournal(str(tmp_path), 0)
     j.note(["a"])
@@ -260,7 +260,7 @@ def test_a_note_a_full_disk_refused_is_not_counted_as_made(tmp_path, monkeypatch
     """A delete whose note fails does not run, and its retry tries the note again (it is not taken as noted); an
     eviction's failed note is kept and tried again until it is written."""
     from convserve.service.engine import snapshot as engine_snapshot
-    from convserve.service.snapshots import RewindJournal
+    from convserve.service.rewind_journal import RewindJournal
 
     monkeypatch.setattr(engine_snapshot, "NOTE_RETRY_S", 0.05)
     e, sn = start(tmp_path, session_ttl_s=0.3 if how == "eviction" else 3600)
@@ -269,7 +269,7 @@ def test_a_note_a_full_disk_refused_is_not_counted_as_made(tmp_path, monkeypatch
     assert sn.write_now()
     real, tried = RewindJournal.note, []
 
-    def full(self, ids, wait=True):
+    def full(self, ids, fail_fast=True):
         tried.append(list(ids))
         raise OSError(28, "No space left on device")
 
@@ -379,7 +379,7 @@ def test_a_delete_runs_only_once_its_note_is_durable(tmp_path, monkeypatch):
 def test_notes_made_together_share_fsyncs_and_each_returns_durable(tmp_path, monkeypatch):
     """Group commit: notes issued while an fsync runs wait for the next one, which covers them all; none returns
     before an fsync that saw its line."""
-    from convserve.service.snapshots import RewindJournal
+    from convserve.service.rewind_journal import RewindJournal
 
     j = RewindJournal(str(tmp_path), 0)
     log = _FsyncLog(monkeypatch, delay=0.05)
@@ -387,7 +387,7 @@ def test_notes_made_together_share_fsyncs_and_each_returns_durable(tmp_path, mon
 
     def one(i):
         start_line.wait()
-        j.note([f"s{i}"])
+        j.note([f"s{i}"]).result()
         if f"s{i}" not in log.durable():
             late.append(i)
 
@@ -413,3 +413,91 @@ def test_an_eviction_is_made_durable_off_the_engines_loop(tmp_path, monkeypatch)
         time.sleep(0.02)
     assert {name for name, _lines, _seen in log.calls} == {"rewind-fsync"}
     e.stop()
+
+
+_SLOW_FSYNC = '''
+import os, threading, time
+_real = os.fsync
+def _fsync(fd):
+    path = os.readlink(f"/proc/self/fd/{fd}")
+    if os.path.basename(path).startswith("rewinds-"):
+        time.sleep(0.6)
+        with open(os.environ["CS_FSYNC_LOG"], "a") as f:
+            f.write(threading.current_thread().name + "\\n")
+    return _real(fd)
+os.fsync = _fsync
+'''
+
+
+def test_an_engine_process_answers_a_delete_once_its_note_is_durable_and_keeps_stepping_meanwhile(tmp_path):
+    """In an engine process operations arrive on the engine's worker thread: the note's fsync (slowed to 0.6 s
+    here) runs on the journal's syncer, not there, so another session's conv is served meanwhile, and the delete
+    is answered only once its note is durable."""
+    import concurrent.futures as cf
+
+    from tests.http_api import Api, rand_x
+    from tests.live import LiveServer
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_SLOW_FSYNC)
+    log = tmp_path / "fsyncs.txt"
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p),
+           "CS_FSYNC_LOG": str(log)}
+    srv = LiveServer(["--layers", "0,2", "--dim", "32", "--dtype", "float32", "--workers", "1", "--devices", "cpu",
+                      "--state-dir", str(tmp_path / "state"), "--snapshot-interval-s", "0.2"], env=env)
+    try:
+        api = Api(srv.url)
+        gone, busy = api.session(), api.session()
+        for sid in (gone, busy):
+            assert api.conv(sid, 0, rand_x(3, seed=1))[0] == 200
+        deadline = time.monotonic() + 30
+        while (api.call("GET", "/readyz")[1]["engines"][0]["snapshot"] or {}).get("sessions", 0) < 2:
+            assert time.monotonic() < deadline, "no snapshot holds the sessions"
+            time.sleep(0.05)
+        with cf.ThreadPoolExecutor(1) as pool:
+            t0 = time.monotonic()
+            deleted = pool.submit(Api(srv.url).call, "DELETE", f"/v1/sessions/{gone}")
+            time.sleep(0.15)                        # the delete's note is being made durable now
+            t1 = time.monotonic()
+            assert api.conv(busy, 0, rand_x(1, seed=2))[0] == 200
+            conv_s = time.monotonic() - t1
+            assert deleted.result(30)[0] == 204
+            delete_s = time.monotonic() - t0
+        assert delete_s >= 0.55, delete_s           # answered after the fsync
+        assert conv_s < 0.4, conv_s                 # not held behind it
+        assert set(log.read_text().split()) == {"rewind-fsync"}
+    finally:
+        srv.kill()
+
+
+@pytest.mark.parametrize("fail_fast", [True, False])
+def test_a_failed_fsync_is_never_followed_by_a_note_called_durable_without_the_file_rewritten(tmp_path, monkeypatch,
+                                                                                            fail_fast):
+    """Linux reports a failed writeback once: a second fsync of the file could succeed with the lines lost. A note
+    whose fsync failed fails (``fail_fast``: its operation is refused) or waits for the syncer's retry; either way
+    nothing is called durable again until the file was rewritten whole (a new inode, fsynced, the folder too)."""
+    from convserve.service import rewind_journal
+    from convserve.service.rewind_journal import RewindJournal
+
+    monkeypatch.setattr(rewind_journal, "RETRY_S", 0.05)
+    j = RewindJournal(str(tmp_path), 0)
+    real, failures = os.fsync, [1]
+
+    def flaky(fd):
+        if failures and os.path.basename(os.readlink(f"/proc/self/fd/{fd}")) == "rewinds-0.log":
+            failures.pop()
+            raise OSError(5, "Input/output error")
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", flaky)
+    first = j.note(["a"], fail_fast)
+    inode = os.stat(j.path).st_ino
+    if fail_fast:
+        with pytest.raises(OSError):
+            first.result(5)
+        j.note(["b"]).result(5)
+    else:
+        first.result(5)                             # retried until durable
+    assert os.stat(j.path).st_ino != inode          # rewritten, not fsynced again
+    assert set(j.since(0.0)) == ({"a", "b"} if fail_fast else {"a"})

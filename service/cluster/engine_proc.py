@@ -97,6 +97,9 @@ class EngineProcess:
             self.snapshots = Snapshotter(self.engine, settings, self.index, self.spec["engines"],
                                          self.spec["device"], restarted=self.spec["restarts"] > 0,
                                          on_written=self._snapshot_written)
+            # operations arrive on the engine's worker thread, which must not wait on the disk: their notes are
+            # made durable by the journal's syncer, and each is answered once its note is (_answer_durable)
+            self.engine.rewind_waits = False
         if self.index == 0:                    # the workers' static description of the model
             info = self.engine.model_info()
             tmp = os.path.join(self.run_dir, "model.msgpack.tmp")
@@ -427,7 +430,19 @@ class EngineProcess:
             if name == "import_state":
                 args.append(m.get_tensors(head, data)[0])
             fut = eng.submit_op("export_for_move" if name == "export_for_fork" else name, *args, request_id=rid)
-            fut.add_done_callback(lambda f: self._op_done(ident, head, f))
+            if name in ("delete_session", "import_state"):
+                fut.add_done_callback(lambda f: self._answer_durable(ident, head, f))
+            else:
+                fut.add_done_callback(lambda f: self._op_done(ident, head, f))
+
+    def _answer_durable(self, ident: bytes, head: dict, fut: cf.Future) -> None:
+        """Answer an operation the rewind journal notes (a delete, an import) once its note is durable, not before:
+        a host crash cannot then undo what a client was told is done (an unanswered one may be either way)."""
+        snaps = self.snapshots
+        if snaps is None or fut.exception() is not None:
+            self._op_done(ident, head, fut)
+            return
+        snaps.rewinds.durable(fail_fast=False).add_done_callback(lambda _d: self._op_done(ident, head, fut))
 
     def _created_with_state(self, ident: bytes, head: dict, fut: cf.Future) -> None:
         """A session moved here: created at arrival, its state imported in its turn; a failed import removes
@@ -437,7 +452,7 @@ class EngineProcess:
                 self.engine.submit_op("drop_created", head["a"][0])
             except Exception:  # noqa: BLE001 - already gone, or the engine is stopping: nothing to remove
                 pass
-        self._op_done(ident, head, fut)
+        self._answer_durable(ident, head, fut)
 
     def _op_done(self, ident: bytes, head: dict, fut: cf.Future) -> None:
         exc = fut.exception()

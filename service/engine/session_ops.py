@@ -285,7 +285,8 @@ class SessionOps:
                     deletes: bool = False) -> Op:
         """Queue an import or a delete ``fn``, noted in the rewind journal (``on_rewind``) before it can apply, so
         that a crash after it ran cannot restore an older state silently (a delete's id may be created again,
-        from position 0). The note, a file write, is made outside the engine lock; from before it until the op
+        from position 0). The note, a file write, is made outside the engine lock, and is durable before the op is
+        queued (with ``rewind_waits``; else the caller answers the op once it is); from before it until the op
         is queued the session is marked (``_noting``), and a snapshot captured meanwhile leaves it out as busy:
         a snapshot, whose write drops the journal's lines before its time, then never holds the older state of a
         session whose import or delete may run after it."""
@@ -304,7 +305,7 @@ class SessionOps:
             marked.clear()
 
         try:
-            note([session_id])
+            note([session_id], self.rewind_waits)
             return self._post_op(session_id, fn, kind=kind, rid=rid, on_queue=queued, deletes=deletes)
         finally:
             if marked:
