@@ -243,6 +243,7 @@ class AsyncConvClient(_Base):
             pos, rid = position, request_id
         else:
             pos, rid = await self._position(session, layer), self._request_id()
+        mark = None if book is None or request_id is not None else book.mark(session)    # (see PositionBook.mark)
         body = self._conv_body(session, layer, x, speculative, pos, rid)
         rebody = self._resend_from_copy(x, speculative,
                                         lambda b: self._conv_body(session, layer, b, speculative, pos, rid))
@@ -261,7 +262,7 @@ class AsyncConvClient(_Base):
                     book.moved_on(e, [session], layer, [pos], [x.shape[0]], [speculative], rid)
                 raise
         if book is not None:
-            book.applied_at(session, layer, pos, x.shape[0], speculative)
+            book.applied_at(session, layer, pos, x.shape[0], speculative, mark)
         return wire.decode_tensor(obj["y"], backend=_backend_of(x), name="y", shm=self.shm)
 
     @serialized(one=False)
@@ -275,6 +276,7 @@ class AsyncConvClient(_Base):
             pos, rid = position, request_id
         else:
             pos, rid = [await self._position(s, layer) for s in sessions], self._request_id()
+        marks = None if book is None or request_id is not None else [book.mark(s) for s in sessions]
         body = self._batch_body(sessions, layer, x, tokens, speculative, pos, rid)
         rebody = self._resend_from_copy(
             x, speculative, lambda b: self._batch_body(sessions, layer, b, tokens, speculative, pos, rid))
@@ -286,7 +288,7 @@ class AsyncConvClient(_Base):
                 resp, attempt = await self._retrying("POST", "/v1/conv/batch", body, att, rebody)
             answer = self._batch_answer(body, resp, attempt > 0 or request_id is not None, sessions, layer, x,
                                         tokens, speculative, pos, rid)
-        return self._batch_y(answer, sessions, layer, x, pos)
+        return self._batch_y(answer, sessions, layer, x, pos, marks)
 
     async def stream(self, requests: Union[Iterable, AsyncIterable], *, transport: str = "http", window: int = 64):
         """Async twin of :meth:`ConvClient.stream`; ``requests`` may be an async iterable."""

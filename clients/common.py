@@ -312,7 +312,7 @@ class _Tracker:
                 _Base._batch_rows(session, req.x, req.tokens, req.speculative) if batch else \
                 ([len(req.x)], [bool(req.speculative)])
             if rows is not None:
-                rows = (*rows, [self.book.mark(s) for s in (session if batch else [session])])
+                rows = (*rows, self.book.frames_sent(session if batch else [session]))
             self.meta[req.id] = (session, req.layer, _backend_of(req.x), rows)
 
     def result(self, obj: Any) -> ConvResult:
@@ -336,16 +336,15 @@ class _Tracker:
             return ConvResult(fid, session, layer, error=error_from(obj["error"]))
         if rows is not None:
             for s, k, f, mark in zip(sessions, *rows):
-                if self.book.mark(s) != mark:           # set since the frame was sent: counted or not, unknown
-                    self.book.forget(s)
-                elif self.book.known(s):    # else its next tracked call reads the server's positions
-                    self.book.applied(s, layer, k, f)
+                self.book.frame_answered(s, layer, k, f, mark)
+            self.book.frames_done(sessions)
         return ConvResult(fid, session, layer, y=wire.decode_tensor(obj["y"], backend=backend, name="y"))
 
     def _forget(self, sessions) -> None:
         if self.book is not None:
             for s in sessions:
                 self.book.forget(s)
+            self.book.frames_done(sessions)
 
     @contextlib.contextmanager
     def answering(self, closing):
@@ -526,13 +525,13 @@ class _Base:
                 book.partly_applied(e, list(sessions), layer, pos, toks, spec)
             raise
 
-    def _batch_y(self, answer: tuple, sessions, layer, x, pos=None):
-        """The y of a batch answer (:meth:`_batch_answer`), the rows it applied (at ``pos``) noted in the position
-        book."""
+    def _batch_y(self, answer: tuple, sessions, layer, x, pos=None, marks=None):
+        """The y of a batch answer (:meth:`_batch_answer`), the rows it applied (at ``pos``, sent when the book's
+        marks were ``marks``) noted in the position book."""
         obj, toks, spec = answer
         if self.positions is not None:
-            for s, p, n, f in zip(sessions, pos, toks, spec):
-                self.positions.applied_at(s, layer, p, n, f)
+            for s, p, n, f, mk in zip(sessions, pos, toks, spec, marks or [None] * len(sessions)):
+                self.positions.applied_at(s, layer, p, n, f, mk)
         return wire.decode_tensor(obj["y"], backend=_backend_of(x), name="y", shm=self.shm)
 
     def _ws_results(self, msg, unpacker, tracker: "_Tracker") -> Iterator["ConvResult"]:

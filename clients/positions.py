@@ -237,16 +237,19 @@ UNSENT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 
 class PositionBook:
     """Positions the client believes its sessions are at: ``session -> {layer: tokens}`` (a missing layer is 0),
-    and the layers verified since the last accept."""
+    and the layers verified since the last accept. Its changes take one lock: the sync client's threads, and a
+    stream's answers read on a thread of their own, change it at once."""
 
     def __init__(self, max_retries: int, backoff_s: float):
         self.positions: dict[str, dict[int, int]] = {}
         self.verified: dict[str, set] = {}
-        # session -> the number of its last change a stream's answer cannot be ordered with (a read of the server's
-        # positions, a tracked call's absolute position, a forget): a frame sent before it is counted neither way
-        # (see :meth:`mark`). Numbers are never reused; a session absent here is unknown too.
+        # session -> the number of its last change that answers in flight cannot be ordered with (a read of the
+        # server's positions, a position set outright, a forget; see :meth:`mark`). Numbers are never reused; a
+        # session absent here is unknown too.
         self._marks: dict[str, int] = {}
         self._next_mark = 1
+        self._in_flight: dict[str, int] = {}     # session -> a stream's frames sent and not yet answered
+        self._lock = threading.RLock()
         self.max_retries = max_retries
         self.backoff_s = backoff_s
         self.locks = SessionLocks()
@@ -259,11 +262,11 @@ class PositionBook:
         return self.positions[session].get(operator.index(layer), 0)
 
     def mark(self, session: str) -> int:
-        """What a stream records beside a frame it sends: the frame's answer moves the book by its tokens only while
-        the mark is the same (nothing set the session's positions since). Otherwise what the book holds may or may
-        not count the frame already (a read of the server's positions made while it was in flight), or a tracked
-        call's answer set a position the frame's tokens may or may not follow: the stream forgets the session,
-        whose positions are read from the server at its next tracked call."""
+        """What a call records when it is sent (a stream's frame, a tracked conv or batch): its answer moves the book
+        by its tokens only while the mark is the same. Otherwise the book set the session's positions meanwhile
+        (a read of the server's, which may count the call already, or a position set outright, which the call's
+        tokens may or may not follow): a frame's answer then forgets the session (read from the server at its next
+        tracked call), a tracked call's sets its position outright."""
         return self._marks.get(session, 0)
 
     def _moved(self, session: str) -> None:
@@ -272,30 +275,59 @@ class PositionBook:
 
     def reset(self, session: str, positions: Optional[dict] = None) -> None:
         """A session created, imported (every layer at 0) or read from the server (``positions``)."""
-        self.positions[session] = dict(positions or {})
-        self.verified.pop(session, None)
-        self._moved(session)
+        with self._lock:
+            self.positions[session] = dict(positions or {})
+            self.verified.pop(session, None)
+            self._moved(session)
 
     def _drop(self, session: str) -> None:
-        self.positions.pop(session, None)
-        self.verified.pop(session, None)
-        self._marks.pop(session, None)
+        with self._lock:
+            self.positions.pop(session, None)
+            self.verified.pop(session, None)
+            self._marks.pop(session, None)
 
     def from_info(self, info: dict) -> None:
-        self.reset(info["session"], dict(zip(info["layers"], info["positions"])))
-        if info["pending"]["layers"]:
-            self.verified[info["session"]] = set(info["pending"]["layers"])
+        with self._lock:
+            self.reset(info["session"], dict(zip(info["layers"], info["positions"])))
+            if info["pending"]["layers"]:
+                self.verified[info["session"]] = set(info["pending"]["layers"])
 
     def fork(self, src: str, dst: str) -> None:
-        if src in self.positions:
-            self.positions[dst] = dict(self.positions[src])
-            if src in self.verified:
-                self.verified[dst] = set(self.verified[src])
-            self._moved(dst)
+        """``dst`` forked from ``src``: at its positions, unless frames of ``src`` are in flight (the fork may or
+        may not have taken them: ``dst`` is read from the server at its next tracked call)."""
+        with self._lock:
+            if src in self.positions and not self._in_flight.get(src):
+                self.positions[dst] = dict(self.positions[src])
+                if src in self.verified:
+                    self.verified[dst] = set(self.verified[src])
+                self._moved(dst)
 
     def forget(self, session: str) -> None:
         self._drop(session)
         self.locks.forget(session)
+
+    def frames_sent(self, sessions) -> list:
+        """A stream sends a frame of ``sessions``: their marks, for :meth:`frame_answered`."""
+        with self._lock:
+            for s in sessions:
+                self._in_flight[s] = self._in_flight.get(s, 0) + 1
+            return [self.mark(s) for s in sessions]
+
+    def frames_done(self, sessions) -> None:
+        """A frame of ``sessions`` was answered or abandoned."""
+        with self._lock:
+            for s in sessions:
+                n = self._in_flight.pop(s, 0) - 1
+                if n > 0:
+                    self._in_flight[s] = n
+
+    def frame_answered(self, session: str, layer: int, n: int, speculative: bool, mark: int) -> None:
+        """A stream's frame of ``session`` was applied (sent when the book's mark was ``mark``)."""
+        with self._lock:
+            if self.mark(session) != mark:
+                self.forget(session)
+            elif session in self.positions:     # else its next tracked call reads the server's positions
+                self.applied(session, layer, n, speculative)
 
     @contextlib.contextmanager
     def unknown_forgets(self, session: str):
@@ -318,26 +350,46 @@ class PositionBook:
                 self._drop(s)
 
     def applied(self, session: str, layer: int, n: int, speculative: bool) -> None:
+        """``n`` tokens applied on ``layer`` (or verified, ``speculative``); nothing for a session the book holds
+        nothing of (it stays unknown: read at its next call)."""
         layer = operator.index(layer)
-        if speculative:
-            self.verified.setdefault(session, set()).add(layer)
-        else:
-            p = self.positions.setdefault(session, {})
-            p[layer] = p.get(layer, 0) + operator.index(n)
+        with self._lock:
+            if session not in self.positions:
+                return
+            if speculative:
+                self.verified.setdefault(session, set()).add(layer)
+            else:
+                p = self.positions[session]
+                p[layer] = p.get(layer, 0) + operator.index(n)
 
-    def applied_at(self, session: str, layer: int, position: int, n: int, speculative: bool) -> None:
-        """A tracked call sent at ``position`` was applied (answered, or answered as a repeat): the layer is at
-        ``position + n`` now, however the book counted it meanwhile (a ``resync`` after ``OutcomeUnknown`` may
-        have counted it already). A session the book holds nothing of stays unknown (read at its next call)."""
-        if speculative:
-            self.applied(session, layer, n, True)
-        elif session in self.positions:
-            self.positions[session][operator.index(layer)] = operator.index(position) + operator.index(n)
-            self._moved(session)
+    def applied_at(self, session: str, layer: int, position: int, n: int, speculative: bool,
+                   mark: Optional[int] = None) -> None:
+        """A tracked call sent at ``position`` was applied (answered, or answered as a repeat). With the session's
+        ``mark`` unchanged since it was sent the layer moves by ``n`` (frames answered meanwhile ran after it: had
+        one run before, the call's position would have been refused). Otherwise the layer is at ``position + n``
+        now, however the book counted it meanwhile (a ``resync`` after ``OutcomeUnknown`` may have counted it
+        already), and the mark moves (a frame in flight may run before or after that). A session the book holds
+        nothing of stays unknown (read at its next call)."""
+        with self._lock:
+            if speculative:
+                self.applied(session, layer, n, True)
+            elif session in self.positions:
+                if mark is not None and mark == self.mark(session):
+                    self.applied(session, layer, n, False)
+                else:
+                    self.positions[session][operator.index(layer)] = operator.index(position) + operator.index(n)
+                    self._moved(session)
 
     def accepted(self, session: str, n: int) -> None:
-        for layer in self.verified.pop(session, ()):
-            self.applied(session, layer, n, False)
+        """An accept of ``n`` tokens committed: the verified layers move by ``n``, unless frames of the session are
+        in flight (a speculative one the accept may have taken, which the book has not seen: the session is
+        forgotten, read back at its next tracked call)."""
+        with self._lock:
+            if self._in_flight.get(session):
+                self.forget(session)
+                return
+            for layer in self.verified.pop(session, ()):
+                self.applied(session, layer, n, False)
 
     def accept_was_applied(self, session: str, n: int, info: dict) -> bool:
         """After a retried accept got 400: did the first attempt commit (no verify pending, every verified

@@ -271,6 +271,7 @@ class ConvClient(_Base):
             pos, rid = position, request_id
         else:
             pos, rid = self._position(session, layer), self._request_id()
+        mark = None if book is None or request_id is not None else book.mark(session)    # (see PositionBook.mark)
         body = self._conv_body(session, layer, x, speculative, pos, rid)
         rebody = self._resend_from_copy(x, speculative,
                                         lambda b: self._conv_body(session, layer, b, speculative, pos, rid))
@@ -289,7 +290,7 @@ class ConvClient(_Base):
                     book.moved_on(e, [session], layer, [pos], [x.shape[0]], [speculative], rid)
                 raise
         if book is not None:
-            book.applied_at(session, layer, pos, x.shape[0], speculative)
+            book.applied_at(session, layer, pos, x.shape[0], speculative, mark)
         return wire.decode_tensor(obj["y"], backend=_backend_of(x), name="y", shm=self.shm)
 
     @serialized(one=False)
@@ -307,6 +308,7 @@ class ConvClient(_Base):
             pos, rid = position, request_id
         else:
             pos, rid = [self._position(s, layer) for s in sessions], self._request_id()
+        marks = None if book is None or request_id is not None else [book.mark(s) for s in sessions]
         body = self._batch_body(sessions, layer, x, tokens, speculative, pos, rid)
         rebody = self._resend_from_copy(
             x, speculative, lambda b: self._batch_body(sessions, layer, b, tokens, speculative, pos, rid))
@@ -318,7 +320,7 @@ class ConvClient(_Base):
                 resp, attempt = self._retrying("POST", "/v1/conv/batch", body, att, rebody)
             answer = self._batch_answer(body, resp, attempt > 0 or request_id is not None, sessions, layer, x,
                                         tokens, speculative, pos, rid)
-        return self._batch_y(answer, sessions, layer, x, pos)
+        return self._batch_y(answer, sessions, layer, x, pos, marks)
 
     def stream(self, requests: Iterable, *, transport: str = "http", window: int = 64) -> Iterator[ConvResult]:
         """Pipeline ``requests`` (:class:`ConvRequest`, ``(session, layer, x[, speculative])`` tuples or dicts)

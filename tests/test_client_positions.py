@@ -635,3 +635,84 @@ def test_a_frames_answer_with_nothing_set_meanwhile_moves_the_book_by_its_tokens
     book.applied_at("other", LAYER, 0, 1, False)      # another session's change leaves this frame's count alone
     assert tr.result(answer).ok
     assert book.at("s", LAYER) == 5
+
+
+class _SlowConvAnswers(httpx.AsyncHTTPTransport):
+    """A unary ``/v1/conv`` answer reaches the client 0.5 s after the server sent it."""
+
+    async def handle_async_request(self, request):
+        resp = await super().handle_async_request(request)
+        if request.url.path == "/v1/conv":
+            await resp.aread()
+            await asyncio.sleep(0.5)
+        return resp
+
+
+@pytest.mark.parametrize("transport", ["http", "ws"])
+def test_a_frame_answered_while_a_tracked_call_is_in_flight_still_counts_after_the_calls_answer(server, transport):
+    """A tracked conv is applied, and a stream's frame of the same session runs after it and is answered first
+    (the conv's answer is slow on its way back): the conv's answer moves the book by its tokens, on top of the
+    frame's, rather than setting the position it was sent at plus its tokens (which erased the frame)."""
+    from convserve.clients.client import ConvRequest
+
+    async def go():
+        async with AsyncConvClient(server.url, track_positions=True, transport=_SlowConvAnswers()) as c:
+            sid = await c.create_session()
+            await c.conv(sid, LAYER, rand_x(3, seed=1))
+            gate = asyncio.Event()
+
+            async def frames():
+                await gate.wait()
+                yield ConvRequest(sid, LAYER, rand_x(1, seed=4))
+
+            async def streamer():
+                async for r in c.stream(frames(), transport=transport):
+                    assert r.ok, r.error
+
+            async def unary():
+                t = asyncio.ensure_future(c.conv(sid, LAYER, rand_x(2, seed=3)))
+                await asyncio.sleep(0.2)          # applied on the server; its answer still on its way
+                gate.set()                        # the frame runs after it, and is answered first
+                await t
+
+            await asyncio.gather(streamer(), unary())
+            return sid, c.positions.at(sid, LAYER) if c.positions.known(sid) else None
+
+    sid, book = asyncio.run(go())
+    assert book == 6 == Api(server.url).call("GET", f"/v1/sessions/{sid}")[1]["positions"][LAYERS.index(LAYER)]
+
+
+def _book(**positions):
+    from convserve.clients.positions import PositionBook
+
+    book = PositionBook(max_retries=0, backoff_s=0.0)
+    for s, at in positions.items():
+        book.reset(s, {LAYER: at})
+    return book
+
+
+def test_a_fork_of_a_session_with_frames_in_flight_reads_the_forks_positions_from_the_server():
+    book = _book(src=3)
+    book.frames_sent(["src"])                  # the fork may or may not take this frame
+    book.fork("src", "dst")
+    assert not book.known("dst")
+    book.frames_done(["src"])
+    book.fork("src", "dst2")
+    assert book.at("dst2", LAYER) == 3
+
+
+def test_an_accept_with_frames_of_its_session_in_flight_forgets_the_session():
+    book = _book(s=3)
+    book.applied_at("s", LAYER, 3, 2, True)     # verified on LAYER
+    book.frames_sent(["s"])                     # a speculative frame the accept may take
+    book.accepted("s", 1)
+    assert not book.known("s")
+
+
+def test_an_accept_or_a_frame_of_a_forgotten_session_leaves_it_unknown():
+    book = _book(s=3)
+    book.applied_at("s", LAYER, 3, 2, True)
+    book.forget("s")
+    book.accepted("s", 2)                       # (it made the session known at {LAYER: 2})
+    book.applied("s", LAYER, 1, False)
+    assert not book.known("s")
