@@ -442,7 +442,9 @@ class EngineProcess:
         if snaps is None or fut.exception() is not None:
             self._op_done(ident, head, fut)
             return
-        snaps.rewinds.durable(fail_fast=False).add_done_callback(lambda _d: self._op_done(ident, head, fut))
+        result = fut.result()
+        self._op_ran(head, result)                    # now, in its order (a create of its id may follow at once)
+        snaps.rewinds.durable(fail_fast=False).add_done_callback(lambda _d: self._answer_op(ident, head, result))
 
     def _created_with_state(self, ident: bytes, head: dict, fut: cf.Future) -> None:
         """A session moved here: created at arrival, its state imported in its turn; a failed import removes
@@ -462,10 +464,16 @@ class EngineProcess:
             self._op_finished(ident, head, fut.result())
 
     def _op_finished(self, ident: bytes, head: dict, result) -> None:
-        """Answer an operation that ran: exactly one reply, whatever fails here. The journal and the published
-        slot counts are best effort (a failed write is logged; the operation did run, so it is answered as
-        such); an answer that cannot be built is an error that says the operation ran."""
-        name, mid = head["f"], head["i"]
+        """Answer an operation that ran: exactly one reply, whatever fails here (see :meth:`_op_ran` and
+        :meth:`_answer_op`)."""
+        self._op_ran(head, result)
+        self._answer_op(ident, head, result)
+
+    def _op_ran(self, head: dict, result) -> None:
+        """An operation ran: journaled and its slot counts published, in its order among the operations (the
+        answer may come later). Best effort: a failed write is logged; the operation did run, so it is answered
+        as such."""
+        name = head["f"]
         try:
             with self._journal_lock:
                 self.journal.record(name, result, head.get("a") or (), self.engine)
@@ -473,6 +481,10 @@ class EngineProcess:
                 self._publish_slots()                # before the answer: /v1/model after it sees the change
         except Exception:  # noqa: BLE001 - see the docstring
             log.exception("engine: cannot journal or publish a session operation", extra={"op": name})
+
+    def _answer_op(self, ident: bytes, head: dict, result) -> None:
+        """The answer of an operation that ran; one that cannot be built is an error that says it ran."""
+        name, mid = head["f"], head["i"]
         try:
             self._reply_op(ident, mid, result)
         except Exception as e:  # noqa: BLE001 - see the docstring
