@@ -94,42 +94,51 @@ class RewindJournal:
 
     def _sync_loop(self) -> None:
         while True:
-            with self._cv:
-                while not self._waiting:
-                    self._cv.wait()
-                upto, repair, dir_dirty = self._written, self._repair, self._dir_dirty
             try:
-                if repair:
-                    with self._lock:
-                        self._rewrite([f"{when:.6f} {sid}\n" for when, sid in self._lines()])
-                else:
-                    fd = os.open(self.path, os.O_RDONLY)    # (fsync is of the file, through any descriptor)
-                    try:
-                        os.fsync(fd)
-                    finally:
-                        os.close(fd)
-                    if dir_dirty:
-                        fsync_dir(os.path.dirname(self.path))
-            except OSError as e:
-                log.error("cannot make the rewind journal durable; trying again (a host crash now may lose its "
-                          "last lines)", extra={"path": self.path, "error": str(e)})
-                with self._cv:
-                    self._repair = True
-                    failed = [w for w in self._waiting if w[2] and w[0] <= upto]
-                    self._waiting = [w for w in self._waiting if not (w[2] and w[0] <= upto)]
-                for _n, fut, _ff in failed:
-                    fut.set_exception(e)
+                self._sync_once()
+            except BaseException:  # noqa: BLE001 - the syncer must outlive anything: every later note waits on it
+                log.exception("rewind journal: the syncer failed; trying again")
                 time.sleep(RETRY_S)
-                continue
+
+    def _sync_once(self) -> None:
+        with self._cv:
+            while not self._waiting:
+                self._cv.wait()
+            upto, repair, dir_dirty = self._written, self._repair, self._dir_dirty
+        try:
+            if repair:
+                with self._lock:
+                    self._rewrite([f"{when:.6f} {sid}\n" for when, sid in self._lines()])
+            else:
+                fd = os.open(self.path, os.O_RDONLY)        # (fsync is of the file, through any descriptor)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                if dir_dirty:
+                    fsync_dir(os.path.dirname(self.path))
+        except OSError as e:
+            log.error("cannot make the rewind journal durable; trying again (a host crash now may lose its last "
+                      "lines)", extra={"path": self.path, "error": str(e)})
             with self._cv:
-                self._synced = max(self._synced, upto)
-                if repair:
-                    self._repair = False
-                if dir_dirty or repair:
-                    self._dir_dirty = False
-                done = [w for w in self._waiting if w[0] <= upto]
-                self._waiting = [w for w in self._waiting if w[0] > upto]
-            for _n, fut, _ff in done:
+                self._repair = True
+                failed = [w for w in self._waiting if w[2] and w[0] <= upto]
+                self._waiting = [w for w in self._waiting if not (w[2] and w[0] <= upto)]
+            for _n, fut, _ff in failed:
+                if fut.set_running_or_notify_cancel():      # (a waiter that gave up: nothing to tell)
+                    fut.set_exception(e)
+            time.sleep(RETRY_S)
+            return
+        with self._cv:
+            self._synced = max(self._synced, upto)
+            if repair:
+                self._repair = False
+            if dir_dirty or repair:
+                self._dir_dirty = False
+            done = [w for w in self._waiting if w[0] <= upto]
+            self._waiting = [w for w in self._waiting if w[0] > upto]
+        for _n, fut, _ff in done:
+            if fut.set_running_or_notify_cancel():
                 fut.set_result(None)
 
     def since(self, t: float) -> list:
@@ -147,7 +156,16 @@ class RewindJournal:
 
     def _rewrite(self, lines: list) -> None:
         """The journal replaced whole by ``lines``, durably (a crash meanwhile leaves the old one); under
-        ``_lock``."""
+        ``_lock``. A failure leaves the file's durability unknown (the rename may have landed, the folder not):
+        the syncer repairs before it calls anything durable."""
+        try:
+            self._replace(lines)
+        except OSError:
+            with self._cv:
+                self._repair = True
+            raise
+
+    def _replace(self, lines: list) -> None:
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
             f.writelines(lines)

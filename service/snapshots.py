@@ -139,6 +139,7 @@ class Snapshotter:
         self._held: set = set()
         self._taking = 0
         self._noted: set = set()
+        self._durable: dict = {}             # id -> the future of its last note, until it is durable
         self._files_unknown = False          # a write failed: a file may be on disk that _files lacks
         engine.on_rewind = self._note_rewinds
         try:                                  # as soon as the model is built: what a crash mark of it refuses
@@ -186,20 +187,38 @@ class Snapshotter:
     def _note_rewinds(self, session_ids, wait: bool = True):
         """The engine's ``on_rewind``: note those of ``session_ids`` that a snapshot a restore may read can hold
         (a kept file's, or any while one is being taken); any other was made after them, and cannot come back
-        from them. Returns the future of the journal's durability (:mod:`.rewind_journal`); with ``wait``, done
-        (a failed fsync raises, and nothing counts as noted)."""
+        from them. With ``wait`` it returns once their notes (and an earlier one of theirs still on its way) are
+        durable (a failed fsync raises, and nothing counts as noted); else :meth:`note_of` has each note's future
+        (:mod:`.rewind_journal`)."""
         with self._lock:
             taking = self._taking
             keep = list(session_ids) if taking else \
                 [sid for sid in session_ids if sid in self._held and sid not in self._noted]
-        # (an id noted before may still be on its way to the disk: the journal's pending lines are waited for)
-        durable = self.rewinds.note(keep, wait) if keep else self.rewinds.durable(wait)
+            # an id noted before may still be on its way to the disk: its note is waited for too
+            earlier = [f for f in map(self._durable.get, session_ids) if f is not None]
+        if keep:
+            durable = self.rewinds.note(keep, wait)
+            with self._lock:
+                self._durable.update(dict.fromkeys(keep, durable))
+            durable.add_done_callback(lambda f: self._forget_durable(keep, f))
+            earlier.append(durable)
         if wait:
-            durable.result()
+            for f in earlier:
+                f.result()
         if keep and not taking:
             with self._lock:
                 self._noted.update(keep)
-        return durable
+
+    def _forget_durable(self, ids, fut) -> None:
+        with self._lock:
+            for sid in ids:
+                if self._durable.get(sid) is fut:
+                    del self._durable[sid]
+
+    def note_of(self, session_id: str):
+        """The future of ``session_id``'s last note while it is not durable yet, else None."""
+        with self._lock:
+            return self._durable.get(session_id)
 
     def _files_on_disk(self) -> dict:
         """``_files`` read from the headers of this model's files (at start, and after a write that failed); a

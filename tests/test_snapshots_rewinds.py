@@ -429,12 +429,9 @@ os.fsync = _fsync
 '''
 
 
-def test_an_engine_process_answers_a_delete_once_its_note_is_durable_and_keeps_stepping_meanwhile(tmp_path):
-    """In an engine process operations arrive on the engine's worker thread: the note's fsync (slowed to 0.6 s
-    here) runs on the journal's syncer, not there, so another session's conv is served meanwhile, and the delete
-    is answered only once its note is durable."""
-    import concurrent.futures as cf
-
+def _slow_fsync_server(tmp_path):
+    """A server of one engine process whose rewind journal's fsync takes 0.6 s (a ``sitecustomize`` on its path),
+    two sessions held by a snapshot, and the file where each of those fsyncs names its thread."""
     from tests.http_api import Api, rand_x
     from tests.live import LiveServer
 
@@ -446,15 +443,28 @@ def test_an_engine_process_answers_a_delete_once_its_note_is_durable_and_keeps_s
            "CS_FSYNC_LOG": str(log)}
     srv = LiveServer(["--layers", "0,2", "--dim", "32", "--dtype", "float32", "--workers", "1", "--devices", "cpu",
                       "--state-dir", str(tmp_path / "state"), "--snapshot-interval-s", "0.2"], env=env)
+    api = Api(srv.url)
+    sids = [api.session(), api.session()]
+    for sid in sids:
+        assert api.conv(sid, 0, rand_x(3, seed=1))[0] == 200
+    deadline = time.monotonic() + 30
+    while (api.call("GET", "/readyz")[1]["engines"][0]["snapshot"] or {}).get("sessions", 0) < 2:
+        assert time.monotonic() < deadline, "no snapshot holds the sessions"
+        time.sleep(0.05)
+    return srv, sids, log
+
+
+def test_an_engine_process_answers_a_delete_once_its_note_is_durable_and_keeps_stepping_meanwhile(tmp_path):
+    """In an engine process operations arrive on the engine's worker thread: the note's fsync (slowed to 0.6 s
+    here) runs on the journal's syncer, not there, so another session's conv is served meanwhile, and the delete
+    is answered only once its note is durable."""
+    import concurrent.futures as cf
+
+    from tests.http_api import Api, rand_x
+
+    srv, (gone, busy), log = _slow_fsync_server(tmp_path)
     try:
         api = Api(srv.url)
-        gone, busy = api.session(), api.session()
-        for sid in (gone, busy):
-            assert api.conv(sid, 0, rand_x(3, seed=1))[0] == 200
-        deadline = time.monotonic() + 30
-        while (api.call("GET", "/readyz")[1]["engines"][0]["snapshot"] or {}).get("sessions", 0) < 2:
-            assert time.monotonic() < deadline, "no snapshot holds the sessions"
-            time.sleep(0.05)
         with cf.ThreadPoolExecutor(1) as pool:
             t0 = time.monotonic()
             deleted = pool.submit(Api(srv.url).call, "DELETE", f"/v1/sessions/{gone}")
@@ -467,6 +477,25 @@ def test_an_engine_process_answers_a_delete_once_its_note_is_durable_and_keeps_s
         assert delete_s >= 0.55, delete_s           # answered after the fsync
         assert conv_s < 0.4, conv_s                 # not held behind it
         assert set(log.read_text().split()) == {"rewind-fsync"}
+    finally:
+        srv.kill()
+
+
+def test_an_engine_process_stopped_while_a_delete_waits_for_its_note_still_answers_it(tmp_path):
+    """SIGTERM to the engine process alone while a delete that ran waits for its note: the stop waits for the
+    journal, so the delete is answered 204 (not the 503 of an engine that went away with it in flight)."""
+    import concurrent.futures as cf
+    import signal
+
+    from tests.http_api import Api
+
+    srv, (gone, _busy), _log = _slow_fsync_server(tmp_path)
+    try:
+        with cf.ThreadPoolExecutor(1) as pool:
+            deleted = pool.submit(Api(srv.url).call, "DELETE", f"/v1/sessions/{gone}")
+            time.sleep(0.2)
+            os.kill([r["pid"] for r in srv.logs if r.get("msg") == "engine up"][-1], signal.SIGTERM)
+            assert deleted.result(30)[0] == 204
     finally:
         srv.kill()
 
@@ -501,3 +530,16 @@ def test_a_failed_fsync_is_never_followed_by_a_note_called_durable_without_the_f
         first.result(5)                             # retried until durable
     assert os.stat(j.path).st_ino != inode          # rewritten, not fsynced again
     assert set(j.since(0.0)) == ({"a", "b"} if fail_fast else {"a"})
+
+
+def test_a_note_whose_waiter_gave_up_does_not_stop_the_syncer(tmp_path, monkeypatch):
+    """A future cancelled by its waiter (``asyncio.wrap_future`` does that) is passed over: the notes after it are
+    still made durable."""
+    from convserve.service.rewind_journal import RewindJournal
+
+    _FsyncLog(monkeypatch, delay=0.2)                # (each fsync outlasts the cancels)
+    j = RewindJournal(str(tmp_path), 0)
+    j.note(["a"]).cancel()
+    j.note(["b"]).cancel()
+    j.note(["c"]).result(5)
+    assert j.since(0.0) == ["a", "b", "c"]

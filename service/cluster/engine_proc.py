@@ -182,6 +182,13 @@ class EngineProcess:
         log.info("engine stopped", extra={"engine": self.index})
         self.pump_ident = threading.get_ident()       # the worker thread is gone: the socket is this thread's
         self.pool.shutdown(wait=True)                  # a weights file being built is answered too
+        if self.snapshots is not None:                 # deletes and imports that ran wait for their notes
+            try:
+                # (resolved after the notes made before it, whose answers are queued by then)
+                self.snapshots.rewinds.durable(fail_fast=False).result(self.settings.shutdown_timeout_s)
+            except cf.TimeoutError:                    # (unanswered: their workers say they may have run)
+                log.error("engine: the rewind journal was not durable at the stop; operations waiting on it go "
+                          "unanswered", extra={"engine": self.index})
         self._refuse_rest()
         self._flush()
         self.sock.close(0)
@@ -444,7 +451,11 @@ class EngineProcess:
             return
         result = fut.result()
         self._op_ran(head, result)                    # now, in its order (a create of its id may follow at once)
-        snaps.rewinds.durable(fail_fast=False).add_done_callback(lambda _d: self._answer_op(ident, head, result))
+        noted = snaps.note_of(head["a"][0])
+        if noted is None:
+            self._answer_op(ident, head, result)
+        else:
+            noted.add_done_callback(lambda _d: self._answer_op(ident, head, result))
 
     def _created_with_state(self, ident: bytes, head: dict, fut: cf.Future) -> None:
         """A session moved here: created at arrival, its state imported in its turn; a failed import removes

@@ -152,8 +152,8 @@ class Engine(Intake, Turns, SessionOps, Accepts, Positions, SnapshotTaking, Work
         #: extra numbers for stats() under "snapshot" (the snapshot writer's), or None
         self.snapshot_stats = None
         #: called with a list of session ids and ``wait`` before they are imported or deleted, and after they are
-        #: evicted or dropped (the snapshot writer's rewind journal), or None; returns the future of the notes'
-        #: durability, done on return with ``wait``
+        #: evicted or dropped (the snapshot writer's rewind journal), or None; with ``wait`` it returns once the
+        #: notes are durable
         self.on_rewind = None
         #: whether an import or delete waits, on the calling thread, for its note to be durable before it is queued
         #: (an engine process, whose calls arrive on the worker thread, answers them once it is instead)
