@@ -228,10 +228,12 @@ class AsyncConvClient(_Base):
         self.positions.from_info(info)
         return info
 
-    async def _position(self, session: str, layer: int) -> int:
-        if not self.positions.known(session):
+    async def _position(self, session: str, layer: int) -> tuple:
+        """``(position, mark)`` of ``session`` on ``layer`` in the book, read from the server first when the book
+        holds none (:meth:`ConvClient._position`)."""
+        while (got := self.positions.position_and_mark(session, layer)) is None:
             self.positions.from_info(_decode(await self._read(f"/v1/sessions/{quote_id(session)}", [session], True)))
-        return self.positions.at(session, layer)
+        return got
 
     @serialized(one=True)
     async def conv(self, session: str, layer: int, x, speculative: bool = False, position: Optional[int] = None,
@@ -240,10 +242,9 @@ class AsyncConvClient(_Base):
         book = self.positions
         check_given_position(book, position, request_id)
         if book is None or request_id is not None:
-            pos, rid = position, request_id
-        else:
-            pos, rid = await self._position(session, layer), self._request_id()
-        mark = None if book is None or request_id is not None else book.mark(session)    # (see PositionBook.mark)
+            pos, rid, mark = position, request_id, None
+        else:                                 # (the mark: see PositionBook.mark)
+            (pos, mark), rid = await self._position(session, layer), self._request_id()
         body = self._conv_body(session, layer, x, speculative, pos, rid)
         rebody = self._resend_from_copy(x, speculative,
                                         lambda b: self._conv_body(session, layer, b, speculative, pos, rid))
@@ -273,10 +274,10 @@ class AsyncConvClient(_Base):
         book = self.positions
         check_given_position(book, position, request_id)
         if book is None or request_id is not None:
-            pos, rid = position, request_id
+            pos, rid, marks = position, request_id, None
         else:
-            pos, rid = [await self._position(s, layer) for s in sessions], self._request_id()
-        marks = None if book is None or request_id is not None else [book.mark(s) for s in sessions]
+            got, rid = [await self._position(s, layer) for s in sessions], self._request_id()
+            pos, marks = [p for p, _ in got], [mk for _, mk in got]
         body = self._batch_body(sessions, layer, x, tokens, speculative, pos, rid)
         rebody = self._resend_from_copy(
             x, speculative, lambda b: self._batch_body(sessions, layer, b, tokens, speculative, pos, rid))
@@ -287,7 +288,7 @@ class AsyncConvClient(_Base):
                 att = Attempts(book, "POST", "/v1/conv/batch", list(sessions), rid=rid, layer=layer, positions=pos)
                 resp, attempt = await self._retrying("POST", "/v1/conv/batch", body, att, rebody)
             answer = self._batch_answer(body, resp, attempt > 0 or request_id is not None, sessions, layer, x,
-                                        tokens, speculative, pos, rid)
+                                        tokens, speculative, pos, rid, marks)
         return self._batch_y(answer, sessions, layer, x, pos, marks)
 
     async def stream(self, requests: Union[Iterable, AsyncIterable], *, transport: str = "http", window: int = 64):

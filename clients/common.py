@@ -503,7 +503,7 @@ class _Base:
         return toks, spec
 
     def _batch_answer(self, body: bytes, resp, retried: bool, sessions, layer, x, tokens, speculative, pos,
-                      rid=None) -> tuple:
+                      rid=None, marks=None) -> tuple:
         """A ``/v1/conv/batch`` call's answer (both clients' ``conv_batch``): its bytes counted, its body decoded,
         and with a position book what a refusal tells it (a mismatch after a retry or on a call sent again, the
         parts of a split batch that ran). Returns ``(answer, tokens per session, speculative per session)``."""
@@ -516,13 +516,13 @@ class _Base:
         except PositionMismatch as e:       # (a split batch's part refused after other parts ran: those count)
             if book is not None:
                 ran = e.extra.get("applied") or ()
-                book.partly_applied(e, list(sessions), layer, pos, toks, spec)
+                book.partly_applied(e, list(sessions), layer, pos, toks, spec, marks)
                 if retried:
                     book.moved_on(e, list(sessions), layer, pos, toks, spec, rid, skip=frozenset(ran))
             raise
         except ServiceError as e:   # a batch split across engines, some of whose parts ran: they count
             if book is not None:
-                book.partly_applied(e, list(sessions), layer, pos, toks, spec)
+                book.partly_applied(e, list(sessions), layer, pos, toks, spec, marks)
             raise
 
     def _batch_y(self, answer: tuple, sessions, layer, x, pos=None, marks=None):

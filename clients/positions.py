@@ -261,6 +261,13 @@ class PositionBook:
         # keyed by the int: a layer given as a 0-d tensor (hashed by identity) would be a new key each call
         return self.positions[session].get(operator.index(layer), 0)
 
+    def position_and_mark(self, session: str, layer: int) -> Optional[tuple]:
+        """``(position on layer, mark)`` of a session the book holds, read together; None for one it does not."""
+        with self._lock:
+            if session not in self.positions:
+                return None
+            return self.at(session, layer), self.mark(session)
+
     def mark(self, session: str) -> int:
         """What a call records when it is sent (a stream's frame, a tracked conv or batch): its answer moves the book
         by its tokens only while the mark is the same. Otherwise the book set the session's positions meanwhile
@@ -415,13 +422,13 @@ class PositionBook:
             return None
 
     def partly_applied(self, err: ServiceError, sessions: list, layer: int, positions: list, tokens: list,
-                       speculative: list) -> None:
+                       speculative: list, marks: Optional[list] = None) -> None:
         """A batch's error that lists ``applied`` sessions (split across engine processes, some parts ran):
-        their slices count (applied at ``positions``)."""
+        their slices count (applied at ``positions``, sent when the book's marks were ``marks``)."""
         ran = set(err.extra.get("applied") or ())
-        for s, p, n, f in zip(sessions, positions, tokens, speculative):
+        for s, p, n, f, mk in zip(sessions, positions, tokens, speculative, marks or [None] * len(sessions)):
             if s in ran:
-                self.applied_at(s, layer, p, n, f)
+                self.applied_at(s, layer, p, n, f, mk)
 
     def partly_accepted(self, err: ServiceError, sessions: list, tokens: list) -> bool:
         """Whether an accept_batch's error lists ``applied`` sessions (split across engine processes, some parts

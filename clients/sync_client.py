@@ -250,10 +250,13 @@ class ConvClient(_Base):
         self.positions.from_info(info)
         return info
 
-    def _position(self, session: str, layer: int) -> int:
-        if not self.positions.known(session):             # a session this client did not create: ask the server
+    def _position(self, session: str, layer: int) -> tuple:
+        """``(position, mark)`` of ``session`` on ``layer`` in the book, read together (a stream's answer on
+        another thread may forget the session between a check and a read); read from the server first when the
+        book holds none (a session this client did not create, or one it forgot)."""
+        while (got := self.positions.position_and_mark(session, layer)) is None:
             self.positions.from_info(_decode(self._read(f"/v1/sessions/{quote_id(session)}", [session], True)))
-        return self.positions.at(session, layer)
+        return got
 
     # --- conv
 
@@ -268,10 +271,9 @@ class ConvClient(_Base):
         book = self.positions
         check_given_position(book, position, request_id)
         if book is None or request_id is not None:
-            pos, rid = position, request_id
-        else:
-            pos, rid = self._position(session, layer), self._request_id()
-        mark = None if book is None or request_id is not None else book.mark(session)    # (see PositionBook.mark)
+            pos, rid, mark = position, request_id, None
+        else:                                 # (the mark: see PositionBook.mark)
+            (pos, mark), rid = self._position(session, layer), self._request_id()
         body = self._conv_body(session, layer, x, speculative, pos, rid)
         rebody = self._resend_from_copy(x, speculative,
                                         lambda b: self._conv_body(session, layer, b, speculative, pos, rid))
@@ -305,10 +307,10 @@ class ConvClient(_Base):
         book = self.positions
         check_given_position(book, position, request_id)
         if book is None or request_id is not None:
-            pos, rid = position, request_id
+            pos, rid, marks = position, request_id, None
         else:
-            pos, rid = [self._position(s, layer) for s in sessions], self._request_id()
-        marks = None if book is None or request_id is not None else [book.mark(s) for s in sessions]
+            got, rid = [self._position(s, layer) for s in sessions], self._request_id()
+            pos, marks = [p for p, _ in got], [mk for _, mk in got]
         body = self._batch_body(sessions, layer, x, tokens, speculative, pos, rid)
         rebody = self._resend_from_copy(
             x, speculative, lambda b: self._batch_body(sessions, layer, b, tokens, speculative, pos, rid))
@@ -319,7 +321,7 @@ class ConvClient(_Base):
                 att = Attempts(book, "POST", "/v1/conv/batch", list(sessions), rid=rid, layer=layer, positions=pos)
                 resp, attempt = self._retrying("POST", "/v1/conv/batch", body, att, rebody)
             answer = self._batch_answer(body, resp, attempt > 0 or request_id is not None, sessions, layer, x,
-                                        tokens, speculative, pos, rid)
+                                        tokens, speculative, pos, rid, marks)
         return self._batch_y(answer, sessions, layer, x, pos, marks)
 
     def stream(self, requests: Iterable, *, transport: str = "http", window: int = 64) -> Iterator[ConvResult]:

@@ -716,3 +716,26 @@ def test_an_accept_or_a_frame_of_a_forgotten_session_leaves_it_unknown():
     book.accepted("s", 2)                       # (it made the session known at {LAYER: 2})
     book.applied("s", LAYER, 1, False)
     assert not book.known("s")
+
+
+def test_a_split_batchs_parts_that_ran_count_on_top_of_a_frame_answered_meanwhile():
+    """The error path of a tracked batch (parts of a split batch ran) counts those parts as its answer would: by
+    their tokens, on top of a frame answered since the batch was sent."""
+    from convserve.clients.protocol.errors import ServiceError
+
+    book = _book(s=3)
+    sent_at = book.position_and_mark("s", LAYER)
+    (mark,) = book.frames_sent(["s"])
+    book.frame_answered("s", LAYER, 1, False, mark)
+    book.frames_done(["s"])
+    err = ServiceError("a part failed")
+    err.extra = {"applied": ["s"]}
+    book.partly_applied(err, ["s"], LAYER, [sent_at[0]], [2], [False], [sent_at[1]])
+    assert book.at("s", LAYER) == 6
+
+
+def test_the_position_and_mark_of_a_session_the_book_forgot_is_none_not_a_key_error():
+    book = _book(s=3)
+    assert book.position_and_mark("s", LAYER) == (3, book.mark("s"))
+    book.forget("s")
+    assert book.position_and_mark("s", LAYER) is None
