@@ -1,0 +1,192 @@
+"""A tracked client's position book beside its streams (``clients/positions.py``, the stream's ``_Tracker`` in
+``clients/common.py``): a frame's answer counts only while nothing set its session's positions since it was sent,
+a tracked call's answer moves its layer by its tokens when nothing did, and an accept or fork while frames of the
+session are in flight reads it back; whatever the order of the answers, the book is the server's position or
+unknown (read at the session's next tracked call), never another number."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from convserve.clients.client import AsyncConvClient, ConvClient
+from tests.http_api import DIM, LAYERS, Api, rand_x
+
+LAYER = 2
+
+
+@pytest.mark.parametrize("transport", ["http", "ws"])
+def test_a_tracked_call_made_while_a_streams_frames_are_in_flight_leaves_the_book_at_the_servers_position(
+        server, transport):
+    """A frame fails alone, so the stream forgets its session; a tracked conv of that session, made from the stream's
+    loop while its later frames are in flight, reads the server's positions (which count those frames already):
+    their answers must not move the book again, and the session's next tracked conv is sent at the server's
+    position."""
+    import time
+
+    from convserve.clients.client import ConvRequest
+
+    with ConvClient(server.url, track_positions=True) as c:
+        sid = c.create_session()
+        frames = [ConvRequest(sid, LAYER, rand_x(1, seed=1)[:, :DIM // 2])]          # the wrong width: 422 alone
+        frames += [ConvRequest(sid, LAYER, rand_x(1, seed=2 + i)) for i in range(4)]
+        answers = []
+        for r in c.stream(frames, transport=transport):
+            answers.append(r.ok)
+            if len(answers) == 1:
+                time.sleep(0.3)                       # the four frames after it reach the server meanwhile
+                c.conv(sid, LAYER, rand_x(2, seed=9))
+        assert answers == [False, True, True, True, True]
+        server_at = Api(server.url).call("GET", f"/v1/sessions/{sid}")[1]["positions"][LAYERS.index(LAYER)]
+        assert server_at == 6
+        c.conv(sid, LAYER, rand_x(1, seed=10))        # sent at the server's position: no PositionMismatch
+        assert c.positions.at(sid, LAYER) == 7
+
+
+def _tracked_frame(book, sid, tokens=1):
+    from convserve.clients.client import ConvRequest
+    from convserve.clients.common import _Tracker
+
+    tr = _Tracker(book)
+    tr.add(ConvRequest(sid, LAYER, rand_x(tokens, seed=1), id=0))
+    return tr, {"id": 0, "y": {"dtype": "float32", "shape": [tokens, DIM], "data": bytes(4 * tokens * DIM)}}
+
+
+@pytest.mark.parametrize("meanwhile", ["read from the server", "a tracked call's answer", "forgotten"])
+def test_a_frames_answer_after_the_book_set_its_session_forgets_it_rather_than_guess(meanwhile):
+    """Between a frame's send and its answer, the book set the session's positions: a read of the server's (which
+    may count the frame already), or a tracked call's absolute position (the frame may have run before or after
+    it). Counting the frame could put the book ahead or behind; the session is forgotten instead, and its next
+    tracked call reads the server's positions."""
+    from convserve.clients.positions import PositionBook
+
+    book = PositionBook(max_retries=0, backoff_s=0.0)
+    book.reset("s", {LAYER: 3})
+    tr, answer = _tracked_frame(book, "s")
+    if meanwhile == "read from the server":
+        book.reset("s", {LAYER: 4})
+    elif meanwhile == "a tracked call's answer":
+        book.applied_at("s", LAYER, 3, 2, False)
+    else:
+        book.forget("s")
+        book.reset("s", {LAYER: 4})
+    assert tr.result(answer).ok
+    assert not book.known("s")
+
+
+def test_a_frames_answer_with_nothing_set_meanwhile_moves_the_book_by_its_tokens():
+    from convserve.clients.positions import PositionBook
+
+    book = PositionBook(max_retries=0, backoff_s=0.0)
+    book.reset("s", {LAYER: 3})
+    book.reset("other", {LAYER: 0})
+    tr, answer = _tracked_frame(book, "s", tokens=2)
+    book.applied_at("other", LAYER, 0, 1, False)      # another session's change leaves this frame's count alone
+    assert tr.result(answer).ok
+    assert book.at("s", LAYER) == 5
+
+
+class _SlowConvAnswers(httpx.AsyncHTTPTransport):
+    """A unary ``/v1/conv`` answer reaches the client 0.5 s after the server sent it."""
+
+    async def handle_async_request(self, request):
+        resp = await super().handle_async_request(request)
+        if request.url.path == "/v1/conv":
+            await resp.aread()
+            await asyncio.sleep(0.5)
+        return resp
+
+
+@pytest.mark.parametrize("transport", ["http", "ws"])
+def test_a_frame_answered_while_a_tracked_call_is_in_flight_still_counts_after_the_calls_answer(server, transport):
+    """A tracked conv is applied, and a stream's frame of the same session runs after it and is answered first
+    (the conv's answer is slow on its way back): the conv's answer moves the book by its tokens, on top of the
+    frame's, rather than setting the position it was sent at plus its tokens (which erased the frame)."""
+    from convserve.clients.client import ConvRequest
+
+    async def go():
+        async with AsyncConvClient(server.url, track_positions=True, transport=_SlowConvAnswers()) as c:
+            sid = await c.create_session()
+            await c.conv(sid, LAYER, rand_x(3, seed=1))
+            gate = asyncio.Event()
+
+            async def frames():
+                await gate.wait()
+                yield ConvRequest(sid, LAYER, rand_x(1, seed=4))
+
+            async def streamer():
+                async for r in c.stream(frames(), transport=transport):
+                    assert r.ok, r.error
+
+            async def unary():
+                t = asyncio.ensure_future(c.conv(sid, LAYER, rand_x(2, seed=3)))
+                await asyncio.sleep(0.2)          # applied on the server; its answer still on its way
+                gate.set()                        # the frame runs after it, and is answered first
+                await t
+
+            await asyncio.gather(streamer(), unary())
+            return sid, c.positions.at(sid, LAYER) if c.positions.known(sid) else None
+
+    sid, book = asyncio.run(go())
+    assert book == 6 == Api(server.url).call("GET", f"/v1/sessions/{sid}")[1]["positions"][LAYERS.index(LAYER)]
+
+
+def _book(**positions):
+    from convserve.clients.positions import PositionBook
+
+    book = PositionBook(max_retries=0, backoff_s=0.0)
+    for s, at in positions.items():
+        book.reset(s, {LAYER: at})
+    return book
+
+
+def test_a_fork_of_a_session_with_frames_in_flight_reads_the_forks_positions_from_the_server():
+    book = _book(src=3)
+    book.frames_sent(["src"])                  # the fork may or may not take this frame
+    book.fork("src", "dst")
+    assert not book.known("dst")
+    book.frames_done(["src"])
+    book.fork("src", "dst2")
+    assert book.at("dst2", LAYER) == 3
+
+
+def test_an_accept_with_frames_of_its_session_in_flight_forgets_the_session():
+    book = _book(s=3)
+    book.applied_at("s", LAYER, 3, 2, True)     # verified on LAYER
+    book.frames_sent(["s"])                     # a speculative frame the accept may take
+    book.accepted("s", 1)
+    assert not book.known("s")
+
+
+def test_an_accept_or_a_frame_of_a_forgotten_session_leaves_it_unknown():
+    book = _book(s=3)
+    book.applied_at("s", LAYER, 3, 2, True)
+    book.forget("s")
+    book.accepted("s", 2)                       # (it made the session known at {LAYER: 2})
+    book.applied("s", LAYER, 1, False)
+    assert not book.known("s")
+
+
+def test_a_split_batchs_parts_that_ran_count_on_top_of_a_frame_answered_meanwhile():
+    """The error path of a tracked batch (parts of a split batch ran) counts those parts as its answer would: by
+    their tokens, on top of a frame answered since the batch was sent."""
+    from convserve.clients.protocol.errors import ServiceError
+
+    book = _book(s=3)
+    sent_at = book.position_and_mark("s", LAYER)
+    (mark,) = book.frames_sent(["s"])
+    book.frame_answered("s", LAYER, 1, False, mark)
+    book.frames_done(["s"])
+    err = ServiceError("a part failed")
+    err.extra = {"applied": ["s"]}
+    book.partly_applied(err, ["s"], LAYER, [sent_at[0]], [2], [False], [sent_at[1]])
+    assert book.at("s", LAYER) == 6
+
+
+def test_the_position_and_mark_of_a_session_the_book_forgot_is_none_not_a_key_error():
+    book = _book(s=3)
+    assert book.position_and_mark("s", LAYER) == (3, book.mark("s"))
+    book.forget("s")
+    assert book.position_and_mark("s", LAYER) is None
