@@ -373,16 +373,20 @@ class PositionBook:
                    mark: Optional[int] = None) -> None:
         """A tracked call sent at ``position`` was applied (answered, or answered as a repeat). With the session's
         ``mark`` unchanged since it was sent the layer moves by ``n`` (frames answered meanwhile ran after it: had
-        one run before, the call's position would have been refused). Otherwise the layer is at ``position + n``
-        now, however the book counted it meanwhile (a ``resync`` after ``OutcomeUnknown`` may have counted it
-        already), and the mark moves (a frame in flight may run before or after that). A session the book holds
-        nothing of stays unknown (read at its next call)."""
+        one run before, the call's position would have been refused); with it changed (a read meanwhile may count
+        the call, and frames counted since may follow it) the session is forgotten, read at its next call. Without
+        a mark (a retry's 409 that says it ran, a call sent again with its ``request_id``) the layer is at
+        ``position + n`` now, however the book counted it meanwhile (a ``resync`` after ``OutcomeUnknown`` may have
+        counted it already), and the mark moves (a frame in flight may run before or after that). A session the
+        book holds nothing of stays unknown (read at its next call)."""
         with self._lock:
             if speculative:
                 self.applied(session, layer, n, True)
             elif session in self.positions:
                 if mark is not None and mark == self.mark(session):
                     self.applied(session, layer, n, False)
+                elif mark is not None:         # set since it was sent (a read may count it, frames may follow it)
+                    self.forget(session)
                 else:
                     self.positions[session][operator.index(layer)] = operator.index(position) + operator.index(n)
                     self._moved(session)

@@ -190,3 +190,17 @@ def test_the_position_and_mark_of_a_session_the_book_forgot_is_none_not_a_key_er
     assert book.position_and_mark("s", LAYER) == (3, book.mark("s"))
     book.forget("s")
     assert book.position_and_mark("s", LAYER) is None
+
+
+def test_a_tracked_calls_answer_after_the_book_was_read_meanwhile_forgets_the_session():
+    """The book read the server's positions while a tracked call was in flight (the read may count the call, and
+    frames counted since may follow it): neither its position plus its tokens nor the book plus its tokens is sure,
+    so the session is read back at its next tracked call."""
+    book = _book(s=3)
+    sent_at, mark = book.position_and_mark("s", LAYER)
+    book.reset("s", {LAYER: 5})                       # the read counted the call already
+    (frame_mark,) = book.frames_sent(["s"])
+    book.frame_answered("s", LAYER, 16, False, frame_mark)
+    book.frames_done(["s"])
+    book.applied_at("s", LAYER, sent_at, 2, False, mark)
+    assert not book.known("s")
