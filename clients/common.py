@@ -335,9 +335,7 @@ class _Tracker:
             self._forget(sessions)
             return ConvResult(fid, session, layer, error=error_from(obj["error"]))
         if rows is not None:
-            for s, k, f, mark in zip(sessions, *rows):
-                self.book.frame_answered(s, layer, k, f, mark)
-            self.book.frames_done(sessions)
+            self.book.frame_answered(sessions, layer, *rows)
         return ConvResult(fid, session, layer, y=wire.decode_tensor(obj["y"], backend=backend, name="y"))
 
     def _forget(self, sessions) -> None:

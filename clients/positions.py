@@ -272,8 +272,8 @@ class PositionBook:
         """What a call records when it is sent (a stream's frame, a tracked conv or batch): its answer moves the book
         by its tokens only while the mark is the same. Otherwise the book set the session's positions meanwhile
         (a read of the server's, which may count the call already, or a position set outright, which the call's
-        tokens may or may not follow): a frame's answer then forgets the session (read from the server at its next
-        tracked call), a tracked call's sets its position outright."""
+        tokens may or may not follow): its answer then forgets the session (read from the server at its next
+        tracked call)."""
         return self._marks.get(session, 0)
 
     def _moved(self, session: str) -> None:
@@ -328,13 +328,17 @@ class PositionBook:
                 if n > 0:
                     self._in_flight[s] = n
 
-    def frame_answered(self, session: str, layer: int, n: int, speculative: bool, mark: int) -> None:
-        """A stream's frame of ``session`` was applied (sent when the book's mark was ``mark``)."""
+    def frame_answered(self, sessions, layer: int, tokens, speculative, marks) -> None:
+        """A stream's frame was applied: each of ``sessions`` moves by its ``tokens`` (or is verified), if the
+        book's mark is still its entry of ``marks`` (the marks when it was sent), else it is forgotten; and the
+        frame is no longer in flight. One locked turn for the frame (a batch frame may carry hundreds)."""
         with self._lock:
-            if self.mark(session) != mark:
-                self.forget(session)
-            elif session in self.positions:     # else its next tracked call reads the server's positions
-                self.applied(session, layer, n, speculative)
+            for s, n, f, mark in zip(sessions, tokens, speculative, marks):
+                if self.mark(s) != mark:
+                    self.forget(s)
+                elif s in self.positions:       # else its next tracked call reads the server's positions
+                    self.applied(s, layer, n, f)
+            self.frames_done(sessions)
 
     @contextlib.contextmanager
     def unknown_forgets(self, session: str):

@@ -176,9 +176,8 @@ def test_a_split_batchs_parts_that_ran_count_on_top_of_a_frame_answered_meanwhil
 
     book = _book(s=3)
     sent_at = book.position_and_mark("s", LAYER)
-    (mark,) = book.frames_sent(["s"])
-    book.frame_answered("s", LAYER, 1, False, mark)
-    book.frames_done(["s"])
+    marks = book.frames_sent(["s"])
+    book.frame_answered(["s"], LAYER, [1], [False], marks)
     err = ServiceError("a part failed")
     err.extra = {"applied": ["s"]}
     book.partly_applied(err, ["s"], LAYER, [sent_at[0]], [2], [False], [sent_at[1]])
@@ -199,8 +198,7 @@ def test_a_tracked_calls_answer_after_the_book_was_read_meanwhile_forgets_the_se
     book = _book(s=3)
     sent_at, mark = book.position_and_mark("s", LAYER)
     book.reset("s", {LAYER: 5})                       # the read counted the call already
-    (frame_mark,) = book.frames_sent(["s"])
-    book.frame_answered("s", LAYER, 16, False, frame_mark)
-    book.frames_done(["s"])
+    frame_marks = book.frames_sent(["s"])
+    book.frame_answered(["s"], LAYER, [16], [False], frame_marks)
     book.applied_at("s", LAYER, sent_at, 2, False, mark)
     assert not book.known("s")
