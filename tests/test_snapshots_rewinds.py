@@ -481,6 +481,37 @@ def test_an_engine_process_answers_a_delete_once_its_note_is_durable_and_keeps_s
         srv.kill()
 
 
+@pytest.mark.parametrize("how", ["create", "fork"])
+def test_an_id_created_again_while_its_deletes_note_is_on_its_way_is_answered_only_once_it_is_durable(tmp_path,
+                                                                                                        how):
+    """An engine process runs a create (or a fork) of a deleted id at once, but answers it only once the delete's
+    note is durable: answered before, a crash could restore the deleted session's older state under the id its
+    client was just told is new."""
+    import concurrent.futures as cf
+
+    from tests.http_api import Api
+
+    srv, (gone, busy), _log = _slow_fsync_server(tmp_path)
+    try:
+        api = Api(srv.url)
+        with cf.ThreadPoolExecutor(1) as pool:
+            t0 = time.monotonic()
+            deleted = pool.submit(Api(srv.url).call, "DELETE", f"/v1/sessions/{gone}")
+            deadline = time.monotonic() + 0.5      # the delete ran (its id is free) while its note is fsynced
+            while api.call("GET", f"/v1/sessions/{gone}")[0] == 200:
+                assert time.monotonic() < deadline, "the delete did not run"
+                time.sleep(0.01)
+            path, body = ("/v1/sessions", {"session": gone}) if how == "create" else \
+                (f"/v1/sessions/{busy}/fork", {"session": gone})
+            st, obj, _ = api.call("POST", path, body)
+            created_s = time.monotonic() - t0
+            assert (st, obj) == (201, {"session": gone})
+            assert deleted.result(30)[0] == 204
+        assert created_s >= 0.55, created_s          # not before the delete's note
+    finally:
+        srv.kill()
+
+
 def test_an_engine_process_stopped_while_a_delete_waits_for_its_note_still_answers_it(tmp_path):
     """SIGTERM to the engine process alone while a delete that ran waits for its note: the stop waits for the
     journal, so the delete is answered 204 (not the 503 of an engine that went away with it in flight)."""

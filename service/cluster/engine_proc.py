@@ -437,21 +437,24 @@ class EngineProcess:
             if name == "import_state":
                 args.append(m.get_tensors(head, data)[0])
             fut = eng.submit_op("export_for_move" if name == "export_for_fork" else name, *args, request_id=rid)
-            if name in ("delete_session", "import_state"):
+            if name in _NOTED_IDS:
                 fut.add_done_callback(lambda f: self._answer_durable(ident, head, f))
             else:
                 fut.add_done_callback(lambda f: self._op_done(ident, head, f))
 
     def _answer_durable(self, ident: bytes, head: dict, fut: cf.Future) -> None:
         """Answer an operation the rewind journal notes (a delete, an import) once its note is durable, not before:
-        a host crash cannot then undo what a client was told is done (an unanswered one may be either way)."""
+        a host crash cannot then undo what a client was told is done (an unanswered one may be either way). A
+        create or fork of an id whose delete's note is still on its way waits for that note too: answered before
+        it, a crash could restore the deleted session's older state under the id its client now holds as new."""
         snaps = self.snapshots
         if snaps is None or fut.exception() is not None:
             self._op_done(ident, head, fut)
             return
         result = fut.result()
         self._op_ran(head, result)                    # now, in its order (a create of its id may follow at once)
-        noted = snaps.note_of(head["a"][0])
+        name = head["f"]
+        noted = snaps.note_of(result if name in _CREATES else head["a"][0])
         if noted is None:
             self._answer_op(ident, head, result)
         else:
@@ -514,6 +517,12 @@ class EngineProcess:
             self._send(ident, reply, m.put_tensors(reply, result, spec))
         else:
             self._send(ident, {"i": mid, "ok": result})
+
+
+#: the operations whose answer waits for a rewind note of their id: their own (a delete, an import), or that of a
+#: delete of the id they create (its id is their result)
+_CREATES = ("create_session", "fork_session")
+_NOTED_IDS = ("delete_session", "import_state") + _CREATES
 
 
 class _Answer:
