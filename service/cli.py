@@ -254,7 +254,7 @@ def run_app(settings: Settings, app, sockets=None) -> int:
 
     from convserve.service import logs
     from convserve.service.gcfreeze import thaw
-    from convserve.service.http.conn import guarded_protocol
+    from convserve.service.http.conn import droppable_ws_protocol, guarded_protocol
 
     # the HTTP protocol is uvicorn's, with a header timeout, a header size limit and the connection cap
     # (service/http/conn.py): uvicorn has no header timeout, and its limit_concurrency counts a connection only
@@ -262,7 +262,7 @@ def run_app(settings: Settings, app, sockets=None) -> int:
     # max_body_bytes: a message over max_body_bytes reaches the stream, which answers the frames before it, then
     # sends the 413 frame and closes 1009; the layer itself would close at once, dropping those answers
     config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, loop="auto", ws="auto", lifespan="on",
+        app, host=settings.host, port=settings.port, loop="auto", ws=droppable_ws_protocol(), lifespan="on",
         http=guarded_protocol(settings, on_close=app.state.metrics.connection_closed),
         log_config=logs.log_config(settings.log_level, settings.access_log), access_log=False, server_header=False,
         timeout_graceful_shutdown=max(settings.shutdown_timeout_s, 0.1),

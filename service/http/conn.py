@@ -284,3 +284,21 @@ def guarded_protocol(settings, on_close: Callable[[str], None] = lambda reason: 
 
     GuardedProtocol.__name__ = GuardedProtocol.__qualname__ = f"Guarded{base.__name__}"
     return GuardedProtocol
+
+
+def droppable_ws_protocol(base: Optional[type] = None) -> type:
+    """A subclass of uvicorn's WebSocket protocol class (``base``: what ``ws="auto"`` picks) whose ASGI scope
+    carries the connection's ``abort()`` (:data:`.asgi.ABORT_SCOPE_KEY`), as a stream request's scope does: the
+    drain drops a WebSocket whose client reads nothing at its deadline, rather than leave its blocked write to the
+    server's cancellation of the task. Every uvicorn WebSocket protocol holds its ``transport`` and builds its
+    ``scope`` before it runs the app in ``run_asgi``."""
+    if base is None:
+        from uvicorn.protocols.websockets.auto import AutoWebSocketsProtocol as base
+
+    class DroppableWebSocketProtocol(base):
+        async def run_asgi(self) -> None:
+            self.scope[ABORT_SCOPE_KEY] = functools.partial(_reset, self.transport)
+            await super().run_asgi()
+
+    DroppableWebSocketProtocol.__name__ = DroppableWebSocketProtocol.__qualname__ = f"Droppable{base.__name__}"
+    return DroppableWebSocketProtocol

@@ -17,7 +17,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from convserve.clients.protocol.errors import BadRequest, PayloadTooLarge, ServiceError
-from convserve.service.http.asgi import ERROR_SCOPE_KEY, ROUTE_SCOPE_KEY, send_bytes, wants_json
+from convserve.service.http.asgi import ABORT_SCOPE_KEY, ERROR_SCOPE_KEY, ROUTE_SCOPE_KEY, send_bytes, wants_json
 from convserve.service.http.errors import error_frame, render_error
 from convserve.service.http.pipeline import Pipeline
 
@@ -106,6 +106,7 @@ class WebSocketEndpoint:
             await send({"type": "websocket.send", "bytes": frame})
             await send({"type": "websocket.close", "code": 1013, "reason": e.code})
             return
+        p.abort = scope.get(ABORT_SCOPE_KEY)       # the drain's way to drop it at its deadline (Service)
         svc.pipelines.add(p)
 
         async def send_data(data: bytes):
