@@ -244,8 +244,9 @@ class PositionBook:
         self.positions: dict[str, dict[int, int]] = {}
         self.verified: dict[str, set] = {}
         # session -> the number of its last change that answers in flight cannot be ordered with (a read of the
-        # server's positions, a position set outright, a forget; see :meth:`mark`). Numbers are never reused; a
-        # session absent here is unknown too.
+        # server's positions, a position set outright, a forget; see :meth:`mark`), or that a read of the server's
+        # positions in flight cannot be ordered with (the read begun, a frame of the unknown session answered; see
+        # :meth:`reading`). Numbers are never reused; a session absent here is unknown too.
         self._marks: dict[str, int] = {}
         self._next_mark = 1
         self._in_flight: dict[str, int] = {}     # session -> a stream's frames sent and not yet answered
@@ -293,11 +294,26 @@ class PositionBook:
             self.verified.pop(session, None)
             self._marks.pop(session, None)
 
-    def from_info(self, info: dict) -> None:
+    def reading(self, session: str) -> int:
+        """A read of ``session``'s positions from the server is about to be sent: the book forgets them and gives
+        the session a new mark, for :meth:`from_info`. A frame answered before the read is installed changes it
+        (the read may or may not count that frame)."""
         with self._lock:
+            self.positions.pop(session, None)
+            self.verified.pop(session, None)
+            self._moved(session)
+            return self._marks[session]
+
+    def from_info(self, info: dict, mark: Optional[int] = None) -> bool:
+        """Set a session's positions from ``info`` (``GET /v1/sessions/{id}``), read under ``mark`` (from
+        :meth:`reading`): not when the mark changed since (False; the session stays unknown, to be read again)."""
+        with self._lock:
+            if mark is not None and self.mark(info["session"]) != mark:
+                return False
             self.reset(info["session"], dict(zip(info["layers"], info["positions"])))
             if info["pending"]["layers"]:
                 self.verified[info["session"]] = set(info["pending"]["layers"])
+            return True
 
     def fork(self, src: str, dst: str) -> None:
         """``dst`` forked from ``src``: at its positions, unless frames of ``src`` are in flight (the fork may or
@@ -336,8 +352,10 @@ class PositionBook:
             for s, n, f, mark in zip(sessions, tokens, speculative, marks):
                 if self.mark(s) != mark:
                     self.forget(s)
-                elif s in self.positions:       # else its next tracked call reads the server's positions
+                elif s in self.positions:
                     self.applied(s, layer, n, f)
+                else:       # its next tracked call reads the server's positions; a read in flight may not count it
+                    self._moved(s)
             self.frames_done(sessions)
 
     @contextlib.contextmanager

@@ -246,16 +246,19 @@ class ConvClient(_Base):
         client's book, after :class:`OutcomeUnknown` or a ``PositionMismatch``; returns ``session_info``."""
         if self.positions is None:
             raise ValueError("resync: this client keeps no positions (make it with track_positions=True)")
-        info = self.session_info(session)
-        self.positions.from_info(info)
-        return info
+        while True:         # again while a frame of the session was answered during the read (it may not count it)
+            mark = self.positions.reading(session)
+            info = self.session_info(session)
+            if self.positions.from_info(info, mark):
+                return info
 
     def _position(self, session: str, layer: int) -> tuple:
         """``(position, mark)`` of ``session`` on ``layer`` in the book, read together (a stream's answer on
         another thread may forget the session between a check and a read); read from the server first when the
         book holds none (a session this client did not create, or one it forgot)."""
         while (got := self.positions.position_and_mark(session, layer)) is None:
-            self.positions.from_info(_decode(self._read(f"/v1/sessions/{quote_id(session)}", [session], True)))
+            mark = self.positions.reading(session)      # (a frame answered before the read is installed: again)
+            self.positions.from_info(_decode(self._read(f"/v1/sessions/{quote_id(session)}", [session], True)), mark)
         return got
 
     # --- conv

@@ -202,3 +202,96 @@ def test_a_tracked_calls_answer_after_the_book_was_read_meanwhile_forgets_the_se
     book.frame_answered(["s"], LAYER, [16], [False], frame_marks)
     book.applied_at("s", LAYER, sent_at, 2, False, mark)
     assert not book.known("s")
+
+
+def _server_where_a_frame_runs_during_the_read(tracker_of):
+    """A fake server of one session at position 5 on LAYER: its first ``GET /v1/sessions/{id}`` reads the position
+    (5), then a stream's frame of 2 tokens runs (7) and its answer reaches the client (``tracker_of()``'s) before the
+    read's does. ``/v1/conv`` applies at the position it carries only (else ``409``). ``(handler, state)``."""
+    from convserve.clients.protocol import wire as w
+
+    state = {"pos": 5, "reads": 0, "sent_at": []}
+    frame_answer = {"id": 0, "y": {"dtype": "float32", "shape": [2, DIM], "data": bytes(4 * 2 * DIM)}}
+
+    def answer(status, body):
+        return httpx.Response(status, content=w.packb(body), headers={"content-type": w.MEDIA_TYPE})
+
+    def handler(request):
+        if request.method == "GET":
+            sid = request.url.path.rsplit("/", 1)[1]
+            body = {"session": sid, "layers": [LAYER], "positions": [state["pos"]], "pending": {"layers": []}}
+            state["reads"] += 1
+            if state["reads"] == 1:            # read before the frame ran; the frame's answer arrives first
+                state["pos"] += 2
+                assert tracker_of().result(frame_answer).ok
+            return answer(200, body)
+        req = w.unpackb(request.content, 1 << 30)
+        state["sent_at"].append(req["position"])
+        if req["position"] != state["pos"]:
+            return answer(409, {"error": {"code": "position_mismatch", "message": "moved", "position": state["pos"]}})
+        x = req["x"]
+        state["pos"] += x["shape"][0]
+        return answer(200, {"y": {"dtype": "float32", "shape": x["shape"], "data": bytes(4 * x["shape"][0] * DIM)}})
+
+    return handler, state
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+@pytest.mark.parametrize("read", ["first use", "resync"])
+def test_a_frame_answered_while_the_book_reads_the_servers_positions_is_not_lost_from_the_book(kind, read):
+    """A read of the session's positions (a tracked call's, for a session the book does not hold; or ``resync``)
+    is sent before a stream's frame of it runs, and the frame's answer arrives before the read's. The read does not
+    count the frame, and the book had nothing to count it on (or counted it on the positions the read replaces):
+    installing the read left the book behind the server by the frame's tokens, and every later tracked call of the
+    session was refused (409). The read is made again instead, and the conv is sent at the server's position."""
+    from convserve.clients.client import ConvRequest
+    from convserve.clients.common import _Tracker
+
+    box = {}
+    handler, state = _server_where_a_frame_runs_during_the_read(lambda: box["tr"])
+
+    def start(book):
+        if read == "resync":
+            book.reset("s", {LAYER: 5})
+        box["tr"] = _Tracker(book)
+        box["tr"].add(ConvRequest("s", LAYER, rand_x(2, seed=1), id=0))     # in flight (not run yet)
+
+    if kind == "sync":
+        with ConvClient("http://replica", transport=httpx.MockTransport(handler), track_positions=True) as c:
+            start(c.positions)
+            if read == "resync":
+                c.resync("s")
+            c.conv("s", LAYER, rand_x(1, seed=2))
+            book = c.positions
+    else:
+        async def go():
+            async with AsyncConvClient("http://replica", transport=httpx.MockTransport(handler),
+                                       track_positions=True) as c:
+                start(c.positions)
+                if read == "resync":
+                    await c.resync("s")
+                await c.conv("s", LAYER, rand_x(1, seed=2))
+                return c.positions
+        book = asyncio.run(go())
+    assert state["sent_at"] == [7] and state["pos"] == 8
+    assert book.at("s", LAYER) == 8
+
+
+def test_a_read_of_the_servers_positions_is_not_installed_after_an_answer_it_may_not_count():
+    """The book level of the test above: a frame sent before or during the read, answered before the read is
+    installed, makes the read stale (it may or may not count the frame); one with nothing answered meanwhile is
+    installed."""
+    from convserve.clients.positions import PositionBook
+
+    info = {"session": "s", "layers": [LAYER], "positions": [5], "pending": {"layers": []}}
+    book = PositionBook(max_retries=0, backoff_s=0.0)
+    marks = book.frames_sent(["s"])                 # the session unknown to the book
+    mark = book.reading("s")
+    book.frame_answered(["s"], LAYER, [2], [False], marks)
+    assert not book.from_info(info, mark) and not book.known("s")
+    mark = book.reading("s")
+    marks = book.frames_sent(["s"])                 # sent during the read
+    book.frame_answered(["s"], LAYER, [2], [False], marks)
+    assert not book.from_info(info, mark) and not book.known("s")
+    mark = book.reading("s")
+    assert book.from_info(info, mark) and book.at("s", LAYER) == 5
