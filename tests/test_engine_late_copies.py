@@ -125,3 +125,35 @@ def test_a_verifys_late_copy_is_refused_while_its_id_is_among_the_verify_ids_kep
             assert e.submit(sid, L0, x, speculative=True, position=0, request_id="v1").result(10).shape == (2, DIM)
     finally:
         e.stop(drain=False)
+
+
+@pytest.mark.parametrize("kind", ["conv", "batch"])
+@pytest.mark.parametrize("later", ["conv", "batch"])
+def test_a_retry_of_an_applied_call_after_a_later_call_of_its_client_gets_its_kept_answer_not_late(kind, later,
+                                                                                                   spec_engine):
+    """A tracked client's call ``c:5`` ran and its answer was lost; the client's next call ``c:6`` (on another
+    layer of the session, a conv or a batch) ran; then ``c:5``'s retry arrives. It repeats the layer's last applied
+    request, so it gets that request's kept answer (nothing runs twice), not ``LateRequest``'s "nothing changed",
+    which would tell the client its tokens were not applied. A copy at other positions stays a late copy."""
+    e = spec_engine
+    sid, other = e.create_session(), e.create_session()
+    x, x2 = torch.randn(3, DIM), torch.randn(2, DIM)
+
+    def first():
+        if kind == "conv":
+            return e.submit(sid, L0, x, position=0, request_id="c:5").result(10)
+        return e.submit_batch([sid, other], L0, torch.cat([x, x]), tokens=[3, 3], position=[0, 0],
+                              request_id="c:5").result(10)
+
+    y = first()
+    if later == "conv":
+        e.submit(sid, LAYERS[1], x2, position=0, request_id="c:6").result(10)
+    else:
+        e.submit_batch([other, sid], LAYERS[1], x2, position=[0, 0], request_id="c:6").result(10)
+    state = e.export_state(sid)
+    assert torch.equal(first(), y)                       # the kept answer, replayed
+    assert_close(e.export_state(sid), state, torch.float32)
+    assert e.session_info(sid)["positions"][0] == 3
+    with pytest.raises(LateRequest, match="late copy"):  # at other positions: a late copy, not a repeat
+        e.submit(sid, L0, x, position=3, request_id="c:5").result(10)
+    _assert_first_layer_took(e, sid, x)

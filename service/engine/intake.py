@@ -74,7 +74,7 @@ class Intake:
             s = self._session_at_locked(session_id, position)
             counted = rid_counter(rid)
             if rid is not None:
-                self._check_not_late_locked(s, rid, counted, p, speculative)
+                self._check_not_late_or_repeat_locked(s, rid, counted, p, speculative, position, req.n_tokens)
             deferred = s.ops             # ops queued: they may change what these checks read; checked at its turn
             req.position = position
             if deferred:
@@ -334,7 +334,8 @@ class Intake:
             self._check_running_locked()
             sessions = table.get_many(session_ids) if positions is None else \
                 [self._session_at_locked(sid, at) for sid, at in zip(session_ids, positions)]   # (404/410 name it)
-            counted = refuse_late_all(sessions, rid) if rid is not None else None    # (the id parsed once)
+            counted = None if rid is None else \
+                self._refuse_late_batch_locked(sessions, rid, req.layer, positions, rows, key)  # (parsed once)
             if positions is not None:
                 answer = self._check_batch_positions_locked(sessions, req.layer, positions, rows, key, rid)
                 if answer is not None:         # a repeat: its kept answer, whatever is queued since

@@ -203,6 +203,19 @@ class Positions:
             raise LateRequest(f"session {s.id!r}: this verify (request_id {rid!r:.80}) was sent before, and the "
                               "session has had requests or operations since; a late copy of it is not run")
 
+    def _check_not_late_or_repeat_locked(self, s: Session, rid, counted, p: int, speculative: bool, position,
+                                         n: int) -> None:
+        """:meth:`_check_not_late_locked`, except for a repeat of the layer's last applied request (the same
+        ``rid``, position and length: a retry whose first attempt ran and whose answer was lost, after which a
+        later call of its client was queued): that one is left to :meth:`_check_position_locked`, which gives its
+        kept answer (or says it was applied), not a late copy's "nothing changed"."""
+        try:
+            self._check_not_late_locked(s, rid, counted, p, speculative)
+        except LateRequest:
+            rec = None if speculative or position is None or s.ops else s.last.get(p)
+            if rec is None or (rec.pos, rec.n, rec.answer.rid) != (position, n, rid):
+                raise
+
     def _note_id_locked(self, s: Session, rid: str, counted, speculative: bool, p: int) -> None:
         """A request carrying ``rid`` (``counted``: its :func:`rid_counter`) was queued on ``s`` (layer ``p``;
         its caller set ``s.last_id``): keep what :meth:`_check_not_late_locked` reads."""
@@ -251,18 +264,8 @@ class Positions:
         cur = [s.positions[p] for s in sessions]
         if positions == cur:
             return None
-        answer = None
-        for s, want, now, (n, spec) in zip(sessions, positions, cur, rows):
-            if spec:
-                ok = want == now                 # a verify starts from the committed position
-            else:
-                rec = s.last.get(p)
-                ok = rec is not None and rec.pos == want and rec.n == n and (answer is None or rec.answer is answer)
-                if ok:
-                    answer = rec.answer
-            if not ok:
-                break
-        else:
+        answer, whole = _applied_at(sessions, p, positions, rows, cur)
+        if whole:
             if answer is not None and answer.key == key and answer.rid == rid:
                 if answer.kept:
                     return answer
@@ -274,6 +277,20 @@ class Positions:
         bad = [s.id for s, want, now in zip(sessions, positions, cur) if want != now]
         raise self._mismatch(f"layer {self.model_cpu.layers[p]}: the batch's positions differ from the sessions' "
                              f"for {bad[:8]!r:.300}", cur)
+
+    def _refuse_late_batch_locked(self, sessions: list, rid, p: int, positions, rows, key):
+        """:func:`refuse_late_all` for a batch (its :func:`rid_counter`), except for a repeat of an applied batch
+        (the same ``key`` and ``rid`` at every session's positions; see :meth:`_check_not_late_or_repeat_locked`),
+        which :meth:`_check_batch_positions_locked` answers."""
+        try:
+            return refuse_late_all(sessions, rid)
+        except LateRequest:
+            if positions is None or any(s.ops for s in sessions):
+                raise
+            answer, whole = _applied_at(sessions, p, positions, rows, [s.positions[p] for s in sessions])
+            if not whole or answer is None or (answer.key, answer.rid) != (key, rid):
+                raise
+            return rid_counter(rid)
 
     def _advance_locked(self, s: Session, p: int, n: int, answer: Optional[Answer], lo: int = 0,
                         hi: Optional[int] = None) -> None:
@@ -542,3 +559,21 @@ class Positions:
             ss, more = self._sessions.ids_after(cursor, limit)
             items = [self._info_locked(s, now) for s in ss]
         return {"sessions": items, "next": items[-1]["session"] if more and items else None}
+
+
+def _applied_at(sessions: list, p: int, positions: list, rows: list, cur: list) -> tuple:
+    """``(answer, whole)``: ``whole`` when every plain slice (``rows``: ``(tokens, speculative)`` per session) is
+    its session's last applied request on layer ``p`` at its position and length, all with the same ``answer``
+    (None when there is no plain slice), and every verify slice at its session's position ``cur``."""
+    answer = None
+    for s, want, now, (n, spec) in zip(sessions, positions, cur, rows):
+        if spec:
+            ok = want == now                 # a verify starts from the committed position
+        else:
+            rec = s.last.get(p)
+            ok = rec is not None and rec.pos == want and rec.n == n and (answer is None or rec.answer is answer)
+            if ok:
+                answer = rec.answer
+        if not ok:
+            return answer, False
+    return answer, True
