@@ -18,7 +18,7 @@ from convserve.clients.positions import (IMPORT, LOOK, RESYNC, RETRY_ERRORS, Att
 from convserve.clients.protocol import wire
 from convserve.clients.replicas import is_routed
 from convserve.clients.session_requests import accept_body, delete_path, quote_id, session_body, state_body
-from convserve.clients.protocol.errors import BadRequest, PositionMismatch, ServiceError
+from convserve.clients.protocol.errors import BadRequest, LateRequest, PositionMismatch, ServiceError
 from convserve.clients.protocol.ids import new_session_id
 
 
@@ -266,6 +266,10 @@ class AsyncConvClient(_Base):
                 if book is not None and (attempt or request_id is not None):   # a retry, or sent again
                     book.moved_on(e, [session], layer, [pos], [x.shape[0]], [speculative], rid)
                 raise
+            except LateRequest as e:
+                if book is not None and att.maybe_ran:
+                    raise self._late_retry(att, [session]) from e
+                raise
         if book is not None:
             book.applied_at(session, layer, pos, x.shape[0], speculative, mark)
         return wire.decode_tensor(obj["y"], backend=_backend_of(x), name="y", shm=self.shm)
@@ -292,7 +296,7 @@ class AsyncConvClient(_Base):
                 att = Attempts(book, "POST", "/v1/conv/batch", list(sessions), rid=rid, layer=layer, positions=pos)
                 resp, attempt = await self._retrying("POST", "/v1/conv/batch", body, att, rebody)
             answer = self._batch_answer(body, resp, attempt > 0 or request_id is not None, sessions, layer, x,
-                                        tokens, speculative, pos, rid, marks)
+                                        tokens, speculative, pos, rid, marks, None if book is None else att)
         return self._batch_y(answer, sessions, layer, x, pos, marks)
 
     async def stream(self, requests: Union[Iterable, AsyncIterable], *, transport: str = "http", window: int = 64):

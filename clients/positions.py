@@ -329,6 +329,12 @@ class PositionBook:
         self._drop(session)
         self.locks.forget(session)
 
+    def unknown_outcome(self, sessions) -> None:
+        """A tracked call on ``sessions`` may or may not have been applied (:class:`OutcomeUnknown` from a refusal
+        that cannot tell): their positions are read from the server at their next tracked call."""
+        for s in sessions:
+            self._drop(s)
+
     def frames_sent(self, sessions) -> list:
         """A stream sends a frame of ``sessions``: their marks, for :meth:`frame_answered`."""
         with self._lock:

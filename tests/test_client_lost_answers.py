@@ -426,3 +426,66 @@ def test_a_fork_or_import_waits_for_the_tracked_calls_of_its_session_before_it(s
             assert not done.wait(0.3)                    # it waits for that call
         t.join(10)
         assert done.is_set()
+
+
+class _LaterCallBeforeTheRetry(_Faults):
+    """The first attempt of the call to ``path`` runs and its answer is lost (``"after"``); before its retry
+    leaves, a later call of the same client (its ``request_id``'s N + 1, as a stream frame of it would carry) runs
+    on the call's first session and layer, so the server refuses the retry as a late copy."""
+
+    def __init__(self, path: str, url: str):
+        super().__init__(path, ["after"])
+        self.url, self.seen = url, 0
+
+    def take(self, request):
+        if request.url.path == self.path:
+            body = wire.unpackb(request.content, 1 << 30)
+            self.seen += 1
+            if self.seen == 2:
+                prefix, n = body["request_id"].rsplit(":", 1)
+                batch = "sessions" in body
+                sid = body["sessions"][0] if batch else body["session"]
+                pos = body["position"][0] if batch else body["position"]
+                took = body["tokens"][0] if batch and body.get("tokens") else 1 if batch else body["x"]["shape"][0]
+                st, obj, _ = Api(self.url).call("POST", "/v1/conv", {
+                    "session": sid, "layer": body["layer"], "x": wire.encode_tensor(rand_x(1, seed=9)),
+                    "position": pos + took, "request_id": f"{prefix}:{int(n) + 1}"})
+                assert st == 200, obj
+        return super().take(request)
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+@pytest.mark.parametrize("call", ["conv", "batch"])
+def test_a_retry_refused_as_late_after_an_attempt_that_ran_is_an_unknown_outcome_and_the_book_reads_again(
+        server, kind, call):
+    """A retry refused ``409 late_request`` says only that the server saw a later call of the client on the
+    session, not whether the first attempt ran: it ran here, so the call raises ``OutcomeUnknown`` (caused by the
+    ``LateRequest``), not the ``LateRequest`` that reads as "nothing changed", and the book reads the session's
+    positions again at its next call, which then runs at the server's position (the book had stayed behind)."""
+    from convserve.clients.protocol.errors import LateRequest
+
+    path = "/v1/conv" if call == "conv" else "/v1/conv/batch"
+    faults = _LaterCallBeforeTheRetry(path, server.url)
+    x = rand_x(2, seed=1)
+
+    def sync_steps(c):
+        sid = c.create_session()
+        with pytest.raises(OutcomeUnknown) as err:
+            c.conv(sid, LAYER, x) if call == "conv" else c.conv_batch([sid], LAYER, x, tokens=[2])
+        known = c.positions.known(sid)
+        c.conv(sid, LAYER, rand_x(1, seed=2))
+        return sid, err.value, known, c.positions.at(sid, LAYER)
+
+    async def async_steps(c):
+        sid = await c.create_session()
+        with pytest.raises(OutcomeUnknown) as err:
+            await (c.conv(sid, LAYER, x) if call == "conv" else c.conv_batch([sid], LAYER, x, tokens=[2]))
+        known = c.positions.known(sid)
+        await c.conv(sid, LAYER, rand_x(1, seed=2))
+        return sid, err.value, known, c.positions.at(sid, LAYER)
+
+    sid, err, known, at = _run(kind, server.url, faults, sync_steps, async_steps)
+    assert isinstance(err.__cause__, LateRequest) and err.sessions == [sid]
+    assert not known
+    info = Api(server.url).call("GET", f"/v1/sessions/{sid}")[1]
+    assert at == 4 and dict(zip(info["layers"], info["positions"]))[LAYER] == 4
