@@ -61,3 +61,26 @@ def test_a_refused_batch_is_answered_by_its_first_fault_in_check_order_on_every_
         assert "part_positions" not in obj["error"]
     assert "part_positions" not in obj["error"]
     assert {sid: _positions(api, sid) for sid in before} == before
+
+
+def test_a_batchs_retry_after_a_later_call_of_its_client_gets_its_kept_answer_on_every_layout(api):
+    """A batch ``c:5`` ran and its answer was lost, the client's next call ``c:6`` ran on another layer of one of
+    its sessions, then ``c:5``'s retry arrives: it repeats its layer's last applied batch, so it gets its kept
+    answer, whether its sessions share an engine or the batch is split across two (where the first phase checks
+    it), not ``409 late_request``; nothing runs twice."""
+    prefix = uuid.uuid4().hex[:8]
+    sids = [_id_on(0), _id_on(1)]
+    for sid in sids:
+        api.session(sid)
+    batch = {"sessions": sids, "layer": 0, "x": wire.encode_tensor(torch.randn(4, 32)), "tokens": [2, 2],
+             "position": [0, 0], "request_id": f"{prefix}:5"}
+    st, first, _ = api.call("POST", "/v1/conv/batch", batch)
+    assert st == 200, first
+    st, obj, _ = api.call("POST", "/v1/conv", {"session": sids[0], "layer": 2, "position": 0, "request_id":
+                                               f"{prefix}:6", "x": wire.encode_tensor(torch.randn(1, 32))})
+    assert st == 200, obj
+    before = [_positions(api, sid) for sid in sids]
+    st, again, _ = api.call("POST", "/v1/conv/batch", batch)
+    assert st == 200, again
+    assert again["y"] == first["y"]
+    assert [_positions(api, sid) for sid in sids] == before

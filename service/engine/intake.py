@@ -478,7 +478,7 @@ class Intake:
             if position is not None:
                 p = self.model_cpu.position(layer)
                 ss = [self._session_at_locked(sid, at) for sid, at in zip(session_ids, position)]
-                counted = refuse_late_all(ss, rid)
+                counted = None if rid is None else self._refuse_late_batch_locked(ss, rid, p, position, rows, key)
                 repeat = self._check_batch_positions_locked(ss, p, position, rows, key, rid) is not None
                 here = [s.positions[p] for s in ss]
                 if not repeat:
