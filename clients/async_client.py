@@ -224,19 +224,26 @@ class AsyncConvClient(_Base):
         client's book, after :class:`OutcomeUnknown` or a ``PositionMismatch``; returns ``session_info``."""
         if self.positions is None:
             raise ValueError("resync: this client keeps no positions (make it with track_positions=True)")
-        while True:         # again while a frame of the session was answered during the read (it may not count it)
-            mark = self.positions.reading(session)
+        book = self.positions
+        for reads in itertools.count():   # again while a frame of it was answered during the read (may not count it)
+            if reads:
+                await asyncio.sleep(book.reread_delay(reads))
+            mark = book.reading(session)
             info = await self.session_info(session)
-            if self.positions.from_info(info, mark):
+            if book.from_info(info, mark):
                 return info
 
     async def _position(self, session: str, layer: int) -> tuple:
         """``(position, mark)`` of ``session`` on ``layer`` in the book, read from the server first when the book
         holds none (:meth:`ConvClient._position`)."""
-        while (got := self.positions.position_and_mark(session, layer)) is None:
-            mark = self.positions.reading(session)      # (a frame answered before the read is installed: again)
+        book, reads = self.positions, 0
+        while (got := book.position_and_mark(session, layer)) is None:
+            if reads:
+                await asyncio.sleep(book.reread_delay(reads))
+            mark = book.reading(session)      # (a frame answered before the read is installed: again)
             info = _decode(await self._read(f"/v1/sessions/{quote_id(session)}", [session], True))
-            self.positions.from_info(info, mark)
+            book.from_info(info, mark)
+            reads += 1
         return got
 
     @serialized(one=True)
@@ -267,8 +274,8 @@ class AsyncConvClient(_Base):
                     book.moved_on(e, [session], layer, [pos], [x.shape[0]], [speculative], rid)
                 raise
             except LateRequest as e:
-                if book is not None and att.maybe_ran:
-                    raise self._late_retry(att, [session]) from e
+                if book is not None and (att.maybe_ran or request_id is not None):
+                    raise self._late_retry(att, [session], request_id is not None) from e
                 raise
         if book is not None:
             book.applied_at(session, layer, pos, x.shape[0], speculative, mark)
@@ -296,7 +303,8 @@ class AsyncConvClient(_Base):
                 att = Attempts(book, "POST", "/v1/conv/batch", list(sessions), rid=rid, layer=layer, positions=pos)
                 resp, attempt = await self._retrying("POST", "/v1/conv/batch", body, att, rebody)
             answer = self._batch_answer(body, resp, attempt > 0 or request_id is not None, sessions, layer, x,
-                                        tokens, speculative, pos, rid, marks, None if book is None else att)
+                                        tokens, speculative, pos, rid, marks, None if book is None else att,
+                                        request_id is not None)
         return self._batch_y(answer, sessions, layer, x, pos, marks)
 
     async def stream(self, requests: Union[Iterable, AsyncIterable], *, transport: str = "http", window: int = 64):

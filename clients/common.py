@@ -500,19 +500,21 @@ class _Base:
         spec = [f] * n if isinstance(f, bool) else f
         return toks, spec
 
-    def _late_retry(self, att, sessions) -> OutcomeUnknown:
-        """A tracked call's retry refused as ``late_request`` after an attempt that may have run: the server saw a
-        later call of this client on the session meanwhile, so the refusal says nothing of that attempt. Its
-        outcome is unknown, and the sessions' positions are read again at their next tracked call."""
+    def _late_retry(self, att, sessions, sent_again: bool) -> OutcomeUnknown:
+        """A tracked call's retry refused as ``late_request`` after an attempt that may have run, or the call
+        ``sent_again`` with its ``request_id`` so refused: the server saw a later call of this client on the session
+        meanwhile, so the refusal says nothing of the earlier attempt. Its outcome is unknown
+        (:meth:`Attempts.late`), and the sessions' positions are read again at their next tracked call."""
         self.positions.unknown_outcome(sessions)
-        return att.unknown()
+        return att.late(sent_again)
 
     def _batch_answer(self, body: bytes, resp, retried: bool, sessions, layer, x, tokens, speculative, pos,
-                      rid=None, marks=None, att=None) -> tuple:
+                      rid=None, marks=None, att=None, sent_again: bool = False) -> tuple:
         """A ``/v1/conv/batch`` call's answer (both clients' ``conv_batch``): its bytes counted, its body decoded,
         and with a position book what a refusal tells it (a mismatch after a retry or on a call sent again, the
-        parts of a split batch that ran, a retry refused as late after an attempt that may have run: ``att``'s
-        :class:`OutcomeUnknown`). Returns ``(answer, tokens per session, speculative per session)``."""
+        parts of a split batch that ran, a retry refused as late after an attempt that may have run, or the call
+        ``sent_again`` with its ``request_id`` so refused: ``att``'s :class:`OutcomeUnknown`). Returns ``(answer,
+        tokens per session, speculative per session)``."""
         book = self.positions
         self.bytes_sent += len(body)
         self.bytes_received += len(resp.content)
@@ -528,8 +530,8 @@ class _Base:
             raise
         except ServiceError as e:   # a batch split across engines, some of whose parts ran: they count
             if book is not None:
-                if isinstance(e, LateRequest) and att is not None and att.maybe_ran:
-                    raise self._late_retry(att, list(sessions)) from e
+                if isinstance(e, LateRequest) and att is not None and (att.maybe_ran or sent_again):
+                    raise self._late_retry(att, list(sessions), sent_again) from e
                 book.partly_applied(e, list(sessions), layer, pos, toks, spec, marks)
             raise
 

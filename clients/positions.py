@@ -44,6 +44,8 @@ class SessionLocks:
     async client each have their own kind of lock."""
 
     def __init__(self):
+        # session -> [its lock, the threads that took it from here and have not released it]: a lock is dropped
+        # (forget) only with no such thread, so two threads never hold two locks of one session
         self._threads: dict = {}
         self._tasks: dict = {}
         self._guard = threading.Lock()
@@ -51,16 +53,25 @@ class SessionLocks:
     @contextlib.contextmanager
     def hold(self, sessions):
         with self._guard:
-            locks = [self._threads.setdefault(s, threading.Lock()) for s in sorted(set(sessions))]
+            entries = []
+            for s in sorted(set(sessions)):
+                e = self._threads.get(s)
+                if e is None:
+                    e = self._threads[s] = [threading.Lock(), 0]
+                e[1] += 1
+                entries.append(e)
         held = []
         try:
-            for lk in locks:
-                lk.acquire()
-                held.append(lk)
+            for e in entries:
+                e[0].acquire()
+                held.append(e[0])
             yield
         finally:
             for lk in reversed(held):
                 lk.release()
+            with self._guard:
+                for e in entries:
+                    e[1] -= 1
 
     @contextlib.asynccontextmanager
     async def hold_async(self, sessions):
@@ -76,10 +87,13 @@ class SessionLocks:
                 lk.release()
 
     def forget(self, session: str) -> None:
-        for d in (self._threads, self._tasks):
-            lk = d.get(session)
-            if lk is not None and not lk.locked():
-                d.pop(session, None)
+        with self._guard:
+            e = self._threads.get(session)
+            if e is not None and not e[1]:
+                del self._threads[session]
+        lk = self._tasks.get(session)     # (one event loop: a task between taking and acquiring it never yields)
+        if lk is not None and not lk.locked():
+            self._tasks.pop(session, None)
 
 
 def _sessions_of(one: bool, args, kwargs) -> list:
@@ -201,6 +215,17 @@ class Attempts:
                               f"attempts: it may or may not have been applied; {self.remedy}",
                               sessions=self.sessions, request_id=self.rid, layer=self.layer,
                               positions=self.positions)
+
+    def late(self, sent_again: bool) -> OutcomeUnknown:
+        """A retry of a conv or batch (or the call ``sent_again`` with its ``request_id``) refused ``409
+        late_request``: the server saw a later call of this client on the session since, which says nothing of the
+        attempt before; sending it again would be refused the same way."""
+        before = "it was sent before, with this request_id" if sent_again else "an earlier attempt was sent"
+        return OutcomeUnknown(f"{self.what} for session(s) {_ids(self.sessions)}: {before} and its answer was lost, "
+                              "and the server refused this attempt as a late copy (409 late_request: it has seen a "
+                              "later call of this client on the session since), so whether it was applied is "
+                              f"unknown; do not send it again (it would be refused the same way): {RESYNC}",
+                              sessions=self.sessions, request_id=self.rid, layer=self.layer, positions=self.positions)
 
     def too_large(self) -> OutcomeUnknown:
         """A retry sent with its copy of x in the body (``_resend_from_copy``: x was in shared memory) after an
@@ -437,6 +462,12 @@ class PositionBook:
             return False
         now = dict(zip(info["layers"], info["positions"]))
         return all(now.get(layer) == self.at(session, layer) + n for layer in self.verified.get(session, ()))
+
+    def reread_delay(self, reads: int) -> float:
+        """Seconds before the next read of a session's positions after ``reads`` reads not installed (a frame of the
+        session answered during each, see :meth:`from_info`; at least one): growing as a retry's, up to 64 times
+        ``backoff_s``, so a session streamed meanwhile is not read back to back."""
+        return self.delay(min(reads, 7) - 1, None)
 
     def delay(self, attempt: int, retry_after: Optional[float]) -> float:
         """Seconds before retry ``attempt + 1``: exponential with jitter, at least the server's Retry-After

@@ -246,19 +246,26 @@ class ConvClient(_Base):
         client's book, after :class:`OutcomeUnknown` or a ``PositionMismatch``; returns ``session_info``."""
         if self.positions is None:
             raise ValueError("resync: this client keeps no positions (make it with track_positions=True)")
-        while True:         # again while a frame of the session was answered during the read (it may not count it)
-            mark = self.positions.reading(session)
+        book = self.positions
+        for reads in itertools.count():   # again while a frame of it was answered during the read (may not count it)
+            if reads:
+                time.sleep(book.reread_delay(reads))
+            mark = book.reading(session)
             info = self.session_info(session)
-            if self.positions.from_info(info, mark):
+            if book.from_info(info, mark):
                 return info
 
     def _position(self, session: str, layer: int) -> tuple:
         """``(position, mark)`` of ``session`` on ``layer`` in the book, read together (a stream's answer on
         another thread may forget the session between a check and a read); read from the server first when the
         book holds none (a session this client did not create, or one it forgot)."""
-        while (got := self.positions.position_and_mark(session, layer)) is None:
-            mark = self.positions.reading(session)      # (a frame answered before the read is installed: again)
-            self.positions.from_info(_decode(self._read(f"/v1/sessions/{quote_id(session)}", [session], True)), mark)
+        book, reads = self.positions, 0
+        while (got := book.position_and_mark(session, layer)) is None:
+            if reads:
+                time.sleep(book.reread_delay(reads))
+            mark = book.reading(session)      # (a frame answered before the read is installed: again)
+            book.from_info(_decode(self._read(f"/v1/sessions/{quote_id(session)}", [session], True)), mark)
+            reads += 1
         return got
 
     # --- conv
@@ -295,8 +302,8 @@ class ConvClient(_Base):
                     book.moved_on(e, [session], layer, [pos], [x.shape[0]], [speculative], rid)
                 raise
             except LateRequest as e:
-                if book is not None and att.maybe_ran:
-                    raise self._late_retry(att, [session]) from e
+                if book is not None and (att.maybe_ran or request_id is not None):
+                    raise self._late_retry(att, [session], request_id is not None) from e
                 raise
         if book is not None:
             book.applied_at(session, layer, pos, x.shape[0], speculative, mark)
@@ -328,7 +335,8 @@ class ConvClient(_Base):
                 att = Attempts(book, "POST", "/v1/conv/batch", list(sessions), rid=rid, layer=layer, positions=pos)
                 resp, attempt = self._retrying("POST", "/v1/conv/batch", body, att, rebody)
             answer = self._batch_answer(body, resp, attempt > 0 or request_id is not None, sessions, layer, x,
-                                        tokens, speculative, pos, rid, marks, None if book is None else att)
+                                        tokens, speculative, pos, rid, marks, None if book is None else att,
+                                        request_id is not None)
         return self._batch_y(answer, sessions, layer, x, pos, marks)
 
     def stream(self, requests: Iterable, *, transport: str = "http", window: int = 64) -> Iterator[ConvResult]:

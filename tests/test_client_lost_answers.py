@@ -460,32 +460,47 @@ def test_a_retry_refused_as_late_after_an_attempt_that_ran_is_an_unknown_outcome
         server, kind, call):
     """A retry refused ``409 late_request`` says only that the server saw a later call of the client on the
     session, not whether the first attempt ran: it ran here, so the call raises ``OutcomeUnknown`` (caused by the
-    ``LateRequest``), not the ``LateRequest`` that reads as "nothing changed", and the book reads the session's
-    positions again at its next call, which then runs at the server's position (the book had stayed behind)."""
+    ``LateRequest``, and saying not to send it again), not the ``LateRequest`` that reads as "nothing changed". Sent
+    again anyway (with its positions and request_id) it is ``OutcomeUnknown`` again, not "nothing changed". The
+    book reads the session's positions again at its next call, which then runs at the server's position (the book
+    had stayed behind)."""
     from convserve.clients.protocol.errors import LateRequest
 
     path = "/v1/conv" if call == "conv" else "/v1/conv/batch"
     faults = _LaterCallBeforeTheRetry(path, server.url)
     x = rand_x(2, seed=1)
 
+    def send(c, sid, **again):
+        return c.conv(sid, LAYER, x, **again) if call == "conv" else c.conv_batch([sid], LAYER, x, tokens=[2],
+                                                                                 **again)
+
+    def again_of(e):
+        return {"position": e.positions[0] if call == "conv" else e.positions, "request_id": e.request_id}
+
     def sync_steps(c):
         sid = c.create_session()
         with pytest.raises(OutcomeUnknown) as err:
-            c.conv(sid, LAYER, x) if call == "conv" else c.conv_batch([sid], LAYER, x, tokens=[2])
+            send(c, sid)
         known = c.positions.known(sid)
+        with pytest.raises(OutcomeUnknown) as err2:
+            send(c, sid, **again_of(err.value))
         c.conv(sid, LAYER, rand_x(1, seed=2))
-        return sid, err.value, known, c.positions.at(sid, LAYER)
+        return sid, (err.value, err2.value), known, c.positions.at(sid, LAYER)
 
     async def async_steps(c):
         sid = await c.create_session()
         with pytest.raises(OutcomeUnknown) as err:
-            await (c.conv(sid, LAYER, x) if call == "conv" else c.conv_batch([sid], LAYER, x, tokens=[2]))
+            await send(c, sid)
         known = c.positions.known(sid)
+        with pytest.raises(OutcomeUnknown) as err2:
+            await send(c, sid, **again_of(err.value))
         await c.conv(sid, LAYER, rand_x(1, seed=2))
-        return sid, err.value, known, c.positions.at(sid, LAYER)
+        return sid, (err.value, err2.value), known, c.positions.at(sid, LAYER)
 
-    sid, err, known, at = _run(kind, server.url, faults, sync_steps, async_steps)
-    assert isinstance(err.__cause__, LateRequest) and err.sessions == [sid]
+    sid, errs, known, at = _run(kind, server.url, faults, sync_steps, async_steps)
+    for err in errs:
+        assert isinstance(err.__cause__, LateRequest) and err.sessions == [sid]
+        assert "do not send it again" in str(err) and "resync" in str(err)
     assert not known
     info = Api(server.url).call("GET", f"/v1/sessions/{sid}")[1]
     assert at == 4 and dict(zip(info["layers"], info["positions"]))[LAYER] == 4

@@ -295,3 +295,85 @@ def test_a_read_of_the_servers_positions_is_not_installed_after_an_answer_it_may
     assert not book.from_info(info, mark) and not book.known("s")
     mark = book.reading("s")
     assert book.from_info(info, mark) and book.at("s", LAYER) == 5
+
+
+def test_a_session_forgotten_while_a_thread_is_about_to_take_its_lock_keeps_one_lock():
+    """``SessionLocks.forget`` while a thread that took a session's lock from the table waits to acquire it (the
+    lock is not locked once its holder releases it) must not drop it: a third thread would make a second lock,
+    and two tracked calls of one session would run at once (the second refused 409 at the same position)."""
+    import threading
+    import time
+
+    from convserve.clients.positions import SessionLocks
+
+    locks = SessionLocks()
+    release1, release2, holding1, holding2, holding3 = (threading.Event() for _ in range(5))
+
+    def hold(release, holding):
+        with locks.hold(["s"]):
+            holding.set()
+            release.wait(10)
+
+    t1 = threading.Thread(target=hold, args=(release1, holding1), daemon=True)
+    t1.start()
+    assert holding1.wait(5)
+    threading.Thread(target=hold, args=(release2, holding2), daemon=True).start()
+    time.sleep(0.2)                            # thread 2 took the lock from the table and waits on it
+    release1.set()
+    t1.join(5)
+    locks.forget("s")                          # (a stream's answer forgetting the session) as thread 2 acquires
+    assert holding2.wait(5)
+    threading.Thread(target=hold, args=(threading.Event(), holding3), daemon=True).start()
+    assert not holding3.wait(0.3), "a second lock of the session was made while thread 2 held the first"
+    release2.set()
+    assert holding3.wait(5)
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_read_of_positions_made_stale_by_a_frame_is_made_again_after_a_growing_pause(kind):
+    """A ``resync`` whose reads keep being made stale (a frame of the session answered during each of the first
+    three) reads again, but after a pause that grows as a retry's backoff: not one GET after another while the
+    session is streamed."""
+    import time
+
+    from convserve.clients.client import ConvRequest
+    from convserve.clients.common import _Tracker
+    from convserve.clients.protocol import wire as w
+
+    state, box, at = {"pos": 5, "reads": 0}, {}, []
+
+    def handler(request):
+        at.append(time.monotonic())
+        state["reads"] += 1
+        body = {"session": "s", "layers": [LAYER], "positions": [state["pos"]], "pending": {"layers": []}}
+        if state["reads"] <= 3:               # a frame sent and answered while this read is on its way
+            k = state["reads"]
+            box["tr"].add(ConvRequest("s", LAYER, rand_x(1, seed=1), id=k))
+            state["pos"] += 1
+            assert box["tr"].result({"id": k, "y": {"dtype": "float32", "shape": [1, DIM],
+                                                    "data": bytes(4 * DIM)}}).ok
+        return httpx.Response(200, content=w.packb(body), headers={"content-type": w.MEDIA_TYPE})
+
+    def start(book):
+        book.reset("s", {LAYER: 5})
+        box["tr"] = _Tracker(book)
+
+    backoff = 0.04
+    if kind == "sync":
+        with ConvClient("http://replica", transport=httpx.MockTransport(handler), track_positions=True,
+                        retry_backoff_s=backoff) as c:
+            start(c.positions)
+            c.resync("s")
+            book = c.positions
+    else:
+        async def go():
+            async with AsyncConvClient("http://replica", transport=httpx.MockTransport(handler),
+                                       track_positions=True, retry_backoff_s=backoff) as c:
+                start(c.positions)
+                await c.resync("s")
+                return c.positions
+        book = asyncio.run(go())
+    assert state["reads"] == 4 and book.at("s", LAYER) == 8
+    gaps = [b - a for a, b in zip(at, at[1:])]
+    for i, gap in enumerate(gaps):            # the i-th pause: at least half of backoff * 2 ** i
+        assert gap >= 0.5 * backoff * 2 ** i, gaps
