@@ -512,6 +512,25 @@ def test_an_id_created_again_while_its_deletes_note_is_on_its_way_is_answered_on
         srv.kill()
 
 
+def test_an_evicted_ids_note_still_waiting_for_the_loop_is_handed_to_the_journal_when_the_id_is_made_again(
+        tmp_path):
+    """An id evicted or dropped waits in the engine for its worker's loop to note it; a create of the id in an
+    engine process (answered once the id's note is durable) first hands that note over (``note_removed_now``), so
+    that the journal knows of it and the answer waits for it."""
+    e, sn = start(tmp_path)
+    try:
+        here, noted = threading.get_ident(), []
+        e.on_rewind = lambda ids, wait: noted.append(list(ids)) if threading.get_ident() == here else None
+        with e._lock:
+            e._unnoted.append("gone")            # (as _note_removed_locked leaves it, before the loop's turn)
+        e.note_removed_now("other")
+        assert noted == []                       # not its id: nothing handed over here
+        e.note_removed_now("gone")
+        assert noted == [["gone"]] and not e._unnoted
+    finally:
+        e.stop(drain=False)
+
+
 def test_an_engine_process_stopped_while_a_delete_waits_for_its_note_still_answers_it(tmp_path):
     """SIGTERM to the engine process alone while a delete that ran waits for its note: the stop waits for the
     journal, so the delete is answered 204 (not the 503 of an engine that went away with it in flight)."""

@@ -413,8 +413,9 @@ class EngineProcess:
         to wait for), and so does a create, unless a delete of its id is queued (then it is queued behind it);
         the others are queued with :meth:`Engine.submit_op` here, so each is
         ordered exactly where it arrived among the convs and operations of its session (as the in-process
-        engine orders calls), and answered from its future; only the weights file, which concerns no session,
-        is built on a thread of its own."""
+        engine orders calls), and answered from its future (a delete, an import, a create or a fork once the rewind
+        note of its id is durable: :meth:`_answer_durable`); only the weights file, which concerns no session, is
+        built on a thread of its own."""
         name, args, rid = head["f"], list(head.get("a") or ()), head.get("ri")
         if name not in m.OPS:
             raise BadRequest(f"unknown session operation {name!r}")
@@ -453,8 +454,10 @@ class EngineProcess:
             return
         result = fut.result()
         self._op_ran(head, result)                    # now, in its order (a create of its id may follow at once)
-        name = head["f"]
-        noted = snaps.note_of(result if name in _CREATES else head["a"][0])
+        sid = result if head["f"] in _CREATES else head["a"][0]
+        if head["f"] in _CREATES:            # an evicted or dropped id's note may still wait for the engine's loop
+            self.engine.note_removed_now(sid)
+        noted = snaps.note_of(sid)
         if noted is None:
             self._answer_op(ident, head, result)
         else:

@@ -132,6 +132,15 @@ class SnapshotTaking:
             self._unnoted.append(sid)
             self._cv.notify()
 
+    def note_removed_now(self, sid: str) -> None:
+        """When ``sid`` was removed (evicted, dropped) and its note still waits for the worker's loop, hand the
+        waiting notes to the journal now, so that ``on_rewind``'s owner knows of it (a create of the id is answered
+        only once that note is durable); a note that cannot be written stays waiting, as in the loop."""
+        with self._lock:
+            waiting = self.on_rewind is not None and sid in self._unnoted
+        if waiting:
+            self._note_removed()
+
     def _note_removed(self) -> None:
         """Write the ids :meth:`_note_removed_locked` gathered (the worker, without the lock)."""
         with self._lock:
