@@ -126,6 +126,20 @@ def test_a_stream_whose_client_reads_nothing_is_cut_off_at_the_drains_deadline_w
     """SIGTERM while a stream's write is blocked on a client that reads nothing (body_timeout_s far off): at
     shutdown_timeout_s the drain drops that connection itself, so the write ends as a gone client's, not as a task
     the HTTP server cancels (which logs "Exception in ASGI application" with a traceback); the server exits 0."""
+    def begin(s):
+        s.sendall(b"POST /v1/conv/stream HTTP/1.1\r\nhost: x\r\ncontent-type: application/msgpack\r\n"
+                  b"transfer-encoding: chunked\r\n\r\n")
+
+    def chunk(frame: bytes) -> bytes:
+        return b"%x\r\n%s\r\n" % (len(frame), frame)
+
+    cut_off_at_the_drains_deadline(workers, begin, chunk)
+
+
+def cut_off_at_the_drains_deadline(workers: str, begin, wrap) -> None:
+    """A server (``workers``), a connection that ``begin(sock)`` opens as a stream and whose frames (packed, then
+    ``wrap``-ped) ask for 50 MB of answers while it reads none; SIGTERM once the server's writes block: the server
+    exits 0 within its deadline, logs the cut, and no traceback."""
     import threading
 
     from tests.live import LiveServer
@@ -141,14 +155,12 @@ def test_a_stream_whose_client_reads_nothing_is_cut_off_at_the_drains_deadline_w
         u = urlparse(srv.url)
         s = socket.create_connection((u.hostname, u.port))
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 12)
+        begin(s)
 
         def send():
             try:
-                s.sendall(b"POST /v1/conv/stream HTTP/1.1\r\nhost: x\r\ncontent-type: application/msgpack\r\n"
-                          b"transfer-encoding: chunked\r\n\r\n")
                 for i in range(200):                     # 50 MB of answers: far past what the sockets buffer
-                    frame = msgpack.packb({"id": i, "session": sid, "layer": 0, "x": x})
-                    s.sendall(b"%x\r\n%s\r\n" % (len(frame), frame))
+                    s.sendall(wrap(msgpack.packb({"id": i, "session": sid, "layer": 0, "x": x})))
             except OSError:
                 pass                                     # reset by the server: what this test expects
 

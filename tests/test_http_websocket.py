@@ -260,26 +260,9 @@ def test_a_websocket_whose_client_reads_nothing_is_cut_off_at_the_drains_deadlin
     """SIGTERM while a WebSocket's writes are blocked on a client that reads nothing: at shutdown_timeout_s the
     drain drops that connection itself, as it drops such an HTTP stream, so the server exits 0 in time and logs no
     traceback of a cancelled ASGI task."""
-    import socket
-    import threading
-    import time
-    from urllib.parse import urlparse
+    from tests.test_http_stream import cut_off_at_the_drains_deadline
 
-    import torch
-
-    from tests.http_api import Api
-
-    args = ["--layers", "1", "--dim", "1024", "--dtype", "float32", "--workers", workers, "--device", "cpu",
-            "--body-timeout-s", "60", "--shutdown-timeout-s", "1", "--max-body-bytes", str(1 << 20),
-            "--stream-buffer-bytes", str(1 << 28)]        # (not the buffer's limit: that would end it first)
-    srv = LiveServer(args + (["--devices", "cpu"] if workers != "0" else []))
-    s = None
-    try:
-        sid = Api(srv.url).session()
-        x = wire.encode_tensor(torch.randn(64, 1024))
-        u = urlparse(srv.url)
-        s = socket.create_connection((u.hostname, u.port))
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 12)
+    def begin(s):
         s.sendall(b"GET /v1/conv/ws HTTP/1.1\r\nhost: x\r\nupgrade: websocket\r\nconnection: Upgrade\r\n"
                   b"sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\nsec-websocket-version: 13\r\n\r\n")
         head = b""
@@ -287,24 +270,4 @@ def test_a_websocket_whose_client_reads_nothing_is_cut_off_at_the_drains_deadlin
             head += s.recv(1)                            # the handshake's answer, byte by byte: nothing past it
         assert head.startswith(b"HTTP/1.1 101"), head
 
-        def send():
-            try:
-                for i in range(200):                     # 50 MB of answers: far past what the sockets buffer
-                    s.sendall(_ws_frame(msgpack.packb({"id": i, "session": sid, "layer": 0, "x": x})))
-            except OSError:
-                pass                                     # reset by the server: what this test expects
-
-        t = threading.Thread(target=send, daemon=True)
-        t.start()
-        time.sleep(3)                                    # the server's writes are blocked by now
-        t1 = time.monotonic()
-        assert srv.terminate() == 0
-        assert time.monotonic() - t1 < 6
-        t.join(5)
-        messages = srv.log_messages()
-        assert "streams cut off at the drain's deadline" in messages
-        assert not any("Exception in ASGI application" in m for m in messages), messages
-    finally:
-        if s is not None:
-            s.close()
-        srv.kill()
+    cut_off_at_the_drains_deadline(workers, begin, _ws_frame)
