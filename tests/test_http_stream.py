@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 from urllib.parse import urlparse
@@ -137,47 +138,55 @@ def test_a_stream_whose_client_reads_nothing_is_cut_off_at_the_drains_deadline_w
 
 
 def cut_off_at_the_drains_deadline(workers: str, begin, wrap) -> None:
-    """A server (``workers``), a connection that ``begin(sock)`` opens as a stream and whose frames (packed, then
-    ``wrap``-ped) ask for 50 MB of answers while it reads none; SIGTERM once the server's writes block: the server
-    exits 0 within its deadline, logs the cut, and no traceback."""
-    import threading
-
+    """A server (``workers``) and a client :func:`reading_nothing` (``begin``, ``wrap``); SIGTERM once the server's
+    writes block: the server exits 0 within its deadline, logs the cut, and no traceback."""
     from tests.live import LiveServer
 
     args = ["--layers", "1", "--dim", "1024", "--dtype", "float32", "--workers", workers, "--device", "cpu",
             "--body-timeout-s", "60", "--shutdown-timeout-s", "1", "--max-body-bytes", str(1 << 20),
             "--stream-buffer-bytes", str(1 << 28)]        # (not the buffer's limit: that would end it first)
     srv = LiveServer(args + (["--devices", "cpu"] if workers != "0" else []))
-    s = None
     try:
-        sid = Api(srv.url).session()
-        x = wire.encode_tensor(torch.randn(64, 1024))
-        u = urlparse(srv.url)
-        s = socket.create_connection((u.hostname, u.port))
+        with reading_nothing(srv, begin, wrap):
+            time.sleep(3)                                # the server's writes are blocked by now
+            t1 = time.monotonic()
+            assert srv.terminate() == 0
+            assert time.monotonic() - t1 < 6
+        messages = srv.log_messages()
+        assert "streams cut off at the drain's deadline" in messages
+        assert not any("Exception in ASGI application" in m for m in messages), messages
+    finally:
+        srv.kill()
+
+
+@contextlib.contextmanager
+def reading_nothing(srv, begin, wrap):
+    """A connection to ``srv`` that ``begin(sock)`` opens as a stream, then (on a thread) 200 frames of a new
+    session, each packed and ``wrap``-ped, asking for 50 MB of answers in all (far past what the sockets buffer),
+    none of which it reads (its receive buffer is 4 KB); yields the socket, closed after."""
+    import threading
+
+    sid = Api(srv.url).session()
+    x = wire.encode_tensor(torch.randn(64, 1024))
+    u = urlparse(srv.url)
+    s = socket.create_connection((u.hostname, u.port))
+    try:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 12)
         begin(s)
 
         def send():
             try:
-                for i in range(200):                     # 50 MB of answers: far past what the sockets buffer
+                for i in range(200):
                     s.sendall(wrap(msgpack.packb({"id": i, "session": sid, "layer": 0, "x": x})))
             except OSError:
-                pass                                     # reset by the server: what this test expects
+                pass                                     # reset by the server: what the callers expect
 
         t = threading.Thread(target=send, daemon=True)
         t.start()
-        time.sleep(3)                                    # the server's writes are blocked by now
-        t1 = time.monotonic()
-        assert srv.terminate() == 0
-        assert time.monotonic() - t1 < 6
-        t.join(5)
-        messages = srv.log_messages()
-        assert "streams cut off at the drain's deadline" in messages
-        assert not any("Exception in ASGI application" in m for m in messages), messages
+        yield s
     finally:
-        if s is not None:
-            s.close()
-        srv.kill()
+        s.close()
+        t.join(5)
 
 
 @pytest.mark.parametrize("ct", ["application/json", "text/plain"])

@@ -247,6 +247,16 @@ def test_an_id_still_unanswered_ends_the_stream_and_one_already_answered_may_com
     assert err["code"] == "bad_request" and "frame 4: id 7 is already in flight" in err["message"]
 
 
+def _ws_begin(s) -> None:
+    """The WebSocket handshake of ``/v1/conv/ws`` on a raw socket, its answer read byte by byte (nothing past it)."""
+    s.sendall(b"GET /v1/conv/ws HTTP/1.1\r\nhost: x\r\nupgrade: websocket\r\nconnection: Upgrade\r\n"
+              b"sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\nsec-websocket-version: 13\r\n\r\n")
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += s.recv(1)
+    assert head.startswith(b"HTTP/1.1 101"), head
+
+
 def _ws_frame(payload: bytes) -> bytes:
     """One masked binary WebSocket frame (RFC 6455, as a client must send it), mask all zeros."""
     n = len(payload)
@@ -262,12 +272,5 @@ def test_a_websocket_whose_client_reads_nothing_is_cut_off_at_the_drains_deadlin
     traceback of a cancelled ASGI task."""
     from tests.test_http_stream import cut_off_at_the_drains_deadline
 
-    def begin(s):
-        s.sendall(b"GET /v1/conv/ws HTTP/1.1\r\nhost: x\r\nupgrade: websocket\r\nconnection: Upgrade\r\n"
-                  b"sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\nsec-websocket-version: 13\r\n\r\n")
-        head = b""
-        while b"\r\n\r\n" not in head:
-            head += s.recv(1)                            # the handshake's answer, byte by byte: nothing past it
-        assert head.startswith(b"HTTP/1.1 101"), head
+    cut_off_at_the_drains_deadline(workers, _ws_begin, _ws_frame)
 
-    cut_off_at_the_drains_deadline(workers, begin, _ws_frame)
