@@ -273,4 +273,3 @@ def test_a_websocket_whose_client_reads_nothing_is_cut_off_at_the_drains_deadlin
     from tests.test_http_stream import cut_off_at_the_drains_deadline
 
     cut_off_at_the_drains_deadline(workers, _ws_begin, _ws_frame)
-
