@@ -25,12 +25,12 @@ def _printed(result) -> str:
 
 def test_verify_with_no_sampled_answer_says_zero_were_verified_and_how_to_get_some():
     out = _printed(_result("GET /v1/model/weights", 0))
-    assert "c=2: verified 0 responses" in out and "raise --verify-sample" in out
+    assert "c=2: verified 0 answers" in out and "raise --verify-sample" in out
 
 
 def test_verify_with_answers_reports_the_count_and_mismatches():
     out = _printed(_result("GET /v1/model/weights", 12, 1))
-    assert "c=2: verified 12 responses against the reference, 1 mismatch(es)" in out
+    assert "c=2: verified 12 answers against the reference, 1 mismatch(es)" in out
 
 
 def test_no_verify_line_without_verify():

@@ -85,10 +85,11 @@ def print_table(result: dict, console: Optional[Console] = None) -> None:
             console.print(line, markup=False, highlight=False)
         v = st["verify"]
         if v["checked"] or v["mismatches"]:
-            console.print(f"{st['label']}: verified {v['checked']} responses against the reference, "
-                          f"{v['mismatches']} mismatch(es)")
+            console.print(f"{st['label']}: verified {v['checked']} answers against the reference, "
+                          f"{v['mismatches']} mismatch(es) (an answer: one session's y, a unary call's or its "
+                          "slice of a batch)")
         elif cfg.get("verify"):            # asked for, but no sampled session answered: say so, not silence
-            console.print(f"{st['label']}: verified 0 responses: no sampled session (--verify-sample "
+            console.print(f"{st['label']}: verified 0 answers: no sampled session (--verify-sample "
                           f"{cfg.get('verify_sample')}) got an answer in this step; raise --verify-sample, run "
                           "longer, or lower --warmup (a request in the warm-up is not verified)")
 
