@@ -44,22 +44,33 @@ class SessionLocks:
     async client each have their own kind of lock."""
 
     def __init__(self):
-        # session -> [its lock, the threads that took it from here and have not released it]: a lock is dropped
-        # (forget) only with no such thread, so two threads never hold two locks of one session
+        # session -> [its lock, the threads (tasks) that took it from here and have not released it yet]: a lock
+        # is dropped (forget) only with none, so two never hold two locks of one session (a waiter woken by a
+        # release holds the lock only once it runs again; a batch waiting on one session's lock holds the
+        # others' objects, not locked yet)
         self._threads: dict = {}
         self._tasks: dict = {}
         self._guard = threading.Lock()
 
-    @contextlib.contextmanager
-    def hold(self, sessions):
+    def _take(self, table: dict, sessions, new) -> list:
         with self._guard:
             entries = []
             for s in sorted(set(sessions)):
-                e = self._threads.get(s)
+                e = table.get(s)
                 if e is None:
-                    e = self._threads[s] = [threading.Lock(), 0]
+                    e = table[s] = [new(), 0]
                 e[1] += 1
                 entries.append(e)
+        return entries
+
+    def _done(self, entries: list) -> None:
+        with self._guard:
+            for e in entries:
+                e[1] -= 1
+
+    @contextlib.contextmanager
+    def hold(self, sessions):
+        entries = self._take(self._threads, sessions, threading.Lock)
         held = []
         try:
             for e in entries:
@@ -69,31 +80,28 @@ class SessionLocks:
         finally:
             for lk in reversed(held):
                 lk.release()
-            with self._guard:
-                for e in entries:
-                    e[1] -= 1
+            self._done(entries)
 
     @contextlib.asynccontextmanager
     async def hold_async(self, sessions):
-        locks = [self._tasks.setdefault(s, asyncio.Lock()) for s in sorted(set(sessions))]
+        entries = self._take(self._tasks, sessions, asyncio.Lock)
         held = []
         try:
-            for lk in locks:
-                await lk.acquire()
-                held.append(lk)
+            for e in entries:
+                await e[0].acquire()
+                held.append(e[0])
             yield
         finally:
             for lk in reversed(held):
                 lk.release()
+            self._done(entries)
 
     def forget(self, session: str) -> None:
         with self._guard:
-            e = self._threads.get(session)
-            if e is not None and not e[1]:
-                del self._threads[session]
-        lk = self._tasks.get(session)     # (one event loop: a task between taking and acquiring it never yields)
-        if lk is not None and not lk.locked():
-            self._tasks.pop(session, None)
+            for table in (self._threads, self._tasks):
+                e = table.get(session)
+                if e is not None and not e[1]:
+                    del table[session]
 
 
 def _sessions_of(one: bool, args, kwargs) -> list:
@@ -219,12 +227,13 @@ class Attempts:
     def late(self, sent_again: bool) -> OutcomeUnknown:
         """A retry of a conv or batch (or the call ``sent_again`` with its ``request_id``) refused ``409
         late_request``: the server saw a later call of this client on the session since, which says nothing of the
-        attempt before; sending it again would be refused the same way."""
+        attempt before; sending it again is refused the same way while a later call stands on its layer."""
         before = "it was sent before, with this request_id" if sent_again else "an earlier attempt was sent"
         return OutcomeUnknown(f"{self.what} for session(s) {_ids(self.sessions)}: {before} and its answer was lost, "
                               "and the server refused this attempt as a late copy (409 late_request: it has seen a "
                               "later call of this client on the session since), so whether it was applied is "
-                              f"unknown; do not send it again (it would be refused the same way): {RESYNC}",
+                              "unknown; sent again it is refused the same way while that later call stands on its "
+                              f"layer: {RESYNC}",
                               sessions=self.sessions, request_id=self.rid, layer=self.layer, positions=self.positions)
 
     def too_large(self) -> OutcomeUnknown:
@@ -465,8 +474,8 @@ class PositionBook:
 
     def reread_delay(self, reads: int) -> float:
         """Seconds before the next read of a session's positions after ``reads`` reads not installed (a frame of the
-        session answered during each, see :meth:`from_info`; at least one): growing as a retry's, up to 64 times
-        ``backoff_s``, so a session streamed meanwhile is not read back to back."""
+        session answered during each, see :meth:`from_info`; at least one): growing as a retry's, to about 64 times
+        ``backoff_s`` (96 at most, with the jitter), so a session streamed meanwhile is not read back to back."""
         return self.delay(min(reads, 7) - 1, None)
 
     def delay(self, attempt: int, retry_after: Optional[float]) -> float:

@@ -460,7 +460,7 @@ def test_a_retry_refused_as_late_after_an_attempt_that_ran_is_an_unknown_outcome
         server, kind, call):
     """A retry refused ``409 late_request`` says only that the server saw a later call of the client on the
     session, not whether the first attempt ran: it ran here, so the call raises ``OutcomeUnknown`` (caused by the
-    ``LateRequest``, and saying not to send it again), not the ``LateRequest`` that reads as "nothing changed". Sent
+    ``LateRequest``, and saying that sent again it is refused the same way), not the ``LateRequest`` that reads as "nothing changed". Sent
     again anyway (with its positions and request_id) it is ``OutcomeUnknown`` again, not "nothing changed". The
     book reads the session's positions again at its next call, which then runs at the server's position (the book
     had stayed behind)."""
@@ -500,7 +500,7 @@ def test_a_retry_refused_as_late_after_an_attempt_that_ran_is_an_unknown_outcome
     sid, errs, known, at = _run(kind, server.url, faults, sync_steps, async_steps)
     for err in errs:
         assert isinstance(err.__cause__, LateRequest) and err.sessions == [sid]
-        assert "do not send it again" in str(err) and "resync" in str(err)
+        assert "refused the same way" in str(err) and "resync" in str(err)
     assert not known
     info = Api(server.url).call("GET", f"/v1/sessions/{sid}")[1]
     assert at == 4 and dict(zip(info["layers"], info["positions"]))[LAYER] == 4

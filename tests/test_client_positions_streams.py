@@ -377,3 +377,88 @@ def test_a_read_of_positions_made_stale_by_a_frame_is_made_again_after_a_growing
     gaps = [b - a for a, b in zip(at, at[1:])]
     for i, gap in enumerate(gaps):            # the i-th pause: at least half of backoff * 2 ** i
         assert gap >= 0.5 * backoff * 2 ** i, gaps
+
+
+def test_async_a_session_forgotten_while_a_task_is_woken_for_its_lock_keeps_one_lock():
+    """The async side of the test above: a task waiting on a session's lock is woken by its holder's release, but
+    holds it only once it runs again; ``forget`` in between (a stream's answer forgetting the session) sees the
+    lock not locked and drops it, and a third task makes a second lock: two tracked calls of one session at once."""
+    from convserve.clients.positions import SessionLocks
+
+    async def go():
+        locks = SessionLocks()
+        inside, overlap = [], []
+
+        async def hold(name, release):
+            async with locks.hold_async(["s"]):
+                if inside:
+                    overlap.append((inside[:], name))
+                inside.append(name)
+                await release.wait()
+                inside.remove(name)
+
+        r1, r2, r3, answered = asyncio.Event(), asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+        async def first():
+            async with locks.hold_async(["s"]):
+                inside.append("t1")
+                await r1.wait()
+                inside.remove("t1")
+                answered.set()          # (a stream's answer, ready to run before t2 resumes)
+
+        async def stream_answer():
+            await answered.wait()
+            locks.forget("s")           # t1 released, t2 woken but not running: the lock is not locked
+
+        t1 = asyncio.create_task(first())
+        tf = asyncio.create_task(stream_answer())
+        await asyncio.sleep(0)
+        t2 = asyncio.create_task(hold("t2", r2))   # takes the lock from the table and waits on it
+        await asyncio.sleep(0.01)
+        r1.set()
+        await asyncio.gather(t1, tf)
+        t3 = asyncio.create_task(hold("t3", r3))
+        await asyncio.sleep(0.05)
+        r2.set()
+        r3.set()
+        await asyncio.gather(t2, t3)
+        return overlap
+
+    overlap = asyncio.run(go())
+    assert not overlap, f"two tasks held the session's lock at once: {overlap}"
+
+
+def test_async_a_batch_waiting_on_its_first_sessions_lock_keeps_its_second():
+    """A batch task that took the locks of ``a`` and ``b`` from the table and waits on ``a``'s: ``forget("b")``
+    meanwhile (``b`` not locked) drops ``b``'s lock, and a conv of ``b`` runs beside the batch once it has both."""
+    from convserve.clients.positions import SessionLocks
+
+    async def go():
+        locks = SessionLocks()
+        inside, overlap = set(), []
+
+        async def hold(sessions, release):
+            async with locks.hold_async(sessions):
+                if inside & set(sessions):
+                    overlap.append((sorted(inside), sessions))
+                inside.update(sessions)
+                await release.wait()
+                inside.difference_update(sessions)
+
+        ra, rab, rb = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        ta = asyncio.create_task(hold(["a"], ra))
+        await asyncio.sleep(0)
+        tab = asyncio.create_task(hold(["a", "b"], rab))     # waits on a, holding b's lock object unlocked
+        await asyncio.sleep(0.01)
+        locks.forget("b")
+        tb = asyncio.create_task(hold(["b"], rb))             # a new lock of b: acquired at once
+        await asyncio.sleep(0.01)
+        ra.set()
+        await asyncio.sleep(0.05)                             # the batch now takes a, then its old b
+        rab.set()
+        rb.set()
+        await asyncio.gather(ta, tab, tb)
+        return overlap
+
+    overlap = asyncio.run(go())
+    assert not overlap, f"two tasks held a session's lock at once: {overlap}"

@@ -157,3 +157,34 @@ def test_a_retry_of_an_applied_call_after_a_later_call_of_its_client_gets_its_ke
     with pytest.raises(LateRequest, match="late copy"):  # at other positions: a late copy, not a repeat
         e.submit(sid, L0, x, position=3, request_id="c:5").result(10)
     _assert_first_layer_took(e, sid, x)
+
+
+def test_a_retry_of_an_applied_call_behind_a_queued_read_of_its_session_gets_its_kept_answer_at_its_turn():
+    """A retry of an applied call ``c:5``, after the client's later ``c:6``, while a fork of the session (a read:
+    it changes nothing of the session) is queued: not refused as late, but answered from its kept answer at its
+    turn, behind the fork. (Behind an operation that changes the session, an import or an accept, it stays a late
+    copy: its record may not stand at its turn.)"""
+    import time as _time
+
+    from tests.engine_support import gate_worker
+
+    e = make_engine()
+    try:
+        sid, other = e.create_session(), e.create_session()
+        x = torch.randn(3, DIM)
+        y = e.submit(sid, L0, x, position=0, request_id="c:5").result(10)       # ran; its answer "lost"
+        e.submit(sid, LAYERS[1], torch.randn(1, DIM), position=0, request_id="c:6").result(10)
+        go, entered = gate_worker(e)
+        e.submit(other, L0, torch.randn(1, DIM))                                   # holds the worker
+        assert entered.wait(10)
+        e.submit(sid, LAYERS[2], torch.randn(1, DIM))                             # a request of sid, queued
+        fork = e.submit_op("fork_session", sid)                                  # queued behind it
+        _time.sleep(0.05)
+        assert not fork.done()
+        retry = e.submit(sid, L0, x, position=0, request_id="c:5")              # behind the fork
+        go.set()
+        fork.result(10)
+        assert torch.equal(retry.result(10), y)
+        assert e.session_info(sid)["positions"][0] == 3                            # applied once
+    finally:
+        e.stop(drain=False)

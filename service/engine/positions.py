@@ -207,12 +207,13 @@ class Positions:
                                          n: int) -> None:
         """:meth:`_check_not_late_locked`, except for a repeat of the layer's last applied request (the same
         ``rid``, position and length: a retry whose first attempt ran and whose answer was lost, after which a
-        later call of its client was queued): that one is left to :meth:`_check_position_locked`, which gives its
-        kept answer (or says it was applied), not a late copy's "nothing changed"."""
+        later call of its client was queued; no operation that changes the session queued): that one is left to
+        :meth:`_check_position_locked` (at once, or at its turn behind a queued read), which gives its kept answer
+        (or says it was applied), not a late copy's "nothing changed"."""
         try:
             self._check_not_late_locked(s, rid, counted, p, speculative)
         except LateRequest:
-            rec = None if speculative or position is None or s.ops else s.last.get(p)
+            rec = None if speculative or position is None or _changing_ops(s) else s.last.get(p)
             if rec is None or (rec.pos, rec.n, rec.answer.rid) != (position, n, rid):
                 raise
 
@@ -285,7 +286,7 @@ class Positions:
         try:
             return refuse_late_all(sessions, rid)
         except LateRequest:
-            if positions is None or any(s.ops for s in sessions):
+            if positions is None or any(_changing_ops(s) for s in sessions):
                 raise
             answer, whole = _applied_at(sessions, p, positions, rows, [s.positions[p] for s in sessions])
             if not whole or answer is None or (answer.key, answer.rid) != (key, rid):
@@ -559,6 +560,12 @@ class Positions:
             ss, more = self._sessions.ids_after(cursor, limit)
             items = [self._info_locked(s, now) for s in ss]
         return {"sessions": items, "next": items[-1]["session"] if more and items else None}
+
+
+def _changing_ops(s: Session) -> bool:
+    """Has ``s`` an operation queued that changes it (an import, an accept, a delete)? A repeat's record may not
+    stand at its turn then; a read (a fork's, an export's) leaves it."""
+    return any(op.kind or op.deletes for op in s.ops)
 
 
 def _applied_at(sessions: list, p: int, positions: list, rows: list, cur: list) -> tuple:
