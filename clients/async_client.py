@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 from typing import AsyncIterable, Iterable, Optional, Sequence, Union
 
@@ -13,7 +14,7 @@ import httpx
 from convserve.clients.common import (_POLL_S, MAX_MESSAGE_BYTES, SessionState, _as_request, _backend_of, _Base,
                                       _chunked, _decode, _default_backend, _raise_for, _Tracker, _ws_url,
                                       check_given_position, ws_connect_async, WS_CLOSE_S)
-from convserve.clients.h1 import _H1Pool, _h1_target
+from convserve.clients.h1 import _H1Pool, _h1_target, unix_transport
 from convserve.clients.positions import (IMPORT, LOOK, RESYNC, RETRY_ERRORS, Attempts, serialized)
 from convserve.clients.protocol import wire
 from convserve.clients.replicas import is_routed
@@ -38,20 +39,23 @@ class AsyncConvClient(_Base):
     def __init__(self, url: Optional[str] = None, *, api_key: Optional[str] = None, timeout: float = 60.0,
                  transport: Optional[httpx.AsyncBaseTransport] = None, max_connections: int = 100,
                  track_positions: bool = False, max_retries: int = 3, retry_backoff_s: float = 0.05,
-                 shm=None):
-        """``track_positions`` etc.: as :class:`ConvClient`."""
+                 shm=None, uds: Optional[str] = None):
+        """``track_positions``, ``uds`` etc.: as :class:`ConvClient`."""
         super().__init__(url, api_key, timeout, track_positions, max_retries, retry_backoff_s, shm)
+        self.uds = uds
+        # request-response calls go through a lean keep-alive pool (see _H1Pool: httpx's pool costs more per
+        # request the more connections it holds); streams, custom transports, https and proxies stay on httpx
+        target = _h1_target(self.url, uds) if transport is None else None
+        if uds is not None:
+            transport = unix_transport(transport, uds, asynchronous=True)
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         self._http = httpx.AsyncClient(base_url=self.url, headers=self.headers, timeout=timeout, transport=transport,
                                        limits=limits)
-        # request-response calls go through a lean keep-alive pool (see _H1Pool: httpx's pool costs more per
-        # request the more connections it holds); streams, custom transports, https and proxies stay on httpx
-        target = _h1_target(self.url) if transport is None else None
         self._h1: Optional[_H1Pool] = None
         self._prefix = ""
         if target is not None:
             host, port, self._prefix = target
-            self._h1 = _H1Pool(host, port, self.headers, timeout, max_connections)
+            self._h1 = _H1Pool(host, port, self.headers, timeout, max_connections, uds)
 
     async def aclose(self) -> None:
         """Close the client's connections (``async with AsyncConvClient(...)`` does it on exit)."""
@@ -386,7 +390,12 @@ class AsyncConvClient(_Base):
                 yield chunk
 
     async def _stream_ws(self, requests, window: int):
-        from websockets.asyncio.client import connect
+        if self.uds is None:
+            from websockets.asyncio.client import connect
+        else:
+            from websockets.asyncio.client import unix_connect
+
+            connect = functools.partial(unix_connect, self.uds)
 
         tracker = _Tracker(self.positions)
         slots = asyncio.Semaphore(window)

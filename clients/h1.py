@@ -47,8 +47,9 @@ class _H1Pool:
     idempotent). An idle connection the server has closed (keep-alive timeout) is dropped before reuse.
     """
 
-    def __init__(self, host: str, port: int, headers: dict, timeout: float, max_connections: int):
-        self.host, self.port, self.timeout = host, port, timeout
+    def __init__(self, host: str, port: int, headers: dict, timeout: float, max_connections: int,
+                 uds: Optional[str] = None):
+        self.host, self.port, self.timeout, self.uds = host, port, timeout, uds
         self.max_connections = max(1, int(max_connections))
         name = f"[{host}]" if ":" in host else host
         hostport = name if port == 80 else f"{name}:{port}"
@@ -140,9 +141,12 @@ class _H1Pool:
 
     async def _connect(self):
         try:
+            if self.uds is not None:
+                return await asyncio.open_unix_connection(self.uds, limit=_READ_BUFFER)
             return await asyncio.open_connection(self.host, self.port, limit=_READ_BUFFER)
         except OSError as e:
-            raise httpx.ConnectError(f"cannot connect to {self.host}:{self.port}: {e}") from e
+            where = self.uds if self.uds is not None else f"{self.host}:{self.port}"
+            raise httpx.ConnectError(f"cannot connect to {where}: {e}") from e
 
     async def stream(self, path: str, body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         """``POST path`` with a chunked body taken from ``body`` while the answer is read, on a connection of its
@@ -284,16 +288,26 @@ async def _read_content(r: asyncio.StreamReader, status: int, headers: dict) -> 
     return await r.read()
 
 
-def _h1_target(url: str) -> Optional[tuple]:
+def _h1_target(url: str, uds: Optional[str] = None) -> Optional[tuple]:
     """``(host, port, path prefix)`` when :class:`_H1Pool` can serve ``url`` as httpx would: plain http and no
-    proxy configured for it (httpx honours the proxy environment variables); else None."""
+    proxy configured for it (httpx honours the proxy environment variables; none applies over the Unix socket
+    ``uds``); else None."""
     import urllib.parse
     import urllib.request
 
     u = urllib.parse.urlsplit(url)
     if u.scheme != "http" or not u.hostname or u.username or u.password:
         return None
+    if uds is not None:
+        return u.hostname, u.port or 80, u.path.rstrip("/")
     proxies = urllib.request.getproxies()
     if ("http" in proxies or "all" in proxies) and not urllib.request.proxy_bypass(u.hostname):
         return None
     return u.hostname, u.port or 80, u.path.rstrip("/")
+
+
+def unix_transport(transport, uds: str, asynchronous: bool = False):
+    """httpx's transport over the Unix socket ``uds`` (a client's ``uds=``); a transport given too is an error."""
+    if transport is not None:
+        raise ValueError("give uds or transport, not both (a transport of your own can take uds= itself)")
+    return httpx.AsyncHTTPTransport(uds=uds) if asynchronous else httpx.HTTPTransport(uds=uds)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import time
@@ -12,6 +13,7 @@ import httpx
 from convserve.clients.common import (MAX_MESSAGE_BYTES, _POLL_S, ConvResult, SessionState, _as_request, _backend_of,
                                       _Base, _chunked, _decode, _default_backend, _raise_for, _Tracker, _ws_url,
                                       check_given_position, ws_connect, WS_CLOSE_S)
+from convserve.clients.h1 import unix_transport
 from convserve.clients.positions import (IMPORT, LOOK, RESYNC, RETRY_ERRORS, Attempts, serialized)
 from convserve.clients.protocol import wire
 from convserve.clients.replicas import is_routed
@@ -50,14 +52,19 @@ class ConvClient(_Base):
     def __init__(self, url: Optional[str] = None, *, api_key: Optional[str] = None, timeout: float = 60.0,
                  transport: Optional[httpx.BaseTransport] = None, track_positions: bool = False,
                  max_retries: int = 3, retry_backoff_s: float = 0.05,
-                 shm=None, max_connections: int = 100):
+                 shm=None, max_connections: int = 100, uds: Optional[str] = None):
         """``track_positions``: send each session's position with every conv and batch, and retry conv, batch
         and accept up to ``max_retries`` times (backoff from ``retry_backoff_s``) on connection errors, 503 and
         504 without applying anything twice (see clients/positions.py). ``shm``: a
         :class:`~convserve.clients.protocol.shm.ShmArena`; an x that lies in it is sent by reference and its y is
         returned in the same block (a server on this host only; other tensors travel in the body).
-        ``max_connections``: connections kept to the server, all reused (threads calling at once each take one)."""
+        ``max_connections``: connections kept to the server, all reused (threads calling at once each take one).
+        ``uds``: the server's Unix socket (``convserve serve --uds``, this machine only): every call goes through
+        it, ``url`` naming the host and path prefix only."""
         super().__init__(url, api_key, timeout, track_positions, max_retries, retry_backoff_s, shm)
+        self.uds = uds
+        if uds is not None:
+            transport = unix_transport(transport, uds)
         self._http = httpx.Client(base_url=self.url, headers=self.headers, timeout=timeout, transport=transport,
                                   limits=httpx.Limits(max_connections=max_connections,
                                                       max_keepalive_connections=max_connections))
@@ -382,7 +389,12 @@ class ConvClient(_Base):
         tracker.check_done()
 
     def _stream_ws(self, requests, window: int) -> Iterator[ConvResult]:
-        from websockets.sync.client import connect
+        if self.uds is None:
+            from websockets.sync.client import connect
+        else:
+            from websockets.sync.client import unix_connect
+
+            connect = functools.partial(unix_connect, self.uds)
 
         tracker = _Tracker(self.positions)
         slots = threading.Semaphore(window)

@@ -130,7 +130,9 @@ class Server:
                 if self.servers and self.servers[0].sockets:
                     host, port = self.servers[0].sockets[0].getsockname()[:2]
                     self.bound_port = port
-                    log.info("listening", extra={"host": host, "port": port, "url": f"http://{host}:{port}"})
+                    path = getattr(self.svc.settings, "uds", None)
+                    uds = {"uds": str(path)} if path is not None else {}
+                    log.info("listening", extra={"host": host, "port": port, "url": f"http://{host}:{port}", **uds})
 
             def handle_exit(self, sig, frame):
                 if self.loop is not None and not self.svc.draining:
@@ -339,7 +341,7 @@ def _serve(settings: Settings, key_on_command_line: bool, held: list) -> int:
             return EXIT_CONFIG
         return _stopped(rc)
     # --workers 0: the engine in this process, beside the HTTP loop
-    from convserve.service.http.app import create_app
+    from convserve.service.unix_listener import bind_unix, cannot_listen_unix
 
     sys.setswitchinterval(settings.gil_switch_interval_us * 1e-6)
     try:       # before the model is built, as the supervisor does: a taken port is one line and exit 2
@@ -347,6 +349,23 @@ def _serve(settings: Settings, key_on_command_line: bool, held: list) -> int:
     except OSError as e:
         print(f"convserve: {cannot_listen(settings, e)}", file=sys.stderr)
         return EXIT_CONFIG
+    try:
+        unix = bind_unix(settings)
+    except OSError as e:
+        sock.close()
+        print(f"convserve: {cannot_listen_unix(settings, e)}", file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        return _serve_here(settings, devices, sock, unix)
+    finally:
+        if unix is not None:
+            unix.close()
+
+
+def _serve_here(settings: Settings, devices: list, sock, unix) -> int:
+    """``--workers 0``: build the engine and serve it on ``sock`` (and ``unix``, a :class:`UnixListener`)."""
+    from convserve.service.http.app import create_app
+
     try:
         engine = build_engine(settings.model_copy(update={"device": devices[0]}))
     except (ConfigError, ValueError, OSError) as e:
@@ -360,7 +379,7 @@ def _serve(settings: Settings, key_on_command_line: bool, held: list) -> int:
 
         snapshots = Snapshotter(engine, settings, 0, 1, devices[0])
     app = create_app(settings, engine, snapshots=snapshots)
-    rc = run_app(settings, app, sockets=[sock])
+    rc = run_app(settings, app, sockets=[sock] + ([unix.sock] if unix is not None else []))
     if app.state.svc.failed is not None:      # the engine's start failed (its state pool, its warm-up): as a build
         print(f"convserve: the engine cannot start: {app.state.svc.failed}", file=sys.stderr)
         return EXIT_CONFIG

@@ -65,6 +65,8 @@ class Settings(BaseSettings):
     # --- network
     host: str = Field("127.0.0.1", description="address to bind (0.0.0.0 for all interfaces)")
     port: int = Field(8000, ge=0, le=65535, description="TCP port to listen on (0 picks a free one)")
+    uds: Optional[Path] = Field(None, description="also listen on this Unix socket path, for clients on this "
+                                "machine (no TCP); made at start, removed at exit")
     api_key: Optional[SecretStr] = Field(None, description="when set, every /v1 and /v2 route (but "
                                                            "/v2/health/*) and /docs, /redoc, /openapi.json "
                                                            "need 'Authorization: Bearer <key>'; prefer "

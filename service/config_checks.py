@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from convserve.clients.protocol.wire import BATCH_FIXED_OBJECTS, BATCH_SESSION_OBJECTS
 
+from .unix_listener import check_path
+
 
 def check_across(s):
     """Check (and, for those left at their defaults, fit) the settings of ``s`` against each other; raise
@@ -17,6 +19,8 @@ def check_across(s):
     if s.snapshot_interval_s is not None and s.state_dir is None:
         raise ValueError("snapshot_interval_s is set but state_dir is not: snapshots are written only into "
                          "state_dir; set --state-dir (or drop --snapshot-interval-s)")
+    if s.uds is not None:
+        check_path(s.uds)
     given = s.model_fields_set
     if s.max_batch_tokens < s.max_tokens_per_request and "max_tokens_per_request" not in given:
         s.max_tokens_per_request = s.max_batch_tokens      # its default: at most what a step takes

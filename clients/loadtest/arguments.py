@@ -67,6 +67,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                    help="server URL [env CONVSERVE_URL; default http://127.0.0.1:8000]; repeat it for several "
                         "replicas (sessions are placed on them by the client's rendezvous hashing), or give "
                         "dns://NAME:PORT for the replicas a DNS name lists (a Kubernetes headless Service)")
+    g.add_argument("--uds", default=None, metavar="PATH",
+                   help="the Unix socket of a server on this machine (convserve serve --uds): every call goes "
+                        "through it, --url naming only the host")
     g.add_argument("--api-key", default=None, help="API key [env CONVSERVE_API_KEY]")
     g.add_argument("--timeout", type=_number(float, 0, strict=True, example="60"), default=60.0,
                    help="seconds per HTTP call [60]")
@@ -157,6 +160,8 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
         parser.error(f"--verify-sample {args.verify_sample}: must be in (0, 1], e.g. 0.1")
     if args.shm_sealed and not args.shm_mib:
         parser.error("--shm-sealed needs --shm-mib (the arena's size)")
+    if args.uds and args.url and (len(args.url) > 1 or args.url[0].startswith("dns://")):
+        parser.error("--uds reaches one server on this machine: give at most one http:// --url with it")
     frontend = args.scenario == "frontend"
     if args.spec_k is not None and args.scenario not in ("spec", "frontend"):
         parser.error(f"--spec-k applies to --scenario spec or frontend, not {args.scenario}: leave it out or choose "

@@ -188,7 +188,9 @@ async def run(args) -> dict:
         from convserve.clients.protocol.shm import ShmArena
 
         shm = ShmArena(args.shm_mib << 20, sealed=args.shm_sealed)
-    client = AsyncConvClient(url, api_key=args.api_key, timeout=args.timeout, max_connections=n_conn, shm=shm)
+    uds = {"uds": args.uds} if args.uds else {}          # (one server: check_args)
+    client = AsyncConvClient(url, api_key=args.api_key, timeout=args.timeout, max_connections=n_conn, shm=shm,
+                             **uds)
     quiet_gc = interrupted = None
     try:
         try:

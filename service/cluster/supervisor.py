@@ -83,6 +83,7 @@ class Supervisor:
         self.engines = [_Child("engine", i) for i in range(len(devices))]
         self.workers = [_Child("worker", i) for i in range(n_workers)]
         self.sock: Optional[socket.socket] = None
+        self.unix = None                    # the UnixListener of settings.uds, when set
         self.port = self.settings.port             # the port bound, once it is (--port 0 picks one)
         self.stopping = False
         self._wake_r, self._wake_w = socket.socketpair()
@@ -104,7 +105,8 @@ class Supervisor:
 
     def _spawn_worker(self, c: _Child) -> None:
         c.generation += 1
-        self._start(c, worker.main, {"generation": c.generation, "devices": self.devices, "socket": self.sock,
+        sockets = [self.sock] + ([self.unix.sock] if self.unix is not None else [])
+        self._start(c, worker.main, {"generation": c.generation, "devices": self.devices, "sockets": sockets,
                                      "workers": self.n_workers})
         log.info("worker process started", extra={"worker": c.index, "pid": c.proc.pid})
 
@@ -158,6 +160,7 @@ class Supervisor:
 
     def run(self) -> int:
         from convserve.service.cli import bind_socket, cannot_listen
+        from convserve.service.unix_listener import bind_unix, cannot_listen_unix
 
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         metrics_dir = os.path.join(self.run_dir, "metrics")
@@ -168,6 +171,12 @@ class Supervisor:
                 self.sock = bind_socket(self.settings, listen=False)
             except OSError as e:                # the port is taken (or not ours): one line, not a traceback
                 self.start_error = cannot_listen(self.settings, e)
+                return 2
+            try:
+                self.unix = bind_unix(self.settings, listen=False)
+            except OSError as e:
+                self.start_error = cannot_listen_unix(self.settings, e)
+                self.sock.close()
                 return 2
             self.port = self.sock.getsockname()[1]
             for c in self.engines:
@@ -181,14 +190,17 @@ class Supervisor:
                 return 1 if self.timed_out else 2
             try:                                # connections are refused, not queued, until now
                 self.sock.listen(self.settings.backlog)
+                if self.unix is not None:
+                    self.unix.listen()
             except OSError as e:                # another server bound the port meanwhile and listens first
                 self.start_error = cannot_listen(self.settings, e)
                 self._stop_all()
                 return 2
             host, port = self.sock.getsockname()[:2]
+            uds = {"uds": self.unix.path} if self.unix is not None else {}
             log.info("listening", extra={"host": host, "port": port, "url": f"http://{host}:{port}",
                                          "workers": self.n_workers, "engines": self.devices,
-                                         "run_dir": self.run_dir})
+                                         "run_dir": self.run_dir, **uds})
             for c in self.workers:
                 self._spawn_worker(c)
             self._loop()
@@ -331,6 +343,9 @@ class Supervisor:
         if self.sock is not None:
             self.sock.close()
             self.sock = None
+        if self.unix is not None:
+            self.unix.close()
+            self.unix = None
         self._stop(self.workers, workers)
         procs = [(c, c.proc) for c in self.engines if c.proc is not None]
         self._stop(self.engines, engines)

@@ -37,4 +37,4 @@ def main(spec: dict) -> None:
                           limits=batch_limits(settings), client_direct=client_direct(settings, spec["devices"]),
                           workers=spec["workers"])
     app = create_app(settings, engine)
-    exit_now(run_app(settings, app, sockets=[spec["socket"]]))
+    exit_now(run_app(settings, app, sockets=spec["sockets"]))
