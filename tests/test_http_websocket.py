@@ -273,3 +273,26 @@ def test_a_websocket_whose_client_reads_nothing_is_cut_off_at_the_drains_deadlin
     from tests.test_http_stream import cut_off_at_the_drains_deadline
 
     cut_off_at_the_drains_deadline(workers, _ws_begin, _ws_frame)
+
+
+def test_a_websocket_whose_client_reads_nothing_for_body_timeout_is_reset():
+    """A WebSocket client that sends frames and reads none of the answers: once a write has waited
+    ``body_timeout_s``, the server resets the connection, as it does such an HTTP stream's, rather than queue a
+    close frame behind answers the client never reads and keep the connection open. The client reads nothing: it
+    watches its socket's TCP state (``TCP_INFO``), which a reset takes out of ESTABLISHED."""
+    import socket
+    import time
+
+    from tests.test_http_stream import reading_nothing
+
+    srv = LiveServer(["--layers", "1", "--dim", "1024", "--dtype", "float32", "--workers", "0", "--device", "cpu",
+                      "--body-timeout-s", "1", "--max-body-bytes", str(1 << 20)])
+    try:
+        with reading_nothing(srv, _ws_begin, _ws_frame) as s:
+            deadline, state = time.monotonic() + 20, 1
+            while state == 1 and time.monotonic() < deadline:          # 1: TCP_ESTABLISHED
+                time.sleep(0.2)
+                state = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
+            assert state != 1, "the server kept the connection of a client that reads nothing"
+    finally:
+        srv.kill()

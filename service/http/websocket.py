@@ -113,8 +113,10 @@ class WebSocketEndpoint:
             try:
                 async with asyncio.timeout(svc.body_timeout):   # a peer reading nothing that long is dropped
                     await send({"type": "websocket.send", "bytes": data})
-            except Exception:  # noqa: BLE001 - the peer is gone
+            except Exception:  # noqa: BLE001 - the peer is gone, or reads nothing
                 p.cancel_all()
+                if p.abort is not None:   # not a close frame: that would wait on a peer that reads nothing
+                    p.abort()
 
         reader = asyncio.ensure_future(self._read(p, receive))
         try:
