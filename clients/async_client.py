@@ -46,9 +46,9 @@ class AsyncConvClient(_Base):
         # request-response calls go through a lean keep-alive pool (see _H1Pool: httpx's pool costs more per
         # request the more connections it holds); streams, custom transports, https and proxies stay on httpx
         target = _h1_target(self.url, uds) if transport is None else None
-        if uds is not None:
-            transport = unix_transport(transport, uds, asynchronous=True)
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        if uds is not None:
+            transport = unix_transport(transport, uds, limits, asynchronous=True)
         self._http = httpx.AsyncClient(base_url=self.url, headers=self.headers, timeout=timeout, transport=transport,
                                        limits=limits)
         self._h1: Optional[_H1Pool] = None

@@ -306,8 +306,10 @@ def _h1_target(url: str, uds: Optional[str] = None) -> Optional[tuple]:
     return u.hostname, u.port or 80, u.path.rstrip("/")
 
 
-def unix_transport(transport, uds: str, asynchronous: bool = False):
-    """httpx's transport over the Unix socket ``uds`` (a client's ``uds=``); a transport given too is an error."""
+def unix_transport(transport, uds: str, limits: httpx.Limits, asynchronous: bool = False):
+    """httpx's transport over the Unix socket ``uds`` (a client's ``uds=``), with the client's connection
+    ``limits`` (httpx takes a given transport's own); a transport given too is an error."""
     if transport is not None:
         raise ValueError("give uds or transport, not both (a transport of your own can take uds= itself)")
-    return httpx.AsyncHTTPTransport(uds=uds) if asynchronous else httpx.HTTPTransport(uds=uds)
+    cls = httpx.AsyncHTTPTransport if asynchronous else httpx.HTTPTransport
+    return cls(uds=uds, limits=limits)

@@ -63,11 +63,11 @@ class ConvClient(_Base):
         it, ``url`` naming the host and path prefix only."""
         super().__init__(url, api_key, timeout, track_positions, max_retries, retry_backoff_s, shm)
         self.uds = uds
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         if uds is not None:
-            transport = unix_transport(transport, uds)
+            transport = unix_transport(transport, uds, limits)
         self._http = httpx.Client(base_url=self.url, headers=self.headers, timeout=timeout, transport=transport,
-                                  limits=httpx.Limits(max_connections=max_connections,
-                                                      max_keepalive_connections=max_connections))
+                                  limits=limits)
 
     def close(self) -> None:
         """Close the client's connections (``with ConvClient(...)`` does it on exit)."""

@@ -6,15 +6,19 @@ from several CPUs and arrive out of order; the sender then retransmits what had 
 taken for lost waits out a retransmission timeout (hundreds of milliseconds) in the middle of a call. A Unix
 socket has no segments to reorder, and moves large bodies for less.
 
-The file is made at start: one left by a server that is gone (nothing accepts on it) is replaced, one that a live
-server listens on is refused as the TCP port in use is, and any other file is never removed. It is removed at exit
-while it is still the one this server made. Its permissions follow the umask: a client needs write permission on
-it (and search permission on its folder), so the folder's permissions choose who may connect.
+The file is made at start under an exclusive lock on ``PATH.lock`` (made beside it and kept), held until exit: a
+server holds its path from its start, while its engines are built and its socket accepts nothing yet. With the
+lock, a socket file at the path is one left by a server that is gone, replaced, unless something else accepts
+on it (a connect, which never waits); another server holding the lock, or a process listening there, is refused
+as the TCP port in use is, and a file that is not a socket is never removed. The socket file is removed at exit
+while it is still this server's. Its permissions follow the umask: a client needs write permission on it (with the
+usual umask 022 only its owner has it).
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
 import socket
@@ -51,35 +55,50 @@ class UnixListener:
     def __init__(self, path, backlog: int, listen: bool = True):
         self.path = os.fspath(path)
         self.backlog = backlog
-        self._replace_stale()
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._lock = os.open(self.path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self.sock = None
         try:
+            try:
+                fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise OSError(errno.EADDRINUSE, "another server holds it", self.path) from None
+            self._replace_stale()
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self.sock.bind(self.path)
             self._ino = os.stat(self.path).st_ino
             if listen:
                 self.sock.listen(backlog)
         except OSError:
-            self.sock.close()
+            if self.sock is not None:
+                self.sock.close()
+            os.close(self._lock)
             raise
         self.sock.set_inheritable(True)
 
     def _replace_stale(self) -> None:
-        """Remove a socket file nothing accepts on (a server that died); EADDRINUSE when a server listens there."""
+        """With the path's lock held: remove a socket file nothing accepts on (a server that is gone); EADDRINUSE
+        when something listens there (a connect that does not wait: a full accept queue counts as listening)."""
         try:
             if not stat.S_ISSOCK(os.lstat(self.path).st_mode):
                 raise OSError(errno.EEXIST, "exists and is not a socket", self.path)
         except FileNotFoundError:
             return
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.setblocking(False)
         try:
             probe.connect(self.path)
         except ConnectionRefusedError:
-            os.unlink(self.path)
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
             log.info("a stale Unix socket file replaced", extra={"uds": self.path})
         except FileNotFoundError:
             pass
+        except BlockingIOError:
+            raise OSError(errno.EADDRINUSE, "a process listens on it", self.path) from None
         else:
-            raise OSError(errno.EADDRINUSE, "a server listens on it", self.path)
+            raise OSError(errno.EADDRINUSE, "a process listens on it", self.path)
         finally:
             probe.close()
 
@@ -87,13 +106,18 @@ class UnixListener:
         self.sock.listen(self.backlog)
 
     def close(self) -> None:
-        """Stop accepting and remove the file, if it is still the one this listener made."""
+        """Stop accepting, remove the file if it is still the one this listener made, and release the path's
+        lock. Idempotent."""
+        if self._lock < 0:
+            return
         self.sock.close()
         try:
             if os.stat(self.path).st_ino == self._ino:
                 os.unlink(self.path)
         except OSError:      # gone already, or replaced by someone else's: theirs
             pass
+        os.close(self._lock)         # (the lock goes with it)
+        self._lock = -1
 
 
 def bind_unix(settings, listen: bool = True) -> Optional[UnixListener]:
@@ -105,7 +129,7 @@ def cannot_listen_unix(settings, e: OSError) -> str:
     """The one line ``serve`` ends with when the Unix socket cannot be made; the exit status is 2."""
     log.error("cannot listen", extra={"uds": str(settings.uds), "error": str(e)})
     if e.errno == errno.EADDRINUSE:
-        fix = "another server listens on it: stop it or pick another --uds"
+        fix = "another server (or process) uses it: stop it or pick another --uds"
     elif e.errno in (errno.EACCES, errno.EPERM):
         fix = "this user cannot create files there: pick another --uds"
     else:

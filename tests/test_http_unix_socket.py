@@ -5,16 +5,19 @@ the socket file is made at start (a stale one replaced, a live one or another fi
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import socket
 import subprocess
 import sys
+import threading
 
 import httpx
 import pytest
 import torch
 
 from convserve.clients.client import AsyncConvClient, ConvClient, ConvRequest
+from convserve.service.unix_listener import UnixListener
 from tests.live import LiveServer, Reference
 from tests.tolerance import assert_close
 
@@ -91,7 +94,7 @@ def _start_fails(args) -> subprocess.CompletedProcess:
 def test_a_socket_a_live_server_listens_on_is_refused_and_left_to_it(unix_server):
     _srv, path = unix_server
     r = _start_fails(["--workers", "0", "--uds", path])
-    assert r.returncode == 2 and "another server listens on it" in r.stderr, r.stderr
+    assert r.returncode == 2 and "another server (or process) uses it" in r.stderr, r.stderr
     with ConvClient("http://localhost", uds=path) as c:
         assert c.health()
 
@@ -127,3 +130,66 @@ def test_the_load_tester_runs_through_the_unix_socket(unix_server, tmp_path):
                         "--out", str(tmp_path / "lt")], env=env, capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "0 mismatch(es)" in r.stdout
+
+
+def test_a_socket_bound_by_a_supervisor_still_building_its_engines_is_not_taken_by_another_server(tmp_path):
+    """The supervisor binds the file and listens only once its engines are built (seconds to minutes); a second
+    server started meanwhile must not take the file for a stale one (nothing accepts on it yet): the path's lock
+    refuses it (EADDRINUSE)."""
+    path = str(tmp_path / "cs.sock")
+    first = UnixListener(path, 16, listen=False)     # Supervisor.run: bind_unix(settings, listen=False)
+    second = None
+    try:
+        with pytest.raises(OSError) as e:
+            second = UnixListener(path, 16)
+        assert e.value.errno == errno.EADDRINUSE
+    finally:
+        if second is not None:
+            second.close()
+        first.close()
+
+
+def test_the_stale_probe_does_not_hang_on_a_live_server_whose_backlog_is_full(tmp_path):
+    """A process listening on the path that accepts nothing (busy, stopped) with a full accept queue: the probe's
+    connect does not wait, and the start is refused (EADDRINUSE), not hung."""
+    path = str(tmp_path / "cs.sock")
+    wedged = socket.socket(socket.AF_UNIX)
+    wedged.bind(path)
+    wedged.listen(0)
+    held = []
+    for _ in range(8):                               # fill the backlog
+        c = socket.socket(socket.AF_UNIX)
+        c.setblocking(False)
+        try:
+            c.connect(path)
+        except BlockingIOError:
+            c.close()
+            break
+        held.append(c)
+    got = {}
+
+    def start():
+        try:
+            UnixListener(path, 16).close()
+            got["r"] = "bound"
+        except OSError as e:
+            got["r"] = e.errno
+
+    t = threading.Thread(target=start, daemon=True)
+    t.start()
+    t.join(5)
+    try:
+        assert got.get("r") == errno.EADDRINUSE, f"after 5 s: {got.get('r', 'still blocked in the probe')}"
+    finally:
+        for c in held:
+            c.close()
+        wedged.close()
+
+
+@pytest.mark.parametrize("cls", [ConvClient, AsyncConvClient])
+def test_max_connections_is_kept_over_the_unix_socket(cls):
+    """``max_connections`` holds over the Unix socket too (httpx takes a given transport's own limits, so the
+    client's transport is built with them)."""
+    c = cls("http://localhost", uds="/nonexistent/cs.sock", max_connections=300)
+    pool = c._http._transport._pool
+    assert (pool._max_connections, pool._max_keepalive_connections) == (300, 300)

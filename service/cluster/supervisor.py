@@ -211,6 +211,8 @@ class Supervisor:
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
+            if self.unix is not None:           # (a start that raised: the socket file and its lock go too)
+                self.unix.close()
             shutil.rmtree(self.run_dir, ignore_errors=True)
             os.close(self._run_lock)
 
