@@ -1,10 +1,8 @@
 """The optional Unix-socket listener (``uds``): HTTP for clients on this machine without TCP.
 
 A client on the same machine reaches the server through a socket file, beside the TCP port (which health probes,
-load balancers and remote clients keep using). Over the loopback, TCP segments of one connection can be queued
-from several CPUs and arrive out of order; the sender then retransmits what had arrived, and a retransmission
-taken for lost waits out a retransmission timeout (hundreds of milliseconds) in the middle of a call. A Unix
-socket has no segments to reorder, and moves large bodies for less.
+load balancers and remote clients keep using). A Unix socket has no TCP stack under it (no segments, window or
+acknowledgements, nothing to reorder or retransmit on the loopback), and moves large bodies for less.
 
 The file is made at start under an exclusive lock on ``PATH.lock`` (made beside it and kept), held until exit: a
 server holds its path from its start, while its engines are built and its socket accepts nothing yet. With the
