@@ -6,7 +6,9 @@
 #
 #   bash bench/frontend_check.sh          # on the device (run with carry [".whl"]); results under $OUT/frontend-*
 #
-# SERVER_CPUS, CLIENT_CPUS (0-7, 8-15), LAYERS, DIM (8, 4096), DURATION (12 s) and PYTHON change the defaults.
+# SERVER_CPUS, CLIENT_CPUS (0-7, 8-15), LAYERS, DIM (8, 4096), DURATION (12 s), WARMUP (15 s) and PYTHON change
+# the defaults. The warm-up covers the ramp: the sessions' prefills go in steps of up to max_batch_tokens tokens (67 MB
+# a layer call at dim 4096 through bodies), and a step begun after the warm-up is measured as a decode step would be.
 # Each leg's table is in $OUT/frontend-<leg>.txt and its JSON in $OUT/frontend-<leg>/loadtest.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,7 +38,7 @@ leg() {  # name, then the load tester's extra flags
   local name=$1; shift
   taskset -c "${CLIENT_CPUS:-8-15}" "$PY" -m convserve.clients.loadtest --url "http://127.0.0.1:$port" \
     --scenario frontend \
-    --prefill uniform:16:128 --decode const:4000 --warmup 3 --duration "$DURATION" --no-progress \
+    --prefill uniform:16:128 --decode const:4000 --warmup "${WARMUP:-15}" --duration "$DURATION" --no-progress \
     --out "$OUT/frontend-$name" "$@" > "$OUT/frontend-$name.txt" 2>&1
   echo "$name: exit $?"
   tail -n 25 "$OUT/frontend-$name.txt"
