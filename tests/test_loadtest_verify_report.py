@@ -35,3 +35,26 @@ def test_verify_with_answers_reports_the_count_and_mismatches():
 
 def test_no_verify_line_without_verify():
     assert "verified" not in _printed(_result(None, 0))
+
+
+def test_measured_steps_that_carried_prefill_rows_are_counted_and_named_under_the_table():
+    """The frontend's step row mixes decode steps with steps that prefilled sessions after the warm-up (a ramp
+    longer than it): the recorder counts those begun after the warm-up, and the report says so and what to do."""
+    from convserve.clients.loadtest.stats import Recorder
+
+    rec = Recorder(measure_from=10.0)
+    rec.prefill_step(9.0, 8000)          # in the warm-up: not counted
+    rec.prefill_step(10.5, 4096)
+    rec.prefill_step(11.0, 1000)
+    st = rec.summary(20.0, 0, 0)
+    assert (st["prefill_steps"], st["prefill_tokens"]) == (2, 5096)
+    result = _result(None, 0)
+    nan = float("nan")
+    step_row = {"count": 40, "tokens": 0, "req_per_s": 0.0, "tokens_per_s": 0.0, "p50_ms": nan, "p90_ms": nan,
+                "p99_ms": nan, "max_ms": nan, "mean_ms": nan}
+    result["steps"][0].update(prefill_steps=2, prefill_tokens=5096, kinds={"step": step_row})
+    result["config"]["warmup_s"] = 3.0
+    out = " ".join(_printed(result).split())       # (the console wraps long lines)
+    assert "c=2: 2 of the 40 measured steps carried prefill rows (5096 tokens)" in out
+    assert "--warmup 3.0 s" in out and "raise --warmup" in out
+    assert "prefill rows" not in _printed(_result(None, 0))

@@ -160,6 +160,9 @@ class FrontendDriver(Driver):
             return
         t_end = time.perf_counter()
         self.rec.ok("step", t0, t_end, total)
+        prefill = sum(n for _, k, n in work if k == "prefill")
+        if prefill:
+            self.rec.prefill_step(t0, prefill)
         self.rec.accepted(t0, sum(n for _, k, n in work if k != "verify") + sum(a for _, a in accepts))
         gone = []
         for v, kind, _ in work:

@@ -112,6 +112,12 @@ def step_notes(st: dict, cfg: dict) -> list:
     for reason, sids in by_why.items():         # every id: an operator must be able to delete them
         out.append(f"{st['label']}: {len(sids)} session(s) may still hold a slot on the server ({reason}): "
                    + ", ".join(sids))
+    if st.get("prefill_steps"):             # (frontend) the step row mixes them with the decode steps
+        steps = (st.get("kinds") or {}).get("step", {}).get("count", "?")
+        out.append(f"{st['label']}: {st['prefill_steps']} of the {steps} measured steps carried prefill rows "
+                   f"({st['prefill_tokens']} tokens): sessions prefilled after the warm-up (a ramp longer than "
+                   f"--warmup {cfg.get('warmup_s', '?')} s, or arrivals); their latency is in the step row: raise "
+                   "--warmup to measure decode steps alone")
     if st.get("interrupted"):
         out.append(f"{st['label']}: interrupted: the figures cover the step up to the interrupt")
     return out

@@ -46,6 +46,8 @@ class Recorder:
         self.accepted_tokens = 0
         self.verified = 0
         self.mismatches = 0
+        self.prefill_steps = 0      # frontend steps carrying prefill rows, and their prefill tokens
+        self.prefill_tokens = 0
         self.ok_total = 0           # conv requests answered, warm-up included (progress display)
         self.err_total = 0
         self._recent = collections.deque()   # (t_done, latency) of conv requests, for the live view
@@ -95,6 +97,12 @@ class Recorder:
         if t_start >= self.measure_from:
             self.verified += 1
             self.mismatches += mismatch
+
+    def prefill_step(self, t_start: float, tokens: int) -> None:
+        """A frontend step begun at ``t_start`` carried ``tokens`` (> 0) prefill tokens."""
+        if t_start >= self.measure_from:
+            self.prefill_steps += 1
+            self.prefill_tokens += tokens
 
     def session_done(self, t_done: float) -> None:
         if t_done >= self.measure_from:
@@ -156,6 +164,8 @@ class Recorder:
             "retries": dict(sorted(self.retries.items())),
             "retries_total": sum(self.retries.values()),
             "sessions_completed": self.sessions_done,
+            "prefill_steps": self.prefill_steps,
+            "prefill_tokens": self.prefill_tokens,
             "verify": {"checked": self.verified, "mismatches": self.mismatches},
         }
 
