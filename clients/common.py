@@ -7,11 +7,10 @@ import contextlib
 import itertools
 import operator
 import os
-import threading
 import urllib.parse
 import uuid
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, Sequence, Union
 
 import httpx
 
@@ -20,6 +19,9 @@ from convserve.clients.protocol import wire
 from convserve.clients.protocol.errors import BY_CODE as _BY_CODE
 from convserve.clients.protocol.errors import (EngineTimeout, LateRequest, OutcomeUnknown, PositionMismatch,
                                               ServiceError, SessionExists, UnknownSession)
+
+if TYPE_CHECKING:
+    from convserve.clients.stream_tracker import _Tracker
 
 _HEADERS = {"content-type": wire.MEDIA_TYPE, "accept": wire.MEDIA_TYPE}
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -287,94 +289,6 @@ def _flags(speculative) -> Union[bool, list]:
     return [bool(s) for s in speculative]
 
 
-class _Tracker:
-    """Matches answers of a stream to their requests and, for a client that tracks positions (``book``), notes
-    in its book what each frame did: an answered frame's tokens are applied; a session of a frame that failed
-    or was never answered, or whose positions the book set while the frame was in flight (a read of the server's,
-    a tracked call's answer: :meth:`PositionBook.mark`), is forgotten, so that its next tracked call reads the
-    server's positions first."""
-
-    def __init__(self, book=None):
-        self.meta: dict = {}
-        self.lock = threading.Lock()
-        self.book = book
-
-    def add(self, req: ConvRequest) -> None:
-        check_given_position(self.book, req.position, req.request_id)
-        with self.lock:
-            if req.id in self.meta:
-                raise ValueError(f"request id {req.id!r} is already in flight in this stream; ids must be unique")
-            batch = isinstance(req, BatchRequest)
-            session = list(req.sessions) if batch else req.session
-            # what each session's row applies, and the session's mark in the book then (PositionBook.mark), for the
-            # book only (no per-frame work without one)
-            rows = None if self.book is None else \
-                _Base._batch_rows(session, req.x, req.tokens, req.speculative) if batch else \
-                ([len(req.x)], [bool(req.speculative)])
-            if rows is not None:
-                rows = (*rows, self.book.frames_sent(session if batch else [session]))
-            self.meta[req.id] = (session, req.layer, _backend_of(req.x), rows)
-
-    def result(self, obj: Any) -> ConvResult:
-        if not isinstance(obj, dict) or "id" not in obj:
-            e = ServiceError(f"the server sent a malformed stream frame: {obj!r:.200}")
-            e.code = "internal"
-            raise e
-        fid = obj["id"]
-        if fid is None:  # the stream was ended by the server
-            raise error_from(obj.get("error"))
-        with self.lock:
-            meta = self.meta.pop(fid, None)
-        if meta is None:
-            e = ServiceError(f"the server answered an unknown frame id {fid!r}")
-            e.code = "internal"
-            raise e
-        session, layer, backend, rows = meta
-        sessions = session if isinstance(session, list) else [session]
-        if "error" in obj:
-            self._forget(sessions)
-            return ConvResult(fid, session, layer, error=error_from(obj["error"]))
-        if rows is not None:
-            self.book.frame_answered(sessions, layer, *rows)
-        return ConvResult(fid, session, layer, y=wire.decode_tensor(obj["y"], backend=backend, name="y"))
-
-    def _forget(self, sessions) -> None:
-        if self.book is not None:
-            for s in sessions:
-                self.book.forget(s)
-            self.book.frames_done(sessions)
-
-    @contextlib.contextmanager
-    def answering(self, closing):
-        """Around a stream's reading of its answers. An exception abandons the answers still owed, and is not
-        raised when it ends a stream the caller left (``closing()``: close() is not the place to raise); a stream
-        the caller left abandons what it still owed at its end too."""
-        try:
-            yield
-        except BaseException as e:
-            self.abandon()
-            if closing() and isinstance(e, Exception):
-                return
-            raise
-        if closing():
-            self.abandon()
-
-    def abandon(self) -> None:
-        """The stream ended without the answers still owed: their outcome is unknown to the client."""
-        with self.lock:
-            owed, self.meta = list(self.meta.values()), {}
-        for session, *_ in owed:
-            self._forget(session if isinstance(session, list) else [session])
-
-    def check_done(self) -> None:
-        if self.meta:
-            n = len(self.meta)
-            self.abandon()
-            e = ServiceError(f"the stream ended with {n} request(s) unanswered")
-            e.code, e.status = "internal", 500
-            raise e
-
-
 def _ws_url(base: str) -> str:
     if base.startswith("https://"):
         return "wss://" + base[len("https://"):] + "/v1/conv/ws"
@@ -544,7 +458,7 @@ class _Base:
                 self.positions.applied_at(s, layer, p, n, f, mk)
         return wire.decode_tensor(obj["y"], backend=_backend_of(x), name="y", shm=self.shm)
 
-    def _ws_results(self, msg, unpacker, tracker: "_Tracker") -> Iterator["ConvResult"]:
+    def _ws_results(self, msg, unpacker, tracker: _Tracker) -> Iterator["ConvResult"]:
         """The results in one WebSocket message (binary: msgpack frames), counted in ``bytes_received``."""
         if isinstance(msg, str):
             raise ServiceError(f"the server sent a text message: {msg[:200]}")

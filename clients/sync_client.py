@@ -11,13 +11,14 @@ from typing import Iterable, Iterator, Optional, Sequence
 import httpx
 
 from convserve.clients.common import (MAX_MESSAGE_BYTES, _POLL_S, ConvResult, SessionState, _as_request, _backend_of,
-                                      _Base, _chunked, _decode, _default_backend, _raise_for, _Tracker, _ws_url,
+                                      _Base, _chunked, _decode, _default_backend, _raise_for, _ws_url,
                                       check_given_position, ws_connect, WS_CLOSE_S)
 from convserve.clients.h1 import unix_transport
 from convserve.clients.positions import (IMPORT, LOOK, RESYNC, RETRY_ERRORS, Attempts, serialized)
 from convserve.clients.protocol import wire
 from convserve.clients.replicas import is_routed
 from convserve.clients.session_requests import accept_body, delete_path, quote_id, session_body, state_body
+from convserve.clients.stream_tracker import _Tracker
 from convserve.clients.protocol.errors import BadRequest, LateRequest, PositionMismatch, ServiceError
 from convserve.clients.protocol.ids import new_session_id
 

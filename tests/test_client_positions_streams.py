@@ -47,7 +47,7 @@ def test_a_tracked_call_made_while_a_streams_frames_are_in_flight_leaves_the_boo
 
 def _tracked_frame(book, sid, tokens=1):
     from convserve.clients.client import ConvRequest
-    from convserve.clients.common import _Tracker
+    from convserve.clients.stream_tracker import _Tracker
 
     tr = _Tracker(book)
     tr.add(ConvRequest(sid, LAYER, rand_x(tokens, seed=1), id=0))
@@ -245,7 +245,7 @@ def test_a_frame_answered_while_the_book_reads_the_servers_positions_is_not_lost
     installing the read left the book behind the server by the frame's tokens, and every later tracked call of the
     session was refused (409). The read is made again instead, and the conv is sent at the server's position."""
     from convserve.clients.client import ConvRequest
-    from convserve.clients.common import _Tracker
+    from convserve.clients.stream_tracker import _Tracker
 
     box = {}
     handler, state = _server_where_a_frame_runs_during_the_read(lambda: box["tr"])
@@ -337,7 +337,7 @@ def test_a_read_of_positions_made_stale_by_a_frame_is_made_again_after_a_growing
     import time
 
     from convserve.clients.client import ConvRequest
-    from convserve.clients.common import _Tracker
+    from convserve.clients.stream_tracker import _Tracker
     from convserve.clients.protocol import wire as w
 
     state, box, at = {"pos": 5, "reads": 0}, {}, []
