@@ -333,8 +333,7 @@ class PositionBook:
         the session a new mark, for :meth:`from_info`. A frame answered before the read is installed changes it
         (the read may or may not count that frame)."""
         with self._lock:
-            self.positions.pop(session, None)
-            self.verified.pop(session, None)
+            self._drop(session)
             self._moved(session)
             return self._marks[session]
 

@@ -15,6 +15,7 @@ usual umask 022 only its owner has it).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -85,20 +86,18 @@ class UnixListener:
         probe.setblocking(False)
         try:
             probe.connect(self.path)
-        except ConnectionRefusedError:
-            try:
+        except ConnectionRefusedError:           # nothing accepts on it: a server that is gone
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
-            except FileNotFoundError:
-                pass
             log.info("a stale Unix socket file replaced", extra={"uds": self.path})
-        except FileNotFoundError:
+            return
+        except FileNotFoundError:                # gone since the lstat: nothing to replace
+            return
+        except BlockingIOError:                  # its accept queue is full: something listens
             pass
-        except BlockingIOError:
-            raise OSError(errno.EADDRINUSE, "a process listens on it", self.path) from None
-        else:
-            raise OSError(errno.EADDRINUSE, "a process listens on it", self.path)
         finally:
             probe.close()
+        raise OSError(errno.EADDRINUSE, "a process listens on it", self.path)
 
     def listen(self) -> None:
         self.sock.listen(self.backlog)
@@ -109,11 +108,9 @@ class UnixListener:
         if self._lock < 0:
             return
         self.sock.close()
-        try:
+        with contextlib.suppress(OSError):      # gone already, or replaced by someone else's: theirs
             if os.stat(self.path).st_ino == self._ino:
                 os.unlink(self.path)
-        except OSError:      # gone already, or replaced by someone else's: theirs
-            pass
         os.close(self._lock)         # (the lock goes with it)
         self._lock = -1
 

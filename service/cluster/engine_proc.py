@@ -454,9 +454,11 @@ class EngineProcess:
             return
         result = fut.result()
         self._op_ran(head, result)                    # now, in its order (a create of its id may follow at once)
-        sid = result if head["f"] in _CREATES else head["a"][0]
         if head["f"] in _CREATES:            # an evicted or dropped id's note may still wait for the engine's loop
+            sid = result
             self.engine.note_removed_now(sid)
+        else:
+            sid = head["a"][0]
         noted = snaps.note_of(sid)
         if noted is None:
             self._answer_op(ident, head, result)
