@@ -5,6 +5,7 @@ positions could not tell the snapshot's older state from its own."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -454,31 +455,39 @@ def _slow_fsync_server(tmp_path):
     return srv, sids, log
 
 
+@contextlib.contextmanager
+def _deleting(tmp_path):
+    """A :func:`_slow_fsync_server` and a DELETE of its first session sent on a thread at once: yields its
+    ``srv``, an ``api``, the sessions ``gone`` (being deleted) and ``busy``, the fsync ``log``, ``t0`` (when the
+    DELETE was sent) and ``deleted`` (its future); the server is killed after."""
+    from tests.http_api import Api
+
+    srv, (gone, busy), log = _slow_fsync_server(tmp_path)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            t0 = time.monotonic()
+            deleted = pool.submit(Api(srv.url).call, "DELETE", f"/v1/sessions/{gone}")
+            yield SimpleNamespace(srv=srv, api=Api(srv.url), gone=gone, busy=busy, log=log, t0=t0, deleted=deleted)
+    finally:
+        srv.kill()
+
+
 def test_an_engine_process_answers_a_delete_once_its_note_is_durable_and_keeps_stepping_meanwhile(tmp_path):
     """In an engine process operations arrive on the engine's worker thread: the note's fsync (slowed to 0.6 s
     here) runs on the journal's syncer, not there, so another session's conv is served meanwhile, and the delete
     is answered only once its note is durable."""
-    import concurrent.futures as cf
+    from tests.http_api import rand_x
 
-    from tests.http_api import Api, rand_x
-
-    srv, (gone, busy), log = _slow_fsync_server(tmp_path)
-    try:
-        api = Api(srv.url)
-        with cf.ThreadPoolExecutor(1) as pool:
-            t0 = time.monotonic()
-            deleted = pool.submit(Api(srv.url).call, "DELETE", f"/v1/sessions/{gone}")
-            time.sleep(0.15)                        # the delete's note is being made durable now
-            t1 = time.monotonic()
-            assert api.conv(busy, 0, rand_x(1, seed=2))[0] == 200
-            conv_s = time.monotonic() - t1
-            assert deleted.result(30)[0] == 204
-            delete_s = time.monotonic() - t0
-        assert delete_s >= 0.55, delete_s           # answered after the fsync
-        assert conv_s < 0.4, conv_s                 # not held behind it
-        assert set(log.read_text().split()) == {"rewind-fsync"}
-    finally:
-        srv.kill()
+    with _deleting(tmp_path) as d:
+        time.sleep(0.15)                        # the delete's note is being made durable now
+        t1 = time.monotonic()
+        assert d.api.conv(d.busy, 0, rand_x(1, seed=2))[0] == 200
+        conv_s = time.monotonic() - t1
+        assert d.deleted.result(30)[0] == 204
+        delete_s = time.monotonic() - d.t0
+    assert delete_s >= 0.55, delete_s           # answered after the fsync
+    assert conv_s < 0.4, conv_s                 # not held behind it
+    assert set(d.log.read_text().split()) == {"rewind-fsync"}
 
 
 @pytest.mark.parametrize("how", ["create", "fork"])
@@ -487,29 +496,19 @@ def test_an_id_created_again_while_its_deletes_note_is_on_its_way_is_answered_on
     """An engine process runs a create (or a fork) of a deleted id at once, but answers it only once the delete's
     note is durable: answered before, a crash could restore the deleted session's older state under the id its
     client was just told is new."""
-    import concurrent.futures as cf
-
-    from tests.http_api import Api
-
-    srv, (gone, busy), _log = _slow_fsync_server(tmp_path)
-    try:
-        api = Api(srv.url)
-        with cf.ThreadPoolExecutor(1) as pool:
-            t0 = time.monotonic()
-            deleted = pool.submit(Api(srv.url).call, "DELETE", f"/v1/sessions/{gone}")
-            deadline = time.monotonic() + 0.5      # the delete ran (its id is free) while its note is fsynced
-            while api.call("GET", f"/v1/sessions/{gone}")[0] == 200:
-                assert time.monotonic() < deadline, "the delete did not run"
-                time.sleep(0.01)
-            path, body = ("/v1/sessions", {"session": gone}) if how == "create" else \
-                (f"/v1/sessions/{busy}/fork", {"session": gone})
-            st, obj, _ = api.call("POST", path, body)
-            created_s = time.monotonic() - t0
-            assert (st, obj) == (201, {"session": gone})
-            assert deleted.result(30)[0] == 204
-        assert created_s >= 0.55, created_s          # not before the delete's note
-    finally:
-        srv.kill()
+    with _deleting(tmp_path) as d:
+        api, gone = d.api, d.gone
+        deadline = time.monotonic() + 0.5      # the delete ran (its id is free) while its note is fsynced
+        while api.call("GET", f"/v1/sessions/{gone}")[0] == 200:
+            assert time.monotonic() < deadline, "the delete did not run"
+            time.sleep(0.01)
+        path, body = ("/v1/sessions", {"session": gone}) if how == "create" else \
+            (f"/v1/sessions/{d.busy}/fork", {"session": gone})
+        st, obj, _ = api.call("POST", path, body)
+        created_s = time.monotonic() - d.t0
+        assert (st, obj) == (201, {"session": gone})
+        assert d.deleted.result(30)[0] == 204
+    assert created_s >= 0.55, created_s          # not before the delete's note
 
 
 def test_an_evicted_ids_note_still_waiting_for_the_loop_is_handed_to_the_journal_when_the_id_is_made_again(
@@ -534,20 +533,12 @@ def test_an_evicted_ids_note_still_waiting_for_the_loop_is_handed_to_the_journal
 def test_an_engine_process_stopped_while_a_delete_waits_for_its_note_still_answers_it(tmp_path):
     """SIGTERM to the engine process alone while a delete that ran waits for its note: the stop waits for the
     journal, so the delete is answered 204 (not the 503 of an engine that went away with it in flight)."""
-    import concurrent.futures as cf
     import signal
 
-    from tests.http_api import Api
-
-    srv, (gone, _busy), _log = _slow_fsync_server(tmp_path)
-    try:
-        with cf.ThreadPoolExecutor(1) as pool:
-            deleted = pool.submit(Api(srv.url).call, "DELETE", f"/v1/sessions/{gone}")
-            time.sleep(0.2)
-            os.kill([r["pid"] for r in srv.logs if r.get("msg") == "engine up"][-1], signal.SIGTERM)
-            assert deleted.result(30)[0] == 204
-    finally:
-        srv.kill()
+    with _deleting(tmp_path) as d:
+        time.sleep(0.2)
+        os.kill([r["pid"] for r in d.srv.logs if r.get("msg") == "engine up"][-1], signal.SIGTERM)
+        assert d.deleted.result(30)[0] == 204
 
 
 @pytest.mark.parametrize("fail_fast", [True, False])
