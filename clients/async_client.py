@@ -229,27 +229,28 @@ class AsyncConvClient(_Base):
         client's book, after :class:`OutcomeUnknown` or a ``PositionMismatch``; returns ``session_info``."""
         if self.positions is None:
             raise ValueError("resync: this client keeps no positions (make it with track_positions=True)")
+        return await self._read_into_book(session, lambda: self.session_info(session))
+
+    async def _read_into_book(self, session: str, read) -> dict:
+        """:meth:`ConvClient._read_into_book` (``read()`` is awaited)."""
         book = self.positions
-        for reads in itertools.count():   # again while a frame of it was answered during the read (may not count it)
+        for reads in itertools.count():
             if reads:
                 await asyncio.sleep(book.reread_delay(reads))
             mark = book.reading(session)
-            info = await self.session_info(session)
+            info = await read()
             if book.from_info(info, mark):
                 return info
 
     async def _position(self, session: str, layer: int) -> tuple:
         """``(position, mark)`` of ``session`` on ``layer`` in the book, read from the server first when the book
         holds none (:meth:`ConvClient._position`)."""
-        book, reads = self.positions, 0
-        while (got := book.position_and_mark(session, layer)) is None:
-            if reads:
-                await asyncio.sleep(book.reread_delay(reads))
-            mark = book.reading(session)      # (a frame answered before the read is installed: again)
-            info = _decode(await self._read(f"/v1/sessions/{quote_id(session)}", [session], True))
-            book.from_info(info, mark)
-            reads += 1
+        while (got := self.positions.position_and_mark(session, layer)) is None:    # (read only when unknown)
+            await self._read_into_book(session, lambda: self._read_info(session))
         return got
+
+    async def _read_info(self, session: str) -> dict:
+        return _decode(await self._read(f"/v1/sessions/{quote_id(session)}", [session], True))
 
     @serialized(one=True)
     async def conv(self, session: str, layer: int, x, speculative: bool = False, position: Optional[int] = None,

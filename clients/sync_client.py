@@ -254,12 +254,17 @@ class ConvClient(_Base):
         client's book, after :class:`OutcomeUnknown` or a ``PositionMismatch``; returns ``session_info``."""
         if self.positions is None:
             raise ValueError("resync: this client keeps no positions (make it with track_positions=True)")
+        return self._read_into_book(session, lambda: self.session_info(session))
+
+    def _read_into_book(self, session: str, read) -> dict:
+        """Install ``read()`` (the session's info from the server) in the book; again, after a pause that grows,
+        while a frame of the session answered during the read made it stale (it may not count that frame)."""
         book = self.positions
-        for reads in itertools.count():   # again while a frame of it was answered during the read (may not count it)
+        for reads in itertools.count():
             if reads:
                 time.sleep(book.reread_delay(reads))
             mark = book.reading(session)
-            info = self.session_info(session)
+            info = read()
             if book.from_info(info, mark):
                 return info
 
@@ -267,13 +272,9 @@ class ConvClient(_Base):
         """``(position, mark)`` of ``session`` on ``layer`` in the book, read together (a stream's answer on
         another thread may forget the session between a check and a read); read from the server first when the
         book holds none (a session this client did not create, or one it forgot)."""
-        book, reads = self.positions, 0
-        while (got := book.position_and_mark(session, layer)) is None:
-            if reads:
-                time.sleep(book.reread_delay(reads))
-            mark = book.reading(session)      # (a frame answered before the read is installed: again)
-            book.from_info(_decode(self._read(f"/v1/sessions/{quote_id(session)}", [session], True)), mark)
-            reads += 1
+        while (got := self.positions.position_and_mark(session, layer)) is None:
+            self._read_into_book(session, lambda: _decode(self._read(f"/v1/sessions/{quote_id(session)}", [session],
+                                                                     True)))
         return got
 
     # --- conv
