@@ -50,9 +50,8 @@ class StreamEndpoint:
                     await send({"type": "http.response.body", "body": data, "more_body": True})
             except Exception:  # noqa: BLE001 - the client is gone (uvicorn raises on a closed connection)
                 p.cancel_all()
-                abort = scope.get(ABORT_SCOPE_KEY)
-                if abort is not None:     # not close(): that waits to send what the client never reads
-                    abort()
+                if p.abort is not None:   # not close(): that waits to send what the client never reads
+                    p.abort()
 
         reader = asyncio.ensure_future(self._read(p, receive))
         try:
