@@ -48,6 +48,8 @@ import threading
 import time
 from typing import Optional
 
+from convserve.clients.protocol.errors import StateUnwritable
+
 from .engine.snapshot import check_content
 from .snapshot_file import CRASH_SUFFIX, Snapshot, SnapshotDir, compatible, new_meta, read_meta
 from .rewind_journal import RewindJournal
@@ -141,7 +143,7 @@ class Snapshotter:
         self._noted: set = set()
         self._durable: dict = {}             # id -> the future of its last note, until it is durable
         self._files_unknown = False          # a write failed: a file may be on disk that _files lacks
-        engine.on_rewind = self._note_rewinds
+        engine.on_rewind, engine.on_created = self._note_rewinds, self.created
         try:                                  # as soon as the model is built: what a crash mark of it refuses
             self.dir.note_model(engine.model_info())
         except OSError as e:                  # (a later mark then refuses every model's files, as one without it)
@@ -214,6 +216,17 @@ class Snapshotter:
             for sid in ids:
                 if self._durable.get(sid) is fut:
                     del self._durable[sid]
+
+    def created(self, session_id: str):
+        """A create or fork of ``session_id`` ran: the future of the note of the id's last removal while that is
+        not durable yet (None when it is, or there was none), for the answer to wait on. An evicted or dropped
+        id's note that still waits for the engine's loop is handed to the journal first; one that cannot be
+        written raises :class:`StateUnwritable` (the caller undoes the create)."""
+        if not self.engine.note_removed_now(session_id):
+            raise StateUnwritable(f"the note of {session_id!r}'s earlier removal could not be written to the state "
+                                  "folder (see the server log); the create was undone: retry after Retry-After",
+                                  retry_after=1.0)
+        return self.note_of(session_id)
 
     def note_of(self, session_id: str):
         """The future of ``session_id``'s last note while it is not durable yet, else None."""

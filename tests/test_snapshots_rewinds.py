@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from convserve.clients.protocol.errors import StateLost, UnknownSession
+from convserve.clients.protocol.errors import StateLost, StateUnwritable, UnknownSession
 from convserve.service.engine import Engine, EngineConfig
 from convserve.service.model import ConvModel
 from convserve.service.snapshots import Snapshotter
@@ -277,7 +277,7 @@ def test_a_note_a_full_disk_refused_is_not_counted_as_made(tmp_path, monkeypatch
     monkeypatch.setattr(RewindJournal, "note", full)
     if how == "delete":
         for _ in range(2):                                  # refused, and so is its retry
-            with pytest.raises(OSError):
+            with pytest.raises(StateUnwritable):
                 e.delete_session("s")
         assert "s" in e.session_ids() and len(tried) == 2
         monkeypatch.setattr(RewindJournal, "note", real)

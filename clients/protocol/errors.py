@@ -147,6 +147,13 @@ class OutOfMemory(ServiceError):
     status, code = 503, "out_of_memory"
 
 
+class StateUnwritable(ServiceError):
+    """The server could not write the note this operation needs in its state folder first (a full disk, say):
+    nothing was applied (a create or fork that had run was undone). Retry after Retry-After; the server logs the
+    cause, for its operator to free space."""
+    status, code = 503, "state_unwritable"
+
+
 class RequestTimeout(ServiceError):
     status, code = 504, "timeout"
 
@@ -219,7 +226,8 @@ ConvServeError = ServiceError
 ALL_ERRORS = (BadRequest, BodyTimeout, Unauthorized, NotFound, MethodNotAllowed, HeaderTimeout, UpgradeRequired,
               HeaderTooLarge, OverCapacity, UnknownSession, UnknownLayer, SessionExists, PositionMismatch,
               LateRequest, StateLost, PayloadTooLarge, ShapeMismatch, DtypeUnsupported, NonFinite, QueueFull,
-              PoolExhausted, NotReady, EngineUnavailable, OutOfMemory, RequestTimeout, EngineTimeout, Internal)
+              PoolExhausted, NotReady, EngineUnavailable, OutOfMemory, StateUnwritable, RequestTimeout, EngineTimeout,
+              Internal)
 
 #: ``code -> class``, for turning an error body back into its class.
 BY_CODE = {cls.code: cls for cls in ALL_ERRORS}

@@ -37,7 +37,7 @@ from typing import Any, Optional
 
 import msgpack
 
-from convserve.clients.protocol.errors import BadRequest, NotReady, ServiceError
+from convserve.clients.protocol.errors import BadRequest, NotReady, ServiceError, StateUnwritable
 
 from ..claims import claim
 from ..gcfreeze import freeze_startup_objects
@@ -453,13 +453,21 @@ class EngineProcess:
             self._op_done(ident, head, fut)
             return
         result = fut.result()
-        self._op_ran(head, result)                    # now, in its order (a create of its id may follow at once)
-        if head["f"] in _CREATES:            # an evicted or dropped id's note may still wait for the engine's loop
+        if head["f"] in _CREATES:
             sid = result
-            self.engine.note_removed_now(sid)
+            try:
+                noted = snaps.created(sid)
+            except StateUnwritable as e:     # undone, and answered once it is (a retry then finds the id free)
+                reply = m.error_reply(head["i"], e)
+                try:
+                    self.engine.submit_op("drop_created", sid).add_done_callback(lambda _f: self._send(ident, reply))
+                except Exception:  # noqa: BLE001 - the engine is stopping: nothing left to undo it with
+                    self._send(ident, reply)
+                return
         else:
             sid = head["a"][0]
-        noted = snaps.note_of(sid)
+            noted = snaps.note_of(sid)
+        self._op_ran(head, result)                    # now, in its order (a create of its id may follow at once)
         if noted is None:
             self._answer_op(ident, head, result)
         else:

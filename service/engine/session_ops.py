@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from convserve.clients.protocol.errors import (BadRequest, Internal, PoolExhausted, RequestTimeout, ServiceError,
-                                               UnknownSession)
+                                               StateUnwritable, UnknownSession)
 from convserve.state_pool import PoolExhausted as PoolFull
 
 from ..sessions import Session, SessionTable
@@ -55,8 +55,9 @@ class SessionOps:
         failed or was withdrawn). Otherwise it runs at once: an id that exists is :class:`SessionExists`.
         ``request_id`` (``PREFIX:N``, as every session operation takes it): a create whose N is below a later call
         of that client on the id (a delete of the session it would bring back) is :class:`LateRequest`.
-        Raises :class:`SessionExists`, :class:`PoolExhausted`, :class:`LateRequest`, :class:`BadRequest`."""
-        return self._wait_op(self._post_create_session(session_id, request_id))
+        Raises :class:`SessionExists`, :class:`PoolExhausted`, :class:`LateRequest`, :class:`BadRequest`,
+        :class:`StateUnwritable` (see :meth:`~.snapshot.SnapshotTaking._hold_created`)."""
+        return self._hold_created(self._wait_op(self._post_create_session(session_id, request_id)))
 
     def _post_create_session(self, session_id: Optional[str] = None, request_id: Optional[str] = None) -> Op:
         counted = op_request_id(request_id)
@@ -176,8 +177,9 @@ class SessionOps:
         """A new session holding a copy of ``src_id``'s state (and its pending verify, if any), after the
         requests submitted to ``src_id`` so far. ``request_id`` orders it as :meth:`create_session`'s does, on
         the new id. Raises :class:`UnknownSession`, :class:`StateLost`, :class:`SessionExists`,
-        :class:`PoolExhausted`, :class:`LateRequest`."""
-        return self._wait_op(self._post_fork_session(src_id, new_id, request_id))
+        :class:`PoolExhausted`, :class:`LateRequest`, :class:`StateUnwritable` (see
+        :meth:`~.snapshot.SnapshotTaking._hold_created`)."""
+        return self._hold_created(self._wait_op(self._post_fork_session(src_id, new_id, request_id)))
 
     def _post_fork_session(self, src_id: str, new_id: Optional[str] = None, request_id: Optional[str] = None) -> Op:
         counted = op_request_id(request_id)
@@ -305,7 +307,12 @@ class SessionOps:
             marked.clear()
 
         try:
-            note([session_id], self.rewind_waits)
+            try:
+                note([session_id], self.rewind_waits)
+            except OSError as e:
+                raise StateUnwritable(f"the note of this change of {session_id!r} could not be written to the state "
+                                      f"folder ({e}); nothing was applied: retry after Retry-After",
+                                      retry_after=1.0) from e
             return self._post_op(session_id, fn, kind=kind, rid=rid, on_queue=queued, deletes=deletes)
         finally:
             if marked:

@@ -36,11 +36,14 @@ was applied. Sessions beyond the pool's slots, and verifies longer than ``max_sp
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable, Optional
 
 import torch
 
+from convserve.clients.protocol.errors import ServiceError, StateUnwritable
 from convserve.clients.protocol.ids import is_session_id
 
 from ..sessions import Session
@@ -124,6 +127,9 @@ class SnapshotTaking:
         self._noting: dict = {}       # session id -> its imports and deletes noted, not yet queued (_post_noted)
         self._unnoted: list = []      # ids evicted or dropped, for the worker to note in the journal (guarded by _lock)
         self._note_again_at = 0.0     # monotonic time before which a failed note is not tried again
+        # one hand-over of _unnoted to on_rewind at a time (the loop's, note_removed_now's): an id taken from
+        # _unnoted is unknown to on_rewind's owner until on_rewind returns
+        self._handing = threading.Lock()
 
     def _note_removed_locked(self, sid: str) -> None:
         """A session removed without a delete (evicted, dropped): its id goes to the rewind journal soon after,
@@ -132,17 +138,50 @@ class SnapshotTaking:
             self._unnoted.append(sid)
             self._cv.notify()
 
-    def note_removed_now(self, sid: str) -> None:
+    def note_removed_now(self, sid: str) -> bool:
         """When ``sid`` was removed (evicted, dropped) and its note still waits for the worker's loop, hand the
         waiting notes to the journal now, so that ``on_rewind``'s owner knows of it (a create of the id is answered
-        only once that note is durable); a note that cannot be written stays waiting, as in the loop."""
-        with self._lock:
-            waiting = self.on_rewind is not None and sid in self._unnoted
-        if waiting:
-            self._note_removed()
+        only once that note is durable); a hand-over of the loop's under way is waited out first (it may have taken
+        ``sid`` already). False when its note could not be written (it stays waiting, as in the loop), else True."""
+        with self._handing:
+            with self._lock:
+                waiting = self.on_rewind is not None and sid in self._unnoted
+            if not waiting:
+                return True
+            self._hand_over()
+            with self._lock:
+                return sid not in self._unnoted
+
+    def _hold_created(self, sid: str) -> str:
+        """A create or fork of ``sid`` ran: returned once ``on_created``'s owner (the snapshots) says the note of
+        the id's last removal (a delete, an eviction, a drop) is durable. Answered before, a host crash could
+        restore the removed session's older state under the id its client holds as new. A note that cannot be
+        written or made durable within ``request_timeout_s`` undoes the create (:class:`StateUnwritable`)."""
+        hold = self.on_created
+        if hold is None:
+            return sid
+        try:
+            durable = hold(sid)
+            if durable is not None:
+                durable.result(self.config.request_timeout_s)
+        except (StateUnwritable, OSError, FutureTimeout) as e:
+            try:
+                self._wait_op(self._post_drop_created(sid))
+            except ServiceError:       # (deleted meanwhile by a caller that knew the id: nothing left to undo)
+                pass
+            if isinstance(e, StateUnwritable):
+                raise
+            raise StateUnwritable(f"the note of {sid!r}'s earlier removal could not be made durable in the state "
+                                  f"folder ({type(e).__name__}: {e}); the create was undone: retry after "
+                                  "Retry-After", retry_after=1.0) from None
+        return sid
 
     def _note_removed(self) -> None:
         """Write the ids :meth:`_note_removed_locked` gathered (the worker, without the lock)."""
+        with self._handing:
+            self._hand_over()
+
+    def _hand_over(self) -> None:
         with self._lock:
             ids, self._unnoted = self._unnoted, []
         try:

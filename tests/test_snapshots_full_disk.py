@@ -1,0 +1,210 @@
+"""A state folder whose rewind journal cannot be written (a full disk) refuses what needs a note there with ``503
+state_unwritable`` and applies nothing (service/snapshots.py, the rewind journal): an import or a delete does not
+run, and a create or fork of an evicted id whose note cannot be written is undone, in-process and in an engine
+process. Once the disk takes the note again, the id is made again and a crash restores it as ``410``."""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from convserve.clients.protocol.errors import StateUnwritable
+from convserve.service.rewind_journal import RewindJournal
+from tests.test_snapshots_rewinds import _restored_410, _wait_evicted, _wait_noted, start, x_of
+
+
+@pytest.fixture
+def disk(monkeypatch):
+    """The journal's writes fail while ``disk.full``; ``disk.tried`` counts the refused ones."""
+    from convserve.service.engine import snapshot as engine_snapshot
+
+    monkeypatch.setattr(engine_snapshot, "NOTE_RETRY_S", 0.05)
+    real = RewindJournal.note
+    state = SimpleNamespace(full=False, tried=0)
+
+    def note(self, ids, fail_fast=True):
+        if state.full:
+            state.tried += 1
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, ids, fail_fast)
+
+    monkeypatch.setattr(RewindJournal, "note", note)
+    return state
+
+
+@pytest.mark.parametrize("how", ["delete", "import"])
+def test_a_delete_or_import_whose_note_cannot_be_written_is_refused_as_state_unwritable(tmp_path, disk, how):
+    e, sn = start(tmp_path)
+    try:
+        e.create_session("s")
+        e.submit("s", 1, x_of(5, 0)).result()
+        assert sn.write_now()
+        before = e.export_state("s")
+        disk.full = True
+        with pytest.raises(StateUnwritable) as err:
+            if how == "delete":
+                e.delete_session("s")
+            else:
+                e.import_state("s", torch.zeros_like(before))
+        assert err.value.status == 503 and err.value.retry_after and "nothing was applied" in str(err.value)
+        assert "s" in e.session_ids() and e.session_info("s")["positions"] == [5, 0, 0]
+        assert torch.equal(e.export_state("s"), before)
+    finally:
+        e.stop(drain=False)
+
+
+@pytest.mark.parametrize("how", ["create", "fork"])
+def test_an_evicted_id_whose_note_cannot_be_written_is_not_made_again_until_it_is(tmp_path, disk, how):
+    """Answered while the eviction is not noted, a create of the id could be undone by a crash (the snapshot's
+    older state restored under the id its client holds as new): it is undone at once instead, and made again once
+    the note is written; a crash after that restores the id as lost."""
+    e, sn = start(tmp_path, session_ttl_s=0.3)
+    try:
+        e.create_session("s")
+        e.submit("s", 1, x_of(5, 0)).result()
+        assert sn.write_now()
+        disk.full = True
+        _wait_evicted(e, "s")
+        deadline = time.monotonic() + 5
+        while not disk.tried:                      # the engine's loop tried to note the eviction, and failed
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+
+        def make():
+            if how == "create":
+                return e.create_session("s")
+            e.create_session("src")
+            return e.fork_session("src", "s")
+
+        with pytest.raises(StateUnwritable) as err:
+            make()
+        assert err.value.status == 503 and "undone" in str(err.value)
+        assert "s" not in e.session_ids()
+        disk.full = False
+        _wait_noted(sn, "s")
+        if how == "fork":
+            e.delete_session("src")
+        assert make() == "s"                       # the same call again: not refused as a late copy
+        e.submit("s", 1, x_of(2, 1)).result()
+    finally:
+        e.stop(drain=False)
+    assert _restored_410(tmp_path, "s")
+
+
+_FULL_DISK = '''
+import builtins, errno, os
+_open = builtins.open
+def _open_or_full(file, mode="r", *args, **kwargs):
+    if (isinstance(file, str) and os.path.basename(file).startswith("rewinds-") and "a" in mode
+            and os.path.exists(os.environ["CS_DISK_FULL"])):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return _open(file, mode, *args, **kwargs)
+builtins.open = _open_or_full
+'''
+
+
+def test_an_engine_process_answers_503_state_unwritable_and_applies_nothing_while_the_journal_cannot_be_written(
+        tmp_path):
+    """One engine process whose rewind journal's appends fail while a flag file exists (a ``sitecustomize`` on its
+    path): a delete of a held session is 503 and leaves it; a create of an evicted id whose note failed is 503
+    and leaves no session; once the disk takes notes again, the same create is 201."""
+    from tests.http_api import Api, rand_x
+    from tests.live import LiveServer
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_FULL_DISK)
+    flag = tmp_path / "full"
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p),
+           "CS_DISK_FULL": str(flag)}
+    srv = LiveServer(["--layers", "0,2", "--dim", "32", "--dtype", "float32", "--workers", "1", "--devices", "cpu",
+                      "--state-dir", str(tmp_path / "state"), "--snapshot-interval-s", "0.2",
+                      "--session-ttl-s", "1.5"], env=env)
+    try:
+        api = Api(srv.url)
+        kept, gone = api.session("kept"), api.session("gone")
+        for sid in (kept, gone):
+            assert api.conv(sid, 0, rand_x(3, seed=1))[0] == 200
+        deadline = time.monotonic() + 30
+        while (api.call("GET", "/readyz")[1]["engines"][0]["snapshot"] or {}).get("sessions", 0) < 2:
+            assert time.monotonic() < deadline, "no snapshot holds the sessions"
+            time.sleep(0.05)
+        flag.touch()
+        st, obj, _ = api.call("DELETE", f"/v1/sessions/{kept}")
+        assert (st, obj["error"]["code"]) == (503, "state_unwritable"), (st, obj)
+        assert api.call("GET", f"/v1/sessions/{kept}")[0] == 200
+        deadline = time.monotonic() + 30
+        while gone in [i["session"] for i in api.call("GET", "/v1/sessions")[1]["sessions"]]:   # the TTL's eviction
+            assert time.monotonic() < deadline, "not evicted"
+            time.sleep(0.1)
+        time.sleep(0.3)                              # the engine's loop tried to note it, and failed
+        st, obj, _ = api.call("POST", "/v1/sessions", {"session": gone})
+        assert (st, obj["error"]["code"]) == (503, "state_unwritable"), (st, obj)
+        assert api.call("GET", f"/v1/sessions/{gone}")[0] != 200
+        flag.unlink()
+        deadline = time.monotonic() + 30
+        while (st := api.call("POST", "/v1/sessions", {"session": gone})[0]) == 503:   # the loop's retry first
+            assert time.monotonic() < deadline, "never made again"
+            time.sleep(0.2)
+        assert st == 201
+    finally:
+        srv.kill()
+
+
+def test_a_create_during_the_loops_hand_over_of_the_evicted_ids_note_waits_for_it(tmp_path):
+    """The loop takes the waiting notes and hands them to the journal without the engine lock: a create of the
+    evicted id meanwhile (in an engine process: ``Snapshotter.created``, then the answer) must not miss the note in
+    both places and be answered before the journal knows of it."""
+    import concurrent.futures as cf
+    import threading
+
+    from convserve.service.cluster.engine_proc import EngineProcess
+
+    e, sn = start(tmp_path, session_ttl_s=0.3)
+    real, in_loop = e.on_rewind, threading.Event()
+
+    def slow(ids, wait):                     # the loop's hand-over, slowed after it took the ids
+        if "s" in ids and threading.get_ident() == e._cv.worker_ident:
+            in_loop.set()
+            time.sleep(0.5)
+        return real(ids, wait)
+
+    e.on_rewind = slow
+    try:
+        e.create_session("s")
+        e.submit("s", 1, x_of(5, 0)).result()
+        assert sn.write_now()                # held by a snapshot: its eviction is noted
+        assert in_loop.wait(5)
+        e.submit_op("create_session", "s").result(5)
+        answered = []
+        stub = SimpleNamespace(snapshots=sn, engine=e, _op_ran=lambda head, r: None,
+                               _answer_op=lambda ident, head, r: answered.append(r))
+        fut = cf.Future()
+        fut.set_result("s")
+        EngineProcess._answer_durable(stub, b"c", {"f": "create_session", "a": ["s"], "i": 1}, fut)
+        assert "s" in sn.rewinds.since(0.0)  # handed over before the answer was decided
+    finally:
+        e.stop(drain=False)
+
+
+def test_an_in_process_create_of_an_evicted_id_returns_once_its_note_is_durable(tmp_path, monkeypatch):
+    """``--workers 0``: the HTTP process's create is ``Engine.create_session``, which returns only once the note
+    of the id's eviction is fsynced, as an engine process answers it."""
+    from tests.test_snapshots_rewinds import _FsyncLog
+
+    e, sn = start(tmp_path, session_ttl_s=0.3)
+    try:
+        e.create_session("s")
+        e.submit("s", 1, x_of(5, 0)).result()
+        assert sn.write_now()
+        log = _FsyncLog(monkeypatch, delay=0.5)
+        _wait_evicted(e, "s")
+        e.create_session("s")
+        assert "s" in log.durable()
+    finally:
+        e.stop(drain=False)
