@@ -190,10 +190,15 @@ class Supervisor:
                 return 1 if self.timed_out else 2
             try:                                # connections are refused, not queued, until now
                 self.sock.listen(self.settings.backlog)
-                if self.unix is not None:
-                    self.unix.listen()
             except OSError as e:                # another server bound the port meanwhile and listens first
                 self.start_error = cannot_listen(self.settings, e)
+                self._stop_all()
+                return 2
+            try:
+                if self.unix is not None:
+                    self.unix.listen()
+            except OSError as e:
+                self.start_error = cannot_listen_unix(self.settings, e)
                 self._stop_all()
                 return 2
             host, port = self.sock.getsockname()[:2]
