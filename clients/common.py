@@ -37,7 +37,7 @@ WS_CLOSE_S = 10.0
 @dataclass
 class ConvRequest:
     """One conv request of a stream. ``id`` defaults to the request's place in the stream; ``position``: the
-    tokens the session has committed on this layer before it (exactly once: see *Positions*), or None;
+    tokens the session has committed on this layer before it (exactly once: see docs/api.md, *Positions*), or None;
     ``request_id`` (with ``position``): its own id, the same when it is sent again (only its repeat matches)."""
 
     session: str

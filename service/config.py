@@ -195,7 +195,7 @@ class Settings(BaseSettings):
                                         description="with --slots auto: the share of free GPU memory the state "
                                         "pool may take")
 
-    # --- snapshots (README: Snapshots)
+    # --- snapshots (docs/serving.md: Snapshots)
     state_dir: Optional[Path] = Field(None, description="directory of the session snapshots: every session is "
                                       "written there on SIGTERM (and every --snapshot-interval-s) and the newest "
                                       "good snapshot is restored at start; unset: no snapshots")

@@ -92,7 +92,7 @@ def test_a_sync_stream_left_early_applied_exactly_the_frames_it_sent_and_trackin
 def test_a_sync_ws_stream_left_while_its_requests_wait_for_an_answer_returns_and_sends_nothing_more(server,
                                                                                                    replicated):
     # (the sync clients' HTTP streams send the whole body before they read an answer: requests that wait for an
-    # answer need the WebSocket there, as the README says)
+    # answer need the WebSocket there, as docs/api.md says in *Streams*)
     transport = "ws"
     c = ReplicatedConvClient([server.url], track_positions=True, timeout=30) if replicated else \
         ConvClient(server.url, track_positions=True, timeout=30)

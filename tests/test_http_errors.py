@@ -220,20 +220,20 @@ def test_deeply_nested_json_is_a_400_not_a_500(api):
         assert "nested too deeply" in obj["error"]["message"]
 
 
-# ------------------------------------------------------------------------------------------------ the README's table
+# ----------------------------------------------------------------------------------------------- docs/api.md's table
 
 
-def test_every_code_of_the_readmes_error_table_has_a_client_class_of_that_status():
+def test_every_code_of_the_documented_error_table_has_a_client_class_of_that_status():
     """A client turns every documented answer into its own exception class (``except NotFound``), not the base
-    class: the README's table of statuses and codes is the contract both sides keep."""
+    class: the table of statuses and codes in docs/api.md (*Errors*) is the contract both sides keep."""
     import re
 
     from convserve.clients.protocol.errors import ALL_ERRORS, BY_CODE
     from tests.live import ROOT
 
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "api.md").read_text()
     rows = re.findall(r"^\| (\d{3}) \| `([a-z_]+)` \|", text, re.M)
-    assert len(rows) >= 25, "the README's error table moved: update this test's pattern"
+    assert len(rows) >= 25, "docs/api.md's error table moved: update this test's pattern"
     for status, code in rows:
         assert code in BY_CODE, f"{status} {code}: no client class"
         assert BY_CODE[code].status == int(status), (code, BY_CODE[code].status, status)

@@ -22,7 +22,7 @@ import pytest
 from tests.live import LiveServer
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = ("pyproject.toml", "README.md", "src", "kernels", "state_pool", "service", "clients")
+SOURCES = ("pyproject.toml", "README.md", "MANIFEST.in", "docs", "src", "kernels", "state_pool", "service", "clients")
 SERVER_ONLY = ("torch", "triton", "fastapi", "uvicorn", "pydantic_settings", "prometheus_client")
 
 

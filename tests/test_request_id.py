@@ -148,7 +148,7 @@ def test_a_bad_request_id_is_400_and_changes_nothing(api, field, message):
 @pytest.mark.parametrize("kind", ["conv", "batch"])
 def test_a_tracked_calls_next_call_after_a_late_applied_interrupted_one_is_409_not_its_answer(server, api, kind):
     """The interrupted call reached the engine only after the client re-read the positions (the window the
-    README names): the next call carries that position and the same length. With its own request_id it is a 409,
+    docs/client.md names): the next call carries that position and the same length. With its own request_id it is a 409,
     nothing run, never the interrupted call's y."""
     with ConvClient(server.url, track_positions=True) as c:
         s = c.create_session()

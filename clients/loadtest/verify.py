@@ -5,7 +5,7 @@ The weights come from the server itself (``GET /v1/model/weights``, checked agai
 
 A verified session's every conv (and accept) is replayed on a local copy of its conv state, so each answer can be
 compared with what the conv gives for the same inputs. The local conv is written here, independently of the
-server's kernels and references, from the contract in the README: ``y[t] = act(b + sum_k w[k] * h[t + k])`` over
+server's kernels and references, from the contract in docs/kernels.md: ``y[t] = act(b + sum_k w[k] * h[t + k])`` over
 ``h = [state (width - 1 columns), x]``, after which the state is the last ``width - 1`` columns of ``h``. The
 comparison is the relative L2 error against the bound of the response dtype (the bounds the project's tests use).
 

@@ -196,7 +196,7 @@ def create_app(settings, engine: EngineAPI, *, start_engine: bool = True, snapsh
     # following redirects would replay (a DELETE included)
     app = ConvServeApp(title="convserve", version=_version(), lifespan=lifespan, redirect_slashes=False,
                        description="Causal depthwise conv1d of Mamba/hybrid LLMs over HTTP/msgpack. "
-                                   "See README.md (API reference).")
+                                   "See docs/api.md (API reference).")
     app.state.svc = svc
     app.state.metrics = metrics
     app.state.on_fatal = None

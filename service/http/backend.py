@@ -37,7 +37,8 @@ class EngineAPI(Protocol):
     def cancel(self, future) -> bool: ...                  # withdraw a request that has not started
 
     # --- session operations (blocking: the routes run them in a thread)
-    # (request_id: PREFIX:N, ordering the operation among its client's calls on the session; see the README)
+    # (request_id: PREFIX:N, ordering the operation among its client's calls on the session; see docs/client.md,
+    # Late copies)
     def create_session(self, session_id: Optional[str] = None, request_id: Optional[str] = None) -> str: ...
     def delete_session(self, session_id: str, request_id: Optional[str] = None) -> None: ...
     def fork_session(self, src_id: str, new_id: Optional[str] = None, request_id: Optional[str] = None) -> str: ...

@@ -151,7 +151,7 @@ def install_handlers(app: FastAPI) -> None:
                        "allow": ", ".join(allowed)}
             msg = f"{request.method} is not allowed on {request.url.path}; its methods are {', '.join(allowed)}"
         else:
-            msg = {404: f"no route {request.url.path}; see README.md (API reference) for the routes"}.get(
+            msg = {404: f"no route {request.url.path}; see docs/api.md (API reference) for the routes"}.get(
                 exc.status_code, str(exc.detail))
         err = _FrameworkError(exc.status_code, HTTP_CODES.get(exc.status_code, "bad_request"), msg)
         return error_response(request.scope, err, extra_headers=headers)

@@ -62,7 +62,7 @@ class NoWebSocketRoute:
     async def __call__(self, scope, receive, send):
         await refuse_handshake(scope, receive, send, _HandshakeError(
             404, "not_found", f"no WebSocket route {scope['path']}; the one WebSocket route is {WS_ROUTE} (see "
-                              "README.md, API reference)"))
+                              "docs/api.md, API reference)"))
 
 
 class WebSocketOverHTTP:
