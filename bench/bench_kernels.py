@@ -4,7 +4,7 @@ peer, in one process, with a correctness check on fresh random inputs before eac
     python bench/bench_kernels.py                  # full table, JSON + markdown into bench/results/ (or $OUT)
     python bench/bench_kernels.py --variants       # also time tile variants (bench/NOTES.md records them)
     python bench/bench_kernels.py --peer-file P    # a module with the seed's API, timed as a peer
-    python bench/bench_kernels.py --readme R.json  # (no GPU needed) rewrite README's results table from R.json
+    python bench/bench_kernels.py --readme R.json  # (no GPU needed) rewrite docs/benchmarks.md's table from R.json
     python bench/bench_kernels.py --ptx-mix OUT.json  # (no GPU needed) PTX instruction mix per kernel, sm_90
 
 Columns (all µs): ``do_bench`` medians (L2 flushed before each call), ``b2b`` the back-to-back time per call
@@ -454,7 +454,7 @@ def layout_name(layout):
     return _OLD_LAYOUT_NAMES.get(layout, layout)
 
 
-def update_readme(md, readme=ROOT / "README.md"):
+def update_readme(md, readme=ROOT / "docs" / "benchmarks.md"):
     text = readme.read_text()
     if README_START not in text:
         return False
@@ -471,7 +471,7 @@ def main(argv=None):
     ap.add_argument("--only", choices=["prefill", "decode"], help="run one family of cases")
     ap.add_argument("--peer-file", action="append")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "results"))
-    ap.add_argument("--readme", help="rewrite README's table from this results JSON and exit")
+    ap.add_argument("--readme", help="rewrite docs/benchmarks.md's table from this results JSON and exit")
     ap.add_argument("--ptx-mix", metavar="OUT_JSON",
                     help="compile the measured cases' kernels offline for sm_90, count PTX opcodes, write JSON, exit")
     a = ap.parse_args(argv)
@@ -482,7 +482,8 @@ def main(argv=None):
         return 0
     if a.readme:
         res = json.loads(Path(a.readme).read_text())
-        print("README updated" if update_readme(markdown(res)) else "README has no bench markers")
+        done = update_readme(markdown(res))
+        print("docs/benchmarks.md updated" if done else "docs/benchmarks.md has no bench markers")
         return 0
     import triton
     torch.manual_seed(0)

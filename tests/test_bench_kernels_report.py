@@ -1,5 +1,5 @@
-"""bench/bench_kernels.py's report (no GPU): the README table from a committed results file, and the line that
-puts a direct decode call beside one ATen op."""
+"""bench/bench_kernels.py's report (no GPU): the docs/benchmarks.md table from a committed results file, and the
+line that puts a direct decode call beside one ATen op."""
 
 import json
 from pathlib import Path
