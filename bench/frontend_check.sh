@@ -7,7 +7,8 @@
 #   bash bench/frontend_check.sh          # on the device (run with carry [".whl"]); results under $OUT/frontend-*
 #
 # SERVER_CPUS, CLIENT_CPUS (0-7, 8-15), LAYERS, DIM (8, 4096), DURATION (12 s), WARMUP (15 s) and PYTHON change
-# the defaults. The warm-up covers the ramp: the sessions' prefills go in steps of up to max_batch_tokens tokens (67 MB
+# the defaults; UDS=1 has the server listen on a Unix socket too and every leg's calls go through it; LEGS
+# (sealed,bodies,sealed-spec4) picks the legs. The warm-up covers the ramp: the sessions' prefills go in steps of up to max_batch_tokens tokens (67 MB
 # a layer call at dim 4096 through bodies), and a step begun after the warm-up is measured as a decode step would be.
 # Each leg's table is in $OUT/frontend-<leg>.txt and its JSON in $OUT/frontend-<leg>/loadtest.json.
 set -uo pipefail
@@ -22,7 +23,11 @@ if ! "$PY" -c 'import fastapi' 2> /dev/null; then    # the device image: the car
 fi
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD/src PYTHONUNBUFFERED=1
 port=8471
-taskset -c "${SERVER_CPUS:-0-7}" "$PY" -m convserve.service serve --host 127.0.0.1 --port $port \
+uds=()
+if [[ ${UDS:-0} == 1 ]]; then
+  uds=(--uds "$OUT/convserve.sock")
+fi
+taskset -c "${SERVER_CPUS:-0-7}" "$PY" -m convserve.service serve --host 127.0.0.1 --port $port "${uds[@]}" \
   --layers "${LAYERS:-8}" --dim "${DIM:-4096}" --dtype bfloat16 --client-shm > "$OUT/server.log" 2>&1 &
 server=$!
 "$PY" - "$port" <<'PY'
@@ -36,7 +41,8 @@ for _ in range(480):
 PY
 leg() {  # name, then the load tester's extra flags
   local name=$1; shift
-  taskset -c "${CLIENT_CPUS:-8-15}" "$PY" -m convserve.clients.loadtest --url "http://127.0.0.1:$port" \
+  [[ ,${LEGS:-sealed,bodies,sealed-spec4}, == *,$name,* ]] || return 0
+  taskset -c "${CLIENT_CPUS:-8-15}" "$PY" -m convserve.clients.loadtest --url "http://127.0.0.1:$port" "${uds[@]}" \
     --scenario frontend \
     --prefill uniform:16:128 --decode const:4000 --warmup "${WARMUP:-15}" --duration "$DURATION" --no-progress \
     --out "$OUT/frontend-$name" "$@" > "$OUT/frontend-$name.txt" 2>&1
