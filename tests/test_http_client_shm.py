@@ -198,7 +198,7 @@ def test_off_by_default():
         with ShmArena(1 << 16) as arena, ConvClient(srv.url) as c:
             sid = c.create_session()
             st, obj = _raw_conv(srv, sid, wire.encode_tensor(_fill(arena, rand_x(1)), arena))
-            assert st == 400 and "client_shm" in obj["error"]["message"]
+            assert st == 400 and "--client-shm" in obj["error"]["message"]      # names the fix
     finally:
         srv.terminate()
 

@@ -148,8 +148,11 @@ def test_numpy_bfloat16_needs_ml_dtypes_or_says_so():
 def test_unsupported_tensor_dtypes_are_refused_on_encode():
     with pytest.raises(DtypeUnsupported):
         wire.encode_tensor(torch.zeros(2, dtype=torch.int32))
-    with pytest.raises(DtypeUnsupported):
-        wire.encode_tensor(np.zeros(2, dtype=np.float64))
+    with pytest.raises(DtypeUnsupported, match=r"astype\(np.float32\)"):     # (np.random.randn's, a list's)
+        wire.encode_tensor(np.asarray([[0.5, 1.5]]))
+    with pytest.raises(DtypeUnsupported) as err:
+        wire.encode_tensor(np.zeros(2, dtype=np.int16))
+    assert "astype" not in str(err.value)
 
 
 def test_importing_the_client_does_not_import_torch():

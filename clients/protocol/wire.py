@@ -361,7 +361,8 @@ def decode_tensor(obj: Any, *, check_shape: Optional[Callable[[tuple], None]] = 
         if "shm" in obj:
             if shm is None:
                 raise BadRequest(f"'{name}.shm': a tensor in shared memory is not taken here (the server's "
-                                 "client_shm setting is off, or this field is not a conv's x); send 'data'")
+                                 "client_shm setting is off: start it with --client-shm on this host; or this field "
+                                 "is not a conv's x); send 'data'")
             return shm.view(obj["shm"], dtype, shape, backend, name)
     data = obj.get("data")
     b64 = isinstance(data, str)
@@ -408,8 +409,10 @@ def _numpy_name(dt) -> str:
         return "float16"
     if dt.name == "bfloat16":  # ml_dtypes.bfloat16
         return "bfloat16"
+    cast = " (a float64 array, as np.random.randn or a list of floats makes: cast it, .astype(np.float32))" \
+        if dt.kind == "f" and dt.itemsize == 8 else ""
     raise DtypeUnsupported(f"array dtype {dt} is not supported on the wire; use one of {', '.join(DTYPE_NAMES)} "
-                           "(bfloat16 from numpy needs the ml_dtypes package)")
+                           f"(bfloat16 from numpy needs the ml_dtypes package){cast}")
 
 
 def numpy_dtype(name: str):
