@@ -143,7 +143,7 @@ class Snapshotter:
         self._noted: set = set()
         self._durable: dict = {}             # id -> the future of its last note, until it is durable
         self._files_unknown = False          # a write failed: a file may be on disk that _files lacks
-        engine.on_rewind, engine.on_created = self._note_rewinds, self.created
+        engine.on_rewind, engine.on_create = self._note_rewinds, self.before_create
         try:                                  # as soon as the model is built: what a crash mark of it refuses
             self.dir.note_model(engine.model_info())
         except OSError as e:                  # (a later mark then refuses every model's files, as one without it)
@@ -217,14 +217,14 @@ class Snapshotter:
                 if self._durable.get(sid) is fut:
                     del self._durable[sid]
 
-    def created(self, session_id: str):
-        """A create or fork of ``session_id`` ran: the future of the note of the id's last removal while that is
-        not durable yet (None when it is, or there was none), for the answer to wait on. An evicted or dropped
-        id's note that still waits for the engine's loop is handed to the journal first; one that cannot be
-        written raises :class:`StateUnwritable` (the caller undoes the create)."""
+    def before_create(self, session_id: str):
+        """A create or fork is about to make the id ``session_id``: the future of the note of the id's last removal
+        while that is not durable yet (None when it is, or there was none), for the create to wait on. An evicted
+        or dropped id's note that still waits for the engine's loop is handed to the journal first; one that cannot
+        be written raises :class:`StateUnwritable` (nothing is made)."""
         if not self.engine.note_removed_now(session_id):
             raise StateUnwritable(f"the note of {session_id!r}'s earlier removal could not be written to the state "
-                                  "folder (see the server log); the create was undone: retry after Retry-After",
+                                  "folder (see the server log); nothing was made: retry after Retry-After",
                                   retry_after=1.0)
         return self.note_of(session_id)
 

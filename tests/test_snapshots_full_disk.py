@@ -1,7 +1,7 @@
 """A state folder whose rewind journal cannot be written (a full disk) refuses what needs a note there with ``503
 state_unwritable`` and applies nothing (service/snapshots.py, the rewind journal): an import or a delete does not
-run, and a create or fork of an evicted id whose note cannot be written is undone, in-process and in an engine
-process. Once the disk takes the note again, the id is made again and a crash restores it as ``410``."""
+run, and a create or fork of an evicted id whose note cannot be written makes nothing, in-process and in an
+engine process. Once the disk takes the note again, the id is made again and a crash restores it as ``410``."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from convserve.clients.protocol.errors import StateUnwritable
+from convserve.clients.protocol.errors import StateLost, StateUnwritable
 from convserve.service.rewind_journal import RewindJournal
 from tests.test_snapshots_rewinds import _restored_410, _wait_evicted, _wait_noted, start, x_of
 
@@ -60,9 +60,9 @@ def test_a_delete_or_import_whose_note_cannot_be_written_is_refused_as_state_unw
 
 @pytest.mark.parametrize("how", ["create", "fork"])
 def test_an_evicted_id_whose_note_cannot_be_written_is_not_made_again_until_it_is(tmp_path, disk, how):
-    """Answered while the eviction is not noted, a create of the id could be undone by a crash (the snapshot's
-    older state restored under the id its client holds as new): it is undone at once instead, and made again once
-    the note is written; a crash after that restores the id as lost."""
+    """Made while the eviction is not noted, a new session under the id could be undone by a crash (the snapshot's
+    older state restored under the id its client holds as new): nothing is made until the note is written, and a
+    crash after that restores the id as lost."""
     e, sn = start(tmp_path, session_ttl_s=0.3)
     try:
         e.create_session("s")
@@ -83,8 +83,12 @@ def test_an_evicted_id_whose_note_cannot_be_written_is_not_made_again_until_it_i
 
         with pytest.raises(StateUnwritable) as err:
             make()
-        assert err.value.status == 503 and "undone" in str(err.value)
+        assert err.value.status == 503 and "nothing was made" in str(err.value)
         assert "s" not in e.session_ids()
+        with pytest.raises(StateLost):                # the id still answers as evicted: nothing changed
+            e.session_info("s")
+        if how == "fork":
+            assert e.session_info("src")["positions"] == [0, 0, 0]      # the source as it was
         disk.full = False
         _wait_noted(sn, "s")
         if how == "fork":
@@ -158,12 +162,9 @@ def test_an_engine_process_answers_503_state_unwritable_and_applies_nothing_whil
 
 def test_a_create_during_the_loops_hand_over_of_the_evicted_ids_note_waits_for_it(tmp_path):
     """The loop takes the waiting notes and hands them to the journal without the engine lock: a create of the
-    evicted id meanwhile (in an engine process: ``Snapshotter.created``, then the answer) must not miss the note in
-    both places and be answered before the journal knows of it."""
-    import concurrent.futures as cf
+    evicted id meanwhile (``Snapshotter.before_create``, in both layouts) must not find the note in neither place
+    and go ahead before the journal knows of it."""
     import threading
-
-    from convserve.service.cluster.engine_proc import EngineProcess
 
     e, sn = start(tmp_path, session_ttl_s=0.3)
     real, in_loop = e.on_rewind, threading.Event()
@@ -180,21 +181,15 @@ def test_a_create_during_the_loops_hand_over_of_the_evicted_ids_note_waits_for_i
         e.submit("s", 1, x_of(5, 0)).result()
         assert sn.write_now()                # held by a snapshot: its eviction is noted
         assert in_loop.wait(5)
-        e.submit_op("create_session", "s").result(5)
-        answered = []
-        stub = SimpleNamespace(snapshots=sn, engine=e, _op_ran=lambda head, r: None,
-                               _answer_op=lambda ident, head, r: answered.append(r))
-        fut = cf.Future()
-        fut.set_result("s")
-        EngineProcess._answer_durable(stub, b"c", {"f": "create_session", "a": ["s"], "i": 1}, fut)
-        assert "s" in sn.rewinds.since(0.0)  # handed over before the answer was decided
+        sn.before_create("s")
+        assert "s" in sn.rewinds.since(0.0)  # handed over before the create may go ahead
     finally:
         e.stop(drain=False)
 
 
 def test_an_in_process_create_of_an_evicted_id_returns_once_its_note_is_durable(tmp_path, monkeypatch):
-    """``--workers 0``: the HTTP process's create is ``Engine.create_session``, which returns only once the note
-    of the id's eviction is fsynced, as an engine process answers it."""
+    """``--workers 0``: the HTTP process's create is ``Engine.create_session``, which makes the session only once
+    the note of the id's eviction is fsynced, as an engine process queues it."""
     from tests.test_snapshots_rewinds import _FsyncLog
 
     e, sn = start(tmp_path, session_ttl_s=0.3)

@@ -149,8 +149,7 @@ class OutOfMemory(ServiceError):
 
 class StateUnwritable(ServiceError):
     """The server could not write the note this operation needs in its state folder first (a full disk, say):
-    nothing was applied (a create or fork that had run was undone). Retry after Retry-After; the server logs the
-    cause, for its operator to free space."""
+    nothing was applied. Retry after Retry-After; the server logs the cause, for its operator to free space."""
     status, code = 503, "state_unwritable"
 
 

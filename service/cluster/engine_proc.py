@@ -37,7 +37,7 @@ from typing import Any, Optional
 
 import msgpack
 
-from convserve.clients.protocol.errors import BadRequest, NotReady, ServiceError, StateUnwritable
+from convserve.clients.protocol.errors import BadRequest, NotReady, ServiceError
 
 from ..claims import claim
 from ..gcfreeze import freeze_startup_objects
@@ -413,8 +413,9 @@ class EngineProcess:
         to wait for), and so does a create, unless a delete of its id is queued (then it is queued behind it);
         the others are queued with :meth:`Engine.submit_op` here, so each is
         ordered exactly where it arrived among the convs and operations of its session (as the in-process
-        engine orders calls), and answered from its future (a delete, an import, a create or a fork once the rewind
-        note of its id is durable: :meth:`_answer_durable`); only the weights file, which concerns no session, is
+        engine orders calls), and answered from its future (a delete or an import once the rewind note of its id is
+        durable: :meth:`_answer_durable`); a create or fork of an id whose last removal's note is not durable yet is
+        queued once it is (:meth:`Snapshotter.before_create`); only the weights file, which concerns no session, is
         built on a thread of its own."""
         name, args, rid = head["f"], list(head.get("a") or ()), head.get("ri")
         if name not in m.OPS:
@@ -437,37 +438,40 @@ class EngineProcess:
         else:
             if name == "import_state":
                 args.append(m.get_tensors(head, data)[0])
-            fut = eng.submit_op("export_for_move" if name == "export_for_fork" else name, *args, request_id=rid)
-            if name in _NOTED_IDS:
-                fut.add_done_callback(lambda f: self._answer_durable(ident, head, f))
-            else:
-                fut.add_done_callback(lambda f: self._op_done(ident, head, f))
+            made = args[0] if name == "create_session" and args else \
+                args[1] if name == "fork_session" and len(args) > 1 else None
+            noted = None if made is None or self.snapshots is None else self.snapshots.before_create(made)
+            if noted is None:
+                self._submit_op(ident, head, name, args, rid)
+            else:             # made once the note of the id's last removal is durable (see Snapshotter.before_create)
+                noted.add_done_callback(lambda _d: self._submit_op(ident, head, name, args, rid, later=True))
+
+    def _submit_op(self, ident: bytes, head: dict, name: str, args: list, rid, later: bool = False) -> None:
+        """Queue the operation and answer it from its future. ``later``: off the worker thread, once a create's
+        wait is over; what it raises is answered here (on the worker thread :meth:`_handle_one` does)."""
+        try:
+            fut = self.engine.submit_op("export_for_move" if name == "export_for_fork" else name, *args,
+                                        request_id=rid)
+        except Exception as e:  # noqa: BLE001 - answered, as _handle_one answers what the worker thread raises
+            if not later:
+                raise
+            self._send(ident, m.error_reply(head["i"], e))
+            return
+        if name in _NOTED_IDS:
+            fut.add_done_callback(lambda f: self._answer_durable(ident, head, f))
+        else:
+            fut.add_done_callback(lambda f: self._op_done(ident, head, f))
 
     def _answer_durable(self, ident: bytes, head: dict, fut: cf.Future) -> None:
         """Answer an operation the rewind journal notes (a delete, an import) once its note is durable, not before:
-        a host crash cannot then undo what a client was told is done (an unanswered one may be either way). A
-        create or fork of an id whose delete's note is still on its way waits for that note too: answered before
-        it, a crash could restore the deleted session's older state under the id its client now holds as new."""
+        a host crash cannot then undo what a client was told is done (an unanswered one may be either way)."""
         snaps = self.snapshots
         if snaps is None or fut.exception() is not None:
             self._op_done(ident, head, fut)
             return
         result = fut.result()
-        if head["f"] in _CREATES:
-            sid = result
-            try:
-                noted = snaps.created(sid)
-            except StateUnwritable as e:     # undone, and answered once it is (a retry then finds the id free)
-                reply = m.error_reply(head["i"], e)
-                try:
-                    self.engine.submit_op("drop_created", sid).add_done_callback(lambda _f: self._send(ident, reply))
-                except Exception:  # noqa: BLE001 - the engine is stopping: nothing left to undo it with
-                    self._send(ident, reply)
-                return
-        else:
-            sid = head["a"][0]
-            noted = snaps.note_of(sid)
         self._op_ran(head, result)                    # now, in its order (a create of its id may follow at once)
+        noted = snaps.note_of(head["a"][0])
         if noted is None:
             self._answer_op(ident, head, result)
         else:
@@ -534,8 +538,7 @@ class EngineProcess:
 
 #: the operations whose answer waits for a rewind note of their id: their own (a delete, an import), or that of a
 #: delete of the id they create (its id is their result)
-_CREATES = ("create_session", "fork_session")
-_NOTED_IDS = ("delete_session", "import_state") + _CREATES
+_NOTED_IDS = ("delete_session", "import_state")
 
 
 class _Answer:

@@ -158,10 +158,10 @@ class Engine(Intake, Turns, SessionOps, Accepts, Positions, SnapshotTaking, Work
         #: whether an import or delete waits, on the calling thread, for its note to be durable before it is queued
         #: (an engine process, whose calls arrive on the worker thread, answers them once it is instead)
         self.rewind_waits = True
-        #: called with the id of a session :meth:`create_session` or :meth:`fork_session` just made (the snapshot
+        #: called with the id a :meth:`create_session` or :meth:`fork_session` is about to make (the snapshot
         #: writer's): returns the future of the note of the id's last removal while it is not durable (None when
-        #: it is), or raises :class:`StateUnwritable`; or None
-        self.on_created = None
+        #: it is, or there was none), or raises :class:`StateUnwritable`; or None
+        self.on_create = None
         # stats (guarded by _lock)
         self._st = collections.Counter()
         self._batch_hist = [0] * (len(BATCH_HIST) + 1)

@@ -56,8 +56,9 @@ class SessionOps:
         ``request_id`` (``PREFIX:N``, as every session operation takes it): a create whose N is below a later call
         of that client on the id (a delete of the session it would bring back) is :class:`LateRequest`.
         Raises :class:`SessionExists`, :class:`PoolExhausted`, :class:`LateRequest`, :class:`BadRequest`,
-        :class:`StateUnwritable` (see :meth:`~.snapshot.SnapshotTaking._hold_created`)."""
-        return self._hold_created(self._wait_op(self._post_create_session(session_id, request_id)))
+        :class:`StateUnwritable` (see :meth:`~.snapshot.SnapshotTaking._hold_create`)."""
+        self._hold_create(session_id)
+        return self._wait_op(self._post_create_session(session_id, request_id))
 
     def _post_create_session(self, session_id: Optional[str] = None, request_id: Optional[str] = None) -> Op:
         counted = op_request_id(request_id)
@@ -178,8 +179,9 @@ class SessionOps:
         requests submitted to ``src_id`` so far. ``request_id`` orders it as :meth:`create_session`'s does, on
         the new id. Raises :class:`UnknownSession`, :class:`StateLost`, :class:`SessionExists`,
         :class:`PoolExhausted`, :class:`LateRequest`, :class:`StateUnwritable` (see
-        :meth:`~.snapshot.SnapshotTaking._hold_created`)."""
-        return self._hold_created(self._wait_op(self._post_fork_session(src_id, new_id, request_id)))
+        :meth:`~.snapshot.SnapshotTaking._hold_create`)."""
+        self._hold_create(new_id)
+        return self._wait_op(self._post_fork_session(src_id, new_id, request_id))
 
     def _post_fork_session(self, src_id: str, new_id: Optional[str] = None, request_id: Optional[str] = None) -> Op:
         counted = op_request_id(request_id)

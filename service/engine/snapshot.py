@@ -43,7 +43,7 @@ from typing import Callable, Optional
 
 import torch
 
-from convserve.clients.protocol.errors import ServiceError, StateUnwritable
+from convserve.clients.protocol.errors import StateUnwritable
 from convserve.clients.protocol.ids import is_session_id
 
 from ..sessions import Session
@@ -152,29 +152,25 @@ class SnapshotTaking:
             with self._lock:
                 return sid not in self._unnoted
 
-    def _hold_created(self, sid: str) -> str:
-        """A create or fork of ``sid`` ran: returned once ``on_created``'s owner (the snapshots) says the note of
-        the id's last removal (a delete, an eviction, a drop) is durable. Answered before, a host crash could
-        restore the removed session's older state under the id its client holds as new. A note that cannot be
-        written or made durable within ``request_timeout_s`` undoes the create (:class:`StateUnwritable`)."""
-        hold = self.on_created
-        if hold is None:
-            return sid
+    def _hold_create(self, sid) -> None:
+        """Before a create or fork makes the id ``sid`` (None: a fresh id, nothing to wait for): return once
+        ``on_create``'s owner (the snapshots) says the note of the id's last removal (a delete, an eviction, a
+        drop) is durable. Made before, a host crash could restore the removed session's older state under the id
+        its client holds as new. Nothing is made when the note cannot be written, or made durable within
+        ``request_timeout_s``: :class:`StateUnwritable`. (No removal of ``sid`` can be noted meanwhile: only a live
+        session is removed, and a live id is not made again.)"""
+        hold = self.on_create
+        if hold is None or sid is None:
+            return
+        durable = hold(sid)
+        if durable is None:
+            return
         try:
-            durable = hold(sid)
-            if durable is not None:
-                durable.result(self.config.request_timeout_s)
-        except (StateUnwritable, OSError, FutureTimeout) as e:
-            try:
-                self._wait_op(self._post_drop_created(sid))
-            except ServiceError:       # (deleted meanwhile by a caller that knew the id: nothing left to undo)
-                pass
-            if isinstance(e, StateUnwritable):
-                raise
+            durable.result(self.config.request_timeout_s)
+        except (OSError, FutureTimeout) as e:
             raise StateUnwritable(f"the note of {sid!r}'s earlier removal could not be made durable in the state "
-                                  f"folder ({type(e).__name__}: {e}); the create was undone: retry after "
-                                  "Retry-After", retry_after=1.0) from None
-        return sid
+                                  f"folder ({type(e).__name__}: {e}); nothing was made: retry after Retry-After",
+                                  retry_after=1.0) from None
 
     def _note_removed(self) -> None:
         """Write the ids :meth:`_note_removed_locked` gathered (the worker, without the lock)."""
