@@ -34,6 +34,8 @@ def check_across(s):
                          f"({s.max_batch_size}) sessions ({BATCH_SESSION_OBJECTS} objects a session in its "
                          f"sessions, tokens, speculative and position lists, and up to {BATCH_FIXED_OBJECTS} "
                          f"more): raise max_body_objects to {need} or more, or lower max_batch_size")
+    if s.max_spec_tokens > s.max_tokens_per_request and "max_spec_tokens" not in given:
+        s.max_spec_tokens = s.max_tokens_per_request      # its default: at most what a request may carry
     # a limit given above the one that bounds it would read as taking effect and never could
     if "max_spec_tokens" in given and s.max_spec_tokens > s.max_tokens_per_request:
         raise ValueError(f"max_spec_tokens ({s.max_spec_tokens}) exceeds max_tokens_per_request "

@@ -436,7 +436,15 @@ def test_a_limit_given_above_the_limit_that_bounds_it_is_refused(overrides, frag
 
 def test_the_bounded_limits_defaults_stay_valid_under_small_bounds():
     s = load_settings({"max_tokens_per_request": "8", "max_body_bytes": "4096", "max_batch_tokens": "16"})
-    assert s.max_spec_tokens == 16 and s.max_json_body_bytes == 2 << 20     # defaults: bounded where they act
+    assert s.max_json_body_bytes == 2 << 20          # its default: bounded where it acts
+    assert s.max_spec_tokens == 8                    # its default follows: /v1/model never offers a verify refused
+
+
+@pytest.mark.parametrize("given, spec", [({}, 16), ({"max_batch_tokens": "12"}, 12),
+                                         ({"max_tokens_per_request": "1"}, 1),
+                                         ({"max_tokens_per_request": "8", "max_spec_tokens": "4"}, 4)])
+def test_max_spec_tokens_by_default_follows_max_tokens_per_request_down(given, spec):
+    assert load_settings(given).max_spec_tokens == spec
 
 
 @pytest.mark.parametrize("key, value", [("max_queue", True), ("request_clients_kept", False), ("session_ttl_s", True),
