@@ -283,6 +283,17 @@ def test_metrics_count_v2_requests_and_their_error_codes(server):
     assert 'convserve_errors_total{code="unknown_layer",route="/v2/models/{model}/infer"}' in text
 
 
+def test_a_v2_request_no_route_took_is_counted_under_its_paths_template_or_as_unmatched(server):
+    assert httpx.get(server.url + "/v2/models/conv/versions/1/infer").status_code == 405
+    assert httpx.put(server.url + "/v2/health/live").status_code == 405
+    assert httpx.get(server.url + "/v2/repository/index").status_code == 404
+    text = httpx.get(server.url + "/metrics").text
+    for code, route in [("method_not_allowed", "/v2/models/{model}/versions/{version}/infer"),
+                        ("method_not_allowed", "/v2/health/live"), ("not_found", "unmatched")]:
+        assert f'convserve_errors_total{{code="{code}",route="{route}"}}' in text, route
+    assert "/v2/{path}" not in text
+
+
 # ------------------------------------------------------------------------------- the API key and readiness
 
 

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from starlette.routing import Route
+from starlette.routing import Match, Route
 
 from convserve import __version__
 from convserve.clients.protocol.errors import (MethodNotAllowed, NonFinite, SessionExists, ShapeMismatch, StateLost,
@@ -135,8 +135,16 @@ class UnknownRoute:
     def __init__(self, app: FastAPI):
         self.app = app
 
+    def _route(self, scope) -> str:
+        """The metrics' label: the template of the route the path has (a 405), else ``unmatched``, as on /v1."""
+        for r in self.app.router.routes:
+            if getattr(r, "endpoint", None) is not self and hasattr(r, "path") and \
+                    r.matches({**scope, "type": "http"})[0] is not Match.NONE:
+                return r.path
+        return "unmatched"
+
     async def __call__(self, scope, receive, send):
-        scope[ROUTE_SCOPE_KEY] = "/v2/{path}"
+        scope[ROUTE_SCOPE_KEY] = self._route(scope)
         allowed = allowed_methods(self.app, scope)
         if allowed:
             await send_oip_error(scope, send, MethodNotAllowed(
