@@ -536,8 +536,8 @@ class EngineProcess:
             self._send(ident, {"i": mid, "ok": result})
 
 
-#: the operations whose answer waits for a rewind note of their id: their own (a delete, an import), or that of a
-#: delete of the id they create (its id is their result)
+#: the operations whose answer waits for the rewind note of their id (a create or fork waits before it is queued:
+#: Snapshotter.before_create)
 _NOTED_IDS = ("delete_session", "import_state")
 
 

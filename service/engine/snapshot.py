@@ -140,8 +140,8 @@ class SnapshotTaking:
 
     def note_removed_now(self, sid: str) -> bool:
         """When ``sid`` was removed (evicted, dropped) and its note still waits for the worker's loop, hand the
-        waiting notes to the journal now, so that ``on_rewind``'s owner knows of it (a create of the id is answered
-        only once that note is durable); a hand-over of the loop's under way is waited out first (it may have taken
+        waiting notes to the journal now, so that ``on_rewind``'s owner knows of it (a create of the id waits for
+        that note to be durable); a hand-over of the loop's under way is waited out first (it may have taken
         ``sid`` already). False when its note could not be written (it stays waiting, as in the loop), else True."""
         with self._handing:
             with self._lock:
