@@ -59,6 +59,15 @@ def app_in_thread(settings: dict, start_engine: bool = True, ready: bool = False
         t.join(10)
 
 
+def sitecustomized(tmp_path: Path, code: str, **env) -> dict:
+    """The environment of a :class:`LiveServer` whose processes run ``code`` first (a ``sitecustomize`` module on
+    their path), plus ``env``: how a test makes the server's disk slow or full, for the server alone."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(code)
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p), **env}
+
+
 class LiveServer:
     def __init__(self, args: list[str], env: Optional[dict] = None, ready: bool = True, timeout: float = 60.0,
                  listening: bool = True, group: bool = False, cwd=ROOT, prefix: tuple = ()):

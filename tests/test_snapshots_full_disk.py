@@ -6,7 +6,6 @@ engine process. Once the disk takes the note again, the id is made again and a c
 from __future__ import annotations
 
 import errno
-import os
 import time
 from types import SimpleNamespace
 
@@ -118,14 +117,10 @@ def test_an_engine_process_answers_503_state_unwritable_and_applies_nothing_whil
     path): a delete of a held session is 503 and leaves it; a create of an evicted id whose note failed is 503
     and leaves no session; once the disk takes notes again, the same create is 201."""
     from tests.http_api import Api, rand_x
-    from tests.live import LiveServer
+    from tests.live import LiveServer, sitecustomized
 
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(_FULL_DISK)
     flag = tmp_path / "full"
-    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p),
-           "CS_DISK_FULL": str(flag)}
+    env = sitecustomized(tmp_path, _FULL_DISK, CS_DISK_FULL=str(flag))
     srv = LiveServer(["--layers", "0,2", "--dim", "32", "--dtype", "float32", "--workers", "1", "--devices", "cpu",
                       "--state-dir", str(tmp_path / "state"), "--snapshot-interval-s", "0.2",
                       "--session-ttl-s", "1.5"], env=env)

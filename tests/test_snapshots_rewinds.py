@@ -434,14 +434,10 @@ def _slow_fsync_server(tmp_path):
     """A server of one engine process whose rewind journal's fsync takes 0.6 s (a ``sitecustomize`` on its path),
     two sessions held by a snapshot, and the file where each of those fsyncs names its thread."""
     from tests.http_api import Api, rand_x
-    from tests.live import LiveServer
+    from tests.live import LiveServer, sitecustomized
 
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(_SLOW_FSYNC)
     log = tmp_path / "fsyncs.txt"
-    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p),
-           "CS_FSYNC_LOG": str(log)}
+    env = sitecustomized(tmp_path, _SLOW_FSYNC, CS_FSYNC_LOG=str(log))
     srv = LiveServer(["--layers", "0,2", "--dim", "32", "--dtype", "float32", "--workers", "1", "--devices", "cpu",
                       "--state-dir", str(tmp_path / "state"), "--snapshot-interval-s", "0.2"], env=env)
     api = Api(srv.url)

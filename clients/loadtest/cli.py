@@ -214,9 +214,12 @@ async def run(args) -> dict:
                       frontend_spec=frontend and args.spec_k is not None)
         most = (info.get("limits") or {}).get("max_spec_tokens")
         if wl.spec and most is not None and wl.spec_k.max > most:
+            per_request = (info.get("limits") or {}).get("max_tokens_per_request")
+            bound = "" if per_request is None or most < per_request else \
+                f" and --max-tokens-per-request (which bounds it: {per_request})"
             raise SetupError(f"--spec-k draws verifies of up to {wl.spec_k.max} tokens, above the server's "
-                             f"max_spec_tokens ({most}): every verify would be refused; lower --spec-k or start "
-                             "the server with a larger --max-spec-tokens")
+                             f"max_spec_tokens ({most}): every verify would be refused; lower --spec-k to {most} or "
+                             f"less, or start the server with a larger --max-spec-tokens{bound}")
         slice_most, slice_name, slice_detail = limits.largest_slice()
         if wl.spec and wl.spec_k.max > slice_most:
             raise SetupError(f"--spec-k draws verifies of up to {wl.spec_k.max} tokens, above what one session's "
