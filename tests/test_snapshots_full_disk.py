@@ -198,3 +198,29 @@ def test_an_in_process_create_of_an_evicted_id_returns_once_its_note_is_durable(
         assert "s" in log.durable()
     finally:
         e.stop(drain=False)
+
+
+def test_a_run_of_failed_notes_logs_one_traceback_then_one_line_each_and_its_end(tmp_path, disk, caplog):
+    """A full disk fails the loop's note every second, and every create of such an id tries again: the log gets
+    the cause once, not a traceback per try."""
+    import logging
+
+    e, sn = start(tmp_path, session_ttl_s=0.3)
+    try:
+        e.create_session("s")
+        e.submit("s", 1, x_of(5, 0)).result()
+        assert sn.write_now()
+        disk.full = True
+        with caplog.at_level(logging.INFO, logger="convserve.engine"):
+            _wait_evicted(e, "s")
+            deadline = time.monotonic() + 5
+            while disk.tried < 3:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            disk.full = False
+            _wait_noted(sn, "s")
+        failed = [r for r in caplog.records if "cannot note removed sessions" in r.getMessage()]
+        assert len(failed) >= 3 and failed[0].exc_info and not any(r.exc_info for r in failed[1:])
+        assert [r for r in caplog.records if "noted in the rewind journal again" in r.getMessage()]
+    finally:
+        e.stop(drain=False)

@@ -130,6 +130,7 @@ class SnapshotTaking:
         # one hand-over of _unnoted to on_rewind at a time (the loop's, note_removed_now's): an id taken from
         # _unnoted is unknown to on_rewind's owner until on_rewind returns
         self._handing = threading.Lock()
+        self._note_failures = 0       # hand-overs failed in a row (guarded by _handing)
 
     def _note_removed_locked(self, sid: str) -> None:
         """A session removed without a delete (evicted, dropped): its id goes to the rewind journal soon after,
@@ -178,16 +179,28 @@ class SnapshotTaking:
             self._hand_over()
 
     def _hand_over(self) -> None:
+        """Under ``_handing``. A run of failures (a full disk: the loop and every create of such an id try again)
+        logs its first with the traceback, the others in one line, and its end."""
         with self._lock:
             ids, self._unnoted = self._unnoted, []
         try:
             self.on_rewind(ids, False)            # (made durable off this thread: the loop does not wait on a disk)
-        except Exception:  # noqa: BLE001 - kept, and tried again in a second (a full disk may clear)
-            log.exception("cannot note removed sessions in the rewind journal; trying again",
-                          extra={"sessions": len(ids)})
+        except Exception as e:  # noqa: BLE001 - kept, and tried again in a second (a full disk may clear)
             with self._lock:
                 self._unnoted[:0] = ids
                 self._note_again_at = time.monotonic() + NOTE_RETRY_S
+            if self._note_failures == 0:
+                log.exception("cannot note removed sessions in the rewind journal; trying again",
+                              extra={"sessions": len(ids)})
+            else:
+                log.error("cannot note removed sessions in the rewind journal yet; trying again",
+                          extra={"sessions": len(ids), "tries": self._note_failures + 1, "error": str(e)})
+            self._note_failures += 1
+            return
+        if self._note_failures:
+            log.info("removed sessions noted in the rewind journal again",
+                     extra={"sessions": len(ids), "failed_tries": self._note_failures})
+            self._note_failures = 0
 
     def request_snapshot(self, meta: dict, callback: Callable[[Optional[Capture]], None],
                          unchanged_since: Optional[int] = None) -> bool:
