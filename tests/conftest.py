@@ -74,3 +74,27 @@ def api(server):
     from tests.http_api import Api
 
     return Api(server.url)
+
+
+@pytest.fixture
+def disk(monkeypatch):
+    """The rewind journal's writes fail (a full disk) while ``disk.full``; ``disk.tried`` counts the refused ones;
+    the engine tries a failed note again every 0.05 s."""
+    import errno
+    from types import SimpleNamespace
+
+    from convserve.service.engine import snapshot as engine_snapshot
+    from convserve.service.rewind_journal import RewindJournal
+
+    monkeypatch.setattr(engine_snapshot, "NOTE_RETRY_S", 0.05)
+    real = RewindJournal.note
+    state = SimpleNamespace(full=False, tried=0)
+
+    def note(self, ids, fail_fast=True):
+        if state.full:
+            state.tried += 1
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, ids, fail_fast)
+
+    monkeypatch.setattr(RewindJournal, "note", note)
+    return state

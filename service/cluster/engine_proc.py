@@ -37,7 +37,7 @@ from typing import Any, Optional
 
 import msgpack
 
-from convserve.clients.protocol.errors import BadRequest, NotReady, ServiceError
+from convserve.clients.protocol.errors import BadRequest, NotReady, ServiceError, StateUnwritable
 
 from ..claims import claim
 from ..gcfreeze import freeze_startup_objects
@@ -409,14 +409,11 @@ class EngineProcess:
             self._send(ans.ident, {"i": ans.mid, "ok": True}, memoryview(block.numpy()))
 
     def _op(self, ident: bytes, head: dict, data) -> None:
-        """A session operation, on the worker thread as it arrives. List runs here at once (no session's state
-        to wait for), and so does a create, unless a delete of its id is queued (then it is queued behind it);
-        the others are queued with :meth:`Engine.submit_op` here, so each is
-        ordered exactly where it arrived among the convs and operations of its session (as the in-process
-        engine orders calls), and answered from its future (a delete or an import once the rewind note of its id is
-        durable: :meth:`_answer_durable`); a create or fork of an id whose last removal's note is not durable yet is
-        queued once it is (:meth:`Snapshotter.before_create`); only the weights file, which concerns no session, is
-        built on a thread of its own."""
+        """A session operation, on the worker thread as it arrives: queued with :meth:`Engine.submit_op` here, so
+        each is ordered where it arrived among its session's convs and operations (as the in-process engine orders
+        calls), and answered from its future (a delete or an import once its rewind note is durable:
+        :meth:`_answer_durable`); a create or fork of an id whose last removal's note is not durable yet is queued
+        once it is (:meth:`_after_removal_noted`). A list runs here; the weights file is built on a thread."""
         name, args, rid = head["f"], list(head.get("a") or ()), head.get("ri")
         if name not in m.OPS:
             raise BadRequest(f"unknown session operation {name!r}")
@@ -428,35 +425,55 @@ class EngineProcess:
         elif name == "create_with_state":
             sid, positions, pending = args
             state, spec = m.get_tensors(head, data)
-            eng.create_session_now(sid, rid)     # a moved session's id is new: no delete of it to wait for
-            try:
-                fut = eng.submit_op("import_state", sid, state, positions, pending, spec)
-            except BaseException:
-                eng.submit_op("drop_created", sid)
-                raise
-            fut.add_done_callback(lambda f: self._created_with_state(ident, head, f))
+
+            def create_with_state() -> None:
+                eng.create_session_now(sid, rid)       # (never queued: the id's removal note was waited for)
+                try:
+                    fut = eng.submit_op("import_state", sid, state, positions, pending, spec)
+                except BaseException:
+                    with contextlib.suppress(Exception):   # (the engine stopping: nothing to remove)
+                        eng.submit_op("drop_created", sid)
+                    raise
+                fut.add_done_callback(lambda f: self._created_with_state(ident, head, f))
+
+            # the new id of a fork from another engine may have been evicted or deleted here: as a create
+            self._after_removal_noted(ident, head, sid, create_with_state)
         else:
             if name == "import_state":
                 args.append(m.get_tensors(head, data)[0])
             made = args[0] if name == "create_session" and args else \
                 args[1] if name == "fork_session" and len(args) > 1 else None
-            noted = None if made is None or self.snapshots is None else self.snapshots.before_create(made)
-            if noted is None:
-                self._submit_op(ident, head, name, args, rid)
-            else:             # made once the note of the id's last removal is durable (see Snapshotter.before_create)
-                noted.add_done_callback(lambda _d: self._submit_op(ident, head, name, args, rid, later=True))
+            self._after_removal_noted(ident, head, made, lambda: self._submit_op(ident, head, name, args, rid))
 
-    def _submit_op(self, ident: bytes, head: dict, name: str, args: list, rid, later: bool = False) -> None:
-        """Queue the operation and answer it from its future. ``later``: off the worker thread, once a create's
-        wait is over; what it raises is answered here (on the worker thread :meth:`_handle_one` does)."""
-        try:
-            fut = self.engine.submit_op("export_for_move" if name == "export_for_fork" else name, *args,
-                                        request_id=rid)
-        except Exception as e:  # noqa: BLE001 - answered, as _handle_one answers what the worker thread raises
-            if not later:
-                raise
-            self._send(ident, m.error_reply(head["i"], e))
+    def _after_removal_noted(self, ident: bytes, head: dict, made, go) -> None:
+        """``go()`` now, or from the journal's syncer once the note of ``made``'s last removal is durable
+        (:meth:`Snapshotter.before_create`), answering what it raises there (on the worker thread
+        :meth:`_handle_one` does). A wait past ``request_timeout_s`` makes nothing and answers ``503
+        state_unwritable``, as ``--workers 0`` does: the worker (``engine_reply_timeout_s`` above it) may have
+        answered 504 by then, and the session would be made behind its client's back, after its later calls."""
+        noted = None if made is None or self.snapshots is None else self.snapshots.before_create(made)
+        if noted is None:
+            go()
             return
+        deadline = time.monotonic() + self.settings.request_timeout_s
+
+        def noted_now(done) -> None:
+            if done.exception() is not None or time.monotonic() > deadline:
+                self._send(ident, m.error_reply(head["i"], StateUnwritable(
+                    f"the note of {made!r}'s earlier removal was not durable in the state folder within "
+                    f"request_timeout_s={self.settings.request_timeout_s:g} s (see the server log); nothing was "
+                    "made: retry after Retry-After", retry_after=1.0)))
+                return
+            try:
+                go()
+            except Exception as e:  # noqa: BLE001 - answered, as _handle_one answers what the worker thread raises
+                self._send(ident, m.error_reply(head["i"], e))
+
+        noted.add_done_callback(noted_now)
+
+    def _submit_op(self, ident: bytes, head: dict, name: str, args: list, rid) -> None:
+        """Queue the operation and answer it from its future."""
+        fut = self.engine.submit_op("export_for_move" if name == "export_for_fork" else name, *args, request_id=rid)
         if name in _NOTED_IDS:
             fut.add_done_callback(lambda f: self._answer_durable(ident, head, f))
         else:
