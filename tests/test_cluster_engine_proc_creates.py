@@ -18,7 +18,7 @@ import torch
 
 from convserve.service.cluster import messages as m
 from convserve.service.cluster.engine_proc import EngineProcess
-from tests.test_snapshots_rewinds import DIM, LAYERS, _FsyncLog, _wait_evicted, start, x_of
+from tests.test_snapshots_rewinds import DIM, LAYERS, _FsyncLog, _wait_evicted, start_holding
 
 REQUEST_TIMEOUT_S = 0.5
 
@@ -45,13 +45,11 @@ def _answers(p, n=1, timeout=5.0) -> list:
     return [reply for _ident, reply, _data in list(p.outbox)]
 
 
-def _evicted_and_held(tmp_path, **cfg):
-    """An engine whose session "s", held by a snapshot, was evicted by the TTL."""
-    e, sn = start(tmp_path, session_ttl_s=0.3, **cfg)
-    e.create_session("s")
-    e.submit("s", 1, x_of(5, 0)).result()
-    assert sn.write_now()
-    return e, sn
+def _until(done, what: str, timeout=5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
 
 
 def _moved_here(p, sid="s"):
@@ -75,15 +73,12 @@ def test_a_create_waiting_past_request_timeout_s_makes_nothing_even_once_the_not
 
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr("convserve.service.rewind_journal.RETRY_S", 0.05)
-    e, sn = _evicted_and_held(tmp_path)
+    e, sn = start_holding(tmp_path, session_ttl_s=0.3)
     p = _proc(e, sn)
     try:
         failing.on = True
         _wait_evicted(e, "s")
-        deadline = time.monotonic() + 5
-        while "s" not in sn.rewinds.since(0.0):        # the loop's note: written, not durable
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        _until(lambda: "s" in sn.rewinds.since(0.0), "the loop's note: written, not durable")
         p._op(b"w", {"k": m.OP, "i": 7, "f": "create_session", "a": ["s"]}, None)
         time.sleep(3 * REQUEST_TIMEOUT_S)
         assert not p.outbox and "s" not in e.session_ids()
@@ -97,15 +92,12 @@ def test_a_create_waiting_past_request_timeout_s_makes_nothing_even_once_the_not
 
 def test_a_fork_from_another_engine_into_an_evicted_id_whose_note_cannot_be_written_makes_nothing(tmp_path,
                                                                                                   disk):
-    e, sn = _evicted_and_held(tmp_path)
+    e, sn = start_holding(tmp_path, session_ttl_s=0.3)
     p = _proc(e, sn)
     try:
         disk.full = True
         _wait_evicted(e, "s")
-        deadline = time.monotonic() + 5
-        while not disk.tried:                           # the loop tried to note the eviction, and failed
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        _until(lambda: disk.tried, "the loop's try to note the eviction")
         head, data = _moved_here(p)
         with pytest.raises(Exception) as err:           # (_handle_one answers it)
             p._op(b"w", head, data)
@@ -119,7 +111,7 @@ def test_a_fork_from_another_engine_into_an_evicted_id_whose_note_cannot_be_writ
 
 
 def test_a_fork_from_another_engine_into_an_evicted_id_is_made_once_its_note_is_durable(tmp_path, monkeypatch):
-    e, sn = _evicted_and_held(tmp_path)
+    e, sn = start_holding(tmp_path, session_ttl_s=0.3)
     p = _proc(e, sn, request_timeout_s=5.0)
     try:
         made_at_fsync = []

@@ -11,16 +11,13 @@ import pytest
 import torch
 
 from convserve.clients.protocol.errors import StateLost, StateUnwritable
-from tests.test_snapshots_rewinds import _restored_410, _wait_evicted, _wait_noted, start, x_of
+from tests.test_snapshots_rewinds import _restored_410, _wait_evicted, _wait_noted, start, start_holding, x_of
 
 
 @pytest.mark.parametrize("how", ["delete", "import"])
 def test_a_delete_or_import_whose_note_cannot_be_written_is_refused_as_state_unwritable(tmp_path, disk, how):
-    e, sn = start(tmp_path)
+    e, sn = start_holding(tmp_path)
     try:
-        e.create_session("s")
-        e.submit("s", 1, x_of(5, 0)).result()
-        assert sn.write_now()
         before = e.export_state("s")
         disk.full = True
         with pytest.raises(StateUnwritable) as err:
@@ -40,11 +37,8 @@ def test_an_evicted_id_whose_note_cannot_be_written_is_not_made_again_until_it_i
     """Made while the eviction is not noted, a new session under the id could be undone by a crash (the snapshot's
     older state restored under the id its client holds as new): nothing is made until the note is written, and a
     crash after that restores the id as lost."""
-    e, sn = start(tmp_path, session_ttl_s=0.3)
+    e, sn = start_holding(tmp_path, session_ttl_s=0.3)
     try:
-        e.create_session("s")
-        e.submit("s", 1, x_of(5, 0)).result()
-        assert sn.write_now()
         disk.full = True
         _wait_evicted(e, "s")
         deadline = time.monotonic() + 5
@@ -165,11 +159,8 @@ def test_an_in_process_create_of_an_evicted_id_returns_once_its_note_is_durable(
     the note of the id's eviction is fsynced, as an engine process queues it."""
     from tests.test_snapshots_rewinds import _FsyncLog
 
-    e, sn = start(tmp_path, session_ttl_s=0.3)
+    e, sn = start_holding(tmp_path, session_ttl_s=0.3)
     try:
-        e.create_session("s")
-        e.submit("s", 1, x_of(5, 0)).result()
-        assert sn.write_now()
         log = _FsyncLog(monkeypatch, delay=0.5)
         _wait_evicted(e, "s")
         e.create_session("s")
@@ -183,11 +174,8 @@ def test_a_run_of_failed_notes_logs_one_traceback_then_one_line_each_and_its_end
     the cause once, not a traceback per try."""
     import logging
 
-    e, sn = start(tmp_path, session_ttl_s=0.3)
+    e, sn = start_holding(tmp_path, session_ttl_s=0.3)
     try:
-        e.create_session("s")
-        e.submit("s", 1, x_of(5, 0)).result()
-        assert sn.write_now()
         disk.full = True
         with caplog.at_level(logging.INFO, logger="convserve.engine"):
             _wait_evicted(e, "s")

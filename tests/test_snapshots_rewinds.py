@@ -35,6 +35,15 @@ def start(tmp_path, **cfg):
     return e, sn
 
 
+def start_holding(tmp_path, **cfg):
+    """:func:`start`, with a session ``"s"`` that ran a conv and is held by a snapshot (its removal is noted)."""
+    e, sn = start(tmp_path, **cfg)
+    e.create_session("s")
+    e.submit("s", 1, x_of(5, 0)).result()
+    assert sn.write_now()
+    return e, sn
+
+
 def _wait_evicted(e, sid, timeout=5.0):
     deadline = time.monotonic() + timeout
     while sid in e.session_ids():
