@@ -379,7 +379,8 @@ def _crash_as_it_stops(srv) -> int:
     return code
 
 
-@pytest.mark.parametrize("crash, exit_code", [(_crash_before_back, 0), (_crash_as_it_stops, 1)],
+@pytest.mark.parametrize("crash, exit_code", [pytest.param(_crash_before_back, 0, marks=pytest.mark.slow),
+                                              (_crash_as_it_stops, 1)],      # (the first slow: CI time)
                          ids=["before-it-is-back", "as-the-server-stops"])
 def test_a_crashed_engines_older_files_are_not_restored_at_the_next_start(tmp_path, crash, exit_code):
     """Engine 0's files are older than its sessions when its process died (before its next process wrote a
