@@ -85,7 +85,8 @@ class UnixListener:
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         probe.setblocking(False)
         try:
-            probe.connect(self.path)
+            with contextlib.suppress(BlockingIOError):      # its accept queue is full: something listens
+                probe.connect(self.path)
         except ConnectionRefusedError:           # nothing accepts on it: a server that is gone
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
@@ -93,8 +94,6 @@ class UnixListener:
             return
         except FileNotFoundError:                # gone since the lstat: nothing to replace
             return
-        except BlockingIOError:                  # its accept queue is full: something listens
-            pass
         finally:
             probe.close()
         raise OSError(errno.EADDRINUSE, "a process listens on it", self.path)

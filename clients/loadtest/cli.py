@@ -212,9 +212,10 @@ async def run(args) -> dict:
         wl = Workload(args.scenario, args.prefill, args.decode, args.spec_k or parse("const:4"), chunk,
                       "sequential" if args.sequential_layers or frontend else "parallel",
                       frontend_spec=frontend and args.spec_k is not None)
-        most = (info.get("limits") or {}).get("max_spec_tokens")
+        served = info.get("limits") or {}
+        most = served.get("max_spec_tokens")
         if wl.spec and most is not None and wl.spec_k.max > most:
-            per_request = (info.get("limits") or {}).get("max_tokens_per_request")
+            per_request = served.get("max_tokens_per_request")
             bound = "" if per_request is None or most < per_request else \
                 f" and --max-tokens-per-request (which bounds it: {per_request})"
             raise SetupError(f"--spec-k draws verifies of up to {wl.spec_k.max} tokens, above the server's "
