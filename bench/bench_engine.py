@@ -24,6 +24,8 @@ Scenarios (each on a fresh engine):
 * ``step-mixed``: a frontend's continuous-batching step as one batch request per layer
   (``submit_batch(..., tokens=...)``): 256 sessions = 240 decodes + 16 prefill chunks of 64-512 tokens, on every
   layer, one batch per layer, the layers one after another; reports host time per engine step (p50) and per round.
+  Each batch launches from a prefill slot (one graph replay); ``step-mixed-arena`` is the same with prefill slots
+  off (the token arena and the layer's prefill launch), for comparison in the same run.
 * ``step-verify-64x4`` / ``step-decode-64``: 64 sessions, per round one speculative batch of 4 tokens per session
   on every layer plus one ``accept_batch``, against a plain decode batch of the same sessions on every layer.
 
@@ -262,15 +264,16 @@ def _rounds(e, args, round_) -> tuple:
     return rtt, e.recent_steps()[-(e.stats()["steps"] - n0):]
 
 
-def run_step_mixed(args, model, n_decode: int, n_prefill: int, lengths: tuple) -> dict:
+def run_step_mixed(args, model, n_decode: int, n_prefill: int, lengths: tuple, prefill_slots: bool = True) -> dict:
     """One batch request per layer per round, each a frontend's step on that layer: ``n_decode`` one-token rows
     and ``n_prefill`` prefill chunks (lengths drawn from ``lengths``), the prefilling sessions continuing their
-    prefill from round to round."""
+    prefill from round to round. ``prefill_slots``: the engine's (off: each batch through the token arena and
+    the layer's prefill launch)."""
     rng = random.Random(0)
     n = n_decode + n_prefill
     tokens_top = n_decode + n_prefill * lengths[1]
     e = make_engine(args, model, max_batch_size=max(256, n), max_batch_tokens=max(args.max_batch_tokens, tokens_top),
-                    gpu_timing_interval=1)
+                    gpu_timing_interval=1, prefill_slots=prefill_slots)
     try:
         dim = model.dim
         sids = [e.create_session() for _ in range(n)]
@@ -294,6 +297,7 @@ def run_step_mixed(args, model, n_decode: int, n_prefill: int, lengths: tuple) -
         out.update({"round_trip_us_p50": _pct(rtt, 0.5), "round_trip_us_p90": _pct(rtt, 0.9),
                     "steps_per_round": len(steps) / args.rounds, "sessions": n, "decodes": n_decode,
                     "prefills": n_prefill, "prefill_lengths": list(lengths), "layers": model.n_layers,
+                    "prefill_slot_batches": e.stats()["batch_requests_in_prefill_slots"],
                     "tokens_per_s": sum(s["tokens"] for s in steps) / (sum(rtt) * 1e-6)})
         return out
     finally:
@@ -436,6 +440,7 @@ def _run(args, on_cuda: bool) -> int:
         run("prefill-mix", run_prefill_mix)
     if not args.no_step:
         run("step-mixed", run_step_mixed, *args.step_mixed)
+        run("step-mixed-arena", run_step_mixed, *args.step_mixed, prefill_slots=False)
         nv = args.step_verify_sessions
         run(f"step-verify-{nv}x4", run_step_verify, nv, 4, verify=True)
         run(f"step-decode-{nv}", run_step_verify, nv, 1, verify=False)

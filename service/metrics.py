@@ -191,6 +191,9 @@ class EngineCollector(Collector):
         "batch_requests_in_verify_slots": ("convserve_engine_batch_requests_in_verify_slots", "counter",
                                            "Verify-only batch requests launched from a verify slot (one CUDA "
                                            "graph replay)"),
+        "batch_requests_in_prefill_slots": ("convserve_engine_batch_requests_in_prefill_slots", "counter",
+                                            "Batch requests without verify rows launched from a prefill slot (one "
+                                            "CUDA graph replay)"),
     }
 
     #: help texts of the engine.stats() keys exported under their own name (``convserve_engine_<key>``)

@@ -40,9 +40,9 @@ per layer:
 * **Batch requests.** A batch request (:class:`RowBatch`: a slice of tokens for each of several sessions, on one
   layer: one-token decodes, prefill chunks, speculative verifies) is one request of ``rows`` rows: taken whole in
   pass 1 (never chunked), its decode rows (``n_dec``) alone on its layer's decode launch, its prefill rows in the
-  layer's prefill launch (the engine makes every plain row of a batch without verify rows a prefill row) and its
-  verify rows in the layer's verify launch (or, a verify-only batch in a verify slot, a launch of their own:
-  ``verify_slots``), once every
+  layer's prefill launch (the engine makes every plain row of a batch without verify rows a prefill row; or, such
+  a batch in a prefill slot, a launch of their own: ``prefill_slots``) and its verify rows in the layer's verify
+  launch (or, a verify-only batch in a verify slot, a launch of their own: ``verify_slots``), once every
   unfinished request and session op of its sessions submitted before it is done or withdrawn (``waits``,
   ``wait_ops``); a session's requests submitted after it wait until it is done (``Request.after``). Its caller
   did the batching, so a newly queued batch request makes the step run at once (no delay window). The scheduler
@@ -134,6 +134,9 @@ class RowBatch:
     vbuf: int = -1               # a verify-only batch with one length per row whose x is in a verify slot (the
     #                              engine's runner): its rows are a launch of their own (``verify_slots``), not
     #                              the layer's verify launch; -1: none
+    pbuf: int = -1               # a batch without verify rows whose x is in a prefill slot (the engine's runner):
+    #                              its rows are a launch of their own (``prefill_slots``), not the layer's prefill
+    #                              launch; -1: none
 
 
 @dataclass
@@ -293,6 +296,7 @@ class Scheduler:
         prefill: dict = {}       # layer -> [requests, starts, lengths, has_initial_state, slots] (a row each)
         batches: list = []       # batch requests taken
         vslots: list = []        # the batch requests among them that launch from a verify slot
+        pslots: list = []        # the batch requests among them that launch from a prefill slot
         finished: list = []      # requests whose last token is scheduled now
         pre_left = cfg.max_prefill_tokens_per_step   # prefill tokens this step may still take
         later: list = []         # pass 1's requests of sessions stopped at a prefill: pass 2's, in arrival order
@@ -355,7 +359,9 @@ class Scheduler:
                     pr = b.prefill
                     if pr is not None:               # whole rows: a batch is never chunked
                         flags = _batch_flags(pr, 1 << r.layer)
-                        if r.layer not in prefill:   # its rows alone so far: its columns, copied only if others join
+                        if b.pbuf >= 0:              # its rows: a launch of their own
+                            pslots.append(r)
+                        elif r.layer not in prefill:   # its rows alone so far: its columns, copied only if others join
                             prefill[r.layer] = (r, flags)
                         else:
                             pl = _layer_columns(prefill, r.layer)
@@ -515,6 +521,7 @@ class Scheduler:
         out.finished = finished
         out.batches = batches
         out.verify_slots = vslots
+        out.prefill_slots = pslots
         out.num_rows, out.num_tokens, out.packed_tokens = rows, tokens, offset
         return out
 

@@ -59,6 +59,8 @@ class SchedulerOutput:
     verifies: list = field(default_factory=list)         # VerifyBatch per layer with verify rows
     verify_slots: list = field(default_factory=list)     # batch requests whose verify rows launch from their
     #                                                      verify slot (``RowBatch.vbuf``), one launch each
+    prefill_slots: list = field(default_factory=list)    # batch requests without verify rows that launch from
+    #                                                      their prefill slot (``RowBatch.pbuf``), one launch each
     batches: list = field(default_factory=list)          # the batch requests of this step (also in finished)
     finished: list = field(default_factory=list)         # requests whose last token runs now, in arrival order
     expired: list = field(default_factory=list)          # never-started requests past request_timeout_s: fail
@@ -70,4 +72,4 @@ class SchedulerOutput:
 
     @property
     def empty(self) -> bool:
-        return not (self.prefills or self.decodes or self.verifies or self.verify_slots)
+        return not (self.prefills or self.decodes or self.verifies or self.verify_slots or self.prefill_slots)

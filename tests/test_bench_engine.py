@@ -21,7 +21,7 @@ def test_bench_engine_runs_on_cpu_and_writes_every_scenario(tmp_path, null_kerne
     data = json.loads(out.read_text())
     decode = ("decode-1", "decode-4", "decode-1-batch", "decode-4-batch", "decode-4-L2", "decode-4-L2-one-launch",
               "decode-4-L2-batch", "decode-4-async")
-    step = ("step-mixed", "step-verify-4x4", "step-decode-4")
+    step = ("step-mixed", "step-mixed-arena", "step-verify-4x4", "step-decode-4")
     assert set(data["results"]) == {*decode, *step, "prefill-mix", "closed-1", "closed-3"}
     for name in step:
         r = data["results"][name]

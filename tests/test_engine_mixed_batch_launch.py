@@ -20,37 +20,36 @@ ROWS = {   # tokens per session, no verify rows
 
 
 class Launches:
-    """Counts a runner's prefill launches and its decode launches (a layer's, a batch slot's)."""
+    """Counts a runner's prefill launches (the layer's, a prefill slot's) and its decode launches (a layer's, a
+    batch slot's)."""
 
     def __init__(self, runner):
         self.prefill = self.decode = 0
-        fn, dec = runner.prefill_fn, runner.decode
-        run, run_slot = dec.run, dec.run_slot
+        dec, ps = runner.decode, runner.prefill_slots
 
-        def prefill_fn(*a, **kw):
-            self.prefill += 1
-            return fn(*a, **kw)
-
-        def count(f):
+        def count(f, kind):
             def wrapped(*a, **kw):
-                self.decode += 1
+                setattr(self, kind, getattr(self, kind) + 1)
                 return f(*a, **kw)
             return wrapped
 
-        runner.prefill_fn = prefill_fn
-        dec.run, dec.run_slot = count(run), count(run_slot)
+        runner.prefill_fn = count(runner.prefill_fn, "prefill")
+        if ps is not None:
+            ps.run = count(ps.run, "prefill")
+        dec.run, dec.run_slot = count(dec.run, "decode"), count(dec.run_slot, "decode")
 
 
-def _engine(dim, width, bias):
+def _engine(dim, width, bias, prefill_slots=True):
     model = ConvModel.random(LAYERS, dim=dim, width=width, dtype=torch.float32, seed=dim + width, bias=bias)
-    return make_engine(model, **KNOBS)
+    return make_engine(model, **KNOBS, prefill_slots=prefill_slots)
 
 
 @pytest.mark.parametrize("dim,width,bias", [(7, 4, True), (33, 3, False), (16, 2, True)])
 @pytest.mark.parametrize("case", list(ROWS))
-def test_a_batch_of_decodes_and_prefills_equals_each_slice_on_its_own(case, dim, width, bias):
+@pytest.mark.parametrize("prefill_slots", [True, False])
+def test_a_batch_of_decodes_and_prefills_equals_each_slice_on_its_own(case, dim, width, bias, prefill_slots):
     toks = ROWS[case]
-    e = _engine(dim, width, bias)
+    e = _engine(dim, width, bias, prefill_slots)
     oracle = Oracle(e.model_cpu, e.state_dtype)
     p = LAYERS[1]
     try:
@@ -87,8 +86,9 @@ def test_a_batch_of_decodes_and_prefills_equals_each_slice_on_its_own(case, dim,
     ([1, 1, 1], None, (0, 1)),                         # a plain decode batch: its batch slot
     ([1, 5, 1, 2], [False, False, False, True], (1, 1)),   # with a verify row: the decode rows' launch
 ])
-def test_a_batch_without_verify_rows_is_one_prefill_launch(toks, spec, launches):
-    e = make_engine(**KNOBS)
+@pytest.mark.parametrize("prefill_slots", [True, False])
+def test_a_batch_without_verify_rows_is_one_prefill_launch(toks, spec, launches, prefill_slots):
+    e = make_engine(**KNOBS, prefill_slots=prefill_slots)
     try:
         sids = [e.create_session() for _ in toks]
         dim = e.model_cpu.dim

@@ -168,7 +168,8 @@ def test_packed_steps_results_held_by_callers_are_never_overwritten():
     steps after those get fresh tensors, and once the results are let go the ring's buffers serve again. A
     prefill-only batch and a verify-only batch (no verify slot) are one run of a ring buffer (a view, no
     gather)."""
-    e = make_engine(slots=12, max_batch_size=8, max_batch_tokens=64, max_spec_tokens=4, verify_slots=False)
+    e = make_engine(slots=12, max_batch_size=8, max_batch_tokens=64, max_spec_tokens=4, verify_slots=False,
+                    prefill_slots=False)
     try:
         oracle = Oracle(e.model_cpu, e.state_dtype)
         sids = [e.create_session() for _ in range(3)]

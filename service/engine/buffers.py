@@ -16,6 +16,9 @@ BATCH_SLOTS = 4
 #: verify slots (see Buffers): verify-only batches of one length per row that find one free launch with a single
 #: graph replay (one in its step while the next layer's is staged)
 VERIFY_SLOTS = 2
+#: prefill slots (see Buffers): batches without verify rows that find one free launch with a single graph replay
+#: (one in its step while the next layer's is staged); slot j's x is the token arena's half j
+PREFILL_SLOTS = 2
 
 #: c10 storage use count (a private binding, present since torch 2.0); without it every step gets a fresh output
 _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
@@ -152,8 +155,11 @@ class Buffers:
         # are copied here at submit, on the submitting thread, so the step copies each batch's rows to d_in as
         # one run (no host pack on the engine thread). Room for two of the largest batches: one in its step
         # while the next is staged. A region is reused only once its request is done (see Runner.stage_tokens).
-        self.tok_rows = 2 * max_tokens
-        self.h_tok = torch.empty((self.tok_rows, dim), dtype=dtype, pin_memory=cuda)
+        # Its halves (tok_half rows each, a whole number of 16-token tiles) are the prefill slots' x.
+        self.tok_half = -(-max_tokens // 16) * 16
+        self.tok_rows = 2 * self.tok_half
+        # zeroed once: a prefill slot's launch reads the rows past its tokens (a token bucket) as pad tokens
+        self.h_tok = torch.zeros((self.tok_rows, dim), dtype=dtype, pin_memory=cuda)
         # each verify's x, per (layer, pool slot): copied on the device from d_in in the verify's step, read by
         # accept (Accepts._commit_rows), so a commit needs no host data. (layers, slots + 1, max_spec, dim)
         # in the model dtype: max_spec / (width - 1) times the state pool's size at the same dtype.
@@ -200,6 +206,28 @@ class Buffers:
         self.vslot_idx_np = [t.numpy() for t in self.vslot_idx]
         self.vslot_spec_np = [t.numpy() for t in self.vslot_spec]
         self.vslot_y = OutputRing(VERIFY_SLOTS, self.vslot_rows, dim, dtype, cuda, copies=self.copies)
+        # prefill slots: a batch without verify rows (every row a sequence of its layer's prefill launch, one-token
+        # rows included) whose tokens fit half the token arena has its x copied at submit into half j
+        # (``h_tok[j * tok_half:]``, see Runner.take_prefill_slot); at its step its query_start_loc, pool slots and
+        # flags go into the slot's host arrays below (pslot_seqs sequences, the pad ones empty, pad slot, False)
+        # and its launch copies x (a token bucket of it) and the arrays in, runs the layer's prefill over d_in /
+        # d_out and copies y out into the slot's host buffer: on CUDA with graphs one replay per (slot, layer,
+        # token bucket), see PrefillSlots. The launch runs before the step's packed copies on the same stream, so
+        # it shares d_in / d_out with them.
+        self.pslot_seqs = -(-max_rows // 16) * 16
+        S = self.pslot_seqs
+        self.h_pqsl = [torch.zeros((S + 1,), dtype=torch.int32, pin_memory=cuda) for _ in range(PREFILL_SLOTS)]
+        self.h_pidx = [torch.full((S,), PAD_SLOT_ID, dtype=torch.int32, pin_memory=cuda)
+                       for _ in range(PREFILL_SLOTS)]
+        self.h_pflags = [torch.zeros((S,), dtype=torch.bool, pin_memory=cuda) for _ in range(PREFILL_SLOTS)]
+        self.pqsl_np = [t.numpy() for t in self.h_pqsl]
+        self.pidx_np = [t.numpy() for t in self.h_pidx]
+        self.pflags_np = [t.numpy() for t in self.h_pflags]
+        self.pslot_y = OutputRing(PREFILL_SLOTS, self.tok_half, dim, dtype, cuda, copies=self.copies)
+        if cuda:
+            self.d_pqsl = torch.zeros((S + 1,), dtype=torch.int32, device=device)
+            self.d_pidx = torch.full((S,), PAD_SLOT_ID, dtype=torch.int32, device=device)
+            self.d_pflags = torch.zeros((S,), dtype=torch.bool, device=device)
         if cuda:
             self.copies.add(self.h_in, self.h_dec_x, self.h_mix_x, self.h_stage, self.h_tok, self.h_mb, self.h_acc,
                             *self.slot_x, *self.vslot_x)
@@ -221,8 +249,10 @@ class Buffers:
         host = sum(nb(getattr(self, "h_" + n)) for n in names) + nb(self.h_stage) + self.outputs.nbytes() + \
             self.packed_outputs.nbytes() + \
             sum(nb(t) for t in (*self.slot_x, *self.slot_idx)) + self.slot_y.nbytes() + nb(self.h_tok) + \
-            sum(nb(t) for t in (*self.vslot_x, *self.vslot_idx, *self.vslot_spec)) + self.vslot_y.nbytes()
+            sum(nb(t) for t in (*self.vslot_x, *self.vslot_idx, *self.vslot_spec)) + self.vslot_y.nbytes() + \
+            sum(nb(t) for t in (*self.h_pqsl, *self.h_pidx, *self.h_pflags)) + self.pslot_y.nbytes()
         dev = (sum(nb(getattr(self, "d_" + n)) for n in names) if self.cuda else 0) + nb(self.d_osi) + \
             nb(self.d_dec_out) + nb(self.d_mix_out) + nb(self.d_out) + nb(self.d_spec) + \
-            (sum(nb(t) for t in (self.d_vx, self.d_vout, self.d_vidx, self.d_vspec)) if self.cuda else 0)
+            (sum(nb(t) for t in (self.d_vx, self.d_vout, self.d_vidx, self.d_vspec, self.d_pqsl, self.d_pidx,
+                                 self.d_pflags)) if self.cuda else 0)
         return {"host": host, "device": dev, "total": host + dev, "spec": nb(self.d_spec)}

@@ -72,6 +72,10 @@ class EngineConfig:
     verify_graph_tokens: Sequence[int] = (2, 3, 4, 5, 6, 7, 8)   # the verify lengths that have verify-slot
     #                                              launches (CUDA: warmed and captured as graphs at start, per
     #                                              slot, layer and bucket)
+    prefill_slots: bool = True                   # a batch without verify rows launches from a prefill slot
+    #                                              (its x staged into one half of the token arena; CUDA: one
+    #                                              graph replay per slot, layer and token bucket; see Buffers),
+    #                                              else with the layer's other prefill rows
     caller_step_max_tokens: Optional[int] = None  # the largest step a submitting thread runs itself when the
     #                                              worker is parked and the step would start at once (a batch,
     #                                              a steady lone caller): no hand-off to the worker and back;

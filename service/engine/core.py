@@ -337,6 +337,9 @@ class Engine(Intake, Turns, SessionOps, Accepts, Positions, SnapshotTaking, Work
                 # verify-only batches launched from a verify slot (one graph replay); the rest joined the layer's
                 # verify launch
                 "batch_requests_in_verify_slots": st.get("batches_in_verify_slots", 0),
+                # batches without verify rows launched from a prefill slot (one graph replay); the rest joined
+                # the layer's prefill launch
+                "batch_requests_in_prefill_slots": st.get("batches_in_prefill_slots", 0),
                 "decode_padded_rows": st.get("padded_rows", 0),
                 # steps run by the thread that submitted their request (Worker._step_here_locked)
                 "caller_steps": st.get("caller_steps", 0),

@@ -46,6 +46,9 @@ def written_sessions(out: SchedulerOutput, launched: bool) -> list:
                     for s in r.batch.prefill.sessions if r.batch.prefill else ():
                         seen[id(s)] = s
     if launched:
+        for r in out.prefill_slots:                             # every row a prefill row
+            for s in r.batch.prefill.sessions:
+                seen[id(s)] = s
         for b in out.decodes:
             for r in b.requests:
                 if r.batch is None:
@@ -320,6 +323,7 @@ class Worker:
         err = step_error(e)
         done = set(r for b in (*out.prefills, *out.decodes, *out.verifies) for r in b.requests)
         done.update(out.verify_slots)
+        done.update(out.prefill_slots)
         with self._lock:
             lost = written_sessions(out, self._runner.state_written)      # read before the retire below
             # each request's sessions, read before the retire (a batch forgets its sessions when released)
@@ -400,6 +404,7 @@ class Worker:
                 st["batches_in_slots"] += r.batch.buf >= 0
                 st["batches_direct"] += r.batch.direct
                 st["batches_in_verify_slots"] += r.batch.vbuf >= 0
+                st["batches_in_prefill_slots"] += r.batch.pbuf >= 0
             st["padded_rows"] += padded
             if kernel_ns is not None:
                 st["kernel_ns"] += kernel_ns if self._runner.stream is None else \

@@ -29,6 +29,7 @@ from ..model import ConvModel
 from ..scheduler_output import SchedulerOutput
 from .buffers import Buffers
 from .cuda_graphs import DecodeLaunchers
+from .prefill_slots import PrefillSlots
 from .records import BatchIndex
 from .staging import Staging
 
@@ -72,6 +73,8 @@ class Runner(Staging):
             self._warm_up()
         self.decode = DecodeLaunchers(causal_conv1d_update, pool, model, self.bufs, cfg.decode_buckets,
                                       cfg.use_cuda_graphs, cfg.multi_layer_decode, cfg.verify_graph_tokens)
+        self.prefill_slots = PrefillSlots(causal_conv1d_fn, pool, model, self.bufs, cfg.use_cuda_graphs) \
+            if cfg.prefill_slots else None
         self.syncs = 0          # the times the stream was synchronized (each step's synchronization among them)
         self._commit_at = -1    # syncs when the last commit queued its copy of bufs.h_acc (see commit)
         self._commit = CommitLaunch(pool.storage, self.bufs.d_spec, self.bufs.d_acc) if cuda else None
@@ -126,13 +129,25 @@ class Runner(Staging):
         ``by_position``, at its position in ``out.finished``), except a chunked prefill's, whose ``r.parts`` is
         its own joined tensor, a batch request's in a batch slot, whose ``r.parts`` is the slot's y, and a direct
         batch's, whose ``r.parts`` is its x (y copied over it), unless it is in :attr:`rejected`."""
+        # the GPU is timed (events around the launches) on every gpu_timing_interval-th step
+        timed = self.stream is not None and self._n_exec % self.config.gpu_timing_interval == 0
+        self._n_exec += 1
+        pslots = out.prefill_slots
+        if pslots:
+            # before the step's packed copies: a prefill slot's launch reads and writes d_in / d_out too (one
+            # stream: each launch is done with them before the next copy into them starts)
+            t_k0 = self._start(timed)
+            for r in pslots:
+                self.prefill_slots.run(r)
         offs = self._pack_tokens(out) if out.packed_tokens else None
         if self.rejected:
             self.rejected = []
         mixed, slot_of, n_slot = self._pack_decodes(out.decodes)
-        t_k0 = time.perf_counter_ns()
-        self.state_written = True             # from here on the pool's state may change (see Worker._fail_step)
-        timed = self._launch(out, mixed, slot_of, offs)
+        if not pslots:
+            t_k0 = self._start(timed)
+        self._launch(out, mixed, slot_of, offs)
+        if timed:
+            self._ev1.record(self.stream)
         host_out, n_dec = self._copy_out(out, mixed, slot_of, n_slot)
         t_launch = time.perf_counter_ns()
         # ---- the one synchronization of the step
@@ -145,13 +160,21 @@ class Runner(Staging):
         t_sync = time.perf_counter_ns()
         # with a single decode batch and nothing else, out.finished is that batch in row order and the row is the
         # position: no per-request bookkeeping
-        if out.packed_tokens or len(out.decodes) != 1 or n_slot or out.verify_slots:
+        if out.packed_tokens or len(out.decodes) != 1 or n_slot or out.verify_slots or out.prefill_slots:
             self._unpack(out, host_out, mixed, slot_of, n_dec)
             by_position = False
         else:
             by_position = True
         padded = out.num_padded_rows if mixed is None else mixed[1] - n_dec
         return host_out, by_position, t_launch, t_sync, kernel_ns, padded
+
+    def _start(self, timed: bool) -> int:
+        """The step's launches start: from here on the pool's state may change (see Worker._fail_step). Records
+        the first timing event when ``timed``; returns the host clock."""
+        self.state_written = True
+        if timed:  # the stream given: record() without one looks it up through a chain of Python calls
+            self._ev0.record(self.stream)
+        return time.perf_counter_ns()
 
     def synchronize_after_failure(self) -> bool:
         """After a failed step: let the copies in flight (from staging rows) land before the rows' requests are
@@ -394,16 +417,10 @@ class Runner(Staging):
         bf.mix_idx_np[n:bucket] = PAD_SLOT_ID
         return reqs
 
-    def _launch(self, out: SchedulerOutput, mixed, slot_of: list, offs) -> bool:
-        """Launch every kernel of the step on the runner's stream (decodes, then prefills, then verifies).
-        Returns whether this step is timed on the GPU (events around the launches, every
-        ``gpu_timing_interval``-th step)."""
+    def _launch(self, out: SchedulerOutput, mixed, slot_of: list, offs) -> None:
+        """Launch every kernel of the step on the runner's stream (decodes, then prefills, then verifies; the
+        prefill slots' launches ran before, see :meth:`execute`)."""
         bf, m = self.bufs, self.model
-        cuda = self.stream is not None
-        timed = cuda and self._n_exec % self.config.gpu_timing_interval == 0
-        self._n_exec += 1
-        if timed:  # the stream given: record() without one looks it up through a chain of Python calls
-            self._ev0.record(self.stream)
         if mixed is not None:
             self.decode.run(DecodeLaunchers.MIXED, mixed[1])
         else:
@@ -449,9 +466,11 @@ class Runner(Staging):
             sidx[:n] = slots
             sidx[n:bucket] = 0                       # the null slot's d_spec line: never read
             self.decode.run_verify_slot(j, r.layer, bucket, b.verify_len)
-        if timed:
-            self._ev1.record(self.stream)
-        return timed
+
+    def prefill_slot_fits(self, tokens: int, x_rows: int) -> bool:
+        """Can a batch without verify rows, of ``tokens`` prefill tokens in all (``x_rows``: x's rows; every row a
+        prefill row, so the same), launch from a prefill slot?"""
+        return self.prefill_slots is not None and tokens == x_rows and tokens <= self.bufs.tok_half
 
     def verify_slot_fits(self, rows: int, tokens: int) -> bool:
         """Can a verify-only batch of ``rows`` rows of ``tokens`` tokens each launch from a verify slot (its
@@ -584,6 +603,8 @@ class Runner(Staging):
                 i += 1
         for r in out.verify_slots:             # y is in its verify slot, rows in x's order
             r.parts = self.bufs.vslot_y.buf(r.batch.vbuf)[:r.n_tokens]
+        for r in out.prefill_slots:            # y is in its prefill slot, rows in x's order
+            r.parts = self.bufs.pslot_y.buf(r.batch.pbuf)[:r.n_tokens]
         for r in out.batches:                  # a mixed batch's y: one gather of host_out by the reader
             if r.batch.gather:
                 r.parts = (BatchIndex(r.batch, r.n_tokens),)

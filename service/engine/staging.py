@@ -1,6 +1,7 @@
 """Staging: a request's x copied into the runner's host memory on the submitting thread, before the request is queued
 (the staging arena for decode rows, a batch slot for a plain decode batch, a verify slot for a verify-only batch of
-one length per row, the token arena for a batch's other prefill and verify rows), under the runner's own small lock,
+one length per row, a prefill slot (a half of the token arena) for a batch without verify rows, the token arena for
+a batch's other prefill and verify rows), under the runner's own small lock,
 so a step copies each run of rows to the device at once instead of packing rows on the worker thread.
 :class:`Staging` is a part of :class:`Runner` and shares its buffers (``self.bufs``)."""
 
@@ -10,7 +11,7 @@ import threading
 
 import torch
 
-from .buffers import BATCH_SLOTS, VERIFY_SLOTS
+from .buffers import BATCH_SLOTS, PREFILL_SLOTS, VERIFY_SLOTS
 
 
 class Staging:
@@ -117,24 +118,56 @@ class Staging:
         ring: a region is taken at the next free row (at row 0 when it would run past the end) only if no region
         it overlaps belongs to a request that is not done; else nothing is staged (False) and the step packs the
         rows from ``x`` itself (the unstaged path)."""
-        bf, b = self.bufs, req.batch
+        b = req.batch
         lv, k = b.verify_len, len(ver)
         n_pre = b.n_pre
-        n = n_pre + lv * k
-        R = bf.tok_rows
-        if n > R:
+        lo = self._claim_tokens(req, n_pre + lv * k)
+        if lo < 0:
             return False
+        self._copy_tokens(req, xm, pre, ver, lo)
+        return True
+
+    def take_prefill_slot(self, req, xm: torch.Tensor, pre: list) -> int:
+        """Reserve a free prefill slot for batch ``req`` (no verify rows: ``pre`` covers every row, in x's order)
+        and copy its x into the slot's half of the token arena; the slot's index, or -1 when none is free (its
+        half still holding a request that is not done, or its last y still referred to by a caller). Whether
+        the batch fits a prefill slot is the caller's check."""
+        H = self.bufs.tok_half
+        for j in range(PREFILL_SLOTS):
+            if self._claim_tokens(req, req.batch.n_pre, at=j * H, y_free=j) >= 0:
+                self._copy_tokens(req, xm, pre, [], j * H)
+                return j
+        return -1
+
+    def _claim_tokens(self, req, n: int, at: int = -1, y_free: int = -1) -> int:
+        """Take ``n`` rows of the token arena for ``req``: at row ``at`` (a prefill slot's half, only if its y
+        ``pslot_y.buf(y_free)`` is not held), else at the next free row (at row 0 when it would run past the
+        end); only if no region it overlaps belongs to a request that is not done. Its first row, or -1."""
+        R = self.bufs.tok_rows
         with self._stage_lock:
-            lo = self._tok_next
+            lo = self._tok_next if at < 0 else at
             if lo + n > R:
+                if at >= 0:
+                    return -1
                 lo = 0
             hi = lo + n
+            if hi > R:
+                return -1
             live = [e for e in self._tok_live if not e[2].done]
             self._tok_live = live
-            if any(a < hi and lo < e for a, e, _r in live):
-                return False
+            if any(a < hi and lo < e for a, e, _r in live) or (y_free >= 0 and self.bufs.pslot_y.held(y_free)):
+                return -1
             live.append((lo, hi, req))
-            self._tok_next = hi
+            if at < 0:
+                self._tok_next = hi
+        return lo
+
+    def _copy_tokens(self, req, xm: torch.Tensor, pre: list, ver: list, lo: int) -> None:
+        """Copy batch ``req``'s prefill rows then its verify rows (see :meth:`stage_tokens`) into the token arena
+        from row ``lo``, and set ``req.batch.tok``."""
+        bf, b = self.bufs, req.batch
+        lv, k, n_pre = b.verify_len, len(ver), b.n_pre
+        hi = lo + n_pre + lv * k
         if n_pre == xm.shape[0]:                 # every row a prefill row, in x's order: x is the run
             bf.h_tok[lo:lo + n_pre].copy_(xm)
         elif pre:
@@ -157,4 +190,3 @@ class Staging:
                     if t < lv:
                         d3[j, t:].zero_()
         b.tok = lo
-        return True

@@ -1,0 +1,130 @@
+"""The prefill slots' launches: a batch without verify rows (every row a sequence of its layer's varlen prefill,
+one-token rows included) whose x was staged at submit into half ``j`` of the token arena runs as one launch of its
+own, keyed ``(slot, layer, token bucket)``; on CUDA with graphs that launch is one ``replay()`` holding the copy of
+x in, the copy of the launch's arrays in, the prefill's kernels and the copy of y out (see ``Buffers``: the slot's
+buffers, and why it shares ``d_in`` / ``d_out`` with the step's packed launches).
+
+A launch always takes ``pslot_seqs`` sequences (the batch's rows, then empty pad sequences on the pad slot) and a
+token bucket of x's rows (the batch's tokens, then pad tokens past the last sequence, which compute zeros and
+touch no state), so its shapes, and with them its kernels' specializations and its graph, are fixed at start.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from convserve.kernels import PAD_SLOT_ID
+from convserve.kernels import graphs
+
+from ..model import ConvModel
+from .buffers import PREFILL_SLOTS, Buffers
+
+#: token buckets: powers of two up to this, then its multiples (a 4,600-token step pads to 4,608, not 8,192)
+BUCKET_STEP = 512
+
+
+def token_buckets(top: int) -> tuple:
+    """The token counts a prefill slot's launch takes, up to ``top`` (a multiple of 16): 16, 32, ... up to
+    :data:`BUCKET_STEP`, its multiples past that, and ``top``."""
+    pow2 = [1 << k for k in range(4, BUCKET_STEP.bit_length())]
+    return tuple(sorted({*(b for b in pow2 if b < top), *range(BUCKET_STEP, top, BUCKET_STEP), top}))
+
+
+class PrefillSlots:
+    """The launches of the prefill slots of one engine (built by the runner). ``prefill_fn`` is the engine's
+    ``causal_conv1d_fn`` (Triton on CUDA, the vectorized torch op on the CPU)."""
+
+    def __init__(self, prefill_fn, pool, model: ConvModel, bufs: Buffers, use_graphs: bool):
+        self._fn, self._pool, self._model, self._b = prefill_fn, pool, model, bufs
+        self._cuda = pool.device.type == "cuda"
+        self.buckets = token_buckets(bufs.tok_half)
+        self._graphs: dict = {}
+        self.graph_bytes = 0
+        self._args: dict = {}              # the views of each launch, built once (a dozen view ops otherwise)
+        if self._cuda:
+            self._warm_and_capture(use_graphs)
+
+    def launch_tokens(self, n: int) -> int:
+        """The tokens a launch of ``n`` real tokens takes: its bucket on CUDA (the shapes captured at start), ``n``
+        rounded up to 16 on the CPU (the torch op's cost follows its tokens)."""
+        if self._cuda:
+            return self.buckets[bisect.bisect_left(self.buckets, n)]
+        return -(-n // 16) * 16
+
+    def _views(self, j: int, p: int, t: int) -> tuple:
+        key = (j, p, t)
+        v = self._args.get(key)
+        if v is None:
+            bf, m = self._b, self._model
+            hx = bf.h_tok[j * bf.tok_half:j * bf.tok_half + t]
+            if self._cuda:
+                meta = (bf.d_pqsl, bf.d_pidx, bf.d_pflags)
+                x, out = bf.d_in[:t], bf.d_out[:t]
+            else:                            # the torch op reads and writes the host buffers
+                meta = (bf.h_pqsl[j], bf.h_pidx[j], bf.h_pflags[j])
+                x, out = hx, None
+            v = self._args[key] = (hx, x, out, *meta, m.weight[p], m.layer_bias(p), self._pool.layer(p))
+        return v
+
+    def _ops(self, j: int, p: int, t: int) -> None:
+        """Slot ``j``'s launch on layer ``p`` over ``t`` tokens (its arrays already in the slot's host buffers)."""
+        bf = self._b
+        hx, x, out, qsl, idx, flags, w, bias, states = self._views(j, p, t)
+        hy = bf.pslot_y.buf(j)[:t]           # (not among the kept views: one kept here would hold it, see
+        if not self._cuda:                   # OutputRing.held)
+            self._fn(hx.T, w, bias, states, qsl, idx, flags, self._model.activation, PAD_SLOT_ID, out=hy.T)
+            return
+        cp = bf.copies.copy
+        cp(x, hx)
+        qsl.copy_(bf.h_pqsl[j], non_blocking=True)
+        idx.copy_(bf.h_pidx[j], non_blocking=True)
+        flags.copy_(bf.h_pflags[j], non_blocking=True)
+        self._fn(x.T, w, bias, states, qsl, idx, flags, self._model.activation, PAD_SLOT_ID, out=out.T)
+        cp(hy, out)
+
+    def _warm_and_capture(self, use_graphs: bool) -> None:
+        """Run every launch once with every sequence empty (no state touched, every token a pad token): each
+        kernel specialization is compiled now; with ``use_graphs``, then capture each one."""
+        dev, bf = self._pool.device, self._b
+        for j in range(PREFILL_SLOTS):
+            bf.pqsl_np[j][:] = 0
+            bf.pidx_np[j][:] = PAD_SLOT_ID
+            bf.pflags_np[j][:] = False
+        fns = {(j, p, t): (lambda j=j, p=p, t=t: self._ops(j, p, t))
+               for j in range(PREFILL_SLOTS) for p in range(self._model.n_layers) for t in self.buckets}
+        graphs.warm(fns, dev)
+        if not use_graphs:
+            return
+        before = torch.cuda.memory_reserved(dev)
+        self._graphs = graphs.capture(fns)
+        torch.cuda.synchronize(dev)
+        self.graph_bytes = torch.cuda.memory_reserved(dev) - before
+
+    @property
+    def n_graphs(self) -> int:
+        return len(self._graphs)
+
+    def run(self, r) -> None:
+        """Launch batch request ``r``'s rows from its prefill slot (``r.batch.pbuf``): its arrays into the slot's
+        host buffers (each flag read from its session by the scheduler for this step, ``prefill.init``), then
+        the launch."""
+        bf, b = self._b, r.batch
+        j, pr = b.pbuf, b.prefill
+        rows, n = len(pr.sessions), b.n_pre
+        qsl, idx, flags = bf.pqsl_np[j], bf.pidx_np[j], bf.pflags_np[j]
+        qsl[:rows + 1] = b.pre_qsl
+        qsl[rows + 1:] = n
+        idx[:rows] = b.pre_slots
+        idx[rows:] = PAD_SLOT_ID
+        flags[:rows] = b.pre_one
+        for jr in b.pre_long:
+            flags[jr] = pr.init[jr]
+        flags[rows:] = False
+        t = self.launch_tokens(n)
+        g = self._graphs.get((j, r.layer, t))
+        if g is not None:
+            g.replay()
+        else:
+            self._ops(j, r.layer, t)
