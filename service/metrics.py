@@ -222,7 +222,7 @@ class EngineCollector(Collector):
         "bytes_buffers": "Bytes of the engine's staging, launch and output buffers",
         "bytes_graphs": "Device memory reserved by the engine's CUDA graph captures, bytes",
         "bytes_answers": "Bytes of the answers kept for requests that may be sent again (answers_kept)",
-        "cuda_graphs": "CUDA graphs captured by the engine (decode buckets, batch and verify slots)",
+        "cuda_graphs": "CUDA graphs captured by the engine (decode buckets, batch, verify and prefill slots)",
     }
 
     def __init__(self, stats: Callable[[], dict]):

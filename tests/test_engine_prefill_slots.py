@@ -142,7 +142,7 @@ def test_a_batch_of_max_batch_tokens_takes_a_prefill_slot_at_the_top_bucket():
 
 def test_with_prefill_slots_off_every_batch_takes_the_layers_prefill_launch():
     with _served(3, prefill_slots=False) as (e, oracle, sids):
-        assert e._runner.prefill_slots is None
+        assert e._runner.prefill_slots is None and e._runner.bufs.pslot_y is None     # no y buffers held
         f, want = _batch(e, oracle, sids, LAYERS[0], [1, 5, 2])
         assert f._req.batch.pbuf == -1
         assert_close(f.result(10), want)

@@ -104,7 +104,8 @@ class Buffers:
     ``d_*`` device memory; on the CPU each ``d_*`` is its ``h_*``."""
 
     def __init__(self, n_layers: int, dim: int, dtype: torch.dtype, max_tokens: int, max_rows: int,
-                 max_bucket: int, max_spec: int, device: torch.device, slots: int = 0, width: int = 4):
+                 max_bucket: int, max_spec: int, device: torch.device, slots: int = 0, width: int = 4,
+                 prefill_slots: bool = True):
         cuda = device.type == "cuda"
         # the copies of x in and y out between the pinned buffers below and the device (by the SMs): None on the
         # CPU
@@ -214,20 +215,22 @@ class Buffers:
         # d_out and copies y out into the slot's host buffer: on CUDA with graphs one replay per (slot, layer,
         # token bucket), see PrefillSlots. The launch runs before the step's packed copies on the same stream, so
         # it shares d_in / d_out with them.
-        self.pslot_seqs = -(-max_rows // 16) * 16
-        S = self.pslot_seqs
-        self.h_pqsl = [torch.zeros((S + 1,), dtype=torch.int32, pin_memory=cuda) for _ in range(PREFILL_SLOTS)]
-        self.h_pidx = [torch.full((S,), PAD_SLOT_ID, dtype=torch.int32, pin_memory=cuda)
-                       for _ in range(PREFILL_SLOTS)]
-        self.h_pflags = [torch.zeros((S,), dtype=torch.bool, pin_memory=cuda) for _ in range(PREFILL_SLOTS)]
+        # The three arrays are views of one byte buffer per slot (one copy in): query_start_loc (S + 1 int32) from
+        # byte 0, the pool slots (S int32) from byte 4 * (S + 4), the flags (S bool) from byte 8 * S + 16, each
+        # 16-byte aligned (S is a multiple of 16).
+        self.pslot_seqs = S = -(-max_rows // 16) * 16
+        self.h_pmeta = [torch.zeros((9 * S + 16,), dtype=torch.uint8, pin_memory=cuda) for _ in range(PREFILL_SLOTS)]
+        self.d_pmeta = torch.zeros((9 * S + 16,), dtype=torch.uint8, device=device) if cuda else None
+        self.h_pqsl, self.h_pidx, self.h_pflags = zip(*(_meta_views(t, S) for t in self.h_pmeta))
         self.pqsl_np = [t.numpy() for t in self.h_pqsl]
         self.pidx_np = [t.numpy() for t in self.h_pidx]
         self.pflags_np = [t.numpy() for t in self.h_pflags]
-        self.pslot_y = OutputRing(PREFILL_SLOTS, self.tok_half, dim, dtype, cuda, copies=self.copies)
+        # (no y buffers without prefill slots: a slot's y is the largest step's, 64 MiB at 8,192 tokens of dim 4096
+        # in bf16)
+        self.pslot_y = OutputRing(PREFILL_SLOTS, self.tok_half, dim, dtype, cuda, copies=self.copies) \
+            if prefill_slots else None
         if cuda:
-            self.d_pqsl = torch.zeros((S + 1,), dtype=torch.int32, device=device)
-            self.d_pidx = torch.full((S,), PAD_SLOT_ID, dtype=torch.int32, device=device)
-            self.d_pflags = torch.zeros((S,), dtype=torch.bool, device=device)
+            self.d_pqsl, self.d_pidx, self.d_pflags = _meta_views(self.d_pmeta, S)
         if cuda:
             self.copies.add(self.h_in, self.h_dec_x, self.h_mix_x, self.h_stage, self.h_tok, self.h_mb, self.h_acc,
                             *self.slot_x, *self.vslot_x)
@@ -250,9 +253,17 @@ class Buffers:
             self.packed_outputs.nbytes() + \
             sum(nb(t) for t in (*self.slot_x, *self.slot_idx)) + self.slot_y.nbytes() + nb(self.h_tok) + \
             sum(nb(t) for t in (*self.vslot_x, *self.vslot_idx, *self.vslot_spec)) + self.vslot_y.nbytes() + \
-            sum(nb(t) for t in (*self.h_pqsl, *self.h_pidx, *self.h_pflags)) + self.pslot_y.nbytes()
+            sum(nb(t) for t in self.h_pmeta) + (self.pslot_y.nbytes() if self.pslot_y is not None else 0)
         dev = (sum(nb(getattr(self, "d_" + n)) for n in names) if self.cuda else 0) + nb(self.d_osi) + \
             nb(self.d_dec_out) + nb(self.d_mix_out) + nb(self.d_out) + nb(self.d_spec) + \
-            (sum(nb(t) for t in (self.d_vx, self.d_vout, self.d_vidx, self.d_vspec, self.d_pqsl, self.d_pidx,
-                                 self.d_pflags)) if self.cuda else 0)
+            (sum(nb(t) for t in (self.d_vx, self.d_vout, self.d_vidx, self.d_vspec, self.d_pmeta)) if self.cuda else 0)
         return {"host": host, "device": dev, "total": host + dev, "spec": nb(self.d_spec)}
+
+
+def _meta_views(buf: torch.Tensor, S: int) -> tuple:
+    """A prefill slot's arrays in its byte buffer ``buf`` (see Buffers): ``(query_start_loc (S + 1,) int32,
+    cache_indices (S,) int32, has_initial_state (S,) bool)``."""
+    q = buf[:4 * (S + 1)].view(torch.int32)
+    i = buf[4 * (S + 4):4 * (S + 4) + 4 * S].view(torch.int32)
+    f = buf[8 * S + 16:9 * S + 16].view(torch.bool)
+    return q, i, f

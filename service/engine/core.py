@@ -212,8 +212,10 @@ class Engine(Intake, Turns, SessionOps, Accepts, Positions, SnapshotTaking, Work
         self._thread = threading.Thread(target=self._worker, name="convserve-engine", daemon=True)
         self._thread.start()
         self._ready = True
-        log.info("engine started on %s: %s, %d slots (%.1f MiB pool), state %s, %d decode graphs", dev, m, slots,
-                 self.pool.nbytes / 2**20, self.state_dtype, self._runner.decode.n_graphs)
+        ps = self._runner.prefill_slots
+        log.info("engine started on %s: %s, %d slots (%.1f MiB pool), state %s, %d decode graphs, %d prefill slot "
+                 "graphs", dev, m, slots, self.pool.nbytes / 2**20, self.state_dtype, self._runner.decode.n_graphs,
+                 ps.n_graphs if ps is not None else 0)
         return restored
 
     def stop(self, drain: bool = True, timeout: Optional[float] = None) -> None:
@@ -353,10 +355,10 @@ class Engine(Intake, Turns, SessionOps, Accepts, Positions, SnapshotTaking, Work
                     "pool": pool.nbytes if pool else 0,
                     "weights": self.model.nbytes() if self.model is not None else 0,
                     "buffers": runner.bufs.nbytes()["total"] if runner else 0,
-                    "graphs": runner.decode.graph_bytes if runner else 0,
+                    "graphs": runner.graph_bytes if runner else 0,
                     "answers": self._answer_bytes,
                 },
-                "cuda_graphs": runner.decode.n_graphs if runner else 0,
+                "cuda_graphs": runner.n_graphs if runner else 0,
                 "multi_layer_launches": runner.decode.multi_layer_runs if runner else 0,
                 # steps whose result buffer was still held by callers, so a fresh one was allocated
                 "outputs_fresh": runner.bufs.outputs.fresh if runner else 0,

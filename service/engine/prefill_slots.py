@@ -78,9 +78,7 @@ class PrefillSlots:
             return
         cp = bf.copies.copy
         cp(x, hx)
-        qsl.copy_(bf.h_pqsl[j], non_blocking=True)
-        idx.copy_(bf.h_pidx[j], non_blocking=True)
-        flags.copy_(bf.h_pflags[j], non_blocking=True)
+        bf.d_pmeta.copy_(bf.h_pmeta[j], non_blocking=True)      # the three arrays: one copy
         self._fn(x.T, w, bias, states, qsl, idx, flags, self._model.activation, PAD_SLOT_ID, out=out.T)
         cp(hy, out)
 

@@ -55,7 +55,8 @@ class Runner(Staging):
         # per layer position, what a launch takes: (weight, bias or None, the pool's (slots + 1, dim, W - 1) view)
         self.layer_args = [(model.weight[p], model.layer_bias(p), pool.layer(p)) for p in range(model.n_layers)]
         self.bufs = Buffers(model.n_layers, model.dim, model.dtype, cfg.max_batch_tokens, cfg.max_batch_size,
-                            cfg.decode_buckets[-1], cfg.max_spec_tokens, device, pool.slots, model.width)
+                            cfg.decode_buckets[-1], cfg.max_spec_tokens, device, pool.slots, model.width,
+                            cfg.prefill_slots)
         self._cp = self.bufs.copies.copy if cuda else torch.Tensor.copy_    # x in, y out: by the SMs on CUDA
         if cuda:
             from convserve.kernels import causal_conv1d_fn, causal_conv1d_update
@@ -167,6 +168,18 @@ class Runner(Staging):
             by_position = True
         padded = out.num_padded_rows if mixed is None else mixed[1] - n_dec
         return host_out, by_position, t_launch, t_sync, kernel_ns, padded
+
+    @property
+    def n_graphs(self) -> int:
+        """The CUDA graphs captured at start: the decode launches' and the prefill slots'."""
+        ps = self.prefill_slots
+        return self.decode.n_graphs + (ps.n_graphs if ps is not None else 0)
+
+    @property
+    def graph_bytes(self) -> int:
+        """The device memory the graphs took at capture (their memory pool)."""
+        ps = self.prefill_slots
+        return self.decode.graph_bytes + (ps.graph_bytes if ps is not None else 0)
 
     def _start(self, timed: bool) -> int:
         """The step's launches start: from here on the pool's state may change (see Worker._fail_step). Records
