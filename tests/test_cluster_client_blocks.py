@@ -70,8 +70,8 @@ def test_sealed_blocks_give_the_same_bits_in_every_layout_and_decodes_and_verifi
                 ys[k] = y.clone()
                 if spec:
                     c.accept_batch(sids[k], [step % 3, 1, 0, 2, 1, 2])
-            # by reference: a plain decode batch, and a verify of one length for every session
-            calls += (tokens is None or set(tokens) == {1}) if not spec else len(set(tokens)) == 1
+            # by reference: a batch without verify rows, and a verify of one length for every session
+            calls += 1 if not spec else len(set(tokens)) == 1
             one = _x(4, dtype, seed=50 + step)
             for k, c in clients.items():                                      # a single conv of 4 tokens
                 y = c.conv(sids[k][step % 6], layer, arenas[k].put(one))
@@ -134,12 +134,16 @@ BY_REFERENCE = [  # (what, the batch message's fields, sent by reference?)
     ("verify of two lengths", dict(t=[4, 2, 4], sp=True), False),
     ("verify without tokens", dict(sp=True), False),
     ("verify and decode rows", dict(t=[4, 1, 4], sp=[True, False, True]), False),
-    ("prefill rows", dict(t=[1, 5, 1]), False),
+    ("prefill rows", dict(t=[1, 5, 1]), True),
+    ("prefill rows, speculative false", dict(t=[1, 5, 1], sp=[False, False, False]), True),
+    ("prefill rows with positions", dict(t=[1, 5, 1], po=[3, 3, 3]), False),
+    ("prefill and verify rows", dict(t=[1, 5, 2], sp=[False, False, True]), False),
 ]
 
 
 @pytest.mark.parametrize("what,fields,want", BY_REFERENCE, ids=[r[0] for r in BY_REFERENCE])
-def test_a_worker_sends_by_reference_only_decodes_and_one_length_verifies_without_positions(what, fields, want):
+def test_a_worker_sends_by_reference_only_batches_without_verify_rows_and_one_length_verifies_without_positions(
+        what, fields, want):
     """A batch with positions is sent again from the same block after a 503 or 504, which the first attempt's y
     may have overwritten: it goes through the worker's copy."""
     from convserve.service.cluster import messages as m

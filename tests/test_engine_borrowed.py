@@ -1,7 +1,7 @@
 """``borrowed=True`` (x lies in memory its owner may write while the request runs, a client's shared memory): the
 engine reads x only before submit returns, into a copy it checks for NaN/Inf and computes with, so writing x
 afterwards changes nothing, and a non-finite x is refused with nothing changed, whichever path the request takes
-(a batch slot, the staging arena, a copy of its own)."""
+(a batch slot, a verify or prefill slot, the staging arena, the token arena, a copy of its own)."""
 
 import pytest
 import torch
@@ -27,6 +27,7 @@ def no_staging(e):
     r = e._runner
     r.take_slot = lambda req, xm: -1
     r.take_verify_slot = lambda req, xm: -1
+    r.take_prefill_slot = lambda req, xm, pre: -1
     r.stage_batch = lambda req, xm: None
     r.stage_tokens = lambda req, xm, pre, ver: False
     r.stage = lambda req, xm: None
@@ -35,9 +36,10 @@ def no_staging(e):
 @pytest.fixture(params=["staged", "token arena", "unstaged"])
 def engine(request):
     e = make_engine(slots=16, max_queue_delay_us=0)
-    if request.param == "token arena":       # no slot free: a verify batch goes to the token arena
+    if request.param == "token arena":       # no slot free: a verify or mixed batch goes to the token arena
         e._runner.take_slot = lambda req, xm: -1
         e._runner.take_verify_slot = lambda req, xm: -1
+        e._runner.take_prefill_slot = lambda req, xm, pre: -1
     elif request.param == "unstaged":
         no_staging(e)
     yield e
@@ -122,5 +124,27 @@ def test_a_borrowed_x_in_another_dtype_is_cast_once_and_checked():
         y = e.submit_batch(sids, LAYERS[0], x, borrowed=True).result(5)
         assert y.dtype == torch.float16
         assert_close(y, want, what="float16 x")
+    finally:
+        e.stop(drain=False)
+
+
+def test_a_borrowed_batch_in_a_prefill_slot_is_copied_once_into_the_slot():
+    """A batch without verify rows from borrowed memory: its one copy is the slot's (checked there), no copy of
+    its own before it."""
+    e = make_engine(slots=8)
+    try:
+        sids = [e.create_session() for _ in range(4)]
+        go, entered = gate_worker(e)
+        held = e.submit(sids[3], LAYERS[1], torch.randn(1, DIM))     # the worker holds this step
+        assert entered.wait(5)
+        x = torch.randn(7, DIM)
+        fut = e.submit_batch(sids[:3], LAYERS[0], x, tokens=[1, 4, 2], borrowed=True)
+        req = fut._req
+        assert req.batch.pbuf >= 0
+        staged = e._runner.bufs.h_tok[req.batch.tok:req.batch.tok + 7]
+        assert req.x.data_ptr() == staged.data_ptr() and torch.equal(req.x, x)
+        go.set()
+        held.result(5)
+        fut.result(5)
     finally:
         e.stop(drain=False)

@@ -9,9 +9,9 @@ id gets an id on the source's engine and stays there.
 
 Data path: x is copied once, from the request body into a block of this worker's arena (:mod:`.shm`); the engine
 reads it there and writes y over it; the route answers from that block and the block is reused once the answer
-is written (the lease's lifetime, not a flag). A plain decode batch, or a verify of one length for every session,
-whose x lies in a client's sealed segment goes by reference instead (:mod:`.client_blocks`, :func:`_by_reference`):
-nothing is copied here. Control travels as small msgpack messages
+is written (the lease's lifetime, not a flag). A batch without verify rows, or a verify of one length for every
+session, whose x lies in a client's sealed segment goes by reference instead (:mod:`.client_blocks`,
+:func:`_by_reference`): nothing is copied here. Control travels as small msgpack messages
 (:mod:`.messages`).
 
 Failure: the status table says which engines are up. A request for an engine that is down or restarting fails at
@@ -67,15 +67,17 @@ def _by_reference(head: dict) -> bool:
     with positions is one its client may send again from the same block after a timeout, while the attempt that
     timed out here may still write its y over that block (the Python clients retry a verify with x in the body;
     other clients need not). Then a batch of one token per session, none speculative (the engine computes it
-    straight from the block, checking x on the device), or a verify of one length for every session (the engine
-    copies x from the block into its verify staging and checks that copy as it arrives). Any other batch the
-    engine would copy whole first, on its one thread: the worker copies those."""
+    straight from the block, checking x on the device), a verify of one length for every session (the engine
+    copies x from the block into its verify staging and checks that copy as it arrives), or any other batch with
+    nothing speculative (the engine copies x from the block into a prefill slot, its one copy of such a batch
+    anyway, and checks that copy). A batch of verify and other rows the engine would copy whole first, on its one
+    thread: the worker copies those."""
     if head["k"] != m.BATCH or head.get("po") is not None:
         return False
     t, sp = head.get("t"), head.get("sp")
     if sp is True or (type(sp) is list and sp and all(s is True for s in sp)):
         return type(t) is list and len(set(t)) == 1
-    return (t is None or all(n == 1 for n in t)) and not (sp is True or (type(sp) is list and any(sp)))
+    return not (sp is True or (type(sp) is list and any(sp)))
 
 
 class _Future(asyncio.Future):

@@ -265,7 +265,12 @@ class Intake:
             plan = (np.ones(n, dtype=np.int64), np.zeros(n, dtype=bool))
         xm, x_dtype = check_x(model, cfg, x, False, rows="rows", checked=checked, defer_finite=borrowed)
         borrowed = borrowed and xm is x           # else xm is a copy, checked
-        if borrowed and plan is not None:     # (a plain decode or a uniform verify batch checks its staged copy)
+        runner = self._runner
+        # a batch without verify rows may take a prefill slot: it then checks its staged copy, as a plain decode
+        # or a uniform verify batch does
+        to_slot = plan is not None and runner is not None and runner.prefill_slots is not None and \
+            not plan[1].any()
+        if borrowed and plan is not None and not to_slot:
             xm, borrowed = own_copy(xm, cfg, model.dtype), False
         if uk:
             total, n_dec = n * uk, 0
@@ -288,7 +293,7 @@ class Intake:
             plan, padded = plan_rows(b, xm, lengths, spec, total, cfg.max_batch_tokens)
             n_dec = b.n_dec
         check_one_token_rows(n_dec, cfg.decode_buckets[-1])
-        runner, slot = self._runner, -1
+        slot = -1
         if direct and plan is None and xm is x and not (borrowed and positions is not None):
             b.direct = True                          # the step reads dec_x (x itself) and writes y over it
             # a borrowed x is checked by the step, on its own copy (Runner, DIRECT_CHECKED); not with positions:
@@ -306,6 +311,9 @@ class Intake:
             elif plan[2] is None and runner.prefill_slot_fits(b.n_pre, total):
                 b.pbuf = runner.take_prefill_slot(req, xm, plan[1])
             if b.vbuf < 0 and b.pbuf < 0:
+                if borrowed:                         # no prefill slot free: a checked copy of its own first
+                    xm = req.x = own_copy(xm, cfg, model.dtype)
+                    borrowed = False
                 runner.stage_tokens(req, xm, plan[1], list(zip(*plan[2])) if plan[2] else [])
         if borrowed:             # the step reads only the engine's copy (staged, or made here), checked
             try:
@@ -314,7 +322,9 @@ class Intake:
             except BaseException:
                 req.done = True                       # frees its staging rows
                 raise
-            req.x, b.dec_x = own, (None if uk else own)     # (a verify-only batch has no decode rows)
+            req.x = own
+            if not uk and b.pbuf < 0:                # (a verify-only batch has no decode rows, nor has one without
+                b.dec_x = own                        # verify rows)
         rows = None if positions is None else ([(uk, True)] * n if uk else
                                                [(1, False)] * n if plan is None else
                                                list(zip(lengths.tolist(), spec.tolist())))
