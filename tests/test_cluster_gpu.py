@@ -88,7 +88,8 @@ def test_sealed_client_blocks_go_by_reference_and_direct_from_the_page_locked_se
     """A sealed client segment's plain decode batches: the engine process maps the segment, page-locks its chunks,
     and copies x to the GPU straight from the client's block and y back over it (``client_block_requests``, and
     ``batch_requests_direct`` once the chunk is registered), checking x there; a NaN refuses the batch with no
-    state written. Prefill batches and unary convs from the segment take the worker's copy."""
+    state written. Prefill batches go by reference too (the engine copies x into a prefill slot); unary convs from
+    the segment take the worker's copy."""
     from convserve.clients.client import ConvClient
     from convserve.clients.protocol.errors import NonFinite
     from convserve.clients.protocol.shm import ShmArena
@@ -127,8 +128,9 @@ def test_sealed_client_blocks_go_by_reference_and_direct_from_the_page_locked_se
         def total(name):
             return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
-        assert total("convserve_engine_client_block_requests_total") == 30     # the plain decode batches
-        assert total("convserve_engine_batch_requests_direct_total") >= 15     # of those 30
+        # 24 plain decode batches, 6 refused ones and 6 prefill batches (into a prefill slot); no unary conv
+        assert total("convserve_engine_client_block_requests_total") == 36
+        assert total("convserve_engine_batch_requests_direct_total") >= 15     # of the 24 plain decode batches
         assert total("convserve_engine_arena_chunks_pinned") >= 1
     finally:
         arena.close()
