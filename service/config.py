@@ -174,6 +174,15 @@ class Settings(BaseSettings):
                                         "on CUDA, 0 on the CPU; at most max_batch_tokens")
     use_cuda_graphs: bool = Field(_ENGINE.use_cuda_graphs,
                                   description="replay decode steps from CUDA graphs (CUDA only)")
+    verify_slots: bool = Field(_ENGINE.verify_slots,
+                               description="a verify-only batch whose rows all have one length (2-8 tokens) "
+                               "launches from one of 2 verify slots (CUDA: one graph replay); --no-verify-slots: "
+                               "with the layer's other verify rows, through the token ring")
+    prefill_slots: bool = Field(_ENGINE.prefill_slots,
+                                description="a batch without verify rows launches from one of 2 prefill slots "
+                                "(CUDA: one graph replay per slot, layer and token bucket; 2 pinned outputs of "
+                                "max_batch_tokens rows); --no-prefill-slots: with the layer's other prefill rows, "
+                                "through the token ring")
     multi_layer_decode: bool = Field(_ENGINE.multi_layer_decode,
                                      description="run a step's decodes of several layers as one launch "
                                      "(stacked weights) when they fit the largest decode bucket; "

@@ -253,3 +253,18 @@ def test_prefill_slot_batches_on_cuda_equal_the_reference(use_graphs):
             _in_one_step(e, oracle, sids)
         finally:
             e.stop(drain=False)
+
+
+@pytest.mark.parametrize("argv,want", [([], (True, True)), (["--no-prefill-slots"], (False, True)),
+                                       (["--no-verify-slots", "--prefill-slots"], (True, False))])
+def test_the_slots_are_serve_settings(argv, want, capsys):
+    import json
+
+    from convserve.service.cli import main as cli_main
+    from convserve.service.config import Settings
+    from convserve.service.engine.config import EngineConfig
+
+    assert cli_main(["serve", "--print-config", *argv]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    cfg = EngineConfig.from_settings(Settings(**{k: v for k, v in printed.items() if k in Settings.model_fields}))
+    assert (cfg.prefill_slots, cfg.verify_slots) == want
