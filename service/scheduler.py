@@ -480,7 +480,7 @@ class Scheduler:
         self._n -= n_taken
         self._rows -= n_taken + batch_rows
         self._tokens -= tokens
-        self._prefilled = bool(prefill)
+        self._prefilled = bool(prefill or pslots)
         if rows:
             if rows == self._last_rows:
                 self._same += 1

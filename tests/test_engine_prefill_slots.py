@@ -209,6 +209,56 @@ def test_a_refused_or_withdrawn_prefill_slot_batch_frees_its_slot():
             assert_close(e.export_state(s), oracle.export(s), what=s)
 
 
+@pytest.mark.parametrize("prefill_slots", [True, False])
+def test_a_step_of_prefill_slot_batches_is_a_prefill_step_for_isolation(prefill_slots):
+    """A decode queued during a step that held only a prefill batch runs in the next step alone, before a long
+    single prefill queued beside it (the scheduler's isolation), whichever launch the batch took."""
+    e = make_engine(**KNOBS, prefill_slots=prefill_slots)
+    try:
+        sids = [e.create_session() for _ in range(5)]
+        go, entered = gate_worker(e)
+        fb = e.submit_batch(sids[:3], LAYERS[0], _x(e, 9), tokens=[3, 3, 3])      # held in its step
+        assert entered.wait(10)
+        assert (fb._req.batch.pbuf >= 0) == prefill_slots
+        fd = e.submit(sids[3], LAYERS[1], _x(e, 1))
+        fp = e.submit(sids[4], LAYERS[1], _x(e, 50))
+        go.set()
+        for f in (fb, fd, fp):
+            f.result(10)
+        assert [(s["rows"], s["tokens"]) for s in e.recent_steps()[-3:]] == [(3, 9), (1, 1), (1, 50)]
+    finally:
+        e.stop(drain=False)
+
+
+def test_a_step_failing_after_its_prefill_slots_launched_drops_only_their_sessions():
+    """The slots' launches run first: a failure in the step's packing after them (nothing else launched) drops
+    the slot batch's sessions (410 state_lost) and gives the other rows a retryable error, their sessions kept."""
+    from convserve.clients.protocol.errors import Internal
+
+    with _served(5) as (e, oracle, sids):
+        go, entered = gate_worker(e)
+        f0 = e.submit(sids[4], LAYERS[2], _x(e, 1))
+        assert entered.wait(10)
+        fb = e.submit_batch(sids[:3], LAYERS[0], _x(e, 9), tokens=[3, 3, 3])
+        fs = e.submit(sids[3], LAYERS[1], _x(e, 7))
+        assert fb._req.batch.pbuf >= 0
+
+        def boom(out):
+            raise RuntimeError("injected failure after the prefill slots' launches")
+
+        e._runner._pack_tokens = boom
+        go.set()
+        f0.result(10)
+        with pytest.raises(StateLost):
+            fb.result(10)
+        with pytest.raises(Internal):
+            fs.result(10)
+        for s in sids[:3]:
+            with pytest.raises(StateLost):
+                e.export_state(s)
+        assert_close(e.export_state(sids[3]), oracle.export(sids[3]))      # untouched: still zeros
+
+
 @pytest.mark.parametrize("top,want", [
     (16, (16,)), (48, (16, 32, 48)), (512, (16, 32, 64, 128, 256, 512)),
     (1040, (16, 32, 64, 128, 256, 512, 1024, 1040)),

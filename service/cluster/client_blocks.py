@@ -1,11 +1,12 @@
 """An engine process's side of clients' sealed shared-memory segments (``ShmArena(sealed=True)``): blocks that x
 is read from and y written over in place, with no copy in the HTTP worker.
 
-A worker that parsed a plain decode batch (one token per session, none speculative, no positions), or a verify
-of one length for every session without positions, whose x lies in a sealed segment, in the model dtype, sends the
-segment's key and the block's offset instead of copying x into its arena (``client_shm_direct``), without reading
-x: the engine checks its own copy of x for NaN/Inf (``Engine.submit_batch_to``'s ``borrowed``), the decode's in its
-launch, the verify's in its staging as it arrives. The engine process maps the segment itself, through the same checks
+A worker that parsed a batch without verify rows (no positions), or a verify of one length for every session
+without positions, whose x lies in a sealed segment, in the model dtype, sends the segment's key and the block's
+offset instead of copying x into its arena (``client_shm_direct``; which batches: ``remote._by_reference``), without
+reading x: the engine checks its own copy of x for NaN/Inf (``Engine.submit_batch_to``'s ``borrowed``), a plain
+decode's in its launch, a verify's in its staging as it arrives, a prefill batch's in its prefill slot as it
+arrives. The engine process maps the segment itself, through the same checks
 the worker made (:class:`~convserve.service.http.client_shm.ClientSegments`: the memfd behind
 ``/proc/<pid>/fd/<fd>`` must carry the key's tag and be sealed against resizing, so the mapping cannot fault), and
 treats the block as it treats an arena block: on CUDA its 32 MiB chunks are page-locked as they are used

@@ -159,7 +159,8 @@ class Buffers:
         # Its halves (tok_half rows each, a whole number of 16-token tiles) are the prefill slots' x.
         self.tok_half = -(-max_tokens // 16) * 16
         self.tok_rows = 2 * self.tok_half
-        # zeroed once: a prefill slot's launch reads the rows past its tokens (a token bucket) as pad tokens
+        # (a prefill slot's launch also copies the rows past its tokens, up to its token bucket: pad tokens past
+        # the last sequence, whatever they hold, come out zero and touch no state)
         self.h_tok = torch.zeros((self.tok_rows, dim), dtype=dtype, pin_memory=cuda)
         # each verify's x, per (layer, pool slot): copied on the device from d_in in the verify's step, read by
         # accept (Accepts._commit_rows), so a commit needs no host data. (layers, slots + 1, max_spec, dim)

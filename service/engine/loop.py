@@ -32,11 +32,17 @@ STEP_FIELDS = ("rows", "tokens", "host_s", "kernel_s", "wall_s", "sched_s", "lau
 BATCH_HIST = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
-def written_sessions(out: SchedulerOutput, launched: bool) -> list:
+def written_sessions(out: SchedulerOutput, launched: bool, slots_launched: bool = False) -> list:
     """The sessions whose committed state a failed step may have changed: with ``launched``, those of its prefill
-    and decode rows (a verify writes no state); in any case those of prefill rows continuing a chunked prefill
-    whose earlier chunks ran (a failed request gives back all its tokens, not only this chunk's)."""
+    and decode rows (a verify writes no state); with ``launched`` or ``slots_launched`` (its prefill slots'
+    launches ran, before the others), those of its prefill-slot batches; in any case those of prefill rows
+    continuing a chunked prefill whose earlier chunks ran (a failed request gives back all its tokens, not only
+    this chunk's)."""
     seen: dict = {}
+    if launched or slots_launched:
+        for r in out.prefill_slots:                             # every row a prefill row
+            for s in r.batch.prefill.sessions:
+                seen[id(s)] = s
     for b in out.prefills:
         for r, start in zip(b.requests, b.starts):
             if launched or (r.batch is None and start > 0):     # a batch is never chunked
@@ -46,9 +52,6 @@ def written_sessions(out: SchedulerOutput, launched: bool) -> list:
                     for s in r.batch.prefill.sessions if r.batch.prefill else ():
                         seen[id(s)] = s
     if launched:
-        for r in out.prefill_slots:                             # every row a prefill row
-            for s in r.batch.prefill.sessions:
-                seen[id(s)] = s
         for b in out.decodes:
             for r in b.requests:
                 if r.batch is None:
@@ -270,7 +273,7 @@ class Worker:
         """Run one step: the runner executes it, then its results go to their callers and its stats are
         recorded; a failure fails this step's requests, not the engine."""
         t0 = time.perf_counter_ns()
-        self._runner.state_written = False
+        self._runner.state_written = self._runner.slots_written = False
         try:
             host_out, by_position, t_launch, t_sync, kernel_ns, padded = self._runner.execute(out)
         except Exception as e:  # noqa: BLE001 - a kernel failure fails this step's requests, not the engine
@@ -325,7 +328,7 @@ class Worker:
         done.update(out.verify_slots)
         done.update(out.prefill_slots)
         with self._lock:
-            lost = written_sessions(out, self._runner.state_written)      # read before the retire below
+            lost = written_sessions(out, self._runner.state_written, self._runner.slots_written)  # before the retire
             # each request's sessions, read before the retire (a batch forgets its sessions when released)
             owners = {r: (r.session,) if r.batch is None else tuple(r.batch.sessions) for r in done}
             gone = frozenset(id(s) for s in lost)

@@ -48,6 +48,7 @@ class Runner(Staging):
         cfg = config
         self.model, self.pool, self.config, self.device = model, pool, cfg, device
         self.state_written = False   # the current step has reached its launches (the worker resets it per step)
+        self.slots_written = False   # the current step's prefill slots have launched (likewise)
         #: the last step's direct batches whose x its check found not finite: they wrote no state, and their y is
         #: not an answer (the engine fails them with their tokens given back)
         self.rejected: list = []
@@ -138,6 +139,7 @@ class Runner(Staging):
             # before the step's packed copies: a prefill slot's launch reads and writes d_in / d_out too (one
             # stream: each launch is done with them before the next copy into them starts)
             t_k0 = self._start(timed)
+            self.slots_written = True         # from here on the slot batches' states may change
             for r in pslots:
                 self.prefill_slots.run(r)
         offs = self._pack_tokens(out) if out.packed_tokens else None
@@ -146,6 +148,7 @@ class Runner(Staging):
         mixed, slot_of, n_slot = self._pack_decodes(out.decodes)
         if not pslots:
             t_k0 = self._start(timed)
+        self.state_written = True             # from here on the pool's state may change (see Worker._fail_step)
         self._launch(out, mixed, slot_of, offs)
         if timed:
             self._ev1.record(self.stream)
@@ -182,9 +185,7 @@ class Runner(Staging):
         return self.decode.graph_bytes + (ps.graph_bytes if ps is not None else 0)
 
     def _start(self, timed: bool) -> int:
-        """The step's launches start: from here on the pool's state may change (see Worker._fail_step). Records
-        the first timing event when ``timed``; returns the host clock."""
-        self.state_written = True
+        """The step's launches start: records the first timing event when ``timed``; returns the host clock."""
         if timed:  # the stream given: record() without one looks it up through a chain of Python calls
             self._ev0.record(self.stream)
         return time.perf_counter_ns()
