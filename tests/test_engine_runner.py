@@ -63,8 +63,9 @@ def test_staged_decodes_wrap_the_arena_and_fall_back_when_its_rows_are_held(rows
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_steps_after_start_build_no_new_kernel_variant():
     """Start-up warms every prefill and verify variant a step can take (launches padded to 16 sequences and 16
-    tokens, index arrays 16-byte aligned): a mix of prefills of any length and count, verifies of any row count
-    and decodes then builds no Triton specialization mid-traffic (each would stall a step for about a second)."""
+    tokens, index arrays 16-byte aligned; the prefill slots' token buckets): a mix of prefills of any length and
+    count, verifies of any row count, decodes and batches from both prefill slots then builds no Triton
+    specialization mid-traffic (each would stall a step for about a second)."""
     knobs = pytest.importorskip("triton.knobs")
     e = make_engine(device="cuda", slots=40, max_batch_tokens=512, max_batch_size=64, max_queue_delay_us=2000,
                     max_spec_tokens=5)
@@ -95,6 +96,11 @@ def test_steps_after_start_build_no_new_kernel_variant():
             e.submit_batch(sids[:k], LAYERS[2], torch.randn(sum(toks), DIM), tokens=toks, speculative=spec).result(60)
             if any(spec):
                 e.accept_batch([s for s, f in zip(sids, spec) if f], [0] * sum(spec))
+            for lay in LAYERS:                  # batches without verify rows: each slot (held y), every layer
+                toks = [rng.choice([1, 2, 9, 40]) for _ in range(k)]
+                ys = [e.submit_batch(sids[:k], lay, torch.randn(sum(toks), DIM), tokens=toks).result(60)
+                      for _ in range(2)]
+                del ys
         assert not built, f"kernel variants built after start: {built}"
     finally:
         knobs.runtime.jit_post_compile_hook = prev

@@ -83,16 +83,20 @@ class PrefillSlots:
         cp(hy, out)
 
     def _warm_and_capture(self, use_graphs: bool) -> None:
-        """Run every launch once with every sequence empty (no state touched, every token a pad token): each
-        kernel specialization is compiled now; with ``use_graphs``, then capture each one."""
-        dev, bf = self._pool.device, self._b
+        """Run the launches of one slot once with every sequence empty (no state touched, every token a pad
+        token), so that each kernel specialization is compiled now (a capture cannot compile): the other slot's
+        take the same ones, since its buffers differ from the first's only in addresses, all 16-byte aligned (the
+        halves of the token ring are whole 16-token tiles apart; its arrays and y are allocations of their own).
+        Every layer is warmed: a layer's weight and states may be aligned differently from another's. With
+        ``use_graphs``, then capture every launch."""
+        dev, bf, m = self._pool.device, self._b, self._model
         for j in range(PREFILL_SLOTS):
             bf.pqsl_np[j][:] = 0
             bf.pidx_np[j][:] = PAD_SLOT_ID
             bf.pflags_np[j][:] = False
         fns = {(j, p, t): (lambda j=j, p=p, t=t: self._ops(j, p, t))
-               for j in range(PREFILL_SLOTS) for p in range(self._model.n_layers) for t in self.buckets}
-        graphs.warm(fns, dev)
+               for j in range(PREFILL_SLOTS) for p in range(m.n_layers) for t in self.buckets}
+        graphs.warm({k: f for k, f in fns.items() if k[0] == 0}, dev)
         if not use_graphs:
             return
         before = torch.cuda.memory_reserved(dev)
