@@ -121,7 +121,7 @@ def deliver_step(finished: list, host_out: Optional[torch.Tensor], by_position: 
             y = (host_out, p, p + r.n_tokens, r.x_dtype)
         elif type(p) is tuple:                  # a mixed batch: the index of its rows in host_out (or its maker)
             y = (host_out, p[0], None, r.x_dtype)
-        else:                                   # a chunked prefill's joined tensor, or a batch slot's y
+        else:                                   # a chunked prefill's joined tensor, or a slot's y (from row 0)
             y = (p, 0, r.n_tokens, r.x_dtype)
         if r.track is not None:                 # kept for repeats: its own memory, in the caller's dtype
             t = cut(y)

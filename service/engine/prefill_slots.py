@@ -108,23 +108,28 @@ class PrefillSlots:
     def n_graphs(self) -> int:
         return len(self._graphs)
 
-    def run(self, r) -> None:
-        """Launch batch request ``r``'s rows from its prefill slot (``r.batch.pbuf``): its arrays into the slot's
-        host buffers (each flag read from its session by the scheduler for this step, ``prefill.init``), then
-        the launch."""
-        bf, b = self._b, r.batch
-        j, pr = b.pbuf, b.prefill
-        rows, n = len(pr.sessions), b.n_pre
+    def stage(self, b, j: int) -> None:
+        """Submitting thread, once batch ``b`` holds slot ``j`` (the slot's last launch is done): the parts of
+        the slot's arrays known at submit, query_start_loc and the one-token rows' flags (True), and the pads."""
+        bf, rows, n = self._b, len(b.pre_qsl) - 1, b.n_pre
         qsl, idx, flags = bf.pqsl_np[j], bf.pidx_np[j], bf.pflags_np[j]
         qsl[:rows + 1] = b.pre_qsl
         qsl[rows + 1:] = n
-        idx[:rows] = b.pre_slots
         idx[rows:] = PAD_SLOT_ID
         flags[:rows] = b.pre_one
+        flags[rows:] = False
+
+    def run(self, r) -> None:
+        """Launch batch request ``r``'s rows from its prefill slot (``r.batch.pbuf``; its arrays staged but for
+        the pool slots, set at queueing, and the longer rows' flags, read from their sessions by the scheduler
+        for this step, ``prefill.init``), then the launch."""
+        bf, b = self._b, r.batch
+        j, pr = b.pbuf, b.prefill
+        bf.pidx_np[j][:len(pr.sessions)] = b.pre_slots
+        flags = bf.pflags_np[j]
         for jr in b.pre_long:
             flags[jr] = pr.init[jr]
-        flags[rows:] = False
-        t = self.launch_tokens(n)
+        t = self.launch_tokens(b.n_pre)
         g = self._graphs.get((j, r.layer, t))
         if g is not None:
             g.replay()

@@ -554,9 +554,9 @@ class Runner(Staging):
                 a += 1
         else:
             for db, k in zip(out.decodes, slot_of):
-                if k >= 0:                     # a batch request in a batch slot: y is the slot's
-                    r = db.requests[0]
-                    r.parts = self.bufs.slot_y.buf(k)[:r.n_tokens]
+                if k >= 0:                     # a batch request in a batch slot: y is the slot's (its first
+                    r = db.requests[0]         # n_tokens rows, cut by the reader)
+                    r.parts = self.bufs.slot_y.buf(k)
                     continue
                 if k <= DIRECT:                # y is over x, in its caller's memory
                     r = db.requests[0]
@@ -615,10 +615,10 @@ class Runner(Staging):
                     continue
                 r.parts = off + i * L
                 i += 1
-        for r in out.verify_slots:             # y is in its verify slot, rows in x's order
-            r.parts = self.bufs.vslot_y.buf(r.batch.vbuf)[:r.n_tokens]
-        for r in out.prefill_slots:            # y is in its prefill slot, rows in x's order
-            r.parts = self.bufs.pslot_y.buf(r.batch.pbuf)[:r.n_tokens]
+        for r in out.verify_slots:             # y is in its verify slot, rows in x's order (the reader cuts it)
+            r.parts = self.bufs.vslot_y.buf(r.batch.vbuf)
+        for r in out.prefill_slots:            # y is in its prefill slot, rows in x's order (the reader cuts it)
+            r.parts = self.bufs.pslot_y.buf(r.batch.pbuf)
         for r in out.batches:                  # a mixed batch's y: one gather of host_out by the reader
             if r.batch.gather:
                 r.parts = (BatchIndex(r.batch, r.n_tokens),)

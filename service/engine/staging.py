@@ -139,6 +139,7 @@ class Staging:
         for j in range(PREFILL_SLOTS):
             if self._claim_tokens(req, req.batch.n_pre, at=j * H, y_free=j) >= 0:
                 self._copy_tokens(req, xm, pre, [], j * H)
+                self.prefill_slots.stage(req.batch, j)
                 return j
         return -1
 
