@@ -44,9 +44,10 @@ def _engine(dim, width, bias, prefill_slots=True):
     return make_engine(model, **KNOBS, prefill_slots=prefill_slots)
 
 
-@pytest.mark.parametrize("dim,width,bias", [(7, 4, True), (33, 3, False), (16, 2, True)])
+# the token ring's launch (prefill_slots off) at one shape, a prefill slot's at every one
+@pytest.mark.parametrize("dim,width,bias,prefill_slots", [(7, 4, True, True), (7, 4, True, False),
+                                                          (33, 3, False, True), (16, 2, True, True)])
 @pytest.mark.parametrize("case", list(ROWS))
-@pytest.mark.parametrize("prefill_slots", [True, False])
 def test_a_batch_of_decodes_and_prefills_equals_each_slice_on_its_own(case, dim, width, bias, prefill_slots):
     toks = ROWS[case]
     e = _engine(dim, width, bias, prefill_slots)
