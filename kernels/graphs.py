@@ -49,6 +49,15 @@ def capture(fns: Mapping[Hashable, Callable[[], object]], pool=None) -> dict:
     return graphs
 
 
+def capture_counted(fns: Mapping[Hashable, Callable[[], object]], device) -> tuple:
+    """:func:`capture` (after :func:`warm`, the caller's), and the device memory the captures reserved:
+    ``({key: graph}, bytes)``."""
+    before = torch.cuda.memory_reserved(device)
+    captured = capture(fns)
+    torch.cuda.synchronize(device)
+    return captured, torch.cuda.memory_reserved(device) - before
+
+
 @contextlib.contextmanager
 def no_gc():
     """The cyclic garbage collector off for a capture: a collection inside one runs whatever finalizers its garbage

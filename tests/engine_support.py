@@ -1,6 +1,7 @@
 """Shared by the engine tests: a small CPU engine, the per-request reference (Oracle) and the randomized
 workload that checks one against the other."""
 
+import contextlib
 import random
 import threading
 
@@ -200,3 +201,24 @@ def gate_worker(e):
     step runs on the worker from here on (no caller steps, see Worker._step_here_locked)."""
     e._caller_tokens = 0
     return hold_first_step(e)
+
+
+@contextlib.contextmanager
+def served(n: int, **knobs):
+    """An engine made with ``knobs``, its per-session reference and ``n`` sessions in both: ``(engine, oracle,
+    session ids)``; the engine is stopped after."""
+    e = make_engine(**knobs)
+    oracle = Oracle(e.model_cpu, e.state_dtype)
+    try:
+        sids = [e.create_session() for _ in range(n)]
+        for s in sids:
+            oracle.new(s)
+        yield e, oracle, sids
+    finally:
+        e.stop(drain=False)
+
+
+def model_x(e, rows: int) -> torch.Tensor:
+    """A random x of ``rows`` rows in the engine's model dtype (y then comes back in it, and is compared at its
+    tolerance)."""
+    return torch.randn(rows, DIM).to(e.model_cpu.dtype)

@@ -4,7 +4,6 @@ the token arena and launched on its own (Runner.take_prefill_slot, PrefillSlots.
 beside the layer's other prefill rows, with held results, with a failed launch and with a withdrawn batch; a batch
 that finds no free slot takes the layer's prefill launch instead."""
 
-import contextlib
 import random
 
 import pytest
@@ -13,34 +12,15 @@ import torch
 from convserve.clients.protocol.errors import StateLost, UnknownSession
 from convserve.service.engine.buffers import PREFILL_SLOTS
 from convserve.service.engine.prefill_slots import token_buckets
-from tests.engine_support import DIM, LAYERS, Oracle, gate_worker, make_engine
+from tests.engine_support import DIM, LAYERS, Oracle, gate_worker, make_engine, model_x, served
 from tests.tolerance import assert_close
 
 KNOBS = dict(slots=40, max_batch_size=16, max_batch_tokens=200, decode_buckets=(1, 2, 4, 8, 16), max_spec_tokens=4)
 
 
-@contextlib.contextmanager
-def _served(n: int, **knobs):
-    """An engine with KNOBS, its per-session reference and ``n`` sessions in both; the engine is stopped after."""
-    e = make_engine(**{**KNOBS, **knobs})
-    oracle = Oracle(e.model_cpu, e.state_dtype)
-    try:
-        sids = [e.create_session() for _ in range(n)]
-        for s in sids:
-            oracle.new(s)
-        yield e, oracle, sids
-    finally:
-        e.stop(drain=False)
-
-
-def _x(e, rows):
-    """x in the model's dtype (y then comes back in it, and is compared at its tolerance)."""
-    return torch.randn(rows, DIM).to(e.model_cpu.dtype)
-
-
 def _batch(e, oracle, sids, lay, toks):
     """Submit one batch without verify rows; returns (future, the reference's y)."""
-    x = _x(e, sum(toks))
+    x = model_x(e, sum(toks))
     want, a = [], 0
     for s, t in zip(sids, toks):
         want.append(oracle.conv(s, LAYERS.index(lay), x[a:a + t]))
@@ -54,9 +34,9 @@ def test_prefill_slot_batches_equal_the_reference(toks, rounds):
     """Rows from a stored state and from zeros (each session's first call on a layer), every layer, several
     rounds (each continuing from the last), the rows' order turned each round."""
     rng = random.Random(len(toks) * 10 + rounds)
-    with _served(len(toks)) as (e, oracle, sids):
+    with served(len(toks), **KNOBS) as (e, oracle, sids):
         for s in sids[::2]:                                 # half start from a stored state
-            x = _x(e, 3)
+            x = model_x(e, 3)
             e.submit(s, LAYERS[0], x).result(10)
             oracle.conv(s, 0, x)
         used = []
@@ -77,15 +57,15 @@ def _in_one_step(e, oracle, sids):
     """Two prefill-slot batches on one layer, a single prefill and a batch with a verify row (the layer's packed
     launches) in one step: each its own launch, one after another on the device buffers they share."""
     go, entered = gate_worker(e)
-    f0 = e.submit(sids[-1], LAYERS[2], _x(e, 1) * 0)
-    oracle.conv(sids[-1], 2, _x(e, 1) * 0)
+    f0 = e.submit(sids[-1], LAYERS[2], model_x(e, 1) * 0)
+    oracle.conv(sids[-1], 2, model_x(e, 1) * 0)
     assert entered.wait(10)
     fa, wa = _batch(e, oracle, sids[:3], LAYERS[0], [1, 20, 2])
     fb, wb = _batch(e, oracle, sids[3:6], LAYERS[0], [9, 1, 1])
-    xs = _x(e, 11)
+    xs = model_x(e, 11)
     fs = e.submit(sids[6], LAYERS[0], xs)
     ws = oracle.conv(sids[6], 0, xs)
-    xv = _x(e, 7)
+    xv = model_x(e, 7)
     fv = e.submit_batch(sids[7:10], LAYERS[0], xv, tokens=[1, 4, 2], speculative=[False, False, True])
     wv = torch.cat([oracle.conv(sids[7], 0, xv[:1]), oracle.conv(sids[8], 0, xv[1:5]),
                     oracle.verify(sids[9], 0, xv[5:])])
@@ -103,14 +83,14 @@ def _in_one_step(e, oracle, sids):
 
 
 def test_prefill_slot_batches_in_one_step_with_the_layers_other_prefill_rows():
-    with _served(12) as (e, oracle, sids):
+    with served(12, **KNOBS) as (e, oracle, sids):
         _in_one_step(e, oracle, sids)
 
 
 def test_a_held_prefill_slot_result_is_never_overwritten():
     """Callers that keep their y hold their prefill slots: the next batches take the other slot, then the layer's
     prefill launch; every kept y keeps its values, and once let go the slots serve again."""
-    with _served(4) as (e, oracle, sids):
+    with served(4, **KNOBS) as (e, oracle, sids):
         kept, used = [], []
         for i in range(PREFILL_SLOTS + 2):
             f, want = _batch(e, oracle, sids, LAYERS[i % len(LAYERS)], [1, 6, 1, 3])
@@ -130,7 +110,7 @@ def test_a_held_prefill_slot_result_is_never_overwritten():
 
 def test_a_batch_of_max_batch_tokens_takes_a_prefill_slot_at_the_top_bucket():
     """A half of the token arena holds the largest batch (max_batch_tokens rounded up to 16)."""
-    with _served(2) as (e, oracle, sids):
+    with served(2, **KNOBS) as (e, oracle, sids):
         top = e.config.max_batch_tokens
         assert e._runner.bufs.tok_half == -(-top // 16) * 16
         for toks in ([top - 1, 1], [1, top - 1]):
@@ -141,7 +121,7 @@ def test_a_batch_of_max_batch_tokens_takes_a_prefill_slot_at_the_top_bucket():
 
 
 def test_with_prefill_slots_off_every_batch_takes_the_layers_prefill_launch():
-    with _served(3, prefill_slots=False) as (e, oracle, sids):
+    with served(3, **KNOBS, prefill_slots=False) as (e, oracle, sids):
         assert e._runner.prefill_slots is None and e._runner.bufs.pslot_y is None     # no y buffers held
         f, want = _batch(e, oracle, sids, LAYERS[0], [1, 5, 2])
         assert f._req.batch.pbuf == -1
@@ -162,7 +142,7 @@ def test_a_failed_prefill_slot_launch_drops_its_sessions_and_frees_its_slot():
             raise RuntimeError("injected launch failure")
 
         ps.run = boom
-        f = e.submit_batch(sids, LAYERS[1], _x(e, 8), tokens=[1, 5, 2])
+        f = e.submit_batch(sids, LAYERS[1], model_x(e, 8), tokens=[1, 5, 2])
         assert f._req.batch.pbuf >= 0
         with pytest.raises(StateLost):
             f.result(10)
@@ -186,15 +166,15 @@ def test_a_failed_prefill_slot_launch_drops_its_sessions_and_frees_its_slot():
 def test_a_refused_or_withdrawn_prefill_slot_batch_frees_its_slot():
     """A batch refused at enqueue (an unknown session) and one cancelled while queued give their prefill slots back
     and change no state; the slots then serve the next batches."""
-    with _served(3) as (e, oracle, sids):
+    with served(3, **KNOBS) as (e, oracle, sids):
         for _ in range(PREFILL_SLOTS + 1):
             with pytest.raises(UnknownSession):
-                e.submit_batch(sids + ["nobody"], LAYERS[0], _x(e, 8), tokens=[2] * 4)
+                e.submit_batch(sids + ["nobody"], LAYERS[0], model_x(e, 8), tokens=[2] * 4)
         go, entered = gate_worker(e)
         f0 = e.submit(sids[0], LAYERS[2], torch.zeros(1, DIM))
         oracle.conv(sids[0], 2, torch.zeros(1, DIM))
         assert entered.wait(10)
-        fc = e.submit_batch(sids, LAYERS[0], _x(e, 6), tokens=[2] * 3)
+        fc = e.submit_batch(sids, LAYERS[0], model_x(e, 6), tokens=[2] * 3)
         assert fc._req.batch.pbuf >= 0 and fc.cancel()
         go.set()
         f0.result(10)
@@ -217,11 +197,11 @@ def test_a_step_of_prefill_slot_batches_is_a_prefill_step_for_isolation(prefill_
     try:
         sids = [e.create_session() for _ in range(5)]
         go, entered = gate_worker(e)
-        fb = e.submit_batch(sids[:3], LAYERS[0], _x(e, 9), tokens=[3, 3, 3])      # held in its step
+        fb = e.submit_batch(sids[:3], LAYERS[0], model_x(e, 9), tokens=[3, 3, 3])      # held in its step
         assert entered.wait(10)
         assert (fb._req.batch.pbuf >= 0) == prefill_slots
-        fd = e.submit(sids[3], LAYERS[1], _x(e, 1))
-        fp = e.submit(sids[4], LAYERS[1], _x(e, 50))
+        fd = e.submit(sids[3], LAYERS[1], model_x(e, 1))
+        fp = e.submit(sids[4], LAYERS[1], model_x(e, 50))
         go.set()
         for f in (fb, fd, fp):
             f.result(10)
@@ -235,12 +215,12 @@ def test_a_step_failing_after_its_prefill_slots_launched_drops_only_their_sessio
     the slot batch's sessions (410 state_lost) and gives the other rows a retryable error, their sessions kept."""
     from convserve.clients.protocol.errors import Internal
 
-    with _served(5) as (e, oracle, sids):
+    with served(5, **KNOBS) as (e, oracle, sids):
         go, entered = gate_worker(e)
-        f0 = e.submit(sids[4], LAYERS[2], _x(e, 1))
+        f0 = e.submit(sids[4], LAYERS[2], model_x(e, 1))
         assert entered.wait(10)
-        fb = e.submit_batch(sids[:3], LAYERS[0], _x(e, 9), tokens=[3, 3, 3])
-        fs = e.submit(sids[3], LAYERS[1], _x(e, 7))
+        fb = e.submit_batch(sids[:3], LAYERS[0], model_x(e, 9), tokens=[3, 3, 3])
+        fs = e.submit(sids[3], LAYERS[1], model_x(e, 7))
         assert fb._req.batch.pbuf >= 0
 
         def boom(out):

@@ -4,7 +4,6 @@ hold one pending record commits in one pass (Accepts._accept_uniform_locked). Bo
 per-session reference gives: every (rows, k, n accepted in [0, k]) over every layer, with forks between the
 verify and the accept, with requests queued behind the accept, with held results and with a failed launch."""
 
-import contextlib
 import random
 
 import pytest
@@ -12,30 +11,11 @@ import torch
 
 from convserve.clients.protocol.errors import BadRequest, Internal
 from convserve.service.engine.buffers import VERIFY_SLOTS
-from tests.engine_support import DIM, LAYERS, Oracle, gate_worker, make_engine
+from tests.engine_support import DIM, LAYERS, Oracle, gate_worker, make_engine, model_x, served
 from tests.tolerance import assert_close
 
 KNOBS = dict(slots=40, max_batch_size=16, max_batch_tokens=128, decode_buckets=(1, 2, 4, 8, 16), max_spec_tokens=6,
              verify_graph_tokens=(1, 2, 4, 5))
-
-
-@contextlib.contextmanager
-def _served(n: int):
-    """An engine with KNOBS, its per-session reference and ``n`` sessions in both; the engine is stopped after."""
-    e = make_engine(**KNOBS)
-    oracle = Oracle(e.model_cpu, e.state_dtype)
-    try:
-        sids = [e.create_session() for _ in range(n)]
-        for s in sids:
-            oracle.new(s)
-        yield e, oracle, sids
-    finally:
-        e.stop(drain=False)
-
-
-def _x(e, rows):
-    """x in the model's dtype (y then comes back in it, and is compared at its tolerance)."""
-    return torch.randn(rows, DIM).to(e.model_cpu.dtype)
 
 
 def _fits(e, rows, k):
@@ -48,7 +28,7 @@ def _round(e, oracle, sids, k, rng, layers=LAYERS, forks=0):
     accept_batch of the sessions (and one of the forks) with random n in [0, k]; checks y, states, positions."""
     slots_used = []
     for lay in layers:
-        x = _x(e, len(sids) * k)
+        x = model_x(e, len(sids) * k)
         f = e.submit_batch(sids, lay, x, tokens=[k] * len(sids), speculative=True)
         slots_used.append(f._req.batch.vbuf)
         want = torch.cat([oracle.verify(s, LAYERS.index(lay), x[i * k:(i + 1) * k]) for i, s in enumerate(sids)])
@@ -81,7 +61,7 @@ def _round(e, oracle, sids, k, rng, layers=LAYERS, forks=0):
 @pytest.mark.parametrize("k", [1, 2, 4, 5])
 def test_verify_slot_batches_and_their_accepts_equal_the_reference(rows, k):
     rng = random.Random(rows * 10 + k)
-    with _served(rows) as (e, oracle, sids):
+    with served(rows, **KNOBS) as (e, oracle, sids):
         for s in sids:
             x = torch.randn(3, DIM)                         # a committed state to verify from
             for p, lay in enumerate(LAYERS):
@@ -98,11 +78,11 @@ def _two_slots_in_one_step(e, oracle, sids):
     """Two verify-slot batches (and a packed single verify) in one step, on one layer and on another: each its own
     launch, one after another on the device buffers they share; then one accept of all."""
     go, entered = gate_worker(e)
-    f0 = e.submit(sids[-1], LAYERS[2], _x(e, 1) * 0)
-    oracle.conv(sids[-1], 2, _x(e, 1) * 0)
+    f0 = e.submit(sids[-1], LAYERS[2], model_x(e, 1) * 0)
+    oracle.conv(sids[-1], 2, model_x(e, 1) * 0)
     assert entered.wait(10)
     a, b, c = sids[:4], sids[4:8], sids[8:10]
-    xa, xb, xc, xs = _x(e, 16), _x(e, 8), _x(e, 8), _x(e, 4)
+    xa, xb, xc, xs = model_x(e, 16), model_x(e, 8), model_x(e, 8), model_x(e, 4)
     fa = e.submit_batch(a, LAYERS[0], xa, tokens=[4] * 4, speculative=True)
     fb = e.submit_batch(b, LAYERS[0], xb, tokens=[2] * 4, speculative=True)
     fs = e.submit(sids[10], LAYERS[0], xs, speculative=True)
@@ -125,7 +105,7 @@ def _two_slots_in_one_step(e, oracle, sids):
 
 
 def test_two_verify_slot_batches_in_one_step_equal_the_reference():
-    with _served(12) as (e, oracle, sids):
+    with served(12, **KNOBS) as (e, oracle, sids):
         _two_slots_in_one_step(e, oracle, sids)
 
 
@@ -133,7 +113,7 @@ def test_two_verify_slot_batches_in_one_step_equal_the_reference():
 def test_a_batched_accept_of_sessions_with_different_pending_records_commits_each_its_own(n):
     """Sessions verified on different layers, or with different lengths: the per-session path, same result."""
     rng = random.Random(5)
-    with _served(6) as (e, oracle, sids):
+    with served(6, **KNOBS) as (e, oracle, sids):
         for lay, group, k in ((LAYERS[0], sids, 3), (LAYERS[1], sids[:3], 3), (LAYERS[2], sids[3:], 2)):
             x = torch.randn(len(group) * k, DIM)
             y = e.submit_batch(group, lay, x, tokens=[k] * len(group), speculative=True).result(10)
@@ -166,7 +146,7 @@ def test_an_accept_too_long_for_one_session_commits_nothing():
 def test_an_accept_with_verifies_queued_after_it_commits_the_ones_before_it():
     """A verify batch queued after the accept (the worker held): the accept commits the first verify, the
     second stays pending and a later accept commits it."""
-    with _served(5) as (e, oracle, sids):
+    with served(5, **KNOBS) as (e, oracle, sids):
         go, entered = gate_worker(e)
         f0 = e.submit(sids[0], LAYERS[2], torch.zeros(1, DIM))
         oracle.conv(sids[0], 2, torch.zeros(1, DIM))
@@ -194,7 +174,7 @@ def test_an_accept_with_verifies_queued_after_it_commits_the_ones_before_it():
 def test_a_held_verify_slot_result_is_never_overwritten():
     """Callers that keep their y hold their verify slots: the next batches take the other slot, then the token
     arena; every kept y keeps its values, and once let go the slots serve again."""
-    with _served(4) as (e, oracle, sids):
+    with served(4, **KNOBS) as (e, oracle, sids):
         kept, used = [], []
         for i in range(VERIFY_SLOTS + 2):
             lay = LAYERS[i % len(LAYERS)]
@@ -278,7 +258,7 @@ def test_a_verify_slot_batch_with_positions():
     (then by each n), and afterwards the old position is refused."""
     from convserve.clients.protocol.errors import PositionMismatch
 
-    with _served(4) as (e, oracle, sids):
+    with served(4, **KNOBS) as (e, oracle, sids):
         x = torch.randn(16, DIM)
         f = e.submit_batch(sids, LAYERS[1], x, tokens=[4] * 4, speculative=True, position=[0] * 4)
         assert f._req.batch.vbuf >= 0

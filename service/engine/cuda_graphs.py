@@ -20,7 +20,26 @@ from .buffers import BATCH_SLOTS, VERIFY_SLOTS, Buffers
 CHECKED = "checked"
 
 
-class DecodeLaunchers:
+class GraphedLaunches:
+    """Launches warmed at start and, with graphs, captured: ``_graphs`` (``{key: graph}``) and the device memory
+    the captures reserved (``graph_bytes``)."""
+
+    _graphs: dict
+    graph_bytes: int = 0
+
+    def _capture_all(self, fns: dict, warm: dict, use_graphs: bool, device) -> None:
+        """Run the launches of ``warm`` once (compiling each kernel specialization now: a capture cannot), then,
+        with ``use_graphs``, capture every launch of ``fns``."""
+        graphs.warm(warm, device)
+        if use_graphs:
+            self._graphs, self.graph_bytes = graphs.capture_counted(fns, device)
+
+    @property
+    def n_graphs(self) -> int:
+        return len(self._graphs)
+
+
+class DecodeLaunchers(GraphedLaunches):
     """The decode launch of one layer for one bucket: ``causal_conv1d_update`` over the layer's rows in
     ``bufs.d_dec_x[layer, :bucket]`` / ``bufs.h_dec_idx[layer, :bucket]``, output in
     ``bufs.d_dec_out[layer, :bucket]``.
@@ -64,7 +83,6 @@ class DecodeLaunchers:
         self._fn, self._pool, self._model, self._b = update_fn, pool, model, bufs
         self._buckets = tuple(buckets)
         self._graphs: dict = {}
-        self.graph_bytes = 0
         self.multi_layer_runs = 0                 # launches of MIXED (for stats)
         self._cuda = pool.device.type == "cuda"
         self._side = torch.cuda.Stream(pool.device) if self._cuda else None   # see _verify_ops
@@ -211,17 +229,7 @@ class DecodeLaunchers:
         for t in bf.vslot_spec_np:
             t[:] = 0
         fns = self._launches()
-        graphs.warm(fns, dev)
-        if not use_graphs:
-            return
-        before = torch.cuda.memory_reserved(dev)
-        self._graphs = graphs.capture(fns)
-        torch.cuda.synchronize(dev)
-        self.graph_bytes = torch.cuda.memory_reserved(dev) - before
-
-    @property
-    def n_graphs(self) -> int:
-        return len(self._graphs)
+        self._capture_all(fns, fns, use_graphs, dev)
 
     def run(self, p: int, b: int) -> None:
         """Launch layer ``p``'s decode (or, ``p == MIXED``, the multi-layer one) for bucket ``b``."""

@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import bisect
 
-import torch
-
 from convserve.kernels import PAD_SLOT_ID
-from convserve.kernels import graphs
 
 from ..model import ConvModel
 from .buffers import PREFILL_SLOTS, Buffers
+from .cuda_graphs import GraphedLaunches
 
 #: token buckets: powers of two up to this, then its multiples (a 4,600-token step pads to 4,608, not 8,192)
 BUCKET_STEP = 512
@@ -32,7 +30,7 @@ def token_buckets(top: int) -> tuple:
     return tuple(sorted({*(b for b in pow2 if b < top), *range(BUCKET_STEP, top, BUCKET_STEP), top}))
 
 
-class PrefillSlots:
+class PrefillSlots(GraphedLaunches):
     """The launches of the prefill slots of one engine (built by the runner). ``prefill_fn`` is the engine's
     ``causal_conv1d_fn`` (Triton on CUDA, the vectorized torch op on the CPU)."""
 
@@ -41,7 +39,6 @@ class PrefillSlots:
         self._cuda = pool.device.type == "cuda"
         self.buckets = token_buckets(bufs.tok_half)
         self._graphs: dict = {}
-        self.graph_bytes = 0
         self._args: dict = {}              # the views of each launch, built once (a dozen view ops otherwise)
         if self._cuda:
             self._warm_and_capture(use_graphs)
@@ -96,17 +93,7 @@ class PrefillSlots:
             bf.pflags_np[j][:] = False
         fns = {(j, p, t): (lambda j=j, p=p, t=t: self._ops(j, p, t))
                for j in range(PREFILL_SLOTS) for p in range(m.n_layers) for t in self.buckets}
-        graphs.warm({k: f for k, f in fns.items() if k[0] == 0}, dev)
-        if not use_graphs:
-            return
-        before = torch.cuda.memory_reserved(dev)
-        self._graphs = graphs.capture(fns)
-        torch.cuda.synchronize(dev)
-        self.graph_bytes = torch.cuda.memory_reserved(dev) - before
-
-    @property
-    def n_graphs(self) -> int:
-        return len(self._graphs)
+        self._capture_all(fns, {k: f for k, f in fns.items() if k[0] == 0}, use_graphs, dev)
 
     def stage(self, b, j: int) -> None:
         """Submitting thread, once batch ``b`` holds slot ``j`` (the slot's last launch is done): the parts of
