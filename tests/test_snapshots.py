@@ -229,6 +229,8 @@ def test_after_kill_9_a_session_imported_since_the_last_snapshot_answers_410_not
         srv.kill()
 
 
+# slow (CI time, 12 s): lost sessions staying 410 across an engine's later crash is also in test_cluster_failures
+@pytest.mark.slow
 def test_a_session_a_restore_left_lost_stays_410_after_its_engine_process_crashes(tmp_path):
     """Restored after a crash, a session deleted since its snapshot answers 410; the engine process notes it lost
     in its own journal too, so that after that process's crash it is still 410 (a client without positions
