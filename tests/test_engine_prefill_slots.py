@@ -239,6 +239,28 @@ def test_a_step_failing_after_its_prefill_slots_launched_drops_only_their_sessio
         assert_close(e.export_state(sids[3]), oracle.export(sids[3]))      # untouched: still zeros
 
 
+def test_a_copy_into_a_slot_that_fails_gives_the_slot_back():
+    with served(3, **KNOBS) as (e, oracle, sids):
+        r = e._runner
+        real = r._copy_tokens
+
+        def boom(*a):
+            raise MemoryError("injected failure of the copy into the token ring")
+
+        r._copy_tokens = boom
+        for _ in range(PREFILL_SLOTS + 1):
+            with pytest.raises(MemoryError):
+                e.submit_batch(sids, LAYERS[0], model_x(e, 6), tokens=[1, 3, 2])
+        r._copy_tokens = real
+        used = []
+        for _ in range(PREFILL_SLOTS):               # every slot serves again, and nothing was applied before
+            f, want = _batch(e, oracle, sids, LAYERS[0], [2, 1, 3])
+            used.append(f._req.batch.pbuf)
+            assert_close(f.result(10), want)
+            del f
+        assert min(used) >= 0
+
+
 @pytest.mark.parametrize("top,want", [
     (16, (16,)), (48, (16, 32, 48)), (512, (16, 32, 64, 128, 256, 512)),
     (1040, (16, 32, 64, 128, 256, 512, 1024, 1040)),

@@ -127,7 +127,7 @@ class Staging:
         lo = self._claim_tokens(req, n_pre + lv * k)
         if lo < 0:
             return False
-        self._copy_tokens(req, xm, pre, ver, lo)
+        self._copy_claimed(req, xm, pre, ver, lo)
         return True
 
     def take_prefill_slot(self, req, xm: torch.Tensor, pre: list) -> int:
@@ -138,10 +138,20 @@ class Staging:
         H = self.bufs.tok_half
         for j in range(PREFILL_SLOTS):
             if self._claim_tokens(req, req.batch.n_pre, at=j * H, y_free=j) >= 0:
-                self._copy_tokens(req, xm, pre, [], j * H)
+                self._copy_claimed(req, xm, pre, [], j * H)
                 self.prefill_slots.stage(req.batch, j)
                 return j
         return -1
+
+    def _copy_claimed(self, req, xm: torch.Tensor, pre: list, ver: list, lo: int) -> None:
+        """:meth:`_copy_tokens` into the region ``req`` just claimed; a copy that raises gives the region back (the
+        request is never queued, so it would never be done and its region never reused)."""
+        try:
+            self._copy_tokens(req, xm, pre, ver, lo)
+        except BaseException:
+            with self._stage_lock:
+                self._tok_live = [e for e in self._tok_live if e[2] is not req]
+            raise
 
     def _claim_tokens(self, req, n: int, at: int = -1, y_free: int = -1) -> int:
         """Take ``n`` rows of the token arena for ``req``: at row ``at`` (a prefill slot's half, only if its y
