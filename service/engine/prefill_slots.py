@@ -51,6 +51,11 @@ class PrefillSlots(GraphedLaunches):
         return -(-n // 16) * 16
 
     def _views(self, j: int, p: int, t: int) -> tuple:
+        """What slot ``j``'s launch on layer ``p`` over ``t`` tokens takes: ``(x's rows in the token ring (t, dim),
+        x and out as the kernels see them (t, dim) (on the CPU the ring's rows and None), query_start_loc (S + 1,)
+        int32, cache_indices (S,) int32, has_initial_state (S,) bool, weight (dim, width), bias (dim,) or None,
+        the layer's states (slots + 1, dim, width - 1))``, built once per key (at most 2 × layers × buckets on
+        CUDA, × max_batch_tokens / 16 lengths on the CPU)."""
         key = (j, p, t)
         v = self._args.get(key)
         if v is None:
