@@ -173,7 +173,8 @@ class Settings(BaseSettings):
                                         "engine thread and back; 0: every step on the engine thread; unset: 512 "
                                         "on CUDA, 0 on the CPU; at most max_batch_tokens")
     use_cuda_graphs: bool = Field(_ENGINE.use_cuda_graphs,
-                                  description="replay decode steps from CUDA graphs (CUDA only)")
+                                  description="replay decode steps and the batch, verify and prefill slots' "
+                                  "launches from CUDA graphs (CUDA only)")
     verify_slots: bool = Field(_ENGINE.verify_slots,
                                description="a verify-only batch whose rows all have one length (2-8 tokens) "
                                "launches from one of 2 verify slots (CUDA: one graph replay); --no-verify-slots: "

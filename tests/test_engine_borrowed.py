@@ -148,3 +148,29 @@ def test_a_borrowed_batch_in_a_prefill_slot_is_copied_once_into_the_slot():
         fut.result(5)
     finally:
         e.stop(drain=False)
+
+
+@pytest.mark.parametrize("what,knobs,tokens,spec", [
+    ("a verify of a length without a verify slot", dict(max_spec_tokens=16), [9] * 3, True),
+    ("a verify with verify slots off", dict(verify_slots=False), [3] * 3, True),
+    ("a batch without verify rows, prefill slots off", dict(prefill_slots=False), [1, 5, 2], None),
+])
+def test_a_borrowed_batch_in_the_token_ring_is_copied_once_into_the_ring(what, knobs, tokens, spec):
+    """Its one copy is the ring's (checked there), no copy of its own before it."""
+    e = make_engine(slots=8, **knobs)
+    try:
+        sids = [e.create_session() for _ in range(4)]
+        go, entered = gate_worker(e)
+        held = e.submit(sids[3], LAYERS[1], torch.randn(1, DIM))     # the worker holds this step
+        assert entered.wait(5)
+        x = torch.randn(sum(tokens), DIM)
+        fut = e.submit_batch(sids[:3], LAYERS[0], x, tokens=tokens, speculative=spec, borrowed=True)
+        req = fut._req
+        assert req.batch.vbuf < 0 and req.batch.pbuf < 0 and req.batch.tok >= 0, what
+        staged = e._runner.bufs.h_tok[req.batch.tok:req.batch.tok + len(x)]
+        assert req.x.data_ptr() == staged.data_ptr() and torch.equal(req.x, x), what
+        go.set()
+        held.result(5)
+        fut.result(5)
+    finally:
+        e.stop(drain=False)

@@ -69,8 +69,8 @@ def _by_reference(head: dict) -> bool:
     other clients need not). Then a batch of one token per session, none speculative (the engine computes it
     straight from the block, checking x on the device), a verify of one length for every session (the engine
     copies x from the block into its verify staging and checks that copy as it arrives), or any other batch with
-    nothing speculative (the engine copies x from the block into a prefill slot, its one copy of such a batch
-    anyway, and checks that copy). A batch of verify and other rows the engine would copy whole first, on its one
+    nothing speculative (the engine copies x from the block into a prefill slot or its token ring, its one copy
+    of such a batch anyway, and checks that copy). A batch of verify and other rows the engine would copy whole first, on its one
     thread: the worker copies those."""
     if head["k"] != m.BATCH or head.get("po") is not None:
         return False

@@ -266,11 +266,11 @@ class Intake:
         xm, x_dtype = check_x(model, cfg, x, False, rows="rows", checked=checked, defer_finite=borrowed)
         borrowed = borrowed and xm is x           # else xm is a copy, checked
         runner = self._runner
-        # a batch without verify rows may take a prefill slot: it then checks its staged copy, as a plain decode
-        # or a uniform verify batch does
-        to_slot = plan is not None and runner is not None and runner.prefill_slots is not None and \
-            not plan[1].any()
-        if borrowed and plan is not None and not to_slot:
+        plain = plan is None and not uk              # one decode row per session (its staged copy is dec_x)
+        # a batch without verify rows is staged in x's order (a prefill slot, or the token ring): it then checks
+        # its staged copy, as a plain decode or a uniform verify batch does; any other planned batch a copy of
+        # its own, first
+        if borrowed and plan is not None and plan[1].any():
             xm, borrowed = own_copy(xm, cfg, model.dtype), False
         if uk:
             total, n_dec = n * uk, 0
@@ -311,9 +311,6 @@ class Intake:
             elif plan[2] is None and runner.prefill_slot_fits(b.n_pre, total):
                 b.pbuf = runner.take_prefill_slot(req, xm, plan[1])
             if b.vbuf < 0 and b.pbuf < 0:
-                if borrowed:                         # no prefill slot free: a checked copy of its own first
-                    xm = req.x = own_copy(xm, cfg, model.dtype)
-                    borrowed = False
                 runner.stage_tokens(req, xm, plan[1], list(zip(*plan[2])) if plan[2] else [])
         if borrowed:             # the step reads only the engine's copy (staged, or made here), checked
             try:
@@ -323,8 +320,8 @@ class Intake:
                 req.done = True                       # frees its staging rows
                 raise
             req.x = own
-            if not uk and b.pbuf < 0:                # (a verify-only batch has no decode rows, nor has one without
-                b.dec_x = own                        # verify rows)
+            if plain:                                # (only a plain decode batch's rows are its decode rows)
+                b.dec_x = own
         rows = None if positions is None else ([(uk, True)] * n if uk else
                                                [(1, False)] * n if plan is None else
                                                list(zip(lengths.tolist(), spec.tolist())))

@@ -56,8 +56,8 @@ class Staging:
     def staged_copy(self, req, xm: torch.Tensor, slot: int) -> torch.Tensor:
         """The copy of batch ``req``'s x (``xm``) that staging made, as the step reads it: batch slot ``slot``'s
         rows (:meth:`take_slot`), the staging rows of its decodes (:meth:`stage_batch`), its verify slot's rows,
-        or its run of the token arena (a verify-only batch, one in a prefill slot); ``xm`` itself when no one run
-        holds all of it."""
+        or its run of the token arena (a verify-only batch of one length per row, a batch without verify rows, in a
+        prefill slot or not); ``xm`` itself when no one run holds all of it."""
         b, n = req.batch, xm.shape[0]
         if slot >= 0:
             return self.bufs.slot_x[slot][:n]
@@ -65,11 +65,9 @@ class Staging:
             return self.bufs.vslot_x[b.vbuf][:n]
         if b.dec_x is not None:                  # a plain decode batch: staged, or x itself
             return b.dec_x
-        if b.tok >= 0 and not b.n_pre and b.verify_tokens == n:   # verify rows of one length: x's rows in order
-            return self.bufs.h_tok[b.tok:b.tok + n]
-        if b.pbuf >= 0:                          # in a prefill slot: x's rows in order
-            return self.bufs.h_tok[b.tok:b.tok + n]
-        return xm
+        if b.tok >= 0 and ((not b.n_pre and b.verify_tokens == n) or b.n_pre == n):
+            return self.bufs.h_tok[b.tok:b.tok + n]  # verify rows of one length, or no verify rows (in a prefill
+        return xm                                    # slot or not): x's rows in order
 
     def take_verify_slot(self, req, xm: torch.Tensor) -> int:
         """Reserve a free verify slot for ``req`` (a verify-only batch whose rows all have one length) and copy
