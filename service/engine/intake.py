@@ -308,7 +308,7 @@ class Intake:
             if not n_dec and not plan[1] and padded == total and runner.verify_slot_fits(n, b.verify_len):
                 b.vbuf = runner.take_verify_slot(req, xm)
             # a batch without verify rows: its x into a prefill slot (its launch is one replay)
-            elif plan[2] is None and runner.prefill_slot_fits(b.n_pre, total):
+            elif plan[2] is None and runner.prefill_slots is not None:
                 b.pbuf = runner.take_prefill_slot(req, xm, plan[1])
             if b.vbuf < 0 and b.pbuf < 0:
                 runner.stage_tokens(req, xm, plan[1], list(zip(*plan[2])) if plan[2] else [])

@@ -474,11 +474,6 @@ class Runner(Staging, Unpack):
             sidx[n:bucket] = 0                       # the null slot's d_spec line: never read
             self.decode.run_verify_slot(j, r.layer, bucket, b.verify_len)
 
-    def prefill_slot_fits(self, tokens: int, x_rows: int) -> bool:
-        """Can a batch without verify rows, of ``tokens`` prefill tokens in all (``x_rows``: x's rows; every row a
-        prefill row, so the same), launch from a prefill slot?"""
-        return self.prefill_slots is not None and tokens == x_rows and tokens <= self.bufs.tok_half
-
     def verify_slot_fits(self, rows: int, tokens: int) -> bool:
         """Can a verify-only batch of ``rows`` rows of ``tokens`` tokens each launch from a verify slot (its
         bucket and length one of the launches made at start, ``DecodeLaunchers.verify_shapes``)?"""

@@ -120,9 +120,7 @@ class Staging:
         it overlaps belongs to a request that is not done; else nothing is staged (False) and the step packs the
         rows from ``x`` itself (the unstaged path)."""
         b = req.batch
-        lv, k = b.verify_len, len(ver)
-        n_pre = b.n_pre
-        lo = self._claim_tokens(req, n_pre + lv * k)
+        lo, _j = self._claim_tokens(req, b.n_pre + b.verify_len * len(ver))
         if lo < 0:
             return False
         self._copy_claimed(req, xm, pre, ver, lo)
@@ -131,15 +129,12 @@ class Staging:
     def take_prefill_slot(self, req, xm: torch.Tensor, pre: list) -> int:
         """Reserve a free prefill slot for batch ``req`` (no verify rows: ``pre`` covers every row, in x's order)
         and copy its x into the slot's half of the token arena; the slot's index, or -1 when none is free (its
-        half still holding a request that is not done, or its last y still referred to by a caller). Whether
-        the batch fits a prefill slot is the caller's check."""
-        H = self.bufs.tok_half
-        for j in range(PREFILL_SLOTS):
-            if self._claim_tokens(req, req.batch.n_pre, at=j * H, y_free=j) >= 0:
-                self._copy_claimed(req, xm, pre, [], j * H)
-                self.prefill_slots.stage(req.batch, j)
-                return j
-        return -1
+        half still holding a request that is not done, or its last y still referred to by a caller)."""
+        lo, j = self._claim_tokens(req, req.batch.n_pre, slots=True)
+        if j >= 0:
+            self._copy_claimed(req, xm, pre, [], lo)
+            self.prefill_slots.stage(req.batch, j)
+        return j
 
     def _copy_claimed(self, req, xm: torch.Tensor, pre: list, ver: list, lo: int) -> None:
         """:meth:`_copy_tokens` into the region ``req`` just claimed; a copy that raises gives the region back (the
@@ -151,28 +146,29 @@ class Staging:
                 self._tok_live = [e for e in self._tok_live if e[2] is not req]
             raise
 
-    def _claim_tokens(self, req, n: int, at: int = -1, y_free: int = -1) -> int:
-        """Take ``n`` rows of the token arena for ``req``: at row ``at`` (a prefill slot's half, only if its y
-        ``pslot_y.buf(y_free)`` is not held), else at the next free row (at row 0 when it would run past the
-        end); only if no region it overlaps belongs to a request that is not done. Its first row, or -1."""
-        R = self.bufs.tok_rows
+    def _claim_tokens(self, req, n: int, slots: bool = False) -> tuple:
+        """Take ``n`` rows of the token arena for ``req``: with ``slots``, at the start of a prefill slot's half
+        (one whose y, ``pslot_y``, no caller holds), else at the next free row (at row 0 when it would run past
+        the end); only where no region it overlaps belongs to a request that is not done. ``(first row, prefill
+        slot or -1)``, or ``(-1, -1)`` when there is no room."""
+        bf = self.bufs
+        R = bf.tok_rows
         with self._stage_lock:
-            lo = self._tok_next if at < 0 else at
-            if lo + n > R:
-                if at >= 0:
-                    return -1
-                lo = 0
-            hi = lo + n
-            if hi > R:
-                return -1
             live = [e for e in self._tok_live if not e[2].done]
             self._tok_live = live
-            if any(a < hi and lo < e for a, e, _r in live) or (y_free >= 0 and self.bufs.pslot_y.held(y_free)):
-                return -1
-            live.append((lo, hi, req))
-            if at < 0:
-                self._tok_next = hi
-        return lo
+            if slots:
+                places = [(j * bf.tok_half, j) for j in range(PREFILL_SLOTS) if not bf.pslot_y.held(j)]
+            else:
+                lo = self._tok_next
+                places = [(lo if lo + n <= R else 0, -1)]
+            for lo, j in places:
+                hi = lo + n
+                if hi <= R and not any(a < hi and lo < e for a, e, _r in live):
+                    live.append((lo, hi, req))
+                    if j < 0:
+                        self._tok_next = hi
+                    return lo, j
+        return -1, -1
 
     def _copy_tokens(self, req, xm: torch.Tensor, pre: list, ver: list, lo: int) -> None:
         """Copy batch ``req``'s prefill rows then its verify rows (see :meth:`stage_tokens`) into the token arena
