@@ -26,22 +26,8 @@ from convserve.clients.protocol.wire import MAX_OBJECTS
 from .cores import usable_cores as _usable_cores
 from .engine.config import DEFAULTS as _ENGINE  # the engine's defaults (EngineConfig), without torch
 from .config_checks import check_across
-from .config_values import check_key, default_replica_name, int_list
+from .config_values import DEVICE_RE, ConfigError, check_key, default_replica_name, int_list, one_device
 from .env_names import is_service_link, unknown_variables
-
-_DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
-
-
-def _one_device(d: str, n_cuda: int) -> str:
-    """One entry of ``devices`` as its engine's device: ``cuda`` is ``cuda:0``; an index torch does not see is a
-    :class:`ConfigError`."""
-    if not d.startswith("cuda"):
-        return d
-    i = int(d.split(":")[1]) if ":" in d else 0
-    if i >= n_cuda:
-        raise ConfigError(f"devices: {d} was asked for but torch sees {n_cuda} CUDA device(s); use 'all', cpu, or "
-                          "an index below that")
-    return f"cuda:{i}"
 
 
 def _cuda_count() -> int:
@@ -357,7 +343,7 @@ class Settings(BaseSettings):
     @classmethod
     def _device(cls, v):
         v = v.strip().lower()
-        if not _DEVICE_RE.match(v):
+        if not DEVICE_RE.match(v):
             raise ValueError(f"device: {v!r} is not one of auto, cpu, cuda, cuda:N")
         return v
 
@@ -440,7 +426,7 @@ class Settings(BaseSettings):
             return None
         if v != "all":
             for d in v.split(","):
-                if not _DEVICE_RE.match(d.strip()) or d.strip() == "auto":
+                if not DEVICE_RE.match(d.strip()) or d.strip() == "auto":
                     raise ValueError(f"devices: {d.strip()!r} is not a device; use cpu, cuda or cuda:N, "
                                      "comma-separated, or 'all'")
         return v
@@ -477,7 +463,7 @@ class Settings(BaseSettings):
         if self.devices == "all":
             out = [f"cuda:{i}" for i in range(n_cuda)] or ["cpu"]
         else:
-            out = [_one_device(d.strip(), n_cuda) for d in self.devices.split(",")]
+            out = [one_device(d.strip(), n_cuda) for d in self.devices.split(",")]
         if self.workers == 0 and len(out) > 1:
             raise ConfigError(f"devices: {len(out)} engines ({','.join(out)}) were asked for, but --workers 0 runs "
                               "one engine inside the HTTP process; give workers (auto or N >= 1) for one engine "
@@ -521,10 +507,6 @@ class Settings(BaseSettings):
 
 #: settings whose values never appear in an error message or a log
 SECRET_FIELDS = ("api_key",)
-
-
-class ConfigError(ValueError):
-    """A configuration problem, with a message that says what to change."""
 
 
 _file_data: dict = {}

@@ -1,5 +1,6 @@
 """What one setting's value may be, checked before the settings meet each other (:mod:`.config` has those
-checks): lists of integers as flags and variables give them, an API key, the default replica name."""
+checks): lists of integers as flags and variables give them, an API key, the default replica name, a device; and
+the error a configuration problem raises (:class:`ConfigError`)."""
 
 from __future__ import annotations
 
@@ -44,3 +45,23 @@ def default_replica_name() -> str:
 
     name = os.environ.get("HOSTNAME", "").strip() or socket.gethostname() or "convserve"
     return name if re.fullmatch(r"[!-~]{1,253}", name) else "convserve"
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with a message that says what to change."""
+
+
+#: one entry of ``device`` / ``devices``
+DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+def one_device(d: str, n_cuda: int) -> str:
+    """One entry of ``devices`` as its engine's device: ``cuda`` is ``cuda:0``; an index torch does not see is a
+    :class:`ConfigError`."""
+    if not d.startswith("cuda"):
+        return d
+    i = int(d.split(":")[1]) if ":" in d else 0
+    if i >= n_cuda:
+        raise ConfigError(f"devices: {d} was asked for but torch sees {n_cuda} CUDA device(s); use 'all', cpu, or "
+                          "an index below that")
+    return f"cuda:{i}"
