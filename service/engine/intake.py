@@ -303,15 +303,8 @@ class Intake:
             slot = runner.take_slot(req, xm) if plan is None else -1
             if slot < 0:
                 runner.stage_batch(req, b.dec_x)
-        if runner is not None and plan is not None and (plan[1] or plan[2]):
-            # a verify-only batch of one length per row: its x into a verify slot (its launch is one replay)
-            if not n_dec and not plan[1] and padded == total and runner.verify_slot_fits(n, b.verify_len):
-                b.vbuf = runner.take_verify_slot(req, xm)
-            # a batch without verify rows: its x into a prefill slot (its launch is one replay)
-            elif plan[2] is None and runner.prefill_slots is not None:
-                b.pbuf = runner.take_prefill_slot(req, xm, plan[1])
-            if b.vbuf < 0 and b.pbuf < 0:
-                runner.stage_tokens(req, xm, plan[1], list(zip(*plan[2])) if plan[2] else [])
+        if runner is not None and plan is not None:
+            runner.stage_planned(req, xm, plan, padded)
         if borrowed:             # the step reads only the engine's copy (staged, or made here), checked
             try:
                 own = runner.staged_copy(req, xm, slot) if runner is not None else xm

@@ -112,6 +112,22 @@ class Staging:
         req.batch.dec_x = v
         req.stage = t
 
+    def stage_planned(self, req, xm: torch.Tensor, plan: tuple, padded: int) -> None:
+        """Stage a planned batch's prefill and verify rows (``plan``: ``(decode rows, prefill rows, verify rows'
+        columns or None)``, see ``records.plan_rows``; ``padded``: its tokens with the verify rows padded): a
+        verify-only batch of one length per row into a verify slot, a batch without verify rows into a prefill
+        slot (each launch one replay), when one is free; else into the token arena."""
+        b, (dec_rows, pre, ver) = req.batch, plan
+        if not (pre or ver):
+            return
+        if not len(dec_rows) and not pre and padded == req.n_tokens and self.verify_slot_fits(len(ver[0]),
+                                                                                             b.verify_len):
+            b.vbuf = self.take_verify_slot(req, xm)
+        elif ver is None and self.prefill_slots is not None:
+            b.pbuf = self.take_prefill_slot(req, xm, pre)
+        if b.vbuf < 0 and b.pbuf < 0:
+            self.stage_tokens(req, xm, pre, list(zip(*ver)) if ver else [])
+
     def stage_tokens(self, req, xm: torch.Tensor, pre: list, ver: list) -> bool:
         """Copy a batch's prefill tokens (``pre``: ``(row, first token, tokens)`` per prefill row) and then its
         verify rows (``ver``, each padded with zeros to the batch's ``verify_len``) into one region of the token
