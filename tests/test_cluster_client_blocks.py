@@ -147,10 +147,10 @@ def test_a_worker_sends_by_reference_only_batches_without_verify_rows_and_one_le
     """A batch with positions is sent again from the same block after a 503 or 504, which the first attempt's y
     may have overwritten: it goes through the worker's copy."""
     from convserve.service.cluster import messages as m
-    from convserve.service.cluster.remote import _by_reference
+    from convserve.service.cluster.client_blocks import by_reference
 
-    assert _by_reference({"k": m.BATCH, **fields}) is want
-    assert not _by_reference({"k": m.CONV, **fields})
+    assert by_reference({"k": m.BATCH, **fields}) is want
+    assert not by_reference({"k": m.CONV, **fields})
 
 
 def test_a_worker_sends_sealed_blocks_by_reference_only_where_its_engines_copy_them_directly():

@@ -3,7 +3,7 @@ is read from and y written over in place, with no copy in the HTTP worker.
 
 A worker that parsed a batch without verify rows (no positions), or a verify of one length for every session
 without positions, whose x lies in a sealed segment, in the model dtype, sends the segment's key and the block's
-offset instead of copying x into its arena (``client_shm_direct``; which batches: ``remote._by_reference``), without
+offset instead of copying x into its arena (``client_shm_direct``; which batches: :func:`by_reference`), without
 reading x: the engine checks its own copy of x for NaN/Inf (``Engine.submit_batch_to``'s ``borrowed``), a plain
 decode's in its launch, a verify's in its staging as it arrives, a prefill batch's in its prefill slot as it
 arrives. The engine process maps the segment itself, through the same checks
@@ -28,6 +28,7 @@ import numpy as np
 from convserve.clients.protocol.errors import BadRequest
 
 from ..http.client_shm import ClientSegments
+from . import messages as m
 
 
 class ClientBlocks:
@@ -90,3 +91,20 @@ def client_direct(settings, devices) -> bool:
     CPU engines, or GPU engines that page-lock (``shm_pin``)."""
     return bool(settings.client_shm and settings.client_shm_direct
                 and (settings.shm_pin or all(str(d).startswith("cpu") for d in devices)))
+
+
+def by_reference(head: dict) -> bool:
+    """May this batch's x go to its engine as a reference to the client's block? Without positions only: a batch
+    with positions is one its client may send again from the same block after a timeout, while the attempt that
+    timed out here may still write its y over that block (the Python clients retry a verify with x in the body;
+    other clients need not). Then a batch with nothing speculative (a plain decode batch the engine computes
+    straight from the block, checking x on the device; any other its engine copies into a prefill slot or its
+    token ring, its one copy of such a batch anyway, and checks), or a verify of one length for every session
+    (copied into its verify staging, checked as it arrives). A batch of verify and other rows the engine would
+    copy whole first, on its one thread: the worker copies those."""
+    if head["k"] != m.BATCH or head.get("po") is not None:
+        return False
+    t, sp = head.get("t"), head.get("sp")
+    if sp is True or (type(sp) is list and sp and all(s is True for s in sp)):
+        return type(t) is list and len(set(t)) == 1
+    return not (type(sp) is list and any(sp))

@@ -11,7 +11,7 @@ Data path: x is copied once, from the request body into a block of this worker's
 reads it there and writes y over it; the route answers from that block and the block is reused once the answer
 is written (the lease's lifetime, not a flag). A batch without verify rows, or a verify of one length for every
 session, whose x lies in a client's sealed segment goes by reference instead (:mod:`.client_blocks`,
-:func:`_by_reference`): nothing is copied here. Control travels as small msgpack messages
+:func:`.client_blocks.by_reference`): nothing is copied here. Control travels as small msgpack messages
 (:mod:`.messages`).
 
 Failure: the status table says which engines are up. A request for an engine that is down or restarting fails at
@@ -42,6 +42,7 @@ from convserve.clients.protocol.errors import EngineTimeout, EngineUnavailable, 
 
 from . import messages as m
 from . import worker_series
+from .client_blocks import by_reference
 from .session_order import SessionOrder
 from ..engine.validate import all_finite
 from ..claims import claim_fields
@@ -60,24 +61,6 @@ _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.floa
 #: the session operations that change state (the others only read)
 _WRITES = frozenset(("create_session", "delete_session", "fork_session", "import_state", "accept", "accept_batch",
                      "create_with_state"))
-
-
-def _by_reference(head: dict) -> bool:
-    """May this batch's x go to its engine as a reference to the client's block? Without positions only: a batch
-    with positions is one its client may send again from the same block after a timeout, while the attempt that
-    timed out here may still write its y over that block (the Python clients retry a verify with x in the body;
-    other clients need not). Then a batch of one token per session, none speculative (the engine computes it
-    straight from the block, checking x on the device), a verify of one length for every session (the engine
-    copies x from the block into its verify staging and checks that copy as it arrives), or any other batch with
-    nothing speculative (the engine copies x from the block into a prefill slot or its token ring, its one copy
-    of such a batch anyway, and checks that copy). A batch of verify and other rows the engine would copy whole first, on its one
-    thread: the worker copies those."""
-    if head["k"] != m.BATCH or head.get("po") is not None:
-        return False
-    t, sp = head.get("t"), head.get("sp")
-    if sp is True or (type(sp) is list and sp and all(s is True for s in sp)):
-        return type(t) is list and len(set(t)) == 1
-    return not (sp is True or (type(sp) is list and any(sp)))
 
 
 class _Future(asyncio.Future):
@@ -415,7 +398,7 @@ class RemoteEngine(RemoteSessions, EngineHealth):
         Everything else, and a non-finite x, the engine checks (and raises the proper error for). ``checked``: x
         is in the model dtype and was found finite already (a split batch's, see :func:`.split_batch.check_whole`).
         ``borrowed``: true when x is a view of its client's memory; its block's ``{key, offset}`` in a sealed
-        segment, which, for the batches of :func:`_by_reference` in the model dtype with ``client_direct``, goes by
+        segment, which, for the batches of :func:`by_reference` in the model dtype with ``client_direct``, goes by
         reference: the engine reads x there, checks its own copy and writes y over the block
         (:mod:`.client_blocks`), and nothing is copied or read here."""
         epoch = self._target(e)
@@ -431,7 +414,7 @@ class RemoteEngine(RemoteSessions, EngineHealth):
             name = str(dtype).removeprefix("torch.")
         nbytes = n * self.dim * dtype.itemsize
         in_place = (cast and out_dtype is None and rows is None and type(borrowed) is dict and self.client_direct
-                    and x.is_contiguous() and _by_reference(head) and borrowed["offset"] % dtype.itemsize == 0)
+                    and x.is_contiguous() and by_reference(head) and borrowed["offset"] % dtype.itemsize == 0)
         got = self.arena.lease(nbytes) if cast and not in_place else None
         data = None
         if in_place:
@@ -472,7 +455,7 @@ class RemoteEngine(RemoteSessions, EngineHealth):
                      position: Optional[int] = None, borrowed=False) -> asyncio.Future:
         """As :meth:`Engine.submit_async`. ``borrowed``: x is copied before this returns (into the arena, or a copy
         of its own that the message is sent from), and the engine computes with and checks that copy; or, for the
-        batches of :func:`_by_reference`, their sealed client block, sent by reference (see :meth:`_conv`)."""
+        batches of :func:`by_reference`, their sealed client block, sent by reference (see :meth:`_conv`)."""
         e = engine_of(session_id, self.n) if isinstance(session_id, str) else 0
         position, ri = claim_fields(position)
         return self._in_order(e, {"k": m.CONV, "s": session_id, "l": layer, "sp": speculative, "po": position, **ri},

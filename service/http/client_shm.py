@@ -10,7 +10,7 @@ one can shrink it) is mapped instead, since a touch of its mapping cannot fault:
 ``/proc/<pid>/fd/<fd>`` (both named in its key; the memfd's name must carry the key's tag, so a reused descriptor
 number is refused), checks the seals and maps it once. x is then a view of the mapping: an engine process may
 take a batch's block by reference and read x and write y there itself (:mod:`convserve.service.cluster.client_blocks`,
-which batches: ``remote._by_reference``); otherwise x is copied once on its way to the engine (into a
+which batches: ``client_blocks.by_reference``); otherwise x is copied once on its way to the engine (into a
 worker's arena, or an in-process engine's staging memory) and y is written back with one ``memcpy`` (cheaper per
 byte than a tmpfs read or write through a descriptor).
 
