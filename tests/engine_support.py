@@ -210,12 +210,17 @@ def served(n: int, **knobs):
     e = make_engine(**knobs)
     oracle = Oracle(e.model_cpu, e.state_dtype)
     try:
-        sids = [e.create_session() for _ in range(n)]
-        for s in sids:
-            oracle.new(s)
-        yield e, oracle, sids
+        yield e, oracle, new_sessions(e, oracle, n)
     finally:
         e.stop(drain=False)
+
+
+def new_sessions(e, oracle: Oracle, n: int) -> list:
+    """``n`` new sessions, in the engine and in its reference; their ids."""
+    sids = [e.create_session() for _ in range(n)]
+    for s in sids:
+        oracle.new(s)
+    return sids
 
 
 def model_x(e, rows: int) -> torch.Tensor:

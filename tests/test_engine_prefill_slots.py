@@ -12,7 +12,7 @@ import torch
 from convserve.clients.protocol.errors import StateLost, UnknownSession
 from convserve.service.engine.buffers import PREFILL_SLOTS
 from convserve.service.engine.prefill_slots import token_buckets
-from tests.engine_support import DIM, LAYERS, Oracle, gate_worker, make_engine, model_x, served
+from tests.engine_support import DIM, LAYERS, Oracle, gate_worker, make_engine, model_x, new_sessions, served
 from tests.tolerance import assert_close
 
 KNOBS = dict(slots=40, max_batch_size=16, max_batch_tokens=200, decode_buckets=(1, 2, 4, 8, 16), max_spec_tokens=4)
@@ -151,9 +151,7 @@ def test_a_failed_prefill_slot_launch_drops_its_sessions_and_frees_its_slot():
                 e.export_state(s)
         ps.run = real
         oracle = Oracle(e.model_cpu, e.state_dtype)
-        sids = [e.create_session() for _ in range(3)]
-        for s in sids:
-            oracle.new(s)
+        sids = new_sessions(e, oracle, 3)
         for _ in range(PREFILL_SLOTS + 1):                 # every slot serves again
             f, want = _batch(e, oracle, sids, LAYERS[1], [2, 1, 4])
             assert f._req.batch.pbuf >= 0
@@ -286,9 +284,7 @@ def test_prefill_slot_batches_on_cuda_equal_the_reference(use_graphs):
         try:
             ps = e._runner.prefill_slots
             assert ps.n_graphs == (PREFILL_SLOTS * len(LAYERS) * len(ps.buckets) if use_graphs else 0)
-            sids = [e.create_session() for _ in range(12)]
-            for s in sids:
-                oracle.new(s)
+            sids = new_sessions(e, oracle, 12)
             for n_rows in (1, 4, 12):
                 for _ in range(3):
                     toks = [rng.choice([1, 1, 2, 7, 16, 33]) for _ in range(n_rows)]
@@ -299,9 +295,7 @@ def test_prefill_slot_batches_on_cuda_equal_the_reference(use_graphs):
                         del f
             for s in sids:
                 assert_close(e.export_state(s), oracle.export(s), what=s)
-            sids = [e.create_session() for _ in range(12)]
-            for s in sids:
-                oracle.new(s)
+            sids = new_sessions(e, oracle, 12)
             _in_one_step(e, oracle, sids)
         finally:
             e.stop(drain=False)

@@ -11,7 +11,7 @@ import torch
 
 from convserve.clients.protocol.errors import BadRequest, Internal
 from convserve.service.engine.buffers import VERIFY_SLOTS
-from tests.engine_support import DIM, LAYERS, Oracle, gate_worker, make_engine, model_x, served
+from tests.engine_support import DIM, LAYERS, Oracle, gate_worker, make_engine, model_x, new_sessions, served
 from tests.tolerance import assert_close
 
 KNOBS = dict(slots=40, max_batch_size=16, max_batch_tokens=128, decode_buckets=(1, 2, 4, 8, 16), max_spec_tokens=6,
@@ -294,14 +294,10 @@ def test_verify_slot_batches_on_cuda_equal_the_reference(use_graphs):
                 assert (0, 0, 16, 4) in e._runner.decode._graphs and (1, 2, 8, 2) in e._runner.decode._graphs
                 assert not any(len(k) == 4 and k[3] == 5 for k in e._runner.decode._graphs)
             for rows in (1, 5, 13):
-                sids = [e.create_session() for _ in range(rows)]
-                for s in sids:
-                    oracle.new(s)
+                sids = new_sessions(e, oracle, rows)
                 for k in (4, 2, 5, 1):
                     _round(e, oracle, sids, k, rng, forks=1)
-            sids = [e.create_session() for _ in range(12)]
-            for s in sids:
-                oracle.new(s)
+            sids = new_sessions(e, oracle, 12)
             _two_slots_in_one_step(e, oracle, sids)
         finally:
             e.stop(drain=False)
