@@ -119,6 +119,8 @@ class RowBatch:
 
     waits: list                  # every unfinished request of its sessions submitted before it: done first
     wait_ops: list               # session ops posted before it: run (``.future.done()``) or withdrawn first
+    turns: int = 0               # its sessions whose check waits for its turn (an accept or import queued before
+    #                              it may clear their pending verify): not taken before every one has passed
     rows: int = 0                # rows (sessions); 0 until queued: Scheduler.add then takes every token as one
     #                              decode row (rows = n_dec = n_tokens)
     n_dec: int = 0               # one-token decode rows: the layer's decode launch (none: the launch stays free)
@@ -329,7 +331,7 @@ class Scheduler:
                     nr = b.rows
                     if (b.n_dec and r.layer in decode) or rows + reserved + nr > max_rows or \
                             tokens + pad + n > max_tokens or \
-                            (b.waits and not all(w.done for w in b.waits)) or \
+                            (b.waits and not all(w.done for w in b.waits)) or b.turns or \
                             (b.wait_ops and not all(op.cancelled or op.future.done() for op in b.wait_ops)):
                         continue
                     if b.vbuf >= 0:                  # its verify rows: a launch of their own

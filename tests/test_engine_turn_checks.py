@@ -232,9 +232,10 @@ def test_a_verify_refused_at_its_turn_leaves_the_verify_it_was_sent_to_replace_p
     assert info(e, a)["positions"] == [5, 2, 0]
 
 
-# A batch's checks read its sessions at its arrival (a known limit in docs/serving.md, *Order*): an operation queued
-# before it that changes what they read makes it a refusal (400, nothing changed) instead of a batch applied against
-# stale checks.
+# A batch's checks read its sessions at its arrival (a known limit in docs/serving.md, *Order*), but for the
+# pending-verify check of a plain row behind an accept or import (test_engine_batch_turns.py): an operation queued
+# before it that changes what the others read makes it a refusal (400, nothing changed) instead of a batch applied
+# against stale checks.
 
 @pytest.mark.parametrize("with_positions", [False, True])
 def test_a_batch_sent_while_an_import_of_one_of_its_sessions_is_queued_is_refused_with_nothing_changed(

@@ -484,6 +484,19 @@ def test_a_batch_request_waits_for_its_sessions_earlier_requests_and_ops():
     assert q.step().finished == [b3]
 
 
+def test_a_batch_whose_checks_wait_for_their_turn_is_not_taken_before_they_passed_even_behind_withdrawn_ops():
+    """An op withdrawn (its caller timed out) counts as done for the batches behind it at once, before the engine
+    made their checks at their turn (``turns``): the scheduler holds such a batch until the engine has."""
+    q = Q(max_batch_size=16, decode_buckets=(1, 2, 4, 8))
+    b = q.add_batch([1, 2], wait_ops=[_Op(False, cancelled=True)])
+    b.batch.turns = 2
+    assert q.step().finished == []
+    b.batch.turns = 1
+    assert q.step().finished == []
+    b.batch.turns = 0
+    assert q.step().finished == [b]
+
+
 def test_requests_after_a_batch_request_wait_until_it_is_done_others_do_not():
     q = Q(max_batch_size=16, decode_buckets=(1, 2, 4, 8))
     b = q.add_batch([1, 2], layer=0)

@@ -347,17 +347,11 @@ class Intake:
                 if s.ops:
                     check_ops_before_batch(s, positions is not None)
             if plan is None:
-                for s in sessions:
-                    if s.pending:
-                        self._check_no_verify_locked(s)
+                turns = self._check_plain_rows_locked(sessions)
             else:
                 dec_rows, pre_rows, ver_rows = plan
-                for i in dec_rows.tolist():
-                    if sessions[i].pending:
-                        self._check_no_verify_locked(sessions[i])
-                for i, _a, _k in pre_rows:
-                    if sessions[i].pending:
-                        self._check_no_verify_locked(sessions[i])
+                turns = self._check_plain_rows_locked([sessions[i] for i in dec_rows.tolist()]) + \
+                    self._check_plain_rows_locked([sessions[i] for i, _a, _k in pre_rows])
                 if rid is not None and ver_rows and counted is None:
                     for i in ver_rows[0]:
                         self._check_not_late_locked(sessions[i], rid, None, req.layer, True)
@@ -381,6 +375,10 @@ class Intake:
             seq = next(self._seq)
             self._last_seq = seq
             req.seq = seq
+            if turns:                                # checked at its turn on each (Turns._take_batch_turn_locked)
+                req.deferred, b.turns = True, len(turns)
+                for s in turns:
+                    s.deferred.append(req)
             slots = np.array(slot_list, dtype=np.int32)
             if rid is not None:                      # (what a late copy's check reads: see _note_id_locked)
                 verifying = frozenset(plan[2][0]) if plan is not None and plan[2] else frozenset()

@@ -1,7 +1,9 @@
 """A deferred conv's checks at its turn: what :mod:`.intake` checks at submit (a pending verify, a position) for a
 conv queued behind an operation of its session, made once every operation and request before it has been applied
-or has failed, so they see what those did. :class:`Turns` is a part of :class:`Engine` and shares its state.
-:func:`check_ops_before_batch`: what a batch, checked at its arrival, cannot wait behind."""
+or has failed, so they see what those did; and a batch's one check that waits likewise, its plain rows' pending
+verify behind an accept or import (the rest of a batch's checks are made at its arrival).
+:class:`Turns` is a part of :class:`Engine` and shares its state. :func:`check_ops_before_batch`: what a batch,
+checked at its arrival, cannot wait behind."""
 
 from __future__ import annotations
 
@@ -15,6 +17,10 @@ from .positions import Applied
 from .records import ConvRequest
 
 
+#: the op kinds that clear a session's pending verifies when they run (an import replaces the state)
+CLEARS_PENDING = ("accept", "import")
+
+
 class Turns:
     def _take_turns_locked(self, s: Session) -> None:
         """The op before some of ``s``'s deferred requests is done (it ran, failed, was cancelled or expired):
@@ -24,8 +30,12 @@ class Turns:
         d, barrier = s.deferred, s.barrier
         while d and (barrier is None or d[0].seq <= barrier):
             r = d.popleft()
-            if not r.done:             # not cancelled, expired, or withdrawn with its deleted session
+            if r.done:                 # cancelled, expired, or withdrawn with its deleted session
+                continue
+            if r.batch is None:
                 self._take_turn_locked(r)
+            else:
+                self._take_batch_turn_locked(r, s)
 
     def _take_turn_locked(self, r: ConvRequest) -> None:
         """The checks :meth:`_enqueue` makes at submit, made for a deferred request at its turn: every op and
@@ -64,6 +74,36 @@ class Turns:
                 s.last[p] = Applied(cur, n, r.track, 0, None)
                 r.track.refs += 1
 
+    def _check_plain_rows_locked(self, ss) -> list:
+        """A batch's arrival check of the sessions ``ss`` of its plain rows: a pending verify refuses it
+        (:class:`BadRequest`), unless an accept or import queued before it, which clears that verify when it runs,
+        may come first. Returns those sessions: on each, the batch's check waits for its turn
+        (:meth:`_take_batch_turn_locked`), so a caller may queue an accept and the next step's batch without
+        waiting for the accept's answer. (A batch with positions is refused behind either op before this:
+        :func:`check_ops_before_batch`.)"""
+        turns = []
+        for s in ss:
+            if s.pending:
+                if any(op.kind in CLEARS_PENDING for op in s.ops):
+                    turns.append(s)
+                else:
+                    self._check_no_verify_locked(s)
+        return turns
+
+    def _take_batch_turn_locked(self, r: ConvRequest, s: Session) -> None:
+        """The check a batch's plain row of ``s`` waited for (:meth:`_check_plain_rows_locked`), now that every
+        op and request of ``s`` before it has run: with a verify still pending (the accept failed or was withdrawn,
+        or a verify was queued between them) the whole batch is withdrawn as if never queued, its other sessions
+        included, and answered with the refusal; it cannot have started (``turns`` holds it back)."""
+        try:
+            self._check_no_verify_locked(s, self._pending_at_turn_locked(s, r.seq))
+        except BadRequest as e:
+            self._withdraw_turn_locked(r)
+            self._turn_out.append((r, None, BadRequest(f"{e.message} (checked at this batch's turn, after the accept or "
+                                                       "import queued before it; nothing of the batch ran)")))
+            return
+        r.batch.turns -= 1
+
     def _withdraw_turn_locked(self, r: ConvRequest) -> None:
         """Withdraw a deferred request at its turn as if it had never been queued: its tokens given back and, for
         a verify, the pending entry it replaced put back (see :meth:`_retire_locked`)."""
@@ -80,7 +120,8 @@ class Turns:
 
 
 def check_ops_before_batch(s, with_positions: bool) -> None:
-    """A batch's checks read its sessions as of its arrival, not at its turn as a single request's do: refuse it
+    """A batch's checks read its sessions as of its arrival, not at its turn as a single request's do (but for a
+    plain row's pending verify behind an accept or import: :meth:`Turns._check_plain_rows_locked`): refuse it
     (:class:`BadRequest`, nothing changed) when something queued before it changes what they read: the import of a
     session moved from another engine (the verifies it brings); for a batch with positions, any import or accept
     (positions) or a single request waiting for an operation's turn (its tokens count in the position now, and are
