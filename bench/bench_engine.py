@@ -27,7 +27,9 @@ Scenarios (each on a fresh engine):
   Each batch launches from a prefill slot (one graph replay); ``step-mixed-arena`` is the same with prefill slots
   off (the token arena and the layer's prefill launch), for comparison in the same run.
 * ``step-verify-64x4`` / ``step-decode-64``: 64 sessions, per round one speculative batch of 4 tokens per session
-  on every layer plus one ``accept_batch``, against a plain decode batch of the same sessions on every layer.
+  on every layer plus one ``accept_batch``, against a plain decode batch of the same sessions on every layer;
+  ``step-verify-64x4-pipelined``: the same with the accept queued (``submit_op``) and the next round sent without
+  waiting for its answer (the accept's column is then the time to queue it).
 
 Target (issue 4): host overhead per decode step under 100 us at 256 sessions. Results go to
 ``bench/results/engine-<gpu>-<date>.json``.
@@ -71,6 +73,9 @@ def _null_kernels(engine: Engine) -> None:
     runner.prefill_fn = fn
     runner.update_fn = fn
     runner.decode._fn = fn
+    if runner.prefill_slots is not None:
+        runner.prefill_slots._fn = fn
+    runner.commit = lambda lines, ns: None          # accept's commit (the CPU's is a torch op over the pairs)
 
 
 def make_engine(args, model, **cfg) -> Engine:
@@ -304,9 +309,11 @@ def run_step_mixed(args, model, n_decode: int, n_prefill: int, lengths: tuple, p
         e.stop(drain=False)
 
 
-def run_step_verify(args, model, n: int, k: int, verify: bool) -> dict:
+def run_step_verify(args, model, n: int, k: int, verify: bool, pipelined: bool = False) -> dict:
     """``n`` sessions, each round one batch per layer: ``k`` speculative tokens per session then one
-    ``accept_batch`` (``verify``), or one plain decode token per session."""
+    ``accept_batch`` (``verify``), or one plain decode token per session. ``pipelined``: the accept is queued
+    (``submit_op``) and the next round's batches sent without waiting for its answer, which is read a round later
+    (it ran before them: a session's requests run in the order sent)."""
     rng = random.Random(1)
     e = make_engine(args, model, max_batch_size=max(256, n), gpu_timing_interval=1)
     try:
@@ -315,7 +322,7 @@ def run_step_verify(args, model, n: int, k: int, verify: bool) -> dict:
         rows = n * (k if verify else 1)
         xs = [torch.randn(rows, dim, dtype=model.dtype) for _ in model.layers]
         toks = [k] * n
-        acc = []
+        acc, queued = [], []
 
         def round_():  # the layers one after another, as a model's forward pass sends them
             for lay, x in zip(model.layers, xs):
@@ -324,11 +331,19 @@ def run_step_verify(args, model, n: int, k: int, verify: bool) -> dict:
                 else:
                     e.submit_batch(sids, lay, x).result()
             if verify:
+                counts = [rng.randint(0, k) for _ in sids]
                 t0 = time.perf_counter()
-                e.accept_batch(sids, [rng.randint(0, k) for _ in sids])
+                if pipelined:
+                    if queued:
+                        queued.pop().result()           # the last round's: done before this round's batches ran
+                    queued.append(e.submit_op("accept_batch", sids, counts))
+                else:
+                    e.accept_batch(sids, counts)
                 acc.append((time.perf_counter() - t0) * 1e6)
 
         rtt, steps = _rounds(e, args, round_)
+        for f in queued:
+            f.result()                                  # the last round's accept: an error is the bench's
         out = step_summary(steps)
         st = e.stats()
         out.update({"round_trip_us_p50": _pct(rtt, 0.5), "round_trip_us_p90": _pct(rtt, 0.9), "sessions": n,
@@ -443,6 +458,7 @@ def _run(args, on_cuda: bool) -> int:
         run("step-mixed-arena", run_step_mixed, *args.step_mixed, prefill_slots=False)
         nv = args.step_verify_sessions
         run(f"step-verify-{nv}x4", run_step_verify, nv, 4, verify=True)
+        run(f"step-verify-{nv}x4-pipelined", run_step_verify, nv, 4, verify=True, pipelined=True)
         run(f"step-decode-{nv}", run_step_verify, nv, 1, verify=False)
 
     gpu = torch.cuda.get_device_name() if on_cuda else ("cpu-null-kernels" if args.null_kernels else "cpu")
