@@ -21,13 +21,14 @@ def test_bench_engine_runs_on_cpu_and_writes_every_scenario(tmp_path, null_kerne
     data = json.loads(out.read_text())
     decode = ("decode-1", "decode-4", "decode-1-batch", "decode-4-batch", "decode-4-L2", "decode-4-L2-one-launch",
               "decode-4-L2-batch", "decode-4-async")
-    step = ("step-mixed", "step-mixed-arena", "step-verify-4x4", "step-decode-4")
+    step = ("step-mixed", "step-mixed-arena", "step-verify-4x4", "step-verify-4x4-pipelined", "step-decode-4")
     assert set(data["results"]) == {*decode, *step, "prefill-mix", "closed-1", "closed-3"}
     for name in step:
         r = data["results"][name]
         assert r["host_us_p50"] > 0 and r["round_trip_us_p50"] > 0 and r["steps_per_round"] >= 1, name
     assert data["results"]["step-mixed"]["prefills"] == 2 and data["results"]["step-mixed"]["decodes"] == 6
     assert data["results"]["step-verify-4x4"]["accept_batch_us_p50"] > 0
+    assert data["results"]["step-verify-4x4-pipelined"]["accept_batch_us_p50"] > 0
     for name in decode:
         r = data["results"][name]
         if name.endswith("-L2-batch"):        # a batch runs at once: the round's second may take the next step
