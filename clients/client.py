@@ -25,12 +25,12 @@ Network failures raise httpx's (or websockets') own exceptions.
 """
 
 from convserve.clients.async_client import AsyncConvClient
-from convserve.clients.common import (DEFAULT_URL, MAX_MESSAGE_BYTES, BatchRequest, ConvRequest, ConvResult,
-                                      SessionState, error_from)
+from convserve.clients.common import (DEFAULT_URL, MAX_MESSAGE_BYTES, AcceptRequest, BatchRequest, ConvRequest,
+                                      ConvResult, SessionState, error_from)
 from convserve.clients.protocol.errors import (ConvServeError, OutcomeUnknown, ReplicaUnavailable, ServiceError,
                                               Unreachable)
 from convserve.clients.sync_client import ConvClient
 
-__all__ = ["ConvClient", "AsyncConvClient", "ConvRequest", "BatchRequest", "ConvResult", "SessionState",
-           "ConvServeError", "ServiceError", "ReplicaUnavailable", "OutcomeUnknown", "Unreachable", "error_from",
+__all__ = ["ConvClient", "AsyncConvClient", "ConvRequest", "BatchRequest", "AcceptRequest", "ConvResult",
+           "SessionState", "ConvServeError", "ServiceError", "ReplicaUnavailable", "OutcomeUnknown", "Unreachable", "error_from",
            "DEFAULT_URL", "MAX_MESSAGE_BYTES"]

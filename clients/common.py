@@ -66,6 +66,21 @@ class BatchRequest:
 
 
 @dataclass
+class AcceptRequest:
+    """A batched accept as a stream frame (``POST /v1/accept``'s body plus ``"op": "accept"``): each of
+    ``sessions`` commits the first ``tokens[i]`` tokens of its pending verify (0 discards it). It runs before the
+    frames of its sessions sent after it, so a frontend sends it and its next step's frames without waiting for
+    its answer; its result's ``y`` is None (``ok`` says whether it was applied; whole or not at all, as
+    :meth:`ConvClient.accept_batch`)."""
+
+    sessions: Sequence[str]
+    tokens: Sequence[int]
+    id: Any = None
+    request_id: Optional[str] = None              # PREFIX:N, as accept_batch's (a tracking client sets its own)
+    layer: Optional[int] = None                   # (none: an accept acts on every layer with a verify)
+
+
+@dataclass
 class ConvResult:
     """One answer of a stream: ``y`` on success, else ``error`` (the frame failed alone). For a
     :class:`BatchRequest`, ``session`` is its list of sessions and ``y`` is ``(sum(tokens), dim)``."""
@@ -204,11 +219,14 @@ def _default_backend() -> str:
     return "torch" if importlib.util.find_spec("torch") is not None else "numpy"
 
 
-def _as_request(r: Union[ConvRequest, BatchRequest, tuple, dict], i: int) -> Union[ConvRequest, BatchRequest]:
-    if isinstance(r, (ConvRequest, BatchRequest)):
+def _as_request(r: Union[ConvRequest, BatchRequest, AcceptRequest, tuple, dict], i: int):
+    if isinstance(r, (ConvRequest, BatchRequest, AcceptRequest)):
         req = r
     elif isinstance(r, dict):
-        req = BatchRequest(**r) if "sessions" in r else ConvRequest(**r)
+        if r.get("op") == "accept":
+            req = AcceptRequest(**{k: v for k, v in r.items() if k != "op"})
+        else:
+            req = BatchRequest(**r) if "sessions" in r else ConvRequest(**r)
     else:
         req = ConvRequest(*r)
     if req.id is None:
@@ -216,8 +234,11 @@ def _as_request(r: Union[ConvRequest, BatchRequest, tuple, dict], i: int) -> Uni
     return req
 
 
-def _frame(req: Union[ConvRequest, BatchRequest]) -> dict:
-    if isinstance(req, BatchRequest):
+def _frame(req: Union[ConvRequest, BatchRequest, AcceptRequest]) -> dict:
+    if isinstance(req, AcceptRequest):
+        frame = {"id": req.id, "op": "accept", "sessions": _id_list(req.sessions),
+                 "tokens": _int_list(req.tokens, "tokens")}
+    elif isinstance(req, BatchRequest):
         frame = {"id": req.id, **_batch_fields(req.sessions, req.layer, req.x, req.tokens, req.speculative)}
         if req.position is not None:
             frame["position"] = _int_list(req.position, "position")

@@ -11,7 +11,7 @@ import time
 from typing import AsyncIterable, Iterable, Optional, Sequence, Union
 
 from convserve.clients.async_client import LEFT_BEHIND_S, AsyncConvClient
-from convserve.clients.common import BatchRequest, SessionState, _as_request
+from convserve.clients.common import AcceptRequest, BatchRequest, SessionState, _as_request
 from convserve.clients.protocol.errors import (ReplicaUnavailable, ServiceError, SessionExists, StateLost,
                                               UnknownSession, Unreachable)
 from convserve.clients.replicas import (Endpoints, Router, batch_failure, health_result, join_batch, maybe_applied,
@@ -276,11 +276,13 @@ class ReplicatedAsyncConvClient(AsyncConvClient):
         end = object()
 
         def target(req) -> str:
-            if isinstance(req, BatchRequest):
+            if isinstance(req, (BatchRequest, AcceptRequest)):
                 split = self.router.split(req.sessions)
                 if len(split) > 1:
-                    raise ValueError(f"stream request {req.id!r}: a BatchRequest's sessions live on {len(split)} "
-                                     "replicas; send it with conv_batch, which splits it")
+                    raise ValueError(f"stream request {req.id!r}: a {type(req).__name__}'s sessions live on "
+                                     f"{len(split)} replicas; send it with "
+                                     f"{'conv_batch' if isinstance(req, BatchRequest) else 'accept_batch'}, which "
+                                     "splits it")
                 return next(iter(split))
             return self.router.route(req.session)
 

@@ -17,7 +17,7 @@ from typing import Iterable, Iterator, Optional, Sequence
 
 import httpx
 
-from convserve.clients.common import BatchRequest, ConvResult, SessionState, _as_request
+from convserve.clients.common import AcceptRequest, BatchRequest, ConvResult, SessionState, _as_request
 from convserve.clients.protocol.errors import (OutcomeUnknown, ReplicaUnavailable, ServiceError, SessionExists,
                                               StateLost, UnknownSession, Unreachable)
 from convserve.clients.replicas import (Endpoints, Router, batch_failure, health_result, join_batch, maybe_applied,
@@ -332,7 +332,8 @@ class ReplicatedConvClient(ConvClient):
     def stream(self, requests: Iterable, *, transport: str = "http", window: int = 64) -> Iterator[ConvResult]:
         """:meth:`ConvClient.stream` over replicas: each request goes to its session's replica (one stream per
         replica, ``window`` each). A replica that fails answers its own requests with :class:`ReplicaUnavailable`
-        results; the others go on. A :class:`BatchRequest` must keep to one replica (use :meth:`conv_batch`)."""
+        results; the others go on. A :class:`BatchRequest` or :class:`AcceptRequest` must keep to one replica (use
+        :meth:`conv_batch` or :meth:`accept_batch`, which split)."""
         if transport not in ("http", "ws"):
             raise ValueError(f"transport must be 'http' or 'ws', got {transport!r}")
         out: queue.Queue = queue.Queue()
@@ -340,11 +341,13 @@ class ReplicatedConvClient(ConvClient):
         end = object()
 
         def target(req) -> str:
-            if isinstance(req, BatchRequest):
+            if isinstance(req, (BatchRequest, AcceptRequest)):
                 split = self.router.split(req.sessions)
                 if len(split) > 1:
-                    raise ValueError(f"stream request {req.id!r}: a BatchRequest's sessions live on {len(split)} "
-                                     "replicas; send it with conv_batch, which splits it")
+                    raise ValueError(f"stream request {req.id!r}: a {type(req).__name__}'s sessions live on "
+                                     f"{len(split)} replicas; send it with "
+                                     f"{'conv_batch' if isinstance(req, BatchRequest) else 'accept_batch'}, which "
+                                     "splits it")
                 return next(iter(split))
             return self.router.route(req.session)
 
@@ -477,6 +480,7 @@ class ReplicatedConvClient(ConvClient):
 
 
 def _failed(req, err: ReplicaUnavailable) -> ConvResult:
-    sessions = list(req.sessions) if isinstance(req, BatchRequest) else [req.session]
+    many = isinstance(req, (BatchRequest, AcceptRequest))
+    sessions = list(req.sessions) if many else [req.session]
     e = ReplicaUnavailable(err.message, sessions=sessions, replica=err.replica, retry_after=err.retry_after)
-    return ConvResult(req.id, sessions if isinstance(req, BatchRequest) else req.session, req.layer, error=e)
+    return ConvResult(req.id, sessions if many else req.session, req.layer, error=e)

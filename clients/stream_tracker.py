@@ -7,7 +7,7 @@ import contextlib
 import threading
 from typing import Any
 
-from convserve.clients.common import (BatchRequest, ConvRequest, ConvResult, _backend_of, _Base,
+from convserve.clients.common import (AcceptRequest, BatchRequest, ConvRequest, ConvResult, _backend_of, _Base,
                                       check_given_position, error_from)
 from convserve.clients.protocol import wire
 from convserve.clients.protocol.errors import ServiceError
@@ -26,10 +26,17 @@ class _Tracker:
         self.book = book
 
     def add(self, req: ConvRequest) -> None:
-        check_given_position(self.book, req.position, req.request_id)
+        accept = isinstance(req, AcceptRequest)
+        if not accept:
+            check_given_position(self.book, req.position, req.request_id)
         with self.lock:
             if req.id in self.meta:
                 raise ValueError(f"request id {req.id!r} is already in flight in this stream; ids must be unique")
+            if accept:            # (backend None: no y; rows: its counts, for the book's accepted())
+                session = list(req.sessions)
+                rows = None if self.book is None else (list(req.tokens), self.book.frames_sent(session))
+                self.meta[req.id] = (session, None, None, rows)
+                return
             batch = isinstance(req, BatchRequest)
             session = list(req.sessions) if batch else req.session
             # what each session's row applies, and the session's mark in the book then (PositionBook.mark), for the
@@ -60,6 +67,12 @@ class _Tracker:
         if "error" in obj:
             self._forget(sessions)
             return ConvResult(fid, session, layer, error=error_from(obj["error"]))
+        if backend is None:                         # an accept, applied: with frames of its sessions still in
+            if rows is not None:                    # flight, the book forgets those sessions (accepted())
+                self.book.frames_done(sessions)
+                for s, n in zip(sessions, rows[0]):
+                    self.book.accepted(s, n)
+            return ConvResult(fid, session, layer)
         if rows is not None:
             self.book.frame_answered(sessions, layer, *rows)
         return ConvResult(fid, session, layer, y=wire.decode_tensor(obj["y"], backend=backend, name="y"))

@@ -349,9 +349,10 @@ class ConvClient(_Base):
         return self._batch_y(answer, sessions, layer, x, pos, marks)
 
     def stream(self, requests: Iterable, *, transport: str = "http", window: int = 64) -> Iterator[ConvResult]:
-        """Pipeline ``requests`` (:class:`ConvRequest`, ``(session, layer, x[, speculative])`` tuples or dicts)
-        and yield a :class:`ConvResult` per request as it arrives. Results of one session come in the order
-        sent. A frame's error is in its result; an error that ends the stream is raised."""
+        """Pipeline ``requests`` (:class:`ConvRequest`, ``(session, layer, x[, speculative])`` tuples or dicts,
+        :class:`BatchRequest`, :class:`AcceptRequest`) and yield a :class:`ConvResult` per request as it arrives.
+        Results of one session come in the order sent. A frame's error is in its result; an error that ends the
+        stream is raised."""
         if transport == "http":
             yield from self._stream_http(requests)
         elif transport == "ws":

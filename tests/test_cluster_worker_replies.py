@@ -232,22 +232,35 @@ def test_a_split_accept_whose_later_part_is_refused_after_an_earlier_one_committ
     from convserve.service.cluster.remote_ops import RemoteSessions
 
     a, b = _ids_on_two_engines()
-    r = RemoteSessions()
-    r.n = 2
-    r.limits = SimpleNamespace(max_batch_size=8)
-    first = next(iter(split([a, b], 2)))                       # the engine whose part commits first
+    first = next(iter(split([a, b], 2)))                       # the engine whose part is sent first
     committed = []
 
-    def op(e, name, ss, tt, rid=None):
-        if e != first:
-            raise BadRequest(f"session {ss[0]!r} has no speculative verify to accept")
-        committed.extend(ss)
+    async def main():
+        r = RemoteSessions()
+        r.n, r.limits, r.order, r.loop = 2, SimpleNamespace(max_batch_size=8), SessionOrder(), \
+            asyncio.get_running_loop()
 
-    r._call_sync = lambda e, head: ({"ok": None}, None)
-    r._op = op
-    with pytest.raises(BadRequest) as e:
-        r.accept_batch([a, b], [1, 1])
-    assert e.value.extra["applied"] == committed and len(committed) == 1
+        async def call(e, head):                                # every engine's check passes
+            return {"ok": None}, None
+
+        def request(e, head):                                   # the parts' commits
+            fut = r.loop.create_future()
+            ss = head["a"][0]
+            if e != first:
+                fut.set_exception(BadRequest(f"session {ss[0]!r} has no speculative verify to accept"))
+            else:
+                committed.extend(ss)
+                fut.set_result(({"ok": None}, None))
+            return fut
+
+        r._call, r._request = call, request
+        with pytest.raises(BadRequest) as e:
+            await r.submit_accept_batch([a, b], [1, 1])
+        assert not r.order                                      # its sessions are not held any more
+        return e.value
+
+    err = asyncio.run(main())
+    assert err.extra["applied"] == committed and len(committed) == 1
 
 
 def test_a_split_batch_whose_other_part_timed_out_does_not_say_that_part_did_not_run():

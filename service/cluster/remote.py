@@ -556,18 +556,24 @@ class RemoteEngine(RemoteSessions, EngineHealth):
 
     # ------------------------------------------------------------------ calls and session operations
 
-    async def _call(self, e: int, head: dict, data=None, timeout: Optional[float] = None) -> tuple[dict, Any]:
+    def _request(self, e: int, head: dict, data=None) -> asyncio.Future:
+        """Send ``head`` (and ``data``) to engine ``e`` now, on the loop; the future of its ``(reply, frame)``."""
         epoch = self._target(e)
         link = self.links[e]
         mid = next(self._ids)
         head.update(i=mid, e=epoch)
         fut = self.loop.create_future()
         what = f"the operation {head['f']}" if head["k"] == m.OP and head["f"] in _WRITES else ""
-        deadline = self.loop.time() + self.reply_timeout
-        link.pending[mid] = _Pending(fut, None, epoch, deadline=deadline, what=what)
+        link.pending[mid] = _Pending(fut, None, epoch, deadline=self.loop.time() + self.reply_timeout, what=what)
         self._send(link, head, data)
+        return fut
+
+    async def _call(self, e: int, head: dict, data=None, timeout: Optional[float] = None) -> tuple[dict, Any]:
+        deadline = self.loop.time() + self.reply_timeout       # (the request's own, set in _request)
+        fut = self._request(e, head, data)
         if timeout is None:
             return await fut
+        link, mid = self.links[e], head["i"]
         try:                                  # a read-only call with a shorter wait of its own (the counters)
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
@@ -580,6 +586,10 @@ class RemoteEngine(RemoteSessions, EngineHealth):
             raise EngineTimeout(f"engine {e} ({self.devices[e]}) did not answer within {timeout:g} s") from None
 
     def _call_sync(self, e: int, head: dict, data=None, timeout: Optional[float] = None) -> tuple[dict, Any]:
+        return self._run_sync(lambda: self._call(e, head, data, timeout))
+
+    def _run_sync(self, coro_fn):
+        """``await coro_fn()`` on the loop, from another thread (the routes' blocking session operations)."""
         if self.loop is None:
             raise NotReady("the worker is starting; retry shortly", retry_after=1)
-        return asyncio.run_coroutine_threadsafe(self._call(e, head, data, timeout), self.loop).result()
+        return asyncio.run_coroutine_threadsafe(coro_fn(), self.loop).result()

@@ -9,6 +9,7 @@ committed sessions in its error's ``applied`` field.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Optional, Sequence
 
 import torch
@@ -108,31 +109,58 @@ class RemoteSessions:
 
     def accept_batch(self, session_ids: Sequence[str], tokens: Sequence[int],
                      request_id: Optional[str] = None) -> None:
-        groups = split(session_ids, self.n)
-        if len(groups) > 1:
-            # what needs no session state is checked on the whole batch: no part is refused for it after
-            # another part committed
-            n = check_batch_sessions(session_ids, self.limits.max_batch_size, "one accept_batch")
-            tokens = accept_token_list(tokens, n)
+        async def accept() -> None:
+            await self.submit_accept_batch(session_ids, tokens, request_id)
+        self._run_sync(accept)
+
+    def submit_accept_batch(self, session_ids: Sequence[str], tokens: Sequence[int],
+                            request_id: Optional[str] = None) -> asyncio.Future:
+        """As :meth:`Engine.submit_accept_batch`, on this worker's loop (a stream's accept frame): sent now, or,
+        when a split batch or accept holds one of its sessions (:mod:`.session_order`), once that one's parts are
+        out; so a request on its sessions submitted after it reaches their engine after it. Split across engines:
+        checked whole, then by each engine, and only then are the parts sent, one after another; a part refused
+        after another committed (a concurrent change, an engine that died) answers with the committed sessions in
+        its error's ``applied`` field."""
+        sids, ri = list(session_ids), {} if request_id is None else {"ri": request_id}
+        groups = split(sids, self.n) if self.n > 1 else {0: None}
         if len(groups) == 1:
             (e,) = groups
-            self._op(e, "accept_batch", list(session_ids), list(tokens), rid=request_id)
-            return
-        parts = [(e, [session_ids[i] for i in pos], [tokens[i] for i in pos]) for e, pos in groups.items()]
-        for e, ss, tt in parts:
-            self._call_sync(e, {"k": m.CHECK, "f": "accept", "ss": ss, "t": tt,
-                                **({} if request_id is None else {"ri": request_id})})
-        committed: list = []
-        for e, ss, tt in parts:
-            try:
-                self._op(e, "accept_batch", ss, tt, rid=request_id)
-            except ServiceError as err:
-                # a concurrent change of these sessions since the check, or the engine died: the parts that
-                # committed stay committed, and the answer says which they are
-                if committed:
-                    done = set(committed)
-                    raise partly_applied(err, [s for s in session_ids if s in done], "accepts",
-                                         isinstance(err, EngineTimeout)) from None
-                raise
-            committed.extend(ss)
+            head = {"k": m.OP, "f": "accept_batch", "a": [sids, list(tokens)], **ri}
+            waits = self.order.waits(sids) if self.order else None
+            if waits:
+                return self._after(waits, sids, lambda _x: self._request(e, head), None, False)
+            return self._request(e, head)
+        # what needs no session state is checked on the whole batch: no part is refused for it after another
+        # part committed
+        tokens = accept_token_list(tokens, check_batch_sessions(sids, self.limits.max_batch_size, "one accept_batch"))
+        parts = [(e, [sids[i] for i in pos], [tokens[i] for i in pos]) for e, pos in groups.items()]
+        hold = self.loop.create_future()            # its sessions' later sends wait until its parts are out
+        waits = self.order.waits(sids)
+        self.order.hold(sids, hold)
+        return self.order.released_at_end(asyncio.ensure_future(self._split_accept(parts, sids, ri, waits, hold)),
+                                          sids, hold, waits)
 
+    async def _split_accept(self, parts: list, sids: list, ri: dict, waits: list, hold: asyncio.Future) -> None:
+        if waits:
+            await asyncio.wait(waits)              # (cancelling this task leaves them alone)
+        committed: list = []
+        try:
+            for c in await asyncio.gather(*(self._call(e, {"k": m.CHECK, "f": "accept", "ss": ss, "t": tt, **ri})
+                                            for e, ss, tt in parts), return_exceptions=True):
+                if isinstance(c, BaseException):
+                    raise c
+            for e, ss, tt in parts:
+                try:
+                    fut = self._request(e, {"k": m.OP, "f": "accept_batch", "a": [ss, tt], **ri})
+                    if e == parts[-1][0]:
+                        self.order.release(sids, hold)   # every part is out: later sends need not wait
+                    await fut
+                except ServiceError as err:
+                    if committed:
+                        done = set(committed)
+                        raise partly_applied(err, [s for s in sids if s in done], "accepts",
+                                             isinstance(err, EngineTimeout)) from None
+                    raise
+                committed.extend(ss)
+        finally:
+            self.order.release(sids, hold)

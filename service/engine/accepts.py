@@ -75,6 +75,13 @@ class Accepts:
         submitted after it wait for it. ``request_id`` as :meth:`accept`'s, for every session."""
         self._wait_op(self._post_accept_batch(session_ids, tokens, request_id))
 
+    def submit_accept_batch(self, session_ids, tokens, request_id: Optional[str] = None):
+        """:meth:`accept_batch` without waiting (``submit_op("accept_batch", ...)``): validation errors are raised
+        here; the outcome comes on the returned future (result None). Requests on its sessions submitted after
+        this call run after it, a plain batch's among them (its pending-verify check waits for the accept's
+        turn)."""
+        return self._post_accept_batch(session_ids, tokens, request_id).future
+
     def _post_accept_batch(self, session_ids, tokens, request_id: Optional[str] = None) -> Op:
         n = check_batch_sessions(session_ids, self.config.max_batch_size, "one accept_batch")
         tokens = accept_token_list(tokens, n)

@@ -35,6 +35,10 @@ class EngineAPI(Protocol):
                            speculative=None, position: Optional[Sequence[int]] = None,
                            borrowed: Union[bool, dict, None] = False) -> asyncio.Future: ...
     def cancel(self, future) -> bool: ...                  # withdraw a request that has not started
+    # an accept_batch queued now, ordered before every request on its sessions submitted after this call (a
+    # stream's accept frame); its future's result is None (a cf.Future in-process, an asyncio one otherwise)
+    def submit_accept_batch(self, session_ids: Sequence[str], tokens: Sequence[int],
+                            request_id: Optional[str] = None) -> Union[cf.Future, asyncio.Future]: ...
 
     # --- session operations (blocking: the routes run them in a thread)
     # (request_id: PREFIX:N, ordering the operation among its client's calls on the session; see docs/client.md,

@@ -155,6 +155,8 @@ def check_json_size(n: int, max_json_bytes: Optional[int]) -> None:
 CONV_FIELDS = ("session", "layer", "x", "speculative", "position", "request_id")
 BATCH_FIELDS = ("sessions", "layer", "x", "tokens", "speculative", "position", "request_id")
 ACCEPT_BATCH_FIELDS = ("sessions", "tokens", "request_id")
+#: an accept frame of a stream or WebSocket: a ``POST /v1/accept`` body plus its ``id`` and ``"op": "accept"``
+ACCEPT_FRAME_FIELDS = ("op", *ACCEPT_BATCH_FIELDS, "id")
 SESSION_FIELDS = ("session", "request_id")
 STATE_FIELDS = ("layers", "state", "request_id")
 ACCEPT_FIELDS = ("tokens", "request_id")
@@ -309,11 +311,17 @@ class Parser:
                                 "session's tokens in the order of 'sessions'")
         return sessions, layer, x, tokens, spec, position
 
-    def accept_batch(self, req: Any):
-        """``(sessions, tokens)`` of a ``POST /v1/accept`` body."""
+    def accept_batch(self, req: Any, frame: bool = False):
+        """``(sessions, tokens)`` of a ``POST /v1/accept`` body (or, ``frame``, of an accept frame)."""
         if type(req) is not dict:
             raise BadRequest(f"the body must be a map {{sessions, tokens}}, got {type(req).__name__}")
-        check_fields(req, ACCEPT_BATCH_FIELDS, "an accept request")
+        if frame:
+            check_fields(req, ACCEPT_FRAME_FIELDS, "an accept frame")
+            if req["op"] != "accept":
+                raise BadRequest(f"'op' is {req['op']!r:.40}; the one operation a frame carries is \"accept\" (a "
+                                 "conv or batch frame has no 'op')")
+        else:
+            check_fields(req, ACCEPT_BATCH_FIELDS, "an accept request")
         sessions = self._sessions(req)
         tokens = req.get("tokens")
         if type(tokens) is not list or len(tokens) != len(sessions) or \

@@ -6,7 +6,8 @@ Invariants:
 
 * each frame is submitted as soon as it is parsed, with at most ``stream_window`` frames computing at a time;
 * a session's results are sent in the order its frames arrived; results of different sessions are not ordered;
-  a batch frame (``"sessions"``) is ordered with the frames of each of its sessions;
+  a batch frame (``"sessions"``) and an accept frame (``"op": "accept"``, ``POST /v1/accept``'s body) are ordered
+  with the frames of each of their sessions, and an accept runs before the frames of its sessions after it;
 * a bad frame (bad field, unknown session, engine error) is answered alone with an error frame, while a frame
   that cannot be parsed, or whose id is an unanswered frame's, ends the stream with a ``{"id": None, "error"}``
   frame after every earlier result;
@@ -34,10 +35,11 @@ if TYPE_CHECKING:
 
 
 class _Frame:
-    __slots__ = ("id", "keys", "fut", "out", "t0", "code", "shm")
+    __slots__ = ("id", "keys", "fut", "out", "t0", "code", "shm", "accept")
 
     def __init__(self, fid, t0):
         self.id = fid
+        self.accept = False     # an accept frame: answered {"id"} alone
         self.shm = None         # x came from a client's shared memory: where y goes (client_shm.ReplyTo)
         self.keys = (None,)     # the sessions whose order this frame keeps (one, or a batch's distinct ones)
         self.fut = None
@@ -226,7 +228,11 @@ class Pipeline:
         try:
             if svc.draining:
                 raise NotReady("the server is shutting down; resend this frame to another replica", retry_after=1)
-            if batch:
+            if "op" in obj:                     # (a batch's keys: its sessions)
+                f.accept = True
+                sessions, tokens = svc.parser.accept_batch(obj, frame=True)
+                fut = svc.engine.submit_accept_batch(sessions, tokens, svc.parser.op_request_id(obj))
+            elif batch:
                 sessions, layer, x, tokens, spec, position = self._parse_batch(obj, frame=True)
                 f.shm = svc.reply_to(obj)
                 fut = self._submit_batch(sessions, layer, x, tokens, spec, position, borrowed=borrowed(f.shm))
@@ -268,7 +274,8 @@ class Pipeline:
                 else:
                     try:
                         y = fut.result()
-                        f.out = self.packer.pack({"id": f.id, "y": wire.encode_tensor(y) if f.shm is None
+                        f.out = self.packer.pack({"id": f.id} if f.accept else
+                                                 {"id": f.id, "y": wire.encode_tensor(y) if f.shm is None
                                                   else f.shm.write(y)})
                     except Exception as e:  # noqa: BLE001
                         self._set_error(f, as_service_error(e))
