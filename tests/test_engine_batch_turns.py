@@ -7,7 +7,7 @@ whole with nothing of it applied, on any of its sessions."""
 import pytest
 import torch
 
-from convserve.clients.protocol.errors import BadRequest, Internal
+from convserve.clients.protocol.errors import BadRequest, Internal, PositionMismatch
 from tests.engine_support import DIM, LAYERS, make_engine
 from tests.test_engine_ops_turn import hold, info
 
@@ -157,3 +157,60 @@ def test_a_plain_batch_on_a_pending_verify_with_no_accept_queued_is_still_refuse
     go.set()
     exp.result(10)
     assert [info(e, sid)["positions"] for sid in ids] == [[2, 2, 0]] * 3
+
+
+def _kept(e, ids):
+    """``ids`` prefilled; the last conv of ``ids[1]`` on the first layer carried a position (its answer kept for
+    a repeat), and ``ids[0]`` has a verify pending there. Returns that conv's x and y."""
+    x1 = torch.randn(1, DIM)
+    y1 = e.submit(ids[1], LAYERS[0], x1, position=2).result(10)
+    e.submit(ids[0], LAYERS[0], torch.randn(2, DIM), speculative=True).result(10)
+    return x1, y1
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_a_batch_refused_at_its_turn_leaves_the_answers_kept_on_its_other_sessions(e, shape):
+    """A plain request releases the answer kept for the layer's last one when it is queued; a batch refused at its
+    turn was never applied, so a repeat of that answer's request (its answer lost) still gets it, as it does after
+    a batch refused on arrival."""
+    ids = _sessions([e])
+    x1, y1 = _kept(e, ids)
+    tokens = SHAPES[shape]
+    go = hold(e)
+    acc = e.submit_op("accept", ids[0], 1)
+    batch = e.submit_batch(ids, LAYERS[0], torch.randn(3 if tokens is None else sum(tokens), DIM),
+                           **({} if tokens is None else {"tokens": tokens}))
+    assert acc.cancel()
+    go.set()
+    with pytest.raises(BadRequest):
+        batch.result(10)
+    assert info(e, ids[1])["positions"][0] == 3
+    torch.testing.assert_close(e.submit(ids[1], LAYERS[0], x1, position=2).result(10), y1, rtol=0, atol=0)
+
+
+def test_a_batch_that_passes_its_turn_releases_the_answers_kept_on_its_sessions_as_if_sent_after_the_accept(e):
+    ids = _sessions([e])
+    x1, _y1 = _kept(e, ids)
+    go = hold(e)
+    acc = e.submit_op("accept", ids[0], 1)
+    batch = e.submit_batch(ids, LAYERS[0], torch.randn(3, DIM))
+    go.set()
+    acc.result(10), batch.result(10)
+    with pytest.raises(PositionMismatch):                      # applied after it: that answer is not kept
+        e.submit(ids[1], LAYERS[0], x1, position=2).result(10)
+    assert info(e, ids[1])["positions"][0] == 4
+
+
+def test_an_answer_kept_for_a_request_sent_after_a_waiting_batch_stays_kept_when_the_batch_passes(e):
+    ids = _sessions([e])
+    _kept(e, ids)
+    go = hold(e)
+    acc = e.submit_op("accept", ids[0], 1)
+    batch = e.submit_batch(ids, LAYERS[0], torch.randn(3, DIM))
+    x2 = torch.randn(1, DIM)
+    later = e.submit(ids[1], LAYERS[0], x2, position=4)        # after the batch, kept for a repeat
+    go.set()
+    acc.result(10), batch.result(10)
+    y2 = later.result(10)
+    torch.testing.assert_close(e.submit(ids[1], LAYERS[0], x2, position=4).result(10), y2, rtol=0, atol=0)
+    assert info(e, ids[1])["positions"][0] == 5

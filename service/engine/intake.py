@@ -28,7 +28,7 @@ from .outputs import AsyncConvFuture, ConvFuture
 from .outputs import deliver
 from .records import BATCH_SESSION, NO_ROWS, BatchRows, ConvRequest, plan_rows, release_batch
 from ..claims import rid_counter, unclaim, with_request_id
-from .turns import check_ops_before_batch
+from .turns import check_ops_before_batch, kept_answers
 from .positions import PART_POSITIONS, Answer, Sink, batch_key, check_position, check_positions, refuse_late_all
 from .validate import (check_batch_plan, check_batch_rows, check_batch_sessions, check_finite_copy,
                        check_one_token_rows, check_speculative, check_x, own_copy, uniform_verify)
@@ -388,9 +388,11 @@ class Intake:
             if positions is not None:
                 req.track = Answer(key, rid)
             if plan is None:
+                if turns:
+                    b.kept = kept_answers(sessions, p)
                 for i, s in enumerate(sessions):   # an uninitialized layer holds the zero state: a decode from
                     s.initialized |= bit           # it is the one-token prefill
-                    if positions is None and not s.last:
+                    if positions is None and (not s.last or turns):
                         s.positions[p] += 1
                     else:
                         self._advance_locked(s, p, 1, req.track, i, i + 1)
@@ -403,14 +405,16 @@ class Intake:
                     ps = sessions if len(pi) == len(sessions) else [sessions[i] for i in pi]
                 else:
                     ps = pa = pk = ()
+                if turns:
+                    b.kept = kept_answers(dec_s + list(ps), p)
                 if req.track is None:              # the common case: positions advance, no answer to keep
                     for s in dec_s:
-                        if s.last:
+                        if s.last and not turns:
                             self._advance_locked(s, p, 1, None)
                         else:
                             s.positions[p] += 1
                     for s, k in zip(ps, pk):
-                        if s.last:
+                        if s.last and not turns:
                             self._advance_locked(s, p, k, None)
                         else:
                             s.positions[p] += k

@@ -56,6 +56,8 @@ class BatchRows(RowBatch):
     device_check: bool = False   # with direct: x was not checked for NaN/Inf (its caller may write it): the step
     #                              checks its own copy and writes no state unless finite (DIRECT_CHECKED)
     done_at: float = 0.0         # monotonic time it completed: its sessions' last use
+    kept: Any = None             # with ``turns``: the kept answers its plain rows release once it passed them
+    #                              (``turns.kept_answers``)
     dec_x: Any = None            # (n_dec, dim) x of the decode rows: the request's x, a staging view or its own
     #                              gathered copy (a batch with verify rows; one without has no decode rows)
     # A mixed batch (rows other than one-token decodes) has its y gathered from the step's output by one index:
@@ -191,5 +193,6 @@ def release_batch(r: ConvRequest, now: float) -> None:
     b = r.batch
     b.done_at = now
     b.waits = b.wait_ops = b.sessions = ()
+    b.kept = None
     b.dec_x = b.prefill = b.verify = b.ver_cols = None
     r.x = r.parts = None

@@ -94,7 +94,9 @@ class Turns:
         """The check a batch's plain row of ``s`` waited for (:meth:`_check_plain_rows_locked`), now that every
         op and request of ``s`` before it has run: with a verify still pending (the accept failed or was withdrawn,
         or a verify was queued between them) the whole batch is withdrawn as if never queued, its other sessions
-        included, and answered with the refusal; it cannot have started (``turns`` holds it back)."""
+        included, and answered with the refusal; it cannot have started (``turns`` holds it back). Passed, it is
+        now the layer's last applied request on ``s``: the answer kept for the one before is released (kept until
+        now: a batch that may yet be refused at a turn replaces none at submit, see :func:`kept_answers`)."""
         try:
             self._check_no_verify_locked(s, self._pending_at_turn_locked(s, r.seq))
         except BadRequest as e:
@@ -102,7 +104,20 @@ class Turns:
             self._turn_out.append((r, None, BadRequest(f"{e.message} (checked at this batch's turn, after the accept or "
                                                        "import queued before it; nothing of the batch ran)")))
             return
-        r.batch.turns -= 1
+        except Exception as e:  # noqa: BLE001 - this runs on the worker: the batch fails, not the engine
+            logging.getLogger("convserve.engine").exception("checking a deferred batch at its turn failed")
+            self._withdraw_turn_locked(r)
+            self._turn_out.append((r, None, Internal(f"checking this batch at its turn failed: {e}; nothing ran")))
+            return
+        b = r.batch
+        b.turns -= 1
+        if not b.turns and b.kept:
+            p = r.layer
+            for ks, rec in b.kept:
+                if ks.last.get(p) is rec:             # (not replaced by a request sent after the batch)
+                    del ks.last[p]
+                    self._unref_locked(rec.answer)
+            b.kept = None
 
     def _withdraw_turn_locked(self, r: ConvRequest) -> None:
         """Withdraw a deferred request at its turn as if it had never been queued: its tokens given back and, for
@@ -117,6 +132,15 @@ class Turns:
             with self._lock:
                 out, self._turn_out = self._turn_out, []
             deliver(out)
+
+
+def kept_answers(sessions, p: int) -> list:
+    """``(session, its kept answer's record on layer p)`` for the sessions of a batch's plain rows that have one. A
+    plain request releases the answer kept for the layer's last applied one when it is queued; a batch whose
+    checks wait for its turns may yet be refused there whole, so it releases these only once it has passed them
+    all (:meth:`Turns._take_batch_turn_locked`): refused, it leaves them kept (a repeat of their requests still
+    gets its answer)."""
+    return [(s, s.last[p]) for s in sessions if s.last and p in s.last]
 
 
 def check_ops_before_batch(s, with_positions: bool) -> None:
