@@ -58,13 +58,10 @@ class Turns:
             if not r.speculative:
                 self._check_no_verify_locked(s, self._pending_at_turn_locked(s, r.seq))
         except (BadRequest, PositionMismatch) as e:
-            self._withdraw_turn_locked(r)
-            self._turn_out.append((r, None, e))
+            self._refuse_turn_locked(r, e)
             return
         except Exception as e:  # noqa: BLE001 - this runs on the worker: the request fails, not the engine
-            logging.getLogger("convserve.engine").exception("checking a deferred conv at its turn failed")
-            self._withdraw_turn_locked(r)
-            self._turn_out.append((r, None, Internal(f"checking this conv at its turn failed: {e}; nothing ran")))
+            self._turn_broke_locked(r, "conv", e)
             return
         if not r.speculative and (r.track is not None or s.last):   # now the layer's last applied request
             old = s.last.pop(p, None)
@@ -100,14 +97,11 @@ class Turns:
         try:
             self._check_no_verify_locked(s, self._pending_at_turn_locked(s, r.seq))
         except BadRequest as e:
-            self._withdraw_turn_locked(r)
-            self._turn_out.append((r, None, BadRequest(f"{e.message} (checked at this batch's turn, after the accept or "
-                                                       "import queued before it; nothing of the batch ran)")))
+            self._refuse_turn_locked(r, BadRequest(f"{e.message} (checked at this batch's turn, after the accept or "
+                                                   "import queued before it; nothing of the batch ran)"))
             return
         except Exception as e:  # noqa: BLE001 - this runs on the worker: the batch fails, not the engine
-            logging.getLogger("convserve.engine").exception("checking a deferred batch at its turn failed")
-            self._withdraw_turn_locked(r)
-            self._turn_out.append((r, None, Internal(f"checking this batch at its turn failed: {e}; nothing ran")))
+            self._turn_broke_locked(r, "batch", e)
             return
         b = r.batch
         b.turns -= 1
@@ -118,6 +112,16 @@ class Turns:
                     del ks.last[p]
                     self._unref_locked(rec.answer)
             b.kept = None
+
+    def _refuse_turn_locked(self, r: ConvRequest, err: Exception) -> None:
+        """Withdraw ``r`` at its turn (:meth:`_withdraw_turn_locked`) and answer it ``err``."""
+        self._withdraw_turn_locked(r)
+        self._turn_out.append((r, None, err))
+
+    def _turn_broke_locked(self, r: ConvRequest, what: str, e: Exception) -> None:
+        """A check at ``r``'s turn raised something unexpected: logged, and ``r`` refused as not run."""
+        logging.getLogger("convserve.engine").exception("checking a deferred %s at its turn failed", what)
+        self._refuse_turn_locked(r, Internal(f"checking this {what} at its turn failed: {e}; nothing ran"))
 
     def _withdraw_turn_locked(self, r: ConvRequest) -> None:
         """Withdraw a deferred request at its turn as if it had never been queued: its tokens given back and, for
