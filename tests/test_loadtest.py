@@ -193,11 +193,13 @@ def test_retry_after_is_honoured_on_queue_full(tmp_path):
     assert rc == 0 and st["errors_total"] == 0             # ...and every request went through after waiting
 
 
-@pytest.mark.parametrize("transport", ["unary", "stream", "ws"])
-def test_a_transport_given_to_the_frontend_scenario_is_a_usage_error_not_ignored(server, capsys, transport):
+def test_a_transport_the_frontend_scenario_has_not_is_a_usage_error_not_ignored(server, capsys):
     assert main(["--url", server.url, *SMALL, "--scenario", "frontend", "--requests", "4",
-                 "--transport", transport]) == 2
+                 "--transport", "stream"]) == 2
     assert "does not apply to --scenario frontend" in capsys.readouterr().err
+    assert main(["--url", server.url, *SMALL, "--scenario", "frontend", "--requests", "4", "--transport", "ws",
+                 "--shm-mib", "4"]) == 2
+    assert "--shm-mib applies to the frontend's POSTs" in capsys.readouterr().err
 
 
 def test_unreachable_server_is_a_clear_usage_error(capsys):
@@ -246,6 +248,20 @@ def test_the_frontend_scenario_sends_steps_of_mixed_batches_that_verify(server, 
     assert kinds["prefill_done"]["count"] >= 1 and st["sessions_completed"] >= 1
     assert st["verify"]["checked"] > 0 and st["verify"]["mismatches"] == 0
     assert ("accept" in kinds) == spec
+
+
+@pytest.mark.parametrize("loop", [["--concurrency", "4"], ["--rate", "40", "--max-inflight", "32"]])
+def test_the_frontend_scenario_over_a_websocket_pipelines_its_accepts_and_verifies(server, weights, tmp_path, loop):
+    rc, data = _run(tmp_path, server, "--scenario", "frontend", *loop, "--requests", "60", "--chunk", "7",
+                    "--transport", "ws", "--spec-k", "uniform:1:4", "--verify", str(weights[0]),
+                    "--verify-sample", "1", "--fail-on-errors")
+    st = data["steps"][0]
+    assert rc == 0, st["errors"]
+    assert data["config"]["transport"] == "batch-ws"
+    kinds = st["kinds"]
+    assert kinds["batch"]["count"] == len(LAYERS) * kinds["step"]["count"]
+    assert kinds["accept"]["count"] > 0 and st["verify"]["checked"] > 0 and st["verify"]["mismatches"] == 0
+    assert st["sessions_completed"] >= 1
 
 
 def test_the_frontend_scenario_runs_over_several_urls(server, weights, tmp_path, capsys):

@@ -95,8 +95,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("transport")
     g.add_argument("--transport", default=None, choices=["unary", "stream", "ws"],
-                   help="unary: POST /v1/conv; stream: POST /v1/conv/stream; ws: /v1/conv/ws [unary] (not with "
-                        "--scenario frontend, which sends a POST /v1/conv/batch per layer)")
+                   help="unary: POST /v1/conv; stream: POST /v1/conv/stream; ws: /v1/conv/ws [unary]; --scenario "
+                        "frontend: unary sends a POST /v1/conv/batch per layer call and POST /v1/accept, ws one "
+                        "WebSocket of batch frames with the accept a frame sent without waiting for its answer")
     g.add_argument("--inflight", type=_number(int, 1, strict=False, example="64"), default=None,
                    help="stream/ws: frames in flight per connection [64]")
     g.add_argument("--shm-mib", type=_number(int, 0, strict=False, example="64"), default=0, metavar="MIB",

@@ -171,9 +171,16 @@ async def run(args) -> dict:
     from convserve.clients.protocol.errors import ServiceError
 
     frontend = args.scenario == "frontend"
-    if frontend and args.transport is not None:
+    if frontend and args.transport not in (None, "unary", "ws"):
         raise SetupError(f"--transport {args.transport} does not apply to --scenario frontend: it sends one POST "
-                         "/v1/conv/batch per layer call (--shm-mib puts x and y in shared memory); leave it out")
+                         "/v1/conv/batch per layer call (unary), or one batch frame on a WebSocket (ws); choose one "
+                         "of those")
+    if frontend and args.transport == "ws" and args.url and (len(args.url) > 1 or args.url[0].startswith("dns://")):
+        raise SetupError("--transport ws keeps the frontend on one WebSocket to one server; over several replicas "
+                         "leave it out (its POSTs are split across replicas)")
+    if frontend and args.transport == "ws" and args.shm_mib:
+        raise SetupError("--shm-mib applies to the frontend's POSTs (--transport unary): its WebSocket frames carry "
+                         "x and y; leave one of them out")
     args.transport = args.transport or "unary"
     mode = "closed" if args.concurrency is not None else "open"
     levels = args.concurrency if mode == "closed" else args.rate
@@ -249,7 +256,8 @@ async def run(args) -> dict:
         config = {
             "url": client.url, "model": info, "workload": wl.describe(),
             "prefill_chunk": {"tokens": chunk, "why": chunk_why},
-            "transport": ("batch+shm" if shm is not None else "batch") if frontend else args.transport,
+            "transport": ("batch+shm" if shm is not None else "batch-ws" if args.transport == "ws" else "batch")
+            if frontend else args.transport,
             "mode": mode, "levels": levels, "duration_s": args.duration, "requests": args.requests,
             "warmup_s": args.warmup, "inflight": args.inflight if args.transport != "unary" else None,
             "connections": args.connections or None, "max_retries": args.max_retries, "seed": args.seed,
@@ -269,14 +277,15 @@ async def run(args) -> dict:
             if interrupted.signal is not None:
                 break
             conc = int(level) if mode == "closed" else None
-            conns = args.connections or auto_connections(args.transport, conc, len(info["layers"]), args.inflight)
-            transport = make_transport(client, "unary" if frontend else args.transport, conns, args.inflight)
+            conns = 1 if frontend else \
+                args.connections or auto_connections(args.transport, conc, len(info["layers"]), args.inflight)
+            transport = make_transport(client, args.transport, conns, args.inflight)
             label = labels[i]
             rec = Recorder(0.0)
             kw = dict(seed=args.seed + i, max_retries=args.max_retries, verifier=verifier, max_requests=args.requests)
             kw["refresh_limits_s"] = refresh_s
-            drv = FrontendDriver(client, info, wl, rec, **kw) if frontend else Driver(client, transport, info, wl,
-                                                                                       rec, **kw)
+            drv = FrontendDriver(client, info, wl, rec, frames=transport if args.transport == "ws" else None,
+                                 **kw) if frontend else Driver(client, transport, info, wl, rec, **kw)
             if last is not None:
                 drv.limits = last.limits            # what the level before learned (replicas that joined)
             last = drv

@@ -9,9 +9,12 @@ as **one batch per layer** (``POST /v1/conv/batch`` with ``tokens`` and
 layers, one ``POST /v1/accept`` commits a random 0..k of each verify. Sessions that are done are deleted and new
 ones join: up to ``concurrency`` live sessions (closed loop), or arriving at ``rate`` sessions/s (open loop).
 With ``--shm-mib`` each layer call's x is written into the client's shared-memory arena and sent by reference.
+With ``--transport ws`` the layer calls are batch frames on one WebSocket and the accept is a frame sent without
+waiting for its answer: the next step's frames follow it at once (the server runs it first); its answer is read
+once the next step's layers are done, or before its sessions leave.
 
 Recorded kinds: ``batch`` (one layer's call; tokens are the session tokens it carried), ``step`` (all layers of
-one frontend step, plus its accept), ``prefill_done`` (from a session's arrival to the end of its last prefill
+one frontend step, plus its accept; over the WebSocket, plus reading the last step's accept answer instead), ``prefill_done`` (from a session's arrival to the end of its last prefill
 chunk) and the control calls.
 """
 
@@ -22,7 +25,8 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from convserve.clients.loadtest.runner import CREATE_BACKOFF_S, Aborted, Driver, Plan
+from convserve.clients.common import AcceptRequest, BatchRequest
+from convserve.clients.loadtest.runner import CREATE_BACKOFF_S, Aborted, Driver, Plan, error_code, error_message
 from convserve.clients.loadtest.verify import MISMATCH
 
 
@@ -49,9 +53,13 @@ def _order(v: _Live) -> tuple:
 class FrontendDriver(Driver):
     """Runs the frontend loop against one server for one level of a sweep (see the module docstring)."""
 
-    def __init__(self, client, info: dict, workload, rec, **kw):
+    def __init__(self, client, info: dict, workload, rec, frames=None, **kw):
+        """``frames``: a one-connection WebSocket transport (``PipedTransport.send``) for the layer calls and the
+        accepts (--transport ws); None: POSTs."""
         super().__init__(client, None, info, workload, rec, **kw)
         self.live: list[_Live] = []
+        self.frames = frames
+        self._accept = None          # the last step's accept frame, not yet read: (its send time, its future)
 
     async def _join(self, n: int, arrived: Optional[list] = None) -> int:
         """Create ``n`` sessions (concurrently) and add them to the live set; returns how many joined."""
@@ -71,7 +79,25 @@ class FrontendDriver(Driver):
 
     async def _leave(self, gone: list) -> None:
         if gone:        # a delete cut off here leaves its session in open_sids: Driver.cleanup deletes it
+            try:        # an accept frame of theirs answered first (a delete goes on another connection)
+                await self._accepted()
+            except Aborted:
+                pass
             await asyncio.gather(*(self.end_session(v.sid) for v in gone))
+
+    async def _accepted(self) -> None:
+        """Read the answer of the last step's accept frame (``--transport ws``), recorded as an ``accept`` call from
+        its send to its answer's arrival;
+        :class:`Aborted` when it failed (its sessions' verifies stay pending: the step fails)."""
+        if self._accept is None:
+            return
+        (t0, fut, answered), self._accept = self._accept, None
+        try:
+            await fut
+        except Exception as e:  # noqa: BLE001 - counted by code, as every failure
+            self.rec.error(error_code(e), t0, "accept", error_message(e))
+            raise Aborted(error_code(e), getattr(e, "status", None)) from e
+        self.rec.ok("accept", t0, answered[0] if answered else time.perf_counter())   # (when it was answered)
 
     def _admit(self) -> list:
         """This step's work, ``(session, kind, tokens)``: each live session's next piece, within the server's
@@ -142,14 +168,22 @@ class FrontendDriver(Driver):
                 if t1 >= self.rec.measure_from:     # --requests counts measured calls (a step ends whole)
                     self.issued += 1
                 xs = x if arena is None else arena.put(x)   # the activations, where the server reads them
-                y = await self._retrying(lambda: self.client.conv_batch(
-                    sessions, layer, xs, None if plain else tokens, None if plain else spec), t1, "batch")
+                toks, sp = (None, None) if plain else (tokens, spec)
+                y = await self._retrying(
+                    (lambda: self.client.conv_batch(sessions, layer, xs, toks, sp)) if self.frames is None else
+                    (lambda: self.frames.send(BatchRequest(sessions, layer, xs, toks, sp))), t1, "batch")
                 self.rec.ok("batch", t1, time.perf_counter(), total)
                 self._check(work, layer, x, y, t1)
+            await self._accepted()                   # the last step's accept frame: it ran before these layers
             accepts = [(v, self.rng.randint(0, n)) for v, k, n in work if k == "verify"]
             if accepts:
-                await self.control("accept", lambda: self.client.accept_batch([v.sid for v, _ in accepts],
-                                                                               [a for _, a in accepts]))
+                ids, counts = [v.sid for v, _ in accepts], [a for _, a in accepts]
+                if self.frames is None:
+                    await self.control("accept", lambda: self.client.accept_batch(ids, counts))
+                else:                                # not awaited: the next step's frames follow it at once
+                    sent, fut, answered = time.perf_counter(), self.frames.send(AcceptRequest(ids, counts)), []
+                    fut.add_done_callback(lambda _f: answered.append(time.perf_counter()))
+                    self._accept = (sent, fut, answered)
                 for v, a in accepts:
                     if v.ref is not None and not v.ref.broken:
                         v.ref.accept(a)

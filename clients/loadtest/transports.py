@@ -102,7 +102,11 @@ class _WsPipe(_Pipe):
                     args, fut = await self.q.get()
                     ids += 1
                     futs[ids] = fut
-                    yield ConvRequest(*args, id=ids)
+                    if isinstance(args, tuple):
+                        yield ConvRequest(*args, id=ids)
+                    else:                          # a request of its own (a frontend's batch or accept)
+                        args.id = ids
+                        yield args
 
             try:
                 async for res in self.client.stream(frames(), transport="ws", window=self.inflight):
@@ -131,6 +135,13 @@ class PipedTransport:
         fut = asyncio.get_running_loop().create_future()
         self.pipes[hash(session) % len(self.pipes)].q.put_nowait(((session, layer, x, speculative), fut))
         return await fut
+
+    def send(self, req) -> asyncio.Future:
+        """Queue a stream request (a BatchRequest, an AcceptRequest) on the first pipe: the future of its ``y``
+        (None for an accept). Requests sent this way reach the server in the order sent (one connection)."""
+        fut = asyncio.get_running_loop().create_future()
+        self.pipes[0].q.put_nowait((req, fut))
+        return fut
 
     async def close(self):
         for p in self.pipes:
