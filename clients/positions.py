@@ -460,6 +460,9 @@ class PositionBook:
             if self._in_flight.get(session):
                 self.forget(session)
                 return
+            if session not in self.positions:   # a read of the server's in flight may not count it: not taken
+                self._moved(session)
+                return
             for layer in self.verified.pop(session, ()):
                 self.applied(session, layer, n, False)
 

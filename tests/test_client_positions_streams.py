@@ -297,6 +297,22 @@ def test_a_read_of_the_servers_positions_is_not_installed_after_an_answer_it_may
     assert book.from_info(info, mark) and book.at("s", LAYER) == 5
 
 
+def test_a_read_of_positions_is_not_installed_after_a_streamed_accept_it_may_not_count():
+    """An accept frame answered while another thread reads the (forgotten) session's positions: the read may
+    predate the commit (its position before it, its verify pending), so it is not installed, as after a frame."""
+    from convserve.clients.common import AcceptRequest
+    from convserve.clients.positions import PositionBook
+    from convserve.clients.stream_tracker import _Tracker
+
+    stale = {"session": "s", "layers": [LAYER], "positions": [5], "pending": {"layers": [LAYER], "tokens": [3]}}
+    book = PositionBook(max_retries=0, backoff_s=0.0)
+    tracker = _Tracker(book)
+    tracker.add(AcceptRequest(["s"], [2], id=1))
+    mark = book.reading("s")
+    assert tracker.result({"id": 1}).ok
+    assert not book.from_info(stale, mark) and not book.known("s")
+
+
 def test_a_session_forgotten_while_a_thread_is_about_to_take_its_lock_keeps_one_lock():
     """``SessionLocks.forget`` while a thread that took a session's lock from the table waits to acquire it (the
     lock is not locked once its holder releases it) must not drop it: a third thread would make a second lock,

@@ -1,8 +1,11 @@
-"""The per-session order of a worker's sends while a split batch is in flight (``session_order.SessionOrder``)."""
+"""The per-session order of a worker's sends while a split batch is in flight (``session_order.SessionOrder``), and
+the accepts in flight that the checks of a split batch or accept wait for."""
 
 import asyncio
 
+from convserve.service.cluster import messages as m
 from convserve.service.cluster.session_order import SessionOrder
+from tests.test_cluster_worker_replies import _ids_on_two_engines as ids_on_two_engines
 
 
 def test_sends_on_a_held_session_go_out_in_the_order_submitted_and_others_at_once():
@@ -78,5 +81,66 @@ def test_cancelling_a_held_request_neither_releases_what_holds_it_nor_leaves_a_t
         never.cancel()                                 # before its first step
         await asyncio.sleep(0.01)
         assert not r.order and sent == ["conv 2"]
+
+    asyncio.run(main())
+
+
+def test_an_accept_in_flight_keeps_its_sessions_settling_until_answered():
+    async def main():
+        loop, order = asyncio.get_running_loop(), SessionOrder()
+        first, second = loop.create_future(), loop.create_future()
+        order.settling(["a", "b"], first)
+        order.settling(["b"], second)                  # a later accept on b: b's newest
+        assert order.unsettled(["a", "b", "c"]) == [first, second]
+        assert order.unsettled(["b"]) == [second] and order.unsettled(["c"]) == []
+        first.set_result(None)
+        await asyncio.sleep(0)
+        assert order.unsettled(["a", "b"]) == [second]
+        second.set_exception(RuntimeError("refused"))  # answered with an error: settled too
+        await asyncio.sleep(0)
+        assert order.unsettled(["a", "b"]) == [] and not order._settling
+        second.exception()
+
+    asyncio.run(main())
+
+
+def test_a_split_accept_asks_its_engines_to_check_only_once_the_accepts_before_it_are_answered():
+    """The engines check a split accept's parts on arrival (as they do a split batch's): an earlier accept of one
+    of its sessions, sent and queued there but not yet run, would leave a verify pending in what they read."""
+    from types import SimpleNamespace
+
+    from convserve.service.cluster.remote import RemoteEngine
+
+    async def main():
+        r = RemoteEngine.__new__(RemoteEngine)
+        r.loop, r.order, r.n = asyncio.get_running_loop(), SessionOrder(), 2
+        r.limits = SimpleNamespace(max_batch_size=8)
+        a, b = ids_on_two_engines()
+        sent, answers = [], {}
+
+        def request(e, head):
+            sent.append((head["k"], e, tuple(head["a"][0])))
+            answers[len(sent)] = fut = r.loop.create_future()
+            return fut
+
+        async def call(e, head):
+            sent.append(("check", e, tuple(head["ss"])))
+            return {"ok": None}, None
+
+        r._request, r._call = request, call
+        first = r.submit_accept_batch([a], [1])        # on engine 0 only: sent at once
+        second = r.submit_accept_batch([a, b], [1, 1])
+        await asyncio.sleep(0.01)
+        assert [s[0] for s in sent] == [m.OP]          # no check while the first is unanswered
+        answers[1].set_result(({"ok": None}, None))
+        await first
+        for _ in range(20):                            # the checks, then the parts one after another
+            await asyncio.sleep(0)
+            for k, f in answers.items():
+                if not f.done():
+                    f.set_result(({"ok": None}, None))
+        await second
+        assert [s[0] for s in sent] == [m.OP, "check", "check", m.OP, m.OP]
+        assert not r.order and not r.order._settling
 
     asyncio.run(main())

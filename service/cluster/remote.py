@@ -480,8 +480,10 @@ class RemoteEngine(RemoteSessions, EngineHealth):
         hold = self.loop.create_future()           # this batch's sessions wait for its parts to be sent
         waits = self.order.waits(sids)
         self.order.hold(sids, hold)
+        # (its engines' checks read the sessions on arrival: the accepts in flight on them are answered first)
         return self.order.released_at_end(asyncio.ensure_future(self._split_batch(
-            groups, sids, layer, xm, x.dtype, tokens, speculative, position, waits, hold, ri)), sids, hold, waits)
+            groups, sids, layer, xm, x.dtype, tokens, speculative, position, waits + self.order.unsettled(sids),
+            hold, ri)), sids, hold, waits)
 
     submit_batch = submit_batch_async
 

@@ -127,20 +127,25 @@ class RemoteSessions:
             (e,) = groups
             head = {"k": m.OP, "f": "accept_batch", "a": [sids, list(tokens)], **ri}
             waits = self.order.waits(sids) if self.order else None
-            if waits:
-                return self._after(waits, sids, lambda _x: self._request(e, head), None, False)
-            return self._request(e, head)
+            fut = self._after(waits, sids, lambda _x: self._request(e, head), None, False) if waits else \
+                self._request(e, head)
+            self.order.settling(sids, fut)
+            return fut
         # what needs no session state is checked on the whole batch: no part is refused for it after another
         # part committed
         tokens = accept_token_list(tokens, check_batch_sessions(sids, self.limits.max_batch_size, "one accept_batch"))
         parts = [(e, [sids[i] for i in pos], [tokens[i] for i in pos]) for e, pos in groups.items()]
         hold = self.loop.create_future()            # its sessions' later sends wait until its parts are out
-        waits = self.order.waits(sids)
+        waits, settle = self.order.waits(sids), self.order.unsettled(sids)
         self.order.hold(sids, hold)
-        return self.order.released_at_end(asyncio.ensure_future(self._split_accept(parts, sids, ri, waits, hold)),
-                                          sids, hold, waits)
+        task = self.order.released_at_end(asyncio.ensure_future(self._split_accept(parts, sids, ri, waits + settle,
+                                                                                   hold)), sids, hold, waits)
+        self.order.settling(sids, task)
+        return task
 
     async def _split_accept(self, parts: list, sids: list, ri: dict, waits: list, hold: asyncio.Future) -> None:
+        """``waits``: the sends before it on its sessions, and the accepts in flight on them (answered before
+        the engines check its parts, which read the sessions on arrival)."""
         if waits:
             await asyncio.wait(waits)              # (cancelling this task leaves them alone)
         committed: list = []

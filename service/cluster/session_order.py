@@ -7,6 +7,11 @@ session must run in the order received. So a split batch holds its sessions from
 are sent, and a request on a held session is sent only after whatever holds it: each session has at most one
 *tail*, a future done once the last send queued on that session went out, and a request that finds one waits for
 it and becomes the new tail. With no split batch in flight there are no tails, and requests are sent at once.
+
+An accept is checked by its engine at its turn, and the requests sent after it on that engine run after it; but the
+checks a split batch or a split accept asks every engine for first read the sessions as they are on arrival. So an
+accept in flight also marks its sessions as *settling* until it is answered, and such a check waits for the
+settling of its sessions that began before it.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ class SessionOrder:
 
     def __init__(self) -> None:
         self._tails: dict = {}                  # session id -> future done when its last queued send went out
+        self._settling: dict = {}               # session id -> future of its last accept in flight (answered: done)
 
     def __bool__(self) -> bool:
         return bool(self._tails)
@@ -64,3 +70,26 @@ class SessionOrder:
                 del tails[s]
         if not fut.done():
             fut.set_result(None)
+
+    def settling(self, sids: Iterable[str], fut: asyncio.Future) -> None:
+        """An accept on ``sids`` is in flight until ``fut`` is done (see the module)."""
+        sids = list(sids)
+        for s in sids:
+            self._settling[s] = fut
+
+        def settled(_fut):
+            for s in sids:
+                if self._settling.get(s) is fut:
+                    del self._settling[s]
+
+        fut.add_done_callback(settled)
+
+    def unsettled(self, sids: Iterable[str]) -> list:
+        """The distinct accepts in flight on ``sids`` (what a check at arrival on them waits for)."""
+        out, settling = [], self._settling
+        if settling:
+            for s in sids:
+                f = settling.get(s)
+                if f is not None and not f.done() and not any(f is g for g in out):
+                    out.append(f)
+        return out
