@@ -144,3 +144,27 @@ def test_a_split_accept_asks_its_engines_to_check_only_once_the_accepts_before_i
         assert not r.order and not r.order._settling
 
     asyncio.run(main())
+
+
+def test_a_one_session_accept_is_sent_at_once_and_settles_its_session_until_answered():
+    from convserve.service.cluster.remote import RemoteEngine
+
+    async def main():
+        r = RemoteEngine.__new__(RemoteEngine)
+        r.loop, r.order, r.n = asyncio.get_running_loop(), SessionOrder(), 2
+        a, _b = ids_on_two_engines()
+        sent, fut = [], r.loop.create_future()
+
+        def request(e, head):
+            sent.append((e, head["f"], head["a"]))
+            return fut
+
+        r._request = request
+        got = r.submit_accept(a, 2, "p:1")
+        assert got is fut and sent == [(0, "accept", [a, 2])] and r.order.unsettled([a]) == [fut]
+        fut.set_result(({"ok": None}, None))
+        await got
+        await asyncio.sleep(0)
+        assert r.order.unsettled([a]) == []
+
+    asyncio.run(main())

@@ -105,7 +105,14 @@ class RemoteSessions:
         return {"sessions": items, "next": items[-1]["session"] if more and items else None}
 
     def accept(self, session_id: str, n_tokens: int, request_id: Optional[str] = None) -> None:
-        self._op(engine_of(session_id, self.n), "accept", session_id, n_tokens, rid=request_id)
+        async def accept() -> None:
+            await self.submit_accept(session_id, n_tokens, request_id)
+        self._run_sync(accept)
+
+    def submit_accept(self, session_id: str, n_tokens: int, request_id: Optional[str] = None) -> asyncio.Future:
+        """:meth:`submit_accept_batch` of one session (``POST /v1/sessions/{id}/accept``), on the loop."""
+        return self._accept_now(engine_of(session_id, self.n), "accept", [session_id, n_tokens], [session_id],
+                                request_id)
 
     def accept_batch(self, session_ids: Sequence[str], tokens: Sequence[int],
                      request_id: Optional[str] = None) -> None:
@@ -124,13 +131,7 @@ class RemoteSessions:
         sids, ri = list(session_ids), {} if request_id is None else {"ri": request_id}
         groups = split(sids, self.n) if self.n > 1 else {0: None}
         if len(groups) == 1:
-            (e,) = groups
-            head = {"k": m.OP, "f": "accept_batch", "a": [sids, list(tokens)], **ri}
-            waits = self.order.waits(sids) if self.order else None
-            fut = self._after(waits, sids, lambda _x: self._request(e, head), None, False) if waits else \
-                self._request(e, head)
-            self.order.settling(sids, fut)
-            return fut
+            return self._accept_now(next(iter(groups)), "accept_batch", [sids, list(tokens)], sids, request_id)
         # what needs no session state is checked on the whole batch: no part is refused for it after another
         # part committed
         tokens = accept_token_list(tokens, check_batch_sessions(sids, self.limits.max_batch_size, "one accept_batch"))
@@ -142,6 +143,16 @@ class RemoteSessions:
                                                                                    hold)), sids, hold, waits)
         self.order.settling(sids, task)
         return task
+
+    def _accept_now(self, e: int, name: str, args: list, sids: list, request_id: Optional[str]) -> asyncio.Future:
+        """Send the accept ``name(*args)`` of ``sids`` to engine ``e`` now (or after the split batch or accept
+        holding one of them), its sessions settling until it is answered; the future of its answer."""
+        head = {"k": m.OP, "f": name, "a": args, **({} if request_id is None else {"ri": request_id})}
+        waits = self.order.waits(sids) if self.order else None
+        fut = self._after(waits, sids, lambda _x: self._request(e, head), None, False) if waits else \
+            self._request(e, head)
+        self.order.settling(sids, fut)
+        return fut
 
     async def _split_accept(self, parts: list, sids: list, ri: dict, waits: list, hold: asyncio.Future) -> None:
         """``waits``: the sends before it on its sessions, and the accepts in flight on them (answered before

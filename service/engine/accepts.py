@@ -55,6 +55,10 @@ class Accepts:
         (an accept's late copy would commit a later verify)."""
         self._wait_op(self._post_accept(session_id, n_tokens, request_id))
 
+    def submit_accept(self, session_id: str, n_tokens: int, request_id: Optional[str] = None):
+        """:meth:`accept` without waiting (see :meth:`submit_accept_batch`)."""
+        return self._post_accept(session_id, n_tokens, request_id).future
+
     def _post_accept(self, session_id: str, n_tokens: int, request_id: Optional[str] = None) -> Op:
         check_accept_tokens(n_tokens)
         with self._lock:

@@ -39,6 +39,8 @@ class EngineAPI(Protocol):
     # stream's accept frame); its future's result is None (a cf.Future in-process, an asyncio one otherwise)
     def submit_accept_batch(self, session_ids: Sequence[str], tokens: Sequence[int],
                             request_id: Optional[str] = None) -> Union[cf.Future, asyncio.Future]: ...
+    def submit_accept(self, session_id: str, n_tokens: int,
+                      request_id: Optional[str] = None) -> Union[cf.Future, asyncio.Future]: ...
 
     # --- session operations (blocking: the routes run them in a thread)
     # (request_id: PREFIX:N, ordering the operation among its client's calls on the session; see docs/client.md,

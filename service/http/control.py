@@ -188,9 +188,7 @@ def add_control_routes(app: FastAPI, svc: Service) -> None:
         body = await read(request)
         sessions, tokens = parser.accept_batch(body)
         check_batch_sessions(request.scope, sessions)
-        # queued from the loop, no thread hop (a verify round's accept is on the frontend's critical path)
-        fut = engine.submit_accept_batch(sessions, tokens, parser.op_request_id(body))
-        await (fut if isinstance(fut, asyncio.Future) else asyncio.wrap_future(fut))
+        await answered(engine.submit_accept_batch(sessions, tokens, parser.op_request_id(body)))
         return Response(status_code=204)
 
     @app.post("/v1/sessions/{session}/accept", status_code=204)
@@ -199,5 +197,11 @@ def add_control_routes(app: FastAPI, svc: Service) -> None:
         svc.require_ready()
         body = await read(request)
         n = parser.accept_tokens(body)
-        await asyncio.to_thread(engine.accept, session, n, parser.op_request_id(body))
+        await answered(engine.submit_accept(session, n, parser.op_request_id(body)))
         return Response(status_code=204)
+
+
+async def answered(fut):
+    """An accept queued from the loop (no thread hop: a verify round's accept is on the frontend's critical path):
+    its answer, from an engine's future (in-process) or the worker's (engine processes)."""
+    return await (fut if isinstance(fut, asyncio.Future) else asyncio.wrap_future(fut))
