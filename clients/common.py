@@ -77,7 +77,11 @@ class AcceptRequest:
     tokens: Sequence[int]
     id: Any = None
     request_id: Optional[str] = None              # PREFIX:N, as accept_batch's (a tracking client sets its own)
-    layer: Optional[int] = None                   # (none: an accept acts on every layer with a verify)
+
+    @property
+    def layer(self) -> None:
+        """None: an accept acts on every layer with a pending verify (its result's ``layer``)."""
+        return None
 
 
 @dataclass

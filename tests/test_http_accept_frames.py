@@ -148,3 +148,14 @@ def test_an_accept_frame_is_answered_with_its_id_alone(server, api):
     out = _send(server, "stream", frames)
     assert out[1] == {"id": 1}
     assert "y" in out[2] and _where(api, s)[0][LAYERS.index(LAYERS[0])] == 2
+
+
+def test_op_given_as_null_is_as_if_left_out_and_an_accept_request_takes_no_layer(server, api):
+    s = api.session()
+    frames = [{"id": 0, "sessions": [s], "layer": LAYERS[0], "x": wire.encode_tensor(rand_x(1)), "op": None},
+              {"id": 1, "session": s, "layer": LAYERS[0], "x": wire.encode_tensor(rand_x(1)), "op": None}]
+    out = _send(server, "ws", frames)
+    assert "y" in out[0] and "y" in out[1], out
+    with pytest.raises(TypeError):
+        AcceptRequest([s], [1], layer=LAYERS[0])         # an accept acts on every layer with a verify
+    assert AcceptRequest([s], [1]).layer is None

@@ -257,7 +257,7 @@ def test_the_frontend_scenario_over_a_websocket_pipelines_its_accepts_and_verifi
                     "--verify-sample", "1", "--fail-on-errors")
     st = data["steps"][0]
     assert rc == 0, st["errors"]
-    assert data["config"]["transport"] == "batch-ws"
+    assert data["config"]["transport"] == "batch-ws" and data["config"]["inflight"] is None
     kinds = st["kinds"]
     assert kinds["batch"]["count"] == len(LAYERS) * kinds["step"]["count"]
     assert kinds["accept"]["count"] > 0 and st["verify"]["checked"] > 0 and st["verify"]["mismatches"] == 0

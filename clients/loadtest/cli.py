@@ -259,7 +259,7 @@ async def run(args) -> dict:
             "transport": ("batch+shm" if shm is not None else "batch-ws" if args.transport == "ws" else "batch")
             if frontend else args.transport,
             "mode": mode, "levels": levels, "duration_s": args.duration, "requests": args.requests,
-            "warmup_s": args.warmup, "inflight": args.inflight if args.transport != "unary" else None,
+            "warmup_s": args.warmup, "inflight": args.inflight if args.transport != "unary" and not frontend else None,
             "connections": args.connections or None, "max_retries": args.max_retries, "seed": args.seed,
             "max_inflight": args.max_inflight if mode == "open" else None, "grace_s": args.grace,
             "verify": _verify_label(args.verify, info), "verify_sample": args.verify_sample,

@@ -194,7 +194,8 @@ class Pipeline:
         """Submit one frame; False if it is malformed (the stream ends)."""
         if type(obj) is not dict or "id" not in obj:
             self.set_fatal(BadRequest(f"frame {self.nframes + 1} is not a map with an 'id'; every frame is a /v1/conv "
-                                      "body plus an 'id'; the stream ends here"))
+                                      "or /v1/conv/batch body, or a /v1/accept body with \"op\": \"accept\", plus "
+                                      "an 'id'; the stream ends here"))
             return False
         fid = obj["id"]
         if type(fid) not in (int, str):       # null too: its answer would look like the stream's last one
@@ -210,6 +211,8 @@ class Pipeline:
         self.nframes += 1
         svc = self.svc
         f = _Frame(fid, time.perf_counter())
+        if "op" in obj and obj["op"] is None:       # an optional field given as null: as if left out
+            del obj["op"]
         batch = "sessions" in obj
         if batch:
             ss = obj["sessions"]
