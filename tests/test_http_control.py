@@ -169,3 +169,30 @@ def test_a_named_fork_keeps_the_pending_verify_on_either_engine(api, where, acce
         assert_close(api.state(s), ref.states[s])
         x = rand_x(2, seed=91)
         assert_close(api.conv(s, LAYERS[1], x)[1], ref.conv(s, LAYERS[1], x))
+
+
+def test_an_accept_not_started_within_request_timeout_s_is_withdrawn_and_answered_504_one_started_is_waited_for():
+    """The accept routes queue from the event loop (control.answered): an in-process engine's op that has not
+    started when request_timeout_s is up is withdrawn (it never runs) and answered 504; one already running gives
+    its real answer, however late."""
+    import asyncio
+    import concurrent.futures as cf
+    import threading
+
+    from convserve.clients.protocol.errors import RequestTimeout
+    from convserve.service.http.control import answered
+
+    async def main():
+        waiting = cf.Future()
+        with pytest.raises(RequestTimeout, match="will not run"):
+            await answered(waiting, 0.05)
+        assert waiting.cancelled()                       # the worker's set_running_or_notify_cancel() sees it
+        running = cf.Future()
+        assert running.set_running_or_notify_cancel()
+        threading.Timer(0.2, running.set_result, ("done",)).start()
+        assert await answered(running, 0.05) == "done"
+        loop_future = asyncio.get_running_loop().create_future()     # an engine process's: its own deadlines
+        loop_future.set_result(None)
+        assert await answered(loop_future, 0.05) is None
+
+    asyncio.run(main())

@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from convserve.clients.protocol import wire
-from convserve.clients.protocol.errors import NotReady
+from convserve.clients.protocol.errors import NotReady, RequestTimeout
 from convserve.clients.protocol.ids import check_session_id
 from convserve.service.http.asgi import render, wants_json, wants_msgpack
 from convserve.service.http.errors import error_response
@@ -188,7 +188,8 @@ def add_control_routes(app: FastAPI, svc: Service) -> None:
         body = await read(request)
         sessions, tokens = parser.accept_batch(body)
         check_batch_sessions(request.scope, sessions)
-        await answered(engine.submit_accept_batch(sessions, tokens, parser.op_request_id(body)))
+        await answered(engine.submit_accept_batch(sessions, tokens, parser.op_request_id(body)),
+                       svc.settings.request_timeout_s)
         return Response(status_code=204)
 
     @app.post("/v1/sessions/{session}/accept", status_code=204)
@@ -197,11 +198,22 @@ def add_control_routes(app: FastAPI, svc: Service) -> None:
         svc.require_ready()
         body = await read(request)
         n = parser.accept_tokens(body)
-        await answered(engine.submit_accept(session, n, parser.op_request_id(body)))
+        await answered(engine.submit_accept(session, n, parser.op_request_id(body)), svc.settings.request_timeout_s)
         return Response(status_code=204)
 
 
-async def answered(fut):
+async def answered(fut, timeout: float):
     """An accept queued from the loop (no thread hop: a verify round's accept is on the frontend's critical path):
-    its answer, from an engine's future (in-process) or the worker's (engine processes)."""
-    return await (fut if isinstance(fut, asyncio.Future) else asyncio.wrap_future(fut))
+    its answer, from the worker's future (engine processes: the engine's own deadlines apply) or an in-process
+    engine's. One of those not started within ``timeout`` (``request_timeout_s``) is withdrawn and answered 504: it
+    never runs (the worker would withdraw it too, but only between steps); once started it is waited for."""
+    if isinstance(fut, asyncio.Future):
+        return await fut
+    waiting = asyncio.wrap_future(fut)
+    try:
+        return await asyncio.wait_for(asyncio.shield(waiting), timeout)
+    except asyncio.TimeoutError:
+        if fut.cancel():
+            raise RequestTimeout(f"the accept did not start within request_timeout_s={timeout} s and will not run; "
+                                 "retry") from None
+        return await waiting
