@@ -57,7 +57,7 @@ def _check(results, want):
 @pytest.mark.parametrize("transport", ["http", "ws"])
 @pytest.mark.parametrize("placed", ["together", "across-engines"])
 def test_an_accept_frame_runs_before_the_next_steps_frames_sent_right_behind_it(server, api, transport, placed):
-    rng = random.Random(hash((transport, placed)) & 0xFFFF)
+    rng = random.Random(f"{transport}-{placed}")
     ref = Reference(model())
     sessions = _across(api, 3) if placed == "across-engines" else [api.session() for _ in range(3)]
     for s in sessions:
