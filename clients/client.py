@@ -32,5 +32,5 @@ from convserve.clients.protocol.errors import (ConvServeError, OutcomeUnknown, R
 from convserve.clients.sync_client import ConvClient
 
 __all__ = ["ConvClient", "AsyncConvClient", "ConvRequest", "BatchRequest", "AcceptRequest", "ConvResult",
-           "SessionState", "ConvServeError", "ServiceError", "ReplicaUnavailable", "OutcomeUnknown", "Unreachable", "error_from",
-           "DEFAULT_URL", "MAX_MESSAGE_BYTES"]
+           "SessionState", "ConvServeError", "ServiceError", "ReplicaUnavailable", "OutcomeUnknown", "Unreachable",
+           "error_from", "DEFAULT_URL", "MAX_MESSAGE_BYTES"]

@@ -14,8 +14,8 @@ waiting for its answer: the next step's frames follow it at once (the server run
 once the next step's layers are done, or before its sessions leave.
 
 Recorded kinds: ``batch`` (one layer's call; tokens are the session tokens it carried), ``step`` (all layers of
-one frontend step, plus its accept; over the WebSocket, plus reading the last step's accept answer instead), ``prefill_done`` (from a session's arrival to the end of its last prefill
-chunk) and the control calls.
+one frontend step, plus its accept; over the WebSocket, plus reading the last step's accept answer instead),
+``prefill_done`` (from a session's arrival to the end of its last prefill chunk) and the control calls.
 """
 
 from __future__ import annotations
@@ -87,8 +87,8 @@ class FrontendDriver(Driver):
 
     async def _accepted(self) -> None:
         """Read the answer of the last step's accept frame (``--transport ws``), recorded as an ``accept`` call from
-        its send to its answer's arrival;
-        :class:`Aborted` when it failed (its sessions' verifies stay pending: the step fails)."""
+        its send to its answer's arrival; :class:`Aborted` when it failed (its sessions' verifies stay pending: the
+        step fails)."""
         if self._accept is None:
             return
         (t0, fut, answered), self._accept = self._accept, None
