@@ -8,7 +8,8 @@
 #
 # SERVER_CPUS, CLIENT_CPUS (0-7, 8-15), LAYERS, DIM (8, 4096), DURATION (12 s), WARMUP (15 s) and PYTHON change
 # the defaults; UDS=1 has the server listen on a Unix socket too and every leg's calls go through it; LEGS
-# (sealed,bodies,sealed-spec4) picks the legs. The warm-up covers the ramp: the sessions' prefills go in steps of up to max_batch_tokens tokens (67 MB
+# (sealed,bodies,sealed-spec4; also bodies-spec4 and ws-spec4: verify steps at 1 and 64 sessions, accepts POSTed
+# or pipelined as WebSocket frames) picks the legs. The warm-up covers the ramp: the sessions' prefills go in steps of up to max_batch_tokens tokens (67 MB
 # a layer call at dim 4096 through bodies), and a step begun after the warm-up is measured as a decode step would be.
 # Each leg's table is in $OUT/frontend-<leg>.txt and its JSON in $OUT/frontend-<leg>/loadtest.json.
 set -uo pipefail
@@ -52,6 +53,9 @@ leg() {  # name, then the load tester's extra flags
 leg sealed --concurrency 1,256 --shm-mib 64 --shm-sealed
 leg bodies --concurrency 256
 leg sealed-spec4 --concurrency 256 --shm-mib 64 --shm-sealed --spec-k const:4
+# verify steps with their accepts POSTed, against batch frames on a WebSocket with the accept a frame not waited for
+leg bodies-spec4 --concurrency 1,64 --spec-k const:4
+leg ws-spec4 --concurrency 1,64 --spec-k const:4 --transport ws
 rm -f "$OUT"/frontend-*/loadtest.png "$OUT"/frontend-*/loadtest.html    # the tables and JSON are the record
 kill -TERM $server
 wait $server
