@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import Future
-from itertools import compress
+from itertools import chain, compress
 from typing import Optional, Sequence
 
 import numpy as np
@@ -350,8 +350,8 @@ class Intake:
                 turns = self._check_plain_rows_locked(sessions)
             else:
                 dec_rows, pre_rows, ver_rows = plan
-                turns = self._check_plain_rows_locked([sessions[i] for i in dec_rows.tolist()]) + \
-                    self._check_plain_rows_locked([sessions[i] for i, _a, _k in pre_rows])
+                turns = self._check_plain_rows_locked(chain(map(sessions.__getitem__, dec_rows.tolist()),
+                                                            (sessions[i] for i, _a, _k in pre_rows)))
                 if rid is not None and ver_rows and counted is None:
                     for i in ver_rows[0]:
                         self._check_not_late_locked(sessions[i], rid, None, req.layer, True)
