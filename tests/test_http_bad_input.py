@@ -167,9 +167,10 @@ def test_each_bad_input_gets_its_4xx_while_healthz_stays_fast_and_rss_comes_back
           f"RSS {baseline:.0f} -> {after:.0f} MiB")
     assert got == (status, code)
     assert probe.failures == 0
-    # on the shared 2-core CI machine another test's server may take the cores for a moment: the bound is on the
-    # 90th percentile, and the worst probe is bounded loosely
-    assert p90 < 100, f"healthz p90 {p90:.0f} ms"
+    # the bound catches a loop held by one decode or parse, which these inputs would hold for most of a second;
+    # on the shared 2-core CI machine other tests' servers take the cores for tens of ms at a time (bench/NOTES.md,
+    # thirty-sixth session), hence 250 ms on the 90th percentile and a loose bound on the worst probe
+    assert p90 < 250, f"healthz p90 {p90:.0f} ms"
     assert worst < 1000, f"healthz max {worst:.0f} ms"
     assert after <= baseline * 1.10, f"RSS {baseline:.0f} -> {after:.0f} MiB"
 

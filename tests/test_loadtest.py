@@ -462,17 +462,17 @@ def test_a_spec_k_above_the_servers_max_spec_tokens_is_a_usage_error_before_any_
     assert f"above the server's max_spec_tokens ({most})" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("scenario", ["spec", "frontend"])
-def test_a_spec_k_above_what_one_slice_may_carry_is_a_usage_error_before_any_request(weights, capsys, scenario):
+def test_a_spec_k_above_what_one_slice_may_carry_is_a_usage_error_before_any_request(weights, capsys):
     # max_spec_tokens left unset follows max_tokens_per_request down: both are named, the one that bounds the other
     srv = LiveServer(["--weights", str(weights[0]), "--slots", "8", "--max-tokens-per-request", "4"])
     try:
         srv.wait_ready()
-        assert main(["--url", srv.url, *SMALL, "--scenario", scenario, "--spec-k", "const:6", "--chunk", "4",
-                     "--requests", "4"]) == 2
-        err = " ".join(capsys.readouterr().err.split())
-        assert "max_spec_tokens (4)" in err and "lower --spec-k to 4 or less" in err
-        assert "--max-tokens-per-request (which bounds it: 4)" in err
+        for scenario in ("spec", "frontend"):
+            assert main(["--url", srv.url, *SMALL, "--scenario", scenario, "--spec-k", "const:6", "--chunk", "4",
+                         "--requests", "4"]) == 2, scenario
+            err = " ".join(capsys.readouterr().err.split())
+            assert "max_spec_tokens (4)" in err and "lower --spec-k to 4 or less" in err, scenario
+            assert "--max-tokens-per-request (which bounds it: 4)" in err, scenario
     finally:
         srv.terminate()
 
