@@ -4,6 +4,7 @@ Without CUDA the Triton kernels run in Triton's interpreter on CPU tensors; that
 kernel is defined, so it happens here, before test modules import ``kernels``.
 """
 
+import collections
 import os
 
 import pytest
@@ -17,13 +18,32 @@ if not HAS_CUDA:
 KERNEL_DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 
+#: The largest kernel grids, which run in Triton's interpreter without CUDA: there every other case of each is
+#: marked ``slow`` (CI's time; ``pytest -m slow`` runs the rest), and on CUDA every case runs.
+HALVED_WITHOUT_CUDA = frozenset({
+    "test_single_sequence_with_initial_state_matches_reference", "test_channels_last_body_matches_reference",
+    "test_update_matches_reference", "test_prefill_reads_and_writes_only_its_tensors",
+    "test_pairs_kernel_matches_reference", "test_varlen_batch_with_pads_and_mixed_initial_state_matches_reference",
+    "test_few_token_update_matches_reference_on_both_paths", "test_one_sequence_matches_reference",
+    "test_state_contiguous_along_the_window_matches_reference",
+})
+
+
+@pytest.hookimpl(tryfirst=True)         # before the `-m` selection reads the marks
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs CUDA")
+    cases = collections.Counter()
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+        name = getattr(item, "originalname", item.name)
+        if name in HALVED_WITHOUT_CUDA:
+            key = (item.nodeid.split("::")[0], name)
+            if cases[key] % 2:
+                item.add_marker(pytest.mark.slow)
+            cases[key] += 1
 
 
 @pytest.fixture
