@@ -9,7 +9,8 @@
 # SERVER_CPUS, CLIENT_CPUS (0-7, 8-15), LAYERS, DIM (8, 4096), DURATION (12 s), WARMUP (15 s) and PYTHON change
 # the defaults; UDS=1 has the server listen on a Unix socket too and every leg's calls go through it; LEGS
 # (sealed,bodies,sealed-spec4; also bodies-spec4 and ws-spec4: verify steps at 1 and 64 sessions, accepts POSTed
-# or pipelined as WebSocket frames) picks the legs. The warm-up covers the ramp: the sessions' prefills go in steps of up to max_batch_tokens tokens (67 MB
+# or pipelined as WebSocket frames; ws-sealed and ws-sealed-spec4: the WebSocket's frames with x and y in the sealed
+# arena) picks the legs. The warm-up covers the ramp: the sessions' prefills go in steps of up to max_batch_tokens tokens (67 MB
 # a layer call at dim 4096 through bodies), and a step begun after the warm-up is measured as a decode step would be.
 # Each leg's table is in $OUT/frontend-<leg>.txt and its JSON in $OUT/frontend-<leg>/loadtest.json.
 set -uo pipefail
@@ -56,6 +57,9 @@ leg sealed-spec4 --concurrency 256 --shm-mib 64 --shm-sealed --spec-k const:4
 # verify steps with their accepts POSTed, against batch frames on a WebSocket with the accept a frame not waited for
 leg bodies-spec4 --concurrency 1,64 --spec-k const:4
 leg ws-spec4 --concurrency 1,64 --spec-k const:4 --transport ws
+# the same frames naming blocks of the sealed arena: decode steps against the sealed leg, verify steps against ws-spec4
+leg ws-sealed --concurrency 1,256 --shm-mib 64 --shm-sealed --transport ws
+leg ws-sealed-spec4 --concurrency 1,64 --shm-mib 64 --shm-sealed --spec-k const:4 --transport ws
 rm -f "$OUT"/frontend-*/loadtest.png "$OUT"/frontend-*/loadtest.html    # the tables and JSON are the record
 kill -TERM $server
 wait $server

@@ -326,7 +326,7 @@ class AsyncConvClient(_Base):
                 yield r
 
     async def _stream_http(self, requests):
-        tracker, failed = _Tracker(self.positions), []
+        tracker, failed = _Tracker(self.positions, self.shm), []
         # the caller stopped early: nothing more is sent (the body ends even while it waits for a request), the
         # owed answers are dropped
         stop = asyncio.Event()
@@ -399,7 +399,7 @@ class AsyncConvClient(_Base):
 
             connect = functools.partial(unix_connect, self.uds)
 
-        tracker = _Tracker(self.positions)
+        tracker = _Tracker(self.positions, self.shm)
         slots = asyncio.Semaphore(window)
         # frames sent; the sender's end and error; it waits in the caller's iterable; the stream no longer waits for
         # it; it waits in a send

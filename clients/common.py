@@ -238,16 +238,17 @@ def _as_request(r: Union[ConvRequest, BatchRequest, AcceptRequest, tuple, dict],
     return req
 
 
-def _frame(req: Union[ConvRequest, BatchRequest, AcceptRequest]) -> dict:
+def _frame(req: Union[ConvRequest, BatchRequest, AcceptRequest], shm=None) -> dict:
+    """A stream or WebSocket frame of ``req``; an x lying in ``shm`` (the client's arena) goes by reference."""
     if isinstance(req, AcceptRequest):
         frame = {"id": req.id, "op": "accept", "sessions": _id_list(req.sessions),
                  "tokens": _int_list(req.tokens, "tokens")}
     elif isinstance(req, BatchRequest):
-        frame = {"id": req.id, **_batch_fields(req.sessions, req.layer, req.x, req.tokens, req.speculative)}
+        frame = {"id": req.id, **_batch_fields(req.sessions, req.layer, req.x, req.tokens, req.speculative, shm)}
         if req.position is not None:
             frame["position"] = _int_list(req.position, "position")
     else:
-        frame = {"id": req.id, "session": req.session, "layer": req.layer, "x": wire.encode_tensor(req.x),
+        frame = {"id": req.id, "session": req.session, "layer": req.layer, "x": wire.encode_tensor(req.x, shm),
                  "speculative": req.speculative}
         if req.position is not None:
             frame["position"] = operator.index(req.position)
@@ -394,8 +395,9 @@ class _Base:
     def _stream_frame(self, req) -> dict:
         """A stream or WebSocket frame of ``req``; a tracking client's carries its own ``request_id``
         (``PREFIX:N``, no position): the frames then order the client's calls on their sessions, so that a late
-        copy of an earlier import or accept cannot overtake them."""
-        frame = _frame(req)
+        copy of an earlier import or accept cannot overtake them. An x in the client's arena goes by reference,
+        and its y comes back in the same block."""
+        frame = _frame(req, self.shm)
         if "request_id" not in frame and self.positions is not None:
             frame["request_id"] = self._request_id()
         return frame

@@ -10,7 +10,7 @@ from typing import Any
 from convserve.clients.common import (AcceptRequest, BatchRequest, ConvRequest, ConvResult, _backend_of, _Base,
                                       check_given_position, error_from)
 from convserve.clients.protocol import wire
-from convserve.clients.protocol.errors import ServiceError
+from convserve.clients.protocol.errors import EngineTimeout, ServiceError
 
 
 class _Tracker:
@@ -18,12 +18,17 @@ class _Tracker:
     in its book what each frame did: an answered frame's tokens are applied; a session of a frame that failed
     or was never answered, or whose positions the book set while the frame was in flight (a read of the server's,
     a tracked call's answer: :meth:`PositionBook.mark`), is forgotten, so that its next tracked call reads the
-    server's positions first."""
+    server's positions first.
 
-    def __init__(self, book=None):
+    With the client's arena (``shm``) a y answered by reference is read from its block, and the block of a frame
+    that ended without an answer (or with ``504 engine_timeout``) is held out of the arena's reuse
+    (:meth:`ShmArena.hold`): the server may still read x there and write y over it."""
+
+    def __init__(self, book=None, shm=None):
         self.meta: dict = {}
         self.lock = threading.Lock()
         self.book = book
+        self.shm = shm
 
     def add(self, req: ConvRequest) -> None:
         accept = isinstance(req, AcceptRequest)
@@ -35,7 +40,7 @@ class _Tracker:
             if accept:            # (backend None: no y; rows: its counts, for the book's accepted())
                 session = list(req.sessions)
                 rows = None if self.book is None else (list(req.tokens), self.book.frames_sent(session))
-                self.meta[req.id] = (session, None, None, rows)
+                self.meta[req.id] = (session, None, None, rows, None)
                 return
             batch = isinstance(req, BatchRequest)
             session = list(req.sessions) if batch else req.session
@@ -46,7 +51,9 @@ class _Tracker:
                 ([len(req.x)], [bool(req.speculative)])
             if rows is not None:
                 rows = (*rows, self.book.frames_sent(session if batch else [session]))
-            self.meta[req.id] = (session, req.layer, _backend_of(req.x), rows)
+            # x's block when it goes by reference (held if the frame ends unanswered)
+            block = req.x if self.shm is not None and self.shm.locate(req.x) is not None else None
+            self.meta[req.id] = (session, req.layer, _backend_of(req.x), rows, block)
 
     def result(self, obj: Any) -> ConvResult:
         if not isinstance(obj, dict) or "id" not in obj:
@@ -62,11 +69,14 @@ class _Tracker:
             e = ServiceError(f"the server answered an unknown frame id {fid!r}")
             e.code = "internal"
             raise e
-        session, layer, backend, rows = meta
+        session, layer, backend, rows, block = meta
         sessions = session if isinstance(session, list) else [session]
         if "error" in obj:
             self._forget(sessions)
-            return ConvResult(fid, session, layer, error=error_from(obj["error"]))
+            err = error_from(obj["error"])
+            if block is not None and isinstance(err, EngineTimeout):
+                self._hold(block)
+            return ConvResult(fid, session, layer, error=err)
         if backend is None:                         # an accept, applied: with frames of its sessions still in
             if rows is not None:                    # flight, the book forgets those sessions (accepted())
                 self.book.frames_done(sessions)
@@ -75,7 +85,7 @@ class _Tracker:
             return ConvResult(fid, session, layer)
         if rows is not None:
             self.book.frame_answered(sessions, layer, *rows)
-        return ConvResult(fid, session, layer, y=wire.decode_tensor(obj["y"], backend=backend, name="y"))
+        return ConvResult(fid, session, layer, y=wire.decode_tensor(obj["y"], backend=backend, name="y", shm=self.shm))
 
     def _forget(self, sessions) -> None:
         if self.book is not None:
@@ -102,8 +112,14 @@ class _Tracker:
         """The stream ended without the answers still owed: their outcome is unknown to the client."""
         with self.lock:
             owed, self.meta = list(self.meta.values()), {}
-        for session, *_ in owed:
+        for session, _layer, _backend, _rows, block in owed:
             self._forget(session if isinstance(session, list) else [session])
+            if block is not None:
+                self._hold(block)
+
+    def _hold(self, block) -> None:
+        with contextlib.suppress(ValueError):      # the arena was closed meanwhile: nothing to hold
+            self.shm.hold(block)
 
     def check_done(self) -> None:
         if self.meta:

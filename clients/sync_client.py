@@ -361,7 +361,7 @@ class ConvClient(_Base):
             raise ValueError(f"transport must be 'http' or 'ws', got {transport!r}")
 
     def _stream_http(self, requests) -> Iterator[ConvResult]:
-        tracker, failed = _Tracker(self.positions), []
+        tracker, failed = _Tracker(self.positions, self.shm), []
         closing = False             # the caller stopped early: the answers still owed are read and dropped
 
         def body():
@@ -399,7 +399,7 @@ class ConvClient(_Base):
 
             connect = functools.partial(unix_connect, self.uds)
 
-        tracker = _Tracker(self.positions)
+        tracker = _Tracker(self.positions, self.shm)
         slots = threading.Semaphore(window)
         sent = {"n": 0, "done": False, "error": None, "stop": False, "sending": False, "bytes": 0}
         # the stop, the count of frames sent, "sending" (a send begun and not returned) and the bytes of frames sent

@@ -178,9 +178,6 @@ async def run(args) -> dict:
     if frontend and args.transport == "ws" and args.url and (len(args.url) > 1 or args.url[0].startswith("dns://")):
         raise SetupError("--transport ws keeps the frontend on one WebSocket to one server; over several replicas "
                          "leave it out (its POSTs are split across replicas)")
-    if frontend and args.transport == "ws" and args.shm_mib:
-        raise SetupError("--shm-mib applies to the frontend's POSTs (--transport unary): its WebSocket frames carry "
-                         "x and y; leave one of them out")
     args.transport = args.transport or "unary"
     mode = "closed" if args.concurrency is not None else "open"
     levels = args.concurrency if mode == "closed" else args.rate
@@ -256,7 +253,7 @@ async def run(args) -> dict:
         config = {
             "url": client.url, "model": info, "workload": wl.describe(),
             "prefill_chunk": {"tokens": chunk, "why": chunk_why},
-            "transport": ("batch+shm" if shm is not None else "batch-ws" if args.transport == "ws" else "batch")
+            "transport": ("batch-ws" if args.transport == "ws" else "batch") + ("+shm" if shm is not None else "")
             if frontend else args.transport,
             "mode": mode, "levels": levels, "duration_s": args.duration, "requests": args.requests,
             "warmup_s": args.warmup, "inflight": args.inflight if args.transport != "unary" and not frontend else None,

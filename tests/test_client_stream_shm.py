@@ -1,0 +1,121 @@
+"""``stream()`` of a client made with an arena (clients/stream_tracker.py): a frame whose x lies in the arena goes
+by reference and its y is read back from the same block; any other x goes in the frame. Over HTTP and WebSocket,
+sync and async, against both layouts of the shared server, compared with the per-session reference; and the
+blocks of frames that end without an answer are held out of the arena's reuse."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+import torch
+
+from convserve.clients.client import AsyncConvClient, BatchRequest, ConvClient, ConvRequest
+from convserve.clients.protocol.errors import EngineTimeout, UnknownSession
+from convserve.clients.protocol.shm import ShmArena
+from convserve.clients.stream_tracker import _Tracker
+from tests.http_api import LAYERS, assert_close, model, rand_x
+from tests.live import Reference
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
+
+TOKENS = [1, 3, 2]
+
+
+def _requests(arena, sids, ref):
+    """Frames of every kind, x in the arena but for the last: ``(requests, want, in_arena)`` by frame id."""
+    reqs, want, in_arena = [], {}, {}
+    for i in range(7):
+        layer = LAYERS[i % len(LAYERS)]
+        if i % 2:
+            x = rand_x(sum(TOKENS), seed=40 + i)
+            reqs.append(BatchRequest(sids, layer, arena.put(x), tokens=TOKENS, id=i))
+            parts, a = [], 0
+            for s, n in zip(sids, TOKENS):
+                parts.append(ref.conv(s, layer, x[a:a + n]))
+                a += n
+            want[i] = torch.cat(parts)
+        else:
+            x = rand_x(1 + i, seed=40 + i)
+            reqs.append(ConvRequest(sids[i % 3], layer, arena.put(x), id=i))
+            want[i] = ref.conv(sids[i % 3], layer, x)
+        in_arena[i] = reqs[-1].x
+    x = rand_x(2, seed=99)                       # not in the arena: in the frame, y in the answer
+    reqs.append(ConvRequest(sids[0], LAYERS[0], x, id=7))
+    want[7], in_arena[7] = ref.conv(sids[0], LAYERS[0], x), None
+    return reqs, want, in_arena
+
+
+def _applied(reqs, sid: str, layer: int) -> int:
+    """The tokens ``reqs`` apply to ``sid`` on ``layer``."""
+    n = 0
+    for r in reqs:
+        if r.layer == layer:
+            n += sum(t for s, t in zip(r.sessions, r.tokens) if s == sid) if isinstance(r, BatchRequest) else \
+                len(r.x) * (r.session == sid)
+    return n
+
+
+@pytest.mark.parametrize("sealed", [False, True], ids=["dev-shm", "sealed"])
+@pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("transport", ["http", "ws"])
+def test_stream_frames_with_x_in_the_arena_go_by_reference_and_answer_in_the_same_block(server, transport,
+                                                                                        is_async, sealed):
+    ref = Reference(model())
+    with ShmArena(1 << 20, sealed=sealed) as arena:
+        if not is_async:
+            with ConvClient(server.url, shm=arena, track_positions=True) as c:
+                sids = [c.create_session() for _ in TOKENS]
+                for s in sids:
+                    ref.create(s)
+                reqs, want, in_arena = _requests(arena, sids, ref)
+                sent = c.bytes_sent
+                got = {r.id: r.unwrap() for r in c.stream(reqs, transport=transport, window=4)}
+                sent, info = c.bytes_sent - sent, c.session_info(sids[1])
+                for s in sids:
+                    c.delete_session(s)
+        else:
+            async def main():
+                async with AsyncConvClient(server.url, shm=arena, track_positions=True) as c:
+                    sids = [await c.create_session() for _ in TOKENS]
+                    for s in sids:
+                        ref.create(s)
+                    reqs, want, in_arena = _requests(arena, sids, ref)
+                    sent = c.bytes_sent
+                    got = {r.id: r.unwrap() async for r in c.stream(reqs, transport=transport, window=4)}
+                    sent, info = c.bytes_sent - sent, await c.session_info(sids[1])
+                    for s in sids:
+                        await c.delete_session(s)
+                    return reqs, want, in_arena, got, sent, info, sids
+            reqs, want, in_arena, got, sent, info, sids = asyncio.run(asyncio.wait_for(main(), 60))
+        assert sorted(got) == sorted(want)
+        for i, y in got.items():
+            assert_close(y, want[i])
+            if in_arena[i] is None:
+                assert arena.locate(y) is None                   # y came in the answer
+            else:
+                assert y.data_ptr() == in_arena[i].data_ptr()    # y is x's block, written by the server
+        # only the last frame's x travelled on the socket (the rest: ids and references), and the session's
+        # position counts every frame
+        assert sent < reqs[-1].x.numel() * 4 + 300 * len(reqs), sent
+        assert info["positions"][info["layers"].index(LAYERS[1])] == _applied(reqs, sids[1], LAYERS[1])
+
+
+def test_a_frames_block_is_held_when_it_ends_unanswered_or_timed_out_in_the_engine_and_not_otherwise():
+    with ShmArena(1 << 16, hold_s=30) as arena:
+        tracker = _Tracker(None, arena)
+        blocks = [arena.put(rand_x(2, seed=i)) for i in range(4)]
+        body_x = rand_x(2, seed=9)
+        for i, b in enumerate([*blocks, body_x]):
+            tracker.add(ConvRequest("s", 0, b, id=i))
+        timed_out = {"id": 0, "error": {"code": EngineTimeout.code, "message": "m"}}
+        unknown = {"id": 1, "error": {"code": UnknownSession.code, "message": "m"}}
+        assert isinstance(tracker.result(timed_out).error, EngineTimeout)
+        assert isinstance(tracker.result(unknown).error, UnknownSession)
+        tracker.result({"id": 2, "y": {"dtype": "float32", "shape": [2, 32], "shm": arena.locate(blocks[2])}})
+        tracker.abandon()                                        # frames 3 (in the arena) and 4 (in the body)
+        held = sorted((a, b) for a, b, until in arena._held if until > time.monotonic())
+        want = sorted((arena.locate(blocks[i])["offset"], arena.locate(blocks[i])["offset"] + 256) for i in (0, 3))
+        assert held == want
