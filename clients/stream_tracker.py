@@ -20,9 +20,10 @@ class _Tracker:
     a tracked call's answer: :meth:`PositionBook.mark`), is forgotten, so that its next tracked call reads the
     server's positions first.
 
-    With the client's arena (``shm``) a y answered by reference is read from its block, and the block of a frame
-    that ended without an answer (or with ``504 engine_timeout``) is held out of the arena's reuse
-    (:meth:`ShmArena.hold`): the server may still read x there and write y over it."""
+    With the client's arena (``shm``) a frame's block is pinned out of the arena's ring while the frame is in
+    flight (:meth:`ShmArena.pin`; answers come in any order), a y answered by reference is read from it, and the
+    block of a frame that ended without an answer (or with ``504 engine_timeout``) stays out for ``hold_s`` more:
+    the server may still read x there and write y over it."""
 
     def __init__(self, book=None, shm=None):
         self.meta: dict = {}
@@ -51,8 +52,8 @@ class _Tracker:
                 ([len(req.x)], [bool(req.speculative)])
             if rows is not None:
                 rows = (*rows, self.book.frames_sent(session if batch else [session]))
-            # x's block when it goes by reference (held if the frame ends unanswered)
-            block = req.x if self.shm is not None and self.shm.locate(req.x) is not None else None
+            # x's block when it goes by reference: out of the arena's ring until the frame's answer
+            block = req.x if self.shm is not None and self.shm.pin(req.x) else None
             self.meta[req.id] = (session, req.layer, _backend_of(req.x), rows, block)
 
     def result(self, obj: Any) -> ConvResult:
@@ -74,8 +75,8 @@ class _Tracker:
         if "error" in obj:
             self._forget(sessions)
             err = error_from(obj["error"])
-            if block is not None and isinstance(err, EngineTimeout):
-                self._hold(block)
+            if block is not None:
+                self._unpin(block, hold=isinstance(err, EngineTimeout))
             return ConvResult(fid, session, layer, error=err)
         if backend is None:                         # an accept, applied: with frames of its sessions still in
             if rows is not None:                    # flight, the book forgets those sessions (accepted())
@@ -85,7 +86,12 @@ class _Tracker:
             return ConvResult(fid, session, layer)
         if rows is not None:
             self.book.frame_answered(sessions, layer, *rows)
-        return ConvResult(fid, session, layer, y=wire.decode_tensor(obj["y"], backend=backend, name="y", shm=self.shm))
+        try:
+            y = wire.decode_tensor(obj["y"], backend=backend, name="y", shm=self.shm)
+        finally:
+            if block is not None:
+                self._unpin(block)      # answered: the block is the caller's again, as a unary call's
+        return ConvResult(fid, session, layer, y=y)
 
     def _forget(self, sessions) -> None:
         if self.book is not None:
@@ -115,11 +121,11 @@ class _Tracker:
         for session, _layer, _backend, _rows, block in owed:
             self._forget(session if isinstance(session, list) else [session])
             if block is not None:
-                self._hold(block)
+                self._unpin(block, hold=True)
 
-    def _hold(self, block) -> None:
-        with contextlib.suppress(ValueError):      # the arena was closed meanwhile: nothing to hold
-            self.shm.hold(block)
+    def _unpin(self, block, hold: bool = False) -> None:
+        with contextlib.suppress(ValueError):      # the arena was closed meanwhile: nothing to keep
+            self.shm.unpin(block, hold)
 
     def check_done(self) -> None:
         if self.meta:

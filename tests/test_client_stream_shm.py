@@ -6,6 +6,7 @@ blocks of frames that end without an answer are held out of the arena's reuse.""
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import time
 
@@ -103,19 +104,68 @@ def test_stream_frames_with_x_in_the_arena_go_by_reference_and_answer_in_the_sam
         assert info["positions"][info["layers"].index(LAYERS[1])] == _applied(reqs, sids[1], LAYERS[1])
 
 
-def test_a_frames_block_is_held_when_it_ends_unanswered_or_timed_out_in_the_engine_and_not_otherwise():
+def _held(arena) -> list:
+    return sorted((a, b, until == math.inf) for a, b, until in arena._held if until > time.monotonic())
+
+
+def _span(arena, blk) -> tuple:
+    off = arena.locate(blk)["offset"]
+    return off, off + blk.numel() * blk.element_size()
+
+
+def test_a_frames_block_is_pinned_in_flight_freed_by_its_answer_and_held_when_it_ends_unanswered_or_timed_out():
     with ShmArena(1 << 16, hold_s=30) as arena:
         tracker = _Tracker(None, arena)
         blocks = [arena.put(rand_x(2, seed=i)) for i in range(4)]
-        body_x = rand_x(2, seed=9)
-        for i, b in enumerate([*blocks, body_x]):
+        for i, b in enumerate([*blocks, rand_x(2, seed=9)]):        # the last in the body: nothing to pin
             tracker.add(ConvRequest("s", 0, b, id=i))
+        assert _held(arena) == sorted((*_span(arena, b), True) for b in blocks)
         timed_out = {"id": 0, "error": {"code": EngineTimeout.code, "message": "m"}}
         unknown = {"id": 1, "error": {"code": UnknownSession.code, "message": "m"}}
         assert isinstance(tracker.result(timed_out).error, EngineTimeout)
         assert isinstance(tracker.result(unknown).error, UnknownSession)
-        tracker.result({"id": 2, "y": {"dtype": "float32", "shape": [2, 32], "shm": arena.locate(blocks[2])}})
+        y = tracker.result({"id": 2, "y": {"dtype": "float32", "shape": [2, 32], "shm": arena.locate(blocks[2])}}).y
+        assert y.data_ptr() == blocks[2].data_ptr()
         tracker.abandon()                                        # frames 3 (in the arena) and 4 (in the body)
-        held = sorted((a, b) for a, b, until in arena._held if until > time.monotonic())
-        want = sorted((arena.locate(blocks[i])["offset"], arena.locate(blocks[i])["offset"] + 256) for i in (0, 3))
-        assert held == want
+        # held for hold_s: the 504's block and the unanswered one's; the answered ones are free
+        assert _held(arena) == sorted((*_span(arena, blocks[i]), False) for i in (0, 3))
+
+
+def test_the_ring_never_hands_out_a_block_whose_frame_is_in_flight():
+    blk_bytes = rand_x(2).numel() * 4
+    with ShmArena(4 * blk_bytes) as arena:
+        tracker = _Tracker(None, arena)
+        inflight = []
+        for i in range(12):             # frames answered out of order: the oldest stays in flight throughout
+            blk = arena.put(rand_x(2, seed=i))
+            assert all(not (a < _span(arena, blk)[1] and _span(arena, blk)[0] < b)
+                       for a, b in map(lambda f: _span(arena, f), inflight)), i
+            tracker.add(ConvRequest("s", 0, blk, id=i))
+            inflight.append(blk)
+            if len(inflight) == 3:      # three in flight: answer the newest two, keep the first
+                for f in inflight[1:]:
+                    fid = next(k for k, m in tracker.meta.items() if m[4] is f)
+                    tracker.result({"id": fid, "y": {"dtype": "float32", "shape": [2, 32],
+                                                     "shm": arena.locate(f)}})
+                inflight = inflight[:1]
+        # with the arena's room pinned by frames in flight, a new block is refused, not handed out over one
+        for i in range(12, 12 + 4 - len(inflight)):
+            tracker.add(ConvRequest("s", 0, arena.put(rand_x(2, seed=i)), id=i))
+        with pytest.raises(ValueError, match="stream frames in flight"):
+            arena.put(rand_x(2))
+
+
+def test_a_frontend_step_whose_x_finds_no_room_in_the_arena_fails_as_arena_full():
+    from convserve.clients.loadtest.frontend import FrontendDriver
+    from convserve.clients.loadtest.runner import Aborted
+    from convserve.clients.loadtest.stats import Recorder
+
+    x = rand_x(4)
+    with ShmArena(x.numel() * 4 + 64) as arena:         # room for one block
+        arena.hold(arena.put(x))                        # a call that ended unanswered: its block is held
+        drv = FrontendDriver.__new__(FrontendDriver)
+        drv.rec = Recorder(measure_from=0.0)
+        with pytest.raises(Aborted) as e:
+            drv._put(arena, x, time.perf_counter())
+        assert e.value.code == "arena_full" and drv.rec.errors["arena_full"] == 1
+        assert "no room" in drv.rec.error_messages["arena_full"]

@@ -168,7 +168,7 @@ class FrontendDriver(Driver):
                 t1 = time.perf_counter()
                 if t1 >= self.rec.measure_from:     # --requests counts measured calls (a step ends whole)
                     self.issued += 1
-                xs = x if arena is None else arena.put(x)   # the activations, where the server reads them
+                xs = x if arena is None else self._put(arena, x, t1)  # the activations, where the server reads them
                 toks, sp = (None, None) if plain else (tokens, spec)
                 y = await self._retrying(
                     (lambda: self.client.conv_batch(sessions, layer, xs, toks, sp)) if self.frames is None else
@@ -211,6 +211,15 @@ class FrontendDriver(Driver):
             done = set(map(id, gone))
             self.live = [v for v in self.live if id(v) not in done]
             await self._leave(gone)
+
+    def _put(self, arena, x, t0: float):
+        """``x`` copied into the next block of the arena; when none has room (blocks held after calls that ended
+        without an answer, ShmArena.hold), the step fails with ``arena_full``, counted with the message."""
+        try:
+            return arena.put(x)
+        except ValueError as e:
+            self.rec.error("arena_full", t0, "batch", str(e))
+            raise Aborted("arena_full") from e
 
     def _check(self, work, layer: int, x, y, t0: float) -> None:
         """Compare each verified session's slice of ``y`` with its reference."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import fcntl
+import math
 import mmap
 import os
 import re
@@ -78,7 +79,8 @@ class ShmArena:
     instead of x's bytes, and the y returned is a view of the same block, which the server wrote y into. A tensor
     that does not lie in the arena (or is a non-contiguous view of a block) is sent in the body as usual. A block
     whose request ended without an answer is held out of the ring for ``hold_s`` seconds (:meth:`hold`; the
-    clients do it for their calls): the server may still be using it.
+    clients do it for their calls): the server may still be using it. A stream's frame keeps its block out of the
+    ring until its answer (:meth:`pin`): frames in flight are answered in any order.
     """
 
     def __init__(self, nbytes: int, key: Optional[str] = None, root: str = "/dev/shm", sealed: bool = False,
@@ -133,8 +135,6 @@ class ShmArena:
     def empty(self, shape, dtype):
         """An uninitialized C-contiguous block of the arena: a torch tensor for a torch dtype, a numpy array for a
         numpy dtype or a wire name (``"bfloat16"`` through ml_dtypes, ``"float16"``, ``"float32"``)."""
-        import math
-
         self._check_open()
         if type(dtype).__module__ != "torch":
             dtype = _np_dtype(dtype)
@@ -144,8 +144,8 @@ class ShmArena:
         lo = _aligned(self._next)
         if lo + n > self.nbytes:
             lo = 0
-        if self._held:
-            with self._lock:
+        with self._lock:        # (a hold or unpin may come from a stream's receiving thread)
+            if self._held:
                 lo = self._past_held(lo, n)
         self._next = lo + n
         self._recent.append((lo, lo + n))
@@ -160,12 +160,42 @@ class ShmArena:
         ``seconds`` (default ``hold_s``). For a block whose request ended without the server's answer (a timeout,
         a dropped connection, a ``504``): the server may still read x there and write y over it until its engine
         has finished that request. The clients call this for their own calls."""
-        ref = self.locate(x)
-        if ref is not None:
-            n = x.numel() * x.element_size() if hasattr(x, "data_ptr") else x.nbytes
-            until = time.monotonic() + (self.hold_s if seconds is None else seconds)
+        span = self._span(x)
+        if span is not None:
             with self._lock:
-                self._held.append((ref["offset"], ref["offset"] + n, until))
+                self._held.append((*span, time.monotonic() + (self.hold_s if seconds is None else seconds)))
+
+    def pin(self, x) -> bool:
+        """Keep the block of ``x`` out of :meth:`empty` until :meth:`unpin`: a stream's frame in flight, whose x the
+        server reads and whose y it writes over x whenever the frame's turn comes (answers of other sessions' frames
+        may come first, and the ring must not hand the block out again meanwhile). False when ``x`` is not a block
+        of this arena (nothing to pin)."""
+        span = self._span(x)
+        if span is None:
+            return False
+        with self._lock:
+            self._held.append((*span, math.inf))
+        return True
+
+    def unpin(self, x, hold: bool = False) -> None:
+        """End a :meth:`pin` of ``x``'s block: it is free once the frame's answer is read; with ``hold`` (the frame
+        ended without an answer, or with ``504 engine_timeout``) it stays out of the ring for ``hold_s`` more."""
+        span = self._span(x)
+        if span is None:
+            return
+        with self._lock:
+            with contextlib.suppress(ValueError):
+                self._held.remove((*span, math.inf))
+            if hold:
+                self._held.append((*span, time.monotonic() + self.hold_s))
+
+    def _span(self, x) -> Optional[tuple]:
+        """``(start, end)`` of ``x``'s block in this arena, or None when x is not one."""
+        ref = self.locate(x)
+        if ref is None:
+            return None
+        n = x.numel() * x.element_size() if hasattr(x, "data_ptr") else x.nbytes
+        return ref["offset"], ref["offset"] + n
 
     def _past_held(self, lo: int, n: int) -> int:
         """The first offset from ``lo`` (going round the ring) where ``n`` bytes meet no held block and none of
@@ -193,9 +223,10 @@ class ShmArena:
                 lo, wrapped = 0, True
             if wrapped and lo >= start:
                 break
-        raise ValueError(f"no room for a block of {n} bytes: this arena's free room is held by blocks whose "
-                         "requests ended without an answer (ShmArena.hold) or by the blocks handed out last; make "
-                         "the arena larger, or wait")
+        raise ValueError(f"no room for a block of {n} bytes: this arena's free room is held by the blocks of stream "
+                         "frames in flight (ShmArena.pin), by blocks whose requests ended without an answer "
+                         "(ShmArena.hold) or by the blocks handed out last; make the arena larger (for a stream: "
+                         "the blocks of every frame in flight), or wait")
 
     def _typed(self, off: int, n: int, dtype, shape):
         """Bytes ``[off, off + n)`` of the arena as ``shape``: a torch tensor for a torch dtype, else a numpy
@@ -248,8 +279,6 @@ class ShmArena:
 
     def view(self, ref: Any, dtype: str, shape: tuple, backend: str, name: str):
         """The tensor a server's answer names (``ref``: its ``shm`` field): a view of this arena."""
-        import math
-
         key, off = check_ref(ref, name)
         self._check_open()
         if key != self.key:
