@@ -17,6 +17,7 @@ from convserve.clients.protocol.errors import (ReplicaUnavailable, ServiceError,
 from convserve.clients.replicas import (Endpoints, Router, batch_failure, health_result, join_batch, maybe_applied,
                                         merged_model, part_position, routed_url, split_batch, SessionsWalk)
 from convserve.clients.replicated_sync import _failed, failure, network_errors, unavailable
+from convserve.clients.stream_tracker import ReadAheadPins
 
 
 class ReplicatedAsyncConvClient(AsyncConvClient):
@@ -311,6 +312,7 @@ class ReplicatedAsyncConvClient(AsyncConvClient):
                     if stop.is_set():
                         break
                     req = _as_request(r, i)
+                    pins.take(req)
                     i += 1
                     try:
                         url = target(req)
@@ -371,6 +373,7 @@ class ReplicatedAsyncConvClient(AsyncConvClient):
             finally:
                 out.put_nowait(("done", url))
 
+        pins = ReadAheadPins(self.shm)
         feed = asyncio.ensure_future(feeder())
         started, done = None, 0
         try:
@@ -378,6 +381,7 @@ class ReplicatedAsyncConvClient(AsyncConvClient):
                 kind, val = await out.get()
                 if kind == "res":
                     res, url = val
+                    pins.given(res)
                     try:
                         if not stop.is_set():
                             yield res
@@ -406,3 +410,4 @@ class ReplicatedAsyncConvClient(AsyncConvClient):
             for t in left:          # the replicas' streams close (their owed answers dropped) before this returns
                 t.cancel()
             await asyncio.gather(*left, return_exceptions=True)
+            pins.close()

@@ -22,6 +22,7 @@ from convserve.clients.protocol.errors import (OutcomeUnknown, ReplicaUnavailabl
                                               StateLost, UnknownSession, Unreachable)
 from convserve.clients.replicas import (Endpoints, Router, batch_failure, health_result, join_batch, maybe_applied,
                                         merged_model, part_position, routed_url, split_batch, SessionsWalk)
+from convserve.clients.stream_tracker import ReadAheadPins
 from convserve.clients.sync_client import ConvClient
 
 
@@ -369,6 +370,7 @@ class ReplicatedConvClient(ConvClient):
                     if stop.is_set():
                         break
                     req = _as_request(r, i)
+                    pins.take(req)
                     try:
                         url = target(req)
                     except ReplicaUnavailable as e:
@@ -454,6 +456,7 @@ class ReplicatedConvClient(ConvClient):
                     q.put(end)              # wakes a stream waiting for its next request
                 return len(inputs)          # final: the feeder makes no queue after the stop
 
+        pins = ReadAheadPins(self.shm)
         threading.Thread(target=feeder, daemon=True, name="convserve-replica-feeder").start()
         started, done = None, 0
         try:
@@ -461,6 +464,7 @@ class ReplicatedConvClient(ConvClient):
                 kind, val = out.get()
                 if kind == "res":
                     res, url = val
+                    pins.given(res)
                     try:
                         if not stop.is_set():
                             yield res
@@ -477,6 +481,7 @@ class ReplicatedConvClient(ConvClient):
                     raise val
         finally:
             halt()                          # on every way out: no feeder left waiting on a queue nobody reads
+            pins.close()
 
 
 def _failed(req, err: ReplicaUnavailable) -> ConvResult:

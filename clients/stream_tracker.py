@@ -134,3 +134,38 @@ class _Tracker:
             e = ServiceError(f"the stream ended with {n} request(s) unanswered")
             e.code, e.status = "internal", 500
             raise e
+
+
+class ReadAheadPins:
+    """The blocks of a replicated stream's requests, pinned from the feeder's take (it reads up to a window ahead
+    of each replica's stream, and answers wait for the caller in turn) until the result is handed to the caller:
+    the caller's iterable may fill the arena meanwhile, and must not be handed those blocks. Each replica's stream
+    pins a block again while its frame is in flight (:class:`_Tracker`)."""
+
+    def __init__(self, shm):
+        self.shm = shm
+        self.blocks: dict = {}
+        self.lock = threading.Lock()
+
+    def take(self, req) -> None:
+        x = getattr(req, "x", None)     # (an accept has none)
+        if self.shm is not None and x is not None and self.shm.pin(x):
+            with self.lock:
+                self.blocks[req.id] = x
+
+    def given(self, res) -> None:
+        """``res`` goes to the caller: its block is the caller's, as a unary call's y is."""
+        with self.lock:
+            x = self.blocks.pop(res.id, None)
+        if x is not None:
+            with contextlib.suppress(ValueError):      # the arena was closed meanwhile
+                self.shm.unpin(x)
+
+    def close(self) -> None:
+        """The stream ended: requests never handed back (not sent, or left unread) release their pins (a frame
+        that was sent keeps its stream's own hold)."""
+        with self.lock:
+            left, self.blocks = list(self.blocks.values()), {}
+        for x in left:
+            with contextlib.suppress(ValueError):
+                self.shm.unpin(x)

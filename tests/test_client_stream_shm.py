@@ -16,6 +16,7 @@ import torch
 from convserve.clients.client import AsyncConvClient, BatchRequest, ConvClient, ConvRequest
 from convserve.clients.protocol.errors import EngineTimeout, UnknownSession
 from convserve.clients.protocol.shm import ShmArena
+from convserve.clients.replicated_sync import ReplicatedConvClient
 from convserve.clients.stream_tracker import _Tracker
 from tests.http_api import LAYERS, assert_close, model, rand_x
 from tests.live import Reference
@@ -169,3 +170,45 @@ def test_a_frontend_step_whose_x_finds_no_room_in_the_arena_fails_as_arena_full(
             drv._put(arena, x, time.perf_counter())
         assert e.value.code == "arena_full" and drv.rec.errors["arena_full"] == 1
         assert "no room" in drv.rec.error_messages["arena_full"]
+
+
+def test_an_answered_frames_block_counts_as_handed_out_last_not_at_its_old_place_in_the_ring():
+    blk_bytes = rand_x(1).numel() * 4
+    with ShmArena(4 * blk_bytes) as arena:
+        tracker = _Tracker(None, arena)
+        slow = arena.put(rand_x(1, seed=0))
+        tracker.add(ConvRequest("s", 0, slow, id="slow"))
+        for i in range(6):                      # twice round the ring past the pinned block: next, its place
+            blk = arena.put(rand_x(1, seed=i + 1))
+            tracker.add(ConvRequest("s", 0, blk, id=i))
+            tracker.result({"id": i, "y": {"dtype": "float32", "shape": [1, 32], "shm": arena.locate(blk)}})
+        y = tracker.result({"id": "slow", "y": {"dtype": "float32", "shape": [1, 32], "shm": arena.locate(slow)}}).y
+        # the caller's y: not handed out again before nbytes less two blocks of later blocks (as a unary call's)
+        later = [arena.put(rand_x(1, seed=20 + i)) for i in range(2)]
+        assert all(arena.locate(b)["offset"] != arena.locate(y)["offset"] for b in later)
+
+
+@pytest.mark.parametrize("blocks", [6, 14])
+def test_a_replicated_stream_reading_ahead_never_hands_a_request_or_answer_block_out_again(server, blocks):
+    """The replicated client reads up to a window ahead of each replica's stream, and answers wait for the caller:
+    their blocks stay out of the ring until the caller has its result. An arena too small for that refuses a
+    block (ValueError); it never hands one out again under a request or an answer."""
+    ref, window, xs, got = Reference(model()), 4, {}, {}
+    with ShmArena(blocks * rand_x(1).numel() * 4) as arena, ReplicatedConvClient([server.url], shm=arena) as c:
+        sid = c.create_session()
+        ref.create(sid)
+
+        def requests():
+            for i in range(40):
+                xs[i] = rand_x(1, seed=i)
+                yield ConvRequest(sid, LAYERS[0], arena.put(xs[i]), id=i)
+        try:
+            for r in c.stream(requests(), transport="ws", window=window):
+                got[r.id] = r.unwrap().clone()
+        except ValueError as e:
+            assert blocks < 3 * window and "no room" in str(e)
+        else:
+            assert sorted(got) == list(range(40))
+        for i in sorted(got):
+            assert_close(got[i], ref.conv(sid, LAYERS[0], xs[i]))
+        c.delete_session(sid)

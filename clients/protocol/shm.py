@@ -126,6 +126,10 @@ class ShmArena:
         self._next = 0
         self.hold_s = hold_s
         self._held: list = []        # [start, end, monotonic time it is free again] of blocks kept out of empty()
+        self._handed = 0             # bytes handed out by empty(), ever
+        # while the bytes handed out are below this, an answered frame's block is among the recent ones out of
+        # their place in the ring, so empty() checks each new block against them
+        self._touched_until = 0
         # the blocks handed out last (newest at the right, at most nbytes of them): with blocks held, the search for
         # room must not land on the newest of them (without, the ring's order keeps clear of them)
         self._recent: collections.deque = collections.deque()
@@ -141,19 +145,24 @@ class ShmArena:
         n = math.prod(shape) * dtype.itemsize
         if n > self.nbytes:
             raise ValueError(f"a block of {n} bytes does not fit in this arena of {self.nbytes}")
-        lo = _aligned(self._next)
-        if lo + n > self.nbytes:
-            lo = 0
         with self._lock:        # (a hold or unpin may come from a stream's receiving thread)
-            if self._held:
+            lo = _aligned(self._next)
+            if lo + n > self.nbytes:
+                lo = 0
+            if self._held or self._handed < self._touched_until:
                 lo = self._past_held(lo, n)
-        self._next = lo + n
-        self._recent.append((lo, lo + n))
-        self._recent_bytes += _aligned(n)
+            self._next = lo + n
+            self._handed += _aligned(n)
+            self._note_recent(lo, lo + n)
+        return self._typed(lo, n, dtype, shape)
+
+    def _note_recent(self, a: int, b: int) -> None:
+        """``[a, b)`` is the newest of the blocks handed out last (under the lock)."""
+        self._recent.append((a, b))
+        self._recent_bytes += _aligned(b - a)
         while self._recent_bytes - _aligned(self._recent[0][1] - self._recent[0][0]) > self.nbytes:
             a, b = self._recent.popleft()             # (more than nbytes of later blocks: never protected)
             self._recent_bytes -= _aligned(b - a)
-        return self._typed(lo, n, dtype, shape)
 
     def hold(self, x, seconds: Optional[float] = None) -> None:
         """Keep the block of ``x`` (a block of this arena; anything else is ignored) out of :meth:`empty` for
@@ -178,8 +187,10 @@ class ShmArena:
         return True
 
     def unpin(self, x, hold: bool = False) -> None:
-        """End a :meth:`pin` of ``x``'s block: it is free once the frame's answer is read; with ``hold`` (the frame
-        ended without an answer, or with ``504 engine_timeout``) it stays out of the ring for ``hold_s`` more."""
+        """End a :meth:`pin` of ``x``'s block. Its y is then the caller's as a unary call's is: the block counts as
+        the newest handed out (a frame answered late has an old place in the ring), so it stays the caller's until
+        ``nbytes`` less the pinned and held bytes of later blocks have been handed out. With ``hold`` (the frame
+        ended without an answer, or with ``504 engine_timeout``) it stays out for ``hold_s`` instead."""
         span = self._span(x)
         if span is None:
             return
@@ -188,6 +199,9 @@ class ShmArena:
                 self._held.remove((*span, math.inf))
             if hold:
                 self._held.append((*span, time.monotonic() + self.hold_s))
+            else:
+                self._note_recent(*span)
+                self._touched_until = self._handed + self.nbytes    # the ring's order alone no longer keeps it
 
     def _span(self, x) -> Optional[tuple]:
         """``(start, end)`` of ``x``'s block in this arena, or None when x is not one."""
@@ -198,14 +212,14 @@ class ShmArena:
         return ref["offset"], ref["offset"] + n
 
     def _past_held(self, lo: int, n: int) -> int:
-        """The first offset from ``lo`` (going round the ring) where ``n`` bytes meet no held block and none of
-        the blocks handed out last: while blocks are held the ring has their room less, so a block stays the
-        caller's until ``nbytes`` less the held bytes (and two blocks of this size: the ring's end may waste one)
-        of later blocks were handed out."""
+        """The first offset from ``lo`` (going round the ring) where ``n`` bytes meet no held or pinned block and
+        none of the blocks handed out last (or answered last, :meth:`unpin`): while blocks are held the ring has their room less, so a block
+        stays the caller's until ``nbytes`` less the held bytes (and two blocks of this size: the ring's end may
+        waste one) of later blocks were handed out."""
         now = time.monotonic()
         self._held = [h for h in self._held if h[2] > now]
-        room = self.nbytes - 2 * _aligned(n) - sum(_aligned(b - a) for a, b, _t in self._held)
-        taken, later = [(a, b) for a, b, _t in self._held], 0
+        taken = [(a, b) for a, b, _t in self._held]
+        room, later = self.nbytes - 2 * _aligned(n) - sum(_aligned(b - a) for a, b in taken), 0
         for a, b in reversed(self._recent):
             if later >= room:
                 break
