@@ -49,7 +49,7 @@ def test_an_arena_whose_free_room_is_held_says_so():
         a, b = arena.empty((1024,), torch.float32), arena.empty((1024,), torch.float32)
         arena.hold(a)
         arena.hold(b)
-        with pytest.raises(ValueError, match="held by blocks whose requests ended without an answer"):
+        with pytest.raises(ValueError, match="by blocks whose requests ended without an answer"):
             arena.empty((1024,), torch.float32)
         arena.hold(torch.zeros(3))                        # not a block of this arena: nothing held
         assert len(arena._held) == 2

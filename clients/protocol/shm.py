@@ -213,9 +213,9 @@ class ShmArena:
 
     def _past_held(self, lo: int, n: int) -> int:
         """The first offset from ``lo`` (going round the ring) where ``n`` bytes meet no held or pinned block and
-        none of the blocks handed out last (or answered last, :meth:`unpin`): while blocks are held the ring has their room less, so a block
-        stays the caller's until ``nbytes`` less the held bytes (and two blocks of this size: the ring's end may
-        waste one) of later blocks were handed out."""
+        none of the blocks handed out (or answered, :meth:`unpin`) last: while blocks are held the ring has their
+        room less, so a block stays the caller's until ``nbytes`` less the held bytes (and two blocks of this size:
+        the ring's end may waste one) of later blocks were handed out."""
         now = time.monotonic()
         self._held = [h for h in self._held if h[2] > now]
         taken = [(a, b) for a, b, _t in self._held]
