@@ -84,9 +84,9 @@ class _Tracker:
                 for s, n in zip(sessions, rows[0]):
                     self.book.accepted(s, n)
             return ConvResult(fid, session, layer)
-        if rows is not None:
-            self.book.frame_answered(sessions, layer, *rows)
         try:
+            if rows is not None:
+                self.book.frame_answered(sessions, layer, *rows)
             y = wire.decode_tensor(obj["y"], backend=backend, name="y", shm=self.shm)
         finally:
             if block is not None:
@@ -144,28 +144,41 @@ class ReadAheadPins:
 
     def __init__(self, shm):
         self.shm = shm
-        self.blocks: dict = {}
+        self.blocks: dict = {}          # request id -> the blocks of requests taken with that id, not yet given
         self.lock = threading.Lock()
 
     def take(self, req) -> None:
         x = getattr(req, "x", None)     # (an accept has none)
         if self.shm is not None and x is not None and self.shm.pin(x):
-            with self.lock:
-                self.blocks[req.id] = x
+            with self.lock:             # (an id may come again: on another replica, or once its frame was answered)
+                self.blocks.setdefault(req.id, []).append(x)
 
     def given(self, res) -> None:
         """``res`` goes to the caller: its block is the caller's, as a unary call's y is."""
         with self.lock:
-            x = self.blocks.pop(res.id, None)
-        if x is not None:
-            with contextlib.suppress(ValueError):      # the arena was closed meanwhile
-                self.shm.unpin(x)
+            xs = self.blocks.get(res.id)
+            if not xs:
+                return
+            y = _address(getattr(res, "y", None))   # of several blocks under one id, the one y was written into
+            i = next((i for i, x in enumerate(xs) if y is not None and _address(x) == y), 0)
+            x = xs.pop(i)
+            if not xs:
+                del self.blocks[res.id]
+        with contextlib.suppress(ValueError):      # the arena was closed meanwhile
+            self.shm.unpin(x)
 
     def close(self) -> None:
         """The stream ended: requests never handed back (not sent, or left unread) release their pins (a frame
         that was sent keeps its stream's own hold)."""
         with self.lock:
-            left, self.blocks = list(self.blocks.values()), {}
+            left, self.blocks = [x for xs in self.blocks.values() for x in xs], {}
         for x in left:
             with contextlib.suppress(ValueError):
                 self.shm.unpin(x)
+
+
+def _address(t):
+    """Where a torch tensor's or numpy array's data begins (None for anything else)."""
+    if hasattr(t, "data_ptr"):
+        return t.data_ptr()
+    return getattr(getattr(t, "ctypes", None), "data", None)

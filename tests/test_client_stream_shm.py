@@ -13,11 +13,11 @@ import time
 import pytest
 import torch
 
-from convserve.clients.client import AsyncConvClient, BatchRequest, ConvClient, ConvRequest
+from convserve.clients.client import AsyncConvClient, BatchRequest, ConvClient, ConvRequest, ConvResult
 from convserve.clients.protocol.errors import EngineTimeout, UnknownSession
 from convserve.clients.protocol.shm import ShmArena
 from convserve.clients.replicated_sync import ReplicatedConvClient
-from convserve.clients.stream_tracker import _Tracker
+from convserve.clients.stream_tracker import ReadAheadPins, _Tracker
 from tests.http_api import LAYERS, assert_close, model, rand_x
 from tests.live import Reference
 
@@ -212,3 +212,27 @@ def test_a_replicated_stream_reading_ahead_never_hands_a_request_or_answer_block
         for i in sorted(got):
             assert_close(got[i], ref.conv(sid, LAYERS[0], xs[i]))
         c.delete_session(sid)
+
+
+def test_a_replicated_streams_read_ahead_pins_match_each_result_to_its_block_even_under_one_id():
+    with ShmArena(8 * rand_x(2).numel() * 4) as arena:
+        pins = ReadAheadPins(arena)
+        x1, x2 = arena.put(rand_x(2, seed=1)), arena.put(rand_x(2, seed=2))
+        pins.take(ConvRequest("s1", 0, x1, id=0))       # one id twice: two replicas, or an id used again
+        pins.take(ConvRequest("s2", 0, x2, id=0))
+        pins.given(ConvResult(0, "s2", 0, y=x2))        # the second answered first
+        assert _held(arena) == [(*_span(arena, x1), True)]
+        pins.given(ConvResult(0, "s1", 0, y=x1))
+        pins.close()
+        assert _held(arena) == []
+
+
+def test_a_block_pinned_twice_counts_once_against_the_room_that_keeps_an_answered_y():
+    with ShmArena(8 * rand_x(2).numel() * 4) as arena:
+        blocks = [arena.put(rand_x(2, seed=i)) for i in range(8)]     # the ring's next place is blocks[0]'s
+        for b in blocks[:4]:                    # a replicated stream: the feeder's pin and the frame's
+            arena.pin(b)
+            arena.pin(b)
+        arena.unpin(blocks[0])                  # answered, then handed to the caller
+        arena.unpin(blocks[0])
+        assert arena.locate(arena.put(rand_x(2)))["offset"] != arena.locate(blocks[0])["offset"]

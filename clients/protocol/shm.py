@@ -189,8 +189,9 @@ class ShmArena:
     def unpin(self, x, hold: bool = False) -> None:
         """End a :meth:`pin` of ``x``'s block. Its y is then the caller's as a unary call's is: the block counts as
         the newest handed out (a frame answered late has an old place in the ring), so it stays the caller's until
-        ``nbytes`` less the pinned and held bytes of later blocks have been handed out. With ``hold`` (the frame
-        ended without an answer, or with ``504 engine_timeout``) it stays out for ``hold_s`` instead."""
+        ``nbytes`` less the pinned and held bytes (and two blocks' margin) of later blocks have been handed out or
+        answered. With ``hold`` (the frame ended without an answer, or with ``504 engine_timeout``) it stays out
+        for ``hold_s`` instead."""
         span = self._span(x)
         if span is None:
             return
@@ -218,7 +219,7 @@ class ShmArena:
         the ring's end may waste one) of later blocks were handed out."""
         now = time.monotonic()
         self._held = [h for h in self._held if h[2] > now]
-        taken = [(a, b) for a, b, _t in self._held]
+        taken = list({(a, b) for a, b, _t in self._held})      # (a block pinned twice is out once)
         room, later = self.nbytes - 2 * _aligned(n) - sum(_aligned(b - a) for a, b in taken), 0
         for a, b in reversed(self._recent):
             if later >= room:
