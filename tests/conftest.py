@@ -4,11 +4,11 @@ Without CUDA the Triton kernels run in Triton's interpreter on CPU tensors; that
 kernel is defined, so it happens here, before test modules import ``kernels``.
 """
 
-import collections
 import os
 
 import pytest
 import torch
+from _pytest.mark.structures import ParameterSet
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
@@ -18,8 +18,8 @@ if not HAS_CUDA:
 KERNEL_DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 
-#: The largest kernel grids, which run in Triton's interpreter without CUDA: there every other case of each is
-#: marked ``slow`` (CI's time; ``pytest -m slow`` runs the rest), and on CUDA every case runs.
+#: The largest kernel grids, which run in Triton's interpreter without CUDA: there every other case of each
+#: (:func:`_odd_case`) is marked ``slow`` (CI's time; ``pytest -m slow`` runs the rest), and on CUDA every case runs.
 HALVED_WITHOUT_CUDA = frozenset({
     "test_single_sequence_with_initial_state_matches_reference", "test_channels_last_body_matches_reference",
     "test_update_matches_reference", "test_prefill_reads_and_writes_only_its_tensors",
@@ -29,21 +29,64 @@ HALVED_WITHOUT_CUDA = frozenset({
 })
 
 
+#: Large grids of live-server cases (each drives a real server, most wait out a timeout or a restart): every other
+#: case of each runs by default (:func:`_odd_case`), the rest with ``pytest -m slow`` (CI's time).
+HALVED_LIVE = frozenset({
+    "test_the_load_tester_runs_through_the_unix_socket",
+    "test_a_create_whose_answer_is_lost_is_retried_and_returns_the_one_session_it_made",
+    "test_a_ws_stream_of_large_frames_with_a_wide_window_gets_every_answer",
+    "test_health_and_metadata_answer_as_tritonclient_reads_them",
+    "test_stream_frames_with_x_in_the_arena_go_by_reference_and_answer_in_the_same_block",
+    "test_an_async_iterable_that_ends_itself_on_a_timeout_ends_the_stream_normally",
+    "test_a_bad_request_is_one_4xx_naming_the_problem_and_changes_no_state",
+})
+
+
 @pytest.hookimpl(tryfirst=True)         # before the `-m` selection reads the marks
 def pytest_collection_modifyitems(config, items):
-    if HAS_CUDA:
-        return
+    halved = HALVED_LIVE if HAS_CUDA else HALVED_LIVE | HALVED_WITHOUT_CUDA
     skip = pytest.mark.skip(reason="needs CUDA")
-    cases = collections.Counter()
     for item in items:
-        if "gpu" in item.keywords:
+        if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip)
-        name = getattr(item, "originalname", item.name)
-        if name in HALVED_WITHOUT_CUDA:
-            key = (item.nodeid.split("::")[0], name)
-            if cases[key] % 2:
-                item.add_marker(pytest.mark.slow)
-            cases[key] += 1
+        if getattr(item, "originalname", item.name) in halved and _odd_case(item):
+            item.add_marker(pytest.mark.slow)
+
+
+def _odd_case(item) -> bool:
+    """Whether the sum of a case's places on its grid's axes is odd. Each argname of a ``parametrize`` is an axis
+    (its value's place among the distinct values of its column: a list of tuples built as a product is halved as
+    the product would be), and so is each parametrized fixture. The even half keeps every value of every axis and,
+    with three axes or more, every pair of values of two axes."""
+    callspec = getattr(item, "callspec", None)
+    if callspec is None:
+        return False
+    params, seen, total = callspec.params, set(), 0
+    for mark in item.iter_markers("parametrize"):
+        names = mark.args[0]
+        names = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+        if not names or any(n not in params for n in names) or mark.kwargs.get("indirect"):
+            continue
+        rows = [list(v.values) if isinstance(v, ParameterSet) else list(v) if len(names) > 1 else [v]
+                for v in mark.args[1]]
+        for k, name in enumerate(names):
+            column = list(dict.fromkeys(_key(row[k]) for row in rows))
+            total += column.index(_key(params[name])) if _key(params[name]) in column else 0
+        seen.update(names)
+    for name in params.keys() - seen:                      # a parametrized fixture's value, by its place
+        defs = item._fixtureinfo.name2fixturedefs.get(name)
+        values = list(defs[-1].params or ()) if defs else []
+        total += values.index(params[name]) if params[name] in values else 0
+    return total % 2 == 1
+
+
+def _key(value):
+    """A parameter value as a dict key: itself when hashable (with its type: True is not 1), else its identity."""
+    try:
+        hash(value)
+    except TypeError:
+        return id(value)
+    return type(value), value
 
 
 @pytest.fixture
