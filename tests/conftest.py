@@ -39,6 +39,9 @@ HALVED_LIVE = frozenset({
     "test_stream_frames_with_x_in_the_arena_go_by_reference_and_answer_in_the_same_block",
     "test_an_async_iterable_that_ends_itself_on_a_timeout_ends_the_stream_normally",
     "test_a_bad_request_is_one_4xx_naming_the_problem_and_changes_no_state",
+    "test_a_websockets_connection_lines_are_written_only_with_the_access_log",
+    "test_an_async_stream_closed_while_its_iterable_ignores_the_cancel_returns_and_sends_nothing_more",
+    "test_a_ws_stream_whose_requests_pause_past_the_timeout_with_nothing_owed_goes_on",
 })
 
 

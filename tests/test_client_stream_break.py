@@ -19,20 +19,11 @@ import torch
 from convserve.clients.client import AsyncConvClient, BatchRequest, ConvClient, ConvRequest
 from convserve.clients.replicated_async import ReplicatedAsyncConvClient
 from convserve.clients.replicated_sync import ReplicatedConvClient
-from tests.conftest import SERVER_MODES
 from tests.http_api import DIM, LAYERS, assert_close, model
 from tests.live import Reference
 
 LAYER = LAYERS[1]
 FRAMES = 20
-
-
-def _halved(third: tuple) -> list:
-    """(server layout, replicated, ``third``) for a test of two values on each axis: the half of the eight cases
-    in which every pair of axes still meets all four ways runs in CI, the other half is slow (CI time; these tests
-    wait out timeouts)."""
-    return [pytest.param(mode, rep, t, marks=() if (i + int(rep) + j) % 2 == 0 else pytest.mark.slow)
-            for i, mode in enumerate(SERVER_MODES) for rep in (False, True) for j, t in enumerate(third)]
 
 
 def _frames(sid: str, seed: int, batch: bool) -> list:
@@ -294,7 +285,8 @@ def test_an_async_iterable_that_ends_itself_on_a_timeout_ends_the_stream_normall
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
-@pytest.mark.parametrize("server, replicated, transport", _halved(("http", "ws")), indirect=["server"])
+@pytest.mark.parametrize("transport", ["http", "ws"])
+@pytest.mark.parametrize("replicated", [False, True])
 def test_an_async_stream_closed_while_its_iterable_ignores_the_cancel_returns_and_sends_nothing_more(
         server, transport, replicated):
     """The caller leaves while its iterable waits, and the iterable swallows every cancel, then yields one more
@@ -335,7 +327,8 @@ def test_an_async_stream_closed_while_its_iterable_ignores_the_cancel_returns_an
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
-@pytest.mark.parametrize("server, replicated, is_async", _halved((False, True)), indirect=["server"])
+@pytest.mark.parametrize("is_async", [False, True])
+@pytest.mark.parametrize("replicated", [False, True])
 def test_a_ws_stream_whose_requests_pause_past_the_timeout_with_nothing_owed_goes_on(server, is_async, replicated):
     """The client's `timeout` bounds the wait for the server's answers, not for the caller's next request: a
     stream idle for longer with every answer in goes on, and a replica is not marked down for it."""

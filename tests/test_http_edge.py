@@ -147,9 +147,8 @@ def test_the_key_never_reaches_the_log_even_at_debug_and_a_key_on_the_command_li
         assert not [line for line in loud.raw if key in line]
 
 
-# each layout meets each access-log setting in CI's run; the other two pairs are slow (CI time)
-@pytest.mark.parametrize("workers, access", [("0", False), ("1", True), pytest.param("0", True, marks=pytest.mark.slow),
-                                             pytest.param("1", False, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("access", [False, True])
+@pytest.mark.parametrize("workers", ["0", "1"])
 def test_a_websockets_connection_lines_are_written_only_with_the_access_log(access, workers):
     args = ["--layers", "1", "--dim", "8", "--dtype", "float32", "--workers", workers]
     srv = LiveServer(args + (["--access-log"] if access else []))
