@@ -155,16 +155,18 @@ class ReadAheadPins:
 
     def given(self, res) -> None:
         """``res`` goes to the caller: its block is the caller's, as a unary call's y is."""
-        with self.lock:
-            xs = self.blocks.get(res.id)
-            if not xs:
-                return
-            y = _address(getattr(res, "y", None))   # of several blocks under one id, the one y was written into
-            i = next((i for i, x in enumerate(xs) if y is not None and _address(x) == y), 0)
-            x = xs.pop(i)
-            if not xs:
-                del self.blocks[res.id]
-        with contextlib.suppress(ValueError):      # the arena was closed meanwhile
+        if res.id not in self.blocks:               # (no arena, or a request not in it: nothing pinned)
+            return
+        with contextlib.suppress(ValueError):      # the arena was closed meanwhile (close() forgets the rest)
+            y = getattr(res, "y", None)
+            at = None if y is None else self.shm.locate(y)     # of several blocks under one id, y's
+            with self.lock:
+                xs = self.blocks.get(res.id)
+                if not xs:
+                    return
+                x = xs.pop(next((i for i, x in enumerate(xs) if at is not None and self.shm.locate(x) == at), 0))
+                if not xs:
+                    del self.blocks[res.id]
             self.shm.unpin(x)
 
     def close(self) -> None:
@@ -176,9 +178,3 @@ class ReadAheadPins:
             with contextlib.suppress(ValueError):
                 self.shm.unpin(x)
 
-
-def _address(t):
-    """Where a torch tensor's or numpy array's data begins (None for anything else)."""
-    if hasattr(t, "data_ptr"):
-        return t.data_ptr()
-    return getattr(getattr(t, "ctypes", None), "data", None)

@@ -205,12 +205,12 @@ class ShmArena:
                 self._touched_until = self._handed + self.nbytes    # the ring's order alone no longer keeps it
 
     def _span(self, x) -> Optional[tuple]:
-        """``(start, end)`` of ``x``'s block in this arena, or None when x is not one."""
-        ref = self.locate(x)
-        if ref is None:
+        """``(start, end)`` of ``x``'s block in this arena, or None when x is not one (ValueError once closed)."""
+        extent = self._extent(x)
+        if extent is None:
             return None
-        n = x.numel() * x.element_size() if hasattr(x, "data_ptr") else x.nbytes
-        return ref["offset"], ref["offset"] + n
+        self._check_open()
+        return extent[0], extent[0] + extent[1]
 
     def _past_held(self, lo: int, n: int) -> int:
         """The first offset from ``lo`` (going round the ring) where ``n`` bytes meet no held or pinned block and
@@ -272,6 +272,14 @@ class ShmArena:
 
     def locate(self, x) -> Optional[dict]:
         """The ``shm`` reference of ``x`` when it is a C-contiguous host tensor lying in this arena, else None."""
+        extent = self._extent(x)
+        if extent is None:
+            return None
+        self._check_open()         # a block of this arena, closed since: its reference names no segment now
+        return {"key": self.key, "offset": extent[0]}
+
+    def _extent(self, x) -> Optional[tuple]:
+        """``(offset, nbytes)`` of ``x`` when it is a C-contiguous host tensor lying in this arena, else None."""
         if hasattr(x, "data_ptr"):                       # torch
             if x.device.type != "cpu" or not x.is_contiguous():
                 return None
@@ -284,8 +292,7 @@ class ShmArena:
         off = ptr - self._base
         if off < 0 or off + n > self.nbytes or n == 0:
             return None
-        self._check_open()         # a block of this arena, closed since: its reference names no segment now
-        return {"key": self.key, "offset": off}
+        return off, n
 
     def _check_open(self) -> None:
         if self._bytes is None:
