@@ -342,8 +342,7 @@ class AsyncConvClient(_Base):
                         if r is _STOPPED or stop.is_set():     # the stop may come with a value in one pass
                             break
                         req = _as_request(r, i)
-                        data = packer.pack(self._stream_frame(req))
-                        tracker.add(req)
+                        data = tracker.packed(req, self._stream_frame, packer)
                         self.bytes_sent += len(data)
                         yield data
                 except Exception as e:  # noqa: BLE001 - raised by the reader (below)
@@ -374,6 +373,7 @@ class AsyncConvClient(_Base):
                                 yield res
                             except GeneratorExit:
                                 stop.set()
+                        tracker.returned()      # the caller asked for the next: y's block back in the ring
             finally:
                 await chunks.aclose()
         if stop.is_set():
@@ -435,8 +435,7 @@ class AsyncConvClient(_Base):
                                 slots.release()
                                 break
                             req = _as_request(r, next(counter))
-                            data = packer.pack(self._stream_frame(req))
-                            tracker.add(req)
+                            data = tracker.packed(req, self._stream_frame, packer)
                             state["n"] += 1     # counted before the send: the receiver waits for its answer
                             state["sending"] = True
                             try:
@@ -479,7 +478,6 @@ class AsyncConvClient(_Base):
                         recv = None
                         for res in self._ws_results(msg, unpacker, tracker):
                             received += 1
-                            slots.release()
                             if not stop.is_set():
                                 try:
                                     yield res
@@ -488,6 +486,10 @@ class AsyncConvClient(_Base):
                                     slots.release()     # wake the sender to see the stop
                                     if state["in_iterable"]:   # an iterable waiting for an answer the
                                         task.cancel()           # caller no longer passes on holds the close up
+                            # the caller asked for the next: y's block goes back to the ring, and its place in the
+                            # window to the sender (an arena of `window` blocks holds the frames in flight and y)
+                            tracker.returned()
+                            slots.release()
                     if state["error"] is not None and not stop.is_set():
                         raise state["error"]
                 finally:

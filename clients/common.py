@@ -392,12 +392,12 @@ class _Base:
     def _state_from(obj, backend) -> SessionState:
         return SessionState(list(obj["layers"]), wire.decode_tensor(obj["state"], backend=backend, name="state"))
 
-    def _stream_frame(self, req) -> dict:
+    def _stream_frame(self, req, shm=None) -> dict:
         """A stream or WebSocket frame of ``req``; a tracking client's carries its own ``request_id``
         (``PREFIX:N``, no position): the frames then order the client's calls on their sessions, so that a late
-        copy of an earlier import or accept cannot overtake them. An x in the client's arena goes by reference,
-        and its y comes back in the same block."""
-        frame = _frame(req, self.shm)
+        copy of an earlier import or accept cannot overtake them. An x in ``shm`` (the client's arena, when the
+        stream's tracker claimed x's block) goes by reference, and its y comes back in the same block."""
+        frame = _frame(req, shm)
         if "request_id" not in frame and self.positions is not None:
             frame["request_id"] = self._request_id()
         return frame
@@ -529,8 +529,7 @@ def _chunked(requests: Iterable, tracker: _Tracker, failed: list, frame=_frame) 
     try:
         for i, r in enumerate(requests):
             req = _as_request(r, i)
-            b = packer.pack(frame(req))
-            tracker.add(req)
+            b = tracker.packed(req, frame, packer)
             buf.append(b)
             size += len(b)
             if size >= _CHUNK_BYTES:

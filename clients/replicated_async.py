@@ -295,7 +295,9 @@ class ReplicatedAsyncConvClient(AsyncConvClient):
                 for r in requests:
                     yield r
 
-        stop = asyncio.Event()          # the caller left: nothing more is taken from ``requests``, nor sent
+        # the caller left, or a replica's stream failed: nothing more is taken from ``requests``, nor sent
+        stop = asyncio.Event()
+        left = False                    # the caller left: the answers still coming are not yielded
         lead: dict[str, asyncio.Semaphore] = {}     # a replica's requests queued, not yet taken by its stream
         # answers handed on and not yet done with by the caller, per replica (None: the feeder's own, for requests
         # no replica could take): the caller's pace holds whoever answers, at most `window` answers each
@@ -327,10 +329,10 @@ class ReplicatedAsyncConvClient(AsyncConvClient):
                     inputs[url].put_nowait(req)
             except asyncio.CancelledError as e:
                 if not stop.is_set():            # the caller's own iterable was cancelled: raised by the reader
-                    out.put_nowait(("raise", e))
+                    out.put_nowait(("failed", e))
                 # else the caller left (see below): what was fed is all
-            except BaseException as e:  # noqa: BLE001 - raised by the reader
-                out.put_nowait(("raise", e))
+            except BaseException as e:  # noqa: BLE001 - raised by the reader once what was fed is answered
+                out.put_nowait(("failed", e))
             finally:
                 for q in inputs.values():
                     q.put_nowait(end)
@@ -373,35 +375,44 @@ class ReplicatedAsyncConvClient(AsyncConvClient):
             finally:
                 out.put_nowait(("done", url))
 
+        def halt() -> int:
+            """Stop the feeder and every replica's stream after what they sent; the number of streams."""
+            stop.set()
+            feed.cancel()       # it may wait on the caller's iterable or a replica's lead
+            # the feeder makes no replica stream once stopped, and ends none while it waits in an iterable that
+            # ignores the cancel: end them here
+            for q in inputs.values():
+                q.put_nowait(end)
+            return len(inputs)
+
         pins = ReadAheadPins(self.shm)
         feed = asyncio.ensure_future(feeder())
-        started, done = None, 0
+        started, done, failed = None, 0, None
         try:
             while started is None or done < started:
                 kind, val = await out.get()
                 if kind == "res":
                     res, url = val
-                    pins.given(res)
                     try:
-                        if not stop.is_set():
+                        if not left:
                             yield res
                     except GeneratorExit:   # the replicas' streams end once what they sent is answered
-                        stop.set()
-                        feed.cancel()       # it may wait on the caller's iterable or a replica's lead
-                        # the feeder makes no replica stream once stopped, and ends none while it waits in an
-                        # iterable that ignores the cancel: end them here
-                        started = len(inputs)
-                        for q in inputs.values():
-                            q.put_nowait(end)
+                        left, started = True, halt()
                     finally:
+                        pins.given(res)     # the caller asked for the next (or left): y's block is its own
                         held[url].release()
                 elif kind == "fed":
-                    if not stop.is_set():
+                    if started is None:
                         started = val
                 elif kind == "done":
                     done += 1
-                elif not stop.is_set():
-                    raise val
+                elif kind == "failed":      # the caller's iterable, or a request no replica takes: what was fed
+                    failed = failed or val  # before it is sent and answered first (the queues end after it)
+                elif not left:              # a replica's stream failed (not its connection): the others' answers
+                    failed = failed or val  # to what they sent come first
+                    started = halt()
+            if failed is not None and not left:
+                raise failed
         finally:
             if not feed.done():     # in an iterable that ignores the cancel, it is left behind: it feeds no more
                 feed.cancel()

@@ -352,7 +352,9 @@ class ReplicatedConvClient(ConvClient):
                 return next(iter(split))
             return self.router.route(req.session)
 
-        stop = threading.Event()        # the caller left: nothing more is taken from ``requests``, nor sent
+        # the caller left, or a replica's stream failed: nothing more is taken from ``requests``, nor sent
+        stop = threading.Event()
+        left = False                    # the caller left: the answers still coming are not yielded
         lead: dict[str, threading.Semaphore] = {}   # a replica's requests queued, not yet taken by its stream
         # answers handed on and not yet done with by the caller, per replica (None: the feeder's own, for requests
         # no replica could take): the caller's pace holds whoever answers, at most `window` answers each
@@ -392,8 +394,8 @@ class ReplicatedConvClient(ConvClient):
                     if stop.is_set():
                         break
                     inputs[url].put(req)
-            except BaseException as e:  # noqa: BLE001 - raised by the reader
-                out.put(("raise", e))
+            except BaseException as e:  # noqa: BLE001 - raised by the reader once what was fed is answered
+                out.put(("failed", e))
             finally:
                 with lock:
                     for q in inputs.values():
@@ -458,27 +460,32 @@ class ReplicatedConvClient(ConvClient):
 
         pins = ReadAheadPins(self.shm)
         threading.Thread(target=feeder, daemon=True, name="convserve-replica-feeder").start()
-        started, done = None, 0
+        started, done, failed = None, 0, None
         try:
             while started is None or done < started:
                 kind, val = out.get()
                 if kind == "res":
                     res, url = val
-                    pins.given(res)
                     try:
-                        if not stop.is_set():
+                        if not left:
                             yield res
                     except GeneratorExit:   # the replicas' streams end once what they sent is answered
-                        started = halt()
+                        left, started = True, halt()
                     finally:
+                        pins.given(res)     # the caller asked for the next (or left): y's block is its own
                         held[url].release()
                 elif kind == "fed":
-                    if not stop.is_set():
+                    if started is None:
                         started = val
                 elif kind == "done":
                     done += 1
-                elif not stop.is_set():
-                    raise val
+                elif kind == "failed":      # the caller's iterable, or a request no replica takes: what was fed
+                    failed = failed or val  # before it is sent and answered first (the queues end after it)
+                elif not left:              # a replica's stream failed (not its connection): the others' answers
+                    failed = failed or val  # to what they sent come first
+                    started = halt()
+            if failed is not None and not left:
+                raise failed
         finally:
             halt()                          # on every way out: no feeder left waiting on a queue nobody reads
             pins.close()

@@ -20,18 +20,42 @@ class _Tracker:
     a tracked call's answer: :meth:`PositionBook.mark`), is forgotten, so that its next tracked call reads the
     server's positions first.
 
-    With the client's arena (``shm``) a frame's block is pinned out of the arena's ring while the frame is in
-    flight (:meth:`ShmArena.pin`; answers come in any order), a y answered by reference is read from it, and the
-    block of a frame that ended without an answer (or with ``504 engine_timeout``) stays out for ``hold_s`` more:
-    the server may still read x there and write y over it."""
+    With the client's arena (``shm``) a frame's block is kept out of the arena's ring while the frame is in flight
+    (:meth:`ShmArena.claim`; answers come in any order), a y answered by reference is read from it and stays out
+    until the caller asks for the next result (:meth:`returned`), and the block of a frame that ended without an
+    answer (or with ``504 engine_timeout``) stays out for ``hold_s`` more: the server may still read x there and
+    write y over it. An x that overlaps the x of a frame in flight goes in the body: the server writes each frame's
+    y over its x."""
 
     def __init__(self, book=None, shm=None):
         self.meta: dict = {}
         self.lock = threading.Lock()
         self.book = book
         self.shm = shm
+        self.lent: list = []      # the blocks of answers handed to the caller, out of the ring until returned()
 
-    def add(self, req: ConvRequest) -> None:
+    def packed(self, req, frame, packer) -> bytes:
+        """``req``'s frame (``frame(req, shm)``), packed, with ``req`` noted in flight (:meth:`add`): its x goes by
+        reference when the arena could claim its block. A frame that cannot be built takes nothing."""
+        by_ref = self.add(req)
+        try:
+            return packer.pack(frame(req, self.shm if by_ref else None))
+        except BaseException:
+            self.discard(req.id)
+            raise
+
+    def discard(self, fid) -> None:
+        """Frame ``fid`` was added and not sent: nothing to wait for, its block back in the ring."""
+        with self.lock:
+            meta = self.meta.pop(fid, None)
+        if meta is not None and meta[4] is not None:
+            self._unpin(meta[4])
+        if meta is not None and self.book is not None and meta[3] is not None:
+            self.book.frames_done(meta[0] if isinstance(meta[0], list) else [meta[0]])
+
+    def add(self, req: ConvRequest) -> bool:
+        """Note ``req`` in flight; True when the arena claimed its x's block (its frame then carries x by
+        reference)."""
         accept = isinstance(req, AcceptRequest)
         if not accept:
             check_given_position(self.book, req.position, req.request_id)
@@ -42,7 +66,7 @@ class _Tracker:
                 session = list(req.sessions)
                 rows = None if self.book is None else (list(req.tokens), self.book.frames_sent(session))
                 self.meta[req.id] = (session, None, None, rows, None)
-                return
+                return False
             batch = isinstance(req, BatchRequest)
             session = list(req.sessions) if batch else req.session
             # what each session's row applies, and the session's mark in the book then (PositionBook.mark), for the
@@ -53,8 +77,9 @@ class _Tracker:
             if rows is not None:
                 rows = (*rows, self.book.frames_sent(session if batch else [session]))
             # x's block when it goes by reference: out of the arena's ring until the frame's answer
-            block = req.x if self.shm is not None and self.shm.pin(req.x) else None
+            block = req.x if self.shm is not None and self.shm.claim(req.x) else None
             self.meta[req.id] = (session, req.layer, _backend_of(req.x), rows, block)
+            return block is not None
 
     def result(self, obj: Any) -> ConvResult:
         if not isinstance(obj, dict) or "id" not in obj:
@@ -88,10 +113,21 @@ class _Tracker:
             if rows is not None:
                 self.book.frame_answered(sessions, layer, *rows)
             y = wire.decode_tensor(obj["y"], backend=backend, name="y", shm=self.shm)
-        finally:
+        except BaseException:
             if block is not None:
-                self._unpin(block)      # answered: the block is the caller's again, as a unary call's
+                self._unpin(block)
+            raise
+        if block is not None:           # answered: y is the caller's, out of the ring until it asks for the next
+            with contextlib.suppress(ValueError):
+                self.shm.answered(block)
+            self.lent.append(block)
         return ConvResult(fid, session, layer, y=y)
+
+    def returned(self) -> None:
+        """The caller asked for the next result (or left): the blocks of the answers it was handed are the
+        caller's as a unary call's y is (:meth:`ShmArena.unpin`), no longer kept out of the ring."""
+        while self.lent:
+            self._unpin(self.lent.pop())
 
     def _forget(self, sessions) -> None:
         if self.book is not None:
@@ -116,6 +152,7 @@ class _Tracker:
 
     def abandon(self) -> None:
         """The stream ended without the answers still owed: their outcome is unknown to the client."""
+        self.returned()
         with self.lock:
             owed, self.meta = list(self.meta.values()), {}
         for session, _layer, _backend, _rows, block in owed:
@@ -128,6 +165,7 @@ class _Tracker:
             self.shm.unpin(block, hold)
 
     def check_done(self) -> None:
+        self.returned()
         if self.meta:
             n = len(self.meta)
             self.abandon()

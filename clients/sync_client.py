@@ -385,6 +385,7 @@ class ConvClient(_Base):
                                 yield res
                             except GeneratorExit:
                                 closing = True
+                        tracker.returned()      # the caller asked for the next: y's block back in the ring
         if closing:
             return
         if failed:                      # a request that could not be sent, after the answers of those before it
@@ -425,14 +426,14 @@ class ConvClient(_Base):
                             except StopIteration:
                                 break
                             req = _as_request(r, i)
-                            data = packer.pack(self._stream_frame(req))
+                            data = tracker.packed(req, self._stream_frame, packer)
                             with room:
                                 while sent["bytes"] and sent["bytes"] + len(data) > WS_INFLIGHT_BYTES and \
                                         not sent["stop"]:
                                     room.wait(_POLL_S)
                                 if sent["stop"]:    # the caller left while the iterable produced it: not sent
+                                    tracker.discard(req.id)
                                     break
-                                tracker.add(req)
                                 sent["n"] += 1      # counted before the send: the receiver waits for its answer
                                 sent["bytes"] += len(data)
                                 # a list per id: an answered id can be sent again before its answer's size is
@@ -476,7 +477,6 @@ class ConvClient(_Base):
                         idle_since = time.monotonic()
                         for res in self._ws_results(msg, unpacker, tracker):
                             received += 1
-                            slots.release()
                             with room:
                                 sent["bytes"] -= _take(sizes, res.id, 0)
                                 room.notify()
@@ -488,6 +488,10 @@ class ConvClient(_Base):
                                         closing = sent["stop"] = True
                                         room.notify()
                                     slots.release()     # wake the sender to see the stop
+                            # the caller asked for the next: y's block goes back to the ring, and its place in the
+                            # window to the sender (an arena of `window` blocks holds the frames in flight and y)
+                            tracker.returned()
+                            slots.release()
                     if sent["error"] is not None and not closing:
                         raise sent["error"]
                 finally:

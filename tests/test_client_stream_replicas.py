@@ -298,3 +298,46 @@ def test_every_request_is_answered_when_a_failed_replicas_stream_left_its_sender
         c.close()
         assert sorted(r.id for r in got) == list(range(40)), "a request went unanswered"
         assert all(isinstance(r.error, ReplicaUnavailable) for r in got)
+
+
+@pytest.mark.parametrize("fails_in", ["iterable", "frame"])
+@pytest.mark.parametrize("transport", ["http", "ws"])
+@pytest.mark.parametrize("is_async", [False, True])
+def test_a_replicated_stream_that_fails_yields_the_answers_of_what_it_sent_then_raises(server, transport, is_async,
+                                                                                        fails_in):
+    """As a single server's stream: a request that cannot be sent (the caller's iterable raised, or a frame that
+    cannot be encoded) ends the stream after the requests before it, which are sent and whose answers are yielded;
+    then the error is raised. None is lost: the caller sees every answer of what was applied."""
+    sent = 5
+
+    def frames(sid):
+        for i in range(sent):
+            yield ConvRequest(sid, LAYER, torch.randn(1, DIM), id=i)
+        if fails_in == "iterable":
+            raise RuntimeError("the caller's iterable failed")
+        yield ConvRequest(sid, LAYER, torch.zeros(1, DIM, dtype=torch.int64), id=sent)    # no wire dtype
+
+    want = RuntimeError if fails_in == "iterable" else Exception
+    got = []
+    if is_async:
+        async def main():
+            async with ReplicatedAsyncConvClient([server.url]) as c:
+                sid = await c.create_session()
+                with pytest.raises(want) as e:
+                    async for r in c.stream(frames(sid), transport=transport, window=2):
+                        got.append(r.unwrap() is not None)
+                pos = (await c.session_info(sid))["positions"]
+                await c.delete_session(sid)
+                return e, pos
+        e, pos = asyncio.run(asyncio.wait_for(main(), 60))
+    else:
+        with ReplicatedConvClient([server.url]) as c:
+            sid = c.create_session()
+            with pytest.raises(want) as e:
+                for r in c.stream(frames(sid), transport=transport, window=2):
+                    got.append(r.unwrap() is not None)
+            pos = c.session_info(sid)["positions"]
+            c.delete_session(sid)
+    assert got == [True] * sent, (got, e.value)
+    assert "dtype" in str(e.value) or fails_in == "iterable"
+    assert sum(pos) == sent                 # every frame applied was answered to the caller

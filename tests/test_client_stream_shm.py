@@ -106,7 +106,9 @@ def test_stream_frames_with_x_in_the_arena_go_by_reference_and_answer_in_the_sam
 
 
 def _held(arena) -> list:
-    return sorted((a, b, until == math.inf) for a, b, until in arena._held if until > time.monotonic())
+    """The blocks out of the ring: (start, end, until answered or unpinned) each; a frame's claim counts as a pin."""
+    return sorted([(a, b, until == math.inf) for a, b, until in arena._held if until > time.monotonic()]
+                  + [(a, b, True) for a, b in arena._flying])
 
 
 def _span(arena, blk) -> tuple:
@@ -127,6 +129,9 @@ def test_a_frames_block_is_pinned_in_flight_freed_by_its_answer_and_held_when_it
         assert isinstance(tracker.result(unknown).error, UnknownSession)
         y = tracker.result({"id": 2, "y": {"dtype": "float32", "shape": [2, 32], "shm": arena.locate(blocks[2])}}).y
         assert y.data_ptr() == blocks[2].data_ptr()
+        assert (*_span(arena, blocks[2]), True) in _held(arena)   # the caller's y: out until it asks for the next
+        tracker.returned()
+        assert (*_span(arena, blocks[2]), True) not in _held(arena)
         tracker.abandon()                                        # frames 3 (in the arena) and 4 (in the body)
         # held for hold_s: the 504's block and the unanswered one's; the answered ones are free
         assert _held(arena) == sorted((*_span(arena, blocks[i]), False) for i in (0, 3))
@@ -148,6 +153,7 @@ def test_the_ring_never_hands_out_a_block_whose_frame_is_in_flight():
                     fid = next(k for k, m in tracker.meta.items() if m[4] is f)
                     tracker.result({"id": fid, "y": {"dtype": "float32", "shape": [2, 32],
                                                      "shm": arena.locate(f)}})
+                    tracker.returned()              # the caller asks for the next result
                 inflight = inflight[:1]
         # with the arena's room pinned by frames in flight, a new block is refused, not handed out over one
         for i in range(12, 12 + 4 - len(inflight)):
@@ -182,7 +188,9 @@ def test_an_answered_frames_block_counts_as_handed_out_last_not_at_its_old_place
             blk = arena.put(rand_x(1, seed=i + 1))
             tracker.add(ConvRequest("s", 0, blk, id=i))
             tracker.result({"id": i, "y": {"dtype": "float32", "shape": [1, 32], "shm": arena.locate(blk)}})
+            tracker.returned()
         y = tracker.result({"id": "slow", "y": {"dtype": "float32", "shape": [1, 32], "shm": arena.locate(slow)}}).y
+        tracker.returned()
         # the caller's y: not handed out again before nbytes less two blocks of later blocks (as a unary call's)
         later = [arena.put(rand_x(1, seed=20 + i)) for i in range(2)]
         assert all(arena.locate(b)["offset"] != arena.locate(y)["offset"] for b in later)
@@ -236,3 +244,71 @@ def test_a_block_pinned_twice_counts_once_against_the_room_that_keeps_an_answere
         arena.unpin(blocks[0])                  # answered, then handed to the caller
         arena.unpin(blocks[0])
         assert arena.locate(arena.put(rand_x(2)))["offset"] != arena.locate(blocks[0])["offset"]
+
+
+@pytest.mark.parametrize("window", [1, 2, 4])
+@pytest.mark.parametrize("sealed", [False, True], ids=["dev-shm", "sealed"])
+@pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
+def test_a_websocket_stream_with_an_arena_of_window_blocks_never_hands_a_yielded_ys_block_out_again(server, window,
+                                                                                                 sealed, is_async):
+    """docs/client.md: over a WebSocket an arena of ``window`` blocks suffices. The y a stream yields stays the
+    caller's until it asks for the next result, and it holds a place in the window until then: the caller's
+    iterable, pulled by the stream's sender meanwhile, never gets y's block for its next x."""
+    n, tokens = 16, 3
+    blk = rand_x(tokens).numel() * 4
+    ref, xs, got = Reference(model()), {}, {}
+
+    def requests(sid):
+        for i in range(n):
+            xs[i] = rand_x(tokens, seed=i)
+            yield ConvRequest(sid, LAYERS[0], arena.put(xs[i]), id=i)
+
+    with ShmArena(window * blk, sealed=sealed) as arena:
+        if is_async:
+            async def main():
+                async with AsyncConvClient(server.url, shm=arena) as c:
+                    sid = await c.create_session()
+                    async for r in c.stream(requests(sid), transport="ws", window=window):
+                        y = r.unwrap()
+                        await asyncio.sleep(0.005)          # the sender runs while the caller holds y
+                        got[r.id] = y.clone()
+                    await c.delete_session(sid)
+                return sid
+            sid = asyncio.run(asyncio.wait_for(main(), 60))
+        else:
+            with ConvClient(server.url, shm=arena) as c:
+                sid = c.create_session()
+                for r in c.stream(requests(sid), transport="ws", window=window):
+                    y = r.unwrap()
+                    time.sleep(0.005)                       # the sender runs while the caller holds y
+                    got[r.id] = y.clone()
+                c.delete_session(sid)
+    ref.create(sid)
+    assert sorted(got) == list(range(n))
+    for i in range(n):
+        assert_close(got[i], ref.conv(sid, LAYERS[0], xs[i]))
+
+
+@pytest.mark.parametrize("sealed", [False, True], ids=["dev-shm", "sealed"])
+@pytest.mark.parametrize("transport", ["http", "ws"])
+def test_a_block_that_is_the_x_of_two_frames_in_flight_goes_by_reference_once(server, transport, sealed):
+    """The server writes a frame's y over its x: a second frame in flight with the same block as x sends its x in
+    the body, so both frames' y's and the session's state are right."""
+    ref = Reference(model())
+    x = rand_x(64, seed=5)
+    with ShmArena(1 << 20, sealed=sealed) as arena, ConvClient(server.url, shm=arena) as c:
+        sid = c.create_session()
+        ref.create(sid)
+        blk = arena.put(x)
+        before = c.bytes_sent
+        res = {r.id: r.unwrap().clone() for r in c.stream(
+            [BatchRequest([sid], LAYERS[0], blk, tokens=[64], id="a"),
+             BatchRequest([sid], LAYERS[1], blk, tokens=[64], id="b"),
+             BatchRequest([sid], LAYERS[0], arena.put(x), tokens=[64], id="c")], transport=transport, window=4)}
+        assert x.numel() * 4 <= c.bytes_sent - before < 2 * x.numel() * 4      # one x in a body, two by reference
+        state = c.export_state(sid).state
+        c.delete_session(sid)
+    want = {"a": ref.conv(sid, LAYERS[0], x), "b": ref.conv(sid, LAYERS[1], x), "c": ref.conv(sid, LAYERS[0], x)}
+    for k in want:
+        assert_close(res[k], want[k])
+    assert_close(state, ref.states[sid])

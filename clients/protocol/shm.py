@@ -74,13 +74,15 @@ class ShmArena:
     """A shared-memory segment the client creates, and a ring of tensor blocks in it.
 
     ``empty(shape, dtype)`` hands out the next block (64-byte aligned; after the end, from the start again): a
-    block stays the caller's until ``nbytes`` of later blocks have been handed out. Fill it with x and pass it to
+    block stays the caller's until ``nbytes`` less two blocks (the largest handed out: the ring skips an end too
+    short for the next block) of later blocks have been handed out. Fill it with x and pass it to
     ``conv`` / ``conv_batch`` of a client made with ``shm=arena``: the request then carries the block's reference
     instead of x's bytes, and the y returned is a view of the same block, which the server wrote y into. A tensor
     that does not lie in the arena (or is a non-contiguous view of a block) is sent in the body as usual. A block
     whose request ended without an answer is held out of the ring for ``hold_s`` seconds (:meth:`hold`; the
     clients do it for their calls): the server may still be using it. A stream's frame keeps its block out of the
-    ring until its answer (:meth:`pin`): frames in flight are answered in any order.
+    ring until its answer (:meth:`claim`): frames in flight are answered in any order, and a block is the x of one
+    frame in flight at most (the server writes that frame's y over it).
     """
 
     def __init__(self, nbytes: int, key: Optional[str] = None, root: str = "/dev/shm", sealed: bool = False,
@@ -126,6 +128,7 @@ class ShmArena:
         self._next = 0
         self.hold_s = hold_s
         self._held: list = []        # [start, end, monotonic time it is free again] of blocks kept out of empty()
+        self._flying: list = []      # (start, end) of the x of each stream frame in flight (claim), until answered
         self._handed = 0             # bytes handed out by empty(), ever
         # while the bytes handed out are below this, an answered frame's block is among the recent ones out of
         # their place in the ring, so empty() checks each new block against them
@@ -149,7 +152,7 @@ class ShmArena:
             lo = _aligned(self._next)
             if lo + n > self.nbytes:
                 lo = 0
-            if self._held or self._handed < self._touched_until:
+            if self._held or self._flying or self._handed < self._touched_until:
                 lo = self._past_held(lo, n)
             self._next = lo + n
             self._handed += _aligned(n)
@@ -186,18 +189,45 @@ class ShmArena:
             self._held.append((*span, math.inf))
         return True
 
+    def claim(self, x) -> bool:
+        """Keep the block of ``x`` out of :meth:`empty` as the x of a stream frame about to be sent, until
+        :meth:`answered` or :meth:`unpin`. False, claiming nothing, when ``x`` is not a block of this arena or
+        overlaps the x of a frame in flight: the server writes each frame's y over its x, so such a frame's x must
+        go in the body."""
+        span = self._span(x)
+        if span is None:
+            return False
+        with self._lock:
+            if any(a < span[1] and span[0] < b for a, b in self._flying):
+                return False
+            self._flying.append(span)
+        return True
+
+    def answered(self, x) -> None:
+        """A claimed frame was answered: its block (now holding y) stays out of :meth:`empty` as if pinned, until
+        :meth:`unpin`, and may be the x of a new frame."""
+        span = self._span(x)
+        if span is not None:
+            with self._lock:
+                with contextlib.suppress(ValueError):
+                    self._flying.remove(span)
+                    self._held.append((*span, math.inf))
+
     def unpin(self, x, hold: bool = False) -> None:
-        """End a :meth:`pin` of ``x``'s block. Its y is then the caller's as a unary call's is: the block counts as
-        the newest handed out (a frame answered late has an old place in the ring), so it stays the caller's until
-        ``nbytes`` less the pinned and held bytes (and two blocks' margin) of later blocks have been handed out or
-        answered. With ``hold`` (the frame ended without an answer, or with ``504 engine_timeout``) it stays out
-        for ``hold_s`` instead."""
+        """End a :meth:`claim` of ``x``'s block, or else one :meth:`pin` of it. Its y is then the caller's as a
+        unary call's is: the block counts as the newest handed out (a frame answered late has an old place in the
+        ring), so it stays the caller's until ``nbytes`` less the pinned and held bytes (and two blocks' margin) of
+        later blocks have been handed out or answered. With ``hold`` (the frame ended without an answer, or with
+        ``504 engine_timeout``) it stays out for ``hold_s`` instead."""
         span = self._span(x)
         if span is None:
             return
         with self._lock:
-            with contextlib.suppress(ValueError):
-                self._held.remove((*span, math.inf))
+            if span in self._flying:
+                self._flying.remove(span)
+            else:
+                with contextlib.suppress(ValueError):
+                    self._held.remove((*span, math.inf))
             if hold:
                 self._held.append((*span, time.monotonic() + self.hold_s))
             else:
@@ -219,7 +249,7 @@ class ShmArena:
         the ring's end may waste one) of later blocks were handed out."""
         now = time.monotonic()
         self._held = [h for h in self._held if h[2] > now]
-        taken = list({(a, b) for a, b, _t in self._held})      # (a block pinned twice is out once)
+        taken = list({(a, b) for a, b, _t in self._held} | set(self._flying))   # (a block pinned twice is out once)
         room, later = self.nbytes - 2 * _aligned(n) - sum(_aligned(b - a) for a, b in taken), 0
         for a, b in reversed(self._recent):
             if later >= room:
@@ -239,9 +269,10 @@ class ShmArena:
             if wrapped and lo >= start:
                 break
         raise ValueError(f"no room for a block of {n} bytes: this arena's free room is held by the blocks of stream "
-                         "frames in flight (ShmArena.pin), by blocks whose requests ended without an answer "
-                         "(ShmArena.hold) or by the blocks handed out last; make the arena larger (for a stream: "
-                         "the blocks of every frame in flight), or wait")
+                         "frames in flight or of the answer a stream last yielded (ShmArena.claim, pin), by blocks "
+                         "whose requests ended without an answer (ShmArena.hold) or by the blocks handed out last; "
+                         "make the arena larger (for a WebSocket stream: the blocks of `window` frames; for an HTTP "
+                         "stream: of the whole stream), or wait")
 
     def _typed(self, off: int, n: int, dtype, shape):
         """Bytes ``[off, off + n)`` of the arena as ``shape``: a torch tensor for a torch dtype, else a numpy
