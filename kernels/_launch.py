@@ -34,7 +34,7 @@ TUNING = {
     "prefill_piece_channels_last": dict(block_d=256, elems=4096, num_warps=4),
     # prefill, piece kernel, batch == 1: query_start_loc, the index, the flag, the weights and the bias read in
     # one round of independent loads instead of the sequence search (on=False: the search, for comparisons);
-    # channels_first: also for a channels-first x of T >= 2 (off: the search is the faster path there);
+    # channels_first: also for a channels-first x of T >= 2 (off by default: bench/NOTES.md has the timings);
     # thread_per_channel: at T == 1, as many threads as channels per program (up to 8 warps)
     "prefill_piece_one_seq": dict(on=True, channels_first=False, thread_per_channel=True),
     # Both bodies apply up to width max_width (the piece kernel takes wider ones).

@@ -36,20 +36,20 @@ def _commit_kernel(
     BLOCK_D: tl.constexpr,
     PROGRAMS: tl.constexpr,
 ):
-    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    rows = tl.arange(0, R)
-    cmask = (cols < dim)[None, :]
-    live = (rows < W1)[:, None]
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    rows = tl.arange(0, R)  # [R]
+    cmask = (cols < dim)[None, :]  # [1, BLOCK_D]
+    live = (rows < W1)[:, None]  # [R, 1]
     count = tl.load(pairs_ptr).to(tl.int32)
     for i in range(tl.program_id(0), count, PROGRAMS):
         line = tl.load(pairs_ptr + 1 + i)
         n = tl.load(pairs_ptr + 1 + count + i)
-        pos = (n + rows)[:, None]                               # the row of [state, x] each new row is
+        pos = (n + rows)[:, None]  # [R, 1]: the row of [state, x] each new row is
         st = state_ptr + line * (W1 * dim)
-        old = tl.load(st + pos * dim + cols[None, :], mask=live & (pos < W1) & cmask)
+        old = tl.load(st + pos * dim + cols[None, :], mask=live & (pos < W1) & cmask)  # [R, BLOCK_D]
         new = tl.load(spec_ptr + line * (S * dim) + (pos - W1) * dim + cols[None, :],
-                      mask=live & (pos >= W1) & cmask)
-        v = tl.where(pos < W1, old, new.to(old.dtype))
+                      mask=live & (pos >= W1) & cmask)  # [R, BLOCK_D]
+        v = tl.where(pos < W1, old, new.to(old.dtype))  # [R, BLOCK_D]
         # a row moves to an earlier row of the same line, read by another thread of this program: every read of
         # the line is done before any write
         tl.debug_barrier()

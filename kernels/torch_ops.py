@@ -46,7 +46,7 @@ def _scratch(name: str, shape: tuple, dtype: torch.dtype, device: torch.device) 
 
 def _scatter_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
     """``dst[index] = src`` along dim 0 (rows of equal shape, distinct indices). On the CPU through numpy views of
-    the same bits, which copy each row as one block (faster there than ``index_copy_``: bench/NOTES.md)."""
+    the same bits, which copy each row as one block, where ``index_copy_`` goes element by element."""
     ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(dst.element_size())
     if dst.device.type == "cpu" and src.dtype == dst.dtype and ints is not None and index.device.type == "cpu":
         dst.view(ints).numpy()[index.numpy()] = src.view(ints).numpy()

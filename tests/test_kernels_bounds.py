@@ -78,6 +78,30 @@ def test_prefill_reads_and_writes_only_its_tensors(path, layout, case, monkeypat
         assert pre._used_bodies(), "the body did not run"
 
 
+@pytest.mark.parametrize("case", range(3))
+@pytest.mark.parametrize("lead", [1, 5, 40])
+@pytest.mark.parametrize("path, layout", [("piece", "strided"), ("channels_first_body", "channels_first"),
+                                          ("channels_last_body", "channels_last")])
+def test_tokens_before_a_nonzero_first_query_start_loc_are_zeros_and_nothing_is_read_outside(path, layout, lead,
+                                                                                           case, monkeypatch):
+    """``query_start_loc[0] > 0`` breaks the contract (``validate_data`` refuses it); without the check every path
+    still reads only its tensors (no ``query_start_loc[-1]``, no ``cache_indices[-1]``) and writes zeros before
+    it, as the reference does."""
+    _tiles(monkeypatch, path)
+    rng = random.Random(SEED + case)
+    gen = torch.Generator().manual_seed(SEED + case)
+    width, dim = rng.choice([2, 4, 6]), rng.choice([3, 17])
+    x, w, b, states, qsl, idx, init = pre.random_batch(gen, rng, dim, width, layout, torch.float32, "cpu",
+                                                       n_seq=rng.randint(1, 4), max_len=40, tail=lead + 17,
+                                                       long_share=0.5)
+    qsl = qsl + lead                        # the first lead tokens belong to no sequence
+    with bounds_checked() as found:
+        got = pre.run_both(x, w, b, states, qsl, idx, init)
+    assert not found, found
+    pre.check(*got, torch.float32)
+    assert torch.equal(got[0][:, :lead], torch.zeros(dim, lead))
+
+
 @pytest.mark.parametrize("dim, T", [(3, 17), (5, 19), (1, 33)])
 def test_the_channels_first_bodys_tail_tile_reads_nothing_past_x(dim, T, monkeypatch):
     """The last tile holds a few elements (dim * T = 3, 5, 1 past a multiple of the 16-element tile): its groups
@@ -197,6 +221,28 @@ def test_prefill_state_with_a_dim_stride_past_two_to_the_31_bytes_stays_64_bit()
     assert not found, found
     assert_close(y, ref, torch.float16, "output")
     assert torch.equal(torch.stack([cs[0, d] for d in range(dim)])[None], ref_state.to(torch.float16))
+
+
+def test_a_channels_last_prefill_with_a_token_stride_past_int32_offsets_stays_64_bit(monkeypatch):
+    """The channels-last body computes a chunk's offsets in int32: a token stride whose chunk reaches past 2**31
+    elements (here 2**31 // 6 + 64: the chunk's fourth step starts past it) takes the piece kernel, whose offsets go
+    64-bit, instead. x lies in 5 GB of address space, only a few pages of it touched."""
+    _tiles(monkeypatch, "channels_last_body")            # chunks of 8 tokens, 2 a step
+    gen = torch.Generator().manual_seed(SEED)
+    width, dim, tokens, stride = 4, 256, 8, 2**31 // 6 + 64
+    buf = torch.empty((tokens - 1) * stride + dim, dtype=torch.float16)
+    x = buf.as_strided((dim, tokens), (1, stride))
+    dense = torch.randn(dim, tokens, generator=gen).to(torch.float16)
+    for t in range(tokens):
+        x[:, t].copy_(dense[:, t])
+    w = torch.randn(dim, width, generator=gen).to(torch.float16)
+    qsl = torch.tensor([0, tokens], dtype=torch.int32)
+    out = torch.full((tokens, dim), float("nan"), dtype=torch.float16).t()
+    ref = causal_conv1d_ref(dense, w, None, None, qsl, None, None, None, compute_dtype=torch.float64)
+    with bounds_checked() as found:
+        causal_conv1d_fn(x, w, None, None, qsl, None, None, None, out=out)
+    assert not found, found
+    assert_close(out, ref, torch.float16, "output")
 
 
 @pytest.mark.parametrize("extra", ["intermediate_conv_window", "output_state_indices"])

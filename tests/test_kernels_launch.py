@@ -64,6 +64,31 @@ def test_a_known_layout_takes_the_guard_path_and_another_layout_does_not(slow_ca
     assert slow_calls["update"] == expected_slow + 1
 
 
+@pytest.mark.parametrize("first", ["plain", "speculative"])
+def test_plain_and_speculative_calls_of_one_shape_each_keep_their_guard_path(slow_calls, kernel_device, first):
+    """A plain call's guard checks 6 tensors and a speculative one's 9: calls of one x shape of both kinds each take
+    the fast path once their layout is known, whichever kind came first."""
+    gen = torch.Generator().manual_seed(4)
+    dim, width, rows = 24, 4, 3
+    w = torch.randn(dim, width, generator=gen).to(kernel_device)
+    state = torch.randn(8, dim, width - 1 + 1, generator=gen).to(kernel_device)
+    idx = torch.tensor([4, 0, 6], dtype=torch.int32, device=kernel_device)
+    acc = torch.tensor([1, 2, 1], dtype=torch.int32, device=kernel_device)
+    kinds = ["plain", "speculative"] if first == "plain" else ["speculative", "plain"]
+    for rnd in range(6):
+        kind = kinds[rnd % 2]
+        x = torch.randn(rows, dim, 1, generator=gen).to(kernel_device)
+        spec = dict(num_accepted_tokens=acc) if kind == "speculative" else {}
+        st_r = state.clone().cpu()
+        y = causal_conv1d_update(x, state, w, None, "silu", conv_state_indices=idx, **spec)
+        ref = causal_conv1d_update_ref(x.cpu(), st_r, w.cpu(), None, "silu", conv_state_indices=idx.cpu(),
+                                       compute_dtype=torch.float64,
+                                       **{k: v.cpu() for k, v in spec.items()})
+        assert_close(y, ref, torch.float32)
+        assert torch.equal(state.cpu(), st_r)
+        assert slow_calls["update"] == min(rnd + 1, 2), (rnd, kind)   # each kind's first call only
+
+
 def test_prefill_known_layout_takes_the_guard_path(slow_calls, kernel_device):
     gen = torch.Generator().manual_seed(4)
     dim, width = 24, 3

@@ -134,7 +134,8 @@ def _chunked_kernel(
             for j in tl.static_range(WIDTH - 1):
                 pos = (offs_l + 1 + j)[:, None] + tl.zeros([BLOCK_L, BLOCK_D], dtype=offs_d.dtype)
                 win_j = _ext_load(x_row[None, :], state_row[None, :], pos, m2, o, stride_x_t, stride_s_k, WIDTH)
-                i_ptrs = i_base + (offs_l[:, None] * stride_i_t + offs_d[None, :] * stride_i_d + j * stride_i_k)
+                i_ptrs = i_base + (offs_l[:, None] * stride_i_t + offs_d[None, :] * stride_i_d
+                                   + j * stride_i_k)  # [BLOCK_L, BLOCK_D]
                 tl.store(i_ptrs, win_j.to(inter_ptr.dtype.element_ty), mask=m2)
         if HAS_OSI:
             # win[t, j] = position t + 1 + j of [window | x]: the window after token t.  [BLOCK_L, WP, BLOCK_D]
@@ -157,10 +158,12 @@ def _chunked_kernel(
                          + offs_j[None, :, None] * stride_i_k))
             tl.store(i_ptrs, win.to(inter_ptr.dtype.element_ty), mask=m3)
         if HAS_OSI:
-            tgt = tl.load(osi_ptr + b * stride_osi_b + offs_l * stride_osi_t, mask=mask_l, other=-1).to(tl.int64)
+            tgt = tl.load(osi_ptr + b * stride_osi_b + offs_l * stride_osi_t, mask=mask_l,
+                          other=-1).to(tl.int64)  # [BLOCK_L]
             m_t = (tgt >= 0) & (tgt < num_lines)  # [BLOCK_L]
             s_ptrs = ((state_ptr + d0_64 * stride_s_d) + tgt[:, None, None] * stride_s_line
-                      + (offs_d[None, None, :] * stride_s_d + offs_j[None, :, None] * stride_s_k))
+                      + (offs_d[None, None, :] * stride_s_d
+                         + offs_j[None, :, None] * stride_s_k))  # [BLOCK_L, WP, BLOCK_D]
             tl.store(s_ptrs, win.to(state_ptr.dtype.element_ty), mask=m3 & m_t[:, None, None])
         if WRITE_LIVE and ONE_CHUNK:
             tl.store(state_row[None, :] + offs_j[:, None] * stride_s_k, new.to(state_ptr.dtype.element_ty), mask=mj)

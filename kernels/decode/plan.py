@@ -15,7 +15,8 @@ from .chunked import chunked_plan
 from .dense import dense_applies, dense_plan
 from .pairs import pairs_applies, pairs_plan
 
-# _update_key -> LaunchPlan; guards: (x.shape, activation and pad_slot_id with their types) -> add_guard's
+# _update_key -> LaunchPlan; guards: (x.shape, activation and pad_slot_id with their types, the tensors checked) ->
+# add_guard's
 _PLANS = PlanCache()
 
 
@@ -98,7 +99,8 @@ def causal_conv1d_update(
         intermediate_conv_window: ``(>= batch, >= seqlen, dim, >= width - 1)``: receives, at ``[i, t]``, the
             window after token ``t``. The live state is then left untouched.
         output_state_indices: ``(batch, >= seqlen)`` int: the window after token ``t`` is written to columns
-            ``[0, width - 1)`` of row ``output_state_indices[i, t]`` when that is >= 0. The live state is then
+            ``[0, width - 1)`` of row ``output_state_indices[i, t]`` when that is >= 0 and < num_cache_lines (a line
+            outside the pool skips that save only). The live state is then
             left untouched. Such a row may be the one read in this call, but not another batch entry's.
         pad_slot_id: the pad marker.
         metadata: the seed's precomputed launch metadata; accepted (by position too) and not needed.
@@ -117,23 +119,25 @@ def causal_conv1d_update(
     if kwargs or pad_slot_id is None:   # the seed's conventions (_validate.seed_args)
         pad_slot_id = seed_args(kwargs, pad_slot_id, "causal_conv1d_update")
     # A layout seen before launches at once: the guards kept for x's shape, the activation and pad_slot_id, each
-    # of the last two with its type (1 == True and -1.0 == -1: neither may find the other's plan)
+    # of the last two with its type (1 == True and -1.0 == -1: neither may find the other's plan), and the number
+    # of tensors checked (a plain call's 6, a speculative one's 9: a guard checks calls of its own count only)
     # (_PLANS.guards, filled by _update_slow) check every tensor's shape, strides, dtype and device in one C++
     # call. Everything else (first calls, bad arguments, validate_data, empty x) takes _update_slow, which checks
     # the arguments and finds or builds the plan (_PLANS, keyed on _update_key).
     plan = None
     try:
-        entries = _PLANS.guards.get((x.shape, activation, type(activation), pad_slot_id, type(pad_slot_id)))
+        # the tuple _guarded builds, inline (a call less)
+        tensors = (x, conv_state, weight, ABSENT[0] if bias is None else bias,
+                   ABSENT[1] if conv_state_indices is None else conv_state_indices,
+                   ABSENT[2] if out is None else out)
+        if num_accepted_tokens is not None or intermediate_conv_window is not None \
+                or output_state_indices is not None:
+            tensors += (ABSENT[3] if num_accepted_tokens is None else num_accepted_tokens,
+                        ABSENT[4] if intermediate_conv_window is None else intermediate_conv_window,
+                        ABSENT[5] if output_state_indices is None else output_state_indices)
+        entries = _PLANS.guards.get((x.shape, activation, type(activation), pad_slot_id, type(pad_slot_id),
+                                     len(tensors)))
         if entries is not None and cache_seqlens is None and not validate_data:
-            # the tuple _guarded builds, inline (a call less)
-            tensors = (x, conv_state, weight, ABSENT[0] if bias is None else bias,
-                       ABSENT[1] if conv_state_indices is None else conv_state_indices,
-                       ABSENT[2] if out is None else out)
-            if num_accepted_tokens is not None or intermediate_conv_window is not None \
-                    or output_state_indices is not None:
-                tensors += (ABSENT[3] if num_accepted_tokens is None else num_accepted_tokens,
-                            ABSENT[4] if intermediate_conv_window is None else intermediate_conv_window,
-                            ABSENT[5] if output_state_indices is None else output_state_indices)
             for guard, p in entries:
                 if guard.check(*tensors):
                     plan = p
@@ -215,7 +219,8 @@ def _update_slow(x, conv_state, weight, bias, activation, cache_seqlens, conv_st
             same[2] = 1
         plan.called_as(same, alias=(0, 8))
         _PLANS[key] = plan
-    add_guard(_PLANS, (x.shape, activation, type(activation), given_pad, type(given_pad)), guarded, plan)
+    add_guard(_PLANS, (x.shape, activation, type(activation), given_pad, type(given_pad), len(guarded)), guarded,
+              plan)
     plan(x, weight, bias if bias is not None else weight, conv_state,
          conv_state_indices if conv_state_indices is not None else x,
          num_accepted_tokens if num_accepted_tokens is not None else x,

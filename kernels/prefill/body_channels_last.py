@@ -174,7 +174,7 @@ def _channels_last_body_kernel(
 
     tt, dd = _step_offsets(BLOCK_D, LOG_U)  # [1, 2, .., 2] tokens, [BLOCK_D, 1, .., 1] channels of one step
     x_ptrs = x_ptr + (c0.to(tl.int64) * stride_x_t + d0) + (dd + tt * stride_x_t)  # step 0's tile
-    o_ptrs = out_ptr + (c0.to(tl.int64) * stride_o_t + d0) + (dd + tt * stride_o_t)
+    o_ptrs = out_ptr + (c0.to(tl.int64) * stride_o_t + d0) + (dd + tt * stride_o_t)  # [BLOCK_D, 2, .., 2]
     mask_x = (dd < dim - d0) & (tt >= 0)  # [BLOCK_D, 2, .., 2]
     n_full = n_tok // U
     if n_full > 0:
@@ -209,7 +209,9 @@ def _channels_last_body_kernel(
 def channels_last_body_plan(x, weight, bias, out, silu):
     """The body launch for x / out (dim, T), or None when the path does not apply: x and out with stride(0) == 1,
     width <= max_width and at least min_elems elements (below that the piece kernel's short tiles keep more
-    programs busy). Called as plan(x, weight, bias, out), bias replaced by any tensor when None."""
+    programs busy), and a chunk's offsets from its first token within int32 (the kernel computes them in int32;
+    the piece kernel takes larger strides). Called as plan(x, weight, bias, out), bias replaced by any tensor when
+    None."""
     t = TUNING["prefill_body_channels_last"]
     dim, total = x.shape
     width = weight.shape[1]
@@ -223,8 +225,9 @@ def channels_last_body_plan(x, weight, bias, out, silu):
     while chunk > u and n_d * -(-total // chunk) < t["min_programs"]:
         chunk //= 2
     chunk = max(chunk, u)
-    # the pipelined loop only up to width stages_max_width: wider windows already hold most registers, and it is
-    # slower there
+    if (chunk + u) * max(abs(x.stride(1)), abs(out.stride(1))) + block_d >= 2**31:
+        return None
+    # the pipelined loop only up to width stages_max_width: wider windows already hold most registers
     stages = t.get("stages", 0) if width <= t.get("stages_max_width", 8) else 0
     assert stages >= 0, "stages >= 0"
     constexprs = dict(WIDTH=width, HAS_BIAS=bias is not None, SILU=silu, LOG_U=u.bit_length() - 1, CHUNK=chunk,

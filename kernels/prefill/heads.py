@@ -64,6 +64,17 @@ def _load_bias(b_ptr, d0, ld, mask_d, HAS_BIAS: tl.constexpr, EVEN_D: tl.constex
 
 
 @triton.jit
+def _zero_tokens(out_ptr, lo, hi, d0, ld, lt, mask_d, stride_o_t, stride_o_d, BLOCK_T: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
+    """Zeros into out's tokens [lo, hi) (int64) of the channel block at d0, BLOCK_T tokens a step."""
+    zeros = tl.zeros([BLOCK_T, BLOCK_D], dtype=out_ptr.dtype.element_ty)  # [BLOCK_T, BLOCK_D]
+    for t0 in range(lo, hi, BLOCK_T):
+        corner = out_ptr + t0 * stride_o_t + d0.to(tl.int64) * stride_o_d
+        zmask = (lt < hi - t0)[:, None] & mask_d[None, :]  # [BLOCK_T, BLOCK_D]
+        tl.store(corner + (lt[:, None] * stride_o_t + ld[None, :] * stride_o_d), zeros, mask=zmask)
+
+
+@triton.jit
 def _sequence_row(idx_ptr, init_ptr, s, batch, num_lines, pad_slot_id, WIDTH: tl.constexpr,
                   HAS_INDICES: tl.constexpr, HAS_STATE: tl.constexpr, HAS_INIT: tl.constexpr):
     """What sequence s in [0, batch] (batch: the virtual pad tail) owns: (is_real, line, hist_lim).
@@ -253,23 +264,24 @@ def _heads_kernel(
         d0, ld, lt, mask_d = _channel_tile(pid_d, dim, OFF64, BLOCK_T, BLOCK_D)  # lt: a zeroing step's tokens
         w = _load_taps(w_ptr + (d0 + ld) * stride_w_d, stride_w_k, mask_d, WIDTH, False)  # WIDTH x [BLOCK_D]
         bias = _load_bias(b_ptr, d0, ld, mask_d, HAS_BIAS, False, BLOCK_D)  # [BLOCK_D]
-        if start >= end:
-            return  # an empty sequence: nothing to write, its state stays
     else:
         start = tl.load(qsl_ptr + s).to(tl.int64)
         end = tl.where(s < batch, tl.load(qsl_ptr + tl.minimum(s + 1, batch)).to(tl.int64), total_tokens)
-        if start >= end:
-            return  # an empty sequence: nothing to write, its state stays
+    if (s == 0) & (start > 0):
+        # tokens before query_start_loc[0] (which the contract makes 0) belong to no sequence: zeros, as the
+        # reference writes them, over the body's output
+        z_d0, z_ld, z_lt, z_mask_d = _channel_tile(pid_d, dim, OFF64, BLOCK_T, BLOCK_D)
+        _zero_tokens(out_ptr, start * 0, tl.minimum(start, total_tokens), z_d0, z_ld, z_lt, z_mask_d, stride_o_t,
+                     stride_o_d, BLOCK_T, BLOCK_D)
+    if start >= end:
+        return  # an empty sequence: nothing to write, its state stays
+    if not COLUMNS:
         is_real, line, hist_lim = _sequence_row(idx_ptr, init_ptr, s, batch, num_lines, pad_slot_id, WIDTH,
                                                 HAS_INDICES, HAS_STATE, HAS_INIT)
 
         d0, ld, lt, mask_d = _channel_tile(pid_d, dim, OFF64, BLOCK_T, BLOCK_D)  # lt: a zeroing step's tokens
     if is_real == 0:
-        zeros = tl.zeros([BLOCK_T, BLOCK_D], dtype=out_ptr.dtype.element_ty)  # [BLOCK_T, BLOCK_D]
-        for t0 in range(start, end, BLOCK_T):
-            corner = out_ptr + t0 * stride_o_t + d0.to(tl.int64) * stride_o_d
-            zmask = (lt < end - t0)[:, None] & mask_d[None, :]  # [BLOCK_T, BLOCK_D]
-            tl.store(corner + (lt[:, None] * stride_o_t + ld[None, :] * stride_o_d), zeros, mask=zmask)
+        _zero_tokens(out_ptr, start, end, d0, ld, lt, mask_d, stride_o_t, stride_o_d, BLOCK_T, BLOCK_D)
     else:
         x_corner = x_ptr + start * stride_x_t + d0.to(tl.int64) * stride_x_d
         o_corner = out_ptr + start * stride_o_t + d0.to(tl.int64) * stride_o_d

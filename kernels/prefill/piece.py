@@ -7,8 +7,8 @@ is unique and increases along the tokens, so a program finds its sequence by cou
 grid is ``cdiv(total_tokens, BLOCK_T) + batch + 1`` pieces; ids that fall between two sequences return at once.
 Each program loads its tile once per tap at the tap's token shift (the overlapping re-loads hit L1). The program
 that owns a sequence's first token computes the head (``heads._head_and_state``) and writes the sequence's new
-state. The tokens past ``query_start_loc[batch]`` form one more, virtual, pad sequence, so every output element
-is written.
+state. The tokens past ``query_start_loc[batch]`` form one more, virtual, pad sequence, and tokens before
+``query_start_loc[0]`` (which the contract makes 0) are zeroed, so every output element is written.
 
 A batch of one sequence (``ONE_SEQ``) skips the search: ``query_start_loc[0]`` and ``[1]``, the sequence's index and
 flag, the weights and the bias are all at fixed addresses and are loaded up front in one round of independent
@@ -25,7 +25,7 @@ import triton.language as tl
 
 from .._launch import TUNING, LaunchPlan, is_channels_first, prefill_config
 from .heads import (_channel_tile, _head_and_state, _head_columns, _load_bias, _load_taps, _sequence_row,
-                    launch_args)
+                    _zero_tokens, launch_args)
 
 
 @triton.jit
@@ -74,8 +74,8 @@ def _piece_kernel(
     b_ptr,  # (dim,), read when HAS_BIAS
     state_ptr,  # (num_lines, dim, state_len >= WIDTH - 1), read/written when HAS_STATE
     qsl_ptr,  # (batch + 1,) int32/int64: query_start_loc
-    idx_ptr,  # (batch,) int32/int64: cache_indices, read when HAS_INDICES
-    init_ptr,  # (batch,) bool: has_initial_state, read when HAS_INIT
+    idx_ptr,  # (>= batch,) int32/int64: cache_indices, read when HAS_INDICES
+    init_ptr,  # (>= batch,) any dtype, nonzero: true: has_initial_state, read when HAS_INIT
     out_ptr,  # (dim, total_tokens)
     dim,
     total_tokens,
@@ -151,6 +151,21 @@ def _piece_kernel(
             return  # past the sequence's last block, an empty sequence, or an empty tail: nothing more to do
     else:
         s = _find_sequence(qsl_ptr, pid, batch, BLOCK_T, SEARCH)
+        # Tokens before query_start_loc[0] (which the contract makes 0) belong to no sequence: zeros, as the
+        # reference writes them. Ids below sequence 0's first key (s == -1) are the token blocks wholly before it,
+        # and sequence 0's first piece zeroes its block's tokens before it.
+        if s < 0:
+            lead_lo = pid.to(tl.int64) * BLOCK_T
+            lead_hi = tl.minimum(tl.load(qsl_ptr).to(tl.int64), lead_lo + BLOCK_T)
+        else:
+            lead_lo = (pid - s).to(tl.int64) * BLOCK_T
+            lead_hi = tl.where(s == 0, tl.load(qsl_ptr).to(tl.int64), lead_lo)
+        lead_hi = tl.minimum(lead_hi, total_tokens)
+        if lead_hi > lead_lo:
+            z_d0, z_ld, z_lt, z_mask_d = _channel_tile(pid_d, dim, OFF64, BLOCK_T, BLOCK_D)
+            _zero_tokens(out_ptr, lead_lo, lead_hi, z_d0, z_ld, z_lt, z_mask_d, stride_o_t, stride_o_d, BLOCK_T,
+                         BLOCK_D)
+        s = tl.maximum(s, 0)
         start = tl.load(qsl_ptr + s).to(tl.int64)
         end = tl.where(s < batch, tl.load(qsl_ptr + tl.minimum(s + 1, batch)).to(tl.int64), total_tokens)
         blk_lo = (pid - s).to(tl.int64) * BLOCK_T  # the piece's token block
