@@ -24,8 +24,9 @@ class _Tracker:
     (:meth:`ShmArena.claim`; answers come in any order), a y answered by reference is read from it and stays out
     until the caller asks for the next result (:meth:`returned`), and the block of a frame that ended without an
     answer (or with ``504 engine_timeout``) stays out for ``hold_s`` more: the server may still read x there and
-    write y over it. An x that overlaps the x of a frame in flight goes in the body: the server writes each frame's
-    y over its x."""
+    write y over it. The server writes each frame's y over its x, so a frame whose x overlaps the x of an earlier
+    frame sent since its block was handed out is refused (``ValueError``, :meth:`ShmArena.claim`), which ends the
+    stream after the frames before it."""
 
     def __init__(self, book=None, shm=None):
         self.meta: dict = {}
@@ -36,7 +37,7 @@ class _Tracker:
 
     def packed(self, req, frame, packer) -> bytes:
         """``req``'s frame (``frame(req, shm)``), packed, with ``req`` noted in flight (:meth:`add`): its x goes by
-        reference when the arena could claim its block. A frame that cannot be built takes nothing."""
+        reference when it lies in the arena. A frame that cannot be built takes nothing."""
         by_ref = self.add(req)
         try:
             return packer.pack(frame(req, self.shm if by_ref else None))
@@ -49,7 +50,8 @@ class _Tracker:
         with self.lock:
             meta = self.meta.pop(fid, None)
         if meta is not None and meta[4] is not None:
-            self._unpin(meta[4])
+            with contextlib.suppress(ValueError):      # the arena was closed meanwhile
+                self.shm.unclaim(meta[4])
         if meta is not None and self.book is not None and meta[3] is not None:
             self.book.frames_done(meta[0] if isinstance(meta[0], list) else [meta[0]])
 
@@ -69,15 +71,20 @@ class _Tracker:
                 return False
             batch = isinstance(req, BatchRequest)
             session = list(req.sessions) if batch else req.session
-            # what each session's row applies, and the session's mark in the book then (PositionBook.mark), for the
-            # book only (no per-frame work without one)
-            rows = None if self.book is None else \
-                _Base._batch_rows(session, req.x, req.tokens, req.speculative) if batch else \
-                ([len(req.x)], [bool(req.speculative)])
-            if rows is not None:
-                rows = (*rows, self.book.frames_sent(session if batch else [session]))
             # x's block when it goes by reference: out of the arena's ring until the frame's answer
             block = req.x if self.shm is not None and self.shm.claim(req.x) else None
+            try:
+                # what each session's row applies, and the session's mark in the book then (PositionBook.mark),
+                # for the book only (no per-frame work without one)
+                rows = None if self.book is None else \
+                    _Base._batch_rows(session, req.x, req.tokens, req.speculative) if batch else \
+                    ([len(req.x)], [bool(req.speculative)])
+            except BaseException:
+                if block is not None:
+                    self.shm.unclaim(block)
+                raise
+            if rows is not None:
+                rows = (*rows, self.book.frames_sent(session if batch else [session]))
             self.meta[req.id] = (session, req.layer, _backend_of(req.x), rows, block)
             return block is not None
 
@@ -178,7 +185,7 @@ class ReadAheadPins:
     """The blocks of a replicated stream's requests, pinned from the feeder's take (it reads up to a window ahead
     of each replica's stream, and answers wait for the caller in turn) until the result is handed to the caller:
     the caller's iterable may fill the arena meanwhile, and must not be handed those blocks. Each replica's stream
-    pins a block again while its frame is in flight (:class:`_Tracker`)."""
+    claims a block too while its frame is in flight (:class:`_Tracker`)."""
 
     def __init__(self, shm):
         self.shm = shm
@@ -192,7 +199,8 @@ class ReadAheadPins:
                 self.blocks.setdefault(req.id, []).append(x)
 
     def given(self, res) -> None:
-        """``res`` goes to the caller: its block is the caller's, as a unary call's y is."""
+        """The caller asked for the result after ``res`` (or left): ``res``'s block is the caller's, as a unary
+        call's y is."""
         if res.id not in self.blocks:               # (no arena, or a request not in it: nothing pinned)
             return
         with contextlib.suppress(ValueError):      # the arena was closed meanwhile (close() forgets the rest)

@@ -19,6 +19,7 @@ shared memory, ``convserve-<pid>-*``, included).
 
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
 import fcntl
@@ -129,6 +130,9 @@ class ShmArena:
         self.hold_s = hold_s
         self._held: list = []        # [start, end, monotonic time it is free again] of blocks kept out of empty()
         self._flying: list = []      # (start, end) of the x of each stream frame in flight (claim), until answered
+        # (start, end) of each x sent by reference in a stream frame (claim) since its block was handed out, sorted
+        # and disjoint: the server writes that frame's y there, so the bytes are not x for another frame
+        self._sent: list = []
         self._handed = 0             # bytes handed out by empty(), ever
         # while the bytes handed out are below this, an answered frame's block is among the recent ones out of
         # their place in the ring, so empty() checks each new block against them
@@ -155,6 +159,12 @@ class ShmArena:
             if self._held or self._flying or self._handed < self._touched_until:
                 lo = self._past_held(lo, n)
             self._next = lo + n
+            if self._sent:              # a block handed out anew: the caller writes it before sending it
+                i = bisect.bisect_left(self._sent, (lo + n,))
+                j = i
+                while j > 0 and self._sent[j - 1][1] > lo:
+                    j -= 1
+                del self._sent[j:i]
             self._handed += _aligned(n)
             self._note_recent(lo, lo + n)
         return self._typed(lo, n, dtype, shape)
@@ -191,17 +201,31 @@ class ShmArena:
 
     def claim(self, x) -> bool:
         """Keep the block of ``x`` out of :meth:`empty` as the x of a stream frame about to be sent, until
-        :meth:`answered` or :meth:`unpin`. False, claiming nothing, when ``x`` is not a block of this arena or
-        overlaps the x of a frame in flight: the server writes each frame's y over its x, so such a frame's x must
-        go in the body."""
+        :meth:`answered` or :meth:`unpin`. False, claiming nothing, when ``x`` is not a block of this arena.
+        ``ValueError`` when ``x`` overlaps the x of a frame sent since its block was handed out: the server writes
+        that frame's y over its x, in flight or answered, so the bytes are no longer x (the same tensor sent twice,
+        or a y sent as x)."""
         span = self._span(x)
         if span is None:
             return False
         with self._lock:
-            if any(a < span[1] and span[0] < b for a, b in self._flying):
-                return False
+            i = bisect.bisect_left(self._sent, (span[1],))
+            if i > 0 and self._sent[i - 1][1] > span[0]:
+                raise ValueError(f"x (bytes {span[0]}-{span[1]} of the arena) overlaps the x of a stream frame sent "
+                                 "before, which the server overwrites with that frame's y: put each frame's x in a "
+                                 "block of its own (ShmArena.put: a copy of a y too), or send it outside the arena")
+            self._sent.insert(i, span)
             self._flying.append(span)
         return True
+
+    def unclaim(self, x) -> None:
+        """A claimed frame was not sent after all: its block is the caller's again, as it was."""
+        span = self._span(x)
+        if span is not None:
+            with self._lock:
+                with contextlib.suppress(ValueError):
+                    self._flying.remove(span)
+                    self._sent.remove(span)
 
     def answered(self, x) -> None:
         """A claimed frame was answered: its block (now holding y) stays out of :meth:`empty` as if pinned, until
