@@ -178,22 +178,24 @@ def test_a_frontend_step_whose_x_finds_no_room_in_the_arena_fails_as_arena_full(
         assert "no room" in drv.rec.error_messages["arena_full"]
 
 
-def test_an_answered_frames_block_counts_as_handed_out_last_not_at_its_old_place_in_the_ring():
+def test_an_answered_frames_block_stays_out_until_returned_then_goes_back_to_its_place_in_the_ring():
     blk_bytes = rand_x(1).numel() * 4
     with ShmArena(4 * blk_bytes) as arena:
         tracker = _Tracker(None, arena)
         slow = arena.put(rand_x(1, seed=0))
         tracker.add(ConvRequest("s", 0, slow, id="slow"))
-        for i in range(6):                      # twice round the ring past the pinned block: next, its place
+        for i in range(6):                      # twice round the ring past the claimed block
             blk = arena.put(rand_x(1, seed=i + 1))
+            assert arena.locate(blk)["offset"] != arena.locate(slow)["offset"]
             tracker.add(ConvRequest("s", 0, blk, id=i))
             tracker.result({"id": i, "y": {"dtype": "float32", "shape": [1, 32], "shm": arena.locate(blk)}})
             tracker.returned()
         y = tracker.result({"id": "slow", "y": {"dtype": "float32", "shape": [1, 32], "shm": arena.locate(slow)}}).y
-        tracker.returned()
-        # the caller's y: not handed out again before nbytes less two blocks of later blocks (as a unary call's)
-        later = [arena.put(rand_x(1, seed=20 + i)) for i in range(2)]
+        # handed to the caller: out of the ring however far the ring goes
+        later = [arena.put(rand_x(1, seed=20 + i)) for i in range(3)]
         assert all(arena.locate(b)["offset"] != arena.locate(y)["offset"] for b in later)
+        tracker.returned()                      # the caller asked for the next: the place is the ring's again
+        assert any(arena.locate(arena.put(rand_x(1)))["offset"] == arena.locate(y)["offset"] for _ in range(4))
 
 
 @pytest.mark.parametrize("blocks", [6, 14])
@@ -235,15 +237,19 @@ def test_a_replicated_streams_read_ahead_pins_match_each_result_to_its_block_eve
         assert _held(arena) == []
 
 
-def test_a_block_pinned_twice_counts_once_against_the_room_that_keeps_an_answered_y():
+def test_a_block_pinned_twice_stays_out_until_both_pins_end():
     with ShmArena(8 * rand_x(2).numel() * 4) as arena:
         blocks = [arena.put(rand_x(2, seed=i)) for i in range(8)]     # the ring's next place is blocks[0]'s
-        for b in blocks[:4]:                    # a replicated stream: the feeder's pin and the frame's
+        for b in blocks[:4]:                    # a replicated stream: the feeder's pin and the frame's claim
             arena.pin(b)
-            arena.pin(b)
-        arena.unpin(blocks[0])                  # answered, then handed to the caller
+            assert arena.claim(b)
+        arena.answered(blocks[0])               # answered: still out (the caller holds it, the feeder's pin)
         arena.unpin(blocks[0])
-        assert arena.locate(arena.put(rand_x(2)))["offset"] != arena.locate(blocks[0])["offset"]
+        assert arena.locate(arena.put(rand_x(2)))["offset"] == arena.locate(blocks[4])["offset"]
+        arena.unpin(blocks[0])                  # both pins ended: the ring comes round to its place again
+        got = [arena.locate(arena.put(rand_x(2)))["offset"] for _ in range(4)]
+        assert got[-1] == arena.locate(blocks[0])["offset"]
+        assert not {arena.locate(b)["offset"] for b in blocks[1:4]} & set(got)
 
 
 @pytest.mark.parametrize("window", [1, 2, 4])

@@ -75,8 +75,8 @@ class ShmArena:
     """A shared-memory segment the client creates, and a ring of tensor blocks in it.
 
     ``empty(shape, dtype)`` hands out the next block (64-byte aligned; after the end, from the start again): a
-    block stays the caller's until ``nbytes`` less two blocks (the largest handed out: the ring skips an end too
-    short for the next block) of later blocks have been handed out. Fill it with x and pass it to
+    block stays the caller's until ``nbytes`` less three blocks of the largest size handed out (two when every block
+    has one size: the ring skips an end too short for the next block) of later blocks have been handed out. Fill it with x and pass it to
     ``conv`` / ``conv_batch`` of a client made with ``shm=arena``: the request then carries the block's reference
     instead of x's bytes, and the y returned is a view of the same block, which the server wrote y into. A tensor
     that does not lie in the arena (or is a non-contiguous view of a block) is sent in the body as usual. A block
@@ -134,9 +134,9 @@ class ShmArena:
         # and disjoint: the server writes that frame's y there, so the bytes are not x for another frame
         self._sent: list = []
         self._handed = 0             # bytes handed out by empty(), ever
-        # while the bytes handed out are below this, an answered frame's block is among the recent ones out of
-        # their place in the ring, so empty() checks each new block against them
-        self._touched_until = 0
+        # while the bytes handed out are below this, a block was placed off the ring's order (past a held one) too
+        # recently for the ring's next place to be the oldest
+        self._skipped_until = 0
         # the blocks handed out last (newest at the right, at most nbytes of them): with blocks held, the search for
         # room must not land on the newest of them (without, the ring's order keeps clear of them)
         self._recent: collections.deque = collections.deque()
@@ -156,7 +156,7 @@ class ShmArena:
             lo = _aligned(self._next)
             if lo + n > self.nbytes:
                 lo = 0
-            if self._held or self._flying or self._handed < self._touched_until:
+            if self._held or self._flying:
                 lo = self._past_held(lo, n)
             self._next = lo + n
             if self._sent:              # a block handed out anew: the caller writes it before sending it
@@ -238,11 +238,10 @@ class ShmArena:
                     self._held.append((*span, math.inf))
 
     def unpin(self, x, hold: bool = False) -> None:
-        """End a :meth:`claim` of ``x``'s block, or else one :meth:`pin` of it. Its y is then the caller's as a
-        unary call's is: the block counts as the newest handed out (a frame answered late has an old place in the
-        ring), so it stays the caller's until ``nbytes`` less the pinned and held bytes (and two blocks' margin) of
-        later blocks have been handed out or answered. With ``hold`` (the frame ended without an answer, or with
-        ``504 engine_timeout``) it stays out for ``hold_s`` instead."""
+        """End a :meth:`claim` of ``x``'s block, or else one :meth:`pin` of it: the block goes back to the ring at
+        its place (a frame answered late has an old one, which the ring may reach soon: a caller copies the y it
+        keeps). With ``hold`` (the frame ended without an answer, or with ``504 engine_timeout``) it stays out for
+        ``hold_s`` instead."""
         span = self._span(x)
         if span is None:
             return
@@ -254,9 +253,6 @@ class ShmArena:
                     self._held.remove((*span, math.inf))
             if hold:
                 self._held.append((*span, time.monotonic() + self.hold_s))
-            else:
-                self._note_recent(*span)
-                self._touched_until = self._handed + self.nbytes    # the ring's order alone no longer keeps it
 
     def _span(self, x) -> Optional[tuple]:
         """``(start, end)`` of ``x``'s block in this arena, or None when x is not one (ValueError once closed)."""
@@ -267,13 +263,18 @@ class ShmArena:
         return extent[0], extent[0] + extent[1]
 
     def _past_held(self, lo: int, n: int) -> int:
-        """The first offset from ``lo`` (going round the ring) where ``n`` bytes meet no held or pinned block and
-        none of the blocks handed out (or answered, :meth:`unpin`) last: while blocks are held the ring has their
-        room less, so a block stays the caller's until ``nbytes`` less the held bytes (and two blocks of this size:
-        the ring's end may waste one) of later blocks were handed out."""
+        """The first offset from ``lo`` (going round the ring) where ``n`` bytes meet no held or pinned block and,
+        once the ring has had to skip one, none of the blocks handed out last: while blocks are held the ring has
+        their room less, so a block stays the caller's until ``nbytes`` less the held bytes (and the blocks' margin
+        of the ring's order) of later blocks were handed out. While the last ``nbytes`` handed out went in the ring's
+        order, its next place is the oldest, and taken only when held or pinned (no search: a stream's frames of a
+        few KB in a large arena would walk thousands of recent blocks per frame)."""
         now = time.monotonic()
         self._held = [h for h in self._held if h[2] > now]
         taken = list({(a, b) for a, b, _t in self._held} | set(self._flying))   # (a block pinned twice is out once)
+        if self._handed >= self._skipped_until and not any(a < lo + n and lo < b for a, b in taken):
+            return lo
+        self._skipped_until = self._handed + self.nbytes
         room, later = self.nbytes - 2 * _aligned(n) - sum(_aligned(b - a) for a, b in taken), 0
         for a, b in reversed(self._recent):
             if later >= room:
