@@ -17,7 +17,7 @@ from convserve.clients.protocol.errors import (ReplicaUnavailable, ServiceError,
 from convserve.clients.replicas import (Endpoints, Router, batch_failure, health_result, join_batch, maybe_applied,
                                         merged_model, part_position, routed_url, split_batch, SessionsWalk)
 from convserve.clients.replicated_sync import _failed, failure, network_errors, unavailable
-from convserve.clients.stream_tracker import ReadAheadPins
+from convserve.clients.stream_tracker import ReadAheadPins, StreamsEnd
 
 
 class ReplicatedAsyncConvClient(AsyncConvClient):
@@ -387,9 +387,9 @@ class ReplicatedAsyncConvClient(AsyncConvClient):
 
         pins = ReadAheadPins(self.shm)
         feed = asyncio.ensure_future(feeder())
-        started, done, failed = None, 0, None
+        end_of = StreamsEnd()
         try:
-            while started is None or done < started:
+            while end_of.running:
                 kind, val = await out.get()
                 if kind == "res":
                     res, url = val
@@ -397,22 +397,13 @@ class ReplicatedAsyncConvClient(AsyncConvClient):
                         if not left:
                             yield res
                     except GeneratorExit:   # the replicas' streams end once what they sent is answered
-                        left, started = True, halt()
+                        left, end_of.started = True, halt()
                     finally:
                         pins.given(res)     # the caller asked for the next (or left): y's block is its own
                         held[url].release()
-                elif kind == "fed":
-                    if started is None:
-                        started = val
-                elif kind == "done":
-                    done += 1
-                elif kind == "failed":      # the caller's iterable, or a request no replica takes: what was fed
-                    failed = failed or val  # before it is sent and answered first (the queues end after it)
-                elif not left:              # a replica's stream failed (not its connection): the others' answers
-                    failed = failed or val  # to what they sent come first
-                    started = halt()
-            if failed is not None and not left:
-                raise failed
+                elif end_of.note(kind, val, left):
+                    end_of.started = halt()
+            end_of.check(left)
         finally:
             if not feed.done():     # in an iterable that ignores the cancel, it is left behind: it feeds no more
                 feed.cancel()

@@ -22,7 +22,7 @@ from convserve.clients.protocol.errors import (OutcomeUnknown, ReplicaUnavailabl
                                               StateLost, UnknownSession, Unreachable)
 from convserve.clients.replicas import (Endpoints, Router, batch_failure, health_result, join_batch, maybe_applied,
                                         merged_model, part_position, routed_url, split_batch, SessionsWalk)
-from convserve.clients.stream_tracker import ReadAheadPins
+from convserve.clients.stream_tracker import ReadAheadPins, StreamsEnd
 from convserve.clients.sync_client import ConvClient
 
 
@@ -460,9 +460,9 @@ class ReplicatedConvClient(ConvClient):
 
         pins = ReadAheadPins(self.shm)
         threading.Thread(target=feeder, daemon=True, name="convserve-replica-feeder").start()
-        started, done, failed = None, 0, None
+        end_of = StreamsEnd()
         try:
-            while started is None or done < started:
+            while end_of.running:
                 kind, val = out.get()
                 if kind == "res":
                     res, url = val
@@ -470,22 +470,13 @@ class ReplicatedConvClient(ConvClient):
                         if not left:
                             yield res
                     except GeneratorExit:   # the replicas' streams end once what they sent is answered
-                        left, started = True, halt()
+                        left, end_of.started = True, halt()
                     finally:
                         pins.given(res)     # the caller asked for the next (or left): y's block is its own
                         held[url].release()
-                elif kind == "fed":
-                    if started is None:
-                        started = val
-                elif kind == "done":
-                    done += 1
-                elif kind == "failed":      # the caller's iterable, or a request no replica takes: what was fed
-                    failed = failed or val  # before it is sent and answered first (the queues end after it)
-                elif not left:              # a replica's stream failed (not its connection): the others' answers
-                    failed = failed or val  # to what they sent come first
-                    started = halt()
-            if failed is not None and not left:
-                raise failed
+                elif end_of.note(kind, val, left):
+                    end_of.started = halt()
+            end_of.check(left)
         finally:
             halt()                          # on every way out: no feeder left waiting on a queue nobody reads
             pins.close()

@@ -224,3 +224,39 @@ class ReadAheadPins:
             with contextlib.suppress(ValueError):
                 self.shm.unpin(x)
 
+
+
+class StreamsEnd:
+    """When a replicated stream's reader is done, from the messages of its feeder and its replicas' streams:
+    ``("fed", n)`` (the feeder made n streams), ``("done", url)`` (one ended), ``("failed", e)`` (the feeder's
+    error: the caller's iterable, or a request no replica takes; what was fed before it is sent and answered
+    first) and ``("raise", e)`` (a replica's stream failed, not its connection: the feeding stops, and the other
+    streams' answers to what they were sent come first). The first error is raised at the end (:meth:`check`)."""
+
+    def __init__(self):
+        self.started: Any = None        # the number of replica streams, once final
+        self.done = 0
+        self.failed: Any = None
+
+    @property
+    def running(self) -> bool:
+        return self.started is None or self.done < self.started
+
+    def note(self, kind: str, val, left: bool) -> bool:
+        """Take a message other than an answer; True when the feeding must stop (``halt``, whose count of streams
+        goes into :attr:`started`). ``left``: the caller left, and errors no longer matter."""
+        if kind == "fed":
+            if self.started is None:
+                self.started = val
+        elif kind == "done":
+            self.done += 1
+        elif kind == "failed":
+            self.failed = self.failed or val
+        elif not left:
+            self.failed = self.failed or val
+            return True
+        return False
+
+    def check(self, left: bool) -> None:
+        if self.failed is not None and not left:
+            raise self.failed
