@@ -51,7 +51,7 @@ class _Tracker:
             meta = self.meta.pop(fid, None)
         if meta is not None and meta[4] is not None:
             with contextlib.suppress(ValueError):      # the arena was closed meanwhile
-                self.shm.unclaim(meta[4])
+                self.shm.end_claim(meta[4], sent=False)
         if meta is not None and self.book is not None and meta[3] is not None:
             self.book.frames_done(meta[0] if isinstance(meta[0], list) else [meta[0]])
 
@@ -81,7 +81,7 @@ class _Tracker:
                     ([len(req.x)], [bool(req.speculative)])
             except BaseException:
                 if block is not None:
-                    self.shm.unclaim(block)
+                    self.shm.end_claim(block, sent=False)
                 raise
             if rows is not None:
                 rows = (*rows, self.book.frames_sent(session if batch else [session]))
@@ -108,7 +108,7 @@ class _Tracker:
             self._forget(sessions)
             err = error_from(obj["error"])
             if block is not None:
-                self._unpin(block, hold=isinstance(err, EngineTimeout))
+                self._end_claim(block, hold=isinstance(err, EngineTimeout))
             return ConvResult(fid, session, layer, error=err)
         if backend is None:                         # an accept, applied: with frames of its sessions still in
             if rows is not None:                    # flight, the book forgets those sessions (accepted())
@@ -122,7 +122,7 @@ class _Tracker:
             y = wire.decode_tensor(obj["y"], backend=backend, name="y", shm=self.shm)
         except BaseException:
             if block is not None:
-                self._unpin(block)
+                self._end_claim(block)
             raise
         if block is not None:           # answered: y is the caller's, out of the ring until it asks for the next
             with contextlib.suppress(ValueError):
@@ -134,7 +134,9 @@ class _Tracker:
         """The caller asked for the next result (or left): the blocks of the answers it was handed are the
         caller's as a unary call's y is (:meth:`ShmArena.unpin`), no longer kept out of the ring."""
         while self.lent:
-            self._unpin(self.lent.pop())
+            block = self.lent.pop()
+            with contextlib.suppress(ValueError):      # the arena was closed meanwhile: nothing to keep
+                self.shm.unpin(block)
 
     def _forget(self, sessions) -> None:
         if self.book is not None:
@@ -165,11 +167,11 @@ class _Tracker:
         for session, _layer, _backend, _rows, block in owed:
             self._forget(session if isinstance(session, list) else [session])
             if block is not None:
-                self._unpin(block, hold=True)
+                self._end_claim(block, hold=True)
 
-    def _unpin(self, block, hold: bool = False) -> None:
+    def _end_claim(self, block, hold: bool = False) -> None:
         with contextlib.suppress(ValueError):      # the arena was closed meanwhile: nothing to keep
-            self.shm.unpin(block, hold)
+            self.shm.end_claim(block, hold)
 
     def check_done(self) -> None:
         self.returned()
@@ -189,30 +191,30 @@ class ReadAheadPins:
 
     def __init__(self, shm):
         self.shm = shm
-        self.blocks: dict = {}          # request id -> the blocks of requests taken with that id, not yet given
+        # (request id, its sessions) -> the blocks of requests taken with them, not yet given, oldest first: an id
+        # may come again (on another replica, or once its frame was answered); with its sessions (which live on
+        # one replica, whose stream answers a session's frames in order) it names one request
+        self.blocks: dict = {}
         self.lock = threading.Lock()
 
     def take(self, req) -> None:
         x = getattr(req, "x", None)     # (an accept has none)
         if self.shm is not None and x is not None and self.shm.pin(x):
-            with self.lock:             # (an id may come again: on another replica, or once its frame was answered)
-                self.blocks.setdefault(req.id, []).append(x)
+            with self.lock:
+                self.blocks.setdefault(_key(req.id, getattr(req, "sessions", None) or req.session), []).append(x)
 
     def given(self, res) -> None:
         """The caller asked for the result after ``res`` (or left): ``res``'s block is the caller's, as a unary
         call's y is."""
-        if res.id not in self.blocks:               # (no arena, or a request not in it: nothing pinned)
-            return
+        key = _key(res.id, res.session)
+        with self.lock:
+            xs = self.blocks.get(key)
+            if not xs:                  # (no arena, or a request not in it: nothing pinned)
+                return
+            x = xs.pop(0)
+            if not xs:
+                del self.blocks[key]
         with contextlib.suppress(ValueError):      # the arena was closed meanwhile (close() forgets the rest)
-            y = getattr(res, "y", None)
-            at = None if y is None else self.shm.locate(y)     # of several blocks under one id, y's
-            with self.lock:
-                xs = self.blocks.get(res.id)
-                if not xs:
-                    return
-                x = xs.pop(next((i for i, x in enumerate(xs) if at is not None and self.shm.locate(x) == at), 0))
-                if not xs:
-                    del self.blocks[res.id]
             self.shm.unpin(x)
 
     def close(self) -> None:
@@ -224,6 +226,9 @@ class ReadAheadPins:
             with contextlib.suppress(ValueError):
                 self.shm.unpin(x)
 
+
+def _key(fid, sessions) -> tuple:
+    return fid, tuple(sessions) if isinstance(sessions, (list, tuple)) else sessions
 
 
 class StreamsEnd:

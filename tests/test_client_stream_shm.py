@@ -337,3 +337,66 @@ def test_a_block_sent_as_a_frames_x_is_refused_as_another_frames_x_until_handed_
         c.delete_session(sid)
     for i in range(6):
         assert_close(out[i], ref.conv(sid, LAYERS[0], rand_x(64, seed=i)))
+
+
+def test_after_blocks_placed_out_of_the_rings_order_the_ring_keeps_the_newest_blocks_with_nothing_held():
+    """Claims made the ring place blocks past them; once every claim has ended the ring's next place can lie just
+    behind the newest blocks: the next nbytes still search, so no block goes before its keep (nbytes less two)."""
+    import numpy as np
+
+    size, k = 64, 20
+    with ShmArena(k * size) as arena:
+        given = []
+
+        def put():
+            given.append(arena.empty((size,), np.uint8))
+            return given[-1]
+        first = [put() for _ in range(k)]
+        arena.claim(first[14])
+        arena.claim(first[15])
+        lap = [put() for _ in range(21)]                # slots 0-13, 16-19, then 0-2
+        arena.claim(lap[3])
+        put()
+        for f in (lap[3], first[15], first[14]):         # answered, and the caller asked for the next
+            arena.answered(f)
+            arena.unpin(f)
+        for _ in range(k):
+            put()
+            spans = [arena._span(b) for b in given[-(k - 2):]]
+            assert len(set(spans)) == len(spans), spans  # the newest k - 2 blocks never share a place
+
+
+def test_an_error_answer_under_an_id_another_replicas_request_has_releases_its_own_block():
+    """Through the replicated clients one id may be in flight on two replicas: an error answer (no y to locate)
+    releases the read-ahead pin of its own request (matched by its sessions), never the other's."""
+    with ShmArena(4 * rand_x(2).numel() * 4) as arena:
+        x1, x2 = arena.put(rand_x(2, seed=1)), arena.put(rand_x(2, seed=2))
+        pins, t1, t2 = ReadAheadPins(arena), _Tracker(None, arena), _Tracker(None, arena)
+        a, b = ConvRequest("s1", 0, x1, id=0), ConvRequest("s2", 0, x2, id=0)
+        for r, t in ((a, t1), (b, t2)):
+            pins.take(r)
+            t.add(r)
+        pins.given(t2.result({"id": 0, "error": {"code": UnknownSession.code, "message": "m"}}))
+        res = t1.result({"id": 0, "y": {"dtype": "float32", "shape": [2, 32], "shm": arena.locate(x1)}})
+        t1.returned()                                   # a's replica stream went on; the caller has not read it
+        assert all(_span(arena, arena.put(rand_x(2))) != _span(arena, x1) for _ in range(4))
+        pins.given(res)
+        assert _held(arena) == []
+
+
+def test_a_hold_that_expired_leaves_the_ring_searching_only_one_lap_more():
+    """A held block makes the ring place blocks past it; a lap after the hold ends, the ring is back in its order
+    and hands out without a search, and its record of recent blocks stays a few runs, not one entry a block."""
+    blk = rand_x(1)
+    with ShmArena(64 * blk.numel() * 4) as arena:
+        held = arena.put(blk)
+        for _ in range(40):
+            arena.put(blk)
+        arena.hold(held, seconds=0.05)
+        for _ in range(64):                             # the ring meets the held block and places one past it
+            arena.put(blk)
+        time.sleep(0.06)
+        for _ in range(2 * 64):
+            arena.put(blk)
+        assert arena._handed >= arena._skipped_until and not arena._held
+        assert len(arena._recent) <= 3

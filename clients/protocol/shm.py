@@ -156,7 +156,7 @@ class ShmArena:
             lo = _aligned(self._next)
             if lo + n > self.nbytes:
                 lo = 0
-            if self._held or self._flying:
+            if self._held or self._flying or self._handed < self._skipped_until:
                 lo = self._past_held(lo, n)
             self._next = lo + n
             if self._sent:              # a block handed out anew: the caller writes it before sending it
@@ -170,10 +170,16 @@ class ShmArena:
         return self._typed(lo, n, dtype, shape)
 
     def _note_recent(self, a: int, b: int) -> None:
-        """``[a, b)`` is the newest of the blocks handed out last (under the lock)."""
-        self._recent.append((a, b))
+        """``[a, b)`` is the newest of the blocks handed out last (under the lock). Blocks handed out in the ring's
+        order, each where the last ended, are one run ``(start, end)``: its newer blocks lie higher, and the runs
+        stay few (one per lap, and one per block placed past a held one), so a search walks runs, not blocks."""
+        if self._recent and self._recent[-1][1] <= a <= _aligned(self._recent[-1][1]):
+            self._recent[-1] = (self._recent[-1][0], b)
+        else:
+            self._recent.append((a, b))
         self._recent_bytes += _aligned(b - a)
-        while self._recent_bytes - _aligned(self._recent[0][1] - self._recent[0][0]) > self.nbytes:
+        while len(self._recent) > 1 and \
+                self._recent_bytes - _aligned(self._recent[0][1] - self._recent[0][0]) > self.nbytes:
             a, b = self._recent.popleft()             # (more than nbytes of later blocks: never protected)
             self._recent_bytes -= _aligned(b - a)
 
@@ -201,7 +207,7 @@ class ShmArena:
 
     def claim(self, x) -> bool:
         """Keep the block of ``x`` out of :meth:`empty` as the x of a stream frame about to be sent, until
-        :meth:`answered` or :meth:`unpin`. False, claiming nothing, when ``x`` is not a block of this arena.
+        :meth:`answered` or :meth:`end_claim`. False, claiming nothing, when ``x`` is not a block of this arena.
         ``ValueError`` when ``x`` overlaps the x of a frame sent since its block was handed out: the server writes
         that frame's y over its x, in flight or answered, so the bytes are no longer x (the same tensor sent twice,
         or a y sent as x)."""
@@ -218,18 +224,23 @@ class ShmArena:
             self._flying.append(span)
         return True
 
-    def unclaim(self, x) -> None:
-        """A claimed frame was not sent after all: its block is the caller's again, as it was."""
+    def end_claim(self, x, hold: bool = False, sent: bool = True) -> None:
+        """End the :meth:`claim` of ``x``'s block without an answer's y to read: the block goes back to the ring at
+        its place; with ``hold`` (the frame ended unanswered, or with ``504 engine_timeout``: the server may still
+        write there) after ``hold_s`` instead. ``sent=False``: the frame was never sent, and x is x again."""
         span = self._span(x)
         if span is not None:
             with self._lock:
                 with contextlib.suppress(ValueError):
                     self._flying.remove(span)
-                    self._sent.remove(span)
+                    if not sent:
+                        self._sent.remove(span)
+                if hold:
+                    self._held.append((*span, time.monotonic() + self.hold_s))
 
     def answered(self, x) -> None:
-        """A claimed frame was answered: its block (now holding y) stays out of :meth:`empty` as if pinned, until
-        :meth:`unpin`, and may be the x of a new frame."""
+        """A claimed frame was answered: its block (now holding y, and refused as another frame's x until the ring
+        hands it out again) stays out of :meth:`empty` as if pinned, until :meth:`unpin`."""
         span = self._span(x)
         if span is not None:
             with self._lock:
@@ -238,19 +249,15 @@ class ShmArena:
                     self._held.append((*span, math.inf))
 
     def unpin(self, x, hold: bool = False) -> None:
-        """End a :meth:`claim` of ``x``'s block, or else one :meth:`pin` of it: the block goes back to the ring at
-        its place (a frame answered late has an old one, which the ring may reach soon: a caller copies the y it
-        keeps). With ``hold`` (the frame ended without an answer, or with ``504 engine_timeout``) it stays out for
-        ``hold_s`` instead."""
+        """End one :meth:`pin` of ``x``'s block (or the pin :meth:`answered` left): the block goes back to the ring
+        at its place (a frame answered late has an old one, which the ring may reach soon: a caller copies the y
+        it keeps). With ``hold`` it stays out for ``hold_s`` instead."""
         span = self._span(x)
         if span is None:
             return
         with self._lock:
-            if span in self._flying:
-                self._flying.remove(span)
-            else:
-                with contextlib.suppress(ValueError):
-                    self._held.remove((*span, math.inf))
+            with contextlib.suppress(ValueError):
+                self._held.remove((*span, math.inf))
             if hold:
                 self._held.append((*span, time.monotonic() + self.hold_s))
 
@@ -263,28 +270,27 @@ class ShmArena:
         return extent[0], extent[0] + extent[1]
 
     def _past_held(self, lo: int, n: int) -> int:
-        """The first offset from ``lo`` (going round the ring) where ``n`` bytes meet no held or pinned block and,
-        once the ring has had to skip one, none of the blocks handed out last: while blocks are held the ring has
-        their room less, so a block stays the caller's until ``nbytes`` less the held bytes (and the blocks' margin
-        of the ring's order) of later blocks were handed out. While the last ``nbytes`` handed out went in the ring's
-        order, its next place is the oldest, and taken only when held or pinned (no search: a stream's frames of a
-        few KB in a large arena would walk thousands of recent blocks per frame)."""
+        """The first offset from ``lo`` (going round the ring) where ``n`` bytes meet no held or pinned block and
+        none of the blocks handed out last: while blocks are held the ring has their room less, so a block stays the
+        caller's until ``nbytes`` less the held bytes (and two blocks of this size: the ring's end may waste one) of
+        later blocks were handed out. A block placed anywhere but ``lo`` leaves the ring's next places out of order
+        for the next ``nbytes`` handed out, which search too (``_skipped_until``)."""
         now = time.monotonic()
         self._held = [h for h in self._held if h[2] > now]
         taken = list({(a, b) for a, b, _t in self._held} | set(self._flying))   # (a block pinned twice is out once)
-        if self._handed >= self._skipped_until and not any(a < lo + n and lo < b for a, b in taken):
-            return lo
-        self._skipped_until = self._handed + self.nbytes
         room, later = self.nbytes - 2 * _aligned(n) - sum(_aligned(b - a) for a, b in taken), 0
-        for a, b in reversed(self._recent):
+        for a, b in reversed(self._recent):        # the newest runs, the last only in part (its newest blocks)
             if later >= room:
                 break
-            taken.append((a, b))
-            later += _aligned(b - a)
+            size = _aligned(b - a)
+            taken.append((max(a, b - (room - later)) if later + size > room else a, b))
+            later += size
         start, wrapped = lo, False
         while True:
             hit = next((h for h in taken if h[0] < lo + n and lo < h[1]), None)
             if hit is None:
+                if lo != start:
+                    self._skipped_until = self._handed + self.nbytes
                 return lo
             lo = _aligned(hit[1])
             if lo + n > self.nbytes:
