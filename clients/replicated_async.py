@@ -408,8 +408,8 @@ class ReplicatedAsyncConvClient(AsyncConvClient):
             if not feed.done():     # in an iterable that ignores the cancel, it is left behind: it feeds no more
                 feed.cancel()
                 await asyncio.wait({feed}, timeout=LEFT_BEHIND_S)
-            left = [t for t in tasks if not t.done()]
-            for t in left:          # the replicas' streams close (their owed answers dropped) before this returns
+            running = [t for t in tasks if not t.done()]
+            for t in running:       # the replicas' streams close (their owed answers dropped) before this returns
                 t.cancel()
-            await asyncio.gather(*left, return_exceptions=True)
+            await asyncio.gather(*running, return_exceptions=True)
             pins.close()

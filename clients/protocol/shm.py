@@ -76,14 +76,14 @@ class ShmArena:
 
     ``empty(shape, dtype)`` hands out the next block (64-byte aligned; after the end, from the start again): a
     block stays the caller's until ``nbytes`` less three blocks of the largest size handed out (two when every block
-    has one size: the ring skips an end too short for the next block) of later blocks have been handed out. Fill it with x and pass it to
-    ``conv`` / ``conv_batch`` of a client made with ``shm=arena``: the request then carries the block's reference
-    instead of x's bytes, and the y returned is a view of the same block, which the server wrote y into. A tensor
-    that does not lie in the arena (or is a non-contiguous view of a block) is sent in the body as usual. A block
-    whose request ended without an answer is held out of the ring for ``hold_s`` seconds (:meth:`hold`; the
-    clients do it for their calls): the server may still be using it. A stream's frame keeps its block out of the
-    ring until its answer (:meth:`claim`): frames in flight are answered in any order, and a block is the x of one
-    frame in flight at most (the server writes that frame's y over it).
+    has one size: the ring skips an end too short for the next block) of later blocks have been handed out. Fill it
+    with x and pass it to ``conv`` / ``conv_batch`` of a client made with ``shm=arena``: the request then carries the
+    block's reference instead of x's bytes, and the y returned is a view of the same block, which the server wrote
+    y into. A tensor that does not lie in the arena (or is a non-contiguous view of a block) is sent in the body as
+    usual. A block whose request ended without an answer is held out of the ring for ``hold_s`` seconds
+    (:meth:`hold`; the clients do it for their calls): the server may still be using it. A stream's frame keeps its
+    block out of the ring until its answer (:meth:`claim`): frames in flight are answered in any order, and a block
+    is the x of one frame at most until the ring hands it out again (the server writes that frame's y over it).
     """
 
     def __init__(self, nbytes: int, key: Optional[str] = None, root: str = "/dev/shm", sealed: bool = False,
