@@ -68,6 +68,19 @@ def _find_sequence(qsl_ptr, pid, batch, BLOCK_T: tl.constexpr, SEARCH: tl.conste
 
 
 @triton.jit
+def _zero_lead(out_ptr, s, start, end, blk_lo, total_tokens, pid_d, dim, stride_o_t, stride_o_d,
+               OFF64: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Tokens before query_start_loc[0] (which the contract makes 0) belong to no sequence: zeros, as the reference
+    writes them. A piece of sequence 0 (``s``; ``start``, ``end``: its tokens; ``blk_lo``: its block's first token,
+    all int64) zeroes its block's tokens before ``start``, so the blocks up to sequence 0's first one are written.
+    Every argument is one the caller has loaded already: nothing more is read."""
+    hi = tl.minimum(tl.minimum(start, end), tl.minimum(blk_lo + BLOCK_T, total_tokens))
+    if (s == 0) & (hi > blk_lo):
+        d0, ld, lt, mask_d = _channel_tile(pid_d, dim, OFF64, BLOCK_T, BLOCK_D)
+        _zero_tokens(out_ptr, blk_lo, hi, d0, ld, lt, mask_d, stride_o_t, stride_o_d, BLOCK_T, BLOCK_D)
+
+
+@triton.jit
 def _piece_kernel(
     x_ptr,  # (dim, total_tokens), any strides
     w_ptr,  # (dim, WIDTH)
@@ -140,35 +153,20 @@ def _piece_kernel(
         blk_lo = (pid - s).to(tl.int64) * BLOCK_T  # the piece's token block
         x_corner = x_ptr + blk_lo * stride_x_t + d0.to(tl.int64) * stride_x_d
         o_corner = out_ptr + blk_lo * stride_o_t + d0.to(tl.int64) * stride_o_d
-        # Tokens before query_start_loc[0] belong to no sequence: zeros, as the reference writes them. The
-        # sequence's pieces cover every block below query_start_loc[1], so they write them.
-        lead = (tl.minimum(tl.minimum(start, end), tl.minimum(blk_lo + BLOCK_T, total_tokens)) - blk_lo)
-        if (s == 0) & (lead > 0):
-            zmask = (lt < lead.to(lt.dtype))[:, None] & mask_d[None, :]  # [BLOCK_T, BLOCK_D]
-            tl.store(o_corner + (lt[:, None] * stride_o_t + ld[None, :] * stride_o_d),
-                     tl.zeros([BLOCK_T, BLOCK_D], dtype=out_ptr.dtype.element_ty), mask=zmask)
+        # (the sequence's pieces cover every block below query_start_loc[1], those before its start included)
+        _zero_lead(out_ptr, s, start, end, blk_lo, total_tokens, pid_d, dim, stride_o_t, stride_o_d, OFF64,
+                   BLOCK_T, BLOCK_D)
         if tl.maximum(blk_lo, start) >= tl.minimum(blk_lo + BLOCK_T, end):
             return  # past the sequence's last block, an empty sequence, or an empty tail: nothing more to do
     else:
-        s = _find_sequence(qsl_ptr, pid, batch, BLOCK_T, SEARCH)
-        # Tokens before query_start_loc[0] (which the contract makes 0) belong to no sequence: zeros, as the
-        # reference writes them. Ids below sequence 0's first key (s == -1) are the token blocks wholly before it,
-        # and sequence 0's first piece zeroes its block's tokens before it.
-        if s < 0:
-            lead_lo = pid.to(tl.int64) * BLOCK_T
-            lead_hi = tl.minimum(tl.load(qsl_ptr).to(tl.int64), lead_lo + BLOCK_T)
-        else:
-            lead_lo = (pid - s).to(tl.int64) * BLOCK_T
-            lead_hi = tl.where(s == 0, tl.load(qsl_ptr).to(tl.int64), lead_lo)
-        lead_hi = tl.minimum(lead_hi, total_tokens)
-        if lead_hi > lead_lo:
-            z_d0, z_ld, z_lt, z_mask_d = _channel_tile(pid_d, dim, OFF64, BLOCK_T, BLOCK_D)
-            _zero_tokens(out_ptr, lead_lo, lead_hi, z_d0, z_ld, z_lt, z_mask_d, stride_o_t, stride_o_d, BLOCK_T,
-                         BLOCK_D)
-        s = tl.maximum(s, 0)
+        # Ids below sequence 0's first key (the search's -1) are the token blocks wholly before
+        # query_start_loc[0]: taken as sequence 0's, their pieces hold no token of it and only zero their block.
+        s = tl.maximum(_find_sequence(qsl_ptr, pid, batch, BLOCK_T, SEARCH), 0)
         start = tl.load(qsl_ptr + s).to(tl.int64)
         end = tl.where(s < batch, tl.load(qsl_ptr + tl.minimum(s + 1, batch)).to(tl.int64), total_tokens)
         blk_lo = (pid - s).to(tl.int64) * BLOCK_T  # the piece's token block
+        _zero_lead(out_ptr, s, start, end, blk_lo, total_tokens, pid_d, dim, stride_o_t, stride_o_d, OFF64,
+                   BLOCK_T, BLOCK_D)
         if tl.maximum(blk_lo, start) >= tl.minimum(blk_lo + BLOCK_T, end):
             return  # an id between two sequences' pieces, or an empty sequence: nothing to do
 
