@@ -34,6 +34,7 @@ class _Tracker:
         self.book = book
         self.shm = shm
         self.lent: list = []      # the blocks of answers handed to the caller, out of the ring until returned()
+        self.unsent: set = set()  # ids of frames packed that wait to be sent (hold_back): not yet on the wire
 
     def packed(self, req, frame, packer) -> bytes:
         """``req``'s frame (``frame(req, shm)``), packed, with ``req`` noted in flight (:meth:`add`): its x goes by
@@ -45,10 +46,23 @@ class _Tracker:
             self.discard(req.id)
             raise
 
+    def hold_back(self, fid) -> None:
+        """Frame ``fid`` (packed) waits before it is sent: if the stream ends before :meth:`on_wire`, the server never
+        saw it, and its block goes back to the ring at once rather than after ``hold_s``. A frame never marked so
+        counts as sent from its packing on (the safe side: a block the server may write is held)."""
+        with self.lock:
+            self.unsent.add(fid)
+
+    def on_wire(self, fid) -> None:
+        """Frame ``fid``, held back, is about to be sent (after this the server may read x and write y)."""
+        with self.lock:
+            self.unsent.discard(fid)
+
     def discard(self, fid) -> None:
         """Frame ``fid`` was added and not sent: nothing to wait for, its block back in the ring."""
         with self.lock:
             meta = self.meta.pop(fid, None)
+            self.unsent.discard(fid)
         if meta is not None and meta[4] is not None:
             with contextlib.suppress(ValueError):      # the arena was closed meanwhile
                 self.shm.end_claim(meta[4], sent=False)
@@ -71,8 +85,9 @@ class _Tracker:
                 return False
             batch = isinstance(req, BatchRequest)
             session = list(req.sessions) if batch else req.session
-            # x's block when it goes by reference: out of the arena's ring until the frame's answer
-            block = req.x if self.shm is not None and self.shm.claim(req.x) else None
+            # x's block when it goes by reference (its span in the arena, found once): out of the arena's ring
+            # until the frame's answer
+            block = None if self.shm is None else self.shm.claim(req.x)
             try:
                 # what each session's row applies, and the session's mark in the book then (PositionBook.mark),
                 # for the book only (no per-frame work without one)
@@ -163,15 +178,16 @@ class _Tracker:
         """The stream ended without the answers still owed: their outcome is unknown to the client."""
         self.returned()
         with self.lock:
-            owed, self.meta = list(self.meta.values()), {}
-        for session, _layer, _backend, _rows, block in owed:
+            owed, self.meta = list(self.meta.items()), {}
+            unsent, self.unsent = self.unsent, set()
+        for fid, (session, _layer, _backend, _rows, block) in owed:
             self._forget(session if isinstance(session, list) else [session])
-            if block is not None:
-                self._end_claim(block, hold=True)
+            if block is not None:      # held unless never sent (the server may still read x and write y there)
+                self._end_claim(block, hold=fid not in unsent, sent=fid not in unsent)
 
-    def _end_claim(self, block, hold: bool = False) -> None:
+    def _end_claim(self, block, hold: bool = False, sent: bool = True) -> None:
         with contextlib.suppress(ValueError):      # the arena was closed meanwhile: nothing to keep
-            self.shm.end_claim(block, hold)
+            self.shm.end_claim(block, hold, sent)
 
     def check_done(self) -> None:
         self.returned()

@@ -427,6 +427,7 @@ class ConvClient(_Base):
                                 break
                             req = _as_request(r, i)
                             data = tracker.packed(req, self._stream_frame, packer)
+                            tracker.hold_back(req.id)       # (it may wait for room: sent only past the gate)
                             with room:
                                 while sent["bytes"] and sent["bytes"] + len(data) > WS_INFLIGHT_BYTES and \
                                         not sent["stop"]:
@@ -435,6 +436,7 @@ class ConvClient(_Base):
                                     tracker.discard(req.id)
                                     break
                                 sent["n"] += 1      # counted before the send: the receiver waits for its answer
+                                tracker.on_wire(req.id)
                                 sent["bytes"] += len(data)
                                 # a list per id: an answered id can be sent again before its answer's size is
                                 # taken back below (the tracker lets an id go first)

@@ -180,3 +180,30 @@ def test_a_block_of_a_closed_arena_raises_the_calls_own_error():
     with ConvClient("http://127.0.0.1:9", shm=arena, transport=httpx.MockTransport(late)) as c:
         with pytest.raises(httpx.ReadTimeout):
             c.conv_batch(["a"], 0, x)
+
+
+@pytest.mark.parametrize("held_back", [False, True], ids=["sent", "waiting"])
+def test_a_stream_that_ends_holds_the_blocks_of_frames_sent_and_frees_those_never_sent(held_back):
+    """A stream's frames owed when it ends: one the server may have read (sent, or packed without being held back)
+    keeps its block out of the ring for hold_s; one still waiting to be sent (the sync WebSocket's wait for room:
+    ``_Tracker.hold_back``, never ``on_wire``) goes back at once, and its x is x again (claimable)."""
+    from convserve.clients.common import ConvRequest
+    from convserve.clients.stream_tracker import _Tracker
+
+    with ShmArena(64 * ALIGN) as arena:
+        tracker = _Tracker(None, arena)
+        x = arena.put(torch.randn(2, 8))
+        other = arena.put(torch.randn(2, 8))
+        tracker.add(ConvRequest("s", 0, other, id="sent"))        # a frame on the wire: held either way
+        tracker.add(ConvRequest("s", 0, x, id="f"))
+        if held_back:
+            tracker.hold_back("f")
+        tracker.abandon()
+        held = {(a, b) for a, b, _t in arena._held}
+        assert _span(arena, other) in held
+        assert (_span(arena, x) in held) is not held_back
+        if held_back:
+            assert arena.claim(x)                   # not counted as sent: x may go in a frame again
+        else:
+            with pytest.raises(ValueError, match="overlaps the x of a stream frame sent"):
+                arena.claim(x)

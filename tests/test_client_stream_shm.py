@@ -150,7 +150,7 @@ def test_the_ring_never_hands_out_a_block_whose_frame_is_in_flight():
             inflight.append(blk)
             if len(inflight) == 3:      # three in flight: answer the newest two, keep the first
                 for f in inflight[1:]:
-                    fid = next(k for k, m in tracker.meta.items() if m[4] is f)
+                    fid = next(k for k, m in tracker.meta.items() if m[4] == _span(arena, f))
                     tracker.result({"id": fid, "y": {"dtype": "float32", "shape": [2, 32],
                                                      "shm": arena.locate(f)}})
                     tracker.returned()              # the caller asks for the next result

@@ -205,15 +205,16 @@ class ShmArena:
             self._held.append((*span, math.inf))
         return True
 
-    def claim(self, x) -> bool:
+    def claim(self, x) -> Optional[tuple]:
         """Keep the block of ``x`` out of :meth:`empty` as the x of a stream frame about to be sent, until
-        :meth:`answered` or :meth:`end_claim`. False, claiming nothing, when ``x`` is not a block of this arena.
+        :meth:`answered` or :meth:`end_claim`: returns the block's span ``(start, end)``, which those (and
+        :meth:`unpin`) take in place of ``x``; None, claiming nothing, when ``x`` is not a block of this arena.
         ``ValueError`` when ``x`` overlaps the x of a frame sent since its block was handed out: the server writes
         that frame's y over its x, in flight or answered, so the bytes are no longer x (the same tensor sent twice,
         or a y sent as x)."""
         span = self._span(x)
         if span is None:
-            return False
+            return None
         with self._lock:
             i = bisect.bisect_left(self._sent, (span[1],))
             if i > 0 and self._sent[i - 1][1] > span[0]:
@@ -222,7 +223,7 @@ class ShmArena:
                                  "block of its own (ShmArena.put: a copy of a y too), or send it outside the arena")
             self._sent.insert(i, span)
             self._flying.append(span)
-        return True
+        return span
 
     def end_claim(self, x, hold: bool = False, sent: bool = True) -> None:
         """End the :meth:`claim` of ``x``'s block without an answer's y to read: the block goes back to the ring at
@@ -262,7 +263,11 @@ class ShmArena:
                 self._held.append((*span, time.monotonic() + self.hold_s))
 
     def _span(self, x) -> Optional[tuple]:
-        """``(start, end)`` of ``x``'s block in this arena, or None when x is not one (ValueError once closed)."""
+        """``(start, end)`` of ``x``'s block in this arena (``x`` itself when it is a span :meth:`claim` returned),
+        or None when x is not one (ValueError once closed)."""
+        if type(x) is tuple:
+            self._check_open()
+            return x
         extent = self._extent(x)
         if extent is None:
             return None
