@@ -7,11 +7,13 @@
 #   bash bench/frontend_check.sh          # on the device (run with carry [".whl"]); results under $OUT/frontend-*
 #
 # SERVER_CPUS, CLIENT_CPUS (0-7, 8-15), LAYERS, DIM (8, 4096), DURATION (12 s), WARMUP (15 s) and PYTHON change
-# the defaults; UDS=1 has the server listen on a Unix socket too and every leg's calls go through it; LEGS
-# (sealed,bodies,sealed-spec4; also bodies-spec4 and ws-spec4: verify steps at 1 and 64 sessions, accepts POSTed
-# or pipelined as WebSocket frames; ws-sealed and ws-sealed-spec4: the WebSocket's frames with x and y in the sealed
-# arena) picks the legs. The warm-up covers the ramp: the sessions' prefills go in steps of up to max_batch_tokens tokens (67 MB
-# a layer call at dim 4096 through bodies), and a step begun after the warm-up is measured as a decode step would be.
+# the defaults; SERVER_ARGS adds flags to `convserve serve` (e.g. "--workers 0": the engine in the HTTP process);
+# UDS=1 has the server listen on a Unix socket too and every leg's calls go through it; LEGS (sealed,bodies,
+# sealed-spec4; also bodies-spec4 and ws-spec4: verify steps at 1 and 64 sessions, accepts POSTed or pipelined as
+# WebSocket frames; ws-sealed and ws-sealed-spec4: the WebSocket's frames with x and y in the sealed arena) picks
+# the legs. The warm-up covers the ramp: the sessions' prefills go in steps of up to max_batch_tokens tokens
+# (67 MB a layer call at dim 4096 through bodies), and a step begun after the warm-up is measured as a decode step
+# would be.
 # Each leg's table is in $OUT/frontend-<leg>.txt and its JSON in $OUT/frontend-<leg>/loadtest.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,7 +32,7 @@ if [[ ${UDS:-0} == 1 ]]; then
   uds=(--uds "$OUT/convserve.sock")
 fi
 taskset -c "${SERVER_CPUS:-0-7}" "$PY" -m convserve.service serve --host 127.0.0.1 --port $port "${uds[@]}" \
-  --layers "${LAYERS:-8}" --dim "${DIM:-4096}" --dtype bfloat16 --client-shm > "$OUT/server.log" 2>&1 &
+  --layers "${LAYERS:-8}" --dim "${DIM:-4096}" --dtype bfloat16 --client-shm ${SERVER_ARGS:-} > "$OUT/server.log" 2>&1 &
 server=$!
 "$PY" - "$port" <<'PY'
 import sys, time, urllib.request
