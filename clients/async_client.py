@@ -18,10 +18,10 @@ from convserve.clients.h1 import _H1Pool, _h1_target, unix_transport
 from convserve.clients.positions import (IMPORT, LOOK, RESYNC, RETRY_ERRORS, Attempts, serialized)
 from convserve.clients.protocol import wire
 from convserve.clients.replicas import is_routed
-from convserve.clients.session_requests import accept_body, delete_path, quote_id, session_body, state_body
+from convserve.clients.session_requests import (MadeId, accept_body, delete_path, quote_id, session_body,
+                                               state_body)
 from convserve.clients.stream_tracker import _Tracker
 from convserve.clients.protocol.errors import BadRequest, LateRequest, PositionMismatch, ServiceError
-from convserve.clients.protocol.ids import new_session_id
 
 
 class AsyncConvClient(_Base):
@@ -103,13 +103,13 @@ class AsyncConvClient(_Base):
 
     async def create_session(self, session: Optional[str] = None) -> str:
         """Async twin of :meth:`ConvClient.create_session`."""
-        sid = session if session is not None else new_session_id()
         rid = self._request_id()
-        body = session_body(sid, rid)
-        if self.positions is None:
-            return _decode(await self._send("POST", "/v1/sessions", body))["session"]
-        att = Attempts(self.positions, "POST", "/v1/sessions", [sid], remedy=LOOK, rid=rid)
-        sid = self._created(await self._retrying("POST", "/v1/sessions", body, att), att, sid)
+        if self.positions is None:      # no id: the server picks one on an engine that is up
+            return _decode(await self._send("POST", "/v1/sessions", session_body(session, rid)))["session"]
+        att = Attempts(self.positions, "POST", "/v1/sessions", [session], remedy=LOOK, rid=rid)
+        made = MadeId(att, session, 0, rid)
+        sid = self._created(await self._retrying("POST", "/v1/sessions", made.body, att, made.rebody), att,
+                            made.sid)
         self.positions.reset(sid)
         return sid
 
@@ -128,13 +128,13 @@ class AsyncConvClient(_Base):
     @serialized(one=True)
     async def fork(self, session: str, new_session: Optional[str] = None) -> str:
         """Async twin of :meth:`ConvClient.fork`."""
-        new = new_session if new_session is not None else new_session_id()
         rid = self._request_id()
-        path, body = f"/v1/sessions/{quote_id(session)}/fork", session_body(new, rid)
-        if self.positions is None:
-            return _decode(await self._send("POST", path, body))["session"]
-        att = Attempts(self.positions, "POST", path, [session, new], remedy=LOOK, rid=rid)
-        sid = self._created(await self._retrying("POST", path, body, att), att, new)
+        path = f"/v1/sessions/{quote_id(session)}/fork"
+        if self.positions is None:      # no id: the server picks one on the source's engine
+            return _decode(await self._send("POST", path, session_body(new_session, rid)))["session"]
+        att = Attempts(self.positions, "POST", path, [session, new_session], remedy=LOOK, rid=rid)
+        made = MadeId(att, new_session, 1, rid)
+        sid = self._created(await self._retrying("POST", path, made.body, att, made.rebody), att, made.sid)
         self.positions.fork(session, sid)
         return sid
 

@@ -171,17 +171,22 @@ class Attempts:
     sent, or only refused: nothing applied).
     ``read``: a read (``GET``), which applies nothing whatever happens; ``before``: the read of the session's
     positions a tracked call makes first. ``rid``, ``layer``, ``positions``: what the call carried, for
-    :class:`OutcomeUnknown`; ``remedy``: what its message tells the caller to do."""
+    :class:`OutcomeUnknown`; ``remedy``: what its message tells the caller to do. ``moves``: a create or fork
+    of an id the client made, which a ``503 engine_unavailable`` (the engine that id hashes to is down) retries at
+    once, the caller sending a fresh id (:meth:`moved`)."""
 
     def __init__(self, book, method: str, path: str, sessions: list, *, remedy: str = RESEND,
                  rid: Optional[str] = None, layer: Optional[int] = None, positions=None, read: bool = False,
-                 before: bool = False):
+                 before: bool = False, moves: bool = False):
         self.book, self.what, self.sessions, self.remedy = book, f"{method} {path}", list(sessions), remedy
         self.rid, self.layer, self.positions, self.read, self.before = rid, layer, positions, read, before
         self.n = 0                # retries made
         self.maybe_ran = False    # an attempt so far may have been applied
         self.ran = False          # the last attempt may have been applied
         self.resent = False       # a retry carried a body unlike the first, after an attempt that may have run
+        self.moves = moves
+        self.down = False         # the last attempt's id hashes to an engine that is down (with moves)
+        self.downs = 0            # such answers so far
 
     def failed(self, e: BaseException) -> float:
         """The attempt failed on the network (``e``): the seconds to wait before the next one, or the error."""
@@ -198,9 +203,10 @@ class Attempts:
         its cause."""
         if resp.status_code not in RETRY_STATUS:     # (every answer of a tracked call comes here)
             return None
-        from convserve.clients.common import _raise_for, error_extra    # (common imports this module)
+        from convserve.clients.common import _raise_for, error_of    # (common imports this module)
 
-        extra = error_extra(resp)
+        err = error_of(resp)
+        extra = {} if err is None else err.extra
         if extra.get("applied"):
             return None
         ran = not self.read and (resp.status_code == 504 or extra.get("maybe_applied") is True)   # (other 503s: no)
@@ -216,7 +222,21 @@ class Attempts:
             return None
         self.ran = ran
         self.maybe_ran = self.maybe_ran or self.ran
+        self.down = self.moves and err is not None and err.code == "engine_unavailable"
+        if self.down:       # a fresh id most likely hashes to an engine that is up: no wait, for the first few
+            self.downs += 1
+            if self.downs <= FRESH_IDS_AT_ONCE:
+                self.n -= 1     # (not a retry of the same call: the count of retries is the caller's)
+                return 0.0
         return self.book.delay(self.n, self.book.retry_after(resp))
+
+    def moved(self, sid: str, index: int = 0) -> str:
+        """After an answer that set :attr:`down`: ``sid``, a fresh id, replaces the one at ``index`` of the call's
+        sessions (a session the last id may have made lived on the engine that is down: its state is lost with
+        it, and no one else knows that id)."""
+        self.sessions[index] = sid
+        self.down = False
+        return sid
 
     def unknown(self) -> OutcomeUnknown:
         return OutcomeUnknown(f"{self.what} for session(s) {_ids(self.sessions)} got no answer in {self.n + 1} "
@@ -260,6 +280,10 @@ class Attempts:
                            sessions=self.sessions)
 
 
+#: a tracked create or fork of an id the client made, refused because the engine the id hashes to is down, is
+#: sent again with a fresh id at once, this many times apart from its retries (with half the engines down, all 16
+#: land on one that is down once in 65,536 calls); then as a retry, after the usual delay (most engines may be down)
+FRESH_IDS_AT_ONCE = 16
 #: statuses a tracked request is retried on (with the same body); connection errors are retried too
 RETRY_STATUS = (503, 504)
 #: the connection errors a tracked request is retried on (httpx's, which the lean async pool raises as well)

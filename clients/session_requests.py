@@ -8,6 +8,7 @@ from typing import Optional
 
 from convserve.clients.common import SessionState, _id_list, _int_list
 from convserve.clients.protocol import wire
+from convserve.clients.protocol.ids import new_session_id
 
 
 def quote_id(segment: str) -> str:
@@ -25,6 +26,25 @@ def with_rid(body: dict, rid: Optional[str]) -> dict:
 def session_body(session: Optional[str], rid: Optional[str] = None) -> bytes:
     """The body of a create or fork: the id to make, when given."""
     return wire.packb(with_rid({"session": session} if session is not None else {}, rid))
+
+
+class MadeId:
+    """The id of a tracked create or fork (``att``'s session at ``index``): the caller's, or one the client made
+    (``made``), which is replaced by a fresh one for the retry after a ``503 engine_unavailable``: the engine it
+    hashes to is down (:meth:`Attempts.moved`). ``body`` is the first attempt's body, :meth:`rebody` each retry's."""
+
+    def __init__(self, att, given: Optional[str], index: int, rid: Optional[str]):
+        self.att, self.index, self.rid = att, index, rid
+        self.sid = given if given is not None else new_session_id()
+        att.moves = given is None
+        att.sessions[index] = self.sid
+        self.body = session_body(self.sid, rid)
+
+    def rebody(self, _ran: bool) -> bytes:
+        if self.att.down:
+            self.sid = self.att.moved(new_session_id(), self.index)
+            self.body = session_body(self.sid, self.rid)
+        return self.body
 
 
 def state_body(state, layers, rid: Optional[str] = None) -> bytes:

@@ -17,10 +17,10 @@ from convserve.clients.h1 import unix_transport
 from convserve.clients.positions import (IMPORT, LOOK, RESYNC, RETRY_ERRORS, Attempts, serialized)
 from convserve.clients.protocol import wire
 from convserve.clients.replicas import is_routed
-from convserve.clients.session_requests import accept_body, delete_path, quote_id, session_body, state_body
+from convserve.clients.session_requests import (MadeId, accept_body, delete_path, quote_id, session_body,
+                                               state_body)
 from convserve.clients.stream_tracker import _Tracker
 from convserve.clients.protocol.errors import BadRequest, LateRequest, PositionMismatch, ServiceError
-from convserve.clients.protocol.ids import new_session_id
 
 
 #: the most bytes of frames a WebSocket stream keeps sent and unanswered (a larger frame goes alone): websockets'
@@ -115,13 +115,12 @@ class ConvClient(_Base):
         of 1 to 128 of ``A-Z a-z 0-9 . _ ~ : -``), else a fresh one the client makes (so a create whose answer
         was lost can be looked up, or sent again). With ``track_positions`` it is retried as a conv is; a retry
         answered ``409 session_exists`` after an attempt that may have run means that attempt created it."""
-        sid = session if session is not None else new_session_id()
         rid = self._request_id()
-        body = session_body(sid, rid)
-        if self.positions is None:
-            return _decode(self._http.post("/v1/sessions", content=body))["session"]
-        att = Attempts(self.positions, "POST", "/v1/sessions", [sid], remedy=LOOK, rid=rid)
-        sid = self._created(self._retrying("POST", "/v1/sessions", body, att), att, sid)
+        if self.positions is None:      # no id: the server picks one on an engine that is up
+            return _decode(self._http.post("/v1/sessions", content=session_body(session, rid)))["session"]
+        att = Attempts(self.positions, "POST", "/v1/sessions", [session], remedy=LOOK, rid=rid)
+        made = MadeId(att, session, 0, rid)
+        sid = self._created(self._retrying("POST", "/v1/sessions", made.body, att, made.rebody), att, made.sid)
         self.positions.reset(sid)
         return sid
 
@@ -144,13 +143,13 @@ class ConvClient(_Base):
         """A copy of the session's state under a new id (``new_session``, or a fresh one the client makes); its
         id. With ``track_positions`` it waits for the session's tracked calls before it (its positions are
         theirs) and is retried as :meth:`create_session` is."""
-        new = new_session if new_session is not None else new_session_id()
         rid = self._request_id()
-        path, body = f"/v1/sessions/{quote_id(session)}/fork", session_body(new, rid)
-        if self.positions is None:
-            return _decode(self._http.post(path, content=body))["session"]
-        att = Attempts(self.positions, "POST", path, [session, new], remedy=LOOK, rid=rid)
-        sid = self._created(self._retrying("POST", path, body, att), att, new)
+        path = f"/v1/sessions/{quote_id(session)}/fork"
+        if self.positions is None:      # no id: the server picks one on the source's engine
+            return _decode(self._http.post(path, content=session_body(new_session, rid)))["session"]
+        att = Attempts(self.positions, "POST", path, [session, new_session], remedy=LOOK, rid=rid)
+        made = MadeId(att, new_session, 1, rid)
+        sid = self._created(self._retrying("POST", path, made.body, att, made.rebody), att, made.sid)
         self.positions.fork(session, sid)
         return sid
 

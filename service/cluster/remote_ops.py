@@ -55,8 +55,21 @@ class RemoteSessions:
                 raise EngineUnavailable("no engine is up to hold a new session; retry shortly",
                                         retry_after=2) from None
         else:
-            e = engine_of(session_id, self.n)
+            e = self._engine_for_new(session_id)
         return self._op(e, "create_session", session_id, rid=request_id)
+
+    def _engine_for_new(self, sid: str) -> int:
+        """The engine a new session named ``sid`` goes to (the one its id hashes to); when that engine is down,
+        :class:`EngineUnavailable` that says to send another id, or none."""
+        e = engine_of(sid, self.n)
+        try:
+            self._target(e)
+        except EngineUnavailable:
+            raise EngineUnavailable(f"engine {e} ({self.devices[e]}), which the new id {sid!r:.80} hashes to, is down "
+                                    "and restarting: send the create (or fork) without an id, and the server picks "
+                                    "one on an engine that is up (a fork's on its source's engine), or with another "
+                                    "id, or retry once it is back", retry_after=2) from None
+        return e
 
     def delete_session(self, session_id: str, request_id: Optional[str] = None) -> None:
         self._op(engine_of(session_id, self.n), "delete_session", session_id, rid=request_id)
@@ -67,9 +80,9 @@ class RemoteSessions:
             new_id, _ = new_id_on(lambda x: x == e, self.n, tries=4096)
         if new_id is None or engine_of(new_id, self.n) == e:
             return self._op(e, "fork_session", src_id, new_id, rid=request_id)
+        to = self._engine_for_new(new_id)
         state, positions, pending, spec = self._op(e, "export_for_fork", src_id, rid=request_id)
-        self._op(engine_of(new_id, self.n), "create_with_state", new_id, positions, pending, state=state, spec=spec,
-                 rid=request_id)
+        self._op(to, "create_with_state", new_id, positions, pending, state=state, spec=spec, rid=request_id)
         return new_id
 
     def export_state(self, session_id: str):
