@@ -318,6 +318,10 @@ class Settings(BaseSettings):
     @field_validator("workers", "slots", "max_prefill_tokens_per_step", "engine_busy_poll_us", mode="before")
     @classmethod
     def _int_or_auto(cls, v, info):
+        if isinstance(v, float) and v.is_integer():
+            return int(v)
+        if not isinstance(v, (str, int)):       # a file's 1.5 or [1]: one line, not one per branch of the union
+            raise ValueError(f"{info.field_name}: {v!r:.60} is neither an integer nor 'auto'")
         if isinstance(v, str) and v.strip().lower() != "auto":
             try:
                 return int(v)

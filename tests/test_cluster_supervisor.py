@@ -237,3 +237,37 @@ def test_an_engine_start_failure_reported_only_during_the_stop_is_still_the_star
 
         shutil.rmtree(sup.run_dir, ignore_errors=True)
         os.close(sup._run_lock)
+
+
+_SLOW_WARM_UP = """
+import time
+from convserve.service.engine import core
+_start = core.Engine.start
+def start(self, *args, **kwargs):   # built, then a warm-up that hangs (a CUDA-graph capture that never ends)
+    time.sleep(120)
+    return _start(self, *args, **kwargs)
+core.Engine.start = start
+"""
+
+
+def test_an_engine_built_but_not_up_within_the_build_timeout_ends_the_start_with_exit_1_naming_it(tmp_path):
+    """``engine_build_timeout_s`` covers the warm-up after the build too (the state pool, CUDA graphs), which runs
+    while the workers already listen: an engine that never comes up ends the start (exit 1, the reason named)
+    rather than leaving a server that is alive, healthy and never ready."""
+    import subprocess
+    import sys
+
+    from tests.test_cluster_failures import ARGS
+
+    (tmp_path / "sitecustomize.py").write_text(_SLOW_WARM_UP)      # imported by every process, the engines' too
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONVSERVE_")}
+    env.update(PYTHONPATH=f"{tmp_path}{os.pathsep}{env.get('PYTHONPATH', '')}", PYTHONUNBUFFERED="1")
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "convserve.service", "serve", "--host", "127.0.0.1", "--port", "0",
+                           "--device", "cpu", *ARGS, "--engine-build-timeout-s", "4"], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=90)
+    out = proc.stdout.decode(errors="replace")
+    assert proc.returncode == 1, out[-3000:]
+    assert time.monotonic() - t0 < 60, "it waited for the warm-up"
+    assert '"listening"' in out and "engines not up in time" in out, out[-3000:]
+    assert "not up within engine_build_timeout_s=4 s" in out, out[-3000:]

@@ -463,3 +463,16 @@ def test_a_boolean_setting_still_takes_a_boolean(tmp_path):
     cfg.write_text(json.dumps({"check_finite": False, "access_log": True}))
     s = load_settings({}, cfg)
     assert s.check_finite is False and s.access_log is True
+
+
+@pytest.mark.parametrize("key, value", [("slots", 1.5), ("workers", 2.5), ("slots", [1]),
+                                        ("max_prefill_tokens_per_step", 2.5), ("engine_busy_poll_us", {"a": 1})])
+def test_a_config_file_value_of_an_integer_or_auto_setting_that_is_neither_names_the_setting(tmp_path, key, value):
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({key: value}))
+    with pytest.raises(ConfigError) as e:
+        load_settings({}, cfg)
+    lines = str(e.value).splitlines()[1:]
+    assert len(lines) == 1, lines                  # one line, not one per branch of the int | 'auto' union
+    assert "--" + key.replace("_", "-") + " / CONVSERVE_" + key.upper() in lines[0], lines
+    assert "neither an integer nor 'auto'" in lines[0] and str(cfg) in lines[0], lines

@@ -262,12 +262,14 @@ class RemoteEngine(RemoteSessions, EngineHealth):
             return
         link.pending = {mid: p for mid, p in link.pending.items() if p.epoch == epoch}
         link.epoch = epoch
-        why = (f"engine {link.index} ({self.devices[link.index]}) died while this request was in flight; the "
+        why = (f"engine {link.index} ({self.devices[link.index]}) died while this request {{}} in flight; the "
                "session's state was lost with it (the session answers 410 state_lost once the engine is back): "
                "create it again and prefill")
-        # a conv, batch or changing operation may have run before the process died; a read or a check did not
-        errs = {True: EngineUnavailable(why, retry_after=2, maybe_applied=True),
-                False: EngineUnavailable(why, retry_after=2)}
+        # a conv, batch or changing operation may have run before the process died; a read or a check did not (a
+        # batch split across engines is checked on each before any part is sent: refused there, nothing ran)
+        errs = {True: EngineUnavailable(why.format("was"), retry_after=2, maybe_applied=True),
+                False: EngineUnavailable(why.format("(a read, or the checks before a batch or accept split across "
+                                                    "engines is run: nothing of it ran) was"), retry_after=2)}
         log.error("engine process lost with requests in flight", extra={"engine": link.index, "requests": len(old)})
         for p in old:
             if not p.fut.done():

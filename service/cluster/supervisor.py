@@ -146,8 +146,7 @@ class Supervisor:
                 log.error("engines not built in time", extra={"engines": late, "engine_build_timeout_s": timeout})
                 self.timed_out = True
                 self.start_error = (f"engine(s) {', '.join(late)} not built within engine_build_timeout_s={timeout:g} "
-                                    "s (model build and warm-up); see the log above, or raise "
-                                    "--engine-build-timeout-s")
+                                    "s (model build); see the log above, or raise --engine-build-timeout-s")
                 return False
             for c in self.engines:
                 if not c.proc.is_alive():
@@ -210,8 +209,8 @@ class Supervisor:
                 self._spawn_worker(c)
             self._loop()
             self._stop_all()
-            if self.start_error is not None:    # an engine's first process died warming up (_start_failed)
-                return 2
+            if self.start_error is not None:    # an engine's first process died warming up (_start_failed), or
+                return 1 if self.timed_out else 2   # was not up in time (_not_up_in_time)
             return 1 if self.failed else 0
         finally:
             for s, h in old.items():
@@ -233,11 +232,16 @@ class Supervisor:
             children = [c for c in self.engines + self.workers if c.proc is not None]
             now = time.monotonic()
             due = [c.restart_at for c in self.engines + self.workers if c.restart_at is not None]
+            due += [t for _c, t in self._warm_up_deadlines()]
             timeout = max(0.0, min(due) - now) if due else 1.0
             wait([c.proc.sentinel for c in children if c.proc.is_alive()] + [self._wake_r], timeout=timeout)
             if self.stopping:
                 return
             now = time.monotonic()
+            late = [c for c, t in self._warm_up_deadlines() if now >= t and c.proc.is_alive()]
+            if late:
+                self._not_up_in_time(late)
+                return
             for c in self.engines + self.workers:
                 if c.proc is not None and not c.proc.is_alive():
                     self._died(c, now)
@@ -245,6 +249,26 @@ class Supervisor:
                     c.restart_at = None
                     (self._spawn_engine if c.kind == "engine" else self._spawn_worker)(c)
             _collect_adopted()          # after the turn's deaths: what _died killed is a zombie by now
+
+    def _warm_up_deadlines(self) -> list:
+        """``(engine, deadline)`` of each engine whose first process has not come up yet (built, it allocates its
+        state pool and warms up after the workers started): ``engine_build_timeout_s`` from its start covers the
+        build and the warm-up alike."""
+        timeout = self.settings.engine_build_timeout_s
+        return [(c, c.started_at + timeout) for c in self.engines
+                if c.proc is not None and not c.was_up and not self._up(c)]
+
+    def _not_up_in_time(self, late: list) -> None:
+        """Engines whose first process is alive and not up past ``engine_build_timeout_s`` (hung in its warm-up,
+        say): the start failed, as one not built in time does (exit 1, naming them)."""
+        timeout = self.settings.engine_build_timeout_s
+        names = [f"{c.index} ({self.devices[c.index]})" for c in late]
+        log.error("engines not up in time", extra={"engines": names, "engine_build_timeout_s": timeout})
+        self.timed_out = True
+        self.start_error = (f"engine(s) {', '.join(names)} not up within engine_build_timeout_s={timeout:g} s "
+                            "(model build, state pool and warm-up); see the log above, or raise "
+                            "--engine-build-timeout-s")
+        self.stopping = True
 
     def _died(self, c: _Child, now: float) -> None:
         code = c.proc.exitcode
