@@ -18,6 +18,27 @@ from convserve.clients.protocol.errors import SessionExists, StateLost, UnknownS
 from convserve.clients.protocol.ids import check_session_id, new_session_id
 
 
+#: what :func:`with_gone` adds to a message (past one session), up to the counts
+_GONE = " of this request's sessions are not live: "
+
+
+def with_gone(err, lost: list, unknown: list):
+    """``err`` (a 410 or 404 of one of a request's sessions) naming every session of the request that is lost
+    (``lost``) or does not exist (``unknown``), in its fields and, past one, its message (one it named fewer in
+    before, a part's of a batch split across engines, is replaced)."""
+    err.extra = {**err.extra, "lost": lost, "unknown": unknown}
+    n = len(lost) + len(unknown)
+    base = err.message
+    if _GONE in base:
+        base = base[:base.rindex(" (", 0, base.index(_GONE))]
+    if n > 1:
+        base = (f"{base} ({n}{_GONE}{len(lost)} lost, listed in the error's 'lost', and {len(unknown)} unknown, in "
+                "'unknown')")
+    err.message = base
+    err.args = (base,)
+    return err
+
+
 @dataclass(eq=False, slots=True)
 class Session:
     """One session. Compared and hashed by identity."""
@@ -123,12 +144,24 @@ class SessionTable:
         return self._live.get(session_id)
 
     def get_many(self, session_ids) -> list:
-        """:meth:`get` of each id, in order (one dict lookup each; any id that is not live raises as in
-        :meth:`get`)."""
+        """:meth:`get` of each id, in order (one dict lookup each). When some are not live, the error :meth:`get`
+        raises for the first, naming every such id of the request in its ``lost`` (410: evicted, or lost with an
+        engine) and ``unknown`` (404) fields, so that a caller drops them all at once (an id that breaks the id
+        rule is a 400 at once)."""
         try:
             return list(map(self._live.__getitem__, session_ids))
         except (KeyError, TypeError):
-            return [self.get(sid) for sid in session_ids]
+            pass
+        out, first, gone = [], None, {"lost": [], "unknown": []}
+        for sid in session_ids:
+            try:
+                out.append(self.get(sid))
+            except (StateLost, UnknownSession) as e:
+                first = first or e
+                gone["lost" if isinstance(e, StateLost) else "unknown"].append(sid)
+        if first is not None:
+            raise with_gone(first, gone["lost"], gone["unknown"])
+        return out
 
     def check_free(self, session_id: str) -> None:
         if session_id in self._live:

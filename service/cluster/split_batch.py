@@ -15,13 +15,14 @@ import numpy as np
 import torch
 
 from convserve.clients.protocol.errors import (BadRequest, EngineTimeout, LateRequest, PositionMismatch, ServiceError,
-                                               StateLost)
+                                               StateLost, UnknownSession)
 
 from ..engine.positions import PART_POSITIONS, mismatch_message
 from ..engine.positions import check_positions as check_position_list
 from ..engine.validate import (check_batch_plan, check_batch_rows, check_batch_sessions, check_one_token_rows,
                                check_padded_verify, check_x)
 from ..model import layer_position
+from ..sessions import with_gone
 
 
 def batch_limits(settings) -> SimpleNamespace:
@@ -109,6 +110,8 @@ def refusal(parts: list, checks: list, sids: list, position, layer: int):
     if not errors:
         return None
     first = min(errors, key=_check_rank)         # (the earliest part among equals)
+    if isinstance(first, (StateLost, UnknownSession)):
+        return _gone(first, errors, sids)
     if not isinstance(first, PositionMismatch):
         return _own(first)
     server: list = [None] * len(sids)
@@ -125,6 +128,16 @@ def refusal(parts: list, checks: list, sids: list, position, layer: int):
     what = (first.message.split(";")[0] if applied or not differ else
             f"layer {layer}: the batch's positions differ from the sessions' for {differ[:8]!r:.300}")
     return PositionMismatch(mismatch_message(what, server), position=server, **applied)
+
+
+def _gone(first: ServiceError, errors: list, sids: list) -> ServiceError:
+    """A copy of ``first`` (a part's 410 or 404) naming every session of the batch that its parts found lost or
+    unknown, in the batch's order (:func:`with_gone`)."""
+    at = {sid: i for i, sid in enumerate(sids)}
+    out = copy.copy(_own(first))
+    found = {k: sorted({s for e in errors if isinstance(e, ServiceError) for s in e.extra.get(k, ())}, key=at.get)
+             for k in ("lost", "unknown")}
+    return with_gone(out, found["lost"], found["unknown"])
 
 
 def _check_rank(err: BaseException) -> int:
