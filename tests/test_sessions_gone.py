@@ -61,3 +61,15 @@ def test_a_batch_split_across_engines_names_every_unknown_session_in_the_batchs_
         assert body["error"]["message"].count("not live") == 1, body
     finally:
         srv.kill()
+
+
+def test_the_clients_errors_read_applied_maybe_applied_lost_and_unknown_from_their_fields():
+    from convserve.clients.common import error_from
+    from convserve.clients.protocol.errors import ReplicaUnavailable
+
+    err = error_from({"code": "state_lost", "message": "m", "lost": ["a", "b"], "unknown": ["c"]}, 410)
+    assert isinstance(err, StateLost) and (err.lost, err.unknown, err.applied, err.maybe_applied) == \
+        (["a", "b"], ["c"], [], False)
+    err = error_from({"code": "engine_unavailable", "message": "m", "maybe_applied": True, "applied": ["s"]}, 503)
+    assert err.maybe_applied is True and err.applied == ["s"] and err.lost == []
+    assert ReplicaUnavailable("m", sessions=["x"], applied=["y"]).applied == ["y"]

@@ -26,6 +26,32 @@ class ServiceError(Exception):
     def to_dict(self) -> dict:
         return {"error": {"code": self.code, "message": self.message, **self.extra}}
 
+    @property
+    def applied(self) -> list:
+        """The sessions whose part of a request split across engine processes (or replicas) ran: the error's
+        ``applied`` field (empty when it has none)."""
+        return list(self.extra.get("applied") or ())
+
+    @applied.setter
+    def applied(self, sessions) -> None:
+        self.extra["applied"] = list(sessions)
+
+    @property
+    def maybe_applied(self) -> bool:
+        """The request may have run (its engine process died with it in flight, a stopping server cut it off):
+        the error's ``maybe_applied`` field; False for every other error, which ran nothing (but ``applied``)."""
+        return self.extra.get("maybe_applied") is True
+
+    @property
+    def lost(self) -> list:
+        """The request's sessions whose state is lost (410), when the error is one of them: its ``lost`` field."""
+        return list(self.extra.get("lost") or ())
+
+    @property
+    def unknown(self) -> list:
+        """The request's sessions that do not exist (404), when the error is one of them: its ``unknown`` field."""
+        return list(self.extra.get("unknown") or ())
+
 
 class BadRequest(ServiceError):
     status, code = 400, "bad_request"
