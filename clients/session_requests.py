@@ -29,9 +29,10 @@ def session_body(session: Optional[str], rid: Optional[str] = None) -> bytes:
 
 
 class MadeId:
-    """The id of a tracked create or fork (``att``'s session at ``index``): the caller's, or one the client made
-    (``made``), which is replaced by a fresh one for the retry after a ``503 engine_unavailable``: the engine it
-    hashes to is down (:meth:`Attempts.moved`). ``body`` is the first attempt's body, :meth:`rebody` each retry's."""
+    """The id of a tracked create or fork (``att``'s session at ``index``): the caller's (``given``), never
+    changed, or one the client made, which a fresh one replaces for the retry after a ``503 engine_unavailable``
+    (the engine it hashes to is down: :meth:`Attempts.moved`). ``body`` is the first attempt's body,
+    :meth:`rebody` each retry's."""
 
     def __init__(self, att, given: Optional[str], index: int, rid: Optional[str]):
         self.att, self.index, self.rid = att, index, rid
