@@ -191,7 +191,11 @@ def _raise_error(status: int, headers, body: bytes) -> None:
 
 
 def error_of(resp: httpx.Response) -> Optional[ServiceError]:
-    """The error an answer carries (the class of its code, with its extra fields), or None for a success."""
+    """The error an answer carries (the class of its code, with its extra fields), or None for a success: what a
+    retrying client reads from the answers it may not retry blindly. Its ``applied``: some of a batch split across
+    engine processes ran (one part failed), so a retry, its failed part's cause still there, would fail again: the
+    caller learns which slices ran instead. Its ``maybe_applied``: the request may have run (its engine process
+    died with it in flight, a stopping server cut it off), so its retry must not be told that nothing ran."""
     if resp.status_code < 400:
         return None
     try:
@@ -199,17 +203,6 @@ def error_of(resp: httpx.Response) -> Optional[ServiceError]:
     except ServiceError as e:
         return e
     return None
-
-
-def error_extra(resp: httpx.Response) -> dict:
-    """The fields of an error answer's map beyond its code and message (empty when ``resp`` is no error): what a
-    retrying client reads from the answers it may not retry blindly. ``"applied"``: some of a batch split across
-    engine processes ran (one part failed), so a retry, its failed part's cause still there, would fail again:
-    the caller learns which slices ran instead. ``"maybe_applied"``: the request may have run (its engine
-    process died with it in flight, a stopping server cut it off), so its retry must not be told that nothing
-    ran."""
-    err = error_of(resp)
-    return {} if err is None else err.extra
 
 
 def _decode(resp: httpx.Response) -> Any:

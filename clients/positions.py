@@ -171,20 +171,20 @@ class Attempts:
     sent, or only refused: nothing applied).
     ``read``: a read (``GET``), which applies nothing whatever happens; ``before``: the read of the session's
     positions a tracked call makes first. ``rid``, ``layer``, ``positions``: what the call carried, for
-    :class:`OutcomeUnknown`; ``remedy``: what its message tells the caller to do. ``moves``: a create or fork
-    of an id the client made, which a ``503 engine_unavailable`` (the engine that id hashes to is down) retries at
-    once, the caller sending a fresh id (:meth:`moved`)."""
+    :class:`OutcomeUnknown`; ``remedy``: what its message tells the caller to do. :attr:`moves` (set by
+    ``MadeId``): a create or fork of an id the client made, which a ``503 engine_unavailable`` (the engine that id
+    hashes to is down) retries at once, the caller sending a fresh id (:meth:`moved`)."""
 
     def __init__(self, book, method: str, path: str, sessions: list, *, remedy: str = RESEND,
                  rid: Optional[str] = None, layer: Optional[int] = None, positions=None, read: bool = False,
-                 before: bool = False, moves: bool = False):
+                 before: bool = False):
         self.book, self.what, self.sessions, self.remedy = book, f"{method} {path}", list(sessions), remedy
         self.rid, self.layer, self.positions, self.read, self.before = rid, layer, positions, read, before
         self.n = 0                # retries made
         self.maybe_ran = False    # an attempt so far may have been applied
         self.ran = False          # the last attempt may have been applied
         self.resent = False       # a retry carried a body unlike the first, after an attempt that may have run
-        self.moves = moves
+        self.moves = False        # a create or fork whose id the client made (MadeId)
         self.down = False         # the last attempt's id hashes to an engine that is down (with moves)
         self.downs = 0            # such answers so far
 

@@ -64,8 +64,7 @@ class _Tracker:
             meta = self.meta.pop(fid, None)
             self.unsent.discard(fid)
         if meta is not None and meta[4] is not None:
-            with contextlib.suppress(ValueError):      # the arena was closed meanwhile
-                self.shm.end_claim(meta[4], sent=False)
+            self._end_claim(meta[4], sent=False)
         if meta is not None and self.book is not None and meta[3] is not None:
             self.book.frames_done(meta[0] if isinstance(meta[0], list) else [meta[0]])
 

@@ -151,7 +151,10 @@ class SessionTable:
         try:
             return list(map(self._live.__getitem__, session_ids))
         except (KeyError, TypeError):
-            pass
+            return self._get_each(session_ids)
+
+    def _get_each(self, session_ids) -> list:
+        """:meth:`get_many` when some id is not live: each looked up alone, the errors gathered."""
         out, first, gone = [], None, {"lost": [], "unknown": []}
         for sid in session_ids:
             try:
