@@ -3,6 +3,7 @@ killed, SIGTERM, and the metrics of several workers on one scrape. Real processe
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import threading
@@ -67,7 +68,8 @@ def test_a_killed_engine_fails_its_in_flight_requests_serves_others_and_comes_ba
         ref.create(s)
     x = torch.randn(3, DIM)
     assert_close(api.conv(other, 0, x)[1], ref.conv(other, 0, x))
-    victim = _readyz(srv.url)["engines"][0]["pid"]
+    before = _readyz(srv.url)["engines"][0]
+    victim = before["pid"]
 
     answers = {}
 
@@ -81,7 +83,9 @@ def test_a_killed_engine_fails_its_in_flight_requests_serves_others_and_comes_ba
     t.join(10)
     status, body, headers = answers["r"]
     assert status == 503 and body["error"]["code"] == "engine_unavailable", body
-    assert "410" in body["error"]["message"] and int(headers["retry-after"]) >= 1
+    # Retry-After: the supervisor's estimate of the restart (the first back-off, 0.5 s, plus its last start's time)
+    assert 1 <= int(headers["retry-after"]) <= math.ceil(0.5 + before["last_start_s"]), (headers, before)
+    assert "410" in body["error"]["message"]
     assert body["error"]["maybe_applied"] is True          # sent to the engine: it may have run before it died
 
     # while engine 0 is down or restarting (about a second: the checks that need it down come first): its
@@ -400,22 +404,47 @@ def test_a_session_operation_is_answered_as_run_when_recording_it_in_the_journal
         srv.kill()
 
 
-def test_while_the_only_engine_restarts_requests_are_told_it_died_not_that_it_is_starting():
-    srv = LiveServer([a if a != "cpu,cpu" else "cpu" for a in ARGS])
+#: every process imports it: the first process of an engine takes FIRST_BUILD_S longer to build, its restart not
+_SLOW_FIRST_BUILD = """
+import os, time
+import convserve.service.cli as cli
+_build = cli.build_engine
+def build_engine(settings):
+    marker = os.environ["FIRST_BUILD_MARKER"]
+    if not os.path.exists(marker):
+        open(marker, "w").close()
+        time.sleep(float(os.environ["FIRST_BUILD_S"]))
+    return _build(settings)
+cli.build_engine = build_engine
+"""
+
+
+def test_while_the_only_engine_restarts_requests_are_told_it_died_and_when_it_should_be_back(tmp_path):
+    """Not that it is starting; and their Retry-After is the supervisor's estimate of the restart (its back-off
+    plus the time the last process took to come up: 3 s more here), not a fixed guess."""
+    (tmp_path / "sitecustomize.py").write_text(_SLOW_FIRST_BUILD)
+    srv = LiveServer([a if a != "cpu,cpu" else "cpu" for a in ARGS],
+                     env={"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+                          "FIRST_BUILD_MARKER": str(tmp_path / "built"), "FIRST_BUILD_S": "3"})
     try:
         api = Api(srv.url)
         sid = api.session()
-        victim = _readyz(srv.url)["engines"][0]["pid"]
+        row = _readyz(srv.url)["engines"][0]
+        victim, last_start = row["pid"], row["last_start_s"]
+        assert last_start >= 3, row
         os.kill(victim, signal.SIGKILL)
         seen = []
 
         def refused():
-            st, body, _ = api.call("POST", "/v1/conv", {"session": sid, "layer": 0,
-                                                        "x": wire.encode_tensor(torch.randn(1, DIM))})
-            seen.append((st, body))
+            st, body, headers = api.call("POST", "/v1/conv", {"session": sid, "layer": 0,
+                                                              "x": wire.encode_tensor(torch.randn(1, DIM))})
+            seen.append((st, body, headers))
             return st == 503 and body["error"]["code"] == "not_ready"
         _wait(refused, what="a 503 while the engine is down")
         assert "died and is being restarted" in seen[-1][1]["error"]["message"], seen[-1]
+        # the first back-off is 0.5 s; a little of the estimate has passed by the time the request came
+        assert 3 <= int(seen[-1][2]["retry-after"]) <= math.ceil(0.5 + last_start), (seen[-1], last_start)
+        assert seen[-1][1]["error"]["retry_after"] == int(seen[-1][2]["retry-after"])
         _wait(lambda: _readyz(srv.url).get("status") == "ready", what="the engine back")
     finally:
         srv.kill()

@@ -295,6 +295,7 @@ def test_the_requests_a_dead_engine_held_say_maybe_applied_only_when_they_could_
         loop = asyncio.get_running_loop()
         r = RemoteEngine.__new__(RemoteEngine)
         r.devices = ["cpu"]
+        r.status = SimpleNamespace(back_in=lambda e: 3)    # the supervisor's estimate of the restart
         link = _Link.__new__(_Link)
         link.index, link.epoch, link.orphans = 0, 1, {}
         futs = {what: loop.create_future() for what in ("this conv", "this batch", "the operation delete_session",
@@ -304,6 +305,6 @@ def test_the_requests_a_dead_engine_held_say_maybe_applied_only_when_they_could_
         return {what: f.exception() for what, f in futs.items()}
 
     errs = asyncio.run(main())
-    assert all(isinstance(e, EngineUnavailable) for e in errs.values())
+    assert all(isinstance(e, EngineUnavailable) and e.retry_after == 3 for e in errs.values())
     assert {what: e.extra.get("maybe_applied") for what, e in errs.items()} == {
         "this conv": True, "this batch": True, "the operation delete_session": True, "": None}

@@ -42,6 +42,12 @@ class EngineHealth:
         self.down.poll(time.monotonic())
         return self.down.dead_reason()
 
+    def not_ready_retry_after(self) -> Optional[int]:
+        """The Retry-After of :meth:`not_ready_reason`'s 503: the soonest an engine that died is expected back
+        (:meth:`StatusTable.back_in`); None when none died."""
+        dead = self.down.dead()
+        return min(map(self.status.back_in, dead)) if dead else None
+
     def unhealthy_reason(self) -> Optional[str]:
         """Why this server should be restarted (``/healthz`` fails): an engine down for more than
         ``down_unhealthy_s`` since its process died (it keeps failing to start: a wedged GPU), or alive but

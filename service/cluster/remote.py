@@ -244,7 +244,8 @@ class RemoteEngine(RemoteSessions, EngineHealth):
             if state in (DOWN, STOPPED) or self.status.row(e).restarts > 0:
                 raise EngineUnavailable(f"engine {e} ({self.devices[e]}), which holds this session, is down and "
                                         "restarting; its sessions' state is lost (they answer 410 state_lost once "
-                                        "it is back): retry, then create the session again", retry_after=2)
+                                        "it is back): retry, then create the session again",
+                                        retry_after=self.status.back_in(e))
             raise NotReady("the engine is starting (allocating the state pool, warming the kernels); retry "
                            "shortly", retry_after=1)
         link = self.links[e]
@@ -267,9 +268,10 @@ class RemoteEngine(RemoteSessions, EngineHealth):
                "create it again and prefill")
         # a conv, batch or changing operation may have run before the process died; a read or a check did not (a
         # batch split across engines is checked on each before any part is sent: refused there, nothing ran)
-        errs = {True: EngineUnavailable(why.format("was"), retry_after=2, maybe_applied=True),
+        back = self.status.back_in(link.index)
+        errs = {True: EngineUnavailable(why.format("was"), retry_after=back, maybe_applied=True),
                 False: EngineUnavailable(why.format("(a read, or the checks before a batch or accept split across "
-                                                    "engines is run: nothing of it ran) was"), retry_after=2)}
+                                                    "engines is run: nothing of it ran) was"), retry_after=back)}
         log.error("engine process lost with requests in flight", extra={"engine": link.index, "requests": len(old)})
         for p in old:
             if not p.fut.done():

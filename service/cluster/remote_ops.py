@@ -53,7 +53,7 @@ class RemoteSessions:
             except LookupError:
                 self._target(0)
                 raise EngineUnavailable("no engine is up to hold a new session; retry shortly",
-                                        retry_after=2) from None
+                                        retry_after=min(map(self.status.back_in, range(self.n)))) from None
         else:
             e = self._engine_for_new(session_id)
         return self._op(e, "create_session", session_id, rid=request_id)
@@ -68,7 +68,7 @@ class RemoteSessions:
             raise EngineUnavailable(f"engine {e} ({self.devices[e]}), which the new id {sid!r:.80} hashes to, is down "
                                     "and restarting: send the create (or fork) without an id, and the server picks "
                                     "one on an engine that is up (a fork's on its source's engine), or with another "
-                                    "id, or retry once it is back", retry_after=2) from None
+                                    "id, or retry once it is back", retry_after=self.status.back_in(e)) from None
         return e
 
     def delete_session(self, session_id: str, request_id: Optional[str] = None) -> None:

@@ -4,12 +4,19 @@ One row per engine. The supervisor writes ``state`` (starting, down, stopped), `
 engine's process), ``pid`` and ``restarts``; the engine writes ``state = built`` (model loaded), ``up`` (warm,
 serving) and its slot counts. Workers read it on every request (a struct unpack) to route around engines that
 are down, and poll it to fail the requests in flight on an engine that died. Each field has one writer at a time.
+
+A restart's expected end: the engine writes ``up_s`` (how long its process took from its spawn to up) when it comes
+up; the supervisor writes ``back_at`` (the unix time it expects the engine up again: the restart's back-off plus the
+last process's ``up_s``) when the engine dies and when it spawns the next process. A worker tells a request to a
+down engine to retry after that (:meth:`StatusTable.back_in`), not after a fixed guess.
 """
 
 from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+import math
+import time
 from typing import Optional
 
 from .shm import map_file
@@ -18,10 +25,13 @@ NEW, STARTING, BUILT, UP, DOWN, STOPPED = range(6)
 STATE_NAMES = ("new", "starting", "built", "up", "down", "stopped")
 
 # state, epoch, pid, restarts, slots_total, slots_free, sessions, then the engine's last snapshot written: its
-# sessions, its unix time (0: none yet) and bytes
-_ROW = struct.Struct("<IIIIIIIIdQ")
+# sessions, its unix time (0: none yet) and bytes; then up_s and back_at (0: not known)
+_ROW = struct.Struct("<IIIIIIIIdQdd")
 _STATE, _EPOCH, _PID, _RESTARTS, _TOTAL, _FREE, _SESSIONS, _SNAP_SESSIONS = (4 * i for i in range(8))
-_SNAP_TIME, _SNAP_BYTES = 32, 40
+_SNAP_TIME, _SNAP_BYTES, _UP_S, _BACK_AT = 32, 40, 48, 56
+
+#: the Retry-After told for a down engine whose restart has no estimate yet, and the bounds of an estimate's
+RETRY_UNKNOWN_S, RETRY_MIN_S, RETRY_MAX_S = 2, 1, 60
 
 
 @dataclass
@@ -36,6 +46,8 @@ class Row:
     snap_sessions: int = 0
     snap_time: float = 0.0
     snap_bytes: int = 0
+    up_s: float = 0.0
+    back_at: float = 0.0
 
     @property
     def up(self) -> bool:
@@ -46,7 +58,8 @@ class Row:
                 "slots": {"total": self.slots_total, "free": self.slots_free}, "sessions": self.sessions,
                 "snapshot": None if not self.snap_time else {"unix_time": round(self.snap_time, 3),
                                                              "sessions": self.snap_sessions,
-                                                             "bytes": self.snap_bytes}}
+                                                             "bytes": self.snap_bytes},
+                "last_start_s": round(self.up_s, 3) if self.up_s else None}
 
 
 class StatusTable:
@@ -89,6 +102,26 @@ class StatusTable:
         struct.pack_into("<I", self._view, e * _ROW.size + _SNAP_SESSIONS, sessions)
         struct.pack_into("<Q", self._view, e * _ROW.size + _SNAP_BYTES, nbytes)
         struct.pack_into("<d", self._view, e * _ROW.size + _SNAP_TIME, unix_time)
+
+    def set_up_s(self, e: int, seconds: float) -> None:
+        """Engine ``e``'s process came up ``seconds`` after its spawn (written by the engine, with ``up``)."""
+        struct.pack_into("<d", self._view, e * _ROW.size + _UP_S, seconds)
+
+    def expect_back(self, e: int, delay_s: float) -> None:
+        """The supervisor expects engine ``e`` up again after ``delay_s`` more (the back-off left) plus its last
+        process's ``up_s``; nothing when no process of it has come up yet (no estimate)."""
+        up_s = struct.unpack_from("<d", self._view, e * _ROW.size + _UP_S)[0]
+        back = time.time() + delay_s + up_s if up_s else 0.0
+        struct.pack_into("<d", self._view, e * _ROW.size + _BACK_AT, back)
+
+    def back_in(self, e: int) -> int:
+        """Whole seconds to tell a request to down engine ``e`` to wait (its Retry-After): until the expected end
+        of its restart, within [RETRY_MIN_S, RETRY_MAX_S]; RETRY_UNKNOWN_S with no estimate. An engine slower to
+        come back than its last process was gets RETRY_MIN_S."""
+        back = struct.unpack_from("<d", self._view, e * _ROW.size + _BACK_AT)[0]
+        if not back:
+            return RETRY_UNKNOWN_S
+        return int(min(RETRY_MAX_S, max(RETRY_MIN_S, math.ceil(back - time.time()))))
 
     def close(self) -> None:
         self._view.release()

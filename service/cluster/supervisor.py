@@ -98,8 +98,10 @@ class Supervisor:
         c.epoch = c.generation
         self._start(c, engine_proc.main, {
             "device": self.devices[c.index], "epoch": c.epoch, "restarts": c.generation - 1,
-            "engines": len(self.devices), "busy_poll_us": self.settings.resolved_busy_poll_us(len(self.devices))})
+            "engines": len(self.devices), "busy_poll_us": self.settings.resolved_busy_poll_us(len(self.devices)),
+            "spawned": time.time()})
         self.status.begin(c.index, c.epoch, c.proc.pid, c.generation - 1)
+        self.status.expect_back(c.index, 0.0)
         log.info("engine process started", extra={"engine": c.index, "device": self.devices[c.index],
                                                    "pid": c.proc.pid, "epoch": c.epoch})
 
@@ -284,6 +286,7 @@ class Supervisor:
         c.backoff = min(MAX_BACKOFF_S, c.backoff * 2)
         if c.kind == "engine":
             up = self._up(c)
+            self.status.expect_back(c.index, c.restart_at - now)    # before DOWN: a worker that sees DOWN reads it
             self.status.set_state(c.index, DOWN)
             if not (up or c.was_up or code == FORK_SERVER_GONE):   # (255: the fork server died, not the engine)
                 # its first process died before it came up (the state pool or the warm-up failed, after the

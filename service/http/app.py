@@ -102,8 +102,9 @@ class Service:
             raise NotReady(f"the engine failed to start ({self.failed}); see the server log", retry_after=5)
         if not self.engine.ready:
             why = getattr(self.engine, "not_ready_reason", lambda: None)()
+            back = getattr(self.engine, "not_ready_retry_after", lambda: None)() if why else None
             raise NotReady(why or "the engine is starting (allocating the state pool, warming the kernels); retry "
-                           "shortly", retry_after=1)
+                           "shortly", retry_after=back or 1)
 
     def start_draining(self) -> None:
         """Stop intake: /readyz turns 503, new requests and new stream frames get 503 not_ready."""
