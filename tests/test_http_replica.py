@@ -12,7 +12,7 @@ import msgpack
 import pytest
 
 from convserve.clients.protocol import wire
-from tests.http_api import DIM, LAYERS, MP, Api, assert_close, model, rand_x
+from tests.http_api import DIM, LAYERS, MP, assert_close, model, rand_x
 from tests.live import LiveServer, Reference
 
 #: the default replica name: the pod's name (HOSTNAME on Kubernetes), else the host name
