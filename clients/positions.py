@@ -392,22 +392,27 @@ class PositionBook:
         for s in sessions:
             self._drop(s)
 
-    def frames_sent(self, sessions) -> list:
-        """A stream sends a frame of ``sessions``: their marks, for :meth:`frame_answered`."""
+    def frames_sent(self, sessions, mine: Optional[dict] = None) -> list:
+        """A stream sends a frame of ``sessions``: their marks, for :meth:`frame_answered`. ``mine``: the stream's
+        own count of its frames in flight per session, kept here under the book's lock (see :meth:`accepted`)."""
         with self._lock:
             for s in sessions:
                 self._in_flight[s] = self._in_flight.get(s, 0) + 1
+            if mine is not None:
+                for s in sessions:
+                    mine[s] = mine.get(s, 0) + 1
             return [self.mark(s) for s in sessions]
 
-    def frames_done(self, sessions) -> None:
-        """A frame of ``sessions`` was answered or abandoned."""
+    def frames_done(self, sessions, mine: Optional[dict] = None) -> None:
+        """A frame of ``sessions`` was answered or abandoned (``mine`` as :meth:`frames_sent`'s)."""
         with self._lock:
-            for s in sessions:
-                n = self._in_flight.pop(s, 0) - 1
-                if n > 0:
-                    self._in_flight[s] = n
+            for table in (self._in_flight,) if mine is None else (self._in_flight, mine):
+                for s in sessions:
+                    n = table.pop(s, 0) - 1
+                    if n > 0:
+                        table[s] = n
 
-    def frame_answered(self, sessions, layer: int, tokens, speculative, marks) -> None:
+    def frame_answered(self, sessions, layer: int, tokens, speculative, marks, mine: Optional[dict] = None) -> None:
         """A stream's frame was applied: each of ``sessions`` moves by its ``tokens`` (or is verified), if the
         book's mark is still its entry of ``marks`` (the marks when it was sent), else it is forgotten; and the
         frame is no longer in flight. One locked turn for the frame (a batch frame may carry hundreds)."""
@@ -419,7 +424,7 @@ class PositionBook:
                     self.applied(s, layer, n, f)
                 else:       # its next tracked call reads the server's positions; a read in flight may not count it
                     self._moved(s)
-            self.frames_done(sessions)
+            self.frames_done(sessions, mine)
 
     @contextlib.contextmanager
     def unknown_forgets(self, session: str):
@@ -476,12 +481,16 @@ class PositionBook:
                     self.positions[session][operator.index(layer)] = operator.index(position) + operator.index(n)
                     self._moved(session)
 
-    def accepted(self, session: str, n: int) -> None:
+    def accepted(self, session: str, n: int, mine: Optional[dict] = None) -> None:
         """An accept of ``n`` tokens committed: the verified layers move by ``n``, unless frames of the session are
-        in flight (a speculative one the accept may have taken, which the book has not seen: the session is
-        forgotten, read back at its next tracked call)."""
+        in flight that the accept may have been ordered either way with (a speculative one it may have taken, which
+        the book has not seen: the session is forgotten, read back at its next tracked call). An accept answered on
+        a stream (``mine``: that stream's frames in flight, :meth:`frames_sent`) is ordered with that stream's
+        frames: a stream answers a session's frames in the order sent, so those still in flight were sent after
+        the accept and run after it; the book counts them as they are answered, whatever the order of the
+        counting. Only frames of other streams make it forget."""
         with self._lock:
-            if self._in_flight.get(session):
+            if self._in_flight.get(session, 0) > (0 if mine is None else mine.get(session, 0)):
                 self.forget(session)
                 return
             if session not in self.positions:   # a read of the server's in flight may not count it: not taken

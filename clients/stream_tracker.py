@@ -35,6 +35,9 @@ class _Tracker:
         self.shm = shm
         self.lent: list = []      # the blocks of answers handed to the caller, out of the ring until returned()
         self.unsent: set = set()  # ids of frames packed that wait to be sent (hold_back): not yet on the wire
+        # with a book: this stream's frames in flight per session, counted by the book under its lock (for
+        # PositionBook.accepted: an accept answered here is ordered with these)
+        self.mine: dict = {}
 
     def packed(self, req, frame, packer) -> bytes:
         """``req``'s frame (``frame(req, shm)``), packed, with ``req`` noted in flight (:meth:`add`): its x goes by
@@ -66,7 +69,7 @@ class _Tracker:
         if meta is not None and meta[4] is not None:
             self._end_claim(meta[4], sent=False)
         if meta is not None and self.book is not None and meta[3] is not None:
-            self.book.frames_done(meta[0] if isinstance(meta[0], list) else [meta[0]])
+            self.book.frames_done(meta[0] if isinstance(meta[0], list) else [meta[0]], self.mine)
 
     def add(self, req: ConvRequest) -> bool:
         """Note ``req`` in flight; True when the arena claimed its x's block (its frame then carries x by
@@ -79,7 +82,7 @@ class _Tracker:
                 raise ValueError(f"request id {req.id!r} is already in flight in this stream; ids must be unique")
             if accept:            # (backend None: no y; rows: its counts, for the book's accepted())
                 session = list(req.sessions)
-                rows = None if self.book is None else (list(req.tokens), self.book.frames_sent(session))
+                rows = None if self.book is None else (list(req.tokens), self.book.frames_sent(session, self.mine))
                 self.meta[req.id] = (session, None, None, rows, None)
                 return False
             batch = isinstance(req, BatchRequest)
@@ -98,7 +101,7 @@ class _Tracker:
                     self.shm.end_claim(block, sent=False)
                 raise
             if rows is not None:
-                rows = (*rows, self.book.frames_sent(session if batch else [session]))
+                rows = (*rows, self.book.frames_sent(session if batch else [session], self.mine))
             self.meta[req.id] = (session, req.layer, _backend_of(req.x), rows, block)
             return block is not None
 
@@ -124,15 +127,15 @@ class _Tracker:
             if block is not None:
                 self._end_claim(block, hold=isinstance(err, EngineTimeout))
             return ConvResult(fid, session, layer, error=err)
-        if backend is None:                         # an accept, applied: with frames of its sessions still in
-            if rows is not None:                    # flight, the book forgets those sessions (accepted())
-                self.book.frames_done(sessions)
+        if backend is None:                         # an accept, applied: with frames of its sessions in flight on
+            if rows is not None:                    # other streams, the book forgets those sessions (accepted())
+                self.book.frames_done(sessions, self.mine)
                 for s, n in zip(sessions, rows[0]):
-                    self.book.accepted(s, n)
+                    self.book.accepted(s, n, self.mine)
             return ConvResult(fid, session, layer)
         try:
             if rows is not None:
-                self.book.frame_answered(sessions, layer, *rows)
+                self.book.frame_answered(sessions, layer, *rows, self.mine)
             y = wire.decode_tensor(obj["y"], backend=backend, name="y", shm=self.shm)
         except BaseException:
             if block is not None:
@@ -156,7 +159,7 @@ class _Tracker:
         if self.book is not None:
             for s in sessions:
                 self.book.forget(s)
-            self.book.frames_done(sessions)
+            self.book.frames_done(sessions, self.mine)
 
     @contextlib.contextmanager
     def answering(self, closing):

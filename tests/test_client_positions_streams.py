@@ -1,7 +1,8 @@
 """A tracked client's position book beside its streams (``clients/positions.py``, the stream's ``_Tracker`` in
 ``clients/common.py``): a frame's answer counts only while nothing set its session's positions since it was sent,
-a tracked call's answer moves its layer by its tokens when nothing did, and an accept or fork while frames of the
-session are in flight reads it back; whatever the order of the answers, the book is the server's position or
+a tracked call's answer moves its layer by its tokens when nothing did, and a fork, or an accept, while frames of
+the session are in flight reads it back (not an accept frame whose only frames in flight are its own stream's, sent
+after it); whatever the order of the answers, the book is the server's position or
 unknown (read at the session's next tracked call), never another number."""
 
 from __future__ import annotations
@@ -158,6 +159,71 @@ def test_an_accept_with_frames_of_its_session_in_flight_forgets_the_session():
     book.frames_sent(["s"])                     # a speculative frame the accept may take
     book.accepted("s", 1)
     assert not book.known("s")
+
+
+@pytest.mark.parametrize("answers", ["accept first", "batch later"])
+def test_an_accept_answered_on_a_stream_counts_with_that_streams_later_frames_in_flight(answers):
+    """A stream answers a session's frames in the order sent, so a frame still in flight when the stream's accept
+    is answered was sent after it and runs after it: the accept counts, and so does the frame when answered."""
+    from convserve.clients.common import AcceptRequest, BatchRequest
+    from convserve.clients.stream_tracker import _Tracker
+
+    book = _book(s=3, t=7)
+    for sid in ("s", "t"):
+        book.applied_at(sid, LAYER, book.at(sid, LAYER), 4, True)     # a verify of 4 on LAYER
+    tracker = _Tracker(book)
+    tracker.add(AcceptRequest(["s", "t"], [2, 4], id=1))
+    x = rand_x(2)
+    tracker.add(BatchRequest(["s", "t"], LAYER, x, id=2))          # the next step, right behind the accept
+    assert tracker.result({"id": 1}).ok
+    assert (book.at("s", LAYER), book.at("t", LAYER)) == (5, 11)
+    tracker.result({"id": 2, "y": _wire_y(x)})
+    assert (book.at("s", LAYER), book.at("t", LAYER)) == (6, 12) and not book.verified
+    assert not book._in_flight and not tracker.mine
+
+
+def test_an_accept_answered_on_a_stream_forgets_a_session_with_a_frame_in_flight_on_another():
+    from convserve.clients.common import AcceptRequest, BatchRequest
+    from convserve.clients.stream_tracker import _Tracker
+
+    book = _book(s=3, t=7)
+    for sid in ("s", "t"):
+        book.applied_at(sid, LAYER, book.at(sid, LAYER), 4, True)
+    here, there = _Tracker(book), _Tracker(book)
+    there.add(BatchRequest(["t"], LAYER, rand_x(4), tokens=[4], speculative=True, id=9))   # unordered with it
+    here.add(AcceptRequest(["s", "t"], [2, 4], id=1))
+    here.add(BatchRequest(["s"], LAYER, rand_x(1), id=2))
+    assert here.result({"id": 1}).ok
+    assert book.at("s", LAYER) == 5 and not book.known("t")
+
+
+@pytest.mark.parametrize("transport", ["http", "ws"])
+def test_a_tracked_frontends_pipelined_accept_keeps_its_sessions_in_the_book(server, transport):
+    """The frontend's loop of docs/client.md with a tracking client: a verify step, its accept sent without waiting,
+    the next step right behind it. The book keeps every session (no read of the server's positions at the next
+    tracked call) at the server's positions."""
+    from convserve.clients.common import AcceptRequest, BatchRequest
+
+    with ConvClient(server.url, track_positions=True) as c:
+        sessions = [c.create_session() for _ in range(3)]
+        n, kept = len(sessions), [2, 4, 0]
+        frames = [BatchRequest(sessions, LAYER, rand_x(5 * n, seed=1), tokens=[5] * n, id=1),
+                  BatchRequest(sessions, LAYER, rand_x(4 * n, seed=2), tokens=[4] * n, speculative=True, id=2),
+                  AcceptRequest(sessions, kept, id=3),
+                  BatchRequest(sessions, LAYER, rand_x(n, seed=3), id=4)]
+        assert all(r.ok for r in c.stream(frames, transport=transport))
+        server_at = [c.session_info(s)["positions"][LAYERS.index(LAYER)] for s in sessions]
+        assert server_at == [5 + k + 1 for k in kept]
+        assert all(c.positions.known(s) for s in sessions)
+        assert [c.positions.at(s, LAYER) for s in sessions] == server_at
+        c.conv_batch(sessions, LAYER, rand_x(n, seed=4))           # sent at the book's positions: not refused
+        assert [c.session_info(s)["positions"][LAYERS.index(LAYER)] for s in sessions] == [p + 1 for p in server_at]
+
+
+def _wire_y(x):
+    from convserve.clients.protocol import wire
+
+    return wire.encode_tensor(x)
 
 
 def test_an_accept_or_a_frame_of_a_forgotten_session_leaves_it_unknown():
