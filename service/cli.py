@@ -94,6 +94,9 @@ def build_engine(settings: Settings):
     dtype = getattr(torch, settings.dtype) if settings.dtype else None
     if settings.weights is not None:
         model = ConvModel.from_safetensors(settings.weights, dtype=dtype)
+        if model.partial_bias:        # no checkpoint of the families served mixes them: a conversion that lost some?
+            log.warning("some conv layers have no conv1d.bias while others do: they are served with zero bias",
+                        extra={"without_bias": model.partial_bias, "with_bias": model.bias_layers})
     else:
         model = ConvModel.random(layers=settings.layers, dim=settings.dim, width=settings.width,
                                  dtype=dtype or torch.bfloat16, seed=settings.seed)

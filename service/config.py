@@ -79,8 +79,9 @@ class Settings(BaseSettings):
 
     # --- model
     device: str = Field("auto", description="auto (CUDA if present, else CPU), cpu, cuda or cuda:N")
-    weights: Optional[Path] = Field(None, description="safetensors file with conv1d weights; when unset, "
-                                                      "random weights from --layers/--dim/--width/--seed")
+    weights: Optional[Path] = Field(None, description="the checkpoint's conv1d weights: a safetensors file, a "
+                                    "sharded checkpoint's model.safetensors.index.json, or a directory holding "
+                                    "either; when unset, random weights from --layers/--dim/--width/--seed")
     layers: Annotated[Union[int, list[int]], NoDecode] = Field(
         4, description="random model: number of conv layers, or their model layer indices ('0,2,5')")
     dim: int = Field(1024, ge=1, le=1 << 20, description="random model: channels per conv layer")
@@ -354,9 +355,9 @@ class Settings(BaseSettings):
     @field_validator("weights")
     @classmethod
     def _weights(cls, v):
-        if v is not None and not v.is_file():
-            raise ValueError(f"weights: {v} is not a file; give a safetensors file or leave it unset for the "
-                             "random model")
+        if v is not None and not (v.is_file() or v.is_dir()):
+            raise ValueError(f"weights: {v} is neither a file nor a directory; give a safetensors file, a sharded "
+                             "checkpoint's index or its directory, or leave it unset for the random model")
         return v
 
     @field_validator("state_dir")

@@ -9,6 +9,10 @@ from convserve.clients.protocol.wire import BATCH_FIXED_OBJECTS, BATCH_SESSION_O
 from .unix_listener import check_path
 
 
+#: the settings of the random model only (with ``weights`` the file says what they are)
+RANDOM_MODEL = ("layers", "dim", "width", "seed")
+
+
 def check_across(s):
     """Check (and, for those left at their defaults, fit) the settings of ``s`` against each other; raise
     ValueError naming the settings and the fix."""
@@ -22,6 +26,11 @@ def check_across(s):
     if s.uds is not None:
         check_path(s.uds)
     given = s.model_fields_set
+    random_only = [k for k in RANDOM_MODEL if k in given]
+    if s.weights is not None and random_only:
+        flags = ", ".join(f"--{k}" for k in random_only)
+        raise ValueError(f"{flags} describe the random model, and weights is set: the model's layers, dim and "
+                         "width come from the file; drop them (--dtype casts the file's weights)")
     if s.max_batch_tokens < s.max_tokens_per_request and "max_tokens_per_request" not in given:
         s.max_tokens_per_request = s.max_batch_tokens      # its default: at most what a step takes
     if s.max_batch_tokens < s.max_tokens_per_request:

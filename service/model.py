@@ -15,8 +15,8 @@ from typing import Optional, Sequence, Union
 import torch
 
 from convserve.clients.protocol.errors import UnknownLayer
-from convserve.clients.protocol.weights import (canonical_key, canonical_safetensors, canonical_sha256,
-                                                conv_layer_keys)
+from convserve.clients.protocol.weights import (CONV_BIAS_KEY, canonical_key, canonical_safetensors,
+                                                canonical_sha256, conv_layer_keys)
 from convserve.clients.protocol.wire import DTYPE_NAMES as WIRE_DTYPES
 
 #: torch dtype -> its wire name, for every dtype the protocol carries (``protocol.wire.DTYPE_NAMES``).
@@ -98,7 +98,10 @@ class ConvModel:
 
     def __repr__(self) -> str:
         return (f"ConvModel(layers={self.layers}, dim={self.dim}, width={self.width}, dtype={self.dtype}, "
-                f"bias={any(self.has_bias)}, activation={self.activation})")
+                f"bias={self._bias_repr()}, activation={self.activation})")
+
+    def _bias_repr(self):
+        return all(self.has_bias) or (f"on layers {self.bias_layers}" if any(self.has_bias) else False)
 
     # ---- construction
 
@@ -132,53 +135,61 @@ class ConvModel:
     def from_safetensors(cls, path: Union[str, Path], dtype: Optional[torch.dtype] = None,
                          activation: Optional[str] = "silu") -> "ConvModel":
         """Load every ``...layers.<i>....conv1d.weight`` (shape ``(dim, 1, width)`` or ``(dim, width)``) and the
-        ``conv1d.bias`` beside it when present. Other tensors are ignored (only the keys are read for them).
+        ``conv1d.bias`` beside it when present, from a safetensors file, a sharded checkpoint's index
+        (``model.safetensors.index.json``) or a directory holding either (:class:`~.checkpoint.Checkpoint`).
+        Other tensors are not read.
 
         ``dtype`` casts the weights; None keeps the stored dtype (which must then be the same for every layer).
-        Raises ``ValueError`` naming the key and the problem when the file has no conv layers or they disagree.
+        Raises ``ValueError`` naming the key and the problem when there are no conv layers, they disagree, a value
+        is not finite, or a ``conv1d.bias`` has no weight beside it. Layers without a bias where others have one
+        are served with zeros there (:attr:`partial_bias` names them; the server logs a warning).
         """
-        from safetensors import SafetensorError, safe_open
+        from .checkpoint import Checkpoint
 
-        path = Path(path)
-        if not path.is_file():
-            raise ValueError(f"weights: {path} is not a file")
-        try:
-            handle = safe_open(str(path), framework="pt")
-        except SafetensorError as e:         # not a safetensors file, or a torn one: say so, not a traceback
-            raise ValueError(f"weights: {path} is not a readable safetensors file ({e})") from None
-        with handle as f:
-            found = conv_layer_keys(f.keys())
+        with Checkpoint(path) as ck:
+            src = ck.source
+            keys = ck.keys()
+            found = conv_layer_keys(keys)
             if not found:
-                raise ValueError(f"weights: {path} has no key matching 'layers.<i>.…conv1d.weight'")
+                raise ValueError(f"weights: {src} has no key matching 'layers.<i>.…conv1d.weight'")
+            paired = {b for _w, b in found.values() if b is not None}
+            stray = [k for k in keys if CONV_BIAS_KEY.search(k) and k not in paired]
+            if stray:
+                raise ValueError(f"weights: {src}: {stray[0]} is a conv1d bias with no conv1d.weight beside it"
+                                 f"{f' ({len(stray)} such keys)' if len(stray) > 1 else ''}; is the file complete?")
             layers = sorted(found)
-            ws, bs, has_bias = [], [], []
+            ws, bs = [], []
             for layer in layers:
                 key, bkey = found[layer]
-                w = f.get_tensor(key)
+                w = ck.get(key)
+                shape = tuple(w.shape)
                 if w.dim() == 3 and w.shape[1] == 1:
                     w = w[:, 0, :]
                 if w.dim() != 2:
-                    raise ValueError(f"weights: {key}: expected shape (dim, 1, width) or (dim, width), got "
-                                     f"{tuple(f.get_tensor(key).shape)}")
+                    raise ValueError(f"weights: {key}: expected shape (dim, 1, width) or (dim, width), got {shape}")
+                if not 2 <= w.shape[1] <= 8:
+                    raise ValueError(f"weights: {key}: width {w.shape[1]} (shape {shape}) is outside the 2..8 "
+                                     "the kernels take")
                 if ws and (w.shape != ws[0].shape):
                     raise ValueError(f"weights: {key}: expected shape (dim, width) = {tuple(ws[0].shape)} like "
                                      f"layer {layers[0]}, got {tuple(w.shape)}")
                 if dtype is None and ws and w.dtype != ws[0].dtype:
-                    raise ValueError(f"weights: {key} is {w.dtype} but layer {layers[0]} is {ws[0].dtype}; pass "
-                                     "dtype= to cast")
+                    raise ValueError(f"weights: {key} is {w.dtype} but layer {layers[0]} is {ws[0].dtype}; cast "
+                                     "them all with --dtype (dtype= in Python)")
+                _check_finite(w, key)
                 ws.append(w)
+                b = None
                 if bkey is not None:
-                    b = f.get_tensor(bkey)
+                    b = ck.get(bkey)
                     if tuple(b.shape) != (w.shape[0],):
                         raise ValueError(f"weights: {bkey}: expected shape ({w.shape[0]},), got {tuple(b.shape)}")
-                    bs.append(b)
-                    has_bias.append(True)
-                else:
-                    bs.append(None)
-                    has_bias.append(False)
+                    _check_finite(b, bkey)
+                bs.append(b)
+        has_bias = [b is not None for b in bs]
         target = dtype or ws[0].dtype
         if target not in MODEL_DTYPES:
-            raise ValueError(f"weights: dtype {target} is not one of {list(DTYPE_NAMES.values())}; pass dtype=")
+            raise ValueError(f"weights: {found[layers[0]][0]} is {target}, not one of "
+                             f"{list(DTYPE_NAMES.values())}; cast it with --dtype (dtype= in Python)")
         weight = torch.stack([w.to(target) for w in ws])
         bias = None
         if any(has_bias):
@@ -187,6 +198,13 @@ class ConvModel:
         return cls(layers, weight, bias, has_bias, activation)
 
     # ---- the canonical file (``protocol.weights``): what /v1/model/weights serves and weights_sha256 digests
+
+    @property
+    def partial_bias(self) -> list[int]:
+        """The conv layers served without a bias while others have one (zeros there), else []."""
+        if not any(self.has_bias):
+            return []
+        return [layer for layer, b in zip(self.layers, self.has_bias) if not b]
 
     @property
     def bias_layers(self) -> list[int]:
@@ -217,6 +235,15 @@ class ConvModel:
         """Write the canonical file (Mamba2-style keys ``backbone.layers.<i>.mixer.conv1d.weight``
         ``(dim, 1, width)`` and ``.bias``): served again, it reports the same ``weights_sha256``."""
         Path(path).write_bytes(self.canonical_safetensors())
+
+
+def _check_finite(t: torch.Tensor, key: str) -> None:
+    """A weight or bias read from a file holds no NaN or Inf (a corrupted download would be served as is)."""
+    if t.is_floating_point():
+        bad = int((~torch.isfinite(t)).sum())
+        if bad:
+            raise ValueError(f"weights: {key} holds {bad} value(s) that are NaN or infinite; the file is corrupt "
+                             "or was converted wrongly")
 
 
 def _raw_bytes(t: torch.Tensor) -> bytes:

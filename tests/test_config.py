@@ -85,7 +85,7 @@ def test_max_tokens_per_request_left_unset_follows_a_smaller_max_batch_tokens():
     ({"slots": "many"}, "neither an integer nor 'auto'"),
     ({"width": "9"}, "--width"),
     ({"decode_buckets": "0,2"}, "positive batch sizes"),
-    ({"weights": "/nonexistent.safetensors"}, "is not a file"),
+    ({"weights": "/nonexistent.safetensors"}, "is neither a file nor a directory"),
     ({"dtype": "int8"}, "--dtype"),
     ({"max_tokens_per_request": "9000", "max_batch_tokens": "8192"}, "could never be scheduled"),
     ({"max_body_objects": "100", "max_batch_size": "32"}, "raise max_body_objects to 192 or more"),
@@ -112,6 +112,34 @@ def test_invalid_settings_fail_with_the_setting_named(overrides, fragment):
     with pytest.raises(ConfigError) as e:
         load_settings(overrides)
     assert fragment in str(e.value)
+
+
+@pytest.mark.parametrize("random_only", [{"dim": "100"}, {"width": "3"}, {"layers": "2"}, {"seed": "5"},
+                                         {"layers": "0,2", "dim": "64"}])
+@pytest.mark.parametrize("how", ["flags", "env", "file"])
+def test_random_model_settings_beside_weights_are_refused_not_ignored(tmp_path, monkeypatch, random_only, how):
+    weights = tmp_path / "w.safetensors"
+    weights.write_bytes(b"x")                     # (read by the engine, not here)
+    if how == "flags":
+        given = {"weights": str(weights), **random_only}
+    elif how == "env":
+        for k, v in random_only.items():
+            monkeypatch.setenv(f"CONVSERVE_{k.upper()}", v)
+        given = {"weights": str(weights)}
+    else:
+        cfg = tmp_path / "c.toml"
+        cfg.write_text("".join(f'{k} = {v if v.isdigit() else repr(v)}\n' for k, v in random_only.items()))
+        given = {"weights": str(weights)}
+    with pytest.raises(ConfigError) as e:
+        load_settings(given, config_file=cfg if how == "file" else None)
+    for k in random_only:
+        assert f"--{k}" in str(e.value)
+    assert "describe the random model" in str(e.value)
+
+
+def test_weights_take_a_directory_and_a_cast(tmp_path):
+    s = load_settings({"weights": str(tmp_path), "dtype": "float32"})
+    assert s.weights == tmp_path and s.dtype == "float32"
 
 
 def test_config_file_with_unknown_key_is_rejected(tmp_path):

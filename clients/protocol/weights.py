@@ -32,6 +32,7 @@ import struct
 from typing import Iterator, Mapping, Optional
 
 CONV_WEIGHT_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:.*\.)?conv1d\.weight$")
+CONV_BIAS_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:.*\.)?conv1d\.bias$")
 
 #: the ``__metadata__`` of the canonical file (fixed: the digest is a function of the weights alone)
 CANONICAL_METADATA = {"format": "pt"}
