@@ -20,7 +20,7 @@ from ..engine.accepts import accept_token_list
 from ..engine.validate import check_batch_sessions
 from . import messages as m
 from .placement import engine_of, new_id_on, split
-from .split_batch import partly_applied
+from .split_batch import check_refusal, partly_applied
 from .status import UP
 
 
@@ -174,10 +174,11 @@ class RemoteSessions:
             await asyncio.wait(waits)              # (cancelling this task leaves them alone)
         committed: list = []
         try:
-            for c in await asyncio.gather(*(self._call(e, {"k": m.CHECK, "f": "accept", "ss": ss, "t": tt, **ri})
-                                            for e, ss, tt in parts), return_exceptions=True):
-                if isinstance(c, BaseException):
-                    raise c
+            checks = await asyncio.gather(*(self._call(e, {"k": m.CHECK, "f": "accept", "ss": ss, "t": tt, **ri})
+                                            for e, ss, tt in parts), return_exceptions=True)
+            refused = check_refusal(checks, sids)
+            if refused is not None:
+                raise refused
             for e, ss, tt in parts:
                 try:
                     fut = self._request(e, {"k": m.OP, "f": "accept_batch", "a": [ss, tt], **ri})

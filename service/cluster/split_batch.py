@@ -130,10 +130,24 @@ def refusal(parts: list, checks: list, sids: list, position, layer: int):
     return PositionMismatch(mismatch_message(what, server), position=server, **applied)
 
 
+def check_refusal(checks: list, sids: list):
+    """The error an accept split across engines is refused with, from its parts' checks (each None or an error;
+    None: every part may go on): as :func:`refusal` picks it, without positions."""
+    errors = [c for c in checks if isinstance(c, BaseException)]
+    if not errors:
+        return None
+    first = min(errors, key=_check_rank)
+    return _gone(first, errors, sids) if isinstance(first, (StateLost, UnknownSession)) else _own(first)
+
+
 def _gone(first: ServiceError, errors: list, sids: list) -> ServiceError:
-    """A copy of ``first`` (a part's 410 or 404) naming every session of the batch that its parts found lost or
-    unknown, in the batch's order (:func:`with_gone`)."""
+    """A copy of the parts' 410 or 404 that the whole request would have raised in one engine (the error of its
+    first session, in its order, that is not live), naming every session of it that its parts found lost or
+    unknown, in its order (:func:`with_gone`)."""
     at = {sid: i for i, sid in enumerate(sids)}
+    gone = [e for e in errors if isinstance(e, (StateLost, UnknownSession))]
+    first = min(gone, key=lambda e: min((at.get(s, len(sids)) for k in ("lost", "unknown")
+                                         for s in e.extra.get(k, ())), default=len(sids))) if gone else first
     out = copy.copy(_own(first))
     found = {k: sorted({s for e in errors if isinstance(e, ServiceError) for s in e.extra.get(k, ())}, key=at.get)
              for k in ("lost", "unknown")}

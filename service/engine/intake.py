@@ -336,7 +336,7 @@ class Intake:
         with self._lock:
             self._check_running_locked()
             sessions = table.get_many(session_ids) if positions is None else \
-                [self._session_at_locked(sid, at) for sid, at in zip(session_ids, positions)]   # (404/410 name it)
+                self._sessions_at_locked(session_ids, positions)        # (404/410 name every one not live)
             counted = None if rid is None else \
                 self._refuse_late_batch_locked(sessions, rid, req.layer, positions, rows, key)  # (parsed once)
             if positions is not None:
@@ -482,7 +482,7 @@ class Intake:
             self._check_running_locked()
             if position is not None:
                 p = self.model_cpu.position(layer)
-                ss = [self._session_at_locked(sid, at) for sid, at in zip(session_ids, position)]
+                ss = self._sessions_at_locked(session_ids, position)
                 counted = None if rid is None else self._refuse_late_batch_locked(ss, rid, p, position, rows, key)
                 repeat = self._check_batch_positions_locked(ss, p, position, rows, key, rid) is not None
                 here = [s.positions[p] for s in ss]
