@@ -4,6 +4,7 @@ are down."""
 from __future__ import annotations
 
 import collections
+import itertools
 import os
 import subprocess
 import sys
@@ -61,3 +62,30 @@ def test_placement_is_the_same_in_every_process_whatever_its_hash_seed():
             for seed in ("0", "1", "12345")}
     assert len(runs) == 1
     assert runs.pop().strip() == str([engine_of(f"s{i}", n) for n in (2, 3, 8) for i in range(300)])
+
+
+def test_creates_without_an_id_fill_every_engine_before_pool_exhausted():
+    """Engine 0 full (named sessions that hash to it): creates without an id land on engine 1, whatever engine 0's
+    published count says, until it is full too; only then 503 pool_exhausted, and nothing was created by it."""
+    from tests.http_api import Api
+    from tests.live import LiveServer
+    from tests.test_cluster_failures import ARGS
+
+    slots = 4
+    srv = LiveServer([*ARGS[:ARGS.index("--slots")], "--slots", str(slots), *ARGS[ARGS.index("--slots") + 2:]])
+    try:
+        api = Api(srv.url)
+        names = (f"full-{i}" for i in itertools.count())
+        for sid in itertools.islice((s for s in names if engine_of(s, 2) == 0), slots):
+            api.session(sid)
+        made = []
+        for _ in range(slots):
+            st, body, _ = api.call("POST", "/v1/sessions", {})
+            assert st == 201, body
+            made.append(body["session"])
+        assert all(engine_of(s, 2) == 1 for s in made), made
+        st, body, _ = api.call("POST", "/v1/sessions", {})
+        assert st == 503 and body["error"]["code"] == "pool_exhausted", body
+        assert len(api.call("GET", "/v1/sessions")[1]["sessions"]) == 2 * slots
+    finally:
+        srv.kill()

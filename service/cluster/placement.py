@@ -1,8 +1,9 @@
 """Which engine holds a session: rendezvous (highest-random-weight) hashing of the session id.
 
 Every worker computes the same answer from the id alone, so no directory of sessions is shared between
-processes, and any worker serves any session. A session created without an id gets a fresh id that hashes to an
-engine that is up (:func:`new_id_on`), so creation avoids an engine that is down or restarting.
+processes, and any worker serves any session. A session created without an id gets a fresh id that hashes to the
+engine the worker picks (:func:`new_id_on`; the engine up with the most free slots), so creation avoids an engine
+that is down, restarting or full.
 """
 
 from __future__ import annotations

@@ -10,11 +10,13 @@ committed sessions in its error's ``applied`` field.
 from __future__ import annotations
 
 import asyncio
+import random
 from typing import Optional, Sequence
 
 import torch
 
-from convserve.clients.protocol.errors import BadRequest, EngineTimeout, EngineUnavailable, NotReady, ServiceError
+from convserve.clients.protocol.errors import (BadRequest, EngineTimeout, EngineUnavailable, NotReady, PoolExhausted,
+                                               ServiceError)
 
 from ..engine.accepts import accept_token_list
 from ..engine.validate import check_batch_sessions
@@ -47,16 +49,27 @@ class RemoteSessions:
         return self.status.state(e)[0] == UP
 
     def create_session(self, session_id: Optional[str] = None, request_id: Optional[str] = None) -> str:
-        if session_id is None:
+        if session_id is not None:
+            return self._op(self._engine_for_new(session_id), "create_session", session_id, rid=request_id)
+        order = self._engines_for_new()
+        if not order:
+            self._target(0)
+            raise EngineUnavailable("no engine is up to hold a new session; retry shortly",
+                                    retry_after=min(map(self.status.back_in, range(self.n))))
+        for e in order:          # a full engine (its count a second old) refuses and changes nothing: the next
+            session_id, _ = new_id_on(lambda x: x == e, self.n, tries=4096)
             try:
-                session_id, e = new_id_on(self._up, self.n)
-            except LookupError:
-                self._target(0)
-                raise EngineUnavailable("no engine is up to hold a new session; retry shortly",
-                                        retry_after=min(map(self.status.back_in, range(self.n)))) from None
-        else:
-            e = self._engine_for_new(session_id)
-        return self._op(e, "create_session", session_id, rid=request_id)
+                return self._op(e, "create_session", session_id, rid=request_id)
+            except PoolExhausted:
+                if e == order[-1]:
+                    raise
+
+    def _engines_for_new(self) -> list:
+        """The engines that are up, the most free slots first (as each last published them; ties in random
+        order): where a session created without an id goes, the next one when the first is full."""
+        up = [e for e in range(self.n) if self._up(e)]
+        random.shuffle(up)
+        return sorted(up, key=lambda e: -self.status.row(e).slots_free)
 
     def _engine_for_new(self, sid: str) -> int:
         """The engine a new session named ``sid`` goes to (the one its id hashes to); when that engine is down,
