@@ -26,7 +26,7 @@ def clock(monkeypatch):
 def test_a_down_engine_with_no_process_ever_up_gets_the_fixed_retry_after(table, clock):
     assert table.back_in(0) == RETRY_UNKNOWN_S
     table.expect_back(0, 0.5)                         # no up_s yet: no estimate
-    assert table.back_in(0) == RETRY_UNKNOWN_S and table.row(0).as_dict()["last_start_s"] is None
+    assert table.back_in(0) == RETRY_UNKNOWN_S and table.row(0).as_dict()["last_restart_s"] is None
 
 
 @pytest.mark.parametrize("up_s,delay_s", [(0.3, 0.5), (1.2, 0.0), (3.25, 0.5), (7.9, 10.0), (2.0, 4.0)])
@@ -36,7 +36,7 @@ def test_the_retry_after_is_the_back_off_left_plus_the_last_start(table, clock, 
     want = min(RETRY_MAX_S, max(RETRY_MIN_S, math.ceil(up_s + delay_s)))
     assert table.back_in(1) == want
     assert table.back_in(0) == table.back_in(2) == RETRY_UNKNOWN_S     # rows are separate
-    assert table.row(1).as_dict()["last_start_s"] == round(up_s, 3)
+    assert table.row(1).as_dict()["last_restart_s"] == round(up_s, 3)
     clock[0] += up_s + delay_s + 0.01                 # slower than its last start: retry soon
     assert table.back_in(1) == RETRY_MIN_S
 

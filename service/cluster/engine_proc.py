@@ -163,7 +163,8 @@ class EngineProcess(EngineOps):
         the final snapshot could not be written."""
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        self.status.set_up_s(self.index, time.time() - self.spec["spawned"])
+        if self.spec["restarts"]:            # (a restart's time is the estimate of the next: see status.py)
+            self.status.set_up_s(self.index, time.time() - self.spec["spawned"])
         self.status.set_state(self.index, UP)
         log.info("engine up", extra={"engine": self.index, "device": self.spec["device"], "epoch": self.epoch,
                                      "pid": os.getpid()})

@@ -5,9 +5,10 @@ engine's process), ``pid`` and ``restarts``; the engine writes ``state = built``
 serving) and its slot counts. Workers read it on every request (a struct unpack) to route around engines that
 are down, and poll it to fail the requests in flight on an engine that died. Each field has one writer at a time.
 
-A restart's expected end: the engine writes ``up_s`` (how long its process took from its spawn to up) when it comes
-up; the supervisor writes ``back_at`` (the unix time it expects the engine up again: the restart's back-off plus the
-last process's ``up_s``) when the engine dies and when it spawns the next process. A worker tells a request to a
+A restart's expected end: a restarted engine process writes ``up_s`` (how long it took from its spawn to up) when
+it comes up (a first process does not: its cold start, the fork server's imports included, says little about a
+restart); the supervisor writes ``back_at`` (the unix time it expects the engine up again: the restart's back-off
+plus the last restart's ``up_s``) when the engine dies and when it spawns the next process. A worker tells a request to a
 down engine to retry after that (:meth:`StatusTable.back_in`), not after a fixed guess.
 """
 
@@ -59,7 +60,7 @@ class Row:
                 "snapshot": None if not self.snap_time else {"unix_time": round(self.snap_time, 3),
                                                              "sessions": self.snap_sessions,
                                                              "bytes": self.snap_bytes},
-                "last_start_s": round(self.up_s, 3) if self.up_s else None}
+                "last_restart_s": round(self.up_s, 3) if self.up_s else None}
 
 
 class StatusTable:
@@ -104,12 +105,13 @@ class StatusTable:
         struct.pack_into("<d", self._view, e * _ROW.size + _SNAP_TIME, unix_time)
 
     def set_up_s(self, e: int, seconds: float) -> None:
-        """Engine ``e``'s process came up ``seconds`` after its spawn (written by the engine, with ``up``)."""
+        """Engine ``e``'s restarted process came up ``seconds`` after its spawn (written by the engine, with
+        ``up``)."""
         struct.pack_into("<d", self._view, e * _ROW.size + _UP_S, seconds)
 
     def expect_back(self, e: int, delay_s: float) -> None:
         """The supervisor expects engine ``e`` up again after ``delay_s`` more (the back-off left) plus its last
-        process's ``up_s``; nothing when no process of it has come up yet (no estimate)."""
+        restart's ``up_s``; no estimate before a restart of it came up."""
         up_s = struct.unpack_from("<d", self._view, e * _ROW.size + _UP_S)[0]
         back = time.time() + delay_s + up_s if up_s else 0.0
         struct.pack_into("<d", self._view, e * _ROW.size + _BACK_AT, back)
