@@ -329,6 +329,10 @@ def test_a_sealed_key_naming_an_unsealed_or_other_descriptor_or_a_bad_form_is_a_
             (f"{SEALED_PREFIX}{pid}.{other}.abc", "is not sealed segment"),     # another memfd's number
             (f"{SEALED_PREFIX}{pid}.999999.abc", "cannot be opened"),
             (f"{SEALED_PREFIX}{pid}.abc", "<pid>.<fd>.<tag>"),
+            (f"{SEALED_PREFIX}0{pid}.{fd}.abc", "<pid>.<fd>.<tag>"),         # one key per segment: no leading 0
+            (f"{SEALED_PREFIX}{pid}.0{fd}.abc", "<pid>.<fd>.<tag>"),
+            (f"{SEALED_PREFIX}+{pid}.{fd}.abc", "must name a segment"),
+            (f"{SEALED_PREFIX}{pid}.{chr(0x0660 + fd % 10)}.abc", "must name a segment"),   # a non-ASCII digit
         ]
         for key, needle in cases:
             with pytest.raises(BadRequest, match=needle):

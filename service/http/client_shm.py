@@ -28,6 +28,7 @@ import fcntl
 import math
 import mmap
 import os
+import re
 import stat
 import threading
 import time
@@ -43,6 +44,7 @@ SHM_ROOT = "/dev/shm"
 SWEEP_S = 5.0
 #: seconds a sealed segment's mapping is used without checking again that its client still holds the memfd
 RECHECK_S = 0.05
+_PID, _FD = re.compile(r"[1-9][0-9]*"), re.compile(r"0|[1-9][0-9]*")
 #: fcntl's seal commands and flags (Linux; Python's fcntl has them from 3.8, not on every platform)
 F_GET_SEALS = getattr(fcntl, "F_GET_SEALS", 1034)
 F_SEAL_SHRINK = getattr(fcntl, "F_SEAL_SHRINK", 0x0002)
@@ -173,7 +175,8 @@ class ClientSegments:
                 if self._maps.get(key) is got:
                     del self._maps[key]
         parts = key[len(SEALED_PREFIX):].split(".")
-        if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit():
+        # numbers as the client writes them (no sign, no leading zero, ASCII): one key per segment, so one mapping
+        if len(parts) != 3 or not _PID.fullmatch(parts[0]) or not _FD.fullmatch(parts[1]):
             raise BadRequest(f"'{name}.shm.key': a sealed segment's key is '{SEALED_PREFIX}<pid>.<fd>.<tag>' (as "
                              f"ShmArena(sealed=True) makes it), got {key!r:.80}")
         path = f"/proc/{int(parts[0])}/fd/{int(parts[1])}"
