@@ -39,6 +39,22 @@ def with_gone(err, lost: list, unknown: list):
     return err
 
 
+def get_each(calls, get) -> list:
+    """``get(*args)`` for each ``args`` of ``calls`` (a tuple whose first item is a session id), in order; when
+    some raise :class:`StateLost` or :class:`UnknownSession`, the first one's error naming every such id
+    (:func:`with_gone`)."""
+    out, first, gone = [], None, {"lost": [], "unknown": []}
+    for args in calls:
+        try:
+            out.append(get(*args))
+        except (StateLost, UnknownSession) as e:
+            first = first or e
+            gone["lost" if isinstance(e, StateLost) else "unknown"].append(args[0])
+    if first is not None:
+        raise with_gone(first, gone["lost"], gone["unknown"])
+    return out
+
+
 @dataclass(eq=False, slots=True)
 class Session:
     """One session. Compared and hashed by identity."""
@@ -155,16 +171,7 @@ class SessionTable:
 
     def _get_each(self, session_ids) -> list:
         """:meth:`get_many` when some id is not live: each looked up alone, the errors gathered."""
-        out, first, gone = [], None, {"lost": [], "unknown": []}
-        for sid in session_ids:
-            try:
-                out.append(self.get(sid))
-            except (StateLost, UnknownSession) as e:
-                first = first or e
-                gone["lost" if isinstance(e, StateLost) else "unknown"].append(sid)
-        if first is not None:
-            raise with_gone(first, gone["lost"], gone["unknown"])
-        return out
+        return get_each(((sid,) for sid in session_ids), self.get)
 
     def check_free(self, session_id: str) -> None:
         if session_id in self._live:

@@ -49,7 +49,7 @@ from typing import Optional
 from convserve.clients.protocol.errors import BadRequest, LateRequest, PositionMismatch, StateLost, UnknownSession
 
 from ..claims import rid_counter
-from ..sessions import Session, with_gone
+from ..sessions import Session, get_each
 from .outputs import deliver
 from .records import Op
 
@@ -184,16 +184,7 @@ class Positions:
     def _sessions_at_locked(self, session_ids, positions) -> list:
         """:meth:`_session_at_locked` of each of a batch's sessions; when some are not live, the error of the first,
         naming every such session of the batch (``with_gone``: one at a position past 0 is lost)."""
-        out, first, gone = [], None, {"lost": [], "unknown": []}
-        for sid, at in zip(session_ids, positions):
-            try:
-                out.append(self._session_at_locked(sid, at))
-            except (StateLost, UnknownSession) as e:
-                first = first or e
-                gone["lost" if isinstance(e, StateLost) else "unknown"].append(sid)
-        if first is not None:
-            raise with_gone(first, gone["lost"], gone["unknown"])
-        return out
+        return get_each(zip(session_ids, positions), self._session_at_locked)
 
     def _mismatch(self, what: str, server, applied=(None,)) -> PositionMismatch:
         """``applied``: the ``request_id`` (or None) of the request applied at the position and length claimed,
