@@ -173,7 +173,8 @@ class Attempts:
     positions a tracked call makes first. ``rid``, ``layer``, ``positions``: what the call carried, for
     :class:`OutcomeUnknown`; ``remedy``: what its message tells the caller to do. :attr:`moves` (set by
     ``MadeId``): a create or fork of an id the client made, which a ``503 engine_unavailable`` (the engine that id
-    hashes to is down) retries at once, the caller sending a fresh id (:meth:`moved`)."""
+    hashes to is down), or a ``503 pool_exhausted`` that says another engine has free slots (``free_elsewhere``),
+    retries at once, the caller sending a fresh id (:meth:`moved`)."""
 
     def __init__(self, book, method: str, path: str, sessions: list, *, remedy: str = RESEND,
                  rid: Optional[str] = None, layer: Optional[int] = None, positions=None, read: bool = False,
@@ -210,6 +211,16 @@ class Attempts:
         if extra.get("applied"):
             return None
         ran = not self.read and (resp.status_code == 504 or extra.get("maybe_applied") is True)   # (other 503s: no)
+        self.down = self.moves and err is not None and (err.code == "engine_unavailable" or (
+            err.code == "pool_exhausted" and extra.get("free_elsewhere") is True))
+        if self.down and self.downs < FRESH_IDS_AT_ONCE:
+            # a fresh id most likely hashes to an engine that is up (or has room): no wait, and not a retry of the
+            # same call (the count of retries is the caller's), so even with max_retries 0
+            self.downs += 1
+            self.ran = ran
+            self.maybe_ran = self.maybe_ran or self.ran
+            self.n -= 1
+            return 0.0
         if self.n >= self.book.max_retries:
             try:
                 _raise_for(resp)
@@ -222,12 +233,6 @@ class Attempts:
             return None
         self.ran = ran
         self.maybe_ran = self.maybe_ran or self.ran
-        self.down = self.moves and err is not None and err.code == "engine_unavailable"
-        if self.down:       # a fresh id most likely hashes to an engine that is up: no wait, for the first few
-            self.downs += 1
-            if self.downs <= FRESH_IDS_AT_ONCE:
-                self.n -= 1     # (not a retry of the same call: the count of retries is the caller's)
-                return 0.0
         return self.book.delay(self.n, self.book.retry_after(resp))
 
     def moved(self, sid: str, index: int = 0) -> str:

@@ -64,9 +64,73 @@ def test_placement_is_the_same_in_every_process_whatever_its_hash_seed():
     assert runs.pop().strip() == str([engine_of(f"s{i}", n) for n in (2, 3, 8) for i in range(300)])
 
 
+def _remote(states, free, restarts=None, answers=None):
+    """A worker's engine client over engines with ``states`` and published ``free`` slots; ``answers[e]``: what
+    engine ``e`` answers a create with (an error to raise, else the id is created)."""
+    from types import SimpleNamespace
+
+    from convserve.service.cluster.remote import RemoteEngine
+
+    r = RemoteEngine.__new__(RemoteEngine)
+    r.n, r.devices = len(states), [f"cpu:{e}" for e in range(len(states))]
+    rows = [SimpleNamespace(slots_free=f, restarts=(restarts or [0] * r.n)[e]) for e, f in enumerate(free)]
+    r.status = SimpleNamespace(state=lambda e: (states[e], 1), row=lambda e: rows[e], back_in=lambda e: 3 + e)
+    r.sent = []
+
+    def op(e, name, sid, rid=None):
+        r.sent.append((e, sid))
+        err = (answers or {}).get(e)
+        if err is not None:
+            raise err
+        return sid
+    r._op = op
+    r._target = lambda e: 1                           # (every engine named is up here)
+    return r
+
+
+def test_a_create_without_an_id_goes_on_past_an_engine_full_or_down_since_its_count():
+    from convserve.clients.protocol.errors import EngineUnavailable, PoolExhausted
+    from convserve.service.cluster.status import UP
+
+    full = PoolExhausted("all 4 session slots are in use")
+    r = _remote([UP, UP, UP], free=[9, 5, 1], answers={0: full, 1: EngineUnavailable("engine 1 died")})
+    sid = r.create_session()
+    assert [e for e, _ in r.sent] == [0, 1, 2] and engine_of(sid, 3) == 2     # the stale counts' order
+    r = _remote([UP, UP], free=[3, 2], answers={0: full, 1: full})
+    with pytest.raises(PoolExhausted):
+        r.create_session()
+    assert [e for e, _ in r.sent] == [0, 1]
+
+
+def test_a_create_without_an_id_with_no_engine_up_is_not_ready_at_first_then_unavailable():
+    from convserve.clients.protocol.errors import EngineUnavailable, NotReady
+    from convserve.service.cluster.status import DOWN, STARTING
+
+    with pytest.raises(NotReady):
+        _remote([STARTING, STARTING], free=[0, 0]).create_session()
+    with pytest.raises(EngineUnavailable) as e:
+        _remote([DOWN, STARTING], free=[0, 0], restarts=[1, 0]).create_session()
+    assert e.value.retry_after == 3                   # the soonest engine's estimate
+
+
+@pytest.mark.parametrize("other_free", [0, 5])
+def test_a_named_create_on_a_full_engine_says_whether_another_has_room(other_free):
+    from convserve.clients.protocol.errors import PoolExhausted
+    from convserve.service.cluster.status import UP
+
+    sid = next(f"n-{i}" for i in itertools.count() if engine_of(f"n-{i}", 2) == 0)
+    r = _remote([UP, UP], free=[0, other_free], answers={0: PoolExhausted("all 4 session slots are in use")})
+    with pytest.raises(PoolExhausted) as e:
+        r.create_session(sid)
+    assert bool(e.value.extra.get("free_elsewhere")) is bool(other_free)
+    assert ("another engine has free slots" in e.value.message) is bool(other_free)
+
+
 def test_creates_without_an_id_fill_every_engine_before_pool_exhausted():
-    """Engine 0 full (named sessions that hash to it): creates without an id land on engine 1, whatever engine 0's
-    published count says, until it is full too; only then 503 pool_exhausted, and nothing was created by it."""
+    """Engine 0 full (named sessions that hash to it): creates without an id land on engine 1 until it is full
+    too; only then 503 pool_exhausted, and nothing was created by it. A tracking client's creates (its own ids)
+    that hash to the full engine are sent again at once with fresh ids."""
+    from convserve.clients.client import ConvClient
     from tests.http_api import Api
     from tests.live import LiveServer
     from tests.test_cluster_failures import ARGS
@@ -79,10 +143,12 @@ def test_creates_without_an_id_fill_every_engine_before_pool_exhausted():
         for sid in itertools.islice((s for s in names if engine_of(s, 2) == 0), slots):
             api.session(sid)
         made = []
-        for _ in range(slots):
+        for _ in range(slots // 2):
             st, body, _ = api.call("POST", "/v1/sessions", {})
             assert st == 201, body
             made.append(body["session"])
+        with ConvClient(srv.url, track_positions=True, max_retries=0) as c:
+            made += [c.create_session() for _ in range(slots - slots // 2)]
         assert all(engine_of(s, 2) == 1 for s in made), made
         st, body, _ = api.call("POST", "/v1/sessions", {})
         assert st == 503 and body["error"]["code"] == "pool_exhausted", body

@@ -10,6 +10,7 @@ committed sessions in its error's ``applied`` field.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from typing import Optional, Sequence
 
@@ -23,7 +24,7 @@ from ..engine.validate import check_batch_sessions
 from . import messages as m
 from .placement import engine_of, new_id_on, split
 from .split_batch import check_refusal, partly_applied
-from .status import UP
+from .status import DOWN, STOPPED, UP
 
 
 class RemoteSessions:
@@ -50,19 +51,38 @@ class RemoteSessions:
 
     def create_session(self, session_id: Optional[str] = None, request_id: Optional[str] = None) -> str:
         if session_id is not None:
-            return self._op(self._engine_for_new(session_id), "create_session", session_id, rid=request_id)
+            e = self._engine_for_new(session_id)
+            with self._full_names_elsewhere(e):
+                return self._op(e, "create_session", session_id, rid=request_id)
         order = self._engines_for_new()
         if not order:
-            self._target(0)
+            if not any(self.status.row(e).restarts or self.status.state(e)[0] in (DOWN, STOPPED)
+                       for e in range(self.n)):
+                raise NotReady("the engines are starting (allocating the state pool, warming the kernels); retry "
+                               "shortly", retry_after=1)
             raise EngineUnavailable("no engine is up to hold a new session; retry shortly",
                                     retry_after=min(map(self.status.back_in, range(self.n))))
-        for e in order:          # a full engine (its count a second old) refuses and changes nothing: the next
+        for e in order:    # a full engine, or one that went down since, refuses and changes nothing: the next
             session_id, _ = new_id_on(lambda x: x == e, self.n, tries=4096)
             try:
                 return self._op(e, "create_session", session_id, rid=request_id)
-            except PoolExhausted:
+            except (PoolExhausted, EngineUnavailable, NotReady):
                 if e == order[-1]:
                     raise
+
+    @contextlib.contextmanager
+    def _full_names_elsewhere(self, e: int):
+        """Around a create (or a fork's) of a named id on engine ``e``: its ``503 pool_exhausted``, when another
+        engine that is up has free slots, says so (``free_elsewhere``: another id, or none, may be created)."""
+        try:
+            yield
+        except PoolExhausted as err:
+            if not any(self._up(o) and self.status.row(o).slots_free for o in range(self.n) if o != e):
+                raise
+            raise PoolExhausted(f"{err.message}; engine {e} ({self.devices[e]}), which the new id hashes to, is "
+                                "full, and another engine has free slots: send the create (or fork) without an "
+                                "id, or with another id", retry_after=err.retry_after, free_elsewhere=True) \
+                from None
 
     def _engines_for_new(self) -> list:
         """The engines that are up, the most free slots first (as each last published them; ties in random
@@ -89,13 +109,16 @@ class RemoteSessions:
 
     def fork_session(self, src_id: str, new_id: Optional[str] = None, request_id: Optional[str] = None) -> str:
         e = engine_of(src_id, self.n)
+        named = new_id is not None
         if new_id is None and self.n > 1:
             new_id, _ = new_id_on(lambda x: x == e, self.n, tries=4096)
         if new_id is None or engine_of(new_id, self.n) == e:
-            return self._op(e, "fork_session", src_id, new_id, rid=request_id)
+            with self._full_names_elsewhere(e) if named else contextlib.nullcontext():
+                return self._op(e, "fork_session", src_id, new_id, rid=request_id)
         to = self._engine_for_new(new_id)
         state, positions, pending, spec = self._op(e, "export_for_fork", src_id, rid=request_id)
-        self._op(to, "create_with_state", new_id, positions, pending, state=state, spec=spec, rid=request_id)
+        with self._full_names_elsewhere(to):
+            self._op(to, "create_with_state", new_id, positions, pending, state=state, spec=spec, rid=request_id)
         return new_id
 
     def export_state(self, session_id: str):
