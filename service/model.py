@@ -195,6 +195,11 @@ class ConvModel:
         if any(has_bias):
             bias = torch.stack([b.to(target) if b is not None else torch.zeros(weight.shape[1], dtype=target)
                                 for b in bs])
+        if target != ws[0].dtype or any(w.dtype != target for w in ws):   # a value past the cast's range
+            for p, layer in enumerate(layers):
+                _check_finite(weight[p], found[layer][0], target)
+                if has_bias[p]:
+                    _check_finite(bias[p], found[layer][1], target)
         return cls(layers, weight, bias, has_bias, activation)
 
     # ---- the canonical file (``protocol.weights``): what /v1/model/weights serves and weights_sha256 digests
@@ -237,10 +242,14 @@ class ConvModel:
         Path(path).write_bytes(self.canonical_safetensors())
 
 
-def _check_finite(t: torch.Tensor, key: str) -> None:
-    """A weight or bias read from a file holds no NaN or Inf (a corrupted download would be served as is)."""
+def _check_finite(t: torch.Tensor, key: str, cast: Optional[torch.dtype] = None) -> None:
+    """A weight or bias read from a file holds no NaN or Inf (a corrupted download would be served as is), nor
+    does it after the ``cast`` to the served dtype (a value past float16's range)."""
     if t.is_floating_point():
         bad = int((~torch.isfinite(t)).sum())
+        if bad and cast is not None:
+            raise ValueError(f"weights: {key} holds {bad} value(s) beyond the range of {DTYPE_NAMES[cast]}, the "
+                             "--dtype it is cast to: serve it in a wider dtype")
         if bad:
             raise ValueError(f"weights: {key} holds {bad} value(s) that are NaN or infinite; the file is corrupt "
                              "or was converted wrongly")

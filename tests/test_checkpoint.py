@@ -118,6 +118,17 @@ def test_weights_that_are_not_finite_are_refused_naming_the_key(tmp_path, what, 
         ConvModel.from_safetensors(tmp_path / "w.safetensors")
 
 
+@pytest.mark.parametrize("what", ["weight", "bias"])
+def test_a_value_past_the_cast_dtypes_range_is_refused_naming_the_key(tmp_path, what):
+    tensors = _nemotron_like(dtype=torch.float32)
+    key = f"backbone.layers.6.mixer.conv1d.{what}"
+    tensors[key].view(-1)[3] = 1e5                # above float16's 65504
+    save_file(tensors, str(tmp_path / "w.safetensors"))
+    assert ConvModel.from_safetensors(tmp_path / "w.safetensors", dtype=torch.bfloat16).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=f"{key} holds 1 value.* beyond the range of float16"):
+        ConvModel.from_safetensors(tmp_path / "w.safetensors", dtype=torch.float16)
+
+
 def test_a_bias_with_no_weight_beside_it_is_refused(tmp_path):
     tensors = _nemotron_like()
     tensors["backbone.layers.1.mixer.conv1d.bias"] = torch.zeros(DIM)

@@ -120,6 +120,16 @@ def test_a_killed_fork_server_takes_its_children_and_every_one_comes_back_once_w
         ref = Reference(model())
         ref.create(fresh)
         assert_close(api.conv(fresh, 0, x)[1], ref.conv(fresh, 0, x))
+        # the restarts' times (the next restart's Retry-After estimate) count from each process's fork, not from the
+        # supervisor's request: the wait for the new fork server's imports is not in them
+        import time
+
+        from convserve.service.cluster.lifeline import started
+        rows = httpx.get(srv.url + "/readyz", timeout=5).json()["engines"]
+        for r in rows:
+            fork_server_wait = (started(r["pid"]) - started(new_fork_server)) / os.sysconf("SC_CLK_TCK")
+            age = time.clock_gettime(time.CLOCK_BOOTTIME) - started(r["pid"]) / os.sysconf("SC_CLK_TCK")
+            assert 0 < r["last_restart_s"] <= age + 0.02, (r, age, fork_server_wait)
         assert srv.terminate() == 0
     finally:
         srv.terminate()

@@ -5,9 +5,8 @@ engine's process), ``pid`` and ``restarts``; the engine writes ``state = built``
 serving) and its slot counts. Workers read it on every request (a struct unpack) to route around engines that
 are down, and poll it to fail the requests in flight on an engine that died. Each field has one writer at a time.
 
-A restart's expected end: a restarted engine process writes ``up_s`` (how long it took from its spawn to up) when
-it comes up (a first process does not: its cold start, the fork server's imports included, says little about a
-restart); the supervisor writes ``back_at`` (the unix time it expects the engine up again: the restart's back-off
+A restart's expected end: a restarted engine process writes ``up_s`` (how long it took from its fork to up) when
+it comes up (a first process does not: a first start, with cold caches, says little about a restart); the supervisor writes ``back_at`` (the unix time it expects the engine up again: the restart's back-off
 plus the last restart's ``up_s``) when the engine dies and when it spawns the next process. A worker tells a request to a
 down engine to retry after that (:meth:`StatusTable.back_in`), not after a fixed guess.
 """

@@ -98,8 +98,7 @@ class Supervisor:
         c.epoch = c.generation
         self._start(c, engine_proc.main, {
             "device": self.devices[c.index], "epoch": c.epoch, "restarts": c.generation - 1,
-            "engines": len(self.devices), "busy_poll_us": self.settings.resolved_busy_poll_us(len(self.devices)),
-            "spawned": time.time()})
+            "engines": len(self.devices), "busy_poll_us": self.settings.resolved_busy_poll_us(len(self.devices))})
         self.status.begin(c.index, c.epoch, c.proc.pid, c.generation - 1)
         self.status.expect_back(c.index, 0.0)
         log.info("engine process started", extra={"engine": c.index, "device": self.devices[c.index],

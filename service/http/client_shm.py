@@ -175,7 +175,9 @@ class ClientSegments:
                 if self._maps.get(key) is got:
                     del self._maps[key]
         parts = key[len(SEALED_PREFIX):].split(".")
-        # numbers as the client writes them (no sign, no leading zero, ASCII): one key per segment, so one mapping
+        # numbers as the client writes them (no sign, no leading zero, ASCII digits). Another of the process's
+        # thread ids, or a duplicated descriptor, still names the segment another way: each is a mapping of its
+        # own, within client_shm_segments
         if len(parts) != 3 or not _PID.fullmatch(parts[0]) or not _FD.fullmatch(parts[1]):
             raise BadRequest(f"'{name}.shm.key': a sealed segment's key is '{SEALED_PREFIX}<pid>.<fd>.<tag>' (as "
                              f"ShmArena(sealed=True) makes it), got {key!r:.80}")
