@@ -6,17 +6,18 @@ serving) and its slot counts. Workers read it on every request (a struct unpack)
 are down, and poll it to fail the requests in flight on an engine that died. Each field has one writer at a time.
 
 A restart's expected end: a restarted engine process writes ``up_s`` (how long it took from its fork to up) when
-it comes up (a first process does not: a first start, with cold caches, says little about a restart); the supervisor writes ``back_at`` (the unix time it expects the engine up again: the restart's back-off
-plus the last restart's ``up_s``) when the engine dies and when it spawns the next process. A worker tells a request to a
-down engine to retry after that (:meth:`StatusTable.back_in`), not after a fixed guess.
+it comes up (a first process does not: a first start, with cold caches, says little about a restart); the
+supervisor writes ``back_at`` (the unix time it expects the engine up again: the restart's back-off plus the last
+restart's ``up_s``) when the engine dies and when it spawns the next process. A worker tells a request to a down
+engine to retry after that (:meth:`StatusTable.back_in`), not after a fixed guess.
 """
 
 from __future__ import annotations
 
-import struct
-from dataclasses import dataclass
 import math
+import struct
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 from .shm import map_file
@@ -104,7 +105,7 @@ class StatusTable:
         struct.pack_into("<d", self._view, e * _ROW.size + _SNAP_TIME, unix_time)
 
     def set_up_s(self, e: int, seconds: float) -> None:
-        """Engine ``e``'s restarted process came up ``seconds`` after its spawn (written by the engine, with
+        """Engine ``e``'s restarted process came up ``seconds`` after its fork (written by the engine, with
         ``up``)."""
         struct.pack_into("<d", self._view, e * _ROW.size + _UP_S, seconds)
 
@@ -118,7 +119,7 @@ class StatusTable:
     def back_in(self, e: int) -> int:
         """Whole seconds to tell a request to down engine ``e`` to wait (its Retry-After): until the expected end
         of its restart, within [RETRY_MIN_S, RETRY_MAX_S]; RETRY_UNKNOWN_S with no estimate. An engine slower to
-        come back than its last process was gets RETRY_MIN_S."""
+        come back than its last restart was gets RETRY_MIN_S."""
         back = struct.unpack_from("<d", self._view, e * _ROW.size + _BACK_AT)[0]
         if not back:
             return RETRY_UNKNOWN_S
