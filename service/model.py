@@ -195,11 +195,10 @@ class ConvModel:
         if any(has_bias):
             bias = torch.stack([b.to(target) if b is not None else torch.zeros(weight.shape[1], dtype=target)
                                 for b in bs])
-        if target != ws[0].dtype or any(w.dtype != target for w in ws):   # a value past the cast's range
-            for p, layer in enumerate(layers):
-                _check_finite(weight[p], found[layer][0], target)
-                if has_bias[p]:
-                    _check_finite(bias[p], found[layer][1], target)
+        for p, layer in enumerate(layers):           # finite in the file, and after the cast to the served dtype
+            _check_finite(weight[p], found[layer][0], target)
+            if has_bias[p]:
+                _check_finite(bias[p], found[layer][1], target)
         return cls(layers, weight, bias, has_bias, activation)
 
     # ---- the canonical file (``protocol.weights``): what /v1/model/weights serves and weights_sha256 digests

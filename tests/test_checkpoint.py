@@ -129,6 +129,14 @@ def test_a_value_past_the_cast_dtypes_range_is_refused_naming_the_key(tmp_path, 
         ConvModel.from_safetensors(tmp_path / "w.safetensors", dtype=torch.float16)
 
 
+def test_a_float32_bias_beside_float16_weights_is_checked_in_the_served_dtype(tmp_path):
+    tensors = _nemotron_like(dtype=torch.float16)
+    tensors["backbone.layers.2.mixer.conv1d.bias"] = torch.full((DIM,), 7e4)     # float32, past float16's range
+    save_file(tensors, str(tmp_path / "w.safetensors"))
+    with pytest.raises(ValueError, match="backbone.layers.2.mixer.conv1d.bias holds 12 value.* float16"):
+        ConvModel.from_safetensors(tmp_path / "w.safetensors")
+
+
 def test_a_bias_with_no_weight_beside_it_is_refused(tmp_path):
     tensors = _nemotron_like()
     tensors["backbone.layers.1.mixer.conv1d.bias"] = torch.zeros(DIM)
