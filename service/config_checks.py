@@ -29,8 +29,9 @@ def check_across(s):
     random_only = [k for k in RANDOM_MODEL if k in given]
     if s.weights is not None and random_only:
         flags = ", ".join(f"--{k}" for k in random_only)
-        raise ValueError(f"{flags} describe the random model, and weights is set: the model's layers, dim and "
-                         "width come from the file; drop them (--dtype casts the file's weights)")
+        them = ("it", "describes") if len(random_only) == 1 else ("them", "describe")
+        raise ValueError(f"{flags} {them[1]} the random model, and weights is set: the model's layers, dim and "
+                         f"width come from the file; drop {them[0]} (--dtype casts the file's weights)")
     if s.max_batch_tokens < s.max_tokens_per_request and "max_tokens_per_request" not in given:
         s.max_tokens_per_request = s.max_batch_tokens      # its default: at most what a step takes
     if s.max_batch_tokens < s.max_tokens_per_request:

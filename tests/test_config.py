@@ -134,7 +134,7 @@ def test_random_model_settings_beside_weights_are_refused_not_ignored(tmp_path, 
         load_settings(given, config_file=cfg if how == "file" else None)
     for k in random_only:
         assert f"--{k}" in str(e.value)
-    assert "describe the random model" in str(e.value)
+    assert "the random model, and weights is set" in str(e.value)
 
 
 def test_weights_take_a_directory_and_a_cast(tmp_path):
