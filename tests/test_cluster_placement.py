@@ -73,16 +73,19 @@ def _remote(states, free, restarts=None, answers=None):
 
     r = RemoteEngine.__new__(RemoteEngine)
     r.n, r.devices = len(states), [f"cpu:{e}" for e in range(len(states))]
-    rows = [SimpleNamespace(slots_free=f, restarts=(restarts or [0] * r.n)[e]) for e, f in enumerate(free)]
+    rows = [SimpleNamespace(slots_free=f, slots_total=8, restarts=(restarts or [0] * r.n)[e])
+            for e, f in enumerate(free)]
     r.status = SimpleNamespace(state=lambda e: (states[e], 1), row=lambda e: rows[e], back_in=lambda e: 3 + e)
     r.sent = []
 
-    def op(e, name, sid, rid=None):
-        r.sent.append((e, sid))
+    def op(e, name, *args, rid=None, state=None, spec=None):
+        r.sent.append((e, name) if name != "create_session" else (e, args[0]))
+        if name == "export_for_fork":
+            return "state", [1, 2], [], None
         err = (answers or {}).get(e)
         if err is not None:
             raise err
-        return sid
+        return args[-1] if name == "fork_session" else args[0]
     r._op = op
     r._target = lambda e: 1                           # (every engine named is up here)
     return r
@@ -97,9 +100,35 @@ def test_a_create_without_an_id_goes_on_past_an_engine_full_or_down_since_its_co
     sid = r.create_session()
     assert [e for e, _ in r.sent] == [0, 1, 2] and engine_of(sid, 3) == 2     # the stale counts' order
     r = _remote([UP, UP], free=[3, 2], answers={0: full, 1: full})
-    with pytest.raises(PoolExhausted):
+    with pytest.raises(PoolExhausted, match="all 16 session slots of the 2 engines are in use"):
         r.create_session()
     assert [e for e, _ in r.sent] == [0, 1]
+
+
+def test_with_every_engine_up_full_and_one_restarting_a_create_is_told_to_wait_for_it():
+    from convserve.clients.protocol.errors import EngineUnavailable, PoolExhausted
+    from convserve.service.cluster.status import DOWN, UP
+
+    full = PoolExhausted("all 8 session slots are in use")
+    r = _remote([UP, DOWN, UP], free=[1, 0, 1], restarts=[0, 1, 0], answers={0: full, 2: full})
+    with pytest.raises(EngineUnavailable, match="engine.s. 1 are restarting") as e:
+        r.create_session()
+    assert e.value.retry_after == 4                   # engine 1's estimate (the stub's 3 + e)
+
+
+def test_a_fork_without_an_id_of_a_session_on_a_full_engine_moves_to_the_one_with_room():
+    from convserve.clients.protocol.errors import PoolExhausted
+    from convserve.service.cluster.status import UP
+
+    src = next(f"s-{i}" for i in itertools.count() if engine_of(f"s-{i}", 2) == 0)
+    r = _remote([UP, UP], free=[0, 5], answers={0: PoolExhausted("all 8 session slots are in use")})
+    new = r.fork_session(src)
+    assert engine_of(new, 2) == 1
+    assert r.sent == [(0, "fork_session"), (0, "export_for_fork"), (1, "create_with_state")]
+    r = _remote([UP, UP], free=[0, 0], answers={0: PoolExhausted("all 8 session slots are in use")})
+    with pytest.raises(PoolExhausted):                # no room anywhere: the source engine's answer
+        r.fork_session(src)
+    assert r.sent == [(0, "fork_session")]
 
 
 def test_a_create_without_an_id_with_no_engine_up_is_not_ready_at_first_then_unavailable():

@@ -33,8 +33,7 @@ def test_a_down_engine_with_no_process_ever_up_gets_the_fixed_retry_after(table,
 def test_the_retry_after_is_the_back_off_left_plus_the_last_start(table, clock, up_s, delay_s):
     table.set_up_s(1, up_s)
     table.expect_back(1, delay_s)
-    want = min(RETRY_MAX_S, max(RETRY_MIN_S, math.ceil(up_s + delay_s)))
-    assert table.back_in(1) == want
+    assert table.back_in(1) == min(RETRY_MAX_S, math.ceil((up_s + delay_s) * 10) / 10)
     assert table.back_in(0) == table.back_in(2) == RETRY_UNKNOWN_S     # rows are separate
     assert table.row(1).as_dict()["last_restart_s"] == round(up_s, 3)
     clock[0] += up_s + delay_s + 0.01                 # slower than its last start: retry soon
@@ -51,10 +50,10 @@ def test_the_estimate_counts_down(table, clock):
     table.set_up_s(0, 5.0)
     table.expect_back(0, 2.0)
     seen = []
-    for _ in range(8):
+    for _ in range(11):
         seen.append(table.back_in(0))
-        clock[0] += 1.0
-    assert seen == [7, 6, 5, 4, 3, 2, 1, 1]
+        clock[0] += 0.75
+    assert seen == [7.0, 6.3, 5.5, 4.8, 4.0, 3.3, 2.5, 1.8, 1.0, 0.3, 1.0]    # (the last: passed, so RETRY_MIN_S)
 
 
 def test_the_new_fields_leave_the_others_alone(table, clock):
@@ -69,6 +68,6 @@ def test_the_new_fields_leave_the_others_alone(table, clock):
     assert row.back_at == clock[0] + 2.0
     other = StatusTable(table.path)                   # another process's map of the same file
     try:
-        assert other.n == 3 and other.back_in(1) == 2 and other.row(1) == row
+        assert other.n == 3 and other.back_in(1) == 2.0 and other.row(1) == row
     finally:
         other.close()

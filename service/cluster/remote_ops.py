@@ -54,21 +54,34 @@ class RemoteSessions:
             e = self._engine_for_new(session_id)
             with self._full_names_elsewhere(e):
                 return self._op(e, "create_session", session_id, rid=request_id)
-        order = self._engines_for_new()
-        if not order:
-            if not any(self.status.row(e).restarts or self.status.state(e)[0] in (DOWN, STOPPED)
-                       for e in range(self.n)):
+        return self._on_engine_with_room(lambda e, sid: self._op(e, "create_session", sid, rid=request_id))
+
+    def _on_engine_with_room(self, make, skip: Optional[int] = None):
+        """``make(engine, fresh id on it)`` on the engine up with the most free slots (not ``skip``), and on the
+        next when it refuses because it is full or went down since (nothing was made there). When every engine
+        that is up is full: ``503 pool_exhausted`` for the whole server, or ``engine_unavailable`` when one is
+        restarting (it comes back with room)."""
+        order, last = [e for e in self._engines_for_new() if e != skip], None
+        for e in order:
+            try:
+                return make(e, new_id_on(lambda x: x == e, self.n, tries=4096)[0])
+            except (PoolExhausted, EngineUnavailable, NotReady) as err:
+                last = err
+        down = [e for e in range(self.n) if e != skip and not self._up(e)]
+        if down:                     # none that is up has room: one that comes back will
+            if not any(self.status.row(e).restarts or self.status.state(e)[0] in (DOWN, STOPPED) for e in down):
                 raise NotReady("the engines are starting (allocating the state pool, warming the kernels); retry "
                                "shortly", retry_after=1)
-            raise EngineUnavailable("no engine is up to hold a new session; retry shortly",
-                                    retry_after=min(map(self.status.back_in, range(self.n))))
-        for e in order:    # a full engine, or one that went down since, refuses and changes nothing: the next
-            session_id, _ = new_id_on(lambda x: x == e, self.n, tries=4096)
-            try:
-                return self._op(e, "create_session", session_id, rid=request_id)
-            except (PoolExhausted, EngineUnavailable, NotReady):
-                if e == order[-1]:
-                    raise
+            raise EngineUnavailable(f"no engine that is up has room for a new session, and engine(s) "
+                                    f"{', '.join(map(str, down))} are restarting (with room once back); retry "
+                                    "shortly", retry_after=min(map(self.status.back_in, down)))
+        if last is None:             # (every engine came up since the choice: a moment ago, none was)
+            raise NotReady("the engines are starting; retry shortly", retry_after=1)
+        if isinstance(last, PoolExhausted) and self.n > 1:
+            raise PoolExhausted(f"all {sum(self.status.row(e).slots_total for e in range(self.n))} session slots "
+                                f"of the {self.n} engines are in use; delete idle sessions or retry later",
+                                retry_after=last.retry_after)
+        raise last
 
     @contextlib.contextmanager
     def _full_names_elsewhere(self, e: int):
@@ -109,16 +122,27 @@ class RemoteSessions:
 
     def fork_session(self, src_id: str, new_id: Optional[str] = None, request_id: Optional[str] = None) -> str:
         e = engine_of(src_id, self.n)
-        named = new_id is not None
-        if new_id is None and self.n > 1:
-            new_id, _ = new_id_on(lambda x: x == e, self.n, tries=4096)
+        if new_id is None and self.n > 1:              # on its source's engine, no state crossing engines; when
+            try:                                       # that one is full, on the one with the most room
+                return self._op(e, "fork_session", src_id, new_id_on(lambda x: x == e, self.n, tries=4096)[0],
+                                rid=request_id)
+            except PoolExhausted as full:
+                if not any(self._up(o) and self.status.row(o).slots_free for o in range(self.n) if o != e):
+                    raise full from None
+            return self._on_engine_with_room(lambda to, sid: self._fork_across(src_id, e, to, sid, request_id),
+                                             skip=e)
         if new_id is None or engine_of(new_id, self.n) == e:
-            with self._full_names_elsewhere(e) if named else contextlib.nullcontext():
+            with self._full_names_elsewhere(e):
                 return self._op(e, "fork_session", src_id, new_id, rid=request_id)
         to = self._engine_for_new(new_id)
-        state, positions, pending, spec = self._op(e, "export_for_fork", src_id, rid=request_id)
         with self._full_names_elsewhere(to):
-            self._op(to, "create_with_state", new_id, positions, pending, state=state, spec=spec, rid=request_id)
+            return self._fork_across(src_id, e, to, new_id, request_id)
+
+    def _fork_across(self, src_id: str, e: int, to: int, new_id: str, request_id: Optional[str]) -> str:
+        """Fork ``src_id`` (on engine ``e``) to ``new_id`` on engine ``to``: exported, then imported there, its
+        pending verifies with it."""
+        state, positions, pending, spec = self._op(e, "export_for_fork", src_id, rid=request_id)
+        self._op(to, "create_with_state", new_id, positions, pending, state=state, spec=spec, rid=request_id)
         return new_id
 
     def export_state(self, session_id: str):

@@ -31,8 +31,9 @@ _ROW = struct.Struct("<IIIIIIIIdQdd")
 _STATE, _EPOCH, _PID, _RESTARTS, _TOTAL, _FREE, _SESSIONS, _SNAP_SESSIONS = (4 * i for i in range(8))
 _SNAP_TIME, _SNAP_BYTES, _UP_S, _BACK_AT = 32, 40, 48, 56
 
-#: the Retry-After told for a down engine whose restart has no estimate yet, and the bounds of an estimate's
-RETRY_UNKNOWN_S, RETRY_MIN_S, RETRY_MAX_S = 2, 1, 60
+#: the Retry-After told for a down engine whose restart has no estimate yet, or whose estimate has passed, and the
+#: most an estimate says
+RETRY_UNKNOWN_S, RETRY_MIN_S, RETRY_MAX_S = 2.0, 1.0, 60.0
 
 
 @dataclass
@@ -116,14 +117,16 @@ class StatusTable:
         back = time.time() + delay_s + up_s if up_s else 0.0
         struct.pack_into("<d", self._view, e * _ROW.size + _BACK_AT, back)
 
-    def back_in(self, e: int) -> int:
-        """Whole seconds to tell a request to down engine ``e`` to wait (its Retry-After): until the expected end
-        of its restart, within [RETRY_MIN_S, RETRY_MAX_S]; RETRY_UNKNOWN_S with no estimate. An engine slower to
-        come back than its last restart was gets RETRY_MIN_S."""
+    def back_in(self, e: int) -> float:
+        """Seconds to tell a request to down engine ``e`` to wait (its ``retry_after``; the header rounds it up to
+        whole seconds): until the expected end of its restart, rounded up to a tenth, at most RETRY_MAX_S;
+        RETRY_UNKNOWN_S with no estimate, and RETRY_MIN_S once the estimate has passed (slower than its last
+        restart)."""
         back = struct.unpack_from("<d", self._view, e * _ROW.size + _BACK_AT)[0]
         if not back:
             return RETRY_UNKNOWN_S
-        return int(min(RETRY_MAX_S, max(RETRY_MIN_S, math.ceil(back - time.time()))))
+        left = back - time.time()
+        return RETRY_MIN_S if left <= 0 else min(RETRY_MAX_S, math.ceil(round(left * 10, 6)) / 10)   # (fp noise)
 
     def close(self) -> None:
         self._view.release()
