@@ -172,9 +172,9 @@ class Attempts:
     ``read``: a read (``GET``), which applies nothing whatever happens; ``before``: the read of the session's
     positions a tracked call makes first. ``rid``, ``layer``, ``positions``: what the call carried, for
     :class:`OutcomeUnknown`; ``remedy``: what its message tells the caller to do. :attr:`moves` (set by
-    ``MadeId``): a create or fork of an id the client made, which a ``503 engine_unavailable`` (the engine that id
-    hashes to is down), or a ``503 pool_exhausted`` that says another engine has free slots (``free_elsewhere``),
-    retries at once, the caller sending a fresh id (:meth:`moved`)."""
+    ``MadeId``): a create or fork of an id the client made, which an answer saying that another id may succeed
+    (``another_id``: the engine that id hashes to is down, or full while another has room) retries at once, the
+    caller sending a fresh id (:meth:`moved`)."""
 
     def __init__(self, book, method: str, path: str, sessions: list, *, remedy: str = RESEND,
                  rid: Optional[str] = None, layer: Optional[int] = None, positions=None, read: bool = False,
@@ -211,8 +211,7 @@ class Attempts:
         if extra.get("applied"):
             return None
         ran = not self.read and (resp.status_code == 504 or extra.get("maybe_applied") is True)   # (other 503s: no)
-        self.down = self.moves and err is not None and (err.code == "engine_unavailable" or (
-            err.code == "pool_exhausted" and extra.get("free_elsewhere") is True))
+        self.down = self.moves and extra.get("another_id") is True
         if self.down and self.downs < FRESH_IDS_AT_ONCE:
             # a fresh id most likely hashes to an engine that is up (or has room): no wait, and not a retry of the
             # same call (the count of retries is the caller's), so even with max_retries 0
@@ -241,6 +240,9 @@ class Attempts:
         it, and no one else knows that id)."""
         self.sessions[index] = sid
         self.down = False
+        # what the abandoned id's attempts may have made lived on an engine that died (or nothing was made): the
+        # fresh id's attempts are the call's now
+        self.ran = self.maybe_ran = False
         return sid
 
     def unknown(self) -> OutcomeUnknown:

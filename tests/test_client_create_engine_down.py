@@ -12,6 +12,7 @@ import signal
 import uuid
 
 import httpx
+import msgpack
 import pytest
 
 from convserve.clients import session_requests
@@ -117,3 +118,70 @@ def test_a_create_or_fork_named_onto_the_engine_that_is_down_is_told_to_send_ano
         st, body, _ = api.call("POST", path, {"session": sid})
         assert st == 503 and body["error"]["code"] == "engine_unavailable", body
         assert "which the new id" in body["error"]["message"] and "without an id" in body["error"]["message"], body
+
+
+def _plan_transport(plan: list, sent: list):
+    """A mock server whose creates and forks answer ``plan``'s 503 error maps in turn (then 201), recording each
+    request's (method, path, session id in its body)."""
+    from convserve.clients.protocol import wire as w
+
+    def handler(request):
+        if request.method == "GET":                # a session's positions, read on first use
+            sid = request.url.path.rsplit("/", 1)[1]
+            body = {"session": sid, "layers": [0, 2], "positions": [0, 0], "pending": {"layers": []}}
+            return httpx.Response(200, content=w.packb(body), headers={"content-type": w.MEDIA_TYPE})
+        sid = msgpack.unpackb(request.content).get("session") if request.content else None
+        sent.append((request.method, request.url.path, sid))
+        if plan:
+            err = plan.pop(0)
+            return httpx.Response(503, content=w.packb({"error": {"message": "injected", "retry_after": 0, **err}}),
+                                  headers={"content-type": w.MEDIA_TYPE, "retry-after": "0"})
+        return httpx.Response(201, content=w.packb({"session": sid}), headers={"content-type": w.MEDIA_TYPE})
+    return httpx.MockTransport(handler)
+
+
+DIED = {"code": "engine_unavailable", "maybe_applied": True}          # in flight when its engine died
+DOWN_ID = {"code": "engine_unavailable", "another_id": True}          # the id's engine is down
+FULL_ID = {"code": "pool_exhausted", "another_id": True}              # full, another engine has room
+HOLDS = {"code": "engine_unavailable"}                                 # the session's own engine is down
+
+
+@pytest.mark.parametrize("retries", [0, 2])
+def test_a_tracked_create_sends_a_fresh_id_only_when_the_answer_says_another_may_succeed(retries):
+    sent = []
+    with ConvClient("http://replica", transport=_plan_transport([DOWN_ID, FULL_ID, DIED][:3 if retries else 2],
+                                                                sent), track_positions=True,
+                    max_retries=retries, retry_backoff_s=0.0) as c:
+        sid = c.create_session()
+    ids = [s for _m, _p, s in sent]
+    assert len(set(ids[:3])) == 3                     # two fresh ids at once, apart from the retries
+    if retries:
+        assert ids[3] == ids[2] == sid and len(ids) == 4      # a maybe-applied attempt: the same id again
+    else:
+        assert ids[2] == sid and len(ids) == 3
+
+
+def test_a_tracked_fork_of_a_session_whose_engine_is_down_sends_no_fresh_ids():
+    from convserve.clients.protocol.errors import EngineUnavailable
+
+    sent = []
+    with ConvClient("http://replica", transport=_plan_transport([HOLDS] * 3, sent), track_positions=True,
+                    max_retries=2, retry_backoff_s=0.0) as c:
+        with pytest.raises(EngineUnavailable):
+            c.fork("src")
+    assert len(sent) == 3 and len({s for _m, _p, s in sent}) == 1     # its retries, with its one id
+
+
+def test_after_a_fresh_id_the_abandoned_ids_maybe_applied_attempt_is_not_the_new_ids_outcome():
+    """An attempt that may have run on an engine that died, then a fresh id: what the old id may have made is gone
+    with that engine; the new id's own refusal is the call's error, not OutcomeUnknown about the new id."""
+    from convserve.clients.protocol.errors import NotReady, OutcomeUnknown
+
+    sent = []
+    with ConvClient("http://replica", transport=_plan_transport([DIED, DOWN_ID, {"code": "not_ready"}], sent),
+                    track_positions=True, max_retries=1, retry_backoff_s=0.0) as c:
+        with pytest.raises(NotReady) as e:
+            c.create_session()
+    assert not isinstance(e.value, OutcomeUnknown)
+    ids = [s for _m, _p, s in sent]
+    assert ids[0] == ids[1] != ids[2] and len(ids) == 3

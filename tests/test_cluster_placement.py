@@ -69,7 +69,9 @@ def _remote(states, free, restarts=None, answers=None):
     engine ``e`` answers a create with (an error to raise, else the id is created)."""
     from types import SimpleNamespace
 
+    from convserve.clients.protocol.errors import EngineUnavailable
     from convserve.service.cluster.remote import RemoteEngine
+    from convserve.service.cluster.status import DOWN, UP
 
     r = RemoteEngine.__new__(RemoteEngine)
     r.n, r.devices = len(states), [f"cpu:{e}" for e in range(len(states))]
@@ -81,13 +83,20 @@ def _remote(states, free, restarts=None, answers=None):
     def op(e, name, *args, rid=None, state=None, spec=None):
         r.sent.append((e, name) if name != "create_session" else (e, args[0]))
         if name == "export_for_fork":
+            if (answers or {}).get("export") is not None:
+                states[e] = DOWN                      # the source's engine died under the export
+                raise answers["export"]
             return "state", [1, 2], [], None
         err = (answers or {}).get(e)
         if err is not None:
             raise err
         return args[-1] if name == "fork_session" else args[0]
     r._op = op
-    r._target = lambda e: 1                           # (every engine named is up here)
+    def target(e):
+        if states[e] != UP:
+            raise EngineUnavailable(f"engine {e}, which holds this session, is down")
+        return 1
+    r._target = target
     return r
 
 
@@ -131,6 +140,22 @@ def test_a_fork_without_an_id_of_a_session_on_a_full_engine_moves_to_the_one_wit
     assert r.sent == [(0, "fork_session")]
 
 
+def test_a_fork_without_an_id_is_told_of_its_source_engines_death_and_of_a_restarting_engine():
+    from convserve.clients.protocol.errors import EngineUnavailable, PoolExhausted
+    from convserve.service.cluster.status import DOWN, UP
+
+    src = next(f"s-{i}" for i in itertools.count() if engine_of(f"s-{i}", 3) == 0)
+    full = PoolExhausted("all 8 session slots are in use")
+    r = _remote([UP, UP, DOWN], free=[0, 5, 0], restarts=[0, 0, 1],
+                answers={0: full, "export": EngineUnavailable("engine 0 died")})
+    with pytest.raises(EngineUnavailable, match="engine 0, which holds this session, is down"):
+        r.fork_session(src)
+    r = _remote([UP, UP, DOWN], free=[0, 0, 0], restarts=[0, 0, 1], answers={0: full, 1: full})
+    with pytest.raises(EngineUnavailable, match="engine.s. 2 are restarting") as e:   # as a create would be told
+        r.fork_session(src)
+    assert e.value.retry_after == 5
+
+
 def test_a_create_without_an_id_with_no_engine_up_is_not_ready_at_first_then_unavailable():
     from convserve.clients.protocol.errors import EngineUnavailable, NotReady
     from convserve.service.cluster.status import DOWN, STARTING
@@ -151,7 +176,7 @@ def test_a_named_create_on_a_full_engine_says_whether_another_has_room(other_fre
     r = _remote([UP, UP], free=[0, other_free], answers={0: PoolExhausted("all 4 session slots are in use")})
     with pytest.raises(PoolExhausted) as e:
         r.create_session(sid)
-    assert bool(e.value.extra.get("free_elsewhere")) is bool(other_free)
+    assert bool(e.value.extra.get("another_id")) is bool(other_free)
     assert ("another engine has free slots" in e.value.message) is bool(other_free)
 
 

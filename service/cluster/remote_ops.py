@@ -67,6 +67,8 @@ class RemoteSessions:
                 return make(e, new_id_on(lambda x: x == e, self.n, tries=4096)[0])
             except (PoolExhausted, EngineUnavailable, NotReady) as err:
                 last = err
+        if skip is not None:         # a fork's source engine went down meanwhile: that is the answer
+            self._target(skip)
         down = [e for e in range(self.n) if e != skip and not self._up(e)]
         if down:                     # none that is up has room: one that comes back will
             if not any(self.status.row(e).restarts or self.status.state(e)[0] in (DOWN, STOPPED) for e in down):
@@ -86,7 +88,7 @@ class RemoteSessions:
     @contextlib.contextmanager
     def _full_names_elsewhere(self, e: int):
         """Around a create (or a fork's) of a named id on engine ``e``: its ``503 pool_exhausted``, when another
-        engine that is up has free slots, says so (``free_elsewhere``: another id, or none, may be created)."""
+        engine that is up has free slots, says so (``another_id``: another id, or none, may be created)."""
         try:
             yield
         except PoolExhausted as err:
@@ -94,7 +96,7 @@ class RemoteSessions:
                 raise
             raise PoolExhausted(f"{err.message}; engine {e} ({self.devices[e]}), which the new id hashes to, is "
                                 "full, and another engine has free slots: send the create (or fork) without an "
-                                "id, or with another id", retry_after=err.retry_after, free_elsewhere=True) \
+                                "id, or with another id", retry_after=err.retry_after, another_id=True) \
                 from None
 
     def _engines_for_new(self) -> list:
@@ -113,8 +115,9 @@ class RemoteSessions:
         except EngineUnavailable:
             raise EngineUnavailable(f"engine {e} ({self.devices[e]}), which the new id {sid!r:.80} hashes to, is down "
                                     "and restarting: send the create (or fork) without an id, and the server picks "
-                                    "one on an engine that is up (a fork's on its source's engine), or with another "
-                                    "id, or retry once it is back", retry_after=self.status.back_in(e)) from None
+                                    "one on an engine that is up (a fork's on its source's engine when it has room), "
+                                    "or with another id, or retry once it is back", retry_after=self.status.back_in(e),
+                                    another_id=True) from None
         return e
 
     def delete_session(self, session_id: str, request_id: Optional[str] = None) -> None:
@@ -126,8 +129,8 @@ class RemoteSessions:
             try:                                       # that one is full, on the one with the most room
                 return self._op(e, "fork_session", src_id, new_id_on(lambda x: x == e, self.n, tries=4096)[0],
                                 rid=request_id)
-            except PoolExhausted as full:
-                if not any(self._up(o) and self.status.row(o).slots_free for o in range(self.n) if o != e):
+            except PoolExhausted as full:     # (another engine restarting comes back with room: said below)
+                if not any(not self._up(o) or self.status.row(o).slots_free for o in range(self.n) if o != e):
                     raise full from None
             return self._on_engine_with_room(lambda to, sid: self._fork_across(src_id, e, to, sid, request_id),
                                              skip=e)

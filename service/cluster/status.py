@@ -125,8 +125,8 @@ class StatusTable:
         back = struct.unpack_from("<d", self._view, e * _ROW.size + _BACK_AT)[0]
         if not back:
             return RETRY_UNKNOWN_S
-        left = back - time.time()
-        return RETRY_MIN_S if left <= 0 else min(RETRY_MAX_S, math.ceil(round(left * 10, 6)) / 10)   # (fp noise)
+        tenths = math.ceil(round((back - time.time()) * 10, 6))    # (round: floating-point noise)
+        return RETRY_MIN_S if tenths <= 0 else min(RETRY_MAX_S, tenths / 10)
 
     def close(self) -> None:
         self._view.release()
