@@ -36,6 +36,7 @@ import httpx
 
 from convserve.clients.protocol.errors import (OutcomeUnknown, PositionMismatch, RequestTimeout, ServiceError,
                                               Unreachable)
+from convserve.clients.protocol.ids import is_session_id
 
 
 class SessionLocks:
@@ -187,6 +188,7 @@ class Attempts:
         self.resent = False       # a retry carried a body unlike the first, after an attempt that may have run
         self.moves = False        # a create or fork whose id the client made (MadeId)
         self.down = False         # the last attempt's id hashes to an engine that is down (with moves)
+        self.suggested = None     # then the server's suggestion of a fresh id (on the engine with most room), if any
         self.downs = 0            # such answers so far
 
     def failed(self, e: BaseException) -> float:
@@ -212,6 +214,8 @@ class Attempts:
             return None
         ran = not self.read and (resp.status_code == 504 or extra.get("maybe_applied") is True)   # (other 503s: no)
         self.down = self.moves and extra.get("another_id") is True
+        suggested = extra.get("suggested_id")
+        self.suggested = suggested if self.down and is_session_id(suggested) else None
         if self.down and self.downs < FRESH_IDS_AT_ONCE:
             # a fresh id most likely hashes to an engine that is up (or has room): no wait, and not a retry of the
             # same call (the count of retries is the caller's), so even with max_retries 0

@@ -30,8 +30,9 @@ def session_body(session: Optional[str], rid: Optional[str] = None) -> bytes:
 
 class MadeId:
     """The id of a tracked create or fork (``att``'s session at ``index``): the caller's (``given``), never
-    changed, or one the client made, which a fresh one replaces for the retry after a ``503 engine_unavailable``
-    (the engine it hashes to is down: :meth:`Attempts.moved`). ``body`` is the first attempt's body,
+    changed, or one the client made, which a fresh one replaces (the server's ``suggested_id``, else a random
+    one) after an answer saying another id may succeed (``another_id``: the engine it hashes to is down, or full
+    while another has room; :meth:`Attempts.moved`). ``body`` is the first attempt's body,
     :meth:`rebody` each retry's."""
 
     def __init__(self, att, given: Optional[str], index: int, rid: Optional[str]):
@@ -42,8 +43,8 @@ class MadeId:
         self.body = session_body(self.sid, rid)
 
     def rebody(self, _ran: bool) -> bytes:
-        if self.att.down:
-            self.sid = self.att.moved(new_session_id(), self.index)
+        if self.att.down:      # the server's suggestion (on the engine with room), else a random one
+            self.sid = self.att.moved(self.att.suggested or new_session_id(), self.index)
             self.body = session_body(self.sid, self.rid)
         return self.body
 

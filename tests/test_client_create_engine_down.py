@@ -161,6 +161,17 @@ def test_a_tracked_create_sends_a_fresh_id_only_when_the_answer_says_another_may
         assert ids[2] == sid and len(ids) == 3
 
 
+@pytest.mark.parametrize("suggested", ["on-room-1", "not a valid id!", None])
+def test_a_tracked_create_takes_the_servers_suggested_id_when_it_is_a_valid_id(suggested):
+    sent = []
+    answer = {**FULL_ID, **({} if suggested is None else {"suggested_id": suggested})}
+    with ConvClient("http://replica", transport=_plan_transport([answer], sent), track_positions=True,
+                    max_retries=0) as c:
+        sid = c.create_session()
+    assert len(sent) == 2 and sent[1][2] == sid
+    assert (sid == "on-room-1") is (suggested == "on-room-1")
+
+
 def test_a_tracked_fork_of_a_session_whose_engine_is_down_sends_no_fresh_ids():
     from convserve.clients.protocol.errors import EngineUnavailable
 

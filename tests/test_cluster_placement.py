@@ -178,6 +178,20 @@ def test_a_named_create_on_a_full_engine_says_whether_another_has_room(other_fre
         r.create_session(sid)
     assert bool(e.value.extra.get("another_id")) is bool(other_free)
     assert ("another engine has free slots" in e.value.message) is bool(other_free)
+    if other_free:                                    # a fresh id on the engine with room, for a client to take
+        assert engine_of(e.value.extra["suggested_id"], 2) == 1
+
+
+def test_a_named_create_on_a_down_engine_suggests_an_id_on_the_one_with_most_room():
+    from convserve.clients.protocol.errors import EngineUnavailable
+    from convserve.service.cluster.status import DOWN, UP
+
+    sid = next(f"n-{i}" for i in itertools.count() if engine_of(f"n-{i}", 3) == 0)
+    r = _remote([DOWN, UP, UP], free=[0, 2, 6], restarts=[1, 0, 0])
+    with pytest.raises(EngineUnavailable) as e:
+        r.create_session(sid)
+    assert e.value.extra["another_id"] is True and engine_of(e.value.extra["suggested_id"], 3) == 2
+    assert r.sent == []
 
 
 def test_creates_without_an_id_fill_every_engine_before_pool_exhausted():

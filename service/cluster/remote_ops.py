@@ -96,8 +96,17 @@ class RemoteSessions:
                 raise
             raise PoolExhausted(f"{err.message}; engine {e} ({self.devices[e]}), which the new id hashes to, is "
                                 "full, and another engine has free slots: send the create (or fork) without an "
-                                "id, or with another id", retry_after=err.retry_after, another_id=True) \
+                                "id, or with another id", retry_after=err.retry_after, **self._another_id()) \
                 from None
+
+    def _another_id(self) -> dict:
+        """The fields of an answer saying that another id may succeed: ``another_id``, and ``suggested_id``, a
+        fresh id on the engine that is up with the most free slots now (a client that must make its own ids, for
+        its retries, may take it as its own: no one else is given it)."""
+        order = self._engines_for_new()
+        if not order:
+            return {"another_id": True}
+        return {"another_id": True, "suggested_id": new_id_on(lambda x: x == order[0], self.n, tries=4096)[0]}
 
     def _engines_for_new(self) -> list:
         """The engines that are up, the most free slots first (as each last published them; ties in random
@@ -117,7 +126,7 @@ class RemoteSessions:
                                     "and restarting: send the create (or fork) without an id, and the server picks "
                                     "one on an engine that is up (a fork's on its source's engine when it has room), "
                                     "or with another id, or retry once it is back", retry_after=self.status.back_in(e),
-                                    another_id=True) from None
+                                    **self._another_id()) from None
         return e
 
     def delete_session(self, session_id: str, request_id: Optional[str] = None) -> None:
