@@ -110,10 +110,8 @@ def refusal(parts: list, checks: list, sids: list, position, layer: int):
     if not errors:
         return None
     first = min(errors, key=_check_rank)         # (the earliest part among equals)
-    if isinstance(first, (StateLost, UnknownSession)):
-        return _gone(first, errors, sids)
     if not isinstance(first, PositionMismatch):
-        return _own(first)
+        return check_refusal(checks, sids)
     server: list = [None] * len(sids)
     for (_e, pos, _spec), c in zip(parts, checks):
         got = (c.position if isinstance(c, PositionMismatch) else
@@ -136,18 +134,18 @@ def check_refusal(checks: list, sids: list):
     errors = [c for c in checks if isinstance(c, BaseException)]
     if not errors:
         return None
-    first = min(errors, key=_check_rank)
-    return _gone(first, errors, sids) if isinstance(first, (StateLost, UnknownSession)) else _own(first)
+    first = min(errors, key=_check_rank)         # (the earliest part among equals)
+    return _gone(errors, sids) if isinstance(first, (StateLost, UnknownSession)) else _own(first)
 
 
-def _gone(first: ServiceError, errors: list, sids: list) -> ServiceError:
+def _gone(errors: list, sids: list) -> ServiceError:
     """A copy of the parts' 410 or 404 that the whole request would have raised in one engine (the error of its
     first session, in its order, that is not live), naming every session of it that its parts found lost or
     unknown, in its order (:func:`with_gone`)."""
     at = {sid: i for i, sid in enumerate(sids)}
     gone = [e for e in errors if isinstance(e, (StateLost, UnknownSession))]
     first = min(gone, key=lambda e: min((at.get(s, len(sids)) for k in ("lost", "unknown")
-                                         for s in e.extra.get(k, ())), default=len(sids))) if gone else first
+                                         for s in e.extra.get(k, ())), default=len(sids)))
     out = copy.copy(_own(first))
     found = {k: sorted({s for e in errors if isinstance(e, ServiceError) for s in e.extra.get(k, ())}, key=at.get)
              for k in ("lost", "unknown")}
