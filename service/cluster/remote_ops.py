@@ -64,7 +64,7 @@ class RemoteSessions:
         order, last = [e for e in self._engines_for_new() if e != skip], None
         for e in order:
             try:
-                return make(e, new_id_on(lambda x: x == e, self.n, tries=4096)[0])
+                return make(e, self._fresh_id(e))
             except (PoolExhausted, EngineUnavailable, NotReady) as err:
                 last = err
         if skip is not None:         # a fork's source engine went down meanwhile: that is the answer
@@ -106,7 +106,11 @@ class RemoteSessions:
         order = self._engines_for_new()
         if not order:
             return {"another_id": True}
-        return {"another_id": True, "suggested_id": new_id_on(lambda x: x == order[0], self.n, tries=4096)[0]}
+        return {"another_id": True, "suggested_id": self._fresh_id(order[0])}
+
+    def _fresh_id(self, e: int) -> str:
+        """A fresh session id that hashes to engine ``e``."""
+        return new_id_on(lambda x: x == e, self.n, tries=4096)[0]
 
     def _engines_for_new(self) -> list:
         """The engines that are up, the most free slots first (as each last published them; ties in random
@@ -136,8 +140,7 @@ class RemoteSessions:
         e = engine_of(src_id, self.n)
         if new_id is None and self.n > 1:              # on its source's engine, no state crossing engines; when
             try:                                       # that one is full, on the one with the most room
-                return self._op(e, "fork_session", src_id, new_id_on(lambda x: x == e, self.n, tries=4096)[0],
-                                rid=request_id)
+                return self._op(e, "fork_session", src_id, self._fresh_id(e), rid=request_id)
             except PoolExhausted as full:     # (another engine restarting comes back with room: said below)
                 if not any(not self._up(o) or self.status.row(o).slots_free for o in range(self.n) if o != e):
                     raise full from None
