@@ -218,10 +218,9 @@ class Attempts:
         self.suggested = suggested if self.down and is_session_id(suggested) else None
         if self.down and self.downs < FRESH_IDS_AT_ONCE:
             # a fresh id most likely hashes to an engine that is up (or has room): no wait, and not a retry of the
-            # same call (the count of retries is the caller's), so even with max_retries 0
+            # same call (the count of retries is the caller's), so even with max_retries 0; the outcome starts
+            # afresh with it (moved)
             self.downs += 1
-            self.ran = ran
-            self.maybe_ran = self.maybe_ran or self.ran
             self.n -= 1
             return 0.0
         if self.n >= self.book.max_retries:
