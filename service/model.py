@@ -176,14 +176,12 @@ class ConvModel:
                 if dtype is None and ws and w.dtype != ws[0].dtype:
                     raise ValueError(f"weights: {key} is {w.dtype} but layer {layers[0]} is {ws[0].dtype}; cast "
                                      "them all with --dtype (dtype= in Python)")
-                _check_finite(w, key)
                 ws.append(w)
                 b = None
                 if bkey is not None:
                     b = ck.get(bkey)
                     if tuple(b.shape) != (w.shape[0],):
                         raise ValueError(f"weights: {bkey}: expected shape ({w.shape[0]},), got {tuple(b.shape)}")
-                    _check_finite(b, bkey)
                 bs.append(b)
         has_bias = [b is not None for b in bs]
         target = dtype or ws[0].dtype
@@ -195,10 +193,10 @@ class ConvModel:
         if any(has_bias):
             bias = torch.stack([b.to(target) if b is not None else torch.zeros(weight.shape[1], dtype=target)
                                 for b in bs])
-        for p, layer in enumerate(layers):           # finite in the file, and after the cast to the served dtype
-            _check_finite(weight[p], found[layer][0], target)
+        for p, layer in enumerate(layers):           # finite as served (in the file, and after the cast)
+            _check_finite(weight[p], ws[p], found[layer][0], target)
             if has_bias[p]:
-                _check_finite(bias[p], found[layer][1], target)
+                _check_finite(bias[p], bs[p], found[layer][1], target)
         return cls(layers, weight, bias, has_bias, activation)
 
     # ---- the canonical file (``protocol.weights``): what /v1/model/weights serves and weights_sha256 digests
@@ -241,17 +239,18 @@ class ConvModel:
         Path(path).write_bytes(self.canonical_safetensors())
 
 
-def _check_finite(t: torch.Tensor, key: str, cast: Optional[torch.dtype] = None) -> None:
-    """A weight or bias read from a file holds no NaN or Inf (a corrupted download would be served as is), nor
-    does it after the ``cast`` to the served dtype (a value past float16's range)."""
-    if t.is_floating_point():
-        bad = int((~torch.isfinite(t)).sum())
-        if bad and cast is not None:
-            raise ValueError(f"weights: {key} holds {bad} value(s) beyond the range of {DTYPE_NAMES[cast]}, the "
-                             "--dtype it is cast to: serve it in a wider dtype")
-        if bad:
-            raise ValueError(f"weights: {key} holds {bad} value(s) that are NaN or infinite; the file is corrupt "
-                             "or was converted wrongly")
+def _check_finite(served: torch.Tensor, stored: torch.Tensor, key: str, dtype: torch.dtype) -> None:
+    """A weight or bias holds no NaN or Inf as served (``served``, in ``dtype``): none in the file (``stored``: a
+    corrupted download would be served as is), and none made by the cast (a value past float16's range)."""
+    if bool(torch.isfinite(served).all()):
+        return
+    bad = int((~torch.isfinite(stored)).sum())
+    if bad:
+        raise ValueError(f"weights: {key} holds {bad} value(s) that are NaN or infinite; the file is corrupt or was "
+                         "converted wrongly")
+    bad = int((~torch.isfinite(served)).sum())
+    raise ValueError(f"weights: {key} holds {bad} value(s) beyond the range of {DTYPE_NAMES[dtype]}, the --dtype it "
+                     "is cast to: serve it in a wider dtype")
 
 
 def _raw_bytes(t: torch.Tensor) -> bytes:
