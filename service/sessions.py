@@ -166,12 +166,8 @@ class SessionTable:
         rule is a 400 at once)."""
         try:
             return list(map(self._live.__getitem__, session_ids))
-        except (KeyError, TypeError):
-            return self._get_each(session_ids)
-
-    def _get_each(self, session_ids) -> list:
-        """:meth:`get_many` when some id is not live: each looked up alone, the errors gathered."""
-        return get_each(((sid,) for sid in session_ids), self.get)
+        except (KeyError, TypeError):               # each looked up alone, the errors gathered
+            return get_each(((sid,) for sid in session_ids), self.get)
 
     def check_free(self, session_id: str) -> None:
         if session_id in self._live:
