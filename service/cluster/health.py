@@ -1,14 +1,22 @@
-"""What an HTTP worker tells ``/readyz`` and ``/healthz`` about the engine processes: each engine's row of the
-status table, whether it answers, and why the server should be restarted; and whether every HTTP worker has started
-serving. A part of :class:`~convserve.service.cluster.remote.RemoteEngine`, which keeps the state read here
-(``status``, ``down``, ``links``, ``devices``, ``down_unhealthy_s``, ``loop``, ``run_dir``, ``worker``,
-``n_workers``, ``series``)."""
+"""What an HTTP worker tells ``/readyz``, ``/healthz`` and ``/metrics`` about the engine processes: each engine's
+row of the status table, whether it answers, and why the server should be restarted; whether every HTTP worker has
+started serving; and the engines' counters, summed for a scrape. A part of
+:class:`~convserve.service.cluster.remote.RemoteEngine`, which keeps the state read here (``status``, ``down``,
+``links``, ``devices``, ``down_unhealthy_s``, ``loop``, ``run_dir``, ``worker``, ``n_workers``, ``series``,
+``stats_timeout``) and asks the engines (``_call``)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from typing import Optional
+
+from convserve.clients.protocol.errors import ServiceError
+
+from . import messages as m
+from ..metrics import numbers_of, sum_stats
+from .status import UP
 
 
 def _serving_mark(run_dir: str, worker: int) -> str:
@@ -72,3 +80,30 @@ class EngineHealth:
         return [{"device": d, **self.status.row(e).as_dict(),
                  "unanswered_s": None if silent[e] is None or now < silent[e] else round(now - silent[e], 1)}
                 for e, d in enumerate(self.devices)]
+
+    def stats(self) -> dict:
+        """Every up engine's ``stats()``, summed (blocking, off the loop; all asked at once: one stats_timeout)."""
+        parts, per_engine = [], {}
+        live = [e for e in range(self.n) if self.status.state(e)[0] == UP]
+        if live and self.loop is not None:
+            async def ask():
+                return await asyncio.gather(*(self._call(e, {"k": m.STATS}, timeout=self.stats_timeout)
+                                              for e in live), return_exceptions=True)
+            for e, got in zip(live, asyncio.run_coroutine_threadsafe(ask(), self.loop).result()):
+                if isinstance(got, ServiceError):    # not up by now, or no answer in time: left out
+                    continue
+                if isinstance(got, BaseException):
+                    raise got
+                parts.append(got[0]["ok"])
+                per_engine[e] = numbers_of(got[0]["ok"])
+        for e in range(self.n):                       # (an engine that is down has only this one)
+            per_engine.setdefault(e, {})["engine_restarts"] = self.status.row(e).restarts
+        total = sum_stats(parts)
+        total["engine_restarts"] = sum(p["engine_restarts"] for p in per_engine.values())
+        total["per_engine"] = per_engine     # the numbers of each engine (see metrics.EngineCollector)
+        dec, pad = total.get("decode_rows", 0), total.get("decode_padded_rows", 0)
+        total["pad_ratio"] = pad / max(1, pad + dec)
+        total["engines_up"] = len(parts)
+        if self.series is not None:     # this worker's arena: its own series (worker_series), fresh for the scrape
+            self.series.publish()
+        return total

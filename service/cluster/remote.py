@@ -38,7 +38,7 @@ from typing import Any, Optional, Sequence
 import msgpack
 import torch
 
-from convserve.clients.protocol.errors import EngineTimeout, EngineUnavailable, Internal, NotReady, ServiceError
+from convserve.clients.protocol.errors import EngineTimeout, EngineUnavailable, Internal, NotReady
 
 from . import messages as m
 from . import worker_series
@@ -46,7 +46,6 @@ from .client_blocks import by_reference
 from .session_order import SessionOrder
 from ..engine.validate import all_finite
 from ..claims import claim_fields
-from ..metrics import numbers_of, sum_stats
 from .health import EngineHealth
 from .placement import engine_of, split
 from .remote_ops import RemoteSessions
@@ -206,33 +205,6 @@ class RemoteEngine(RemoteSessions, EngineHealth):
             up = [e for e in range(self.n) if self._up(e)] or [0]
             self._weights = self._op(up[0], "model_weights")
         return self._weights
-
-    def stats(self) -> dict:
-        """Every up engine's ``stats()``, summed (blocking, off the loop; all asked at once: one stats_timeout)."""
-        parts, per_engine = [], {}
-        live = [e for e in range(self.n) if self.status.state(e)[0] == UP]
-        if live and self.loop is not None:
-            async def ask():
-                return await asyncio.gather(*(self._call(e, {"k": m.STATS}, timeout=self.stats_timeout)
-                                              for e in live), return_exceptions=True)
-            for e, got in zip(live, asyncio.run_coroutine_threadsafe(ask(), self.loop).result()):
-                if isinstance(got, ServiceError):    # not up by now, or no answer in time: left out
-                    continue
-                if isinstance(got, BaseException):
-                    raise got
-                parts.append(got[0]["ok"])
-                per_engine[e] = numbers_of(got[0]["ok"])
-        for e in range(self.n):                       # (an engine that is down has only this one)
-            per_engine.setdefault(e, {})["engine_restarts"] = self.status.row(e).restarts
-        total = sum_stats(parts)
-        total["engine_restarts"] = sum(p["engine_restarts"] for p in per_engine.values())
-        total["per_engine"] = per_engine     # the numbers of each engine (see metrics.EngineCollector)
-        dec, pad = total.get("decode_rows", 0), total.get("decode_padded_rows", 0)
-        total["pad_ratio"] = pad / max(1, pad + dec)
-        total["engines_up"] = len(parts)
-        if self.series is not None:     # this worker's arena: its own series (worker_series), fresh for the scrape
-            self.series.publish()
-        return total
 
     # ------------------------------------------------------------------ routing
 
