@@ -31,7 +31,11 @@ layers; req/s counts session tokens):
    memfd the server maps);
 9. ``step-echo``: the ``step`` leg's frames, byte for byte the same sizes (the batch body out, a ``y`` of x's size
    back), over one raw TCP connection to the echo server, one call at a time: what moving those bytes through
-   Python costs, so ``step / step-echo`` is the service's own share.
+   Python costs, so ``step / step-echo`` is the service's own share;
+10. ``http-echo`` and ``step-http-echo``: the ``unary`` and ``step`` legs' calls (same client, same bodies and
+    answers' sizes) against a bare ASGI app under uvicorn that answers ``{"y": x}`` (``http_echo.py``): what
+    the HTTP server alone costs, so ``step / step-http-echo`` is the engine's and the processes' share and
+    ``step-http-echo / step-echo`` HTTP's.
 
 Reports requests/s and latency p50/p90/p99 per leg and concurrency, the ratios 2/1 and 3/1 (throughput, and
 the p50 the service adds), 3/4 (throughput), and from the engine at the top concurrency: rows per step, GPU (or
@@ -66,8 +70,10 @@ from convserve.clients.loadtest.stats import percentile  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from service_counters import engine_counters, engine_delta, scrape, worker_connections  # noqa: E402
 from tcp_echo import EchoTransport, _run_loop, _summary, leg_step_echo  # noqa: E402
+from http_echo import leg_http_echo, leg_step_http_echo  # noqa: E402
 
-LEGS = ("inproc", "unary", "stream", "batch", "echo", "step", "step-mixed", "step-shm", "step-shm-sealed", "step-echo")
+LEGS = ("inproc", "unary", "stream", "batch", "echo", "step", "step-mixed", "step-shm", "step-shm-sealed", "step-echo",
+        "http-echo", "step-http-echo")
 
 
 # ----------------------------------------------------------------------------------- subprocesses
@@ -460,6 +466,20 @@ def main(argv=None) -> int:
                 _progress("step-echo", c, results["step-echo"][c])
         finally:
             echo.stop()
+    if "http-echo" in legs or "step-http-echo" in legs:
+        if info is None:
+            info = {"layers": [0, 1, 2, 3], "dim": 1024, "dtype": "bfloat16"}
+        echo = Proc([sys.executable, str(Path(__file__).resolve().parent / "http_echo.py"), "0"],
+                    cpus=args.server_cpus)
+        try:
+            for c in levels if "http-echo" in legs else ():
+                results["http-echo"][c] = _run_loop(leg_http_echo(args, echo.port, info, c, drive))
+                _progress("http-echo", c, results["http-echo"][c])
+            for c in levels if "step-http-echo" in legs else ():
+                results["step-http-echo"][c] = _run_loop(leg_step_http_echo(args, echo.port, info, c))
+                _progress("step-http-echo", c, results["step-http-echo"][c])
+        finally:
+            echo.stop()
 
     ratios = {}
     for c in levels:
@@ -471,15 +491,18 @@ def main(argv=None) -> int:
             a, b = get(num, "req_per_s"), get(den, "req_per_s")
             if a and b:
                 rc[f"{num}/{den}"] = a / b
-        a, b = get("step", "p50_ms"), get("step-echo", "p50_ms")
-        if a and b:
-            rc["step/step-echo p50"] = a / b
+        for num, den in (("step", "step-echo"), ("step", "step-http-echo"), ("step-http-echo", "step-echo"),
+                         ("unary", "http-echo")):
+            a, b = get(num, "p50_ms"), get(den, "p50_ms")
+            if a and b:
+                rc[f"{num}/{den} p50"] = a / b
         for kind in ("step-shm", "step-shm-sealed"):
             a, b = get(kind, "step_p50_ms"), get("step", "step_p50_ms")
             if a and b:
                 rc[f"{kind}/step model step p50"] = a / b
-            if den == "inproc" and get(num, "p50_ms") is not None and get(den, "p50_ms") is not None:
-                rc[f"{num}-{den} p50 ms"] = get(num, "p50_ms") - get(den, "p50_ms")
+        for num in ("unary", "http-echo"):
+            if get(num, "p50_ms") is not None and get("inproc", "p50_ms") is not None:
+                rc[f"{num}-inproc p50 ms"] = get(num, "p50_ms") - get("inproc", "p50_ms")
         ratios[c] = rc
 
     gpu = torch.cuda.get_device_name() if on_cuda else "cpu"
