@@ -32,6 +32,7 @@ are per process: with several HTTP worker processes each applies its own cap.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import socket
@@ -101,6 +102,53 @@ async def _receive_filled(cycle):
         return {"type": "http.disconnect"}
     body, cycle.body = cycle.body, bytearray()
     return {"type": "http.request", "body": body, "more_body": cycle.more_body}
+
+
+class _HeadWithBody:
+    """The transport a request's cycle writes through, which sends a response's head with its body.
+
+    uvicorn writes the head when the app starts the response and the body at its next ``send``: two writes, so two
+    system calls, two TCP segments and a client woken for the head and again for the body. Here the head (the
+    cycle's first write once its response has started) is held, and goes out with the next write in one
+    ``writelines`` (one system call), or on its own at the loop's next turn when nothing follows it at once (a
+    HEAD, a body sent later). Every other write and call passes through, after a held head: bytes go out in the
+    order written."""
+
+    __slots__ = ("_t", "_cycle", "_head", "_held")
+
+    def __init__(self, transport, cycle):
+        self._t = transport
+        self._cycle = cycle
+        self._head = None
+        self._held = False          # the head was held once (a cycle has one response)
+
+    def write(self, data) -> None:
+        if self._head is not None:
+            head, self._head = self._head, None
+            self._t.writelines((head, data))
+        elif not self._held and self._cycle.response_started:
+            self._held = True       # an interim answer (100 Continue) comes before the response has started
+            self._head = data
+            asyncio.get_running_loop().call_soon(self._flush)
+        else:
+            self._t.write(data)
+
+    def _flush(self) -> None:
+        if self._head is not None:
+            head, self._head = self._head, None
+            if not self._t.is_closing():
+                self._t.write(head)
+
+    def is_closing(self) -> bool:
+        return self._t.is_closing()
+
+    def close(self) -> None:
+        self._flush()
+        self._t.close()
+
+    def __getattr__(self, name):
+        self._flush()
+        return getattr(self._t, name)
 
 
 def replaceable(idle: dict, unread: dict, me, now: float):
@@ -239,6 +287,7 @@ def guarded_protocol(settings, on_close: Callable[[str], None] = lambda reason: 
             cycle = self.cycle
             if cycle is before or cycle is None:       # an upgrade: not a request cycle of ours
                 return
+            cycle.transport = _HeadWithBody(self.transport, cycle)
             n = _content_length(cycle.scope["headers"])
             if cycle.scope["path"].endswith(_STREAMED):
                 cycle.scope[ABORT_SCOPE_KEY] = functools.partial(_reset, self.transport)
@@ -274,6 +323,9 @@ def guarded_protocol(settings, on_close: Callable[[str], None] = lambda reason: 
             self.transport.close()
 
         def on_response_complete(self) -> None:
+            out = self.cycle.transport
+            if isinstance(out, _HeadWithBody):
+                out._flush()                   # a head with no body (HEAD) goes before anything else is written
             super().on_response_complete()
             if not self.transport.is_closing() and not self._in_request():
                 idle[self] = self.loop.time()  # idle again: the keep-alive timeout runs, replaceable
