@@ -125,9 +125,8 @@ class _H1Pool:
                 method.encode(), path.encode("ascii"), self._fixed, len(body))
             if len(body) < 65536:
                 w.write(head + body)
-            else:
-                w.write(head)
-                w.write(body)
+            else:               # one system call, and the body not copied
+                w.writelines((head, body))
             resp, keep = await self._read(r)
             return resp
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError, IndexError) as e:
