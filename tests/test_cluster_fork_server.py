@@ -189,3 +189,148 @@ def test_as_pid_1_the_supervisor_collects_every_process_orphaned_below_it(tmp_pa
         assert srv.terminate() == 0
     finally:
         srv.kill()
+
+
+#: loaded by every process of the server (sitecustomize): once the test has made the file $FORK_SERVER_MARK, each
+#: fork server starts $FORK_SERVER_SLOW_S seconds late (a slow disk, a loaded machine), or exits at once in each of
+#: its first $FORK_SERVER_DIES starts (an out-of-memory kill, a broken import)
+_FORK_SERVER_HOOK = '''
+import os
+import sys
+import time
+
+if ("multiprocessing.forkserver" in " ".join(getattr(sys, "orig_argv", ()))
+        and os.path.exists(os.environ["FORK_SERVER_MARK"])):
+    starts = os.environ["FORK_SERVER_MARK"] + ".starts"
+    with open(starts, "a") as f:
+        f.write("x")
+    if os.path.getsize(starts) <= int(os.environ.get("FORK_SERVER_DIES", "0")):
+        os._exit(1)
+    time.sleep(float(os.environ.get("FORK_SERVER_SLOW_S", "0")))
+'''
+
+
+def _hooked(tmp_path, **env):
+    from tests.live import sitecustomized
+
+    mark = tmp_path / "mark"
+    return mark, sitecustomized(tmp_path, _FORK_SERVER_HOOK, FORK_SERVER_MARK=str(mark), **env)
+
+
+def _status(srv):
+    from convserve.service.cluster.status import StatusTable
+
+    (path,) = glob.glob(f"/dev/shm/convserve-{srv.proc.pid}-*/status")
+    return StatusTable(path)
+
+
+def _kill_fork_server(srv):
+    """SIGKILL to the fork server of the server's latest children; the time of the kill."""
+    import time
+
+    _, fork_server = tree(srv, child_pids(srv)[-4:])
+    t0 = time.time()
+    os.kill(fork_server, signal.SIGKILL)
+    return t0
+
+
+def test_while_a_killed_fork_server_starts_again_its_engines_are_down_and_expected_back_after_its_start(tmp_path):
+    # multiprocessing starts a fork server again within the next child's start, which waits out its imports: the
+    # supervisor's loop once stood still there, its engines' rows said nothing of that wait, and a SIGTERM waited
+    import time
+
+    from convserve.service.cluster.status import DOWN, STARTING, UP
+
+    slow = 3.0
+    mark, env = _hooked(tmp_path, FORK_SERVER_SLOW_S=str(slow))
+    srv = LiveServer(ARGS, env=env)
+    try:
+        table = _status(srv)
+        mark.write_text("")
+        _kill_fork_server(srv)                                  # restarts: each engine's time up is measured
+        wait(lambda: len(child_pids(srv)) == 8 and _ready(srv.url), what="the server back")
+        assert all(table.row(e).up_s > 0 for e in (0, 1))
+
+        t0 = _kill_fork_server(srv)
+        seen = {}                       # what, when: the rows down, then starting (a new process), then up
+        while time.time() - t0 < 30 and "up" not in seen:
+            rows = [table.row(e) for e in (0, 1)]
+            now = time.time() - t0
+            if all(r.state == DOWN for r in rows):
+                seen.setdefault("down", (now, [r.back_at - t0 for r in rows]))
+            if any(r.state == STARTING for r in rows):
+                seen.setdefault("starting", now)
+            if all(r.state == UP for r in rows) and "down" in seen:
+                seen["up"] = now
+            time.sleep(0.005)
+        down, expected = seen["down"]
+        assert down < 1.0, seen                                 # at once, not after the fork server's start
+        assert seen["starting"] >= slow, seen                   # (the new fork server's start is that long)
+        # the expected time back counts the fork server's start (the last one's length), not only the back-off
+        # and the engine's own time up (then 1 s + about 0.6 s here)
+        assert all(slow <= t <= 3 * seen["up"] for t in expected), seen
+        tree(srv, child_pids(srv)[-4:])                         # four new children, of one new fork server
+        assert len(child_pids(srv)) == 12 and all(alive(p) for p in child_pids(srv)[-4:])
+        assert sum(r.get("msg") == "fork server started" for r in srv.logs) == 3   # the first, then one a kill
+        # (a kill's restart begins as its children's exits are seen, maybe before the killed one has exited)
+        assert not [r for r in srv.logs if r.get("msg", "").startswith("the fork server did not start")]
+        x = torch.randn(2, DIM)
+        api = Api(srv.url)
+        sid = api.session()
+        ref = Reference(model())
+        ref.create(sid)
+        assert_close(api.conv(sid, 0, x)[1], ref.conv(sid, 0, x))
+        assert srv.terminate() == 0
+    finally:
+        srv.kill()
+
+
+def test_a_sigterm_while_a_killed_fork_server_starts_again_stops_the_server_at_once(tmp_path):
+    import time
+
+    from convserve.service.cluster.status import DOWN
+
+    mark, env = _hooked(tmp_path, FORK_SERVER_SLOW_S="30")
+    srv = LiveServer(ARGS, env=env)
+    try:
+        table = _status(srv)
+        mark.write_text("")
+        _kill_fork_server(srv)
+        wait(lambda: all(table.row(e).state == DOWN for e in (0, 1)), timeout=5, what="the engines down")
+        time.sleep(0.5)                                         # the children's back-off over: they wait for it
+        below = descendants(srv.proc.pid)                       # the new fork server among them
+        t0 = time.monotonic()
+        assert srv.terminate() == 0
+        assert time.monotonic() - t0 < 10, "it waited for the fork server's start"
+        wait(lambda: not any(alive(p) for p in below), timeout=5, what="every process gone")
+        assert "Traceback" not in "\n".join(srv.raw)
+    finally:
+        srv.kill()
+
+
+@pytest.mark.parametrize("dies", [2, 99], ids=["then-starts", "always"])
+def test_a_fork_server_that_dies_while_it_starts_is_started_again_after_a_growing_pause_a_few_times(tmp_path, dies):
+    from datetime import datetime
+
+    from convserve.service.cluster.fork_server import RETRY_S, START_TRIES
+
+    mark, env = _hooked(tmp_path, FORK_SERVER_DIES=str(dies))
+    srv = LiveServer(ARGS, env=env)
+    try:
+        mark.write_text("")
+        _kill_fork_server(srv)
+        if dies < START_TRIES:
+            wait(lambda: len(child_pids(srv)) == 8 and _ready(srv.url), what="the server back")
+            Api(srv.url).session()
+            assert srv.terminate() == 0
+        else:
+            assert srv.proc.wait(60) == 1, "\n".join(srv.raw[-30:])
+            assert "the fork server could not be started again; stopping" in srv.log_messages()
+            assert "Traceback" not in "\n".join(srv.raw)
+        failed = [r for r in srv.logs if r.get("msg", "").startswith("the fork server did not start")]
+        assert len(failed) == min(dies, START_TRIES)
+        times = [datetime.fromisoformat(r["ts"].rstrip("Z")).timestamp() for r in failed]
+        pauses = [b - a for a, b in zip(times, times[1:])]
+        assert all(p >= RETRY_S * 2 ** i for i, p in enumerate(pauses)), pauses    # never a tight loop
+    finally:
+        srv.kill()

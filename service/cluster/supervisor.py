@@ -11,9 +11,10 @@ its reason), a SIGTERM that comes with that exit included. Any other child that 
 (after a back-off that grows while it keeps dying). An engine's death is written to the status table at once, so
 workers fail its in-flight requests and route around it; its next process starts without its sessions (they answer
 410). A worker's death drops the connections it held; its arena file is removed and the new worker gets a new one.
-Children that outlive their fork server are killed. Where this process is PID 1 (a container's entry point without
-an init), every process orphaned below it becomes its child, and it collects their exit status
-(:func:`_collect_adopted`).
+Children that outlive their fork server are killed. A fork server that died is started again on a thread (its
+imports take seconds) while the loop goes on; the children wait for it, and their engines' expected time back counts
+its start. Where this process is PID 1 (a container's entry point without an init), every process orphaned below it
+becomes its child, and it collects their exit status (:func:`_collect_adopted`).
 
 Shutdown (SIGTERM, SIGINT): the workers drain (as a single process does: ``/readyz`` 503, in-flight requests
 finish, up to ``shutdown_timeout_s``), then the engines stop, then the run directory is removed. Every child also
@@ -86,7 +87,10 @@ class Supervisor:
         self.unix = None                    # the UnixListener of settings.uds, when set
         self.port = self.settings.port             # the port bound, once it is (--port 0 picks one)
         self.stopping = False
-        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r, self._wake_w = socket.socketpair()     # a SIGTERM, or the end of a fork server's start
+        self._wake_r.setblocking(False)
+        self.forks = fork_server.Keeper(self.ctx, self._wake)
+        self.in_loop = False                       # before the loop, a start waits for the fork server
         self.failed = False
         self.timed_out = False                     # the engines' build passed engine_build_timeout_s (run() gives 1)
         self.start_error: Optional[str] = None     # why run() returned 2 (or 1, timed out), when not the build
@@ -94,43 +98,63 @@ class Supervisor:
     # ------------------------------------------------------------------ children
 
     def _spawn_engine(self, c: _Child) -> None:
-        c.generation += 1
-        c.epoch = c.generation
-        self._start(c, engine_proc.main, {
-            "device": self.devices[c.index], "epoch": c.epoch, "restarts": c.generation - 1,
-            "engines": len(self.devices), "busy_poll_us": self.settings.resolved_busy_poll_us(len(self.devices))})
+        epoch = c.generation + 1
+        if not self._start(c, engine_proc.main, {
+                "device": self.devices[c.index], "epoch": epoch, "restarts": epoch - 1, "engines": len(self.devices),
+                "busy_poll_us": self.settings.resolved_busy_poll_us(len(self.devices))}):
+            return
+        c.generation = c.epoch = epoch
         self.status.begin(c.index, c.epoch, c.proc.pid, c.generation - 1)
         self.status.expect_back(c.index, 0.0)
         log.info("engine process started", extra={"engine": c.index, "device": self.devices[c.index],
                                                    "pid": c.proc.pid, "epoch": c.epoch})
 
     def _spawn_worker(self, c: _Child) -> None:
-        c.generation += 1
         sockets = [self.sock] + ([self.unix.sock] if self.unix is not None else [])
-        self._start(c, worker.main, {"generation": c.generation, "devices": self.devices, "sockets": sockets,
-                                     "workers": self.n_workers})
+        if not self._start(c, worker.main, {"generation": c.generation + 1, "devices": self.devices,
+                                            "sockets": sockets, "workers": self.n_workers}):
+            return
+        c.generation += 1
         log.info("worker process started", extra={"worker": c.index, "pid": c.proc.pid})
 
-    def _start(self, c: _Child, target, spec: dict) -> None:
-        """Start child ``c`` running ``target(spec)``, with what every child's spec holds added. A fork server
-        that died since the last start is started again by multiprocessing; one that dies during this start
-        (its answer cut short) gets one more try."""
+    def _start(self, c: _Child, target, spec: dict) -> bool:
+        """Start child ``c`` running ``target(spec)``, with what every child's spec holds added, once the fork
+        server is up (:meth:`_fork_server_up`). False: not started; in the loop, ``c`` is due again, to start
+        once the fork server is (its start wakes the loop)."""
         spec.update({"index": c.index, "title": title(c.kind, c.index, self.port), "run_dir": self.run_dir,
                      "settings": self.settings, "parent_pid": os.getpid(), "parent_started": self.started,
                      "metrics_dir": os.environ.get("PROMETHEUS_MULTIPROC_DIR")})
-        for attempt in (0, 1):
+        while self._fork_server_up():
             c.proc = self.ctx.Process(target=target, args=(spec,), name=f"convserve-{c.kind}-{c.index}",
                                       daemon=False)
             try:
                 c.proc.start()
-                break
-            except (EOFError, ConnectionError) as e:
-                if attempt:
-                    raise
-                log.warning("the fork server went away while it started a child; trying again",
+            except (EOFError, ConnectionError) as e:      # it died since it was seen up (its answer cut short)
+                log.warning("the fork server went away while it started a child; it is started again",
                             extra={"child": c.proc.name, "error": repr(e)})
-        c.started_at = time.monotonic()
-        c.born = started(c.proc.pid)
+                c.proc = None
+                self.forks.restart()
+                continue
+            c.started_at = time.monotonic()
+            c.born = started(c.proc.pid)
+            return True
+        c.restart_at = time.monotonic()
+        return False
+
+    def _fork_server_up(self) -> bool:
+        """Is the fork server up, to start a child from at once? Its start (the first, or after it died) runs on
+        a thread (:class:`.fork_server.Keeper`): the loop goes on meanwhile. Before the loop (nothing else to
+        watch yet but a SIGTERM) this waits for it. False also once a SIGTERM came, or the fork server could not
+        be started (before the loop, the start's error)."""
+        while not self.forks.up():
+            if self.forks.failed is not None and not self.in_loop and self.start_error is None:
+                self.start_error = f"the fork server could not start: {self.forks.failed}"
+                self.stopping = True
+            if self.in_loop or self.stopping:
+                return False
+            wait([self._wake_r])
+            self._drain_wake()
+        return True
 
     def _wait_built(self) -> bool:
         """Wait until every engine has built its model (or one exits: a configuration error), up to
@@ -218,34 +242,54 @@ class Supervisor:
                 signal.signal(s, h)
             if self.unix is not None:           # (a start that raised: the socket file and its lock go too)
                 self.unix.close()
+            self.forks.close()
             shutil.rmtree(self.run_dir, ignore_errors=True)
             os.close(self._run_lock)
 
     def _on_signal(self, signum, frame) -> None:
         self.stopping = True
+        self._wake()
+
+    def _wake(self) -> None:
+        """Wake the loop (or a wait for the fork server): from a signal's handler, or the fork server's keeper."""
         try:
             self._wake_w.send(b"x")
         except OSError:
             pass
 
+    def _drain_wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            self._wake_r.recv(4096)
+
     def _loop(self) -> None:
+        self.in_loop = True
         while not self.stopping:
             children = [c for c in self.engines + self.workers if c.proc is not None]
             now = time.monotonic()
             due = [c.restart_at for c in self.engines + self.workers if c.restart_at is not None]
+            if due and min(due) <= now and not self.forks.up():   # those due wait for the fork server's start,
+                due = [t for t in due if t > now]                   # which wakes the loop when it ends
+            if self.forks.failed is not None:
+                log.error("the fork server could not be started again; stopping", extra={"error": self.forks.failed})
+                self.failed = True
+                return
             due += [t for _c, t in self._warm_up_deadlines()]
             timeout = max(0.0, min(due) - now) if due else 1.0
-            wait([c.proc.sentinel for c in children if c.proc.is_alive()] + [self._wake_r], timeout=timeout)
+            # every child's sentinel: one that died since the last turn's look is readable, and handled below
+            wait([c.proc.sentinel for c in children] + [self._wake_r], timeout=timeout)
             if self.stopping:
                 return
+            self._drain_wake()
             now = time.monotonic()
             late = [c for c, t in self._warm_up_deadlines() if now >= t and c.proc.is_alive()]
             if late:
                 self._not_up_in_time(late)
                 return
+            dead = [c for c in self.engines + self.workers if c.proc is not None and not c.proc.is_alive()]
+            if any(c.proc.exitcode == FORK_SERVER_GONE for c in dead):
+                self.forks.restart()      # at once: its imports (seconds) run during the children's back-off
+            self._died(dead, now)
             for c in self.engines + self.workers:
-                if c.proc is not None and not c.proc.is_alive():
-                    self._died(c, now)
                 if c.restart_at is not None and now >= c.restart_at:
                     c.restart_at = None
                     (self._spawn_engine if c.kind == "engine" else self._spawn_worker)(c)
@@ -271,43 +315,55 @@ class Supervisor:
                             "--engine-build-timeout-s")
         self.stopping = True
 
-    def _died(self, c: _Child, now: float) -> None:
-        code = c.proc.exitcode
-        if code == FORK_SERVER_GONE:
-            log.error("the fork server is gone (its children read exit code 255); multiprocessing starts another "
-                      "at the next start", extra={"child": c.proc.name, "pid": c.proc.pid})
-        pid = c.proc.pid
-        c.proc = None
-        _make_sure_gone(pid, c.born)
-        if now - c.started_at > 30:
-            c.backoff = 0.5                       # it had been running: not a crash loop
-        c.restart_at = now + c.backoff
-        c.backoff = min(MAX_BACKOFF_S, c.backoff * 2)
-        if c.kind == "engine":
-            up = self._up(c)
-            self.status.expect_back(c.index, c.restart_at - now)    # before DOWN: a worker that sees DOWN reads it
-            self.status.set_state(c.index, DOWN)
-            if not (up or c.was_up or code == FORK_SERVER_GONE):   # (255: the fork server died, not the engine)
-                # its first process died before it came up (the state pool or the warm-up failed, after the
-                # model was built): the start failed, as one before the build would have; a restart would fail
-                # the same way. It served nothing, so its snapshots stay as they are.
-                self._start_failed(c, code)
-                return
-            c.was_up = c.was_up or up
-            log.error("engine process died; restarting it without its sessions",
-                      extra={"engine": c.index, "pid": pid, "exitcode": code, "restart_in_s": c.restart_at - now})
-            if up:                                # (one that died warming up served nothing: its files stand)
-                self._mark_crashed(c.index)
-        else:
-            for name in os.listdir(self.run_dir):
-                if name.startswith(f"arena-w{c.index}-"):
-                    try:
-                        os.unlink(os.path.join(self.run_dir, name))
-                    except FileNotFoundError:
-                        pass
-            _mark_dead(pid)
-            log.error("worker process died; restarting it", extra={"worker": c.index, "pid": pid, "exitcode": code,
-                                                                  "restart_in_s": c.restart_at - now})
+    def _died(self, dead: list, now: float) -> None:
+        """Children ``dead`` exited: the engines among them are marked down first, all at once (workers fail
+        their requests in flight and route around them from then on), then each process is made sure gone and
+        its restart planned, after a back-off and no sooner than the fork server is up again."""
+        gone = []
+        for c in dead:
+            code = c.proc.exitcode
+            if code == FORK_SERVER_GONE:
+                log.error("the fork server is gone (its children read exit code 255); another is starting",
+                          extra={"child": c.proc.name, "pid": c.proc.pid})
+            if now - c.started_at > 30:
+                c.backoff = 0.5                       # it had been running: not a crash loop
+            c.restart_at = now + c.backoff
+            c.backoff = min(MAX_BACKOFF_S, c.backoff * 2)
+            back_in = max(c.restart_at, self.forks.ready_at(now)) - now
+            up = c.kind == "engine" and self._up(c)
+            if c.kind == "engine":
+                self.status.expect_back(c.index, back_in)    # before DOWN: a worker that sees DOWN reads it
+                self.status.set_state(c.index, DOWN)
+            gone.append((c, code, up, back_in))
+        for c, code, up, back_in in gone:
+            pid = c.proc.pid
+            c.proc = None
+            _make_sure_gone(pid, c.born)
+            if c.kind == "engine":
+                # one that still ran (its fork server gone) may have written its row since it was marked down
+                up = up or self._up(c)
+                self.status.set_state(c.index, DOWN)
+                if not (up or c.was_up or code == FORK_SERVER_GONE):   # (255: the fork server died, not the engine)
+                    # its first process died before it came up (the state pool or the warm-up failed, after the
+                    # model was built): the start failed, as one before the build would have; a restart would
+                    # fail the same way. It served nothing, so its snapshots stay as they are.
+                    self._start_failed(c, code)
+                    continue
+                c.was_up = c.was_up or up
+                log.error("engine process died; restarting it without its sessions",
+                          extra={"engine": c.index, "pid": pid, "exitcode": code, "restart_in_s": back_in})
+                if up:                                # (one that died warming up served nothing: its files stand)
+                    self._mark_crashed(c.index)
+            else:
+                for name in os.listdir(self.run_dir):
+                    if name.startswith(f"arena-w{c.index}-"):
+                        try:
+                            os.unlink(os.path.join(self.run_dir, name))
+                        except FileNotFoundError:
+                            pass
+                _mark_dead(pid)
+                log.error("worker process died; restarting it", extra={"worker": c.index, "pid": pid,
+                                                                      "exitcode": code, "restart_in_s": back_in})
 
     def _up(self, c: _Child) -> bool:
         """Has engine ``c``'s process come up (up, or stopped after it was: a SIGTERM to it alone)? It served
