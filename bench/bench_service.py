@@ -453,31 +453,22 @@ def main(argv=None) -> int:
                         _progress(kind, c, results[kind][c])
         finally:
             srv.stop()
-    if "echo" in legs or "step-echo" in legs:
+    echoes = (("tcp_echo.py", (("echo", lambda c, port: leg_echo(args, port, info, c)),
+                               ("step-echo", lambda c, port: leg_step_echo(args, port, info, c)))),
+              ("http_echo.py", (("http-echo", lambda c, port: leg_http_echo(args, port, info, c, drive)),
+                                ("step-http-echo", lambda c, port: leg_step_http_echo(args, port, info, c)))))
+    for script, echo_legs in echoes:
+        echo_legs = [(leg, run) for leg, run in echo_legs if leg in legs]
+        if not echo_legs:
+            continue
         if info is None:
             info = {"layers": [0, 1, 2, 3], "dim": 1024, "dtype": "bfloat16"}
-        echo = Proc([sys.executable, str(Path(__file__).resolve().parent / "tcp_echo.py"), "0"], cpus=args.server_cpus)
+        echo = Proc([sys.executable, str(Path(__file__).resolve().parent / script), "0"], cpus=args.server_cpus)
         try:
-            for c in levels if "echo" in legs else ():
-                results["echo"][c] = _run_loop(leg_echo(args, echo.port, info, c))
-                _progress("echo", c, results["echo"][c])
-            for c in levels if "step-echo" in legs else ():
-                results["step-echo"][c] = _run_loop(leg_step_echo(args, echo.port, info, c))
-                _progress("step-echo", c, results["step-echo"][c])
-        finally:
-            echo.stop()
-    if "http-echo" in legs or "step-http-echo" in legs:
-        if info is None:
-            info = {"layers": [0, 1, 2, 3], "dim": 1024, "dtype": "bfloat16"}
-        echo = Proc([sys.executable, str(Path(__file__).resolve().parent / "http_echo.py"), "0"],
-                    cpus=args.server_cpus)
-        try:
-            for c in levels if "http-echo" in legs else ():
-                results["http-echo"][c] = _run_loop(leg_http_echo(args, echo.port, info, c, drive))
-                _progress("http-echo", c, results["http-echo"][c])
-            for c in levels if "step-http-echo" in legs else ():
-                results["step-http-echo"][c] = _run_loop(leg_step_http_echo(args, echo.port, info, c))
-                _progress("step-http-echo", c, results["step-http-echo"][c])
+            for leg, run in echo_legs:
+                for c in levels:
+                    results[leg][c] = _run_loop(run(c, echo.port))
+                    _progress(leg, c, results[leg][c])
         finally:
             echo.stop()
 

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import socket
 import sys
-import time
 
 import torch
 
 from convserve.clients.protocol import wire
 
-from tcp_echo import _summary
+from tcp_echo import time_steps
 
 _ROUTES = (b"/v1/conv", b"/v1/conv/batch")
 _HEADERS = [(b"content-type", wire.MEDIA_TYPE.encode())]
@@ -69,22 +68,8 @@ async def leg_step_http_echo(args, port: int, info: dict, conc: int) -> dict:
     layers = list(info["layers"])
     x = torch.randn(conc, info["dim"]).to(getattr(torch, info["dtype"]))
     sessions = [f"{i:032x}" for i in range(conc)]       # ids of the server's length
-    lat, steps, tok = [], [], 0
     async with AsyncConvClient(f"http://127.0.0.1:{port}", max_connections=4) as client:
-        t_measure = time.perf_counter() + args.warmup
-        t_end = t_measure + args.duration
-        while time.perf_counter() < t_end:
-            t0 = time.perf_counter()
-            for layer in layers:
-                t1 = time.perf_counter()
-                await client.conv_batch(sessions, layer, x)
-                if t1 >= t_measure:
-                    lat.append(time.perf_counter() - t1)
-            t2 = time.perf_counter()
-            if t0 >= t_measure and t2 <= t_end:
-                steps.append(t2 - t0)
-                tok += conc
-    return _summary(lat, steps, tok, args.duration)
+        return await time_steps(lambda i, layer: client.conv_batch(sessions, layer, x), layers, conc, args)
 
 
 async def leg_http_echo(args, port: int, info: dict, conc: int, drive) -> dict:

@@ -148,35 +148,45 @@ async def leg_step_echo(args, port: int, info: dict, conc: int) -> dict:
     reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=_READ_BUFFER)
     packer = wire.new_packer()
     buf = bytearray()
+
+    async def call(i, layer):
+        body = packer.pack({"id": i, "sessions": sessions, "layer": layer, "x": wire.encode_tensor(x)})
+        writer.write(_LEN.pack(len(body)) + body)
+        while True:
+            frames, pos = _split_frames(buf)
+            if frames:
+                del buf[:pos]
+                break
+            data = await reader.read(1 << 22)
+            if not data:
+                raise ConnectionError("the echo server closed the connection")
+            buf.extend(data)
+        wire.decode_tensor(wire.unpackb(frames[0], 1 << 30)["y"], backend="torch", name="y")
+
+    try:
+        return await time_steps(call, layers, conc, args)
+    finally:
+        writer.close()
+
+
+async def time_steps(call, layers: list, conc: int, args) -> dict:
+    """Steps of ``await call(i, layer)`` for each layer in turn, for ``args.warmup`` then ``args.duration``
+    seconds: the latencies per call and per step (steps begun after the warm-up and ended in time), as
+    :func:`_summary` gives them, with ``conc`` session tokens a step."""
     lat, steps, tok = [], [], 0
     t_measure = time.perf_counter() + args.warmup
     t_end = t_measure + args.duration
-    try:
-        while time.perf_counter() < t_end:
-            t0 = time.perf_counter()
-            for i, layer in enumerate(layers):
-                t1 = time.perf_counter()
-                body = packer.pack({"id": i, "sessions": sessions, "layer": layer, "x": wire.encode_tensor(x)})
-                writer.write(_LEN.pack(len(body)) + body)
-                while True:
-                    frames, pos = _split_frames(buf)
-                    if frames:
-                        del buf[:pos]
-                        break
-                    data = await reader.read(1 << 22)
-                    if not data:
-                        raise ConnectionError("the echo server closed the connection")
-                    buf += data
-                obj = wire.unpackb(frames[0], 1 << 30)
-                wire.decode_tensor(obj["y"], backend="torch", name="y")
-                if t1 >= t_measure:
-                    lat.append(time.perf_counter() - t1)
-            t2 = time.perf_counter()
-            if t0 >= t_measure and t2 <= t_end:
-                steps.append(t2 - t0)
-                tok += conc
-    finally:
-        writer.close()
+    while time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        for i, layer in enumerate(layers):
+            t1 = time.perf_counter()
+            await call(i, layer)
+            if t1 >= t_measure:
+                lat.append(time.perf_counter() - t1)
+        t2 = time.perf_counter()
+        if t0 >= t_measure and t2 <= t_end:
+            steps.append(t2 - t0)
+            tok += conc
     return _summary(lat, steps, tok, args.duration)
 
 
