@@ -1,9 +1,9 @@
 """The HTTP echo of ``bench_service.py``: what uvicorn alone costs a conv call, with no engine behind it.
 
-A bare ASGI app under uvicorn, with the server's event loop and HTTP protocol choices (``loop="auto"``: uvloop when
-installed; ``http="auto"``: httptools when installed), answers ``POST /v1/conv`` and ``POST /v1/conv/batch`` with
-``{"y": x}``: it reads the body, decodes its msgpack and packs an answer of the response's size, as the TCP echo
-(``tcp_echo.py``) does for raw frames. The legs drive it with the service's own client (``AsyncConvClient``), so
+A bare ASGI app under uvicorn, with the server's event loop (``loop="auto"``: uvloop when installed) and HTTP
+protocol (:func:`convserve.service.http.conn.guarded_protocol`: httptools' with the service's guards), answers
+``POST /v1/conv`` and ``POST /v1/conv/batch`` with ``{"y": x}``: it reads the body, decodes its msgpack and packs
+an answer of the response's size, as the TCP echo (``tcp_echo.py``) does for raw frames. The legs drive it with the service's own client (``AsyncConvClient``), so
 ``step`` / ``step-http-echo`` is the engine's and the processes' share of a call and ``step-http-echo`` /
 ``step-echo`` is HTTP's. Run the server with ``python bench/http_echo.py PORT`` (0: any free port, printed as
 ``listening N``).
@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import socket
 import sys
-
-import torch
 
 from convserve.clients.protocol import wire
 
@@ -56,13 +54,19 @@ def echo_server_main(port: int) -> None:
     sock.bind(("127.0.0.1", port))
     sock.listen(1024)       # connections made before uvicorn serves wait in the backlog
     print(f"listening {sock.getsockname()[1]}", flush=True)
-    config = uvicorn.Config(app, loop="auto", http="auto", lifespan="on", log_level="warning", access_log=False,
-                            server_header=False)
+    from convserve.service.config import load_settings
+    from convserve.service.http.conn import guarded_protocol
+
+    # the service's own HTTP protocol (uvicorn's, with its guards and the head sent with the body in one write)
+    config = uvicorn.Config(app, loop="auto", http=guarded_protocol(load_settings({})), lifespan="on",
+                            log_level="warning", access_log=False, server_header=False)
     uvicorn.Server(config).run(sockets=[sock])
 
 
 async def leg_step_http_echo(args, port: int, info: dict, conc: int) -> dict:
     """The ``step`` leg's calls (same client, sessions list, x and y sizes) against the HTTP echo, one at a time."""
+    import torch
+
     from convserve.clients.client import AsyncConvClient
 
     layers = list(info["layers"])
@@ -75,6 +79,8 @@ async def leg_step_http_echo(args, port: int, info: dict, conc: int) -> dict:
 async def leg_http_echo(args, port: int, info: dict, conc: int, drive) -> dict:
     """The ``unary`` leg's requests (same client and transport, one session's layers at once) against the HTTP
     echo; ``drive`` is ``bench_service.drive``."""
+    import torch
+
     from convserve.clients.client import AsyncConvClient
     from convserve.clients.loadtest.runner import make_transport
 

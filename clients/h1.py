@@ -125,7 +125,7 @@ class _H1Pool:
                 method.encode(), path.encode("ascii"), self._fixed, len(body))
             if len(body) < 65536:
                 w.write(head + body)
-            else:               # one system call, and the body not copied
+            else:               # one system call (and on uvloop, or asyncio from Python 3.12, the body not copied)
                 w.writelines((head, body))
             resp, keep = await self._read(r)
             return resp

@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import os
 import signal
+import threading
 from pathlib import Path
 
 import httpx
@@ -334,3 +335,22 @@ def test_a_fork_server_that_dies_while_it_starts_is_started_again_after_a_growin
         assert all(p >= RETRY_S * 2 ** i for i, p in enumerate(pauses)), pauses    # never a tight loop
     finally:
         srv.kill()
+
+
+def test_an_unexpected_error_in_a_fork_server_start_reaches_the_supervisor_as_a_failed_start(monkeypatch):
+    # a start that ends any way at all must wake the loop with a result: else the loop waits on it for ever
+    from convserve.service.cluster import fork_server
+
+    def broken(*a, **k):
+        raise RuntimeError("something multiprocessing did not expect")
+
+    monkeypatch.setattr(fork_server, "_probe", broken)
+    woken = threading.Event()
+    keeper = fork_server.Keeper(fork_server.context(), woken.set)
+    if not keeper.active:
+        pytest.skip("no fork server on this platform")
+    assert not keeper.up()                       # begins a start
+    assert woken.wait(10), "the failed start never woke the supervisor"
+    assert not keeper.up()
+    assert keeper.failed is not None and "RuntimeError" in keeper.failed
+    keeper.close()

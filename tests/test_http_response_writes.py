@@ -5,8 +5,9 @@ transport, then a real server's answers over raw sockets (small and large bodies
 from __future__ import annotations
 
 import asyncio
+import gc
 import socket
-from types import SimpleNamespace
+import weakref
 
 import msgpack
 import pytest
@@ -41,10 +42,17 @@ class _Recorder:
         return {"peername": ("127.0.0.1", 1)}.get(name, default)
 
 
+class _Cycle:
+    """What the wrapper reads of uvicorn's request cycle."""
+
+    def __init__(self):
+        self.response_started = False
+
+
 def _run(body):
     async def main():
         t = _Recorder()
-        cycle = SimpleNamespace(response_started=False)
+        cycle = _Cycle()
         out = _HeadWithBody(t, cycle)
         await body(t, cycle, out)
         return t.calls
@@ -101,6 +109,29 @@ def test_a_head_held_on_a_closing_transport_is_dropped_not_written():
         t.closed = True
         await asyncio.sleep(0)
     assert _run(body) == []
+
+
+def test_a_head_held_when_the_connection_is_lost_is_dropped_with_the_body():
+    # uvicorn's write on a lost connection drops the bytes; asyncio's writelines would register a writer instead
+    async def body(t, cycle, out):
+        cycle.response_started = True
+        out.write(b"HEAD")
+        t.closed = True
+        out.write(b"body")
+    assert _run(body) == []
+
+
+def test_a_finished_cycle_is_freed_by_reference_counting_not_left_to_the_cyclic_gc():
+    # the cycle holds the wrapper as its transport; the wrapper must not hold the cycle back
+    gc.disable()
+    try:
+        cycle = _Cycle()
+        cycle.transport = _HeadWithBody(_Recorder(), cycle)
+        ref = weakref.ref(cycle)
+        del cycle
+        assert ref() is None
+    finally:
+        gc.enable()
 
 
 # ----------------------------------------------------------------------------------- a real server

@@ -134,6 +134,15 @@ class Keeper:
                 server._lock.release()
 
     def _run(self) -> None:
+        try:
+            self._result = self._tries()
+        except BaseException as e:  # noqa: BLE001 - any end of a start must reach the supervisor, or it waits on
+            log.exception("the fork server's start failed")       # a start that never ends
+            self._result = (f"{type(e).__name__}: {e}", None)
+        self._wake()
+
+    def _tries(self) -> tuple:
+        """Start the fork server, trying again after failures; ``(error or None, seconds or None)``."""
         server = forkserver._forkserver
         error, seconds, pause, failures = None, None, RETRY_S, 0
         while True:
@@ -157,8 +166,7 @@ class Keeper:
                 pause *= 2
         if error is None and seconds is not None:
             log.info("fork server started", extra={"pid": server._forkserver_pid, "seconds": round(seconds, 3)})
-        self._result = (error, seconds)
-        self._wake()
+        return error, seconds
 
 
 class _Nothing:

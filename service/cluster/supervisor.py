@@ -147,8 +147,9 @@ class Supervisor:
         watch yet but a SIGTERM) this waits for it. False also once a SIGTERM came, or the fork server could not
         be started (before the loop, the start's error)."""
         while not self.forks.up():
-            if self.forks.failed is not None and not self.in_loop and self.start_error is None:
-                self.start_error = f"the fork server could not start: {self.forks.failed}"
+            if self.forks.failed is not None and not self.in_loop:
+                if self.start_error is None:
+                    self.start_error = f"the fork server could not start: {self.forks.failed}"
                 self.stopping = True
             if self.in_loop or self.stopping:
                 return False

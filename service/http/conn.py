@@ -37,6 +37,7 @@ import functools
 import json
 import socket
 import struct
+import weakref
 from typing import Callable, Optional
 
 from convserve.service.http.asgi import ABORT_SCOPE_KEY
@@ -118,15 +119,19 @@ class _HeadWithBody:
 
     def __init__(self, transport, cycle):
         self._t = transport
-        self._cycle = cycle
+        # a weak reference: the cycle holds this as its transport, and a cycle in a reference cycle would be freed
+        # by the cyclic GC instead of when its request ends (see service/gcfreeze.py)
+        self._cycle = weakref.ref(cycle)
         self._head = None
         self._held = False          # the head was held once (a cycle has one response)
 
     def write(self, data) -> None:
         if self._head is not None:
             head, self._head = self._head, None
+            if self._t.is_closing():    # (lost: asyncio's writelines, unlike write, would register a writer)
+                return
             self._t.writelines((head, data))
-        elif not self._held and self._cycle.response_started:
+        elif not self._held and getattr(self._cycle(), "response_started", False):
             self._held = True       # an interim answer (100 Continue) comes before the response has started
             self._head = data
             asyncio.get_running_loop().call_soon(self._flush)
@@ -323,9 +328,12 @@ def guarded_protocol(settings, on_close: Callable[[str], None] = lambda reason: 
             self.transport.close()
 
         def on_response_complete(self) -> None:
+            # a head with no body (HEAD) goes before anything else is written. The cycle here is the last one
+            # parsed, which under pipelining may be a later request's; the one that completed had its flush
+            # queued when it held its head, ahead of any later request's task, so the order holds either way
             out = self.cycle.transport
             if isinstance(out, _HeadWithBody):
-                out._flush()                   # a head with no body (HEAD) goes before anything else is written
+                out._flush()
             super().on_response_complete()
             if not self.transport.is_closing() and not self._in_request():
                 idle[self] = self.loop.time()  # idle again: the keep-alive timeout runs, replaceable
