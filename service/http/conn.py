@@ -25,6 +25,9 @@ headers; every read is copied into it as it arrives, and the app's ``receive`` i
 complete, and gets that buffer without another copy. Anything larger keeps uvicorn's flow control (and is refused
 413 by :func:`.parse.read_body` from its length).
 
+**A response's head with its body.** uvicorn writes the head and the body apart; :class:`_HeadWithBody` sends them
+in one write (one system call, one wake-up of the client).
+
 Invariant: a connection whose request is in progress (headers complete, response not finished) is never closed
 by these guards; its body is bounded by ``body_timeout_s`` in :func:`.parse.read_body`. The cap and the state
 are per process: with several HTTP worker processes each applies its own cap.
