@@ -356,15 +356,17 @@ class Supervisor:
                 if up:                                # (one that died warming up served nothing: its files stand)
                     self._mark_crashed(c.index)
             else:
-                for name in os.listdir(self.run_dir):
-                    if name.startswith(f"arena-w{c.index}-"):
-                        try:
-                            os.unlink(os.path.join(self.run_dir, name))
-                        except FileNotFoundError:
-                            pass
+                self._remove_arenas(c.index)
                 _mark_dead(pid)
                 log.error("worker process died; restarting it", extra={"worker": c.index, "pid": pid,
                                                                       "exitcode": code, "restart_in_s": back_in})
+
+    def _remove_arenas(self, worker_index: int) -> None:
+        """A dead worker's arena files (its next process makes new ones)."""
+        for name in os.listdir(self.run_dir):
+            if name.startswith(f"arena-w{worker_index}-"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(self.run_dir, name))
 
     def _up(self, c: _Child) -> bool:
         """Has engine ``c``'s process come up (up, or stopped after it was: a SIGTERM to it alone)? It served
